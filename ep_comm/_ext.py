@@ -1,0 +1,34 @@
+"""Loads the compiled core `ep_comm._C` and remembers why it is unavailable, so nothing falls back silently."""
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+_C = None
+_IMPORT_ERROR: Optional[BaseException] = None
+
+try:  # the extension is optional: the pure-Python package (reference backend, formats) works without it
+    _C = importlib.import_module("ep_comm._C")
+except ImportError as error:  # pragma: no cover - depends on the build
+    _IMPORT_ERROR = error
+
+
+def cuda_extension_available() -> bool:
+    return _C is not None
+
+
+def cuda_extension_error() -> Optional[str]:
+    """The original import error of `ep_comm._C`, or None when it loaded."""
+    if _IMPORT_ERROR is None:
+        return None
+    return f"{type(_IMPORT_ERROR).__name__}: {_IMPORT_ERROR}"
+
+
+def require_cuda_extension(what: str):
+    """Return the `_C` module or raise a RuntimeError that says what needed it and why it is missing."""
+    if _C is None:
+        raise RuntimeError(
+            f"{what} needs the compiled core ep_comm._C, which is unavailable: {cuda_extension_error()}. "
+            "Build it with nvcc present (`EP_COMM_BUILD_CUDA=1 pip install -e .`), or use backend='reference' / "
+            "impl='reference'.")
+    return _C

@@ -1,0 +1,266 @@
+"""The reference backend: dispatch/combine with `torch.distributed.all_to_all_single`.
+
+It is the executable spec (DESIGN.md §2-3) and the oracle of the GPU tests; it runs on gloo (CPU tensors)
+and NCCL (CUDA tensors), and is the engine beyond one NVLink domain. Quantization goes through
+`ep_comm.formats` (the CUDA kernels for CUDA tensors when available, bit-identical to the torch
+reference; `format_impl="reference"` forces plain torch). It synchronizes with the host (split sizes are
+host lists), so it is not CUDA-graph capturable — that is the nvlink backend's job.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from .. import formats
+from ..types import BufferConfig, BufferSizes, DispatchResult, combine_bytes_per_token, dispatch_bytes_per_token
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Wire packing: every format travels as uint8 rows (fp8/fp4 dtypes are not supported by every collective)
+# ----------------------------------------------------------------------------------------------------------
+def pack_dispatch_payload(x: torch.Tensor, fmt: str, impl: str) -> torch.Tensor:
+    """bf16 tokens [T, H] -> uint8 wire rows [T, dispatch_bytes_per_token]: NVFP4 = codes | scales | amax."""
+    if fmt == "nvfp4":
+        q = formats.nvfp4_quantize(x, four_over_six=True, impl=impl)
+        parts = [q.data, q.scales.view(torch.uint8), q.amax.reshape(-1, 1).view(torch.uint8)]
+    elif fmt == "mxfp8":
+        m = formats.mxfp8_quantize(x, rounding="nearest", impl=impl)
+        parts = [m.data.view(torch.uint8), m.scales.view(torch.uint8)]
+    else:
+        parts = [x.contiguous().view(torch.uint8)]
+    return torch.cat(parts, dim=1)
+
+
+def unpack_dispatch_payload(rows: torch.Tensor, fmt: str, hidden: int):
+    """uint8 wire rows [R, P] -> NVFP4Tensor / MXFP8Tensor / bf16 [R, H]."""
+    if fmt == "nvfp4":
+        data_end, scale_end = hidden // 2, hidden // 2 + hidden // 16
+        return formats.NVFP4Tensor(
+            data=rows[:, :data_end].contiguous(),
+            scales=rows[:, data_end:scale_end].contiguous().view(torch.float8_e4m3fn),
+            amax=rows[:, scale_end:scale_end + 4].contiguous().view(torch.float32).reshape(-1),
+            e4m3_max=formats.NVFP4_ACTIVATION_E4M3_MAX)
+    if fmt == "mxfp8":
+        return formats.MXFP8Tensor(data=rows[:, :hidden].contiguous().view(torch.float8_e4m3fn),
+                                   scales=rows[:, hidden:].contiguous().view(torch.float8_e8m0fnu))
+    return rows.contiguous().view(torch.bfloat16)
+
+
+def pack_combine_rows(values: torch.Tensor, fmt: str, sign_mask: int, impl: str) -> torch.Tensor:
+    """fp32 rows [N, H] -> uint8 wire rows: S2F6 after RHT (codes | UE8M0 scales) or bf16."""
+    if fmt == "s2f6":
+        s = formats.s2f6_quantize(values, hadamard=True, sign_mask=sign_mask, impl=impl)
+        return torch.cat([s.data.view(torch.uint8), s.scales.view(torch.uint8)], dim=1)
+    return values.to(torch.bfloat16).view(torch.uint8)
+
+
+def accumulate_combine_rows(rows: torch.Tensor, fmt: str, hidden: int, row_index: torch.Tensor, weights,
+                            sign_mask: int, impl: str) -> torch.Tensor:
+    """Receive side: out[t] = bf16(invRHT(sum_j w[t, j] * deq(rows[row_index[t, j]]))) in ascending j."""
+    if fmt == "s2f6":
+        s = formats.S2F6Tensor(data=rows[:, :hidden].contiguous().view(torch.int8),
+                               scales=rows[:, hidden:].contiguous().view(torch.float8_e8m0fnu),
+                               hadamard=True, sign_mask=sign_mask)
+        return formats.s2f6_dequantize_accumulate(s, row_index, weights, out_dtype=torch.bfloat16, impl=impl)
+    values = rows.contiguous().view(torch.bfloat16).float()
+    return formats._accumulate_rows(values, row_index, weights, sign_mask=None).to(torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Handle
+# ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReferenceHandle:
+    """What combine needs to route rows back (all on the tokens' device).
+
+    send_counts / recv_counts: host lists [W], rows this rank sent to / received from each rank in dispatch.
+    send_rows: int64 [sum(send_counts)], the local token index of each sent row (grouped by destination).
+    recv_src_rank / recv_src_token: int64 [N], origin of each received token row.
+    recv_topk_weight: float32 [N, K]; layout_row: int64 [N, K], the expert-major row of slot k of received
+        row r, or -1 when that slot is masked or lives on another rank.
+    topk_idx / topk_weights: this rank's own routing [T, K] (for the local_reduce=False path).
+    num_tokens: T; num_rows: rows of the expert-major layout.
+    """
+
+    send_counts: List[int]
+    recv_counts: List[int]
+    send_rows: torch.Tensor
+    recv_src_rank: torch.Tensor
+    recv_src_token: torch.Tensor
+    recv_topk_weight: torch.Tensor
+    layout_row: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    num_tokens: int
+    num_rows: int
+
+
+class ReferenceBackend:
+    """Dispatch/combine over `all_to_all_single` on any process group (gloo or NCCL)."""
+
+    name = "reference"
+
+    def __init__(self, group, config: BufferConfig, format_impl: str = "auto"):
+        self.group = group
+        self.config = config
+        self.rank = dist.get_rank(group)
+        self.format_impl = format_impl
+
+    @staticmethod
+    def is_available(group):
+        return True, ""
+
+    @staticmethod
+    def size_hint(config: BufferConfig) -> BufferSizes:
+        """The reference backend allocates per call; it reports what the same call moves, for comparison."""
+        dispatch = config.world_size * config.max_tokens_per_rank * dispatch_bytes_per_token(
+            config.dispatch_format, config.hidden)
+        combine = config.world_size * config.max_tokens_per_rank * combine_bytes_per_token(
+            config.combine_format, config.hidden)
+        layout_rows = config.max_recv_rows
+        expert_layout = layout_rows * (dispatch_bytes_per_token(config.dispatch_format, config.hidden) + 16)
+        return BufferSizes(dispatch_recv_bytes=dispatch, combine_recv_bytes=combine, layout_bytes=0,
+                           expert_layout_bytes=expert_layout, total_symmetric_bytes=0)
+
+    def destroy(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------------------------------------------
+    def _all_to_all(self, send: torch.Tensor, send_counts: List[int], recv_counts: List[int]) -> torch.Tensor:
+        recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
+        dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=recv_counts,
+                               input_split_sizes=send_counts, group=self.group)
+        return recv
+
+    def _exchange_counts(self, send_counts: List[int], device) -> List[int]:
+        world = self.config.world_size
+        send = torch.tensor(send_counts, dtype=torch.int64, device=device)
+        recv = torch.empty(world, dtype=torch.int64, device=device)
+        dist.all_to_all_single(recv, send, group=self.group)
+        return [int(v) for v in recv.tolist()]
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
+        cfg = self.config
+        device = x.device
+        world, num_local = cfg.world_size, cfg.num_local_experts
+        num_tokens, num_topk = topk_idx.shape
+        topk_idx = topk_idx.to(torch.int64)
+        topk_weights = topk_weights.float()
+
+        # Which ranks each token goes to: once per destination rank, however many of its experts it chose.
+        slot_rank = torch.where(topk_idx >= 0, topk_idx // num_local, torch.full_like(topk_idx, -1))
+        goes_to = torch.zeros(num_tokens, world + 1, dtype=torch.bool, device=device)
+        goes_to.scatter_(1, torch.where(slot_rank >= 0, slot_rank, torch.full_like(slot_rank, world)), True)
+        goes_to = goes_to[:, :world]
+        send_rows = torch.cat([torch.nonzero(goes_to[:, d]).reshape(-1) for d in range(world)]) if world else None
+        send_counts = [int(v) for v in goes_to.sum(dim=0).tolist()]
+        recv_counts = self._exchange_counts(send_counts, device)
+
+        payload = pack_dispatch_payload(x, cfg.dispatch_format, self.format_impl)
+        # Metadata per sent row: token index, the K expert ids, the K weights (fp32 bits as int64).
+        weight_bits = topk_weights.contiguous().view(torch.int32).to(torch.int64)
+        token_index = torch.arange(num_tokens, dtype=torch.int64, device=device)[:, None]
+        metadata = torch.cat([token_index, topk_idx, weight_bits], dim=1)
+        recv_payload = self._all_to_all(payload[send_rows], send_counts, recv_counts)
+        recv_meta = self._all_to_all(metadata[send_rows], send_counts, recv_counts)
+
+        num_recv = recv_payload.shape[0]
+        recv_src_rank = torch.repeat_interleave(torch.arange(world, device=device),
+                                                torch.tensor(recv_counts, device=device), output_size=num_recv)
+        recv_src_token = recv_meta[:, 0]
+        recv_topk = recv_meta[:, 1:1 + num_topk]
+        recv_weight = recv_meta[:, 1 + num_topk:].to(torch.int32).view(torch.float32)
+
+        # Expert-major layout. Received rows are ordered by source rank, then source token (each source
+        # sends in token order), so a stable sort by local expert gives the canonical order in each segment.
+        first_expert = self.rank * num_local
+        is_local = (recv_topk >= first_expert) & (recv_topk < first_expert + num_local)
+        entry_row, entry_slot = torch.nonzero(is_local, as_tuple=True)
+        entry_expert = recv_topk[entry_row, entry_slot] - first_expert
+        order = torch.sort(entry_expert, stable=True).indices
+        entry_row, entry_slot, entry_expert = entry_row[order], entry_slot[order], entry_expert[order]
+        num_tokens_per_expert = torch.bincount(entry_expert, minlength=num_local)
+        align = cfg.expert_alignment
+        segment_sizes = (num_tokens_per_expert + align - 1) // align * align
+        expert_offsets = torch.zeros(num_local + 1, dtype=torch.int64, device=device)
+        expert_offsets[1:] = torch.cumsum(segment_sizes, dim=0)
+        num_rows = int(expert_offsets[-1])
+        segment_start = torch.zeros(num_local + 1, dtype=torch.int64, device=device)
+        segment_start[1:] = torch.cumsum(num_tokens_per_expert, dim=0)
+        rank_in_segment = torch.arange(entry_row.numel(), device=device) - segment_start[entry_expert]
+        position = expert_offsets[entry_expert] + rank_in_segment
+
+        rows = torch.zeros(num_rows, payload.shape[1], dtype=torch.uint8, device=device)
+        rows[position] = recv_payload[entry_row]
+        src_rank = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
+        src_token = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
+        topk_slot = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
+        topk_weight = torch.zeros(num_rows, dtype=torch.float32, device=device)
+        src_rank[position] = recv_src_rank[entry_row].to(torch.int32)
+        src_token[position] = recv_src_token[entry_row].to(torch.int32)
+        topk_slot[position] = entry_slot.to(torch.int32)
+        topk_weight[position] = recv_weight[entry_row, entry_slot]
+        layout_row = torch.full((num_recv, num_topk), -1, dtype=torch.int64, device=device)
+        layout_row[entry_row, entry_slot] = position
+
+        handle = ReferenceHandle(send_counts=send_counts, recv_counts=recv_counts, send_rows=send_rows,
+                                 recv_src_rank=recv_src_rank, recv_src_token=recv_src_token,
+                                 recv_topk_weight=recv_weight, layout_row=layout_row, topk_idx=topk_idx,
+                                 topk_weights=topk_weights, num_tokens=num_tokens, num_rows=num_rows)
+        return DispatchResult(
+            x=unpack_dispatch_payload(rows, cfg.dispatch_format, cfg.hidden),
+            num_tokens_per_expert=num_tokens_per_expert.to(torch.int32),
+            expert_offsets=expert_offsets.to(torch.int32),
+            src_rank=src_rank, src_token=src_token, topk_slot=topk_slot, topk_weight=topk_weight,
+            handle=handle, num_rows=num_rows)
+
+    def combine(self, expert_out: torch.Tensor, handle: ReferenceHandle, local_reduce: bool = True) -> torch.Tensor:
+        cfg = self.config
+        device = expert_out.device
+        world, hidden, fmt = cfg.world_size, cfg.hidden, cfg.combine_format
+        num_topk = handle.layout_row.shape[1]
+        num_tokens = handle.num_tokens
+        out_rows = expert_out.float()
+        if out_rows.shape[0] == 0:
+            out_rows = out_rows.new_zeros(1, hidden)  # keeps the gathers below valid when nothing arrived
+
+        if local_reduce:
+            # Expert rank: one fp32 row per received (token, source) pair, slots in ascending order.
+            acc = torch.zeros(handle.layout_row.shape[0], hidden, dtype=torch.float32, device=device)
+            for slot in range(num_topk):
+                row = handle.layout_row[:, slot]
+                valid = row >= 0
+                term = out_rows[row.clamp(min=0)] * handle.recv_topk_weight[:, slot:slot + 1]
+                acc = torch.where(valid[:, None], acc + term, acc)
+            back = self._all_to_all(pack_combine_rows(acc, fmt, cfg.rht_sign_mask, self.format_impl),
+                                    handle.recv_counts, handle.send_counts)
+            # Source rank: row (token t, destination d) arrives at offset(d) + position of t in send_rows[d].
+            row_index = torch.full((num_tokens, world), -1, dtype=torch.int64, device=device)
+            start = 0
+            for d in range(world):
+                tokens = handle.send_rows[start:start + handle.send_counts[d]]
+                row_index[tokens, d] = torch.arange(start, start + tokens.numel(), device=device)
+                start += handle.send_counts[d]
+            return accumulate_combine_rows(back, fmt, hidden, row_index, None, cfg.rht_sign_mask, self.format_impl)
+
+        # local_reduce=False: one row per (token, expert), unweighted; the source applies its own weights.
+        entry_row, entry_slot = torch.nonzero(handle.layout_row >= 0, as_tuple=True)  # ordered by (row, slot)
+        values = out_rows[handle.layout_row[entry_row, entry_slot]] if entry_row.numel() else out_rows[:0]
+        counts_back = [int(v) for v in torch.bincount(handle.recv_src_rank[entry_row], minlength=world).tolist()]
+        slot_rank = torch.where(handle.topk_idx >= 0, handle.topk_idx // cfg.num_local_experts,
+                                torch.full_like(handle.topk_idx, -1))
+        counts_expected = [int((slot_rank == d).sum()) for d in range(world)]
+        back = self._all_to_all(pack_combine_rows(values, fmt, cfg.rht_sign_mask, self.format_impl),
+                                counts_back, counts_expected)
+        # Rows from rank d arrive ordered by token, then slot: exactly the (t, k) with slot_rank == d in order.
+        row_index = torch.full((num_tokens, num_topk), -1, dtype=torch.int64, device=device)
+        start = 0
+        for d in range(world):
+            tok, slot = torch.nonzero(slot_rank == d, as_tuple=True)
+            row_index[tok, slot] = torch.arange(start, start + tok.numel(), device=device)
+            start += tok.numel()
+        return accumulate_combine_rows(back, fmt, hidden, row_index, handle.topk_weights, cfg.rht_sign_mask,
+                                       self.format_impl)

@@ -1,0 +1,205 @@
+"""The main job: real dispatch/combine on every GPU found, or on CPU ranks over gloo when there is none.
+
+    python -m ep_comm.bench                      # all visible GPUs (backend auto), or 2 CPU ranks
+    python -m ep_comm.bench --tokens 4096 --hidden 7168 --topk 8 --experts 256 --out result.json
+
+For each (dispatch format, combine format) pair it prints: wire bytes per token and destination, median
+dispatch and combine time, wire GB/s (bytes that leave the rank for other ranks / time, per rank),
+BF16-equivalent GB/s (2·H bytes per token-destination / time), and the combine error against the
+unquantized result (relative L2 and SQNR in dB) for a toy expert (a per-expert scale). The detailed
+GPU benchmark with NCCL and peer-copy baselines is bench/bench_dispatch_combine.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from .launch import GPU_ENV, run_ranks
+from .types import combine_bytes_per_token, dispatch_bytes_per_token
+
+DEFAULT_PAIRS = "nvfp4/s2f6,mxfp8/s2f6,bf16/bf16"
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m ep_comm.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per rank (GPU default 4096, CPU 256)")
+    parser.add_argument("--hidden", type=int, default=None, help="hidden size (GPU default 7168, CPU 1024)")
+    parser.add_argument("--topk", type=int, default=None, help="top-k (default 8 on GPU, 4 on CPU)")
+    parser.add_argument("--experts", type=int, default=None, help="global experts (GPU default 256, CPU 32)")
+    parser.add_argument("--formats", default=DEFAULT_PAIRS, help=f"dispatch/combine pairs (default {DEFAULT_PAIRS})")
+    parser.add_argument("--backend", default="auto", choices=["auto", "reference", "nvlink"])
+    parser.add_argument("--ranks", type=int, default=None, help="ranks (default: every GPU, or 2 CPU ranks)")
+    parser.add_argument("--iters", type=int, default=None, help="timed iterations (GPU default 20, CPU 5)")
+    parser.add_argument("--cpu", action="store_true", help="use CPU ranks over gloo even when GPUs exist")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    use_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0 and not args.cpu
+    args.device = "cuda" if use_gpu else "cpu"
+    defaults = dict(tokens=4096, hidden=7168, topk=8, experts=256, iters=20) if use_gpu else dict(
+        tokens=256, hidden=1024, topk=4, experts=32, iters=5)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.ranks is None:
+        args.ranks = torch.cuda.device_count() if use_gpu else 2
+    if use_gpu and args.ranks > torch.cuda.device_count():
+        parser.error(f"--ranks {args.ranks} exceeds the {torch.cuda.device_count()} visible GPUs")
+    args.pairs = [tuple(p.split("/")) for p in args.formats.split(",") if p]
+    for pair in args.pairs:
+        if len(pair) != 2:
+            parser.error(f"--formats takes dispatch/combine pairs, got {'/'.join(pair)!r}")
+    return args
+
+
+def _expert_scale(experts: torch.Tensor) -> torch.Tensor:
+    return 1.0 + (experts.to(torch.float32) % 7) / 8.0
+
+
+def _make_inputs(args, rank, device):
+    gen = torch.Generator().manual_seed(1234 + rank)
+    x = torch.randn(args.tokens, args.hidden, generator=gen)
+    x.view(-1)[torch.randint(0, x.numel(), (max(1, x.numel() // 1000),), generator=gen)] *= 20.0
+    scores = torch.rand(args.tokens, args.experts, generator=gen)
+    topk_idx = scores.topk(args.topk, dim=1).indices
+    weights = torch.softmax(torch.randn(args.tokens, args.topk, generator=gen), dim=1)
+    return x.to(torch.bfloat16).to(device), topk_idx.to(device), weights.to(device)
+
+
+def _dequantize(x, fmt):
+    from . import formats
+    if fmt == "nvfp4":
+        return formats.nvfp4_dequantize(x, dtype=torch.float32)
+    if fmt == "mxfp8":
+        return formats.mxfp8_dequantize(x, dtype=torch.float32)
+    return x.float()
+
+
+def _timer(device):
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def begin():
+            start.record()
+
+        def finish():
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) * 1e-3
+        return begin, finish
+    state = {}
+
+    def begin_cpu():
+        state["t"] = time.perf_counter()
+
+    def finish_cpu():
+        return time.perf_counter() - state["t"]
+    return begin_cpu, finish_cpu
+
+
+def _worker(rank, world, args):
+    import torch.distributed as dist
+
+    import ep_comm
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    x, topk_idx, weights = _make_inputs(args, rank, device)
+    num_local = args.experts // world
+    # Tokens that leave this rank: one per (token, other destination rank).
+    dest = torch.where(topk_idx >= 0, topk_idx // num_local, -1)
+    goes_to = torch.zeros(args.tokens, world, dtype=torch.bool, device=device)
+    for d in range(world):
+        goes_to[:, d] = (dest == d).any(dim=1)
+    remote_pairs = int(goes_to.sum()) - int(goes_to[:, rank].sum())
+    # Unquantized result of the toy expert (per-expert scale), FP32.
+    reference = (weights[..., None] * _expert_scale(topk_idx)[..., None] * x.float()[:, None, :]).sum(dim=1)
+    rows = []
+    for dispatch_format, combine_format in args.pairs:
+        buf = ep_comm.Buffer(None, hidden=args.hidden, num_experts=args.experts, num_topk=args.topk,
+                             max_tokens_per_rank=args.tokens, dispatch_format=dispatch_format,
+                             combine_format=combine_format, backend=args.backend)
+        begin, finish = _timer(device)
+        dispatch_times, combine_times = [], []
+        for iteration in range(args.iters + 2):  # two warm-up iterations
+            dist.barrier()
+            begin()
+            result = buf.dispatch(x, topk_idx, weights)
+            dispatch_time = finish()
+            if iteration == 0:
+                offsets = result.expert_offsets.to(torch.int64).cpu()
+                experts_of_row = torch.zeros(result.num_rows, dtype=torch.int64)
+                for j in range(num_local):
+                    experts_of_row[offsets[j]:offsets[j + 1]] = rank * num_local + j
+                expert_out = (_dequantize(result.x, dispatch_format)
+                              * _expert_scale(experts_of_row.to(device))[:, None]).to(torch.bfloat16)
+                expert_out[result.src_rank < 0] = 0
+            dist.barrier()
+            begin()
+            y = buf.combine(expert_out, result.handle)
+            combine_time = finish()
+            if iteration >= 2:
+                dispatch_times.append(dispatch_time)
+                combine_times.append(combine_time)
+        error = (y.float() - reference).norm().item()
+        signal = reference.norm().item()
+        buf_backend = buf.backend
+        buf.destroy()
+        t_dispatch, t_combine = statistics.median(dispatch_times), statistics.median(combine_times)
+        d_bytes = dispatch_bytes_per_token(dispatch_format, args.hidden)
+        c_bytes = combine_bytes_per_token(combine_format, args.hidden)
+        bf16_bytes = 2 * args.hidden
+        rows.append(dict(
+            rank=rank, backend=buf_backend, dispatch_format=dispatch_format, combine_format=combine_format,
+            dispatch_bytes_per_token=d_bytes, combine_bytes_per_token=c_bytes, remote_token_pairs=remote_pairs,
+            dispatch_us=t_dispatch * 1e6, combine_us=t_combine * 1e6,
+            dispatch_wire_gbps=remote_pairs * d_bytes / t_dispatch / 1e9,
+            combine_wire_gbps=remote_pairs * c_bytes / t_combine / 1e9,
+            dispatch_bf16_equiv_gbps=remote_pairs * bf16_bytes / t_dispatch / 1e9,
+            combine_bf16_equiv_gbps=remote_pairs * bf16_bytes / t_combine / 1e9,
+            rel_l2_error=error / signal if signal else 0.0,
+            sqnr_db=20 * math.log10(signal / error) if error else float("inf")))
+    return rows
+
+
+def print_table(rows, args) -> None:
+    rank0 = [r for r in rows if r["rank"] == 0]
+    print(f"ep_comm.bench: {args.ranks} {args.device.upper()} ranks, backend {rank0[0]['backend'] if rank0 else '?'}, "
+          f"tokens/rank {args.tokens}, hidden {args.hidden}, top-{args.topk} of {args.experts} experts, "
+          f"{args.iters} timed iterations (median; rank 0 shown)")
+    header = (f"{'dispatch/combine':<17}{'B/tok d':>9}{'B/tok c':>9}{'disp us':>10}{'comb us':>10}"
+              f"{'d GB/s':>9}{'d bf16eq':>10}{'c GB/s':>9}{'c bf16eq':>10}{'rel L2':>9}{'SQNR dB':>9}")
+    print(header)
+    print("-" * len(header))
+    for r in rank0:
+        print(f"{r['dispatch_format'] + '/' + r['combine_format']:<17}{r['dispatch_bytes_per_token']:>9}"
+              f"{r['combine_bytes_per_token']:>9}{r['dispatch_us']:>10.1f}{r['combine_us']:>10.1f}"
+              f"{r['dispatch_wire_gbps']:>9.2f}{r['dispatch_bf16_equiv_gbps']:>10.2f}{r['combine_wire_gbps']:>9.2f}"
+              f"{r['combine_bf16_equiv_gbps']:>10.2f}{r['rel_l2_error']:>9.4f}{r['sqnr_db']:>9.1f}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.update(GPU_ENV)
+    per_rank = run_ranks(_worker, args.ranks, args, backend="nccl" if args.device == "cuda" else "gloo",
+                         timeout_s=900)
+    rows = [row for rank_rows in per_rank for row in rank_rows]
+    print_table(rows, args)
+    if args.out:
+        meta = {k: v for k, v in vars(args).items() if k != "pairs"}
+        meta["date"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        meta["torch"] = torch.__version__
+        meta["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
+            if args.device == "cuda" else []
+        with open(args.out, "w") as handle:
+            json.dump({"config": meta, "results": rows}, handle, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""`ep_comm.Buffer`: the user-facing dispatch/combine object of one expert-parallel process group."""
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .types import BACKENDS, BufferConfig, BufferSizes, DispatchResult
+
+_warned_fallbacks = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned_fallbacks:
+        _warned_fallbacks.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _is_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class Buffer:
+    """Dispatch tokens to experts and combine expert outputs across the ranks of `group`.
+
+    Args:
+        group: torch.distributed process group (None = the default group). gloo for CPU tensors, NCCL for
+            CUDA tensors.
+        hidden: H, a multiple of 32. num_experts: E (divisible by the world size). num_topk: K.
+        max_tokens_per_rank: the most tokens any rank passes to one dispatch (static capacity).
+        dispatch_format: "nvfp4" (default; E2M1 + E4M3 per 16 + FP32 per token, 4/6), "mxfp8" or "bf16".
+        combine_format: "s2f6" (default; RHT-32 + S2F6 + UE8M0 per 32) or "bf16".
+        backend: "auto" (nvlink when every rank's GPUs are NVLink peers and the fast path can start, else
+            reference — with a warning that says why), "reference" or "nvlink".
+        expert_alignment: expert segments start at multiples of this (e.g. 128 for GEMM tiles).
+        num_sms: SMs the nvlink kernels may use. timeout_s: a peer wait longer than this raises.
+        check_inputs: validate index ranges / duplicate experts (needs a device->host copy; skipped
+            automatically during CUDA graph capture).
+        format_impl: "auto" | "reference" | "cuda", quantization path of the reference backend.
+
+    Every rank must construct the Buffer with the same arguments (checked: a mismatch raises ValueError).
+    """
+
+    def __init__(self, group=None, *, hidden: int, num_experts: int, num_topk: int, max_tokens_per_rank: int,
+                 dispatch_format: str = "nvfp4", combine_format: str = "s2f6", backend: str = "auto",
+                 expert_alignment: int = 1, num_sms: int = 24, rht_sign_mask: int = 0x6A09E667,
+                 timeout_s: float = 10.0, check_inputs: bool = True, format_impl: str = "auto"):
+        if not dist.is_initialized():
+            raise RuntimeError("ep_comm.Buffer needs torch.distributed to be initialized (init_process_group)")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.config = BufferConfig(hidden=hidden, num_experts=num_experts, num_topk=num_topk,
+                                   max_tokens_per_rank=max_tokens_per_rank,
+                                   world_size=dist.get_world_size(self.group), dispatch_format=dispatch_format,
+                                   combine_format=combine_format, expert_alignment=expert_alignment,
+                                   rht_sign_mask=rht_sign_mask, num_sms=num_sms, timeout_s=timeout_s)
+        self.config.validate()
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.check_inputs = check_inputs
+        self._check_same_config_everywhere()
+        self._backend = self._make_backend(backend, format_impl)
+        self._destroyed = False
+
+    # ------------------------------------------------------------------------------------------------------
+    def _check_same_config_everywhere(self) -> None:
+        gathered = [None] * self.config.world_size
+        dist.all_gather_object(gathered, self.config, group=self.group)
+        for other_rank, other in enumerate(gathered):
+            if other != self.config:
+                diff = {name: (getattr(self.config, name), getattr(other, name))
+                        for name in self.config.__dataclass_fields__
+                        if getattr(self.config, name) != getattr(other, name)}
+                raise ValueError(f"ep_comm.Buffer arguments differ between rank {self.rank} and rank {other_rank}: "
+                                 + ", ".join(f"{k}: {a!r} vs {b!r}" for k, (a, b) in diff.items()))
+
+    def _make_backend(self, backend: str, format_impl: str):
+        from .backends.reference import ReferenceBackend
+        if backend == "reference":
+            return ReferenceBackend(self.group, self.config, format_impl=format_impl)
+        if backend == "auto" and "nccl" not in str(dist.get_backend(self.group)).lower():
+            # A CPU (gloo) group has no GPUs to connect: the reference backend is the only engine there.
+            return ReferenceBackend(self.group, self.config, format_impl=format_impl)
+        try:
+            from .backends.nvlink import NVLinkBackend
+            available, reason = NVLinkBackend.is_available(self.group)
+        except ImportError as error:
+            available, reason = False, f"the nvlink backend could not be imported ({error})"
+        # Every rank must agree, or one would wait for the others on a different transport.
+        votes = [None] * self.config.world_size
+        dist.all_gather_object(votes, (available, reason), group=self.group)
+        if not all(ok for ok, _ in votes):
+            reason = next(f"rank {r}: {why}" for r, (ok, why) in enumerate(votes) if not ok)
+            if backend == "nvlink":
+                raise RuntimeError(f"backend='nvlink' is unavailable: {reason}")
+            _warn_once(f"ep_comm: using the reference backend (torch.distributed all_to_all) because the nvlink "
+                       f"backend is unavailable: {reason}")
+            return ReferenceBackend(self.group, self.config, format_impl=format_impl)
+        return NVLinkBackend(self.group, self.config)
+
+    @property
+    def backend(self) -> str:
+        """The backend in use: "reference" or "nvlink"."""
+        return self._backend.name
+
+    @staticmethod
+    def get_buffer_size_hint(*, hidden: int, num_experts: int, num_topk: int, max_tokens_per_rank: int,
+                             world_size: int, dispatch_format: str = "nvfp4", combine_format: str = "s2f6",
+                             expert_alignment: int = 1, backend: str = "nvlink") -> BufferSizes:
+        """Bytes a backend needs for these bounds, before any Buffer exists (no process group needed)."""
+        config = BufferConfig(hidden=hidden, num_experts=num_experts, num_topk=num_topk,
+                              max_tokens_per_rank=max_tokens_per_rank, world_size=world_size,
+                              dispatch_format=dispatch_format, combine_format=combine_format,
+                              expert_alignment=expert_alignment)
+        config.validate()
+        if backend == "reference":
+            from .backends.reference import ReferenceBackend
+            return ReferenceBackend.size_hint(config)
+        from .backends.nvlink import NVLinkBackend
+        return NVLinkBackend.size_hint(config)
+
+    # ------------------------------------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("this ep_comm.Buffer was destroyed")
+
+    def _validate_dispatch(self, x, topk_idx, topk_weights) -> None:
+        cfg = self.config
+        for name, tensor in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"x must be bfloat16, got {x.dtype}")
+        if x.dim() != 2 or x.shape[1] != cfg.hidden:
+            raise ValueError(f"x must be [num_tokens, {cfg.hidden}], got {tuple(x.shape)}")
+        num_tokens = x.shape[0]
+        if num_tokens > cfg.max_tokens_per_rank:
+            raise ValueError(f"{num_tokens} tokens exceed max_tokens_per_rank={cfg.max_tokens_per_rank}; "
+                             "create the Buffer with a larger bound")
+        if topk_idx.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"topk_idx must be int32 or int64, got {topk_idx.dtype}")
+        if tuple(topk_idx.shape) != (num_tokens, cfg.num_topk):
+            raise ValueError(f"topk_idx must be [{num_tokens}, {cfg.num_topk}], got {tuple(topk_idx.shape)}")
+        if topk_weights.dtype != torch.float32:
+            raise TypeError(f"topk_weights must be float32, got {topk_weights.dtype}")
+        if tuple(topk_weights.shape) != (num_tokens, cfg.num_topk):
+            raise ValueError(f"topk_weights must be [{num_tokens}, {cfg.num_topk}], got {tuple(topk_weights.shape)}")
+        if topk_idx.device != x.device or topk_weights.device != x.device:
+            raise ValueError(f"x, topk_idx and topk_weights must be on one device; got {x.device}, "
+                             f"{topk_idx.device}, {topk_weights.device}")
+        if self.backend == "nvlink" and not x.is_cuda:
+            raise ValueError("the nvlink backend needs CUDA tensors")
+        if self.check_inputs and num_tokens and not _is_capturing():
+            low, high = int(topk_idx.min()), int(topk_idx.max())
+            if low < -1 or high >= cfg.num_experts:
+                raise ValueError(f"topk_idx values must be in [-1, {cfg.num_experts}); got range [{low}, {high}]")
+            if cfg.num_topk > 1:
+                ordered = torch.sort(topk_idx, dim=1).values
+                duplicate = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+                if bool(duplicate.any()):
+                    token = int(torch.nonzero(duplicate.any(dim=1))[0])
+                    raise ValueError(f"token {token} selects the same expert in two top-k slots: "
+                                     f"{topk_idx[token].tolist()}")
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
+        """Send each token (once per destination rank) to the ranks of its top-k experts.
+
+        Args:
+            x: bfloat16 [T, H], T <= max_tokens_per_rank (T may be 0 and may differ between ranks).
+            topk_idx: int32/int64 [T, K], global expert ids, -1 = masked slot.
+            topk_weights: float32 [T, K], routing weights (used by combine).
+        Returns:
+            DispatchResult (see ep_comm.types): received tokens in the expert-major layout in the dispatch
+            format, num_tokens_per_expert / expert_offsets (int32, device), per-row src_rank, src_token,
+            topk_slot, topk_weight, and the handle for `combine`.
+        """
+        self._check_alive()
+        self._validate_dispatch(x, topk_idx, topk_weights)
+        return self._backend.dispatch(x, topk_idx, topk_weights)
+
+    def combine(self, expert_out: torch.Tensor, handle, local_reduce: bool = True) -> torch.Tensor:
+        """Bring expert outputs back to their tokens and sum them with the routing weights.
+
+        Args:
+            expert_out: bfloat16 [R, H], row i is the expert output for row i of the DispatchResult.
+            handle: `DispatchResult.handle` of the matching dispatch.
+            local_reduce: True (default) sums a token's local experts on the expert rank and sends one row
+                per (token, rank); False sends one row per (token, expert) (what a fused GEMM epilogue
+                writes) and the source rank applies the weights.
+        Returns:
+            bfloat16 [T, H]: sum over the token's unmasked slots of weight * expert output (S2F6 mode:
+            through RHT + S2F6 on the wire, summed in FP32, inverse RHT once).
+        """
+        self._check_alive()
+        if not isinstance(expert_out, torch.Tensor):
+            raise TypeError(f"expert_out must be a torch.Tensor, got {type(expert_out).__name__}")
+        if expert_out.dtype != torch.bfloat16:
+            raise TypeError(f"expert_out must be bfloat16, got {expert_out.dtype}")
+        num_rows = handle.num_rows
+        if expert_out.dim() != 2 or tuple(expert_out.shape) != (num_rows, self.config.hidden):
+            raise ValueError(f"expert_out must be [{num_rows}, {self.config.hidden}] (the rows of the dispatch "
+                             f"result), got {tuple(expert_out.shape)}")
+        return self._backend.combine(expert_out, handle, local_reduce=local_reduce)
+
+    def destroy(self) -> None:
+        """Free every buffer (symmetric memory included). Collective: every rank must call it."""
+        if not self._destroyed:
+            self._backend.destroy()
+            self._destroyed = True
+
+    def __enter__(self) -> "Buffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()

@@ -1,0 +1,611 @@
+"""Wire and GEMM formats: NVFP4, MXFP8, RHT-32 + S2F6 — the torch reference and the dispatch to CUDA kernels.
+
+Every function here follows docs/NUMERICS.md operation for operation; the CUDA kernels in `csrc/` are
+bit-identical to it. The reference is plain torch (CPU or CUDA tensors). With `impl="auto"` (default) a
+CUDA tensor goes to the compiled kernels when `ep_comm._C` is available, else to the reference — and
+`ep_comm.cuda_extension_error()` says why; `impl="reference"` / `impl="cuda"` force a path
+(`"cuda"` raises when it is unavailable).
+
+Containers are frozen dataclasses whose fields use torch's own dtypes (`float8_e4m3fn`,
+`float8_e8m0fnu`, `int8`; packed FP4 as `uint8`, lower element index in the low nibble). Every field can
+be viewed as `uint8` bytes with `.view(torch.uint8)`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import _ext
+
+__all__ = [
+    "NVFP4Tensor", "MXFP8Tensor", "S2F6Tensor", "DEFAULT_SIGN_MASK",
+    "nvfp4_quantize", "nvfp4_dequantize", "mxfp8_quantize", "mxfp8_dequantize", "nvfp4_to_mxfp8_transposed",
+    "rht", "inverse_rht", "s2f6_quantize", "s2f6_dequantize", "s2f6_dequantize_accumulate",
+    "e2m1_encode", "e2m1_decode", "e4m3_encode", "e4m3_decode", "ue8m0_mxfp8_scale", "ue8m0_s2f6_scale",
+    "ue8m0_decode", "rbits",
+]
+
+DEFAULT_SIGN_MASK = 0x6A09E667  # bit i set -> element i of each 32-chunk is negated before the Hadamard
+FLT_MAX = 3.4028234663852886e38
+NVFP4_BLOCK = 16
+MX_BLOCK = 32
+E4M3_MAX = 448.0
+NVFP4_ACTIVATION_E4M3_MAX = 256.0  # the 4/6 global bound M (leaves room for the 1.5x map-to-4 scale)
+NVFP4_WEIGHT_E4M3_MAX = 448.0
+
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Containers
+# ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NVFP4Tensor:
+    """NVFP4 along the last axis (blocks of 16).
+
+    data: uint8 [..., K/2], two E2M1 codes per byte, element 2j in the low nibble.
+    scales: float8_e4m3fn [..., K/16], one block decode scale per 16 elements (never negative).
+    amax: float32 [...], the outer FP32 amax of each row (per token; per-tensor/per-expert amaxes are
+        broadcast to rows). The outer decode scale is amax / (6 * e4m3_max).
+    e4m3_max: the bound M used for the outer scale: 256 for activations with 4/6, 448 for plain NVFP4.
+    """
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    amax: torch.Tensor
+    e4m3_max: float
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.data.shape[:-1], self.data.shape[-1] * 2))
+
+
+@dataclass(frozen=True)
+class MXFP8Tensor:
+    """MXFP8 along the last axis: data float8_e4m3fn [..., K], scales float8_e8m0fnu [..., K/32]."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+
+@dataclass(frozen=True)
+class S2F6Tensor:
+    """S2F6 (int8 fixed point, value = code * 2^-6 * 2^(scale - 127)) along the last axis, blocks of 32.
+
+    data: int8 [..., K]; scales: float8_e8m0fnu [..., K/32].
+    hadamard: whether the values were rotated by the RHT-32 before quantization (then dequantization
+        applies the inverse); sign_mask: the RHT sign vector.
+    """
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    hadamard: bool
+    sign_mask: int = DEFAULT_SIGN_MASK
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Input checks and implementation choice
+# ----------------------------------------------------------------------------------------------------------
+_FLOAT_INPUTS = (torch.bfloat16, torch.float32, torch.float16)
+
+
+def _check_float_input(x, name: str, block: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_INPUTS:
+        raise TypeError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
+    if x.dim() < 1:
+        raise ValueError(f"{name} must have at least one dimension")
+    if x.shape[-1] % block != 0 or x.shape[-1] == 0:
+        raise ValueError(f"the last dimension of {name} ({x.shape[-1]}) must be a positive multiple of {block}")
+
+
+def _use_cuda(impl: str, *tensors: torch.Tensor) -> bool:
+    if impl not in ("auto", "reference", "cuda"):
+        raise ValueError(f"impl must be 'auto', 'reference' or 'cuda', got {impl!r}")
+    if impl == "reference":
+        return False
+    on_cuda = all(t.is_cuda for t in tensors)
+    if impl == "cuda":
+        if not on_cuda:
+            raise ValueError("impl='cuda' needs CUDA tensors")
+        _ext.require_cuda_extension("impl='cuda'")
+        return True
+    return on_cuda and _ext.cuda_extension_available()
+
+
+def _cuda_formats():
+    from . import _cuda_formats
+    return _cuda_formats
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Bit helpers (int64 tensors holding unsigned 32-bit values)
+# ----------------------------------------------------------------------------------------------------------
+def _f32(value: float, device) -> torch.Tensor:
+    """A 0-dim fp32 constant: value rounded once to fp32 (RNE), used so no op runs in float64."""
+    return torch.tensor(value, dtype=torch.float32, device=device)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def _from_bits(bits: torch.Tensor) -> torch.Tensor:
+    signed = torch.where(bits >= 2**31, bits - 2**32, bits)
+    return signed.to(torch.int32).view(torch.float32)
+
+
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """Exact fp32 2^exponent for integer exponents in [-127, 127] (2^-127 is a subnormal)."""
+    exponent = exponent.to(torch.int64)
+    bits = torch.where(exponent == -127, torch.full_like(exponent, 0x400000), (exponent + 127) << 23)
+    return _from_bits(bits)
+
+
+def _num_rows(x: torch.Tensor) -> int:
+    """Rows of x viewed as [rows, last dim] (explicit, so empty tensors reshape too)."""
+    return math.prod(x.shape[:-1])
+
+
+def _nan_to_zero_abs(x: torch.Tensor) -> torch.Tensor:
+    a = x.abs()
+    return torch.where(torch.isnan(a), torch.zeros_like(a), a)
+
+
+def _tree_sum_last(v: torch.Tensor) -> torch.Tensor:
+    """Sum over the last axis (a power of two) pairing i with i + n/2, halving n (docs/NUMERICS.md)."""
+    while v.shape[-1] > 1:
+        half = v.shape[-1] // 2
+        v = v[..., :half] + v[..., half:]
+    return v[..., 0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Element encoders / decoders (public so tests and kernels can be checked against them)
+# ----------------------------------------------------------------------------------------------------------
+def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
+    """fp32 -> E2M1 code (uint8 0..15), round-to-nearest-even with saturation; NaN -> 0x7; -0.0 -> 0x8."""
+    v = v.float()
+    a = v.abs()
+    code = ((a > 0.25).to(torch.uint8) + (a >= 0.75).to(torch.uint8) + (a > 1.25).to(torch.uint8)
+            + (a >= 1.75).to(torch.uint8) + (a > 2.5).to(torch.uint8) + (a >= 3.5).to(torch.uint8)
+            + (a > 5.0).to(torch.uint8))
+    nan = torch.isnan(v)
+    code = torch.where(torch.signbit(v) & ~nan, code | 8, code)
+    return torch.where(nan, torch.full_like(code, 7), code)
+
+
+def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
+    table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=code.device)
+    return table[code.to(torch.int64) & 0xF]
+
+
+def e4m3_encode(v: torch.Tensor) -> torch.Tensor:
+    """fp32 -> E4M3 byte (uint8), RNE with satfinite (|v| > 448 -> 448); NaN -> 0x7F."""
+    v = v.float()
+    code = v.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.where(torch.isnan(v), torch.full_like(code, 0x7F), code)
+
+
+def e4m3_decode(code: torch.Tensor) -> torch.Tensor:
+    return code.view(torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def ue8m0_decode(scale: torch.Tensor) -> torch.Tensor:
+    """UE8M0 byte -> fp32 2^(b - 127); 0xFF -> NaN."""
+    b = scale.view(torch.uint8).to(torch.int64)
+    value = _pow2(torch.clamp(b, max=254) - 127)
+    return torch.where(b == 255, torch.full_like(value, float("nan")), value)
+
+
+def ue8m0_mxfp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """NVIDIA MXFP8 scale byte: round-up power of two of fp32(amax * fp32(1/448)); never clips elements."""
+    t = amax.float() * _f32(1.0 / 448.0, amax.device)
+    bits = _bits(t)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    b = torch.where(exponent >= 1, exponent + (mantissa != 0).to(torch.int64), (mantissa > 0x400000).to(torch.int64))
+    b = torch.clamp(b, max=254)
+    b = torch.where(torch.isnan(t), torch.full_like(b, 255), b)
+    return b.to(torch.uint8)
+
+
+def ue8m0_s2f6_scale(amax: torch.Tensor) -> torch.Tensor:
+    """S2F6 block scale byte: smallest e with amax / 2^e <= 127/64 (blocks never saturate)."""
+    bits = _bits(amax.float())
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    b = torch.clamp(exponent + (mantissa > 0x7E0000).to(torch.int64), max=254)
+    return b.to(torch.uint8)
+
+
+def _mul_u32(h: torch.Tensor, constant: int) -> torch.Tensor:
+    """(h * constant) mod 2^32 for h in [0, 2^32) without int64 overflow."""
+    low, high = constant & 0xFFFF, constant >> 16
+    return (h * low + (((h * high) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = _mul_u32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul_u32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _fmix32_int(h: int) -> int:
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def sr_key(seed: int) -> int:
+    """32-bit key of a stochastic-rounding seed (docs/NUMERICS.md)."""
+    seed &= 0xFFFFFFFFFFFFFFFF
+    return _fmix32_int((seed & 0xFFFFFFFF) ^ 0x9E3779B9) ^ _fmix32_int((seed >> 32) ^ 0x7F4A7C15)
+
+
+def rbits(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """32 counter-based random bits (int64 tensor in [0, 2^32)) for each element index."""
+    index = index.to(torch.int64)
+    key = sr_key(seed)
+    return _fmix32(_fmix32((index & 0xFFFFFFFF) ^ key) ^ ((index >> 32) & 0xFFFFFFFF))
+
+
+def _e4m3_stochastic(v: torch.Tensor, random_bits: torch.Tensor) -> torch.Tensor:
+    """Stochastic rounding of fp32 values to E4M3 (16 random bits), clamped to +-448 before rounding."""
+    a = torch.minimum(v.abs(), _f32(E4M3_MAX, v.device))
+    _, exponent = torch.frexp(a)
+    floor_log2 = torch.where(a > 0, exponent.to(torch.int64) - 1, torch.full_like(exponent, -6, dtype=torch.int64))
+    unit_exponent = torch.clamp(floor_log2, min=-6) - 3
+    ulp = _pow2(unit_exponent)
+    inv_ulp = _pow2(-unit_exponent)
+    t = a * inv_ulp
+    lo = torch.floor(t)
+    fraction = torch.floor((t - lo) * 65536.0).to(torch.int64)
+    up = (fraction + (random_bits & 0xFFFF)) >= 65536
+    magnitude = (lo + up.to(torch.float32)) * ulp
+    rounded = torch.where(torch.signbit(v), -magnitude, magnitude)
+    rounded = torch.where(torch.isnan(v), v, rounded)
+    return e4m3_encode(rounded)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# NVFP4
+# ----------------------------------------------------------------------------------------------------------
+def _nvfp4_outer_scales(amax: torch.Tensor, e4m3_max: float):
+    device = amax.device
+    s_enc = _f32(6.0 * e4m3_max, device) / amax
+    s_enc = torch.minimum(s_enc, _f32(FLT_MAX, device))
+    bad = (amax == 0) | (s_enc == 0) | torch.isnan(amax)
+    s_enc = torch.where(bad, torch.ones_like(s_enc), s_enc)
+    s_dec = _f32(1.0, device) / s_enc
+    return s_enc, s_dec
+
+
+def _nvfp4_encode_with_scale(xb: torch.Tensor, scale_code: torch.Tensor, s_dec: torch.Tensor):
+    """Codes of blocks xb [..., n, 16] for E4M3 scale bytes [..., n] (inv = min(1/(s * S_dec), FLT_MAX))."""
+    inv = _f32(1.0, xb.device) / (e4m3_decode(scale_code) * s_dec[..., None])
+    inv = torch.minimum(inv, _f32(FLT_MAX, xb.device))
+    return e2m1_encode(xb * inv[..., None])
+
+
+def nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True, amax: Optional[torch.Tensor] = None,
+                   scale_granularity: str = "row", impl: str = "auto") -> NVFP4Tensor:
+    """Quantize x [..., K] (bf16/fp16/fp32, K % 16 == 0) to NVFP4 along the last axis.
+
+    four_over_six: 4/6 adaptive block scaling with MSE selection and M = 256 (activations, the dispatch
+        payload); False: plain NVFP4 with M = 448 (weights).
+    amax: optional outer amax, broadcastable to x.shape[:-1] (per row, per expert, or a scalar per tensor);
+        by default it is computed per row (scale_granularity="row") or once for the tensor ("tensor").
+    Returns an NVFP4Tensor with data [..., K/2], scales [..., K/16], amax [...] float32.
+    """
+    _check_float_input(x, "x", NVFP4_BLOCK)
+    if scale_granularity not in ("row", "tensor"):
+        raise ValueError(f"scale_granularity must be 'row' or 'tensor', got {scale_granularity!r}")
+    if amax is not None:
+        if not isinstance(amax, torch.Tensor):
+            amax = torch.tensor(float(amax), dtype=torch.float32, device=x.device)
+        if amax.device != x.device:
+            raise ValueError(f"amax is on {amax.device} but x is on {x.device}")
+        try:
+            amax = torch.broadcast_to(amax.float(), x.shape[:-1]).contiguous()
+        except RuntimeError as error:
+            raise ValueError(f"amax of shape {tuple(amax.shape)} does not broadcast to the rows of x "
+                             f"{tuple(x.shape[:-1])}") from error
+    elif scale_granularity == "tensor":
+        amax = torch.broadcast_to(_nan_to_zero_abs(x.float()).amax(), x.shape[:-1]).contiguous()
+    if _use_cuda(impl, x):
+        return _cuda_formats().nvfp4_quantize(x, four_over_six, amax)
+    return _nvfp4_quantize_reference(x, four_over_six, amax)
+
+
+def _nvfp4_quantize_reference(x: torch.Tensor, four_over_six: bool, amax: Optional[torch.Tensor]) -> NVFP4Tensor:
+    xf = x.float()
+    lead_shape = xf.shape[:-1]
+    k = xf.shape[-1]
+    xb = xf.reshape(_num_rows(xf), k // NVFP4_BLOCK, NVFP4_BLOCK)
+    if amax is None:
+        row_amax = _nan_to_zero_abs(xf).amax(dim=-1).reshape(-1) if xf.numel() else xf.new_zeros(xb.shape[0])
+    else:
+        row_amax = amax.reshape(-1).float()
+    e4m3_max = NVFP4_ACTIVATION_E4M3_MAX if four_over_six else NVFP4_WEIGHT_E4M3_MAX
+    device = x.device
+    s_enc, s_dec = _nvfp4_outer_scales(row_amax, e4m3_max)
+    block_amax = _nan_to_zero_abs(xb).amax(dim=-1) if xb.numel() else xb.new_zeros(xb.shape[:-1])
+    if not four_over_six:
+        scale_code = e4m3_encode(block_amax * (s_enc * _f32(1.0 / 6.0, device))[:, None])
+        codes = _nvfp4_encode_with_scale(xb, scale_code, s_dec)
+    else:
+        base = (block_amax / _f32(6.0, device)) * s_enc[:, None]
+        cap = _f32(E4M3_MAX, device)
+        scale6 = e4m3_encode(torch.minimum(base, cap))
+        scale4 = e4m3_encode(torch.minimum(base * _f32(1.5, device), cap))
+        codes6 = _nvfp4_encode_with_scale(xb, scale6, s_dec)
+        codes4 = _nvfp4_encode_with_scale(xb, scale4, s_dec)
+        six_m = _f32(6.0 * e4m3_max, device)
+
+        def block_error(codes, scale_code):
+            decoded = ((e2m1_decode(codes) * e4m3_decode(scale_code)[..., None]) * row_amax[:, None, None]) / six_m
+            diff = decoded - xb
+            return _tree_sum_last(diff * diff)
+
+        pick4 = block_error(codes4, scale4) < block_error(codes6, scale6)
+        scale_code = torch.where(pick4, scale4, scale6)
+        codes = torch.where(pick4[..., None], codes4, codes6)
+    codes = codes.reshape(xb.shape[0], k)
+    data = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    return NVFP4Tensor(
+        data=data.reshape(*lead_shape, k // 2),
+        scales=scale_code.reshape(*lead_shape, k // NVFP4_BLOCK).view(torch.float8_e4m3fn),
+        amax=row_amax.reshape(lead_shape).contiguous(),
+        e4m3_max=e4m3_max,
+    )
+
+
+def _check_nvfp4(q) -> None:
+    if not isinstance(q, NVFP4Tensor):
+        raise TypeError(f"expected an NVFP4Tensor, got {type(q).__name__}")
+    k = q.data.shape[-1] * 2
+    if q.data.dtype != torch.uint8 or q.scales.shape[-1] * NVFP4_BLOCK != k or q.amax.shape != q.data.shape[:-1]:
+        raise ValueError("inconsistent NVFP4Tensor: data uint8 [..., K/2], scales [..., K/16], amax [...] expected; "
+                         f"got data {tuple(q.data.shape)} {q.data.dtype}, scales {tuple(q.scales.shape)}, "
+                         f"amax {tuple(q.amax.shape)}")
+
+
+def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32, impl: str = "auto") -> torch.Tensor:
+    """NVFP4Tensor -> dense [..., K] in `dtype` (values computed in fp32, then rounded)."""
+    _check_nvfp4(q)
+    if _use_cuda(impl, q.data):
+        return _cuda_formats().nvfp4_dequantize(q, dtype)
+    return _nvfp4_dequantize_reference(q).to(dtype)
+
+
+def _nvfp4_dequantize_reference(q: NVFP4Tensor) -> torch.Tensor:
+    device = q.data.device
+    data = q.data.to(torch.int64)
+    codes = torch.stack((data & 0xF, data >> 4), dim=-1).reshape(*q.data.shape[:-1], q.scales.shape[-1], NVFP4_BLOCK)
+    scale = e4m3_decode(q.scales.view(torch.uint8))
+    final = (scale * q.amax.float()[..., None]) * _f32(1.0 / (6.0 * q.e4m3_max), device)
+    values = e2m1_decode(codes) * final[..., None]
+    return values.reshape(*q.data.shape[:-1], q.data.shape[-1] * 2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# MXFP8
+# ----------------------------------------------------------------------------------------------------------
+def mxfp8_quantize(x: torch.Tensor, rounding: str = "nearest", seed: int = 0, impl: str = "auto") -> MXFP8Tensor:
+    """Quantize x [..., K] (K % 32 == 0) to MXFP8: E4M3 elements, UE8M0 scale per 32 (NVIDIA rule).
+
+    rounding: "nearest" (RNE) or "stochastic" (counter-based random bits from (seed, flat element index);
+        the same seed gives the same bits on CPU and GPU; clamped to +-448 before rounding, unbiased).
+    """
+    _check_float_input(x, "x", MX_BLOCK)
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    if _use_cuda(impl, x):
+        return _cuda_formats().mxfp8_quantize(x, rounding, seed)
+    return _mxfp8_quantize_reference(x.float(), rounding, seed)
+
+
+def _mxfp8_quantize_reference(xf: torch.Tensor, rounding: str, seed: int) -> MXFP8Tensor:
+    k = xf.shape[-1]
+    xb = xf.reshape(_num_rows(xf), k // MX_BLOCK, MX_BLOCK)
+    block_amax = _nan_to_zero_abs(xb).amax(dim=-1) if xb.numel() else xb.new_zeros(xb.shape[:-1])
+    scale = ue8m0_mxfp8_scale(block_amax)
+    b = scale.to(torch.int64)
+    p = _pow2(127 - torch.clamp(b, max=254))
+    p = torch.where(b == 255, torch.full_like(p, float("nan")), p)
+    v = xb * p[..., None]
+    if rounding == "nearest":
+        codes = e4m3_encode(v)
+    else:
+        index = torch.arange(v.numel(), device=v.device, dtype=torch.int64).reshape(v.shape)
+        codes = _e4m3_stochastic(v, rbits(seed, index))
+    return MXFP8Tensor(data=codes.reshape(xf.shape).view(torch.float8_e4m3fn),
+                       scales=scale.reshape(*xf.shape[:-1], k // MX_BLOCK).view(torch.float8_e8m0fnu))
+
+
+def mxfp8_dequantize(m: MXFP8Tensor, dtype: torch.dtype = torch.float32, impl: str = "auto") -> torch.Tensor:
+    """MXFP8Tensor -> dense [..., K] in `dtype`."""
+    if not isinstance(m, MXFP8Tensor):
+        raise TypeError(f"expected an MXFP8Tensor, got {type(m).__name__}")
+    if m.scales.shape[-1] * MX_BLOCK != m.data.shape[-1]:
+        raise ValueError(f"inconsistent MXFP8Tensor: data {tuple(m.data.shape)}, scales {tuple(m.scales.shape)}")
+    if _use_cuda(impl, m.data):
+        return _cuda_formats().mxfp8_dequantize(m, dtype)
+    k = m.data.shape[-1]
+    values = e4m3_decode(m.data.view(torch.uint8)).reshape(*m.data.shape[:-1], k // MX_BLOCK, MX_BLOCK)
+    values = values * ue8m0_decode(m.scales)[..., None]
+    return values.reshape(m.data.shape).to(dtype)
+
+
+def nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str = "stochastic", seed: int = 0,
+                              impl: str = "auto") -> MXFP8Tensor:
+    """Requantize a saved NVFP4 activation [R, K] to MXFP8 along the other axis: returns [K, R] MXFP8.
+
+    Dequantize (fp32), transpose, quantize blocks of 32 along R (R % 32 == 0) — what the weight-gradient
+    GEMM of backward needs. Stochastic rounding uses the flat index of the [K, R] output.
+    """
+    _check_nvfp4(q)
+    if q.data.dim() != 2:
+        raise ValueError(f"nvfp4_to_mxfp8_transposed expects a 2-D NVFP4Tensor, got {q.data.dim()}-D")
+    rows = q.data.shape[0]
+    if rows % MX_BLOCK != 0 or rows == 0:
+        raise ValueError(f"the row count ({rows}) must be a positive multiple of {MX_BLOCK}")
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    if _use_cuda(impl, q.data):
+        return _cuda_formats().nvfp4_to_mxfp8_transposed(q, rounding, seed)
+    dense = _nvfp4_dequantize_reference(q)
+    return _mxfp8_quantize_reference(dense.t().contiguous(), rounding, seed)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# RHT-32 and S2F6
+# ----------------------------------------------------------------------------------------------------------
+def _signs(sign_mask: int, device) -> torch.Tensor:
+    if not isinstance(sign_mask, int) or not 0 <= sign_mask < 2**32:
+        raise ValueError(f"sign_mask must be a 32-bit unsigned int, got {sign_mask!r}")
+    bits = [(sign_mask >> i) & 1 for i in range(32)]
+    return torch.tensor([-1.0 if bit else 1.0 for bit in bits], dtype=torch.float32, device=device)
+
+
+def _fwht32_scaled(v: torch.Tensor) -> torch.Tensor:
+    """Unnormalized FWHT over the last axis (32) in NUMERICS order, then times fp32(1/sqrt(32))."""
+    lead = v.shape[:-1]
+    for h in (1, 2, 4, 8, 16):
+        pairs = v.reshape(*lead, 32 // (2 * h), 2, h)
+        low, high = pairs[..., 0, :], pairs[..., 1, :]
+        v = torch.stack((low + high, low - high), dim=-2).reshape(*lead, 32)
+    return v * _f32(1.0 / math.sqrt(32.0), v.device)
+
+
+def rht(x: torch.Tensor, sign_mask: int = DEFAULT_SIGN_MASK) -> torch.Tensor:
+    """Random Hadamard transform on each aligned 32-chunk of the last axis: y = H32 (s * x) / sqrt(32). fp32 out."""
+    _check_float_input(x, "x", MX_BLOCK)
+    xf = x.float()
+    chunks = xf.reshape(*xf.shape[:-1], xf.shape[-1] // 32, 32) * _signs(sign_mask, x.device)
+    return _fwht32_scaled(chunks).reshape(xf.shape)
+
+
+def inverse_rht(y: torch.Tensor, sign_mask: int = DEFAULT_SIGN_MASK) -> torch.Tensor:
+    """Inverse of `rht`: x = s * (H32 y) / sqrt(32). fp32 out."""
+    _check_float_input(y, "y", MX_BLOCK)
+    yf = y.float()
+    chunks = _fwht32_scaled(yf.reshape(*yf.shape[:-1], yf.shape[-1] // 32, 32))
+    return (chunks * _signs(sign_mask, y.device)).reshape(yf.shape)
+
+
+def s2f6_quantize(x: torch.Tensor, hadamard: bool = True, sign_mask: int = DEFAULT_SIGN_MASK,
+                  impl: str = "auto") -> S2F6Tensor:
+    """Quantize x [..., K] (K % 32 == 0) to S2F6 with a UE8M0 scale per 32, after the RHT-32 if `hadamard`.
+
+    8.25 bits per value. The scale is the smallest power of two for which the block never saturates.
+    """
+    _check_float_input(x, "x", MX_BLOCK)
+    _signs(sign_mask, "cpu")
+    if _use_cuda(impl, x):
+        return _cuda_formats().s2f6_quantize(x, hadamard, sign_mask)
+    return _s2f6_quantize_reference(x, hadamard, sign_mask)
+
+
+def _s2f6_quantize_reference(x: torch.Tensor, hadamard: bool, sign_mask: int) -> S2F6Tensor:
+    v = rht(x, sign_mask) if hadamard else x.float()
+    k = v.shape[-1]
+    vb = v.reshape(_num_rows(v), k // MX_BLOCK, MX_BLOCK)
+    block_amax = _nan_to_zero_abs(vb).amax(dim=-1) if vb.numel() else vb.new_zeros(vb.shape[:-1])
+    scale = ue8m0_s2f6_scale(block_amax)
+    p = _pow2(127 - scale.to(torch.int64))
+    t = (vb * p[..., None]) * _f32(64.0, v.device)
+    codes = torch.round(t).clamp(-128, 127)
+    codes = torch.where(torch.isnan(t), torch.full_like(codes, 127), codes).to(torch.int8)
+    return S2F6Tensor(data=codes.reshape(v.shape), scales=scale.reshape(*v.shape[:-1], k // MX_BLOCK).view(
+        torch.float8_e8m0fnu), hadamard=hadamard, sign_mask=sign_mask)
+
+
+def _check_s2f6(s) -> None:
+    if not isinstance(s, S2F6Tensor):
+        raise TypeError(f"expected an S2F6Tensor, got {type(s).__name__}")
+    if s.data.dtype != torch.int8 or s.scales.shape[-1] * MX_BLOCK != s.data.shape[-1]:
+        raise ValueError(f"inconsistent S2F6Tensor: data {tuple(s.data.shape)} {s.data.dtype}, "
+                         f"scales {tuple(s.scales.shape)}")
+
+
+def _s2f6_decode_rotated(s: S2F6Tensor) -> torch.Tensor:
+    """S2F6 -> fp32 values in the quantized (rotated) domain, no inverse RHT."""
+    k = s.data.shape[-1]
+    codes = s.data.float().reshape(*s.data.shape[:-1], k // MX_BLOCK, MX_BLOCK)
+    values = (codes * _f32(2.0 ** -6, s.data.device)) * ue8m0_decode(s.scales)[..., None]
+    return values.reshape(s.data.shape)
+
+
+def s2f6_dequantize(s: S2F6Tensor, dtype: torch.dtype = torch.float32, impl: str = "auto") -> torch.Tensor:
+    """S2F6Tensor -> dense [..., K] (inverse RHT applied when s.hadamard)."""
+    _check_s2f6(s)
+    if _use_cuda(impl, s.data):
+        return _cuda_formats().s2f6_dequantize(s, dtype)
+    values = _s2f6_decode_rotated(s)
+    if s.hadamard:
+        values = inverse_rht(values, s.sign_mask)
+    return values.to(dtype)
+
+
+def s2f6_dequantize_accumulate(s: S2F6Tensor, row_index: torch.Tensor, weights: Optional[torch.Tensor] = None,
+                               out_dtype: torch.dtype = torch.bfloat16, impl: str = "auto") -> torch.Tensor:
+    """The receive side of combine: out[m] = invRHT(sum_j w[m, j] * deq(s[row_index[m, j]])) -> out_dtype.
+
+    s: S2F6Tensor [N, K]; row_index: int [M, J] (row of s, or -1 to skip); weights: float32 [M, J] or None.
+    The sum runs in fp32 in ascending j (acc = acc + w * v), in the rotated domain; the inverse RHT is
+    applied once (when s.hadamard). Rows whose every index is -1 come out as zeros.
+    """
+    _check_s2f6(s)
+    if s.data.dim() != 2:
+        raise ValueError(f"s must be 2-D [N, K], got {tuple(s.data.shape)}")
+    if not isinstance(row_index, torch.Tensor) or row_index.dim() != 2 or row_index.dtype not in (
+            torch.int32, torch.int64):
+        raise TypeError("row_index must be an int32/int64 tensor [M, J]")
+    if row_index.device != s.data.device:
+        raise ValueError(f"row_index is on {row_index.device} but s is on {s.data.device}")
+    if weights is not None and (weights.shape != row_index.shape or weights.dtype != torch.float32):
+        raise ValueError(f"weights must be float32 of shape {tuple(row_index.shape)}, got "
+                         f"{tuple(weights.shape)} {weights.dtype}")
+    if _use_cuda(impl, s.data, row_index):
+        return _cuda_formats().s2f6_dequantize_accumulate(s, row_index, weights, out_dtype)
+    values = _s2f6_decode_rotated(s)
+    return _accumulate_rows(values, row_index, weights, s.sign_mask if s.hadamard else None).to(out_dtype)
+
+
+def _accumulate_rows(values: torch.Tensor, row_index: torch.Tensor, weights: Optional[torch.Tensor],
+                     sign_mask: Optional[int]) -> torch.Tensor:
+    """acc[m] = sum_j w[m, j] * values[row_index[m, j]] in ascending j (fp32); inverse RHT if sign_mask given."""
+    num_out, num_terms = row_index.shape
+    acc = torch.zeros(num_out, values.shape[-1], dtype=torch.float32, device=values.device)
+    if values.shape[0] == 0:
+        values = values.new_zeros(1, values.shape[-1])
+    for j in range(num_terms):
+        index = row_index[:, j].to(torch.int64)
+        valid = index >= 0
+        term = values[index.clamp(min=0)]
+        if weights is not None:
+            term = term * weights[:, j:j + 1]
+        acc = torch.where(valid[:, None], acc + term, acc)
+    if sign_mask is not None:
+        acc = inverse_rht(acc, sign_mask)
+    return acc

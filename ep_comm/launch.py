@@ -1,0 +1,91 @@
+"""Run a function on N local ranks (one process each): free port, gloo or NCCL, a hard timeout.
+
+Used by the main job (`python -m ep_comm.bench`), the benchmarks and the tests. The worker gets
+(rank, world_size, *args) and returns a picklable value. A rank that raises reports its traceback; a run
+that exceeds `timeout_s` (a hang) kills every child and raises with the ranks that did not finish — it
+never waits forever. Spawning imports torch in every child, so callers run many cases per spawn.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue as queue_module
+import socket
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank, world_size, port, backend, worker, args, results, collective_timeout_s):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(GPU_ENV)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=collective_timeout_s))
+        value = worker(rank, world_size, *args)
+        results.put((rank, "ok", value))
+    except BaseException:  # report everything, including assertion failures, to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_ranks(worker, world_size: int, *args, backend: str = "gloo", timeout_s: float = 600.0):
+    """Run worker(rank, world_size, *args) on `world_size` spawned processes; return the per-rank results."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    collective_timeout_s = max(30.0, timeout_s / 2)
+    processes = [ctx.Process(target=_entry, daemon=True,
+                             args=(rank, world_size, port, backend, worker, args, results, collective_timeout_s))
+                 for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout_s
+    outcome = {}
+    try:
+        while len(outcome) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(outcome))
+                raise AssertionError(f"ranks {missing} did not finish within {timeout_s:.0f} s (hang?); "
+                                     f"finished: {sorted(outcome)}")
+            try:
+                rank, status, value = results.get(timeout=min(remaining, 5.0))
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in outcome]
+                if dead:
+                    raise AssertionError(f"ranks {dead} died without reporting (exit codes "
+                                         f"{[processes[r].exitcode for r in dead]})")
+                continue
+            outcome[rank] = (status, value)
+            if status == "error":
+                break
+    finally:
+        for process in processes:
+            process.join(timeout=10 if len(outcome) == world_size else 1)
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+    errors = {rank: value for rank, (status, value) in outcome.items() if status == "error"}
+    if errors:
+        rank = min(errors)
+        raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
+    return [outcome[rank][1] for rank in range(world_size)]

@@ -1,0 +1,152 @@
+"""Configuration and result types shared by every backend.
+
+Everything here is a frozen dataclass: configs are fixed at `Buffer` creation (static capacity is what
+makes the fast path CUDA-graph capturable), results are named instead of long tuples.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+
+DISPATCH_FORMATS = ("nvfp4", "mxfp8", "bf16")
+COMBINE_FORMATS = ("s2f6", "bf16")
+BACKENDS = ("auto", "reference", "nvlink")
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    """Static bounds and formats of one expert-parallel group (identical on every rank).
+
+    hidden: H, a multiple of 32 (NVFP4 blocks are 16 wide, S2F6/RHT and MXFP8 blocks 32).
+    num_experts: global expert count E, divisible by the world size W; expert e lives on rank e // (E / W).
+    num_topk: K, top-k slots per token (a slot holding -1 is masked and contributes nothing).
+    max_tokens_per_rank: T_max, the most tokens any rank passes to one dispatch call.
+    expert_alignment: each expert's segment of the received layout starts at a multiple of this (>= 1);
+        padding rows are zero and carry src_rank = src_token = -1, weight 0.
+    dispatch_format / combine_format: wire formats ("nvfp4" | "mxfp8" | "bf16", "s2f6" | "bf16").
+    rht_sign_mask: 32-bit sign vector of the combine RHT (bit i set -> sign -1 on element i of each chunk).
+    num_sms: SMs the fast backend's communication kernels may use (<= 24 by default policy).
+    timeout_s: a fast-backend wait on a peer longer than this raises, naming rank and stage.
+    """
+
+    hidden: int
+    num_experts: int
+    num_topk: int
+    max_tokens_per_rank: int
+    world_size: int
+    dispatch_format: str = "nvfp4"
+    combine_format: str = "s2f6"
+    expert_alignment: int = 1
+    rht_sign_mask: int = 0x6A09E667
+    num_sms: int = 24
+    timeout_s: float = 10.0
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.world_size
+
+    @property
+    def max_recv_rows(self) -> int:
+        """Upper bound on rows of the expert-major receive layout (padding included)."""
+        per_src = self.max_tokens_per_rank * min(self.num_topk, self.num_local_experts)
+        return self.world_size * per_src + self.num_local_experts * (self.expert_alignment - 1)
+
+    def validate(self) -> None:
+        if self.hidden <= 0 or self.hidden % 32 != 0:
+            raise ValueError(f"hidden must be a positive multiple of 32 (NVFP4 blocks are 16, S2F6/RHT blocks 32); "
+                             f"got {self.hidden}")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.num_experts <= 0 or self.num_experts % self.world_size != 0:
+            raise ValueError(f"num_experts ({self.num_experts}) must be a positive multiple of the world size "
+                             f"({self.world_size})")
+        if not 1 <= self.num_topk <= self.num_experts:
+            raise ValueError(f"num_topk must be in [1, num_experts]; got {self.num_topk}")
+        if self.max_tokens_per_rank < 1:
+            raise ValueError(f"max_tokens_per_rank must be >= 1, got {self.max_tokens_per_rank}")
+        if self.dispatch_format not in DISPATCH_FORMATS:
+            raise ValueError(f"dispatch_format must be one of {DISPATCH_FORMATS}, got {self.dispatch_format!r}")
+        if self.combine_format not in COMBINE_FORMATS:
+            raise ValueError(f"combine_format must be one of {COMBINE_FORMATS}, got {self.combine_format!r}")
+        if self.expert_alignment < 1:
+            raise ValueError(f"expert_alignment must be >= 1, got {self.expert_alignment}")
+        if not 0 <= self.rht_sign_mask < 2**32:
+            raise ValueError("rht_sign_mask must be a 32-bit unsigned integer")
+        if self.num_sms < 1:
+            raise ValueError(f"num_sms must be >= 1, got {self.num_sms}")
+
+    def replace(self, **changes) -> "BufferConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def dispatch_bytes_per_token(fmt: str, hidden: int) -> int:
+    """Wire bytes of one token sent to one destination rank (payload only)."""
+    if fmt == "nvfp4":
+        return hidden // 2 + hidden // 16 + 4      # E2M1 codes + E4M3 scale per 16 + FP32 per-token amax
+    if fmt == "mxfp8":
+        return hidden + hidden // 32               # E4M3 codes + UE8M0 scale per 32
+    if fmt == "bf16":
+        return 2 * hidden
+    raise ValueError(f"unknown dispatch format {fmt!r}")
+
+
+def combine_bytes_per_token(fmt: str, hidden: int) -> int:
+    """Wire bytes of one combined row sent back to its source rank."""
+    if fmt == "s2f6":
+        return hidden + hidden // 32               # int8 codes + UE8M0 scale per 32
+    if fmt == "bf16":
+        return 2 * hidden
+    raise ValueError(f"unknown combine format {fmt!r}")
+
+
+@dataclass(frozen=True)
+class BufferSizes:
+    """Bytes a fast backend needs for a given `BufferConfig` (from `Buffer.get_buffer_size_hint`).
+
+    dispatch_recv_bytes: symmetric receive area for dispatch payload + metadata (per rank).
+    combine_recv_bytes: symmetric receive area for combine rows (per rank).
+    layout_bytes: counts, offsets and flags.
+    expert_layout_bytes: local (non-symmetric) expert-major output tensors.
+    total_symmetric_bytes: what each rank allocates in symmetric memory.
+    """
+
+    dispatch_recv_bytes: int
+    combine_recv_bytes: int
+    layout_bytes: int
+    expert_layout_bytes: int
+    total_symmetric_bytes: int
+
+
+@dataclass(frozen=True)
+class DispatchResult:
+    """What `Buffer.dispatch` returns on the expert rank.
+
+    x: received tokens in expert-major layout, R rows (all rows of local expert 0, then 1, ...; each
+       segment starts at a multiple of `expert_alignment`; padding rows are zero). Type by format:
+       NVFP4Tensor (data uint8 [R, H/2], scales float8_e4m3fn [R, H/16], amax float32 [R]),
+       MXFP8Tensor (data float8_e4m3fn [R, H], scales float8_e8m0fnu [R, H/32]), or bf16 tensor [R, H].
+    num_tokens_per_expert: int32 [E_local] on the device, rows per local expert (padding excluded).
+    expert_offsets: int32 [E_local + 1]; segment j is rows [expert_offsets[j], expert_offsets[j] +
+       num_tokens_per_expert[j]); expert_offsets[E_local] = R_valid, the rows in use (padding included).
+    src_rank, src_token: int32 [R]: where each row came from (-1 on padding and unused rows).
+    topk_slot: int32 [R]: which top-k slot of the source token chose this expert (-1 on padding).
+    topk_weight: float32 [R]: that slot's routing weight (0 on padding).
+    handle: opaque object `combine` needs (backend-specific).
+    num_rows: R, the row count of the returned tensors. The reference backend returns exactly the rows in
+       use; the nvlink backend returns its fixed capacity (rows past expert_offsets[-1] are unused).
+
+    Rows inside one expert segment are in canonical order: by source rank, then source token index.
+    """
+
+    x: Any
+    num_tokens_per_expert: torch.Tensor
+    expert_offsets: torch.Tensor
+    src_rank: torch.Tensor
+    src_token: torch.Tensor
+    topk_slot: torch.Tensor
+    topk_weight: torch.Tensor
+    handle: Any
+    num_rows: int

@@ -1,0 +1,137 @@
+"""Build and install ep_comm.
+
+The C++/CUDA core `ep_comm._C` is a torch-free pybind11 module compiled with nvcc directly (no
+torch.utils.cpp_extension: a CPU-only torch wheel cannot build CUDA extensions, and keeping torch headers
+out keeps builds fast and independent of one torch ABI).
+
+Environment:
+  EP_COMM_BUILD_CUDA   auto (default): build `_C` when nvcc is found, else install pure Python;
+                       0: never build; 1: build or fail loudly.
+  EP_COMM_CUDA_ARCHS   semicolon list of targets, default "90a" (H100/H200). "90a;100a" also compiles the
+                       Blackwell-native paths (sm_100a), which CI does as a compile check.
+  EP_COMM_NVCC_THREADS parallel compile jobs (default: number of CPUs).
+  CUDA_HOME            CUDA install (default: the directory above `nvcc` on PATH, or /usr/local/cuda).
+"""
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+def find_cuda_home():
+    if os.environ.get("CUDA_HOME"):
+        return Path(os.environ["CUDA_HOME"])
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return Path(nvcc).resolve().parent.parent
+    if Path("/usr/local/cuda/bin/nvcc").exists():
+        return Path("/usr/local/cuda")
+    return None
+
+
+def gencode_flags(archs):
+    flags = []
+    for arch in archs:
+        arch = arch.strip()
+        if not arch:
+            continue
+        # The -gencode form: `-arch=sm_90a` would also run a plain sm_90 pass that rejects wgmma.
+        flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
+    return flags
+
+
+class CudaBuild(build_ext):
+    """Compiles csrc/*.cu with nvcc and csrc/*.cpp with the host compiler, links one shared module."""
+
+    def build_extension(self, ext):
+        mode = os.environ.get("EP_COMM_BUILD_CUDA", "auto").lower()
+        cuda_home = find_cuda_home()
+        nvcc = cuda_home / "bin" / "nvcc" if cuda_home else None
+        if nvcc is None or not nvcc.exists():
+            if mode == "1":
+                raise RuntimeError("EP_COMM_BUILD_CUDA=1 but nvcc was not found (set CUDA_HOME)")
+            print("ep_comm: nvcc not found; installing the pure-Python package without ep_comm._C")
+            return
+        try:
+            self._build(ext, cuda_home, nvcc)
+        except Exception:
+            if mode == "1":
+                raise
+            print("ep_comm: building ep_comm._C FAILED (EP_COMM_BUILD_CUDA=auto); the pure-Python package is "
+                  "installed and `import ep_comm` reports why the CUDA path is unavailable", file=sys.stderr)
+            raise
+
+    def _build(self, ext, cuda_home, nvcc):
+        import pybind11
+
+        archs = os.environ.get("EP_COMM_CUDA_ARCHS", "90a").replace(",", ";").split(";")
+        build_dir = Path(self.build_temp) / "ep_comm_C"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        includes = [f"-I{ROOT / 'csrc'}", f"-I{cuda_home / 'include'}", f"-I{pybind11.get_include()}",
+                    f"-I{sysconfig.get_paths()['include']}"]
+        cu_sources = sorted((ROOT / "csrc").glob("*.cu"))
+        cpp_sources = sorted((ROOT / "csrc").glob("*.cpp"))
+        cxx = os.environ.get("CXX", "c++")
+        jobs = []
+        for src in cu_sources:
+            obj = build_dir / (src.stem + ".cu.o")
+            # No --use_fast_math and no FMA contraction: the format kernels must be bit-identical to the
+            # reference (docs/NUMERICS.md); kernels that want FMAs write them explicitly.
+            cmd = [str(nvcc), "-c", str(src), "-o", str(obj), "-O3", "-std=c++17", "--fmad=false",
+                   "-Xcompiler", "-fPIC", "-lineinfo", "--expt-relaxed-constexpr",
+                   *gencode_flags(archs), *includes]
+            jobs.append((src, obj, cmd))
+        for src in cpp_sources:
+            obj = build_dir / (src.stem + ".cpp.o")
+            cmd = [cxx, "-c", str(src), "-o", str(obj), "-O2", "-std=c++17", "-fPIC",
+                   "-fvisibility=hidden", *includes]
+            jobs.append((src, obj, cmd))
+
+        def run(job):
+            src, obj, cmd = job
+            if obj.exists() and obj.stat().st_mtime > max(
+                    [src.stat().st_mtime] + [h.stat().st_mtime for h in (ROOT / "csrc").glob("*.h*")]
+                    + [h.stat().st_mtime for h in (ROOT / "csrc").glob("*.cuh")]):
+                return obj
+            print(" ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True)
+            return obj
+
+        threads = int(os.environ.get("EP_COMM_NVCC_THREADS", os.cpu_count() or 1))
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            objects = list(pool.map(run, jobs))
+        out = Path(self.get_ext_fullpath(ext.name))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        lib_dir = cuda_home / "lib64"
+        if not lib_dir.exists():
+            lib_dir = cuda_home / "lib"
+        # The CUDA runtime is linked statically: the module then needs only the driver (libcuda) at run time.
+        link = [cxx, "-shared", "-o", str(out), *map(str, objects), f"-L{lib_dir}", "-lcudart_static",
+                "-ldl", "-lrt", "-lpthread"]
+        print(" ".join(link), flush=True)
+        subprocess.run(link, check=True)
+
+
+setup(
+    name="ep_comm",
+    version="0.1.0",
+    description="Quantized expert-parallel dispatch/combine (NVFP4 dispatch, RHT+S2F6 combine) for MoE",
+    packages=find_packages(include=["ep_comm", "ep_comm.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "numpy"],
+    extras_require={
+        "test": ["pytest>=7"],
+        "nvlink": ["nvshmem4py-cu13", "cuda-python"],
+    },
+    ext_modules=[Extension("ep_comm._C", sources=[])],
+    cmdclass={"build_ext": CudaBuild},
+    zip_safe=False,
+)

@@ -1,0 +1,190 @@
+"""Worker functions run on every rank by tests/harness.run_ranks (many cases per spawn)."""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+import ep_comm
+from oracle import Case, expected_combine, expected_dispatch, make_inputs, run_expert
+from ep_comm.backends.reference import pack_dispatch_payload
+
+
+def _device(backend_kind: str):
+    return torch.device("cuda", torch.cuda.current_device()) if backend_kind != "cpu" else torch.device("cpu")
+
+
+def _payload_bytes(result_x, fmt: str) -> torch.Tensor:
+    if fmt == "nvfp4":
+        return torch.cat([result_x.data, result_x.scales.view(torch.uint8),
+                          result_x.amax.reshape(-1, 1).view(torch.uint8)], dim=1)
+    if fmt == "mxfp8":
+        return torch.cat([result_x.data.view(torch.uint8), result_x.scales.view(torch.uint8)], dim=1)
+    return result_x.view(torch.uint8)
+
+
+def check_dispatch(case: Case, rank: int, world: int, result, inputs) -> None:
+    """Compare a DispatchResult with the oracle: layout, metadata and payload bytes, padding."""
+    expected = expected_dispatch(case, rank, world, inputs)
+    num_local = case.num_experts // world
+    counts = result.num_tokens_per_expert.cpu().tolist()
+    offsets = result.expert_offsets.cpu().tolist()
+    assert counts == [len(e) for e in expected.entries], (case.name, counts)
+    assert offsets[0] == 0
+    payload = _payload_bytes(result.x, case.dispatch_format).cpu()
+    src_rank, src_token = result.src_rank.cpu(), result.src_token.cpu()
+    slot, weight = result.topk_slot.cpu(), result.topk_weight.cpu()
+    for j in range(num_local):
+        start, count = offsets[j], counts[j]
+        assert start % case.expert_alignment == 0, (case.name, j, start)
+        assert offsets[j + 1] - start == -(-count // case.expert_alignment) * case.expert_alignment
+        for i, (s, t, k, w) in enumerate(expected.entries[j]):
+            row = start + i
+            assert (int(src_rank[row]), int(src_token[row]), int(slot[row])) == (s, t, k), (case.name, j, i)
+            assert float(weight[row]) == w, (case.name, j, i)
+            assert torch.equal(payload[row], expected.payload_rows[(s, t)]), (case.name, "payload", j, i)
+        padding = slice(start + count, offsets[j + 1])
+        assert (src_rank[padding] == -1).all() and (src_token[padding] == -1).all() and (slot[padding] == -1).all()
+        assert (weight[padding] == 0).all() and (payload[padding] == 0).all(), (case.name, "padding", j)
+
+
+def run_case(case: Case, rank: int, world: int, backend: str, device, repeat_check: bool = False) -> dict:
+    inputs = [make_inputs(case, r, world) for r in range(world)]
+    x, topk_idx, weights = (t.to(device) for t in inputs[rank])
+    buf = ep_comm.Buffer(None, hidden=case.hidden, num_experts=case.num_experts, num_topk=case.num_topk,
+                         max_tokens_per_rank=case.max_tokens, dispatch_format=case.dispatch_format,
+                         combine_format=case.combine_format, expert_alignment=case.expert_alignment,
+                         backend=backend)
+    hashes = []
+    with buf:
+        for _ in range(2 if repeat_check else 1):
+            result = buf.dispatch(x, topk_idx, weights)
+            check_dispatch(case, rank, world, result, inputs)
+            expert_out = run_expert(result, case, rank, world).to(device)
+            digest = hashlib.sha256()
+            for local_reduce in (True, False):
+                got = buf.combine(expert_out, result.handle, local_reduce=local_reduce).cpu()
+                want = expected_combine(case, rank, world, inputs, local_reduce)
+                assert got.dtype == torch.bfloat16 and got.shape == want.shape
+                if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+                    bad = (got.float() - want.float()).abs().max().item()
+                    raise AssertionError(f"{case.name}: combine(local_reduce={local_reduce}) differs from the "
+                                         f"oracle, max abs diff {bad}")
+                digest.update(got.view(torch.int16).numpy().tobytes())
+            hashes.append(digest.hexdigest())
+    if repeat_check:
+        assert hashes[0] == hashes[1], f"{case.name}: two identical runs differ"
+    return {"case": case.name, "hash": hashes[0]}
+
+
+def standard_cases(world: int, hidden: int = 256):
+    uneven = tuple(11 + 5 * r for r in range(world))
+    empty = tuple(0 if r == 1 else 9 + r for r in range(world))
+    experts = 4 * world
+    return [
+        Case("nvfp4_s2f6_uniform", hidden, experts, 4, uneven, "uniform"),
+        Case("mxfp8_bf16_masked_align4", hidden, experts, 3, uneven, "masked", "mxfp8", "bf16", 4, seed=1),
+        Case("bf16_bf16_skewed", hidden, experts, 2, uneven, "skewed", "bf16", "bf16", seed=2),
+        Case("nvfp4_s2f6_all_to_one_align8", hidden, experts, 2, uneven, "all_to_one", expert_alignment=8, seed=3),
+        Case("nvfp4_bf16_empty_rank", hidden, 8 * world, 2, empty, "uniform", "nvfp4", "bf16", seed=4),
+        Case("bf16_s2f6_masked", hidden, experts, 4, uneven, "masked", "bf16", "s2f6", seed=5),
+        Case("bf16_bf16_order", hidden, experts, 4, uneven, "cancel", "bf16", "bf16", seed=6),
+        Case("bf16_s2f6_order", hidden, experts, 4, uneven, "cancel", "bf16", "s2f6", seed=6),
+    ]
+
+
+def semantics_worker(rank: int, world: int, backend: str = "reference", device_kind: str = "cpu",
+                     hidden: int = 256):
+    """Every standard case against the oracle; the first twice (bitwise determinism)."""
+    device = _device(device_kind)
+    summaries = []
+    for index, case in enumerate(standard_cases(world, hidden)):
+        summaries.append(run_case(case, rank, world, backend, device, repeat_check=(index == 0)))
+    summaries.append(identity_roundtrip(rank, world, backend, device, hidden))
+    return summaries
+
+
+def identity_roundtrip(rank: int, world: int, backend: str, device, hidden: int) -> dict:
+    """Identity routing, unit weights: combine(dispatch(x)) == x for bf16, within the format error otherwise."""
+    errors = {}
+    for dispatch_format, combine_format in (("bf16", "bf16"), ("nvfp4", "s2f6"), ("mxfp8", "s2f6")):
+        case = Case("identity", hidden, 2 * world, 1, tuple(64 for _ in range(world)), "uniform",
+                    dispatch_format, combine_format, unit_weights=True, seed=7)
+        x, topk_idx, weights = (t.to(device) for t in make_inputs(case, rank, world))
+        with ep_comm.Buffer(None, hidden=hidden, num_experts=case.num_experts, num_topk=1, max_tokens_per_rank=64,
+                            dispatch_format=dispatch_format, combine_format=combine_format,
+                            backend=backend) as buf:
+            result = buf.dispatch(x, topk_idx, weights)
+            if dispatch_format == "bf16":
+                expert_out = result.x
+            elif dispatch_format == "nvfp4":
+                expert_out = ep_comm.formats.nvfp4_dequantize(result.x, dtype=torch.bfloat16)
+            else:
+                expert_out = ep_comm.formats.mxfp8_dequantize(result.x, dtype=torch.bfloat16)
+            y = buf.combine(expert_out, result.handle)
+        if dispatch_format == "bf16":
+            assert torch.equal(y.view(torch.int16), x.view(torch.int16)), "bf16 identity round trip is not exact"
+        error = ((y.float() - x.float()).norm() / x.float().norm()).item()
+        bound = {"bf16": 0.0, "nvfp4": 0.12, "mxfp8": 0.05}[dispatch_format]
+        assert error <= bound, f"identity {dispatch_format}/{combine_format}: relative error {error:.4f} > {bound}"
+        errors[f"{dispatch_format}/{combine_format}"] = error
+    return {"case": "identity", "errors": errors}
+
+
+def _expect(error_type, text, fn):
+    try:
+        fn()
+    except error_type as error:
+        assert text in str(error), f"expected {text!r} in {error!r}"
+        return
+    raise AssertionError(f"expected {error_type.__name__} containing {text!r}")
+
+
+def errors_worker(rank: int, world: int, backend: str = "reference", device_kind: str = "cpu"):
+    """Bad input gives clear errors on every rank (and no rank hangs)."""
+    device = _device(device_kind)
+    hidden, experts, topk = 64, 4 * world, 2
+    _expect(ValueError, "multiple of 32", lambda: ep_comm.Buffer(
+        None, hidden=48, num_experts=experts, num_topk=topk, max_tokens_per_rank=8, backend=backend))
+    _expect(ValueError, "differ between", lambda: ep_comm.Buffer(
+        None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8, backend=backend,
+        dispatch_format="nvfp4" if rank == 0 else "mxfp8"))
+    buf = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8,
+                         backend=backend)
+    x = torch.randn(4, hidden, device=device).to(torch.bfloat16)
+    idx = torch.tensor([[0, 1], [2, 3], [1, -1], [-1, -1]], device=device)
+    w = torch.rand(4, topk, device=device)
+    _expect(TypeError, "bfloat16", lambda: buf.dispatch(x.float(), idx, w))
+    _expect(ValueError, "[num_tokens, 64]", lambda: buf.dispatch(x[:, :32], idx, w))
+    _expect(ValueError, "max_tokens_per_rank", lambda: buf.dispatch(
+        torch.zeros(9, hidden, dtype=torch.bfloat16, device=device), torch.zeros(9, topk, dtype=torch.int64,
+                                                                                   device=device),
+        torch.zeros(9, topk, device=device)))
+    _expect(ValueError, "must be in [-1", lambda: buf.dispatch(x, idx + experts, w))
+    _expect(ValueError, "must be in [-1", lambda: buf.dispatch(x, idx - 1, w))
+    _expect(ValueError, "same expert", lambda: buf.dispatch(x, torch.tensor([[0, 0], [2, 3], [1, -1], [-1, -1]],
+                                                                             device=device), w))
+    _expect(TypeError, "int32 or int64", lambda: buf.dispatch(x, idx.float(), w))
+    _expect(TypeError, "float32", lambda: buf.dispatch(x, idx, w.double()))
+    _expect(ValueError, "topk_idx must be", lambda: buf.dispatch(x, idx[:, :1], w))
+    result = buf.dispatch(x, idx, w)
+    _expect(ValueError, "expert_out must be", lambda: buf.combine(
+        torch.zeros(result.num_rows + 1, hidden, dtype=torch.bfloat16, device=device), result.handle))
+    _expect(TypeError, "bfloat16", lambda: buf.combine(
+        torch.zeros(result.num_rows, hidden, device=device), result.handle))
+    y = buf.combine(torch.zeros(result.num_rows, hidden, dtype=torch.bfloat16, device=device), result.handle)
+    assert y.shape == (4, hidden) and not y.float().abs().any()
+    buf.destroy()
+    _expect(RuntimeError, "destroyed", lambda: buf.dispatch(x, idx, w))
+    dist.barrier()
+    return "errors ok"
+
+
+def scaling_worker(rank: int, world: int, backend: str = "reference", device_kind: str = "cpu"):
+    """Two cases at any world size (used for EP8 on CPU and EP4/EP8 on GPUs)."""
+    device = _device(device_kind)
+    tokens = tuple(7 + 3 * r for r in range(world))
+    cases = [Case("scale_nvfp4_s2f6", 128, 4 * world, 4, tokens, "uniform", expert_alignment=2),
+             Case("scale_bf16_masked", 128, 2 * world, 2, tokens, "masked", "bf16", "bf16", seed=9)]
+    return [run_case(case, rank, world, backend, device) for case in cases]

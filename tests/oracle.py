@@ -1,0 +1,170 @@
+"""Inputs and a single-process oracle of dispatch/combine semantics (DESIGN.md §2-3).
+
+Every rank can regenerate every rank's inputs from (case seed, rank), so each process computes what it
+must receive and what combine must return with plain per-token loops — an implementation independent
+of the backends' vectorized routing and collectives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import torch
+
+from ep_comm import formats
+from ep_comm.backends.reference import pack_dispatch_payload, unpack_dispatch_payload
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    hidden: int
+    num_experts: int
+    num_topk: int
+    tokens: tuple          # tokens per rank
+    routing: str           # uniform | masked | skewed | all_to_one | identity
+    dispatch_format: str = "nvfp4"
+    combine_format: str = "s2f6"
+    expert_alignment: int = 1
+    seed: int = 0
+    unit_weights: bool = False
+
+    @property
+    def max_tokens(self) -> int:
+        return max(max(self.tokens), 1)
+
+
+def make_inputs(case: Case, rank: int, world: int, device="cpu"):
+    """x bf16 [T, H] (Gaussian with a few outliers), topk_idx int64 [T, K], topk_weights float32 [T, K]."""
+    gen = torch.Generator().manual_seed(case.seed * 1000 + rank)
+    num_tokens, experts, k = case.tokens[rank], case.num_experts, case.num_topk
+    x = torch.randn(num_tokens, case.hidden, generator=gen)
+    if num_tokens:
+        outliers = torch.randint(0, x.numel(), (max(1, x.numel() // 500),), generator=gen)
+        x.view(-1)[outliers] *= 20.0
+    x = x.to(torch.bfloat16)
+    if case.routing == "skewed":
+        probs = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** 1.2
+        scores = torch.rand(num_tokens, experts, generator=gen, dtype=torch.float64) * probs
+    elif case.routing == "all_to_one":
+        scores = torch.rand(num_tokens, experts, generator=gen, dtype=torch.float64)
+        scores[:, experts // world:] = -1.0  # only rank 0's experts
+    else:
+        scores = torch.rand(num_tokens, experts, generator=gen, dtype=torch.float64)
+    topk_idx = scores.topk(k, dim=1).indices.to(torch.int64)
+    if case.routing == "masked" and num_tokens:
+        masked = torch.rand(num_tokens, k, generator=gen) < 0.3
+        masked[0] = True  # one token with every slot masked
+        topk_idx = torch.where(masked, torch.full_like(topk_idx, -1), topk_idx)
+    if case.unit_weights:
+        weights = torch.ones(num_tokens, k)
+    elif case.routing == "cancel":
+        # Large weights that cancel between slots 0 and 2 make the FP32 summation order visible in the
+        # result, so a backend that sums in another order fails bitwise comparison.
+        pattern = torch.tensor([1.0e7, 1.0, -1.0e7, 3.0])[:k]
+        weights = pattern.repeat(num_tokens, 1) * (1.0 + torch.rand(num_tokens, 1, generator=gen).round())
+    else:
+        weights = torch.rand(num_tokens, k, generator=gen) + 0.05
+    return x.to(device), topk_idx.to(device), weights.to(device)
+
+
+def expert_function(dequantized_rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """The toy expert every test uses: out = bf16(dequantized input * (1 + (e % 7) / 8))."""
+    scale = 1.0 + (experts.to(torch.float32) % 7) / 8.0
+    return (dequantized_rows.float() * scale[:, None]).to(torch.bfloat16)
+
+
+def case_expert_function(case, dequantized_rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Cancel cases use identical experts (out = input), so slot outputs cancel exactly."""
+    if case.routing == "cancel":
+        return dequantized_rows.float().to(torch.bfloat16)
+    return expert_function(dequantized_rows, experts)
+
+
+def dequantize_payload(x, fmt: str) -> torch.Tensor:
+    if fmt == "nvfp4":
+        return formats.nvfp4_dequantize(x, impl="reference")
+    if fmt == "mxfp8":
+        return formats.mxfp8_dequantize(x, impl="reference")
+    return x.float()
+
+
+@dataclass
+class ExpectedDispatch:
+    entries: List[List[tuple]]   # per local expert: [(src_rank, src_token, slot, weight)] in canonical order
+    payload_rows: dict           # (src_rank, src_token) -> uint8 wire row
+
+
+def expected_dispatch(case: Case, rank: int, world: int, inputs) -> ExpectedDispatch:
+    num_local = case.num_experts // world
+    entries = [[] for _ in range(num_local)]
+    payload_rows = {}
+    for src in range(world):
+        x, topk_idx, weights = inputs[src]
+        for token in range(x.shape[0]):
+            for slot in range(case.num_topk):
+                expert = int(topk_idx[token, slot])
+                if expert >= 0 and expert // num_local == rank:
+                    entries[expert - rank * num_local].append((src, token, slot, float(weights[token, slot])))
+                    if (src, token) not in payload_rows:
+                        payload_rows[(src, token)] = pack_dispatch_payload(x[token:token + 1], case.dispatch_format,
+                                                                           "reference")[0]
+    for segment in entries:
+        segment.sort(key=lambda e: (e[0], e[1]))
+    return ExpectedDispatch(entries=entries, payload_rows=payload_rows)
+
+
+def expected_combine(case: Case, rank: int, world: int, inputs, local_reduce: bool) -> torch.Tensor:
+    """bf16 [T, H] that combine must return on `rank`, computed token by token."""
+    num_local = case.num_experts // world
+    x, topk_idx, weights = inputs[rank]
+    out = torch.zeros(x.shape[0], case.hidden, dtype=torch.bfloat16)
+    s2f6 = case.combine_format == "s2f6"
+
+    def wire(row_fp32):  # what the receiver decodes from one row sent back (rotated domain for S2F6)
+        if s2f6:
+            q = formats.s2f6_quantize(row_fp32[None], hadamard=True, impl="reference")
+            return formats._s2f6_decode_rotated(q)[0]
+        return row_fp32.to(torch.bfloat16).float()
+
+    for token in range(x.shape[0]):
+        dq = dequantize_payload(unpack_dispatch_payload(
+            pack_dispatch_payload(x[token:token + 1], case.dispatch_format, "reference"), case.dispatch_format,
+            case.hidden), case.dispatch_format)
+        expert_out = {}
+        for slot in range(case.num_topk):
+            expert = int(topk_idx[token, slot])
+            if expert >= 0:
+                expert_out[slot] = case_expert_function(case, dq, torch.tensor([expert]))[0].float()
+        acc = torch.zeros(case.hidden)
+        if local_reduce:
+            for dst in range(world):
+                slots = [s for s in sorted(expert_out) if int(topk_idx[token, s]) // num_local == dst]
+                if not slots:
+                    continue
+                partial = torch.zeros(case.hidden)
+                for slot in slots:
+                    partial = partial + weights[token, slot] * expert_out[slot]
+                acc = acc + wire(partial)
+        else:
+            for slot in sorted(expert_out):
+                acc = acc + weights[token, slot] * wire(expert_out[slot])
+        if s2f6:
+            acc = formats.inverse_rht(acc[None])[0]
+        out[token] = acc.to(torch.bfloat16)
+    return out
+
+
+def run_expert(result, case: Case, rank: int, world: int) -> torch.Tensor:
+    """Apply the toy expert to a DispatchResult (rows past the valid prefix and padding give zeros)."""
+    num_local = case.num_experts // world
+    rows = result.num_rows
+    offsets = result.expert_offsets.to(torch.int64).cpu()
+    expert_of_row = torch.full((rows,), -1, dtype=torch.int64)
+    for j in range(num_local):
+        expert_of_row[offsets[j]:offsets[j + 1]] = rank * num_local + j
+    dq = dequantize_payload(result.x, case.dispatch_format).cpu()
+    out = case_expert_function(case, dq, expert_of_row.clamp(min=0))
+    valid = (result.src_rank.cpu() >= 0)
+    out[~valid] = 0
+    return out

@@ -1,0 +1,255 @@
+"""The torch reference formats: FORMATS-RESEARCH.md §14 test vectors, error bounds, SR, edge cases, bad input."""
+import math
+
+import pytest
+import torch
+
+from ep_comm import formats as F
+
+pytestmark = pytest.mark.cpu
+
+
+def _hex_bytes(t):
+    return [int(v) for v in t.reshape(-1).view(torch.uint8)]
+
+
+def test_e2m1_vectors():
+    inputs = [0.25, float.fromhex("0x1.000002p-2"), 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.0001, 7.0, -0.1, -0.25,
+              -2.5, -5.0, -6.5, math.inf, -math.inf, math.nan, -0.0]
+    expected = [0x0, 0x1, 0x2, 0x2, 0x4, 0x4, 0x6, 0x6, 0x7, 0x7, 0x8, 0x8, 0xC, 0xE, 0xF, 0x7, 0xF, 0x7, 0x8]
+    assert F.e2m1_encode(torch.tensor(inputs)).tolist() == expected
+    # Packing: (1.0, -3.0) -> 0xD2 (lower index in the low nibble).
+    q = F.nvfp4_quantize(torch.tensor([[1.0, -3.0, 6.0] + [0.0] * 13]), four_over_six=False, amax=torch.tensor(2688.0))
+    assert int(q.data[0, 0]) == 0xD2
+
+
+def test_e4m3_vectors():
+    inputs = [448, 464, 465, 480, 1e6, math.inf, -math.inf, math.nan, 96, 9, 17, 19, 1.0, 2**-6, 2**-9, 2**-10,
+              1.5 * 2**-10, 0.1, -0.3, 250, -0.0]
+    expected = [0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0xFE, 0x7F, 0x6C, 0x51, 0x58, 0x5A, 0x38, 0x08, 0x01, 0x00,
+                0x01, 0x1D, 0xAA, 0x78, 0x80]
+    assert F.e4m3_encode(torch.tensor(inputs)).tolist() == expected
+
+
+def test_ue8m0_mxfp8_scale_vectors():
+    inputs = [448, 449, 500, 392, 784, 1.0, 448 * 2**-20, 0.0, math.inf, math.nan]
+    expected = [0x7F, 0x80, 0x80, 0x7F, 0x80, 0x77, 0x6B, 0x00, 0xFE, 0xFF]
+    assert F.ue8m0_mxfp8_scale(torch.tensor(inputs)).tolist() == expected
+    assert F.ue8m0_decode(torch.tensor([0x00, 0x7F, 0x80, 0xFE], dtype=torch.uint8)).tolist() == [
+        2.0**-127, 1.0, 2.0, 2.0**127]
+    assert math.isnan(F.ue8m0_decode(torch.tensor([0xFF], dtype=torch.uint8)).item())
+
+
+def test_nvfp4_block_examples():
+    x = torch.tensor([[-54, 5.4, 0, 1, -1, 2.2, 3.3, 12, -13.5, 27, 40, -0.9, 0.5, 7.7, -20, 0.01]])
+    q = F.nvfp4_quantize(x, four_over_six=False, amax=torch.tensor(2688.0))
+    assert _hex_bytes(q.scales) == [0x51]
+    assert _hex_bytes(q.data) == [0x1F, 0x00, 0x08, 0x31, 0x5B, 0x86, 0x20, 0x0C]
+    assert F.nvfp4_dequantize(q)[0].tolist() == [-54, 4.5, 0, 0, 0, 0, 4.5, 13.5, -13.5, 27, 36, 0, 0, 9, -18, 0]
+
+    x2 = torch.tensor([[0.3125, -1.7, 0.05, 2.9, -0.61, 0, 1.1, -3.3, 0.22, 0.9, -0.15, 1.45, -2.2, 0.7, 0.33,
+                        -0.04]])
+    q = F.nvfp4_quantize(x2, four_over_six=False, amax=torch.tensor(10.0))
+    assert _hex_bytes(q.scales) == [0x71]
+    assert _hex_bytes(q.data) == [0xD1, 0x70, 0x0A, 0xF4, 0x31, 0x59, 0x3E, 0x81]
+    bf16_bits = F.nvfp4_dequantize(q, dtype=torch.bfloat16).view(torch.int16)[0, :8].to(torch.int32) & 0xFFFF
+    assert bf16_bits.tolist() == [0x3E89, 0xBFCE, 0x0000, 0x404E, 0xBF09, 0x0000, 0x3F89, 0xC04E]
+    # The block holds the row max: its scale saturates to 448 (0x7E), same codes.
+    q = F.nvfp4_quantize(x2, four_over_six=False)
+    assert _hex_bytes(q.scales) == [0x7E] and _hex_bytes(q.data) == [0xD1, 0x70, 0x0A, 0xF4, 0x31, 0x59, 0x3E, 0x81]
+
+
+def test_nvfp4_edge_blocks():
+    zero = F.nvfp4_quantize(torch.zeros(1, 16), four_over_six=False, amax=torch.tensor(5.0))
+    assert _hex_bytes(zero.scales) == [0] and _hex_bytes(zero.data) == [0] * 8
+    tiny = F.nvfp4_quantize(torch.tensor([[1e-6] + [0.0] * 15]), four_over_six=False, amax=torch.tensor(1000.0))
+    assert _hex_bytes(tiny.scales) == [0] and (tiny.data[0, 0] & 0xF) == 0x7
+    assert F.nvfp4_dequantize(tiny).abs().max() == 0
+    sub = F.nvfp4_quantize(torch.tensor([[3e-3] + [0.0] * 15]), four_over_six=False, amax=torch.tensor(1000.0))
+    assert _hex_bytes(sub.scales) == [0x01] and (sub.data[0, 0] & 0xF) == 0x6
+    down = F.nvfp4_quantize(torch.tensor([[55.2, 30] + [0.0] * 14]), four_over_six=False,
+                            amax=torch.tensor(2688.0))
+    assert F.nvfp4_dequantize(down)[0, :2].tolist() == [54.0, 27.0]
+
+
+@pytest.mark.parametrize("block, scale, packed", [
+    ([10, 9, 8.5, 7.5, 5, -2.5, 1.25, 0, -10, 3, 2, -1, 0.6, 6.2, -4.4, 0.3], 0x3D,
+     [0x77, 0x67, 0xB5, 0x02, 0x4F, 0x92, 0x61, 0x0D]),     # block A: map-6 under MSE (map-4 under MAE)
+    ([10, 8, 7.6, -8.4, 5, 2.5, -7.5, 9, 1, 0, -5, 7.5, 2, 0.5, -9.5, 4], 0x42,
+     [0x56, 0xD5, 0x24, 0x6D, 0x01, 0x5C, 0x02, 0x3E]),     # block C: map-4
+    ([10, 2.9, 1.6, 0.9, 0.45, -0.2, 3.1, -1.4, 0, 5.2, -0.7, 1.1, 0.35, -2.6, 0.8, 0.05], 0x3D,
+     [0x47, 0x12, 0x81, 0xA4, 0x50, 0x19, 0xB0, 0x01]),     # block B: map-6
+])
+def test_four_over_six_vectors(block, scale, packed):
+    q = F.nvfp4_quantize(torch.tensor([block]), four_over_six=True, amax=torch.tensor(1536.0))
+    assert q.e4m3_max == 256.0
+    assert _hex_bytes(q.scales) == [scale] and _hex_bytes(q.data) == packed
+
+
+@pytest.mark.parametrize("c, scale, codes", [
+    (500, 0x80, "f8 f7 f6 f5 f4 f3 f2 f1 ef ed eb e9 e6 e2 dc d0 50 5c 62 66 69 6b 6d 6f 71 72 73 74 75 76 77 78"),
+    (300, 0x7F, "f9 f9 f8 f7 f6 f5 f3 f2 f1 f0 ed eb e8 e4 df d2 52 5f 64 68 6b 6d 70 71 72 73 75 76 77 78 79 79"),
+    (0.0035, 0x6F, "f6 f5 f4 f4 f3 f2 f1 f0 ee ec ea e8 e5 e1 db cf 4f 5b 61 65 68 6a 6c 6e 70 71 72 73 74 74 75 76"),
+])
+def test_mxfp8_vectors(c, scale, codes):
+    v = torch.tensor([(i - 15.5) / 15.5 * c for i in range(32)], dtype=torch.float64).float()[None]
+    m = F.mxfp8_quantize(v)
+    assert _hex_bytes(m.scales) == [scale]
+    assert _hex_bytes(m.data) == [int(h, 16) for h in codes.split()]
+    zero = F.mxfp8_quantize(torch.zeros(1, 32))
+    assert _hex_bytes(zero.scales) == [0] and _hex_bytes(zero.data) == [0] * 32
+
+
+def _hadamard32():
+    return torch.tensor([[(-1) ** bin(i & j).count("1") for j in range(32)] for i in range(32)], dtype=torch.float64)
+
+
+def test_rht_matches_matrix_and_inverts():
+    ramp = F.rht(torch.arange(32.0)[None], sign_mask=0)[0]
+    expected = torch.zeros(32)
+    expected[[0, 1, 2, 4, 8, 16]] = torch.tensor([496.0, -16, -32, -64, -128, -256]) / math.sqrt(32)
+    assert torch.allclose(ramp, expected, atol=1e-5)
+    x = torch.randn(7, 96, dtype=torch.float32)
+    signs = torch.tensor([-1.0 if (F.DEFAULT_SIGN_MASK >> i) & 1 else 1.0 for i in range(32)], dtype=torch.float64)
+    chunks = x.double().reshape(7, 3, 32) * signs
+    want = (chunks @ _hadamard32().T / math.sqrt(32)).reshape(7, 96)
+    assert (F.rht(x).double() - want).abs().max() < 1e-5
+    assert (F.inverse_rht(F.rht(x)) - x).abs().max() < 1e-5
+    assert F.rht(torch.tensor([[1.0] + [0.0] * 31]), sign_mask=0)[0].tolist() == [F._f32(1 / math.sqrt(32), "cpu")
+                                                                                   .item()] * 32
+
+
+def test_s2f6_vectors_and_scale_rule():
+    s = F.s2f6_quantize(torch.tensor([[1.0, -1.0, 0.3, -0.3, 0.5, -0.5] + [0.0] * 26]), hadamard=False)
+    assert _hex_bytes(s.scales) == [0x7F] and s.data[0, :6].tolist() == [64, -64, 19, -19, 32, -32]
+    # 127/64 fits scale 1; anything above moves to scale 2 (the block never saturates).
+    assert _hex_bytes(F.s2f6_quantize(torch.tensor([[1.984375] + [0.0] * 31]), hadamard=False).scales) == [0x7F]
+    assert _hex_bytes(F.s2f6_quantize(torch.tensor([[1.9844] + [0.0] * 31]), hadamard=False).scales) == [0x80]
+    zero = F.s2f6_quantize(torch.zeros(1, 32), hadamard=False)
+    assert _hex_bytes(zero.scales) == [0] and zero.data.abs().sum() == 0
+    # Ties to even: 0.5/64 -> 0, 1.5/64 -> 2 (in units of 1/64).
+    ties = F.s2f6_quantize(torch.tensor([[1.0, 0.0078125, 0.0234375] + [0.0] * 29]), hadamard=False)
+    assert ties.data[0, 1:3].tolist() == [0, 2]
+
+
+@pytest.mark.parametrize("hidden", [2048, 7168])
+def test_round_trip_error_bounds(hidden):
+    gen = torch.Generator().manual_seed(hidden)
+    x = torch.randn(64, hidden, generator=gen)
+    x.view(-1)[torch.randint(0, x.numel(), (x.numel() // 1000,), generator=gen)] *= 30.0  # outliers
+
+    def rel(y):
+        return ((y - x).norm() / x.norm()).item()
+
+    nvfp4_46 = rel(F.nvfp4_dequantize(F.nvfp4_quantize(x)))
+    nvfp4_plain = rel(F.nvfp4_dequantize(F.nvfp4_quantize(x, four_over_six=False)))
+    mxfp8 = rel(F.mxfp8_dequantize(F.mxfp8_quantize(x)))
+    s2f6_rht = rel(F.s2f6_dequantize(F.s2f6_quantize(x, hadamard=True)))
+    s2f6_plain = rel(F.s2f6_dequantize(F.s2f6_quantize(x, hadamard=False)))
+    assert nvfp4_46 < nvfp4_plain < 0.12
+    assert mxfp8 < 0.04
+    # DESIGN.md §6: RHT+S2F6 <= 1.5% and no worse than MXFP8 without RHT.
+    assert s2f6_rht <= 0.015 and s2f6_rht <= mxfp8
+    assert s2f6_rht < s2f6_plain
+
+
+def test_mxfp8_stochastic_rounding_deterministic_and_unbiased():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 256, generator=gen)
+    a = F.mxfp8_quantize(x, rounding="stochastic", seed=11)
+    b = F.mxfp8_quantize(x, rounding="stochastic", seed=11)
+    c = F.mxfp8_quantize(x, rounding="stochastic", seed=12)
+    assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+    assert not torch.equal(a.data.view(torch.uint8), c.data.view(torch.uint8))
+    # Unbiased: the mean over seeds converges to x (RNE stays biased for this grid-unaligned input).
+    v = torch.full((1, 32), 100.0)
+    v[0, 0] = 448.0  # pins the scale to 1, so 100 lies between 96 and 104 (f = 0.5)
+    v[0, 1:] = torch.linspace(97.0, 103.0, 31)
+    mean = torch.stack([F.mxfp8_dequantize(F.mxfp8_quantize(v, rounding="stochastic", seed=s))
+                        for s in range(2000)]).mean(0)
+    nearest = F.mxfp8_dequantize(F.mxfp8_quantize(v))
+    assert (mean - v).abs().max() < 0.4          # 2000 draws of spacing 8: std of the mean ~0.09
+    assert (nearest - v).abs().max() >= 2.0
+    # Clamped before the random bits are added: 447.9 (scale 1) rounds to 416 or 448, never to the NaN code;
+    # an Inf block gets the largest scale and its Inf element becomes +-448 times it, not NaN.
+    edge = torch.tensor([[447.9, -447.9] + [1.0] * 30, [math.inf] + [1.0] * 31])
+    for seed in range(64):
+        m = F.mxfp8_quantize(edge, rounding="stochastic", seed=seed)
+        assert set(F.mxfp8_dequantize(m)[0, :2].abs().tolist()) <= {416.0, 448.0}
+        assert int(m.scales.view(torch.uint8)[1, 0]) == 0xFE and int(m.data.view(torch.uint8)[1, 0]) == 0x7E
+
+
+def test_rbits_reference_values():
+    # Pinned values: a CUDA kernel must reproduce exactly these random bits for seed 0 and 1.
+    assert F.rbits(0, torch.arange(4)).tolist() == [3091242465, 2960820262, 1654951872, 1964048943]
+    assert F.rbits(1, torch.arange(4)).tolist() == [3348473812, 2735822760, 1016035729, 2310293693]
+    high = F.rbits(0, torch.tensor([2**32 + 5, 5]))
+    assert high[0] != high[1]
+
+
+def test_nan_inf_and_zero_rows():
+    x = torch.zeros(4, 64)
+    x[1, 3] = math.nan
+    x[2, 7] = math.inf
+    x[3, :] = torch.randn(64)
+    q = F.nvfp4_quantize(x)
+    y = F.nvfp4_dequantize(q)
+    assert y[0].abs().sum() == 0 and _hex_bytes(q.scales[0]) == [0] * 4
+    assert q.amax[2] == math.inf and not torch.isnan(q.amax).any()
+    assert torch.isfinite(y[3]).all()
+    m = F.mxfp8_quantize(x)
+    assert int(m.data.view(torch.uint8)[1, 3]) == 0x7F        # NaN element -> E4M3 NaN, scale stays normal
+    assert int(m.scales.view(torch.uint8)[2, 0]) == 0xFE      # Inf block -> largest scale
+    s = F.s2f6_quantize(x, hadamard=False)
+    assert int(s.data[1, 3]) == 127 and s.data[0].abs().sum() == 0
+
+
+def test_dequantize_accumulate_order_and_skip():
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(6, 64, generator=gen)
+    s = F.s2f6_quantize(rows)
+    index = torch.tensor([[0, 2, -1], [-1, -1, -1], [5, 4, 3]])
+    weights = torch.tensor([[0.5, 2.0, 9.0], [1.0, 1.0, 1.0], [1.0, -1.0, 0.25]])
+    out = F.s2f6_dequantize_accumulate(s, index, weights, out_dtype=torch.float32)
+    decoded = F._s2f6_decode_rotated(s)
+    want0 = F.inverse_rht(((0.0 + 0.5 * decoded[0]) + 2.0 * decoded[2])[None])[0]
+    assert torch.equal(out[0], want0) and out[1].abs().sum() == 0
+    want2 = F.inverse_rht((((0.0 + decoded[5]) - decoded[4]) + 0.25 * decoded[3])[None])[0]
+    assert torch.equal(out[2], want2)
+
+
+def test_nvfp4_to_mxfp8_transposed():
+    x = torch.randn(64, 96)
+    q = F.nvfp4_quantize(x)
+    m = F.nvfp4_to_mxfp8_transposed(q, rounding="nearest")
+    assert m.data.shape == (96, 64) and m.scales.shape == (96, 2)
+    dense = F.nvfp4_dequantize(q)
+    assert torch.equal(F.mxfp8_dequantize(m), F.mxfp8_dequantize(F.mxfp8_quantize(dense.t().contiguous())))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        F.nvfp4_to_mxfp8_transposed(F.nvfp4_quantize(torch.randn(40, 32)))
+
+
+def test_bad_inputs():
+    with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
+        F.nvfp4_quantize(torch.zeros(2, 32, dtype=torch.int32))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        F.nvfp4_quantize(torch.zeros(2, 24))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        F.s2f6_quantize(torch.zeros(2, 48))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        F.mxfp8_quantize(torch.zeros(2, 16))
+    with pytest.raises(ValueError, match="rounding"):
+        F.mxfp8_quantize(torch.zeros(2, 32), rounding="up")
+    with pytest.raises(ValueError, match="broadcast"):
+        F.nvfp4_quantize(torch.zeros(4, 32), amax=torch.ones(3))
+    with pytest.raises(TypeError, match="NVFP4Tensor"):
+        F.nvfp4_dequantize(torch.zeros(2, 16))
+    with pytest.raises(ValueError, match="impl"):
+        F.s2f6_quantize(torch.zeros(1, 32), impl="fast")
+    with pytest.raises(ValueError, match="sign_mask"):
+        F.rht(torch.zeros(1, 32), sign_mask=-1)
+    with pytest.raises(TypeError, match="row_index"):
+        F.s2f6_dequantize_accumulate(F.s2f6_quantize(torch.zeros(2, 32)), torch.zeros(2, 2))
+    # Empty inputs are valid and produce empty outputs.
+    assert F.nvfp4_quantize(torch.zeros(0, 32)).data.shape == (0, 16)
+    assert F.s2f6_dequantize(F.s2f6_quantize(torch.zeros(0, 64))).shape == (0, 64)
