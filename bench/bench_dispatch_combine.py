@@ -1,0 +1,298 @@
+"""Dispatch / combine benchmark: nvlink backend vs the reference backend (NCCL), plus peer-copy ceilings.
+
+    torchrun --nproc_per_node=2 bench/bench_dispatch_combine.py --out bench.json
+    python bench/bench_dispatch_combine.py --nproc 2          # spawns itself
+    (ep_comm.bench calls run(args) on every rank when GPUs are present)
+
+Shape: H = 7168, top-8 of 256 experts, random routing, 128 / 512 / 4096 / 8192 tokens per rank (flags).
+Timing, per kernel pair (dispatch = layout + send + receive kernels; combine = send + receive):
+  iso   : median over iterations of one call between CUDA events, each after a barrier + synchronize
+          (includes the ranks' launch skew; the pessimistic, latency-style number),
+  graph : N calls captured in one CUDA graph, replayed back to back; time / N (steady-state throughput;
+          nvlink only — the reference syncs with the host and cannot be captured).
+Bytes: `wire` = bytes this rank stores into OTHER ranks' memory (payload + our per-row metadata), i.e. what
+crosses NVLink per rank per direction; `bf16_eq` = 2·H per (token, peer rank) row — the BF16-equivalent rate.
+SMs: the nvlink kernels run num_sms blocks (one per SM); the reference is NCCL's choice.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", default="128,512,4096,8192", help="tokens per rank, comma separated")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--num-sms", type=int, default=24)
+    p.add_argument("--formats", default="nvfp4/s2f6,mxfp8/s2f6,bf16/bf16",
+                   help="dispatch/combine format pairs, comma separated")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--graph-calls", type=int, default=8, help="calls per CUDA graph for the 'graph' timing")
+    p.add_argument("--no-reference", action="store_true", help="skip the NCCL reference baseline")
+    p.add_argument("--no-ceiling", action="store_true", help="skip the peer-copy ceiling")
+    p.add_argument("--out", default="", help="write the rows as JSON here (rank 0)")
+    p.add_argument("--nproc", type=int, default=0, help="spawn this many ranks (when not under torchrun)")
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------------------------
+def _iso_time_us(fn, iters, group) -> float:
+    times = []
+    for _ in range(iters):
+        dist.barrier(group=group)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def _graph_time_us(make_calls, calls, group, reps=5) -> float:
+    """make_calls(n) issues n calls; capture them in one graph, replay, time per call (median of reps)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        make_calls(1)  # warm-up allocations on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        make_calls(calls)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        dist.barrier(group=group)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def _routing(rank, tokens, hidden, experts, topk):
+    gen = torch.Generator().manual_seed(1234 + rank)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).cuda()
+    idx = torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices.cuda()
+    w = torch.rand(tokens, topk, generator=gen).cuda()
+    return x, idx, w
+
+
+def _peer_rows(idx, rank, world, experts):
+    """(token, peer rank) rows this rank sends (each token once per destination rank other than itself)."""
+    ranks = idx // (experts // world)
+    goes = torch.zeros(idx.shape[0], world, dtype=torch.bool, device=idx.device)
+    goes.scatter_(1, ranks, True)
+    goes[:, rank] = False
+    return int(goes.sum())
+
+
+def _bench_backend(args, backend, tokens, dfmt, cfmt, rank, world, group):
+    import ep_comm
+    from ep_comm.backends.nvlink import _RegionLayout
+    from ep_comm.types import combine_bytes_per_token, dispatch_bytes_per_token
+    buf = ep_comm.Buffer(group, hidden=args.hidden, num_experts=args.experts, num_topk=args.topk,
+                         max_tokens_per_rank=tokens, dispatch_format=dfmt, combine_format=cfmt, backend=backend,
+                         num_sms=args.num_sms, check_inputs=False)
+    rows = []
+    try:
+        x, idx, w = _routing(rank, tokens, args.hidden, args.experts, args.topk)
+        res = buf.dispatch(x, idx, w)
+        expert_out = torch.randn(res.num_rows, args.hidden, device="cuda").to(torch.bfloat16)
+        peer_rows = _peer_rows(idx, rank, world, args.experts)
+        if backend == "nvlink":
+            layout = _RegionLayout.of(buf.config)
+            wire_d, wire_c = peer_rows * layout.disp_row_bytes, peer_rows * layout.comb_row_bytes
+        else:
+            wire_d = peer_rows * dispatch_bytes_per_token(dfmt, args.hidden)
+            wire_c = peer_rows * combine_bytes_per_token(cfmt, args.hidden)
+        bf16_eq = peer_rows * 2 * args.hidden
+        timings = {
+            "dispatch": {"iso": _iso_time_us(lambda: buf.dispatch(x, idx, w), args.iters, group)},
+            "combine": {"iso": _iso_time_us(lambda: buf.combine(expert_out, res.handle), args.iters, group)},
+        }
+        if backend == "nvlink":
+            def dispatches(n):
+                for _ in range(n):
+                    buf.dispatch(x, idx, w)
+
+            def combines(n):
+                for _ in range(n):
+                    buf.combine(expert_out, res.handle)
+            timings["dispatch"]["graph"] = _graph_time_us(dispatches, args.graph_calls, group)
+            timings["combine"]["graph"] = _graph_time_us(combines, args.graph_calls, group)
+        for kernel, wire in (("dispatch", wire_d), ("combine", wire_c)):
+            fmt = dfmt if kernel == "dispatch" else cfmt
+            for method, us in timings[kernel].items():
+                rows.append({
+                    "backend": backend, "kernel": kernel, "format": fmt, "tokens": tokens, "world": world,
+                    "timing": method, "time_us": round(us, 2), "wire_bytes": wire,
+                    "wire_GBps": round(wire / us / 1e3, 1), "bf16_eq_GBps": round(bf16_eq / us / 1e3, 1),
+                    "sms": args.num_sms if backend == "nvlink" else "nccl", "rank": rank,
+                    "peer_memory": buf._backend.region.kind if backend == "nvlink" else "nccl",
+                })
+        if backend == "nvlink":
+            buf._backend.check()
+    finally:
+        buf.destroy()
+    return rows
+
+
+def _ceiling_rows(rank, world, group, nbytes=1 << 30):
+    """Peer copy ceilings from rank 0 to rank 1: copy engine (cudaMemcpyPeer via a cross-device copy_)
+    and SM stores into the peer (an elementwise kernel writing through an NVSHMEM peer view)."""
+    rows = []
+    if world < 2 or torch.cuda.device_count() < 2:
+        return rows
+    if rank == 0:
+        src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda:0")
+        dst = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda:1")
+        for _ in range(2):
+            dst.copy_(src)
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            dst.copy_(src)
+            torch.cuda.synchronize(0)
+            torch.cuda.synchronize(1)
+            times.append(time.perf_counter() - start)
+        us = statistics.median(times) * 1e6
+        rows.append({"backend": "ceiling", "kernel": "cudaMemcpyPeer (copy engine)", "format": "bytes",
+                     "tokens": 0, "world": world, "timing": "host", "time_us": round(us, 1), "wire_bytes": nbytes,
+                     "wire_GBps": round(nbytes / us / 1e3, 1), "bf16_eq_GBps": None, "sms": 0, "rank": 0})
+        del src, dst
+        torch.cuda.empty_cache()
+    try:
+        import nvshmem.core as nvshmem
+        from ep_comm.backends import nvlink as nvl
+        if nvl._nvshmem_state["initialized"]:
+            sym = nvshmem.tensor((nbytes // 4,), dtype=torch.float32)
+            src = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
+            peer = nvshmem.get_peer_tensor(sym, (rank + 1) % world)
+            dist.barrier(group=group)
+            if rank == 0:
+                for _ in range(2):
+                    torch.mul(src, 1.0, out=peer)
+                times = []
+                for _ in range(5):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    torch.mul(src, 1.0, out=peer)
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end) * 1e3)
+                us = statistics.median(times)
+                rows.append({"backend": "ceiling", "kernel": "SM stores into peer (all SMs)", "format": "bytes",
+                             "tokens": 0, "world": world, "timing": "events", "time_us": round(us, 1),
+                             "wire_bytes": nbytes, "wire_GBps": round(nbytes / us / 1e3, 1), "bf16_eq_GBps": None,
+                             "sms": torch.cuda.get_device_properties(0).multi_processor_count, "rank": 0})
+            torch.cuda.synchronize()
+            dist.barrier(group=group)
+            nvshmem.free_tensor(sym)
+    except Exception as error:  # the ceiling is informative only
+        if rank == 0:
+            print(f"[bench] SM-store ceiling skipped: {error}", flush=True)
+    dist.barrier(group=group)
+    return rows
+
+
+def run(args) -> list:
+    """Run on every rank of an initialized process group (NCCL); returns this rank's rows."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    group = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = []
+    pairs = [tuple(p.split("/")) for p in args.formats.split(",") if p]
+    for tokens in [int(t) for t in str(args.tokens).split(",") if t]:
+        for dfmt, cfmt in pairs:
+            rows += _bench_backend(args, "nvlink", tokens, dfmt, cfmt, rank, world, group)
+            if not args.no_reference:
+                rows += _bench_backend(args, "reference", tokens, dfmt, cfmt, rank, world, group)
+            torch.cuda.empty_cache()
+    if not args.no_ceiling:
+        rows += _ceiling_rows(rank, world, group)
+    return rows
+
+
+def print_table(rows) -> None:
+    header = f"{'backend':<10} {'kernel':<30} {'fmt':<6} {'tokens':>6} {'timing':<6} {'us':>9} {'wire GB/s':>10} " \
+             f"{'bf16eq GB/s':>11} {'SMs':>5}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        bf16 = "" if r["bf16_eq_GBps"] is None else r["bf16_eq_GBps"]
+        print(f"{r['backend']:<10} {r['kernel']:<30} {r['format']:<6} {r['tokens']:>6} {r['timing']:<6} "
+              f"{r['time_us']:>9} {r['wire_GBps']:>10} {bf16:>11} {str(r['sms']):>5}")
+
+
+def _main_in_group(args):
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+    rows = run(args)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, rows)
+    if dist.get_rank() == 0:
+        flat = [r for rank_rows in gathered for r in rank_rows]
+        print_table([r for r in flat if r["rank"] == 0])
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(flat, f, indent=1)
+            print(f"[bench] wrote {len(flat)} rows to {args.out}")
+
+
+def _spawned(rank, world, port, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    try:
+        _main_in_group(args)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl")
+        try:
+            _main_in_group(args)
+        finally:
+            dist.destroy_process_group()
+        return
+    world = args.nproc or torch.cuda.device_count()
+    if world < 2:
+        print("[bench] needs >= 2 GPUs (run under torchrun or pass --nproc)")
+        return
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_spawned, args=(world, port, args), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One GPU-machine call: build the CUDA core, run the test tiers, run the benchmarks; logs and JSON go to $OUT.
+#   bash bench/device_run.sh [all|tests|bench|scale]      (run from the repository root)
+# Needs the nvshmem4py cp312 wheel in .whl/ (carried; see README "GPU machine").
+set -uo pipefail
+mode="${1:-all}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/ep_comm_out}"; mkdir -p "$OUT"
+log="$OUT/log.txt"
+say() { echo "== $(date +%H:%M:%S) $*" | tee -a "$log"; }
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+say "mode $mode; $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)"
+nvidia-smi topo -m >> "$log" 2>&1
+python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version())" >> "$log" 2>&1
+
+say "build"
+start=$SECONDS
+EP_COMM_BUILD_CUDA=1 EP_COMM_CUDA_ARCHS=90a EP_COMM_NVCC_THREADS=16 python3 setup.py -q build_ext --inplace \
+  > "$OUT/build.txt" 2>&1 || { tail -40 "$OUT/build.txt"; exit 1; }
+say "built in $((SECONDS - start)) s"
+python3 -c "import ep_comm; assert ep_comm.cuda_extension_available(), ep_comm.cuda_extension_error(); print('ep_comm._C ok')" 2>&1 | tee -a "$log"
+
+if [ "$mode" = all ] || [ "$mode" = tests ]; then
+  say "gpu tier: formats kernels"
+  timeout 120 python3 -m pytest -q -x -rs tests/test_formats_cuda.py > "$OUT/pytest_formats.txt" 2>&1
+  tail -25 "$OUT/pytest_formats.txt" | tee -a "$log"
+  say "multigpu tier: nvlink smoke (oracle, timeout) with sync checks"
+  EP_COMM_SYNC_CHECK=1 timeout 150 python3 -m pytest -q -x -rs tests/test_nvlink.py -k "oracle or timeout" > "$OUT/pytest_nvlink.txt" 2>&1
+  tail -25 "$OUT/pytest_nvlink.txt" | tee -a "$log"
+  say "multigpu tier: nvlink full + reference over NCCL"
+  timeout 240 python3 -m pytest -q -rs tests/test_nvlink.py tests/test_reference_backend.py -k "not oracle and not timeout" >> "$OUT/pytest_nvlink.txt" 2>&1
+  tail -25 "$OUT/pytest_nvlink.txt" | tee -a "$log"
+fi
+if [ "$mode" = bench ]; then
+  say "nvlink timeout test"
+  EP_COMM_SYNC_CHECK=1 timeout 60 python3 -m pytest -q -x -rs tests/test_nvlink.py -k "timeout" 2>&1 | tail -3 | tee -a "$log"
+fi
+if [ "$mode" = all ] || [ "$mode" = bench ]; then
+  say "bench: formats kernels"
+  timeout 150 python3 bench/bench_formats.py --out "$OUT/bench_formats.json" 2>&1 | tail -30 | tee -a "$log"
+  say "bench: dispatch/combine"
+  timeout 300 python3 bench/bench_dispatch_combine.py --nproc 2 ${EP_COMM_BENCH_ARGS:-} --out "$OUT/bench_dispatch_combine.json" > "$OUT/bench_dispatch_combine.txt" 2>&1
+  tail -60 "$OUT/bench_dispatch_combine.txt" | tee -a "$log"
+  say "main job"
+  timeout 110 python3 -m ep_comm.bench --ranks 2 --out "$OUT/bench_main.json" 2>&1 | tail -8 | tee -a "$log"
+fi
+if [ "$mode" = scale ]; then
+  n=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  say "scale: nvlink tests at world size $n"
+  EP_COMM_TEST_WORLD=$n timeout 400 python3 -m pytest -q -rs tests/test_nvlink.py -k "oracle or pressure or reference" 2>&1 | tail -20 | tee -a "$log"
+  say "scale: dispatch/combine bench at $n ranks"
+  timeout 300 python3 bench/bench_dispatch_combine.py --nproc "$n" --tokens 128,4096 --out "$OUT/bench_scale_$n.json" 2>&1 | tail -30 | tee -a "$log"
+fi
+say "done"

@@ -1,0 +1,292 @@
+// Python bindings of the format kernels (formats.h) and of their CPU emulation. Thin on purpose: pointers
+// arrive as integers (tensor.data_ptr()), the stream as an integer (torch.cuda.current_stream().cuda_stream),
+// shapes/strides as ints; ep_comm/_cuda_formats.py allocates and validates.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "bindings.h"
+#include "formats.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using ep_comm::ElemType;
+
+template <typename T>
+T* ptr(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+
+void check(cudaError_t status, const char* what) {
+  if (status == cudaSuccess) return;
+  if (status == cudaErrorInvalidValue) {
+    throw std::invalid_argument(std::string(what) + ": invalid arguments (shape, alignment or size limits)");
+  }
+  throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorString(status));
+}
+
+void nvfp4_quantize(uintptr_t x, int x_type, int64_t x_row_stride, int64_t num_rows, int64_t hidden, uintptr_t amax_in,
+                    float e4m3_max, bool four_over_six, uintptr_t data, int64_t data_row_stride, uintptr_t scales,
+                    int64_t scales_row_stride, uintptr_t amax_out, uintptr_t dst_rows, uintptr_t stream) {
+  ep_comm::Nvfp4QuantizeArgs args;
+  args.x = ptr<const void>(x);
+  args.x_type = x_type;
+  args.x_row_stride = x_row_stride;
+  args.num_rows = num_rows;
+  args.hidden = hidden;
+  args.amax_in = ptr<const float>(amax_in);
+  args.e4m3_max = e4m3_max;
+  args.four_over_six = four_over_six;
+  args.data = ptr<uint8_t>(data);
+  args.data_row_stride = data_row_stride;
+  args.scales = ptr<uint8_t>(scales);
+  args.scales_row_stride = scales_row_stride;
+  args.amax_out = ptr<float>(amax_out);
+  args.dst_rows = ptr<const int64_t>(dst_rows);
+  check(ep_comm::launch_nvfp4_quantize(args, as_stream(stream)), "nvfp4_quantize");
+}
+
+void mxfp8_quantize(uintptr_t x, int x_type, int64_t x_row_stride, int64_t num_rows, int64_t hidden, bool stochastic,
+                    uint64_t seed, uintptr_t data, int64_t data_row_stride, uintptr_t scales, int64_t scales_row_stride,
+                    uintptr_t stream) {
+  ep_comm::Mxfp8QuantizeArgs args;
+  args.x = ptr<const void>(x);
+  args.x_type = x_type;
+  args.x_row_stride = x_row_stride;
+  args.num_rows = num_rows;
+  args.hidden = hidden;
+  args.stochastic = stochastic;
+  args.seed = seed;
+  args.data = ptr<uint8_t>(data);
+  args.data_row_stride = data_row_stride;
+  args.scales = ptr<uint8_t>(scales);
+  args.scales_row_stride = scales_row_stride;
+  check(ep_comm::launch_mxfp8_quantize(args, as_stream(stream)), "mxfp8_quantize");
+}
+
+void s2f6_quantize(uintptr_t x, int x_type, int64_t x_row_stride, int64_t num_rows, int64_t hidden, bool hadamard,
+                   uint32_t sign_mask, uintptr_t data, int64_t data_row_stride, uintptr_t scales,
+                   int64_t scales_row_stride, uintptr_t stream) {
+  ep_comm::S2f6QuantizeArgs args;
+  args.x = ptr<const void>(x);
+  args.x_type = x_type;
+  args.x_row_stride = x_row_stride;
+  args.num_rows = num_rows;
+  args.hidden = hidden;
+  args.hadamard = hadamard;
+  args.sign_mask = sign_mask;
+  args.data = ptr<int8_t>(data);
+  args.data_row_stride = data_row_stride;
+  args.scales = ptr<uint8_t>(scales);
+  args.scales_row_stride = scales_row_stride;
+  check(ep_comm::launch_s2f6_quantize(args, as_stream(stream)), "s2f6_quantize");
+}
+
+void s2f6_dequantize_accumulate(uintptr_t data, uintptr_t scales, int64_t num_src_rows, int64_t hidden,
+                                uintptr_t row_index, bool index_is_int64, uintptr_t weights, int64_t num_out_rows,
+                                int64_t num_terms, bool hadamard, uint32_t sign_mask, uintptr_t out, int out_type,
+                                uintptr_t stream) {
+  ep_comm::S2f6AccumulateArgs args;
+  args.data = ptr<const int8_t>(data);
+  args.scales = ptr<const uint8_t>(scales);
+  args.num_src_rows = num_src_rows;
+  args.hidden = hidden;
+  args.row_index = ptr<const void>(row_index);
+  args.index_is_int64 = index_is_int64;
+  args.weights = ptr<const float>(weights);
+  args.num_out_rows = num_out_rows;
+  args.num_terms = num_terms;
+  args.hadamard = hadamard;
+  args.sign_mask = sign_mask;
+  args.out = ptr<void>(out);
+  args.out_type = out_type;
+  check(ep_comm::launch_s2f6_dequantize_accumulate(args, as_stream(stream)), "s2f6_dequantize_accumulate");
+}
+
+void register_host_emulation(py::module_& m) {
+  namespace host = ep_comm::host;
+  const auto release = py::call_guard<py::gil_scoped_release>();
+  m.def("host_nvfp4_quantize",
+        [](uintptr_t x, int64_t num_rows, int64_t hidden, uintptr_t amax_in, float e4m3_max, bool four_over_six,
+           uintptr_t data, uintptr_t scales, uintptr_t amax_out) {
+          host::nvfp4_quantize(ptr<const float>(x), num_rows, hidden, ptr<const float>(amax_in), e4m3_max,
+                               four_over_six, ptr<uint8_t>(data), ptr<uint8_t>(scales), ptr<float>(amax_out));
+        },
+        release);
+  m.def("host_nvfp4_dequantize",
+        [](uintptr_t data, uintptr_t scales, uintptr_t amax, int64_t num_rows, int64_t hidden, float e4m3_max,
+           uintptr_t out) {
+          host::nvfp4_dequantize(ptr<const uint8_t>(data), ptr<const uint8_t>(scales), ptr<const float>(amax),
+                                 num_rows, hidden, e4m3_max, ptr<float>(out));
+        },
+        release);
+  m.def("host_mxfp8_quantize",
+        [](uintptr_t x, int64_t num_rows, int64_t hidden, bool stochastic, uint64_t seed, uintptr_t data,
+           uintptr_t scales) {
+          host::mxfp8_quantize(ptr<const float>(x), num_rows, hidden, stochastic, seed, ptr<uint8_t>(data),
+                               ptr<uint8_t>(scales));
+        },
+        release);
+  m.def("host_mxfp8_dequantize",
+        [](uintptr_t data, uintptr_t scales, int64_t num_rows, int64_t hidden, uintptr_t out) {
+          host::mxfp8_dequantize(ptr<const uint8_t>(data), ptr<const uint8_t>(scales), num_rows, hidden,
+                                 ptr<float>(out));
+        },
+        release);
+  m.def("host_nvfp4_to_mxfp8_transposed",
+        [](uintptr_t data, uintptr_t scales, uintptr_t amax, int64_t num_rows, int64_t hidden, float e4m3_max,
+           bool stochastic, uint64_t seed, uintptr_t out_data, uintptr_t out_scales) {
+          host::nvfp4_to_mxfp8_transposed(ptr<const uint8_t>(data), ptr<const uint8_t>(scales),
+                                          ptr<const float>(amax), num_rows, hidden, e4m3_max, stochastic, seed,
+                                          ptr<uint8_t>(out_data), ptr<uint8_t>(out_scales));
+        },
+        release);
+  m.def("host_rht",
+        [](uintptr_t x, int64_t num_rows, int64_t hidden, uint32_t sign_mask, bool inverse, uintptr_t out) {
+          host::rht(ptr<const float>(x), num_rows, hidden, sign_mask, inverse, ptr<float>(out));
+        },
+        release);
+  m.def("host_s2f6_quantize",
+        [](uintptr_t x, int64_t num_rows, int64_t hidden, bool hadamard, uint32_t sign_mask, uintptr_t data,
+           uintptr_t scales) {
+          host::s2f6_quantize(ptr<const float>(x), num_rows, hidden, hadamard, sign_mask, ptr<int8_t>(data),
+                              ptr<uint8_t>(scales));
+        },
+        release);
+  m.def("host_s2f6_dequantize",
+        [](uintptr_t data, uintptr_t scales, int64_t num_rows, int64_t hidden, bool hadamard, uint32_t sign_mask,
+           uintptr_t out) {
+          host::s2f6_dequantize(ptr<const int8_t>(data), ptr<const uint8_t>(scales), num_rows, hidden, hadamard,
+                                sign_mask, ptr<float>(out));
+        },
+        release);
+  m.def("host_s2f6_dequantize_accumulate",
+        [](uintptr_t data, uintptr_t scales, int64_t num_src_rows, int64_t hidden, uintptr_t row_index,
+           uintptr_t weights, int64_t num_out_rows, int64_t num_terms, bool hadamard, uint32_t sign_mask,
+           uintptr_t out) {
+          host::s2f6_dequantize_accumulate(ptr<const int8_t>(data), ptr<const uint8_t>(scales), num_src_rows, hidden,
+                                           ptr<const int64_t>(row_index), ptr<const float>(weights), num_out_rows,
+                                           num_terms, hadamard, sign_mask, ptr<float>(out));
+        },
+        release);
+  m.def("host_nvfp4_four_over_six_errors",
+        [](uintptr_t x, int64_t num_rows, int64_t hidden, uintptr_t amax, float e4m3_max, uintptr_t err6,
+           uintptr_t err4) {
+          host::nvfp4_four_over_six_errors(ptr<const float>(x), num_rows, hidden, ptr<const float>(amax), e4m3_max,
+                                           ptr<float>(err6), ptr<float>(err4));
+        },
+        release);
+  m.def("host_exhaustive_check",
+        [](const std::string& check, uint32_t stride) -> int64_t {
+          host::ExhaustiveCheck which;
+          if (check == "e2m1_magnitude") {
+            which = host::ExhaustiveCheck::kE2m1Magnitude;
+          } else if (check == "markstein_1536") {
+            which = host::ExhaustiveCheck::kMarkstein1536;
+          } else if (check == "markstein_2688") {
+            which = host::ExhaustiveCheck::kMarkstein2688;
+          } else if (check == "sr_e4m3") {
+            which = host::ExhaustiveCheck::kSrE4m3;
+          } else {
+            throw std::invalid_argument("unknown check " + check);
+          }
+          py::gil_scoped_release unlocked;
+          return host::exhaustive_check(which, stride);
+        },
+        "mismatches of a fast form vs its definition over every stride-th fp32 bit pattern (1 = all)");
+  // Element-level primitives: (input pointer, count, output pointer).
+  m.def("host_e2m1_encode", [](uintptr_t x, int64_t n, uintptr_t out) {
+    host::e2m1_encode(ptr<const float>(x), n, ptr<uint8_t>(out));
+  }, release);
+  m.def("host_e4m3_encode", [](uintptr_t x, int64_t n, uintptr_t out) {
+    host::e4m3_encode(ptr<const float>(x), n, ptr<uint8_t>(out));
+  }, release);
+  m.def("host_ue8m0_mxfp8_scale", [](uintptr_t x, int64_t n, uintptr_t out) {
+    host::ue8m0_mxfp8_scale(ptr<const float>(x), n, ptr<uint8_t>(out));
+  }, release);
+  m.def("host_ue8m0_s2f6_scale", [](uintptr_t x, int64_t n, uintptr_t out) {
+    host::ue8m0_s2f6_scale(ptr<const float>(x), n, ptr<uint8_t>(out));
+  }, release);
+  m.def("host_rbits", [](uint64_t seed, uintptr_t index, int64_t n, uintptr_t out) {
+    host::rbits(seed, ptr<const int64_t>(index), n, ptr<uint32_t>(out));
+  }, release);
+  m.def("host_sr_e4m3", [](uintptr_t x, uintptr_t random_bits, int64_t n, uintptr_t out) {
+    host::sr_e4m3(ptr<const float>(x), ptr<const uint32_t>(random_bits), n, ptr<uint8_t>(out));
+  }, release);
+  m.def("host_bf16_round", [](uintptr_t x, int64_t n, uintptr_t out) {
+    host::bf16_round(ptr<const float>(x), n, ptr<uint16_t>(out));
+  }, release);
+}
+
+}  // namespace
+
+void register_formats(py::module_& m) {
+  m.attr("ELEM_FLOAT32") = static_cast<int>(ElemType::kFloat32);
+  m.attr("ELEM_BFLOAT16") = static_cast<int>(ElemType::kBFloat16);
+  m.attr("ELEM_FLOAT16") = static_cast<int>(ElemType::kFloat16);
+  const auto release = py::call_guard<py::gil_scoped_release>();
+
+  m.def("nvfp4_quantize", &nvfp4_quantize, release, py::arg("x"), py::arg("x_type"), py::arg("x_row_stride"),
+        py::arg("num_rows"), py::arg("hidden"), py::arg("amax_in"), py::arg("e4m3_max"), py::arg("four_over_six"),
+        py::arg("data"), py::arg("data_row_stride"), py::arg("scales"), py::arg("scales_row_stride"),
+        py::arg("amax_out"), py::arg("dst_rows"), py::arg("stream"),
+        "NVFP4 quantize rows (4/6 or plain); amax_in 0 = per-row amax computed; dst_rows 0 = identity");
+  m.def("nvfp4_dequantize",
+        [](uintptr_t data, uintptr_t scales, uintptr_t amax, int64_t num_rows, int64_t hidden, float e4m3_max,
+           uintptr_t out, int out_type, uintptr_t stream) {
+          check(ep_comm::launch_nvfp4_dequantize(ptr<const uint8_t>(data), ptr<const uint8_t>(scales),
+                                                 ptr<const float>(amax), num_rows, hidden, e4m3_max, ptr<void>(out),
+                                                 out_type, as_stream(stream)),
+                "nvfp4_dequantize");
+        },
+        release, py::arg("data"), py::arg("scales"), py::arg("amax"), py::arg("num_rows"), py::arg("hidden"),
+        py::arg("e4m3_max"), py::arg("out"), py::arg("out_type"), py::arg("stream"));
+  m.def("mxfp8_quantize", &mxfp8_quantize, release, py::arg("x"), py::arg("x_type"), py::arg("x_row_stride"),
+        py::arg("num_rows"), py::arg("hidden"), py::arg("stochastic"), py::arg("seed"), py::arg("data"),
+        py::arg("data_row_stride"), py::arg("scales"), py::arg("scales_row_stride"), py::arg("stream"));
+  m.def("mxfp8_dequantize",
+        [](uintptr_t data, uintptr_t scales, int64_t num_rows, int64_t hidden, uintptr_t out, int out_type,
+           uintptr_t stream) {
+          check(ep_comm::launch_mxfp8_dequantize(ptr<const uint8_t>(data), ptr<const uint8_t>(scales), num_rows,
+                                                 hidden, ptr<void>(out), out_type, as_stream(stream)),
+                "mxfp8_dequantize");
+        },
+        release, py::arg("data"), py::arg("scales"), py::arg("num_rows"), py::arg("hidden"), py::arg("out"),
+        py::arg("out_type"), py::arg("stream"));
+  m.def("nvfp4_to_mxfp8_transposed",
+        [](uintptr_t data, uintptr_t scales, uintptr_t amax, int64_t num_rows, int64_t hidden, float e4m3_max,
+           bool stochastic, uint64_t seed, uintptr_t out_data, uintptr_t out_scales, uintptr_t stream) {
+          check(ep_comm::launch_nvfp4_to_mxfp8_transposed(ptr<const uint8_t>(data), ptr<const uint8_t>(scales),
+                                                          ptr<const float>(amax), num_rows, hidden, e4m3_max,
+                                                          stochastic, seed, ptr<uint8_t>(out_data),
+                                                          ptr<uint8_t>(out_scales), as_stream(stream)),
+                "nvfp4_to_mxfp8_transposed");
+        },
+        release, py::arg("data"), py::arg("scales"), py::arg("amax"), py::arg("num_rows"), py::arg("hidden"),
+        py::arg("e4m3_max"), py::arg("stochastic"), py::arg("seed"), py::arg("out_data"), py::arg("out_scales"),
+        py::arg("stream"));
+  m.def("s2f6_quantize", &s2f6_quantize, release, py::arg("x"), py::arg("x_type"), py::arg("x_row_stride"),
+        py::arg("num_rows"), py::arg("hidden"), py::arg("hadamard"), py::arg("sign_mask"), py::arg("data"),
+        py::arg("data_row_stride"), py::arg("scales"), py::arg("scales_row_stride"), py::arg("stream"));
+  m.def("s2f6_dequantize",
+        [](uintptr_t data, uintptr_t scales, int64_t num_rows, int64_t hidden, bool hadamard, uint32_t sign_mask,
+           uintptr_t out, int out_type, uintptr_t stream) {
+          check(ep_comm::launch_s2f6_dequantize(ptr<const int8_t>(data), ptr<const uint8_t>(scales), num_rows,
+                                                hidden, hadamard, sign_mask, ptr<void>(out), out_type,
+                                                as_stream(stream)),
+                "s2f6_dequantize");
+        },
+        release, py::arg("data"), py::arg("scales"), py::arg("num_rows"), py::arg("hidden"), py::arg("hadamard"),
+        py::arg("sign_mask"), py::arg("out"), py::arg("out_type"), py::arg("stream"));
+  m.def("s2f6_dequantize_accumulate", &s2f6_dequantize_accumulate, release, py::arg("data"), py::arg("scales"),
+        py::arg("num_src_rows"), py::arg("hidden"), py::arg("row_index"), py::arg("index_is_int64"),
+        py::arg("weights"), py::arg("num_out_rows"), py::arg("num_terms"), py::arg("hadamard"), py::arg("sign_mask"),
+        py::arg("out"), py::arg("out_type"), py::arg("stream"));
+  register_host_emulation(m);
+}

@@ -1,0 +1,247 @@
+// CPU emulation of the format kernels: the very same quant_math.cuh primitives, run on host memory, so a
+// machine without a GPU can prove the bit manipulation against the torch reference (tests/test_formats_host.py).
+// Loops follow the kernels' semantics (row amax, SR element index, transposition, accumulation order).
+//
+// Floating point: this file is compiled with -std=c++17 (ISO mode: GCC does not contract a*b+c into an FMA)
+// for baseline x86-64 (no FMA instructions); the primitives keep every operation a separate rounding.
+#include <cmath>
+#include <initializer_list>
+#include <vector>
+
+#include "formats.h"
+#include "quant_math.cuh"
+
+#if defined(__FAST_MATH__)
+#error "formats_host.cpp must not be built with -ffast-math: the emulation must round like docs/NUMERICS.md"
+#endif
+
+namespace ep_comm {
+namespace host {
+
+namespace qm = ::ep_comm::qm;
+
+void nvfp4_quantize(const float* x, int64_t num_rows, int64_t hidden, const float* amax_in, float e4m3_max,
+                    bool four_over_six, uint8_t* data, uint8_t* scales, float* amax_out) {
+  const int64_t num_blocks = hidden / 16;
+  for (int64_t row = 0; row < num_rows; ++row) {
+    const float* x_row = x + row * hidden;
+    float amax = 0.0f;
+    if (amax_in != nullptr) {
+      amax = amax_in[row];
+    } else {
+      for (int64_t i = 0; i < hidden; ++i) amax = qm::qm_max(amax, qm::qm_abs(x_row[i]));
+    }
+    if (amax_out != nullptr) amax_out[row] = amax;
+    const qm::Nvfp4Outer outer = qm::nvfp4_outer_scales(amax, e4m3_max);
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      qm::nvfp4_quantize_block16_outer(x_row + b * 16, outer, amax, e4m3_max, four_over_six,
+                                       data + row * (hidden / 2) + b * 8, scales + row * num_blocks + b);
+    }
+  }
+}
+
+void nvfp4_dequantize(const uint8_t* data, const uint8_t* scales, const float* amax, int64_t num_rows,
+                      int64_t hidden, float e4m3_max, float* out) {
+  const int64_t num_blocks = hidden / 16;
+  for (int64_t row = 0; row < num_rows; ++row) {
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const float final_scale = qm::nvfp4_dequant_scale(scales[row * num_blocks + b], amax[row], e4m3_max);
+      for (int i = 0; i < 16; ++i) {
+        const uint8_t byte = data[row * (hidden / 2) + b * 8 + i / 2];
+        const uint8_t code = (i % 2 == 0) ? (byte & 0xF) : (byte >> 4);
+        out[row * hidden + b * 16 + i] = qm::qm_mul(qm::e2m1_decode(code), final_scale);
+      }
+    }
+  }
+}
+
+// One MX block: x[32] -> 32 codes + scale; SR index of element j is index0 + j.
+void nvfp4_four_over_six_errors(const float* x, int64_t num_rows, int64_t hidden, const float* amax, float e4m3_max,
+                                float* err6, float* err4) {
+  const int64_t num_blocks = hidden / 16;
+  const float six_m = qm::qm_mul(6.0f, e4m3_max);
+  for (int64_t row = 0; row < num_rows; ++row) {
+    const qm::Nvfp4Outer outer = qm::nvfp4_outer_scales(amax[row], e4m3_max);
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const float* block = x + row * hidden + b * 16;
+      const float base = qm::qm_mul(qm::qm_div(qm::block_amax16(block), 6.0f), outer.s_enc);
+      const uint8_t s6 = qm::e4m3_encode(qm::qm_min(base, 448.0f));
+      const uint8_t s4 = qm::e4m3_encode(qm::qm_min(qm::qm_mul(1.5f, base), 448.0f));
+      uint32_t nibbles[2];
+      err6[row * num_blocks + b] = qm::nvfp4_candidate(block, s6, outer.s_dec, amax[row], six_m, nibbles);
+      err4[row * num_blocks + b] = qm::nvfp4_candidate(block, s4, outer.s_dec, amax[row], six_m, nibbles);
+    }
+  }
+}
+
+static void mxfp8_block(const float* x, bool stochastic, uint32_t key, int64_t index0, uint8_t* codes,
+                        uint8_t* scale_out) {
+  float amax = 0.0f;
+  for (int j = 0; j < 32; ++j) amax = qm::qm_max(amax, qm::qm_abs(x[j]));
+  const uint8_t scale = qm::ue8m0_mxfp8_scale(amax);
+  const float p = qm::ue8m0_inverse(scale);
+  for (int j = 0; j < 32; ++j) {
+    float v = qm::qm_mul(x[j], p);
+    if (stochastic) v = qm::sr_e4m3(v, qm::rbits(key, static_cast<uint64_t>(index0 + j)));
+    codes[j] = qm::e4m3_encode(v);
+  }
+  *scale_out = scale;
+}
+
+void mxfp8_quantize(const float* x, int64_t num_rows, int64_t hidden, bool stochastic, uint64_t seed,
+                    uint8_t* data, uint8_t* scales) {
+  const uint32_t key = qm::sr_key(seed);
+  const int64_t total_blocks = num_rows * (hidden / 32);
+  for (int64_t block = 0; block < total_blocks; ++block) {
+    mxfp8_block(x + block * 32, stochastic, key, block * 32, data + block * 32, scales + block);
+  }
+}
+
+void mxfp8_dequantize(const uint8_t* data, const uint8_t* scales, int64_t num_rows, int64_t hidden, float* out) {
+  const int64_t total_blocks = num_rows * (hidden / 32);
+  for (int64_t block = 0; block < total_blocks; ++block) {
+    const float multiplier = qm::ue8m0_to_float(scales[block]);
+    for (int j = 0; j < 32; ++j) out[block * 32 + j] = qm::qm_mul(qm::e4m3_decode(data[block * 32 + j]), multiplier);
+  }
+}
+
+void nvfp4_to_mxfp8_transposed(const uint8_t* data, const uint8_t* scales, const float* amax, int64_t num_rows,
+                               int64_t hidden, float e4m3_max, bool stochastic, uint64_t seed, uint8_t* out_data,
+                               uint8_t* out_scales) {
+  std::vector<float> dense(static_cast<size_t>(num_rows * hidden));
+  nvfp4_dequantize(data, scales, amax, num_rows, hidden, e4m3_max, dense.data());
+  const uint32_t key = qm::sr_key(seed);
+  float column[32];
+  for (int64_t k = 0; k < hidden; ++k) {
+    for (int64_t rb = 0; rb < num_rows; rb += 32) {
+      for (int j = 0; j < 32; ++j) column[j] = dense[static_cast<size_t>((rb + j) * hidden + k)];
+      mxfp8_block(column, stochastic, key, k * num_rows + rb, out_data + k * num_rows + rb,
+                  out_scales + k * (num_rows / 32) + rb / 32);
+    }
+  }
+}
+
+void rht(const float* x, int64_t num_rows, int64_t hidden, uint32_t sign_mask, bool inverse, float* out) {
+  float chunk[32];
+  for (int64_t c = 0; c < num_rows * hidden / 32; ++c) {
+    for (int j = 0; j < 32; ++j) chunk[j] = x[c * 32 + j];
+    if (inverse) {
+      qm::rht32_inverse(chunk, sign_mask);
+    } else {
+      qm::rht32_forward(chunk, sign_mask);
+    }
+    for (int j = 0; j < 32; ++j) out[c * 32 + j] = chunk[j];
+  }
+}
+
+void s2f6_quantize(const float* x, int64_t num_rows, int64_t hidden, bool hadamard, uint32_t sign_mask,
+                   int8_t* data, uint8_t* scales) {
+  float chunk[32];
+  for (int64_t c = 0; c < num_rows * hidden / 32; ++c) {
+    for (int j = 0; j < 32; ++j) chunk[j] = x[c * 32 + j];
+    if (hadamard) qm::rht32_forward(chunk, sign_mask);
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) amax = qm::qm_max(amax, qm::qm_abs(chunk[j]));
+    const uint8_t scale = qm::ue8m0_s2f6_scale(amax);
+    for (int j = 0; j < 32; ++j) data[c * 32 + j] = qm::s2f6_encode(chunk[j], scale);
+    scales[c] = scale;
+  }
+}
+
+void s2f6_dequantize(const int8_t* data, const uint8_t* scales, int64_t num_rows, int64_t hidden, bool hadamard,
+                     uint32_t sign_mask, float* out) {
+  float chunk[32];
+  for (int64_t c = 0; c < num_rows * hidden / 32; ++c) {
+    for (int j = 0; j < 32; ++j) chunk[j] = qm::s2f6_decode(data[c * 32 + j], scales[c]);
+    if (hadamard) qm::rht32_inverse(chunk, sign_mask);
+    for (int j = 0; j < 32; ++j) out[c * 32 + j] = chunk[j];
+  }
+}
+
+void s2f6_dequantize_accumulate(const int8_t* data, const uint8_t* scales, int64_t num_src_rows, int64_t hidden,
+                                const int64_t* row_index, const float* weights, int64_t num_out_rows,
+                                int64_t num_terms, bool hadamard, uint32_t sign_mask, float* out) {
+  const int64_t chunks = hidden / 32;
+  float acc[32];
+  for (int64_t m = 0; m < num_out_rows; ++m) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int j = 0; j < 32; ++j) acc[j] = 0.0f;
+      for (int64_t t = 0; t < num_terms; ++t) {
+        const int64_t src = row_index[m * num_terms + t];
+        if (src < 0 || src >= num_src_rows) continue;
+        const float w = weights != nullptr ? weights[m * num_terms + t] : 1.0f;
+        const uint8_t scale = scales[src * chunks + c];
+        for (int j = 0; j < 32; ++j) {
+          const float v = qm::s2f6_decode(data[src * hidden + c * 32 + j], scale);
+          acc[j] = qm::qm_add(acc[j], qm::qm_mul(w, v));
+        }
+      }
+      if (hadamard) qm::rht32_inverse(acc, sign_mask);
+      for (int j = 0; j < 32; ++j) out[m * hidden + c * 32 + j] = acc[j];
+    }
+  }
+}
+
+int64_t exhaustive_check(ExhaustiveCheck check, uint32_t stride) {
+  if (stride == 0) stride = 1;
+  int64_t mismatches = 0;
+  if (check == ExhaustiveCheck::kE2m1Magnitude) {
+    for (uint64_t bits = 0; bits <= 0x7FFFFFFFu; bits += stride) {
+      const float a = qm::bits_float(static_cast<uint32_t>(bits));
+      float rounded;
+      const uint32_t code = qm::e2m1_round_magnitude(a, &rounded);
+      const uint8_t expected = qm::e2m1_encode_soft(a);
+      if (code != expected || qm::float_bits(rounded) != qm::float_bits(qm::e2m1_decode(expected))) ++mismatches;
+    }
+    return mismatches;
+  }
+  if (check == ExhaustiveCheck::kSrE4m3) {
+    for (uint64_t bits = 0; bits <= 0x7FFFFFFFu; bits += stride) {
+      const float v = qm::bits_float(static_cast<uint32_t>(bits));
+      const uint32_t words[4] = {0u, 0xFFFFu, 0x8000u, qm::fmix32(static_cast<uint32_t>(bits))};
+      for (uint32_t r : words) {
+        for (float x : {v, -v}) {
+          const uint32_t fast = qm::float_bits(qm::sr_e4m3(x, r));
+          const uint32_t slow = qm::float_bits(qm::sr_e4m3_definition(x, r));
+          if (fast != slow && !(qm::qm_isnan(x))) ++mismatches;
+        }
+      }
+    }
+    return mismatches;
+  }
+  const float six_m = check == ExhaustiveCheck::kMarkstein1536 ? 1536.0f : 2688.0f;
+  const float inv_six_m = qm::qm_div(1.0f, six_m);
+  for (uint64_t bits = 0x0D800000u; bits <= 0x7F7FFFFFu; bits += stride) {  // 2^-100 .. FLT_MAX
+    const float n = qm::bits_float(static_cast<uint32_t>(bits));
+    if (qm::float_bits(qm::div_six_m_markstein(n, six_m, inv_six_m)) != qm::float_bits(qm::qm_div(n, six_m))) {
+      ++mismatches;
+    }
+  }
+  return mismatches;
+}
+
+void e2m1_encode(const float* x, int64_t n, uint8_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = qm::e2m1_encode(x[i]);
+}
+void e4m3_encode(const float* x, int64_t n, uint8_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = qm::e4m3_encode(x[i]);
+}
+void ue8m0_mxfp8_scale(const float* amax, int64_t n, uint8_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = qm::ue8m0_mxfp8_scale(amax[i]);
+}
+void ue8m0_s2f6_scale(const float* amax, int64_t n, uint8_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = qm::ue8m0_s2f6_scale(amax[i]);
+}
+void rbits(uint64_t seed, const int64_t* index, int64_t n, uint32_t* out) {
+  const uint32_t key = qm::sr_key(seed);
+  for (int64_t i = 0; i < n; ++i) out[i] = qm::rbits(key, static_cast<uint64_t>(index[i]));
+}
+void sr_e4m3(const float* x, const uint32_t* random_bits, int64_t n, uint8_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = qm::e4m3_encode(qm::sr_e4m3(x[i], random_bits[i]));
+}
+void bf16_round(const float* x, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = qm::bf16_bits_rn(x[i]);
+}
+
+}  // namespace host
+}  // namespace ep_comm

@@ -1,0 +1,285 @@
+// NVLink dispatch/combine: shared types and device helpers of the three kernel families
+// (nvlink_layout.cu, nvlink_dispatch.cu, nvlink_combine.cu) and their host launchers (bind_nvlink.cpp).
+//
+// Torch-free: Python computes the symmetric-region layout (ep_comm/backends/nvlink.py, `_RegionLayout`),
+// allocates every tensor and passes raw device addresses; nothing here allocates.
+//
+// Protocol (one symmetric region per rank, same offsets everywhere, peers reached by plain pointers):
+//   flags      disp_ready[W]    my region, slot s: blocks of source s that finished writing their rows to me
+//              disp_consumed[W] my region, slot d: blocks of dest d that finished reading my rows
+//              comb_ready[W]    my region, slot e: blocks of expert rank e that finished writing rows to me
+//              comb_consumed[W] my region, slot s: blocks of source s that finished reading my rows
+//   counts     [W][count_stride] int32: source s writes its per-local-expert row counts and its token count
+//   staging    [W][T_max] dispatch rows (payload | metadata), slot chosen by the sender's prefix sum
+//   combine    [T_max][K] combine rows, indexed by (token, rank ordinal) or (token, top-k slot)
+// Every counter only grows: each kernel block adds 1 per call, so "epoch n is complete" is
+// counter >= n * blocks. Epochs (calls) are counted on the device (NvlinkState) so CUDA-graph replays
+// advance them. A writer first waits until the reader has consumed the previous epoch's rows (the
+// *_consumed counters), so buffers are reused without memsets and without races whatever the call
+// pattern (dispatch twice in a row, combine twice with one handle, ...), as long as every rank makes
+// the same sequence of calls.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#include <cuda_runtime.h>
+#endif
+
+namespace ep_comm {
+namespace nvlink {
+
+enum DispatchFormat : int { kDispNvfp4 = 0, kDispMxfp8 = 1, kDispBf16 = 2 };
+enum CombineFormat : int { kCombS2f6 = 0, kCombBf16 = 1 };
+
+// Stages named in the error word (Python turns them into text).
+enum Stage : int {
+  kStageDispatchWaitConsumed = 1,  // dispatch send: peer still reading the previous dispatch's rows
+  kStageDispatchWaitReady = 2,     // dispatch receive: peer's rows never arrived
+  kStageCombineWaitConsumed = 3,   // combine send: peer still reading the previous combine's rows
+  kStageCombineWaitReady = 4,      // combine receive: peer's rows never arrived
+};
+
+constexpr int kMaxTopk = 32;    // one lane per top-k slot in several warp-level steps
+constexpr int kMaxWorld = 1024;  // ranks of one NVLink domain (NVL72 needs 72); static shared arrays
+
+// Device-resident per-Buffer state (zeroed once at creation; local memory, never touched by peers).
+struct NvlinkState {
+  unsigned long long disp_epoch;  // dispatch calls started (bumped by the layout kernel)
+  unsigned long long comb_epoch;  // combine calls finished (bumped by the last combine-receive block)
+  unsigned int comb_done_blocks;  // combine-receive blocks finished in the current call
+  unsigned int abort;             // set after a timeout: every later wait gives up at once
+};
+
+// Static description of one Buffer: geometry, region offsets and device addresses. Passed by value.
+struct NvlinkConfig {
+  int rank;
+  int world;
+  int hidden;
+  int num_experts;
+  int num_local;     // experts per rank
+  int topk;
+  int max_tokens;    // T_max
+  int alignment;     // expert segment alignment (rows)
+  int num_blocks;    // blocks of every communication kernel (= num_sms)
+  int disp_fmt;      // DispatchFormat
+  int comb_fmt;      // CombineFormat
+  unsigned int sign_mask;
+  long long max_recv_rows;
+
+  // Dispatch staging row: [data | scales | meta], each section 16-byte aligned.
+  long long disp_row_bytes;
+  long long disp_data_bytes;   // payload element bytes (H/2, H or 2H)
+  long long disp_scale_off;    // offset of the scale bytes in the row (NVFP4 H/16, MXFP8 H/32)
+  long long disp_scale_bytes;  // 0 for BF16
+  long long disp_meta_off;     // meta: f32 amax, i32 token, i32 idx[K], f32 w[K], i32 pos[K]
+  // Combine row: S2F6 [codes H | scales H/32] or BF16 [2H].
+  long long comb_row_bytes;
+  long long comb_scale_off;
+
+  // Offsets inside every rank's symmetric region.
+  long long off_disp_ready;
+  long long off_disp_consumed;
+  long long off_comb_ready;
+  long long off_comb_consumed;
+  long long off_counts;
+  long long count_stride;  // int32 words per source in the count area (>= num_local + 1)
+  long long off_staging;
+  long long off_combine;
+
+  unsigned long long timeout_ns;
+
+  // Device addresses.
+  const unsigned long long* peer_bases;  // [W] base of every rank's region (own rank: the local address)
+  char* local_base;                      // my region
+  NvlinkState* state;
+  int* scratch_pos;       // [T_max * K] position of (t, k) among this rank's rows for its expert
+  int* scratch_slot;      // [T_max * K] staging slot at the destination rank (first slot of a rank) or -1
+  int* expert_count;      // [E] rows this rank sends to each expert
+  int* rank_count;        // [W] tokens this rank sends to each rank
+  unsigned long long* error_word;  // host-mapped: (1 << 63) | stage << 48 | peer << 32 | epoch
+};
+
+struct DispatchArgs {
+  const void* x;          // bf16 [T, H]
+  const void* topk_idx;   // int32 or int64 [T, K]
+  int idx_is_int64;
+  const float* topk_weights;  // [T, K]
+  int num_tokens;
+  // Handle (sender side copies, read by combine-receive).
+  int* send_idx;    // [T, K] normalized expert ids (-1 masked)
+  float* send_w;    // [T, K]
+  // Expert-major result.
+  unsigned char* out_data;    // NVFP4 [R, H/2] / MXFP8 [R, H] / BF16 [R, 2H bytes]
+  unsigned char* out_scales;  // NVFP4 [R, H/16] / MXFP8 [R, H/32] / unused
+  float* out_amax;            // NVFP4 [R] / unused
+  int* num_per_expert;        // [E_local]
+  int* expert_offsets;        // [E_local + 1]
+  int* src_rank;              // [R]
+  int* src_token;             // [R]
+  int* topk_slot;             // [R]
+  float* topk_weight;         // [R]
+  long long num_rows;         // R (capacity)
+  // Handle (receiver side, read by combine-send).
+  int* recv_count;  // [W] tokens received from each source
+  int* recv_tok;    // [W * T_max] source token of staging row (s, j)
+  int* recv_ord;    // [W * T_max] ordinal of this rank among the token's destination ranks
+  int* recv_rows;   // [W * T_max * K] layout row of slot k of staging row (s, j), or -1
+};
+
+struct CombineArgs {
+  const unsigned short* expert_out;  // bf16 [R, H]
+  const float* row_weight;           // [R] (DispatchResult.topk_weight)
+  int local_reduce;
+  const int* recv_count;
+  const int* recv_tok;
+  const int* recv_ord;
+  const int* recv_rows;
+  const int* send_idx;   // [T, K]
+  const float* send_w;   // [T, K]
+  int num_tokens;
+  unsigned short* out;   // bf16 [T, H]
+};
+
+// Host launchers (one per kernel family). `stream` is a cudaStream_t passed as an integer.
+void launch_layout(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream);
+void launch_dispatch_send(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream);
+void launch_dispatch_recv(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream);
+void launch_combine_send(const NvlinkConfig& cfg, const CombineArgs& args, uintptr_t stream);
+void launch_combine_recv(const NvlinkConfig& cfg, const CombineArgs& args, uintptr_t stream);
+// Shared-memory opt-ins that depend on the config (call once per Buffer, before any launch).
+void prepare_layout_kernel(const NvlinkConfig& cfg);
+void prepare_dispatch_kernels(const NvlinkConfig& cfg);
+int layout_warps(const NvlinkConfig& cfg);
+
+// Peer memory without NVSHMEM (peer_memory.cpp): CUDA IPC handles of a cudaMalloc'd region, and a small
+// host-mapped word the kernels report errors into (readable by the host without a sync).
+uintptr_t device_alloc_zeroed(int device, size_t bytes);
+void device_free(int device, uintptr_t ptr);
+void ipc_get_handle(int device, uintptr_t ptr, unsigned char out[64]);
+uintptr_t ipc_open_handle(int device, const unsigned char handle[64]);
+void ipc_close_handle(int device, uintptr_t ptr);
+bool can_access_peer(int device, int peer);
+void host_mapped_alloc(int device, size_t bytes, uintptr_t* host_ptr, uintptr_t* device_ptr);
+void host_mapped_free(uintptr_t host_ptr);
+
+// Thread-block sizes.
+constexpr int kCommThreads = 512;
+
+#if defined(__CUDACC__)
+// ------------------------------------------------------------------------------------------------------
+// Memory-model helpers. Peers' writes land in our memory while kernels run: reads of such data use plain
+// (coherent) loads after an acquire, never the non-coherent read-only path.
+__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void red_release_sys_add(unsigned long long* p, unsigned long long v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ unsigned long long global_timer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint4 ld_coherent_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ unsigned int ld_coherent_u32(const void* p) {
+  unsigned int v;
+  asm volatile("ld.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ unsigned short ld_coherent_u16(const void* p) {
+  unsigned short v;
+  asm volatile("ld.global.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ unsigned char ld_coherent_u8(const void* p) {
+  unsigned short v;
+  asm volatile("ld.global.u8 %0, [%1];" : "=h"(v) : "l"(p));
+  return static_cast<unsigned char>(v);
+}
+
+// Read-only inputs written before the kernel started (x, expert_out): the non-coherent path is fine.
+__device__ __forceinline__ uint4 ld_input_v4(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+__device__ __forceinline__ void st_v4(void* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
+
+// Wait until *flag >= target. On timeout (or when another wait already timed out) record the stage and
+// peer in the host-mapped error word, set the abort flag and return false: the kernel then runs on with
+// whatever is in the buffer, so the process never hangs; the host raises at its next check.
+__device__ __forceinline__ bool wait_counter(const NvlinkConfig& cfg, const unsigned long long* flag,
+                                             unsigned long long target, int stage, int peer,
+                                             unsigned long long epoch) {
+  if (ld_acquire_sys(flag) >= target) return true;
+  const unsigned long long start = global_timer_ns();
+  volatile unsigned int* abort_flag = &cfg.state->abort;
+  while (true) {
+    if (ld_acquire_sys(flag) >= target) return true;
+    if (*abort_flag) return false;
+    if (global_timer_ns() - start > cfg.timeout_ns) {
+      *abort_flag = 1u;
+      volatile unsigned long long* err = cfg.error_word;
+      if (*err == 0ull) {
+        *err = (1ull << 63) | (static_cast<unsigned long long>(stage & 0xFF) << 48) |
+               (static_cast<unsigned long long>(peer & 0xFFFF) << 32) | (epoch & 0xFFFFFFFFull);
+      }
+      __threadfence_system();
+      return false;
+    }
+  }
+}
+
+// Every block: thread p < W waits on counter p of `flags` (in my region), then the block proceeds.
+__device__ __forceinline__ void block_wait_all_peers(const NvlinkConfig& cfg, long long flags_off,
+                                                     unsigned long long target, int stage,
+                                                     unsigned long long epoch) {
+  const unsigned long long* flags = reinterpret_cast<const unsigned long long*>(cfg.local_base + flags_off);
+  for (int p = threadIdx.x; p < cfg.world; p += blockDim.x) wait_counter(cfg, flags + p, target, stage, p, epoch);
+  __syncthreads();
+}
+
+// Every block, after its last access: add 1 to counter `my rank` of `flags` in every peer's region.
+__device__ __forceinline__ void block_signal_all_peers(const NvlinkConfig& cfg, long long flags_off) {
+  __syncthreads();
+  for (int p = threadIdx.x; p < cfg.world; p += blockDim.x) {
+    __threadfence_system();
+    unsigned long long* flag =
+        reinterpret_cast<unsigned long long*>(static_cast<uintptr_t>(cfg.peer_bases[p]) + flags_off) + cfg.rank;
+    red_release_sys_add(flag, 1ull);
+  }
+}
+
+__device__ __forceinline__ char* peer_ptr(const NvlinkConfig& cfg, int peer, long long offset) {
+  return reinterpret_cast<char*>(static_cast<uintptr_t>(cfg.peer_bases[peer])) + offset;
+}
+
+// Ordinal of rank `me` among the distinct destination ranks of a token, and the number of distinct ranks,
+// from lane k's slot rank r (lanes k >= K pass -1). Whole warp must call.
+__device__ __forceinline__ void distinct_rank_info(int r, int topk, int lane, int me, int* ordinal, int* count) {
+  bool first = r >= 0;
+  for (int k = 0; k < topk; ++k) {
+    const int other = __shfl_sync(0xFFFFFFFFu, r, k);
+    if (k < lane && other == r) first = false;
+  }
+  const unsigned int firsts = __ballot_sync(0xFFFFFFFFu, first);
+  const unsigned int below = __ballot_sync(0xFFFFFFFFu, first && r < me);
+  *ordinal = __popc(below);
+  *count = __popc(firsts);
+}
+#endif  // __CUDACC__
+
+}  // namespace nvlink
+}  // namespace ep_comm

@@ -1,0 +1,310 @@
+// Combine over NVLink: weighted local reduction + RHT-32 + S2F6 on the expert rank, stored straight into
+// the source rank's combine area; dequantize-accumulate + inverse RHT on the source rank.
+//
+// Send (expert rank): one warp per received token (s, j) (from the dispatch handle). Each lane owns 16
+// consecutive elements, lanes 2i and 2i+1 one RHT/S2F6 chunk of 32: FWHT stages h = 1..8 run in the
+// lane's registers and h = 16 pairs the two lanes (shfl_xor 1) — the pairing and add order of NUMERICS.md.
+//   local_reduce: acc = 0; for the token's local slots in ascending order acc = f(acc + f(w * x_row)),
+//     one row per (token, this rank) into the source's area at (t, ordinal of this rank among t's ranks).
+//   otherwise: each local slot's row is quantized on its own (no weight) into (t, k).
+// Receive (source rank): one warp per token; acc = 0; rows in ascending rank order (local_reduce) or
+// ascending slot order with acc = f(acc + f(w_k * deq)) (otherwise); inverse RHT once; bf16.
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "nvlink.h"
+#include "quant_math.cuh"
+
+namespace ep_comm {
+namespace nvlink {
+namespace {
+
+using namespace ep_comm::qm;
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) throw std::runtime_error(std::string("ep_comm nvlink: ") + what + ": " + cudaGetErrorString(err));
+}
+
+__device__ __forceinline__ void load_bf16x16(const unsigned short* p, float* out) {
+  const uint4 a = ld_input_v4(p);
+  const uint4 b = ld_input_v4(p + 8);
+  const unsigned int w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    out[2 * i] = __uint_as_float(w[i] << 16);
+    out[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+  }
+}
+
+// Cross-lane FWHT stage h = 16: the lane with the odd index holds elements 16..31 of the chunk.
+__device__ __forceinline__ void fwht_stage16(float v[16], int lane) {
+  const bool upper = (lane & 1) != 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float p = __shfl_xor_sync(0xFFFFFFFFu, v[i], 1);
+    v[i] = upper ? qm_sub(p, v[i]) : qm_add(v[i], p);
+  }
+}
+
+__device__ __forceinline__ uint4 pack_bf16x16_lo(const float* v) {
+  uint4 r;
+  unsigned int* w = reinterpret_cast<unsigned int*>(&r);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = bf16_bits_rn(v[2 * i]) | (static_cast<unsigned int>(bf16_bits_rn(v[2 * i + 1])) << 16);
+  return r;
+}
+
+// Encode the lane's 16 fp32 values (whole warp calls; `active` lanes store) into a combine row at
+// element offset e0: S2F6 after the forward RHT, or BF16.
+__device__ __forceinline__ void encode_store(const NvlinkConfig& cfg, float v[16], char* dst_row, int e0, bool active,
+                                             int lane) {
+  if (cfg.comb_fmt == kCombS2f6) {
+    const int first = (lane & 1) * 16;
+    const float c = bits_float(kRhtScaleBits);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = rht_sign(v[i], cfg.sign_mask, first + i);
+    fwht_serial<16>(v);
+    fwht_stage16(v, lane);
+    float a = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      v[i] = qm_mul(v[i], c);
+      a = qm_max(a, qm_abs(v[i]));
+    }
+    a = qm_max(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
+    const uint8_t b = ue8m0_s2f6_scale(a);
+    const float mult = ue8m0_inverse(b);
+    unsigned int words[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      words[i] = 0u;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        words[i] |= static_cast<unsigned int>(static_cast<uint8_t>(s2f6_encode_with_multiplier(v[4 * i + k], mult)))
+                    << (8 * k);
+      }
+    }
+    const uint4 codes = make_uint4(words[0], words[1], words[2], words[3]);
+    if (active) {
+      st_v4(dst_row + e0, codes);
+      if ((lane & 1) == 0) *reinterpret_cast<uint8_t*>(dst_row + cfg.comb_scale_off + e0 / 32) = b;
+    }
+  } else if (active) {
+    st_v4(dst_row + 2 * e0, pack_bf16x16_lo(v));
+    st_v4(dst_row + 2 * e0 + 16, pack_bf16x16_lo(v + 8));
+  }
+}
+
+__global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig cfg, CombineArgs args) {
+  __shared__ int slot_rows[kCommThreads / 32][kMaxTopk];
+  __shared__ float slot_weights[kCommThreads / 32][kMaxTopk];
+  __shared__ int slot_ids[kCommThreads / 32][kMaxTopk];
+  __shared__ int item_start[kMaxWorld + 1];
+  const unsigned long long epoch = cfg.state->comb_epoch + 1ull;
+  const int lane = threadIdx.x % 32;
+  const int topk = cfg.topk;
+  const int hidden = cfg.hidden;
+  const int world = cfg.world;
+
+  // The sources' combine areas hold the previous combine's rows until they have read them.
+  block_wait_all_peers(cfg, cfg.off_comb_consumed, (epoch - 1ull) * cfg.num_blocks, kStageCombineWaitConsumed,
+                       epoch);
+
+  if (threadIdx.x == 0) {  // received tokens of all sources, flattened
+    int run = 0;
+    for (int s = 0; s < world; ++s) {
+      item_start[s] = run;
+      run += args.recv_count[s];
+    }
+    item_start[world] = run;
+  }
+  __syncthreads();
+
+  const int warps_per_block = blockDim.x / 32;
+  const int warp_in_block = threadIdx.x / 32;
+  const int global_warp = blockIdx.x * warps_per_block + warp_in_block;
+  const int num_warps = gridDim.x * warps_per_block;
+
+  for (int flat = global_warp; flat < item_start[world]; flat += num_warps) {
+    int s = 0;
+    while (flat >= item_start[s + 1]) ++s;
+    const long long item = static_cast<long long>(s) * cfg.max_tokens + (flat - item_start[s]);
+    const int row = lane < topk ? args.recv_rows[item * topk + lane] : -1;
+    const unsigned int mask = __ballot_sync(0xFFFFFFFFu, row >= 0);
+    const int n = __popc(mask);
+    if (n == 0) continue;
+    __syncwarp();
+    if (row >= 0) {
+      const int i = __popc(mask & ((1u << lane) - 1u));
+      slot_rows[warp_in_block][i] = row;
+      slot_weights[warp_in_block][i] = args.row_weight[row];
+      slot_ids[warp_in_block][i] = lane;
+    }
+    __syncwarp();
+    const int t = args.recv_tok[item];
+    char* const area = peer_ptr(cfg, s, cfg.off_combine);
+    const int* rows = slot_rows[warp_in_block];
+
+    if (args.local_reduce) {
+      char* dst = area + (static_cast<long long>(t) * topk + args.recv_ord[item]) * cfg.comb_row_bytes;
+      for (int base = 0; base < hidden; base += 512) {
+        const int e0 = base + lane * 16;
+        const bool active = e0 < hidden;  // hidden % 32 == 0: both lanes of a chunk agree
+        float acc[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc[i] = 0.0f;
+        if (active) {
+          for (int r = 0; r < n; ++r) {
+            const float w = slot_weights[warp_in_block][r];
+            float xv[16];
+            load_bf16x16(args.expert_out + static_cast<long long>(rows[r]) * hidden + e0, xv);
+#pragma unroll
+            for (int i = 0; i < 16; ++i) acc[i] = qm_add(acc[i], qm_mul(w, xv[i]));
+          }
+        }
+        encode_store(cfg, acc, dst, e0, active, lane);
+      }
+    } else {
+      for (int r = 0; r < n; ++r) {
+        char* dst = area + (static_cast<long long>(t) * topk + slot_ids[warp_in_block][r]) * cfg.comb_row_bytes;
+        for (int base = 0; base < hidden; base += 512) {
+          const int e0 = base + lane * 16;
+          const bool active = e0 < hidden;
+          float xv[16];
+#pragma unroll
+          for (int i = 0; i < 16; ++i) xv[i] = 0.0f;
+          if (active) load_bf16x16(args.expert_out + static_cast<long long>(rows[r]) * hidden + e0, xv);
+          encode_store(cfg, xv, dst, e0, active, lane);
+        }
+      }
+    }
+  }
+
+  block_signal_all_peers(cfg, cfg.off_comb_ready);
+}
+
+__global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig cfg, CombineArgs args) {
+  __shared__ int term_rows[kCommThreads / 32][kMaxTopk];
+  __shared__ float term_weights[kCommThreads / 32][kMaxTopk];
+  __shared__ bool last_block;
+  const unsigned long long epoch = cfg.state->comb_epoch + 1ull;
+  const int lane = threadIdx.x % 32;
+  const int topk = cfg.topk;
+  const int hidden = cfg.hidden;
+
+  block_wait_all_peers(cfg, cfg.off_comb_ready, epoch * cfg.num_blocks, kStageCombineWaitReady, epoch);
+
+  const int warps_per_block = blockDim.x / 32;
+  const int warp_in_block = threadIdx.x / 32;
+  const int global_warp = blockIdx.x * warps_per_block + warp_in_block;
+  const int num_warps = gridDim.x * warps_per_block;
+  const char* area = cfg.local_base + cfg.off_combine;
+  const float c = bits_float(kRhtScaleBits);
+
+  for (int t = global_warp; t < args.num_tokens; t += num_warps) {
+    int e = -1;
+    float w = 0.0f;
+    if (lane < topk) {
+      e = args.send_idx[static_cast<long long>(t) * topk + lane];
+      w = args.send_w[static_cast<long long>(t) * topk + lane];
+    }
+    int n;
+    __syncwarp();
+    if (args.local_reduce) {
+      int ordinal;
+      distinct_rank_info(e >= 0 ? e / cfg.num_local : -1, topk, lane, -1, &ordinal, &n);
+      if (lane < n) {
+        term_rows[warp_in_block][lane] = t * topk + lane;  // ordinals 0..n-1 = ranks in ascending order
+        term_weights[warp_in_block][lane] = 1.0f;           // f(1 * v) = v: the unweighted sum
+      }
+    } else {
+      const unsigned int mask = __ballot_sync(0xFFFFFFFFu, e >= 0);
+      n = __popc(mask);
+      if (e >= 0) {
+        const int i = __popc(mask & ((1u << lane) - 1u));
+        term_rows[warp_in_block][i] = t * topk + lane;
+        term_weights[warp_in_block][i] = w;
+      }
+    }
+    __syncwarp();
+    unsigned short* out_row = args.out + static_cast<long long>(t) * hidden;
+    for (int base = 0; base < hidden; base += 512) {
+      const int e0 = base + lane * 16;
+      const bool active = e0 < hidden;
+      float acc[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) acc[i] = 0.0f;
+      if (active) {
+        for (int r = 0; r < n; ++r) {
+          const char* src = area + static_cast<long long>(term_rows[warp_in_block][r]) * cfg.comb_row_bytes;
+          const float wr = term_weights[warp_in_block][r];
+          float v[16];
+          if (cfg.comb_fmt == kCombS2f6) {
+            const uint4 codes = ld_coherent_v4(src + e0);
+            const float mult = s2f6_decode_multiplier(ld_coherent_u8(src + cfg.comb_scale_off + e0 / 32));
+            const unsigned int wd[4] = {codes.x, codes.y, codes.z, codes.w};
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+              const int code = static_cast<int>(wd[i / 4] << (24 - 8 * (i % 4))) >> 24;  // sign-extend byte i
+              v[i] = qm_mul(static_cast<float>(code), mult);
+            }
+          } else {
+            const uint4 a = ld_coherent_v4(src + 2 * e0);
+            const uint4 b = ld_coherent_v4(src + 2 * e0 + 16);
+            const unsigned int wd[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              v[2 * i] = __uint_as_float(wd[i] << 16);
+              v[2 * i + 1] = __uint_as_float(wd[i] & 0xFFFF0000u);
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < 16; ++i) acc[i] = qm_add(acc[i], qm_mul(wr, v[i]));
+        }
+      }
+      if (cfg.comb_fmt == kCombS2f6) {  // inverse RHT (also on zeros: the signs make -0.0, as the reference)
+        const int first = (lane & 1) * 16;
+        fwht_serial<16>(acc);
+        fwht_stage16(acc, lane);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc[i] = rht_sign(qm_mul(acc[i], c), cfg.sign_mask, first + i);
+      }
+      if (active) {
+        st_v4(out_row + e0, pack_bf16x16_lo(acc));
+        st_v4(out_row + e0 + 8, pack_bf16x16_lo(acc + 8));
+      }
+    }
+  }
+
+  // Done reading the combine area: the expert ranks may overwrite it.
+  block_signal_all_peers(cfg, cfg.off_comb_consumed);
+  // The last block to finish advances the combine epoch (every block has read it by then).
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned int done = atomicAdd(&cfg.state->comb_done_blocks, 1u);
+    last_block = done == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (last_block && threadIdx.x == 0) {
+    cfg.state->comb_done_blocks = 0u;
+    cfg.state->comb_epoch = epoch;
+    __threadfence();
+  }
+}
+
+}  // namespace
+
+void launch_combine_send(const NvlinkConfig& cfg, const CombineArgs& args, uintptr_t stream) {
+  combine_send_kernel<<<cfg.num_blocks, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(cfg, args);
+  check(cudaGetLastError(), "combine send kernel launch");
+}
+
+void launch_combine_recv(const NvlinkConfig& cfg, const CombineArgs& args, uintptr_t stream) {
+  combine_recv_kernel<<<cfg.num_blocks, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(cfg, args);
+  check(cudaGetLastError(), "combine receive kernel launch");
+}
+
+}  // namespace nvlink
+}  // namespace ep_comm

@@ -1,0 +1,449 @@
+// Dispatch over NVLink: fused quantize-and-send, then receive-and-expand into the expert-major layout.
+//
+// Send (rank s): one warp per token. The warp reads the bf16 row, quantizes it once in registers
+// (NVFP4 4/6 with a per-token amax, MXFP8 or raw BF16) and stores each 16-byte piece directly into the
+// staging slot of every destination rank (peer pointers; slots from the layout kernel), followed by the
+// metadata the receiver needs (token index, the K expert ids, weights and in-expert positions). Block 0
+// also writes this rank's counts into every peer. Each block then bumps its "ready" counter in every
+// peer (release, system scope).
+//
+// Receive (rank d): every block waits for all sources' counters, computes the expert segment offsets
+// from the exchanged counts (redundantly, it is a few hundred integers), then warps copy staging rows
+// into the expert-major output, once per local slot, and record where each slot landed (the handle
+// combine needs). Padding rows are zeroed; rows past the valid prefix get src_rank = -1 metadata.
+// Each block finally bumps the "consumed" counter in every source, which lets the next dispatch reuse
+// the staging area.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "nvlink.h"
+#include "quant_math.cuh"
+
+namespace ep_comm {
+namespace nvlink {
+namespace {
+
+using namespace ep_comm::qm;
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) throw std::runtime_error(std::string("ep_comm nvlink: ") + what + ": " + cudaGetErrorString(err));
+}
+
+__device__ __forceinline__ void bf16x8_to_float(const uint4& v, float* out) {
+  const unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = __uint_as_float(w[i] << 16);
+    out[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+  }
+}
+
+__device__ __forceinline__ unsigned int pack4(const uint8_t* b) {
+  return static_cast<unsigned int>(b[0]) | (static_cast<unsigned int>(b[1]) << 8) |
+         (static_cast<unsigned int>(b[2]) << 16) | (static_cast<unsigned int>(b[3]) << 24);
+}
+
+// 32 bf16 elements -> two NVFP4 4/6 blocks: 16 code bytes and two scale bytes (low byte first).
+__device__ __forceinline__ uint4 quantize_nvfp4_chunk32(const unsigned char* src, Nvfp4Outer outer, float amax,
+                                                    unsigned int* scales) {
+  unsigned int words[4];
+  unsigned int sc = 0u;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float xb[16];
+    bf16x8_to_float(ld_input_v4(src + half * 32), xb);
+    bf16x8_to_float(ld_input_v4(src + half * 32 + 16), xb + 8);
+    uint8_t pk[8];
+    uint8_t sb;
+    nvfp4_quantize_block16_outer(xb, outer, amax, 256.0f, true, pk, &sb);
+    words[2 * half] = pack4(pk);
+    words[2 * half + 1] = pack4(pk + 4);
+    sc |= static_cast<unsigned int>(sb) << (8 * half);
+  }
+  *scales = sc;
+  return make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+// Row amax of a bf16 row (NaN ignored, Inf kept) by the whole warp: bf16x2 max, exact.
+__device__ __forceinline__ float warp_row_amax(const unsigned char* row, int hidden, int lane) {
+  __nv_bfloat162 acc = __floats2bfloat162_rn(0.0f, 0.0f);
+  for (int c = lane; c < hidden / 8; c += 32) {
+    const uint4 v = ld_input_v4(row + static_cast<long long>(c) * 16);
+    const unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&w[i]);
+      acc = __hmax2(acc, __habs2(h));  // __hmax2 returns the non-NaN operand; acc is never NaN
+    }
+  }
+  float a = fmaxf(__low2float(acc), __high2float(acc));
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, o));
+  return a;
+}
+
+__global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfig cfg, DispatchArgs args) {
+  const unsigned long long epoch = cfg.state->disp_epoch;
+  const int lane = threadIdx.x % 32;
+  const int topk = cfg.topk;
+  const int hidden = cfg.hidden;
+
+  // The destinations' staging areas still hold the previous dispatch until they have read it.
+  block_wait_all_peers(cfg, cfg.off_disp_consumed, (epoch - 1ull) * cfg.num_blocks, kStageDispatchWaitConsumed,
+                       epoch);
+
+  if (blockIdx.x == 0) {
+    const int per_rank = cfg.num_local + 1;
+    for (int i = threadIdx.x; i < cfg.world * per_rank; i += blockDim.x) {
+      const int d = i / per_rank;
+      const int j = i - d * per_rank;
+      const int v = j < cfg.num_local ? cfg.expert_count[d * cfg.num_local + j] : cfg.rank_count[d];
+      int* dst = reinterpret_cast<int*>(peer_ptr(cfg, d, cfg.off_counts)) + cfg.rank * cfg.count_stride + j;
+      *dst = v;
+    }
+  }
+
+  __shared__ char* dest_rows[kCommThreads / 32][kMaxTopk];
+  const int warps_per_block = blockDim.x / 32;
+  const int warp_in_block = threadIdx.x / 32;
+  const int global_warp = blockIdx.x * warps_per_block + warp_in_block;
+  const int num_warps = gridDim.x * warps_per_block;
+  const long long staging_base = cfg.off_staging + static_cast<long long>(cfg.rank) * cfg.max_tokens * cfg.disp_row_bytes;
+
+  for (int t = global_warp; t < args.num_tokens; t += num_warps) {
+    const long long q = static_cast<long long>(t) * topk + lane;
+    int e = -1, slot = -1, pos = -1;
+    float w = 0.0f;
+    if (lane < topk) {
+      e = args.send_idx[q];
+      slot = cfg.scratch_slot[q];
+      pos = cfg.scratch_pos[q];
+      w = args.send_w[q];
+    }
+    const unsigned int dest_mask = __ballot_sync(0xFFFFFFFFu, slot >= 0);
+    if (dest_mask == 0u) continue;  // every slot masked: the token goes nowhere
+    // Destination row addresses, compacted into this warp's shared-memory list (read by every lane
+    // inside possibly divergent loops, so no shuffles there).
+    const int num_dest = __popc(dest_mask);
+    __syncwarp();  // the previous token's readers are done with the list
+    if (slot >= 0) {
+      dest_rows[warp_in_block][__popc(dest_mask & ((1u << lane) - 1u))] =
+          peer_ptr(cfg, e / cfg.num_local, staging_base + static_cast<long long>(slot) * cfg.disp_row_bytes);
+    }
+    __syncwarp();
+    char* const* rows = dest_rows[warp_in_block];
+
+    const unsigned char* xrow = reinterpret_cast<const unsigned char*>(args.x) + static_cast<long long>(t) * hidden * 2;
+    float token_amax = 0.0f;
+
+    if (cfg.disp_fmt == kDispNvfp4) {
+      token_amax = warp_row_amax(xrow, hidden, lane);
+      const Nvfp4Outer outer = nvfp4_outer_scales(token_amax, 256.0f);
+      const int num_chunks = hidden / 32;  // 32 elements = two NVFP4 blocks = 16 data bytes per lane
+#pragma unroll 1
+      for (int c = lane; c < num_chunks; c += 32) {
+        unsigned int scales;
+        const uint4 packed = quantize_nvfp4_chunk32(xrow + static_cast<long long>(c) * 64, outer, token_amax, &scales);
+        for (int i = 0; i < num_dest; ++i) {
+          char* row = rows[i];
+          st_v4(row + static_cast<long long>(c) * 16, packed);
+          *reinterpret_cast<unsigned short*>(row + cfg.disp_scale_off + 2 * c) = static_cast<unsigned short>(scales);
+        }
+      }
+    } else if (cfg.disp_fmt == kDispMxfp8) {
+      const int num_halves = hidden / 16;  // 16 elements per lane, lanes 2i and 2i+1 share a block of 32
+      for (int base = 0; base < num_halves; base += 32) {
+        const int h = base + lane;
+        const bool active = h < num_halves;
+        float xv[16];
+        float a = 0.0f;
+        if (active) {
+          bf16x8_to_float(ld_input_v4(xrow + static_cast<long long>(h) * 32), xv);
+          bf16x8_to_float(ld_input_v4(xrow + static_cast<long long>(h) * 32 + 16), xv + 8);
+#pragma unroll
+          for (int i = 0; i < 16; ++i) a = qm_max(a, qm_abs(xv[i]));
+        }
+        a = qm_max(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
+        if (active) {
+          const uint8_t b = ue8m0_mxfp8_scale(a);
+          const float p = ue8m0_inverse(b);
+          unsigned int words[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const unsigned int lo = e4m3x2_encode(qm_mul(xv[4 * i], p), qm_mul(xv[4 * i + 1], p));
+            const unsigned int hi = e4m3x2_encode(qm_mul(xv[4 * i + 2], p), qm_mul(xv[4 * i + 3], p));
+            words[i] = lo | (hi << 16);
+          }
+          const uint4 packed = make_uint4(words[0], words[1], words[2], words[3]);
+          for (int i = 0; i < num_dest; ++i) {
+            char* row = rows[i];
+            st_v4(row + static_cast<long long>(h) * 16, packed);
+            if ((h & 1) == 0) *reinterpret_cast<uint8_t*>(row + cfg.disp_scale_off + h / 2) = b;
+          }
+        }
+      }
+    } else {
+      const int num_pieces = hidden / 8;  // 16 bytes of bf16
+      for (int c = lane; c < num_pieces; c += 32) {
+        const uint4 v = ld_input_v4(xrow + static_cast<long long>(c) * 16);
+        for (int i = 0; i < num_dest; ++i) {
+          st_v4(rows[i] + static_cast<long long>(c) * 16, v);
+        }
+      }
+    }
+
+    // Metadata of every destination row: amax, token, then per slot the expert id, weight, position.
+    for (int i = 0; i < num_dest; ++i) {
+      char* meta = rows[i] + cfg.disp_meta_off;
+      int* words = reinterpret_cast<int*>(meta);
+      if (lane == 0) {
+        words[0] = __float_as_int(token_amax);
+        words[1] = t;
+      }
+      if (lane < topk) {
+        words[2 + lane] = e;
+        words[2 + topk + lane] = __float_as_int(w);
+        words[2 + 2 * topk + lane] = pos;
+      }
+    }
+  }
+
+  block_signal_all_peers(cfg, cfg.off_disp_ready);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Receive and expand.
+
+// Copy `bytes` from the staging row to the same offset of every row in the warp's list (`rows`, n
+// entries, shared memory), choosing the widest unit the destination row stride allows.
+__device__ __forceinline__ void copy_section(const char* src, unsigned char* dst_base, long long row_stride,
+                                             long long bytes, const int* rows, int n, int lane) {
+  if (bytes % 16 == 0) {
+    for (long long c = lane; c < bytes / 16; c += 32) {
+      const uint4 v = ld_coherent_v4(src + c * 16);
+      for (int i = 0; i < n; ++i) {
+        const long long row = rows[i];
+        st_v4(dst_base + row * row_stride + c * 16, v);
+      }
+    }
+  } else if (bytes % 4 == 0) {
+    for (long long c = lane; c < bytes / 4; c += 32) {
+      const unsigned int v = ld_coherent_u32(src + c * 4);
+      for (int i = 0; i < n; ++i) {
+        const long long row = rows[i];
+        *reinterpret_cast<unsigned int*>(dst_base + row * row_stride + c * 4) = v;
+      }
+    }
+  } else if (bytes % 2 == 0) {
+    for (long long c = lane; c < bytes / 2; c += 32) {
+      const unsigned short v = ld_coherent_u16(src + c * 2);
+      for (int i = 0; i < n; ++i) {
+        const long long row = rows[i];
+        *reinterpret_cast<unsigned short*>(dst_base + row * row_stride + c * 2) = v;
+      }
+    }
+  } else {  // MXFP8 scales with H/32 odd
+    for (long long c = lane; c < bytes; c += 32) {
+      const unsigned char v = ld_coherent_u8(src + c);
+      for (int i = 0; i < n; ++i) dst_base[static_cast<long long>(rows[i]) * row_stride + c] = v;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfig cfg, DispatchArgs args) {
+  extern __shared__ int smem[];
+  const int world = cfg.world;
+  const int num_local = cfg.num_local;
+  const int topk = cfg.topk;
+  int* seg_start = smem;                           // [W][E_local]
+  int* offsets = seg_start + world * num_local;    // [E_local + 1]
+  int* totals = offsets + num_local + 1;           // [E_local]
+  int* ntok = totals + num_local;                  // [W]
+  int* item_start = ntok + world;                  // [W + 1]
+
+  const unsigned long long epoch = cfg.state->disp_epoch;
+  block_wait_all_peers(cfg, cfg.off_disp_ready, epoch * cfg.num_blocks, kStageDispatchWaitReady, epoch);
+
+  const int* counts = reinterpret_cast<const int*>(cfg.local_base + cfg.off_counts);
+  for (int i = threadIdx.x; i < world * num_local; i += blockDim.x) {
+    const int s = i / num_local;
+    seg_start[i] = static_cast<int>(ld_coherent_u32(counts + s * cfg.count_stride + (i - s * num_local)));
+  }
+  for (int s = threadIdx.x; s < world; s += blockDim.x) {
+    ntok[s] = static_cast<int>(ld_coherent_u32(counts + s * cfg.count_stride + num_local));
+  }
+  __syncthreads();
+  // Per expert: total rows; seg_start[s][j] becomes the prefix over sources (offset added below).
+  for (int j = threadIdx.x; j < num_local; j += blockDim.x) {
+    int run = 0;
+    for (int s = 0; s < world; ++s) {
+      const int v = seg_start[s * num_local + j];
+      seg_start[s * num_local + j] = run;
+      run += v;
+    }
+    totals[j] = run;
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {  // warp 0: exclusive scan of aligned segment sizes, 32 experts per step
+    const int lane = threadIdx.x;
+    int carry = 0;
+    for (int base = 0; base < num_local; base += 32) {
+      const int j = base + lane;
+      const int size = j < num_local ? (totals[j] + cfg.alignment - 1) / cfg.alignment * cfg.alignment : 0;
+      int incl = size;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xFFFFFFFFu, incl, o);
+        if (lane >= o) incl += v;
+      }
+      if (j < num_local) offsets[j] = carry + incl - size;
+      carry += __shfl_sync(0xFFFFFFFFu, incl, 31);
+    }
+    if (lane == 0) {
+      offsets[num_local] = carry;
+      int run = 0;
+      for (int s = 0; s < world; ++s) {
+        item_start[s] = run;
+        run += ntok[s];
+      }
+      item_start[world] = run;
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < world * num_local; i += blockDim.x) seg_start[i] += offsets[i % num_local];
+  __syncthreads();
+
+  if (blockIdx.x == 0) {
+    for (int j = threadIdx.x; j <= num_local; j += blockDim.x) {
+      args.expert_offsets[j] = offsets[j];
+      if (j < num_local) args.num_per_expert[j] = totals[j];
+    }
+    for (int s = threadIdx.x; s < world; s += blockDim.x) args.recv_count[s] = ntok[s];
+  }
+
+  __shared__ int out_rows[kCommThreads / 32][kMaxTopk];
+  const int lane = threadIdx.x % 32;
+  const int warps_per_block = blockDim.x / 32;
+  const int warp_in_block = threadIdx.x / 32;
+  const int global_warp = blockIdx.x * warps_per_block + warp_in_block;
+  const int num_warps = gridDim.x * warps_per_block;
+  const int num_items = item_start[world];
+  const int first_expert = cfg.rank * num_local;
+
+  for (int item = global_warp; item < num_items; item += num_warps) {
+    int s = 0;
+    while (item >= item_start[s + 1]) ++s;
+    const int j = item - item_start[s];
+    const char* row = cfg.local_base + cfg.off_staging +
+                      (static_cast<long long>(s) * cfg.max_tokens + j) * cfg.disp_row_bytes;
+    const char* meta = row + cfg.disp_meta_off;
+    int e = -1, pos = 0;
+    float w = 0.0f;
+    if (lane < topk) {
+      e = static_cast<int>(ld_coherent_u32(meta + 8 + 4 * lane));
+      w = __uint_as_float(ld_coherent_u32(meta + 8 + 4 * (topk + lane)));
+      pos = static_cast<int>(ld_coherent_u32(meta + 8 + 4 * (2 * topk + lane)));
+    }
+    const int t = static_cast<int>(ld_coherent_u32(meta + 4));
+    const bool local = e >= first_expert && e < first_expert + num_local;
+    const int out_row = local ? seg_start[s * num_local + (e - first_expert)] + pos : -1;
+    const long long handle_index = static_cast<long long>(s) * cfg.max_tokens + j;
+    int ordinal, num_ranks;
+    distinct_rank_info(lane < topk && e >= 0 ? e / num_local : -1, topk, lane, cfg.rank, &ordinal, &num_ranks);
+    if (lane < topk) {
+      args.recv_rows[handle_index * topk + lane] = out_row;
+      if (local) {
+        args.src_rank[out_row] = s;
+        args.src_token[out_row] = t;
+        args.topk_slot[out_row] = lane;
+        args.topk_weight[out_row] = w;
+      }
+    }
+    if (lane == 0) {
+      args.recv_tok[handle_index] = t;
+      args.recv_ord[handle_index] = ordinal;
+    }
+    // Compact the local rows into this warp's shared-memory list.
+    const unsigned int local_mask = __ballot_sync(0xFFFFFFFFu, local);
+    const int n = __popc(local_mask);
+    __syncwarp();  // the previous item's readers are done with the list
+    if (local) out_rows[warp_in_block][__popc(local_mask & ((1u << lane) - 1u))] = out_row;
+    __syncwarp();
+    if (n == 0) continue;
+    const int* rows = out_rows[warp_in_block];
+    copy_section(row, args.out_data, cfg.disp_data_bytes, cfg.disp_data_bytes, rows, n, lane);
+    if (cfg.disp_scale_bytes > 0) {
+      copy_section(row + cfg.disp_scale_off, args.out_scales, cfg.disp_scale_bytes, cfg.disp_scale_bytes, rows, n,
+                   lane);
+    }
+    if (cfg.disp_fmt == kDispNvfp4 && lane < n) {
+      args.out_amax[rows[lane]] = __uint_as_float(ld_coherent_u32(meta));
+    }
+  }
+
+  // Padding rows inside the valid prefix: zero payload, -1 metadata.
+  const long long thread_id = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const long long num_threads = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (int jexp = 0; jexp < num_local; ++jexp) {
+    const long long pad_begin = offsets[jexp] + totals[jexp];
+    const long long pad_end = offsets[jexp + 1];
+    for (long long r = pad_begin + thread_id; r < pad_end; r += num_threads) {
+      args.src_rank[r] = -1;
+      args.src_token[r] = -1;
+      args.topk_slot[r] = -1;
+      args.topk_weight[r] = 0.0f;
+      if (cfg.disp_fmt == kDispNvfp4) args.out_amax[r] = 0.0f;
+    }
+    // Payload bytes of the padding rows (data and scales are each contiguous over rows).
+    const long long data_begin = pad_begin * cfg.disp_data_bytes, data_end = pad_end * cfg.disp_data_bytes;
+    for (long long b = data_begin + thread_id * 2; b < data_end; b += num_threads * 2) {
+      *reinterpret_cast<unsigned short*>(args.out_data + b) = 0;  // strides are even: 2-byte units
+    }
+    if (cfg.disp_scale_bytes > 0) {
+      const long long sb = pad_begin * cfg.disp_scale_bytes, se = pad_end * cfg.disp_scale_bytes;
+      for (long long b = sb + thread_id; b < se; b += num_threads) args.out_scales[b] = 0;  // H/32 may be odd
+    }
+  }
+  // Rows past the valid prefix: metadata only (their payload is unspecified).
+  for (long long r = offsets[num_local] + thread_id; r < args.num_rows; r += num_threads) {
+    args.src_rank[r] = -1;
+    args.src_token[r] = -1;
+    args.topk_slot[r] = -1;
+    args.topk_weight[r] = 0.0f;
+  }
+
+  // Done reading the staging rows and counts: the sources may overwrite them.
+  block_signal_all_peers(cfg, cfg.off_disp_consumed);
+}
+
+size_t recv_smem(const NvlinkConfig& cfg) {
+  return static_cast<size_t>(cfg.world * cfg.num_local + 2 * cfg.num_local + 1 + 2 * cfg.world + 1) * sizeof(int);
+}
+
+}  // namespace
+
+void prepare_dispatch_kernels(const NvlinkConfig& cfg) {
+  const size_t smem = recv_smem(cfg);
+  if (smem > 48 * 1024) {
+    check(cudaFuncSetAttribute(dispatch_recv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(smem)),
+          "cudaFuncSetAttribute(dispatch_recv)");
+  }
+}
+
+void launch_dispatch_send(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream) {
+  dispatch_send_kernel<<<cfg.num_blocks, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(cfg, args);
+  check(cudaGetLastError(), "dispatch send kernel launch");
+}
+
+void launch_dispatch_recv(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream) {
+  dispatch_recv_kernel<<<cfg.num_blocks, kCommThreads, recv_smem(cfg), reinterpret_cast<cudaStream_t>(stream)>>>(
+      cfg, args);
+  check(cudaGetLastError(), "dispatch receive kernel launch");
+}
+
+}  // namespace nvlink
+}  // namespace ep_comm

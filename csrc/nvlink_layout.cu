@@ -1,0 +1,146 @@
+// Dispatch layout on the sending rank: where every (token, slot) goes, by prefix sums over this rank's
+// own tokens (no atomics, so the placement is deterministic and canonical).
+//
+// For key (t, k) with expert e (flattened index q = t * K + k, i.e. canonical order "by token, then slot"):
+//   pos[q]  = number of keys q' < q with the same expert          (row of (t, k) inside (this rank, e))
+//   slot[q] = number of tokens t' < t that go to rank e / E_local  (staging slot at that rank), only for
+//             the first slot of the token that targets that rank; -1 for the others and masked slots.
+// plus per-expert row counts and per-rank token counts.
+//
+// One block. Warp w owns a contiguous range of keys and ranks them in 32-key steps with __match_any_sync
+// against a per-warp running histogram in shared memory; a scan over warps turns the per-warp histograms
+// into each warp's base, which the second pass adds. Keys of the "rank" kind live after the E experts in
+// the same histogram.
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "nvlink.h"
+
+namespace ep_comm {
+namespace nvlink {
+namespace {
+
+constexpr int kLayoutMaxSmem = 200 * 1024;
+
+__device__ __forceinline__ int load_expert(const void* idx, int is64, long long q, int num_experts) {
+  long long e = is64 ? __ldg(reinterpret_cast<const long long*>(idx) + q)
+                     : static_cast<long long>(__ldg(reinterpret_cast<const int*>(idx) + q));
+  return (e < 0 || e >= num_experts) ? -1 : static_cast<int>(e);  // out of range: the Buffer rejects it
+}
+
+__global__ void __launch_bounds__(1024, 1) layout_kernel(NvlinkConfig cfg, DispatchArgs args) {
+  extern __shared__ int hist[];  // [num_warps][E + W]
+  const int num_warps = blockDim.x / 32;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int num_keys_kinds = cfg.num_experts + cfg.world;
+  const int topk = cfg.topk;
+  const long long num_keys = static_cast<long long>(args.num_tokens) * topk;
+
+  if (threadIdx.x == 0) cfg.state->disp_epoch += 1ull;  // this dispatch's epoch; later kernels read it
+  for (int i = threadIdx.x; i < num_warps * num_keys_kinds; i += blockDim.x) hist[i] = 0;
+  __syncthreads();
+
+  long long per_warp = (num_keys + num_warps - 1) / num_warps;
+  per_warp = (per_warp + 31) / 32 * 32;
+  const long long begin = per_warp * warp;
+  const long long end = min(begin + per_warp, num_keys);
+  int* my_hist = hist + warp * num_keys_kinds;
+  const unsigned int lanes_below = (1u << lane) - 1u;
+
+  // Pass 1: rank each key inside this warp's range.
+  for (long long base = begin; base < end; base += 32) {
+    const long long q = base + lane;
+    const bool valid = q < end;
+    const int e = valid ? load_expert(args.topk_idx, args.idx_is_int64, q, cfg.num_experts) : -1;
+    const long long t = valid ? q / topk : 0;
+    const int k = valid ? static_cast<int>(q - t * topk) : 0;
+    const int d = e >= 0 ? e / cfg.num_local : -1;
+    bool first = d >= 0;
+    for (int kk = 0; kk < k; ++kk) {
+      const int other = load_expert(args.topk_idx, args.idx_is_int64, t * topk + kk, cfg.num_experts);
+      if (other >= 0 && other / cfg.num_local == d) first = false;
+    }
+    // Expert keys.
+    const unsigned int peers_e = __match_any_sync(0xFFFFFFFFu, e);
+    const int count_e = e >= 0 ? my_hist[e] : 0;
+    const int pos_local = count_e + __popc(peers_e & lanes_below);
+    // Rank keys (first slot per destination rank only).
+    const int rank_key = first ? cfg.num_experts + d : -1;
+    const unsigned int peers_r = __match_any_sync(0xFFFFFFFFu, rank_key);
+    const int count_r = rank_key >= 0 ? my_hist[rank_key] : 0;
+    const int slot_local = count_r + __popc(peers_r & lanes_below);
+    __syncwarp();
+    // The highest lane of each group publishes the group's new running count.
+    if (e >= 0 && lane == 31 - __clz(peers_e)) my_hist[e] = count_e + __popc(peers_e);
+    if (rank_key >= 0 && lane == 31 - __clz(peers_r)) my_hist[rank_key] = count_r + __popc(peers_r);
+    __syncwarp();
+    if (valid) {
+      args.send_idx[q] = e;
+      args.send_w[q] = __ldg(args.topk_weights + q);
+      cfg.scratch_pos[q] = e >= 0 ? pos_local : -1;
+      cfg.scratch_slot[q] = first ? slot_local : -1;
+    }
+  }
+  __syncthreads();
+
+  // Exclusive scan over warps, per key kind; totals are the counts.
+  for (int c = threadIdx.x; c < num_keys_kinds; c += blockDim.x) {
+    int run = 0;
+    for (int w = 0; w < num_warps; ++w) {
+      const int v = hist[w * num_keys_kinds + c];
+      hist[w * num_keys_kinds + c] = run;
+      run += v;
+    }
+    if (c < cfg.num_experts) cfg.expert_count[c] = run;
+    else cfg.rank_count[c - cfg.num_experts] = run;
+  }
+  __syncthreads();
+
+  // Pass 2: add the warp's base (same thread, same keys as pass 1: its own writes are visible).
+  for (long long base = begin; base < end; base += 32) {
+    const long long q = base + lane;
+    if (q >= end) continue;
+    const int e = args.send_idx[q];
+    if (e < 0) continue;
+    cfg.scratch_pos[q] += my_hist[e];
+    const int slot = cfg.scratch_slot[q];
+    if (slot >= 0) cfg.scratch_slot[q] = slot + my_hist[cfg.num_experts + e / cfg.num_local];
+  }
+}
+
+size_t layout_smem(const NvlinkConfig& cfg, int warps) {
+  return static_cast<size_t>(warps) * (cfg.num_experts + cfg.world) * sizeof(int);
+}
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) throw std::runtime_error(std::string("ep_comm nvlink: ") + what + ": " + cudaGetErrorString(err));
+}
+
+}  // namespace
+
+int layout_warps(const NvlinkConfig& cfg) {
+  const size_t per_warp = static_cast<size_t>(cfg.num_experts + cfg.world) * sizeof(int);
+  int warps = static_cast<int>(kLayoutMaxSmem / per_warp);
+  if (warps > 32) warps = 32;
+  if (warps < 1) throw std::runtime_error("ep_comm nvlink: too many experts for the layout kernel's shared memory");
+  return warps;
+}
+
+void prepare_layout_kernel(const NvlinkConfig& cfg) {
+  const int warps = layout_warps(cfg);
+  check(cudaFuncSetAttribute(layout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(layout_smem(cfg, warps))),
+        "cudaFuncSetAttribute(layout)");
+}
+
+void launch_layout(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream) {
+  const int warps = layout_warps(cfg);
+  layout_kernel<<<1, warps * 32, layout_smem(cfg, warps), reinterpret_cast<cudaStream_t>(stream)>>>(cfg, args);
+  check(cudaGetLastError(), "layout kernel launch");
+}
+
+}  // namespace nvlink
+}  // namespace ep_comm

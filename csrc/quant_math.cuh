@@ -1,0 +1,668 @@
+// Scalar quantization primitives shared by every format kernel, the dispatch/combine kernels and the
+// CPU emulation (formats_host.cpp). Each function implements one rule of docs/NUMERICS.md and must stay
+// bit-identical to it, on the device and on the host alike.
+//
+// Arithmetic rules:
+//  * every fp32 operation goes through qm_mul / qm_add / qm_sub / qm_div: on the device these are the
+//    __f*_rn intrinsics, which the compiler never contracts into FMAs and never flushes to zero; on the
+//    host they are plain operators in separate inline functions. The host build must not contract either:
+//    formats_host.cpp is compiled with -std=c++17 (ISO mode: GCC defaults to -ffp-contract=off) for
+//    baseline x86-64 (no FMA instructions). NUMERICS.md wants no subnormal flushing: no fast math, no FTZ.
+//    The one deliberate FMA (qm_fma, in the exact division of the 4/6 error) is explicit on both sides.
+//  * Roundings to an integer use the "add and subtract 1.5 * 2^23" trick: an fp32 add rounds to nearest
+//    even, so (t + 12582912) - 12582912 is RNE(t) for |t| < 2^22, identically on host and device.
+//  * Faster forms of a rule (e2m1_round_magnitude, div_six_m_markstein) are checked against the rule over
+//    every fp32 input (host_exhaustive_check, tests/test_formats_host.py).
+//
+// Blackwell-native conversions (sm_100a/sm_103a) sit behind EP_COMM_SM100_NATIVE and give the same bits as
+// the software forms (the software forms are the definition): e2m1x2 always; ue8m0x2 only with
+// EP_COMM_NATIVE_UE8M0 (its handling of subnormal inputs was not observed); s2f6x2 only with
+// EP_COMM_NATIVE_S2F6 and CUDA >= 13.1. Define EP_COMM_NO_NATIVE_CVT to force the software forms everywhere
+// (useful when validating a new GPU generation against the host emulation).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#include <cuda_runtime.h>
+#define QM_HD __host__ __device__ __forceinline__
+#else
+#define QM_HD inline
+#endif
+
+// sm_100a/sm_103a with the arch-specific feature set: e2m1x2 / ue8m0x2 conversions exist in hardware.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 1000) && defined(__CUDA_ARCH_FEAT_SM100_ALL) && \
+    !defined(EP_COMM_NO_NATIVE_CVT)
+#define EP_COMM_SM100_NATIVE 1
+#endif
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 1030) && defined(__CUDA_ARCH_FEAT_SM103_ALL) && \
+    !defined(EP_COMM_NO_NATIVE_CVT)
+#define EP_COMM_SM100_NATIVE 1
+#endif
+// cvt ... s2f6x2 needs PTX ISA 9.1, i.e. CUDA 13.1: nvcc 13.0 cannot assemble it, hence the version guard.
+// Opt-in (EP_COMM_NATIVE_S2F6) because it has never run here: its saturation of -Inf (-2.0 = 0x80 or
+// 0x81?) is undocumented (FORMATS-RESEARCH.md §8.3); every finite input gives s2f6_encode's bits.
+#if defined(EP_COMM_SM100_NATIVE) && defined(EP_COMM_NATIVE_S2F6) && \
+    (__CUDACC_VER_MAJOR__ > 13 || (__CUDACC_VER_MAJOR__ == 13 && __CUDACC_VER_MINOR__ >= 1))
+#define EP_COMM_S2F6_NATIVE 1
+#endif
+
+namespace ep_comm {
+namespace qm {
+
+constexpr float kFltMax = 3.402823466e+38f;
+constexpr float kRoundMagic = 12582912.0f;     // 1.5 * 2^23: (t + magic) - magic == RNE(t), |t| < 2^22
+constexpr uint32_t kDefaultSignMask = 0x6A09E667u;
+constexpr uint32_t kRhtScaleBits = 0x3E3504F3u;  // f(1/sqrt(32)) = 0.17677669f
+
+// ---------------------------------------------------------------------------------------------------
+// Bit casts and correctly rounded fp32 arithmetic.
+QM_HD uint32_t float_bits(float v) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(v);
+#else
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  return u;
+#endif
+}
+
+QM_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+#endif
+}
+
+QM_HD float qm_mul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+QM_HD float qm_add(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+QM_HD float qm_sub(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+QM_HD float qm_div(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+// |v| (clears the sign bit, NaN included); on the device fabsf folds into the consuming instruction.
+QM_HD float qm_abs(float v) {
+#if defined(__CUDA_ARCH__)
+  return fabsf(v);
+#else
+  return bits_float(float_bits(v) & 0x7FFFFFFFu);
+#endif
+}
+QM_HD bool qm_isnan(float v) { return (float_bits(v) & 0x7FFFFFFFu) > 0x7F800000u; }
+// min / max returning the non-NaN operand when one is NaN (quiet or signalling). The device's fminf/fmaxf
+// (FMNMX) do exactly that; glibc's return NaN for a signalling NaN, hence the explicit host form.
+QM_HD float qm_min(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return fminf(a, b);
+#else
+  return qm_isnan(a) ? b : (qm_isnan(b) ? a : (b < a ? b : a));
+#endif
+}
+QM_HD float qm_max(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return fmaxf(a, b);
+#else
+  return qm_isnan(a) ? b : (qm_isnan(b) ? a : (b > a ? b : a));
+#endif
+}
+// Round to the nearest integer, ties to even, for |t| < 2^22 (exact: one fp32 add, one fp32 subtract).
+QM_HD float qm_rint_small(float t) { return qm_sub(qm_add(t, kRoundMagic), kRoundMagic); }
+
+// 2^e as an fp32 value for e in [-149, 127] (subnormal below -126). Exact.
+QM_HD float pow2f(int e) {
+  return e >= -126 ? bits_float(static_cast<uint32_t>(e + 127) << 23) : bits_float(1u << (e + 149));
+}
+
+// A UE8M0 byte's value 2^(b - 127); 0xFF is NaN.
+QM_HD float ue8m0_to_float(uint8_t b) {
+  return b == 0xFF ? bits_float(0x7FC00000u) : pow2f(static_cast<int>(b) - 127);
+}
+// 2^(127 - b): the encode multiplier of a UE8M0 scale (2^-127 is subnormal); 0xFF gives NaN.
+QM_HD float ue8m0_inverse(uint8_t b) {
+  return b == 0xFF ? bits_float(0x7FC00000u) : pow2f(127 - static_cast<int>(b));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// E2M1 (FP4): code = s e1 e0 m, values {0, .5, 1, 1.5, 2, 3, 4, 6}.
+QM_HD uint8_t e2m1_encode_soft(float v) {
+  const float a = qm_abs(v);
+  if (qm_isnan(v)) return 0x7;
+  // NUMERICS thresholds: ties at 0.25, 1.25, 2.5, 5 round down (to the even code), at 0.75, 1.75, 3.5 up.
+  const uint32_t mag = static_cast<uint32_t>(a > 0.25f) + static_cast<uint32_t>(a >= 0.75f) +
+                       static_cast<uint32_t>(a > 1.25f) + static_cast<uint32_t>(a >= 1.75f) +
+                       static_cast<uint32_t>(a > 2.5f) + static_cast<uint32_t>(a >= 3.5f) +
+                       static_cast<uint32_t>(a > 5.0f);
+  return static_cast<uint8_t>(mag | ((float_bits(v) >> 28) & 0x8u));
+}
+
+// Two E2M1 codes in one byte: `lo` (lower element index) in bits 3:0, `hi` in bits 7:4.
+QM_HD uint8_t e2m1x2_encode(float lo, float hi) {
+#if defined(EP_COMM_SM100_NATIVE)
+  // PTX: the first source goes to d[7:4], the second to d[3:0].
+  uint32_t out;
+  asm("{\n\t.reg .b8 byte0;\n\tcvt.rn.satfinite.e2m1x2.f32 byte0, %1, %2;\n\tcvt.u32.u8 %0, byte0;\n\t}"
+      : "=r"(out)
+      : "f"(hi), "f"(lo));
+  return static_cast<uint8_t>(out);
+#else
+  return static_cast<uint8_t>(e2m1_encode_soft(lo) | (e2m1_encode_soft(hi) << 4));
+#endif
+}
+
+QM_HD uint8_t e2m1_encode(float v) {
+#if defined(EP_COMM_SM100_NATIVE)
+  return static_cast<uint8_t>(e2m1x2_encode(v, 0.0f) & 0xF);
+#else
+  return e2m1_encode_soft(v);
+#endif
+}
+
+// Magnitude bits of an E2M1 code as fp32: 0 -> 0, 1 -> 0.5 (0x3F000000), c >= 2 -> (c + 252) << 22.
+QM_HD float e2m1_decode(uint8_t code) {
+  const uint32_t c = code & 0x7u;
+  const uint32_t mag = c == 0 ? 0u : (c + 251u + (c >= 2 ? 1u : 0u)) << 22;
+  return bits_float(mag | ((static_cast<uint32_t>(code) & 0x8u) << 28));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// E4M3 (FN): clamp to [-448, 448], RNE (subnormals included), NaN -> 0x7F (whatever the NaN's sign).
+QM_HD uint8_t e4m3_encode_soft(float v) {
+  const uint32_t bits = float_bits(v);
+  const uint32_t sign = (bits >> 24) & 0x80u;
+  uint32_t abs_bits = bits & 0x7FFFFFFFu;
+  if (abs_bits > 0x7F800000u) return 0x7F;
+  if (abs_bits > 0x43E00000u) abs_bits = 0x43E00000u;  // 448, satfinite (Inf included)
+  uint32_t code;
+  if (abs_bits < 0x3C800000u) {
+    // |v| < 2^-6: subnormal E4M3, value m * 2^-9; m = RNE(|v| * 2^9) in [0, 8] (8 = the min normal 0x08).
+    const float scaled = qm_mul(bits_float(abs_bits), 512.0f);  // exact: a power-of-two scale-up
+    code = static_cast<uint32_t>(qm_rint_small(scaled));
+  } else {
+    // Normal: keep 3 mantissa bits with RNE on the 20 dropped bits; a carry bumps the exponent, which is
+    // exactly right. E4M3 exponent = fp32 exponent - 120.
+    const uint32_t rounded = abs_bits + 0x7FFFFu + ((abs_bits >> 20) & 1u);
+    code = (rounded >> 20) - (120u << 3);
+  }
+  return static_cast<uint8_t>(code | sign);
+}
+
+// Two E4M3 bytes: `lo` in bits 7:0, `hi` in bits 15:8 (memory order lo, hi). The hardware form maps a NaN
+// produced by device arithmetic (always the canonical +NaN) to 0x7F; callers never pass raw input NaNs.
+QM_HD uint16_t e4m3x2_encode(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
+  uint16_t out;
+  // PTX: the first source goes to d[15:8], the second to d[7:0].
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(out) : "f"(hi), "f"(lo));
+  return out;
+#else
+  return static_cast<uint16_t>(e4m3_encode_soft(lo) | (e4m3_encode_soft(hi) << 8));
+#endif
+}
+
+QM_HD uint8_t e4m3_encode(float v) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
+  return static_cast<uint8_t>(e4m3x2_encode(v, 0.0f) & 0xFF);
+#else
+  return e4m3_encode_soft(v);
+#endif
+}
+
+QM_HD float e4m3_decode_soft(uint8_t b) {
+  const uint32_t sign = (static_cast<uint32_t>(b) & 0x80u) << 24;
+  const uint32_t e = (b >> 3) & 0xFu;
+  const uint32_t m = b & 0x7u;
+  if (e == 15 && m == 7) return bits_float(0x7FC00000u | sign);
+  if (e == 0) return bits_float(float_bits(qm_mul(static_cast<float>(m), 0.001953125f)) | sign);  // m * 2^-9
+  return bits_float(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+QM_HD float e4m3_decode(uint8_t b) { return e4m3_decode_soft(b); }
+
+// Two E4M3 bytes (lo in bits 7:0) to fp32. Every E4M3 value is exact in fp16, so the sm_89+ hardware path
+// (e4m3x2 -> f16x2 -> f32) gives the same values as the software decode; NaN stays NaN.
+QM_HD void e4m3x2_decode(uint16_t pair, float& lo, float& hi) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
+  uint32_t halves;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"(pair));
+  float f_lo, f_hi;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f_lo) : "h"(static_cast<uint16_t>(halves & 0xFFFFu)));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f_hi) : "h"(static_cast<uint16_t>(halves >> 16)));
+  lo = f_lo;
+  hi = f_hi;
+#else
+  lo = e4m3_decode_soft(static_cast<uint8_t>(pair & 0xFF));
+  hi = e4m3_decode_soft(static_cast<uint8_t>(pair >> 8));
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------
+// UE8M0 scales.
+// MXFP8 (NVIDIA rule): b = round-up-to-power-of-two(f(amax * f(1/448))), satfinite; NaN -> 0xFF.
+QM_HD uint8_t ue8m0_rp_encode_soft(float t) {
+  const uint32_t bits = float_bits(t) & 0x7FFFFFFFu;
+  if (bits > 0x7F800000u) return 0xFF;
+  const uint32_t e = bits >> 23;
+  const uint32_t m = bits & 0x7FFFFFu;
+  uint32_t b = e >= 1 ? e + (m != 0 ? 1u : 0u) : (m > 0x400000u ? 1u : 0u);
+  return static_cast<uint8_t>(b > 0xFEu ? 0xFEu : b);
+}
+
+QM_HD uint8_t ue8m0_mxfp8_scale(float amax) {
+  const float t = qm_mul(amax, 1.0f / 448.0f);  // f(1/448) = 0x3B124925, folded at compile time
+#if defined(EP_COMM_SM100_NATIVE) && defined(EP_COMM_NATIVE_UE8M0)
+  // Opt-in: the hardware's handling of subnormal t (amax < ~5e-36) was not observed; the software form
+  // is the definition.
+  uint16_t out;
+  asm("cvt.rp.satfinite.ue8m0x2.f32 %0, %1, %2;" : "=h"(out) : "f"(0.0f), "f"(t));
+  return static_cast<uint8_t>(out & 0xFF);
+#else
+  return ue8m0_rp_encode_soft(t);
+#endif
+}
+
+// S2F6: smallest e with amax / 2^e <= 127/64: b = exponent + (mantissa > 0x7E0000), clamp 0xFE; 0 -> 0.
+QM_HD uint8_t ue8m0_s2f6_scale(float amax) {
+  const uint32_t bits = float_bits(amax) & 0x7FFFFFFFu;
+  const uint32_t b = (bits >> 23) + ((bits & 0x7FFFFFu) > 0x7E0000u ? 1u : 0u);
+  return static_cast<uint8_t>(b > 0xFEu ? 0xFEu : b);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// S2F6: int8 value code * 2^-6 times the block scale 2^(b - 127).
+// t = f(f(v * 2^(127 - b)) * 64); code = RNE(t) clamped to [-128, 127]; NaN -> 127.
+QM_HD int8_t s2f6_encode_with_multiplier(float v, float scale_multiplier) {
+  if (qm_isnan(v)) return 127;
+  float t = qm_mul(qm_mul(v, scale_multiplier), 64.0f);
+  t = qm_min(qm_max(t, -128.0f), 127.0f);  // clamp before rounding: the magic add needs |t| < 2^22
+  return static_cast<int8_t>(static_cast<int>(qm_rint_small(t)));
+}
+
+QM_HD int8_t s2f6_encode(float v, uint8_t scale_byte) {
+  return s2f6_encode_with_multiplier(v, ue8m0_inverse(scale_byte));
+}
+
+// Two S2F6 codes (lo in bits 7:0) with the block's scale byte and its encode multiplier 2^(127 - b).
+// The native form (opt-in, CUDA >= 13.1, sm_100a family) divides by the scale inside the conversion: it can
+// only differ from the two fp32 multiplies when v * 2^(127 - b) is subnormal, where both give code 0.
+QM_HD uint16_t s2f6x2_encode(float lo, float hi, uint8_t scale_byte, float scale_multiplier) {
+#if defined(EP_COMM_S2F6_NATIVE)
+  uint16_t out;
+  const uint16_t scale_pair = static_cast<uint16_t>(scale_byte * 0x0101u);
+  // PTX 9.1: d[15:8] = S2F6(a / 2^(sf[15:8] - 127)), d[7:0] = S2F6(b / 2^(sf[7:0] - 127)).
+  asm("cvt.rn.satfinite.scaled::n2::ue8m0.s2f6x2.f32 %0, %1, %2, %3;"
+      : "=h"(out)
+      : "f"(hi), "f"(lo), "h"(scale_pair));
+  return out;
+#else
+  (void)scale_byte;
+  return static_cast<uint16_t>(static_cast<uint8_t>(s2f6_encode_with_multiplier(lo, scale_multiplier)) |
+                               (static_cast<uint8_t>(s2f6_encode_with_multiplier(hi, scale_multiplier)) << 8));
+#endif
+}
+
+// code * 2^-6 * 2^(b - 127) = code * 2^(b - 133): both products of NUMERICS are exact, so one multiply by
+// the (possibly subnormal) power of two gives the same bits. b = 0xFF decodes to NaN.
+QM_HD float s2f6_decode_multiplier(uint8_t scale_byte) {
+  return scale_byte == 0xFF ? bits_float(0x7FC00000u) : pow2f(static_cast<int>(scale_byte) - 133);
+}
+QM_HD float s2f6_decode(int8_t code, uint8_t scale_byte) {
+  return qm_mul(static_cast<float>(code), s2f6_decode_multiplier(scale_byte));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Counter-based random bits (NUMERICS "Random bits"): the murmur3 finalizer.
+QM_HD uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  h ^= h >> 16;
+  return h;
+}
+
+QM_HD uint32_t sr_key(uint64_t seed) {
+  return fmix32(static_cast<uint32_t>(seed) ^ 0x9E3779B9u) ^
+         fmix32(static_cast<uint32_t>(seed >> 32) ^ 0x7F4A7C15u);
+}
+
+QM_HD uint32_t rbits(uint32_t key, uint64_t index) {
+  return fmix32(fmix32(static_cast<uint32_t>(index) ^ key) ^ static_cast<uint32_t>(index >> 32));
+}
+
+// Stochastic rounding of v onto the E4M3 grid with 16 random bits (the low 16 of r); returns the rounded
+// fp32 value (exactly representable in E4M3, so e4m3_encode of it is exact). NaN stays NaN; |v| is
+// clamped to 448 before the random bits are added, so SR never saturates into NaN.
+// The definition (NUMERICS "MXFP8 / Stochastic"), used as is below 2^-6 (the E4M3 subnormal range):
+QM_HD float sr_e4m3_definition(float v, uint32_t r) {
+  if (qm_isnan(v)) return v;
+  const float a = qm_min(qm_abs(v), 448.0f);
+  // E = max(floor(log2 a), -6): the fp32 exponent for normal a; a < 2^-6 (incl. 0) uses the subnormal ulp.
+  int exponent = static_cast<int>(float_bits(a) >> 23) - 127;
+  if (exponent < -6) exponent = -6;
+  const float ulp = pow2f(exponent - 3);
+  const float t = qm_mul(a, pow2f(3 - exponent));  // a / ulp, exact (< 16)
+  const float lo = static_cast<float>(static_cast<int>(t));  // floor: t >= 0
+  const uint32_t frac16 = static_cast<uint32_t>(qm_mul(qm_sub(t, lo), 65536.0f));  // exact, < 65536
+  const uint32_t round_up = (frac16 + (r & 0xFFFFu)) >= 65536u ? 1u : 0u;
+  const float mag = qm_mul(qm_add(lo, static_cast<float>(round_up)), ulp);  // exact
+  return bits_float(float_bits(mag) | (float_bits(v) & 0x80000000u));
+}
+
+// Same result, on the integer pipes for a = |v| in [2^-6, 448] or 0: there t = a / ulp = 8 + m / 2^20 (m the
+// fp32 mantissa), so the discarded fraction's top 16 bits are bits 19..4 of a, and adding one ulp is adding
+// 1 << 20 to the bit pattern (a carry into the exponent is the next binade's 8 * ulp). No float<->int
+// conversions (quarter-rate on the GPU). Checked against sr_e4m3_definition by host_exhaustive_check.
+QM_HD float sr_e4m3(float v, uint32_t r) {
+  const float a = qm_min(qm_abs(v), 448.0f);
+  const uint32_t a_bits = float_bits(a);
+  if (qm_isnan(v) || (a_bits != 0u && a_bits < 0x3C800000u)) return sr_e4m3_definition(v, r);
+  const uint32_t round_up = (((a_bits >> 4) & 0xFFFFu) + (r & 0xFFFFu)) >> 16;
+  const uint32_t mag_bits = (a_bits & ~0xFFFFFu) + (round_up << 20);
+  return bits_float(mag_bits | (float_bits(v) & 0x80000000u));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// NVFP4 outer (per-row or per-tensor) scales from the outer amax and the E4M3 bound M (256 or 448).
+// The amax must be >= 0 (or +Inf / NaN); a negative amax is not a valid input.
+struct Nvfp4Outer {
+  float s_enc;
+  float s_dec;
+};
+
+QM_HD Nvfp4Outer nvfp4_outer_scales(float amax, float e4m3_max) {
+  const float six_m = qm_mul(6.0f, e4m3_max);  // 1536 or 2688, exact
+  float s_enc = qm_min(qm_div(six_m, amax), kFltMax);
+  if (amax == 0.0f || s_enc == 0.0f || qm_isnan(amax)) s_enc = 1.0f;
+  return Nvfp4Outer{s_enc, qm_div(1.0f, s_enc)};
+}
+
+// Block encode factor inv = min(f(1 / f(fp32(s) * S_dec)), FLT_MAX) (1/0 = Inf -> FLT_MAX). Always > 0.
+QM_HD float nvfp4_block_inverse(uint8_t scale_byte, float s_dec) {
+  return qm_min(qm_div(1.0f, qm_mul(e4m3_decode(scale_byte), s_dec)), kFltMax);
+}
+
+// E2M1 rounding of a magnitude a >= 0 (or NaN): returns the code 0..7 and sets *rounded to its value.
+// Same result as e2m1_encode_soft(a) (checked exhaustively over all non-negative fp32), in ~9 operations:
+// with a clamped to 6 (NaN -> 6), let e = max(floor(log2 a), 0) and M = 2^(e + 22); the fp32 sum a + M has
+// ulp 2^(e-1), the E2M1 step in that binade (0.5 below 1), so it rounds a to the E2M1 grid with ties to the
+// even mantissa; k = bits(a + M) - bits(M) counts steps and the code is 2e + k.
+QM_HD uint32_t e2m1_round_magnitude(float a, float* rounded) {
+  a = qm_min(a, 6.0f);
+  const uint32_t exp_bits = float_bits(a) & 0x7F800000u;
+  const uint32_t binade = exp_bits > 0x3F800000u ? exp_bits : 0x3F800000u;  // max(e, 0) as fp32 exponent bits
+  const float magic = bits_float(binade + (22u << 23));
+  const float sum = qm_add(a, magic);
+  *rounded = qm_sub(sum, magic);
+  return ((binade - 0x3F800000u) >> 22) + (float_bits(sum) - float_bits(magic));
+}
+
+// The E2M1 sign bit (0x8) of x: its sign bit, except NaN (-> code 0x7, no sign). min(x, +Inf) is x for
+// every non-NaN x (-0 included) and +Inf for NaN, so its sign bit is the answer (one FMNMX on the device).
+QM_HD uint32_t e2m1_sign(float x) {
+  return (float_bits(qm_min(x, bits_float(0x7F800000u))) >> 28) & 0x8u;
+}
+
+QM_HD float qm_fma(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fmaf(a, b, c);
+#endif
+}
+
+// f(n / six_m) for six_m in {1536, 2688} without a division: q0 = f(n * f(1/six_m)), the remainder
+// n - q0 * six_m is exact in one FMA, and f(q0 + rem * f(1/six_m)) is the correctly rounded quotient
+// (Markstein). Checked exhaustively for every positive finite fp32 n against the IEEE division: equal
+// unless the quotient is subnormal (n < 2^-114). Callers use it only when every n of a block lies in
+// [2^-100, FLT_MAX] or is zero (the sign of a zero quotient is irrelevant where it is used).
+QM_HD float div_six_m_markstein(float n, float six_m, float inv_six_m) {
+  const float q0 = qm_mul(n, inv_six_m);
+  const float rem = qm_fma(-q0, six_m, n);
+  return qm_fma(rem, inv_six_m, q0);
+}
+
+// Block amax over 16 values: NaN ignored (fmaxf), Inf kept.
+QM_HD float block_amax16(const float x[16]) {
+  float a = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) a = qm_max(a, qm_abs(x[i]));
+  return a;
+}
+
+// tree_sum of 16 values (NUMERICS notation): v[i] += v[i + n/2] for i < n/2, halving n.
+QM_HD float tree_sum16(float v[16]) {
+#pragma unroll
+  for (int half = 8; half >= 1; half >>= 1) {
+#pragma unroll
+    for (int i = 0; i < half; ++i) v[i] = qm_add(v[i], v[i + half]);
+  }
+  return v[0];
+}
+
+// Squared 4/6 error terms of one candidate (inv, scale) and its magnitude codes; kMarkstein picks the division.
+template <bool kMarkstein>
+QM_HD float nvfp4_candidate_error(const float x[16], float inv, float scale, float amax, float six_m,
+                                  float inv_six_m, uint32_t magnitude_nibbles[2]) {
+  float sq[16];
+  uint32_t nibbles[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float ax = qm_abs(x[i]);
+    float r;
+    nibbles[i / 8] |= e2m1_round_magnitude(qm_mul(ax, inv), &r) << (4 * (i % 8));
+    const float n = qm_mul(qm_mul(r, scale), amax);  // r * s is exact (2 x 4 significant bits)
+    const float d = kMarkstein ? div_six_m_markstein(n, six_m, inv_six_m) : qm_div(n, six_m);
+    const float diff = qm_sub(d, ax);
+    sq[i] = qm_mul(diff, diff);
+  }
+  magnitude_nibbles[0] = nibbles[0];
+  magnitude_nibbles[1] = nibbles[1];
+  return tree_sum16(sq);
+}
+
+// One 4/6 candidate with block scale byte s: magnitude codes of the 16 elements (e2m1(|x_i| * inv)) packed
+// as nibbles (element i at bits 4(i%8) of word i/8), and the block's squared error
+// err = tree_sum(f(f(d_i - x_i)^2)), d_i = f(f(f(e2m1val * s) * amax) / 6M).
+// Computed on magnitudes: d_i has the sign of x_i (inv > 0), so f(d_i - x_i)^2 == f(|d_i| - |x_i|)^2
+// exactly (round-to-nearest is symmetric; zeros and NaN/Inf give the same squares).
+QM_HD float nvfp4_candidate(const float x[16], uint8_t scale_byte, float s_dec, float amax, float six_m,
+                            uint32_t magnitude_nibbles[2]) {
+  const float inv = nvfp4_block_inverse(scale_byte, s_dec);
+  const float scale = e4m3_decode(scale_byte);
+  const float inv_six_m = qm_div(1.0f, six_m);
+  // Markstein division is exact when every nonzero numerator n = f(f(r * s) * amax), r in {0.5 .. 6}, lies in
+  // [2^-100, FLT_MAX]; n is monotone in r, so the block's extremes decide.
+  const float n_min = qm_mul(qm_mul(0.5f, scale), amax);
+  const float n_max = qm_mul(qm_mul(6.0f, scale), amax);
+  const bool known_divisor = six_m == 1536.0f || six_m == 2688.0f;
+  if (known_divisor && (n_min >= 0x1p-100f || scale == 0.0f) && n_max <= kFltMax) {
+    return nvfp4_candidate_error<true>(x, inv, scale, amax, six_m, inv_six_m, magnitude_nibbles);
+  }
+  return nvfp4_candidate_error<false>(x, inv, scale, amax, six_m, inv_six_m, magnitude_nibbles);
+}
+
+// Adds the signs of x to magnitude nibbles: the result is the block's 8 packed bytes as two little-endian
+// words (element 2j in the low nibble of byte j).
+QM_HD void add_e2m1_signs(const float x[16], uint32_t nibbles[2]) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) nibbles[i / 8] |= e2m1_sign(x[i]) << (4 * (i % 8));
+}
+
+// Quantize one 16-element block with precomputed outer scales into two packed words (bytes 0-3, 4-7) and
+// the E4M3 scale byte. `amax` is the outer amax (the 4/6 error is measured in the input domain, which needs
+// it), `e4m3_max` is M.
+QM_HD void nvfp4_quantize_block16_words(const float x[16], const Nvfp4Outer& outer, float amax, float e4m3_max,
+                                        bool four_over_six, uint32_t words[2], uint8_t* scale_byte) {
+  const float block_amax = block_amax16(x);
+  words[0] = 0;
+  words[1] = 0;
+  if (!four_over_six) {
+    const uint8_t s = e4m3_encode(qm_mul(block_amax, qm_mul(outer.s_enc, 1.0f / 6.0f)));
+    const float inv = nvfp4_block_inverse(s, outer.s_dec);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      float unused;
+      words[i / 8] |= e2m1_round_magnitude(qm_mul(qm_abs(x[i]), inv), &unused) << (4 * (i % 8));
+    }
+    add_e2m1_signs(x, words);
+    *scale_byte = s;
+    return;
+  }
+  const float six_m = qm_mul(6.0f, e4m3_max);
+  const float base = qm_mul(qm_div(block_amax, 6.0f), outer.s_enc);
+  const uint8_t s6 = e4m3_encode(qm_min(base, 448.0f));
+  const uint8_t s4 = e4m3_encode(qm_min(qm_mul(1.5f, base), 448.0f));
+  uint32_t words4[2];
+  const float err6 = nvfp4_candidate(x, s6, outer.s_dec, amax, six_m, words);
+  const float err4 = nvfp4_candidate(x, s4, outer.s_dec, amax, six_m, words4);
+  const bool use4 = err4 < err6;  // NaN compares false: map-6
+  if (use4) {
+    words[0] = words4[0];
+    words[1] = words4[1];
+  }
+  add_e2m1_signs(x, words);
+  *scale_byte = use4 ? s4 : s6;
+}
+
+QM_HD void nvfp4_quantize_block16_outer(const float x[16], const Nvfp4Outer& outer, float amax, float e4m3_max,
+                                        bool four_over_six, uint8_t packed[8], uint8_t* scale_byte) {
+  uint32_t words[2];
+  nvfp4_quantize_block16_words(x, outer, amax, e4m3_max, four_over_six, words, scale_byte);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) packed[k] = static_cast<uint8_t>(words[k / 4] >> (8 * (k % 4)));
+}
+
+QM_HD void nvfp4_quantize_block16(const float x[16], float amax, float e4m3_max, bool four_over_six,
+                                  uint8_t packed[8], uint8_t* scale_byte) {
+  nvfp4_quantize_block16_outer(x, nvfp4_outer_scales(amax, e4m3_max), amax, e4m3_max, four_over_six, packed,
+                               scale_byte);
+}
+
+// Dequantize factor final_b = f(f(fp32(s_b) * amax) * f(1/(6M))); y_i = f(e2m1val(q_i) * final_b).
+QM_HD float nvfp4_dequant_scale(uint8_t scale_byte, float amax, float e4m3_max) {
+  const float inv_six_m = qm_div(1.0f, qm_mul(6.0f, e4m3_max));
+  return qm_mul(qm_mul(e4m3_decode(scale_byte), amax), inv_six_m);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// RHT-32 (NUMERICS "RHT-32"): serial form on one aligned chunk of 32 values held by one thread.
+QM_HD float rht_sign(float v, uint32_t sign_mask, int j) {
+  return bits_float(float_bits(v) ^ (((sign_mask >> j) & 1u) << 31));
+}
+
+// Unnormalized FWHT, pairs (j, j + h) with (j & h) == 0 get (v_j + v_{j+h}, v_j - v_{j+h}).
+template <int N>
+QM_HD void fwht_serial(float v[N]) {
+#pragma unroll
+  for (int h = 1; h < N; h <<= 1) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      if ((j & h) == 0) {
+        const float a = v[j];
+        const float b = v[j + h];
+        v[j] = qm_add(a, b);
+        v[j + h] = qm_sub(a, b);
+      }
+    }
+  }
+}
+
+QM_HD void rht32_forward(float v[32], uint32_t sign_mask) {
+  const float c = bits_float(kRhtScaleBits);
+#pragma unroll
+  for (int j = 0; j < 32; ++j) v[j] = rht_sign(v[j], sign_mask, j);
+  fwht_serial<32>(v);
+#pragma unroll
+  for (int j = 0; j < 32; ++j) v[j] = qm_mul(v[j], c);
+}
+
+QM_HD void rht32_inverse(float v[32], uint32_t sign_mask) {
+  const float c = bits_float(kRhtScaleBits);
+  fwht_serial<32>(v);
+#pragma unroll
+  for (int j = 0; j < 32; ++j) v[j] = rht_sign(qm_mul(v[j], c), sign_mask, j);
+}
+
+#if defined(__CUDACC__)
+// Warp form: each group of 4 consecutive lanes (aligned to 4) holds one chunk of 32, lane g of the group
+// holding elements 8g .. 8g+7. Stages h = 1, 2, 4 run in registers, h = 8 and 16 pair lane g with g ^ 1 and
+// g ^ 2. The lane holding the upper element (bit h of its index set) gets f(p - v), the lower f(v + p):
+// exactly the serial pairing. Every lane of the warp must call this (full-mask shuffles).
+__device__ __forceinline__ void fwht32_lane8(float v[8], int lane) {
+  fwht_serial<8>(v);
+#pragma unroll
+  for (int lane_bit = 1; lane_bit <= 2; lane_bit <<= 1) {
+    const bool upper = (lane & lane_bit) != 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const float p = __shfl_xor_sync(0xFFFFFFFFu, v[k], lane_bit);
+      v[k] = upper ? qm_sub(p, v[k]) : qm_add(v[k], p);
+    }
+  }
+}
+
+// Forward RHT of the lane's 8 values; `group_lane` = lane & 3 selects which 8 of the 32 it holds.
+__device__ __forceinline__ void rht32_forward_lane8(float v[8], uint32_t sign_mask, int lane) {
+  const int first = (lane & 3) * 8;
+  const float c = bits_float(kRhtScaleBits);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = rht_sign(v[k], sign_mask, first + k);
+  fwht32_lane8(v, lane);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = qm_mul(v[k], c);
+}
+
+__device__ __forceinline__ void rht32_inverse_lane8(float v[8], uint32_t sign_mask, int lane) {
+  const int first = (lane & 3) * 8;
+  const float c = bits_float(kRhtScaleBits);
+  fwht32_lane8(v, lane);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = rht_sign(qm_mul(v[k], c), sign_mask, first + k);
+}
+
+// Max over the 4 lanes of an RHT group (NaN-ignoring like fmaxf).
+__device__ __forceinline__ float group4_max(float v) {
+  v = qm_max(v, __shfl_xor_sync(0xFFFFFFFFu, v, 1));
+  return qm_max(v, __shfl_xor_sync(0xFFFFFFFFu, v, 2));
+}
+#endif  // __CUDACC__
+
+// ---------------------------------------------------------------------------------------------------
+// BF16 round to nearest even (NaN -> 0x7FC0 like torch on the CPU; the GPU's cvt gives another NaN), and
+// widening.
+QM_HD uint16_t bf16_bits_rn(float v) {
+  const uint32_t bits = float_bits(v);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+QM_HD float bf16_bits_to_float(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
+
+}  // namespace qm
+}  // namespace ep_comm

@@ -1,0 +1,121 @@
+// 16-byte vector loads/stores of bf16 / fp16 / fp32 rows, converted to and from fp32 registers.
+// Widening to fp32 is exact; narrowing rounds to nearest even (cvt.rn, subnormals kept, no saturation).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "formats.h"
+
+namespace ep_comm {
+namespace vec {
+
+// Element type traits: how many elements one 16-byte vector holds and how they widen / narrow.
+template <typename T>
+struct Elem;
+
+template <>
+struct Elem<float> {
+  static constexpr int kPerVec = 4;
+  __device__ __forceinline__ static void unpack(const uint4& v, float* out) {
+    out[0] = __uint_as_float(v.x);
+    out[1] = __uint_as_float(v.y);
+    out[2] = __uint_as_float(v.z);
+    out[3] = __uint_as_float(v.w);
+  }
+  __device__ __forceinline__ static uint4 pack(const float* in) {
+    return make_uint4(__float_as_uint(in[0]), __float_as_uint(in[1]), __float_as_uint(in[2]),
+                      __float_as_uint(in[3]));
+  }
+};
+
+template <>
+struct Elem<__nv_bfloat16> {
+  static constexpr int kPerVec = 8;
+  __device__ __forceinline__ static void unpack_word(uint32_t w, float* out) {
+    out[0] = __uint_as_float(w << 16);
+    out[1] = __uint_as_float(w & 0xFFFF0000u);
+  }
+  __device__ __forceinline__ static void unpack(const uint4& v, float* out) {
+    unpack_word(v.x, out);
+    unpack_word(v.y, out + 2);
+    unpack_word(v.z, out + 4);
+    unpack_word(v.w, out + 6);
+  }
+  __device__ __forceinline__ static uint32_t pack_word(float lo, float hi) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // cvt.rn.bf16x2.f32: lo in the low half
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+  __device__ __forceinline__ static uint4 pack(const float* in) {
+    return make_uint4(pack_word(in[0], in[1]), pack_word(in[2], in[3]), pack_word(in[4], in[5]),
+                      pack_word(in[6], in[7]));
+  }
+};
+
+template <>
+struct Elem<__half> {
+  static constexpr int kPerVec = 8;
+  __device__ __forceinline__ static void unpack_word(uint32_t w, float* out) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w));
+    out[0] = f.x;
+    out[1] = f.y;
+  }
+  __device__ __forceinline__ static void unpack(const uint4& v, float* out) {
+    unpack_word(v.x, out);
+    unpack_word(v.y, out + 2);
+    unpack_word(v.z, out + 4);
+    unpack_word(v.w, out + 6);
+  }
+  __device__ __forceinline__ static uint32_t pack_word(float lo, float hi) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+  __device__ __forceinline__ static uint4 pack(const float* in) {
+    return make_uint4(pack_word(in[0], in[1]), pack_word(in[2], in[3]), pack_word(in[4], in[5]),
+                      pack_word(in[6], in[7]));
+  }
+};
+
+// Read-only streaming load of 16 bytes (the inputs are read once).
+__device__ __forceinline__ uint4 load16(const void* ptr) { return __ldg(reinterpret_cast<const uint4*>(ptr)); }
+__device__ __forceinline__ void store16(void* ptr, const uint4& v) { *reinterpret_cast<uint4*>(ptr) = v; }
+
+// N consecutive elements (N a multiple of the vector width) from `src` into fp32 registers.
+template <typename T, int N>
+__device__ __forceinline__ void load_row_segment(const T* src, float* out) {
+  constexpr int kPer = Elem<T>::kPerVec;
+  static_assert(N % kPer == 0, "segment must be whole 16-byte vectors");
+  uint4 raw[N / kPer];
+#pragma unroll
+  for (int v = 0; v < N / kPer; ++v) raw[v] = load16(src + v * kPer);
+#pragma unroll
+  for (int v = 0; v < N / kPer; ++v) Elem<T>::unpack(raw[v], out + v * kPer);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_row_segment(T* dst, const float* in) {
+  constexpr int kPer = Elem<T>::kPerVec;
+  static_assert(N % kPer == 0, "segment must be whole 16-byte vectors");
+#pragma unroll
+  for (int v = 0; v < N / kPer; ++v) store16(dst + v * kPer, Elem<T>::pack(in + v * kPer));
+}
+
+// Calls fn.template operator()<T>() with T the C++ type of an ElemType code.
+template <typename Fn>
+cudaError_t dispatch_elem_type(int elem_type, Fn&& fn) {
+  switch (static_cast<ElemType>(elem_type)) {
+    case ElemType::kFloat32:
+      return fn(float{});
+    case ElemType::kBFloat16:
+      return fn(__nv_bfloat16{});
+    case ElemType::kFloat16:
+      return fn(__half{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace vec
+}  // namespace ep_comm

@@ -1,0 +1,350 @@
+"""Torch glue for the compiled format kernels (`ep_comm._C`, csrc/formats.h).
+
+`formats.py` validates inputs and calls these functions for CUDA tensors (impl="auto"/"cuda"); they allocate
+the outputs on the input's device, launch on the current stream and return the same containers as the
+reference. The `host_*` functions run the kernels' arithmetic (csrc/quant_math.cuh) on CPU tensors: the CPU
+test tier uses them to prove the bit manipulation against the torch reference without a GPU.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _ext
+from .formats import MXFP8Tensor, NVFP4Tensor, S2F6Tensor
+
+_ELEM_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/formats.h ElemType
+_NVFP4_ACTIVATION_M = 256.0
+_NVFP4_WEIGHT_M = 448.0
+
+
+def _lib():
+    return _ext.require_cuda_extension("the CUDA format kernels")
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as a [rows, K] tensor whose rows start 16-byte aligned with unit stride along K (a copy if needed)."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    row_bytes = rows.stride(0) * rows.element_size()
+    if rows.stride(-1) != 1 or rows.data_ptr() % 16 != 0 or (rows.shape[0] > 1 and row_bytes % 16 != 0):
+        rows = rows.contiguous()
+    return rows
+
+
+def _dense_input(x: torch.Tensor) -> torch.Tensor:
+    """Inputs the kernels read natively (bf16 / fp16 / fp32); anything else is widened exactly to fp32."""
+    return x if x.dtype in _ELEM_TYPES else x.float()
+
+
+def _output(shape, dtype: torch.dtype, device: torch.device):
+    """(tensor the kernel writes, dtype code, dtype asked for): a kernel-native dtype is written directly."""
+    native = dtype if dtype in _ELEM_TYPES else torch.float32
+    return torch.empty(shape, dtype=native, device=device), _ELEM_TYPES[native]
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CUDA kernels (same signatures as the reference paths formats.py dispatches from)
+# ----------------------------------------------------------------------------------------------------------
+def nvfp4_quantize(x: torch.Tensor, four_over_six: bool, amax: Optional[torch.Tensor]) -> NVFP4Tensor:
+    lib = _lib()
+    lead_shape, k = x.shape[:-1], x.shape[-1]
+    rows = _rows(_dense_input(x))
+    num_rows = rows.shape[0]
+    device = x.device
+    e4m3_max = _NVFP4_ACTIVATION_M if four_over_six else _NVFP4_WEIGHT_M
+    amax_in = None if amax is None else amax.reshape(num_rows).float().contiguous()
+    data = torch.empty(num_rows, k // 2, dtype=torch.uint8, device=device)
+    scales = torch.empty(num_rows, k // 16, dtype=torch.uint8, device=device)
+    amax_out = torch.empty(num_rows, dtype=torch.float32, device=device)
+    with torch.cuda.device(device):
+        lib.nvfp4_quantize(rows.data_ptr(), _ELEM_TYPES[rows.dtype], rows.stride(0), num_rows, k, _ptr(amax_in),
+                           e4m3_max, four_over_six, data.data_ptr(), k // 2, scales.data_ptr(), k // 16,
+                           amax_out.data_ptr(), 0, _stream(device))
+    return NVFP4Tensor(data=data.reshape(*lead_shape, k // 2),
+                       scales=scales.reshape(*lead_shape, k // 16).view(torch.float8_e4m3fn),
+                       amax=amax_out.reshape(lead_shape), e4m3_max=e4m3_max)
+
+
+def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
+    lib = _lib()
+    k = q.data.shape[-1] * 2
+    data = q.data.reshape(-1, k // 2).contiguous()
+    scales = q.scales.view(torch.uint8).reshape(-1, k // 16).contiguous()
+    amax = q.amax.reshape(-1).float().contiguous()
+    num_rows = data.shape[0]
+    out, out_type = _output((num_rows, k), dtype, q.data.device)
+    with torch.cuda.device(q.data.device):
+        lib.nvfp4_dequantize(data.data_ptr(), scales.data_ptr(), amax.data_ptr(), num_rows, k, float(q.e4m3_max),
+                             out.data_ptr(), out_type, _stream(q.data.device))
+    return out.reshape(*q.data.shape[:-1], k).to(dtype)
+
+
+def mxfp8_quantize(x: torch.Tensor, rounding: str, seed: int) -> MXFP8Tensor:
+    lib = _lib()
+    lead_shape, k = x.shape[:-1], x.shape[-1]
+    rows = _rows(_dense_input(x))
+    num_rows = rows.shape[0]
+    data = torch.empty(num_rows, k, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(num_rows, k // 32, dtype=torch.uint8, device=x.device)
+    with torch.cuda.device(x.device):
+        lib.mxfp8_quantize(rows.data_ptr(), _ELEM_TYPES[rows.dtype], rows.stride(0), num_rows, k,
+                           rounding == "stochastic", seed & 0xFFFFFFFFFFFFFFFF, data.data_ptr(), k,
+                           scales.data_ptr(), k // 32, _stream(x.device))
+    return MXFP8Tensor(data=data.reshape(*lead_shape, k).view(torch.float8_e4m3fn),
+                       scales=scales.reshape(*lead_shape, k // 32).view(torch.float8_e8m0fnu))
+
+
+def mxfp8_dequantize(m: MXFP8Tensor, dtype: torch.dtype) -> torch.Tensor:
+    lib = _lib()
+    k = m.data.shape[-1]
+    data = m.data.view(torch.uint8).reshape(-1, k).contiguous()
+    scales = m.scales.view(torch.uint8).reshape(-1, k // 32).contiguous()
+    num_rows = data.shape[0]
+    out, out_type = _output((num_rows, k), dtype, m.data.device)
+    with torch.cuda.device(m.data.device):
+        lib.mxfp8_dequantize(data.data_ptr(), scales.data_ptr(), num_rows, k, out.data_ptr(), out_type,
+                             _stream(m.data.device))
+    return out.reshape(m.data.shape).to(dtype)
+
+
+def nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str, seed: int) -> MXFP8Tensor:
+    lib = _lib()
+    num_rows, k = q.data.shape[0], q.data.shape[1] * 2
+    data = q.data.contiguous()
+    scales = q.scales.view(torch.uint8).contiguous()
+    amax = q.amax.float().contiguous()
+    out_data = torch.empty(k, num_rows, dtype=torch.uint8, device=q.data.device)
+    out_scales = torch.empty(k, num_rows // 32, dtype=torch.uint8, device=q.data.device)
+    with torch.cuda.device(q.data.device):
+        lib.nvfp4_to_mxfp8_transposed(data.data_ptr(), scales.data_ptr(), amax.data_ptr(), num_rows, k,
+                                      float(q.e4m3_max), rounding == "stochastic", seed & 0xFFFFFFFFFFFFFFFF,
+                                      out_data.data_ptr(), out_scales.data_ptr(), _stream(q.data.device))
+    return MXFP8Tensor(data=out_data.view(torch.float8_e4m3fn), scales=out_scales.view(torch.float8_e8m0fnu))
+
+
+def s2f6_quantize(x: torch.Tensor, hadamard: bool, sign_mask: int) -> S2F6Tensor:
+    lib = _lib()
+    lead_shape, k = x.shape[:-1], x.shape[-1]
+    rows = _rows(_dense_input(x))
+    num_rows = rows.shape[0]
+    data = torch.empty(num_rows, k, dtype=torch.int8, device=x.device)
+    scales = torch.empty(num_rows, k // 32, dtype=torch.uint8, device=x.device)
+    with torch.cuda.device(x.device):
+        lib.s2f6_quantize(rows.data_ptr(), _ELEM_TYPES[rows.dtype], rows.stride(0), num_rows, k, hadamard,
+                          sign_mask, data.data_ptr(), k, scales.data_ptr(), k // 32, _stream(x.device))
+    return S2F6Tensor(data=data.reshape(*lead_shape, k),
+                      scales=scales.reshape(*lead_shape, k // 32).view(torch.float8_e8m0fnu),
+                      hadamard=hadamard, sign_mask=sign_mask)
+
+
+def s2f6_dequantize(s: S2F6Tensor, dtype: torch.dtype) -> torch.Tensor:
+    lib = _lib()
+    k = s.data.shape[-1]
+    data = s.data.reshape(-1, k).contiguous()
+    scales = s.scales.view(torch.uint8).reshape(-1, k // 32).contiguous()
+    num_rows = data.shape[0]
+    out, out_type = _output((num_rows, k), dtype, s.data.device)
+    with torch.cuda.device(s.data.device):
+        lib.s2f6_dequantize(data.data_ptr(), scales.data_ptr(), num_rows, k, s.hadamard, s.sign_mask,
+                            out.data_ptr(), out_type, _stream(s.data.device))
+    return out.reshape(s.data.shape).to(dtype)
+
+
+def s2f6_dequantize_accumulate(s: S2F6Tensor, row_index: torch.Tensor, weights: Optional[torch.Tensor],
+                               out_dtype: torch.dtype) -> torch.Tensor:
+    """Indices outside [0, N) are skipped by the kernel like -1 (memory-safe; formats.py decides policy)."""
+    lib = _lib()
+    num_src_rows, k = s.data.shape
+    data = s.data.contiguous()
+    scales = s.scales.view(torch.uint8).contiguous()
+    index = row_index.contiguous()
+    weights = None if weights is None else weights.float().contiguous()
+    num_out_rows, num_terms = index.shape
+    out, out_type = _output((num_out_rows, k), out_dtype, s.data.device)
+    with torch.cuda.device(s.data.device):
+        lib.s2f6_dequantize_accumulate(data.data_ptr(), scales.data_ptr(), num_src_rows, k, index.data_ptr(),
+                                       index.dtype == torch.int64, _ptr(weights), num_out_rows, num_terms,
+                                       s.hadamard, s.sign_mask, out.data_ptr(), out_type, _stream(s.data.device))
+    return out.to(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CPU emulation (same arithmetic as the kernels, host memory): results match the reference's containers
+# ----------------------------------------------------------------------------------------------------------
+def _host_f32(x: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda:
+        raise ValueError("the host_* emulation takes CPU tensors")
+    return x.float().contiguous()
+
+
+def host_nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True,
+                        amax: Optional[torch.Tensor] = None) -> NVFP4Tensor:
+    lead_shape, k = x.shape[:-1], x.shape[-1]
+    xf = _host_f32(x).reshape(-1, k)
+    num_rows = xf.shape[0]
+    amax_in = None if amax is None else torch.broadcast_to(torch.as_tensor(amax, dtype=torch.float32),
+                                                           lead_shape).reshape(num_rows).contiguous()
+    e4m3_max = _NVFP4_ACTIVATION_M if four_over_six else _NVFP4_WEIGHT_M
+    data = torch.empty(num_rows, k // 2, dtype=torch.uint8)
+    scales = torch.empty(num_rows, k // 16, dtype=torch.uint8)
+    amax_out = torch.empty(num_rows, dtype=torch.float32)
+    _lib().host_nvfp4_quantize(xf.data_ptr(), num_rows, k, _ptr(amax_in), e4m3_max, four_over_six, data.data_ptr(),
+                               scales.data_ptr(), amax_out.data_ptr())
+    return NVFP4Tensor(data=data.reshape(*lead_shape, k // 2),
+                       scales=scales.reshape(*lead_shape, k // 16).view(torch.float8_e4m3fn),
+                       amax=amax_out.reshape(lead_shape), e4m3_max=e4m3_max)
+
+
+def host_nvfp4_dequantize(q: NVFP4Tensor) -> torch.Tensor:
+    k = q.data.shape[-1] * 2
+    data = q.data.reshape(-1, k // 2).contiguous()
+    scales = q.scales.view(torch.uint8).reshape(-1, k // 16).contiguous()
+    amax = q.amax.reshape(-1).float().contiguous()
+    out = torch.empty(data.shape[0], k, dtype=torch.float32)
+    _lib().host_nvfp4_dequantize(data.data_ptr(), scales.data_ptr(), amax.data_ptr(), data.shape[0], k,
+                                 float(q.e4m3_max), out.data_ptr())
+    return out.reshape(*q.data.shape[:-1], k)
+
+
+def host_mxfp8_quantize(x: torch.Tensor, rounding: str = "nearest", seed: int = 0) -> MXFP8Tensor:
+    lead_shape, k = x.shape[:-1], x.shape[-1]
+    xf = _host_f32(x).reshape(-1, k)
+    data = torch.empty(xf.shape, dtype=torch.uint8)
+    scales = torch.empty(xf.shape[0], k // 32, dtype=torch.uint8)
+    _lib().host_mxfp8_quantize(xf.data_ptr(), xf.shape[0], k, rounding == "stochastic", seed & (2**64 - 1),
+                               data.data_ptr(), scales.data_ptr())
+    return MXFP8Tensor(data=data.reshape(*lead_shape, k).view(torch.float8_e4m3fn),
+                       scales=scales.reshape(*lead_shape, k // 32).view(torch.float8_e8m0fnu))
+
+
+def host_mxfp8_dequantize(m: MXFP8Tensor) -> torch.Tensor:
+    k = m.data.shape[-1]
+    data = m.data.view(torch.uint8).reshape(-1, k).contiguous()
+    scales = m.scales.view(torch.uint8).reshape(-1, k // 32).contiguous()
+    out = torch.empty(data.shape, dtype=torch.float32)
+    _lib().host_mxfp8_dequantize(data.data_ptr(), scales.data_ptr(), data.shape[0], k, out.data_ptr())
+    return out.reshape(m.data.shape)
+
+
+def host_nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str = "stochastic", seed: int = 0) -> MXFP8Tensor:
+    num_rows, k = q.data.shape[0], q.data.shape[1] * 2
+    data = q.data.contiguous()
+    scales = q.scales.view(torch.uint8).contiguous()
+    amax = q.amax.float().contiguous()
+    out_data = torch.empty(k, num_rows, dtype=torch.uint8)
+    out_scales = torch.empty(k, num_rows // 32, dtype=torch.uint8)
+    _lib().host_nvfp4_to_mxfp8_transposed(data.data_ptr(), scales.data_ptr(), amax.data_ptr(), num_rows, k,
+                                          float(q.e4m3_max), rounding == "stochastic", seed & (2**64 - 1),
+                                          out_data.data_ptr(), out_scales.data_ptr())
+    return MXFP8Tensor(data=out_data.view(torch.float8_e4m3fn), scales=out_scales.view(torch.float8_e8m0fnu))
+
+
+def host_rht(x: torch.Tensor, sign_mask: int, inverse: bool = False) -> torch.Tensor:
+    k = x.shape[-1]
+    xf = _host_f32(x).reshape(-1, k)
+    out = torch.empty(xf.shape, dtype=torch.float32)
+    _lib().host_rht(xf.data_ptr(), xf.shape[0], k, sign_mask, inverse, out.data_ptr())
+    return out.reshape(x.shape)
+
+
+def host_s2f6_quantize(x: torch.Tensor, hadamard: bool = True, sign_mask: int = 0x6A09E667) -> S2F6Tensor:
+    lead_shape, k = x.shape[:-1], x.shape[-1]
+    xf = _host_f32(x).reshape(-1, k)
+    data = torch.empty(xf.shape, dtype=torch.int8)
+    scales = torch.empty(xf.shape[0], k // 32, dtype=torch.uint8)
+    _lib().host_s2f6_quantize(xf.data_ptr(), xf.shape[0], k, hadamard, sign_mask, data.data_ptr(), scales.data_ptr())
+    return S2F6Tensor(data=data.reshape(*lead_shape, k),
+                      scales=scales.reshape(*lead_shape, k // 32).view(torch.float8_e8m0fnu),
+                      hadamard=hadamard, sign_mask=sign_mask)
+
+
+def host_s2f6_dequantize(s: S2F6Tensor) -> torch.Tensor:
+    k = s.data.shape[-1]
+    data = s.data.reshape(-1, k).contiguous()
+    scales = s.scales.view(torch.uint8).reshape(-1, k // 32).contiguous()
+    out = torch.empty(data.shape, dtype=torch.float32)
+    _lib().host_s2f6_dequantize(data.data_ptr(), scales.data_ptr(), data.shape[0], k, s.hadamard, s.sign_mask,
+                                out.data_ptr())
+    return out.reshape(s.data.shape)
+
+
+def host_s2f6_dequantize_accumulate(s: S2F6Tensor, row_index: torch.Tensor, weights: Optional[torch.Tensor] = None,
+                                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    num_src_rows, k = s.data.shape
+    data = s.data.contiguous()
+    scales = s.scales.view(torch.uint8).contiguous()
+    index = row_index.to(torch.int64).contiguous()
+    weights = None if weights is None else weights.float().contiguous()
+    out = torch.empty(index.shape[0], k, dtype=torch.float32)
+    _lib().host_s2f6_dequantize_accumulate(data.data_ptr(), scales.data_ptr(), num_src_rows, k, index.data_ptr(),
+                                           _ptr(weights), index.shape[0], index.shape[1], s.hadamard, s.sign_mask,
+                                           out.data_ptr())
+    return out.to(out_dtype)
+
+
+def _host_elementwise(name: str, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    xf = _host_f32(x).reshape(-1)
+    out = torch.empty(xf.shape, dtype=out_dtype)
+    getattr(_lib(), name)(xf.data_ptr(), xf.numel(), out.data_ptr())
+    return out.reshape(x.shape)
+
+
+def host_e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    return _host_elementwise("host_e2m1_encode", x, torch.uint8)
+
+
+def host_e4m3_encode(x: torch.Tensor) -> torch.Tensor:
+    return _host_elementwise("host_e4m3_encode", x, torch.uint8)
+
+
+def host_ue8m0_mxfp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    return _host_elementwise("host_ue8m0_mxfp8_scale", amax, torch.uint8)
+
+
+def host_ue8m0_s2f6_scale(amax: torch.Tensor) -> torch.Tensor:
+    return _host_elementwise("host_ue8m0_s2f6_scale", amax, torch.uint8)
+
+
+def host_bf16_round(x: torch.Tensor) -> torch.Tensor:
+    """RNE to bf16 bit patterns (int16 tensor holding the uint16 bits)."""
+    return _host_elementwise("host_bf16_round", x, torch.int16)
+
+
+def host_rbits(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """rbits(seed, index) as an int64 tensor in [0, 2^32)."""
+    idx = index.to(torch.int64).contiguous().reshape(-1)
+    out = torch.empty(idx.shape, dtype=torch.int32)
+    _lib().host_rbits(seed & (2**64 - 1), idx.data_ptr(), idx.numel(), out.data_ptr())
+    return (out.to(torch.int64) & 0xFFFFFFFF).reshape(index.shape)
+
+
+def host_sr_e4m3(x: torch.Tensor, random_bits: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes of the stochastic rounding of x with the given 32-bit random words (low 16 bits used)."""
+    xf = _host_f32(x).reshape(-1)
+    bits = (random_bits.to(torch.int64) & 0xFFFFFFFF).reshape(-1)
+    bits32 = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).contiguous()
+    out = torch.empty(xf.shape, dtype=torch.uint8)
+    _lib().host_sr_e4m3(xf.data_ptr(), bits32.data_ptr(), xf.numel(), out.data_ptr())
+    return out.reshape(x.shape)
+
+
+def host_nvfp4_four_over_six_errors(x: torch.Tensor, amax: torch.Tensor, e4m3_max: float = _NVFP4_ACTIVATION_M):
+    """(err_6, err_4) float32 [rows, K/16]: the 4/6 candidate errors the quantizer compares, per block."""
+    k = x.shape[-1]
+    xf = _host_f32(x).reshape(-1, k)
+    row_amax = torch.broadcast_to(torch.as_tensor(amax, dtype=torch.float32), (xf.shape[0],)).contiguous()
+    err6 = torch.empty(xf.shape[0], k // 16, dtype=torch.float32)
+    err4 = torch.empty_like(err6)
+    _lib().host_nvfp4_four_over_six_errors(xf.data_ptr(), xf.shape[0], k, row_amax.data_ptr(), e4m3_max,
+                                           err6.data_ptr(), err4.data_ptr())
+    return err6, err4

@@ -1,0 +1,572 @@
+"""The nvlink backend: fused quantize-and-send dispatch and RHT+S2F6 combine over NVLink peer pointers.
+
+Every rank owns one symmetric region (NVSHMEM via nvshmem4py, or CUDA IPC as a fallback) whose layout is
+fixed by the BufferConfig (`_RegionLayout`); the kernels (csrc/nvlink_*.cu) store straight into peers'
+regions and signal with monotonically growing counters, so nothing is memset between calls and no host
+synchronization happens: dispatch and combine can be captured in a CUDA graph and replayed with new data.
+The results are bit-identical to the reference backend (same quantizers, same FP32 summation order).
+
+Protocol and reuse safety are described in csrc/nvlink.h. In short: per call, dispatch runs three kernels
+(layout: prefix sums over this rank's tokens; send: quantize once per token, store into each destination
+rank's staging slot; receive: wait for all sources, expand into the expert-major layout) and combine two
+(send: weighted local reduction + RHT + S2F6 into the source's combine area; receive: dequantize-accumulate
+in rank order + inverse RHT). Writers wait until readers have consumed the previous call's rows.
+
+Environment:
+  EP_COMM_PEER_MEMORY  auto (default: NVSHMEM, else CUDA IPC with a warning) | nvshmem | ipc
+  EP_COMM_SYNC_CHECK   1: synchronize after every call and raise at once on a device-side error (debug)
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import _ext
+from ..types import BufferConfig, BufferSizes, DispatchResult
+
+_STAGES = {
+    1: "dispatch send (waiting for the peer to finish reading the previous dispatch's rows)",
+    2: "dispatch receive (waiting for the peer's tokens)",
+    3: "combine send (waiting for the peer to finish reading the previous combine's rows)",
+    4: "combine receive (waiting for the peer's expert outputs)",
+}
+_DISPATCH_FORMAT_CODE = {"nvfp4": 0, "mxfp8": 1, "bf16": 2}
+_COMBINE_FORMAT_CODE = {"s2f6": 0, "bf16": 1}
+_MAX_TOPK = 32
+
+
+def _align(value: int, to: int) -> int:
+    return (value + to - 1) // to * to
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Region layout (identical on every rank)
+# ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _RegionLayout:
+    disp_data_bytes: int
+    disp_scale_off: int
+    disp_scale_bytes: int
+    disp_meta_off: int
+    disp_row_bytes: int
+    comb_row_bytes: int
+    comb_scale_off: int
+    off_disp_ready: int
+    off_disp_consumed: int
+    off_comb_ready: int
+    off_comb_consumed: int
+    off_counts: int
+    count_stride: int
+    off_staging: int
+    off_combine: int
+    total_bytes: int
+
+    @staticmethod
+    def of(cfg: BufferConfig) -> "_RegionLayout":
+        h, k, w, t_max = cfg.hidden, cfg.num_topk, cfg.world_size, cfg.max_tokens_per_rank
+        if cfg.dispatch_format == "nvfp4":
+            data, scales = h // 2, h // 16
+        elif cfg.dispatch_format == "mxfp8":
+            data, scales = h, h // 32
+        else:
+            data, scales = 2 * h, 0
+        scale_off = _align(data, 16)
+        meta_off = scale_off + _align(scales, 16)
+        meta_bytes = 4 * (2 + 3 * k)  # f32 amax, i32 token, i32 expert[K], f32 weight[K], i32 position[K]
+        disp_row = meta_off + _align(meta_bytes, 16)
+        if cfg.combine_format == "s2f6":
+            comb_scale_off = _align(h, 16)
+            comb_row = comb_scale_off + _align(h // 32, 16)
+        else:
+            comb_scale_off, comb_row = 0, 2 * h
+        flags = _align(8 * w, 128)
+        off = 0
+        off_disp_ready, off = off, off + flags
+        off_disp_consumed, off = off, off + flags
+        off_comb_ready, off = off, off + flags
+        off_comb_consumed, off = off, off + flags
+        count_stride = _align(cfg.num_local_experts + 1, 4)
+        off_counts, off = _align(off, 256), _align(off, 256) + 4 * w * count_stride
+        off_staging = _align(off, 256)
+        off = off_staging + w * t_max * disp_row
+        off_combine = _align(off, 256)
+        off = off_combine + t_max * k * comb_row
+        return _RegionLayout(disp_data_bytes=data, disp_scale_off=scale_off, disp_scale_bytes=scales,
+                             disp_meta_off=meta_off, disp_row_bytes=disp_row, comb_row_bytes=comb_row,
+                             comb_scale_off=comb_scale_off, off_disp_ready=off_disp_ready,
+                             off_disp_consumed=off_disp_consumed, off_comb_ready=off_comb_ready,
+                             off_comb_consumed=off_comb_consumed, off_counts=off_counts, count_stride=count_stride,
+                             off_staging=off_staging, off_combine=off_combine, total_bytes=_align(off, 1 << 21))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Symmetric memory: NVSHMEM (nvshmem4py) or CUDA IPC
+# ----------------------------------------------------------------------------------------------------------
+_nvshmem_lock = threading.Lock()
+_nvshmem_state = {"initialized": False, "group_ranks": None, "error": None}
+_warned = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _group_ranks(group) -> Tuple[int, ...]:
+    return tuple(dist.get_global_rank(group, r) for r in range(dist.get_world_size(group)))
+
+
+def _cpu_collectives(group) -> bool:
+    try:
+        backend = str(dist.get_backend(group)).lower()
+    except Exception:
+        return False
+    return "gloo" in backend
+
+
+def _nvshmem_init(group, region_bytes: int):
+    """Initialize NVSHMEM once per process over `group` (UID broadcast); returns the nvshmem.core module."""
+    import nvshmem.core as nvshmem  # noqa: F401  (ImportError -> caller falls back)
+    try:
+        from cuda.core import Device
+    except ImportError:  # older cuda-core
+        from cuda.core.experimental import Device
+    import numpy as np
+
+    with _nvshmem_lock:
+        ranks = _group_ranks(group)
+        if _nvshmem_state["initialized"]:
+            if _nvshmem_state["group_ranks"] != ranks:
+                raise RuntimeError(f"NVSHMEM is already initialized over ranks {_nvshmem_state['group_ranks']}, "
+                                   f"not {ranks}")
+            return nvshmem
+        if _nvshmem_state["error"] is not None:
+            raise RuntimeError(_nvshmem_state["error"])
+        # Our defaults, never overriding the user's: NVLink only, no multicast, a heap large enough.
+        os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+        os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(4 << 30, _align(2 * region_bytes, 1 << 30))))
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        device = torch.cuda.current_device()
+        torch.cuda.init()
+        torch.empty(1, device="cuda")  # make sure the context exists before NVSHMEM starts
+        uid = nvshmem.get_unique_id(empty=(rank != 0))
+        raw = np.asarray(uid._data).view(np.uint8).reshape(-1)
+        payload = torch.from_numpy(raw.copy())
+        if not _cpu_collectives(group):
+            payload = payload.cuda()
+        dist.broadcast(payload, src=dist.get_global_rank(group, 0), group=group)
+        raw[:] = payload.cpu().numpy()
+        try:
+            nvshmem.init(device=Device(device), uid=uid, rank=rank, nranks=world, initializer_method="uid")
+        except Exception as error:
+            _nvshmem_state["error"] = f"nvshmem.core.init failed: {error}"
+            raise
+        _nvshmem_state["initialized"] = True
+        _nvshmem_state["group_ranks"] = ranks
+        return nvshmem
+
+
+def finalize_nvshmem() -> None:
+    """Collective, optional: shut NVSHMEM down once every nvlink Buffer of this process is destroyed.
+    Not registered with atexit on purpose: nvshmem finalize is collective, and ranks leave at different
+    times (a rank waiting in an exit-time barrier for a peer that already exited would hang)."""
+    if _nvshmem_state["initialized"]:
+        try:
+            import nvshmem.core as nvshmem
+            nvshmem.finalize()
+        except Exception:
+            pass
+        _nvshmem_state["initialized"] = False
+
+
+class _SymmetricRegion:
+    """One region per rank; `peer_bases[r]` is the local address of rank r's region (own rank: local)."""
+
+    def __init__(self, group, nbytes: int):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.device = torch.cuda.current_device()
+        self.nbytes = nbytes
+        self.kind = None
+        self._tensor = None
+        self._nvshmem = None
+        self._ipc_local = None
+        self._ipc_opened: List[int] = []
+        mode = os.environ.get("EP_COMM_PEER_MEMORY", "auto").lower()
+        if mode not in ("auto", "nvshmem", "ipc"):
+            raise ValueError(f"EP_COMM_PEER_MEMORY must be auto, nvshmem or ipc, got {mode!r}")
+        why_not = "EP_COMM_PEER_MEMORY=ipc" if mode == "ipc" else self._setup_nvshmem()
+        if why_not is not None:
+            if mode == "nvshmem":
+                raise RuntimeError(f"EP_COMM_PEER_MEMORY=nvshmem but NVSHMEM is unusable: {why_not}")
+            if mode == "auto":
+                _warn_once(f"ep_comm nvlink: using CUDA IPC peer memory (single node only) because NVSHMEM is "
+                           f"unavailable: {why_not}")
+            self._open_ipc()
+
+    def _agree(self, mine: Optional[str]) -> Optional[str]:
+        """All ranks learn the first rank's failure reason (None when every rank succeeded)."""
+        votes = [None] * self.world
+        dist.all_gather_object(votes, mine, group=self.group)
+        return next((f"rank {r}: {why}" for r, why in enumerate(votes) if why is not None), None)
+
+    # -- NVSHMEM ------------------------------------------------------------------------------------------
+    def _setup_nvshmem(self) -> Optional[str]:
+        """NVSHMEM init + symmetric allocation, each step agreed by every rank before the next collective
+        one (a rank that skips a collective NVSHMEM call would leave the others waiting)."""
+        try:
+            import nvshmem.core  # noqa: F401
+            mine = None
+        except Exception as error:
+            mine = f"nvshmem4py is not importable ({type(error).__name__}: {error})"
+        why = self._agree(mine)
+        if why is not None:
+            return why
+        try:
+            nvshmem = _nvshmem_init(self.group, self.nbytes)
+            mine = None
+        except Exception as error:
+            nvshmem, mine = None, f"NVSHMEM init failed: {type(error).__name__}: {error}"
+        why = self._agree(mine)
+        if why is not None:
+            return why
+        tensor, peers, mine = None, [], None
+        try:
+            tensor = nvshmem.tensor((self.nbytes,), dtype=torch.uint8)
+        except Exception as error:
+            mine = f"symmetric allocation of {self.nbytes} bytes failed: {type(error).__name__}: {error}"
+        why = self._agree(mine)
+        if why is not None:
+            if tensor is not None:  # some ranks hold a symmetric tensor that cannot be freed collectively
+                raise RuntimeError(f"NVSHMEM allocation succeeded on some ranks only ({why}); cannot fall back")
+            return why
+        try:
+            tensor.zero_()
+            for r in range(self.world):
+                if r == self.rank:
+                    peers.append(tensor.data_ptr())
+                    continue
+                peer = nvshmem.get_peer_tensor(tensor, r)
+                if peer is None:
+                    raise RuntimeError(f"rank {r} is not reachable over NVLink (nvshmem_ptr is NULL)")
+                peers.append(peer.data_ptr())
+            mine = None
+        except Exception as error:
+            mine = f"peer mapping failed: {type(error).__name__}: {error}"
+        why = self._agree(mine)
+        if why is not None:
+            nvshmem.free_tensor(tensor)  # every rank allocated: the collective free is safe
+            return why
+        self.kind, self._tensor, self._nvshmem, self.peer_bases = "nvshmem", tensor, nvshmem, peers
+        self.local_base = tensor.data_ptr()
+        return None
+
+    def _free_nvshmem(self) -> None:
+        if self._tensor is not None:
+            self._nvshmem.free_tensor(self._tensor)
+        self._tensor, self.kind = None, None
+
+    # -- CUDA IPC -----------------------------------------------------------------------------------------
+    def _open_ipc(self) -> None:
+        c = _ext.require_cuda_extension("the nvlink backend")
+        local = c.nvlink_device_alloc(self.device, self.nbytes)  # zeroed
+        self._ipc_local = local
+        handles = [None] * self.world
+        dist.all_gather_object(handles, c.nvlink_ipc_get_handle(self.device, local), group=self.group)
+        peers = []
+        try:
+            for r, handle in enumerate(handles):
+                if r == self.rank:
+                    peers.append(local)
+                else:
+                    address = c.nvlink_ipc_open_handle(self.device, handle)
+                    self._ipc_opened.append(address)
+                    peers.append(address)
+        except Exception as error:
+            raise RuntimeError(f"CUDA IPC peer mapping failed on rank {self.rank} (all ranks must share one node "
+                               f"with NVLink peer access): {error}") from error
+        self.kind, self.peer_bases, self.local_base = "ipc", peers, local
+
+    def free(self) -> None:
+        if self.kind == "nvshmem":
+            self._free_nvshmem()
+        elif self.kind == "ipc":
+            c = _ext.require_cuda_extension("the nvlink backend")
+            for address in self._ipc_opened:
+                c.nvlink_ipc_close_handle(self.device, address)
+            self._ipc_opened = []
+            dist.barrier(group=self.group)  # no peer maps our region any more
+            c.nvlink_device_free(self.device, self._ipc_local)
+            self._ipc_local = None
+            self.kind = None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Handle and backend
+# ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NVLinkHandle:
+    """What combine needs (all device tensors; fixed shapes, so graphs can capture dispatch + combine).
+
+    send_idx / send_w: this rank's routing [T, K] (int32 expert ids, -1 masked; fp32 weights), copied by the
+        layout kernel. recv_count: [W] tokens received from each source. recv_tok / recv_ord: [W * T_max]
+        source token of staging row (s, j) and this rank's ordinal among the token's destination ranks.
+    recv_rows: [W * T_max * K] layout row of each slot of staging row (s, j), -1 if not local.
+    row_weight: DispatchResult.topk_weight. num_tokens: T; num_rows: R (capacity).
+    """
+
+    send_idx: torch.Tensor
+    send_w: torch.Tensor
+    recv_count: torch.Tensor
+    recv_tok: torch.Tensor
+    recv_ord: torch.Tensor
+    recv_rows: torch.Tensor
+    row_weight: torch.Tensor
+    num_tokens: int
+    num_rows: int
+
+
+class NVLinkBackend:
+    """Dispatch/combine with our kernels over NVLink peer pointers (see the module docstring)."""
+
+    name = "nvlink"
+
+    def __init__(self, group, config: BufferConfig):
+        config.validate()
+        ok, reason = NVLinkBackend.is_available(group)
+        if not ok:
+            raise RuntimeError(f"the nvlink backend is unavailable: {reason}")
+        if config.num_topk > _MAX_TOPK:
+            raise ValueError(f"the nvlink backend supports num_topk <= {_MAX_TOPK}, got {config.num_topk}")
+        c = _ext.require_cuda_extension("the nvlink backend")
+        self.group = group
+        self.config = config
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        if self.world != config.world_size:
+            raise ValueError(f"config.world_size={config.world_size} but the group has {self.world} ranks")
+        self.device = torch.cuda.current_device()
+        self.layout = _RegionLayout.of(config)
+        self._sync_check = os.environ.get("EP_COMM_SYNC_CHECK", "0") == "1"
+        self._destroyed = False
+
+        self.region = _SymmetricRegion(group, self.layout.total_bytes)
+        dev = torch.device("cuda", self.device)
+        t_max, k = config.max_tokens_per_rank, config.num_topk
+        self._peer_bases = torch.tensor(self.region.peer_bases, dtype=torch.int64, device=dev)
+        self._state = torch.zeros(8, dtype=torch.int64, device=dev)  # NvlinkState (<= 64 bytes)
+        if c.nvlink_state_bytes > self._state.numel() * 8:
+            raise RuntimeError("NvlinkState grew past the state buffer")
+        self._scratch_pos = torch.empty(t_max * k, dtype=torch.int32, device=dev)
+        self._scratch_slot = torch.empty(t_max * k, dtype=torch.int32, device=dev)
+        self._expert_count = torch.zeros(config.num_experts, dtype=torch.int32, device=dev)
+        self._rank_count = torch.zeros(self.world, dtype=torch.int32, device=dev)
+        self._error_host, error_dev = c.nvlink_host_mapped_alloc(self.device, 64)
+        L = self.layout
+        self._ctx = c.NvlinkContext(self.device, {
+            "rank": self.rank, "world": self.world, "hidden": config.hidden, "num_experts": config.num_experts,
+            "num_local": config.num_local_experts, "topk": k, "max_tokens": t_max,
+            "alignment": config.expert_alignment, "num_blocks": config.num_sms,
+            "disp_fmt": _DISPATCH_FORMAT_CODE[config.dispatch_format],
+            "comb_fmt": _COMBINE_FORMAT_CODE[config.combine_format], "sign_mask": config.rht_sign_mask,
+            "max_recv_rows": config.max_recv_rows, "disp_row_bytes": L.disp_row_bytes,
+            "disp_data_bytes": L.disp_data_bytes, "disp_scale_off": L.disp_scale_off,
+            "disp_scale_bytes": L.disp_scale_bytes, "disp_meta_off": L.disp_meta_off,
+            "comb_row_bytes": L.comb_row_bytes, "comb_scale_off": L.comb_scale_off,
+            "off_disp_ready": L.off_disp_ready, "off_disp_consumed": L.off_disp_consumed,
+            "off_comb_ready": L.off_comb_ready, "off_comb_consumed": L.off_comb_consumed,
+            "off_counts": L.off_counts, "count_stride": L.count_stride, "off_staging": L.off_staging,
+            "off_combine": L.off_combine, "timeout_ns": int(config.timeout_s * 1e9),
+            "peer_bases": self._peer_bases.data_ptr(), "local_base": self.region.local_base,
+            "state": self._state.data_ptr(), "scratch_pos": self._scratch_pos.data_ptr(),
+            "scratch_slot": self._scratch_slot.data_ptr(), "expert_count": self._expert_count.data_ptr(),
+            "rank_count": self._rank_count.data_ptr(), "error_word": error_dev,
+        })
+        # Every region is zeroed (counters at 0) before any rank may write into a peer's.
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=group)
+
+    # ------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def is_available(group) -> Tuple[bool, str]:
+        if not _ext.cuda_extension_available():
+            return False, f"ep_comm._C is unavailable: {_ext.cuda_extension_error()}"
+        c = _ext._C
+        if not hasattr(c, "NvlinkContext"):
+            return False, "ep_comm._C was built without the nvlink kernels"
+        if not torch.cuda.is_available():
+            return False, "no CUDA device"
+        try:
+            world = dist.get_world_size(group)
+        except Exception as error:
+            return False, f"no usable process group ({error})"
+        if world > c.nvlink_max_world:
+            return False, f"world size {world} exceeds {c.nvlink_max_world}"
+        major, minor = torch.cuda.get_device_capability()
+        if major < 9:
+            return False, f"needs compute capability >= 9.0 (sm_90a build), found {major}.{minor}"
+        try:
+            import nvshmem.core  # noqa: F401
+            have_nvshmem = True
+        except Exception:
+            have_nvshmem = False
+        if not have_nvshmem and world > torch.cuda.device_count():
+            return False, (f"nvshmem4py is not installed and CUDA IPC needs every rank on this node "
+                           f"({world} ranks, {torch.cuda.device_count()} GPUs visible)")
+        if not have_nvshmem:
+            device = torch.cuda.current_device()
+            for peer in range(min(world, torch.cuda.device_count())):
+                if peer != device and not torch.cuda.can_device_access_peer(device, peer):
+                    return False, f"GPU {device} cannot access GPU {peer} as a peer (no NVLink/P2P)"
+        return True, ""
+
+    @staticmethod
+    def size_hint(config: BufferConfig) -> BufferSizes:
+        L = _RegionLayout.of(config)
+        w, t_max, k = config.world_size, config.max_tokens_per_rank, config.num_topk
+        dispatch = w * t_max * L.disp_row_bytes
+        combine = t_max * k * L.comb_row_bytes
+        payload = L.disp_data_bytes + L.disp_scale_bytes + (4 if config.dispatch_format == "nvfp4" else 0)
+        local = 2 * t_max * k * 4 + 4 * (config.num_experts + w) + 64
+        handle = 4 * (w + 2 * w * t_max + w * t_max * k) + 8 * t_max * k
+        return BufferSizes(dispatch_recv_bytes=dispatch, combine_recv_bytes=combine,
+                           layout_bytes=L.off_staging + local + handle,
+                           expert_layout_bytes=config.max_recv_rows * (payload + 16),
+                           total_symmetric_bytes=L.total_bytes)
+
+    # ------------------------------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise if a kernel of this Buffer recorded a timeout (reads host-mapped memory: no sync)."""
+        if self._destroyed or self._error_host is None:
+            return
+        word = ctypes.c_uint64.from_address(self._error_host).value
+        if word >> 63:
+            stage = (word >> 48) & 0xFF
+            peer = (word >> 32) & 0xFFFF
+            call = word & 0xFFFFFFFF
+            raise RuntimeError(
+                f"ep_comm nvlink: rank {self.rank} timed out after {self.config.timeout_s:g} s in "
+                f"{_STAGES.get(stage, f'stage {stage}')} on peer rank {peer} (call {call}); results of that call "
+                f"and later ones are invalid and this Buffer is unusable (did every rank make the same calls?)")
+
+    def _after_call(self) -> None:
+        if self._sync_check:
+            torch.cuda.current_stream().synchronize()
+            self.check()
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
+        self._check_alive()
+        self.check()
+        cfg = self.config
+        num_tokens = x.shape[0]
+        if num_tokens > cfg.max_tokens_per_rank:
+            raise ValueError(f"{num_tokens} tokens exceed max_tokens_per_rank={cfg.max_tokens_per_rank}")
+        if topk_idx.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"topk_idx must be int32 or int64, got {topk_idx.dtype}")
+        x = x.contiguous()
+        topk_idx = topk_idx.contiguous()
+        topk_weights = topk_weights.contiguous().float()
+        dev = x.device
+        h, k, w, t_max = cfg.hidden, cfg.num_topk, self.world, cfg.max_tokens_per_rank
+        rows = cfg.max_recv_rows
+        num_local = cfg.num_local_experts
+        i32 = dict(dtype=torch.int32, device=dev)
+
+        send_idx = torch.empty(num_tokens, k, **i32)
+        send_w = torch.empty(num_tokens, k, dtype=torch.float32, device=dev)
+        if cfg.dispatch_format == "nvfp4":
+            data = torch.empty(rows, h // 2, dtype=torch.uint8, device=dev)
+            scales = torch.empty(rows, h // 16, dtype=torch.uint8, device=dev)
+            amax = torch.empty(rows, dtype=torch.float32, device=dev)
+            amax_ptr = amax.data_ptr()
+        elif cfg.dispatch_format == "mxfp8":
+            data = torch.empty(rows, h, dtype=torch.uint8, device=dev)
+            scales = torch.empty(rows, h // 32, dtype=torch.uint8, device=dev)
+            amax, amax_ptr = None, 0
+        else:
+            data = torch.empty(rows, h, dtype=torch.bfloat16, device=dev)
+            scales, amax, amax_ptr = None, None, 0
+        num_per_expert = torch.empty(num_local, **i32)
+        expert_offsets = torch.empty(num_local + 1, **i32)
+        src_rank = torch.empty(rows, **i32)
+        src_token = torch.empty(rows, **i32)
+        topk_slot = torch.empty(rows, **i32)
+        topk_weight = torch.empty(rows, dtype=torch.float32, device=dev)
+        recv_count = torch.empty(w, **i32)
+        recv_tok = torch.empty(w * t_max, **i32)
+        recv_ord = torch.empty(w * t_max, **i32)
+        recv_rows = torch.empty(w * t_max * k, **i32)
+
+        self._ctx.dispatch(
+            x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype == torch.int64, topk_weights.data_ptr(), num_tokens,
+            send_idx.data_ptr(), send_w.data_ptr(), data.data_ptr(), scales.data_ptr() if scales is not None else 0,
+            amax_ptr, num_per_expert.data_ptr(), expert_offsets.data_ptr(), src_rank.data_ptr(),
+            src_token.data_ptr(), topk_slot.data_ptr(), topk_weight.data_ptr(), rows, recv_count.data_ptr(),
+            recv_tok.data_ptr(), recv_ord.data_ptr(), recv_rows.data_ptr(), torch.cuda.current_stream().cuda_stream)
+        self._after_call()
+
+        from .. import formats
+        if cfg.dispatch_format == "nvfp4":
+            payload = formats.NVFP4Tensor(data=data, scales=scales.view(torch.float8_e4m3fn), amax=amax,
+                                          e4m3_max=formats.NVFP4_ACTIVATION_E4M3_MAX)
+        elif cfg.dispatch_format == "mxfp8":
+            payload = formats.MXFP8Tensor(data=data.view(torch.float8_e4m3fn),
+                                          scales=scales.view(torch.float8_e8m0fnu))
+        else:
+            payload = data
+        handle = NVLinkHandle(send_idx=send_idx, send_w=send_w, recv_count=recv_count, recv_tok=recv_tok,
+                              recv_ord=recv_ord, recv_rows=recv_rows, row_weight=topk_weight,
+                              num_tokens=num_tokens, num_rows=rows)
+        return DispatchResult(x=payload, num_tokens_per_expert=num_per_expert, expert_offsets=expert_offsets,
+                              src_rank=src_rank, src_token=src_token, topk_slot=topk_slot, topk_weight=topk_weight,
+                              handle=handle, num_rows=rows)
+
+    def combine(self, expert_out: torch.Tensor, handle: NVLinkHandle, local_reduce: bool = True) -> torch.Tensor:
+        self._check_alive()
+        self.check()
+        if not isinstance(handle, NVLinkHandle):
+            raise TypeError(f"combine needs the handle of an nvlink dispatch, got {type(handle).__name__}")
+        cfg = self.config
+        if expert_out.dtype != torch.bfloat16 or expert_out.dim() != 2 or expert_out.shape[1] != cfg.hidden \
+                or expert_out.shape[0] < handle.num_rows:
+            raise ValueError(f"expert_out must be bfloat16 [{handle.num_rows}, {cfg.hidden}], got "
+                             f"{expert_out.dtype} {tuple(expert_out.shape)}")
+        expert_out = expert_out.contiguous()
+        out = torch.empty(handle.num_tokens, cfg.hidden, dtype=torch.bfloat16, device=expert_out.device)
+        self._ctx.combine(expert_out.data_ptr(), handle.row_weight.data_ptr(), bool(local_reduce),
+                          handle.recv_count.data_ptr(), handle.recv_tok.data_ptr(), handle.recv_ord.data_ptr(),
+                          handle.recv_rows.data_ptr(), handle.send_idx.data_ptr(), handle.send_w.data_ptr(),
+                          handle.num_tokens, out.data_ptr(), torch.cuda.current_stream().cuda_stream)
+        self._after_call()
+        return out
+
+    # ------------------------------------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("this nvlink backend was destroyed")
+
+    def destroy(self) -> None:
+        """Collective: waits for this device's work, then frees the symmetric region on every rank."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)  # no peer kernel still writes into our region
+        self.region.free()
+        c = _ext._C
+        if self._error_host is not None and c is not None:
+            c.nvlink_host_mapped_free(self._error_host)
+            self._error_host = None
+        self._ctx = None
+        self._peer_bases = self._state = self._scratch_pos = self._scratch_slot = None
+        self._expert_count = self._rank_count = None

@@ -1,0 +1,112 @@
+"""Shared inputs and bitwise comparisons for the format tests (CPU emulation and CUDA kernels)."""
+import math
+
+import torch
+
+from ep_comm import formats as F
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def assert_same_bytes(actual: torch.Tensor, expected: torch.Tensor, what: str):
+    a, e = as_bytes(actual), as_bytes(expected)
+    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+    if not torch.equal(a, e):
+        bad = (a != e).nonzero()[:5].tolist()
+        raise AssertionError(f"{what}: {(a != e).sum().item()} bytes differ, first at {bad}")
+
+
+def assert_same_floats(actual: torch.Tensor, expected: torch.Tensor, what: str):
+    """Bitwise equality of float tensors, treating any NaN as equal to any NaN."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, (
+        f"{what}: {actual.dtype}{tuple(actual.shape)} vs {expected.dtype}{tuple(expected.shape)}")
+    nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
+    assert torch.equal(nan_a, nan_e), f"{what}: NaN positions differ"
+    int_type = {2: torch.int16, 4: torch.int32}[actual.element_size()]
+    a = torch.where(nan_a, torch.zeros_like(actual), actual).view(int_type)
+    e = torch.where(nan_e, torch.zeros_like(expected), expected).view(int_type)
+    if not torch.equal(a, e):
+        idx = (a != e).nonzero()[:5].tolist()
+        raise AssertionError(f"{what}: {(a != e).sum().item()} values differ, first at {idx}: "
+                             f"{[actual[tuple(i)].item() for i in idx]} vs {[expected[tuple(i)].item() for i in idx]}")
+
+
+def assert_same_nvfp4(actual: F.NVFP4Tensor, expected: F.NVFP4Tensor, what: str):
+    assert_same_bytes(actual.data, expected.data, f"{what} data")
+    assert_same_bytes(actual.scales, expected.scales, f"{what} scales")
+    assert_same_floats(actual.amax, expected.amax, f"{what} amax")
+    assert actual.e4m3_max == expected.e4m3_max
+
+
+def assert_same_mx(actual, expected, what: str):
+    assert_same_bytes(actual.data, expected.data, f"{what} data")
+    assert_same_bytes(actual.scales, expected.scales, f"{what} scales")
+
+
+def float_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def random_bit_floats(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-2**31, 2**31, (n,), generator=g, dtype=torch.int64)
+    return float_from_bits(bits)
+
+
+def special_floats() -> torch.Tensor:
+    values = [0.0, -0.0, math.inf, -math.inf, math.nan, -math.nan, 1e-45, -1e-45, 1.17549435e-38, 3.4028235e38,
+              -3.4028235e38, 448.0, 464.0, 465.0, 480.0, 6.0, 5.0, 2.5, 0.25, 0.75, 1.75, 3.5, 1.25]
+    special = torch.tensor(values, dtype=torch.float32)
+    signalling_nan = float_from_bits(torch.tensor([0x7F800001, 0xFF800001 - 2**32, 0x7FBFFFFF]))
+    return torch.cat([special, signalling_nan])
+
+
+def e4m3_tie_points() -> torch.Tensor:
+    """Every E4M3 value, the midpoints between neighbours (RNE ties) and the fp32 values just around them."""
+    grid = F.e4m3_decode(torch.arange(0, 0x7F, dtype=torch.uint8)).double()  # 0 .. 448, NaN excluded
+    mids = (grid[1:] + grid[:-1]) / 2
+    points = torch.cat([grid, mids, torch.tensor([464.0, 465.0])]).float()
+    up = torch.nextafter(points, torch.tensor(math.inf))
+    down = torch.nextafter(points, torch.tensor(-math.inf))
+    all_points = torch.cat([points, up, down])
+    return torch.cat([all_points, -all_points])
+
+
+def make_rows(kind: str, num_rows: int, hidden: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_rows, hidden, generator=g)
+    if kind == "gauss":
+        return x
+    if kind == "outliers":
+        mask = torch.rand(num_rows, hidden, generator=g) < 0.002
+        return torch.where(mask, x * 300.0, x)
+    if kind == "wide":  # magnitudes spread over many binades, per element
+        return x * torch.exp2(torch.randint(-40, 40, (num_rows, hidden), generator=g).float())
+    if kind == "tiny":
+        return x * 1e-36
+    if kind == "huge":
+        return x * 1e36
+    raise ValueError(kind)
+
+
+def edge_rows(hidden: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(12, hidden, generator=g)
+    rows = [
+        torch.zeros(hidden),
+        -torch.zeros(hidden),
+        base[0] * 1e-40,                       # fp32 subnormals
+        base[1] * 1e-30,
+        torch.where(torch.arange(hidden) == 5, torch.tensor(1e4), base[2]),  # one outlier
+        torch.where(torch.arange(hidden) % 97 == 3, torch.tensor(math.nan), base[3]),
+        torch.where(torch.arange(hidden) % 89 == 1, torch.tensor(math.inf), base[4]),
+        torch.where(torch.arange(hidden) % 83 == 2, torch.tensor(-math.inf), base[5]),
+        torch.full((hidden,), math.nan),
+        base[6] * 3e38,
+        torch.where(torch.arange(hidden) < 16, torch.tensor(0.0), base[7]),  # a zero block in a normal row
+        torch.where(torch.arange(hidden) % 2 == 0, -0.0, base[8] * 1e-3),
+        torch.where(torch.arange(hidden) % 61 == 0, -torch.tensor(math.nan), base[9]),  # negative NaN
+    ]
+    return torch.stack(rows)

@@ -1,0 +1,256 @@
+"""CUDA format kernels vs the torch reference (run on CPU copies): bitwise equality for every kernel.
+
+Marker `gpu`: skipped (with the reason) without a CUDA device or without `ep_comm._C` (tests/conftest.py).
+"""
+import math
+
+import pytest
+import torch
+
+from ep_comm import formats as F
+from format_cases import edge_rows, make_rows, assert_same_floats, assert_same_mx, assert_same_nvfp4
+
+pytestmark = pytest.mark.gpu
+
+HIDDEN_SIZES = (2048, 4096, 7168)
+ROW_COUNTS = (1, 7, 333)
+DEVICE = "cuda"
+
+
+def _cpu_nvfp4(q: F.NVFP4Tensor) -> F.NVFP4Tensor:
+    return F.NVFP4Tensor(q.data.cpu(), q.scales.cpu(), q.amax.cpu(), q.e4m3_max)
+
+
+def _cpu_mx(m):
+    return type(m)(m.data.cpu(), m.scales.cpu())
+
+
+def _cpu_s2f6(s: F.S2F6Tensor) -> F.S2F6Tensor:
+    return F.S2F6Tensor(s.data.cpu(), s.scales.cpu(), s.hadamard, s.sign_mask)
+
+
+def _input(kind: str, num_rows: int, hidden: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return make_rows(kind, num_rows, hidden, seed).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# NVFP4
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("hidden", HIDDEN_SIZES)
+@pytest.mark.parametrize("num_rows", ROW_COUNTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("four_over_six", [True, False])
+def test_nvfp4_quantize(hidden, num_rows, dtype, four_over_six):
+    x = _input("outliers", num_rows, hidden, dtype, seed=hidden + num_rows)
+    expected = F.nvfp4_quantize(x, four_over_six=four_over_six, impl="reference")
+    actual = F.nvfp4_quantize(x.to(DEVICE), four_over_six=four_over_six, impl="cuda")
+    assert_same_nvfp4(_cpu_nvfp4(actual), expected, "nvfp4")
+    for out_dtype in (torch.float32, torch.bfloat16):
+        assert_same_floats(F.nvfp4_dequantize(actual, dtype=out_dtype, impl="cuda").cpu(),
+                           F.nvfp4_dequantize(expected, dtype=out_dtype, impl="reference"), f"dequantize {out_dtype}")
+
+
+@pytest.mark.parametrize("four_over_six", [True, False])
+def test_nvfp4_amax_modes_and_long_rows(four_over_six):
+    x = _input("wide", 9, 2048, torch.float32, seed=3)
+    per_row = x.abs().amax(dim=-1) * torch.linspace(0.5, 2.0, 9)
+    for amax in (per_row, torch.tensor(3.0), torch.tensor(0.0), torch.tensor(math.inf), torch.tensor(1e-30)):
+        expected = F.nvfp4_quantize(x, four_over_six=four_over_six, amax=amax, impl="reference")
+        actual = F.nvfp4_quantize(x.to(DEVICE), four_over_six=four_over_six, amax=amax.to(DEVICE), impl="cuda")
+        assert_same_nvfp4(_cpu_nvfp4(actual), expected, "nvfp4 given amax")
+    expected = F.nvfp4_quantize(x, four_over_six=four_over_six, scale_granularity="tensor", impl="reference")
+    actual = F.nvfp4_quantize(x.to(DEVICE), four_over_six=four_over_six, scale_granularity="tensor", impl="cuda")
+    assert_same_nvfp4(_cpu_nvfp4(actual), expected, "nvfp4 tensor amax")
+    # Rows longer than one register-resident round (bf16 > 32768, fp32 > 16384 elements): two-pass path.
+    for dtype, hidden in ((torch.bfloat16, 40960), (torch.float32, 20480), (torch.float16, 35840)):
+        x = _input("outliers", 3, hidden, dtype, seed=hidden)
+        expected = F.nvfp4_quantize(x, four_over_six=four_over_six, impl="reference")
+        actual = F.nvfp4_quantize(x.to(DEVICE), four_over_six=four_over_six, impl="cuda")
+        assert_same_nvfp4(_cpu_nvfp4(actual), expected, f"nvfp4 long rows {dtype}")
+
+
+def test_nvfp4_strided_rows_and_destination_rows():
+    """The launcher's strided input and the dispatch-style destination map (rows scattered into a buffer)."""
+    from ep_comm import _ext
+    lib = _ext.require_cuda_extension("test")
+    hidden, num_rows = 2048, 37
+    wide = _input("outliers", num_rows, hidden + 64, torch.bfloat16, seed=8).to(DEVICE)
+    x = wide[:, :hidden]  # row stride hidden + 64 elements (16-byte aligned)
+    expected = F.nvfp4_quantize(x.cpu(), impl="reference")
+    assert_same_nvfp4(_cpu_nvfp4(F.nvfp4_quantize(x, impl="cuda")), expected, "nvfp4 strided input")
+
+    dst_rows = torch.randperm(2 * num_rows)[:num_rows].to(DEVICE)
+    dst_rows[3] = -1  # skipped row
+    row_bytes, scale_pitch = hidden // 2 + 32, hidden // 16 + 16
+    data = torch.full((2 * num_rows, row_bytes), 0xAB, dtype=torch.uint8, device=DEVICE)
+    scales = torch.full((2 * num_rows, scale_pitch), 0xCD, dtype=torch.uint8, device=DEVICE)
+    amax = torch.full((2 * num_rows,), -1.0, device=DEVICE)
+    lib.nvfp4_quantize(x.data_ptr(), lib.ELEM_BFLOAT16, x.stride(0), num_rows, hidden, 0, 256.0, True,
+                       data.data_ptr(), row_bytes, scales.data_ptr(), scale_pitch, amax.data_ptr(),
+                       dst_rows.data_ptr(), torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    for i, d in enumerate(dst_rows.tolist()):
+        if d < 0:
+            continue
+        assert torch.equal(data[d, :hidden // 2].cpu(), expected.data[i]), f"row {i}"
+        assert torch.equal(scales[d, :hidden // 16].cpu(), expected.scales[i].view(torch.uint8)), f"row {i}"
+        assert amax[d].item() == expected.amax[i].item()
+        assert (data[d, hidden // 2:] == 0xAB).all() and (scales[d, hidden // 16:] == 0xCD).all(), "wrote past row"
+    untouched = torch.ones(2 * num_rows, dtype=torch.bool)
+    untouched[dst_rows[dst_rows >= 0].cpu()] = False
+    assert (data[untouched.to(DEVICE)] == 0xAB).all() and (amax[untouched.to(DEVICE)] == -1.0).all()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# MXFP8 and the transposed requantization
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("hidden", HIDDEN_SIZES)
+@pytest.mark.parametrize("num_rows", ROW_COUNTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_mxfp8_quantize(hidden, num_rows, dtype, rounding):
+    x = _input("wide", num_rows, hidden, dtype, seed=hidden * 3 + num_rows)
+    expected = F.mxfp8_quantize(x, rounding=rounding, seed=2**33 + 9, impl="reference")
+    actual = F.mxfp8_quantize(x.to(DEVICE), rounding=rounding, seed=2**33 + 9, impl="cuda")
+    assert_same_mx(_cpu_mx(actual), expected, "mxfp8")
+    for out_dtype in (torch.float32, torch.bfloat16):
+        assert_same_floats(F.mxfp8_dequantize(actual, dtype=out_dtype, impl="cuda").cpu(),
+                           F.mxfp8_dequantize(expected, dtype=out_dtype, impl="reference"), f"dequantize {out_dtype}")
+
+
+def test_stochastic_rounding_seeds_and_unbiasedness():
+    x = _input("gauss", 64, 2048, torch.float32, seed=5).to(DEVICE)
+    first = F.mxfp8_quantize(x, rounding="stochastic", seed=11, impl="cuda")
+    again = F.mxfp8_quantize(x, rounding="stochastic", seed=11, impl="cuda")
+    other = F.mxfp8_quantize(x, rounding="stochastic", seed=12, impl="cuda")
+    assert torch.equal(first.data.view(torch.uint8), again.data.view(torch.uint8)), "same seed, different bits"
+    assert not torch.equal(first.data.view(torch.uint8), other.data.view(torch.uint8)), "seed ignored"
+    # Unbiased: the mean over seeds converges to x; nearest rounding keeps its error whatever the seed.
+    num_seeds = 256
+    total = torch.zeros_like(x, dtype=torch.float64)
+    for seed in range(num_seeds):
+        total += F.mxfp8_dequantize(F.mxfp8_quantize(x, rounding="stochastic", seed=seed, impl="cuda")).double()
+    mean = total / num_seeds
+    nearest = F.mxfp8_dequantize(F.mxfp8_quantize(x, impl="cuda")).double()
+    sr_error = (mean - x.double()).abs().mean().item()
+    rn_error = (nearest - x.double()).abs().mean().item()
+    assert sr_error < 0.15 * rn_error, f"SR mean error {sr_error} vs nearest {rn_error}"
+    signed = (mean - x.double()).mean().item() / rn_error
+    assert abs(signed) < 0.02, f"SR is biased: mean signed error {signed} of the nearest-rounding error"
+
+
+@pytest.mark.parametrize("num_rows, hidden", [(32, 48), (96, 2048), (288, 7168), (128, 64)])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_nvfp4_to_mxfp8_transposed(num_rows, hidden, rounding):
+    q = F.nvfp4_quantize(_input("outliers", num_rows, hidden, torch.float32, seed=num_rows), impl="reference")
+    expected = F.nvfp4_to_mxfp8_transposed(q, rounding=rounding, seed=77, impl="reference")
+    q_cuda = F.NVFP4Tensor(q.data.to(DEVICE), q.scales.to(DEVICE), q.amax.to(DEVICE), q.e4m3_max)
+    actual = F.nvfp4_to_mxfp8_transposed(q_cuda, rounding=rounding, seed=77, impl="cuda")
+    assert_same_mx(_cpu_mx(actual), expected, "nvfp4 -> mxfp8^T")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# RHT + S2F6
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("hidden", HIDDEN_SIZES)
+@pytest.mark.parametrize("num_rows", ROW_COUNTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hadamard", [True, False])
+def test_s2f6_quantize(hidden, num_rows, dtype, hadamard):
+    sign_mask = 0x6A09E667 if hadamard else 0x5
+    x = _input("outliers", num_rows, hidden, dtype, seed=hidden + 2 * num_rows)
+    expected = F.s2f6_quantize(x, hadamard=hadamard, sign_mask=sign_mask, impl="reference")
+    actual = F.s2f6_quantize(x.to(DEVICE), hadamard=hadamard, sign_mask=sign_mask, impl="cuda")
+    assert_same_mx(_cpu_s2f6(actual), expected, "s2f6")
+    for out_dtype in (torch.float32, torch.bfloat16):
+        assert_same_floats(F.s2f6_dequantize(actual, dtype=out_dtype, impl="cuda").cpu(),
+                           F.s2f6_dequantize(expected, dtype=out_dtype, impl="reference"), f"dequantize {out_dtype}")
+
+
+@pytest.mark.parametrize("hidden", [2048, 7168])
+@pytest.mark.parametrize("num_terms", [1, 3, 8])
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("hadamard", [True, False])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_s2f6_dequantize_accumulate(hidden, num_terms, weighted, hadamard, index_dtype):
+    g = torch.Generator().manual_seed(num_terms * 7 + hidden)
+    num_src, num_out = 301, 97
+    s = F.s2f6_quantize(_input("outliers", num_src, hidden, torch.float32, seed=num_terms), hadamard=hadamard,
+                        impl="reference")
+    index = torch.randint(-1, num_src, (num_out, num_terms), generator=g).to(index_dtype)
+    index[0] = -1
+    weights = torch.rand(num_out, num_terms, generator=g) if weighted else None
+    s_cuda = F.S2F6Tensor(s.data.to(DEVICE), s.scales.to(DEVICE), s.hadamard, s.sign_mask)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        expected = F.s2f6_dequantize_accumulate(s, index, weights, out_dtype=out_dtype, impl="reference")
+        actual = F.s2f6_dequantize_accumulate(s_cuda, index.to(DEVICE), None if weights is None else weights.to(DEVICE),
+                                              out_dtype=out_dtype, impl="cuda")
+        assert_same_floats(actual.cpu(), expected, f"accumulate {out_dtype}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Edge rows and empty inputs, every kernel
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_edge_rows(dtype):
+    x = edge_rows(2048).to(dtype)
+    xd = x.to(DEVICE)
+    for four_over_six in (True, False):
+        expected = F.nvfp4_quantize(x, four_over_six=four_over_six, impl="reference")
+        actual = F.nvfp4_quantize(xd, four_over_six=four_over_six, impl="cuda")
+        assert_same_nvfp4(_cpu_nvfp4(actual), expected, f"nvfp4 edge 4/6={four_over_six}")
+        assert_same_floats(F.nvfp4_dequantize(actual, impl="cuda").cpu(), F.nvfp4_dequantize(expected), "nvfp4 deq")
+    for rounding in ("nearest", "stochastic"):
+        expected = F.mxfp8_quantize(x, rounding=rounding, seed=4, impl="reference")
+        actual = F.mxfp8_quantize(xd, rounding=rounding, seed=4, impl="cuda")
+        assert_same_mx(_cpu_mx(actual), expected, f"mxfp8 edge {rounding}")
+        assert_same_floats(F.mxfp8_dequantize(actual, impl="cuda").cpu(), F.mxfp8_dequantize(expected), "mx deq")
+    for hadamard in (True, False):
+        expected = F.s2f6_quantize(x, hadamard=hadamard, impl="reference")
+        actual = F.s2f6_quantize(xd, hadamard=hadamard, impl="cuda")
+        assert_same_mx(_cpu_s2f6(actual), expected, f"s2f6 edge hadamard={hadamard}")
+        assert_same_floats(F.s2f6_dequantize(actual, impl="cuda").cpu(), F.s2f6_dequantize(expected), "s2f6 deq")
+        index = torch.arange(x.shape[0])[:, None].repeat(1, 2)
+        index[:, 1] = -1
+        assert_same_floats(
+            F.s2f6_dequantize_accumulate(actual, index.to(DEVICE), impl="cuda").cpu(),
+            F.s2f6_dequantize_accumulate(expected, index, impl="reference"), "accumulate edge")
+    q = F.nvfp4_quantize(x.float(), impl="reference")
+    rows = torch.arange(32) % x.shape[0]
+    q32 = F.NVFP4Tensor(q.data[rows], q.scales[rows], q.amax[rows], q.e4m3_max)
+    q32_cuda = F.NVFP4Tensor(q32.data.to(DEVICE), q32.scales.to(DEVICE), q32.amax.to(DEVICE), q32.e4m3_max)
+    assert_same_mx(_cpu_mx(F.nvfp4_to_mxfp8_transposed(q32_cuda, seed=9, impl="cuda")),
+                   F.nvfp4_to_mxfp8_transposed(q32, seed=9, impl="reference"), "transposed edge")
+
+
+def test_empty_inputs():
+    x = torch.empty(0, 2048, device=DEVICE, dtype=torch.bfloat16)
+    assert F.nvfp4_quantize(x, impl="cuda").data.shape == (0, 1024)
+    assert F.mxfp8_quantize(x, impl="cuda").data.shape == (0, 2048)
+    assert F.s2f6_quantize(x, impl="cuda").data.shape == (0, 2048)
+    s = F.s2f6_quantize(torch.randn(4, 64, device=DEVICE), impl="cuda")
+    out = F.s2f6_dequantize_accumulate(s, torch.empty(0, 3, dtype=torch.int64, device=DEVICE), impl="cuda")
+    assert out.shape == (0, 64)
+    out = F.s2f6_dequantize_accumulate(s, torch.full((2, 0), -1, dtype=torch.int64, device=DEVICE), impl="cuda")
+    assert torch.equal(out.cpu(), F.s2f6_dequantize_accumulate(_cpu_s2f6(s), torch.full((2, 0), -1), impl="reference"))
+
+
+def test_out_of_range_index_is_skipped():
+    """Indices >= N are skipped like -1 (memory safety; formats.py decides whether to reject them)."""
+    s = F.s2f6_quantize(torch.randn(8, 256, device=DEVICE), impl="cuda")
+    index = torch.tensor([[0, 8, 3], [100, -1, 2**40]], device=DEVICE)
+    clean = torch.tensor([[0, -1, 3], [-1, -1, -1]], device=DEVICE)
+    assert torch.equal(F.s2f6_dequantize_accumulate(s, index, impl="cuda"),
+                       F.s2f6_dequantize_accumulate(s, clean, impl="cuda"))
+
+
+def test_kernels_follow_the_current_stream():
+    x = torch.randn(512, 4096, device=DEVICE, dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        q = F.nvfp4_quantize(x, impl="cuda")
+        s = F.s2f6_quantize(x, impl="cuda")
+    stream.synchronize()
+    assert_same_nvfp4(_cpu_nvfp4(q), F.nvfp4_quantize(x.cpu(), impl="reference"), "nvfp4 on a side stream")
+    assert_same_mx(_cpu_s2f6(s), F.s2f6_quantize(x.cpu(), impl="reference"), "s2f6 on a side stream")
