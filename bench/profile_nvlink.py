@@ -1,0 +1,83 @@
+"""Per-kernel time of nvlink dispatch/combine (torch profiler / CUPTI), to see where the time goes.
+
+    python bench/profile_nvlink.py --nproc 2 [--tokens 128,4096] [--formats nvfp4/s2f6,bf16/bf16]
+
+Each rank runs a few warm-up calls, then profiles `--iters` dispatch+combine pairs and prints (rank 0) the
+average device time per kernel and call. Also writes the rows as JSON with --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from ep_comm.launch import run_ranks  # noqa: E402
+
+
+def _worker(rank, world, args):
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    import ep_comm
+    rows = []
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        for pair in args.formats.split(","):
+            dfmt, cfmt = pair.split("/")
+            gen = torch.Generator().manual_seed(rank)
+            x = torch.randn(tokens, args.hidden, generator=gen).to(torch.bfloat16).cuda()
+            idx = torch.rand(tokens, args.experts, generator=gen).topk(args.topk, dim=1).indices.cuda()
+            w = torch.rand(tokens, args.topk, generator=gen).cuda()
+            with ep_comm.Buffer(None, hidden=args.hidden, num_experts=args.experts, num_topk=args.topk,
+                                max_tokens_per_rank=tokens, dispatch_format=dfmt, combine_format=cfmt,
+                                backend="nvlink", check_inputs=False, num_sms=args.num_sms) as buf:
+                res = buf.dispatch(x, idx, w)
+                out = torch.randn(res.num_rows, args.hidden, device="cuda").to(torch.bfloat16)
+                for _ in range(3):
+                    res = buf.dispatch(x, idx, w)
+                    buf.combine(out, res.handle)
+                torch.cuda.synchronize()
+                dist.barrier()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(args.iters):
+                        res = buf.dispatch(x, idx, w)
+                        buf.combine(out, res.handle)
+                    torch.cuda.synchronize()
+                dist.barrier()
+            for event in prof.key_averages():
+                if event.device_type.name != "CUDA" or event.count == 0:
+                    continue
+                total_us = getattr(event, "self_device_time_total", None)
+                if total_us is None:
+                    total_us = event.self_cuda_time_total
+                rows.append({"rank": rank, "tokens": tokens, "formats": pair, "kernel": event.key[:60],
+                             "calls": event.count, "us_per_iter": total_us / args.iters})
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--tokens", default="128,4096")
+    parser.add_argument("--formats", default="nvfp4/s2f6,bf16/bf16")
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--num-sms", type=int, default=24)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    rows = [r for rank_rows in run_ranks(_worker, args.nproc, args, backend="nccl", timeout_s=400) for r in rank_rows]
+    for r in sorted((r for r in rows if r["rank"] == 0), key=lambda r: (r["tokens"], r["formats"], -r["us_per_iter"])):
+        print(f"{r['tokens']:>6} {r['formats']:<11} {r['us_per_iter']:>9.1f} us/iter  x{r['calls']:<4} {r['kernel']}")
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(rows, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
