@@ -12,7 +12,8 @@ Timing, per kernel pair (dispatch = layout + send + receive kernels; combine = s
           nvlink only — the reference syncs with the host and cannot be captured).
 Bytes: `wire` = bytes this rank stores into OTHER ranks' memory (payload + our per-row metadata), i.e. what
 crosses NVLink per rank per direction; `bf16_eq` = 2·H per (token, peer rank) row — the BF16-equivalent rate.
-SMs: the nvlink kernels run num_sms blocks (one per SM); the reference is NCCL's choice.
+SMs: the nvlink send kernels run num_sms blocks, the local phases (receive/expansion, combine reduction,
+NVFP4 quantize-send) num_local_sms (0 = all SMs); the reference is NCCL's choice.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--num-sms", type=int, default=24)
+    p.add_argument("--num-local-sms", type=int, default=0, help="blocks of the nvlink local phases (0 = all SMs)")
     p.add_argument("--formats", default="nvfp4/s2f6,mxfp8/s2f6,bf16/bf16",
                    help="dispatch/combine format pairs, comma separated")
     p.add_argument("--iters", type=int, default=20)
@@ -112,7 +114,7 @@ def _bench_backend(args, backend, tokens, dfmt, cfmt, rank, world, group):
     from ep_comm.types import combine_bytes_per_token, dispatch_bytes_per_token
     buf = ep_comm.Buffer(group, hidden=args.hidden, num_experts=args.experts, num_topk=args.topk,
                          max_tokens_per_rank=tokens, dispatch_format=dfmt, combine_format=cfmt, backend=backend,
-                         num_sms=args.num_sms, check_inputs=False)
+                         num_sms=args.num_sms, num_local_sms=args.num_local_sms, check_inputs=False)
     rows = []
     try:
         x, idx, w = _routing(rank, tokens, args.hidden, args.experts, args.topk)

@@ -47,14 +47,20 @@ if [ "$mode" = all ] || [ "$mode" = bench ]; then
   say "bench: dispatch/combine"
   timeout 300 python3 bench/bench_dispatch_combine.py --nproc 2 ${EP_COMM_BENCH_ARGS:-} --out "$OUT/bench_dispatch_combine.json" > "$OUT/bench_dispatch_combine.txt" 2>&1
   tail -60 "$OUT/bench_dispatch_combine.txt" | tee -a "$log"
+  say "profile: per-kernel time"
+  timeout 120 python3 bench/profile_nvlink.py --out "$OUT/profile.json" 2>&1 | grep -v -i warn | grep -v "return func" | tail -25 | tee -a "$log"
   say "main job"
   timeout 110 python3 -m ep_comm.bench --ranks 2 --out "$OUT/bench_main.json" 2>&1 | tail -8 | tee -a "$log"
 fi
 if [ "$mode" = scale ]; then
   n=$(python3 -c "import torch; print(torch.cuda.device_count())")
-  say "scale: nvlink tests at world size $n"
-  EP_COMM_TEST_WORLD=$n timeout 400 python3 -m pytest -q -rs tests/test_nvlink.py -k "oracle or pressure or reference" 2>&1 | tail -20 | tee -a "$log"
+  say "scale: nvlink + reference tests at world size $n"
+  timeout 330 python3 -m pytest -q -rs tests/test_nvlink.py tests/test_reference_backend.py -k "not gloo" > "$OUT/pytest_scale.txt" 2>&1
+  tail -15 "$OUT/pytest_scale.txt" | tee -a "$log"
   say "scale: dispatch/combine bench at $n ranks"
-  timeout 300 python3 bench/bench_dispatch_combine.py --nproc "$n" --tokens 128,4096 --out "$OUT/bench_scale_$n.json" 2>&1 | tail -30 | tee -a "$log"
+  timeout 150 python3 bench/bench_dispatch_combine.py --nproc "$n" --tokens 128,4096 --out "$OUT/bench_scale_$n.json" > "$OUT/bench_scale_$n.txt" 2>&1
+  tail -40 "$OUT/bench_scale_$n.txt" | tee -a "$log"
+  say "scale: main job at $n ranks"
+  timeout 60 python3 -m ep_comm.bench --out "$OUT/bench_main_$n.json" 2>&1 | tail -6 | tee -a "$log"
 fi
 say "done"

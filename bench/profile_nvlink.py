@@ -34,7 +34,8 @@ def _worker(rank, world, args):
             w = torch.rand(tokens, args.topk, generator=gen).cuda()
             with ep_comm.Buffer(None, hidden=args.hidden, num_experts=args.experts, num_topk=args.topk,
                                 max_tokens_per_rank=tokens, dispatch_format=dfmt, combine_format=cfmt,
-                                backend="nvlink", check_inputs=False, num_sms=args.num_sms) as buf:
+                                backend="nvlink", check_inputs=False, num_sms=args.num_sms,
+                                num_local_sms=args.num_local_sms) as buf:
                 res = buf.dispatch(x, idx, w)
                 out = torch.randn(res.num_rows, args.hidden, device="cuda").to(torch.bfloat16)
                 for _ in range(3):
@@ -68,6 +69,7 @@ def main():
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--num-sms", type=int, default=24)
+    parser.add_argument("--num-local-sms", type=int, default=0, help="blocks of the local phases (0 = all SMs)")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--out", default="")
     args = parser.parse_args()

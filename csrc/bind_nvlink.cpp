@@ -42,7 +42,10 @@ class NvlinkContext {
     c.topk = get<int>(d, "topk");
     c.max_tokens = get<int>(d, "max_tokens");
     c.alignment = get<int>(d, "alignment");
-    c.num_blocks = get<int>(d, "num_blocks");
+    c.disp_send_blocks = get<int>(d, "disp_send_blocks");
+    c.disp_recv_blocks = get<int>(d, "disp_recv_blocks");
+    c.comb_send_blocks = get<int>(d, "comb_send_blocks");
+    c.comb_recv_blocks = get<int>(d, "comb_recv_blocks");
     c.disp_fmt = get<int>(d, "disp_fmt");
     c.comb_fmt = get<int>(d, "comb_fmt");
     c.sign_mask = get<unsigned int>(d, "sign_mask");
@@ -70,10 +73,13 @@ class NvlinkContext {
     c.scratch_slot = as_ptr<int>(get<uintptr_t>(d, "scratch_slot"));
     c.expert_count = as_ptr<int>(get<uintptr_t>(d, "expert_count"));
     c.rank_count = as_ptr<int>(get<uintptr_t>(d, "rank_count"));
+    c.layout_base = as_ptr<int>(get<uintptr_t>(d, "layout_base"));
     c.error_word = as_ptr<unsigned long long>(get<uintptr_t>(d, "error_word"));
     if (c.topk < 1 || c.topk > kMaxTopk) throw std::invalid_argument("num_topk must be in [1, 32] for nvlink");
     if (c.world < 1 || c.world > kMaxWorld) throw std::invalid_argument("world size out of range for nvlink");
     if (c.hidden % 32 != 0) throw std::invalid_argument("hidden must be a multiple of 32");
+    if (c.disp_send_blocks < 1 || c.disp_recv_blocks < 1 || c.comb_send_blocks < 1 || c.comb_recv_blocks < 1)
+      throw std::invalid_argument("nvlink kernel block counts must be >= 1");
     select();
     prepare_layout_kernel(c);
     prepare_dispatch_kernels(c);
@@ -91,6 +97,7 @@ class NvlinkContext {
     a.idx_is_int64 = idx_is_int64 ? 1 : 0;
     a.topk_weights = as_ptr<const float>(topk_weights);
     a.num_tokens = num_tokens;
+    a.chunk_tokens = layout_chunk_tokens(num_tokens);
     a.send_idx = as_ptr<int>(send_idx);
     a.send_w = as_ptr<float>(send_w);
     a.out_data = as_ptr<unsigned char>(out_data);
@@ -160,6 +167,7 @@ void register_nvlink(py::module_& m) {
   m.attr("nvlink_state_bytes") = py::int_(sizeof(NvlinkState));
   m.attr("nvlink_max_topk") = py::int_(kMaxTopk);
   m.attr("nvlink_max_world") = py::int_(kMaxWorld);
+  m.attr("nvlink_layout_max_chunks") = py::int_(kLayoutMaxChunks);
 
   m.def("nvlink_device_alloc", &device_alloc_zeroed, py::arg("device"), py::arg("bytes"),
         "cudaMalloc + zero fill (CUDA IPC fallback region); returns the address");

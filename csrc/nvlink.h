@@ -12,8 +12,14 @@
 //   counts     [W][count_stride] int32: source s writes its per-local-expert row counts and its token count
 //   staging    [W][T_max] dispatch rows (payload | metadata), slot chosen by the sender's prefix sum
 //   combine    [T_max][K] combine rows, indexed by (token, rank ordinal) or (token, top-k slot)
-// Every counter only grows: each kernel block adds 1 per call, so "epoch n is complete" is
-// counter >= n * blocks. Epochs (calls) are counted on the device (NvlinkState) so CUDA-graph replays
+// Every counter only grows: each block of the signalling kernel adds 1 per call, so "epoch n is complete"
+// is counter >= n * (blocks of the kernel that signals that array):
+//   disp_ready    <- dispatch send blocks    (cfg.disp_send_blocks), waited on by dispatch receive
+//   disp_consumed <- dispatch receive blocks (cfg.disp_recv_blocks), waited on by dispatch send
+//   comb_ready    <- combine send blocks     (cfg.comb_send_blocks), waited on by combine receive
+//   comb_consumed <- combine receive blocks  (cfg.comb_recv_blocks), waited on by combine send
+// The block counts are fixed per Buffer and identical on every rank (Python agrees on them); no kernel
+// waits on another block of its own grid, so grids larger than the SM count are safe. Epochs (calls) are counted on the device (NvlinkState) so CUDA-graph replays
 // advance them. A writer first waits until the reader has consumed the previous epoch's rows (the
 // *_consumed counters), so buffers are reused without memsets and without races whatever the call
 // pattern (dispatch twice in a row, combine twice with one handle, ...), as long as every rank makes
@@ -42,12 +48,21 @@ enum Stage : int {
 
 constexpr int kMaxTopk = 32;    // one lane per top-k slot in several warp-level steps
 constexpr int kMaxWorld = 1024;  // ranks of one NVLink domain (NVL72 needs 72); static shared arrays
+constexpr int kLayoutMaxChunks = 64;  // layout blocks per call (chunks of consecutive tokens)
+constexpr int kLayoutMinChunkTokens = 16;
+
+// Tokens per layout chunk for a call with `num_tokens` tokens (host and device agree through DispatchArgs).
+inline int layout_chunk_tokens(int num_tokens) {
+  const int per = (num_tokens + kLayoutMaxChunks - 1) / kLayoutMaxChunks;
+  return per > kLayoutMinChunkTokens ? per : kLayoutMinChunkTokens;
+}
 
 // Device-resident per-Buffer state (zeroed once at creation; local memory, never touched by peers).
 struct NvlinkState {
   unsigned long long disp_epoch;  // dispatch calls started (bumped by the layout kernel)
   unsigned long long comb_epoch;  // combine calls finished (bumped by the last combine-receive block)
   unsigned int comb_done_blocks;  // combine-receive blocks finished in the current call
+  unsigned int layout_done_blocks;  // layout blocks finished in the current call (last one scans)
   unsigned int abort;             // set after a timeout: every later wait gives up at once
 };
 
@@ -61,7 +76,10 @@ struct NvlinkConfig {
   int topk;
   int max_tokens;    // T_max
   int alignment;     // expert segment alignment (rows)
-  int num_blocks;    // blocks of every communication kernel (= num_sms)
+  int disp_send_blocks;  // grid of the dispatch send kernel (signals disp_ready)
+  int disp_recv_blocks;  // grid of the dispatch receive kernel (signals disp_consumed)
+  int comb_send_blocks;  // grid of the combine send kernel (signals comb_ready)
+  int comb_recv_blocks;  // grid of the combine receive kernel (signals comb_consumed)
   int disp_fmt;      // DispatchFormat
   int comb_fmt;      // CombineFormat
   unsigned int sign_mask;
@@ -97,6 +115,7 @@ struct NvlinkConfig {
   int* scratch_slot;      // [T_max * K] staging slot at the destination rank (first slot of a rank) or -1
   int* expert_count;      // [E] rows this rank sends to each expert
   int* rank_count;        // [W] tokens this rank sends to each rank
+  int* layout_base;       // [kLayoutMaxChunks][E + W] per token chunk: rows/tokens of earlier chunks per key
   unsigned long long* error_word;  // host-mapped: (1 << 63) | stage << 48 | peer << 32 | epoch
 };
 
@@ -106,6 +125,7 @@ struct DispatchArgs {
   int idx_is_int64;
   const float* topk_weights;  // [T, K]
   int num_tokens;
+  int chunk_tokens;  // layout chunk (tokens per layout block); scratch_pos/slot are relative to the chunk
   // Handle (sender side copies, read by combine-receive).
   int* send_idx;    // [T, K] normalized expert ids (-1 masked)
   float* send_w;    // [T, K]
@@ -264,6 +284,15 @@ __device__ __forceinline__ void block_signal_all_peers(const NvlinkConfig& cfg, 
 
 __device__ __forceinline__ char* peer_ptr(const NvlinkConfig& cfg, int peer, long long offset) {
   return reinterpret_cast<char*>(static_cast<uintptr_t>(cfg.peer_bases[peer])) + offset;
+}
+
+// Warps sharing one work item (a token row) when there are fewer items than warps: each of the G warps
+// takes every G-th group of 32 units of the row (small calls are latency-bound, not bandwidth-bound).
+__device__ __forceinline__ int split_factor(long long items, int num_warps, int max_split) {
+  if (items <= 0) return 1;
+  long long g = num_warps / items;
+  if (g > max_split) g = max_split;
+  return g < 1 ? 1 : static_cast<int>(g);
 }
 
 // Ordinal of rank `me` among the distinct destination ranks of a token, and the number of distinct ranks,

@@ -27,9 +27,7 @@ void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) throw std::runtime_error(std::string("ep_comm nvlink: ") + what + ": " + cudaGetErrorString(err));
 }
 
-__device__ __forceinline__ void load_bf16x16(const unsigned short* p, float* out) {
-  const uint4 a = ld_input_v4(p);
-  const uint4 b = ld_input_v4(p + 8);
+__device__ __forceinline__ void bf16x16_to_float(const uint4& a, const uint4& b, float* out) {
   const unsigned int w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -109,8 +107,8 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
   const int world = cfg.world;
 
   // The sources' combine areas hold the previous combine's rows until they have read them.
-  block_wait_all_peers(cfg, cfg.off_comb_consumed, (epoch - 1ull) * cfg.num_blocks, kStageCombineWaitConsumed,
-                       epoch);
+  block_wait_all_peers(cfg, cfg.off_comb_consumed, (epoch - 1ull) * cfg.comb_recv_blocks,
+                       kStageCombineWaitConsumed, epoch);
 
   if (threadIdx.x == 0) {  // received tokens of all sources, flattened
     int run = 0;
@@ -127,7 +125,17 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
   const int global_warp = blockIdx.x * warps_per_block + warp_in_block;
   const int num_warps = gridDim.x * warps_per_block;
 
-  for (int flat = global_warp; flat < item_start[world]; flat += num_warps) {
+  // Items: received tokens, each split into `split` parts of its 512-element column groups when there are
+  // fewer tokens than warps.
+  const int num_items = item_start[world];
+  const int split = split_factor(num_items, num_warps, (hidden + 511) / 512);
+  const long long num_parts = static_cast<long long>(num_items) * split;
+  const int base_stride = 512 * split;
+  constexpr int U = 4;  // expert_out rows loaded before accumulating (order of the sum unchanged)
+
+  for (long long fp = global_warp; fp < num_parts; fp += num_warps) {
+    const int flat = static_cast<int>(fp / split);
+    const int part = static_cast<int>(fp - static_cast<long long>(flat) * split);
     int s = 0;
     while (flat >= item_start[s + 1]) ++s;
     const long long item = static_cast<long long>(s) * cfg.max_tokens + (flat - item_start[s]);
@@ -149,19 +157,33 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
 
     if (args.local_reduce) {
       char* dst = area + (static_cast<long long>(t) * topk + args.recv_ord[item]) * cfg.comb_row_bytes;
-      for (int base = 0; base < hidden; base += 512) {
+      for (int base = part * 512; base < hidden; base += base_stride) {
         const int e0 = base + lane * 16;
         const bool active = e0 < hidden;  // hidden % 32 == 0: both lanes of a chunk agree
         float acc[16];
 #pragma unroll
         for (int i = 0; i < 16; ++i) acc[i] = 0.0f;
         if (active) {
-          for (int r = 0; r < n; ++r) {
-            const float w = slot_weights[warp_in_block][r];
-            float xv[16];
-            load_bf16x16(args.expert_out + static_cast<long long>(rows[r]) * hidden + e0, xv);
+          for (int r0 = 0; r0 < n; r0 += U) {
+            uint4 va[U], vb[U];
 #pragma unroll
-            for (int i = 0; i < 16; ++i) acc[i] = qm_add(acc[i], qm_mul(w, xv[i]));
+            for (int u = 0; u < U; ++u) {
+              if (r0 + u < n) {
+                const unsigned short* p = args.expert_out + static_cast<long long>(rows[r0 + u]) * hidden + e0;
+                va[u] = ld_input_v4(p);
+                vb[u] = ld_input_v4(p + 8);
+              }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+              if (r0 + u < n) {
+                const float w = slot_weights[warp_in_block][r0 + u];
+                float xv[16];
+                bf16x16_to_float(va[u], vb[u], xv);
+#pragma unroll
+                for (int i = 0; i < 16; ++i) acc[i] = qm_add(acc[i], qm_mul(w, xv[i]));
+              }
+            }
           }
         }
         encode_store(cfg, acc, dst, e0, active, lane);
@@ -169,13 +191,14 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
     } else {
       for (int r = 0; r < n; ++r) {
         char* dst = area + (static_cast<long long>(t) * topk + slot_ids[warp_in_block][r]) * cfg.comb_row_bytes;
-        for (int base = 0; base < hidden; base += 512) {
+        const unsigned short* src = args.expert_out + static_cast<long long>(rows[r]) * hidden;
+        for (int base = part * 512; base < hidden; base += base_stride) {
           const int e0 = base + lane * 16;
           const bool active = e0 < hidden;
           float xv[16];
 #pragma unroll
           for (int i = 0; i < 16; ++i) xv[i] = 0.0f;
-          if (active) load_bf16x16(args.expert_out + static_cast<long long>(rows[r]) * hidden + e0, xv);
+          if (active) bf16x16_to_float(ld_input_v4(src + e0), ld_input_v4(src + e0 + 8), xv);
           encode_store(cfg, xv, dst, e0, active, lane);
         }
       }
@@ -194,7 +217,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
   const int topk = cfg.topk;
   const int hidden = cfg.hidden;
 
-  block_wait_all_peers(cfg, cfg.off_comb_ready, epoch * cfg.num_blocks, kStageCombineWaitReady, epoch);
+  block_wait_all_peers(cfg, cfg.off_comb_ready, epoch * cfg.comb_send_blocks, kStageCombineWaitReady, epoch);
 
   const int warps_per_block = blockDim.x / 32;
   const int warp_in_block = threadIdx.x / 32;
@@ -203,7 +226,15 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
   const char* area = cfg.local_base + cfg.off_combine;
   const float c = bits_float(kRhtScaleBits);
 
-  for (int t = global_warp; t < args.num_tokens; t += num_warps) {
+  const int split = split_factor(args.num_tokens, num_warps, (hidden + 511) / 512);
+  const long long num_parts = static_cast<long long>(args.num_tokens) * split;
+  const int base_stride = 512 * split;
+  constexpr int U = 4;  // combine rows loaded before accumulating (order of the sum unchanged)
+  const bool s2f6 = cfg.comb_fmt == kCombS2f6;
+
+  for (long long fp = global_warp; fp < num_parts; fp += num_warps) {
+    const int t = static_cast<int>(fp / split);
+    const int part = static_cast<int>(fp - static_cast<long long>(t) * split);
     int e = -1;
     float w = 0.0f;
     if (lane < topk) {
@@ -230,41 +261,52 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
     }
     __syncwarp();
     unsigned short* out_row = args.out + static_cast<long long>(t) * hidden;
-    for (int base = 0; base < hidden; base += 512) {
+    for (int base = part * 512; base < hidden; base += base_stride) {
       const int e0 = base + lane * 16;
       const bool active = e0 < hidden;
       float acc[16];
 #pragma unroll
       for (int i = 0; i < 16; ++i) acc[i] = 0.0f;
       if (active) {
-        for (int r = 0; r < n; ++r) {
-          const char* src = area + static_cast<long long>(term_rows[warp_in_block][r]) * cfg.comb_row_bytes;
-          const float wr = term_weights[warp_in_block][r];
-          float v[16];
-          if (cfg.comb_fmt == kCombS2f6) {
-            const uint4 codes = ld_coherent_v4(src + e0);
-            const float mult = s2f6_decode_multiplier(ld_coherent_u8(src + cfg.comb_scale_off + e0 / 32));
-            const unsigned int wd[4] = {codes.x, codes.y, codes.z, codes.w};
+        for (int r0 = 0; r0 < n; r0 += U) {
+          uint4 va[U], vb[U];
+          unsigned int sb[U];
 #pragma unroll
-            for (int i = 0; i < 16; ++i) {
-              const int code = static_cast<int>(wd[i / 4] << (24 - 8 * (i % 4))) >> 24;  // sign-extend byte i
-              v[i] = qm_mul(static_cast<float>(code), mult);
-            }
-          } else {
-            const uint4 a = ld_coherent_v4(src + 2 * e0);
-            const uint4 b = ld_coherent_v4(src + 2 * e0 + 16);
-            const unsigned int wd[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-              v[2 * i] = __uint_as_float(wd[i] << 16);
-              v[2 * i + 1] = __uint_as_float(wd[i] & 0xFFFF0000u);
+          for (int u = 0; u < U; ++u) {
+            if (r0 + u < n) {
+              const char* src = area + static_cast<long long>(term_rows[warp_in_block][r0 + u]) * cfg.comb_row_bytes;
+              if (s2f6) {
+                va[u] = ld_coherent_v4(src + e0);
+                sb[u] = ld_coherent_u8(src + cfg.comb_scale_off + e0 / 32);
+              } else {
+                va[u] = ld_coherent_v4(src + 2 * e0);
+                vb[u] = ld_coherent_v4(src + 2 * e0 + 16);
+              }
             }
           }
 #pragma unroll
-          for (int i = 0; i < 16; ++i) acc[i] = qm_add(acc[i], qm_mul(wr, v[i]));
+          for (int u = 0; u < U; ++u) {
+            if (r0 + u < n) {
+              const float wr = term_weights[warp_in_block][r0 + u];
+              float v[16];
+              if (s2f6) {
+                const float mult = s2f6_decode_multiplier(static_cast<uint8_t>(sb[u]));
+                const unsigned int wd[4] = {va[u].x, va[u].y, va[u].z, va[u].w};
+#pragma unroll
+                for (int i = 0; i < 16; ++i) {
+                  const int code = static_cast<int>(wd[i / 4] << (24 - 8 * (i % 4))) >> 24;  // sign-extend byte i
+                  v[i] = qm_mul(static_cast<float>(code), mult);
+                }
+              } else {
+                bf16x16_to_float(va[u], vb[u], v);
+              }
+#pragma unroll
+              for (int i = 0; i < 16; ++i) acc[i] = qm_add(acc[i], qm_mul(wr, v[i]));
+            }
+          }
         }
       }
-      if (cfg.comb_fmt == kCombS2f6) {  // inverse RHT (also on zeros: the signs make -0.0, as the reference)
+      if (s2f6) {  // inverse RHT (also on zeros: the signs make -0.0, as the reference)
         const int first = (lane & 1) * 16;
         fwht_serial<16>(acc);
         fwht_stage16(acc, lane);
@@ -297,12 +339,12 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
 }  // namespace
 
 void launch_combine_send(const NvlinkConfig& cfg, const CombineArgs& args, uintptr_t stream) {
-  combine_send_kernel<<<cfg.num_blocks, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(cfg, args);
+  combine_send_kernel<<<cfg.comb_send_blocks, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(cfg, args);
   check(cudaGetLastError(), "combine send kernel launch");
 }
 
 void launch_combine_recv(const NvlinkConfig& cfg, const CombineArgs& args, uintptr_t stream) {
-  combine_recv_kernel<<<cfg.num_blocks, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(cfg, args);
+  combine_recv_kernel<<<cfg.comb_recv_blocks, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(cfg, args);
   check(cudaGetLastError(), "combine receive kernel launch");
 }
 

@@ -67,33 +67,54 @@ __device__ __forceinline__ uint4 quantize_nvfp4_chunk32(const unsigned char* src
   return make_uint4(words[0], words[1], words[2], words[3]);
 }
 
-// Row amax of a bf16 row (NaN ignored, Inf kept) by the whole warp: bf16x2 max, exact.
+// Row amax of a bf16 row (NaN ignored, Inf kept) by the whole warp: bf16x2 max, exact (max is order-free,
+// so four independent accumulators give the same bits as one).
 __device__ __forceinline__ float warp_row_amax(const unsigned char* row, int hidden, int lane) {
-  __nv_bfloat162 acc = __floats2bfloat162_rn(0.0f, 0.0f);
-  for (int c = lane; c < hidden / 8; c += 32) {
-    const uint4 v = ld_input_v4(row + static_cast<long long>(c) * 16);
-    const unsigned int w[4] = {v.x, v.y, v.z, v.w};
+  constexpr int U = 4;
+  __nv_bfloat162 acc[U];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&w[i]);
-      acc = __hmax2(acc, __habs2(h));  // __hmax2 returns the non-NaN operand; acc is never NaN
+  for (int u = 0; u < U; ++u) acc[u] = __floats2bfloat162_rn(0.0f, 0.0f);
+  const int pieces = hidden / 8;
+  for (int c0 = lane; c0 < pieces; c0 += 32 * U) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+      v[u] = c < pieces ? ld_input_v4(row + static_cast<long long>(c) * 16) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const unsigned int w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&w[i]);
+        acc[u] = __hmax2(acc[u], __habs2(h));  // __hmax2 returns the non-NaN operand; acc is never NaN
+      }
     }
   }
-  float a = fmaxf(__low2float(acc), __high2float(acc));
+  float a = 0.0f;
+#pragma unroll
+  for (int u = 0; u < U; ++u) a = fmaxf(a, fmaxf(__low2float(acc[u]), __high2float(acc[u])));
 #pragma unroll
   for (int o = 16; o >= 1; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, o));
   return a;
 }
 
+// One work item = (token, part g of G): the G warps of a token split its 16-byte units round-robin in
+// groups of 32 (G > 1 only when there are fewer tokens than warps, i.e. small latency-bound calls).
+// Templated on the format so that each path gets its own register allocation (the NVFP4 math would
+// otherwise set the budget of the BF16 copy loop and vice versa).
+template <int kFmt>
 __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfig cfg, DispatchArgs args) {
   const unsigned long long epoch = cfg.state->disp_epoch;
   const int lane = threadIdx.x % 32;
   const int topk = cfg.topk;
   const int hidden = cfg.hidden;
+  const int num_keys_kinds = cfg.num_experts + cfg.world;
 
   // The destinations' staging areas still hold the previous dispatch until they have read it.
-  block_wait_all_peers(cfg, cfg.off_disp_consumed, (epoch - 1ull) * cfg.num_blocks, kStageDispatchWaitConsumed,
-                       epoch);
+  block_wait_all_peers(cfg, cfg.off_disp_consumed, (epoch - 1ull) * cfg.disp_recv_blocks,
+                       kStageDispatchWaitConsumed, epoch);
 
   if (blockIdx.x == 0) {
     const int per_rank = cfg.num_local + 1;
@@ -112,15 +133,25 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
   const int global_warp = blockIdx.x * warps_per_block + warp_in_block;
   const int num_warps = gridDim.x * warps_per_block;
   const long long staging_base = cfg.off_staging + static_cast<long long>(cfg.rank) * cfg.max_tokens * cfg.disp_row_bytes;
+  // Units of 16 output bytes per row: NVFP4 32 elements, MXFP8 16 elements, BF16 8 elements.
+  const int units = kFmt == kDispNvfp4 ? hidden / 32 : (kFmt == kDispMxfp8 ? hidden / 16 : hidden / 8);
+  const int split = split_factor(args.num_tokens, num_warps, (units + 31) / 32);
+  const long long num_items = static_cast<long long>(args.num_tokens) * split;
 
-  for (int t = global_warp; t < args.num_tokens; t += num_warps) {
+  for (long long item = global_warp; item < num_items; item += num_warps) {
+    const int t = static_cast<int>(item / split);
+    const int part = static_cast<int>(item - static_cast<long long>(t) * split);
     const long long q = static_cast<long long>(t) * topk + lane;
+    const int* chunk_base = cfg.layout_base + static_cast<long long>(t / args.chunk_tokens) * num_keys_kinds;
     int e = -1, slot = -1, pos = -1;
     float w = 0.0f;
     if (lane < topk) {
       e = args.send_idx[q];
       slot = cfg.scratch_slot[q];
-      pos = cfg.scratch_pos[q];
+      if (e >= 0) {
+        pos = cfg.scratch_pos[q] + chunk_base[e];
+        if (slot >= 0) slot += chunk_base[cfg.num_experts + e / cfg.num_local];
+      }
       w = args.send_w[q];
     }
     const unsigned int dest_mask = __ballot_sync(0xFFFFFFFFu, slot >= 0);
@@ -138,13 +169,13 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
 
     const unsigned char* xrow = reinterpret_cast<const unsigned char*>(args.x) + static_cast<long long>(t) * hidden * 2;
     float token_amax = 0.0f;
+    const int unit_stride = 32 * split;
 
-    if (cfg.disp_fmt == kDispNvfp4) {
-      token_amax = warp_row_amax(xrow, hidden, lane);
+    if (kFmt == kDispNvfp4) {
+      token_amax = warp_row_amax(xrow, hidden, lane);  // every part needs the whole row's amax
       const Nvfp4Outer outer = nvfp4_outer_scales(token_amax, 256.0f);
-      const int num_chunks = hidden / 32;  // 32 elements = two NVFP4 blocks = 16 data bytes per lane
 #pragma unroll 1
-      for (int c = lane; c < num_chunks; c += 32) {
+      for (int c = part * 32 + lane; c < units; c += unit_stride) {
         unsigned int scales;
         const uint4 packed = quantize_nvfp4_chunk32(xrow + static_cast<long long>(c) * 64, outer, token_amax, &scales);
         for (int i = 0; i < num_dest; ++i) {
@@ -153,11 +184,11 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
           *reinterpret_cast<unsigned short*>(row + cfg.disp_scale_off + 2 * c) = static_cast<unsigned short>(scales);
         }
       }
-    } else if (cfg.disp_fmt == kDispMxfp8) {
-      const int num_halves = hidden / 16;  // 16 elements per lane, lanes 2i and 2i+1 share a block of 32
-      for (int base = 0; base < num_halves; base += 32) {
+    } else if (kFmt == kDispMxfp8) {
+      // 16 elements per lane, lanes 2i and 2i+1 share a block of 32 (units is even: both are active or not).
+      for (int base = part * 32; base < units; base += unit_stride) {
         const int h = base + lane;
-        const bool active = h < num_halves;
+        const bool active = h < units;
         float xv[16];
         float a = 0.0f;
         if (active) {
@@ -186,27 +217,40 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
         }
       }
     } else {
-      const int num_pieces = hidden / 8;  // 16 bytes of bf16
-      for (int c = lane; c < num_pieces; c += 32) {
-        const uint4 v = ld_input_v4(xrow + static_cast<long long>(c) * 16);
+      // BF16: plain copy, eight independent 16-byte loads in flight per lane before the stores.
+      constexpr int U = 8;
+      for (int c0 = part * 32 + lane; c0 < units; c0 += unit_stride * U) {
+        uint4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int c = c0 + unit_stride * u;
+          if (c < units) v[u] = ld_input_v4(xrow + static_cast<long long>(c) * 16);
+        }
         for (int i = 0; i < num_dest; ++i) {
-          st_v4(rows[i] + static_cast<long long>(c) * 16, v);
+          char* row = rows[i];
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const int c = c0 + unit_stride * u;
+            if (c < units) st_v4(row + static_cast<long long>(c) * 16, v[u]);
+          }
         }
       }
     }
 
-    // Metadata of every destination row: amax, token, then per slot the expert id, weight, position.
-    for (int i = 0; i < num_dest; ++i) {
-      char* meta = rows[i] + cfg.disp_meta_off;
-      int* words = reinterpret_cast<int*>(meta);
-      if (lane == 0) {
-        words[0] = __float_as_int(token_amax);
-        words[1] = t;
-      }
-      if (lane < topk) {
-        words[2 + lane] = e;
-        words[2 + topk + lane] = __float_as_int(w);
-        words[2 + 2 * topk + lane] = pos;
+    // Metadata of every destination row (part 0 only): amax, token, then per slot expert id, weight, position.
+    if (part == 0) {
+      for (int i = 0; i < num_dest; ++i) {
+        char* meta = rows[i] + cfg.disp_meta_off;
+        int* words = reinterpret_cast<int*>(meta);
+        if (lane == 0) {
+          words[0] = __float_as_int(token_amax);
+          words[1] = t;
+        }
+        if (lane < topk) {
+          words[2 + lane] = e;
+          words[2 + topk + lane] = __float_as_int(w);
+          words[2 + 2 * topk + lane] = pos;
+        }
       }
     }
   }
@@ -218,19 +262,32 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
 // Receive and expand.
 
 // Copy `bytes` from the staging row to the same offset of every row in the warp's list (`rows`, n
-// entries, shared memory), choosing the widest unit the destination row stride allows.
+// entries, shared memory), choosing the widest unit the destination row stride allows. The lane copies
+// units first, first + stride, ... (stride = 32 * warps sharing the row); on the 16-byte path eight
+// independent loads are in flight before the stores (a whole NVFP4 row of H = 7168 in one round).
 __device__ __forceinline__ void copy_section(const char* src, unsigned char* dst_base, long long row_stride,
-                                             long long bytes, const int* rows, int n, int lane) {
+                                             long long bytes, const int* rows, int n, int first, int stride) {
   if (bytes % 16 == 0) {
-    for (long long c = lane; c < bytes / 16; c += 32) {
-      const uint4 v = ld_coherent_v4(src + c * 16);
+    constexpr int U = 8;
+    const long long units = bytes / 16;
+    for (long long c0 = first; c0 < units; c0 += static_cast<long long>(stride) * U) {
+      uint4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const long long c = c0 + static_cast<long long>(stride) * u;
+        if (c < units) v[u] = ld_coherent_v4(src + c * 16);
+      }
       for (int i = 0; i < n; ++i) {
-        const long long row = rows[i];
-        st_v4(dst_base + row * row_stride + c * 16, v);
+        unsigned char* dst = dst_base + static_cast<long long>(rows[i]) * row_stride;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const long long c = c0 + static_cast<long long>(stride) * u;
+          if (c < units) st_v4(dst + c * 16, v[u]);
+        }
       }
     }
   } else if (bytes % 4 == 0) {
-    for (long long c = lane; c < bytes / 4; c += 32) {
+    for (long long c = first; c < bytes / 4; c += stride) {
       const unsigned int v = ld_coherent_u32(src + c * 4);
       for (int i = 0; i < n; ++i) {
         const long long row = rows[i];
@@ -238,7 +295,7 @@ __device__ __forceinline__ void copy_section(const char* src, unsigned char* dst
       }
     }
   } else if (bytes % 2 == 0) {
-    for (long long c = lane; c < bytes / 2; c += 32) {
+    for (long long c = first; c < bytes / 2; c += stride) {
       const unsigned short v = ld_coherent_u16(src + c * 2);
       for (int i = 0; i < n; ++i) {
         const long long row = rows[i];
@@ -246,11 +303,25 @@ __device__ __forceinline__ void copy_section(const char* src, unsigned char* dst
       }
     }
   } else {  // MXFP8 scales with H/32 odd
-    for (long long c = lane; c < bytes; c += 32) {
+    for (long long c = first; c < bytes; c += stride) {
       const unsigned char v = ld_coherent_u8(src + c);
       for (int i = 0; i < n; ++i) dst_base[static_cast<long long>(rows[i]) * row_stride + c] = v;
     }
   }
+}
+
+// Zero bytes [begin, end) of `base` with the whole block: byte stores up to 16-byte alignment, then uint4.
+__device__ __forceinline__ void block_zero_bytes(unsigned char* base, long long begin, long long end) {
+  if (begin >= end) return;
+  unsigned char* p = base + begin;
+  const long long len = end - begin;
+  long long head = (16 - static_cast<long long>(reinterpret_cast<uintptr_t>(p) & 15)) & 15;
+  if (head > len) head = len;
+  const long long body = (len - head) / 16;
+  for (long long i = threadIdx.x; i < head; i += blockDim.x) p[i] = 0;
+  uint4* q = reinterpret_cast<uint4*>(p + head);
+  for (long long i = threadIdx.x; i < body; i += blockDim.x) q[i] = make_uint4(0u, 0u, 0u, 0u);
+  for (long long i = head + body * 16 + threadIdx.x; i < len; i += blockDim.x) p[i] = 0;
 }
 
 __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfig cfg, DispatchArgs args) {
@@ -265,7 +336,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
   int* item_start = ntok + world;                  // [W + 1]
 
   const unsigned long long epoch = cfg.state->disp_epoch;
-  block_wait_all_peers(cfg, cfg.off_disp_ready, epoch * cfg.num_blocks, kStageDispatchWaitReady, epoch);
+  block_wait_all_peers(cfg, cfg.off_disp_ready, epoch * cfg.disp_send_blocks, kStageDispatchWaitReady, epoch);
 
   const int* counts = reinterpret_cast<const int*>(cfg.local_base + cfg.off_counts);
   for (int i = threadIdx.x; i < world * num_local; i += blockDim.x) {
@@ -332,8 +403,13 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
   const int num_warps = gridDim.x * warps_per_block;
   const int num_items = item_start[world];
   const int first_expert = cfg.rank * num_local;
+  // Warps per staging row (> 1 only when there are fewer rows than warps).
+  const int split = split_factor(num_items, num_warps, static_cast<int>((cfg.disp_data_bytes / 16 + 31) / 32));
+  const long long num_parts = static_cast<long long>(num_items) * split;
 
-  for (int item = global_warp; item < num_items; item += num_warps) {
+  for (long long flat = global_warp; flat < num_parts; flat += num_warps) {
+    const int item = static_cast<int>(flat / split);
+    const int part = static_cast<int>(flat - static_cast<long long>(item) * split);
     int s = 0;
     while (item >= item_start[s + 1]) ++s;
     const int j = item - item_start[s];
@@ -353,7 +429,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
     const long long handle_index = static_cast<long long>(s) * cfg.max_tokens + j;
     int ordinal, num_ranks;
     distinct_rank_info(lane < topk && e >= 0 ? e / num_local : -1, topk, lane, cfg.rank, &ordinal, &num_ranks);
-    if (lane < topk) {
+    if (part == 0 && lane < topk) {
       args.recv_rows[handle_index * topk + lane] = out_row;
       if (local) {
         args.src_rank[out_row] = s;
@@ -362,7 +438,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
         args.topk_weight[out_row] = w;
       }
     }
-    if (lane == 0) {
+    if (part == 0 && lane == 0) {
       args.recv_tok[handle_index] = t;
       args.recv_ord[handle_index] = ordinal;
     }
@@ -374,39 +450,40 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
     __syncwarp();
     if (n == 0) continue;
     const int* rows = out_rows[warp_in_block];
-    copy_section(row, args.out_data, cfg.disp_data_bytes, cfg.disp_data_bytes, rows, n, lane);
+    const int first = part * 32 + lane, stride = 32 * split;
+    copy_section(row, args.out_data, cfg.disp_data_bytes, cfg.disp_data_bytes, rows, n, first, stride);
     if (cfg.disp_scale_bytes > 0) {
       copy_section(row + cfg.disp_scale_off, args.out_scales, cfg.disp_scale_bytes, cfg.disp_scale_bytes, rows, n,
-                   lane);
+                   first, stride);
     }
-    if (cfg.disp_fmt == kDispNvfp4 && lane < n) {
+    if (cfg.disp_fmt == kDispNvfp4 && part == 0 && lane < n) {
       args.out_amax[rows[lane]] = __uint_as_float(ld_coherent_u32(meta));
     }
   }
 
-  // Padding rows inside the valid prefix: zero payload, -1 metadata.
-  const long long thread_id = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const long long num_threads = static_cast<long long>(gridDim.x) * blockDim.x;
-  for (int jexp = 0; jexp < num_local; ++jexp) {
-    const long long pad_begin = offsets[jexp] + totals[jexp];
-    const long long pad_end = offsets[jexp + 1];
-    for (long long r = pad_begin + thread_id; r < pad_end; r += num_threads) {
-      args.src_rank[r] = -1;
-      args.src_token[r] = -1;
-      args.topk_slot[r] = -1;
-      args.topk_weight[r] = 0.0f;
-      if (cfg.disp_fmt == kDispNvfp4) args.out_amax[r] = 0.0f;
-    }
-    // Payload bytes of the padding rows (data and scales are each contiguous over rows).
-    const long long data_begin = pad_begin * cfg.disp_data_bytes, data_end = pad_end * cfg.disp_data_bytes;
-    for (long long b = data_begin + thread_id * 2; b < data_end; b += num_threads * 2) {
-      *reinterpret_cast<unsigned short*>(args.out_data + b) = 0;  // strides are even: 2-byte units
-    }
-    if (cfg.disp_scale_bytes > 0) {
-      const long long sb = pad_begin * cfg.disp_scale_bytes, se = pad_end * cfg.disp_scale_bytes;
-      for (long long b = sb + thread_id; b < se; b += num_threads) args.out_scales[b] = 0;  // H/32 may be odd
+  // Padding rows inside the valid prefix: zero payload, -1 metadata. One block per expert segment (no
+  // padding at all when alignment == 1), payload zeroed with 16-byte stores.
+  if (cfg.alignment > 1) {
+    for (int jexp = blockIdx.x; jexp < num_local; jexp += gridDim.x) {
+      const long long pad_begin = offsets[jexp] + totals[jexp];
+      const long long pad_end = offsets[jexp + 1];
+      if (pad_begin >= pad_end) continue;
+      for (long long r = pad_begin + threadIdx.x; r < pad_end; r += blockDim.x) {
+        args.src_rank[r] = -1;
+        args.src_token[r] = -1;
+        args.topk_slot[r] = -1;
+        args.topk_weight[r] = 0.0f;
+        if (cfg.disp_fmt == kDispNvfp4) args.out_amax[r] = 0.0f;
+      }
+      // Payload bytes of the padding rows (data and scales are each contiguous over rows).
+      block_zero_bytes(args.out_data, pad_begin * cfg.disp_data_bytes, pad_end * cfg.disp_data_bytes);
+      if (cfg.disp_scale_bytes > 0) {
+        block_zero_bytes(args.out_scales, pad_begin * cfg.disp_scale_bytes, pad_end * cfg.disp_scale_bytes);
+      }
     }
   }
+  const long long thread_id = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const long long num_threads = static_cast<long long>(gridDim.x) * blockDim.x;
   // Rows past the valid prefix: metadata only (their payload is unspecified).
   for (long long r = offsets[num_local] + thread_id; r < args.num_rows; r += num_threads) {
     args.src_rank[r] = -1;
@@ -435,12 +512,19 @@ void prepare_dispatch_kernels(const NvlinkConfig& cfg) {
 }
 
 void launch_dispatch_send(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream) {
-  dispatch_send_kernel<<<cfg.num_blocks, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(cfg, args);
+  const cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  if (cfg.disp_fmt == kDispNvfp4) {
+    dispatch_send_kernel<kDispNvfp4><<<cfg.disp_send_blocks, kCommThreads, 0, st>>>(cfg, args);
+  } else if (cfg.disp_fmt == kDispMxfp8) {
+    dispatch_send_kernel<kDispMxfp8><<<cfg.disp_send_blocks, kCommThreads, 0, st>>>(cfg, args);
+  } else {
+    dispatch_send_kernel<kDispBf16><<<cfg.disp_send_blocks, kCommThreads, 0, st>>>(cfg, args);
+  }
   check(cudaGetLastError(), "dispatch send kernel launch");
 }
 
 void launch_dispatch_recv(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream) {
-  dispatch_recv_kernel<<<cfg.num_blocks, kCommThreads, recv_smem(cfg), reinterpret_cast<cudaStream_t>(stream)>>>(
+  dispatch_recv_kernel<<<cfg.disp_recv_blocks, kCommThreads, recv_smem(cfg), reinterpret_cast<cudaStream_t>(stream)>>>(
       cfg, args);
   check(cudaGetLastError(), "dispatch receive kernel launch");
 }

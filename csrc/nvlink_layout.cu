@@ -7,10 +7,15 @@
 //             the first slot of the token that targets that rank; -1 for the others and masked slots.
 // plus per-expert row counts and per-rank token counts.
 //
-// One block. Warp w owns a contiguous range of keys and ranks them in 32-key steps with __match_any_sync
-// against a per-warp running histogram in shared memory; a scan over warps turns the per-warp histograms
-// into each warp's base, which the second pass adds. Keys of the "rank" kind live after the E experts in
-// the same histogram.
+// Multi-block: block c owns the chunk of tokens [c * chunk_tokens, (c + 1) * chunk_tokens) (chunk_tokens
+// from layout_chunk_tokens(T), so at most kLayoutMaxChunks blocks). Inside the block, warp w owns a
+// contiguous range of the chunk's keys and ranks them in 32-key steps with __match_any_sync against a
+// per-warp running histogram in shared memory; a scan over warps turns the per-warp histograms into each
+// warp's base (added in a second pass) and the block's histogram, stored in layout_base[c]. The last block
+// to finish (a done-counter; placement itself uses no atomics) turns layout_base into an exclusive scan over
+// chunks and writes the totals (counts). scratch_pos / scratch_slot are therefore relative to the chunk:
+// the consumer (dispatch send) adds layout_base[t / chunk_tokens][key]. Keys of the "rank" kind live after
+// the E experts in the same histogram.
 #include <cuda_runtime.h>
 
 #include <stdexcept>
@@ -30,23 +35,28 @@ __device__ __forceinline__ int load_expert(const void* idx, int is64, long long 
   return (e < 0 || e >= num_experts) ? -1 : static_cast<int>(e);  // out of range: the Buffer rejects it
 }
 
-__global__ void __launch_bounds__(1024, 1) layout_kernel(NvlinkConfig cfg, DispatchArgs args) {
+__global__ void __launch_bounds__(256) layout_kernel(NvlinkConfig cfg, DispatchArgs args) {
   extern __shared__ int hist[];  // [num_warps][E + W]
+  __shared__ bool last_block;
   const int num_warps = blockDim.x / 32;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int num_keys_kinds = cfg.num_experts + cfg.world;
   const int topk = cfg.topk;
-  const long long num_keys = static_cast<long long>(args.num_tokens) * topk;
+  const int chunk = blockIdx.x;
+  const long long t_begin = static_cast<long long>(chunk) * args.chunk_tokens;
+  const long long t_end = min(t_begin + args.chunk_tokens, static_cast<long long>(args.num_tokens));
+  const long long key_begin = t_begin * topk;
+  const long long num_keys = t_end > t_begin ? (t_end - t_begin) * topk : 0;
 
-  if (threadIdx.x == 0) cfg.state->disp_epoch += 1ull;  // this dispatch's epoch; later kernels read it
+  if (chunk == 0 && threadIdx.x == 0) cfg.state->disp_epoch += 1ull;  // this dispatch's epoch
   for (int i = threadIdx.x; i < num_warps * num_keys_kinds; i += blockDim.x) hist[i] = 0;
   __syncthreads();
 
   long long per_warp = (num_keys + num_warps - 1) / num_warps;
   per_warp = (per_warp + 31) / 32 * 32;
-  const long long begin = per_warp * warp;
-  const long long end = min(begin + per_warp, num_keys);
+  const long long begin = key_begin + min(per_warp * warp, num_keys);
+  const long long end = key_begin + min(per_warp * (warp + 1), num_keys);
   int* my_hist = hist + warp * num_keys_kinds;
   const unsigned int lanes_below = (1u << lane) - 1u;
 
@@ -86,7 +96,8 @@ __global__ void __launch_bounds__(1024, 1) layout_kernel(NvlinkConfig cfg, Dispa
   }
   __syncthreads();
 
-  // Exclusive scan over warps, per key kind; totals are the counts.
+  // Exclusive scan over warps, per key kind; the block's totals are this chunk's histogram.
+  int* chunk_hist = cfg.layout_base + static_cast<long long>(chunk) * num_keys_kinds;
   for (int c = threadIdx.x; c < num_keys_kinds; c += blockDim.x) {
     int run = 0;
     for (int w = 0; w < num_warps; ++w) {
@@ -94,8 +105,7 @@ __global__ void __launch_bounds__(1024, 1) layout_kernel(NvlinkConfig cfg, Dispa
       hist[w * num_keys_kinds + c] = run;
       run += v;
     }
-    if (c < cfg.num_experts) cfg.expert_count[c] = run;
-    else cfg.rank_count[c - cfg.num_experts] = run;
+    chunk_hist[c] = run;
   }
   __syncthreads();
 
@@ -109,6 +119,41 @@ __global__ void __launch_bounds__(1024, 1) layout_kernel(NvlinkConfig cfg, Dispa
     const int slot = cfg.scratch_slot[q];
     if (slot >= 0) cfg.scratch_slot[q] = slot + my_hist[cfg.num_experts + e / cfg.num_local];
   }
+
+  // Last block: exclusive scan of the chunk histograms over chunks; totals are the counts.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned int done = atomicAdd(&cfg.state->layout_done_blocks, 1u);
+    last_block = done == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last_block) return;
+  __threadfence();
+  const int num_chunks = gridDim.x;
+  for (int c = threadIdx.x; c < num_keys_kinds; c += blockDim.x) {
+    int* col = cfg.layout_base + c;
+    int run = 0;
+    int ch = 0;
+    for (; ch + 4 <= num_chunks; ch += 4) {  // four independent L2 loads in flight
+      int v[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] = __ldcg(col + static_cast<long long>(ch + i) * num_keys_kinds);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        col[static_cast<long long>(ch + i) * num_keys_kinds] = run;
+        run += v[i];
+      }
+    }
+    for (; ch < num_chunks; ++ch) {
+      const int v = __ldcg(col + static_cast<long long>(ch) * num_keys_kinds);
+      col[static_cast<long long>(ch) * num_keys_kinds] = run;
+      run += v;
+    }
+    if (c < cfg.num_experts) cfg.expert_count[c] = run;
+    else cfg.rank_count[c - cfg.num_experts] = run;
+  }
+  if (threadIdx.x == 0) cfg.state->layout_done_blocks = 0u;  // next call (stream-ordered) starts from 0
 }
 
 size_t layout_smem(const NvlinkConfig& cfg, int warps) {
@@ -124,7 +169,7 @@ void check(cudaError_t err, const char* what) {
 int layout_warps(const NvlinkConfig& cfg) {
   const size_t per_warp = static_cast<size_t>(cfg.num_experts + cfg.world) * sizeof(int);
   int warps = static_cast<int>(kLayoutMaxSmem / per_warp);
-  if (warps > 32) warps = 32;
+  if (warps > 8) warps = 8;
   if (warps < 1) throw std::runtime_error("ep_comm nvlink: too many experts for the layout kernel's shared memory");
   return warps;
 }
@@ -138,7 +183,11 @@ void prepare_layout_kernel(const NvlinkConfig& cfg) {
 
 void launch_layout(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream) {
   const int warps = layout_warps(cfg);
-  layout_kernel<<<1, warps * 32, layout_smem(cfg, warps), reinterpret_cast<cudaStream_t>(stream)>>>(cfg, args);
+  if (args.chunk_tokens < 1) throw std::runtime_error("ep_comm nvlink: layout chunk_tokens unset");
+  int chunks = (args.num_tokens + args.chunk_tokens - 1) / args.chunk_tokens;
+  if (chunks < 1) chunks = 1;  // T = 0: one block still bumps the epoch and writes zero counts
+  if (chunks > kLayoutMaxChunks) throw std::runtime_error("ep_comm nvlink: too many layout chunks");
+  layout_kernel<<<chunks, warps * 32, layout_smem(cfg, warps), reinterpret_cast<cudaStream_t>(stream)>>>(cfg, args);
   check(cudaGetLastError(), "layout kernel launch");
 }
 

@@ -457,13 +457,16 @@ QM_HD float block_amax16(const float x[16]) {
 }
 
 // tree_sum of 16 values (NUMERICS notation): v[i] += v[i + n/2] for i < n/2, halving n.
+// Written out stage by stage: nvcc did not unroll the `half >>= 1` loop and emulated the register indexing
+// with ~60 predicated moves per stage.
 QM_HD float tree_sum16(float v[16]) {
 #pragma unroll
-  for (int half = 8; half >= 1; half >>= 1) {
+  for (int i = 0; i < 8; ++i) v[i] = qm_add(v[i], v[i + 8]);
 #pragma unroll
-    for (int i = 0; i < half; ++i) v[i] = qm_add(v[i], v[i + half]);
-  }
-  return v[0];
+  for (int i = 0; i < 4; ++i) v[i] = qm_add(v[i], v[i + 4]);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) v[i] = qm_add(v[i], v[i + 2]);
+  return qm_add(v[0], v[1]);
 }
 
 // Squared 4/6 error terms of one candidate (inv, scale) and its magnitude codes; kMarkstein picks the division.

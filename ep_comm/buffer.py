@@ -35,7 +35,8 @@ class Buffer:
         backend: "auto" (nvlink when every rank's GPUs are NVLink peers and the fast path can start, else
             reference — with a warning that says why), "reference" or "nvlink".
         expert_alignment: expert segments start at multiples of this (e.g. 128 for GEMM tiles).
-        num_sms: SMs the nvlink kernels may use. timeout_s: a peer wait longer than this raises.
+        num_sms: blocks (SMs) of the nvlink send kernels. num_local_sms: blocks of the nvlink kernels' local
+            phases (receive/expansion, combine reduction; 0 = all SMs of the device). timeout_s: a peer wait longer than this raises.
         check_inputs: validate index ranges / duplicate experts (needs a device->host copy; skipped
             automatically during CUDA graph capture).
         format_impl: "auto" | "reference" | "cuda", quantization path of the reference backend.
@@ -45,7 +46,7 @@ class Buffer:
 
     def __init__(self, group=None, *, hidden: int, num_experts: int, num_topk: int, max_tokens_per_rank: int,
                  dispatch_format: str = "nvfp4", combine_format: str = "s2f6", backend: str = "auto",
-                 expert_alignment: int = 1, num_sms: int = 24, rht_sign_mask: int = 0x6A09E667,
+                 expert_alignment: int = 1, num_sms: int = 24, num_local_sms: int = 0, rht_sign_mask: int = 0x6A09E667,
                  timeout_s: float = 10.0, check_inputs: bool = True, format_impl: str = "auto"):
         if not dist.is_initialized():
             raise RuntimeError("ep_comm.Buffer needs torch.distributed to be initialized (init_process_group)")
@@ -55,7 +56,8 @@ class Buffer:
                                    max_tokens_per_rank=max_tokens_per_rank,
                                    world_size=dist.get_world_size(self.group), dispatch_format=dispatch_format,
                                    combine_format=combine_format, expert_alignment=expert_alignment,
-                                   rht_sign_mask=rht_sign_mask, num_sms=num_sms, timeout_s=timeout_s)
+                                   rht_sign_mask=rht_sign_mask, num_sms=num_sms, num_local_sms=num_local_sms,
+                                   timeout_s=timeout_s)
         self.config.validate()
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -28,7 +28,10 @@ class BufferConfig:
         padding rows are zero and carry src_rank = src_token = -1, weight 0.
     dispatch_format / combine_format: wire formats ("nvfp4" | "mxfp8" | "bf16", "s2f6" | "bf16").
     rht_sign_mask: 32-bit sign vector of the combine RHT (bit i set -> sign -1 on element i of each chunk).
-    num_sms: SMs the fast backend's communication kernels may use (<= 24 by default policy).
+    num_sms: blocks (one per SM) of the fast backend's NVLink-facing send kernels (<= 24 by default policy).
+    num_local_sms: blocks of the fast backend's HBM-heavy local phases (dispatch receive/expansion, combine
+        reduction and receive; also the NVFP4 dispatch send, whose 4/6 quantization is local compute);
+        0 (default) = every SM of the device (the minimum over the ranks, so all ranks agree).
     timeout_s: a fast-backend wait on a peer longer than this raises, naming rank and stage.
     """
 
@@ -42,6 +45,7 @@ class BufferConfig:
     expert_alignment: int = 1
     rht_sign_mask: int = 0x6A09E667
     num_sms: int = 24
+    num_local_sms: int = 0
     timeout_s: float = 10.0
 
     @property
@@ -77,6 +81,8 @@ class BufferConfig:
             raise ValueError("rht_sign_mask must be a 32-bit unsigned integer")
         if self.num_sms < 1:
             raise ValueError(f"num_sms must be >= 1, got {self.num_sms}")
+        if not isinstance(self.num_local_sms, int) or self.num_local_sms < 0:
+            raise ValueError(f"num_local_sms must be >= 0 (0 = all SMs), got {self.num_local_sms}")
 
     def replace(self, **changes) -> "BufferConfig":
         return dataclasses.replace(self, **changes)

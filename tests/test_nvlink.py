@@ -78,12 +78,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16).cpu()
 
 
-def _buffers(hidden, num_experts, topk, max_tokens, dfmt, cfmt, align, num_sms=24, timeout_s=20.0):
+def _buffers(hidden, num_experts, topk, max_tokens, dfmt, cfmt, align, num_sms=24, timeout_s=20.0,
+             num_local_sms=0):
     import ep_comm
     common = dict(hidden=hidden, num_experts=num_experts, num_topk=topk, max_tokens_per_rank=max_tokens,
                   dispatch_format=dfmt, combine_format=cfmt, expert_alignment=align)
     ref = ep_comm.Buffer(None, backend="reference", **common)
-    nvl = ep_comm.Buffer(None, backend="nvlink", num_sms=num_sms, timeout_s=timeout_s, **common)
+    nvl = ep_comm.Buffer(None, backend="nvlink", num_sms=num_sms, num_local_sms=num_local_sms, timeout_s=timeout_s,
+                         **common)
     return ref, nvl
 
 
@@ -138,6 +140,31 @@ def versus_reference_worker(rank, world):
                 name = f"H={hidden} {dfmt}/{cfmt} align={align} {routing} E={experts} K={topk} call={call}"
                 _run_pair(name, rank, world, ref, nvl, x, idx, w, dfmt, seed=case_id)
                 summary.append(name)
+        finally:
+            ref.destroy()
+            nvl.destroy()
+    return summary
+
+
+def block_counts_worker(rank, world):
+    """Kernels with different grids (send num_sms=3, local phases num_local_sms=5, or 1/2) and a call large
+    enough for 63 multi-token layout chunks: the per-kernel counters and the chunked layout stay exact."""
+    summary = []
+    cases = [(256, "bf16", "bf16", 1, 3, 5, 1500), (256, "nvfp4", "s2f6", 16, 1, 2, 1500),
+             (512, "mxfp8", "s2f6", 1, 5, 3, 40)]
+    for case_id, (hidden, dfmt, cfmt, align, sms, local_sms, max_tokens) in enumerate(cases):
+        experts, topk = 16 * world, 8
+        tokens = [max_tokens - 101 * r % max_tokens for r in range(world)]
+        ref, nvl = _buffers(hidden, experts, topk, max_tokens, dfmt, cfmt, align, num_sms=sms,
+                            num_local_sms=local_sms)
+        try:
+            for call in range(3):  # the counters must also agree across calls
+                x, idx, w = _make_inputs(rank, tokens[rank], hidden, experts, topk, "masked" if call else "uniform",
+                                         world, seed=700 + 10 * case_id + call)
+                name = f"blocks {sms}/{local_sms} H={hidden} {dfmt}/{cfmt} align={align} T={tokens[rank]} call={call}"
+                _run_pair(name, rank, world, ref, nvl, x, idx, w, dfmt, seed=case_id)
+                summary.append(name)
+            nvl._backend.check()
         finally:
             ref.destroy()
             nvl.destroy()
@@ -268,6 +295,11 @@ def test_nvlink_oracle_cases():
 @pytest.mark.multigpu
 def test_nvlink_matches_reference():
     run_ranks(versus_reference_worker, _world(), backend="nccl", timeout_s=900)
+
+
+@pytest.mark.multigpu
+def test_nvlink_block_counts_and_chunked_layout():
+    run_ranks(block_counts_worker, _world(), backend="nccl", timeout_s=600)
 
 
 @pytest.mark.multigpu

@@ -371,12 +371,16 @@ class NVLinkBackend:
         self._scratch_slot = torch.empty(t_max * k, dtype=torch.int32, device=dev)
         self._expert_count = torch.zeros(config.num_experts, dtype=torch.int32, device=dev)
         self._rank_count = torch.zeros(self.world, dtype=torch.int32, device=dev)
+        # Per layout chunk (block) and key (E experts, then W ranks): rows/tokens of the earlier chunks.
+        self._layout_base = torch.zeros(c.nvlink_layout_max_chunks * (config.num_experts + self.world),
+                                        dtype=torch.int32, device=dev)
+        self.blocks = self._block_counts(group, config)
         self._error_host, error_dev = c.nvlink_host_mapped_alloc(self.device, 64)
         L = self.layout
         self._ctx = c.NvlinkContext(self.device, {
             "rank": self.rank, "world": self.world, "hidden": config.hidden, "num_experts": config.num_experts,
             "num_local": config.num_local_experts, "topk": k, "max_tokens": t_max,
-            "alignment": config.expert_alignment, "num_blocks": config.num_sms,
+            "alignment": config.expert_alignment, **self.blocks,
             "disp_fmt": _DISPATCH_FORMAT_CODE[config.dispatch_format],
             "comb_fmt": _COMBINE_FORMAT_CODE[config.combine_format], "sign_mask": config.rht_sign_mask,
             "max_recv_rows": config.max_recv_rows, "disp_row_bytes": L.disp_row_bytes,
@@ -390,13 +394,30 @@ class NVLinkBackend:
             "peer_bases": self._peer_bases.data_ptr(), "local_base": self.region.local_base,
             "state": self._state.data_ptr(), "scratch_pos": self._scratch_pos.data_ptr(),
             "scratch_slot": self._scratch_slot.data_ptr(), "expert_count": self._expert_count.data_ptr(),
-            "rank_count": self._rank_count.data_ptr(), "error_word": error_dev,
+            "rank_count": self._rank_count.data_ptr(), "layout_base": self._layout_base.data_ptr(),
+            "error_word": error_dev,
         })
         # Every region is zeroed (counters at 0) before any rank may write into a peer's.
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)
 
     # ------------------------------------------------------------------------------------------------------
+    def _block_counts(self, group, config: BufferConfig) -> dict:
+        """Grid of each kernel, identical on every rank (the counters count blocks of the signalling kernel).
+
+        NVLink-facing sends (BF16/MXFP8 dispatch) use num_sms blocks; the local, HBM- or compute-heavy phases
+        (dispatch receive/expansion, combine reduction+send, combine receive, and the NVFP4 dispatch send,
+        whose 4/6 quantization dominates) use num_local_sms blocks, 0 = the smallest SM count of the ranks."""
+        local = config.num_local_sms
+        if local == 0:
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            votes = [None] * self.world
+            dist.all_gather_object(votes, int(sms), group=group)
+            local = min(votes)
+        send = local if config.dispatch_format == "nvfp4" else config.num_sms
+        return {"disp_send_blocks": int(send), "disp_recv_blocks": int(local), "comb_send_blocks": int(local),
+                "comb_recv_blocks": int(local)}
+
     @staticmethod
     def is_available(group) -> Tuple[bool, str]:
         if not _ext.cuda_extension_available():
@@ -569,4 +590,4 @@ class NVLinkBackend:
             self._error_host = None
         self._ctx = None
         self._peer_bases = self._state = self._scratch_pos = self._scratch_slot = None
-        self._expert_count = self._rank_count = None
+        self._expert_count = self._rank_count = self._layout_base = None
