@@ -33,8 +33,14 @@ def _entry(rank, world_size, port, backend, worker, args, results, collective_ti
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=collective_timeout_s))
+        try:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=world_size, timeout=datetime.timedelta(seconds=collective_timeout_s))
+        except Exception as error:
+            if "EADDRINUSE" in str(error) or "address already in use" in str(error):
+                results.put((rank, "port_in_use", str(error)))
+                return
+            raise
         value = worker(rank, world_size, *args)
         results.put((rank, "ok", value))
     except BaseException:  # report everything, including assertion failures, to the parent
@@ -47,8 +53,22 @@ def _entry(rank, world_size, port, backend, worker, args, results, collective_ti
             pass
 
 
+class _PortInUse(Exception):
+    """The rendezvous port was taken between choosing it and binding it: retry with another."""
+
+
 def run_ranks(worker, world_size: int, *args, backend: str = "gloo", timeout_s: float = 600.0):
     """Run worker(rank, world_size, *args) on `world_size` spawned processes; return the per-rank results."""
+    for attempt in range(3):
+        try:
+            return _run_once(worker, world_size, args, backend, timeout_s)
+        except _PortInUse:
+            if attempt == 2:
+                raise AssertionError("could not bind a free rendezvous port in 3 attempts")
+    raise AssertionError("unreachable")
+
+
+def _run_once(worker, world_size: int, args, backend: str, timeout_s: float):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -76,7 +96,7 @@ def run_ranks(worker, world_size: int, *args, backend: str = "gloo", timeout_s: 
                                          f"{[processes[r].exitcode for r in dead]})")
                 continue
             outcome[rank] = (status, value)
-            if status == "error":
+            if status in ("error", "port_in_use"):
                 break
     finally:
         for process in processes:
@@ -84,6 +104,8 @@ def run_ranks(worker, world_size: int, *args, backend: str = "gloo", timeout_s: 
         for process in processes:
             if process.is_alive():
                 process.kill()
+    if any(status == "port_in_use" for status, _ in outcome.values()):
+        raise _PortInUse()
     errors = {rank: value for rank, (status, value) in outcome.items() if status == "error"}
     if errors:
         rank = min(errors)
