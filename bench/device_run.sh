@@ -24,6 +24,7 @@ start=$SECONDS
 EP_COMM_BUILD_CUDA=1 EP_COMM_CUDA_ARCHS=90a EP_COMM_NVCC_THREADS=16 python3 setup.py -q build_ext --inplace \
   > "$OUT/build.txt" 2>&1 || { tail -40 "$OUT/build.txt"; exit 1; }
 say "built in $((SECONDS - start)) s"
+[ "$mode" = final ] && rm -f "$OUT/build.txt"   # at most 8 files come back
 python3 -c "import ep_comm; assert ep_comm.cuda_extension_available(), ep_comm.cuda_extension_error(); print('ep_comm._C ok')" 2>&1 | tee -a "$log"
 
 if [ "$mode" = all ] || [ "$mode" = tests ]; then
@@ -51,6 +52,29 @@ if [ "$mode" = all ] || [ "$mode" = bench ]; then
   timeout 120 python3 bench/profile_nvlink.py --out "$OUT/profile.json" 2>&1 | grep -v -i warn | grep -v "return func" | tail -25 | tee -a "$log"
   say "main job"
   timeout 110 python3 -m ep_comm.bench --ranks 2 --out "$OUT/bench_main.json" 2>&1 | tail -8 | tee -a "$log"
+fi
+if [ "$mode" = final ]; then
+  # On a 4-GPU machine: the 2-GPU suite and benchmarks on GPUs 0,1, then the 4-GPU suite and benchmark.
+  say "2 GPUs: formats kernels"
+  CUDA_VISIBLE_DEVICES=0,1 timeout 120 python3 -m pytest -q -x -rs tests/test_formats_cuda.py > "$OUT/pytest.txt" 2>&1
+  tail -3 "$OUT/pytest.txt" | tee -a "$log"
+  say "2 GPUs: nvlink + reference suite"
+  CUDA_VISIBLE_DEVICES=0,1 timeout 240 python3 -m pytest -q -rs tests/test_nvlink.py tests/test_reference_backend.py -k "not gloo" >> "$OUT/pytest.txt" 2>&1
+  tail -12 "$OUT/pytest.txt" | tee -a "$log"
+  say "2 GPUs: profile"
+  CUDA_VISIBLE_DEVICES=0,1 timeout 90 python3 bench/profile_nvlink.py --out "$OUT/profile.json" 2>&1 | grep -v -i warn | grep -v "return func" | tail -20 | tee -a "$log"
+  say "1 GPU: formats bench"
+  CUDA_VISIBLE_DEVICES=0 timeout 90 python3 bench/bench_formats.py --out "$OUT/bench_formats.json" 2>&1 | tail -14 | tee -a "$log"
+  say "2 GPUs: dispatch/combine bench"
+  CUDA_VISIBLE_DEVICES=0,1 timeout 150 python3 bench/bench_dispatch_combine.py --nproc 2 --out "$OUT/bench_dispatch_combine.json" > "$OUT/bench_dc.txt" 2>&1
+  grep -E "graph|ceiling" "$OUT/bench_dc.txt" | tee -a "$log"
+  say "2 GPUs: main job"
+  CUDA_VISIBLE_DEVICES=0,1 timeout 60 python3 -m ep_comm.bench --out "$OUT/bench_main.json" 2>&1 | tail -5 | tee -a "$log"
+  say "4 GPUs: nvlink + reference suite"
+  timeout 200 python3 -m pytest -q -rs tests/test_nvlink.py tests/test_reference_backend.py -k "not gloo" >> "$OUT/pytest.txt" 2>&1
+  tail -8 "$OUT/pytest.txt" | tee -a "$log"
+  say "4 GPUs: dispatch/combine bench"
+  timeout 100 python3 bench/bench_dispatch_combine.py --nproc 4 --tokens 128,4096 --out "$OUT/bench_dc_4.json" 2>&1 | grep -E "graph|ceiling" | tee -a "$log"
 fi
 if [ "$mode" = scale ]; then
   n=$(python3 -c "import torch; print(torch.cuda.device_count())")

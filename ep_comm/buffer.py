@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .formats import _is_capturing
 from .types import BACKENDS, BufferConfig, BufferSizes, DispatchResult
 
 _warned_fallbacks = set()
@@ -16,10 +17,6 @@ def _warn_once(message: str) -> None:
     if message not in _warned_fallbacks:
         _warned_fallbacks.add(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-def _is_capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class Buffer:

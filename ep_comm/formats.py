@@ -12,6 +12,7 @@ be viewed as `uint8` bytes with `.view(torch.uint8)`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -123,6 +124,11 @@ def _use_cuda(impl: str, *tensors: torch.Tensor) -> bool:
         _ext.require_cuda_extension("impl='cuda'")
         return True
     return on_cuda and _ext.cuda_extension_available()
+
+
+def _is_capturing() -> bool:
+    """Value checks need a device->host copy, which CUDA graph capture forbids: they are skipped there."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _cuda_formats():
@@ -327,6 +333,8 @@ def nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True, amax: Optional[t
         except RuntimeError as error:
             raise ValueError(f"amax of shape {tuple(amax.shape)} does not broadcast to the rows of x "
                              f"{tuple(x.shape[:-1])}") from error
+        if not _is_capturing() and amax.numel() and bool((amax < 0).any()):
+            raise ValueError("amax must be non-negative (it is an absolute maximum)")
     elif scale_granularity == "tensor":
         amax = torch.broadcast_to(_nan_to_zero_abs(x.float()).amax(), x.shape[:-1]).contiguous()
     if _use_cuda(impl, x):
@@ -556,9 +564,18 @@ def _s2f6_decode_rotated(s: S2F6Tensor) -> torch.Tensor:
     return values.reshape(s.data.shape)
 
 
-def s2f6_dequantize(s: S2F6Tensor, dtype: torch.dtype = torch.float32, impl: str = "auto") -> torch.Tensor:
-    """S2F6Tensor -> dense [..., K] (inverse RHT applied when s.hadamard)."""
+def s2f6_dequantize(s: S2F6Tensor, hadamard: Optional[bool] = None, dtype: torch.dtype = torch.float32,
+                    impl: str = "auto") -> torch.Tensor:
+    """S2F6Tensor -> dense [..., K] in `dtype`.
+
+    hadamard: None (default) follows s.hadamard (inverse RHT applied when the values were rotated);
+        True asserts they were rotated (ValueError otherwise); False returns the rotated-domain values.
+    """
     _check_s2f6(s)
+    if hadamard is not None:
+        if hadamard and not s.hadamard:
+            raise ValueError("hadamard=True but this S2F6Tensor was quantized without the RHT")
+        s = dataclasses.replace(s, hadamard=bool(hadamard))
     if _use_cuda(impl, s.data):
         return _cuda_formats().s2f6_dequantize(s, dtype)
     values = _s2f6_decode_rotated(s)
@@ -586,6 +603,10 @@ def s2f6_dequantize_accumulate(s: S2F6Tensor, row_index: torch.Tensor, weights: 
     if weights is not None and (weights.shape != row_index.shape or weights.dtype != torch.float32):
         raise ValueError(f"weights must be float32 of shape {tuple(row_index.shape)}, got "
                          f"{tuple(weights.shape)} {weights.dtype}")
+    if not _is_capturing() and row_index.numel():
+        low, high = int(row_index.min()), int(row_index.max())
+        if low < -1 or high >= s.data.shape[0]:
+            raise ValueError(f"row_index values must be in [-1, {s.data.shape[0]}); got range [{low}, {high}]")
     if _use_cuda(impl, s.data, row_index):
         return _cuda_formats().s2f6_dequantize_accumulate(s, row_index, weights, out_dtype)
     values = _s2f6_decode_rotated(s)

@@ -253,3 +253,22 @@ def test_bad_inputs():
     # Empty inputs are valid and produce empty outputs.
     assert F.nvfp4_quantize(torch.zeros(0, 32)).data.shape == (0, 16)
     assert F.s2f6_dequantize(F.s2f6_quantize(torch.zeros(0, 64))).shape == (0, 64)
+
+
+def test_s2f6_dequantize_hadamard_argument():
+    x = torch.randn(3, 64)
+    s = F.s2f6_quantize(x, hadamard=True)
+    assert torch.equal(F.s2f6_dequantize(s, hadamard=True), F.s2f6_dequantize(s))
+    assert torch.equal(F.s2f6_dequantize(s, hadamard=False), F._s2f6_decode_rotated(s))  # rotated domain
+    with pytest.raises(ValueError, match="without the RHT"):
+        F.s2f6_dequantize(F.s2f6_quantize(x, hadamard=False), hadamard=True)
+
+
+def test_value_checks():
+    with pytest.raises(ValueError, match="non-negative"):
+        F.nvfp4_quantize(torch.randn(2, 32), amax=torch.tensor([1.0, -1.0]))
+    s = F.s2f6_quantize(torch.randn(3, 32))
+    with pytest.raises(ValueError, match="row_index values"):
+        F.s2f6_dequantize_accumulate(s, torch.tensor([[0, 3]]))
+    with pytest.raises(ValueError, match="row_index values"):
+        F.s2f6_dequantize_accumulate(s, torch.tensor([[-2, 0]]))
