@@ -24,7 +24,7 @@ start=$SECONDS
 EP_COMM_BUILD_CUDA=1 EP_COMM_CUDA_ARCHS=90a EP_COMM_NVCC_THREADS=16 python3 setup.py -q build_ext --inplace \
   > "$OUT/build.txt" 2>&1 || { tail -40 "$OUT/build.txt"; exit 1; }
 say "built in $((SECONDS - start)) s"
-[ "$mode" = final ] && rm -f "$OUT/build.txt"   # at most 8 files come back
+case "$mode" in final*) rm -f "$OUT/build.txt";; esac   # at most 8 files come back
 python3 -c "import ep_comm; assert ep_comm.cuda_extension_available(), ep_comm.cuda_extension_error(); print('ep_comm._C ok')" 2>&1 | tee -a "$log"
 
 if [ "$mode" = all ] || [ "$mode" = tests ]; then
@@ -70,11 +70,35 @@ if [ "$mode" = final ]; then
   grep -E "graph|ceiling" "$OUT/bench_dc.txt" | tee -a "$log"
   say "2 GPUs: main job"
   CUDA_VISIBLE_DEVICES=0,1 timeout 60 python3 -m ep_comm.bench --out "$OUT/bench_main.json" 2>&1 | tail -5 | tee -a "$log"
+  if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 4 ]; then
   say "4 GPUs: nvlink + reference suite"
   timeout 200 python3 -m pytest -q -rs tests/test_nvlink.py tests/test_reference_backend.py -k "not gloo" >> "$OUT/pytest.txt" 2>&1
   tail -8 "$OUT/pytest.txt" | tee -a "$log"
   say "4 GPUs: dispatch/combine bench"
   timeout 100 python3 bench/bench_dispatch_combine.py --nproc 4 --tokens 128,4096 --out "$OUT/bench_dc_4.json" 2>&1 | grep -E "graph|ceiling" | tee -a "$log"
+  fi
+fi
+if [ "$mode" = final2 ]; then
+  say "formats kernels (gpu tier)"
+  timeout 120 python3 -m pytest -q -rs tests/test_formats_cuda.py > "$OUT/pytest.txt" 2>&1
+  tail -3 "$OUT/pytest.txt" | tee -a "$log"
+  say "nvlink + reference suite (multigpu tier), PDL on (default)"
+  timeout 200 python3 -m pytest -q -rs tests/test_nvlink.py tests/test_reference_backend.py -k "not gloo" >> "$OUT/pytest.txt" 2>&1
+  tail -3 "$OUT/pytest.txt" | tee -a "$log"
+  say "nvlink suite, PDL off"
+  EP_COMM_NVLINK_PDL=0 timeout 150 python3 -m pytest -q -rs tests/test_nvlink.py -k "oracle or reference or pressure" >> "$OUT/pytest.txt" 2>&1
+  tail -3 "$OUT/pytest.txt" | tee -a "$log"
+  say "formats bench"
+  timeout 90 python3 bench/bench_formats.py --out "$OUT/bench_formats.json" 2>&1 | tail -14 | tee -a "$log"
+  say "dispatch/combine bench, PDL on"
+  timeout 150 python3 bench/bench_dispatch_combine.py --nproc 2 --out "$OUT/bench_dispatch_combine.json" > "$OUT/bench_dc.txt" 2>&1
+  grep -E "graph|ceiling|reference .* 4096" "$OUT/bench_dc.txt" | tee -a "$log"
+  say "dispatch/combine bench, PDL off"
+  EP_COMM_NVLINK_PDL=0 timeout 90 python3 bench/bench_dispatch_combine.py --nproc 2 --tokens 128,4096 --formats nvfp4/s2f6,bf16/bf16 --no-reference --no-ceiling --out "$OUT/bench_dc_nopdl.json" 2>&1 | grep graph | tee -a "$log"
+  say "profile, PDL off (per-kernel times without early-launch overlap)"
+  EP_COMM_NVLINK_PDL=0 timeout 90 python3 bench/profile_nvlink.py --out "$OUT/profile.json" 2>&1 | grep -v -i warn | grep -v "return func" | tail -20 | tee -a "$log"
+  say "main job"
+  timeout 60 python3 -m ep_comm.bench --out "$OUT/bench_main.json" 2>&1 | tail -5 | tee -a "$log"
 fi
 if [ "$mode" = scale ]; then
   n=$(python3 -c "import torch; print(torch.cuda.device_count())")

@@ -141,6 +141,82 @@ class NvlinkContext {
     launch_combine_recv(cfg_, a, stream);
   }
 
+  // One-allocation dispatch outputs: every result/handle tensor is a 256-byte aligned section of one
+  // uint8 arena (Python carves the views from the same table). Order and sizes are fixed by the config
+  // and num_tokens; absent sections (scales for BF16, amax unless NVFP4) have 0 bytes.
+  static constexpr int kArenaSections = 15;
+  struct ArenaLayout {
+    long long off[kArenaSections];
+    long long bytes[kArenaSections];
+    long long total;
+  };
+  ArenaLayout arena_layout(int num_tokens) const {
+    const NvlinkConfig& c = cfg_;
+    const long long T = num_tokens, K = c.topk, R = c.max_recv_rows, W = c.world, L = c.num_local;
+    const long long tmax = c.max_tokens;
+    const long long sizes[kArenaSections] = {
+        4 * T * K,                                   // 0 send_idx i32 [T, K]
+        4 * T * K,                                   // 1 send_w f32 [T, K]
+        R * c.disp_data_bytes,                       // 2 data [R, payload bytes]
+        R * c.disp_scale_bytes,                      // 3 scales [R, scale bytes]
+        c.disp_fmt == kDispNvfp4 ? 4 * R : 0,        // 4 amax f32 [R]
+        4 * L,                                       // 5 num_per_expert i32 [L]
+        4 * (L + 1),                                 // 6 expert_offsets i32 [L + 1]
+        4 * R,                                       // 7 src_rank i32 [R]
+        4 * R,                                       // 8 src_token i32 [R]
+        4 * R,                                       // 9 topk_slot i32 [R]
+        4 * R,                                       // 10 topk_weight f32 [R]
+        4 * W,                                       // 11 recv_count i32 [W]
+        4 * W * tmax,                                // 12 recv_tok i32 [W * T_max]
+        4 * W * tmax,                                // 13 recv_ord i32 [W * T_max]
+        4 * W * tmax * K,                            // 14 recv_rows i32 [W * T_max * K]
+    };
+    // Physical order: the 4-byte-element sections first (Python views them as one int32 block), then the
+    // payload and scale bytes.
+    static constexpr int kOrder[kArenaSections] = {0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 2, 3};
+    ArenaLayout a{};
+    long long run = 0;
+    for (int o = 0; o < kArenaSections; ++o) {
+      const int i = kOrder[o];
+      a.off[i] = run;
+      a.bytes[i] = sizes[i];
+      run += (sizes[i] + 255) / 256 * 256;
+    }
+    a.total = run > 0 ? run : 256;
+    return a;
+  }
+
+  py::tuple dispatch_arena_layout(int num_tokens) const {
+    if (num_tokens < 0 || num_tokens > cfg_.max_tokens) throw std::invalid_argument("num_tokens out of range");
+    const ArenaLayout a = arena_layout(num_tokens);
+    py::list offs, sizes;
+    for (int i = 0; i < kArenaSections; ++i) {
+      offs.append(a.off[i]);
+      sizes.append(a.bytes[i]);
+    }
+    return py::make_tuple(offs, sizes, a.total);
+  }
+
+  // dispatch() with every output address derived from one arena base (the host path of a call is one
+  // pybind call with 7 integers; the layout is recomputed here, a few dozen integer operations).
+  void dispatch_arena(uintptr_t x, uintptr_t topk_idx, bool idx_is_int64, uintptr_t topk_weights, int num_tokens,
+                      uintptr_t arena, uintptr_t stream) {
+    if (num_tokens < 0 || num_tokens > cfg_.max_tokens) throw std::invalid_argument("num_tokens out of range");
+    const ArenaLayout l = arena_layout(num_tokens);
+    auto at = [&](int i) -> uintptr_t { return l.bytes[i] > 0 ? arena + static_cast<uintptr_t>(l.off[i]) : 0; };
+    dispatch(x, topk_idx, idx_is_int64, topk_weights, num_tokens, at(0), at(1), at(2), at(3), at(4), at(5), at(6),
+             at(7), at(8), at(9), at(10), cfg_.max_recv_rows, at(11), at(12), at(13), at(14), stream);
+  }
+
+  // combine() reading the handle from a dispatch arena (same table as dispatch_arena).
+  void combine_arena(uintptr_t expert_out, uintptr_t arena, int num_tokens, bool local_reduce, uintptr_t out,
+                     uintptr_t stream) {
+    if (num_tokens < 0 || num_tokens > cfg_.max_tokens) throw std::invalid_argument("num_tokens out of range");
+    const ArenaLayout l = arena_layout(num_tokens);
+    auto at = [&](int i) -> uintptr_t { return arena + static_cast<uintptr_t>(l.off[i]); };
+    combine(expert_out, at(10), local_reduce, at(11), at(12), at(13), at(14), at(0), at(1), num_tokens, out, stream);
+  }
+
   int layout_threads() const { return layout_warps(cfg_) * 32; }
   int comm_threads() const { return kCommThreads; }
 
@@ -162,6 +238,9 @@ void register_nvlink(py::module_& m) {
       .def(py::init<int, const py::dict&>(), py::arg("device"), py::arg("config"))
       .def("dispatch", &NvlinkContext::dispatch)
       .def("combine", &NvlinkContext::combine)
+      .def("dispatch_arena_layout", &NvlinkContext::dispatch_arena_layout)
+      .def("dispatch_arena", &NvlinkContext::dispatch_arena)
+      .def("combine_arena", &NvlinkContext::combine_arena)
       .def_property_readonly("layout_threads", &NvlinkContext::layout_threads)
       .def_property_readonly("comm_threads", &NvlinkContext::comm_threads);
   m.attr("nvlink_state_bytes") = py::int_(sizeof(NvlinkState));

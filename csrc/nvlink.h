@@ -188,6 +188,37 @@ constexpr int kCommThreads = 512;
 
 #if defined(__CUDACC__)
 // ------------------------------------------------------------------------------------------------------
+// Programmatic dependent launch (sm_90): every nvlink kernel is launched with programmatic stream
+// serialization, lets its dependent grid launch at once (launch_dependents) and waits for the full
+// completion and memory flush of the preceding grid (griddepcontrol.wait) before its first instruction
+// that touches memory. Stream semantics are therefore unchanged; only the launch latency of the next
+// kernel is hidden behind the tail of the current one. The dependent grid is released only once every
+// block of the primary has started, so waiting dependents never keep primary blocks from running.
+// EP_COMM_NVLINK_PDL=0 turns the launch attribute off (the device instructions are then no-ops).
+__device__ __forceinline__ void pdl_prologue() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+bool pdl_enabled();  // nvlink_layout.cu: EP_COMM_NVLINK_PDL (default 1), read once
+
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(KernelArgs...), int grid, int block, size_t smem, cudaStream_t stream,
+                          Args... args) {
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = dim3(static_cast<unsigned int>(grid));
+  lc.blockDim = dim3(static_cast<unsigned int>(block));
+  lc.dynamicSmemBytes = smem;
+  lc.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = pdl_enabled() ? 1 : 0;
+  lc.attrs = attr;
+  lc.numAttrs = 1;
+  return cudaLaunchKernelEx(&lc, kernel, args...);
+}
+
+// ------------------------------------------------------------------------------------------------------
 // Memory-model helpers. Peers' writes land in our memory while kernels run: reads of such data use plain
 // (coherent) loads after an acquire, never the non-coherent read-only path.
 __device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* p) {

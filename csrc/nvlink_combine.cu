@@ -99,7 +99,8 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
   __shared__ int slot_rows[kCommThreads / 32][kMaxTopk];
   __shared__ float slot_weights[kCommThreads / 32][kMaxTopk];
   __shared__ int slot_ids[kCommThreads / 32][kMaxTopk];
-  __shared__ int item_start[kMaxWorld + 1];
+  __shared__ int item_start[kMaxWorld];  // tokens received from each source
+  pdl_prologue();
   const unsigned long long epoch = cfg.state->comb_epoch + 1ull;
   const int lane = threadIdx.x % 32;
   const int topk = cfg.topk;
@@ -110,13 +111,17 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
   block_wait_all_peers(cfg, cfg.off_comb_consumed, (epoch - 1ull) * cfg.comb_recv_blocks,
                        kStageCombineWaitConsumed, epoch);
 
-  if (threadIdx.x == 0) {  // received tokens of all sources, flattened
-    int run = 0;
-    for (int s = 0; s < world; ++s) {
-      item_start[s] = run;
-      run += args.recv_count[s];
-    }
-    item_start[world] = run;
+  // Received tokens per source, and the largest count. Items are interleaved over sources (slot
+  // f = j * W + rotated source) so that every phase of the kernel mixes rows bound for NVLink with rows
+  // for the local combine area: the NVLink stores overlap the local HBM reads and the RHT/S2F6 math
+  // instead of following them (source-major order ran the local half first, then the remote half).
+  __shared__ int max_count;
+  if (threadIdx.x == 0) max_count = 0;
+  __syncthreads();
+  for (int s = threadIdx.x; s < world; s += blockDim.x) {
+    const int cnt = args.recv_count[s];
+    item_start[s] = cnt;
+    atomicMax(&max_count, cnt);
   }
   __syncthreads();
 
@@ -127,18 +132,20 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
 
   // Items: received tokens, each split into `split` parts of its 512-element column groups when there are
   // fewer tokens than warps.
-  const int num_items = item_start[world];
+  const long long num_items = static_cast<long long>(max_count) * world;  // slots, some empty
   const int split = split_factor(num_items, num_warps, (hidden + 511) / 512);
-  const long long num_parts = static_cast<long long>(num_items) * split;
+  const long long num_parts = num_items * split;
   const int base_stride = 512 * split;
   constexpr int U = 4;  // expert_out rows loaded before accumulating (order of the sum unchanged)
 
   for (long long fp = global_warp; fp < num_parts; fp += num_warps) {
-    const int flat = static_cast<int>(fp / split);
-    const int part = static_cast<int>(fp - static_cast<long long>(flat) * split);
-    int s = 0;
-    while (flat >= item_start[s + 1]) ++s;
-    const long long item = static_cast<long long>(s) * cfg.max_tokens + (flat - item_start[s]);
+    const long long flat = fp / split;
+    const int part = static_cast<int>(fp - flat * split);
+    const int j = static_cast<int>(flat / world);
+    int s = static_cast<int>(flat - static_cast<long long>(j) * world) + cfg.rank;
+    if (s >= world) s -= world;
+    if (j >= item_start[s]) continue;  // source s sent fewer tokens
+    const long long item = static_cast<long long>(s) * cfg.max_tokens + j;
     const int row = lane < topk ? args.recv_rows[item * topk + lane] : -1;
     const unsigned int mask = __ballot_sync(0xFFFFFFFFu, row >= 0);
     const int n = __popc(mask);
@@ -157,21 +164,54 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
 
     if (args.local_reduce) {
       char* dst = area + (static_cast<long long>(t) * topk + args.recv_ord[item]) * cfg.comb_row_bytes;
+      // Software pipeline over the token's column groups: the first U rows of the next group are loaded
+      // before the current group is reduced and encoded, so HBM reads overlap the RHT/S2F6 math. The sum
+      // order (rows ascending) is unchanged.
+      uint4 pa[U], pb[U];
+      {
+        const int e0 = part * 512 + lane * 16;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (e0 < hidden && u < n) {
+            const unsigned short* p = args.expert_out + static_cast<long long>(rows[u]) * hidden + e0;
+            pa[u] = ld_input_v4(p);
+            pb[u] = ld_input_v4(p + 8);
+          }
+        }
+      }
       for (int base = part * 512; base < hidden; base += base_stride) {
         const int e0 = base + lane * 16;
         const bool active = e0 < hidden;  // hidden % 32 == 0: both lanes of a chunk agree
+        uint4 va[U], vb[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          va[u] = pa[u];
+          vb[u] = pb[u];
+        }
+        {
+          const int e1 = e0 + base_stride;
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            if (e1 < hidden && u < n) {
+              const unsigned short* p = args.expert_out + static_cast<long long>(rows[u]) * hidden + e1;
+              pa[u] = ld_input_v4(p);
+              pb[u] = ld_input_v4(p + 8);
+            }
+          }
+        }
         float acc[16];
 #pragma unroll
         for (int i = 0; i < 16; ++i) acc[i] = 0.0f;
         if (active) {
           for (int r0 = 0; r0 < n; r0 += U) {
-            uint4 va[U], vb[U];
+            if (r0 > 0) {
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-              if (r0 + u < n) {
-                const unsigned short* p = args.expert_out + static_cast<long long>(rows[r0 + u]) * hidden + e0;
-                va[u] = ld_input_v4(p);
-                vb[u] = ld_input_v4(p + 8);
+              for (int u = 0; u < U; ++u) {
+                if (r0 + u < n) {
+                  const unsigned short* p = args.expert_out + static_cast<long long>(rows[r0 + u]) * hidden + e0;
+                  va[u] = ld_input_v4(p);
+                  vb[u] = ld_input_v4(p + 8);
+                }
               }
             }
 #pragma unroll
@@ -208,10 +248,23 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
   block_signal_all_peers(cfg, cfg.off_comb_ready);
 }
 
+// One combine row's 16 elements at e0 (S2F6: 16 code bytes + the chunk's scale byte; BF16: 32 bytes).
+__device__ __forceinline__ void load_term(const char* src, int e0, bool s2f6, long long scale_off, uint4& a, uint4& b,
+                                          unsigned int& sb) {
+  if (s2f6) {
+    a = ld_coherent_v4(src + e0);
+    sb = ld_coherent_u8(src + scale_off + e0 / 32);
+  } else {
+    a = ld_coherent_v4(src + 2 * e0);
+    b = ld_coherent_v4(src + 2 * e0 + 16);
+  }
+}
+
 __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig cfg, CombineArgs args) {
   __shared__ int term_rows[kCommThreads / 32][kMaxTopk];
   __shared__ float term_weights[kCommThreads / 32][kMaxTopk];
   __shared__ bool last_block;
+  pdl_prologue();
   const unsigned long long epoch = cfg.state->comb_epoch + 1ull;
   const int lane = threadIdx.x % 32;
   const int topk = cfg.topk;
@@ -261,9 +314,42 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
     }
     __syncwarp();
     unsigned short* out_row = args.out + static_cast<long long>(t) * hidden;
+    // Software pipeline: the first P rows of the next column group are loaded before the current group is
+    // decoded, accumulated and inverse-transformed (P = 2 covers every row of a 2-rank local_reduce token).
+    constexpr int P = 2;
+    uint4 qa[P], qb[P];
+    unsigned int qs[P];
+    {
+      const int e0 = part * 512 + lane * 16;
+#pragma unroll
+      for (int u = 0; u < P; ++u) {
+        if (e0 < hidden && u < n) {
+          const char* src = area + static_cast<long long>(term_rows[warp_in_block][u]) * cfg.comb_row_bytes;
+          load_term(src, e0, s2f6, cfg.comb_scale_off, qa[u], qb[u], qs[u]);
+        }
+      }
+    }
     for (int base = part * 512; base < hidden; base += base_stride) {
       const int e0 = base + lane * 16;
       const bool active = e0 < hidden;
+      uint4 ca[P], cb[P];
+      unsigned int cs[P];
+#pragma unroll
+      for (int u = 0; u < P; ++u) {
+        ca[u] = qa[u];
+        cb[u] = qb[u];
+        cs[u] = qs[u];
+      }
+      {
+        const int e1 = e0 + base_stride;
+#pragma unroll
+        for (int u = 0; u < P; ++u) {
+          if (e1 < hidden && u < n) {
+            const char* src = area + static_cast<long long>(term_rows[warp_in_block][u]) * cfg.comb_row_bytes;
+            load_term(src, e1, s2f6, cfg.comb_scale_off, qa[u], qb[u], qs[u]);
+          }
+        }
+      }
       float acc[16];
 #pragma unroll
       for (int i = 0; i < 16; ++i) acc[i] = 0.0f;
@@ -274,13 +360,13 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
 #pragma unroll
           for (int u = 0; u < U; ++u) {
             if (r0 + u < n) {
-              const char* src = area + static_cast<long long>(term_rows[warp_in_block][r0 + u]) * cfg.comb_row_bytes;
-              if (s2f6) {
-                va[u] = ld_coherent_v4(src + e0);
-                sb[u] = ld_coherent_u8(src + cfg.comb_scale_off + e0 / 32);
+              if (r0 == 0 && u < P) {
+                va[u] = ca[u < P ? u : 0];
+                vb[u] = cb[u < P ? u : 0];
+                sb[u] = cs[u < P ? u : 0];
               } else {
-                va[u] = ld_coherent_v4(src + 2 * e0);
-                vb[u] = ld_coherent_v4(src + 2 * e0 + 16);
+                const char* src = area + static_cast<long long>(term_rows[warp_in_block][r0 + u]) * cfg.comb_row_bytes;
+                load_term(src, e0, s2f6, cfg.comb_scale_off, va[u], vb[u], sb[u]);
               }
             }
           }
@@ -339,13 +425,15 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
 }  // namespace
 
 void launch_combine_send(const NvlinkConfig& cfg, const CombineArgs& args, uintptr_t stream) {
-  combine_send_kernel<<<cfg.comb_send_blocks, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(cfg, args);
-  check(cudaGetLastError(), "combine send kernel launch");
+  check(launch_kernel(combine_send_kernel, cfg.comb_send_blocks, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream),
+                      cfg, args),
+        "combine send kernel launch");
 }
 
 void launch_combine_recv(const NvlinkConfig& cfg, const CombineArgs& args, uintptr_t stream) {
-  combine_recv_kernel<<<cfg.comb_recv_blocks, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(cfg, args);
-  check(cudaGetLastError(), "combine receive kernel launch");
+  check(launch_kernel(combine_recv_kernel, cfg.comb_recv_blocks, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream),
+                      cfg, args),
+        "combine receive kernel launch");
 }
 
 }  // namespace nvlink

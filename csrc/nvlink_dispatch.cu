@@ -106,6 +106,7 @@ __device__ __forceinline__ float warp_row_amax(const unsigned char* row, int hid
 // otherwise set the budget of the BF16 copy loop and vice versa).
 template <int kFmt>
 __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfig cfg, DispatchArgs args) {
+  pdl_prologue();
   const unsigned long long epoch = cfg.state->disp_epoch;
   const int lane = threadIdx.x % 32;
   const int topk = cfg.topk;
@@ -265,17 +266,33 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
 // entries, shared memory), choosing the widest unit the destination row stride allows. The lane copies
 // units first, first + stride, ... (stride = 32 * warps sharing the row); on the 16-byte path eight
 // independent loads are in flight before the stores (a whole NVFP4 row of H = 7168 in one round).
+constexpr int kCopyUnroll = 8;
+
+// First round of copy_section's 16-byte path, issued early (before the metadata work of the item) so the
+// payload loads overlap the metadata loads.
+__device__ __forceinline__ void prefetch_section(const char* src, long long bytes, int first, int stride,
+                                                 uint4 (&v)[kCopyUnroll]) {
+  const long long units = bytes / 16;
+#pragma unroll
+  for (int u = 0; u < kCopyUnroll; ++u) {
+    const long long c = first + static_cast<long long>(stride) * u;
+    if (c < units) v[u] = ld_coherent_v4(src + c * 16);
+  }
+}
+
 __device__ __forceinline__ void copy_section(const char* src, unsigned char* dst_base, long long row_stride,
-                                             long long bytes, const int* rows, int n, int first, int stride) {
+                                             long long bytes, const int* rows, int n, int first, int stride,
+                                             const uint4* pre = nullptr) {
   if (bytes % 16 == 0) {
-    constexpr int U = 8;
+    constexpr int U = kCopyUnroll;
     const long long units = bytes / 16;
     for (long long c0 = first; c0 < units; c0 += static_cast<long long>(stride) * U) {
       uint4 v[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const long long c = c0 + static_cast<long long>(stride) * u;
-        if (c < units) v[u] = ld_coherent_v4(src + c * 16);
+        if (pre != nullptr && c0 == first) v[u] = pre[u];
+        else if (c < units) v[u] = ld_coherent_v4(src + c * 16);
       }
       for (int i = 0; i < n; ++i) {
         unsigned char* dst = dst_base + static_cast<long long>(rows[i]) * row_stride;
@@ -325,6 +342,7 @@ __device__ __forceinline__ void block_zero_bytes(unsigned char* base, long long 
 }
 
 __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfig cfg, DispatchArgs args) {
+  pdl_prologue();
   extern __shared__ int smem[];
   const int world = cfg.world;
   const int num_local = cfg.num_local;
@@ -415,6 +433,9 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
     const int j = item - item_start[s];
     const char* row = cfg.local_base + cfg.off_staging +
                       (static_cast<long long>(s) * cfg.max_tokens + j) * cfg.disp_row_bytes;
+    const int first = part * 32 + lane, stride = 32 * split;
+    uint4 pre[kCopyUnroll];  // payload round 0 in flight while the metadata is read and decoded
+    prefetch_section(row, cfg.disp_data_bytes, first, stride, pre);
     const char* meta = row + cfg.disp_meta_off;
     int e = -1, pos = 0;
     float w = 0.0f;
@@ -450,8 +471,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
     __syncwarp();
     if (n == 0) continue;
     const int* rows = out_rows[warp_in_block];
-    const int first = part * 32 + lane, stride = 32 * split;
-    copy_section(row, args.out_data, cfg.disp_data_bytes, cfg.disp_data_bytes, rows, n, first, stride);
+    copy_section(row, args.out_data, cfg.disp_data_bytes, cfg.disp_data_bytes, rows, n, first, stride, pre);
     if (cfg.disp_scale_bytes > 0) {
       copy_section(row + cfg.disp_scale_off, args.out_scales, cfg.disp_scale_bytes, cfg.disp_scale_bytes, rows, n,
                    first, stride);
@@ -513,20 +533,21 @@ void prepare_dispatch_kernels(const NvlinkConfig& cfg) {
 
 void launch_dispatch_send(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream) {
   const cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  cudaError_t err;
   if (cfg.disp_fmt == kDispNvfp4) {
-    dispatch_send_kernel<kDispNvfp4><<<cfg.disp_send_blocks, kCommThreads, 0, st>>>(cfg, args);
+    err = launch_kernel(dispatch_send_kernel<kDispNvfp4>, cfg.disp_send_blocks, kCommThreads, 0, st, cfg, args);
   } else if (cfg.disp_fmt == kDispMxfp8) {
-    dispatch_send_kernel<kDispMxfp8><<<cfg.disp_send_blocks, kCommThreads, 0, st>>>(cfg, args);
+    err = launch_kernel(dispatch_send_kernel<kDispMxfp8>, cfg.disp_send_blocks, kCommThreads, 0, st, cfg, args);
   } else {
-    dispatch_send_kernel<kDispBf16><<<cfg.disp_send_blocks, kCommThreads, 0, st>>>(cfg, args);
+    err = launch_kernel(dispatch_send_kernel<kDispBf16>, cfg.disp_send_blocks, kCommThreads, 0, st, cfg, args);
   }
-  check(cudaGetLastError(), "dispatch send kernel launch");
+  check(err, "dispatch send kernel launch");
 }
 
 void launch_dispatch_recv(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream) {
-  dispatch_recv_kernel<<<cfg.disp_recv_blocks, kCommThreads, recv_smem(cfg), reinterpret_cast<cudaStream_t>(stream)>>>(
-      cfg, args);
-  check(cudaGetLastError(), "dispatch receive kernel launch");
+  check(launch_kernel(dispatch_recv_kernel, cfg.disp_recv_blocks, kCommThreads, recv_smem(cfg),
+                      reinterpret_cast<cudaStream_t>(stream), cfg, args),
+        "dispatch receive kernel launch");
 }
 
 }  // namespace nvlink

@@ -18,6 +18,7 @@
 // the E experts in the same histogram.
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -38,6 +39,7 @@ __device__ __forceinline__ int load_expert(const void* idx, int is64, long long 
 __global__ void __launch_bounds__(256) layout_kernel(NvlinkConfig cfg, DispatchArgs args) {
   extern __shared__ int hist[];  // [num_warps][E + W]
   __shared__ bool last_block;
+  pdl_prologue();
   const int num_warps = blockDim.x / 32;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -130,25 +132,21 @@ __global__ void __launch_bounds__(256) layout_kernel(NvlinkConfig cfg, DispatchA
   __syncthreads();
   if (!last_block) return;
   __threadfence();
-  const int num_chunks = gridDim.x;
+  const int num_chunks = gridDim.x;  // <= kLayoutMaxChunks
   for (int c = threadIdx.x; c < num_keys_kinds; c += blockDim.x) {
     int* col = cfg.layout_base + c;
-    int run = 0;
-    int ch = 0;
-    for (; ch + 4 <= num_chunks; ch += 4) {  // four independent L2 loads in flight
-      int v[4];
+    // All chunk values of the column in flight at once (one L2 round trip instead of one per 4 chunks),
+    // then the exclusive scan in registers (same integer sums, same order).
+    int v[kLayoutMaxChunks];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) v[i] = __ldcg(col + static_cast<long long>(ch + i) * num_keys_kinds);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        col[static_cast<long long>(ch + i) * num_keys_kinds] = run;
-        run += v[i];
-      }
+    for (int ch = 0; ch < kLayoutMaxChunks; ++ch) {
+      v[ch] = ch < num_chunks ? __ldcg(col + static_cast<long long>(ch) * num_keys_kinds) : 0;
     }
-    for (; ch < num_chunks; ++ch) {
-      const int v = __ldcg(col + static_cast<long long>(ch) * num_keys_kinds);
-      col[static_cast<long long>(ch) * num_keys_kinds] = run;
-      run += v;
+    int run = 0;
+#pragma unroll
+    for (int ch = 0; ch < kLayoutMaxChunks; ++ch) {
+      if (ch < num_chunks) col[static_cast<long long>(ch) * num_keys_kinds] = run;
+      run += v[ch];
     }
     if (c < cfg.num_experts) cfg.expert_count[c] = run;
     else cfg.rank_count[c - cfg.num_experts] = run;
@@ -165,6 +163,14 @@ void check(cudaError_t err, const char* what) {
 }
 
 }  // namespace
+
+bool pdl_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("EP_COMM_NVLINK_PDL");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return enabled;
+}
 
 int layout_warps(const NvlinkConfig& cfg) {
   const size_t per_warp = static_cast<size_t>(cfg.num_experts + cfg.world) * sizeof(int);
@@ -187,8 +193,9 @@ void launch_layout(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t 
   int chunks = (args.num_tokens + args.chunk_tokens - 1) / args.chunk_tokens;
   if (chunks < 1) chunks = 1;  // T = 0: one block still bumps the epoch and writes zero counts
   if (chunks > kLayoutMaxChunks) throw std::runtime_error("ep_comm nvlink: too many layout chunks");
-  layout_kernel<<<chunks, warps * 32, layout_smem(cfg, warps), reinterpret_cast<cudaStream_t>(stream)>>>(cfg, args);
-  check(cudaGetLastError(), "layout kernel launch");
+  check(launch_kernel(layout_kernel, chunks, warps * 32, layout_smem(cfg, warps), reinterpret_cast<cudaStream_t>(stream),
+                      cfg, args),
+        "layout kernel launch");
 }
 
 }  // namespace nvlink

@@ -41,6 +41,11 @@ __device__ __forceinline__ void unpack_codes(uint2 raw, float multiplier, float 
   }
 }
 
+// Dequantize: each thread takes kUnits 8-element units kThreads apart (the 4-lane groups stay aligned: kThreads % 32 ==
+// 0) and issues all their loads before any math, for more bytes in flight per SM (measured 66.5% -> 83.0% of
+// copy on an H200; the same change made quantize slower, 44.6% -> 38.5%, so quantize keeps one unit per thread).
+constexpr int kUnits = 4;
+
 template <typename T, bool kHadamard>
 __global__ void __launch_bounds__(kThreads) s2f6_quantize_kernel(S2f6QuantizeArgs args, int64_t groups_per_row) {
   const int64_t unit = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -72,17 +77,30 @@ __global__ void __launch_bounds__(kThreads) s2f6_dequantize_kernel(const int8_t*
                                                                    const uint8_t* __restrict__ scales,
                                                                    int64_t total_units, uint32_t sign_mask,
                                                                    Out* __restrict__ out) {
-  const int64_t unit = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const bool valid = unit < total_units;
-  float v[8];
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * (kThreads * kUnits) + threadIdx.x;
+  uint2 raw[kUnits];
+  uint8_t scale[kUnits];
 #pragma unroll
-  for (int k = 0; k < 8; ++k) v[k] = 0.0f;
-  if (valid) {
-    const uint2 raw = __ldg(reinterpret_cast<const uint2*>(data) + unit);
-    unpack_codes(raw, qm::s2f6_decode_multiplier(__ldg(scales + unit / 4)), v);
+  for (int i = 0; i < kUnits; ++i) {
+    const int64_t unit = base + i * kThreads;
+    raw[i] = make_uint2(0u, 0u);
+    scale[i] = 0;
+    if (unit < total_units) {
+      raw[i] = __ldg(reinterpret_cast<const uint2*>(data) + unit);
+      scale[i] = __ldg(scales + unit / 4);
+    }
   }
-  if (kHadamard) qm::rht32_inverse_lane8(v, sign_mask, static_cast<int>(threadIdx.x % 32));
-  if (valid) vec::store_row_segment<Out, 8>(out + unit * 8, v);
+#pragma unroll
+  for (int i = 0; i < kUnits; ++i) {
+    const int64_t unit = base + i * kThreads;
+    const bool valid = unit < total_units;
+    float v[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = 0.0f;
+    if (valid) unpack_codes(raw[i], qm::s2f6_decode_multiplier(scale[i]), v);
+    if (kHadamard) qm::rht32_inverse_lane8(v, sign_mask, static_cast<int>(threadIdx.x % 32));
+    if (valid) vec::store_row_segment<Out, 8>(out + unit * 8, v);
+  }
 }
 
 template <typename Index, typename Out, bool kHadamard>
@@ -154,7 +172,7 @@ cudaError_t launch_s2f6_dequantize(const int8_t* data, const uint8_t* scales, in
   if (hidden <= 0 || hidden % 32 != 0 || num_rows < 0) return cudaErrorInvalidValue;
   const int64_t total = num_rows * (hidden / 8);
   if (total == 0) return cudaSuccess;
-  const int64_t grid = ceil_div(total, kThreads);
+  const int64_t grid = ceil_div(total, kThreads * kUnits);
   if (grid > INT32_MAX) return cudaErrorInvalidValue;
   return vec::dispatch_elem_type(out_type, [&](auto tag) {
     using Out = decltype(tag);

@@ -235,12 +235,15 @@ def test_empty_inputs():
     assert torch.equal(out.cpu(), F.s2f6_dequantize_accumulate(_cpu_s2f6(s), torch.full((2, 0), -1), impl="reference"))
 
 
-def test_out_of_range_index_is_skipped():
-    """Indices >= N are skipped like -1 (memory safety; formats.py decides whether to reject them)."""
+def test_out_of_range_index_is_rejected_and_the_kernel_skips_it():
+    """The API rejects indices outside [-1, N); the kernel itself (memory safety) skips them like -1."""
+    from ep_comm import _cuda_formats
     s = F.s2f6_quantize(torch.randn(8, 256, device=DEVICE), impl="cuda")
     index = torch.tensor([[0, 8, 3], [100, -1, 2**40]], device=DEVICE)
     clean = torch.tensor([[0, -1, 3], [-1, -1, -1]], device=DEVICE)
-    assert torch.equal(F.s2f6_dequantize_accumulate(s, index, impl="cuda"),
+    with pytest.raises(ValueError, match="row_index values"):
+        F.s2f6_dequantize_accumulate(s, index, impl="cuda")
+    assert torch.equal(_cuda_formats.s2f6_dequantize_accumulate(s, index, None, torch.bfloat16),
                        F.s2f6_dequantize_accumulate(s, clean, impl="cuda"))
 
 

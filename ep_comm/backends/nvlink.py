@@ -334,6 +334,10 @@ class NVLinkHandle:
     row_weight: torch.Tensor
     num_tokens: int
     num_rows: int
+    # Base address of the dispatch arena holding the tensors above (0: separate tensors) and the context
+    # whose section table describes it. The tensors above keep the arena alive.
+    arena: int = 0
+    owner: Any = None
 
 
 class NVLinkBackend:
@@ -358,6 +362,7 @@ class NVLinkBackend:
         self.device = torch.cuda.current_device()
         self.layout = _RegionLayout.of(config)
         self._sync_check = os.environ.get("EP_COMM_SYNC_CHECK", "0") == "1"
+        self._arena_tables = {}
         self._destroyed = False
 
         self.region = _SymmetricRegion(group, self.layout.total_bytes)
@@ -485,6 +490,29 @@ class NVLinkBackend:
             torch.cuda.current_stream().synchronize()
             self.check()
 
+    def _arena_table(self, num_tokens: int):
+        """Cached per T: (total bytes, bytes of the int32 block, int32 split sizes, index in that split of
+        the 13 four-byte sections, byte range of the payload (2) and of the scales (3))."""
+        table = self._arena_tables.get(num_tokens)
+        if table is None:
+            offs, nbytes, total = self._ctx.dispatch_arena_layout(num_tokens)
+            word_sections = [i for i in range(len(offs)) if i not in (2, 3)]
+            words_end = offs[2]
+            sizes, pick, pos = [], {}, 0
+            for i in sorted(word_sections, key=lambda j: offs[j]):
+                if offs[i] % 4 or nbytes[i] % 4 or offs[i] + nbytes[i] > words_end or offs[i] < pos:
+                    raise RuntimeError("unexpected nvlink dispatch arena layout")
+                if offs[i] > pos:  # alignment gap
+                    sizes.append((offs[i] - pos) // 4)
+                pick[i] = len(sizes)
+                sizes.append(nbytes[i] // 4)
+                pos = offs[i] + nbytes[i]
+            if words_end > pos:
+                sizes.append((words_end - pos) // 4)
+            table = (total, words_end, sizes, pick, (offs[2], offs[2] + nbytes[2]), (offs[3], offs[3] + nbytes[3]))
+            self._arena_tables[num_tokens] = table
+        return table
+
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
         self._check_alive()
         self.check()
@@ -498,42 +526,43 @@ class NVLinkBackend:
         topk_idx = topk_idx.contiguous()
         topk_weights = topk_weights.contiguous().float()
         dev = x.device
-        h, k, w, t_max = cfg.hidden, cfg.num_topk, self.world, cfg.max_tokens_per_rank
+        h, k = cfg.hidden, cfg.num_topk
         rows = cfg.max_recv_rows
-        num_local = cfg.num_local_experts
-        i32 = dict(dtype=torch.int32, device=dev)
-
-        send_idx = torch.empty(num_tokens, k, **i32)
-        send_w = torch.empty(num_tokens, k, dtype=torch.float32, device=dev)
+        # One allocation per call: every output and handle tensor is a view of a fresh uint8 arena (the
+        # section table comes from the C++ side, which derives the same addresses from the arena base).
+        total, words_end, sizes, pick, data_range, scale_range = self._arena_table(num_tokens)
+        arena = torch.empty(total, dtype=torch.uint8, device=dev)
+        parts = arena[:words_end].view(torch.int32).split(sizes)
+        f32 = torch.float32
+        send_idx = parts[pick[0]].view(num_tokens, k)
+        send_w = parts[pick[1]].view(f32).view(num_tokens, k)
+        data = arena[data_range[0]:data_range[1]]
         if cfg.dispatch_format == "nvfp4":
-            data = torch.empty(rows, h // 2, dtype=torch.uint8, device=dev)
-            scales = torch.empty(rows, h // 16, dtype=torch.uint8, device=dev)
-            amax = torch.empty(rows, dtype=torch.float32, device=dev)
-            amax_ptr = amax.data_ptr()
+            data = data.view(rows, h // 2)
+            scales = arena[scale_range[0]:scale_range[1]].view(rows, h // 16)
+            amax = parts[pick[4]].view(f32)
         elif cfg.dispatch_format == "mxfp8":
-            data = torch.empty(rows, h, dtype=torch.uint8, device=dev)
-            scales = torch.empty(rows, h // 32, dtype=torch.uint8, device=dev)
-            amax, amax_ptr = None, 0
+            data = data.view(rows, h)
+            scales = arena[scale_range[0]:scale_range[1]].view(rows, h // 32)
+            amax = None
         else:
-            data = torch.empty(rows, h, dtype=torch.bfloat16, device=dev)
-            scales, amax, amax_ptr = None, None, 0
-        num_per_expert = torch.empty(num_local, **i32)
-        expert_offsets = torch.empty(num_local + 1, **i32)
-        src_rank = torch.empty(rows, **i32)
-        src_token = torch.empty(rows, **i32)
-        topk_slot = torch.empty(rows, **i32)
-        topk_weight = torch.empty(rows, dtype=torch.float32, device=dev)
-        recv_count = torch.empty(w, **i32)
-        recv_tok = torch.empty(w * t_max, **i32)
-        recv_ord = torch.empty(w * t_max, **i32)
-        recv_rows = torch.empty(w * t_max * k, **i32)
+            data = data.view(torch.bfloat16).view(rows, h)
+            scales, amax = None, None
+        num_per_expert = parts[pick[5]]
+        expert_offsets = parts[pick[6]]
+        src_rank = parts[pick[7]]
+        src_token = parts[pick[8]]
+        topk_slot = parts[pick[9]]
+        topk_weight = parts[pick[10]].view(f32)
+        recv_count = parts[pick[11]]
+        recv_tok = parts[pick[12]]
+        recv_ord = parts[pick[13]]
+        recv_rows = parts[pick[14]]
 
-        self._ctx.dispatch(
-            x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype == torch.int64, topk_weights.data_ptr(), num_tokens,
-            send_idx.data_ptr(), send_w.data_ptr(), data.data_ptr(), scales.data_ptr() if scales is not None else 0,
-            amax_ptr, num_per_expert.data_ptr(), expert_offsets.data_ptr(), src_rank.data_ptr(),
-            src_token.data_ptr(), topk_slot.data_ptr(), topk_weight.data_ptr(), rows, recv_count.data_ptr(),
-            recv_tok.data_ptr(), recv_ord.data_ptr(), recv_rows.data_ptr(), torch.cuda.current_stream().cuda_stream)
+        arena_ptr = arena.data_ptr()
+        self._ctx.dispatch_arena(x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype == torch.int64,
+                                 topk_weights.data_ptr(), num_tokens, arena_ptr,
+                                 torch.cuda.current_stream().cuda_stream)
         self._after_call()
 
         from .. import formats
@@ -547,7 +576,7 @@ class NVLinkBackend:
             payload = data
         handle = NVLinkHandle(send_idx=send_idx, send_w=send_w, recv_count=recv_count, recv_tok=recv_tok,
                               recv_ord=recv_ord, recv_rows=recv_rows, row_weight=topk_weight,
-                              num_tokens=num_tokens, num_rows=rows)
+                              num_tokens=num_tokens, num_rows=rows, arena=arena_ptr, owner=self._ctx)
         return DispatchResult(x=payload, num_tokens_per_expert=num_per_expert, expert_offsets=expert_offsets,
                               src_rank=src_rank, src_token=src_token, topk_slot=topk_slot, topk_weight=topk_weight,
                               handle=handle, num_rows=rows)
@@ -564,6 +593,11 @@ class NVLinkBackend:
                              f"{expert_out.dtype} {tuple(expert_out.shape)}")
         expert_out = expert_out.contiguous()
         out = torch.empty(handle.num_tokens, cfg.hidden, dtype=torch.bfloat16, device=expert_out.device)
+        if handle.arena and handle.owner is self._ctx:  # handle tensors are sections of one dispatch arena
+            self._ctx.combine_arena(expert_out.data_ptr(), handle.arena, handle.num_tokens, bool(local_reduce),
+                                    out.data_ptr(), torch.cuda.current_stream().cuda_stream)
+            self._after_call()
+            return out
         self._ctx.combine(expert_out.data_ptr(), handle.row_weight.data_ptr(), bool(local_reduce),
                           handle.recv_count.data_ptr(), handle.recv_tok.data_ptr(), handle.recv_ord.data_ptr(),
                           handle.recv_rows.data_ptr(), handle.send_idx.data_ptr(), handle.send_w.data_ptr(),
