@@ -82,21 +82,21 @@ if [ "$mode" = final2 ]; then
   say "formats kernels (gpu tier)"
   timeout 120 python3 -m pytest -q -rs tests/test_formats_cuda.py > "$OUT/pytest.txt" 2>&1
   tail -3 "$OUT/pytest.txt" | tee -a "$log"
-  say "nvlink + reference suite (multigpu tier), PDL on (default)"
+  say "nvlink + reference suite (multigpu tier), PDL off (default)"
   timeout 200 python3 -m pytest -q -rs tests/test_nvlink.py tests/test_reference_backend.py -k "not gloo" >> "$OUT/pytest.txt" 2>&1
   tail -3 "$OUT/pytest.txt" | tee -a "$log"
-  say "nvlink suite, PDL off"
-  EP_COMM_NVLINK_PDL=0 timeout 150 python3 -m pytest -q -rs tests/test_nvlink.py -k "oracle or reference or pressure" >> "$OUT/pytest.txt" 2>&1
+  say "nvlink suite, PDL on"
+  EP_COMM_NVLINK_PDL=1 timeout 150 python3 -m pytest -q -rs tests/test_nvlink.py -k "oracle or reference or pressure" >> "$OUT/pytest.txt" 2>&1
   tail -3 "$OUT/pytest.txt" | tee -a "$log"
   say "formats bench"
   timeout 90 python3 bench/bench_formats.py --out "$OUT/bench_formats.json" 2>&1 | tail -14 | tee -a "$log"
-  say "dispatch/combine bench, PDL on"
+  say "dispatch/combine bench, PDL off (default)"
   timeout 150 python3 bench/bench_dispatch_combine.py --nproc 2 --out "$OUT/bench_dispatch_combine.json" > "$OUT/bench_dc.txt" 2>&1
   grep -E "graph|ceiling|reference .* 4096" "$OUT/bench_dc.txt" | tee -a "$log"
-  say "dispatch/combine bench, PDL off"
-  EP_COMM_NVLINK_PDL=0 timeout 90 python3 bench/bench_dispatch_combine.py --nproc 2 --tokens 128,4096 --formats nvfp4/s2f6,bf16/bf16 --no-reference --no-ceiling --out "$OUT/bench_dc_nopdl.json" 2>&1 | grep graph | tee -a "$log"
-  say "profile, PDL off (per-kernel times without early-launch overlap)"
-  EP_COMM_NVLINK_PDL=0 timeout 90 python3 bench/profile_nvlink.py --out "$OUT/profile.json" 2>&1 | grep -v -i warn | grep -v "return func" | tail -20 | tee -a "$log"
+  say "dispatch/combine bench, PDL on"
+  EP_COMM_NVLINK_PDL=1 timeout 90 python3 bench/bench_dispatch_combine.py --nproc 2 --tokens 128,4096 --formats nvfp4/s2f6,bf16/bf16 --no-reference --no-ceiling --out "$OUT/bench_dc_pdl.json" 2>&1 | grep graph | tee -a "$log"
+  say "profile (per-kernel times)"
+  timeout 90 python3 bench/profile_nvlink.py --out "$OUT/profile.json" 2>&1 | grep -v -i warn | grep -v "return func" | tail -20 | tee -a "$log"
   say "main job"
   timeout 60 python3 -m ep_comm.bench --out "$OUT/bench_main.json" 2>&1 | tail -5 | tee -a "$log"
 fi

@@ -194,13 +194,13 @@ constexpr int kCommThreads = 512;
 // that touches memory. Stream semantics are therefore unchanged; only the launch latency of the next
 // kernel is hidden behind the tail of the current one. The dependent grid is released only once every
 // block of the primary has started, so waiting dependents never keep primary blocks from running.
-// EP_COMM_NVLINK_PDL=0 turns the launch attribute off (the device instructions are then no-ops).
+// EP_COMM_NVLINK_PDL=1 turns the launch attribute on (default off; without it the device instructions are no-ops).
 __device__ __forceinline__ void pdl_prologue() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
-bool pdl_enabled();  // nvlink_layout.cu: EP_COMM_NVLINK_PDL (default 1), read once
+bool pdl_enabled();  // nvlink_layout.cu: EP_COMM_NVLINK_PDL (default 0), read once
 
 template <typename... KernelArgs, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(KernelArgs...), int grid, int block, size_t smem, cudaStream_t stream,
