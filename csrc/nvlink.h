@@ -27,6 +27,8 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 #if defined(__CUDACC__)
 #include <cuda_runtime.h>
@@ -187,6 +189,14 @@ void host_mapped_free(uintptr_t host_ptr);
 constexpr int kCommThreads = 512;
 
 #if defined(__CUDACC__)
+// Host side of the kernel files: a failed CUDA call becomes a C++ exception (pybind11 turns it into a Python
+// RuntimeError naming the step).
+inline void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("ep_comm nvlink: ") + what + ": " + cudaGetErrorString(err));
+  }
+}
+
 // ------------------------------------------------------------------------------------------------------
 // Programmatic dependent launch (sm_90): every nvlink kernel is launched with programmatic stream
 // serialization, lets its dependent grid launch at once (launch_dependents) and waits for the full

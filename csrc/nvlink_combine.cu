@@ -23,10 +23,6 @@ namespace {
 
 using namespace ep_comm::qm;
 
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string("ep_comm nvlink: ") + what + ": " + cudaGetErrorString(err));
-}
-
 __device__ __forceinline__ void bf16x16_to_float(const uint4& a, const uint4& b, float* out) {
   const unsigned int w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
@@ -425,13 +421,13 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
 }  // namespace
 
 void launch_combine_send(const NvlinkConfig& cfg, const CombineArgs& args, uintptr_t stream) {
-  check(launch_kernel(combine_send_kernel, cfg.comb_send_blocks, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream),
+  check_cuda(launch_kernel(combine_send_kernel, cfg.comb_send_blocks, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream),
                       cfg, args),
         "combine send kernel launch");
 }
 
 void launch_combine_recv(const NvlinkConfig& cfg, const CombineArgs& args, uintptr_t stream) {
-  check(launch_kernel(combine_recv_kernel, cfg.comb_recv_blocks, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream),
+  check_cuda(launch_kernel(combine_recv_kernel, cfg.comb_recv_blocks, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream),
                       cfg, args),
         "combine receive kernel launch");
 }

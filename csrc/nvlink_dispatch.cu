@@ -28,10 +28,6 @@ namespace {
 
 using namespace ep_comm::qm;
 
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string("ep_comm nvlink: ") + what + ": " + cudaGetErrorString(err));
-}
-
 __device__ __forceinline__ void bf16x8_to_float(const uint4& v, float* out) {
   const unsigned int w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -525,7 +521,7 @@ size_t recv_smem(const NvlinkConfig& cfg) {
 void prepare_dispatch_kernels(const NvlinkConfig& cfg) {
   const size_t smem = recv_smem(cfg);
   if (smem > 48 * 1024) {
-    check(cudaFuncSetAttribute(dispatch_recv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    check_cuda(cudaFuncSetAttribute(dispatch_recv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(smem)),
           "cudaFuncSetAttribute(dispatch_recv)");
   }
@@ -541,11 +537,11 @@ void launch_dispatch_send(const NvlinkConfig& cfg, const DispatchArgs& args, uin
   } else {
     err = launch_kernel(dispatch_send_kernel<kDispBf16>, cfg.disp_send_blocks, kCommThreads, 0, st, cfg, args);
   }
-  check(err, "dispatch send kernel launch");
+  check_cuda(err, "dispatch send kernel launch");
 }
 
 void launch_dispatch_recv(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream) {
-  check(launch_kernel(dispatch_recv_kernel, cfg.disp_recv_blocks, kCommThreads, recv_smem(cfg),
+  check_cuda(launch_kernel(dispatch_recv_kernel, cfg.disp_recv_blocks, kCommThreads, recv_smem(cfg),
                       reinterpret_cast<cudaStream_t>(stream), cfg, args),
         "dispatch receive kernel launch");
 }

@@ -158,10 +158,6 @@ size_t layout_smem(const NvlinkConfig& cfg, int warps) {
   return static_cast<size_t>(warps) * (cfg.num_experts + cfg.world) * sizeof(int);
 }
 
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string("ep_comm nvlink: ") + what + ": " + cudaGetErrorString(err));
-}
-
 }  // namespace
 
 // Off by default: on 2xH200 (2026-11-29) programmatic dependent launch made NVFP4 dispatch slower at 4096
@@ -184,7 +180,7 @@ int layout_warps(const NvlinkConfig& cfg) {
 
 void prepare_layout_kernel(const NvlinkConfig& cfg) {
   const int warps = layout_warps(cfg);
-  check(cudaFuncSetAttribute(layout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  check_cuda(cudaFuncSetAttribute(layout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(layout_smem(cfg, warps))),
         "cudaFuncSetAttribute(layout)");
 }
@@ -195,7 +191,7 @@ void launch_layout(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t 
   int chunks = (args.num_tokens + args.chunk_tokens - 1) / args.chunk_tokens;
   if (chunks < 1) chunks = 1;  // T = 0: one block still bumps the epoch and writes zero counts
   if (chunks > kLayoutMaxChunks) throw std::runtime_error("ep_comm nvlink: too many layout chunks");
-  check(launch_kernel(layout_kernel, chunks, warps * 32, layout_smem(cfg, warps), reinterpret_cast<cudaStream_t>(stream),
+  check_cuda(launch_kernel(layout_kernel, chunks, warps * 32, layout_smem(cfg, warps), reinterpret_cast<cudaStream_t>(stream),
                       cfg, args),
         "layout kernel launch");
 }

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Optional
 
 _C = None
@@ -32,3 +33,13 @@ def require_cuda_extension(what: str):
             "Build it with nvcc present (`EP_COMM_BUILD_CUDA=1 pip install -e .`), or use backend='reference' / "
             "impl='reference'.")
     return _C
+
+
+_warned = set()
+
+
+def warn_once(message: str) -> None:
+    """A RuntimeWarning shown once per process: fallbacks are announced, never silent, and never spam."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)

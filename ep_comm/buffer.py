@@ -1,22 +1,12 @@
 """`ep_comm.Buffer`: the user-facing dispatch/combine object of one expert-parallel process group."""
 from __future__ import annotations
 
-import warnings
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
+from ._ext import warn_once
 from .formats import _is_capturing
 from .types import BACKENDS, BufferConfig, BufferSizes, DispatchResult
-
-_warned_fallbacks = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned_fallbacks:
-        _warned_fallbacks.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 class Buffer:
@@ -94,7 +84,7 @@ class Buffer:
             reason = next(f"rank {r}: {why}" for r, (ok, why) in enumerate(votes) if not ok)
             if backend == "nvlink":
                 raise RuntimeError(f"backend='nvlink' is unavailable: {reason}")
-            _warn_once(f"ep_comm: using the reference backend (torch.distributed all_to_all) because the nvlink "
+            warn_once(f"ep_comm: using the reference backend (torch.distributed all_to_all) because the nvlink "
                        f"backend is unavailable: {reason}")
             return ReferenceBackend(self.group, self.config, format_impl=format_impl)
         return NVLinkBackend(self.group, self.config)

@@ -8,7 +8,6 @@ import torch.distributed as dist
 
 import ep_comm
 from oracle import Case, expected_combine, expected_dispatch, make_inputs, run_expert
-from ep_comm.backends.reference import pack_dispatch_payload
 
 
 def _device(backend_kind: str):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-import warnings
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -111,13 +110,6 @@ class _RegionLayout:
 # ----------------------------------------------------------------------------------------------------------
 _nvshmem_lock = threading.Lock()
 _nvshmem_state = {"initialized": False, "group_ranks": None, "error": None}
-_warned = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _group_ranks(group) -> Tuple[int, ...]:
@@ -210,7 +202,7 @@ class _SymmetricRegion:
             if mode == "nvshmem":
                 raise RuntimeError(f"EP_COMM_PEER_MEMORY=nvshmem but NVSHMEM is unusable: {why_not}")
             if mode == "auto":
-                _warn_once(f"ep_comm nvlink: using CUDA IPC peer memory (single node only) because NVSHMEM is "
+                _ext.warn_once(f"ep_comm nvlink: using CUDA IPC peer memory (single node only) because NVSHMEM is "
                            f"unavailable: {why_not}")
             self._open_ipc()
 
