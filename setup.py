@@ -12,6 +12,7 @@ Environment:
   EP_COMM_NVCC_THREADS parallel compile jobs (default: number of CPUs).
   CUDA_HOME            CUDA install (default: the directory above `nvcc` on PATH, or /usr/local/cuda).
 """
+import hashlib
 import os
 import shutil
 import subprocess
@@ -53,27 +54,63 @@ class CudaBuild(build_ext):
 
     def build_extension(self, ext):
         mode = os.environ.get("EP_COMM_BUILD_CUDA", "auto").lower()
+        if mode not in ("auto", "0", "1"):
+            raise RuntimeError(f"EP_COMM_BUILD_CUDA must be auto, 0 or 1, got {mode!r}")
+        if mode == "0":
+            print("ep_comm: EP_COMM_BUILD_CUDA=0; installing the pure-Python package without ep_comm._C")
+            self._record_failure(ext, "not built: EP_COMM_BUILD_CUDA=0 at install time")
+            return
         cuda_home = find_cuda_home()
         nvcc = cuda_home / "bin" / "nvcc" if cuda_home else None
         if nvcc is None or not nvcc.exists():
             if mode == "1":
                 raise RuntimeError("EP_COMM_BUILD_CUDA=1 but nvcc was not found (set CUDA_HOME)")
             print("ep_comm: nvcc not found; installing the pure-Python package without ep_comm._C")
+            self._record_failure(ext, "not built: nvcc was not found at install time (set CUDA_HOME)")
             return
         try:
             self._build(ext, cuda_home, nvcc)
-        except Exception:
+            for path in self._error_files(ext):
+                path.unlink(missing_ok=True)
+        except Exception as error:
             if mode == "1":
                 raise
-            print("ep_comm: building ep_comm._C FAILED (EP_COMM_BUILD_CUDA=auto); the pure-Python package is "
-                  "installed and `import ep_comm` reports why the CUDA path is unavailable", file=sys.stderr)
-            raise
+            self._record_failure(ext, f"building ep_comm._C failed: {type(error).__name__}: {error}")
+            print(f"ep_comm: building ep_comm._C FAILED ({error}); installing the pure-Python package "
+                  "(EP_COMM_BUILD_CUDA=auto). `import ep_comm` reports why the CUDA path is unavailable; "
+                  "EP_COMM_BUILD_CUDA=1 makes this an error.", file=sys.stderr)
+
+    def _error_files(self, ext):
+        # Next to the package: in the build tree (wheels) and in the source tree (editable installs).
+        return [Path(self.get_ext_fullpath(ext.name)).parent / "_C_build_error.txt",
+                ROOT / "ep_comm" / "_C_build_error.txt"]
+
+    def _record_failure(self, ext, reason: str) -> None:
+        """Leave the reason where `import ep_comm` finds it, and remove stale modules, so an old build is
+        never imported in place of the one that was not made."""
+        Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
+        for stale in (ROOT / "ep_comm").glob("_C.*"):
+            stale.unlink()
+        for path in self._error_files(ext):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(reason + "\n")
+
+    def copy_extensions_to_source(self):
+        # In-place builds copy the module into the source tree; skip it when the build failed (auto mode).
+        built = [e for e in self.extensions
+                 if (Path(self.build_lib) / self.get_ext_filename(self.get_ext_fullname(e.name))).exists()]
+        self.extensions, everything = built, self.extensions
+        try:
+            super().copy_extensions_to_source()
+        finally:
+            self.extensions = everything
 
     def _build(self, ext, cuda_home, nvcc):
         import pybind11
 
         archs = os.environ.get("EP_COMM_CUDA_ARCHS", "90a").replace(",", ";").split(";")
-        build_dir = Path(self.build_temp) / "ep_comm_C"
+        # Objects are reused only for the same arch list (a different list gets its own folder).
+        build_dir = Path(self.build_temp) / ("ep_comm_C_" + hashlib.sha1(";".join(archs).encode()).hexdigest()[:10])
         build_dir.mkdir(parents=True, exist_ok=True)
         includes = [f"-I{ROOT / 'csrc'}", f"-I{cuda_home / 'include'}", f"-I{pybind11.get_include()}",
                     f"-I{sysconfig.get_paths()['include']}"]

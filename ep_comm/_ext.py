@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import warnings
 from typing import Optional
 
@@ -19,10 +20,15 @@ def cuda_extension_available() -> bool:
 
 
 def cuda_extension_error() -> Optional[str]:
-    """The original import error of `ep_comm._C`, or None when it loaded."""
+    """The original import error of `ep_comm._C` (and the build failure setup.py recorded, if any), or None."""
     if _IMPORT_ERROR is None:
         return None
-    return f"{type(_IMPORT_ERROR).__name__}: {_IMPORT_ERROR}"
+    message = f"{type(_IMPORT_ERROR).__name__}: {_IMPORT_ERROR}"
+    build_error = os.path.join(os.path.dirname(__file__), "_C_build_error.txt")
+    if os.path.exists(build_error):
+        with open(build_error) as handle:
+            message += f" ({handle.read().strip()})"
+    return message
 
 
 def require_cuda_extension(what: str):
