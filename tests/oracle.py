@@ -114,8 +114,11 @@ def expected_dispatch(case: Case, rank: int, world: int, inputs) -> ExpectedDisp
     return ExpectedDispatch(entries=entries, payload_rows=payload_rows)
 
 
-def expected_combine(case: Case, rank: int, world: int, inputs, local_reduce: bool) -> torch.Tensor:
-    """bf16 [T, H] that combine must return on `rank`, computed token by token."""
+def expected_combine(case: Case, rank: int, world: int, inputs, local_reduce: bool, expert_fn=None) -> torch.Tensor:
+    """bf16 [T, H] that combine must return on `rank`, computed token by token.
+
+    expert_fn(payload, expert) -> bf16 [1, H] replaces the toy expert (payload: the token's received row in the
+    dispatch format, e.g. an NVFP4Tensor of one row)."""
     num_local = case.num_experts // world
     x, topk_idx, weights = inputs[rank]
     out = torch.zeros(x.shape[0], case.hidden, dtype=torch.bfloat16)
@@ -128,14 +131,15 @@ def expected_combine(case: Case, rank: int, world: int, inputs, local_reduce: bo
         return row_fp32.to(torch.bfloat16).float()
 
     for token in range(x.shape[0]):
-        dq = dequantize_payload(unpack_dispatch_payload(
-            pack_dispatch_payload(x[token:token + 1], case.dispatch_format, "reference"), case.dispatch_format,
-            case.hidden), case.dispatch_format)
+        payload = unpack_dispatch_payload(pack_dispatch_payload(x[token:token + 1], case.dispatch_format, "reference"),
+                                          case.dispatch_format, case.hidden)
+        dq = dequantize_payload(payload, case.dispatch_format)
         expert_out = {}
         for slot in range(case.num_topk):
             expert = int(topk_idx[token, slot])
             if expert >= 0:
-                expert_out[slot] = case_expert_function(case, dq, torch.tensor([expert]))[0].float()
+                row = expert_fn(payload, expert) if expert_fn else case_expert_function(case, dq, torch.tensor([expert]))
+                expert_out[slot] = row[0].float()
         acc = torch.zeros(case.hidden)
         if local_reduce:
             for dst in range(world):
