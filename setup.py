@@ -28,13 +28,18 @@ ROOT = Path(__file__).resolve().parent
 
 
 def find_cuda_home():
+    """CUDA_HOME if set; else the toolkit of the `nvcc` on PATH, or /usr/local/cuda. A candidate counts only with
+    both bin/nvcc and include/cuda_runtime.h (an `nvcc` on PATH may be a wrapper script outside the toolkit)."""
     if os.environ.get("CUDA_HOME"):
         return Path(os.environ["CUDA_HOME"])
+    candidates = []
     nvcc = shutil.which("nvcc")
     if nvcc:
-        return Path(nvcc).resolve().parent.parent
-    if Path("/usr/local/cuda/bin/nvcc").exists():
-        return Path("/usr/local/cuda")
+        candidates.append(Path(nvcc).resolve().parent.parent)
+    candidates.append(Path("/usr/local/cuda"))
+    for home in candidates:
+        if (home / "bin" / "nvcc").exists() and (home / "include" / "cuda_runtime.h").exists():
+            return home
     return None
 
 
