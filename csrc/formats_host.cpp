@@ -80,9 +80,10 @@ static void mxfp8_block(const float* x, bool stochastic, uint32_t key, int64_t i
   for (int j = 0; j < 32; ++j) amax = qm::qm_max(amax, qm::qm_abs(x[j]));
   const uint8_t scale = qm::ue8m0_mxfp8_scale(amax);
   const float p = qm::ue8m0_inverse(scale);
+  const qm::RbitsBlock hash = qm::rbits_block(key, static_cast<uint64_t>(index0));  // index0 % 32 == 0
   for (int j = 0; j < 32; ++j) {
     float v = qm::qm_mul(x[j], p);
-    if (stochastic) v = qm::sr_e4m3(v, qm::rbits(key, static_cast<uint64_t>(index0 + j)));
+    if (stochastic) v = qm::sr_e4m3(v, qm::rbits_in_block(hash, static_cast<uint32_t>(j)));
     codes[j] = qm::e4m3_encode(v);
   }
   *scale_out = scale;
@@ -204,6 +205,16 @@ int64_t exhaustive_check(ExhaustiveCheck check, uint32_t stride) {
           const uint32_t fast = qm::float_bits(qm::sr_e4m3(x, r));
           const uint32_t slow = qm::float_bits(qm::sr_e4m3_definition(x, r));
           if (fast != slow && !(qm::qm_isnan(x))) ++mismatches;
+        }
+      }
+      // The per-block split of rbits (rbits_block / rbits_in_block) against rbits itself: block bases
+      // bits * 32 with high words 0, the sampled bits, and all ones.
+      const uint32_t key = qm::fmix32(static_cast<uint32_t>(bits) ^ 0x2545F491u);
+      for (uint64_t hi : {uint64_t{0}, bits, uint64_t{0xFFFFFFFFu}}) {
+        const uint64_t base = (hi << 32) | ((bits * 32u) & 0xFFFFFFFFu);
+        const qm::RbitsBlock hash = qm::rbits_block(key, base);
+        for (uint32_t j = 0; j < 32; ++j) {
+          if (qm::rbits_in_block(hash, j) != qm::rbits(key, base + j)) ++mismatches;
         }
       }
     }

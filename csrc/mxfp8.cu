@@ -17,9 +17,12 @@ constexpr int kThreads = 256;
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Encodes 32 fp32 values with the block's encode multiplier p = 2^(127 - b); SR draws rbits(key, index0 + j).
+// index0 is a multiple of 32 (row * K + column with K % 32 == 0; k * R + rb with R % 32 == 0), so the hash
+// work shared by the block's 32 indices is done once (rbits_block / rbits_in_block: the same bits).
 template <bool kStochastic>
 __device__ __forceinline__ void mxfp8_encode32(const float x[32], float p, uint32_t key, int64_t index0,
                                                uint4 out[2]) {
+  const qm::RbitsBlock hash = qm::rbits_block(key, static_cast<uint64_t>(index0));
   uint32_t words[8];
 #pragma unroll
   for (int w = 0; w < 8; ++w) {
@@ -27,7 +30,7 @@ __device__ __forceinline__ void mxfp8_encode32(const float x[32], float p, uint3
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       v[k] = qm::qm_mul(x[4 * w + k], p);
-      if (kStochastic) v[k] = qm::sr_e4m3(v[k], qm::rbits(key, static_cast<uint64_t>(index0 + 4 * w + k)));
+      if (kStochastic) v[k] = qm::sr_e4m3(v[k], qm::rbits_in_block(hash, static_cast<uint32_t>(4 * w + k)));
     }
     words[w] = static_cast<uint32_t>(qm::e4m3x2_encode(v[0], v[1])) |
                (static_cast<uint32_t>(qm::e4m3x2_encode(v[2], v[3])) << 16);
@@ -101,7 +104,10 @@ __global__ void __launch_bounds__(kThreads) mxfp8_dequantize_kernel(const uint8_
 
 // NVFP4 [R, K] -> MXFP8 [K, R]. A CTA takes a tile of kTileRows input rows x kTileCols columns:
 //  phase 1: thread t dequantizes input row r0 + t (32 code bytes, 4 scales) into smem, transposed;
-//  phase 2: each (output row k, 32-row block) pair is one MX block: amax, scale, encode, 32-byte store.
+//  phase 2: each (output row k, 32-row block) pair is one MX block: amax, scale, encode, 32-byte store;
+//  phase 3: the tile's 4 scale bytes of each output row k (row blocks r0/32 .. r0/32 + 3, adjacent in
+//           out_scales) go out as one 4-byte store (when the tile is full and R % 128 == 0, so the word is
+//           aligned) instead of 4 byte stores R/32 bytes apart.
 // The smem row pitch kTileRows + 1 keeps both phases free of bank conflicts.
 constexpr int kTileRows = 128;
 constexpr int kTileCols = 64;
@@ -113,6 +119,7 @@ __global__ void __launch_bounds__(kTileRows) nvfp4_to_mxfp8_transposed_kernel(
     int64_t num_rows, int64_t hidden, float e4m3_max, uint32_t key, uint8_t* __restrict__ out_data,
     uint8_t* __restrict__ out_scales) {
   __shared__ float tile[kTileCols * kTilePitch];
+  __shared__ uint32_t tile_scales[kTileCols];  // byte j of word c: scale of output row k0 + c, row block j
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTileRows;
   const int64_t k0 = static_cast<int64_t>(blockIdx.y) * kTileCols;
   const int t = threadIdx.x;
@@ -155,7 +162,22 @@ __global__ void __launch_bounds__(kTileRows) nvfp4_to_mxfp8_transposed_kernel(
     uint8_t* dst = out_data + k * num_rows + rb;
     vec::store16(dst, codes[0]);
     vec::store16(dst + 16, codes[1]);
-    out_scales[k * (num_rows / 32) + rb / 32] = scale;
+    reinterpret_cast<uint8_t*>(tile_scales)[col * 4 + row_block] = scale;
+  }
+  __syncthreads();
+
+  constexpr int kRowBlocks = kTileRows / 32;
+  if (t < kTileCols && k0 + t < hidden) {
+    const int64_t k = k0 + t;
+    const int64_t row_blocks = num_rows / 32;
+    uint8_t* dst = out_scales + k * row_blocks + r0 / 32;
+    const uint32_t word = tile_scales[t];
+    if (r0 + kTileRows <= num_rows && row_blocks % kRowBlocks == 0 &&
+        (reinterpret_cast<uintptr_t>(out_scales) & 3u) == 0) {
+      *reinterpret_cast<uint32_t*>(dst) = word;  // r0 / 32 is a multiple of 4: aligned
+    } else {
+      for (int j = 0; j < kRowBlocks && r0 + 32 * j < num_rows; ++j) dst[j] = static_cast<uint8_t>(word >> (8 * j));
+    }
   }
 }
 

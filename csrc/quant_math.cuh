@@ -375,17 +375,59 @@ QM_HD float sr_e4m3_definition(float v, uint32_t r) {
   return bits_float(float_bits(mag) | (float_bits(v) & 0x80000000u));
 }
 
-// Same result, on the integer pipes for a = |v| in [2^-6, 448] or 0: there t = a / ulp = 8 + m / 2^20 (m the
-// fp32 mantissa), so the discarded fraction's top 16 bits are bits 19..4 of a, and adding one ulp is adding
-// 1 << 20 to the bit pattern (a carry into the exponent is the next binade's 8 * ulp). No float<->int
-// conversions (quarter-rate on the GPU). Checked against sr_e4m3_definition by host_exhaustive_check.
+// a + offset rounded toward zero, for offset = 0 (any a >= 0: exact, a itself) or offset = 2^-6 with
+// a in [0, 2^-6) (the exact sum lies in [2^-6, 2^-5), whose ulp is 2^-29, so the result is
+// 2^-6 + floor(a * 2^29) * 2^-29, i.e. the bits 0x3C800000 + floor(a * 2^29)). The device uses the IEEE
+// round-toward-zero add; the host writes that value out (a * 2^29 < 2^23 is exact, the cast truncates).
+QM_HD float add_offset_rz(float a, float offset) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rz(a, offset);
+#else
+  return offset == 0.0f ? a : bits_float(0x3C800000u + static_cast<uint32_t>(a * 536870912.0f));
+#endif
+}
+
+// Same result as sr_e4m3_definition for every v and r, branch-free, on the integer pipes (no float<->int
+// conversions, quarter-rate on the GPU). With a = min(|v|, 448):
+//  * a in [2^-6, 448] (offset 0, w = bits(a)): t = a / ulp = 8 + m / 2^20 (m the fp32 mantissa), so lo and the
+//    16 fraction bits D are bits 22..20 and 19..4 of a; ((w >> 4) + r16) >> 16 is (w >> 20) + (D + r16 >= 2^16),
+//    and shifting it back by 20 adds one ulp (1 << 20) exactly when rounding up (a carry into the exponent is
+//    the next binade's 8 * ulp, correct).
+//  * a in [0, 2^-6) (E = -6, ulp = 2^-9): w = bits(2^-6 + floor(a 2^29) 2^-29) (add_offset_rz), so
+//    w >> 4 = 0x03C80000 + floor(a 2^25) with floor(a 2^25) = lo * 2^16 + D (lo = floor(a 2^9)); the same
+//    integer steps give bits(2^-6 + (lo + up) 2^-9), and subtracting 2^-6 is exact (Sterbenz): (lo + up) ulp.
+//    a = 0 gives 0 (D = 0, lo = 0).
+//  * NaN v returns v (the definition's NaN rule); +-Inf clamps to 448 like the definition.
+// Checked against sr_e4m3_definition over fp32 bit patterns by host_exhaustive_check ("sr_e4m3").
 QM_HD float sr_e4m3(float v, uint32_t r) {
   const float a = qm_min(qm_abs(v), 448.0f);
-  const uint32_t a_bits = float_bits(a);
-  if (qm_isnan(v) || (a_bits != 0u && a_bits < 0x3C800000u)) return sr_e4m3_definition(v, r);
-  const uint32_t round_up = (((a_bits >> 4) & 0xFFFFu) + (r & 0xFFFFu)) >> 16;
-  const uint32_t mag_bits = (a_bits & ~0xFFFFFu) + (round_up << 20);
-  return bits_float(mag_bits | (float_bits(v) & 0x80000000u));
+  const float offset = a < 0x1p-6f ? 0x1p-6f : 0.0f;
+  const uint32_t w = float_bits(add_offset_rz(a, offset));
+  const uint32_t mag_bits = (((w >> 4) + (r & 0xFFFFu)) >> 16) << 20;
+  const float mag = qm_sub(bits_float(mag_bits), offset);
+  const float out = bits_float(float_bits(mag) | (float_bits(v) & 0x80000000u));
+  return qm_isnan(v) ? v : out;
+}
+
+// rbits(key, base + j) for base % 32 == 0 and j < 32 (one MX block), with the work shared by the block's 32
+// indices done once. Exact: the low word of base + j is lo | j = lo ^ j (lo = low word of base, a multiple
+// of 32; no carry), the high word is base's; so fmix32's input is h = (lo ^ key) ^ j, and since j < 2^16,
+// h >> 16 = (lo ^ key) >> 16: its first step h ^ (h >> 16) is c ^ j with c = (lo ^ key) ^ ((lo ^ key) >> 16).
+struct RbitsBlock {
+  uint32_t c;
+  uint32_t hi;
+};
+QM_HD RbitsBlock rbits_block(uint32_t key, uint64_t base) {
+  const uint32_t h = static_cast<uint32_t>(base) ^ key;
+  return RbitsBlock{h ^ (h >> 16), static_cast<uint32_t>(base >> 32)};
+}
+QM_HD uint32_t rbits_in_block(const RbitsBlock& block, uint32_t j) {
+  uint32_t h = block.c ^ j;  // fmix32 of (low word ^ key), after its first step
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  h ^= h >> 16;
+  return fmix32(h ^ block.hi);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -518,9 +560,108 @@ QM_HD void add_e2m1_signs(const float x[16], uint32_t nibbles[2]) {
   for (int i = 0; i < 16; ++i) nibbles[i / 8] |= e2m1_sign(x[i]) << (4 * (i % 8));
 }
 
+// The 4/6 choice exactly as NUMERICS writes it: both candidates' codes and errors, map-4 iff err_4 < err_6.
+// Kept as the definition: the fast path below falls back to it, and the host tests compare against it.
+// Returns use4; words4 gets map-4's magnitude nibbles, words map-6's.
+QM_HD bool nvfp4_four_over_six_exact(const float x[16], uint8_t s6, uint8_t s4, float s_dec, float amax,
+                                     float six_m, uint32_t words[2], uint32_t words4[2]) {
+  const float err6 = nvfp4_candidate(x, s6, s_dec, amax, six_m, words);
+  const float err4 = nvfp4_candidate(x, s4, s_dec, amax, six_m, words4);
+  return err4 < err6;  // NaN compares false: map-6
+}
+
+// Fast 4/6 candidate: the exact E2M1 values r_i of the 16 magnitudes (as nvfp4_candidate rounds them) and an
+// approximate error A = fma-chain over i of t_i^2, t_i = f(f(r_i * g) - |x_i|), g = f(f(s * amax) * f(1 / 6M)).
+// ~11 operations per element instead of ~20 (no Markstein division, no separate square and tree add; codes
+// are made afterwards for the chosen candidate only, e2m1_pack_values).
+QM_HD float nvfp4_candidate_approx(const float x[16], float inv, float g, float rounded[16]) {
+  float acc = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float ax = qm_abs(x[i]);
+    e2m1_round_magnitude(qm_mul(ax, inv), &rounded[i]);
+    const float t = qm_sub(qm_mul(rounded[i], g), ax);
+    acc = qm_fma(t, t, acc);
+  }
+  return acc;
+}
+
+// Magnitude nibbles of 16 E2M1 values r in {0, 0.5, 1, 1.5, 2, 3, 4, 6}: code = bits(r * 2^-126) >> 22.
+// Exact: r * 2^-126 is representable (0.5 * 2^-126 = 2^-127 is the subnormal 0x00400000; others are normal
+// 2^(e-126) (1 + m/2), e in {0, 1, 2}, exponent field e + 1, mantissa bit 22 = m), so bits >> 22 is 1 for
+// 0.5, 2e + 2 + m otherwise, 0 for 0: the E2M1 code. Needs no subnormal flushing (none here).
+QM_HD void e2m1_pack_values(const float rounded[16], uint32_t nibbles[2]) {
+  nibbles[0] = 0u;
+  nibbles[1] = 0u;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    nibbles[i / 8] |= (float_bits(qm_mul(rounded[i], 0x1p-126f)) >> 22) << (4 * (i % 8));
+  }
+}
+
+// Whether the fast 4/6 path's error bound (proof below) holds for a candidate with scale value `scale`:
+// 6M is 1536 or 2688, amax is finite, and every nonzero numerator n = f(f(r * s) * amax), r in [0.5, 6], lies
+// in [2^-100, FLT_MAX] (so n, n / 6M, g and r * g are normal fp32 numbers), or s = 0 (then d = g = 0 exactly).
+QM_HD bool nvfp4_approx_applies(float scale, float amax, float six_m) {
+  const float n_min = qm_mul(qm_mul(0.5f, scale), amax);
+  const float n_max = qm_mul(qm_mul(6.0f, scale), amax);
+  const bool known_divisor = six_m == 1536.0f || six_m == 2688.0f;
+  return known_divisor && (n_min >= 0x1p-100f || scale == 0.0f) && n_max <= kFltMax;
+}
+
+// Bound B >= |err - A| for one candidate (err as NUMERICS computes it, A from nvfp4_candidate_approx):
+// B = f(f(f(A * 2^-15) + f(f(g * g) * 2^-16)) + 2^-120). Proof: see nvfp4_quantize_block16_words.
+QM_HD float nvfp4_approx_bound(float approx, float g) {
+  return qm_add(qm_add(qm_mul(approx, 0x1p-15f), qm_mul(qm_mul(g, g), 0x1p-16f)), 0x1p-120f);
+}
+
 // Quantize one 16-element block with precomputed outer scales into two packed words (bytes 0-3, 4-7) and
 // the E4M3 scale byte. `amax` is the outer amax (the 4/6 error is measured in the input domain, which needs
 // it), `e4m3_max` is M.
+//
+// 4/6 selection: the same codes, scales and choices as nvfp4_four_over_six_exact (the NUMERICS formula) for
+// every input, cheaper in three steps:
+//  (1) s4 == s6: both candidates are the same computation, err_4 == err_6 bit for bit (or both NaN), so
+//      err_4 < err_6 is false: map-6, one candidate computed.
+//  (2) Otherwise, when nvfp4_approx_applies to both scales, the exact codes of both candidates and an
+//      approximate error A_k (nvfp4_candidate_approx) with a rigorous bound B_k >= |err_k - A_k|. With
+//      D = f(A_6 - A_4), D' = f(A_4 - A_6), S = f(B_4 + B_6): D > 2S proves err_4 < err_6 (map-4), D' > 2S
+//      proves err_4 > err_6 (map-6). Only near-ties (|err_4 - err_6| within ~2^-12 relative) remain.
+//  (3) Anything else (near-ties, Inf/NaN elements or amax, unusual M, extreme scales): the exact formula.
+//
+// Proof of B_k >= |err_k - A_k| (u = 2^-24; every quantity of one candidate, s > 0 first; s = 0 is below).
+//  Let a_i = |x_i| (finite: otherwise A or the bound is Inf/NaN and the comparisons in (2) are false), r_i
+//  the E2M1 value (the same in both computations), G = s * amax / 6M (real), delta_i = r_i * G (real),
+//  e_i = delta_i - a_i. The applicability test makes n_i = f(r_i s amax) (r_i s is exact) and the quotient
+//  normal, so d_i = f(n_i / 6M) = delta_i (1 + alpha_i), |alpha_i| <= (1+u)^2 - 1; likewise
+//  g = f(f(s amax) f(1/6M)) = G (1 + beta) and p_i = f(r_i g) = delta_i (1 + pi_i), |pi_i| <= (1+u)^4 - 1
+//  (for r_i = 0 both are exactly 0). Let D_i = d_i - a_i, P_i = p_i - a_i (real), W = sum D_i^2,
+//  V = sum P_i^2, h = 6 G ((1+u)^2 + (1+u)^4 - 2) <= 36.001 u G >= |D_i - P_i| (r_i <= 6).
+//  * err = tree_sum f(f(D_i (1+eps))^2): a subtraction has relative error <= u (exact when the result is
+//    subnormal), the square relative u plus absolute 2^-150 if it underflows, each of the 4 tree levels
+//    adds non-negative numbers with relative error u. So |err - W| <= rho W + c, rho = (1+u)^7 - 1,
+//    c = 16 * 2^-150 (1+u)^4.
+//  * A = sequential fma chain of 16 squares of t_i = P_i (1+eps): each fma rounds a non-negative exact
+//    t^2 + acc once (relative u, or absolute 2^-150 when subnormal): |A - V| <= rho' V + c',
+//    rho' = (1+u)^18 - 1, c' = 16 * 2^-150 (1+u)^16.
+//  * |W - V| <= sum |D_i - P_i| |D_i + P_i| <= sum h (2 |P_i| + h) <= 8 h sqrt(V) + 16 h^2 (Cauchy-Schwarz:
+//    sum |P_i| <= 4 sqrt(V)) <= lambda V + 16 h^2 (1 + 1/lambda) with lambda = 2^-16 (AM-GM:
+//    8 h sqrt(V) <= lambda V + 16 h^2 / lambda).
+//  * |err - A| <= (1+rho)|W - V| + (rho + rho') V + c + c'
+//              <= V ((1+rho) lambda + rho + rho') + 16 h^2 (1+rho)(1 + 1/lambda) + c + c'
+//              <= 1.675e-5 V + 4.83e-6 G^2 + 2^-144, and V <= (A + c') / (1 - rho'), so
+//    |err - A| <= 1.676e-5 A + 4.83e-6 G^2 + 2^-143.
+//  * The computed B: f(A 2^-15) >= 3.05e-5 A (1-u) - 2^-150 covers the first term. If g >= 2^-53, g*g and
+//    its 2^-16 multiple are normal: f(f(g g) 2^-16) >= 1.52e-5 G^2 (1-u)^7 > 4.83e-6 G^2 (g = G (1+beta),
+//    |beta| <= (1+u)^3 - 1); if g < 2^-53, 4.83e-6 G^2 < 2^-123 is covered by the 2^-120 term, as is
+//    2^-143 + 2^-150. Adding non-negative terms loses at most a factor (1-u)^2, far inside the margins.
+//    Hence B >= |err - A|.
+//  * s = 0: G = g = 0, so d_i = p_i = 0 exactly, D_i = P_i = -a_i, h = 0 and the same bounds hold.
+// Decision: if D = f(A_6 - A_4) > 2S (2S exact or Inf), then A_6 - A_4 >= D / (1+u) > 2S / (1+u)
+//  >= 2 (1-u)(B_4 + B_6) / (1+u) > B_4 + B_6, so err_4 <= A_4 + B_4 < A_6 - B_6 <= err_6: map-4, as the exact
+//  formula. Symmetrically D' > 2S gives err_4 > err_6: map-6. Inf/NaN anywhere makes both tests false.
+// Checked against the exact formula on random and adversarial blocks (ties, e4m3 boundaries, all-equal,
+// outliers, subnormals) by tests/test_formats_host.py (host_nvfp4_quantize vs the torch reference).
 QM_HD void nvfp4_quantize_block16_words(const float x[16], const Nvfp4Outer& outer, float amax, float e4m3_max,
                                         bool four_over_six, uint32_t words[2], uint8_t* scale_byte) {
   const float block_amax = block_amax16(x);
@@ -540,18 +681,49 @@ QM_HD void nvfp4_quantize_block16_words(const float x[16], const Nvfp4Outer& out
   }
   const float six_m = qm_mul(6.0f, e4m3_max);
   const float base = qm_mul(qm_div(block_amax, 6.0f), outer.s_enc);
-  const uint8_t s6 = e4m3_encode(qm_min(base, 448.0f));
-  const uint8_t s4 = e4m3_encode(qm_min(qm_mul(1.5f, base), 448.0f));
-  uint32_t words4[2];
-  const float err6 = nvfp4_candidate(x, s6, outer.s_dec, amax, six_m, words);
-  const float err4 = nvfp4_candidate(x, s4, outer.s_dec, amax, six_m, words4);
-  const bool use4 = err4 < err6;  // NaN compares false: map-6
+  // Both scale bytes in one conversion (same bits as two e4m3_encode calls; base is never NaN: block_amax
+  // ignores NaN and S_enc is finite and nonzero).
+  const uint16_t scale_pair = e4m3x2_encode(qm_min(base, 448.0f), qm_min(qm_mul(1.5f, base), 448.0f));
+  const uint8_t s6 = static_cast<uint8_t>(scale_pair & 0xFFu);
+  const uint8_t s4 = static_cast<uint8_t>(scale_pair >> 8);
+  uint32_t words4[2] = {0u, 0u};
+  bool use4 = false;     // exact path: take words4 (map-4's nibbles)
+  bool chosen4 = false;  // the scale choice
+  bool decided = false;
+  const float scale6 = e4m3_decode(s6);
+  const float scale4 = e4m3_decode(s4);
+  if (nvfp4_approx_applies(scale6, amax, six_m) && nvfp4_approx_applies(scale4, amax, six_m)) {
+    const float inv_six_m = qm_div(1.0f, six_m);
+    const float g6 = qm_mul(qm_mul(scale6, amax), inv_six_m);
+    float r6[16];
+    const float approx6 = nvfp4_candidate_approx(x, nvfp4_block_inverse(s6, outer.s_dec), g6, r6);
+    if (s4 == s6) {
+      decided = true;  // step (1): identical candidates, map-6
+      e2m1_pack_values(r6, words);
+    } else {
+      const float g4 = qm_mul(qm_mul(scale4, amax), inv_six_m);
+      float r4[16];
+      const float approx4 = nvfp4_candidate_approx(x, nvfp4_block_inverse(s4, outer.s_dec), g4, r4);
+      const float twice_bound = qm_mul(2.0f, qm_add(nvfp4_approx_bound(approx4, g4), nvfp4_approx_bound(approx6, g6)));
+      chosen4 = qm_sub(approx6, approx4) > twice_bound;
+      decided = chosen4 || qm_sub(approx4, approx6) > twice_bound;
+      if (decided) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) r6[i] = chosen4 ? r4[i] : r6[i];
+        e2m1_pack_values(r6, words);  // the chosen candidate's codes
+      }
+    }
+  }
+  if (!decided) {
+    use4 = nvfp4_four_over_six_exact(x, s6, s4, outer.s_dec, amax, six_m, words, words4);
+    chosen4 = use4;
+  }
   if (use4) {
     words[0] = words4[0];
     words[1] = words4[1];
   }
   add_e2m1_signs(x, words);
-  *scale_byte = use4 ? s4 : s6;
+  *scale_byte = chosen4 ? s4 : s6;
 }
 
 QM_HD void nvfp4_quantize_block16_outer(const float x[16], const Nvfp4Outer& outer, float amax, float e4m3_max,

@@ -258,3 +258,86 @@ def test_bf16_and_fp16_inputs_match_reference():
         assert_same_mx(C.host_mxfp8_quantize(xd, "stochastic", 8),
                        F.mxfp8_quantize(xd, rounding="stochastic", seed=8, impl="reference"), f"mxfp8 {dtype}")
         assert_same_mx(C.host_s2f6_quantize(xd), F.s2f6_quantize(xd, impl="reference"), f"s2f6 {dtype}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 4/6 selection: the fast path (approximate errors with a proven bound, exact fallback) against the NUMERICS
+# formula on adversarial blocks
+# ----------------------------------------------------------------------------------------------------------
+def _adversarial_four_over_six_blocks(g: torch.Generator) -> torch.Tensor:
+    """[N, 16] blocks: random, ties between the two candidates, E4M3 scale boundaries, all-equal, outliers,
+    subnormal-range, coarse (bf16 / small-integer) values."""
+    blocks = []
+    n = 4096
+    blocks.append(torch.randn(n, 16, generator=g))
+    blocks.append(torch.randn(n, 16, generator=g).to(torch.bfloat16).float())
+    blocks.append(torch.randint(-6, 7, (n, 16), generator=g).float())               # many exact ties
+    blocks.append(torch.randint(-12, 13, (n, 16), generator=g).float() * 0.25)
+    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0.75, 2.25, 4.5, 9])            # both candidates' grids
+    blocks.append(grid[torch.randint(0, len(grid), (n, 16), generator=g)] * torch.where(
+        torch.rand(n, 16, generator=g) < 0.5, -1.0, 1.0))
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.375, 1.125, 1.875, 2.625, 3.75, 5.25, 6.0])
+    blocks.append(mids[torch.randint(0, len(mids), (n, 16), generator=g)])        # rounding ties
+    equal = torch.exp2(torch.empty(n, 1).uniform_(-30, 30, generator=g)) * torch.rand(n, 1, generator=g)
+    blocks.append(equal.expand(n, 16).clone())                                    # all-equal
+    outlier = torch.randn(n, 16, generator=g) * 1e-3
+    outlier[:, 0] = 1.0
+    blocks.append(outlier[:, torch.randperm(16, generator=g)])
+    lone = torch.zeros(n, 16)
+    lone[:, 5] = torch.exp2(torch.empty(n).uniform_(-20, 20, generator=g))
+    blocks.append(lone)
+    blocks.append(torch.randn(n, 16, generator=g) * torch.exp2(torch.randint(-8, 8, (n, 16), generator=g).float()))
+    blocks.append(torch.zeros(64, 16))
+    blocks.append(torch.randn(n, 16, generator=g) * 1e-40)                          # fp32 subnormals
+    return torch.cat(blocks)
+
+
+def _four_over_six_amax_cases(x: torch.Tensor, g: torch.Generator):
+    """Per-block outer amax: the block's own, larger (small / subnormal E4M3 block scales, scale-boundary
+    ratios), and stale smaller ones."""
+    own = x.abs().amax(dim=-1)
+    n = x.shape[0]
+    tie_ratios = e4m3_tie_points()
+    tie_ratios = tie_ratios[(tie_ratios > 0) & (tie_ratios < 460)]
+    # base = f(a_b / 6) * f(1536 / amax) lands at or next to an E4M3 rounding boundary (for s6 or s4).
+    pick = tie_ratios[torch.randint(0, len(tie_ratios), (n,), generator=g)]
+    for_s4 = torch.rand(n, generator=g) < 0.5
+    boundary = own * 256.0 / torch.where(for_s4, pick / 1.5, pick)
+    return [
+        own,
+        own * torch.exp2(torch.empty(n).uniform_(0, 20, generator=g)),
+        own * torch.exp2(torch.empty(n).uniform_(8, 12, generator=g)),   # E4M3-subnormal block scales
+        boundary,
+        own * torch.empty(n).uniform_(0.05, 1.0, generator=g),           # stale (smaller) amax: saturation
+    ]
+
+
+def test_four_over_six_fast_path_matches_formula():
+    g = torch.Generator().manual_seed(46)
+    x = _adversarial_four_over_six_blocks(g)
+    ties = near = 0
+    for amax in _four_over_six_amax_cases(x, g):
+        amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax)).float()
+        expected = F.nvfp4_quantize(x, four_over_six=True, amax=amax, impl="reference")
+        actual = C.host_nvfp4_quantize(x, True, amax=amax)
+        assert_same_nvfp4(actual, expected, "4/6 adversarial")
+        err6, err4 = C.host_nvfp4_four_over_six_errors(x, amax, 256.0)
+        finite = torch.isfinite(err6) & torch.isfinite(err4) & (err6 > 0)
+        ties += int(((err4 == err6) & finite).sum())
+        near += int((((err4 - err6).abs() < 1e-3 * err6) & (err4 != err6) & finite).sum())
+    # The data must exercise the exact fallback: exact ties and near-ties that no bound can decide.
+    assert ties > 100 and near > 10, (ties, near)
+
+
+def test_four_over_six_fast_path_exhaustive_small_blocks():
+    """Every block of 16 values drawn from a small alphabet pattern: 4 distinct magnitudes in {0, .., 7} / 2
+    placed by a fixed pattern, times powers of two, with the block's own amax and 3 larger ones."""
+    mags = torch.arange(8, dtype=torch.float32) / 2
+    combos = torch.cartesian_prod(mags, mags, mags, mags)                      # 4096 4-tuples
+    pattern = torch.tensor([0, 1, 2, 3, 0, 0, 1, 1, 2, 2, 3, 3, 3, 2, 1, 0])
+    x = combos[:, pattern]
+    x = torch.cat([x * s for s in (1.0, 2.0**-20, 2.0**20)])
+    own = x.abs().amax(dim=-1)
+    for amax in (own, own * 1.5, own * 7.3, own * 300.0):
+        expected = F.nvfp4_quantize(x, four_over_six=True, amax=amax, impl="reference")
+        assert_same_nvfp4(C.host_nvfp4_quantize(x, True, amax=amax), expected, "4/6 small alphabet")
