@@ -103,23 +103,25 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
   const int hidden = cfg.hidden;
   const int world = cfg.world;
 
-  // The sources' combine areas hold the previous combine's rows until they have read them.
-  block_wait_all_peers(cfg, cfg.off_comb_consumed, (epoch - 1ull) * cfg.comb_recv_blocks,
-                       kStageCombineWaitConsumed, epoch);
-
   // Received tokens per source, and the largest count. Items are interleaved over sources (slot
   // f = j * W + rotated source) so that every phase of the kernel mixes rows bound for NVLink with rows
   // for the local combine area: the NVLink stores overlap the local HBM reads and the RHT/S2F6 math
   // instead of following them (source-major order ran the local half first, then the remote half).
+  // recv_count is this rank's own dispatch handle: it is read before the wait below, by the highest
+  // threads (the wait polls with the lowest ones), so the load overlaps the flag poll; the wait's closing
+  // __syncthreads publishes item_start and max_count.
   __shared__ int max_count;
   if (threadIdx.x == 0) max_count = 0;
   __syncthreads();
-  for (int s = threadIdx.x; s < world; s += blockDim.x) {
+  for (int s = static_cast<int>(blockDim.x - 1u - threadIdx.x); s < world; s += blockDim.x) {
     const int cnt = args.recv_count[s];
     item_start[s] = cnt;
     atomicMax(&max_count, cnt);
   }
-  __syncthreads();
+
+  // The sources' combine areas hold the previous combine's rows until they have read them.
+  block_wait_all_peers(cfg, cfg.off_comb_consumed, (epoch - 1ull) * cfg.comb_recv_blocks,
+                       kStageCombineWaitConsumed, epoch);
 
   const int warps_per_block = blockDim.x / 32;
   const int warp_in_block = threadIdx.x / 32;
@@ -266,8 +268,6 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
   const int topk = cfg.topk;
   const int hidden = cfg.hidden;
 
-  block_wait_all_peers(cfg, cfg.off_comb_ready, epoch * cfg.comb_send_blocks, kStageCombineWaitReady, epoch);
-
   const int warps_per_block = blockDim.x / 32;
   const int warp_in_block = threadIdx.x / 32;
   const int global_warp = blockIdx.x * warps_per_block + warp_in_block;
@@ -281,9 +281,9 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
   constexpr int U = 4;  // combine rows loaded before accumulating (order of the sum unchanged)
   const bool s2f6 = cfg.comb_fmt == kCombS2f6;
 
-  for (long long fp = global_warp; fp < num_parts; fp += num_warps) {
-    const int t = static_cast<int>(fp / split);
-    const int part = static_cast<int>(fp - static_cast<long long>(t) * split);
+  // Terms of token t (this rank's own routing, local data): the combine rows to sum, in order, into this
+  // warp's shared-memory list, and their count. Whole warp calls.
+  auto load_terms = [&](int t) -> int {
     int e = -1;
     float w = 0.0f;
     if (lane < topk) {
@@ -291,7 +291,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
       w = args.send_w[static_cast<long long>(t) * topk + lane];
     }
     int n;
-    __syncwarp();
+    __syncwarp();  // the previous item's readers are done with the list
     if (args.local_reduce) {
       int ordinal;
       distinct_rank_info(e >= 0 ? e / cfg.num_local : -1, topk, lane, -1, &ordinal, &n);
@@ -309,6 +309,20 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
       }
     }
     __syncwarp();
+    return n;
+  };
+
+  // The warp's first token's terms are prepared before waiting for the expert ranks' rows (they only need
+  // this rank's routing), so that work overlaps the wait.
+  int n = 0;
+  if (global_warp < num_parts) n = load_terms(static_cast<int>(global_warp / split));
+
+  block_wait_all_peers(cfg, cfg.off_comb_ready, epoch * cfg.comb_send_blocks, kStageCombineWaitReady, epoch);
+
+  for (long long fp = global_warp; fp < num_parts; fp += num_warps) {
+    const int t = static_cast<int>(fp / split);
+    const int part = static_cast<int>(fp - static_cast<long long>(t) * split);
+    if (fp != global_warp) n = load_terms(t);
     unsigned short* out_row = args.out + static_cast<long long>(t) * hidden;
     // Software pipeline: the first P rows of the next column group are loaded before the current group is
     // decoded, accumulated and inverse-transformed (P = 2 covers every row of a 2-rank local_reduce token).

@@ -64,9 +64,11 @@ __device__ __forceinline__ uint4 quantize_nvfp4_chunk32(const unsigned char* src
 }
 
 // Row amax of a bf16 row (NaN ignored, Inf kept) by the whole warp: bf16x2 max, exact (max is order-free,
-// so four independent accumulators give the same bits as one).
+// so U independent accumulators give the same bits as one). U = 8 loads in flight per lane: an H = 7168 row
+// (28 pieces per lane) takes 4 dependent load rounds instead of 7, which is the amax latency of a small
+// call (every warp of a token computes the whole row's amax before quantizing its part).
 __device__ __forceinline__ float warp_row_amax(const unsigned char* row, int hidden, int lane) {
-  constexpr int U = 4;
+  constexpr int U = 8;
   __nv_bfloat162 acc[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) acc[u] = __floats2bfloat162_rn(0.0f, 0.0f);
@@ -109,6 +111,51 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
   const int hidden = cfg.hidden;
   const int num_keys_kinds = cfg.num_experts + cfg.world;
 
+  __shared__ char* dest_rows[kCommThreads / 32][kMaxTopk];
+  const int warps_per_block = blockDim.x / 32;
+  const int warp_in_block = threadIdx.x / 32;
+  const int global_warp = blockIdx.x * warps_per_block + warp_in_block;
+  const int num_warps = gridDim.x * warps_per_block;
+  const long long staging_base = cfg.off_staging + static_cast<long long>(cfg.rank) * cfg.max_tokens * cfg.disp_row_bytes;
+  // Units of 16 output bytes per row: NVFP4 32 elements, MXFP8 16 elements, BF16 8 elements.
+  const int units = kFmt == kDispNvfp4 ? hidden / 32 : (kFmt == kDispMxfp8 ? hidden / 16 : hidden / 8);
+  const int split = split_factor(args.num_tokens, num_warps, (units + 31) / 32);
+  const long long num_items = static_cast<long long>(args.num_tokens) * split;
+
+  // Routing of an item's token (lane k < K: expert, staging slot at the destination, position in the
+  // expert, weight) and, for NVFP4, the token's row amax (every part needs the whole row's). Local data
+  // only (layout kernel outputs and x); whole warp calls.
+  auto load_item = [&](long long item, int& e, int& slot, int& pos, float& w, float& amax) {
+    const int t = static_cast<int>(item / split);
+    const long long q = static_cast<long long>(t) * topk + lane;
+    const int* chunk_base = cfg.layout_base + static_cast<long long>(t / args.chunk_tokens) * num_keys_kinds;
+    e = -1;
+    slot = -1;
+    pos = -1;
+    w = 0.0f;
+    if (lane < topk) {
+      e = args.send_idx[q];
+      slot = cfg.scratch_slot[q];
+      if (e >= 0) {
+        pos = cfg.scratch_pos[q] + chunk_base[e];
+        if (slot >= 0) slot += chunk_base[cfg.num_experts + e / cfg.num_local];
+      }
+      w = args.send_w[q];
+    }
+    amax = 0.0f;
+    if (kFmt == kDispNvfp4) {
+      const unsigned char* xrow = reinterpret_cast<const unsigned char*>(args.x) + static_cast<long long>(t) * hidden * 2;
+      amax = warp_row_amax(xrow, hidden, lane);
+    }
+  };
+
+  // The warp's first item is read before the wait below: only the stores into the destinations' staging
+  // rows (and block 0's count stores) must wait until the previous dispatch there has been consumed, so the
+  // routing loads and the NVFP4 amax overlap the flag poll (or a wait for a late peer).
+  int e = -1, slot = -1, pos = -1;
+  float w = 0.0f, token_amax = 0.0f;
+  if (global_warp < num_items) load_item(global_warp, e, slot, pos, w, token_amax);
+
   // The destinations' staging areas still hold the previous dispatch until they have read it.
   block_wait_all_peers(cfg, cfg.off_disp_consumed, (epoch - 1ull) * cfg.disp_recv_blocks,
                        kStageDispatchWaitConsumed, epoch);
@@ -124,33 +171,10 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
     }
   }
 
-  __shared__ char* dest_rows[kCommThreads / 32][kMaxTopk];
-  const int warps_per_block = blockDim.x / 32;
-  const int warp_in_block = threadIdx.x / 32;
-  const int global_warp = blockIdx.x * warps_per_block + warp_in_block;
-  const int num_warps = gridDim.x * warps_per_block;
-  const long long staging_base = cfg.off_staging + static_cast<long long>(cfg.rank) * cfg.max_tokens * cfg.disp_row_bytes;
-  // Units of 16 output bytes per row: NVFP4 32 elements, MXFP8 16 elements, BF16 8 elements.
-  const int units = kFmt == kDispNvfp4 ? hidden / 32 : (kFmt == kDispMxfp8 ? hidden / 16 : hidden / 8);
-  const int split = split_factor(args.num_tokens, num_warps, (units + 31) / 32);
-  const long long num_items = static_cast<long long>(args.num_tokens) * split;
-
   for (long long item = global_warp; item < num_items; item += num_warps) {
+    if (item != global_warp) load_item(item, e, slot, pos, w, token_amax);
     const int t = static_cast<int>(item / split);
     const int part = static_cast<int>(item - static_cast<long long>(t) * split);
-    const long long q = static_cast<long long>(t) * topk + lane;
-    const int* chunk_base = cfg.layout_base + static_cast<long long>(t / args.chunk_tokens) * num_keys_kinds;
-    int e = -1, slot = -1, pos = -1;
-    float w = 0.0f;
-    if (lane < topk) {
-      e = args.send_idx[q];
-      slot = cfg.scratch_slot[q];
-      if (e >= 0) {
-        pos = cfg.scratch_pos[q] + chunk_base[e];
-        if (slot >= 0) slot += chunk_base[cfg.num_experts + e / cfg.num_local];
-      }
-      w = args.send_w[q];
-    }
     const unsigned int dest_mask = __ballot_sync(0xFFFFFFFFu, slot >= 0);
     if (dest_mask == 0u) continue;  // every slot masked: the token goes nowhere
     // Destination row addresses, compacted into this warp's shared-memory list (read by every lane
@@ -165,11 +189,9 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
     char* const* rows = dest_rows[warp_in_block];
 
     const unsigned char* xrow = reinterpret_cast<const unsigned char*>(args.x) + static_cast<long long>(t) * hidden * 2;
-    float token_amax = 0.0f;
     const int unit_stride = 32 * split;
 
     if (kFmt == kDispNvfp4) {
-      token_amax = warp_row_amax(xrow, hidden, lane);  // every part needs the whole row's amax
       const Nvfp4Outer outer = nvfp4_outer_scales(token_amax, 256.0f);
 #pragma unroll 1
       for (int c = part * 32 + lane; c < units; c += unit_stride) {
