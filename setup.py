@@ -49,6 +49,10 @@ def gencode_flags(archs):
         arch = arch.strip()
         if not arch:
             continue
+        if arch == "90":
+            # Hopper's wgmma (the NVFP4 grouped GEMM) exists only in the arch-specific target: a plain sm_90 build
+            # would compile that kernel to a trap.
+            raise ValueError("EP_COMM_CUDA_ARCHS: use 90a for Hopper (plain 90 has no wgmma)")
         # The -gencode form: `-arch=sm_90a` would also run a plain sm_90 pass that rejects wgmma.
         flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
     return flags

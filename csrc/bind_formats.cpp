@@ -33,7 +33,8 @@ void check(cudaError_t status, const char* what) {
 
 void nvfp4_quantize(uintptr_t x, int x_type, int64_t x_row_stride, int64_t num_rows, int64_t hidden, uintptr_t amax_in,
                     float e4m3_max, bool four_over_six, uintptr_t data, int64_t data_row_stride, uintptr_t scales,
-                    int64_t scales_row_stride, uintptr_t amax_out, uintptr_t dst_rows, uintptr_t stream) {
+                    int64_t scales_row_stride, uintptr_t amax_out, uintptr_t dst_rows, uintptr_t stream,
+                    uintptr_t num_rows_limit) {
   ep_comm::Nvfp4QuantizeArgs args;
   args.x = ptr<const void>(x);
   args.x_type = x_type;
@@ -49,6 +50,7 @@ void nvfp4_quantize(uintptr_t x, int x_type, int64_t x_row_stride, int64_t num_r
   args.scales_row_stride = scales_row_stride;
   args.amax_out = ptr<float>(amax_out);
   args.dst_rows = ptr<const int64_t>(dst_rows);
+  args.num_rows_limit = ptr<const int32_t>(num_rows_limit);
   check(ep_comm::launch_nvfp4_quantize(args, as_stream(stream)), "nvfp4_quantize");
 }
 
@@ -235,18 +237,19 @@ void register_formats(py::module_& m) {
   m.def("nvfp4_quantize", &nvfp4_quantize, release, py::arg("x"), py::arg("x_type"), py::arg("x_row_stride"),
         py::arg("num_rows"), py::arg("hidden"), py::arg("amax_in"), py::arg("e4m3_max"), py::arg("four_over_six"),
         py::arg("data"), py::arg("data_row_stride"), py::arg("scales"), py::arg("scales_row_stride"),
-        py::arg("amax_out"), py::arg("dst_rows"), py::arg("stream"),
-        "NVFP4 quantize rows (4/6 or plain); amax_in 0 = per-row amax computed; dst_rows 0 = identity");
+        py::arg("amax_out"), py::arg("dst_rows"), py::arg("stream"), py::arg("num_rows_limit") = 0,
+        "NVFP4 quantize rows (4/6 or plain); amax_in 0 = per-row amax computed; dst_rows 0 = identity; "
+        "num_rows_limit: 0 or a device int32 row count (rows past it are skipped)");
   m.def("nvfp4_dequantize",
         [](uintptr_t data, uintptr_t scales, uintptr_t amax, int64_t num_rows, int64_t hidden, float e4m3_max,
-           uintptr_t out, int out_type, uintptr_t stream) {
+           uintptr_t out, int out_type, uintptr_t stream, uintptr_t num_rows_limit) {
           check(ep_comm::launch_nvfp4_dequantize(ptr<const uint8_t>(data), ptr<const uint8_t>(scales),
                                                  ptr<const float>(amax), num_rows, hidden, e4m3_max, ptr<void>(out),
-                                                 out_type, as_stream(stream)),
+                                                 out_type, as_stream(stream), ptr<const int32_t>(num_rows_limit)),
                 "nvfp4_dequantize");
         },
         release, py::arg("data"), py::arg("scales"), py::arg("amax"), py::arg("num_rows"), py::arg("hidden"),
-        py::arg("e4m3_max"), py::arg("out"), py::arg("out_type"), py::arg("stream"));
+        py::arg("e4m3_max"), py::arg("out"), py::arg("out_type"), py::arg("stream"), py::arg("num_rows_limit") = 0);
   m.def("mxfp8_quantize", &mxfp8_quantize, release, py::arg("x"), py::arg("x_type"), py::arg("x_row_stride"),
         py::arg("num_rows"), py::arg("hidden"), py::arg("stochastic"), py::arg("seed"), py::arg("data"),
         py::arg("data_row_stride"), py::arg("scales"), py::arg("scales_row_stride"), py::arg("stream"));

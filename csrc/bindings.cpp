@@ -20,9 +20,10 @@ int visible_device_count() {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "ep_comm CUDA core (torch-free): quantization kernels and NVLink dispatch/combine";
+  m.doc() = "ep_comm CUDA core (torch-free): quantization kernels, NVLink dispatch/combine, NVFP4 grouped GEMM";
   m.def("visible_device_count", &visible_device_count, "CUDA devices visible to this process (0 without a GPU)");
   m.attr("cuda_runtime_version") = CUDART_VERSION;
   register_formats(m);
   register_nvlink(m);
+  register_gemm(m);
 }

@@ -45,12 +45,18 @@ struct Nvfp4QuantizeArgs {
   int64_t scales_row_stride = 0;
   float* amax_out = nullptr;   // may be null unless amax_in is null and hidden > 65536
   const int64_t* dst_rows = nullptr;
+  // Optional device-side row count (e.g. expert_offsets[E] of a dispatch layout): rows >= *num_rows_limit are
+  // skipped (their outputs are not written), so a capacity-sized buffer costs only its rows in use.
+  const int32_t* num_rows_limit = nullptr;
 };
 cudaError_t launch_nvfp4_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t stream);
 
 // out[i, j] = e2m1(q) * final_b with final_b = f(f(s_b * amax_i) * f(1 / (6 M))), rounded to out_type.
+// amax == nullptr: out[i, j] = e2m1(q) * s_b (block values without the outer scale; exact in fp16).
+// num_rows_limit (optional, device): rows >= *num_rows_limit are not written.
 cudaError_t launch_nvfp4_dequantize(const uint8_t* data, const uint8_t* scales, const float* amax, int64_t num_rows,
-                                    int64_t hidden, float e4m3_max, void* out, int out_type, cudaStream_t stream);
+                                    int64_t hidden, float e4m3_max, void* out, int out_type, cudaStream_t stream,
+                                    const int32_t* num_rows_limit = nullptr);
 
 // ------------------------------------------------------------------------------------------------------
 // MXFP8 (blocks of 32, E4M3 elements, UE8M0 scales, NVIDIA scale rule).

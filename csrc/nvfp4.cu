@@ -58,7 +58,7 @@ template <typename T, bool kFourOverSix>
 __global__ void __launch_bounds__(kMaxThreadsPerRow) nvfp4_quantize_kernel(Nvfp4QuantizeArgs args) {
   __shared__ float warp_max[kMaxWarpsPerCta];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  const bool row_valid = row < args.num_rows;
+  const bool row_valid = row < args.num_rows && (args.num_rows_limit == nullptr || row < __ldg(args.num_rows_limit));
   const int num_blocks = static_cast<int>(args.hidden / 16);
   const int threads_per_row = blockDim.x;
   constexpr int kBlocksPerThread = blocks_per_thread<T>();
@@ -136,12 +136,17 @@ __global__ void __launch_bounds__(256) nvfp4_dequantize_kernel(const uint8_t* __
                                                                const uint8_t* __restrict__ scales,
                                                                const float* __restrict__ amax, int64_t num_rows,
                                                                int64_t blocks_per_row, float e4m3_max,
-                                                               Out* __restrict__ out) {
+                                                               Out* __restrict__ out,
+                                                               const int32_t* __restrict__ num_rows_limit) {
   const int64_t block = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (block >= num_rows * blocks_per_row) return;
   const int64_t row = block / blocks_per_row;
+  if (num_rows_limit != nullptr && row >= __ldg(num_rows_limit)) return;
   const uint2 word = __ldg(reinterpret_cast<const uint2*>(data) + block);
-  const float final_scale = qm::nvfp4_dequant_scale(__ldg(scales + block), __ldg(amax + row), e4m3_max);
+  // amax == nullptr: block values only (e2m1 * e4m3, exact in fp16) -- the grouped GEMM's activation operand,
+  // whose per-row outer scale is applied in the GEMM epilogue instead.
+  const float final_scale = amax == nullptr ? qm::e4m3_decode(__ldg(scales + block))
+                                            : qm::nvfp4_dequant_scale(__ldg(scales + block), __ldg(amax + row), e4m3_max);
   float y[16];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -181,7 +186,8 @@ cudaError_t launch_nvfp4_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t st
 }
 
 cudaError_t launch_nvfp4_dequantize(const uint8_t* data, const uint8_t* scales, const float* amax, int64_t num_rows,
-                                    int64_t hidden, float e4m3_max, void* out, int out_type, cudaStream_t stream) {
+                                    int64_t hidden, float e4m3_max, void* out, int out_type, cudaStream_t stream,
+                                    const int32_t* num_rows_limit) {
   if (hidden <= 0 || hidden % 16 != 0 || num_rows < 0) return cudaErrorInvalidValue;
   const int64_t total_blocks = num_rows * (hidden / 16);
   if (total_blocks == 0) return cudaSuccess;
@@ -191,7 +197,7 @@ cudaError_t launch_nvfp4_dequantize(const uint8_t* data, const uint8_t* scales, 
   return vec::dispatch_elem_type(out_type, [&](auto tag) {
     using Out = decltype(tag);
     nvfp4_dequantize_kernel<Out><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
-        data, scales, amax, num_rows, hidden / 16, e4m3_max, static_cast<Out*>(out));
+        data, scales, amax, num_rows, hidden / 16, e4m3_max, static_cast<Out*>(out), num_rows_limit);
     return cudaGetLastError();
   });
 }

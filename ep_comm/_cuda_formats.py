@@ -55,7 +55,10 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
 # ----------------------------------------------------------------------------------------------------------
 # CUDA kernels (same signatures as the reference paths formats.py dispatches from)
 # ----------------------------------------------------------------------------------------------------------
-def nvfp4_quantize(x: torch.Tensor, four_over_six: bool, amax: Optional[torch.Tensor]) -> NVFP4Tensor:
+def nvfp4_quantize(x: torch.Tensor, four_over_six: bool, amax: Optional[torch.Tensor],
+                   num_rows_limit: Optional[torch.Tensor] = None) -> NVFP4Tensor:
+    """num_rows_limit: optional device int32 scalar tensor; rows at or past it are not quantized (their outputs are
+    left unwritten) -- for capacity-sized buffers whose used row count is only known on the device."""
     lib = _lib()
     lead_shape, k = x.shape[:-1], x.shape[-1]
     rows = _rows(_dense_input(x))
@@ -69,7 +72,7 @@ def nvfp4_quantize(x: torch.Tensor, four_over_six: bool, amax: Optional[torch.Te
     with torch.cuda.device(device):
         lib.nvfp4_quantize(rows.data_ptr(), _ELEM_TYPES[rows.dtype], rows.stride(0), num_rows, k, _ptr(amax_in),
                            e4m3_max, four_over_six, data.data_ptr(), k // 2, scales.data_ptr(), k // 16,
-                           amax_out.data_ptr(), 0, _stream(device))
+                           amax_out.data_ptr(), 0, _stream(device), _ptr(num_rows_limit))
     return NVFP4Tensor(data=data.reshape(*lead_shape, k // 2),
                        scales=scales.reshape(*lead_shape, k // 16).view(torch.float8_e4m3fn),
                        amax=amax_out.reshape(lead_shape), e4m3_max=e4m3_max)

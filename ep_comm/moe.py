@@ -1,11 +1,18 @@
-"""An expert-parallel MoE layer built on `ep_comm.Buffer` — the reference (torch) expert path.
+"""An expert-parallel MoE layer built on `ep_comm.Buffer`: router top-k -> dispatch -> experts -> combine.
 
 `MoELayer` = router top-k -> `Buffer.dispatch` (NVFP4 tokens) -> expert SwiGLU MLP -> `Buffer.combine` (S2F6).
-The experts here run as FP32 torch matmuls on dequantized NVFP4 operands, with the quantization points the fused
-NVFP4 grouped GEMM will use (DESIGN.md, issue 6): weights are NVFP4 without 4/6 with one FP32 amax per expert
-(`pack_weights`), the w1 input is the dispatched NVFP4 token, and the w2 input is requantized to NVFP4 with 4/6 and
-a per-token amax. It is the correctness oracle for that GEMM and a working, unfused MoE layer today; it is not the
-fast path (no fused grouped GEMM, no wave overlap yet).
+Quantization points (the same for both expert paths): weights are NVFP4 without 4/6 with one FP32 amax per
+expert (`pack_weights`), the w1 input is the dispatched NVFP4 token, and the w2 input is requantized to NVFP4 with
+4/6 and a per-token amax.
+
+Two expert paths:
+  * "fused": the NVFP4 grouped GEMM of `ep_comm.grouped_gemm` (csrc/grouped_gemm.cu, sm_90a): w1 with SwiGLU in
+    its epilogue, the NVFP4 requantization kernel, w2 -- reading the dispatch layout's device-side counts, no host
+    synchronisation. Differs from the reference only by FP32 summation order (and rounding of exp in SiLU).
+  * "reference": FP32 torch matmuls on dequantized operands, one expert at a time (host sync for the counts). It
+    is the correctness oracle of the fused path and runs anywhere (CPU ranks included).
+Not yet: waves of experts overlapped with dispatch/combine, and the RHT+S2F6 epilogue that stores straight into the
+combine buffers (the layer calls `Buffer.combine` on BF16 expert outputs).
 """
 from __future__ import annotations
 
@@ -14,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import formats
+from . import _ext, formats
 from .buffer import Buffer
 
 
@@ -66,6 +73,28 @@ def expert_mlp_reference(tokens: formats.NVFP4Tensor, w1: torch.Tensor, w2: torc
     return (hidden @ w2.t()).to(torch.bfloat16)
 
 
+def _cuda_nvfp4_quantize(x: torch.Tensor, num_rows_limit: torch.Tensor) -> formats.NVFP4Tensor:
+    """formats.nvfp4_quantize(x, four_over_six=True) (per-row amax) on the CUDA kernel, rows past the device-side
+    count num_rows_limit skipped."""
+    from . import _cuda_formats
+    return _cuda_formats.nvfp4_quantize(x, four_over_six=True, amax=None, num_rows_limit=num_rows_limit)
+
+
+def _fused_experts_supported(device: torch.device, hidden: int, intermediate: int) -> tuple:
+    """(True, "") when the fused grouped GEMM can run on `device` for these sizes, else (False, why)."""
+    if device.type != "cuda":
+        return False, "tokens are not on a CUDA device"
+    if not _ext.cuda_extension_available():
+        return False, f"the CUDA extension is unavailable ({_ext.cuda_extension_error()})"
+    if not hasattr(_ext._C, "grouped_gemm_nvfp4"):
+        return False, "this ep_comm._C was built without the grouped GEMM (stale build): rebuild the extension"
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return False, "the fused NVFP4 grouped GEMM needs an sm_90 (Hopper) GPU"
+    if hidden % 64 or intermediate % 64:
+        return False, f"the fused grouped GEMM needs H and I multiples of 64 (H = {hidden}, I = {intermediate})"
+    return True, ""
+
+
 class MoELayer(torch.nn.Module):
     """Router top-k -> dispatch -> expert SwiGLU MLPs of this rank -> combine.
 
@@ -74,10 +103,14 @@ class MoELayer(torch.nn.Module):
             max_tokens_per_rank bound the layer).
         router_weight: [num_experts, H] (fp32), identical on every rank.
         weights: this rank's `PackedExpertWeights` (experts rank * E_local ... (rank + 1) * E_local - 1).
+        expert_impl: "fused" (NVFP4 grouped GEMM, sm_90 GPUs), "reference" (FP32 torch matmuls), or "auto":
+            fused when the layer's device supports it, else reference -- `self.expert_impl` says which was chosen
+            and a warning names the reason once when a CUDA layer falls back.
     forward(x): x bf16 [T, H] -> bf16 [T, H]; the routing weights are the softmax over the top-k logits.
     """
 
-    def __init__(self, buffer: Buffer, router_weight: torch.Tensor, weights: PackedExpertWeights):
+    def __init__(self, buffer: Buffer, router_weight: torch.Tensor, weights: PackedExpertWeights,
+                 expert_impl: str = "auto"):
         super().__init__()
         cfg = buffer.config
         if cfg.dispatch_format != "nvfp4":
@@ -88,12 +121,33 @@ class MoELayer(torch.nn.Module):
         if weights.num_local_experts != cfg.num_local_experts or weights.w1.shape[-1] != cfg.hidden:
             raise ValueError(f"weights hold {weights.num_local_experts} experts of hidden {weights.w1.shape[-1]}; "
                              f"the buffer needs {cfg.num_local_experts} of hidden {cfg.hidden}")
+        if expert_impl not in ("auto", "fused", "reference"):
+            raise ValueError(f"expert_impl must be 'auto', 'fused' or 'reference', got {expert_impl!r}")
         self.buffer = buffer
         self.register_buffer("router_weight", router_weight.float())
         self.weights = weights
-        # Dequantized once: the reference expert path multiplies FP32 copies of the NVFP4 weights.
-        self._w1 = formats.nvfp4_dequantize(weights.w1, dtype=torch.float32)
-        self._w2 = formats.nvfp4_dequantize(weights.w2, dtype=torch.float32)
+        device = weights.w1.data.device
+        supported, why = _fused_experts_supported(device, cfg.hidden, weights.w2.shape[-1])
+        if expert_impl == "fused" and not supported:
+            raise RuntimeError(f"expert_impl='fused' is unavailable: {why}")
+        if expert_impl == "auto":
+            expert_impl = "fused" if supported else "reference"
+            if not supported and device.type == "cuda":
+                _ext.warn_once(f"MoELayer: using the reference expert path (FP32 torch matmuls): {why}")
+        self.expert_impl = expert_impl
+        if expert_impl == "fused":
+            from . import grouped_gemm  # imported here: the CPU-only package does not need it at import time
+            self._gemm = grouped_gemm
+            # Token tile from the expected rows per local expert with every rank at max_tokens_per_rank (the
+            # kernel's own choice would use the capacity-sized row count, which overestimates it).
+            expected = cfg.max_tokens_per_rank * cfg.num_topk * cfg.world_size / cfg.num_experts
+            self._token_tile = next((t for t in (16, 32, 64) if expected <= t), 128)
+            self._w1_packed = grouped_gemm.pack_gemm_weights(weights.w1, swiglu=True)
+            self._w2_packed = grouped_gemm.pack_gemm_weights(weights.w2, swiglu=False)
+        else:
+            # Dequantized once: the reference expert path multiplies FP32 copies of the NVFP4 weights.
+            self._w1 = formats.nvfp4_dequantize(weights.w1, dtype=torch.float32)
+            self._w2 = formats.nvfp4_dequantize(weights.w2, dtype=torch.float32)
 
     def route(self, x: torch.Tensor):
         """topk_idx int64 [T, K] and topk_weights float32 [T, K] (softmax over the K largest logits)."""
@@ -101,10 +155,38 @@ class MoELayer(torch.nn.Module):
         top_logits, topk_idx = logits.topk(self.buffer.config.num_topk, dim=-1)
         return topk_idx, torch.softmax(top_logits, dim=-1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_idx, topk_weights = self.route(x)
-        result = self.buffer.dispatch(x, topk_idx, topk_weights)
-        out = torch.zeros(result.num_rows, self.buffer.config.hidden, dtype=torch.bfloat16, device=x.device)
+    def experts(self, result) -> torch.Tensor:
+        """Expert MLPs on a `DispatchResult`: bf16 [R, H] in the dispatch layout. Only the rows of valid experts are
+        defined (what `Buffer.combine` reads): the reference path zeroes the others, the fused path leaves them
+        uninitialised."""
+        if self.expert_impl == "fused":
+            return self._experts_fused(result)
+        return self._experts_reference(result)
+
+    def _experts_fused(self, result) -> torch.Tensor:
+        """All on the device, no host sync. Rows past expert_offsets[-1] (the nvlink backend returns its fixed
+        capacity) are skipped by every kernel and rows outside expert segments are never read, so the
+        intermediates are allocated uninitialised; only the returned rows of valid experts are meaningful (what
+        `Buffer.combine` reads). The SwiGLU output's NVFP4 requantization is a separate pass: its per-token amax
+        spans the whole intermediate row, which no single GEMM CTA sees."""
+        gemm = self._gemm
+        rows_in_use = result.expert_offsets[-1:]
+        offsets, counts = result.expert_offsets, result.num_tokens_per_expert
+        tokens = gemm.expand_nvfp4_rows(result.x, num_rows_limit=rows_in_use)
+        hidden = torch.empty(tokens.num_rows, self._w1_packed.out_features, dtype=torch.float32,
+                             device=tokens.values.device)
+        gemm.grouped_gemm_nvfp4(tokens, offsets, counts, self._w1_packed, out_dtype=torch.float32, out=hidden,
+                                token_tile=self._token_tile)
+        hidden_q = _cuda_nvfp4_quantize(hidden, rows_in_use)
+        hidden = gemm.expand_nvfp4_rows(hidden_q, num_rows_limit=rows_in_use)
+        out = torch.empty(tokens.num_rows, self.buffer.config.hidden, dtype=torch.bfloat16,
+                          device=tokens.values.device)
+        return gemm.grouped_gemm_nvfp4(hidden, offsets, counts, self._w2_packed, out_dtype=torch.bfloat16, out=out,
+                                       token_tile=self._token_tile)
+
+    def _experts_reference(self, result) -> torch.Tensor:
+        out = torch.zeros(result.num_rows, self.buffer.config.hidden, dtype=torch.bfloat16,
+                          device=result.x.data.device)
         offsets = result.expert_offsets.tolist()
         counts = result.num_tokens_per_expert.tolist()
         for j in range(self.buffer.config.num_local_experts):
@@ -113,4 +195,9 @@ class MoELayer(torch.nn.Module):
                 tokens = formats.NVFP4Tensor(data=result.x.data[rows], scales=result.x.scales[rows],
                                              amax=result.x.amax[rows], e4m3_max=result.x.e4m3_max)
                 out[rows] = expert_mlp_reference(tokens, self._w1[j], self._w2[j])
-        return self.buffer.combine(out, result.handle)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_idx, topk_weights = self.route(x)
+        result = self.buffer.dispatch(x, topk_idx, topk_weights)
+        return self.buffer.combine(self.experts(result), result.handle)

@@ -1,0 +1,149 @@
+"""Whole MoE layer forward on GPUs: ep_comm (NVFP4 dispatch + fused NVFP4 grouped GEMM + S2F6 combine) vs the BF16
+pipeline (reference backend over NCCL + torch._grouped_mm BF16 + reference combine).
+
+    python bench/bench_moe.py --nproc 2 --out moe.json
+
+Shape (DeepSeek-V3 layer): H = 7168, I = 2048, top-8 of 256 experts (E / W local experts per rank), random
+router weights, 128 and 4096 tokens per rank. Weights are random BF16 masters made on the GPU, quantized with
+`moe.pack_weights` (NVFP4, per-expert amax) for ep_comm and kept in BF16 for the baseline.
+Timing: median over iterations of one forward between CUDA events, each after a barrier + synchronize
+(launch skew between ranks included). Reported per rank 0:
+  layer        : MoELayer.forward (router, dispatch, experts, combine)
+  dispatch / experts / combine : the three stages alone, same inputs
+  exposed comm : layer - experts - router; its fraction of (dispatch + combine) alone says how much communication
+                 the layer hides (1.0 = none: there is no wave overlap yet, the stages run back to back)
+  bf16 layer   : router + reference dispatch (bf16) + torch._grouped_mm w1, SiLU*up, w2 + reference combine (bf16)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", default="128,4096", help="tokens per rank, comma separated")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--intermediate", type=int, default=2048)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--no-baseline", action="store_true", help="skip the BF16 pipeline")
+    p.add_argument("--out", default="")
+    p.add_argument("--nproc", type=int, default=2)
+    return p.parse_args(argv)
+
+
+def _time_ms(fn, iters, group) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(iters):
+        dist.barrier(group=group)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _grouped_mm_bf16(x, weights_t, offs):
+    """torch._grouped_mm(x [R, K], weights_t [E, K, N] (a transposed view of [E, N, K]), offs int32 [E])."""
+    return torch._grouped_mm(x, weights_t, offs=offs)
+
+
+def worker(rank, world, args):
+    import ep_comm
+    from ep_comm import moe
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    h, inter, experts, topk = args.hidden, args.intermediate, args.experts, args.topk
+    local = experts // world
+    gen = torch.Generator(device=device).manual_seed(1234 + rank)
+    # BF16 masters on the GPU (11.3 GB per rank at the default shape), quantized once with the CUDA kernels.
+    w1 = (torch.randn(local, 2 * inter, h, device=device, generator=gen) / h ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(local, h, inter, device=device, generator=gen) / inter ** 0.5).to(torch.bfloat16)
+    router = torch.randn(experts, h, device=device, generator=torch.Generator(device=device).manual_seed(7))
+    packed = moe.pack_weights(w1, w2)
+    rows = []
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        x = torch.randn(tokens, h, device=device, generator=gen).to(torch.bfloat16)
+        row = {"tokens_per_rank": tokens, "world": world, "hidden": h, "intermediate": inter, "experts": experts,
+               "topk": topk}
+        with ep_comm.Buffer(None, hidden=h, num_experts=experts, num_topk=topk, max_tokens_per_rank=tokens,
+                            dispatch_format="nvfp4", combine_format="s2f6", expert_alignment=16) as buf:
+            layer = moe.MoELayer(buf, router, packed, expert_impl="fused")
+            idx, weights = layer.route(x)
+            result = buf.dispatch(x, idx, weights)
+            expert_out = layer.experts(result)
+            row["backend"] = buf.backend
+            row["layer_ms"] = _time_ms(lambda: layer(x), args.iters, None)
+            row["router_ms"] = _time_ms(lambda: layer.route(x), args.iters, None)
+            row["dispatch_ms"] = _time_ms(lambda: buf.dispatch(x, idx, weights), args.iters, None)
+            row["experts_ms"] = _time_ms(lambda: layer.experts(result), args.iters, None)
+            row["combine_ms"] = _time_ms(lambda: buf.combine(expert_out, result.handle), args.iters, None)
+            counts = result.num_tokens_per_expert.float()
+            row["rows_per_expert_mean"] = counts.mean().item()
+            row["rows_per_expert_max"] = counts.max().item()
+        comm = row["dispatch_ms"] + row["combine_ms"]
+        exposed = row["layer_ms"] - row["experts_ms"] - row["router_ms"]
+        row["exposed_comm_ms"] = exposed
+        row["exposed_comm_fraction"] = exposed / comm if comm > 0 else float("nan")
+
+        if not args.no_baseline:
+            try:
+                with ep_comm.Buffer(None, hidden=h, num_experts=experts, num_topk=topk, max_tokens_per_rank=tokens,
+                                    dispatch_format="bf16", combine_format="bf16", backend="reference",
+                                    expert_alignment=16) as ref:
+                    w1_t, w2_t = w1.transpose(1, 2), w2.transpose(1, 2)  # [E, K, N] views of [E, N, K]
+
+                    def bf16_layer():
+                        logits = x.float() @ router.t()
+                        top, top_idx = logits.topk(topk, dim=-1)
+                        res = ref.dispatch(x, top_idx, torch.softmax(top, dim=-1))
+                        offs = res.expert_offsets[1:].to(torch.int32)
+                        gate_up = _grouped_mm_bf16(res.x, w1_t, offs)
+                        gate, up = gate_up.chunk(2, dim=-1)
+                        out = _grouped_mm_bf16((F.silu(gate) * up).to(torch.bfloat16), w2_t, offs)
+                        return ref.combine(out.to(torch.bfloat16), res.handle)
+
+                    row["bf16_layer_ms"] = _time_ms(bf16_layer, args.iters, None)
+                    row["speedup_vs_bf16"] = row["bf16_layer_ms"] / row["layer_ms"]
+            except Exception as error:  # noqa: BLE001 - a missing baseline is reported, not fatal
+                row["bf16_layer_error"] = f"{type(error).__name__}: {error}"[:300]
+        rows.append(row)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from ep_comm.launch import run_ranks
+    results = run_ranks(worker, args.nproc, args, backend="nccl", timeout_s=900)
+    rows = results[0]
+    print(f"{'tokens':>7} {'layer ms':>9} {'disp':>7} {'experts':>8} {'comb':>7} {'exposed':>8} {'bf16 ms':>8} "
+          f"{'speedup':>8}")
+    for r in rows:
+        print(f"{r['tokens_per_rank']:>7} {r['layer_ms']:>9.3f} {r['dispatch_ms']:>7.3f} {r['experts_ms']:>8.3f} "
+              f"{r['combine_ms']:>7.3f} {r['exposed_comm_fraction']:>8.2f} {r.get('bf16_layer_ms', float('nan')):>8.3f} "
+              f"{r.get('speedup_vs_bf16', float('nan')):>8.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "rows": rows, "per_rank": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+// Python binding of the NVFP4 grouped GEMM (grouped_gemm.h). Thin: pointers, sizes and the stream arrive as
+// integers; ep_comm/grouped_gemm.py validates, allocates and documents the shapes.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "bindings.h"
+#include "grouped_gemm.h"
+
+namespace py = pybind11;
+
+namespace {
+
+template <typename T>
+T* ptr(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+void grouped_gemm_nvfp4(uintptr_t x, int64_t x_row_stride, uintptr_t row_factor, uintptr_t w_values,
+                        uintptr_t w_scales, uintptr_t w_factor, uintptr_t expert_offsets,
+                        uintptr_t num_tokens_per_expert, int num_experts, int n, int k, int64_t num_rows_total,
+                        uintptr_t out, int out_type, int64_t out_row_stride, bool swiglu, int token_tile,
+                        uintptr_t stream) {
+  ep_comm::GroupedGemmArgs args;
+  args.x = ptr<const uint16_t>(x);
+  args.x_row_stride = x_row_stride;
+  args.row_factor = ptr<const float>(row_factor);
+  args.w_values = ptr<const uint32_t>(w_values);
+  args.w_scales = ptr<const uint8_t>(w_scales);
+  args.w_factor = ptr<const float>(w_factor);
+  args.expert_offsets = ptr<const int32_t>(expert_offsets);
+  args.num_tokens_per_expert = ptr<const int32_t>(num_tokens_per_expert);
+  args.num_experts = num_experts;
+  args.n = n;
+  args.k = k;
+  args.num_rows_total = num_rows_total;
+  args.out = ptr<void>(out);
+  args.out_type = out_type;
+  args.out_row_stride = out_row_stride;
+  args.swiglu = swiglu;
+  args.token_tile = token_tile;
+  const cudaError_t status = ep_comm::launch_grouped_gemm_nvfp4(args, reinterpret_cast<cudaStream_t>(stream));
+  if (status == cudaSuccess) return;
+  if (status == cudaErrorInvalidValue) {
+    throw std::invalid_argument("grouped_gemm_nvfp4: invalid arguments (n % 64, k % 64, strides, token_tile in "
+                                "{0, 16, 32, 64, 128}, out_type 0/1, or too many token tiles for one grid)");
+  }
+  if (status == cudaErrorNotSupported) {
+    throw std::runtime_error("grouped_gemm_nvfp4: needs an sm_90 (Hopper) GPU: the kernel is built on wgmma");
+  }
+  throw std::runtime_error(std::string("grouped_gemm_nvfp4 failed: ") + cudaGetErrorString(status));
+}
+
+}  // namespace
+
+void register_gemm(py::module_& m) {
+  m.def("grouped_gemm_nvfp4", &grouped_gemm_nvfp4, py::call_guard<py::gil_scoped_release>(), py::arg("x"),
+        py::arg("x_row_stride"), py::arg("row_factor"), py::arg("w_values"), py::arg("w_scales"), py::arg("w_factor"),
+        py::arg("expert_offsets"), py::arg("num_tokens_per_expert"), py::arg("num_experts"), py::arg("n"),
+        py::arg("k"), py::arg("num_rows_total"), py::arg("out"), py::arg("out_type"), py::arg("out_row_stride"),
+        py::arg("swiglu"), py::arg("token_tile"), py::arg("stream"),
+        "NVFP4 grouped GEMM (sm_90a): y = x . w_e^T * row_factor * w_factor[e] per expert segment; see "
+        "ep_comm/grouped_gemm.py");
+  m.def("grouped_gemm_auto_token_tile", &ep_comm::grouped_gemm_auto_token_tile, py::arg("num_rows_total"),
+        py::arg("num_experts"), "token tile the launcher picks for token_tile = 0");
+}

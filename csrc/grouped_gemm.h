@@ -1,0 +1,47 @@
+// NVFP4 grouped GEMM for the MoE experts on Hopper (sm_90a): torch-free launcher interface.
+//
+// y[row, n] = (sum_k x[row, k] * w_e[n, k]) * row_factor[row] * w_factor[e] for every valid row of expert e
+// (rows expert_offsets[e] .. expert_offsets[e] + num_tokens_per_expert[e] - 1; other rows are not written).
+//   x: fp16 block values of NVFP4 activations (e2m1 * e4m3 block scale, exact in fp16), row_factor the
+//      per-row outer decode scale amax / (6 M).
+//   w: NVFP4 weights packed offline in the wgmma A-fragment order (ep_comm/grouped_gemm.py documents the
+//      layout bit by bit): per (expert, 64-row tile, 64-column k-block) 128 threads x 16 bytes of codes and
+//      64 rows x 4 k-steps of scale codes (256 bytes); w_factor[e] the per-expert outer decode scale.
+// The counts and offsets stay on the device: the grid is sized from num_rows_total and CTAs without work exit.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace ep_comm {
+
+struct GroupedGemmArgs {
+  const uint16_t* x = nullptr;       // fp16 [num_rows_total, k], row stride x_row_stride elements
+  int64_t x_row_stride = 0;
+  const float* row_factor = nullptr;  // [num_rows_total]
+  const uint32_t* w_values = nullptr;  // [E, n/64, k/64, 128, 4]
+  const uint8_t* w_scales = nullptr;   // [E, n/64, k/64, 64, 4]
+  const float* w_factor = nullptr;     // [E]
+  const int32_t* expert_offsets = nullptr;         // [E + 1] first row of each expert (device)
+  const int32_t* num_tokens_per_expert = nullptr;  // [E] valid rows of each expert (device); clamped on the
+                                                   // device to the segment and to num_rows_total
+  int num_experts = 0;
+  int n = 0;  // weight rows (output features; 2I for w1 with swiglu)
+  int k = 0;  // reduction length (hidden)
+  int64_t num_rows_total = 0;  // rows of x and out (bounds the grid: sum_e ceil(count_e / tile) <= rows / tile + E)
+  void* out = nullptr;         // [num_rows_total, n] (or n / 2 with swiglu) of out_type
+  int out_type = 1;            // 0 = fp32, 1 = bf16
+  int64_t out_row_stride = 0;
+  bool swiglu = false;  // packed rows interleave gate/up per 8: out[:, i] = silu(gate_i) * up_i
+  int token_tile = 0;   // 16 / 32 / 64 / 128 tokens per CTA tile; 0 = from the average rows per expert
+};
+
+// cudaErrorInvalidValue for bad sizes; cudaErrorNotSupported when the current device is not sm_90 (the kernel
+// uses wgmma, which only sm_90a has; Blackwell needs the tcgen05 design in docs/GEMM.md).
+cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t stream);
+
+// The token tile the launcher picks for token_tile = 0 (exposed so benchmarks can report it).
+int grouped_gemm_auto_token_tile(int64_t num_rows_total, int num_experts);
+
+}  // namespace ep_comm

@@ -1,0 +1,497 @@
+"""NVFP4 grouped GEMM for the MoE experts: packed weights, FP16-expanded activations, reference and CUDA paths.
+
+The grouped GEMM multiplies the rows of each expert's segment of a dispatched activation matrix by that
+expert's NVFP4 weight (y = x W_e^T), optionally with the SwiGLU of w1 fused into the epilogue.
+
+Weights are packed once, offline (`pack_gemm_weights`), into the layout the kernel's A operand reads
+(csrc/grouped_gemm.cu; the weight rows are the GEMM's M side):
+
+* tile mt = packed rows [64 mt, 64 mt + 64), k-block kb = columns [64 kb, 64 kb + 64);
+* inside a tile, thread t (warp w = t // 32, lane l = t % 32) owns rows r0 = 16 w + l // 4 and r1 = r0 + 8;
+  k-step s in 0..3 covers columns 16 s .. 16 s + 15 of the k-block (one NVFP4 scale group);
+* in k-step s the thread holds 4 pairs (the mma.m16n8k16 / wgmma A fragment), c = 16 s + 2 (l % 4):
+  pair 0 = (r0, c..c+1), pair 1 = (r1, c..c+1), pair 2 = (r0, c+8..c+9), pair 3 = (r1, c+8..c+9);
+* `values[e, mt, kb, t, s]` is one 32-bit word (stored as int32 bits): for pair j the low element's E2M1
+  magnitude (code & 7) sits at bits 9-3j..11-3j and its sign at bit 15-j; the high element's magnitude at
+  bits 25-3j..27-3j and its sign at bit 31-j. Decoding pair j as an fp16x2:
+  `((word << 3j) & 0x0E000E00) | ((word << j) & 0x80008000)` = (low, high) * 2^-14 exactly;
+* `scales[e, mt, kb, r, s]` = code of the E4M3 block scale of tile row r (0..63) in k-step s (each scale
+  stored once: 1/16 byte per weight), where the code of x (finite, >= 0) is `(fp16_bits(x * 2^7) >> 7) & 0xFF`;
+  the kernel copies a tile's 256 scale bytes per k-block into shared memory, each thread reads the 4-byte
+  words of its rows r0 and r1 and rebuilds fp16 x * 2^7 as `code << 7` (exact).
+
+So the kernel accumulates acc = sum_k x * (e2m1 * scale * 2^-7) in FP32 (the products are exact in fp16)
+and writes y = acc * 2^7 * factor[e] * row_factor[row], factor[e] = amax_e * fp32(1 / (6 * 448)).
+
+With swiglu=True the w1 rows (gate rows 0..I-1, then up rows I..2I-1) are permuted so that each 16-row
+group holds 8 gate rows and the 8 matching up rows (packed row p = 16 q + g takes gate row 8 q + g for
+g < 8 and up row I + 8 q + g - 8 otherwise): every thread holds gate row i in r0 and up row i in r1 and
+the epilogue writes silu(g_i) * u_i to output column i.
+
+Activations are expanded once per GEMM input (`expand_nvfp4_rows`): FP16 block values e2m1 * e4m3 (exact)
+plus one FP32 outer factor per row, applied in the epilogue.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import _ext
+from .formats import NVFP4Tensor, _check_nvfp4, _f32, _use_cuda, e2m1_decode, e4m3_decode
+
+__all__ = [
+    "GemmWeights", "ExpandedRows", "pack_gemm_weights", "dequantize_gemm_weights", "expand_nvfp4_rows",
+    "grouped_gemm_nvfp4", "swiglu_row_permutation", "TILE_ROWS", "TILE_K", "TOKEN_TILES",
+]
+
+TILE_ROWS = 64          # weight rows per tile (the kernel's M tile)
+TILE_K = 64             # columns per k-block
+THREADS_PER_TILE = 128  # one warpgroup
+K_STEPS = 4             # 16-column k-steps per k-block (one NVFP4 scale group each)
+TOKEN_TILES = (16, 32, 64, 128)
+_OUT_TYPES = {torch.float32: 0, torch.bfloat16: 1}
+_SCALE_SHIFT = 7        # scale code << 7 = fp16 bits of scale * 2^7
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Containers
+# ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GemmWeights:
+    """NVFP4 expert weights [E, N, K] packed for `grouped_gemm_nvfp4` (see the module docstring for the layout).
+
+    values: int32 [E, N/64, K/64, 128, 4], one 32-bit word of 8 E2M1 codes per (thread, k-step).
+    scales: uint8 [E, N/64, K/64, 64, 4], scale codes (fp16 bits of scale * 2^7) >> 7 per (tile row, k-step).
+    factor: float32 [E], the per-expert outer decode scale amax_e * fp32(1 / (6 * e4m3_max)).
+    amax: float32 [E], the per-expert amax (kept so `dequantize_gemm_weights` reproduces
+        `formats.nvfp4_dequantize` bit for bit: it computes (scale * amax) * fp32(1 / (6 * e4m3_max))).
+    row_perm: int64 [N], packed row p holds original row row_perm[p] (identity unless swiglu).
+    n, k: the logical GEMM sizes (output features, input features); swiglu: whether w1's SwiGLU is fused
+        (then the GEMM writes N/2 columns); e4m3_max: the NVFP4 bound M of the weights (448).
+    """
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    factor: torch.Tensor
+    amax: torch.Tensor
+    row_perm: torch.Tensor
+    n: int
+    k: int
+    swiglu: bool
+    e4m3_max: float = 448.0
+
+    @property
+    def num_experts(self) -> int:
+        return self.values.shape[0]
+
+    @property
+    def out_features(self) -> int:
+        """Columns of the GEMM output: n, or n / 2 with the fused SwiGLU."""
+        return self.n // 2 if self.swiglu else self.n
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def nbytes(self) -> int:
+        """Bytes the kernel streams for the weights (values + scales + factor)."""
+        return (self.values.numel() * self.values.element_size() + self.scales.numel()
+                + self.factor.numel() * self.factor.element_size())
+
+    def experts(self, start: int, stop: int) -> "GemmWeights":
+        """The experts [start, stop) as their own GemmWeights (views, no copy)."""
+        if not 0 <= start <= stop <= self.num_experts:
+            raise ValueError(f"expert range [{start}, {stop}) is outside [0, {self.num_experts})")
+        return GemmWeights(values=self.values[start:stop], scales=self.scales[start:stop],
+                           factor=self.factor[start:stop], amax=self.amax[start:stop], row_perm=self.row_perm,
+                           n=self.n, k=self.k, swiglu=self.swiglu, e4m3_max=self.e4m3_max)
+
+
+@dataclass(frozen=True)
+class ExpandedRows:
+    """NVFP4 rows expanded for the grouped GEMM.
+
+    values: float16 [R, K], e2m1 * e4m3 block scale (exact in fp16; no outer scale).
+    row_factor: float32 [R], the outer decode scale amax / (6 * e4m3_max) of each row (formats' fp32
+        arithmetic: amax * fp32(1 / (6 * e4m3_max))).
+    The dequantized row is values * row_factor (up to one fp32 rounding vs `formats.nvfp4_dequantize`).
+    """
+
+    values: torch.Tensor
+    row_factor: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return self.values.shape[0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Layout helpers
+# ----------------------------------------------------------------------------------------------------------
+def swiglu_row_permutation(n: int, device=None) -> torch.Tensor:
+    """int64 [n]: packed row p = 16 q + g takes gate row 8 q + g (g < 8) or up row n/2 + 8 q + g - 8."""
+    if n % 64 != 0 or n <= 0:
+        raise ValueError(f"swiglu needs N = 2I with I % 32 == 0, got N = {n}")
+    p = torch.arange(n, dtype=torch.int64, device=device)
+    q, g = p // 16, p % 16
+    return torch.where(g < 8, 8 * q + g, n // 2 + 8 * q + (g - 8))
+
+
+def _fragment_index(device):
+    """Tile-local (row, column of the low element) for each (thread t, k-step s, pair j): int64 [128, 4, 4] x2."""
+    t = torch.arange(THREADS_PER_TILE, dtype=torch.int64, device=device)
+    w, lane = t // 32, t % 32
+    r0 = 16 * w + lane // 4
+    j = torch.arange(4, dtype=torch.int64, device=device)
+    s = torch.arange(K_STEPS, dtype=torch.int64, device=device)
+    rows = (r0[:, None] + 8 * (j % 2)[None, :])[:, None, :].expand(THREADS_PER_TILE, K_STEPS, 4)
+    cols = (16 * s[None, :, None] + 2 * (lane % 4)[:, None, None] + 8 * (j // 2)[None, None, :])
+    return rows, cols.expand(THREADS_PER_TILE, K_STEPS, 4)
+
+
+_SHIFT_J = (0, 1, 2, 3)
+
+
+def _to_int32_bits(word: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2^32) -> the same 32 bits as int32."""
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def _e4m3_scale_codes(scales: torch.Tensor) -> torch.Tensor:
+    """E4M3 scales (finite, >= 0) -> uint8 codes (fp16_bits(x * 2^7) >> 7) & 0xFF (exact)."""
+    half = (e4m3_decode(scales.view(torch.uint8)) * 128.0).to(torch.float16)
+    bits = half.view(torch.int16).to(torch.int32) & 0xFFFF
+    return ((bits >> _SCALE_SHIFT) & 0xFF).to(torch.uint8)
+
+
+def _scale_codes_to_e4m3_float(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 scale codes -> fp32 scale values (code << 7 as fp16, times 2^-7; exact)."""
+    bits = codes.to(torch.int32) << _SCALE_SHIFT
+    bits = torch.where(bits >= 2**15, bits - 2**16, bits).to(torch.int16)
+    return bits.view(torch.float16).float() * (2.0 ** -7)
+
+
+def _unpack_codes(data: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> int64 codes [..., K] (element 2j from the low nibble)."""
+    d = data.to(torch.int64)
+    return torch.stack((d & 0xF, d >> 4), dim=-1).reshape(*data.shape[:-1], data.shape[-1] * 2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Weights
+# ----------------------------------------------------------------------------------------------------------
+def pack_gemm_weights(w: NVFP4Tensor, swiglu: bool) -> GemmWeights:
+    """Pack NVFP4 expert weights w (logical [E, N, K], one amax per expert) for `grouped_gemm_nvfp4`.
+
+    w.data uint8 [E, N, K/2], w.scales float8_e4m3fn [E, N, K/16] (finite, >= 0), w.amax float32 [E, N]
+    equal along N (finite, >= 0), as `moe.pack_weights` makes them. N % 64 == 0 and K % 64 == 0.
+    swiglu: w is w1 with the gate rows first and the up rows last (N = 2I); the rows are interleaved so the
+    kernel's epilogue can fuse silu(gate) * up.
+    Runs on w's device, one expert at a time (int64 temporaries of ~8 bytes per weight of one expert); it
+    checks the values, so it synchronizes with the device (an offline step).
+    """
+    _check_nvfp4(w)
+    if w.data.dim() != 3:
+        raise ValueError(f"pack_gemm_weights expects [E, N, K] weights, got data of shape {tuple(w.data.shape)}")
+    experts, n, half_k = w.data.shape
+    k = 2 * half_k
+    if experts == 0:
+        raise ValueError("pack_gemm_weights needs at least one expert")
+    if n % TILE_ROWS != 0 or n == 0 or k % TILE_K != 0 or k == 0:
+        raise ValueError(f"N ({n}) and K ({k}) must be positive multiples of 64")
+    if w.scales.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise TypeError(f"scales must be float8_e4m3fn, got {w.scales.dtype}")
+    if not isinstance(swiglu, bool):
+        raise TypeError(f"swiglu must be a bool, got {type(swiglu).__name__}")
+    scale_bytes = w.scales.view(torch.uint8)
+    if bool((scale_bytes >= 0x7F).any()):
+        raise ValueError("weight scales must be finite and non-negative (E4M3 bytes 0x00..0x7E); "
+                         "found negative or NaN scales")
+    amax = w.amax.float()
+    if not bool(torch.isfinite(amax).all()) or bool((amax < 0).any()):
+        raise ValueError("weight amax must be finite and non-negative")
+    if not torch.equal(amax, amax[:, :1].expand_as(amax)):
+        raise ValueError("pack_gemm_weights needs one amax per expert (w.amax equal along N, as "
+                         "moe.pack_weights makes it)")
+    device = w.data.device
+    row_perm = swiglu_row_permutation(n, device) if swiglu else torch.arange(n, dtype=torch.int64, device=device)
+    amax_e = amax[:, 0].contiguous()
+    factor = amax_e * _f32(1.0 / (6.0 * w.e4m3_max), device)
+
+    tiles_m, tiles_k = n // TILE_ROWS, k // TILE_K
+    frag_rows, frag_cols = _fragment_index(device)
+    j = torch.arange(4, dtype=torch.int64, device=device)
+    low_mag_shift, low_sign_shift = 9 - 3 * j, 15 - j
+    high_mag_shift, high_sign_shift = 25 - 3 * j, 31 - j
+    values = torch.empty(experts, tiles_m, tiles_k, THREADS_PER_TILE, K_STEPS, dtype=torch.int32, device=device)
+    scales = torch.empty(experts, tiles_m, tiles_k, TILE_ROWS, K_STEPS, dtype=torch.uint8, device=device)
+    for e in range(experts):
+        codes = _unpack_codes(w.data[e].index_select(0, row_perm))                      # [N, K]
+        tiles = codes.reshape(tiles_m, TILE_ROWS, tiles_k, TILE_K).permute(0, 2, 1, 3)   # [mt, kb, 64, 64]
+        low = tiles[:, :, frag_rows, frag_cols]                                        # [mt, kb, 128, 4, 4]
+        high = tiles[:, :, frag_rows, frag_cols + 1]
+        word = (((low & 7) << low_mag_shift) | ((low >> 3) << low_sign_shift)
+                | ((high & 7) << high_mag_shift) | ((high >> 3) << high_sign_shift)).sum(dim=-1)
+        values[e] = _to_int32_bits(word)
+        del codes, tiles, low, high, word
+        sc = _e4m3_scale_codes(scale_bytes[e].index_select(0, row_perm))               # [N, K/16]
+        scales[e] = sc.reshape(tiles_m, TILE_ROWS, tiles_k, K_STEPS).permute(0, 2, 1, 3)  # [mt, kb, 64, 4]
+    return GemmWeights(values=values, scales=scales, factor=factor, amax=amax_e, row_perm=row_perm, n=n, k=k,
+                       swiglu=swiglu, e4m3_max=float(w.e4m3_max))
+
+
+def _check_gemm_weights(w) -> None:
+    if not isinstance(w, GemmWeights):
+        raise TypeError(f"expected GemmWeights (from pack_gemm_weights), got {type(w).__name__}")
+    experts = w.values.shape[0] if w.values.dim() == 5 else -1
+    expected_values = (experts, w.n // TILE_ROWS, w.k // TILE_K, THREADS_PER_TILE, K_STEPS)
+    expected_scales = expected_values[:-2] + (TILE_ROWS, K_STEPS)
+    if (w.values.dtype != torch.int32 or tuple(w.values.shape) != expected_values or w.scales.dtype != torch.uint8
+            or tuple(w.scales.shape) != expected_scales or w.factor.dtype != torch.float32
+            or tuple(w.factor.shape) != (experts,) or tuple(w.amax.shape) != (experts,)
+            or tuple(w.row_perm.shape) != (w.n,) or w.n % TILE_ROWS or w.k % TILE_K):
+        raise ValueError("inconsistent GemmWeights: values int32 [E, N/64, K/64, 128, 4], scales uint8 "
+                         "[E, N/64, K/64, 64, 4], factor/amax float32 [E], row_perm [N] expected; got values "
+                         f"{w.values.dtype}{tuple(w.values.shape)}, scales {w.scales.dtype}{tuple(w.scales.shape)}, "
+                         f"factor {w.factor.dtype}{tuple(w.factor.shape)}, amax {tuple(w.amax.shape)}, "
+                         f"row_perm {tuple(w.row_perm.shape)}, n={w.n}, k={w.k}")
+
+
+def _dequantize_expert(w: GemmWeights, e: int) -> torch.Tensor:
+    """fp32 [N, K] of expert e in the original row order, with formats.nvfp4_dequantize's arithmetic."""
+    device = w.values.device
+    tiles_m, tiles_k = w.n // TILE_ROWS, w.k // TILE_K
+    word = w.values[e].to(torch.int64) & 0xFFFFFFFF                                    # [mt, kb, 128, 4]
+    j = torch.arange(4, dtype=torch.int64, device=device)
+    word = word[..., None]                                                             # [mt, kb, 128, 4, 1]
+    low = ((word >> (9 - 3 * j)) & 7) | (((word >> (15 - j)) & 1) << 3)                # [mt, kb, 128, 4, 4]
+    high = ((word >> (25 - 3 * j)) & 7) | (((word >> (31 - j)) & 1) << 3)
+    frag_rows, frag_cols = _fragment_index(device)
+    tiles = torch.empty(tiles_m, tiles_k, TILE_ROWS, TILE_K, dtype=torch.int64, device=device)
+    tiles[:, :, frag_rows, frag_cols] = low
+    tiles[:, :, frag_rows, frag_cols + 1] = high
+    codes = tiles.permute(0, 2, 1, 3).reshape(w.n, w.k)                                 # packed row order
+    sc = w.scales[e]                                                                   # [mt, kb, 64, 4]
+    scale = _scale_codes_to_e4m3_float(sc.permute(0, 2, 1, 3).reshape(w.n, w.k // 16))  # [N, K/16]
+    final = (scale * w.amax[e].float()) * _f32(1.0 / (6.0 * w.e4m3_max), device)
+    packed = (e2m1_decode(codes).reshape(w.n, w.k // 16, 16) * final[..., None]).reshape(w.n, w.k)
+    out = torch.empty_like(packed)
+    out[w.row_perm] = packed
+    return out
+
+
+def dequantize_gemm_weights(w: GemmWeights) -> torch.Tensor:
+    """Unpack GemmWeights to fp32 [E, N, K] in the original row order.
+
+    Bitwise equal to `formats.nvfp4_dequantize` of the NVFP4Tensor they were packed from (same fp32 ops:
+    e2m1 * ((scale * amax) * fp32(1 / (6 * e4m3_max)))).
+    """
+    _check_gemm_weights(w)
+    out = torch.empty(w.num_experts, w.n, w.k, dtype=torch.float32, device=w.values.device)
+    for e in range(w.num_experts):
+        out[e] = _dequantize_expert(w, e)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Activations
+# ----------------------------------------------------------------------------------------------------------
+def _has_grouped_gemm_kernel() -> bool:
+    return _ext.cuda_extension_available() and hasattr(_ext._C, "grouped_gemm_nvfp4")
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Optional[torch.Tensor] = None
+                      ) -> ExpandedRows:
+    """NVFP4 rows q (logical [..., K], flattened to R rows) -> ExpandedRows (values fp16 [R, K], row_factor fp32 [R]).
+
+    impl: "auto" (CUDA kernel for CUDA tensors when ep_comm._C has it, else the torch reference),
+    "reference" or "cuda". Both give the same bits. The CUDA path never synchronizes with the host.
+    num_rows_limit: optional int32 tensor of one element on q's device (e.g. `expert_offsets[-1:]` of a dispatch
+    result): rows at or past it are not expanded on the CUDA path (their values are left unwritten), so a
+    capacity-sized dispatch result costs only its rows in use. The reference path expands every row.
+    """
+    _check_nvfp4(q)
+    k = q.data.shape[-1] * 2
+    if q.scales.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise TypeError(f"scales must be float8_e4m3fn, got {q.scales.dtype}")
+    if q.amax.device != q.data.device or q.scales.device != q.data.device:
+        raise ValueError("the data, scales and amax of q must be on one device")
+    data = q.data.reshape(-1, k // 2)
+    scales = q.scales.view(torch.uint8).reshape(-1, k // 16)
+    amax = q.amax.reshape(-1).float()
+    num_rows = data.shape[0]
+    # torch.full, not a tensor built from a Python number: the latter is a host-to-device copy, which synchronizes
+    # (and breaks CUDA graph capture). Same fp32 value (rounded once).
+    row_factor = amax * torch.full((), 1.0 / (6.0 * q.e4m3_max), dtype=torch.float32, device=q.data.device)
+    use_cuda = _use_cuda(impl, q.data)
+    if use_cuda and not _has_grouped_gemm_kernel():
+        if impl == "cuda":
+            raise RuntimeError("expand_nvfp4_rows(impl='cuda') needs an ep_comm._C built with the grouped GEMM "
+                               "(nvfp4_dequantize's block-scale-only mode came with it); rebuild the extension")
+        _ext.warn_once("ep_comm._C has no grouped_gemm_nvfp4 (stale build): expand_nvfp4_rows and "
+                       "grouped_gemm_nvfp4 use the torch reference")
+        use_cuda = False
+    if use_cuda:
+        lib = _ext._C
+        data, scales = data.contiguous(), scales.contiguous()
+        values = torch.empty(num_rows, k, dtype=torch.float16, device=q.data.device)
+        if num_rows:
+            with torch.cuda.device(q.data.device):
+                limit = 0
+                if num_rows_limit is not None:
+                    if (num_rows_limit.dtype != torch.int32 or num_rows_limit.numel() != 1
+                            or num_rows_limit.device != q.data.device):
+                        raise ValueError("num_rows_limit must be an int32 tensor of one element on q's device")
+                    limit = num_rows_limit.data_ptr()
+                lib.nvfp4_dequantize(data.data_ptr(), scales.data_ptr(), 0, num_rows, k, float(q.e4m3_max),
+                                     values.data_ptr(), 2, _stream(q.data.device), limit)
+        return ExpandedRows(values=values, row_factor=row_factor.contiguous())
+    codes = _unpack_codes(data).reshape(num_rows, k // 16, 16)
+    block = e2m1_decode(codes) * e4m3_decode(scales)[..., None]
+    return ExpandedRows(values=block.reshape(num_rows, k).to(torch.float16), row_factor=row_factor.contiguous())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The grouped GEMM
+# ----------------------------------------------------------------------------------------------------------
+def _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, out_dtype, token_tile, out):
+    if not isinstance(x, ExpandedRows):
+        raise TypeError(f"x must be ExpandedRows (from expand_nvfp4_rows), got {type(x).__name__}")
+    _check_gemm_weights(weights)
+    values, row_factor = x.values, x.row_factor
+    if not isinstance(values, torch.Tensor) or values.dtype != torch.float16 or values.dim() != 2:
+        raise TypeError(f"x.values must be a float16 [R, K] tensor, got "
+                        f"{getattr(values, 'dtype', type(values))} {tuple(getattr(values, 'shape', ()))}")
+    if not values.is_contiguous():
+        raise ValueError("x.values must be contiguous")
+    if values.data_ptr() % 16 != 0:
+        raise ValueError("x.values must start 16-byte aligned")
+    rows = values.shape[0]
+    if values.shape[1] != weights.k:
+        raise ValueError(f"x has K = {values.shape[1]} but the weights have K = {weights.k}")
+    if (not isinstance(row_factor, torch.Tensor) or row_factor.dtype != torch.float32
+            or tuple(row_factor.shape) != (rows,) or not row_factor.is_contiguous()):
+        raise ValueError(f"x.row_factor must be a contiguous float32 [{rows}] tensor, got "
+                         f"{getattr(row_factor, 'dtype', None)} {tuple(getattr(row_factor, 'shape', ()))}")
+    experts = weights.num_experts
+    for name, t, length in (("expert_offsets", expert_offsets, experts + 1),
+                            ("num_tokens_per_expert", num_tokens_per_expert, experts)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+            raise TypeError(f"{name} must be an int32 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        if tuple(t.shape) != (length,):
+            raise ValueError(f"{name} must have shape [{length}] for {experts} experts, got {tuple(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if out_dtype not in _OUT_TYPES:
+        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    if token_tile is not None and (isinstance(token_tile, bool) or token_tile not in TOKEN_TILES):
+        raise ValueError(f"token_tile must be None (auto) or one of {TOKEN_TILES}, got {token_tile!r}")
+    device = values.device
+    tensors = {"x.row_factor": row_factor, "expert_offsets": expert_offsets,
+               "num_tokens_per_expert": num_tokens_per_expert, "weights.values": weights.values,
+               "weights.scales": weights.scales, "weights.factor": weights.factor}
+    for name, t in tensors.items():
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but x.values is on {device}")
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.dtype != out_dtype or tuple(out.shape) != (
+                rows, weights.out_features) or out.device != device:
+            raise ValueError(f"out must be a {out_dtype} [{rows}, {weights.out_features}] tensor on {device}, got "
+                             f"{getattr(out, 'dtype', None)} {tuple(getattr(out, 'shape', ()))} "
+                             f"{getattr(out, 'device', None)}")
+        if out.stride(-1) != 1 or out.stride(0) < weights.out_features:
+            raise ValueError("out must have unit stride along its columns and non-overlapping rows")
+        if out.stride(0) % 2 or out.data_ptr() % (2 * out.element_size()):
+            raise ValueError("out rows must start at even columns and out must be aligned to two elements "
+                             "(the kernel stores column pairs)")
+    return rows
+
+
+def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
+                       weights: GemmWeights, out_dtype: torch.dtype = torch.bfloat16,
+                       token_tile: Optional[int] = None, impl: str = "auto",
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-expert y = x W_e^T on NVFP4 weights; returns out_dtype [R, N] ([R, N/2] with the fused SwiGLU).
+
+    x: ExpandedRows (values fp16 [R, K], row_factor fp32 [R]), expert-major: expert e owns rows
+        [expert_offsets[e], expert_offsets[e] + num_tokens_per_expert[e]).
+    expert_offsets: int32 [E + 1] on x's device (segment starts; expert_offsets[E] = rows in use);
+    num_tokens_per_expert: int32 [E] on x's device (rows per expert, padding excluded).
+    weights: GemmWeights from `pack_gemm_weights` (E experts, [N, K] each).
+    out_dtype: torch.bfloat16 or torch.float32. token_tile: None (the kernel picks) or 16/32/64/128 rows of
+        x per CTA (the GEMM's N side).
+    out: optional preallocated output (out_dtype [R, out_features], unit column stride); rows outside every
+        expert's segment are left as they are. By default a zero-filled tensor is allocated, so those rows
+        read 0.
+    With weights.swiglu, column i is silu(g_i) * u_i, computed in fp32 from the fp32 results of gate row i
+    and up row i, then rounded once.
+    impl: "auto" (the CUDA kernel for CUDA tensors when available), "reference" (torch FP32: dequantize the
+        weights exactly as formats.nvfp4_dequantize, x_f32 = values * row_factor, y = x_f32 @ W_e^T; syncs
+        with the host) or "cuda". The CUDA path never synchronizes with the host and trusts the offsets and
+        counts (out-of-range segments are undefined behaviour there; the reference checks them).
+    """
+    rows = _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, out_dtype, token_tile, out)
+    device = x.values.device
+    use_cuda = _use_cuda(impl, x.values)
+    if use_cuda and not _has_grouped_gemm_kernel():
+        if impl == "cuda":
+            raise RuntimeError("grouped_gemm_nvfp4(impl='cuda'): this ep_comm._C has no grouped_gemm_nvfp4; "
+                               "rebuild the extension")
+        _ext.warn_once("ep_comm._C has no grouped_gemm_nvfp4 (stale build): grouped_gemm_nvfp4 uses the torch "
+                       "reference")
+        use_cuda = False
+    if out is None:
+        out = torch.zeros(rows, weights.out_features, dtype=out_dtype, device=device)
+    if use_cuda:
+        for name, t in (("weights.values", weights.values), ("weights.scales", weights.scales),
+                        ("weights.factor", weights.factor)):
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous for the CUDA kernel")
+            if name != "weights.factor" and t.data_ptr() % 16:
+                raise ValueError(f"{name} must start 16-byte aligned for the CUDA kernel (cp.async)")
+        if rows == 0:
+            return out
+        with torch.cuda.device(device):
+            _ext._C.grouped_gemm_nvfp4(
+                x.values.data_ptr(), x.values.stride(0), x.row_factor.data_ptr(), weights.values.data_ptr(),
+                weights.scales.data_ptr(), weights.factor.data_ptr(), expert_offsets.data_ptr(),
+                num_tokens_per_expert.data_ptr(), weights.num_experts, weights.n, weights.k, rows, out.data_ptr(),
+                _OUT_TYPES[out_dtype], out.stride(0), bool(weights.swiglu), int(token_tile or 0), _stream(device))
+        return out
+    return _grouped_gemm_reference(x, expert_offsets, num_tokens_per_expert, weights, out)
+
+
+def _grouped_gemm_reference(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
+                            weights: GemmWeights, out: torch.Tensor) -> torch.Tensor:
+    rows = x.values.shape[0]
+    offsets = expert_offsets.tolist()
+    counts = num_tokens_per_expert.tolist()
+    if offsets[0] < 0 or offsets[-1] > rows:
+        raise ValueError(f"expert_offsets must lie in [0, {rows}], got {offsets[0]} .. {offsets[-1]}")
+    for e, count in enumerate(counts):
+        if count < 0 or offsets[e + 1] < offsets[e] or offsets[e] + count > offsets[e + 1]:
+            raise ValueError(f"expert {e}: {count} rows at offset {offsets[e]} do not fit before the next "
+                             f"segment at {offsets[e + 1]} (offsets must be non-decreasing, counts >= 0)")
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # a true FP32 reference on CUDA tensors too
+    try:
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            segment = slice(offsets[e], offsets[e] + count)
+            x_f32 = x.values[segment].float() * x.row_factor[segment, None]
+            y = x_f32 @ _dequantize_expert(weights, e).t()
+            if weights.swiglu:
+                half = weights.n // 2
+                y = F.silu(y[:, :half]) * y[:, half:]
+            out[segment] = y.to(out.dtype)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return out

@@ -1,0 +1,530 @@
+"""NVFP4 grouped GEMM (ep_comm.grouped_gemm): weight packing, the kernel's decode rule, activation expansion,
+the torch reference and (marker `gpu`) the CUDA kernel against the reference.
+
+The CPU tier proves the packed layout independently of the packing code: `test_layout_oracle` decodes every
+packed word with the kernel's own bit trick (fp16x2 reinterpretation) and compares each element with the
+weight element the contract assigns to that (thread, k-step, pair) position.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as TF
+
+from ep_comm import formats as F
+from ep_comm import grouped_gemm as G
+from ep_comm import moe
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------------------------------------
+def random_weights(experts: int, n: int, k: int, seed: int, device="cpu", scale_low: int = 0,
+                   scale_high: int = 0x7F) -> F.NVFP4Tensor:
+    """Random NVFP4 weights [E, N, K]: every code (incl. -0), scale bytes in [low, high) (0 and E4M3
+    subnormals by default), one amax per expert (expert 0 gets amax 0 when E > 2)."""
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (experts, n, k // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(scale_low, scale_high, (experts, n, k // 16), generator=g, dtype=torch.uint8)
+    amax = torch.rand(experts, generator=g, dtype=torch.float32) * 8 + 1e-3
+    if experts > 2:
+        amax[0] = 0.0
+    amax = amax[:, None].expand(experts, n).contiguous()
+    return F.NVFP4Tensor(data=data.to(device), scales=scales.view(torch.float8_e4m3fn).to(device),
+                         amax=amax.to(device), e4m3_max=448.0)
+
+
+def random_activations(rows: int, k: int, seed: int, device="cpu") -> F.NVFP4Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g) * torch.exp(torch.randn(rows, 1, generator=g))
+    return F.nvfp4_quantize(x.to(device), four_over_six=True)
+
+
+def segments(counts, align: int, extra_rows: int = 5):
+    """Offsets [E + 1] with every segment start aligned; the total row count has `extra_rows` unused rows."""
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + (c + align - 1) // align * align)
+    return offsets, offsets[-1] + extra_rows
+
+
+def valid_mask(offsets, counts, rows: int) -> torch.Tensor:
+    mask = torch.zeros(rows, dtype=torch.bool)
+    for start, c in zip(offsets, counts):
+        mask[start:start + c] = True
+    return mask
+
+
+def fp16_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    bits = bits.to(torch.int64) & 0xFFFF
+    return torch.where(bits >= 2**15, bits - 2**16, bits).to(torch.int16).view(torch.float16)
+
+
+def kernel_decode_pair(word: torch.Tensor, j: int):
+    """The kernel's decode of pair j from uint32 words (int64 holding [0, 2^32)): (low, high) as fp16 * 2^-14."""
+    mask = 0xFFFFFFFF
+    h2 = (((word << (3 * j)) & mask) & 0x0E000E00) | (((word << j) & mask) & 0x80008000)
+    return fp16_from_bits(h2 & 0xFFFF), fp16_from_bits(h2 >> 16)
+
+
+def contract_word(pairs) -> int:
+    """uint32 word from 4 (low code, high code) pairs, written straight from the contract."""
+    word = 0
+    for j, (lo, hi) in enumerate(pairs):
+        word |= (lo & 7) << (9 - 3 * j) | (lo >> 3) << (15 - j) | (hi & 7) << (25 - 3 * j) | (hi >> 3) << (31 - j)
+    return word
+
+
+ALL_E4M3 = torch.arange(0, 0x7F, dtype=torch.uint8)  # the 127 finite non-negative E4M3 values (0 and subnormals incl.)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CPU tier: the decode rule
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.cpu
+def test_decode_rule_e2m1_all_codes_all_positions():
+    for j in range(4):
+        for lo in range(16):
+            for hi in range(16):
+                pairs = [(0, 0)] * 4
+                pairs[j] = (lo, hi)
+                word = torch.tensor([contract_word(pairs)], dtype=torch.int64)
+                low, high = kernel_decode_pair(word, j)
+                assert low.item() == E2M1[lo] * 2.0 ** -14 and high.item() == E2M1[hi] * 2.0 ** -14, (j, lo, hi)
+                assert math.copysign(1, low.item()) == math.copysign(1, E2M1[lo]), "sign of zero"
+                assert math.copysign(1, high.item()) == math.copysign(1, E2M1[hi]), "sign of zero"
+    # All 32 bits are used, no field overlaps another, and pair j never leaks into the decode of pair j'.
+    full = contract_word([(15, 15)] * 4)
+    assert full == 0xFFFFFFFF
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (2000, 4, 2), generator=g)
+    words = torch.tensor([contract_word(c.tolist()) for c in codes], dtype=torch.int64)
+    table = torch.tensor(E2M1, dtype=torch.float32) * 2.0 ** -14
+    for j in range(4):
+        low, high = kernel_decode_pair(words, j)
+        assert torch.equal(low.float(), table[codes[:, j, 0]]) and torch.equal(high.float(), table[codes[:, j, 1]])
+
+
+@pytest.mark.cpu
+def test_decode_rule_scale_codes_all_e4m3():
+    x = F.e4m3_decode(ALL_E4M3)
+    codes = G._e4m3_scale_codes(ALL_E4M3.view(torch.float8_e4m3fn))
+    assert len(set(codes.tolist())) == 127, "scale codes must be lossless"
+    rebuilt = fp16_from_bits(codes.to(torch.int64) << 7)               # the kernel's `code << 7`
+    assert torch.equal(rebuilt.float(), x * 2.0 ** 7)
+    assert torch.equal(G._scale_codes_to_e4m3_float(codes), x)
+    # The kernel's fp16 product (e2m1 * 2^-14) * (x * 2^7) is exact: e2m1 * x * 2^-7 for every code and scale.
+    e2m1 = (torch.tensor(E2M1, dtype=torch.float32) * 2.0 ** -14).to(torch.float16)
+    product = (e2m1[:, None] * rebuilt[None, :]).float()             # fp16 x fp16 -> fp16 (RNE)
+    exact = (torch.tensor(E2M1, dtype=torch.float64)[:, None] * x.double()[None, :]) * 2.0 ** -7
+    assert torch.equal(product.double(), exact)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CPU tier: packing
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.cpu
+def test_swiglu_row_permutation():
+    n = 128
+    perm = G.swiglu_row_permutation(n)
+    assert sorted(perm.tolist()) == list(range(n))
+    half = n // 2
+    assert perm[:16].tolist() == list(range(8)) + list(range(half, half + 8))
+    assert perm[16:32].tolist() == list(range(8, 16)) + list(range(half + 8, half + 16))
+    for p in range(n):
+        q, g = divmod(p, 16)
+        assert perm[p].item() == (8 * q + g if g < 8 else half + 8 * q + g - 8)
+    with pytest.raises(ValueError):
+        G.swiglu_row_permutation(96)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("shape", [(1, 64, 64), (3, 128, 192), (2, 256, 128)])
+def test_pack_round_trip(shape, swiglu):
+    experts, n, k = shape
+    w = random_weights(experts, n, k, seed=n + k + swiglu)
+    packed = G.pack_gemm_weights(w, swiglu=swiglu)
+    assert packed.values.dtype == torch.int32 and tuple(packed.values.shape) == (experts, n // 64, k // 64, 128, 4)
+    assert packed.scales.dtype == torch.uint8 and tuple(packed.scales.shape) == (experts, n // 64, k // 64, 64, 4)
+    assert packed.n == n and packed.k == k and packed.swiglu is swiglu
+    assert packed.out_features == (n // 2 if swiglu else n)
+    expected_factor = w.amax[:, 0] * torch.tensor(1.0 / (6.0 * 448.0), dtype=torch.float32)
+    assert torch.equal(packed.factor, expected_factor) and packed.factor.dtype == torch.float32
+    expected = F.nvfp4_dequantize(w, impl="reference")
+    actual = G.dequantize_gemm_weights(packed)
+    assert actual.dtype == torch.float32 and actual.shape == expected.shape
+    assert torch.equal(actual.view(torch.int32), expected.view(torch.int32)), "round trip must be bitwise"
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_pack_round_trip_quantized_weights(swiglu):
+    g = torch.Generator().manual_seed(7)
+    w1 = torch.randn(2, 128, 192, generator=g) * torch.tensor([1e-3, 30.0])[:, None, None]
+    w1[0, :5] = 0.0
+    w2 = torch.randn(2, 192, 64, generator=g)
+    weights = moe.pack_weights(w1, w2)
+    for w, sw in ((weights.w1, swiglu), (weights.w2, False)):
+        packed = G.pack_gemm_weights(w, swiglu=sw)
+        expected = F.nvfp4_dequantize(w, impl="reference")
+        assert torch.equal(G.dequantize_gemm_weights(packed).view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_layout_oracle(swiglu):
+    """Every packed element, decoded with the kernel's bit trick, is the contract's weight element."""
+    experts, n, k = 1, 128, 128
+    w = random_weights(experts, n, k, seed=11 + swiglu)
+    packed = G.pack_gemm_weights(w, swiglu=swiglu)
+    codes = torch.stack((w.data.to(torch.int64) & 0xF, w.data.to(torch.int64) >> 4), -1).reshape(experts, n, k)
+    e2m1 = torch.tensor(E2M1, dtype=torch.float32)
+    scale_values = F.e4m3_decode(w.scales.view(torch.uint8))           # [E, N, K/16]
+    words = packed.values.to(torch.int64) & 0xFFFFFFFF                  # [E, mt, kb, t, s]
+    scale_codes = packed.scales.to(torch.int64)                         # [E, mt, kb, row, s]
+    decoded = [kernel_decode_pair(words, j) for j in range(4)]
+    scale_fp16 = fp16_from_bits(scale_codes << 7).float() * 2.0 ** -7   # kernel rebuild of the scale
+    half = n // 2
+
+    def original_row(p: int) -> int:
+        if not swiglu:
+            return p
+        q, g = divmod(p, 16)
+        return 8 * q + g if g < 8 else half + 8 * q + g - 8
+
+    checked = 0
+    for mt in range(n // 64):
+        for kb in range(k // 64):
+            for t in range(128):
+                warp, lane = divmod(t, 32)
+                r0 = 16 * warp + lane // 4
+                r1 = r0 + 8
+                for s in range(4):
+                    c = 16 * s + 2 * (lane % 4)
+                    for h, r in enumerate((r0, r1)):
+                        row = original_row(64 * mt + r)
+                        assert scale_fp16[0, mt, kb, r, s].item() == scale_values[0, row, 4 * kb + s].item()
+                    for j, (r, dc) in enumerate(((r0, 0), (r1, 0), (r0, 8), (r1, 8))):
+                        row = original_row(64 * mt + r)
+                        col = 64 * kb + c + dc
+                        low, high = decoded[j]
+                        got = (low[0, mt, kb, t, s].item(), high[0, mt, kb, t, s].item())
+                        want = (e2m1[codes[0, row, col]].item() * 2.0 ** -14,
+                                e2m1[codes[0, row, col + 1]].item() * 2.0 ** -14)
+                        assert got == want, (mt, kb, t, s, j)
+                        assert all(math.copysign(1, a) == math.copysign(1, b) for a, b in zip(got, want))
+                        checked += 2
+    assert checked == n * k
+
+
+@pytest.mark.cpu
+def test_experts_slice():
+    w = random_weights(4, 64, 64, seed=5)
+    packed = G.pack_gemm_weights(w, swiglu=False)
+    sub = packed.experts(1, 3)
+    assert sub.num_experts == 2
+    assert torch.equal(G.dequantize_gemm_weights(sub), G.dequantize_gemm_weights(packed)[1:3])
+    with pytest.raises(ValueError):
+        packed.experts(3, 5)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CPU tier: activations
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.cpu
+@pytest.mark.parametrize("e4m3_max", [256.0, 448.0])
+def test_expand_reference_exact(e4m3_max):
+    g = torch.Generator().manual_seed(3)
+    rows, k = 37, 128
+    data = torch.randint(0, 256, (rows, k // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(0, 0x7F, (rows, k // 16), generator=g, dtype=torch.uint8)
+    amax = torch.rand(rows, generator=g) * 100
+    amax[0] = 0.0
+    q = F.NVFP4Tensor(data, scales.view(torch.float8_e4m3fn), amax, e4m3_max)
+    x = G.expand_nvfp4_rows(q, impl="reference")
+    assert x.values.dtype == torch.float16 and tuple(x.values.shape) == (rows, k)
+    assert x.row_factor.dtype == torch.float32 and tuple(x.row_factor.shape) == (rows,)
+    codes = torch.stack((data.to(torch.int64) & 0xF, data.to(torch.int64) >> 4), -1).reshape(rows, k)
+    exact = (torch.tensor(E2M1, dtype=torch.float64)[codes].reshape(rows, k // 16, 16)
+             * F.e4m3_decode(scales).double()[..., None]).reshape(rows, k)
+    assert torch.equal(x.values.double(), exact), "fp16 values must be exact"
+    assert torch.equal(x.row_factor, amax * torch.tensor(1.0 / (6.0 * e4m3_max), dtype=torch.float32))
+    # values * row_factor is formats' dequantization up to one fp32 rounding.
+    ref = F.nvfp4_dequantize(q, impl="reference")
+    got = x.values.float() * x.row_factor[:, None]
+    assert torch.all((got - ref).abs() <= ref.abs() * 2.0 ** -22)
+
+
+@pytest.mark.cpu
+def test_expand_leading_dims_and_empty():
+    q = random_activations(6, 64, seed=1)
+    q3 = F.NVFP4Tensor(q.data.reshape(2, 3, 32), q.scales.reshape(2, 3, 4), q.amax.reshape(2, 3), q.e4m3_max)
+    a, b = G.expand_nvfp4_rows(q), G.expand_nvfp4_rows(q3)
+    assert torch.equal(a.values, b.values) and torch.equal(a.row_factor, b.row_factor)
+    empty = F.NVFP4Tensor(q.data[:0], q.scales[:0], q.amax[:0], q.e4m3_max)
+    assert tuple(G.expand_nvfp4_rows(empty).values.shape) == (0, 64)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CPU tier: the reference GEMM
+# ----------------------------------------------------------------------------------------------------------
+def straightforward(q_x: F.NVFP4Tensor, w: F.NVFP4Tensor, offsets, counts, swiglu: bool) -> torch.Tensor:
+    """float64 per-expert matmul of formats-dequantized operands; rows outside every segment are 0."""
+    x = F.nvfp4_dequantize(q_x, impl="reference").double()
+    wd = F.nvfp4_dequantize(w, impl="reference").double()
+    n = wd.shape[1]
+    out = torch.zeros(x.shape[0], n // 2 if swiglu else n, dtype=torch.float64)
+    for e, c in enumerate(counts):
+        rows = slice(offsets[e], offsets[e] + c)
+        y = x[rows] @ wd[e].t()
+        if swiglu:
+            y = TF.silu(y[:, :n // 2]) * y[:, n // 2:]
+        out[rows] = y
+    return out
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("align", [1, 16, 128])
+def test_reference_gemm_vs_straightforward(swiglu, align):
+    experts, n, k = 4, 128, 192
+    counts = [5, 0, 33, 17]
+    offsets, rows = segments(counts, align)
+    w = random_weights(experts, n, k, seed=21, scale_low=0x20, scale_high=0x50)
+    q_x = random_activations(rows, k, seed=22)
+    packed = G.pack_gemm_weights(w, swiglu=swiglu)
+    x = G.expand_nvfp4_rows(q_x)
+    off_t, cnt_t = torch.tensor(offsets, dtype=torch.int32), torch.tensor(counts, dtype=torch.int32)
+    expected = straightforward(q_x, w, offsets, counts, swiglu)
+    out = G.grouped_gemm_nvfp4(x, off_t, cnt_t, packed, out_dtype=torch.float32, impl="reference")
+    assert out.dtype == torch.float32 and tuple(out.shape) == (rows, packed.out_features)
+    rel = torch.linalg.norm(out.double() - expected) / torch.linalg.norm(expected)
+    assert rel < 1e-6, rel
+    assert torch.all(out[~valid_mask(offsets, counts, rows)] == 0)
+    out_bf16 = G.grouped_gemm_nvfp4(x, off_t, cnt_t, packed, impl="reference")
+    assert out_bf16.dtype == torch.bfloat16
+    assert torch.equal(out_bf16, out.to(torch.bfloat16))
+    sentinel = torch.full((rows, packed.out_features), 7.0, dtype=torch.float32)
+    G.grouped_gemm_nvfp4(x, off_t, cnt_t, packed, out_dtype=torch.float32, impl="reference", out=sentinel)
+    mask = valid_mask(offsets, counts, rows)
+    assert torch.equal(sentinel[mask], out[mask]) and torch.all(sentinel[~mask] == 7.0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CPU tier: bad inputs
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.cpu
+def test_pack_bad_inputs():
+    w = random_weights(2, 64, 64, seed=1)
+    with pytest.raises(TypeError):
+        G.pack_gemm_weights(w.data, swiglu=False)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        G.pack_gemm_weights(random_weights(1, 64, 48, seed=1), swiglu=False)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        G.pack_gemm_weights(random_weights(1, 80, 64, seed=1), swiglu=False)
+    with pytest.raises(ValueError, match=r"\[E, N, K\]"):
+        G.pack_gemm_weights(F.NVFP4Tensor(w.data[0], w.scales[0], w.amax[0], 448.0), swiglu=False)
+    amax = w.amax.clone()
+    amax[0, 3] += 1
+    with pytest.raises(ValueError, match="one amax per expert"):
+        G.pack_gemm_weights(F.NVFP4Tensor(w.data, w.scales, amax, 448.0), swiglu=False)
+    for bad_byte in (0x7F, 0x80, 0xC0, 0xFF):  # NaN, -0, negative, NaN
+        scales = w.scales.view(torch.uint8).clone()
+        scales[1, 2, 3] = bad_byte
+        with pytest.raises(ValueError, match="finite and non-negative"):
+            G.pack_gemm_weights(F.NVFP4Tensor(w.data, scales.view(torch.float8_e4m3fn), w.amax, 448.0), swiglu=False)
+    nan_amax = w.amax.clone()
+    nan_amax[1] = math.nan
+    with pytest.raises(ValueError, match="amax"):
+        G.pack_gemm_weights(F.NVFP4Tensor(w.data, w.scales, nan_amax, 448.0), swiglu=False)
+    with pytest.raises(TypeError):
+        G.pack_gemm_weights(w, swiglu=1)
+
+
+@pytest.mark.cpu
+def test_gemm_bad_inputs():
+    experts, n, k = 2, 64, 128
+    packed = G.pack_gemm_weights(random_weights(experts, n, k, seed=2), swiglu=True)
+    x = G.expand_nvfp4_rows(random_activations(40, k, seed=3))
+    off = torch.tensor([0, 16, 32], dtype=torch.int32)
+    cnt = torch.tensor([10, 5], dtype=torch.int32)
+    ok = G.grouped_gemm_nvfp4(x, off, cnt, packed)
+    assert tuple(ok.shape) == (40, n // 2) and ok.dtype == torch.bfloat16
+
+    def call(**kw):
+        args = dict(x=x, expert_offsets=off, num_tokens_per_expert=cnt, weights=packed)
+        args.update(kw)
+        return G.grouped_gemm_nvfp4(**args)
+
+    with pytest.raises(TypeError, match="ExpandedRows"):
+        call(x=x.values)
+    with pytest.raises(TypeError, match="float16"):
+        call(x=G.ExpandedRows(x.values.float(), x.row_factor))
+    with pytest.raises(ValueError, match="contiguous"):
+        call(x=G.ExpandedRows(torch.cat([x.values, x.values], 1)[:, ::2], x.row_factor))
+    with pytest.raises(ValueError, match="K = 64"):
+        call(x=G.ExpandedRows(x.values[:, :64].contiguous(), x.row_factor))
+    with pytest.raises(ValueError, match="row_factor"):
+        call(x=G.ExpandedRows(x.values, x.row_factor[:-1]))
+    with pytest.raises(ValueError, match="row_factor"):
+        call(x=G.ExpandedRows(x.values, x.row_factor.double()))
+    with pytest.raises(TypeError, match="int32"):
+        call(expert_offsets=off.long())
+    with pytest.raises(ValueError, match=r"shape \[3\]"):
+        call(expert_offsets=off[:2])
+    with pytest.raises(ValueError, match=r"shape \[2\]"):
+        call(num_tokens_per_expert=torch.tensor([1, 2, 3], dtype=torch.int32))
+    with pytest.raises(TypeError, match="out_dtype"):
+        call(out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="token_tile"):
+        call(token_tile=48)
+    with pytest.raises(ValueError, match="impl"):
+        call(impl="fast")
+    with pytest.raises(ValueError, match="CUDA"):
+        call(impl="cuda")
+    with pytest.raises(TypeError, match="GemmWeights"):
+        call(weights=random_weights(experts, n, k, seed=2))
+    with pytest.raises(ValueError, match="out must be"):
+        call(out=torch.zeros(40, n, dtype=torch.bfloat16))
+    # The reference checks the segments (the CUDA path trusts them).
+    with pytest.raises(ValueError, match="expert 0"):
+        call(num_tokens_per_expert=torch.tensor([17, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match="expert_offsets"):
+        call(expert_offsets=torch.tensor([0, 16, 41], dtype=torch.int32))
+    with pytest.raises(ValueError, match="expert 1"):
+        call(num_tokens_per_expert=torch.tensor([1, -1], dtype=torch.int32))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPU tier: the CUDA kernel against the reference
+# ----------------------------------------------------------------------------------------------------------
+SMALL_SHAPES = [(4, 128, 128), (3, 192, 256), (5, 256, 512)]
+BIG_SHAPE = (2, 4096, 7168)
+COUNT_PATTERN = [0, 1, 17, 130, 64, 255, 0, 3, 128, 31]
+
+
+def _counts(experts: int, seed: int):
+    return [COUNT_PATTERN[(seed + 3 * e) % len(COUNT_PATTERN)] for e in range(experts)]
+
+
+@functools.lru_cache(maxsize=4)
+def _gpu_case(shape, swiglu: bool, align: int):
+    """(x, offsets, counts, weights, fp32 reference on the GPU, valid-row mask) for one configuration."""
+    experts, n, k = shape
+    counts = [3, 200] if shape == BIG_SHAPE else _counts(experts, n + k)
+    offsets, rows = segments(counts, align)
+    w = random_weights(experts, n, k, seed=n + k, device="cuda", scale_low=0x18, scale_high=0x58)
+    packed = G.pack_gemm_weights(w, swiglu=swiglu)
+    q_x = random_activations(rows, k, seed=k + rows, device="cuda")
+    x = G.expand_nvfp4_rows(q_x)
+    off_t = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    cnt_t = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    ref = G.grouped_gemm_nvfp4(x, off_t, cnt_t, packed, out_dtype=torch.float32, impl="reference")
+    return x, off_t, cnt_t, packed, ref, valid_mask(offsets, counts, rows).cuda()
+
+
+def _check_against_reference(out, ref, mask, out_dtype):
+    assert not torch.isnan(out).any(), "NaN in the kernel output"
+    assert torch.all(out[~mask] == 0), "rows outside every expert were written"
+    if out_dtype == torch.float32:
+        rel = (torch.linalg.norm(out.double() - ref.double()) / torch.linalg.norm(ref.double())).item()
+        assert rel < 1e-5, f"relative error {rel:.3e}"
+    else:
+        diff = (out.float() - ref).abs()
+        bound = ref.abs() * 2.0 ** -8 * (1 + 1e-3) + 1e-6 * ref.abs().max()
+        bad = diff > bound
+        assert not bad.any(), f"{int(bad.sum())} bf16 values beyond bf16 rounding; worst {diff.max().item():.3e}"
+
+
+@pytest.mark.gpu
+def test_expand_cuda_bitwise():
+    q = random_activations(333, 7168, seed=9, device="cuda")
+    a = G.expand_nvfp4_rows(q, impl="cuda")
+    b = G.expand_nvfp4_rows(q, impl="reference")
+    assert torch.equal(a.values.view(torch.int16), b.values.view(torch.int16))
+    assert torch.equal(a.row_factor, b.row_factor)
+
+
+@pytest.mark.gpu
+def test_row_limit_skips_rows_past_the_device_count():
+    """expand_nvfp4_rows / the NVFP4 quantize kernel with a device-side row count (MoELayer's capacity-sized
+    intermediates): the rows below it are bitwise those of the full call."""
+    from ep_comm import _cuda_formats
+    q = random_activations(200, 2048, seed=12, device="cuda")
+    limit = torch.tensor([77], dtype=torch.int32, device="cuda")
+    full = G.expand_nvfp4_rows(q, impl="cuda")
+    part = G.expand_nvfp4_rows(q, impl="cuda", num_rows_limit=limit)
+    assert torch.equal(part.values[:77].view(torch.int16), full.values[:77].view(torch.int16))
+    x = torch.randn(200, 2048, device="cuda")
+    whole = _cuda_formats.nvfp4_quantize(x, four_over_six=True, amax=None)
+    limited = _cuda_formats.nvfp4_quantize(x, four_over_six=True, amax=None, num_rows_limit=limit)
+    assert torch.equal(limited.data[:77], whole.data[:77])
+    assert torch.equal(limited.scales[:77].view(torch.uint8), whole.scales[:77].view(torch.uint8))
+    assert torch.equal(limited.amax[:77], whole.amax[:77])
+    with pytest.raises(ValueError, match="num_rows_limit"):
+        G.expand_nvfp4_rows(q, impl="cuda", num_rows_limit=limit.long())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_pack_on_gpu_matches_cpu(swiglu):
+    w = random_weights(3, 128, 192, seed=4)
+    cpu = G.pack_gemm_weights(w, swiglu=swiglu)
+    gpu = G.pack_gemm_weights(F.NVFP4Tensor(w.data.cuda(), w.scales.cuda(), w.amax.cuda(), 448.0), swiglu=swiglu)
+    for name in ("values", "scales", "factor", "row_perm"):
+        assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("token_tile", [None, 16, 32, 64, 128])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("align", [1, 16, 128])
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("shape", SMALL_SHAPES)
+def test_kernel_vs_reference_small(shape, swiglu, align, out_dtype, token_tile):
+    x, off, cnt, packed, ref, mask = _gpu_case(shape, swiglu, align)
+    out = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=out_dtype, token_tile=token_tile, impl="cuda")
+    assert out.dtype == out_dtype and tuple(out.shape) == tuple(ref.shape)
+    _check_against_reference(out, ref, mask, out_dtype)
+    again = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=out_dtype, token_tile=token_tile, impl="cuda")
+    assert torch.equal(out.view(torch.uint8), again.view(torch.uint8)), "two runs differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("token_tile", [None, 16, 32, 64, 128])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_kernel_vs_reference_deepseek_shape(swiglu, out_dtype, token_tile):
+    x, off, cnt, packed, ref, mask = _gpu_case(BIG_SHAPE, swiglu, 128)
+    out = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=out_dtype, token_tile=token_tile, impl="cuda")
+    _check_against_reference(out, ref, mask, out_dtype)
+    again = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=out_dtype, token_tile=token_tile, impl="cuda")
+    assert torch.equal(out.view(torch.uint8), again.view(torch.uint8)), "two runs differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_kernel_leaves_other_rows_untouched(swiglu):
+    x, off, cnt, packed, ref, mask = _gpu_case(SMALL_SHAPES[1], swiglu, 16)
+    out = torch.full(tuple(ref.shape), 1234.5, dtype=torch.float32, device="cuda")
+    G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.float32, impl="cuda", out=out)
+    assert torch.all(out[~mask] == 1234.5)
+    _check_against_reference(torch.where(mask[:, None], out, torch.zeros_like(out)), ref, mask, torch.float32)
+
+
+@pytest.mark.gpu
+def test_kernel_all_experts_empty_and_no_rows():
+    x, off, _, packed, ref, _ = _gpu_case(SMALL_SHAPES[0], False, 16)
+    zero = torch.zeros(packed.num_experts, dtype=torch.int32, device="cuda")
+    out = G.grouped_gemm_nvfp4(x, off, zero, packed, out_dtype=torch.float32, impl="cuda")
+    torch.cuda.synchronize()
+    assert torch.all(out == 0)
+    empty = G.ExpandedRows(x.values[:0], x.row_factor[:0])
+    out = G.grouped_gemm_nvfp4(empty, torch.zeros_like(off), zero, packed, out_dtype=torch.float32, impl="cuda")
+    assert tuple(out.shape) == (0, packed.out_features)
