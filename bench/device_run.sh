@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call: build the CUDA core, run the test tiers, run the benchmarks; logs and JSON go to $OUT.
-#   bash bench/device_run.sh [all|tests|bench|scale]      (run from the repository root)
+#   bash bench/device_run.sh [all|tests|bench|scale|gemm|run2|swz|run3]      (run from the repository root)
+# gemm: grouped GEMM tests + benchmark; run2/swz/run3: this session's measurement runs (bench/RESULTS.md).
 # Needs the nvshmem4py cp312 wheel in .whl/ (carried; see README "GPU machine").
 set -uo pipefail
 mode="${1:-all}"
@@ -110,5 +111,64 @@ if [ "$mode" = scale ]; then
   tail -40 "$OUT/bench_scale_$n.txt" | tee -a "$log"
   say "scale: main job at $n ranks"
   timeout 60 python3 -m ep_comm.bench --out "$OUT/bench_main_$n.json" 2>&1 | tail -6 | tee -a "$log"
+fi
+if [ "$mode" = gemm ]; then
+  say "gpu tier: grouped GEMM kernel vs reference"
+  timeout 240 python3 -m pytest -q -x -rs tests/test_grouped_gemm.py > "$OUT/pytest_gemm.txt" 2>&1
+  tail -30 "$OUT/pytest_gemm.txt" | tee -a "$log"
+  say "bench: grouped GEMM (1 GPU)"
+  CUDA_VISIBLE_DEVICES=0 timeout 240 python3 bench/bench_grouped_gemm.py --check --out "$OUT/bench_gemm.json" 2>&1 | tail -30 | tee -a "$log"
+fi
+if [ "$mode" = run2 ]; then
+  say "gpu tier: formats kernels"
+  timeout 150 python3 -m pytest -q -x -rs tests/test_formats_cuda.py 2>&1 | tail -3 | tee -a "$log"
+  say "gpu tier: grouped GEMM (4 and 2 warpgroups per CTA)"
+  timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py 2>&1 | tail -2 | tee -a "$log"
+  EP_COMM_GEMM_WARPGROUPS=2 timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py 2>&1 | tail -2 | tee -a "$log"
+  say "multigpu tier: MoE layer (fused experts) + nvlink suite"
+  timeout 240 python3 -m pytest -q -rs tests/test_moe.py tests/test_nvlink.py -k "not gloo" > "$OUT/pytest_mg.txt" 2>&1
+  tail -4 "$OUT/pytest_mg.txt" | tee -a "$log"
+  say "bench: grouped GEMM, 4 warpgroups per CTA (1 GPU)"
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/bench_grouped_gemm.py --check --token-tiles auto,64 --out "$OUT/bench_gemm.json" 2>&1 | grep -E "^(w1|w2|gemm)|eiling|check:" | tee -a "$log"
+  say "bench: grouped GEMM, 2 warpgroups per CTA (1 GPU)"
+  CUDA_VISIBLE_DEVICES=0 EP_COMM_GEMM_WARPGROUPS=2 timeout 150 python3 bench/bench_grouped_gemm.py --no-baseline --token-tiles auto,64 --out "$OUT/bench_gemm_wg2.json" 2>&1 | grep -E "^(w1|w2)" | tee -a "$log"
+  say "bench: formats kernels (1 GPU)"
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 bench/bench_formats.py --out "$OUT/bench_formats.json" 2>&1 | tail -16 | tee -a "$log"
+  say "bench: dispatch/combine (2 GPUs)"
+  timeout 150 python3 bench/bench_dispatch_combine.py --nproc 2 --tokens 128,4096 --formats nvfp4/s2f6,bf16/bf16 --out "$OUT/bench_dc.json" > "$OUT/bench_dc.txt" 2>&1
+  grep -E "graph|ceiling|reference" "$OUT/bench_dc.txt" | tail -16 | tee -a "$log"
+  say "bench: MoE layer (2 GPUs)"
+  timeout 200 python3 bench/bench_moe.py --nproc 2 --iters 5 --out "$OUT/bench_moe.json" 2>&1 | tail -3 | tee -a "$log"
+fi
+if [ "$mode" = run3 ]; then
+  say "gpu tier: formats kernels"
+  timeout 150 python3 -m pytest -q -x -rs tests/test_formats_cuda.py 2>&1 | tail -2 | tee -a "$log"
+  say "gpu tier: grouped GEMM (default warpgroups by tile, then forced 2 and 4)"
+  timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py 2>&1 | tail -2 | tee -a "$log"
+  EP_COMM_GEMM_WARPGROUPS=2 timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py -k kernel 2>&1 | tail -1 | tee -a "$log"
+  EP_COMM_GEMM_WARPGROUPS=4 timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py -k kernel 2>&1 | tail -1 | tee -a "$log"
+  EP_COMM_GEMM_B_SWIZZLE=0 timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py -k kernel 2>&1 | tail -1 | tee -a "$log"
+  say "multigpu tier: MoE layer (fused experts) + nvlink suite + reference over NCCL"
+  timeout 300 python3 -m pytest -q -rs tests/test_moe.py tests/test_nvlink.py tests/test_reference_backend.py -k "not gloo" > "$OUT/pytest_mg.txt" 2>&1
+  tail -4 "$OUT/pytest_mg.txt" | tee -a "$log"
+  say "bench: grouped GEMM (1 GPU)"
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/bench_grouped_gemm.py --check --out "$OUT/bench_gemm.json" 2>&1 | grep -E "^(w1|w2|gemm)|eiling|check:" | tee -a "$log"
+  say "bench: MoE layer (2 GPUs)"
+  timeout 200 python3 bench/bench_moe.py --nproc 2 --iters 5 --out "$OUT/bench_moe.json" 2>&1 | tail -3 | tee -a "$log"
+  say "main job"
+  timeout 100 python3 -m ep_comm.bench --out "$OUT/bench_main.json" 2>&1 | tail -5 | tee -a "$log"
+fi
+if [ "$mode" = swz ]; then
+  say "gpu tier: grouped GEMM, 128-byte swizzled B (default) and interleaved B"
+  timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py 2>&1 | tail -2 | tee -a "$log"
+  EP_COMM_GEMM_B_SWIZZLE=0 timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py -k kernel 2>&1 | tail -1 | tee -a "$log"
+  say "bench: grouped GEMM swizzled B"
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/bench_grouped_gemm.py --check --out "$OUT/bench_gemm.json" 2>&1 | grep -E "^(w1|w2|gemm)|eiling|check:" | tee -a "$log"
+  say "bench: grouped GEMM interleaved B"
+  CUDA_VISIBLE_DEVICES=0 EP_COMM_GEMM_B_SWIZZLE=0 timeout 150 python3 bench/bench_grouped_gemm.py --no-baseline --out "$OUT/bench_gemm_noswz.json" 2>&1 | grep -E "^(w1|w2)" | tee -a "$log"
+  say "multigpu tier: MoE layer"
+  timeout 200 python3 -m pytest -q -rs tests/test_moe.py -k "not gloo" 2>&1 | tail -3 | tee -a "$log"
+  say "bench: MoE layer (2 GPUs)"
+  timeout 200 python3 bench/bench_moe.py --nproc 2 --iters 5 --out "$OUT/bench_moe.json" 2>&1 | tail -3 | tee -a "$log"
 fi
 say "done"
