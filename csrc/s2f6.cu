@@ -14,10 +14,68 @@ namespace ep_comm {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kAccumulateBatch = 4;  // source rows loaded before they are summed (in order)
+constexpr int kAccumulateBatch = 8;  // source rows loaded before they are summed (in order)
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Row / column of a flat unit index without a 64-bit (or a MUFU-based 32-bit) division: for 2 <= d < 2^31 and
+// n < 2^31, floor(n / d) = umulhi(n, m) >> (p - 32) with l = ceil(log2 d), p = 31 + l, m = ceil(2^p / d).
+// Proof: m = (2^p + e) / d with 0 <= e < d <= 2^l, so n m / 2^p = n / d + n e / (d 2^p) and the second term is
+// < 2^31 2^l / (d 2^(31 + l)) = 1 / d; n / d = q + r / d with r <= d - 1, so the sum stays below q + 1 and its
+// floor is q. m < 2^32 (d > 2^(l - 1), or m = 2^31 for d = 2^l) and floor(floor(x / 2^32) / 2^s) = floor(x / 2^(32 + s)).
+// `fast` is false (plain 64-bit division) when some index may reach 2^31.
+struct RowDiv {
+  int64_t d = 1;
+  uint32_t mul = 0;
+  uint32_t shift = 0;
+  bool fast = false;
+};
+
+RowDiv make_row_div(int64_t d, int64_t total) {
+  RowDiv r;
+  r.d = d;
+  if (d >= 2 && d <= INT32_MAX && total <= INT32_MAX) {
+    int l = 0;
+    while ((int64_t{1} << l) < d) ++l;
+    const int p = 31 + l;
+    r.mul = static_cast<uint32_t>(((uint64_t{1} << p) + static_cast<uint64_t>(d) - 1) / static_cast<uint64_t>(d));
+    r.shift = static_cast<uint32_t>(p - 32);
+    r.fast = true;
+  }
+  return r;
+}
+
+// n must be a valid unit (0 <= n < total).
+__device__ __forceinline__ int64_t row_of(int64_t n, const RowDiv& div) {
+  if (div.fast) return static_cast<int64_t>(__umulhi(static_cast<uint32_t>(n), div.mul) >> div.shift);
+  return n / div.d;
+}
+
+// rht_sign(v, sign_mask, first + k) for k = 0..7 with bits = sign_mask >> first: bit k of `bits` moved to bit 31
+// (one shift and one LOP3 per value instead of a variable shift, a mask and a xor).
+__device__ __forceinline__ void apply_signs8(float v[8], uint32_t bits) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = __uint_as_float(__float_as_uint(v[k]) ^ ((bits << (31 - k)) & 0x80000000u));
+}
+
+// qm::rht32_forward_lane8 / rht32_inverse_lane8 with apply_signs8 (same operations, same order).
+__device__ __forceinline__ void rht32_forward_lane8_fast(float v[8], uint32_t sign_mask, int lane) {
+  apply_signs8(v, sign_mask >> ((lane & 3) * 8));
+  qm::fwht32_lane8(v, lane);
+  const float c = __uint_as_float(qm::kRhtScaleBits);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = qm::qm_mul(v[k], c);
+}
+
+__device__ __forceinline__ void rht32_inverse_lane8_fast(float v[8], uint32_t sign_mask, int lane) {
+  qm::fwht32_lane8(v, lane);
+  const float c = __uint_as_float(qm::kRhtScaleBits);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = qm::qm_mul(v[k], c);
+  apply_signs8(v, sign_mask >> ((lane & 3) * 8));
+}
+
+#if defined(EP_COMM_S2F6_NATIVE)
 __device__ __forceinline__ uint2 pack_codes(const float v[8], uint8_t scale) {
   const float multiplier = qm::ue8m0_inverse(scale);
   uint32_t words[2];
@@ -28,6 +86,54 @@ __device__ __forceinline__ uint2 pack_codes(const float v[8], uint8_t scale) {
   }
   return make_uint2(words[0], words[1]);
 }
+#else
+// 8 codes of qm::s2f6_encode(v[k], scale) (scale <= 0xFE, as ue8m0_s2f6_scale gives), packed lowest element in
+// the lowest byte. Same bits as the rule, fewer instructions:
+//  * t: for scale >= 6, f(v * 2^(133 - b)) (one multiply) equals the rule's f(f(v * 2^(127 - b)) * 64) whenever
+//    |t| >= 2^-120: then v * 2^(127 - b) is normal (or 0 / Inf) and scaling by a power of two is exact, so both
+//    are v * 2^(133 - b) rounded once; otherwise both |t| < 1/2 and both give code 0. No overflow: |v| <= amax <
+//    2^(b - 126), so |v * 2^(133 - b)| < 128 (Inf stays Inf). For scale < 6, 2^(133 - b) is not an fp32: the
+//    rule's two multiplies are kept.
+//  * clamp as max(min(t, 127), -128): for a non-NaN t the same as the rule's min(max(t, -128), 127); for t = NaN
+//    (iff v is NaN: the multipliers are finite and > 0) fminf returns 127, the rule's NaN code.
+//  * rounding: s = f(t + 1.5 * 2^23) lies in [2^23, 2^24) (ulp 1) and is 1.5 * 2^23 + RNE(t) (the magic is even,
+//    so ties pick the same neighbour), i.e. bits 0x4B400000 + RNE(t): the low byte is the int8 code that
+//    qm_rint_small + the int conversion give, without the subtraction and the quarter-rate F2I.
+__device__ __forceinline__ uint32_t s2f6_rounded_bits(float t) {
+  t = qm::qm_max(qm::qm_min(t, 127.0f), -128.0f);
+  return __float_as_uint(qm::qm_add(t, qm::kRoundMagic));
+}
+
+//  * for 6 <= b <= 253 the lower clamp is a no-op and the upper one only maps NaN: b = ue8m0_s2f6_scale(amax)
+//    is the smallest e with amax * 2^(127 - e) <= 127/64 unless clamped to 0xFE (amax >= 2^127 * 127/64 or
+//    Inf), and |v| <= amax for every value of the block, so |v * 2^(133 - b)| <= 127 and its rounding too
+//    (127 is an fp32); min(t, 127) keeps such a t and turns NaN into 127, and t >= -127 > -128.
+__device__ __forceinline__ uint2 pack_codes(const float v[8], uint8_t scale) {
+  uint32_t s[8];
+  if (scale >= 6 && scale <= 253) {
+    const float multiplier = __uint_as_float((260u - scale) << 23);  // 2^(133 - b)
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      s[k] = __float_as_uint(qm::qm_add(qm::qm_min(qm::qm_mul(v[k], multiplier), 127.0f), qm::kRoundMagic));
+    }
+  } else if (scale >= 6) {
+    const float multiplier = __uint_as_float((260u - scale) << 23);  // 2^(133 - b), b = 254
+#pragma unroll
+    for (int k = 0; k < 8; ++k) s[k] = s2f6_rounded_bits(qm::qm_mul(v[k], multiplier));
+  } else {
+    const float multiplier = qm::ue8m0_inverse(scale);  // 2^(127 - b), normal for b < 6
+#pragma unroll
+    for (int k = 0; k < 8; ++k) s[k] = s2f6_rounded_bits(qm::qm_mul(qm::qm_mul(v[k], multiplier), 64.0f));
+  }
+  uint32_t words[2];
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    words[w] = __byte_perm(__byte_perm(s[4 * w], s[4 * w + 1], 0x0040), __byte_perm(s[4 * w + 2], s[4 * w + 3], 0x0040),
+                           0x5410);
+  }
+  return make_uint2(words[0], words[1]);
+}
+#endif
 
 // code * multiplier for 8 int8 codes. The int8 -> fp32 conversion goes through the mantissa of 2^23
 // (bits 0x4B000000 | (byte ^ 0x80) = 2^23 + 128 + code) and one exact subtraction: the same value as an
@@ -41,13 +147,36 @@ __device__ __forceinline__ void unpack_codes(uint2 raw, float multiplier, float 
   }
 }
 
+// The decoded values f(code * 2^-6) * 2^(b - 127) = code * 2^(b - 133) of 8 codes, exactly as unpack_codes(raw,
+// s2f6_decode_multiplier(scale)) gives them. For b <= 237 the exponent goes into the magic number: with
+// E = b + 17 (in [17, 254], a normal exponent field) and u = byte ^ 0x80 = code + 128 in [0, 255],
+// X = bits(E << 23 | u) = 2^(b - 133) (2^23 + u) and B = bits(E << 23 | 0x80) = 2^(b - 133) (2^23 + 128), so
+// X - B = code * 2^(b - 133) exactly; that value is an fp32 (an integer multiple of 2^-149 with 8 significant
+// bits), so the correctly rounded subtraction returns it (code 0: X = B, +0 like 0.0f * multiplier). One PRMT
+// and one FSUB per value. b in [238, 255] (huge scales, 0xFF = NaN) takes the general form.
+__device__ __forceinline__ void unpack_codes_fast(uint2 raw, uint8_t scale, float v[8]) {
+  if (scale <= 237) {
+    const uint32_t base = ((static_cast<uint32_t>(scale) + 17u) << 23) | 0x80u;
+    const float bias = __uint_as_float(base);
+    const uint32_t words[2] = {raw.x ^ 0x80808080u, raw.y ^ 0x80808080u};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      // byte 0 from byte k % 4 of the word, bytes 1..3 from base (0, then the exponent)
+      v[k] = qm::qm_sub(__uint_as_float(__byte_perm(words[k / 4], base, 0x7650u | (k % 4))), bias);
+    }
+  } else {
+    unpack_codes(raw, qm::s2f6_decode_multiplier(scale), v);
+  }
+}
+
 // Dequantize: each thread takes kUnits 8-element units kThreads apart (the 4-lane groups stay aligned: kThreads % 32 ==
 // 0) and issues all their loads before any math, for more bytes in flight per SM (measured 66.5% -> 83.0% of
 // copy on an H200; the same change made quantize slower, 44.6% -> 38.5%, so quantize keeps one unit per thread).
 constexpr int kUnits = 4;
 
 template <typename T, bool kHadamard>
-__global__ void __launch_bounds__(kThreads) s2f6_quantize_kernel(S2f6QuantizeArgs args, int64_t groups_per_row) {
+__global__ void __launch_bounds__(kThreads) s2f6_quantize_kernel(S2f6QuantizeArgs args, int64_t groups_per_row,
+                                                                 RowDiv div) {
   const int64_t unit = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int lane = threadIdx.x % 32;
   const bool valid = unit < args.num_rows * groups_per_row;
@@ -57,11 +186,11 @@ __global__ void __launch_bounds__(kThreads) s2f6_quantize_kernel(S2f6QuantizeArg
 #pragma unroll
   for (int k = 0; k < 8; ++k) v[k] = 0.0f;
   if (valid) {
-    row = unit / groups_per_row;
+    row = row_of(unit, div);
     column = (unit - row * groups_per_row) * 8;
     vec::load_row_segment<T, 8>(static_cast<const T*>(args.x) + row * args.x_row_stride + column, v);
   }
-  if (kHadamard) qm::rht32_forward_lane8(v, args.sign_mask, lane);
+  if (kHadamard) rht32_forward_lane8_fast(v, args.sign_mask, lane);
   float local = 0.0f;
 #pragma unroll
   for (int k = 0; k < 8; ++k) local = qm::qm_max(local, qm::qm_abs(v[k]));
@@ -97,17 +226,18 @@ __global__ void __launch_bounds__(kThreads) s2f6_dequantize_kernel(const int8_t*
     float v[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) v[k] = 0.0f;
-    if (valid) unpack_codes(raw[i], qm::s2f6_decode_multiplier(scale[i]), v);
-    if (kHadamard) qm::rht32_inverse_lane8(v, sign_mask, static_cast<int>(threadIdx.x % 32));
+    if (valid) unpack_codes_fast(raw[i], scale[i], v);
+    if (kHadamard) rht32_inverse_lane8_fast(v, sign_mask, static_cast<int>(threadIdx.x % 32));
     if (valid) vec::store_row_segment<Out, 8>(out + unit * 8, v);
   }
 }
 
 template <typename Index, typename Out, bool kHadamard>
-__global__ void __launch_bounds__(kThreads) s2f6_accumulate_kernel(S2f6AccumulateArgs args, int64_t groups_per_row) {
+__global__ void __launch_bounds__(kThreads) s2f6_accumulate_kernel(S2f6AccumulateArgs args, int64_t groups_per_row,
+                                                                   RowDiv div) {
   const int64_t unit = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool valid = unit < args.num_out_rows * groups_per_row;
-  const int64_t out_row = valid ? unit / groups_per_row : 0;
+  const int64_t out_row = valid ? row_of(unit, div) : 0;
   const int64_t group = unit - out_row * groups_per_row;  // 8-element group within the row
   const Index* index_row = static_cast<const Index*>(args.row_index) + out_row * args.num_terms;
   const float* weight_row = args.weights != nullptr ? args.weights + out_row * args.num_terms : nullptr;
@@ -119,31 +249,40 @@ __global__ void __launch_bounds__(kThreads) s2f6_accumulate_kernel(S2f6Accumulat
   const int64_t num_terms = valid ? args.num_terms : 0;
   for (int64_t first = 0; first < num_terms; first += kAccumulateBatch) {
     // Issue the batch's loads first (memory parallelism), then add in ascending j (the NUMERICS order).
-    uint2 raw[kAccumulateBatch];
-    uint8_t scale[kAccumulateBatch];
+    // Three phases so that no load waits behind another batch member's: every index and weight of the batch
+    // (independent of each other), then every code and scale (dependent on the indices only), then the math.
+    int64_t src[kAccumulateBatch];
     float weight[kAccumulateBatch];
-    bool used[kAccumulateBatch];
 #pragma unroll
     for (int i = 0; i < kAccumulateBatch; ++i) {
       const int64_t j = first + i;
-      const int64_t src = j < num_terms ? static_cast<int64_t>(__ldg(index_row + j)) : -1;
-      used[i] = src >= 0 && src < args.num_src_rows;
-      weight[i] = (used[i] && weight_row != nullptr) ? __ldg(weight_row + j) : 1.0f;
+      src[i] = j < num_terms ? static_cast<int64_t>(__ldg(index_row + j)) : -1;
+      // An in-bounds weight that is used only when the index is (unused terms are skipped below).
+      weight[i] = (j < num_terms && weight_row != nullptr) ? __ldg(weight_row + j) : 1.0f;
+    }
+    uint2 raw[kAccumulateBatch];
+    uint8_t scale[kAccumulateBatch];
+    bool used[kAccumulateBatch];
+#pragma unroll
+    for (int i = 0; i < kAccumulateBatch; ++i) {
+      used[i] = src[i] >= 0 && src[i] < args.num_src_rows;
+      raw[i] = make_uint2(0u, 0u);
+      scale[i] = 0;
       if (used[i]) {
-        raw[i] = __ldg(codes + src * groups_per_row + group);
-        scale[i] = __ldg(args.scales + src * (groups_per_row / 4) + group / 4);
+        raw[i] = __ldg(codes + src[i] * groups_per_row + group);
+        scale[i] = __ldg(args.scales + src[i] * (groups_per_row / 4) + group / 4);
       }
     }
 #pragma unroll
     for (int i = 0; i < kAccumulateBatch; ++i) {
       if (!used[i]) continue;
       float v[8];
-      unpack_codes(raw[i], qm::s2f6_decode_multiplier(scale[i]), v);
+      unpack_codes_fast(raw[i], scale[i], v);
 #pragma unroll
       for (int k = 0; k < 8; ++k) acc[k] = qm::qm_add(acc[k], qm::qm_mul(weight[i], v[k]));
     }
   }
-  if (kHadamard) qm::rht32_inverse_lane8(acc, args.sign_mask, static_cast<int>(threadIdx.x % 32));
+  if (kHadamard) rht32_inverse_lane8_fast(acc, args.sign_mask, static_cast<int>(threadIdx.x % 32));
   if (valid) vec::store_row_segment<Out, 8>(static_cast<Out*>(args.out) + out_row * args.hidden + group * 8, acc);
 }
 
@@ -156,12 +295,13 @@ cudaError_t launch_s2f6_quantize(const S2f6QuantizeArgs& args, cudaStream_t stre
   if (total == 0) return cudaSuccess;
   const int64_t grid = ceil_div(total, kThreads);
   if (grid > INT32_MAX) return cudaErrorInvalidValue;
+  const RowDiv div = make_row_div(groups_per_row, total);
   return vec::dispatch_elem_type(args.x_type, [&](auto tag) {
     using T = decltype(tag);
     if (args.hadamard) {
-      s2f6_quantize_kernel<T, true><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(args, groups_per_row);
+      s2f6_quantize_kernel<T, true><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(args, groups_per_row, div);
     } else {
-      s2f6_quantize_kernel<T, false><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(args, groups_per_row);
+      s2f6_quantize_kernel<T, false><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(args, groups_per_row, div);
     }
     return cudaGetLastError();
   });
@@ -197,16 +337,17 @@ cudaError_t launch_s2f6_dequantize_accumulate(const S2f6AccumulateArgs& args, cu
   if (total == 0) return cudaSuccess;
   const int64_t grid = ceil_div(total, kThreads);
   if (grid > INT32_MAX) return cudaErrorInvalidValue;
+  const RowDiv div = make_row_div(groups_per_row, total);
   return vec::dispatch_elem_type(args.out_type, [&](auto tag) {
     using Out = decltype(tag);
     const auto launch = [&](auto index_tag) {
       using Index = decltype(index_tag);
       if (args.hadamard) {
         s2f6_accumulate_kernel<Index, Out, true><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
-            args, groups_per_row);
+            args, groups_per_row, div);
       } else {
         s2f6_accumulate_kernel<Index, Out, false><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
-            args, groups_per_row);
+            args, groups_per_row, div);
       }
     };
     if (args.index_is_int64) {
