@@ -95,6 +95,32 @@ def _fused_experts_supported(device: torch.device, hidden: int, intermediate: in
     return True, ""
 
 
+def fused_expert_mlp(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
+                     w1, w2, token_tile=None) -> torch.Tensor:
+    """The experts of one rank on the NVFP4 grouped GEMM (sm_90a): bf16 [R, H] in the dispatch layout.
+
+    tokens: NVFP4Tensor [R, H] in the expert-major layout (e.g. `DispatchResult.x`); expert_offsets int32 [E + 1]
+    and num_tokens_per_expert int32 [E] on the device; w1, w2: `grouped_gemm.GemmWeights` from
+    `pack_gemm_weights(weights.w1, swiglu=True)` / `pack_gemm_weights(weights.w2, swiglu=False)`.
+    Same quantization points as `expert_mlp_reference`: SwiGLU in FP32, then NVFP4 4/6 with a per-token amax for the
+    w2 input (a separate pass: that amax spans the whole intermediate row, which no single GEMM CTA sees).
+    Everything stays on the device (no host sync; CUDA-graph capturable). Rows at or past expert_offsets[-1] (the
+    nvlink backend returns its fixed capacity) are skipped by every kernel and rows outside expert segments are
+    never read, so intermediates are uninitialised and only the rows of valid experts are defined in the result
+    (what `Buffer.combine` reads).
+    """
+    from . import grouped_gemm as gemm
+    rows_in_use = expert_offsets[-1:]
+    x = gemm.expand_nvfp4_rows(tokens, num_rows_limit=rows_in_use)
+    hidden = torch.empty(x.num_rows, w1.out_features, dtype=torch.float32, device=x.values.device)
+    gemm.grouped_gemm_nvfp4(x, expert_offsets, num_tokens_per_expert, w1, out_dtype=torch.float32, out=hidden,
+                            token_tile=token_tile)  # silu(gate) * up
+    hidden = gemm.expand_nvfp4_rows(_cuda_nvfp4_quantize(hidden, rows_in_use), num_rows_limit=rows_in_use)
+    out = torch.empty(x.num_rows, w2.out_features, dtype=torch.bfloat16, device=x.values.device)
+    return gemm.grouped_gemm_nvfp4(hidden, expert_offsets, num_tokens_per_expert, w2, out_dtype=torch.bfloat16,
+                                   out=out, token_tile=token_tile)
+
+
 class MoELayer(torch.nn.Module):
     """Router top-k -> dispatch -> expert SwiGLU MLPs of this rank -> combine.
 
@@ -137,7 +163,6 @@ class MoELayer(torch.nn.Module):
         self.expert_impl = expert_impl
         if expert_impl == "fused":
             from . import grouped_gemm  # imported here: the CPU-only package does not need it at import time
-            self._gemm = grouped_gemm
             # Token tile from the expected rows per local expert with every rank at max_tokens_per_rank (the
             # kernel's own choice would use the capacity-sized row count, which overestimates it).
             expected = cfg.max_tokens_per_rank * cfg.num_topk * cfg.world_size / cfg.num_experts
@@ -164,25 +189,8 @@ class MoELayer(torch.nn.Module):
         return self._experts_reference(result)
 
     def _experts_fused(self, result) -> torch.Tensor:
-        """All on the device, no host sync. Rows past expert_offsets[-1] (the nvlink backend returns its fixed
-        capacity) are skipped by every kernel and rows outside expert segments are never read, so the
-        intermediates are allocated uninitialised; only the returned rows of valid experts are meaningful (what
-        `Buffer.combine` reads). The SwiGLU output's NVFP4 requantization is a separate pass: its per-token amax
-        spans the whole intermediate row, which no single GEMM CTA sees."""
-        gemm = self._gemm
-        rows_in_use = result.expert_offsets[-1:]
-        offsets, counts = result.expert_offsets, result.num_tokens_per_expert
-        tokens = gemm.expand_nvfp4_rows(result.x, num_rows_limit=rows_in_use)
-        hidden = torch.empty(tokens.num_rows, self._w1_packed.out_features, dtype=torch.float32,
-                             device=tokens.values.device)
-        gemm.grouped_gemm_nvfp4(tokens, offsets, counts, self._w1_packed, out_dtype=torch.float32, out=hidden,
-                                token_tile=self._token_tile)
-        hidden_q = _cuda_nvfp4_quantize(hidden, rows_in_use)
-        hidden = gemm.expand_nvfp4_rows(hidden_q, num_rows_limit=rows_in_use)
-        out = torch.empty(tokens.num_rows, self.buffer.config.hidden, dtype=torch.bfloat16,
-                          device=tokens.values.device)
-        return gemm.grouped_gemm_nvfp4(hidden, offsets, counts, self._w2_packed, out_dtype=torch.bfloat16, out=out,
-                                       token_tile=self._token_tile)
+        return fused_expert_mlp(result.x, result.expert_offsets, result.num_tokens_per_expert, self._w1_packed,
+                                self._w2_packed, token_tile=self._token_tile)
 
     def _experts_reference(self, result) -> torch.Tensor:
         out = torch.zeros(result.num_rows, self.buffer.config.hidden, dtype=torch.bfloat16,

@@ -17,3 +17,12 @@ def test_moe_forward_example_on_gloo():
     errors = run_ranks(moe_forward.worker, 2, args, backend="gloo")
     # NVFP4 activations (~9% relative error per token) through a SwiGLU MLP, then S2F6 (~1%).
     assert all(0.0 < e < 0.2 for e in errors), errors
+
+
+@pytest.mark.cpu
+def test_moe_layer_example_on_gloo():
+    import moe_layer
+    args = argparse.Namespace(tokens=32, hidden=128, intermediate=64, experts=4, topk=2, gpu=False)
+    for result in run_ranks(moe_layer.worker, 2, args, backend="gloo"):
+        # On CPU both layers use the reference experts: the same computation, bitwise.
+        assert result["experts"] == "reference" and result["vs_reference_experts"] == 0.0, result

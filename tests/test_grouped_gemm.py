@@ -528,3 +528,40 @@ def test_kernel_all_experts_empty_and_no_rows():
     empty = G.ExpandedRows(x.values[:0], x.row_factor[:0])
     out = G.grouped_gemm_nvfp4(empty, torch.zeros_like(off), zero, packed, out_dtype=torch.float32, impl="cuda")
     assert tuple(out.shape) == (0, packed.out_features)
+
+
+@pytest.mark.gpu
+def test_fused_expert_mlp_matches_reference_experts_without_host_sync():
+    """moe.fused_expert_mlp (w1+SwiGLU -> NVFP4 4/6 requant -> w2 on the grouped GEMM) against
+    moe.expert_mlp_reference per expert, on a capacity-sized layout (unused rows past expert_offsets[-1]),
+    with torch's sync debug mode turning any host synchronization into an error."""
+    experts, hidden, inter = 3, 256, 128
+    g = torch.Generator().manual_seed(21)
+    w1 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5
+    w2 = torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5
+    packed = moe.pack_weights(w1.cuda(), w2.cuda())
+    w1_gemm = G.pack_gemm_weights(packed.w1, swiglu=True)
+    w2_gemm = G.pack_gemm_weights(packed.w2, swiglu=False)
+    counts = [5, 0, 37]
+    offsets, rows = segments(counts, align=16, extra_rows=40)
+    tokens = random_activations(rows, hidden, seed=22, device="cuda")
+    offsets_t = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    counts_t = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = moe.fused_expert_mlp(tokens, offsets_t, counts_t, w1_gemm, w2_gemm)
+        again = moe.fused_expert_mlp(tokens, offsets_t, counts_t, w1_gemm, w2_gemm)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    w1_f, w2_f = F.nvfp4_dequantize(packed.w1), F.nvfp4_dequantize(packed.w2)
+    for e, (start, count) in enumerate(zip(offsets, counts)):
+        if count == 0:
+            continue
+        rows_e = slice(start, start + count)
+        segment = F.NVFP4Tensor(tokens.data[rows_e], tokens.scales[rows_e], tokens.amax[rows_e], tokens.e4m3_max)
+        want = moe.expert_mlp_reference(segment, w1_f[e], w2_f[e]).float()
+        got = out[rows_e].float()
+        assert torch.equal(out[rows_e], again[rows_e]), "not deterministic"
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < 5e-3, f"expert {e}: relative L2 {rel:.2e}"
