@@ -52,6 +52,7 @@ def parse_args(argv=None):
 
 # ----------------------------------------------------------------------------------------------------------
 def _iso_time_us(fn, iters, group) -> float:
+    """Median over iterations of one call between CUDA events, each after a barrier + synchronize (µs)."""
     times = []
     for _ in range(iters):
         dist.barrier(group=group)
@@ -77,18 +78,9 @@ def _graph_time_us(make_calls, calls, group, reps=5) -> float:
         make_calls(calls)
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        dist.barrier(group=group)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
+    per_call = _iso_time_us(graph.replay, reps, group) / calls
     del graph
-    return statistics.median(times)
+    return per_call
 
 
 def _routing(rank, tokens, hidden, experts, topk):

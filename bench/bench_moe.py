@@ -19,15 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from bench_dispatch_combine import _iso_time_us  # noqa: E402  one timing method for the distributed benchmarks
 
 
 def parse_args(argv=None):
@@ -46,17 +47,7 @@ def parse_args(argv=None):
 
 def _time_ms(fn, iters, group) -> float:
     fn()  # warm-up
-    times = []
-    for _ in range(iters):
-        dist.barrier(group=group)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return _iso_time_us(fn, iters, group) / 1e3
 
 
 def _grouped_mm_bf16(x, weights_t, offs):

@@ -14,8 +14,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // Encodes 32 fp32 values with the block's encode multiplier p = 2^(127 - b); SR draws rbits(key, index0 + j).
 // index0 is a multiple of 32 (row * K + column with K % 32 == 0; k * R + rb with R % 32 == 0), so the hash
 // work shared by the block's 32 indices is done once (rbits_block / rbits_in_block: the same bits).

@@ -103,6 +103,13 @@ __device__ __forceinline__ void store_row_segment(T* dst, const float* in) {
   for (int v = 0; v < N / kPer; ++v) store16(dst + v * kPer, Elem<T>::pack(in + v * kPer));
 }
 
+}  // namespace vec
+
+// Launch-size helper shared by the format kernels' launchers.
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+namespace vec {
+
 // Calls fn.template operator()<T>() with T the C++ type of an ElemType code.
 template <typename Fn>
 cudaError_t dispatch_elem_type(int elem_type, Fn&& fn) {

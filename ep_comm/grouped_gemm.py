@@ -303,6 +303,21 @@ def _has_grouped_gemm_kernel() -> bool:
     return _ext.cuda_extension_available() and hasattr(_ext._C, "grouped_gemm_nvfp4")
 
 
+def _use_gemm_kernels(impl: str, t: torch.Tensor, what: str) -> bool:
+    """formats' impl rule, plus: a `_C` built before the grouped GEMM existed (stale build) cannot run these kernels
+    (nor nvfp4_dequantize's block-scale-only mode): impl="cuda" raises, "auto" warns once and uses the reference."""
+    if not _use_cuda(impl, t):
+        return False
+    if _has_grouped_gemm_kernel():
+        return True
+    if impl == "cuda":
+        raise RuntimeError(f"{what}(impl='cuda') needs an ep_comm._C built with the grouped GEMM; rebuild the "
+                           "extension")
+    _ext.warn_once("ep_comm._C has no grouped_gemm_nvfp4 (stale build): expand_nvfp4_rows and grouped_gemm_nvfp4 "
+                   "use the torch reference")
+    return False
+
+
 def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
@@ -330,15 +345,7 @@ def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Option
     # torch.full, not a tensor built from a Python number: the latter is a host-to-device copy, which synchronizes
     # (and breaks CUDA graph capture). Same fp32 value (rounded once).
     row_factor = amax * torch.full((), 1.0 / (6.0 * q.e4m3_max), dtype=torch.float32, device=q.data.device)
-    use_cuda = _use_cuda(impl, q.data)
-    if use_cuda and not _has_grouped_gemm_kernel():
-        if impl == "cuda":
-            raise RuntimeError("expand_nvfp4_rows(impl='cuda') needs an ep_comm._C built with the grouped GEMM "
-                               "(nvfp4_dequantize's block-scale-only mode came with it); rebuild the extension")
-        _ext.warn_once("ep_comm._C has no grouped_gemm_nvfp4 (stale build): expand_nvfp4_rows and "
-                       "grouped_gemm_nvfp4 use the torch reference")
-        use_cuda = False
-    if use_cuda:
+    if _use_gemm_kernels(impl, q.data, "expand_nvfp4_rows"):
         lib = _ext._C
         data, scales = data.contiguous(), scales.contiguous()
         values = torch.empty(num_rows, k, dtype=torch.float16, device=q.data.device)
@@ -434,19 +441,13 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
     and up row i, then rounded once.
     impl: "auto" (the CUDA kernel for CUDA tensors when available), "reference" (torch FP32: dequantize the
         weights exactly as formats.nvfp4_dequantize, x_f32 = values * row_factor, y = x_f32 @ W_e^T; syncs
-        with the host) or "cuda". The CUDA path never synchronizes with the host and trusts the offsets and
-        counts (out-of-range segments are undefined behaviour there; the reference checks them).
+        with the host) or "cuda". The CUDA path never synchronizes with the host; it cannot validate the offsets and
+        counts on the host, so the kernel clamps each count to its segment and to R instead (the reference raises
+        on inconsistent ones).
     """
     rows = _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, out_dtype, token_tile, out)
     device = x.values.device
-    use_cuda = _use_cuda(impl, x.values)
-    if use_cuda and not _has_grouped_gemm_kernel():
-        if impl == "cuda":
-            raise RuntimeError("grouped_gemm_nvfp4(impl='cuda'): this ep_comm._C has no grouped_gemm_nvfp4; "
-                               "rebuild the extension")
-        _ext.warn_once("ep_comm._C has no grouped_gemm_nvfp4 (stale build): grouped_gemm_nvfp4 uses the torch "
-                       "reference")
-        use_cuda = False
+    use_cuda = _use_gemm_kernels(impl, x.values, "grouped_gemm_nvfp4")
     if out is None:
         out = torch.zeros(rows, weights.out_features, dtype=out_dtype, device=device)
     if use_cuda:

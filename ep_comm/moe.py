@@ -73,13 +73,6 @@ def expert_mlp_reference(tokens: formats.NVFP4Tensor, w1: torch.Tensor, w2: torc
     return (hidden @ w2.t()).to(torch.bfloat16)
 
 
-def _cuda_nvfp4_quantize(x: torch.Tensor, num_rows_limit: torch.Tensor) -> formats.NVFP4Tensor:
-    """formats.nvfp4_quantize(x, four_over_six=True) (per-row amax) on the CUDA kernel, rows past the device-side
-    count num_rows_limit skipped."""
-    from . import _cuda_formats
-    return _cuda_formats.nvfp4_quantize(x, four_over_six=True, amax=None, num_rows_limit=num_rows_limit)
-
-
 def _fused_experts_supported(device: torch.device, hidden: int, intermediate: int) -> tuple:
     """(True, "") when the fused grouped GEMM can run on `device` for these sizes, else (False, why)."""
     if device.type != "cuda":
@@ -109,13 +102,15 @@ def fused_expert_mlp(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor, 
     never read, so intermediates are uninitialised and only the rows of valid experts are defined in the result
     (what `Buffer.combine` reads).
     """
-    from . import grouped_gemm as gemm
+    from . import _cuda_formats, grouped_gemm as gemm
     rows_in_use = expert_offsets[-1:]
     x = gemm.expand_nvfp4_rows(tokens, num_rows_limit=rows_in_use)
     hidden = torch.empty(x.num_rows, w1.out_features, dtype=torch.float32, device=x.values.device)
     gemm.grouped_gemm_nvfp4(x, expert_offsets, num_tokens_per_expert, w1, out_dtype=torch.float32, out=hidden,
                             token_tile=token_tile)  # silu(gate) * up
-    hidden = gemm.expand_nvfp4_rows(_cuda_nvfp4_quantize(hidden, rows_in_use), num_rows_limit=rows_in_use)
+    # NVFP4 4/6 with a per-token amax (formats.nvfp4_quantize's CUDA kernel), rows past rows_in_use skipped.
+    hidden_q = _cuda_formats.nvfp4_quantize(hidden, four_over_six=True, amax=None, num_rows_limit=rows_in_use)
+    hidden = gemm.expand_nvfp4_rows(hidden_q, num_rows_limit=rows_in_use)
     out = torch.empty(x.num_rows, w2.out_features, dtype=torch.bfloat16, device=x.values.device)
     return gemm.grouped_gemm_nvfp4(hidden, expert_offsets, num_tokens_per_expert, w2, out_dtype=torch.bfloat16,
                                    out=out, token_tile=token_tile)
