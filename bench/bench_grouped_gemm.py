@@ -2,7 +2,9 @@
 
 Shapes (defaults): E = 128 local experts, H = 7168, I = 2048:
   w1: [E, 2I = 4096, H = 7168] with the SwiGLU fused (output [R, I]);  w2: [E, H = 7168, I = 2048].
-R = E * rows-per-expert tokens (uniform; --rows, default 128 and 16), each expert's segment contiguous.
+R = E * rows-per-expert tokens (--rows, default 128 and 16: uniform; "256r": routed, each expert's count drawn
+around 256 with the spread of random top-k routing, sd = sqrt(256)), each expert's segment contiguous. Routed cases
+also time ours without the small-remainder launch (tail_tile = 0, token tile "128/no-tail").
 The NVFP4 weights are random codes and scales built directly on the GPU (one amax per expert) and packed with
 `pack_gemm_weights`; the activations are random NVFP4 rows expanded with `expand_nvfp4_rows`.
 
@@ -128,23 +130,25 @@ def check_experts(gemm: Gemm, x: G.ExpandedRows, offsets, counts, offsets_t, cou
     return results
 
 
-def time_ours(gemm: Gemm, x, offsets_t, counts_t, out_dtype, token_tile, iters, reps) -> Optional[float]:
+def time_ours(gemm: Gemm, x, offsets_t, counts_t, out_dtype, token_tile, iters, reps,
+              tail_tile: Optional[int] = None) -> Optional[float]:
     out = torch.zeros(x.num_rows, gemm.packed.out_features, dtype=out_dtype, device="cuda")
     try:
         return time_ms(lambda: G.grouped_gemm_nvfp4(x, offsets_t, counts_t, gemm.packed, out_dtype=out_dtype,
-                                                    token_tile=token_tile, impl="cuda", out=out), iters, reps)
+                                                    token_tile=token_tile, impl="cuda", out=out,
+                                                    tail_tile=tail_tile), iters, reps)
     except Exception as error:  # report and keep going: the baseline numbers are still useful
         print(f"  NOTE: ours failed on {gemm.name}: {type(error).__name__}: {error}")
         return None
 
 
-def time_baseline(gemm: Gemm, x_bf16: torch.Tensor, rows_per_expert: int, iters: int, reps: int, notes: list):
+def time_baseline(gemm: Gemm, x_bf16: torch.Tensor, offsets: list, iters: int, reps: int, notes: list):
     """(ms, layout) of torch._grouped_mm in BF16 for the same shapes, or (None, None) with a note."""
     if not hasattr(torch, "_grouped_mm"):
         notes.append("torch._grouped_mm is not in this torch build")
         return None, None
     e, n, k = gemm.experts, gemm.n, gemm.k
-    offs = (torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * rows_per_expert).contiguous()
+    offs = torch.tensor(offsets[1:], device="cuda", dtype=torch.int32)  # cumulative row ends
     best = (None, None)
     for layout in ("[E, N, K] viewed as [E, K, N]", "[E, K, N] contiguous"):
         w = None
@@ -172,22 +176,37 @@ def time_baseline(gemm: Gemm, x_bf16: torch.Tensor, rows_per_expert: int, iters:
     return best
 
 
-def run_case(rows_per_expert: int, gemms, args, ceilings, notes: list, checks: list) -> list:
+def expert_counts(spec: str, experts: int) -> list:
+    """Rows per expert for a --rows entry: "128" uniform, "256r" routed (mean 256, sd 16, fixed seed)."""
+    mean = int(spec.rstrip("r"))
+    if not spec.endswith("r"):
+        return [mean] * experts
+    g = torch.Generator().manual_seed(5)
+    counts = (mean + mean ** 0.5 * torch.randn(experts, generator=g)).round().clamp(min=0)
+    return [int(c) for c in counts.tolist()]
+
+
+def run_case(spec: str, gemms, args, ceilings, notes: list, checks: list) -> list:
     experts, hidden, inter = args.experts, args.hidden, args.inter
-    rows = experts * rows_per_expert
-    counts = [rows_per_expert] * experts
-    offsets = [rows_per_expert * e for e in range(experts + 1)]
+    counts = expert_counts(spec, experts)
+    rows = sum(counts)
+    rows_per_expert = spec  # the label of this case in the table and the JSON
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
     offsets_t = torch.tensor(offsets, dtype=torch.int32, device="cuda")
     counts_t = torch.tensor(counts, dtype=torch.int32, device="cuda")
     lib = _ext._C
     auto_tile = lib.grouped_gemm_auto_token_tile(rows, experts) if hasattr(lib, "grouped_gemm_auto_token_tile") \
         else None
-    print(f"\n== {rows_per_expert} rows per expert: R = {rows}; auto token tile {auto_tile}")
+    print(f"\n== {spec} rows per expert: R = {rows} (min {min(counts)}, max {max(counts)}, "
+          f"{sum(c % 128 != 0 and c % 128 <= 32 for c in counts)} experts with a remainder of 1..32 past a multiple "
+          f"of 128); auto token tile {auto_tile}")
     inputs = {"w1": random_expanded_rows(rows, hidden, seed=rows + 1),
               "w2": random_expanded_rows(rows, inter, seed=rows + 2)}
     out_dtype = torch.float32 if args.out_dtype == "fp32" else torch.bfloat16
     results = []
-    totals = {"ours": 0.0, "torch_bf16": 0.0}
+    totals = {"ours": 0.0, "torch_bf16": 0.0, "no_tail": 0.0}
     for gemm in gemms:
         x = inputs[gemm.name]
         if args.check:
@@ -196,10 +215,12 @@ def run_case(rows_per_expert: int, gemms, args, ceilings, notes: list, checks: l
         ours_by_tile = {t: time_ours(gemm, x, offsets_t, counts_t, out_dtype, t or None, args.iters, args.reps)
                         for t in args.token_tile_list}
         ours = ours_by_tile[args.token_tile_list[0]]
+        no_tail = (time_ours(gemm, x, offsets_t, counts_t, out_dtype, 128, args.iters, args.reps, tail_tile=0)
+                   if spec.endswith("r") else None)
         base, layout, swiglu_ms = None, None, None
         if not args.no_baseline:
             x_bf16 = (x.values.float() * x.row_factor[:, None]).to(torch.bfloat16)
-            base, layout = time_baseline(gemm, x_bf16, rows_per_expert, args.iters, args.reps, notes)
+            base, layout = time_baseline(gemm, x_bf16, offsets, args.iters, args.reps, notes)
             del x_bf16
             if gemm.swiglu:
                 y = torch.randn(rows, gemm.n, device="cuda", dtype=torch.bfloat16)
@@ -223,12 +244,20 @@ def run_case(rows_per_expert: int, gemms, args, ceilings, notes: list, checks: l
             if ours_by_tile[t] is not None:
                 results.append(row_for(gemm.name, rows_per_expert, "ours", ours_by_tile[t], gemm.flops(rows),
                                        gemm.weight_bytes, ceilings, base, token_tile=tile_label(t, auto_tile)))
+        totals["no_tail"] = totals["no_tail"] + no_tail if no_tail is not None and totals["no_tail"] is not None \
+            else None
+        if no_tail is not None:
+            results.append(row_for(gemm.name, rows_per_expert, "ours", no_tail, gemm.flops(rows), gemm.weight_bytes,
+                                   ceilings, base, token_tile="128/no-tail"))
     flops = sum(g.flops(rows) for g in gemms)
     bytes_ours = sum(g.weight_bytes for g in gemms)
     bytes_bf16 = sum(g.experts * g.n * g.k * 2 for g in gemms)
     if totals["ours"] is not None:
         results.append(row_for("w1+w2", rows_per_expert, "ours", totals["ours"], flops, bytes_ours, ceilings,
                                totals["torch_bf16"], token_tile=tile_label(args.token_tile_list[0], auto_tile)))
+    if totals["no_tail"]:
+        results.append(row_for("w1+w2", rows_per_expert, "ours", totals["no_tail"], flops, bytes_ours, ceilings,
+                               totals["torch_bf16"], token_tile="128/no-tail"))
     if totals["torch_bf16"]:
         results.append(row_for("w1+w2", rows_per_expert, "torch_bf16", totals["torch_bf16"], flops, bytes_bf16,
                                ceilings, None, note="includes silu*mul for w1"))
@@ -237,7 +266,7 @@ def run_case(rows_per_expert: int, gemms, args, ceilings, notes: list, checks: l
     return results
 
 
-def row_for(gemm: str, rows_per_expert: int, impl: str, ms: float, flops: float, weight_bytes: int, ceilings,
+def row_for(gemm: str, rows_per_expert: str, impl: str, ms: float, flops: float, weight_bytes: int, ceilings,
             baseline_ms: Optional[float], layout: Optional[str] = None, swiglu_ms: Optional[float] = None,
             note: Optional[str] = None, token_tile: Optional[str] = None) -> dict:
     tflops = flops / (ms * 1e-3) / 1e12
@@ -261,13 +290,13 @@ def tile_label(tile: int, auto_tile) -> str:
 
 
 def print_table(rows: list) -> None:
-    header = (f"{'gemm':6s} {'rows/e':>6s} {'impl':10s} {'tile':>8s} {'ms':>8s} {'TFLOP/s':>8s} {'weight GB/s':>11s} "
+    header = (f"{'gemm':6s} {'rows/e':>6s} {'impl':10s} {'tile':>11s} {'ms':>8s} {'TFLOP/s':>8s} {'weight GB/s':>11s} "
               f"{'% mm':>6s} {'% copy':>7s} {'speedup':>8s}")
     print("\n" + header)
     print("-" * len(header))
     for r in rows:
         speedup = f"{r['speedup_vs_torch_bf16']:7.2f}x" if r["speedup_vs_torch_bf16"] else f"{'-':>8s}"
-        print(f"{r['gemm']:6s} {r['rows_per_expert']:6d} {r['impl']:10s} {r['token_tile'] or '-':>8s} "
+        print(f"{r['gemm']:6s} {r['rows_per_expert']:>6s} {r['impl']:10s} {r['token_tile'] or '-':>11s} "
               f"{r['ms']:8.3f} {r['tflops']:8.1f} "
               f"{r['weight_gbps']:11.0f} {100 * r['fraction_of_mm_ceiling']:5.1f}% "
               f"{100 * r['fraction_of_copy_ceiling']:6.1f}% {speedup}")
@@ -278,7 +307,8 @@ def main(argv=None) -> int:
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--inter", type=int, default=2048, help="expert intermediate size I (w1 has 2I rows)")
-    parser.add_argument("--rows", default="128,16", help="comma list of rows per expert")
+    parser.add_argument("--rows", default="128,16",
+                        help="comma list of rows per expert: N uniform, Nr routed (counts spread around N)")
     parser.add_argument("--token-tiles", default="auto",
                         help="comma list of token tiles for ours (auto,16,32,64,128); the first one counts in "
                              "w1+w2 and the speedups, the others are extra rows")
@@ -296,15 +326,16 @@ def main(argv=None) -> int:
     if not hasattr(lib, "grouped_gemm_nvfp4"):
         print("bench_grouped_gemm: this ep_comm._C has no grouped_gemm_nvfp4 (rebuild)", file=sys.stderr)
         return 1
-    rows_list = [int(r) for r in args.rows.split(",") if r.strip()]
+    rows_list = [r.strip() for r in args.rows.split(",") if r.strip()]
     try:
         args.token_tile_list = [0 if t.strip() == "auto" else int(t) for t in args.token_tiles.split(",") if t.strip()]
     except ValueError:
         parser.error("--token-tiles must be a comma list of auto, 16, 32, 64, 128")
-    if not args.token_tile_list or any(t not in (0, 16, 32, 64, 128) for t in args.token_tile_list):
+    if not args.token_tile_list or any(t not in (0,) + G.TOKEN_TILES for t in args.token_tile_list):
         parser.error("--token-tiles must be a comma list of auto, 16, 32, 64, 128")
-    if args.hidden % 64 or args.inter % 32 or not rows_list or min(rows_list) < 1:
-        parser.error("--hidden must be a multiple of 64, --inter of 32, --rows positive")
+    if args.hidden % 64 or args.inter % 32 or not rows_list or not all(
+            r.rstrip("r").isdigit() and int(r.rstrip("r")) > 0 for r in rows_list):
+        parser.error("--hidden must be a multiple of 64, --inter of 32, --rows positive (N or Nr)")
 
     ceilings = {"mm_tflops": mm_ceiling_tflops(), "copy_gbps": copy_ceiling_gbps()}
     free_memory()

@@ -12,6 +12,7 @@ Timing: median over iterations of one forward between CUDA events, each after a 
   dispatch / experts / combine : the three stages alone, same inputs
   exposed comm : layer - experts - router; its fraction of (dispatch + combine) alone says how much communication
                  the layer hides (1.0 = none: there is no wave overlap yet, the stages run back to back)
+  *_graph      : the same stages each captured in a CUDA graph and replayed (device time, no Python host path)
   bf16 layer   : router + reference dispatch (bf16) + torch._grouped_mm w1, SiLU*up, w2 + reference combine (bf16)
 """
 from __future__ import annotations
@@ -40,6 +41,9 @@ def parse_args(argv=None):
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--no-baseline", action="store_true", help="skip the BF16 pipeline")
+    p.add_argument("--token-tiles", default="auto",
+                   help="comma list of MoELayer token tiles (auto = the layer's choice); the first is the main row, "
+                        "the others add layer/experts times per tile")
     p.add_argument("--out", default="")
     p.add_argument("--nproc", type=int, default=2)
     return p.parse_args(argv)
@@ -48,6 +52,20 @@ def parse_args(argv=None):
 def _time_ms(fn, iters, group) -> float:
     fn()  # warm-up
     return _iso_time_us(fn, iters, group) / 1e3
+
+
+def _captured(fn):
+    """fn captured once in a CUDA graph (after a warm-up call on the capture stream): returns graph.replay.
+    Collective: every rank captures the same calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    return graph.replay
 
 
 def _grouped_mm_bf16(x, weights_t, offs):
@@ -75,16 +93,35 @@ def worker(rank, world, args):
                "topk": topk}
         with ep_comm.Buffer(None, hidden=h, num_experts=experts, num_topk=topk, max_tokens_per_rank=tokens,
                             dispatch_format="nvfp4", combine_format="s2f6", expert_alignment=16) as buf:
-            layer = moe.MoELayer(buf, router, packed, expert_impl="fused")
+            first = args.token_tiles.split(",")[0].strip()
+            layer = moe.MoELayer(buf, router, packed, expert_impl="fused",
+                                 token_tile=None if first == "auto" else int(first))
             idx, weights = layer.route(x)
             result = buf.dispatch(x, idx, weights)
             expert_out = layer.experts(result)
             row["backend"] = buf.backend
+            row["token_tile"] = layer.token_tile
             row["layer_ms"] = _time_ms(lambda: layer(x), args.iters, None)
             row["router_ms"] = _time_ms(lambda: layer.route(x), args.iters, None)
             row["dispatch_ms"] = _time_ms(lambda: buf.dispatch(x, idx, weights), args.iters, None)
             row["experts_ms"] = _time_ms(lambda: layer.experts(result), args.iters, None)
             row["combine_ms"] = _time_ms(lambda: buf.combine(expert_out, result.handle), args.iters, None)
+            # The same stages captured in CUDA graphs: device time without the Python host path (what a server
+            # replaying graphs sees). The BF16 pipeline cannot be captured (its NCCL all_to_all needs host counts).
+            row["layer_graph_ms"] = _time_ms(_captured(lambda: layer(x)), args.iters, None)
+            row["experts_graph_ms"] = _time_ms(_captured(lambda: layer.experts(result)), args.iters, None)
+            row["router_graph_ms"] = _time_ms(_captured(lambda: layer.route(x)), args.iters, None)
+            row["dispatch_graph_ms"] = _time_ms(_captured(lambda: buf.dispatch(x, idx, weights)), args.iters, None)
+            row["combine_graph_ms"] = _time_ms(_captured(lambda: buf.combine(expert_out, result.handle)),
+                                               args.iters, None)
+            for tile in [t for t in args.token_tiles.split(",")[1:] if t.strip()]:
+                other = moe.MoELayer(buf, router, packed, expert_impl="fused",
+                                     token_tile=None if tile == "auto" else int(tile))
+                row[f"tile{other.token_tile}_layer_ms"] = _time_ms(lambda: other(x), args.iters, None)
+                row[f"tile{other.token_tile}_layer_graph_ms"] = _time_ms(_captured(lambda: other(x)), args.iters,
+                                                                         None)
+                row[f"tile{other.token_tile}_experts_graph_ms"] = _time_ms(
+                    _captured(lambda: other.experts(result)), args.iters, None)
             counts = result.num_tokens_per_expert.float()
             row["rows_per_expert_mean"] = counts.mean().item()
             row["rows_per_expert_max"] = counts.max().item()
@@ -92,6 +129,10 @@ def worker(rank, world, args):
         exposed = row["layer_ms"] - row["experts_ms"] - row["router_ms"]
         row["exposed_comm_ms"] = exposed
         row["exposed_comm_fraction"] = exposed / comm if comm > 0 else float("nan")
+        comm_graph = row["dispatch_graph_ms"] + row["combine_graph_ms"]
+        exposed_graph = row["layer_graph_ms"] - row["experts_graph_ms"] - row["router_graph_ms"]
+        row["exposed_comm_graph_ms"] = exposed_graph
+        row["exposed_comm_graph_fraction"] = exposed_graph / comm_graph if comm_graph > 0 else float("nan")
 
         if not args.no_baseline:
             try:
@@ -112,6 +153,7 @@ def worker(rank, world, args):
 
                     row["bf16_layer_ms"] = _time_ms(bf16_layer, args.iters, None)
                     row["speedup_vs_bf16"] = row["bf16_layer_ms"] / row["layer_ms"]
+                    row["speedup_graph_vs_bf16"] = row["bf16_layer_ms"] / row["layer_graph_ms"]
             except Exception as error:  # noqa: BLE001 - a missing baseline is reported, not fatal
                 row["bf16_layer_error"] = f"{type(error).__name__}: {error}"[:300]
         rows.append(row)
@@ -126,11 +168,16 @@ def main(argv=None):
     results = run_ranks(worker, args.nproc, args, backend="nccl", timeout_s=900)
     rows = results[0]
     print(f"{'tokens':>7} {'layer ms':>9} {'disp':>7} {'experts':>8} {'comb':>7} {'exposed':>8} {'bf16 ms':>8} "
-          f"{'speedup':>8}")
+          f"{'speedup':>8} | graph: {'layer':>7} {'disp':>6} {'experts':>8} {'comb':>6} {'exposed':>8}")
     for r in rows:
         print(f"{r['tokens_per_rank']:>7} {r['layer_ms']:>9.3f} {r['dispatch_ms']:>7.3f} {r['experts_ms']:>8.3f} "
               f"{r['combine_ms']:>7.3f} {r['exposed_comm_fraction']:>8.2f} {r.get('bf16_layer_ms', float('nan')):>8.3f} "
-              f"{r.get('speedup_vs_bf16', float('nan')):>8.2f}")
+              f"{r.get('speedup_vs_bf16', float('nan')):>8.2f} |        {r['layer_graph_ms']:>7.3f} "
+              f"{r['dispatch_graph_ms']:>6.3f} {r['experts_graph_ms']:>8.3f} {r['combine_graph_ms']:>6.3f} "
+              f"{r['exposed_comm_graph_fraction']:>8.2f}")
+        extra = {k: round(v, 3) for k, v in r.items() if k.startswith("tile")}
+        if extra:
+            print(f"{'':>7} token tile {r['token_tile']} above; other tiles: {extra}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"command": " ".join(sys.argv), "rows": rows, "per_rank": results}, f, indent=1)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call: build the CUDA core, run the GPU test tiers and/or the benchmarks; logs and JSON go to $OUT.
 #   bash bench/device_run.sh [all|tests|bench|gemm|scale]      (run from the repository root)
+#   bash bench/device_run.sh steps <step> ...                  (any of the step functions below, in order)
 #   tests: formats kernels, grouped GEMM (every warpgroup / B-layout variant), MoE + nvlink + NCCL reference
 #   bench: formats kernels, dispatch/combine, grouped GEMM, MoE layer, per-kernel profile, main job
 #   gemm:  grouped GEMM tests + benchmark;   scale: nvlink tests + benchmark + main job on every visible GPU
@@ -25,6 +26,10 @@ test_gemm() {  # defaults, then each selectable kernel variant
   for variant in EP_COMM_GEMM_WARPGROUPS=2 EP_COMM_GEMM_WARPGROUPS=4 EP_COMM_GEMM_B_SWIZZLE=0; do
     env "$variant" timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py -k kernel 2>&1 | tail -1 | tee -a "$log"
   done
+  for variant in EP_COMM_GEMM_SMALL_CTA=1x4 EP_COMM_GEMM_SMALL_CTA=2x2 EP_COMM_GEMM_KBLOCKS_PER_STAGE=1; do
+    echo "$variant:" | tee -a "$log"
+    env "$variant" timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py -k "kernel" 2>&1 | tail -1 | tee -a "$log"
+  done
 }
 test_multigpu() {
   say "multigpu tier: nvlink smoke (oracle, timeout) with sync checks"
@@ -34,6 +39,14 @@ test_multigpu() {
   tail -4 "$OUT/pytest_mg.txt" | tee -a "$log"
   say "example: MoE layer on the visible GPUs"
   timeout 120 python3 examples/moe_layer.py 2>&1 | grep rank | tee -a "$log"
+}
+test_gemm_stage1() {  # the one-k-block-per-stage override on every kernel test
+  say "gpu tier: grouped GEMM kernels with EP_COMM_GEMM_KBLOCKS_PER_STAGE=1"
+  EP_COMM_GEMM_KBLOCKS_PER_STAGE=1 timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py -k kernel 2>&1 | tail -1 | tee -a "$log"
+}
+test_moe() {
+  say "multigpu tier: MoE layer (fused experts, CUDA-graph replay)"
+  timeout 200 python3 -m pytest -q -rs tests/test_moe.py -k "gpus" 2>&1 | tail -3 | tee -a "$log"
 }
 bench_formats() {
   say "bench: formats kernels (1 GPU)"
@@ -47,11 +60,27 @@ bench_dc() {  # $1 = ranks; further arguments go to the benchmark
 }
 bench_gemm() {  # arguments go to the benchmark
   say "bench: grouped GEMM (1 GPU)"
-  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/bench_grouped_gemm.py --check "$@" --out "$OUT/bench_gemm.json" 2>&1 | grep -E "^(w1|w2|gemm)|eiling|check:" | tee -a "$log"
+  CUDA_VISIBLE_DEVICES=0 timeout 250 python3 bench/bench_grouped_gemm.py --check --rows 128,16,256r "$@" --out "$OUT/bench_gemm.json" 2>&1 | grep -E "^(w1|w2|gemm|==)|eiling|check:" | tee -a "$log"
 }
-bench_moe() {
+bench_gemm_variant() {  # $1 = VAR=value: ours only, in the table lines of the log (tuning)
+  say "bench: grouped GEMM with $1"
+  env "$1" CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/bench_grouped_gemm.py --rows 128,16,256r --no-baseline 2>&1 | grep -E "^(w1|w2)" | tee -a "$log"
+}
+bench_gemm_stage1() { bench_gemm_variant EP_COMM_GEMM_KBLOCKS_PER_STAGE=1; }
+bench_gemm_tiles() { bench_gemm --token-tiles auto,64 --rows 128,16,256r,256; }
+profile_gemm() {  # Nsight Compute on one w1 launch at 16 and at 128 rows per expert
+  say "profile: ncu grouped GEMM"
+  for rows in 16 128; do
+    CUDA_VISIBLE_DEVICES=0 timeout 150 ncu --kernel-name regex:grouped_gemm --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --section SourceCounters python3 bench/profile_gemm.py --gemm w1 --rows "$rows" >> "$OUT/ncu_gemm.txt" 2>&1
+    echo "ncu rows $rows: rc $?" | tee -a "$log"
+  done
+}
+bench_moe() {  # arguments go to the benchmark
   say "bench: MoE layer (2 GPUs)"
-  timeout 200 python3 bench/bench_moe.py --nproc 2 --iters 5 --out "$OUT/bench_moe.json" 2>&1 | tail -3 | tee -a "$log"
+  timeout 240 python3 bench/bench_moe.py --nproc 2 --iters 5 "$@" --out "$OUT/bench_moe.json" 2>&1 | tail -5 | tee -a "$log"
 }
 profile_nvlink() {
   say "profile: per-kernel time"
@@ -88,6 +117,7 @@ case "$mode" in
   all) test_formats; test_gemm; test_multigpu
        bench_formats; bench_dc 2 --tokens 128,4096 --formats nvfp4/s2f6,bf16/bf16; bench_gemm; bench_moe; main_job ;;
   gemm) test_gemm; bench_gemm ;;
+  steps) shift; for step in "$@"; do "$step"; done ;;
   scale)
     n=$(python3 -c "import torch; print(torch.cuda.device_count())")
     say "scale: nvlink + MoE + reference tests at world size $n"
@@ -95,6 +125,6 @@ case "$mode" in
     tail -15 "$OUT/pytest_scale.txt" | tee -a "$log"
     bench_dc "$n" --tokens 128,4096
     main_job ;;
-  *) echo "unknown mode $mode (all|tests|bench|gemm|scale)" >&2; exit 2 ;;
+  *) echo "unknown mode $mode (all|tests|bench|gemm|scale|steps <step> ...)" >&2; exit 2 ;;
 esac
 say "done"

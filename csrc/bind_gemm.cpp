@@ -22,7 +22,7 @@ void grouped_gemm_nvfp4(uintptr_t x, int64_t x_row_stride, uintptr_t row_factor,
                         uintptr_t w_scales, uintptr_t w_factor, uintptr_t expert_offsets,
                         uintptr_t num_tokens_per_expert, int num_experts, int n, int k, int64_t num_rows_total,
                         uintptr_t out, int out_type, int64_t out_row_stride, bool swiglu, int token_tile,
-                        uintptr_t stream) {
+                        int tail_tile, uintptr_t stream) {
   ep_comm::GroupedGemmArgs args;
   args.x = ptr<const uint16_t>(x);
   args.x_row_stride = x_row_stride;
@@ -41,11 +41,14 @@ void grouped_gemm_nvfp4(uintptr_t x, int64_t x_row_stride, uintptr_t row_factor,
   args.out_row_stride = out_row_stride;
   args.swiglu = swiglu;
   args.token_tile = token_tile;
+  args.tail_tile = tail_tile;
   const cudaError_t status = ep_comm::launch_grouped_gemm_nvfp4(args, reinterpret_cast<cudaStream_t>(stream));
   if (status == cudaSuccess) return;
   if (status == cudaErrorInvalidValue) {
-    throw std::invalid_argument("grouped_gemm_nvfp4: invalid arguments (n % 64, k % 64, strides, token_tile in "
-                                "{0, 16, 32, 64, 128}, out_type 0/1, or too many token tiles for one grid)");
+    throw std::invalid_argument(
+        "grouped_gemm_nvfp4: invalid arguments (n % 64, k % 64, strides, token_tile in {0, 16, 32, 64, 128}, "
+        "tail_tile in {-1, 0, 16, 32, 64} below it, out_type 0/1, a tuning override without a compiled kernel, "
+        "or too many token tiles for one grid)");
   }
   if (status == cudaErrorNotSupported) {
     throw std::runtime_error("grouped_gemm_nvfp4: needs an sm_90 (Hopper) GPU: the kernel is built on wgmma");
@@ -60,7 +63,7 @@ void register_gemm(py::module_& m) {
         py::arg("x_row_stride"), py::arg("row_factor"), py::arg("w_values"), py::arg("w_scales"), py::arg("w_factor"),
         py::arg("expert_offsets"), py::arg("num_tokens_per_expert"), py::arg("num_experts"), py::arg("n"),
         py::arg("k"), py::arg("num_rows_total"), py::arg("out"), py::arg("out_type"), py::arg("out_row_stride"),
-        py::arg("swiglu"), py::arg("token_tile"), py::arg("stream"),
+        py::arg("swiglu"), py::arg("token_tile"), py::arg("tail_tile"), py::arg("stream"),
         "NVFP4 grouped GEMM (sm_90a): y = x . w_e^T * row_factor * w_factor[e] per expert segment; see "
         "ep_comm/grouped_gemm.py");
   m.def("grouped_gemm_auto_token_tile", &ep_comm::grouped_gemm_auto_token_tile, py::arg("num_rows_total"),

@@ -25,6 +25,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 
 #include "grouped_gemm.h"
 #include "vec_io.cuh"
@@ -37,8 +38,11 @@ constexpr int kKBlock = 64;      // k elements per pipeline stage (4 wgmma k-ste
 constexpr int kTileRows = 64;    // weight rows per warpgroup (wgmma M)
 constexpr int kValueBytes = 16;  // per thread per k-block: 4 words of E2M1 codes
 constexpr int kTileScaleBytes = 256;  // per warpgroup tile per k-block: 64 rows x 4 k-steps, one byte each
+// k-blocks per pipeline stage for the default CTA shapes (EP_COMM_GEMM_KBLOCKS_PER_STAGE=1 for tuning): two halve
+// the barriers and ring bookkeeping; measured on H200 1.05x (128 rows per expert) and 1.07x (16 rows) over one.
+constexpr int kDefaultBlocksPerStage = 2;
 
-template <int kTile, int kWarpGroups>
+template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage>
 struct Geometry {
   static constexpr int kThreads = kWarpGroups * 128;
   // B (token) tile of one stage, K-major, in one of two layouts (BLayout below):
@@ -53,12 +57,16 @@ struct Geometry {
   static constexpr int kValuesOffset = 0;
   static constexpr int kScalesOffset = kThreads * kValueBytes;
   static constexpr int kTokensOffset = (kScalesOffset + kWarpGroups * kTileScaleBytes + 1023) / 1024 * 1024;
-  static constexpr int kStageBytes = (kTokensOffset + kTokensBytes + 1023) / 1024 * 1024;
-  // As many stages as ~200 KiB of shared memory holds (1 CTA per SM): loads are issued kStages - 1 k-blocks
-  // ahead, which must cover HBM latency under load (~1-2 us) even when a k-block's MMAs take only ~0.5 us.
-  // 4 warpgroups: one CTA per SM (~200 KiB); 2 warpgroups: two CTAs per SM (~100 KiB each).
-  static constexpr int kSmemBudget = (kWarpGroups == 4 ? 200 : 100) * 1024;
+  static constexpr int kBlockBytes = (kTokensOffset + kTokensBytes + 1023) / 1024 * 1024;  // one k-block
+  // A stage (ring slot) holds kBlocksPerStage consecutive k-blocks: the CTA barrier that publishes a stage and
+  // frees the previous one, the cp.async issue and the ring bookkeeping are paid once per stage.
+  static constexpr int kStageBytes = kBlocksPerStage * kBlockBytes;
+  // As many stages as the CTA's share of the SM's shared memory holds (228 KiB less 1 KiB per CTA and the
+  // alignment slack): loads are issued kStages - 1 stages ahead, which must cover HBM latency under load
+  // (~1-2 us) even when a k-block's MMAs take only ~0.5 us.
+  static constexpr int kSmemBudget = (224 * 1024) / kCtasPerSm - 3 * 1024;
   static constexpr int kStages = (kSmemBudget / kStageBytes) < 16 ? (kSmemBudget / kStageBytes) : 16;
+  static_assert(kStages >= 3, "the ring needs three stages (one in use, one landing, one loading)");
   static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + room to align the ring to 1024 B
 };
 
@@ -107,8 +115,29 @@ __device__ __forceinline__ int clamped_count(const GroupedGemmArgs& args, int e)
   return begin < 0 || count < 0 ? 0 : static_cast<int>(count);
 }
 
+// Which rows of an expert one launch covers. A token tile of 128 wastes most of its MMA work on an expert whose
+// count is just past a multiple of 128 (random routing at ~256 rows per expert leaves a remainder of a few rows
+// in about half of the experts). Split launches leave such remainders -- count % main_tile in 1 .. tail_rows -- to
+// a second launch with a small token tile, which costs a weight pass at small-tile speed instead of a full tile.
+struct RowSplit {
+  int part = 0;       // 0: all rows; 1: all but a small remainder; 2: only the small remainder
+  int main_tile = 0;  // token tile of the part-1 launch
+  int tail_rows = 0;  // remainders of 1 .. tail_rows rows are small
+};
+
+// (first row within the expert, rows) that `split` assigns to this launch for expert e.
+__device__ __forceinline__ int2 rows_of_part(const GroupedGemmArgs& args, const RowSplit split, int e) {
+  const int count = clamped_count(args, e);
+  if (split.part == 0) return make_int2(0, count);
+  const int remainder = count % split.main_tile;
+  const bool small = remainder > 0 && remainder <= split.tail_rows;
+  if (split.part == 1) return make_int2(0, small ? count - remainder : count);
+  return small ? make_int2(count - remainder, remainder) : make_int2(count, 0);
+}
+
 template <int kTile>
-__device__ bool find_tile(const GroupedGemmArgs& args, int slot, int* expert, int* tile_in_expert) {
+__device__ bool find_tile(const GroupedGemmArgs& args, const RowSplit split, int slot, int* expert,
+                          int* tile_in_expert) {
   const int num_experts = args.num_experts;
   __shared__ int found_expert, found_tile;
   if (threadIdx.x < 32) {
@@ -117,7 +146,7 @@ __device__ bool find_tile(const GroupedGemmArgs& args, int slot, int* expert, in
     int result_expert = -1, result_tile = 0;
     for (int base = 0; base < num_experts && result_expert < 0; base += 32) {
       const int e = base + lane;
-      const int count = e < num_experts ? clamped_count(args, e) : 0;
+      const int count = e < num_experts ? rows_of_part(args, split, e).y : 0;
       const int tiles = (count + kTile - 1) / kTile;
       int inclusive = tiles;
 #pragma unroll
@@ -146,11 +175,11 @@ __device__ bool find_tile(const GroupedGemmArgs& args, int slot, int* expert, in
   return found_expert >= 0;
 }
 
-template <int kTile, int kWarpGroups>
-__global__ void __launch_bounds__(kWarpGroups * 128, 4 / kWarpGroups)
-    grouped_gemm_nvfp4_kernel(const GroupedGemmArgs args, const BLayout b_layout) {
+template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage>
+__global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
+    grouped_gemm_nvfp4_kernel(const GroupedGemmArgs args, const BLayout b_layout, const RowSplit split) {
 #if EP_COMM_HAS_WGMMA
-  using G = Geometry<kTile, kWarpGroups>;
+  using G = Geometry<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage>;
   constexpr int kThreads = G::kThreads;
   constexpr int kStages = G::kStages;
   constexpr int kAcc = kTile / 2;
@@ -165,7 +194,14 @@ __global__ void __launch_bounds__(kWarpGroups * 128, 4 / kWarpGroups)
   const int num_weight_ctas = (args.n / kTileRows + kWarpGroups - 1) / kWarpGroups;
   const int weight_cta = static_cast<int>(blockIdx.x % num_weight_ctas);
   const int tile_slot = static_cast<int>(blockIdx.x / num_weight_ctas);
-  if (!find_tile<kTile>(args, tile_slot, &expert, &tile_in_expert)) return;
+  if (split.part == 2) {
+    // Small remainders: one tile at most per expert, so the slot is the expert (no scan; most CTAs exit here).
+    expert = tile_slot;
+    tile_in_expert = 0;
+    if (expert >= args.num_experts || rows_of_part(args, split, expert).y == 0) return;
+  } else if (!find_tile<kTile>(args, split, tile_slot, &expert, &tile_in_expert)) {
+    return;
+  }
 
   const int warp_group = threadIdx.x / 128;
   const int thread_in_group = threadIdx.x % 128;
@@ -176,8 +212,9 @@ __global__ void __launch_bounds__(kWarpGroups * 128, 4 / kWarpGroups)
   const bool has_rows = weight_tile < num_weight_tiles;
   const int num_k_blocks = args.k / kKBlock;
 
-  const int first_row = __ldg(args.expert_offsets + expert) + tile_in_expert * kTile;
-  const int valid_rows = min(kTile, clamped_count(args, expert) - tile_in_expert * kTile);
+  const int2 part_rows = rows_of_part(args, split, expert);  // (first row within the expert, rows)
+  const int first_row = __ldg(args.expert_offsets + expert) + part_rows.x + tile_in_expert * kTile;
+  const int valid_rows = min(kTile, part_rows.y - tile_in_expert * kTile);
 
   // Everything a stage load needs is computed once here; per k-block only a k offset and the ring slot change
   // (the slot advances incrementally: kStages is not a power of two, and % would cost a division per stage).
@@ -191,33 +228,40 @@ __global__ void __launch_bounds__(kWarpGroups * 128, 4 / kWarpGroups)
   const uint32_t smem_base = smem_address(smem);
   const uint32_t values_dst = G::kValuesOffset + threadIdx.x * kValueBytes;
   const uint32_t scales_dst = G::kScalesOffset + warp_group * kTileScaleBytes + thread_in_group * 16;
-  // Token tile: kTile rows x 8 chunks of 16 B; 8 consecutive lanes copy one row's 128 contiguous bytes; rows
-  // past the expert's count are zero-filled (source size 0, from a valid address).
-  constexpr int kChunks = kTile * 8;
-  constexpr int kCopies = (kChunks + kThreads - 1) / kThreads;
-  const uint16_t* token_src[kCopies];
-  uint32_t token_dst[kCopies];
-  int token_bytes[kCopies];
-#pragma unroll
-  for (int i = 0; i < kCopies; ++i) {
-    const int chunk = threadIdx.x + i * kThreads;
-    const int token = chunk / 8, k_chunk = chunk % 8;
-    const bool valid = chunk < kChunks && token < valid_rows;
-    token_src[i] = args.x + static_cast<int64_t>(valid ? first_row + token : first_row) * args.x_row_stride + k_chunk * 8;
-    token_dst[i] = G::kTokensOffset + (swizzled ? token * 128 + ((k_chunk ^ (token % 8)) * 16)
-                                                : k_chunk * G::kChunkStride + token * 16);
-    token_bytes[i] = chunk < kChunks ? (valid ? 16 : 0) : -1;  // -1: this thread has no chunk
-  }
+  // Token tile: kTile rows x 8 chunks of 16 B. Thread t copies chunk t % 8 of rows t / 8 + i * kRowsPerCopy (8
+  // consecutive lanes copy one row's 128 contiguous bytes); rows past the expert's count are zero-filled (source
+  // size 0, from a valid address). kRowsPerCopy is a multiple of 8, so a thread's rows share one swizzle phase
+  // and its copies are a base address plus a constant stride (no per-copy address registers).
+  constexpr int kRowsPerCopy = kThreads / 8;
+  constexpr int kCopies = (kTile + kRowsPerCopy - 1) / kRowsPerCopy;
+  const int copy_chunk = threadIdx.x % 8, copy_row = threadIdx.x / 8;
+  const uint16_t* tile_src = args.x + static_cast<int64_t>(first_row) * args.x_row_stride + copy_chunk * 8;
+  const uint16_t* token_src = tile_src + static_cast<int64_t>(copy_row) * args.x_row_stride;  // copy 0's row
+  const int64_t token_src_step = static_cast<int64_t>(kRowsPerCopy) * args.x_row_stride;
+  const uint32_t token_dst = G::kTokensOffset + (swizzled ? copy_row * 128 + ((copy_chunk ^ (copy_row % 8)) * 16)
+                                                          : copy_chunk * G::kChunkStride + copy_row * 16);
+  const uint32_t token_dst_step = swizzled ? kRowsPerCopy * 128 : kRowsPerCopy * 16;
 
   int load_slot = 0;  // ring slot of the next stage to load
-  auto load_stage = [&](int k_block) {
-    if (k_block < num_k_blocks) {
-      const uint32_t stage = smem_base + load_slot * G::kStageBytes;
-      cp_async16(stage + values_dst, w_values + static_cast<int64_t>(k_block) * (128 * kValueBytes), 16);
-      if (copies_scales) cp_async16(stage + scales_dst, w_scales + k_block * kTileScaleBytes, 16);
+  auto load_stage = [&](int stage_index) {  // k-blocks stage_index * kBlocksPerStage + 0 .. kBlocksPerStage - 1
+    const int first_block = stage_index * kBlocksPerStage;
+    if (first_block < num_k_blocks) {
 #pragma unroll
-      for (int i = 0; i < kCopies; ++i) {
-        if (token_bytes[i] >= 0) cp_async16(stage + token_dst[i], token_src[i] + k_block * kKBlock, token_bytes[i]);
+      for (int b = 0; b < kBlocksPerStage; ++b) {
+        const int k_block = first_block + b;
+        if (b > 0 && k_block >= num_k_blocks) break;  // a partial last stage (odd number of k-blocks)
+        const uint32_t block = smem_base + load_slot * G::kStageBytes + b * G::kBlockBytes;
+        cp_async16(block + values_dst, w_values + static_cast<int64_t>(k_block) * (128 * kValueBytes), 16);
+        if (copies_scales) cp_async16(block + scales_dst, w_scales + k_block * kTileScaleBytes, 16);
+#pragma unroll
+        for (int i = 0; i < kCopies; ++i) {
+          const int row = copy_row + i * kRowsPerCopy;
+          if (kTile % kRowsPerCopy == 0 || row < kTile) {
+            const bool valid = row < valid_rows;
+            cp_async16(block + token_dst + i * token_dst_step,
+                       (valid ? token_src + i * token_src_step : tile_src) + k_block * kKBlock, valid ? 16 : 0);
+          }
+        }
       }
       load_slot = load_slot + 1 == kStages ? 0 : load_slot + 1;
     }
@@ -226,8 +270,8 @@ __global__ void __launch_bounds__(kWarpGroups * 128, 4 / kWarpGroups)
 
   const int row_r0 = 16 * (thread_in_group / 32) + (thread_in_group % 32) / 4;  // tile rows r0 and r0 + 8
   // This thread's A fragments of k-block k_block (fp16x2, mma.m16n8k16 order) from its private smem bytes.
-  auto convert = [&](int slot, uint32_t (&a)[4][4]) {
-    const uint8_t* stage = smem + slot * G::kStageBytes;
+  auto convert = [&](int slot, int sub, uint32_t (&a)[4][4]) {  // sub: k-block within the stage
+    const uint8_t* stage = smem + slot * G::kStageBytes + sub * G::kBlockBytes;
     const uint4 words = *reinterpret_cast<const uint4*>(stage + G::kValuesOffset + threadIdx.x * kValueBytes);
     // Scale codes of rows r0 and r1, byte s = k-step s (written by other lanes: read after the stage barrier).
     const uint8_t* tile_scales = stage + G::kScalesOffset + warp_group * kTileScaleBytes;
@@ -262,17 +306,19 @@ __global__ void __launch_bounds__(kWarpGroups * 128, 4 / kWarpGroups)
   cp_async_wait<kStages - 2>();  // stage 0
   wait_stage();
   int slot = 0;  // ring slot of the k-block being multiplied
-  convert(slot, a_even);
+  convert(slot, 0, a_even);
 
-  // One k-block: issue its wgmma, retire the previous one (so its A registers and B slot are free), then
-  // publish the next stage, refill the freed slot kStages - 1 blocks ahead and convert the next A fragments
-  // while this wgmma runs. fence_operand keeps the compiler from reusing or moving registers that an
-  // in-flight wgmma still reads (A) or writes (accumulators).
-  auto step = [&](int k_block, uint32_t (&a_cur)[4][4], uint32_t (&a_next)[4][4]) {
+  // One k-block (k-block kSub of its stage): issue its wgmma, retire the previous one (so its A registers are
+  // free, and at a stage's last k-block so is the previous stage's slot), then -- at a stage's last k-block --
+  // publish the next stage and refill the freed slot kStages - 1 stages ahead; convert the next A fragments
+  // while this wgmma runs. fence_operand keeps the compiler from reusing or moving registers that an in-flight
+  // wgmma still reads (A) or writes (accumulators).
+  auto step = [&](int k_block, auto sub_constant, uint32_t (&a_cur)[4][4], uint32_t (&a_next)[4][4]) {
+    constexpr int kSub = decltype(sub_constant)::value;
     wgmma::fence_operand(acc);
     wgmma::fence_operand(a_cur);
     wgmma::fence();
-    const uint32_t tokens = smem_base + slot * G::kStageBytes + G::kTokensOffset;
+    const uint32_t tokens = smem_base + slot * G::kStageBytes + kSub * G::kBlockBytes + G::kTokensOffset;
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       const uint64_t desc = swizzled ? make_descriptor_sw128(tokens + 32 * s)
@@ -285,16 +331,23 @@ __global__ void __launch_bounds__(kWarpGroups * 128, 4 / kWarpGroups)
     wgmma::wait_group<1>();  // wgmma(k_block - 1) retired
     wgmma::fence_operand(a_next);
     if (k_block + 1 < num_k_blocks) {
-      cp_async_wait<kStages - 3>();  // stage k_block + 1
-      wait_stage();                  // also: every warpgroup has retired wgmma(k_block - 1)
-      load_stage(k_block + kStages - 1);  // into the slot of k_block - 1
-      slot = slot + 1 == kStages ? 0 : slot + 1;
-      convert(slot, a_next);
+      if (kSub == kBlocksPerStage - 1) {
+        const int stage_index = k_block / kBlocksPerStage;
+        cp_async_wait<kStages - 3>();  // stage stage_index + 1
+        wait_stage();                  // also: every warpgroup has retired the wgmma of stage stage_index - 1
+        load_stage(stage_index + kStages - 1);  // into the slot of stage stage_index - 1
+        slot = slot + 1 == kStages ? 0 : slot + 1;
+        convert(slot, 0, a_next);
+      } else {
+        convert(slot, kSub + 1, a_next);  // the next k-block of this stage (published with it)
+      }
     }
   };
+  // Even k-blocks are k-block 0 of their stage; odd ones k-block 1 (or 0 with one k-block per stage).
+  static_assert(kBlocksPerStage == 1 || kBlocksPerStage == 2, "k-blocks alternate between two A fragment sets");
   for (int k_block = 0; k_block < num_k_blocks; k_block += 2) {
-    step(k_block, a_even, a_odd);
-    if (k_block + 1 < num_k_blocks) step(k_block + 1, a_odd, a_even);
+    step(k_block, std::integral_constant<int, 0>{}, a_even, a_odd);
+    if (k_block + 1 < num_k_blocks) step(k_block + 1, std::integral_constant<int, 1 % kBlocksPerStage>{}, a_odd, a_even);
   }
   wgmma::wait_group<0>();
   wgmma::fence_operand(acc);
@@ -352,9 +405,10 @@ __global__ void __launch_bounds__(kWarpGroups * 128, 4 / kWarpGroups)
 #endif
 }
 
-template <int kTile, int kWarpGroups>
-cudaError_t launch_tile(const GroupedGemmArgs& args, cudaStream_t stream) {
-  using G = Geometry<kTile, kWarpGroups>;
+template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage = 1>
+cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64_t tile_slots, cudaStream_t stream) {
+  using G = Geometry<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage>;
+  auto* kernel = grouped_gemm_nvfp4_kernel<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage>;
   // The shared-memory opt-in is per kernel and device: remember which devices have it (64 is plenty).
   static std::atomic<uint64_t> configured_devices{0};  // the binding releases the GIL: threads may race here
   int device = 0;
@@ -362,13 +416,11 @@ cudaError_t launch_tile(const GroupedGemmArgs& args, cudaStream_t stream) {
   if (status != cudaSuccess) return status;
   const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
   if (!(configured_devices.load() & bit)) {
-    status = cudaFuncSetAttribute(grouped_gemm_nvfp4_kernel<kTile, kWarpGroups>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  G::kSmemBytes);
+    status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kSmemBytes);
     if (status != cudaSuccess) return status;
     configured_devices.fetch_or(bit);
   }
   const int64_t weight_ctas = (args.n / kTileRows + kWarpGroups - 1) / kWarpGroups;
-  const int64_t tile_slots = (args.num_rows_total + kTile - 1) / kTile + args.num_experts;
   if (weight_ctas * tile_slots > INT32_MAX) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(weight_ctas * tile_slots));
   // B layout: 128-byte swizzle by default; EP_COMM_GEMM_B_SWIZZLE=0 selects the interleaved (no swizzle) layout.
@@ -376,8 +428,57 @@ cudaError_t launch_tile(const GroupedGemmArgs& args, cudaStream_t stream) {
     const char* env = std::getenv("EP_COMM_GEMM_B_SWIZZLE");
     return env && std::atoi(env) == 0 ? BLayout::kInterleaved : BLayout::kSwizzle128;
   }();
-  grouped_gemm_nvfp4_kernel<kTile, kWarpGroups><<<grid, G::kThreads, G::kSmemBytes, stream>>>(args, b_layout);
+  kernel<<<grid, G::kThreads, G::kSmemBytes, stream>>>(args, b_layout, split);
   return cudaGetLastError();
+}
+
+// One launch of a token tile with the CTA shape chosen for it. Warpgroups per CTA: 4 (256 weight rows, one CTA
+// per SM, each token tile read from L2 half as often) for token tiles of 64 and 128, where the MMA dominates;
+// 2 with three CTAs per SM for 16 and 32, where the weight conversion dominates (issue-bound: ncu shows ~78% of
+// issue slots busy at 16 rows per expert) and more resident warps hide its latencies. Measured on H200
+// (bench/RESULTS.md): 4 warpgroups are 1.3x faster at 128 rows per expert; at 16 rows 2x3 is 1.09x faster than
+// 2x2 and 1.02x faster than 1x4. Tuning overrides: EP_COMM_GEMM_WARPGROUPS=2|4 for every tile (as many CTAs per
+// SM as fit: 4 / warpgroups); EP_COMM_GEMM_SMALL_CTA=<warpgroups>x<CTAs per SM> (1x4, 2x2, 2x3 or 4x1) for the
+// token tiles 16 and 32; EP_COMM_GEMM_KBLOCKS_PER_STAGE=1|2 (pipeline stage size) for the default shapes.
+cudaError_t launch_part(const GroupedGemmArgs& args, int tile, const RowSplit split, int64_t tile_slots,
+                        cudaStream_t stream) {
+  static const int forced_warp_groups = [] {
+    const char* env = std::getenv("EP_COMM_GEMM_WARPGROUPS");
+    return env ? std::atoi(env) : 0;
+  }();
+  static const int forced_small_cta = [] {  // 10 * warpgroups + CTAs per SM, 0 = not forced
+    const char* env = std::getenv("EP_COMM_GEMM_SMALL_CTA");
+    return env && env[0] && env[1] == 'x' ? 10 * (env[0] - '0') + std::atoi(env + 2) : 0;
+  }();
+  static const int blocks_per_stage = [] {
+    const char* env = std::getenv("EP_COMM_GEMM_KBLOCKS_PER_STAGE");
+    return env ? std::atoi(env) : kDefaultBlocksPerStage;
+  }();
+  int shape = forced_warp_groups == 2 || forced_warp_groups == 4 ? 10 * forced_warp_groups + 4 / forced_warp_groups
+                                                                 : (tile <= 32 ? 23 : 41);
+  if (tile <= 32 && forced_small_cta) shape = forced_small_cta;
+  switch ((tile * 100 + shape) * 10 + blocks_per_stage) {
+    case 16231: return launch_tile<16, 2, 3, 1>(args, split, tile_slots, stream);
+    case 16232: return launch_tile<16, 2, 3, 2>(args, split, tile_slots, stream);
+    case 32231: return launch_tile<32, 2, 3, 1>(args, split, tile_slots, stream);
+    case 32232: return launch_tile<32, 2, 3, 2>(args, split, tile_slots, stream);
+    case 64411: return launch_tile<64, 4, 1, 1>(args, split, tile_slots, stream);
+    case 64412: return launch_tile<64, 4, 1, 2>(args, split, tile_slots, stream);
+    case 128411: return launch_tile<128, 4, 1, 1>(args, split, tile_slots, stream);
+    case 128412: return launch_tile<128, 4, 1, 2>(args, split, tile_slots, stream);
+    default: break;
+  }
+  switch (tile * 100 + shape) {  // tuning shapes: one k-block per stage
+    case 1614: return launch_tile<16, 1, 4>(args, split, tile_slots, stream);
+    case 1622: return launch_tile<16, 2, 2>(args, split, tile_slots, stream);
+    case 1641: return launch_tile<16, 4, 1>(args, split, tile_slots, stream);
+    case 3214: return launch_tile<32, 1, 4>(args, split, tile_slots, stream);
+    case 3222: return launch_tile<32, 2, 2>(args, split, tile_slots, stream);
+    case 3241: return launch_tile<32, 4, 1>(args, split, tile_slots, stream);
+    case 6422: return launch_tile<64, 2, 2>(args, split, tile_slots, stream);
+    case 12822: return launch_tile<128, 2, 2>(args, split, tile_slots, stream);
+    default: return cudaErrorInvalidValue;  // an override without a compiled kernel
+  }
 }
 
 bool device_is_sm90() {
@@ -409,36 +510,19 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
   if (args.num_rows_total == 0) return cudaSuccess;
   if (!device_is_sm90()) return cudaErrorNotSupported;
   const int tile = args.token_tile ? args.token_tile : grouped_gemm_auto_token_tile(args.num_rows_total, args.num_experts);
-  // Warpgroups per CTA: 4 (256 weight rows, one CTA per SM, each token tile read from L2 half as often) for
-  // token tiles of 64 and 128, where the MMA dominates; 2 (128 rows, two CTAs per SM that overlap each other's
-  // barriers and conversion) for 16 and 32, where the weight stream and its conversion dominate. Measured on H200
-  // (bench/RESULTS.md): 4 is 1.3x faster at 128 rows per expert, 2 is 1.1x faster at 16.
-  // EP_COMM_GEMM_WARPGROUPS=2|4 overrides the choice (for tuning).
-  static const int forced_warp_groups = [] {
-    const char* env = std::getenv("EP_COMM_GEMM_WARPGROUPS");
-    return env ? std::atoi(env) : 0;
-  }();
-  const int warp_groups = forced_warp_groups == 2 || forced_warp_groups == 4 ? forced_warp_groups : (tile <= 32 ? 2 : 4);
-  switch (tile * 10 + warp_groups) {
-    case 162:
-      return launch_tile<16, 2>(args, stream);
-    case 164:
-      return launch_tile<16, 4>(args, stream);
-    case 322:
-      return launch_tile<32, 2>(args, stream);
-    case 324:
-      return launch_tile<32, 4>(args, stream);
-    case 642:
-      return launch_tile<64, 2>(args, stream);
-    case 644:
-      return launch_tile<64, 4>(args, stream);
-    case 1282:
-      return launch_tile<128, 2>(args, stream);
-    case 1284:
-      return launch_tile<128, 4>(args, stream);
-    default:
-      return cudaErrorInvalidValue;
+  if (tile != 16 && tile != 32 && tile != 64 && tile != 128) return cudaErrorInvalidValue;
+  const int tail_tile = args.tail_tile >= 0 ? args.tail_tile : (tile == 128 ? 32 : 0);
+  if (tail_tile != 0 && (tail_tile >= tile || (tail_tile != 16 && tail_tile != 32 && tail_tile != 64))) {
+    return cudaErrorInvalidValue;
   }
+  // sum_e ceil(count_e / tile) <= rows / tile + E bounds the tiles of any launch.
+  const int64_t tile_slots = (args.num_rows_total + tile - 1) / tile + args.num_experts;
+  if (tail_tile == 0) return launch_part(args, tile, RowSplit{}, tile_slots, stream);
+  const cudaError_t status = launch_part(args, tile, RowSplit{1, tile, tail_tile}, tile_slots, stream);
+  if (status != cudaSuccess) return status;
+  // Every small remainder fits one tail tile: at most one tile per expert.
+  const int64_t tail_slots = args.num_experts < tile_slots ? args.num_experts : tile_slots;
+  return launch_part(args, tail_tile, RowSplit{2, tile, tail_tile}, tail_slots, stream);
 }
 
 }  // namespace ep_comm

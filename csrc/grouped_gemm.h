@@ -35,6 +35,10 @@ struct GroupedGemmArgs {
   int64_t out_row_stride = 0;
   bool swiglu = false;  // packed rows interleave gate/up per 8: out[:, i] = silu(gate_i) * up_i
   int token_tile = 0;   // 16 / 32 / 64 / 128 tokens per CTA tile; 0 = from the average rows per expert
+  // Small remainders: an expert whose count % token_tile is 1 .. tail_tile has those rows computed by a second
+  // launch with token tile tail_tile (16 / 32 / 64, < token_tile) instead of a mostly empty full tile.
+  // -1 = the launcher's choice (32 for token tile 128, else off), 0 = off.
+  int tail_tile = -1;
 };
 
 // cudaErrorInvalidValue for bad sizes; cudaErrorNotSupported when the current device is not sm_90 (the kernel

@@ -368,7 +368,7 @@ def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Option
 # ----------------------------------------------------------------------------------------------------------
 # The grouped GEMM
 # ----------------------------------------------------------------------------------------------------------
-def _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, out_dtype, token_tile, out):
+def _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, out_dtype, token_tile, tail_tile, out):
     if not isinstance(x, ExpandedRows):
         raise TypeError(f"x must be ExpandedRows (from expand_nvfp4_rows), got {type(x).__name__}")
     _check_gemm_weights(weights)
@@ -400,6 +400,9 @@ def _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, out_dt
         raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     if token_tile is not None and (isinstance(token_tile, bool) or token_tile not in TOKEN_TILES):
         raise ValueError(f"token_tile must be None (auto) or one of {TOKEN_TILES}, got {token_tile!r}")
+    if tail_tile is not None and (isinstance(tail_tile, bool) or tail_tile not in (0,) + TOKEN_TILES[:3] or (
+            tail_tile and token_tile is not None and tail_tile >= token_tile)):
+        raise ValueError(f"tail_tile must be None (auto), 0 (off) or 16/32/64 below token_tile, got {tail_tile!r}")
     device = values.device
     tensors = {"x.row_factor": row_factor, "expert_offsets": expert_offsets,
                "num_tokens_per_expert": num_tokens_per_expert, "weights.values": weights.values,
@@ -424,7 +427,7 @@ def _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, out_dt
 def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
                        weights: GemmWeights, out_dtype: torch.dtype = torch.bfloat16,
                        token_tile: Optional[int] = None, impl: str = "auto",
-                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       out: Optional[torch.Tensor] = None, tail_tile: Optional[int] = None) -> torch.Tensor:
     """Per-expert y = x W_e^T on NVFP4 weights; returns out_dtype [R, N] ([R, N/2] with the fused SwiGLU).
 
     x: ExpandedRows (values fp16 [R, K], row_factor fp32 [R]), expert-major: expert e owns rows
@@ -434,6 +437,11 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
     weights: GemmWeights from `pack_gemm_weights` (E experts, [N, K] each).
     out_dtype: torch.bfloat16 or torch.float32. token_tile: None (the kernel picks) or 16/32/64/128 rows of
         x per CTA (the GEMM's N side).
+    tail_tile: small remainders. An expert whose count % token_tile is 1 .. tail_tile gets those rows from a
+        second launch with token tile tail_tile instead of a mostly empty full tile (with random routing at
+        ~256 rows per expert, about half the experts have such a remainder). None: the kernel's choice (32 for
+        token tile 128, else off); 0: off; 16/32/64 (below the token tile). Results are the same either
+        way (each output element is one row times one weight row, summed in the same k order).
     out: optional preallocated output (out_dtype [R, out_features], unit column stride); rows outside every
         expert's segment are left as they are. By default a zero-filled tensor is allocated, so those rows
         read 0.
@@ -445,7 +453,8 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
         counts on the host, so the kernel clamps each count to its segment and to R instead (the reference raises
         on inconsistent ones).
     """
-    rows = _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, out_dtype, token_tile, out)
+    rows = _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, out_dtype, token_tile, tail_tile,
+                              out)
     device = x.values.device
     use_cuda = _use_gemm_kernels(impl, x.values, "grouped_gemm_nvfp4")
     if out is None:
@@ -464,7 +473,8 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
                 x.values.data_ptr(), x.values.stride(0), x.row_factor.data_ptr(), weights.values.data_ptr(),
                 weights.scales.data_ptr(), weights.factor.data_ptr(), expert_offsets.data_ptr(),
                 num_tokens_per_expert.data_ptr(), weights.num_experts, weights.n, weights.k, rows, out.data_ptr(),
-                _OUT_TYPES[out_dtype], out.stride(0), bool(weights.swiglu), int(token_tile or 0), _stream(device))
+                _OUT_TYPES[out_dtype], out.stride(0), bool(weights.swiglu), int(token_tile or 0),
+                -1 if tail_tile is None else int(tail_tile), _stream(device))
         return out
     return _grouped_gemm_reference(x, expert_offsets, num_tokens_per_expert, weights, out)
 

@@ -127,11 +127,13 @@ class MoELayer(torch.nn.Module):
         expert_impl: "fused" (NVFP4 grouped GEMM, sm_90 GPUs), "reference" (FP32 torch matmuls), or "auto":
             fused when the layer's device supports it, else reference -- `self.expert_impl` says which was chosen
             and a warning names the reason once when a CUDA layer falls back.
+        token_tile: the fused GEMM's token tile (16/32/64/128 rows per CTA); None picks it from the expected
+            rows per local expert with every rank at max_tokens_per_rank (`self.token_tile` says which).
     forward(x): x bf16 [T, H] -> bf16 [T, H]; the routing weights are the softmax over the top-k logits.
     """
 
     def __init__(self, buffer: Buffer, router_weight: torch.Tensor, weights: PackedExpertWeights,
-                 expert_impl: str = "auto"):
+                 expert_impl: str = "auto", token_tile=None):
         super().__init__()
         cfg = buffer.config
         if cfg.dispatch_format != "nvfp4":
@@ -161,10 +163,16 @@ class MoELayer(torch.nn.Module):
             # Token tile from the expected rows per local expert with every rank at max_tokens_per_rank (the
             # kernel's own choice would use the capacity-sized row count, which overestimates it).
             expected = cfg.max_tokens_per_rank * cfg.num_topk * cfg.world_size / cfg.num_experts
-            self._token_tile = next((t for t in (16, 32, 64) if expected <= t), 128)
+            if token_tile is None:
+                token_tile = next((t for t in (16, 32, 64) if expected <= t), 128)
+            elif token_tile not in grouped_gemm.TOKEN_TILES or isinstance(token_tile, bool):
+                raise ValueError(f"token_tile must be None or one of {grouped_gemm.TOKEN_TILES}, "
+                                 f"got {token_tile!r}")
+            self.token_tile = token_tile
             self._w1_packed = grouped_gemm.pack_gemm_weights(weights.w1, swiglu=True)
             self._w2_packed = grouped_gemm.pack_gemm_weights(weights.w2, swiglu=False)
         else:
+            self.token_tile = None  # no grouped GEMM on the reference path
             # Dequantized once: the reference expert path multiplies FP32 copies of the NVFP4 weights.
             self._w1 = formats.nvfp4_dequantize(weights.w1, dtype=torch.float32)
             self._w2 = formats.nvfp4_dequantize(weights.w2, dtype=torch.float32)
@@ -185,7 +193,7 @@ class MoELayer(torch.nn.Module):
 
     def _experts_fused(self, result) -> torch.Tensor:
         return fused_expert_mlp(result.x, result.expert_offsets, result.num_tokens_per_expert, self._w1_packed,
-                                self._w2_packed, token_tile=self._token_tile)
+                                self._w2_packed, token_tile=self.token_tile)
 
     def _experts_reference(self, result) -> torch.Tensor:
         out = torch.zeros(result.num_rows, self.buffer.config.hidden, dtype=torch.bfloat16,

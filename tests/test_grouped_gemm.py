@@ -399,6 +399,11 @@ def test_gemm_bad_inputs():
         call(expert_offsets=torch.tensor([0, 16, 41], dtype=torch.int32))
     with pytest.raises(ValueError, match="expert 1"):
         call(num_tokens_per_expert=torch.tensor([1, -1], dtype=torch.int32))
+    for bad_tail in (128, 8, True):
+        with pytest.raises(ValueError, match="tail_tile"):
+            call(tail_tile=bad_tail)
+    with pytest.raises(ValueError, match="tail_tile"):
+        call(token_tile=32, tail_tile=32)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -506,6 +511,24 @@ def test_kernel_vs_reference_deepseek_shape(swiglu, out_dtype, token_tile):
     _check_against_reference(out, ref, mask, out_dtype)
     again = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=out_dtype, token_tile=token_tile, impl="cuda")
     assert torch.equal(out.view(torch.uint8), again.view(torch.uint8)), "two runs differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("token_tile, tail_tile", [(128, None), (128, 16), (128, 32), (128, 64), (64, 16),
+                                                   (64, 32)])
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("shape", SMALL_SHAPES + [BIG_SHAPE])
+def test_kernel_small_remainders_in_a_second_launch(shape, swiglu, token_tile, tail_tile):
+    """Token tile 64 or 128 with the small remainders (count % tile in 1 .. tail_tile: e.g. counts 1, 3, 17, 31,
+    64, 130, 200, 255 of the pattern) computed by a second launch: against the reference, and bitwise the single
+    launch (tail_tile = 0) -- each output element is the same k-ordered sum whatever the tile."""
+    x, off, cnt, packed, ref, mask = _gpu_case(shape, swiglu, 16)
+    out = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.float32, token_tile=token_tile,
+                               tail_tile=tail_tile, impl="cuda")
+    _check_against_reference(out, ref, mask, torch.float32)
+    single = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.float32, token_tile=token_tile, tail_tile=0,
+                                  impl="cuda")
+    assert torch.equal(out.view(torch.int32), single.view(torch.int32))
 
 
 @pytest.mark.gpu

@@ -37,6 +37,7 @@ def _moe_worker(rank, world, device_kind="cpu"):
         # On GPUs: the same layer with the reference experts, to bound the fused GEMM's difference directly.
         y_reference = (moe.MoELayer(buf, router.to(device), packed, expert_impl="reference")(xs[rank].to(device)).cpu()
                        if device_kind == "cuda" else y)
+        graph_equal = _graph_replay_matches_eager(layer, xs[rank].to(device), rank) if expert_impl == "fused" else None
 
     # Oracle: every token alone, the same quantization points, the combine semantics of DESIGN.md §3.
     packed_all = moe.pack_weights(w1, w2)
@@ -56,7 +57,31 @@ def _moe_worker(rank, world, device_kind="cpu"):
                 exact[sel] += w[sel, slot, None] * ((torch.nn.functional.silu(gate) * up) @ w2[e].t())
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
     return {"vs_oracle": rel(y, want), "deterministic": torch.equal(y, y_again), "vs_fp32": rel(y, exact),
-            "backend": backend, "expert_impl": expert_impl, "fused_vs_reference": rel(y, y_reference)}
+            "backend": backend, "expert_impl": expert_impl, "fused_vs_reference": rel(y, y_reference),
+            "graph_equal": graph_equal}
+
+
+def _graph_replay_matches_eager(layer, x, rank):
+    """The whole fused layer (router, dispatch, experts, combine) captured once in a CUDA graph, replayed on new
+    inputs: bitwise the eager forward on those inputs (fails at capture if any step synchronizes the host)."""
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(static_x)  # warm-up outside the graph (allocator)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        static_y = layer(static_x)
+    equal = []
+    for trial in range(2):
+        new_x = torch.randn(x.shape, generator=torch.Generator().manual_seed(500 + 10 * trial + rank))
+        static_x.copy_(new_x.to(torch.bfloat16))
+        graph.replay()
+        eager = layer(static_x.clone())
+        torch.cuda.synchronize()
+        equal.append(torch.equal(static_y.view(torch.int16), eager.view(torch.int16)))
+    return all(equal)
 
 
 @pytest.mark.cpu
@@ -92,3 +117,5 @@ def test_moe_layer_on_gpus_matches_oracle():
         # Fused GEMM vs FP32 torch experts: same quantization points; FP32 summation order and SiLU's exp differ,
         # which can move a rare SwiGLU output across an NVFP4 rounding boundary (documented bound 5e-3).
         assert result["fused_vs_reference"] < 5e-3, result
+        if result["expert_impl"] == "fused":
+            assert result["graph_equal"], result
