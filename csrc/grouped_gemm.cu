@@ -10,8 +10,9 @@
 // CTA = kWarpGroups (2 or 4) warpgroups; warpgroup g owns weight tile mt = cta * kWarpGroups + g (64 rows) and all
 // of the CTA's token tile (kTile tokens of one expert). Every thread streams its own packed weight bytes
 // (16 B of codes per 64-wide k-block) with cp.async into a private smem slot; 16 lanes of each warpgroup copy
-// the tile's 256 scale bytes; the token tile is shared and published with a barrier. kStages-deep ring;
-// stage kb + kStages - 1 is loaded into the slot of kb - 1 once that block's wgmma has retired.
+// the tile's 256 scale bytes; the token tile is shared and published with a barrier. kStages-deep ring of
+// stages of kBlocksPerStage k-blocks; stage st + kStages - 1 is loaded into the slot of st - 1 once every wgmma
+// that read it has retired.
 //
 // Weight decode (layout in ep_comm/grouped_gemm.py): for pair j of a k-step word w,
 //   ((w << 3j) & 0x0E000E00) | ((w << j) & 0x80008000)   is the fp16x2 of the two E2M1 values * 2^-14
@@ -25,6 +26,8 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <initializer_list>
 #include <type_traits>
 
 #include "grouped_gemm.h"
@@ -34,12 +37,13 @@
 namespace ep_comm {
 namespace {
 
-constexpr int kKBlock = 64;      // k elements per pipeline stage (4 wgmma k-steps of 16)
+constexpr int kKBlock = 64;      // k elements per k-block (4 wgmma k-steps of 16)
 constexpr int kTileRows = 64;    // weight rows per warpgroup (wgmma M)
 constexpr int kValueBytes = 16;  // per thread per k-block: 4 words of E2M1 codes
 constexpr int kTileScaleBytes = 256;  // per warpgroup tile per k-block: 64 rows x 4 k-steps, one byte each
 // k-blocks per pipeline stage for the default CTA shapes (EP_COMM_GEMM_KBLOCKS_PER_STAGE=1 for tuning): two halve
-// the barriers and ring bookkeeping; measured on H200 1.05x (128 rows per expert) and 1.07x (16 rows) over one.
+// the barriers and ring bookkeeping; measured on H200 1.01-1.05x (128 rows per expert) and 1.04-1.07x (16 rows)
+// over one (two calls, bench/RESULTS.md).
 constexpr int kDefaultBlocksPerStage = 2;
 
 template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage>
@@ -432,52 +436,62 @@ cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64
   return cudaGetLastError();
 }
 
-// One launch of a token tile with the CTA shape chosen for it. Warpgroups per CTA: 4 (256 weight rows, one CTA
-// per SM, each token tile read from L2 half as often) for token tiles of 64 and 128, where the MMA dominates;
-// 2 with three CTAs per SM for 16 and 32, where the weight conversion dominates (issue-bound: ncu shows ~78% of
-// issue slots busy at 16 rows per expert) and more resident warps hide its latencies. Measured on H200
-// (bench/RESULTS.md): 4 warpgroups are 1.3x faster at 128 rows per expert; at 16 rows 2x3 is 1.09x faster than
-// 2x2 and 1.02x faster than 1x4. Tuning overrides: EP_COMM_GEMM_WARPGROUPS=2|4 for every tile (as many CTAs per
-// SM as fit: 4 / warpgroups); EP_COMM_GEMM_SMALL_CTA=<warpgroups>x<CTAs per SM> (1x4, 2x2, 2x3 or 4x1) for the
-// token tiles 16 and 32; EP_COMM_GEMM_KBLOCKS_PER_STAGE=1|2 (pipeline stage size) for the default shapes.
-cudaError_t launch_part(const GroupedGemmArgs& args, int tile, const RowSplit split, int64_t tile_slots,
-                        cudaStream_t stream) {
-  static const int forced_warp_groups = [] {
-    const char* env = std::getenv("EP_COMM_GEMM_WARPGROUPS");
-    return env ? std::atoi(env) : 0;
-  }();
-  static const int forced_small_cta = [] {  // 10 * warpgroups + CTAs per SM, 0 = not forced
-    const char* env = std::getenv("EP_COMM_GEMM_SMALL_CTA");
-    return env && env[0] && env[1] == 'x' ? 10 * (env[0] - '0') + std::atoi(env + 2) : 0;
-  }();
-  static const int blocks_per_stage = [] {
-    const char* env = std::getenv("EP_COMM_GEMM_KBLOCKS_PER_STAGE");
-    return env ? std::atoi(env) : kDefaultBlocksPerStage;
-  }();
-  int shape = forced_warp_groups == 2 || forced_warp_groups == 4 ? 10 * forced_warp_groups + 4 / forced_warp_groups
-                                                                 : (tile <= 32 ? 23 : 41);
-  if (tile <= 32 && forced_small_cta) shape = forced_small_cta;
-  switch ((tile * 100 + shape) * 10 + blocks_per_stage) {
-    case 16231: return launch_tile<16, 2, 3, 1>(args, split, tile_slots, stream);
-    case 16232: return launch_tile<16, 2, 3, 2>(args, split, tile_slots, stream);
-    case 32231: return launch_tile<32, 2, 3, 1>(args, split, tile_slots, stream);
-    case 32232: return launch_tile<32, 2, 3, 2>(args, split, tile_slots, stream);
-    case 64411: return launch_tile<64, 4, 1, 1>(args, split, tile_slots, stream);
-    case 64412: return launch_tile<64, 4, 1, 2>(args, split, tile_slots, stream);
-    case 128411: return launch_tile<128, 4, 1, 1>(args, split, tile_slots, stream);
-    case 128412: return launch_tile<128, 4, 1, 2>(args, split, tile_slots, stream);
-    default: break;
+using LaunchFn = cudaError_t (*)(const GroupedGemmArgs&, RowSplit, int64_t, cudaStream_t);
+
+// An environment variable that must be one of `allowed` when set: 0 when unset, -1 when set to anything else.
+int tuning_choice(const char* name, std::initializer_list<const char*> allowed, std::initializer_list<int> values) {
+  const char* env = std::getenv(name);
+  if (!env || !*env) return 0;
+  auto value = values.begin();
+  for (const char* a : allowed) {
+    if (std::strcmp(env, a) == 0) return *value;
+    ++value;
   }
-  switch (tile * 100 + shape) {  // tuning shapes: one k-block per stage
-    case 1614: return launch_tile<16, 1, 4>(args, split, tile_slots, stream);
-    case 1622: return launch_tile<16, 2, 2>(args, split, tile_slots, stream);
-    case 1641: return launch_tile<16, 4, 1>(args, split, tile_slots, stream);
-    case 3214: return launch_tile<32, 1, 4>(args, split, tile_slots, stream);
-    case 3222: return launch_tile<32, 2, 2>(args, split, tile_slots, stream);
-    case 3241: return launch_tile<32, 4, 1>(args, split, tile_slots, stream);
-    case 6422: return launch_tile<64, 2, 2>(args, split, tile_slots, stream);
-    case 12822: return launch_tile<128, 2, 2>(args, split, tile_slots, stream);
-    default: return cudaErrorInvalidValue;  // an override without a compiled kernel
+  return -1;
+}
+
+// The kernel for one launch of a token tile, with the CTA shape chosen for it, or nullptr when a tuning override
+// names a shape without a compiled kernel. Warpgroups per CTA: 4 (256 weight rows, one CTA per SM, each token tile
+// read from L2 half as often) for token tiles of 64 and 128, where the MMA dominates; 2 with three CTAs per SM for
+// 16 and 32, where the weight conversion dominates (issue-bound: ncu shows ~80% of issue slots busy at 16 rows per
+// expert) and more resident warps hide its latencies. Measured on H200 (bench/RESULTS.md): 4 warpgroups are 1.3x
+// faster at 128 rows per expert; at 16 rows 2x3 is 1.09x faster than 2x2 and 1.02x faster than 1x4. Tuning
+// overrides (other values are refused): EP_COMM_GEMM_WARPGROUPS=2|4 for every tile (as many CTAs per SM as fit:
+// 4 / warpgroups, one k-block per stage); EP_COMM_GEMM_SMALL_CTA=1x4|2x2|2x3|4x1 (warpgroups x CTAs per SM) for the
+// token tiles 16 and 32; EP_COMM_GEMM_KBLOCKS_PER_STAGE=1|2 (pipeline stage size) for the default shapes.
+LaunchFn select_kernel(int tile) {
+  static const int forced_warp_groups = tuning_choice("EP_COMM_GEMM_WARPGROUPS", {"2", "4"}, {2, 4});
+  static const int forced_small_cta =
+      tuning_choice("EP_COMM_GEMM_SMALL_CTA", {"1x4", "2x2", "2x3", "4x1"}, {14, 22, 23, 41});
+  static const int forced_blocks_per_stage = tuning_choice("EP_COMM_GEMM_KBLOCKS_PER_STAGE", {"1", "2"}, {1, 2});
+  if (forced_warp_groups < 0 || forced_small_cta < 0 || forced_blocks_per_stage < 0) return nullptr;
+  const int blocks_per_stage = forced_blocks_per_stage ? forced_blocks_per_stage : kDefaultBlocksPerStage;
+  int shape = forced_warp_groups ? 10 * forced_warp_groups + 4 / forced_warp_groups : (tile <= 32 ? 23 : 41);
+  if (tile <= 32 && forced_small_cta) shape = forced_small_cta;
+  const int key = tile * 100 + shape;  // tile, warpgroups, CTAs per SM
+  if (blocks_per_stage == 2) {
+    switch (key) {
+      case 1623: return launch_tile<16, 2, 3, 2>;
+      case 3223: return launch_tile<32, 2, 3, 2>;
+      case 6441: return launch_tile<64, 4, 1, 2>;
+      case 12841: return launch_tile<128, 4, 1, 2>;
+      default: break;  // the tuning shapes have one k-block per stage
+    }
+  }
+  switch (key) {
+    case 1614: return launch_tile<16, 1, 4>;
+    case 1622: return launch_tile<16, 2, 2>;
+    case 1623: return launch_tile<16, 2, 3>;
+    case 1641: return launch_tile<16, 4, 1>;
+    case 3214: return launch_tile<32, 1, 4>;
+    case 3222: return launch_tile<32, 2, 2>;
+    case 3223: return launch_tile<32, 2, 3>;
+    case 3241: return launch_tile<32, 4, 1>;
+    case 6422: return launch_tile<64, 2, 2>;
+    case 6441: return launch_tile<64, 4, 1>;
+    case 12822: return launch_tile<128, 2, 2>;
+    case 12841: return launch_tile<128, 4, 1>;
+    default: return nullptr;
   }
 }
 
@@ -509,20 +523,30 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
   }
   if (args.num_rows_total == 0) return cudaSuccess;
   if (!device_is_sm90()) return cudaErrorNotSupported;
-  const int tile = args.token_tile ? args.token_tile : grouped_gemm_auto_token_tile(args.num_rows_total, args.num_experts);
+  const bool auto_tile = args.token_tile == 0;
+  const int tile = auto_tile ? grouped_gemm_auto_token_tile(args.num_rows_total, args.num_experts) : args.token_tile;
   if (tile != 16 && tile != 32 && tile != 64 && tile != 128) return cudaErrorInvalidValue;
-  const int tail_tile = args.tail_tile >= 0 ? args.tail_tile : (tile == 128 ? 32 : 0);
-  if (tail_tile != 0 && (tail_tile >= tile || (tail_tile != 16 && tail_tile != 32 && tail_tile != 64))) {
-    return cudaErrorInvalidValue;
+  int tail_tile = args.tail_tile >= 0 ? args.tail_tile : (tile == 128 ? 32 : 0);
+  if (tail_tile != 0 && tail_tile != 16 && tail_tile != 32 && tail_tile != 64) return cudaErrorInvalidValue;
+  if (tail_tile >= tile) {
+    // A remainder tile must be smaller than the main one. With an explicit token tile that is a caller error; with
+    // the automatic tile (chosen from the row count) the split is simply off for this call.
+    if (!auto_tile) return cudaErrorInvalidValue;
+    tail_tile = 0;
   }
-  // sum_e ceil(count_e / tile) <= rows / tile + E bounds the tiles of any launch.
+  // Both kernels are resolved before either launches, so a refused tuning override cannot leave out half written.
+  const LaunchFn main_kernel = select_kernel(tile);
+  const LaunchFn tail_kernel = tail_tile ? select_kernel(tail_tile) : nullptr;
+  if (!main_kernel || (tail_tile && !tail_kernel)) return cudaErrorInvalidValue;
+  // sum_e ceil(count_e / tile) <= rows / tile + E bounds the tiles of any launch (segments do not overlap:
+  // expert_offsets is non-decreasing).
   const int64_t tile_slots = (args.num_rows_total + tile - 1) / tile + args.num_experts;
-  if (tail_tile == 0) return launch_part(args, tile, RowSplit{}, tile_slots, stream);
-  const cudaError_t status = launch_part(args, tile, RowSplit{1, tile, tail_tile}, tile_slots, stream);
+  if (tail_tile == 0) return main_kernel(args, RowSplit{}, tile_slots, stream);
+  const cudaError_t status = main_kernel(args, RowSplit{1, tile, tail_tile}, tile_slots, stream);
   if (status != cudaSuccess) return status;
   // Every small remainder fits one tail tile: at most one tile per expert.
   const int64_t tail_slots = args.num_experts < tile_slots ? args.num_experts : tile_slots;
-  return launch_part(args, tail_tile, RowSplit{2, tile, tail_tile}, tail_slots, stream);
+  return tail_kernel(args, RowSplit{2, tile, tail_tile}, tail_slots, stream);
 }
 
 }  // namespace ep_comm

@@ -23,7 +23,8 @@ struct GroupedGemmArgs {
   const uint32_t* w_values = nullptr;  // [E, n/64, k/64, 128, 4]
   const uint8_t* w_scales = nullptr;   // [E, n/64, k/64, 64, 4]
   const float* w_factor = nullptr;     // [E]
-  const int32_t* expert_offsets = nullptr;         // [E + 1] first row of each expert (device)
+  const int32_t* expert_offsets = nullptr;         // [E + 1] first row of each expert (device), non-decreasing:
+                                                   // overlapping segments can need more tiles than the grid has
   const int32_t* num_tokens_per_expert = nullptr;  // [E] valid rows of each expert (device); clamped on the
                                                    // device to the segment and to num_rows_total
   int num_experts = 0;
@@ -37,7 +38,8 @@ struct GroupedGemmArgs {
   int token_tile = 0;   // 16 / 32 / 64 / 128 tokens per CTA tile; 0 = from the average rows per expert
   // Small remainders: an expert whose count % token_tile is 1 .. tail_tile has those rows computed by a second
   // launch with token tile tail_tile (16 / 32 / 64, < token_tile) instead of a mostly empty full tile.
-  // -1 = the launcher's choice (32 for token tile 128, else off), 0 = off.
+  // -1 = the launcher's choice (32 for token tile 128, else off), 0 = off. With token_tile = 0 a tail_tile at or
+  // above the automatic tile turns the split off for that call (with an explicit token_tile it is an error).
   int tail_tile = -1;
 };
 

@@ -432,7 +432,9 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
 
     x: ExpandedRows (values fp16 [R, K], row_factor fp32 [R]), expert-major: expert e owns rows
         [expert_offsets[e], expert_offsets[e] + num_tokens_per_expert[e]).
-    expert_offsets: int32 [E + 1] on x's device (segment starts; expert_offsets[E] = rows in use);
+    expert_offsets: int32 [E + 1] on x's device (segment starts, non-decreasing; expert_offsets[E] = rows in
+        use). The CUDA path cannot check them on the host: with overlapping segments it may leave rows
+        uncomputed (it never reads or writes outside x and out); the reference path raises.
     num_tokens_per_expert: int32 [E] on x's device (rows per expert, padding excluded).
     weights: GemmWeights from `pack_gemm_weights` (E experts, [N, K] each).
     out_dtype: torch.bfloat16 or torch.float32. token_tile: None (the kernel picks) or 16/32/64/128 rows of
@@ -440,7 +442,8 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
     tail_tile: small remainders. An expert whose count % token_tile is 1 .. tail_tile gets those rows from a
         second launch with token tile tail_tile instead of a mostly empty full tile (with random routing at
         ~256 rows per expert, about half the experts have such a remainder). None: the kernel's choice (32 for
-        token tile 128, else off); 0: off; 16/32/64 (below the token tile). Results are the same either
+        token tile 128, else off); 0: off; 16/32/64 (below the token tile; with token_tile=None a value at or
+        above the tile the kernel picks turns the split off for that call). Results are the same either
         way (each output element is one row times one weight row, summed in the same k order).
     out: optional preallocated output (out_dtype [R, out_features], unit column stride); rows outside every
         expert's segment are left as they are. By default a zero-filled tensor is allocated, so those rows

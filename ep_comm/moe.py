@@ -149,6 +149,8 @@ class MoELayer(torch.nn.Module):
         self.buffer = buffer
         self.register_buffer("router_weight", router_weight.float())
         self.weights = weights
+        if token_tile is not None and (isinstance(token_tile, bool) or token_tile not in (16, 32, 64, 128)):
+            raise ValueError(f"token_tile must be None or one of 16, 32, 64, 128, got {token_tile!r}")
         device = weights.w1.data.device
         supported, why = _fused_experts_supported(device, cfg.hidden, weights.w2.shape[-1])
         if expert_impl == "fused" and not supported:
@@ -165,9 +167,6 @@ class MoELayer(torch.nn.Module):
             expected = cfg.max_tokens_per_rank * cfg.num_topk * cfg.world_size / cfg.num_experts
             if token_tile is None:
                 token_tile = next((t for t in (16, 32, 64) if expected <= t), 128)
-            elif token_tile not in grouped_gemm.TOKEN_TILES or isinstance(token_tile, bool):
-                raise ValueError(f"token_tile must be None or one of {grouped_gemm.TOKEN_TILES}, "
-                                 f"got {token_tile!r}")
             self.token_tile = token_tile
             self._w1_packed = grouped_gemm.pack_gemm_weights(weights.w1, swiglu=True)
             self._w2_packed = grouped_gemm.pack_gemm_weights(weights.w2, swiglu=False)
