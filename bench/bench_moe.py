@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from bench_dispatch_combine import _iso_time_us  # noqa: E402  one timing method for the distributed benchmarks
+from bench_dispatch_combine import _graph_time_us, _iso_time_us  # noqa: E402  one timing method for the benchmarks
 
 
 def parse_args(argv=None):
@@ -54,18 +54,10 @@ def _time_ms(fn, iters, group) -> float:
     return _iso_time_us(fn, iters, group) / 1e3
 
 
-def _captured(fn):
-    """fn captured once in a CUDA graph (after a warm-up call on the capture stream): returns graph.replay.
+def _graph_ms(fn, iters) -> float:
+    """fn captured once in a CUDA graph (after a warm-up call on the capture stream) and replayed: ms per replay.
     Collective: every rank captures the same calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    return graph.replay
+    return _graph_time_us(lambda calls: [fn() for _ in range(calls)], 1, None, reps=iters) / 1e3
 
 
 def _grouped_mm_bf16(x, weights_t, offs):
@@ -108,20 +100,18 @@ def worker(rank, world, args):
             row["combine_ms"] = _time_ms(lambda: buf.combine(expert_out, result.handle), args.iters, None)
             # The same stages captured in CUDA graphs: device time without the Python host path (what a server
             # replaying graphs sees). The BF16 pipeline cannot be captured (its NCCL all_to_all needs host counts).
-            row["layer_graph_ms"] = _time_ms(_captured(lambda: layer(x)), args.iters, None)
-            row["experts_graph_ms"] = _time_ms(_captured(lambda: layer.experts(result)), args.iters, None)
-            row["router_graph_ms"] = _time_ms(_captured(lambda: layer.route(x)), args.iters, None)
-            row["dispatch_graph_ms"] = _time_ms(_captured(lambda: buf.dispatch(x, idx, weights)), args.iters, None)
-            row["combine_graph_ms"] = _time_ms(_captured(lambda: buf.combine(expert_out, result.handle)),
-                                               args.iters, None)
+            row["layer_graph_ms"] = _graph_ms(lambda: layer(x), args.iters)
+            row["experts_graph_ms"] = _graph_ms(lambda: layer.experts(result), args.iters)
+            row["router_graph_ms"] = _graph_ms(lambda: layer.route(x), args.iters)
+            row["dispatch_graph_ms"] = _graph_ms(lambda: buf.dispatch(x, idx, weights), args.iters)
+            row["combine_graph_ms"] = _graph_ms(lambda: buf.combine(expert_out, result.handle), args.iters)
             for tile in [t for t in args.token_tiles.split(",")[1:] if t.strip()]:
                 other = moe.MoELayer(buf, router, packed, expert_impl="fused",
                                      token_tile=None if tile == "auto" else int(tile))
                 row[f"tile{other.token_tile}_layer_ms"] = _time_ms(lambda: other(x), args.iters, None)
-                row[f"tile{other.token_tile}_layer_graph_ms"] = _time_ms(_captured(lambda: other(x)), args.iters,
-                                                                         None)
-                row[f"tile{other.token_tile}_experts_graph_ms"] = _time_ms(
-                    _captured(lambda: other.experts(result)), args.iters, None)
+                row[f"tile{other.token_tile}_layer_graph_ms"] = _graph_ms(lambda: other(x), args.iters)
+                row[f"tile{other.token_tile}_experts_graph_ms"] = _graph_ms(lambda: other.experts(result),
+                                                                            args.iters)
             counts = result.num_tokens_per_expert.float()
             row["rows_per_expert_mean"] = counts.mean().item()
             row["rows_per_expert_max"] = counts.max().item()

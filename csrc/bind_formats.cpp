@@ -15,21 +15,9 @@ namespace py = pybind11;
 namespace {
 
 using ep_comm::ElemType;
-
-template <typename T>
-T* ptr(uintptr_t address) {
-  return reinterpret_cast<T*>(address);
-}
-
-cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
-
-void check(cudaError_t status, const char* what) {
-  if (status == cudaSuccess) return;
-  if (status == cudaErrorInvalidValue) {
-    throw std::invalid_argument(std::string(what) + ": invalid arguments (shape, alignment or size limits)");
-  }
-  throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorString(status));
-}
+using ep_comm::binding::as_stream;
+using ep_comm::binding::check;
+using ep_comm::binding::ptr;
 
 void nvfp4_quantize(uintptr_t x, int x_type, int64_t x_row_stride, int64_t num_rows, int64_t hidden, uintptr_t amax_in,
                     float e4m3_max, bool four_over_six, uintptr_t data, int64_t data_row_stride, uintptr_t scales,

@@ -4,7 +4,6 @@
 
 #include <cstdint>
 #include <stdexcept>
-#include <string>
 
 #include "bindings.h"
 #include "grouped_gemm.h"
@@ -13,10 +12,9 @@ namespace py = pybind11;
 
 namespace {
 
-template <typename T>
-T* ptr(uintptr_t address) {
-  return reinterpret_cast<T*>(address);
-}
+using ep_comm::binding::as_stream;
+using ep_comm::binding::check;
+using ep_comm::binding::ptr;
 
 void grouped_gemm_nvfp4(uintptr_t x, int64_t x_row_stride, uintptr_t row_factor, uintptr_t w_values,
                         uintptr_t w_scales, uintptr_t w_factor, uintptr_t expert_offsets,
@@ -42,18 +40,13 @@ void grouped_gemm_nvfp4(uintptr_t x, int64_t x_row_stride, uintptr_t row_factor,
   args.swiglu = swiglu;
   args.token_tile = token_tile;
   args.tail_tile = tail_tile;
-  const cudaError_t status = ep_comm::launch_grouped_gemm_nvfp4(args, reinterpret_cast<cudaStream_t>(stream));
-  if (status == cudaSuccess) return;
-  if (status == cudaErrorInvalidValue) {
-    throw std::invalid_argument(
-        "grouped_gemm_nvfp4: invalid arguments (n % 64, k % 64, strides, token_tile in {0, 16, 32, 64, 128}, "
-        "tail_tile in {-1, 0, 16, 32, 64} below it, out_type 0/1, a tuning override without a compiled kernel, "
-        "or too many token tiles for one grid)");
-  }
+  const cudaError_t status = ep_comm::launch_grouped_gemm_nvfp4(args, as_stream(stream));
   if (status == cudaErrorNotSupported) {
     throw std::runtime_error("grouped_gemm_nvfp4: needs an sm_90 (Hopper) GPU: the kernel is built on wgmma");
   }
-  throw std::runtime_error(std::string("grouped_gemm_nvfp4 failed: ") + cudaGetErrorString(status));
+  check(status, "grouped_gemm_nvfp4",
+        "n % 64, k % 64, strides, token_tile in {0, 16, 32, 64, 128}, tail_tile in {-1, 0, 16, 32, 64} below it, "
+        "out_type 0/1, a tuning override without a compiled kernel, or too many token tiles for one grid");
 }
 
 }  // namespace

@@ -25,10 +25,7 @@ T get(const py::dict& d, const char* key) {
   return d[key].cast<T>();
 }
 
-template <typename T>
-T* as_ptr(uintptr_t v) {
-  return reinterpret_cast<T*>(v);
-}
+using ep_comm::binding::ptr;
 
 class NvlinkContext {
  public:
@@ -66,15 +63,15 @@ class NvlinkContext {
     c.off_staging = get<long long>(d, "off_staging");
     c.off_combine = get<long long>(d, "off_combine");
     c.timeout_ns = get<unsigned long long>(d, "timeout_ns");
-    c.peer_bases = as_ptr<const unsigned long long>(get<uintptr_t>(d, "peer_bases"));
-    c.local_base = as_ptr<char>(get<uintptr_t>(d, "local_base"));
-    c.state = as_ptr<NvlinkState>(get<uintptr_t>(d, "state"));
-    c.scratch_pos = as_ptr<int>(get<uintptr_t>(d, "scratch_pos"));
-    c.scratch_slot = as_ptr<int>(get<uintptr_t>(d, "scratch_slot"));
-    c.expert_count = as_ptr<int>(get<uintptr_t>(d, "expert_count"));
-    c.rank_count = as_ptr<int>(get<uintptr_t>(d, "rank_count"));
-    c.layout_base = as_ptr<int>(get<uintptr_t>(d, "layout_base"));
-    c.error_word = as_ptr<unsigned long long>(get<uintptr_t>(d, "error_word"));
+    c.peer_bases = ptr<const unsigned long long>(get<uintptr_t>(d, "peer_bases"));
+    c.local_base = ptr<char>(get<uintptr_t>(d, "local_base"));
+    c.state = ptr<NvlinkState>(get<uintptr_t>(d, "state"));
+    c.scratch_pos = ptr<int>(get<uintptr_t>(d, "scratch_pos"));
+    c.scratch_slot = ptr<int>(get<uintptr_t>(d, "scratch_slot"));
+    c.expert_count = ptr<int>(get<uintptr_t>(d, "expert_count"));
+    c.rank_count = ptr<int>(get<uintptr_t>(d, "rank_count"));
+    c.layout_base = ptr<int>(get<uintptr_t>(d, "layout_base"));
+    c.error_word = ptr<unsigned long long>(get<uintptr_t>(d, "error_word"));
     if (c.topk < 1 || c.topk > kMaxTopk) throw std::invalid_argument("num_topk must be in [1, 32] for nvlink");
     if (c.world < 1 || c.world > kMaxWorld) throw std::invalid_argument("world size out of range for nvlink");
     if (c.hidden % 32 != 0) throw std::invalid_argument("hidden must be a multiple of 32");
@@ -92,28 +89,28 @@ class NvlinkContext {
                 uintptr_t recv_tok, uintptr_t recv_ord, uintptr_t recv_rows, uintptr_t stream) {
     if (num_tokens < 0 || num_tokens > cfg_.max_tokens) throw std::invalid_argument("num_tokens out of range");
     DispatchArgs a{};
-    a.x = as_ptr<const void>(x);
-    a.topk_idx = as_ptr<const void>(topk_idx);
+    a.x = ptr<const void>(x);
+    a.topk_idx = ptr<const void>(topk_idx);
     a.idx_is_int64 = idx_is_int64 ? 1 : 0;
-    a.topk_weights = as_ptr<const float>(topk_weights);
+    a.topk_weights = ptr<const float>(topk_weights);
     a.num_tokens = num_tokens;
     a.chunk_tokens = layout_chunk_tokens(num_tokens);
-    a.send_idx = as_ptr<int>(send_idx);
-    a.send_w = as_ptr<float>(send_w);
-    a.out_data = as_ptr<unsigned char>(out_data);
-    a.out_scales = as_ptr<unsigned char>(out_scales);
-    a.out_amax = as_ptr<float>(out_amax);
-    a.num_per_expert = as_ptr<int>(num_per_expert);
-    a.expert_offsets = as_ptr<int>(expert_offsets);
-    a.src_rank = as_ptr<int>(src_rank);
-    a.src_token = as_ptr<int>(src_token);
-    a.topk_slot = as_ptr<int>(topk_slot);
-    a.topk_weight = as_ptr<float>(topk_weight);
+    a.send_idx = ptr<int>(send_idx);
+    a.send_w = ptr<float>(send_w);
+    a.out_data = ptr<unsigned char>(out_data);
+    a.out_scales = ptr<unsigned char>(out_scales);
+    a.out_amax = ptr<float>(out_amax);
+    a.num_per_expert = ptr<int>(num_per_expert);
+    a.expert_offsets = ptr<int>(expert_offsets);
+    a.src_rank = ptr<int>(src_rank);
+    a.src_token = ptr<int>(src_token);
+    a.topk_slot = ptr<int>(topk_slot);
+    a.topk_weight = ptr<float>(topk_weight);
     a.num_rows = num_rows;
-    a.recv_count = as_ptr<int>(recv_count);
-    a.recv_tok = as_ptr<int>(recv_tok);
-    a.recv_ord = as_ptr<int>(recv_ord);
-    a.recv_rows = as_ptr<int>(recv_rows);
+    a.recv_count = ptr<int>(recv_count);
+    a.recv_tok = ptr<int>(recv_tok);
+    a.recv_ord = ptr<int>(recv_ord);
+    a.recv_rows = ptr<int>(recv_rows);
     select();
     launch_layout(cfg_, a, stream);
     launch_dispatch_send(cfg_, a, stream);
@@ -125,17 +122,17 @@ class NvlinkContext {
                int num_tokens, uintptr_t out, uintptr_t stream) {
     if (num_tokens < 0 || num_tokens > cfg_.max_tokens) throw std::invalid_argument("num_tokens out of range");
     CombineArgs a{};
-    a.expert_out = as_ptr<const unsigned short>(expert_out);
-    a.row_weight = as_ptr<const float>(row_weight);
+    a.expert_out = ptr<const unsigned short>(expert_out);
+    a.row_weight = ptr<const float>(row_weight);
     a.local_reduce = local_reduce ? 1 : 0;
-    a.recv_count = as_ptr<const int>(recv_count);
-    a.recv_tok = as_ptr<const int>(recv_tok);
-    a.recv_ord = as_ptr<const int>(recv_ord);
-    a.recv_rows = as_ptr<const int>(recv_rows);
-    a.send_idx = as_ptr<const int>(send_idx);
-    a.send_w = as_ptr<const float>(send_w);
+    a.recv_count = ptr<const int>(recv_count);
+    a.recv_tok = ptr<const int>(recv_tok);
+    a.recv_ord = ptr<const int>(recv_ord);
+    a.recv_rows = ptr<const int>(recv_rows);
+    a.send_idx = ptr<const int>(send_idx);
+    a.send_w = ptr<const float>(send_w);
     a.num_tokens = num_tokens;
-    a.out = as_ptr<unsigned short>(out);
+    a.out = ptr<unsigned short>(out);
     select();
     launch_combine_send(cfg_, a, stream);
     launch_combine_recv(cfg_, a, stream);

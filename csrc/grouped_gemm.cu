@@ -438,14 +438,18 @@ cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64
 
 using LaunchFn = cudaError_t (*)(const GroupedGemmArgs&, RowSplit, int64_t, cudaStream_t);
 
-// An environment variable that must be one of `allowed` when set: 0 when unset, -1 when set to anything else.
-int tuning_choice(const char* name, std::initializer_list<const char*> allowed, std::initializer_list<int> values) {
+// A tuning environment variable that must be one of `allowed` when set: 0 when unset, -1 when set to anything
+// else, otherwise its digits read as one number ("4" -> 4, "2x3" -> 23: warpgroups then CTAs per SM).
+int tuning_choice(const char* name, std::initializer_list<const char*> allowed) {
   const char* env = std::getenv(name);
   if (!env || !*env) return 0;
-  auto value = values.begin();
   for (const char* a : allowed) {
-    if (std::strcmp(env, a) == 0) return *value;
-    ++value;
+    if (std::strcmp(env, a) != 0) continue;
+    int value = 0;
+    for (const char* c = a; *c; ++c) {
+      if (*c >= '0' && *c <= '9') value = 10 * value + (*c - '0');
+    }
+    return value;
   }
   return -1;
 }
@@ -460,10 +464,9 @@ int tuning_choice(const char* name, std::initializer_list<const char*> allowed, 
 // 4 / warpgroups, one k-block per stage); EP_COMM_GEMM_SMALL_CTA=1x4|2x2|2x3|4x1 (warpgroups x CTAs per SM) for the
 // token tiles 16 and 32; EP_COMM_GEMM_KBLOCKS_PER_STAGE=1|2 (pipeline stage size) for the default shapes.
 LaunchFn select_kernel(int tile) {
-  static const int forced_warp_groups = tuning_choice("EP_COMM_GEMM_WARPGROUPS", {"2", "4"}, {2, 4});
-  static const int forced_small_cta =
-      tuning_choice("EP_COMM_GEMM_SMALL_CTA", {"1x4", "2x2", "2x3", "4x1"}, {14, 22, 23, 41});
-  static const int forced_blocks_per_stage = tuning_choice("EP_COMM_GEMM_KBLOCKS_PER_STAGE", {"1", "2"}, {1, 2});
+  static const int forced_warp_groups = tuning_choice("EP_COMM_GEMM_WARPGROUPS", {"2", "4"});
+  static const int forced_small_cta = tuning_choice("EP_COMM_GEMM_SMALL_CTA", {"1x4", "2x2", "2x3", "4x1"});
+  static const int forced_blocks_per_stage = tuning_choice("EP_COMM_GEMM_KBLOCKS_PER_STAGE", {"1", "2"});
   if (forced_warp_groups < 0 || forced_small_cta < 0 || forced_blocks_per_stage < 0) return nullptr;
   const int blocks_per_stage = forced_blocks_per_stage ? forced_blocks_per_stage : kDefaultBlocksPerStage;
   int shape = forced_warp_groups ? 10 * forced_warp_groups + 4 / forced_warp_groups : (tile <= 32 ? 23 : 41);

@@ -16,6 +16,7 @@ combine buffers (the layer calls `Buffer.combine` on BF16 expert outputs).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -162,11 +163,13 @@ class MoELayer(torch.nn.Module):
         self.expert_impl = expert_impl
         if expert_impl == "fused":
             from . import grouped_gemm  # imported here: the CPU-only package does not need it at import time
-            # Token tile from the expected rows per local expert with every rank at max_tokens_per_rank (the
-            # kernel's own choice would use the capacity-sized row count, which overestimates it).
-            expected = cfg.max_tokens_per_rank * cfg.num_topk * cfg.world_size / cfg.num_experts
+            # Token tile: the kernel's own rule (grouped_gemm_auto_token_tile), applied to the expected rows per
+            # local expert with every rank at max_tokens_per_rank rather than to the capacity-sized row count,
+            # which overestimates them.
             if token_tile is None:
-                token_tile = next((t for t in (16, 32, 64) if expected <= t), 128)
+                expected = math.ceil(cfg.max_tokens_per_rank * cfg.num_topk * cfg.world_size / cfg.num_experts)
+                experts = cfg.num_local_experts
+                token_tile = _ext._C.grouped_gemm_auto_token_tile(expected * experts, experts)
             self.token_tile = token_tile
             self._w1_packed = grouped_gemm.pack_gemm_weights(weights.w1, swiglu=True)
             self._w2_packed = grouped_gemm.pack_gemm_weights(weights.w2, swiglu=False)
