@@ -6,7 +6,7 @@ batch of launches after warm-up, median over batches. "GB/s" counts bytes read +
 traffic); "% copy" compares it with torch `copy_` of a 512 MiB tensor (read + write) measured in the same run.
 The reference column times the torch implementation in ep_comm.formats (impl="reference") on the same GPU.
 
-    python bench/bench_formats.py [--mib 256] [--hidden 7168] [--out results.json] [--no-reference]
+    python bench/bench_formats.py [--mib 256] [--hidden 7168] [--out results.json] [--no-reference] [--only NAME]
 """
 from __future__ import annotations
 
@@ -147,6 +147,7 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=10, help="launches per timed batch")
     parser.add_argument("--batches", type=int, default=5)
     parser.add_argument("--no-reference", action="store_true", help="skip timing the torch reference")
+    parser.add_argument("--only", default="", help="run only the kernels whose name contains this substring")
     parser.add_argument("--out", help="write the results as JSON to this path")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
     print(f"device: {torch.cuda.get_device_name()}   copy_ (read+write): {copy_gbps:.0f} GB/s")
     print(header)
     print("-" * len(header))
-    for case in cases:
+    for case in (c for c in cases if args.only in c.name):
         ms = time_ms(case.kernel, args.iters, args.batches)
         gbps = case.bytes_moved / (ms * 1e-3) / 1e9
         ref_ms = time_ms(case.reference, iters=1, batches=1, warmup=1) if case.reference else None

@@ -18,7 +18,9 @@ say() { echo "== $(date +%H:%M:%S) $*" | tee -a "$log"; }
 # --- steps ----------------------------------------------------------------------------------------------------
 test_formats() {
   say "gpu tier: formats kernels"
-  timeout 150 python3 -m pytest -q -x -rs tests/test_formats_cuda.py 2>&1 | tail -2 | tee -a "$log"
+  timeout 150 python3 -m pytest -q -x -rs tests/test_formats_cuda.py > "$OUT/pytest_formats.txt" 2>&1
+  tail -2 "$OUT/pytest_formats.txt" | tee -a "$log"
+  grep -q " passed" "$OUT/pytest_formats.txt" && ! grep -q "failed" "$OUT/pytest_formats.txt" && rm -f "$OUT/pytest_formats.txt"
 }
 test_gemm() {  # defaults, then each selectable kernel variant
   say "gpu tier: grouped GEMM + fused expert MLP (defaults; 2 / 4 warpgroups forced; interleaved B)"
@@ -52,12 +54,26 @@ bench_formats() {
   say "bench: formats kernels (1 GPU)"
   CUDA_VISIBLE_DEVICES=0 timeout 120 python3 bench/bench_formats.py --out "$OUT/bench_formats.json" 2>&1 | tail -14 | tee -a "$log"
 }
+bench_formats_shapes() {  # NVFP4 quantize under each thread shape (tuning; ours only)
+  for shape in wide occupancy narrow; do
+    say "bench: NVFP4 quantize, EP_COMM_NVFP4_QUANT_SHAPE=$shape"
+    EP_COMM_NVFP4_QUANT_SHAPE=$shape CUDA_VISIBLE_DEVICES=0 timeout 60 python3 bench/bench_formats.py --no-reference \
+      --only nvfp4_quantize 2>&1 | grep nvfp4_quantize | tee -a "$log"
+  done
+}
+test_formats_shapes() {  # the NVFP4 quantize tests under the non-default thread shapes
+  for shape in wide narrow; do
+    echo "EP_COMM_NVFP4_QUANT_SHAPE=$shape:" | tee -a "$log"
+    EP_COMM_NVFP4_QUANT_SHAPE=$shape timeout 100 python3 -m pytest -q -x tests/test_formats_cuda.py -k nvfp4 2>&1 | tail -1 | tee -a "$log"
+  done
+}
 bench_dc() {  # $1 = ranks; further arguments go to the benchmark
   local ranks="$1"; shift
   say "bench: dispatch/combine ($ranks GPUs)"
   timeout 300 python3 bench/bench_dispatch_combine.py --nproc "$ranks" "$@" --out "$OUT/bench_dc_$ranks.json" > "$OUT/bench_dc_$ranks.txt" 2>&1
   grep -E "graph|ceiling|reference" "$OUT/bench_dc_$ranks.txt" | tail -24 | tee -a "$log"
 }
+bench_dc_nvfp4() { bench_dc 2 --tokens 128,4096 --formats nvfp4/s2f6; }
 bench_gemm() {  # arguments go to the benchmark
   say "bench: grouped GEMM (1 GPU)"
   CUDA_VISIBLE_DEVICES=0 timeout 250 python3 bench/bench_grouped_gemm.py --check --rows 128,16,256r "$@" --out "$OUT/bench_gemm.json" 2>&1 | grep -E "^(w1|w2|gemm|==)|eiling|check:" | tee -a "$log"
@@ -77,6 +93,14 @@ profile_gemm() {  # Nsight Compute on one w1 launch at 16 and at 128 rows per ex
       --section SourceCounters python3 bench/profile_gemm.py --gemm w1 --rows "$rows" >> "$OUT/ncu_gemm.txt" 2>&1
     echo "ncu rows $rows: rc $?" | tee -a "$log"
   done
+}
+profile_formats() {  # Nsight Compute on the second launch of each quantization kernel (64 MiB inputs)
+  say "profile: ncu formats kernels"
+  CUDA_VISIBLE_DEVICES=0 timeout 200 ncu --kernel-name regex:"quantize|accumulate|transposed" \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+    --section InstructionStats python3 bench/profile_formats.py --mib 64 "$@" > "$OUT/ncu_formats.txt" 2>&1
+  echo "ncu formats: rc $?" | tee -a "$log"
 }
 bench_moe() {  # arguments go to the benchmark
   say "bench: MoE layer (2 GPUs)"

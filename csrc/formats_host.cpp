@@ -193,6 +193,11 @@ int64_t exhaustive_check(ExhaustiveCheck check, uint32_t stride) {
       const uint32_t code = qm::e2m1_round_magnitude(a, &rounded);
       const uint8_t expected = qm::e2m1_encode_soft(a);
       if (code != expected || qm::float_bits(rounded) != qm::float_bits(qm::e2m1_decode(expected))) ++mismatches;
+      // The unclamped form of the fast 4/6 path, for every a < 7, and the code placement of its values.
+      if (a < 7.0f && qm::float_bits(qm::e2m1_round_below7(a)) != qm::float_bits(rounded)) ++mismatches;
+      for (int k = 0; k < 8; ++k) {
+        if (qm::e2m1_value_code_at(rounded, k) != static_cast<uint32_t>(expected) << (4 * k)) ++mismatches;
+      }
     }
     return mismatches;
   }

@@ -3,9 +3,17 @@
 // Quantize layout: a CTA holds `rows_per_cta` rows, `threads_per_row` threads each (a multiple of 32).
 // Thread t of a row owns the 16-element blocks t, t + T, t + 2T, ... (T = threads_per_row), so a warp
 // reads 32 consecutive blocks (1 KiB of bf16) per load instruction pair and writes 256 consecutive bytes
-// of codes. When the row fits in 128 bytes per thread (K <= 32768 bf16 / 16384 fp32) it is read from HBM
-// once and kept in registers while the row amax is reduced; longer rows take a second pass (L2).
+// of codes. When the row fits in registers (Shape::kRawBytes per thread, at most Shape::kMaxThreads threads:
+// K <= 8192 bf16 for 4/6, 16384 for plain by default) it is read from HBM once and kept in registers while
+// the row amax is reduced; longer rows take a second pass (L2).
+//
+// Tried and measured slower on H200 (fourth session): a persistent grid that stages the next row group in
+// shared memory with cp.async while quantizing the current one (4/6 240 -> 299 us, plain 131 -> 175 us).
 #include <algorithm>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
 
 #include "formats.h"
 #include "quant_math.cuh"
@@ -14,14 +22,23 @@
 namespace ep_comm {
 namespace {
 
-// 16-element blocks a thread keeps in registers per round: 128 bytes of raw input (4 bf16 / 2 fp32 blocks).
-template <typename T>
-constexpr int blocks_per_thread() {
-  return 128 / (16 * static_cast<int>(sizeof(T)));
-}
-constexpr int kMaxThreadsPerRow = 512;
+// Thread shape of the quantize kernel: each thread keeps kRawBytes of raw input per round in registers (128:
+// 4 bf16 / 2 fp32 blocks), a row takes at most kMaxThreads threads, and the kernel is compiled for kMinCtas
+// CTAs of kMaxThreads per SM (the register budget). Measured on H200 (bench/RESULTS.md, fourth session).
+template <int kRawBytesArg, int kMaxThreadsArg, int kMinCtasArg>
+struct QuantShape {
+  static constexpr int kRawBytes = kRawBytesArg;
+  static constexpr int kMaxThreads = kMaxThreadsArg;
+  static constexpr int kMinCtas = kMinCtasArg;
+  template <typename T>
+  static constexpr int blocks_per_thread() {
+    return kRawBytes / (16 * static_cast<int>(sizeof(T)));
+  }
+};
+using WideShape = QuantShape<128, 512, 1>;       // fewest threads, most registers (rows up to 32768 bf16)
+using OccupancyShape = QuantShape<128, 256, 3>;  // 3 CTAs of 256 threads per SM (<= 80 registers)
+using NarrowShape = QuantShape<64, 256, 3>;      // half the raw registers, twice the threads per row
 constexpr int kTargetCtaThreads = 256;
-constexpr int kMaxWarpsPerCta = kMaxThreadsPerRow / 32;
 
 // Raw 16-byte vectors of one 16-element block (2 for bf16/fp16, 4 for fp32).
 template <typename T>
@@ -36,6 +53,25 @@ struct RawBlock16 {
   __device__ __forceinline__ void unpack(float x[16]) const {
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) vec::Elem<T>::unpack(raw[v], x + v * vec::Elem<T>::kPerVec);
+  }
+  // max |x_i| with NaN ignored (qm::block_amax16's value). For bf16 / fp16 on packed pairs: __hmax2 returns
+  // the non-NaN operand like fmaxf, |.| and max are exact, and widening the result is exact.
+  __device__ __forceinline__ float amax() const {
+    if constexpr (sizeof(T) == 2) {
+      using Pair = typename std::conditional<std::is_same<T, __half>::value, __half2, __nv_bfloat162>::type;
+      const uint32_t* w = reinterpret_cast<const uint32_t*>(raw);
+      Pair m = __habs2(*reinterpret_cast<const Pair*>(&w[0]));
+#pragma unroll
+      for (int i = 1; i < 8; ++i) m = __hmax2(m, __habs2(*reinterpret_cast<const Pair*>(&w[i])));
+      float lo_hi[2];
+      vec::Elem<T>::unpack_word(*reinterpret_cast<const uint32_t*>(&m), lo_hi);
+      // Both halves NaN only when every element of that half is NaN; block_amax16 starts from 0: so here.
+      return qm::qm_max(qm::qm_max(lo_hi[0], lo_hi[1]), 0.0f);
+    } else {
+      float x[16];
+      unpack(x);
+      return qm::block_amax16(x);
+    }
   }
 };
 
@@ -54,19 +90,20 @@ __device__ __forceinline__ float row_max(float v, float* warp_max) {
   return row;
 }
 
-template <typename T, bool kFourOverSix>
-__global__ void __launch_bounds__(kMaxThreadsPerRow) nvfp4_quantize_kernel(Nvfp4QuantizeArgs args) {
-  __shared__ float warp_max[kMaxWarpsPerCta];
+template <typename T, bool kFourOverSix, typename Shape>
+__global__ void __launch_bounds__(Shape::kMaxThreads, Shape::kMinCtas) nvfp4_quantize_kernel(Nvfp4QuantizeArgs args) {
+  __shared__ float warp_max[Shape::kMaxThreads / 32];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool row_valid = row < args.num_rows && (args.num_rows_limit == nullptr || row < __ldg(args.num_rows_limit));
   const int num_blocks = static_cast<int>(args.hidden / 16);
   const int threads_per_row = blockDim.x;
-  constexpr int kBlocksPerThread = blocks_per_thread<T>();
+  constexpr int kBlocksPerThread = Shape::template blocks_per_thread<T>();
   const int per_round = threads_per_row * kBlocksPerThread;
   const bool single_round = num_blocks <= per_round;
   const T* x_row = static_cast<const T*>(args.x) + (row_valid ? row : 0) * args.x_row_stride;
 
   RawBlock16<T> blocks[kBlocksPerThread];
+  float block_amax[kBlocksPerThread];  // kept from the amax pass when the row is held in registers
   auto load_round = [&](int first) {
 #pragma unroll
     for (int i = 0; i < kBlocksPerThread; ++i) {
@@ -79,11 +116,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow) nvfp4_quantize_kernel(Nvfp4
 #pragma unroll
     for (int i = 0; i < kBlocksPerThread; ++i) {
       const int b = first + threadIdx.x + i * threads_per_row;
-      if (row_valid && b < num_blocks) {
-        float x[16];
-        blocks[i].unpack(x);
-        a = qm::qm_max(a, qm::block_amax16(x));
-      }
+      block_amax[i] = row_valid && b < num_blocks ? blocks[i].amax() : 0.0f;
+      a = qm::qm_max(a, block_amax[i]);
     }
     return a;
   };
@@ -113,6 +147,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow) nvfp4_quantize_kernel(Nvfp4
   uint8_t* scale_row = args.scales + dst * args.scales_row_stride;
   if (args.amax_out != nullptr && threadIdx.x == 0) args.amax_out[dst] = amax;
 
+  const bool amax_kept = single_round && args.amax_in == nullptr;
   for (int first = 0; first < num_blocks; first += per_round) {
     if (!single_round) load_round(first);
 #pragma unroll
@@ -123,7 +158,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow) nvfp4_quantize_kernel(Nvfp4
       blocks[i].unpack(x);
       uint32_t words[2];
       uint8_t scale;
-      qm::nvfp4_quantize_block16_words(x, outer, amax, args.e4m3_max, kFourOverSix, words, &scale);
+      const float this_block_amax = amax_kept ? block_amax[i] : blocks[i].amax();
+      qm::nvfp4_quantize_block16_words(x, this_block_amax, outer, amax, args.e4m3_max, kFourOverSix, words, &scale);
       *reinterpret_cast<uint2*>(data_row + static_cast<int64_t>(b) * 8) = make_uint2(words[0], words[1]);
       scale_row[b] = scale;
     }
@@ -157,6 +193,40 @@ __global__ void __launch_bounds__(256) nvfp4_dequantize_kernel(const uint8_t* __
   vec::store_row_segment<Out, 16>(out + block * 16, y);
 }
 
+template <typename T, typename Shape>
+cudaError_t launch_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t stream) {
+  const int64_t num_blocks = args.hidden / 16;
+  // Enough threads per row to hold it in registers (one round), a multiple of 32, at most Shape::kMaxThreads
+  // (longer rows take several rounds).
+  const int64_t wanted = ceil_div(ceil_div(num_blocks, Shape::template blocks_per_thread<T>()), 32) * 32;
+  const int threads_per_row = static_cast<int>(std::min<int64_t>(Shape::kMaxThreads, std::max<int64_t>(32, wanted)));
+  const int rows_per_cta = std::max(1, std::min(kTargetCtaThreads, Shape::kMaxThreads) / threads_per_row);
+  const dim3 block(threads_per_row, rows_per_cta);
+  const int64_t grid = ceil_div(args.num_rows, rows_per_cta);
+  if (grid > INT32_MAX) return cudaErrorInvalidValue;
+  if (args.four_over_six) {
+    nvfp4_quantize_kernel<T, true, Shape><<<static_cast<unsigned>(grid), block, 0, stream>>>(args);
+  } else {
+    nvfp4_quantize_kernel<T, false, Shape><<<static_cast<unsigned>(grid), block, 0, stream>>>(args);
+  }
+  return cudaGetLastError();
+}
+
+// EP_COMM_NVFP4_QUANT_SHAPE = wide | occupancy | narrow overrides the thread shape (for measurements); by
+// default 4/6 takes narrow and plain takes occupancy, the fastest of the three for each on H200 (RESULTS.md).
+int quantize_shape_choice(bool four_over_six) {
+  static const int forced = [] {
+    const char* env = std::getenv("EP_COMM_NVFP4_QUANT_SHAPE");
+    if (env == nullptr || *env == '\0') return 0;
+    const std::string value(env);
+    if (value == "wide") return 1;
+    if (value == "occupancy") return 2;
+    if (value == "narrow") return 3;
+    throw std::invalid_argument("EP_COMM_NVFP4_QUANT_SHAPE must be wide, occupancy or narrow, not '" + value + "'");
+  }();
+  return forced != 0 ? forced : (four_over_six ? 3 : 2);
+}
+
 }  // namespace
 
 cudaError_t launch_nvfp4_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t stream) {
@@ -164,22 +234,13 @@ cudaError_t launch_nvfp4_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t st
     return cudaErrorInvalidValue;
   }
   if (args.num_rows == 0) return cudaSuccess;
-  const int64_t num_blocks = args.hidden / 16;
   return vec::dispatch_elem_type(args.x_type, [&](auto tag) {
     using T = decltype(tag);
-    // Enough threads per row to hold it in registers (one round), a multiple of 32, at most 512.
-    const int64_t wanted = ceil_div(ceil_div(num_blocks, blocks_per_thread<T>()), 32) * 32;
-    const int threads_per_row = static_cast<int>(std::min<int64_t>(kMaxThreadsPerRow, std::max<int64_t>(32, wanted)));
-    const int rows_per_cta = std::max(1, kTargetCtaThreads / threads_per_row);
-    const dim3 block(threads_per_row, rows_per_cta);
-    const int64_t grid = ceil_div(args.num_rows, rows_per_cta);
-    if (grid > INT32_MAX) return cudaErrorInvalidValue;
-    if (args.four_over_six) {
-      nvfp4_quantize_kernel<T, true><<<static_cast<unsigned>(grid), block, 0, stream>>>(args);
-    } else {
-      nvfp4_quantize_kernel<T, false><<<static_cast<unsigned>(grid), block, 0, stream>>>(args);
+    switch (quantize_shape_choice(args.four_over_six)) {
+      case 1: return launch_quantize<T, WideShape>(args, stream);
+      case 2: return launch_quantize<T, OccupancyShape>(args, stream);
+      default: return launch_quantize<T, NarrowShape>(args, stream);
     }
-    return cudaGetLastError();
   });
 }
 

@@ -37,26 +37,30 @@ __device__ __forceinline__ void bf16x8_to_float(const uint4& v, float* out) {
   }
 }
 
-__device__ __forceinline__ unsigned int pack4(const uint8_t* b) {
-  return static_cast<unsigned int>(b[0]) | (static_cast<unsigned int>(b[1]) << 8) |
-         (static_cast<unsigned int>(b[2]) << 16) | (static_cast<unsigned int>(b[3]) << 24);
-}
+// 32 bf16 elements (64 bytes at src) as four 16-byte vectors.
+struct Chunk32 {
+  uint4 v[4];
+  __device__ __forceinline__ void load(const unsigned char* src) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = ld_input_v4(src + 16 * i);
+  }
+};
 
 // 32 bf16 elements -> two NVFP4 4/6 blocks: 16 code bytes and two scale bytes (low byte first).
-__device__ __forceinline__ uint4 quantize_nvfp4_chunk32(const unsigned char* src, Nvfp4Outer outer, float amax,
+__device__ __forceinline__ uint4 quantize_nvfp4_chunk32(const Chunk32& chunk, Nvfp4Outer outer, float amax,
                                                     unsigned int* scales) {
   unsigned int words[4];
   unsigned int sc = 0u;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float xb[16];
-    bf16x8_to_float(ld_input_v4(src + half * 32), xb);
-    bf16x8_to_float(ld_input_v4(src + half * 32 + 16), xb + 8);
-    uint8_t pk[8];
+    bf16x8_to_float(chunk.v[2 * half], xb);
+    bf16x8_to_float(chunk.v[2 * half + 1], xb + 8);
+    uint32_t block_words[2];
     uint8_t sb;
-    nvfp4_quantize_block16_outer(xb, outer, amax, 256.0f, true, pk, &sb);
-    words[2 * half] = pack4(pk);
-    words[2 * half + 1] = pack4(pk + 4);
+    nvfp4_quantize_block16_words(xb, outer, amax, 256.0f, true, block_words, &sb);
+    words[2 * half] = block_words[0];
+    words[2 * half + 1] = block_words[1];
     sc |= static_cast<unsigned int>(sb) << (8 * half);
   }
   *scales = sc;
@@ -193,10 +197,16 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
 
     if (kFmt == kDispNvfp4) {
       const Nvfp4Outer outer = nvfp4_outer_scales(token_amax, 256.0f);
+      // The next chunk's loads are issued before the current chunk's 4/6 arithmetic (their L2 latency hides
+      // behind it instead of stalling the warp at the top of every iteration).
+      Chunk32 next;
+      if (part * 32 + lane < units) next.load(xrow + static_cast<long long>(part * 32 + lane) * 64);
 #pragma unroll 1
       for (int c = part * 32 + lane; c < units; c += unit_stride) {
+        const Chunk32 chunk = next;
+        if (c + unit_stride < units) next.load(xrow + static_cast<long long>(c + unit_stride) * 64);
         unsigned int scales;
-        const uint4 packed = quantize_nvfp4_chunk32(xrow + static_cast<long long>(c) * 64, outer, token_amax, &scales);
+        const uint4 packed = quantize_nvfp4_chunk32(chunk, outer, token_amax, &scales);
         for (int i = 0; i < num_dest; ++i) {
           char* row = rows[i];
           st_v4(row + static_cast<long long>(c) * 16, packed);

@@ -436,18 +436,36 @@ QM_HD uint32_t rbits_in_block(const RbitsBlock& block, uint32_t j) {
 struct Nvfp4Outer {
   float s_enc;
   float s_dec;
+  // Whether the fast 4/6 path's error bound holds for every block of the row (nvfp4_approx_applies for every
+  // E4M3 scale): 6M is 1536 or 2688 and 2^-80 <= amax <= 2^100. Then every nonzero numerator
+  // f(f(r * s) * amax), r in [0.5, 6], s in [2^-9, 448] lies in [2^-90, 2^112], inside [2^-100, FLT_MAX].
+  bool approx_ok;
+  float inv_six_m;  // f(1 / 6M), for the 4/6 error terms
 };
 
 QM_HD Nvfp4Outer nvfp4_outer_scales(float amax, float e4m3_max) {
   const float six_m = qm_mul(6.0f, e4m3_max);  // 1536 or 2688, exact
   float s_enc = qm_min(qm_div(six_m, amax), kFltMax);
   if (amax == 0.0f || s_enc == 0.0f || qm_isnan(amax)) s_enc = 1.0f;
-  return Nvfp4Outer{s_enc, qm_div(1.0f, s_enc)};
+  const bool approx_ok = (six_m == 1536.0f || six_m == 2688.0f) && amax >= 0x1p-80f && amax <= 0x1p100f;
+  return Nvfp4Outer{s_enc, qm_div(1.0f, s_enc), approx_ok, qm_div(1.0f, six_m)};
+}
+
+// Correctly rounded 1 / d (the device's reciprocal sequence instead of a general division; same bits).
+QM_HD float qm_rcp(float d) {
+#if defined(__CUDA_ARCH__)
+  return __frcp_rn(d);
+#else
+  return 1.0f / d;
+#endif
 }
 
 // Block encode factor inv = min(f(1 / f(fp32(s) * S_dec)), FLT_MAX) (1/0 = Inf -> FLT_MAX). Always > 0.
+QM_HD float nvfp4_block_inverse_value(float scale, float s_dec) {
+  return qm_min(qm_rcp(qm_mul(scale, s_dec)), kFltMax);
+}
 QM_HD float nvfp4_block_inverse(uint8_t scale_byte, float s_dec) {
-  return qm_min(qm_div(1.0f, qm_mul(e4m3_decode(scale_byte), s_dec)), kFltMax);
+  return nvfp4_block_inverse_value(e4m3_decode(scale_byte), s_dec);
 }
 
 // E2M1 rounding of a magnitude a >= 0 (or NaN): returns the code 0..7 and sets *rounded to its value.
@@ -570,19 +588,50 @@ QM_HD bool nvfp4_four_over_six_exact(const float x[16], uint8_t s6, uint8_t s4, 
   return err4 < err6;  // NaN compares false: map-6
 }
 
-// Fast 4/6 candidate: the exact E2M1 values r_i of the 16 magnitudes (as nvfp4_candidate rounds them) and an
-// approximate error A = fma-chain over i of t_i^2, t_i = f(f(r_i * g) - |x_i|), g = f(f(s * amax) * f(1 / 6M)).
-// ~11 operations per element instead of ~20 (no Markstein division, no separate square and tree add; codes
-// are made afterwards for the chosen candidate only, e2m1_pack_values).
-QM_HD float nvfp4_candidate_approx(const float x[16], float inv, float g, float rounded[16]) {
+// E2M1 rounding of a magnitude 0 <= a < 7, without the clamp at 6: in [4, 8) the fp32 sum a + 2^24 has
+// ulp 2, so a in [6, 7) rounds to 6 exactly as min(a, 6) does. Same value as e2m1_round_magnitude for every
+// such a (host_exhaustive_check "e2m1_magnitude" checks both); callers make sure a < 7 and a is not NaN.
+QM_HD float e2m1_round_below7(float a) {
+  const uint32_t exp_bits = float_bits(a) & 0x7F800000u;
+  const uint32_t binade = exp_bits > 0x3F800000u ? exp_bits : 0x3F800000u;
+  const float magic = bits_float(binade + (22u << 23));
+  return qm_sub(qm_add(a, magic), magic);
+}
+
+// code(r) << 4k for an E2M1 value r in {0, 0.5, .., 6} and k in [0, 7]: bits(r * 2^-126) is code << 22 with
+// zero low bits (e2m1_pack_values), so a right shift by 22 - 4k (left by 4k - 22) places it exactly.
+QM_HD uint32_t e2m1_value_code_at(float r, int k) {
+  const uint32_t bits = float_bits(qm_mul(r, 0x1p-126f));
+  return k <= 5 ? bits >> (22 - 4 * k) : bits << (4 * k - 22);
+}
+
+// The sign bits of 16 non-NaN values added to their magnitude nibbles (element i at bit 4(i%8)+3 of word
+// i/8). Same result as add_e2m1_signs for every non-NaN x (the fast path never sees NaN: see below).
+QM_HD void add_e2m1_signs_no_nan(const float x[16], uint32_t words[2]) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int k = i % 8;
+    words[i / 8] |= (float_bits(x[i]) >> (28 - 4 * k)) & (0x8u << (4 * k));
+  }
+}
+
+// Fast 4/6 candidate: its 16 magnitude codes (r_i = E2M1 rounding of f(|x_i| * inv), exactly as
+// nvfp4_candidate rounds them, given every f(|x_i| * inv) < 7) and an approximate error
+// A = fma-chain over i of t_i^2, t_i = f(r_i * g - |x_i|) (one fma), g = f(f(s * amax) * f(1 / 6M)).
+// ~9 operations per element instead of ~20 for the exact error (no division, no separate square and sum).
+QM_HD float nvfp4_candidate_fast(const float x[16], float inv, float g, uint32_t nibbles[2]) {
   float acc = 0.0f;
+  uint32_t words[2] = {0u, 0u};
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const float ax = qm_abs(x[i]);
-    e2m1_round_magnitude(qm_mul(ax, inv), &rounded[i]);
-    const float t = qm_sub(qm_mul(rounded[i], g), ax);
+    const float r = e2m1_round_below7(qm_mul(ax, inv));
+    const float t = qm_fma(r, g, -ax);
     acc = qm_fma(t, t, acc);
+    words[i / 8] |= e2m1_value_code_at(r, i % 8);
   }
+  nibbles[0] = words[0];
+  nibbles[1] = words[1];
   return acc;
 }
 
@@ -594,14 +643,13 @@ QM_HD void e2m1_pack_values(const float rounded[16], uint32_t nibbles[2]) {
   nibbles[0] = 0u;
   nibbles[1] = 0u;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    nibbles[i / 8] |= (float_bits(qm_mul(rounded[i], 0x1p-126f)) >> 22) << (4 * (i % 8));
-  }
+  for (int i = 0; i < 16; ++i) nibbles[i / 8] |= e2m1_value_code_at(rounded[i], i % 8);
 }
 
 // Whether the fast 4/6 path's error bound (proof below) holds for a candidate with scale value `scale`:
 // 6M is 1536 or 2688, amax is finite, and every nonzero numerator n = f(f(r * s) * amax), r in [0.5, 6], lies
 // in [2^-100, FLT_MAX] (so n, n / 6M, g and r * g are normal fp32 numbers), or s = 0 (then d = g = 0 exactly).
+// Nvfp4Outer::approx_ok states it for every scale of a row at once.
 QM_HD bool nvfp4_approx_applies(float scale, float amax, float six_m) {
   const float n_min = qm_mul(qm_mul(0.5f, scale), amax);
   const float n_max = qm_mul(qm_mul(6.0f, scale), amax);
@@ -609,62 +657,81 @@ QM_HD bool nvfp4_approx_applies(float scale, float amax, float six_m) {
   return known_divisor && (n_min >= 0x1p-100f || scale == 0.0f) && n_max <= kFltMax;
 }
 
-// Bound B >= |err - A| for one candidate (err as NUMERICS computes it, A from nvfp4_candidate_approx):
+// Bound B >= |err - A| for one candidate (err as NUMERICS computes it, A from nvfp4_candidate_fast):
 // B = f(f(f(A * 2^-15) + f(f(g * g) * 2^-16)) + 2^-120). Proof: see nvfp4_quantize_block16_words.
 QM_HD float nvfp4_approx_bound(float approx, float g) {
   return qm_add(qm_add(qm_mul(approx, 0x1p-15f), qm_mul(qm_mul(g, g), 0x1p-16f)), 0x1p-120f);
 }
 
+// The exact 4/6 formula, out of line on the device: the fast path below decides all but a few blocks, and
+// one copy of this code (instead of one per unrolled call site) keeps the kernels' instruction footprint small.
+#if defined(__CUDACC__)
+inline __host__ __device__ __noinline__
+#else
+inline
+#endif
+bool nvfp4_four_over_six_exact_outlined(const float* x, uint8_t s6, uint8_t s4, float s_dec, float amax,
+                                        float six_m, uint32_t* words, uint32_t* words4) {
+  return nvfp4_four_over_six_exact(x, s6, s4, s_dec, amax, six_m, words, words4);
+}
+
 // Quantize one 16-element block with precomputed outer scales into two packed words (bytes 0-3, 4-7) and
 // the E4M3 scale byte. `amax` is the outer amax (the 4/6 error is measured in the input domain, which needs
-// it), `e4m3_max` is M.
+// it), `e4m3_max` is M, `block_amax` the block's max |x_i| (NaN ignored: block_amax16).
 //
 // 4/6 selection: the same codes, scales and choices as nvfp4_four_over_six_exact (the NUMERICS formula) for
-// every input, cheaper in three steps:
+// every input, cheaper. The fast path applies when outer.approx_ok (the bound below holds for every scale)
+// and both candidates' largest scaled magnitudes f(block_amax * inv) are < 7 (so the unclamped E2M1 rounding
+// equals the clamped one: fails only for Inf elements and blocks whose scale byte is 0 or saturated):
 //  (1) s4 == s6: both candidates are the same computation, err_4 == err_6 bit for bit (or both NaN), so
 //      err_4 < err_6 is false: map-6, one candidate computed.
-//  (2) Otherwise, when nvfp4_approx_applies to both scales, the exact codes of both candidates and an
-//      approximate error A_k (nvfp4_candidate_approx) with a rigorous bound B_k >= |err_k - A_k|. With
-//      D = f(A_6 - A_4), D' = f(A_4 - A_6), S = f(B_4 + B_6): D > 2S proves err_4 < err_6 (map-4), D' > 2S
-//      proves err_4 > err_6 (map-6). Only near-ties (|err_4 - err_6| within ~2^-12 relative) remain.
-//  (3) Anything else (near-ties, Inf/NaN elements or amax, unusual M, extreme scales): the exact formula.
+//  (2) Otherwise the exact codes of both candidates and an approximate error A_k (nvfp4_candidate_fast) with
+//      a rigorous bound B_k >= |err_k - A_k|. With D = f(A_6 - A_4), D' = f(A_4 - A_6), S = f(B_4 + B_6):
+//      D > 2S proves err_4 < err_6 (map-4), D' > 2S proves err_4 > err_6 (map-6). Only near-ties
+//      (|err_4 - err_6| within ~2^-12 relative) remain.
+//  A NaN element makes A_6 NaN (t = f(r * g - NaN)); the fast path then decides nothing, in (1) as in (2).
+//  (3) Anything else (near-ties, NaN/Inf elements, extreme amax, unusual M, zero or saturated scales): the
+//      exact formula.
 //
 // Proof of B_k >= |err_k - A_k| (u = 2^-24; every quantity of one candidate, s > 0 first; s = 0 is below).
 //  Let a_i = |x_i| (finite: otherwise A or the bound is Inf/NaN and the comparisons in (2) are false), r_i
 //  the E2M1 value (the same in both computations), G = s * amax / 6M (real), delta_i = r_i * G (real),
-//  e_i = delta_i - a_i. The applicability test makes n_i = f(r_i s amax) (r_i s is exact) and the quotient
-//  normal, so d_i = f(n_i / 6M) = delta_i (1 + alpha_i), |alpha_i| <= (1+u)^2 - 1; likewise
-//  g = f(f(s amax) f(1/6M)) = G (1 + beta) and p_i = f(r_i g) = delta_i (1 + pi_i), |pi_i| <= (1+u)^4 - 1
-//  (for r_i = 0 both are exactly 0). Let D_i = d_i - a_i, P_i = p_i - a_i (real), W = sum D_i^2,
-//  V = sum P_i^2, h = 6 G ((1+u)^2 + (1+u)^4 - 2) <= 36.001 u G >= |D_i - P_i| (r_i <= 6).
+//  e_i = delta_i - a_i. approx_ok makes n_i = f(r_i s amax) (r_i s is exact) and the quotient normal, so
+//  d_i = f(n_i / 6M) = delta_i (1 + alpha_i), |alpha_i| <= (1+u)^2 - 1; likewise g = f(f(s amax) f(1/6M))
+//  = G (1 + beta), |beta| <= (1+u)^3 - 1. Let D_i = d_i - a_i, P_i = r_i g - a_i (real), W = sum D_i^2,
+//  V = sum P_i^2, h = 6 G ((1+u)^2 + (1+u)^4 - 2) <= 36.001 u G >= |D_i - P_i| = r_i |d_i / r_i - g| (r_i <= 6).
 //  * err = tree_sum f(f(D_i (1+eps))^2): a subtraction has relative error <= u (exact when the result is
 //    subnormal), the square relative u plus absolute 2^-150 if it underflows, each of the 4 tree levels
 //    adds non-negative numbers with relative error u. So |err - W| <= rho W + c, rho = (1+u)^7 - 1,
 //    c = 16 * 2^-150 (1+u)^4.
-//  * A = sequential fma chain of 16 squares of t_i = P_i (1+eps): each fma rounds a non-negative exact
-//    t^2 + acc once (relative u, or absolute 2^-150 when subnormal): |A - V| <= rho' V + c',
-//    rho' = (1+u)^18 - 1, c' = 16 * 2^-150 (1+u)^16.
+//  * A = sequential fma chain of 16 squares of t_i = f(P_i) = P_i (1 + eps_i) + eta_i, |eps_i| <= u,
+//    |eta_i| <= 2^-150 (one fma rounding; absolute only where the result is subnormal): each fma rounds a
+//    non-negative exact t^2 + acc once (relative u, or absolute 2^-150 when subnormal):
+//    |A - V| <= rho' V + c' + sum 2 |P_i| eta_i (1+u) + 16 * 2^-300, rho' = (1+u)^18 - 1,
+//    c' = 16 * 2^-150 (1+u)^16; sum 2 |P_i| eta_i <= 2^-147 sqrt(V) <= 2^-24 V + 2^-272 (AM-GM), so
+//    |A - V| <= rho'' V + c'' with rho'' = rho' + 2^-23, c'' = c' + 2^-271.
 //  * |W - V| <= sum |D_i - P_i| |D_i + P_i| <= sum h (2 |P_i| + h) <= 8 h sqrt(V) + 16 h^2 (Cauchy-Schwarz:
 //    sum |P_i| <= 4 sqrt(V)) <= lambda V + 16 h^2 (1 + 1/lambda) with lambda = 2^-16 (AM-GM:
 //    8 h sqrt(V) <= lambda V + 16 h^2 / lambda).
-//  * |err - A| <= (1+rho)|W - V| + (rho + rho') V + c + c'
-//              <= V ((1+rho) lambda + rho + rho') + 16 h^2 (1+rho)(1 + 1/lambda) + c + c'
-//              <= 1.675e-5 V + 4.83e-6 G^2 + 2^-144, and V <= (A + c') / (1 - rho'), so
-//    |err - A| <= 1.676e-5 A + 4.83e-6 G^2 + 2^-143.
+//  * |err - A| <= (1+rho)|W - V| + (rho + rho'') V + c + c''
+//              <= V ((1+rho) lambda + rho + rho'') + 16 h^2 (1+rho)(1 + 1/lambda) + c + c''
+//              <= 1.687e-5 V + 4.83e-6 G^2 + 2^-144, and V <= (A + c'') / (1 - rho''), so
+//    |err - A| <= 1.688e-5 A + 4.83e-6 G^2 + 2^-143.
 //  * The computed B: f(A 2^-15) >= 3.05e-5 A (1-u) - 2^-150 covers the first term. If g >= 2^-53, g*g and
 //    its 2^-16 multiple are normal: f(f(g g) 2^-16) >= 1.52e-5 G^2 (1-u)^7 > 4.83e-6 G^2 (g = G (1+beta),
 //    |beta| <= (1+u)^3 - 1); if g < 2^-53, 4.83e-6 G^2 < 2^-123 is covered by the 2^-120 term, as is
 //    2^-143 + 2^-150. Adding non-negative terms loses at most a factor (1-u)^2, far inside the margins.
 //    Hence B >= |err - A|.
-//  * s = 0: G = g = 0, so d_i = p_i = 0 exactly, D_i = P_i = -a_i, h = 0 and the same bounds hold.
+//  * s = 0: G = g = 0, so d_i = 0 and t_i = f(-a_i) = -a_i exactly, D_i = P_i = -a_i, h = 0 and the same
+//    bounds hold.
 // Decision: if D = f(A_6 - A_4) > 2S (2S exact or Inf), then A_6 - A_4 >= D / (1+u) > 2S / (1+u)
 //  >= 2 (1-u)(B_4 + B_6) / (1+u) > B_4 + B_6, so err_4 <= A_4 + B_4 < A_6 - B_6 <= err_6: map-4, as the exact
 //  formula. Symmetrically D' > 2S gives err_4 > err_6: map-6. Inf/NaN anywhere makes both tests false.
 // Checked against the exact formula on random and adversarial blocks (ties, e4m3 boundaries, all-equal,
 // outliers, subnormals) by tests/test_formats_host.py (host_nvfp4_quantize vs the torch reference).
-QM_HD void nvfp4_quantize_block16_words(const float x[16], const Nvfp4Outer& outer, float amax, float e4m3_max,
-                                        bool four_over_six, uint32_t words[2], uint8_t* scale_byte) {
-  const float block_amax = block_amax16(x);
+QM_HD void nvfp4_quantize_block16_words(const float x[16], float block_amax, const Nvfp4Outer& outer, float amax,
+                                        float e4m3_max, bool four_over_six, uint32_t words[2],
+                                        uint8_t* scale_byte) {
   words[0] = 0;
   words[1] = 0;
   if (!four_over_six) {
@@ -686,44 +753,55 @@ QM_HD void nvfp4_quantize_block16_words(const float x[16], const Nvfp4Outer& out
   const uint16_t scale_pair = e4m3x2_encode(qm_min(base, 448.0f), qm_min(qm_mul(1.5f, base), 448.0f));
   const uint8_t s6 = static_cast<uint8_t>(scale_pair & 0xFFu);
   const uint8_t s4 = static_cast<uint8_t>(scale_pair >> 8);
-  uint32_t words4[2] = {0u, 0u};
-  bool use4 = false;     // exact path: take words4 (map-4's nibbles)
-  bool chosen4 = false;  // the scale choice
   bool decided = false;
-  const float scale6 = e4m3_decode(s6);
-  const float scale4 = e4m3_decode(s4);
-  if (nvfp4_approx_applies(scale6, amax, six_m) && nvfp4_approx_applies(scale4, amax, six_m)) {
-    const float inv_six_m = qm_div(1.0f, six_m);
-    const float g6 = qm_mul(qm_mul(scale6, amax), inv_six_m);
-    float r6[16];
-    const float approx6 = nvfp4_candidate_approx(x, nvfp4_block_inverse(s6, outer.s_dec), g6, r6);
-    if (s4 == s6) {
-      decided = true;  // step (1): identical candidates, map-6
-      e2m1_pack_values(r6, words);
-    } else {
-      const float g4 = qm_mul(qm_mul(scale4, amax), inv_six_m);
-      float r4[16];
-      const float approx4 = nvfp4_candidate_approx(x, nvfp4_block_inverse(s4, outer.s_dec), g4, r4);
-      const float twice_bound = qm_mul(2.0f, qm_add(nvfp4_approx_bound(approx4, g4), nvfp4_approx_bound(approx6, g6)));
-      chosen4 = qm_sub(approx6, approx4) > twice_bound;
-      decided = chosen4 || qm_sub(approx4, approx6) > twice_bound;
+  bool chosen4 = false;  // the scale choice
+  if (outer.approx_ok) {
+    float scale6, scale4;
+    e4m3x2_decode(scale_pair, scale6, scale4);
+    const float inv_six_m = outer.inv_six_m;
+    const float inv6 = nvfp4_block_inverse_value(scale6, outer.s_dec);
+    const float inv4 = nvfp4_block_inverse_value(scale4, outer.s_dec);
+    if (qm_mul(block_amax, inv6) < 7.0f && qm_mul(block_amax, inv4) < 7.0f) {
+      const float g6 = qm_mul(qm_mul(scale6, amax), inv_six_m);
+      uint32_t words6[2];
+      const float approx6 = nvfp4_candidate_fast(x, inv6, g6, words6);
+      if (s4 == s6) {
+        decided = !qm_isnan(approx6);  // step (1): identical candidates, map-6
+      } else {
+        const float g4 = qm_mul(qm_mul(scale4, amax), inv_six_m);
+        uint32_t words4[2];
+        const float approx4 = nvfp4_candidate_fast(x, inv4, g4, words4);
+        const float twice_bound =
+            qm_mul(2.0f, qm_add(nvfp4_approx_bound(approx4, g4), nvfp4_approx_bound(approx6, g6)));
+        chosen4 = qm_sub(approx6, approx4) > twice_bound;
+        decided = chosen4 || qm_sub(approx4, approx6) > twice_bound;
+        if (chosen4) {
+          words6[0] = words4[0];
+          words6[1] = words4[1];
+        }
+      }
       if (decided) {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) r6[i] = chosen4 ? r4[i] : r6[i];
-        e2m1_pack_values(r6, words);  // the chosen candidate's codes
+        words[0] = words6[0];
+        words[1] = words6[1];
+        add_e2m1_signs_no_nan(x, words);  // decided implies no NaN element (approx6 would be NaN)
       }
     }
   }
   if (!decided) {
-    use4 = nvfp4_four_over_six_exact(x, s6, s4, outer.s_dec, amax, six_m, words, words4);
-    chosen4 = use4;
+    uint32_t words4[2] = {0u, 0u};
+    chosen4 = nvfp4_four_over_six_exact_outlined(x, s6, s4, outer.s_dec, amax, six_m, words, words4);
+    if (chosen4) {
+      words[0] = words4[0];
+      words[1] = words4[1];
+    }
+    add_e2m1_signs(x, words);
   }
-  if (use4) {
-    words[0] = words4[0];
-    words[1] = words4[1];
-  }
-  add_e2m1_signs(x, words);
   *scale_byte = chosen4 ? s4 : s6;
+}
+
+QM_HD void nvfp4_quantize_block16_words(const float x[16], const Nvfp4Outer& outer, float amax, float e4m3_max,
+                                        bool four_over_six, uint32_t words[2], uint8_t* scale_byte) {
+  nvfp4_quantize_block16_words(x, block_amax16(x), outer, amax, e4m3_max, four_over_six, words, scale_byte);
 }
 
 QM_HD void nvfp4_quantize_block16_outer(const float x[16], const Nvfp4Outer& outer, float amax, float e4m3_max,

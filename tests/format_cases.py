@@ -110,3 +110,51 @@ def edge_rows(hidden: int) -> torch.Tensor:
         torch.where(torch.arange(hidden) % 61 == 0, -torch.tensor(math.nan), base[9]),  # negative NaN
     ]
     return torch.stack(rows)
+
+
+def adversarial_four_over_six_blocks(g: torch.Generator) -> torch.Tensor:
+    """[N, 16] blocks: random, ties between the two candidates, E4M3 scale boundaries, all-equal, outliers,
+    subnormal-range, coarse (bf16 / small-integer) values."""
+    blocks = []
+    n = 4096
+    blocks.append(torch.randn(n, 16, generator=g))
+    blocks.append(torch.randn(n, 16, generator=g).to(torch.bfloat16).float())
+    blocks.append(torch.randint(-6, 7, (n, 16), generator=g).float())               # many exact ties
+    blocks.append(torch.randint(-12, 13, (n, 16), generator=g).float() * 0.25)
+    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0.75, 2.25, 4.5, 9])            # both candidates' grids
+    blocks.append(grid[torch.randint(0, len(grid), (n, 16), generator=g)] * torch.where(
+        torch.rand(n, 16, generator=g) < 0.5, -1.0, 1.0))
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.375, 1.125, 1.875, 2.625, 3.75, 5.25, 6.0])
+    blocks.append(mids[torch.randint(0, len(mids), (n, 16), generator=g)])        # rounding ties
+    equal = torch.exp2(torch.empty(n, 1).uniform_(-30, 30, generator=g)) * torch.rand(n, 1, generator=g)
+    blocks.append(equal.expand(n, 16).clone())                                    # all-equal
+    outlier = torch.randn(n, 16, generator=g) * 1e-3
+    outlier[:, 0] = 1.0
+    blocks.append(outlier[:, torch.randperm(16, generator=g)])
+    lone = torch.zeros(n, 16)
+    lone[:, 5] = torch.exp2(torch.empty(n).uniform_(-20, 20, generator=g))
+    blocks.append(lone)
+    blocks.append(torch.randn(n, 16, generator=g) * torch.exp2(torch.randint(-8, 8, (n, 16), generator=g).float()))
+    blocks.append(torch.zeros(64, 16))
+    blocks.append(torch.randn(n, 16, generator=g) * 1e-40)                          # fp32 subnormals
+    return torch.cat(blocks)
+
+
+def four_over_six_amax_cases(x: torch.Tensor, g: torch.Generator):
+    """Per-block outer amax: the block's own, larger (small / subnormal E4M3 block scales, scale-boundary
+    ratios), and stale smaller ones."""
+    own = x.abs().amax(dim=-1)
+    n = x.shape[0]
+    tie_ratios = e4m3_tie_points()
+    tie_ratios = tie_ratios[(tie_ratios > 0) & (tie_ratios < 460)]
+    # base = f(a_b / 6) * f(1536 / amax) lands at or next to an E4M3 rounding boundary (for s6 or s4).
+    pick = tie_ratios[torch.randint(0, len(tie_ratios), (n,), generator=g)]
+    for_s4 = torch.rand(n, generator=g) < 0.5
+    boundary = own * 256.0 / torch.where(for_s4, pick / 1.5, pick)
+    return [
+        own,
+        own * torch.exp2(torch.empty(n).uniform_(0, 20, generator=g)),
+        own * torch.exp2(torch.empty(n).uniform_(8, 12, generator=g)),   # E4M3-subnormal block scales
+        boundary,
+        own * torch.empty(n).uniform_(0.05, 1.0, generator=g),           # stale (smaller) amax: saturation
+    ]

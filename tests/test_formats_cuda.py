@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ep_comm import formats as F
-from format_cases import edge_rows, make_rows, assert_same_floats, assert_same_mx, assert_same_nvfp4
+from format_cases import (adversarial_four_over_six_blocks, four_over_six_amax_cases, edge_rows, make_rows,
+                          assert_same_floats, assert_same_mx, assert_same_nvfp4)
 
 pytestmark = pytest.mark.gpu
 
@@ -67,6 +68,26 @@ def test_nvfp4_amax_modes_and_long_rows(four_over_six):
         expected = F.nvfp4_quantize(x, four_over_six=four_over_six, impl="reference")
         actual = F.nvfp4_quantize(x.to(DEVICE), four_over_six=four_over_six, impl="cuda")
         assert_same_nvfp4(_cpu_nvfp4(actual), expected, f"nvfp4 long rows {dtype}")
+
+
+def test_four_over_six_adversarial_blocks():
+    """The kernel's fast 4/6 selection (approximate errors with a proven bound, exact fallback out of line)
+    against the reference on blocks made to hit its edges: candidate ties and near-ties, E4M3 scale boundaries,
+    zero / subnormal / saturated block scales, all-equal blocks, stale amax; one block per row with the given
+    amax, then whole rows (H = 7168) whose amax the kernel computes, in fp32 and bf16 (packed amax)."""
+    g = torch.Generator().manual_seed(46)
+    x = adversarial_four_over_six_blocks(g)
+    for amax in four_over_six_amax_cases(x, g):
+        amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax)).float()
+        expected = F.nvfp4_quantize(x, four_over_six=True, amax=amax, impl="reference")
+        actual = F.nvfp4_quantize(x.to(DEVICE), four_over_six=True, amax=amax.to(DEVICE), impl="cuda")
+        assert_same_nvfp4(_cpu_nvfp4(actual), expected, "4/6 adversarial, given amax")
+    rows = x[: (x.shape[0] * 16 // 7168) * 7168 // 16].reshape(-1, 7168)
+    for dtype in (torch.float32, torch.bfloat16):
+        xr = rows.to(dtype)
+        expected = F.nvfp4_quantize(xr, four_over_six=True, impl="reference")
+        actual = F.nvfp4_quantize(xr.to(DEVICE), four_over_six=True, impl="cuda")
+        assert_same_nvfp4(_cpu_nvfp4(actual), expected, f"4/6 adversarial rows {dtype}")
 
 
 def test_nvfp4_strided_rows_and_destination_rows():

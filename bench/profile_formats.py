@@ -1,0 +1,33 @@
+"""Each quantization kernel of bench_formats launched twice (warm-up + the launch to profile); nothing timed here.
+
+    ncu --kernel-name regex:"nvfp4|mxfp8|s2f6" --launch-skip-before-match 0 --section SpeedOfLight ... \\
+        python bench/profile_formats.py --mib 64 [--only nvfp4_quantize]
+
+Uses bench_formats.build_cases, so the profiled inputs are the benchmark's (bf16 rows of H = 7168 by default).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench_formats import build_cases  # same directory: the benchmark's inputs
+from ep_comm import _ext
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mib", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--only", default="", help="substring of the kernel names to run (default: all)")
+    args = p.parse_args()
+    lib = _ext.require_cuda_extension("profile_formats")
+    for case in build_cases(lib, args.mib, args.hidden, with_reference=False):
+        if args.only in case.name:
+            for _ in range(2):
+                case.kernel()
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
