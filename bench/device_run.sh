@@ -33,6 +33,10 @@ test_gemm() {  # defaults, then each selectable kernel variant
     env "$variant" timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py -k "kernel" 2>&1 | tail -1 | tee -a "$log"
   done
 }
+test_gemm_default() {  # the grouped GEMM tier with the default kernels only
+  say "gpu tier: grouped GEMM + fused expert MLP (defaults)"
+  timeout 150 python3 -m pytest -q -x tests/test_grouped_gemm.py 2>&1 | tail -2 | tee -a "$log"
+}
 test_multigpu() {
   say "multigpu tier: nvlink smoke (oracle, timeout) with sync checks"
   EP_COMM_SYNC_CHECK=1 timeout 150 python3 -m pytest -q -x -rs tests/test_nvlink.py -k "oracle or timeout" 2>&1 | tail -2 | tee -a "$log"
