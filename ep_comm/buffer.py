@@ -9,6 +9,28 @@ from .formats import _is_capturing
 from .types import BACKENDS, BufferConfig, BufferSizes, DispatchResult
 
 
+def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Raise ValueError if an id of topk_idx [T, K] is outside [-1, num_experts) or a token names one expert in two
+    slots. Both conditions are reduced on the device and read back with one device->host copy (the only host
+    synchronization of a checked dispatch); the details for the message are computed only on the error path."""
+    out_of_range = ((topk_idx < -1) | (topk_idx >= num_experts)).any()
+    k = topk_idx.shape[1]
+    if k > 1:
+        # [T, K, K]: slot i equals slot j > i and is not masked; at most T * K * K booleans.
+        upper = torch.ones(k, k, dtype=torch.bool, device=topk_idx.device).triu(1)
+        same = (topk_idx.unsqueeze(2) == topk_idx.unsqueeze(1)) & upper & (topk_idx >= 0).unsqueeze(2)
+        duplicate_tokens = same.flatten(1).any(dim=1)
+    else:
+        duplicate_tokens = torch.zeros(topk_idx.shape[0], dtype=torch.bool, device=topk_idx.device)
+    bad_range, bad_duplicate = torch.stack([out_of_range, duplicate_tokens.any()]).tolist()
+    if bad_range:
+        low, high = int(topk_idx.min()), int(topk_idx.max())
+        raise ValueError(f"topk_idx values must be in [-1, {num_experts}); got range [{low}, {high}]")
+    if bad_duplicate:
+        token = int(torch.nonzero(duplicate_tokens)[0])
+        raise ValueError(f"token {token} selects the same expert in two top-k slots: {topk_idx[token].tolist()}")
+
+
 class Buffer:
     """Dispatch tokens to experts and combine expert outputs across the ranks of `group`.
 
@@ -142,16 +164,7 @@ class Buffer:
         if self.backend == "nvlink" and not x.is_cuda:
             raise ValueError("the nvlink backend needs CUDA tensors")
         if self.check_inputs and num_tokens and not _is_capturing():
-            low, high = int(topk_idx.min()), int(topk_idx.max())
-            if low < -1 or high >= cfg.num_experts:
-                raise ValueError(f"topk_idx values must be in [-1, {cfg.num_experts}); got range [{low}, {high}]")
-            if cfg.num_topk > 1:
-                ordered = torch.sort(topk_idx, dim=1).values
-                duplicate = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-                if bool(duplicate.any()):
-                    token = int(torch.nonzero(duplicate.any(dim=1))[0])
-                    raise ValueError(f"token {token} selects the same expert in two top-k slots: "
-                                     f"{topk_idx[token].tolist()}")
+            _check_expert_ids(topk_idx, cfg.num_experts)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
         """Send each token (once per destination rank) to the ranks of its top-k experts.
