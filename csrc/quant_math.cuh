@@ -436,9 +436,10 @@ QM_HD uint32_t rbits_in_block(const RbitsBlock& block, uint32_t j) {
 struct Nvfp4Outer {
   float s_enc;
   float s_dec;
-  // Whether the fast 4/6 path's error bound holds for every block of the row (nvfp4_approx_applies for every
-  // E4M3 scale): 6M is 1536 or 2688 and 2^-80 <= amax <= 2^100. Then every nonzero numerator
-  // f(f(r * s) * amax), r in [0.5, 6], s in [2^-9, 448] lies in [2^-90, 2^112], inside [2^-100, FLT_MAX].
+  // Whether the fast 4/6 path's error bound holds for every block of the row: 6M is 1536 or 2688 and
+  // 2^-80 <= amax <= 2^100. Then every nonzero numerator n = f(f(r * s) * amax), r in [0.5, 6], s in
+  // [2^-9, 448] (every nonzero E4M3 scale) lies in [2^-90, 2^112], inside [2^-100, FLT_MAX], so n, n / 6M, g
+  // and r * g are normal fp32 numbers; a zero scale gives d = g = 0 exactly.
   bool approx_ok;
   float inv_six_m;  // f(1 / 6M), for the 4/6 error terms
 };
@@ -598,8 +599,11 @@ QM_HD float e2m1_round_below7(float a) {
   return qm_sub(qm_add(a, magic), magic);
 }
 
-// code(r) << 4k for an E2M1 value r in {0, 0.5, .., 6} and k in [0, 7]: bits(r * 2^-126) is code << 22 with
-// zero low bits (e2m1_pack_values), so a right shift by 22 - 4k (left by 4k - 22) places it exactly.
+// code(r) << 4k for an E2M1 value r in {0, 0.5, .., 6} and k in [0, 7]. bits(r * 2^-126) is code << 22 with zero
+// low bits: r * 2^-126 is representable (0.5 * 2^-126 = 2^-127 is the subnormal 0x00400000; the others are normal
+// 2^(e-126) (1 + m/2), e in {0, 1, 2}, exponent field e + 1, mantissa bit 22 = m), so bits >> 22 is 1 for 0.5,
+// 2e + 2 + m otherwise, 0 for 0: the E2M1 code. A right shift by 22 - 4k (left by 4k - 22) then places it
+// exactly. Needs no subnormal flushing (none here). Checked for every code and k by host_exhaustive_check.
 QM_HD uint32_t e2m1_value_code_at(float r, int k) {
   const uint32_t bits = float_bits(qm_mul(r, 0x1p-126f));
   return k <= 5 ? bits >> (22 - 4 * k) : bits << (4 * k - 22);
@@ -633,28 +637,6 @@ QM_HD float nvfp4_candidate_fast(const float x[16], float inv, float g, uint32_t
   nibbles[0] = words[0];
   nibbles[1] = words[1];
   return acc;
-}
-
-// Magnitude nibbles of 16 E2M1 values r in {0, 0.5, 1, 1.5, 2, 3, 4, 6}: code = bits(r * 2^-126) >> 22.
-// Exact: r * 2^-126 is representable (0.5 * 2^-126 = 2^-127 is the subnormal 0x00400000; others are normal
-// 2^(e-126) (1 + m/2), e in {0, 1, 2}, exponent field e + 1, mantissa bit 22 = m), so bits >> 22 is 1 for
-// 0.5, 2e + 2 + m otherwise, 0 for 0: the E2M1 code. Needs no subnormal flushing (none here).
-QM_HD void e2m1_pack_values(const float rounded[16], uint32_t nibbles[2]) {
-  nibbles[0] = 0u;
-  nibbles[1] = 0u;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) nibbles[i / 8] |= e2m1_value_code_at(rounded[i], i % 8);
-}
-
-// Whether the fast 4/6 path's error bound (proof below) holds for a candidate with scale value `scale`:
-// 6M is 1536 or 2688, amax is finite, and every nonzero numerator n = f(f(r * s) * amax), r in [0.5, 6], lies
-// in [2^-100, FLT_MAX] (so n, n / 6M, g and r * g are normal fp32 numbers), or s = 0 (then d = g = 0 exactly).
-// Nvfp4Outer::approx_ok states it for every scale of a row at once.
-QM_HD bool nvfp4_approx_applies(float scale, float amax, float six_m) {
-  const float n_min = qm_mul(qm_mul(0.5f, scale), amax);
-  const float n_max = qm_mul(qm_mul(6.0f, scale), amax);
-  const bool known_divisor = six_m == 1536.0f || six_m == 2688.0f;
-  return known_divisor && (n_min >= 0x1p-100f || scale == 0.0f) && n_max <= kFltMax;
 }
 
 // Bound B >= |err - A| for one candidate (err as NUMERICS computes it, A from nvfp4_candidate_fast):
