@@ -66,9 +66,10 @@ bench_formats_shapes() {  # NVFP4 quantize under each thread shape (tuning; ours
   done
 }
 test_formats_shapes() {  # the NVFP4 quantize tests under the non-default thread shapes
-  for shape in wide narrow; do
+  for shape in wide occupancy narrow; do
     echo "EP_COMM_NVFP4_QUANT_SHAPE=$shape:" | tee -a "$log"
-    EP_COMM_NVFP4_QUANT_SHAPE=$shape timeout 100 python3 -m pytest -q -x tests/test_formats_cuda.py -k nvfp4 2>&1 | tail -1 | tee -a "$log"
+    EP_COMM_NVFP4_QUANT_SHAPE=$shape timeout 100 python3 -m pytest -q -x tests/test_formats_cuda.py \
+      -k "nvfp4 or four_over_six or edge" 2>&1 | tail -1 | tee -a "$log"
   done
 }
 bench_dc() {  # $1 = ranks; further arguments go to the benchmark
