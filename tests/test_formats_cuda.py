@@ -90,6 +90,16 @@ def test_four_over_six_adversarial_blocks():
         assert_same_nvfp4(_cpu_nvfp4(actual), expected, f"4/6 adversarial rows {dtype}")
 
 
+def test_nvfp4_quantize_fp16_inputs():
+    """fp16 rows (random, outliers, and the edge rows: zeros, tiny, huge -> Inf, NaN) through the quantize kernel."""
+    rows = torch.cat([make_rows("outliers", 5, 2048, seed=16), make_rows("gauss", 3, 2048, seed=17),
+                      edge_rows(2048)]).to(torch.float16)
+    for four_over_six in (True, False):
+        expected = F.nvfp4_quantize(rows, four_over_six=four_over_six, impl="reference")
+        actual = F.nvfp4_quantize(rows.to(DEVICE), four_over_six=four_over_six, impl="cuda")
+        assert_same_nvfp4(_cpu_nvfp4(actual), expected, f"nvfp4 fp16 4/6={four_over_six}")
+
+
 def test_nvfp4_strided_rows_and_destination_rows():
     """The launcher's strided input and the dispatch-style destination map (rows scattered into a buffer)."""
     from ep_comm import _ext
