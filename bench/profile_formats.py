@@ -1,7 +1,9 @@
-"""Each quantization kernel of bench_formats launched twice (warm-up + the launch to profile); nothing timed here.
+"""Each quantization kernel of bench_formats launched twice (warm-up + a second launch); nothing timed here.
 
-    ncu --kernel-name regex:"nvfp4|mxfp8|s2f6" --launch-skip-before-match 0 --section SpeedOfLight ... \\
+    ncu --kernel-name regex:"quantize|accumulate|transposed" --section SpeedOfLight ... \\
         python bench/profile_formats.py --mib 64 [--only nvfp4_quantize]
+
+Without --launch-skip, ncu profiles both launches of each kernel (bench/device_run.sh profile_formats does so).
 
 Uses bench_formats.build_cases, so the profiled inputs are the benchmark's (bf16 rows of H = 7168 by default).
 """

@@ -55,8 +55,8 @@ struct RawBlock16 {
     for (int v = 0; v < kVecs; ++v) vec::Elem<T>::unpack(raw[v], x + v * vec::Elem<T>::kPerVec);
   }
   // max |x_i| with NaN ignored (qm::block_amax16's value). For bf16 on packed pairs: __hmax2 returns the non-NaN
-  // operand like fmaxf, |.| and max are exact, and widening the result is exact. (fp16 inputs take the fp32
-  // route: the GPU tests cover bf16 and fp32 inputs of this kernel.)
+  // operand like fmaxf, |.| and max are exact, and widening the result is exact. fp16 inputs take the fp32 route
+  // (the route they had before; the bf16 and fp32 paths are the ones the GPU tests have run).
   __device__ __forceinline__ float amax() const {
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
       const uint32_t* w = reinterpret_cast<const uint32_t*>(raw);

@@ -8,11 +8,12 @@
 //    host they are plain operators in separate inline functions. The host build must not contract either:
 //    formats_host.cpp is compiled with -std=c++17 (ISO mode: GCC defaults to -ffp-contract=off) for
 //    baseline x86-64 (no FMA instructions). NUMERICS.md wants no subnormal flushing: no fast math, no FTZ.
-//    The one deliberate FMA (qm_fma, in the exact division of the 4/6 error) is explicit on both sides.
+//    Deliberate FMAs (qm_fma: the exact division of the 4/6 error, and the error terms of the fast 4/6 path)
+//    are explicit on both sides.
 //  * Roundings to an integer use the "add and subtract 1.5 * 2^23" trick: an fp32 add rounds to nearest
 //    even, so (t + 12582912) - 12582912 is RNE(t) for |t| < 2^22, identically on host and device.
-//  * Faster forms of a rule (e2m1_round_magnitude, div_six_m_markstein) are checked against the rule over
-//    every fp32 input (host_exhaustive_check, tests/test_formats_host.py).
+//  * Faster forms of a rule (e2m1_round_magnitude, e2m1_round_below7, e2m1_value_code_at, div_six_m_markstein)
+//    are checked against the rule over every fp32 input (host_exhaustive_check, tests/test_formats_host.py).
 //
 // Blackwell-native conversions (sm_100a/sm_103a) sit behind EP_COMM_SM100_NATIVE and give the same bits as
 // the software forms (the software forms are the definition): e2m1x2 always; ue8m0x2 only with
@@ -664,7 +665,8 @@ bool nvfp4_four_over_six_exact_outlined(const float* x, uint8_t s6, uint8_t s4, 
 // 4/6 selection: the same codes, scales and choices as nvfp4_four_over_six_exact (the NUMERICS formula) for
 // every input, cheaper. The fast path applies when outer.approx_ok (the bound below holds for every scale)
 // and both candidates' largest scaled magnitudes f(block_amax * inv) are < 7 (so the unclamped E2M1 rounding
-// equals the clamped one: fails only for Inf elements and blocks whose scale byte is 0 or saturated):
+// equals the clamped one; fails for Inf elements, zero or small subnormal scales, and saturated scales when the
+// block amax exceeds the row amax — a question of speed only, those blocks take the exact formula):
 //  (1) s4 == s6: both candidates are the same computation, err_4 == err_6 bit for bit (or both NaN), so
 //      err_4 < err_6 is false: map-6, one candidate computed.
 //  (2) Otherwise the exact codes of both candidates and an approximate error A_k (nvfp4_candidate_fast) with
@@ -681,7 +683,8 @@ bool nvfp4_four_over_six_exact_outlined(const float* x, uint8_t s6, uint8_t s4, 
 //  e_i = delta_i - a_i. approx_ok makes n_i = f(r_i s amax) (r_i s is exact) and the quotient normal, so
 //  d_i = f(n_i / 6M) = delta_i (1 + alpha_i), |alpha_i| <= (1+u)^2 - 1; likewise g = f(f(s amax) f(1/6M))
 //  = G (1 + beta), |beta| <= (1+u)^3 - 1. Let D_i = d_i - a_i, P_i = r_i g - a_i (real), W = sum D_i^2,
-//  V = sum P_i^2, h = 6 G ((1+u)^2 + (1+u)^4 - 2) <= 36.001 u G >= |D_i - P_i| = r_i |d_i / r_i - g| (r_i <= 6).
+//  V = sum P_i^2, h = 6 G ((1+u)^2 + (1+u)^4 - 2) <= 36.001 u G >= |D_i - P_i| = r_i |d_i / r_i - g| (r_i <= 6;
+//  (1+u)^3 would do since P_i uses the exact r_i g, the larger h only loosens the bound).
 //  * err = tree_sum f(f(D_i (1+eps))^2): a subtraction has relative error <= u (exact when the result is
 //    subnormal), the square relative u plus absolute 2^-150 if it underflows, each of the 4 tree levels
 //    adds non-negative numbers with relative error u. So |err - W| <= rho W + c, rho = (1+u)^7 - 1,
@@ -690,7 +693,7 @@ bool nvfp4_four_over_six_exact_outlined(const float* x, uint8_t s6, uint8_t s4, 
 //    |eta_i| <= 2^-150 (one fma rounding; absolute only where the result is subnormal): each fma rounds a
 //    non-negative exact t^2 + acc once (relative u, or absolute 2^-150 when subnormal):
 //    |A - V| <= rho' V + c' + sum 2 |P_i| eta_i (1+u) + 16 * 2^-300, rho' = (1+u)^18 - 1,
-//    c' = 16 * 2^-150 (1+u)^16; sum 2 |P_i| eta_i <= 2^-147 sqrt(V) <= 2^-24 V + 2^-272 (AM-GM), so
+//    c' = 16 * 2^-150 (1+u)^16; sum 2 |P_i| eta_i (1+u) <= 2^-147 (1+u) sqrt(V) <= 2^-23 V + 2^-271 (AM-GM), so
 //    |A - V| <= rho'' V + c'' with rho'' = rho' + 2^-23, c'' = c' + 2^-271.
 //  * |W - V| <= sum |D_i - P_i| |D_i + P_i| <= sum h (2 |P_i| + h) <= 8 h sqrt(V) + 16 h^2 (Cauchy-Schwarz:
 //    sum |P_i| <= 4 sqrt(V)) <= lambda V + 16 h^2 (1 + 1/lambda) with lambda = 2^-16 (AM-GM:
