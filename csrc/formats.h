@@ -156,6 +156,10 @@ void s2f6_dequantize_accumulate(const int8_t* data, const uint8_t* scales, int64
 // [num_rows, hidden] with the per-row outer amax: exposes the selection arithmetic to bitwise tests.
 void nvfp4_four_over_six_errors(const float* x, int64_t num_rows, int64_t hidden, const float* amax, float e4m3_max,
                                 float* err6, float* err4);
+// Per block of x [num_rows, hidden]: 1 if the fast 4/6 path decides the choice, 0 if the exact formula has to
+// (a guard for the kernels' speed: correctness tests pass either way).
+void nvfp4_four_over_six_fast_decided(const float* x, int64_t num_rows, int64_t hidden, const float* amax,
+                                      float e4m3_max, uint8_t* decided);
 // Checks a fast form against its definition over fp32 bit patterns (every `stride`-th one; 1 = all):
 //   kE2m1Magnitude: e2m1_round_magnitude vs e2m1_encode_soft / e2m1_decode, all non-negative floats and NaNs;
 //   kMarkstein1536 / kMarkstein2688: div_six_m_markstein vs IEEE division, every n in [2^-100, FLT_MAX];

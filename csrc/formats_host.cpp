@@ -74,6 +74,22 @@ void nvfp4_four_over_six_errors(const float* x, int64_t num_rows, int64_t hidden
   }
 }
 
+void nvfp4_four_over_six_fast_decided(const float* x, int64_t num_rows, int64_t hidden, const float* amax,
+                                      float e4m3_max, uint8_t* decided) {
+  const int64_t num_blocks = hidden / 16;
+  for (int64_t row = 0; row < num_rows; ++row) {
+    const qm::Nvfp4Outer outer = qm::nvfp4_outer_scales(amax[row], e4m3_max);
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      uint32_t words[2];
+      uint8_t scale;
+      bool fast = false;
+      qm::nvfp4_quantize_block16_words(x + row * hidden + b * 16, qm::block_amax16(x + row * hidden + b * 16), outer,
+                                       amax[row], e4m3_max, true, words, &scale, &fast);
+      decided[row * num_blocks + b] = fast ? 1 : 0;
+    }
+  }
+}
+
 static void mxfp8_block(const float* x, bool stochastic, uint32_t key, int64_t index0, uint8_t* codes,
                         uint8_t* scale_out) {
   float amax = 0.0f;

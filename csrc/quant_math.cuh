@@ -714,9 +714,10 @@ bool nvfp4_four_over_six_exact_outlined(const float* x, uint8_t s6, uint8_t s4, 
 //  formula. Symmetrically D' > 2S gives err_4 > err_6: map-6. Inf/NaN anywhere makes both tests false.
 // Checked against the exact formula on random and adversarial blocks (ties, e4m3 boundaries, all-equal,
 // outliers, subnormals) by tests/test_formats_host.py (host_nvfp4_quantize vs the torch reference).
+// `decided_fast` (optional, tests): whether the fast path decided the 4/6 choice (false: the exact formula did).
 QM_HD void nvfp4_quantize_block16_words(const float x[16], float block_amax, const Nvfp4Outer& outer, float amax,
                                         float e4m3_max, bool four_over_six, uint32_t words[2],
-                                        uint8_t* scale_byte) {
+                                        uint8_t* scale_byte, bool* decided_fast = nullptr) {
   words[0] = 0;
   words[1] = 0;
   if (!four_over_six) {
@@ -772,6 +773,7 @@ QM_HD void nvfp4_quantize_block16_words(const float x[16], float block_amax, con
       }
     }
   }
+  if (decided_fast != nullptr) *decided_fast = decided;
   if (!decided) {
     uint32_t words4[2] = {0u, 0u};
     chosen4 = nvfp4_four_over_six_exact_outlined(x, s6, s4, outer.s_dec, amax, six_m, words, words4);

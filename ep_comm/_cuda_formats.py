@@ -341,6 +341,18 @@ def host_sr_e4m3(x: torch.Tensor, random_bits: torch.Tensor) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
+def host_nvfp4_four_over_six_fast_decided(x: torch.Tensor, amax: torch.Tensor,
+                                          e4m3_max: float = _NVFP4_ACTIVATION_M) -> torch.Tensor:
+    """bool [rows, K/16]: whether the quantizer's fast 4/6 path decides each block (False: the exact formula)."""
+    k = x.shape[-1]
+    xf = _host_f32(x).reshape(-1, k)
+    row_amax = torch.broadcast_to(torch.as_tensor(amax, dtype=torch.float32), (xf.shape[0],)).contiguous()
+    decided = torch.empty(xf.shape[0], k // 16, dtype=torch.uint8)
+    _lib().host_nvfp4_four_over_six_fast_decided(xf.data_ptr(), xf.shape[0], k, row_amax.data_ptr(), e4m3_max,
+                                                 decided.data_ptr())
+    return decided.bool()
+
+
 def host_nvfp4_four_over_six_errors(x: torch.Tensor, amax: torch.Tensor, e4m3_max: float = _NVFP4_ACTIVATION_M):
     """(err_6, err_4) float32 [rows, K/16]: the 4/6 candidate errors the quantizer compares, per block."""
     k = x.shape[-1]

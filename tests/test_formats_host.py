@@ -293,3 +293,23 @@ def test_four_over_six_fast_path_exhaustive_small_blocks():
     for amax in (own, own * 1.5, own * 7.3, own * 300.0):
         expected = F.nvfp4_quantize(x, four_over_six=True, amax=amax, impl="reference")
         assert_same_nvfp4(C.host_nvfp4_quantize(x, True, amax=amax), expected, "4/6 small alphabet")
+
+
+def test_four_over_six_fast_path_decides_typical_blocks():
+    """Speed guard: the bound-based fast path must decide nearly every block of ordinary activations (the exact
+    formula costs ~3x more; a change that made it fall back everywhere would still pass every bitwise test)."""
+    g = torch.Generator().manual_seed(47)
+    gauss = torch.randn(64, 7168, generator=g).to(torch.bfloat16).float()
+    heavy = (torch.randn(64, 7168, generator=g) * torch.exp(torch.randn(64, 7168, generator=g))).to(torch.bfloat16)
+    for name, x in (("gauss", gauss), ("heavy-tailed", heavy.float())):
+        amax = x.abs().amax(dim=1)
+        decided = C.host_nvfp4_four_over_six_fast_decided(x, amax, 256.0)
+        fraction = decided.float().mean().item()
+        assert fraction > 0.995, f"{name}: the fast 4/6 path decided only {fraction:.4%} of the blocks"
+    # And it must not decide the blocks it cannot: NaN / Inf elements and zero-scale blocks go to the formula.
+    special = torch.zeros(3, 16)
+    special[0, 3] = float("nan")
+    special[1, 7] = float("inf")
+    special[2, 0] = 1e-30  # with an outer amax of 1: the block's scale rounds to zero
+    decided = C.host_nvfp4_four_over_six_fast_decided(special, torch.tensor([1.0, 1.0, 1.0]), 256.0)
+    assert not decided.any(), decided
