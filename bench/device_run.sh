@@ -22,9 +22,13 @@ test_formats() {
   tail -2 "$OUT/pytest_formats.txt" | tee -a "$log"
   grep -q " passed" "$OUT/pytest_formats.txt" && ! grep -q "failed" "$OUT/pytest_formats.txt" && rm -f "$OUT/pytest_formats.txt"
 }
+test_gemm_default() {  # the grouped GEMM tier with the default kernels only
+  say "gpu tier: grouped GEMM + fused expert MLP (defaults)"
+  timeout 150 python3 -m pytest -q -x tests/test_grouped_gemm.py 2>&1 | tail -2 | tee -a "$log"
+}
 test_gemm() {  # defaults, then each selectable kernel variant
-  say "gpu tier: grouped GEMM + fused expert MLP (defaults; 2 / 4 warpgroups forced; interleaved B)"
-  timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py 2>&1 | tail -2 | tee -a "$log"
+  test_gemm_default
+  say "gpu tier: grouped GEMM kernels with 2 / 4 warpgroups forced, interleaved B, small-tile shapes, 1 k-block/stage"
   for variant in EP_COMM_GEMM_WARPGROUPS=2 EP_COMM_GEMM_WARPGROUPS=4 EP_COMM_GEMM_B_SWIZZLE=0; do
     env "$variant" timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py -k kernel 2>&1 | tail -1 | tee -a "$log"
   done
@@ -32,10 +36,6 @@ test_gemm() {  # defaults, then each selectable kernel variant
     echo "$variant:" | tee -a "$log"
     env "$variant" timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py -k "kernel" 2>&1 | tail -1 | tee -a "$log"
   done
-}
-test_gemm_default() {  # the grouped GEMM tier with the default kernels only
-  say "gpu tier: grouped GEMM + fused expert MLP (defaults)"
-  timeout 150 python3 -m pytest -q -x tests/test_grouped_gemm.py 2>&1 | tail -2 | tee -a "$log"
 }
 test_multigpu() {
   say "multigpu tier: nvlink smoke (oracle, timeout) with sync checks"

@@ -799,12 +799,6 @@ QM_HD void nvfp4_quantize_block16_outer(const float x[16], const Nvfp4Outer& out
   for (int k = 0; k < 8; ++k) packed[k] = static_cast<uint8_t>(words[k / 4] >> (8 * (k % 4)));
 }
 
-QM_HD void nvfp4_quantize_block16(const float x[16], float amax, float e4m3_max, bool four_over_six,
-                                  uint8_t packed[8], uint8_t* scale_byte) {
-  nvfp4_quantize_block16_outer(x, nvfp4_outer_scales(amax, e4m3_max), amax, e4m3_max, four_over_six, packed,
-                               scale_byte);
-}
-
 // Dequantize factor final_b = f(f(fp32(s_b) * amax) * f(1/(6M))); y_i = f(e2m1val(q_i) * final_b).
 QM_HD float nvfp4_dequant_scale(uint8_t scale_byte, float amax, float e4m3_max) {
   const float inv_six_m = qm_div(1.0f, qm_mul(6.0f, e4m3_max));
@@ -868,25 +862,6 @@ __device__ __forceinline__ void fwht32_lane8(float v[8], int lane) {
   }
 }
 
-// Forward RHT of the lane's 8 values; `group_lane` = lane & 3 selects which 8 of the 32 it holds.
-__device__ __forceinline__ void rht32_forward_lane8(float v[8], uint32_t sign_mask, int lane) {
-  const int first = (lane & 3) * 8;
-  const float c = bits_float(kRhtScaleBits);
-#pragma unroll
-  for (int k = 0; k < 8; ++k) v[k] = rht_sign(v[k], sign_mask, first + k);
-  fwht32_lane8(v, lane);
-#pragma unroll
-  for (int k = 0; k < 8; ++k) v[k] = qm_mul(v[k], c);
-}
-
-__device__ __forceinline__ void rht32_inverse_lane8(float v[8], uint32_t sign_mask, int lane) {
-  const int first = (lane & 3) * 8;
-  const float c = bits_float(kRhtScaleBits);
-  fwht32_lane8(v, lane);
-#pragma unroll
-  for (int k = 0; k < 8; ++k) v[k] = rht_sign(qm_mul(v[k], c), sign_mask, first + k);
-}
-
 // Max over the 4 lanes of an RHT group (NaN-ignoring like fmaxf).
 __device__ __forceinline__ float group4_max(float v) {
   v = qm_max(v, __shfl_xor_sync(0xFFFFFFFFu, v, 1));
@@ -902,7 +877,6 @@ QM_HD uint16_t bf16_bits_rn(float v) {
   if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
-QM_HD float bf16_bits_to_float(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
 
 }  // namespace qm
 }  // namespace ep_comm

@@ -56,8 +56,9 @@ __device__ __forceinline__ void apply_signs8(float v[8], uint32_t bits) {
   for (int k = 0; k < 8; ++k) v[k] = __uint_as_float(__float_as_uint(v[k]) ^ ((bits << (31 - k)) & 0x80000000u));
 }
 
-// qm::rht32_forward_lane8 / rht32_inverse_lane8 with apply_signs8 (same operations, same order).
-__device__ __forceinline__ void rht32_forward_lane8_fast(float v[8], uint32_t sign_mask, int lane) {
+// RHT-32 of the lane's 8 values of a 4-lane chunk (elements (lane & 3) * 8 + k): the serial qm::rht32_forward /
+// rht32_inverse's operations in the same order, with the FWHT split by qm::fwht32_lane8 and the signs by apply_signs8.
+__device__ __forceinline__ void rht32_forward_lane8(float v[8], uint32_t sign_mask, int lane) {
   apply_signs8(v, sign_mask >> ((lane & 3) * 8));
   qm::fwht32_lane8(v, lane);
   const float c = __uint_as_float(qm::kRhtScaleBits);
@@ -65,7 +66,7 @@ __device__ __forceinline__ void rht32_forward_lane8_fast(float v[8], uint32_t si
   for (int k = 0; k < 8; ++k) v[k] = qm::qm_mul(v[k], c);
 }
 
-__device__ __forceinline__ void rht32_inverse_lane8_fast(float v[8], uint32_t sign_mask, int lane) {
+__device__ __forceinline__ void rht32_inverse_lane8(float v[8], uint32_t sign_mask, int lane) {
   qm::fwht32_lane8(v, lane);
   const float c = __uint_as_float(qm::kRhtScaleBits);
 #pragma unroll
@@ -188,7 +189,7 @@ __global__ void __launch_bounds__(kThreads) s2f6_quantize_kernel(S2f6QuantizeArg
     column = (unit - row * groups_per_row) * 8;
     vec::load_row_segment<T, 8>(static_cast<const T*>(args.x) + row * args.x_row_stride + column, v);
   }
-  if (kHadamard) rht32_forward_lane8_fast(v, args.sign_mask, lane);
+  if (kHadamard) rht32_forward_lane8(v, args.sign_mask, lane);
   float local = 0.0f;
 #pragma unroll
   for (int k = 0; k < 8; ++k) local = qm::qm_max(local, qm::qm_abs(v[k]));
@@ -225,7 +226,7 @@ __global__ void __launch_bounds__(kThreads) s2f6_dequantize_kernel(const int8_t*
 #pragma unroll
     for (int k = 0; k < 8; ++k) v[k] = 0.0f;
     if (valid) unpack_codes_fast(raw[i], scale[i], v);
-    if (kHadamard) rht32_inverse_lane8_fast(v, sign_mask, static_cast<int>(threadIdx.x % 32));
+    if (kHadamard) rht32_inverse_lane8(v, sign_mask, static_cast<int>(threadIdx.x % 32));
     if (valid) vec::store_row_segment<Out, 8>(out + unit * 8, v);
   }
 }
@@ -280,7 +281,7 @@ __global__ void __launch_bounds__(kThreads) s2f6_accumulate_kernel(S2f6Accumulat
       for (int k = 0; k < 8; ++k) acc[k] = qm::qm_add(acc[k], qm::qm_mul(weight[i], v[k]));
     }
   }
-  if (kHadamard) rht32_inverse_lane8_fast(acc, args.sign_mask, static_cast<int>(threadIdx.x % 32));
+  if (kHadamard) rht32_inverse_lane8(acc, args.sign_mask, static_cast<int>(threadIdx.x % 32));
   if (valid) vec::store_row_segment<Out, 8>(static_cast<Out*>(args.out) + out_row * args.hidden + group * 8, acc);
 }
 

@@ -14,17 +14,9 @@ def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
     slots. Both conditions are reduced on the device and read back with one device->host copy (the only host
     synchronization of a checked dispatch); the details for the message are computed only on the error path."""
     out_of_range = ((topk_idx < -1) | (topk_idx >= num_experts)).any()
-    k = topk_idx.shape[1]
-    if 1 < k <= 16:
-        # [T, K, K]: slot i equals slot j > i and is not masked (T * K * K booleans: small for K <= 16).
-        upper = torch.ones(k, k, dtype=torch.bool, device=topk_idx.device).triu(1)
-        same = (topk_idx.unsqueeze(2) == topk_idx.unsqueeze(1)) & upper & (topk_idx >= 0).unsqueeze(2)
-        duplicate_tokens = same.flatten(1).any(dim=1)
-    elif k > 16:
-        ordered = torch.sort(topk_idx, dim=1).values  # T * K memory for large K
-        duplicate_tokens = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(dim=1)
-    else:
-        duplicate_tokens = torch.zeros(topk_idx.shape[0], dtype=torch.bool, device=topk_idx.device)
+    # Duplicates: equal neighbours after sorting each row, masked slots (-1) excepted (K = 1: none).
+    ordered = torch.sort(topk_idx, dim=1).values
+    duplicate_tokens = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(dim=1)
     bad_range, bad_duplicate = torch.stack([out_of_range, duplicate_tokens.any()]).tolist()
     if bad_range:
         low, high = int(topk_idx.min()), int(topk_idx.max())

@@ -55,7 +55,7 @@ def test_expert_id_check_edges():
         _check_expert_ids(torch.tensor([[0, 3], [-2, 1]]), 4)
     with pytest.raises(ValueError, match=r"must be in \[-1, 4\); got range \[0, 4\]"):
         _check_expert_ids(torch.tensor([[0, 4], [4, 4]], dtype=torch.int32), 4)  # range is reported first
-    wide = torch.arange(40).repeat(3, 1)                                   # K = 40: the sort-based branch
+    wide = torch.arange(40).repeat(3, 1)                                   # a wide top-k (K = 40)
     wide[1, 5] = -1
     wide[1, 7] = -1
     _check_expert_ids(wide, 64)
