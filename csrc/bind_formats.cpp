@@ -172,10 +172,11 @@ void register_host_emulation(py::module_& m) {
                                            ptr<float>(err6), ptr<float>(err4));
         },
         release);
-  m.def("host_nvfp4_four_over_six_fast_decided",
-        [](uintptr_t x, int64_t num_rows, int64_t hidden, uintptr_t amax, float e4m3_max, uintptr_t decided) {
-          host::nvfp4_four_over_six_fast_decided(ptr<const float>(x), num_rows, hidden, ptr<const float>(amax),
-                                                 e4m3_max, ptr<uint8_t>(decided));
+  m.def("host_nvfp4_fast_decided",
+        [](uintptr_t x, int64_t num_rows, int64_t hidden, uintptr_t amax, float e4m3_max, bool four_over_six,
+           uintptr_t decided) {
+          host::nvfp4_fast_decided(ptr<const float>(x), num_rows, hidden, ptr<const float>(amax), e4m3_max,
+                                   four_over_six, ptr<uint8_t>(decided));
         },
         release);
   m.def("host_exhaustive_check",

@@ -156,14 +156,17 @@ void s2f6_dequantize_accumulate(const int8_t* data, const uint8_t* scales, int64
 // [num_rows, hidden] with the per-row outer amax: exposes the selection arithmetic to bitwise tests.
 void nvfp4_four_over_six_errors(const float* x, int64_t num_rows, int64_t hidden, const float* amax, float e4m3_max,
                                 float* err6, float* err4);
-// Per block of x [num_rows, hidden]: 1 if the fast 4/6 path decides the choice, 0 if the exact formula has to
-// (a guard for the kernels' speed: correctness tests pass either way).
-void nvfp4_four_over_six_fast_decided(const float* x, int64_t num_rows, int64_t hidden, const float* amax,
-                                      float e4m3_max, uint8_t* decided);
+// Per block of x [num_rows, hidden]: 1 if the quantizer's fast path handles the block (with 4/6: decides the
+// choice by the bound; without: nvfp4_plain_codes_fast), 0 if the general form has to (a guard for the kernels'
+// speed: correctness tests pass either way).
+void nvfp4_fast_decided(const float* x, int64_t num_rows, int64_t hidden, const float* amax, float e4m3_max,
+                        bool four_over_six, uint8_t* decided);
 // Checks a fast form against its definition over fp32 bit patterns (every `stride`-th one; 1 = all):
 //   kE2m1Magnitude: e2m1_round_magnitude vs e2m1_encode_soft / e2m1_decode, all non-negative floats and NaNs;
 //   kMarkstein1536 / kMarkstein2688: div_six_m_markstein vs IEEE division, every n in [2^-100, FLT_MAX];
-//   kSrE4m3: sr_e4m3 vs sr_e4m3_definition, every v >= 0 (and -v) with random words 0, 0xFFFF, 0x8000 and a hash.
+//   kSrE4m3: sr_e4m3 and the kernels' sr_e4m3_fast (where sr_fast_block_ok admits it, under 8 scale bytes) vs
+//            sr_e4m3_definition, every v >= 0 (and -v) with random words 0, 0xFFFF, 0x8000 and a hash; and the
+//            per-block random bits (rbits_block / rbits_block_word) vs rbits.
 // Returns the number of mismatches (0 expected).
 enum class ExhaustiveCheck : int { kE2m1Magnitude = 0, kMarkstein1536 = 1, kMarkstein2688 = 2, kSrE4m3 = 3 };
 int64_t exhaustive_check(ExhaustiveCheck check, uint32_t stride);

@@ -74,8 +74,8 @@ void nvfp4_four_over_six_errors(const float* x, int64_t num_rows, int64_t hidden
   }
 }
 
-void nvfp4_four_over_six_fast_decided(const float* x, int64_t num_rows, int64_t hidden, const float* amax,
-                                      float e4m3_max, uint8_t* decided) {
+void nvfp4_fast_decided(const float* x, int64_t num_rows, int64_t hidden, const float* amax, float e4m3_max,
+                        bool four_over_six, uint8_t* decided) {
   const int64_t num_blocks = hidden / 16;
   for (int64_t row = 0; row < num_rows; ++row) {
     const qm::Nvfp4Outer outer = qm::nvfp4_outer_scales(amax[row], e4m3_max);
@@ -84,22 +84,34 @@ void nvfp4_four_over_six_fast_decided(const float* x, int64_t num_rows, int64_t 
       uint8_t scale;
       bool fast = false;
       qm::nvfp4_quantize_block16_words(x + row * hidden + b * 16, qm::block_amax16(x + row * hidden + b * 16), outer,
-                                       amax[row], e4m3_max, true, words, &scale, &fast);
+                                       amax[row], e4m3_max, four_over_six, words, &scale, &fast);
       decided[row * num_blocks + b] = fast ? 1 : 0;
     }
   }
 }
 
+// The kernels' per-block choice (mxfp8.cu, mxfp8_encode32_stochastic): sr_e4m3_fast when sr_fast_block_ok,
+// else the general sr_e4m3; the same bits either way. Element j draws rbits(key, index0 + j), index0 % 32 == 0.
 static void mxfp8_block(const float* x, bool stochastic, uint32_t key, int64_t index0, uint8_t* codes,
                         uint8_t* scale_out) {
   float amax = 0.0f;
-  for (int j = 0; j < 32; ++j) amax = qm::qm_max(amax, qm::qm_abs(x[j]));
+  float amax_nan = 0.0f;
+  for (int j = 0; j < 32; ++j) {
+    amax = qm::qm_max(amax, qm::qm_abs(x[j]));
+    amax_nan = qm::qm_max_abs_nan(amax_nan, x[j]);
+  }
   const uint8_t scale = qm::ue8m0_mxfp8_scale(amax);
   const float p = qm::ue8m0_inverse(scale);
-  const qm::RbitsBlock hash = qm::rbits_block(key, static_cast<uint64_t>(index0));  // index0 % 32 == 0
+  const bool fast = qm::sr_fast_block_ok(amax_nan, scale, p);
+  const qm::RbitsBlock hash = qm::rbits_block(key, static_cast<uint64_t>(index0));
   for (int j = 0; j < 32; ++j) {
-    float v = qm::qm_mul(x[j], p);
-    if (stochastic) v = qm::sr_e4m3(v, qm::rbits_in_block(hash, static_cast<uint32_t>(j)));
+    float v;
+    if (!stochastic) {
+      v = qm::qm_mul(x[j], p);
+    } else {
+      const uint32_t r16 = (qm::rbits_block_word(hash, static_cast<uint32_t>(j / 2)) >> (16 * (j % 2))) & 0xFFFFu;
+      v = fast ? qm::sr_e4m3_fast(x[j], qm::sr_fast_multiplier(scale), r16) : qm::sr_e4m3(qm::qm_mul(x[j], p), r16);
+    }
     codes[j] = qm::e4m3_encode(v);
   }
   *scale_out = scale;
@@ -218,24 +230,40 @@ int64_t exhaustive_check(ExhaustiveCheck check, uint32_t stride) {
     return mismatches;
   }
   if (check == ExhaustiveCheck::kSrE4m3) {
+    // Scale bytes for sr_e4m3_fast: p = 1, the fast form's limits (0: q = 2^7; 156: q = 2^-149), and between.
+    const uint8_t fast_scales[8] = {127, 0, 156, 120, 134, 100, 150, 60};
     for (uint64_t bits = 0; bits <= 0x7FFFFFFFu; bits += stride) {
       const float v = qm::bits_float(static_cast<uint32_t>(bits));
-      const uint32_t words[4] = {0u, 0xFFFFu, 0x8000u, qm::fmix32(static_cast<uint32_t>(bits))};
+      const uint32_t hash = qm::fmix32(static_cast<uint32_t>(bits));
+      const uint32_t words[4] = {0u, 0xFFFFu, 0x8000u, hash};
+      const uint8_t b = fast_scales[bits % 8];
+      const float p = qm::ue8m0_inverse(b);
       for (uint32_t r : words) {
         for (float x : {v, -v}) {
-          const uint32_t fast = qm::float_bits(qm::sr_e4m3(x, r));
           const uint32_t slow = qm::float_bits(qm::sr_e4m3_definition(x, r));
-          if (fast != slow && !(qm::qm_isnan(x))) ++mismatches;
+          if (qm::float_bits(qm::sr_e4m3(x, r)) != slow && !qm::qm_isnan(x)) ++mismatches;
+          // The fast form on x itself (p = 1, every |x| <= 448) and on x as an input scaled by another p, where
+          // a one-element block passes sr_fast_block_ok.
+          if (qm::sr_fast_block_ok(qm::qm_abs(x), 127, 1.0f) &&
+              qm::float_bits(qm::sr_e4m3_fast(x, qm::sr_fast_multiplier(127), r & 0xFFFFu)) != slow) {
+            ++mismatches;
+          }
+          if (qm::sr_fast_block_ok(qm::qm_abs(x), b, p) &&
+              qm::float_bits(qm::sr_e4m3_fast(x, qm::sr_fast_multiplier(b), r & 0xFFFFu)) !=
+                  qm::float_bits(qm::sr_e4m3_definition(qm::qm_mul(x, p), r))) {
+            ++mismatches;
+          }
         }
       }
-      // The per-block split of rbits (rbits_block / rbits_in_block) against rbits itself: block bases
-      // bits * 32 with high words 0, the sampled bits, and all ones.
+      // The per-block form of rbits (rbits_block / rbits_block_word) against rbits itself: block bases
+      // bits * 32 with high words 0, the sampled bits, and all ones (the pair's high word changes too).
       const uint32_t key = qm::fmix32(static_cast<uint32_t>(bits) ^ 0x2545F491u);
       for (uint64_t hi : {uint64_t{0}, bits, uint64_t{0xFFFFFFFFu}}) {
         const uint64_t base = (hi << 32) | ((bits * 32u) & 0xFFFFFFFFu);
-        const qm::RbitsBlock hash = qm::rbits_block(key, base);
+        const qm::RbitsBlock block = qm::rbits_block(key, base);
         for (uint32_t j = 0; j < 32; ++j) {
-          if (qm::rbits_in_block(hash, j) != qm::rbits(key, base + j)) ++mismatches;
+          const uint32_t r16 = (qm::rbits_block_word(block, j / 2) >> (16 * (j % 2))) & 0xFFFFu;
+          if (r16 != qm::rbits(key, base + j)) ++mismatches;
         }
       }
     }

@@ -14,34 +14,75 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Encodes 32 fp32 values with the block's encode multiplier p = 2^(127 - b); SR draws rbits(key, index0 + j).
-// index0 is a multiple of 32 (row * K + column with K % 32 == 0; k * R + rb with R % 32 == 0), so the hash
-// work shared by the block's 32 indices is done once (rbits_block / rbits_in_block: the same bits).
-template <bool kStochastic>
-__device__ __forceinline__ void mxfp8_encode32(const float x[32], float p, uint32_t key, int64_t index0,
-                                               uint4 out[2]) {
-  const qm::RbitsBlock hash = qm::rbits_block(key, static_cast<uint64_t>(index0));
-  uint32_t words[8];
-#pragma unroll
-  for (int w = 0; w < 8; ++w) {
-    float v[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      v[k] = qm::qm_mul(x[4 * w + k], p);
-      if (kStochastic) v[k] = qm::sr_e4m3(v[k], qm::rbits_in_block(hash, static_cast<uint32_t>(4 * w + k)));
-    }
-    words[w] = static_cast<uint32_t>(qm::e4m3x2_encode(v[0], v[1])) |
-               (static_cast<uint32_t>(qm::e4m3x2_encode(v[2], v[3])) << 16);
-  }
-  out[0] = make_uint4(words[0], words[1], words[2], words[3]);
-  out[1] = make_uint4(words[4], words[5], words[6], words[7]);
-}
-
 __device__ __forceinline__ float abs_max32(const float x[32]) {
   float a = 0.0f;
 #pragma unroll
   for (int j = 0; j < 32; ++j) a = qm::qm_max(a, qm::qm_abs(x[j]));
   return a;
+}
+
+// Encodes one MX block of 32 fp32 values: returns its scale byte, out[0] / out[1] = codes 0..15 / 16..31.
+__device__ __forceinline__ uint8_t mxfp8_encode32_nearest(const float x[32], uint4 out[2]) {
+  const uint8_t scale = qm::ue8m0_mxfp8_scale(abs_max32(x));
+  const float p = qm::ue8m0_inverse(scale);
+  uint32_t words[8];
+#pragma unroll
+  for (int w = 0; w < 8; ++w) {
+    words[w] = static_cast<uint32_t>(qm::e4m3x2_encode(qm::qm_mul(x[4 * w], p), qm::qm_mul(x[4 * w + 1], p))) |
+               (static_cast<uint32_t>(qm::e4m3x2_encode(qm::qm_mul(x[4 * w + 2], p), qm::qm_mul(x[4 * w + 3], p)))
+                << 16);
+  }
+  out[0] = make_uint4(words[0], words[1], words[2], words[3]);
+  out[1] = make_uint4(words[4], words[5], words[6], words[7]);
+  return scale;
+}
+
+// The 8 code words of a block with stochastic rounding, element j drawing the random bits of index0 + j
+// (index0 % 32 == 0): they are the low / high halves of the block's 16 pair words (rbits_block: one fmix32
+// per two elements). kFast: sr_e4m3_fast with q = sr_fast_multiplier(b); else sr_e4m3 of f(x * p).
+template <bool kFast>
+__device__ __forceinline__ void sr_encode32(const float x[32], float p, float q, const qm::RbitsBlock& hash,
+                                            uint32_t words[8]) {
+#pragma unroll
+  for (int w = 0; w < 8; ++w) {
+    // Elements 4w .. 4w + 3 are pairs 2w and 2w + 1: the even element takes the low half of its pair's word.
+    const uint32_t pair_words[2] = {qm::rbits_block_word(hash, 2 * w), qm::rbits_block_word(hash, 2 * w + 1)};
+    float v[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t r16 = (pair_words[k / 2] >> (16 * (k % 2))) & 0xFFFFu;
+      v[k] = kFast ? qm::sr_e4m3_fast(x[4 * w + k], q, r16) : qm::sr_e4m3(qm::qm_mul(x[4 * w + k], p), r16);
+    }
+    words[w] = static_cast<uint32_t>(qm::e4m3x2_encode(v[0], v[1])) |
+               (static_cast<uint32_t>(qm::e4m3x2_encode(v[2], v[3])) << 16);
+  }
+}
+
+// The stochastic form of mxfp8_encode32_nearest; index0 = the flat index of x[0], a multiple of 32 (row * K +
+// column with K % 32 == 0, or k * R + rb with R % 32 == 0). Every finite block with a scale byte <= 156 takes
+// sr_e4m3_fast (a truncating multiply, an add, a mask and a multiply per element); NaN / Inf blocks and huge ones
+// (amax > 448 * 2^29) take the general sr_e4m3 (sr_fast_block_ok). Both give sr_e4m3_definition's bits.
+__device__ __forceinline__ uint8_t mxfp8_encode32_stochastic(const float x[32], uint32_t key, int64_t index0,
+                                                             uint4 out[2]) {
+  float amax_nan = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) amax_nan = qm::qm_max_abs_nan(amax_nan, x[j]);
+  uint8_t scale = qm::ue8m0_mxfp8_scale(amax_nan);  // 0xFF for a NaN block: recomputed below
+  float p = qm::ue8m0_inverse(scale);
+  const qm::RbitsBlock hash = qm::rbits_block(key, static_cast<uint64_t>(index0));
+  uint32_t words[8];
+  if (qm::sr_fast_block_ok(amax_nan, scale, p)) {
+    sr_encode32<true>(x, p, qm::sr_fast_multiplier(scale), hash, words);
+  } else {
+    if (qm::qm_isnan(amax_nan)) {  // the scale's amax ignores NaN
+      scale = qm::ue8m0_mxfp8_scale(abs_max32(x));
+      p = qm::ue8m0_inverse(scale);
+    }
+    sr_encode32<false>(x, p, 0.0f, hash, words);
+  }
+  out[0] = make_uint4(words[0], words[1], words[2], words[3]);
+  out[1] = make_uint4(words[4], words[5], words[6], words[7]);
+  return scale;
 }
 
 template <typename T, bool kStochastic>
@@ -53,9 +94,9 @@ __global__ void __launch_bounds__(kThreads) mxfp8_quantize_kernel(Mxfp8QuantizeA
   const int64_t column = (block - row * blocks_per_row) * 32;
   float x[32];
   vec::load_row_segment<T, 32>(static_cast<const T*>(args.x) + row * args.x_row_stride + column, x);
-  const uint8_t scale = qm::ue8m0_mxfp8_scale(abs_max32(x));
   uint4 codes[2];
-  mxfp8_encode32<kStochastic>(x, qm::ue8m0_inverse(scale), key, row * args.hidden + column, codes);
+  const uint8_t scale = kStochastic ? mxfp8_encode32_stochastic(x, key, row * args.hidden + column, codes)
+                                    : mxfp8_encode32_nearest(x, codes);
   uint8_t* dst = args.data + row * args.data_row_stride + column;
   vec::store16(dst, codes[0]);
   vec::store16(dst + 16, codes[1]);
@@ -106,76 +147,164 @@ __global__ void __launch_bounds__(kThreads) mxfp8_dequantize_kernel(const uint8_
 //  phase 3: the tile's 4 scale bytes of each output row k (row blocks r0/32 .. r0/32 + 3, adjacent in
 //           out_scales) go out as one 4-byte store (when the tile is full and R % 128 == 0, so the word is
 //           aligned) instead of 4 byte stores R/32 bytes apart.
-// The smem row pitch kTileRows + 1 keeps both phases free of bank conflicts.
+// Smem row pitch kTileRows + 4: phase 1 stores one float per lane (consecutive rows: consecutive banks), phase 2
+// reads its 32 values as 8 float4 (16-byte aligned; the 8 lanes of a quarter warp, on consecutive columns, start
+// 4 banks apart and cover all 32 banks): no bank conflicts, and a quarter of the load instructions of a scalar read.
 constexpr int kTileRows = 128;
 constexpr int kTileCols = 64;
-constexpr int kTilePitch = kTileRows + 1;
+constexpr int kTilePitch = kTileRows + 4;
 
-template <bool kStochastic>
-__global__ void __launch_bounds__(kTileRows) nvfp4_to_mxfp8_transposed_kernel(
-    const uint8_t* __restrict__ data, const uint8_t* __restrict__ scales, const float* __restrict__ amax,
-    int64_t num_rows, int64_t hidden, float e4m3_max, uint32_t key, uint8_t* __restrict__ out_data,
-    uint8_t* __restrict__ out_scales) {
-  __shared__ float tile[kTileCols * kTilePitch];
-  __shared__ uint32_t tile_scales[kTileCols];  // byte j of word c: scale of output row k0 + c, row block j
-  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTileRows;
-  const int64_t k0 = static_cast<int64_t>(blockIdx.y) * kTileCols;
-  const int t = threadIdx.x;
+// f(e2m1val(code) * scale) (NUMERICS "NVFP4 / Dequantize") for the 16 codes of one NVFP4 block (element 2i in the
+// low nibble of byte i), with the hardware E4M3 decode instead of a per-code select chain: the E2M1 code
+// s e1 e0 m becomes the E4M3 byte s 0 0 e1 e0 m 0 0, whose value is exactly e2m1val * 2^-6 for every code
+// (E4M3's exponent bias 7 is E2M1's 1 plus 6, and E4M3's subnormals (m / 2) 2^-6 match E2M1's 0.m). With
+// scale64 = f(scale * 64) exact (|scale| <= 2^121, or scale Inf / NaN), f(value * scale64) is the same real
+// product as e2m1val * scale, rounded once: the same bits. Larger finite scales (amax beyond ~2^124) take
+// f(f(value * 64) * scale), the first product exact.
+// Per 8 codes (one 32-bit word): the odd elements' bytes keep the high nibble's sign bit 7 and shift its bits
+// 6..4 to 4..2; the even elements' bytes are the same transform of the word shifted left by 4.
+__device__ __forceinline__ void e2m1x16_decode_scaled(uint2 codes, float scale, float y[16]) {
+  const float scale64 = qm::qm_mul(scale, 64.0f);
+  const bool large_finite_scale = qm::qm_abs(scale) > 0x1p121f && qm::qm_abs(scale) <= qm::kFltMax;
+  float v[16];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const uint32_t w = half == 0 ? codes.x : codes.y;  // elements 8 * half .. 8 * half + 7
+    const uint32_t odd = (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu);          // byte i: element 2i + 1
+    const uint32_t even = ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu);  // byte i: element 2i
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {  // bytes 2q and 2q + 1: elements 4q + {0, 2} (even) and 4q + {1, 3} (odd)
+      float* out = v + 8 * half + 4 * q;
+      qm::e4m3x2_decode(static_cast<uint16_t>(even >> (16 * q)), out[0], out[2]);
+      qm::e4m3x2_decode(static_cast<uint16_t>(odd >> (16 * q)), out[1], out[3]);
+    }
+  }
+  if (!large_finite_scale) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) y[i] = qm::qm_mul(v[i], scale64);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) y[i] = qm::qm_mul(qm::qm_mul(v[i], 64.0f), scale);
+  }
+}
 
-  const int64_t r = r0 + t;
+// One tile row's input (thread t: row r0 + t): its 4 blocks' codes and scale bytes and the row amax, loaded into
+// registers one tile ahead of their use.
+struct TileRowInput {
+  uint2 codes[kTileCols / 16];
+  uint32_t scales[kTileCols / 16];
+  float row_amax;
+};
+
+__device__ __forceinline__ TileRowInput load_tile_row(const uint8_t* __restrict__ data,
+                                                      const uint8_t* __restrict__ scales,
+                                                      const float* __restrict__ amax, int64_t num_rows,
+                                                      int64_t hidden, int64_t r, int64_t k0) {
+  TileRowInput in = {};
   if (r < num_rows) {
-    const float row_amax = __ldg(amax + r);
     // 16-column blocks: 8 code bytes each (8-byte aligned because K % 16 == 0).
 #pragma unroll
     for (int blk = 0; blk < kTileCols / 16; ++blk) {
       const int64_t k = k0 + blk * 16;
-      if (k >= hidden) break;
-      const uint2 word = __ldg(reinterpret_cast<const uint2*>(data + r * (hidden / 2) + k / 2));
-      const float final_scale = qm::nvfp4_dequant_scale(__ldg(scales + r * (hidden / 16) + k / 16), row_amax,
-                                                        e4m3_max);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const uint32_t byte = ((i < 4 ? word.x : word.y) >> (8 * (i % 4))) & 0xFFu;
-        tile[(blk * 16 + 2 * i) * kTilePitch + t] = qm::qm_mul(qm::e2m1_decode(byte & 0xF), final_scale);
-        tile[(blk * 16 + 2 * i + 1) * kTilePitch + t] = qm::qm_mul(qm::e2m1_decode(byte >> 4), final_scale);
+      if (k < hidden) {
+        in.codes[blk] = __ldg(reinterpret_cast<const uint2*>(data + r * (hidden / 2) + k / 2));
+        in.scales[blk] = __ldg(scales + r * (hidden / 16) + k / 16);
       }
     }
+    in.row_amax = __ldg(amax + r);
   }
-  __syncthreads();
+  return in;
+}
 
-#pragma unroll
-  for (int pass = 0; pass < kTileCols * (kTileRows / 32) / kTileRows; ++pass) {
-    const int unit = t + pass * kTileRows;
-    const int col = unit % kTileCols;      // output row within the tile: consecutive lanes, distinct banks
-    const int row_block = unit / kTileCols;  // which 32 input rows
-    const int64_t k = k0 + col;
-    const int64_t rb = r0 + row_block * 32;
-    if (k >= hidden || rb >= num_rows) continue;
-    float x[32];
-#pragma unroll
-    for (int j = 0; j < 32; ++j) x[j] = tile[col * kTilePitch + row_block * 32 + j];
-    const uint8_t scale = qm::ue8m0_mxfp8_scale(abs_max32(x));
-    uint4 codes[2];
-    mxfp8_encode32<kStochastic>(x, qm::ue8m0_inverse(scale), key, k * num_rows + rb, codes);
-    uint8_t* dst = out_data + k * num_rows + rb;
-    vec::store16(dst, codes[0]);
-    vec::store16(dst + 16, codes[1]);
-    reinterpret_cast<uint8_t*>(tile_scales)[col * 4 + row_block] = scale;
-  }
-  __syncthreads();
+// Persistent CTAs walk the tiles (tile = row tile + num_row_tiles * column tile); the loads of a CTA's next tile
+// are issued right after its current tile is staged in shared memory, so they are in flight during the current
+// tile's encoding (phase 2, the long one) instead of after it. inv_six_m = f(1 / f(6 M)), computed once by the
+// launcher (nvfp4_dequant_scale recomputes it per call).
+template <bool kStochastic>
+__global__ void __launch_bounds__(kTileRows) nvfp4_to_mxfp8_transposed_kernel(
+    const uint8_t* __restrict__ data, const uint8_t* __restrict__ scales, const float* __restrict__ amax,
+    int64_t num_rows, int64_t hidden, int64_t num_row_tiles, int64_t num_tiles, float inv_six_m, uint32_t key,
+    uint8_t* __restrict__ out_data, uint8_t* __restrict__ out_scales) {
+  __shared__ __align__(16) float tile[kTileCols * kTilePitch];
+  __shared__ uint32_t tile_scales[kTileCols];  // byte j of word c: scale of output row k0 + c, row block j
+  const int t = threadIdx.x;
+  int64_t tile_index = blockIdx.x;
+  if (tile_index >= num_tiles) return;
+  TileRowInput next = load_tile_row(data, scales, amax, num_rows, hidden, (tile_index % num_row_tiles) * kTileRows + t,
+                                    (tile_index / num_row_tiles) * kTileCols);
 
-  constexpr int kRowBlocks = kTileRows / 32;
-  if (t < kTileCols && k0 + t < hidden) {
-    const int64_t k = k0 + t;
-    const int64_t row_blocks = num_rows / 32;
-    uint8_t* dst = out_scales + k * row_blocks + r0 / 32;
-    const uint32_t word = tile_scales[t];
-    if (r0 + kTileRows <= num_rows && row_blocks % kRowBlocks == 0 &&
-        (reinterpret_cast<uintptr_t>(out_scales) & 3u) == 0) {
-      *reinterpret_cast<uint32_t*>(dst) = word;  // r0 / 32 is a multiple of 4: aligned
-    } else {
-      for (int j = 0; j < kRowBlocks && r0 + 32 * j < num_rows; ++j) dst[j] = static_cast<uint8_t>(word >> (8 * j));
+  for (; tile_index < num_tiles; tile_index += gridDim.x) {
+    const int64_t r0 = (tile_index % num_row_tiles) * kTileRows;
+    const int64_t k0 = (tile_index / num_row_tiles) * kTileCols;
+    const TileRowInput in = next;
+    if (r0 + t < num_rows) {
+      constexpr int kBlocks = kTileCols / 16;
+      float scale_values[kBlocks];  // fp32(s_b), two per hardware decode (exact, like e4m3_decode)
+#pragma unroll
+      for (int blk = 0; blk < kBlocks; blk += 2) {
+        qm::e4m3x2_decode(static_cast<uint16_t>(in.scales[blk] | (in.scales[blk + 1] << 8)), scale_values[blk],
+                          scale_values[blk + 1]);
+      }
+#pragma unroll
+      for (int blk = 0; blk < kBlocks; ++blk) {
+        if (k0 + blk * 16 >= hidden) break;
+        // nvfp4_dequant_scale: f(f(fp32(s_b) * amax) * f(1 / 6M)).
+        const float final_scale = qm::qm_mul(qm::qm_mul(scale_values[blk], in.row_amax), inv_six_m);
+        float y[16];
+        e2m1x16_decode_scaled(in.codes[blk], final_scale, y);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) tile[(blk * 16 + i) * kTilePitch + t] = y[i];
+      }
     }
+    __syncthreads();
+    const int64_t following = tile_index + gridDim.x;
+    if (following < num_tiles) {
+      next = load_tile_row(data, scales, amax, num_rows, hidden, (following % num_row_tiles) * kTileRows + t,
+                           (following / num_row_tiles) * kTileCols);
+    }
+
+#pragma unroll
+    for (int pass = 0; pass < kTileCols * (kTileRows / 32) / kTileRows; ++pass) {
+      const int unit = t + pass * kTileRows;
+      const int col = unit % kTileCols;      // output row within the tile: consecutive lanes, distinct banks
+      const int row_block = unit / kTileCols;  // which 32 input rows
+      const int64_t k = k0 + col;
+      const int64_t rb = r0 + row_block * 32;
+      if (k >= hidden || rb >= num_rows) continue;
+      float x[32];
+      const float4* column = reinterpret_cast<const float4*>(tile + col * kTilePitch + row_block * 32);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float4 four = column[j];
+        x[4 * j] = four.x;
+        x[4 * j + 1] = four.y;
+        x[4 * j + 2] = four.z;
+        x[4 * j + 3] = four.w;
+      }
+      uint4 codes[2];
+      const uint8_t scale = kStochastic ? mxfp8_encode32_stochastic(x, key, k * num_rows + rb, codes)
+                                        : mxfp8_encode32_nearest(x, codes);
+      uint8_t* dst = out_data + k * num_rows + rb;
+      vec::store16(dst, codes[0]);
+      vec::store16(dst + 16, codes[1]);
+      reinterpret_cast<uint8_t*>(tile_scales)[col * 4 + row_block] = scale;
+    }
+    __syncthreads();
+
+    constexpr int kRowBlocks = kTileRows / 32;
+    if (t < kTileCols && k0 + t < hidden) {
+      const int64_t k = k0 + t;
+      const int64_t row_blocks = num_rows / 32;
+      uint8_t* dst = out_scales + k * row_blocks + r0 / 32;
+      const uint32_t word = tile_scales[t];
+      if (r0 + kTileRows <= num_rows && row_blocks % kRowBlocks == 0 &&
+          (reinterpret_cast<uintptr_t>(out_scales) & 3u) == 0) {
+        *reinterpret_cast<uint32_t*>(dst) = word;  // r0 / 32 is a multiple of 4: aligned
+      } else {
+        for (int j = 0; j < kRowBlocks && r0 + 32 * j < num_rows; ++j) dst[j] = static_cast<uint8_t>(word >> (8 * j));
+      }
+    }
+    __syncthreads();  // the next tile's phase 1 overwrites tile and tile_scales
   }
 }
 
@@ -221,18 +350,20 @@ cudaError_t launch_nvfp4_to_mxfp8_transposed(const uint8_t* data, const uint8_t*
                                              cudaStream_t stream) {
   if (hidden <= 0 || hidden % 16 != 0 || num_rows < 0 || num_rows % 32 != 0) return cudaErrorInvalidValue;
   if (num_rows == 0) return cudaSuccess;
-  const int64_t grid_rows = ceil_div(num_rows, kTileRows);
-  const int64_t grid_cols = ceil_div(hidden, kTileCols);
-  if (grid_rows > INT32_MAX || grid_cols > 65535) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>(grid_rows), static_cast<unsigned>(grid_cols));
+  const int64_t num_row_tiles = ceil_div(num_rows, kTileRows);
+  const int64_t num_tiles = num_row_tiles * ceil_div(hidden, kTileCols);
+  const auto kernel = stochastic ? nvfp4_to_mxfp8_transposed_kernel<true> : nvfp4_to_mxfp8_transposed_kernel<false>;
+  // Persistent: as many CTAs as fit at once (shared memory bounds it: ~6 per SM).
+  int device = 0, num_sms = 0, ctas_per_sm = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel, kTileRows, 0);
+  if (err != cudaSuccess) return err;
+  const int64_t grid = std::min<int64_t>(num_tiles, static_cast<int64_t>(num_sms) * std::max(ctas_per_sm, 1));
   const uint32_t key = qm::sr_key(seed);
-  if (stochastic) {
-    nvfp4_to_mxfp8_transposed_kernel<true><<<grid, kTileRows, 0, stream>>>(data, scales, amax, num_rows, hidden,
-                                                                           e4m3_max, key, out_data, out_scales);
-  } else {
-    nvfp4_to_mxfp8_transposed_kernel<false><<<grid, kTileRows, 0, stream>>>(data, scales, amax, num_rows, hidden,
-                                                                            e4m3_max, key, out_data, out_scales);
-  }
+  const float inv_six_m = qm::qm_div(1.0f, qm::qm_mul(6.0f, e4m3_max));  // as in nvfp4_dequant_scale
+  kernel<<<static_cast<unsigned>(grid), kTileRows, 0, stream>>>(data, scales, amax, num_rows, hidden, num_row_tiles,
+                                                                num_tiles, inv_six_m, key, out_data, out_scales);
   return cudaGetLastError();
 }
 

@@ -16,12 +16,14 @@
 
 #include "nvlink.h"
 #include "quant_math.cuh"
+#include "s2f6_lane.cuh"
 
 namespace ep_comm {
 namespace nvlink {
 namespace {
 
 using namespace ep_comm::qm;
+using namespace ep_comm::s2f6_lane;
 
 __device__ __forceinline__ void bf16x16_to_float(const uint4& a, const uint4& b, float* out) {
   const unsigned int w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
@@ -29,16 +31,6 @@ __device__ __forceinline__ void bf16x16_to_float(const uint4& a, const uint4& b,
   for (int i = 0; i < 8; ++i) {
     out[2 * i] = __uint_as_float(w[i] << 16);
     out[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-  }
-}
-
-// Cross-lane FWHT stage h = 16: the lane with the odd index holds elements 16..31 of the chunk.
-__device__ __forceinline__ void fwht_stage16(float v[16], int lane) {
-  const bool upper = (lane & 1) != 0;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const float p = __shfl_xor_sync(0xFFFFFFFFu, v[i], 1);
-    v[i] = upper ? qm_sub(p, v[i]) : qm_add(v[i], p);
   }
 }
 
@@ -55,32 +47,16 @@ __device__ __forceinline__ uint4 pack_bf16x16_lo(const float* v) {
 __device__ __forceinline__ void encode_store(const NvlinkConfig& cfg, float v[16], char* dst_row, int e0, bool active,
                                              int lane) {
   if (cfg.comb_fmt == kCombS2f6) {
-    const int first = (lane & 1) * 16;
-    const float c = bits_float(kRhtScaleBits);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = rht_sign(v[i], cfg.sign_mask, first + i);
-    fwht_serial<16>(v);
-    fwht_stage16(v, lane);
+    // Forward RHT without its final scaling by c: the block amax of the scaled values is f(amax * c)
+    // (rounding is monotonic) and pack_codes_rht16 applies c inside the code multiplier (s2f6_lane.cuh).
+    apply_signs<16>(v, cfg.sign_mask >> ((lane & 1) * 16));
+    fwht32_lane16(v, lane);
     float a = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      v[i] = qm_mul(v[i], c);
-      a = qm_max(a, qm_abs(v[i]));
-    }
+    for (int i = 0; i < 16; ++i) a = qm_max(a, qm_abs(v[i]));
     a = qm_max(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
-    const uint8_t b = ue8m0_s2f6_scale(a);
-    const float mult = ue8m0_inverse(b);
-    unsigned int words[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      words[i] = 0u;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        words[i] |= static_cast<unsigned int>(static_cast<uint8_t>(s2f6_encode_with_multiplier(v[4 * i + k], mult)))
-                    << (8 * k);
-      }
-    }
-    const uint4 codes = make_uint4(words[0], words[1], words[2], words[3]);
+    const uint8_t b = ue8m0_s2f6_scale(qm_mul(a, bits_float(kRhtScaleBits)));
+    const uint4 codes = pack_codes_rht16(v, b);
     if (active) {
       st_v4(dst_row + e0, codes);
       if ((lane & 1) == 0) *reinterpret_cast<uint8_t*>(dst_row + cfg.comb_scale_off + e0 / 32) = b;
@@ -273,7 +249,6 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
   const int global_warp = blockIdx.x * warps_per_block + warp_in_block;
   const int num_warps = gridDim.x * warps_per_block;
   const char* area = cfg.local_base + cfg.off_combine;
-  const float c = bits_float(kRhtScaleBits);
 
   const int split = split_factor(args.num_tokens, num_warps, (hidden + 511) / 512);
   const long long num_parts = static_cast<long long>(args.num_tokens) * split;
@@ -386,13 +361,8 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
               const float wr = term_weights[warp_in_block][r0 + u];
               float v[16];
               if (s2f6) {
-                const float mult = s2f6_decode_multiplier(static_cast<uint8_t>(sb[u]));
-                const unsigned int wd[4] = {va[u].x, va[u].y, va[u].z, va[u].w};
-#pragma unroll
-                for (int i = 0; i < 16; ++i) {
-                  const int code = static_cast<int>(wd[i / 4] << (24 - 8 * (i % 4))) >> 24;  // sign-extend byte i
-                  v[i] = qm_mul(static_cast<float>(code), mult);
-                }
+                unpack_codes_fast(make_uint2(va[u].x, va[u].y), static_cast<uint8_t>(sb[u]), v);
+                unpack_codes_fast(make_uint2(va[u].z, va[u].w), static_cast<uint8_t>(sb[u]), v + 8);
               } else {
                 bf16x16_to_float(va[u], vb[u], v);
               }
@@ -402,13 +372,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
           }
         }
       }
-      if (s2f6) {  // inverse RHT (also on zeros: the signs make -0.0, as the reference)
-        const int first = (lane & 1) * 16;
-        fwht_serial<16>(acc);
-        fwht_stage16(acc, lane);
-#pragma unroll
-        for (int i = 0; i < 16; ++i) acc[i] = rht_sign(qm_mul(acc[i], c), cfg.sign_mask, first + i);
-      }
+      if (s2f6) rht32_inverse_lane16(acc, cfg.sign_mask, lane);  // also on zeros: the signs make -0.0, as the reference
       if (active) {
         st_v4(out_row + e0, pack_bf16x16_lo(acc));
         st_v4(out_row + e0 + 8, pack_bf16x16_lo(acc + 8));

@@ -462,9 +462,19 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
     const char* row = cfg.local_base + cfg.off_staging +
                       (static_cast<long long>(s) * cfg.max_tokens + j) * cfg.disp_row_bytes;
     const int first = part * 32 + lane, stride = 32 * split;
-    uint4 pre[kCopyUnroll];  // payload round 0 in flight while the metadata is read and decoded
+    // Round 0 of the payload and of the scales, and the row's amax, in flight while the metadata is read and
+    // decoded: every load of the item is issued before the first store (one memory round trip per item instead
+    // of one per section).
+    uint4 pre[kCopyUnroll];
     prefetch_section(row, cfg.disp_data_bytes, first, stride, pre);
+    const bool scales_prefetched = cfg.disp_scale_bytes > 0 && cfg.disp_scale_bytes % 16 == 0 &&
+                                   cfg.disp_scale_bytes / 16 <= stride;  // one 16-byte unit per lane at most
+    uint4 pre_scales = make_uint4(0u, 0u, 0u, 0u);
+    if (scales_prefetched && first < cfg.disp_scale_bytes / 16) {
+      pre_scales = ld_coherent_v4(row + cfg.disp_scale_off + static_cast<long long>(first) * 16);
+    }
     const char* meta = row + cfg.disp_meta_off;
+    const unsigned int amax_bits = (cfg.disp_fmt == kDispNvfp4 && part == 0) ? ld_coherent_u32(meta) : 0u;
     int e = -1, pos = 0;
     float w = 0.0f;
     if (lane < topk) {
@@ -500,13 +510,18 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
     if (n == 0) continue;
     const int* rows = out_rows[warp_in_block];
     copy_section(row, args.out_data, cfg.disp_data_bytes, cfg.disp_data_bytes, rows, n, first, stride, pre);
-    if (cfg.disp_scale_bytes > 0) {
+    if (scales_prefetched) {
+      if (first < cfg.disp_scale_bytes / 16) {
+        for (int i = 0; i < n; ++i) {
+          st_v4(args.out_scales + static_cast<long long>(rows[i]) * cfg.disp_scale_bytes + first * 16, pre_scales);
+        }
+      }
+    } else if (cfg.disp_scale_bytes > 0) {
       copy_section(row + cfg.disp_scale_off, args.out_scales, cfg.disp_scale_bytes, cfg.disp_scale_bytes, rows, n,
                    first, stride);
     }
-    if (cfg.disp_fmt == kDispNvfp4 && part == 0 && lane < n) {
-      args.out_amax[rows[lane]] = __uint_as_float(ld_coherent_u32(meta));
-    }
+    // Every lane holds the amax word (a warp-uniform address: one transaction).
+    if (cfg.disp_fmt == kDispNvfp4 && part == 0 && lane < n) args.out_amax[rows[lane]] = __uint_as_float(amax_bits);
   }
 
   // Padding rows inside the valid prefix: zero payload, -1 metadata. One block per expert segment (no

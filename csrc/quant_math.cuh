@@ -353,8 +353,40 @@ QM_HD uint32_t sr_key(uint64_t seed) {
          fmix32(static_cast<uint32_t>(seed >> 32) ^ 0x7F4A7C15u);
 }
 
+// SR needs 16 random bits per element, so one fmix32 word serves a pair of elements: pair p = index >> 1
+// holds elements 2p (low half of the word) and 2p + 1 (high half). The pair's high word is hashed into the
+// key first (pair_key), so that pairs 2^32 apart get unrelated words.
+QM_HD uint32_t rbits_pair_key(uint32_t key, uint64_t pair) {
+  return fmix32(static_cast<uint32_t>(pair >> 32) ^ key);
+}
+QM_HD uint32_t rbits_pair_word(uint32_t key, uint64_t pair) {
+  return fmix32(static_cast<uint32_t>(pair) ^ rbits_pair_key(key, pair));
+}
+// The 16 random bits of element `index` (the definition; kernels use the per-block form below).
 QM_HD uint32_t rbits(uint32_t key, uint64_t index) {
-  return fmix32(fmix32(static_cast<uint32_t>(index) ^ key) ^ static_cast<uint32_t>(index >> 32));
+  return (rbits_pair_word(key, index >> 1) >> (16 * (index & 1))) & 0xFFFFu;
+}
+
+// The pair words of one MX block (elements base .. base + 31, base % 32 == 0): pairs p0 + j, j < 16, with
+// p0 = base / 2 a multiple of 16; the work shared by the 16 pairs is done once. Exact: p0 + j has p0's high
+// word (no carry) and the low word lo | j = lo ^ j (lo = low word of p0, a multiple of 16), so fmix32's input
+// is h = (lo ^ pair_key) ^ j; since j < 2^16, h >> 16 = (lo ^ pair_key) >> 16, and fmix32's first step
+// h ^ (h >> 16) is c ^ j with c = (lo ^ pair_key) ^ ((lo ^ pair_key) >> 16).
+// Element base + 2j draws rbits_block_word(block, j) & 0xFFFF, element base + 2j + 1 draws the word >> 16.
+struct RbitsBlock {
+  uint32_t c;
+};
+QM_HD RbitsBlock rbits_block(uint32_t key, uint64_t base) {
+  const uint64_t p0 = base >> 1;
+  const uint32_t h = static_cast<uint32_t>(p0) ^ rbits_pair_key(key, p0);
+  return RbitsBlock{h ^ (h >> 16)};
+}
+QM_HD uint32_t rbits_block_word(const RbitsBlock& block, uint32_t j) {
+  uint32_t h = block.c ^ j;  // fmix32 of (low word ^ pair_key), after its first step
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  return h ^ (h >> 16);
 }
 
 // Stochastic rounding of v onto the E4M3 grid with 16 random bits (the low 16 of r); returns the rounded
@@ -400,6 +432,7 @@ QM_HD float add_offset_rz(float a, float offset) {
 //    a = 0 gives 0 (D = 0, lo = 0).
 //  * NaN v returns v (the definition's NaN rule); +-Inf clamps to 448 like the definition.
 // Checked against sr_e4m3_definition over fp32 bit patterns by host_exhaustive_check ("sr_e4m3").
+// The kernels use it only for the rare blocks that sr_e4m3_fast cannot take (sr_fast_block_ok).
 QM_HD float sr_e4m3(float v, uint32_t r) {
   const float a = qm_min(qm_abs(v), 448.0f);
   const float offset = a < 0x1p-6f ? 0x1p-6f : 0.0f;
@@ -410,25 +443,72 @@ QM_HD float sr_e4m3(float v, uint32_t r) {
   return qm_isnan(v) ? v : out;
 }
 
-// rbits(key, base + j) for base % 32 == 0 and j < 32 (one MX block), with the work shared by the block's 32
-// indices done once. Exact: the low word of base + j is lo | j = lo ^ j (lo = low word of base, a multiple
-// of 32; no carry), the high word is base's; so fmix32's input is h = (lo ^ key) ^ j, and since j < 2^16,
-// h >> 16 = (lo ^ key) >> 16: its first step h ^ (h >> 16) is c ^ j with c = (lo ^ key) ^ ((lo ^ key) >> 16).
-struct RbitsBlock {
-  uint32_t c;
-  uint32_t hi;
-};
-QM_HD RbitsBlock rbits_block(uint32_t key, uint64_t base) {
-  const uint32_t h = static_cast<uint32_t>(base) ^ key;
-  return RbitsBlock{h ^ (h >> 16), static_cast<uint32_t>(base >> 32)};
+// f(a * b) rounded toward zero, for b a power of two (the only use: sr_e4m3_fast's scaling) and |a * b| <= FLT_MAX.
+// The device uses the IEEE round-toward-zero multiply (no flush to zero); the host forms the exact product in
+// double (a has 24 bits, b is a power of two >= 2^-149: no rounding, no underflow) and truncates it to the fp32
+// grid: exact when it is a normal fp32 number, else floor(|a b| 2^149) units of 2^-149, with the sign.
+QM_HD float mul_rz_pow2(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rz(a, b);
+#else
+  const double exact = static_cast<double>(a) * static_cast<double>(b);
+  const double magnitude = exact < 0.0 ? -exact : exact;
+  if (!(magnitude < 0x1p-126)) return static_cast<float>(exact);  // normal (or NaN): exact
+  const uint32_t units = static_cast<uint32_t>(magnitude * 0x1p149);  // < 2^23, the cast truncates
+  return bits_float(units | ((float_bits(a) ^ float_bits(b)) & 0x80000000u));
+#endif
 }
-QM_HD uint32_t rbits_in_block(const RbitsBlock& block, uint32_t j) {
-  uint32_t h = block.c ^ j;  // fmix32 of (low word ^ key), after its first step
-  h *= 0x85EBCA6Bu;
-  h ^= h >> 13;
-  h *= 0xC2B2AE35u;
-  h ^= h >> 16;
-  return fmix32(h ^ block.hi);
+
+// The largest scale byte b whose SR multiplier q = 2^(7 - b) (below) is an fp32 number (2^-149).
+constexpr int kSrFastMaxScale = 156;
+// q = p * 2^-120 for p = ue8m0_inverse(b) = 2^(127 - b), b <= kSrFastMaxScale.
+QM_HD float sr_fast_multiplier(uint8_t scale_byte) { return pow2f(7 - static_cast<int>(scale_byte)); }
+
+// sr_e4m3_definition(f(x * p), r16) for p = 2^(127 - b) with b <= kSrFastMaxScale, q = sr_fast_multiplier(b),
+// |f(x * p)| <= 448 (no NaN; the caller checks the block: sr_fast_block_ok) and r16 < 2^16. One round-toward-zero
+// multiply, an add and a mask, one exact multiply; no clamp, no case for the E4M3 subnormal range:
+// y = f_rz(x * q) is v * 2^-120 (v = f(x p)) in a domain where the E4M3 grid lines up with the fp32 format: the
+// E4M3 minimum normal 2^-6 becomes the fp32 minimum normal 2^-126, and E4M3's subnormal step 2^-9 becomes 2^20
+// units of fp32's subnormal step 2^-149. In bits w = bits(y), for a = |v| (the definition's lo, D, up, ulp):
+//  * a >= 2^-6: y = v 2^-120 exactly (a normal product of a power of two; f(x q) and f(f(x p) 2^-120) agree as
+//    both products are exact), so w has a's mantissa m: t = a / ulp = 8 + m / 2^20, lo = 8 + m[22:20], and
+//    D = floor(frac(t) 2^16) = m[19:4]. The low 20 bits of w + (r16 << 4) are 16 (D + r16) + w[3:0] < 2^21, so
+//    exactly one carry reaches bit 20 iff D + r16 >= 2^16 (the definition's round-up); bits 30..20 of w
+//    (exponent and m[22:20]: lo * ulp) plus that carry are (lo + up) * ulp, a mantissa overflow stepping into
+//    the next binade (16 ulp = 8 times its ulp), which is the correct value. The mask drops bits 19..0.
+//  * a < 2^-6 (E = -6, ulp = 2^-9): y is an fp32 subnormal, w = floor(a 2^29) (the truncating multiply: the
+//    exact a 2^-120 = (a 2^29) 2^-149); floor(a 2^29) = lo 2^20 + D 2^4 + (3 lower bits), as lo = floor(a 2^9)
+//    and D = floor(frac(a 2^9) 2^16). The same carry argument gives w' = (lo + up) 2^20, the value
+//    (lo + up) 2^-129, and (lo + up) = 8 gives 2^-126, the fp32 minimum normal, as it should (2^-6 after scaling
+//    back). When f(x p) itself is below 2^-126 (then lo = D = 0 and the definition gives +-0) both |x q| and
+//    |f(x p)| 2^-120 are below 2^-149: y = +-0, result +-0.
+//  * Scaling back by 2^120 is exact (the result is 0 or in [2^-9, 448]). The magnitude bits stay below 2^31
+//    (at most bits(448 * 2^-120) + 2^20), so the sign bit is x's, as the definition's copysign; +-0 stays +-0
+//    (w + (r16 << 4) < w + 2^20). (lo + up) * ulp <= 448 since 448 is on the grid (a = 448 has D = 0).
+// Checked against sr_e4m3_definition by host_exhaustive_check ("sr_e4m3") over fp32 bit patterns, several b.
+QM_HD float sr_e4m3_fast(float x, float q, uint32_t r16) {
+  const uint32_t w = float_bits(mul_rz_pow2(x, q));
+  return qm_mul(bits_float((w + (r16 << 4)) & 0xFFF00000u), 0x1p120f);
+}
+
+// max(acc, |x|), NaN if either is NaN (the scale's amax ignores NaN; this one flags NaN blocks for the SR path).
+QM_HD float qm_max_abs_nan(float acc, float x) {
+#if defined(__CUDA_ARCH__)
+  float out;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(out) : "f"(acc), "f"(fabsf(x)));  // FMNMX.NAN, |x| folded in
+  return out;
+#else
+  return (qm_isnan(acc) || qm_isnan(x)) ? bits_float(0x7FC00000u) : qm_max(acc, qm_abs(x));
+#endif
+}
+// Whether sr_e4m3_fast holds for every element of an MX block, from amax_nan = the qm_max_abs_nan of its |x|,
+// its scale byte b and p = ue8m0_inverse(b): b <= kSrFastMaxScale and f(amax_nan * p) <= 448 (false for NaN and
+// Inf; every f(|x| p) <= f(amax_nan p) since rounding is monotone). For finite blocks the second holds by the
+// choice of b (f(1/448) > 1/448), for every finite amax but one (0x1.c00002p-119, where t = f(amax / 448) is
+// subnormal and rounds down; checked by enumeration), so in practice only NaN / Inf blocks and blocks with amax
+// above 448 * 2^29 take the general form.
+QM_HD bool sr_fast_block_ok(float amax_nan, uint8_t scale_byte, float p) {
+  return scale_byte <= kSrFastMaxScale && qm_mul(amax_nan, p) <= 448.0f;
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -620,6 +700,26 @@ QM_HD void add_e2m1_signs_no_nan(const float x[16], uint32_t words[2]) {
   }
 }
 
+// Plain (no 4/6) codes of a block, the fast way, when every element is non-NaN and f(block_amax * inv) < 7 (so
+// every f(|x_i| * inv) < 7: rounding is monotonic): e2m1_round_below7 is then e2m1_round_magnitude's rounding
+// (no clamp needed), e2m1_value_code_at places each code and add_e2m1_signs_no_nan its sign. Returns false
+// (words untouched) otherwise -- NaN or Inf elements, zero or small subnormal scales -- and the caller takes
+// the general form. NaN detection: an FADD chain over the elements is NaN iff some element is NaN or the sum
+// meets Inf - Inf (an Inf element, which fails the bound anyway); a finite sum that overflows is harmless.
+QM_HD bool nvfp4_plain_codes_fast(const float x[16], float block_amax, float inv, uint32_t words[2]) {
+  float probe = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) probe = qm_add(probe, x[i]);
+  if (!(qm_mul(block_amax, inv) < 7.0f) || qm_isnan(probe)) return false;
+  uint32_t w[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) w[i / 8] |= e2m1_value_code_at(e2m1_round_below7(qm_mul(qm_abs(x[i]), inv)), i % 8);
+  add_e2m1_signs_no_nan(x, w);
+  words[0] = w[0];
+  words[1] = w[1];
+  return true;
+}
+
 // Fast 4/6 candidate: its 16 magnitude codes (r_i = E2M1 rounding of f(|x_i| * inv), exactly as
 // nvfp4_candidate rounds them, given every f(|x_i| * inv) < 7) and an approximate error
 // A = fma-chain over i of t_i^2, t_i = f(r_i * g - |x_i|) (one fma), g = f(f(s * amax) * f(1 / 6M)).
@@ -714,7 +814,8 @@ bool nvfp4_four_over_six_exact_outlined(const float* x, uint8_t s6, uint8_t s4, 
 //  formula. Symmetrically D' > 2S gives err_4 > err_6: map-6. Inf/NaN anywhere makes both tests false.
 // Checked against the exact formula on random and adversarial blocks (ties, e4m3 boundaries, all-equal,
 // outliers, subnormals) by tests/test_formats_host.py (host_nvfp4_quantize vs the torch reference).
-// `decided_fast` (optional, tests): whether the fast path decided the 4/6 choice (false: the exact formula did).
+// `decided_fast` (optional, tests): whether the fast path decided the 4/6 choice (false: the exact formula did),
+// or, without 4/6, whether nvfp4_plain_codes_fast produced the codes.
 QM_HD void nvfp4_quantize_block16_words(const float x[16], float block_amax, const Nvfp4Outer& outer, float amax,
                                         float e4m3_max, bool four_over_six, uint32_t words[2],
                                         uint8_t* scale_byte, bool* decided_fast = nullptr) {
@@ -723,13 +824,16 @@ QM_HD void nvfp4_quantize_block16_words(const float x[16], float block_amax, con
   if (!four_over_six) {
     const uint8_t s = e4m3_encode(qm_mul(block_amax, qm_mul(outer.s_enc, 1.0f / 6.0f)));
     const float inv = nvfp4_block_inverse(s, outer.s_dec);
+    *scale_byte = s;
+    const bool fast = nvfp4_plain_codes_fast(x, block_amax, inv, words);
+    if (decided_fast != nullptr) *decided_fast = fast;
+    if (fast) return;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       float unused;
       words[i / 8] |= e2m1_round_magnitude(qm_mul(qm_abs(x[i]), inv), &unused) << (4 * (i % 8));
     }
     add_e2m1_signs(x, words);
-    *scale_byte = s;
     return;
   }
   const float six_m = qm_mul(6.0f, e4m3_max);

@@ -1,20 +1,32 @@
 // RHT-32 + S2F6 quantize, dequantize, and dequantize-accumulate (the receive side of combine).
 // Arithmetic: quant_math.cuh (docs/NUMERICS.md, "RHT-32", "S2F6 quantize", "Combine accumulation").
 //
-// Layout: one thread per 8 consecutive elements; the 4 lanes 4q..4q+3 of a warp hold one aligned chunk of
-// 32 (the S2F6 block and the RHT chunk), so the FWHT runs 3 stages in registers and 2 across lanes, and
-// the block amax is a 4-lane reduction. A warp reads/writes 256 contiguous elements with 16-byte (or 8-byte
-// for int8 codes) accesses. No thread leaves before the shuffles: out-of-range lanes compute on zeros and
-// skip their stores (hidden % 32 == 0 keeps every chunk inside one row and one warp).
+// Quantize and dequantize-accumulate: one lane per 16 consecutive elements, so the two lanes 2q, 2q+1 of a warp
+// hold one aligned chunk of 32 (the S2F6 block and the RHT chunk): the FWHT runs 4 stages in registers and one
+// across the lane pair, and the block amax is a 2-lane reduction. A warp takes one segment of 512 elements of
+// one row (kSegment), so the row is found once per warp and the per-row work of the accumulation (its source
+// rows and weights) is staged once per warp and reused by all 16 elements of every lane; every lane reads 32
+// contiguous input bytes and writes 16 code bytes (one 16-byte store).
+// Dequantize: one thread per 8 elements, 4 lanes per chunk (3 FWHT stages in registers, 2 across lanes).
+// No lane leaves before the shuffles: out-of-range lanes compute on zeros and skip their stores (hidden % 32
+// == 0 keeps every chunk inside one row and one lane pair / lane quad).
+#include <algorithm>
+
 #include "formats.h"
 #include "quant_math.cuh"
+#include "s2f6_lane.cuh"
 #include "vec_io.cuh"
 
 namespace ep_comm {
 namespace {
 
+using namespace s2f6_lane;
+
 constexpr int kThreads = 256;
-constexpr int kAccumulateBatch = 8;  // source rows loaded before they are summed (in order)
+constexpr int kWarps = kThreads / 32;
+constexpr int kLaneValues = 16;               // quantize / accumulate: elements per lane
+constexpr int kSegment = 32 * kLaneValues;    // elements of one row per warp
+constexpr int kStagedTerms = 32;              // accumulate: (source row, weight) pairs staged per warp at a time
 
 // Row / column of a flat unit index without a 64-bit (or a MUFU-based 32-bit) division: for 2 <= d < 2^31 and
 // n < 2^31, floor(n / d) = umulhi(n, m) >> (p - 32) with l = ceil(log2 d), p = 31 + l, m = ceil(2^p / d).
@@ -49,155 +61,54 @@ __device__ __forceinline__ int64_t row_of(int64_t n, const RowDiv& div) {
   return n / div.d;
 }
 
-// rht_sign(v, sign_mask, first + k) for k = 0..7 with bits = sign_mask >> first: bit k of `bits` moved to bit 31
-// (one shift and one LOP3 per value instead of a variable shift, a mask and a xor).
-__device__ __forceinline__ void apply_signs8(float v[8], uint32_t bits) {
-#pragma unroll
-  for (int k = 0; k < 8; ++k) v[k] = __uint_as_float(__float_as_uint(v[k]) ^ ((bits << (31 - k)) & 0x80000000u));
-}
-
-// RHT-32 of the lane's 8 values of a 4-lane chunk (elements (lane & 3) * 8 + k): the serial qm::rht32_forward /
-// rht32_inverse's operations in the same order, with the FWHT split by qm::fwht32_lane8 and the signs by apply_signs8.
-__device__ __forceinline__ void rht32_forward_lane8(float v[8], uint32_t sign_mask, int lane) {
-  apply_signs8(v, sign_mask >> ((lane & 3) * 8));
-  qm::fwht32_lane8(v, lane);
-  const float c = __uint_as_float(qm::kRhtScaleBits);
-#pragma unroll
-  for (int k = 0; k < 8; ++k) v[k] = qm::qm_mul(v[k], c);
-}
-
-__device__ __forceinline__ void rht32_inverse_lane8(float v[8], uint32_t sign_mask, int lane) {
-  qm::fwht32_lane8(v, lane);
-  const float c = __uint_as_float(qm::kRhtScaleBits);
-#pragma unroll
-  for (int k = 0; k < 8; ++k) v[k] = qm::qm_mul(v[k], c);
-  apply_signs8(v, sign_mask >> ((lane & 3) * 8));
-}
-
-#if defined(EP_COMM_S2F6_NATIVE)
-__device__ __forceinline__ uint2 pack_codes(const float v[8], uint8_t scale) {
-  const float multiplier = qm::ue8m0_inverse(scale);
-  uint32_t words[2];
-#pragma unroll
-  for (int w = 0; w < 2; ++w) {
-    words[w] = static_cast<uint32_t>(qm::s2f6x2_encode(v[4 * w], v[4 * w + 1], scale, multiplier)) |
-               (static_cast<uint32_t>(qm::s2f6x2_encode(v[4 * w + 2], v[4 * w + 3], scale, multiplier)) << 16);
-  }
-  return make_uint2(words[0], words[1]);
-}
-#else
-// 8 codes of qm::s2f6_encode(v[k], scale) (scale <= 0xFE, as ue8m0_s2f6_scale gives), packed lowest element in
-// the lowest byte. Same bits as the rule, fewer instructions:
-//  * t: for scale >= 6, f(v * 2^(133 - b)) (one multiply) equals the rule's f(f(v * 2^(127 - b)) * 64) whenever
-//    |t| >= 2^-120: then v * 2^(127 - b) is normal (or 0 / Inf) and scaling by a power of two is exact, so both
-//    are v * 2^(133 - b) rounded once; otherwise both |t| < 1/2 and both give code 0. No overflow: |v| <= amax <
-//    2^(b - 126), so |v * 2^(133 - b)| < 128 (Inf stays Inf). For scale < 6, 2^(133 - b) is not an fp32: the
-//    rule's two multiplies are kept.
-//  * clamp as max(min(t, 127), -128): for a non-NaN t the same as the rule's min(max(t, -128), 127); for t = NaN
-//    (iff v is NaN: the multipliers are finite and > 0) fminf returns 127, the rule's NaN code.
-//  * rounding: s = f(t + 1.5 * 2^23) lies in [2^23, 2^24) (ulp 1) and is 1.5 * 2^23 + RNE(t) (the magic is even,
-//    so ties pick the same neighbour), i.e. bits 0x4B400000 + RNE(t): the low byte is the int8 code that
-//    qm_rint_small + the int conversion give, without the subtraction and the quarter-rate F2I.
-__device__ __forceinline__ uint32_t s2f6_rounded_bits(float t) {
-  t = qm::qm_max(qm::qm_min(t, 127.0f), -128.0f);
-  return __float_as_uint(qm::qm_add(t, qm::kRoundMagic));
-}
-
-//  * for 6 <= b <= 253 the lower clamp is a no-op and the upper one only maps NaN: b = ue8m0_s2f6_scale(amax)
-//    is the smallest e with amax * 2^(127 - e) <= 127/64 unless clamped to 0xFE (amax >= 2^127 * 127/64 or
-//    Inf), and |v| <= amax for every value of the block, so |v * 2^(133 - b)| <= 127 and its rounding too
-//    (127 is an fp32); min(t, 127) keeps such a t and turns NaN into 127, and t >= -127 > -128.
-__device__ __forceinline__ uint2 pack_codes(const float v[8], uint8_t scale) {
-  uint32_t s[8];
-  if (scale >= 6 && scale <= 253) {
-    const float multiplier = __uint_as_float((260u - scale) << 23);  // 2^(133 - b)
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      s[k] = __float_as_uint(qm::qm_add(qm::qm_min(qm::qm_mul(v[k], multiplier), 127.0f), qm::kRoundMagic));
-    }
-  } else if (scale >= 6) {
-    const float multiplier = __uint_as_float((260u - scale) << 23);  // 2^(133 - b), b = 254
-#pragma unroll
-    for (int k = 0; k < 8; ++k) s[k] = s2f6_rounded_bits(qm::qm_mul(v[k], multiplier));
-  } else {
-    const float multiplier = qm::ue8m0_inverse(scale);  // 2^(127 - b), normal for b < 6
-#pragma unroll
-    for (int k = 0; k < 8; ++k) s[k] = s2f6_rounded_bits(qm::qm_mul(qm::qm_mul(v[k], multiplier), 64.0f));
-  }
-  uint32_t words[2];
-#pragma unroll
-  for (int w = 0; w < 2; ++w) {
-    words[w] = __byte_perm(__byte_perm(s[4 * w], s[4 * w + 1], 0x0040), __byte_perm(s[4 * w + 2], s[4 * w + 3], 0x0040),
-                           0x5410);
-  }
-  return make_uint2(words[0], words[1]);
-}
-#endif
-
-// code * multiplier for 8 int8 codes. The int8 -> fp32 conversion goes through the mantissa of 2^23
-// (bits 0x4B000000 | (byte ^ 0x80) = 2^23 + 128 + code) and one exact subtraction: the same value as an
-// I2F, on the full-rate pipes instead of the quarter-rate conversion unit.
-__device__ __forceinline__ void unpack_codes(uint2 raw, float multiplier, float v[8]) {
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    const uint32_t byte = ((k < 4 ? raw.x : raw.y) >> (8 * (k % 4))) & 0xFFu;
-    const float code = qm::qm_sub(__uint_as_float(0x4B000000u | (byte ^ 0x80u)), 8388736.0f);
-    v[k] = qm::qm_mul(code, multiplier);
-  }
-}
-
-// The decoded values f(code * 2^-6) * 2^(b - 127) = code * 2^(b - 133) of 8 codes, exactly as unpack_codes(raw,
-// s2f6_decode_multiplier(scale)) gives them. For b <= 237 the exponent goes into the magic number: with
-// E = b + 17 (in [17, 254], a normal exponent field) and u = byte ^ 0x80 = code + 128 in [0, 255],
-// X = bits(E << 23 | u) = 2^(b - 133) (2^23 + u) and B = bits(E << 23 | 0x80) = 2^(b - 133) (2^23 + 128), so
-// X - B = code * 2^(b - 133) exactly; that value is an fp32 (an integer multiple of 2^-149 with 8 significant
-// bits), so the correctly rounded subtraction returns it (code 0: X = B, +0 like 0.0f * multiplier). One PRMT
-// and one FSUB per value. b in [238, 255] (huge scales, 0xFF = NaN) takes the general form.
-__device__ __forceinline__ void unpack_codes_fast(uint2 raw, uint8_t scale, float v[8]) {
-  if (scale <= 237) {
-    const uint32_t base = ((static_cast<uint32_t>(scale) + 17u) << 23) | 0x80u;
-    const float bias = __uint_as_float(base);
-    const uint32_t words[2] = {raw.x ^ 0x80808080u, raw.y ^ 0x80808080u};
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      // byte 0 from byte k % 4 of the word, bytes 1..3 from base (0, then the exponent)
-      v[k] = qm::qm_sub(__uint_as_float(__byte_perm(words[k / 4], base, 0x7650u | (k % 4))), bias);
-    }
-  } else {
-    unpack_codes(raw, qm::s2f6_decode_multiplier(scale), v);
-  }
-}
-
 // Dequantize: each thread takes kUnits 8-element units kThreads apart (the 4-lane groups stay aligned: kThreads % 32 ==
 // 0) and issues all their loads before any math, for more bytes in flight per SM (measured 66.5% -> 83.0% of
-// copy on an H200; the same change made quantize slower, 44.6% -> 38.5%, so quantize keeps one unit per thread).
+// copy on an H200).
 constexpr int kUnits = 4;
 
+// Warp `segment` of the flat (row, 512-element segment) space: its row and this lane's first column.
+struct LanePiece {
+  int64_t row;
+  int64_t column;
+  bool valid;  // column < hidden (the row's last segment may be partial)
+};
+__device__ __forceinline__ LanePiece lane_piece(int64_t segment, int64_t segments_per_row, const RowDiv& div,
+                                                int64_t hidden, int lane) {
+  LanePiece p;
+  p.row = row_of(segment, div);
+  p.column = (segment - p.row * segments_per_row) * kSegment + lane * kLaneValues;
+  p.valid = p.column < hidden;
+  return p;
+}
+
 template <typename T, bool kHadamard>
-__global__ void __launch_bounds__(kThreads) s2f6_quantize_kernel(S2f6QuantizeArgs args, int64_t groups_per_row,
-                                                                 RowDiv div) {
-  const int64_t unit = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+__global__ void __launch_bounds__(kThreads) s2f6_quantize_kernel(S2f6QuantizeArgs args, int64_t segments_per_row,
+                                                                 int64_t num_segments, RowDiv div) {
+  const int64_t segment = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (segment >= num_segments) return;  // the whole warp
   const int lane = threadIdx.x % 32;
-  const bool valid = unit < args.num_rows * groups_per_row;
-  int64_t row = 0;
-  int64_t column = 0;
-  float v[8];
+  const LanePiece piece = lane_piece(segment, segments_per_row, div, args.hidden, lane);
+  float v[kLaneValues];
 #pragma unroll
-  for (int k = 0; k < 8; ++k) v[k] = 0.0f;
-  if (valid) {
-    row = row_of(unit, div);
-    column = (unit - row * groups_per_row) * 8;
-    vec::load_row_segment<T, 8>(static_cast<const T*>(args.x) + row * args.x_row_stride + column, v);
+  for (int k = 0; k < kLaneValues; ++k) v[k] = 0.0f;
+  if (piece.valid) {
+    vec::load_row_segment<T, kLaneValues>(static_cast<const T*>(args.x) + piece.row * args.x_row_stride + piece.column,
+                                          v);
   }
-  if (kHadamard) rht32_forward_lane8(v, args.sign_mask, lane);
+  if (kHadamard) {
+    apply_signs<kLaneValues>(v, args.sign_mask >> ((lane & 1) * 16));
+    fwht32_lane16(v, lane);  // scaled by c inside pack_codes_rht16
+  }
   float local = 0.0f;
 #pragma unroll
-  for (int k = 0; k < 8; ++k) local = qm::qm_max(local, qm::qm_abs(v[k]));
-  const uint8_t scale = qm::ue8m0_s2f6_scale(qm::group4_max(local));
-  if (!valid) return;
-  *reinterpret_cast<uint2*>(args.data + row * args.data_row_stride + column) =
-      pack_codes(v, scale);
-  if ((lane & 3) == 0) args.scales[row * args.scales_row_stride + column / 32] = scale;
+  for (int k = 0; k < kLaneValues; ++k) local = qm::qm_max(local, qm::qm_abs(v[k]));
+  local = qm::qm_max(local, __shfl_xor_sync(0xFFFFFFFFu, local, 1));
+  if (kHadamard) local = qm::qm_mul(local, __uint_as_float(qm::kRhtScaleBits));  // = max |f(v * c)|
+  const uint8_t scale = qm::ue8m0_s2f6_scale(local);
+  if (!piece.valid) return;
+  vec::store16(args.data + piece.row * args.data_row_stride + piece.column,
+               kHadamard ? pack_codes_rht16(v, scale) : pack_codes16(v, scale));
+  if ((lane & 1) == 0) args.scales[piece.row * args.scales_row_stride + piece.column / 32] = scale;
 }
 
 template <typename Out, bool kHadamard>
@@ -231,77 +142,140 @@ __global__ void __launch_bounds__(kThreads) s2f6_dequantize_kernel(const int8_t*
   }
 }
 
-template <typename Index, typename Out, bool kHadamard>
-__global__ void __launch_bounds__(kThreads) s2f6_accumulate_kernel(S2f6AccumulateArgs args, int64_t groups_per_row,
-                                                                   RowDiv div) {
-  const int64_t unit = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const bool valid = unit < args.num_out_rows * groups_per_row;
-  const int64_t out_row = valid ? row_of(unit, div) : 0;
-  const int64_t group = unit - out_row * groups_per_row;  // 8-element group within the row
-  const Index* index_row = static_cast<const Index*>(args.row_index) + out_row * args.num_terms;
-  const float* weight_row = args.weights != nullptr ? args.weights + out_row * args.num_terms : nullptr;
-  const uint2* codes = reinterpret_cast<const uint2*>(args.data);
+// Dequantize-accumulate. Persistent warps walk the (row, 512-element segment) units; for each the warp stages
+// the row's (source row, weight) pairs in shared memory, kStagedTerms at a time (byte offsets of the source's
+// codes and scales, -1 for a skipped index), then every lane sums its 16 elements over them in ascending term
+// order, loading kAccumulateBatch sources before adding them. 4 sources in flight per lane with 3 CTAs per SM
+// (80 registers) measured 67% of copy on H200, 8 in flight with 2 CTAs 60% (bench/RESULTS.md, fifth session). The first kStagedTerms index/weight pairs of the
+// warp's next unit are loaded while the current one is summed, so a unit costs one memory round trip (its
+// codes), not two (indices, then codes).
+struct TermWords {  // lane j: term j of a staging pass (raw index and weight; used = false past the row's terms)
+  int64_t src = -1;
+  float weight = 1.0f;
+};
 
-  float acc[8];
+template <typename Index>
+__device__ __forceinline__ TermWords load_term_words(const S2f6AccumulateArgs& args, int64_t row, int64_t first_term,
+                                                     int lane) {
+  TermWords t;
+  const int64_t j = first_term + lane;
+  if (lane < kStagedTerms && j < args.num_terms) {
+    t.src = static_cast<int64_t>(__ldg(static_cast<const Index*>(args.row_index) + row * args.num_terms + j));
+    if (args.weights != nullptr) t.weight = __ldg(args.weights + row * args.num_terms + j);
+  }
+  return t;
+}
+
+constexpr int kAccumulateBatch = 4;
+constexpr int kAccumulateCtasPerSm = 3;
+
+template <typename Index, typename Out, bool kHadamard>
+__global__ void __launch_bounds__(kThreads, kAccumulateCtasPerSm) s2f6_accumulate_kernel(S2f6AccumulateArgs args,
+                                                                      int64_t segments_per_row, int64_t num_segments,
+                                                                      RowDiv div) {
+  __shared__ longlong2 staged_offsets[kWarps][kStagedTerms];  // {codes byte offset, scales byte offset}
+  __shared__ float staged_weights[kWarps][kStagedTerms];
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int64_t scales_per_row = args.hidden / 32;
+  int64_t segment = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (segment >= num_segments) return;  // the whole warp
+  TermWords next = load_term_words<Index>(args, row_of(segment, div), 0, lane);
+
+  for (; segment < num_segments; segment += warp_stride) {
+    const LanePiece piece = lane_piece(segment, segments_per_row, div, args.hidden, lane);
+    float acc[kLaneValues];
 #pragma unroll
-  for (int k = 0; k < 8; ++k) acc[k] = 0.0f;
-  const int64_t num_terms = valid ? args.num_terms : 0;
-  for (int64_t first = 0; first < num_terms; first += kAccumulateBatch) {
-    // Issue the batch's loads first (memory parallelism), then add in ascending j (the NUMERICS order).
-    // Three phases so that no load waits behind another batch member's: every index and weight of the batch
-    // (independent of each other), then every code and scale (dependent on the indices only), then the math.
-    int64_t src[kAccumulateBatch];
-    float weight[kAccumulateBatch];
+    for (int k = 0; k < kLaneValues; ++k) acc[k] = 0.0f;
+    for (int64_t first_staged = 0; first_staged < args.num_terms; first_staged += kStagedTerms) {
+      const int num_staged = static_cast<int>(min(static_cast<int64_t>(kStagedTerms), args.num_terms - first_staged));
+      // Pass 0 was prefetched by the previous unit; later passes (more than kStagedTerms terms) load here.
+      const TermWords term = first_staged == 0 ? next : load_term_words<Index>(args, piece.row, first_staged, lane);
+      __syncwarp();  // the previous pass's readers are done
+      if (lane < num_staged) {
+        const bool used = term.src >= 0 && term.src < args.num_src_rows;
+        staged_offsets[warp][lane] =
+            used ? make_longlong2(term.src * args.hidden, term.src * scales_per_row) : make_longlong2(-1, -1);
+        staged_weights[warp][lane] = term.weight;
+      }
+      __syncwarp();
+      if (first_staged == 0 && segment + warp_stride < num_segments) {
+        next = load_term_words<Index>(args, row_of(segment + warp_stride, div), 0, lane);  // in flight meanwhile
+      }
+      for (int first = 0; first < num_staged; first += kAccumulateBatch) {
+        // Every load of the batch first (memory parallelism), then the adds in ascending term order (NUMERICS).
+        // Skipped terms are warp-uniform (one row per warp), so these branches never diverge.
+        uint4 raw[kAccumulateBatch];
+        uint8_t scale[kAccumulateBatch];
 #pragma unroll
-    for (int i = 0; i < kAccumulateBatch; ++i) {
-      const int64_t j = first + i;
-      src[i] = j < num_terms ? static_cast<int64_t>(__ldg(index_row + j)) : -1;
-      // An in-bounds weight that is used only when the index is (unused terms are skipped below).
-      weight[i] = (j < num_terms && weight_row != nullptr) ? __ldg(weight_row + j) : 1.0f;
-    }
-    uint2 raw[kAccumulateBatch];
-    uint8_t scale[kAccumulateBatch];
-    bool used[kAccumulateBatch];
+        for (int i = 0; i < kAccumulateBatch; ++i) {
+          raw[i] = make_uint4(0u, 0u, 0u, 0u);
+          scale[i] = 0;
+          if (first + i >= num_staged) continue;
+          const longlong2 offsets = staged_offsets[warp][first + i];
+          if (offsets.x < 0 || !piece.valid) continue;
+          raw[i] = vec::load16(args.data + offsets.x + piece.column);
+          scale[i] = __ldg(args.scales + offsets.y + piece.column / 32);
+        }
 #pragma unroll
-    for (int i = 0; i < kAccumulateBatch; ++i) {
-      used[i] = src[i] >= 0 && src[i] < args.num_src_rows;
-      raw[i] = make_uint2(0u, 0u);
-      scale[i] = 0;
-      if (used[i]) {
-        raw[i] = __ldg(codes + src[i] * groups_per_row + group);
-        scale[i] = __ldg(args.scales + src[i] * (groups_per_row / 4) + group / 4);
+        for (int i = 0; i < kAccumulateBatch; ++i) {
+          if (first + i >= num_staged || staged_offsets[warp][first + i].x < 0) continue;
+          const float weight = staged_weights[warp][first + i];
+          float v[kLaneValues];
+          unpack_codes_fast(make_uint2(raw[i].x, raw[i].y), scale[i], v);
+          unpack_codes_fast(make_uint2(raw[i].z, raw[i].w), scale[i], v + 8);
+#pragma unroll
+          for (int k = 0; k < kLaneValues; ++k) acc[k] = qm::qm_add(acc[k], qm::qm_mul(weight, v[k]));
+        }
       }
     }
-#pragma unroll
-    for (int i = 0; i < kAccumulateBatch; ++i) {
-      if (!used[i]) continue;
-      float v[8];
-      unpack_codes_fast(raw[i], scale[i], v);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) acc[k] = qm::qm_add(acc[k], qm::qm_mul(weight[i], v[k]));
+    if (kHadamard) rht32_inverse_lane16(acc, args.sign_mask, lane);
+    if (piece.valid) {
+      vec::store_row_segment<Out, kLaneValues>(static_cast<Out*>(args.out) + piece.row * args.hidden + piece.column,
+                                               acc);
     }
   }
-  if (kHadamard) rht32_inverse_lane8(acc, args.sign_mask, static_cast<int>(threadIdx.x % 32));
-  if (valid) vec::store_row_segment<Out, 8>(static_cast<Out*>(args.out) + out_row * args.hidden + group * 8, acc);
+}
+
+}  // namespace
+
+namespace {
+
+// Grid of the warp-per-segment kernels: (row, 512-element segment) pairs, kWarps per block.
+struct SegmentGrid {
+  int64_t segments_per_row = 0;
+  int64_t num_segments = 0;
+  int64_t blocks = 0;
+  RowDiv div;
+};
+
+SegmentGrid make_segment_grid(int64_t num_rows, int64_t hidden) {
+  SegmentGrid g;
+  g.segments_per_row = ceil_div(hidden, kSegment);
+  g.num_segments = num_rows * g.segments_per_row;
+  g.blocks = ceil_div(g.num_segments, kWarps);
+  g.div = make_row_div(g.segments_per_row, g.num_segments);
+  return g;
+}
+
+bool aligned16(const void* p, int64_t row_stride_bytes) {
+  return ((reinterpret_cast<uintptr_t>(p) | static_cast<uintptr_t>(row_stride_bytes)) & 15u) == 0;
 }
 
 }  // namespace
 
 cudaError_t launch_s2f6_quantize(const S2f6QuantizeArgs& args, cudaStream_t stream) {
   if (args.hidden <= 0 || args.hidden % 32 != 0 || args.num_rows < 0) return cudaErrorInvalidValue;
-  const int64_t groups_per_row = args.hidden / 8;
-  const int64_t total = args.num_rows * groups_per_row;
-  if (total == 0) return cudaSuccess;
-  const int64_t grid = ceil_div(total, kThreads);
-  if (grid > INT32_MAX) return cudaErrorInvalidValue;
-  const RowDiv div = make_row_div(groups_per_row, total);
+  if (args.num_rows == 0) return cudaSuccess;
+  if (!aligned16(args.data, args.data_row_stride)) return cudaErrorMisalignedAddress;  // 16-byte code stores
+  const SegmentGrid g = make_segment_grid(args.num_rows, args.hidden);
+  if (g.blocks > INT32_MAX) return cudaErrorInvalidValue;
   return vec::dispatch_elem_type(args.x_type, [&](auto tag) {
     using T = decltype(tag);
-    if (args.hadamard) {
-      s2f6_quantize_kernel<T, true><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(args, groups_per_row, div);
-    } else {
-      s2f6_quantize_kernel<T, false><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(args, groups_per_row, div);
-    }
+    if (!aligned16(args.x, args.x_row_stride * static_cast<int64_t>(sizeof(T)))) return cudaErrorMisalignedAddress;
+    const auto kernel = args.hadamard ? s2f6_quantize_kernel<T, true> : s2f6_quantize_kernel<T, false>;
+    kernel<<<static_cast<unsigned>(g.blocks), kThreads, 0, stream>>>(args, g.segments_per_row, g.num_segments, g.div);
     return cudaGetLastError();
   });
 }
@@ -331,23 +305,23 @@ cudaError_t launch_s2f6_dequantize_accumulate(const S2f6AccumulateArgs& args, cu
       args.num_src_rows < 0) {
     return cudaErrorInvalidValue;
   }
-  const int64_t groups_per_row = args.hidden / 8;
-  const int64_t total = args.num_out_rows * groups_per_row;
-  if (total == 0) return cudaSuccess;
-  const int64_t grid = ceil_div(total, kThreads);
-  if (grid > INT32_MAX) return cudaErrorInvalidValue;
-  const RowDiv div = make_row_div(groups_per_row, total);
+  if (args.num_out_rows == 0) return cudaSuccess;
+  if (!aligned16(args.data, 0) || !aligned16(args.out, 0)) return cudaErrorMisalignedAddress;  // 16-byte accesses
+  const SegmentGrid g = make_segment_grid(args.num_out_rows, args.hidden);
+  // Persistent warps: at most the blocks that fit at once (kAccumulateCtasPerSm, the kernel's launch bounds).
+  int device = 0;
+  int num_sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  const int64_t blocks = std::min<int64_t>(g.blocks, kAccumulateCtasPerSm * static_cast<int64_t>(num_sms));
   return vec::dispatch_elem_type(args.out_type, [&](auto tag) {
     using Out = decltype(tag);
     const auto launch = [&](auto index_tag) {
       using Index = decltype(index_tag);
-      if (args.hadamard) {
-        s2f6_accumulate_kernel<Index, Out, true><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
-            args, groups_per_row, div);
-      } else {
-        s2f6_accumulate_kernel<Index, Out, false><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
-            args, groups_per_row, div);
-      }
+      const auto kernel = args.hadamard ? s2f6_accumulate_kernel<Index, Out, true>
+                                        : s2f6_accumulate_kernel<Index, Out, false>;
+      kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(args, g.segments_per_row, g.num_segments, g.div);
     };
     if (args.index_is_int64) {
       launch(int64_t{});

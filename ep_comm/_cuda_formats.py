@@ -324,7 +324,7 @@ def host_bf16_round(x: torch.Tensor) -> torch.Tensor:
 
 
 def host_rbits(seed: int, index: torch.Tensor) -> torch.Tensor:
-    """rbits(seed, index) as an int64 tensor in [0, 2^32)."""
+    """rbits(seed, index) as an int64 tensor of 16-bit values (docs/NUMERICS.md "Random bits")."""
     idx = index.to(torch.int64).contiguous().reshape(-1)
     out = torch.empty(idx.shape, dtype=torch.int32)
     _lib().host_rbits(seed & (2**64 - 1), idx.data_ptr(), idx.numel(), out.data_ptr())
@@ -341,15 +341,16 @@ def host_sr_e4m3(x: torch.Tensor, random_bits: torch.Tensor) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
-def host_nvfp4_four_over_six_fast_decided(x: torch.Tensor, amax: torch.Tensor,
-                                          e4m3_max: float = _NVFP4_ACTIVATION_M) -> torch.Tensor:
-    """bool [rows, K/16]: whether the quantizer's fast 4/6 path decides each block (False: the exact formula)."""
+def host_nvfp4_fast_decided(x: torch.Tensor, amax: torch.Tensor, four_over_six: bool = True,
+                            e4m3_max: float = _NVFP4_ACTIVATION_M) -> torch.Tensor:
+    """bool [rows, K/16]: whether the quantizer's fast path handles each block (with 4/6: decides the choice by
+    its bound; without: the plain fast codes); False: the general form (the exact 4/6 formula)."""
     k = x.shape[-1]
     xf = _host_f32(x).reshape(-1, k)
     row_amax = torch.broadcast_to(torch.as_tensor(amax, dtype=torch.float32), (xf.shape[0],)).contiguous()
     decided = torch.empty(xf.shape[0], k // 16, dtype=torch.uint8)
-    _lib().host_nvfp4_four_over_six_fast_decided(xf.data_ptr(), xf.shape[0], k, row_amax.data_ptr(), e4m3_max,
-                                                 decided.data_ptr())
+    _lib().host_nvfp4_fast_decided(xf.data_ptr(), xf.shape[0], k, row_amax.data_ptr(), e4m3_max, four_over_six,
+                                   decided.data_ptr())
     return decided.bool()
 
 

@@ -266,14 +266,22 @@ def sr_key(seed: int) -> int:
 
 
 def rbits(seed: int, index: torch.Tensor) -> torch.Tensor:
-    """32 counter-based random bits (int64 tensor in [0, 2^32)) for each element index."""
+    """16 counter-based random bits (int64 tensor in [0, 2^16)) for each element index (docs/NUMERICS.md).
+
+    One fmix32 word per pair of elements: pair p = index >> 1, word = fmix32((p mod 2^32) ^ fmix32((p >> 32) ^ key));
+    the even element takes the word's low 16 bits, the odd one its high 16 bits.
+    """
     index = index.to(torch.int64)
     key = sr_key(seed)
-    return _fmix32(_fmix32((index & 0xFFFFFFFF) ^ key) ^ ((index >> 32) & 0xFFFFFFFF))
+    pair = index >> 1
+    pair_key = _fmix32(((pair >> 32) & 0xFFFFFFFF) ^ key)
+    word = _fmix32((pair & 0xFFFFFFFF) ^ pair_key)
+    return (word >> (16 * (index & 1))) & 0xFFFF
 
 
 def _e4m3_stochastic(v: torch.Tensor, random_bits: torch.Tensor) -> torch.Tensor:
-    """Stochastic rounding of fp32 values to E4M3 (16 random bits), clamped to +-448 before rounding."""
+    """Stochastic rounding of fp32 values to E4M3 with 16 random bits each (the low 16 of random_bits; rbits gives
+    exactly 16), clamped to +-448 before rounding."""
     a = torch.minimum(v.abs(), _f32(E4M3_MAX, v.device))
     _, exponent = torch.frexp(a)
     floor_log2 = torch.where(a > 0, exponent.to(torch.int64) - 1, torch.full_like(exponent, -6, dtype=torch.int64))

@@ -179,12 +179,65 @@ def test_mxfp8_stochastic_rounding_deterministic_and_unbiased():
         assert int(m.scales.view(torch.uint8)[1, 0]) == 0xFE and int(m.data.view(torch.uint8)[1, 0]) == 0x7E
 
 
+def _fmix32_plain(h: int) -> int:
+    """murmur3's finalizer written out again, independently of ep_comm.formats."""
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) % 2**32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) % 2**32
+    return h ^ (h >> 16)
+
+
+def _rbits_plain(seed: int, index: int) -> int:
+    """docs/NUMERICS.md "Random bits", one index at a time in plain integers."""
+    key = _fmix32_plain((seed % 2**32) ^ 0x9E3779B9) ^ _fmix32_plain((seed >> 32) % 2**32 ^ 0x7F4A7C15)
+    pair = index >> 1
+    word = _fmix32_plain((pair % 2**32) ^ _fmix32_plain((pair >> 32) % 2**32 ^ key))
+    return (word >> (16 * (index % 2))) % 2**16
+
+
 def test_rbits_reference_values():
     # Pinned values: a CUDA kernel must reproduce exactly these random bits for seed 0 and 1.
-    assert F.rbits(0, torch.arange(4)).tolist() == [3091242465, 2960820262, 1654951872, 1964048943]
-    assert F.rbits(1, torch.arange(4)).tolist() == [3348473812, 2735822760, 1016035729, 2310293693]
-    high = F.rbits(0, torch.tensor([2**32 + 5, 5]))
+    assert F.rbits(0, torch.arange(4)).tolist() == [40417, 47168, 45074, 49629]
+    assert F.rbits(1, torch.arange(4)).tolist() == [42964, 51093, 3719, 50751]
+    # The definition, recomputed independently, at indices whose pair has a nonzero high word, and large seeds.
+    index = [0, 1, 2, 3, 31, 32, 2**32 - 1, 2**32, 2**32 + 5, 2**33 + 10, 2**33 + 11, 2**62 + 3, 2**63 - 1]
+    for seed in (0, 1, 7, 2**32 + 7, 2**64 - 1):
+        assert F.rbits(seed, torch.tensor(index)).tolist() == [_rbits_plain(seed, i) for i in index], seed
+    high = F.rbits(0, torch.tensor([2**33 + 10, 10]))  # same low word of the pair index, different high word
     assert high[0] != high[1]
+
+
+def test_rbits_uniform_and_uncorrelated():
+    """The 16-bit draws look uniform (chi-square over 256 bins of the top and of the low byte, and over the top
+    4 bits, all SR uses for bf16 inputs; mean and variance) and independent between neighbours (the two halves of
+    one fmix32 word, neighbours from two words, the same index under two seeds)."""
+    n = 1 << 18
+    g = torch.Generator().manual_seed(21)
+    for seed in (0, 1, 99, 2**40 + 3):
+        for index in (torch.arange(n), torch.arange(n) + 2**33 - 64,
+                      torch.randint(0, 2**40, (n // 2,), generator=g) * 2 + torch.tensor([0, 1]).repeat(n // 4)):
+            r = F.rbits(seed, index)
+            assert int(r.min()) >= 0 and int(r.max()) < 2**16
+            m = r.numel()
+            for values, bins in ((r >> 8, 256), (r & 0xFF, 256), (r >> 12, 16)):
+                counts = torch.bincount(values, minlength=bins).double()
+                chi2 = ((counts - m / bins) ** 2 / (m / bins)).sum().item()
+                assert chi2 < (bins - 1) + 6 * math.sqrt(2 * (bins - 1)), (seed, bins, chi2)  # 6 sigma
+            rf = r.double()
+            assert abs(rf.mean().item() - 32767.5) < 6 * 18918.6 / math.sqrt(m)  # sd of U{0..65535} ~ 18918.6
+            assert abs(rf.var().item() / (65536.0**2 / 12) - 1) < 0.02
+            if index.numel() != n:  # random indices: no neighbours to compare
+                continue
+            centered = (rf - 32767.5) / 18918.6
+            limit = 6 / math.sqrt(m / 2)
+            assert abs((centered[0::2] * centered[1::2]).mean().item()) < limit  # halves of one word
+            assert abs((centered[1:-1:2] * centered[2::2]).mean().item()) < limit  # neighbours from two words
+            joint = torch.bincount((r[0::2] >> 12) * 16 + (r[1::2] >> 12), minlength=256).double()
+            chi2 = ((joint - m / 2 / 256) ** 2 / (m / 2 / 256)).sum().item()
+            assert chi2 < 255 + 6 * math.sqrt(2 * 255), (seed, "pair halves", chi2)
+    a, b = F.rbits(5, torch.arange(n)).double(), F.rbits(6, torch.arange(n)).double()
+    assert abs(((a - 32767.5) * (b - 32767.5)).mean().item() / 18918.6**2) < 6 / math.sqrt(n)
 
 
 def test_nan_inf_and_zero_rows():

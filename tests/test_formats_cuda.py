@@ -170,6 +170,63 @@ def test_stochastic_rounding_seeds_and_unbiasedness():
     assert abs(signed) < 0.02, f"SR is biased: mean signed error {signed} of the nearest-rounding error"
 
 
+def _sr_fast_path_limit_blocks() -> torch.Tensor:
+    """MXFP8 blocks at the limits of the kernels' fast SR form (sr_e4m3_fast / sr_fast_block_ok, quant_math.cuh),
+    one per row of 32: scale byte 156 (the last fast one) and 157, the one finite amax whose block needs the clamp
+    (0x1.c00002p-119), fp32-subnormal inputs, values that scale into the E4M3 subnormal range or below 2^-126,
+    zeros of both signs, and Inf / NaN blocks (general form)."""
+    g = torch.Generator().manual_seed(61)
+    rows = []
+    for amax in (448.0 * 2**29, 448.0 * 2**29 * 1.5, float.fromhex("0x1.c00002p-119"), 2.0**-130, 1.0, 448.0,
+                 3.0e38):
+        row = (torch.rand(32, generator=g) * 2 - 1) * amax
+        row[0] = amax
+        row[1:8] = row[1:8] * torch.tensor([1e-3, 1e-5, 1e-7, 1e-30, 1e-40, 0.0, -0.0])
+        rows.append(row)
+    rows.append(torch.tensor([1.0, 1e-45, -1e-45, 2.0**-133, 2.0**-140] + [0.0, -0.0] * 13 + [2.0**-7]))
+    rows.append(torch.tensor([0.0, -0.0] * 16))
+    rows.append(torch.tensor([math.inf] + [1.0] * 30 + [1e-20]))
+    rows.append(torch.tensor([math.nan] + [1.0] * 30 + [1e-20]))
+    return torch.stack(rows).float()
+
+
+def test_stochastic_rounding_fast_path_limits():
+    """Blocks on both sides of the kernels' fast SR form, bitwise against the reference."""
+    x = _sr_fast_path_limit_blocks()
+    for seed in (0, 1, 2**40 + 3, 12345):
+        expected = F.mxfp8_quantize(x, rounding="stochastic", seed=seed, impl="reference")
+        actual = F.mxfp8_quantize(x.to(DEVICE), rounding="stochastic", seed=seed, impl="cuda")
+        assert_same_mx(_cpu_mx(actual), expected, f"mxfp8 SR limits seed {seed}")
+
+
+@pytest.mark.parametrize("dtype, fraction", [(torch.float32, 12345 / 65536), (torch.bfloat16, 5 / 16)])
+def test_stochastic_rounding_draws_uniform_and_independent(dtype, fraction):
+    """The kernel's 16-bit draws, seen through its rounding decisions: a value at `fraction` of its E4M3 step
+    (96 + 8 * fraction with the scale pinned to 1) rounds up with probability `fraction` (fp32: all 16 bits of a
+    draw matter; bf16: only its top 4), independently of its neighbours (the two halves of one fmix32 word, and
+    neighbours from two words) and of the seed."""
+    rows, hidden = 512, 2048
+    x = torch.full((rows, hidden), 96.0 + 8.0 * fraction).to(dtype)
+    x[:, ::32] = 448.0  # every block's amax: scale 1
+    xd = x.to(DEVICE)
+    ups = []
+    for seed in (0, 1, 2**40 + 3):
+        m = F.mxfp8_quantize(xd, rounding="stochastic", seed=seed, impl="cuda")
+        y = F.mxfp8_dequantize(m).cpu().reshape(rows, hidden // 32, 32)[:, :, 1:]  # drop the 448s
+        assert set(y.unique().tolist()) <= {96.0, 104.0}
+        up = (y == 104.0).double()
+        n = up.numel()
+        assert abs(up.mean().item() - fraction) < 6 * math.sqrt(fraction * (1 - fraction) / n), seed
+        z = (up - fraction) / math.sqrt(fraction * (1 - fraction))
+        # Block positions 1..31: (2m, 2m + 1) share a pair word, (2m + 1, 2m + 2) come from two words.
+        same_word = (z[:, :, 1:30:2] * z[:, :, 2:31:2]).mean().item()
+        two_words = (z[:, :, 0:30:2] * z[:, :, 1:31:2]).mean().item()
+        for corr in (same_word, two_words):
+            assert abs(corr) < 6 / math.sqrt(n / 2), (seed, same_word, two_words)
+        ups.append(z)
+    assert abs((ups[0] * ups[1]).mean().item()) < 6 / math.sqrt(ups[0].numel()), "seeds 0 and 1 correlate"
+
+
 @pytest.mark.parametrize("num_rows, hidden", [(32, 48), (96, 2048), (288, 7168), (128, 64)])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_nvfp4_to_mxfp8_transposed(num_rows, hidden, rounding):
@@ -217,6 +274,30 @@ def test_s2f6_dequantize_accumulate(hidden, num_terms, weighted, hadamard, index
         actual = F.s2f6_dequantize_accumulate(s_cuda, index.to(DEVICE), None if weights is None else weights.to(DEVICE),
                                               out_dtype=out_dtype, impl="cuda")
         assert_same_floats(actual.cpu(), expected, f"accumulate {out_dtype}")
+
+
+@pytest.mark.parametrize("hidden", [32, 96, 800, 2080])
+@pytest.mark.parametrize("num_terms", [33, 70])
+def test_s2f6_partial_segments_and_many_terms(hidden, num_terms):
+    """The warp-per-512-element kernels: a row's last segment partly filled (hidden % 512 != 0), and more terms
+    per output row than one staging pass holds (32), with skipped indices inside and across passes."""
+    g = torch.Generator().manual_seed(hidden + num_terms)
+    num_src, num_out = 130, 45
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = _input("outliers", num_src, hidden, dtype, seed=hidden)
+        for hadamard in (False, True):  # the last (fp32, RHT) pair feeds the accumulation below
+            expected = F.s2f6_quantize(x, hadamard=hadamard, impl="reference")
+            actual = F.s2f6_quantize(x.to(DEVICE), hadamard=hadamard, impl="cuda")
+            assert_same_mx(_cpu_s2f6(actual), expected, f"s2f6 {dtype} hidden {hidden}")
+    index = torch.randint(-1, num_src, (num_out, num_terms), generator=g)
+    index[1, 30:36] = -1  # skipped terms on both sides of the first pass boundary
+    index[2] = -1         # an output row with no terms at all
+    weights = torch.rand(num_out, num_terms, generator=g)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        got = F.s2f6_dequantize_accumulate(actual, index.to(DEVICE), weights.to(DEVICE), out_dtype=out_dtype,
+                                           impl="cuda")
+        want = F.s2f6_dequantize_accumulate(expected, index, weights, out_dtype=out_dtype, impl="reference")
+        assert_same_floats(got.cpu(), want, f"accumulate hidden {hidden} terms {num_terms} {out_dtype}")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -250,6 +250,35 @@ def test_edge_rows_match_reference(hidden):
                    F.nvfp4_to_mxfp8_transposed(padded, seed=3, impl="reference"), "transposed edge")
 
 
+def _sr_fast_path_limit_blocks() -> torch.Tensor:
+    """MXFP8 blocks at the limits of the kernels' fast SR form (sr_e4m3_fast / sr_fast_block_ok, quant_math.cuh),
+    one per row of 32: scale byte 156 (the last fast one) and 157, the one finite amax whose block needs the clamp
+    (0x1.c00002p-119), fp32-subnormal inputs, values that scale into the E4M3 subnormal range or below 2^-126,
+    zeros of both signs, and Inf / NaN blocks (general form)."""
+    g = torch.Generator().manual_seed(61)
+    rows = []
+    for amax in (448.0 * 2**29, 448.0 * 2**29 * 1.5, float.fromhex("0x1.c00002p-119"), 2.0**-130, 1.0, 448.0,
+                 3.0e38):
+        row = (torch.rand(32, generator=g) * 2 - 1) * amax
+        row[0] = amax
+        row[1:8] = row[1:8] * torch.tensor([1e-3, 1e-5, 1e-7, 1e-30, 1e-40, 0.0, -0.0])
+        rows.append(row)
+    rows.append(torch.tensor([1.0, 1e-45, -1e-45, 2.0**-133, 2.0**-140] + [0.0, -0.0] * 13 + [2.0**-7]))
+    rows.append(torch.tensor([0.0, -0.0] * 16))
+    rows.append(torch.tensor([math.inf] + [1.0] * 30 + [1e-20]))
+    rows.append(torch.tensor([math.nan] + [1.0] * 30 + [1e-20]))
+    return torch.stack(rows).float()
+
+
+def test_mxfp8_stochastic_fast_path_limits_match_reference():
+    x = _sr_fast_path_limit_blocks()
+    for seed in (0, 1, 2**40 + 3, 12345):
+        expected = F.mxfp8_quantize(x, rounding="stochastic", seed=seed, impl="reference")
+        assert_same_mx(C.host_mxfp8_quantize(x, "stochastic", seed), expected, f"mxfp8 SR limits seed {seed}")
+    scales = F.mxfp8_quantize(x).scales.view(torch.uint8)[:, 0].tolist()
+    assert scales[:2] == [156, 157], scales  # the rows really sit on both sides of the fast form's limit
+
+
 def test_bf16_and_fp16_inputs_match_reference():
     x = make_rows("outliers", 6, 2048, seed=4)
     for dtype in (torch.bfloat16, torch.float16):
@@ -295,21 +324,22 @@ def test_four_over_six_fast_path_exhaustive_small_blocks():
         assert_same_nvfp4(C.host_nvfp4_quantize(x, True, amax=amax), expected, "4/6 small alphabet")
 
 
-def test_four_over_six_fast_path_decides_typical_blocks():
-    """Speed guard: the bound-based fast path must decide nearly every block of ordinary activations (the exact
-    formula costs ~3x more; a change that made it fall back everywhere would still pass every bitwise test)."""
+@pytest.mark.parametrize("four_over_six", [True, False], ids=["4/6", "plain"])
+def test_nvfp4_fast_path_decides_typical_blocks(four_over_six):
+    """Speed guard: the fast paths must handle nearly every block of ordinary activations (the general forms cost
+    ~1.5-3x more; a change that made them fall back everywhere would still pass every bitwise test)."""
     g = torch.Generator().manual_seed(47)
     gauss = torch.randn(64, 7168, generator=g).to(torch.bfloat16).float()
     heavy = (torch.randn(64, 7168, generator=g) * torch.exp(torch.randn(64, 7168, generator=g))).to(torch.bfloat16)
     for name, x in (("gauss", gauss), ("heavy-tailed", heavy.float())):
         amax = x.abs().amax(dim=1)
-        decided = C.host_nvfp4_four_over_six_fast_decided(x, amax, 256.0)
+        decided = C.host_nvfp4_fast_decided(x, amax, four_over_six, 256.0)
         fraction = decided.float().mean().item()
-        assert fraction > 0.995, f"{name}: the fast 4/6 path decided only {fraction:.4%} of the blocks"
-    # And it must not decide the blocks it cannot: NaN / Inf elements and zero-scale blocks go to the formula.
+        assert fraction > 0.995, f"{name}: the fast path decided only {fraction:.4%} of the blocks"
+    # And it must not take the blocks it cannot: NaN / Inf elements and zero-scale blocks go to the general form.
     special = torch.zeros(3, 16)
     special[0, 3] = float("nan")
     special[1, 7] = float("inf")
     special[2, 0] = 1e-30  # with an outer amax of 1: the block's scale rounds to zero
-    decided = C.host_nvfp4_four_over_six_fast_decided(special, torch.tensor([1.0, 1.0, 1.0]), 256.0)
+    decided = C.host_nvfp4_fast_decided(special, torch.tensor([1.0, 1.0, 1.0]), four_over_six, 256.0)
     assert not decided.any(), decided

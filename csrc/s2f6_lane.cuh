@@ -1,0 +1,188 @@
+// S2F6 and RHT-32 pieces for kernels that hold an aligned chunk of 32 in two lanes (16 elements each: the
+// quantize and dequantize-accumulate kernels of s2f6.cu, the NVLink combine) or four lanes (8 each: dequantize).
+// Bit-identical to the serial rules of quant_math.cuh (docs/NUMERICS.md "RHT-32", "S2F6 quantize"); each
+// helper says why. Device code only.
+#pragma once
+
+#include <cstdint>
+
+#include "quant_math.cuh"
+
+namespace ep_comm {
+namespace s2f6_lane {
+
+// rht_sign(v, sign_mask, first + k) for k = 0..N-1 with bits = sign_mask >> first: bit k of `bits` moved to bit 31
+// (one shift and one LOP3 per value instead of a variable shift, a mask and a xor).
+template <int N>
+__device__ __forceinline__ void apply_signs(float v[N], uint32_t bits) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) v[k] = __uint_as_float(__float_as_uint(v[k]) ^ ((bits << (31 - k)) & 0x80000000u));
+}
+
+// Unnormalized FWHT-32 of a 2-lane chunk, lane g = lane & 1 holding elements 16g .. 16g + 15: stages h = 1..8 in
+// registers, h = 16 pairs the lane with lane ^ 1. The serial rule gives the lower element f(v + p) and the upper
+// f(p - v); both are one FFMA, fma(v, s, p) with s = +1 (lower) or -1 (upper): the product v * s is exact, so the
+// FMA rounds p + v or p - v once, the same value (zeros' signs included) as the add / subtract. Every lane of the
+// warp must call this (full-mask shuffles).
+__device__ __forceinline__ void fwht32_lane16(float v[16], int lane) {
+  qm::fwht_serial<16>(v);
+  const float s = (lane & 1) ? -1.0f : 1.0f;
+#pragma unroll
+  for (int k = 0; k < 16; ++k) v[k] = __fmaf_rn(v[k], s, __shfl_xor_sync(0xFFFFFFFFu, v[k], 1));
+}
+
+// RHT-32 inverse of the lane's 16 values of a 2-lane chunk (qm::rht32_inverse's operations in the same order).
+__device__ __forceinline__ void rht32_inverse_lane16(float v[16], uint32_t sign_mask, int lane) {
+  fwht32_lane16(v, lane);
+  const float c = __uint_as_float(qm::kRhtScaleBits);
+#pragma unroll
+  for (int k = 0; k < 16; ++k) v[k] = qm::qm_mul(v[k], c);
+  apply_signs<16>(v, sign_mask >> ((lane & 1) * 16));
+}
+
+// The same for the 8 values of a 4-lane chunk (elements (lane & 3) * 8 + k), for the dequantize kernel.
+__device__ __forceinline__ void rht32_inverse_lane8(float v[8], uint32_t sign_mask, int lane) {
+  qm::fwht32_lane8(v, lane);
+  const float c = __uint_as_float(qm::kRhtScaleBits);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = qm::qm_mul(v[k], c);
+  apply_signs<8>(v, sign_mask >> ((lane & 3) * 8));
+}
+
+#if defined(EP_COMM_S2F6_NATIVE)
+__device__ __forceinline__ uint2 pack_codes(const float v[8], uint8_t scale) {
+  const float multiplier = qm::ue8m0_inverse(scale);
+  uint32_t words[2];
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    words[w] = static_cast<uint32_t>(qm::s2f6x2_encode(v[4 * w], v[4 * w + 1], scale, multiplier)) |
+               (static_cast<uint32_t>(qm::s2f6x2_encode(v[4 * w + 2], v[4 * w + 3], scale, multiplier)) << 16);
+  }
+  return make_uint2(words[0], words[1]);
+}
+#else
+// 8 codes of qm::s2f6_encode(v[k], scale) (scale <= 0xFE, as ue8m0_s2f6_scale gives), packed lowest element in
+// the lowest byte. Same bits as the rule, fewer instructions:
+//  * t: for scale >= 6, f(v * 2^(133 - b)) (one multiply) equals the rule's f(f(v * 2^(127 - b)) * 64) whenever
+//    |t| >= 2^-120: then v * 2^(127 - b) is normal (or 0 / Inf) and scaling by a power of two is exact, so both
+//    are v * 2^(133 - b) rounded once; otherwise both |t| < 1/2 and both give code 0. No overflow: |v| <= amax <
+//    2^(b - 126), so |v * 2^(133 - b)| < 128 (Inf stays Inf). For scale < 6, 2^(133 - b) is not an fp32: the
+//    rule's two multiplies are kept.
+//  * clamp as max(min(t, 127), -128): for a non-NaN t the same as the rule's min(max(t, -128), 127); for t = NaN
+//    (iff v is NaN: the multipliers are finite and > 0) fminf returns 127, the rule's NaN code.
+//  * rounding: s = f(t + 1.5 * 2^23) lies in [2^23, 2^24) (ulp 1) and is 1.5 * 2^23 + RNE(t) (the magic is even,
+//    so ties pick the same neighbour), i.e. bits 0x4B400000 + RNE(t): the low byte is the int8 code that
+//    qm_rint_small + the int conversion give, without the subtraction and the quarter-rate F2I.
+__device__ __forceinline__ uint32_t s2f6_rounded_bits(float t) {
+  t = qm::qm_max(qm::qm_min(t, 127.0f), -128.0f);
+  return __float_as_uint(qm::qm_add(t, qm::kRoundMagic));
+}
+
+//  * for 6 <= b <= 253 the lower clamp is a no-op and the upper one only maps NaN: b = ue8m0_s2f6_scale(amax)
+//    is the smallest e with amax * 2^(127 - e) <= 127/64 unless clamped to 0xFE (amax >= 2^127 * 127/64 or
+//    Inf), and |v| <= amax for every value of the block, so |v * 2^(133 - b)| <= 127 and its rounding too
+//    (127 is an fp32); min(t, 127) keeps such a t and turns NaN into 127, and t >= -127 > -128.
+__device__ __forceinline__ uint2 pack_codes(const float v[8], uint8_t scale) {
+  uint32_t s[8];
+  if (scale >= 6 && scale <= 253) {
+    const float multiplier = __uint_as_float((260u - scale) << 23);  // 2^(133 - b)
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      s[k] = __float_as_uint(qm::qm_add(qm::qm_min(qm::qm_mul(v[k], multiplier), 127.0f), qm::kRoundMagic));
+    }
+  } else if (scale >= 6) {
+    const float multiplier = __uint_as_float((260u - scale) << 23);  // 2^(133 - b), b = 254
+#pragma unroll
+    for (int k = 0; k < 8; ++k) s[k] = s2f6_rounded_bits(qm::qm_mul(v[k], multiplier));
+  } else {
+    const float multiplier = qm::ue8m0_inverse(scale);  // 2^(127 - b), normal for b < 6
+#pragma unroll
+    for (int k = 0; k < 8; ++k) s[k] = s2f6_rounded_bits(qm::qm_mul(qm::qm_mul(v[k], multiplier), 64.0f));
+  }
+  uint32_t words[2];
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    words[w] = __byte_perm(__byte_perm(s[4 * w], s[4 * w + 1], 0x0040), __byte_perm(s[4 * w + 2], s[4 * w + 3], 0x0040),
+                           0x5410);
+  }
+  return make_uint2(words[0], words[1]);
+}
+#endif
+
+// 16 codes of qm::s2f6_encode(f(v[k] * c), scale) for the RHT: v is the FWHT output before its scaling by
+// c = f(1/sqrt(32)) (the quantize kernel finds the scale from f(amax(|v|) * c), the amax of the scaled values:
+// rounding is monotonic). In the software path, for 9 <= b <= 253 the two multiplies f(f(v * c) * 2^(133 - b))
+// are one, f(v * m) with m = c * 2^(133 - b) (exact: c times a power of two, a normal fp32 for those b). Same value:
+// with u = v * c exact, when |u| >= 2^-126 and |u * 2^(133 - b)| >= 2^-126 scaling by the power of two commutes
+// with the rounding; when |u * 2^(133 - b)| < 2^-126 both results are below 1/2 (code 0); when |u| < 2^-126,
+// 133 - b <= 124 keeps both below 2^-2 (code 0). The clamp argument of pack_codes then holds unchanged.
+// Other b (zero or subnormal blocks, huge values) take pack_codes on f(v * c).
+__device__ __forceinline__ uint4 pack_codes_rht16(const float v[16], uint8_t scale) {
+  const float c = __uint_as_float(qm::kRhtScaleBits);
+#if !defined(EP_COMM_S2F6_NATIVE)
+  if (scale >= 9 && scale <= 253) {
+    const float m = __uint_as_float(qm::kRhtScaleBits + (static_cast<uint32_t>(133 - static_cast<int>(scale)) << 23));
+    uint32_t s[16];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+      s[k] = __float_as_uint(qm::qm_add(qm::qm_min(qm::qm_mul(v[k], m), 127.0f), qm::kRoundMagic));
+    }
+    uint32_t words[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      words[w] = __byte_perm(__byte_perm(s[4 * w], s[4 * w + 1], 0x0040),
+                             __byte_perm(s[4 * w + 2], s[4 * w + 3], 0x0040), 0x5410);
+    }
+    return make_uint4(words[0], words[1], words[2], words[3]);
+  }
+#endif
+  float y[16];
+#pragma unroll
+  for (int k = 0; k < 16; ++k) y[k] = qm::qm_mul(v[k], c);
+  const uint2 lo = pack_codes(y, scale);
+  const uint2 hi = pack_codes(y + 8, scale);
+  return make_uint4(lo.x, lo.y, hi.x, hi.y);
+}
+
+__device__ __forceinline__ uint4 pack_codes16(const float v[16], uint8_t scale) {
+  const uint2 lo = pack_codes(v, scale);
+  const uint2 hi = pack_codes(v + 8, scale);
+  return make_uint4(lo.x, lo.y, hi.x, hi.y);
+}
+
+// code * multiplier for 8 int8 codes. The int8 -> fp32 conversion goes through the mantissa of 2^23
+// (bits 0x4B000000 | (byte ^ 0x80) = 2^23 + 128 + code) and one exact subtraction: the same value as an
+// I2F, on the full-rate pipes instead of the quarter-rate conversion unit.
+__device__ __forceinline__ void unpack_codes(uint2 raw, float multiplier, float v[8]) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const uint32_t byte = ((k < 4 ? raw.x : raw.y) >> (8 * (k % 4))) & 0xFFu;
+    const float code = qm::qm_sub(__uint_as_float(0x4B000000u | (byte ^ 0x80u)), 8388736.0f);
+    v[k] = qm::qm_mul(code, multiplier);
+  }
+}
+
+// The decoded values f(code * 2^-6) * 2^(b - 127) = code * 2^(b - 133) of 8 codes, exactly as unpack_codes(raw,
+// s2f6_decode_multiplier(scale)) gives them. For b <= 237 the exponent goes into the magic number: with
+// E = b + 17 (in [17, 254], a normal exponent field) and u = byte ^ 0x80 = code + 128 in [0, 255],
+// X = bits(E << 23 | u) = 2^(b - 133) (2^23 + u) and B = bits(E << 23 | 0x80) = 2^(b - 133) (2^23 + 128), so
+// X - B = code * 2^(b - 133) exactly; that value is an fp32 (an integer multiple of 2^-149 with 8 significant
+// bits), so the correctly rounded subtraction returns it (code 0: X = B, +0 like 0.0f * multiplier). One PRMT
+// and one FSUB per value. b in [238, 255] (huge scales, 0xFF = NaN) takes the general form.
+__device__ __forceinline__ void unpack_codes_fast(uint2 raw, uint8_t scale, float v[8]) {
+  if (scale <= 237) {
+    const uint32_t base = ((static_cast<uint32_t>(scale) + 17u) << 23) | 0x80u;
+    const float bias = __uint_as_float(base);
+    const uint32_t words[2] = {raw.x ^ 0x80808080u, raw.y ^ 0x80808080u};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      // byte 0 from byte k % 4 of the word, bytes 1..3 from base (0, then the exponent)
+      v[k] = qm::qm_sub(__uint_as_float(__byte_perm(words[k / 4], base, 0x7650u | (k % 4))), bias);
+    }
+  } else {
+    unpack_codes(raw, qm::s2f6_decode_multiplier(scale), v);
+  }
+}
+
+}  // namespace s2f6_lane
+}  // namespace ep_comm
