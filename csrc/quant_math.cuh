@@ -244,10 +244,22 @@ QM_HD float e4m3_decode_soft(uint8_t b) {
   return bits_float(sign | ((e + 120u) << 23) | (m << 20));
 }
 
-QM_HD float e4m3_decode(uint8_t b) { return e4m3_decode_soft(b); }
-
 // Two E4M3 bytes (lo in bits 7:0) to fp32. Every E4M3 value is exact in fp16, so the sm_89+ hardware path
 // (e4m3x2 -> f16x2 -> f32) gives the same values as the software decode; NaN stays NaN.
+QM_HD void e4m3x2_decode(uint16_t pair, float& lo, float& hi);
+
+// One E4M3 byte: the hardware pair decode on sm_89+ (three instructions instead of a branchy bit assembly with
+// an int-to-float conversion for subnormals; same values, NaN stays NaN), else the software rule.
+QM_HD float e4m3_decode(uint8_t b) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
+  float lo, hi;
+  e4m3x2_decode(b, lo, hi);
+  return lo;
+#else
+  return e4m3_decode_soft(b);
+#endif
+}
+
 QM_HD void e4m3x2_decode(uint16_t pair, float& lo, float& hi) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
   uint32_t halves;
