@@ -158,3 +158,23 @@ def four_over_six_amax_cases(x: torch.Tensor, g: torch.Generator):
         boundary,
         own * torch.empty(n).uniform_(0.05, 1.0, generator=g),           # stale (smaller) amax: saturation
     ]
+
+
+def sr_fast_path_limit_blocks() -> torch.Tensor:
+    """MXFP8 blocks at the limits of the kernels' fast SR form (sr_e4m3_fast / sr_fast_block_ok, quant_math.cuh),
+    one per row of 32: scale byte 156 (the last fast one) and 157, the one finite amax whose block needs the clamp
+    (0x1.c00002p-119), fp32-subnormal inputs, values that scale into the E4M3 subnormal range or below 2^-126,
+    zeros of both signs, and Inf / NaN blocks (general form)."""
+    g = torch.Generator().manual_seed(61)
+    rows = []
+    for amax in (448.0 * 2**29, 448.0 * 2**29 * 1.5, float.fromhex("0x1.c00002p-119"), 2.0**-130, 1.0, 448.0,
+                 3.0e38):
+        row = (torch.rand(32, generator=g) * 2 - 1) * amax
+        row[0] = amax
+        row[1:8] = row[1:8] * torch.tensor([1e-3, 1e-5, 1e-7, 1e-30, 1e-40, 0.0, -0.0])
+        rows.append(row)
+    rows.append(torch.tensor([1.0, 1e-45, -1e-45, 2.0**-133, 2.0**-140] + [0.0, -0.0] * 13 + [2.0**-7]))
+    rows.append(torch.tensor([0.0, -0.0] * 16))
+    rows.append(torch.tensor([math.inf] + [1.0] * 30 + [1e-20]))
+    rows.append(torch.tensor([math.nan] + [1.0] * 30 + [1e-20]))
+    return torch.stack(rows).float()

@@ -20,7 +20,7 @@ if not ep_comm.cuda_extension_available():
 from ep_comm import _cuda_formats as C  # noqa: E402  (needs the extension)
 from format_cases import (  # noqa: E402
     adversarial_four_over_six_blocks, four_over_six_amax_cases, as_bytes, e4m3_tie_points, edge_rows, random_bit_floats, make_rows, special_floats, assert_same_bytes,
-    assert_same_floats, assert_same_mx, assert_same_nvfp4)
+    sr_fast_path_limit_blocks, assert_same_floats, assert_same_mx, assert_same_nvfp4)
 
 HIDDEN_SIZES = (2048, 4096, 7168)
 SIGN_MASKS = (F.DEFAULT_SIGN_MASK, 0, 0xFFFFFFFF, 0xD7E8)
@@ -250,28 +250,8 @@ def test_edge_rows_match_reference(hidden):
                    F.nvfp4_to_mxfp8_transposed(padded, seed=3, impl="reference"), "transposed edge")
 
 
-def _sr_fast_path_limit_blocks() -> torch.Tensor:
-    """MXFP8 blocks at the limits of the kernels' fast SR form (sr_e4m3_fast / sr_fast_block_ok, quant_math.cuh),
-    one per row of 32: scale byte 156 (the last fast one) and 157, the one finite amax whose block needs the clamp
-    (0x1.c00002p-119), fp32-subnormal inputs, values that scale into the E4M3 subnormal range or below 2^-126,
-    zeros of both signs, and Inf / NaN blocks (general form)."""
-    g = torch.Generator().manual_seed(61)
-    rows = []
-    for amax in (448.0 * 2**29, 448.0 * 2**29 * 1.5, float.fromhex("0x1.c00002p-119"), 2.0**-130, 1.0, 448.0,
-                 3.0e38):
-        row = (torch.rand(32, generator=g) * 2 - 1) * amax
-        row[0] = amax
-        row[1:8] = row[1:8] * torch.tensor([1e-3, 1e-5, 1e-7, 1e-30, 1e-40, 0.0, -0.0])
-        rows.append(row)
-    rows.append(torch.tensor([1.0, 1e-45, -1e-45, 2.0**-133, 2.0**-140] + [0.0, -0.0] * 13 + [2.0**-7]))
-    rows.append(torch.tensor([0.0, -0.0] * 16))
-    rows.append(torch.tensor([math.inf] + [1.0] * 30 + [1e-20]))
-    rows.append(torch.tensor([math.nan] + [1.0] * 30 + [1e-20]))
-    return torch.stack(rows).float()
-
-
 def test_mxfp8_stochastic_fast_path_limits_match_reference():
-    x = _sr_fast_path_limit_blocks()
+    x = sr_fast_path_limit_blocks()
     for seed in (0, 1, 2**40 + 3, 12345):
         expected = F.mxfp8_quantize(x, rounding="stochastic", seed=seed, impl="reference")
         assert_same_mx(C.host_mxfp8_quantize(x, "stochastic", seed), expected, f"mxfp8 SR limits seed {seed}")
