@@ -147,12 +147,19 @@ __global__ void __launch_bounds__(kThreads) mxfp8_dequantize_kernel(const uint8_
 //  phase 3: the tile's 4 scale bytes of each output row k (row blocks r0/32 .. r0/32 + 3, adjacent in
 //           out_scales) go out as one 4-byte store (when the tile is full and R % 128 == 0, so the word is
 //           aligned) instead of 4 byte stores R/32 bytes apart.
-// Smem row pitch kTileRows + 4: phase 1 stores one float per lane (consecutive rows: consecutive banks), phase 2
-// reads its 32 values as 8 float4 (16-byte aligned; the 8 lanes of a quarter warp, on consecutive columns, start
-// 4 banks apart and cover all 32 banks): no bank conflicts, and a quarter of the load instructions of a scalar read.
+// Phase 2 gives the 4 row blocks of one output row to 4 consecutive lanes, so a warp stores 8 output rows x 128
+// contiguous bytes (whole sectors) instead of 32 rows x 32 bytes. Shared memory: column c's value of tile row r at
+// word c * kTilePitch + r + (r / 32) * kRowBlockSkew. Phase 1 (one row per lane, one column at a time) writes 32
+// consecutive words per warp; phase 2 reads a block's 32 values as 8 float4 (16-byte aligned), and the 8 lanes of a
+// quarter warp (columns c, c + 1 x row blocks 0..3) start at 16-byte chunk 4c + b + j (mod 8): all different,
+// no bank conflicts.
 constexpr int kTileRows = 128;
 constexpr int kTileCols = 64;
-constexpr int kTilePitch = kTileRows + 4;
+constexpr int kRowBlockSkew = 4;
+constexpr int kTilePitch = 144;  // >= kTileRows + 3 * kRowBlockSkew, and 16 (mod 32) words (see above)
+__device__ __forceinline__ int tile_word(int column, int row) {
+  return column * kTilePitch + row + (row / 32) * kRowBlockSkew;
+}
 
 // f(e2m1val(code) * scale) (NUMERICS "NVFP4 / Dequantize") for the 16 codes of one NVFP4 block (element 2i in the
 // low nibble of byte i), with the hardware E4M3 decode instead of a per-code select chain: the E2M1 code
@@ -201,18 +208,34 @@ __device__ __forceinline__ TileRowInput load_tile_row(const uint8_t* __restrict_
                                                       const float* __restrict__ amax, int64_t num_rows,
                                                       int64_t hidden, int64_t r, int64_t k0) {
   TileRowInput in = {};
-  if (r < num_rows) {
+  if (r >= num_rows) return in;
+  const uint8_t* row_codes = data + r * (hidden / 2) + k0 / 2;
+  const uint8_t* row_scales = scales + r * (hidden / 16) + k0 / 16;
+  static_assert(kTileCols == 64, "the wide path loads 32 code bytes and 4 scale bytes per row");
+  if (hidden % 64 == 0 && k0 + kTileCols <= hidden &&
+      ((reinterpret_cast<uintptr_t>(data) & 15u) | (reinterpret_cast<uintptr_t>(scales) & 3u)) == 0) {
+    // A full tile row: its 32 code bytes as two 16-byte loads and its 4 scale bytes as one word (aligned: K % 64
+    // == 0 and k0 % 64 == 0) -- half / a quarter of the load instructions and sectors of the per-block form.
+    const uint4 lo = __ldg(reinterpret_cast<const uint4*>(row_codes));
+    const uint4 hi = __ldg(reinterpret_cast<const uint4*>(row_codes) + 1);
+    const uint32_t four = __ldg(reinterpret_cast<const uint32_t*>(row_scales));
+    in.codes[0] = make_uint2(lo.x, lo.y);
+    in.codes[1] = make_uint2(lo.z, lo.w);
+    in.codes[2] = make_uint2(hi.x, hi.y);
+    in.codes[3] = make_uint2(hi.z, hi.w);
+#pragma unroll
+    for (int blk = 0; blk < 4; ++blk) in.scales[blk] = (four >> (8 * blk)) & 0xFFu;
+  } else {
     // 16-column blocks: 8 code bytes each (8-byte aligned because K % 16 == 0).
 #pragma unroll
     for (int blk = 0; blk < kTileCols / 16; ++blk) {
-      const int64_t k = k0 + blk * 16;
-      if (k < hidden) {
-        in.codes[blk] = __ldg(reinterpret_cast<const uint2*>(data + r * (hidden / 2) + k / 2));
-        in.scales[blk] = __ldg(scales + r * (hidden / 16) + k / 16);
+      if (k0 + blk * 16 < hidden) {
+        in.codes[blk] = __ldg(reinterpret_cast<const uint2*>(row_codes + blk * 8));
+        in.scales[blk] = __ldg(row_scales + blk);
       }
     }
-    in.row_amax = __ldg(amax + r);
   }
+  in.row_amax = __ldg(amax + r);
   return in;
 }
 
@@ -253,7 +276,7 @@ __global__ void __launch_bounds__(kTileRows) nvfp4_to_mxfp8_transposed_kernel(
         float y[16];
         e2m1x16_decode_scaled(in.codes[blk], final_scale, y);
 #pragma unroll
-        for (int i = 0; i < 16; ++i) tile[(blk * 16 + i) * kTilePitch + t] = y[i];
+        for (int i = 0; i < 16; ++i) tile[tile_word(blk * 16 + i, t)] = y[i];
       }
     }
     __syncthreads();
@@ -266,13 +289,13 @@ __global__ void __launch_bounds__(kTileRows) nvfp4_to_mxfp8_transposed_kernel(
 #pragma unroll
     for (int pass = 0; pass < kTileCols * (kTileRows / 32) / kTileRows; ++pass) {
       const int unit = t + pass * kTileRows;
-      const int col = unit % kTileCols;      // output row within the tile: consecutive lanes, distinct banks
-      const int row_block = unit / kTileCols;  // which 32 input rows
+      const int col = unit / (kTileRows / 32);        // output row within the tile
+      const int row_block = unit % (kTileRows / 32);  // which 32 input rows: consecutive lanes
       const int64_t k = k0 + col;
       const int64_t rb = r0 + row_block * 32;
       if (k >= hidden || rb >= num_rows) continue;
       float x[32];
-      const float4* column = reinterpret_cast<const float4*>(tile + col * kTilePitch + row_block * 32);
+      const float4* column = reinterpret_cast<const float4*>(tile + tile_word(col, row_block * 32));
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const float4 four = column[j];
