@@ -5,8 +5,8 @@
 // hold one aligned chunk of 32 (the S2F6 block and the RHT chunk): the FWHT runs 4 stages in registers and one
 // across the lane pair, and the block amax is a 2-lane reduction. A warp takes one segment of 512 elements of
 // one row (kSegment), so the row is found once per warp and the per-row work of the accumulation (its source
-// rows and weights) is staged once per warp and reused by all 16 elements of every lane; every lane reads 32
-// contiguous input bytes and writes 16 code bytes (one 16-byte store).
+// rows and weights) is staged once per warp and reused by all 16 elements of every lane; every lane reads 16
+// contiguous input elements (16-byte loads) and writes 16 code bytes (one 16-byte store).
 // Dequantize: one thread per 8 elements, 4 lanes per chunk (3 FWHT stages in registers, 2 across lanes).
 // No lane leaves before the shuffles: out-of-range lanes compute on zeros and skip their stores (hidden % 32
 // == 0 keeps every chunk inside one row and one lane pair / lane quad).
