@@ -78,6 +78,8 @@ def worker(rank, world, args):
     w2 = (torch.randn(local, h, inter, device=device, generator=gen) / inter ** 0.5).to(torch.bfloat16)
     router = torch.randn(experts, h, device=device, generator=torch.Generator(device=device).manual_seed(7))
     packed = moe.pack_weights(w1, w2)
+    # --token-tiles: the first entry is the layer's tile, the others are timed as alternatives ("auto" = None).
+    token_tiles = [None if t == "auto" else int(t) for t in (s.strip() for s in args.token_tiles.split(",")) if t]
     rows = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         x = torch.randn(tokens, h, device=device, generator=gen).to(torch.bfloat16)
@@ -85,9 +87,7 @@ def worker(rank, world, args):
                "topk": topk}
         with ep_comm.Buffer(None, hidden=h, num_experts=experts, num_topk=topk, max_tokens_per_rank=tokens,
                             dispatch_format="nvfp4", combine_format="s2f6", expert_alignment=16) as buf:
-            first = args.token_tiles.split(",")[0].strip()
-            layer = moe.MoELayer(buf, router, packed, expert_impl="fused",
-                                 token_tile=None if first == "auto" else int(first))
+            layer = moe.MoELayer(buf, router, packed, expert_impl="fused", token_tile=token_tiles[0])
             idx, weights = layer.route(x)
             result = buf.dispatch(x, idx, weights)
             expert_out = layer.experts(result)
@@ -105,9 +105,8 @@ def worker(rank, world, args):
             row["router_graph_ms"] = _graph_ms(lambda: layer.route(x), args.iters)
             row["dispatch_graph_ms"] = _graph_ms(lambda: buf.dispatch(x, idx, weights), args.iters)
             row["combine_graph_ms"] = _graph_ms(lambda: buf.combine(expert_out, result.handle), args.iters)
-            for tile in [t for t in args.token_tiles.split(",")[1:] if t.strip()]:
-                other = moe.MoELayer(buf, router, packed, expert_impl="fused",
-                                     token_tile=None if tile == "auto" else int(tile))
+            for tile in token_tiles[1:]:
+                other = moe.MoELayer(buf, router, packed, expert_impl="fused", token_tile=tile)
                 row[f"tile{other.token_tile}_layer_ms"] = _time_ms(lambda: other(x), args.iters, None)
                 row[f"tile{other.token_tile}_layer_graph_ms"] = _graph_ms(lambda: other(x), args.iters)
                 row[f"tile{other.token_tile}_experts_graph_ms"] = _graph_ms(lambda: other.experts(result),

@@ -26,15 +26,16 @@ test_gemm_default() {  # the grouped GEMM tier with the default kernels only
   say "gpu tier: grouped GEMM + fused expert MLP (defaults)"
   timeout 150 python3 -m pytest -q -x tests/test_grouped_gemm.py 2>&1 | tail -2 | tee -a "$log"
 }
+test_gemm_variant() {  # $1 = VAR=value: the grouped GEMM kernel tests with that selectable variant forced
+  echo "$1:" | tee -a "$log"
+  env "$1" timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py -k kernel 2>&1 | tail -1 | tee -a "$log"
+}
 test_gemm() {  # defaults, then each selectable kernel variant
   test_gemm_default
   say "gpu tier: grouped GEMM kernels with 2 / 4 warpgroups forced, interleaved B, small-tile shapes, 1 k-block/stage"
-  for variant in EP_COMM_GEMM_WARPGROUPS=2 EP_COMM_GEMM_WARPGROUPS=4 EP_COMM_GEMM_B_SWIZZLE=0; do
-    env "$variant" timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py -k kernel 2>&1 | tail -1 | tee -a "$log"
-  done
-  for variant in EP_COMM_GEMM_SMALL_CTA=1x4 EP_COMM_GEMM_SMALL_CTA=2x2 EP_COMM_GEMM_KBLOCKS_PER_STAGE=1; do
-    echo "$variant:" | tee -a "$log"
-    env "$variant" timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py -k "kernel" 2>&1 | tail -1 | tee -a "$log"
+  for variant in EP_COMM_GEMM_WARPGROUPS=2 EP_COMM_GEMM_WARPGROUPS=4 EP_COMM_GEMM_B_SWIZZLE=0 \
+                 EP_COMM_GEMM_SMALL_CTA=1x4 EP_COMM_GEMM_SMALL_CTA=2x2 EP_COMM_GEMM_KBLOCKS_PER_STAGE=1; do
+    test_gemm_variant "$variant"
   done
 }
 test_multigpu() {
@@ -46,10 +47,7 @@ test_multigpu() {
   say "example: MoE layer on the visible GPUs"
   timeout 120 python3 examples/moe_layer.py 2>&1 | grep rank | tee -a "$log"
 }
-test_gemm_stage1() {  # the one-k-block-per-stage override on every kernel test
-  say "gpu tier: grouped GEMM kernels with EP_COMM_GEMM_KBLOCKS_PER_STAGE=1"
-  EP_COMM_GEMM_KBLOCKS_PER_STAGE=1 timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py -k kernel 2>&1 | tail -1 | tee -a "$log"
-}
+test_gemm_stage1() { test_gemm_variant EP_COMM_GEMM_KBLOCKS_PER_STAGE=1; }
 test_moe() {
   say "multigpu tier: MoE layer (fused experts, CUDA-graph replay)"
   timeout 200 python3 -m pytest -q -rs tests/test_moe.py -k "gpus" 2>&1 | tail -3 | tee -a "$log"

@@ -3,8 +3,6 @@
 //
 // Quantize / dequantize: one thread per 32-element block, consecutive threads on consecutive blocks, so
 // a warp moves 2 KiB (bf16 in) and 1 KiB (codes out) of contiguous memory with 16-byte accesses.
-#include <algorithm>
-
 #include "formats.h"
 #include "quant_math.cuh"
 #include "vec_io.cuh"
@@ -376,13 +374,9 @@ cudaError_t launch_nvfp4_to_mxfp8_transposed(const uint8_t* data, const uint8_t*
   const int64_t num_row_tiles = ceil_div(num_rows, kTileRows);
   const int64_t num_tiles = num_row_tiles * ceil_div(hidden, kTileCols);
   const auto kernel = stochastic ? nvfp4_to_mxfp8_transposed_kernel<true> : nvfp4_to_mxfp8_transposed_kernel<false>;
-  // Persistent: as many CTAs as fit at once (shared memory bounds it: ~6 per SM).
-  int device = 0, num_sms = 0, ctas_per_sm = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel, kTileRows, 0);
+  int64_t grid = 0;  // persistent: as many CTAs as fit at once (shared memory bounds it: ~5 per SM)
+  const cudaError_t err = resident_grid(kernel, kTileRows, num_tiles, &grid);
   if (err != cudaSuccess) return err;
-  const int64_t grid = std::min<int64_t>(num_tiles, static_cast<int64_t>(num_sms) * std::max(ctas_per_sm, 1));
   const uint32_t key = qm::sr_key(seed);
   const float inv_six_m = qm::qm_div(1.0f, qm::qm_mul(6.0f, e4m3_max));  // as in nvfp4_dequant_scale
   kernel<<<static_cast<unsigned>(grid), kTileRows, 0, stream>>>(data, scales, amax, num_rows, hidden, num_row_tiles,

@@ -17,6 +17,7 @@
 #include "nvlink.h"
 #include "quant_math.cuh"
 #include "s2f6_lane.cuh"
+#include "vec_io.cuh"
 
 namespace ep_comm {
 namespace nvlink {
@@ -25,13 +26,10 @@ namespace {
 using namespace ep_comm::qm;
 using namespace ep_comm::s2f6_lane;
 
+// 16 bf16 (two 16-byte vectors) to fp32, exact.
 __device__ __forceinline__ void bf16x16_to_float(const uint4& a, const uint4& b, float* out) {
-  const unsigned int w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    out[2 * i] = __uint_as_float(w[i] << 16);
-    out[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-  }
+  vec::Elem<__nv_bfloat16>::unpack(a, out);
+  vec::Elem<__nv_bfloat16>::unpack(b, out + 8);
 }
 
 __device__ __forceinline__ uint4 pack_bf16x16_lo(const float* v) {
@@ -47,16 +45,8 @@ __device__ __forceinline__ uint4 pack_bf16x16_lo(const float* v) {
 __device__ __forceinline__ void encode_store(const NvlinkConfig& cfg, float v[16], char* dst_row, int e0, bool active,
                                              int lane) {
   if (cfg.comb_fmt == kCombS2f6) {
-    // Forward RHT without its final scaling by c: the block amax of the scaled values is f(amax * c)
-    // (rounding is monotonic) and pack_codes_rht16 applies c inside the code multiplier (s2f6_lane.cuh).
-    apply_signs<16>(v, cfg.sign_mask >> ((lane & 1) * 16));
-    fwht32_lane16(v, lane);
-    float a = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) a = qm_max(a, qm_abs(v[i]));
-    a = qm_max(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
-    const uint8_t b = ue8m0_s2f6_scale(qm_mul(a, bits_float(kRhtScaleBits)));
-    const uint4 codes = pack_codes_rht16(v, b);
+    uint8_t b;
+    const uint4 codes = quantize_lane16<true>(v, cfg.sign_mask, lane, &b);  // the s2f6_quantize kernel's code
     if (active) {
       st_v4(dst_row + e0, codes);
       if ((lane & 1) == 0) *reinterpret_cast<uint8_t*>(dst_row + cfg.comb_scale_off + e0 / 32) = b;
@@ -361,8 +351,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
               const float wr = term_weights[warp_in_block][r0 + u];
               float v[16];
               if (s2f6) {
-                unpack_codes_fast(make_uint2(va[u].x, va[u].y), static_cast<uint8_t>(sb[u]), v);
-                unpack_codes_fast(make_uint2(va[u].z, va[u].w), static_cast<uint8_t>(sb[u]), v + 8);
+                unpack_codes16_fast(va[u], static_cast<uint8_t>(sb[u]), v);
               } else {
                 bf16x16_to_float(va[u], vb[u], v);
               }

@@ -960,34 +960,9 @@ QM_HD void rht32_inverse(float v[32], uint32_t sign_mask) {
   for (int j = 0; j < 32; ++j) v[j] = rht_sign(qm_mul(v[j], c), sign_mask, j);
 }
 
-#if defined(__CUDACC__)
-// Warp form: each group of 4 consecutive lanes (aligned to 4) holds one chunk of 32, lane g of the group
-// holding elements 8g .. 8g+7. Stages h = 1, 2, 4 run in registers, h = 8 and 16 pair lane g with g ^ 1 and
-// g ^ 2. The lane holding the upper element (bit h of its index set) gets f(p - v), the lower f(v + p):
-// exactly the serial pairing. Every lane of the warp must call this (full-mask shuffles).
-__device__ __forceinline__ void fwht32_lane8(float v[8], int lane) {
-  fwht_serial<8>(v);
-#pragma unroll
-  for (int lane_bit = 1; lane_bit <= 2; lane_bit <<= 1) {
-    const bool upper = (lane & lane_bit) != 0;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const float p = __shfl_xor_sync(0xFFFFFFFFu, v[k], lane_bit);
-      v[k] = upper ? qm_sub(p, v[k]) : qm_add(v[k], p);
-    }
-  }
-}
-
-// Max over the 4 lanes of an RHT group (NaN-ignoring like fmaxf).
-__device__ __forceinline__ float group4_max(float v) {
-  v = qm_max(v, __shfl_xor_sync(0xFFFFFFFFu, v, 1));
-  return qm_max(v, __shfl_xor_sync(0xFFFFFFFFu, v, 2));
-}
-#endif  // __CUDACC__
 
 // ---------------------------------------------------------------------------------------------------
-// BF16 round to nearest even (NaN -> 0x7FC0 like torch on the CPU; the GPU's cvt gives another NaN), and
-// widening.
+// BF16 round to nearest even (NaN -> 0x7FC0 like torch on the CPU; the GPU's cvt gives another NaN).
 QM_HD uint16_t bf16_bits_rn(float v) {
   const uint32_t bits = float_bits(v);
   if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;

@@ -10,8 +10,6 @@
 // Dequantize: one thread per 8 elements, 4 lanes per chunk (3 FWHT stages in registers, 2 across lanes).
 // No lane leaves before the shuffles: out-of-range lanes compute on zeros and skip their stores (hidden % 32
 // == 0 keeps every chunk inside one row and one lane pair / lane quad).
-#include <algorithm>
-
 #include "formats.h"
 #include "quant_math.cuh"
 #include "s2f6_lane.cuh"
@@ -95,19 +93,10 @@ __global__ void __launch_bounds__(kThreads) s2f6_quantize_kernel(S2f6QuantizeArg
     vec::load_row_segment<T, kLaneValues>(static_cast<const T*>(args.x) + piece.row * args.x_row_stride + piece.column,
                                           v);
   }
-  if (kHadamard) {
-    apply_signs<kLaneValues>(v, args.sign_mask >> ((lane & 1) * 16));
-    fwht32_lane16(v, lane);  // scaled by c inside pack_codes_rht16
-  }
-  float local = 0.0f;
-#pragma unroll
-  for (int k = 0; k < kLaneValues; ++k) local = qm::qm_max(local, qm::qm_abs(v[k]));
-  local = qm::qm_max(local, __shfl_xor_sync(0xFFFFFFFFu, local, 1));
-  if (kHadamard) local = qm::qm_mul(local, __uint_as_float(qm::kRhtScaleBits));  // = max |f(v * c)|
-  const uint8_t scale = qm::ue8m0_s2f6_scale(local);
+  uint8_t scale;
+  const uint4 codes = quantize_lane16<kHadamard>(v, args.sign_mask, lane, &scale);
   if (!piece.valid) return;
-  vec::store16(args.data + piece.row * args.data_row_stride + piece.column,
-               kHadamard ? pack_codes_rht16(v, scale) : pack_codes16(v, scale));
+  vec::store16(args.data + piece.row * args.data_row_stride + piece.column, codes);
   if ((lane & 1) == 0) args.scales[piece.row * args.scales_row_stride + piece.column / 32] = scale;
 }
 
@@ -149,7 +138,7 @@ __global__ void __launch_bounds__(kThreads) s2f6_dequantize_kernel(const int8_t*
 // (80 registers) measured 67% of copy on H200, 8 in flight with 2 CTAs 60% (bench/RESULTS.md, fifth session). The first kStagedTerms index/weight pairs of the
 // warp's next unit are loaded while the current one is summed, so a unit costs one memory round trip (its
 // codes), not two (indices, then codes).
-struct TermWords {  // lane j: term j of a staging pass (raw index and weight; used = false past the row's terms)
+struct TermWords {  // lane j: term j of a staging pass (raw index and weight; src = -1 past the row's terms)
   int64_t src = -1;
   float weight = 1.0f;
 };
@@ -223,8 +212,7 @@ __global__ void __launch_bounds__(kThreads, kAccumulateCtasPerSm) s2f6_accumulat
           if (first + i >= num_staged || staged_offsets[warp][first + i].x < 0) continue;
           const float weight = staged_weights[warp][first + i];
           float v[kLaneValues];
-          unpack_codes_fast(make_uint2(raw[i].x, raw[i].y), scale[i], v);
-          unpack_codes_fast(make_uint2(raw[i].z, raw[i].w), scale[i], v + 8);
+          unpack_codes16_fast(raw[i], scale[i], v);
 #pragma unroll
           for (int k = 0; k < kLaneValues; ++k) acc[k] = qm::qm_add(acc[k], qm::qm_mul(weight, v[k]));
         }
@@ -237,10 +225,6 @@ __global__ void __launch_bounds__(kThreads, kAccumulateCtasPerSm) s2f6_accumulat
     }
   }
 }
-
-}  // namespace
-
-namespace {
 
 // Grid of the warp-per-segment kernels: (row, 512-element segment) pairs, kWarps per block.
 struct SegmentGrid {
@@ -308,27 +292,19 @@ cudaError_t launch_s2f6_dequantize_accumulate(const S2f6AccumulateArgs& args, cu
   if (args.num_out_rows == 0) return cudaSuccess;
   if (!aligned16(args.data, 0) || !aligned16(args.out, 0)) return cudaErrorMisalignedAddress;  // 16-byte accesses
   const SegmentGrid g = make_segment_grid(args.num_out_rows, args.hidden);
-  // Persistent warps: at most the blocks that fit at once (kAccumulateCtasPerSm, the kernel's launch bounds).
-  int device = 0;
-  int num_sms = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
-  const int64_t blocks = std::min<int64_t>(g.blocks, kAccumulateCtasPerSm * static_cast<int64_t>(num_sms));
   return vec::dispatch_elem_type(args.out_type, [&](auto tag) {
     using Out = decltype(tag);
     const auto launch = [&](auto index_tag) {
       using Index = decltype(index_tag);
       const auto kernel = args.hadamard ? s2f6_accumulate_kernel<Index, Out, true>
                                         : s2f6_accumulate_kernel<Index, Out, false>;
+      int64_t blocks = 0;  // persistent warps: kAccumulateCtasPerSm per SM (the kernel's launch bounds)
+      const cudaError_t err = resident_grid(kernel, kThreads, g.blocks, &blocks);
+      if (err != cudaSuccess) return err;
       kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(args, g.segments_per_row, g.num_segments, g.div);
+      return cudaGetLastError();
     };
-    if (args.index_is_int64) {
-      launch(int64_t{});
-    } else {
-      launch(int32_t{});
-    }
-    return cudaGetLastError();
+    return args.index_is_int64 ? launch(int64_t{}) : launch(int32_t{});
   });
 }
 

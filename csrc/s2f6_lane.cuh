@@ -31,6 +31,18 @@ __device__ __forceinline__ void fwht32_lane16(float v[16], int lane) {
   for (int k = 0; k < 16; ++k) v[k] = __fmaf_rn(v[k], s, __shfl_xor_sync(0xFFFFFFFFu, v[k], 1));
 }
 
+// The same for a 4-lane chunk, lane g = lane & 3 holding elements 8g .. 8g + 7: stages h = 1, 2, 4 in registers,
+// h = 8 and 16 pair the lane with lane ^ 1 and lane ^ 2 (one FFMA each, as above).
+__device__ __forceinline__ void fwht32_lane8(float v[8], int lane) {
+  qm::fwht_serial<8>(v);
+#pragma unroll
+  for (int lane_bit = 1; lane_bit <= 2; lane_bit <<= 1) {
+    const float s = (lane & lane_bit) ? -1.0f : 1.0f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = __fmaf_rn(v[k], s, __shfl_xor_sync(0xFFFFFFFFu, v[k], lane_bit));
+  }
+}
+
 // RHT-32 inverse of the lane's 16 values of a 2-lane chunk (qm::rht32_inverse's operations in the same order).
 __device__ __forceinline__ void rht32_inverse_lane16(float v[16], uint32_t sign_mask, int lane) {
   fwht32_lane16(v, lane);
@@ -42,7 +54,7 @@ __device__ __forceinline__ void rht32_inverse_lane16(float v[16], uint32_t sign_
 
 // The same for the 8 values of a 4-lane chunk (elements (lane & 3) * 8 + k), for the dequantize kernel.
 __device__ __forceinline__ void rht32_inverse_lane8(float v[8], uint32_t sign_mask, int lane) {
-  qm::fwht32_lane8(v, lane);
+  fwht32_lane8(v, lane);
   const float c = __uint_as_float(qm::kRhtScaleBits);
 #pragma unroll
   for (int k = 0; k < 8; ++k) v[k] = qm::qm_mul(v[k], c);
@@ -82,6 +94,11 @@ __device__ __forceinline__ uint32_t s2f6_rounded_bits(float t) {
 //    is the smallest e with amax * 2^(127 - e) <= 127/64 unless clamped to 0xFE (amax >= 2^127 * 127/64 or
 //    Inf), and |v| <= amax for every value of the block, so |v * 2^(133 - b)| <= 127 and its rounding too
 //    (127 is an fp32); min(t, 127) keeps such a t and turns NaN into 127, and t >= -127 > -128.
+// Bytes 0 of four words, lowest first (the low byte of each rounded-bits word is its code).
+__device__ __forceinline__ uint32_t low_bytes4(const uint32_t s[4]) {
+  return __byte_perm(__byte_perm(s[0], s[1], 0x0040), __byte_perm(s[2], s[3], 0x0040), 0x5410);
+}
+
 __device__ __forceinline__ uint2 pack_codes(const float v[8], uint8_t scale) {
   uint32_t s[8];
   if (scale >= 6 && scale <= 253) {
@@ -99,15 +116,15 @@ __device__ __forceinline__ uint2 pack_codes(const float v[8], uint8_t scale) {
 #pragma unroll
     for (int k = 0; k < 8; ++k) s[k] = s2f6_rounded_bits(qm::qm_mul(qm::qm_mul(v[k], multiplier), 64.0f));
   }
-  uint32_t words[2];
-#pragma unroll
-  for (int w = 0; w < 2; ++w) {
-    words[w] = __byte_perm(__byte_perm(s[4 * w], s[4 * w + 1], 0x0040), __byte_perm(s[4 * w + 2], s[4 * w + 3], 0x0040),
-                           0x5410);
-  }
-  return make_uint2(words[0], words[1]);
+  return make_uint2(low_bytes4(s), low_bytes4(s + 4));
 }
 #endif
+
+__device__ __forceinline__ uint4 pack_codes16(const float v[16], uint8_t scale) {
+  const uint2 lo = pack_codes(v, scale);
+  const uint2 hi = pack_codes(v + 8, scale);
+  return make_uint4(lo.x, lo.y, hi.x, hi.y);
+}
 
 // 16 codes of qm::s2f6_encode(f(v[k] * c), scale) for the RHT: v is the FWHT output before its scaling by
 // c = f(1/sqrt(32)) (the quantize kernel finds the scale from f(amax(|v|) * c), the amax of the scaled values:
@@ -127,27 +144,31 @@ __device__ __forceinline__ uint4 pack_codes_rht16(const float v[16], uint8_t sca
     for (int k = 0; k < 16; ++k) {
       s[k] = __float_as_uint(qm::qm_add(qm::qm_min(qm::qm_mul(v[k], m), 127.0f), qm::kRoundMagic));
     }
-    uint32_t words[4];
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      words[w] = __byte_perm(__byte_perm(s[4 * w], s[4 * w + 1], 0x0040),
-                             __byte_perm(s[4 * w + 2], s[4 * w + 3], 0x0040), 0x5410);
-    }
-    return make_uint4(words[0], words[1], words[2], words[3]);
+    return make_uint4(low_bytes4(s), low_bytes4(s + 4), low_bytes4(s + 8), low_bytes4(s + 12));
   }
 #endif
   float y[16];
 #pragma unroll
   for (int k = 0; k < 16; ++k) y[k] = qm::qm_mul(v[k], c);
-  const uint2 lo = pack_codes(y, scale);
-  const uint2 hi = pack_codes(y + 8, scale);
-  return make_uint4(lo.x, lo.y, hi.x, hi.y);
+  return pack_codes16(y, scale);
 }
 
-__device__ __forceinline__ uint4 pack_codes16(const float v[16], uint8_t scale) {
-  const uint2 lo = pack_codes(v, scale);
-  const uint2 hi = pack_codes(v + 8, scale);
-  return make_uint4(lo.x, lo.y, hi.x, hi.y);
+// S2F6 codes of the lane's 16 values of a 2-lane chunk and the chunk's scale byte (*scale), with the forward RHT
+// first when kHadamard: signs, the FWHT, and the 1/sqrt(32) scaling folded into the code multiplier -- the block
+// amax of the scaled values is f(amax * c) since rounding is monotonic. Every lane of the warp must call this.
+template <bool kHadamard>
+__device__ __forceinline__ uint4 quantize_lane16(float v[16], uint32_t sign_mask, int lane, uint8_t* scale) {
+  if (kHadamard) {
+    apply_signs<16>(v, sign_mask >> ((lane & 1) * 16));
+    fwht32_lane16(v, lane);
+  }
+  float amax = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 16; ++k) amax = qm::qm_max(amax, qm::qm_abs(v[k]));
+  amax = qm::qm_max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+  if (kHadamard) amax = qm::qm_mul(amax, __uint_as_float(qm::kRhtScaleBits));
+  *scale = qm::ue8m0_s2f6_scale(amax);
+  return kHadamard ? pack_codes_rht16(v, *scale) : pack_codes16(v, *scale);
 }
 
 // code * multiplier for 8 int8 codes. The int8 -> fp32 conversion goes through the mantissa of 2^23
@@ -182,6 +203,12 @@ __device__ __forceinline__ void unpack_codes_fast(uint2 raw, uint8_t scale, floa
   } else {
     unpack_codes(raw, qm::s2f6_decode_multiplier(scale), v);
   }
+}
+
+// The 16 decoded values of a lane's 16 codes (one chunk, one scale byte).
+__device__ __forceinline__ void unpack_codes16_fast(uint4 raw, uint8_t scale, float v[16]) {
+  unpack_codes_fast(make_uint2(raw.x, raw.y), scale, v);
+  unpack_codes_fast(make_uint2(raw.z, raw.w), scale, v + 8);
 }
 
 }  // namespace s2f6_lane

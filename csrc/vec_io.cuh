@@ -108,6 +108,20 @@ __device__ __forceinline__ void store_row_segment(T* dst, const float* in) {
 // Launch-size helper shared by the format kernels' launchers.
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Grid of a persistent kernel: at most `wanted` blocks and no more than fit on the current device at once (the
+// kernel's occupancy at `threads` per block), so every block is resident and walks its share of the work.
+template <typename Kernel>
+cudaError_t resident_grid(Kernel kernel, int threads, int64_t wanted, int64_t* blocks) {
+  int device = 0, num_sms = 0, blocks_per_sm = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, threads, 0);
+  if (err != cudaSuccess) return err;
+  const int64_t resident = static_cast<int64_t>(num_sms) * (blocks_per_sm > 0 ? blocks_per_sm : 1);
+  *blocks = wanted < resident ? wanted : resident;
+  return cudaSuccess;
+}
+
 namespace vec {
 
 // Calls fn.template operator()<T>() with T the C++ type of an ElemType code.

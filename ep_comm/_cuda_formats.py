@@ -328,7 +328,7 @@ def host_rbits(seed: int, index: torch.Tensor) -> torch.Tensor:
     idx = index.to(torch.int64).contiguous().reshape(-1)
     out = torch.empty(idx.shape, dtype=torch.int32)
     _lib().host_rbits(seed & (2**64 - 1), idx.data_ptr(), idx.numel(), out.data_ptr())
-    return (out.to(torch.int64) & 0xFFFFFFFF).reshape(index.shape)
+    return out.to(torch.int64).reshape(index.shape)
 
 
 def host_sr_e4m3(x: torch.Tensor, random_bits: torch.Tensor) -> torch.Tensor:
@@ -341,13 +341,19 @@ def host_sr_e4m3(x: torch.Tensor, random_bits: torch.Tensor) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
+def _host_rows_and_amax(x: torch.Tensor, amax):
+    """x as contiguous fp32 rows [R, K], the outer amax broadcast to one float32 per row, and K."""
+    k = x.shape[-1]
+    xf = _host_f32(x).reshape(-1, k)
+    row_amax = torch.broadcast_to(torch.as_tensor(amax, dtype=torch.float32), (xf.shape[0],)).contiguous()
+    return xf, row_amax, k
+
+
 def host_nvfp4_fast_decided(x: torch.Tensor, amax: torch.Tensor, four_over_six: bool = True,
                             e4m3_max: float = _NVFP4_ACTIVATION_M) -> torch.Tensor:
     """bool [rows, K/16]: whether the quantizer's fast path handles each block (with 4/6: decides the choice by
     its bound; without: the plain fast codes); False: the general form (the exact 4/6 formula)."""
-    k = x.shape[-1]
-    xf = _host_f32(x).reshape(-1, k)
-    row_amax = torch.broadcast_to(torch.as_tensor(amax, dtype=torch.float32), (xf.shape[0],)).contiguous()
+    xf, row_amax, k = _host_rows_and_amax(x, amax)
     decided = torch.empty(xf.shape[0], k // 16, dtype=torch.uint8)
     _lib().host_nvfp4_fast_decided(xf.data_ptr(), xf.shape[0], k, row_amax.data_ptr(), e4m3_max, four_over_six,
                                    decided.data_ptr())
@@ -356,9 +362,7 @@ def host_nvfp4_fast_decided(x: torch.Tensor, amax: torch.Tensor, four_over_six: 
 
 def host_nvfp4_four_over_six_errors(x: torch.Tensor, amax: torch.Tensor, e4m3_max: float = _NVFP4_ACTIVATION_M):
     """(err_6, err_4) float32 [rows, K/16]: the 4/6 candidate errors the quantizer compares, per block."""
-    k = x.shape[-1]
-    xf = _host_f32(x).reshape(-1, k)
-    row_amax = torch.broadcast_to(torch.as_tensor(amax, dtype=torch.float32), (xf.shape[0],)).contiguous()
+    xf, row_amax, k = _host_rows_and_amax(x, amax)
     err6 = torch.empty(xf.shape[0], k // 16, dtype=torch.float32)
     err4 = torch.empty_like(err6)
     _lib().host_nvfp4_four_over_six_errors(xf.data_ptr(), xf.shape[0], k, row_amax.data_ptr(), e4m3_max,

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from . import _ext, formats
 from .buffer import Buffer
+from .grouped_gemm import TOKEN_TILES
 
 
 @dataclass(frozen=True)
@@ -150,8 +151,8 @@ class MoELayer(torch.nn.Module):
         self.buffer = buffer
         self.register_buffer("router_weight", router_weight.float())
         self.weights = weights
-        if token_tile is not None and (isinstance(token_tile, bool) or token_tile not in (16, 32, 64, 128)):
-            raise ValueError(f"token_tile must be None or one of 16, 32, 64, 128, got {token_tile!r}")
+        if token_tile is not None and (isinstance(token_tile, bool) or token_tile not in TOKEN_TILES):
+            raise ValueError(f"token_tile must be None or one of {', '.join(map(str, TOKEN_TILES))}, got {token_tile!r}")
         device = weights.w1.data.device
         supported, why = _fused_experts_supported(device, cfg.hidden, weights.w2.shape[-1])
         if expert_impl == "fused" and not supported:

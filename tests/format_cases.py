@@ -141,8 +141,8 @@ def adversarial_four_over_six_blocks(g: torch.Generator) -> torch.Tensor:
 
 
 def four_over_six_amax_cases(x: torch.Tensor, g: torch.Generator):
-    """Per-block outer amax: the block's own, larger (small / subnormal E4M3 block scales, scale-boundary
-    ratios), and stale smaller ones."""
+    """Per-block outer amax (finite float32; a non-finite case becomes 0): the block's own, larger (small /
+    subnormal E4M3 block scales, scale-boundary ratios), and stale smaller ones."""
     own = x.abs().amax(dim=-1)
     n = x.shape[0]
     tie_ratios = e4m3_tie_points()
@@ -151,13 +151,14 @@ def four_over_six_amax_cases(x: torch.Tensor, g: torch.Generator):
     pick = tie_ratios[torch.randint(0, len(tie_ratios), (n,), generator=g)]
     for_s4 = torch.rand(n, generator=g) < 0.5
     boundary = own * 256.0 / torch.where(for_s4, pick / 1.5, pick)
-    return [
+    cases = [
         own,
         own * torch.exp2(torch.empty(n).uniform_(0, 20, generator=g)),
         own * torch.exp2(torch.empty(n).uniform_(8, 12, generator=g)),   # E4M3-subnormal block scales
         boundary,
         own * torch.empty(n).uniform_(0.05, 1.0, generator=g),           # stale (smaller) amax: saturation
     ]
+    return [torch.where(torch.isfinite(a), a, torch.zeros_like(a)).float() for a in cases]
 
 
 def sr_fast_path_limit_blocks() -> torch.Tensor:
