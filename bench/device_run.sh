@@ -32,8 +32,8 @@ test_gemm_variant() {  # $1 = VAR=value: the grouped GEMM kernel tests with that
 }
 test_gemm() {  # defaults, then each selectable kernel variant
   test_gemm_default
-  say "gpu tier: grouped GEMM kernels with 2 / 4 warpgroups forced, interleaved B, small-tile shapes, 1 k-block/stage"
-  for variant in EP_COMM_GEMM_WARPGROUPS=2 EP_COMM_GEMM_WARPGROUPS=4 EP_COMM_GEMM_B_SWIZZLE=0 \
+  say "gpu tier: grouped GEMM kernels with 2 / 4 warpgroups forced, small-tile shapes, 1 k-block/stage"
+  for variant in EP_COMM_GEMM_WARPGROUPS=2 EP_COMM_GEMM_WARPGROUPS=4 \
                  EP_COMM_GEMM_SMALL_CTA=1x4 EP_COMM_GEMM_SMALL_CTA=2x2 EP_COMM_GEMM_KBLOCKS_PER_STAGE=1; do
     test_gemm_variant "$variant"
   done

@@ -15,10 +15,14 @@
 // that read it has retired.
 //
 // Weight decode (layout in ep_comm/grouped_gemm.py): for pair j of a k-step word w,
-//   ((w << 3j) & 0x0E000E00) | ((w << j) & 0x80008000)   is the fp16x2 of the two E2M1 values * 2^-14
-// (magnitude bits at the fp16 exponent/mantissa boundary; E2M1's subnormal 0.5 lands on fp16's subnormal
-// 2^-15, so zero and 0.5 need no special case). The scale code c of E4M3 scale s gives the fp16 s * 2^7 as
-// c << 7. Product: v * s * 2^-7, at least 2^-17 in magnitude (a multiple of 2^-17, exact even as an fp16
+//   ((w & kPairField[j]) * kPairMul[j]) & 0x8E008E00   (32-bit)   is the fp16x2 of the two E2M1 values * 2^-14
+// (magnitude bits at the fp16 exponent/mantissa boundary, sign at bit 15; E2M1's subnormal 0.5 lands on fp16's
+// subnormal 2^-15, so zero and 0.5 need no special case). Pair 0 is stored in place (1 op), pair 1 three bits
+// lower (shift + mask), pairs 2 and 3 keep sign and magnitude at other distances: the multiply by 2^a + 2^b
+// moves the magnitude by a and the sign by b in one IMAD, and the stray copies and carries stay outside the
+// mask (checked for every code by tests/test_grouped_gemm.py). 9 integer ops per 8 weights instead of 13 with
+// one shift distance per pair. The scale code c of E4M3 scale s gives the fp16 s * 2^7 as c << 7; one mask of
+// a row's 4-byte scale word gives the codes of two k-steps, and HMUL2 broadcasts the half it needs. Product: v * s * 2^-7, at least 2^-17 in magnitude (a multiple of 2^-17, exact even as an fp16
 // subnormal) and at most 6 * 448 * 2^-7 = 21. fp16 HMUL2 keeps subnormals (no flush for f16 on sm_90).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -49,15 +53,11 @@ constexpr int kDefaultBlocksPerStage = 2;
 template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage>
 struct Geometry {
   static constexpr int kThreads = kWarpGroups * 128;
-  // B (token) tile of one stage, K-major, in one of two layouts (BLayout below):
-  //  * kSwizzle128: token rows of 128 B (64 k) with 16-byte chunk c stored at chunk c ^ (token % 8) -- wgmma's
-  //    128-byte swizzle; 8-row groups 1024 B apart; the tile starts 1024-byte aligned.
-  //  * kInterleaved (no swizzle): core matrices of 8 tokens x 16 B, laid out [k-chunk 0..7][token][16 B];
-  //    consecutive k-chunks kChunkStride apart (16 B of padding shifts them by 4 banks so the 8 lanes that copy
-  //    one token's 128 B hit 8 different bank groups).
-  static constexpr int kChunkStride = kTile * 16 + 16;        // interleaved: "leading dimension byte offset" (K)
-  static constexpr int kGroupStride = 128;                    // interleaved: "stride dimension byte offset"
-  static constexpr int kTokensBytes = 8 * kChunkStride > kTile * 128 ? 8 * kChunkStride : kTile * 128;
+  // B (token) tile of one k-block, K-major in wgmma's 128-byte swizzle: token rows of 128 B (64 k) with 16-byte
+  // chunk c stored at chunk c ^ (token % 8); 8-row groups 1024 B apart; the tile starts 1024-byte aligned. (An
+  // interleaved, unswizzled layout was 1.31x slower at 128 rows per expert: wgmma's shared-memory reads were the
+  // bottleneck; removed, bench/RESULTS.md second session.)
+  static constexpr int kTokensBytes = kTile * 128;
   static constexpr int kValuesOffset = 0;
   static constexpr int kScalesOffset = kThreads * kValueBytes;
   static constexpr int kTokensOffset = (kScalesOffset + kWarpGroups * kTileScaleBytes + 1023) / 1024 * 1024;
@@ -74,8 +74,6 @@ struct Geometry {
   static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + room to align the ring to 1024 B
 };
 
-enum class BLayout : int { kInterleaved = 0, kSwizzle128 = 1 };
-
 __device__ __forceinline__ uint32_t smem_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -90,11 +88,6 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
-// wgmma shared-memory matrix descriptor, no swizzle: start address, K-direction and 8-row-group strides.
-__device__ __forceinline__ uint64_t make_descriptor(uint32_t start, uint32_t k_stride, uint32_t group_stride) {
-  return static_cast<uint64_t>((start & 0x3FFFF) >> 4) | (static_cast<uint64_t>(k_stride >> 4) << 16) |
-         (static_cast<uint64_t>(group_stride >> 4) << 32);
-}
 // 128-byte swizzle, K-major: 8-row groups 1024 B apart (the leading offset is unused: one swizzle atom spans
 // all of a k16 step); start = tile base + 32 B per k16 step, the hardware applies the XOR to the final address.
 __device__ __forceinline__ uint64_t make_descriptor_sw128(uint32_t start) {
@@ -102,10 +95,20 @@ __device__ __forceinline__ uint64_t make_descriptor_sw128(uint32_t start) {
          (uint64_t{1} << 62);
 }
 
-__device__ __forceinline__ uint32_t hmul2_bits(uint32_t a, uint32_t b) {
-  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+// fp16x2 a * (b's low or high half in both halves): the broadcast folds into HMUL2's operand (R.H0_H0 / R.H1_H1).
+template <int kHalf>
+__device__ __forceinline__ uint32_t hmul2_broadcast(uint32_t a, uint32_t b) {
+  const __half2 b2 = *reinterpret_cast<const __half2*>(&b);
+  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), kHalf == 0 ? __low2half2(b2) : __high2half2(b2));
   return *reinterpret_cast<const uint32_t*>(&r);
 }
+
+// Pair decode masks and multipliers (see the file header): field of pair j in the k-step word, and 2^a + 2^b.
+constexpr uint32_t kPairMask = 0x8E008E00u;  // fp16x2 sign + 3 magnitude bits of both halves
+__device__ __forceinline__ uint32_t decode_pair0(uint32_t w) { return w & kPairMask; }
+__device__ __forceinline__ uint32_t decode_pair1(uint32_t w) { return (w << 3) & kPairMask; }
+__device__ __forceinline__ uint32_t decode_pair2(uint32_t w) { return ((w & 0x40384038u) * 66u) & kPairMask; }
+__device__ __forceinline__ uint32_t decode_pair3(uint32_t w) { return ((w & 0x20072007u) * 516u) & kPairMask; }
 
 // Which expert and which of its token tiles this CTA works on: tile slot `slot` in the concatenation of every
 // expert's ceil(count / kTile) tiles. Returns false when the slot is past the last tile.
@@ -181,7 +184,7 @@ __device__ bool find_tile(const GroupedGemmArgs& args, const RowSplit split, int
 
 template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage>
 __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
-    grouped_gemm_nvfp4_kernel(const GroupedGemmArgs args, const BLayout b_layout, const RowSplit split) {
+    grouped_gemm_nvfp4_kernel(const GroupedGemmArgs args, const RowSplit split) {
 #if EP_COMM_HAS_WGMMA
   using G = Geometry<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage>;
   constexpr int kThreads = G::kThreads;
@@ -191,7 +194,6 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
   // The 128-byte swizzle needs 1024-byte aligned tiles: align the ring explicitly (static shared memory may
   // precede the dynamic block).
   uint8_t* smem = smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023);
-  const bool swizzled = b_layout == BLayout::kSwizzle128;
 
   int expert, tile_in_expert;
   // 1-D grid, weight CTAs fastest: consecutive CTAs share one token tile (read from L2 by all of them).
@@ -242,9 +244,8 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
   const uint16_t* tile_src = args.x + static_cast<int64_t>(first_row) * args.x_row_stride + copy_chunk * 8;
   const uint16_t* token_src = tile_src + static_cast<int64_t>(copy_row) * args.x_row_stride;  // copy 0's row
   const int64_t token_src_step = static_cast<int64_t>(kRowsPerCopy) * args.x_row_stride;
-  const uint32_t token_dst = G::kTokensOffset + (swizzled ? copy_row * 128 + ((copy_chunk ^ (copy_row % 8)) * 16)
-                                                          : copy_chunk * G::kChunkStride + copy_row * 16);
-  const uint32_t token_dst_step = swizzled ? kRowsPerCopy * 128 : kRowsPerCopy * 16;
+  const uint32_t token_dst = G::kTokensOffset + copy_row * 128 + ((copy_chunk ^ (copy_row % 8)) * 16);
+  constexpr uint32_t token_dst_step = kRowsPerCopy * 128;
 
   int load_slot = 0;  // ring slot of the next stage to load
   auto load_stage = [&](int stage_index) {  // k-blocks stage_index * kBlocksPerStage + 0 .. kBlocksPerStage - 1
@@ -282,17 +283,20 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
     const uint32_t scales_r0 = *reinterpret_cast<const uint32_t*>(tile_scales + 4 * row_r0);
     const uint32_t scales_r1 = *reinterpret_cast<const uint32_t*>(tile_scales + 4 * (row_r0 + 8));
     const uint32_t word[4] = {words.x, words.y, words.z, words.w};
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      // fp16x2 (scale, scale) of row r0 and of row r1 for k-step s: byte s, put in both halves, << 7.
-      const uint32_t scale_r0 = __byte_perm(scales_r0, 0, s | 0x4040 | (s << 8)) << 7;
-      const uint32_t scale_r1 = __byte_perm(scales_r1, 0, s | 0x4040 | (s << 8)) << 7;
-      const uint32_t w = word[s];
-      a[s][0] = hmul2_bits(w & 0x8E008E00u, scale_r0);
-      a[s][1] = hmul2_bits(((w << 3) & 0x0E000E00u) | ((w << 1) & 0x80008000u), scale_r1);
-      a[s][2] = hmul2_bits(((w << 6) & 0x0E000E00u) | ((w << 2) & 0x80008000u), scale_r0);
-      a[s][3] = hmul2_bits(((w << 9) & 0x0E000E00u) | ((w << 3) & 0x80008000u), scale_r1);
-    }
+    // fp16 scale * 2^7 = code << 7: k-steps 0 and 2 in the halves of `even`, 1 and 3 in the halves of `odd`.
+    const uint32_t even_r0 = (scales_r0 << 7) & 0x7F807F80u, odd_r0 = (scales_r0 >> 1) & 0x7F807F80u;
+    const uint32_t even_r1 = (scales_r1 << 7) & 0x7F807F80u, odd_r1 = (scales_r1 >> 1) & 0x7F807F80u;
+    auto convert_step = [&](const uint32_t w, auto half, uint32_t scale_r0, uint32_t scale_r1, uint32_t (&out)[4]) {
+      constexpr int kHalf = decltype(half)::value;
+      out[0] = hmul2_broadcast<kHalf>(decode_pair0(w), scale_r0);
+      out[1] = hmul2_broadcast<kHalf>(decode_pair1(w), scale_r1);
+      out[2] = hmul2_broadcast<kHalf>(decode_pair2(w), scale_r0);
+      out[3] = hmul2_broadcast<kHalf>(decode_pair3(w), scale_r1);
+    };
+    convert_step(word[0], std::integral_constant<int, 0>{}, even_r0, even_r1, a[0]);
+    convert_step(word[1], std::integral_constant<int, 0>{}, odd_r0, odd_r1, a[1]);
+    convert_step(word[2], std::integral_constant<int, 1>{}, even_r0, even_r1, a[2]);
+    convert_step(word[3], std::integral_constant<int, 1>{}, odd_r0, odd_r1, a[3]);
   };
   auto wait_stage = [&]() {
     wgmma::fence_proxy_async_shared();  // this thread's landed copies, visible to wgmma's async proxy
@@ -322,14 +326,12 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
     wgmma::fence_operand(acc);
     wgmma::fence_operand(a_cur);
     wgmma::fence();
-    const uint32_t tokens = smem_base + slot * G::kStageBytes + kSub * G::kBlockBytes + G::kTokensOffset;
+    // k-step s starts 32 B further: + 2 in the descriptor's start field (address >> 4; no carry out of it,
+    // shared addresses stay below 2^18).
+    const uint64_t desc = make_descriptor_sw128(smem_base + slot * G::kStageBytes + kSub * G::kBlockBytes +
+                                                G::kTokensOffset);
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      const uint64_t desc = swizzled ? make_descriptor_sw128(tokens + 32 * s)
-                                     : make_descriptor(tokens + 2 * s * G::kChunkStride, G::kChunkStride,
-                                                       G::kGroupStride);
-      wgmma::MmaRS<kTile>::run(acc, a_cur[s], desc);
-    }
+    for (int s = 0; s < 4; ++s) wgmma::MmaRS<kTile>::run(acc, a_cur[s], desc + 2 * s);
     wgmma::commit_group();
     wgmma::fence_operand(acc);
     wgmma::wait_group<1>();  // wgmma(k_block - 1) retired
@@ -427,12 +429,7 @@ cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64
   const int64_t weight_ctas = (args.n / kTileRows + kWarpGroups - 1) / kWarpGroups;
   if (weight_ctas * tile_slots > INT32_MAX) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(weight_ctas * tile_slots));
-  // B layout: 128-byte swizzle by default; EP_COMM_GEMM_B_SWIZZLE=0 selects the interleaved (no swizzle) layout.
-  static const BLayout b_layout = [] {
-    const char* env = std::getenv("EP_COMM_GEMM_B_SWIZZLE");
-    return env && std::atoi(env) == 0 ? BLayout::kInterleaved : BLayout::kSwizzle128;
-  }();
-  kernel<<<grid, G::kThreads, G::kSmemBytes, stream>>>(args, b_layout, split);
+  kernel<<<grid, G::kThreads, G::kSmemBytes, stream>>>(args, split);
   return cudaGetLastError();
 }
 

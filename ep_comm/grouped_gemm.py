@@ -12,13 +12,17 @@ Weights are packed once, offline (`pack_gemm_weights`), into the layout the kern
 * in k-step s the thread holds 4 pairs (the mma.m16n8k16 / wgmma A fragment), c = 16 s + 2 (l % 4):
   pair 0 = (r0, c..c+1), pair 1 = (r1, c..c+1), pair 2 = (r0, c+8..c+9), pair 3 = (r1, c+8..c+9);
 * `values[e, mt, kb, t, s]` is one 32-bit word (stored as int32 bits): for pair j the low element's E2M1
-  magnitude (code & 7) sits at bits 9-3j..11-3j and its sign at bit 15-j; the high element's magnitude at
-  bits 25-3j..27-3j and its sign at bit 31-j. Decoding pair j as an fp16x2:
-  `((word << 3j) & 0x0E000E00) | ((word << j) & 0x80008000)` = (low, high) * 2^-14 exactly;
+  magnitude (code & 7) sits at bits m_j..m_j+2 and its sign at bit s_j, the high element's at the same bits + 16,
+  with (m_j, s_j) = (9, 15), (6, 12), (3, 14), (0, 13) for j = 0..3 (`PAIR_MAGNITUDE_BIT`, `PAIR_SIGN_BIT`).
+  Decoding pair j as an fp16x2, in 32-bit arithmetic:
+  `((word & PAIR_FIELD[j]) * PAIR_MULTIPLIER[j]) & 0x8E008E00` = (low, high) * 2^-14 exactly (magnitude moved
+  to bits 9-11, sign to bit 15; for pairs 2 and 3 the multiplier 2^a + 2^b moves the two by different
+  distances in one integer multiply, and its other copies and carries stay outside the mask);
 * `scales[e, mt, kb, r, s]` = code of the E4M3 block scale of tile row r (0..63) in k-step s (each scale
   stored once: 1/16 byte per weight), where the code of x (finite, >= 0) is `(fp16_bits(x * 2^7) >> 7) & 0xFF`;
   the kernel copies a tile's 256 scale bytes per k-block into shared memory, each thread reads the 4-byte
-  words of its rows r0 and r1 and rebuilds fp16 x * 2^7 as `code << 7` (exact).
+  words of its rows r0 and r1 and rebuilds fp16 x * 2^7 as `code << 7` (exact): k-steps 0 and 2 as the two
+  halves of `(word << 7) & 0x7F807F80`, k-steps 1 and 3 as those of `(word >> 1) & 0x7F807F80`.
 
 So the kernel accumulates acc = sum_k x * (e2m1 * scale * 2^-7) in FP32 (the products are exact in fp16)
 and writes y = acc * 2^7 * factor[e] * row_factor[row], factor[e] = amax_e * fp32(1 / (6 * 448)).
@@ -54,6 +58,12 @@ K_STEPS = 4             # 16-column k-steps per k-block (one NVFP4 scale group e
 TOKEN_TILES = (16, 32, 64, 128)
 _OUT_TYPES = {torch.float32: 0, torch.bfloat16: 1}
 _SCALE_SHIFT = 7        # scale code << 7 = fp16 bits of scale * 2^7
+# Packed pair j of a k-step word (module docstring): bit of the low element's magnitude (3 bits) and sign
+# (the high element's are 16 higher), and the kernel's decode field and multiplier.
+PAIR_MAGNITUDE_BIT = (9, 6, 3, 0)
+PAIR_SIGN_BIT = (15, 12, 14, 13)
+PAIR_FIELD = (0x8E008E00, 0x11C011C0, 0x40384038, 0x20072007)
+PAIR_MULTIPLIER = (1, 8, 66, 516)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -223,9 +233,9 @@ def pack_gemm_weights(w: NVFP4Tensor, swiglu: bool) -> GemmWeights:
 
     tiles_m, tiles_k = n // TILE_ROWS, k // TILE_K
     frag_rows, frag_cols = _fragment_index(device)
-    j = torch.arange(4, dtype=torch.int64, device=device)
-    low_mag_shift, low_sign_shift = 9 - 3 * j, 15 - j
-    high_mag_shift, high_sign_shift = 25 - 3 * j, 31 - j
+    low_mag_shift = torch.tensor(PAIR_MAGNITUDE_BIT, dtype=torch.int64, device=device)
+    low_sign_shift = torch.tensor(PAIR_SIGN_BIT, dtype=torch.int64, device=device)
+    high_mag_shift, high_sign_shift = low_mag_shift + 16, low_sign_shift + 16
     values = torch.empty(experts, tiles_m, tiles_k, THREADS_PER_TILE, K_STEPS, dtype=torch.int32, device=device)
     scales = torch.empty(experts, tiles_m, tiles_k, TILE_ROWS, K_STEPS, dtype=torch.uint8, device=device)
     for e in range(experts):
@@ -265,10 +275,11 @@ def _dequantize_expert(w: GemmWeights, e: int) -> torch.Tensor:
     device = w.values.device
     tiles_m, tiles_k = w.n // TILE_ROWS, w.k // TILE_K
     word = w.values[e].to(torch.int64) & 0xFFFFFFFF                                    # [mt, kb, 128, 4]
-    j = torch.arange(4, dtype=torch.int64, device=device)
+    mag = torch.tensor(PAIR_MAGNITUDE_BIT, dtype=torch.int64, device=device)
+    sign = torch.tensor(PAIR_SIGN_BIT, dtype=torch.int64, device=device)
     word = word[..., None]                                                             # [mt, kb, 128, 4, 1]
-    low = ((word >> (9 - 3 * j)) & 7) | (((word >> (15 - j)) & 1) << 3)                # [mt, kb, 128, 4, 4]
-    high = ((word >> (25 - 3 * j)) & 7) | (((word >> (31 - j)) & 1) << 3)
+    low = ((word >> mag) & 7) | (((word >> sign) & 1) << 3)                            # [mt, kb, 128, 4, 4]
+    high = ((word >> (mag + 16)) & 7) | (((word >> (sign + 16)) & 1) << 3)
     frag_rows, frag_cols = _fragment_index(device)
     tiles = torch.empty(tiles_m, tiles_k, TILE_ROWS, TILE_K, dtype=torch.int64, device=device)
     tiles[:, :, frag_rows, frag_cols] = low

@@ -65,18 +65,32 @@ def fp16_from_bits(bits: torch.Tensor) -> torch.Tensor:
     return torch.where(bits >= 2**15, bits - 2**16, bits).to(torch.int16).view(torch.float16)
 
 
+# The kernel's decode (csrc/grouped_gemm.cu decode_pair0..3), written out independently of ep_comm's constants.
+KERNEL_PAIR_DECODE = (
+    lambda w: w & 0x8E008E00,
+    lambda w: ((w << 3) & 0xFFFFFFFF) & 0x8E008E00,
+    lambda w: (((w & 0x40384038) * 66) & 0xFFFFFFFF) & 0x8E008E00,
+    lambda w: (((w & 0x20072007) * 516) & 0xFFFFFFFF) & 0x8E008E00,
+)
+
+
 def kernel_decode_pair(word: torch.Tensor, j: int):
     """The kernel's decode of pair j from uint32 words (int64 holding [0, 2^32)): (low, high) as fp16 * 2^-14."""
-    mask = 0xFFFFFFFF
-    h2 = (((word << (3 * j)) & mask) & 0x0E000E00) | (((word << j) & mask) & 0x80008000)
+    h2 = KERNEL_PAIR_DECODE[j](word)
     return fp16_from_bits(h2 & 0xFFFF), fp16_from_bits(h2 >> 16)
 
 
+def kernel_scale_code_bits(scale_word: torch.Tensor, s: int) -> torch.Tensor:
+    """The kernel's fp16 bits of scale * 2^7 for k-step s from a row's 4-byte scale word (int64)."""
+    pair = ((scale_word << 7) if s % 2 == 0 else (scale_word >> 1)) & 0x7F807F80
+    return (pair >> (16 * (s // 2))) & 0xFFFF
+
+
 def contract_word(pairs) -> int:
-    """uint32 word from 4 (low code, high code) pairs, written straight from the contract."""
+    """uint32 word from 4 (low code, high code) pairs, written straight from the contract (module docstring)."""
     word = 0
-    for j, (lo, hi) in enumerate(pairs):
-        word |= (lo & 7) << (9 - 3 * j) | (lo >> 3) << (15 - j) | (hi & 7) << (25 - 3 * j) | (hi >> 3) << (31 - j)
+    for (lo, hi), mag, sign in zip(pairs, (9, 6, 3, 0), (15, 12, 14, 13)):
+        word |= (lo & 7) << mag | (lo >> 3) << sign | (hi & 7) << (mag + 16) | (hi >> 3) << (sign + 16)
     return word
 
 
@@ -117,6 +131,12 @@ def test_decode_rule_scale_codes_all_e4m3():
     assert len(set(codes.tolist())) == 127, "scale codes must be lossless"
     rebuilt = fp16_from_bits(codes.to(torch.int64) << 7)               # the kernel's `code << 7`
     assert torch.equal(rebuilt.float(), x * 2.0 ** 7)
+    # ... taken from a row's 4-byte scale word: every code in every k-step position, whatever its neighbours.
+    c = codes.to(torch.int64)
+    for s in range(4):
+        for other in (0x00, 0x7E, 0xFF):
+            word = sum((c if t == s else torch.full_like(c, other)) << (8 * t) for t in range(4))
+            assert torch.equal(kernel_scale_code_bits(word, s), c << 7), (s, other)
     assert torch.equal(G._scale_codes_to_e4m3_float(codes), x)
     # The kernel's fp16 product (e2m1 * 2^-14) * (x * 2^7) is exact: e2m1 * x * 2^-7 for every code and scale.
     e2m1 = (torch.tensor(E2M1, dtype=torch.float32) * 2.0 ** -14).to(torch.float16)
@@ -189,7 +209,9 @@ def test_layout_oracle(swiglu):
     words = packed.values.to(torch.int64) & 0xFFFFFFFF                  # [E, mt, kb, t, s]
     scale_codes = packed.scales.to(torch.int64)                         # [E, mt, kb, row, s]
     decoded = [kernel_decode_pair(words, j) for j in range(4)]
-    scale_fp16 = fp16_from_bits(scale_codes << 7).float() * 2.0 ** -7   # kernel rebuild of the scale
+    scale_words = sum(scale_codes[..., s] << (8 * s) for s in range(4))  # [E, mt, kb, row]: a row's 4-byte word
+    scale_fp16 = torch.stack([fp16_from_bits(kernel_scale_code_bits(scale_words, s)) for s in range(4)],
+                             dim=-1).float() * 2.0 ** -7                   # kernel rebuild of the scale
     half = n // 2
 
     def original_row(p: int) -> int:
