@@ -776,9 +776,10 @@ bool nvfp4_four_over_six_exact_outlined(const float* x, uint8_t s6, uint8_t s4, 
 //
 // 4/6 selection: the same codes, scales and choices as nvfp4_four_over_six_exact (the NUMERICS formula) for
 // every input, cheaper. The fast path applies when outer.approx_ok (the bound below holds for every scale)
-// and both candidates' largest scaled magnitudes f(block_amax * inv) are < 7 (so the unclamped E2M1 rounding
-// equals the clamped one; fails for Inf elements, zero or small subnormal scales, and saturated scales when the
-// block amax exceeds the row amax — a question of speed only, those blocks take the exact formula):
+// and both candidates' largest scaled magnitudes f(block_amax * inv) are < 7 (map-6's bound implies map-4's),
+// so the unclamped E2M1 rounding equals the clamped one. It fails for Inf elements, zero or small subnormal
+// scales, and saturated scales when the block amax exceeds the row amax — a question of speed only, those blocks
+// take the exact formula:
 //  (1) s4 == s6: both candidates are the same computation, err_4 == err_6 bit for bit (or both NaN), so
 //      err_4 < err_6 is false: map-6, one candidate computed.
 //  (2) Otherwise the exact codes of both candidates and an approximate error A_k (nvfp4_candidate_fast) with
@@ -863,7 +864,9 @@ QM_HD void nvfp4_quantize_block16_words(const float x[16], float block_amax, con
     const float inv_six_m = outer.inv_six_m;
     const float inv6 = nvfp4_block_inverse_value(scale6, outer.s_dec);
     const float inv4 = nvfp4_block_inverse_value(scale4, outer.s_dec);
-    if (qm_mul(block_amax, inv6) < 7.0f && qm_mul(block_amax, inv4) < 7.0f) {
+    // f(block_amax * inv4) <= f(block_amax * inv6): s4 >= s6 (E4M3 encoding is monotone and 1.5 base >= base),
+    // so scale4 >= scale6 and inv4 <= inv6 (rounded products and the reciprocal are monotone). One test covers both.
+    if (qm_mul(block_amax, inv6) < 7.0f) {
       const float g6 = qm_mul(qm_mul(scale6, amax), inv_six_m);
       uint32_t words6[2];
       const float approx6 = nvfp4_candidate_fast(x, inv6, g6, words6);

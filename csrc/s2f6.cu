@@ -5,8 +5,10 @@
 // hold one aligned chunk of 32 (the S2F6 block and the RHT chunk): the FWHT runs 4 stages in registers and one
 // across the lane pair, and the block amax is a 2-lane reduction. A warp takes one segment of 512 elements of
 // one row (kSegment), so the row is found once per warp and the per-row work of the accumulation (its source
-// rows and weights) is staged once per warp and reused by all 16 elements of every lane; every lane reads 16
-// contiguous input elements (16-byte loads) and writes 16 code bytes (one 16-byte store).
+// rows and weights) is staged once per warp and reused by all 16 elements of every lane. Quantize: every lane
+// reads 16 contiguous input elements (16-byte loads) and writes 16 code bytes (one 16-byte store).
+// Dequantize-accumulate: each term's 512 code bytes and 16 scale bytes of the segment go through a per-warp
+// double buffer in shared memory filled with cp.async (loads in flight without holding registers).
 // Dequantize: one thread per 8 elements, 4 lanes per chunk (3 FWHT stages in registers, 2 across lanes).
 // No lane leaves before the shuffles: out-of-range lanes compute on zeros and skip their stores (hidden % 32
 // == 0 keeps every chunk inside one row and one lane pair / lane quad).
@@ -24,7 +26,6 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kLaneValues = 16;               // quantize / accumulate: elements per lane
 constexpr int kSegment = 32 * kLaneValues;    // elements of one row per warp
-constexpr int kStagedTerms = 32;              // accumulate: (source row, weight) pairs staged per warp at a time
 
 // Row / column of a flat unit index without a 64-bit (or a MUFU-based 32-bit) division: for 2 <= d < 2^31 and
 // n < 2^31, floor(n / d) = umulhi(n, m) >> (p - 32) with l = ceil(log2 d), p = 31 + l, m = ceil(2^p / d).
@@ -131,92 +132,214 @@ __global__ void __launch_bounds__(kThreads) s2f6_dequantize_kernel(const int8_t*
   }
 }
 
-// Dequantize-accumulate. Persistent warps walk the (row, 512-element segment) units; for each the warp stages
-// the row's (source row, weight) pairs in shared memory, kStagedTerms at a time (byte offsets of the source's
-// codes and scales, -1 for a skipped index), then every lane sums its 16 elements over them in ascending term
-// order, loading kAccumulateBatch sources before adding them. 4 sources in flight per lane with 3 CTAs per SM
-// (80 registers) measured 67% of copy on H200, 8 in flight with 2 CTAs 60% (bench/RESULTS.md, fifth session). The first kStagedTerms index/weight pairs of the
-// warp's next unit are loaded while the current one is summed, so a unit costs one memory round trip (its
-// codes), not two (indices, then codes).
-struct TermWords {  // lane j: term j of a staging pass (raw index and weight; src = -1 past the row's terms)
+// Dequantize-accumulate. Persistent warps walk the (row, 512-element segment) units; a unit's terms are taken in
+// chunks of kChunkTerms consecutive terms (a unit with no terms is one empty chunk), and each warp streams its
+// chunks through a private double buffer in shared memory filled by cp.async: while the warp sums chunk c, chunk
+// c + 1's codes and scales are in flight, so the memory pipe stays busy during the adds and across units without
+// holding registers. History (H200, % of copy, bench/RESULTS.md fifth session): register batches, 4 sources in
+// flight per lane with 3 CTAs per SM (80 registers), 67%; 8 in flight with 2 CTAs, 60%. The index / weight
+// words of the chunk after the next are loaded while a chunk is summed, so staging never waits on a dependent
+// load. Every lane sums its 16 elements over a chunk's terms in ascending term order (NUMERICS "Combine
+// accumulation"); skipped terms (index < 0 or >= num_src_rows) add nothing.
+constexpr int kChunkTerms = 8;
+constexpr int kChunkBuffers = 2;
+constexpr int kSegmentScales = kSegment / 32;  // scale bytes of one term's segment
+constexpr int kAccumulateCtasPerSm = 3;
+constexpr unsigned kFullMask = 0xFFFFFFFFu;
+
+// One chunk in shared memory. Lane l copies and later reads back codes[t][l] alone (its own 16 code bytes), so
+// the codes need no cross-lane synchronisation beyond cp.async.wait_group; scales, weights and used_mask are
+// written by some lanes and read by all (wait_group, then __syncwarp).
+struct ChunkBuffer {
+  uint4 codes[kChunkTerms][32];                 // term t: the segment's 512 code bytes
+  uint8_t scales[kChunkTerms][kSegmentScales];  // term t: the segment's 16 scale bytes
+  float weights[kChunkTerms];
+  uint32_t used_mask;  // bit t: term t is summed (inside the row's terms, index in [0, num_src_rows))
+};
+// 68,352 bytes per CTA: dynamic shared memory (above the 48 KB static limit).
+constexpr size_t kAccumulateSmem = sizeof(ChunkBuffer) * kChunkBuffers * kWarps;
+static_assert(kAccumulateCtasPerSm * (kAccumulateSmem + 1024) <= 228 * 1024,
+              "kAccumulateCtasPerSm CTAs (1 KB reserved each) must fit in an H100 / H200 SM's 228 KB");
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// Global -> shared copies (dst: a shared-space address): 16 code bytes through L2 only (read once), one 4-byte
+// scale word.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(__cvta_generic_to_global(src))
+               : "memory");
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(__cvta_generic_to_global(src))
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// The next chunk a warp stages: unit `segment` (in row `row`), terms [first_term, first_term + kChunkTerms).
+// Past the warp's last unit (segment >= num_segments) it stages empty chunks.
+struct ChunkCursor {
+  int64_t segment;
+  int64_t row;
+  int64_t first_term;
+};
+
+// The chunk after `c` in the warp's stream: the unit's next terms, else the warp's next unit from term 0.
+__device__ __forceinline__ void advance(ChunkCursor& c, int64_t num_terms, int64_t warp_stride,
+                                        int64_t num_segments, const RowDiv& div) {
+  c.first_term += kChunkTerms;
+  if (c.first_term < num_terms) return;
+  c.first_term = 0;
+  c.segment += warp_stride;
+  if (c.segment < num_segments) c.row = row_of(c.segment, div);
+}
+
+struct TermWords {  // lane j < kChunkTerms: term j of a chunk (raw index and weight; src = -1 past the row's terms)
   int64_t src = -1;
   float weight = 1.0f;
 };
 
 template <typename Index>
-__device__ __forceinline__ TermWords load_term_words(const S2f6AccumulateArgs& args, int64_t row, int64_t first_term,
-                                                     int lane) {
+__device__ __forceinline__ TermWords load_term_words(const S2f6AccumulateArgs& args, const ChunkCursor& chunk,
+                                                     int64_t num_segments, int lane) {
   TermWords t;
-  const int64_t j = first_term + lane;
-  if (lane < kStagedTerms && j < args.num_terms) {
-    t.src = static_cast<int64_t>(__ldg(static_cast<const Index*>(args.row_index) + row * args.num_terms + j));
-    if (args.weights != nullptr) t.weight = __ldg(args.weights + row * args.num_terms + j);
+  const int64_t j = chunk.first_term + lane;
+  if (chunk.segment < num_segments && lane < kChunkTerms && j < args.num_terms) {
+    const int64_t at = chunk.row * args.num_terms + j;
+    t.src = static_cast<int64_t>(__ldg(static_cast<const Index*>(args.row_index) + at));
+    if (args.weights != nullptr) t.weight = __ldg(args.weights + at);
   }
   return t;
 }
 
-constexpr int kAccumulateBatch = 4;
-constexpr int kAccumulateCtasPerSm = 3;
+// Scale bytes when they are not 4 aligned words inside the row (hidden % 128 != 0, or an unaligned scales
+// pointer): lane l loads byte l % 16 of terms l / 16 + 2 i with plain loads when the chunk is staged and stores
+// them to the chunk's buffer one chunk later, before the wait for it (the loads land during the sum in between).
+constexpr int kPendingScales = kChunkTerms * kSegmentScales / 32;
+struct PendingScales {
+  uint32_t bytes[kPendingScales];
+};
 
+__device__ __forceinline__ int pending_term(int lane, int i) { return lane / kSegmentScales + 2 * i; }
+
+__device__ __forceinline__ void store_pending_scales(const PendingScales& pending, int lane, ChunkBuffer& buffer) {
+#pragma unroll
+  for (int i = 0; i < kPendingScales; ++i) {
+    buffer.scales[pending_term(lane, i)][lane % kSegmentScales] = static_cast<uint8_t>(pending.bytes[i]);
+  }
+}
+
+// Issues the copies of `chunk` (term words `words`) into `buffer` as one cp.async group and stages its weights
+// and used terms. Lanes whose 16 elements are past the row end copy nothing; a skipped term copies nothing.
+__device__ __forceinline__ void stage_chunk(const S2f6AccumulateArgs& args, const ChunkCursor& chunk,
+                                            const TermWords& words, int64_t segments_per_row, bool scale_words,
+                                            int lane, ChunkBuffer& buffer, PendingScales& pending) {
+  // false for lanes >= kChunkTerms, terms past the row's, and past the warp's last unit
+  const bool used = words.src >= 0 && words.src < args.num_src_rows;
+  const uint32_t used_mask = __ballot_sync(kFullMask, used);
+  __syncwarp();  // every lane has read this buffer's previous chunk
+  if (lane < kChunkTerms) buffer.weights[lane] = words.weight;
+  if (lane == 0) buffer.used_mask = used_mask;
+  const int64_t segment_column = (chunk.segment - chunk.row * segments_per_row) * kSegment;
+  const int64_t column = segment_column + lane * kLaneValues;
+  const int64_t scales_per_row = args.hidden / 32;
+  const int64_t first_scale = segment_column / 32;
+  // Per term only the source row changes: its code byte offset src * hidden (scale offset src * hidden / 32,
+  // exact as hidden % 32 == 0) is formed once in the term's lane and shuffled; addresses and predicates once.
+  const int64_t code_offset = used ? words.src * args.hidden : 0;
+  const bool copy_codes = column < args.hidden;
+  // Word `lane` of the 16 scale bytes: inside the row whole or not at all (scales_per_row % 4 == 0).
+  const bool copy_scale_word =
+      scale_words && lane < kSegmentScales / 4 && first_scale + 4 * lane < scales_per_row;
+  const int8_t* const codes_src = args.data + column;
+  const uint8_t* const scales_src = args.scales + first_scale + 4 * lane;
+  const uint32_t codes_dst = smem_address(&buffer.codes[0][lane]);      // term t: + t * kSegment bytes
+  const uint32_t scales_dst = smem_address(&buffer.scales[0][4 * lane]);  // term t: + t * kSegmentScales bytes
+#pragma unroll
+  for (int t = 0; t < kChunkTerms; ++t) {
+    if (((used_mask >> t) & 1u) == 0) continue;  // warp-uniform
+    const int64_t src_offset = __shfl_sync(kFullMask, code_offset, t);  // >= 0: a used term
+    if (copy_codes) cp_async16(codes_dst + t * kSegment, codes_src + src_offset);
+    if (copy_scale_word) {
+      cp_async4(scales_dst + t * kSegmentScales, scales_src + static_cast<uint64_t>(src_offset) / 32);
+    }
+  }
+  cp_async_commit();
+  if (!scale_words) {
+    const int byte = lane % kSegmentScales;
+#pragma unroll
+    for (int i = 0; i < kPendingScales; ++i) {
+      const int t = pending_term(lane, i);
+      const int64_t src_offset = __shfl_sync(kFullMask, code_offset, t);
+      pending.bytes[i] = 0;
+      if (((used_mask >> t) & 1u) != 0 && first_scale + byte < scales_per_row) {
+        pending.bytes[i] = __ldg(args.scales + static_cast<uint64_t>(src_offset) / 32 + first_scale + byte);
+      }
+    }
+  }
+}
+
+// acc += weight * decoded over the chunk's used terms in ascending order. Lanes past the row end (partial last
+// segment) copied nothing: they add weight * decode(0 codes, scale 0) as before, from registers rather than
+// stale buffer bytes, and their results are not stored.
+__device__ __forceinline__ void add_chunk(const ChunkBuffer& buffer, bool lane_valid, int lane,
+                                          float acc[kLaneValues]) {
+  const uint32_t used_mask = buffer.used_mask;
+#pragma unroll
+  for (int t = 0; t < kChunkTerms; ++t) {
+    if (((used_mask >> t) & 1u) == 0) continue;  // warp-uniform (one row per warp)
+    const uint4 raw = lane_valid ? buffer.codes[t][lane] : make_uint4(0u, 0u, 0u, 0u);
+    const uint8_t scale = lane_valid ? buffer.scales[t][lane / 2] : uint8_t{0};
+    const float weight = buffer.weights[t];
+    float v[kLaneValues];
+    unpack_codes16_fast(raw, scale, v);
+#pragma unroll
+    for (int k = 0; k < kLaneValues; ++k) acc[k] = qm::qm_add(acc[k], qm::qm_mul(weight, v[k]));
+  }
+}
+
+// scale_words: the segment's 16 scale bytes are 4 aligned words of the row (hidden % 128 == 0, scales 4-byte
+// aligned), copied by lanes 0..3 with cp.async; otherwise PendingScales.
 template <typename Index, typename Out, bool kHadamard>
-__global__ void __launch_bounds__(kThreads, kAccumulateCtasPerSm) s2f6_accumulate_kernel(S2f6AccumulateArgs args,
-                                                                      int64_t segments_per_row, int64_t num_segments,
-                                                                      RowDiv div) {
-  __shared__ longlong2 staged_offsets[kWarps][kStagedTerms];  // {codes byte offset, scales byte offset}
-  __shared__ float staged_weights[kWarps][kStagedTerms];
+__global__ void __launch_bounds__(kThreads, kAccumulateCtasPerSm)
+    s2f6_accumulate_kernel(S2f6AccumulateArgs args, int64_t segments_per_row, int64_t num_segments, RowDiv div,
+                           bool scale_words) {
+  extern __shared__ uint4 accumulate_smem[];  // kAccumulateSmem bytes: kChunkBuffers ChunkBuffers per warp
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  ChunkBuffer* const buffers = reinterpret_cast<ChunkBuffer*>(accumulate_smem) + warp * kChunkBuffers;
   const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * kWarps;
-  const int64_t scales_per_row = args.hidden / 32;
   int64_t segment = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
   if (segment >= num_segments) return;  // the whole warp
-  TermWords next = load_term_words<Index>(args, row_of(segment, div), 0, lane);
+
+  // Stage the first chunk. From then on `next` holds the term words of the chunk at `cursor`, the next to stage.
+  ChunkCursor cursor{segment, row_of(segment, div), 0};
+  TermWords next = load_term_words<Index>(args, cursor, num_segments, lane);
+  PendingScales pending{};
+  stage_chunk(args, cursor, next, segments_per_row, scale_words, lane, buffers[0], pending);
+  advance(cursor, args.num_terms, warp_stride, num_segments, div);
+  next = load_term_words<Index>(args, cursor, num_segments, lane);
+  int buffer = 0;  // the buffer of the chunk summed next
 
   for (; segment < num_segments; segment += warp_stride) {
     const LanePiece piece = lane_piece(segment, segments_per_row, div, args.hidden, lane);
     float acc[kLaneValues];
 #pragma unroll
     for (int k = 0; k < kLaneValues; ++k) acc[k] = 0.0f;
-    for (int64_t first_staged = 0; first_staged < args.num_terms; first_staged += kStagedTerms) {
-      const int num_staged = static_cast<int>(min(static_cast<int64_t>(kStagedTerms), args.num_terms - first_staged));
-      // Pass 0 was prefetched by the previous unit; later passes (more than kStagedTerms terms) load here.
-      const TermWords term = first_staged == 0 ? next : load_term_words<Index>(args, piece.row, first_staged, lane);
-      __syncwarp();  // the previous pass's readers are done
-      if (lane < num_staged) {
-        const bool used = term.src >= 0 && term.src < args.num_src_rows;
-        staged_offsets[warp][lane] =
-            used ? make_longlong2(term.src * args.hidden, term.src * scales_per_row) : make_longlong2(-1, -1);
-        staged_weights[warp][lane] = term.weight;
-      }
-      __syncwarp();
-      if (first_staged == 0 && segment + warp_stride < num_segments) {
-        next = load_term_words<Index>(args, row_of(segment + warp_stride, div), 0, lane);  // in flight meanwhile
-      }
-      for (int first = 0; first < num_staged; first += kAccumulateBatch) {
-        // Every load of the batch first (memory parallelism), then the adds in ascending term order (NUMERICS).
-        // Skipped terms are warp-uniform (one row per warp), so these branches never diverge.
-        uint4 raw[kAccumulateBatch];
-        uint8_t scale[kAccumulateBatch];
-#pragma unroll
-        for (int i = 0; i < kAccumulateBatch; ++i) {
-          raw[i] = make_uint4(0u, 0u, 0u, 0u);
-          scale[i] = 0;
-          if (first + i >= num_staged) continue;
-          const longlong2 offsets = staged_offsets[warp][first + i];
-          if (offsets.x < 0 || !piece.valid) continue;
-          raw[i] = vec::load16(args.data + offsets.x + piece.column);
-          scale[i] = __ldg(args.scales + offsets.y + piece.column / 32);
-        }
-#pragma unroll
-        for (int i = 0; i < kAccumulateBatch; ++i) {
-          if (first + i >= num_staged || staged_offsets[warp][first + i].x < 0) continue;
-          const float weight = staged_weights[warp][first + i];
-          float v[kLaneValues];
-          unpack_codes16_fast(raw[i], scale[i], v);
-#pragma unroll
-          for (int k = 0; k < kLaneValues; ++k) acc[k] = qm::qm_add(acc[k], qm::qm_mul(weight, v[k]));
-        }
-      }
+    // The unit's chunks in the order they were staged: terms from 0 by kChunkTerms, one empty chunk if none.
+    for (int64_t first_term = 0; first_term == 0 || first_term < args.num_terms; first_term += kChunkTerms) {
+      if (!scale_words) store_pending_scales(pending, lane, buffers[buffer]);
+      stage_chunk(args, cursor, next, segments_per_row, scale_words, lane, buffers[buffer ^ 1], pending);
+      advance(cursor, args.num_terms, warp_stride, num_segments, div);
+      next = load_term_words<Index>(args, cursor, num_segments, lane);  // in flight during the sum
+      cp_async_wait<1>();  // this chunk's group; the one just issued stays in flight
+      __syncwarp();        // the scale words, weights and used_mask other lanes wrote
+      add_chunk(buffers[buffer], piece.valid, lane, acc);
+      buffer ^= 1;
     }
     if (kHadamard) rht32_inverse_lane16(acc, args.sign_mask, lane);
     if (piece.valid) {
@@ -292,16 +415,25 @@ cudaError_t launch_s2f6_dequantize_accumulate(const S2f6AccumulateArgs& args, cu
   if (args.num_out_rows == 0) return cudaSuccess;
   if (!aligned16(args.data, 0) || !aligned16(args.out, 0)) return cudaErrorMisalignedAddress;  // 16-byte accesses
   const SegmentGrid g = make_segment_grid(args.num_out_rows, args.hidden);
+  const bool scale_words = args.hidden % 128 == 0 && (reinterpret_cast<uintptr_t>(args.scales) & 3u) == 0;
   return vec::dispatch_elem_type(args.out_type, [&](auto tag) {
     using Out = decltype(tag);
     const auto launch = [&](auto index_tag) {
       using Index = decltype(index_tag);
       const auto kernel = args.hadamard ? s2f6_accumulate_kernel<Index, Out, true>
                                         : s2f6_accumulate_kernel<Index, Out, false>;
-      int64_t blocks = 0;  // persistent warps: kAccumulateCtasPerSm per SM (the kernel's launch bounds)
-      const cudaError_t err = resident_grid(kernel, kThreads, g.blocks, &blocks);
+      // Chunk buffers above the 48 KB default; the largest carveout so kAccumulateCtasPerSm CTAs fit.
+      cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(kAccumulateSmem));
+      if (err == cudaSuccess) {
+        err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                   cudaSharedmemCarveoutMaxShared);
+      }
+      int64_t blocks = 0;  // persistent warps: kAccumulateCtasPerSm per SM (launch bounds and shared memory)
+      if (err == cudaSuccess) err = resident_grid(kernel, kThreads, g.blocks, &blocks, kAccumulateSmem);
       if (err != cudaSuccess) return err;
-      kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(args, g.segments_per_row, g.num_segments, g.div);
+      kernel<<<static_cast<unsigned>(blocks), kThreads, kAccumulateSmem, stream>>>(
+          args, g.segments_per_row, g.num_segments, g.div, scale_words);
       return cudaGetLastError();
     };
     return args.index_is_int64 ? launch(int64_t{}) : launch(int32_t{});

@@ -190,25 +190,38 @@ __device__ __forceinline__ void unpack_codes(uint2 raw, float multiplier, float 
 // X - B = code * 2^(b - 133) exactly; that value is an fp32 (an integer multiple of 2^-149 with 8 significant
 // bits), so the correctly rounded subtraction returns it (code 0: X = B, +0 like 0.0f * multiplier). One PRMT
 // and one FSUB per value. b in [238, 255] (huge scales, 0xFF = NaN) takes the general form.
-__device__ __forceinline__ void unpack_codes_fast(uint2 raw, uint8_t scale, float v[8]) {
+template <int kValues>
+__device__ __forceinline__ void unpack_codes_fast(const uint32_t* raw_words, uint8_t scale, float* v) {
   if (scale <= 237) {
     const uint32_t base = ((static_cast<uint32_t>(scale) + 17u) << 23) | 0x80u;
     const float bias = __uint_as_float(base);
-    const uint32_t words[2] = {raw.x ^ 0x80808080u, raw.y ^ 0x80808080u};
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      // byte 0 from byte k % 4 of the word, bytes 1..3 from base (0, then the exponent)
-      v[k] = qm::qm_sub(__uint_as_float(__byte_perm(words[k / 4], base, 0x7650u | (k % 4))), bias);
+    for (int w = 0; w < kValues / 4; ++w) {
+      const uint32_t word = raw_words[w] ^ 0x80808080u;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        // byte 0 from byte k of the word, bytes 1..3 from base (0, then the exponent)
+        v[4 * w + k] = qm::qm_sub(__uint_as_float(__byte_perm(word, base, 0x7650u | k)), bias);
+      }
     }
   } else {
-    unpack_codes(raw, qm::s2f6_decode_multiplier(scale), v);
+    const float multiplier = qm::s2f6_decode_multiplier(scale);
+#pragma unroll
+    for (int w = 0; w < kValues / 8; ++w) unpack_codes(make_uint2(raw_words[2 * w], raw_words[2 * w + 1]), multiplier, v + 8 * w);
   }
 }
 
-// The 16 decoded values of a lane's 16 codes (one chunk, one scale byte).
+__device__ __forceinline__ void unpack_codes_fast(uint2 raw, uint8_t scale, float v[8]) {
+  const uint32_t words[2] = {raw.x, raw.y};
+  unpack_codes_fast<8>(words, scale, v);
+}
+
+// The 16 decoded values of a lane's 16 codes (one chunk, one scale byte): one scale test and one magic base for
+// all 16 (two 8-value calls made the compiler test the scale and build the base twice, with a divergence
+// barrier around each).
 __device__ __forceinline__ void unpack_codes16_fast(uint4 raw, uint8_t scale, float v[16]) {
-  unpack_codes_fast(make_uint2(raw.x, raw.y), scale, v);
-  unpack_codes_fast(make_uint2(raw.z, raw.w), scale, v + 8);
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+  unpack_codes_fast<16>(words, scale, v);
 }
 
 }  // namespace s2f6_lane

@@ -109,13 +109,16 @@ __device__ __forceinline__ void store_row_segment(T* dst, const float* in) {
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Grid of a persistent kernel: at most `wanted` blocks and no more than fit on the current device at once (the
-// kernel's occupancy at `threads` per block), so every block is resident and walks its share of the work.
+// kernel's occupancy at `threads` per block and `dynamic_smem` bytes of dynamic shared memory), so every block is
+// resident and walks its share of the work.
 template <typename Kernel>
-cudaError_t resident_grid(Kernel kernel, int threads, int64_t wanted, int64_t* blocks) {
+cudaError_t resident_grid(Kernel kernel, int threads, int64_t wanted, int64_t* blocks, size_t dynamic_smem = 0) {
   int device = 0, num_sms = 0, blocks_per_sm = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, threads, 0);
+  if (err == cudaSuccess) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, threads, dynamic_smem);
+  }
   if (err != cudaSuccess) return err;
   const int64_t resident = static_cast<int64_t>(num_sms) * (blocks_per_sm > 0 ? blocks_per_sm : 1);
   *blocks = wanted < resident ? wanted : resident;

@@ -255,11 +255,12 @@ def test_s2f6_dequantize_accumulate(hidden, num_terms, weighted, hadamard, index
         assert_same_floats(actual.cpu(), expected, f"accumulate {out_dtype}")
 
 
-@pytest.mark.parametrize("hidden", [32, 96, 800, 2080])
+@pytest.mark.parametrize("hidden", [32, 96, 640, 800, 1920, 2080])
 @pytest.mark.parametrize("num_terms", [33, 70])
 def test_s2f6_partial_segments_and_many_terms(hidden, num_terms):
-    """The warp-per-512-element kernels: a row's last segment partly filled (hidden % 512 != 0), and more terms
-    per output row than one staging pass holds (32), with skipped indices inside and across passes."""
+    """The warp-per-512-element kernels: a row's last segment partly filled (hidden % 512 != 0; 640 and 1920 with
+    hidden % 128 == 0, the accumulation's scale-word copies), and many chunks of terms per output row, with
+    skipped indices inside and across chunks."""
     g = torch.Generator().manual_seed(hidden + num_terms)
     num_src, num_out = 130, 45
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -277,6 +278,25 @@ def test_s2f6_partial_segments_and_many_terms(hidden, num_terms):
                                            impl="cuda")
         want = F.s2f6_dequantize_accumulate(expected, index, weights, out_dtype=out_dtype, impl="reference")
         assert_same_floats(got.cpu(), want, f"accumulate hidden {hidden} terms {num_terms} {out_dtype}")
+
+
+def test_s2f6_accumulate_unaligned_scales_pointer():
+    """hidden % 128 == 0 but scales 1 byte off 4-byte alignment: the accumulation loads scale bytes one by one."""
+    g = torch.Generator().manual_seed(11)
+    num_src, num_out, hidden, num_terms = 40, 23, 1920, 19
+    s = F.s2f6_quantize(_input("outliers", num_src, hidden, torch.float32, seed=5), impl="reference")
+    index = torch.randint(-1, num_src, (num_out, num_terms), generator=g)
+    weights = torch.rand(num_out, num_terms, generator=g)
+    raw = s.scales.view(torch.uint8).reshape(-1)
+    buffer = torch.empty(raw.numel() + 1, dtype=torch.uint8, device=DEVICE)
+    buffer[1:] = raw.to(DEVICE)
+    scales = buffer[1:].view(s.scales.dtype).view(s.scales.shape)
+    assert scales.data_ptr() % 4 == 1
+    s_cuda = F.S2F6Tensor(s.data.to(DEVICE), scales, s.hadamard, s.sign_mask)
+    got = F.s2f6_dequantize_accumulate(s_cuda, index.to(DEVICE), weights.to(DEVICE), out_dtype=torch.float32,
+                                       impl="cuda")
+    want = F.s2f6_dequantize_accumulate(s, index, weights, out_dtype=torch.float32, impl="reference")
+    assert_same_floats(got.cpu(), want, "accumulate unaligned scales")
 
 
 # ----------------------------------------------------------------------------------------------------------
