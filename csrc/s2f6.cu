@@ -286,19 +286,42 @@ __device__ __forceinline__ void stage_chunk(const S2f6AccumulateArgs& args, cons
 // acc += weight * decoded over the chunk's used terms in ascending order. Lanes past the row end (partial last
 // segment) copied nothing: they add weight * decode(0 codes, scale 0) as before, from registers rather than
 // stale buffer bytes, and their results are not stored.
-__device__ __forceinline__ void add_chunk(const ChunkBuffer& buffer, bool lane_valid, int lane,
-                                          float acc[kLaneValues]) {
-  const uint32_t used_mask = buffer.used_mask;
+// kMagicOnly: every used term's scale is <= kMagicMaxScale in every lane (tested once per chunk), so the decode
+// needs no per-term branch.
+template <bool kMagicOnly>
+__device__ __forceinline__ void add_terms(const ChunkBuffer& buffer, uint32_t used_mask, const uint8_t (&scale)[kChunkTerms],
+                                          bool lane_valid, int lane, float acc[kLaneValues]) {
 #pragma unroll
   for (int t = 0; t < kChunkTerms; ++t) {
     if (((used_mask >> t) & 1u) == 0) continue;  // warp-uniform (one row per warp)
     const uint4 raw = lane_valid ? buffer.codes[t][lane] : make_uint4(0u, 0u, 0u, 0u);
-    const uint8_t scale = lane_valid ? buffer.scales[t][lane / 2] : uint8_t{0};
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
     const float weight = buffer.weights[t];
     float v[kLaneValues];
-    unpack_codes16_fast(raw, scale, v);
+    if (kMagicOnly) {
+      unpack_codes_magic<kLaneValues>(words, scale[t], v);
+    } else {
+      unpack_codes_fast<kLaneValues>(words, scale[t], v);
+    }
 #pragma unroll
     for (int k = 0; k < kLaneValues; ++k) acc[k] = qm::qm_add(acc[k], qm::qm_mul(weight, v[k]));
+  }
+}
+
+__device__ __forceinline__ void add_chunk(const ChunkBuffer& buffer, bool lane_valid, int lane,
+                                          float acc[kLaneValues]) {
+  const uint32_t used_mask = buffer.used_mask;
+  uint8_t scale[kChunkTerms];
+  bool magic_only = true;
+#pragma unroll
+  for (int t = 0; t < kChunkTerms; ++t) {
+    scale[t] = lane_valid ? buffer.scales[t][lane / 2] : uint8_t{0};
+    if ((used_mask >> t) & 1u) magic_only = magic_only && scale[t] <= kMagicMaxScale;
+  }
+  if (__all_sync(kFullMask, magic_only)) {
+    add_terms<true>(buffer, used_mask, scale, lane_valid, lane, acc);
+  } else {
+    add_terms<false>(buffer, used_mask, scale, lane_valid, lane, acc);
   }
 }
 

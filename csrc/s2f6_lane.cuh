@@ -190,20 +190,28 @@ __device__ __forceinline__ void unpack_codes(uint2 raw, float multiplier, float 
 // X - B = code * 2^(b - 133) exactly; that value is an fp32 (an integer multiple of 2^-149 with 8 significant
 // bits), so the correctly rounded subtraction returns it (code 0: X = B, +0 like 0.0f * multiplier). One PRMT
 // and one FSUB per value. b in [238, 255] (huge scales, 0xFF = NaN) takes the general form.
+constexpr uint8_t kMagicMaxScale = 237;  // the largest scale byte the magic-number decode takes
+
+// The magic-number form alone: scale must be <= kMagicMaxScale.
+template <int kValues>
+__device__ __forceinline__ void unpack_codes_magic(const uint32_t* raw_words, uint8_t scale, float* v) {
+  const uint32_t base = ((static_cast<uint32_t>(scale) + 17u) << 23) | 0x80u;
+  const float bias = __uint_as_float(base);
+#pragma unroll
+  for (int w = 0; w < kValues / 4; ++w) {
+    const uint32_t word = raw_words[w] ^ 0x80808080u;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      // byte 0 from byte k of the word, bytes 1..3 from base (0, then the exponent)
+      v[4 * w + k] = qm::qm_sub(__uint_as_float(__byte_perm(word, base, 0x7650u | k)), bias);
+    }
+  }
+}
+
 template <int kValues>
 __device__ __forceinline__ void unpack_codes_fast(const uint32_t* raw_words, uint8_t scale, float* v) {
-  if (scale <= 237) {
-    const uint32_t base = ((static_cast<uint32_t>(scale) + 17u) << 23) | 0x80u;
-    const float bias = __uint_as_float(base);
-#pragma unroll
-    for (int w = 0; w < kValues / 4; ++w) {
-      const uint32_t word = raw_words[w] ^ 0x80808080u;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        // byte 0 from byte k of the word, bytes 1..3 from base (0, then the exponent)
-        v[4 * w + k] = qm::qm_sub(__uint_as_float(__byte_perm(word, base, 0x7650u | k)), bias);
-      }
-    }
+  if (scale <= kMagicMaxScale) {
+    unpack_codes_magic<kValues>(raw_words, scale, v);
   } else {
     const float multiplier = qm::s2f6_decode_multiplier(scale);
 #pragma unroll
