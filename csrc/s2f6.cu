@@ -286,15 +286,17 @@ __device__ __forceinline__ void stage_chunk(const S2f6AccumulateArgs& args, cons
 // acc += weight * decoded over the chunk's used terms in ascending order. Lanes past the row end (partial last
 // segment) copied nothing: they add weight * decode(0 codes, scale 0) as before, from registers rather than
 // stale buffer bytes, and their results are not stored.
-// kMagicOnly: every used term's scale is <= kMagicMaxScale in every lane (tested once per chunk), so the decode
-// needs no per-term branch.
-template <bool kMagicOnly>
-__device__ __forceinline__ void add_terms(const ChunkBuffer& buffer, uint32_t used_mask, const uint8_t (&scale)[kChunkTerms],
-                                          bool lane_valid, int lane, float acc[kLaneValues]) {
+// kMagicOnly: every used term's scale is <= kMagicMaxScale in every valid lane (tested once per chunk), so the
+// decode needs no per-term branch; kAllUsed: every term of the chunk is summed (no per-term test). Lanes past the
+// row end (partial last segment) read whatever their buffer slots hold: their sums are never stored, and the
+// inverse RHT only mixes lanes of one 32-element chunk, which is past the row end for both or for neither.
+template <bool kMagicOnly, bool kAllUsed>
+__device__ __forceinline__ void add_terms(const ChunkBuffer& buffer, uint32_t used_mask,
+                                          const uint8_t (&scale)[kChunkTerms], int lane, float acc[kLaneValues]) {
 #pragma unroll
   for (int t = 0; t < kChunkTerms; ++t) {
-    if (((used_mask >> t) & 1u) == 0) continue;  // warp-uniform (one row per warp)
-    const uint4 raw = lane_valid ? buffer.codes[t][lane] : make_uint4(0u, 0u, 0u, 0u);
+    if (!kAllUsed && ((used_mask >> t) & 1u) == 0) continue;  // warp-uniform (one row per warp)
+    const uint4 raw = buffer.codes[t][lane];
     const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
     const float weight = buffer.weights[t];
     float v[kLaneValues];
@@ -318,10 +320,12 @@ __device__ __forceinline__ void add_chunk(const ChunkBuffer& buffer, bool lane_v
     scale[t] = lane_valid ? buffer.scales[t][lane / 2] : uint8_t{0};
     if ((used_mask >> t) & 1u) magic_only = magic_only && scale[t] <= kMagicMaxScale;
   }
-  if (__all_sync(kFullMask, magic_only)) {
-    add_terms<true>(buffer, used_mask, scale, lane_valid, lane, acc);
+  if (!__all_sync(kFullMask, magic_only)) {
+    add_terms<false, false>(buffer, used_mask, scale, lane, acc);
+  } else if (used_mask == (1u << kChunkTerms) - 1u) {
+    add_terms<true, true>(buffer, used_mask, scale, lane, acc);
   } else {
-    add_terms<false>(buffer, used_mask, scale, lane_valid, lane, acc);
+    add_terms<true, false>(buffer, used_mask, scale, lane, acc);
   }
 }
 
