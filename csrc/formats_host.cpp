@@ -46,11 +46,10 @@ void nvfp4_dequantize(const uint8_t* data, const uint8_t* scales, const float* a
   for (int64_t row = 0; row < num_rows; ++row) {
     for (int64_t b = 0; b < num_blocks; ++b) {
       const float final_scale = qm::nvfp4_dequant_scale(scales[row * num_blocks + b], amax[row], e4m3_max);
-      for (int i = 0; i < 16; ++i) {
-        const uint8_t byte = data[row * (hidden / 2) + b * 8 + i / 2];
-        const uint8_t code = (i % 2 == 0) ? (byte & 0xF) : (byte >> 4);
-        out[row * hidden + b * 16 + i] = qm::qm_mul(qm::e2m1_decode(code), final_scale);
-      }
+      const uint8_t* codes = data + row * (hidden / 2) + b * 8;
+      uint32_t words[2] = {0u, 0u};
+      for (int k = 0; k < 8; ++k) words[k / 4] |= static_cast<uint32_t>(codes[k]) << (8 * (k % 4));
+      qm::nvfp4_block_decode(words[0], words[1], final_scale, out + row * hidden + b * 16);  // the kernels' decode
     }
   }
 }

@@ -159,40 +159,6 @@ __device__ __forceinline__ int tile_word(int column, int row) {
   return column * kTilePitch + row + (row / 32) * kRowBlockSkew;
 }
 
-// f(e2m1val(code) * scale) (NUMERICS "NVFP4 / Dequantize") for the 16 codes of one NVFP4 block (element 2i in the
-// low nibble of byte i), with the hardware E4M3 decode instead of a per-code select chain: the E2M1 code
-// s e1 e0 m becomes the E4M3 byte s 0 0 e1 e0 m 0 0, whose value is exactly e2m1val * 2^-6 for every code
-// (E4M3's exponent bias 7 is E2M1's 1 plus 6, and E4M3's subnormals (m / 2) 2^-6 match E2M1's 0.m). With
-// scale64 = f(scale * 64) exact (|scale| <= 2^121, or scale Inf / NaN), f(value * scale64) is the same real
-// product as e2m1val * scale, rounded once: the same bits. Larger finite scales (amax beyond ~2^124) take
-// f(f(value * 64) * scale), the first product exact.
-// Per 8 codes (one 32-bit word): the odd elements' bytes keep the high nibble's sign bit 7 and shift its bits
-// 6..4 to 4..2; the even elements' bytes are the same transform of the word shifted left by 4.
-__device__ __forceinline__ void e2m1x16_decode_scaled(uint2 codes, float scale, float y[16]) {
-  const float scale64 = qm::qm_mul(scale, 64.0f);
-  const bool large_finite_scale = qm::qm_abs(scale) > 0x1p121f && qm::qm_abs(scale) <= qm::kFltMax;
-  float v[16];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const uint32_t w = half == 0 ? codes.x : codes.y;  // elements 8 * half .. 8 * half + 7
-    const uint32_t odd = (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu);          // byte i: element 2i + 1
-    const uint32_t even = ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu);  // byte i: element 2i
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {  // bytes 2q and 2q + 1: elements 4q + {0, 2} (even) and 4q + {1, 3} (odd)
-      float* out = v + 8 * half + 4 * q;
-      qm::e4m3x2_decode(static_cast<uint16_t>(even >> (16 * q)), out[0], out[2]);
-      qm::e4m3x2_decode(static_cast<uint16_t>(odd >> (16 * q)), out[1], out[3]);
-    }
-  }
-  if (!large_finite_scale) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) y[i] = qm::qm_mul(v[i], scale64);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) y[i] = qm::qm_mul(qm::qm_mul(v[i], 64.0f), scale);
-  }
-}
-
 // One tile row's input (thread t: row r0 + t): its 4 blocks' codes and scale bytes and the row amax, loaded into
 // registers one tile ahead of their use.
 struct TileRowInput {
@@ -272,7 +238,7 @@ __global__ void __launch_bounds__(kTileRows) nvfp4_to_mxfp8_transposed_kernel(
         // nvfp4_dequant_scale: f(f(fp32(s_b) * amax) * f(1 / 6M)).
         const float final_scale = qm::qm_mul(qm::qm_mul(scale_values[blk], in.row_amax), inv_six_m);
         float y[16];
-        e2m1x16_decode_scaled(in.codes[blk], final_scale, y);
+        qm::nvfp4_block_decode(in.codes[blk].x, in.codes[blk].y, final_scale, y);
 #pragma unroll
         for (int i = 0; i < 16; ++i) tile[tile_word(blk * 16 + i, t)] = y[i];
       }

@@ -168,21 +168,25 @@ __global__ void __launch_bounds__(Shape::kMaxThreads, Shape::kMinCtas) nvfp4_qua
 
 // One thread per 16-element block: 8 code bytes + 1 scale byte -> 16 outputs.
 template <typename Out>
+// inv_six_m = f(1 / (6 M)), computed once by the launcher (the same correctly rounded division as
+// qm::nvfp4_dequant_scale's); row_div divides by blocks_per_row without a 64-bit division per thread.
 __global__ void __launch_bounds__(256) nvfp4_dequantize_kernel(const uint8_t* __restrict__ data,
                                                                const uint8_t* __restrict__ scales,
                                                                const float* __restrict__ amax, int64_t num_rows,
-                                                               int64_t blocks_per_row, float e4m3_max,
-                                                               Out* __restrict__ out,
+                                                               int64_t blocks_per_row, RowDiv row_div,
+                                                               float inv_six_m, Out* __restrict__ out,
                                                                const int32_t* __restrict__ num_rows_limit) {
   const int64_t block = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (block >= num_rows * blocks_per_row) return;
-  const int64_t row = block / blocks_per_row;
+  const int64_t row = row_of(block, row_div);
   if (num_rows_limit != nullptr && row >= __ldg(num_rows_limit)) return;
   const uint2 word = __ldg(reinterpret_cast<const uint2*>(data) + block);
   // amax == nullptr: block values only (e2m1 * e4m3, exact in fp16) -- the grouped GEMM's activation operand,
   // whose per-row outer scale is applied in the GEMM epilogue instead.
-  const float final_scale = amax == nullptr ? qm::e4m3_decode(__ldg(scales + block))
-                                            : qm::nvfp4_dequant_scale(__ldg(scales + block), __ldg(amax + row), e4m3_max);
+  const float scale = qm::e4m3_decode(__ldg(scales + block));
+  const float final_scale = amax == nullptr ? scale : qm::qm_mul(qm::qm_mul(scale, __ldg(amax + row)), inv_six_m);
+  // Per-code decode (integer ops + one FMUL per value): measured 85.6% of copy on H200 against 72.4% with
+  // qm::nvfp4_block_decode's hardware E4M3 pair decode (2026-11-30), which the transposed kernel uses instead.
   float y[16];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -255,8 +259,10 @@ cudaError_t launch_nvfp4_dequantize(const uint8_t* data, const uint8_t* scales, 
   if (grid > INT32_MAX) return cudaErrorInvalidValue;
   return vec::dispatch_elem_type(out_type, [&](auto tag) {
     using Out = decltype(tag);
+    const float inv_six_m = 1.0f / (6.0f * e4m3_max);  // fp32 ops: nvfp4_dequant_scale's roundings
     nvfp4_dequantize_kernel<Out><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
-        data, scales, amax, num_rows, hidden / 16, e4m3_max, static_cast<Out*>(out), num_rows_limit);
+        data, scales, amax, num_rows, hidden / 16, make_row_div(hidden / 16, total_blocks), inv_six_m,
+        static_cast<Out*>(out), num_rows_limit);
     return cudaGetLastError();
   });
 }

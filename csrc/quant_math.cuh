@@ -924,6 +924,41 @@ QM_HD float nvfp4_dequant_scale(uint8_t scale_byte, float amax, float e4m3_max) 
   return qm_mul(qm_mul(e4m3_decode(scale_byte), amax), inv_six_m);
 }
 
+// f(e2m1val(code) * scale) (NUMERICS "NVFP4 / Dequantize") for the 16 codes of one NVFP4 block, given as two
+// little-endian words (element 2i in the low nibble of byte i), through the E4M3 pair decode (hardware on sm_89+,
+// the software rule elsewhere) instead of a per-code select chain: the E2M1 code s e1 e0 m becomes the E4M3 byte
+// s 0 0 e1 e0 m 0 0, whose value is exactly e2m1val * 2^-6 for every code (E4M3's exponent bias 7 is E2M1's 1
+// plus 6, and E4M3's subnormals (m / 2) 2^-6 match E2M1's 0.m). With scale64 = f(scale * 64) exact
+// (|scale| <= 2^121, or scale Inf / NaN), f(value * scale64) is the same real product as e2m1val * scale,
+// rounded once: the same bits. Larger finite scales (amax beyond ~2^124) take f(f(value * 64) * scale), the
+// first product exact. Per word (8 codes): the odd elements' bytes keep the high nibble's sign bit 7 and shift
+// its bits 6..4 to 4..2; the even elements' bytes are the same transform of the word shifted left by 4.
+// The NVFP4 dequantize kernel, the transposed requantization and the host emulation all decode through it.
+QM_HD void nvfp4_block_decode(uint32_t word0, uint32_t word1, float scale, float y[16]) {
+  const float scale64 = qm_mul(scale, 64.0f);
+  const bool large_finite_scale = qm_abs(scale) > 0x1p121f && qm_abs(scale) <= kFltMax;
+  float v[16];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const uint32_t w = half == 0 ? word0 : word1;  // elements 8 * half .. 8 * half + 7
+    const uint32_t odd = (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu);          // byte i: element 2i + 1
+    const uint32_t even = ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu);  // byte i: element 2i
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {  // bytes 2q and 2q + 1: elements 4q + {0, 2} (even) and 4q + {1, 3} (odd)
+      float* out = v + 8 * half + 4 * q;
+      e4m3x2_decode(static_cast<uint16_t>(even >> (16 * q)), out[0], out[2]);
+      e4m3x2_decode(static_cast<uint16_t>(odd >> (16 * q)), out[1], out[3]);
+    }
+  }
+  if (!large_finite_scale) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) y[i] = qm_mul(v[i], scale64);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) y[i] = qm_mul(qm_mul(v[i], 64.0f), scale);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // RHT-32 (NUMERICS "RHT-32"): serial form on one aligned chunk of 32 values held by one thread.
 QM_HD float rht_sign(float v, uint32_t sign_mask, int j) {

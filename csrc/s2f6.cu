@@ -27,38 +27,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kLaneValues = 16;               // quantize / accumulate: elements per lane
 constexpr int kSegment = 32 * kLaneValues;    // elements of one row per warp
 
-// Row / column of a flat unit index without a 64-bit (or a MUFU-based 32-bit) division: for 2 <= d < 2^31 and
-// n < 2^31, floor(n / d) = umulhi(n, m) >> (p - 32) with l = ceil(log2 d), p = 31 + l, m = ceil(2^p / d).
-// Proof: m = (2^p + e) / d with 0 <= e < d <= 2^l, so n m / 2^p = n / d + n e / (d 2^p) and the second term is
-// < 2^31 2^l / (d 2^(31 + l)) = 1 / d; n / d = q + r / d with r <= d - 1, so the sum stays below q + 1 and its
-// floor is q. m < 2^32 (d > 2^(l - 1), or m = 2^31 for d = 2^l) and floor(floor(x / 2^32) / 2^s) = floor(x / 2^(32 + s)).
-// `fast` is false (plain 64-bit division) when some index may reach 2^31.
-struct RowDiv {
-  int64_t d = 1;
-  uint32_t mul = 0;
-  uint32_t shift = 0;
-  bool fast = false;
-};
-
-RowDiv make_row_div(int64_t d, int64_t total) {
-  RowDiv r;
-  r.d = d;
-  if (d >= 2 && d <= INT32_MAX && total <= INT32_MAX) {
-    int l = 0;
-    while ((int64_t{1} << l) < d) ++l;
-    const int p = 31 + l;
-    r.mul = static_cast<uint32_t>(((uint64_t{1} << p) + static_cast<uint64_t>(d) - 1) / static_cast<uint64_t>(d));
-    r.shift = static_cast<uint32_t>(p - 32);
-    r.fast = true;
-  }
-  return r;
-}
-
-// n must be a valid unit (0 <= n < total).
-__device__ __forceinline__ int64_t row_of(int64_t n, const RowDiv& div) {
-  if (div.fast) return static_cast<int64_t>(__umulhi(static_cast<uint32_t>(n), div.mul) >> div.shift);
-  return n / div.d;
-}
 
 // Dequantize: each thread takes kUnits 8-element units kThreads apart (the 4-lane groups stay aligned: kThreads % 32 ==
 // 0) and issues all their loads before any math, for more bytes in flight per SM (measured 66.5% -> 83.0% of
