@@ -89,31 +89,13 @@ void nvfp4_fast_decided(const float* x, int64_t num_rows, int64_t hidden, const 
   }
 }
 
-// The kernels' per-block choice (mxfp8.cu, mxfp8_encode32_stochastic): sr_e4m3_fast when sr_fast_block_ok,
-// else the general sr_e4m3; the same bits either way. Element j draws rbits(key, index0 + j), index0 % 32 == 0.
+// One MX block through the kernels' own block encoders (quant_math.cuh); element j of a stochastic block draws
+// rbits(key, index0 + j), index0 % 32 == 0.
 static void mxfp8_block(const float* x, bool stochastic, uint32_t key, int64_t index0, uint8_t* codes,
                         uint8_t* scale_out) {
-  float amax = 0.0f;
-  float amax_nan = 0.0f;
-  for (int j = 0; j < 32; ++j) {
-    amax = qm::qm_max(amax, qm::qm_abs(x[j]));
-    amax_nan = qm::qm_max_abs_nan(amax_nan, x[j]);
-  }
-  const uint8_t scale = qm::ue8m0_mxfp8_scale(amax);
-  const float p = qm::ue8m0_inverse(scale);
-  const bool fast = qm::sr_fast_block_ok(amax_nan, scale, p);
-  const qm::RbitsBlock hash = qm::rbits_block(key, static_cast<uint64_t>(index0));
-  for (int j = 0; j < 32; ++j) {
-    float v;
-    if (!stochastic) {
-      v = qm::qm_mul(x[j], p);
-    } else {
-      const uint32_t r16 = (qm::rbits_block_word(hash, static_cast<uint32_t>(j / 2)) >> (16 * (j % 2))) & 0xFFFFu;
-      v = fast ? qm::sr_e4m3_fast(x[j], qm::sr_fast_multiplier(scale), r16) : qm::sr_e4m3(qm::qm_mul(x[j], p), r16);
-    }
-    codes[j] = qm::e4m3_encode(v);
-  }
-  *scale_out = scale;
+  uint32_t words[8];
+  *scale_out = stochastic ? qm::mxfp8_encode32_stochastic(x, key, index0, words) : qm::mxfp8_encode32_nearest(x, words);
+  for (int j = 0; j < 32; ++j) codes[j] = static_cast<uint8_t>(words[j / 4] >> (8 * (j % 4)));
 }
 
 void mxfp8_quantize(const float* x, int64_t num_rows, int64_t hidden, bool stochastic, uint64_t seed,

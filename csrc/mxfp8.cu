@@ -12,74 +12,23 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ float abs_max32(const float x[32]) {
-  float a = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 32; ++j) a = qm::qm_max(a, qm::qm_abs(x[j]));
-  return a;
-}
-
-// Encodes one MX block of 32 fp32 values: returns its scale byte, out[0] / out[1] = codes 0..15 / 16..31.
-__device__ __forceinline__ uint8_t mxfp8_encode32_nearest(const float x[32], uint4 out[2]) {
-  const uint8_t scale = qm::ue8m0_mxfp8_scale(abs_max32(x));
-  const float p = qm::ue8m0_inverse(scale);
-  uint32_t words[8];
-#pragma unroll
-  for (int w = 0; w < 8; ++w) {
-    words[w] = static_cast<uint32_t>(qm::e4m3x2_encode(qm::qm_mul(x[4 * w], p), qm::qm_mul(x[4 * w + 1], p))) |
-               (static_cast<uint32_t>(qm::e4m3x2_encode(qm::qm_mul(x[4 * w + 2], p), qm::qm_mul(x[4 * w + 3], p)))
-                << 16);
-  }
+// One MX block of 32 fp32 values -> its scale byte and 32 codes as two 16-byte vectors (codes 0..15 / 16..31), through
+// the shared block encoders of quant_math.cuh (the host emulation calls the same functions).
+__device__ __forceinline__ void words_to_vectors(const uint32_t words[8], uint4 out[2]) {
   out[0] = make_uint4(words[0], words[1], words[2], words[3]);
   out[1] = make_uint4(words[4], words[5], words[6], words[7]);
+}
+__device__ __forceinline__ uint8_t mxfp8_encode32_nearest(const float x[32], uint4 out[2]) {
+  uint32_t words[8];
+  const uint8_t scale = qm::mxfp8_encode32_nearest(x, words);
+  words_to_vectors(words, out);
   return scale;
 }
-
-// The 8 code words of a block with stochastic rounding, element j drawing the random bits of index0 + j
-// (index0 % 32 == 0): they are the low / high halves of the block's 16 pair words (rbits_block: one fmix32
-// per two elements). kFast: sr_e4m3_fast with q = sr_fast_multiplier(b); else sr_e4m3 of f(x * p).
-template <bool kFast>
-__device__ __forceinline__ void sr_encode32(const float x[32], float p, float q, const qm::RbitsBlock& hash,
-                                            uint32_t words[8]) {
-#pragma unroll
-  for (int w = 0; w < 8; ++w) {
-    // Elements 4w .. 4w + 3 are pairs 2w and 2w + 1: the even element takes the low half of its pair's word.
-    const uint32_t pair_words[2] = {qm::rbits_block_word(hash, 2 * w), qm::rbits_block_word(hash, 2 * w + 1)};
-    float v[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const uint32_t r16 = (pair_words[k / 2] >> (16 * (k % 2))) & 0xFFFFu;
-      v[k] = kFast ? qm::sr_e4m3_fast(x[4 * w + k], q, r16) : qm::sr_e4m3(qm::qm_mul(x[4 * w + k], p), r16);
-    }
-    words[w] = static_cast<uint32_t>(qm::e4m3x2_encode(v[0], v[1])) |
-               (static_cast<uint32_t>(qm::e4m3x2_encode(v[2], v[3])) << 16);
-  }
-}
-
-// The stochastic form of mxfp8_encode32_nearest; index0 = the flat index of x[0], a multiple of 32 (row * K +
-// column with K % 32 == 0, or k * R + rb with R % 32 == 0). Every finite block with a scale byte <= 156 takes
-// sr_e4m3_fast (a truncating multiply, an add, a mask and a multiply per element); NaN / Inf blocks and huge ones
-// (amax > 448 * 2^29) take the general sr_e4m3 (sr_fast_block_ok). Both give sr_e4m3_definition's bits.
 __device__ __forceinline__ uint8_t mxfp8_encode32_stochastic(const float x[32], uint32_t key, int64_t index0,
                                                              uint4 out[2]) {
-  float amax_nan = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 32; ++j) amax_nan = qm::qm_max_abs_nan(amax_nan, x[j]);
-  uint8_t scale = qm::ue8m0_mxfp8_scale(amax_nan);  // 0xFF for a NaN block: recomputed below
-  float p = qm::ue8m0_inverse(scale);
-  const qm::RbitsBlock hash = qm::rbits_block(key, static_cast<uint64_t>(index0));
   uint32_t words[8];
-  if (qm::sr_fast_block_ok(amax_nan, scale, p)) {
-    sr_encode32<true>(x, p, qm::sr_fast_multiplier(scale), hash, words);
-  } else {
-    if (qm::qm_isnan(amax_nan)) {  // the scale's amax ignores NaN
-      scale = qm::ue8m0_mxfp8_scale(abs_max32(x));
-      p = qm::ue8m0_inverse(scale);
-    }
-    sr_encode32<false>(x, p, 0.0f, hash, words);
-  }
-  out[0] = make_uint4(words[0], words[1], words[2], words[3]);
-  out[1] = make_uint4(words[4], words[5], words[6], words[7]);
+  const uint8_t scale = qm::mxfp8_encode32_stochastic(x, key, index0, words);
+  words_to_vectors(words, out);
   return scale;
 }
 

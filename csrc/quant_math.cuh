@@ -524,6 +524,73 @@ QM_HD bool sr_fast_block_ok(float amax_nan, uint8_t scale_byte, float p) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// MXFP8 block encoders: one MX block of 32 fp32 values -> the UE8M0 scale byte and 32 E4M3 codes. The kernels
+// (mxfp8.cu: quantize and the transposed requantization) and the host emulation call these same functions.
+QM_HD float block_amax32(const float x[32]) {
+  float a = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) a = qm_max(a, qm_abs(x[j]));
+  return a;
+}
+
+// Encodes one MX block of 32 fp32 values: returns its scale byte; words[w] = codes 4w .. 4w + 3 (little-endian).
+QM_HD uint8_t mxfp8_encode32_nearest(const float x[32], uint32_t words[8]) {
+  const uint8_t scale = ue8m0_mxfp8_scale(block_amax32(x));
+  const float p = ue8m0_inverse(scale);
+#pragma unroll
+  for (int w = 0; w < 8; ++w) {
+    words[w] = static_cast<uint32_t>(e4m3x2_encode(qm_mul(x[4 * w], p), qm_mul(x[4 * w + 1], p))) |
+               (static_cast<uint32_t>(e4m3x2_encode(qm_mul(x[4 * w + 2], p), qm_mul(x[4 * w + 3], p)))
+                << 16);
+  }
+  return scale;
+}
+
+// The 8 code words of a block with stochastic rounding, element j drawing the random bits of index0 + j
+// (index0 % 32 == 0): they are the low / high halves of the block's 16 pair words (rbits_block: one fmix32
+// per two elements). kFast: sr_e4m3_fast with q = sr_fast_multiplier(b); else sr_e4m3 of f(x * p).
+template <bool kFast>
+QM_HD void sr_encode32(const float x[32], float p, float q, const RbitsBlock& hash, uint32_t words[8]) {
+#pragma unroll
+  for (int w = 0; w < 8; ++w) {
+    // Elements 4w .. 4w + 3 are pairs 2w and 2w + 1: the even element takes the low half of its pair's word.
+    const uint32_t pair_words[2] = {rbits_block_word(hash, 2 * w), rbits_block_word(hash, 2 * w + 1)};
+    float v[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t r16 = (pair_words[k / 2] >> (16 * (k % 2))) & 0xFFFFu;
+      v[k] = kFast ? sr_e4m3_fast(x[4 * w + k], q, r16) : sr_e4m3(qm_mul(x[4 * w + k], p), r16);
+    }
+    words[w] = static_cast<uint32_t>(e4m3x2_encode(v[0], v[1])) |
+               (static_cast<uint32_t>(e4m3x2_encode(v[2], v[3])) << 16);
+  }
+}
+
+// The stochastic form of mxfp8_encode32_nearest; index0 = the flat index of x[0], a multiple of 32 (row * K + column
+// with K % 32 == 0, or k * R + rb with R % 32 == 0). Every finite block with a scale byte <= 156 takes
+// sr_e4m3_fast (a truncating multiply, an add, a mask and a multiply per element); NaN / Inf blocks and huge ones
+// (amax > 448 * 2^29) take the general sr_e4m3 (sr_fast_block_ok). Both give sr_e4m3_definition's bits.
+QM_HD uint8_t mxfp8_encode32_stochastic(const float x[32], uint32_t key, int64_t index0, uint32_t words[8]) {
+  float amax_nan = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) amax_nan = qm_max_abs_nan(amax_nan, x[j]);
+  uint8_t scale = ue8m0_mxfp8_scale(amax_nan);  // 0xFF for a NaN block: recomputed below
+  float p = ue8m0_inverse(scale);
+  const RbitsBlock hash = rbits_block(key, static_cast<uint64_t>(index0));
+  if (sr_fast_block_ok(amax_nan, scale, p)) {
+    sr_encode32<true>(x, p, sr_fast_multiplier(scale), hash, words);
+  } else {
+    if (qm_isnan(amax_nan)) {  // the scale's amax ignores NaN
+      scale = ue8m0_mxfp8_scale(block_amax32(x));
+      p = ue8m0_inverse(scale);
+    }
+    sr_encode32<false>(x, p, 0.0f, hash, words);
+  }
+  return scale;
+}
+
+
+// ---------------------------------------------------------------------------------------------------
 // NVFP4 outer (per-row or per-tensor) scales from the outer amax and the E4M3 bound M (256 or 448).
 // The amax must be >= 0 (or +Inf / NaN); a negative amax is not a valid input.
 struct Nvfp4Outer {
