@@ -104,8 +104,11 @@ __global__ void __launch_bounds__(kThreads) s2f6_dequantize_kernel(const int8_t*
 // chunks of kChunkTerms consecutive terms (a unit with no terms is one empty chunk), and each warp streams its
 // chunks through a private double buffer in shared memory filled by cp.async: while the warp sums chunk c, chunk
 // c + 1's codes and scales are in flight, so the memory pipe stays busy during the adds and across units without
-// holding registers. History (H200, % of copy, bench/RESULTS.md fifth session): register batches, 4 sources in
-// flight per lane with 3 CTAs per SM (80 registers), 67%; 8 in flight with 2 CTAs, 60%. The index / weight
+// holding registers. The kernel is bound by instruction issue more than by bytes in flight, so the sum path is
+// kept short: one scale test per chunk (warp vote) and a straight-line path when all 8 terms are used. Measured
+// (H200, % of copy, bench/RESULTS.md fifth and sixth sessions): register batches of 4 terms with 3 CTAs per SM,
+// 67% (8 in flight with 2 CTAs, 60%); this double buffer with the per-term scale test, 70-71%; with the vote and
+// the straight-line path, 72.5-73.3%. The index / weight
 // words of the chunk after the next are loaded while a chunk is summed, so staging never waits on a dependent
 // load. Every lane sums its 16 elements over a chunk's terms in ascending term order (NUMERICS "Combine
 // accumulation"); skipped terms (index < 0 or >= num_src_rows) add nothing.
