@@ -190,6 +190,8 @@ void register_host_emulation(py::module_& m) {
             which = host::ExhaustiveCheck::kMarkstein2688;
           } else if (check == "sr_e4m3") {
             which = host::ExhaustiveCheck::kSrE4m3;
+          } else if (check == "s2f6_fast") {
+            which = host::ExhaustiveCheck::kS2f6Fast;
           } else {
             throw std::invalid_argument("unknown check " + check);
           }

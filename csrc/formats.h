@@ -168,7 +168,13 @@ void nvfp4_fast_decided(const float* x, int64_t num_rows, int64_t hidden, const 
 //            sr_e4m3_definition, every v >= 0 (and -v) with random words 0, 0xFFFF, 0x8000 and a hash; and the
 //            per-block random bits (rbits_block / rbits_block_word) vs rbits.
 // Returns the number of mismatches (0 expected).
-enum class ExhaustiveCheck : int { kE2m1Magnitude = 0, kMarkstein1536 = 1, kMarkstein2688 = 2, kSrE4m3 = 3 };
+enum class ExhaustiveCheck : int {
+  kE2m1Magnitude = 0,
+  kMarkstein1536 = 1,
+  kMarkstein2688 = 2,
+  kSrE4m3 = 3,
+  kS2f6Fast = 4,
+};
 int64_t exhaustive_check(ExhaustiveCheck check, uint32_t stride);
 // Element-level primitives, one value each (for exhaustive / test-vector checks).
 void e2m1_encode(const float* x, int64_t n, uint8_t* out);

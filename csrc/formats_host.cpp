@@ -250,6 +250,38 @@ int64_t exhaustive_check(ExhaustiveCheck check, uint32_t stride) {
     }
     return mismatches;
   }
+  if (check == ExhaustiveCheck::kS2f6Fast) {
+    // The kernels' S2F6 packing per value (plain and RHT-folded) against s2f6_encode, for every fp32 bit pattern
+    // (both signs) under scale bytes the value may meet in a block: its own smallest scale (where the clamps are
+    // tight), the next, the form boundaries (5/6, 8/9, 253/254) and a few between, whenever admissible.
+    const uint8_t scales[12] = {0, 1, 5, 6, 8, 9, 60, 127, 134, 200, 253, 254};
+    const float c = qm::bits_float(qm::kRhtScaleBits);
+    auto check_value = [&](uint32_t bits) {
+      const float v = qm::bits_float(bits);
+      const float vc = qm::qm_mul(v, c);
+      const uint8_t own = qm::ue8m0_s2f6_scale(qm::qm_abs(v));
+      const uint8_t own_rht = qm::ue8m0_s2f6_scale(qm::qm_abs(vc));
+      const uint8_t tried[4] = {own, static_cast<uint8_t>(own < 0xFE ? own + 1 : own), scales[bits % 12], own_rht};
+      for (const uint8_t b : tried) {
+        // Admissible: the value could be in a block with scale b (NaN values are in any block).
+        if ((qm::qm_isnan(v) || own <= b) &&
+            static_cast<uint8_t>(qm::s2f6_code_bits_fast(v, b)) != static_cast<uint8_t>(qm::s2f6_encode(v, b))) {
+          ++mismatches;
+        }
+        if ((qm::qm_isnan(v) || own_rht <= b) &&
+            static_cast<uint8_t>(qm::s2f6_rht_code_bits_fast(v, b)) != static_cast<uint8_t>(qm::s2f6_encode(vc, b))) {
+          ++mismatches;
+        }
+      }
+    };
+    // Zeros, infinities, NaNs, the largest finite, the smallest subnormal and normal, both signs: always checked.
+    for (const uint32_t bits : {0x00000000u, 0x7F800000u, 0x7FC00000u, 0x7F7FFFFFu, 0x00000001u, 0x00800000u}) {
+      check_value(bits);
+      check_value(bits | 0x80000000u);
+    }
+    for (uint64_t bits = 0; bits <= 0xFFFFFFFFu; bits += stride) check_value(static_cast<uint32_t>(bits));
+    return mismatches;
+  }
   const float six_m = check == ExhaustiveCheck::kMarkstein1536 ? 1536.0f : 2688.0f;
   const float inv_six_m = qm::qm_div(1.0f, six_m);
   for (uint64_t bits = 0x0D800000u; bits <= 0x7F7FFFFFu; bits += stride) {  // 2^-100 .. FLT_MAX

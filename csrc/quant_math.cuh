@@ -321,6 +321,35 @@ QM_HD int8_t s2f6_encode(float v, uint8_t scale_byte) {
   return s2f6_encode_with_multiplier(v, ue8m0_inverse(scale_byte));
 }
 
+// S2F6 fast forms: the pieces of the kernels' packing (s2f6_lane.cuh pack_codes / pack_codes_rht16, where the
+// proofs are) and, per value, the code they give. Valid for every value v of a block whose scale byte is `scale`
+// (ue8m0_s2f6_scale(|v|) <= scale, or v NaN): then the low byte of the returned word is s2f6_encode(v, scale)
+// (s2f6_rht_code_bits_fast: s2f6_encode(f(v * c), scale), c = f(1/sqrt(32))). exhaustive_check "s2f6_fast" checks
+// both over fp32 bit patterns.
+QM_HD float s2f6_fast_multiplier(uint8_t scale) {  // 2^(133 - b), a normal fp32 for 6 <= b <= 254
+  return bits_float((260u - scale) << 23);
+}
+QM_HD float s2f6_rht_fast_multiplier(uint8_t scale) {  // c * 2^(133 - b), exact and normal for 9 <= b <= 253
+  return bits_float(kRhtScaleBits + (static_cast<uint32_t>(133 - static_cast<int>(scale)) << 23));
+}
+// bits(f(t' + 1.5 * 2^23)), t' = t clamped to [-128, 127] (NaN -> 127): the low byte is RNE(t') as an int8.
+QM_HD uint32_t s2f6_rounded_bits(float t) {
+  t = qm_max(qm_min(t, 127.0f), -128.0f);
+  return float_bits(qm_add(t, kRoundMagic));
+}
+// The same when t >= -127 is known (the block's own scale): only the upper clamp, which also maps NaN to 127.
+QM_HD uint32_t s2f6_rounded_bits_upper(float t) { return float_bits(qm_add(qm_min(t, 127.0f), kRoundMagic)); }
+
+QM_HD uint32_t s2f6_code_bits_fast(float v, uint8_t scale) {
+  if (scale >= 6 && scale <= 253) return s2f6_rounded_bits_upper(qm_mul(v, s2f6_fast_multiplier(scale)));
+  if (scale >= 6) return s2f6_rounded_bits(qm_mul(v, s2f6_fast_multiplier(scale)));
+  return s2f6_rounded_bits(qm_mul(qm_mul(v, ue8m0_inverse(scale)), 64.0f));
+}
+QM_HD uint32_t s2f6_rht_code_bits_fast(float v, uint8_t scale) {
+  if (scale >= 9 && scale <= 253) return s2f6_rounded_bits_upper(qm_mul(v, s2f6_rht_fast_multiplier(scale)));
+  return s2f6_code_bits_fast(qm_mul(v, bits_float(kRhtScaleBits)), scale);
+}
+
 // Two S2F6 codes (lo in bits 7:0) with the block's scale byte and its encode multiplier 2^(127 - b).
 // The native form (opt-in, CUDA >= 13.1, sm_100a family) divides by the scale inside the conversion: it can
 // only differ from the two fp32 multiplies when v * 2^(127 - b) is subnormal, where both give code 0.

@@ -1,7 +1,8 @@
 // S2F6 and RHT-32 pieces for kernels that hold an aligned chunk of 32 in two lanes (16 elements each: the
 // quantize and dequantize-accumulate kernels of s2f6.cu, the NVLink combine) or four lanes (8 each: dequantize).
 // Bit-identical to the serial rules of quant_math.cuh (docs/NUMERICS.md "RHT-32", "S2F6 quantize"); each
-// helper says why. Device code only.
+// helper says why. Device code; the per-value arithmetic of the code packing is in quant_math.cuh
+// (s2f6_code_bits_fast / s2f6_rht_code_bits_fast), which the host checks against s2f6_encode.
 #pragma once
 
 #include <cstdint>
@@ -85,11 +86,7 @@ __device__ __forceinline__ uint2 pack_codes(const float v[8], uint8_t scale) {
 //  * rounding: s = f(t + 1.5 * 2^23) lies in [2^23, 2^24) (ulp 1) and is 1.5 * 2^23 + RNE(t) (the magic is even,
 //    so ties pick the same neighbour), i.e. bits 0x4B400000 + RNE(t): the low byte is the int8 code that
 //    qm_rint_small + the int conversion give, without the subtraction and the quarter-rate F2I.
-__device__ __forceinline__ uint32_t s2f6_rounded_bits(float t) {
-  t = qm::qm_max(qm::qm_min(t, 127.0f), -128.0f);
-  return __float_as_uint(qm::qm_add(t, qm::kRoundMagic));
-}
-
+//    (qm::s2f6_rounded_bits; qm::s2f6_code_bits_fast is this packing for one value, checked on the host.)
 //  * for 6 <= b <= 253 the lower clamp is a no-op and the upper one only maps NaN: b = ue8m0_s2f6_scale(amax)
 //    is the smallest e with amax * 2^(127 - e) <= 127/64 unless clamped to 0xFE (amax >= 2^127 * 127/64 or
 //    Inf), and |v| <= amax for every value of the block, so |v * 2^(133 - b)| <= 127 and its rounding too
@@ -102,19 +99,17 @@ __device__ __forceinline__ uint32_t low_bytes4(const uint32_t s[4]) {
 __device__ __forceinline__ uint2 pack_codes(const float v[8], uint8_t scale) {
   uint32_t s[8];
   if (scale >= 6 && scale <= 253) {
-    const float multiplier = __uint_as_float((260u - scale) << 23);  // 2^(133 - b)
+    const float multiplier = qm::s2f6_fast_multiplier(scale);  // 2^(133 - b)
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      s[k] = __float_as_uint(qm::qm_add(qm::qm_min(qm::qm_mul(v[k], multiplier), 127.0f), qm::kRoundMagic));
-    }
+    for (int k = 0; k < 8; ++k) s[k] = qm::s2f6_rounded_bits_upper(qm::qm_mul(v[k], multiplier));
   } else if (scale >= 6) {
-    const float multiplier = __uint_as_float((260u - scale) << 23);  // 2^(133 - b), b = 254
+    const float multiplier = qm::s2f6_fast_multiplier(scale);  // 2^(133 - b), b = 254
 #pragma unroll
-    for (int k = 0; k < 8; ++k) s[k] = s2f6_rounded_bits(qm::qm_mul(v[k], multiplier));
+    for (int k = 0; k < 8; ++k) s[k] = qm::s2f6_rounded_bits(qm::qm_mul(v[k], multiplier));
   } else {
     const float multiplier = qm::ue8m0_inverse(scale);  // 2^(127 - b), normal for b < 6
 #pragma unroll
-    for (int k = 0; k < 8; ++k) s[k] = s2f6_rounded_bits(qm::qm_mul(qm::qm_mul(v[k], multiplier), 64.0f));
+    for (int k = 0; k < 8; ++k) s[k] = qm::s2f6_rounded_bits(qm::qm_mul(qm::qm_mul(v[k], multiplier), 64.0f));
   }
   return make_uint2(low_bytes4(s), low_bytes4(s + 4));
 }
@@ -138,12 +133,10 @@ __device__ __forceinline__ uint4 pack_codes_rht16(const float v[16], uint8_t sca
   const float c = __uint_as_float(qm::kRhtScaleBits);
 #if !defined(EP_COMM_S2F6_NATIVE)
   if (scale >= 9 && scale <= 253) {
-    const float m = __uint_as_float(qm::kRhtScaleBits + (static_cast<uint32_t>(133 - static_cast<int>(scale)) << 23));
+    const float m = qm::s2f6_rht_fast_multiplier(scale);
     uint32_t s[16];
 #pragma unroll
-    for (int k = 0; k < 16; ++k) {
-      s[k] = __float_as_uint(qm::qm_add(qm::qm_min(qm::qm_mul(v[k], m), 127.0f), qm::kRoundMagic));
-    }
+    for (int k = 0; k < 16; ++k) s[k] = qm::s2f6_rounded_bits_upper(qm::qm_mul(v[k], m));
     return make_uint4(low_bytes4(s), low_bytes4(s + 4), low_bytes4(s + 8), low_bytes4(s + 12));
   }
 #endif

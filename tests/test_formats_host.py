@@ -55,10 +55,11 @@ def test_rbits_and_stochastic_e4m3_match_reference():
     assert_same_bytes(C.host_sr_e4m3(x, random_bits), F._e4m3_stochastic(x, random_bits), "SR e4m3")
 
 
-@pytest.mark.parametrize("check", ["e2m1_magnitude", "markstein_1536", "markstein_2688", "sr_e4m3"])
+@pytest.mark.parametrize("check", ["e2m1_magnitude", "markstein_1536", "markstein_2688", "sr_e4m3", "s2f6_fast"])
 def test_fast_forms_match_their_definitions(check):
     """The division-free / conversion-free forms the kernels use, over fp32 bit patterns (EP_COMM_EXHAUSTIVE=1:
-    all 2^31 of them, a few minutes; default: a sample, a few seconds)."""
+    all of them -- the non-negative 2^31, or all 2^32 for s2f6_fast -- a few minutes each; default: every
+    251st / 1021st pattern plus, for s2f6_fast, zeros, infinities, NaNs and the extremes, a few seconds)."""
     stride = 1 if os.environ.get("EP_COMM_EXHAUSTIVE") == "1" else (1021 if check == "sr_e4m3" else 251)
     assert ep_comm._ext._C.host_exhaustive_check(check, stride) == 0
 
