@@ -15,15 +15,16 @@
 // that read it has retired.
 //
 // Weight decode (layout in ep_comm/grouped_gemm.py): for pair j of a k-step word w,
-//   ((w & kPairField[j]) * kPairMul[j]) & 0x8E008E00   (32-bit)   is the fp16x2 of the two E2M1 values * 2^-14
+//   ((w & F_j) * M_j) & 0x8E008E00 (32-bit; decode_pair0..3 below) is the fp16x2 of the two E2M1 values * 2^-14
 // (magnitude bits at the fp16 exponent/mantissa boundary, sign at bit 15; E2M1's subnormal 0.5 lands on fp16's
 // subnormal 2^-15, so zero and 0.5 need no special case). Pair 0 is stored in place (1 op), pair 1 three bits
 // lower (shift + mask), pairs 2 and 3 keep sign and magnitude at other distances: the multiply by 2^a + 2^b
 // moves the magnitude by a and the sign by b in one IMAD, and the stray copies and carries stay outside the
 // mask (checked for every code by tests/test_grouped_gemm.py). 9 integer ops per 8 weights instead of 13 with
 // one shift distance per pair. The scale code c of E4M3 scale s gives the fp16 s * 2^7 as c << 7; one mask of
-// a row's 4-byte scale word gives the codes of two k-steps, and HMUL2 broadcasts the half it needs. Product: v * s * 2^-7, at least 2^-17 in magnitude (a multiple of 2^-17, exact even as an fp16
-// subnormal) and at most 6 * 448 * 2^-7 = 21. fp16 HMUL2 keeps subnormals (no flush for f16 on sm_90).
+// a row's 4-byte scale word gives the codes of two k-steps, and HMUL2 broadcasts the half it needs. Product:
+// v * s * 2^-7, at least 2^-17 in magnitude (a multiple of 2^-17, exact even as an fp16 subnormal) and at most
+// 6 * 448 * 2^-7 = 21. fp16 HMUL2 keeps subnormals (no flush for f16 on sm_90).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
