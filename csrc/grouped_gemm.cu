@@ -35,6 +35,7 @@
 #include <initializer_list>
 #include <type_traits>
 
+#include "cp_async.cuh"
 #include "grouped_gemm.h"
 #include "vec_io.cuh"
 #include "wgmma.cuh"
@@ -74,20 +75,6 @@ struct Geometry {
   static_assert(kStages >= 3, "the ring needs three stages (one in use, one landing, one loading)");
   static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + room to align the ring to 1024 B
 };
-
-__device__ __forceinline__ uint32_t smem_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte async copy global -> shared; src_bytes = 0 writes zeros (rows past an expert's count).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
 
 // 128-byte swizzle, K-major: 8-row groups 1024 B apart (the leading offset is unused: one swizzle atom spans
 // all of a k16 step); start = tile base + 32 B per k16 step, the hardware applies the XOR to the final address.
@@ -194,7 +181,7 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // The 128-byte swizzle needs 1024-byte aligned tiles: align the ring explicitly (static shared memory may
   // precede the dynamic block).
-  uint8_t* smem = smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023);
+  uint8_t* smem = smem_raw + ((1024 - (cp_async::smem_address(smem_raw) & 1023)) & 1023);
 
   int expert, tile_in_expert;
   // 1-D grid, weight CTAs fastest: consecutive CTAs share one token tile (read from L2 by all of them).
@@ -232,7 +219,7 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
   const bool copies_scales = thread_in_group < kTileScaleBytes / 16;  // 16 lanes x 16 B per tile and k-block
   const uint8_t* w_scales = args.w_scales + tile_index * num_k_blocks * kTileScaleBytes +
                             (copies_scales ? thread_in_group * 16 : 0);
-  const uint32_t smem_base = smem_address(smem);
+  const uint32_t smem_base = cp_async::smem_address(smem);
   const uint32_t values_dst = G::kValuesOffset + threadIdx.x * kValueBytes;
   const uint32_t scales_dst = G::kScalesOffset + warp_group * kTileScaleBytes + thread_in_group * 16;
   // Token tile: kTile rows x 8 chunks of 16 B. Thread t copies chunk t % 8 of rows t / 8 + i * kRowsPerCopy (8
@@ -257,21 +244,24 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
         const int k_block = first_block + b;
         if (b > 0 && k_block >= num_k_blocks) break;  // a partial last stage (odd number of k-blocks)
         const uint32_t block = smem_base + load_slot * G::kStageBytes + b * G::kBlockBytes;
-        cp_async16(block + values_dst, w_values + static_cast<int64_t>(k_block) * (128 * kValueBytes), 16);
-        if (copies_scales) cp_async16(block + scales_dst, w_scales + k_block * kTileScaleBytes, 16);
+        cp_async::copy16_zfill(block + values_dst, w_values + static_cast<int64_t>(k_block) * (128 * kValueBytes),
+                               16);
+        if (copies_scales) {
+          cp_async::copy16_zfill(block + scales_dst, w_scales + k_block * kTileScaleBytes, 16);
+        }
 #pragma unroll
         for (int i = 0; i < kCopies; ++i) {
           const int row = copy_row + i * kRowsPerCopy;
           if (kTile % kRowsPerCopy == 0 || row < kTile) {
             const bool valid = row < valid_rows;
-            cp_async16(block + token_dst + i * token_dst_step,
+            cp_async::copy16_zfill(block + token_dst + i * token_dst_step,
                        (valid ? token_src + i * token_src_step : tile_src) + k_block * kKBlock, valid ? 16 : 0);
           }
         }
       }
       load_slot = load_slot + 1 == kStages ? 0 : load_slot + 1;
     }
-    cp_async_commit();  // always one group per call, so wait_group counts stay uniform
+    cp_async::commit();  // always one group per call, so wait_group counts stay uniform
   };
 
   const int row_r0 = 16 * (thread_in_group / 32) + (thread_in_group % 32) / 4;  // tile rows r0 and r0 + 8
@@ -312,7 +302,7 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) load_stage(s);
-  cp_async_wait<kStages - 2>();  // stage 0
+  cp_async::wait<kStages - 2>();  // stage 0
   wait_stage();
   int slot = 0;  // ring slot of the k-block being multiplied
   convert(slot, 0, a_even);
@@ -340,7 +330,7 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
     if (k_block + 1 < num_k_blocks) {
       if (kSub == kBlocksPerStage - 1) {
         const int stage_index = k_block / kBlocksPerStage;
-        cp_async_wait<kStages - 3>();  // stage stage_index + 1
+        cp_async::wait<kStages - 3>();  // stage stage_index + 1
         wait_stage();                  // also: every warpgroup has retired the wgmma of stage stage_index - 1
         load_stage(stage_index + kStages - 1);  // into the slot of stage stage_index - 1
         slot = slot + 1 == kStages ? 0 : slot + 1;

@@ -154,8 +154,8 @@ __device__ __forceinline__ TileRowInput load_tile_row(const uint8_t* __restrict_
 
 // Persistent CTAs walk the tiles (tile = row tile + num_row_tiles * column tile); the loads of a CTA's next tile
 // are issued right after its current tile is staged in shared memory, so they are in flight during the current
-// tile's encoding (phase 2, the long one) instead of after it. inv_six_m = f(1 / f(6 M)), computed once by the
-// launcher (nvfp4_dequant_scale recomputes it per call).
+// tile's encoding (phase 2, the long one) instead of after it. inv_six_m = qm::nvfp4_inv_six_m(M), computed once by
+// the launcher.
 template <bool kStochastic>
 __global__ void __launch_bounds__(kTileRows) nvfp4_to_mxfp8_transposed_kernel(
     const uint8_t* __restrict__ data, const uint8_t* __restrict__ scales, const float* __restrict__ amax,
@@ -184,8 +184,7 @@ __global__ void __launch_bounds__(kTileRows) nvfp4_to_mxfp8_transposed_kernel(
 #pragma unroll
       for (int blk = 0; blk < kBlocks; ++blk) {
         if (k0 + blk * 16 >= hidden) break;
-        // nvfp4_dequant_scale: f(f(fp32(s_b) * amax) * f(1 / 6M)).
-        const float final_scale = qm::qm_mul(qm::qm_mul(scale_values[blk], in.row_amax), inv_six_m);
+        const float final_scale = qm::nvfp4_dequant_scale_from(scale_values[blk], in.row_amax, inv_six_m);
         float y[16];
         qm::nvfp4_block_decode(in.codes[blk].x, in.codes[blk].y, final_scale, y);
 #pragma unroll
@@ -293,7 +292,7 @@ cudaError_t launch_nvfp4_to_mxfp8_transposed(const uint8_t* data, const uint8_t*
   const cudaError_t err = resident_grid(kernel, kTileRows, num_tiles, &grid);
   if (err != cudaSuccess) return err;
   const uint32_t key = qm::sr_key(seed);
-  const float inv_six_m = qm::qm_div(1.0f, qm::qm_mul(6.0f, e4m3_max));  // as in nvfp4_dequant_scale
+  const float inv_six_m = qm::nvfp4_inv_six_m(e4m3_max);
   kernel<<<static_cast<unsigned>(grid), kTileRows, 0, stream>>>(data, scales, amax, num_rows, hidden, num_row_tiles,
                                                                 num_tiles, inv_six_m, key, out_data, out_scales);
   return cudaGetLastError();

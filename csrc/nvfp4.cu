@@ -168,8 +168,7 @@ __global__ void __launch_bounds__(Shape::kMaxThreads, Shape::kMinCtas) nvfp4_qua
 
 // One thread per 16-element block: 8 code bytes + 1 scale byte -> 16 outputs.
 template <typename Out>
-// inv_six_m = f(1 / (6 M)), computed once by the launcher (the same correctly rounded division as
-// qm::nvfp4_dequant_scale's); row_div divides by blocks_per_row without a 64-bit division per thread.
+// inv_six_m = qm::nvfp4_inv_six_m(M), computed once by the launcher; row_div divides by blocks_per_row without a 64-bit division per thread.
 __global__ void __launch_bounds__(256) nvfp4_dequantize_kernel(const uint8_t* __restrict__ data,
                                                                const uint8_t* __restrict__ scales,
                                                                const float* __restrict__ amax, int64_t num_rows,
@@ -184,7 +183,7 @@ __global__ void __launch_bounds__(256) nvfp4_dequantize_kernel(const uint8_t* __
   // amax == nullptr: block values only (e2m1 * e4m3, exact in fp16) -- the grouped GEMM's activation operand,
   // whose per-row outer scale is applied in the GEMM epilogue instead.
   const float scale = qm::e4m3_decode(__ldg(scales + block));
-  const float final_scale = amax == nullptr ? scale : qm::qm_mul(qm::qm_mul(scale, __ldg(amax + row)), inv_six_m);
+  const float final_scale = amax == nullptr ? scale : qm::nvfp4_dequant_scale_from(scale, __ldg(amax + row), inv_six_m);
   // Per-code decode (integer ops + one FMUL per value): measured 85.6% of copy on H200 against 72.4% with
   // qm::nvfp4_block_decode's hardware E4M3 pair decode (2026-11-30), which the transposed kernel uses instead.
   float y[16];
@@ -259,7 +258,7 @@ cudaError_t launch_nvfp4_dequantize(const uint8_t* data, const uint8_t* scales, 
   if (grid > INT32_MAX) return cudaErrorInvalidValue;
   return vec::dispatch_elem_type(out_type, [&](auto tag) {
     using Out = decltype(tag);
-    const float inv_six_m = 1.0f / (6.0f * e4m3_max);  // fp32 ops: nvfp4_dequant_scale's roundings
+    const float inv_six_m = qm::nvfp4_inv_six_m(e4m3_max);
     nvfp4_dequantize_kernel<Out><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
         data, scales, amax, num_rows, hidden / 16, make_row_div(hidden / 16, total_blocks), inv_six_m,
         static_cast<Out*>(out), num_rows_limit);

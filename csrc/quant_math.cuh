@@ -633,12 +633,15 @@ struct Nvfp4Outer {
   float inv_six_m;  // f(1 / 6M), for the 4/6 error terms
 };
 
+// f(1 / f(6M)): the 4/6 error's and the dequantize factor's divisor, computed once per row or launch.
+QM_HD float nvfp4_inv_six_m(float e4m3_max) { return qm_div(1.0f, qm_mul(6.0f, e4m3_max)); }
+
 QM_HD Nvfp4Outer nvfp4_outer_scales(float amax, float e4m3_max) {
   const float six_m = qm_mul(6.0f, e4m3_max);  // 1536 or 2688, exact
   float s_enc = qm_min(qm_div(six_m, amax), kFltMax);
   if (amax == 0.0f || s_enc == 0.0f || qm_isnan(amax)) s_enc = 1.0f;
   const bool approx_ok = (six_m == 1536.0f || six_m == 2688.0f) && amax >= 0x1p-80f && amax <= 0x1p100f;
-  return Nvfp4Outer{s_enc, qm_div(1.0f, s_enc), approx_ok, qm_div(1.0f, six_m)};
+  return Nvfp4Outer{s_enc, qm_div(1.0f, s_enc), approx_ok, nvfp4_inv_six_m(e4m3_max)};
 }
 
 // Correctly rounded 1 / d (the device's reciprocal sequence instead of a general division; same bits).
@@ -1015,9 +1018,11 @@ QM_HD void nvfp4_quantize_block16_outer(const float x[16], const Nvfp4Outer& out
 }
 
 // Dequantize factor final_b = f(f(fp32(s_b) * amax) * f(1/(6M))); y_i = f(e2m1val(q_i) * final_b).
+QM_HD float nvfp4_dequant_scale_from(float scale, float amax, float inv_six_m) {
+  return qm_mul(qm_mul(scale, amax), inv_six_m);
+}
 QM_HD float nvfp4_dequant_scale(uint8_t scale_byte, float amax, float e4m3_max) {
-  const float inv_six_m = qm_div(1.0f, qm_mul(6.0f, e4m3_max));
-  return qm_mul(qm_mul(e4m3_decode(scale_byte), amax), inv_six_m);
+  return nvfp4_dequant_scale_from(e4m3_decode(scale_byte), amax, nvfp4_inv_six_m(e4m3_max));
 }
 
 // f(e2m1val(code) * scale) (NUMERICS "NVFP4 / Dequantize") for the 16 codes of one NVFP4 block, given as two

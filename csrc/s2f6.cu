@@ -12,6 +12,7 @@
 // Dequantize: one thread per 8 elements, 4 lanes per chunk (3 FWHT stages in registers, 2 across lanes).
 // No lane leaves before the shuffles: out-of-range lanes compute on zeros and skip their stores (hidden % 32
 // == 0 keeps every chunk inside one row and one lane pair / lane quad).
+#include "cp_async.cuh"
 #include "formats.h"
 #include "quant_math.cuh"
 #include "s2f6_lane.cuh"
@@ -132,25 +133,6 @@ constexpr size_t kAccumulateSmem = sizeof(ChunkBuffer) * kChunkBuffers * kWarps;
 static_assert(kAccumulateCtasPerSm * (kAccumulateSmem + 1024) <= 228 * 1024,
               "kAccumulateCtasPerSm CTAs (1 KB reserved each) must fit in an H100 / H200 SM's 228 KB");
 
-__device__ __forceinline__ uint32_t smem_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-// Global -> shared copies (dst: a shared-space address): 16 code bytes through L2 only (read once), one 4-byte
-// scale word.
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(__cvta_generic_to_global(src))
-               : "memory");
-}
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(__cvta_generic_to_global(src))
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
 // The next chunk a warp stages: unit `segment` (in row `row`), terms [first_term, first_term + kChunkTerms).
 // Past the warp's last unit (segment >= num_segments) it stages empty chunks.
 struct ChunkCursor {
@@ -228,18 +210,18 @@ __device__ __forceinline__ void stage_chunk(const S2f6AccumulateArgs& args, cons
       scale_words && lane < kSegmentScales / 4 && first_scale + 4 * lane < scales_per_row;
   const int8_t* const codes_src = args.data + column;
   const uint8_t* const scales_src = args.scales + first_scale + 4 * lane;
-  const uint32_t codes_dst = smem_address(&buffer.codes[0][lane]);      // term t: + t * kSegment bytes
-  const uint32_t scales_dst = smem_address(&buffer.scales[0][4 * lane]);  // term t: + t * kSegmentScales bytes
+  const uint32_t codes_dst = cp_async::smem_address(&buffer.codes[0][lane]);  // term t: + t * kSegment bytes
+  const uint32_t scales_dst = cp_async::smem_address(&buffer.scales[0][4 * lane]);  // + t * kSegmentScales
 #pragma unroll
   for (int t = 0; t < kChunkTerms; ++t) {
     if (((used_mask >> t) & 1u) == 0) continue;  // warp-uniform
     const int64_t src_offset = __shfl_sync(kFullMask, code_offset, t);  // >= 0: a used term
-    if (copy_codes) cp_async16(codes_dst + t * kSegment, codes_src + src_offset);
+    if (copy_codes) cp_async::copy16(codes_dst + t * kSegment, codes_src + src_offset);
     if (copy_scale_word) {
-      cp_async4(scales_dst + t * kSegmentScales, scales_src + static_cast<uint64_t>(src_offset) / 32);
+      cp_async::copy4(scales_dst + t * kSegmentScales, scales_src + static_cast<uint64_t>(src_offset) / 32);
     }
   }
-  cp_async_commit();
+  cp_async::commit();
   if (!scale_words) {
     const int byte = lane % kSegmentScales;
 #pragma unroll
@@ -334,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, kAccumulateCtasPerSm)
       stage_chunk(args, cursor, next, segments_per_row, scale_words, lane, buffers[buffer ^ 1], pending);
       advance(cursor, args.num_terms, warp_stride, num_segments, div);
       next = load_term_words<Index>(args, cursor, num_segments, lane);  // in flight during the sum
-      cp_async_wait<1>();  // this chunk's group; the one just issued stays in flight
+      cp_async::wait<1>();  // this chunk's group; the one just issued stays in flight
       __syncwarp();        // the scale words, weights and used_mask other lanes wrote
       add_chunk(buffers[buffer], piece.valid, lane, acc);
       buffer ^= 1;

@@ -44,22 +44,26 @@ __device__ __forceinline__ void fwht32_lane8(float v[8], int lane) {
   }
 }
 
-// RHT-32 inverse of the lane's 16 values of a 2-lane chunk (qm::rht32_inverse's operations in the same order).
-__device__ __forceinline__ void rht32_inverse_lane16(float v[16], uint32_t sign_mask, int lane) {
-  fwht32_lane16(v, lane);
+// The inverse RHT-32's last two steps on a lane's N values after the FWHT: the 1/sqrt(32) scaling, then the
+// signs (bits = the lane's N bits of the sign mask) -- qm::rht32_inverse's operations in the same order.
+template <int N>
+__device__ __forceinline__ void scale_and_sign(float v[N], uint32_t bits) {
   const float c = __uint_as_float(qm::kRhtScaleBits);
 #pragma unroll
-  for (int k = 0; k < 16; ++k) v[k] = qm::qm_mul(v[k], c);
-  apply_signs<16>(v, sign_mask >> ((lane & 1) * 16));
+  for (int k = 0; k < N; ++k) v[k] = qm::qm_mul(v[k], c);
+  apply_signs<N>(v, bits);
+}
+
+// RHT-32 inverse of the lane's 16 values of a 2-lane chunk.
+__device__ __forceinline__ void rht32_inverse_lane16(float v[16], uint32_t sign_mask, int lane) {
+  fwht32_lane16(v, lane);
+  scale_and_sign<16>(v, sign_mask >> ((lane & 1) * 16));
 }
 
 // The same for the 8 values of a 4-lane chunk (elements (lane & 3) * 8 + k), for the dequantize kernel.
 __device__ __forceinline__ void rht32_inverse_lane8(float v[8], uint32_t sign_mask, int lane) {
   fwht32_lane8(v, lane);
-  const float c = __uint_as_float(qm::kRhtScaleBits);
-#pragma unroll
-  for (int k = 0; k < 8; ++k) v[k] = qm::qm_mul(v[k], c);
-  apply_signs<8>(v, sign_mask >> ((lane & 3) * 8));
+  scale_and_sign<8>(v, sign_mask >> ((lane & 3) * 8));
 }
 
 #if defined(EP_COMM_S2F6_NATIVE)

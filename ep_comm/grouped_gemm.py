@@ -14,10 +14,10 @@ Weights are packed once, offline (`pack_gemm_weights`), into the layout the kern
 * `values[e, mt, kb, t, s]` is one 32-bit word (stored as int32 bits): for pair j the low element's E2M1
   magnitude (code & 7) sits at bits m_j..m_j+2 and its sign at bit s_j, the high element's at the same bits + 16,
   with (m_j, s_j) = (9, 15), (6, 12), (3, 14), (0, 13) for j = 0..3 (`PAIR_MAGNITUDE_BIT`, `PAIR_SIGN_BIT`).
-  Decoding pair j as an fp16x2, in 32-bit arithmetic:
-  `((word & PAIR_FIELD[j]) * PAIR_MULTIPLIER[j]) & 0x8E008E00` = (low, high) * 2^-14 exactly (magnitude moved
-  to bits 9-11, sign to bit 15; for pairs 2 and 3 the multiplier 2^a + 2^b moves the two by different
-  distances in one integer multiply, and its other copies and carries stay outside the mask);
+  Decoding pair j as an fp16x2, in 32-bit arithmetic: `((word & F_j) * M_j) & 0x8E008E00` is (low, high) * 2^-14
+  exactly, with F = (0x8E008E00, 0x11C011C0, 0x40384038, 0x20072007) and M = (1, 8, 66, 516): the magnitude moves
+  to bits 9-11 and the sign to bit 15; for pairs 2 and 3 the multiplier 2^a + 2^b moves the two by different
+  distances in one integer multiply, and its other copies and carries stay outside the mask;
 * `scales[e, mt, kb, r, s]` = code of the E4M3 block scale of tile row r (0..63) in k-step s (each scale
   stored once: 1/16 byte per weight), where the code of x (finite, >= 0) is `(fp16_bits(x * 2^7) >> 7) & 0xFF`;
   the kernel copies a tile's 256 scale bytes per k-block into shared memory, each thread reads the 4-byte
@@ -59,11 +59,9 @@ TOKEN_TILES = (16, 32, 64, 128)
 _OUT_TYPES = {torch.float32: 0, torch.bfloat16: 1}
 _SCALE_SHIFT = 7        # scale code << 7 = fp16 bits of scale * 2^7
 # Packed pair j of a k-step word (module docstring): bit of the low element's magnitude (3 bits) and sign
-# (the high element's are 16 higher), and the kernel's decode field and multiplier.
+# (the high element's are 16 higher).
 PAIR_MAGNITUDE_BIT = (9, 6, 3, 0)
 PAIR_SIGN_BIT = (15, 12, 14, 13)
-PAIR_FIELD = (0x8E008E00, 0x11C011C0, 0x40384038, 0x20072007)
-PAIR_MULTIPLIER = (1, 8, 66, 516)
 
 
 # ----------------------------------------------------------------------------------------------------------
