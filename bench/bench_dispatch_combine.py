@@ -10,6 +10,9 @@ Timing, per kernel pair (dispatch = layout + send + receive kernels; combine = s
           (includes the ranks' launch skew; the pessimistic, latency-style number),
   graph : N calls captured in one CUDA graph, replayed back to back; time / N (steady-state throughput;
           nvlink only — the reference syncs with the host and cannot be captured).
+With S2F6 combine also (graph): combine_expert_rows = combine(local_reduce=False), one row per (token, expert);
+combine_rows_begin_finish = what the combine-row form leaves outside the w2 GEMM (MoELayer's default: the GEMM's
+epilogue stores the rows), i.e. begin (wait on the peers' flags) + finish (release + receive), here without a GEMM.
 Bytes: `wire` = bytes this rank stores into OTHER ranks' memory (payload + our per-row metadata), i.e. what
 crosses NVLink per rank per direction; `bf16_eq` = 2·H per (token, peer rank) row — the BF16-equivalent rate.
 SMs: the nvlink send kernels run num_sms blocks, the local phases (receive/expansion, combine reduction,
@@ -134,9 +137,30 @@ def _bench_backend(args, backend, tokens, dfmt, cfmt, rank, world, group):
                     buf.combine(expert_out, res.handle)
             timings["dispatch"]["graph"] = _graph_time_us(dispatches, args.graph_calls, group)
             timings["combine"]["graph"] = _graph_time_us(combines, args.graph_calls, group)
-        for kernel, wire in (("dispatch", wire_d), ("combine", wire_c)):
+            if cfmt == "s2f6":
+                # One row per (token, expert): combine(local_reduce=False), and the part of the combine-row form that
+                # is not inside the w2 GEMM's epilogue (begin = wait for the peers' flags, finish = release + receive;
+                # MoELayer's default), timed without the GEMM between them.
+                def expert_row_combines(n):
+                    for _ in range(n):
+                        buf.combine(expert_out, res.handle, local_reduce=False)
+
+                def rows_finishes(n):
+                    for _ in range(n):
+                        buf.begin_combine_rows(res)
+                        buf.finish_combine_rows(res.handle)
+                timings["combine_expert_rows"] = {"graph": _graph_time_us(expert_row_combines, args.graph_calls,
+                                                                          group)}
+                timings["combine_rows_begin_finish"] = {"graph": _graph_time_us(rows_finishes, args.graph_calls,
+                                                                                group)}
+        expert_rows = int((idx // (args.experts // world) != rank).sum()) * (
+            layout.comb_row_bytes if backend == "nvlink" else 0)
+        for kernel, wire in (("dispatch", wire_d), ("combine", wire_c), ("combine_expert_rows", expert_rows),
+                             ("combine_rows_begin_finish", expert_rows)):
+            if kernel not in timings:
+                continue
             fmt = dfmt if kernel == "dispatch" else cfmt
-            for method, us in timings[kernel].items():
+            for method, us in timings[kernel].items():  # (bf16_eq_GBps: per (token, rank) row, as for combine)
                 rows.append({
                     "backend": backend, "kernel": kernel, "format": fmt, "tokens": tokens, "world": world,
                     "timing": method, "time_us": round(us, 2), "wire_bytes": wire,

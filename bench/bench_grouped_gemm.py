@@ -142,6 +142,31 @@ def time_ours(gemm: Gemm, x, offsets_t, counts_t, out_dtype, token_tile, iters, 
         return None
 
 
+def time_combine_rows(gemm: Gemm, x, offsets_t, counts_t, token_tile, iters, reps) -> Optional[float]:
+    """w2 with the combine-row epilogue (RHT + S2F6 rows, as MoELayer(combine_rows=True) stores them), here into a
+    local area (row r -> token r // 8, slot r % 8): the epilogue's cost next to the bf16 one, without NVLink."""
+    from ep_comm.types import CombineRowsTarget
+    if not hasattr(_ext._C, "grouped_gemm_nvfp4_combine_rows"):
+        return None
+    rows, hidden, topk = x.num_rows, gemm.packed.out_features, 8
+    scale_offset = (hidden + 15) // 16 * 16
+    row_bytes = scale_offset + (hidden // 32 + 15) // 16 * 16
+    area = torch.empty((rows + topk) * row_bytes, dtype=torch.uint8, device="cuda")
+    index = torch.arange(rows, dtype=torch.int32, device="cuda")
+    target = CombineRowsTarget(bases=torch.tensor([area.data_ptr()], dtype=torch.int64, device="cuda"),
+                               area_offset=0, src_rank=torch.zeros_like(index), src_token=index // topk,
+                               topk_slot=index % topk, num_topk=topk, hidden=hidden, row_bytes=row_bytes,
+                               scale_offset=scale_offset, sign_mask=0x6A09E667)
+    try:
+        return time_ms(lambda: G.grouped_gemm_nvfp4_combine_rows(x, offsets_t, counts_t, gemm.packed, target,
+                                                                 token_tile=token_tile), iters, reps)
+    except Exception as error:
+        print(f"  NOTE: the combine-row epilogue failed on {gemm.name}: {type(error).__name__}: {error}")
+        return None
+    finally:
+        del area
+
+
 def time_baseline(gemm: Gemm, x_bf16: torch.Tensor, offsets: list, iters: int, reps: int, notes: list):
     """(ms, layout) of torch._grouped_mm in BF16 for the same shapes, or (None, None) with a note."""
     if not hasattr(torch, "_grouped_mm"):
@@ -249,6 +274,13 @@ def run_case(spec: str, gemms, args, ceilings, notes: list, checks: list) -> lis
         if no_tail is not None:
             results.append(row_for(gemm.name, rows_per_expert, "ours", no_tail, gemm.flops(rows), gemm.weight_bytes,
                                    ceilings, base, token_tile="128/no-tail"))
+        if not gemm.swiglu:
+            rows_ms = time_combine_rows(gemm, x, offsets_t, counts_t, args.token_tile_list[0] or None, args.iters,
+                                        args.reps)
+            if rows_ms is not None:
+                results.append(row_for(gemm.name, rows_per_expert, "ours", rows_ms, gemm.flops(rows),
+                                       gemm.weight_bytes, ceilings, base, token_tile="combine-rows",
+                                       note="RHT + S2F6 combine-row epilogue into a local area"))
     flops = sum(g.flops(rows) for g in gemms)
     bytes_ours = sum(g.weight_bytes for g in gemms)
     bytes_bf16 = sum(g.experts * g.n * g.k * 2 for g in gemms)

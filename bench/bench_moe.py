@@ -11,9 +11,13 @@ Timing: median over iterations of one forward between CUDA events, each after a 
   layer        : MoELayer.forward (router, dispatch, experts, combine)
   dispatch / experts / combine : the three stages alone, same inputs
   exposed comm : layer - experts - router; its fraction of (dispatch + combine) alone says how much communication
-                 the layer hides (1.0 = none: there is no wave overlap yet, the stages run back to back)
+                 the layer hides (1.0 = none). "experts" is the expert MLP with the bf16 w2 epilogue; the default
+                 layer (combine_rows) stores its combine rows from w2's epilogue instead, so the combine send is
+                 inside the GEMM and only dispatch and the combine receive can stay exposed
   *_graph      : the same stages each captured in a CUDA graph and replayed (device time, no Python host path)
   bf16 layer   : router + reference dispatch (bf16) + torch._grouped_mm w1, SiLU*up, w2 + reference combine (bf16)
+  local_reduce_*: the layer with combine_rows=False (bf16 w2 output, Buffer.combine with local_reduce=True)
+  rows_*       : pieces of the combine-row form (experts + combine; begin + finish without the GEMM)
 """
 from __future__ import annotations
 
@@ -105,6 +109,22 @@ def worker(rank, world, args):
             row["router_graph_ms"] = _graph_ms(lambda: layer.route(x), args.iters)
             row["dispatch_graph_ms"] = _graph_ms(lambda: buf.dispatch(x, idx, weights), args.iters)
             row["combine_graph_ms"] = _graph_ms(lambda: buf.combine(expert_out, result.handle), args.iters)
+            row["combine_rows"] = layer.combine_rows
+            # The other combine form, for comparison: combine_rows=False (w2 writes bf16 rows, Buffer.combine with
+            # local_reduce=True sends one row per (token, rank)); and the pieces of the combine-row form.
+            lr_layer = moe.MoELayer(buf, router, packed, expert_impl="fused", token_tile=token_tiles[0],
+                                    combine_rows=False)
+            row["local_reduce_layer_ms"] = _time_ms(lambda: lr_layer(x), args.iters, None)
+            row["local_reduce_layer_graph_ms"] = _graph_ms(lambda: lr_layer(x), args.iters)
+            if layer.combine_rows:
+                row["rows_experts_and_combine_graph_ms"] = _graph_ms(lambda: layer.experts_and_combine_rows(result),
+                                                                     args.iters)
+                # What stays outside w2: begin (a wait on the peers' flags) + finish (release + receive of top-k rows
+                # per token), timed without the GEMM in between (the rows' content does not change the work).
+                row["rows_begin_finish_graph_ms"] = _graph_ms(
+                    lambda: (buf.begin_combine_rows(result), buf.finish_combine_rows(result.handle)), args.iters)
+            row["combine_local_reduce_false_graph_ms"] = _graph_ms(
+                lambda: buf.combine(expert_out, result.handle, local_reduce=False), args.iters)
             for tile in token_tiles[1:]:
                 other = moe.MoELayer(buf, router, packed, expert_impl="fused", token_tile=tile)
                 row[f"tile{other.token_tile}_layer_ms"] = _time_ms(lambda: other(x), args.iters, None)
@@ -122,6 +142,9 @@ def worker(rank, world, args):
         exposed_graph = row["layer_graph_ms"] - row["experts_graph_ms"] - row["router_graph_ms"]
         row["exposed_comm_graph_ms"] = exposed_graph
         row["exposed_comm_graph_fraction"] = exposed_graph / comm_graph if comm_graph > 0 else float("nan")
+        # Same measure for the combine_rows=False layer (its combine send and receive run after w2).
+        exposed_lr = row["local_reduce_layer_graph_ms"] - row["experts_graph_ms"] - row["router_graph_ms"]
+        row["local_reduce_exposed_comm_graph_fraction"] = exposed_lr / comm_graph if comm_graph > 0 else float("nan")
 
         if not args.no_baseline:
             try:
@@ -143,6 +166,7 @@ def worker(rank, world, args):
                     row["bf16_layer_ms"] = _time_ms(bf16_layer, args.iters, None)
                     row["speedup_vs_bf16"] = row["bf16_layer_ms"] / row["layer_ms"]
                     row["speedup_graph_vs_bf16"] = row["bf16_layer_ms"] / row["layer_graph_ms"]
+                    row["local_reduce_speedup_vs_bf16"] = row["bf16_layer_ms"] / row["local_reduce_layer_ms"]
             except Exception as error:  # noqa: BLE001 - a missing baseline is reported, not fatal
                 row["bf16_layer_error"] = f"{type(error).__name__}: {error}"[:300]
         rows.append(row)
@@ -164,6 +188,11 @@ def main(argv=None):
               f"{r.get('speedup_vs_bf16', float('nan')):>8.2f} |        {r['layer_graph_ms']:>7.3f} "
               f"{r['dispatch_graph_ms']:>6.3f} {r['experts_graph_ms']:>8.3f} {r['combine_graph_ms']:>6.3f} "
               f"{r['exposed_comm_graph_fraction']:>8.2f}")
+        print(f"{'':>7} combine_rows={r['combine_rows']} above; combine_rows=False: layer "
+              f"{r['local_reduce_layer_ms']:.3f} ms, graph {r['local_reduce_layer_graph_ms']:.3f} ms, exposed "
+              f"{r['local_reduce_exposed_comm_graph_fraction']:.2f}"
+              + (f"; rows: experts + combine {r['rows_experts_and_combine_graph_ms']:.3f} ms, begin + finish alone "
+                 f"{r['rows_begin_finish_graph_ms']:.3f} ms" if r["combine_rows"] else ""))
         extra = {k: round(v, 3) for k, v in r.items() if k.startswith("tile")}
         if extra:
             print(f"{'':>7} token tile {r['token_tile']} above; other tiles: {extra}")

@@ -16,11 +16,11 @@ using ep_comm::binding::as_stream;
 using ep_comm::binding::check;
 using ep_comm::binding::ptr;
 
-void grouped_gemm_nvfp4(uintptr_t x, int64_t x_row_stride, uintptr_t row_factor, uintptr_t w_values,
-                        uintptr_t w_scales, uintptr_t w_factor, uintptr_t expert_offsets,
-                        uintptr_t num_tokens_per_expert, int num_experts, int n, int k, int64_t num_rows_total,
-                        uintptr_t out, int out_type, int64_t out_row_stride, bool swiglu, int token_tile,
-                        int tail_tile, uintptr_t stream) {
+// The fields both entry points share: operands, weights, the dispatch layout and the tiles.
+ep_comm::GroupedGemmArgs operand_args(uintptr_t x, int64_t x_row_stride, uintptr_t row_factor, uintptr_t w_values,
+                                      uintptr_t w_scales, uintptr_t w_factor, uintptr_t expert_offsets,
+                                      uintptr_t num_tokens_per_expert, int num_experts, int n, int k,
+                                      int64_t num_rows_total, int token_tile, int tail_tile) {
   ep_comm::GroupedGemmArgs args;
   args.x = ptr<const uint16_t>(x);
   args.x_row_stride = x_row_stride;
@@ -34,19 +34,61 @@ void grouped_gemm_nvfp4(uintptr_t x, int64_t x_row_stride, uintptr_t row_factor,
   args.n = n;
   args.k = k;
   args.num_rows_total = num_rows_total;
-  args.out = ptr<void>(out);
-  args.out_type = out_type;
-  args.out_row_stride = out_row_stride;
-  args.swiglu = swiglu;
   args.token_tile = token_tile;
   args.tail_tile = tail_tile;
+  return args;
+}
+
+void launch(const ep_comm::GroupedGemmArgs& args, uintptr_t stream, const char* what, const char* invalid_detail) {
   const cudaError_t status = ep_comm::launch_grouped_gemm_nvfp4(args, as_stream(stream));
   if (status == cudaErrorNotSupported) {
     throw std::runtime_error("grouped_gemm_nvfp4: needs an sm_90 (Hopper) GPU: the kernel is built on wgmma");
   }
-  check(status, "grouped_gemm_nvfp4",
-        "n % 64, k % 64, strides, token_tile in {0, 16, 32, 64, 128}, tail_tile in {-1, 0, 16, 32, 64} below it, "
-        "out_type 0/1, a tuning override without a compiled kernel, or too many token tiles for one grid");
+  check(status, what, invalid_detail);
+}
+
+void grouped_gemm_nvfp4(uintptr_t x, int64_t x_row_stride, uintptr_t row_factor, uintptr_t w_values,
+                        uintptr_t w_scales, uintptr_t w_factor, uintptr_t expert_offsets,
+                        uintptr_t num_tokens_per_expert, int num_experts, int n, int k, int64_t num_rows_total,
+                        uintptr_t out, int out_type, int64_t out_row_stride, bool swiglu, int token_tile,
+                        int tail_tile, uintptr_t stream) {
+  ep_comm::GroupedGemmArgs args = operand_args(x, x_row_stride, row_factor, w_values, w_scales, w_factor,
+                                               expert_offsets, num_tokens_per_expert, num_experts, n, k,
+                                               num_rows_total, token_tile, tail_tile);
+  args.out = ptr<void>(out);
+  args.out_type = out_type;
+  args.out_row_stride = out_row_stride;
+  args.swiglu = swiglu;
+  launch(args, stream, "grouped_gemm_nvfp4",
+         "n % 64, k % 64, strides, token_tile in {0, 16, 32, 64, 128}, tail_tile in {-1, 0, 16, 32, 64} below it, "
+         "out_type 0/1, a tuning override without a compiled kernel, or too many token tiles for one grid");
+}
+
+// The same GEMM with the combine-row epilogue (out_type 2, grouped_gemm.h CombineRows): no out tensor; every valid
+// row is stored as RHT + S2F6 into the combine area of its source rank.
+void grouped_gemm_nvfp4_combine_rows(uintptr_t x, int64_t x_row_stride, uintptr_t row_factor, uintptr_t w_values,
+                                     uintptr_t w_scales, uintptr_t w_factor, uintptr_t expert_offsets,
+                                     uintptr_t num_tokens_per_expert, int num_experts, int n, int k,
+                                     int64_t num_rows_total, int token_tile, int tail_tile, uintptr_t bases,
+                                     int64_t area_offset, uintptr_t src_rank, uintptr_t src_token, uintptr_t topk_slot,
+                                     int topk, int64_t row_bytes, int64_t scale_offset, uint32_t sign_mask,
+                                     uintptr_t stream) {
+  ep_comm::GroupedGemmArgs args = operand_args(x, x_row_stride, row_factor, w_values, w_scales, w_factor,
+                                               expert_offsets, num_tokens_per_expert, num_experts, n, k,
+                                               num_rows_total, token_tile, tail_tile);
+  args.out_type = 2;
+  args.combine.bases = ptr<const uint64_t>(bases);
+  args.combine.offset = area_offset;
+  args.combine.src_rank = ptr<const int32_t>(src_rank);
+  args.combine.src_token = ptr<const int32_t>(src_token);
+  args.combine.topk_slot = ptr<const int32_t>(topk_slot);
+  args.combine.topk = topk;
+  args.combine.row_bytes = row_bytes;
+  args.combine.scale_offset = scale_offset;
+  args.combine.sign_mask = sign_mask;
+  launch(args, stream, "grouped_gemm_nvfp4 (combine rows)",
+         "n % 64, k % 64, token_tile / tail_tile, no SwiGLU, 16-byte aligned combine rows with room for the "
+         "scales, or a tuning override (the combine-row epilogue exists for the default CTA shapes only)");
 }
 
 }  // namespace
@@ -59,6 +101,13 @@ void register_gemm(py::module_& m) {
         py::arg("swiglu"), py::arg("token_tile"), py::arg("tail_tile"), py::arg("stream"),
         "NVFP4 grouped GEMM (sm_90a): y = x . w_e^T * row_factor * w_factor[e] per expert segment; see "
         "ep_comm/grouped_gemm.py");
+  m.def("grouped_gemm_nvfp4_combine_rows", &grouped_gemm_nvfp4_combine_rows, py::call_guard<py::gil_scoped_release>(),
+        py::arg("x"), py::arg("x_row_stride"), py::arg("row_factor"), py::arg("w_values"), py::arg("w_scales"),
+        py::arg("w_factor"), py::arg("expert_offsets"), py::arg("num_tokens_per_expert"), py::arg("num_experts"),
+        py::arg("n"), py::arg("k"), py::arg("num_rows_total"), py::arg("token_tile"), py::arg("tail_tile"),
+        py::arg("bases"), py::arg("area_offset"), py::arg("src_rank"), py::arg("src_token"), py::arg("topk_slot"),
+        py::arg("topk"), py::arg("row_bytes"), py::arg("scale_offset"), py::arg("sign_mask"), py::arg("stream"),
+        "NVFP4 grouped GEMM (sm_90a) whose epilogue stores RHT + S2F6 combine rows (see ep_comm/grouped_gemm.py)");
   m.def("grouped_gemm_auto_token_tile", &ep_comm::grouped_gemm_auto_token_tile, py::arg("num_rows_total"),
         py::arg("num_experts"), "token tile the launcher picks for token_tile = 0");
 }

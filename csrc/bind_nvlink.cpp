@@ -117,11 +117,21 @@ class NvlinkContext {
     launch_dispatch_recv(cfg_, a, stream);
   }
 
+  // The receive side's fields (this rank's own routing and the output).
+  CombineArgs receive_args(uintptr_t send_idx, uintptr_t send_w, int num_tokens, uintptr_t out) const {
+    if (num_tokens < 0 || num_tokens > cfg_.max_tokens) throw std::invalid_argument("num_tokens out of range");
+    CombineArgs a{};
+    a.send_idx = ptr<const int>(send_idx);
+    a.send_w = ptr<const float>(send_w);
+    a.num_tokens = num_tokens;
+    a.out = ptr<unsigned short>(out);
+    return a;
+  }
+
   void combine(uintptr_t expert_out, uintptr_t row_weight, bool local_reduce, uintptr_t recv_count,
                uintptr_t recv_tok, uintptr_t recv_ord, uintptr_t recv_rows, uintptr_t send_idx, uintptr_t send_w,
                int num_tokens, uintptr_t out, uintptr_t stream) {
-    if (num_tokens < 0 || num_tokens > cfg_.max_tokens) throw std::invalid_argument("num_tokens out of range");
-    CombineArgs a{};
+    CombineArgs a = receive_args(send_idx, send_w, num_tokens, out);
     a.expert_out = ptr<const unsigned short>(expert_out);
     a.row_weight = ptr<const float>(row_weight);
     a.local_reduce = local_reduce ? 1 : 0;
@@ -129,12 +139,28 @@ class NvlinkContext {
     a.recv_tok = ptr<const int>(recv_tok);
     a.recv_ord = ptr<const int>(recv_ord);
     a.recv_rows = ptr<const int>(recv_rows);
-    a.send_idx = ptr<const int>(send_idx);
-    a.send_w = ptr<const float>(send_w);
-    a.num_tokens = num_tokens;
-    a.out = ptr<unsigned short>(out);
     select();
     launch_combine_send(cfg_, a, stream);
+    launch_combine_recv(cfg_, a, stream);
+  }
+
+  // The combine of rows that the grouped GEMM's combine-row epilogue stores itself (local_reduce=False rows):
+  // begin before the GEMM (wait until the sources have read the previous combine), finish after it (publish, then
+  // receive: weights applied and summed in top-k slot order, inverse RHT, bf16 out).
+  void combine_rows_begin(uintptr_t stream) {
+    CombineArgs a{};
+    a.send_phase = kCombineSendWaitOnly;
+    select();
+    launch_combine_send(cfg_, a, stream);
+  }
+
+  void combine_rows_finish(uintptr_t send_idx, uintptr_t send_w, int num_tokens, uintptr_t out, uintptr_t stream) {
+    CombineArgs a = receive_args(send_idx, send_w, num_tokens, out);
+    a.send_phase = kCombineSendSignalOnly;
+    a.local_reduce = 0;
+    select();
+    launch_combine_send(cfg_, a, stream);
+    a.send_phase = kCombineSendRows;
     launch_combine_recv(cfg_, a, stream);
   }
 
@@ -238,6 +264,8 @@ void register_nvlink(py::module_& m) {
       .def("dispatch_arena_layout", &NvlinkContext::dispatch_arena_layout)
       .def("dispatch_arena", &NvlinkContext::dispatch_arena)
       .def("combine_arena", &NvlinkContext::combine_arena)
+      .def("combine_rows_begin", &NvlinkContext::combine_rows_begin)
+      .def("combine_rows_finish", &NvlinkContext::combine_rows_finish)
       .def_property_readonly("layout_threads", &NvlinkContext::layout_threads)
       .def_property_readonly("comm_threads", &NvlinkContext::comm_threads);
   m.attr("nvlink_state_bytes") = py::int_(sizeof(NvlinkState));

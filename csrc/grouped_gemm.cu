@@ -5,7 +5,9 @@
 // E2M1 * E4M3 has at most 6 significant bits, so with the weights scaled by 2^-7 every product is an exact fp16
 // (normal or subnormal, see below) and the MMA accumulates exact products in FP32 -- the only difference from
 // an FP32 reference is the summation order. Activations arrive as fp16 block values (e2m1 * block scale, exact)
-// in the dispatch layout; both outer FP32 scales are applied in the epilogue.
+// in the dispatch layout; both outer FP32 scales are applied in the epilogue. Epilogues: fp32 / bf16 rows (SwiGLU
+// fused for w1), or RHT-32 + S2F6 combine rows stored straight into the source ranks' combine areas
+// (store_combine_rows, out_type 2: the w2 GEMM of MoELayer on the nvlink backend).
 //
 // CTA = kWarpGroups (2 or 4) warpgroups; warpgroup g owns weight tile mt = cta * kWarpGroups + g (64 rows) and all
 // of the CTA's token tile (kTile tokens of one expert). Every thread streams its own packed weight bytes
@@ -37,6 +39,7 @@
 
 #include "cp_async.cuh"
 #include "grouped_gemm.h"
+#include "s2f6_lane.cuh"
 #include "vec_io.cuh"
 #include "wgmma.cuh"
 
@@ -170,7 +173,83 @@ __device__ bool find_tile(const GroupedGemmArgs& args, const RowSplit split, int
   return found_expert >= 0;
 }
 
-template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage>
+// Combine-row epilogue (out_type 2), after the main loop. The CTA's output tile goes through shared memory (the
+// ring, free by then), because in the accumulator layout (swap AB) one token's 32-column RHT chunk is spread over two
+// warps (16 columns each, 8 lanes x 2 registers), while the S2F6 lane helpers want it in two lanes of 16 consecutive
+// values -- the layout of the NVLink combine send, whose bytes this reproduces. (Staging the bf16 / fp32 outputs the
+// same way, for 16-byte stores instead of column pairs, measured no faster for w2 and 4-5% slower for w1 on H200:
+// the direct stores below stay.)
+// Shared tile: FP32 [kTile][kWarpGroups * 64 + 4]; float4 granule g of a row lives at granule g ^ ((g >> 3) & 7), so
+// that the accumulator writes (8 consecutive columns of 4 token rows per instruction) and the row reads (8 lanes
+// reading 8 consecutive granules of one row per phase) hit 32 distinct banks.
+template <int kWarpGroups>
+struct CombineTile {
+  static constexpr int kStride = kWarpGroups * 64 + 4;
+  static __device__ __forceinline__ int index(int token, int column) {
+    const int granule = column >> 2;
+    return token * kStride + ((granule ^ ((granule >> 3) & 7)) << 2) + (column & 3);
+  }
+};
+
+template <int kTile, int kWarpGroups>
+__device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, const float (&acc)[kTile / 2],
+                                                   float* tile, int expert, int weight_cta, int first_row,
+                                                   int valid_rows) {
+  using Tile = CombineTile<kWarpGroups>;
+  const int warp_group = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  const float weight_factor = __ldg(args.w_factor + expert) * 128.0f;
+  // Accumulator i of this lane: column 64 * warp_group + 16 * warp + lane / 4 + 8 * ((i / 2) % 2), token
+  // 8 * (i / 4) + 2 * (lane % 4) + i % 2; rounded to bf16 here, as the bf16 epilogue stores it.
+  const int column = 64 * warp_group + 16 * warp + lane / 4;
+  auto put = [&](int token, int col, float v) {
+    tile[Tile::index(token, col)] = __bfloat162float(__float2bfloat16_rn(v));
+  };
+#pragma unroll
+  for (int i = 0; i < kTile / 2; i += 4) {
+    const int t0 = 8 * (i / 4) + 2 * (lane % 4);
+    const float f0 = t0 < valid_rows ? __ldg(args.row_factor + first_row + t0) * weight_factor : 0.0f;
+    const float f1 = t0 + 1 < valid_rows ? __ldg(args.row_factor + first_row + t0 + 1) * weight_factor : 0.0f;
+    put(t0, column, acc[i] * f0);
+    put(t0 + 1, column, acc[i + 1] * f1);
+    put(t0, column + 8, acc[i + 2] * f0);
+    put(t0 + 1, column + 8, acc[i + 3] * f1);
+  }
+  __syncthreads();
+
+  // Rows: kWarpGroups * 4 lanes per token, lanes 2j and 2j + 1 one 32-chunk (the RHT/S2F6 lane layout).
+  constexpr int kCols = kWarpGroups * 64;
+  constexpr int kLanesPerToken = kCols / 16;
+  constexpr int kTokensPerPass = 32 / kLanesPerToken;
+  constexpr int kWarps = kWarpGroups * 4;
+  const int local_column = 16 * (lane % kLanesPerToken);
+  const int64_t out_column = static_cast<int64_t>(weight_cta) * kCols + local_column;
+  const bool column_valid = out_column < args.n;  // 32-chunks lie wholly inside or outside [0, n): n % 64 == 0
+  const GroupedGemmArgs::CombineRows& c = args.combine;
+  for (int t_base = (threadIdx.x / 32) * kTokensPerPass; t_base < kTile; t_base += kWarps * kTokensPerPass) {
+    const int token = t_base + lane / kLanesPerToken;
+    float v[16];
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      const float4 q = *reinterpret_cast<const float4*>(tile + Tile::index(token, local_column + 4 * g));
+      v[4 * g] = q.x;
+      v[4 * g + 1] = q.y;
+      v[4 * g + 2] = q.z;
+      v[4 * g + 3] = q.w;
+    }
+    uint8_t scale;
+    const uint4 codes = s2f6_lane::quantize_lane16<true>(v, c.sign_mask, lane, &scale);  // whole warp
+    if (token < valid_rows && column_valid) {
+      const int row = first_row + token;
+      const int64_t dst_row = static_cast<int64_t>(__ldg(c.src_token + row)) * c.topk + __ldg(c.topk_slot + row);
+      char* dst = reinterpret_cast<char*>(static_cast<uintptr_t>(__ldg(c.bases + __ldg(c.src_rank + row)))) +
+                  c.offset + dst_row * c.row_bytes;
+      *reinterpret_cast<uint4*>(dst + out_column) = codes;
+      if ((lane & 1) == 0) dst[c.scale_offset + out_column / 32] = static_cast<char>(scale);
+    }
+  }
+}
+
+template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kCombineRows>
 __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
     grouped_gemm_nvfp4_kernel(const GroupedGemmArgs args, const RowSplit split) {
 #if EP_COMM_HAS_WGMMA
@@ -348,6 +427,17 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
   }
   wgmma::wait_group<0>();
   wgmma::fence_operand(acc);
+  if constexpr (kCombineRows) {
+    // Every warpgroup takes part (spare ones stage columns >= n, which are not stored): the tile reuses the ring,
+    // free once every copy has landed and every warpgroup's wgmma has retired.
+    static_assert(kTile * CombineTile<kWarpGroups>::kStride * 4 <= kStages * G::kStageBytes,
+                  "the combine tile must fit in the pipeline ring");
+    cp_async::wait<0>();
+    __syncthreads();
+    store_combine_rows<kTile, kWarpGroups>(args, acc, reinterpret_cast<float*>(smem), expert, weight_cta, first_row,
+                                          valid_rows);
+    return;
+  }
   if (!has_rows) return;
 
   // Epilogue. Accumulator i of lane l in warp w of the warpgroup: weight row 16 w + l / 4 + 8 * ((i / 2) % 2),
@@ -402,10 +492,10 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
 #endif
 }
 
-template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage = 1>
+template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage = 1, bool kCombineRows = false>
 cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64_t tile_slots, cudaStream_t stream) {
   using G = Geometry<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage>;
-  auto* kernel = grouped_gemm_nvfp4_kernel<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage>;
+  auto* kernel = grouped_gemm_nvfp4_kernel<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kCombineRows>;
   // The shared-memory opt-in is per kernel and device: remember which devices have it (64 is plenty).
   static std::atomic<uint64_t> configured_devices{0};  // the binding releases the GIL: threads may race here
   int device = 0;
@@ -451,7 +541,7 @@ int tuning_choice(const char* name, std::initializer_list<const char*> allowed) 
 // overrides (other values are refused): EP_COMM_GEMM_WARPGROUPS=2|4 for every tile (as many CTAs per SM as fit:
 // 4 / warpgroups, one k-block per stage); EP_COMM_GEMM_SMALL_CTA=1x4|2x2|2x3|4x1 (warpgroups x CTAs per SM) for the
 // token tiles 16 and 32; EP_COMM_GEMM_KBLOCKS_PER_STAGE=1|2 (pipeline stage size) for the default shapes.
-LaunchFn select_kernel(int tile) {
+LaunchFn select_kernel(int tile, bool combine_rows) {
   static const int forced_warp_groups = tuning_choice("EP_COMM_GEMM_WARPGROUPS", {"2", "4"});
   static const int forced_small_cta = tuning_choice("EP_COMM_GEMM_SMALL_CTA", {"1x4", "2x2", "2x3", "4x1"});
   static const int forced_blocks_per_stage = tuning_choice("EP_COMM_GEMM_KBLOCKS_PER_STAGE", {"1", "2"});
@@ -460,6 +550,15 @@ LaunchFn select_kernel(int tile) {
   int shape = forced_warp_groups ? 10 * forced_warp_groups + 4 / forced_warp_groups : (tile <= 32 ? 23 : 41);
   if (tile <= 32 && forced_small_cta) shape = forced_small_cta;
   const int key = tile * 100 + shape;  // tile, warpgroups, CTAs per SM
+  if (combine_rows) {  // the combine-row epilogue exists for the default shapes only (no tuning matrix)
+    switch (blocks_per_stage == 2 ? key : 0) {
+      case 1623: return launch_tile<16, 2, 3, 2, true>;
+      case 3223: return launch_tile<32, 2, 3, 2, true>;
+      case 6441: return launch_tile<64, 4, 1, 2, true>;
+      case 12841: return launch_tile<128, 4, 1, 2, true>;
+      default: return nullptr;
+    }
+  }
   if (blocks_per_stage == 2) {
     switch (key) {
       case 1623: return launch_tile<16, 2, 3, 2>;
@@ -507,9 +606,19 @@ int grouped_gemm_auto_token_tile(int64_t num_rows_total, int num_experts) {
 cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t stream) {
   if (args.num_experts <= 0 || args.n <= 0 || args.k <= 0 || args.n % kTileRows != 0 || args.k % kKBlock != 0 ||
       args.num_rows_total < 0 || args.x_row_stride < args.k || args.x_row_stride % 8 != 0 ||
-      (args.out_type != 0 && args.out_type != 1) || args.out_row_stride < (args.swiglu ? args.n / 2 : args.n) ||
-      (args.swiglu && args.n % 16 != 0) || args.out_row_stride % 2 != 0 ||
-      reinterpret_cast<uintptr_t>(args.out) % (args.out_type == 0 ? 8 : 4) != 0) {
+      args.out_type < 0 || args.out_type > 2 || (args.swiglu && args.n % 16 != 0)) {
+    return cudaErrorInvalidValue;
+  }
+  const bool combine_rows = args.out_type == 2;
+  if (combine_rows) {
+    const GroupedGemmArgs::CombineRows& c = args.combine;
+    if (args.swiglu || !c.bases || !c.src_rank || !c.src_token || !c.topk_slot || c.topk <= 0 || c.offset < 0 ||
+        c.offset % 16 != 0 || c.row_bytes % 16 != 0 || c.scale_offset < args.n ||
+        c.scale_offset + args.n / 32 > c.row_bytes) {
+      return cudaErrorInvalidValue;  // 16-byte code stores: aligned area and rows
+    }
+  } else if (args.out_row_stride < (args.swiglu ? args.n / 2 : args.n) || args.out_row_stride % 2 != 0 ||
+             reinterpret_cast<uintptr_t>(args.out) % (args.out_type == 0 ? 8 : 4) != 0) {
     return cudaErrorInvalidValue;  // the epilogue stores column pairs: even row stride, aligned output
   }
   if (args.num_rows_total == 0) return cudaSuccess;
@@ -526,8 +635,8 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
     tail_tile = 0;
   }
   // Both kernels are resolved before either launches, so a refused tuning override cannot leave out half written.
-  const LaunchFn main_kernel = select_kernel(tile);
-  const LaunchFn tail_kernel = tail_tile ? select_kernel(tail_tile) : nullptr;
+  const LaunchFn main_kernel = select_kernel(tile, combine_rows);
+  const LaunchFn tail_kernel = tail_tile ? select_kernel(tail_tile, combine_rows) : nullptr;
   if (!main_kernel || (tail_tile && !tail_kernel)) return cudaErrorInvalidValue;
   // sum_e ceil(count_e / tile) <= rows / tile + E bounds the tiles of any launch (segments do not overlap:
   // expert_offsets is non-decreasing).

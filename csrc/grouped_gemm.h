@@ -31,8 +31,8 @@ struct GroupedGemmArgs {
   int n = 0;  // weight rows (output features; 2I for w1 with swiglu)
   int k = 0;  // reduction length (hidden)
   int64_t num_rows_total = 0;  // rows of x and out (bounds the grid: sum_e ceil(count_e / tile) <= rows / tile + E)
-  void* out = nullptr;         // [num_rows_total, n] (or n / 2 with swiglu) of out_type
-  int out_type = 1;            // 0 = fp32, 1 = bf16
+  void* out = nullptr;         // [num_rows_total, n] (or n / 2 with swiglu) of out_type (unused for out_type 2)
+  int out_type = 1;            // 0 = fp32, 1 = bf16, 2 = RHT + S2F6 combine rows (CombineRows below)
   int64_t out_row_stride = 0;
   bool swiglu = false;  // packed rows interleave gate/up per 8: out[:, i] = silu(gate_i) * up_i
   int token_tile = 0;   // 16 / 32 / 64 / 128 tokens per CTA tile; 0 = from the average rows per expert
@@ -41,6 +41,23 @@ struct GroupedGemmArgs {
   // -1 = the launcher's choice (32 for token tile 128, else off), 0 = off. With token_tile = 0 a tail_tile at or
   // above the automatic tile turns the split off for that call (with an explicit token_tile it is an error).
   int tail_tile = -1;
+  // out_type 2: every valid row goes, as one RHT-32 + S2F6 combine row, straight into the combine area of the rank
+  // that sent the token (the local_reduce=False rows of DESIGN.md §3; NVLink peer addresses for other ranks).
+  // Row r is stored at combine_bases[src_rank[r]] + combine_offset + (src_token[r] * topk + topk_slot[r]) *
+  // row_bytes: n code bytes, then the UE8M0 scale of 32-chunk c at byte scale_offset + c. Each value is rounded to
+  // bf16 first (what out_type 1 stores), so the bytes are those that combine(bf16 out, local_reduce=False) sends.
+  // Needs swiglu off; the caller orders these stores against the reader (the nvlink backend's begin/finish).
+  struct CombineRows {
+    const uint64_t* bases = nullptr;  // [world] base address of each rank's region as this GPU addresses it
+    int64_t offset = 0;               // of the combine area within a region
+    const int32_t* src_rank = nullptr;   // [num_rows_total]
+    const int32_t* src_token = nullptr;  // [num_rows_total]
+    const int32_t* topk_slot = nullptr;  // [num_rows_total]
+    int topk = 0;
+    int64_t row_bytes = 0;     // multiple of 16
+    int64_t scale_offset = 0;  // >= n
+    uint32_t sign_mask = 0;    // the RHT sign vector
+  } combine;
 };
 
 // cudaErrorInvalidValue for bad sizes; cudaErrorNotSupported when the current device is not sm_90 (the kernel

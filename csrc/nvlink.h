@@ -161,7 +161,16 @@ struct CombineArgs {
   const float* send_w;   // [T, K]
   int num_tokens;
   unsigned short* out;   // bf16 [T, H]
+  int send_phase;        // kCombineSend* below (the send kernel only)
 };
+
+// What the combine send kernel does. The grouped GEMM's combine-row epilogue writes the local_reduce=False rows
+// itself (another kernel), so the send kernel is launched twice around it: before, to wait until every source has
+// read the previous combine's rows from its area; after, to publish the rows (kernel order on the stream makes the
+// GEMM's stores precede the release).
+constexpr int kCombineSendRows = 0;      // encode expert_out and store it, with both flag steps
+constexpr int kCombineSendWaitOnly = 1;  // only the wait for the sources' "consumed" flags
+constexpr int kCombineSendSignalOnly = 2;  // only the "ready" release
 
 // Host launchers (one per kernel family). `stream` is a cudaStream_t passed as an integer.
 void launch_layout(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream);

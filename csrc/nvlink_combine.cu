@@ -64,6 +64,15 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
   __shared__ int item_start[kMaxWorld];  // tokens received from each source
   pdl_prologue();
   const unsigned long long epoch = cfg.state->comb_epoch + 1ull;
+  if (args.send_phase == kCombineSendWaitOnly) {  // rows come from a later kernel (the GEMM's epilogue)
+    block_wait_all_peers(cfg, cfg.off_comb_consumed, (epoch - 1ull) * cfg.comb_recv_blocks,
+                         kStageCombineWaitConsumed, epoch);
+    return;
+  }
+  if (args.send_phase == kCombineSendSignalOnly) {  // ... which has finished: publish them
+    block_signal_all_peers(cfg, cfg.off_comb_ready);
+    return;
+  }
   const int lane = threadIdx.x % 32;
   const int topk = cfg.topk;
   const int hidden = cfg.hidden;
@@ -224,6 +233,9 @@ __device__ __forceinline__ void load_term(const char* src, int e0, bool s2f6, lo
   }
 }
 
+// kExpertRows: the local_reduce=False S2F6 path (one row per (token, expert)), its own instantiation so that its
+// eight loads in flight do not raise the register allocation of the general path.
+template <bool kExpertRows>
 __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig cfg, CombineArgs args) {
   __shared__ int term_rows[kCommThreads / 32][kMaxTopk];
   __shared__ float term_weights[kCommThreads / 32][kMaxTopk];
@@ -289,6 +301,49 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
     const int part = static_cast<int>(fp - static_cast<long long>(t) * split);
     if (fp != global_warp) n = load_terms(t);
     unsigned short* out_row = args.out + static_cast<long long>(t) * hidden;
+    if constexpr (kExpertRows) {
+      // One row per (token, expert): up to top-k terms (8 at DeepSeek shapes). All terms of a column group are
+      // loaded before any is decoded -- one memory latency per group -- where the 2-row prefetch and batches of 4
+      // below (made for the ~2 rows of a local_reduce token) would wait three times. Same sum order. (Also loading
+      // the next group's terms while decoding this one measured within noise on 2xH200: not kept.)
+      constexpr int kTerms = 8;
+      for (int base = part * 512; base < hidden; base += base_stride) {
+        const int e0 = base + lane * 16;
+        float acc[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc[i] = 0.0f;
+        if (e0 < hidden) {
+          for (int r0 = 0; r0 < n; r0 += kTerms) {
+            uint4 codes[kTerms];
+            unsigned int scales[kTerms];
+#pragma unroll
+            for (int u = 0; u < kTerms; ++u) {
+              if (r0 + u < n) {
+                const char* src = area + static_cast<long long>(term_rows[warp_in_block][r0 + u]) * cfg.comb_row_bytes;
+                codes[u] = ld_coherent_v4(src + e0);
+                scales[u] = ld_coherent_u8(src + cfg.comb_scale_off + e0 / 32);
+              }
+            }
+#pragma unroll
+            for (int u = 0; u < kTerms; ++u) {
+              if (r0 + u < n) {
+                const float wr = term_weights[warp_in_block][r0 + u];
+                float v[16];
+                unpack_codes16_fast(codes[u], static_cast<uint8_t>(scales[u]), v);
+#pragma unroll
+                for (int i = 0; i < 16; ++i) acc[i] = qm_add(acc[i], qm_mul(wr, v[i]));
+              }
+            }
+          }
+        }
+        rht32_inverse_lane16(acc, cfg.sign_mask, lane);
+        if (e0 < hidden) {
+          st_v4(out_row + e0, pack_bf16x16_lo(acc));
+          st_v4(out_row + e0 + 8, pack_bf16x16_lo(acc + 8));
+        }
+      }
+      continue;
+    }
     // Software pipeline: the first P rows of the next column group are loaded before the current group is
     // decoded, accumulated and inverse-transformed (P = 2 covers every row of a 2-rank local_reduce token).
     constexpr int P = 2;
@@ -394,9 +449,10 @@ void launch_combine_send(const NvlinkConfig& cfg, const CombineArgs& args, uintp
 }
 
 void launch_combine_recv(const NvlinkConfig& cfg, const CombineArgs& args, uintptr_t stream) {
-  check_cuda(launch_kernel(combine_recv_kernel, cfg.comb_recv_blocks, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream),
-                      cfg, args),
-        "combine receive kernel launch");
+  const bool expert_rows = !args.local_reduce && cfg.comb_fmt == kCombS2f6;
+  check_cuda(launch_kernel(expert_rows ? combine_recv_kernel<true> : combine_recv_kernel<false>, cfg.comb_recv_blocks,
+                           kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream), cfg, args),
+             "combine receive kernel launch");
 }
 
 }  // namespace nvlink

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from ._ext import warn_once
 from .formats import _is_capturing
-from .types import BACKENDS, BufferConfig, BufferSizes, DispatchResult
+from .types import BACKENDS, BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult
 
 
 def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
@@ -200,6 +200,36 @@ class Buffer:
             raise ValueError(f"expert_out must be [{num_rows}, {self.config.hidden}] (the rows of the dispatch "
                              f"result), got {tuple(expert_out.shape)}")
         return self._backend.combine(expert_out, handle, local_reduce=local_reduce)
+
+    def begin_combine_rows(self, result: DispatchResult) -> CombineRowsTarget:
+        """Start a combine whose rows a GEMM epilogue writes itself (nvlink backend, combine_format "s2f6").
+
+        Enqueues, on the current stream, a wait until every source rank has read the previous combine out of its
+        receive area, and returns the `CombineRowsTarget` that tells the epilogue where each expert row goes
+        (`grouped_gemm.grouped_gemm_nvfp4_combine_rows`, or `moe.fused_expert_mlp(..., combine_target=...)`).
+        Then call `finish_combine_rows(result.handle)` on the same stream. The result is bitwise
+        `combine(expert_out, result.handle, local_reduce=False)` for the bf16 expert_out the GEMM would have
+        written, without that tensor or the send kernel: the epilogue stores each (token, expert) row as
+        RHT + S2F6 straight into the source rank's area over NVLink.
+        """
+        self._check_alive()
+        if not isinstance(result, DispatchResult):
+            raise TypeError(f"begin_combine_rows needs the DispatchResult of a dispatch, got {type(result).__name__}")
+        if self.backend != "nvlink":
+            raise NotImplementedError("combine rows written by a GEMM epilogue need the nvlink backend (peer "
+                                      "addresses); use combine(expert_out, handle, local_reduce=False)")
+        if self.config.combine_format != "s2f6":
+            raise ValueError(f"the combine-row epilogue writes S2F6 rows; this buffer combines in "
+                             f"{self.config.combine_format!r}")
+        return self._backend.begin_combine_rows(result)
+
+    def finish_combine_rows(self, handle) -> torch.Tensor:
+        """Publish the rows stored since `begin_combine_rows` and receive them: bfloat16 [T, H], the weighted sum
+        over the token's unmasked top-k slots in slot order (local_reduce=False semantics), inverse RHT once."""
+        self._check_alive()
+        if self.backend != "nvlink":
+            raise NotImplementedError("finish_combine_rows needs the nvlink backend")
+        return self._backend.finish_combine_rows(handle)
 
     def destroy(self) -> None:
         """Free every buffer (symmetric memory included). Collective: every rank must call it."""

@@ -48,7 +48,8 @@ from .formats import NVFP4Tensor, _check_nvfp4, _f32, _use_cuda, e2m1_decode, e4
 
 __all__ = [
     "GemmWeights", "ExpandedRows", "pack_gemm_weights", "dequantize_gemm_weights", "expand_nvfp4_rows",
-    "grouped_gemm_nvfp4", "swiglu_row_permutation", "TILE_ROWS", "TILE_K", "TOKEN_TILES",
+    "grouped_gemm_nvfp4", "grouped_gemm_nvfp4_combine_rows", "swiglu_row_permutation", "TILE_ROWS", "TILE_K",
+    "TOKEN_TILES",
 ]
 
 TILE_ROWS = 64          # weight rows per tile (the kernel's M tile)
@@ -489,6 +490,56 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
                 -1 if tail_tile is None else int(tail_tile), _stream(device))
         return out
     return _grouped_gemm_reference(x, expert_offsets, num_tokens_per_expert, weights, out)
+
+
+def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tensor,
+                                    num_tokens_per_expert: torch.Tensor, weights: GemmWeights, target,
+                                    token_tile: Optional[int] = None, tail_tile: Optional[int] = None) -> None:
+    """The grouped GEMM with the combine-row epilogue (CUDA, sm_90a): nothing is returned; every valid row goes
+    to `target` (a `CombineRowsTarget` from `Buffer.begin_combine_rows`) as one RHT-32 + S2F6 combine row.
+
+    x, expert_offsets, num_tokens_per_expert, weights, token_tile, tail_tile: as `grouped_gemm_nvfp4` (weights
+    without SwiGLU, out_features = target.hidden). Row r's output, rounded to bf16 exactly as
+    `grouped_gemm_nvfp4(..., out_dtype=torch.bfloat16)` returns it, is rotated (RHT-32 with target.sign_mask),
+    quantized to S2F6 and stored at target.bases[src_rank[r]] + target.area_offset + (src_token[r] * num_topk +
+    topk_slot[r]) * row_bytes -- into the source rank's combine area over NVLink. The CTA's output tile goes
+    through shared memory, since a 32-column RHT chunk spans two warps of the accumulator layout.
+    No host synchronisation; the caller orders it between begin_combine_rows and finish_combine_rows.
+    """
+    rows = _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, torch.bfloat16, token_tile,
+                              tail_tile, None)
+    if weights.swiglu:
+        raise ValueError("the combine-row epilogue is for w2 (weights without SwiGLU)")
+    if weights.out_features != target.hidden:
+        raise ValueError(f"the weights give {weights.out_features} columns but the combine rows hold {target.hidden}")
+    device = x.values.device
+    for name in ("src_rank", "src_token", "topk_slot"):
+        t = getattr(target, name)
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] < rows \
+                or not t.is_contiguous() or t.device != device:
+            raise ValueError(f"target.{name} must be a contiguous int32 [>= {rows}] tensor on {device}, got "
+                             f"{getattr(t, 'dtype', None)} {tuple(getattr(t, 'shape', ()))}")
+    if (target.row_bytes % 16 or target.area_offset % 16 or target.area_offset < 0 or target.scale_offset < target.hidden
+            or target.scale_offset + target.hidden // 32 > target.row_bytes):
+        raise ValueError(f"target rows must be 16-byte aligned (area_offset {target.area_offset}, row_bytes "
+                         f"{target.row_bytes}) with the codes before the scales (scale_offset {target.scale_offset}, "
+                         f"hidden {target.hidden})")
+    bases = target.bases
+    if bases.dtype != torch.int64 or bases.dim() != 1 or bases.device != device or not bases.is_contiguous():
+        raise ValueError(f"target.bases must be a contiguous int64 [W] tensor on {device}")
+    if not _use_gemm_kernels("cuda", x.values, "grouped_gemm_nvfp4_combine_rows"):
+        raise RuntimeError("grouped_gemm_nvfp4_combine_rows needs the CUDA kernel")
+    if rows == 0:
+        return
+    with torch.cuda.device(device):
+        _ext._C.grouped_gemm_nvfp4_combine_rows(
+            x.values.data_ptr(), x.values.stride(0), x.row_factor.data_ptr(), weights.values.data_ptr(),
+            weights.scales.data_ptr(), weights.factor.data_ptr(), expert_offsets.data_ptr(),
+            num_tokens_per_expert.data_ptr(), weights.num_experts, weights.n, weights.k, rows, int(token_tile or 0),
+            -1 if tail_tile is None else int(tail_tile), bases.data_ptr(), int(target.area_offset),
+            target.src_rank.data_ptr(), target.src_token.data_ptr(), target.topk_slot.data_ptr(),
+            int(target.num_topk), int(target.row_bytes), int(target.scale_offset), int(target.sign_mask),
+            _stream(device))
 
 
 def _grouped_gemm_reference(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,

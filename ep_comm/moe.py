@@ -11,13 +11,15 @@ Two expert paths:
     synchronisation. Differs from the reference only by FP32 summation order (and rounding of exp in SiLU).
   * "reference": FP32 torch matmuls on dequantized operands, one expert at a time (host sync for the counts). It
     is the correctness oracle of the fused path and runs anywhere (CPU ranks included).
-Not yet: waves of experts overlapped with dispatch/combine, and the RHT+S2F6 epilogue that stores straight into the
-combine buffers (the layer calls `Buffer.combine` on BF16 expert outputs).
+With the fused experts on the nvlink backend (S2F6 combine), the w2 GEMM's epilogue applies RHT + S2F6 and stores each
+(token, expert) row straight into the source rank's combine area (`combine_rows`; no bf16 expert output, no combine
+send kernel). Not yet: waves of experts overlapped with dispatch.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -90,19 +92,13 @@ def _fused_experts_supported(device: torch.device, hidden: int, intermediate: in
     return True, ""
 
 
-def fused_expert_mlp(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
-                     w1, w2, token_tile=None) -> torch.Tensor:
-    """The experts of one rank on the NVFP4 grouped GEMM (sm_90a): bf16 [R, H] in the dispatch layout.
+def fused_expert_hidden(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor,
+                        num_tokens_per_expert: torch.Tensor, w1, token_tile=None):
+    """The w2 input of the fused experts: `grouped_gemm.ExpandedRows` [R, I] (fp16 NVFP4 block values + row factor).
 
-    tokens: NVFP4Tensor [R, H] in the expert-major layout (e.g. `DispatchResult.x`); expert_offsets int32 [E + 1]
-    and num_tokens_per_expert int32 [E] on the device; w1, w2: `grouped_gemm.GemmWeights` from
-    `pack_gemm_weights(weights.w1, swiglu=True)` / `pack_gemm_weights(weights.w2, swiglu=False)`.
-    Same quantization points as `expert_mlp_reference`: SwiGLU in FP32, then NVFP4 4/6 with a per-token amax for the
-    w2 input (a separate pass: that amax spans the whole intermediate row, which no single GEMM CTA sees).
-    Everything stays on the device (no host sync; CUDA-graph capturable). Rows at or past expert_offsets[-1] (the
-    nvlink backend returns its fixed capacity) are skipped by every kernel and rows outside expert segments are
-    never read, so intermediates are uninitialised and only the rows of valid experts are defined in the result
-    (what `Buffer.combine` reads).
+    w1 with SwiGLU in its epilogue (FP32 [R, I]), then NVFP4 4/6 with a per-token amax (a separate pass: that amax
+    spans the whole intermediate row, which no single GEMM CTA sees), expanded for the w2 GEMM. Arguments as
+    `fused_expert_mlp`.
     """
     from . import _cuda_formats, grouped_gemm as gemm
     rows_in_use = expert_offsets[-1:]
@@ -112,8 +108,26 @@ def fused_expert_mlp(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor, 
                             token_tile=token_tile)  # silu(gate) * up
     # NVFP4 4/6 with a per-token amax (formats.nvfp4_quantize's CUDA kernel), rows past rows_in_use skipped.
     hidden_q = _cuda_formats.nvfp4_quantize(hidden, four_over_six=True, amax=None, num_rows_limit=rows_in_use)
-    hidden = gemm.expand_nvfp4_rows(hidden_q, num_rows_limit=rows_in_use)
-    out = torch.empty(x.num_rows, w2.out_features, dtype=torch.bfloat16, device=x.values.device)
+    return gemm.expand_nvfp4_rows(hidden_q, num_rows_limit=rows_in_use)
+
+
+def fused_expert_mlp(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
+                     w1, w2, token_tile=None) -> torch.Tensor:
+    """The experts of one rank on the NVFP4 grouped GEMM (sm_90a): bf16 [R, H] in the dispatch layout.
+
+    tokens: NVFP4Tensor [R, H] in the expert-major layout (e.g. `DispatchResult.x`); expert_offsets int32 [E + 1]
+    and num_tokens_per_expert int32 [E] on the device; w1, w2: `grouped_gemm.GemmWeights` from
+    `pack_gemm_weights(weights.w1, swiglu=True)` / `pack_gemm_weights(weights.w2, swiglu=False)`.
+    Same quantization points as `expert_mlp_reference`: SwiGLU in FP32, then NVFP4 4/6 with a per-token amax for the
+    w2 input (`fused_expert_hidden`).
+    Everything stays on the device (no host sync; CUDA-graph capturable). Rows at or past expert_offsets[-1] (the
+    nvlink backend returns its fixed capacity) are skipped by every kernel and rows outside expert segments are
+    never read, so intermediates are uninitialised and only the rows of valid experts are defined in the result
+    (what `Buffer.combine` reads).
+    """
+    from . import grouped_gemm as gemm
+    hidden = fused_expert_hidden(tokens, expert_offsets, num_tokens_per_expert, w1, token_tile)
+    out = torch.empty(hidden.num_rows, w2.out_features, dtype=torch.bfloat16, device=hidden.values.device)
     return gemm.grouped_gemm_nvfp4(hidden, expert_offsets, num_tokens_per_expert, w2, out_dtype=torch.bfloat16,
                                    out=out, token_tile=token_tile)
 
@@ -131,11 +145,19 @@ class MoELayer(torch.nn.Module):
             and a warning names the reason once when a CUDA layer falls back.
         token_tile: the fused GEMM's token tile (16/32/64/128 rows per CTA); None picks it from the expected
             rows per local expert with every rank at max_tokens_per_rank (`self.token_tile` says which).
+        combine_rows: how expert outputs get back. True: w2's epilogue stores each (token, expert) row as RHT + S2F6
+            straight into the source rank's combine area (`Buffer.begin_combine_rows`): no bf16 expert output and
+            no combine send kernel; the source sums the rows in top-k slot order (local_reduce=False semantics: one
+            S2F6 rounding per expert row instead of per rank-local sum). False: w2 writes bf16 expert rows and
+            `Buffer.combine` (local_reduce=True) reduces each token's local experts on the expert rank and sends one
+            row per (token, rank). None (default): True when it can run (fused experts, nvlink backend, S2F6
+            combine) -- measured 3% faster at 4096 tokens per rank on 2xH200 and on par at 128 (bench/RESULTS.md);
+            `self.combine_rows` says which.
     forward(x): x bf16 [T, H] -> bf16 [T, H]; the routing weights are the softmax over the top-k logits.
     """
 
     def __init__(self, buffer: Buffer, router_weight: torch.Tensor, weights: PackedExpertWeights,
-                 expert_impl: str = "auto", token_tile=None):
+                 expert_impl: str = "auto", token_tile=None, combine_rows: Optional[bool] = None):
         super().__init__()
         cfg = buffer.config
         if cfg.dispatch_format != "nvfp4":
@@ -162,6 +184,12 @@ class MoELayer(torch.nn.Module):
             if not supported and device.type == "cuda":
                 _ext.warn_once(f"MoELayer: using the reference expert path (FP32 torch matmuls): {why}")
         self.expert_impl = expert_impl
+        rows_possible = expert_impl == "fused" and buffer.backend == "nvlink" and cfg.combine_format == "s2f6"
+        if combine_rows and not rows_possible:
+            raise ValueError(f"combine_rows=True needs the fused experts, the nvlink backend and S2F6 combine; this "
+                             f"layer has expert_impl={expert_impl!r}, backend={buffer.backend!r}, "
+                             f"combine_format={cfg.combine_format!r}")
+        self.combine_rows = rows_possible if combine_rows is None else bool(combine_rows)
         if expert_impl == "fused":
             from . import grouped_gemm  # imported here: the CPU-only package does not need it at import time
             # Token tile: the kernel's own rule (grouped_gemm_auto_token_tile), applied to the expected rows per
@@ -211,7 +239,22 @@ class MoELayer(torch.nn.Module):
                 out[rows] = expert_mlp_reference(tokens, self._w1[j], self._w2[j])
         return out
 
+    def experts_and_combine_rows(self, result) -> torch.Tensor:
+        """combine_rows=True: the fused experts with w2 storing its rows into the combine areas, then the receive:
+        bf16 [T, H], bitwise `Buffer.combine(self.experts(result), result.handle, local_reduce=False)`."""
+        from . import grouped_gemm
+        hidden = fused_expert_hidden(result.x, result.expert_offsets, result.num_tokens_per_expert, self._w1_packed,
+                                     self.token_tile)
+        # Begun just before w2: its wait for the sources to have read the previous combine comes after w1, when
+        # it is normally long over.
+        target = self.buffer.begin_combine_rows(result)
+        grouped_gemm.grouped_gemm_nvfp4_combine_rows(hidden, result.expert_offsets, result.num_tokens_per_expert,
+                                                     self._w2_packed, target, token_tile=self.token_tile)
+        return self.buffer.finish_combine_rows(result.handle)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_idx, topk_weights = self.route(x)
         result = self.buffer.dispatch(x, topk_idx, topk_weights)
+        if self.combine_rows:
+            return self.experts_and_combine_rows(result)
         return self.buffer.combine(self.experts(result), result.handle)

@@ -156,3 +156,29 @@ class DispatchResult:
     topk_weight: torch.Tensor
     handle: Any
     num_rows: int
+
+
+@dataclass(frozen=True)
+class CombineRowsTarget:
+    """Where a grouped GEMM's combine-row epilogue stores expert outputs (`Buffer.begin_combine_rows`).
+
+    Each valid row r of the dispatch layout is stored as one RHT-32 + S2F6 combine row (the local_reduce=False
+    form of DESIGN.md §3) at address bases[src_rank[r]] + area_offset + (src_token[r] * num_topk + topk_slot[r])
+    * row_bytes: `hidden` code bytes (int8), then the UE8M0 scale of 32-chunk c at byte scale_offset + c. For
+    another rank that address is an NVLink peer address, so the epilogue writes straight into the source rank.
+
+    bases: int64 [W] on the device, each rank's symmetric region as this GPU addresses it.
+    src_rank, src_token, topk_slot: int32 [R], the DispatchResult's (rows past expert_offsets[-1] unused).
+    sign_mask: the RHT sign vector (BufferConfig.rht_sign_mask).
+    """
+
+    bases: torch.Tensor
+    area_offset: int
+    src_rank: torch.Tensor
+    src_token: torch.Tensor
+    topk_slot: torch.Tensor
+    num_topk: int
+    hidden: int
+    row_bytes: int
+    scale_offset: int
+    sign_mask: int

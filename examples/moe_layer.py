@@ -5,7 +5,9 @@ combine). On Hopper GPUs the experts run on the fused NVFP4 grouped GEMM; elsewh
 
 Runs on every visible GPU (NCCL; 2 or more GPUs) or on 2 CPU ranks over gloo. Each rank quantizes its own experts'
 master weights once (`moe.pack_weights`), runs the layer and checks it against the same layer with the reference
-experts (identical quantization points: only FP32 summation order differs).
+experts (identical quantization points: only FP32 summation order differs). Where the layer's w2 epilogue writes the
+combine rows itself (nvlink backend, the default there), that check uses the same layer with combine_rows=False, and
+the distance between the two combine forms (one S2F6 rounding per expert row vs per rank-local sum) is printed too.
 """
 import argparse
 
@@ -31,9 +33,15 @@ def worker(rank, world, args):
         weights = moe.pack_weights(w1[local].to(device), w2[local].to(device))  # NVFP4, once
         layer = moe.MoELayer(buf, router.to(device), weights)                 # expert_impl="auto"
         y = layer(x)                                                          # bf16 [tokens, hidden]
+        # The check: the reference experts combine with local_reduce=True; where the fused layer stores one combine
+        # row per (token, expert) from its w2 epilogue instead (layer.combine_rows), compare the fused layer in the
+        # local_reduce form, and report how far the two combine forms are apart.
+        same_combine = moe.MoELayer(buf, router.to(device), weights, combine_rows=False)(x) \
+            if layer.combine_rows else y
         reference = moe.MoELayer(buf, router.to(device), weights, expert_impl="reference")(x)
-    error = ((y.float() - reference.float()).norm() / reference.float().norm()).item()
-    return {"rank": rank, "backend": buf.backend, "experts": layer.expert_impl, "vs_reference_experts": error}
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    return {"rank": rank, "backend": buf.backend, "experts": layer.expert_impl, "combine_rows": layer.combine_rows,
+            "vs_reference_experts": rel(same_combine, reference), "combine_forms_apart": rel(y, same_combine)}
 
 
 def main(argv=None):
@@ -48,7 +56,9 @@ def main(argv=None):
     world = torch.cuda.device_count() if args.gpu else 2
     for result in run_ranks(worker, world, args, backend="nccl" if args.gpu else "gloo"):
         print(f"rank {result['rank']}: backend {result['backend']}, experts {result['experts']}: relative L2 "
-              f"difference to the reference experts {result['vs_reference_experts']:.2e}")
+              f"difference to the reference experts {result['vs_reference_experts']:.2e}"
+              + (f"; combine rows from the w2 epilogue, {result['combine_forms_apart']:.2e} from the local_reduce "
+                 f"combine" if result["combine_rows"] else ""))
 
 
 if __name__ == "__main__":

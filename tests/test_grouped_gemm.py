@@ -576,6 +576,82 @@ def test_kernel_all_experts_empty_and_no_rows():
     assert tuple(out.shape) == (0, packed.out_features)
 
 
+def _local_combine_target(mask, num_ranks: int, topk: int, hidden: int, seed: int, area_offset: int = 256):
+    """A CombineRowsTarget whose "ranks" are areas of one local allocation (filled with 0xA5), with the valid rows
+    (mask) mapped to distinct random (rank, token, slot) rows. Returns (target, areas [W, T * K, row_bytes] view,
+    (rank, row in area) per valid row)."""
+    from ep_comm.types import CombineRowsTarget
+    rows = mask.shape[0]
+    valid = int(mask.sum())
+    tokens = (valid + num_ranks * topk - 1) // (num_ranks * topk) + 3
+    scale_offset = (hidden + 15) // 16 * 16
+    row_bytes = scale_offset + (hidden // 32 + 15) // 16 * 16
+    area_bytes = tokens * topk * row_bytes
+    memory = torch.full((area_offset + num_ranks * area_bytes + 256,), 0xA5, dtype=torch.uint8, device="cuda")
+    base = memory.data_ptr()
+    # Each fake rank's "region" starts area_bytes apart; the area sits at area_offset within it.
+    bases = torch.tensor([base + r * area_bytes for r in range(num_ranks)], dtype=torch.int64, device="cuda")
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(num_ranks * tokens * topk, generator=g)[:valid]
+    src_rank = torch.full((rows,), -1, dtype=torch.int32)
+    src_token = torch.full((rows,), -1, dtype=torch.int32)
+    topk_slot = torch.full((rows,), -1, dtype=torch.int32)
+    src_rank[mask.cpu()] = (slots // (tokens * topk)).int()
+    src_token[mask.cpu()] = (slots % (tokens * topk) // topk).int()
+    topk_slot[mask.cpu()] = (slots % topk).int()
+    target = CombineRowsTarget(bases=bases, area_offset=area_offset, src_rank=src_rank.cuda(),
+                               src_token=src_token.cuda(), topk_slot=topk_slot.cuda(), num_topk=topk, hidden=hidden,
+                               row_bytes=row_bytes, scale_offset=scale_offset, sign_mask=0x9E3779B9)
+    areas = memory[area_offset:area_offset + num_ranks * area_bytes].view(num_ranks, tokens * topk, row_bytes)
+    return target, areas, slots // (tokens * topk), slots % (tokens * topk)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("token_tile, tail_tile", [(None, None), (16, None), (32, None), (64, None), (128, None),
+                                                   (128, 0), (128, 16), (64, 32)])
+@pytest.mark.parametrize("shape", SMALL_SHAPES + [BIG_SHAPE])
+def test_combine_row_epilogue_matches_bf16_output_then_s2f6(shape, token_tile, tail_tile):
+    """The combine-row epilogue (out_type 2) against the bf16 epilogue followed by the S2F6 quantizer: every valid
+    row's codes and scales, at its (rank, token, slot) row of the target, bitwise; every other byte untouched."""
+    x, off, cnt, packed, _, mask = _gpu_case(shape, False, 16)
+    hidden = packed.out_features
+    target, areas, dest_rank, dest_row = _local_combine_target(mask, num_ranks=2, topk=3, hidden=hidden,
+                                                              seed=hidden + 7)
+    before = areas.clone()
+    G.grouped_gemm_nvfp4_combine_rows(x, off, cnt, packed, target, token_tile=token_tile, tail_tile=tail_tile)
+    bf16 = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.bfloat16, token_tile=token_tile,
+                                tail_tile=tail_tile, impl="cuda")
+    want = F.s2f6_quantize(bf16[mask], hadamard=True, sign_mask=target.sign_mask)
+    got = areas[dest_rank.cuda(), dest_row.cuda()]
+    assert torch.equal(got[:, :hidden], want.data.view(torch.uint8)), "codes differ"
+    scale_bytes = got[:, target.scale_offset:target.scale_offset + hidden // 32]
+    assert torch.equal(scale_bytes, want.scales.view(torch.uint8)), "scales differ"
+    written = torch.zeros(areas.shape[:2], dtype=torch.bool, device="cuda")
+    written[dest_rank.cuda(), dest_row.cuda()] = True
+    assert torch.equal(areas[~written], before[~written]), "rows that no valid row maps to were written"
+    pad = torch.ones(areas.shape[-1], dtype=torch.bool, device="cuda")
+    pad[:hidden] = False
+    pad[target.scale_offset:target.scale_offset + hidden // 32] = False
+    assert torch.equal(areas[written][:, pad], before[written][:, pad]), "bytes between codes and scales written"
+
+
+@pytest.mark.gpu
+def test_combine_row_epilogue_refuses_bad_targets():
+    x, off, cnt, packed, _, mask = _gpu_case(SMALL_SHAPES[0], False, 16)
+    target, _, _, _ = _local_combine_target(mask, num_ranks=1, topk=2, hidden=packed.out_features, seed=3)
+    import dataclasses
+    with pytest.raises(ValueError, match="columns"):
+        G.grouped_gemm_nvfp4_combine_rows(x, off, cnt, packed, dataclasses.replace(target, hidden=64))
+    with pytest.raises(ValueError, match="src_token"):
+        G.grouped_gemm_nvfp4_combine_rows(x, off, cnt, packed, dataclasses.replace(target, src_token=target.src_token[:3]))
+    with pytest.raises(ValueError, match="row_bytes"):  # no room for the scales
+        G.grouped_gemm_nvfp4_combine_rows(x, off, cnt, packed,
+                                          dataclasses.replace(target, row_bytes=target.scale_offset))
+    swiglu = G.pack_gemm_weights(random_weights(4, 256, 128, seed=1, device="cuda"), swiglu=True)
+    with pytest.raises(ValueError, match="SwiGLU"):
+        G.grouped_gemm_nvfp4_combine_rows(x, off, cnt, swiglu, target)
+
+
 @pytest.mark.gpu
 def test_fused_expert_mlp_matches_reference_experts_without_host_sync():
     """moe.fused_expert_mlp (w1+SwiGLU -> NVFP4 4/6 requant -> w2 on the grouped GEMM) against

@@ -35,21 +35,39 @@ def _moe_worker(rank, world, device_kind="cpu"):
             bad_tile_refused = False
         except ValueError:
             bad_tile_refused = True
+        try:  # combine_rows needs fused experts on the nvlink backend: refused clearly elsewhere
+            moe.MoELayer(buf, router.to(device), packed, expert_impl="reference", combine_rows=True)
+            combine_rows_refused = False
+        except ValueError as error:
+            combine_rows_refused = "combine_rows=True needs" in str(error)
+        rows_api_refused = True  # Buffer.begin_combine_rows: the reference backend has no peer addresses to offer
+        if buf.backend == "reference":
+            try:
+                buf.begin_combine_rows(buf.dispatch(xs[rank].to(device), *layer.route(xs[rank].to(device))))
+                rows_api_refused = False
+            except NotImplementedError:
+                pass
         y = layer(xs[rank].to(device)).cpu()
         y_again = layer(xs[rank].to(device)).cpu()
-        backend, expert_impl = buf.backend, layer.expert_impl
+        backend, expert_impl, layer_combine_rows = buf.backend, layer.expert_impl, layer.combine_rows
         inputs = [(x, *(t.cpu() for t in layer.route(x.to(device)))) for x in xs]
-        # On GPUs: the same layer with the reference experts, to bound the fused GEMM's difference directly.
+        # On GPUs: the fused GEMM against the reference experts with the same combine (local_reduce=True), to bound
+        # the GEMM's difference directly.
         y_reference = (moe.MoELayer(buf, router.to(device), packed, expert_impl="reference")(xs[rank].to(device)).cpu()
                        if device_kind == "cuda" else y)
+        y_fused = (moe.MoELayer(buf, router.to(device), packed, combine_rows=False)(xs[rank].to(device)).cpu()
+                   if device_kind == "cuda" else y)
         graph_equal = _graph_replay_matches_eager(layer, xs[rank].to(device), rank) if expert_impl == "fused" else None
+        rows = _combine_rows_checks(buf, router.to(device), packed, xs[rank].to(device), rank) \
+            if expert_impl == "fused" and backend == "nvlink" else None
 
     # Oracle: every token alone, the same quantization points, the combine semantics of DESIGN.md §3.
     packed_all = moe.pack_weights(w1, w2)
     w1_all = formats.nvfp4_dequantize(packed_all.w1)
     w2_all = formats.nvfp4_dequantize(packed_all.w2)
     case = Case("moe", HIDDEN, EXPERTS, TOPK, tokens, "uniform")
-    want = expected_combine(case, rank, world, inputs, local_reduce=True,
+    # The layer's own combine semantics: one row per (token, expert) when w2 writes the combine rows itself.
+    want = expected_combine(case, rank, world, inputs, local_reduce=not layer_combine_rows,
                             expert_fn=lambda payload, e: moe.expert_mlp_reference(payload, w1_all[e], w2_all[e]))
     # Unquantized FP32 layer: the error NVFP4 dispatch + NVFP4 weights/activations + S2F6 combine cost.
     x, idx, w = inputs[rank]
@@ -61,9 +79,31 @@ def _moe_worker(rank, world, device_kind="cpu"):
                 gate, up = (x[sel].float() @ w1[e].t()).chunk(2, dim=-1)
                 exact[sel] += w[sel, slot, None] * ((torch.nn.functional.silu(gate) * up) @ w2[e].t())
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    if rows is not None:  # the combine-row layer against the local_reduce=False oracle
+        want_rows = expected_combine(case, rank, world, inputs, local_reduce=False,
+                                     expert_fn=lambda payload, e: moe.expert_mlp_reference(payload, w1_all[e], w2_all[e]))
+        rows["vs_oracle"] = rel(rows.pop("y"), want_rows)
     return {"vs_oracle": rel(y, want), "deterministic": torch.equal(y, y_again), "vs_fp32": rel(y, exact),
-            "backend": backend, "expert_impl": expert_impl, "fused_vs_reference": rel(y, y_reference),
-            "graph_equal": graph_equal, "bad_tile_refused": bad_tile_refused}
+            "backend": backend, "expert_impl": expert_impl, "fused_vs_reference": rel(y_fused, y_reference),
+            "graph_equal": graph_equal, "bad_tile_refused": bad_tile_refused, "combine_rows": rows,
+            "combine_rows_refused": combine_rows_refused, "layer_combine_rows": layer_combine_rows,
+            "rows_api_refused": rows_api_refused}
+
+
+def _combine_rows_checks(buf, router, packed, x, rank):
+    """MoELayer(combine_rows=True) on the nvlink backend: w2's epilogue stores RHT + S2F6 rows into the source ranks'
+    combine areas. Bitwise `Buffer.combine(experts(result), handle, local_reduce=False)` on the same dispatch, the
+    same twice, and captured in a CUDA graph (replay bitwise eager)."""
+    layer = moe.MoELayer(buf, router, packed, combine_rows=True)
+    topk_idx, topk_weights = layer.route(x)
+    result = buf.dispatch(x, topk_idx, topk_weights)
+    expected = buf.combine(layer.experts(result), result.handle, local_reduce=False)
+    got = layer.experts_and_combine_rows(result)
+    again = layer.experts_and_combine_rows(result)
+    torch.cuda.synchronize()
+    return {"equal_to_combine": torch.equal(got.view(torch.int16), expected.view(torch.int16)),
+            "deterministic": torch.equal(got.view(torch.int16), again.view(torch.int16)),
+            "graph_equal": _graph_replay_matches_eager(layer, x, rank), "y": layer(x).cpu()}
 
 
 def _graph_replay_matches_eager(layer, x, rank):
@@ -94,6 +134,9 @@ def test_moe_layer_matches_token_by_token_oracle():
     for result in run_ranks(_moe_worker, 2, backend="gloo"):
         assert result["deterministic"]
         assert result["bad_tile_refused"]  # token_tile is checked whichever expert path the layer picks
+        assert result["combine_rows_refused"]
+        assert not result["layer_combine_rows"]  # gloo ranks: reference experts, reference backend
+        assert result["rows_api_refused"]
         # Same quantization points; only matmul batching (accumulation order) differs from the oracle.
         assert result["vs_oracle"] < 1e-2, result
         # Four NVFP4 quantizations (tokens, w1, SwiGLU output, w2; ~9% each on Gaussian data) and S2F6: ~22%
@@ -125,3 +168,8 @@ def test_moe_layer_on_gpus_matches_oracle():
         assert result["fused_vs_reference"] < 5e-3, result
         if result["expert_impl"] == "fused":
             assert result["graph_equal"], result
+        rows = result["combine_rows"]
+        if result["expert_impl"] == "fused" and result["backend"] == "nvlink":
+            assert result["layer_combine_rows"], result  # the default where it can run
+            assert rows["equal_to_combine"] and rows["deterministic"] and rows["graph_equal"], rows
+            assert rows["vs_oracle"] < 1e-2, rows

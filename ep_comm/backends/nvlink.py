@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _ext
-from ..types import BufferConfig, BufferSizes, DispatchResult
+from ..types import BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult
 
 _STAGES = {
     1: "dispatch send (waiting for the peer to finish reading the previous dispatch's rows)",
@@ -594,6 +594,31 @@ class NVLinkBackend:
                           handle.recv_count.data_ptr(), handle.recv_tok.data_ptr(), handle.recv_ord.data_ptr(),
                           handle.recv_rows.data_ptr(), handle.send_idx.data_ptr(), handle.send_w.data_ptr(),
                           handle.num_tokens, out.data_ptr(), torch.cuda.current_stream().cuda_stream)
+        self._after_call()
+        return out
+
+    def begin_combine_rows(self, result: DispatchResult) -> CombineRowsTarget:
+        """Wait (on the stream) until every source rank has read the previous combine from its area; return where
+        a GEMM epilogue stores this combine's local_reduce=False rows (see Buffer.begin_combine_rows)."""
+        self._check_alive()
+        self.check()
+        cfg, L = self.config, self.layout
+        self._ctx.combine_rows_begin(torch.cuda.current_stream().cuda_stream)
+        self._after_call()
+        return CombineRowsTarget(bases=self._peer_bases, area_offset=L.off_combine, src_rank=result.src_rank,
+                                 src_token=result.src_token, topk_slot=result.topk_slot, num_topk=cfg.num_topk,
+                                 hidden=cfg.hidden, row_bytes=L.comb_row_bytes, scale_offset=L.comb_scale_off,
+                                 sign_mask=cfg.rht_sign_mask)
+
+    def finish_combine_rows(self, handle: NVLinkHandle) -> torch.Tensor:
+        """Publish the rows the GEMM stored since begin_combine_rows, then receive: bf16 [T, H]."""
+        self._check_alive()
+        self.check()
+        if not isinstance(handle, NVLinkHandle):
+            raise TypeError(f"finish_combine_rows needs the handle of an nvlink dispatch, got {type(handle).__name__}")
+        out = torch.empty(handle.num_tokens, self.config.hidden, dtype=torch.bfloat16, device=handle.send_idx.device)
+        self._ctx.combine_rows_finish(handle.send_idx.data_ptr(), handle.send_w.data_ptr(), handle.num_tokens,
+                                      out.data_ptr(), torch.cuda.current_stream().cuda_stream)
         self._after_call()
         return out
 
