@@ -88,7 +88,7 @@ void grouped_gemm_nvfp4_combine_rows(uintptr_t x, int64_t x_row_stride, uintptr_
   args.combine.sign_mask = sign_mask;
   launch(args, stream, "grouped_gemm_nvfp4 (combine rows)",
          "n % 64, k % 64, token_tile / tail_tile, no SwiGLU, 16-byte aligned combine rows with room for the "
-         "scales, or a tuning override (the combine-row epilogue exists for the default CTA shapes only)");
+         "scales, or too many token tiles for one grid");
 }
 
 }  // namespace

@@ -540,7 +540,8 @@ int tuning_choice(const char* name, std::initializer_list<const char*> allowed) 
 // faster at 128 rows per expert; at 16 rows 2x3 is 1.09x faster than 2x2 and 1.02x faster than 1x4. Tuning
 // overrides (other values are refused): EP_COMM_GEMM_WARPGROUPS=2|4 for every tile (as many CTAs per SM as fit:
 // 4 / warpgroups, one k-block per stage); EP_COMM_GEMM_SMALL_CTA=1x4|2x2|2x3|4x1 (warpgroups x CTAs per SM) for the
-// token tiles 16 and 32; EP_COMM_GEMM_KBLOCKS_PER_STAGE=1|2 (pipeline stage size) for the default shapes.
+// token tiles 16 and 32; EP_COMM_GEMM_KBLOCKS_PER_STAGE=1|2 (pipeline stage size) for the default shapes. The
+// combine-row epilogue (out_type 2) always takes the default shape of its tile.
 LaunchFn select_kernel(int tile, bool combine_rows) {
   static const int forced_warp_groups = tuning_choice("EP_COMM_GEMM_WARPGROUPS", {"2", "4"});
   static const int forced_small_cta = tuning_choice("EP_COMM_GEMM_SMALL_CTA", {"1x4", "2x2", "2x3", "4x1"});
@@ -550,8 +551,10 @@ LaunchFn select_kernel(int tile, bool combine_rows) {
   int shape = forced_warp_groups ? 10 * forced_warp_groups + 4 / forced_warp_groups : (tile <= 32 ? 23 : 41);
   if (tile <= 32 && forced_small_cta) shape = forced_small_cta;
   const int key = tile * 100 + shape;  // tile, warpgroups, CTAs per SM
-  if (combine_rows) {  // the combine-row epilogue exists for the default shapes only (no tuning matrix)
-    switch (blocks_per_stage == 2 ? key : 0) {
+  if (combine_rows) {
+    // The combine-row epilogue exists for the default shapes only (no tuning matrix): the shape overrides do not
+    // apply to it, so a tuning run of the bf16 kernels leaves MoELayer's w2 working.
+    switch (tile <= 32 ? tile * 100 + 23 : tile * 100 + 41) {
       case 1623: return launch_tile<16, 2, 3, 2, true>;
       case 3223: return launch_tile<32, 2, 3, 2, true>;
       case 6441: return launch_tile<64, 4, 1, 2, true>;

@@ -43,8 +43,9 @@ struct GroupedGemmArgs {
   int tail_tile = -1;
   // out_type 2: every valid row goes, as one RHT-32 + S2F6 combine row, straight into the combine area of the rank
   // that sent the token (the local_reduce=False rows of DESIGN.md §3; NVLink peer addresses for other ranks).
-  // Row r is stored at combine_bases[src_rank[r]] + combine_offset + (src_token[r] * topk + topk_slot[r]) *
-  // row_bytes: n code bytes, then the UE8M0 scale of 32-chunk c at byte scale_offset + c. Each value is rounded to
+  // Row r is stored at bases[src_rank[r]] + offset + (src_token[r] * topk + topk_slot[r]) * row_bytes (bases
+  // 16-byte aligned, src_rank < the table's length: the caller's contract, not checked on the device): n code bytes,
+  // then the UE8M0 scale of 32-chunk c at byte scale_offset + c. Each value is rounded to
   // bf16 first (what out_type 1 stores), so the bytes are those that combine(bf16 out, local_reduce=False) sends.
   // Needs swiglu off; the caller orders these stores against the reader (the nvlink backend's begin/finish).
   struct CombineRows {

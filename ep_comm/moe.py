@@ -12,8 +12,8 @@ Two expert paths:
   * "reference": FP32 torch matmuls on dequantized operands, one expert at a time (host sync for the counts). It
     is the correctness oracle of the fused path and runs anywhere (CPU ranks included).
 With the fused experts on the nvlink backend (S2F6 combine), the w2 GEMM's epilogue applies RHT + S2F6 and stores each
-(token, expert) row straight into the source rank's combine area (`combine_rows`; no bf16 expert output, no combine
-send kernel). Not yet: waves of experts overlapped with dispatch.
+(token, expert) row straight into the source rank's combine area (`combine_rows`; no bf16 expert output, no separate
+encode-and-send pass). Not yet: waves of experts overlapped with dispatch.
 """
 from __future__ import annotations
 
@@ -147,8 +147,9 @@ class MoELayer(torch.nn.Module):
             rows per local expert with every rank at max_tokens_per_rank (`self.token_tile` says which).
         combine_rows: how expert outputs get back. True: w2's epilogue stores each (token, expert) row as RHT + S2F6
             straight into the source rank's combine area (`Buffer.begin_combine_rows`): no bf16 expert output and
-            no combine send kernel; the source sums the rows in top-k slot order (local_reduce=False semantics: one
-            S2F6 rounding per expert row instead of per rank-local sum). False: w2 writes bf16 expert rows and
+            no separate encode-and-send pass; the source sums the rows in top-k slot order (local_reduce=False
+            semantics: one S2F6 rounding per expert row instead of per rank-local sum; more NVLink bytes when a
+            token has several experts on one rank). False: w2 writes bf16 expert rows and
             `Buffer.combine` (local_reduce=True) reduces each token's local experts on the expert rank and sends one
             row per (token, rank). None (default): True when it can run (fused experts, nvlink backend, S2F6
             combine) -- measured 3% faster at 4096 tokens per rank on 2xH200 and on par at 128 (bench/RESULTS.md);

@@ -610,7 +610,7 @@ def _local_combine_target(mask, num_ranks: int, topk: int, hidden: int, seed: in
 @pytest.mark.parametrize("token_tile, tail_tile", [(None, None), (16, None), (32, None), (64, None), (128, None),
                                                    (128, 0), (128, 16), (64, 32)])
 @pytest.mark.parametrize("shape", SMALL_SHAPES + [BIG_SHAPE])
-def test_combine_row_epilogue_matches_bf16_output_then_s2f6(shape, token_tile, tail_tile):
+def test_kernel_combine_row_epilogue_matches_bf16_output_then_s2f6(shape, token_tile, tail_tile):
     """The combine-row epilogue (out_type 2) against the bf16 epilogue followed by the S2F6 quantizer: every valid
     row's codes and scales, at its (rank, token, slot) row of the target, bitwise; every other byte untouched."""
     x, off, cnt, packed, _, mask = _gpu_case(shape, False, 16)
@@ -636,7 +636,7 @@ def test_combine_row_epilogue_matches_bf16_output_then_s2f6(shape, token_tile, t
 
 
 @pytest.mark.gpu
-def test_combine_row_epilogue_refuses_bad_targets():
+def test_kernel_combine_row_epilogue_refuses_bad_targets():
     x, off, cnt, packed, _, mask = _gpu_case(SMALL_SHAPES[0], False, 16)
     target, _, _, _ = _local_combine_target(mask, num_ranks=1, topk=2, hidden=packed.out_features, seed=3)
     import dataclasses

@@ -103,7 +103,32 @@ def _combine_rows_checks(buf, router, packed, x, rank):
     torch.cuda.synchronize()
     return {"equal_to_combine": torch.equal(got.view(torch.int16), expected.view(torch.int16)),
             "deterministic": torch.equal(got.view(torch.int16), again.view(torch.int16)),
-            "graph_equal": _graph_replay_matches_eager(layer, x, rank), "y": layer(x).cpu()}
+            "graph_equal": _graph_replay_matches_eager(layer, x, rank), "y": layer(x).cpu(),
+            "misuse_refused": _combine_rows_misuse_refused(buf, result, x, topk_idx, topk_weights, expected)}
+
+
+def _combine_rows_misuse_refused(buf, result, x, topk_idx, topk_weights, expert_out_like):
+    """begin / finish out of order, a foreign result, and other calls while rows are open: each refused on the host
+    before any kernel (every rank makes the same calls, so the flag protocol stays in step)."""
+    import dataclasses
+    refused = []
+
+    def expect(error_type, text, fn):
+        try:
+            fn()
+            refused.append(False)
+        except error_type as error:
+            refused.append(text in str(error))
+    expect(RuntimeError, "without begin_combine_rows", lambda: buf.finish_combine_rows(result.handle))
+    expect(ValueError, "own dispatch", lambda: buf.begin_combine_rows(dataclasses.replace(result, handle=None)))
+    buf.begin_combine_rows(result)
+    expect(RuntimeError, "has not been finished", lambda: buf.begin_combine_rows(result))
+    expect(RuntimeError, "has not been finished", lambda: buf.dispatch(x, topk_idx, topk_weights))
+    expect(RuntimeError, "has not been finished", lambda: buf.combine(expert_out_like.new_zeros(
+        result.num_rows, x.shape[1]), result.handle))
+    buf.finish_combine_rows(result.handle)  # closes the pair (stale rows: the result is not used)
+    torch.cuda.synchronize()
+    return all(refused) and len(refused) == 5
 
 
 def _graph_replay_matches_eager(layer, x, rank):
@@ -172,4 +197,5 @@ def test_moe_layer_on_gpus_matches_oracle():
         if result["expert_impl"] == "fused" and result["backend"] == "nvlink":
             assert result["layer_combine_rows"], result  # the default where it can run
             assert rows["equal_to_combine"] and rows["deterministic"] and rows["graph_equal"], rows
+            assert rows["misuse_refused"], rows
             assert rows["vs_oracle"] < 1e-2, rows

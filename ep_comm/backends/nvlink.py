@@ -356,6 +356,7 @@ class NVLinkBackend:
         self._sync_check = os.environ.get("EP_COMM_SYNC_CHECK", "0") == "1"
         self._arena_tables = {}
         self._destroyed = False
+        self._rows_open = False  # between begin_combine_rows and finish_combine_rows (host-side order check)
 
         self.region = _SymmetricRegion(group, self.layout.total_bytes)
         dev = torch.device("cuda", self.device)
@@ -508,6 +509,7 @@ class NVLinkBackend:
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
         self._check_alive()
         self.check()
+        self._check_rows_closed("dispatch")
         cfg = self.config
         num_tokens = x.shape[0]
         if num_tokens > cfg.max_tokens_per_rank:
@@ -576,6 +578,7 @@ class NVLinkBackend:
     def combine(self, expert_out: torch.Tensor, handle: NVLinkHandle, local_reduce: bool = True) -> torch.Tensor:
         self._check_alive()
         self.check()
+        self._check_rows_closed("combine")
         if not isinstance(handle, NVLinkHandle):
             raise TypeError(f"combine needs the handle of an nvlink dispatch, got {type(handle).__name__}")
         cfg = self.config
@@ -597,13 +600,24 @@ class NVLinkBackend:
         self._after_call()
         return out
 
+    def _check_rows_closed(self, what: str) -> None:
+        if self._rows_open:
+            raise RuntimeError(f"{what}: a combine begun with begin_combine_rows has not been finished "
+                               f"(finish_combine_rows) on this Buffer; the peers wait for it until their timeout")
+
     def begin_combine_rows(self, result: DispatchResult) -> CombineRowsTarget:
         """Wait (on the stream) until every source rank has read the previous combine from its area; return where
         a GEMM epilogue stores this combine's local_reduce=False rows (see Buffer.begin_combine_rows)."""
         self._check_alive()
         self.check()
+        self._check_rows_closed("begin_combine_rows")
+        handle = result.handle
+        if not isinstance(handle, NVLinkHandle) or handle.owner is not self._ctx:
+            # Its src_rank / src_token / topk_slot would address another buffer's rows (or past the peer table).
+            raise ValueError("begin_combine_rows needs a DispatchResult of this Buffer's own dispatch")
         cfg, L = self.config, self.layout
         self._ctx.combine_rows_begin(torch.cuda.current_stream().cuda_stream)
+        self._rows_open = True
         self._after_call()
         return CombineRowsTarget(bases=self._peer_bases, area_offset=L.off_combine, src_rank=result.src_rank,
                                  src_token=result.src_token, topk_slot=result.topk_slot, num_topk=cfg.num_topk,
@@ -616,6 +630,10 @@ class NVLinkBackend:
         self.check()
         if not isinstance(handle, NVLinkHandle):
             raise TypeError(f"finish_combine_rows needs the handle of an nvlink dispatch, got {type(handle).__name__}")
+        if not self._rows_open:
+            raise RuntimeError("finish_combine_rows without begin_combine_rows: the rows could have overwritten a "
+                               "combine the peers were still reading")
+        self._rows_open = False
         out = torch.empty(handle.num_tokens, self.config.hidden, dtype=torch.bfloat16, device=handle.send_idx.device)
         self._ctx.combine_rows_finish(handle.send_idx.data_ptr(), handle.send_w.data_ptr(), handle.num_tokens,
                                       out.data_ptr(), torch.cuda.current_stream().cuda_stream)
