@@ -1,6 +1,8 @@
 """`ep_comm.Buffer`: the user-facing dispatch/combine object of one expert-parallel process group."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -132,7 +134,7 @@ class Buffer:
         if self._destroyed:
             raise RuntimeError("this ep_comm.Buffer was destroyed")
 
-    def _validate_dispatch(self, x, topk_idx, topk_weights) -> None:
+    def _validate_dispatch(self, x, topk_idx, topk_weights, check_ids: bool) -> None:
         cfg = self.config
         for name, tensor in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
             if not isinstance(tensor, torch.Tensor):
@@ -158,23 +160,28 @@ class Buffer:
                              f"{topk_idx.device}, {topk_weights.device}")
         if self.backend == "nvlink" and not x.is_cuda:
             raise ValueError("the nvlink backend needs CUDA tensors")
-        if self.check_inputs and num_tokens and not _is_capturing():
+        if check_ids and num_tokens and not _is_capturing():
             _check_expert_ids(topk_idx, cfg.num_experts)
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 check_inputs: Optional[bool] = None) -> DispatchResult:
         """Send each token (once per destination rank) to the ranks of its top-k experts.
 
         Args:
             x: bfloat16 [T, H], T <= max_tokens_per_rank (T may be 0 and may differ between ranks).
             topk_idx: int32/int64 [T, K], global expert ids, -1 = masked slot.
             topk_weights: float32 [T, K], routing weights (used by combine).
+            check_inputs: validate the expert ids (range, duplicates) for this call -- a device->host copy, so
+                the host waits for the GPU; None = the Buffer's setting. Callers whose ids are valid by
+                construction (e.g. torch.topk over the expert logits, as MoELayer) pass False.
         Returns:
             DispatchResult (see ep_comm.types): received tokens in the expert-major layout in the dispatch
             format, num_tokens_per_expert / expert_offsets (int32, device), per-row src_rank, src_token,
             topk_slot, topk_weight, and the handle for `combine`.
         """
         self._check_alive()
-        self._validate_dispatch(x, topk_idx, topk_weights)
+        self._validate_dispatch(x, topk_idx, topk_weights,
+                                self.check_inputs if check_inputs is None else bool(check_inputs))
         return self._backend.dispatch(x, topk_idx, topk_weights)
 
     def combine(self, expert_out: torch.Tensor, handle, local_reduce: bool = True) -> torch.Tensor:

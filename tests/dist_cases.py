@@ -164,6 +164,12 @@ def errors_worker(rank: int, world: int, backend: str = "reference", device_kind
     _expect(ValueError, "must be in [-1", lambda: buf.dispatch(x, idx - 1, w))
     _expect(ValueError, "same expert", lambda: buf.dispatch(x, torch.tensor([[0, 0], [2, 3], [1, -1], [-1, -1]],
                                                                              device=device), w))
+    duplicate = torch.tensor([[3, 3], [2, 3], [1, -1], [-1, -1]], device=device)
+    _expect(ValueError, "same expert", lambda: buf.dispatch(x, duplicate, w, check_inputs=True))  # per call too
+    unchecked = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8,
+                               backend=backend, check_inputs=False)
+    _expect(ValueError, "same expert", lambda: unchecked.dispatch(x, duplicate, w, check_inputs=True))
+    unchecked.destroy()
     _expect(TypeError, "int32 or int64", lambda: buf.dispatch(x, idx.float(), w))
     _expect(TypeError, "float32", lambda: buf.dispatch(x, idx, w.double()))
     _expect(ValueError, "topk_idx must be", lambda: buf.dispatch(x, idx[:, :1], w))
