@@ -145,8 +145,8 @@ class NvlinkContext {
   }
 
   // The combine of rows that the grouped GEMM's combine-row epilogue stores itself (local_reduce=False rows):
-  // begin before the GEMM (wait until the sources have read the previous combine), finish after it (publish, then
-  // receive: weights applied and summed in top-k slot order, inverse RHT, bf16 out).
+  // begin before the GEMM (wait until the sources have read the previous combine), finish after it (the receive
+  // kernel publishes, then receives: weights applied and summed in top-k slot order, inverse RHT, bf16 out).
   void combine_rows_begin(uintptr_t stream) {
     CombineArgs a{};
     a.send_phase = kCombineSendWaitOnly;
@@ -156,11 +156,9 @@ class NvlinkContext {
 
   void combine_rows_finish(uintptr_t send_idx, uintptr_t send_w, int num_tokens, uintptr_t out, uintptr_t stream) {
     CombineArgs a = receive_args(send_idx, send_w, num_tokens, out);
-    a.send_phase = kCombineSendSignalOnly;
     a.local_reduce = 0;
+    a.publish_rows = 1;  // the receive kernel releases the GEMM's rows itself: one launch instead of two
     select();
-    launch_combine_send(cfg_, a, stream);
-    a.send_phase = kCombineSendRows;
     launch_combine_recv(cfg_, a, stream);
   }
 

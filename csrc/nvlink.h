@@ -162,15 +162,16 @@ struct CombineArgs {
   int num_tokens;
   unsigned short* out;   // bf16 [T, H]
   int send_phase;        // kCombineSend* below (the send kernel only)
+  int publish_rows;      // receive kernel: first publish this rank's rows, which an earlier kernel stored (below)
 };
 
-// What the combine send kernel does. The grouped GEMM's combine-row epilogue writes the local_reduce=False rows
-// itself (another kernel), so the send kernel is launched twice around it: before, to wait until every source has
-// read the previous combine's rows from its area; after, to publish the rows (kernel order on the stream makes the
-// GEMM's stores precede the release).
+// The grouped GEMM's combine-row epilogue writes the local_reduce=False rows itself (another kernel). Before it, the
+// send kernel runs in its wait-only form (every source has read the previous combine's rows from its area); after
+// it, the receive kernel starts by publishing them (publish_rows: one thread adds comb_send_blocks to each peer's
+// "ready" counter, what the send kernel's blocks would have added; kernel order on the stream makes the GEMM's
+// stores precede the release), then receives as usual.
 constexpr int kCombineSendRows = 0;      // encode expert_out and store it, with both flag steps
 constexpr int kCombineSendWaitOnly = 1;  // only the wait for the sources' "consumed" flags
-constexpr int kCombineSendSignalOnly = 2;  // only the "ready" release
 
 // Host launchers (one per kernel family). `stream` is a cudaStream_t passed as an integer.
 void launch_layout(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream);
@@ -329,6 +330,17 @@ __device__ __forceinline__ void block_signal_all_peers(const NvlinkConfig& cfg, 
     unsigned long long* flag =
         reinterpret_cast<unsigned long long*>(static_cast<uintptr_t>(cfg.peer_bases[p]) + flags_off) + cfg.rank;
     red_release_sys_add(flag, 1ull);
+  }
+}
+
+// One thread publishes for a whole grid: add `amount` to counter `my rank` of `flags` in every peer's region.
+__device__ __forceinline__ void signal_all_peers_once(const NvlinkConfig& cfg, long long flags_off,
+                                                      unsigned long long amount) {
+  for (int p = 0; p < cfg.world; ++p) {
+    __threadfence_system();
+    unsigned long long* flag =
+        reinterpret_cast<unsigned long long*>(static_cast<uintptr_t>(cfg.peer_bases[p]) + flags_off) + cfg.rank;
+    red_release_sys_add(flag, amount);
   }
 }
 

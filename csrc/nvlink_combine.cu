@@ -69,10 +69,6 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
                          kStageCombineWaitConsumed, epoch);
     return;
   }
-  if (args.send_phase == kCombineSendSignalOnly) {  // ... which has finished: publish them
-    block_signal_all_peers(cfg, cfg.off_comb_ready);
-    return;
-  }
   const int lane = threadIdx.x % 32;
   const int topk = cfg.topk;
   const int hidden = cfg.hidden;
@@ -294,6 +290,11 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
   int n = 0;
   if (global_warp < num_parts) n = load_terms(static_cast<int>(global_warp / split));
 
+  // Rows stored by the GEMM's combine-row epilogue (finished before this kernel): published here, by one thread,
+  // before any block waits (no block depends on another block of this grid, so residency cannot deadlock it).
+  if (args.publish_rows && blockIdx.x == 0 && threadIdx.x == 0) {
+    signal_all_peers_once(cfg, cfg.off_comb_ready, static_cast<unsigned long long>(cfg.comb_send_blocks));
+  }
   block_wait_all_peers(cfg, cfg.off_comb_ready, epoch * cfg.comb_send_blocks, kStageCombineWaitReady, epoch);
 
   for (long long fp = global_warp; fp < num_parts; fp += num_warps) {

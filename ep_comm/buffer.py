@@ -213,12 +213,12 @@ class Buffer:
 
         Enqueues, on the current stream, a wait until every source rank has read the previous combine out of its
         receive area, and returns the `CombineRowsTarget` that tells the epilogue where each expert row goes
-        (`grouped_gemm.grouped_gemm_nvfp4_combine_rows`, or `moe.fused_expert_mlp(..., combine_target=...)`).
+        (`grouped_gemm.grouped_gemm_nvfp4_combine_rows`; `moe.MoELayer` does all three steps by default here).
         Then call `finish_combine_rows(result.handle)` on the same stream, before any other dispatch or combine of
         this Buffer (enforced: RuntimeError otherwise). The result is bitwise `combine(expert_out, result.handle,
         local_reduce=False)` for the bf16 expert_out the GEMM would have written, without that tensor and without
         the encode-and-send pass: the epilogue stores each (token, expert) row as RHT + S2F6 straight into the
-        source rank's area over NVLink (the send kernel only waits before and signals after the GEMM). That is
+        source rank's area over NVLink (the send kernel only waits before the GEMM; the receive publishes). That is
         one S2F6 rounding per expert row (local_reduce=False numerics) and up to top-k / (ranks per token) times
         the NVLink bytes of the local_reduce combine.
         """
