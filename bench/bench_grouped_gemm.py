@@ -145,12 +145,11 @@ def time_ours(gemm: Gemm, x, offsets_t, counts_t, out_dtype, token_tile, iters, 
 def time_combine_rows(gemm: Gemm, x, offsets_t, counts_t, token_tile, iters, reps) -> Optional[float]:
     """w2 with the combine-row epilogue (RHT + S2F6 rows, as MoELayer(combine_rows=True) stores them), here into a
     local area (row r -> token r // 8, slot r % 8): the epilogue's cost next to the bf16 one, without NVLink."""
-    from ep_comm.types import CombineRowsTarget
+    from ep_comm.types import CombineRowsTarget, s2f6_combine_row_layout
     if not hasattr(_ext._C, "grouped_gemm_nvfp4_combine_rows"):
         return None
     rows, hidden, topk = x.num_rows, gemm.packed.out_features, 8
-    scale_offset = (hidden + 15) // 16 * 16
-    row_bytes = scale_offset + (hidden // 32 + 15) // 16 * 16
+    scale_offset, row_bytes = s2f6_combine_row_layout(hidden)
     area = torch.empty((rows + topk) * row_bytes, dtype=torch.uint8, device="cuda")
     index = torch.arange(rows, dtype=torch.int32, device="cuda")
     target = CombineRowsTarget(bases=torch.tensor([area.data_ptr()], dtype=torch.int64, device="cuda"),

@@ -149,7 +149,7 @@ class NvlinkContext {
   // kernel publishes, then receives: weights applied and summed in top-k slot order, inverse RHT, bf16 out).
   void combine_rows_begin(uintptr_t stream) {
     CombineArgs a{};
-    a.send_phase = kCombineSendWaitOnly;
+    a.wait_only = 1;
     select();
     launch_combine_send(cfg_, a, stream);
   }

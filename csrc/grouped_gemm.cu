@@ -173,6 +173,21 @@ __device__ bool find_tile(const GroupedGemmArgs& args, const RowSplit split, int
   return found_expert >= 0;
 }
 
+// Both epilogues: the outer factors of tokens t0 = 8 * (i / 4) + 2 * (lane % 4) and t0 + 1 for accumulators i .. i + 3
+// (row factor times weight_factor = w_factor[e] * 2^7, which undoes the decode's 2^-7), 0 past the count: those
+// values are computed but never stored.
+struct TokenPair {
+  int t0;
+  float f0, f1;
+};
+__device__ __forceinline__ TokenPair token_pair(const GroupedGemmArgs& args, int i, int lane, int first_row,
+                                                int valid_rows, float weight_factor) {
+  const int t0 = 8 * (i / 4) + 2 * (lane % 4);
+  const float f0 = t0 < valid_rows ? __ldg(args.row_factor + first_row + t0) * weight_factor : 0.0f;
+  const float f1 = t0 + 1 < valid_rows ? __ldg(args.row_factor + first_row + t0 + 1) * weight_factor : 0.0f;
+  return TokenPair{t0, f0, f1};
+}
+
 // Combine-row epilogue (out_type 2), after the main loop. The CTA's output tile goes through shared memory (the
 // ring, free by then), because in the accumulator layout (swap AB) one token's 32-column RHT chunk is spread over two
 // warps (16 columns each, 8 lanes x 2 registers), while the S2F6 lane helpers want it in two lanes of 16 consecutive
@@ -206,13 +221,11 @@ __device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, 
   };
 #pragma unroll
   for (int i = 0; i < kTile / 2; i += 4) {
-    const int t0 = 8 * (i / 4) + 2 * (lane % 4);
-    const float f0 = t0 < valid_rows ? __ldg(args.row_factor + first_row + t0) * weight_factor : 0.0f;
-    const float f1 = t0 + 1 < valid_rows ? __ldg(args.row_factor + first_row + t0 + 1) * weight_factor : 0.0f;
-    put(t0, column, acc[i] * f0);
-    put(t0 + 1, column, acc[i + 1] * f1);
-    put(t0, column + 8, acc[i + 2] * f0);
-    put(t0 + 1, column + 8, acc[i + 3] * f1);
+    const TokenPair p = token_pair(args, i, lane, first_row, valid_rows, weight_factor);
+    put(p.t0, column, acc[i] * p.f0);
+    put(p.t0 + 1, column, acc[i + 1] * p.f1);
+    put(p.t0, column + 8, acc[i + 2] * p.f0);
+    put(p.t0 + 1, column + 8, acc[i + 3] * p.f1);
   }
   __syncthreads();
 
@@ -470,10 +483,9 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
   };
 #pragma unroll
   for (int i = 0; i < kAcc; i += 4) {
-    const int t0 = 8 * (i / 4) + 2 * (lane % 4);
-    // Row factors of tokens t0, t0 + 1 (0 past the count: those values are computed but never stored).
-    const float f0 = t0 < valid_rows ? __ldg(args.row_factor + first_row + t0) * weight_factor : 0.0f;
-    const float f1 = t0 + 1 < valid_rows ? __ldg(args.row_factor + first_row + t0 + 1) * weight_factor : 0.0f;
+    const TokenPair p = token_pair(args, i, lane, first_row, valid_rows, weight_factor);
+    const int t0 = p.t0;
+    const float f0 = p.f0, f1 = p.f1;
     const float r0_t0 = acc[i] * f0, r0_t1 = acc[i + 1] * f1;          // weight row row_in_tile
     const float r8_t0 = acc[i + 2] * f0, r8_t1 = acc[i + 3] * f1;      // weight row row_in_tile + 8
     if (args.swiglu) {
@@ -496,17 +508,12 @@ template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage = 1, b
 cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64_t tile_slots, cudaStream_t stream) {
   using G = Geometry<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage>;
   auto* kernel = grouped_gemm_nvfp4_kernel<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kCombineRows>;
-  // The shared-memory opt-in is per kernel and device: remember which devices have it (64 is plenty).
-  static std::atomic<uint64_t> configured_devices{0};  // the binding releases the GIL: threads may race here
-  int device = 0;
-  cudaError_t status = cudaGetDevice(&device);
+  // The shared-memory opt-in is per kernel and device.
+  static std::atomic<uint64_t> configured{0};
+  const cudaError_t status = once_per_device(configured, [&] {
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kSmemBytes);
+  });
   if (status != cudaSuccess) return status;
-  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
-  if (!(configured_devices.load() & bit)) {
-    status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kSmemBytes);
-    if (status != cudaSuccess) return status;
-    configured_devices.fetch_or(bit);
-  }
   const int64_t weight_ctas = (args.n / kTileRows + kWarpGroups - 1) / kWarpGroups;
   if (weight_ctas * tile_slots > INT32_MAX) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(weight_ctas * tile_slots));

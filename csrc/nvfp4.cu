@@ -166,9 +166,9 @@ __global__ void __launch_bounds__(Shape::kMaxThreads, Shape::kMinCtas) nvfp4_qua
   }
 }
 
-// One thread per 16-element block: 8 code bytes + 1 scale byte -> 16 outputs.
+// One thread per 16-element block: 8 code bytes + 1 scale byte -> 16 outputs. inv_six_m = qm::nvfp4_inv_six_m(M),
+// computed once by the launcher; row_div divides by blocks_per_row without a 64-bit division per thread.
 template <typename Out>
-// inv_six_m = qm::nvfp4_inv_six_m(M), computed once by the launcher; row_div divides by blocks_per_row without a 64-bit division per thread.
 __global__ void __launch_bounds__(256) nvfp4_dequantize_kernel(const uint8_t* __restrict__ data,
                                                                const uint8_t* __restrict__ scales,
                                                                const float* __restrict__ amax, int64_t num_rows,

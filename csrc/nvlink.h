@@ -161,17 +161,14 @@ struct CombineArgs {
   const float* send_w;   // [T, K]
   int num_tokens;
   unsigned short* out;   // bf16 [T, H]
-  int send_phase;        // kCombineSend* below (the send kernel only)
-  int publish_rows;      // receive kernel: first publish this rank's rows, which an earlier kernel stored (below)
+  // The grouped GEMM's combine-row epilogue writes the local_reduce=False rows itself (another kernel). Before it,
+  // the send kernel runs with wait_only (only the wait until every source has read the previous combine's rows from
+  // its area); after it, the receive kernel runs with publish_rows (one thread first adds comb_send_blocks to each
+  // peer's "ready" counter, what the send kernel's blocks would have added; kernel order on the stream makes the
+  // GEMM's stores precede the release), then receives as usual.
+  int wait_only;     // send kernel
+  int publish_rows;  // receive kernel
 };
-
-// The grouped GEMM's combine-row epilogue writes the local_reduce=False rows itself (another kernel). Before it, the
-// send kernel runs in its wait-only form (every source has read the previous combine's rows from its area); after
-// it, the receive kernel starts by publishing them (publish_rows: one thread adds comb_send_blocks to each peer's
-// "ready" counter, what the send kernel's blocks would have added; kernel order on the stream makes the GEMM's
-// stores precede the release), then receives as usual.
-constexpr int kCombineSendRows = 0;      // encode expert_out and store it, with both flag steps
-constexpr int kCombineSendWaitOnly = 1;  // only the wait for the sources' "consumed" flags
 
 // Host launchers (one per kernel family). `stream` is a cudaStream_t passed as an integer.
 void launch_layout(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream);
@@ -322,26 +319,25 @@ __device__ __forceinline__ void block_wait_all_peers(const NvlinkConfig& cfg, lo
   __syncthreads();
 }
 
+// Add `amount` to counter `my rank` of `flags` in peer p's region, after a system-scope fence (release).
+__device__ __forceinline__ void signal_peer(const NvlinkConfig& cfg, long long flags_off, int p,
+                                            unsigned long long amount) {
+  __threadfence_system();
+  unsigned long long* flag =
+      reinterpret_cast<unsigned long long*>(static_cast<uintptr_t>(cfg.peer_bases[p]) + flags_off) + cfg.rank;
+  red_release_sys_add(flag, amount);
+}
+
 // Every block, after its last access: add 1 to counter `my rank` of `flags` in every peer's region.
 __device__ __forceinline__ void block_signal_all_peers(const NvlinkConfig& cfg, long long flags_off) {
   __syncthreads();
-  for (int p = threadIdx.x; p < cfg.world; p += blockDim.x) {
-    __threadfence_system();
-    unsigned long long* flag =
-        reinterpret_cast<unsigned long long*>(static_cast<uintptr_t>(cfg.peer_bases[p]) + flags_off) + cfg.rank;
-    red_release_sys_add(flag, 1ull);
-  }
+  for (int p = threadIdx.x; p < cfg.world; p += blockDim.x) signal_peer(cfg, flags_off, p, 1ull);
 }
 
 // One thread publishes for a whole grid: add `amount` to counter `my rank` of `flags` in every peer's region.
 __device__ __forceinline__ void signal_all_peers_once(const NvlinkConfig& cfg, long long flags_off,
                                                       unsigned long long amount) {
-  for (int p = 0; p < cfg.world; ++p) {
-    __threadfence_system();
-    unsigned long long* flag =
-        reinterpret_cast<unsigned long long*>(static_cast<uintptr_t>(cfg.peer_bases[p]) + flags_off) + cfg.rank;
-    red_release_sys_add(flag, amount);
-  }
+  for (int p = 0; p < cfg.world; ++p) signal_peer(cfg, flags_off, p, amount);
 }
 
 __device__ __forceinline__ char* peer_ptr(const NvlinkConfig& cfg, int peer, long long offset) {

@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
   __shared__ int item_start[kMaxWorld];  // tokens received from each source
   pdl_prologue();
   const unsigned long long epoch = cfg.state->comb_epoch + 1ull;
-  if (args.send_phase == kCombineSendWaitOnly) {  // rows come from a later kernel (the GEMM's epilogue)
+  if (args.wait_only) {  // rows come from a later kernel (the GEMM's epilogue)
     block_wait_all_peers(cfg, cfg.off_comb_consumed, (epoch - 1ull) * cfg.comb_recv_blocks,
                          kStageCombineWaitConsumed, epoch);
     return;
@@ -315,14 +315,13 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
         for (int i = 0; i < 16; ++i) acc[i] = 0.0f;
         if (e0 < hidden) {
           for (int r0 = 0; r0 < n; r0 += kTerms) {
-            uint4 codes[kTerms];
+            uint4 codes[kTerms], unused;
             unsigned int scales[kTerms];
 #pragma unroll
             for (int u = 0; u < kTerms; ++u) {
               if (r0 + u < n) {
                 const char* src = area + static_cast<long long>(term_rows[warp_in_block][r0 + u]) * cfg.comb_row_bytes;
-                codes[u] = ld_coherent_v4(src + e0);
-                scales[u] = ld_coherent_u8(src + cfg.comb_scale_off + e0 / 32);
+                load_term(src, e0, true, cfg.comb_scale_off, codes[u], unused, scales[u]);
               }
             }
 #pragma unroll

@@ -30,7 +30,9 @@ namespace {
 using namespace ep_comm::qm;
 
 // 8 bf16 (one 16-byte vector) to fp32, exact.
-__device__ __forceinline__ void bf16x8_to_float(const uint4& v, float* out) { vec::Elem<__nv_bfloat16>::unpack(v, out); }
+__device__ __forceinline__ void bf16x8_to_float(const uint4& v, float* out) {
+  vec::Elem<__nv_bfloat16>::unpack(v, out);
+}
 
 // 32 bf16 elements (64 bytes at src) as four 16-byte vectors.
 struct Chunk32 {

@@ -618,7 +618,6 @@ QM_HD uint8_t mxfp8_encode32_stochastic(const float x[32], uint32_t key, int64_t
   return scale;
 }
 
-
 // ---------------------------------------------------------------------------------------------------
 // NVFP4 outer (per-row or per-tensor) scales from the outer amax and the E4M3 bound M (256 or 448).
 // The amax must be >= 0 (or +Inf / NaN); a negative amax is not a valid input.
@@ -1098,7 +1097,6 @@ QM_HD void rht32_inverse(float v[32], uint32_t sign_mask) {
 #pragma unroll
   for (int j = 0; j < 32; ++j) v[j] = rht_sign(qm_mul(v[j], c), sign_mask, j);
 }
-
 
 // ---------------------------------------------------------------------------------------------------
 // BF16 round to nearest even (NaN -> 0x7FC0 like torch on the CPU; the GPU's cvt gives another NaN).

@@ -28,7 +28,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kLaneValues = 16;               // quantize / accumulate: elements per lane
 constexpr int kSegment = 32 * kLaneValues;    // elements of one row per warp
 
-
 // Dequantize: each thread takes kUnits 8-element units kThreads apart (the 4-lane groups stay aligned: kThreads % 32 ==
 // 0) and issues all their loads before any math, for more bytes in flight per SM (measured 66.5% -> 83.0% of
 // copy on an H200).
@@ -236,13 +235,12 @@ __device__ __forceinline__ void stage_chunk(const S2f6AccumulateArgs& args, cons
   }
 }
 
-// acc += weight * decoded over the chunk's used terms in ascending order. Lanes past the row end (partial last
-// segment) copied nothing: they add weight * decode(0 codes, scale 0) as before, from registers rather than
-// stale buffer bytes, and their results are not stored.
+// acc += weight * decoded over the chunk's used terms in ascending order.
 // kMagicOnly: every used term's scale is <= kMagicMaxScale in every valid lane (tested once per chunk), so the
 // decode needs no per-term branch; kAllUsed: every term of the chunk is summed (no per-term test). Lanes past the
-// row end (partial last segment) read whatever their buffer slots hold: their sums are never stored, and the
-// inverse RHT only mixes lanes of one 32-element chunk, which is past the row end for both or for neither.
+// row end (partial last segment) copied nothing and decode whatever their buffer slots hold with scale 0: their
+// sums are never stored, and the inverse RHT only mixes lanes of one 32-element chunk, which is past the row end
+// for both or for neither.
 template <bool kMagicOnly, bool kAllUsed>
 __device__ __forceinline__ void add_terms(const ChunkBuffer& buffer, uint32_t used_mask,
                                           const uint8_t (&scale)[kChunkTerms], int lane, float acc[kLaneValues]) {
@@ -402,13 +400,18 @@ cudaError_t launch_s2f6_dequantize_accumulate(const S2f6AccumulateArgs& args, cu
       using Index = decltype(index_tag);
       const auto kernel = args.hadamard ? s2f6_accumulate_kernel<Index, Out, true>
                                         : s2f6_accumulate_kernel<Index, Out, false>;
-      // Chunk buffers above the 48 KB default; the largest carveout so kAccumulateCtasPerSm CTAs fit.
-      cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(kAccumulateSmem));
-      if (err == cudaSuccess) {
-        err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                   cudaSharedmemCarveoutMaxShared);
-      }
+      // Chunk buffers above the 48 KB default; the largest carveout so kAccumulateCtasPerSm CTAs fit. Once per kernel
+      // (this lambda's instantiation is per Index and Out; the array per RHT variant) and device.
+      static std::atomic<uint64_t> configured[2];
+      cudaError_t err = once_per_device(configured[args.hadamard ? 1 : 0], [&] {
+        cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  static_cast<int>(kAccumulateSmem));
+        if (status == cudaSuccess) {
+          status = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        cudaSharedmemCarveoutMaxShared);
+        }
+        return status;
+      });
       int64_t blocks = 0;  // persistent warps: kAccumulateCtasPerSm per SM (launch bounds and shared memory)
       if (err == cudaSuccess) err = resident_grid(kernel, kThreads, g.blocks, &blocks, kAccumulateSmem);
       if (err != cudaSuccess) return err;

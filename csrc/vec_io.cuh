@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "formats.h"
@@ -123,6 +124,22 @@ cudaError_t resident_grid(Kernel kernel, int threads, int64_t wanted, int64_t* b
   const int64_t resident = static_cast<int64_t>(num_sms) * (blocks_per_sm > 0 ? blocks_per_sm : 1);
   *blocks = wanted < resident ? wanted : resident;
   return cudaSuccess;
+}
+
+// A kernel's one-time setup on the current device (its shared-memory opt-ins), once per device instead of on every
+// launch: `configured` is the kernel's own flag word (bit d: device d done; devices past 63 configure every time),
+// configure() returns a cudaError_t. Threads may race here (the bindings release the GIL): configuring twice is
+// harmless.
+template <typename Configure>
+cudaError_t once_per_device(std::atomic<uint64_t>& configured, Configure configure) {
+  int device = 0;
+  cudaError_t status = cudaGetDevice(&device);
+  if (status != cudaSuccess) return status;
+  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
+  if (bit != 0 && (configured.load() & bit) != 0) return cudaSuccess;
+  status = configure();
+  if (status == cudaSuccess) configured.fetch_or(bit);
+  return status;
 }
 
 // Row (and column) of a flat index without a 64-bit (or a MUFU-based 32-bit) division: for 2 <= d < 2^31 and

@@ -434,6 +434,16 @@ def _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, out_dt
     return rows
 
 
+def _check_cuda_weights(weights: GemmWeights) -> None:
+    """What the CUDA kernel needs of the packed weights beyond their shapes: contiguous, cp.async-aligned."""
+    for name, t in (("weights.values", weights.values), ("weights.scales", weights.scales),
+                    ("weights.factor", weights.factor)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous for the CUDA kernel")
+        if name != "weights.factor" and t.data_ptr() % 16:
+            raise ValueError(f"{name} must start 16-byte aligned for the CUDA kernel (cp.async)")
+
+
 def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
                        weights: GemmWeights, out_dtype: torch.dtype = torch.bfloat16,
                        token_tile: Optional[int] = None, impl: str = "auto",
@@ -473,12 +483,7 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
     if out is None:
         out = torch.zeros(rows, weights.out_features, dtype=out_dtype, device=device)
     if use_cuda:
-        for name, t in (("weights.values", weights.values), ("weights.scales", weights.scales),
-                        ("weights.factor", weights.factor)):
-            if not t.is_contiguous():
-                raise ValueError(f"{name} must be contiguous for the CUDA kernel")
-            if name != "weights.factor" and t.data_ptr() % 16:
-                raise ValueError(f"{name} must start 16-byte aligned for the CUDA kernel (cp.async)")
+        _check_cuda_weights(weights)
         if rows == 0:
             return out
         with torch.cuda.device(device):
@@ -529,6 +534,7 @@ def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tenso
         raise ValueError(f"target.bases must be a contiguous int64 [W] tensor on {device}")
     if not _use_gemm_kernels("cuda", x.values, "grouped_gemm_nvfp4_combine_rows"):
         raise RuntimeError("grouped_gemm_nvfp4_combine_rows needs the CUDA kernel")
+    _check_cuda_weights(weights)
     if rows == 0:
         return
     with torch.cuda.device(device):

@@ -108,6 +108,13 @@ def combine_bytes_per_token(fmt: str, hidden: int) -> int:
     raise ValueError(f"unknown combine format {fmt!r}")
 
 
+def s2f6_combine_row_layout(hidden: int) -> tuple:
+    """(scale_offset, row_bytes) of one S2F6 combine row in the nvlink combine area: `hidden` int8 codes, then the
+    hidden / 32 UE8M0 scales, each part padded to 16 bytes (16-byte stores)."""
+    scale_offset = (hidden + 15) // 16 * 16
+    return scale_offset, scale_offset + (hidden // 32 + 15) // 16 * 16
+
+
 @dataclass(frozen=True)
 class BufferSizes:
     """Bytes a fast backend needs for a given `BufferConfig` (from `Buffer.get_buffer_size_hint`).

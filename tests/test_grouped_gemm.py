@@ -580,12 +580,11 @@ def _local_combine_target(mask, num_ranks: int, topk: int, hidden: int, seed: in
     """A CombineRowsTarget whose "ranks" are areas of one local allocation (filled with 0xA5), with the valid rows
     (mask) mapped to distinct random (rank, token, slot) rows. Returns (target, areas [W, T * K, row_bytes] view,
     (rank, row in area) per valid row)."""
-    from ep_comm.types import CombineRowsTarget
+    from ep_comm.types import CombineRowsTarget, s2f6_combine_row_layout
     rows = mask.shape[0]
     valid = int(mask.sum())
     tokens = (valid + num_ranks * topk - 1) // (num_ranks * topk) + 3
-    scale_offset = (hidden + 15) // 16 * 16
-    row_bytes = scale_offset + (hidden // 32 + 15) // 16 * 16
+    scale_offset, row_bytes = s2f6_combine_row_layout(hidden)
     area_bytes = tokens * topk * row_bytes
     memory = torch.full((area_offset + num_ranks * area_bytes + 256,), 0xA5, dtype=torch.uint8, device="cuda")
     base = memory.data_ptr()

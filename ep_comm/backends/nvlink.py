@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _ext
-from ..types import BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult
+from ..types import BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, s2f6_combine_row_layout
 
 _STAGES = {
     1: "dispatch send (waiting for the peer to finish reading the previous dispatch's rows)",
@@ -81,8 +81,7 @@ class _RegionLayout:
         meta_bytes = 4 * (2 + 3 * k)  # f32 amax, i32 token, i32 expert[K], f32 weight[K], i32 position[K]
         disp_row = meta_off + _align(meta_bytes, 16)
         if cfg.combine_format == "s2f6":
-            comb_scale_off = _align(h, 16)
-            comb_row = comb_scale_off + _align(h // 32, 16)
+            comb_scale_off, comb_row = s2f6_combine_row_layout(h)
         else:
             comb_scale_off, comb_row = 0, 2 * h
         flags = _align(8 * w, 128)
