@@ -133,36 +133,63 @@ __device__ __forceinline__ int2 rows_of_part(const GroupedGemmArgs& args, const 
   return small ? make_int2(count - remainder, remainder) : make_int2(count, 0);
 }
 
+// Warp 0's place in the scan of the experts' tiles (find_tile), kept in shared memory so that it costs the main
+// loop no registers: the 32-expert chunk at `base`, the tiles of the experts before it, and -- once loaded -- the
+// chunk's inclusive prefix of tiles per lane (loaded = false: not yet). A persistent CTA visits non-decreasing
+// tile slots, so the scan resumes where the previous item stopped: each CTA reads every expert's count once per
+// launch instead of scanning from expert 0 for every tile.
+struct TileCursor {
+  int inclusive[32];
+  int base;
+  int tiles_before;
+  bool loaded;
+};
+
+// Which expert and which of its token tiles tile slot `slot` is, in the concatenation of every expert's
+// ceil(rows / kTile) tiles (rows: this launch's part, rows_of_part). Returns false when the slot is past the last
+// tile. All threads of the CTA call it with the same slot (it ends in a barrier); `cursor` starts zeroed
+// (base 0, tiles_before 0, loaded false) and only warp 0 touches it.
 template <int kTile>
-__device__ bool find_tile(const GroupedGemmArgs& args, const RowSplit split, int slot, int* expert,
-                          int* tile_in_expert) {
-  const int num_experts = args.num_experts;
+__device__ bool find_tile(const GroupedGemmArgs& args, const RowSplit split, int slot, TileCursor& cursor,
+                          int* expert, int* tile_in_expert) {
   __shared__ int found_expert, found_tile;
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
-    int tiles_before = 0;
     int result_expert = -1, result_tile = 0;
-    for (int base = 0; base < num_experts && result_expert < 0; base += 32) {
-      const int e = base + lane;
-      const int count = e < num_experts ? rows_of_part(args, split, e).y : 0;
-      const int tiles = (count + kTile - 1) / kTile;
-      int inclusive = tiles;
+    int base = cursor.base, tiles_before = cursor.tiles_before;
+    int inclusive = cursor.loaded ? cursor.inclusive[lane] : 0;
+    bool loaded = cursor.loaded;
+    while (base < args.num_experts) {
+      if (!loaded) {
+        const int e = base + lane;
+        const int count = e < args.num_experts ? rows_of_part(args, split, e).y : 0;
+        inclusive = (count + kTile - 1) / kTile;
 #pragma unroll
-      for (int offset = 1; offset < 32; offset <<= 1) {
-        const int v = __shfl_up_sync(0xFFFFFFFFu, inclusive, offset);
-        if (lane >= offset) inclusive += v;
+        for (int offset = 1; offset < 32; offset <<= 1) {
+          const int v = __shfl_up_sync(0xFFFFFFFFu, inclusive, offset);
+          if (lane >= offset) inclusive += v;
+        }
+        loaded = true;
       }
+      const int below = __shfl_up_sync(0xFFFFFFFFu, inclusive, 1);  // every lane shuffles (lane 0 gets its own)
+      const int tiles = inclusive - (lane > 0 ? below : 0);
       const int exclusive = tiles_before + inclusive - tiles;
-      const bool mine = slot >= exclusive && slot < exclusive + tiles;
-      const unsigned hit = __ballot_sync(0xFFFFFFFFu, mine);
+      const unsigned hit = __ballot_sync(0xFFFFFFFFu, slot >= exclusive && slot < exclusive + tiles);
       if (hit) {
         const int src = __ffs(hit) - 1;
         result_expert = base + src;
         result_tile = slot - __shfl_sync(0xFFFFFFFFu, exclusive, src);
+        break;
       }
       tiles_before += __shfl_sync(0xFFFFFFFFu, inclusive, 31);
+      base += 32;
+      loaded = false;
     }
+    cursor.inclusive[lane] = inclusive;
     if (lane == 0) {
+      cursor.base = base;
+      cursor.tiles_before = tiles_before;
+      cursor.loaded = loaded;
       found_expert = result_expert;
       found_tile = result_tile;
     }
@@ -262,33 +289,18 @@ __device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, 
   }
 }
 
-template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kCombineRows>
-__global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
-    grouped_gemm_nvfp4_kernel(const GroupedGemmArgs args, const RowSplit split) {
 #if EP_COMM_HAS_WGMMA
+// One work item of the kernel below: the token tile `tile_in_expert` of `expert` against weight CTA `weight_cta`
+// (kWarpGroups weight tiles of 64 rows): fill the ring, run the main loop, store through the epilogue. Every thread
+// of the CTA calls it; the ring is free on entry (the caller's barrier) and the last ring read precedes the last
+// barrier inside.
+template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kCombineRows>
+__device__ __forceinline__ void gemm_work_item(const GroupedGemmArgs& args, const RowSplit split, uint8_t* smem,
+                                               int expert, int tile_in_expert, int weight_cta) {
   using G = Geometry<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage>;
   constexpr int kThreads = G::kThreads;
   constexpr int kStages = G::kStages;
   constexpr int kAcc = kTile / 2;
-  extern __shared__ __align__(1024) uint8_t smem_raw[];
-  // The 128-byte swizzle needs 1024-byte aligned tiles: align the ring explicitly (static shared memory may
-  // precede the dynamic block).
-  uint8_t* smem = smem_raw + ((1024 - (cp_async::smem_address(smem_raw) & 1023)) & 1023);
-
-  int expert, tile_in_expert;
-  // 1-D grid, weight CTAs fastest: consecutive CTAs share one token tile (read from L2 by all of them).
-  const int num_weight_ctas = (args.n / kTileRows + kWarpGroups - 1) / kWarpGroups;
-  const int weight_cta = static_cast<int>(blockIdx.x % num_weight_ctas);
-  const int tile_slot = static_cast<int>(blockIdx.x / num_weight_ctas);
-  if (split.part == 2) {
-    // Small remainders: one tile at most per expert, so the slot is the expert (no scan; most CTAs exit here).
-    expert = tile_slot;
-    tile_in_expert = 0;
-    if (expert >= args.num_experts || rows_of_part(args, split, expert).y == 0) return;
-  } else if (!find_tile<kTile>(args, split, tile_slot, &expert, &tile_in_expert)) {
-    return;
-  }
-
   const int warp_group = threadIdx.x / 128;
   const int thread_in_group = threadIdx.x % 128;
   const int num_weight_tiles = args.n / kTileRows;
@@ -499,6 +511,42 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
       exchange_and_store(t0, column + 8, r8_t0, r8_t1);
     }
   }
+}
+
+#endif  // EP_COMM_HAS_WGMMA
+
+// Work items: item = tile slot * weight CTAs + weight CTA (weight CTAs fastest, so the CTAs running at one time share
+// a few token tiles in L2). `persistent`: each CTA walks the items blockIdx.x, blockIdx.x + gridDim.x, ... until the
+// slot is past the last tile, on a grid of what fits on the GPU at once (launch_tile), so that a launch sized for
+// the worst case (rows / tile + experts slots, without reading the counts on the host) pays neither a CTA launch
+// nor a scan for every empty slot, and each CTA reads the expert counts once (TileCursor). Otherwise one item per
+// CTA on a grid of every slot (measured faster for the 2-warpgroup, 3-CTA/SM shapes of the small token tiles).
+template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kCombineRows>
+__global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
+    grouped_gemm_nvfp4_kernel(const GroupedGemmArgs args, const RowSplit split, const bool persistent) {
+#if EP_COMM_HAS_WGMMA
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  // The 128-byte swizzle needs 1024-byte aligned tiles: align the ring explicitly (static shared memory may
+  // precede the dynamic block).
+  uint8_t* smem = smem_raw + ((1024 - (cp_async::smem_address(smem_raw) & 1023)) & 1023);
+  const int num_weight_ctas = (args.n / kTileRows + kWarpGroups - 1) / kWarpGroups;
+  __shared__ TileCursor cursor;
+  if (threadIdx.x == 0) {
+    cursor.base = 0;
+    cursor.tiles_before = 0;
+    cursor.loaded = false;
+  }
+  __syncthreads();
+  // Items stay below 2^31: the launcher refuses larger bounds (weight CTAs x tile slots).
+  for (int item = blockIdx.x;; item += gridDim.x) {
+    const int weight_cta = item % num_weight_ctas;
+    int expert, tile_in_expert;
+    // find_tile's barrier also orders the previous item's last ring reads before this item's first loads.
+    if (!find_tile<kTile>(args, split, item / num_weight_ctas, cursor, &expert, &tile_in_expert)) break;
+    gemm_work_item<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kCombineRows>(args, split, smem, expert,
+                                                                                  tile_in_expert, weight_cta);
+    if (!persistent) break;
+  }
 #else
   __trap();  // built for an architecture without wgmma; the launcher refuses such devices
 #endif
@@ -514,10 +562,21 @@ cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64
     return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kSmemBytes);
   });
   if (status != cudaSuccess) return status;
+  // Persistent (as many CTAs as are resident at once, at most one per work item of the bound) for the one-CTA-per-SM
+  // shapes of the large token tiles and for the remainder launch, whose slots are mostly empty; one CTA per item for
+  // the small-tile shapes. Same-call A/B on H200 against one CTA per item (bench/RESULTS.md, eighth session): 128
+  // rows per expert -2% (w1 + w2), MoE layer at 4096 tokens -1.7%; 16 rows per expert +3% if persistent too.
+  const bool persistent = kCtasPerSm == 1 || split.part == 2;
   const int64_t weight_ctas = (args.n / kTileRows + kWarpGroups - 1) / kWarpGroups;
-  if (weight_ctas * tile_slots > INT32_MAX) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>(weight_ctas * tile_slots));
-  kernel<<<grid, G::kThreads, G::kSmemBytes, stream>>>(args, split);
+  const int64_t items = weight_ctas * tile_slots;
+  if (items > INT32_MAX - 2048) return cudaErrorInvalidValue;  // item + gridDim.x stays an int
+  int64_t grid = items;
+  if (persistent) {
+    const cudaError_t occupancy = resident_grid(kernel, G::kThreads, items, &grid, G::kSmemBytes);
+    if (occupancy != cudaSuccess) return occupancy;
+  }
+  if (grid == 0) return cudaSuccess;
+  kernel<<<static_cast<unsigned>(grid), G::kThreads, G::kSmemBytes, stream>>>(args, split, persistent);
   return cudaGetLastError();
 }
 
