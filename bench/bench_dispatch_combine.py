@@ -155,8 +155,9 @@ def _bench_backend(args, backend, tokens, dfmt, cfmt, rank, world, group):
                                                                                 group)}
         expert_rows = int((idx // (args.experts // world) != rank).sum()) * (
             layout.comb_row_bytes if backend == "nvlink" else 0)
+        # begin + finish alone move no payload (the rows are the GEMM's stores): wire 0, only the time is reported.
         for kernel, wire in (("dispatch", wire_d), ("combine", wire_c), ("combine_expert_rows", expert_rows),
-                             ("combine_rows_begin_finish", expert_rows)):
+                             ("combine_rows_begin_finish", 0)):
             if kernel not in timings:
                 continue
             fmt = dfmt if kernel == "dispatch" else cfmt

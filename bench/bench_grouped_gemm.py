@@ -146,7 +146,7 @@ def time_combine_rows(gemm: Gemm, x, offsets_t, counts_t, token_tile, iters, rep
     """w2 with the combine-row epilogue (RHT + S2F6 rows, as MoELayer(combine_rows=True) stores them), here into a
     local area (row r -> token r // 8, slot r % 8): the epilogue's cost next to the bf16 one, without NVLink."""
     from ep_comm.types import CombineRowsTarget, s2f6_combine_row_layout
-    if not hasattr(_ext._C, "grouped_gemm_nvfp4_combine_rows"):
+    if not G.has_combine_rows_kernel():
         return None
     rows, hidden, topk = x.num_rows, gemm.packed.out_features, 8
     scale_offset, row_bytes = s2f6_combine_row_layout(hidden)
@@ -162,8 +162,6 @@ def time_combine_rows(gemm: Gemm, x, offsets_t, counts_t, token_tile, iters, rep
     except Exception as error:
         print(f"  NOTE: the combine-row epilogue failed on {gemm.name}: {type(error).__name__}: {error}")
         return None
-    finally:
-        del area
 
 
 def time_baseline(gemm: Gemm, x_bf16: torch.Tensor, offsets: list, iters: int, reps: int, notes: list):

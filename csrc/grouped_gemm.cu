@@ -101,8 +101,6 @@ __device__ __forceinline__ uint32_t decode_pair1(uint32_t w) { return (w << 3) &
 __device__ __forceinline__ uint32_t decode_pair2(uint32_t w) { return ((w & 0x40384038u) * 66u) & kPairMask; }
 __device__ __forceinline__ uint32_t decode_pair3(uint32_t w) { return ((w & 0x20072007u) * 516u) & kPairMask; }
 
-// Which expert and which of its token tiles this CTA works on: tile slot `slot` in the concatenation of every
-// expert's ceil(count / kTile) tiles. Returns false when the slot is past the last tile.
 // Counts are clamped to [0, segment length] (expert_offsets[e + 1] - expert_offsets[e]) and segments to the rows
 // of x, so inconsistent offsets/counts cannot make the kernel read or write outside its buffers.
 __device__ __forceinline__ int clamped_count(const GroupedGemmArgs& args, int e) {
@@ -221,9 +219,9 @@ __device__ __forceinline__ TokenPair token_pair(const GroupedGemmArgs& args, int
 // values -- the layout of the NVLink combine send, whose bytes this reproduces. (Staging the bf16 / fp32 outputs the
 // same way, for 16-byte stores instead of column pairs, measured no faster for w2 and 4-5% slower for w1 on H200:
 // the direct stores below stay.)
-// Shared tile: FP32 [kTile][kWarpGroups * 64 + 4]; float4 granule g of a row lives at granule g ^ ((g >> 3) & 7), so
-// that the accumulator writes (8 consecutive columns of 4 token rows per instruction) and the row reads (8 lanes
-// reading 8 consecutive granules of one row per phase) hit 32 distinct banks.
+// Shared tile: FP32 [kTile][kWarpGroups * 64 + 4] (rows padded by 4 floats); float4 granule g of a row lives at
+// granule g ^ ((g >> 3) & 7), so that both the accumulator writes (8 consecutive columns of 4 token rows per
+// instruction) and the row reads (per instruction, the lanes of one token read granules 4 apart) spread over the banks.
 template <int kWarpGroups>
 struct CombineTile {
   static constexpr int kStride = kWarpGroups * 64 + 4;
@@ -537,7 +535,7 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
     cursor.loaded = false;
   }
   __syncthreads();
-  // Items stay below 2^31: the launcher refuses larger bounds (weight CTAs x tile slots).
+  // Item indices stay below 2^31: the launcher checks the bound (weight CTAs x tile slots) plus the grid.
   for (int item = blockIdx.x;; item += gridDim.x) {
     const int weight_cta = item % num_weight_ctas;
     int expert, tile_in_expert;
@@ -569,13 +567,15 @@ cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64
   const bool persistent = kCtasPerSm == 1 || split.part == 2;
   const int64_t weight_ctas = (args.n / kTileRows + kWarpGroups - 1) / kWarpGroups;
   const int64_t items = weight_ctas * tile_slots;
-  if (items > INT32_MAX - 2048) return cudaErrorInvalidValue;  // item + gridDim.x stays an int
   int64_t grid = items;
   if (persistent) {
     const cudaError_t occupancy = resident_grid(kernel, G::kThreads, items, &grid, G::kSmemBytes);
     if (occupancy != cudaSuccess) return occupancy;
   }
   if (grid == 0) return cudaSuccess;
+  // Item indices are ints: the last one a CTA computes before stopping is below items + grid (one CTA per item:
+  // the first item only).
+  if (items + (persistent ? grid : 0) > INT32_MAX) return cudaErrorInvalidValue;
   kernel<<<static_cast<unsigned>(grid), G::kThreads, G::kSmemBytes, stream>>>(args, split, persistent);
   return cudaGetLastError();
 }
@@ -612,22 +612,22 @@ LaunchFn select_kernel(int tile, bool combine_rows) {
   static const int forced_warp_groups = tuning_choice("EP_COMM_GEMM_WARPGROUPS", {"2", "4"});
   static const int forced_small_cta = tuning_choice("EP_COMM_GEMM_SMALL_CTA", {"1x4", "2x2", "2x3", "4x1"});
   static const int forced_blocks_per_stage = tuning_choice("EP_COMM_GEMM_KBLOCKS_PER_STAGE", {"1", "2"});
+  if (combine_rows) {
+    // The combine-row epilogue exists for the default shapes only (no tuning matrix): the tuning variables are not
+    // even read for it, so a tuning run of the bf16 kernels (or a mistyped value) leaves MoELayer's w2 working.
+    switch (tile) {
+      case 16: return launch_tile<16, 2, 3, kDefaultBlocksPerStage, true>;
+      case 32: return launch_tile<32, 2, 3, kDefaultBlocksPerStage, true>;
+      case 64: return launch_tile<64, 4, 1, kDefaultBlocksPerStage, true>;
+      case 128: return launch_tile<128, 4, 1, kDefaultBlocksPerStage, true>;
+      default: return nullptr;
+    }
+  }
   if (forced_warp_groups < 0 || forced_small_cta < 0 || forced_blocks_per_stage < 0) return nullptr;
   const int blocks_per_stage = forced_blocks_per_stage ? forced_blocks_per_stage : kDefaultBlocksPerStage;
   int shape = forced_warp_groups ? 10 * forced_warp_groups + 4 / forced_warp_groups : (tile <= 32 ? 23 : 41);
   if (tile <= 32 && forced_small_cta) shape = forced_small_cta;
   const int key = tile * 100 + shape;  // tile, warpgroups, CTAs per SM
-  if (combine_rows) {
-    // The combine-row epilogue exists for the default shapes only (no tuning matrix): the shape overrides do not
-    // apply to it, so a tuning run of the bf16 kernels leaves MoELayer's w2 working.
-    switch (tile <= 32 ? tile * 100 + 23 : tile * 100 + 41) {
-      case 1623: return launch_tile<16, 2, 3, 2, true>;
-      case 3223: return launch_tile<32, 2, 3, 2, true>;
-      case 6441: return launch_tile<64, 4, 1, 2, true>;
-      case 12841: return launch_tile<128, 4, 1, 2, true>;
-      default: return nullptr;
-    }
-  }
   if (blocks_per_stage == 2) {
     switch (key) {
       case 1623: return launch_tile<16, 2, 3, 2>;

@@ -443,7 +443,10 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
 }  // namespace
 
 void launch_combine_send(const NvlinkConfig& cfg, const CombineArgs& args, uintptr_t stream) {
-  check_cuda(launch_kernel(combine_send_kernel, cfg.comb_send_blocks, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream),
+  // wait_only: every block would only wait on the same flags, and the next kernel on the stream waits for the
+  // whole grid anyway: one block does it.
+  const int grid = args.wait_only ? 1 : cfg.comb_send_blocks;
+  check_cuda(launch_kernel(combine_send_kernel, grid, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream),
                       cfg, args),
         "combine send kernel launch");
 }

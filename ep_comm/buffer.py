@@ -225,13 +225,22 @@ class Buffer:
         self._check_alive()
         if not isinstance(result, DispatchResult):
             raise TypeError(f"begin_combine_rows needs the DispatchResult of a dispatch, got {type(result).__name__}")
+        self._require_combine_rows()
+        return self._backend.begin_combine_rows(result)
+
+    @property
+    def combine_rows_supported(self) -> bool:
+        """Whether this Buffer can take combine rows written by a GEMM epilogue (`begin_combine_rows`): the nvlink
+        backend (peer addresses) and S2F6 combine."""
+        return self.backend == "nvlink" and self.config.combine_format == "s2f6"
+
+    def _require_combine_rows(self) -> None:
         if self.backend != "nvlink":
             raise NotImplementedError("combine rows written by a GEMM epilogue need the nvlink backend (peer "
                                       "addresses); use combine(expert_out, handle, local_reduce=False)")
         if self.config.combine_format != "s2f6":
             raise ValueError(f"the combine-row epilogue writes S2F6 rows; this buffer combines in "
                              f"{self.config.combine_format!r}")
-        return self._backend.begin_combine_rows(result)
 
     def finish_combine_rows(self, handle) -> torch.Tensor:
         """Publish the rows stored since `begin_combine_rows` and receive them: bfloat16 [T, H], the weighted sum

@@ -45,11 +45,12 @@ import torch.nn.functional as F
 
 from . import _ext
 from .formats import NVFP4Tensor, _check_nvfp4, _f32, _use_cuda, e2m1_decode, e4m3_decode
+from .types import CombineRowsTarget
 
 __all__ = [
     "GemmWeights", "ExpandedRows", "pack_gemm_weights", "dequantize_gemm_weights", "expand_nvfp4_rows",
-    "grouped_gemm_nvfp4", "grouped_gemm_nvfp4_combine_rows", "swiglu_row_permutation", "TILE_ROWS", "TILE_K",
-    "TOKEN_TILES",
+    "grouped_gemm_nvfp4", "grouped_gemm_nvfp4_combine_rows", "has_combine_rows_kernel", "swiglu_row_permutation",
+    "TILE_ROWS", "TILE_K", "TOKEN_TILES",
 ]
 
 TILE_ROWS = 64          # weight rows per tile (the kernel's M tile)
@@ -313,6 +314,11 @@ def _has_grouped_gemm_kernel() -> bool:
     return _ext.cuda_extension_available() and hasattr(_ext._C, "grouped_gemm_nvfp4")
 
 
+def has_combine_rows_kernel() -> bool:
+    """Whether ep_comm._C has the combine-row epilogue (grouped_gemm_nvfp4_combine_rows; a build with the CUDA core)."""
+    return _ext.cuda_extension_available() and hasattr(_ext._C, "grouped_gemm_nvfp4_combine_rows")
+
+
 def _use_gemm_kernels(impl: str, t: torch.Tensor, what: str) -> bool:
     """formats' impl rule, plus: a `_C` built before the grouped GEMM existed (stale build) cannot run these kernels
     (nor nvfp4_dequantize's block-scale-only mode): impl="cuda" raises, "auto" warns once and uses the reference."""
@@ -498,8 +504,8 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
 
 
 def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tensor,
-                                    num_tokens_per_expert: torch.Tensor, weights: GemmWeights, target,
-                                    token_tile: Optional[int] = None, tail_tile: Optional[int] = None) -> None:
+                                    num_tokens_per_expert: torch.Tensor, weights: GemmWeights,
+                                    target: CombineRowsTarget, token_tile: Optional[int] = None, tail_tile: Optional[int] = None) -> None:
     """The grouped GEMM with the combine-row epilogue (CUDA, sm_90a): nothing is returned; every valid row goes
     to `target` (a `CombineRowsTarget` from `Buffer.begin_combine_rows`) as one RHT-32 + S2F6 combine row.
 
@@ -511,8 +517,18 @@ def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tenso
     through shared memory, since a 32-column RHT chunk spans two warps of the accumulator layout.
     No host synchronisation; the caller orders it between begin_combine_rows and finish_combine_rows.
     """
+    if not has_combine_rows_kernel():
+        raise RuntimeError("grouped_gemm_nvfp4_combine_rows needs an ep_comm._C built with the combine-row epilogue "
+                           "(CUDA, sm_90a); rebuild the extension")
+    if not isinstance(target, CombineRowsTarget):
+        raise TypeError(f"target must be the CombineRowsTarget of Buffer.begin_combine_rows, got "
+                        f"{type(target).__name__}")
     rows = _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, torch.bfloat16, token_tile,
                               tail_tile, None)
+    if x.values.device.type != "cuda":
+        raise ValueError("grouped_gemm_nvfp4_combine_rows runs on CUDA tensors only")
+    if target.num_topk < 1:
+        raise ValueError(f"target.num_topk must be >= 1, got {target.num_topk}")
     if weights.swiglu:
         raise ValueError("the combine-row epilogue is for w2 (weights without SwiGLU)")
     if weights.out_features != target.hidden:
@@ -532,8 +548,6 @@ def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tenso
     bases = target.bases
     if bases.dtype != torch.int64 or bases.dim() != 1 or bases.device != device or not bases.is_contiguous():
         raise ValueError(f"target.bases must be a contiguous int64 [W] tensor on {device}")
-    if not _use_gemm_kernels("cuda", x.values, "grouped_gemm_nvfp4_combine_rows"):
-        raise RuntimeError("grouped_gemm_nvfp4_combine_rows needs the CUDA kernel")
     _check_cuda_weights(weights)
     if rows == 0:
         return

@@ -1,6 +1,7 @@
 """An expert-parallel MoE layer built on `ep_comm.Buffer`: router top-k -> dispatch -> experts -> combine.
 
-`MoELayer` = router top-k -> `Buffer.dispatch` (NVFP4 tokens) -> expert SwiGLU MLP -> `Buffer.combine` (S2F6).
+`MoELayer` = router top-k -> `Buffer.dispatch` (NVFP4 tokens) -> expert SwiGLU MLP -> combine (S2F6; on the nvlink
+backend with the fused experts, w2's epilogue writes the combine rows itself, see below).
 Quantization points (the same for both expert paths): weights are NVFP4 without 4/6 with one FP32 amax per
 expert (`pack_weights`), the w1 input is the dispatched NVFP4 token, and the w2 input is requantized to NVFP4 with
 4/6 and a per-token amax.
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 from . import _ext, formats
 from .buffer import Buffer
-from .grouped_gemm import TOKEN_TILES
+from .grouped_gemm import TOKEN_TILES, has_combine_rows_kernel
 
 
 @dataclass(frozen=True)
@@ -185,11 +186,12 @@ class MoELayer(torch.nn.Module):
             if not supported and device.type == "cuda":
                 _ext.warn_once(f"MoELayer: using the reference expert path (FP32 torch matmuls): {why}")
         self.expert_impl = expert_impl
-        rows_possible = expert_impl == "fused" and buffer.backend == "nvlink" and cfg.combine_format == "s2f6"
+        rows_possible = (expert_impl == "fused" and buffer.combine_rows_supported
+                         and has_combine_rows_kernel())
         if combine_rows and not rows_possible:
-            raise ValueError(f"combine_rows=True needs the fused experts, the nvlink backend and S2F6 combine; this "
-                             f"layer has expert_impl={expert_impl!r}, backend={buffer.backend!r}, "
-                             f"combine_format={cfg.combine_format!r}")
+            raise ValueError(f"combine_rows=True needs the fused experts (with the combine-row kernel in ep_comm._C), "
+                             f"the nvlink backend and S2F6 combine; this layer has expert_impl={expert_impl!r}, "
+                             f"backend={buffer.backend!r}, combine_format={cfg.combine_format!r}")
         self.combine_rows = rows_possible if combine_rows is None else bool(combine_rows)
         if expert_impl == "fused":
             from . import grouped_gemm  # imported here: the CPU-only package does not need it at import time
@@ -243,6 +245,9 @@ class MoELayer(torch.nn.Module):
     def experts_and_combine_rows(self, result) -> torch.Tensor:
         """combine_rows=True: the fused experts with w2 storing its rows into the combine areas, then the receive:
         bf16 [T, H], bitwise `Buffer.combine(self.experts(result), result.handle, local_reduce=False)`."""
+        if not self.combine_rows:
+            raise ValueError("experts_and_combine_rows needs a layer with combine_rows=True (fused experts, nvlink "
+                             "backend, S2F6 combine); use buffer.combine(layer.experts(result), result.handle)")
         from . import grouped_gemm
         hidden = fused_expert_hidden(result.x, result.expert_offsets, result.num_tokens_per_expert, self._w1_packed,
                                      self.token_tile)

@@ -649,6 +649,10 @@ def test_kernel_combine_row_epilogue_refuses_bad_targets():
     swiglu = G.pack_gemm_weights(random_weights(4, 256, 128, seed=1, device="cuda"), swiglu=True)
     with pytest.raises(ValueError, match="SwiGLU"):
         G.grouped_gemm_nvfp4_combine_rows(x, off, cnt, swiglu, target)
+    with pytest.raises(TypeError, match="CombineRowsTarget"):
+        G.grouped_gemm_nvfp4_combine_rows(x, off, cnt, packed, dataclasses.asdict(target))
+    with pytest.raises(ValueError, match="num_topk"):
+        G.grouped_gemm_nvfp4_combine_rows(x, off, cnt, packed, dataclasses.replace(target, num_topk=0))
 
 
 @pytest.mark.gpu

@@ -42,11 +42,18 @@ def _moe_worker(rank, world, device_kind="cpu"):
             combine_rows_refused = "combine_rows=True needs" in str(error)
         rows_api_refused = True  # Buffer.begin_combine_rows: the reference backend has no peer addresses to offer
         if buf.backend == "reference":
+            result = buf.dispatch(xs[rank].to(device), *layer.route(xs[rank].to(device)))
             try:
-                buf.begin_combine_rows(buf.dispatch(xs[rank].to(device), *layer.route(xs[rank].to(device))))
+                buf.begin_combine_rows(result)
                 rows_api_refused = False
             except NotImplementedError:
                 pass
+            try:  # and a layer without combine rows refuses the combined call before any work
+                layer.experts_and_combine_rows(result)
+                rows_api_refused = False
+            except ValueError as error:
+                rows_api_refused = rows_api_refused and "combine_rows=True" in str(error)
+            buf.combine(layer.experts(result), result.handle)  # the reference backend's collectives stay in step
         y = layer(xs[rank].to(device)).cpu()
         y_again = layer(xs[rank].to(device)).cpu()
         backend, expert_impl, layer_combine_rows = buf.backend, layer.expert_impl, layer.combine_rows
@@ -126,9 +133,10 @@ def _combine_rows_misuse_refused(buf, result, x, topk_idx, topk_weights, expert_
     expect(RuntimeError, "has not been finished", lambda: buf.dispatch(x, topk_idx, topk_weights))
     expect(RuntimeError, "has not been finished", lambda: buf.combine(expert_out_like.new_zeros(
         result.num_rows, x.shape[1]), result.handle))
+    expect(ValueError, "given to begin_combine_rows", lambda: buf.finish_combine_rows(dataclasses.replace(result.handle)))
     buf.finish_combine_rows(result.handle)  # closes the pair (stale rows: the result is not used)
     torch.cuda.synchronize()
-    return all(refused) and len(refused) == 5
+    return all(refused) and len(refused) == 6
 
 
 def _graph_replay_matches_eager(layer, x, rank):
@@ -188,6 +196,8 @@ def test_moe_layer_on_gpus_matches_oracle():
         assert 0.0 < result["vs_fp32"] < 0.3, result
         if torch.cuda.get_device_capability() == (9, 0):
             assert result["expert_impl"] == "fused", result
+        if torch.cuda.can_device_access_peer(0, 1):
+            assert result["backend"] == "nvlink", result  # else the combine-row checks below would not run
         # Fused GEMM vs FP32 torch experts: same quantization points; FP32 summation order and SiLU's exp differ,
         # which can move a rare SwiGLU output across an NVFP4 rounding boundary (documented bound 5e-3).
         assert result["fused_vs_reference"] < 5e-3, result

@@ -355,7 +355,7 @@ class NVLinkBackend:
         self._sync_check = os.environ.get("EP_COMM_SYNC_CHECK", "0") == "1"
         self._arena_tables = {}
         self._destroyed = False
-        self._rows_open = False  # between begin_combine_rows and finish_combine_rows (host-side order check)
+        self._rows_handle = None  # the handle begin_combine_rows was given, until finish_combine_rows (order check)
 
         self.region = _SymmetricRegion(group, self.layout.total_bytes)
         dev = torch.device("cuda", self.device)
@@ -600,7 +600,7 @@ class NVLinkBackend:
         return out
 
     def _check_rows_closed(self, what: str) -> None:
-        if self._rows_open:
+        if self._rows_handle is not None:
             raise RuntimeError(f"{what}: a combine begun with begin_combine_rows has not been finished "
                                f"(finish_combine_rows) on this Buffer; the peers wait for it until their timeout")
 
@@ -616,7 +616,7 @@ class NVLinkBackend:
             raise ValueError("begin_combine_rows needs a DispatchResult of this Buffer's own dispatch")
         cfg, L = self.config, self.layout
         self._ctx.combine_rows_begin(torch.cuda.current_stream().cuda_stream)
-        self._rows_open = True
+        self._rows_handle = handle
         self._after_call()
         return CombineRowsTarget(bases=self._peer_bases, area_offset=L.off_combine, src_rank=result.src_rank,
                                  src_token=result.src_token, topk_slot=result.topk_slot, num_topk=cfg.num_topk,
@@ -629,10 +629,12 @@ class NVLinkBackend:
         self.check()
         if not isinstance(handle, NVLinkHandle):
             raise TypeError(f"finish_combine_rows needs the handle of an nvlink dispatch, got {type(handle).__name__}")
-        if not self._rows_open:
+        if self._rows_handle is None:
             raise RuntimeError("finish_combine_rows without begin_combine_rows: the rows could have overwritten a "
                                "combine the peers were still reading")
-        self._rows_open = False
+        if handle is not self._rows_handle:
+            raise ValueError("finish_combine_rows needs the handle of the DispatchResult given to begin_combine_rows")
+        self._rows_handle = None
         out = torch.empty(handle.num_tokens, self.config.hidden, dtype=torch.bfloat16, device=handle.send_idx.device)
         self._ctx.combine_rows_finish(handle.send_idx.data_ptr(), handle.send_w.data_ptr(), handle.num_tokens,
                                       out.data_ptr(), torch.cuda.current_stream().cuda_stream)
