@@ -26,9 +26,9 @@ test_gemm_default() {  # the grouped GEMM tier with the default kernels only
   say "gpu tier: grouped GEMM + fused expert MLP (defaults)"
   timeout 150 python3 -m pytest -q -x tests/test_grouped_gemm.py 2>&1 | tail -2 | tee -a "$log"
 }
-test_gemm_variant() {  # $1 = VAR=value: the grouped GEMM kernel tests with that selectable variant forced
+test_gemm_variant() {  # $1 = "VAR=value [VAR=value]": the grouped GEMM kernel tests with those variants forced
   echo "$1:" | tee -a "$log"
-  env "$1" timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py -k kernel 2>&1 | tail -1 | tee -a "$log"
+  env $1 timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py -k kernel 2>&1 | tail -1 | tee -a "$log"
 }
 test_gemm() {  # defaults, then each selectable kernel variant
   test_gemm_default
@@ -37,6 +37,12 @@ test_gemm() {  # defaults, then each selectable kernel variant
                  EP_COMM_GEMM_SMALL_CTA=1x4 EP_COMM_GEMM_SMALL_CTA=2x2 EP_COMM_GEMM_KBLOCKS_PER_STAGE=1; do
     test_gemm_variant "$variant"
   done
+  test_gemm_items
+}
+test_gemm_items() {  # every launch persistent on a few CTAs: many work items per CTA (ring continued across items)
+  say "gpu tier: grouped GEMM kernels on 3 persistent CTAs (default stages, then 1 k-block per stage)"
+  test_gemm_variant EP_COMM_GEMM_MAX_CTAS=3
+  test_gemm_variant "EP_COMM_GEMM_MAX_CTAS=5 EP_COMM_GEMM_KBLOCKS_PER_STAGE=1"
 }
 test_multigpu() {
   say "multigpu tier: nvlink smoke (oracle, timeout) with sync checks"

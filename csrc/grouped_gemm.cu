@@ -133,35 +133,52 @@ __device__ __forceinline__ int2 rows_of_part(const GroupedGemmArgs& args, const 
 
 // Warp 0's place in the scan of the experts' tiles (find_tile), kept in shared memory so that it costs the main
 // loop no registers: the 32-expert chunk at `base`, the tiles of the experts before it, and -- once loaded -- the
-// chunk's inclusive prefix of tiles per lane (loaded = false: not yet). A persistent CTA visits non-decreasing
-// tile slots, so the scan resumes where the previous item stopped: each CTA reads every expert's count once per
-// launch instead of scanning from expert 0 for every tile.
+// chunk's inclusive prefix of tiles per lane and each lane's expert rows (first row in x, rows of this launch's
+// part; loaded = false: not yet). A persistent CTA visits non-decreasing tile slots, so the scan resumes where the
+// previous item stopped: each CTA reads every expert's count once per launch instead of scanning from expert 0 for
+// every tile.
 struct TileCursor {
   int inclusive[32];
+  int first_row[32];
+  int rows[32];
   int base;
   int tiles_before;
   bool loaded;
 };
 
-// Which expert and which of its token tiles tile slot `slot` is, in the concatenation of every expert's
-// ceil(rows / kTile) tiles (rows: this launch's part, rows_of_part). Returns false when the slot is past the last
-// tile. All threads of the CTA call it with the same slot (it ends in a barrier); `cursor` starts zeroed
-// (base 0, tiles_before 0, loaded false) and only warp 0 touches it.
+// A token tile found by find_tile: its expert, its first row in x (and out) and its rows below the expert's count
+// (the rest of the tile is zero-filled and not stored).
+struct FoundTile {
+  int expert;
+  int first_row;
+  int valid_rows;
+};
+
+// Which expert and token tile tile slot `slot` is, in the concatenation of every expert's ceil(rows / kTile) tiles
+// (rows: this launch's part, rows_of_part). Returns false when the slot is past the last tile. All threads of the
+// CTA call it with the same slot (it ends in a barrier); `cursor` starts zeroed (base 0, tiles_before 0, loaded
+// false) and only warp 0 touches it. The tile's rows come from the scan's own loads, so the caller needs no
+// further (dependent) global load to start the tile.
 template <int kTile>
 __device__ bool find_tile(const GroupedGemmArgs& args, const RowSplit split, int slot, TileCursor& cursor,
-                          int* expert, int* tile_in_expert) {
-  __shared__ int found_expert, found_tile;
+                          FoundTile* tile) {
+  __shared__ FoundTile found;
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
-    int result_expert = -1, result_tile = 0;
+    FoundTile result{-1, 0, 0};
     int base = cursor.base, tiles_before = cursor.tiles_before;
-    int inclusive = cursor.loaded ? cursor.inclusive[lane] : 0;
-    bool loaded = cursor.loaded;
+    const bool resume = cursor.loaded;
+    int inclusive = resume ? cursor.inclusive[lane] : 0;
+    int lane_first_row = resume ? cursor.first_row[lane] : 0;
+    int lane_rows = resume ? cursor.rows[lane] : 0;
+    bool loaded = resume;
     while (base < args.num_experts) {
       if (!loaded) {
         const int e = base + lane;
-        const int count = e < args.num_experts ? rows_of_part(args, split, e).y : 0;
-        inclusive = (count + kTile - 1) / kTile;
+        const int2 part_rows = e < args.num_experts ? rows_of_part(args, split, e) : make_int2(0, 0);
+        lane_first_row = e < args.num_experts ? static_cast<int>(__ldg(args.expert_offsets + e)) + part_rows.x : 0;
+        lane_rows = part_rows.y;
+        inclusive = (lane_rows + kTile - 1) / kTile;
 #pragma unroll
         for (int offset = 1; offset < 32; offset <<= 1) {
           const int v = __shfl_up_sync(0xFFFFFFFFu, inclusive, offset);
@@ -175,8 +192,10 @@ __device__ bool find_tile(const GroupedGemmArgs& args, const RowSplit split, int
       const unsigned hit = __ballot_sync(0xFFFFFFFFu, slot >= exclusive && slot < exclusive + tiles);
       if (hit) {
         const int src = __ffs(hit) - 1;
-        result_expert = base + src;
-        result_tile = slot - __shfl_sync(0xFFFFFFFFu, exclusive, src);
+        const int tile_in_expert = slot - __shfl_sync(0xFFFFFFFFu, exclusive, src);
+        result.expert = base + src;
+        result.first_row = __shfl_sync(0xFFFFFFFFu, lane_first_row, src) + tile_in_expert * kTile;
+        result.valid_rows = min(kTile, __shfl_sync(0xFFFFFFFFu, lane_rows, src) - tile_in_expert * kTile);
         break;
       }
       tiles_before += __shfl_sync(0xFFFFFFFFu, inclusive, 31);
@@ -184,33 +203,37 @@ __device__ bool find_tile(const GroupedGemmArgs& args, const RowSplit split, int
       loaded = false;
     }
     cursor.inclusive[lane] = inclusive;
+    cursor.first_row[lane] = lane_first_row;
+    cursor.rows[lane] = lane_rows;
     if (lane == 0) {
       cursor.base = base;
       cursor.tiles_before = tiles_before;
       cursor.loaded = loaded;
-      found_expert = result_expert;
-      found_tile = result_tile;
+      found = result;
     }
   }
   __syncthreads();
-  *expert = found_expert;
-  *tile_in_expert = found_tile;
-  return found_expert >= 0;
+  *tile = found;
+  return tile->expert >= 0;
 }
 
-// Both epilogues: the outer factors of tokens t0 = 8 * (i / 4) + 2 * (lane % 4) and t0 + 1 for accumulators i .. i + 3
-// (row factor times weight_factor = w_factor[e] * 2^7, which undoes the decode's 2^-7), 0 past the count: those
-// values are computed but never stored.
-struct TokenPair {
-  int t0;
-  float f0, f1;
+// What the epilogue needs of a work item, written by the loader when it starts the item's loads (shared memory: with
+// the next-item prefetch the loader starts item n + 1 before item n's epilogue, see gemm_items).
+struct WorkItem {
+  int expert;
+  int first_row;   // the token tile's first row in x (and out)
+  int valid_rows;  // rows of the tile below the expert's count (the rest are zero-filled and not stored)
+  int weight_cta;
 };
-__device__ __forceinline__ TokenPair token_pair(const GroupedGemmArgs& args, int i, int lane, int first_row,
-                                                int valid_rows, float weight_factor) {
-  const int t0 = 8 * (i / 4) + 2 * (lane % 4);
-  const float f0 = t0 < valid_rows ? __ldg(args.row_factor + first_row + t0) * weight_factor : 0.0f;
-  const float f1 = t0 + 1 < valid_rows ? __ldg(args.row_factor + first_row + t0 + 1) * weight_factor : 0.0f;
-  return TokenPair{t0, f0, f1};
+
+// Both epilogues scale token t of the tile by f[t] = row_factor[first_row + t] * weight_factor (weight_factor =
+// w_factor[e] * 2^7, which undoes the decode's 2^-7), 0 past the count (those values are computed, never stored).
+// gemm_items loads the kTile factors once per item into shared memory (one L2 round trip, issued before the last
+// wgmma drains). Loading each token pair's factors where the epilogue used them cost one dependent L2 round trip per
+// 8 tokens: ncu put a quarter of w2's stall samples in that epilogue (bench/RESULTS.md, ninth session).
+__device__ __forceinline__ float token_factor(const GroupedGemmArgs& args, const WorkItem& item, int token) {
+  const float weight_factor = __ldg(args.w_factor + item.expert) * 128.0f;
+  return token < item.valid_rows ? __ldg(args.row_factor + item.first_row + token) * weight_factor : 0.0f;
 }
 
 // Combine-row epilogue (out_type 2), after the main loop. The CTA's output tile goes through shared memory (the
@@ -233,11 +256,10 @@ struct CombineTile {
 
 template <int kTile, int kWarpGroups>
 __device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, const float (&acc)[kTile / 2],
-                                                   float* tile, int expert, int weight_cta, int first_row,
-                                                   int valid_rows) {
+                                                   const float* factors, float* tile, const WorkItem item) {
   using Tile = CombineTile<kWarpGroups>;
   const int warp_group = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
-  const float weight_factor = __ldg(args.w_factor + expert) * 128.0f;
+  const int weight_cta = item.weight_cta, first_row = item.first_row, valid_rows = item.valid_rows;
   // Accumulator i of this lane: column 64 * warp_group + 16 * warp + lane / 4 + 8 * ((i / 2) % 2), token
   // 8 * (i / 4) + 2 * (lane % 4) + i % 2; rounded to bf16 here, as the bf16 epilogue stores it.
   const int column = 64 * warp_group + 16 * warp + lane / 4;
@@ -246,11 +268,12 @@ __device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, 
   };
 #pragma unroll
   for (int i = 0; i < kTile / 2; i += 4) {
-    const TokenPair p = token_pair(args, i, lane, first_row, valid_rows, weight_factor);
-    put(p.t0, column, acc[i] * p.f0);
-    put(p.t0 + 1, column, acc[i + 1] * p.f1);
-    put(p.t0, column + 8, acc[i + 2] * p.f0);
-    put(p.t0 + 1, column + 8, acc[i + 3] * p.f1);
+    const int t0 = 8 * (i / 4) + 2 * (lane % 4);
+    const float2 f = *reinterpret_cast<const float2*>(factors + t0);  // tokens t0, t0 + 1
+    put(t0, column, acc[i] * f.x);
+    put(t0 + 1, column, acc[i + 1] * f.y);
+    put(t0, column + 8, acc[i + 2] * f.x);
+    put(t0 + 1, column + 8, acc[i + 3] * f.y);
   }
   __syncthreads();
 
@@ -288,40 +311,100 @@ __device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, 
 }
 
 #if EP_COMM_HAS_WGMMA
-// One work item of the kernel below: the token tile `tile_in_expert` of `expert` against weight CTA `weight_cta`
-// (kWarpGroups weight tiles of 64 rows): fill the ring, run the main loop, store through the epilogue. Every thread
-// of the CTA calls it; the ring is free on entry (the caller's barrier) and the last ring read precedes the last
-// barrier inside.
+// Direct epilogue (out_type 0 / 1: OutT = float or bf16 rows; SwiGLU fused for w1). Accumulator 4j + m of lane l in
+// warp w of the warpgroup: weight row 16 w + l / 4 + 8 (m / 2), token 8 j + 2 (l % 4) + m % 2. The output columns
+// are weight rows, so one thread's values are never adjacent in memory; lanes l and l ^ 4 hold columns c and c + 1
+// (c even) for the same two tokens: one shuffle per column pair gives the even lane both columns of the first token
+// and the odd lane both columns of the second -- one 2-wide store each, so every lane stores one token row, at
+// columns `column` (and column + 8), rows 8 j apart.
+template <int kTile, int kWarpGroups, bool kSwiglu, typename OutT>
+__device__ __forceinline__ void store_rows_as(const GroupedGemmArgs& args, const float (&acc)[kTile / 2],
+                                              const float* factors, const WorkItem item, int weight_tile) {
+  const int thread_in_group = threadIdx.x % 128;
+  const int warp = thread_in_group / 32, lane = thread_in_group % 32;
+  const bool even_column = (lane / 4) % 2 == 0;
+  const int my_token = 2 * (lane % 4) + (even_column ? 0 : 1);  // + 8 j
+  // SwiGLU: packed rows 16 q + g (g < 8) are gate 8 q + g, rows 16 q + 8 + g the matching up rows, so the lane's
+  // gate/up pair gives output column 8 q + lane / 4 of the [R, I] result; otherwise columns r0 and r0 + 8.
+  const int64_t column = kSwiglu ? static_cast<int64_t>(weight_tile) * 32 + 8 * warp + (lane / 4 & ~1)
+                                 : static_cast<int64_t>(weight_tile) * kTileRows + 16 * warp + (lane / 4 & ~1);
+  OutT* out = static_cast<OutT*>(args.out) + (item.first_row + my_token) * args.out_row_stride + column;
+  const int64_t rows8 = 8 * args.out_row_stride;
+  auto store2 = [&](OutT* dst, float lo, float hi) {
+    if constexpr (std::is_same<OutT, float>::value) {
+      *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
+    } else {
+      *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(lo, hi);
+    }
+  };
+#pragma unroll
+  for (int j = 0; j < kTile / 8; ++j) {
+    const float2 f = *reinterpret_cast<const float2*>(factors + 8 * j + 2 * (lane % 4));  // tokens t0, t0 + 1
+    const float r0_t0 = acc[4 * j] * f.x, r0_t1 = acc[4 * j + 1] * f.y;      // weight row r0
+    const float r8_t0 = acc[4 * j + 2] * f.x, r8_t1 = acc[4 * j + 3] * f.y;  // weight row r0 + 8
+    const bool stored = 8 * j + my_token < item.valid_rows;  // the shuffles run in every lane
+    OutT* dst = out + j * rows8;
+    if (kSwiglu) {
+      const float h_t0 = r0_t0 / (1.0f + expf(-r0_t0)) * r8_t0;
+      const float h_t1 = r0_t1 / (1.0f + expf(-r0_t1)) * r8_t1;
+      const float other = __shfl_xor_sync(0xFFFFFFFFu, even_column ? h_t1 : h_t0, 4);
+      if (stored) store2(dst, even_column ? h_t0 : other, even_column ? other : h_t1);
+    } else {
+      const float other0 = __shfl_xor_sync(0xFFFFFFFFu, even_column ? r0_t1 : r0_t0, 4);
+      const float other8 = __shfl_xor_sync(0xFFFFFFFFu, even_column ? r8_t1 : r8_t0, 4);
+      if (stored) {
+        store2(dst, even_column ? r0_t0 : other0, even_column ? other0 : r0_t1);
+        store2(dst + 8, even_column ? r8_t0 : other8, even_column ? other8 : r8_t1);
+      }
+    }
+  }
+}
+
+template <int kTile, int kWarpGroups>
+__device__ __forceinline__ void store_rows(const GroupedGemmArgs& args, const float (&acc)[kTile / 2],
+                                           const float* factors, const WorkItem item) {
+  const int weight_tile = item.weight_cta * kWarpGroups + threadIdx.x / 128;
+  if (weight_tile >= args.n / kTileRows) return;  // a spare warpgroup of the last weight CTA
+  // One branch per item instead of per value: each form is its own unrolled loop.
+  if (args.out_type == 0) {
+    if (args.swiglu) store_rows_as<kTile, kWarpGroups, true, float>(args, acc, factors, item, weight_tile);
+    else store_rows_as<kTile, kWarpGroups, false, float>(args, acc, factors, item, weight_tile);
+  } else {
+    if (args.swiglu) store_rows_as<kTile, kWarpGroups, true, __nv_bfloat16>(args, acc, factors, item, weight_tile);
+    else store_rows_as<kTile, kWarpGroups, false, __nv_bfloat16>(args, acc, factors, item, weight_tile);
+  }
+}
+
+// Every work item of this CTA: item blockIdx.x, then (persistent) blockIdx.x + gridDim.x, ... until find_tile finds
+// no tile. Each item is the token tile `tile_in_expert` of `expert` against weight CTA `weight_cta` (kWarpGroups
+// weight tiles of 64 rows): its k-blocks stream through the ring, then the epilogue stores it.
+//
+// Next-item prefetch (direct epilogues): once an item's last wgmma is issued, every ring slot but the one it reads
+// is free, so the next item's first kStages - 1 stages are issued into them before the wgmma drains and the epilogue
+// runs: the next item's MMAs then start on landed data instead of after a pipeline fill. The main loop itself is
+// the same for every item (no cross-item logic per stage). The combine-row epilogue stages its tile in the ring, so
+// there the next item's loads start after the epilogue.
 template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kCombineRows>
-__device__ __forceinline__ void gemm_work_item(const GroupedGemmArgs& args, const RowSplit split, uint8_t* smem,
-                                               int expert, int tile_in_expert, int weight_cta) {
+__device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const RowSplit split, uint8_t* smem,
+                                           TileCursor& cursor, const bool persistent) {
   using G = Geometry<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage>;
   constexpr int kThreads = G::kThreads;
   constexpr int kStages = G::kStages;
   constexpr int kAcc = kTile / 2;
+  constexpr bool kPrefetchNextItem = !kCombineRows;
+  __shared__ WorkItem items[2];  // the item being multiplied and the next one (by item_seq parity)
+  __shared__ __align__(16) float tile_factors[kTile];  // the epilogue's per-token factors (token_factor)
   const int warp_group = threadIdx.x / 128;
   const int thread_in_group = threadIdx.x % 128;
   const int num_weight_tiles = args.n / kTileRows;
-  const int weight_tile = weight_cta * kWarpGroups + warp_group;
-  // The last CTA may own fewer than kWarpGroups tiles: its spare warpgroups compute tile 0 again and store
-  // nothing. (Skipping the MMA instead would put wgmma on a divergent path, which ptxas serialises.)
-  const bool has_rows = weight_tile < num_weight_tiles;
+  const int num_weight_ctas = (num_weight_tiles + kWarpGroups - 1) / kWarpGroups;
   const int num_k_blocks = args.k / kKBlock;
-
-  const int2 part_rows = rows_of_part(args, split, expert);  // (first row within the expert, rows)
-  const int first_row = __ldg(args.expert_offsets + expert) + part_rows.x + tile_in_expert * kTile;
-  const int valid_rows = min(kTile, part_rows.y - tile_in_expert * kTile);
-
-  // Everything a stage load needs is computed once here; per k-block only a k offset and the ring slot change
-  // (the slot advances incrementally: kStages is not a power of two, and % would cost a division per stage).
-  // Weights: [expert][weight tile][k-block][thread] x 16 B of codes; scales [expert][weight tile][k-block] x 256 B.
-  const int64_t tile_index = static_cast<int64_t>(expert) * num_weight_tiles + (has_rows ? weight_tile : 0);
-  const uint8_t* w_values = reinterpret_cast<const uint8_t*>(args.w_values) +
-                            (tile_index * num_k_blocks * 128 + thread_in_group) * kValueBytes;
-  const bool copies_scales = thread_in_group < kTileScaleBytes / 16;  // 16 lanes x 16 B per tile and k-block
-  const uint8_t* w_scales = args.w_scales + tile_index * num_k_blocks * kTileScaleBytes +
-                            (copies_scales ? thread_in_group * 16 : 0);
   const uint32_t smem_base = cp_async::smem_address(smem);
+
+  // Loader state: the item being loaded and everything its stage loads need; per k-block only a k offset and the
+  // ring slot change (the slot advances incrementally: kStages is not a power of two, and % would cost a division).
+  // Weights: [expert][weight tile][k-block][thread] x 16 B of codes; scales [expert][weight tile][k-block] x 256 B.
+  const bool copies_scales = thread_in_group < kTileScaleBytes / 16;  // 16 lanes x 16 B per tile and k-block
   const uint32_t values_dst = G::kValuesOffset + threadIdx.x * kValueBytes;
   const uint32_t scales_dst = G::kScalesOffset + warp_group * kTileScaleBytes + thread_in_group * 16;
   // Token tile: kTile rows x 8 chunks of 16 B. Thread t copies chunk t % 8 of rows t / 8 + i * kRowsPerCopy (8
@@ -331,11 +414,45 @@ __device__ __forceinline__ void gemm_work_item(const GroupedGemmArgs& args, cons
   constexpr int kRowsPerCopy = kThreads / 8;
   constexpr int kCopies = (kTile + kRowsPerCopy - 1) / kRowsPerCopy;
   const int copy_chunk = threadIdx.x % 8, copy_row = threadIdx.x / 8;
-  const uint16_t* tile_src = args.x + static_cast<int64_t>(first_row) * args.x_row_stride + copy_chunk * 8;
-  const uint16_t* token_src = tile_src + static_cast<int64_t>(copy_row) * args.x_row_stride;  // copy 0's row
   const int64_t token_src_step = static_cast<int64_t>(kRowsPerCopy) * args.x_row_stride;
   const uint32_t token_dst = G::kTokensOffset + copy_row * 128 + ((copy_chunk ^ (copy_row % 8)) * 16);
   constexpr uint32_t token_dst_step = kRowsPerCopy * 128;
+  const uint8_t* w_values = nullptr;
+  const uint8_t* w_scales = nullptr;
+  const uint16_t* tile_src = nullptr;
+  const uint16_t* token_src = nullptr;
+  int load_valid_rows = 0;
+  int next_item = blockIdx.x;  // the next item to start; -1: none
+  int item_seq = 0;            // items started (uniform over the CTA); the last one is in items[(item_seq - 1) & 1]
+
+  // Starts item `next_item` (its loader state and WorkItem), or finds there is none (returns false). Every thread
+  // calls it: find_tile ends in a barrier.
+  auto begin_next_item = [&]() {
+    FoundTile tile;
+    const int item = next_item;
+    if (item < 0 || !find_tile<kTile>(args, split, item / num_weight_ctas, cursor, &tile)) {
+      next_item = -1;
+      return false;
+    }
+    next_item = persistent ? item + static_cast<int>(gridDim.x) : -1;  // the launcher bounds items + grid < 2^31
+    const int weight_cta = item % num_weight_ctas;
+    const int weight_tile = weight_cta * kWarpGroups + warp_group;
+    // The last CTA may own fewer than kWarpGroups tiles: its spare warpgroups compute tile 0 again and store
+    // nothing. (Skipping the MMA instead would put wgmma on a divergent path, which ptxas serialises.)
+    const int64_t tile_index =
+        static_cast<int64_t>(tile.expert) * num_weight_tiles + (weight_tile < num_weight_tiles ? weight_tile : 0);
+    const int first_row = tile.first_row;
+    load_valid_rows = tile.valid_rows;
+    w_values = reinterpret_cast<const uint8_t*>(args.w_values) +
+               (tile_index * num_k_blocks * 128 + thread_in_group) * kValueBytes;
+    w_scales = args.w_scales + tile_index * num_k_blocks * kTileScaleBytes + (copies_scales ? thread_in_group * 16 : 0);
+    tile_src = args.x + static_cast<int64_t>(first_row) * args.x_row_stride + copy_chunk * 8;
+    token_src = tile_src + static_cast<int64_t>(copy_row) * args.x_row_stride;  // copy 0's row
+    // Read by the item's epilogue, after the barrier that publishes the item's first stage.
+    if (threadIdx.x == 0) items[item_seq & 1] = WorkItem{tile.expert, first_row, load_valid_rows, weight_cta};
+    ++item_seq;
+    return true;
+  };
 
   int load_slot = 0;  // ring slot of the next stage to load
   auto load_stage = [&](int stage_index) {  // k-blocks stage_index * kBlocksPerStage + 0 .. kBlocksPerStage - 1
@@ -355,7 +472,7 @@ __device__ __forceinline__ void gemm_work_item(const GroupedGemmArgs& args, cons
         for (int i = 0; i < kCopies; ++i) {
           const int row = copy_row + i * kRowsPerCopy;
           if (kTile % kRowsPerCopy == 0 || row < kTile) {
-            const bool valid = row < valid_rows;
+            const bool valid = row < load_valid_rows;
             cp_async::copy16_zfill(block + token_dst + i * token_dst_step,
                        (valid ? token_src + i * token_src_step : tile_src) + k_block * kKBlock, valid ? 16 : 0);
           }
@@ -367,8 +484,9 @@ __device__ __forceinline__ void gemm_work_item(const GroupedGemmArgs& args, cons
   };
 
   const int row_r0 = 16 * (thread_in_group / 32) + (thread_in_group % 32) / 4;  // tile rows r0 and r0 + 8
-  // This thread's A fragments of k-block k_block (fp16x2, mma.m16n8k16 order) from its private smem bytes.
-  auto convert = [&](int slot, int sub, uint32_t (&a)[4][4]) {  // sub: k-block within the stage
+  // This thread's A fragments of k-block `sub` of ring slot `slot` (fp16x2, mma.m16n8k16 order) from its private
+  // smem bytes.
+  auto convert = [&](int slot, int sub, uint32_t (&a)[4][4]) {
     const uint8_t* stage = smem + slot * G::kStageBytes + sub * G::kBlockBytes;
     const uint4 words = *reinterpret_cast<const uint4*>(stage + G::kValuesOffset + threadIdx.x * kValueBytes);
     // Scale codes of rows r0 and r1, byte s = k-step s (written by other lanes: read after the stage barrier).
@@ -397,117 +515,103 @@ __device__ __forceinline__ void gemm_work_item(const GroupedGemmArgs& args, cons
   };
 
   float acc[kAcc];
-#pragma unroll
-  for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
   uint32_t a_even[4][4], a_odd[4][4];  // A fragments of even / odd k-blocks: one is converted while the other's
                                        // wgmma runs (wgmma reads its register operands asynchronously)
-
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) load_stage(s);
-  cp_async::wait<kStages - 2>();  // stage 0
-  wait_stage();
   int slot = 0;  // ring slot of the k-block being multiplied
-  convert(slot, 0, a_even);
-
-  // One k-block (k-block kSub of its stage): issue its wgmma, retire the previous one (so its A registers are
-  // free, and at a stage's last k-block so is the previous stage's slot), then -- at a stage's last k-block --
-  // publish the next stage and refill the freed slot kStages - 1 stages ahead; convert the next A fragments
-  // while this wgmma runs. fence_operand keeps the compiler from reusing or moving registers that an in-flight
-  // wgmma still reads (A) or writes (accumulators).
-  auto step = [&](int k_block, auto sub_constant, uint32_t (&a_cur)[4][4], uint32_t (&a_next)[4][4]) {
-    constexpr int kSub = decltype(sub_constant)::value;
-    wgmma::fence_operand(acc);
-    wgmma::fence_operand(a_cur);
-    wgmma::fence();
-    // k-step s starts 32 B further: + 2 in the descriptor's start field (address >> 4; no carry out of it,
-    // shared addresses stay below 2^18).
-    const uint64_t desc = make_descriptor_sw128(smem_base + slot * G::kStageBytes + kSub * G::kBlockBytes +
-                                                G::kTokensOffset);
+  // The first kStages - 1 stages of the item just begun, from ring slot load_slot on.
+  auto fill = [&]() {
 #pragma unroll
-    for (int s = 0; s < 4; ++s) wgmma::MmaRS<kTile>::run(acc, a_cur[s], desc + 2 * s);
-    wgmma::commit_group();
-    wgmma::fence_operand(acc);
-    wgmma::wait_group<1>();  // wgmma(k_block - 1) retired
-    wgmma::fence_operand(a_next);
-    if (k_block + 1 < num_k_blocks) {
-      if (kSub == kBlocksPerStage - 1) {
-        const int stage_index = k_block / kBlocksPerStage;
-        cp_async::wait<kStages - 3>();  // stage stage_index + 1
-        wait_stage();                  // also: every warpgroup has retired the wgmma of stage stage_index - 1
-        load_stage(stage_index + kStages - 1);  // into the slot of stage stage_index - 1
-        slot = slot + 1 == kStages ? 0 : slot + 1;
-        convert(slot, 0, a_next);
-      } else {
-        convert(slot, kSub + 1, a_next);  // the next k-block of this stage (published with it)
+    for (int s = 0; s < kStages - 1; ++s) load_stage(s);
+  };
+
+  if (!begin_next_item()) return;
+  fill();
+  while (true) {
+    cp_async::wait<kStages - 2>();  // the item's first stage
+    wait_stage();
+    convert(slot, 0, a_even);
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+
+    // One k-block (k-block kSub of its stage): issue its wgmma, retire the previous one (so its A registers are
+    // free, and at a stage's last k-block so is the previous stage's slot), then -- at a stage's last k-block --
+    // publish the next stage and refill the freed slot kStages - 1 stages ahead; convert the next A fragments
+    // while this wgmma runs. fence_operand keeps the compiler from reusing or moving registers that an in-flight
+    // wgmma still reads (A) or writes (accumulators).
+    auto step = [&](int k_block, auto sub_constant, uint32_t (&a_cur)[4][4], uint32_t (&a_next)[4][4]) {
+      constexpr int kSub = decltype(sub_constant)::value;
+      wgmma::fence_operand(acc);
+      wgmma::fence_operand(a_cur);
+      wgmma::fence();
+      // k-step s starts 32 B further: + 2 in the descriptor's start field (address >> 4; no carry out of it,
+      // shared addresses stay below 2^18).
+      const uint64_t desc = make_descriptor_sw128(smem_base + slot * G::kStageBytes + kSub * G::kBlockBytes +
+                                                  G::kTokensOffset);
+#pragma unroll
+      for (int s = 0; s < 4; ++s) wgmma::MmaRS<kTile>::run(acc, a_cur[s], desc + 2 * s);
+      wgmma::commit_group();
+      wgmma::fence_operand(acc);
+      wgmma::wait_group<1>();  // wgmma(k_block - 1) retired
+      wgmma::fence_operand(a_next);
+      if (k_block + 1 < num_k_blocks) {
+        if (kSub == kBlocksPerStage - 1) {
+          const int stage_index = k_block / kBlocksPerStage;
+          cp_async::wait<kStages - 3>();  // stage stage_index + 1
+          wait_stage();                  // also: every warpgroup has retired the wgmma of stage stage_index - 1
+          load_stage(stage_index + kStages - 1);  // into the slot of stage stage_index - 1
+          slot = slot + 1 == kStages ? 0 : slot + 1;
+          convert(slot, 0, a_next);
+        } else {
+          convert(slot, kSub + 1, a_next);  // the next k-block of this stage (published with it)
+        }
+      }
+    };
+    // Even k-blocks are k-block 0 of their stage; odd ones k-block 1 (or 0 with one k-block per stage).
+    static_assert(kBlocksPerStage == 1 || kBlocksPerStage == 2, "k-blocks alternate between two A fragment sets");
+    for (int k_block = 0; k_block < num_k_blocks; k_block += 2) {
+      step(k_block, std::integral_constant<int, 0>{}, a_even, a_odd);
+      if (k_block + 1 < num_k_blocks) {
+        step(k_block + 1, std::integral_constant<int, 1 % kBlocksPerStage>{}, a_odd, a_even);
       }
     }
-  };
-  // Even k-blocks are k-block 0 of their stage; odd ones k-block 1 (or 0 with one k-block per stage).
-  static_assert(kBlocksPerStage == 1 || kBlocksPerStage == 2, "k-blocks alternate between two A fragment sets");
-  for (int k_block = 0; k_block < num_k_blocks; k_block += 2) {
-    step(k_block, std::integral_constant<int, 0>{}, a_even, a_odd);
-    if (k_block + 1 < num_k_blocks) step(k_block + 1, std::integral_constant<int, 1 % kBlocksPerStage>{}, a_odd, a_even);
-  }
-  wgmma::wait_group<0>();
-  wgmma::fence_operand(acc);
-  if constexpr (kCombineRows) {
-    // Every warpgroup takes part (spare ones stage columns >= n, which are not stored): the tile reuses the ring,
-    // free once every copy has landed and every warpgroup's wgmma has retired.
-    static_assert(kTile * CombineTile<kWarpGroups>::kStride * 4 <= kStages * G::kStageBytes,
-                  "the combine tile must fit in the pipeline ring");
-    cp_async::wait<0>();
-    __syncthreads();
-    store_combine_rows<kTile, kWarpGroups>(args, acc, reinterpret_cast<float*>(smem), expert, weight_cta, first_row,
-                                          valid_rows);
-    return;
-  }
-  if (!has_rows) return;
-
-  // Epilogue. Accumulator i of lane l in warp w of the warpgroup: weight row 16 w + l / 4 + 8 * ((i / 2) % 2),
-  // token 8 * (i / 4) + 2 * (l % 4) + i % 2. The weights were scaled by 2^-7 in the decode: undo it here.
-  // Output columns are weight rows, so one thread's values are never adjacent in memory; lanes l and l ^ 4 hold
-  // columns c and c + 1 (c even) for the same two tokens: one shuffle swaps a value so that the even lane owns
-  // both columns of the first token and the odd lane both columns of the second -- one 2-wide store each.
-  const int warp = thread_in_group / 32, lane = thread_in_group % 32;
-  const float weight_factor = __ldg(args.w_factor + expert) * 128.0f;
-  const int row_in_tile = 16 * warp + lane / 4;
-  const bool even_column = (lane / 4) % 2 == 0;
-  auto store_pair = [&](int token, int64_t column, float lo, float hi) {  // out[token][column .. column + 1]
-    if (token >= valid_rows) return;
-    const int64_t offset = (first_row + token) * args.out_row_stride + column;
-    if (args.out_type == 0) {
-      *reinterpret_cast<float2*>(static_cast<float*>(args.out) + offset) = make_float2(lo, hi);
-    } else {
-      *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(args.out) + offset) =
-          __floats2bfloat162_rn(lo, hi);
+    const WorkItem item = items[(item_seq - 1) & 1];
+    // The epilogue's token factors: loaded now, stored to shared memory after the last wgmma has drained.
+    const float factor = threadIdx.x < kTile ? token_factor(args, item, threadIdx.x) : 0.0f;
+    // Prefetch: only the last wgmma is in flight and it reads only `slot` (find_tile's barrier: every warpgroup has
+    // retired the others and finished its conversions), so the next item's first stages go into the other slots.
+    const int next_slot = slot + 1 == kStages ? 0 : slot + 1;
+    bool has_next = false;
+    if (kPrefetchNextItem) {
+      has_next = begin_next_item();
+      if (has_next) {
+        load_slot = next_slot;
+        fill();
+      }
     }
-  };
-  // (v_t0, v_t1): this lane's values of one column for tokens t0, t0 + 1 -> stored as column pairs.
-  auto exchange_and_store = [&](int t0, int64_t column, float v_t0, float v_t1) {
-    const float other = __shfl_xor_sync(0xFFFFFFFFu, even_column ? v_t1 : v_t0, 4);
-    if (even_column) {
-      store_pair(t0, column, v_t0, other);          // (c, t0), (c + 1, t0)
+    wgmma::wait_group<0>();
+    wgmma::fence_operand(acc);
+    // The previous item's epilogue read tile_factors before this item's stage barriers.
+    if (threadIdx.x < kTile) tile_factors[threadIdx.x] = factor;
+    if constexpr (kCombineRows) {
+      // Every warpgroup takes part (spare ones stage columns >= n, which are not stored): the tile reuses the ring,
+      // free once every copy has landed and every warpgroup's wgmma has retired.
+      static_assert(kTile * CombineTile<kWarpGroups>::kStride * 4 <= kStages * G::kStageBytes,
+                    "the combine tile must fit in the pipeline ring");
+      cp_async::wait<0>();
+      __syncthreads();  // also publishes tile_factors
+      store_combine_rows<kTile, kWarpGroups>(args, acc, tile_factors, reinterpret_cast<float*>(smem), item);
+      // The next item's loads start now (find_tile's barrier orders this epilogue's ring reads before them).
+      has_next = begin_next_item();
+      if (has_next) {
+        load_slot = next_slot;
+        fill();
+      }
     } else {
-      store_pair(t0 + 1, column - 1, other, v_t1);  // (c - 1, t0 + 1), (c, t0 + 1)
+      __syncthreads();  // publishes tile_factors
+      store_rows<kTile, kWarpGroups>(args, acc, tile_factors, item);
     }
-  };
-#pragma unroll
-  for (int i = 0; i < kAcc; i += 4) {
-    const TokenPair p = token_pair(args, i, lane, first_row, valid_rows, weight_factor);
-    const int t0 = p.t0;
-    const float f0 = p.f0, f1 = p.f1;
-    const float r0_t0 = acc[i] * f0, r0_t1 = acc[i + 1] * f1;          // weight row row_in_tile
-    const float r8_t0 = acc[i + 2] * f0, r8_t1 = acc[i + 3] * f1;      // weight row row_in_tile + 8
-    if (args.swiglu) {
-      // Packed rows 16 q + g (g < 8) are gate 8 q + g, rows 16 q + 8 + g the matching up rows.
-      const float h_t0 = r0_t0 / (1.0f + expf(-r0_t0)) * r8_t0;
-      const float h_t1 = r0_t1 / (1.0f + expf(-r0_t1)) * r8_t1;
-      exchange_and_store(t0, static_cast<int64_t>(weight_tile) * 32 + 8 * warp + lane / 4, h_t0, h_t1);
-    } else {
-      const int64_t column = static_cast<int64_t>(weight_tile) * kTileRows + row_in_tile;
-      exchange_and_store(t0, column, r0_t0, r0_t1);
-      exchange_and_store(t0, column + 8, r8_t0, r8_t1);
-    }
+    if (!has_next) return;
+    slot = next_slot;
   }
 }
 
@@ -527,7 +631,6 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
   // The 128-byte swizzle needs 1024-byte aligned tiles: align the ring explicitly (static shared memory may
   // precede the dynamic block).
   uint8_t* smem = smem_raw + ((1024 - (cp_async::smem_address(smem_raw) & 1023)) & 1023);
-  const int num_weight_ctas = (args.n / kTileRows + kWarpGroups - 1) / kWarpGroups;
   __shared__ TileCursor cursor;
   if (threadIdx.x == 0) {
     cursor.base = 0;
@@ -535,19 +638,24 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
     cursor.loaded = false;
   }
   __syncthreads();
-  // Item indices stay below 2^31: the launcher checks the bound (weight CTAs x tile slots) plus the grid.
-  for (int item = blockIdx.x;; item += gridDim.x) {
-    const int weight_cta = item % num_weight_ctas;
-    int expert, tile_in_expert;
-    // find_tile's barrier also orders the previous item's last ring reads before this item's first loads.
-    if (!find_tile<kTile>(args, split, item / num_weight_ctas, cursor, &expert, &tile_in_expert)) break;
-    gemm_work_item<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kCombineRows>(args, split, smem, expert,
-                                                                                  tile_in_expert, weight_cta);
-    if (!persistent) break;
-  }
+  gemm_items<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kCombineRows>(args, split, smem, cursor, persistent);
 #else
   __trap();  // built for an architecture without wgmma; the launcher refuses such devices
 #endif
+}
+
+// Test hook: EP_COMM_GEMM_MAX_CTAS=n (n > 0) makes every launch persistent on at most n CTAs, so that small problems
+// run many work items per CTA (the ring continuing across items, odd k-block counts at item boundaries, the scan
+// cursor). 0 when unset, -1 when set to anything but a positive number (launches are then refused).
+int max_ctas_override() {
+  static const int value = [] {
+    const char* env = std::getenv("EP_COMM_GEMM_MAX_CTAS");
+    if (!env || !*env) return 0;
+    char* end = nullptr;
+    const long n = std::strtol(env, &end, 10);
+    return (*end != '\0' || n <= 0 || n > (1L << 20)) ? -1 : static_cast<int>(n);
+  }();
+  return value;
 }
 
 template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage = 1, bool kCombineRows = false>
@@ -564,13 +672,16 @@ cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64
   // shapes of the large token tiles and for the remainder launch, whose slots are mostly empty; one CTA per item for
   // the small-tile shapes. Same-call A/B on H200 against one CTA per item (bench/RESULTS.md, eighth session): 128
   // rows per expert -2% (w1 + w2), MoE layer at 4096 tokens -1.7%; 16 rows per expert +3% if persistent too.
-  const bool persistent = kCtasPerSm == 1 || split.part == 2;
+  const int max_ctas = max_ctas_override();
+  if (max_ctas < 0) return cudaErrorInvalidValue;
+  const bool persistent = kCtasPerSm == 1 || split.part == 2 || max_ctas > 0;
   const int64_t weight_ctas = (args.n / kTileRows + kWarpGroups - 1) / kWarpGroups;
   const int64_t items = weight_ctas * tile_slots;
   int64_t grid = items;
   if (persistent) {
     const cudaError_t occupancy = resident_grid(kernel, G::kThreads, items, &grid, G::kSmemBytes);
     if (occupancy != cudaSuccess) return occupancy;
+    if (max_ctas > 0 && grid > max_ctas) grid = max_ctas;
   }
   if (grid == 0) return cudaSuccess;
   // Item indices are ints: the last one a CTA computes before stopping is below items + grid (one CTA per item:
