@@ -164,6 +164,50 @@ def time_combine_rows(gemm: Gemm, x, offsets_t, counts_t, token_tile, iters, rep
         return None
 
 
+def time_requantization(gemm: Gemm, x, offsets_t, counts_t, args, rows_per_expert, ceilings, checks) -> list:
+    """w1 (FP32 SwiGLU out) + the w2 input's NVFP4 4/6 requantization, with the per-token amax taken by the
+    quantizer's own pass ("amax pass") or by w1's epilogue (row_amax, "amax fused"); the two NVFP4 results must be
+    bitwise equal (checked here)."""
+    from ep_comm import _cuda_formats
+    rows = x.num_rows
+    token_tile = args.token_tile_list[0] or None
+    hidden = torch.empty(rows, gemm.n // 2, dtype=torch.float32, device="cuda")
+    row_amax = torch.empty(rows, dtype=torch.float32, device="cuda")
+
+    def w1(amax=None):
+        G.grouped_gemm_nvfp4(x, offsets_t, counts_t, gemm.packed, out_dtype=torch.float32, out=hidden,
+                             token_tile=token_tile, row_amax=amax)
+
+    def separate():
+        w1()
+        return _cuda_formats.nvfp4_quantize(hidden, True, None)
+
+    def fused():
+        row_amax.zero_()
+        w1(row_amax)
+        return _cuda_formats.nvfp4_quantize(hidden, True, row_amax)
+
+    try:
+        a, b = separate(), fused()
+    except Exception as error:
+        print(f"  NOTE: the fused SwiGLU amax failed: {type(error).__name__}: {error}")
+        return []
+    same = all(torch.equal(p.view(torch.uint8), q.view(torch.uint8))
+               for p, q in ((a.data, b.data), (a.scales, b.scales), (a.amax, b.amax)))
+    checks.append({"gemm": "w1+quant", "rows_per_expert": rows_per_expert, "check": "fused amax bitwise equal",
+                   "ok": same})
+    print(f"  check: w1 + requantization, amax fused vs amax pass: {'bitwise equal' if same else 'DIFFERENT'}")
+    out = []
+    for label, fn in (("amax pass", separate), ("amax fused", fused)):
+        ms = time_ms(fn, args.iters, args.reps)
+        out.append(row_for("w1+q", rows_per_expert, "ours", ms, gemm.flops(rows), gemm.weight_bytes, ceilings,
+                           None, token_tile=label, note="w1 + NVFP4 4/6 requantization of its output"))
+    quant_ms = time_ms(lambda: _cuda_formats.nvfp4_quantize(hidden, True, None), args.iters, args.reps)
+    quant_in_ms = time_ms(lambda: _cuda_formats.nvfp4_quantize(hidden, True, row_amax), args.iters, args.reps)
+    print(f"  requantization alone: {quant_ms:.3f} ms with its amax pass, {quant_in_ms:.3f} ms given the amax")
+    return out
+
+
 def time_baseline(gemm: Gemm, x_bf16: torch.Tensor, offsets: list, iters: int, reps: int, notes: list):
     """(ms, layout) of torch._grouped_mm in BF16 for the same shapes, or (None, None) with a note."""
     if not hasattr(torch, "_grouped_mm"):
@@ -271,6 +315,8 @@ def run_case(spec: str, gemms, args, ceilings, notes: list, checks: list) -> lis
         if no_tail is not None:
             results.append(row_for(gemm.name, rows_per_expert, "ours", no_tail, gemm.flops(rows), gemm.weight_bytes,
                                    ceilings, base, token_tile="128/no-tail"))
+        if gemm.swiglu:
+            results.extend(time_requantization(gemm, x, offsets_t, counts_t, args, rows_per_expert, ceilings, checks))
         if not gemm.swiglu:
             rows_ms = time_combine_rows(gemm, x, offsets_t, counts_t, args.token_tile_list[0] or None, args.iters,
                                         args.reps)
@@ -391,7 +437,8 @@ def main(argv=None) -> int:
         print(f"note: {note}")
     failed = [c for c in checks if not c["ok"]]
     if args.check:
-        print(f"check: {len(checks) - len(failed)}/{len(checks)} (expert, token tile) runs within 1e-5 relative error")
+        print(f"check: {len(checks) - len(failed)}/{len(checks)} passed ((expert, token tile) runs within 1e-5 "
+              f"relative error; fused SwiGLU amax bitwise equal to the amax pass)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),

@@ -51,7 +51,7 @@ void grouped_gemm_nvfp4(uintptr_t x, int64_t x_row_stride, uintptr_t row_factor,
                         uintptr_t w_scales, uintptr_t w_factor, uintptr_t expert_offsets,
                         uintptr_t num_tokens_per_expert, int num_experts, int n, int k, int64_t num_rows_total,
                         uintptr_t out, int out_type, int64_t out_row_stride, bool swiglu, int token_tile,
-                        int tail_tile, uintptr_t stream) {
+                        int tail_tile, uintptr_t row_amax, uintptr_t stream) {
   ep_comm::GroupedGemmArgs args = operand_args(x, x_row_stride, row_factor, w_values, w_scales, w_factor,
                                                expert_offsets, num_tokens_per_expert, num_experts, n, k,
                                                num_rows_total, token_tile, tail_tile);
@@ -59,9 +59,11 @@ void grouped_gemm_nvfp4(uintptr_t x, int64_t x_row_stride, uintptr_t row_factor,
   args.out_type = out_type;
   args.out_row_stride = out_row_stride;
   args.swiglu = swiglu;
+  args.row_amax = ptr<float>(row_amax);
   launch(args, stream, "grouped_gemm_nvfp4",
          "n % 64, k % 64, strides, token_tile in {0, 16, 32, 64, 128}, tail_tile in {-1, 0, 16, 32, 64} below it, "
-         "out_type 0/1, a tuning override without a compiled kernel, or too many token tiles for one grid");
+         "out_type 0/1, row_amax only with swiglu, a tuning override without a compiled kernel, or too many token "
+         "tiles for one grid");
 }
 
 // The same GEMM with the combine-row epilogue (out_type 2, grouped_gemm.h CombineRows): no out tensor; every valid
@@ -98,7 +100,7 @@ void register_gemm(py::module_& m) {
         py::arg("x_row_stride"), py::arg("row_factor"), py::arg("w_values"), py::arg("w_scales"), py::arg("w_factor"),
         py::arg("expert_offsets"), py::arg("num_tokens_per_expert"), py::arg("num_experts"), py::arg("n"),
         py::arg("k"), py::arg("num_rows_total"), py::arg("out"), py::arg("out_type"), py::arg("out_row_stride"),
-        py::arg("swiglu"), py::arg("token_tile"), py::arg("tail_tile"), py::arg("stream"),
+        py::arg("swiglu"), py::arg("token_tile"), py::arg("tail_tile"), py::arg("row_amax"), py::arg("stream"),
         "NVFP4 grouped GEMM (sm_90a): y = x . w_e^T * row_factor * w_factor[e] per expert segment; see "
         "ep_comm/grouped_gemm.py");
   m.def("grouped_gemm_nvfp4_combine_rows", &grouped_gemm_nvfp4_combine_rows, py::call_guard<py::gil_scoped_release>(),

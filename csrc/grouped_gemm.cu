@@ -349,6 +349,28 @@ __device__ __forceinline__ void store_rows_as(const GroupedGemmArgs& args, const
       const float h_t1 = r0_t1 / (1.0f + expf(-r0_t1)) * r8_t1;
       const float other = __shfl_xor_sync(0xFFFFFFFFu, even_column ? h_t1 : h_t0, 4);
       if (stored) store2(dst, even_column ? h_t0 : other, even_column ? other : h_t1);
+      if (args.row_amax != nullptr) {
+        // Max |h| as stored (bf16 output: rounded first) of tokens t0 and t0 + 1 over the warp's 8 columns (lanes
+        // with the same lane % 4), NaN as 0 (fmaxf returns the other operand); the max of non-negative floats is
+        // the max of their bit patterns.
+        auto as_stored = [](float v) {
+          if constexpr (std::is_same<OutT, float>::value) return v;
+          else return __bfloat162float(__float2bfloat16_rn(v));
+        };
+        float m0 = fmaxf(fabsf(as_stored(h_t0)), 0.0f), m1 = fmaxf(fabsf(as_stored(h_t1)), 0.0f);
+#pragma unroll
+        for (int offset = 4; offset < 32; offset <<= 1) {
+          m0 = fmaxf(m0, __shfl_xor_sync(0xFFFFFFFFu, m0, offset));
+          m1 = fmaxf(m1, __shfl_xor_sync(0xFFFFFFFFu, m1, offset));
+        }
+        const int t0 = 8 * j + 2 * lane;  // lanes 0..3 hold the maxima of their token pair
+        if (lane < 4 && t0 < item.valid_rows) {
+          atomicMax(reinterpret_cast<int*>(args.row_amax + item.first_row + t0), __float_as_int(m0));
+        }
+        if (lane < 4 && t0 + 1 < item.valid_rows) {
+          atomicMax(reinterpret_cast<int*>(args.row_amax + item.first_row + t0 + 1), __float_as_int(m1));
+        }
+      }
     } else {
       const float other0 = __shfl_xor_sync(0xFFFFFFFFu, even_column ? r0_t1 : r0_t0, 4);
       const float other8 = __shfl_xor_sync(0xFFFFFFFFu, even_column ? r8_t1 : r8_t0, 4);
@@ -798,6 +820,7 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
       return cudaErrorInvalidValue;  // 16-byte code stores: aligned area and rows
     }
   } else if (args.out_row_stride < (args.swiglu ? args.n / 2 : args.n) || args.out_row_stride % 2 != 0 ||
+             (args.row_amax != nullptr && !args.swiglu) ||
              reinterpret_cast<uintptr_t>(args.out) % (args.out_type == 0 ? 8 : 4) != 0) {
     return cudaErrorInvalidValue;  // the epilogue stores column pairs: even row stride, aligned output
   }

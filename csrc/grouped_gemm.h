@@ -35,6 +35,10 @@ struct GroupedGemmArgs {
   int out_type = 1;            // 0 = fp32, 1 = bf16, 2 = RHT + S2F6 combine rows (CombineRows below)
   int64_t out_row_stride = 0;
   bool swiglu = false;  // packed rows interleave gate/up per 8: out[:, i] = silu(gate_i) * up_i
+  // Optional, with swiglu and out_type 0 / 1: [num_rows_total] FP32, zero-filled by the caller. Each valid row's max
+  // |out| over all its columns (NaN ignored, as the NVFP4 quantizer's row amax) is max-ed in with atomics, so that
+  // the w2 input's per-token NVFP4 scale needs no amax pass of its own.
+  float* row_amax = nullptr;
   int token_tile = 0;   // 16 / 32 / 64 / 128 tokens per CTA tile; 0 = from the average rows per expert
   // Small remainders: an expert whose count % token_tile is 1 .. tail_tile has those rows computed by a second
   // launch with token tile tail_tile (16 / 32 / 64, < token_tile) instead of a mostly empty full tile.

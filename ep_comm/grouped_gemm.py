@@ -453,7 +453,8 @@ def _check_cuda_weights(weights: GemmWeights) -> None:
 def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
                        weights: GemmWeights, out_dtype: torch.dtype = torch.bfloat16,
                        token_tile: Optional[int] = None, impl: str = "auto",
-                       out: Optional[torch.Tensor] = None, tail_tile: Optional[int] = None) -> torch.Tensor:
+                       out: Optional[torch.Tensor] = None, tail_tile: Optional[int] = None,
+                       row_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-expert y = x W_e^T on NVFP4 weights; returns out_dtype [R, N] ([R, N/2] with the fused SwiGLU).
 
     x: ExpandedRows (values fp16 [R, K], row_factor fp32 [R]), expert-major: expert e owns rows
@@ -476,6 +477,10 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
         read 0.
     With weights.swiglu, column i is silu(g_i) * u_i, computed in fp32 from the fp32 results of gate row i
     and up row i, then rounded once.
+    row_amax: optional float32 [R] (contiguous, on x's device; SwiGLU weights only): each row of a valid expert row
+        gets row_amax[r] = max(row_amax[r], max_i |y[r, i]|) with NaN ignored -- the per-row amax that
+        `formats.nvfp4_quantize` computes, taken in the GEMM's epilogue (atomic max per CTA) so the requantization
+        of the w2 input can skip its own amax pass. Zero-fill it first; other rows are left as they are.
     impl: "auto" (the CUDA kernel for CUDA tensors when available), "reference" (torch FP32: dequantize the
         weights exactly as formats.nvfp4_dequantize, x_f32 = values * row_factor, y = x_f32 @ W_e^T; syncs
         with the host) or "cuda". The CUDA path never synchronizes with the host; it cannot validate the offsets and
@@ -485,6 +490,14 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
     rows = _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, out_dtype, token_tile, tail_tile,
                               out)
     device = x.values.device
+    if row_amax is not None:
+        if not weights.swiglu:
+            raise ValueError("row_amax needs SwiGLU weights (it is the w2 input's per-token amax)")
+        if (not isinstance(row_amax, torch.Tensor) or row_amax.dtype != torch.float32
+                or tuple(row_amax.shape) != (rows,) or not row_amax.is_contiguous() or row_amax.device != device):
+            raise ValueError(f"row_amax must be a contiguous float32 [{rows}] tensor on {device}, got "
+                             f"{getattr(row_amax, 'dtype', type(row_amax).__name__)} "
+                             f"{tuple(getattr(row_amax, 'shape', ()))} on {getattr(row_amax, 'device', None)}")
     use_cuda = _use_gemm_kernels(impl, x.values, "grouped_gemm_nvfp4")
     if out is None:
         out = torch.zeros(rows, weights.out_features, dtype=out_dtype, device=device)
@@ -498,9 +511,10 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
                 weights.scales.data_ptr(), weights.factor.data_ptr(), expert_offsets.data_ptr(),
                 num_tokens_per_expert.data_ptr(), weights.num_experts, weights.n, weights.k, rows, out.data_ptr(),
                 _OUT_TYPES[out_dtype], out.stride(0), bool(weights.swiglu), int(token_tile or 0),
-                -1 if tail_tile is None else int(tail_tile), _stream(device))
+                -1 if tail_tile is None else int(tail_tile), 0 if row_amax is None else row_amax.data_ptr(),
+                _stream(device))
         return out
-    return _grouped_gemm_reference(x, expert_offsets, num_tokens_per_expert, weights, out)
+    return _grouped_gemm_reference(x, expert_offsets, num_tokens_per_expert, weights, out, row_amax)
 
 
 def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tensor,
@@ -563,7 +577,8 @@ def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tenso
 
 
 def _grouped_gemm_reference(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
-                            weights: GemmWeights, out: torch.Tensor) -> torch.Tensor:
+                            weights: GemmWeights, out: torch.Tensor,
+                            row_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
     rows = x.values.shape[0]
     offsets = expert_offsets.tolist()
     counts = num_tokens_per_expert.tolist()
@@ -586,6 +601,10 @@ def _grouped_gemm_reference(x: ExpandedRows, expert_offsets: torch.Tensor, num_t
                 half = weights.n // 2
                 y = F.silu(y[:, :half]) * y[:, half:]
             out[segment] = y.to(out.dtype)
+            if row_amax is not None:  # of the values as stored, NaN as 0 (formats' row amax)
+                stored = out[segment].float().abs()
+                row_amax[segment] = torch.maximum(row_amax[segment],
+                                                  torch.where(torch.isnan(stored), 0.0, stored).amax(dim=1))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     return out

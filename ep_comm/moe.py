@@ -94,21 +94,25 @@ def _fused_experts_supported(device: torch.device, hidden: int, intermediate: in
 
 
 def fused_expert_hidden(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor,
-                        num_tokens_per_expert: torch.Tensor, w1, token_tile=None):
+                        num_tokens_per_expert: torch.Tensor, w1, token_tile=None, amax_in_w1: bool = False):
     """The w2 input of the fused experts: `grouped_gemm.ExpandedRows` [R, I] (fp16 NVFP4 block values + row factor).
 
-    w1 with SwiGLU in its epilogue (FP32 [R, I]), then NVFP4 4/6 with a per-token amax (a separate pass: that amax
-    spans the whole intermediate row, which no single GEMM CTA sees), expanded for the w2 GEMM. Arguments as
-    `fused_expert_mlp`.
+    w1 with SwiGLU in its epilogue (FP32 [R, I]), then NVFP4 4/6 with a per-token amax, expanded for the w2 GEMM.
+    The amax spans the whole intermediate row, which no single GEMM CTA sees: by default the quantizer's own amax
+    pass computes it; with amax_in_w1, w1's epilogue max-es each CTA's part into a per-row amax with atomics and
+    the quantizer takes it as given. Both give bitwise the same NVFP4 rows (tests/test_grouped_gemm.py); the fused
+    form measured slower on H200 (the atomics cost w1 more than the quantizer's amax pass costs: bench/RESULTS.md,
+    ninth session), so it is opt-in. Other arguments as `fused_expert_mlp`.
     """
     from . import _cuda_formats, grouped_gemm as gemm
     rows_in_use = expert_offsets[-1:]
     x = gemm.expand_nvfp4_rows(tokens, num_rows_limit=rows_in_use)
     hidden = torch.empty(x.num_rows, w1.out_features, dtype=torch.float32, device=x.values.device)
+    row_amax = torch.zeros(x.num_rows, dtype=torch.float32, device=x.values.device) if amax_in_w1 else None
     gemm.grouped_gemm_nvfp4(x, expert_offsets, num_tokens_per_expert, w1, out_dtype=torch.float32, out=hidden,
-                            token_tile=token_tile)  # silu(gate) * up
+                            token_tile=token_tile, row_amax=row_amax)  # silu(gate) * up
     # NVFP4 4/6 with a per-token amax (formats.nvfp4_quantize's CUDA kernel), rows past rows_in_use skipped.
-    hidden_q = _cuda_formats.nvfp4_quantize(hidden, four_over_six=True, amax=None, num_rows_limit=rows_in_use)
+    hidden_q = _cuda_formats.nvfp4_quantize(hidden, four_over_six=True, amax=row_amax, num_rows_limit=rows_in_use)
     return gemm.expand_nvfp4_rows(hidden_q, num_rows_limit=rows_in_use)
 
 

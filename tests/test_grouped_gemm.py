@@ -312,6 +312,31 @@ def straightforward(q_x: F.NVFP4Tensor, w: F.NVFP4Tensor, offsets, counts, swigl
 
 
 @pytest.mark.cpu
+def test_reference_row_amax_and_refusals():
+    """The reference path's row_amax (max-ed into what the caller passed; other rows untouched) and the argument
+    checks: SwiGLU weights only, float32 [R] contiguous on x's device."""
+    experts, n, k = 4, 128, 192
+    counts = [5, 0, 33, 17]
+    offsets, rows = segments(counts, 16)
+    w = random_weights(experts, n, k, seed=23, scale_low=0x20, scale_high=0x50)
+    x = G.expand_nvfp4_rows(random_activations(rows, k, seed=24))
+    off_t, cnt_t = torch.tensor(offsets, dtype=torch.int32), torch.tensor(counts, dtype=torch.int32)
+    packed = G.pack_gemm_weights(w, swiglu=True)
+    row_amax = torch.full((rows,), 0.5)
+    out = G.grouped_gemm_nvfp4(x, off_t, cnt_t, packed, out_dtype=torch.float32, impl="reference",
+                               row_amax=row_amax)
+    mask = valid_mask(offsets, counts, rows)
+    want = torch.maximum(_row_amax_of(out, mask), torch.tensor(0.5))
+    assert torch.equal(row_amax[mask], want[mask]) and bool((row_amax[~mask] == 0.5).all())
+    with pytest.raises(ValueError, match="SwiGLU"):
+        G.grouped_gemm_nvfp4(x, off_t, cnt_t, G.pack_gemm_weights(w, swiglu=False), impl="reference",
+                             row_amax=torch.zeros(rows))
+    for bad in (torch.zeros(rows, dtype=torch.float64), torch.zeros(rows + 1), torch.zeros(rows, 2)[:, 0]):
+        with pytest.raises(ValueError, match="row_amax"):
+            G.grouped_gemm_nvfp4(x, off_t, cnt_t, packed, impl="reference", row_amax=bad)
+
+
+@pytest.mark.cpu
 @pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("align", [1, 16, 128])
 def test_reference_gemm_vs_straightforward(swiglu, align):
@@ -564,6 +589,35 @@ def test_kernel_leaves_other_rows_untouched(swiglu):
     _check_against_reference(torch.where(mask[:, None], out, torch.zeros_like(out)), ref, mask, torch.float32)
 
 
+def _row_amax_of(out, mask):
+    """Per-row max |out| with NaN as 0 (the NVFP4 quantizer's row amax), 0 for rows outside every segment."""
+    a = out.float().abs()
+    a = torch.where(torch.isnan(a), torch.zeros_like(a), a).amax(dim=1)
+    return torch.where(mask, a, torch.zeros_like(a))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("token_tile", [None, 16, 128])
+@pytest.mark.parametrize("shape", SMALL_SHAPES + [BIG_SHAPE])
+def test_kernel_swiglu_row_amax(shape, token_tile, out_dtype):
+    """row_amax from w1's epilogue: each valid row's max |out| (bf16 out: of the rounded values), untouched (0)
+    elsewhere; the w2 input quantized with it is bitwise the quantizer's own amax pass."""
+    from ep_comm import _cuda_formats
+    x, off, cnt, packed, ref, mask = _gpu_case(shape, True, 16)
+    row_amax = torch.zeros(x.num_rows, dtype=torch.float32, device="cuda")
+    out = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=out_dtype, token_tile=token_tile, impl="cuda",
+                               row_amax=row_amax)
+    _check_against_reference(out, ref, mask, out_dtype)
+    assert torch.equal(row_amax, _row_amax_of(out, mask))
+    assert row_amax.max() > 0, "no row got an amax"  # (the case has all-zero rows too: their amax is 0)
+    given = _cuda_formats.nvfp4_quantize(out, four_over_six=True, amax=row_amax)
+    own = _cuda_formats.nvfp4_quantize(out, four_over_six=True, amax=None)
+    assert torch.equal(given.data[mask], own.data[mask])
+    assert torch.equal(given.scales[mask].view(torch.uint8), own.scales[mask].view(torch.uint8))
+    assert torch.equal(given.amax[mask], own.amax[mask])
+
+
 @pytest.mark.gpu
 def test_kernel_all_experts_empty_and_no_rows():
     x, off, _, packed, ref, _ = _gpu_case(SMALL_SHAPES[0], False, 16)
@@ -677,8 +731,14 @@ def test_fused_expert_mlp_matches_reference_experts_without_host_sync():
     try:
         out = moe.fused_expert_mlp(tokens, offsets_t, counts_t, w1_gemm, w2_gemm)
         again = moe.fused_expert_mlp(tokens, offsets_t, counts_t, w1_gemm, w2_gemm)
+        h_fused = moe.fused_expert_hidden(tokens, offsets_t, counts_t, w1_gemm, amax_in_w1=True)
+        h_pass = moe.fused_expert_hidden(tokens, offsets_t, counts_t, w1_gemm, amax_in_w1=False)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    valid = valid_mask(offsets, counts, rows).cuda()
+    # The w2 input with the amax from w1's epilogue is bitwise the one with the quantizer's own amax pass.
+    assert torch.equal(h_fused.values[valid].view(torch.int16), h_pass.values[valid].view(torch.int16))
+    assert torch.equal(h_fused.row_factor[valid], h_pass.row_factor[valid])
     w1_f, w2_f = F.nvfp4_dequantize(packed.w1), F.nvfp4_dequantize(packed.w2)
     for e, (start, count) in enumerate(zip(offsets, counts)):
         if count == 0:
