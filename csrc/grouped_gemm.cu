@@ -254,12 +254,21 @@ struct CombineTile {
   }
 };
 
+// Where row `row`'s combine row goes: bases[src_rank] + offset + (src_token * topk + topk_slot) * row_bytes (the
+// CombineRows contract in grouped_gemm.h). gemm_items computes it once per token and item (two dependent L2 round
+// trips, issued before the last wgmma drains) into shared memory, instead of in each row pass after the quantize.
+__device__ __forceinline__ uint64_t combine_row_address(const GroupedGemmArgs::CombineRows& c, int row) {
+  const int64_t dst_row = static_cast<int64_t>(__ldg(c.src_token + row)) * c.topk + __ldg(c.topk_slot + row);
+  return __ldg(c.bases + __ldg(c.src_rank + row)) + static_cast<uint64_t>(c.offset + dst_row * c.row_bytes);
+}
+
 template <int kTile, int kWarpGroups>
 __device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, const float (&acc)[kTile / 2],
-                                                   const float* factors, float* tile, const WorkItem item) {
+                                                   const float* factors, const uint64_t* destinations, float* tile,
+                                                   const WorkItem item) {
   using Tile = CombineTile<kWarpGroups>;
   const int warp_group = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
-  const int weight_cta = item.weight_cta, first_row = item.first_row, valid_rows = item.valid_rows;
+  const int weight_cta = item.weight_cta, valid_rows = item.valid_rows;
   // Accumulator i of this lane: column 64 * warp_group + 16 * warp + lane / 4 + 8 * ((i / 2) % 2), token
   // 8 * (i / 4) + 2 * (lane % 4) + i % 2; rounded to bf16 here, as the bf16 epilogue stores it.
   const int column = 64 * warp_group + 16 * warp + lane / 4;
@@ -300,10 +309,7 @@ __device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, 
     uint8_t scale;
     const uint4 codes = s2f6_lane::quantize_lane16<true>(v, c.sign_mask, lane, &scale);  // whole warp
     if (token < valid_rows && column_valid) {
-      const int row = first_row + token;
-      const int64_t dst_row = static_cast<int64_t>(__ldg(c.src_token + row)) * c.topk + __ldg(c.topk_slot + row);
-      char* dst = reinterpret_cast<char*>(static_cast<uintptr_t>(__ldg(c.bases + __ldg(c.src_rank + row)))) +
-                  c.offset + dst_row * c.row_bytes;
+      char* dst = reinterpret_cast<char*>(static_cast<uintptr_t>(destinations[token]));
       *reinterpret_cast<uint4*>(dst + out_column) = codes;
       if ((lane & 1) == 0) dst[c.scale_offset + out_column / 32] = static_cast<char>(scale);
     }
@@ -416,6 +422,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
   constexpr bool kPrefetchNextItem = !kCombineRows;
   __shared__ WorkItem items[2];  // the item being multiplied and the next one (by item_seq parity)
   __shared__ __align__(16) float tile_factors[kTile];  // the epilogue's per-token factors (token_factor)
+  __shared__ uint64_t tile_destinations[kCombineRows ? kTile : 1];  // combine-row addresses (combine_row_address)
   const int warp_group = threadIdx.x / 128;
   const int thread_in_group = threadIdx.x % 128;
   const int num_weight_tiles = args.n / kTileRows;
@@ -599,6 +606,10 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
     const WorkItem item = items[(item_seq - 1) & 1];
     // The epilogue's token factors: loaded now, stored to shared memory after the last wgmma has drained.
     const float factor = threadIdx.x < kTile ? token_factor(args, item, threadIdx.x) : 0.0f;
+    uint64_t destination = 0;
+    if (kCombineRows && threadIdx.x < item.valid_rows) {
+      destination = combine_row_address(args.combine, item.first_row + threadIdx.x);
+    }
     // Prefetch: only the last wgmma is in flight and it reads only `slot` (find_tile's barrier: every warpgroup has
     // retired the others and finished its conversions), so the next item's first stages go into the other slots.
     const int next_slot = slot + 1 == kStages ? 0 : slot + 1;
@@ -613,15 +624,19 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
     wgmma::wait_group<0>();
     wgmma::fence_operand(acc);
     // The previous item's epilogue read tile_factors before this item's stage barriers.
-    if (threadIdx.x < kTile) tile_factors[threadIdx.x] = factor;
+    if (threadIdx.x < kTile) {
+      tile_factors[threadIdx.x] = factor;
+      if (kCombineRows) tile_destinations[threadIdx.x] = destination;
+    }
     if constexpr (kCombineRows) {
       // Every warpgroup takes part (spare ones stage columns >= n, which are not stored): the tile reuses the ring,
       // free once every copy has landed and every warpgroup's wgmma has retired.
       static_assert(kTile * CombineTile<kWarpGroups>::kStride * 4 <= kStages * G::kStageBytes,
                     "the combine tile must fit in the pipeline ring");
       cp_async::wait<0>();
-      __syncthreads();  // also publishes tile_factors
-      store_combine_rows<kTile, kWarpGroups>(args, acc, tile_factors, reinterpret_cast<float*>(smem), item);
+      __syncthreads();  // also publishes tile_factors and tile_destinations
+      store_combine_rows<kTile, kWarpGroups>(args, acc, tile_factors, tile_destinations,
+                                             reinterpret_cast<float*>(smem), item);
       // The next item's loads start now (find_tile's barrier orders this epilogue's ring reads before them).
       has_next = begin_next_item();
       if (has_next) {
