@@ -191,6 +191,8 @@ def time_requantization(gemm: Gemm, x, offsets_t, counts_t, args, rows_per_exper
         a, b = separate(), fused()
     except Exception as error:
         print(f"  NOTE: the fused SwiGLU amax failed: {type(error).__name__}: {error}")
+        checks.append({"gemm": "w1+quant", "rows_per_expert": rows_per_expert, "check": "fused amax ran",
+                       "ok": False, "error": f"{type(error).__name__}: {error}"})
         return []
     same = all(torch.equal(p.view(torch.uint8), q.view(torch.uint8))
                for p, q in ((a.data, b.data), (a.scales, b.scales), (a.amax, b.amax)))

@@ -40,7 +40,7 @@ test_gemm() {  # defaults, then each selectable kernel variant
   test_gemm_items
 }
 test_gemm_items() {  # every launch persistent on a few CTAs: many work items per CTA (ring continued across items)
-  say "gpu tier: grouped GEMM kernels on 3 persistent CTAs (default stages, then 1 k-block per stage)"
+  say "gpu tier: grouped GEMM kernels on 3 (then 5, with 1 k-block per stage) persistent CTAs"
   test_gemm_variant EP_COMM_GEMM_MAX_CTAS=3
   test_gemm_variant "EP_COMM_GEMM_MAX_CTAS=5 EP_COMM_GEMM_KBLOCKS_PER_STAGE=1"
 }

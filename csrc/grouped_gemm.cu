@@ -323,7 +323,7 @@ __device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, 
 // (c even) for the same two tokens: one shuffle per column pair gives the even lane both columns of the first token
 // and the odd lane both columns of the second -- one 2-wide store each, so every lane stores one token row, at
 // columns `column` (and column + 8), rows 8 j apart.
-template <int kTile, int kWarpGroups, bool kSwiglu, typename OutT>
+template <int kTile, bool kSwiglu, typename OutT>
 __device__ __forceinline__ void store_rows_as(const GroupedGemmArgs& args, const float (&acc)[kTile / 2],
                                               const float* factors, const WorkItem item, int weight_tile) {
   const int thread_in_group = threadIdx.x % 128;
@@ -395,16 +395,16 @@ __device__ __forceinline__ void store_rows(const GroupedGemmArgs& args, const fl
   if (weight_tile >= args.n / kTileRows) return;  // a spare warpgroup of the last weight CTA
   // One branch per item instead of per value: each form is its own unrolled loop.
   if (args.out_type == 0) {
-    if (args.swiglu) store_rows_as<kTile, kWarpGroups, true, float>(args, acc, factors, item, weight_tile);
-    else store_rows_as<kTile, kWarpGroups, false, float>(args, acc, factors, item, weight_tile);
+    if (args.swiglu) store_rows_as<kTile, true, float>(args, acc, factors, item, weight_tile);
+    else store_rows_as<kTile, false, float>(args, acc, factors, item, weight_tile);
   } else {
-    if (args.swiglu) store_rows_as<kTile, kWarpGroups, true, __nv_bfloat16>(args, acc, factors, item, weight_tile);
-    else store_rows_as<kTile, kWarpGroups, false, __nv_bfloat16>(args, acc, factors, item, weight_tile);
+    if (args.swiglu) store_rows_as<kTile, true, __nv_bfloat16>(args, acc, factors, item, weight_tile);
+    else store_rows_as<kTile, false, __nv_bfloat16>(args, acc, factors, item, weight_tile);
   }
 }
 
 // Every work item of this CTA: item blockIdx.x, then (persistent) blockIdx.x + gridDim.x, ... until find_tile finds
-// no tile. Each item is the token tile `tile_in_expert` of `expert` against weight CTA `weight_cta` (kWarpGroups
+// no tile. Each item is one token tile of one expert (find_tile) against weight CTA `weight_cta` (kWarpGroups
 // weight tiles of 64 rows): its k-blocks stream through the ring, then the epilogue stores it.
 //
 // Next-item prefetch (direct epilogues): once an item's last wgmma is issued, every ring slot but the one it reads
@@ -420,6 +420,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
   constexpr int kStages = G::kStages;
   constexpr int kAcc = kTile / 2;
   constexpr bool kPrefetchNextItem = !kCombineRows;
+  static_assert(kTile <= kThreads, "thread t < kTile loads token t's epilogue factor (and combine-row address)");
   __shared__ WorkItem items[2];  // the item being multiplied and the next one (by item_seq parity)
   __shared__ __align__(16) float tile_factors[kTile];  // the epilogue's per-token factors (token_factor)
   __shared__ uint64_t tile_destinations[kCombineRows ? kTile : 1];  // combine-row addresses (combine_row_address)
@@ -681,16 +682,16 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
 #endif
 }
 
-// Test hook: EP_COMM_GEMM_MAX_CTAS=n (n > 0) makes every launch persistent on at most n CTAs, so that small problems
-// run many work items per CTA (the ring continuing across items, odd k-block counts at item boundaries, the scan
-// cursor). 0 when unset, -1 when set to anything but a positive number (launches are then refused).
+// Test hook: EP_COMM_GEMM_MAX_CTAS=n (n > 0) makes every launch -- the combine-row kernels too -- persistent on at
+// most n CTAs, so that small problems run many work items per CTA (next-item prefetch, odd k-block counts at item
+// boundaries, the scan cursor). 0 when unset or "0", -1 when set to anything else (launches are then refused).
 int max_ctas_override() {
   static const int value = [] {
     const char* env = std::getenv("EP_COMM_GEMM_MAX_CTAS");
     if (!env || !*env) return 0;
     char* end = nullptr;
     const long n = std::strtol(env, &end, 10);
-    return (*end != '\0' || n <= 0 || n > (1L << 20)) ? -1 : static_cast<int>(n);
+    return (*end != '\0' || n < 0 || n > (1L << 20)) ? -1 : static_cast<int>(n);
   }();
   return value;
 }
@@ -763,6 +764,7 @@ LaunchFn select_kernel(int tile, bool combine_rows) {
   if (combine_rows) {
     // The combine-row epilogue exists for the default shapes only (no tuning matrix): the tuning variables are not
     // even read for it, so a tuning run of the bf16 kernels (or a mistyped value) leaves MoELayer's w2 working.
+    // (Only the test hook EP_COMM_GEMM_MAX_CTAS applies to it: launch_tile.)
     switch (tile) {
       case 16: return launch_tile<16, 2, 3, kDefaultBlocksPerStage, true>;
       case 32: return launch_tile<32, 2, 3, kDefaultBlocksPerStage, true>;

@@ -477,10 +477,11 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
         read 0.
     With weights.swiglu, column i is silu(g_i) * u_i, computed in fp32 from the fp32 results of gate row i
     and up row i, then rounded once.
-    row_amax: optional float32 [R] (contiguous, on x's device; SwiGLU weights only): each row of a valid expert row
-        gets row_amax[r] = max(row_amax[r], max_i |y[r, i]|) with NaN ignored -- the per-row amax that
-        `formats.nvfp4_quantize` computes, taken in the GEMM's epilogue (atomic max per CTA) so the requantization
-        of the w2 input can skip its own amax pass. Zero-fill it first; other rows are left as they are.
+    row_amax: optional float32 [R] (contiguous, on x's device; SwiGLU weights only): each valid expert row r gets
+        row_amax[r] = max(row_amax[r], max_i |y[r, i]|) over the values as stored, NaN ignored -- the per-row amax
+        that `formats.nvfp4_quantize` computes, taken in the GEMM's epilogue (one atomic max per token and warp of
+        8 columns) so the requantization of the w2 input can skip its own amax pass. Zero-fill it first; other
+        rows are left as they are. Measured slower than the quantizer's pass on H200 (docs/GEMM.md §4(e)).
     impl: "auto" (the CUDA kernel for CUDA tensors when available), "reference" (torch FP32: dequantize the
         weights exactly as formats.nvfp4_dequantize, x_f32 = values * row_factor, y = x_f32 @ W_e^T; syncs
         with the host) or "cuda". The CUDA path never synchronizes with the host; it cannot validate the offsets and

@@ -311,6 +311,13 @@ def straightforward(q_x: F.NVFP4Tensor, w: F.NVFP4Tensor, offsets, counts, swigl
     return out
 
 
+def _row_amax_of(out, mask):
+    """Per-row max |out| with NaN as 0 (the NVFP4 quantizer's row amax), 0 for rows outside every segment."""
+    a = out.float().abs()
+    a = torch.where(torch.isnan(a), torch.zeros_like(a), a).amax(dim=1)
+    return torch.where(mask, a, torch.zeros_like(a))
+
+
 @pytest.mark.cpu
 def test_reference_row_amax_and_refusals():
     """The reference path's row_amax (max-ed into what the caller passed; other rows untouched) and the argument
@@ -589,13 +596,6 @@ def test_kernel_leaves_other_rows_untouched(swiglu):
     _check_against_reference(torch.where(mask[:, None], out, torch.zeros_like(out)), ref, mask, torch.float32)
 
 
-def _row_amax_of(out, mask):
-    """Per-row max |out| with NaN as 0 (the NVFP4 quantizer's row amax), 0 for rows outside every segment."""
-    a = out.float().abs()
-    a = torch.where(torch.isnan(a), torch.zeros_like(a), a).amax(dim=1)
-    return torch.where(mask, a, torch.zeros_like(a))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("token_tile", [None, 16, 128])
@@ -616,6 +616,34 @@ def test_kernel_swiglu_row_amax(shape, token_tile, out_dtype):
     assert torch.equal(given.data[mask], own.data[mask])
     assert torch.equal(given.scales[mask].view(torch.uint8), own.scales[mask].view(torch.uint8))
     assert torch.equal(given.amax[mask], own.amax[mask])
+    # A NaN row (its row factor NaN: every value NaN, amax 0) and a nonzero start value (max-ed, rows outside the
+    # segments untouched).
+    nan_row = int(mask.nonzero()[0])
+    row_factor = x.row_factor.clone()
+    row_factor[nan_row] = float("nan")
+    x_nan = G.ExpandedRows(values=x.values, row_factor=row_factor)
+    started = torch.full((x.num_rows,), 0.5, device="cuda")
+    out = G.grouped_gemm_nvfp4(x_nan, off, cnt, packed, out_dtype=out_dtype, token_tile=token_tile, impl="cuda",
+                               row_amax=started)
+    assert bool(torch.isnan(out[nan_row]).all())
+    assert torch.equal(started, torch.where(mask, torch.clamp(_row_amax_of(out, mask), min=0.5), 0.5))
+
+
+@pytest.mark.gpu
+def test_kernel_tests_on_few_persistent_ctas():
+    """The kernel tests again with every launch persistent on 2 CTAs (EP_COMM_GEMM_MAX_CTAS, read once per process:
+    hence a subprocess), so each CTA runs many work items: next-item prefetch, odd k-block counts at item
+    boundaries, the scan cursor resuming, the combine-row path's per-item refill."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, EP_COMM_GEMM_MAX_CTAS="2")
+    tests = ("kernel_vs_reference_small or small_remainders or swiglu_row_amax or combine_row_epilogue_matches "
+             "or fused_expert_mlp")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", tests],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout
 
 
 @pytest.mark.gpu
