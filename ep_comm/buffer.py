@@ -1,6 +1,7 @@
 """`ep_comm.Buffer`: the user-facing dispatch/combine object of one expert-parallel process group."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -9,6 +10,8 @@ import torch.distributed as dist
 from ._ext import warn_once
 from .formats import _is_capturing
 from .types import BACKENDS, BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult
+
+FORMAT_IMPLS = ("auto", "reference", "cuda")
 
 
 def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
@@ -44,10 +47,15 @@ class Buffer:
         num_sms: blocks (SMs) of the nvlink send kernels. num_local_sms: blocks of the nvlink kernels' local
             phases (receive/expansion, combine reduction; 0 = all SMs of the device). timeout_s: a peer wait longer than this raises.
         check_inputs: validate index ranges / duplicate experts (needs a device->host copy; skipped
-            automatically during CUDA graph capture).
+            automatically during CUDA graph capture). On the reference backend the ranks then also agree on the
+            outcome (one small all_reduce), so inputs rejected on one rank raise on every rank. Without checks,
+            ids outside [0, num_experts) are masked slots on both backends.
         format_impl: "auto" | "reference" | "cuda", quantization path of the reference backend.
 
-    Every rank must construct the Buffer with the same arguments (checked: a mismatch raises ValueError).
+    Every rank must construct the Buffer with the same arguments (compared across ranks before they are
+    validated: a mismatch or an invalid value raises ValueError / TypeError on every rank).
+    dispatch and combine are forward-only (no autograd yet): with gradients enabled, inputs that require grad are
+    refused with an error rather than silently cut out of backward.
     """
 
     def __init__(self, group=None, *, hidden: int, num_experts: int, num_topk: int, max_tokens_per_rank: int,
@@ -64,23 +72,26 @@ class Buffer:
                                    combine_format=combine_format, expert_alignment=expert_alignment,
                                    rht_sign_mask=rht_sign_mask, num_sms=num_sms, num_local_sms=num_local_sms,
                                    timeout_s=timeout_s)
+        self.check_inputs = check_inputs
+        # Compared across ranks before anything is validated, so that a bad or mismatched argument on one rank
+        # raises on every rank instead of leaving the others waiting in a collective.
+        self._check_same_arguments_everywhere(backend, format_impl)
         self.config.validate()
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        self.check_inputs = check_inputs
-        self._check_same_config_everywhere()
+        if format_impl not in FORMAT_IMPLS:
+            raise ValueError(f"format_impl must be one of {FORMAT_IMPLS}, got {format_impl!r}")
         self._backend = self._make_backend(backend, format_impl)
         self._destroyed = False
 
     # ------------------------------------------------------------------------------------------------------
-    def _check_same_config_everywhere(self) -> None:
+    def _check_same_arguments_everywhere(self, backend: str, format_impl: str) -> None:
+        mine = dict(dataclasses.asdict(self.config), backend=backend, format_impl=format_impl)
         gathered = [None] * self.config.world_size
-        dist.all_gather_object(gathered, self.config, group=self.group)
+        dist.all_gather_object(gathered, mine, group=self.group)
         for other_rank, other in enumerate(gathered):
-            if other != self.config:
-                diff = {name: (getattr(self.config, name), getattr(other, name))
-                        for name in self.config.__dataclass_fields__
-                        if getattr(self.config, name) != getattr(other, name)}
+            diff = {name: (value, other.get(name)) for name, value in mine.items() if other.get(name) != value}
+            if diff:
                 raise ValueError(f"ep_comm.Buffer arguments differ between rank {self.rank} and rank {other_rank}: "
                                  + ", ".join(f"{k}: {a!r} vs {b!r}" for k, (a, b) in diff.items()))
 
@@ -123,6 +134,8 @@ class Buffer:
                               dispatch_format=dispatch_format, combine_format=combine_format,
                               expert_alignment=expert_alignment)
         config.validate()
+        if backend not in ("reference", "nvlink"):
+            raise ValueError(f"backend must be 'reference' or 'nvlink' for a size hint, got {backend!r}")
         if backend == "reference":
             from .backends.reference import ReferenceBackend
             return ReferenceBackend.size_hint(config)
@@ -133,6 +146,32 @@ class Buffer:
     def _check_alive(self) -> None:
         if self._destroyed:
             raise RuntimeError("this ep_comm.Buffer was destroyed")
+
+    @staticmethod
+    def _refuse_autograd(what: str, *tensors) -> None:
+        """dispatch / combine are forward-only: a result without grad_fn would silently cut the MoE branch out of
+        backward (the layer would train as if it were not there)."""
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+            raise RuntimeError(f"ep_comm {what} has no autograd yet: gradients would not flow through it. Run the "
+                               "forward under torch.no_grad() or torch.inference_mode(), or pass detached tensors")
+
+    def _agree_on_inputs(self, error: Optional[Exception], device) -> None:
+        """Reference backend with input checks on: every rank learns whether any rank rejected its dispatch inputs
+        (one small all_reduce), so all of them raise instead of the others waiting in the all_to_all until the
+        process group's timeout."""
+        if dist.get_backend(self.group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif not isinstance(device, torch.device) or device.type != "cpu":
+            device = torch.device("cpu")
+        failed = torch.zeros(self.config.world_size, dtype=torch.int32, device=device)
+        failed[self.rank] = int(error is not None)
+        dist.all_reduce(failed, group=self.group)
+        if error is not None:
+            raise error
+        ranks = [r for r, bad in enumerate(failed.tolist()) if bad]
+        if ranks:
+            raise ValueError(f"dispatch inputs were rejected on rank(s) {ranks} (see the error raised there); this "
+                             "rank's call is abandoned so that no rank waits in the exchange")
 
     def _validate_dispatch(self, x, topk_idx, topk_weights, check_ids: bool) -> None:
         cfg = self.config
@@ -173,15 +212,26 @@ class Buffer:
             topk_weights: float32 [T, K], routing weights (used by combine).
             check_inputs: validate the expert ids (range, duplicates) for this call -- a device->host copy, so
                 the host waits for the GPU; None = the Buffer's setting. Callers whose ids are valid by
-                construction (e.g. torch.topk over the expert logits, as MoELayer) pass False.
+                construction (e.g. torch.topk over the expert logits, as MoELayer) pass False. On the reference
+                backend a rank whose inputs are rejected makes every rank raise; on nvlink the kernels of its peers
+                give up after timeout_s and the next call on those ranks raises the timeout, naming rank and stage.
         Returns:
             DispatchResult (see ep_comm.types): received tokens in the expert-major layout in the dispatch
             format, num_tokens_per_expert / expert_offsets (int32, device), per-row src_rank, src_token,
             topk_slot, topk_weight, and the handle for `combine`.
         """
         self._check_alive()
-        self._validate_dispatch(x, topk_idx, topk_weights,
-                                self.check_inputs if check_inputs is None else bool(check_inputs))
+        self._refuse_autograd("dispatch", x, topk_weights)
+        check = self.check_inputs if check_inputs is None else bool(check_inputs)
+        if check and self.backend == "reference" and not _is_capturing():
+            error = None
+            try:
+                self._validate_dispatch(x, topk_idx, topk_weights, check)
+            except (TypeError, ValueError) as rejected:
+                error = rejected
+            self._agree_on_inputs(error, getattr(x, "device", None))
+        else:
+            self._validate_dispatch(x, topk_idx, topk_weights, check)
         return self._backend.dispatch(x, topk_idx, topk_weights)
 
     def combine(self, expert_out: torch.Tensor, handle, local_reduce: bool = True) -> torch.Tensor:
@@ -200,8 +250,13 @@ class Buffer:
         self._check_alive()
         if not isinstance(expert_out, torch.Tensor):
             raise TypeError(f"expert_out must be a torch.Tensor, got {type(expert_out).__name__}")
+        self._refuse_autograd("combine", expert_out)
         if expert_out.dtype != torch.bfloat16:
             raise TypeError(f"expert_out must be bfloat16, got {expert_out.dtype}")
+        if isinstance(handle, DispatchResult):
+            raise TypeError("combine takes the dispatch's handle: pass result.handle, not the DispatchResult")
+        if not hasattr(handle, "num_rows"):
+            raise TypeError(f"handle must be the .handle of this Buffer's dispatch result, got {type(handle).__name__}")
         num_rows = handle.num_rows
         if expert_out.dim() != 2 or tuple(expert_out.shape) != (num_rows, self.config.hidden):
             raise ValueError(f"expert_out must be [{num_rows}, {self.config.hidden}] (the rows of the dispatch "

@@ -325,7 +325,9 @@ def nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True, amax: Optional[t
     four_over_six: 4/6 adaptive block scaling with MSE selection and M = 256 (activations, the dispatch
         payload); False: plain NVFP4 with M = 448 (weights).
     amax: optional outer amax, broadcastable to x.shape[:-1] (per row, per expert, or a scalar per tensor);
-        by default it is computed per row (scale_granularity="row") or once for the tensor ("tensor").
+        by default it is computed per row (scale_granularity="row") or once for the tensor ("tensor"). A given
+        amax below a row's true max |x| saturates that row's largest values (nothing checks it: it is the
+        caller's scale).
     Returns an NVFP4Tensor with data [..., K/2], scales [..., K/16], amax [...] float32.
     """
     _check_float_input(x, "x", NVFP4_BLOCK)
@@ -341,8 +343,10 @@ def nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True, amax: Optional[t
         except RuntimeError as error:
             raise ValueError(f"amax of shape {tuple(amax.shape)} does not broadcast to the rows of x "
                              f"{tuple(x.shape[:-1])}") from error
-        if not _is_capturing() and amax.numel() and bool((amax < 0).any()):
-            raise ValueError("amax must be non-negative (it is an absolute maximum)")
+        if not _is_capturing() and amax.numel() and bool(((amax < 0) | torch.isnan(amax)).any()):
+            # (+Inf stays allowed: it is what the computed amax of a row holding an Inf is.)
+            raise ValueError("amax must be non-negative and not NaN (it is an absolute maximum; a computed amax "
+                             "ignores NaN elements)")
     elif scale_granularity == "tensor":
         amax = torch.broadcast_to(_nan_to_zero_abs(x.float()).amax(), x.shape[:-1]).contiguous()
     if _use_cuda(impl, x):
@@ -393,14 +397,21 @@ def _nvfp4_quantize_reference(x: torch.Tensor, four_over_six: bool, amax: Option
     )
 
 
+def _check_seed(seed) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+
+
 def _check_nvfp4(q) -> None:
     if not isinstance(q, NVFP4Tensor):
         raise TypeError(f"expected an NVFP4Tensor, got {type(q).__name__}")
     k = q.data.shape[-1] * 2
-    if q.data.dtype != torch.uint8 or q.scales.shape[-1] * NVFP4_BLOCK != k or q.amax.shape != q.data.shape[:-1]:
-        raise ValueError("inconsistent NVFP4Tensor: data uint8 [..., K/2], scales [..., K/16], amax [...] expected; "
-                         f"got data {tuple(q.data.shape)} {q.data.dtype}, scales {tuple(q.scales.shape)}, "
-                         f"amax {tuple(q.amax.shape)}")
+    if (q.data.dtype != torch.uint8 or q.scales.dtype not in (torch.float8_e4m3fn, torch.uint8)
+            or q.amax.dtype != torch.float32 or q.scales.shape[-1] * NVFP4_BLOCK != k
+            or q.amax.shape != q.data.shape[:-1]):
+        raise ValueError("inconsistent NVFP4Tensor: data uint8 [..., K/2], scales float8_e4m3fn [..., K/16], amax "
+                         f"float32 [...] expected; got data {tuple(q.data.shape)} {q.data.dtype}, scales "
+                         f"{tuple(q.scales.shape)} {q.scales.dtype}, amax {tuple(q.amax.shape)} {q.amax.dtype}")
 
 
 def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32, impl: str = "auto") -> torch.Tensor:
@@ -433,8 +444,7 @@ def mxfp8_quantize(x: torch.Tensor, rounding: str = "nearest", seed: int = 0, im
     _check_float_input(x, "x", MX_BLOCK)
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
-    if not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    _check_seed(seed)
     if _use_cuda(impl, x):
         return _cuda_formats().mxfp8_quantize(x, rounding, seed)
     return _mxfp8_quantize_reference(x.float(), rounding, seed)
@@ -462,8 +472,12 @@ def mxfp8_dequantize(m: MXFP8Tensor, dtype: torch.dtype = torch.float32, impl: s
     """MXFP8Tensor -> dense [..., K] in `dtype`."""
     if not isinstance(m, MXFP8Tensor):
         raise TypeError(f"expected an MXFP8Tensor, got {type(m).__name__}")
-    if m.scales.shape[-1] * MX_BLOCK != m.data.shape[-1]:
-        raise ValueError(f"inconsistent MXFP8Tensor: data {tuple(m.data.shape)}, scales {tuple(m.scales.shape)}")
+    if (m.data.dtype not in (torch.float8_e4m3fn, torch.uint8) or m.scales.dtype not in (torch.float8_e8m0fnu,
+                                                                                            torch.uint8)
+            or m.scales.shape[-1] * MX_BLOCK != m.data.shape[-1]):
+        raise ValueError(f"inconsistent MXFP8Tensor: data float8_e4m3fn [..., K], scales float8_e8m0fnu [..., K/32] "
+                         f"expected; got data {tuple(m.data.shape)} {m.data.dtype}, scales {tuple(m.scales.shape)} "
+                         f"{m.scales.dtype}")
     if _use_cuda(impl, m.data):
         return _cuda_formats().mxfp8_dequantize(m, dtype)
     k = m.data.shape[-1]
@@ -487,6 +501,7 @@ def nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str = "stochastic", seed
         raise ValueError(f"the row count ({rows}) must be a positive multiple of {MX_BLOCK}")
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    _check_seed(seed)
     if _use_cuda(impl, q.data):
         return _cuda_formats().nvfp4_to_mxfp8_transposed(q, rounding, seed)
     dense = _nvfp4_dequantize_reference(q)

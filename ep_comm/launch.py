@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue as queue_module
 import socket
 import time
@@ -42,6 +43,11 @@ def _entry(rank, world_size, port, backend, worker, args, results, collective_ti
                 return
             raise
         value = worker(rank, world_size, *args)
+        try:  # the queue pickles in a background thread, where a failure would only look like a hang
+            pickle.dumps(value)
+        except Exception as error:
+            raise TypeError(f"rank {rank}'s worker returned a value that cannot be sent to the parent "
+                            f"({type(value).__name__}): {error}") from error
         results.put((rank, "ok", value))
     except BaseException:  # report everything, including assertion failures, to the parent
         results.put((rank, "error", traceback.format_exc()))

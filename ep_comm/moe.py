@@ -57,7 +57,9 @@ def pack_weights(w1: torch.Tensor, w2: torch.Tensor) -> PackedExpertWeights:
     if w1.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"w1 must be [E, 2I, H] and w2 [E, H, I]; got {tuple(w1.shape)} and {tuple(w2.shape)}")
     experts, two_i, hidden = w1.shape
-    if two_i % 2 or w2.shape != (experts, hidden, two_i // 2):
+    if two_i % 2:
+        raise ValueError(f"w1 must be [E, 2I, H] (gate and up rows): its middle dimension {two_i} is odd")
+    if w2.shape != (experts, hidden, two_i // 2):
         raise ValueError(f"w2 must be [E, H, I] = [{experts}, {hidden}, {two_i // 2}] for w1 {tuple(w1.shape)}, "
                          f"got {tuple(w2.shape)}")
     return PackedExpertWeights(
@@ -168,12 +170,22 @@ class MoELayer(torch.nn.Module):
         cfg = buffer.config
         if cfg.dispatch_format != "nvfp4":
             raise ValueError(f"MoELayer consumes NVFP4 tokens; the buffer dispatches {cfg.dispatch_format!r}")
+        if not isinstance(router_weight, torch.Tensor) or not router_weight.is_floating_point():
+            raise TypeError(f"router_weight must be a floating-point tensor, got "
+                            f"{getattr(router_weight, 'dtype', type(router_weight).__name__)}")
         if tuple(router_weight.shape) != (cfg.num_experts, cfg.hidden):
             raise ValueError(f"router_weight must be [{cfg.num_experts}, {cfg.hidden}], got "
                              f"{tuple(router_weight.shape)}")
+        if not isinstance(weights, PackedExpertWeights):
+            raise TypeError(f"weights must be moe.pack_weights(w1, w2) (PackedExpertWeights), got "
+                            f"{type(weights).__name__}")
         if weights.num_local_experts != cfg.num_local_experts or weights.w1.shape[-1] != cfg.hidden:
             raise ValueError(f"weights hold {weights.num_local_experts} experts of hidden {weights.w1.shape[-1]}; "
                              f"the buffer needs {cfg.num_local_experts} of hidden {cfg.hidden}")
+        w2_shape = (cfg.num_local_experts, cfg.hidden, weights.w1.shape[1] // 2)
+        if tuple(weights.w2.shape) != w2_shape:
+            raise ValueError(f"weights.w2 must be [E_local, H, I] = {list(w2_shape)} for w1 "
+                             f"{list(weights.w1.shape)}, got {list(weights.w2.shape)}")
         if expert_impl not in ("auto", "fused", "reference"):
             raise ValueError(f"expert_impl must be 'auto', 'fused' or 'reference', got {expert_impl!r}")
         self.buffer = buffer

@@ -6,6 +6,7 @@ makes the fast path CUDA-graph capturable), results are named instead of long tu
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,15 @@ class BufferConfig:
         return self.world_size * per_src + self.num_local_experts * (self.expert_alignment - 1)
 
     def validate(self) -> None:
+        integers = ("hidden", "num_experts", "num_topk", "max_tokens_per_rank", "world_size", "expert_alignment",
+                    "rht_sign_mask", "num_sms", "num_local_sms")
+        for name in integers:  # a float or bool here would pass the range checks and fail (or misalign) later
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
+                or not math.isfinite(self.timeout_s) or self.timeout_s <= 0):
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
         if self.hidden <= 0 or self.hidden % 32 != 0:
             raise ValueError(f"hidden must be a positive multiple of 32 (NVFP4 blocks are 16, S2F6/RHT blocks 32); "
                              f"got {self.hidden}")
@@ -81,7 +91,7 @@ class BufferConfig:
             raise ValueError("rht_sign_mask must be a 32-bit unsigned integer")
         if self.num_sms < 1:
             raise ValueError(f"num_sms must be >= 1, got {self.num_sms}")
-        if not isinstance(self.num_local_sms, int) or self.num_local_sms < 0:
+        if self.num_local_sms < 0:
             raise ValueError(f"num_local_sms must be >= 0 (0 = all SMs), got {self.num_local_sms}")
 
     def replace(self, **changes) -> "BufferConfig":

@@ -180,8 +180,55 @@ def errors_worker(rank: int, world: int, backend: str = "reference", device_kind
         torch.zeros(result.num_rows, hidden, device=device), result.handle))
     y = buf.combine(torch.zeros(result.num_rows, hidden, dtype=torch.bfloat16, device=device), result.handle)
     assert y.shape == (4, hidden) and not y.float().abs().any()
+    _expect(TypeError, "result.handle", lambda: buf.combine(
+        torch.zeros(result.num_rows, hidden, dtype=torch.bfloat16, device=device), result))
+    _expect(TypeError, "handle", lambda: buf.combine(
+        torch.zeros(result.num_rows, hidden, dtype=torch.bfloat16, device=device), None))
+    # Different combine arguments on different ranks: every rank raises (no abort of the process group).
+    if world > 1:
+        _expect(ValueError, "differ between ranks", lambda: buf.combine(
+            torch.zeros(result.num_rows, hidden, dtype=torch.bfloat16, device=device), result.handle,
+            local_reduce=(rank == 0)))
+    # Forward-only: inputs that need grad are refused (not silently cut out of backward); no_grad works.
+    _expect(RuntimeError, "no autograd", lambda: buf.dispatch(x.clone().requires_grad_(), idx, w))
+    _expect(RuntimeError, "no autograd", lambda: buf.dispatch(x, idx, w.clone().requires_grad_()))
+    with torch.no_grad():
+        buf.dispatch(x.clone().requires_grad_(), idx, w)
+    _expect(RuntimeError, "no autograd", lambda: buf.combine(
+        torch.zeros(result.num_rows, hidden, dtype=torch.bfloat16, device=device).requires_grad_(), result.handle))
+    # Inputs rejected on one rank only: every rank raises (no rank left waiting in the exchange).
+    one_bad = idx.clone()
+    if rank == world - 1:
+        one_bad[0, 0] = experts + 5
+    _expect(ValueError, "must be in [-1" if rank == world - 1 else f"rejected on rank(s) [{world - 1}]",
+            lambda: buf.dispatch(x, one_bad, w))
+    # Without the check, ids outside [0, E) are masked slots (as on nvlink): the same result as -1 there.
+    unchecked = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8,
+                               backend=backend, check_inputs=False)
+    far = idx.clone()
+    far[0, 1], far[1, 0] = experts + 5, -7
+    masked = idx.clone()
+    masked[0, 1], masked[1, 0] = -1, -1
+    got, want = unchecked.dispatch(x, far, w), unchecked.dispatch(x, masked, w)
+    assert torch.equal(got.num_tokens_per_expert, want.num_tokens_per_expert)
+    assert torch.equal(_payload_bytes(got.x, "nvfp4"), _payload_bytes(want.x, "nvfp4"))
+    unchecked.destroy()
     buf.destroy()
     _expect(RuntimeError, "destroyed", lambda: buf.dispatch(x, idx, w))
+    # Arguments are compared across ranks before they are validated: an invalid or different value on one rank
+    # raises on every rank; so do a different backend or format_impl.
+    _expect(ValueError, "differ between", lambda: ep_comm.Buffer(
+        None, hidden=48 if rank == world - 1 else hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8,
+        backend=backend))
+    _expect(ValueError, "differ between", lambda: ep_comm.Buffer(
+        None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8,
+        backend=backend if rank == 0 else "auto"))
+    _expect(ValueError, "differ between", lambda: ep_comm.Buffer(
+        None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8, backend=backend,
+        format_impl="auto" if rank == 0 else "reference"))
+    _expect(ValueError, "format_impl", lambda: ep_comm.Buffer(
+        None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8, backend=backend,
+        format_impl="fast"))
     dist.barrier()
     return "errors ok"
 

@@ -325,3 +325,23 @@ def test_value_checks():
         F.s2f6_dequantize_accumulate(s, torch.tensor([[0, 3]]))
     with pytest.raises(ValueError, match="row_index values"):
         F.s2f6_dequantize_accumulate(s, torch.tensor([[-2, 0]]))
+
+
+def test_api_rejects_malformed_containers_seeds_and_amax():
+    """Wrong field dtypes, seeds and NaN amaxes are refused with a message instead of a cryptic failure later."""
+    x = torch.randn(4, 64)
+    q = F.nvfp4_quantize(x, impl="reference")
+    with pytest.raises(ValueError, match="scales float8_e4m3fn"):
+        F.nvfp4_dequantize(F.NVFP4Tensor(q.data, q.scales.float(), q.amax, q.e4m3_max), impl="reference")
+    m = F.mxfp8_quantize(x, impl="reference")
+    with pytest.raises(ValueError, match="inconsistent MXFP8Tensor"):
+        F.mxfp8_dequantize(F.MXFP8Tensor(m.data.float(), m.scales), impl="reference")
+    rows32 = F.nvfp4_quantize(torch.randn(32, 64), impl="reference")
+    for seed in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="seed"):
+            F.nvfp4_to_mxfp8_transposed(rows32, seed=seed, impl="reference")
+        with pytest.raises(ValueError, match="seed"):
+            F.mxfp8_quantize(x, rounding="stochastic", seed=seed, impl="reference")
+    with pytest.raises(ValueError, match="not NaN"):
+        F.nvfp4_quantize(x, amax=torch.tensor(float("nan")), impl="reference")
+    F.nvfp4_quantize(x, amax=torch.tensor(float("inf")), impl="reference")  # what a row holding an Inf computes

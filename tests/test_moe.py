@@ -187,6 +187,36 @@ def test_pack_weights_and_layer_reject_bad_shapes():
         moe.pack_weights(w1, w2[:, :, :-16])
 
 
+def _layer_misuse_worker(rank, world):
+    w1, w2, router = _master_weights()
+    with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=8) as buf:
+        packed = moe.pack_weights(w1, w2)
+        refused = []
+        for bad, error in (((buf, router, (w1, w2)), TypeError),                       # raw master weights
+                           ((buf, router.long(), packed), TypeError),                  # an integer router
+                           ((buf, router, moe.PackedExpertWeights(                     # w2 of another I
+                               w1=packed.w1, w2=moe.pack_weights(w1[:, :32], w2[:, :, :16]).w2)), ValueError)):
+            try:
+                moe.MoELayer(*bad)
+            except error:
+                refused.append(True)
+        layer = moe.MoELayer(buf, router, packed)
+        x = torch.randn(4, HIDDEN).to(torch.bfloat16).requires_grad_()
+        try:  # forward-only: a grad-requiring input is refused, not silently cut out of backward
+            layer(x)
+            refused.append(False)
+        except RuntimeError as error:
+            refused.append("no autograd" in str(error))
+        with torch.no_grad():
+            y = layer(x)
+        return all(refused) and len(refused) == 4 and tuple(y.shape) == (4, HIDDEN)
+
+
+@pytest.mark.cpu
+def test_layer_refuses_bad_weights_and_autograd():
+    assert run_ranks(_layer_misuse_worker, 1, backend="gloo") == [True]
+
+
 @pytest.mark.multigpu
 def test_moe_layer_on_gpus_matches_oracle():
     """Same check over NCCL with backend auto (nvlink where available) and the CUDA quantization kernels."""

@@ -62,3 +62,22 @@ def test_expert_id_check_edges():
     wide[2, 30] = wide[2, 3]
     with pytest.raises(ValueError, match="token 2 selects the same expert"):
         _check_expert_ids(wide, 64)
+
+
+@pytest.mark.cpu
+def test_buffer_config_rejects_wrong_types_and_values():
+    """Values that would pass the range checks but fail (or silently misalign) later are refused up front."""
+    import ep_comm
+    from ep_comm.types import BufferConfig
+    base = dict(hidden=64, num_experts=8, num_topk=2, max_tokens_per_rank=16, world_size=2)
+    BufferConfig(**base).validate()
+    for name, value in (("hidden", 64.0), ("expert_alignment", 1.5), ("max_tokens_per_rank", True),
+                        ("rht_sign_mask", 1.5), ("num_sms", "24")):
+        with pytest.raises(TypeError, match=name):
+            BufferConfig(**dict(base, **{name: value})).validate()
+    for value in (-1.0, 0, float("inf"), float("nan"), True):
+        with pytest.raises(ValueError, match="timeout_s"):
+            BufferConfig(**dict(base, timeout_s=value)).validate()
+    with pytest.raises(ValueError, match="size hint"):
+        ep_comm.Buffer.get_buffer_size_hint(backend="typo", **base)
+    assert ep_comm.Buffer.get_buffer_size_hint(backend="reference", **base).dispatch_recv_bytes >= 0

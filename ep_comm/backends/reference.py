@@ -142,12 +142,35 @@ class ReferenceBackend:
         dist.all_to_all_single(recv, send, group=self.group)
         return [int(v) for v in recv.tolist()]
 
+    def _agree_on_combine(self, send_counts: List[int], expected_counts: List[int], local_reduce: bool,
+                          device) -> None:
+        """Before the combine's all_to_all: every rank tells each peer how many rows it sends and in which mode,
+        and all ranks raise together when any pair disagrees (a different local_reduce, or a handle from another
+        dispatch) -- mismatched split sizes would otherwise abort the process group (gloo) or hang."""
+        world = self.config.world_size
+        send = torch.tensor([[count, int(local_reduce)] for count in send_counts], dtype=torch.int64,
+                            device=device).reshape(-1)
+        recv = torch.empty(2 * world, dtype=torch.int64, device=device)
+        dist.all_to_all_single(recv, send, group=self.group)
+        problems = [f"rank {d} sends {count} rows with local_reduce={bool(mode)}, this rank expects "
+                    f"{expected_counts[d]} with local_reduce={local_reduce}"
+                    for d, (count, mode) in enumerate(recv.reshape(world, 2).tolist())
+                    if count != expected_counts[d] or bool(mode) != local_reduce]
+        failed = torch.tensor([int(bool(problems))], dtype=torch.int64, device=device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
+        if problems:
+            raise ValueError("combine arguments or handles differ between ranks: " + "; ".join(problems))
+        if int(failed.item()):
+            raise ValueError("combine arguments or handles differ between ranks (the other ranks' errors say how)")
+
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
         cfg = self.config
         device = x.device
         world, num_local = cfg.world_size, cfg.num_local_experts
         num_tokens, num_topk = topk_idx.shape
+        # Ids outside [0, E) are masked slots, as on the nvlink backend (Buffer rejects them when it checks inputs).
         topk_idx = topk_idx.to(torch.int64)
+        topk_idx = torch.where((topk_idx >= 0) & (topk_idx < cfg.num_experts), topk_idx, torch.full_like(topk_idx, -1))
         topk_weights = topk_weights.float()
 
         # Which ranks each token goes to: once per destination rank, however many of its experts it chose.
@@ -218,6 +241,8 @@ class ReferenceBackend:
             handle=handle, num_rows=num_rows)
 
     def combine(self, expert_out: torch.Tensor, handle: ReferenceHandle, local_reduce: bool = True) -> torch.Tensor:
+        if not isinstance(handle, ReferenceHandle):
+            raise TypeError(f"combine needs the handle of a reference-backend dispatch, got {type(handle).__name__}")
         cfg = self.config
         device = expert_out.device
         world, hidden, fmt = cfg.world_size, cfg.hidden, cfg.combine_format
@@ -235,6 +260,7 @@ class ReferenceBackend:
                 valid = row >= 0
                 term = out_rows[row.clamp(min=0)] * handle.recv_topk_weight[:, slot:slot + 1]
                 acc = torch.where(valid[:, None], acc + term, acc)
+            self._agree_on_combine(handle.recv_counts, handle.send_counts, local_reduce, device)
             back = self._all_to_all(pack_combine_rows(acc, fmt, cfg.rht_sign_mask, self.format_impl),
                                     handle.recv_counts, handle.send_counts)
             # Source rank: row (token t, destination d) arrives at offset(d) + position of t in send_rows[d].
@@ -253,6 +279,7 @@ class ReferenceBackend:
         slot_rank = torch.where(handle.topk_idx >= 0, handle.topk_idx // cfg.num_local_experts,
                                 torch.full_like(handle.topk_idx, -1))
         counts_expected = [int((slot_rank == d).sum()) for d in range(world)]
+        self._agree_on_combine(counts_back, counts_expected, local_reduce, device)
         back = self._all_to_all(pack_combine_rows(values, fmt, cfg.rht_sign_mask, self.format_impl),
                                 counts_back, counts_expected)
         # Rows from rank d arrive ordered by token, then slot: exactly the (t, k) with slot_rank == d in order.
