@@ -217,12 +217,10 @@ __device__ bool find_tile(const GroupedGemmArgs& args, const RowSplit split, int
   return tile->expert >= 0;
 }
 
-// What the epilogue needs of a work item, written by the loader when it starts the item's loads (shared memory: with
-// the next-item prefetch the loader starts item n + 1 before item n's epilogue, see gemm_items).
-struct WorkItem {
-  int expert;
-  int first_row;   // the token tile's first row in x (and out)
-  int valid_rows;  // rows of the tile below the expert's count (the rest are zero-filled and not stored)
+// What the epilogue needs of a work item: its token tile and weight CTA, written by the loader when it starts the
+// item's loads (shared memory: with the next-item prefetch the loader starts item n + 1 before item n's epilogue,
+// see gemm_items).
+struct WorkItem : FoundTile {
   int weight_cta;
 };
 
@@ -479,7 +477,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
     tile_src = args.x + static_cast<int64_t>(first_row) * args.x_row_stride + copy_chunk * 8;
     token_src = tile_src + static_cast<int64_t>(copy_row) * args.x_row_stride;  // copy 0's row
     // Read by the item's epilogue, after the barrier that publishes the item's first stage.
-    if (threadIdx.x == 0) items[item_seq & 1] = WorkItem{tile.expert, first_row, load_valid_rows, weight_cta};
+    if (threadIdx.x == 0) items[item_seq & 1] = WorkItem{tile, weight_cta};
     ++item_seq;
     return true;
   };

@@ -155,24 +155,6 @@ class Buffer:
             raise RuntimeError(f"ep_comm {what} has no autograd yet: gradients would not flow through it. Run the "
                                "forward under torch.no_grad() or torch.inference_mode(), or pass detached tensors")
 
-    def _agree_on_inputs(self, error: Optional[Exception], device) -> None:
-        """Reference backend with input checks on: every rank learns whether any rank rejected its dispatch inputs
-        (one small all_reduce), so all of them raise instead of the others waiting in the all_to_all until the
-        process group's timeout."""
-        if dist.get_backend(self.group) == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        elif not isinstance(device, torch.device) or device.type != "cpu":
-            device = torch.device("cpu")
-        failed = torch.zeros(self.config.world_size, dtype=torch.int32, device=device)
-        failed[self.rank] = int(error is not None)
-        dist.all_reduce(failed, group=self.group)
-        if error is not None:
-            raise error
-        ranks = [r for r, bad in enumerate(failed.tolist()) if bad]
-        if ranks:
-            raise ValueError(f"dispatch inputs were rejected on rank(s) {ranks} (see the error raised there); this "
-                             "rank's call is abandoned so that no rank waits in the exchange")
-
     def _validate_dispatch(self, x, topk_idx, topk_weights, check_ids: bool) -> None:
         cfg = self.config
         for name, tensor in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
@@ -224,12 +206,14 @@ class Buffer:
         self._refuse_autograd("dispatch", x, topk_weights)
         check = self.check_inputs if check_inputs is None else bool(check_inputs)
         if check and self.backend == "reference" and not _is_capturing():
+            # The ranks agree on the outcome (one small all_reduce): inputs rejected on one rank raise on every rank.
             error = None
             try:
                 self._validate_dispatch(x, topk_idx, topk_weights, check)
             except (TypeError, ValueError) as rejected:
                 error = rejected
-            self._agree_on_inputs(error, getattr(x, "device", None))
+            self._backend.raise_together(error, "dispatch inputs were rejected on rank(s) {ranks} (see the error "
+                                                "raised there); this rank's call is abandoned so that no rank waits")
         else:
             self._validate_dispatch(x, topk_idx, topk_weights, check)
         return self._backend.dispatch(x, topk_idx, topk_weights)

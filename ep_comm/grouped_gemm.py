@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _ext
-from .formats import NVFP4Tensor, _check_nvfp4, _f32, _use_cuda, e2m1_decode, e4m3_decode
+from .formats import NVFP4Tensor, _check_nvfp4, _f32, _nan_to_zero_abs, _use_cuda, e2m1_decode, e4m3_decode
 from .types import CombineRowsTarget
 
 __all__ = [
@@ -603,9 +603,7 @@ def _grouped_gemm_reference(x: ExpandedRows, expert_offsets: torch.Tensor, num_t
                 y = F.silu(y[:, :half]) * y[:, half:]
             out[segment] = y.to(out.dtype)
             if row_amax is not None:  # of the values as stored, NaN as 0 (formats' row amax)
-                stored = out[segment].float().abs()
-                row_amax[segment] = torch.maximum(row_amax[segment],
-                                                  torch.where(torch.isnan(stored), 0.0, stored).amax(dim=1))
+                row_amax[segment] = torch.maximum(row_amax[segment], _nan_to_zero_abs(out[segment].float()).amax(dim=1))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     return out

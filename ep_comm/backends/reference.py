@@ -9,7 +9,7 @@ host lists), so it is not CUDA-graph capturable — that is the nvlink backend's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -142,11 +142,27 @@ class ReferenceBackend:
         dist.all_to_all_single(recv, send, group=self.group)
         return [int(v) for v in recv.tolist()]
 
+    def raise_together(self, error: Optional[Exception], others_message: str) -> None:
+        """Collective: every rank learns which ranks failed a check (one small all_reduce) and all of them raise --
+        the failing ranks their own `error`, the others ValueError(others_message.format(ranks=[...])) -- instead of
+        the others waiting in the next exchange until the process group's timeout (or gloo aborting on mismatched
+        split sizes)."""
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" \
+            else torch.device("cpu")
+        failed = torch.zeros(self.config.world_size, dtype=torch.int32, device=device)
+        failed[self.rank] = int(error is not None)
+        dist.all_reduce(failed, group=self.group)
+        if error is not None:
+            raise error
+        ranks = [r for r, bad in enumerate(failed.tolist()) if bad]
+        if ranks:
+            raise ValueError(others_message.format(ranks=ranks))
+
     def _agree_on_combine(self, send_counts: List[int], expected_counts: List[int], local_reduce: bool,
                           device) -> None:
         """Before the combine's all_to_all: every rank tells each peer how many rows it sends and in which mode,
         and all ranks raise together when any pair disagrees (a different local_reduce, or a handle from another
-        dispatch) -- mismatched split sizes would otherwise abort the process group (gloo) or hang."""
+        dispatch)."""
         world = self.config.world_size
         send = torch.tensor([[count, int(local_reduce)] for count in send_counts], dtype=torch.int64,
                             device=device).reshape(-1)
@@ -156,12 +172,10 @@ class ReferenceBackend:
                     f"{expected_counts[d]} with local_reduce={local_reduce}"
                     for d, (count, mode) in enumerate(recv.reshape(world, 2).tolist())
                     if count != expected_counts[d] or bool(mode) != local_reduce]
-        failed = torch.tensor([int(bool(problems))], dtype=torch.int64, device=device)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
-        if problems:
-            raise ValueError("combine arguments or handles differ between ranks: " + "; ".join(problems))
-        if int(failed.item()):
-            raise ValueError("combine arguments or handles differ between ranks (the other ranks' errors say how)")
+        error = ValueError("combine arguments or handles differ between ranks: " + "; ".join(problems)) \
+            if problems else None
+        self.raise_together(error, "combine arguments or handles differ between ranks (rank(s) {ranks} saw the "
+                                   "mismatch; their errors say how)")
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
         cfg = self.config
