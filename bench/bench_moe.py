@@ -8,7 +8,8 @@ router weights, 128 and 4096 tokens per rank. Weights are random BF16 masters ma
 `moe.pack_weights` (NVFP4, per-expert amax) for ep_comm and kept in BF16 for the baseline.
 Timing: median over iterations of one forward between CUDA events, each after a barrier + synchronize
 (launch skew between ranks included). Reported per rank 0:
-  layer        : MoELayer.forward (router, dispatch, experts, combine)
+  layer        : MoELayer(waves=False).forward (router, dispatch, experts, combine); the default layer, with waves,
+                 is waves_layer below
   dispatch / experts / combine : the three stages alone, same inputs
   exposed comm : layer - experts - router; its fraction of (dispatch + combine) alone says how much communication
                  the layer hides (1.0 = none). "experts" is the expert MLP with the bf16 w2 epilogue; the default
@@ -18,6 +19,8 @@ Timing: median over iterations of one forward between CUDA events, each after a 
   bf16 layer   : router + reference dispatch (bf16) + torch._grouped_mm w1, SiLU*up, w2 + reference combine (bf16)
   local_reduce_*: the layer with combine_rows=False (bf16 w2 output, Buffer.combine with local_reduce=True)
   rows_*       : pieces of the combine-row form (experts + combine; begin + finish without the GEMM)
+  waves_*      : the layer with waves=True, the default (dispatch receive overlapped with w1, csrc/waves.h); dispatch_w1 /
+                 waves_dispatch_w1: dispatch + w1 alone, plain (with the expansion pass) and waves
 """
 from __future__ import annotations
 
@@ -48,6 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--token-tiles", default="auto",
                    help="comma list of MoELayer token tiles (auto = the layer's choice); the first is the main row, "
                         "the others add layer/experts times per tile")
+    p.add_argument("--wave-sms", default="auto",
+                   help="comma list of wave receive SM counts for MoELayer(waves=True) (auto = default_wave_sms); "
+                        "the first is the main waves row, the others add waves<n>_* times")
     p.add_argument("--out", default="")
     p.add_argument("--nproc", type=int, default=2)
     return p.parse_args(argv)
@@ -91,7 +97,8 @@ def worker(rank, world, args):
                "topk": topk}
         with ep_comm.Buffer(None, hidden=h, num_experts=experts, num_topk=topk, max_tokens_per_rank=tokens,
                             dispatch_format="nvfp4", combine_format="s2f6", expert_alignment=16) as buf:
-            layer = moe.MoELayer(buf, router, packed, expert_impl="fused", token_tile=token_tiles[0])
+            # The layer without waves (the rows before the tenth session); waves_* below is the default layer.
+            layer = moe.MoELayer(buf, router, packed, expert_impl="fused", token_tile=token_tiles[0], waves=False)
             idx, weights = layer.route(x)
             result = buf.dispatch(x, idx, weights)
             expert_out = layer.experts(result)
@@ -114,7 +121,7 @@ def worker(rank, world, args):
             # The other combine form, for comparison: combine_rows=False (w2 writes bf16 rows, Buffer.combine with
             # local_reduce=True sends one row per (token, rank)); and the pieces of the combine-row form.
             lr_layer = moe.MoELayer(buf, router, packed, expert_impl="fused", token_tile=token_tiles[0],
-                                    combine_rows=False)
+                                    combine_rows=False, waves=False)
             row["local_reduce_layer_ms"] = _time_ms(lambda: lr_layer(x), args.iters, None)
             row["local_reduce_layer_graph_ms"] = _graph_ms(lambda: lr_layer(x), args.iters)
             if layer.combine_rows:
@@ -127,11 +134,48 @@ def worker(rank, world, args):
             row["combine_local_reduce_false_graph_ms"] = _graph_ms(
                 lambda: buf.combine(expert_out, result.handle, local_reduce=False), args.iters)
             for tile in token_tiles[1:]:
-                other = moe.MoELayer(buf, router, packed, expert_impl="fused", token_tile=tile)
+                other = moe.MoELayer(buf, router, packed, expert_impl="fused", token_tile=tile, waves=False)
                 row[f"tile{other.token_tile}_layer_ms"] = _time_ms(lambda: other(x), args.iters, None)
                 row[f"tile{other.token_tile}_layer_graph_ms"] = _graph_ms(lambda: other(x), args.iters)
                 row[f"tile{other.token_tile}_experts_graph_ms"] = _graph_ms(lambda: other.experts(result),
                                                                             args.iters)
+            # Waves: the dispatch receive overlapped with w1 (Buffer.dispatch_waves + the wave w1 GEMM). Also the
+            # part it changes on its own: dispatch + w1 (plain: dispatch, expansion pass, w1; waves: wave dispatch,
+            # w1 behind its receive).
+            from ep_comm import grouped_gemm
+            hidden_out = torch.empty(result.num_rows, inter, dtype=torch.float32, device=device)
+
+            def plain_dispatch_w1():
+                res = buf.dispatch(x, idx, weights, check_inputs=False)
+                rows_ = grouped_gemm.expand_nvfp4_rows(res.x, num_rows_limit=res.expert_offsets[-1:])
+                grouped_gemm.grouped_gemm_nvfp4(rows_, res.expert_offsets, res.num_tokens_per_expert,
+                                                layer._w1_packed, out_dtype=torch.float32, out=hidden_out,
+                                                token_tile=layer.token_tile)
+            row["dispatch_w1_graph_ms"] = _graph_ms(plain_dispatch_w1, args.iters)
+            # Its pieces: the expansion pass and w1 alone (what the waves receive folds in and overlaps).
+            limit = result.expert_offsets[-1:]
+            row["expand_graph_ms"] = _graph_ms(lambda: grouped_gemm.expand_nvfp4_rows(result.x, num_rows_limit=limit),
+                                               args.iters)
+            plain_rows = grouped_gemm.expand_nvfp4_rows(result.x, num_rows_limit=limit)
+            row["w1_graph_ms"] = _graph_ms(lambda: grouped_gemm.grouped_gemm_nvfp4(
+                plain_rows, result.expert_offsets, result.num_tokens_per_expert, layer._w1_packed,
+                out_dtype=torch.float32, out=hidden_out, token_tile=layer.token_tile), args.iters)
+            wave_sms_list = [None if t == "auto" else int(t) for t in (v.strip() for v in args.wave_sms.split(",")) if t]
+            for position, sms in enumerate(wave_sms_list):
+                wave_layer = moe.MoELayer(buf, router, packed, expert_impl="fused", token_tile=token_tiles[0],
+                                          waves=True, wave_sms=sms)
+                prefix = "waves" if position == 0 else f"waves{wave_layer.wave_sms}"
+
+                def wave_dispatch_w1():
+                    waved = buf.dispatch_waves(x, idx, weights, wave_layer.wave_sms, check_inputs=False)
+                    res = waved.result
+                    grouped_gemm.grouped_gemm_nvfp4(waved.rows, res.expert_offsets, res.num_tokens_per_expert,
+                                                    layer._w1_packed, out_dtype=torch.float32, out=hidden_out,
+                                                    token_tile=layer.token_tile, wave=waved.wave)
+                row[f"{prefix}_sms"] = wave_layer.wave_sms
+                row[f"{prefix}_layer_ms"] = _time_ms(lambda: wave_layer(x), args.iters, None)
+                row[f"{prefix}_layer_graph_ms"] = _graph_ms(lambda: wave_layer(x), args.iters)
+                row[f"{prefix}_dispatch_w1_graph_ms"] = _graph_ms(wave_dispatch_w1, args.iters)
             counts = result.num_tokens_per_expert.float()
             row["rows_per_expert_mean"] = counts.mean().item()
             row["rows_per_expert_max"] = counts.max().item()
@@ -146,6 +190,10 @@ def worker(rank, world, args):
         # Same measure for the combine_rows=False layer (its combine send and receive run after w2).
         exposed_lr = row["local_reduce_layer_graph_ms"] - row["experts_graph_ms"] - row["router_graph_ms"]
         row["local_reduce_exposed_comm_graph_fraction"] = exposed_lr / comm_graph if comm_graph > 0 else float("nan")
+        # Same measure for the waves layer. Note: "experts" includes the pass that expands the dispatched NVFP4 rows
+        # for the GEMM, which the waves layer does inside its dispatch receive instead.
+        exposed_waves = row["waves_layer_graph_ms"] - row["experts_graph_ms"] - row["router_graph_ms"]
+        row["waves_exposed_comm_graph_fraction"] = exposed_waves / comm_graph if comm_graph > 0 else float("nan")
 
         if not args.no_baseline:
             try:
@@ -194,7 +242,12 @@ def main(argv=None):
               f"{r['local_reduce_exposed_comm_graph_fraction']:.2f}"
               + (f"; rows: experts + combine {r['rows_experts_and_combine_graph_ms']:.3f} ms, begin + finish alone "
                  f"{r['rows_begin_finish_graph_ms']:.3f} ms" if r["combine_rows"] else ""))
-        extra = {k: round(v, 3) for k, v in r.items() if k.startswith("tile")}
+        print(f"{'':>7} waves ({r['waves_sms']} receive SMs): layer {r['waves_layer_ms']:.3f} ms, graph "
+              f"{r['waves_layer_graph_ms']:.3f} ms, exposed {r['waves_exposed_comm_graph_fraction']:.2f}; dispatch + "
+              f"w1 graph: waves {r['waves_dispatch_w1_graph_ms']:.3f} ms vs plain {r['dispatch_w1_graph_ms']:.3f} ms "
+              f"(expansion pass {r['expand_graph_ms']:.3f}, w1 {r['w1_graph_ms']:.3f})")
+        extra = {k: round(v, 3) for k, v in r.items() if k.startswith("tile") or
+                 (k.startswith("waves") and k[5:6].isdigit())}
         if extra:
             print(f"{'':>7} token tile {r['token_tile']} above; other tiles: {extra}")
     if args.out:

@@ -48,16 +48,23 @@ test_multigpu() {
   say "multigpu tier: nvlink smoke (oracle, timeout) with sync checks"
   EP_COMM_SYNC_CHECK=1 timeout 150 python3 -m pytest -q -x -rs tests/test_nvlink.py -k "oracle or timeout" 2>&1 | tail -2 | tee -a "$log"
   say "multigpu tier: MoE layer + nvlink suite + reference over NCCL"
-  timeout 300 python3 -m pytest -q -rs tests/test_moe.py tests/test_nvlink.py tests/test_reference_backend.py -k "not gloo" > "$OUT/pytest_mg.txt" 2>&1
+  timeout 300 python3 -m pytest -q -rs tests/test_moe.py tests/test_nvlink.py tests/test_reference_backend.py tests/test_waves.py -k "not gloo" > "$OUT/pytest_mg.txt" 2>&1
   tail -4 "$OUT/pytest_mg.txt" | tee -a "$log"
   say "example: MoE layer on the visible GPUs"
   timeout 120 python3 examples/moe_layer.py 2>&1 | grep rank | tee -a "$log"
+}
+test_waves() {
+  say "multigpu tier: waves (wave dispatch + w1 behind its receive, bitwise the plain path; timeout)"
+  timeout 240 python3 -m pytest -q -x -rs tests/test_waves.py > "$OUT/pytest_waves.txt" 2>&1
+  tail -3 "$OUT/pytest_waves.txt" | tee -a "$log"
+  grep -q " passed" "$OUT/pytest_waves.txt" && ! grep -q "failed" "$OUT/pytest_waves.txt" && rm -f "$OUT/pytest_waves.txt"
 }
 test_gemm_stage1() { test_gemm_variant EP_COMM_GEMM_KBLOCKS_PER_STAGE=1; }
 test_moe() {
   say "multigpu tier: MoE layer (fused experts, CUDA-graph replay)"
   timeout 200 python3 -m pytest -q -rs tests/test_moe.py -k "gpus" 2>&1 | tail -3 | tee -a "$log"
 }
+bench_moe_waves() { bench_moe --wave-sms auto,8,15,32,66; }  # the waves layer at its default and other receive SMs
 bench_formats() {
   say "bench: formats kernels (1 GPU)"
   CUDA_VISIBLE_DEVICES=0 timeout 120 python3 bench/bench_formats.py --out "$OUT/bench_formats.json" 2>&1 | tail -14 | tee -a "$log"

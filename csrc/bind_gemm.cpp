@@ -51,7 +51,8 @@ void grouped_gemm_nvfp4(uintptr_t x, int64_t x_row_stride, uintptr_t row_factor,
                         uintptr_t w_scales, uintptr_t w_factor, uintptr_t expert_offsets,
                         uintptr_t num_tokens_per_expert, int num_experts, int n, int k, int64_t num_rows_total,
                         uintptr_t out, int out_type, int64_t out_row_stride, bool swiglu, int token_tile,
-                        int tail_tile, uintptr_t row_amax, uintptr_t stream) {
+                        int tail_tile, uintptr_t row_amax, uintptr_t wave_area, uintptr_t wave_epoch,
+                        uintptr_t wave_abort, uintptr_t wave_error_word, uint64_t wave_timeout_ns, uintptr_t stream) {
   ep_comm::GroupedGemmArgs args = operand_args(x, x_row_stride, row_factor, w_values, w_scales, w_factor,
                                                expert_offsets, num_tokens_per_expert, num_experts, n, k,
                                                num_rows_total, token_tile, tail_tile);
@@ -60,6 +61,14 @@ void grouped_gemm_nvfp4(uintptr_t x, int64_t x_row_stride, uintptr_t row_factor,
   args.out_row_stride = out_row_stride;
   args.swiglu = swiglu;
   args.row_amax = ptr<float>(row_amax);
+  if (wave_area != 0) {  // waves.h: the programmatic dependent of the wave dispatch receive just launched
+    if (!wave_epoch || !wave_abort || !wave_error_word) throw std::invalid_argument("waves need all four addresses");
+    args.wave.area = ptr<unsigned long long>(wave_area);
+    args.wave.epoch = ptr<const unsigned long long>(wave_epoch);
+    args.wave.abort = ptr<unsigned int>(wave_abort);
+    args.wave.error_word = ptr<unsigned long long>(wave_error_word);
+    args.wave.timeout_ns = wave_timeout_ns;
+  }
   launch(args, stream, "grouped_gemm_nvfp4",
          "n % 64, k % 64, strides, token_tile in {0, 16, 32, 64, 128}, tail_tile in {-1, 0, 16, 32, 64} below it, "
          "out_type 0/1, row_amax only with swiglu, a tuning override without a compiled kernel, or too many token "
@@ -100,7 +109,9 @@ void register_gemm(py::module_& m) {
         py::arg("x_row_stride"), py::arg("row_factor"), py::arg("w_values"), py::arg("w_scales"), py::arg("w_factor"),
         py::arg("expert_offsets"), py::arg("num_tokens_per_expert"), py::arg("num_experts"), py::arg("n"),
         py::arg("k"), py::arg("num_rows_total"), py::arg("out"), py::arg("out_type"), py::arg("out_row_stride"),
-        py::arg("swiglu"), py::arg("token_tile"), py::arg("tail_tile"), py::arg("row_amax"), py::arg("stream"),
+        py::arg("swiglu"), py::arg("token_tile"), py::arg("tail_tile"), py::arg("row_amax"), py::arg("wave_area"),
+        py::arg("wave_epoch"), py::arg("wave_abort"), py::arg("wave_error_word"), py::arg("wave_timeout_ns"),
+        py::arg("stream"),
         "NVFP4 grouped GEMM (sm_90a): y = x . w_e^T * row_factor * w_factor[e] per expert segment; see "
         "ep_comm/grouped_gemm.py");
   m.def("grouped_gemm_nvfp4_combine_rows", &grouped_gemm_nvfp4_combine_rows, py::call_guard<py::gil_scoped_release>(),

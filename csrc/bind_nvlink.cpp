@@ -62,6 +62,7 @@ class NvlinkContext {
     c.count_stride = get<long long>(d, "count_stride");
     c.off_staging = get<long long>(d, "off_staging");
     c.off_combine = get<long long>(d, "off_combine");
+    c.off_wave_index = get<long long>(d, "off_wave_index");
     c.timeout_ns = get<unsigned long long>(d, "timeout_ns");
     c.peer_bases = ptr<const unsigned long long>(get<uintptr_t>(d, "peer_bases"));
     c.local_base = ptr<char>(get<uintptr_t>(d, "local_base"));
@@ -87,6 +88,18 @@ class NvlinkContext {
                 uintptr_t num_per_expert, uintptr_t expert_offsets, uintptr_t src_rank, uintptr_t src_token,
                 uintptr_t topk_slot, uintptr_t topk_weight, long long num_rows, uintptr_t recv_count,
                 uintptr_t recv_tok, uintptr_t recv_ord, uintptr_t recv_rows, uintptr_t stream) {
+    launch_dispatch(dispatch_args(x, topk_idx, idx_is_int64, topk_weights, num_tokens, send_idx, send_w, out_data,
+                                  out_scales, out_amax, num_per_expert, expert_offsets, src_rank, src_token, topk_slot,
+                                  topk_weight, num_rows, recv_count, recv_tok, recv_ord, recv_rows),
+                    stream);
+  }
+
+  DispatchArgs dispatch_args(uintptr_t x, uintptr_t topk_idx, bool idx_is_int64, uintptr_t topk_weights,
+                             int num_tokens, uintptr_t send_idx, uintptr_t send_w, uintptr_t out_data,
+                             uintptr_t out_scales, uintptr_t out_amax, uintptr_t num_per_expert,
+                             uintptr_t expert_offsets, uintptr_t src_rank, uintptr_t src_token, uintptr_t topk_slot,
+                             uintptr_t topk_weight, long long num_rows, uintptr_t recv_count, uintptr_t recv_tok,
+                             uintptr_t recv_ord, uintptr_t recv_rows) const {
     if (num_tokens < 0 || num_tokens > cfg_.max_tokens) throw std::invalid_argument("num_tokens out of range");
     DispatchArgs a{};
     a.x = ptr<const void>(x);
@@ -111,6 +124,10 @@ class NvlinkContext {
     a.recv_tok = ptr<int>(recv_tok);
     a.recv_ord = ptr<int>(recv_ord);
     a.recv_rows = ptr<int>(recv_rows);
+    return a;
+  }
+
+  void launch_dispatch(const DispatchArgs& a, uintptr_t stream) {
     select();
     launch_layout(cfg_, a, stream);
     launch_dispatch_send(cfg_, a, stream);
@@ -222,11 +239,44 @@ class NvlinkContext {
   // pybind call with 7 integers; the layout is recomputed here, a few dozen integer operations).
   void dispatch_arena(uintptr_t x, uintptr_t topk_idx, bool idx_is_int64, uintptr_t topk_weights, int num_tokens,
                       uintptr_t arena, uintptr_t stream) {
+    launch_dispatch(arena_args(x, topk_idx, idx_is_int64, topk_weights, num_tokens, arena), stream);
+  }
+
+  DispatchArgs arena_args(uintptr_t x, uintptr_t topk_idx, bool idx_is_int64, uintptr_t topk_weights, int num_tokens,
+                          uintptr_t arena) const {
     if (num_tokens < 0 || num_tokens > cfg_.max_tokens) throw std::invalid_argument("num_tokens out of range");
     const ArenaLayout l = arena_layout(num_tokens);
     auto at = [&](int i) -> uintptr_t { return l.bytes[i] > 0 ? arena + static_cast<uintptr_t>(l.off[i]) : 0; };
-    dispatch(x, topk_idx, idx_is_int64, topk_weights, num_tokens, at(0), at(1), at(2), at(3), at(4), at(5), at(6),
-             at(7), at(8), at(9), at(10), cfg_.max_recv_rows, at(11), at(12), at(13), at(14), stream);
+    return dispatch_args(x, topk_idx, idx_is_int64, topk_weights, num_tokens, at(0), at(1), at(2), at(3), at(4),
+                         at(5), at(6), at(7), at(8), at(9), at(10), cfg_.max_recv_rows, at(11), at(12), at(13),
+                         at(14));
+  }
+
+  // dispatch_arena whose receive also writes the grouped GEMM's operand rows expert by expert on wave_blocks blocks
+  // and counts them in the wave sync area (waves.h): the w1 GEMM launched next, with the same area, starts on the
+  // SMs this receive leaves free as soon as its experts' rows are in. NVFP4 only.
+  void dispatch_arena_waves(uintptr_t x, uintptr_t topk_idx, bool idx_is_int64, uintptr_t topk_weights,
+                            int num_tokens, uintptr_t arena, uintptr_t wave_values, uintptr_t wave_row_factor,
+                            uintptr_t wave_area, int wave_blocks, uintptr_t stream) {
+    if (cfg_.disp_fmt != kDispNvfp4) throw std::invalid_argument("waves need the NVFP4 dispatch format");
+    if (wave_blocks < 1 || wave_blocks > cfg_.disp_recv_blocks) {
+      throw std::invalid_argument("wave_blocks must be in [1, the receive's block count]");
+    }
+    if (!wave_values || !wave_row_factor || !wave_area) throw std::invalid_argument("waves need their three buffers");
+    DispatchArgs a = arena_args(x, topk_idx, idx_is_int64, topk_weights, num_tokens, arena);
+    a.wave_values = ptr<unsigned short>(wave_values);
+    a.wave_row_factor = ptr<float>(wave_row_factor);
+    a.wave.area = ptr<unsigned long long>(wave_area);
+    a.wave_blocks = wave_blocks;
+    launch_dispatch(a, stream);
+  }
+
+  // What the w1 GEMM of a wave dispatch needs besides the sync area: (address of the dispatch epoch, of the abort
+  // flag, of the host-mapped error word, timeout in ns).
+  py::tuple wave_sync() const {
+    return py::make_tuple(reinterpret_cast<uintptr_t>(&cfg_.state->disp_epoch),
+                          reinterpret_cast<uintptr_t>(&cfg_.state->abort), reinterpret_cast<uintptr_t>(cfg_.error_word),
+                          cfg_.timeout_ns);
   }
 
   // combine() reading the handle from a dispatch arena (same table as dispatch_arena).
@@ -261,12 +311,15 @@ void register_nvlink(py::module_& m) {
       .def("combine", &NvlinkContext::combine)
       .def("dispatch_arena_layout", &NvlinkContext::dispatch_arena_layout)
       .def("dispatch_arena", &NvlinkContext::dispatch_arena)
+      .def("dispatch_arena_waves", &NvlinkContext::dispatch_arena_waves)
+      .def("wave_sync", &NvlinkContext::wave_sync)
       .def("combine_arena", &NvlinkContext::combine_arena)
       .def("combine_rows_begin", &NvlinkContext::combine_rows_begin)
       .def("combine_rows_finish", &NvlinkContext::combine_rows_finish)
       .def_property_readonly("layout_threads", &NvlinkContext::layout_threads)
       .def_property_readonly("comm_threads", &NvlinkContext::comm_threads);
   m.attr("nvlink_state_bytes") = py::int_(sizeof(NvlinkState));
+  m.attr("wave_area_fixed_words") = py::int_(ep_comm::kWaveRowsDone);  // + one word per local expert
   m.attr("nvlink_max_topk") = py::int_(kMaxTopk);
   m.attr("nvlink_max_world") = py::int_(kMaxWorld);
   m.attr("nvlink_layout_max_chunks") = py::int_(kLayoutMaxChunks);

@@ -104,9 +104,11 @@ __device__ __forceinline__ uint32_t decode_pair3(uint32_t w) { return ((w & 0x20
 // Counts are clamped to [0, segment length] (expert_offsets[e + 1] - expert_offsets[e]) and segments to the rows
 // of x, so inconsistent offsets/counts cannot make the kernel read or write outside its buffers.
 __device__ __forceinline__ int clamped_count(const GroupedGemmArgs& args, int e) {
-  const int64_t begin = __ldg(args.expert_offsets + e), end = __ldg(args.expert_offsets + e + 1);
+  // __ldcg, not __ldg: with waves the dispatch receive writes these while the kernel runs (waves.h), and a
+  // non-coherent load could return a stale cached line.
+  const int64_t begin = __ldcg(args.expert_offsets + e), end = __ldcg(args.expert_offsets + e + 1);
   const int64_t stop = end < args.num_rows_total ? end : args.num_rows_total;
-  const int64_t requested = __ldg(args.num_tokens_per_expert + e);
+  const int64_t requested = __ldcg(args.num_tokens_per_expert + e);
   const int64_t count = requested < stop - begin ? requested : stop - begin;
   return begin < 0 || count < 0 ? 0 : static_cast<int>(count);
 }
@@ -159,12 +161,16 @@ struct FoundTile {
 // CTA call it with the same slot (it ends in a barrier); `cursor` starts zeroed (base 0, tiles_before 0, loaded
 // false) and only warp 0 touches it. The tile's rows come from the scan's own loads, so the caller needs no
 // further (dependent) global load to start the tile.
+// Waves (args.wave.area set): lane 0 also waits, before the barrier, until every row of the tile's expert has been
+// received (acquire): the barrier then orders the whole CTA's loads of the tile after it, with no barrier of its own.
+// `slot` only matters in lane 0 of warp 0 (the other lanes take it from there).
 template <int kTile>
 __device__ bool find_tile(const GroupedGemmArgs& args, const RowSplit split, int slot, TileCursor& cursor,
-                          FoundTile* tile) {
+                          FoundTile* tile, const unsigned long long wave_epoch = 0) {
   __shared__ FoundTile found;
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
+    slot = __shfl_sync(0xFFFFFFFFu, slot, 0);
     FoundTile result{-1, 0, 0};
     int base = cursor.base, tiles_before = cursor.tiles_before;
     const bool resume = cursor.loaded;
@@ -176,7 +182,7 @@ __device__ bool find_tile(const GroupedGemmArgs& args, const RowSplit split, int
       if (!loaded) {
         const int e = base + lane;
         const int2 part_rows = e < args.num_experts ? rows_of_part(args, split, e) : make_int2(0, 0);
-        lane_first_row = e < args.num_experts ? static_cast<int>(__ldg(args.expert_offsets + e)) + part_rows.x : 0;
+        lane_first_row = e < args.num_experts ? static_cast<int>(__ldcg(args.expert_offsets + e)) + part_rows.x : 0;
         lane_rows = part_rows.y;
         inclusive = (lane_rows + kTile - 1) / kTile;
 #pragma unroll
@@ -210,6 +216,10 @@ __device__ bool find_tile(const GroupedGemmArgs& args, const RowSplit split, int
       cursor.tiles_before = tiles_before;
       cursor.loaded = loaded;
       found = result;
+      if (args.wave.area != nullptr && result.expert >= 0) {
+        wave::wait_at_least(args.wave, args.wave.area + kWaveRowsDone + result.expert,
+                            wave::tagged_rows(wave_epoch, clamped_count(args, result.expert)), result.expert);
+      }
     }
   }
   __syncthreads();
@@ -231,7 +241,8 @@ struct WorkItem : FoundTile {
 // 8 tokens: ncu put a quarter of w2's stall samples in that epilogue (bench/RESULTS.md, ninth session).
 __device__ __forceinline__ float token_factor(const GroupedGemmArgs& args, const WorkItem& item, int token) {
   const float weight_factor = __ldg(args.w_factor + item.expert) * 128.0f;
-  return token < item.valid_rows ? __ldg(args.row_factor + item.first_row + token) * weight_factor : 0.0f;
+  // (__ldcg: with waves the receive writes row_factor while the kernel runs; a cached line could be stale.)
+  return token < item.valid_rows ? __ldcg(args.row_factor + item.first_row + token) * weight_factor : 0.0f;
 }
 
 // Combine-row epilogue (out_type 2), after the main loop. The CTA's output tile goes through shared memory (the
@@ -412,7 +423,8 @@ __device__ __forceinline__ void store_rows(const GroupedGemmArgs& args, const fl
 // there the next item's loads start after the epilogue.
 template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kCombineRows>
 __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const RowSplit split, uint8_t* smem,
-                                           TileCursor& cursor, const bool persistent) {
+                                           TileCursor& cursor, const bool persistent,
+                                           const unsigned long long wave_epoch) {
   using G = Geometry<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage>;
   constexpr int kThreads = G::kThreads;
   constexpr int kStages = G::kStages;
@@ -450,19 +462,32 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
   const uint16_t* tile_src = nullptr;
   const uint16_t* token_src = nullptr;
   int load_valid_rows = 0;
-  int next_item = blockIdx.x;  // the next item to start; -1: none
+  int next_item = blockIdx.x;  // the next item to start; -1: none (waves: >= 0 until the counter runs out)
   int item_seq = 0;            // items started (uniform over the CTA); the last one is in items[(item_seq - 1) & 1]
+  // Waves: dynamic scheduling (CTAs that start late, on SMs the receive freed, take fewer items). Thread 0 takes the
+  // item from the work counter and publishes it in shared memory: warp 0 takes it for find_tile from lane 0, and
+  // find_tile's barrier publishes it to the CTA (thread 0 rewrites it only after later barriers, when every thread
+  // has read it). (Taking the next item one ahead hid the atomic's round trip but left the last items reserved by
+  // busy CTAs: slower at 128 tokens per rank, bench/RESULTS.md.)
+  const bool waves = args.wave.area != nullptr;
+  __shared__ int wave_item;
 
   // Starts item `next_item` (its loader state and WorkItem), or finds there is none (returns false). Every thread
   // calls it: find_tile ends in a barrier.
   auto begin_next_item = [&]() {
     FoundTile tile;
-    const int item = next_item;
-    if (item < 0 || !find_tile<kTile>(args, split, item / num_weight_ctas, cursor, &tile)) {
+    int item = next_item;
+    if (waves && item >= 0 && threadIdx.x == 0) {
+      item = static_cast<int>(atomicAdd(args.wave.area + kWaveWorkCounter, 1ull));
+      wave_item = item;
+    }
+    if (item < 0 || !find_tile<kTile>(args, split, item / num_weight_ctas, cursor, &tile, wave_epoch)) {
       next_item = -1;
       return false;
     }
-    next_item = persistent ? item + static_cast<int>(gridDim.x) : -1;  // the launcher bounds items + grid < 2^31
+    if (waves) item = wave_item;
+    // (The launcher bounds items + grid < 2^31.)
+    next_item = waves ? 0 : (persistent ? item + static_cast<int>(gridDim.x) : -1);
     const int weight_cta = item % num_weight_ctas;
     const int weight_tile = weight_cta * kWarpGroups + warp_group;
     // The last CTA may own fewer than kWarpGroups tiles: its spare warpgroups compute tile 0 again and store
@@ -668,13 +693,23 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
   // precede the dynamic block).
   uint8_t* smem = smem_raw + ((1024 - (cp_async::smem_address(smem_raw) & 1023)) & 1023);
   __shared__ TileCursor cursor;
+  __shared__ unsigned long long wave_epoch;
   if (threadIdx.x == 0) {
     cursor.base = 0;
     cursor.tiles_before = 0;
     cursor.loaded = false;
+    wave_epoch = 0;
+    if (args.wave.area != nullptr) {  // waves: the receive running beside us publishes the layout first
+      const unsigned long long epoch = *reinterpret_cast<const volatile unsigned long long*>(args.wave.epoch);
+      wave::wait_at_least(args.wave, args.wave.area + kWaveLayoutReady, epoch, 0xFFFF);  // 0xFFFF: "the layout"
+      wave_epoch = epoch;
+    }
   }
   __syncthreads();
-  gemm_items<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kCombineRows>(args, split, smem, cursor, persistent);
+  gemm_items<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kCombineRows>(args, split, smem, cursor, persistent,
+                                                                            wave_epoch);
+  // Waves: complete only after the receive has (kernels behind this one keep plain stream order with both).
+  if (args.wave.area != nullptr) asm volatile("griddepcontrol.wait;" ::: "memory");
 #else
   __trap();  // built for an architecture without wgmma; the launcher refuses such devices
 #endif
@@ -710,7 +745,8 @@ cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64
   // rows per expert -2% (w1 + w2), MoE layer at 4096 tokens -1.7%; 16 rows per expert +3% if persistent too.
   const int max_ctas = max_ctas_override();
   if (max_ctas < 0) return cudaErrorInvalidValue;
-  const bool persistent = kCtasPerSm == 1 || split.part == 2 || max_ctas > 0;
+  const bool waves = args.wave.area != nullptr;
+  const bool persistent = kCtasPerSm == 1 || split.part == 2 || max_ctas > 0 || waves;
   const int64_t weight_ctas = (args.n / kTileRows + kWarpGroups - 1) / kWarpGroups;
   const int64_t items = weight_ctas * tile_slots;
   int64_t grid = items;
@@ -723,8 +759,22 @@ cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64
   // Item indices are ints: the last one a CTA computes before stopping is below items + grid (one CTA per item:
   // the first item only).
   if (items + (persistent ? grid : 0) > INT32_MAX) return cudaErrorInvalidValue;
-  kernel<<<static_cast<unsigned>(grid), G::kThreads, G::kSmemBytes, stream>>>(args, split, persistent);
-  return cudaGetLastError();
+  if (!waves) {
+    kernel<<<static_cast<unsigned>(grid), G::kThreads, G::kSmemBytes, stream>>>(args, split, persistent);
+    return cudaGetLastError();
+  }
+  // Waves: the programmatic dependent of the dispatch receive launched just before on this stream (waves.h).
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(grid));
+  config.blockDim = dim3(G::kThreads);
+  config.dynamicSmemBytes = G::kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, args, split, persistent);
 }
 
 using LaunchFn = cudaError_t (*)(const GroupedGemmArgs&, RowSplit, int64_t, cudaStream_t);
@@ -862,9 +912,12 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
   if (tail_tile == 0) return main_kernel(args, RowSplit{}, tile_slots, stream);
   const cudaError_t status = main_kernel(args, RowSplit{1, tile, tail_tile}, tile_slots, stream);
   if (status != cudaSuccess) return status;
-  // Every small remainder fits one tail tile: at most one tile per expert.
+  // Every small remainder fits one tail tile: at most one tile per expert. With waves the main part has completed
+  // (after the receive, see the kernel's end) before this launch starts: it needs no waves.
   const int64_t tail_slots = args.num_experts < tile_slots ? args.num_experts : tile_slots;
-  return tail_kernel(args, RowSplit{2, tile, tail_tile}, tail_slots, stream);
+  GroupedGemmArgs tail_args = args;
+  tail_args.wave = WaveSync{};
+  return tail_kernel(tail_args, RowSplit{2, tile, tail_tile}, tail_slots, stream);
 }
 
 }  // namespace ep_comm

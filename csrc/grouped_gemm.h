@@ -14,6 +14,8 @@
 
 #include <cstdint>
 
+#include "waves.h"
+
 namespace ep_comm {
 
 struct GroupedGemmArgs {
@@ -63,6 +65,12 @@ struct GroupedGemmArgs {
     int64_t scale_offset = 0;  // >= n
     uint32_t sign_mask = 0;    // the RHT sign vector
   } combine;
+  // Waves (waves.h; wave.area == nullptr: off): x, row_factor, expert_offsets and num_tokens_per_expert are being
+  // written by the NVLink dispatch receive that this launch runs behind. The launch is its programmatic dependent
+  // (PDL); every CTA waits until the layout is published, takes work items from the area's counter (persistent,
+  // dynamic) and starts a token tile only once every row of its expert is in. A split launch's remainder part runs
+  // after the main part has completed (which implies the receive has), without waves.
+  WaveSync wave;
 };
 
 // cudaErrorInvalidValue for bad sizes; cudaErrorNotSupported when the current device is not sm_90 (the kernel

@@ -12,6 +12,8 @@
 //   counts     [W][count_stride] int32: source s writes its per-local-expert row counts and its token count
 //   staging    [W][T_max] dispatch rows (payload | metadata), slot chosen by the sender's prefix sum
 //   combine    [T_max][K] combine rows, indexed by (token, rank ordinal) or (token, top-k slot)
+//   wave index [W][E_local][T_max] int32: source s writes, for its p-th row to local expert j, the staging slot of
+//              that token (the inverse of the slot table), so that a wave receive can write rows expert by expert
 // Every counter only grows: each block of the signalling kernel adds 1 per call, so "epoch n is complete"
 // is counter >= n * (blocks of the kernel that signals that array):
 //   disp_ready    <- dispatch send blocks    (cfg.disp_send_blocks), waited on by dispatch receive
@@ -34,6 +36,8 @@
 #include <cuda_runtime.h>
 #endif
 
+#include "waves.h"
+
 namespace ep_comm {
 namespace nvlink {
 
@@ -46,6 +50,7 @@ enum Stage : int {
   kStageDispatchWaitReady = 2,     // dispatch receive: peer's rows never arrived
   kStageCombineWaitConsumed = 3,   // combine send: peer still reading the previous combine's rows
   kStageCombineWaitReady = 4,      // combine receive: peer's rows never arrived
+  // 5 = kStageWaveWaitRows (waves.h): the w1 GEMM waited too long for a wave's rows
 };
 
 constexpr int kMaxTopk = 32;    // one lane per top-k slot in several warp-level steps
@@ -106,6 +111,7 @@ struct NvlinkConfig {
   long long count_stride;  // int32 words per source in the count area (>= num_local + 1)
   long long off_staging;
   long long off_combine;
+  long long off_wave_index;
 
   unsigned long long timeout_ns;
 
@@ -147,6 +153,14 @@ struct DispatchArgs {
   int* recv_tok;    // [W * T_max] source token of staging row (s, j)
   int* recv_ord;    // [W * T_max] ordinal of this rank among the token's destination ranks
   int* recv_rows;   // [W * T_max * K] layout row of slot k of staging row (s, j), or -1
+  // Waves (NVFP4 only; wave_values == nullptr: off). The receive also writes the grouped GEMM's operand rows
+  // (grouped_gemm.py ExpandedRows: fp16 block values, the FP32 outer factor per row) in expert-major row order,
+  // counting each expert's rows in wave.area as they land; wave_blocks blocks (<= disp_recv_blocks) receive, so
+  // that the GEMM launched behind them (its PDL dependent) gets the other SMs.
+  unsigned short* wave_values;  // fp16 [R, H]
+  float* wave_row_factor;       // [R]
+  WaveSync wave;
+  int wave_blocks;
 };
 
 struct CombineArgs {

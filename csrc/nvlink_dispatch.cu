@@ -14,6 +14,7 @@
 // Each block finally bumps the "consumed" counter in every source, which lets the next dispatch reuse
 // the staging area.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <stdexcept>
@@ -279,6 +280,21 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
         }
       }
     }
+
+    // Wave index (part 0): for each of the token's slots, its staging slot at the slot's rank -- held by the first
+    // lane of that rank -- at [my rank][local expert][position among my rows for that expert] of that rank's
+    // index, so that a wave receive can find the rows of an expert without scanning every staging row.
+    if (part == 0) {
+      const int dest = e >= 0 ? e / cfg.num_local : -1 - lane;  // masked lanes and lanes >= K: keys of their own
+      const unsigned int same_dest = __match_any_sync(0xFFFFFFFFu, dest);
+      const unsigned int holder = same_dest & __ballot_sync(0xFFFFFFFFu, slot >= 0);
+      const int dest_slot = __shfl_sync(0xFFFFFFFFu, slot, holder ? __ffs(holder) - 1 : lane);
+      if (e >= 0 && holder) {
+        int* index = reinterpret_cast<int*>(peer_ptr(cfg, dest, cfg.off_wave_index));
+        const long long list = static_cast<long long>(cfg.rank) * cfg.num_local + (e - dest * cfg.num_local);
+        index[list * cfg.max_tokens + pos] = dest_slot;
+      }
+    }
   }
 
   block_signal_all_peers(cfg, cfg.off_disp_ready);
@@ -366,8 +382,144 @@ __device__ __forceinline__ void block_zero_bytes(unsigned char* base, long long 
   for (long long i = head + body * 16 + threadIdx.x; i < len; i += blockDim.x) p[i] = 0;
 }
 
+// Wave receive (NVFP4): every valid row of the expert-major layout in row order -- so that experts complete in
+// order, and the GEMM behind this kernel can start on the first ones. A warp takes a chunk of kWaveChunkRows
+// consecutive rows; the row's staging slot comes from the wave index the source wrote. The warp writes the NVFP4
+// payload (the bytes the plain receive writes) and the GEMM's operand row (fp16 e2m1 * e4m3 block values, exact, as
+// expand_nvfp4_rows writes them, and the outer factor amax / (6 * 256), the activations' E4M3 range), then counts
+// the chunk's rows for their experts (one release fence per chunk, not per row).
+// Each lane moves one 4-byte code word (8 values, half a block) per step, so that every load and store of the warp
+// is contiguous (128 B of codes, 16 B of scales, 512 B of fp16 values per instruction; 16 code bytes per lane made
+// the fp16 stores 64 B apart, 16 cache lines per instruction), and the loads of the next step are issued before the
+// stores of the current one.
+// seg_start [W][E_local] (first row of source s in expert j), offsets [E_local + 1], totals [E_local]: shared memory.
+constexpr int kWaveChunkRows = 4;
+constexpr int kWaveWordsPerLane = 14;  // words in flight per lane and step (H = 7168: 896 words, two steps a row)
+
+struct WaveStep {
+  unsigned int code_words[kWaveWordsPerLane];
+  unsigned char scale_bytes[kWaveWordsPerLane];
+};
+
+__device__ void wave_receive_rows(const NvlinkConfig& cfg, const DispatchArgs& args, const int* seg_start,
+                                  const int* offsets, const int* totals, unsigned long long epoch) {
+  constexpr int U = kWaveWordsPerLane;
+  const int lane = threadIdx.x % 32;
+  const int warps_per_block = blockDim.x / 32;
+  const long long num_warps = static_cast<long long>(gridDim.x) * warps_per_block;
+  const int num_local = cfg.num_local;
+  const int words = cfg.hidden / 8;  // 4-byte code words: 8 values, half of a 16-value block
+  const int steps_per_row = (words + 32 * U - 1) / (32 * U);
+  const int* index = reinterpret_cast<const int*>(cfg.local_base + cfg.off_wave_index);
+  // fp32(1 / (6 * 256)): what ExpandedRows' row_factor multiplies amax by (formats.NVFP4_ACTIVATION_E4M3_MAX).
+  const float factor_scale = static_cast<float>(1.0 / (6.0 * 256.0));
+  const long long rows_in_use = offsets[num_local];
+  const long long num_chunks = (rows_in_use + kWaveChunkRows - 1) / kWaveChunkRows;
+  for (long long chunk = static_cast<long long>(blockIdx.x) * warps_per_block + threadIdx.x / 32; chunk < num_chunks;
+       chunk += num_warps) {
+    // Lane i < kWaveChunkRows locates row first + i: its expert j and staging row (nullptr: alignment padding,
+    // zeroed by the plain receive's code, or past the rows in use).
+    const long long first = chunk * kWaveChunkRows;
+    int my_expert = -1;
+    const char* my_row = nullptr;
+    if (lane < kWaveChunkRows && first + lane < rows_in_use) {
+      const long long r = first + lane;
+      int lo = 0, hi = num_local - 1;  // the last j with offsets[j] <= r (an empty expert shares its offset with
+      while (lo < hi) {                // the next one)
+        const int mid = (lo + hi + 1) >> 1;
+        if (offsets[mid] <= r) lo = mid; else hi = mid - 1;
+      }
+      if (r - offsets[lo] < totals[lo]) {
+        int s = cfg.world - 1;  // the source: the last s whose segment starts at or before r
+        while (s > 0 && seg_start[s * num_local + lo] > r) --s;
+        const long long pos = r - seg_start[s * num_local + lo];
+        const int slot = static_cast<int>(
+            ld_coherent_u32(index + (static_cast<long long>(s) * num_local + lo) * cfg.max_tokens + pos));
+        my_expert = lo;
+        my_row = cfg.local_base + cfg.off_staging +
+                 (static_cast<long long>(s) * cfg.max_tokens + slot) * cfg.disp_row_bytes;
+      }
+    }
+    const int num_steps = kWaveChunkRows * steps_per_row;
+    auto row_of_step = [&](int step) {
+      return reinterpret_cast<const char*>(
+          __shfl_sync(0xFFFFFFFFu, reinterpret_cast<unsigned long long>(my_row), step / steps_per_row));
+    };
+    auto load_step = [&](int step, WaveStep& data) {
+      const char* row = row_of_step(step);
+      if (row == nullptr) return;
+      const int w0 = (step % steps_per_row) * 32 * U + lane;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int w = w0 + 32 * u;
+        if (w < words) {
+          data.code_words[u] = ld_coherent_u32(row + 4ll * w);
+          data.scale_bytes[u] = ld_coherent_u8(row + cfg.disp_scale_off + w / 2);
+        }
+      }
+    };
+    WaveStep current, next;
+    load_step(0, next);
+    for (int step = 0; step < num_steps; ++step) {
+      current = next;
+      if (step + 1 < num_steps) load_step(step + 1, next);  // in flight while this step is stored
+      const char* row = row_of_step(step);
+      if (row == nullptr) continue;
+      const long long r = first + step / steps_per_row;
+      unsigned char* out_codes = args.out_data + r * cfg.disp_data_bytes;
+      unsigned char* out_scales = args.out_scales + r * cfg.disp_scale_bytes;
+      __half* out_values = reinterpret_cast<__half*>(args.wave_values) + r * cfg.hidden;
+      const int w0 = (step % steps_per_row) * 32 * U + lane;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int w = w0 + 32 * u;
+        if (w >= words) continue;
+        *reinterpret_cast<unsigned int*>(out_codes + 4ll * w) = current.code_words[u];
+        if ((w & 1) == 0) out_scales[w / 2] = current.scale_bytes[u];
+        const float block_scale = e4m3_decode(current.scale_bytes[u]);
+        float y[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const unsigned int byte = (current.code_words[u] >> (8 * i)) & 0xFFu;
+          y[2 * i] = qm_mul(e2m1_decode(static_cast<uint8_t>(byte & 0xF)), block_scale);
+          y[2 * i + 1] = qm_mul(e2m1_decode(static_cast<uint8_t>(byte >> 4)), block_scale);
+        }
+        vec::store_row_segment<__half, 8>(out_values + 8ll * w, y);
+      }
+    }
+    if (my_row != nullptr) {
+      const long long r = first + lane;
+      const float amax = __uint_as_float(ld_coherent_u32(my_row + cfg.disp_meta_off));
+      args.out_amax[r] = amax;
+      args.wave_row_factor[r] = qm_mul(amax, factor_scale);
+    }
+    int chunk_experts[kWaveChunkRows];
+#pragma unroll
+    for (int i = 0; i < kWaveChunkRows; ++i) chunk_experts[i] = __shfl_sync(0xFFFFFFFFu, my_expert, i);
+    __syncwarp();  // the warp's stores of the chunk, then one release and the counts for all of them
+    if (lane == 0) {
+      int run_expert = -1, run_rows = 0;  // runs of one expert (padding rows, -1, end a run)
+#pragma unroll
+      for (int i = 0; i < kWaveChunkRows; ++i) {
+        const int j = chunk_experts[i];
+        if (j != run_expert && run_rows > 0) {
+          wave::count_rows(args.wave.area, run_expert, run_rows, epoch);
+          run_rows = 0;
+        }
+        if (j >= 0) {
+          run_expert = j;
+          ++run_rows;
+        }
+      }
+      if (run_rows > 0) wave::count_rows(args.wave.area, run_expert, run_rows, epoch);
+    }
+  }
+}
+
+// kWaves: the wave receive (args.wave_values set; its own instantiation, so that neither path sets the other's
+// register budget).
+template <bool kWaves>
 __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfig cfg, DispatchArgs args) {
-  pdl_prologue();
   extern __shared__ int smem[];
   const int world = cfg.world;
   const int num_local = cfg.num_local;
@@ -377,6 +529,15 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
   int* totals = offsets + num_local + 1;           // [E_local]
   int* ntok = totals + num_local;                  // [W]
   int* item_start = ntok + world;                  // [W + 1]
+  constexpr bool waves = kWaves;
+  if (waves) {
+    // The GEMM launched behind this kernel (PDL) must not start before this kernel's own predecessors are complete
+    // (it writes memory the stream may have used before): wait first, then release it.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  } else {
+    pdl_prologue();
+  }
 
   const unsigned long long epoch = cfg.state->disp_epoch;
   block_wait_all_peers(cfg, cfg.off_disp_ready, epoch * cfg.disp_send_blocks, kStageDispatchWaitReady, epoch);
@@ -436,7 +597,17 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
       if (j < num_local) args.num_per_expert[j] = totals[j];
     }
     for (int s = threadIdx.x; s < world; s += blockDim.x) args.recv_count[s] = ntok[s];
+    if (waves) {
+      // The GEMM reads the offsets and counts, and takes work items from the counter, once this is published.
+      if (threadIdx.x == 0) args.wave.area[kWaveWorkCounter] = 0ull;
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        __threadfence();
+        wave::st_release_gpu(args.wave.area + kWaveLayoutReady, epoch);
+      }
+    }
   }
+  if (waves) wave_receive_rows(cfg, args, seg_start, offsets, totals, epoch);
 
   __shared__ int out_rows[kCommThreads / 32][kMaxTopk];
   const int lane = threadIdx.x % 32;
@@ -447,7 +618,8 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
   const int num_items = item_start[world];
   const int first_expert = cfg.rank * num_local;
   // Warps per staging row (> 1 only when there are fewer rows than warps).
-  const int split = split_factor(num_items, num_warps, static_cast<int>((cfg.disp_data_bytes / 16 + 31) / 32));
+  // (Wave receive: the payload is written above; this loop writes the metadata only, one warp per staging row.)
+  const int split = waves ? 1 : split_factor(num_items, num_warps, static_cast<int>((cfg.disp_data_bytes / 16 + 31) / 32));
   const long long num_parts = static_cast<long long>(num_items) * split;
 
   for (long long flat = global_warp; flat < num_parts; flat += num_warps) {
@@ -463,11 +635,11 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
     // decoded: every load of the item is issued before the first store (one memory round trip per item instead
     // of one per section).
     uint4 pre[kCopyUnroll];
-    prefetch_section(row, cfg.disp_data_bytes, first, stride, pre);
+    if (!waves) prefetch_section(row, cfg.disp_data_bytes, first, stride, pre);
     const bool scales_prefetched = cfg.disp_scale_bytes > 0 && cfg.disp_scale_bytes % 16 == 0 &&
                                    cfg.disp_scale_bytes / 16 <= stride;  // one 16-byte unit per lane at most
     uint4 pre_scales = make_uint4(0u, 0u, 0u, 0u);
-    if (scales_prefetched && first < cfg.disp_scale_bytes / 16) {
+    if (!waves && scales_prefetched && first < cfg.disp_scale_bytes / 16) {
       pre_scales = ld_coherent_v4(row + cfg.disp_scale_off + static_cast<long long>(first) * 16);
     }
     const char* meta = row + cfg.disp_meta_off;
@@ -504,7 +676,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
     __syncwarp();  // the previous item's readers are done with the list
     if (local) out_rows[warp_in_block][__popc(local_mask & ((1u << lane) - 1u))] = out_row;
     __syncwarp();
-    if (n == 0) continue;
+    if (n == 0 || waves) continue;
     const int* rows = out_rows[warp_in_block];
     copy_section(row, args.out_data, cfg.disp_data_bytes, cfg.disp_data_bytes, rows, n, first, stride, pre);
     if (scales_prefetched) {
@@ -552,8 +724,15 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
     args.topk_weight[r] = 0.0f;
   }
 
-  // Done reading the staging rows and counts: the sources may overwrite them.
-  block_signal_all_peers(cfg, cfg.off_disp_consumed);
+  // Done reading the staging rows and counts: the sources may overwrite them. The sources wait for
+  // disp_recv_blocks signals per call; a wave receive runs on fewer blocks, which share them out.
+  if (waves) {
+    const unsigned long long share = cfg.disp_recv_blocks / gridDim.x + (blockIdx.x < cfg.disp_recv_blocks % gridDim.x);
+    __syncthreads();
+    for (int p = threadIdx.x; p < cfg.world; p += blockDim.x) signal_peer(cfg, cfg.off_disp_consumed, p, share);
+  } else {
+    block_signal_all_peers(cfg, cfg.off_disp_consumed);
+  }
 }
 
 size_t recv_smem(const NvlinkConfig& cfg) {
@@ -565,9 +744,12 @@ size_t recv_smem(const NvlinkConfig& cfg) {
 void prepare_dispatch_kernels(const NvlinkConfig& cfg) {
   const size_t smem = recv_smem(cfg);
   if (smem > 48 * 1024) {
-    check_cuda(cudaFuncSetAttribute(dispatch_recv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    check_cuda(cudaFuncSetAttribute(dispatch_recv_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(smem)),
           "cudaFuncSetAttribute(dispatch_recv)");
+    check_cuda(cudaFuncSetAttribute(dispatch_recv_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(smem)),
+          "cudaFuncSetAttribute(dispatch_recv, waves)");
   }
 }
 
@@ -585,7 +767,9 @@ void launch_dispatch_send(const NvlinkConfig& cfg, const DispatchArgs& args, uin
 }
 
 void launch_dispatch_recv(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream) {
-  check_cuda(launch_kernel(dispatch_recv_kernel, cfg.disp_recv_blocks, kCommThreads, recv_smem(cfg),
+  const bool waves = args.wave_values != nullptr;
+  check_cuda(launch_kernel(waves ? dispatch_recv_kernel<true> : dispatch_recv_kernel<false>,
+                           waves ? args.wave_blocks : cfg.disp_recv_blocks, kCommThreads, recv_smem(cfg),
                       reinterpret_cast<cudaStream_t>(stream), cfg, args),
         "dispatch receive kernel launch");
 }

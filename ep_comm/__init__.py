@@ -13,12 +13,14 @@ from . import formats
 from ._ext import cuda_extension_available, cuda_extension_error
 from .buffer import Buffer
 from .formats import MXFP8Tensor, NVFP4Tensor, S2F6Tensor
-from .types import BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, combine_bytes_per_token, dispatch_bytes_per_token
+from .types import (BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, WaveDispatch, WaveSync,
+                    combine_bytes_per_token, dispatch_bytes_per_token)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Buffer", "BufferConfig", "BufferSizes", "CombineRowsTarget", "DispatchResult", "NVFP4Tensor", "MXFP8Tensor", "S2F6Tensor",
+    "Buffer", "BufferConfig", "BufferSizes", "CombineRowsTarget", "DispatchResult", "WaveDispatch", "WaveSync",
+    "NVFP4Tensor", "MXFP8Tensor", "S2F6Tensor",
     "formats", "cuda_extension_available", "cuda_extension_error", "dispatch_bytes_per_token",
     "combine_bytes_per_token",
 ]

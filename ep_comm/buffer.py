@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from ._ext import warn_once
 from .formats import _is_capturing
-from .types import BACKENDS, BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult
+from .types import BACKENDS, BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, WaveDispatch
 
 FORMAT_IMPLS = ("auto", "reference", "cuda")
 
@@ -218,6 +218,37 @@ class Buffer:
             self._validate_dispatch(x, topk_idx, topk_weights, check)
         return self._backend.dispatch(x, topk_idx, topk_weights)
 
+    def dispatch_waves(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                       wave_sms: int, check_inputs: Optional[bool] = None) -> WaveDispatch:
+        """`dispatch` for a w1 grouped GEMM that overlaps its receive (nvlink backend, NVFP4 dispatch).
+
+        The receive runs on `wave_sms` blocks (SMs) instead of the Buffer's receive block count and writes, besides
+        the DispatchResult, the GEMM's operand rows (`grouped_gemm.ExpandedRows`, bitwise expand_nvfp4_rows of
+        result.x) in expert-major row order, counting each local expert's rows on the device as they land. Launch
+        `grouped_gemm.grouped_gemm_nvfp4(wave_dispatch.rows, ..., wave=wave_dispatch.wave)` as the next kernel on
+        the same stream: it starts behind the receive on the other SMs and multiplies each expert as soon as its
+        rows are in (csrc/waves.h; `moe.MoELayer(waves=True)` does both). Arguments as `dispatch`; wave_sms in
+        [1, the receive's block count (num_local_sms)].
+        Returns: `types.WaveDispatch(result, rows, wave)`.
+        """
+        self._check_alive()
+        if self.backend != "nvlink":
+            raise NotImplementedError("dispatch_waves needs the nvlink backend (a receive kernel running beside the "
+                                      "GEMM); use dispatch")
+        self._refuse_autograd("dispatch", x, topk_weights)
+        check = self.check_inputs if check_inputs is None else bool(check_inputs)
+        self._validate_dispatch(x, topk_idx, topk_weights, check)
+        if isinstance(wave_sms, bool) or not isinstance(wave_sms, int):
+            raise TypeError(f"wave_sms must be an int, got {type(wave_sms).__name__}")
+        return self._backend.dispatch_waves(x, topk_idx, topk_weights, wave_sms)
+
+    @property
+    def max_wave_sms(self) -> int:
+        """The largest wave_sms `dispatch_waves` takes: the receive kernel's block count (nvlink backend)."""
+        if self.backend != "nvlink":
+            raise NotImplementedError("waves need the nvlink backend")
+        return self._backend.blocks["disp_recv_blocks"]
+
     def combine(self, expert_out: torch.Tensor, handle, local_reduce: bool = True) -> torch.Tensor:
         """Bring expert outputs back to their tokens and sum them with the routing weights.
 
@@ -288,6 +319,15 @@ class Buffer:
         if self.backend != "nvlink":
             raise NotImplementedError("finish_combine_rows needs the nvlink backend")
         return self._backend.finish_combine_rows(handle)
+
+    def check(self) -> None:
+        """Raise if a kernel of this Buffer recorded a timeout (nvlink backend: a peer that never arrived, or a wave
+        GEMM whose rows never came), naming rank and stage. Reads host-mapped memory: no synchronization, so it
+        sees what finished so far. Every dispatch / combine call checks first; this is for after the last one."""
+        self._check_alive()
+        backend_check = getattr(self._backend, "check", None)
+        if backend_check is not None:
+            backend_check()
 
     def destroy(self) -> None:
         """Free every buffer (symmetric memory included). Collective: every rank must call it."""

@@ -454,7 +454,7 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
                        weights: GemmWeights, out_dtype: torch.dtype = torch.bfloat16,
                        token_tile: Optional[int] = None, impl: str = "auto",
                        out: Optional[torch.Tensor] = None, tail_tile: Optional[int] = None,
-                       row_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       row_amax: Optional[torch.Tensor] = None, wave=None) -> torch.Tensor:
     """Per-expert y = x W_e^T on NVFP4 weights; returns out_dtype [R, N] ([R, N/2] with the fused SwiGLU).
 
     x: ExpandedRows (values fp16 [R, K], row_factor fp32 [R]), expert-major: expert e owns rows
@@ -487,10 +487,22 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
         with the host) or "cuda". The CUDA path never synchronizes with the host; it cannot validate the offsets and
         counts on the host, so the kernel clamps each count to its segment and to R instead (the reference raises
         on inconsistent ones).
+    wave: the `types.WaveSync` of a `Buffer.dispatch_waves` whose rows, offsets and counts these are (CUDA path
+        only). This launch must then be the next kernel on the stream after that dispatch: it runs behind the
+        dispatch's receive (programmatic dependent launch), on the SMs the receive leaves free, starting each
+        expert's tiles once the receive has written that expert's rows. Same results as without.
     """
     rows = _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, out_dtype, token_tile, tail_tile,
                               out)
     device = x.values.device
+    if wave is not None:
+        from .types import WaveSync
+        if not isinstance(wave, WaveSync):
+            raise TypeError(f"wave must be the WaveSync of Buffer.dispatch_waves, got {type(wave).__name__}")
+        if wave.area.device != device:
+            raise ValueError(f"wave belongs to {wave.area.device} but x is on {device}")
+        if not _use_gemm_kernels(impl, x.values, "grouped_gemm_nvfp4"):
+            raise ValueError("wave needs the CUDA grouped GEMM (impl 'auto' or 'cuda' on an sm_90 GPU)")
     if row_amax is not None:
         if not weights.swiglu:
             raise ValueError("row_amax needs SwiGLU weights (it is the w2 input's per-token amax)")
@@ -513,7 +525,9 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
                 num_tokens_per_expert.data_ptr(), weights.num_experts, weights.n, weights.k, rows, out.data_ptr(),
                 _OUT_TYPES[out_dtype], out.stride(0), bool(weights.swiglu), int(token_tile or 0),
                 -1 if tail_tile is None else int(tail_tile), 0 if row_amax is None else row_amax.data_ptr(),
-                _stream(device))
+                0 if wave is None else wave.area.data_ptr(), 0 if wave is None else wave.epoch,
+                0 if wave is None else wave.abort, 0 if wave is None else wave.error_word,
+                0 if wave is None else wave.timeout_ns, _stream(device))
         return out
     return _grouped_gemm_reference(x, expert_offsets, num_tokens_per_expert, weights, out, row_amax)
 

@@ -14,7 +14,8 @@ Two expert paths:
     is the correctness oracle of the fused path and runs anywhere (CPU ranks included).
 With the fused experts on the nvlink backend (S2F6 combine), the w2 GEMM's epilogue applies RHT + S2F6 and stores each
 (token, expert) row straight into the source rank's combine area (`combine_rows`; no bf16 expert output, no separate
-encode-and-send pass). Not yet: waves of experts overlapped with dispatch.
+encode-and-send pass). With waves=True the dispatch receive and w1 overlap: the receive hands w1 each expert's rows
+as they land (csrc/waves.h).
 """
 from __future__ import annotations
 
@@ -95,6 +96,30 @@ def _fused_experts_supported(device: torch.device, hidden: int, intermediate: in
     return True, ""
 
 
+# Per-SM rates on H200 that size a wave receive (default_wave_sms), measured in this repository (bench/RESULTS.md,
+# tenth session): the wave receive moves ~24 GB/s of memory traffic per SM (8 receive SMs at 4096 tokens per rank
+# kept w1 waiting: ~734 MB in ~3.8 ms), and the w1 grouped GEMM runs at ~610-640 TFLOP/s over 132 SMs.
+_SM_RECEIVE_BYTES_PER_S = 24e9
+_SM_W1_FLOPS = 620e12 / 132
+
+
+def default_wave_sms(hidden: int, intermediate: int, num_sms: int) -> int:
+    """The SMs a wave dispatch receive gets by default: enough to write rows twice as fast as the w1 GEMM consumes
+    them on the other SMs, from the bytes and FLOPs per row.
+
+    A received row costs the receive ~3.1 H bytes of memory traffic (it reads the NVFP4 row, H/2 + H/16 bytes,
+    and writes it back plus its fp16 GEMM operand, 2H bytes, and two words); w1 costs 2 * H * 2I FLOPs per row.
+    With per-SM rates r_receive and r_gemm (measured on H200), n receive SMs keep pace with num_sms - n GEMM SMs
+    when n / (num_sms - n) >= (bytes / r_receive) / (flops / r_gemm); twice that n, clamped to [4, num_sms / 2].
+    DeepSeek-V3 shapes (H = 7168, I = 2048) on 132 SMs: 19.
+    """
+    receive_s = (3.125 * hidden + 28) / _SM_RECEIVE_BYTES_PER_S
+    gemm_s = 4.0 * hidden * intermediate / _SM_W1_FLOPS
+    ratio = receive_s / gemm_s
+    sms = math.ceil(2.0 * num_sms * ratio / (1.0 + ratio))
+    return max(4, min(sms, num_sms // 2))
+
+
 def fused_expert_hidden(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor,
                         num_tokens_per_expert: torch.Tensor, w1, token_tile=None, amax_in_w1: bool = False):
     """The w2 input of the fused experts: `grouped_gemm.ExpandedRows` [R, I] (fp16 NVFP4 block values + row factor).
@@ -106,13 +131,23 @@ def fused_expert_hidden(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tenso
     form measured slower on H200 (the atomics cost w1 more than the quantizer's amax pass costs: bench/RESULTS.md,
     ninth session), so it is opt-in. Other arguments as `fused_expert_mlp`.
     """
+    from . import grouped_gemm as gemm
+    x = gemm.expand_nvfp4_rows(tokens, num_rows_limit=expert_offsets[-1:])
+    return _expert_hidden_from_rows(x, expert_offsets, num_tokens_per_expert, w1, token_tile, amax_in_w1)
+
+
+def _expert_hidden_from_rows(x, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor, w1, token_tile,
+                             amax_in_w1: bool = False, wave=None):
+    """fused_expert_hidden from tokens already expanded for the GEMM (x: grouped_gemm.ExpandedRows). With `wave`
+    (a wave dispatch's WaveSync), w1 must be the next kernel on the stream: nothing is launched before it."""
     from . import _cuda_formats, grouped_gemm as gemm
     rows_in_use = expert_offsets[-1:]
-    x = gemm.expand_nvfp4_rows(tokens, num_rows_limit=rows_in_use)
+    if wave is not None and amax_in_w1:
+        raise ValueError("amax_in_w1 needs a zero-filled row amax before w1, which a wave w1 cannot wait for")
     hidden = torch.empty(x.num_rows, w1.out_features, dtype=torch.float32, device=x.values.device)
     row_amax = torch.zeros(x.num_rows, dtype=torch.float32, device=x.values.device) if amax_in_w1 else None
     gemm.grouped_gemm_nvfp4(x, expert_offsets, num_tokens_per_expert, w1, out_dtype=torch.float32, out=hidden,
-                            token_tile=token_tile, row_amax=row_amax)  # silu(gate) * up
+                            token_tile=token_tile, row_amax=row_amax, wave=wave)  # silu(gate) * up
     # NVFP4 4/6 with a per-token amax (formats.nvfp4_quantize's CUDA kernel), rows past rows_in_use skipped.
     hidden_q = _cuda_formats.nvfp4_quantize(hidden, four_over_six=True, amax=row_amax, num_rows_limit=rows_in_use)
     return gemm.expand_nvfp4_rows(hidden_q, num_rows_limit=rows_in_use)
@@ -161,11 +196,20 @@ class MoELayer(torch.nn.Module):
             row per (token, rank). None (default): True when it can run (fused experts, nvlink backend, S2F6
             combine) -- measured 3% faster at 4096 tokens per rank on 2xH200 and on par at 128 (bench/RESULTS.md);
             `self.combine_rows` says which.
+        waves: overlap the dispatch receive with w1 (`Buffer.dispatch_waves`, csrc/waves.h): the receive runs on
+            wave_sms SMs and writes the GEMM's operand rows expert by expert, and w1 runs behind it on the other
+            SMs, starting each expert as soon as its rows are in (no separate expansion pass). Same results
+            bitwise. Needs the fused experts and the nvlink backend. None (default): on where it can run --
+            measured on 2xH200 (bench/RESULTS.md, tenth session) 2-4.5% faster at 128 tokens per rank and within
+            -0.8..-0.2% (noise) at 4096; `self.waves` says which.
+        wave_sms: SMs of the wave receive; None: `default_wave_sms` (from the bytes and FLOPs per row), clamped to
+            the Buffer's receive block count.
     forward(x): x bf16 [T, H] -> bf16 [T, H]; the routing weights are the softmax over the top-k logits.
     """
 
     def __init__(self, buffer: Buffer, router_weight: torch.Tensor, weights: PackedExpertWeights,
-                 expert_impl: str = "auto", token_tile=None, combine_rows: Optional[bool] = None):
+                 expert_impl: str = "auto", token_tile=None, combine_rows: Optional[bool] = None,
+                 waves: Optional[bool] = None, wave_sms: Optional[int] = None):
         super().__init__()
         cfg = buffer.config
         if cfg.dispatch_format != "nvfp4":
@@ -209,6 +253,19 @@ class MoELayer(torch.nn.Module):
                              f"the nvlink backend and S2F6 combine; this layer has expert_impl={expert_impl!r}, "
                              f"backend={buffer.backend!r}, combine_format={cfg.combine_format!r}")
         self.combine_rows = rows_possible if combine_rows is None else bool(combine_rows)
+        waves_possible = expert_impl == "fused" and buffer.backend == "nvlink"
+        if waves and not waves_possible:
+            raise ValueError(f"waves=True needs the fused experts and the nvlink backend; this layer has "
+                             f"expert_impl={expert_impl!r}, backend={buffer.backend!r}")
+        self.waves = waves_possible if waves is None else bool(waves)
+        self.wave_sms = None
+        if self.waves:
+            if wave_sms is None:
+                sms = torch.cuda.get_device_properties(device).multi_processor_count
+                wave_sms = default_wave_sms(cfg.hidden, weights.w2.shape[-1], sms)
+            elif isinstance(wave_sms, bool) or not isinstance(wave_sms, int) or wave_sms < 1:
+                raise ValueError(f"wave_sms must be None or a positive int, got {wave_sms!r}")
+            self.wave_sms = min(wave_sms, buffer.max_wave_sms)
         if expert_impl == "fused":
             from . import grouped_gemm  # imported here: the CPU-only package does not need it at import time
             # Token tile: the kernel's own rule (grouped_gemm_auto_token_tile), applied to the expected rows per
@@ -264,20 +321,37 @@ class MoELayer(torch.nn.Module):
         if not self.combine_rows:
             raise ValueError("experts_and_combine_rows needs a layer with combine_rows=True (fused experts, nvlink "
                              "backend, S2F6 combine); use buffer.combine(layer.experts(result), result.handle)")
-        from . import grouped_gemm
         hidden = fused_expert_hidden(result.x, result.expert_offsets, result.num_tokens_per_expert, self._w1_packed,
                                      self.token_tile)
-        # Begun just before w2: its wait for the sources to have read the previous combine comes after w1, when
-        # it is normally long over.
-        target = self.buffer.begin_combine_rows(result)
-        grouped_gemm.grouped_gemm_nvfp4_combine_rows(hidden, result.expert_offsets, result.num_tokens_per_expert,
-                                                     self._w2_packed, target, token_tile=self.token_tile)
-        return self.buffer.finish_combine_rows(result.handle)
+        return self._w2_and_combine(result, hidden)
+
+    def _w2_and_combine(self, result, hidden) -> torch.Tensor:
+        """w2 on the requantized hidden rows (grouped_gemm.ExpandedRows), then the combine: bf16 [T, H]."""
+        from . import grouped_gemm
+        if self.combine_rows:
+            # Begun just before w2: its wait for the sources to have read the previous combine comes after w1, when
+            # it is normally long over.
+            target = self.buffer.begin_combine_rows(result)
+            grouped_gemm.grouped_gemm_nvfp4_combine_rows(hidden, result.expert_offsets, result.num_tokens_per_expert,
+                                                         self._w2_packed, target, token_tile=self.token_tile)
+            return self.buffer.finish_combine_rows(result.handle)
+        out = torch.empty(hidden.num_rows, self._w2_packed.out_features, dtype=torch.bfloat16,
+                          device=hidden.values.device)
+        grouped_gemm.grouped_gemm_nvfp4(hidden, result.expert_offsets, result.num_tokens_per_expert, self._w2_packed,
+                                        out_dtype=torch.bfloat16, out=out, token_tile=self.token_tile)
+        return self.buffer.combine(out, result.handle)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_idx, topk_weights = self.route(x)
         # torch.topk over the logits gives K distinct ids in [0, E): valid by construction, so the dispatch skips
         # the id check and its device->host copy (which made the host wait for the GPU once per layer).
+        if self.waves:
+            waved = self.buffer.dispatch_waves(x, topk_idx, topk_weights, self.wave_sms, check_inputs=False)
+            result = waved.result
+            # w1 right behind the receive (nothing may be launched in between: see Buffer.dispatch_waves).
+            hidden = _expert_hidden_from_rows(waved.rows, result.expert_offsets, result.num_tokens_per_expert,
+                                              self._w1_packed, self.token_tile, wave=waved.wave)
+            return self._w2_and_combine(result, hidden)
         result = self.buffer.dispatch(x, topk_idx, topk_weights, check_inputs=False)
         if self.combine_rows:
             return self.experts_and_combine_rows(result)

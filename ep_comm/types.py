@@ -199,3 +199,40 @@ class CombineRowsTarget:
     row_bytes: int
     scale_offset: int
     sign_mask: int
+
+
+@dataclass(frozen=True)
+class WaveSync:
+    """The device-side hand-over from a wave dispatch's receive to the w1 grouped GEMM (csrc/waves.h).
+
+    Made by `Buffer.dispatch_waves`; pass it to `grouped_gemm.grouped_gemm_nvfp4(..., wave=...)` as the very next
+    kernel on the same stream (that launch runs behind the receive, on the SMs the receive leaves free, and starts
+    each expert's tiles once the expert's rows are in).
+    area: int64 [2 + E_local] on the device: layout-ready word, work counter, rows received per local expert
+        (tagged with the call; never reset, so no memset per call).
+    epoch, abort, error_word: device addresses of the Buffer's dispatch call counter, abort flag and host-mapped
+        error word (a GEMM that waits longer than timeout_ns for its rows records it there; the Buffer's next call
+        raises, naming the stage).
+    """
+
+    area: torch.Tensor
+    epoch: int
+    abort: int
+    error_word: int
+    timeout_ns: int
+
+
+@dataclass(frozen=True)
+class WaveDispatch:
+    """What `Buffer.dispatch_waves` returns.
+
+    result: the DispatchResult, the same as `Buffer.dispatch` gives (NVFP4 tokens, layout, handle).
+    rows: `grouped_gemm.ExpandedRows` of result.x (values fp16 [R, H], row_factor fp32 [R]), written by the
+        receive: bitwise `grouped_gemm.expand_nvfp4_rows(result.x)` on every row below expert_offsets[-1] that
+        belongs to an expert (padding rows and rows past the prefix are unwritten; the GEMM never reads them).
+    wave: the WaveSync for the w1 GEMM launched next.
+    """
+
+    result: DispatchResult
+    rows: Any
+    wave: WaveSync

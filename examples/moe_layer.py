@@ -41,6 +41,7 @@ def worker(rank, world, args):
         reference = moe.MoELayer(buf, router.to(device), weights, expert_impl="reference")(x)
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
     return {"rank": rank, "backend": buf.backend, "experts": layer.expert_impl, "combine_rows": layer.combine_rows,
+            "waves": layer.waves,
             "vs_reference_experts": rel(same_combine, reference), "combine_forms_apart": rel(y, same_combine)}
 
 
@@ -55,7 +56,8 @@ def main(argv=None):
     args.gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 2
     world = torch.cuda.device_count() if args.gpu else 2
     for result in run_ranks(worker, world, args, backend="nccl" if args.gpu else "gloo"):
-        print(f"rank {result['rank']}: backend {result['backend']}, experts {result['experts']}: relative L2 "
+        print(f"rank {result['rank']}: backend {result['backend']}, experts {result['experts']}"
+              + (" (waves: w1 behind the dispatch receive)" if result["waves"] else "") + ": relative L2 "
               f"difference to the reference experts {result['vs_reference_experts']:.2e}"
               + (f"; combine rows from the w2 epilogue, {result['combine_forms_apart']:.2e} from the local_reduce "
                  f"combine" if result["combine_rows"] else ""))

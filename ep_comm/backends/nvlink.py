@@ -28,13 +28,15 @@ import torch
 import torch.distributed as dist
 
 from .. import _ext
-from ..types import BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, s2f6_combine_row_layout
+from ..types import (BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, WaveDispatch, WaveSync,
+                     s2f6_combine_row_layout)
 
 _STAGES = {
     1: "dispatch send (waiting for the peer to finish reading the previous dispatch's rows)",
     2: "dispatch receive (waiting for the peer's tokens)",
     3: "combine send (waiting for the peer to finish reading the previous combine's rows)",
     4: "combine receive (waiting for the peer's expert outputs)",
+    5: "wave GEMM (waiting for the dispatch receive's {what})",
 }
 _DISPATCH_FORMAT_CODE = {"nvfp4": 0, "mxfp8": 1, "bf16": 2}
 _COMBINE_FORMAT_CODE = {"s2f6": 0, "bf16": 1}
@@ -65,6 +67,7 @@ class _RegionLayout:
     count_stride: int
     off_staging: int
     off_combine: int
+    off_wave_index: int
     total_bytes: int
 
     @staticmethod
@@ -96,12 +99,17 @@ class _RegionLayout:
         off = off_staging + w * t_max * disp_row
         off_combine = _align(off, 256)
         off = off_combine + t_max * k * comb_row
+        # Wave index: [W][E_local][T_max] int32, the staging slot of source s's p-th row for local expert j (written
+        # by every dispatch send, read by a wave receive: csrc/nvlink.h).
+        off_wave_index = _align(off, 256)
+        off = off_wave_index + 4 * w * cfg.num_local_experts * t_max
         return _RegionLayout(disp_data_bytes=data, disp_scale_off=scale_off, disp_scale_bytes=scales,
                              disp_meta_off=meta_off, disp_row_bytes=disp_row, comb_row_bytes=comb_row,
                              comb_scale_off=comb_scale_off, off_disp_ready=off_disp_ready,
                              off_disp_consumed=off_disp_consumed, off_comb_ready=off_comb_ready,
                              off_comb_consumed=off_comb_consumed, off_counts=off_counts, count_stride=count_stride,
-                             off_staging=off_staging, off_combine=off_combine, total_bytes=_align(off, 1 << 21))
+                             off_staging=off_staging, off_combine=off_combine, off_wave_index=off_wave_index,
+                             total_bytes=_align(off, 1 << 21))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -371,6 +379,9 @@ class NVLinkBackend:
         # Per layout chunk (block) and key (E experts, then W ranks): rows/tokens of the earlier chunks.
         self._layout_base = torch.zeros(c.nvlink_layout_max_chunks * (config.num_experts + self.world),
                                         dtype=torch.int32, device=dev)
+        # Wave dispatch <-> w1 GEMM sync words (csrc/waves.h; zero once, never reset).
+        self._wave_area = torch.zeros(c.wave_area_fixed_words + config.num_local_experts, dtype=torch.int64,
+                                      device=dev)
         self.blocks = self._block_counts(group, config)
         self._error_host, error_dev = c.nvlink_host_mapped_alloc(self.device, 64)
         L = self.layout
@@ -387,7 +398,8 @@ class NVLinkBackend:
             "off_disp_ready": L.off_disp_ready, "off_disp_consumed": L.off_disp_consumed,
             "off_comb_ready": L.off_comb_ready, "off_comb_consumed": L.off_comb_consumed,
             "off_counts": L.off_counts, "count_stride": L.count_stride, "off_staging": L.off_staging,
-            "off_combine": L.off_combine, "timeout_ns": int(config.timeout_s * 1e9),
+            "off_combine": L.off_combine, "off_wave_index": L.off_wave_index,
+            "timeout_ns": int(config.timeout_s * 1e9),
             "peer_bases": self._peer_bases.data_ptr(), "local_base": self.region.local_base,
             "state": self._state.data_ptr(), "scratch_pos": self._scratch_pos.data_ptr(),
             "scratch_slot": self._scratch_slot.data_ptr(), "expert_count": self._expert_count.data_ptr(),
@@ -472,9 +484,12 @@ class NVLinkBackend:
             stage = (word >> 48) & 0xFF
             peer = (word >> 32) & 0xFFFF
             call = word & 0xFFFFFFFF
+            where = (_STAGES[stage].format(what="layout" if peer == 0xFFFF else f"rows of local expert {peer}")
+                     if stage == 5 else
+                     f"{_STAGES.get(stage, f'stage {stage}')} on peer rank {peer}")
             raise RuntimeError(
                 f"ep_comm nvlink: rank {self.rank} timed out after {self.config.timeout_s:g} s in "
-                f"{_STAGES.get(stage, f'stage {stage}')} on peer rank {peer} (call {call}); results of that call "
+                f"{where} (call {call}); results of that call "
                 f"and later ones are invalid and this Buffer is unusable (did every rank make the same calls?)")
 
     def _after_call(self) -> None:
@@ -506,6 +521,38 @@ class NVLinkBackend:
         return table
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
+        def launch(x, topk_idx, topk_weights, num_tokens, arena_ptr, stream):
+            self._ctx.dispatch_arena(x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype == torch.int64,
+                                     topk_weights.data_ptr(), num_tokens, arena_ptr, stream)
+        return self._dispatch(x, topk_idx, topk_weights, launch)
+
+    def dispatch_waves(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                       wave_blocks: int) -> WaveDispatch:
+        """dispatch() whose receive, on wave_blocks blocks, also writes the GEMM operand rows expert by expert and
+        counts them in the wave area (see Buffer.dispatch_waves)."""
+        if self.config.dispatch_format != "nvfp4":
+            raise ValueError(f"waves need the NVFP4 dispatch format, this buffer dispatches "
+                             f"{self.config.dispatch_format!r}")
+        blocks = int(wave_blocks)
+        if blocks < 1 or blocks > self.blocks["disp_recv_blocks"]:
+            raise ValueError(f"wave_blocks must be in [1, {self.blocks['disp_recv_blocks']}] (the receive's block "
+                             f"count), got {wave_blocks}")
+        from ..grouped_gemm import ExpandedRows
+        rows, h = self.config.max_recv_rows, self.config.hidden
+        values = torch.empty(rows, h, dtype=torch.float16, device=x.device)
+        row_factor = torch.empty(rows, dtype=torch.float32, device=x.device)
+
+        def launch(x, topk_idx, topk_weights, num_tokens, arena_ptr, stream):
+            self._ctx.dispatch_arena_waves(x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype == torch.int64,
+                                           topk_weights.data_ptr(), num_tokens, arena_ptr, values.data_ptr(),
+                                           row_factor.data_ptr(), self._wave_area.data_ptr(), blocks, stream)
+        result = self._dispatch(x, topk_idx, topk_weights, launch)
+        epoch, abort, error_word, timeout_ns = self._ctx.wave_sync()
+        wave = WaveSync(area=self._wave_area, epoch=epoch, abort=abort, error_word=error_word, timeout_ns=timeout_ns)
+        return WaveDispatch(result=result, rows=ExpandedRows(values=values, row_factor=row_factor), wave=wave)
+
+    def _dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, launch
+                  ) -> DispatchResult:
         self._check_alive()
         self.check()
         self._check_rows_closed("dispatch")
@@ -553,9 +600,7 @@ class NVLinkBackend:
         recv_rows = parts[pick[14]]
 
         arena_ptr = arena.data_ptr()
-        self._ctx.dispatch_arena(x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype == torch.int64,
-                                 topk_weights.data_ptr(), num_tokens, arena_ptr,
-                                 torch.cuda.current_stream().cuda_stream)
+        launch(x, topk_idx, topk_weights, num_tokens, arena_ptr, torch.cuda.current_stream().cuda_stream)
         self._after_call()
 
         from .. import formats

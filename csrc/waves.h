@@ -1,0 +1,106 @@
+// Waves: the NVLink dispatch receive hands the w1 grouped GEMM its rows expert by expert while it still runs.
+//
+// The receive (producer, nvlink_dispatch.cu) writes the GEMM's operand rows in expert-major order and counts the
+// rows of each local expert as they land; the GEMM (consumer, grouped_gemm.cu) is launched right behind it as its
+// programmatic dependent (PDL), so its CTAs take the SMs the receive leaves free and start each token tile as soon
+// as that tile's expert is complete. The receive executes griddepcontrol.launch_dependents only once all of its
+// blocks run (the dependent grid is released when every primary block has triggered), so waiting GEMM CTAs can
+// never keep a receive block from running: no deadlock whatever the grid sizes. Each GEMM CTA ends with
+// griddepcontrol.wait, so the GEMM completes only after the receive has: kernels launched after it keep plain stream
+// order with both.
+//
+// Sync area (device memory, one per Buffer; u64 words; never reset, so no memset per call):
+//   [0] layout ready: the receive stores the dispatch epoch (release) once expert_offsets / num_tokens_per_expert
+//       are written and the work counter is zeroed;
+//   [1] the GEMM's work counter (dynamic tile scheduling: CTAs that start late, on SMs the receive freed, simply
+//       take fewer tiles);
+//   [2 + j] rows of local expert j written in this call, tagged with the call: (epoch_lo32 << 32) | rows. The first
+//       writer of a call replaces an older tag by a compare-and-swap, later writers add their rows.
+// Torch-free; included by the NVLink receive and the grouped GEMM.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#include <cuda_runtime.h>
+#endif
+
+namespace ep_comm {
+
+constexpr int kWaveLayoutReady = 0;
+constexpr int kWaveWorkCounter = 1;
+constexpr int kWaveRowsDone = 2;
+constexpr int kWaveAreaWords(int num_local_experts) { return kWaveRowsDone + num_local_experts; }
+// Stage code in the nvlink error word (after nvlink::Stage's 1..4): the GEMM waited too long for a wave's rows.
+constexpr int kStageWaveWaitRows = 5;
+
+struct WaveSync {
+  const unsigned long long* epoch = nullptr;  // the dispatch's call number (stable while the receive and GEMM run)
+  unsigned long long* area = nullptr;         // the sync area above; nullptr = no waves
+  unsigned long long* error_word = nullptr;   // the Buffer's host-mapped error word (timeouts)
+  unsigned int* abort = nullptr;              // the Buffer's abort flag: set on a timeout, later waits give up
+  unsigned long long timeout_ns = 0;
+};
+
+#if defined(__CUDACC__)
+namespace wave {
+
+__device__ __forceinline__ unsigned long long ld_acquire_gpu(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_gpu(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ unsigned long long tagged_rows(unsigned long long epoch, unsigned long long rows) {
+  return ((epoch & 0xFFFFFFFFull) << 32) | rows;
+}
+
+// `rows` more rows of local expert j are written (the caller's stores precede this call in its thread, or were made
+// visible to it by __syncwarp / __syncthreads): release, then count.
+__device__ __forceinline__ void count_rows(unsigned long long* area, int j, int rows, unsigned long long epoch) {
+  __threadfence();
+  unsigned long long* counter = area + kWaveRowsDone + j;
+  const unsigned long long tag = tagged_rows(epoch, 0);
+  unsigned long long seen = *reinterpret_cast<volatile unsigned long long*>(counter);
+  while ((seen & ~0xFFFFFFFFull) != tag) {  // an older call's count: the first writer of this call replaces it
+    const unsigned long long previous = atomicCAS(counter, seen, tag | static_cast<unsigned long long>(rows));
+    if (previous == seen) return;
+    seen = previous;
+  }
+  atomicAdd(counter, static_cast<unsigned long long>(rows));
+}
+
+// Spin until *p >= target (acquire). On a timeout, record it in the error word, set the abort flag and return
+// false (the caller runs on with whatever is in memory; the host raises at its next check), never hang.
+__device__ __forceinline__ bool wait_at_least(const WaveSync& ws, const unsigned long long* p,
+                                              unsigned long long target, int what) {
+  if (ld_acquire_gpu(p) >= target) return true;
+  unsigned long long start;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  volatile unsigned int* abort_flag = ws.abort;
+  while (true) {
+    if (ld_acquire_gpu(p) >= target) return true;
+    if (*abort_flag) return false;
+    unsigned long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start > ws.timeout_ns) {
+      *abort_flag = 1u;
+      volatile unsigned long long* err = ws.error_word;
+      if (*err == 0ull) {
+        *err = (1ull << 63) | (static_cast<unsigned long long>(kStageWaveWaitRows) << 48) |
+               (static_cast<unsigned long long>(what & 0xFFFF) << 32) | (*ws.epoch & 0xFFFFFFFFull);
+      }
+      __threadfence_system();
+      return false;
+    }
+  }
+}
+
+}  // namespace wave
+#endif  // __CUDACC__
+
+}  // namespace ep_comm

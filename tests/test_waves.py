@@ -1,0 +1,232 @@
+"""Waves: the wave dispatch receive writes the grouped GEMM's operand rows expert by expert and w1 runs behind it
+(csrc/waves.h, Buffer.dispatch_waves, MoELayer(waves=True)). Everything must be bitwise what the plain path gives."""
+import dataclasses
+
+import pytest
+import torch
+
+import ep_comm
+from ep_comm import grouped_gemm as gemm
+from ep_comm import moe
+from harness import run_ranks
+
+HIDDEN, INTERMEDIATE, EXPERTS, TOPK = 256, 128, 8, 3  # H and I multiples of 64 (the fused GEMM)
+
+
+def _weights(device):
+    gen = torch.Generator().manual_seed(42)
+    w1 = torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=gen) / HIDDEN ** 0.5
+    w2 = torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, generator=gen) / INTERMEDIATE ** 0.5
+    router = torch.randn(EXPERTS, HIDDEN, generator=gen)
+    return w1.to(device), w2.to(device), router.to(device)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CPU tier: sizing rule and refusals
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.cpu
+def test_default_wave_sms_follows_bytes_and_flops():
+    # DeepSeek-V3 shapes on 132 SMs: the receive needs ~8% of the GEMM's time per row; twice that share of the SMs.
+    assert moe.default_wave_sms(7168, 2048, 132) == 19
+    # A thinner expert (less GEMM work per received byte) needs more receive SMs; never more than half, never < 4.
+    assert moe.default_wave_sms(7168, 256, 132) > moe.default_wave_sms(7168, 2048, 132)
+    assert moe.default_wave_sms(7168, 16, 132) == 66
+    assert moe.default_wave_sms(7168, 1 << 20, 132) == 4
+
+
+def _refusal_worker(rank, world):
+    w1, w2, router = _weights("cpu")
+    with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=8) as buf:
+        packed = moe.pack_weights(w1, w2)
+        refused = []
+        try:
+            moe.MoELayer(buf, router, packed, waves=True)
+            refused.append(False)
+        except ValueError as error:
+            refused.append("waves=True needs" in str(error))
+        x = torch.randn(4, HIDDEN).to(torch.bfloat16)
+        idx = torch.zeros(4, TOPK, dtype=torch.int64) + torch.arange(TOPK)
+        try:
+            buf.dispatch_waves(x, idx, torch.ones(4, TOPK), wave_sms=4)
+            refused.append(False)
+        except NotImplementedError as error:
+            refused.append("nvlink" in str(error))
+        layer = moe.MoELayer(buf, router, packed)  # the default: off wherever waves cannot run
+        refused.append(layer.waves is False and layer.wave_sms is None)
+        return refused
+
+
+@pytest.mark.cpu
+def test_waves_refused_where_they_cannot_run():
+    assert run_ranks(_refusal_worker, 1, backend="gloo") == [[True, True, True]]
+
+
+@pytest.mark.cpu
+def test_gemm_refuses_a_foreign_wave():
+    w1, _, _ = _weights("cpu")
+    weights = gemm.pack_gemm_weights(moe.pack_weights(w1, torch.zeros(EXPERTS, HIDDEN, INTERMEDIATE)).w1,
+                                     swiglu=True)
+    x = gemm.ExpandedRows(values=torch.zeros(4, HIDDEN, dtype=torch.float16), row_factor=torch.zeros(4))
+    offsets = torch.tensor([0, 4] + [4] * (EXPERTS - 1), dtype=torch.int32)
+    counts = torch.tensor([4] + [0] * (EXPERTS - 1), dtype=torch.int32)
+    with pytest.raises(TypeError, match="WaveSync"):
+        gemm.grouped_gemm_nvfp4(x, offsets, counts, weights, wave=object())
+    wave = ep_comm.WaveSync(area=torch.zeros(2 + EXPERTS, dtype=torch.int64), epoch=0, abort=0, error_word=0,
+                            timeout_ns=0)
+    with pytest.raises(ValueError, match="CUDA grouped GEMM"):
+        gemm.grouped_gemm_nvfp4(x, offsets, counts, weights, wave=wave, impl="reference")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Two GPUs (nvlink): bitwise the plain path
+# ---------------------------------------------------------------------------------------------------------------
+def _routings(rank, num_tokens, device):
+    """(name, topk_idx int64 [T, K], topk_weights fp32 [T, K]): balanced random, skewed onto rank 0's experts (rank
+    1's experts and some of rank 0's get nothing), and masked slots (-1) with one token masked entirely."""
+    gen = torch.Generator().manual_seed(900 + rank)
+    picks = [torch.randperm(EXPERTS, generator=gen)[:TOPK] for _ in range(num_tokens)]
+    balanced = torch.stack(picks) if picks else torch.zeros(0, TOPK, dtype=torch.int64)
+    rank0_experts = torch.tensor([0, 1, 3])  # expert 2 and all of rank 1's get nothing
+    skewed = rank0_experts[torch.stack([torch.randperm(3, generator=gen) for _ in range(num_tokens)])] \
+        if num_tokens else balanced.clone()
+    masked = balanced.clone()
+    masked[::3, 1] = -1
+    masked[:1, :] = -1
+    weights = torch.rand(num_tokens, TOPK, generator=gen)
+    return [(name, idx.to(device), weights.to(device)) for name, idx in
+            (("balanced", balanced), ("skewed", skewed), ("masked", masked))]
+
+
+def _equal(a, b):
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _wave_dispatch_matches_plain(buf, packed_w1, x, idx, weights, wave_sms):
+    """dispatch_waves + the wave w1 GEMM against dispatch + expand_nvfp4_rows + w1: every defined byte equal."""
+    plain = buf.dispatch(x, idx, weights)
+    plain_rows = gemm.expand_nvfp4_rows(plain.x, num_rows_limit=plain.expert_offsets[-1:])
+    waved = buf.dispatch_waves(x, idx, weights, wave_sms=wave_sms)
+    result = waved.result
+    hidden = torch.zeros(result.num_rows, packed_w1.out_features, dtype=torch.float32, device=x.device)
+    gemm.grouped_gemm_nvfp4(waved.rows, result.expert_offsets, result.num_tokens_per_expert, packed_w1,
+                            out_dtype=torch.float32, out=hidden, wave=waved.wave)
+    plain_hidden = torch.zeros_like(hidden)
+    gemm.grouped_gemm_nvfp4(plain_rows, plain.expert_offsets, plain.num_tokens_per_expert, packed_w1,
+                            out_dtype=torch.float32, out=plain_hidden)
+    torch.cuda.synchronize()
+    buf.check()
+    checks = {}
+    used = int(plain.expert_offsets[-1])
+    checks["layout"] = _equal(result.expert_offsets, plain.expert_offsets) and _equal(
+        result.num_tokens_per_expert, plain.num_tokens_per_expert)
+    checks["metadata"] = all(_equal(getattr(result, f), getattr(plain, f))
+                             for f in ("src_rank", "src_token", "topk_slot", "topk_weight"))
+    checks["payload"] = all(_equal(getattr(result.x, f)[:used], getattr(plain.x, f)[:used])
+                            for f in ("data", "scales", "amax"))
+    # The GEMM operand rows: defined on every row of an expert (padding rows are not written).
+    valid = torch.zeros(result.num_rows, dtype=torch.bool, device=x.device)
+    for j, (start, count) in enumerate(zip(plain.expert_offsets[:-1].tolist(), plain.num_tokens_per_expert.tolist())):
+        valid[start:start + count] = True
+    checks["rows"] = _equal(waved.rows.values[valid], plain_rows.values[valid]) and _equal(
+        waved.rows.row_factor[valid], plain_rows.row_factor[valid])
+    checks["w1"] = _equal(hidden[valid], plain_hidden[valid])
+    # The wave dispatch's handle combines like the plain one.
+    expert_out = torch.randn(result.num_rows, HIDDEN, generator=torch.Generator(device=x.device).manual_seed(5),
+                             device=x.device).to(torch.bfloat16)
+    checks["combine"] = _equal(buf.combine(expert_out, result.handle), buf.combine(expert_out, plain.handle))
+    checks["rows_in_use"] = used
+    return checks
+
+
+def _graph_matches_eager(layer, x, rank):
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        static_y = layer(static_x)
+    equal = []
+    for trial in range(2):
+        static_x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(700 + 10 * trial + rank))
+                       .to(torch.bfloat16))
+        graph.replay()
+        eager = layer(static_x.clone())
+        torch.cuda.synchronize()
+        equal.append(_equal(static_y, eager))
+    return all(equal)
+
+
+def _waves_worker(rank, world):
+    device = torch.device("cuda", torch.cuda.current_device())
+    w1, w2, router = _weights(device)
+    local = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
+    num_tokens = 40 + 9 * rank  # uneven token counts
+    x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(100 + rank)).to(torch.bfloat16)
+    x = x.to(device)
+    out = {"backend": None}
+    with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=64,
+                        expert_alignment=16, backend="auto") as buf:
+        out["backend"] = buf.backend
+        if buf.backend != "nvlink":
+            return out
+        packed = moe.pack_weights(w1[local], w2[local])
+        packed_w1 = gemm.pack_gemm_weights(packed.w1, swiglu=True)
+        dispatch_checks = {}
+        for name, idx, weights in _routings(rank, num_tokens, device):
+            for wave_sms in (1, 3, buf.max_wave_sms):
+                dispatch_checks[f"{name}/{wave_sms}"] = _wave_dispatch_matches_plain(buf, packed_w1, x, idx, weights,
+                                                                                     wave_sms)
+        # No tokens on this rank at all (the other rank still sends).
+        empty = x[:0] if rank == 1 else x
+        idx, weights = _routings(rank, empty.shape[0], device)[0][1:]
+        dispatch_checks["rank1_empty"] = _wave_dispatch_matches_plain(buf, packed_w1, empty, idx, weights, 2)
+        out["dispatch"] = dispatch_checks
+
+        layers = {}
+        # Token tiles: the automatic one (64 here), 16 (three CTAs per SM) and 128 (a main launch with waves and a
+        # remainder launch after it, without).
+        for combine_rows, tile in ((True, None), (False, None), (True, 16), (True, 128)):
+            plain = moe.MoELayer(buf, router, packed, combine_rows=combine_rows, token_tile=tile, waves=False)
+            waved = moe.MoELayer(buf, router, packed, combine_rows=combine_rows, token_tile=tile)  # waves: default
+            want = plain(x)
+            got = [waved(x) for _ in range(3)]
+            interleaved = [plain(x), waved(x)]  # plain and wave calls in any order keep the flags in step
+            torch.cuda.synchronize()
+            layers[f"rows={combine_rows}/tile={waved.token_tile}"] = {
+                "waves": waved.waves, "wave_sms": waved.wave_sms,
+                "equal": all(_equal(y, want) for y in got + interleaved),
+                "graph": _graph_matches_eager(waved, x, rank)}
+        out["layers"] = layers
+    # A wave GEMM whose receive never publishes (an area that no dispatch writes): a timeout error naming the
+    # stage, not a hang. Own Buffer: it is unusable afterwards.
+    with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=64,
+                        timeout_s=0.5) as buf:
+        waved = buf.dispatch_waves(x, *(_routings(rank, num_tokens, device)[0][1:]), wave_sms=2)
+        stray = dataclasses.replace(waved.wave, area=torch.zeros_like(waved.wave.area))
+        result = waved.result
+        gemm.grouped_gemm_nvfp4(waved.rows, result.expert_offsets, result.num_tokens_per_expert, packed_w1,
+                                out_dtype=torch.float32, wave=stray)
+        torch.cuda.synchronize()
+        try:
+            buf.check()
+            out["timeout"] = "no error"
+        except RuntimeError as error:
+            out["timeout"] = str(error)
+    return out
+
+
+@pytest.mark.multigpu
+def test_waves_are_bitwise_the_plain_path():
+    for result in run_ranks(_waves_worker, 2, backend="nccl"):
+        if result["backend"] != "nvlink":
+            pytest.skip(f"waves need the nvlink backend (the GPUs are not NVLink peers: {result['backend']})")
+        for name, checks in result["dispatch"].items():
+            assert all(v for k, v in checks.items() if k != "rows_in_use"), (name, checks)
+        assert result["dispatch"]["balanced/1"]["rows_in_use"] > 0
+        for name, layer in result["layers"].items():
+            assert layer["waves"] and layer["wave_sms"] >= 1, layer
+            assert layer["equal"] and layer["graph"], (name, layer)
+        assert "wave GEMM" in result["timeout"] and "timed out" in result["timeout"], result["timeout"]
