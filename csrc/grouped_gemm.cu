@@ -217,8 +217,7 @@ __device__ bool find_tile(const GroupedGemmArgs& args, const RowSplit split, int
       cursor.loaded = loaded;
       found = result;
       if (args.wave.area != nullptr && result.expert >= 0) {
-        wave::wait_at_least(args.wave, args.wave.area + kWaveRowsDone + result.expert,
-                            wave::tagged_rows(wave_epoch, clamped_count(args, result.expert)), result.expert);
+        wave::wait_rows(args.wave, result.expert, wave_epoch, clamped_count(args, result.expert));
       }
     }
   }
@@ -701,7 +700,7 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
     wave_epoch = 0;
     if (args.wave.area != nullptr) {  // waves: the receive running beside us publishes the layout first
       const unsigned long long epoch = *reinterpret_cast<const volatile unsigned long long*>(args.wave.epoch);
-      wave::wait_at_least(args.wave, args.wave.area + kWaveLayoutReady, epoch, 0xFFFF);  // 0xFFFF: "the layout"
+      wave::wait_layout(args.wave, epoch);
       wave_epoch = epoch;
     }
   }

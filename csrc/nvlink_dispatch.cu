@@ -281,15 +281,16 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
       }
     }
 
-    // Wave index (part 0): for each of the token's slots, its staging slot at the slot's rank -- held by the first
-    // lane of that rank -- at [my rank][local expert][position among my rows for that expert] of that rank's
-    // index, so that a wave receive can find the rows of an expert without scanning every staging row.
-    if (part == 0) {
+    // Wave index (NVFP4, part 0): for each of the token's slots, its staging slot at the slot's rank -- held by the
+    // first lane of that rank -- at [my rank][local expert][position among my rows for that expert] of that rank's
+    // index, so that a wave receive can find the rows of an expert without scanning every staging row. (A position
+    // past T_max only comes from duplicate ids that went unchecked; it is not stored outside the list.)
+    if (kFmt == kDispNvfp4 && part == 0) {
       const int dest = e >= 0 ? e / cfg.num_local : -1 - lane;  // masked lanes and lanes >= K: keys of their own
       const unsigned int same_dest = __match_any_sync(0xFFFFFFFFu, dest);
       const unsigned int holder = same_dest & __ballot_sync(0xFFFFFFFFu, slot >= 0);
       const int dest_slot = __shfl_sync(0xFFFFFFFFu, slot, holder ? __ffs(holder) - 1 : lane);
-      if (e >= 0 && holder) {
+      if (e >= 0 && holder && pos < cfg.max_tokens) {
         int* index = reinterpret_cast<int*>(peer_ptr(cfg, dest, cfg.off_wave_index));
         const long long list = static_cast<long long>(cfg.rank) * cfg.num_local + (e - dest * cfg.num_local);
         index[list * cfg.max_tokens + pos] = dest_slot;

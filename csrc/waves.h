@@ -74,16 +74,16 @@ __device__ __forceinline__ void count_rows(unsigned long long* area, int j, int 
   atomicAdd(counter, static_cast<unsigned long long>(rows));
 }
 
-// Spin until *p >= target (acquire). On a timeout, record it in the error word, set the abort flag and return
+// Spin until done(*p) (acquire loads). On a timeout, record it in the error word, set the abort flag and return
 // false (the caller runs on with whatever is in memory; the host raises at its next check), never hang.
-__device__ __forceinline__ bool wait_at_least(const WaveSync& ws, const unsigned long long* p,
-                                              unsigned long long target, int what) {
-  if (ld_acquire_gpu(p) >= target) return true;
+template <typename Done>
+__device__ __forceinline__ bool wait_until(const WaveSync& ws, const unsigned long long* p, Done done, int what) {
+  if (done(ld_acquire_gpu(p))) return true;
   unsigned long long start;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
   volatile unsigned int* abort_flag = ws.abort;
   while (true) {
-    if (ld_acquire_gpu(p) >= target) return true;
+    if (done(ld_acquire_gpu(p))) return true;
     if (*abort_flag) return false;
     unsigned long long now;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
@@ -98,6 +98,20 @@ __device__ __forceinline__ bool wait_at_least(const WaveSync& ws, const unsigned
       return false;
     }
   }
+}
+
+// The layout of dispatch `epoch` is published (the word only grows).
+__device__ __forceinline__ bool wait_layout(const WaveSync& ws, unsigned long long epoch) {
+  return wait_until(ws, ws.area + kWaveLayoutReady, [epoch](unsigned long long v) { return v >= epoch; }, 0xFFFF);
+}
+
+// All `rows` rows of local expert j are in for dispatch `epoch`: the tag must be this call's exactly (an ordered
+// compare of the whole word would let an older call's count pass once the 32-bit tag wraps).
+__device__ __forceinline__ bool wait_rows(const WaveSync& ws, int j, unsigned long long epoch, int rows) {
+  const unsigned long long tag = tagged_rows(epoch, 0);
+  return wait_until(ws, ws.area + kWaveRowsDone + j, [tag, rows](unsigned long long v) {
+    return (v & ~0xFFFFFFFFull) == tag && (v & 0xFFFFFFFFull) >= static_cast<unsigned long long>(rows);
+  }, j);
 }
 
 }  // namespace wave

@@ -222,13 +222,16 @@ class Buffer:
                        wave_sms: int, check_inputs: Optional[bool] = None) -> WaveDispatch:
         """`dispatch` for a w1 grouped GEMM that overlaps its receive (nvlink backend, NVFP4 dispatch).
 
-        The receive runs on `wave_sms` blocks (SMs) instead of the Buffer's receive block count and writes, besides
-        the DispatchResult, the GEMM's operand rows (`grouped_gemm.ExpandedRows`, bitwise expand_nvfp4_rows of
-        result.x) in expert-major row order, counting each local expert's rows on the device as they land. Launch
+        The receive runs on `wave_sms` blocks of 512 threads (one per SM) instead of the Buffer's receive block count
+        and writes, besides the DispatchResult, the GEMM's operand rows (`grouped_gemm.ExpandedRows`, bitwise
+        expand_nvfp4_rows of result.x) in expert-major row order, counting each local expert's rows on the device as
+        they land. Launch
         `grouped_gemm.grouped_gemm_nvfp4(wave_dispatch.rows, ..., wave=wave_dispatch.wave)` as the next kernel on
         the same stream: it starts behind the receive on the other SMs and multiplies each expert as soon as its
-        rows are in (csrc/waves.h; `moe.MoELayer(waves=True)` does both). Arguments as `dispatch`; wave_sms in
-        [1, the receive's block count (num_local_sms)].
+        rows are in (csrc/waves.h; `moe.MoELayer(waves=True)` does both). Nothing may be launched on the stream in
+        between (that kernel would become the GEMM's predecessor and the overlap would be lost), and the GEMM is
+        refused if the Buffer is called first: the WaveSync is good for that one launch. Arguments as `dispatch`;
+        wave_sms in [1, `max_wave_sms`] (the receive's block count, num_local_sms).
         Returns: `types.WaveDispatch(result, rows, wave)`.
         """
         self._check_alive()

@@ -488,9 +488,12 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
         counts on the host, so the kernel clamps each count to its segment and to R instead (the reference raises
         on inconsistent ones).
     wave: the `types.WaveSync` of a `Buffer.dispatch_waves` whose rows, offsets and counts these are (CUDA path
-        only). This launch must then be the next kernel on the stream after that dispatch: it runs behind the
-        dispatch's receive (programmatic dependent launch), on the SMs the receive leaves free, starting each
-        expert's tiles once the receive has written that expert's rows. Same results as without.
+        only). This launch runs behind the dispatch's receive (programmatic dependent launch), on the SMs the
+        receive leaves free, starting each expert's tiles once the receive has written that expert's rows; same
+        results as without. It must be the next kernel on the stream after that dispatch to overlap with it (pass a
+        preallocated `out`, or none: with `wave` the default output is torch.empty, not zero-filled, so that no fill
+        kernel sits in between), and it is refused (RuntimeError) if the WaveSync was used before, if the Buffer
+        was called since, or on another stream.
     """
     rows = _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, out_dtype, token_tile, tail_tile,
                               out)
@@ -503,6 +506,12 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
             raise ValueError(f"wave belongs to {wave.area.device} but x is on {device}")
         if not _use_gemm_kernels(impl, x.values, "grouped_gemm_nvfp4"):
             raise ValueError("wave needs the CUDA grouped GEMM (impl 'auto' or 'cuda' on an sm_90 GPU)")
+        area = wave.area
+        if (area.dtype != torch.int64 or not area.is_contiguous()
+                or area.numel() != _ext._C.wave_area_fixed_words + weights.num_experts):
+            raise ValueError(f"wave.area must be a contiguous int64 tensor of {_ext._C.wave_area_fixed_words} + "
+                             f"{weights.num_experts} words (one per local expert of these weights), got "
+                             f"{area.dtype} {tuple(area.shape)}")
     if row_amax is not None:
         if not weights.swiglu:
             raise ValueError("row_amax needs SwiGLU weights (it is the w2 input's per-token amax)")
@@ -512,10 +521,13 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
                              f"{getattr(row_amax, 'dtype', type(row_amax).__name__)} "
                              f"{tuple(getattr(row_amax, 'shape', ()))} on {getattr(row_amax, 'device', None)}")
     use_cuda = _use_gemm_kernels(impl, x.values, "grouped_gemm_nvfp4")
-    if out is None:
-        out = torch.zeros(rows, weights.out_features, dtype=out_dtype, device=device)
+    if out is None:  # (with a wave: no fill kernel between the dispatch's receive and this launch)
+        out = (torch.empty if wave is not None else torch.zeros)(rows, weights.out_features, dtype=out_dtype,
+                                                                  device=device)
     if use_cuda:
         _check_cuda_weights(weights)
+        if wave is not None and wave.claim is not None:
+            wave.claim()
         if rows == 0:
             return out
         with torch.cuda.device(device):

@@ -213,6 +213,8 @@ class WaveSync:
     epoch, abort, error_word: device addresses of the Buffer's dispatch call counter, abort flag and host-mapped
         error word (a GEMM that waits longer than timeout_ns for its rows records it there; the Buffer's next call
         raises, naming the stage).
+    claim: called by the GEMM launcher just before the launch; raises if this WaveSync is stale (already used,
+        another call on the Buffer since its dispatch, another stream, a destroyed Buffer). None: no such check.
     """
 
     area: torch.Tensor
@@ -220,6 +222,7 @@ class WaveSync:
     abort: int
     error_word: int
     timeout_ns: int
+    claim: Any = None
 
 
 @dataclass(frozen=True)

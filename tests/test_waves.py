@@ -105,11 +105,19 @@ def _wave_dispatch_matches_plain(buf, packed_w1, x, idx, weights, wave_sms):
     """dispatch_waves + the wave w1 GEMM against dispatch + expand_nvfp4_rows + w1: every defined byte equal."""
     plain = buf.dispatch(x, idx, weights)
     plain_rows = gemm.expand_nvfp4_rows(plain.x, num_rows_limit=plain.expert_offsets[-1:])
+    # Allocated before the wave dispatch: no kernel may sit between its receive and the wave GEMM (a fill would end
+    # the overlap).
+    hidden = torch.zeros(plain.num_rows, packed_w1.out_features, dtype=torch.float32, device=x.device)
     waved = buf.dispatch_waves(x, idx, weights, wave_sms=wave_sms)
     result = waved.result
-    hidden = torch.zeros(result.num_rows, packed_w1.out_features, dtype=torch.float32, device=x.device)
     gemm.grouped_gemm_nvfp4(waved.rows, result.expert_offsets, result.num_tokens_per_expert, packed_w1,
                             out_dtype=torch.float32, out=hidden, wave=waved.wave)
+    stale_refused = False
+    try:  # a WaveSync runs one GEMM: a second launch would find every work item taken
+        gemm.grouped_gemm_nvfp4(waved.rows, result.expert_offsets, result.num_tokens_per_expert, packed_w1,
+                                out_dtype=torch.float32, out=hidden, wave=waved.wave)
+    except RuntimeError as error:
+        stale_refused = "stale" in str(error)
     plain_hidden = torch.zeros_like(hidden)
     gemm.grouped_gemm_nvfp4(plain_rows, plain.expert_offsets, plain.num_tokens_per_expert, packed_w1,
                             out_dtype=torch.float32, out=plain_hidden)
@@ -134,6 +142,7 @@ def _wave_dispatch_matches_plain(buf, packed_w1, x, idx, weights, wave_sms):
     expert_out = torch.randn(result.num_rows, HIDDEN, generator=torch.Generator(device=x.device).manual_seed(5),
                              device=x.device).to(torch.bfloat16)
     checks["combine"] = _equal(buf.combine(expert_out, result.handle), buf.combine(expert_out, plain.handle))
+    checks["stale_refused"] = stale_refused
     checks["rows_in_use"] = used
     return checks
 
@@ -204,8 +213,10 @@ def _waves_worker(rank, world):
     # stage, not a hang. Own Buffer: it is unusable afterwards.
     with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=64,
                         timeout_s=0.5) as buf:
+        stray_area = torch.zeros(ep_comm._ext._C.wave_area_fixed_words + EXPERTS // world, dtype=torch.int64,
+                                 device=device)  # made before the dispatch: no kernel in between
         waved = buf.dispatch_waves(x, *(_routings(rank, num_tokens, device)[0][1:]), wave_sms=2)
-        stray = dataclasses.replace(waved.wave, area=torch.zeros_like(waved.wave.area))
+        stray = dataclasses.replace(waved.wave, area=stray_area)
         result = waved.result
         gemm.grouped_gemm_nvfp4(waved.rows, result.expert_offsets, result.num_tokens_per_expert, packed_w1,
                                 out_dtype=torch.float32, wave=stray)
@@ -230,3 +241,23 @@ def test_waves_are_bitwise_the_plain_path():
             assert layer["waves"] and layer["wave_sms"] >= 1, layer
             assert layer["equal"] and layer["graph"], (name, layer)
         assert "wave GEMM" in result["timeout"] and "timed out" in result["timeout"], result["timeout"]
+
+
+@pytest.mark.cpu
+def test_wave_sync_is_single_use():
+    """The host-side ticket behind WaveSync.claim: refused once used or superseded, and on a destroyed Buffer (the
+    stream check needs a GPU: tests above)."""
+    from ep_comm.backends.nvlink import _WaveTicket
+
+    class Backend:
+        _destroyed = False
+        _wave_ticket = None
+
+    backend = Backend()
+    ticket = _WaveTicket(backend, stream=0)
+    with pytest.raises(RuntimeError, match="stale"):  # superseded (another call cleared it) or already claimed
+        ticket.claim()
+    backend._wave_ticket = ticket
+    backend._destroyed = True
+    with pytest.raises(RuntimeError, match="destroyed"):
+        ticket.claim()

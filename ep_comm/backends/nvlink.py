@@ -100,9 +100,10 @@ class _RegionLayout:
         off_combine = _align(off, 256)
         off = off_combine + t_max * k * comb_row
         # Wave index: [W][E_local][T_max] int32, the staging slot of source s's p-th row for local expert j (written
-        # by every dispatch send, read by a wave receive: csrc/nvlink.h).
+        # by every NVFP4 dispatch send, read by a wave receive: csrc/nvlink.h). Waves are NVFP4-only.
         off_wave_index = _align(off, 256)
-        off = off_wave_index + 4 * w * cfg.num_local_experts * t_max
+        if cfg.dispatch_format == "nvfp4":
+            off = off_wave_index + 4 * w * cfg.num_local_experts * t_max
         return _RegionLayout(disp_data_bytes=data, disp_scale_off=scale_off, disp_scale_bytes=scales,
                              disp_meta_off=meta_off, disp_row_bytes=disp_row, comb_row_bytes=comb_row,
                              comb_scale_off=comb_scale_off, off_disp_ready=off_disp_ready,
@@ -110,6 +111,32 @@ class _RegionLayout:
                              off_comb_consumed=off_comb_consumed, off_counts=off_counts, count_stride=count_stride,
                              off_staging=off_staging, off_combine=off_combine, off_wave_index=off_wave_index,
                              total_bytes=_align(off, 1 << 21))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Waves: one w1 GEMM per wave dispatch
+# ----------------------------------------------------------------------------------------------------------
+class _WaveTicket:
+    """A wave dispatch's single right to launch its w1 GEMM (WaveSync.claim, called by grouped_gemm_nvfp4 just before
+    the launch). The GEMM reads the Buffer's current dispatch epoch and takes work from a counter only the receive
+    resets, so it must run once, on the dispatch's stream, before any other call on the Buffer: a second launch
+    would find every item taken and compute nothing, and one after a later dispatch would wait on that dispatch's
+    counters. Refused on the host instead."""
+
+    def __init__(self, backend, stream: int):
+        self._backend = backend
+        self._stream = stream
+
+    def claim(self) -> None:
+        backend = self._backend
+        if backend._destroyed:
+            raise RuntimeError("the Buffer of this wave dispatch was destroyed")
+        if backend._wave_ticket is not self:
+            raise RuntimeError("this WaveSync is stale: a wave dispatch's w1 GEMM runs once, right after its "
+                               "dispatch_waves, before any other call on that Buffer")
+        if torch.cuda.current_stream().cuda_stream != self._stream:
+            raise RuntimeError("the w1 GEMM of a wave dispatch must run on the stream of its dispatch_waves")
+        backend._wave_ticket = None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -364,6 +391,7 @@ class NVLinkBackend:
         self._arena_tables = {}
         self._destroyed = False
         self._rows_handle = None  # the handle begin_combine_rows was given, until finish_combine_rows (order check)
+        self._wave_ticket = None  # the last wave dispatch's _WaveTicket until its w1 GEMM claims it
 
         self.region = _SymmetricRegion(group, self.layout.total_bytes)
         dev = torch.device("cuda", self.device)
@@ -547,8 +575,11 @@ class NVLinkBackend:
                                            topk_weights.data_ptr(), num_tokens, arena_ptr, values.data_ptr(),
                                            row_factor.data_ptr(), self._wave_area.data_ptr(), blocks, stream)
         result = self._dispatch(x, topk_idx, topk_weights, launch)
+        ticket = _WaveTicket(self, torch.cuda.current_stream().cuda_stream)
+        self._wave_ticket = ticket
         epoch, abort, error_word, timeout_ns = self._ctx.wave_sync()
-        wave = WaveSync(area=self._wave_area, epoch=epoch, abort=abort, error_word=error_word, timeout_ns=timeout_ns)
+        wave = WaveSync(area=self._wave_area, epoch=epoch, abort=abort, error_word=error_word, timeout_ns=timeout_ns,
+                        claim=ticket.claim)
         return WaveDispatch(result=result, rows=ExpandedRows(values=values, row_factor=row_factor), wave=wave)
 
     def _dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, launch
@@ -690,6 +721,9 @@ class NVLinkBackend:
     def _check_alive(self) -> None:
         if self._destroyed:
             raise RuntimeError("this nvlink backend was destroyed")
+        # Any other call between a wave dispatch and its w1 GEMM makes that dispatch's WaveSync stale (a later
+        # dispatch moves the epoch and the sync area on; see _WaveTicket).
+        self._wave_ticket = None
 
     def destroy(self) -> None:
         """Collective: waits for this device's work, then frees the symmetric region on every rank."""
