@@ -9,6 +9,7 @@ import ep_comm
 from ep_comm import grouped_gemm as gemm
 from ep_comm import moe
 from harness import run_ranks
+from test_moe import _graph_replay_matches_eager  # the whole layer captured once, replayed on new inputs
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOPK = 256, 128, 8, 3  # H and I multiples of 64 (the fused GEMM)
 
@@ -147,27 +148,6 @@ def _wave_dispatch_matches_plain(buf, packed_w1, x, idx, weights, wave_sms):
     return checks
 
 
-def _graph_matches_eager(layer, x, rank):
-    static_x = x.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layer(static_x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        static_y = layer(static_x)
-    equal = []
-    for trial in range(2):
-        static_x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(700 + 10 * trial + rank))
-                       .to(torch.bfloat16))
-        graph.replay()
-        eager = layer(static_x.clone())
-        torch.cuda.synchronize()
-        equal.append(_equal(static_y, eager))
-    return all(equal)
-
-
 def _waves_worker(rank, world):
     device = torch.device("cuda", torch.cuda.current_device())
     w1, w2, router = _weights(device)
@@ -207,7 +187,7 @@ def _waves_worker(rank, world):
             layers[f"rows={combine_rows}/tile={waved.token_tile}"] = {
                 "waves": waved.waves, "wave_sms": waved.wave_sms,
                 "equal": all(_equal(y, want) for y in got + interleaved),
-                "graph": _graph_matches_eager(waved, x, rank)}
+                "graph": _graph_replay_matches_eager(waved, x, rank)}
         out["layers"] = layers
     # A wave GEMM whose receive never publishes (an area that no dispatch writes): a timeout error naming the
     # stage, not a hang. Own Buffer: it is unusable afterwards.
