@@ -200,7 +200,7 @@ class MoELayer(torch.nn.Module):
             wave_sms SMs and writes the GEMM's operand rows expert by expert, and w1 runs behind it on the other
             SMs, starting each expert as soon as its rows are in (no separate expansion pass). Same results
             bitwise. Needs the fused experts and the nvlink backend. None (default): on where it can run --
-            measured on 2xH200 (bench/RESULTS.md, tenth session) 2-4.5% faster at 128 tokens per rank and within
+            measured on 2xH200 (bench/RESULTS.md, tenth session) 1.8-4.5% faster at 128 tokens per rank and within
             -0.8..-0.2% (noise) at 4096; `self.waves` says which.
         wave_sms: SMs of the wave receive; None: `default_wave_sms` (from the bytes and FLOPs per row), clamped to
             the Buffer's receive block count.
