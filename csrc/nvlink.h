@@ -36,6 +36,7 @@
 #include <cuda_runtime.h>
 #endif
 
+#include "spin_wait.cuh"
 #include "waves.h"
 
 namespace ep_comm {
@@ -251,21 +252,9 @@ cudaError_t launch_kernel(void (*kernel)(KernelArgs...), int grid, int block, si
 
 // ------------------------------------------------------------------------------------------------------
 // Memory-model helpers. Peers' writes land in our memory while kernels run: reads of such data use plain
-// (coherent) loads after an acquire, never the non-coherent read-only path.
-__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* p) {
-  unsigned long long v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
+// (coherent) loads after an acquire (ld_acquire_sys, spin_wait.cuh), never the non-coherent read-only path.
 __device__ __forceinline__ void red_release_sys_add(unsigned long long* p, unsigned long long v) {
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ unsigned long long global_timer_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
 }
 
 __device__ __forceinline__ uint4 ld_coherent_v4(const void* p) {
@@ -305,23 +294,9 @@ __device__ __forceinline__ void st_v4(void* p, uint4 v) { *reinterpret_cast<uint
 __device__ __forceinline__ bool wait_counter(const NvlinkConfig& cfg, const unsigned long long* flag,
                                              unsigned long long target, int stage, int peer,
                                              unsigned long long epoch) {
-  if (ld_acquire_sys(flag) >= target) return true;
-  const unsigned long long start = global_timer_ns();
-  volatile unsigned int* abort_flag = &cfg.state->abort;
-  while (true) {
-    if (ld_acquire_sys(flag) >= target) return true;
-    if (*abort_flag) return false;
-    if (global_timer_ns() - start > cfg.timeout_ns) {
-      *abort_flag = 1u;
-      volatile unsigned long long* err = cfg.error_word;
-      if (*err == 0ull) {
-        *err = (1ull << 63) | (static_cast<unsigned long long>(stage & 0xFF) << 48) |
-               (static_cast<unsigned long long>(peer & 0xFFFF) << 32) | (epoch & 0xFFFFFFFFull);
-      }
-      __threadfence_system();
-      return false;
-    }
-  }
+  return spin_until([flag] { return ld_acquire_sys(flag); }, [target](unsigned long long v) { return v >= target; },
+                    &cfg.state->abort, cfg.error_word, cfg.timeout_ns,
+                    [stage, peer, epoch] { return timeout_error_word(stage, peer, epoch); });
 }
 
 // Every block: thread p < W waits on counter p of `flags` (in my region), then the block proceeds.

@@ -477,14 +477,8 @@ __device__ void wave_receive_rows(const NvlinkConfig& cfg, const DispatchArgs& a
         if (w >= words) continue;
         *reinterpret_cast<unsigned int*>(out_codes + 4ll * w) = current.code_words[u];
         if ((w & 1) == 0) out_scales[w / 2] = current.scale_bytes[u];
-        const float block_scale = e4m3_decode(current.scale_bytes[u]);
         float y[8];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const unsigned int byte = (current.code_words[u] >> (8 * i)) & 0xFFu;
-          y[2 * i] = qm_mul(e2m1_decode(static_cast<uint8_t>(byte & 0xF)), block_scale);
-          y[2 * i + 1] = qm_mul(e2m1_decode(static_cast<uint8_t>(byte >> 4)), block_scale);
-        }
+        e2m1x8_decode_scaled(current.code_words[u], e4m3_decode(current.scale_bytes[u]), y);
         vec::store_row_segment<__half, 8>(out_values + 8ll * w, y);
       }
     }

@@ -192,6 +192,18 @@ QM_HD float e2m1_decode(uint8_t code) {
   return bits_float(mag | ((static_cast<uint32_t>(code) & 0x8u) << 28));
 }
 
+// The 8 E2M1 codes of a 32-bit word of packed NVFP4 codes (low nibble first), each times `scale`, into y[0..7]:
+// the per-code decode of the NVFP4 dequantize kernel and of the wave dispatch receive (integer ops and one FMUL per
+// value).
+QM_HD void e2m1x8_decode_scaled(uint32_t word, float scale, float* y) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t byte = (word >> (8 * i)) & 0xFFu;
+    y[2 * i] = qm_mul(e2m1_decode(static_cast<uint8_t>(byte & 0xF)), scale);
+    y[2 * i + 1] = qm_mul(e2m1_decode(static_cast<uint8_t>(byte >> 4)), scale);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // E4M3 (FN): clamp to [-448, 448], RNE (subnormals included), NaN -> 0x7F (whatever the NaN's sign).
 QM_HD uint8_t e4m3_encode_soft(float v) {

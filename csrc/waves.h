@@ -23,6 +23,8 @@
 
 #if defined(__CUDACC__)
 #include <cuda_runtime.h>
+
+#include "spin_wait.cuh"
 #endif
 
 namespace ep_comm {
@@ -30,7 +32,6 @@ namespace ep_comm {
 constexpr int kWaveLayoutReady = 0;
 constexpr int kWaveWorkCounter = 1;
 constexpr int kWaveRowsDone = 2;
-constexpr int kWaveAreaWords(int num_local_experts) { return kWaveRowsDone + num_local_experts; }
 // Stage code in the nvlink error word (after nvlink::Stage's 1..4): the GEMM waited too long for a wave's rows.
 constexpr int kStageWaveWaitRows = 5;
 
@@ -45,26 +46,19 @@ struct WaveSync {
 #if defined(__CUDACC__)
 namespace wave {
 
-__device__ __forceinline__ unsigned long long ld_acquire_gpu(const unsigned long long* p) {
-  unsigned long long v;
-  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
 __device__ __forceinline__ void st_release_gpu(unsigned long long* p, unsigned long long v) {
   asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-__device__ __forceinline__ unsigned long long tagged_rows(unsigned long long epoch, unsigned long long rows) {
-  return ((epoch & 0xFFFFFFFFull) << 32) | rows;
-}
+// The high word of a row counter: the call it counts for.
+__device__ __forceinline__ unsigned long long call_tag(unsigned long long epoch) { return (epoch & 0xFFFFFFFFull) << 32; }
 
 // `rows` more rows of local expert j are written (the caller's stores precede this call in its thread, or were made
 // visible to it by __syncwarp / __syncthreads): release, then count.
 __device__ __forceinline__ void count_rows(unsigned long long* area, int j, int rows, unsigned long long epoch) {
   __threadfence();
   unsigned long long* counter = area + kWaveRowsDone + j;
-  const unsigned long long tag = tagged_rows(epoch, 0);
+  const unsigned long long tag = call_tag(epoch);
   unsigned long long seen = *reinterpret_cast<volatile unsigned long long*>(counter);
   while ((seen & ~0xFFFFFFFFull) != tag) {  // an older call's count: the first writer of this call replaces it
     const unsigned long long previous = atomicCAS(counter, seen, tag | static_cast<unsigned long long>(rows));
@@ -74,30 +68,12 @@ __device__ __forceinline__ void count_rows(unsigned long long* area, int j, int 
   atomicAdd(counter, static_cast<unsigned long long>(rows));
 }
 
-// Spin until done(*p) (acquire loads). On a timeout, record it in the error word, set the abort flag and return
-// false (the caller runs on with whatever is in memory; the host raises at its next check), never hang.
+// Spin until done(*p) (acquire loads at GPU scope; spin_until: a timeout records stage 5 and `what` -- the local
+// expert, or 0xFFFF for the layout -- in the Buffer's error word, never a hang).
 template <typename Done>
 __device__ __forceinline__ bool wait_until(const WaveSync& ws, const unsigned long long* p, Done done, int what) {
-  if (done(ld_acquire_gpu(p))) return true;
-  unsigned long long start;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  volatile unsigned int* abort_flag = ws.abort;
-  while (true) {
-    if (done(ld_acquire_gpu(p))) return true;
-    if (*abort_flag) return false;
-    unsigned long long now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    if (now - start > ws.timeout_ns) {
-      *abort_flag = 1u;
-      volatile unsigned long long* err = ws.error_word;
-      if (*err == 0ull) {
-        *err = (1ull << 63) | (static_cast<unsigned long long>(kStageWaveWaitRows) << 48) |
-               (static_cast<unsigned long long>(what & 0xFFFF) << 32) | (*ws.epoch & 0xFFFFFFFFull);
-      }
-      __threadfence_system();
-      return false;
-    }
-  }
+  return spin_until([p] { return ld_acquire_gpu(p); }, done, ws.abort, ws.error_word, ws.timeout_ns,
+                    [&ws, what] { return timeout_error_word(kStageWaveWaitRows, what, *ws.epoch); });
 }
 
 // The layout of dispatch `epoch` is published (the word only grows).
@@ -108,7 +84,7 @@ __device__ __forceinline__ bool wait_layout(const WaveSync& ws, unsigned long lo
 // All `rows` rows of local expert j are in for dispatch `epoch`: the tag must be this call's exactly (an ordered
 // compare of the whole word would let an older call's count pass once the 32-bit tag wraps).
 __device__ __forceinline__ bool wait_rows(const WaveSync& ws, int j, unsigned long long epoch, int rows) {
-  const unsigned long long tag = tagged_rows(epoch, 0);
+  const unsigned long long tag = call_tag(epoch);
   return wait_until(ws, ws.area + kWaveRowsDone + j, [tag, rows](unsigned long long v) {
     return (v & ~0xFFFFFFFFull) == tag && (v & 0xFFFFFFFFull) >= static_cast<unsigned long long>(rows);
   }, j);

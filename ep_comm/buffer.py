@@ -202,6 +202,11 @@ class Buffer:
             format, num_tokens_per_expert / expert_offsets (int32, device), per-row src_rank, src_token,
             topk_slot, topk_weight, and the handle for `combine`.
         """
+        self._check_dispatch_call(x, topk_idx, topk_weights, check_inputs)
+        return self._backend.dispatch(x, topk_idx, topk_weights)
+
+    def _check_dispatch_call(self, x, topk_idx, topk_weights, check_inputs: Optional[bool]) -> None:
+        """What every dispatch checks before its kernels: a live Buffer, no autograd, valid inputs."""
         self._check_alive()
         self._refuse_autograd("dispatch", x, topk_weights)
         check = self.check_inputs if check_inputs is None else bool(check_inputs)
@@ -216,7 +221,6 @@ class Buffer:
                                                 "raised there); this rank's call is abandoned so that no rank waits")
         else:
             self._validate_dispatch(x, topk_idx, topk_weights, check)
-        return self._backend.dispatch(x, topk_idx, topk_weights)
 
     def dispatch_waves(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                        wave_sms: int, check_inputs: Optional[bool] = None) -> WaveDispatch:
@@ -238,9 +242,7 @@ class Buffer:
         if self.backend != "nvlink":
             raise NotImplementedError("dispatch_waves needs the nvlink backend (a receive kernel running beside the "
                                       "GEMM); use dispatch")
-        self._refuse_autograd("dispatch", x, topk_weights)
-        check = self.check_inputs if check_inputs is None else bool(check_inputs)
-        self._validate_dispatch(x, topk_idx, topk_weights, check)
+        self._check_dispatch_call(x, topk_idx, topk_weights, check_inputs)
         if isinstance(wave_sms, bool) or not isinstance(wave_sms, int):
             raise TypeError(f"wave_sms must be an int, got {type(wave_sms).__name__}")
         return self._backend.dispatch_waves(x, topk_idx, topk_weights, wave_sms)

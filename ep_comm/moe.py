@@ -167,8 +167,15 @@ def fused_expert_mlp(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor, 
     never read, so intermediates are uninitialised and only the rows of valid experts are defined in the result
     (what `Buffer.combine` reads).
     """
-    from . import grouped_gemm as gemm
     hidden = fused_expert_hidden(tokens, expert_offsets, num_tokens_per_expert, w1, token_tile)
+    return _expert_output(hidden, expert_offsets, num_tokens_per_expert, w2, token_tile)
+
+
+def _expert_output(hidden, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor, w2, token_tile
+                   ) -> torch.Tensor:
+    """w2 on the w2 input rows (grouped_gemm.ExpandedRows [R, I]): bf16 [R, H], only the rows of valid experts
+    written (torch.empty: no fill pass)."""
+    from . import grouped_gemm as gemm
     out = torch.empty(hidden.num_rows, w2.out_features, dtype=torch.bfloat16, device=hidden.values.device)
     return gemm.grouped_gemm_nvfp4(hidden, expert_offsets, num_tokens_per_expert, w2, out_dtype=torch.bfloat16,
                                    out=out, token_tile=token_tile)
@@ -335,10 +342,8 @@ class MoELayer(torch.nn.Module):
             grouped_gemm.grouped_gemm_nvfp4_combine_rows(hidden, result.expert_offsets, result.num_tokens_per_expert,
                                                          self._w2_packed, target, token_tile=self.token_tile)
             return self.buffer.finish_combine_rows(result.handle)
-        out = torch.empty(hidden.num_rows, self._w2_packed.out_features, dtype=torch.bfloat16,
-                          device=hidden.values.device)
-        grouped_gemm.grouped_gemm_nvfp4(hidden, result.expert_offsets, result.num_tokens_per_expert, self._w2_packed,
-                                        out_dtype=torch.bfloat16, out=out, token_tile=self.token_tile)
+        out = _expert_output(hidden, result.expert_offsets, result.num_tokens_per_expert, self._w2_packed,
+                             self.token_tile)
         return self.buffer.combine(out, result.handle)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

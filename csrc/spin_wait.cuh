@@ -1,0 +1,57 @@
+// Device-side waiting on flags another kernel (or another GPU) writes: acquire loads and the one timed spin loop that
+// every wait of the NVLink kernels (nvlink.h) and of the wave GEMM (waves.h) goes through. A wait that runs out of
+// time records why in the Buffer's host-mapped error word, sets the Buffer's abort flag (so every later wait gives up
+// at once) and returns false: the kernel runs on and the host raises at its next check, never a hang.
+// Torch-free; device code only.
+#pragma once
+
+#if defined(__CUDACC__)
+namespace ep_comm {
+
+__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ unsigned long long ld_acquire_gpu(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ unsigned long long global_timer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// The error word's layout (the Python side decodes it): bit 63 set, stage << 48, peer (or what) << 32, call number.
+__device__ __forceinline__ unsigned long long timeout_error_word(int stage, int peer, unsigned long long epoch) {
+  return (1ull << 63) | (static_cast<unsigned long long>(stage & 0xFF) << 48) |
+         (static_cast<unsigned long long>(peer & 0xFFFF) << 32) | (epoch & 0xFFFFFFFFull);
+}
+
+// Spin until done(load()). On a timeout: abort flag set, error_bits() stored in the error word unless a first error
+// is already there, false returned. load does the acquire; error_bits is only evaluated on a timeout.
+template <typename Load, typename Done, typename ErrorBits>
+__device__ __forceinline__ bool spin_until(Load load, Done done, unsigned int* abort, unsigned long long* error_word,
+                                           unsigned long long timeout_ns, ErrorBits error_bits) {
+  if (done(load())) return true;
+  const unsigned long long start = global_timer_ns();
+  volatile unsigned int* abort_flag = abort;
+  while (true) {
+    if (done(load())) return true;
+    if (*abort_flag) return false;
+    if (global_timer_ns() - start > timeout_ns) {
+      *abort_flag = 1u;
+      volatile unsigned long long* err = error_word;
+      if (*err == 0ull) *err = error_bits();
+      __threadfence_system();
+      return false;
+    }
+  }
+}
+
+}  // namespace ep_comm
+#endif  // __CUDACC__
