@@ -90,6 +90,24 @@ bench_dc() {  # $1 = ranks; further arguments go to the benchmark
   grep -E "graph|ceiling|reference" "$OUT/bench_dc_$ranks.txt" | tail -24 | tee -a "$log"
 }
 bench_dc_nvfp4() { bench_dc 2 --tokens 128,4096 --formats nvfp4/s2f6; }
+bench_direct_self() {  # A/B in one call: NVFP4 dispatch with direct self rows always (0) and never, twice each
+  for round in 1 2; do
+    for min_tokens in 0 1000000000; do
+      say "bench: NVFP4 dispatch, EP_COMM_DIRECT_SELF_MIN_TOKENS=$min_tokens (round $round)"
+      EP_COMM_DIRECT_SELF_MIN_TOKENS=$min_tokens timeout 120 python3 \
+        bench/bench_dispatch_combine.py --nproc 2 --tokens 128,512,1024,2048,4096 --formats nvfp4/s2f6 --no-reference \
+        --no-ceiling --out "$OUT/bench_direct_self_${min_tokens}_$round.json" > "$OUT/bench_ds.txt" 2>&1
+      grep -E "nvlink +dispatch .* graph" "$OUT/bench_ds.txt" | tee -a "$log" || tail -5 "$OUT/bench_ds.txt" | tee -a "$log"
+    done
+  done
+  rm -f "$OUT/bench_ds.txt"
+}
+test_nvlink() {
+  say "multigpu tier: nvlink suite"
+  timeout 400 python3 -m pytest -q -x -rs tests/test_nvlink.py > "$OUT/pytest_nvlink.txt" 2>&1
+  tail -3 "$OUT/pytest_nvlink.txt" | tee -a "$log"
+  grep -q " passed" "$OUT/pytest_nvlink.txt" && ! grep -q "failed" "$OUT/pytest_nvlink.txt" && rm -f "$OUT/pytest_nvlink.txt"
+}
 bench_gemm() {  # arguments go to the benchmark
   say "bench: grouped GEMM (1 GPU)"
   CUDA_VISIBLE_DEVICES=0 timeout 250 python3 bench/bench_grouped_gemm.py --check --rows 128,16,256r "$@" --out "$OUT/bench_gemm.json" 2>&1 | grep -E "^(w1|w2|gemm|==)|eiling|check:" | tee -a "$log"

@@ -63,6 +63,8 @@ class NvlinkContext {
     c.off_staging = get<long long>(d, "off_staging");
     c.off_combine = get<long long>(d, "off_combine");
     c.off_wave_index = get<long long>(d, "off_wave_index");
+    c.off_disp_counts = get<long long>(d, "off_disp_counts");
+    c.direct_self_min_tokens = get<int>(d, "direct_self_min_tokens");
     c.timeout_ns = get<unsigned long long>(d, "timeout_ns");
     c.peer_bases = ptr<const unsigned long long>(get<uintptr_t>(d, "peer_bases"));
     c.local_base = ptr<char>(get<uintptr_t>(d, "local_base"));
@@ -127,8 +129,13 @@ class NvlinkContext {
     return a;
   }
 
-  void launch_dispatch(const DispatchArgs& a, uintptr_t stream) {
+  void launch_dispatch(DispatchArgs a, uintptr_t stream) {
     select();
+    // Direct self rows (nvlink.h): NVFP4, whose send runs on every SM, stores this rank's own rows expanded while it
+    // quantizes, so the receive expands only the other ranks' rows. A wave receive reads every source's staging rows,
+    // so waves keep them; tiny calls skip the extra wait for the counts (Python sets the threshold).
+    a.direct_self = cfg_.disp_fmt == kDispNvfp4 && a.wave_values == nullptr &&
+                    a.num_tokens >= cfg_.direct_self_min_tokens;
     launch_layout(cfg_, a, stream);
     launch_dispatch_send(cfg_, a, stream);
     launch_dispatch_recv(cfg_, a, stream);

@@ -9,6 +9,7 @@
 //              disp_consumed[W] my region, slot d: blocks of dest d that finished reading my rows
 //              comb_ready[W]    my region, slot e: blocks of expert rank e that finished writing rows to me
 //              comb_consumed[W] my region, slot s: blocks of source s that finished reading my rows
+//              disp_counts[W]   my region, slot s: dispatch calls whose counts source s has written to me
 //   counts     [W][count_stride] int32: source s writes its per-local-expert row counts and its token count
 //   staging    [W][T_max] dispatch rows (payload | metadata), slot chosen by the sender's prefix sum
 //   combine    [T_max][K] combine rows, indexed by (token, rank ordinal) or (token, top-k slot)
@@ -20,6 +21,13 @@
 //   disp_consumed <- dispatch receive blocks (cfg.disp_recv_blocks), waited on by dispatch send
 //   comb_ready    <- combine send blocks     (cfg.comb_send_blocks), waited on by combine receive
 //   comb_consumed <- combine receive blocks  (cfg.comb_recv_blocks), waited on by combine send
+//   disp_counts   <- one dispatch send block per call (the first to start), waited on by the dispatch send's
+//                    direct self rows (below)
+// Direct self rows (NVFP4, not a wave dispatch; DispatchArgs::direct_self): the send stores the rows a rank sends to
+// itself straight into its expert-major output (handle included) instead of its own staging area, once every
+// source's counts are in (the output offsets depend on them); the receive then expands only the other sources' rows.
+// The counts writer is the send block that starts first in the call (a ticket, not block 0), so the wait for counts
+// never depends on a block that is not yet resident.
 // The block counts are fixed per Buffer and identical on every rank (Python agrees on them); no kernel
 // waits on another block of its own grid, so grids larger than the SM count are safe. Epochs (calls) are counted on the device (NvlinkState) so CUDA-graph replays
 // advance them. A writer first waits until the reader has consumed the previous epoch's rows (the
@@ -52,6 +60,7 @@ enum Stage : int {
   kStageCombineWaitConsumed = 3,   // combine send: peer still reading the previous combine's rows
   kStageCombineWaitReady = 4,      // combine receive: peer's rows never arrived
   // 5 = kStageWaveWaitRows (waves.h): the w1 GEMM waited too long for a wave's rows
+  kStageDispatchWaitCounts = 6,    // dispatch send (direct self rows): peer's counts never arrived
 };
 
 constexpr int kMaxTopk = 32;    // one lane per top-k slot in several warp-level steps
@@ -72,6 +81,7 @@ struct NvlinkState {
   unsigned int comb_done_blocks;  // combine-receive blocks finished in the current call
   unsigned int layout_done_blocks;  // layout blocks finished in the current call (last one scans)
   unsigned int abort;             // set after a timeout: every later wait gives up at once
+  unsigned long long send_arrivals;  // dispatch send blocks started, all calls (ticket % grid == 0: counts writer)
 };
 
 // Static description of one Buffer: geometry, region offsets and device addresses. Passed by value.
@@ -92,6 +102,7 @@ struct NvlinkConfig {
   int comb_fmt;      // CombineFormat
   unsigned int sign_mask;
   long long max_recv_rows;
+  int direct_self_min_tokens;  // smallest call that takes the direct self rows (NVFP4 without waves)
 
   // Dispatch staging row: [data | scales | meta], each section 16-byte aligned.
   long long disp_row_bytes;
@@ -113,6 +124,7 @@ struct NvlinkConfig {
   long long off_staging;
   long long off_combine;
   long long off_wave_index;
+  long long off_disp_counts;  // disp_counts[W] (u64 counters)
 
   unsigned long long timeout_ns;
 
@@ -162,6 +174,9 @@ struct DispatchArgs {
   float* wave_row_factor;       // [R]
   WaveSync wave;
   int wave_blocks;
+  // Direct self rows (see the protocol above): set by the host launcher (bind_nvlink.cpp) for NVFP4 calls without
+  // waves and with at least cfg.direct_self_min_tokens tokens; the send and the receive both read it from here.
+  int direct_self;
 };
 
 struct CombineArgs {

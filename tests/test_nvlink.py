@@ -115,7 +115,20 @@ def oracle_worker(rank, world):
     return semantics_worker(rank, world, backend="nvlink", device_kind="cuda", hidden=256)
 
 
-def versus_reference_worker(rank, world):
+def _direct_self(min_tokens):
+    """Buffers created after this take NVFP4's direct self rows from `min_tokens` tokens on (None: the default)."""
+    import os
+    if min_tokens is None:
+        os.environ.pop("EP_COMM_DIRECT_SELF_MIN_TOKENS", None)
+    else:
+        os.environ["EP_COMM_DIRECT_SELF_MIN_TOKENS"] = str(min_tokens)
+
+
+def versus_reference_worker(rank, world, direct_self_min_tokens=None):
+    """Every format pair at H = 2048/4096/7168 and the routing corner cases. With direct_self_min_tokens=0, the NVFP4
+    cases only, with the send storing each rank's own rows straight into its output (the default keeps them in
+    staging below 2048 tokens)."""
+    _direct_self(direct_self_min_tokens)
     cases = []
     for hidden in (2048, 4096, 7168):
         for dfmt, cfmt in (("nvfp4", "s2f6"), ("mxfp8", "bf16"), ("bf16", "s2f6"), ("nvfp4", "bf16")):
@@ -128,6 +141,8 @@ def versus_reference_worker(rank, world):
     ]
     summary = []
     for case_id, (hidden, dfmt, cfmt, align, routing, experts, topk) in enumerate(cases):
+        if direct_self_min_tokens is not None and dfmt != "nvfp4":
+            continue
         max_tokens = 96
         tokens = [max_tokens - 37 * r % max_tokens for r in range(world)]
         tokens[world - 1] = 0 if case_id % 3 == 2 else tokens[world - 1]  # an empty rank now and then
@@ -172,7 +187,10 @@ def block_counts_worker(rank, world):
 
 
 def pressure_and_graph_worker(rank, world):
+    """Races (50 identical calls, one hash) and graph replay, with NVFP4's direct self rows (a new wait on the peers'
+    counts inside the send); then Buffer create/destroy leaks."""
     import ep_comm
+    _direct_self(0)
     hidden, experts, topk, max_tokens = 2048, 16 * world, 8, 256
     ref, nvl = _buffers(hidden, experts, topk, max_tokens, "nvfp4", "s2f6", 1)
     results = {}
@@ -259,9 +277,12 @@ def pressure_and_graph_worker(rank, world):
     return results
 
 
-def timeout_worker(rank, world):
-    """Rank 1 skips a dispatch: rank 0's receive times out and check() names the stage and the peer."""
+def timeout_worker(rank, world, direct_self=False):
+    """Rank 1 skips a dispatch: rank 0's receive (with direct self rows: its send, waiting for rank 1's counts) times
+    out and check() names the stage and the peer."""
     import ep_comm
+    _direct_self(0 if direct_self else None)
+    stage = "dispatch send (waiting for the peer's token counts" if direct_self else "dispatch receive"
     hidden, experts = 256, 4 * world
     buf = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=2, max_tokens_per_rank=8,
                          backend="nvlink", timeout_s=0.5)
@@ -274,7 +295,7 @@ def timeout_worker(rank, world):
                 torch.cuda.synchronize()
                 buf._backend.check()
             message = str(raised.value)
-            assert "rank 0" in message and "dispatch receive" in message and "peer rank 1" in message, message
+            assert "rank 0" in message and stage in message and "peer rank 1" in message, message
             with pytest.raises(RuntimeError, match="timed out"):  # the Buffer stays unusable, loudly
                 buf._backend.check()
         torch.cuda.synchronize()
@@ -298,6 +319,12 @@ def test_nvlink_matches_reference():
 
 
 @pytest.mark.multigpu
+def test_nvlink_direct_self_rows_match_reference():
+    """NVFP4 dispatch with the send storing each rank's own rows into its output: bitwise the reference."""
+    run_ranks(versus_reference_worker, _world(), 0, backend="nccl", timeout_s=900)
+
+
+@pytest.mark.multigpu
 def test_nvlink_block_counts_and_chunked_layout():
     run_ranks(block_counts_worker, _world(), backend="nccl", timeout_s=600)
 
@@ -309,8 +336,9 @@ def test_nvlink_pressure_graph_and_leaks():
 
 
 @pytest.mark.multigpu
-def test_nvlink_timeout_names_stage_and_peer():
-    run_ranks(timeout_worker, 2, backend="nccl", timeout_s=300)
+@pytest.mark.parametrize("direct_self", [False, True])
+def test_nvlink_timeout_names_stage_and_peer(direct_self):
+    run_ranks(timeout_worker, 2, direct_self, backend="nccl", timeout_s=300)
 
 
 @pytest.mark.cpu

@@ -37,7 +37,14 @@ _STAGES = {
     3: "combine send (waiting for the peer to finish reading the previous combine's rows)",
     4: "combine receive (waiting for the peer's expert outputs)",
     5: "wave GEMM (waiting for the dispatch receive's {what})",
+    6: "dispatch send (waiting for the peer's token counts, which place this rank's own rows)",
 }
+# Smallest dispatch (tokens on this rank) whose NVFP4 send stores this rank's own rows straight into the expert-major
+# output (csrc/nvlink.h, "direct self rows"); smaller calls keep them in staging and skip the send's wait for the
+# counts. Measured on 2xH200 (bench/RESULTS.md, eleventh session): 4096 tokens 137.6-139.4 vs 151.1-154.6 us per call,
+# 1024 and 2048 tokens within noise, 128 and 512 tokens noisy either way. EP_COMM_DIRECT_SELF_MIN_TOKENS overrides it
+# (tests and measurements; 0 = always, a huge value = never).
+_DIRECT_SELF_MIN_TOKENS = 2048
 _DISPATCH_FORMAT_CODE = {"nvfp4": 0, "mxfp8": 1, "bf16": 2}
 _COMBINE_FORMAT_CODE = {"s2f6": 0, "bf16": 1}
 _MAX_TOPK = 32
@@ -68,6 +75,7 @@ class _RegionLayout:
     off_staging: int
     off_combine: int
     off_wave_index: int
+    off_disp_counts: int
     total_bytes: int
 
     @staticmethod
@@ -93,6 +101,7 @@ class _RegionLayout:
         off_disp_consumed, off = off, off + flags
         off_comb_ready, off = off, off + flags
         off_comb_consumed, off = off, off + flags
+        off_disp_counts, off = off, off + flags
         count_stride = _align(cfg.num_local_experts + 1, 4)
         off_counts, off = _align(off, 256), _align(off, 256) + 4 * w * count_stride
         off_staging = _align(off, 256)
@@ -110,7 +119,7 @@ class _RegionLayout:
                              off_disp_consumed=off_disp_consumed, off_comb_ready=off_comb_ready,
                              off_comb_consumed=off_comb_consumed, off_counts=off_counts, count_stride=count_stride,
                              off_staging=off_staging, off_combine=off_combine, off_wave_index=off_wave_index,
-                             total_bytes=_align(off, 1 << 21))
+                             off_disp_counts=off_disp_counts, total_bytes=_align(off, 1 << 21))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -426,7 +435,8 @@ class NVLinkBackend:
             "off_disp_ready": L.off_disp_ready, "off_disp_consumed": L.off_disp_consumed,
             "off_comb_ready": L.off_comb_ready, "off_comb_consumed": L.off_comb_consumed,
             "off_counts": L.off_counts, "count_stride": L.count_stride, "off_staging": L.off_staging,
-            "off_combine": L.off_combine, "off_wave_index": L.off_wave_index,
+            "off_combine": L.off_combine, "off_wave_index": L.off_wave_index, "off_disp_counts": L.off_disp_counts,
+            "direct_self_min_tokens": int(os.environ.get("EP_COMM_DIRECT_SELF_MIN_TOKENS", _DIRECT_SELF_MIN_TOKENS)),
             "timeout_ns": int(config.timeout_s * 1e9),
             "peer_bases": self._peer_bases.data_ptr(), "local_base": self.region.local_base,
             "state": self._state.data_ptr(), "scratch_pos": self._scratch_pos.data_ptr(),
