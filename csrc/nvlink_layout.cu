@@ -29,6 +29,7 @@ namespace nvlink {
 namespace {
 
 constexpr int kLayoutMaxSmem = 200 * 1024;
+constexpr int kLayoutMaxWarps = 16;
 
 __device__ __forceinline__ int load_expert(const void* idx, int is64, long long q, int num_experts) {
   long long e = is64 ? __ldg(reinterpret_cast<const long long*>(idx) + q)
@@ -59,7 +60,7 @@ __device__ __forceinline__ void scan_chunk_columns(const NvlinkConfig& cfg, int 
   }
 }
 
-__global__ void __launch_bounds__(256) layout_kernel(NvlinkConfig cfg, DispatchArgs args) {
+__global__ void __launch_bounds__(kLayoutMaxWarps * 32) layout_kernel(NvlinkConfig cfg, DispatchArgs args) {
   extern __shared__ int hist[];  // [num_warps][E + W]
   __shared__ bool last_block;
   pdl_prologue();
@@ -185,10 +186,16 @@ bool pdl_enabled() {
   return enabled;
 }
 
+// Warps of a layout block: at least 8, and one thread per key kind (E + W) where that fits, so that the last block's
+// scan over chunks takes every column in one round (256 experts + 2 ranks on 256 threads took two).
 int layout_warps(const NvlinkConfig& cfg) {
-  const size_t per_warp = static_cast<size_t>(cfg.num_experts + cfg.world) * sizeof(int);
-  int warps = static_cast<int>(kLayoutMaxSmem / per_warp);
-  if (warps > 8) warps = 8;
+  const int num_keys_kinds = cfg.num_experts + cfg.world;
+  const size_t per_warp = static_cast<size_t>(num_keys_kinds) * sizeof(int);
+  int warps = (num_keys_kinds + 31) / 32;
+  if (warps < 8) warps = 8;
+  if (warps > kLayoutMaxWarps) warps = kLayoutMaxWarps;
+  const int smem_warps = static_cast<int>(kLayoutMaxSmem / per_warp);
+  if (warps > smem_warps) warps = smem_warps;
   if (warps < 1) throw std::runtime_error("ep_comm nvlink: too many experts for the layout kernel's shared memory");
   return warps;
 }
