@@ -28,8 +28,9 @@
 // source's counts are in (the output offsets depend on them); the receive then expands only the other sources' rows.
 // The counts writer is the send block that starts first in the call (a ticket, not block 0), so the wait for counts
 // never depends on a block that is not yet resident.
-// The block counts are fixed per Buffer and identical on every rank (Python agrees on them); no kernel
-// waits on another block of its own grid, so grids larger than the SM count are safe. Epochs (calls) are counted on the device (NvlinkState) so CUDA-graph replays
+// The block counts are fixed per Buffer and identical on every rank (Python agrees on them). A kernel waits on
+// another block of its own grid only for the counts, whose writer has already started (above), so grids larger than
+// the SM count are safe. Epochs (calls) are counted on the device (NvlinkState) so CUDA-graph replays
 // advance them. A writer first waits until the reader has consumed the previous epoch's rows (the
 // *_consumed counters), so buffers are reused without memsets and without races whatever the call
 // pattern (dispatch twice in a row, combine twice with one handle, ...), as long as every rank makes

@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
   };
 
   // The warp's first item is read before the wait below: only the stores into the destinations' staging
-  // rows (and block 0's count stores) must wait until the previous dispatch there has been consumed, so the
+  // rows (and the counts writer's stores) must wait until the previous dispatch there has been consumed, so the
   // routing loads and the NVFP4 amax overlap the flag poll (or a wait for a late peer).
   int e = -1, slot = -1, pos = -1;
   float w = 0.0f, token_amax = 0.0f;
@@ -828,8 +828,10 @@ size_t recv_smem(const NvlinkConfig& cfg) {
 }  // namespace
 
 void prepare_dispatch_kernels(const NvlinkConfig& cfg) {
+  // Always opted in: the 48 KiB default bounds static + dynamic shared memory together, and these kernels have a
+  // few KiB of static arrays, so a layout just under 48 KiB would fail to launch without the opt-in.
   const size_t smem = recv_smem(cfg);
-  if (smem > 48 * 1024) {
+  {
     check_cuda(cudaFuncSetAttribute(dispatch_send_kernel<kDispNvfp4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(smem)),
                "cudaFuncSetAttribute(dispatch_send)");

@@ -125,9 +125,9 @@ def _direct_self(min_tokens):
 
 
 def versus_reference_worker(rank, world, direct_self_min_tokens=None):
-    """Every format pair at H = 2048/4096/7168 and the routing corner cases. With direct_self_min_tokens=0, the NVFP4
-    cases only, with the send storing each rank's own rows straight into its output (the default keeps them in
-    staging below 2048 tokens)."""
+    """Every format pair at H = 2048/4096/7168 and the routing corner cases. With direct_self_min_tokens set, the NVFP4
+    cases only, with the send storing the rows of each rank at or above that many tokens straight into its output
+    (the default keeps them in staging below 2048 tokens)."""
     _direct_self(direct_self_min_tokens)
     cases = []
     for hidden in (2048, 4096, 7168):
@@ -163,7 +163,9 @@ def versus_reference_worker(rank, world, direct_self_min_tokens=None):
 
 def block_counts_worker(rank, world):
     """Kernels with different grids (send num_sms=3, local phases num_local_sms=5, or 1/2) and a call large
-    enough for 63 multi-token layout chunks: the per-kernel counters and the chunked layout stay exact."""
+    enough for 63 multi-token layout chunks: the per-kernel counters and the chunked layout stay exact. The NVFP4
+    case takes direct self rows (a 2-block send: many tokens per warp, one warp per token)."""
+    _direct_self(0)
     summary = []
     cases = [(256, "bf16", "bf16", 1, 3, 5, 1500), (256, "nvfp4", "s2f6", 16, 1, 2, 1500),
              (512, "mxfp8", "s2f6", 1, 5, 3, 40)]
@@ -186,35 +188,48 @@ def block_counts_worker(rank, world):
     return summary
 
 
+def _pressure_hash(nvl, x, idx, w, hidden, rank):
+    """The same inputs 50 times (dispatch, dispatch again, combine twice per handle) -> one hash (returned)."""
+    hashes = set()
+    out = None
+    for it in range(50):
+        res = nvl.dispatch(x, idx, w)
+        if it % 10 == 3:
+            res = nvl.dispatch(x, idx, w)  # two dispatches in a row: staging reuse must wait for readers
+        if out is None:
+            _, out = _expert_out(int(res.expert_offsets[-1]), res.num_rows, hidden, 9, rank)
+        y1 = nvl.combine(out, res.handle)
+        y2 = nvl.combine(out, res.handle, local_reduce=False)
+        if it % 10 == 7:
+            y1 = nvl.combine(out, res.handle)  # two combines with one handle
+        digest = hashlib.sha256(_payload_bytes(res.x, "nvfp4")[:int(res.expert_offsets[-1])].cpu().numpy())
+        digest.update(_bits(y1).numpy().tobytes())
+        digest.update(_bits(y2).numpy().tobytes())
+        hashes.add(digest.hexdigest())
+    assert len(hashes) == 1, f"50 identical calls gave {len(hashes)} different results"
+    return hashes.pop(), out
+
+
 def pressure_and_graph_worker(rank, world):
-    """Races (50 identical calls, one hash) and graph replay, with NVFP4's direct self rows (a new wait on the peers'
-    counts inside the send); then Buffer create/destroy leaks."""
+    """Races (50 identical calls, one hash) with the NVFP4 self rows staged and stored directly by the send (a wait
+    on the peers' counts inside the send): the same hash; graph replay with direct self rows; then Buffer
+    create/destroy leaks."""
     import ep_comm
-    _direct_self(0)
     hidden, experts, topk, max_tokens = 2048, 16 * world, 8, 256
+    x, idx, w = _make_inputs(rank, max_tokens, hidden, experts, topk, "uniform", world, seed=5)
+    _direct_self(None)
+    ref, nvl = _buffers(hidden, experts, topk, max_tokens, "nvfp4", "s2f6", 1)
+    try:
+        staged_hash, _ = _pressure_hash(nvl, x, idx, w, hidden, rank)
+    finally:
+        ref.destroy()
+        nvl.destroy()
+    _direct_self(0)
     ref, nvl = _buffers(hidden, experts, topk, max_tokens, "nvfp4", "s2f6", 1)
     results = {}
     try:
-        # Pressure: the same inputs 50 times (dispatch, dispatch again, combine twice per handle) -> one hash.
-        x, idx, w = _make_inputs(rank, max_tokens, hidden, experts, topk, "uniform", world, seed=5)
-        hashes = set()
-        out = None
-        for it in range(50):
-            res = nvl.dispatch(x, idx, w)
-            if it % 10 == 3:
-                res = nvl.dispatch(x, idx, w)  # two dispatches in a row: staging reuse must wait for readers
-            if out is None:
-                _, out = _expert_out(int(res.expert_offsets[-1]), res.num_rows, hidden, 9, rank)
-            y1 = nvl.combine(out, res.handle)
-            y2 = nvl.combine(out, res.handle, local_reduce=False)
-            if it % 10 == 7:
-                y1 = nvl.combine(out, res.handle)  # two combines with one handle
-            digest = hashlib.sha256(_payload_bytes(res.x, "nvfp4")[:int(res.expert_offsets[-1])].cpu().numpy())
-            digest.update(_bits(y1).numpy().tobytes())
-            digest.update(_bits(y2).numpy().tobytes())
-            hashes.add(digest.hexdigest())
-        assert len(hashes) == 1, f"50 identical calls gave {len(hashes)} different results"
-        results["pressure"] = hashes.pop()
+        results["pressure"], out = _pressure_hash(nvl, x, idx, w, hidden, rank)
+        assert results["pressure"] == staged_hash, "direct self rows changed the results"
 
         # CUDA graph: capture dispatch + combine, replay with new data, compare with eager calls.
         static_x, static_idx, static_w = (t.clone() for t in (x, idx, w))
@@ -320,8 +335,9 @@ def test_nvlink_matches_reference():
 
 @pytest.mark.multigpu
 def test_nvlink_direct_self_rows_match_reference():
-    """NVFP4 dispatch with the send storing each rank's own rows into its output: bitwise the reference."""
-    run_ranks(versus_reference_worker, _world(), 0, backend="nccl", timeout_s=900)
+    """NVFP4 dispatch with the send storing each rank's own rows into its output: bitwise the reference. From 60
+    tokens: rank 0 (96 tokens) stores directly, the others (59 tokens or an empty rank) keep their rows staged."""
+    run_ranks(versus_reference_worker, _world(), 60, backend="nccl", timeout_s=900)
 
 
 @pytest.mark.multigpu

@@ -43,7 +43,7 @@ _STAGES = {
 # output (csrc/nvlink.h, "direct self rows"); smaller calls keep them in staging and skip the send's wait for the
 # counts. Measured on 2xH200 (bench/RESULTS.md, eleventh session): 4096 tokens 137.6-139.4 vs 151.1-154.6 us per call,
 # 1024 and 2048 tokens within noise, 128 and 512 tokens noisy either way. EP_COMM_DIRECT_SELF_MIN_TOKENS overrides it
-# (tests and measurements; 0 = always, a huge value = never).
+# (tests and measurements; 0 = always, 2147483647 = never).
 _DIRECT_SELF_MIN_TOKENS = 2048
 _DISPATCH_FORMAT_CODE = {"nvfp4": 0, "mxfp8": 1, "bf16": 2}
 _COMBINE_FORMAT_CODE = {"s2f6": 0, "bf16": 1}
