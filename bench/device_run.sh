@@ -102,6 +102,18 @@ bench_direct_self() {  # A/B in one call: NVFP4 dispatch with direct self rows a
   done
   rm -f "$OUT/bench_ds.txt"
 }
+test_nvlink_one_rank() {  # the nvlink suite's workers on one rank (all rows are the rank's own): a 1-GPU check
+  say "gpu tier: nvlink workers at world size 1 (reference comparison, direct self rows, block counts, pressure + graph)"
+  (cd tests && timeout 300 python3 -c "
+from harness import run_ranks
+import test_nvlink as t
+run_ranks(t.versus_reference_worker, 1, backend='nccl', timeout_s=280)
+run_ranks(t.versus_reference_worker, 1, 0, backend='nccl', timeout_s=280)
+run_ranks(t.block_counts_worker, 1, backend='nccl', timeout_s=280)
+r = run_ranks(t.pressure_and_graph_worker, 1, backend='nccl', timeout_s=280)
+print('world 1 nvlink workers passed', r[0]['graph'], r[0]['leak'])
+" 2>&1 | tail -4 | tee -a "$log")
+}
 test_nvlink() {
   say "multigpu tier: nvlink suite"
   timeout 400 python3 -m pytest -q -x -rs tests/test_nvlink.py > "$OUT/pytest_nvlink.txt" 2>&1

@@ -272,7 +272,10 @@ def pressure_and_graph_worker(rank, world):
         ref.destroy()
         nvl.destroy()
 
-    # Create/destroy many Buffers: no growth of torch or device memory.
+    # Create/destroy many Buffers: no growth of torch or device memory. (A destroyed Buffer object that is still
+    # referenced -- `buf` below -- must hold no device memory either.)
+    import gc
+    gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     free_before = torch.cuda.mem_get_info()[0]
@@ -283,9 +286,11 @@ def pressure_and_graph_worker(rank, world):
             res = buf.dispatch(x, idx, w)
             buf.combine(out, res.handle)
             del res
+    gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    assert torch.cuda.memory_allocated() <= allocated_before, "torch memory grew over Buffer create/destroy"
+    grown = torch.cuda.memory_allocated() - allocated_before
+    assert grown <= 0, f"torch memory grew by {grown} bytes over Buffer create/destroy"
     free_after = torch.cuda.mem_get_info()[0]
     assert free_before - free_after < (64 << 20), f"device memory leaked: {(free_before - free_after) >> 20} MiB"
     results["leak"] = "ok"

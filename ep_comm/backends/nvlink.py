@@ -749,4 +749,4 @@ class NVLinkBackend:
             self._error_host = None
         self._ctx = None
         self._peer_bases = self._state = self._scratch_pos = self._scratch_slot = None
-        self._expert_count = self._rank_count = self._layout_base = None
+        self._expert_count = self._rank_count = self._layout_base = self._wave_area = None
