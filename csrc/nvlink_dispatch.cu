@@ -830,18 +830,13 @@ size_t recv_smem(const NvlinkConfig& cfg) {
 void prepare_dispatch_kernels(const NvlinkConfig& cfg) {
   // Always opted in: the 48 KiB default bounds static + dynamic shared memory together, and these kernels have a
   // few KiB of static arrays, so a layout just under 48 KiB would fail to launch without the opt-in.
-  const size_t smem = recv_smem(cfg);
-  {
-    check_cuda(cudaFuncSetAttribute(dispatch_send_kernel<kDispNvfp4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(smem)),
-               "cudaFuncSetAttribute(dispatch_send)");
-    check_cuda(cudaFuncSetAttribute(dispatch_recv_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(smem)),
-          "cudaFuncSetAttribute(dispatch_recv)");
-    check_cuda(cudaFuncSetAttribute(dispatch_recv_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(smem)),
-          "cudaFuncSetAttribute(dispatch_recv, waves)");
-  }
+  const int smem = static_cast<int>(recv_smem(cfg));
+  check_cuda(cudaFuncSetAttribute(dispatch_send_kernel<kDispNvfp4>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+             "cudaFuncSetAttribute(dispatch_send)");
+  check_cuda(cudaFuncSetAttribute(dispatch_recv_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+             "cudaFuncSetAttribute(dispatch_recv)");
+  check_cuda(cudaFuncSetAttribute(dispatch_recv_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+             "cudaFuncSetAttribute(dispatch_recv, waves)");
 }
 
 void launch_dispatch_send(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream) {
