@@ -374,3 +374,29 @@ def test_nvlink_size_hint_without_gpu():
     assert sizes.total_symmetric_bytes >= sizes.dispatch_recv_bytes + sizes.combine_recv_bytes
     assert layout.off_staging % 256 == 0 and layout.off_combine % 256 == 0
 
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("world,fmt", [(2, "nvfp4"), (8, "nvfp4"), (8, "bf16"), (72, "mxfp8")])
+def test_nvlink_region_sections_are_disjoint(world, fmt):
+    """Every section of the symmetric region (the five flag arrays, counts, staging, combine rows, wave index) lies
+    inside the region, 8-byte aligned, and overlaps no other."""
+    from ep_comm.backends.nvlink import _RegionLayout
+    from ep_comm.types import BufferConfig
+    cfg = BufferConfig(hidden=2048, num_experts=4 * world, num_topk=4, max_tokens_per_rank=96, world_size=world,
+                       dispatch_format=fmt)
+    L = _RegionLayout.of(cfg)
+    w, t, k, e_local = world, 96, 4, 4
+    sections = {name: (getattr(L, name), 8 * w) for name in
+                ("off_disp_ready", "off_disp_consumed", "off_comb_ready", "off_comb_consumed", "off_disp_counts")}
+    sections["off_counts"] = (L.off_counts, 4 * w * L.count_stride)
+    sections["off_staging"] = (L.off_staging, w * t * L.disp_row_bytes)
+    sections["off_combine"] = (L.off_combine, t * k * L.comb_row_bytes)
+    if fmt == "nvfp4":
+        sections["off_wave_index"] = (L.off_wave_index, 4 * w * e_local * t)
+    spans = sorted((off, off + size, name) for name, (off, size) in sections.items())
+    for (_, end, name), (start, _, next_name) in zip(spans, spans[1:]):
+        assert end <= start, f"{name} overlaps {next_name}"
+    assert spans[-1][1] <= L.total_bytes
+    assert all(off % 8 == 0 for off, _ in sections.values())
+    assert L.count_stride >= e_local + 1
+
