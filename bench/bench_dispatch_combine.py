@@ -15,8 +15,9 @@ combine_rows_begin_finish = what the combine-row form leaves outside the w2 GEMM
 epilogue stores the rows), i.e. begin (wait on the peers' flags) + finish (release + receive), here without a GEMM.
 Bytes: `wire` = bytes this rank stores into OTHER ranks' memory (payload + our per-row metadata), i.e. what
 crosses NVLink per rank per direction; `bf16_eq` = 2·H per (token, peer rank) row — the BF16-equivalent rate.
-SMs: the nvlink send kernels run num_sms blocks, the local phases (receive/expansion, combine reduction,
-NVFP4 quantize-send) num_local_sms (0 = all SMs); the reference is NCCL's choice.
+SMs: the blocks (one per SM) of the op's send / receive kernels as they ran: the BF16 and MXFP8 dispatch send runs
+num_sms blocks, every other nvlink kernel (NVFP4 quantize-send, receive/expansion, combine reduction and receive)
+num_local_sms (0 = all SMs); the reference is NCCL's choice.
 """
 from __future__ import annotations
 
@@ -166,7 +167,7 @@ def _bench_backend(args, backend, tokens, dfmt, cfmt, rank, world, group):
                     "backend": backend, "kernel": kernel, "format": fmt, "tokens": tokens, "world": world,
                     "timing": method, "time_us": round(us, 2), "wire_bytes": wire,
                     "wire_GBps": round(wire / us / 1e3, 1), "bf16_eq_GBps": round(bf16_eq / us / 1e3, 1),
-                    "sms": args.num_sms if backend == "nvlink" else "nccl", "rank": rank,
+                    "sms": _blocks(buf, kernel) if backend == "nvlink" else "nccl", "rank": rank,
                     "peer_memory": buf._backend.region.kind if backend == "nvlink" else "nccl",
                 })
         if backend == "nvlink":
@@ -255,15 +256,25 @@ def run(args) -> list:
     return rows
 
 
+def _blocks(buf, kernel: str) -> str:
+    """'send/receive' blocks of the nvlink kernels behind an op (the begin/finish form: its receive only)."""
+    blocks = buf._backend.blocks
+    if kernel == "dispatch":
+        return f"{blocks['disp_send_blocks']}/{blocks['disp_recv_blocks']}"
+    if kernel == "combine_rows_begin_finish":
+        return f"-/{blocks['comb_recv_blocks']}"
+    return f"{blocks['comb_send_blocks']}/{blocks['comb_recv_blocks']}"
+
+
 def print_table(rows) -> None:
     header = f"{'backend':<10} {'kernel':<30} {'fmt':<6} {'tokens':>6} {'timing':<6} {'us':>9} {'wire GB/s':>10} " \
-             f"{'bf16eq GB/s':>11} {'SMs':>5}"
+             f"{'bf16eq GB/s':>11} {'SMs':>9}"
     print(header)
     print("-" * len(header))
     for r in rows:
         bf16 = "" if r["bf16_eq_GBps"] is None else r["bf16_eq_GBps"]
         print(f"{r['backend']:<10} {r['kernel']:<30} {r['format']:<6} {r['tokens']:>6} {r['timing']:<6} "
-              f"{r['time_us']:>9} {r['wire_GBps']:>10} {bf16:>11} {str(r['sms']):>5}")
+              f"{r['time_us']:>9} {r['wire_GBps']:>10} {bf16:>11} {str(r['sms']):>9}")
 
 
 def _main_in_group(args):
