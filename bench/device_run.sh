@@ -90,6 +90,7 @@ bench_dc() {  # $1 = ranks; further arguments go to the benchmark
   grep -E "graph|ceiling|reference" "$OUT/bench_dc_$ranks.txt" | tail -24 | tee -a "$log"
 }
 bench_dc_nvfp4() { bench_dc 2 --tokens 128,4096 --formats nvfp4/s2f6; }
+bench_dc_both() { bench_dc 2 --tokens 128,4096 --formats nvfp4/s2f6,bf16/bf16; }
 bench_direct_self() {  # A/B in one call: NVFP4 dispatch with direct self rows always (0) and never, twice each
   for round in 1 2; do
     for min_tokens in 0 1000000000; do
