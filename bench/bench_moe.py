@@ -56,7 +56,10 @@ def parse_args(argv=None):
                         "the first is the main waves row, the others add waves<n>_* times")
     p.add_argument("--out", default="")
     p.add_argument("--nproc", type=int, default=2)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not [t for t in args.wave_sms.split(",") if t.strip()]:
+        p.error("--wave-sms needs at least one value (the main waves row)")
+    return args
 
 
 def _time_ms(fn, iters, group) -> float:

@@ -85,50 +85,6 @@ class NvlinkContext {
     prepare_dispatch_kernels(c);
   }
 
-  void dispatch(uintptr_t x, uintptr_t topk_idx, bool idx_is_int64, uintptr_t topk_weights, int num_tokens,
-                uintptr_t send_idx, uintptr_t send_w, uintptr_t out_data, uintptr_t out_scales, uintptr_t out_amax,
-                uintptr_t num_per_expert, uintptr_t expert_offsets, uintptr_t src_rank, uintptr_t src_token,
-                uintptr_t topk_slot, uintptr_t topk_weight, long long num_rows, uintptr_t recv_count,
-                uintptr_t recv_tok, uintptr_t recv_ord, uintptr_t recv_rows, uintptr_t stream) {
-    launch_dispatch(dispatch_args(x, topk_idx, idx_is_int64, topk_weights, num_tokens, send_idx, send_w, out_data,
-                                  out_scales, out_amax, num_per_expert, expert_offsets, src_rank, src_token, topk_slot,
-                                  topk_weight, num_rows, recv_count, recv_tok, recv_ord, recv_rows),
-                    stream);
-  }
-
-  DispatchArgs dispatch_args(uintptr_t x, uintptr_t topk_idx, bool idx_is_int64, uintptr_t topk_weights,
-                             int num_tokens, uintptr_t send_idx, uintptr_t send_w, uintptr_t out_data,
-                             uintptr_t out_scales, uintptr_t out_amax, uintptr_t num_per_expert,
-                             uintptr_t expert_offsets, uintptr_t src_rank, uintptr_t src_token, uintptr_t topk_slot,
-                             uintptr_t topk_weight, long long num_rows, uintptr_t recv_count, uintptr_t recv_tok,
-                             uintptr_t recv_ord, uintptr_t recv_rows) const {
-    if (num_tokens < 0 || num_tokens > cfg_.max_tokens) throw std::invalid_argument("num_tokens out of range");
-    DispatchArgs a{};
-    a.x = ptr<const void>(x);
-    a.topk_idx = ptr<const void>(topk_idx);
-    a.idx_is_int64 = idx_is_int64 ? 1 : 0;
-    a.topk_weights = ptr<const float>(topk_weights);
-    a.num_tokens = num_tokens;
-    a.chunk_tokens = layout_chunk_tokens(num_tokens);
-    a.send_idx = ptr<int>(send_idx);
-    a.send_w = ptr<float>(send_w);
-    a.out_data = ptr<unsigned char>(out_data);
-    a.out_scales = ptr<unsigned char>(out_scales);
-    a.out_amax = ptr<float>(out_amax);
-    a.num_per_expert = ptr<int>(num_per_expert);
-    a.expert_offsets = ptr<int>(expert_offsets);
-    a.src_rank = ptr<int>(src_rank);
-    a.src_token = ptr<int>(src_token);
-    a.topk_slot = ptr<int>(topk_slot);
-    a.topk_weight = ptr<float>(topk_weight);
-    a.num_rows = num_rows;
-    a.recv_count = ptr<int>(recv_count);
-    a.recv_tok = ptr<int>(recv_tok);
-    a.recv_ord = ptr<int>(recv_ord);
-    a.recv_rows = ptr<int>(recv_rows);
-    return a;
-  }
-
   void launch_dispatch(DispatchArgs a, uintptr_t stream) {
     select();
     // Direct self rows (nvlink.h): NVFP4, whose send runs on every SM, stores this rank's own rows expanded while it
@@ -242,21 +198,44 @@ class NvlinkContext {
     return py::make_tuple(offs, sizes, a.total);
   }
 
-  // dispatch() with every output address derived from one arena base (the host path of a call is one
+  // The dispatch, with every output address derived from one arena base (the host path of a call is one
   // pybind call with 7 integers; the layout is recomputed here, a few dozen integer operations).
   void dispatch_arena(uintptr_t x, uintptr_t topk_idx, bool idx_is_int64, uintptr_t topk_weights, int num_tokens,
                       uintptr_t arena, uintptr_t stream) {
     launch_dispatch(arena_args(x, topk_idx, idx_is_int64, topk_weights, num_tokens, arena), stream);
   }
 
+  // The dispatch's arguments with every output address at its arena section (sections 0..14, in the order of
+  // arena_layout; an empty section gives a null address).
   DispatchArgs arena_args(uintptr_t x, uintptr_t topk_idx, bool idx_is_int64, uintptr_t topk_weights, int num_tokens,
                           uintptr_t arena) const {
     if (num_tokens < 0 || num_tokens > cfg_.max_tokens) throw std::invalid_argument("num_tokens out of range");
     const ArenaLayout l = arena_layout(num_tokens);
     auto at = [&](int i) -> uintptr_t { return l.bytes[i] > 0 ? arena + static_cast<uintptr_t>(l.off[i]) : 0; };
-    return dispatch_args(x, topk_idx, idx_is_int64, topk_weights, num_tokens, at(0), at(1), at(2), at(3), at(4),
-                         at(5), at(6), at(7), at(8), at(9), at(10), cfg_.max_recv_rows, at(11), at(12), at(13),
-                         at(14));
+    DispatchArgs a{};
+    a.x = ptr<const void>(x);
+    a.topk_idx = ptr<const void>(topk_idx);
+    a.idx_is_int64 = idx_is_int64 ? 1 : 0;
+    a.topk_weights = ptr<const float>(topk_weights);
+    a.num_tokens = num_tokens;
+    a.chunk_tokens = layout_chunk_tokens(num_tokens);
+    a.send_idx = ptr<int>(at(0));
+    a.send_w = ptr<float>(at(1));
+    a.out_data = ptr<unsigned char>(at(2));
+    a.out_scales = ptr<unsigned char>(at(3));
+    a.out_amax = ptr<float>(at(4));
+    a.num_per_expert = ptr<int>(at(5));
+    a.expert_offsets = ptr<int>(at(6));
+    a.src_rank = ptr<int>(at(7));
+    a.src_token = ptr<int>(at(8));
+    a.topk_slot = ptr<int>(at(9));
+    a.topk_weight = ptr<float>(at(10));
+    a.num_rows = cfg_.max_recv_rows;
+    a.recv_count = ptr<int>(at(11));
+    a.recv_tok = ptr<int>(at(12));
+    a.recv_ord = ptr<int>(at(13));
+    a.recv_rows = ptr<int>(at(14));
+    return a;
   }
 
   // dispatch_arena whose receive also writes the grouped GEMM's operand rows expert by expert on wave_blocks blocks
@@ -314,7 +293,6 @@ void register_nvlink(py::module_& m) {
   py::class_<NvlinkContext>(m, "NvlinkContext",
                             "Static NVLink dispatch/combine state of one Buffer (addresses owned by Python)")
       .def(py::init<int, const py::dict&>(), py::arg("device"), py::arg("config"))
-      .def("dispatch", &NvlinkContext::dispatch)
       .def("combine", &NvlinkContext::combine)
       .def("dispatch_arena_layout", &NvlinkContext::dispatch_arena_layout)
       .def("dispatch_arena", &NvlinkContext::dispatch_arena)

@@ -39,6 +39,7 @@
 
 #include "cp_async.cuh"
 #include "grouped_gemm.h"
+#include "pdl_launch.cuh"
 #include "s2f6_lane.cuh"
 #include "vec_io.cuh"
 #include "wgmma.cuh"
@@ -158,15 +159,15 @@ struct FoundTile {
 
 // Which expert and token tile tile slot `slot` is, in the concatenation of every expert's ceil(rows / kTile) tiles
 // (rows: this launch's part, rows_of_part). Returns false when the slot is past the last tile. All threads of the
-// CTA call it with the same slot (it ends in a barrier); `cursor` starts zeroed (base 0, tiles_before 0, loaded
-// false) and only warp 0 touches it. The tile's rows come from the scan's own loads, so the caller needs no
+// CTA call it (it ends in a barrier); `slot` only matters in lane 0 of warp 0 (see below); `cursor` starts zeroed
+// (base 0, tiles_before 0, loaded false) and only warp 0 touches it. The tile's rows come from the scan's own loads, so the caller needs no
 // further (dependent) global load to start the tile.
 // Waves (args.wave.area set): lane 0 also waits, before the barrier, until every row of the tile's expert has been
 // received (acquire): the barrier then orders the whole CTA's loads of the tile after it, with no barrier of its own.
-// `slot` only matters in lane 0 of warp 0 (the other lanes take it from there).
+// The other lanes take the slot from lane 0 of warp 0 (with waves only thread 0 holds the item it took).
 template <int kTile>
 __device__ bool find_tile(const GroupedGemmArgs& args, const RowSplit split, int slot, TileCursor& cursor,
-                          FoundTile* tile, const unsigned long long wave_epoch = 0) {
+                          FoundTile* tile, const unsigned long long wave_epoch) {
   __shared__ FoundTile found;
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
@@ -412,7 +413,7 @@ __device__ __forceinline__ void store_rows(const GroupedGemmArgs& args, const fl
 }
 
 // Every work item of this CTA: item blockIdx.x, then (persistent) blockIdx.x + gridDim.x, ... until find_tile finds
-// no tile. Each item is one token tile of one expert (find_tile) against weight CTA `weight_cta` (kWarpGroups
+// no tile; with waves, the items taken one by one from the wave work counter instead. Each item is one token tile of one expert (find_tile) against weight CTA `weight_cta` (kWarpGroups
 // weight tiles of 64 rows): its k-blocks stream through the ring, then the epilogue stores it.
 //
 // Next-item prefetch (direct epilogues): once an item's last wgmma is issued, every ring slot but the one it reads
@@ -637,13 +638,14 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
     // retired the others and finished its conversions), so the next item's first stages go into the other slots.
     const int next_slot = slot + 1 == kStages ? 0 : slot + 1;
     bool has_next = false;
-    if (kPrefetchNextItem) {
+    auto start_next_item = [&]() {  // the next item, its first stages issued into the free ring slots
       has_next = begin_next_item();
       if (has_next) {
         load_slot = next_slot;
         fill();
       }
-    }
+    };
+    if (kPrefetchNextItem) start_next_item();
     wgmma::wait_group<0>();
     wgmma::fence_operand(acc);
     // The previous item's epilogue read tile_factors before this item's stage barriers.
@@ -661,11 +663,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
       store_combine_rows<kTile, kWarpGroups>(args, acc, tile_factors, tile_destinations,
                                              reinterpret_cast<float*>(smem), item);
       // The next item's loads start now (find_tile's barrier orders this epilogue's ring reads before them).
-      has_next = begin_next_item();
-      if (has_next) {
-        load_slot = next_slot;
-        fill();
-      }
+      start_next_item();
     } else {
       __syncthreads();  // publishes tile_factors
       store_rows<kTile, kWarpGroups>(args, acc, tile_factors, item);
@@ -682,7 +680,8 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
 // slot is past the last tile, on a grid of what fits on the GPU at once (launch_tile), so that a launch sized for
 // the worst case (rows / tile + experts slots, without reading the counts on the host) pays neither a CTA launch
 // nor a scan for every empty slot, and each CTA reads the expert counts once (TileCursor). Otherwise one item per
-// CTA on a grid of every slot (measured faster for the 2-warpgroup, 3-CTA/SM shapes of the small token tiles).
+// CTA on a grid of every slot (measured faster for the 2-warpgroup, 3-CTA/SM shapes of the small token tiles). With
+// waves (persistent too) CTAs take items from the wave work counter, so late CTAs take fewer (waves.h).
 template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kCombineRows>
 __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
     grouped_gemm_nvfp4_kernel(const GroupedGemmArgs args, const RowSplit split, const bool persistent) {
@@ -758,22 +757,9 @@ cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64
   // Item indices are ints: the last one a CTA computes before stopping is below items + grid (one CTA per item:
   // the first item only).
   if (items + (persistent ? grid : 0) > INT32_MAX) return cudaErrorInvalidValue;
-  if (!waves) {
-    kernel<<<static_cast<unsigned>(grid), G::kThreads, G::kSmemBytes, stream>>>(args, split, persistent);
-    return cudaGetLastError();
-  }
   // Waves: the programmatic dependent of the dispatch receive launched just before on this stream (waves.h).
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(grid));
-  config.blockDim = dim3(G::kThreads);
-  config.dynamicSmemBytes = G::kSmemBytes;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, args, split, persistent);
+  return launch_with_pdl(kernel, static_cast<unsigned>(grid), G::kThreads, G::kSmemBytes, stream, waves, args, split,
+                         persistent);
 }
 
 using LaunchFn = cudaError_t (*)(const GroupedGemmArgs&, RowSplit, int64_t, cudaStream_t);

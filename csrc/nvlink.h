@@ -45,6 +45,7 @@
 #include <cuda_runtime.h>
 #endif
 
+#include "pdl_launch.cuh"
 #include "spin_wait.cuh"
 #include "waves.h"
 
@@ -253,17 +254,8 @@ bool pdl_enabled();  // nvlink_layout.cu: EP_COMM_NVLINK_PDL (default 0), read o
 template <typename... KernelArgs, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(KernelArgs...), int grid, int block, size_t smem, cudaStream_t stream,
                           Args... args) {
-  cudaLaunchConfig_t lc = {};
-  lc.gridDim = dim3(static_cast<unsigned int>(grid));
-  lc.blockDim = dim3(static_cast<unsigned int>(block));
-  lc.dynamicSmemBytes = smem;
-  lc.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = pdl_enabled() ? 1 : 0;
-  lc.attrs = attr;
-  lc.numAttrs = 1;
-  return cudaLaunchKernelEx(&lc, kernel, args...);
+  return launch_with_pdl(kernel, static_cast<unsigned int>(grid), static_cast<unsigned int>(block), smem, stream,
+                         pdl_enabled(), args...);
 }
 
 // ------------------------------------------------------------------------------------------------------

@@ -172,6 +172,29 @@ __device__ void compute_receive_layout(const NvlinkConfig& cfg, const ReceiveLay
   __syncthreads();
 }
 
+// What this rank records for one staging row (source s, slot j) of token t: the combine handle's entry (recv_tok,
+// recv_ord, and recv_rows[(s, j)][k] = the output row of slot k, -1 when slot k's expert is elsewhere) and the metadata
+// of its output rows (the NVFP4 amax is the caller's). Whole warp; lane k < K passes slot k's destination rank
+// (-1: masked), output row (-1: not here) and weight. The receive calls it for the staging rows it expands, the send
+// for the rows it stores itself (direct self rows).
+__device__ __forceinline__ void record_staging_row(const NvlinkConfig& cfg, const DispatchArgs& args, int s, int j,
+                                                   int t, int lane, int slot_rank, int out_row, float w) {
+  int ordinal, num_ranks;
+  distinct_rank_info(slot_rank, cfg.topk, lane, cfg.rank, &ordinal, &num_ranks);
+  const long long handle_index = static_cast<long long>(s) * cfg.max_tokens + j;
+  if (lane < cfg.topk) args.recv_rows[handle_index * cfg.topk + lane] = out_row;
+  if (out_row >= 0) {
+    args.src_rank[out_row] = s;
+    args.src_token[out_row] = t;
+    args.topk_slot[out_row] = lane;
+    args.topk_weight[out_row] = w;
+  }
+  if (lane == 0) {
+    args.recv_tok[handle_index] = t;
+    args.recv_ord[handle_index] = ordinal;
+  }
+}
+
 // One work item = (token, part g of G): the G warps of a token split its 16-byte units round-robin in
 // groups of 32 (G > 1 only when there are fewer tokens than warps, i.e. small latency-bound calls).
 // Templated on the format so that each path gets its own register allocation (the NVFP4 math would
@@ -376,24 +399,12 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
     // Direct self rows (part 0): what the receive records for a staging row of its own rank -- the handle entry of
     // staging index (my rank, my slot) and the rows' metadata.
     if (direct_self && part == 0 && num_self > 0) {
-      int ordinal, num_ranks;
-      distinct_rank_info(lane < topk && e >= 0 ? e / cfg.num_local : -1, topk, lane, cfg.rank, &ordinal, &num_ranks);
       // The slot at my rank is held by the first lane with an expert here (slot >= 0 there).
       const unsigned int holder = __ballot_sync(0xFFFFFFFFu, self_lane && slot >= 0);
       const int my_slot = __shfl_sync(0xFFFFFFFFu, slot, __ffs(holder) - 1);
-      const long long handle_index = static_cast<long long>(cfg.rank) * cfg.max_tokens + my_slot;
-      if (lane < topk) args.recv_rows[handle_index * topk + lane] = self_row;
-      if (self_lane) {
-        args.src_rank[self_row] = cfg.rank;
-        args.src_token[self_row] = t;
-        args.topk_slot[self_row] = lane;
-        args.topk_weight[self_row] = w;
-        args.out_amax[self_row] = token_amax;
-      }
-      if (lane == 0) {
-        args.recv_tok[handle_index] = t;
-        args.recv_ord[handle_index] = ordinal;
-      }
+      record_staging_row(cfg, args, cfg.rank, my_slot, t, lane, lane < topk && e >= 0 ? e / cfg.num_local : -1,
+                         self_row, w);
+      if (self_lane) args.out_amax[self_row] = token_amax;
     }
 
     // Metadata of every staging row (part 0 only): amax, token, then per slot expert id, weight, position.
@@ -416,13 +427,14 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
     // Wave index (NVFP4, part 0): for each of the token's slots, its staging slot at the slot's rank -- held by the
     // first lane of that rank -- at [my rank][local expert][position among my rows for that expert] of that rank's
     // index, so that a wave receive can find the rows of an expert without scanning every staging row. (A position
-    // past T_max only comes from duplicate ids that went unchecked; it is not stored outside the list.)
+    // past T_max only comes from duplicate ids that went unchecked; it is not stored outside the list. Direct self
+    // rows have no staging slot, and this rank's receive is not a wave receive: no entry for them.)
     if (kFmt == kDispNvfp4 && part == 0) {
       const int dest = e >= 0 ? e / cfg.num_local : -1 - lane;  // masked lanes and lanes >= K: keys of their own
       const unsigned int same_dest = __match_any_sync(0xFFFFFFFFu, dest);
       const unsigned int holder = same_dest & __ballot_sync(0xFFFFFFFFu, slot >= 0);
       const int dest_slot = __shfl_sync(0xFFFFFFFFu, slot, holder ? __ffs(holder) - 1 : lane);
-      if (e >= 0 && holder && pos < cfg.max_tokens) {
+      if (e >= 0 && !self_lane && holder && pos < cfg.max_tokens) {
         int* index = reinterpret_cast<int*>(peer_ptr(cfg, dest, cfg.off_wave_index));
         const long long list = static_cast<long long>(cfg.rank) * cfg.num_local + (e - dest * cfg.num_local);
         index[list * cfg.max_tokens + pos] = dest_slot;
@@ -740,22 +752,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
     const int t = static_cast<int>(ld_coherent_u32(meta + 4));
     const bool local = e >= first_expert && e < first_expert + num_local;
     const int out_row = local ? seg_start[s * num_local + (e - first_expert)] + pos : -1;
-    const long long handle_index = static_cast<long long>(s) * cfg.max_tokens + j;
-    int ordinal, num_ranks;
-    distinct_rank_info(lane < topk && e >= 0 ? e / num_local : -1, topk, lane, cfg.rank, &ordinal, &num_ranks);
-    if (part == 0 && lane < topk) {
-      args.recv_rows[handle_index * topk + lane] = out_row;
-      if (local) {
-        args.src_rank[out_row] = s;
-        args.src_token[out_row] = t;
-        args.topk_slot[out_row] = lane;
-        args.topk_weight[out_row] = w;
-      }
-    }
-    if (part == 0 && lane == 0) {
-      args.recv_tok[handle_index] = t;
-      args.recv_ord[handle_index] = ordinal;
-    }
+    if (part == 0) record_staging_row(cfg, args, s, j, t, lane, lane < topk && e >= 0 ? e / num_local : -1, out_row, w);
     // Compact the local rows into this warp's shared-memory list.
     const unsigned int local_mask = __ballot_sync(0xFFFFFFFFu, local);
     const int n = __popc(local_mask);

@@ -8,10 +8,9 @@ import torch
 import torch.distributed as dist
 
 from ._ext import warn_once
+from .formats import IMPLS as FORMAT_IMPLS
 from .formats import _is_capturing
 from .types import BACKENDS, BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, WaveDispatch
-
-FORMAT_IMPLS = ("auto", "reference", "cuda")
 
 
 def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
@@ -90,7 +89,9 @@ class Buffer:
         gathered = [None] * self.config.world_size
         dist.all_gather_object(gathered, mine, group=self.group)
         for other_rank, other in enumerate(gathered):
-            diff = {name: (value, other.get(name)) for name, value in mine.items() if other.get(name) != value}
+            # NaN counts as equal to NaN here: the same NaN argument everywhere is refused by validate() instead
+            diff = {name: (value, other.get(name)) for name, value in mine.items()
+                    if other.get(name) != value and not (value != value and other.get(name) != other.get(name))}
             if diff:
                 raise ValueError(f"ep_comm.Buffer arguments differ between rank {self.rank} and rank {other_rank}: "
                                  + ", ".join(f"{k}: {a!r} vs {b!r}" for k, (a, b) in diff.items()))
@@ -242,9 +243,9 @@ class Buffer:
         if self.backend != "nvlink":
             raise NotImplementedError("dispatch_waves needs the nvlink backend (a receive kernel running beside the "
                                       "GEMM); use dispatch")
-        self._check_dispatch_call(x, topk_idx, topk_weights, check_inputs)
         if isinstance(wave_sms, bool) or not isinstance(wave_sms, int):
             raise TypeError(f"wave_sms must be an int, got {type(wave_sms).__name__}")
+        self._check_dispatch_call(x, topk_idx, topk_weights, check_inputs)
         return self._backend.dispatch_waves(x, topk_idx, topk_weights, wave_sms)
 
     @property

@@ -112,8 +112,11 @@ def _check_float_input(x, name: str, block: int) -> None:
         raise ValueError(f"the last dimension of {name} ({x.shape[-1]}) must be a positive multiple of {block}")
 
 
+IMPLS = ("auto", "reference", "cuda")  # the quantization paths a caller may ask for (`impl=` / `format_impl=`)
+
+
 def _use_cuda(impl: str, *tensors: torch.Tensor) -> bool:
-    if impl not in ("auto", "reference", "cuda"):
+    if impl not in IMPLS:
         raise ValueError(f"impl must be 'auto', 'reference' or 'cuda', got {impl!r}")
     if impl == "reference":
         return False

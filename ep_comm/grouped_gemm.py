@@ -498,13 +498,14 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
     rows = _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, out_dtype, token_tile, tail_tile,
                               out)
     device = x.values.device
+    use_cuda = _use_gemm_kernels(impl, x.values, "grouped_gemm_nvfp4")
     if wave is not None:
         from .types import WaveSync
         if not isinstance(wave, WaveSync):
             raise TypeError(f"wave must be the WaveSync of Buffer.dispatch_waves, got {type(wave).__name__}")
         if wave.area.device != device:
             raise ValueError(f"wave belongs to {wave.area.device} but x is on {device}")
-        if not _use_gemm_kernels(impl, x.values, "grouped_gemm_nvfp4"):
+        if not use_cuda:
             raise ValueError("wave needs the CUDA grouped GEMM (impl 'auto' or 'cuda' on an sm_90 GPU)")
         area = wave.area
         if (area.dtype != torch.int64 or not area.is_contiguous()
@@ -520,7 +521,6 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
             raise ValueError(f"row_amax must be a contiguous float32 [{rows}] tensor on {device}, got "
                              f"{getattr(row_amax, 'dtype', type(row_amax).__name__)} "
                              f"{tuple(getattr(row_amax, 'shape', ()))} on {getattr(row_amax, 'device', None)}")
-    use_cuda = _use_gemm_kernels(impl, x.values, "grouped_gemm_nvfp4")
     if out is None:  # (with a wave: no fill kernel between the dispatch's receive and this launch)
         out = (torch.empty if wave is not None else torch.zeros)(rows, weights.out_features, dtype=out_dtype,
                                                                   device=device)

@@ -444,6 +444,8 @@ class NVLinkBackend:
             "rank_count": self._rank_count.data_ptr(), "layout_base": self._layout_base.data_ptr(),
             "error_word": error_dev,
         })
+        # What a wave dispatch's GEMM needs besides the sync area (addresses and the timeout: fixed per Buffer).
+        self._wave_sync_words = self._ctx.wave_sync()
         # Every region is zeroed (counters at 0) before any rank may write into a peer's.
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)
@@ -587,7 +589,7 @@ class NVLinkBackend:
         result = self._dispatch(x, topk_idx, topk_weights, launch)
         ticket = _WaveTicket(self, torch.cuda.current_stream().cuda_stream)
         self._wave_ticket = ticket
-        epoch, abort, error_word, timeout_ns = self._ctx.wave_sync()
+        epoch, abort, error_word, timeout_ns = self._wave_sync_words
         wave = WaveSync(area=self._wave_area, epoch=epoch, abort=abort, error_word=error_word, timeout_ns=timeout_ns,
                         claim=ticket.claim)
         return WaveDispatch(result=result, rows=ExpandedRows(values=values, row_factor=row_factor), wave=wave)

@@ -160,22 +160,27 @@ class ReferenceBackend:
 
     def _agree_on_combine(self, send_counts: List[int], expected_counts: List[int], local_reduce: bool,
                           device) -> None:
-        """Before the combine's all_to_all: every rank tells each peer how many rows it sends and in which mode,
-        and all ranks raise together when any pair disagrees (a different local_reduce, or a handle from another
-        dispatch)."""
+        """Before the combine's all_to_all: the ranks share, in one all_gather, how many rows each sends to each peer,
+        in which mode, and how many each expects; all ranks raise together when any pair disagrees (a different
+        local_reduce, or a handle from another dispatch) -- a receiving rank that sees a mismatch with the details,
+        the others naming those ranks."""
         world = self.config.world_size
-        send = torch.tensor([[count, int(local_reduce)] for count in send_counts], dtype=torch.int64,
-                            device=device).reshape(-1)
-        recv = torch.empty(2 * world, dtype=torch.int64, device=device)
-        dist.all_to_all_single(recv, send, group=self.group)
-        problems = [f"rank {d} sends {count} rows with local_reduce={bool(mode)}, this rank expects "
-                    f"{expected_counts[d]} with local_reduce={local_reduce}"
-                    for d, (count, mode) in enumerate(recv.reshape(world, 2).tolist())
-                    if count != expected_counts[d] or bool(mode) != local_reduce]
-        error = ValueError("combine arguments or handles differ between ranks: " + "; ".join(problems)) \
-            if problems else None
-        self.raise_together(error, "combine arguments or handles differ between ranks (rank(s) {ranks} saw the "
-                                   "mismatch; their errors say how)")
+        mine = torch.tensor([[send_counts[d], int(local_reduce), expected_counts[d]] for d in range(world)],
+                            dtype=torch.int64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine, group=self.group)
+        table = torch.stack(gathered).tolist()  # [source s][peer d] = (rows s sends d, s's mode, rows s expects from d)
+        receivers_seeing_mismatch = sorted({d for s in range(world) for d in range(world)
+                                            if table[s][d][0] != table[d][s][2] or table[s][d][1] != table[d][s][1]})
+        problems = [f"rank {s} sends {table[s][self.rank][0]} rows with local_reduce={bool(table[s][self.rank][1])}, "
+                    f"this rank expects {expected_counts[s]} with local_reduce={local_reduce}"
+                    for s in range(world)
+                    if table[s][self.rank][0] != expected_counts[s] or bool(table[s][self.rank][1]) != local_reduce]
+        if problems:
+            raise ValueError("combine arguments or handles differ between ranks: " + "; ".join(problems))
+        if receivers_seeing_mismatch:
+            raise ValueError(f"combine arguments or handles differ between ranks (rank(s) {receivers_seeing_mismatch} "
+                             f"saw the mismatch; their errors say how)")
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
         cfg = self.config
