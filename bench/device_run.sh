@@ -89,20 +89,33 @@ bench_dc() {  # $1 = ranks; further arguments go to the benchmark
   timeout 300 python3 bench/bench_dispatch_combine.py --nproc "$ranks" "$@" --out "$OUT/bench_dc_$ranks.json" > "$OUT/bench_dc_$ranks.txt" 2>&1
   grep -E "graph|ceiling|reference" "$OUT/bench_dc_$ranks.txt" | tail -24 | tee -a "$log"
 }
+bench_floor() {  # small-call latency: NVFP4/S2F6 and BF16 at 1, 16 and 128 tokens, then the per-kernel profile at 1 and 128
+  bench_dc 2 --tokens 1,16,128 --formats nvfp4/s2f6,bf16/bf16 --no-reference --no-ceiling
+  say "profile: per-kernel time, 1 and 128 tokens"
+  timeout 120 python3 bench/profile_nvlink.py --tokens 1,128 --formats nvfp4/s2f6 --out "$OUT/profile_floor.json" 2>&1 \
+    | grep -E "^ *[0-9]+ " | tee -a "$log"
+}
 bench_dc_nvfp4() { bench_dc 2 --tokens 128,4096 --formats nvfp4/s2f6; }
 bench_dc_both() { bench_dc 2 --tokens 128,4096 --formats nvfp4/s2f6,bf16/bf16; }
-bench_direct_self() {  # A/B in one call: NVFP4 dispatch with direct self rows always (0) and never, twice each
+bench_pdl() {  # A/B: programmatic dependent launch on and off (EP_COMM_NVLINK_PDL), small and large calls
+  bench_ab EP_COMM_NVLINK_PDL "1 0" 1,128,4096
+}
+bench_pdl_auto() {  # A/B: the default choice (combine always, dispatch up to 512 tokens) against none, 256-1024 tokens
+  bench_ab EP_COMM_NVLINK_PDL "auto 0" 256,512,1024
+}
+bench_ab() {  # $1 = variable, $2 = "value ...", $3 = tokens: NVFP4/S2F6 graph figures for each value, two rounds
+  local var="$1" values="$2" tokens="$3"
   for round in 1 2; do
-    for min_tokens in 0 1000000000; do
-      say "bench: NVFP4 dispatch, EP_COMM_DIRECT_SELF_MIN_TOKENS=$min_tokens (round $round)"
-      EP_COMM_DIRECT_SELF_MIN_TOKENS=$min_tokens timeout 120 python3 \
-        bench/bench_dispatch_combine.py --nproc 2 --tokens 128,512,1024,2048,4096 --formats nvfp4/s2f6 --no-reference \
-        --no-ceiling --out "$OUT/bench_direct_self_${min_tokens}_$round.json" > "$OUT/bench_ds.txt" 2>&1
-      grep -E "nvlink +dispatch .* graph" "$OUT/bench_ds.txt" | tee -a "$log" || tail -5 "$OUT/bench_ds.txt" | tee -a "$log"
+    for value in $values; do
+      say "bench: NVFP4 dispatch / S2F6 combine, $var=$value (round $round)"
+      env "$var=$value" timeout 120 python3 bench/bench_dispatch_combine.py --nproc 2 --tokens "$tokens" \
+        --formats nvfp4/s2f6 --no-reference --no-ceiling --out "$OUT/bench_ab_${value}_$round.json" > "$OUT/bench_ab.txt" 2>&1
+      grep -E "nvlink +(dispatch|combine) .* graph" "$OUT/bench_ab.txt" | tee -a "$log" || tail -5 "$OUT/bench_ab.txt" | tee -a "$log"
     done
   done
-  rm -f "$OUT/bench_ds.txt"
+  rm -f "$OUT/bench_ab.txt"
 }
+bench_direct_self() { bench_ab EP_COMM_DIRECT_SELF_MIN_TOKENS "0 1000000000" 128,512,1024,2048,4096; }
 test_nvlink_one_rank() {  # the nvlink suite's workers on one rank (all rows are the rank's own): a 1-GPU check
   say "gpu tier: nvlink workers at world size 1 (reference comparison, direct self rows, block counts, pressure + graph)"
   (cd tests && timeout 300 python3 -c "

@@ -243,19 +243,21 @@ inline void check_cuda(cudaError_t err, const char* what) {
 // that touches memory. Stream semantics are therefore unchanged; only the launch latency of the next
 // kernel is hidden behind the tail of the current one. The dependent grid is released only once every
 // block of the primary has started, so waiting dependents never keep primary blocks from running.
-// EP_COMM_NVLINK_PDL=1 turns the launch attribute on (default off; without it the device instructions are no-ops).
+// Which launches carry the attribute (without it the device instructions are no-ops): dispatch_pdl / combine_pdl
+// (nvlink_layout.cu; EP_COMM_NVLINK_PDL=1 all, 0 none, default the measured choice there).
 __device__ __forceinline__ void pdl_prologue() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
-bool pdl_enabled();  // nvlink_layout.cu: EP_COMM_NVLINK_PDL (default 0), read once
+bool dispatch_pdl(int num_tokens);  // the layout, send and receive kernels of a dispatch of num_tokens tokens
+bool combine_pdl();                 // the combine's send and receive kernels
 
 template <typename... KernelArgs, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(KernelArgs...), int grid, int block, size_t smem, cudaStream_t stream,
-                          Args... args) {
-  return launch_with_pdl(kernel, static_cast<unsigned int>(grid), static_cast<unsigned int>(block), smem, stream,
-                         pdl_enabled(), args...);
+                          bool pdl, Args... args) {
+  return launch_with_pdl(kernel, static_cast<unsigned int>(grid), static_cast<unsigned int>(block), smem, stream, pdl,
+                         args...);
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -316,10 +318,13 @@ __device__ __forceinline__ void block_wait_all_peers(const NvlinkConfig& cfg, lo
   __syncthreads();
 }
 
-// Add `amount` to counter `my rank` of `flags` in peer p's region, after a system-scope fence (release).
+// Add `amount` to counter `my rank` of `flags` in peer p's region with release semantics at system scope. Callers
+// signal for the whole block after a __syncthreads: the release is cumulative over the stores the barrier ordered
+// before it (those of every thread of the block), so no separate fence is needed. A fence.sc.sys before each
+// release (the earlier form) cost ~1-1.5 us per small dispatch or combine on 2xH200 (bench/RESULTS.md, twelfth
+// session). Stores of an earlier kernel take signal_all_peers_once, which fences first.
 __device__ __forceinline__ void signal_peer(const NvlinkConfig& cfg, long long flags_off, int p,
                                             unsigned long long amount) {
-  __threadfence_system();
   unsigned long long* flag =
       reinterpret_cast<unsigned long long*>(static_cast<uintptr_t>(cfg.peer_bases[p]) + flags_off) + cfg.rank;
   red_release_sys_add(flag, amount);
@@ -334,6 +339,7 @@ __device__ __forceinline__ void block_signal_all_peers(const NvlinkConfig& cfg, 
 // One thread publishes for a whole grid: add `amount` to counter `my rank` of `flags` in every peer's region.
 __device__ __forceinline__ void signal_all_peers_once(const NvlinkConfig& cfg, long long flags_off,
                                                       unsigned long long amount) {
+  __threadfence_system();  // the rows it publishes were stored by an earlier kernel
   for (int p = 0; p < cfg.world; ++p) signal_peer(cfg, flags_off, p, amount);
 }
 

@@ -447,14 +447,14 @@ void launch_combine_send(const NvlinkConfig& cfg, const CombineArgs& args, uintp
   // whole grid anyway: one block does it.
   const int grid = args.wait_only ? 1 : cfg.comb_send_blocks;
   check_cuda(launch_kernel(combine_send_kernel, grid, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream),
-                      cfg, args),
-        "combine send kernel launch");
+                           combine_pdl(), cfg, args),
+             "combine send kernel launch");
 }
 
 void launch_combine_recv(const NvlinkConfig& cfg, const CombineArgs& args, uintptr_t stream) {
   const bool expert_rows = !args.local_reduce && cfg.comb_fmt == kCombS2f6;
   check_cuda(launch_kernel(expert_rows ? combine_recv_kernel<true> : combine_recv_kernel<false>, cfg.comb_recv_blocks,
-                           kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream), cfg, args),
+                           kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream), combine_pdl(), cfg, args),
              "combine receive kernel launch");
 }
 

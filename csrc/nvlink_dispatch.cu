@@ -838,15 +838,16 @@ void prepare_dispatch_kernels(const NvlinkConfig& cfg) {
 
 void launch_dispatch_send(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream) {
   const cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  const bool pdl = dispatch_pdl(args.num_tokens);
   cudaError_t err;
   if (cfg.disp_fmt == kDispNvfp4) {
     // Shared memory for the receive layout that direct self rows need.
     err = launch_kernel(dispatch_send_kernel<kDispNvfp4>, cfg.disp_send_blocks, kCommThreads,
-                        args.direct_self ? recv_smem(cfg) : 0, st, cfg, args);
+                        args.direct_self ? recv_smem(cfg) : 0, st, pdl, cfg, args);
   } else if (cfg.disp_fmt == kDispMxfp8) {
-    err = launch_kernel(dispatch_send_kernel<kDispMxfp8>, cfg.disp_send_blocks, kCommThreads, 0, st, cfg, args);
+    err = launch_kernel(dispatch_send_kernel<kDispMxfp8>, cfg.disp_send_blocks, kCommThreads, 0, st, pdl, cfg, args);
   } else {
-    err = launch_kernel(dispatch_send_kernel<kDispBf16>, cfg.disp_send_blocks, kCommThreads, 0, st, cfg, args);
+    err = launch_kernel(dispatch_send_kernel<kDispBf16>, cfg.disp_send_blocks, kCommThreads, 0, st, pdl, cfg, args);
   }
   check_cuda(err, "dispatch send kernel launch");
 }
@@ -855,8 +856,8 @@ void launch_dispatch_recv(const NvlinkConfig& cfg, const DispatchArgs& args, uin
   const bool waves = args.wave_values != nullptr;
   check_cuda(launch_kernel(waves ? dispatch_recv_kernel<true> : dispatch_recv_kernel<false>,
                            waves ? args.wave_blocks : cfg.disp_recv_blocks, kCommThreads, recv_smem(cfg),
-                      reinterpret_cast<cudaStream_t>(stream), cfg, args),
-        "dispatch receive kernel launch");
+                           reinterpret_cast<cudaStream_t>(stream), dispatch_pdl(args.num_tokens), cfg, args),
+             "dispatch receive kernel launch");
 }
 
 }  // namespace nvlink

@@ -176,14 +176,35 @@ size_t layout_smem(const NvlinkConfig& cfg, int warps) {
 
 }  // namespace
 
-// Off by default: on 2xH200 (2026-11-29) programmatic dependent launch made NVFP4 dispatch slower at 4096
-// tokens (197 vs 181 us per call in a CUDA graph) and changed the other ops by less than the run-to-run spread.
-bool pdl_enabled() {
-  static const bool enabled = [] {
+// Programmatic dependent launch per operation. Measured on 2xH200 (graph us per call, bench/RESULTS.md, twelfth
+// session; the first measurement, 2026-11-29, found only the 4096-token dispatch slower, 197 vs 181 us):
+//   combine:  1 token 12.2-12.8 vs 14.0-16.9, 128 tokens 17.7-18.2 vs 19.6-24.2, 4096 tokens 243.7-246.6 vs 242.7-243.7
+//   dispatch: 1 token 22.2-23.7 vs 22.8-26.1, 128 tokens 28.4 vs 28.3-33.7, 4096 tokens 155.9-156.7 vs 136.3-139.3
+// so the combine always takes it and the dispatch up to kDispatchPdlMaxTokens tokens per rank.
+// EP_COMM_NVLINK_PDL=1 / 0 forces it on / off everywhere, auto (or unset) is this choice (read once).
+constexpr int kDispatchPdlMaxTokens = 512;
+
+namespace {
+int pdl_override() {  // -1: the measured choice, 0 / 1: forced
+  static const int mode = [] {
     const char* v = std::getenv("EP_COMM_NVLINK_PDL");
-    return v != nullptr && std::string(v) == "1";
+    if (v == nullptr || *v == '\0' || std::string(v) == "auto") return -1;
+    if (std::string(v) == "1") return 1;
+    if (std::string(v) == "0") return 0;
+    throw std::invalid_argument("EP_COMM_NVLINK_PDL must be auto, 0 or 1, not '" + std::string(v) + "'");
   }();
-  return enabled;
+  return mode;
+}
+}  // namespace
+
+bool dispatch_pdl(int num_tokens) {
+  const int mode = pdl_override();
+  return mode >= 0 ? mode == 1 : num_tokens <= kDispatchPdlMaxTokens;
+}
+
+bool combine_pdl() {
+  const int mode = pdl_override();
+  return mode >= 0 ? mode == 1 : true;
 }
 
 // Warps of a layout block: at least 8, and one thread per key kind (E + W) where that fits, so that the last block's
@@ -214,7 +235,7 @@ void launch_layout(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t 
   if (chunks < 1) chunks = 1;  // T = 0: one block still bumps the epoch and writes zero counts
   if (chunks > kLayoutMaxChunks) throw std::runtime_error("ep_comm nvlink: too many layout chunks");
   check_cuda(launch_kernel(layout_kernel, chunks, warps * 32, layout_smem(cfg, warps), reinterpret_cast<cudaStream_t>(stream),
-                      cfg, args),
+                           dispatch_pdl(args.num_tokens), cfg, args),
         "layout kernel launch");
 }
 
