@@ -243,8 +243,11 @@ inline void check_cuda(cudaError_t err, const char* what) {
 // that touches memory. Stream semantics are therefore unchanged; only the launch latency of the next
 // kernel is hidden behind the tail of the current one. The dependent grid is released only once every
 // block of the primary has started, so waiting dependents never keep primary blocks from running.
-// Which launches carry the attribute (without it the device instructions are no-ops): dispatch_pdl / combine_pdl
-// (nvlink_layout.cu; EP_COMM_NVLINK_PDL=1 all, 0 none, default the measured choice there).
+// Which launches carry the attribute: dispatch_pdl / combine_pdl (nvlink_layout.cu; EP_COMM_NVLINK_PDL=1 all, 0 none,
+// default the measured choice there). Without it, griddepcontrol.wait returns at once (the launch already waited for
+// the preceding grid). launch_dependents acts whatever our own attribute: a following kernel launched WITH the
+// attribute may start while ours still runs, which the PDL contract makes safe only if that kernel executes
+// griddepcontrol.wait before it touches memory (ours all do; so do the grouped GEMM's wave launches).
 __device__ __forceinline__ void pdl_prologue() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
