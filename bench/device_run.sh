@@ -53,6 +53,14 @@ test_multigpu() {
   say "example: MoE layer on the visible GPUs"
   timeout 120 python3 examples/moe_layer.py 2>&1 | grep rank | tee -a "$log"
 }
+test_nvlink_layer() {  # the nvlink, MoE-layer and waves tiers in one pytest run (stops at the first failure)
+  say "multigpu tier: nvlink + MoE layer + waves"
+  timeout 240 python3 -m pytest -q -x -rs tests/test_nvlink.py tests/test_moe.py tests/test_waves.py -k "not gloo" \
+    > "$OUT/pytest_layer.txt" 2>&1
+  tail -3 "$OUT/pytest_layer.txt" | tee -a "$log"
+  grep -q " passed" "$OUT/pytest_layer.txt" && ! grep -q "failed" "$OUT/pytest_layer.txt" && rm -f "$OUT/pytest_layer.txt"
+}
+bench_small_twice() { bench_ab EP_COMM_NVLINK_PDL auto 1,128,4096; }  # two rounds of the default at 1 / 128 / 4096 tokens
 test_waves() {
   say "multigpu tier: waves (wave dispatch + w1 behind its receive, bitwise the plain path; timeout)"
   timeout 240 python3 -m pytest -q -x -rs tests/test_waves.py > "$OUT/pytest_waves.txt" 2>&1

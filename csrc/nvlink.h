@@ -79,8 +79,10 @@ inline int layout_chunk_tokens(int num_tokens) {
 // Device-resident per-Buffer state (zeroed once at creation; local memory, never touched by peers).
 struct NvlinkState {
   unsigned long long disp_epoch;  // dispatch calls started (bumped by the layout kernel)
-  unsigned long long comb_epoch;  // combine calls finished (bumped by the last combine-receive block)
-  unsigned int comb_done_blocks;  // combine-receive blocks finished in the current call
+  // Combine tickets (one launch of each combine kernel per call): send blocks started, all calls, a wait-only launch
+  // counting for a whole grid; receive blocks started, all calls. ticket / grid + 1 is the call's epoch.
+  unsigned long long comb_send_tickets;
+  unsigned long long comb_recv_tickets;
   unsigned int layout_done_blocks;  // layout blocks finished in the current call (last one scans)
   unsigned int abort;             // set after a timeout: every later wait gives up at once
   unsigned long long send_arrivals;  // dispatch send blocks started, all calls (ticket % grid == 0: counts writer)
