@@ -722,10 +722,12 @@ class NVLinkBackend:
                                "combine the peers were still reading")
         if handle is not self._rows_handle:
             raise ValueError("finish_combine_rows needs the handle of the DispatchResult given to begin_combine_rows")
-        self._rows_handle = None
         out = torch.empty(handle.num_tokens, self.config.hidden, dtype=torch.bfloat16, device=handle.send_idx.device)
         self._ctx.combine_rows_finish(handle.send_idx.data_ptr(), handle.send_w.data_ptr(), handle.num_tokens,
                                       out.data_ptr(), torch.cuda.current_stream().cuda_stream)
+        # Closed only once the receive is launched: a begin whose finish raised (allocation, launch) stays open, so it
+        # can be finished again instead of leaving the combine kernels' call counts one apart.
+        self._rows_handle = None
         self._after_call()
         return out
 
