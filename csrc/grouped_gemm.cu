@@ -795,8 +795,9 @@ LaunchFn select_kernel(int tile, bool combine_rows) {
   static const int forced_small_cta = tuning_choice("EP_COMM_GEMM_SMALL_CTA", {"1x4", "2x2", "2x3", "4x1"});
   static const int forced_blocks_per_stage = tuning_choice("EP_COMM_GEMM_KBLOCKS_PER_STAGE", {"1", "2"});
   if (combine_rows) {
-    // The combine-row epilogue exists for the default shapes only (no tuning matrix): the tuning variables are not
-    // even read for it, so a tuning run of the bf16 kernels (or a mistyped value) leaves MoELayer's w2 working.
+    // The combine-row epilogue exists for the default shapes only (no tuning matrix): it ignores the tuning variables
+    // (read above, once per process), so a tuning run of the bf16 kernels (or a mistyped value) leaves MoELayer's w2
+    // working.
     // (Only the test hook EP_COMM_GEMM_MAX_CTAS applies to it: launch_tile.)
     switch (tile) {
       case 16: return launch_tile<16, 2, 3, kDefaultBlocksPerStage, true>;
