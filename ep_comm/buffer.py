@@ -44,11 +44,14 @@ class Buffer:
             reference — with a warning that says why), "reference" or "nvlink".
         expert_alignment: expert segments start at multiples of this (e.g. 128 for GEMM tiles).
         num_sms: blocks (SMs) of the nvlink send kernels. num_local_sms: blocks of the nvlink kernels' local
-            phases (receive/expansion, combine reduction; 0 = all SMs of the device). timeout_s: a peer wait longer than this raises.
+            phases (receive/expansion, combine reduction; 0 = all SMs of the device). timeout_s: a peer wait longer
+            than this raises, naming rank and stage (nvlink: the kernels' flag waits; reference over gloo: each
+            collective; reference over NCCL: the process group's own timeout applies instead).
         check_inputs: validate index ranges / duplicate experts (needs a device->host copy; skipped
-            automatically during CUDA graph capture). On the reference backend the ranks then also agree on the
-            outcome (one small all_reduce), so inputs rejected on one rank raise on every rank. Without checks,
-            ids outside [0, num_experts) are masked slots on both backends.
+            automatically during CUDA graph capture). On the reference backend the ranks agree on the outcome of
+            every call's argument checks (one small all_reduce per call, whatever check_inputs is), so inputs
+            rejected on one rank -- dispatch or combine -- raise on every rank. Without checks, ids outside
+            [0, num_experts) are masked slots on both backends.
         format_impl: "auto" | "reference" | "cuda", quantization path of the reference backend.
 
     Every rank must construct the Buffer with the same arguments (compared across ranks before they are
@@ -85,7 +88,9 @@ class Buffer:
 
     # ------------------------------------------------------------------------------------------------------
     def _check_same_arguments_everywhere(self, backend: str, format_impl: str) -> None:
-        mine = dict(dataclasses.asdict(self.config), backend=backend, format_impl=format_impl)
+        # check_inputs too: on the reference backend a rank that checks joins an agreement collective.
+        mine = dict(dataclasses.asdict(self.config), backend=backend, format_impl=format_impl,
+                    check_inputs=bool(self.check_inputs))
         gathered = [None] * self.config.world_size
         dist.all_gather_object(gathered, mine, group=self.group)
         for other_rank, other in enumerate(gathered):
@@ -209,19 +214,28 @@ class Buffer:
     def _check_dispatch_call(self, x, topk_idx, topk_weights, check_inputs: Optional[bool]) -> None:
         """What every dispatch checks before its kernels: a live Buffer, no autograd, valid inputs."""
         self._check_alive()
-        self._refuse_autograd("dispatch", x, topk_weights)
         check = self.check_inputs if check_inputs is None else bool(check_inputs)
-        if check and self.backend == "reference" and not _is_capturing():
-            # The ranks agree on the outcome (one small all_reduce): inputs rejected on one rank raise on every rank.
-            error = None
-            try:
-                self._validate_dispatch(x, topk_idx, topk_weights, check)
-            except (TypeError, ValueError) as rejected:
-                error = rejected
-            self._backend.raise_together(error, "dispatch inputs were rejected on rank(s) {ranks} (see the error "
-                                                "raised there); this rank's call is abandoned so that no rank waits")
-        else:
+
+        def validate():
+            self._refuse_autograd("dispatch", x, topk_weights)
             self._validate_dispatch(x, topk_idx, topk_weights, check)
+        self._validate_together(validate, "dispatch")
+
+    def _validate_together(self, validate, what: str) -> None:
+        """Runs `validate`. On the reference backend (outside graph capture) the ranks then agree on the outcome (one
+        small all_reduce, whatever check_inputs is, so that ranks calling with different settings still meet): inputs
+        rejected on one rank raise on every rank instead of leaving the others in the next collective until the
+        process group's timeout."""
+        if self.backend != "reference" or _is_capturing():
+            validate()
+            return
+        error = None
+        try:
+            validate()
+        except (TypeError, ValueError, RuntimeError) as rejected:
+            error = rejected
+        self._backend.raise_together(error, what + " inputs were rejected on rank(s) {ranks} (see the error raised "
+                                                  "there); this rank's call is abandoned so that no rank waits")
 
     def dispatch_waves(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                        wave_sms: int, check_inputs: Optional[bool] = None) -> WaveDispatch:
@@ -269,6 +283,10 @@ class Buffer:
             through RHT + S2F6 on the wire, summed in FP32, inverse RHT once).
         """
         self._check_alive()
+        self._validate_together(lambda: self._validate_combine(expert_out, handle), "combine")
+        return self._backend.combine(expert_out, handle, local_reduce=local_reduce)
+
+    def _validate_combine(self, expert_out, handle) -> None:
         if not isinstance(expert_out, torch.Tensor):
             raise TypeError(f"expert_out must be a torch.Tensor, got {type(expert_out).__name__}")
         self._refuse_autograd("combine", expert_out)
@@ -278,11 +296,11 @@ class Buffer:
             raise TypeError("combine takes the dispatch's handle: pass result.handle, not the DispatchResult")
         if not hasattr(handle, "num_rows"):
             raise TypeError(f"handle must be the .handle of this Buffer's dispatch result, got {type(handle).__name__}")
+        self._backend.check_handle(handle)
         num_rows = handle.num_rows
         if expert_out.dim() != 2 or tuple(expert_out.shape) != (num_rows, self.config.hidden):
             raise ValueError(f"expert_out must be [{num_rows}, {self.config.hidden}] (the rows of the dispatch "
                              f"result), got {tuple(expert_out.shape)}")
-        return self._backend.combine(expert_out, handle, local_reduce=local_reduce)
 
     def begin_combine_rows(self, result: DispatchResult) -> CombineRowsTarget:
         """Start a combine whose rows a GEMM epilogue writes itself (nvlink backend, combine_format "s2f6").

@@ -202,6 +202,18 @@ def errors_worker(rank: int, world: int, backend: str = "reference", device_kind
         one_bad[0, 0] = experts + 5
     _expect(ValueError, "must be in [-1" if rank == world - 1 else f"rejected on rank(s) [{world - 1}]",
             lambda: buf.dispatch(x, one_bad, w))
+    last = rank == world - 1
+    if backend == "reference" and world > 1:
+        # The same for a combine or an autograd input rejected on one rank; and a per-call check_inputs that differs
+        # between ranks still meets in the same collectives. The Buffer works on afterwards.
+        wrong_out = torch.zeros(result.num_rows, hidden, dtype=torch.float32 if last else torch.bfloat16, device=device)
+        _expect(TypeError if last else ValueError, "bfloat16" if last else f"rejected on rank(s) [{world - 1}]",
+                lambda: buf.combine(wrong_out, result.handle))
+        grad_x = x.clone().requires_grad_() if last else x
+        _expect(RuntimeError if last else ValueError, "no autograd" if last else f"rejected on rank(s) [{world - 1}]",
+                lambda: buf.dispatch(grad_x, idx, w))
+        mixed = buf.dispatch(x, idx, w, check_inputs=(rank == 0))
+        assert mixed.num_rows == result.num_rows
     # Without the check, ids outside [0, E) are masked slots (as on nvlink): the same result as -1 there.
     unchecked = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8,
                                backend=backend, check_inputs=False)
@@ -226,6 +238,9 @@ def errors_worker(rank: int, world: int, backend: str = "reference", device_kind
     _expect(ValueError, "differ between", lambda: ep_comm.Buffer(
         None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8, backend=backend,
         format_impl="auto" if rank == 0 else "reference"))
+    _expect(ValueError, "differ between", lambda: ep_comm.Buffer(
+        None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8, backend=backend,
+        check_inputs=(rank == 0)))
     _expect(ValueError, "format_impl", lambda: ep_comm.Buffer(
         None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8, backend=backend,
         format_impl="fast"))

@@ -34,6 +34,34 @@ def test_gloo_world8_small():
     assert len(results) == 8
 
 
+def _missing_peer_worker(rank, world):
+    """Rank 1 never calls dispatch: rank 0's wait ends after timeout_s with the rank and stage named."""
+    import time
+    import ep_comm
+    buf = ep_comm.Buffer(None, hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=8, backend="reference",
+                         timeout_s=1.0)
+    if rank == 1:
+        time.sleep(4.0)  # no collective after this: rank 0's timeout leaves the group unusable
+        return "absent"
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    idx = torch.tensor([[0, 1], [2, 3], [1, -1], [-1, -1]])
+    start = time.monotonic()
+    try:
+        buf.dispatch(x, idx, torch.rand(4, 2))
+    except RuntimeError as error:
+        return time.monotonic() - start, str(error)
+    return "no error"
+
+
+@pytest.mark.cpu
+def test_gloo_peer_that_never_calls_raises_after_timeout():
+    results = run_ranks(_missing_peer_worker, 2, backend="gloo", timeout_s=120)
+    assert results[1] == "absent"
+    waited, message = results[0]
+    assert waited < 10.0, f"waited {waited:.1f} s with timeout_s=1"
+    assert "rank 0 waited more than timeout_s=1.0 s in" in message, message
+
+
 @pytest.mark.multigpu
 def test_nccl_world2_semantics_and_errors():
     world = min(torch.cuda.device_count(), 8)

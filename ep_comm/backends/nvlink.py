@@ -662,12 +662,17 @@ class NVLinkBackend:
                               src_rank=src_rank, src_token=src_token, topk_slot=topk_slot, topk_weight=topk_weight,
                               handle=handle, num_rows=rows)
 
+    @staticmethod
+    def check_handle(handle) -> None:
+        """TypeError unless `handle` comes from an nvlink dispatch."""
+        if not isinstance(handle, NVLinkHandle):
+            raise TypeError(f"combine needs the handle of an nvlink dispatch, got {type(handle).__name__}")
+
     def combine(self, expert_out: torch.Tensor, handle: NVLinkHandle, local_reduce: bool = True) -> torch.Tensor:
         self._check_alive()
         self.check()
         self._check_rows_closed("combine")
-        if not isinstance(handle, NVLinkHandle):
-            raise TypeError(f"combine needs the handle of an nvlink dispatch, got {type(handle).__name__}")
+        self.check_handle(handle)
         cfg = self.config
         if expert_out.dtype != torch.bfloat16 or expert_out.dim() != 2 or expert_out.shape[1] != cfg.hidden \
                 or expert_out.shape[0] < handle.num_rows:

@@ -9,6 +9,7 @@ host lists), so it is not CUDA-graph capturable — that is the nvlink backend's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import List, Optional
 
 import torch
@@ -108,6 +109,9 @@ class ReferenceBackend:
         self.config = config
         self.rank = dist.get_rank(group)
         self.format_impl = format_impl
+        # gloo collectives wait at most timeout_s (then a RuntimeError names rank and stage); NCCL ones keep the
+        # process group's own timeout (their host call returns before the transfer ends).
+        self._timed_waits = str(dist.get_backend(group)).lower() == "gloo"
 
     @staticmethod
     def is_available(group):
@@ -129,17 +133,32 @@ class ReferenceBackend:
         pass
 
     # ------------------------------------------------------------------------------------------------------
-    def _all_to_all(self, send: torch.Tensor, send_counts: List[int], recv_counts: List[int]) -> torch.Tensor:
+    def _collective(self, stage: str, op, *args, **kwargs) -> None:
+        """Runs the torch.distributed collective `op` on this backend's group. Over gloo it waits at most timeout_s:
+        a peer that does not make the same call raises here, naming this rank and the stage, instead of waiting for
+        the process group's timeout (30 minutes by default)."""
+        if not self._timed_waits:
+            op(*args, group=self.group, **kwargs)
+            return
+        work = op(*args, group=self.group, async_op=True, **kwargs)
+        try:
+            work.wait(timeout=timedelta(seconds=self.config.timeout_s))
+        except RuntimeError as error:
+            raise RuntimeError(f"ep_comm reference backend: rank {self.rank} waited more than timeout_s="
+                               f"{self.config.timeout_s} s in {stage}: a peer did not make the same call "
+                               f"(or is slower than that); the process group may be unusable now ({error})") from error
+
+    def _all_to_all(self, send: torch.Tensor, send_counts: List[int], recv_counts: List[int], stage: str) -> torch.Tensor:
         recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
-        dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=recv_counts,
-                               input_split_sizes=send_counts, group=self.group)
+        self._collective(stage, dist.all_to_all_single, recv, send.contiguous(), output_split_sizes=recv_counts,
+                         input_split_sizes=send_counts)
         return recv
 
     def _exchange_counts(self, send_counts: List[int], device) -> List[int]:
         world = self.config.world_size
         send = torch.tensor(send_counts, dtype=torch.int64, device=device)
         recv = torch.empty(world, dtype=torch.int64, device=device)
-        dist.all_to_all_single(recv, send, group=self.group)
+        self._collective("dispatch (token counts)", dist.all_to_all_single, recv, send)
         return [int(v) for v in recv.tolist()]
 
     def raise_together(self, error: Optional[Exception], others_message: str) -> None:
@@ -151,7 +170,7 @@ class ReferenceBackend:
             else torch.device("cpu")
         failed = torch.zeros(self.config.world_size, dtype=torch.int32, device=device)
         failed[self.rank] = int(error is not None)
-        dist.all_reduce(failed, group=self.group)
+        self._collective("the input check's agreement", dist.all_reduce, failed)
         if error is not None:
             raise error
         ranks = [r for r, bad in enumerate(failed.tolist()) if bad]
@@ -168,7 +187,7 @@ class ReferenceBackend:
         mine = torch.tensor([[send_counts[d], int(local_reduce), expected_counts[d]] for d in range(world)],
                             dtype=torch.int64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine, group=self.group)
+        self._collective("combine (row counts)", dist.all_gather, gathered, mine)
         table = torch.stack(gathered).tolist()  # [source s][peer d] = (rows s sends d, s's mode, rows s expects from d)
         receivers_seeing_mismatch = sorted({d for s in range(world) for d in range(world)
                                             if table[s][d][0] != table[d][s][2] or table[s][d][1] != table[d][s][1]})
@@ -206,8 +225,8 @@ class ReferenceBackend:
         weight_bits = topk_weights.contiguous().view(torch.int32).to(torch.int64)
         token_index = torch.arange(num_tokens, dtype=torch.int64, device=device)[:, None]
         metadata = torch.cat([token_index, topk_idx, weight_bits], dim=1)
-        recv_payload = self._all_to_all(payload[send_rows], send_counts, recv_counts)
-        recv_meta = self._all_to_all(metadata[send_rows], send_counts, recv_counts)
+        recv_payload = self._all_to_all(payload[send_rows], send_counts, recv_counts, "dispatch (rows)")
+        recv_meta = self._all_to_all(metadata[send_rows], send_counts, recv_counts, "dispatch (row metadata)")
 
         num_recv = recv_payload.shape[0]
         recv_src_rank = torch.repeat_interleave(torch.arange(world, device=device),
@@ -259,9 +278,14 @@ class ReferenceBackend:
             src_rank=src_rank, src_token=src_token, topk_slot=topk_slot, topk_weight=topk_weight,
             handle=handle, num_rows=num_rows)
 
-    def combine(self, expert_out: torch.Tensor, handle: ReferenceHandle, local_reduce: bool = True) -> torch.Tensor:
+    @staticmethod
+    def check_handle(handle) -> None:
+        """TypeError unless `handle` comes from a reference-backend dispatch."""
         if not isinstance(handle, ReferenceHandle):
             raise TypeError(f"combine needs the handle of a reference-backend dispatch, got {type(handle).__name__}")
+
+    def combine(self, expert_out: torch.Tensor, handle: ReferenceHandle, local_reduce: bool = True) -> torch.Tensor:
+        self.check_handle(handle)
         cfg = self.config
         device = expert_out.device
         world, hidden, fmt = cfg.world_size, cfg.hidden, cfg.combine_format
@@ -281,7 +305,7 @@ class ReferenceBackend:
                 acc = torch.where(valid[:, None], acc + term, acc)
             self._agree_on_combine(handle.recv_counts, handle.send_counts, local_reduce, device)
             back = self._all_to_all(pack_combine_rows(acc, fmt, cfg.rht_sign_mask, self.format_impl),
-                                    handle.recv_counts, handle.send_counts)
+                                    handle.recv_counts, handle.send_counts, "combine (rows)")
             # Source rank: row (token t, destination d) arrives at offset(d) + position of t in send_rows[d].
             row_index = torch.full((num_tokens, world), -1, dtype=torch.int64, device=device)
             start = 0
@@ -300,7 +324,7 @@ class ReferenceBackend:
         counts_expected = [int((slot_rank == d).sum()) for d in range(world)]
         self._agree_on_combine(counts_back, counts_expected, local_reduce, device)
         back = self._all_to_all(pack_combine_rows(values, fmt, cfg.rht_sign_mask, self.format_impl),
-                                counts_back, counts_expected)
+                                counts_back, counts_expected, "combine (rows)")
         # Rows from rank d arrive ordered by token, then slot: exactly the (t, k) with slot_rank == d in order.
         row_index = torch.full((num_tokens, num_topk), -1, dtype=torch.int64, device=device)
         start = 0
