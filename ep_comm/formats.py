@@ -351,7 +351,9 @@ def nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True, amax: Optional[t
             raise ValueError("amax must be non-negative and not NaN (it is an absolute maximum; a computed amax "
                              "ignores NaN elements)")
     elif scale_granularity == "tensor":
-        amax = torch.broadcast_to(_nan_to_zero_abs(x.float()).amax(), x.shape[:-1]).contiguous()
+        # An empty tensor has amax 0 (torch's amax() refuses an empty input).
+        whole = _nan_to_zero_abs(x.float()).amax() if x.numel() else torch.zeros((), device=x.device)
+        amax = torch.broadcast_to(whole, x.shape[:-1]).contiguous()
     if _use_cuda(impl, x):
         return _cuda_formats().nvfp4_quantize(x, four_over_six, amax)
     return _nvfp4_quantize_reference(x, four_over_six, amax)
@@ -577,9 +579,11 @@ def _s2f6_quantize_reference(x: torch.Tensor, hadamard: bool, sign_mask: int) ->
 def _check_s2f6(s) -> None:
     if not isinstance(s, S2F6Tensor):
         raise TypeError(f"expected an S2F6Tensor, got {type(s).__name__}")
-    if s.data.dtype != torch.int8 or s.scales.shape[-1] * MX_BLOCK != s.data.shape[-1]:
-        raise ValueError(f"inconsistent S2F6Tensor: data {tuple(s.data.shape)} {s.data.dtype}, "
-                         f"scales {tuple(s.scales.shape)}")
+    if (s.data.dtype != torch.int8 or s.scales.dtype not in (torch.float8_e8m0fnu, torch.uint8)
+            or s.scales.shape[-1] * MX_BLOCK != s.data.shape[-1]):
+        raise ValueError(f"inconsistent S2F6Tensor: int8 data [..., K] and float8_e8m0fnu (or uint8) scales "
+                         f"[..., K / {MX_BLOCK}] expected; got data {tuple(s.data.shape)} {s.data.dtype}, "
+                         f"scales {tuple(s.scales.shape)} {s.scales.dtype}")
 
 
 def _s2f6_decode_rotated(s: S2F6Tensor) -> torch.Tensor:

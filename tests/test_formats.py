@@ -303,8 +303,12 @@ def test_bad_inputs():
         F.rht(torch.zeros(1, 32), sign_mask=-1)
     with pytest.raises(TypeError, match="row_index"):
         F.s2f6_dequantize_accumulate(F.s2f6_quantize(torch.zeros(2, 32)), torch.zeros(2, 2))
-    # Empty inputs are valid and produce empty outputs.
+    s = F.s2f6_quantize(torch.zeros(1, 32))
+    with pytest.raises(ValueError, match="float8_e8m0fnu"):  # fp32 scales: refused, not misread as 4 bytes each
+        F.s2f6_dequantize(F.S2F6Tensor(s.data, s.scales.view(torch.uint8).float(), s.hadamard, s.sign_mask))
+    # Empty inputs are valid and produce empty outputs (with one per-tensor scale too).
     assert F.nvfp4_quantize(torch.zeros(0, 32)).data.shape == (0, 16)
+    assert F.nvfp4_quantize(torch.zeros(0, 32), scale_granularity="tensor").data.shape == (0, 16)
     assert F.s2f6_dequantize(F.s2f6_quantize(torch.zeros(0, 64))).shape == (0, 64)
 
 
