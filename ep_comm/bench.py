@@ -5,8 +5,9 @@
 
 For each (dispatch format, combine format) pair it prints: wire bytes per token and destination, median
 dispatch and combine time, wire GB/s (bytes that leave the rank for other ranks / time, per rank),
-BF16-equivalent GB/s (2·H bytes per token-destination / time), and the combine error against the
-unquantized result (relative L2 and SQNR in dB) for a toy expert (a per-expert scale). The detailed
+BF16-equivalent GB/s (2·H bytes per token-destination / time), the combine's own error (relative L2 against a
+BF16 combine of the same expert rows) and the end-to-end error (relative L2 and SQNR in dB against the unquantized
+result) for a toy expert (a per-expert scale). The detailed
 GPU benchmark with NCCL and peer-copy baselines is bench/bench_dispatch_combine.py.
 """
 from __future__ import annotations
@@ -51,6 +52,13 @@ def parse_args(argv=None):
         args.ranks = torch.cuda.device_count() if use_gpu else 2
     if use_gpu and args.ranks > torch.cuda.device_count():
         parser.error(f"--ranks {args.ranks} exceeds the {torch.cuda.device_count()} visible GPUs")
+    for name in ("tokens", "iters", "ranks", "experts", "topk"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.topk > args.experts:
+        parser.error(f"--topk {args.topk} exceeds --experts {args.experts}")
+    if args.experts % args.ranks:
+        parser.error(f"--experts {args.experts} is not a multiple of the {args.ranks} ranks")
     args.pairs = [tuple(p.split("/")) for p in args.formats.split(",") if p]
     for pair in args.pairs:
         if len(pair) != 2:
@@ -115,7 +123,7 @@ def _worker(rank, world, args):
     goes_to = torch.zeros(args.tokens, world, dtype=torch.bool, device=device)
     for d in range(world):
         goes_to[:, d] = (dest == d).any(dim=1)
-    remote_pairs = int(goes_to.sum()) - int(goes_to[:, rank].sum())
+    remote_pairs = int(goes_to.sum()) - int(goes_to[:, rank].sum())  # rows this rank's dispatch sends away
     # Unquantized result of the toy expert (per-expert scale), FP32.
     reference = (weights[..., None] * _expert_scale(topk_idx)[..., None] * x.float()[:, None, :]).sum(dim=1)
     rows = []
@@ -131,6 +139,10 @@ def _worker(rank, world, args):
             result = buf.dispatch(x, topk_idx, weights)
             dispatch_time = finish()
             if iteration == 0:
+                # Rows this rank's combine sends away: one per (token, source) pair received from another rank.
+                valid = (result.src_rank >= 0) & (result.src_rank != rank)
+                pair_ids = result.src_rank[valid].to(torch.int64) * args.tokens + result.src_token[valid]
+                combine_pairs = int(torch.unique(pair_ids).numel())
                 offsets = result.expert_offsets.to(torch.int64).cpu()
                 experts_of_row = torch.zeros(result.num_rows, dtype=torch.int64)
                 for j in range(num_local):
@@ -149,6 +161,15 @@ def _worker(rank, world, args):
         signal = reference.norm().item()
         buf_backend = buf.backend
         buf.destroy()
+        # The combine's own error: against a BF16 combine (FP32 sums) of the same expert rows, through a dispatch of
+        # the same tokens in the same format (the same deterministic row layout).
+        exact = ep_comm.Buffer(None, hidden=args.hidden, num_experts=args.experts, num_topk=args.topk,
+                               max_tokens_per_rank=args.tokens, dispatch_format=dispatch_format,
+                               combine_format="bf16", backend=args.backend)
+        exact_y = exact.combine(expert_out, exact.dispatch(x, topk_idx, weights).handle).float()
+        exact.destroy()
+        combine_signal = exact_y.norm().item()
+        combine_error = (y.float() - exact_y).norm().item() / combine_signal if combine_signal else 0.0
         t_dispatch, t_combine = statistics.median(dispatch_times), statistics.median(combine_times)
         d_bytes = dispatch_bytes_per_token(dispatch_format, args.hidden)
         c_bytes = combine_bytes_per_token(combine_format, args.hidden)
@@ -158,9 +179,10 @@ def _worker(rank, world, args):
             dispatch_bytes_per_token=d_bytes, combine_bytes_per_token=c_bytes, remote_token_pairs=remote_pairs,
             dispatch_us=t_dispatch * 1e6, combine_us=t_combine * 1e6,
             dispatch_wire_gbps=remote_pairs * d_bytes / t_dispatch / 1e9,
-            combine_wire_gbps=remote_pairs * c_bytes / t_combine / 1e9,
+            combine_wire_gbps=combine_pairs * c_bytes / t_combine / 1e9,
             dispatch_bf16_equiv_gbps=remote_pairs * bf16_bytes / t_dispatch / 1e9,
-            combine_bf16_equiv_gbps=remote_pairs * bf16_bytes / t_combine / 1e9,
+            combine_bf16_equiv_gbps=combine_pairs * bf16_bytes / t_combine / 1e9, combine_row_pairs=combine_pairs,
+            combine_rel_l2_error=combine_error,
             rel_l2_error=error / signal if signal else 0.0,
             sqnr_db=20 * math.log10(signal / error) if error else float("inf")))
     return rows
@@ -172,14 +194,20 @@ def print_table(rows, args) -> None:
           f"tokens/rank {args.tokens}, hidden {args.hidden}, top-{args.topk} of {args.experts} experts, "
           f"{args.iters} timed iterations (median; rank 0 shown)")
     header = (f"{'dispatch/combine':<17}{'B/tok d':>9}{'B/tok c':>9}{'disp us':>10}{'comb us':>10}"
-              f"{'d GB/s':>9}{'d bf16eq':>10}{'c GB/s':>9}{'c bf16eq':>10}{'rel L2':>9}{'SQNR dB':>9}")
+              f"{'d GB/s':>9}{'d bf16eq':>10}{'c GB/s':>9}{'c bf16eq':>10}{'comb L2':>9}{'e2e L2':>9}{'SQNR dB':>9}")
     print(header)
     print("-" * len(header))
+
+    def rate(value):  # GB/s: 3 significant digits below 100 (CPU ranks move MB/s), one decimal above
+        return f"{value:.1f}" if value >= 100 else f"{value:.3g}"
     for r in rank0:
         print(f"{r['dispatch_format'] + '/' + r['combine_format']:<17}{r['dispatch_bytes_per_token']:>9}"
               f"{r['combine_bytes_per_token']:>9}{r['dispatch_us']:>10.1f}{r['combine_us']:>10.1f}"
-              f"{r['dispatch_wire_gbps']:>9.2f}{r['dispatch_bf16_equiv_gbps']:>10.2f}{r['combine_wire_gbps']:>9.2f}"
-              f"{r['combine_bf16_equiv_gbps']:>10.2f}{r['rel_l2_error']:>9.4f}{r['sqnr_db']:>9.1f}")
+              f"{rate(r['dispatch_wire_gbps']):>9}{rate(r['dispatch_bf16_equiv_gbps']):>10}"
+              f"{rate(r['combine_wire_gbps']):>9}{rate(r['combine_bf16_equiv_gbps']):>10}"
+              f"{r['combine_rel_l2_error']:>9.4f}{r['rel_l2_error']:>9.4f}{r['sqnr_db']:>9.1f}")
+    print("comb L2: the combine's own error (against a BF16 combine of the same expert rows); e2e L2 / SQNR: "
+          "dispatch + combine against the unquantized toy expert")
 
 
 def main(argv=None) -> int:

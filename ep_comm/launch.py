@@ -110,6 +110,7 @@ def _run_once(worker, world_size: int, args, backend: str, timeout_s: float):
         for process in processes:
             if process.is_alive():
                 process.kill()
+                process.join(timeout=5)  # reap it: a killed child left unjoined stays a zombie of this process
     if any(status == "port_in_use" for status, _ in outcome.values()):
         raise _PortInUse()
     errors = {rank: value for rank, (status, value) in outcome.items() if status == "error"}

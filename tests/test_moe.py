@@ -217,6 +217,35 @@ def test_layer_refuses_bad_weights_and_autograd():
     assert run_ranks(_layer_misuse_worker, 1, backend="gloo") == [True]
 
 
+def _layer_cast_and_one_bad_rank_worker(rank, world):
+    w1, w2, router = _master_weights()
+    local = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
+    with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=8) as buf:
+        layer = moe.MoELayer(buf, router, moe.pack_weights(w1[local], w2[local]))
+        x = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+        with torch.no_grad():
+            want = layer(x)
+            layer.to(torch.bfloat16)  # a trainer's module-wide cast also casts the router buffer
+            got = layer(x)
+            # A wrong hidden size on the last rank only: every rank raises at once, none waits for the others.
+            bad = x[:, :HIDDEN // 2] if rank == world - 1 else x
+            try:
+                layer(bad)
+                raised = None
+            except (ValueError, TypeError) as error:
+                raised = str(error)
+        return got.shape == want.shape and bool(torch.isfinite(got.float()).all()), raised
+
+
+@pytest.mark.cpu
+def test_layer_survives_a_bf16_cast_and_a_bad_input_on_one_rank():
+    results = run_ranks(_layer_cast_and_one_bad_rank_worker, 2, backend="gloo")
+    for rank, (cast_ok, raised) in enumerate(results):
+        assert cast_ok
+        assert raised is not None and ("x must be [num_tokens" in raised if rank == 1 else "rejected on rank(s) [1]"
+                                       in raised), raised
+
+
 @pytest.mark.multigpu
 def test_moe_layer_on_gpus_matches_oracle():
     """Same check over NCCL with backend auto (nvlink where available) and the CUDA quantization kernels."""

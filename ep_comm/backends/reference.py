@@ -8,6 +8,7 @@ host lists), so it is not CUDA-graph capturable — that is the nvlink backend's
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import List, Optional
@@ -141,12 +142,18 @@ class ReferenceBackend:
             op(*args, group=self.group, **kwargs)
             return
         work = op(*args, group=self.group, async_op=True, **kwargs)
+        start = time.monotonic()
         try:
             work.wait(timeout=timedelta(seconds=self.config.timeout_s))
         except RuntimeError as error:
-            raise RuntimeError(f"ep_comm reference backend: rank {self.rank} waited more than timeout_s="
-                               f"{self.config.timeout_s} s in {stage}: a peer did not make the same call "
-                               f"(or is slower than that); the process group may be unusable now ({error})") from error
+            waited = time.monotonic() - start
+            if waited >= self.config.timeout_s:
+                why = (f"waited more than timeout_s={self.config.timeout_s} s in {stage}: a peer did not make the same "
+                       f"call (or is slower than that)")
+            else:  # the transport failed first, e.g. a peer process exited
+                why = f"lost a peer after {waited:.1f} s in {stage} (a peer failed or exited)"
+            raise RuntimeError(f"ep_comm reference backend: rank {self.rank} {why}; the process group may be "
+                               f"unusable now ({error})") from error
 
     def _all_to_all(self, send: torch.Tensor, send_counts: List[int], recv_counts: List[int], stage: str) -> torch.Tensor:
         recv = send.new_empty((sum(recv_counts), *send.shape[1:]))

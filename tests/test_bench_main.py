@@ -1,0 +1,33 @@
+"""The main job (`python -m ep_comm.bench`) on 2 CPU ranks over gloo: its table's figures are the measured ones."""
+import json
+
+import pytest
+
+from ep_comm import bench
+
+
+@pytest.mark.cpu
+def test_main_job_on_cpu_ranks(tmp_path, capsys):
+    out = tmp_path / "result.json"
+    bench.main(["--cpu", "--tokens", "24", "--hidden", "256", "--experts", "8", "--topk", "2", "--iters", "1",
+                "--formats", "nvfp4/s2f6,bf16/bf16", "--out", str(out)])
+    rows = {(r["rank"], r["dispatch_format"]): r for r in json.loads(out.read_text())["results"]}
+    assert len(rows) == 4
+    for (rank, fmt), r in rows.items():
+        # The combine's own error: S2F6 within DESIGN's 1.5%, BF16 only the final bf16 rounding of each sum.
+        assert 0.0 < r["combine_rel_l2_error"] < 0.015 if fmt == "nvfp4" else r["combine_rel_l2_error"] < 0.005
+        # End to end: NVFP4 dispatch error dominates.
+        assert (0.02 < r["rel_l2_error"] < 0.2) if fmt == "nvfp4" else r["rel_l2_error"] < 0.01
+        assert r["dispatch_us"] > 0 and r["combine_us"] > 0 and 0 < r["combine_row_pairs"] <= 24
+    table = capsys.readouterr().out
+    assert "comb L2" in table and "0.00" not in table.split("\n")[3].split()[5:9], table  # rates keep their digits
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("argv,message", [(["--iters", "0"], "--iters must be at least 1"),
+                                          (["--topk", "40", "--experts", "32"], "exceeds --experts"),
+                                          (["--experts", "30", "--ranks", "4"], "not a multiple")])
+def test_main_job_refuses_bad_flags(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--cpu", *argv])
+    assert message in capsys.readouterr().err
