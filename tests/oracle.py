@@ -12,7 +12,28 @@ from typing import List
 import torch
 
 from ep_comm import formats
-from ep_comm.backends.reference import pack_dispatch_payload, unpack_dispatch_payload
+
+
+# The dispatch's quantization as DESIGN.md §1/§3 states it, built from ep_comm.formats directly (not from the
+# reference backend's packer, which is under test): NVFP4 with 4/6 and a per-token FP32 amax, MXFP8 round to
+# nearest, BF16 as is. Wire row = the payload's bytes in the order data | scales | amax.
+def _quantized_token(x_row: torch.Tensor, fmt: str):
+    if fmt == "nvfp4":
+        return formats.nvfp4_quantize(x_row, four_over_six=True, impl="reference")
+    if fmt == "mxfp8":
+        return formats.mxfp8_quantize(x_row, rounding="nearest", impl="reference")
+    return x_row
+
+
+def _wire_row(x_row: torch.Tensor, fmt: str) -> torch.Tensor:
+    q = _quantized_token(x_row, fmt)
+    if fmt == "nvfp4":
+        parts = [q.data, q.scales.view(torch.uint8), q.amax.reshape(-1, 1).view(torch.uint8)]
+    elif fmt == "mxfp8":
+        parts = [q.data.view(torch.uint8), q.scales.view(torch.uint8)]
+    else:
+        parts = [q.contiguous().view(torch.uint8)]
+    return torch.cat(parts, dim=1)[0]
 
 
 @dataclass(frozen=True)
@@ -107,8 +128,7 @@ def expected_dispatch(case: Case, rank: int, world: int, inputs) -> ExpectedDisp
                 if expert >= 0 and expert // num_local == rank:
                     entries[expert - rank * num_local].append((src, token, slot, float(weights[token, slot])))
                     if (src, token) not in payload_rows:
-                        payload_rows[(src, token)] = pack_dispatch_payload(x[token:token + 1], case.dispatch_format,
-                                                                           "reference")[0]
+                        payload_rows[(src, token)] = _wire_row(x[token:token + 1], case.dispatch_format)
     for segment in entries:
         segment.sort(key=lambda e: (e[0], e[1]))
     return ExpectedDispatch(entries=entries, payload_rows=payload_rows)
@@ -131,8 +151,7 @@ def expected_combine(case: Case, rank: int, world: int, inputs, local_reduce: bo
         return row_fp32.to(torch.bfloat16).float()
 
     for token in range(x.shape[0]):
-        payload = unpack_dispatch_payload(pack_dispatch_payload(x[token:token + 1], case.dispatch_format, "reference"),
-                                          case.dispatch_format, case.hidden)
+        payload = _quantized_token(x[token:token + 1], case.dispatch_format)
         dq = dequantize_payload(payload, case.dispatch_format)
         expert_out = {}
         for slot in range(case.num_topk):

@@ -16,7 +16,7 @@ def test_moe_forward_example_on_gloo():
     args = argparse.Namespace(tokens=64, hidden=256, intermediate=128, experts=8, topk=2, gpu=False)
     errors = run_ranks(moe_forward.worker, 2, args, backend="gloo")
     # NVFP4 activations (~9% relative error per token) through a SwiGLU MLP, then S2F6 (~1%).
-    assert all(0.0 < e < 0.2 for e in errors), errors
+    assert all(0.0 < e < 0.16 for e in errors), errors  # 0.125 / 0.130 measured
 
 
 @pytest.mark.cpu

@@ -170,8 +170,9 @@ def test_moe_layer_matches_token_by_token_oracle():
         assert result["combine_rows_refused"]
         assert not result["layer_combine_rows"]  # gloo ranks: reference experts, reference backend
         assert result["rows_api_refused"]
-        # Same quantization points; only matmul batching (accumulation order) differs from the oracle.
-        assert result["vs_oracle"] < 1e-2, result
+        # Same quantization points; only matmul batching (accumulation order) could differ from the oracle (0.0
+        # measured on CPU). The bound is far below what the other combine mode gives against this oracle (~0.009).
+        assert result["vs_oracle"] < 1e-5, result
         # Four NVFP4 quantizations (tokens, w1, SwiGLU output, w2; ~9% each on Gaussian data) and S2F6: ~22%
         # relative L2 against the unquantized FP32 layer on these random weights (0.218 measured on CPU).
         assert 0.0 < result["vs_fp32"] < 0.3, result
@@ -234,14 +235,17 @@ def _layer_cast_and_one_bad_rank_worker(rank, world):
                 raised = None
             except (ValueError, TypeError) as error:
                 raised = str(error)
-        return got.shape == want.shape and bool(torch.isfinite(got.float()).all()), raised
+        change = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        return change, raised
 
 
 @pytest.mark.cpu
 def test_layer_survives_a_bf16_cast_and_a_bad_input_on_one_rank():
     results = run_ranks(_layer_cast_and_one_bad_rank_worker, 2, backend="gloo")
-    for rank, (cast_ok, raised) in enumerate(results):
-        assert cast_ok
+    for rank, (change, raised) in enumerate(results):
+        # The router's weights rounded to bf16 move the softmax weights a little (0.3% / 0.6% measured; no top-k
+        # changes for these inputs); a broken cast would fail or produce garbage.
+        assert 0.0 <= change < 0.05, change
         assert raised is not None and ("x must be [num_tokens" in raised if rank == 1 else "rejected on rank(s) [1]"
                                        in raised), raised
 

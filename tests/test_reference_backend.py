@@ -58,7 +58,7 @@ def test_gloo_peer_that_never_calls_raises_after_timeout():
     results = run_ranks(_missing_peer_worker, 2, backend="gloo", timeout_s=120)
     assert results[1] == "absent"
     waited, message = results[0]
-    assert waited < 10.0, f"waited {waited:.1f} s with timeout_s=1"
+    assert 0.9 <= waited < 10.0, f"waited {waited:.1f} s with timeout_s=1"
     assert "rank 0 waited more than timeout_s=1.0 s in" in message, message
 
 
