@@ -63,6 +63,13 @@ def pack_weights(w1: torch.Tensor, w2: torch.Tensor) -> PackedExpertWeights:
     if w2.shape != (experts, hidden, two_i // 2):
         raise ValueError(f"w2 must be [E, H, I] = [{experts}, {hidden}, {two_i // 2}] for w1 {tuple(w1.shape)}, "
                          f"got {tuple(w2.shape)}")
+    if w1.numel() == 0:
+        raise ValueError(f"w1 and w2 must not be empty, got w1 {tuple(w1.shape)}")
+    # Offline, so the device->host check is affordable: one Inf would make its expert's amax Inf and every weight of
+    # that expert non-finite, one NaN would be encoded as a finite code (docs/NUMERICS.md), both silently.
+    for name, w in (("w1", w1), ("w2", w2)):
+        if not bool(torch.isfinite(w).all()):
+            raise ValueError(f"{name} holds NaN or Inf values; master weights must be finite")
     return PackedExpertWeights(
         w1=formats.nvfp4_quantize(w1, four_over_six=False, amax=_per_expert_amax(w1.float())),
         w2=formats.nvfp4_quantize(w2, four_over_six=False, amax=_per_expert_amax(w2.float())))

@@ -67,8 +67,13 @@ class BufferConfig:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
         if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
-                or not math.isfinite(self.timeout_s) or self.timeout_s <= 0):
-            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
+                or not math.isfinite(self.timeout_s) or not 1e-3 <= self.timeout_s <= 1e9):
+            # (The kernels count it in 64-bit nanoseconds and the gloo waits take a timedelta: both overflow far
+            # beyond 1e9 s; below 1 ms every wait that is not already satisfied would time out.)
+            raise ValueError(f"timeout_s must be a number of seconds in [0.001, 1e9], got {self.timeout_s!r}")
+        too_big = [name for name in integers if name != "rht_sign_mask" and getattr(self, name) >= 2**31]
+        if too_big:  # the kernels and the int32 result tensors (offsets, source tokens) index with 32-bit ints
+            raise ValueError(f"{', '.join(too_big)} must be below 2**31")
         if self.hidden <= 0 or self.hidden % 32 != 0:
             raise ValueError(f"hidden must be a positive multiple of 32 (NVFP4 blocks are 16, S2F6/RHT blocks 32); "
                              f"got {self.hidden}")
@@ -93,6 +98,10 @@ class BufferConfig:
             raise ValueError(f"num_sms must be >= 1, got {self.num_sms}")
         if self.num_local_sms < 0:
             raise ValueError(f"num_local_sms must be >= 0 (0 = all SMs), got {self.num_local_sms}")
+        if self.max_recv_rows >= 2**31:
+            raise ValueError(f"the receive layout would hold {self.max_recv_rows} rows (world_size * "
+                             f"max_tokens_per_rank * min(num_topk, local experts) plus alignment padding); it must "
+                             f"stay below 2**31")
 
     def replace(self, **changes) -> "BufferConfig":
         return dataclasses.replace(self, **changes)

@@ -2,7 +2,7 @@
 
 Runs on every visible GPU (NCCL), or on 2 CPU ranks over gloo without GPUs:
 
-    python examples/moe_forward.py [--tokens 512 --hidden 1024 --experts 16 --topk 4]
+    python examples/moe_forward.py [--tokens 256 --hidden 512 --intermediate 256 --experts 16 --topk 4]
 
 Each rank owns E / W experts (a SwiGLU MLP in FP32 here); received NVFP4 tokens are dequantized for the
 expert matmuls (a fused NVFP4 grouped GEMM would consume them directly). The output is compared with the

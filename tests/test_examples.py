@@ -24,5 +24,7 @@ def test_moe_layer_example_on_gloo():
     import moe_layer
     args = argparse.Namespace(tokens=32, hidden=128, intermediate=64, experts=4, topk=2, gpu=False)
     for result in run_ranks(moe_layer.worker, 2, args, backend="gloo"):
-        # On CPU both layers use the reference experts: the same computation, bitwise.
-        assert result["experts"] == "reference" and result["vs_reference_experts"] == 0.0, result
+        # On CPU the layer itself uses the reference experts (no second layer to compare with); against the
+        # unquantized FP32 layer: NVFP4 activations and weights plus S2F6 (0.22 measured at the example's defaults).
+        assert result["experts"] == "reference" and result["vs_reference_experts"] is None, result
+        assert 0.05 < result["vs_unquantized"] < 0.35, result

@@ -186,6 +186,13 @@ def test_pack_weights_and_layer_reject_bad_shapes():
     assert torch.equal(packed.w1.amax[:, 0], w1.abs().amax(dim=(1, 2)))  # one amax per expert
     with pytest.raises(ValueError, match="w2 must be"):
         moe.pack_weights(w1, w2[:, :, :-16])
+    for bad in (float("inf"), float("nan")):  # one non-finite weight would silently spoil its whole expert
+        w1_bad = w1.clone()
+        w1_bad[0, 0, 0] = bad
+        with pytest.raises(ValueError, match="w1 holds NaN or Inf"):
+            moe.pack_weights(w1_bad, w2)
+    with pytest.raises(ValueError, match="must not be empty"):
+        moe.pack_weights(w1[:, :0], w2[:, :, :0])
 
 
 def _layer_misuse_worker(rank, world):

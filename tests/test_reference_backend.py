@@ -103,9 +103,18 @@ def test_buffer_config_rejects_wrong_types_and_values():
                         ("rht_sign_mask", 1.5), ("num_sms", "24")):
         with pytest.raises(TypeError, match=name):
             BufferConfig(**dict(base, **{name: value})).validate()
-    for value in (-1.0, 0, float("inf"), float("nan"), True):
+    for value in (-1.0, 0, float("inf"), float("nan"), True, 1e-12, 1e14):  # 1e14 s overflowed the gloo wait
         with pytest.raises(ValueError, match="timeout_s"):
             BufferConfig(**dict(base, timeout_s=value)).validate()
+    for name in ("hidden", "max_tokens_per_rank", "expert_alignment"):  # 32-bit indices in kernels and results
+        with pytest.raises(ValueError, match=f"{name}|2\\*\\*31"):
+            BufferConfig(**dict(base, **{name: 2**31 if name != "hidden" else 2**31 + 32})).validate()
+    with pytest.raises(ValueError, match="receive layout would hold"):
+        BufferConfig(**dict(base, max_tokens_per_rank=2**29)).validate()  # 2 ranks x 2**29 x top-2 rows
+    with pytest.raises(ValueError, match="num_topk <= 32"):  # a hint for what the nvlink backend refuses
+        ep_comm.Buffer.get_buffer_size_hint(backend="nvlink", **dict(base, num_experts=64, num_topk=40))
+    with pytest.raises(ValueError, match="up to 1024 ranks"):
+        ep_comm.Buffer.get_buffer_size_hint(backend="nvlink", **dict(base, num_experts=2048, world_size=2048))
     with pytest.raises(ValueError, match="size hint"):
         ep_comm.Buffer.get_buffer_size_hint(backend="typo", **base)
     assert ep_comm.Buffer.get_buffer_size_hint(backend="reference", **base).dispatch_recv_bytes >= 0

@@ -50,6 +50,17 @@ _COMBINE_FORMAT_CODE = {"s2f6": 0, "bf16": 1}
 _MAX_TOPK = 32
 
 
+_MAX_WORLD = 1024  # csrc/nvlink.h kMaxWorld (static shared arrays of the kernels)
+
+
+def _check_nvlink_limits(config: BufferConfig) -> None:
+    """What this backend's kernels support beyond BufferConfig.validate()."""
+    if config.num_topk > _MAX_TOPK:
+        raise ValueError(f"the nvlink backend supports num_topk <= {_MAX_TOPK}, got {config.num_topk}")
+    if config.world_size > _MAX_WORLD:
+        raise ValueError(f"the nvlink backend supports up to {_MAX_WORLD} ranks, got {config.world_size}")
+
+
 def _align(value: int, to: int) -> int:
     return (value + to - 1) // to * to
 
@@ -385,8 +396,7 @@ class NVLinkBackend:
         ok, reason = NVLinkBackend.is_available(group)
         if not ok:
             raise RuntimeError(f"the nvlink backend is unavailable: {reason}")
-        if config.num_topk > _MAX_TOPK:
-            raise ValueError(f"the nvlink backend supports num_topk <= {_MAX_TOPK}, got {config.num_topk}")
+        _check_nvlink_limits(config)
         c = _ext.require_cuda_extension("the nvlink backend")
         self.group = group
         self.config = config
@@ -502,6 +512,7 @@ class NVLinkBackend:
 
     @staticmethod
     def size_hint(config: BufferConfig) -> BufferSizes:
+        _check_nvlink_limits(config)  # a hint for a configuration this backend refuses would mislead
         L = _RegionLayout.of(config)
         w, t_max, k = config.world_size, config.max_tokens_per_rank, config.num_topk
         dispatch = w * t_max * L.disp_row_bytes
