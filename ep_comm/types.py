@@ -140,9 +140,15 @@ class BufferSizes:
 
     dispatch_recv_bytes: symmetric receive area for dispatch payload + metadata (per rank).
     combine_recv_bytes: symmetric receive area for combine rows (per rank).
-    layout_bytes: counts, offsets and flags.
-    expert_layout_bytes: local (non-symmetric) expert-major output tensors.
-    total_symmetric_bytes: what each rank allocates in symmetric memory.
+    layout_bytes: nvlink: the symmetric counts, flags and offsets before the staging area, plus local scratch and the
+        per-call handle arrays; reference: 0.
+    expert_layout_bytes: local (non-symmetric) expert-major output tensors of ONE dispatch call. Every nvlink dispatch
+        allocates its full capacity (max_recv_rows rows), whatever the call's token count; a result kept alive
+        keeps its allocation. dispatch_waves also allocates the GEMM's fp16 operand rows (2 * hidden bytes per row,
+        max_recv_rows rows), not counted here.
+    total_symmetric_bytes: what each rank allocates in symmetric memory: the two receive areas, the counts and
+        flags, the NVFP4 wave index (4 * world * local experts * max_tokens_per_rank bytes) and rounding, so more
+        than the sum of the fields above.
     """
 
     dispatch_recv_bytes: int
