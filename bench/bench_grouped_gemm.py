@@ -6,7 +6,10 @@ R = E * rows-per-expert tokens (--rows, default 128 and 16: uniform; "256r": rou
 around 256 with the spread of random top-k routing, sd = sqrt(256)), each expert's segment contiguous. Routed cases
 also time ours without the small-remainder launch (tail_tile = 0, token tile "128/no-tail").
 The NVFP4 weights are random codes and scales built directly on the GPU (one amax per expert) and packed with
-`pack_gemm_weights`; the activations are random NVFP4 rows expanded with `expand_nvfp4_rows`.
+`pack_gemm_weights`; the activations are random NVFP4 rows expanded with `expand_nvfp4_rows`, outside the timed
+region: "ours" is the GEMM kernels on pre-expanded operands. The MoE layer also runs that expansion before w1 and
+before w2 (and requantizes w2's input to NVFP4), which this benchmark does not time (bench/bench_moe.py times the
+expansion as expand_graph_ms; bench/RESULTS.md, twelfth session).
 
 Timing: CUDA events around a batch of --iters back-to-back calls after warm-up, median over --reps batches;
 each call streams all E experts' weights (2.1 GB NVFP4 for w1, far more than L2). "ours" calls
