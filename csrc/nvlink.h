@@ -323,6 +323,17 @@ __device__ __forceinline__ void block_wait_all_peers(const NvlinkConfig& cfg, lo
   __syncthreads();
 }
 
+// A call's epoch from thread 0's start ticket (NvlinkState::comb_*_tickets): every call launches the kernel once and
+// its blocks take `grid_share` tickets in all, so ticket / grid_share counts the earlier calls. Whole block (one
+// barrier); call it where the epoch is first needed, so that the atomic's latency overlaps the work before.
+__device__ __forceinline__ unsigned long long block_epoch_from_ticket(unsigned long long ticket,
+                                                                      unsigned long long grid_share) {
+  __shared__ unsigned long long epoch;
+  if (threadIdx.x == 0) epoch = ticket / grid_share + 1ull;
+  __syncthreads();
+  return epoch;
+}
+
 // Add `amount` to counter `my rank` of `flags` in peer p's region with release semantics at system scope. Callers
 // signal for the whole block after a __syncthreads: the release is cumulative over the stores the barrier ordered
 // before it (those of every thread of the block), so no separate fence is needed. A fence.sc.sys before each

@@ -161,15 +161,21 @@ class Buffer:
             raise RuntimeError(f"ep_comm {what} has no autograd yet: gradients would not flow through it. Run the "
                                "forward under torch.no_grad() or torch.inference_mode(), or pass detached tensors")
 
+    def _check_tokens(self, x) -> None:
+        """x must be a bfloat16 [num_tokens, hidden] tensor (dispatch's input; MoELayer checks it before routing)."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"x must be bfloat16, got {x.dtype}")
+        if x.dim() != 2 or x.shape[1] != self.config.hidden:
+            raise ValueError(f"x must be [num_tokens, {self.config.hidden}], got {tuple(x.shape)}")
+
     def _validate_dispatch(self, x, topk_idx, topk_weights, check_ids: bool) -> None:
         cfg = self.config
         for name, tensor in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if x.dtype != torch.bfloat16:
-            raise TypeError(f"x must be bfloat16, got {x.dtype}")
-        if x.dim() != 2 or x.shape[1] != cfg.hidden:
-            raise ValueError(f"x must be [num_tokens, {cfg.hidden}], got {tuple(x.shape)}")
+        self._check_tokens(x)
         num_tokens = x.shape[0]
         if num_tokens > cfg.max_tokens_per_rank:
             raise ValueError(f"{num_tokens} tokens exceed max_tokens_per_rank={cfg.max_tokens_per_rank}; "

@@ -354,19 +354,10 @@ class MoELayer(torch.nn.Module):
                              self.token_tile)
         return self.buffer.combine(out, result.handle)
 
-    def _check_input(self, x) -> None:
-        hidden = self.buffer.config.hidden
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 2 or x.shape[1] != hidden:
-            raise ValueError(f"x must be [num_tokens, {hidden}], got {tuple(x.shape)}")
-        if x.dtype != torch.bfloat16:
-            raise TypeError(f"x must be bfloat16, got {x.dtype}")
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Checked before routing (the router's matmul would fail first, on this rank only); on the reference backend the
         # ranks agree on the outcome, so a bad x on one rank raises on every rank.
-        self.buffer._validate_together(lambda: self._check_input(x), "MoELayer forward")
+        self.buffer._validate_together(lambda: self.buffer._check_tokens(x), "MoELayer forward")
         topk_idx, topk_weights = self.route(x)
         # torch.topk over the logits gives K distinct ids in [0, E): valid by construction, so the dispatch skips
         # the id check and its device->host copy (which made the host wait for the GPU once per layer).

@@ -48,8 +48,6 @@ _DIRECT_SELF_MIN_TOKENS = 2048
 _DISPATCH_FORMAT_CODE = {"nvfp4": 0, "mxfp8": 1, "bf16": 2}
 _COMBINE_FORMAT_CODE = {"s2f6": 0, "bf16": 1}
 _MAX_TOPK = 32
-
-
 _MAX_WORLD = 1024  # csrc/nvlink.h kMaxWorld (static shared arrays of the kernels)
 
 
