@@ -111,17 +111,20 @@ bench_pdl() {  # A/B: programmatic dependent launch on and off (EP_COMM_NVLINK_P
 bench_pdl_auto() {  # A/B: the default choice (combine always, dispatch up to 512 tokens) against none, 256-1024 tokens
   bench_ab EP_COMM_NVLINK_PDL "auto 0" 256,512,1024
 }
-bench_ab() {  # $1 = variable, $2 = "value ...", $3 = tokens: NVFP4/S2F6 graph figures for each value, two rounds
-  local var="$1" values="$2" tokens="$3"
+bench_ab() {  # $1 = variable, $2 = "value ...", $3 = tokens[, $4 = formats]: graph figures for each value, two rounds
+  local var="$1" values="$2" tokens="$3" formats="${4:-nvfp4/s2f6}"
   for round in 1 2; do
     for value in $values; do
-      say "bench: NVFP4 dispatch / S2F6 combine, $var=$value (round $round)"
+      say "bench: $formats dispatch / combine, $var=$value (round $round)"
       env "$var=$value" timeout 120 python3 bench/bench_dispatch_combine.py --nproc 2 --tokens "$tokens" \
-        --formats nvfp4/s2f6 --no-reference --no-ceiling --out "$OUT/bench_ab_${value}_$round.json" > "$OUT/bench_ab.txt" 2>&1
+        --formats "$formats" --no-reference --no-ceiling --out "$OUT/bench_ab_${value}_$round.json" > "$OUT/bench_ab.txt" 2>&1
       grep -E "nvlink +(dispatch|combine) .* graph" "$OUT/bench_ab.txt" | tee -a "$log" || tail -5 "$OUT/bench_ab.txt" | tee -a "$log"
     done
   done
   rm -f "$OUT/bench_ab.txt"
+}
+bench_stream_recv() {  # A/B: the streaming dispatch receive on and off, NVFP4 and BF16, small and large calls
+  bench_ab EP_COMM_NVLINK_STREAM_RECV "1 0" 128,1024,4096 nvfp4/s2f6,bf16/bf16
 }
 bench_direct_self() { bench_ab EP_COMM_DIRECT_SELF_MIN_TOKENS "0 1000000000" 128,512,1024,2048,4096; }
 test_nvlink_one_rank() {  # the nvlink suite's workers on one rank (all rows are the rank's own): a 1-GPU check

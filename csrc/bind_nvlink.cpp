@@ -64,6 +64,7 @@ class NvlinkContext {
     c.off_combine = get<long long>(d, "off_combine");
     c.off_wave_index = get<long long>(d, "off_wave_index");
     c.off_disp_counts = get<long long>(d, "off_disp_counts");
+    c.off_row_flags = get<long long>(d, "off_row_flags");
     c.direct_self_min_tokens = get<int>(d, "direct_self_min_tokens");
     c.timeout_ns = get<unsigned long long>(d, "timeout_ns");
     c.peer_bases = ptr<const unsigned long long>(get<uintptr_t>(d, "peer_bases"));
@@ -92,6 +93,9 @@ class NvlinkContext {
     // so waves keep them; tiny calls skip the extra wait for the counts (Python sets the threshold).
     a.direct_self = cfg_.disp_fmt == kDispNvfp4 && a.wave_values == nullptr &&
                     a.num_tokens >= cfg_.direct_self_min_tokens;
+    // Streaming receive (nvlink.h): the receive expands rows as they arrive. A wave receive keeps the wait for the
+    // whole send (it writes rows expert by expert, in an order unrelated to the send's).
+    a.stream_recv = a.wave_values == nullptr && dispatch_stream_recv() ? 1 : 0;
     launch_layout(cfg_, a, stream);
     launch_dispatch_send(cfg_, a, stream);
     launch_dispatch_recv(cfg_, a, stream);

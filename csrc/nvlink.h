@@ -10,11 +10,15 @@
 //              comb_ready[W]    my region, slot e: blocks of expert rank e that finished writing rows to me
 //              comb_consumed[W] my region, slot s: blocks of source s that finished reading my rows
 //              disp_counts[W]   my region, slot s: dispatch calls whose counts source s has written to me
-//   counts     [W][count_stride] int32: source s writes its per-local-expert row counts and its token count
+//   counts     [W][count_stride] int32: source s writes its per-local-expert row counts, its token count and the
+//              number of warps its send split each row across (1: its rows carry row flags)
 //   staging    [W][T_max] dispatch rows (payload | metadata), slot chosen by the sender's prefix sum
 //   combine    [T_max][K] combine rows, indexed by (token, rank ordinal) or (token, top-k slot)
 //   wave index [W][E_local][T_max] int32: source s writes, for its p-th row to local expert j, the staging slot of
 //              that token (the inverse of the slot table), so that a wave receive can write rows expert by expert
+//   row flags  [W][T_max] u32: source s stores the low 32 bits of the call's epoch at [s][j] once staging row j (payload
+//              and metadata) is complete (release, system scope), so that a streaming receive expands rows as they
+//              arrive instead of after the whole send (below)
 // Every counter only grows: each block of the signalling kernel adds 1 per call, so "epoch n is complete"
 // is counter >= n * (blocks of the kernel that signals that array):
 //   disp_ready    <- dispatch send blocks    (cfg.disp_send_blocks), waited on by dispatch receive
@@ -28,6 +32,12 @@
 // source's counts are in (the output offsets depend on them); the receive then expands only the other sources' rows.
 // The counts writer is the send block that starts first in the call (a ticket, not block 0), so the wait for counts
 // never depends on a block that is not yet resident.
+// Streaming receive (DispatchArgs::stream_recv, not a wave dispatch): the receive kernel is launched as the send's
+// programmatic dependent and does not wait for the send grid to finish. It takes its epoch from a start ticket, waits
+// only for every source's counts (which every source writes after its own griddepcontrol.wait, so nothing before the
+// dispatch on this stream is still running once they are in -- the receive writes its outputs only after that), then
+// waits for each staging row's flag before expanding it. A source whose send split rows across warps (a small call;
+// the split is in its counts) has no row flags: its rows are taken once its whole send has signalled disp_ready.
 // The block counts are fixed per Buffer and identical on every rank (Python agrees on them). A kernel waits on
 // another block of its own grid only for the counts, whose writer has already started (above), so grids larger than
 // the SM count are safe. Epochs (calls) are counted on the device (NvlinkState) so CUDA-graph replays
@@ -86,6 +96,9 @@ struct NvlinkState {
   unsigned int layout_done_blocks;  // layout blocks finished in the current call (last one scans)
   unsigned int abort;             // set after a timeout: every later wait gives up at once
   unsigned long long send_arrivals;  // dispatch send blocks started, all calls (ticket % grid == 0: counts writer)
+  // Dispatch receive tickets: each call's receive blocks add cfg.disp_recv_blocks in all (a wave receive on fewer blocks
+  // shares it out), so ticket / disp_recv_blocks + 1 is the call's epoch without waiting for the layout kernel.
+  unsigned long long disp_recv_tickets;
 };
 
 // Static description of one Buffer: geometry, region offsets and device addresses. Passed by value.
@@ -129,6 +142,7 @@ struct NvlinkConfig {
   long long off_combine;
   long long off_wave_index;
   long long off_disp_counts;  // disp_counts[W] (u64 counters)
+  long long off_row_flags;    // row flags [W][T_max] (u32 epochs)
 
   unsigned long long timeout_ns;
 
@@ -181,6 +195,9 @@ struct DispatchArgs {
   // Direct self rows (see the protocol above): set by the host launcher (bind_nvlink.cpp) for NVFP4 calls without
   // waves and with at least cfg.direct_self_min_tokens tokens; the send and the receive both read it from here.
   int direct_self;
+  // Streaming receive (see the protocol above): set by the host launcher for dispatches without waves unless
+  // EP_COMM_NVLINK_STREAM_RECV=0 (dispatch_stream_recv).
+  int stream_recv;
 };
 
 struct CombineArgs {
@@ -210,6 +227,8 @@ void launch_dispatch_send(const NvlinkConfig& cfg, const DispatchArgs& args, uin
 void launch_dispatch_recv(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream);
 void launch_combine_send(const NvlinkConfig& cfg, const CombineArgs& args, uintptr_t stream);
 void launch_combine_recv(const NvlinkConfig& cfg, const CombineArgs& args, uintptr_t stream);
+bool dispatch_pdl_allowed();  // EP_COMM_NVLINK_PDL is not 0 (the streaming receive's launch)
+bool dispatch_stream_recv();  // EP_COMM_NVLINK_STREAM_RECV: 1 (default) streaming receive, 0 wait for the whole send
 // Shared-memory opt-ins that depend on the config (call once per Buffer, before any launch).
 void prepare_layout_kernel(const NvlinkConfig& cfg);
 void prepare_dispatch_kernels(const NvlinkConfig& cfg);
@@ -270,6 +289,22 @@ cudaError_t launch_kernel(void (*kernel)(KernelArgs...), int grid, int block, si
 // (coherent) loads after an acquire (ld_acquire_sys, spin_wait.cuh), never the non-coherent read-only path.
 __device__ __forceinline__ void red_release_sys_add(unsigned long long* p, unsigned long long v) {
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_release_sys_u32(unsigned int* p, unsigned int v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ unsigned int ld_relaxed_sys_u32(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ unsigned int ld_acquire_sys_u32(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
 }
 
 __device__ __forceinline__ uint4 ld_coherent_v4(const void* p) {

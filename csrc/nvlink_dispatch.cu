@@ -104,19 +104,22 @@ __device__ __forceinline__ float warp_row_amax(const unsigned char* row, int hid
 // Expert-major layout of this rank's output from the exchanged counts (every source's counts must be in),
 // computed by the whole block into shared memory: seg_start[s][j] = first output row of source s's rows for
 // local expert j, offsets[j] = first row of expert j (segments aligned), totals[j] = rows of expert j, ntok[s] =
-// staging rows from source s, item_start[s] = prefix of ntok. A few hundred integers: every block computes it.
+// staging rows from source s, item_start[s] = prefix of ntok, send_split[s] = warps per row of source s's send (1:
+// its rows carry row flags). A few hundred integers: every block computes it.
 struct ReceiveLayout {
   int* seg_start;   // [W][E_local]
   int* offsets;     // [E_local + 1]
   int* totals;      // [E_local]
   int* ntok;        // [W]
   int* item_start;  // [W + 1]
+  int* send_split;  // [W]
   __device__ ReceiveLayout(int* smem, int world, int num_local)
       : seg_start(smem),
         offsets(smem + world * num_local),
         totals(offsets + num_local + 1),
         ntok(totals + num_local),
-        item_start(ntok + world) {}
+        item_start(ntok + world),
+        send_split(item_start + world + 1) {}
 };
 
 __device__ void compute_receive_layout(const NvlinkConfig& cfg, const ReceiveLayout& L) {
@@ -129,6 +132,7 @@ __device__ void compute_receive_layout(const NvlinkConfig& cfg, const ReceiveLay
   }
   for (int s = threadIdx.x; s < world; s += blockDim.x) {
     L.ntok[s] = static_cast<int>(ld_coherent_u32(counts + s * cfg.count_stride + num_local));
+    L.send_split[s] = static_cast<int>(ld_coherent_u32(counts + s * cfg.count_stride + num_local + 1));
   }
   __syncthreads();
   // Per expert: total rows; seg_start[s][j] becomes the prefix over sources (offset added below).
@@ -204,6 +208,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
   extern __shared__ int smem[];  // direct self rows: the receive layout (ReceiveLayout)
   __shared__ char* dest_rows[kCommThreads / 32][kMaxTopk];
   __shared__ int self_rows[kCommThreads / 32][kMaxTopk];
+  __shared__ unsigned int* dest_flags[kCommThreads / 32][kMaxTopk];  // row flags of the rows in dest_rows
   __shared__ bool counts_writer;
   pdl_prologue();
   const unsigned long long epoch = cfg.state->disp_epoch;
@@ -227,6 +232,10 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
   const int units = kFmt == kDispNvfp4 ? hidden / 32 : (kFmt == kDispMxfp8 ? hidden / 16 : hidden / 8);
   const int split = split_factor(args.num_tokens, num_warps, (units + 31) / 32);
   const long long num_items = static_cast<long long>(args.num_tokens) * split;
+  // Row flags for a streaming receive: only when one warp writes a whole row (split == 1), so that the warp's release
+  // covers the row; the split travels with the counts, and the receive waits for disp_ready instead when it is > 1.
+  const bool row_flags = args.stream_recv != 0 && split == 1;
+  const unsigned int flag_epoch = static_cast<unsigned int>(epoch);
 
   // Routing of an item's token (lane k < K: expert, staging slot at the destination, position in the
   // expert, weight) and, for NVFP4, the token's row amax (every part needs the whole row's). Local data
@@ -268,11 +277,12 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
 
   // (block_wait_all_peers ends with __syncthreads: counts_writer is visible.)
   if (counts_writer) {
-    const int per_rank = cfg.num_local + 1;
+    const int per_rank = cfg.num_local + 2;  // expert counts, token count, send split
     for (int i = threadIdx.x; i < cfg.world * per_rank; i += blockDim.x) {
       const int d = i / per_rank;
       const int j = i - d * per_rank;
-      const int v = j < cfg.num_local ? cfg.expert_count[d * cfg.num_local + j] : cfg.rank_count[d];
+      const int v = j < cfg.num_local ? cfg.expert_count[d * cfg.num_local + j]
+                                      : (j == cfg.num_local ? cfg.rank_count[d] : split);
       int* dst = reinterpret_cast<int*>(peer_ptr(cfg, d, cfg.off_counts)) + cfg.rank * cfg.count_stride + j;
       *dst = v;
     }
@@ -305,8 +315,11 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
     const int self_row = self_lane ? self_seg_start[e - first_expert] + pos : -1;
     __syncwarp();  // the previous token's readers are done with the lists
     if (staging_lane) {
-      dest_rows[warp_in_block][__popc(dest_mask & lanes_below)] =
-          peer_ptr(cfg, e / cfg.num_local, staging_base + static_cast<long long>(slot) * cfg.disp_row_bytes);
+      const int d = e / cfg.num_local;
+      const int i = __popc(dest_mask & lanes_below);
+      dest_rows[warp_in_block][i] = peer_ptr(cfg, d, staging_base + static_cast<long long>(slot) * cfg.disp_row_bytes);
+      dest_flags[warp_in_block][i] = reinterpret_cast<unsigned int*>(peer_ptr(cfg, d, cfg.off_row_flags)) +
+                                     static_cast<long long>(cfg.rank) * cfg.max_tokens + slot;
     }
     if (self_lane) self_rows[warp_in_block][__popc(self_mask & lanes_below)] = self_row;
     __syncwarp();
@@ -439,6 +452,14 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
         const long long list = static_cast<long long>(cfg.rank) * cfg.num_local + (e - dest * cfg.num_local);
         index[list * cfg.max_tokens + pos] = dest_slot;
       }
+    }
+
+    // Row flags: the warp's stores of this token (payload, scales, metadata) are complete at each destination before
+    // its flag, one release per destination after the warp barrier (cumulative over every lane's stores, as the
+    // block-wide signals are after __syncthreads). Costs the warp one round trip per token, hidden by the other warps.
+    if (row_flags) {
+      __syncwarp();
+      if (lane < num_dest) st_release_sys_u32(dest_flags[warp_in_block][lane], flag_epoch);
     }
   }
 
@@ -655,6 +676,30 @@ __device__ void wave_receive_rows(const NvlinkConfig& cfg, const DispatchArgs& a
   }
 }
 
+// Streaming receive: wait until staging row j of source s is complete -- its row flag (release by the sending warp),
+// or, for a source whose send split rows across warps (no row flags), that source's whole send. Lane 0 polls with
+// relaxed loads (an acquire per poll would invalidate the SM's L1 under every other warp's feet), then acquires once;
+// the warp barrier orders the other lanes' loads of the row after that acquire.
+__device__ __forceinline__ void wait_staging_row(const NvlinkConfig& cfg, int send_split, int s, int j,
+                                                 unsigned long long epoch, int lane) {
+  if (lane == 0) {
+    if (send_split == 1) {
+      const unsigned int* flag =
+          reinterpret_cast<const unsigned int*>(cfg.local_base + cfg.off_row_flags) + static_cast<long long>(s) *
+          cfg.max_tokens + j;
+      const unsigned int want = static_cast<unsigned int>(epoch);
+      spin_until([flag] { return ld_relaxed_sys_u32(flag); }, [want](unsigned int v) { return v == want; },
+                 &cfg.state->abort, cfg.error_word, cfg.timeout_ns,
+                 [s, epoch] { return timeout_error_word(kStageDispatchWaitReady, s, epoch); });
+      (void)ld_acquire_sys_u32(flag);  // the flag stays at this epoch until this rank signals disp_consumed
+    } else {
+      const unsigned long long* ready = reinterpret_cast<const unsigned long long*>(cfg.local_base + cfg.off_disp_ready);
+      wait_counter(cfg, ready + s, epoch * cfg.disp_send_blocks, kStageDispatchWaitReady, s, epoch);
+    }
+  }
+  __syncwarp();
+}
+
 // kWaves: the wave receive (args.wave_values set; its own instantiation, so that neither path sets the other's
 // register budget).
 template <bool kWaves>
@@ -670,17 +715,35 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
   const int* ntok = layout.ntok;
   const int* item_start = layout.item_start;
   constexpr bool waves = kWaves;
+  const bool streaming = !waves && args.stream_recv != 0;
+  // This call's epoch from a start ticket (NvlinkState::disp_recv_tickets), taken before the block lets any dependent
+  // launch, so that the next dispatch's receive always draws after every block of this one. A wave receive's blocks
+  // share out disp_recv_blocks tickets (its grid is smaller).
+  const unsigned long long share =
+      waves ? cfg.disp_recv_blocks / gridDim.x + (blockIdx.x < cfg.disp_recv_blocks % gridDim.x) : 1ull;
+  __shared__ unsigned long long ticket_epoch;
+  if (threadIdx.x == 0) ticket_epoch = atomicAdd(&cfg.state->disp_recv_tickets, share) / cfg.disp_recv_blocks + 1ull;
+  __syncthreads();
+  const unsigned long long epoch = ticket_epoch;
   if (waves) {
     // The GEMM launched behind this kernel (PDL) must not start before this kernel's own predecessors are complete
     // (it writes memory the stream may have used before): wait first, then release it.
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  } else if (streaming) {
+    // No griddepcontrol.wait: this kernel runs while the send still sends (protocol, nvlink.h). Every source's counts
+    // are in only once this rank's own send has passed its griddepcontrol.wait, so no earlier kernel of the stream is
+    // still running when the first output store below happens.
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   } else {
     pdl_prologue();
   }
 
-  const unsigned long long epoch = cfg.state->disp_epoch;
-  block_wait_all_peers(cfg, cfg.off_disp_ready, epoch * cfg.disp_send_blocks, kStageDispatchWaitReady, epoch);
+  if (streaming) {
+    block_wait_all_peers(cfg, cfg.off_disp_counts, epoch, kStageDispatchWaitReady, epoch);
+  } else {
+    block_wait_all_peers(cfg, cfg.off_disp_ready, epoch * cfg.disp_send_blocks, kStageDispatchWaitReady, epoch);
+  }
 
   compute_receive_layout(cfg, layout);
 
@@ -728,6 +791,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
     const int j = item - item_start[s];
     const char* row = cfg.local_base + cfg.off_staging +
                       (static_cast<long long>(s) * cfg.max_tokens + j) * cfg.disp_row_bytes;
+    if (streaming) wait_staging_row(cfg, layout.send_split[s], s, j, epoch, lane);
     const int first = part * 32 + lane, stride = 32 * split;
     // Round 0 of the payload and of the scales, and the row's amax, in flight while the metadata is read and
     // decoded: every load of the item is issued before the first store (one memory round trip per item instead
@@ -810,8 +874,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
   // Done reading the staging rows and counts: the sources may overwrite them. The sources wait for
   // disp_recv_blocks signals per call; a wave receive runs on fewer blocks, which share them out.
   if (waves) {
-    const unsigned long long share = cfg.disp_recv_blocks / gridDim.x + (blockIdx.x < cfg.disp_recv_blocks % gridDim.x);
-    __syncthreads();
+    __syncthreads();  // (share: this block's part of disp_recv_blocks, as for its ticket)
     for (int p = threadIdx.x; p < cfg.world; p += blockDim.x) signal_peer(cfg, cfg.off_disp_consumed, p, share);
   } else {
     block_signal_all_peers(cfg, cfg.off_disp_consumed);
@@ -819,7 +882,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
 }
 
 size_t recv_smem(const NvlinkConfig& cfg) {
-  return static_cast<size_t>(cfg.world * cfg.num_local + 2 * cfg.num_local + 1 + 2 * cfg.world + 1) * sizeof(int);
+  return static_cast<size_t>(cfg.world * cfg.num_local + 2 * cfg.num_local + 1 + 3 * cfg.world + 1) * sizeof(int);
 }
 
 }  // namespace
@@ -854,9 +917,12 @@ void launch_dispatch_send(const NvlinkConfig& cfg, const DispatchArgs& args, uin
 
 void launch_dispatch_recv(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream) {
   const bool waves = args.wave_values != nullptr;
+  // A streaming receive is launched as the send's programmatic dependent at every size (unless PDL is off), so that it
+  // runs while the send sends: on the SMs the send leaves free, and on each SM a send block leaves.
+  const bool pdl = args.stream_recv ? dispatch_pdl_allowed() : dispatch_pdl(args.num_tokens);
   check_cuda(launch_kernel(waves ? dispatch_recv_kernel<true> : dispatch_recv_kernel<false>,
                            waves ? args.wave_blocks : cfg.disp_recv_blocks, kCommThreads, recv_smem(cfg),
-                           reinterpret_cast<cudaStream_t>(stream), dispatch_pdl(args.num_tokens), cfg, args),
+                           reinterpret_cast<cudaStream_t>(stream), pdl, cfg, args),
              "dispatch receive kernel launch");
 }
 

@@ -207,6 +207,18 @@ bool combine_pdl() {
   return mode >= 0 ? mode == 1 : true;
 }
 
+bool dispatch_pdl_allowed() { return pdl_override() != 0; }
+
+bool dispatch_stream_recv() {
+  static const bool on = [] {
+    const char* v = std::getenv("EP_COMM_NVLINK_STREAM_RECV");
+    if (v == nullptr || *v == '\0' || std::string(v) == "1") return true;
+    if (std::string(v) == "0") return false;
+    throw std::invalid_argument("EP_COMM_NVLINK_STREAM_RECV must be 0 or 1, not '" + std::string(v) + "'");
+  }();
+  return on;
+}
+
 // Warps of a layout block: at least 8, and one thread per key kind (E + W) where that fits, so that the last block's
 // scan over chunks takes every column in one round (256 experts + 2 ranks on 256 threads took two).
 int layout_warps(const NvlinkConfig& cfg) {

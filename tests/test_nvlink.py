@@ -382,7 +382,7 @@ def test_nvlink_size_hint_without_gpu():
 @pytest.mark.cpu
 @pytest.mark.parametrize("world,fmt", [(2, "nvfp4"), (8, "nvfp4"), (8, "bf16"), (72, "mxfp8")])
 def test_nvlink_region_sections_are_disjoint(world, fmt):
-    """Every section of the symmetric region (the five flag arrays, counts, staging, combine rows, wave index) lies
+    """Every section of the symmetric region (the five flag arrays, counts, row flags, staging, combine rows, wave index) lies
     inside the region, 8-byte aligned, and overlaps no other."""
     from ep_comm.backends.nvlink import _RegionLayout
     from ep_comm.types import BufferConfig
@@ -393,6 +393,7 @@ def test_nvlink_region_sections_are_disjoint(world, fmt):
     sections = {name: (getattr(L, name), 8 * w) for name in
                 ("off_disp_ready", "off_disp_consumed", "off_comb_ready", "off_comb_consumed", "off_disp_counts")}
     sections["off_counts"] = (L.off_counts, 4 * w * L.count_stride)
+    sections["off_row_flags"] = (L.off_row_flags, 4 * w * t)
     sections["off_staging"] = (L.off_staging, w * t * L.disp_row_bytes)
     sections["off_combine"] = (L.off_combine, t * k * L.comb_row_bytes)
     if fmt == "nvfp4":
@@ -402,5 +403,5 @@ def test_nvlink_region_sections_are_disjoint(world, fmt):
         assert end <= start, f"{name} overlaps {next_name}"
     assert spans[-1][1] <= L.total_bytes
     assert all(off % 8 == 0 for off, _ in sections.values())
-    assert L.count_stride >= e_local + 1
+    assert L.count_stride >= e_local + 2  # expert counts, token count, send split
 

@@ -85,6 +85,7 @@ class _RegionLayout:
     off_combine: int
     off_wave_index: int
     off_disp_counts: int
+    off_row_flags: int
     total_bytes: int
 
     @staticmethod
@@ -111,8 +112,11 @@ class _RegionLayout:
         off_comb_ready, off = off, off + flags
         off_comb_consumed, off = off, off + flags
         off_disp_counts, off = off, off + flags
-        count_stride = _align(cfg.num_local_experts + 1, 4)
+        count_stride = _align(cfg.num_local_experts + 2, 4)  # expert counts, token count, send split
         off_counts, off = _align(off, 256), _align(off, 256) + 4 * w * count_stride
+        # Row flags: [W][T_max] u32, the epoch of the dispatch whose staging row (s, j) is complete (streaming receive).
+        off_row_flags = _align(off, 256)
+        off = off_row_flags + 4 * w * t_max
         off_staging = _align(off, 256)
         off = off_staging + w * t_max * disp_row
         off_combine = _align(off, 256)
@@ -128,7 +132,8 @@ class _RegionLayout:
                              off_disp_consumed=off_disp_consumed, off_comb_ready=off_comb_ready,
                              off_comb_consumed=off_comb_consumed, off_counts=off_counts, count_stride=count_stride,
                              off_staging=off_staging, off_combine=off_combine, off_wave_index=off_wave_index,
-                             off_disp_counts=off_disp_counts, total_bytes=_align(off, 1 << 21))
+                             off_disp_counts=off_disp_counts, off_row_flags=off_row_flags,
+                             total_bytes=_align(off, 1 << 21))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -444,6 +449,7 @@ class NVLinkBackend:
             "off_comb_ready": L.off_comb_ready, "off_comb_consumed": L.off_comb_consumed,
             "off_counts": L.off_counts, "count_stride": L.count_stride, "off_staging": L.off_staging,
             "off_combine": L.off_combine, "off_wave_index": L.off_wave_index, "off_disp_counts": L.off_disp_counts,
+            "off_row_flags": L.off_row_flags,
             "direct_self_min_tokens": int(os.environ.get("EP_COMM_DIRECT_SELF_MIN_TOKENS", _DIRECT_SELF_MIN_TOKENS)),
             "timeout_ns": int(config.timeout_s * 1e9),
             "peer_bases": self._peer_bases.data_ptr(), "local_base": self.region.local_base,
