@@ -9,7 +9,9 @@ Timing, per kernel pair (dispatch = layout + send + receive kernels; combine = s
   iso   : median over iterations of one call between CUDA events, each after a barrier + synchronize
           (includes the ranks' launch skew; the pessimistic, latency-style number),
   graph : N calls captured in one CUDA graph, replayed back to back; time / N (steady-state throughput;
-          nvlink only — the reference syncs with the host and cannot be captured).
+          nvlink only — the reference syncs with the host and cannot be captured),
+  pipe  : (NCCL baseline, with a BF16 format) all_to_all_single of the BF16 token rows the dispatch moves, N calls
+          back to back between events, time / N — the all_to_all figure of H200-BASELINE.md, measured in this run.
 With S2F6 combine also (graph): combine_expert_rows = combine(local_reduce=False), one row per (token, expert);
 combine_rows_begin_finish = what the combine-row form leaves outside the w2 GEMM (MoELayer's default: the GEMM's
 epilogue stores the rows), i.e. begin (wait on the peers' flags) + finish (release + receive), here without a GEMM.
@@ -102,6 +104,34 @@ def _peer_rows(idx, rank, world, experts):
     goes.scatter_(1, ranks, True)
     goes[:, rank] = False
     return int(goes.sum())
+
+
+def _nccl_all_to_all_rows(args, tokens, rank, world, group, calls=10, reps=5):
+    """NCCL baseline in the same run: torch all_to_all_single of BF16 token rows, each token once per destination rank
+    it routes to (this rank's own rows included: NCCL copies them locally), the same routing as the dispatch. Timing
+    `pipe`: `calls` back-to-back calls between CUDA events after a barrier, per call, median of `reps`."""
+    x, idx, _ = _routing(rank, tokens, args.hidden, args.experts, args.topk)
+    ranks = idx // (args.experts // world)
+    goes = torch.zeros(tokens, world, dtype=torch.bool, device="cuda")
+    goes.scatter_(1, ranks, True)
+    order = [x[goes[:, d]] for d in range(world)]  # rows for destination d, token order
+    send = torch.cat(order).contiguous()
+    send_counts = torch.tensor([o.shape[0] for o in order], dtype=torch.int64, device="cuda")
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    in_splits, out_splits = send_counts.tolist(), recv_counts.tolist()
+    recv = torch.empty(sum(out_splits), args.hidden, dtype=torch.bfloat16, device="cuda")
+
+    def calls_fn():
+        for _ in range(calls):
+            dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
+    calls_fn()  # warm-up
+    us = _iso_time_us(calls_fn, reps, group) / calls
+    wire = _peer_rows(idx, rank, world, args.experts) * 2 * args.hidden
+    return [{"backend": "nccl", "kernel": "all_to_all_single (bf16 rows)", "format": "bf16", "tokens": tokens,
+             "world": world, "timing": "pipe", "time_us": round(us, 2), "wire_bytes": wire,
+             "wire_GBps": round(wire / us / 1e3, 1), "bf16_eq_GBps": round(wire / us / 1e3, 1), "sms": "nccl",
+             "rank": rank}]
 
 
 def _bench_backend(args, backend, tokens, dfmt, cfmt, rank, world, group):
@@ -251,6 +281,8 @@ def run(args) -> list:
             if not args.no_reference:
                 rows += _bench_backend(args, "reference", tokens, dfmt, cfmt, rank, world, group)
             torch.cuda.empty_cache()
+        if not args.no_reference and world > 1 and any(d == "bf16" for d, _ in pairs):
+            rows += _nccl_all_to_all_rows(args, tokens, rank, world, group)
     if not args.no_ceiling:
         rows += _ceiling_rows(rank, world, group)
     return rows

@@ -95,7 +95,7 @@ bench_dc() {  # $1 = ranks; further arguments go to the benchmark
   local ranks="$1"; shift
   say "bench: dispatch/combine ($ranks GPUs)"
   timeout 300 python3 bench/bench_dispatch_combine.py --nproc "$ranks" "$@" --out "$OUT/bench_dc_$ranks.json" > "$OUT/bench_dc_$ranks.txt" 2>&1
-  grep -E "graph|ceiling|reference" "$OUT/bench_dc_$ranks.txt" | tail -24 | tee -a "$log"
+  grep -E "graph|ceiling|reference|nccl " "$OUT/bench_dc_$ranks.txt" | tail -30 | tee -a "$log"
 }
 bench_floor() {  # small-call latency: NVFP4/S2F6 and BF16 at 1, 16 and 128 tokens, then the per-kernel profile at 1 and 128
   bench_dc 2 --tokens 1,16,128 --formats nvfp4/s2f6,bf16/bf16 --no-reference --no-ceiling

@@ -96,6 +96,8 @@ class NvlinkContext {
     // Streaming receive (nvlink.h): the receive expands rows as they arrive. A wave receive keeps the wait for the
     // whole send (it writes rows expert by expert, in an order unrelated to the send's).
     a.stream_recv = a.wave_values == nullptr && dispatch_stream_recv() ? 1 : 0;
+    // BF16 self rows from x (nvlink.h): half the send's stores and no wait for this rank's own rows.
+    a.self_from_x = a.stream_recv && cfg_.disp_fmt == kDispBf16 ? 1 : 0;
     launch_layout(cfg_, a, stream);
     launch_dispatch_send(cfg_, a, stream);
     launch_dispatch_recv(cfg_, a, stream);

@@ -176,6 +176,29 @@ __device__ void compute_receive_layout(const NvlinkConfig& cfg, const ReceiveLay
   __syncthreads();
 }
 
+// Routing of this rank's token t, lane k < K: expert e (-1 masked), staging slot at the expert's rank (only on the first
+// lane of each destination rank, else -1), position among this rank's rows for that expert, weight. Layout-kernel
+// outputs (chunk-relative slots and positions plus per-chunk bases) and the handle copies; local data only.
+__device__ __forceinline__ void token_routing(const NvlinkConfig& cfg, const DispatchArgs& args, int t, int lane,
+                                              int& e, int& slot, int& pos, float& w) {
+  const long long q = static_cast<long long>(t) * cfg.topk + lane;
+  const int* chunk_base =
+      cfg.layout_base + static_cast<long long>(t / args.chunk_tokens) * (cfg.num_experts + cfg.world);
+  e = -1;
+  slot = -1;
+  pos = -1;
+  w = 0.0f;
+  if (lane < cfg.topk) {
+    e = args.send_idx[q];
+    slot = cfg.scratch_slot[q];
+    if (e >= 0) {
+      pos = cfg.scratch_pos[q] + chunk_base[e];
+      if (slot >= 0) slot += chunk_base[cfg.num_experts + e / cfg.num_local];
+    }
+    w = args.send_w[q];
+  }
+}
+
 // What this rank records for one staging row (source s, slot j) of token t: the combine handle's entry (recv_tok,
 // recv_ord, and recv_rows[(s, j)][k] = the output row of slot k, -1 when slot k's expert is elsewhere) and the metadata
 // of its output rows (the NVFP4 amax is the caller's). Whole warp; lane k < K passes slot k's destination rank
@@ -215,9 +238,10 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
   const int lane = threadIdx.x % 32;
   const int topk = cfg.topk;
   const int hidden = cfg.hidden;
-  const int num_keys_kinds = cfg.num_experts + cfg.world;
   // Compiled for NVFP4 only (the host sets direct_self for NVFP4 only).
   const bool direct_self = kFmt == kDispNvfp4 && args.direct_self != 0;
+  // BF16 self rows read by the receive from x (DispatchArgs::self_from_x): no staging row for this rank itself.
+  const bool skip_self_staging = direct_self || (kFmt == kDispBf16 && args.self_from_x != 0);
   const int first_expert = cfg.rank * cfg.num_local;
   if (threadIdx.x == 0) {
     // The grid is the same every call and calls are stream-ordered, so ticket % grid is this block's start order.
@@ -242,21 +266,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
   // only (layout kernel outputs and x); whole warp calls.
   auto load_item = [&](long long item, int& e, int& slot, int& pos, float& w, float& amax) {
     const int t = static_cast<int>(item / split);
-    const long long q = static_cast<long long>(t) * topk + lane;
-    const int* chunk_base = cfg.layout_base + static_cast<long long>(t / args.chunk_tokens) * num_keys_kinds;
-    e = -1;
-    slot = -1;
-    pos = -1;
-    w = 0.0f;
-    if (lane < topk) {
-      e = args.send_idx[q];
-      slot = cfg.scratch_slot[q];
-      if (e >= 0) {
-        pos = cfg.scratch_pos[q] + chunk_base[e];
-        if (slot >= 0) slot += chunk_base[cfg.num_experts + e / cfg.num_local];
-      }
-      w = args.send_w[q];
-    }
+    token_routing(cfg, args, t, lane, e, slot, pos, w);
     amax = 0.0f;
     if (kFmt == kDispNvfp4) {
       const unsigned char* xrow = reinterpret_cast<const unsigned char*>(args.x) + static_cast<long long>(t) * hidden * 2;
@@ -303,7 +313,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
     // Lanes whose expert is on this rank write its expert-major row directly (direct_self); the staging rows
     // (one per destination rank, on the rank's first slot) are then for the other ranks only.
     const bool self_lane = direct_self && e >= first_expert && e < first_expert + cfg.num_local;
-    const bool staging_lane = slot >= 0 && !(direct_self && e / cfg.num_local == cfg.rank);
+    const bool staging_lane = slot >= 0 && !(skip_self_staging && e / cfg.num_local == cfg.rank);
     const unsigned int dest_mask = __ballot_sync(0xFFFFFFFFu, staging_lane);
     const unsigned int self_mask = direct_self ? __ballot_sync(0xFFFFFFFFu, self_lane) : 0u;
     if ((dest_mask | self_mask) == 0u) continue;  // every slot masked: the token goes nowhere
@@ -700,6 +710,36 @@ __device__ __forceinline__ void wait_staging_row(const NvlinkConfig& cfg, int se
   __syncwarp();
 }
 
+// BF16 self rows from x (DispatchArgs::self_from_x): this rank's token t, read from the input instead of a staging row
+// its own send would have written -- the same bytes, handle entry and metadata as the staging path (record_staging_row
+// on the slot the token holds at this rank). Whole warp; `part` of `split` as for a staging row; `rows` is the warp's
+// shared-memory list.
+__device__ __forceinline__ void receive_own_token(const NvlinkConfig& cfg, const DispatchArgs& args, int t, int part,
+                                                  int split, const int* seg_start, int* rows) {
+  const int lane = threadIdx.x % 32;
+  int e, slot, pos;
+  float w;
+  token_routing(cfg, args, t, lane, e, slot, pos, w);
+  const int first_expert = cfg.rank * cfg.num_local;
+  const bool local = e >= first_expert && e < first_expert + cfg.num_local;
+  const unsigned int local_mask = __ballot_sync(0xFFFFFFFFu, local);
+  if (local_mask == 0u) return;  // no expert of this rank: no row here
+  const int out_row = local ? seg_start[cfg.rank * cfg.num_local + (e - first_expert)] + pos : -1;
+  if (part == 0) {
+    // The token's slot at this rank is held by its first lane with an expert here.
+    const unsigned int holder = __ballot_sync(0xFFFFFFFFu, local && slot >= 0);
+    const int my_slot = __shfl_sync(0xFFFFFFFFu, slot, __ffs(holder) - 1);
+    record_staging_row(cfg, args, cfg.rank, my_slot, t, lane, lane < cfg.topk && e >= 0 ? e / cfg.num_local : -1,
+                       out_row, w);
+  }
+  const int n = __popc(local_mask);
+  __syncwarp();  // the previous item's readers are done with the list
+  if (local) rows[__popc(local_mask & ((1u << lane) - 1u))] = out_row;
+  __syncwarp();
+  const char* x_row = reinterpret_cast<const char*>(args.x) + static_cast<long long>(t) * cfg.disp_data_bytes;
+  copy_section(x_row, args.out_data, cfg.disp_data_bytes, cfg.disp_data_bytes, rows, n, part * 32 + lane, 32 * split);
+}
+
 // kWaves: the wave receive (args.wave_values set; its own instantiation, so that neither path sets the other's
 // register budget).
 template <bool kWaves>
@@ -772,10 +812,12 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
   const int global_warp = blockIdx.x * warps_per_block + warp_in_block;
   const int num_warps = gridDim.x * warps_per_block;
   // Direct self rows: this rank's own staging rows were never written (the send stored them expanded); the items
-  // skip its range.
-  const int self_items = args.direct_self ? ntok[cfg.rank] : 0;
+  // skip its range. BF16 self rows from x: the same range is skipped and the first own_items items are this rank's
+  // own tokens instead, read from x -- first, so that they fill the time before the peers' rows arrive.
+  const int self_items = args.direct_self || args.self_from_x ? ntok[cfg.rank] : 0;
+  const int own_items = args.self_from_x ? args.num_tokens : 0;
   const int self_begin = item_start[cfg.rank];
-  const int num_items = item_start[world] - self_items;
+  const int num_items = own_items + item_start[world] - self_items;
   const int first_expert = cfg.rank * num_local;
   // Warps per staging row (> 1 only when there are fewer rows than warps).
   // (Wave receive: the payload is written above; this loop writes the metadata only, one warp per staging row.)
@@ -785,6 +827,11 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
   for (long long flat = global_warp; flat < num_parts; flat += num_warps) {
     const int part = static_cast<int>(flat % split);
     int item = static_cast<int>(flat / split);
+    if (item < own_items) {
+      receive_own_token(cfg, args, item, part, split, seg_start, out_rows[warp_in_block]);
+      continue;
+    }
+    item -= own_items;
     if (item >= self_begin) item += self_items;
     int s = 0;
     while (item >= item_start[s + 1]) ++s;

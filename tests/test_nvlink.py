@@ -161,10 +161,15 @@ def versus_reference_worker(rank, world, direct_self_min_tokens=None):
     return summary
 
 
-def block_counts_worker(rank, world):
+def block_counts_worker(rank, world, stream_recv=True):
     """Kernels with different grids (send num_sms=3, local phases num_local_sms=5, or 1/2) and a call large
     enough for 63 multi-token layout chunks: the per-kernel counters and the chunked layout stay exact. The NVFP4
-    case takes direct self rows (a 2-block send: many tokens per warp, one warp per token)."""
+    case takes direct self rows (a 2-block send: many tokens per warp, one warp per token). One warp per token is
+    also what gives rows their row flags: with stream_recv (the default) the receive expands each row as its flag
+    arrives, and reads the BF16 self rows from x; without it, the receive waits for the whole send (the
+    EP_COMM_NVLINK_STREAM_RECV=0 form, read once per process: the workers are fresh processes)."""
+    import os
+    os.environ["EP_COMM_NVLINK_STREAM_RECV"] = "1" if stream_recv else "0"
     _direct_self(0)
     summary = []
     cases = [(256, "bf16", "bf16", 1, 3, 5, 1500), (256, "nvfp4", "s2f6", 16, 1, 2, 1500),
@@ -188,7 +193,7 @@ def block_counts_worker(rank, world):
     return summary
 
 
-def _pressure_hash(nvl, x, idx, w, hidden, rank):
+def _pressure_hash(nvl, x, idx, w, hidden, rank, fmt="nvfp4"):
     """The same inputs 50 times (dispatch, dispatch again, combine twice per handle) -> one hash (returned)."""
     hashes = set()
     out = None
@@ -202,12 +207,72 @@ def _pressure_hash(nvl, x, idx, w, hidden, rank):
         y2 = nvl.combine(out, res.handle, local_reduce=False)
         if it % 10 == 7:
             y1 = nvl.combine(out, res.handle)  # two combines with one handle
-        digest = hashlib.sha256(_payload_bytes(res.x, "nvfp4")[:int(res.expert_offsets[-1])].cpu().numpy())
+        digest = hashlib.sha256(_payload_bytes(res.x, fmt)[:int(res.expert_offsets[-1])].cpu().numpy())
         digest.update(_bits(y1).numpy().tobytes())
         digest.update(_bits(y2).numpy().tobytes())
         hashes.add(digest.hexdigest())
     assert len(hashes) == 1, f"50 identical calls gave {len(hashes)} different results"
     return hashes.pop(), out
+
+
+def _graph_matches_eager(nvl, ref, x, idx, w, out, fmt, rank, world):
+    """Capture dispatch + combine (both local_reduce modes) in a CUDA graph, replay it with new data: bitwise the eager
+    calls, and the eager dispatch equals the reference backend's."""
+    tokens, hidden, experts, topk = x.shape[0], x.shape[1], nvl.config.num_experts, idx.shape[1]
+    static_x, static_idx, static_w = (t.clone() for t in (x, idx, w))
+    static_out = out.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up outside the graph (allocator)
+            r = nvl.dispatch(static_x, static_idx, static_w)
+            nvl.combine(static_out, r.handle)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        g_res = nvl.dispatch(static_x, static_idx, static_w)
+        g_y = nvl.combine(static_out, g_res.handle)
+        g_y2 = nvl.combine(static_out, g_res.handle, local_reduce=False)
+    for trial in range(3):
+        nx, nidx, nw = _make_inputs(rank, tokens, hidden, experts, topk, "masked", world, seed=50 + trial)
+        static_x.copy_(nx)
+        static_idx.copy_(nidx)
+        static_w.copy_(nw)
+        graph.replay()
+        e_res = nvl.dispatch(nx, nidx, nw)
+        e_y = nvl.combine(static_out, e_res.handle)
+        e_y2 = nvl.combine(static_out, e_res.handle, local_reduce=False)
+        torch.cuda.synchronize()
+        rows = int(e_res.expert_offsets[-1])
+        assert torch.equal(g_res.expert_offsets.cpu(), e_res.expert_offsets.cpu()), ("graph offsets", trial)
+        assert torch.equal(_payload_bytes(g_res.x, fmt)[:rows].cpu(),
+                           _payload_bytes(e_res.x, fmt)[:rows].cpu()), ("graph payload", trial)
+        assert torch.equal(g_res.src_token[:rows].cpu(), e_res.src_token[:rows].cpu()), ("graph src", trial)
+        assert torch.equal(_bits(g_y), _bits(e_y)), ("graph combine", trial)
+        assert torch.equal(_bits(g_y2), _bits(e_y2)), ("graph combine local_reduce=False", trial)
+        # and the reference agrees with the eager result
+        want = ref.dispatch(nx, nidx, nw)
+        _compare_dispatch(f"graph trial {trial}", e_res, want, fmt)
+
+
+def streaming_pressure_and_graph_worker(rank, world):
+    """Rows with row flags (one warp per token: sends on 2 blocks), expanded by the receive as they arrive: 50
+    identical calls give one hash, a call equals the reference backend, and a CUDA-graph replay equals the eager calls
+    -- BF16 (the receive reads this rank's own rows from x) and NVFP4 (direct self rows)."""
+    hidden, experts, topk, max_tokens = 2048, 16 * world, 8, 256
+    x, idx, w = _make_inputs(rank, max_tokens, hidden, experts, topk, "uniform", world, seed=6)
+    _direct_self(0)
+    for dfmt, cfmt, sms, local_sms in (("bf16", "bf16", 2, 0), ("nvfp4", "s2f6", 2, 2)):
+        ref, nvl = _buffers(hidden, experts, topk, max_tokens, dfmt, cfmt, 1, num_sms=sms, num_local_sms=local_sms)
+        try:
+            _, out = _pressure_hash(nvl, x, idx, w, hidden, rank, dfmt)
+            _run_pair(f"streaming {dfmt}", rank, world, ref, nvl, x, idx, w, dfmt, seed=7)
+            _graph_matches_eager(nvl, ref, x, idx, w, out, dfmt, rank, world)
+            nvl._backend.check()
+        finally:
+            ref.destroy()
+            nvl.destroy()
+    return "ok"
 
 
 def pressure_and_graph_worker(rank, world):
@@ -231,41 +296,7 @@ def pressure_and_graph_worker(rank, world):
         results["pressure"], out = _pressure_hash(nvl, x, idx, w, hidden, rank)
         assert results["pressure"] == staged_hash, "direct self rows changed the results"
 
-        # CUDA graph: capture dispatch + combine, replay with new data, compare with eager calls.
-        static_x, static_idx, static_w = (t.clone() for t in (x, idx, w))
-        static_out = out.clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the graph (allocator)
-                r = nvl.dispatch(static_x, static_idx, static_w)
-                nvl.combine(static_out, r.handle)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            g_res = nvl.dispatch(static_x, static_idx, static_w)
-            g_y = nvl.combine(static_out, g_res.handle)
-            g_y2 = nvl.combine(static_out, g_res.handle, local_reduce=False)
-        for trial in range(3):
-            nx, nidx, nw = _make_inputs(rank, max_tokens, hidden, experts, topk, "masked", world, seed=50 + trial)
-            static_x.copy_(nx)
-            static_idx.copy_(nidx)
-            static_w.copy_(nw)
-            graph.replay()
-            e_res = nvl.dispatch(nx, nidx, nw)
-            e_y = nvl.combine(static_out, e_res.handle)
-            e_y2 = nvl.combine(static_out, e_res.handle, local_reduce=False)
-            torch.cuda.synchronize()
-            rows = int(e_res.expert_offsets[-1])
-            assert torch.equal(g_res.expert_offsets.cpu(), e_res.expert_offsets.cpu()), ("graph offsets", trial)
-            assert torch.equal(_payload_bytes(g_res.x, "nvfp4")[:rows].cpu(),
-                               _payload_bytes(e_res.x, "nvfp4")[:rows].cpu()), ("graph payload", trial)
-            assert torch.equal(g_res.src_token[:rows].cpu(), e_res.src_token[:rows].cpu()), ("graph src", trial)
-            assert torch.equal(_bits(g_y), _bits(e_y)), ("graph combine", trial)
-            assert torch.equal(_bits(g_y2), _bits(e_y2)), ("graph combine local_reduce=False", trial)
-            # and the reference agrees with the eager result
-            want = ref.dispatch(nx, nidx, nw)
-            _compare_dispatch(f"graph trial {trial}", e_res, want, "nvfp4")
+        _graph_matches_eager(nvl, ref, x, idx, w, out, "nvfp4", rank, world)
         nvl._backend.check()
         results["graph"] = "ok"
     finally:
@@ -350,8 +381,14 @@ def test_nvlink_direct_self_rows_match_reference():
 
 
 @pytest.mark.multigpu
-def test_nvlink_block_counts_and_chunked_layout():
-    run_ranks(block_counts_worker, _world(), backend="nccl", timeout_s=600)
+def test_nvlink_streaming_receive_pressure_and_graph():
+    run_ranks(streaming_pressure_and_graph_worker, _world(), backend="nccl", timeout_s=600)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("stream_recv", [True, False], ids=["streaming-receive", "receive-after-send"])
+def test_nvlink_block_counts_and_chunked_layout(stream_recv):
+    run_ranks(block_counts_worker, _world(), stream_recv, backend="nccl", timeout_s=600)
 
 
 @pytest.mark.multigpu
