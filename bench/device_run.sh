@@ -112,19 +112,41 @@ bench_pdl_auto() {  # A/B: the default choice (combine always, dispatch up to 51
   bench_ab EP_COMM_NVLINK_PDL "auto 0" 256,512,1024
 }
 bench_ab() {  # $1 = variable, $2 = "value ...", $3 = tokens[, $4 = formats]: graph figures for each value, two rounds
-  local var="$1" values="$2" tokens="$3" formats="${4:-nvfp4/s2f6}"
+  # (raw rows of every run merged into $OUT/ab_<variable>.json: {value: {round: rows}})
+  local var="$1" values="$2" tokens="$3" formats="${4:-nvfp4/s2f6}" tmp
+  tmp=$(mktemp -d)
   for round in 1 2; do
     for value in $values; do
       say "bench: $formats dispatch / combine, $var=$value (round $round)"
       env "$var=$value" timeout 120 python3 bench/bench_dispatch_combine.py --nproc 2 --tokens "$tokens" \
-        --formats "$formats" --no-reference --no-ceiling --out "$OUT/bench_ab_${value}_$round.json" > "$OUT/bench_ab.txt" 2>&1
+        --formats "$formats" --no-reference --no-ceiling --out "$tmp/${value}_$round.json" > "$OUT/bench_ab.txt" 2>&1
       grep -E "nvlink +(dispatch|combine) .* graph" "$OUT/bench_ab.txt" | tee -a "$log" || tail -5 "$OUT/bench_ab.txt" | tee -a "$log"
     done
   done
-  rm -f "$OUT/bench_ab.txt"
+  python3 - "$tmp" "$OUT/ab_$var.json" <<'PY'
+import json, os, sys
+merged = {}
+for name in sorted(os.listdir(sys.argv[1])):
+    value, rnd = name[:-len(".json")].rsplit("_", 1)
+    merged.setdefault(value, {})[rnd] = json.load(open(os.path.join(sys.argv[1], name)))
+json.dump(merged, open(sys.argv[2], "w"), indent=1)
+PY
+  rm -rf "$tmp" "$OUT/bench_ab.txt"
 }
 bench_stream_recv() {  # A/B: the streaming dispatch receive on and off, NVFP4 and BF16, small and large calls
   bench_ab EP_COMM_NVLINK_STREAM_RECV "1 0" 128,1024,4096 nvfp4/s2f6,bf16/bf16
+}
+bench_bf16_sms() {  # the BF16 dispatch at 4096 tokens with 16 / 24 / 32 / 48 send blocks (is the send SM-bound?)
+  for sms in 16 24 32 48; do
+    say "bench: BF16 dispatch / combine, --num-sms $sms"
+    timeout 120 python3 bench/bench_dispatch_combine.py --nproc 2 --tokens 4096 --formats bf16/bf16 --num-sms "$sms" \
+      --no-reference --no-ceiling --out "$OUT/bench_sms_$sms.json" 2>&1 | grep -E "nvlink +(dispatch|combine) .* graph" | tee -a "$log"
+  done
+}
+profile_4096() {
+  say "profile: per-kernel time, 4096 tokens"
+  timeout 120 python3 bench/profile_nvlink.py --tokens 4096 --formats nvfp4/s2f6,bf16/bf16 --out "$OUT/profile_4096.json" 2>&1 \
+    | grep -E "^ *[0-9]+ " | tee -a "$log"
 }
 bench_direct_self() { bench_ab EP_COMM_DIRECT_SELF_MIN_TOKENS "0 1000000000" 128,512,1024,2048,4096; }
 test_nvlink_one_rank() {  # the nvlink suite's workers on one rank (all rows are the rank's own): a 1-GPU check

@@ -62,18 +62,19 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
   __shared__ float slot_weights[kCommThreads / 32][kMaxTopk];
   __shared__ int slot_ids[kCommThreads / 32][kMaxTopk];
   __shared__ int item_start[kMaxWorld];  // tokens received from each source
-  pdl_prologue();
   // This combine's epoch from a start ticket (block_epoch_from_ticket): every combine launches this kernel once, on
-  // comb_send_blocks blocks or (wait_only) on one block that takes the whole grid's share. The atomic's result is
-  // first needed just before the wait, so its latency overlaps the loads below. (An epoch bumped by the receive's last
-  // block cost every receive block a fence and an atomic round trip at its end.)
+  // comb_send_blocks blocks or (wait_only) on one block that takes the whole grid's share. Taken before the block lets
+  // its dependents launch (pdl_prologue): a later combine's send may start while this grid still runs (programmatic
+  // launches down the stream), and must draw its tickets after every block of this one. (An epoch bumped by the
+  // receive's last block cost every receive block a fence and an atomic round trip at its end.)
   unsigned long long ticket = 0ull;
   if (threadIdx.x == 0) {
     ticket = atomicAdd(&cfg.state->comb_send_tickets,
                        args.wait_only ? static_cast<unsigned long long>(cfg.comb_send_blocks) : 1ull);
   }
+  const unsigned long long epoch = block_epoch_from_ticket(ticket, cfg.comb_send_blocks);
+  pdl_prologue();
   if (args.wait_only) {  // rows come from a later kernel (the GEMM's epilogue)
-    const unsigned long long epoch = block_epoch_from_ticket(ticket, cfg.comb_send_blocks);
     block_wait_all_peers(cfg, cfg.off_comb_consumed, (epoch - 1ull) * cfg.comb_recv_blocks,
                          kStageCombineWaitConsumed, epoch);
     return;
@@ -98,7 +99,6 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
     item_start[s] = cnt;
     atomicMax(&max_count, cnt);
   }
-  const unsigned long long epoch = block_epoch_from_ticket(ticket, cfg.comb_send_blocks);
 
   // The sources' combine areas hold the previous combine's rows until they have read them.
   block_wait_all_peers(cfg, cfg.off_comb_consumed, (epoch - 1ull) * cfg.comb_recv_blocks,
@@ -245,10 +245,12 @@ template <bool kExpertRows>
 __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig cfg, CombineArgs args) {
   __shared__ int term_rows[kCommThreads / 32][kMaxTopk];
   __shared__ float term_weights[kCommThreads / 32][kMaxTopk];
-  pdl_prologue();
-  // This combine's epoch from a start ticket (one launch of comb_recv_blocks blocks per combine; see the send kernel).
+  // This combine's epoch from a start ticket (one launch of comb_recv_blocks blocks per combine), taken before the block
+  // lets its dependents launch (see the send kernel).
   unsigned long long ticket = 0ull;
   if (threadIdx.x == 0) ticket = atomicAdd(&cfg.state->comb_recv_tickets, 1ull);
+  const unsigned long long epoch = block_epoch_from_ticket(ticket, cfg.comb_recv_blocks);
+  pdl_prologue();
   const int lane = threadIdx.x % 32;
   const int topk = cfg.topk;
   const int hidden = cfg.hidden;
@@ -306,7 +308,6 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
   if (args.publish_rows && blockIdx.x == 0 && threadIdx.x == 0) {
     signal_all_peers_once(cfg, cfg.off_comb_ready, static_cast<unsigned long long>(cfg.comb_send_blocks));
   }
-  const unsigned long long epoch = block_epoch_from_ticket(ticket, cfg.comb_recv_blocks);
   block_wait_all_peers(cfg, cfg.off_comb_ready, epoch * cfg.comb_send_blocks, kStageCombineWaitReady, epoch);
 
   for (long long fp = global_warp; fp < num_parts; fp += num_warps) {

@@ -233,6 +233,12 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
   __shared__ int self_rows[kCommThreads / 32][kMaxTopk];
   __shared__ unsigned int* dest_flags[kCommThreads / 32][kMaxTopk];  // row flags of the rows in dest_rows
   __shared__ bool counts_writer;
+  if (threadIdx.x == 0) {
+    // The grid is the same every call and calls are stream-ordered, so ticket % grid is this block's start order. Drawn
+    // before the block lets its dependents launch (block_epoch_from_ticket says why).
+    counts_writer = atomicAdd(&cfg.state->send_arrivals, 1ull) % gridDim.x == 0ull;
+  }
+  __syncthreads();
   pdl_prologue();
   const unsigned long long epoch = cfg.state->disp_epoch;
   const int lane = threadIdx.x % 32;
@@ -243,10 +249,6 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
   // BF16 self rows read by the receive from x (DispatchArgs::self_from_x): no staging row for this rank itself.
   const bool skip_self_staging = direct_self || (kFmt == kDispBf16 && args.self_from_x != 0);
   const int first_expert = cfg.rank * cfg.num_local;
-  if (threadIdx.x == 0) {
-    // The grid is the same every call and calls are stream-ordered, so ticket % grid is this block's start order.
-    counts_writer = atomicAdd(&cfg.state->send_arrivals, 1ull) % gridDim.x == 0ull;
-  }
   const int warps_per_block = blockDim.x / 32;
   const int warp_in_block = threadIdx.x / 32;
   const int global_warp = blockIdx.x * warps_per_block + warp_in_block;
@@ -285,7 +287,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
   block_wait_all_peers(cfg, cfg.off_disp_consumed, (epoch - 1ull) * cfg.disp_recv_blocks,
                        kStageDispatchWaitConsumed, epoch);
 
-  // (block_wait_all_peers ends with __syncthreads: counts_writer is visible.)
+  // (counts_writer was drawn before the barrier at the top.)
   if (counts_writer) {
     const int per_rank = cfg.num_local + 2;  // expert counts, token count, send split
     for (int i = threadIdx.x; i < cfg.world * per_rank; i += blockDim.x) {
