@@ -10,8 +10,8 @@
 //              comb_ready[W]    my region, slot e: blocks of expert rank e that finished writing rows to me
 //              comb_consumed[W] my region, slot s: blocks of source s that finished reading my rows
 //              disp_counts[W]   my region, slot s: dispatch calls whose counts source s has written to me
-//   counts     [W][count_stride] int32: source s writes its per-local-expert row counts, its token count and the
-//              number of warps its send split each row across (1: its rows carry row flags)
+//   counts     [W][count_stride] int32: source s writes its per-local-expert row counts, its token count and
+//              whether its rows of this call carry row flags (1 / 0)
 //   staging    [W][T_max] dispatch rows (payload | metadata), slot chosen by the sender's prefix sum
 //   combine    [T_max][K] combine rows, indexed by (token, rank ordinal) or (token, top-k slot)
 //   wave index [W][E_local][T_max] int32: source s writes, for its p-th row to local expert j, the staging slot of
@@ -36,8 +36,10 @@
 // programmatic dependent and does not wait for the send grid to finish. It takes its epoch from a start ticket, waits
 // only for every source's counts (which every source writes after its own griddepcontrol.wait, so nothing before the
 // dispatch on this stream is still running once they are in -- the receive writes its outputs only after that), then
-// waits for each staging row's flag before expanding it. A source whose send split rows across warps (a small call;
-// the split is in its counts) has no row flags: its rows are taken once its whole send has signalled disp_ready.
+// waits for each staging row's flag before expanding it. A source that wrote no row flags (its send split rows across
+// warps in a small call, or it does not stream; its counts say which) has its rows taken once its whole send has
+// signalled disp_ready. Before its last signal (disp_consumed) the receive executes griddepcontrol.wait: it completes
+// only after its own send, as stream order requires of the dispatch's last kernel.
 // The block counts are fixed per Buffer and identical on every rank (Python agrees on them). A kernel waits on
 // another block of its own grid only for the counts, whose writer has already started (above), so grids larger than
 // the SM count are safe. Epochs (calls) are counted on the device (NvlinkState) so CUDA-graph replays

@@ -104,22 +104,22 @@ __device__ __forceinline__ float warp_row_amax(const unsigned char* row, int hid
 // Expert-major layout of this rank's output from the exchanged counts (every source's counts must be in),
 // computed by the whole block into shared memory: seg_start[s][j] = first output row of source s's rows for
 // local expert j, offsets[j] = first row of expert j (segments aligned), totals[j] = rows of expert j, ntok[s] =
-// staging rows from source s, item_start[s] = prefix of ntok, send_split[s] = warps per row of source s's send (1:
-// its rows carry row flags). A few hundred integers: every block computes it.
+// staging rows from source s, item_start[s] = prefix of ntok, has_row_flags[s] = whether source s's rows carry row
+// flags in this call. A few hundred integers: every block computes it.
 struct ReceiveLayout {
   int* seg_start;   // [W][E_local]
   int* offsets;     // [E_local + 1]
   int* totals;      // [E_local]
   int* ntok;        // [W]
   int* item_start;  // [W + 1]
-  int* send_split;  // [W]
+  int* has_row_flags;  // [W]
   __device__ ReceiveLayout(int* smem, int world, int num_local)
       : seg_start(smem),
         offsets(smem + world * num_local),
         totals(offsets + num_local + 1),
         ntok(totals + num_local),
         item_start(ntok + world),
-        send_split(item_start + world + 1) {}
+        has_row_flags(item_start + world + 1) {}
 };
 
 __device__ void compute_receive_layout(const NvlinkConfig& cfg, const ReceiveLayout& L) {
@@ -132,7 +132,7 @@ __device__ void compute_receive_layout(const NvlinkConfig& cfg, const ReceiveLay
   }
   for (int s = threadIdx.x; s < world; s += blockDim.x) {
     L.ntok[s] = static_cast<int>(ld_coherent_u32(counts + s * cfg.count_stride + num_local));
-    L.send_split[s] = static_cast<int>(ld_coherent_u32(counts + s * cfg.count_stride + num_local + 1));
+    L.has_row_flags[s] = static_cast<int>(ld_coherent_u32(counts + s * cfg.count_stride + num_local + 1));
   }
   __syncthreads();
   // Per expert: total rows; seg_start[s][j] becomes the prefix over sources (offset added below).
@@ -259,7 +259,8 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
   const int split = split_factor(args.num_tokens, num_warps, (units + 31) / 32);
   const long long num_items = static_cast<long long>(args.num_tokens) * split;
   // Row flags for a streaming receive: only when one warp writes a whole row (split == 1), so that the warp's release
-  // covers the row; the split travels with the counts, and the receive waits for disp_ready instead when it is > 1.
+  // covers the row. Whether they are written travels with the counts (an explicit word, not inferred from the split:
+  // a rank with EP_COMM_NVLINK_STREAM_RECV=0 writes none); without them the receive waits for disp_ready.
   const bool row_flags = args.stream_recv != 0 && split == 1;
   const unsigned int flag_epoch = static_cast<unsigned int>(epoch);
 
@@ -289,12 +290,12 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
 
   // (counts_writer was drawn before the barrier at the top.)
   if (counts_writer) {
-    const int per_rank = cfg.num_local + 2;  // expert counts, token count, send split
+    const int per_rank = cfg.num_local + 2;  // expert counts, token count, row flags written (0/1)
     for (int i = threadIdx.x; i < cfg.world * per_rank; i += blockDim.x) {
       const int d = i / per_rank;
       const int j = i - d * per_rank;
       const int v = j < cfg.num_local ? cfg.expert_count[d * cfg.num_local + j]
-                                      : (j == cfg.num_local ? cfg.rank_count[d] : split);
+                                      : (j == cfg.num_local ? cfg.rank_count[d] : (row_flags ? 1 : 0));
       int* dst = reinterpret_cast<int*>(peer_ptr(cfg, d, cfg.off_counts)) + cfg.rank * cfg.count_stride + j;
       *dst = v;
     }
@@ -689,13 +690,14 @@ __device__ void wave_receive_rows(const NvlinkConfig& cfg, const DispatchArgs& a
 }
 
 // Streaming receive: wait until staging row j of source s is complete -- its row flag (release by the sending warp),
-// or, for a source whose send split rows across warps (no row flags), that source's whole send. Lane 0 polls with
+// or, for a source that wrote no row flags in this call (its send split rows across warps, or it does not stream),
+// that source's whole send. Lane 0 polls with
 // relaxed loads (an acquire per poll would invalidate the SM's L1 under every other warp's feet), then acquires once;
 // the warp barrier orders the other lanes' loads of the row after that acquire.
-__device__ __forceinline__ void wait_staging_row(const NvlinkConfig& cfg, int send_split, int s, int j,
+__device__ __forceinline__ void wait_staging_row(const NvlinkConfig& cfg, int has_row_flags, int s, int j,
                                                  unsigned long long epoch, int lane) {
   if (lane == 0) {
-    if (send_split == 1) {
+    if (has_row_flags) {
       const unsigned int* flag =
           reinterpret_cast<const unsigned int*>(cfg.local_base + cfg.off_row_flags) + static_cast<long long>(s) *
           cfg.max_tokens + j;
@@ -782,6 +784,17 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
   }
 
   if (streaming) {
+    // This rank's own counts first, without a deadline (the abort flag still ends it): this kernel may have started
+    // long before its own send got past the kernels ahead of it on the stream, and that time is not the peers'. The
+    // deadline starts once they are in.
+    const unsigned long long* counts_in = reinterpret_cast<const unsigned long long*>(cfg.local_base + cfg.off_disp_counts);
+    if (threadIdx.x == 0) {
+      const unsigned long long* own = counts_in + cfg.rank;
+      spin_until([own] { return ld_acquire_sys(own); }, [epoch](unsigned long long v) { return v >= epoch; },
+                 &cfg.state->abort, cfg.error_word, ~0ull,
+                 [epoch] { return timeout_error_word(kStageDispatchWaitReady, 0, epoch); });
+    }
+    __syncthreads();
     block_wait_all_peers(cfg, cfg.off_disp_counts, epoch, kStageDispatchWaitReady, epoch);
   } else {
     block_wait_all_peers(cfg, cfg.off_disp_ready, epoch * cfg.disp_send_blocks, kStageDispatchWaitReady, epoch);
@@ -840,7 +853,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
     const int j = item - item_start[s];
     const char* row = cfg.local_base + cfg.off_staging +
                       (static_cast<long long>(s) * cfg.max_tokens + j) * cfg.disp_row_bytes;
-    if (streaming) wait_staging_row(cfg, layout.send_split[s], s, j, epoch, lane);
+    if (streaming) wait_staging_row(cfg, layout.has_row_flags[s], s, j, epoch, lane);
     const int first = part * 32 + lane, stride = 32 * split;
     // Round 0 of the payload and of the scales, and the row's amax, in flight while the metadata is read and
     // decoded: every load of the item is issued before the first store (one memory round trip per item instead
@@ -919,6 +932,13 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
     args.topk_slot[r] = -1;
     args.topk_weight[r] = 0.0f;
   }
+
+  // A streaming receive did not wait for its own send at the start: it does now, before its last signal, so that (a)
+  // its completion implies the send's, which is what every later kernel on the stream relies on (a programmatic
+  // successor waits only for this grid; the send may still be reading x and the layout scratch, or storing direct
+  // self rows), and (b) no peer is told that the counts area may be overwritten while this rank's send still reads it
+  // (direct self rows compute their offsets from it).
+  if (streaming) asm volatile("griddepcontrol.wait;" ::: "memory");
 
   // Done reading the staging rows and counts: the sources may overwrite them. The sources wait for
   // disp_recv_blocks signals per call; a wave receive runs on fewer blocks, which share them out.

@@ -256,22 +256,39 @@ def _graph_matches_eager(nvl, ref, x, idx, w, out, fmt, rank, world):
 
 
 def streaming_pressure_and_graph_worker(rank, world):
-    """Rows with row flags (one warp per token: sends on 2 blocks), expanded by the receive as they arrive: 50
-    identical calls give one hash, a call equals the reference backend, and a CUDA-graph replay equals the eager calls
-    -- BF16 (the receive reads this rank's own rows from x) and NVFP4 (direct self rows)."""
+    """Rows with row flags (one warp per token: sends on 2 blocks), expanded by the receive as they arrive, for BF16
+    (the receive reads this rank's own rows from x), NVFP4 with direct self rows, NVFP4 with its own rows staged (row
+    flags into its own region) and MXFP8: 50 identical calls give one hash, calls equal the reference backend, and a
+    CUDA-graph replay equals the eager calls. Then calls with new routing each time and uneven token counts (256 on
+    one rank, 16 on the other: one send writes row flags, the other splits rows across warps and writes none), with x
+    zeroed right after each dispatch is enqueued: the dispatch's last kernel must not finish before its send has read
+    x."""
     hidden, experts, topk, max_tokens = 2048, 16 * world, 8, 256
     x, idx, w = _make_inputs(rank, max_tokens, hidden, experts, topk, "uniform", world, seed=6)
-    _direct_self(0)
-    for dfmt, cfmt, sms, local_sms in (("bf16", "bf16", 2, 0), ("nvfp4", "s2f6", 2, 2)):
+    # (dispatch format, combine format, send blocks, local blocks, direct self rows from this many tokens or None)
+    cases = (("bf16", "bf16", 2, 0, None), ("nvfp4", "s2f6", 2, 2, 0), ("nvfp4", "s2f6", 2, 2, None),
+             ("mxfp8", "s2f6", 2, 0, None))
+    for dfmt, cfmt, sms, local_sms, direct_self in cases:
+        _direct_self(direct_self)
         ref, nvl = _buffers(hidden, experts, topk, max_tokens, dfmt, cfmt, 1, num_sms=sms, num_local_sms=local_sms)
+        name = f"streaming {dfmt} direct_self={direct_self}"
         try:
             _, out = _pressure_hash(nvl, x, idx, w, hidden, rank, dfmt)
-            _run_pair(f"streaming {dfmt}", rank, world, ref, nvl, x, idx, w, dfmt, seed=7)
+            _run_pair(name, rank, world, ref, nvl, x, idx, w, dfmt, seed=7)
+            for call in range(4):
+                tokens = max_tokens if (rank + call) % 2 == 0 else 16
+                routing = "masked" if call % 2 else "uniform"
+                cx, cidx, cw = _make_inputs(rank, tokens, hidden, experts, topk, routing, world, seed=90 + call)
+                want = ref.dispatch(cx.clone(), cidx, cw)
+                got = nvl.dispatch(cx, cidx, cw)
+                cx.zero_()  # stream-ordered after the dispatch: must not overtake its send
+                _compare_dispatch(f"{name} uneven call {call}", got, want, dfmt)
             _graph_matches_eager(nvl, ref, x, idx, w, out, dfmt, rank, world)
             nvl._backend.check()
         finally:
             ref.destroy()
             nvl.destroy()
+    _direct_self(None)
     return "ok"
 
 
@@ -440,5 +457,5 @@ def test_nvlink_region_sections_are_disjoint(world, fmt):
         assert end <= start, f"{name} overlaps {next_name}"
     assert spans[-1][1] <= L.total_bytes
     assert all(off % 8 == 0 for off, _ in sections.values())
-    assert L.count_stride >= e_local + 2  # expert counts, token count, send split
+    assert L.count_stride >= e_local + 2  # expert counts, token count, row flags (0/1)
 

@@ -112,7 +112,7 @@ class _RegionLayout:
         off_comb_ready, off = off, off + flags
         off_comb_consumed, off = off, off + flags
         off_disp_counts, off = off, off + flags
-        count_stride = _align(cfg.num_local_experts + 2, 4)  # expert counts, token count, send split
+        count_stride = _align(cfg.num_local_experts + 2, 4)  # expert counts, token count, row flags (0/1)
         off_counts, off = _align(off, 256), _align(off, 256) + 4 * w * count_stride
         # Row flags: [W][T_max] u32, the epoch of the dispatch whose staging row (s, j) is complete (streaming receive).
         off_row_flags = _align(off, 256)
