@@ -8,8 +8,8 @@ also time ours without the small-remainder launch (tail_tile = 0, token tile "12
 The NVFP4 weights are random codes and scales built directly on the GPU (one amax per expert) and packed with
 `pack_gemm_weights`; the activations are random NVFP4 rows expanded with `expand_nvfp4_rows`, outside the timed
 region: "ours" is the GEMM kernels on pre-expanded operands. The MoE layer also runs that expansion before w1 and
-before w2 (and requantizes w2's input to NVFP4), which this benchmark does not time (bench/bench_moe.py times the
-expansion as expand_graph_ms; bench/RESULTS.md, twelfth session).
+before w2 (and requantizes w2's input to NVFP4): the row `mlp` times that whole sequence (moe.fused_expert_mlp, from
+NVFP4 rows in the dispatch layout to BF16 out) against the BF16 baseline's w1 + silu*mul + w2.
 
 Timing: CUDA events around a batch of --iters back-to-back calls after warm-up, median over --reps batches;
 each call streams all E experts' weights (2.1 GB NVFP4 for w1, far more than L2). "ours" calls
@@ -78,14 +78,18 @@ def random_nvfp4_weights(experts: int, n: int, k: int, seed: int) -> F.NVFP4Tens
     return F.NVFP4Tensor(data=data, scales=scales.view(torch.float8_e4m3fn), amax=amax, e4m3_max=448.0)
 
 
-def random_expanded_rows(rows: int, k: int, seed: int) -> G.ExpandedRows:
+def random_nvfp4_rows(rows: int, k: int, seed: int) -> F.NVFP4Tensor:
+    """Random NVFP4 activation rows [rows, k] (the dispatch layout's format: E4M3 range 256, per-row amax)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q = F.NVFP4Tensor(
+    return F.NVFP4Tensor(
         data=torch.randint(0, 256, (rows, k // 2), generator=g, dtype=torch.uint8, device="cuda"),
         scales=torch.randint(0x30, 0x48, (rows, k // 16), generator=g, dtype=torch.uint8,
                              device="cuda").view(torch.float8_e4m3fn),
         amax=torch.rand(rows, generator=g, device="cuda") * 10 + 0.1, e4m3_max=256.0)
-    return G.expand_nvfp4_rows(q)
+
+
+def random_expanded_rows(rows: int, k: int, seed: int) -> G.ExpandedRows:
+    return G.expand_nvfp4_rows(random_nvfp4_rows(rows, k, seed))
 
 
 class Gemm:
@@ -211,6 +215,24 @@ def time_requantization(gemm: Gemm, x, offsets_t, counts_t, args, rows_per_exper
     quant_in_ms = time_ms(lambda: _cuda_formats.nvfp4_quantize(hidden, True, row_amax), args.iters, args.reps)
     print(f"  requantization alone: {quant_ms:.3f} ms with its amax pass, {quant_in_ms:.3f} ms given the amax")
     return out
+
+
+def time_expert_mlp(gemms, rows: int, offsets_t, counts_t, args) -> Optional[float]:
+    """The experts' whole forward as MoELayer runs it (moe.fused_expert_mlp) from NVFP4 rows in the dispatch layout:
+    expansion, w1 with SwiGLU, NVFP4 4/6 requantization, expansion, w2 (BF16 out)."""
+    from ep_comm import moe
+    w1, w2 = gemms
+    tokens = random_nvfp4_rows(rows, w1.k, seed=rows + 3)
+    token_tile = args.token_tile_list[0] or None
+    try:
+        return time_ms(lambda: moe.fused_expert_mlp(tokens, offsets_t, counts_t, w1.packed, w2.packed,
+                                                    token_tile=token_tile), args.iters, args.reps)
+    except Exception as error:
+        print(f"  NOTE: the whole expert MLP failed: {type(error).__name__}: {error}")
+        return None
+    finally:
+        del tokens
+        free_memory()
 
 
 def time_baseline(gemm: Gemm, x_bf16: torch.Tensor, offsets: list, iters: int, reps: int, notes: list):
@@ -341,6 +363,13 @@ def run_case(spec: str, gemms, args, ceilings, notes: list, checks: list) -> lis
     if totals["torch_bf16"]:
         results.append(row_for("w1+w2", rows_per_expert, "torch_bf16", totals["torch_bf16"], flops, bytes_bf16,
                                ceilings, None, note="includes silu*mul for w1"))
+    if [g.name for g in gemms] == ["w1", "w2"]:
+        mlp_ms = time_expert_mlp(gemms, rows, offsets_t, counts_t, args)
+        if mlp_ms is not None:
+            results.append(row_for("mlp", rows_per_expert, "ours", mlp_ms, flops, bytes_ours, ceilings,
+                                   totals["torch_bf16"], token_tile=tile_label(args.token_tile_list[0], auto_tile),
+                                   note="moe.fused_expert_mlp: expansion + w1 + NVFP4 4/6 requantization + "
+                                        "expansion + w2, against torch BF16 w1 + silu*mul + w2"))
     del inputs
     free_memory()
     return results

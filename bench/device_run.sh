@@ -169,7 +169,7 @@ test_nvlink() {
 }
 bench_gemm() {  # arguments go to the benchmark
   say "bench: grouped GEMM (1 GPU)"
-  CUDA_VISIBLE_DEVICES=0 timeout 250 python3 bench/bench_grouped_gemm.py --check --rows 128,16,256r "$@" --out "$OUT/bench_gemm.json" 2>&1 | grep -E "^(w1|w2|gemm|==)|eiling|check:" | tee -a "$log"
+  CUDA_VISIBLE_DEVICES=0 timeout 250 python3 bench/bench_grouped_gemm.py --check --rows 128,16,256r "$@" --out "$OUT/bench_gemm.json" 2>&1 | grep -E "^(w1|w2|mlp|gemm|==)|eiling|check:" | tee -a "$log"
 }
 bench_gemm_variant() {  # $1 = VAR=value: ours only, in the table lines of the log (tuning)
   say "bench: grouped GEMM with $1"
