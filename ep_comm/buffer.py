@@ -30,6 +30,17 @@ def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
         raise ValueError(f"token {token} selects the same expert in two top-k slots: {topk_idx[token].tolist()}")
 
 
+def _tensors_in(obj) -> list:
+    """Every tensor of a result: a tensor, or the fields of (nested) dataclasses, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for field in dataclasses.fields(obj) for t in _tensors_in(getattr(obj, field.name))]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors_in(item)]
+    return []
+
+
 class Buffer:
     """Dispatch tokens to experts and combine expert outputs across the ranks of `group`.
 
@@ -196,8 +207,49 @@ class Buffer:
         if check_ids and num_tokens and not _is_capturing():
             _check_expert_ids(topk_idx, cfg.num_experts)
 
+    def _check_stream_args(self, device: torch.device, comm_stream, done_event) -> None:
+        if comm_stream is not None:
+            if not isinstance(comm_stream, torch.cuda.Stream):
+                raise TypeError(f"comm_stream must be a torch.cuda.Stream, got {type(comm_stream).__name__}")
+            if device.type != "cuda":
+                raise ValueError("comm_stream needs CUDA tensors (this call's tensors are on the CPU)")
+            if comm_stream.device != device:
+                raise ValueError(f"comm_stream is on {comm_stream.device}, the tensors on {device}")
+        if done_event is not None and not isinstance(done_event, torch.cuda.Event):
+            raise TypeError(f"done_event must be a torch.cuda.Event, got {type(done_event).__name__}")
+        if done_event is not None and device.type != "cuda":
+            raise ValueError("done_event needs CUDA tensors (this call's tensors are on the CPU)")
+
+    @staticmethod
+    def _run_on_stream(comm_stream, done_event, inputs, run):
+        """run() on comm_stream (None: the current stream), after everything enqueued so far on the current stream;
+        then done_event is recorded where run() enqueued its work. The caching allocator is told about the streams
+        that share tensors: inputs are marked in use on comm_stream, and the outputs (allocated on comm_stream) in
+        use on the caller's stream, so that neither is reused while the other stream may still touch it. (Not
+        during CUDA-graph capture: the graph's memory pool keeps its tensors.)"""
+        if comm_stream is None:
+            out = run()
+            if done_event is not None:
+                done_event.record()
+            return out
+        caller = torch.cuda.current_stream(comm_stream.device)
+        comm_stream.wait_stream(caller)
+        with torch.cuda.stream(comm_stream):
+            out = run()
+            if done_event is not None:
+                done_event.record(comm_stream)
+        if not _is_capturing():
+            for tensor in _tensors_in(list(inputs)):
+                if tensor.is_cuda:
+                    tensor.record_stream(comm_stream)
+            for tensor in _tensors_in(out):
+                if tensor.is_cuda:
+                    tensor.record_stream(caller)
+        return out
+
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 check_inputs: Optional[bool] = None) -> DispatchResult:
+                 check_inputs: Optional[bool] = None, *, comm_stream: Optional[torch.cuda.Stream] = None,
+                 done_event: Optional[torch.cuda.Event] = None) -> DispatchResult:
         """Send each token (once per destination rank) to the ranks of its top-k experts.
 
         Args:
@@ -209,22 +261,31 @@ class Buffer:
                 construction (e.g. torch.topk over the expert logits, as MoELayer) pass False. On the reference
                 backend a rank whose inputs are rejected makes every rank raise; on nvlink the kernels of its peers
                 give up after timeout_s and the next call on those ranks raises the timeout, naming rank and stage.
+            comm_stream: run the dispatch on this CUDA stream instead of the current one (None, the default): it
+                starts after the work enqueued so far on the current stream, and the current stream does not wait
+                for it -- wait with `torch.cuda.current_stream().wait_event(done_event)` (or `.wait_stream(
+                comm_stream)`) before using the result there. Inputs and outputs are marked in use on both streams
+                for the caching allocator. Everything else (validation, the input check's host copy) is unchanged.
+            done_event: a torch.cuda.Event recorded after the dispatch's last kernel (on comm_stream when given).
         Returns:
             DispatchResult (see ep_comm.types): received tokens in the expert-major layout in the dispatch
             format, num_tokens_per_expert / expert_offsets (int32, device), per-row src_rank, src_token,
             topk_slot, topk_weight, and the handle for `combine`.
         """
-        self._check_dispatch_call(x, topk_idx, topk_weights, check_inputs)
-        return self._backend.dispatch(x, topk_idx, topk_weights)
+        self._check_dispatch_call(x, topk_idx, topk_weights, check_inputs, comm_stream, done_event)
+        return self._run_on_stream(comm_stream, done_event, (x, topk_idx, topk_weights),
+                                   lambda: self._backend.dispatch(x, topk_idx, topk_weights))
 
-    def _check_dispatch_call(self, x, topk_idx, topk_weights, check_inputs: Optional[bool]) -> None:
-        """What every dispatch checks before its kernels: a live Buffer, no autograd, valid inputs."""
+    def _check_dispatch_call(self, x, topk_idx, topk_weights, check_inputs: Optional[bool], comm_stream=None,
+                             done_event=None) -> None:
+        """What every dispatch checks before its kernels: a live Buffer, no autograd, valid inputs and streams."""
         self._check_alive()
         check = self.check_inputs if check_inputs is None else bool(check_inputs)
 
         def validate():
             self._refuse_autograd("dispatch", x, topk_weights)
             self._validate_dispatch(x, topk_idx, topk_weights, check)
+            self._check_stream_args(x.device, comm_stream, done_event)
         self._validate_together(validate, "dispatch")
 
     def _validate_together(self, validate, what: str) -> None:
@@ -275,7 +336,9 @@ class Buffer:
             raise NotImplementedError("waves need the nvlink backend")
         return self._backend.blocks["disp_recv_blocks"]
 
-    def combine(self, expert_out: torch.Tensor, handle, local_reduce: bool = True) -> torch.Tensor:
+    def combine(self, expert_out: torch.Tensor, handle, local_reduce: bool = True, *,
+                comm_stream: Optional[torch.cuda.Stream] = None,
+                done_event: Optional[torch.cuda.Event] = None) -> torch.Tensor:
         """Bring expert outputs back to their tokens and sum them with the routing weights.
 
         Args:
@@ -284,13 +347,20 @@ class Buffer:
             local_reduce: True (default) sums a token's local experts on the expert rank and sends one row
                 per (token, rank); False sends one row per (token, expert) (what a fused GEMM epilogue
                 writes) and the source rank applies the weights.
+            comm_stream, done_event: as for `dispatch` (the combine then runs on comm_stream after the work enqueued
+                so far on the current stream; wait on done_event before using the result on the current stream).
         Returns:
             bfloat16 [T, H]: sum over the token's unmasked slots of weight * expert output (S2F6 mode:
             through RHT + S2F6 on the wire, summed in FP32, inverse RHT once).
         """
         self._check_alive()
-        self._validate_together(lambda: self._validate_combine(expert_out, handle), "combine")
-        return self._backend.combine(expert_out, handle, local_reduce=local_reduce)
+
+        def validate():
+            self._validate_combine(expert_out, handle)
+            self._check_stream_args(expert_out.device, comm_stream, done_event)
+        self._validate_together(validate, "combine")
+        return self._run_on_stream(comm_stream, done_event, (expert_out, handle),
+                                   lambda: self._backend.combine(expert_out, handle, local_reduce=local_reduce))
 
     def _validate_combine(self, expert_out, handle) -> None:
         if not isinstance(expert_out, torch.Tensor):

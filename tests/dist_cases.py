@@ -170,6 +170,8 @@ def errors_worker(rank: int, world: int, backend: str = "reference", device_kind
                                backend=backend, check_inputs=False)
     _expect(ValueError, "same expert", lambda: unchecked.dispatch(x, duplicate, w, check_inputs=True))
     unchecked.destroy()
+    _expect(TypeError, "torch.cuda.Stream", lambda: buf.dispatch(x, idx, w, comm_stream="side"))
+    _expect(TypeError, "torch.cuda.Event", lambda: buf.dispatch(x, idx, w, done_event=object()))
     _expect(TypeError, "int32 or int64", lambda: buf.dispatch(x, idx.float(), w))
     _expect(TypeError, "float32", lambda: buf.dispatch(x, idx, w.double()))
     _expect(ValueError, "topk_idx must be", lambda: buf.dispatch(x, idx[:, :1], w))
@@ -255,3 +257,45 @@ def scaling_worker(rank: int, world: int, backend: str = "reference", device_kin
     cases = [Case("scale_nvfp4_s2f6", 128, 4 * world, 4, tokens, "uniform", expert_alignment=2),
              Case("scale_bf16_masked", 128, 2 * world, 2, tokens, "masked", "bf16", "bf16", seed=9)]
     return [run_case(case, rank, world, backend, device) for case in cases]
+
+
+def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
+    """dispatch and combine on a communication stream (CUDA): they start after the work already enqueued on the
+    current stream, overlap work enqueued after them there, and give bitwise the results of the same calls on the
+    current stream once the current stream has waited for done_event. The inputs are overwritten on the current
+    stream after that wait, which the marks for the caching allocator must make safe."""
+    device = _device("cuda")
+    hidden, experts, topk, tokens = 2048, 8 * world, 4, 96
+    buf = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=tokens,
+                         backend=backend)
+    try:
+        gen = torch.Generator().manual_seed(17 + rank)
+        x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
+        idx = torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices.to(device)
+        w = torch.rand(tokens, topk, generator=gen).to(device)
+        want = buf.dispatch(x, idx, w)
+        expert_out = (torch.randn(want.num_rows, hidden, generator=gen) * 2).to(torch.bfloat16).to(device)
+        want_y = buf.combine(expert_out, want.handle)
+        torch.cuda.synchronize()
+
+        side = torch.cuda.Stream(device=device)
+        busy = torch.randn(2048, 2048, device=device)
+        dispatched, combined = torch.cuda.Event(), torch.cuda.Event()
+        xs = x.clone()  # written on the current stream just before the dispatch: the comm stream must see it
+        got = buf.dispatch(xs, idx, w, comm_stream=side, done_event=dispatched)
+        for _ in range(4):
+            busy = busy @ busy / 2048.0  # current-stream work the dispatch may overlap
+        torch.cuda.current_stream().wait_event(dispatched)
+        xs.zero_()
+        y = buf.combine(expert_out, got.handle, comm_stream=side, done_event=combined)
+        torch.cuda.current_stream().wait_event(combined)
+        rows = int(want.expert_offsets[-1])
+        assert torch.equal(got.expert_offsets, want.expert_offsets), "comm stream: offsets"
+        assert torch.equal(got.src_token[:rows], want.src_token[:rows]), "comm stream: src_token"
+        assert torch.equal(_payload_bytes(got.x, buf.config.dispatch_format)[:rows],
+                           _payload_bytes(want.x, buf.config.dispatch_format)[:rows]), "comm stream: payload"
+        assert torch.equal(y.view(torch.int16), want_y.view(torch.int16)), "comm stream: combine"
+        side.synchronize()
+    finally:
+        buf.destroy()
+    return "comm stream ok"

@@ -398,6 +398,14 @@ def test_nvlink_direct_self_rows_match_reference():
 
 
 @pytest.mark.multigpu
+def test_nvlink_comm_stream():
+    """dispatch / combine on a communication stream with an event: the results of the current-stream calls."""
+    import dist_cases
+    results = run_ranks(dist_cases.comm_stream_worker, _world(), "nvlink", backend="nccl", timeout_s=600)
+    assert all(r == "comm stream ok" for r in results)
+
+
+@pytest.mark.multigpu
 def test_nvlink_streaming_receive_pressure_and_graph():
     run_ranks(streaming_pressure_and_graph_worker, _world(), backend="nccl", timeout_s=600)
 
