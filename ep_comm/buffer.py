@@ -96,6 +96,9 @@ class Buffer:
             raise ValueError(f"format_impl must be one of {FORMAT_IMPLS}, got {format_impl!r}")
         self._backend = self._make_backend(backend, format_impl)
         self._destroyed = False
+        # The last call that ran on a communication stream: (stream, event after it, recorded during capture?). The
+        # Buffer's calls share device state, so the next call waits for it wherever it runs (_order_after_comm_stream).
+        self._comm_call = None
 
     # ------------------------------------------------------------------------------------------------------
     def _check_same_arguments_everywhere(self, backend: str, format_impl: str) -> None:
@@ -220,31 +223,45 @@ class Buffer:
         if done_event is not None and device.type != "cuda":
             raise ValueError("done_event needs CUDA tensors (this call's tensors are on the CPU)")
 
-    @staticmethod
-    def _run_on_stream(comm_stream, done_event, inputs, run):
-        """run() on comm_stream (None: the current stream), after everything enqueued so far on the current stream;
-        then done_event is recorded where run() enqueued its work. The caching allocator is told about the streams
-        that share tensors: inputs are marked in use on comm_stream, and the outputs (allocated on comm_stream) in
-        use on the caller's stream, so that neither is reused while the other stream may still touch it. (Not
-        during CUDA-graph capture: the graph's memory pool keeps its tensors.)"""
+    def _order_after_comm_stream(self, stream) -> None:
+        """Make `stream` (where this call's kernels go) wait for the Buffer's last call on a communication stream: the
+        calls of one Buffer share its device state and must run one after the other, whatever streams they use. An
+        event recorded during a CUDA-graph capture is not waited on outside it, nor the reverse (capture forbids it;
+        inside one capture, the caller joins the streams before it ends)."""
+        if self._comm_call is None:
+            return
+        last_stream, event, captured = self._comm_call
+        if last_stream != stream and captured == _is_capturing():
+            stream.wait_event(event)
+
+    def _run_on_stream(self, comm_stream, done_event, inputs, run):
+        """run() on comm_stream (None: the current stream), after everything enqueued so far on the current stream and
+        after this Buffer's previous call; then done_event is recorded where run() enqueued its work. The caching
+        allocator is told about the streams that share tensors: inputs are marked in use on comm_stream, and the
+        outputs (allocated on comm_stream) in use on the caller's stream, so that neither is reused while the other
+        stream may still touch it (record_stream also works inside a CUDA-graph capture)."""
         if comm_stream is None:
+            if self._comm_call is not None:
+                self._order_after_comm_stream(torch.cuda.current_stream(self._comm_call[0].device))
+                self._comm_call = None
             out = run()
             if done_event is not None:
                 done_event.record()
             return out
         caller = torch.cuda.current_stream(comm_stream.device)
         comm_stream.wait_stream(caller)
+        self._order_after_comm_stream(comm_stream)
+        for tensor in _tensors_in(list(inputs)):
+            if tensor.is_cuda:
+                tensor.record_stream(comm_stream)
         with torch.cuda.stream(comm_stream):
             out = run()
-            if done_event is not None:
-                done_event.record(comm_stream)
-        if not _is_capturing():
-            for tensor in _tensors_in(list(inputs)):
-                if tensor.is_cuda:
-                    tensor.record_stream(comm_stream)
-            for tensor in _tensors_in(out):
-                if tensor.is_cuda:
-                    tensor.record_stream(caller)
+            finished = done_event if done_event is not None else torch.cuda.Event()
+            finished.record(comm_stream)
+        self._comm_call = (comm_stream, finished, _is_capturing())
+        for tensor in _tensors_in(out):
+            if tensor.is_cuda:
+                tensor.record_stream(caller)
         return out
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -265,7 +282,10 @@ class Buffer:
                 starts after the work enqueued so far on the current stream, and the current stream does not wait
                 for it -- wait with `torch.cuda.current_stream().wait_event(done_event)` (or `.wait_stream(
                 comm_stream)`) before using the result there. Inputs and outputs are marked in use on both streams
-                for the caching allocator. Everything else (validation, the input check's host copy) is unchanged.
+                for the caching allocator. The Buffer's next call, on any stream, starts after this one (its calls
+                share device state). Inside a CUDA-graph capture, join comm_stream back into the capturing stream
+                (wait on done_event) before the capture ends. Validation and the input check's host copy happen on
+                the current stream, as without comm_stream.
             done_event: a torch.cuda.Event recorded after the dispatch's last kernel (on comm_stream when given).
         Returns:
             DispatchResult (see ep_comm.types): received tokens in the expert-major layout in the dispatch
@@ -327,7 +347,8 @@ class Buffer:
         if isinstance(wave_sms, bool) or not isinstance(wave_sms, int):
             raise TypeError(f"wave_sms must be an int, got {type(wave_sms).__name__}")
         self._check_dispatch_call(x, topk_idx, topk_weights, check_inputs)
-        return self._backend.dispatch_waves(x, topk_idx, topk_weights, wave_sms)
+        return self._run_on_stream(None, None, (), lambda: self._backend.dispatch_waves(x, topk_idx, topk_weights,
+                                                                                        wave_sms))
 
     @property
     def max_wave_sms(self) -> int:
@@ -396,7 +417,7 @@ class Buffer:
         if not isinstance(result, DispatchResult):
             raise TypeError(f"begin_combine_rows needs the DispatchResult of a dispatch, got {type(result).__name__}")
         self._require_combine_rows()
-        return self._backend.begin_combine_rows(result)
+        return self._run_on_stream(None, None, (), lambda: self._backend.begin_combine_rows(result))
 
     @property
     def combine_rows_supported(self) -> bool:
@@ -418,7 +439,7 @@ class Buffer:
         self._check_alive()
         if self.backend != "nvlink":
             raise NotImplementedError("finish_combine_rows needs the nvlink backend")
-        return self._backend.finish_combine_rows(handle)
+        return self._run_on_stream(None, None, (), lambda: self._backend.finish_combine_rows(handle))
 
     def check(self) -> None:
         """Raise if a kernel of this Buffer recorded a timeout (nvlink backend: a peer that never arrived, or a wave

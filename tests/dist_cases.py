@@ -260,14 +260,21 @@ def scaling_worker(rank: int, world: int, backend: str = "reference", device_kin
 
 
 def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
-    """dispatch and combine on a communication stream (CUDA): they start after the work already enqueued on the
-    current stream, overlap work enqueued after them there, and give bitwise the results of the same calls on the
-    current stream once the current stream has waited for done_event. The inputs are overwritten on the current
-    stream after that wait, which the marks for the caching allocator must make safe."""
+    """dispatch and combine on a communication stream (CUDA), each checked where a missing mechanism would show:
+    * ordering after the current stream: the input is written there behind a long sleep just before the dispatch
+      (without the wait, the dispatch would read stale data);
+    * no wait for later current-stream work: the dispatch finishes while a sleep enqueued after it on the current
+      stream still runs;
+    * the input's mark for the caching allocator: the comm stream is held back by a sleep, the input is freed on
+      the current stream and its memory handed out and filled there (without the mark, the dispatch would read the
+      fill);
+    and the results are bitwise those of the same calls on the current stream. check_inputs=False: no host sync
+    (which would order the streams by itself)."""
     device = _device("cuda")
     hidden, experts, topk, tokens = 2048, 8 * world, 4, 96
+    sleep_cycles = 200_000_000  # ~0.1 s at H200 clocks
     buf = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=tokens,
-                         backend=backend)
+                         backend=backend, check_inputs=False)
     try:
         gen = torch.Generator().manual_seed(17 + rank)
         x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
@@ -277,25 +284,48 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
         expert_out = (torch.randn(want.num_rows, hidden, generator=gen) * 2).to(torch.bfloat16).to(device)
         want_y = buf.combine(expert_out, want.handle)
         torch.cuda.synchronize()
+        fmt = buf.config.dispatch_format
+        rows = int(want.expert_offsets[-1])
+
+        def same(got, name):
+            assert torch.equal(got.expert_offsets, want.expert_offsets), f"{name}: offsets"
+            assert torch.equal(got.src_token[:rows], want.src_token[:rows]), f"{name}: src_token"
+            assert torch.equal(_payload_bytes(got.x, fmt)[:rows], _payload_bytes(want.x, fmt)[:rows]), \
+                f"{name}: payload"
 
         side = torch.cuda.Stream(device=device)
-        busy = torch.randn(2048, 2048, device=device)
-        dispatched, combined = torch.cuda.Event(), torch.cuda.Event()
-        xs = x.clone()  # written on the current stream just before the dispatch: the comm stream must see it
+        # 1. ordered after the current stream's earlier work; 2. not after its later work.
+        xs = torch.zeros_like(x)
+        torch.cuda._sleep(sleep_cycles)
+        xs.copy_(x)
+        dispatched = torch.cuda.Event()
         got = buf.dispatch(xs, idx, w, comm_stream=side, done_event=dispatched)
-        for _ in range(4):
-            busy = busy @ busy / 2048.0  # current-stream work the dispatch may overlap
+        torch.cuda._sleep(sleep_cycles)
+        dispatched.synchronize()
+        assert not torch.cuda.current_stream().query(), "the dispatch waited for work enqueued after it"
         torch.cuda.current_stream().wait_event(dispatched)
-        xs.zero_()
+        same(got, "comm stream, after the current stream's copy")
+        # 3. the input stays reserved for the comm stream after the caller frees it.
+        xs = x.clone()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(sleep_cycles)
+        dispatched = torch.cuda.Event()
+        got = buf.dispatch(xs, idx, w, comm_stream=side, done_event=dispatched)
+        del xs
+        reused = torch.empty_like(x).fill_(7.0)
+        torch.cuda.current_stream().wait_event(dispatched)
+        same(got, "comm stream, input freed on the current stream")
+        combined = torch.cuda.Event()
         y = buf.combine(expert_out, got.handle, comm_stream=side, done_event=combined)
         torch.cuda.current_stream().wait_event(combined)
-        rows = int(want.expert_offsets[-1])
-        assert torch.equal(got.expert_offsets, want.expert_offsets), "comm stream: offsets"
-        assert torch.equal(got.src_token[:rows], want.src_token[:rows]), "comm stream: src_token"
-        assert torch.equal(_payload_bytes(got.x, buf.config.dispatch_format)[:rows],
-                           _payload_bytes(want.x, buf.config.dispatch_format)[:rows]), "comm stream: payload"
         assert torch.equal(y.view(torch.int16), want_y.view(torch.int16)), "comm stream: combine"
-        side.synchronize()
+        # 4. a current-stream call right after a comm-stream call (no wait by the caller): ordered by the Buffer.
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(sleep_cycles)
+        buf.dispatch(x, idx, w, comm_stream=side)
+        same(buf.dispatch(x, idx, w), "current stream right after a comm-stream call")
+        torch.cuda.synchronize()
+        del reused
     finally:
         buf.destroy()
     return "comm stream ok"
