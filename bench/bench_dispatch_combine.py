@@ -97,13 +97,17 @@ def _routing(rank, tokens, hidden, experts, topk):
     return x, idx, w
 
 
+def _destinations(idx, world, experts):
+    """bool [T, W]: whether token t goes to rank d (one of its experts lives there)."""
+    goes = torch.zeros(idx.shape[0], world, dtype=torch.bool, device=idx.device)
+    goes.scatter_(1, idx // (experts // world), True)
+    return goes
+
+
 def _peer_rows(idx, rank, world, experts):
     """(token, peer rank) rows this rank sends (each token once per destination rank other than itself)."""
-    ranks = idx // (experts // world)
-    goes = torch.zeros(idx.shape[0], world, dtype=torch.bool, device=idx.device)
-    goes.scatter_(1, ranks, True)
-    goes[:, rank] = False
-    return int(goes.sum())
+    goes = _destinations(idx, world, experts)
+    return int(goes.sum() - goes[:, rank].sum())
 
 
 def _nccl_all_to_all_rows(args, tokens, rank, world, group, calls=10, reps=5):
@@ -111,9 +115,7 @@ def _nccl_all_to_all_rows(args, tokens, rank, world, group, calls=10, reps=5):
     it routes to (this rank's own rows included: NCCL copies them locally), the same routing as the dispatch. Timing
     `pipe`: `calls` back-to-back calls between CUDA events after a barrier, per call, median of `reps`."""
     x, idx, _ = _routing(rank, tokens, args.hidden, args.experts, args.topk)
-    ranks = idx // (args.experts // world)
-    goes = torch.zeros(tokens, world, dtype=torch.bool, device="cuda")
-    goes.scatter_(1, ranks, True)
+    goes = _destinations(idx, world, args.experts)
     order = [x[goes[:, d]] for d in range(world)]  # rows for destination d, token order
     send = torch.cat(order).contiguous()
     send_counts = torch.tensor([o.shape[0] for o in order], dtype=torch.int64, device="cuda")
@@ -127,7 +129,7 @@ def _nccl_all_to_all_rows(args, tokens, rank, world, group, calls=10, reps=5):
             dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
     calls_fn()  # warm-up
     us = _iso_time_us(calls_fn, reps, group) / calls
-    wire = _peer_rows(idx, rank, world, args.experts) * 2 * args.hidden
+    wire = int(goes.sum() - goes[:, rank].sum()) * 2 * args.hidden  # bytes to the other ranks (as _peer_rows)
     return [{"backend": "nccl", "kernel": "all_to_all_single (bf16 rows)", "format": "bf16", "tokens": tokens,
              "world": world, "timing": "pipe", "time_us": round(us, 2), "wire_bytes": wire,
              "wire_GBps": round(wire / us / 1e3, 1), "bf16_eq_GBps": round(wire / us / 1e3, 1), "sms": "nccl",

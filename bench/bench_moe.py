@@ -57,7 +57,11 @@ def parse_args(argv=None):
     p.add_argument("--out", default="")
     p.add_argument("--nproc", type=int, default=2)
     args = p.parse_args(argv)
-    if not [t for t in args.wave_sms.split(",") if t.strip()]:
+    try:
+        args.wave_sms_list = [None if t == "auto" else int(t) for t in (v.strip() for v in args.wave_sms.split(",")) if t]
+    except ValueError:
+        p.error("--wave-sms must be a comma list of auto and SM counts")
+    if not args.wave_sms_list:
         p.error("--wave-sms needs at least one value (the main waves row)")
     return args
 
@@ -163,8 +167,7 @@ def worker(rank, world, args):
             row["w1_graph_ms"] = _graph_ms(lambda: grouped_gemm.grouped_gemm_nvfp4(
                 plain_rows, result.expert_offsets, result.num_tokens_per_expert, layer._w1_packed,
                 out_dtype=torch.float32, out=hidden_out, token_tile=layer.token_tile), args.iters)
-            wave_sms_list = [None if t == "auto" else int(t) for t in (v.strip() for v in args.wave_sms.split(",")) if t]
-            for position, sms in enumerate(wave_sms_list):
+            for position, sms in enumerate(args.wave_sms_list):
                 wave_layer = moe.MoELayer(buf, router, packed, expert_impl="fused", token_tile=token_tiles[0],
                                           waves=True, wave_sms=sms)
                 prefix = "waves" if position == 0 else f"waves{wave_layer.wave_sms}"
@@ -196,7 +199,7 @@ def worker(rank, world, args):
         # Same measure for the waves layer, whose compute is the experts WITHOUT the pass that expands the dispatched
         # NVFP4 rows for the GEMM (its dispatch receive writes the GEMM's rows itself). Subtracting "experts" whole
         # (as until 2026-11-30) counted that pass as hidden communication: 0.15-0.55 too low (bench/RESULTS.md).
-        waves_compute = row["experts_graph_ms"] - row.get("expand_graph_ms", 0.0)
+        waves_compute = row["experts_graph_ms"] - row["expand_graph_ms"]
         exposed_waves = row["waves_layer_graph_ms"] - waves_compute - row["router_graph_ms"]
         row["waves_exposed_comm_graph_fraction"] = exposed_waves / comm_graph if comm_graph > 0 else float("nan")
 

@@ -16,11 +16,16 @@ log="$OUT/log.txt"
 say() { echo "== $(date +%H:%M:%S) $*" | tee -a "$log"; }
 
 # --- steps ----------------------------------------------------------------------------------------------------
+pytest_tier() {  # $1 = name, $2 = timeout s, $3 = summary lines for the log, then pytest arguments; the full output
+  local name="$1" limit="$2" lines="$3" file="$OUT/pytest_$1.txt"  # stays in $OUT only when something failed
+  shift 3
+  timeout "$limit" python3 -m pytest -q -x -rs "$@" > "$file" 2>&1
+  tail -"$lines" "$file" | tee -a "$log"
+  grep -q " passed" "$file" && ! grep -q "failed" "$file" && rm -f "$file"
+}
 test_formats() {
   say "gpu tier: formats kernels"
-  timeout 150 python3 -m pytest -q -x -rs tests/test_formats_cuda.py > "$OUT/pytest_formats.txt" 2>&1
-  tail -2 "$OUT/pytest_formats.txt" | tee -a "$log"
-  grep -q " passed" "$OUT/pytest_formats.txt" && ! grep -q "failed" "$OUT/pytest_formats.txt" && rm -f "$OUT/pytest_formats.txt"
+  pytest_tier formats 150 2 tests/test_formats_cuda.py
 }
 test_gemm_default() {  # the grouped GEMM tier with the default kernels only
   say "gpu tier: grouped GEMM + fused expert MLP (defaults)"
@@ -55,17 +60,12 @@ test_multigpu() {
 }
 test_nvlink_layer() {  # the nvlink, MoE-layer and waves tiers in one pytest run (stops at the first failure)
   say "multigpu tier: nvlink + MoE layer + waves"
-  timeout 240 python3 -m pytest -q -x -rs tests/test_nvlink.py tests/test_moe.py tests/test_waves.py -k "not gloo" \
-    > "$OUT/pytest_layer.txt" 2>&1
-  tail -3 "$OUT/pytest_layer.txt" | tee -a "$log"
-  grep -q " passed" "$OUT/pytest_layer.txt" && ! grep -q "failed" "$OUT/pytest_layer.txt" && rm -f "$OUT/pytest_layer.txt"
+  pytest_tier layer 240 3 tests/test_nvlink.py tests/test_moe.py tests/test_waves.py -k "not gloo"
 }
 bench_small_twice() { bench_ab EP_COMM_NVLINK_PDL auto 1,128,4096; }  # two rounds of the default at 1 / 128 / 4096 tokens
 test_waves() {
   say "multigpu tier: waves (wave dispatch + w1 behind its receive, bitwise the plain path; timeout)"
-  timeout 240 python3 -m pytest -q -x -rs tests/test_waves.py > "$OUT/pytest_waves.txt" 2>&1
-  tail -3 "$OUT/pytest_waves.txt" | tee -a "$log"
-  grep -q " passed" "$OUT/pytest_waves.txt" && ! grep -q "failed" "$OUT/pytest_waves.txt" && rm -f "$OUT/pytest_waves.txt"
+  pytest_tier waves 240 3 tests/test_waves.py
 }
 test_gemm_stage1() { test_gemm_variant EP_COMM_GEMM_KBLOCKS_PER_STAGE=1; }
 test_moe() {
@@ -163,9 +163,7 @@ print('world 1 nvlink workers passed', r[0]['graph'], r[0]['leak'])
 }
 test_nvlink() {
   say "multigpu tier: nvlink suite"
-  timeout 400 python3 -m pytest -q -x -rs tests/test_nvlink.py > "$OUT/pytest_nvlink.txt" 2>&1
-  tail -3 "$OUT/pytest_nvlink.txt" | tee -a "$log"
-  grep -q " passed" "$OUT/pytest_nvlink.txt" && ! grep -q "failed" "$OUT/pytest_nvlink.txt" && rm -f "$OUT/pytest_nvlink.txt"
+  pytest_tier nvlink 400 3 tests/test_nvlink.py
 }
 bench_gemm() {  # arguments go to the benchmark
   say "bench: grouped GEMM (1 GPU)"
@@ -230,9 +228,9 @@ python3 -c "import ep_comm; assert ep_comm.cuda_extension_available(), ep_comm.c
 # --- modes ----------------------------------------------------------------------------------------------------
 case "$mode" in
   tests) test_formats; test_gemm; test_multigpu ;;
-  bench) bench_formats; bench_dc 2 --tokens 128,4096 --formats nvfp4/s2f6,bf16/bf16; bench_gemm; bench_moe; profile_nvlink; main_job ;;
+  bench) bench_formats; bench_dc_both; bench_gemm; bench_moe; profile_nvlink; main_job ;;
   all) test_formats; test_gemm; test_multigpu
-       bench_formats; bench_dc 2 --tokens 128,4096 --formats nvfp4/s2f6,bf16/bf16; bench_gemm; bench_moe; main_job ;;
+       bench_formats; bench_dc_both; bench_gemm; bench_moe; main_job ;;
   gemm) test_gemm; bench_gemm ;;
   steps) shift; for step in "$@"; do "$step"; done ;;
   scale)

@@ -222,6 +222,17 @@ __device__ __forceinline__ void record_staging_row(const NvlinkConfig& cfg, cons
   }
 }
 
+// record_staging_row for a row this rank sends to itself without a staging row (direct self rows, BF16 self rows from
+// x): its staging slot is the one the token holds at this rank, on its first lane with an expert here (`here`: lane
+// k's expert is on this rank; slot and e as token_routing gives them). Whole warp.
+__device__ __forceinline__ void record_own_row(const NvlinkConfig& cfg, const DispatchArgs& args, int t, int lane,
+                                               int e, int slot, bool here, int out_row, float w) {
+  const unsigned int holder = __ballot_sync(0xFFFFFFFFu, here && slot >= 0);
+  const int my_slot = __shfl_sync(0xFFFFFFFFu, slot, __ffs(holder) - 1);
+  record_staging_row(cfg, args, cfg.rank, my_slot, t, lane, lane < cfg.topk && e >= 0 ? e / cfg.num_local : -1,
+                     out_row, w);
+}
+
 // One work item = (token, part g of G): the G warps of a token split its 16-byte units round-robin in
 // groups of 32 (G > 1 only when there are fewer tokens than warps, i.e. small latency-bound calls).
 // Templated on the format so that each path gets its own register allocation (the NVFP4 math would
@@ -425,11 +436,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
     // Direct self rows (part 0): what the receive records for a staging row of its own rank -- the handle entry of
     // staging index (my rank, my slot) and the rows' metadata.
     if (direct_self && part == 0 && num_self > 0) {
-      // The slot at my rank is held by the first lane with an expert here (slot >= 0 there).
-      const unsigned int holder = __ballot_sync(0xFFFFFFFFu, self_lane && slot >= 0);
-      const int my_slot = __shfl_sync(0xFFFFFFFFu, slot, __ffs(holder) - 1);
-      record_staging_row(cfg, args, cfg.rank, my_slot, t, lane, lane < topk && e >= 0 ? e / cfg.num_local : -1,
-                         self_row, w);
+      record_own_row(cfg, args, t, lane, e, slot, self_lane, self_row, w);
       if (self_lane) args.out_amax[self_row] = token_amax;
     }
 
@@ -715,8 +722,8 @@ __device__ __forceinline__ void wait_staging_row(const NvlinkConfig& cfg, int ha
 }
 
 // BF16 self rows from x (DispatchArgs::self_from_x): this rank's token t, read from the input instead of a staging row
-// its own send would have written -- the same bytes, handle entry and metadata as the staging path (record_staging_row
-// on the slot the token holds at this rank). Whole warp; `part` of `split` as for a staging row; `rows` is the warp's
+// its own send would have written -- the same bytes, handle entry and metadata as the staging path (record_own_row).
+// Whole warp; `part` of `split` as for a staging row; `rows` is the warp's
 // shared-memory list.
 __device__ __forceinline__ void receive_own_token(const NvlinkConfig& cfg, const DispatchArgs& args, int t, int part,
                                                   int split, const int* seg_start, int* rows) {
@@ -729,13 +736,7 @@ __device__ __forceinline__ void receive_own_token(const NvlinkConfig& cfg, const
   const unsigned int local_mask = __ballot_sync(0xFFFFFFFFu, local);
   if (local_mask == 0u) return;  // no expert of this rank: no row here
   const int out_row = local ? seg_start[cfg.rank * cfg.num_local + (e - first_expert)] + pos : -1;
-  if (part == 0) {
-    // The token's slot at this rank is held by its first lane with an expert here.
-    const unsigned int holder = __ballot_sync(0xFFFFFFFFu, local && slot >= 0);
-    const int my_slot = __shfl_sync(0xFFFFFFFFu, slot, __ffs(holder) - 1);
-    record_staging_row(cfg, args, cfg.rank, my_slot, t, lane, lane < cfg.topk && e >= 0 ? e / cfg.num_local : -1,
-                       out_row, w);
-  }
+  if (part == 0) record_own_row(cfg, args, t, lane, e, slot, local, out_row, w);
   const int n = __popc(local_mask);
   __syncwarp();  // the previous item's readers are done with the list
   if (local) rows[__popc(local_mask & ((1u << lane) - 1u))] = out_row;
@@ -765,10 +766,9 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
   // share out disp_recv_blocks tickets (its grid is smaller).
   const unsigned long long share =
       waves ? cfg.disp_recv_blocks / gridDim.x + (blockIdx.x < cfg.disp_recv_blocks % gridDim.x) : 1ull;
-  __shared__ unsigned long long ticket_epoch;
-  if (threadIdx.x == 0) ticket_epoch = atomicAdd(&cfg.state->disp_recv_tickets, share) / cfg.disp_recv_blocks + 1ull;
-  __syncthreads();
-  const unsigned long long epoch = ticket_epoch;
+  unsigned long long ticket = 0ull;
+  if (threadIdx.x == 0) ticket = atomicAdd(&cfg.state->disp_recv_tickets, share);
+  const unsigned long long epoch = block_epoch_from_ticket(ticket, cfg.disp_recv_blocks);
   if (waves) {
     // The GEMM launched behind this kernel (PDL) must not start before this kernel's own predecessors are complete
     // (it writes memory the stream may have used before): wait first, then release it.

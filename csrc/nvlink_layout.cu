@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 
@@ -185,14 +186,22 @@ size_t layout_smem(const NvlinkConfig& cfg, int warps) {
 constexpr int kDispatchPdlMaxTokens = 512;
 
 namespace {
+// Index of the environment variable's value in `values` (unset or empty: 0); anything else is refused. Read by the
+// callers once per process.
+int env_choice(const char* name, std::initializer_list<const char*> values) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return 0;
+  std::string allowed;
+  int index = 0;
+  for (const char* value : values) {
+    if (std::string(v) == value) return index;
+    allowed += (index++ ? ", " : "") + std::string(value);
+  }
+  throw std::invalid_argument(std::string(name) + " must be one of " + allowed + ", not '" + v + "'");
+}
+
 int pdl_override() {  // -1: the measured choice, 0 / 1: forced
-  static const int mode = [] {
-    const char* v = std::getenv("EP_COMM_NVLINK_PDL");
-    if (v == nullptr || *v == '\0' || std::string(v) == "auto") return -1;
-    if (std::string(v) == "1") return 1;
-    if (std::string(v) == "0") return 0;
-    throw std::invalid_argument("EP_COMM_NVLINK_PDL must be auto, 0 or 1, not '" + std::string(v) + "'");
-  }();
+  static const int mode = env_choice("EP_COMM_NVLINK_PDL", {"auto", "0", "1"}) - 1;
   return mode;
 }
 }  // namespace
@@ -210,12 +219,7 @@ bool combine_pdl() {
 bool dispatch_pdl_allowed() { return pdl_override() != 0; }
 
 bool dispatch_stream_recv() {
-  static const bool on = [] {
-    const char* v = std::getenv("EP_COMM_NVLINK_STREAM_RECV");
-    if (v == nullptr || *v == '\0' || std::string(v) == "1") return true;
-    if (std::string(v) == "0") return false;
-    throw std::invalid_argument("EP_COMM_NVLINK_STREAM_RECV must be 0 or 1, not '" + std::string(v) + "'");
-  }();
+  static const bool on = env_choice("EP_COMM_NVLINK_STREAM_RECV", {"1", "0"}) == 0;
   return on;
 }
 

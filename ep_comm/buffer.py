@@ -102,7 +102,8 @@ class Buffer:
 
     # ------------------------------------------------------------------------------------------------------
     def _check_same_arguments_everywhere(self, backend: str, format_impl: str) -> None:
-        # check_inputs too: on the reference backend a rank that checks joins an agreement collective.
+        # check_inputs too: a Buffer setting that differs between ranks is almost surely a mistake (the reference
+        # backend's per-call agreement runs either way, so it would not hang).
         mine = dict(dataclasses.asdict(self.config), backend=backend, format_impl=format_impl,
                     check_inputs=bool(self.check_inputs))
         gathered = [None] * self.config.world_size

@@ -7,20 +7,11 @@ import torch
 import torch.distributed as dist
 
 import ep_comm
-from oracle import Case, expected_combine, expected_dispatch, make_inputs, run_expert
+from oracle import Case, expected_combine, expected_dispatch, make_inputs, payload_bytes, run_expert
 
 
 def _device(backend_kind: str):
     return torch.device("cuda", torch.cuda.current_device()) if backend_kind != "cpu" else torch.device("cpu")
-
-
-def _payload_bytes(result_x, fmt: str) -> torch.Tensor:
-    if fmt == "nvfp4":
-        return torch.cat([result_x.data, result_x.scales.view(torch.uint8),
-                          result_x.amax.reshape(-1, 1).view(torch.uint8)], dim=1)
-    if fmt == "mxfp8":
-        return torch.cat([result_x.data.view(torch.uint8), result_x.scales.view(torch.uint8)], dim=1)
-    return result_x.view(torch.uint8)
 
 
 def check_dispatch(case: Case, rank: int, world: int, result, inputs) -> None:
@@ -31,7 +22,7 @@ def check_dispatch(case: Case, rank: int, world: int, result, inputs) -> None:
     offsets = result.expert_offsets.cpu().tolist()
     assert counts == [len(e) for e in expected.entries], (case.name, counts)
     assert offsets[0] == 0
-    payload = _payload_bytes(result.x, case.dispatch_format).cpu()
+    payload = payload_bytes(result.x, case.dispatch_format).cpu()
     src_rank, src_token = result.src_rank.cpu(), result.src_token.cpu()
     slot, weight = result.topk_slot.cpu(), result.topk_weight.cpu()
     for j in range(num_local):
@@ -225,7 +216,7 @@ def errors_worker(rank: int, world: int, backend: str = "reference", device_kind
     masked[0, 1], masked[1, 0] = -1, -1
     got, want = unchecked.dispatch(x, far, w), unchecked.dispatch(x, masked, w)
     assert torch.equal(got.num_tokens_per_expert, want.num_tokens_per_expert)
-    assert torch.equal(_payload_bytes(got.x, "nvfp4"), _payload_bytes(want.x, "nvfp4"))
+    assert torch.equal(payload_bytes(got.x, "nvfp4"), payload_bytes(want.x, "nvfp4"))
     unchecked.destroy()
     buf.destroy()
     _expect(RuntimeError, "destroyed", lambda: buf.dispatch(x, idx, w))
@@ -276,11 +267,10 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
     buf = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=tokens,
                          backend=backend, check_inputs=False)
     try:
-        gen = torch.Generator().manual_seed(17 + rank)
-        x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
-        idx = torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices.to(device)
-        w = torch.rand(tokens, topk, generator=gen).to(device)
+        x, idx, w = make_inputs(Case("comm_stream", hidden, experts, topk, (tokens,) * world, "uniform", seed=17),
+                                rank, world, device)
         want = buf.dispatch(x, idx, w)
+        gen = torch.Generator().manual_seed(17 + rank)
         expert_out = (torch.randn(want.num_rows, hidden, generator=gen) * 2).to(torch.bfloat16).to(device)
         want_y = buf.combine(expert_out, want.handle)
         torch.cuda.synchronize()
@@ -290,7 +280,7 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
         def same(got, name):
             assert torch.equal(got.expert_offsets, want.expert_offsets), f"{name}: offsets"
             assert torch.equal(got.src_token[:rows], want.src_token[:rows]), f"{name}: src_token"
-            assert torch.equal(_payload_bytes(got.x, fmt)[:rows], _payload_bytes(want.x, fmt)[:rows]), \
+            assert torch.equal(payload_bytes(got.x, fmt)[:rows], payload_bytes(want.x, fmt)[:rows]), \
                 f"{name}: payload"
 
         side = torch.cuda.Stream(device=device)

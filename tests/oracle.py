@@ -25,15 +25,18 @@ def _quantized_token(x_row: torch.Tensor, fmt: str):
     return x_row
 
 
-def _wire_row(x_row: torch.Tensor, fmt: str) -> torch.Tensor:
-    q = _quantized_token(x_row, fmt)
+def payload_bytes(x, fmt: str) -> torch.Tensor:
+    """The rows of a dispatch payload (NVFP4Tensor, MXFP8Tensor or bf16 tensor) as bytes [rows, data | scales | amax]:
+    what the tests compare bitwise."""
     if fmt == "nvfp4":
-        parts = [q.data, q.scales.view(torch.uint8), q.amax.reshape(-1, 1).view(torch.uint8)]
-    elif fmt == "mxfp8":
-        parts = [q.data.view(torch.uint8), q.scales.view(torch.uint8)]
-    else:
-        parts = [q.contiguous().view(torch.uint8)]
-    return torch.cat(parts, dim=1)[0]
+        return torch.cat([x.data, x.scales.view(torch.uint8), x.amax.reshape(-1, 1).view(torch.uint8)], dim=1)
+    if fmt == "mxfp8":
+        return torch.cat([x.data.view(torch.uint8), x.scales.view(torch.uint8)], dim=1)
+    return x.contiguous().view(torch.uint8)
+
+
+def _wire_row(x_row: torch.Tensor, fmt: str) -> torch.Tensor:
+    return payload_bytes(_quantized_token(x_row, fmt), fmt)[0]
 
 
 @dataclass(frozen=True)

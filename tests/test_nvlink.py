@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from harness import run_ranks
+from oracle import payload_bytes
 
 
 def _world() -> int:
@@ -20,14 +21,6 @@ def _world() -> int:
 # ----------------------------------------------------------------------------------------------------------
 # Helpers (run inside the spawned ranks)
 # ----------------------------------------------------------------------------------------------------------
-def _payload_bytes(x, fmt: str) -> torch.Tensor:
-    if fmt == "nvfp4":
-        return torch.cat([x.data, x.scales.view(torch.uint8), x.amax.reshape(-1, 1).view(torch.uint8)], dim=1)
-    if fmt == "mxfp8":
-        return torch.cat([x.data.view(torch.uint8), x.scales.view(torch.uint8)], dim=1)
-    return x.view(torch.uint8)
-
-
 def _make_inputs(rank, num_tokens, hidden, num_experts, topk, routing, world, seed, idx_dtype=torch.int64):
     gen = torch.Generator().manual_seed(seed * 7919 + rank)
     x = torch.randn(num_tokens, hidden, generator=gen)
@@ -57,8 +50,8 @@ def _compare_dispatch(name, got, want, fmt):
         assert bool((getattr(got, field)[rows:] == -1).all()), (name, field, "unused rows")
     assert torch.equal(got.topk_weight[:rows].view(torch.int32).cpu(), want.topk_weight.view(torch.int32).cpu()), \
         (name, "topk_weight")
-    got_bytes = _payload_bytes(got.x, fmt)[:rows].cpu()
-    want_bytes = _payload_bytes(want.x, fmt).cpu()
+    got_bytes = payload_bytes(got.x, fmt)[:rows].cpu()
+    want_bytes = payload_bytes(want.x, fmt).cpu()
     if not torch.equal(got_bytes, want_bytes):
         bad = (got_bytes != want_bytes).any(dim=1).nonzero().reshape(-1)[:5].tolist()
         raise AssertionError(f"{name}: payload differs from the reference in rows {bad}")
@@ -207,7 +200,7 @@ def _pressure_hash(nvl, x, idx, w, hidden, rank, fmt="nvfp4"):
         y2 = nvl.combine(out, res.handle, local_reduce=False)
         if it % 10 == 7:
             y1 = nvl.combine(out, res.handle)  # two combines with one handle
-        digest = hashlib.sha256(_payload_bytes(res.x, fmt)[:int(res.expert_offsets[-1])].cpu().numpy())
+        digest = hashlib.sha256(payload_bytes(res.x, fmt)[:int(res.expert_offsets[-1])].cpu().numpy())
         digest.update(_bits(y1).numpy().tobytes())
         digest.update(_bits(y2).numpy().tobytes())
         hashes.add(digest.hexdigest())
@@ -245,8 +238,8 @@ def _graph_matches_eager(nvl, ref, x, idx, w, out, fmt, rank, world):
         torch.cuda.synchronize()
         rows = int(e_res.expert_offsets[-1])
         assert torch.equal(g_res.expert_offsets.cpu(), e_res.expert_offsets.cpu()), ("graph offsets", trial)
-        assert torch.equal(_payload_bytes(g_res.x, fmt)[:rows].cpu(),
-                           _payload_bytes(e_res.x, fmt)[:rows].cpu()), ("graph payload", trial)
+        assert torch.equal(payload_bytes(g_res.x, fmt)[:rows].cpu(),
+                           payload_bytes(e_res.x, fmt)[:rows].cpu()), ("graph payload", trial)
         assert torch.equal(g_res.src_token[:rows].cpu(), e_res.src_token[:rows].cpu()), ("graph src", trial)
         assert torch.equal(_bits(g_y), _bits(e_y)), ("graph combine", trial)
         assert torch.equal(_bits(g_y2), _bits(e_y2)), ("graph combine local_reduce=False", trial)

@@ -687,7 +687,6 @@ class NVLinkBackend:
         self._check_alive()
         self.check()
         self._check_rows_closed("combine")
-        self.check_handle(handle)
         cfg = self.config
         if expert_out.dtype != torch.bfloat16 or expert_out.dim() != 2 or expert_out.shape[1] != cfg.hidden \
                 or expert_out.shape[0] < handle.num_rows:

@@ -196,12 +196,13 @@ class ReferenceBackend:
         gathered = [torch.empty_like(mine) for _ in range(world)]
         self._collective("combine (row counts)", dist.all_gather, gathered, mine)
         table = torch.stack(gathered).tolist()  # [source s][peer d] = (rows s sends d, s's mode, rows s expects from d)
-        receivers_seeing_mismatch = sorted({d for s in range(world) for d in range(world)
-                                            if table[s][d][0] != table[d][s][2] or table[s][d][1] != table[d][s][1]})
+        # (s, d): what s sends d disagrees with what d expects from s (row count or mode).
+        mismatched = [(s, d) for s in range(world) for d in range(world)
+                      if table[s][d][0] != table[d][s][2] or table[s][d][1] != table[d][s][1]]
+        receivers_seeing_mismatch = sorted({d for _, d in mismatched})
         problems = [f"rank {s} sends {table[s][self.rank][0]} rows with local_reduce={bool(table[s][self.rank][1])}, "
                     f"this rank expects {expected_counts[s]} with local_reduce={local_reduce}"
-                    for s in range(world)
-                    if table[s][self.rank][0] != expected_counts[s] or bool(table[s][self.rank][1]) != local_reduce]
+                    for s, d in mismatched if d == self.rank]
         if problems:
             raise ValueError("combine arguments or handles differ between ranks: " + "; ".join(problems))
         if receivers_seeing_mismatch:
@@ -292,7 +293,6 @@ class ReferenceBackend:
             raise TypeError(f"combine needs the handle of a reference-backend dispatch, got {type(handle).__name__}")
 
     def combine(self, expert_out: torch.Tensor, handle: ReferenceHandle, local_reduce: bool = True) -> torch.Tensor:
-        self.check_handle(handle)
         cfg = self.config
         device = expert_out.device
         world, hidden, fmt = cfg.world_size, cfg.hidden, cfg.combine_format
