@@ -105,6 +105,7 @@ bench_floor() {  # small-call latency: NVFP4/S2F6 and BF16 at 1, 16 and 128 toke
 }
 bench_dc_nvfp4() { bench_dc 2 --tokens 128,4096 --formats nvfp4/s2f6; }
 bench_dc_both() { bench_dc 2 --tokens 128,4096 --formats nvfp4/s2f6,bf16/bf16; }
+bench_dc_quick() { bench_dc 2 --tokens 128,1024,4096 --formats nvfp4/s2f6,bf16/bf16 --no-reference --no-ceiling; }
 bench_pdl() {  # A/B: programmatic dependent launch on and off (EP_COMM_NVLINK_PDL), small and large calls
   bench_ab EP_COMM_NVLINK_PDL "1 0" 1,128,4096
 }
@@ -193,6 +194,7 @@ profile_formats() {  # Nsight Compute on the second launch of each quantization 
     --section InstructionStats python3 bench/profile_formats.py --mib 64 "$@" > "$OUT/ncu_formats.txt" 2>&1
   echo "ncu formats: rc $?" | tee -a "$log"
 }
+profile_nvfp4_quantize() { profile_formats --only nvfp4_quantize; }  # executed instructions of the two NVFP4 quantizers
 bench_moe() {  # arguments go to the benchmark
   say "bench: MoE layer (2 GPUs)"
   timeout 240 python3 bench/bench_moe.py --nproc 2 --iters 5 "$@" --out "$OUT/bench_moe.json" 2>&1 | tail -5 | tee -a "$log"

@@ -202,10 +202,36 @@ int64_t exhaustive_check(ExhaustiveCheck check, uint32_t stride) {
       const uint32_t code = qm::e2m1_round_magnitude(a, &rounded);
       const uint8_t expected = qm::e2m1_encode_soft(a);
       if (code != expected || qm::float_bits(rounded) != qm::float_bits(qm::e2m1_decode(expected))) ++mismatches;
-      // The unclamped form of the fast 4/6 path, for every a < 7, and the code placement of its values.
-      if (a < 7.0f && qm::float_bits(qm::e2m1_round_below7(a)) != qm::float_bits(rounded)) ++mismatches;
+      // The fast paths' unclamped rounding in the domain scaled by 2^-6 (a_s = f(a * 2^-6): a itself when that is
+      // exact, else the tiny values that must round to 0), for every a < 7 ...
+      if (a < 7.0f) {
+        const float rounded_s = qm::e2m1_round_scaled(qm::qm_mul(a, qm::kE2m1ScaledDomain));
+        if (qm::float_bits(rounded_s) != qm::float_bits(qm::qm_mul(rounded, qm::kE2m1ScaledDomain))) ++mismatches;
+      }
+      // ... and its packing: this code in nibble bits % 8 of a word, the other nibbles' codes and every sign drawn
+      // from the bits (so each position sees each code next to varied neighbours, and zeros of either sign).
+      float r_s[8];
+      float x[8];
+      uint32_t expected_word = 0;
       for (int k = 0; k < 8; ++k) {
-        if (qm::e2m1_value_code_at(rounded, k) != static_cast<uint32_t>(expected) << (4 * k)) ++mismatches;
+        const bool mine = k == static_cast<int>(bits % 8);
+        const uint32_t code_k = mine ? expected : static_cast<uint32_t>((bits >> (2 * k + 3)) & 7u);
+        const float value = mine ? rounded : qm::e2m1_decode(static_cast<uint8_t>(code_k));
+        const bool negative = ((bits >> (k + 9)) & 1u) != 0;
+        r_s[k] = qm::qm_mul(value, qm::kE2m1ScaledDomain);
+        x[k] = negative ? -value : value;  // only x's sign is packed
+        expected_word |= (code_k | (negative ? 8u : 0u)) << (4 * k);
+      }
+      if (!qm::qm_isnan(a) && qm::e2m1_pack8_scaled(r_s, qm::sign_bytes4(x), qm::sign_bytes4(x + 4)) != expected_word) {
+        ++mismatches;
+      }
+      // The one-permute sign bytes of bf16 pairs (the kernels' form) against the fp32 form: x[k] rounded to bf16 by
+      // truncation keeps its sign bit.
+      uint32_t pairs[4];
+      for (int k = 0; k < 4; ++k) pairs[k] = (qm::float_bits(x[2 * k]) >> 16) | (qm::float_bits(x[2 * k + 1]) & 0xFFFF0000u);
+      if (qm::sign_bytes4_16bit(pairs[0], pairs[1]) != qm::sign_bytes4(x) ||
+          qm::sign_bytes4_16bit(pairs[2], pairs[3]) != qm::sign_bytes4(x + 4)) {
+        ++mismatches;
       }
     }
     return mismatches;

@@ -54,23 +54,27 @@ struct RawBlock16 {
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) vec::Elem<T>::unpack(raw[v], x + v * vec::Elem<T>::kPerVec);
   }
-  // max |x_i| with NaN ignored (qm::block_amax16's value). For bf16 on packed pairs: __hmax2 returns the non-NaN
-  // operand like fmaxf, |.| and max are exact, and widening the result is exact. fp16 inputs take the fp32 route
-  // (the route they had before; the bf16 and fp32 paths are the ones the GPU tests have run).
+  // max |x_i| with NaN ignored (qm::block_amax16's value); bf16 on packed pairs (vec::bf16_block16_amax). fp16
+  // inputs take the fp32 route (the route they had before; the bf16 and fp32 paths are the ones the GPU tests have run).
   __device__ __forceinline__ float amax() const {
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-      const uint32_t* w = reinterpret_cast<const uint32_t*>(raw);
-      __nv_bfloat162 m = __habs2(*reinterpret_cast<const __nv_bfloat162*>(&w[0]));
-#pragma unroll
-      for (int i = 1; i < 8; ++i) m = __hmax2(m, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&w[i])));
-      float lo_hi[2];
-      vec::Elem<T>::unpack_word(*reinterpret_cast<const uint32_t*>(&m), lo_hi);
-      // Both halves NaN only when every element of that half is NaN; block_amax16 starts from 0: so here.
-      return qm::qm_max(qm::qm_max(lo_hi[0], lo_hi[1]), 0.0f);
+      return vec::bf16_block16_amax(raw[0], raw[1]);
     } else {
       float x[16];
       unpack(x);
       return qm::block_amax16(x);
+    }
+  }
+  // The block's sign bytes for the fast paths' packing (qm::sign_bytes4_16bit: one byte permute per 4 elements):
+  // true for 16-bit inputs; fp32 inputs return false and the quantizer takes the signs from the unpacked values.
+  __device__ __forceinline__ bool sign_bytes(uint32_t out[4]) const {
+    if constexpr (sizeof(T) == 2) {
+      const uint32_t* w = reinterpret_cast<const uint32_t*>(raw);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) out[q] = qm::sign_bytes4_16bit(w[2 * q], w[2 * q + 1]);
+      return true;
+    } else {
+      return false;
     }
   }
 };
@@ -159,7 +163,10 @@ __global__ void __launch_bounds__(Shape::kMaxThreads, Shape::kMinCtas) nvfp4_qua
       uint32_t words[2];
       uint8_t scale;
       const float this_block_amax = amax_kept ? block_amax[i] : blocks[i].amax();
-      qm::nvfp4_quantize_block16_words(x, this_block_amax, outer, amax, args.e4m3_max, kFourOverSix, words, &scale);
+      uint32_t signs[4];
+      const bool have_signs = blocks[i].sign_bytes(signs);
+      qm::nvfp4_quantize_block16_words(x, this_block_amax, outer, amax, args.e4m3_max, kFourOverSix, words, &scale,
+                                       nullptr, have_signs ? signs : nullptr);
       *reinterpret_cast<uint2*>(data_row + static_cast<int64_t>(b) * 8) = make_uint2(words[0], words[1]);
       scale_row[b] = scale;
     }

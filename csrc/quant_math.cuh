@@ -12,7 +12,7 @@
 //    are explicit on both sides.
 //  * Roundings to an integer use the "add and subtract 1.5 * 2^23" trick: an fp32 add rounds to nearest
 //    even, so (t + 12582912) - 12582912 is RNE(t) for |t| < 2^22, identically on host and device.
-//  * Faster forms of a rule (e2m1_round_magnitude, e2m1_round_below7, e2m1_value_code_at, div_six_m_markstein)
+//  * Faster forms of a rule (e2m1_round_magnitude, e2m1_round_scaled, e2m1_pack8_scaled, div_six_m_markstein)
 //    are checked against the rule over every fp32 input (host_exhaustive_check, tests/test_formats_host.py).
 //
 // Blackwell-native conversions (sm_100a/sm_103a) sit behind EP_COMM_SM100_NATIVE and give the same bits as
@@ -792,77 +792,123 @@ QM_HD bool nvfp4_four_over_six_exact(const float x[16], uint8_t s6, uint8_t s4, 
   return err4 < err6;  // NaN compares false: map-6
 }
 
-// E2M1 rounding of a magnitude 0 <= a < 7, without the clamp at 6: in [4, 8) the fp32 sum a + 2^24 has
-// ulp 2, so a in [6, 7) rounds to 6 exactly as min(a, 6) does. Same value as e2m1_round_magnitude for every
-// such a (host_exhaustive_check "e2m1_magnitude" checks both); callers make sure a < 7 and a is not NaN.
-QM_HD float e2m1_round_below7(float a) {
-  const uint32_t exp_bits = float_bits(a) & 0x7F800000u;
-  const uint32_t binade = exp_bits > 0x3F800000u ? exp_bits : 0x3F800000u;
+// The fast NVFP4 paths round and pack in a domain scaled by 2^-6: r_s = 2^-6 * r for an E2M1 value r lies on the
+// E4M3 grid with code(r) << 2 as its E4M3 byte (2^-7 = 4 * 2^-9 is the subnormal 0x04, 2^-6 (1 + m/2) * 2^e for
+// e in {0, 1, 2} is 0x08 + 8e + 4m), so the hardware's pair conversion packs two codes at once.
+constexpr float kE2m1ScaledDomain = 0x1p-6f;
+constexpr float kE2m1ScaledBound = 7.0f * 0x1p-6f;  // 7 in the scaled domain
+
+// E2M1 rounding in the scaled domain, without the clamp at 6: for 0 <= a_s < 7 * 2^-6 (not NaN) with a_s = 2^-6 * a,
+// returns 2^-6 * (e2m1_round_magnitude's rounded a). With e = max(floor(log2 a), 0) the fp32 sum a + 2^(e + 22) has
+// ulp 2^(e-1), the E2M1 step (0.5 below 1), so it rounds a to the grid with ties to even, and in [4, 8) (ulp 2) a in
+// [6, 7) rounds to 6 as min(a, 6) does. Here the same sums scaled by 2^-6 (binade floor 2^-6, magic >= 2^16): every
+// sum is a normal number, so the addition commutes with the power-of-two scaling; a_s below 2^-126 (a below 2^-120)
+// rounds to 0, as a does. Checked for every a < 7 by host_exhaustive_check ("e2m1_magnitude").
+QM_HD float e2m1_round_scaled(float a_s) {
+  const uint32_t exp_bits = float_bits(a_s) & 0x7F800000u;
+  const uint32_t binade = exp_bits > 0x3C800000u ? exp_bits : 0x3C800000u;
   const float magic = bits_float(binade + (22u << 23));
-  return qm_sub(qm_add(a, magic), magic);
+  return qm_sub(qm_add(a_s, magic), magic);
 }
 
-// code(r) << 4k for an E2M1 value r in {0, 0.5, .., 6} and k in [0, 7]. bits(r * 2^-126) is code << 22 with zero
-// low bits: r * 2^-126 is representable (0.5 * 2^-126 = 2^-127 is the subnormal 0x00400000; the others are normal
-// 2^(e-126) (1 + m/2), e in {0, 1, 2}, exponent field e + 1, mantissa bit 22 = m), so bits >> 22 is 1 for 0.5,
-// 2e + 2 + m otherwise, 0 for 0: the E2M1 code. A right shift by 22 - 4k (left by 4k - 22) then places it
-// exactly. Needs no subnormal flushing (none here). Checked for every code and k by host_exhaustive_check.
-QM_HD uint32_t e2m1_value_code_at(float r, int k) {
-  const uint32_t bits = float_bits(qm_mul(r, 0x1p-126f));
-  return k <= 5 ? bits >> (22 - 4 * k) : bits << (4 * k - 22);
-}
-
-// The sign bits of 16 non-NaN values added to their magnitude nibbles (element i at bit 4(i%8)+3 of word
-// i/8). Same result as add_e2m1_signs for every non-NaN x (the fast path never sees NaN: see below).
-QM_HD void add_e2m1_signs_no_nan(const float x[16], uint32_t words[2]) {
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const int k = i % 8;
-    words[i / 8] |= (float_bits(x[i]) >> (28 - 4 * k)) & (0x8u << (4 * k));
+// prmt.b32 (default mode): byte i of the result is byte (sel >> 4i) & 7 of {b:a} (a = bytes 0-3), replaced by
+// 0xFF / 0x00 (its top bit replicated) when bit 3 of that selector nibble is set.
+QM_HD uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
+#if defined(__CUDA_ARCH__)
+  uint32_t out;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(out) : "r"(a), "r"(b), "r"(sel));
+  return out;
+#else
+  const uint64_t bytes = (static_cast<uint64_t>(b) << 32) | a;
+  uint32_t out = 0;
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t nibble = (sel >> (4 * i)) & 0xFu;
+    uint32_t byte = static_cast<uint32_t>(bytes >> (8 * (nibble & 7u))) & 0xFFu;
+    if (nibble & 8u) byte = (byte & 0x80u) ? 0xFFu : 0x00u;
+    out |= byte << (8 * i);
   }
+  return out;
+#endif
 }
 
-// Plain (no 4/6) codes of a block, the fast way, when every element is non-NaN and f(block_amax * inv) < 7 (so
-// every f(|x_i| * inv) < 7: rounding is monotonic): e2m1_round_below7 is then e2m1_round_magnitude's rounding
-// (no clamp needed), e2m1_value_code_at places each code and add_e2m1_signs_no_nan its sign. Returns false
-// (words untouched) otherwise -- NaN or Inf elements, zero or small subnormal scales -- and the caller takes
-// the general form. NaN detection: an FADD chain over the elements is NaN iff some element is NaN or the sum
-// meets Inf - Inf (an Inf element, which fails the bound anyway); a finite sum that overflows is harmless.
-QM_HD bool nvfp4_plain_codes_fast(const float x[16], float block_amax, float inv, uint32_t words[2]) {
+// Sign bytes of 4 elements: byte k is 0xFF when element k's sign bit is set, else 0x00 (what e2m1_pack8_scaled
+// takes). From fp32 values: three byte permutes. From two bf16 / fp16 pairs as loaded (element 2j in the low half of
+// word j): one, reading the high byte of each half directly -- the kernels that hold the raw input use this form.
+QM_HD uint32_t sign_bytes4(const float x[4]) {
+  return byte_perm(byte_perm(float_bits(x[0]), float_bits(x[1]), 0xFBu),
+                   byte_perm(float_bits(x[2]), float_bits(x[3]), 0xFBu), 0x5410u);
+}
+QM_HD uint32_t sign_bytes4_16bit(uint32_t pair01, uint32_t pair23) { return byte_perm(pair01, pair23, 0xFDB9u); }
+
+// One packed NVFP4 word from 8 scaled magnitudes (r_s[i] = 2^-6 * an E2M1 value, as e2m1_round_scaled returns) and
+// their sign bytes (sign_bytes4 of elements 0-3 and 4-7): element i in bits 4i .. 4i + 3, its sign -- also for zero
+// magnitudes -- at 4i + 3. Per 4 elements: two E4M3 pair conversions (byte k = code_k << 2), n = signed nibble k in
+// byte k, and n | n >> 4 puts nibbles 2j, 2j + 1 in byte 2j. Same bits as the NUMERICS packing of the codes of
+// r_s * 2^6 with those signs (host_exhaustive_check "e2m1_magnitude").
+QM_HD uint32_t e2m1_pack8_scaled(const float r_s[8], uint32_t signs_lo, uint32_t signs_hi) {
+  uint32_t pairs[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float* r = r_s + 4 * h;
+    const uint32_t codes = static_cast<uint32_t>(e4m3x2_encode(r[0], r[1])) |
+                           (static_cast<uint32_t>(e4m3x2_encode(r[2], r[3])) << 16);
+    const uint32_t nibbles = (codes >> 2) | ((h == 0 ? signs_lo : signs_hi) & 0x08080808u);
+    pairs[h] = nibbles | (nibbles >> 4);
+  }
+  return byte_perm(pairs[0], pairs[1], 0x6420u);
+}
+
+// The two packed words of a 16-element block from its scaled magnitudes; sign_bytes: the block's 4 sign-byte words
+// (sign_bytes4 / sign_bytes4_16bit), or nullptr to take them from x.
+QM_HD void e2m1_pack16_scaled(const float r_s[16], const float x[16], const uint32_t* sign_bytes, uint32_t words[2]) {
+  uint32_t signs[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) signs[q] = sign_bytes != nullptr ? sign_bytes[q] : sign_bytes4(x + 4 * q);
+  words[0] = e2m1_pack8_scaled(r_s, signs[0], signs[1]);
+  words[1] = e2m1_pack8_scaled(r_s + 8, signs[2], signs[3]);
+}
+
+// Plain (no 4/6) codes of a block, the fast way, when every element is non-NaN, inv >= 2^-100 (so inv_s = inv * 2^-6
+// is exact) and f(block_amax * inv_s) < 7 * 2^-6 (so every f(|x_i| * inv) < 7: rounding is monotonic, and
+// f(|x_i| * inv_s) is 2^-6 f(|x_i| * inv) or, below 2^-126, rounds to 0 like it): e2m1_round_scaled is then
+// e2m1_round_magnitude's rounding scaled by 2^-6 (no clamp needed) and e2m1_pack8_scaled packs codes and signs.
+// Returns false (words untouched) otherwise -- NaN or Inf elements, zero or small subnormal scales, huge outer
+// amax -- and the caller takes the general form. NaN detection: an FADD chain over the elements is NaN iff some
+// element is NaN or the sum meets Inf - Inf (an Inf element, which fails the bound anyway); a finite sum that
+// overflows is harmless.
+QM_HD bool nvfp4_plain_codes_fast(const float x[16], float block_amax, float inv, const uint32_t* sign_bytes,
+                                  uint32_t words[2]) {
   float probe = 0.0f;
 #pragma unroll
   for (int i = 0; i < 16; ++i) probe = qm_add(probe, x[i]);
-  if (!(qm_mul(block_amax, inv) < 7.0f) || qm_isnan(probe)) return false;
-  uint32_t w[2] = {0u, 0u};
+  const float inv_s = qm_mul(inv, kE2m1ScaledDomain);
+  if (!(inv >= 0x1p-100f) || !(qm_mul(block_amax, inv_s) < kE2m1ScaledBound) || qm_isnan(probe)) return false;
+  float r_s[16];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) w[i / 8] |= e2m1_value_code_at(e2m1_round_below7(qm_mul(qm_abs(x[i]), inv)), i % 8);
-  add_e2m1_signs_no_nan(x, w);
-  words[0] = w[0];
-  words[1] = w[1];
+  for (int i = 0; i < 16; ++i) r_s[i] = e2m1_round_scaled(qm_mul(qm_abs(x[i]), inv_s));
+  e2m1_pack16_scaled(r_s, x, sign_bytes, words);
   return true;
 }
 
-// Fast 4/6 candidate: its 16 magnitude codes (r_i = E2M1 rounding of f(|x_i| * inv), exactly as
-// nvfp4_candidate rounds them, given every f(|x_i| * inv) < 7) and an approximate error
-// A = fma-chain over i of t_i^2, t_i = f(r_i * g - |x_i|) (one fma), g = f(f(s * amax) * f(1 / 6M)).
-// ~9 operations per element instead of ~20 for the exact error (no division, no separate square and sum).
-QM_HD float nvfp4_candidate_fast(const float x[16], float inv, float g, uint32_t nibbles[2]) {
+// Fast 4/6 candidate in the scaled domain: r_s[i] = 2^-6 * r_i, r_i the E2M1 rounding of f(|x_i| * inv) exactly as
+// nvfp4_candidate rounds it (given f(block_amax * inv_s) < 7 * 2^-6 with inv_s = f(inv * 2^-6) exact: see
+// nvfp4_plain_codes_fast), and an approximate error A = fma-chain over i of t_i^2, t_i = f(r_i * g - |x_i|) (one
+// fma, computed as f(r_s[i] * g_s - |x_i|) with g_s = g * 2^6 exact: the same exact product), g =
+// f(f(s * amax) * f(1 / 6M)). ~8 operations per element (no division, no separate square and sum); the codes are
+// packed afterwards, for the chosen candidate only.
+QM_HD float nvfp4_candidate_scaled(const float x[16], float inv_s, float g_s, float r_s[16]) {
   float acc = 0.0f;
-  uint32_t words[2] = {0u, 0u};
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const float ax = qm_abs(x[i]);
-    const float r = e2m1_round_below7(qm_mul(ax, inv));
-    const float t = qm_fma(r, g, -ax);
+    r_s[i] = e2m1_round_scaled(qm_mul(ax, inv_s));
+    const float t = qm_fma(r_s[i], g_s, -ax);
     acc = qm_fma(t, t, acc);
-    words[i / 8] |= e2m1_value_code_at(r, i % 8);
   }
-  nibbles[0] = words[0];
-  nibbles[1] = words[1];
   return acc;
 }
 
-// Bound B >= |err - A| for one candidate (err as NUMERICS computes it, A from nvfp4_candidate_fast):
+// Bound B >= |err - A| for one candidate (err as NUMERICS computes it, A from nvfp4_candidate_scaled):
 // B = f(f(f(A * 2^-15) + f(f(g * g) * 2^-16)) + 2^-120). Proof: see nvfp4_quantize_block16_words.
 QM_HD float nvfp4_approx_bound(float approx, float g) {
   return qm_add(qm_add(qm_mul(approx, 0x1p-15f), qm_mul(qm_mul(g, g), 0x1p-16f)), 0x1p-120f);
@@ -892,7 +938,7 @@ bool nvfp4_four_over_six_exact_outlined(const float* x, uint8_t s6, uint8_t s4, 
 // take the exact formula:
 //  (1) s4 == s6: both candidates are the same computation, err_4 == err_6 bit for bit (or both NaN), so
 //      err_4 < err_6 is false: map-6, one candidate computed.
-//  (2) Otherwise the exact codes of both candidates and an approximate error A_k (nvfp4_candidate_fast) with
+//  (2) Otherwise the exact codes of both candidates and an approximate error A_k (nvfp4_candidate_scaled) with
 //      a rigorous bound B_k >= |err_k - A_k|. With D = f(A_6 - A_4), D' = f(A_4 - A_6), S = f(B_4 + B_6):
 //      D > 2S proves err_4 < err_6 (map-4), D' > 2S proves err_4 > err_6 (map-6). Only near-ties
 //      (|err_4 - err_6| within ~2^-12 relative) remain.
@@ -938,17 +984,20 @@ bool nvfp4_four_over_six_exact_outlined(const float* x, uint8_t s6, uint8_t s4, 
 // Checked against the exact formula on random and adversarial blocks (ties, e4m3 boundaries, all-equal,
 // outliers, subnormals) by tests/test_formats_host.py (host_nvfp4_quantize vs the torch reference).
 // `decided_fast` (optional, tests): whether the fast path decided the 4/6 choice (false: the exact formula did),
-// or, without 4/6, whether nvfp4_plain_codes_fast produced the codes.
+// or, without 4/6, whether nvfp4_plain_codes_fast produced the codes. `sign_bytes` (optional): the block's sign
+// bytes as 4 words (sign_bytes4_16bit of the raw bf16 / fp16 pairs: one byte permute per 4 elements instead of three),
+// used by the fast paths' packing; nullptr takes them from x.
 QM_HD void nvfp4_quantize_block16_words(const float x[16], float block_amax, const Nvfp4Outer& outer, float amax,
                                         float e4m3_max, bool four_over_six, uint32_t words[2],
-                                        uint8_t* scale_byte, bool* decided_fast = nullptr) {
+                                        uint8_t* scale_byte, bool* decided_fast = nullptr,
+                                        const uint32_t* sign_bytes = nullptr) {
   words[0] = 0;
   words[1] = 0;
   if (!four_over_six) {
     const uint8_t s = e4m3_encode(qm_mul(block_amax, qm_mul(outer.s_enc, 1.0f / 6.0f)));
     const float inv = nvfp4_block_inverse(s, outer.s_dec);
     *scale_byte = s;
-    const bool fast = nvfp4_plain_codes_fast(x, block_amax, inv, words);
+    const bool fast = nvfp4_plain_codes_fast(x, block_amax, inv, sign_bytes, words);
     if (decided_fast != nullptr) *decided_fast = fast;
     if (fast) return;
 #pragma unroll
@@ -976,30 +1025,29 @@ QM_HD void nvfp4_quantize_block16_words(const float x[16], float block_amax, con
     const float inv4 = nvfp4_block_inverse_value(scale4, outer.s_dec);
     // f(block_amax * inv4) <= f(block_amax * inv6): s4 >= s6 (E4M3 encoding is monotone and 1.5 base >= base),
     // so scale4 >= scale6 and inv4 <= inv6 (rounded products and the reciprocal are monotone). One test covers both.
-    if (qm_mul(block_amax, inv6) < 7.0f) {
+    // The candidates round in the domain scaled by 2^-6 (nvfp4_candidate_scaled): approx_ok bounds every inv to
+    // [2^-99, 2^101] or FLT_MAX (zero scale), so inv * 2^-6 and g * 2^6 are exact, and the test below is
+    // f(block_amax * inv6) < 7 scaled by 2^-6 (both products are normal, or the scaled one is below 2^-126 and
+    // the unscaled one below 2^-120 < 7).
+    const float inv6_s = qm_mul(inv6, kE2m1ScaledDomain);
+    if (qm_mul(block_amax, inv6_s) < kE2m1ScaledBound) {
       const float g6 = qm_mul(qm_mul(scale6, amax), inv_six_m);
-      uint32_t words6[2];
-      const float approx6 = nvfp4_candidate_fast(x, inv6, g6, words6);
+      float r6_s[16];
+      const float approx6 = nvfp4_candidate_scaled(x, inv6_s, qm_mul(g6, 64.0f), r6_s);
       if (s4 == s6) {
         decided = !qm_isnan(approx6);  // step (1): identical candidates, map-6
       } else {
         const float g4 = qm_mul(qm_mul(scale4, amax), inv_six_m);
-        uint32_t words4[2];
-        const float approx4 = nvfp4_candidate_fast(x, inv4, g4, words4);
+        float r4_s[16];
+        const float approx4 = nvfp4_candidate_scaled(x, qm_mul(inv4, kE2m1ScaledDomain), qm_mul(g4, 64.0f), r4_s);
         const float twice_bound =
             qm_mul(2.0f, qm_add(nvfp4_approx_bound(approx4, g4), nvfp4_approx_bound(approx6, g6)));
         chosen4 = qm_sub(approx6, approx4) > twice_bound;
         decided = chosen4 || qm_sub(approx4, approx6) > twice_bound;
-        if (chosen4) {
-          words6[0] = words4[0];
-          words6[1] = words4[1];
-        }
+#pragma unroll
+        for (int i = 0; i < 16; ++i) r6_s[i] = chosen4 ? r4_s[i] : r6_s[i];  // the chosen candidate's values
       }
-      if (decided) {
-        words[0] = words6[0];
-        words[1] = words6[1];
-        add_e2m1_signs_no_nan(x, words);  // decided implies no NaN element (approx6 would be NaN)
-      }
+      if (decided) e2m1_pack16_scaled(r6_s, x, sign_bytes, words);  // decided: no NaN element (approx6 is not NaN)
     }
   }
   if (decided_fast != nullptr) *decided_fast = decided;
