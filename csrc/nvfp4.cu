@@ -50,6 +50,10 @@ struct RawBlock16 {
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) raw[v] = vec::load16(src + v * vec::Elem<T>::kPerVec);
   }
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) raw[v] = make_uint4(0u, 0u, 0u, 0u);
+  }
   __device__ __forceinline__ void unpack(float x[16]) const {
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) vec::Elem<T>::unpack(raw[v], x + v * vec::Elem<T>::kPerVec);
@@ -112,7 +116,11 @@ __global__ void __launch_bounds__(Shape::kMaxThreads, Shape::kMinCtas) nvfp4_qua
 #pragma unroll
     for (int i = 0; i < kBlocksPerThread; ++i) {
       const int b = first + threadIdx.x + i * threads_per_row;
-      if (row_valid && b < num_blocks) blocks[i].load(x_row + static_cast<int64_t>(b) * 16);
+      if (row_valid && b < num_blocks) {
+        blocks[i].load(x_row + static_cast<int64_t>(b) * 16);
+      } else if (kFourOverSix && first == 0) {
+        blocks[i].clear();  // 4/6: quantized below with the others (straight-line), never stored
+      }
     }
   };
   auto round_amax = [&](int first) {
@@ -154,21 +162,51 @@ __global__ void __launch_bounds__(Shape::kMaxThreads, Shape::kMinCtas) nvfp4_qua
   const bool amax_kept = single_round && args.amax_in == nullptr;
   for (int first = 0; first < num_blocks; first += per_round) {
     if (!single_round) load_round(first);
+    // 4/6: every block of the round through the straight-line fast path first, so that their instructions interleave
+    // (each candidate's error sum is a dependent chain): 231 -> 220 us on H200 (fourteenth session); then the general
+    // form where the fast path did not decide, and the stores. Plain: block by block (interleaving its 4 blocks
+    // spilled registers and measured 22% slower).
+    if constexpr (kFourOverSix) {
+      qm::Nvfp4BlockFast fast[kBlocksPerThread];
 #pragma unroll
-    for (int i = 0; i < kBlocksPerThread; ++i) {
-      const int b = first + threadIdx.x + i * threads_per_row;
-      if (b >= num_blocks) continue;
-      float x[16];
-      blocks[i].unpack(x);
-      uint32_t words[2];
-      uint8_t scale;
-      const float this_block_amax = amax_kept ? block_amax[i] : blocks[i].amax();
-      uint32_t signs[4];
-      const bool have_signs = blocks[i].sign_bytes(signs);
-      qm::nvfp4_quantize_block16_words(x, this_block_amax, outer, amax, args.e4m3_max, kFourOverSix, words, &scale,
-                                       nullptr, have_signs ? signs : nullptr);
-      *reinterpret_cast<uint2*>(data_row + static_cast<int64_t>(b) * 8) = make_uint2(words[0], words[1]);
-      scale_row[b] = scale;
+      for (int i = 0; i < kBlocksPerThread; ++i) {
+        float x[16];
+        blocks[i].unpack(x);
+        uint32_t signs[4];
+        const bool have_signs = blocks[i].sign_bytes(signs);
+        fast[i] = qm::nvfp4_quantize_block16_fast(x, amax_kept ? block_amax[i] : blocks[i].amax(), outer, amax, true,
+                                                  have_signs ? signs : nullptr);
+      }
+#pragma unroll
+      for (int i = 0; i < kBlocksPerThread; ++i) {
+        const int b = first + threadIdx.x + i * threads_per_row;
+        if (b >= num_blocks) continue;
+        if (!fast[i].decided) {
+          float x[16];
+          blocks[i].unpack(x);
+          qm::nvfp4_quantize_block16_general(x, amax_kept ? block_amax[i] : blocks[i].amax(), outer, amax,
+                                             args.e4m3_max, true, fast[i].words, &fast[i].scale);
+        }
+        *reinterpret_cast<uint2*>(data_row + static_cast<int64_t>(b) * 8) =
+            make_uint2(fast[i].words[0], fast[i].words[1]);
+        scale_row[b] = fast[i].scale;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kBlocksPerThread; ++i) {
+        const int b = first + threadIdx.x + i * threads_per_row;
+        if (b >= num_blocks) continue;
+        float x[16];
+        blocks[i].unpack(x);
+        uint32_t words[2];
+        uint8_t scale;
+        uint32_t signs[4];
+        const bool have_signs = blocks[i].sign_bytes(signs);
+        qm::nvfp4_quantize_block16_words(x, amax_kept ? block_amax[i] : blocks[i].amax(), outer, amax, args.e4m3_max,
+                                         false, words, &scale, nullptr, have_signs ? signs : nullptr);
+        *reinterpret_cast<uint2*>(data_row + static_cast<int64_t>(b) * 8) = make_uint2(words[0], words[1]);
+        scale_row[b] = scale;
+      }
     }
   }
 }

@@ -45,11 +45,12 @@ struct Chunk32 {
   }
 };
 
-// 32 bf16 elements -> two NVFP4 4/6 blocks: 16 code bytes and two scale bytes (low byte first).
+// 32 bf16 elements -> two NVFP4 4/6 blocks: 16 code bytes and two scale bytes (low byte first). Both blocks go
+// through the straight-line fast path first (their instructions interleave), then the general form where it did not
+// decide.
 __device__ __forceinline__ uint4 quantize_nvfp4_chunk32(const Chunk32& chunk, Nvfp4Outer outer, float amax,
                                                     unsigned int* scales) {
-  unsigned int words[4];
-  unsigned int sc = 0u;
+  Nvfp4BlockFast fast[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const uint4& lo = chunk.v[2 * half];
@@ -61,16 +62,22 @@ __device__ __forceinline__ uint4 quantize_nvfp4_chunk32(const Chunk32& chunk, Nv
     // raw pairs: half the instructions of the fp32 forms.
     const uint32_t signs[4] = {sign_bytes4_16bit(lo.x, lo.y), sign_bytes4_16bit(lo.z, lo.w),
                                sign_bytes4_16bit(hi.x, hi.y), sign_bytes4_16bit(hi.z, hi.w)};
-    uint32_t block_words[2];
-    uint8_t sb;
-    nvfp4_quantize_block16_words(xb, vec::bf16_block16_amax(lo, hi), outer, amax, 256.0f, true, block_words, &sb,
-                                 nullptr, signs);
-    words[2 * half] = block_words[0];
-    words[2 * half + 1] = block_words[1];
-    sc |= static_cast<unsigned int>(sb) << (8 * half);
+    fast[half] = nvfp4_quantize_block16_fast(xb, vec::bf16_block16_amax(lo, hi), outer, amax, true, signs);
   }
-  *scales = sc;
-  return make_uint4(words[0], words[1], words[2], words[3]);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if (!fast[half].decided) {
+      const uint4& lo = chunk.v[2 * half];
+      const uint4& hi = chunk.v[2 * half + 1];
+      float xb[16];
+      bf16x8_to_float(lo, xb);
+      bf16x8_to_float(hi, xb + 8);
+      nvfp4_quantize_block16_general(xb, vec::bf16_block16_amax(lo, hi), outer, amax, 256.0f, true,
+                                     fast[half].words, &fast[half].scale);
+    }
+  }
+  *scales = static_cast<unsigned int>(fast[0].scale) | (static_cast<unsigned int>(fast[1].scale) << 8);
+  return make_uint4(fast[0].words[0], fast[0].words[1], fast[1].words[0], fast[1].words[1]);
 }
 
 // Row amax of a bf16 row (NaN ignored, Inf kept) by the whole warp: bf16x2 max, exact (max is order-free,

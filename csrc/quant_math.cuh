@@ -871,11 +871,12 @@ QM_HD void e2m1_pack16_scaled(const float r_s[16], const float x[16], const uint
 // Plain (no 4/6) codes of a block, the fast way, when every element is non-NaN, inv >= 2^-100 (so inv_s = inv * 2^-6
 // is exact) and f(block_amax * inv_s) < 7 * 2^-6 (so every f(|x_i| * inv) < 7: rounding is monotonic, and
 // f(|x_i| * inv_s) is 2^-6 f(|x_i| * inv) or, below 2^-126, rounds to 0 like it): e2m1_round_scaled is then
-// e2m1_round_magnitude's rounding scaled by 2^-6 (no clamp needed) and e2m1_pack8_scaled packs codes and signs.
+// e2m1_round_magnitude's rounding scaled by 2^-6 (no clamp needed) and e2m1_pack16_scaled packs codes and signs.
 // Returns false (words untouched) otherwise -- NaN or Inf elements, zero or small subnormal scales, huge outer
 // amax -- and the caller takes the general form. NaN detection: an FADD chain over the elements is NaN iff some
 // element is NaN or the sum meets Inf - Inf (an Inf element, which fails the bound anyway); a finite sum that
-// overflows is harmless.
+// overflows is harmless. (A straight-line form that packs before testing measured 22% slower in the plain kernel on
+// H200: fourteenth session.)
 QM_HD bool nvfp4_plain_codes_fast(const float x[16], float block_amax, float inv, const uint32_t* sign_bytes,
                                   uint32_t words[2]) {
   float probe = 0.0f;
@@ -892,20 +893,21 @@ QM_HD bool nvfp4_plain_codes_fast(const float x[16], float block_amax, float inv
 
 // Fast 4/6 candidate in the scaled domain: r_s[i] = 2^-6 * r_i, r_i the E2M1 rounding of f(|x_i| * inv) exactly as
 // nvfp4_candidate rounds it (given f(block_amax * inv_s) < 7 * 2^-6 with inv_s = f(inv * 2^-6) exact: see
-// nvfp4_plain_codes_fast), and an approximate error A = fma-chain over i of t_i^2, t_i = f(r_i * g - |x_i|) (one
-// fma, computed as f(r_s[i] * g_s - |x_i|) with g_s = g * 2^6 exact: the same exact product), g =
-// f(f(s * amax) * f(1 / 6M)). ~8 operations per element (no division, no separate square and sum); the codes are
-// packed afterwards, for the chosen candidate only.
+// nvfp4_plain_codes_fast), and an approximate error A = f(A_even + A_odd), A_even / A_odd the fma chains over the
+// even / odd i of t_i^2 (two chains: half the dependent latency of one), t_i = f(r_i * g - |x_i|) (one fma, computed
+// as f(r_s[i] * g_s - |x_i|) with g_s = g * 2^6 exact: the same exact product), g = f(f(s * amax) * f(1 / 6M)).
+// ~8 operations per element (no division, no separate square and sum); the codes are packed afterwards, for the
+// chosen candidate only.
 QM_HD float nvfp4_candidate_scaled(const float x[16], float inv_s, float g_s, float r_s[16]) {
-  float acc = 0.0f;
+  float acc[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const float ax = qm_abs(x[i]);
     r_s[i] = e2m1_round_scaled(qm_mul(ax, inv_s));
     const float t = qm_fma(r_s[i], g_s, -ax);
-    acc = qm_fma(t, t, acc);
+    acc[i % 2] = qm_fma(t, t, acc[i % 2]);
   }
-  return acc;
+  return qm_add(acc[0], acc[1]);
 }
 
 // Bound B >= |err - A| for one candidate (err as NUMERICS computes it, A from nvfp4_candidate_scaled):
@@ -958,9 +960,10 @@ bool nvfp4_four_over_six_exact_outlined(const float* x, uint8_t s6, uint8_t s4, 
 //    subnormal), the square relative u plus absolute 2^-150 if it underflows, each of the 4 tree levels
 //    adds non-negative numbers with relative error u. So |err - W| <= rho W + c, rho = (1+u)^7 - 1,
 //    c = 16 * 2^-150 (1+u)^4.
-//  * A = sequential fma chain of 16 squares of t_i = f(P_i) = P_i (1 + eps_i) + eta_i, |eps_i| <= u,
+//  * A = f(A_even + A_odd), two fma chains of 8 squares of t_i = f(P_i) = P_i (1 + eps_i) + eta_i, |eps_i| <= u,
 //    |eta_i| <= 2^-150 (one fma rounding; absolute only where the result is subnormal): each fma rounds a
-//    non-negative exact t^2 + acc once (relative u, or absolute 2^-150 when subnormal):
+//    non-negative exact t^2 + acc once (relative u, or absolute 2^-150 when subnormal), and the final add once
+//    (exact when subnormal), so every term sees at most 9 roundings -- within the bounds written for one chain of 16:
 //    |A - V| <= rho' V + c' + sum 2 |P_i| eta_i (1+u) + 16 * 2^-300, rho' = (1+u)^18 - 1,
 //    c' = 16 * 2^-150 (1+u)^16; sum 2 |P_i| eta_i (1+u) <= 2^-147 (1+u) sqrt(V) <= 2^-23 V + 2^-271 (AM-GM), so
 //    |A - V| <= rho'' V + c'' with rho'' = rho' + 2^-23, c'' = c' + 2^-271.
@@ -983,6 +986,97 @@ bool nvfp4_four_over_six_exact_outlined(const float* x, uint8_t s6, uint8_t s4, 
 //  formula. Symmetrically D' > 2S gives err_4 > err_6: map-6. Inf/NaN anywhere makes both tests false.
 // Checked against the exact formula on random and adversarial blocks (ties, e4m3 boundaries, all-equal,
 // outliers, subnormals) by tests/test_formats_host.py (host_nvfp4_quantize vs the torch reference).
+// One block through the fast paths, straight-line (no data-dependent branch but the reciprocals' rare special cases):
+// both 4/6 candidates are always computed, so that a kernel can interleave the blocks it holds, and `decided` says
+// whether the result stands. When it is false, `words` and `scale` are meaningless and the caller takes
+// nvfp4_quantize_block16_general. `sign_bytes`: see nvfp4_quantize_block16_words.
+struct Nvfp4BlockFast {
+  uint32_t words[2];
+  uint8_t scale;
+  bool decided;
+};
+
+QM_HD Nvfp4BlockFast nvfp4_quantize_block16_fast(const float x[16], float block_amax, const Nvfp4Outer& outer,
+                                                 float amax, bool four_over_six, const uint32_t* sign_bytes) {
+  Nvfp4BlockFast out;
+  if (!four_over_six) {
+    out.scale = e4m3_encode(qm_mul(block_amax, qm_mul(outer.s_enc, 1.0f / 6.0f)));
+    out.decided = nvfp4_plain_codes_fast(x, block_amax, nvfp4_block_inverse(out.scale, outer.s_dec), sign_bytes,
+                                         out.words);
+    return out;
+  }
+  const float base = qm_mul(qm_div(block_amax, 6.0f), outer.s_enc);
+  // Both scale bytes in one conversion (same bits as two e4m3_encode calls; base is never NaN: block_amax
+  // ignores NaN and S_enc is finite and nonzero).
+  const uint16_t scale_pair = e4m3x2_encode(qm_min(base, 448.0f), qm_min(qm_mul(1.5f, base), 448.0f));
+  const uint8_t s6 = static_cast<uint8_t>(scale_pair & 0xFFu);
+  const uint8_t s4 = static_cast<uint8_t>(scale_pair >> 8);
+  float scale6, scale4;
+  e4m3x2_decode(scale_pair, scale6, scale4);
+  const float inv6 = nvfp4_block_inverse_value(scale6, outer.s_dec);
+  const float inv4 = nvfp4_block_inverse_value(scale4, outer.s_dec);
+  // f(block_amax * inv4) <= f(block_amax * inv6): s4 >= s6 (E4M3 encoding is monotone and 1.5 base >= base),
+  // so scale4 >= scale6 and inv4 <= inv6 (rounded products and the reciprocal are monotone). One test covers both.
+  // The candidates round in the domain scaled by 2^-6 (nvfp4_candidate_scaled): approx_ok bounds every inv to
+  // [2^-99, 2^101] or FLT_MAX (zero scale), so inv * 2^-6 and g * 2^6 are exact, and the test below is
+  // f(block_amax * inv6) < 7 scaled by 2^-6 (both products are normal, or the scaled one is below 2^-126 and
+  // the unscaled one below 2^-120 < 7). Outside approx_ok (or the bound) the values below are computed all the
+  // same and discarded.
+  const float inv6_s = qm_mul(inv6, kE2m1ScaledDomain);
+  const bool in_range = outer.approx_ok && qm_mul(block_amax, inv6_s) < kE2m1ScaledBound;
+  const float g6 = qm_mul(qm_mul(scale6, amax), outer.inv_six_m);
+  const float g4 = qm_mul(qm_mul(scale4, amax), outer.inv_six_m);
+  float r6_s[16];
+  float r4_s[16];
+  const float approx6 = nvfp4_candidate_scaled(x, inv6_s, qm_mul(g6, 64.0f), r6_s);
+  const float approx4 = nvfp4_candidate_scaled(x, qm_mul(inv4, kE2m1ScaledDomain), qm_mul(g4, 64.0f), r4_s);
+  const float twice_bound = qm_mul(2.0f, qm_add(nvfp4_approx_bound(approx4, g4), nvfp4_approx_bound(approx6, g6)));
+  const bool four_better = qm_sub(approx6, approx4) > twice_bound;
+  const bool six_better = qm_sub(approx4, approx6) > twice_bound;
+  // Step (1): identical candidates (s4 == s6) decide map-6 unless an element is NaN; step (2): the bound.
+  const bool same = s4 == s6;
+  const bool chosen4 = !same && four_better;
+  out.decided = in_range && (same ? !qm_isnan(approx6) : (four_better || six_better));
+#pragma unroll
+  for (int i = 0; i < 16; ++i) r6_s[i] = chosen4 ? r4_s[i] : r6_s[i];  // the chosen candidate's values
+  e2m1_pack16_scaled(r6_s, x, sign_bytes, out.words);  // when decided: no NaN element (approx6 is not NaN)
+  out.scale = chosen4 ? s4 : s6;
+  return out;
+}
+
+// The general form of a block, for what the fast paths leave undecided (NaN / Inf elements, zero or saturated
+// scales, extreme outer amax, 4/6 near-ties): the NUMERICS rules as written.
+QM_HD void nvfp4_quantize_block16_general(const float x[16], float block_amax, const Nvfp4Outer& outer, float amax,
+                                          float e4m3_max, bool four_over_six, uint32_t words[2], uint8_t* scale_byte) {
+  words[0] = 0;
+  words[1] = 0;
+  if (!four_over_six) {
+    const uint8_t s = e4m3_encode(qm_mul(block_amax, qm_mul(outer.s_enc, 1.0f / 6.0f)));
+    const float inv = nvfp4_block_inverse(s, outer.s_dec);
+    *scale_byte = s;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      float unused;
+      words[i / 8] |= e2m1_round_magnitude(qm_mul(qm_abs(x[i]), inv), &unused) << (4 * (i % 8));
+    }
+    add_e2m1_signs(x, words);
+    return;
+  }
+  const float base = qm_mul(qm_div(block_amax, 6.0f), outer.s_enc);
+  const uint16_t scale_pair = e4m3x2_encode(qm_min(base, 448.0f), qm_min(qm_mul(1.5f, base), 448.0f));
+  const uint8_t s6 = static_cast<uint8_t>(scale_pair & 0xFFu);
+  const uint8_t s4 = static_cast<uint8_t>(scale_pair >> 8);
+  uint32_t words4[2] = {0u, 0u};
+  const bool chosen4 =
+      nvfp4_four_over_six_exact_outlined(x, s6, s4, outer.s_dec, amax, qm_mul(6.0f, e4m3_max), words, words4);
+  if (chosen4) {
+    words[0] = words4[0];
+    words[1] = words4[1];
+  }
+  add_e2m1_signs(x, words);
+  *scale_byte = chosen4 ? s4 : s6;
+}
+
 // `decided_fast` (optional, tests): whether the fast path decided the 4/6 choice (false: the exact formula did),
 // or, without 4/6, whether nvfp4_plain_codes_fast produced the codes. `sign_bytes` (optional): the block's sign
 // bytes as 4 words (sign_bytes4_16bit of the raw bf16 / fp16 pairs: one byte permute per 4 elements instead of three),
@@ -991,9 +1085,9 @@ QM_HD void nvfp4_quantize_block16_words(const float x[16], float block_amax, con
                                         float e4m3_max, bool four_over_six, uint32_t words[2],
                                         uint8_t* scale_byte, bool* decided_fast = nullptr,
                                         const uint32_t* sign_bytes = nullptr) {
-  words[0] = 0;
-  words[1] = 0;
-  if (!four_over_six) {
+  if (!four_over_six) {  // the plain fast path writes its codes straight into words (one block at a time)
+    words[0] = 0;
+    words[1] = 0;
     const uint8_t s = e4m3_encode(qm_mul(block_amax, qm_mul(outer.s_enc, 1.0f / 6.0f)));
     const float inv = nvfp4_block_inverse(s, outer.s_dec);
     *scale_byte = s;
@@ -1008,59 +1102,15 @@ QM_HD void nvfp4_quantize_block16_words(const float x[16], float block_amax, con
     add_e2m1_signs(x, words);
     return;
   }
-  const float six_m = qm_mul(6.0f, e4m3_max);
-  const float base = qm_mul(qm_div(block_amax, 6.0f), outer.s_enc);
-  // Both scale bytes in one conversion (same bits as two e4m3_encode calls; base is never NaN: block_amax
-  // ignores NaN and S_enc is finite and nonzero).
-  const uint16_t scale_pair = e4m3x2_encode(qm_min(base, 448.0f), qm_min(qm_mul(1.5f, base), 448.0f));
-  const uint8_t s6 = static_cast<uint8_t>(scale_pair & 0xFFu);
-  const uint8_t s4 = static_cast<uint8_t>(scale_pair >> 8);
-  bool decided = false;
-  bool chosen4 = false;  // the scale choice
-  if (outer.approx_ok) {
-    float scale6, scale4;
-    e4m3x2_decode(scale_pair, scale6, scale4);
-    const float inv_six_m = outer.inv_six_m;
-    const float inv6 = nvfp4_block_inverse_value(scale6, outer.s_dec);
-    const float inv4 = nvfp4_block_inverse_value(scale4, outer.s_dec);
-    // f(block_amax * inv4) <= f(block_amax * inv6): s4 >= s6 (E4M3 encoding is monotone and 1.5 base >= base),
-    // so scale4 >= scale6 and inv4 <= inv6 (rounded products and the reciprocal are monotone). One test covers both.
-    // The candidates round in the domain scaled by 2^-6 (nvfp4_candidate_scaled): approx_ok bounds every inv to
-    // [2^-99, 2^101] or FLT_MAX (zero scale), so inv * 2^-6 and g * 2^6 are exact, and the test below is
-    // f(block_amax * inv6) < 7 scaled by 2^-6 (both products are normal, or the scaled one is below 2^-126 and
-    // the unscaled one below 2^-120 < 7).
-    const float inv6_s = qm_mul(inv6, kE2m1ScaledDomain);
-    if (qm_mul(block_amax, inv6_s) < kE2m1ScaledBound) {
-      const float g6 = qm_mul(qm_mul(scale6, amax), inv_six_m);
-      float r6_s[16];
-      const float approx6 = nvfp4_candidate_scaled(x, inv6_s, qm_mul(g6, 64.0f), r6_s);
-      if (s4 == s6) {
-        decided = !qm_isnan(approx6);  // step (1): identical candidates, map-6
-      } else {
-        const float g4 = qm_mul(qm_mul(scale4, amax), inv_six_m);
-        float r4_s[16];
-        const float approx4 = nvfp4_candidate_scaled(x, qm_mul(inv4, kE2m1ScaledDomain), qm_mul(g4, 64.0f), r4_s);
-        const float twice_bound =
-            qm_mul(2.0f, qm_add(nvfp4_approx_bound(approx4, g4), nvfp4_approx_bound(approx6, g6)));
-        chosen4 = qm_sub(approx6, approx4) > twice_bound;
-        decided = chosen4 || qm_sub(approx4, approx6) > twice_bound;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) r6_s[i] = chosen4 ? r4_s[i] : r6_s[i];  // the chosen candidate's values
-      }
-      if (decided) e2m1_pack16_scaled(r6_s, x, sign_bytes, words);  // decided: no NaN element (approx6 is not NaN)
-    }
+  const Nvfp4BlockFast fast = nvfp4_quantize_block16_fast(x, block_amax, outer, amax, true, sign_bytes);
+  if (decided_fast != nullptr) *decided_fast = fast.decided;
+  if (fast.decided) {
+    words[0] = fast.words[0];
+    words[1] = fast.words[1];
+    *scale_byte = fast.scale;
+  } else {
+    nvfp4_quantize_block16_general(x, block_amax, outer, amax, e4m3_max, true, words, scale_byte);
   }
-  if (decided_fast != nullptr) *decided_fast = decided;
-  if (!decided) {
-    uint32_t words4[2] = {0u, 0u};
-    chosen4 = nvfp4_four_over_six_exact_outlined(x, s6, s4, outer.s_dec, amax, six_m, words, words4);
-    if (chosen4) {
-      words[0] = words4[0];
-      words[1] = words4[1];
-    }
-    add_e2m1_signs(x, words);
-  }
-  *scale_byte = chosen4 ? s4 : s6;
 }
 
 QM_HD void nvfp4_quantize_block16_words(const float x[16], const Nvfp4Outer& outer, float amax, float e4m3_max,
