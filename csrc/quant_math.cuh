@@ -928,7 +928,7 @@ bool nvfp4_four_over_six_exact_outlined(const float* x, uint8_t s6, uint8_t s4, 
   return nvfp4_four_over_six_exact(x, s6, s4, s_dec, amax, six_m, words, words4);
 }
 
-// Quantize one 16-element block with precomputed outer scales into two packed words (bytes 0-3, 4-7) and
+// Quantizing one 16-element block with precomputed outer scales into two packed words (bytes 0-3, 4-7) and
 // the E4M3 scale byte. `amax` is the outer amax (the 4/6 error is measured in the input domain, which needs
 // it), `e4m3_max` is M, `block_amax` the block's max |x_i| (NaN ignored: block_amax16).
 //
@@ -939,7 +939,7 @@ bool nvfp4_four_over_six_exact_outlined(const float* x, uint8_t s6, uint8_t s4, 
 // scales, and saturated scales when the block amax exceeds the row amax — a question of speed only, those blocks
 // take the exact formula:
 //  (1) s4 == s6: both candidates are the same computation, err_4 == err_6 bit for bit (or both NaN), so
-//      err_4 < err_6 is false: map-6, one candidate computed.
+//      err_4 < err_6 is false: map-6 (candidate 4, computed anyway to keep the path straight-line, is dropped).
 //  (2) Otherwise the exact codes of both candidates and an approximate error A_k (nvfp4_candidate_scaled) with
 //      a rigorous bound B_k >= |err_k - A_k|. With D = f(A_6 - A_4), D' = f(A_4 - A_6), S = f(B_4 + B_6):
 //      D > 2S proves err_4 < err_6 (map-4), D' > 2S proves err_4 > err_6 (map-6). Only near-ties
@@ -986,6 +986,9 @@ bool nvfp4_four_over_six_exact_outlined(const float* x, uint8_t s6, uint8_t s4, 
 //  formula. Symmetrically D' > 2S gives err_4 > err_6: map-6. Inf/NaN anywhere makes both tests false.
 // Checked against the exact formula on random and adversarial blocks (ties, e4m3 boundaries, all-equal,
 // outliers, subnormals) by tests/test_formats_host.py (host_nvfp4_quantize vs the torch reference).
+// (The functions below: nvfp4_quantize_block16_fast is the fast path, nvfp4_quantize_block16_general the exact formula,
+// nvfp4_quantize_block16_words the two together.)
+
 // One block through the fast paths, straight-line (no data-dependent branch but the reciprocals' rare special cases):
 // both 4/6 candidates are always computed, so that a kernel can interleave the blocks it holds, and `decided` says
 // whether the result stands. When it is false, `words` and `scale` are meaningless and the caller takes
