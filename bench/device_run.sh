@@ -194,32 +194,36 @@ profile_formats() {  # Nsight Compute on the second launch of each quantization 
     --section InstructionStats python3 bench/profile_formats.py --mib 64 "$@" > "$OUT/ncu_formats.txt" 2>&1
   echo "ncu formats: rc $?" | tee -a "$log"
 }
-# Same-call A/B against a base tree: ab_base.tar in the repository root (`git archive -o ab_base.tar <commit>`, untracked,
-# travels with the working tree) is built in /tmp/ab_base; the steps below alternate this tree and that one.
+# Same-call A/B against a base tree: ab_base.tar in the repository root (`git archive -o ab_base.tar <commit>`; ignored
+# by git, so carry it: carry [".whl", "ab_base.tar"]) is built once per call in /tmp/ab_base; the steps below run this
+# tree and that one in the order this, base, base, this (drift over the call does not favour either).
 ab_base_build() {
-  [ -d /tmp/ab_base/ep_comm ] && return 0
+  [ -f /tmp/ab_base/.built ] && return 0
   say "build: base tree (ab_base.tar)"
-  mkdir -p /tmp/ab_base && tar -xf ab_base.tar -C /tmp/ab_base || return 1
+  rm -rf /tmp/ab_base && mkdir -p /tmp/ab_base && tar -xf ab_base.tar -C /tmp/ab_base || return 1
   (cd /tmp/ab_base && EP_COMM_BUILD_CUDA=1 EP_COMM_CUDA_ARCHS=90a EP_COMM_NVCC_THREADS=16 python3 setup.py -q build_ext \
     --inplace > /tmp/ab_base_build.txt 2>&1) || { tail -20 /tmp/ab_base_build.txt | tee -a "$log"; return 1; }
+  touch /tmp/ab_base/.built
 }
-ab_trees() {  # $1 = label, then a command run in each tree (cwd and PYTHONPATH), this tree first, two rounds
-  local label="$1"; shift
+ab_trees() {  # $1 = label, $2 = a grep -E pattern for the lines to keep, then a command run in each tree (cwd, PYTHONPATH)
+  local label="$1" keep="$2" tree out
+  shift 2
   ab_base_build || return
-  for round in 1 2; do
-    for tree in "$PWD" /tmp/ab_base; do
-      say "$label: $( [ "$tree" = "$PWD" ] && echo this || echo base ) tree, round $round"
-      (cd "$tree" && PYTHONPATH="/tmp/site:$tree" "$@" 2>&1) | tee -a "$log"
-    done
+  out=$(mktemp)
+  for tree in "$PWD" /tmp/ab_base /tmp/ab_base "$PWD"; do
+    say "$label: $( [ "$tree" = "$PWD" ] && echo this || echo base ) tree"
+    (cd "$tree" && PYTHONPATH="/tmp/site:$tree" "$@") > "$out" 2>&1
+    grep -E "$keep" "$out" | tee -a "$log" || tail -5 "$out" | tee -a "$log"  # nothing matched: show why
   done
+  rm -f "$out"
 }
 bench_formats_ab() {
-  ab_trees "bench: NVFP4 quantize" bash -c 'CUDA_VISIBLE_DEVICES=0 timeout 60 python3 bench/bench_formats.py --no-reference \
-    --only nvfp4_quantize | grep -E "nvfp4_quantize|copy_"'
+  ab_trees "bench: NVFP4 quantize" "nvfp4_quantize|copy_" env CUDA_VISIBLE_DEVICES=0 timeout 60 \
+    python3 bench/bench_formats.py --no-reference --only nvfp4_quantize
 }
 bench_dc_ab() {
-  ab_trees "bench: NVFP4 dispatch / combine" bash -c 'timeout 120 python3 bench/bench_dispatch_combine.py --nproc 2 \
-    --tokens 128,1024,4096 --formats nvfp4/s2f6 --no-reference --no-ceiling | grep -E "nvlink +dispatch .* graph"'
+  ab_trees "bench: NVFP4 dispatch / combine" "nvlink +dispatch .* graph" timeout 120 \
+    python3 bench/bench_dispatch_combine.py --nproc 2 --tokens 128,1024,4096 --formats nvfp4/s2f6 --no-reference --no-ceiling
 }
 profile_nvfp4_quantize() { profile_formats --only nvfp4_quantize; }  # executed instructions of the two NVFP4 quantizers
 bench_moe() {  # arguments go to the benchmark

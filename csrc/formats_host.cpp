@@ -202,11 +202,11 @@ int64_t exhaustive_check(ExhaustiveCheck check, uint32_t stride) {
       const uint32_t code = qm::e2m1_round_magnitude(a, &rounded);
       const uint8_t expected = qm::e2m1_encode_soft(a);
       if (code != expected || qm::float_bits(rounded) != qm::float_bits(qm::e2m1_decode(expected))) ++mismatches;
-      // The fast paths' unclamped rounding in the domain scaled by 2^-6 (a_s = f(a * 2^-6): a itself when that is
-      // exact, else the tiny values that must round to 0), for every a < 7 ...
+      // The fast paths' unclamped rounding in the domain scaled by 2^-6 (a_s = f(a * 2^-6): exactly 2^-6 * a when
+      // that is representable, else the tiny values that must round to 0), for every a < 7 ...
       if (a < 7.0f) {
-        const float rounded_s = qm::e2m1_round_scaled(qm::qm_mul(a, qm::kE2m1ScaledDomain));
-        if (qm::float_bits(rounded_s) != qm::float_bits(qm::qm_mul(rounded, qm::kE2m1ScaledDomain))) ++mismatches;
+        const float rounded_s = qm::e2m1_round_scaled(qm::qm_mul(a, qm::kE2m1DomainScale));
+        if (qm::float_bits(rounded_s) != qm::float_bits(qm::qm_mul(rounded, qm::kE2m1DomainScale))) ++mismatches;
       }
       // ... and its packing: this code in nibble bits % 8 of a word, the other nibbles' codes and every sign drawn
       // from the bits (so each position sees each code next to varied neighbours, and zeros of either sign).
@@ -218,7 +218,7 @@ int64_t exhaustive_check(ExhaustiveCheck check, uint32_t stride) {
         const uint32_t code_k = mine ? expected : static_cast<uint32_t>((bits >> (2 * k + 3)) & 7u);
         const float value = mine ? rounded : qm::e2m1_decode(static_cast<uint8_t>(code_k));
         const bool negative = ((bits >> (k + 9)) & 1u) != 0;
-        r_s[k] = qm::qm_mul(value, qm::kE2m1ScaledDomain);
+        r_s[k] = qm::qm_mul(value, qm::kE2m1DomainScale);
         x[k] = negative ? -value : value;  // only x's sign is packed
         expected_word |= (code_k | (negative ? 8u : 0u)) << (4 * k);
       }

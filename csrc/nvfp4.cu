@@ -58,8 +58,8 @@ struct RawBlock16 {
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) vec::Elem<T>::unpack(raw[v], x + v * vec::Elem<T>::kPerVec);
   }
-  // max |x_i| with NaN ignored (qm::block_amax16's value); bf16 on packed pairs (vec::bf16_block16_amax). fp16
-  // inputs take the fp32 route (the route they had before; the bf16 and fp32 paths are the ones the GPU tests have run).
+  // max |x_i| with NaN ignored (qm::block_amax16's value); bf16 on packed pairs (vec::bf16_block16_amax), fp16 and
+  // fp32 through fp32.
   __device__ __forceinline__ float amax() const {
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
       return vec::bf16_block16_amax(raw[0], raw[1]);
@@ -160,6 +160,7 @@ __global__ void __launch_bounds__(Shape::kMaxThreads, Shape::kMinCtas) nvfp4_qua
   if (args.amax_out != nullptr && threadIdx.x == 0) args.amax_out[dst] = amax;
 
   const bool amax_kept = single_round && args.amax_in == nullptr;
+  auto this_block_amax = [&](int i) { return amax_kept ? block_amax[i] : blocks[i].amax(); };
   for (int first = 0; first < num_blocks; first += per_round) {
     if (!single_round) load_round(first);
     // 4/6: every block of the round through the straight-line fast path first, so that their instructions interleave
@@ -174,8 +175,7 @@ __global__ void __launch_bounds__(Shape::kMaxThreads, Shape::kMinCtas) nvfp4_qua
         blocks[i].unpack(x);
         uint32_t signs[4];
         const bool have_signs = blocks[i].sign_bytes(signs);
-        fast[i] = qm::nvfp4_quantize_block16_fast(x, amax_kept ? block_amax[i] : blocks[i].amax(), outer, amax, true,
-                                                  have_signs ? signs : nullptr);
+        fast[i] = qm::nvfp4_four_six_block16_fast(x, this_block_amax(i), outer, amax, have_signs ? signs : nullptr);
       }
 #pragma unroll
       for (int i = 0; i < kBlocksPerThread; ++i) {
@@ -184,8 +184,8 @@ __global__ void __launch_bounds__(Shape::kMaxThreads, Shape::kMinCtas) nvfp4_qua
         if (!fast[i].decided) {
           float x[16];
           blocks[i].unpack(x);
-          qm::nvfp4_quantize_block16_general(x, amax_kept ? block_amax[i] : blocks[i].amax(), outer, amax,
-                                             args.e4m3_max, true, fast[i].words, &fast[i].scale);
+          qm::nvfp4_four_six_block16_general(x, this_block_amax(i), outer, amax, args.e4m3_max, fast[i].words,
+                                             &fast[i].scale);
         }
         *reinterpret_cast<uint2*>(data_row + static_cast<int64_t>(b) * 8) =
             make_uint2(fast[i].words[0], fast[i].words[1]);
@@ -202,8 +202,8 @@ __global__ void __launch_bounds__(Shape::kMaxThreads, Shape::kMinCtas) nvfp4_qua
         uint8_t scale;
         uint32_t signs[4];
         const bool have_signs = blocks[i].sign_bytes(signs);
-        qm::nvfp4_quantize_block16_words(x, amax_kept ? block_amax[i] : blocks[i].amax(), outer, amax, args.e4m3_max,
-                                         false, words, &scale, nullptr, have_signs ? signs : nullptr);
+        qm::nvfp4_quantize_block16_words(x, this_block_amax(i), outer, amax, args.e4m3_max, false, words, &scale,
+                                         nullptr, have_signs ? signs : nullptr);
         *reinterpret_cast<uint2*>(data_row + static_cast<int64_t>(b) * 8) = make_uint2(words[0], words[1]);
         scale_row[b] = scale;
       }

@@ -62,7 +62,7 @@ __device__ __forceinline__ uint4 quantize_nvfp4_chunk32(const Chunk32& chunk, Nv
     // raw pairs: half the instructions of the fp32 forms.
     const uint32_t signs[4] = {sign_bytes4_16bit(lo.x, lo.y), sign_bytes4_16bit(lo.z, lo.w),
                                sign_bytes4_16bit(hi.x, hi.y), sign_bytes4_16bit(hi.z, hi.w)};
-    fast[half] = nvfp4_quantize_block16_fast(xb, vec::bf16_block16_amax(lo, hi), outer, amax, true, signs);
+    fast[half] = nvfp4_four_six_block16_fast(xb, vec::bf16_block16_amax(lo, hi), outer, amax, signs);
   }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -72,8 +72,8 @@ __device__ __forceinline__ uint4 quantize_nvfp4_chunk32(const Chunk32& chunk, Nv
       float xb[16];
       bf16x8_to_float(lo, xb);
       bf16x8_to_float(hi, xb + 8);
-      nvfp4_quantize_block16_general(xb, vec::bf16_block16_amax(lo, hi), outer, amax, 256.0f, true,
-                                     fast[half].words, &fast[half].scale);
+      nvfp4_four_six_block16_general(xb, vec::bf16_block16_amax(lo, hi), outer, amax, 256.0f, fast[half].words,
+                                     &fast[half].scale);
     }
   }
   *scales = static_cast<unsigned int>(fast[0].scale) | (static_cast<unsigned int>(fast[1].scale) << 8);

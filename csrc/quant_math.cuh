@@ -12,8 +12,9 @@
 //    are explicit on both sides.
 //  * Roundings to an integer use the "add and subtract 1.5 * 2^23" trick: an fp32 add rounds to nearest
 //    even, so (t + 12582912) - 12582912 is RNE(t) for |t| < 2^22, identically on host and device.
-//  * Faster forms of a rule (e2m1_round_magnitude, e2m1_round_scaled, e2m1_pack8_scaled, div_six_m_markstein)
-//    are checked against the rule over every fp32 input (host_exhaustive_check, tests/test_formats_host.py).
+//  * Faster forms of a rule (e2m1_round_magnitude, e2m1_round_scaled, div_six_m_markstein) are checked against the
+//    rule over every fp32 input, e2m1_pack8_scaled for every code in every position beside varied neighbours
+//    (host_exhaustive_check, tests/test_formats_host.py).
 //
 // Blackwell-native conversions (sm_100a/sm_103a) sit behind EP_COMM_SM100_NATIVE and give the same bits as
 // the software forms (the software forms are the definition): e2m1x2 always; ue8m0x2 only with
@@ -795,7 +796,7 @@ QM_HD bool nvfp4_four_over_six_exact(const float x[16], uint8_t s6, uint8_t s4, 
 // The fast NVFP4 paths round and pack in a domain scaled by 2^-6: r_s = 2^-6 * r for an E2M1 value r lies on the
 // E4M3 grid with code(r) << 2 as its E4M3 byte (2^-7 = 4 * 2^-9 is the subnormal 0x04, 2^-6 (1 + m/2) * 2^e for
 // e in {0, 1, 2} is 0x08 + 8e + 4m), so the hardware's pair conversion packs two codes at once.
-constexpr float kE2m1ScaledDomain = 0x1p-6f;
+constexpr float kE2m1DomainScale = 0x1p-6f;
 constexpr float kE2m1ScaledBound = 7.0f * 0x1p-6f;  // 7 in the scaled domain
 
 // E2M1 rounding in the scaled domain, without the clamp at 6: for 0 <= a_s < 7 * 2^-6 (not NaN) with a_s = 2^-6 * a,
@@ -875,14 +876,14 @@ QM_HD void e2m1_pack16_scaled(const float r_s[16], const float x[16], const uint
 // Returns false (words untouched) otherwise -- NaN or Inf elements, zero or small subnormal scales, huge outer
 // amax -- and the caller takes the general form. NaN detection: an FADD chain over the elements is NaN iff some
 // element is NaN or the sum meets Inf - Inf (an Inf element, which fails the bound anyway); a finite sum that
-// overflows is harmless. (A straight-line form that packs before testing measured 22% slower in the plain kernel on
-// H200: fourteenth session.)
+// overflows is harmless. (The plain kernel takes its blocks one at a time: run through this path together, as the
+// 4/6 kernel does, its 4 blocks per thread spilled registers and measured 22% slower on H200, fourteenth session.)
 QM_HD bool nvfp4_plain_codes_fast(const float x[16], float block_amax, float inv, const uint32_t* sign_bytes,
                                   uint32_t words[2]) {
   float probe = 0.0f;
 #pragma unroll
   for (int i = 0; i < 16; ++i) probe = qm_add(probe, x[i]);
-  const float inv_s = qm_mul(inv, kE2m1ScaledDomain);
+  const float inv_s = qm_mul(inv, kE2m1DomainScale);
   if (!(inv >= 0x1p-100f) || !(qm_mul(block_amax, inv_s) < kE2m1ScaledBound) || qm_isnan(probe)) return false;
   float r_s[16];
 #pragma unroll
@@ -911,7 +912,7 @@ QM_HD float nvfp4_candidate_scaled(const float x[16], float inv_s, float g_s, fl
 }
 
 // Bound B >= |err - A| for one candidate (err as NUMERICS computes it, A from nvfp4_candidate_scaled):
-// B = f(f(f(A * 2^-15) + f(f(g * g) * 2^-16)) + 2^-120). Proof: see nvfp4_quantize_block16_words.
+// B = f(f(f(A * 2^-15) + f(f(g * g) * 2^-16)) + 2^-120). Proof: above nvfp4_four_six_block16_fast.
 QM_HD float nvfp4_approx_bound(float approx, float g) {
   return qm_add(qm_add(qm_mul(approx, 0x1p-15f), qm_mul(qm_mul(g, g), 0x1p-16f)), 0x1p-120f);
 }
@@ -928,11 +929,7 @@ bool nvfp4_four_over_six_exact_outlined(const float* x, uint8_t s6, uint8_t s4, 
   return nvfp4_four_over_six_exact(x, s6, s4, s_dec, amax, six_m, words, words4);
 }
 
-// Quantizing one 16-element block with precomputed outer scales into two packed words (bytes 0-3, 4-7) and
-// the E4M3 scale byte. `amax` is the outer amax (the 4/6 error is measured in the input domain, which needs
-// it), `e4m3_max` is M, `block_amax` the block's max |x_i| (NaN ignored: block_amax16).
-//
-// 4/6 selection: the same codes, scales and choices as nvfp4_four_over_six_exact (the NUMERICS formula) for
+// 4/6 selection of one block (nvfp4_four_six_block16_fast below): the same codes, scales and choices as nvfp4_four_over_six_exact (the NUMERICS formula) for
 // every input, cheaper. The fast path applies when outer.approx_ok (the bound below holds for every scale)
 // and both candidates' largest scaled magnitudes f(block_amax * inv) are < 7 (map-6's bound implies map-4's),
 // so the unclamped E2M1 rounding equals the clamped one. It fails for Inf elements, zero or small subnormal
@@ -986,32 +983,45 @@ bool nvfp4_four_over_six_exact_outlined(const float* x, uint8_t s6, uint8_t s4, 
 //  formula. Symmetrically D' > 2S gives err_4 > err_6: map-6. Inf/NaN anywhere makes both tests false.
 // Checked against the exact formula on random and adversarial blocks (ties, e4m3 boundaries, all-equal,
 // outliers, subnormals) by tests/test_formats_host.py (host_nvfp4_quantize vs the torch reference).
-// (The functions below: nvfp4_quantize_block16_fast is the fast path, nvfp4_quantize_block16_general the exact formula,
-// nvfp4_quantize_block16_words the two together.)
+// (The functions below: nvfp4_four_six_block16_fast is this fast path, nvfp4_four_six_block16_general the exact
+// formula, nvfp4_quantize_block16_words the two together.)
 
-// One block through the fast paths, straight-line (no data-dependent branch but the reciprocals' rare special cases):
-// both 4/6 candidates are always computed, so that a kernel can interleave the blocks it holds, and `decided` says
-// whether the result stands. When it is false, `words` and `scale` are meaningless and the caller takes
-// nvfp4_quantize_block16_general. `sign_bytes`: see nvfp4_quantize_block16_words.
+// Block scale bytes from the block amax and the outer scales. Plain: s = e4m3(f(a_b * f(S_enc * f(1/6)))). 4/6: s6 (low
+// byte) and s4 (high byte) in one pair conversion (same bits as two e4m3_encode calls; base is never NaN: block_amax
+// ignores NaN and S_enc is finite and nonzero).
+QM_HD uint8_t nvfp4_plain_scale_byte(float block_amax, const Nvfp4Outer& outer) {
+  return e4m3_encode(qm_mul(block_amax, qm_mul(outer.s_enc, 1.0f / 6.0f)));
+}
+QM_HD uint16_t nvfp4_four_six_scale_pair(float block_amax, const Nvfp4Outer& outer) {
+  const float base = qm_mul(qm_div(block_amax, 6.0f), outer.s_enc);
+  return e4m3x2_encode(qm_min(base, 448.0f), qm_min(qm_mul(1.5f, base), 448.0f));
+}
+
+// The plain codes by the NUMERICS rule (the general form of nvfp4_plain_codes_fast): the packed codes of x with block
+// factor inv, signs included, or-ed into words (which the caller has zeroed).
+QM_HD void nvfp4_plain_codes_general(const float x[16], float inv, uint32_t words[2]) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    float unused;
+    words[i / 8] |= e2m1_round_magnitude(qm_mul(qm_abs(x[i]), inv), &unused) << (4 * (i % 8));
+  }
+  add_e2m1_signs(x, words);
+}
+
+// One 4/6 block through the fast path, straight-line (no data-dependent branch but the reciprocals' rare special
+// cases): both candidates are always computed, so that a kernel can interleave the blocks it holds, and `decided`
+// says whether the result stands. When it is false, `words` and `scale` are meaningless and the caller takes
+// nvfp4_four_six_block16_general. `sign_bytes`: see nvfp4_quantize_block16_words.
 struct Nvfp4BlockFast {
   uint32_t words[2];
   uint8_t scale;
   bool decided;
 };
 
-QM_HD Nvfp4BlockFast nvfp4_quantize_block16_fast(const float x[16], float block_amax, const Nvfp4Outer& outer,
-                                                 float amax, bool four_over_six, const uint32_t* sign_bytes) {
+QM_HD Nvfp4BlockFast nvfp4_four_six_block16_fast(const float x[16], float block_amax, const Nvfp4Outer& outer,
+                                                 float amax, const uint32_t* sign_bytes) {
   Nvfp4BlockFast out;
-  if (!four_over_six) {
-    out.scale = e4m3_encode(qm_mul(block_amax, qm_mul(outer.s_enc, 1.0f / 6.0f)));
-    out.decided = nvfp4_plain_codes_fast(x, block_amax, nvfp4_block_inverse(out.scale, outer.s_dec), sign_bytes,
-                                         out.words);
-    return out;
-  }
-  const float base = qm_mul(qm_div(block_amax, 6.0f), outer.s_enc);
-  // Both scale bytes in one conversion (same bits as two e4m3_encode calls; base is never NaN: block_amax
-  // ignores NaN and S_enc is finite and nonzero).
-  const uint16_t scale_pair = e4m3x2_encode(qm_min(base, 448.0f), qm_min(qm_mul(1.5f, base), 448.0f));
+  const uint16_t scale_pair = nvfp4_four_six_scale_pair(block_amax, outer);
   const uint8_t s6 = static_cast<uint8_t>(scale_pair & 0xFFu);
   const uint8_t s4 = static_cast<uint8_t>(scale_pair >> 8);
   float scale6, scale4;
@@ -1025,14 +1035,14 @@ QM_HD Nvfp4BlockFast nvfp4_quantize_block16_fast(const float x[16], float block_
   // f(block_amax * inv6) < 7 scaled by 2^-6 (both products are normal, or the scaled one is below 2^-126 and
   // the unscaled one below 2^-120 < 7). Outside approx_ok (or the bound) the values below are computed all the
   // same and discarded.
-  const float inv6_s = qm_mul(inv6, kE2m1ScaledDomain);
+  const float inv6_s = qm_mul(inv6, kE2m1DomainScale);
   const bool in_range = outer.approx_ok && qm_mul(block_amax, inv6_s) < kE2m1ScaledBound;
   const float g6 = qm_mul(qm_mul(scale6, amax), outer.inv_six_m);
   const float g4 = qm_mul(qm_mul(scale4, amax), outer.inv_six_m);
   float r6_s[16];
   float r4_s[16];
   const float approx6 = nvfp4_candidate_scaled(x, inv6_s, qm_mul(g6, 64.0f), r6_s);
-  const float approx4 = nvfp4_candidate_scaled(x, qm_mul(inv4, kE2m1ScaledDomain), qm_mul(g4, 64.0f), r4_s);
+  const float approx4 = nvfp4_candidate_scaled(x, qm_mul(inv4, kE2m1DomainScale), qm_mul(g4, 64.0f), r4_s);
   const float twice_bound = qm_mul(2.0f, qm_add(nvfp4_approx_bound(approx4, g4), nvfp4_approx_bound(approx6, g6)));
   const bool four_better = qm_sub(approx6, approx4) > twice_bound;
   const bool six_better = qm_sub(approx4, approx6) > twice_bound;
@@ -1040,33 +1050,21 @@ QM_HD Nvfp4BlockFast nvfp4_quantize_block16_fast(const float x[16], float block_
   const bool same = s4 == s6;
   const bool chosen4 = !same && four_better;
   out.decided = in_range && (same ? !qm_isnan(approx6) : (four_better || six_better));
+  float chosen_s[16];  // the chosen candidate's scaled values
 #pragma unroll
-  for (int i = 0; i < 16; ++i) r6_s[i] = chosen4 ? r4_s[i] : r6_s[i];  // the chosen candidate's values
-  e2m1_pack16_scaled(r6_s, x, sign_bytes, out.words);  // when decided: no NaN element (approx6 is not NaN)
+  for (int i = 0; i < 16; ++i) chosen_s[i] = chosen4 ? r4_s[i] : r6_s[i];
+  e2m1_pack16_scaled(chosen_s, x, sign_bytes, out.words);  // when decided: no NaN element (approx6 is not NaN)
   out.scale = chosen4 ? s4 : s6;
   return out;
 }
 
-// The general form of a block, for what the fast paths leave undecided (NaN / Inf elements, zero or saturated
-// scales, extreme outer amax, 4/6 near-ties): the NUMERICS rules as written.
-QM_HD void nvfp4_quantize_block16_general(const float x[16], float block_amax, const Nvfp4Outer& outer, float amax,
-                                          float e4m3_max, bool four_over_six, uint32_t words[2], uint8_t* scale_byte) {
+// The general form of a 4/6 block, for what the fast path leaves undecided (NaN / Inf elements, zero or saturated
+// scales, extreme outer amax, near-ties): the NUMERICS formula as written.
+QM_HD void nvfp4_four_six_block16_general(const float x[16], float block_amax, const Nvfp4Outer& outer, float amax,
+                                          float e4m3_max, uint32_t words[2], uint8_t* scale_byte) {
   words[0] = 0;
   words[1] = 0;
-  if (!four_over_six) {
-    const uint8_t s = e4m3_encode(qm_mul(block_amax, qm_mul(outer.s_enc, 1.0f / 6.0f)));
-    const float inv = nvfp4_block_inverse(s, outer.s_dec);
-    *scale_byte = s;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      float unused;
-      words[i / 8] |= e2m1_round_magnitude(qm_mul(qm_abs(x[i]), inv), &unused) << (4 * (i % 8));
-    }
-    add_e2m1_signs(x, words);
-    return;
-  }
-  const float base = qm_mul(qm_div(block_amax, 6.0f), outer.s_enc);
-  const uint16_t scale_pair = e4m3x2_encode(qm_min(base, 448.0f), qm_min(qm_mul(1.5f, base), 448.0f));
+  const uint16_t scale_pair = nvfp4_four_six_scale_pair(block_amax, outer);
   const uint8_t s6 = static_cast<uint8_t>(scale_pair & 0xFFu);
   const uint8_t s4 = static_cast<uint8_t>(scale_pair >> 8);
   uint32_t words4[2] = {0u, 0u};
@@ -1080,10 +1078,13 @@ QM_HD void nvfp4_quantize_block16_general(const float x[16], float block_amax, c
   *scale_byte = chosen4 ? s4 : s6;
 }
 
-// `decided_fast` (optional, tests): whether the fast path decided the 4/6 choice (false: the exact formula did),
-// or, without 4/6, whether nvfp4_plain_codes_fast produced the codes. `sign_bytes` (optional): the block's sign
-// bytes as 4 words (sign_bytes4_16bit of the raw bf16 / fp16 pairs: one byte permute per 4 elements instead of three),
-// used by the fast paths' packing; nullptr takes them from x.
+// One block, plain or 4/6, into two packed words (bytes 0-3, 4-7) and the E4M3 scale byte, with precomputed outer
+// scales: `amax` is the outer amax (the 4/6 error is measured in the input domain, which needs it), `e4m3_max` is M,
+// `block_amax` the block's max |x_i| (NaN ignored: block_amax16). The fast paths, then the general form where they
+// do not decide. `decided_fast` (optional, tests): whether the fast path decided the 4/6 choice (false: the exact
+// formula did), or, without 4/6, whether nvfp4_plain_codes_fast produced the codes. `sign_bytes` (optional): the
+// block's sign bytes as 4 words (sign_bytes4_16bit of the raw bf16 / fp16 pairs: one byte permute per 4 elements
+// instead of three), used by the fast paths' packing; nullptr takes them from x.
 QM_HD void nvfp4_quantize_block16_words(const float x[16], float block_amax, const Nvfp4Outer& outer, float amax,
                                         float e4m3_max, bool four_over_six, uint32_t words[2],
                                         uint8_t* scale_byte, bool* decided_fast = nullptr,
@@ -1091,28 +1092,23 @@ QM_HD void nvfp4_quantize_block16_words(const float x[16], float block_amax, con
   if (!four_over_six) {  // the plain fast path writes its codes straight into words (one block at a time)
     words[0] = 0;
     words[1] = 0;
-    const uint8_t s = e4m3_encode(qm_mul(block_amax, qm_mul(outer.s_enc, 1.0f / 6.0f)));
+    const uint8_t s = nvfp4_plain_scale_byte(block_amax, outer);
     const float inv = nvfp4_block_inverse(s, outer.s_dec);
     *scale_byte = s;
     const bool fast = nvfp4_plain_codes_fast(x, block_amax, inv, sign_bytes, words);
     if (decided_fast != nullptr) *decided_fast = fast;
     if (fast) return;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      float unused;
-      words[i / 8] |= e2m1_round_magnitude(qm_mul(qm_abs(x[i]), inv), &unused) << (4 * (i % 8));
-    }
-    add_e2m1_signs(x, words);
+    nvfp4_plain_codes_general(x, inv, words);  // fast left words zero
     return;
   }
-  const Nvfp4BlockFast fast = nvfp4_quantize_block16_fast(x, block_amax, outer, amax, true, sign_bytes);
+  const Nvfp4BlockFast fast = nvfp4_four_six_block16_fast(x, block_amax, outer, amax, sign_bytes);
   if (decided_fast != nullptr) *decided_fast = fast.decided;
   if (fast.decided) {
     words[0] = fast.words[0];
     words[1] = fast.words[1];
     *scale_byte = fast.scale;
   } else {
-    nvfp4_quantize_block16_general(x, block_amax, outer, amax, e4m3_max, true, words, scale_byte);
+    nvfp4_four_six_block16_general(x, block_amax, outer, amax, e4m3_max, words, scale_byte);
   }
 }
 
