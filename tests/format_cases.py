@@ -88,6 +88,23 @@ def make_rows(kind: str, num_rows: int, hidden: int, seed: int) -> torch.Tensor:
         return x * 1e-36
     if kind == "huge":
         return x * 1e36
+    if kind == "bits":
+        # Each row in its own binade (2^-60 .. 2^60), its 16-blocks up to 2^-20 below it; 1% of the elements replaced by
+        # raw special bit patterns: NaN payloads of either sign and fp32 subnormals everywhere, +-0, and +-Inf in every
+        # fourth row only (an Inf makes the row amax Inf, which sends its whole row to the general form).
+        row_scale = torch.exp2(torch.randint(-60, 61, (num_rows, 1, 1), generator=g).float())
+        block_scale = torch.exp2(-torch.randint(0, 21, (num_rows, hidden // 16, 1), generator=g).float())
+        x = (x.reshape(num_rows, -1, 16) * row_scale * block_scale).reshape(num_rows, hidden)
+        kind_of = torch.randint(0, 4, (num_rows, hidden), generator=g)
+        payload = torch.randint(1, 2**23, (num_rows, hidden), generator=g, dtype=torch.int64)
+        sign = torch.randint(0, 2, (num_rows, hidden), generator=g, dtype=torch.int64) << 31
+        bits = torch.where(kind_of == 0, 0x7F800000 | payload,                    # NaN, any payload
+               torch.where(kind_of == 1, payload,                                  # subnormal
+               torch.where(kind_of == 2, torch.zeros_like(payload), 0x7F800000 + 0 * payload)))  # zero, Inf
+        inf_allowed = (torch.arange(num_rows) % 4 == 0)[:, None]
+        bits = torch.where((kind_of == 3) & ~inf_allowed, payload, bits)        # no Inf: another subnormal
+        special = float_from_bits((bits | sign) - ((bits | sign) >= 2**31).long() * 2**32)
+        return torch.where(torch.rand(num_rows, hidden, generator=g) < 0.01, special, x)
     raise ValueError(kind)
 
 

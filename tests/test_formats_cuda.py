@@ -89,6 +89,23 @@ def test_four_over_six_adversarial_blocks():
         assert_same_nvfp4(_cpu_nvfp4(actual), expected, f"4/6 adversarial rows {dtype}")
 
 
+@pytest.mark.parametrize("four_over_six", [True, False])
+def test_nvfp4_random_bit_rows(four_over_six):
+    """Blocks in every binade with raw fp32 bit patterns sprinkled in (NaN payloads of either sign, infinities,
+    subnormals, huge values): the fast paths' limits and their NaN tests, in fp32 and bf16 (sign bytes from the raw
+    pairs), with the row amax computed and given (stale: half and twice the true one)."""
+    x = make_rows("bits", 24, 2048, seed=61)
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        true_amax = xd.float().nan_to_num(nan=0.0).abs().amax(dim=-1)
+        for amax in (None, true_amax * 0.5, true_amax * 2.0):
+            kwargs = {} if amax is None else {"amax": amax}
+            expected = F.nvfp4_quantize(xd, four_over_six=four_over_six, impl="reference", **kwargs)
+            cuda_kwargs = {} if amax is None else {"amax": amax.to(DEVICE)}
+            actual = F.nvfp4_quantize(xd.to(DEVICE), four_over_six=four_over_six, impl="cuda", **cuda_kwargs)
+            assert_same_nvfp4(_cpu_nvfp4(actual), expected, f"nvfp4 random bits {dtype} amax={amax is not None}")
+
+
 def test_nvfp4_quantize_fp16_inputs():
     """fp16 rows (random, outliers, and the edge rows: zeros, tiny, huge -> Inf, NaN) through the quantize kernel."""
     rows = torch.cat([make_rows("outliers", 5, 2048, seed=16), make_rows("gauss", 3, 2048, seed=17),

@@ -118,7 +118,7 @@ def test_rht_vectors():
 @pytest.mark.parametrize("hidden", HIDDEN_SIZES)
 @pytest.mark.parametrize("four_over_six", [True, False])
 def test_nvfp4_quantize_matches_reference(hidden, four_over_six):
-    for kind, num_rows in (("gauss", 7), ("outliers", 5), ("wide", 3), ("tiny", 2), ("huge", 2)):
+    for kind, num_rows in (("gauss", 7), ("outliers", 5), ("wide", 3), ("tiny", 2), ("huge", 2), ("bits", 3)):
         x = make_rows(kind, num_rows, hidden, seed=hidden + num_rows)
         expected = F.nvfp4_quantize(x, four_over_six=four_over_six, impl="reference")
         actual = C.host_nvfp4_quantize(x, four_over_six)
