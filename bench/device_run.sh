@@ -221,9 +221,10 @@ bench_formats_ab() {
   ab_trees "bench: NVFP4 quantize" "nvfp4_quantize|copy_" env CUDA_VISIBLE_DEVICES=0 timeout 60 \
     python3 bench/bench_formats.py --no-reference --only nvfp4_quantize
 }
-bench_dc_ab() {
-  ab_trees "bench: NVFP4 dispatch / combine" "nvlink +dispatch .* graph" timeout 120 \
-    python3 bench/bench_dispatch_combine.py --nproc 2 --tokens 128,1024,4096 --formats nvfp4/s2f6 --no-reference --no-ceiling
+bench_dc_ab() {  # AB_FORMATS (default nvfp4/s2f6), e.g. AB_FORMATS=bf16/bf16 bash bench/device_run.sh steps bench_dc_ab
+  ab_trees "bench: dispatch / combine ${AB_FORMATS:-nvfp4/s2f6}" "nvlink +(dispatch|combine) .* graph" timeout 120 \
+    python3 bench/bench_dispatch_combine.py --nproc 2 --tokens 128,1024,4096 --formats "${AB_FORMATS:-nvfp4/s2f6}" \
+    --no-reference --no-ceiling
 }
 profile_nvfp4_quantize() { profile_formats --only nvfp4_quantize; }  # executed instructions of the two NVFP4 quantizers
 bench_moe() {  # arguments go to the benchmark
