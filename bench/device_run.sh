@@ -17,7 +17,7 @@ say() { echo "== $(date +%H:%M:%S) $*" | tee -a "$log"; }
 
 # --- steps ----------------------------------------------------------------------------------------------------
 pytest_tier() {  # $1 = name, $2 = timeout s, $3 = summary lines for the log, then pytest arguments; the full output
-  local name="$1" limit="$2" lines="$3" file="$OUT/pytest_$1.txt"  # stays in $OUT only when something failed
+  local limit="$2" lines="$3" file="$OUT/pytest_$1.txt"  # stays in $OUT only when something failed
   shift 3
   timeout "$limit" python3 -m pytest -q -x -rs "$@" > "$file" 2>&1
   tail -"$lines" "$file" | tee -a "$log"
@@ -222,9 +222,9 @@ bench_formats_ab() {
     python3 bench/bench_formats.py --no-reference --only nvfp4_quantize
 }
 bench_dc_ab() {  # AB_FORMATS (default nvfp4/s2f6), e.g. AB_FORMATS=bf16/bf16 bash bench/device_run.sh steps bench_dc_ab
-  ab_trees "bench: dispatch / combine ${AB_FORMATS:-nvfp4/s2f6}" "nvlink +(dispatch|combine) .* graph" timeout 120 \
-    python3 bench/bench_dispatch_combine.py --nproc 2 --tokens 128,1024,4096 --formats "${AB_FORMATS:-nvfp4/s2f6}" \
-    --no-reference --no-ceiling
+  local formats="${AB_FORMATS:-nvfp4/s2f6}"
+  ab_trees "bench: dispatch / combine $formats" "nvlink +(dispatch|combine) .* graph" timeout 120 \
+    python3 bench/bench_dispatch_combine.py --nproc 2 --tokens 128,1024,4096 --formats "$formats" --no-reference --no-ceiling
 }
 profile_nvfp4_quantize() { profile_formats --only nvfp4_quantize; }  # executed instructions of the two NVFP4 quantizers
 bench_moe() {  # arguments go to the benchmark

@@ -69,16 +69,16 @@ struct RawBlock16 {
       return qm::block_amax16(x);
     }
   }
-  // The block's sign bytes for the fast paths' packing (qm::sign_bytes4_16bit: one byte permute per 4 elements):
-  // true for 16-bit inputs; fp32 inputs return false and the quantizer takes the signs from the unpacked values.
-  __device__ __forceinline__ bool sign_bytes(uint32_t out[4]) const {
+  // The block's sign bytes for the fast paths' packing (qm::sign_bytes4_16bit: one byte permute per 4 elements), in
+  // `out` for 16-bit inputs; nullptr for fp32 inputs, whose signs the quantizer takes from the unpacked values.
+  __device__ __forceinline__ const uint32_t* sign_bytes(uint32_t out[4]) const {
     if constexpr (sizeof(T) == 2) {
       const uint32_t* w = reinterpret_cast<const uint32_t*>(raw);
 #pragma unroll
       for (int q = 0; q < 4; ++q) out[q] = qm::sign_bytes4_16bit(w[2 * q], w[2 * q + 1]);
-      return true;
+      return out;
     } else {
-      return false;
+      return nullptr;
     }
   }
 };
@@ -174,8 +174,7 @@ __global__ void __launch_bounds__(Shape::kMaxThreads, Shape::kMinCtas) nvfp4_qua
         float x[16];
         blocks[i].unpack(x);
         uint32_t signs[4];
-        const bool have_signs = blocks[i].sign_bytes(signs);
-        fast[i] = qm::nvfp4_four_six_block16_fast(x, this_block_amax(i), outer, amax, have_signs ? signs : nullptr);
+        fast[i] = qm::nvfp4_four_six_block16_fast(x, this_block_amax(i), outer, amax, blocks[i].sign_bytes(signs));
       }
 #pragma unroll
       for (int i = 0; i < kBlocksPerThread; ++i) {
@@ -201,9 +200,8 @@ __global__ void __launch_bounds__(Shape::kMaxThreads, Shape::kMinCtas) nvfp4_qua
         uint32_t words[2];
         uint8_t scale;
         uint32_t signs[4];
-        const bool have_signs = blocks[i].sign_bytes(signs);
         qm::nvfp4_quantize_block16_words(x, this_block_amax(i), outer, amax, args.e4m3_max, false, words, &scale,
-                                         nullptr, have_signs ? signs : nullptr);
+                                         nullptr, blocks[i].sign_bytes(signs));
         *reinterpret_cast<uint2*>(data_row + static_cast<int64_t>(b) * 8) = make_uint2(words[0], words[1]);
         scale_row[b] = scale;
       }

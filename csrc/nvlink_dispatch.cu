@@ -127,6 +127,10 @@ struct ReceiveLayout {
   int* ntok;        // [W]
   int* item_start;  // [W + 1]
   int* has_row_flags;  // [W]
+  // The ints the arrays above take, in this order: recv_smem's size.
+  static __host__ __device__ size_t ints(int world, int num_local) {
+    return static_cast<size_t>(world) * num_local + (num_local + 1) + num_local + world + (world + 1) + world;
+  }
   __device__ ReceiveLayout(int* smem, int world, int num_local)
       : seg_start(smem),
         offsets(smem + world * num_local),
@@ -712,9 +716,9 @@ __device__ void wave_receive_rows(const NvlinkConfig& cfg, const DispatchArgs& a
 
 // Streaming receive: wait until staging row j of source s is complete -- its row flag (release by the sending warp),
 // or, for a source that wrote no row flags in this call (its send split rows across warps, or it does not stream),
-// that source's whole send. Lane 0 polls with
-// relaxed loads (an acquire per poll would invalidate the SM's L1 under every other warp's feet), then acquires once;
-// the warp barrier orders the other lanes' loads of the row after that acquire.
+// that source's whole send. Lane 0 polls with relaxed loads (an acquire per poll would invalidate the SM's L1 under
+// every other warp's feet), then acquires once; the warp barrier orders the other lanes' loads of the row after that
+// acquire.
 __device__ __forceinline__ void wait_staging_row(const NvlinkConfig& cfg, int has_row_flags, int s, int j,
                                                  unsigned long long epoch, int lane) {
   if (lane == 0) {
@@ -737,8 +741,7 @@ __device__ __forceinline__ void wait_staging_row(const NvlinkConfig& cfg, int ha
 
 // BF16 self rows from x (DispatchArgs::self_from_x): this rank's token t, read from the input instead of a staging row
 // its own send would have written -- the same bytes, handle entry and metadata as the staging path (record_own_row).
-// Whole warp; `part` of `split` as for a staging row; `rows` is the warp's
-// shared-memory list.
+// Whole warp; `part` of `split` as for a staging row; `rows` is the warp's shared-memory list.
 __device__ __forceinline__ void receive_own_token(const NvlinkConfig& cfg, const DispatchArgs& args, int t, int part,
                                                   int split, const int* seg_start, int* rows) {
   const int lane = threadIdx.x % 32;
@@ -964,9 +967,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
   }
 }
 
-size_t recv_smem(const NvlinkConfig& cfg) {
-  return static_cast<size_t>(cfg.world * cfg.num_local + 2 * cfg.num_local + 1 + 3 * cfg.world + 1) * sizeof(int);
-}
+size_t recv_smem(const NvlinkConfig& cfg) { return ReceiveLayout::ints(cfg.world, cfg.num_local) * sizeof(int); }
 
 }  // namespace
 

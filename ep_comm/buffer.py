@@ -252,7 +252,7 @@ class Buffer:
         caller = torch.cuda.current_stream(comm_stream.device)
         comm_stream.wait_stream(caller)
         self._order_after_comm_stream(comm_stream)
-        for tensor in _tensors_in(list(inputs)):
+        for tensor in _tensors_in(inputs):
             if tensor.is_cuda:
                 tensor.record_stream(comm_stream)
         with torch.cuda.stream(comm_stream):

@@ -46,7 +46,8 @@ def assert_same_mx(actual, expected, what: str):
 
 
 def float_from_bits(bits: torch.Tensor) -> torch.Tensor:
-    return bits.to(torch.int32).view(torch.float32)
+    """fp32 values of 32-bit patterns given as int64 (unsigned 0 .. 2^32 - 1 or signed -2^31 .. 2^31 - 1)."""
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
 
 
 def random_bit_floats(n: int, seed: int) -> torch.Tensor:
@@ -59,7 +60,7 @@ def special_floats() -> torch.Tensor:
     values = [0.0, -0.0, math.inf, -math.inf, math.nan, -math.nan, 1e-45, -1e-45, 1.17549435e-38, 3.4028235e38,
               -3.4028235e38, 448.0, 464.0, 465.0, 480.0, 6.0, 5.0, 2.5, 0.25, 0.75, 1.75, 3.5, 1.25]
     special = torch.tensor(values, dtype=torch.float32)
-    signalling_nan = float_from_bits(torch.tensor([0x7F800001, 0xFF800001 - 2**32, 0x7FBFFFFF]))
+    signalling_nan = float_from_bits(torch.tensor([0x7F800001, 0xFF800001, 0x7FBFFFFF]))
     return torch.cat([special, signalling_nan])
 
 
@@ -97,13 +98,13 @@ def make_rows(kind: str, num_rows: int, hidden: int, seed: int) -> torch.Tensor:
         x = (x.reshape(num_rows, -1, 16) * row_scale * block_scale).reshape(num_rows, hidden)
         kind_of = torch.randint(0, 4, (num_rows, hidden), generator=g)
         payload = torch.randint(1, 2**23, (num_rows, hidden), generator=g, dtype=torch.int64)
-        sign = torch.randint(0, 2, (num_rows, hidden), generator=g, dtype=torch.int64) << 31
+        negative = torch.randint(0, 2, (num_rows, hidden), generator=g, dtype=torch.int64)
         bits = torch.where(kind_of == 0, 0x7F800000 | payload,                    # NaN, any payload
                torch.where(kind_of == 1, payload,                                  # subnormal
-               torch.where(kind_of == 2, torch.zeros_like(payload), 0x7F800000 + 0 * payload)))  # zero, Inf
+               torch.where(kind_of == 2, 0, 0x7F800000)))                          # zero, Inf
         inf_allowed = (torch.arange(num_rows) % 4 == 0)[:, None]
         bits = torch.where((kind_of == 3) & ~inf_allowed, payload, bits)        # no Inf: another subnormal
-        special = float_from_bits((bits | sign) - ((bits | sign) >= 2**31).long() * 2**32)
+        special = float_from_bits(bits | (negative << 31))
         return torch.where(torch.rand(num_rows, hidden, generator=g) < 0.01, special, x)
     raise ValueError(kind)
 
