@@ -195,23 +195,28 @@ profile_formats() {  # Nsight Compute on the second launch of each quantization 
   echo "ncu formats: rc $?" | tee -a "$log"
 }
 # Same-call A/B against a base tree: ab_base.tar in the repository root (`git archive -o ab_base.tar <commit>`; ignored
-# by git, so carry it: carry [".whl", "ab_base.tar"]) is built once per call in /tmp/ab_base; the steps below run this
-# tree and that one in the order this, base, base, this (drift over the call does not favour either).
+# by git, so carry it: carry [".whl", "ab_base.tar"]) is built once per call in /tmp/ab_base_<name>; the steps below run this
+# tree and that one in the order this, base, base, this (drift over the call does not favour either). Another archive
+# for the steps after it: the step AB_BASE=<file.tar> (any VAR=value step is exported; see "steps" at the end).
+ab_base_dir() { echo "/tmp/ab_base_$(basename "${AB_BASE:-ab_base.tar}" .tar)"; }
 ab_base_build() {
-  [ -f /tmp/ab_base/.built ] && return 0
-  say "build: base tree (ab_base.tar)"
-  rm -rf /tmp/ab_base && mkdir -p /tmp/ab_base && tar -xf ab_base.tar -C /tmp/ab_base || return 1
-  (cd /tmp/ab_base && EP_COMM_BUILD_CUDA=1 EP_COMM_CUDA_ARCHS=90a EP_COMM_NVCC_THREADS=16 python3 setup.py -q build_ext \
+  local tar="${AB_BASE:-ab_base.tar}" dir
+  dir=$(ab_base_dir)
+  [ -f "$dir/.built" ] && return 0
+  say "build: base tree ($tar)"
+  rm -rf "$dir" && mkdir -p "$dir" && tar -xf "$tar" -C "$dir" || return 1
+  (cd "$dir" && EP_COMM_BUILD_CUDA=1 EP_COMM_CUDA_ARCHS=90a EP_COMM_NVCC_THREADS=16 python3 setup.py -q build_ext \
     --inplace > /tmp/ab_base_build.txt 2>&1) || { tail -20 /tmp/ab_base_build.txt | tee -a "$log"; return 1; }
-  touch /tmp/ab_base/.built
+  touch "$dir/.built"
 }
 ab_trees() {  # $1 = label, $2 = a grep -E pattern for the lines to keep, then a command run in each tree (cwd, PYTHONPATH)
-  local label="$1" keep="$2" tree out
+  local label="$1" keep="$2" tree out base
   shift 2
   ab_base_build || return
+  base=$(ab_base_dir)
   out=$(mktemp)
-  for tree in "$PWD" /tmp/ab_base /tmp/ab_base "$PWD"; do
-    say "$label: $( [ "$tree" = "$PWD" ] && echo this || echo base ) tree"
+  for tree in "$PWD" "$base" "$base" "$PWD"; do
+    say "$label: $( [ "$tree" = "$PWD" ] && echo this || echo "base ${AB_BASE:-ab_base.tar}" ) tree"
     (cd "$tree" && PYTHONPATH="/tmp/site:$tree" "$@") > "$out" 2>&1
     grep -E "$keep" "$out" | tee -a "$log" || tail -5 "$out" | tee -a "$log"  # nothing matched: show why
   done
@@ -266,7 +271,7 @@ case "$mode" in
   all) test_formats; test_gemm; test_multigpu
        bench_formats; bench_dc_both; bench_gemm; bench_moe; main_job ;;
   gemm) test_gemm; bench_gemm ;;
-  steps) shift; for step in "$@"; do "$step"; done ;;
+  steps) shift; for step in "$@"; do case "$step" in *=*) export "$step" ;; *) "$step" ;; esac; done ;;
   scale)
     n=$(python3 -c "import torch; print(torch.cuda.device_count())")
     say "scale: nvlink + MoE + reference tests at world size $n"
