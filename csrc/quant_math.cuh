@@ -846,13 +846,17 @@ QM_HD uint32_t sign_bytes4_16bit(uint32_t pair01, uint32_t pair23) { return byte
 // magnitudes -- at 4i + 3. Per 4 elements: two E4M3 pair conversions (byte k = code_k << 2), n = signed nibble k in
 // byte k, and n | n >> 4 puts nibbles 2j, 2j + 1 in byte 2j. Same bits as the NUMERICS packing of the codes of
 // r_s * 2^6 with those signs (host_exhaustive_check "e2m1_magnitude").
-QM_HD uint32_t e2m1_pack8_scaled(const float r_s[8], uint32_t signs_lo, uint32_t signs_hi) {
+// not_on_grid (optional): or-ed with the low two bits of each E4M3 byte, which are zero for every value on the scaled
+// E2M1 grid and nonzero for NaN (0x7F) or a value the conversion saturated (0x7E): the plain fast path's NaN test.
+QM_HD uint32_t e2m1_pack8_scaled(const float r_s[8], uint32_t signs_lo, uint32_t signs_hi,
+                                 uint32_t* not_on_grid = nullptr) {
   uint32_t pairs[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float* r = r_s + 4 * h;
     const uint32_t codes = static_cast<uint32_t>(e4m3x2_encode(r[0], r[1])) |
                            (static_cast<uint32_t>(e4m3x2_encode(r[2], r[3])) << 16);
+    if (not_on_grid != nullptr) *not_on_grid |= codes & 0x03030303u;
     const uint32_t nibbles = (codes >> 2) | ((h == 0 ? signs_lo : signs_hi) & 0x08080808u);
     pairs[h] = nibbles | (nibbles >> 4);
   }
@@ -861,35 +865,34 @@ QM_HD uint32_t e2m1_pack8_scaled(const float r_s[8], uint32_t signs_lo, uint32_t
 
 // The two packed words of a 16-element block from its scaled magnitudes; sign_bytes: the block's 4 sign-byte words
 // (sign_bytes4 / sign_bytes4_16bit), or nullptr to take them from x.
-QM_HD void e2m1_pack16_scaled(const float r_s[16], const float x[16], const uint32_t* sign_bytes, uint32_t words[2]) {
+QM_HD void e2m1_pack16_scaled(const float r_s[16], const float x[16], const uint32_t* sign_bytes, uint32_t words[2],
+                               uint32_t* not_on_grid = nullptr) {
   uint32_t signs[4];
 #pragma unroll
   for (int q = 0; q < 4; ++q) signs[q] = sign_bytes != nullptr ? sign_bytes[q] : sign_bytes4(x + 4 * q);
-  words[0] = e2m1_pack8_scaled(r_s, signs[0], signs[1]);
-  words[1] = e2m1_pack8_scaled(r_s + 8, signs[2], signs[3]);
+  words[0] = e2m1_pack8_scaled(r_s, signs[0], signs[1], not_on_grid);
+  words[1] = e2m1_pack8_scaled(r_s + 8, signs[2], signs[3], not_on_grid);
 }
 
 // Plain (no 4/6) codes of a block, the fast way, when every element is non-NaN, inv >= 2^-100 (so inv_s = inv * 2^-6
 // is exact) and f(block_amax * inv_s) < 7 * 2^-6 (so every f(|x_i| * inv) < 7: rounding is monotonic, and
 // f(|x_i| * inv_s) is 2^-6 f(|x_i| * inv) or, below 2^-126, rounds to 0 like it): e2m1_round_scaled is then
 // e2m1_round_magnitude's rounding scaled by 2^-6 (no clamp needed) and e2m1_pack16_scaled packs codes and signs.
-// Returns false (words untouched) otherwise -- NaN or Inf elements, zero or small subnormal scales, huge outer
-// amax -- and the caller takes the general form. NaN detection: an FADD chain over the elements is NaN iff some
-// element is NaN or the sum meets Inf - Inf (an Inf element, which fails the bound anyway); a finite sum that
-// overflows is harmless. (The plain kernel takes its blocks one at a time: run through this path together, as the
-// 4/6 kernel does, its 4 blocks per thread spilled registers and measured 22% slower on H200, fourteenth session.)
+// Returns false otherwise -- NaN or Inf elements, zero or small subnormal scales, huge outer amax -- and the caller
+// takes the general form (words then hold garbage, which the general form overwrites). NaN detection from the
+// codes: under the bound every non-NaN element's scaled value is on the E2M1 grid (E4M3 byte code << 2, low bits
+// zero), while a NaN element (or an Inf one: Inf + magic - magic is NaN) converts to 0x7F: one or per 4 elements
+// instead of an FADD chain over the elements.
 QM_HD bool nvfp4_plain_codes_fast(const float x[16], float block_amax, float inv, const uint32_t* sign_bytes,
                                   uint32_t words[2]) {
-  float probe = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) probe = qm_add(probe, x[i]);
   const float inv_s = qm_mul(inv, kE2m1DomainScale);
-  if (!(inv >= 0x1p-100f) || !(qm_mul(block_amax, inv_s) < kE2m1ScaledBound) || qm_isnan(probe)) return false;
+  if (!(inv >= 0x1p-100f) || !(qm_mul(block_amax, inv_s) < kE2m1ScaledBound)) return false;
   float r_s[16];
 #pragma unroll
   for (int i = 0; i < 16; ++i) r_s[i] = e2m1_round_scaled(qm_mul(qm_abs(x[i]), inv_s));
-  e2m1_pack16_scaled(r_s, x, sign_bytes, words);
-  return true;
+  uint32_t not_on_grid = 0u;
+  e2m1_pack16_scaled(r_s, x, sign_bytes, words, &not_on_grid);
+  return not_on_grid == 0u;
 }
 
 // Fast 4/6 candidate in the scaled domain: r_s[i] = 2^-6 * r_i, r_i the E2M1 rounding of f(|x_i| * inv) exactly as
@@ -997,9 +1000,11 @@ QM_HD uint16_t nvfp4_four_six_scale_pair(float block_amax, const Nvfp4Outer& out
   return e4m3x2_encode(qm_min(base, 448.0f), qm_min(qm_mul(1.5f, base), 448.0f));
 }
 
-// The plain codes by the NUMERICS rule (the general form of nvfp4_plain_codes_fast): the packed codes of x with block
-// factor inv, signs included, or-ed into words (which the caller has zeroed).
+// The plain codes by the NUMERICS rule (the general form of nvfp4_plain_codes_fast): words = the packed codes of x
+// with block factor inv, signs included.
 QM_HD void nvfp4_plain_codes_general(const float x[16], float inv, uint32_t words[2]) {
+  words[0] = 0;
+  words[1] = 0;
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     float unused;
@@ -1090,15 +1095,13 @@ QM_HD void nvfp4_quantize_block16_words(const float x[16], float block_amax, con
                                         uint8_t* scale_byte, bool* decided_fast = nullptr,
                                         const uint32_t* sign_bytes = nullptr) {
   if (!four_over_six) {  // the plain fast path writes its codes straight into words (one block at a time)
-    words[0] = 0;
-    words[1] = 0;
     const uint8_t s = nvfp4_plain_scale_byte(block_amax, outer);
     const float inv = nvfp4_block_inverse(s, outer.s_dec);
     *scale_byte = s;
     const bool fast = nvfp4_plain_codes_fast(x, block_amax, inv, sign_bytes, words);
     if (decided_fast != nullptr) *decided_fast = fast;
     if (fast) return;
-    nvfp4_plain_codes_general(x, inv, words);  // fast left words zero
+    nvfp4_plain_codes_general(x, inv, words);
     return;
   }
   const Nvfp4BlockFast fast = nvfp4_four_six_block16_fast(x, block_amax, outer, amax, sign_bytes);
