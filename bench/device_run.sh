@@ -231,6 +231,19 @@ bench_dc_ab() {  # AB_FORMATS (default nvfp4/s2f6), e.g. AB_FORMATS=bf16/bf16 ba
   ab_trees "bench: dispatch / combine $formats" "nvlink +(dispatch|combine) .* graph" timeout 120 \
     python3 bench/bench_dispatch_combine.py --nproc 2 --tokens 128,1024,4096 --formats "$formats" --no-reference --no-ceiling
 }
+bench_dc_trees() {  # BISECT_TARS="a.tar b.tar ..." (git archives, carried): this tree, then each archive's, one run each
+  local formats="${AB_FORMATS:-nvfp4/s2f6}" tokens="${AB_TOKENS:-128,1024,4096}" tar
+  say "bench: dispatch / combine $formats: this tree"
+  timeout 120 python3 bench/bench_dispatch_combine.py --nproc 2 --tokens "$tokens" --formats "$formats" --no-reference \
+    --no-ceiling 2>&1 | grep -E "nvlink +(dispatch|combine) .* graph" | tee -a "$log"
+  for tar in ${BISECT_TARS:-}; do
+    AB_BASE="$tar" ab_base_build || continue
+    say "bench: dispatch / combine $formats: $tar"
+    (cd "$(AB_BASE="$tar" ab_base_dir)" && PYTHONPATH="/tmp/site:$PWD" timeout 120 python3 bench/bench_dispatch_combine.py \
+      --nproc 2 --tokens "$tokens" --formats "$formats" --no-reference --no-ceiling 2>&1) \
+      | grep -E "nvlink +(dispatch|combine) .* graph" | tee -a "$log"
+  done
+}
 profile_nvfp4_quantize() { profile_formats --only nvfp4_quantize; }  # executed instructions of the two NVFP4 quantizers
 bench_moe() {  # arguments go to the benchmark
   say "bench: MoE layer (2 GPUs)"
