@@ -38,8 +38,9 @@
 // dispatch on this stream is still running once they are in -- the receive writes its outputs only after that), then
 // waits for each staging row's flag before expanding it. A source that wrote no row flags (its send split rows across
 // warps in a small call, or it does not stream; its counts say which) has its rows taken once its whole send has
-// signalled disp_ready. Before its last signal (disp_consumed) the receive executes griddepcontrol.wait: it completes
-// only after its own send, as stream order requires of the dispatch's last kernel.
+// signalled disp_ready. Before its last signal (disp_consumed) the receive's last block to start executes
+// griddepcontrol.wait: the grid completes only after its own send, as stream order requires of the dispatch's last
+// kernel, and the other blocks retire as soon as they are done.
 // The block counts are fixed per Buffer and identical on every rank (Python agrees on them). A kernel waits on
 // another block of its own grid only for the counts, whose writer has already started (above), so grids larger than
 // the SM count are safe. Epochs (calls) are counted on the device (NvlinkState) so CUDA-graph replays

@@ -950,12 +950,18 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
     args.topk_weight[r] = 0.0f;
   }
 
-  // A streaming receive did not wait for its own send at the start: it does now, before its last signal, so that (a)
-  // its completion implies the send's, which is what every later kernel on the stream relies on (a programmatic
-  // successor waits only for this grid; the send may still be reading x and the layout scratch, or storing direct
-  // self rows), and (b) no peer is told that the counts area may be overwritten while this rank's send still reads it
-  // (direct self rows compute their offsets from it).
-  if (streaming) asm volatile("griddepcontrol.wait;" ::: "memory");
+  // A streaming receive did not wait for its own send at the start: one block does now, before its last signal, so
+  // that (a) the grid's completion implies the send's, which is what every later kernel on the stream relies on (a
+  // programmatic successor waits only for this grid; the send may still be reading x and the layout scratch, or
+  // storing direct self rows), and (b) no peer is told that the counts area may be overwritten while this rank's send
+  // still reads it (direct self rows compute their offsets from it: the peers wait for all disp_recv_blocks signals,
+  // this block's among them). One block, the last to start: when every block waited, the blocks that had finished
+  // could not retire while a narrow send (BF16: 24 blocks) still ran, so the receive blocks without a free SM started
+  // only after the send -- BF16 dispatch at 4096 tokens 249.6 -> 282.4 us on 2xH200 (fifteenth session). The last
+  // block to start usually starts once send blocks retire, so its wait costs nothing.
+  if (streaming && threadIdx.x == 0 && ticket % cfg.disp_recv_blocks == cfg.disp_recv_blocks - 1ull) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+  }
 
   // Done reading the staging rows and counts: the sources may overwrite them. The sources wait for
   // disp_recv_blocks signals per call; a wave receive runs on fewer blocks, which share them out.
