@@ -78,14 +78,14 @@ bench_formats() {
   CUDA_VISIBLE_DEVICES=0 timeout 120 python3 bench/bench_formats.py --out "$OUT/bench_formats.json" 2>&1 | tail -14 | tee -a "$log"
 }
 bench_formats_shapes() {  # NVFP4 quantize under each thread shape (tuning; ours only)
-  for shape in wide occupancy narrow; do
+  for shape in ${QUANT_SHAPES:-wide occupancy narrow}; do
     say "bench: NVFP4 quantize, EP_COMM_NVFP4_QUANT_SHAPE=$shape"
     EP_COMM_NVFP4_QUANT_SHAPE=$shape CUDA_VISIBLE_DEVICES=0 timeout 60 python3 bench/bench_formats.py --no-reference \
       --only nvfp4_quantize 2>&1 | grep nvfp4_quantize | tee -a "$log"
   done
 }
 test_formats_shapes() {  # the NVFP4 quantize tests under the non-default thread shapes
-  for shape in wide occupancy narrow; do
+  for shape in ${QUANT_SHAPES:-wide occupancy narrow}; do
     echo "EP_COMM_NVFP4_QUANT_SHAPE=$shape:" | tee -a "$log"
     EP_COMM_NVFP4_QUANT_SHAPE=$shape timeout 100 python3 -m pytest -q -x tests/test_formats_cuda.py \
       -k "nvfp4 or four_over_six or edge" 2>&1 | tail -1 | tee -a "$log"

@@ -23,20 +23,27 @@ namespace ep_comm {
 namespace {
 
 // Thread shape of the quantize kernel: each thread keeps kRawBytes of raw input per round in registers (128:
-// 4 bf16 / 2 fp32 blocks), a row takes at most kMaxThreads threads, and the kernel is compiled for kMinCtas
-// CTAs of kMaxThreads per SM (the register budget). Measured on H200 (bench/RESULTS.md, fourth session).
-template <int kRawBytesArg, int kMaxThreadsArg, int kMinCtasArg>
+// 4 bf16 / 2 fp32 blocks), a row takes at most kMaxThreads threads, and the kernel is compiled for min_ctas<T>()
+// CTAs of kMaxThreads per SM (the register budget). Measured on H200 (bench/RESULTS.md, fourth and fifteenth
+// sessions): plain takes occupancy (4 CTAs: 97.4 us on 64 MiB against 105.3 with 3 CTAs and 80 registers -- with
+// codes packed by pair conversions the plain path fits 64 registers without spills), 4/6 takes narrow (its two
+// candidates need the 80 registers: 220 us against 400 at 64 registers).
+template <int kRawBytesArg, int kMaxThreadsArg, int kMinCtasArg, int kMinCtasFp16Arg = kMinCtasArg>
 struct QuantShape {
   static constexpr int kRawBytes = kRawBytesArg;
   static constexpr int kMaxThreads = kMaxThreadsArg;
-  static constexpr int kMinCtas = kMinCtasArg;
   template <typename T>
   static constexpr int blocks_per_thread() {
     return kRawBytes / (16 * static_cast<int>(sizeof(T)));
   }
+  template <typename T>
+  static constexpr int min_ctas() {
+    return std::is_same<T, __half>::value ? kMinCtasFp16Arg : kMinCtasArg;
+  }
 };
 using WideShape = QuantShape<128, 512, 1>;       // fewest threads, most registers (rows up to 32768 bf16)
-using OccupancyShape = QuantShape<128, 256, 3>;  // 3 CTAs of 256 threads per SM (<= 80 registers)
+using OccupancyShape = QuantShape<128, 256, 4, 3>;  // 4 CTAs of 256 threads per SM (<= 64 registers); fp16: 3 (it
+                                                    // spills at 64: its amax and signs go through fp32)
 using NarrowShape = QuantShape<64, 256, 3>;      // half the raw registers, twice the threads per row
 constexpr int kTargetCtaThreads = 256;
 
@@ -99,7 +106,7 @@ __device__ __forceinline__ float row_max(float v, float* warp_max) {
 }
 
 template <typename T, bool kFourOverSix, typename Shape>
-__global__ void __launch_bounds__(Shape::kMaxThreads, Shape::kMinCtas) nvfp4_quantize_kernel(Nvfp4QuantizeArgs args) {
+__global__ void __launch_bounds__(Shape::kMaxThreads, Shape::template min_ctas<T>()) nvfp4_quantize_kernel(Nvfp4QuantizeArgs args) {
   __shared__ float warp_max[Shape::kMaxThreads / 32];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool row_valid = row < args.num_rows && (args.num_rows_limit == nullptr || row < __ldg(args.num_rows_limit));
