@@ -254,11 +254,15 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
     """dispatch and combine on a communication stream (CUDA), each checked where a missing mechanism would show:
     * ordering after the current stream: the input is written there behind a long sleep just before the dispatch
       (without the wait, the dispatch would read stale data);
-    * no wait for later current-stream work: the dispatch finishes while a sleep enqueued after it on the current
-      stream still runs;
+    * the current stream does not wait for the comm stream: with the comm stream held back by a sleep, an event
+      recorded on the current stream right after the dispatch completes while the dispatch has not (a Buffer that
+      made the current stream wait for the comm stream would fail this);
     * the input's mark for the caching allocator: the comm stream is held back by a sleep, the input is freed on
       the current stream and its memory handed out and filled there (without the mark, the dispatch would read the
       fill);
+    * the Buffer's own calls stay in call order across streams: a comm-stream call held back by a sleep on rank 0
+      only, then a current-stream call with other inputs. Unordered, rank 0 would run them in the other order than
+      the other ranks, and the two calls' results would mix (or the call would time out);
     and the results are bitwise those of the same calls on the current stream. check_inputs=False: no host sync
     (which would order the streams by itself)."""
     device = _device("cuda")
@@ -270,6 +274,8 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
         x, idx, w = make_inputs(Case("comm_stream", hidden, experts, topk, (tokens,) * world, "uniform", seed=17),
                                 rank, world, device)
         want = buf.dispatch(x, idx, w)
+        x_other = (x.float() * -0.5).to(x.dtype)  # other bits for the ordering check (part 4)
+        want_other = buf.dispatch(x_other, idx, w)
         gen = torch.Generator().manual_seed(17 + rank)
         expert_out = (torch.randn(want.num_rows, hidden, generator=gen) * 2).to(torch.bfloat16).to(device)
         want_y = buf.combine(expert_out, want.handle)
@@ -277,24 +283,33 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
         fmt = buf.config.dispatch_format
         rows = int(want.expert_offsets[-1])
 
-        def same(got, name):
-            assert torch.equal(got.expert_offsets, want.expert_offsets), f"{name}: offsets"
-            assert torch.equal(got.src_token[:rows], want.src_token[:rows]), f"{name}: src_token"
-            assert torch.equal(payload_bytes(got.x, fmt)[:rows], payload_bytes(want.x, fmt)[:rows]), \
+        def same(got, name, expected=want):
+            assert torch.equal(got.expert_offsets, expected.expert_offsets), f"{name}: offsets"
+            assert torch.equal(got.src_token[:rows], expected.src_token[:rows]), f"{name}: src_token"
+            assert torch.equal(payload_bytes(got.x, fmt)[:rows], payload_bytes(expected.x, fmt)[:rows]), \
                 f"{name}: payload"
 
         side = torch.cuda.Stream(device=device)
-        # 1. ordered after the current stream's earlier work; 2. not after its later work.
+        # 1. ordered after the current stream's earlier work.
         xs = torch.zeros_like(x)
         torch.cuda._sleep(sleep_cycles)
         xs.copy_(x)
         dispatched = torch.cuda.Event()
         got = buf.dispatch(xs, idx, w, comm_stream=side, done_event=dispatched)
-        torch.cuda._sleep(sleep_cycles)
-        dispatched.synchronize()
-        assert not torch.cuda.current_stream().query(), "the dispatch waited for work enqueued after it"
         torch.cuda.current_stream().wait_event(dispatched)
         same(got, "comm stream, after the current stream's copy")
+        torch.cuda.synchronize()
+        # 2. the current stream goes on while the comm stream is busy.
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(sleep_cycles)
+        dispatched = torch.cuda.Event()
+        got = buf.dispatch(x, idx, w, comm_stream=side, done_event=dispatched)
+        marker = torch.cuda.Event()
+        marker.record()
+        marker.synchronize()
+        assert not dispatched.query(), "the current stream waited for the comm-stream dispatch"
+        torch.cuda.current_stream().wait_event(dispatched)
+        same(got, "comm stream, current stream not held")
         # 3. the input stays reserved for the comm stream after the caller frees it.
         xs = x.clone()
         with torch.cuda.stream(side):
@@ -310,11 +325,15 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
         torch.cuda.current_stream().wait_event(combined)
         assert torch.equal(y.view(torch.int16), want_y.view(torch.int16)), "comm stream: combine"
         # 4. a current-stream call right after a comm-stream call (no wait by the caller): ordered by the Buffer.
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(sleep_cycles)
-        buf.dispatch(x, idx, w, comm_stream=side)
-        same(buf.dispatch(x, idx, w), "current stream right after a comm-stream call")
         torch.cuda.synchronize()
+        if rank == 0:
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(sleep_cycles)
+        first = buf.dispatch(x, idx, w, comm_stream=side)
+        second = buf.dispatch(x_other, idx, w)
+        torch.cuda.synchronize()
+        same(first, "comm-stream call followed by a current-stream call")
+        same(second, "current stream right after a comm-stream call", want_other)
         del reused
     finally:
         buf.destroy()
