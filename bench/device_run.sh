@@ -49,6 +49,13 @@ test_gemm_items() {  # every launch persistent on a few CTAs: many work items pe
   test_gemm_variant EP_COMM_GEMM_MAX_CTAS=3
   test_gemm_variant "EP_COMM_GEMM_MAX_CTAS=5 EP_COMM_GEMM_KBLOCKS_PER_STAGE=1"
 }
+test_nvlink_waves() {  # the dispatch/combine kernels' tiers only: nvlink smoke with sync checks, nvlink suite, waves
+  say "multigpu tier: nvlink smoke (oracle, timeout) with sync checks"
+  EP_COMM_SYNC_CHECK=1 timeout 150 python3 -m pytest -q -x -rs tests/test_nvlink.py -k "oracle or timeout" 2>&1 | tail -2 | tee -a "$log"
+  say "multigpu tier: nvlink suite + waves"
+  timeout 300 python3 -m pytest -q -rs tests/test_nvlink.py tests/test_waves.py -k "not gloo" > "$OUT/pytest_nw.txt" 2>&1
+  tail -4 "$OUT/pytest_nw.txt" | tee -a "$log"
+}
 test_multigpu() {
   say "multigpu tier: nvlink smoke (oracle, timeout) with sync checks"
   EP_COMM_SYNC_CHECK=1 timeout 150 python3 -m pytest -q -x -rs tests/test_nvlink.py -k "oracle or timeout" 2>&1 | tail -2 | tee -a "$log"
@@ -226,10 +233,10 @@ bench_formats_ab() {
   ab_trees "bench: NVFP4 quantize" "nvfp4_quantize|copy_" env CUDA_VISIBLE_DEVICES=0 timeout 60 \
     python3 bench/bench_formats.py --no-reference --only nvfp4_quantize
 }
-bench_dc_ab() {  # AB_FORMATS (default nvfp4/s2f6), e.g. AB_FORMATS=bf16/bf16 bash bench/device_run.sh steps bench_dc_ab
-  local formats="${AB_FORMATS:-nvfp4/s2f6}"
+bench_dc_ab() {  # AB_FORMATS (default nvfp4/s2f6; several: "nvfp4/s2f6,bf16/bf16"), AB_TOKENS (default 128,1024,4096)
+  local formats="${AB_FORMATS:-nvfp4/s2f6}" tokens="${AB_TOKENS:-128,1024,4096}"
   ab_trees "bench: dispatch / combine $formats" "nvlink +(dispatch|combine) .* graph" timeout 120 \
-    python3 bench/bench_dispatch_combine.py --nproc 2 --tokens 128,1024,4096 --formats "$formats" --no-reference --no-ceiling
+    python3 bench/bench_dispatch_combine.py --nproc 2 --tokens "$tokens" --formats "$formats" --no-reference --no-ceiling
 }
 bench_dc_trees() {  # BISECT_TARS="a.tar b.tar ..." (git archives, carried): this tree, then each archive's, one run each
   local formats="${AB_FORMATS:-nvfp4/s2f6}" tokens="${AB_TOKENS:-128,1024,4096}" tar
