@@ -13,24 +13,32 @@ def _fail_or_sleep(rank, world):
     time.sleep(60.0)  # killed by run_ranks once rank 0 has failed
 
 
-def _zombie_children():
-    """Children of this process that have exited but were never waited for (Linux /proc)."""
-    me, zombies = os.getpid(), []
+def _spawned_children():
+    """Processes this one spawned through multiprocessing (their command line carries --multiprocessing-fork), alive
+    or exited but never waited for (zombies): pid -> state letter (Linux /proc). The resource tracker, a child that
+    multiprocessing keeps for the whole session, does not carry that flag."""
+    me, children = os.getpid(), {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as handle:
                     fields = handle.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                    cmdline = handle.read()
             except OSError:
                 continue
-            if int(fields[1]) == me and fields[0] == "Z":
-                zombies.append(int(entry))
-    return zombies
+            # A zombie's cmdline is empty: count every zombie child, and live children by their flag.
+            if int(fields[1]) == me and (fields[0] == "Z" or b"--multiprocessing-fork" in cmdline):
+                children[int(entry)] = fields[0]
+    return children
 
 
 @pytest.mark.cpu
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc to list child processes")
 def test_failed_rank_is_reported_and_every_rank_reaped():
+    before = _spawned_children()
     with pytest.raises(AssertionError, match="rank 0 failed"):
         run_ranks(_fail_or_sleep, 2, backend="gloo", timeout_s=60)
-    assert _zombie_children() == []
+    # Rank 1 sleeps for 60 s: it must have been killed (not left running) and waited for (not left a zombie).
+    left = {pid: state for pid, state in _spawned_children().items() if pid not in before}
+    assert left == {}, f"rank processes left behind (pid: state): {left}"
