@@ -202,10 +202,12 @@ profile_formats() {  # Nsight Compute on the second launch of each quantization 
   echo "ncu formats: rc $?" | tee -a "$log"
 }
 # Same-call A/B against a base tree: ab_base.tar in the repository root (`git archive -o ab_base.tar <commit>`; ignored
-# by git, so carry it: carry [".whl", "ab_base.tar"]) is built once per call in /tmp/ab_base_<name>; the steps below run this
+# by git, so carry it: carry [".whl", "ab_base.tar"]) is built once in /tmp/ab_base_<content hash>; the steps below run this
 # tree and that one in the order this, base, base, this (drift over the call does not favour either). Another archive
 # for the steps after it: the step AB_BASE=<file.tar> (any VAR=value step is exported; see "steps" at the end).
-ab_base_dir() { echo "/tmp/ab_base_$(basename "${AB_BASE:-ab_base.tar}" .tar)"; }
+# Named after the archive's content, not its name: /tmp survives between calls while the machine stays warm, and a
+# re-archived ab_base.tar must not reuse the build of the one before.
+ab_base_dir() { echo "/tmp/ab_base_$(sha1sum "${AB_BASE:-ab_base.tar}" | cut -c1-12)"; }
 ab_base_build() {
   local tar="${AB_BASE:-ab_base.tar}" dir
   dir=$(ab_base_dir)

@@ -23,7 +23,7 @@ namespace ep_comm {
 namespace {
 
 // Thread shape of the quantize kernel: each thread keeps kRawBytes of raw input per round in registers (128:
-// 4 bf16 / 2 fp32 blocks), a row takes at most kMaxThreads threads, and the kernel is compiled for min_ctas<T>()
+// 4 bf16 / 2 fp32 blocks), a row takes at most kMaxThreads threads, and the kernel is compiled for min_ctas()
 // CTAs of kMaxThreads per SM (the register budget). Measured on H200 (bench/RESULTS.md, fourth and fifteenth
 // sessions): plain takes occupancy (4 CTAs: 97.4 us on 64 MiB against 105.3 with 3 CTAs and 80 registers -- with
 // codes packed by pair conversions the plain path fits 64 registers without spills), 4/6 takes narrow (its two
@@ -36,14 +36,17 @@ struct QuantShape {
   static constexpr int blocks_per_thread() {
     return kRawBytes / (16 * static_cast<int>(sizeof(T)));
   }
-  template <typename T>
+  // 4/6 keeps kMinCtasFp16Arg for every input type: its two candidates need the registers (a forced occupancy
+  // shape then builds the same 4/6 kernel as before the 4-CTA plain form).
+  template <typename T, bool kFourOverSix>
   static constexpr int min_ctas() {
-    return std::is_same<T, __half>::value ? kMinCtasFp16Arg : kMinCtasArg;
+    return std::is_same<T, __half>::value || kFourOverSix ? kMinCtasFp16Arg : kMinCtasArg;
   }
 };
 using WideShape = QuantShape<128, 512, 1>;       // fewest threads, most registers (rows up to 32768 bf16)
-using OccupancyShape = QuantShape<128, 256, 4, 3>;  // 4 CTAs of 256 threads per SM (<= 64 registers); fp16: 3 (it
-                                                    // spills at 64: its amax and signs go through fp32)
+using OccupancyShape = QuantShape<128, 256, 4, 3>;  // plain: 4 CTAs of 256 threads per SM (<= 64 registers); fp16
+                                                    // and 4/6: 3 (they spill at 64; fp16's amax and signs go
+                                                    // through fp32)
 using NarrowShape = QuantShape<64, 256, 3>;      // half the raw registers, twice the threads per row
 constexpr int kTargetCtaThreads = 256;
 
@@ -106,7 +109,8 @@ __device__ __forceinline__ float row_max(float v, float* warp_max) {
 }
 
 template <typename T, bool kFourOverSix, typename Shape>
-__global__ void __launch_bounds__(Shape::kMaxThreads, Shape::template min_ctas<T>()) nvfp4_quantize_kernel(Nvfp4QuantizeArgs args) {
+__global__ void __launch_bounds__(Shape::kMaxThreads, Shape::template min_ctas<T, kFourOverSix>())
+    nvfp4_quantize_kernel(Nvfp4QuantizeArgs args) {
   __shared__ float warp_max[Shape::kMaxThreads / 32];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool row_valid = row < args.num_rows && (args.num_rows_limit == nullptr || row < __ldg(args.num_rows_limit));

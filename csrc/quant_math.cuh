@@ -881,8 +881,9 @@ QM_HD void e2m1_pack16_scaled(const float r_s[16], const float x[16], const uint
 // Returns false otherwise -- NaN or Inf elements, zero or small subnormal scales, huge outer amax -- and the caller
 // takes the general form (words then hold garbage, which the general form overwrites). NaN detection from the
 // codes: under the bound every non-NaN element's scaled value is on the E2M1 grid (E4M3 byte code << 2, low bits
-// zero), while a NaN element (or an Inf one: Inf + magic - magic is NaN) converts to 0x7F: one or per 4 elements
-// instead of an FADD chain over the elements.
+// zero), while a NaN element converts to 0x7F: one OR per 4 elements instead of an FADD chain over the elements. (An
+// Inf element never gets here -- block_amax keeps Inf, so the bound fails first -- and would be caught anyway: its
+// magic wraps to a negative number, Inf stays Inf and saturates to 0x7E.)
 QM_HD bool nvfp4_plain_codes_fast(const float x[16], float block_amax, float inv, const uint32_t* sign_bytes,
                                   uint32_t words[2]) {
   const float inv_s = qm_mul(inv, kE2m1DomainScale);

@@ -303,7 +303,7 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
         # dispatch reads the split sizes on the host, so it returns only once the comm stream has run.
         if backend == "nvlink":
             with torch.cuda.stream(side):
-                torch.cuda._sleep(sleep_cycles)
+                torch.cuda._sleep(5 * sleep_cycles)  # ~0.5 s: room for a slow host between enqueue and query
             dispatched = torch.cuda.Event()
             got = buf.dispatch(x, idx, w, comm_stream=side, done_event=dispatched)
             marker = torch.cuda.Event()
