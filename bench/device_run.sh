@@ -49,16 +49,17 @@ test_gemm_items() {  # every launch persistent on a few CTAs: many work items pe
   test_gemm_variant EP_COMM_GEMM_MAX_CTAS=3
   test_gemm_variant "EP_COMM_GEMM_MAX_CTAS=5 EP_COMM_GEMM_KBLOCKS_PER_STAGE=1"
 }
-test_nvlink_waves() {  # the dispatch/combine kernels' tiers only: nvlink smoke with sync checks, nvlink suite, waves
+nvlink_smoke() {
   say "multigpu tier: nvlink smoke (oracle, timeout) with sync checks"
   EP_COMM_SYNC_CHECK=1 timeout 150 python3 -m pytest -q -x -rs tests/test_nvlink.py -k "oracle or timeout" 2>&1 | tail -2 | tee -a "$log"
+}
+test_nvlink_waves() {  # the dispatch/combine kernels' tiers only: nvlink smoke with sync checks, nvlink suite, waves
+  nvlink_smoke
   say "multigpu tier: nvlink suite + waves"
-  timeout 300 python3 -m pytest -q -rs tests/test_nvlink.py tests/test_waves.py -k "not gloo" > "$OUT/pytest_nw.txt" 2>&1
-  tail -4 "$OUT/pytest_nw.txt" | tee -a "$log"
+  pytest_tier nvlink_waves 300 4 tests/test_nvlink.py tests/test_waves.py -k "not gloo"
 }
 test_multigpu() {
-  say "multigpu tier: nvlink smoke (oracle, timeout) with sync checks"
-  EP_COMM_SYNC_CHECK=1 timeout 150 python3 -m pytest -q -x -rs tests/test_nvlink.py -k "oracle or timeout" 2>&1 | tail -2 | tee -a "$log"
+  nvlink_smoke
   say "multigpu tier: MoE layer + nvlink suite + reference over NCCL"
   timeout 300 python3 -m pytest -q -rs tests/test_moe.py tests/test_nvlink.py tests/test_reference_backend.py tests/test_waves.py -k "not gloo" > "$OUT/pytest_mg.txt" 2>&1
   tail -4 "$OUT/pytest_mg.txt" | tee -a "$log"
@@ -235,22 +236,23 @@ bench_formats_ab() {
   ab_trees "bench: NVFP4 quantize" "nvfp4_quantize|copy_" env CUDA_VISIBLE_DEVICES=0 timeout 60 \
     python3 bench/bench_formats.py --no-reference --only nvfp4_quantize
 }
-bench_dc_ab() {  # AB_FORMATS (default nvfp4/s2f6; several: "nvfp4/s2f6,bf16/bf16"), AB_TOKENS (default 128,1024,4096)
-  local formats="${AB_FORMATS:-nvfp4/s2f6}" tokens="${AB_TOKENS:-128,1024,4096}"
-  ab_trees "bench: dispatch / combine $formats" "nvlink +(dispatch|combine) .* graph" timeout 120 \
-    python3 bench/bench_dispatch_combine.py --nproc 2 --tokens "$tokens" --formats "$formats" --no-reference --no-ceiling
+# The nvlink graph rows of a dispatch/combine run in the current directory's tree: AB_FORMATS (default nvfp4/s2f6;
+# several: "nvfp4/s2f6,bf16/bf16"), AB_TOKENS (default 128,1024,4096).
+dc_graph_rows() {
+  timeout 120 python3 bench/bench_dispatch_combine.py --nproc 2 --tokens "${AB_TOKENS:-128,1024,4096}" \
+    --formats "${AB_FORMATS:-nvfp4/s2f6}" --no-reference --no-ceiling
 }
+dc_graph_pattern="nvlink +(dispatch|combine) .* graph"
+bench_dc_ab() { ab_trees "bench: dispatch / combine ${AB_FORMATS:-nvfp4/s2f6}" "$dc_graph_pattern" dc_graph_rows; }
 bench_dc_trees() {  # BISECT_TARS="a.tar b.tar ..." (git archives, carried): this tree, then each archive's, one run each
-  local formats="${AB_FORMATS:-nvfp4/s2f6}" tokens="${AB_TOKENS:-128,1024,4096}" tar
-  say "bench: dispatch / combine $formats: this tree"
-  timeout 120 python3 bench/bench_dispatch_combine.py --nproc 2 --tokens "$tokens" --formats "$formats" --no-reference \
-    --no-ceiling 2>&1 | grep -E "nvlink +(dispatch|combine) .* graph" | tee -a "$log"
+  local tar dir
+  say "bench: dispatch / combine ${AB_FORMATS:-nvfp4/s2f6}: this tree"
+  dc_graph_rows 2>&1 | grep -E "$dc_graph_pattern" | tee -a "$log"
   for tar in ${BISECT_TARS:-}; do
     AB_BASE="$tar" ab_base_build || continue
-    say "bench: dispatch / combine $formats: $tar"
-    (cd "$(AB_BASE="$tar" ab_base_dir)" && PYTHONPATH="/tmp/site:$PWD" timeout 120 python3 bench/bench_dispatch_combine.py \
-      --nproc 2 --tokens "$tokens" --formats "$formats" --no-reference --no-ceiling 2>&1) \
-      | grep -E "nvlink +(dispatch|combine) .* graph" | tee -a "$log"
+    dir=$(AB_BASE="$tar" ab_base_dir)
+    say "bench: dispatch / combine ${AB_FORMATS:-nvfp4/s2f6}: $tar"
+    (cd "$dir" && PYTHONPATH="/tmp/site:$dir" dc_graph_rows 2>&1) | grep -E "$dc_graph_pattern" | tee -a "$log"
   done
 }
 profile_nvfp4_quantize() { profile_formats --only nvfp4_quantize; }  # executed instructions of the two NVFP4 quantizers

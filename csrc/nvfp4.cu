@@ -10,11 +10,9 @@
 // Tried and measured slower on H200 (fourth session): a persistent grid that stages the next row group in
 // shared memory with cp.async while quantizing the current one (4/6 240 -> 299 us, plain 131 -> 175 us).
 #include <algorithm>
-#include <cstdlib>
-#include <stdexcept>
-#include <string>
 #include <type_traits>
 
+#include "env_choice.h"
 #include "formats.h"
 #include "quant_math.cuh"
 #include "vec_io.cuh"
@@ -28,7 +26,8 @@ namespace {
 // sessions): plain takes occupancy (4 CTAs: 97.4 us on 64 MiB against 105.3 with 3 CTAs and 80 registers -- with
 // codes packed by pair conversions the plain path fits 64 registers without spills), 4/6 takes narrow (its two
 // candidates need the 80 registers: 220 us against 400 at 64 registers).
-template <int kRawBytesArg, int kMaxThreadsArg, int kMinCtasArg, int kMinCtasFp16Arg = kMinCtasArg>
+// kMinCtasHeavyArg: the CTAs per SM for the kernels that need more registers -- fp16 input and 4/6.
+template <int kRawBytesArg, int kMaxThreadsArg, int kMinCtasArg, int kMinCtasHeavyArg = kMinCtasArg>
 struct QuantShape {
   static constexpr int kRawBytes = kRawBytesArg;
   static constexpr int kMaxThreads = kMaxThreadsArg;
@@ -36,11 +35,11 @@ struct QuantShape {
   static constexpr int blocks_per_thread() {
     return kRawBytes / (16 * static_cast<int>(sizeof(T)));
   }
-  // 4/6 keeps kMinCtasFp16Arg for every input type: its two candidates need the registers (a forced occupancy
+  // 4/6 takes kMinCtasHeavyArg for every input type: its two candidates need the registers (a forced occupancy
   // shape then builds the same 4/6 kernel as before the 4-CTA plain form).
   template <typename T, bool kFourOverSix>
   static constexpr int min_ctas() {
-    return std::is_same<T, __half>::value || kFourOverSix ? kMinCtasFp16Arg : kMinCtasArg;
+    return std::is_same<T, __half>::value || kFourOverSix ? kMinCtasHeavyArg : kMinCtasArg;
   }
 };
 using WideShape = QuantShape<128, 512, 1>;       // fewest threads, most registers (rows up to 32768 bf16)
@@ -266,17 +265,10 @@ cudaError_t launch_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t stream) 
 }
 
 // EP_COMM_NVFP4_QUANT_SHAPE = wide | occupancy | narrow overrides the thread shape (for measurements); by
-// default 4/6 takes narrow and plain takes occupancy, the fastest of the three for each on H200 (RESULTS.md).
+// default (unset or auto) 4/6 takes narrow and plain takes occupancy, the fastest of the three for each on H200
+// (RESULTS.md).
 int quantize_shape_choice(bool four_over_six) {
-  static const int forced = [] {
-    const char* env = std::getenv("EP_COMM_NVFP4_QUANT_SHAPE");
-    if (env == nullptr || *env == '\0') return 0;
-    const std::string value(env);
-    if (value == "wide") return 1;
-    if (value == "occupancy") return 2;
-    if (value == "narrow") return 3;
-    throw std::invalid_argument("EP_COMM_NVFP4_QUANT_SHAPE must be wide, occupancy or narrow, not '" + value + "'");
-  }();
+  static const int forced = env_choice("EP_COMM_NVFP4_QUANT_SHAPE", {"auto", "wide", "occupancy", "narrow"});
   return forced != 0 ? forced : (four_over_six ? 3 : 2);
 }
 

@@ -365,8 +365,7 @@ __device__ __forceinline__ void block_wait_all_peers(const NvlinkConfig& cfg, lo
 }
 
 // A call's epoch from thread 0's start ticket (NvlinkState::comb_*_tickets, disp_recv_tickets): every call launches the
-// kernel once and
-// its blocks take `grid_share` tickets in all, so ticket / grid_share counts the earlier calls. Whole block (one
+// kernel once and its blocks take `grid_share` tickets in all, so ticket / grid_share counts the earlier calls. Whole block (one
 // barrier). Kernels take the ticket before griddepcontrol.launch_dependents: the next call's kernel may then start
 // early (programmatic launches down the stream), but draws only after every block of this call has drawn.
 __device__ __forceinline__ unsigned long long block_epoch_from_ticket(unsigned long long ticket,

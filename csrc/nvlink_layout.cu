@@ -18,11 +18,9 @@
 // the E experts in the same histogram.
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-#include <initializer_list>
 #include <stdexcept>
-#include <string>
 
+#include "env_choice.h"
 #include "nvlink.h"
 
 namespace ep_comm {
@@ -186,20 +184,6 @@ size_t layout_smem(const NvlinkConfig& cfg, int warps) {
 constexpr int kDispatchPdlMaxTokens = 512;
 
 namespace {
-// Index of the environment variable's value in `values` (unset or empty: 0); anything else is refused. Read by the
-// callers once per process.
-int env_choice(const char* name, std::initializer_list<const char*> values) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return 0;
-  std::string allowed;
-  int index = 0;
-  for (const char* value : values) {
-    if (std::string(v) == value) return index;
-    allowed += (index++ ? ", " : "") + std::string(value);
-  }
-  throw std::invalid_argument(std::string(name) + " must be one of " + allowed + ", not '" + v + "'");
-}
-
 int pdl_override() {  // -1: the measured choice, 0 / 1: forced
   static const int mode = env_choice("EP_COMM_NVLINK_PDL", {"auto", "0", "1"}) - 1;
   return mode;
