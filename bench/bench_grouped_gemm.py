@@ -7,9 +7,10 @@ around 256 with the spread of random top-k routing, sd = sqrt(256)), each expert
 also time ours without the small-remainder launch (tail_tile = 0, token tile "128/no-tail").
 The NVFP4 weights are random codes and scales built directly on the GPU (one amax per expert) and packed with
 `pack_gemm_weights`; the activations are random NVFP4 rows expanded with `expand_nvfp4_rows`, outside the timed
-region: "ours" is the GEMM kernels on pre-expanded operands. The MoE layer also runs that expansion before w1 and
-before w2 (and requantizes w2's input to NVFP4): the row `mlp` times that whole sequence (moe.fused_expert_mlp, from
-NVFP4 rows in the dispatch layout to BF16 out) against the BF16 baseline's w1 + silu*mul + w2.
+region: "ours" is the GEMM kernels on pre-expanded operands. The MoE layer also runs that expansion before w1 (not
+with waves, whose receive writes the operand rows) and requantizes w2's input to NVFP4 4/6 (into w2's operand rows):
+the row `mlp` times that whole sequence (moe.fused_expert_mlp, from NVFP4 rows in the dispatch layout to BF16 out)
+against the BF16 baseline's w1 + silu*mul + w2, and prints the passes between the GEMMs timed alone.
 
 Timing: CUDA events around a batch of --iters back-to-back calls after warm-up, median over --reps batches;
 each call streams all E experts' weights (2.1 GB NVFP4 for w1, far more than L2). "ours" calls
@@ -217,19 +218,36 @@ def time_requantization(gemm: Gemm, x, offsets_t, counts_t, args, rows_per_exper
     return out
 
 
-def time_expert_mlp(gemms, rows: int, offsets_t, counts_t, args) -> Optional[float]:
-    """The experts' whole forward as MoELayer runs it (moe.fused_expert_mlp) from NVFP4 rows in the dispatch layout:
-    expansion, w1 with SwiGLU, NVFP4 4/6 requantization, expansion, w2 (BF16 out)."""
-    from ep_comm import moe
+def time_expert_mlp(gemms, rows: int, offsets_t, counts_t, args):
+    """(ms, parts) of the experts' whole forward as MoELayer runs it (moe.fused_expert_mlp) from NVFP4 rows in the
+    dispatch layout: expansion, w1 with SwiGLU, NVFP4 4/6 requantization into w2's operand rows, w2 (BF16 out);
+    parts: ms of the passes between the GEMMs, each timed alone (the expansion of the tokens, the requantization
+    into operand rows, and the earlier form of the latter: quantize, then expand). (None, {}) if it failed."""
+    from ep_comm import _cuda_formats, moe
     w1, w2 = gemms
     tokens = random_nvfp4_rows(rows, w1.k, seed=rows + 3)
     token_tile = args.token_tile_list[0] or None
+    limit = offsets_t[-1:]
     try:
-        return time_ms(lambda: moe.fused_expert_mlp(tokens, offsets_t, counts_t, w1.packed, w2.packed,
-                                                    token_tile=token_tile), args.iters, args.reps)
+        ms = time_ms(lambda: moe.fused_expert_mlp(tokens, offsets_t, counts_t, w1.packed, w2.packed,
+                                                  token_tile=token_tile), args.iters, args.reps)
+        hidden = torch.randn(rows, w2.k, device="cuda") * 3.0
+        parts = {
+            "expand_tokens": time_ms(lambda: G.expand_nvfp4_rows(tokens, num_rows_limit=limit), args.iters,
+                                     args.reps),
+            "requantize_to_operand": time_ms(lambda: G.quantize_expanded_rows(hidden, impl="cuda",
+                                                                             num_rows_limit=limit),
+                                             args.iters, args.reps),
+            "quantize_then_expand": time_ms(lambda: G.expand_nvfp4_rows(
+                _cuda_formats.nvfp4_quantize(hidden, True, None, num_rows_limit=limit), num_rows_limit=limit),
+                args.iters, args.reps),
+        }
+        del hidden
+        print("  mlp parts (ms): " + ", ".join(f"{name} {value:.3f}" for name, value in parts.items()))
+        return ms, parts
     except Exception as error:
         print(f"  NOTE: the whole expert MLP failed: {type(error).__name__}: {error}")
-        return None
+        return None, {}
     finally:
         del tokens
         free_memory()
@@ -364,12 +382,13 @@ def run_case(spec: str, gemms, args, ceilings, notes: list, checks: list) -> lis
         results.append(row_for("w1+w2", rows_per_expert, "torch_bf16", totals["torch_bf16"], flops, bytes_bf16,
                                ceilings, None, note="includes silu*mul for w1"))
     if [g.name for g in gemms] == ["w1", "w2"]:
-        mlp_ms = time_expert_mlp(gemms, rows, offsets_t, counts_t, args)
+        mlp_ms, parts = time_expert_mlp(gemms, rows, offsets_t, counts_t, args)
         if mlp_ms is not None:
             results.append(row_for("mlp", rows_per_expert, "ours", mlp_ms, flops, bytes_ours, ceilings,
                                    totals["torch_bf16"], token_tile=tile_label(args.token_tile_list[0], auto_tile),
-                                   note="moe.fused_expert_mlp: expansion + w1 + NVFP4 4/6 requantization + "
-                                        "expansion + w2, against torch BF16 w1 + silu*mul + w2"))
+                                   note="moe.fused_expert_mlp: expansion + w1 + NVFP4 4/6 requantization into w2's "
+                                        "operand rows + w2, against torch BF16 w1 + silu*mul + w2"))
+            results[-1]["parts_ms"] = parts
     del inputs
     free_memory()
     return results

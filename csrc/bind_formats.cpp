@@ -22,7 +22,8 @@ using ep_comm::binding::ptr;
 void nvfp4_quantize(uintptr_t x, int x_type, int64_t x_row_stride, int64_t num_rows, int64_t hidden, uintptr_t amax_in,
                     float e4m3_max, bool four_over_six, uintptr_t data, int64_t data_row_stride, uintptr_t scales,
                     int64_t scales_row_stride, uintptr_t amax_out, uintptr_t dst_rows, uintptr_t stream,
-                    uintptr_t num_rows_limit) {
+                    uintptr_t num_rows_limit, uintptr_t block_values, int64_t block_values_row_stride,
+                    uintptr_t row_factor) {
   ep_comm::Nvfp4QuantizeArgs args;
   args.x = ptr<const void>(x);
   args.x_type = x_type;
@@ -39,6 +40,9 @@ void nvfp4_quantize(uintptr_t x, int x_type, int64_t x_row_stride, int64_t num_r
   args.amax_out = ptr<float>(amax_out);
   args.dst_rows = ptr<const int64_t>(dst_rows);
   args.num_rows_limit = ptr<const int32_t>(num_rows_limit);
+  args.block_values = ptr<uint16_t>(block_values);
+  args.block_values_row_stride = block_values_row_stride;
+  args.row_factor = ptr<float>(row_factor);
   check(ep_comm::launch_nvfp4_quantize(args, as_stream(stream)), "nvfp4_quantize");
 }
 
@@ -235,8 +239,10 @@ void register_formats(py::module_& m) {
         py::arg("num_rows"), py::arg("hidden"), py::arg("amax_in"), py::arg("e4m3_max"), py::arg("four_over_six"),
         py::arg("data"), py::arg("data_row_stride"), py::arg("scales"), py::arg("scales_row_stride"),
         py::arg("amax_out"), py::arg("dst_rows"), py::arg("stream"), py::arg("num_rows_limit") = 0,
+        py::arg("block_values") = 0, py::arg("block_values_row_stride") = 0, py::arg("row_factor") = 0,
         "NVFP4 quantize rows (4/6 or plain); amax_in 0 = per-row amax computed; dst_rows 0 = identity; "
-        "num_rows_limit: 0 or a device int32 row count (rows past it are skipped)");
+        "num_rows_limit: 0 or a device int32 row count (rows past it are skipped); block_values (fp16) and "
+        "row_factor (fp32): 4/6 straight into the grouped GEMM operand form instead of data/scales/amax_out");
   m.def("nvfp4_dequantize",
         [](uintptr_t data, uintptr_t scales, uintptr_t amax, int64_t num_rows, int64_t hidden, float e4m3_max,
            uintptr_t out, int out_type, uintptr_t stream, uintptr_t num_rows_limit) {

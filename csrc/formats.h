@@ -48,6 +48,13 @@ struct Nvfp4QuantizeArgs {
   // Optional device-side row count (e.g. expert_offsets[E] of a dispatch layout): rows >= *num_rows_limit are
   // skipped (their outputs are not written), so a capacity-sized buffer costs only its rows in use.
   const int32_t* num_rows_limit = nullptr;
+  // Block values instead of codes (4/6 only; the grouped GEMM's activation operand, what launch_nvfp4_dequantize
+  // writes with amax == nullptr and fp16 out): row d's e2m1 * e4m3 values (exact in fp16) go to
+  // block_values + d * block_values_row_stride, and its outer factor f(amax * f32(1 / (6 M))) to row_factor + d.
+  // data, scales and amax_out are then not written (may be null). One pass instead of quantize + expand.
+  uint16_t* block_values = nullptr;  // fp16 bits
+  int64_t block_values_row_stride = 0;
+  float* row_factor = nullptr;
 };
 cudaError_t launch_nvfp4_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t stream);
 

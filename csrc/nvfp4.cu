@@ -107,9 +107,22 @@ __device__ __forceinline__ float row_max(float v, float* warp_max) {
   return row;
 }
 
-template <typename T, bool kFourOverSix, typename Shape>
+// Block values (args.block_values) for the grouped GEMM: the e2m1 * e4m3 values of a block, decoded from its codes and
+// scale exactly as nvfp4_dequantize_kernel does with amax == nullptr and fp16 out (same functions, so the same bits as
+// quantize + expand_nvfp4_rows).
+__device__ __forceinline__ void store_block_values(const uint32_t words[2], uint8_t scale_byte, __half* dst) {
+  const float scale = qm::e4m3_decode(scale_byte);
+  float y[16];
+  qm::e2m1x8_decode_scaled(words[0], scale, y);
+  qm::e2m1x8_decode_scaled(words[1], scale, y + 8);
+  vec::store_row_segment<__half, 16>(dst, y);
+}
+
+// kBlockValues: write args.block_values and args.row_factor instead of codes, scales and amax (4/6 only).
+template <typename T, bool kFourOverSix, typename Shape, bool kBlockValues = false>
 __global__ void __launch_bounds__(Shape::kMaxThreads, Shape::template min_ctas<T, kFourOverSix>())
     nvfp4_quantize_kernel(Nvfp4QuantizeArgs args) {
+  static_assert(!kBlockValues || kFourOverSix, "block values are the 4/6 form only");
   __shared__ float warp_max[Shape::kMaxThreads / 32];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool row_valid = row < args.num_rows && (args.num_rows_limit == nullptr || row < __ldg(args.num_rows_limit));
@@ -167,7 +180,15 @@ __global__ void __launch_bounds__(Shape::kMaxThreads, Shape::template min_ctas<T
   const qm::Nvfp4Outer outer = qm::nvfp4_outer_scales(amax, args.e4m3_max);
   uint8_t* data_row = args.data + dst * args.data_row_stride;
   uint8_t* scale_row = args.scales + dst * args.scales_row_stride;
-  if (args.amax_out != nullptr && threadIdx.x == 0) args.amax_out[dst] = amax;
+  __half* values_row = reinterpret_cast<__half*>(args.block_values) + dst * args.block_values_row_stride;
+  if (threadIdx.x == 0) {
+    // expand_nvfp4_rows' row factor: amax * fp32(1 / (6 M)), the constant rounded once from double as torch does.
+    if (kBlockValues) {
+      args.row_factor[dst] = qm::qm_mul(amax, static_cast<float>(1.0 / (6.0 * static_cast<double>(args.e4m3_max))));
+    } else if (args.amax_out != nullptr) {
+      args.amax_out[dst] = amax;
+    }
+  }
 
   const bool amax_kept = single_round && args.amax_in == nullptr;
   auto this_block_amax = [&](int i) { return amax_kept ? block_amax[i] : blocks[i].amax(); };
@@ -196,9 +217,13 @@ __global__ void __launch_bounds__(Shape::kMaxThreads, Shape::template min_ctas<T
           qm::nvfp4_four_six_block16_general(x, this_block_amax(i), outer, amax, args.e4m3_max, fast[i].words,
                                              &fast[i].scale);
         }
-        *reinterpret_cast<uint2*>(data_row + static_cast<int64_t>(b) * 8) =
-            make_uint2(fast[i].words[0], fast[i].words[1]);
-        scale_row[b] = fast[i].scale;
+        if constexpr (kBlockValues) {
+          store_block_values(fast[i].words, fast[i].scale, values_row + static_cast<int64_t>(b) * 16);
+        } else {
+          *reinterpret_cast<uint2*>(data_row + static_cast<int64_t>(b) * 8) =
+              make_uint2(fast[i].words[0], fast[i].words[1]);
+          scale_row[b] = fast[i].scale;
+        }
       }
     } else {
 #pragma unroll
@@ -245,7 +270,7 @@ __global__ void __launch_bounds__(256) nvfp4_dequantize_kernel(const uint8_t* __
   vec::store_row_segment<Out, 16>(out + block * 16, y);
 }
 
-template <typename T, typename Shape>
+template <typename T, typename Shape, bool kBlockValues = false>
 cudaError_t launch_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t stream) {
   const int64_t num_blocks = args.hidden / 16;
   // Enough threads per row to hold it in registers (one round), a multiple of 32, at most Shape::kMaxThreads
@@ -256,7 +281,9 @@ cudaError_t launch_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t stream) 
   const dim3 block(threads_per_row, rows_per_cta);
   const int64_t grid = ceil_div(args.num_rows, rows_per_cta);
   if (grid > INT32_MAX) return cudaErrorInvalidValue;
-  if (args.four_over_six) {
+  if constexpr (kBlockValues) {
+    nvfp4_quantize_kernel<T, true, Shape, true><<<static_cast<unsigned>(grid), block, 0, stream>>>(args);
+  } else if (args.four_over_six) {
     nvfp4_quantize_kernel<T, true, Shape><<<static_cast<unsigned>(grid), block, 0, stream>>>(args);
   } else {
     nvfp4_quantize_kernel<T, false, Shape><<<static_cast<unsigned>(grid), block, 0, stream>>>(args);
@@ -278,9 +305,16 @@ cudaError_t launch_nvfp4_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t st
   if (args.hidden <= 0 || args.hidden % 16 != 0 || args.num_rows < 0 || args.hidden / 16 > INT32_MAX / 2) {
     return cudaErrorInvalidValue;
   }
+  const bool block_values = args.block_values != nullptr;
+  if (block_values && (!args.four_over_six || args.row_factor == nullptr || args.block_values_row_stride < args.hidden ||
+                       args.block_values_row_stride % 8 != 0 || reinterpret_cast<uintptr_t>(args.block_values) % 16)) {
+    return cudaErrorInvalidValue;  // 16-byte stores of fp16 block values
+  }
   if (args.num_rows == 0) return cudaSuccess;
   return vec::dispatch_elem_type(args.x_type, [&](auto tag) {
     using T = decltype(tag);
+    // Block values: the 4/6 default shape only (the tuning override applies to the code-writing kernels).
+    if (block_values) return launch_quantize<T, NarrowShape, true>(args, stream);
     switch (quantize_shape_choice(args.four_over_six)) {
       case 1: return launch_quantize<T, WideShape>(args, stream);
       case 2: return launch_quantize<T, OccupancyShape>(args, stream);

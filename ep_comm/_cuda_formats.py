@@ -78,6 +78,26 @@ def nvfp4_quantize(x: torch.Tensor, four_over_six: bool, amax: Optional[torch.Te
                        amax=amax_out.reshape(lead_shape), e4m3_max=e4m3_max)
 
 
+def nvfp4_quantize_block_values(x: torch.Tensor, amax: Optional[torch.Tensor],
+                                num_rows_limit: Optional[torch.Tensor] = None):
+    """NVFP4 4/6 of x [R, K] straight into the grouped GEMM operand form: (values fp16 [R, K] = e2m1 * e4m3 block
+    scale, row_factor fp32 [R] = amax * fp32(1 / (6 M))), the bits of `grouped_gemm.expand_nvfp4_rows` applied to
+    `nvfp4_quantize(x, True, amax)`, in one kernel. num_rows_limit as nvfp4_quantize (rows past it unwritten)."""
+    lib = _lib()
+    k = x.shape[-1]
+    rows = _rows(_dense_input(x))
+    num_rows = rows.shape[0]
+    device = x.device
+    amax_in = None if amax is None else amax.reshape(num_rows).float().contiguous()
+    values = torch.empty(num_rows, k, dtype=torch.float16, device=device)
+    row_factor = torch.empty(num_rows, dtype=torch.float32, device=device)
+    with torch.cuda.device(device):
+        lib.nvfp4_quantize(rows.data_ptr(), _ELEM_TYPES[rows.dtype], rows.stride(0), num_rows, k, _ptr(amax_in),
+                           _NVFP4_ACTIVATION_M, True, 0, 0, 0, 0, 0, 0, _stream(device), _ptr(num_rows_limit),
+                           values.data_ptr(), k, row_factor.data_ptr())
+    return values, row_factor
+
+
 def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
     lib = _lib()
     k = q.data.shape[-1] * 2

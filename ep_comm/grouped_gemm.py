@@ -381,6 +381,32 @@ def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Option
     return ExpandedRows(values=block.reshape(num_rows, k).to(torch.float16), row_factor=row_factor.contiguous())
 
 
+def quantize_expanded_rows(x: torch.Tensor, amax: Optional[torch.Tensor] = None, impl: str = "auto",
+                           num_rows_limit: Optional[torch.Tensor] = None) -> ExpandedRows:
+    """NVFP4 4/6 quantization of x [R, K] (fp32 / bf16 / fp16, K % 16 == 0) straight into the GEMM operand form.
+
+    Bitwise `expand_nvfp4_rows(formats.nvfp4_quantize(x, four_over_six=True, amax=amax))`: values fp16 [R, K]
+    (e2m1 * e4m3 block scale), row_factor fp32 [R] (amax * fp32(1 / (6 * 256))). On CUDA one kernel writes both
+    (the packed codes are never stored): the w2 input of the fused experts (moe.fused_expert_hidden).
+    amax: optional fp32 [R] outer amax (default: each row's max |x|, NaN ignored). num_rows_limit: as
+    `expand_nvfp4_rows` (CUDA path: rows at or past it are left unwritten).
+    """
+    if x.dim() != 2 or x.shape[-1] % 16 != 0:
+        raise ValueError(f"x must be [R, K] with K a multiple of 16, got {tuple(x.shape)}")
+    if amax is not None and (amax.shape != x.shape[:1] or amax.device != x.device):
+        raise ValueError(f"amax must be [{x.shape[0]}] on {x.device}, got {tuple(amax.shape)} on {amax.device}")
+    if num_rows_limit is not None and (num_rows_limit.dtype != torch.int32 or num_rows_limit.numel() != 1
+                                       or num_rows_limit.device != x.device):
+        raise ValueError("num_rows_limit must be an int32 tensor of one element on x's device")
+    if _use_gemm_kernels(impl, x, "quantize_expanded_rows"):
+        from . import _cuda_formats
+        values, row_factor = _cuda_formats.nvfp4_quantize_block_values(x, amax, num_rows_limit)
+        return ExpandedRows(values=values, row_factor=row_factor)
+    from . import formats
+    return expand_nvfp4_rows(formats.nvfp4_quantize(x, four_over_six=True, amax=amax, impl="reference"),
+                             impl="reference")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The grouped GEMM
 # ----------------------------------------------------------------------------------------------------------

@@ -147,7 +147,7 @@ def _expert_hidden_from_rows(x, expert_offsets: torch.Tensor, num_tokens_per_exp
                              amax_in_w1: bool = False, wave=None):
     """fused_expert_hidden from tokens already expanded for the GEMM (x: grouped_gemm.ExpandedRows). With `wave`
     (a wave dispatch's WaveSync), w1 must be the next kernel on the stream: nothing is launched before it."""
-    from . import _cuda_formats, grouped_gemm as gemm
+    from . import grouped_gemm as gemm
     rows_in_use = expert_offsets[-1:]
     if wave is not None and amax_in_w1:
         raise ValueError("amax_in_w1 needs a zero-filled row amax before w1, which a wave w1 cannot wait for")
@@ -155,9 +155,9 @@ def _expert_hidden_from_rows(x, expert_offsets: torch.Tensor, num_tokens_per_exp
     row_amax = torch.zeros(x.num_rows, dtype=torch.float32, device=x.values.device) if amax_in_w1 else None
     gemm.grouped_gemm_nvfp4(x, expert_offsets, num_tokens_per_expert, w1, out_dtype=torch.float32, out=hidden,
                             token_tile=token_tile, row_amax=row_amax, wave=wave)  # silu(gate) * up
-    # NVFP4 4/6 with a per-token amax (formats.nvfp4_quantize's CUDA kernel), rows past rows_in_use skipped.
-    hidden_q = _cuda_formats.nvfp4_quantize(hidden, four_over_six=True, amax=row_amax, num_rows_limit=rows_in_use)
-    return gemm.expand_nvfp4_rows(hidden_q, num_rows_limit=rows_in_use)
+    # NVFP4 4/6 with a per-token amax, written as w2's operand rows in one kernel (bitwise formats.nvfp4_quantize's
+    # CUDA kernel followed by expand_nvfp4_rows); rows past rows_in_use skipped.
+    return gemm.quantize_expanded_rows(hidden, amax=row_amax, impl="cuda", num_rows_limit=rows_in_use)
 
 
 def fused_expert_mlp(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,

@@ -293,6 +293,35 @@ def test_expand_leading_dims_and_empty():
     assert tuple(G.expand_nvfp4_rows(empty).values.shape) == (0, 64)
 
 
+def hidden_rows_with_edges(rows: int, k: int, seed: int, device="cpu", dtype=torch.float32) -> torch.Tensor:
+    """w1-output-like rows (random scale per row) with edge rows: zeros, one outlier, NaN and Inf elements, tiny
+    values, a row of equal values."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g) * torch.exp(2 * torch.randn(rows, 1, generator=g))
+    x[0] = 0.0
+    x[1, 5] = 3e4
+    x[2, 17] = float("nan")
+    x[3, 40] = float("inf")
+    x[4] *= 1e-30
+    x[5] = -1.25
+    return x.to(device=device, dtype=dtype)
+
+
+@pytest.mark.cpu
+def test_quantize_expanded_rows_reference_and_errors():
+    x = hidden_rows_with_edges(9, 64, seed=2)
+    amax = x.abs().nan_to_num(0.0).amax(-1) * 1.5
+    for given in (None, amax):
+        got = G.quantize_expanded_rows(x, amax=given)
+        want = G.expand_nvfp4_rows(F.nvfp4_quantize(x, four_over_six=True, amax=given))
+        assert torch.equal(got.values.view(torch.int16), want.values.view(torch.int16))
+        assert torch.equal(got.row_factor, want.row_factor)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        G.quantize_expanded_rows(x[:, :40])
+    with pytest.raises(ValueError, match="amax"):
+        G.quantize_expanded_rows(x, amax=amax[:3])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # CPU tier: the reference GEMM
 # ----------------------------------------------------------------------------------------------------------
@@ -509,6 +538,31 @@ def test_expand_cuda_bitwise():
     b = G.expand_nvfp4_rows(q, impl="reference")
     assert torch.equal(a.values.view(torch.int16), b.values.view(torch.int16))
     assert torch.equal(a.row_factor, b.row_factor)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [2048, 7168, 112])
+def test_quantize_expanded_rows_cuda_bitwise(dtype, k):
+    """The 4/6 quantizer writing w2's operand rows directly: bitwise the CUDA quantizer + CUDA expansion and the torch
+    reference, on fresh random rows with edge rows, with and without a given amax, and with a device row limit."""
+    from ep_comm import _cuda_formats
+    x = hidden_rows_with_edges(301, k, seed=k + 7, device="cuda", dtype=dtype)
+    amax = x.float().abs().nan_to_num(0.0, posinf=float("inf")).amax(-1)
+    amax[7] = amax[7] * 0.5  # a given amax below the row max: saturated values, the same in every path
+    for given in (None, amax):
+        got = G.quantize_expanded_rows(x, amax=given, impl="cuda")
+        two_kernels = G.expand_nvfp4_rows(_cuda_formats.nvfp4_quantize(x, four_over_six=True, amax=given),
+                                          impl="cuda")
+        reference = G.quantize_expanded_rows(x, amax=given, impl="reference")
+        for want in (two_kernels, reference):
+            assert torch.equal(got.values.view(torch.int16), want.values.view(torch.int16))
+            assert torch.equal(got.row_factor.view(torch.int32), want.row_factor.view(torch.int32))
+    limit = torch.tensor([123], dtype=torch.int32, device="cuda")
+    part = G.quantize_expanded_rows(x, impl="cuda", num_rows_limit=limit)
+    whole = G.quantize_expanded_rows(x, impl="cuda")
+    assert torch.equal(part.values[:123].view(torch.int16), whole.values[:123].view(torch.int16))
+    assert torch.equal(part.row_factor[:123], whole.row_factor[:123])
 
 
 @pytest.mark.gpu
