@@ -176,7 +176,21 @@ test_nvlink() {
 }
 bench_gemm() {  # arguments go to the benchmark
   say "bench: grouped GEMM (1 GPU)"
-  CUDA_VISIBLE_DEVICES=0 timeout 250 python3 bench/bench_grouped_gemm.py --check --rows 128,16,256r "$@" --out "$OUT/bench_gemm.json" 2>&1 | grep -E "^(w1|w2|mlp|gemm|==)|eiling|check:" | tee -a "$log"
+  CUDA_VISIBLE_DEVICES=0 timeout 250 python3 bench/bench_grouped_gemm.py --check --rows 128,16,256r "$@" --out "$OUT/bench_gemm.json" 2>&1 | grep -E "^(w1|w2|mlp|gemm|==)|eiling|check:|parts" | tee -a "$log"
+}
+bench_gemm_tail_ab() {  # the remainder launch overlapped with the main one (EP_COMM_GEMM_TAIL_OVERLAP) on and off, routed rows
+  for value in 1 0 0 1; do
+    say "bench: grouped GEMM 256r, EP_COMM_GEMM_TAIL_OVERLAP=$value"
+    EP_COMM_GEMM_TAIL_OVERLAP=$value CUDA_VISIBLE_DEVICES=0 timeout 100 python3 bench/bench_grouped_gemm.py --rows 256r \
+      --no-baseline 2>&1 | grep -E "^(w1|w2|mlp) " | tee -a "$log"
+  done
+}
+bench_moe_tail_ab() {  # the MoE layer (no baseline) with the remainder launch overlapped and not
+  for value in 1 0; do
+    say "bench: MoE layer, EP_COMM_GEMM_TAIL_OVERLAP=$value"
+    EP_COMM_GEMM_TAIL_OVERLAP=$value timeout 200 python3 bench/bench_moe.py --nproc 2 --iters 5 --no-baseline \
+      --out "$OUT/bench_moe_tail_$value.json" 2>&1 | tail -8 | tee -a "$log"
+  done
 }
 bench_gemm_variant() {  # $1 = VAR=value: ours only, in the table lines of the log (tuning)
   say "bench: grouped GEMM with $1"

@@ -38,6 +38,7 @@
 #include <type_traits>
 
 #include "cp_async.cuh"
+#include "env_choice.h"
 #include "grouped_gemm.h"
 #include "pdl_launch.cuh"
 #include "s2f6_lane.cuh"
@@ -122,6 +123,11 @@ struct RowSplit {
   int part = 0;       // 0: all rows; 1: all but a small remainder; 2: only the small remainder
   int main_tile = 0;  // token tile of the part-1 launch
   int tail_rows = 0;  // remainders of 1 .. tail_rows rows are small
+  // Parts 1 and 2 overlap (not with waves): the part-2 launch is a programmatic dependent of part 1, so its CTAs
+  // take the SMs that part 1's last, partial round of items leaves idle (the two write disjoint rows and read
+  // only inputs complete before part 1); part 2 completes only after part 1 (its CTAs end in griddepcontrol.wait),
+  // so the kernels behind it on the stream still see both.
+  bool overlap = false;
 };
 
 // (first row within the expert, rows) that `split` assigns to this launch for expert e.
@@ -704,10 +710,15 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
     }
   }
   __syncthreads();
+  // Overlapped split: part 2 may start now; its CTAs get SMs as this launch's CTAs finish.
+  if (split.overlap && split.part == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   gemm_items<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kCombineRows>(args, split, smem, cursor, persistent,
                                                                             wave_epoch);
-  // Waves: complete only after the receive has (kernels behind this one keep plain stream order with both).
-  if (args.wave.area != nullptr) asm volatile("griddepcontrol.wait;" ::: "memory");
+  // Waves: complete only after the receive has; overlapped part 2: only after part 1 has (kernels behind this one
+  // keep plain stream order with both).
+  if (args.wave.area != nullptr || (split.overlap && split.part == 2)) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+  }
 #else
   __trap();  // built for an architecture without wgmma; the launcher refuses such devices
 #endif
@@ -757,9 +768,11 @@ cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64
   // Item indices are ints: the last one a CTA computes before stopping is below items + grid (one CTA per item:
   // the first item only).
   if (items + (persistent ? grid : 0) > INT32_MAX) return cudaErrorInvalidValue;
-  // Waves: the programmatic dependent of the dispatch receive launched just before on this stream (waves.h).
-  return launch_with_pdl(kernel, static_cast<unsigned>(grid), G::kThreads, G::kSmemBytes, stream, waves, args, split,
-                         persistent);
+  // Waves: the programmatic dependent of the dispatch receive launched just before on this stream (waves.h);
+  // overlapped part 2: of part 1 (RowSplit::overlap).
+  const bool programmatic = waves || (split.overlap && split.part == 2);
+  return launch_with_pdl(kernel, static_cast<unsigned>(grid), G::kThreads, G::kSmemBytes, stream, programmatic, args,
+                         split, persistent);
 }
 
 using LaunchFn = cudaError_t (*)(const GroupedGemmArgs&, RowSplit, int64_t, cudaStream_t);
@@ -896,14 +909,18 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
   // expert_offsets is non-decreasing).
   const int64_t tile_slots = (args.num_rows_total + tile - 1) / tile + args.num_experts;
   if (tail_tile == 0) return main_kernel(args, RowSplit{}, tile_slots, stream);
-  const cudaError_t status = main_kernel(args, RowSplit{1, tile, tail_tile}, tile_slots, stream);
+  // The two parts overlap (RowSplit::overlap) unless waves (the remainder rows may still be arriving while the main
+  // part runs) or EP_COMM_GEMM_TAIL_OVERLAP=0 (measurements).
+  static const bool overlap_allowed = env_choice("EP_COMM_GEMM_TAIL_OVERLAP", {"1", "0"}) == 0;
+  const bool overlap = overlap_allowed && args.wave.area == nullptr;
+  const cudaError_t status = main_kernel(args, RowSplit{1, tile, tail_tile, overlap}, tile_slots, stream);
   if (status != cudaSuccess) return status;
   // Every small remainder fits one tail tile: at most one tile per expert. With waves the main part has completed
   // (after the receive, see the kernel's end) before this launch starts: it needs no waves.
   const int64_t tail_slots = args.num_experts < tile_slots ? args.num_experts : tile_slots;
   GroupedGemmArgs tail_args = args;
   tail_args.wave = WaveSync{};
-  return tail_kernel(tail_args, RowSplit{2, tile, tail_tile}, tail_slots, stream);
+  return tail_kernel(tail_args, RowSplit{2, tile, tail_tile, overlap}, tail_slots, stream);
 }
 
 }  // namespace ep_comm
