@@ -185,6 +185,13 @@ bench_gemm_tail_ab() {  # the remainder launch overlapped with the main one (EP_
       --no-baseline 2>&1 | grep -E "^(w1|w2|mlp) " | tee -a "$log"
   done
 }
+bench_gemm_small_persistent() {  # the small token tiles as persistent CTAs (EP_COMM_GEMM_MAX_CTAS=396: 3 per SM) or not
+  for value in 0 396 396 0; do
+    say "bench: grouped GEMM 16 / 32 rows, EP_COMM_GEMM_MAX_CTAS=$value"
+    EP_COMM_GEMM_MAX_CTAS=$value CUDA_VISIBLE_DEVICES=0 timeout 100 python3 bench/bench_grouped_gemm.py --rows 16,32 \
+      --no-baseline 2>&1 | grep -E "^(w1|w2|mlp) " | tee -a "$log"
+  done
+}
 bench_moe_tail_ab() {  # the MoE layer (no baseline) with the remainder launch overlapped and not
   for value in 1 0; do
     say "bench: MoE layer, EP_COMM_GEMM_TAIL_OVERLAP=$value"

@@ -686,7 +686,8 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
 // slot is past the last tile, on a grid of what fits on the GPU at once (launch_tile), so that a launch sized for
 // the worst case (rows / tile + experts slots, without reading the counts on the host) pays neither a CTA launch
 // nor a scan for every empty slot, and each CTA reads the expert counts once (TileCursor). Otherwise one item per
-// CTA on a grid of every slot (measured faster for the 2-warpgroup, 3-CTA/SM shapes of the small token tiles). With
+// CTA on a grid of every slot (measured faster for the 2-warpgroup, 3-CTA/SM shapes of the small token tiles when K
+// is long: launch_tile). With
 // waves (persistent too) CTAs take items from the wave work counter, so late CTAs take fewer (waves.h).
 template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kCombineRows>
 __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
@@ -750,12 +751,19 @@ cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64
   if (status != cudaSuccess) return status;
   // Persistent (as many CTAs as are resident at once, at most one per work item of the bound) for the one-CTA-per-SM
   // shapes of the large token tiles and for the remainder launch, whose slots are mostly empty; one CTA per item for
-  // the small-tile shapes. Same-call A/B on H200 against one CTA per item (bench/RESULTS.md, eighth session): 128
-  // rows per expert -2% (w1 + w2), MoE layer at 4096 tokens -1.7%; 16 rows per expert +3% if persistent too.
+  // the small-tile shapes unless K is short (below). Same-call A/B on H200 against one CTA per item (bench/RESULTS.md,
+  // eighth session): 128 rows per expert -2% (w1 + w2), MoE layer at 4096 tokens -1.7%; 16 rows per expert +3% if
+  // persistent too (before the next-item prefetch of the ninth session).
   const int max_ctas = max_ctas_override();
   if (max_ctas < 0) return cudaErrorInvalidValue;
   const bool waves = args.wave.area != nullptr;
-  const bool persistent = kCtasPerSm == 1 || split.part == 2 || max_ctas > 0 || waves;
+  // The small-tile shapes too when K is short: an item of K <= 2048 (w2) is too short to amortize a CTA's launch and
+  // pipeline fill, which the persistent CTAs' next-item prefetch hides. Measured on H200 (bench/RESULTS.md,
+  // sixteenth session; 16 / 32 rows per expert): w2 (K = 2048) 0.44 -> 0.40 and 0.53 -> 0.47 ms persistent, w1
+  // (K = 7168) 0.68 -> 0.71 and 0.78 -> 0.82 ms (the block scheduler's dynamic placement wins there).
+  constexpr int64_t kPersistentSmallTileMaxK = 2048;
+  const bool persistent = kCtasPerSm == 1 || split.part == 2 || max_ctas > 0 || waves ||
+                          args.k <= kPersistentSmallTileMaxK;
   const int64_t weight_ctas = (args.n / kTileRows + kWarpGroups - 1) / kWarpGroups;
   const int64_t items = weight_ctas * tile_slots;
   int64_t grid = items;
