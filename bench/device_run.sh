@@ -192,6 +192,20 @@ bench_gemm_small_persistent() {  # the small token tiles as persistent CTAs (EP_
       --no-baseline 2>&1 | grep -E "^(w1|w2|mlp) " | tee -a "$log"
   done
 }
+bench_requant_shapes() {  # the w2-input requantization (fp32 rows -> operand rows, 4/6) under each quantize thread shape
+  for shape in auto occupancy wide auto; do
+    say "bench: requantization into operand rows, EP_COMM_NVFP4_QUANT_SHAPE=$shape"
+    (cd bench && EP_COMM_NVFP4_QUANT_SHAPE=$shape CUDA_VISIBLE_DEVICES=0 timeout 60 python3 -c "
+import torch
+from ep_comm import grouped_gemm as G
+from bench_formats import time_ms
+for rows in (16384, 32857):
+    x = torch.randn(rows, 2048, device='cuda') * 3.0
+    ms = time_ms(lambda: G.quantize_expanded_rows(x, impl='cuda'), 20, 5)
+    print(f'requant {rows} x 2048 fp32: {ms * 1e3:.1f} us')
+") 2>&1 | grep requant | tee -a "$log"
+  done
+}
 bench_moe_tail_ab() {  # the MoE layer (no baseline) with the remainder launch overlapped and not
   for value in 1 0; do
     say "bench: MoE layer, EP_COMM_GEMM_TAIL_OVERLAP=$value"

@@ -313,13 +313,15 @@ cudaError_t launch_nvfp4_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t st
   if (args.num_rows == 0) return cudaSuccess;
   return vec::dispatch_elem_type(args.x_type, [&](auto tag) {
     using T = decltype(tag);
-    // Block values: the 4/6 default shape only (the tuning override applies to the code-writing kernels).
-    if (block_values) return launch_quantize<T, NarrowShape, true>(args, stream);
-    switch (quantize_shape_choice(args.four_over_six)) {
-      case 1: return launch_quantize<T, WideShape>(args, stream);
-      case 2: return launch_quantize<T, OccupancyShape>(args, stream);
-      default: return launch_quantize<T, NarrowShape>(args, stream);
-    }
+    auto launch = [&](auto block_values_tag) {
+      constexpr bool kBlockValues = decltype(block_values_tag)::value;
+      switch (quantize_shape_choice(args.four_over_six)) {
+        case 1: return launch_quantize<T, WideShape, kBlockValues>(args, stream);
+        case 2: return launch_quantize<T, OccupancyShape, kBlockValues>(args, stream);
+        default: return launch_quantize<T, NarrowShape, kBlockValues>(args, stream);
+      }
+    };
+    return block_values ? launch(std::true_type{}) : launch(std::false_type{});
   });
 }
 
