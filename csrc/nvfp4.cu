@@ -24,8 +24,10 @@ namespace {
 // 4 bf16 / 2 fp32 blocks), a row takes at most kMaxThreads threads, and the kernel is compiled for min_ctas()
 // CTAs of kMaxThreads per SM (the register budget). Measured on H200 (bench/RESULTS.md, fourth and fifteenth
 // sessions): plain takes occupancy (4 CTAs: 97.4 us on 64 MiB against 105.3 with 3 CTAs and 80 registers -- with
-// codes packed by pair conversions the plain path fits 64 registers without spills), 4/6 takes narrow (its two
-// candidates need the 80 registers: 220 us against 400 at 64 registers).
+// codes packed by pair conversions the plain path fits 64 registers without spills), 4/6 takes two blocks per thread
+// at 3 CTAs (its two candidates need the 80 registers: 220 us against 400 at 64 registers): narrow for bf16 / fp16,
+// occupancy for fp32 (1.14x faster than narrow's one block per thread although it spills ~50 bytes; sixteenth
+// session).
 // kMinCtasHeavyArg: the CTAs per SM for the kernels that need more registers -- fp16 input and 4/6.
 template <int kRawBytesArg, int kMaxThreadsArg, int kMinCtasArg, int kMinCtasHeavyArg = kMinCtasArg>
 struct QuantShape {
@@ -292,11 +294,13 @@ cudaError_t launch_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t stream) 
 }
 
 // EP_COMM_NVFP4_QUANT_SHAPE = wide | occupancy | narrow overrides the thread shape (for measurements); by
-// default (unset or auto) 4/6 takes narrow and plain takes occupancy, the fastest of the three for each on H200
-// (RESULTS.md).
-int quantize_shape_choice(bool four_over_six) {
+// default (unset or auto) 4/6 takes two blocks of 16 per thread -- narrow for 16-bit input, occupancy (the same 3
+// CTAs per SM, 128 raw bytes) for fp32 -- and plain takes occupancy, the fastest for each on H200 (RESULTS.md:
+// fp32 4/6, the MoE layer's w2 input, 94 -> 83 us for 16384 x 2048 rows, sixteenth session).
+int quantize_shape_choice(bool four_over_six, int x_type) {
   static const int forced = env_choice("EP_COMM_NVFP4_QUANT_SHAPE", {"auto", "wide", "occupancy", "narrow"});
-  return forced != 0 ? forced : (four_over_six ? 3 : 2);
+  if (forced != 0) return forced;
+  return four_over_six && static_cast<ElemType>(x_type) != ElemType::kFloat32 ? 3 : 2;
 }
 
 }  // namespace
@@ -315,7 +319,7 @@ cudaError_t launch_nvfp4_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t st
     using T = decltype(tag);
     auto launch = [&](auto block_values_tag) {
       constexpr bool kBlockValues = decltype(block_values_tag)::value;
-      switch (quantize_shape_choice(args.four_over_six)) {
+      switch (quantize_shape_choice(args.four_over_six, args.x_type)) {
         case 1: return launch_quantize<T, WideShape, kBlockValues>(args, stream);
         case 2: return launch_quantize<T, OccupancyShape, kBlockValues>(args, stream);
         default: return launch_quantize<T, NarrowShape, kBlockValues>(args, stream);
