@@ -805,11 +805,15 @@ constexpr float kE2m1ScaledBound = 7.0f * 0x1p-6f;  // 7 in the scaled domain
 // [6, 7) rounds to 6 as min(a, 6) does. Here the same sums scaled by 2^-6 (binade floor 2^-6, magic >= 2^16): every
 // sum is a normal number, so the addition commutes with the power-of-two scaling; a_s below 2^-126 (a below 2^-120)
 // rounds to 0, as a does. Checked for every a < 7 by host_exhaustive_check ("e2m1_magnitude").
+// The magic is applied as floor * 2^22 inside two FMAs instead of an integer add and two FADDs (one instruction
+// fewer per element and candidate): floor = 2^max(floor(log2 a_s), -6) is a normal power of two, so for every finite
+// a_s < 2^104 the product floor * (+-2^22) = +-magic is exact and fma(floor, 2^22, a_s) rounds the exact a_s + magic
+// once, i.e. is f(a_s + magic) bit for bit; likewise fma(floor, -2^22, sum) is f(sum - magic). (A NaN a_s still gives
+// NaN, the addend propagates; the callers' a_s are below 7 * 2^-6 whenever the result is used.)
 QM_HD float e2m1_round_scaled(float a_s) {
   const uint32_t exp_bits = float_bits(a_s) & 0x7F800000u;
-  const uint32_t binade = exp_bits > 0x3C800000u ? exp_bits : 0x3C800000u;
-  const float magic = bits_float(binade + (22u << 23));
-  return qm_sub(qm_add(a_s, magic), magic);
+  const float binade_floor = bits_float(exp_bits > 0x3C800000u ? exp_bits : 0x3C800000u);
+  return qm_fma(binade_floor, -0x1p22f, qm_fma(binade_floor, 0x1p22f, a_s));
 }
 
 // prmt.b32 (default mode): byte i of the result is byte (sel >> 4i) & 7 of {b:a} (a = bytes 0-3), replaced by
@@ -832,35 +836,64 @@ QM_HD uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
 #endif
 }
 
-// Sign bytes of 4 elements: byte k is 0xFF when element k's sign bit is set, else 0x00 (what e2m1_pack8_scaled
-// takes). From fp32 values: three byte permutes. From two bf16 / fp16 pairs as loaded (element 2j in the low half of
-// word j): one, reading the high byte of each half directly -- the kernels that hold the raw input use this form.
+// Sign bytes of 4 elements in pair order: bytes 0, 1, 2, 3 are 0xFF when the sign bit of element 0, 2, 1, 3 is set,
+// else 0x00 (the byte order of e2m1_codes4_scaled, what e2m1_pack8_codes takes). From fp32 values: three byte
+// permutes. From two bf16 / fp16 pairs as loaded (element 2j in the low half of word j): one, reading the high byte of
+// each half directly -- the kernels that hold the raw input use this form.
 QM_HD uint32_t sign_bytes4(const float x[4]) {
-  return byte_perm(byte_perm(float_bits(x[0]), float_bits(x[1]), 0xFBu),
-                   byte_perm(float_bits(x[2]), float_bits(x[3]), 0xFBu), 0x5410u);
+  return byte_perm(byte_perm(float_bits(x[0]), float_bits(x[2]), 0xFBu),
+                   byte_perm(float_bits(x[1]), float_bits(x[3]), 0xFBu), 0x5410u);
 }
-QM_HD uint32_t sign_bytes4_16bit(uint32_t pair01, uint32_t pair23) { return byte_perm(pair01, pair23, 0xFDB9u); }
+QM_HD uint32_t sign_bytes4_16bit(uint32_t pair01, uint32_t pair23) { return byte_perm(pair01, pair23, 0xFBD9u); }
 
-// One packed NVFP4 word from 8 scaled magnitudes (r_s[i] = 2^-6 * an E2M1 value, as e2m1_round_scaled returns) and
-// their sign bytes (sign_bytes4 of elements 0-3 and 4-7): element i in bits 4i .. 4i + 3, its sign -- also for zero
-// magnitudes -- at 4i + 3. Per 4 elements: two E4M3 pair conversions (byte k = code_k << 2), n = signed nibble k in
-// byte k, and n | n >> 4 puts nibbles 2j, 2j + 1 in byte 2j. Same bits as the NUMERICS packing of the codes of
-// r_s * 2^6 with those signs (host_exhaustive_check "e2m1_magnitude").
-// not_on_grid (optional): or-ed with the low two bits of each E4M3 byte, which are zero for every value on the scaled
-// E2M1 grid and nonzero for NaN (0x7F) or a value the conversion saturated (0x7E): the plain fast path's NaN test.
+// High 32 bits of the 64-bit product a * b (IMAD.HI on the device).
+QM_HD uint32_t qm_umulhi(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __umulhi(a, b);
+#else
+  return static_cast<uint32_t>((static_cast<uint64_t>(a) * b) >> 32);
+#endif
+}
+
+// The E4M3 bytes of 4 scaled magnitudes (r_s[k] = 2^-6 * an E2M1 value, as e2m1_round_scaled returns) in pair order:
+// bytes 0, 1, 2, 3 = elements 0, 2, 1, 3, each code << 2 (two pair conversions). A value off the scaled E2M1 grid
+// gives a byte with nonzero low bits: NaN 0x7F, a saturated value 0x7E.
+QM_HD uint32_t e2m1_codes4_scaled(const float r_s[4]) {
+  return static_cast<uint32_t>(e4m3x2_encode(r_s[0], r_s[2])) |
+         (static_cast<uint32_t>(e4m3x2_encode(r_s[1], r_s[3])) << 16);
+}
+
+// One packed NVFP4 word (element i in bits 4i .. 4i + 3, its sign -- also for zero magnitudes -- at 4i + 3) from the
+// code words of elements 0-3 and 4-7 (e2m1_codes4_scaled, codes on the grid) and their sign bytes (sign_bytes4 /
+// sign_bytes4_16bit). Per 4 elements: n = codes | (signs & 0x20202020) has byte k = (code | sign << 3) << 2 (bit 5 is
+// free: code << 2 <= 28), i.e. the signed nibbles of elements 0, 2, 1, 3 shifted left by 2; then
+// umulhi(n, 2^30 + 2^18) = floor(n / 4 + n / 2^14) = (n >> 2) + (n >> 14) (n / 4 is an integer): n >> 2 puts the
+// nibbles of elements 0 and 2 in bits 0-3 and 8-11, n >> 14 those of elements 1 and 3 (bytes 2 and 3, bits 18-21 and
+// 26-29) in bits 4-7 and 12-15 and nothing else below bit 16 (bits 0-13 of n drop out, bits 16-17 and 24-25 are zero),
+// so the low 16 bits of the sum are the four nibbles in place, without carries. One byte permute joins the two low
+// halves. Same bits as the NUMERICS packing of the codes of r_s * 2^6 with those signs (host_exhaustive_check
+// "e2m1_magnitude", through e2m1_pack8_scaled).
+QM_HD uint32_t e2m1_pack8_codes(uint32_t codes_lo, uint32_t codes_hi, uint32_t signs_lo, uint32_t signs_hi) {
+  const uint32_t lo = qm_umulhi(codes_lo | (signs_lo & 0x20202020u), 0x40040000u);
+  const uint32_t hi = qm_umulhi(codes_hi | (signs_hi & 0x20202020u), 0x40040000u);
+  return byte_perm(lo, hi, 0x5410u);
+}
+
+// The same from 8 scaled magnitudes. not_on_grid (optional): or-ed with the low two bits of each E4M3 byte, which are
+// zero for every value on the scaled E2M1 grid and nonzero for NaN (0x7F) or a value the conversion saturated (0x7E):
+// the plain fast path's NaN test.
 QM_HD uint32_t e2m1_pack8_scaled(const float r_s[8], uint32_t signs_lo, uint32_t signs_hi,
                                  uint32_t* not_on_grid = nullptr) {
-  uint32_t pairs[2];
+  const uint32_t codes_lo = e2m1_codes4_scaled(r_s);
+  const uint32_t codes_hi = e2m1_codes4_scaled(r_s + 4);
+  if (not_on_grid != nullptr) *not_on_grid |= (codes_lo | codes_hi) & 0x03030303u;
+  return e2m1_pack8_codes(codes_lo, codes_hi, signs_lo, signs_hi);
+}
+
+// The block's 4 sign-byte words: sign_bytes if given (the kernels' sign_bytes4_16bit of the raw pairs), else from x.
+QM_HD void block_sign_bytes(const float x[16], const uint32_t* sign_bytes, uint32_t signs[4]) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float* r = r_s + 4 * h;
-    const uint32_t codes = static_cast<uint32_t>(e4m3x2_encode(r[0], r[1])) |
-                           (static_cast<uint32_t>(e4m3x2_encode(r[2], r[3])) << 16);
-    if (not_on_grid != nullptr) *not_on_grid |= codes & 0x03030303u;
-    const uint32_t nibbles = (codes >> 2) | ((h == 0 ? signs_lo : signs_hi) & 0x08080808u);
-    pairs[h] = nibbles | (nibbles >> 4);
-  }
-  return byte_perm(pairs[0], pairs[1], 0x6420u);
+  for (int q = 0; q < 4; ++q) signs[q] = sign_bytes != nullptr ? sign_bytes[q] : sign_bytes4(x + 4 * q);
 }
 
 // The two packed words of a 16-element block from its scaled magnitudes; sign_bytes: the block's 4 sign-byte words
@@ -868,8 +901,7 @@ QM_HD uint32_t e2m1_pack8_scaled(const float r_s[8], uint32_t signs_lo, uint32_t
 QM_HD void e2m1_pack16_scaled(const float r_s[16], const float x[16], const uint32_t* sign_bytes, uint32_t words[2],
                                uint32_t* not_on_grid = nullptr) {
   uint32_t signs[4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) signs[q] = sign_bytes != nullptr ? sign_bytes[q] : sign_bytes4(x + 4 * q);
+  block_sign_bytes(x, sign_bytes, signs);
   words[0] = e2m1_pack8_scaled(r_s, signs[0], signs[1], not_on_grid);
   words[1] = e2m1_pack8_scaled(r_s + 8, signs[2], signs[3], not_on_grid);
 }
@@ -883,7 +915,7 @@ QM_HD void e2m1_pack16_scaled(const float r_s[16], const float x[16], const uint
 // codes: under the bound every non-NaN element's scaled value is on the E2M1 grid (E4M3 byte code << 2, low bits
 // zero), while a NaN element converts to 0x7F: one OR per 4 elements instead of an FADD chain over the elements. (An
 // Inf element never gets here -- block_amax keeps Inf, so the bound fails first -- and would be caught anyway: its
-// magic wraps to a negative number, Inf stays Inf and saturates to 0x7E.)
+// binade floor is Inf, so e2m1_round_scaled gives f(Inf - Inf) = NaN, 0x7F.)
 QM_HD bool nvfp4_plain_codes_fast(const float x[16], float block_amax, float inv, const uint32_t* sign_bytes,
                                   uint32_t words[2]) {
   const float inv_s = qm_mul(inv, kE2m1DomainScale);
@@ -901,16 +933,23 @@ QM_HD bool nvfp4_plain_codes_fast(const float x[16], float block_amax, float inv
 // nvfp4_plain_codes_fast), and an approximate error A = f(A_even + A_odd), A_even / A_odd the fma chains over the
 // even / odd i of t_i^2 (two chains: half the dependent latency of one), t_i = f(r_i * g - |x_i|) (one fma, computed
 // as f(r_s[i] * g_s - |x_i|) with g_s = g * 2^6 exact: the same exact product), g = f(f(s * amax) * f(1 / 6M)).
-// ~8 operations per element (no division, no separate square and sum); the codes are packed afterwards, for the
-// chosen candidate only.
-QM_HD float nvfp4_candidate_scaled(const float x[16], float inv_s, float g_s, float r_s[16]) {
+// ~7 operations per element (no division, no separate square and sum). The values r_s go straight into E4M3 code
+// words (codes[q] = e2m1_codes4_scaled of elements 4q .. 4q + 3): 8 pair conversions per candidate, after which the
+// 16 floats are dead -- the caller selects the chosen candidate's 4 words instead of 16 values and packs once.
+QM_HD float nvfp4_candidate_scaled(const float x[16], float inv_s, float g_s, uint32_t codes[4]) {
   float acc[2] = {0.0f, 0.0f};
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const float ax = qm_abs(x[i]);
-    r_s[i] = e2m1_round_scaled(qm_mul(ax, inv_s));
-    const float t = qm_fma(r_s[i], g_s, -ax);
-    acc[i % 2] = qm_fma(t, t, acc[i % 2]);
+  for (int q = 0; q < 4; ++q) {
+    float r_s[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int i = 4 * q + k;
+      const float ax = qm_abs(x[i]);
+      r_s[k] = e2m1_round_scaled(qm_mul(ax, inv_s));
+      const float t = qm_fma(r_s[k], g_s, -ax);
+      acc[i % 2] = qm_fma(t, t, acc[i % 2]);
+    }
+    codes[q] = e2m1_codes4_scaled(r_s);
   }
   return qm_add(acc[0], acc[1]);
 }
@@ -1045,10 +1084,10 @@ QM_HD Nvfp4BlockFast nvfp4_four_six_block16_fast(const float x[16], float block_
   const bool in_range = outer.approx_ok && qm_mul(block_amax, inv6_s) < kE2m1ScaledBound;
   const float g6 = qm_mul(qm_mul(scale6, amax), outer.inv_six_m);
   const float g4 = qm_mul(qm_mul(scale4, amax), outer.inv_six_m);
-  float r6_s[16];
-  float r4_s[16];
-  const float approx6 = nvfp4_candidate_scaled(x, inv6_s, qm_mul(g6, 64.0f), r6_s);
-  const float approx4 = nvfp4_candidate_scaled(x, qm_mul(inv4, kE2m1DomainScale), qm_mul(g4, 64.0f), r4_s);
+  uint32_t codes6[4];
+  uint32_t codes4[4];
+  const float approx6 = nvfp4_candidate_scaled(x, inv6_s, qm_mul(g6, 64.0f), codes6);
+  const float approx4 = nvfp4_candidate_scaled(x, qm_mul(inv4, kE2m1DomainScale), qm_mul(g4, 64.0f), codes4);
   const float twice_bound = qm_mul(2.0f, qm_add(nvfp4_approx_bound(approx4, g4), nvfp4_approx_bound(approx6, g6)));
   const bool four_better = qm_sub(approx6, approx4) > twice_bound;
   const bool six_better = qm_sub(approx4, approx6) > twice_bound;
@@ -1056,10 +1095,13 @@ QM_HD Nvfp4BlockFast nvfp4_four_six_block16_fast(const float x[16], float block_
   const bool same = s4 == s6;
   const bool chosen4 = !same && four_better;
   out.decided = in_range && (same ? !qm_isnan(approx6) : (four_better || six_better));
-  float chosen_s[16];  // the chosen candidate's scaled values
+  uint32_t chosen[4];  // the chosen candidate's code words (when decided: on the grid, no NaN element)
 #pragma unroll
-  for (int i = 0; i < 16; ++i) chosen_s[i] = chosen4 ? r4_s[i] : r6_s[i];
-  e2m1_pack16_scaled(chosen_s, x, sign_bytes, out.words);  // when decided: no NaN element (approx6 is not NaN)
+  for (int q = 0; q < 4; ++q) chosen[q] = chosen4 ? codes4[q] : codes6[q];
+  uint32_t signs[4];
+  block_sign_bytes(x, sign_bytes, signs);
+  out.words[0] = e2m1_pack8_codes(chosen[0], chosen[1], signs[0], signs[1]);
+  out.words[1] = e2m1_pack8_codes(chosen[2], chosen[3], signs[2], signs[3]);
   out.scale = chosen4 ? s4 : s6;
   return out;
 }
