@@ -196,6 +196,8 @@ void register_host_emulation(py::module_& m) {
             which = host::ExhaustiveCheck::kSrE4m3;
           } else if (check == "s2f6_fast") {
             which = host::ExhaustiveCheck::kS2f6Fast;
+          } else if (check == "div_six") {
+            which = host::ExhaustiveCheck::kDivSix;
           } else {
             throw std::invalid_argument("unknown check " + check);
           }

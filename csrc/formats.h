@@ -174,6 +174,9 @@ void nvfp4_fast_decided(const float* x, int64_t num_rows, int64_t hidden, const 
 //   kSrE4m3: sr_e4m3 and the kernels' sr_e4m3_fast (where sr_fast_block_ok admits it, under 8 scale bytes) vs
 //            sr_e4m3_definition, every v >= 0 (and -v) with random words 0, 0xFFFF, 0x8000 and a hash; and the
 //            per-block random bits (rbits_block / rbits_block_word) vs rbits.
+//   kDivSix: div_six_markstein vs f(a / 6) (equal wherever the quotient is normal, both below 2^-125 elsewhere) and
+//            nvfp4_four_six_scale_pair_fast vs nvfp4_four_six_scale_pair under approx_ok outer scales (the largest
+//            S_enc for both M, and amax = 1), every a in [0, +Inf].
 // Returns the number of mismatches (0 expected).
 enum class ExhaustiveCheck : int {
   kE2m1Magnitude = 0,
@@ -181,6 +184,7 @@ enum class ExhaustiveCheck : int {
   kMarkstein2688 = 2,
   kSrE4m3 = 3,
   kS2f6Fast = 4,
+  kDivSix = 5,
 };
 int64_t exhaustive_check(ExhaustiveCheck check, uint32_t stride);
 // Element-level primitives, one value each (for exhaustive / test-vector checks).

@@ -317,6 +317,50 @@ int64_t exhaustive_check(ExhaustiveCheck check, uint32_t stride) {
     for (uint64_t bits = 0; bits <= 0xFFFFFFFFu; bits += stride) check_value(static_cast<uint32_t>(bits), true);
     return mismatches;
   }
+  if (check == ExhaustiveCheck::kDivSix) {
+    // The fast path's division-free block scale pair: the quotient itself for every a in [0, +Inf], and the scale
+    // pair under approx_ok outer scales -- S_enc at its largest for both M (amax = 2^-80: the only S_enc where a
+    // subnormal quotient's error could reach the E4M3 grid) and a typical one.
+    const qm::Nvfp4Outer outers[3] = {qm::nvfp4_outer_scales(0x1p-80f, 448.0f), qm::nvfp4_outer_scales(0x1p-80f, 256.0f),
+                                      qm::nvfp4_outer_scales(1.0f, 448.0f)};
+    for (const qm::Nvfp4Outer& outer : outers) {
+      if (!outer.approx_ok) ++mismatches;
+    }
+    for (uint64_t bits = 0; bits <= 0x7F800000u; bits += stride) {
+      const float a = qm::bits_float(static_cast<uint32_t>(bits));
+      const float q = qm::div_six_markstein(a);
+      const float exact = qm::qm_div(a, 6.0f);
+      if (a <= qm::kFltMax) {
+        if (exact >= 0x1p-126f ? qm::float_bits(q) != qm::float_bits(exact) : !(q < 0x1p-125f && exact < 0x1p-125f)) {
+          ++mismatches;
+        }
+      }
+      for (const qm::Nvfp4Outer& outer : outers) {
+        if (qm::nvfp4_four_six_scale_pair_fast(a, outer) != qm::nvfp4_four_six_scale_pair(a, outer)) ++mismatches;
+      }
+    }
+    // Every a whose quotient is subnormal (a < 6 * 2^-126, bits below 0x01400000: where the two divisions differ),
+    // whatever the stride.
+    if (stride > 1) {
+      for (uint32_t bits = 0; bits < 0x01400000u; ++bits) {
+        const float a = qm::bits_float(bits);
+        const float q = qm::div_six_markstein(a);
+        const float exact = qm::qm_div(a, 6.0f);
+        if (exact >= 0x1p-126f ? qm::float_bits(q) != qm::float_bits(exact) : !(q < 0x1p-125f && exact < 0x1p-125f)) {
+          ++mismatches;
+        }
+        for (const qm::Nvfp4Outer& outer : outers) {
+          if (qm::nvfp4_four_six_scale_pair_fast(a, outer) != qm::nvfp4_four_six_scale_pair(a, outer)) ++mismatches;
+        }
+      }
+    }
+    // +Inf itself (the stride may skip it).
+    for (const qm::Nvfp4Outer& outer : outers) {
+      const float inf = qm::bits_float(0x7F800000u);
+      if (qm::nvfp4_four_six_scale_pair_fast(inf, outer) != qm::nvfp4_four_six_scale_pair(inf, outer)) ++mismatches;
+    }
+    return mismatches;
+  }
   const float six_m = check == ExhaustiveCheck::kMarkstein1536 ? 1536.0f : 2688.0f;
   const float inv_six_m = qm::qm_div(1.0f, six_m);
   for (uint64_t bits = 0x0D800000u; bits <= 0x7F7FFFFFu; bits += stride) {  // 2^-100 .. FLT_MAX

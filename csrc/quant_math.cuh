@@ -673,6 +673,30 @@ QM_HD float nvfp4_block_inverse(uint8_t scale_byte, float s_dec) {
   return nvfp4_block_inverse_value(e4m3_decode(scale_byte), s_dec);
 }
 
+// nvfp4_block_inverse_value for the 4/6 fast path: the same value whenever the row's approx_ok holds (the only case
+// where the fast path's result is used), without the reciprocal's range check, slow-path branch and reconvergence.
+// On the device, 1 / d is rcp.rn's own fast sequence -- r = MUFU.RCP(d), e = f(d r - 1), f(r - r e) (ptxas expands
+// rcp.rn.f32 to exactly this, with -e formed by an FADD.FTZ that cannot flush: e is 0 or a multiple of 2^-47) --
+// which ptxas takes for every d with a biased exponent in [1, 252]. With approx_ok, d = f(scale * S_dec) is 0 or lies
+// in [2^-101, 2^99] (scale 0 or in [2^-9, 448], S_dec = f(1 / f(6M / amax)) with 1536 <= 6M <= 2688 and
+// 2^-80 <= amax <= 2^100): a nonzero d takes that branch, the same bits; d = 0 gives f(0 * Inf - 1) = NaN and a NaN
+// reciprocal, and min(NaN, FLT_MAX) = FLT_MAX = min(1 / 0, FLT_MAX) (fminf returns the non-NaN operand). The host form
+// is the IEEE division. (Not checkable on the host: the device sequence is ptxas's; tests/test_formats_cuda.py
+// compares the kernels with the reference.)
+QM_HD float qm_rcp_fast(float d) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  const float e = __fmaf_rn(d, r, -1.0f);
+  return __fmaf_rn(r, -e, r);
+#else
+  return 1.0f / d;
+#endif
+}
+QM_HD float nvfp4_block_inverse_value_fast(float scale, float s_dec) {
+  return qm_min(qm_rcp_fast(qm_mul(scale, s_dec)), kFltMax);
+}
+
 // E2M1 rounding of a magnitude a >= 0 (or NaN): returns the code 0..7 and sets *rounded to its value.
 // Same result as e2m1_encode_soft(a) (checked exhaustively over all non-negative fp32), in ~9 operations:
 // with a clamped to 6 (NaN -> 6), let e = max(floor(log2 a), 0) and M = 2^(e + 22); the fp32 sum a + M has
@@ -1040,6 +1064,28 @@ QM_HD uint16_t nvfp4_four_six_scale_pair(float block_amax, const Nvfp4Outer& out
   return e4m3x2_encode(qm_min(base, 448.0f), qm_min(qm_mul(1.5f, base), 448.0f));
 }
 
+// f(a / 6) without a division (an FMUL and two FMAs, no special-case branch): q0 = f(a * f(1/6)), the remainder
+// a - 6 q0 is exact in one FMA, and f(q0 + rem * f(1/6)) is the correctly rounded quotient (Markstein) whenever it is
+// a normal number. host_exhaustive_check "div_six" over every non-negative fp32 a: equal to f(a / 6) unless
+// f(a / 6) < 2^-126, where both are below 2^-125; a = Inf gives NaN (f(Inf - Inf) in the remainder).
+QM_HD float div_six_markstein(float a) {
+  constexpr float kInvSix = 1.0f / 6.0f;  // f(1/6) = 0x3E2AAAAB, rounded at compile time
+  const float q0 = qm_mul(a, kInvSix);
+  return qm_fma(qm_fma(-q0, 6.0f, a), kInvSix, q0);
+}
+
+// nvfp4_four_six_scale_pair for the fast path: the same bytes whenever outer.approx_ok (the only case where the fast
+// path's result is used), by div_six_markstein instead of the IEEE division (which costs a range check, a branch to a
+// slow path and its reconvergence per block). With approx_ok, S_enc = f(6M / amax) <= 2688 * 2^80 < 2^92, so:
+// (1) f(a / 6) normal: the quotients are equal; (2) f(a / 6) < 2^-126 (both quotients below 2^-125): both bases are
+// below 2^-33 and encode to E4M3 0x00, as does 1.5 times them; (3) a = Inf: base is NaN instead of Inf, and
+// min(NaN, 448) = min(Inf, 448) = 448 (fminf returns the non-NaN operand), so both bytes are 0x7E either way.
+// host_exhaustive_check "div_six" compares the two pair functions for every non-negative a at the largest S_enc.
+QM_HD uint16_t nvfp4_four_six_scale_pair_fast(float block_amax, const Nvfp4Outer& outer) {
+  const float base = qm_mul(div_six_markstein(block_amax), outer.s_enc);
+  return e4m3x2_encode(qm_min(base, 448.0f), qm_min(qm_mul(1.5f, base), 448.0f));
+}
+
 // The plain codes by the NUMERICS rule (the general form of nvfp4_plain_codes_fast): words = the packed codes of x
 // with block factor inv, signs included.
 QM_HD void nvfp4_plain_codes_general(const float x[16], float inv, uint32_t words[2]) {
@@ -1066,13 +1112,11 @@ struct Nvfp4BlockFast {
 QM_HD Nvfp4BlockFast nvfp4_four_six_block16_fast(const float x[16], float block_amax, const Nvfp4Outer& outer,
                                                  float amax, const uint32_t* sign_bytes) {
   Nvfp4BlockFast out;
-  const uint16_t scale_pair = nvfp4_four_six_scale_pair(block_amax, outer);
-  const uint8_t s6 = static_cast<uint8_t>(scale_pair & 0xFFu);
-  const uint8_t s4 = static_cast<uint8_t>(scale_pair >> 8);
+  const uint16_t scale_pair = nvfp4_four_six_scale_pair_fast(block_amax, outer);  // s6 in the low byte, s4 high
   float scale6, scale4;
   e4m3x2_decode(scale_pair, scale6, scale4);
-  const float inv6 = nvfp4_block_inverse_value(scale6, outer.s_dec);
-  const float inv4 = nvfp4_block_inverse_value(scale4, outer.s_dec);
+  const float inv6 = nvfp4_block_inverse_value_fast(scale6, outer.s_dec);
+  const float inv4 = nvfp4_block_inverse_value_fast(scale4, outer.s_dec);
   // f(block_amax * inv4) <= f(block_amax * inv6): s4 >= s6 (E4M3 encoding is monotone and 1.5 base >= base),
   // so scale4 >= scale6 and inv4 <= inv6 (rounded products and the reciprocal are monotone). One test covers both.
   // The candidates round in the domain scaled by 2^-6 (nvfp4_candidate_scaled): approx_ok bounds every inv to
@@ -1092,9 +1136,14 @@ QM_HD Nvfp4BlockFast nvfp4_four_six_block16_fast(const float x[16], float block_
   const bool four_better = qm_sub(approx6, approx4) > twice_bound;
   const bool six_better = qm_sub(approx4, approx6) > twice_bound;
   // Step (1): identical candidates (s4 == s6) decide map-6 unless an element is NaN; step (2): the bound.
-  const bool same = s4 == s6;
-  const bool chosen4 = !same && four_better;
-  out.decided = in_range && (same ? !qm_isnan(approx6) : (four_better || six_better));
+  // s4 == s6 is tested on the decoded scales (one float compare instead of extracting two bytes): both bytes lie in
+  // [0x00, 0x7E] (min(base, 448) with base >= 0 or NaN, never -0), where E4M3 decoding is injective. When s4 == s6 both
+  // candidates are the same computation, so approx4 and approx6 are the same bits: approx6 - approx4 is 0 or NaN and
+  // twice_bound > 0 or NaN, so four_better and six_better are false -- hence chosen4 = four_better, and step (1) only
+  // adds its own case to `decided` (approx6 == approx6: not NaN).
+  const bool same = scale4 == scale6;
+  const bool chosen4 = four_better;
+  out.decided = in_range && (four_better || six_better || (same && approx6 == approx6));
   uint32_t chosen[4];  // the chosen candidate's code words (when decided: on the grid, no NaN element)
 #pragma unroll
   for (int q = 0; q < 4; ++q) chosen[q] = chosen4 ? codes4[q] : codes6[q];
@@ -1102,7 +1151,7 @@ QM_HD Nvfp4BlockFast nvfp4_four_six_block16_fast(const float x[16], float block_
   block_sign_bytes(x, sign_bytes, signs);
   out.words[0] = e2m1_pack8_codes(chosen[0], chosen[1], signs[0], signs[1]);
   out.words[1] = e2m1_pack8_codes(chosen[2], chosen[3], signs[2], signs[3]);
-  out.scale = chosen4 ? s4 : s6;
+  out.scale = static_cast<uint8_t>(chosen4 ? scale_pair >> 8 : scale_pair);  // s4 : s6
   return out;
 }
 
