@@ -693,8 +693,13 @@ QM_HD float qm_rcp_fast(float d) {
   return 1.0f / d;
 #endif
 }
-QM_HD float nvfp4_block_inverse_value_fast(float scale, float s_dec) {
-  return qm_min(qm_rcp_fast(qm_mul(scale, s_dec)), kFltMax);
+// The fast path's inv_s = f(inv * 2^-6) (nvfp4_candidate_scaled's domain) in one step, from s_dec_64 = f(S_dec * 2^6):
+// with approx_ok, d = f(scale * S_dec) is 0 or a normal number in [2^-101, 2^99] (see qm_rcp_fast), so
+// f(scale * s_dec_64) = 64 d exactly (S_dec * 64 is exact, and scaling by 2^6 commutes with rounding away from
+// underflow and overflow), 1 / (64 d) = (1 / d) * 2^-6 is normal and rounds as 1 / d does, and inv = f(1 / d) <= 2^101
+// is below FLT_MAX: the result is f(inv * 2^-6) exactly. d = 0: NaN, min -> f(FLT_MAX * 2^-6), the scaled FLT_MAX.
+QM_HD float nvfp4_block_inverse_scaled_fast(float scale, float s_dec_64) {
+  return qm_min(qm_rcp_fast(qm_mul(scale, s_dec_64)), kFltMax * 0x1p-6f);  // 2^-6: kE2m1DomainScale
 }
 
 // E2M1 rounding of a magnitude a >= 0 (or NaN): returns the code 0..7 and sets *rounded to its value.
@@ -1115,8 +1120,9 @@ QM_HD Nvfp4BlockFast nvfp4_four_six_block16_fast(const float x[16], float block_
   const uint16_t scale_pair = nvfp4_four_six_scale_pair_fast(block_amax, outer);  // s6 in the low byte, s4 high
   float scale6, scale4;
   e4m3x2_decode(scale_pair, scale6, scale4);
-  const float inv6 = nvfp4_block_inverse_value_fast(scale6, outer.s_dec);
-  const float inv4 = nvfp4_block_inverse_value_fast(scale4, outer.s_dec);
+  const float s_dec_64 = qm_mul(outer.s_dec, 64.0f);
+  const float inv6_s = nvfp4_block_inverse_scaled_fast(scale6, s_dec_64);  // f(inv6 * 2^-6)
+  const float inv4_s = nvfp4_block_inverse_scaled_fast(scale4, s_dec_64);
   // f(block_amax * inv4) <= f(block_amax * inv6): s4 >= s6 (E4M3 encoding is monotone and 1.5 base >= base),
   // so scale4 >= scale6 and inv4 <= inv6 (rounded products and the reciprocal are monotone). One test covers both.
   // The candidates round in the domain scaled by 2^-6 (nvfp4_candidate_scaled): approx_ok bounds every inv to
@@ -1124,14 +1130,13 @@ QM_HD Nvfp4BlockFast nvfp4_four_six_block16_fast(const float x[16], float block_
   // f(block_amax * inv6) < 7 scaled by 2^-6 (both products are normal, or the scaled one is below 2^-126 and
   // the unscaled one below 2^-120 < 7). Outside approx_ok (or the bound) the values below are computed all the
   // same and discarded.
-  const float inv6_s = qm_mul(inv6, kE2m1DomainScale);
   const bool in_range = outer.approx_ok && qm_mul(block_amax, inv6_s) < kE2m1ScaledBound;
   const float g6 = qm_mul(qm_mul(scale6, amax), outer.inv_six_m);
   const float g4 = qm_mul(qm_mul(scale4, amax), outer.inv_six_m);
   uint32_t codes6[4];
   uint32_t codes4[4];
   const float approx6 = nvfp4_candidate_scaled(x, inv6_s, qm_mul(g6, 64.0f), codes6);
-  const float approx4 = nvfp4_candidate_scaled(x, qm_mul(inv4, kE2m1DomainScale), qm_mul(g4, 64.0f), codes4);
+  const float approx4 = nvfp4_candidate_scaled(x, inv4_s, qm_mul(g4, 64.0f), codes4);
   const float twice_bound = qm_mul(2.0f, qm_add(nvfp4_approx_bound(approx4, g4), nvfp4_approx_bound(approx6, g6)));
   const bool four_better = qm_sub(approx6, approx4) > twice_bound;
   const bool six_better = qm_sub(approx4, approx6) > twice_bound;
