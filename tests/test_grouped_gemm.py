@@ -316,6 +316,8 @@ def test_quantize_expanded_rows_reference_and_errors():
         want = G.expand_nvfp4_rows(F.nvfp4_quantize(x, four_over_six=True, amax=given))
         assert torch.equal(got.values.view(torch.int16), want.values.view(torch.int16))
         assert torch.equal(got.row_factor, want.row_factor)
+    empty = G.quantize_expanded_rows(x[:0])
+    assert tuple(empty.values.shape) == (0, 64) and tuple(empty.row_factor.shape) == (0,)
     with pytest.raises(ValueError, match="multiple of 16"):
         G.quantize_expanded_rows(x[:, :40])
     with pytest.raises(ValueError, match="amax"):
@@ -558,6 +560,8 @@ def test_quantize_expanded_rows_cuda_bitwise(dtype, k):
         for want in (two_kernels, reference):
             assert torch.equal(got.values.view(torch.int16), want.values.view(torch.int16))
             assert torch.equal(got.row_factor.view(torch.int32), want.row_factor.view(torch.int32))
+    empty = G.quantize_expanded_rows(x[:0], impl="cuda")
+    assert tuple(empty.values.shape) == (0, k) and tuple(empty.row_factor.shape) == (0,)
     limit = torch.tensor([123], dtype=torch.int32, device="cuda")
     part = G.quantize_expanded_rows(x, impl="cuda", num_rows_limit=limit)
     whole = G.quantize_expanded_rows(x, impl="cuda")
