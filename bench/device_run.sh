@@ -267,9 +267,9 @@ ab_trees() {  # $1 = label, $2 = a grep -E pattern for the lines to keep, then a
   done
   rm -f "$out"
 }
-bench_formats_ab() {
-  ab_trees "bench: NVFP4 quantize" "nvfp4_quantize|copy_" env CUDA_VISIBLE_DEVICES=0 timeout 60 \
-    python3 bench/bench_formats.py --no-reference --only nvfp4_quantize
+bench_formats_ab() {  # AB_ONLY: the kernels to time (bench_formats --only, a name substring; default nvfp4_quantize)
+  ab_trees "bench: ${AB_ONLY:-nvfp4_quantize}" "${AB_ONLY:-nvfp4_quantize}|copy_" env CUDA_VISIBLE_DEVICES=0 timeout 60 \
+    python3 bench/bench_formats.py --no-reference --only "${AB_ONLY:-nvfp4_quantize}"
 }
 # The nvlink graph rows of a dispatch/combine run in the current directory's tree: AB_FORMATS (default nvfp4/s2f6;
 # several: "nvfp4/s2f6,bf16/bf16"), AB_TOKENS (default 128,1024,4096).
