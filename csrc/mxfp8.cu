@@ -89,17 +89,15 @@ __global__ void __launch_bounds__(kThreads) mxfp8_dequantize_kernel(const uint8_
 }
 
 // NVFP4 [R, K] -> MXFP8 [K, R]. A CTA takes a tile of kTileRows input rows x kTileCols columns:
-//  phase 1: thread t dequantizes two adjacent input rows over half the tile's columns (2 x 16 code bytes, 2 x 2
-//           scales) into smem, transposed (see Phase1Slot);
+//  phase 1: thread t dequantizes input row r0 + t (32 code bytes, 4 scales) into smem, transposed;
 //  phase 2: each (output row k, 32-row block) pair is one MX block: amax, scale, encode, 32-byte store;
 //  phase 3: the tile's 4 scale bytes of each output row k (row blocks r0/32 .. r0/32 + 3, adjacent in
 //           out_scales) go out as one 4-byte store (when the tile is full and R % 128 == 0, so the word is
 //           aligned) instead of 4 byte stores R/32 bytes apart.
 // Phase 2 gives the 4 row blocks of one output row to 4 consecutive lanes, so a warp stores 8 output rows x 128
 // contiguous bytes (whole sectors) instead of 32 rows x 32 bytes. Shared memory: column c's value of tile row r at
-// word c * kTilePitch + r + (r / 32) * kRowBlockSkew. Phase 1 (two rows per lane, one column at a time) writes
-// both rows' values of a column as one 8-byte store (half the store instructions of one row per lane), 16 lanes
-// 128 contiguous bytes; phase 2 reads a block's 32 values as 8 float4 (16-byte aligned), and the 8 lanes of a
+// word c * kTilePitch + r + (r / 32) * kRowBlockSkew. Phase 1 (one row per lane, one column at a time) writes 32
+// consecutive words per warp; phase 2 reads a block's 32 values as 8 float4 (16-byte aligned), and the 8 lanes of a
 // quarter warp (columns c, c + 1 x row blocks 0..3) start at 16-byte chunk 4c + b + j (mod 8): all different,
 // no bank conflicts.
 constexpr int kTileRows = 128;
@@ -110,64 +108,47 @@ __device__ __forceinline__ int tile_word(int column, int row) {
   return column * kTilePitch + row + (row / 32) * kRowBlockSkew;
 }
 
-// Phase 1's work split: thread t takes tile rows 2 * pair and 2 * pair + 1 over the tile's column half `half`
-// (columns 32 * half .. 32 * half + 31, NVFP4 blocks 2 * half and 2 * half + 1). Lanes 0..15 of a warp take half 0
-// and lanes 16..31 half 1 of the same 16 row pairs (32 rows): a code load instruction reads both 16-byte halves of
-// each row's 32 bytes (whole sectors), and each half warp of an 8-byte shared store writes 128 contiguous bytes of
-// one column (no bank conflicts).
-struct Phase1Slot {
-  int pair;  // tile rows 2 * pair, 2 * pair + 1
-  int half;  // tile columns 32 * half .. 32 * half + 31
-};
-__device__ __forceinline__ Phase1Slot phase1_slot(int t) { return Phase1Slot{(t & 15) + 16 * (t >> 5), (t >> 4) & 1}; }
-
-// One thread's phase-1 input (two rows r, r + 1, 32 columns from k): each row's 2 blocks' codes and scale bytes and
-// the row amax, loaded into registers one tile ahead of their use.
+// One tile row's input (thread t: row r0 + t): its 4 blocks' codes and scale bytes and the row amax, loaded into
+// registers one tile ahead of their use.
 struct TileRowInput {
-  uint4 codes[2];       // row q: block 0 in .x/.y, block 1 in .z/.w
-  uint32_t scales[2];   // row q: block 0's scale byte in bits 7:0, block 1's in bits 15:8
-  float row_amax[2];
+  uint2 codes[kTileCols / 16];
+  uint32_t scales[kTileCols / 16];
+  float row_amax;
 };
 
-__device__ __forceinline__ TileRowInput load_tile_rows(const uint8_t* __restrict__ data,
-                                                       const uint8_t* __restrict__ scales,
-                                                       const float* __restrict__ amax, int64_t num_rows,
-                                                       int64_t hidden, int64_t r, int64_t k) {
+__device__ __forceinline__ TileRowInput load_tile_row(const uint8_t* __restrict__ data,
+                                                      const uint8_t* __restrict__ scales,
+                                                      const float* __restrict__ amax, int64_t num_rows,
+                                                      int64_t hidden, int64_t r, int64_t k0) {
   TileRowInput in = {};
-  if (r >= num_rows) return in;  // r is even and num_rows % 32 == 0: r + 1 < num_rows otherwise
-  const uint8_t* row_codes = data + r * (hidden / 2) + k / 2;
-  const uint8_t* row_scales = scales + r * (hidden / 16) + k / 16;
-  if (hidden % 32 == 0 && k + 32 <= hidden &&
-      ((reinterpret_cast<uintptr_t>(data) & 15u) | (reinterpret_cast<uintptr_t>(scales) & 1u)) == 0) {
-    // Both blocks of a row: 16 code bytes as one load and the 2 scale bytes as one 16-bit load (aligned: K % 32 == 0
-    // and k % 32 == 0).
+  if (r >= num_rows) return in;
+  const uint8_t* row_codes = data + r * (hidden / 2) + k0 / 2;
+  const uint8_t* row_scales = scales + r * (hidden / 16) + k0 / 16;
+  static_assert(kTileCols == 64, "the wide path loads 32 code bytes and 4 scale bytes per row");
+  if (hidden % 64 == 0 && k0 + kTileCols <= hidden &&
+      ((reinterpret_cast<uintptr_t>(data) & 15u) | (reinterpret_cast<uintptr_t>(scales) & 3u)) == 0) {
+    // A full tile row: its 32 code bytes as two 16-byte loads and its 4 scale bytes as one word (aligned: K % 64
+    // == 0 and k0 % 64 == 0) -- half / a quarter of the load instructions and sectors of the per-block form.
+    const uint4 lo = __ldg(reinterpret_cast<const uint4*>(row_codes));
+    const uint4 hi = __ldg(reinterpret_cast<const uint4*>(row_codes) + 1);
+    const uint32_t four = __ldg(reinterpret_cast<const uint32_t*>(row_scales));
+    in.codes[0] = make_uint2(lo.x, lo.y);
+    in.codes[1] = make_uint2(lo.z, lo.w);
+    in.codes[2] = make_uint2(hi.x, hi.y);
+    in.codes[3] = make_uint2(hi.z, hi.w);
 #pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      in.codes[q] = __ldg(reinterpret_cast<const uint4*>(row_codes + q * (hidden / 2)));
-      in.scales[q] = __ldg(reinterpret_cast<const uint16_t*>(row_scales + q * (hidden / 16)));
-    }
+    for (int blk = 0; blk < 4; ++blk) in.scales[blk] = (four >> (8 * blk)) & 0xFFu;
   } else {
     // 16-column blocks: 8 code bytes each (8-byte aligned because K % 16 == 0).
 #pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const uint8_t* codes_q = row_codes + q * (hidden / 2);
-      const uint8_t* scales_q = row_scales + q * (hidden / 16);
-      if (k < hidden) {
-        const uint2 lo = __ldg(reinterpret_cast<const uint2*>(codes_q));
-        in.codes[q].x = lo.x;
-        in.codes[q].y = lo.y;
-        in.scales[q] = __ldg(scales_q);
-      }
-      if (k + 16 < hidden) {
-        const uint2 hi = __ldg(reinterpret_cast<const uint2*>(codes_q + 8));
-        in.codes[q].z = hi.x;
-        in.codes[q].w = hi.y;
-        in.scales[q] |= static_cast<uint32_t>(__ldg(scales_q + 1)) << 8;
+    for (int blk = 0; blk < kTileCols / 16; ++blk) {
+      if (k0 + blk * 16 < hidden) {
+        in.codes[blk] = __ldg(reinterpret_cast<const uint2*>(row_codes + blk * 8));
+        in.scales[blk] = __ldg(row_scales + blk);
       }
     }
   }
-  in.row_amax[0] = __ldg(amax + r);
-  in.row_amax[1] = __ldg(amax + r + 1);
+  in.row_amax = __ldg(amax + r);
   return in;
 }
 
@@ -183,48 +164,38 @@ __global__ void __launch_bounds__(kTileRows) nvfp4_to_mxfp8_transposed_kernel(
   __shared__ __align__(16) float tile[kTileCols * kTilePitch];
   __shared__ uint32_t tile_scales[kTileCols];  // byte j of word c: scale of output row k0 + c, row block j
   const int t = threadIdx.x;
-  const Phase1Slot slot = phase1_slot(t);
   int64_t tile_index = blockIdx.x;
   if (tile_index >= num_tiles) return;
-  TileRowInput next = load_tile_rows(data, scales, amax, num_rows, hidden,
-                                     (tile_index % num_row_tiles) * kTileRows + 2 * slot.pair,
-                                     (tile_index / num_row_tiles) * kTileCols + 32 * slot.half);
+  TileRowInput next = load_tile_row(data, scales, amax, num_rows, hidden, (tile_index % num_row_tiles) * kTileRows + t,
+                                    (tile_index / num_row_tiles) * kTileCols);
 
   for (; tile_index < num_tiles; tile_index += gridDim.x) {
     const int64_t r0 = (tile_index % num_row_tiles) * kTileRows;
     const int64_t k0 = (tile_index / num_row_tiles) * kTileCols;
     const TileRowInput in = next;
-    const int64_t kh = k0 + 32 * slot.half;
-    if (r0 + 2 * slot.pair < num_rows) {  // then row 2 * pair + 1 is in range too (num_rows % 32 == 0)
-      float scale_values[2][2];  // [row][block]: fp32(s_b), two per hardware decode (exact, like e4m3_decode)
+    if (r0 + t < num_rows) {
+      constexpr int kBlocks = kTileCols / 16;
+      float scale_values[kBlocks];  // fp32(s_b), two per hardware decode (exact, like e4m3_decode)
 #pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        qm::e4m3x2_decode(static_cast<uint16_t>(in.scales[q]), scale_values[q][0], scale_values[q][1]);
+      for (int blk = 0; blk < kBlocks; blk += 2) {
+        qm::e4m3x2_decode(static_cast<uint16_t>(in.scales[blk] | (in.scales[blk + 1] << 8)), scale_values[blk],
+                          scale_values[blk + 1]);
       }
-      float2* column = reinterpret_cast<float2*>(tile + tile_word(32 * slot.half, 2 * slot.pair));
 #pragma unroll
-      for (int blk = 0; blk < 2; ++blk) {
-        if (kh + blk * 16 >= hidden) break;
-        float y[2][16];
+      for (int blk = 0; blk < kBlocks; ++blk) {
+        if (k0 + blk * 16 >= hidden) break;
+        const float final_scale = qm::nvfp4_dequant_scale_from(scale_values[blk], in.row_amax, inv_six_m);
+        float y[16];
+        qm::nvfp4_block_decode(in.codes[blk].x, in.codes[blk].y, final_scale, y);
 #pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          const float final_scale = qm::nvfp4_dequant_scale_from(scale_values[q][blk], in.row_amax[q], inv_six_m);
-          const uint32_t w0 = blk == 0 ? in.codes[q].x : in.codes[q].z;
-          const uint32_t w1 = blk == 0 ? in.codes[q].y : in.codes[q].w;
-          qm::nvfp4_block_decode(w0, w1, final_scale, y[q]);
-        }
-        // Rows 2 * pair and 2 * pair + 1 of column 32 * half + 16 * blk + i are adjacent words (tile_word: the row
-        // pair never straddles a 32-row skew boundary), 8-byte aligned (kTilePitch and the skew are even).
-#pragma unroll
-        for (int i = 0; i < 16; ++i) column[(blk * 16 + i) * (kTilePitch / 2)] = make_float2(y[0][i], y[1][i]);
+        for (int i = 0; i < 16; ++i) tile[tile_word(blk * 16 + i, t)] = y[i];
       }
     }
     __syncthreads();
     const int64_t following = tile_index + gridDim.x;
     if (following < num_tiles) {
-      next = load_tile_rows(data, scales, amax, num_rows, hidden,
-                            (following % num_row_tiles) * kTileRows + 2 * slot.pair,
-                            (following / num_row_tiles) * kTileCols + 32 * slot.half);
+      next = load_tile_row(data, scales, amax, num_rows, hidden, (following % num_row_tiles) * kTileRows + t,
+                           (following / num_row_tiles) * kTileCols);
     }
 
 #pragma unroll
