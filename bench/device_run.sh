@@ -291,6 +291,7 @@ bench_dc_trees() {  # BISECT_TARS="a.tar b.tar ..." (git archives, carried): thi
   done
 }
 profile_nvfp4_quantize() { profile_formats --only nvfp4_quantize; }  # executed instructions of the two NVFP4 quantizers
+profile_transposed() { profile_formats --only transposed; }  # where the transposed requantization's time goes
 bench_moe() {  # arguments go to the benchmark
   say "bench: MoE layer (2 GPUs)"
   timeout 240 python3 bench/bench_moe.py --nproc 2 --iters 5 "$@" --out "$OUT/bench_moe.json" 2>&1 | tail -5 | tee -a "$log"
