@@ -27,9 +27,13 @@ namespace {
 // codes packed by pair conversions the plain path fits 64 registers without spills), 4/6 takes two blocks per thread
 // at 3 CTAs (its two candidates need the 80 registers: 220 us against 400 at 64 registers): narrow for bf16 / fp16,
 // occupancy for fp32 (1.14x faster than narrow's one block per thread although it spills ~50 bytes; sixteenth
-// session).
+// session). Since the sixteenth session's instruction cuts, narrow 4/6 fits 72 registers without spills, so a
+// 7168-wide bf16 row's CTA of 224 threads runs 4 per SM instead of 3: 189.4 -> 183.0 us (same-call A/B).
 // kMinCtasHeavyArg: the CTAs per SM for the kernels that need more registers -- fp16 input and 4/6.
-template <int kRawBytesArg, int kMaxThreadsArg, int kMinCtasArg, int kMinCtasHeavyArg = kMinCtasArg>
+// kRegisters46Arg (nonzero): the register cap of the 4/6 kernels, instead of what kMinCtasHeavyArg CTAs of
+// kMaxThreadsArg threads allow -- so that shorter CTAs (a 7168-wide bf16 row takes 224 threads) fit one more per SM.
+template <int kRawBytesArg, int kMaxThreadsArg, int kMinCtasArg, int kMinCtasHeavyArg = kMinCtasArg,
+          int kRegisters46Arg = 0>
 struct QuantShape {
   static constexpr int kRawBytes = kRawBytesArg;
   static constexpr int kMaxThreads = kMaxThreadsArg;
@@ -43,12 +47,20 @@ struct QuantShape {
   static constexpr int min_ctas() {
     return std::is_same<T, __half>::value || kFourOverSix ? kMinCtasHeavyArg : kMinCtasArg;
   }
+  // Registers per thread (__maxnreg__): what min_ctas() CTAs of kMaxThreads threads allow (the cap a minimum block
+  // count in __launch_bounds__ sets), or kRegisters46Arg for 4/6.
+  template <typename T, bool kFourOverSix>
+  static constexpr int max_registers() {
+    constexpr int kFit = 65536 / (kMaxThreads * min_ctas<T, kFourOverSix>());
+    return kFourOverSix && kRegisters46Arg != 0 ? kRegisters46Arg : (kFit > 255 ? 255 : kFit & ~7);
+  }
 };
 using WideShape = QuantShape<128, 512, 1>;       // fewest threads, most registers (rows up to 32768 bf16)
 using OccupancyShape = QuantShape<128, 256, 4, 3>;  // plain: 4 CTAs of 256 threads per SM (<= 64 registers); fp16
                                                     // and 4/6: 3 (they spill at 64; fp16's amax and signs go
                                                     // through fp32)
-using NarrowShape = QuantShape<64, 256, 3>;      // half the raw registers, twice the threads per row
+using NarrowShape = QuantShape<64, 256, 3, 3, 72>;  // half the raw registers, twice the threads per row; 4/6 at 72
+                                                     // registers: 4 CTAs of 224 threads (7168-wide bf16 rows)
 constexpr int kTargetCtaThreads = 256;
 
 // Raw 16-byte vectors of one 16-element block (2 for bf16/fp16, 4 for fp32).
@@ -122,7 +134,7 @@ __device__ __forceinline__ void store_block_values(const uint32_t words[2], uint
 
 // kBlockValues: write args.block_values and args.row_factor instead of codes, scales and amax (4/6 only).
 template <typename T, bool kFourOverSix, typename Shape, bool kBlockValues = false>
-__global__ void __launch_bounds__(Shape::kMaxThreads, Shape::template min_ctas<T, kFourOverSix>())
+__global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::template max_registers<T, kFourOverSix>()))
     nvfp4_quantize_kernel(Nvfp4QuantizeArgs args) {
   static_assert(!kBlockValues || kFourOverSix, "block values are the 4/6 form only");
   __shared__ float warp_max[Shape::kMaxThreads / 32];
