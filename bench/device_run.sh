@@ -179,18 +179,10 @@ bench_gemm() {  # arguments go to the benchmark
   CUDA_VISIBLE_DEVICES=0 timeout 250 python3 bench/bench_grouped_gemm.py --check --rows 128,16,256r "$@" --out "$OUT/bench_gemm.json" 2>&1 | grep -E "^(w1|w2|mlp|gemm|==)|eiling|check:|parts" | tee -a "$log"
 }
 bench_gemm_tail_ab() {  # the remainder launch overlapped with the main one (EP_COMM_GEMM_TAIL_OVERLAP) on and off, routed rows
-  for value in 1 0 0 1; do
-    say "bench: grouped GEMM 256r, EP_COMM_GEMM_TAIL_OVERLAP=$value"
-    EP_COMM_GEMM_TAIL_OVERLAP=$value CUDA_VISIBLE_DEVICES=0 timeout 100 python3 bench/bench_grouped_gemm.py --rows 256r \
-      --no-baseline 2>&1 | grep -E "^(w1|w2|mlp) " | tee -a "$log"
-  done
+  for value in 1 0 0 1; do bench_gemm_variant EP_COMM_GEMM_TAIL_OVERLAP=$value 256r; done
 }
 bench_gemm_small_persistent() {  # the small token tiles as persistent CTAs (EP_COMM_GEMM_MAX_CTAS=396: 3 per SM) or not
-  for value in 0 396 396 0; do
-    say "bench: grouped GEMM 16 / 32 rows, EP_COMM_GEMM_MAX_CTAS=$value"
-    EP_COMM_GEMM_MAX_CTAS=$value CUDA_VISIBLE_DEVICES=0 timeout 100 python3 bench/bench_grouped_gemm.py --rows 16,32 \
-      --no-baseline 2>&1 | grep -E "^(w1|w2|mlp) " | tee -a "$log"
-  done
+  for value in 0 396 396 0; do bench_gemm_variant EP_COMM_GEMM_MAX_CTAS=$value 16,32; done
 }
 bench_requant_shapes() {  # the w2-input requantization (fp32 rows -> operand rows, 4/6) under each quantize thread shape
   for shape in auto occupancy wide auto; do
@@ -206,16 +198,10 @@ for rows in (16384, 32857):
 ") 2>&1 | grep requant | tee -a "$log"
   done
 }
-bench_moe_tail_ab() {  # the MoE layer (no baseline) with the remainder launch overlapped and not
-  for value in 1 0; do
-    say "bench: MoE layer, EP_COMM_GEMM_TAIL_OVERLAP=$value"
-    EP_COMM_GEMM_TAIL_OVERLAP=$value timeout 200 python3 bench/bench_moe.py --nproc 2 --iters 5 --no-baseline \
-      --out "$OUT/bench_moe_tail_$value.json" 2>&1 | tail -8 | tee -a "$log"
-  done
-}
-bench_gemm_variant() {  # $1 = VAR=value: ours only, in the table lines of the log (tuning)
-  say "bench: grouped GEMM with $1"
-  env "$1" CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/bench_grouped_gemm.py --rows 128,16,256r --no-baseline 2>&1 | grep -E "^(w1|w2)" | tee -a "$log"
+bench_gemm_variant() {  # $1 = VAR=value, $2 = rows (default 128,16,256r): ours only, in the table lines of the log
+  say "bench: grouped GEMM with $1, rows ${2:-128,16,256r}"
+  env "$1" CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/bench_grouped_gemm.py --rows "${2:-128,16,256r}" \
+    --no-baseline 2>&1 | grep -E "^(w1|w2|mlp) " | tee -a "$log"
 }
 bench_gemm_stage1() { bench_gemm_variant EP_COMM_GEMM_KBLOCKS_PER_STAGE=1; }
 bench_gemm_tiles() { bench_gemm --token-tiles auto,64 --rows 128,16,256r,256; }

@@ -55,24 +55,34 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
 # ----------------------------------------------------------------------------------------------------------
 # CUDA kernels (same signatures as the reference paths formats.py dispatches from)
 # ----------------------------------------------------------------------------------------------------------
+def _launch_nvfp4_quantize(x: torch.Tensor, four_over_six: bool, amax: Optional[torch.Tensor],
+                           num_rows_limit: Optional[torch.Tensor], data=None, scales=None, amax_out=None,
+                           block_values=None, row_factor=None) -> None:
+    """The quantize kernel on x's rows into either codes (data [R, K/2], scales [R, K/16], amax_out [R]) or, 4/6 only,
+    GEMM operand rows (block_values fp16 [R, K], row_factor [R]); the outputs are contiguous and allocated by the
+    caller."""
+    k = x.shape[-1]
+    rows = _rows(_dense_input(x))
+    num_rows = rows.shape[0]
+    amax_in = None if amax is None else amax.reshape(num_rows).float().contiguous()
+    e4m3_max = _NVFP4_ACTIVATION_M if four_over_six else _NVFP4_WEIGHT_M
+    with torch.cuda.device(x.device):
+        _lib().nvfp4_quantize(rows.data_ptr(), _ELEM_TYPES[rows.dtype], rows.stride(0), num_rows, k, _ptr(amax_in),
+                              e4m3_max, four_over_six, _ptr(data), k // 2, _ptr(scales), k // 16, _ptr(amax_out), 0,
+                              _stream(x.device), _ptr(num_rows_limit), _ptr(block_values), k, _ptr(row_factor))
+
+
 def nvfp4_quantize(x: torch.Tensor, four_over_six: bool, amax: Optional[torch.Tensor],
                    num_rows_limit: Optional[torch.Tensor] = None) -> NVFP4Tensor:
     """num_rows_limit: optional device int32 scalar tensor; rows at or past it are not quantized (their outputs are
     left unwritten) -- for capacity-sized buffers whose used row count is only known on the device."""
-    lib = _lib()
-    lead_shape, k = x.shape[:-1], x.shape[-1]
-    rows = _rows(_dense_input(x))
-    num_rows = rows.shape[0]
-    device = x.device
-    e4m3_max = _NVFP4_ACTIVATION_M if four_over_six else _NVFP4_WEIGHT_M
-    amax_in = None if amax is None else amax.reshape(num_rows).float().contiguous()
+    lead_shape, k, device = x.shape[:-1], x.shape[-1], x.device
+    num_rows = lead_shape.numel()
     data = torch.empty(num_rows, k // 2, dtype=torch.uint8, device=device)
     scales = torch.empty(num_rows, k // 16, dtype=torch.uint8, device=device)
     amax_out = torch.empty(num_rows, dtype=torch.float32, device=device)
-    with torch.cuda.device(device):
-        lib.nvfp4_quantize(rows.data_ptr(), _ELEM_TYPES[rows.dtype], rows.stride(0), num_rows, k, _ptr(amax_in),
-                           e4m3_max, four_over_six, data.data_ptr(), k // 2, scales.data_ptr(), k // 16,
-                           amax_out.data_ptr(), 0, _stream(device), _ptr(num_rows_limit))
+    _launch_nvfp4_quantize(x, four_over_six, amax, num_rows_limit, data=data, scales=scales, amax_out=amax_out)
+    e4m3_max = _NVFP4_ACTIVATION_M if four_over_six else _NVFP4_WEIGHT_M
     return NVFP4Tensor(data=data.reshape(*lead_shape, k // 2),
                        scales=scales.reshape(*lead_shape, k // 16).view(torch.float8_e4m3fn),
                        amax=amax_out.reshape(lead_shape), e4m3_max=e4m3_max)
@@ -83,18 +93,10 @@ def nvfp4_quantize_block_values(x: torch.Tensor, amax: Optional[torch.Tensor],
     """NVFP4 4/6 of x [R, K] straight into the grouped GEMM operand form: (values fp16 [R, K] = e2m1 * e4m3 block
     scale, row_factor fp32 [R] = amax * fp32(1 / (6 M))), the bits of `grouped_gemm.expand_nvfp4_rows` applied to
     `nvfp4_quantize(x, True, amax)`, in one kernel. num_rows_limit as nvfp4_quantize (rows past it unwritten)."""
-    lib = _lib()
-    k = x.shape[-1]
-    rows = _rows(_dense_input(x))
-    num_rows = rows.shape[0]
-    device = x.device
-    amax_in = None if amax is None else amax.reshape(num_rows).float().contiguous()
-    values = torch.empty(num_rows, k, dtype=torch.float16, device=device)
-    row_factor = torch.empty(num_rows, dtype=torch.float32, device=device)
-    with torch.cuda.device(device):
-        lib.nvfp4_quantize(rows.data_ptr(), _ELEM_TYPES[rows.dtype], rows.stride(0), num_rows, k, _ptr(amax_in),
-                           _NVFP4_ACTIVATION_M, True, 0, 0, 0, 0, 0, 0, _stream(device), _ptr(num_rows_limit),
-                           values.data_ptr(), k, row_factor.data_ptr())
+    num_rows, k = x.shape[:-1].numel(), x.shape[-1]
+    values = torch.empty(num_rows, k, dtype=torch.float16, device=x.device)
+    row_factor = torch.empty(num_rows, dtype=torch.float32, device=x.device)
+    _launch_nvfp4_quantize(x, True, amax, num_rows_limit, block_values=values, row_factor=row_factor)
     return values, row_factor
 
 

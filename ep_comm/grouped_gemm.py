@@ -338,6 +338,12 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+def _check_num_rows_limit(num_rows_limit: Optional[torch.Tensor], device: torch.device) -> None:
+    if num_rows_limit is not None and (num_rows_limit.dtype != torch.int32 or num_rows_limit.numel() != 1
+                                       or num_rows_limit.device != device):
+        raise ValueError(f"num_rows_limit must be an int32 tensor of one element on {device}")
+
+
 def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Optional[torch.Tensor] = None
                       ) -> ExpandedRows:
     """NVFP4 rows q (logical [..., K], flattened to R rows) -> ExpandedRows (values fp16 [R, K], row_factor fp32 [R]).
@@ -367,12 +373,8 @@ def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Option
         values = torch.empty(num_rows, k, dtype=torch.float16, device=q.data.device)
         if num_rows:
             with torch.cuda.device(q.data.device):
-                limit = 0
-                if num_rows_limit is not None:
-                    if (num_rows_limit.dtype != torch.int32 or num_rows_limit.numel() != 1
-                            or num_rows_limit.device != q.data.device):
-                        raise ValueError("num_rows_limit must be an int32 tensor of one element on q's device")
-                    limit = num_rows_limit.data_ptr()
+                _check_num_rows_limit(num_rows_limit, q.data.device)
+                limit = 0 if num_rows_limit is None else num_rows_limit.data_ptr()
                 lib.nvfp4_dequantize(data.data_ptr(), scales.data_ptr(), 0, num_rows, k, float(q.e4m3_max),
                                      values.data_ptr(), 2, _stream(q.data.device), limit)
         return ExpandedRows(values=values, row_factor=row_factor.contiguous())
@@ -395,9 +397,7 @@ def quantize_expanded_rows(x: torch.Tensor, amax: Optional[torch.Tensor] = None,
         raise ValueError(f"x must be [R, K] with K a multiple of 16, got {tuple(x.shape)}")
     if amax is not None and (amax.shape != x.shape[:1] or amax.device != x.device):
         raise ValueError(f"amax must be [{x.shape[0]}] on {x.device}, got {tuple(amax.shape)} on {amax.device}")
-    if num_rows_limit is not None and (num_rows_limit.dtype != torch.int32 or num_rows_limit.numel() != 1
-                                       or num_rows_limit.device != x.device):
-        raise ValueError("num_rows_limit must be an int32 tensor of one element on x's device")
+    _check_num_rows_limit(num_rows_limit, x.device)
     if _use_gemm_kernels(impl, x, "quantize_expanded_rows"):
         from . import _cuda_formats
         values, row_factor = _cuda_formats.nvfp4_quantize_block_values(x, amax, num_rows_limit)

@@ -17,6 +17,7 @@ import torch.nn.functional as TF
 from ep_comm import formats as F
 from ep_comm import grouped_gemm as G
 from ep_comm import moe
+from format_cases import edge_rows, make_rows
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -294,22 +295,18 @@ def test_expand_leading_dims_and_empty():
 
 
 def hidden_rows_with_edges(rows: int, k: int, seed: int, device="cpu", dtype=torch.float32) -> torch.Tensor:
-    """w1-output-like rows (random scale per row) with edge rows: zeros, one outlier, NaN and Inf elements, tiny
-    values, a row of equal values."""
+    """w1-output-like rows: format_cases.edge_rows (zero, subnormal, outlier, NaN, Inf, huge rows...), then random rows
+    with outliers at a random scale per row (rows > len(edge_rows))."""
+    edges = edge_rows(k)
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, k, generator=g) * torch.exp(2 * torch.randn(rows, 1, generator=g))
-    x[0] = 0.0
-    x[1, 5] = 3e4
-    x[2, 17] = float("nan")
-    x[3, 40] = float("inf")
-    x[4] *= 1e-30
-    x[5] = -1.25
-    return x.to(device=device, dtype=dtype)
+    scale = torch.exp(2 * torch.randn(rows - edges.shape[0], 1, generator=g))
+    return torch.cat([edges, make_rows("outliers", rows - edges.shape[0], k, seed) * scale]).to(device=device,
+                                                                                                 dtype=dtype)
 
 
 @pytest.mark.cpu
 def test_quantize_expanded_rows_reference_and_errors():
-    x = hidden_rows_with_edges(9, 64, seed=2)
+    x = hidden_rows_with_edges(20, 64, seed=2)
     amax = x.abs().nan_to_num(0.0).amax(-1) * 1.5
     for given in (None, amax):
         got = G.quantize_expanded_rows(x, amax=given)
@@ -551,7 +548,7 @@ def test_quantize_expanded_rows_cuda_bitwise(dtype, k):
     from ep_comm import _cuda_formats
     x = hidden_rows_with_edges(301, k, seed=k + 7, device="cuda", dtype=dtype)
     amax = x.float().abs().nan_to_num(0.0, posinf=float("inf")).amax(-1)
-    amax[7] = amax[7] * 0.5  # a given amax below the row max: saturated values, the same in every path
+    amax[20] = amax[20] * 0.5  # a given amax below the row max: saturated values, the same in every path
     for given in (None, amax):
         got = G.quantize_expanded_rows(x, amax=given, impl="cuda")
         two_kernels = G.expand_nvfp4_rows(_cuda_formats.nvfp4_quantize(x, four_over_six=True, amax=given),
