@@ -278,9 +278,31 @@ bench_dc_trees() {  # BISECT_TARS="a.tar b.tar ..." (git archives, carried): thi
 }
 profile_nvfp4_quantize() { profile_formats --only nvfp4_quantize; }  # executed instructions of the two NVFP4 quantizers
 profile_transposed() { profile_formats --only transposed; }  # where the transposed requantization's time goes
+profile_stalls() {  # STALLS_ONLY = a bench_formats case name substring (default transposed), STALLS_KERNEL = the kernel name regex (the last launch of 2): stall reasons and
+  local only="${STALLS_ONLY:-transposed}" name  # per-SASS-line stall samples (ncu)
+  name="${only//[^A-Za-z0-9]/_}"
+  say "profile: ncu stall reasons, $only"
+  CUDA_VISIBLE_DEVICES=0 timeout 200 ncu --kernel-name regex:"${STALLS_KERNEL:-transposed}" --launch-skip 1 --launch-count 1 \
+    --section WarpStateStats --section SourceCounters --section Occupancy \
+    --metrics regex:"smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    python3 bench/profile_formats.py --mib 64 --only "$only" > "$OUT/ncu_stalls_$name.txt" 2>&1
+  echo "ncu stalls $only: rc $?" | tee -a "$log"
+  CUDA_VISIBLE_DEVICES=0 timeout 200 ncu --kernel-name regex:"${STALLS_KERNEL:-transposed}" --launch-skip 1 --launch-count 1 \
+    --section SourceCounters --page source --print-source sass --csv \
+    python3 bench/profile_formats.py --mib 64 --only "$only" > "$OUT/ncu_sass_$name.csv" 2>&1
+  echo "ncu sass $only: rc $?" | tee -a "$log"
+}
 bench_moe() {  # arguments go to the benchmark
   say "bench: MoE layer (2 GPUs)"
   timeout 240 python3 bench/bench_moe.py --nproc 2 --iters 5 "$@" --out "$OUT/bench_moe.json" 2>&1 | tail -5 | tee -a "$log"
+}
+profile_moe() {  # the kernel timeline of one MoE layer forward at 4096 tokens per rank (rank 0), waves and not
+  for waves in 1 0; do
+    say "profile: MoE layer kernel timeline, waves=$waves"
+    timeout 200 python3 bench/profile_moe.py --waves "$waves" --out "$OUT/profile_moe_waves$waves.json" \
+      > "$OUT/profile_moe_waves$waves.txt" 2>&1
+    echo "profile_moe waves=$waves: rc $?" | tee -a "$log"
+  done
 }
 profile_nvlink() {
   say "profile: per-kernel time"

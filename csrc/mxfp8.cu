@@ -90,10 +90,13 @@ __global__ void __launch_bounds__(kThreads) mxfp8_dequantize_kernel(const uint8_
 
 // NVFP4 [R, K] -> MXFP8 [K, R]. A CTA takes a tile of kTileRows input rows x kTileCols columns:
 //  phase 1: thread t dequantizes input row r0 + t (32 code bytes, 4 scales) into smem, transposed;
-//  phase 2: each (output row k, 32-row block) pair is one MX block: amax, scale, encode, 32-byte store;
-//  phase 3: the tile's 4 scale bytes of each output row k (row blocks r0/32 .. r0/32 + 3, adjacent in
-//           out_scales) go out as one 4-byte store (when the tile is full and R % 128 == 0, so the word is
-//           aligned) instead of 4 byte stores R/32 bytes apart.
+//  phase 2: each (output row k, 32-row block) pair is one MX block: amax, scale, encode, 32-byte store; the 4 lanes
+//           holding the 4 row blocks of one output row k (row blocks r0/32 .. r0/32 + 3, adjacent in out_scales)
+//           gather their scale bytes by two shuffles and one of them stores the word (when the tile is full and
+//           R % 128 == 0, so the word is aligned) instead of 4 byte stores R/32 bytes apart.
+// Two CTA barriers per tile: phase 1's writes before phase 2's reads, and phase 2's reads before the next tile's
+// phase 1 overwrites the tile. (The scale bytes once went through shared memory, with a third barrier; ncu showed
+// 8.5% of the warps' stall samples at the barriers, 2026-12-01.)
 // Phase 2 gives the 4 row blocks of one output row to 4 consecutive lanes, so a warp stores 8 output rows x 128
 // contiguous bytes (whole sectors) instead of 32 rows x 32 bytes. Shared memory: column c's value of tile row r at
 // word c * kTilePitch + r + (r / 32) * kRowBlockSkew. Phase 1 (one row per lane, one column at a time) writes 32
@@ -109,11 +112,20 @@ __device__ __forceinline__ int tile_word(int column, int row) {
 }
 
 // One tile row's input (thread t: row r0 + t): its 4 blocks' codes and scale bytes and the row amax, loaded into
-// registers one tile ahead of their use.
+// registers one tile ahead of their use. Nothing here computes on a loaded value: the first instruction that reads
+// a load's register waits for it, and when the 4 scale bytes were split out of their word right after the load,
+// the warp stalled there, before its current tile's encoding instead of during it (ncu, 2026-12-01: 7% of the
+// kernel's stall samples on that one shift). So the wide path keeps the word whole (scale_word_packed) and phase 1
+// splits it.
 struct TileRowInput {
   uint2 codes[kTileCols / 16];
-  uint32_t scales[kTileCols / 16];
+  uint32_t scales[kTileCols / 16];  // packed: scales[0] holds all 4 bytes (block b in byte b); else one per entry
+  bool scale_word_packed;
   float row_amax;
+  // Block pairs (0, 1) and (2, 3) as 16-bit words (the low byte the even block), e4m3x2_decode's operand.
+  __device__ __forceinline__ uint32_t scale_pair(int pair) const {
+    return scale_word_packed ? (scales[0] >> (16 * pair)) & 0xFFFFu : scales[2 * pair] | (scales[2 * pair + 1] << 8);
+  }
 };
 
 __device__ __forceinline__ TileRowInput load_tile_row(const uint8_t* __restrict__ data,
@@ -136,8 +148,8 @@ __device__ __forceinline__ TileRowInput load_tile_row(const uint8_t* __restrict_
     in.codes[1] = make_uint2(lo.z, lo.w);
     in.codes[2] = make_uint2(hi.x, hi.y);
     in.codes[3] = make_uint2(hi.z, hi.w);
-#pragma unroll
-    for (int blk = 0; blk < 4; ++blk) in.scales[blk] = (four >> (8 * blk)) & 0xFFu;
+    in.scales[0] = four;
+    in.scale_word_packed = true;
   } else {
     // 16-column blocks: 8 code bytes each (8-byte aligned because K % 16 == 0).
 #pragma unroll
@@ -162,7 +174,6 @@ __global__ void __launch_bounds__(kTileRows) nvfp4_to_mxfp8_transposed_kernel(
     int64_t num_rows, int64_t hidden, int64_t num_row_tiles, int64_t num_tiles, float inv_six_m, uint32_t key,
     uint8_t* __restrict__ out_data, uint8_t* __restrict__ out_scales) {
   __shared__ __align__(16) float tile[kTileCols * kTilePitch];
-  __shared__ uint32_t tile_scales[kTileCols];  // byte j of word c: scale of output row k0 + c, row block j
   const int t = threadIdx.x;
   int64_t tile_index = blockIdx.x;
   if (tile_index >= num_tiles) return;
@@ -178,8 +189,7 @@ __global__ void __launch_bounds__(kTileRows) nvfp4_to_mxfp8_transposed_kernel(
       float scale_values[kBlocks];  // fp32(s_b), two per hardware decode (exact, like e4m3_decode)
 #pragma unroll
       for (int blk = 0; blk < kBlocks; blk += 2) {
-        qm::e4m3x2_decode(static_cast<uint16_t>(in.scales[blk] | (in.scales[blk + 1] << 8)), scale_values[blk],
-                          scale_values[blk + 1]);
+        qm::e4m3x2_decode(static_cast<uint16_t>(in.scale_pair(blk / 2)), scale_values[blk], scale_values[blk + 1]);
       }
 #pragma unroll
       for (int blk = 0; blk < kBlocks; ++blk) {
@@ -198,48 +208,52 @@ __global__ void __launch_bounds__(kTileRows) nvfp4_to_mxfp8_transposed_kernel(
                            (following / num_row_tiles) * kTileCols);
     }
 
+    // Whether the 4 scale bytes of an output row go out as one aligned word (else each lane stores its own byte).
+    constexpr int kRowBlocks = kTileRows / 32;
+    const int64_t row_blocks = num_rows / 32;
+    const bool scale_words = r0 + kTileRows <= num_rows && row_blocks % kRowBlocks == 0 &&
+                             (reinterpret_cast<uintptr_t>(out_scales) & 3u) == 0;
 #pragma unroll
-    for (int pass = 0; pass < kTileCols * (kTileRows / 32) / kTileRows; ++pass) {
+    for (int pass = 0; pass < kTileCols * kRowBlocks / kTileRows; ++pass) {
       const int unit = t + pass * kTileRows;
-      const int col = unit / (kTileRows / 32);        // output row within the tile
-      const int row_block = unit % (kTileRows / 32);  // which 32 input rows: consecutive lanes
+      const int col = unit / kRowBlocks;        // output row within the tile
+      const int row_block = unit % kRowBlocks;  // which 32 input rows: consecutive lanes
       const int64_t k = k0 + col;
       const int64_t rb = r0 + row_block * 32;
-      if (k >= hidden || rb >= num_rows) continue;
-      float x[32];
-      const float4* column = reinterpret_cast<const float4*>(tile + tile_word(col, row_block * 32));
+      const bool active = k < hidden && rb < num_rows;
+      uint32_t scale = 0;
+      if (active) {
+        float x[32];
+        const float4* column = reinterpret_cast<const float4*>(tile + tile_word(col, row_block * 32));
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float4 four = column[j];
-        x[4 * j] = four.x;
-        x[4 * j + 1] = four.y;
-        x[4 * j + 2] = four.z;
-        x[4 * j + 3] = four.w;
+        for (int j = 0; j < 8; ++j) {
+          const float4 four = column[j];
+          x[4 * j] = four.x;
+          x[4 * j + 1] = four.y;
+          x[4 * j + 2] = four.z;
+          x[4 * j + 3] = four.w;
+        }
+        uint4 codes[2];
+        scale = kStochastic ? mxfp8_encode32_stochastic(x, key, k * num_rows + rb, codes)
+                            : mxfp8_encode32_nearest(x, codes);
+        uint8_t* dst = out_data + k * num_rows + rb;
+        vec::store16(dst, codes[0]);
+        vec::store16(dst + 16, codes[1]);
       }
-      uint4 codes[2];
-      const uint8_t scale = kStochastic ? mxfp8_encode32_stochastic(x, key, k * num_rows + rb, codes)
-                                        : mxfp8_encode32_nearest(x, codes);
-      uint8_t* dst = out_data + k * num_rows + rb;
-      vec::store16(dst, codes[0]);
-      vec::store16(dst + 16, codes[1]);
-      reinterpret_cast<uint8_t*>(tile_scales)[col * 4 + row_block] = scale;
-    }
-    __syncthreads();
-
-    constexpr int kRowBlocks = kTileRows / 32;
-    if (t < kTileCols && k0 + t < hidden) {
-      const int64_t k = k0 + t;
-      const int64_t row_blocks = num_rows / 32;
-      uint8_t* dst = out_scales + k * row_blocks + r0 / 32;
-      const uint32_t word = tile_scales[t];
-      if (r0 + kTileRows <= num_rows && row_blocks % kRowBlocks == 0 &&
-          (reinterpret_cast<uintptr_t>(out_scales) & 3u) == 0) {
-        *reinterpret_cast<uint32_t*>(dst) = word;  // r0 / 32 is a multiple of 4: aligned
-      } else {
-        for (int j = 0; j < kRowBlocks && r0 + 32 * j < num_rows; ++j) dst[j] = static_cast<uint8_t>(word >> (8 * j));
+      // Lanes 4m .. 4m + 3 hold row blocks 0..3 of the same output row: every lane of the warp takes part in the
+      // shuffles (the pass count is the same for all).
+      static_assert(kRowBlocks == 4 && kTileRows % 32 == 0, "the scale word gathers 4 consecutive lanes");
+      uint32_t word = scale << (8 * row_block);
+      word |= __shfl_xor_sync(0xFFFFFFFFu, word, 1);
+      word |= __shfl_xor_sync(0xFFFFFFFFu, word, 2);
+      uint8_t* scale_dst = out_scales + k * row_blocks + rb / 32;
+      if (scale_words) {
+        if (row_block == 0 && k < hidden) *reinterpret_cast<uint32_t*>(scale_dst) = word;  // r0 / 32 % 4 == 0: aligned
+      } else if (active) {
+        *scale_dst = static_cast<uint8_t>(scale);
       }
     }
-    __syncthreads();  // the next tile's phase 1 overwrites tile and tile_scales
+    __syncthreads();  // the next tile's phase 1 overwrites the tile
   }
 }
 

@@ -224,8 +224,10 @@ def test_stochastic_rounding_draws_uniform_and_independent(dtype, fraction):
 
 
 # (32, 48): K % 64 != 0, a half-empty column tile; (64, 96): the last column tile half full; (32, 16): one block;
-# (96, 2048): a partial row tile.
-@pytest.mark.parametrize("num_rows, hidden", [(32, 48), (96, 2048), (288, 7168), (128, 64), (64, 96), (32, 16)])
+# (96, 2048): a partial row tile; (1024, 7168): 896 tiles, more than the resident CTAs of an H200 (6 x 132), so CTAs
+# take a second tile from registers loaded during the first (with the scale bytes packed in one word).
+@pytest.mark.parametrize("num_rows, hidden", [(32, 48), (96, 2048), (288, 7168), (128, 64), (64, 96), (32, 16),
+                                              (1024, 7168)])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_nvfp4_to_mxfp8_transposed(num_rows, hidden, rounding):
     q = F.nvfp4_quantize(_input("outliers", num_rows, hidden, torch.float32, seed=num_rows), impl="reference")

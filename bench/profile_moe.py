@@ -1,0 +1,103 @@
+"""Kernel timeline of one MoE layer forward (torch profiler / CUPTI), to see which kernels leave the GEMMs waiting.
+
+    python bench/profile_moe.py --nproc 2 [--tokens 4096] [--waves 1] [--out timeline.json]
+
+Each rank builds the bench_moe.py layer (DeepSeek-V3 shapes, random weights), runs warm-up forwards, then profiles
+`--iters` forwards and prints (rank 0) the kernels of the last one in start order: start and end relative to the
+first kernel of that forward, duration, the gap since the previous kernel on the same stream ended, and the stream.
+Nothing is timed for the benchmark tables here (bench_moe.py does that); this says where a forward's time goes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from ep_comm.launch import run_ranks  # noqa: E402
+
+
+def _worker(rank, world, args):
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    import ep_comm
+    from ep_comm import moe
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    h, inter, experts, topk = args.hidden, args.intermediate, args.experts, args.topk
+    local = experts // world
+    gen = torch.Generator(device=device).manual_seed(1234 + rank)
+    w1 = (torch.randn(local, 2 * inter, h, device=device, generator=gen) / h ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(local, h, inter, device=device, generator=gen) / inter ** 0.5).to(torch.bfloat16)
+    router = torch.randn(experts, h, device=device, generator=torch.Generator(device=device).manual_seed(7))
+    packed = moe.pack_weights(w1, w2)
+    del w1, w2
+    x = torch.randn(args.tokens, h, device=device, generator=gen).to(torch.bfloat16)
+    with ep_comm.Buffer(None, hidden=h, num_experts=experts, num_topk=topk, max_tokens_per_rank=args.tokens,
+                        dispatch_format="nvfp4", combine_format="s2f6", expert_alignment=16) as buf:
+        layer = moe.MoELayer(buf, router, packed, expert_impl="fused", waves=bool(args.waves))
+        for _ in range(3):
+            layer(x)
+        torch.cuda.synchronize()
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.iters):
+                torch.cuda.synchronize()
+                dist.barrier()
+                layer(x)
+            torch.cuda.synchronize()
+        dist.barrier()
+    # (The barriers' NCCL kernels are left out: they separate the forwards.)
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and "nccl" not in e.name.lower()]
+    kernels.sort(key=lambda e: e.time_range.start)
+    # The last forward: the kernels after the largest gap between consecutive starts (the barrier before it).
+    starts = [e.time_range.start for e in kernels]
+    gaps = [(starts[i] - starts[i - 1], i) for i in range(1, len(starts))]
+    first = max(gaps)[1] if gaps else 0
+    last = kernels[first:]
+    t0 = last[0].time_range.start if last else 0
+    stream_end = {}
+    rows = []
+    for e in last:
+        stream = getattr(e, "device_resource_id", None)
+        start, end = e.time_range.start - t0, e.time_range.end - t0
+        gap = start - stream_end[stream] if stream in stream_end else 0.0
+        stream_end[stream] = end
+        rows.append({"rank": rank, "kernel": e.name[:90], "start_us": start, "end_us": end,
+                     "duration_us": end - start, "gap_us": gap, "stream": stream})
+    return {"rank": rank, "waves": layer.waves, "token_tile": layer.token_tile, "kernels": rows}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--waves", type=int, default=1, help="1: MoELayer(waves=True) (the default layer), 0: without")
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    results = run_ranks(_worker, args.nproc, args, backend="nccl", timeout_s=400)
+    for result in results:
+        if result["rank"] != 0:
+            continue
+        print(f"rank 0, {args.tokens} tokens, waves {result['waves']}, token tile {result['token_tile']}")
+        print(f"{'start':>9} {'end':>9} {'dur':>8} {'gap':>8} {'stream':>6}  kernel (us)")
+        for r in result["kernels"]:
+            print(f"{r['start_us']:>9.1f} {r['end_us']:>9.1f} {r['duration_us']:>8.1f} {r['gap_us']:>8.1f} "
+                  f"{str(r['stream']):>6}  {r['kernel']}")
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump({"command": " ".join(sys.argv), "results": results}, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
