@@ -2,9 +2,10 @@
 
     python bench/profile_moe.py --nproc 2 [--tokens 4096] [--waves 1] [--out timeline.json]
 
-Each rank builds the bench_moe.py layer (DeepSeek-V3 shapes, random weights), runs warm-up forwards, then profiles
-`--iters` forwards and prints (rank 0) the kernels of the last one in start order: start and end relative to the
-first kernel of that forward, duration, the gap since the previous kernel on the same stream ended, and the stream.
+Each rank builds the bench_moe.py layer (DeepSeek-V3 shapes, random weights), runs three warm-up forwards, then
+profiles one and prints (rank 0) its kernels in start order: start and end relative to its first kernel, duration,
+the gap since the previous kernel on the same stream ended (negative: the kernel started early, as a programmatic
+dependent launch), and the stream.
 Nothing is timed for the benchmark tables here (bench_moe.py does that); this says where a forward's time goes.
 """
 from __future__ import annotations
@@ -46,20 +47,14 @@ def _worker(rank, world, args):
         torch.cuda.synchronize()
         dist.barrier()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.iters):
-                torch.cuda.synchronize()
-                dist.barrier()
-                layer(x)
+            torch.cuda.synchronize()
+            dist.barrier()
+            layer(x)
             torch.cuda.synchronize()
         dist.barrier()
-    # (The barriers' NCCL kernels are left out: they separate the forwards.)
-    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and "nccl" not in e.name.lower()]
-    kernels.sort(key=lambda e: e.time_range.start)
-    # The last forward: the kernels after the largest gap between consecutive starts (the barrier before it).
-    starts = [e.time_range.start for e in kernels]
-    gaps = [(starts[i] - starts[i - 1], i) for i in range(1, len(starts))]
-    first = max(gaps)[1] if gaps else 0
-    last = kernels[first:]
+    # The profiled forward's kernels (the barrier's NCCL kernels before it are left out).
+    last = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and "nccl" not in e.name.lower()),
+                  key=lambda e: e.time_range.start)
     t0 = last[0].time_range.start if last else 0
     stream_end = {}
     rows = []
@@ -82,7 +77,6 @@ def main():
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--waves", type=int, default=1, help="1: MoELayer(waves=True) (the default layer), 0: without")
-    parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     results = run_ranks(_worker, args.nproc, args, backend="nccl", timeout_s=400)

@@ -89,7 +89,8 @@ __global__ void __launch_bounds__(kThreads) mxfp8_dequantize_kernel(const uint8_
 }
 
 // NVFP4 [R, K] -> MXFP8 [K, R]. A CTA takes a tile of kTileRows input rows x kTileCols columns:
-//  phase 1: thread t dequantizes input row r0 + t (32 code bytes, 4 scales) into smem, transposed;
+//  phase 1: each thread dequantizes one 16-column block of 4 consecutive input rows into smem, transposed: column
+//           by column, the 4 rows' values are one 16-byte store;
 //  phase 2: each (output row k, 32-row block) pair is one MX block: amax, scale, encode, 32-byte store; the 4 lanes
 //           holding the 4 row blocks of one output row k (row blocks r0/32 .. r0/32 + 3, adjacent in out_scales)
 //           gather their scale bytes by two shuffles and one of them stores the word (when the tile is full and
@@ -99,10 +100,14 @@ __global__ void __launch_bounds__(kThreads) mxfp8_dequantize_kernel(const uint8_
 // 8.5% of the warps' stall samples at the barriers, 2026-12-01.)
 // Phase 2 gives the 4 row blocks of one output row to 4 consecutive lanes, so a warp stores 8 output rows x 128
 // contiguous bytes (whole sectors) instead of 32 rows x 32 bytes. Shared memory: column c's value of tile row r at
-// word c * kTilePitch + r + (r / 32) * kRowBlockSkew. Phase 1 (one row per lane, one column at a time) writes 32
-// consecutive words per warp; phase 2 reads a block's 32 values as 8 float4 (16-byte aligned), and the 8 lanes of a
-// quarter warp (columns c, c + 1 x row blocks 0..3) start at 16-byte chunk 4c + b + j (mod 8): all different,
-// no bank conflicts.
+// word c * kTilePitch + r + (r / 32) * kRowBlockSkew. Phase 2 reads a block's 32 values as 8 float4 (16-byte
+// aligned), and the 8 lanes of a quarter warp (columns c, c + 1 x row blocks 0..3) start at 16-byte chunk
+// 4c + b + j (mod 8): all different, no bank conflicts. Phase 1: lane l of warp w takes block l / 8 of rows
+// 32w + 4(l % 8) .. + 3, so a quarter warp (8 lanes, one block, 8 row quads) stores one column's 32 rows at chunks
+// 4c + w + (l % 8) (mod 8): no conflicts either; and each load instruction of a warp reads 8 rows x 32 contiguous
+// bytes. (Before 2026-12-01 a thread dequantized a whole tile row and stored its 64 values one word at a time: 64
+// stores per thread and tile instead of 16, and the shared-memory queue was the kernel's largest stall, 12% of the
+// samples.)
 constexpr int kTileRows = 128;
 constexpr int kTileCols = 64;
 constexpr int kRowBlockSkew = 4;
@@ -111,56 +116,32 @@ __device__ __forceinline__ int tile_word(int column, int row) {
   return column * kTilePitch + row + (row / 32) * kRowBlockSkew;
 }
 
-// One tile row's input (thread t: row r0 + t): its 4 blocks' codes and scale bytes and the row amax, loaded into
-// registers one tile ahead of their use. Nothing here computes on a loaded value: the first instruction that reads
-// a load's register waits for it, and when the 4 scale bytes were split out of their word right after the load,
-// the warp stalled there, before its current tile's encoding instead of during it (ncu, 2026-12-01: 7% of the
-// kernel's stall samples on that one shift). So the wide path keeps the word whole (scale_word_packed) and phase 1
-// splits it.
-struct TileRowInput {
-  uint2 codes[kTileCols / 16];
-  uint32_t scales[kTileCols / 16];  // packed: scales[0] holds all 4 bytes (block b in byte b); else one per entry
-  bool scale_word_packed;
-  float row_amax;
-  // Block pairs (0, 1) and (2, 3) as 16-bit words (the low byte the even block), e4m3x2_decode's operand.
-  __device__ __forceinline__ uint32_t scale_pair(int pair) const {
-    return scale_word_packed ? (scales[0] >> (16 * pair)) & 0xFFFFu : scales[2 * pair] | (scales[2 * pair + 1] << 8);
-  }
+// One thread's input for a tile: 16-column block b of tile rows 4 * quad .. 4 * quad + 3 (codes, scale bytes, row
+// amaxes), loaded into registers one tile ahead of its use. Nothing here computes on a loaded value: the first
+// instruction that reads a load's register waits for it, and when the scale bytes were split out of their word right
+// after the load, the warp stalled there, before its current tile's encoding instead of during it (ncu, 2026-12-01:
+// 7% of the kernel's stall samples on that one shift).
+constexpr int kQuadRows = 4;
+struct TileQuadInput {
+  uint2 codes[kQuadRows];      // 16 codes of each row
+  uint32_t scales[kQuadRows];  // its scale byte
+  float row_amax[kQuadRows];
 };
 
-__device__ __forceinline__ TileRowInput load_tile_row(const uint8_t* __restrict__ data,
-                                                      const uint8_t* __restrict__ scales,
-                                                      const float* __restrict__ amax, int64_t num_rows,
-                                                      int64_t hidden, int64_t r, int64_t k0) {
-  TileRowInput in = {};
-  if (r >= num_rows) return in;
-  const uint8_t* row_codes = data + r * (hidden / 2) + k0 / 2;
-  const uint8_t* row_scales = scales + r * (hidden / 16) + k0 / 16;
-  static_assert(kTileCols == 64, "the wide path loads 32 code bytes and 4 scale bytes per row");
-  if (hidden % 64 == 0 && k0 + kTileCols <= hidden &&
-      ((reinterpret_cast<uintptr_t>(data) & 15u) | (reinterpret_cast<uintptr_t>(scales) & 3u)) == 0) {
-    // A full tile row: its 32 code bytes as two 16-byte loads and its 4 scale bytes as one word (aligned: K % 64
-    // == 0 and k0 % 64 == 0) -- half / a quarter of the load instructions and sectors of the per-block form.
-    const uint4 lo = __ldg(reinterpret_cast<const uint4*>(row_codes));
-    const uint4 hi = __ldg(reinterpret_cast<const uint4*>(row_codes) + 1);
-    const uint32_t four = __ldg(reinterpret_cast<const uint32_t*>(row_scales));
-    in.codes[0] = make_uint2(lo.x, lo.y);
-    in.codes[1] = make_uint2(lo.z, lo.w);
-    in.codes[2] = make_uint2(hi.x, hi.y);
-    in.codes[3] = make_uint2(hi.z, hi.w);
-    in.scales[0] = four;
-    in.scale_word_packed = true;
-  } else {
-    // 16-column blocks: 8 code bytes each (8-byte aligned because K % 16 == 0).
+// Rows r .. r + 3 (all valid or none: R % 32 == 0), columns kb .. kb + 15 (kb < K or none: K % 16 == 0).
+__device__ __forceinline__ TileQuadInput load_tile_quad(const uint8_t* __restrict__ data,
+                                                        const uint8_t* __restrict__ scales,
+                                                        const float* __restrict__ amax, int64_t num_rows,
+                                                        int64_t hidden, int64_t r, int64_t kb) {
+  TileQuadInput in = {};
+  if (r >= num_rows || kb >= hidden) return in;
 #pragma unroll
-    for (int blk = 0; blk < kTileCols / 16; ++blk) {
-      if (k0 + blk * 16 < hidden) {
-        in.codes[blk] = __ldg(reinterpret_cast<const uint2*>(row_codes + blk * 8));
-        in.scales[blk] = __ldg(row_scales + blk);
-      }
-    }
+  for (int i = 0; i < kQuadRows; ++i) {
+    // 8 code bytes per block, 8-byte aligned because K % 16 == 0.
+    in.codes[i] = __ldg(reinterpret_cast<const uint2*>(data + (r + i) * (hidden / 2) + kb / 2));
+    in.scales[i] = __ldg(scales + (r + i) * (hidden / 16) + kb / 16);
+    in.row_amax[i] = __ldg(amax + r + i);
   }
-  in.row_amax = __ldg(amax + r);
   return in;
 }
 
@@ -169,7 +150,7 @@ __device__ __forceinline__ TileRowInput load_tile_row(const uint8_t* __restrict_
 // tile's encoding (phase 2, the long one) instead of after it. inv_six_m = qm::nvfp4_inv_six_m(M), computed once by
 // the launcher.
 template <bool kStochastic>
-__global__ void __launch_bounds__(kTileRows) nvfp4_to_mxfp8_transposed_kernel(
+__global__ void __launch_bounds__(kTileRows, 6) nvfp4_to_mxfp8_transposed_kernel(
     const uint8_t* __restrict__ data, const uint8_t* __restrict__ scales, const float* __restrict__ amax,
     int64_t num_rows, int64_t hidden, int64_t num_row_tiles, int64_t num_tiles, float inv_six_m, uint32_t key,
     uint8_t* __restrict__ out_data, uint8_t* __restrict__ out_scales) {
@@ -177,35 +158,51 @@ __global__ void __launch_bounds__(kTileRows) nvfp4_to_mxfp8_transposed_kernel(
   const int t = threadIdx.x;
   int64_t tile_index = blockIdx.x;
   if (tile_index >= num_tiles) return;
-  TileRowInput next = load_tile_row(data, scales, amax, num_rows, hidden, (tile_index % num_row_tiles) * kTileRows + t,
-                                    (tile_index / num_row_tiles) * kTileCols);
+  // This thread's place in phase 1: block (lane / 8) of tile rows quad_row .. quad_row + 3.
+  const int lane = t % 32;
+  const int block_col = (lane / 8) * 16;
+  const int quad_row = (t / 32) * 32 + (lane % 8) * kQuadRows;
+  static_assert(kTileRows == 4 * 32 && kTileCols == 4 * 16, "phase 1: a warp takes 32 rows x 4 blocks");
+  TileQuadInput next = load_tile_quad(data, scales, amax, num_rows, hidden,
+                                      (tile_index % num_row_tiles) * kTileRows + quad_row,
+                                      (tile_index / num_row_tiles) * kTileCols + block_col);
 
   for (; tile_index < num_tiles; tile_index += gridDim.x) {
     const int64_t r0 = (tile_index % num_row_tiles) * kTileRows;
     const int64_t k0 = (tile_index / num_row_tiles) * kTileCols;
-    const TileRowInput in = next;
-    if (r0 + t < num_rows) {
-      constexpr int kBlocks = kTileCols / 16;
-      float scale_values[kBlocks];  // fp32(s_b), two per hardware decode (exact, like e4m3_decode)
+    const TileQuadInput in = next;
+    if (r0 + quad_row < num_rows && k0 + block_col < hidden) {
+      float scale_values[kQuadRows];  // fp32(s_b), two per hardware decode (exact, like e4m3_decode)
+      qm::e4m3x2_decode(static_cast<uint16_t>(in.scales[0] | (in.scales[1] << 8)), scale_values[0], scale_values[1]);
+      qm::e4m3x2_decode(static_cast<uint16_t>(in.scales[2] | (in.scales[3] << 8)), scale_values[2], scale_values[3]);
+      qm::Nvfp4DecodeScale decode_scale[kQuadRows];
 #pragma unroll
-      for (int blk = 0; blk < kBlocks; blk += 2) {
-        qm::e4m3x2_decode(static_cast<uint16_t>(in.scale_pair(blk / 2)), scale_values[blk], scale_values[blk + 1]);
+      for (int i = 0; i < kQuadRows; ++i) {
+        decode_scale[i] = qm::nvfp4_decode_scale(qm::nvfp4_dequant_scale_from(scale_values[i], in.row_amax[i], inv_six_m));
       }
+      // Elements 4q .. 4q + 3 of each half (word) of the block for all 4 rows, then one 16-byte store per column.
 #pragma unroll
-      for (int blk = 0; blk < kBlocks; ++blk) {
-        if (k0 + blk * 16 >= hidden) break;
-        const float final_scale = qm::nvfp4_dequant_scale_from(scale_values[blk], in.row_amax, inv_six_m);
-        float y[16];
-        qm::nvfp4_block_decode(in.codes[blk].x, in.codes[blk].y, final_scale, y);
+      for (int half = 0; half < 2; ++half) {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) tile[tile_word(blk * 16 + i, t)] = y[i];
+        for (int q = 0; q < 2; ++q) {
+          float y[kQuadRows][4];
+#pragma unroll
+          for (int i = 0; i < kQuadRows; ++i) {
+            qm::nvfp4_quad_decode(half == 0 ? in.codes[i].x : in.codes[i].y, q, decode_scale[i], y[i]);
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int col = block_col + 8 * half + 4 * q + e;
+            *reinterpret_cast<float4*>(tile + tile_word(col, quad_row)) = make_float4(y[0][e], y[1][e], y[2][e], y[3][e]);
+          }
+        }
       }
     }
     __syncthreads();
     const int64_t following = tile_index + gridDim.x;
     if (following < num_tiles) {
-      next = load_tile_row(data, scales, amax, num_rows, hidden, (following % num_row_tiles) * kTileRows + t,
-                           (following / num_row_tiles) * kTileCols);
+      next = load_tile_quad(data, scales, amax, num_rows, hidden, (following % num_row_tiles) * kTileRows + quad_row,
+                            (following / num_row_tiles) * kTileCols + block_col);
     }
 
     // Whether the 4 scale bytes of an output row go out as one aligned word (else each lane stores its own byte).
@@ -213,16 +210,17 @@ __global__ void __launch_bounds__(kTileRows) nvfp4_to_mxfp8_transposed_kernel(
     const int64_t row_blocks = num_rows / 32;
     const bool scale_words = r0 + kTileRows <= num_rows && row_blocks % kRowBlocks == 0 &&
                              (reinterpret_cast<uintptr_t>(out_scales) & 3u) == 0;
+    constexpr int kPasses = kTileCols * kRowBlocks / kTileRows;
+    uint32_t pass_scale[kPasses];  // this lane's scale byte of each pass (0 where it had no block)
 #pragma unroll
-    for (int pass = 0; pass < kTileCols * kRowBlocks / kTileRows; ++pass) {
+    for (int pass = 0; pass < kPasses; ++pass) {
       const int unit = t + pass * kTileRows;
       const int col = unit / kRowBlocks;        // output row within the tile
       const int row_block = unit % kRowBlocks;  // which 32 input rows: consecutive lanes
       const int64_t k = k0 + col;
       const int64_t rb = r0 + row_block * 32;
-      const bool active = k < hidden && rb < num_rows;
-      uint32_t scale = 0;
-      if (active) {
+      pass_scale[pass] = 0;
+      if (k < hidden && rb < num_rows) {
         float x[32];
         const float4* column = reinterpret_cast<const float4*>(tile + tile_word(col, row_block * 32));
 #pragma unroll
@@ -234,23 +232,30 @@ __global__ void __launch_bounds__(kTileRows) nvfp4_to_mxfp8_transposed_kernel(
           x[4 * j + 3] = four.w;
         }
         uint4 codes[2];
-        scale = kStochastic ? mxfp8_encode32_stochastic(x, key, k * num_rows + rb, codes)
-                            : mxfp8_encode32_nearest(x, codes);
+        pass_scale[pass] = kStochastic ? mxfp8_encode32_stochastic(x, key, k * num_rows + rb, codes)
+                                       : mxfp8_encode32_nearest(x, codes);
         uint8_t* dst = out_data + k * num_rows + rb;
         vec::store16(dst, codes[0]);
         vec::store16(dst + 16, codes[1]);
       }
-      // Lanes 4m .. 4m + 3 hold row blocks 0..3 of the same output row: every lane of the warp takes part in the
-      // shuffles (the pass count is the same for all).
-      static_assert(kRowBlocks == 4 && kTileRows % 32 == 0, "the scale word gathers 4 consecutive lanes");
-      uint32_t word = scale << (8 * row_block);
+    }
+    // The scale bytes, after both passes (their shuffles' latencies overlap): lanes 4m .. 4m + 3 hold row blocks 0..3
+    // of the same output row, and every lane of the warp takes part in the shuffles.
+    static_assert(kRowBlocks == 4 && kTileRows % 32 == 0, "the scale word gathers 4 consecutive lanes");
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int unit = t + pass * kTileRows;
+      const int row_block = unit % kRowBlocks;
+      const int64_t k = k0 + unit / kRowBlocks;
+      const int64_t rb = r0 + row_block * 32;
+      uint32_t word = pass_scale[pass] << (8 * row_block);
       word |= __shfl_xor_sync(0xFFFFFFFFu, word, 1);
       word |= __shfl_xor_sync(0xFFFFFFFFu, word, 2);
       uint8_t* scale_dst = out_scales + k * row_blocks + rb / 32;
       if (scale_words) {
         if (row_block == 0 && k < hidden) *reinterpret_cast<uint32_t*>(scale_dst) = word;  // r0 / 32 % 4 == 0: aligned
-      } else if (active) {
-        *scale_dst = static_cast<uint8_t>(scale);
+      } else if (k < hidden && rb < num_rows) {
+        *scale_dst = static_cast<uint8_t>(pass_scale[pass]);
       }
     }
     __syncthreads();  // the next tile's phase 1 overwrites the tile

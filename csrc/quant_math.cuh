@@ -1264,32 +1264,43 @@ QM_HD float nvfp4_dequant_scale(uint8_t scale_byte, float amax, float e4m3_max) 
 // plus 6, and E4M3's subnormals (m / 2) 2^-6 match E2M1's 0.m). With scale64 = f(scale * 64) exact
 // (|scale| <= 2^121, or scale Inf / NaN), f(value * scale64) is the same real product as e2m1val * scale,
 // rounded once: the same bits. Larger finite scales (amax beyond ~2^124) take f(f(value * 64) * scale), the
-// first product exact. Per word (8 codes): the odd elements' bytes keep the high nibble's sign bit 7 and shift
-// its bits 6..4 to 4..2; the even elements' bytes are the same transform of the word shifted left by 4.
-// The transposed requantization and the host emulation decode through it; the NVFP4 dequantize kernel keeps its
-// per-code decode (measured faster there, nvfp4.cu) and gives the same bits.
-QM_HD void nvfp4_block_decode(uint32_t word0, uint32_t word1, float scale, float y[16]) {
-  const float scale64 = qm_mul(scale, 64.0f);
-  const bool large_finite_scale = qm_abs(scale) > 0x1p121f && qm_abs(scale) <= kFltMax;
-  float v[16];
+// first product exact. The transposed requantization (4 elements of 4 rows at a time, nvfp4_quad_decode) and the
+// host emulation (nvfp4_block_decode) decode through it; the NVFP4 dequantize kernel keeps its per-code decode
+// (measured faster there, nvfp4.cu) and gives the same bits.
+// The scale of one block in the two forms the decode multiplies by (above): scale64 = f(scale * 64), and whether
+// the scale is a large finite one that takes the two-product form instead.
+struct Nvfp4DecodeScale {
+  float scale;
+  float scale64;
+  bool large_finite;
+};
+QM_HD Nvfp4DecodeScale nvfp4_decode_scale(float scale) {
+  return Nvfp4DecodeScale{scale, qm_mul(scale, 64.0f), qm_abs(scale) > 0x1p121f && qm_abs(scale) <= kFltMax};
+}
+// Elements 4q .. 4q + 3 (q = 0 or 1) of the 8 codes in word w, decoded as above. Per word (8 codes): the odd
+// elements' bytes keep the high nibble's sign bit 7 and shift its bits 6..4 to 4..2; the even elements' bytes are the
+// same transform of the word shifted left by 4; bytes 2q and 2q + 1 are elements 4q + {0, 2} (even) and 4q + {1, 3}
+// (odd). nvfp4_block_decode is four of these; the transposed requantization calls it directly, for 4 rows at a time.
+QM_HD void nvfp4_quad_decode(uint32_t w, int q, const Nvfp4DecodeScale& s, float y[4]) {
+  const uint32_t odd = (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu);
+  const uint32_t even = ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu);
+  float v[4];
+  e4m3x2_decode(static_cast<uint16_t>(even >> (16 * q)), v[0], v[2]);
+  e4m3x2_decode(static_cast<uint16_t>(odd >> (16 * q)), v[1], v[3]);
+  if (!s.large_finite) {
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const uint32_t w = half == 0 ? word0 : word1;  // elements 8 * half .. 8 * half + 7
-    const uint32_t odd = (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu);          // byte i: element 2i + 1
-    const uint32_t even = ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu);  // byte i: element 2i
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {  // bytes 2q and 2q + 1: elements 4q + {0, 2} (even) and 4q + {1, 3} (odd)
-      float* out = v + 8 * half + 4 * q;
-      e4m3x2_decode(static_cast<uint16_t>(even >> (16 * q)), out[0], out[2]);
-      e4m3x2_decode(static_cast<uint16_t>(odd >> (16 * q)), out[1], out[3]);
-    }
-  }
-  if (!large_finite_scale) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) y[i] = qm_mul(v[i], scale64);
+    for (int k = 0; k < 4; ++k) y[k] = qm_mul(v[k], s.scale64);
   } else {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) y[i] = qm_mul(qm_mul(v[i], 64.0f), scale);
+    for (int k = 0; k < 4; ++k) y[k] = qm_mul(qm_mul(v[k], 64.0f), s.scale);
+  }
+}
+QM_HD void nvfp4_block_decode(uint32_t word0, uint32_t word1, float scale, float y[16]) {
+  const Nvfp4DecodeScale s = nvfp4_decode_scale(scale);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {  // elements 8 * half .. 8 * half + 7
+#pragma unroll
+    for (int q = 0; q < 2; ++q) nvfp4_quad_decode(half == 0 ? word0 : word1, q, s, y + 8 * half + 4 * q);
   }
 }
 
