@@ -304,6 +304,11 @@ profile_moe() {  # the kernel timeline of one MoE layer forward at 4096 tokens p
     echo "profile_moe waves=$waves: rc $?" | tee -a "$log"
   done
 }
+profile_small_timeline() {  # both ranks' kernels of the last dispatch + combine of a graph replay, 1 and 128 tokens
+  say "profile: timeline of a small dispatch + combine (graph replay)"
+  timeout 150 python3 bench/profile_nvlink.py --timeline --tokens 1,128 --formats nvfp4/s2f6 --iters 10 \
+    --out "$OUT/profile_small_timeline.json" 2>&1 | grep -E "timeline|rank [01]" | tee -a "$log"
+}
 profile_nvlink() {
   say "profile: per-kernel time"
   timeout 120 python3 bench/profile_nvlink.py --out "$OUT/profile.json" 2>&1 | grep -v -i warn | grep -v "return func" | tail -25 | tee -a "$log"
