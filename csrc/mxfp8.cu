@@ -93,8 +93,9 @@ __global__ void __launch_bounds__(kThreads) mxfp8_dequantize_kernel(const uint8_
 //           by column, the 4 rows' values are one 16-byte store;
 //  phase 2: each (output row k, 32-row block) pair is one MX block: amax, scale, encode, 32-byte store; the 4 lanes
 //           holding the 4 row blocks of one output row k (row blocks r0/32 .. r0/32 + 3, adjacent in out_scales)
-//           gather their scale bytes by two shuffles and one of them stores the word (when the tile is full and
-//           R % 128 == 0, so the word is aligned) instead of 4 byte stores R/32 bytes apart.
+//           gather their scale bytes by two shuffles and one of them stores the word (when the tile is full,
+//           R % 128 == 0 and out_scales is 4-byte aligned, so the word is aligned) instead of 4 byte stores R/32
+//           bytes apart.
 // Two CTA barriers per tile: phase 1's writes before phase 2's reads, and phase 2's reads before the next tile's
 // phase 1 overwrites the tile. (The scale bytes once went through shared memory, with a third barrier; ncu showed
 // 8.5% of the warps' stall samples at the barriers, 2026-12-01.)
@@ -118,9 +119,9 @@ __device__ __forceinline__ int tile_word(int column, int row) {
 
 // One thread's input for a tile: 16-column block b of tile rows 4 * quad .. 4 * quad + 3 (codes, scale bytes, row
 // amaxes), loaded into registers one tile ahead of its use. Nothing here computes on a loaded value: the first
-// instruction that reads a load's register waits for it, and when the scale bytes were split out of their word right
-// after the load, the warp stalled there, before its current tile's encoding instead of during it (ncu, 2026-12-01:
-// 7% of the kernel's stall samples on that one shift).
+// instruction that reads a load's register waits for it. (An earlier form loaded the 4 scale bytes of a row as one
+// word and split it right after the load: the warp stalled there, before its current tile's encoding instead of
+// during it; ncu, 2026-12-01: 7% of the kernel's stall samples on that one shift.)
 constexpr int kQuadRows = 4;
 struct TileQuadInput {
   uint2 codes[kQuadRows];      // 16 codes of each row
@@ -307,7 +308,7 @@ cudaError_t launch_nvfp4_to_mxfp8_transposed(const uint8_t* data, const uint8_t*
   const int64_t num_row_tiles = ceil_div(num_rows, kTileRows);
   const int64_t num_tiles = num_row_tiles * ceil_div(hidden, kTileCols);
   const auto kernel = stochastic ? nvfp4_to_mxfp8_transposed_kernel<true> : nvfp4_to_mxfp8_transposed_kernel<false>;
-  int64_t grid = 0;  // persistent: as many CTAs as fit at once (shared memory bounds it: ~5 per SM)
+  int64_t grid = 0;  // persistent: as many CTAs as fit at once (6 per SM: 80 registers and the 36 KiB tile)
   const cudaError_t err = resident_grid(kernel, kTileRows, num_tiles, &grid);
   if (err != cudaSuccess) return err;
   const uint32_t key = qm::sr_key(seed);

@@ -225,7 +225,7 @@ def test_stochastic_rounding_draws_uniform_and_independent(dtype, fraction):
 
 # (32, 48): K % 64 != 0, a half-empty column tile; (64, 96): the last column tile half full; (32, 16): one block;
 # (96, 2048): a partial row tile; (1024, 7168): 896 tiles, more than the resident CTAs of an H200 (6 x 132), so CTAs
-# take a second tile from registers loaded during the first (with the scale bytes packed in one word).
+# take a second tile from registers loaded during the first.
 @pytest.mark.parametrize("num_rows, hidden", [(32, 48), (96, 2048), (288, 7168), (128, 64), (64, 96), (32, 16),
                                               (1024, 7168)])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
@@ -235,6 +235,30 @@ def test_nvfp4_to_mxfp8_transposed(num_rows, hidden, rounding):
     q_cuda = F.NVFP4Tensor(q.data.to(DEVICE), q.scales.to(DEVICE), q.amax.to(DEVICE), q.e4m3_max)
     actual = F.nvfp4_to_mxfp8_transposed(q_cuda, rounding=rounding, seed=77, impl="cuda")
     assert_same_mx(_cpu_mx(actual), expected, "nvfp4 -> mxfp8^T")
+
+
+def test_nvfp4_to_mxfp8_transposed_unaligned_scales():
+    """The kernel stores a row tile's 4 scale bytes of an output row as one word only where that word is aligned; an
+    out_scales address that is not a multiple of 4 takes the byte stores (the Python wrapper always allocates aligned
+    outputs, so the raw binding is called here)."""
+    from ep_comm import _ext
+    lib = _ext.require_cuda_extension("test")
+    num_rows, hidden = 256, 128  # R % 128 == 0 and full tiles: the word stores unless the address forbids them
+    q = F.nvfp4_quantize(_input("outliers", num_rows, hidden, torch.float32, seed=5), impl="reference")
+    expected = F.nvfp4_to_mxfp8_transposed(q, rounding="stochastic", seed=31, impl="reference")
+    data, scales, amax = (t.to(DEVICE).contiguous() for t in (q.data, q.scales.view(torch.uint8), q.amax.float()))
+    out_data = torch.empty(hidden, num_rows, dtype=torch.uint8, device=DEVICE)
+    scale_buffer = torch.full((hidden * num_rows // 32 + 16,), 0xAB, dtype=torch.uint8, device=DEVICE)
+    for offset in (1, 2, 3):
+        scale_buffer.fill_(0xAB)
+        lib.nvfp4_to_mxfp8_transposed(data.data_ptr(), scales.data_ptr(), amax.data_ptr(), num_rows, hidden,
+                                      float(q.e4m3_max), True, 31, out_data.data_ptr(),
+                                      scale_buffer.data_ptr() + offset, torch.cuda.current_stream().cuda_stream)
+        got = scale_buffer.cpu()
+        n = hidden * num_rows // 32
+        assert torch.equal(got[offset:offset + n], expected.scales.view(torch.uint8).reshape(-1)), offset
+        assert (got[:offset] == 0xAB).all() and (got[offset + n:] == 0xAB).all(), f"bytes outside, offset {offset}"
+        assert torch.equal(out_data.cpu(), expected.data.view(torch.uint8)), offset
 
 
 # ----------------------------------------------------------------------------------------------------------
