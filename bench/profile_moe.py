@@ -52,9 +52,11 @@ def _worker(rank, world, args):
             layer(x)
             torch.cuda.synchronize()
         dist.barrier()
-    # The profiled forward's kernels (the barrier's NCCL kernels before it are left out).
-    last = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and "nccl" not in e.name.lower()),
-                  key=lambda e: e.time_range.start)
+    # The profiled forward's kernels: those that start after the barrier's NCCL kernel (the barrier's own small
+    # kernels before it are left out too).
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    barrier_end = max((e.time_range.end for e in events if "nccl" in e.name.lower()), default=float("-inf"))
+    last = [e for e in events if e.time_range.start >= barrier_end and "nccl" not in e.name.lower()]
     t0 = last[0].time_range.start if last else 0
     stream_end = {}
     rows = []
