@@ -82,19 +82,28 @@ def _grouped_mm_bf16(x, weights_t, offs):
     return torch._grouped_mm(x, weights_t, offs=offs)
 
 
+def random_layer_weights(rank, world, args):
+    """The benchmark layer's weights on the current GPU: (w1 bf16 [E_local, 2I, H], w2 bf16 [E_local, H, I], router
+    fp32 [E, H], the NVFP4 pack of w1 / w2, and the generator the inputs continue from). BF16 masters (11.3 GB per rank
+    at the default shape), quantized once with the CUDA kernels; the router is the same on every rank."""
+    from ep_comm import moe
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    h, inter, local = args.hidden, args.intermediate, args.experts // world
+    gen = torch.Generator(device=device).manual_seed(1234 + rank)
+    w1 = (torch.randn(local, 2 * inter, h, device=device, generator=gen) / h ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(local, h, inter, device=device, generator=gen) / inter ** 0.5).to(torch.bfloat16)
+    router = torch.randn(args.experts, h, device=device, generator=torch.Generator(device=device).manual_seed(7))
+    return w1, w2, router, moe.pack_weights(w1, w2), gen
+
+
 def worker(rank, world, args):
     import ep_comm
     from ep_comm import moe
 
     device = torch.device("cuda", torch.cuda.current_device())
     h, inter, experts, topk = args.hidden, args.intermediate, args.experts, args.topk
-    local = experts // world
-    gen = torch.Generator(device=device).manual_seed(1234 + rank)
-    # BF16 masters on the GPU (11.3 GB per rank at the default shape), quantized once with the CUDA kernels.
-    w1 = (torch.randn(local, 2 * inter, h, device=device, generator=gen) / h ** 0.5).to(torch.bfloat16)
-    w2 = (torch.randn(local, h, inter, device=device, generator=gen) / inter ** 0.5).to(torch.bfloat16)
-    router = torch.randn(experts, h, device=device, generator=torch.Generator(device=device).manual_seed(7))
-    packed = moe.pack_weights(w1, w2)
+    w1, w2, router, packed, gen = random_layer_weights(rank, world, args)
     # --token-tiles: the first entry is the layer's tile, the others are timed as alternatives ("auto" = None).
     token_tiles = [None if t == "auto" else int(t) for t in (s.strip() for s in args.token_tiles.split(",")) if t]
     rows = []

@@ -17,7 +17,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 from ep_comm.launch import run_ranks  # noqa: E402
 
@@ -29,14 +31,11 @@ def _worker(rank, world, args):
     import ep_comm
     from ep_comm import moe
 
+    from bench_moe import random_layer_weights  # same directory: the benchmark's layer
+
     device = torch.device("cuda", torch.cuda.current_device())
-    h, inter, experts, topk = args.hidden, args.intermediate, args.experts, args.topk
-    local = experts // world
-    gen = torch.Generator(device=device).manual_seed(1234 + rank)
-    w1 = (torch.randn(local, 2 * inter, h, device=device, generator=gen) / h ** 0.5).to(torch.bfloat16)
-    w2 = (torch.randn(local, h, inter, device=device, generator=gen) / inter ** 0.5).to(torch.bfloat16)
-    router = torch.randn(experts, h, device=device, generator=torch.Generator(device=device).manual_seed(7))
-    packed = moe.pack_weights(w1, w2)
+    h, experts, topk = args.hidden, args.experts, args.topk
+    w1, w2, router, packed, gen = random_layer_weights(rank, world, args)
     del w1, w2
     x = torch.randn(args.tokens, h, device=device, generator=gen).to(torch.bfloat16)
     with ep_comm.Buffer(None, hidden=h, num_experts=experts, num_topk=topk, max_tokens_per_rank=args.tokens,
