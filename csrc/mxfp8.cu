@@ -176,10 +176,10 @@ __global__ void __launch_bounds__(kTileRows, 6) nvfp4_to_mxfp8_transposed_kernel
       float scale_values[kQuadRows];  // fp32(s_b), two per hardware decode (exact, like e4m3_decode)
       qm::e4m3x2_decode(static_cast<uint16_t>(in.scales[0] | (in.scales[1] << 8)), scale_values[0], scale_values[1]);
       qm::e4m3x2_decode(static_cast<uint16_t>(in.scales[2] | (in.scales[3] << 8)), scale_values[2], scale_values[3]);
-      qm::Nvfp4DecodeScale decode_scale[kQuadRows];
+      float decode_scale[kQuadRows];
 #pragma unroll
       for (int i = 0; i < kQuadRows; ++i) {
-        decode_scale[i] = qm::nvfp4_decode_scale(qm::nvfp4_dequant_scale_from(scale_values[i], in.row_amax[i], inv_six_m));
+        decode_scale[i] = qm::nvfp4_dequant_scale_from(scale_values[i], in.row_amax[i], inv_six_m);
       }
       // Elements 4q .. 4q + 3 of each half (word) of the block for all 4 rows, then one 16-byte store per column.
 #pragma unroll

@@ -1282,46 +1282,65 @@ QM_HD float nvfp4_dequant_scale(uint8_t scale_byte, float amax, float e4m3_max) 
 // little-endian words (element 2i in the low nibble of byte i), through the E4M3 pair decode (hardware on sm_89+,
 // the software rule elsewhere) instead of a per-code select chain: the E2M1 code s e1 e0 m becomes the E4M3 byte
 // s 0 0 e1 e0 m 0 0, whose value is exactly e2m1val * 2^-6 for every code (E4M3's exponent bias 7 is E2M1's 1
-// plus 6, and E4M3's subnormals (m / 2) 2^-6 match E2M1's 0.m). With scale64 = f(scale * 64) exact
-// (|scale| <= 2^121, or scale Inf / NaN), f(value * scale64) is the same real product as e2m1val * scale,
-// rounded once: the same bits. Larger finite scales (amax beyond ~2^124) take f(f(value * 64) * scale), the
-// first product exact. The transposed requantization (4 elements of 4 rows at a time, nvfp4_quad_decode) and the
-// host emulation (nvfp4_block_decode) decode through it; the NVFP4 dequantize kernel keeps its per-code decode
-// (measured faster there, nvfp4.cu) and gives the same bits.
-// The scale of one block in the two forms the decode multiplies by (above): scale64 = f(scale * 64), and whether
-// the scale is a large finite one that takes the two-product form instead.
-struct Nvfp4DecodeScale {
-  float scale;
-  float scale64;
-  bool large_finite;
-};
-QM_HD Nvfp4DecodeScale nvfp4_decode_scale(float scale) {
-  return Nvfp4DecodeScale{scale, qm_mul(scale, 64.0f), qm_abs(scale) > 0x1p121f && qm_abs(scale) <= kFltMax};
+// plus 6, and E4M3's subnormals (m / 2) 2^-6 match E2M1's 0.m). e2m1x2_from_e4m3x2 scales the pair back by 2^6
+// before the conversion to fp32 (on the device in f16, where every value involved is exact), so each element is
+// e2m1val itself, exactly, and y = f(e2m1val * scale) is one fp32 multiply by the scale as it is: the definition,
+// for every scale (zero, subnormal, huge, Inf, NaN) and every code (+-0 included), with no case split.
+// (Until 2026-12-01 the values stayed at e2m1val * 2^-6 and were multiplied by f(scale * 64), with a second,
+// two-product form for finite scales above 2^121 where scale * 64 could overflow; the kernel issued all three
+// multiplies per element, predicated.) The transposed requantization (4 elements of 4 rows at a time,
+// nvfp4_quad_decode) and the host emulation (nvfp4_block_decode) decode through it; the NVFP4 dequantize kernel keeps
+// its per-code decode (measured faster there, nvfp4.cu) and gives the same bits.
+//
+// The two E2M1 values whose E4M3 images (above) are the bytes of `pair` (lo in bits 7:0): e4m3val * 2^6, exact.
+// Device (sm_89+): cvt.rn.f16x2.e4m3x2 gives e2m1val * 2^-6 exactly (every E4M3 value is an f16 number), the f16x2
+// multiply by 64 (0x5400) is exact (the products are e2m1val in {0, 0.5, ..., 6} with their signs, -0 included: f16
+// numbers; f16 arithmetic never flushes, and nothing here is an f16 subnormal), and cvt.f32.f16 is exact. Host: the
+// software decode times 64, an exact fp32 power-of-two scaling of a normal or zero value.
+template <int kHalf>
+QM_HD void e2m1x2_from_e4m3x2(uint32_t pairs, float& lo, float& hi) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
+  uint32_t halves;
+  if (kHalf == 0) {
+    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\t}" : "=r"(halves) : "r"(pairs));
+  } else {
+    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, h;\n\t}" : "=r"(halves) : "r"(pairs));
+  }
+  asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(halves) : "r"(0x54005400u));
+  float f_lo, f_hi;
+  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+      : "=f"(f_lo), "=f"(f_hi) : "r"(halves));
+  lo = f_lo;
+  hi = f_hi;
+#else
+  const uint32_t pair = pairs >> (16 * kHalf);
+  lo = qm_mul(e4m3_decode_soft(static_cast<uint8_t>(pair & 0xFF)), 64.0f);
+  hi = qm_mul(e4m3_decode_soft(static_cast<uint8_t>((pair >> 8) & 0xFF)), 64.0f);
+#endif
 }
 // Elements 4q .. 4q + 3 (q = 0 or 1) of the 8 codes in word w, decoded as above. Per word (8 codes): the odd
 // elements' bytes keep the high nibble's sign bit 7 and shift its bits 6..4 to 4..2; the even elements' bytes are the
 // same transform of the word shifted left by 4; bytes 2q and 2q + 1 are elements 4q + {0, 2} (even) and 4q + {1, 3}
 // (odd). nvfp4_block_decode is four of these; the transposed requantization calls it directly, for 4 rows at a time.
-QM_HD void nvfp4_quad_decode(uint32_t w, int q, const Nvfp4DecodeScale& s, float y[4]) {
+QM_HD void nvfp4_quad_decode(uint32_t w, int q, float scale, float y[4]) {
   const uint32_t odd = (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu);
   const uint32_t even = ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu);
   float v[4];
-  e4m3x2_decode(static_cast<uint16_t>(even >> (16 * q)), v[0], v[2]);
-  e4m3x2_decode(static_cast<uint16_t>(odd >> (16 * q)), v[1], v[3]);
-  if (!s.large_finite) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) y[k] = qm_mul(v[k], s.scale64);
+  if (q == 0) {
+    e2m1x2_from_e4m3x2<0>(even, v[0], v[2]);
+    e2m1x2_from_e4m3x2<0>(odd, v[1], v[3]);
   } else {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) y[k] = qm_mul(qm_mul(v[k], 64.0f), s.scale);
+    e2m1x2_from_e4m3x2<1>(even, v[0], v[2]);
+    e2m1x2_from_e4m3x2<1>(odd, v[1], v[3]);
   }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) y[k] = qm_mul(v[k], scale);
 }
 QM_HD void nvfp4_block_decode(uint32_t word0, uint32_t word1, float scale, float y[16]) {
-  const Nvfp4DecodeScale s = nvfp4_decode_scale(scale);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {  // elements 8 * half .. 8 * half + 7
 #pragma unroll
-    for (int q = 0; q < 2; ++q) nvfp4_quad_decode(half == 0 ? word0 : word1, q, s, y + 8 * half + 4 * q);
+    for (int q = 0; q < 2; ++q) nvfp4_quad_decode(half == 0 ? word0 : word1, q, scale, y + 8 * half + 4 * q);
   }
 }
 
