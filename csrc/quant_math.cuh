@@ -440,9 +440,11 @@ struct RbitsBlock {
   uint32_t lo[4];  // (c ^ a) * K1, a = 0..3
   uint32_t hi[3];  // (c ^ 4b) * K1, b = 1..3
 };
-QM_HD RbitsBlock rbits_block(uint32_t key, uint64_t base) {
+// rbits_block_keyed takes the block's pair key rbits_pair_key(key, base >> 1) from the caller (a kernel whose flat
+// indices all lie below 2^33 has the one pair key rbits_pair_key(key, 0) for every block: computed once).
+QM_HD RbitsBlock rbits_block_keyed(uint32_t pair_key, uint64_t base) {
   const uint64_t p0 = base >> 1;
-  const uint32_t h = static_cast<uint32_t>(p0) ^ rbits_pair_key(key, p0);
+  const uint32_t h = static_cast<uint32_t>(p0) ^ pair_key;
   const uint32_t c = h ^ (h >> 16);
   RbitsBlock block;
   block.lo[0] = c * 0x85EBCA6Bu;
@@ -453,6 +455,9 @@ QM_HD RbitsBlock rbits_block(uint32_t key, uint64_t base) {
   block.hi[1] = (c ^ 8u) * 0x85EBCA6Bu;
   block.hi[2] = block.hi[0] + block.hi[1] - block.lo[0];  // (c ^ 12) K1
   return block;
+}
+QM_HD RbitsBlock rbits_block(uint32_t key, uint64_t base) {
+  return rbits_block_keyed(rbits_pair_key(key, base >> 1), base);
 }
 QM_HD uint32_t rbits_block_word(const RbitsBlock& block, uint32_t j) {
   const uint32_t a = j & 3u;
@@ -586,6 +591,35 @@ QM_HD bool sr_fast_block_ok(float amax_nan, uint8_t scale_byte, float p) {
   return scale_byte <= kSrFastMaxScale && qm_mul(amax_nan, p) <= 448.0f;
 }
 
+// ue8m0_rp_encode_soft(t) for t >= +0 or +Inf (not NaN), without its clamp to 0xFE (0xFF for t = +Inf and for
+// t >= 2^127, which t = f(amax / 448) < 2^120 never reaches for a finite amax). Branch-free: with B = bits(t),
+//  * t normal or Inf (B >= 0x800000; e >= 1): (B + 0x7FFFFF) >> 23 = e + (m != 0), the rule's e + (m != 0 ? 1 : 0)
+//    (m <= 0x7FFFFF, so the carry into bit 23 happens iff m != 0; e <= 255 keeps the sum below 2^32);
+//  * t subnormal or zero (B < 0x800000; e = 0, m = B): (B + 0x3FFFFF) >> 23 is 1 iff B >= 0x400001 (the sum is below
+//    0xC00000 < 2^24), the rule's (m > 0x400000 ? 1 : 0).
+// A NaN t gives some value (the callers handle NaN before using it). Checked on the host against ue8m0_rp_encode_soft
+// (clamped) for every non-negative non-NaN pattern, and, through mxfp8_encode32_stochastic's use (scale byte, fast
+// test, multiplier), against the previous code for every non-negative and every NaN amax pattern (2026-12-01).
+QM_HD uint32_t ue8m0_rp_bits_nonnan(float t) {
+  const uint32_t bits = float_bits(t);
+  return (bits + (bits >= 0x800000u ? 0x7FFFFFu : 0x3FFFFFu)) >> 23;
+}
+// sr_fast_block_ok(amax_nan, b, ue8m0_inverse(b)) for b = ue8m0_rp_bits_nonnan(f(amax_nan / 448)) (any value when
+// amax_nan is NaN), without forming p = 2^(127 - b): for b <= 156, p is a normal power of two and
+// f(amax_nan * p) <= 448  <=>  amax_nan <= T = 448 * 2^(b - 127) = 1.75 * 2^(b - 119), whose bits are
+// ((b + 8) << 23) | 0x600000 = (b << 23) + 0x04600000 (a normal number: exponent field b + 8 in [8, 164]). Proof of the
+// equivalence, with a = amax_nan: a NaN: both false (f(NaN * p) <= 448 and NaN <= T are false). a = +Inf: both false.
+// a finite: if a * p is in the normal range, f(a p) = a p exactly (a power-of-two scaling) and a p <= 448 <=> a <= T;
+// if a p >= 2^128 (f = Inf), both are false (a p > 448 means a > T); if a p < 2^-126, f(a p) <= 2^-126 <= 448 and
+// a < 448 / p = T: both true. The float compare a <= T is false for NaN, as the original's.
+QM_HD bool sr_fast_block_ok_bits(float amax_nan, uint32_t b) {
+  return b <= static_cast<uint32_t>(kSrFastMaxScale) && amax_nan <= bits_float((b << 23) + 0x04600000u);
+}
+// sr_fast_multiplier(b) = 2^(7 - b) for b <= kSrFastMaxScale, as f(2^(127 - b) * 2^-120): 2^(127 - b) = bits((254 - b)
+// << 23) is normal for b <= 253, and the product is a power of two >= 2^-149 (b <= 156), exact even where subnormal
+// (b >= 134).
+QM_HD float sr_fast_multiplier_from(uint32_t b) { return qm_mul(bits_float((254u - b) << 23), 0x1p-120f); }
+
 // ---------------------------------------------------------------------------------------------------
 // MXFP8 block encoders: one MX block of 32 fp32 values -> the UE8M0 scale byte and 32 E4M3 codes. The kernels
 // (mxfp8.cu: quantize and the transposed requantization) and the host emulation call these same functions.
@@ -658,22 +692,28 @@ QM_HD void sr_encode32(const float x[32], float p, float q, const RbitsBlock& ha
 // The stochastic form of mxfp8_encode32_nearest; index0 = the flat index of x[0], a multiple of 32 (row * K + column
 // with K % 32 == 0, or k * R + rb with R % 32 == 0). Every finite block with a scale byte <= 156 takes
 // sr_e4m3_fast (a truncating multiply, an add, a mask and a multiply per element); NaN / Inf blocks and huge ones
-// (amax > 448 * 2^29) take the general sr_e4m3 (sr_fast_block_ok). Both give sr_e4m3_definition's bits.
-QM_HD uint8_t mxfp8_encode32_stochastic(const float x[32], uint32_t key, int64_t index0, uint32_t words[8]) {
+// (amax > 448 * 2^29) take the general sr_e4m3 (sr_fast_block_ok_bits). Both give sr_e4m3_definition's bits.
+// `hash` = rbits_block(key, index0) (or rbits_block_keyed with the block's pair key).
+// The scale byte: for a non-NaN amax_nan (+0 .. +Inf) ue8m0_mxfp8_scale(amax_nan) = min(b, 0xFE) with
+// b = ue8m0_rp_bits_nonnan(f(amax_nan / 448)); the fast path has b <= 156, so it returns b itself. A NaN block fails
+// the fast test whatever b is, and takes its scale from block_amax32 (NaN ignored) as before.
+QM_HD uint8_t mxfp8_encode32_stochastic_hashed(const float x[32], const RbitsBlock& hash, uint32_t words[8]) {
   const float amax_nan = block_amax32_nan(x);
-  uint8_t scale = ue8m0_mxfp8_scale(amax_nan);  // 0xFF for a NaN block: recomputed below
-  float p = ue8m0_inverse(scale);
-  const RbitsBlock hash = rbits_block(key, static_cast<uint64_t>(index0));
-  if (sr_fast_block_ok(amax_nan, scale, p)) {
-    sr_encode32<true>(x, p, sr_fast_multiplier(scale), hash, words);
-  } else {
-    if (qm_isnan(amax_nan)) {  // the scale's amax ignores NaN
-      scale = ue8m0_mxfp8_scale(block_amax32(x));
-      p = ue8m0_inverse(scale);
-    }
-    sr_encode32<false>(x, p, 0.0f, hash, words);
+  // b, unclamped and without the NaN case (ue8m0_rp_bits_nonnan); a NaN block fails the test below (amax_nan <= T is
+  // false) and recomputes its scale, an Inf block (b = 255 here) fails it too and clamps b below.
+  const uint32_t b = ue8m0_rp_bits_nonnan(qm_mul(amax_nan, 1.0f / 448.0f));
+  if (sr_fast_block_ok_bits(amax_nan, b)) {
+    sr_encode32<true>(x, 0.0f, sr_fast_multiplier_from(b), hash, words);
+    return static_cast<uint8_t>(b);
   }
+  // The general path: the NUMERICS scale (the scale's amax ignores NaN; clamped to 0xFE), p = 2^(127 - b).
+  const uint8_t scale =
+      qm_isnan(amax_nan) ? ue8m0_mxfp8_scale(block_amax32(x)) : static_cast<uint8_t>(b > 0xFEu ? 0xFEu : b);
+  sr_encode32<false>(x, ue8m0_inverse(scale), 0.0f, hash, words);
   return scale;
+}
+QM_HD uint8_t mxfp8_encode32_stochastic(const float x[32], uint32_t key, int64_t index0, uint32_t words[8]) {
+  return mxfp8_encode32_stochastic_hashed(x, rbits_block(key, static_cast<uint64_t>(index0)), words);
 }
 
 // ---------------------------------------------------------------------------------------------------
