@@ -31,6 +31,13 @@ __device__ __forceinline__ uint8_t mxfp8_encode32_stochastic(const float x[32], 
   words_to_vectors(words, out);
   return scale;
 }
+__device__ __forceinline__ uint8_t mxfp8_encode32_stochastic_hashed(const float x[32], const qm::RbitsBlock& hash,
+                                                                    uint4 out[2]) {
+  uint32_t words[8];
+  const uint8_t scale = qm::mxfp8_encode32_stochastic_hashed(x, hash, words);
+  words_to_vectors(words, out);
+  return scale;
+}
 
 template <typename T, bool kStochastic>
 __global__ void __launch_bounds__(kThreads) mxfp8_quantize_kernel(Mxfp8QuantizeArgs args, int64_t blocks_per_row,
@@ -129,21 +136,25 @@ struct TileQuadInput {
   float row_amax[kQuadRows];
 };
 
-// Rows r .. r + 3 (all valid or none: R % 32 == 0), columns kb .. kb + 15 (kb < K or none: K % 16 == 0).
-__device__ __forceinline__ TileQuadInput load_tile_quad(const uint8_t* __restrict__ data,
-                                                        const uint8_t* __restrict__ scales,
-                                                        const float* __restrict__ amax, int64_t num_rows,
-                                                        int64_t hidden, int64_t r, int64_t kb) {
-  TileQuadInput in = {};
-  if (r >= num_rows || kb >= hidden) return in;
+// Rows r .. r + 3 (all valid or none: R % 32 == 0), columns kb .. kb + 15 (kb < K or none: K % 16 == 0), into `in`;
+// out of range, `in` keeps what it held (phase 1 tests the same condition before it reads `in`, so the stale values are
+// never used; not zeroing them saves the register clears on every tile).
+__device__ __forceinline__ void load_tile_quad(const uint8_t* __restrict__ data, const uint8_t* __restrict__ scales,
+                                               const float* __restrict__ amax, int64_t num_rows, int64_t hidden,
+                                               int64_t r, int64_t kb, TileQuadInput& in) {
+  if (r >= num_rows || kb >= hidden) return;
+  // r, kb and hidden are non-negative: unsigned shifts instead of signed divisions (no rounding fix-ups).
+  const uint64_t code_pitch = static_cast<uint64_t>(hidden) >> 1;
+  const uint64_t scale_pitch = static_cast<uint64_t>(hidden) >> 4;
+  const uint8_t* code_row = data + static_cast<uint64_t>(r) * code_pitch + (static_cast<uint64_t>(kb) >> 1);
+  const uint8_t* scale_row = scales + static_cast<uint64_t>(r) * scale_pitch + (static_cast<uint64_t>(kb) >> 4);
 #pragma unroll
   for (int i = 0; i < kQuadRows; ++i) {
     // 8 code bytes per block, 8-byte aligned because K % 16 == 0.
-    in.codes[i] = __ldg(reinterpret_cast<const uint2*>(data + (r + i) * (hidden / 2) + kb / 2));
-    in.scales[i] = __ldg(scales + (r + i) * (hidden / 16) + kb / 16);
+    in.codes[i] = __ldg(reinterpret_cast<const uint2*>(code_row + i * code_pitch));
+    in.scales[i] = __ldg(scale_row + i * scale_pitch);
     in.row_amax[i] = __ldg(amax + r + i);
   }
-  return in;
 }
 
 // Persistent CTAs walk the tiles (tile = row tile + num_row_tiles * column tile); the loads of a CTA's next tile
@@ -154,7 +165,7 @@ template <bool kStochastic>
 __global__ void __launch_bounds__(kTileRows, 6) nvfp4_to_mxfp8_transposed_kernel(
     const uint8_t* __restrict__ data, const uint8_t* __restrict__ scales, const float* __restrict__ amax,
     int64_t num_rows, int64_t hidden, int64_t num_row_tiles, int64_t num_tiles, float inv_six_m, uint32_t key,
-    uint8_t* __restrict__ out_data, uint8_t* __restrict__ out_scales) {
+    bool low_indices, uint32_t low_pair_key, uint8_t* __restrict__ out_data, uint8_t* __restrict__ out_scales) {
   __shared__ __align__(16) float tile[kTileCols * kTilePitch];
   const int t = threadIdx.x;
   int64_t tile_index = blockIdx.x;
@@ -164,13 +175,27 @@ __global__ void __launch_bounds__(kTileRows, 6) nvfp4_to_mxfp8_transposed_kernel
   const int block_col = (lane / 8) * 16;
   const int quad_row = (t / 32) * 32 + (lane % 8) * kQuadRows;
   static_assert(kTileRows == 4 * 32 && kTileCols == 4 * 16, "phase 1: a warp takes 32 rows x 4 blocks");
-  TileQuadInput next = load_tile_quad(data, scales, amax, num_rows, hidden,
-                                      (tile_index % num_row_tiles) * kTileRows + quad_row,
-                                      (tile_index / num_row_tiles) * kTileCols + block_col);
+  // The tile's (row tile, column tile) = (tile_index % num_row_tiles, tile_index / num_row_tiles), stepped without a
+  // division per tile: with gridDim.x = step_col * num_row_tiles + step_row (0 <= step_row < num_row_tiles), the next
+  // tile's row tile is row_tile + step_row, less num_row_tiles (and one more column tile) when that reaches
+  // num_row_tiles (it stays below 2 * num_row_tiles: one wrap at most).
+  int64_t row_tile = tile_index % num_row_tiles;
+  int64_t col_tile = tile_index / num_row_tiles;
+  const int64_t step_col = static_cast<int64_t>(gridDim.x) / num_row_tiles;
+  const int64_t step_row = static_cast<int64_t>(gridDim.x) - step_col * num_row_tiles;
+  TileQuadInput next = {};
+  load_tile_quad(data, scales, amax, num_rows, hidden, row_tile * kTileRows + quad_row,
+                 col_tile * kTileCols + block_col, next);
 
   for (; tile_index < num_tiles; tile_index += gridDim.x) {
-    const int64_t r0 = (tile_index % num_row_tiles) * kTileRows;
-    const int64_t k0 = (tile_index / num_row_tiles) * kTileCols;
+    const int64_t r0 = row_tile * kTileRows;
+    const int64_t k0 = col_tile * kTileCols;
+    row_tile += step_row;
+    col_tile += step_col;
+    if (row_tile >= num_row_tiles) {
+      row_tile -= num_row_tiles;
+      ++col_tile;
+    }
     const TileQuadInput in = next;
     if (r0 + quad_row < num_rows && k0 + block_col < hidden) {
       float scale_values[kQuadRows];  // fp32(s_b), two per hardware decode (exact, like e4m3_decode)
@@ -202,8 +227,8 @@ __global__ void __launch_bounds__(kTileRows, 6) nvfp4_to_mxfp8_transposed_kernel
     __syncthreads();
     const int64_t following = tile_index + gridDim.x;
     if (following < num_tiles) {
-      next = load_tile_quad(data, scales, amax, num_rows, hidden, (following % num_row_tiles) * kTileRows + quad_row,
-                            (following / num_row_tiles) * kTileCols + block_col);
+      load_tile_quad(data, scales, amax, num_rows, hidden, row_tile * kTileRows + quad_row,
+                     col_tile * kTileCols + block_col, next);
     }
 
     // Whether the 4 scale bytes of an output row go out as one aligned word (else each lane stores its own byte).
@@ -213,13 +238,19 @@ __global__ void __launch_bounds__(kTileRows, 6) nvfp4_to_mxfp8_transposed_kernel
                              (reinterpret_cast<uintptr_t>(out_scales) & 3u) == 0;
     constexpr int kPasses = kTileCols * kRowBlocks / kTileRows;
     uint32_t pass_scale[kPasses];  // this lane's scale byte of each pass (0 where it had no block)
+    // Pass p takes output row k = k0 + t / 4 + 32 p (unit = t + 128 p) and row block t % 4 in both passes: its flat
+    // output index k * R + rb is pass 0's plus 32 p R, and its scale byte's index k * R / 32 + rb / 32 pass 0's plus
+    // 32 p R / 32 (rb >= 0, so rb / 32 = rb >> 5).
+    const int row_block = t % kRowBlocks;  // which 32 input rows: consecutive lanes
+    const int64_t rb = r0 + row_block * 32;
+    const int64_t k_first = k0 + t / kRowBlocks;
+    const int64_t index_first = k_first * num_rows + rb;
+    static_assert(kTileRows / kRowBlocks == 32, "pass p adds 32 output rows");
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
-      const int unit = t + pass * kTileRows;
-      const int col = unit / kRowBlocks;        // output row within the tile
-      const int row_block = unit % kRowBlocks;  // which 32 input rows: consecutive lanes
-      const int64_t k = k0 + col;
-      const int64_t rb = r0 + row_block * 32;
+      const int col = t / kRowBlocks + 32 * pass;  // output row within the tile
+      const int64_t k = k_first + 32 * pass;
+      const int64_t index0 = index_first + 32 * pass * num_rows;  // flat index of the block's first element
       pass_scale[pass] = 0;
       if (k < hidden && rb < num_rows) {
         float x[32];
@@ -233,9 +264,14 @@ __global__ void __launch_bounds__(kTileRows, 6) nvfp4_to_mxfp8_transposed_kernel
           x[4 * j + 3] = four.w;
         }
         uint4 codes[2];
-        pass_scale[pass] = kStochastic ? mxfp8_encode32_stochastic(x, key, k * num_rows + rb, codes)
-                                       : mxfp8_encode32_nearest(x, codes);
-        uint8_t* dst = out_data + k * num_rows + rb;
+        if (kStochastic) {
+          const uint32_t pair_key =
+              low_indices ? low_pair_key : qm::rbits_pair_key(key, static_cast<uint64_t>(index0) >> 1);
+          pass_scale[pass] = mxfp8_encode32_stochastic_hashed(x, qm::rbits_block_keyed(pair_key, index0), codes);
+        } else {
+          pass_scale[pass] = mxfp8_encode32_nearest(x, codes);
+        }
+        uint8_t* dst = out_data + index0;
         vec::store16(dst, codes[0]);
         vec::store16(dst + 16, codes[1]);
       }
@@ -243,16 +279,14 @@ __global__ void __launch_bounds__(kTileRows, 6) nvfp4_to_mxfp8_transposed_kernel
     // The scale bytes, after both passes (their shuffles' latencies overlap): lanes 4m .. 4m + 3 hold row blocks 0..3
     // of the same output row, and every lane of the warp takes part in the shuffles.
     static_assert(kRowBlocks == 4 && kTileRows % 32 == 0, "the scale word gathers 4 consecutive lanes");
+    const int64_t scale_first = k_first * row_blocks + (rb >> 5);
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
-      const int unit = t + pass * kTileRows;
-      const int row_block = unit % kRowBlocks;
-      const int64_t k = k0 + unit / kRowBlocks;
-      const int64_t rb = r0 + row_block * 32;
+      const int64_t k = k_first + 32 * pass;
       uint32_t word = pass_scale[pass] << (8 * row_block);
       word |= __shfl_xor_sync(0xFFFFFFFFu, word, 1);
       word |= __shfl_xor_sync(0xFFFFFFFFu, word, 2);
-      uint8_t* scale_dst = out_scales + k * row_blocks + rb / 32;
+      uint8_t* scale_dst = out_scales + scale_first + 32 * pass * row_blocks;
       if (scale_words) {
         if (row_block == 0 && k < hidden) *reinterpret_cast<uint32_t*>(scale_dst) = word;  // r0 / 32 % 4 == 0: aligned
       } else if (k < hidden && rb < num_rows) {
@@ -313,8 +347,13 @@ cudaError_t launch_nvfp4_to_mxfp8_transposed(const uint8_t* data, const uint8_t*
   if (err != cudaSuccess) return err;
   const uint32_t key = qm::sr_key(seed);
   const float inv_six_m = qm::nvfp4_inv_six_m(e4m3_max);
+  // Every flat output index is below R * K; when that is at most 2^33 every pair index (index >> 1) is below 2^32, so
+  // every block's pair key (rbits_block_keyed) is rbits_pair_key(key, 0), computed here once.
+  const bool low_indices = num_rows * hidden <= (int64_t{1} << 33);
+  const uint32_t low_pair_key = qm::rbits_pair_key(key, 0);
   kernel<<<static_cast<unsigned>(grid), kTileRows, 0, stream>>>(data, scales, amax, num_rows, hidden, num_row_tiles,
-                                                                num_tiles, inv_six_m, key, out_data, out_scales);
+                                                                num_tiles, inv_six_m, key, low_indices, low_pair_key,
+                                                                out_data, out_scales);
   return cudaGetLastError();
 }
 
