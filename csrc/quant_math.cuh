@@ -150,6 +150,11 @@ QM_HD float ue8m0_to_float(uint8_t b) {
 QM_HD float ue8m0_inverse(uint8_t b) {
   return b == 0xFF ? bits_float(0x7FC00000u) : pow2f(127 - static_cast<int>(b));
 }
+// ue8m0_inverse(b) for b <= 0xFE, branch-free: 2^(127 - b) is the normal number bits((254 - b) << 23) for b <= 253 and
+// the subnormal 2^-127 = bits(0x400000) for b = 254 (all 255 bytes checked on the host).
+QM_HD float ue8m0_inverse_finite(uint8_t b) {
+  return bits_float(b < 0xFE ? (254u - b) << 23 : 0x400000u);
+}
 
 // ---------------------------------------------------------------------------------------------------
 // E2M1 (FP4): code = s e1 e0 m, values {0, .5, 1, 1.5, 2, 3, 4, 6}.
@@ -657,9 +662,13 @@ QM_HD float block_amax32_nan(const float x[32]) {
 }
 
 // Encodes one MX block of 32 fp32 values: returns its scale byte; words[w] = codes 4w .. 4w + 3 (little-endian).
+// The scale without ue8m0_mxfp8_scale's NaN case and ue8m0_inverse's 0xFF case: block_amax32 is +0 .. +Inf, never
+// NaN, so t = f(amax / 448) is not NaN, the scale byte is min(ue8m0_rp_bits_nonnan(t), 0xFE) (checked for every
+// non-negative amax pattern, see ue8m0_rp_bits_nonnan), and p = 2^(127 - b) (ue8m0_inverse_finite).
 QM_HD uint8_t mxfp8_encode32_nearest(const float x[32], uint32_t words[8]) {
-  const uint8_t scale = ue8m0_mxfp8_scale(block_amax32(x));
-  const float p = ue8m0_inverse(scale);
+  const uint32_t b = ue8m0_rp_bits_nonnan(qm_mul(block_amax32(x), 1.0f / 448.0f));
+  const uint8_t scale = static_cast<uint8_t>(b > 0xFEu ? 0xFEu : b);
+  const float p = ue8m0_inverse_finite(scale);
 #pragma unroll
   for (int w = 0; w < 8; ++w) {
     words[w] = static_cast<uint32_t>(e4m3x2_encode(qm_mul(x[4 * w], p), qm_mul(x[4 * w + 1], p))) |
