@@ -631,34 +631,34 @@ QM_HD float sr_fast_multiplier_from(uint32_t b) { return qm_mul(bits_float((254u
 // The block amax max(0, |x_0|, ..., |x_31|), NaN ignored (all NaN: 0), by a pairwise tree: max is exact and does not
 // depend on the order, so the tree gives the serial form's value, but its longest dependency chain is 6 max
 // instructions instead of 32 (the transposed requantization waited on that chain, ncu 2026-12-01).
-QM_HD float block_amax32(const float x[32]) {
+// The pairwise tree of both amax forms below; max_abs(a, v) = max(a, |v|) in the form's NaN convention (the operands
+// above the leaves are >= +0 or NaN, so |.| changes none of them).
+template <typename MaxAbs>
+QM_HD float max_abs_tree32(const float x[32], MaxAbs max_abs) {
   float m[16];
 #pragma unroll
-  for (int j = 0; j < 16; ++j) m[j] = qm_max(qm_abs(x[2 * j]), qm_abs(x[2 * j + 1]));
+  for (int j = 0; j < 16; ++j) m[j] = max_abs(qm_abs(x[2 * j]), x[2 * j + 1]);
   // Levels of 8, 4, 2 and 1 pairs, written out (a loop over the level width was not unrolled: m went to the stack).
 #pragma unroll
-  for (int j = 0; j < 8; ++j) m[j] = qm_max(m[j], m[j + 8]);
+  for (int j = 0; j < 8; ++j) m[j] = max_abs(m[j], m[j + 8]);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) m[j] = qm_max(m[j], m[j + 4]);
-  m[0] = qm_max(m[0], m[2]);
-  m[1] = qm_max(m[1], m[3]);
-  m[0] = qm_max(m[0], m[1]);
-  return qm_max(0.0f, m[0]);  // the serial form starts from 0: an all-NaN block gives 0
+  for (int j = 0; j < 4; ++j) m[j] = max_abs(m[j], m[j + 4]);
+  m[0] = max_abs(m[0], m[2]);
+  m[1] = max_abs(m[1], m[3]);
+  return max_abs(m[0], m[1]);
 }
-// The same with NaN propagated (qm_max_abs_nan: NaN if any element is NaN), also by a pairwise tree.
+struct MaxAbsIgnoreNan {
+  QM_HD float operator()(float a, float v) const { return qm_max(a, qm_abs(v)); }
+};
+struct MaxAbsPropagateNan {
+  QM_HD float operator()(float a, float v) const { return qm_max_abs_nan(a, v); }
+};
+QM_HD float block_amax32(const float x[32]) {
+  return qm_max(0.0f, max_abs_tree32(x, MaxAbsIgnoreNan{}));  // the serial form starts from 0: all NaN gives 0
+}
+// The same with NaN propagated (qm_max_abs_nan: NaN if any element is NaN).
 QM_HD float block_amax32_nan(const float x[32]) {
-  float m[16];
-#pragma unroll
-  for (int j = 0; j < 16; ++j) m[j] = qm_max_abs_nan(qm_abs(x[2 * j]), x[2 * j + 1]);
-  // Levels of 8, 4, 2 and 1 pairs, written out (a loop over the level width was not unrolled: m went to the stack).
-#pragma unroll
-  for (int j = 0; j < 8; ++j) m[j] = qm_max_abs_nan(m[j], m[j + 8]);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) m[j] = qm_max_abs_nan(m[j], m[j + 4]);
-  m[0] = qm_max_abs_nan(m[0], m[2]);
-  m[1] = qm_max_abs_nan(m[1], m[3]);
-  m[0] = qm_max_abs_nan(m[0], m[1]);
-  return m[0];  // >= +0 or NaN: the serial form's max with its starting 0 changes nothing
+  return max_abs_tree32(x, MaxAbsPropagateNan{});  // >= +0 or NaN: a starting 0 would change nothing
 }
 
 // Encodes one MX block of 32 fp32 values: returns its scale byte; words[w] = codes 4w .. 4w + 3 (little-endian).
