@@ -292,6 +292,27 @@ profile_stalls() {  # STALLS_ONLY = a bench_formats case name substring (default
     python3 bench/profile_formats.py --mib 64 --only "$only" > "$OUT/ncu_sass_$name.csv" 2>&1
   echo "ncu sass $only: rc $?" | tee -a "$log"
 }
+profile_comm_ncu() {  # Nsight Compute on one dispatch + combine at 4096 tokens on ONE rank (world 1: no peer to wait for under
+  # replay), per format pair in COMM_FORMATS (default nvfp4/s2f6 bf16/bf16): the 4 kernels of the second call pair
+  local pair name
+  for pair in ${COMM_FORMATS:-nvfp4/s2f6 bf16/bf16}; do
+    name="${pair//\//_}"
+    say "profile: ncu dispatch/combine kernels, world 1, 4096 tokens, $pair"
+    CUDA_VISIBLE_DEVICES=0 timeout 240 ncu --target-processes all \
+      --kernel-name regex:"dispatch_send|dispatch_recv|combine_send|combine_recv" --launch-skip 6 --launch-count 4 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+      --section LaunchStats --section SchedulerStats \
+      --metrics regex:"smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+      python3 bench/profile_nvlink.py --nproc 1 --tokens 4096 --formats "$pair" --iters 1 > "$OUT/ncu_comm_$name.txt" 2>&1
+    echo "ncu comm $pair: rc $?" | tee -a "$log"
+    grep -E "^  [a-z_]+_kernel|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible|long_scoreboard_per|Warp Cycles Per Issued" "$OUT/ncu_comm_$name.txt" | tee -a "$log"
+  done
+}
+profile_4096_timeline() {  # both ranks' kernels of the last dispatch + combine of a graph replay at 4096 tokens
+  say "profile: timeline of a 4096-token dispatch + combine (graph replay)"
+  timeout 150 python3 bench/profile_nvlink.py --timeline --tokens 4096 --formats nvfp4/s2f6,bf16/bf16 --iters 4 \
+    --out "$OUT/profile_4096_timeline.json" 2>&1 | grep -E "timeline|rank [01]" | tee -a "$log"
+}
 bench_moe() {  # arguments go to the benchmark
   say "bench: MoE layer (2 GPUs)"
   timeout 240 python3 bench/bench_moe.py --nproc 2 --iters 5 "$@" --out "$OUT/bench_moe.json" 2>&1 | tail -5 | tee -a "$log"
