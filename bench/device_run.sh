@@ -258,9 +258,9 @@ bench_formats_ab() {  # AB_ONLY: the kernels to time (bench_formats --only, a na
     python3 bench/bench_formats.py --no-reference --only "${AB_ONLY:-nvfp4_quantize}"
 }
 # The nvlink graph rows of a dispatch/combine run in the current directory's tree: AB_FORMATS (default nvfp4/s2f6;
-# several: "nvfp4/s2f6,bf16/bf16"), AB_TOKENS (default 128,1024,4096).
+# several: "nvfp4/s2f6,bf16/bf16"), AB_TOKENS (default 128,1024,4096), AB_NPROC (ranks, default 2).
 dc_graph_rows() {
-  timeout 120 python3 bench/bench_dispatch_combine.py --nproc 2 --tokens "${AB_TOKENS:-128,1024,4096}" \
+  timeout 120 python3 bench/bench_dispatch_combine.py --nproc "${AB_NPROC:-2}" --tokens "${AB_TOKENS:-128,1024,4096}" \
     --formats "${AB_FORMATS:-nvfp4/s2f6}" --no-reference --no-ceiling
 }
 dc_graph_pattern="nvlink +(dispatch|combine) .* graph"
@@ -307,6 +307,11 @@ profile_comm_ncu() {  # Nsight Compute on one dispatch + combine at 4096 tokens 
     echo "ncu comm $pair: rc $?" | tee -a "$log"
     grep -E "^  [a-z_]+_kernel|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible|long_scoreboard_per|Warp Cycles Per Issued" "$OUT/ncu_comm_$name.txt" | tee -a "$log"
   done
+}
+profile_one_rank_ab() {  # per-kernel device time of dispatch + combine at world 1 (one GPU; all rows local), this tree
+  # against ab_base.tar: the local kernels' A/B when only one GPU is lent
+  ab_trees "profile: world 1, 4096 tokens" "^ +4096 " env CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/profile_nvlink.py \
+    --nproc 1 --tokens 4096 --formats nvfp4/s2f6,bf16/bf16 --iters 20
 }
 profile_4096_timeline() {  # both ranks' kernels of the last dispatch + combine of a graph replay at 4096 tokens
   say "profile: timeline of a 4096-token dispatch + combine (graph replay)"

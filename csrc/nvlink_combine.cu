@@ -32,31 +32,30 @@ __device__ __forceinline__ void bf16x16_to_float(const uint4& a, const uint4& b,
   vec::Elem<__nv_bfloat16>::unpack(b, out + 8);
 }
 
-__device__ __forceinline__ uint4 pack_bf16x16_lo(const float* v) {
-  uint4 r;
-  unsigned int* w = reinterpret_cast<unsigned int*>(&r);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = bf16_bits_rn(v[2 * i]) | (static_cast<unsigned int>(bf16_bits_rn(v[2 * i + 1])) << 16);
-  return r;
-}
 
 // Encode the lane's 16 fp32 values (whole warp calls; `active` lanes store) into a combine row at
-// element offset e0: S2F6 after the forward RHT, or BF16.
-__device__ __forceinline__ void encode_store(const NvlinkConfig& cfg, float v[16], char* dst_row, int e0, bool active,
-                                             int lane) {
-  if (cfg.comb_fmt == kCombS2f6) {
+// element offset e0: S2F6 after the forward RHT (the s2f6_quantize kernel's code), or BF16.
+template <bool kS2f6>
+__device__ __forceinline__ void encode_store(const NvlinkConfig& cfg, const RhtSigns16& signs, float v[16],
+                                             char* dst_row, int e0, bool active, int lane) {
+  if constexpr (kS2f6) {
     uint8_t b;
-    const uint4 codes = quantize_lane16<true>(v, cfg.sign_mask, lane, &b);  // the s2f6_quantize kernel's code
+    const uint4 codes = quantize_lane16<true>(v, signs, lane, &b);
     if (active) {
       st_v4(dst_row + e0, codes);
       if ((lane & 1) == 0) *reinterpret_cast<uint8_t*>(dst_row + cfg.comb_scale_off + e0 / 32) = b;
     }
   } else if (active) {
-    st_v4(dst_row + 2 * e0, pack_bf16x16_lo(v));
-    st_v4(dst_row + 2 * e0 + 16, pack_bf16x16_lo(v + 8));
+    // cvt.rn.bf16x2.f32: the reference backend rounds these sums with torch's .to(bfloat16) on the GPU, the same
+    // instruction (the rule's RNE for every non-NaN value).
+    st_v4(dst_row + 2 * e0, vec::Elem<__nv_bfloat16>::pack(v));
+    st_v4(dst_row + 2 * e0 + 16, vec::Elem<__nv_bfloat16>::pack(v + 8));
   }
 }
 
+// The combine format as a template argument (kS2f6: S2F6, else BF16): no format branch in the loops, and each form
+// gets its own register allocation.
+template <bool kS2f6>
 __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig cfg, CombineArgs args) {
   __shared__ int slot_rows[kCommThreads / 32][kMaxTopk];
   __shared__ float slot_weights[kCommThreads / 32][kMaxTopk];
@@ -83,6 +82,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
   const int topk = cfg.topk;
   const int hidden = cfg.hidden;
   const int world = cfg.world;
+  const RhtSigns16 signs(cfg.sign_mask, lane);  // S2F6 only (unused registers otherwise)
 
   // Received tokens per source, and the largest count. Items are interleaved over sources (slot
   // f = j * W + rotated source) so that every phase of the kernel mixes rows bound for NVLink with rows
@@ -143,22 +143,29 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
 
     if (args.local_reduce) {
       char* dst = area + (static_cast<long long>(t) * topk + args.recv_ord[item]) * cfg.comb_row_bytes;
-      // Software pipeline over the token's column groups: the first U rows of the next group are loaded
-      // before the current group is reduced and encoded, so HBM reads overlap the RHT/S2F6 math. The sum
-      // order (rows ascending) is unchanged.
-      uint4 pa[U], pb[U];
-      {
-        const int e0 = part * 512 + lane * 16;
+      // Software pipeline over (column group, batch of U rows) steps of the token: the next step's rows are loaded
+      // before the current step is summed (and, at a group's last batch, encoded), so that HBM reads overlap the
+      // RHT/S2F6 math also when the token has more than U rows here (a token has ~K/W of its K experts on each
+      // rank; before, rows past the first U were loaded when their group was reached, a full memory latency per
+      // group). The sum order (rows ascending) is unchanged.
+      const int batches = (n + U - 1) / U;
+      auto load_step = [&](int base, int batch, uint4* a, uint4* b) {
+        const int e0 = base + lane * 16;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-          if (e0 < hidden && u < n) {
-            const unsigned short* p = args.expert_out + static_cast<long long>(rows[u]) * hidden + e0;
-            pa[u] = ld_input_v4(p);
-            pb[u] = ld_input_v4(p + 8);
+          const int r = batch * U + u;
+          if (e0 < hidden && r < n) {
+            const unsigned short* p = args.expert_out + static_cast<long long>(rows[r]) * hidden + e0;
+            a[u] = ld_input_v4(p);
+            b[u] = ld_input_v4(p + 8);
           }
         }
-      }
-      for (int base = part * 512; base < hidden; base += base_stride) {
+      };
+      uint4 pa[U], pb[U];
+      int base = part * 512, batch = 0;
+      load_step(base, 0, pa, pb);
+      float acc[16];
+      while (base < hidden) {
         const int e0 = base + lane * 16;
         const bool active = e0 < hidden;  // hidden % 32 == 0: both lanes of a chunk agree
         uint4 va[U], vb[U];
@@ -167,45 +174,32 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
           va[u] = pa[u];
           vb[u] = pb[u];
         }
-        {
-          const int e1 = e0 + base_stride;
+        int next_base = base, next_batch = batch + 1;
+        if (next_batch == batches) {
+          next_batch = 0;
+          next_base += base_stride;
+        }
+        if (next_base < hidden) load_step(next_base, next_batch, pa, pb);
+        if (batch == 0) {
+#pragma unroll
+          for (int i = 0; i < 16; ++i) acc[i] = 0.0f;
+        }
+        if (active) {
 #pragma unroll
           for (int u = 0; u < U; ++u) {
-            if (e1 < hidden && u < n) {
-              const unsigned short* p = args.expert_out + static_cast<long long>(rows[u]) * hidden + e1;
-              pa[u] = ld_input_v4(p);
-              pb[u] = ld_input_v4(p + 8);
+            const int r = batch * U + u;
+            if (r < n) {
+              const float w = slot_weights[warp_in_block][r];
+              float xv[16];
+              bf16x16_to_float(va[u], vb[u], xv);
+#pragma unroll
+              for (int i = 0; i < 16; ++i) acc[i] = qm_add(acc[i], qm_mul(w, xv[i]));
             }
           }
         }
-        float acc[16];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) acc[i] = 0.0f;
-        if (active) {
-          for (int r0 = 0; r0 < n; r0 += U) {
-            if (r0 > 0) {
-#pragma unroll
-              for (int u = 0; u < U; ++u) {
-                if (r0 + u < n) {
-                  const unsigned short* p = args.expert_out + static_cast<long long>(rows[r0 + u]) * hidden + e0;
-                  va[u] = ld_input_v4(p);
-                  vb[u] = ld_input_v4(p + 8);
-                }
-              }
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-              if (r0 + u < n) {
-                const float w = slot_weights[warp_in_block][r0 + u];
-                float xv[16];
-                bf16x16_to_float(va[u], vb[u], xv);
-#pragma unroll
-                for (int i = 0; i < 16; ++i) acc[i] = qm_add(acc[i], qm_mul(w, xv[i]));
-              }
-            }
-          }
-        }
-        encode_store(cfg, acc, dst, e0, active, lane);
+        if (batch == batches - 1) encode_store<kS2f6>(cfg, signs, acc, dst, e0, active, lane);
+        base = next_base;
+        batch = next_batch;
       }
     } else {
       for (int r = 0; r < n; ++r) {
@@ -218,7 +212,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
 #pragma unroll
           for (int i = 0; i < 16; ++i) xv[i] = 0.0f;
           if (active) bf16x16_to_float(ld_input_v4(src + e0), ld_input_v4(src + e0 + 8), xv);
-          encode_store(cfg, xv, dst, e0, active, lane);
+          encode_store<kS2f6>(cfg, signs, xv, dst, e0, active, lane);
         }
       }
     }
@@ -227,22 +221,75 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
   block_signal_all_peers(cfg, cfg.off_comb_ready);
 }
 
-// One combine row's 16 elements at e0 (S2F6: 16 code bytes + the chunk's scale byte; BF16: 32 bytes).
-__device__ __forceinline__ void load_term(const char* src, int e0, bool s2f6, long long scale_off, uint4& a, uint4& b,
-                                          unsigned int& sb) {
-  if (s2f6) {
-    a = ld_coherent_v4(src + e0);
-    sb = ld_coherent_u8(src + scale_off + e0 / 32);
+// What the receive sums per token; one kernel instantiation each, so that the hot loop has no format branches and
+// each mode gets its own register allocation.
+enum RecvMode : int {
+  kRecvS2f6Ranks = 0,    // S2F6, local_reduce: one row per (token, rank), unit weights
+  kRecvBf16 = 1,         // BF16: one row per (token, rank) (local_reduce, weights 1) or per (token, expert)
+  kRecvS2f6Experts = 2,  // S2F6, local_reduce=False: one row per (token, expert), weighted
+};
+
+// A lane's 16 elements of one combine row: S2F6 codes + the chunk's scale byte, or 16 bf16 values.
+template <bool kS2f6>
+struct TermData;
+template <>
+struct TermData<true> {
+  uint4 codes;
+  unsigned int scale;
+};
+template <>
+struct TermData<false> {
+  uint4 lo, hi;
+};
+
+// Loads from a term's row (`row`: the row's first byte; `scales`: its S2F6 scale bytes, row + comb_scale_off), both
+// fixed per token, so the per-group address is one add.
+template <bool kS2f6>
+__device__ __forceinline__ TermData<kS2f6> load_term(const char* row, const char* scales, int e0) {
+  TermData<kS2f6> d;
+  if constexpr (kS2f6) {
+    d.codes = ld_coherent_v4(row + e0);
+    d.scale = ld_coherent_u8(scales + e0 / 32);
   } else {
-    a = ld_coherent_v4(src + 2 * e0);
-    b = ld_coherent_v4(src + 2 * e0 + 16);
+    d.lo = ld_coherent_v4(row + 2 * e0);
+    d.hi = ld_coherent_v4(row + 2 * e0 + 16);
+  }
+  return d;
+}
+
+// acc = f(acc + f(w * v)) over the term's 16 decoded values v, the reference's order and rounding.
+// kUnit (w = 1): f(1 * v) = v for every non-NaN v, and a NaN term makes the sum NaN either way (the output packing
+// does not look at NaN payloads), so the multiply is skipped. kFirst with kUnit and S2F6: acc starts at +0 and
+// f(+0 + v) = v unless v = -0, which no S2F6 decode gives (code 0 decodes to +0 on both decode paths), so acc = v.
+template <bool kS2f6, bool kUnit, bool kFirst>
+__device__ __forceinline__ void add_term(float acc[16], const TermData<kS2f6>& d, float w) {
+  float v[16];
+  if constexpr (kS2f6) {
+    unpack_codes16_fast(d.codes, static_cast<uint8_t>(d.scale), v);
+  } else {
+    bf16x16_to_float(d.lo, d.hi, v);
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float term = kUnit ? v[i] : qm_mul(w, v[i]);
+    if constexpr (kFirst && kUnit && kS2f6) {
+      acc[i] = term;
+    } else {
+      acc[i] = qm_add(kFirst ? 0.0f : acc[i], term);
+    }
   }
 }
 
-// kExpertRows: the local_reduce=False S2F6 path (one row per (token, expert)), its own instantiation so that its
-// eight loads in flight do not raise the register allocation of the general path.
-template <bool kExpertRows>
+// The lane's 16 output values as bf16 (cvt.rn.bf16x2.f32, round to nearest even: what the reference backend's CUDA
+// path writes, torch's .to(bfloat16) on the GPU and the formats kernels' bf16 output) at out_row + e0.
+__device__ __forceinline__ void store_bf16x16(unsigned short* out_row, int e0, const float v[16]) {
+  st_v4(out_row + e0, vec::Elem<__nv_bfloat16>::pack(v));
+  st_v4(out_row + e0 + 8, vec::Elem<__nv_bfloat16>::pack(v + 8));
+}
+
+template <int kMode>
 __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig cfg, CombineArgs args) {
+  constexpr bool kS2f6 = kMode != kRecvBf16;
   __shared__ int term_rows[kCommThreads / 32][kMaxTopk];
   __shared__ float term_weights[kCommThreads / 32][kMaxTopk];
   // This combine's epoch from a start ticket (one launch of comb_recv_blocks blocks per combine), taken before the block
@@ -260,12 +307,13 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
   const int global_warp = blockIdx.x * warps_per_block + warp_in_block;
   const int num_warps = gridDim.x * warps_per_block;
   const char* area = cfg.local_base + cfg.off_combine;
+  const long long row_bytes = cfg.comb_row_bytes;
+  const long long scale_off = cfg.comb_scale_off;
 
   const int split = split_factor(args.num_tokens, num_warps, (hidden + 511) / 512);
   const long long num_parts = static_cast<long long>(args.num_tokens) * split;
   const int base_stride = 512 * split;
-  constexpr int U = 4;  // combine rows loaded before accumulating (order of the sum unchanged)
-  const bool s2f6 = cfg.comb_fmt == kCombS2f6;
+  const RhtSigns16 rht_signs(cfg.sign_mask, lane);  // S2F6 only (unused registers otherwise)
 
   // Terms of token t (this rank's own routing, local data): the combine rows to sum, in order, into this
   // warp's shared-memory list, and their count. Whole warp calls.
@@ -315,11 +363,18 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
     const int part = static_cast<int>(fp - static_cast<long long>(t) * split);
     if (fp != global_warp) n = load_terms(t);
     unsigned short* out_row = args.out + static_cast<long long>(t) * hidden;
-    if constexpr (kExpertRows) {
+    const int* rows = term_rows[warp_in_block];
+    const float* weights = term_weights[warp_in_block];
+    auto term_row = [&](int i) { return area + static_cast<long long>(rows[i]) * row_bytes; };
+    auto load_term_at = [&](int i, int e0) {
+      const char* row = term_row(i);
+      return load_term<kS2f6>(row, row + scale_off, e0);
+    };
+    if constexpr (kMode == kRecvS2f6Experts) {
       // One row per (token, expert): up to top-k terms (8 at DeepSeek shapes). All terms of a column group are
-      // loaded before any is decoded -- one memory latency per group -- where the 2-row prefetch and batches of 4
-      // below (made for the ~2 rows of a local_reduce token) would wait three times. Same sum order. (Also loading
-      // the next group's terms while decoding this one measured within noise on 2xH200: not kept.)
+      // loaded before any is decoded -- one memory latency per group -- where a 2-term prefetch (made for the ~2
+      // rows of a local_reduce token) would wait several times. Same sum order. (Also loading the next group's
+      // terms while decoding this one measured within noise on 2xH200: not kept.)
       constexpr int kTerms = 8;
       for (int base = part * 512; base < hidden; base += base_stride) {
         const int e0 = base + lane * 16;
@@ -328,112 +383,65 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
         for (int i = 0; i < 16; ++i) acc[i] = 0.0f;
         if (e0 < hidden) {
           for (int r0 = 0; r0 < n; r0 += kTerms) {
-            uint4 codes[kTerms], unused;
-            unsigned int scales[kTerms];
+            TermData<true> terms[kTerms];
 #pragma unroll
             for (int u = 0; u < kTerms; ++u) {
-              if (r0 + u < n) {
-                const char* src = area + static_cast<long long>(term_rows[warp_in_block][r0 + u]) * cfg.comb_row_bytes;
-                load_term(src, e0, true, cfg.comb_scale_off, codes[u], unused, scales[u]);
-              }
+              if (r0 + u < n) terms[u] = load_term_at(r0 + u, e0);
             }
 #pragma unroll
             for (int u = 0; u < kTerms; ++u) {
-              if (r0 + u < n) {
-                const float wr = term_weights[warp_in_block][r0 + u];
-                float v[16];
-                unpack_codes16_fast(codes[u], static_cast<uint8_t>(scales[u]), v);
-#pragma unroll
-                for (int i = 0; i < 16; ++i) acc[i] = qm_add(acc[i], qm_mul(wr, v[i]));
-              }
+              if (r0 + u < n) add_term<true, false, false>(acc, terms[u], weights[r0 + u]);
             }
           }
         }
-        rht32_inverse_lane16(acc, cfg.sign_mask, lane);
-        if (e0 < hidden) {
-          st_v4(out_row + e0, pack_bf16x16_lo(acc));
-          st_v4(out_row + e0 + 8, pack_bf16x16_lo(acc + 8));
-        }
+        rht32_inverse_lane16(acc, rht_signs, lane);  // every lane: full-warp shuffles
+        if (e0 < hidden) store_bf16x16(out_row, e0, acc);
       }
       continue;
     }
-    // Software pipeline: the first P rows of the next column group are loaded before the current group is
-    // decoded, accumulated and inverse-transformed (P = 2 covers every row of a 2-rank local_reduce token).
-    constexpr int P = 2;
-    uint4 qa[P], qb[P];
-    unsigned int qs[P];
+    // Software pipeline: the first two terms of the next column group are loaded before the current group is
+    // decoded, summed and stored (two cover every term of a 2-rank local_reduce token); further terms are loaded two
+    // at a time. BF16 multiplies by the weights (1 with local_reduce); S2F6 rows here are always local_reduce sums.
+    constexpr bool kUnit = kMode == kRecvS2f6Ranks;
+    // The first two terms' rows, fixed for the token: per group only the column offset is added.
+    const char* row0 = n > 0 ? term_row(0) : area;
+    const char* row1 = n > 1 ? term_row(1) : area;
+    const char* scales0 = row0 + scale_off;
+    const char* scales1 = row1 + scale_off;
+    TermData<kS2f6> next0, next1;
     {
       const int e0 = part * 512 + lane * 16;
-#pragma unroll
-      for (int u = 0; u < P; ++u) {
-        if (e0 < hidden && u < n) {
-          const char* src = area + static_cast<long long>(term_rows[warp_in_block][u]) * cfg.comb_row_bytes;
-          load_term(src, e0, s2f6, cfg.comb_scale_off, qa[u], qb[u], qs[u]);
-        }
+      if (e0 < hidden) {
+        if (n > 0) next0 = load_term<kS2f6>(row0, scales0, e0);
+        if (n > 1) next1 = load_term<kS2f6>(row1, scales1, e0);
       }
     }
     for (int base = part * 512; base < hidden; base += base_stride) {
       const int e0 = base + lane * 16;
       const bool active = e0 < hidden;
-      uint4 ca[P], cb[P];
-      unsigned int cs[P];
-#pragma unroll
-      for (int u = 0; u < P; ++u) {
-        ca[u] = qa[u];
-        cb[u] = qb[u];
-        cs[u] = qs[u];
-      }
-      {
-        const int e1 = e0 + base_stride;
-#pragma unroll
-        for (int u = 0; u < P; ++u) {
-          if (e1 < hidden && u < n) {
-            const char* src = area + static_cast<long long>(term_rows[warp_in_block][u]) * cfg.comb_row_bytes;
-            load_term(src, e1, s2f6, cfg.comb_scale_off, qa[u], qb[u], qs[u]);
-          }
-        }
+      const TermData<kS2f6> cur0 = next0, cur1 = next1;
+      const int e1 = e0 + base_stride;
+      if (e1 < hidden) {
+        if (n > 0) next0 = load_term<kS2f6>(row0, scales0, e1);
+        if (n > 1) next1 = load_term<kS2f6>(row1, scales1, e1);
       }
       float acc[16];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) acc[i] = 0.0f;
-      if (active) {
-        for (int r0 = 0; r0 < n; r0 += U) {
-          uint4 va[U], vb[U];
-          unsigned int sb[U];
-#pragma unroll
-          for (int u = 0; u < U; ++u) {
-            if (r0 + u < n) {
-              if (r0 == 0 && u < P) {
-                va[u] = ca[u < P ? u : 0];
-                vb[u] = cb[u < P ? u : 0];
-                sb[u] = cs[u < P ? u : 0];
-              } else {
-                const char* src = area + static_cast<long long>(term_rows[warp_in_block][r0 + u]) * cfg.comb_row_bytes;
-                load_term(src, e0, s2f6, cfg.comb_scale_off, va[u], vb[u], sb[u]);
-              }
-            }
-          }
-#pragma unroll
-          for (int u = 0; u < U; ++u) {
-            if (r0 + u < n) {
-              const float wr = term_weights[warp_in_block][r0 + u];
-              float v[16];
-              if (s2f6) {
-                unpack_codes16_fast(va[u], static_cast<uint8_t>(sb[u]), v);
-              } else {
-                bf16x16_to_float(va[u], vb[u], v);
-              }
-#pragma unroll
-              for (int i = 0; i < 16; ++i) acc[i] = qm_add(acc[i], qm_mul(wr, v[i]));
-            }
-          }
+      if (active && n > 0) {
+        add_term<kS2f6, kUnit, true>(acc, cur0, weights[0]);
+        if (n > 1) add_term<kS2f6, kUnit, false>(acc, cur1, weights[1]);
+        for (int r = 2; r < n; r += 2) {
+          const TermData<kS2f6> a = load_term_at(r, e0);
+          TermData<kS2f6> b;
+          if (r + 1 < n) b = load_term_at(r + 1, e0);
+          add_term<kS2f6, kUnit, false>(acc, a, weights[r]);
+          if (r + 1 < n) add_term<kS2f6, kUnit, false>(acc, b, weights[r + 1]);
         }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc[i] = 0.0f;  // no terms: zeros (and -0.0 after the inverse RHT's signs)
       }
-      if (s2f6) rht32_inverse_lane16(acc, cfg.sign_mask, lane);  // also on zeros: the signs make -0.0, as the reference
-      if (active) {
-        st_v4(out_row + e0, pack_bf16x16_lo(acc));
-        st_v4(out_row + e0 + 8, pack_bf16x16_lo(acc + 8));
-      }
+      if constexpr (kS2f6) rht32_inverse_lane16(acc, rht_signs, lane);  // every lane: full-warp shuffles
+      if (active) store_bf16x16(out_row, e0, acc);
     }
   }
 
@@ -447,15 +455,17 @@ void launch_combine_send(const NvlinkConfig& cfg, const CombineArgs& args, uintp
   // wait_only: every block would only wait on the same flags, and the next kernel on the stream waits for the
   // whole grid anyway: one block does it.
   const int grid = args.wait_only ? 1 : cfg.comb_send_blocks;
-  check_cuda(launch_kernel(combine_send_kernel, grid, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream),
+  const auto kernel = cfg.comb_fmt == kCombS2f6 ? combine_send_kernel<true> : combine_send_kernel<false>;
+  check_cuda(launch_kernel(kernel, grid, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream),
                            combine_pdl(), cfg, args),
              "combine send kernel launch");
 }
 
 void launch_combine_recv(const NvlinkConfig& cfg, const CombineArgs& args, uintptr_t stream) {
-  const bool expert_rows = !args.local_reduce && cfg.comb_fmt == kCombS2f6;
-  check_cuda(launch_kernel(expert_rows ? combine_recv_kernel<true> : combine_recv_kernel<false>, cfg.comb_recv_blocks,
-                           kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream), combine_pdl(), cfg, args),
+  const auto kernel = cfg.comb_fmt != kCombS2f6 ? combine_recv_kernel<kRecvBf16>
+                      : (args.local_reduce ? combine_recv_kernel<kRecvS2f6Ranks> : combine_recv_kernel<kRecvS2f6Experts>);
+  check_cuda(launch_kernel(kernel, cfg.comb_recv_blocks, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream),
+                           combine_pdl(), cfg, args),
              "combine receive kernel launch");
 }
 

@@ -150,13 +150,48 @@ __device__ __forceinline__ uint4 pack_codes_rht16(const float v[16], uint8_t sca
   return pack_codes16(y, scale);
 }
 
+// The RHT-32 signs of a lane's 16 values of a 2-lane chunk: words[k] has bit 31 set where sign_mask bit
+// (16 * (lane & 1) + k) is. Built once per thread in kernels whose sign mask is fixed, so that each sign costs one XOR
+// instead of apply_signs' shift and XOR (the same bits: v ^ words[k]).
+struct RhtSigns16 {
+  uint32_t words[16];
+  __device__ __forceinline__ RhtSigns16(uint32_t sign_mask, int lane) {
+    const uint32_t bits = sign_mask >> ((lane & 1) * 16);
+#pragma unroll
+    for (int k = 0; k < 16; ++k) words[k] = ((bits >> k) & 1u) << 31;
+  }
+  __device__ __forceinline__ void apply(float v[16]) const {
+#pragma unroll
+    for (int k = 0; k < 16; ++k) v[k] = __uint_as_float(__float_as_uint(v[k]) ^ words[k]);
+  }
+};
+
+// rht32_inverse_lane16 with the signs precomputed: FWHT, then f(v * c), then the signs (same bits, NaN included).
+// Every lane of the warp must call this.
+__device__ __forceinline__ void rht32_inverse_lane16(float v[16], const RhtSigns16& signs, int lane) {
+  fwht32_lane16(v, lane);
+  const float c = __uint_as_float(qm::kRhtScaleBits);
+#pragma unroll
+  for (int k = 0; k < 16; ++k) v[k] = qm::qm_mul(v[k], c);
+  signs.apply(v);
+}
+
+// The signs of a lane's 16 values from the sign mask, applied as apply_signs does (shift and XOR per value): for
+// kernels that would rather not keep 16 sign words in registers.
+struct RhtSignBits16 {
+  uint32_t bits;
+  __device__ __forceinline__ RhtSignBits16(uint32_t sign_mask, int lane) : bits(sign_mask >> ((lane & 1) * 16)) {}
+  __device__ __forceinline__ void apply(float v[16]) const { apply_signs<16>(v, bits); }
+};
+
 // S2F6 codes of the lane's 16 values of a 2-lane chunk and the chunk's scale byte (*scale), with the forward RHT
-// first when kHadamard: signs, the FWHT, and the 1/sqrt(32) scaling folded into the code multiplier -- the block
-// amax of the scaled values is f(amax * c) since rounding is monotonic. Every lane of the warp must call this.
-template <bool kHadamard>
-__device__ __forceinline__ uint4 quantize_lane16(float v[16], uint32_t sign_mask, int lane, uint8_t* scale) {
+// first when kHadamard: signs (RhtSigns16 or RhtSignBits16: the same bits), the FWHT, and the 1/sqrt(32) scaling
+// folded into the code multiplier -- the block amax of the scaled values is f(amax * c) since rounding is monotonic.
+// Every lane of the warp must call this.
+template <bool kHadamard, typename Signs>
+__device__ __forceinline__ uint4 quantize_lane16(float v[16], const Signs& signs, int lane, uint8_t* scale) {
   if (kHadamard) {
-    apply_signs<16>(v, sign_mask >> ((lane & 1) * 16));
+    signs.apply(v);
     fwht32_lane16(v, lane);
   }
   float amax = 0.0f;
@@ -166,6 +201,11 @@ __device__ __forceinline__ uint4 quantize_lane16(float v[16], uint32_t sign_mask
   if (kHadamard) amax = qm::qm_mul(amax, __uint_as_float(qm::kRhtScaleBits));
   *scale = qm::ue8m0_s2f6_scale(amax);
   return kHadamard ? pack_codes_rht16(v, *scale) : pack_codes16(v, *scale);
+}
+
+template <bool kHadamard>
+__device__ __forceinline__ uint4 quantize_lane16(float v[16], uint32_t sign_mask, int lane, uint8_t* scale) {
+  return quantize_lane16<kHadamard>(v, RhtSignBits16(sign_mask, lane), lane, scale);
 }
 
 // code * multiplier for 8 int8 codes. The int8 -> fp32 conversion goes through the mantissa of 2^23

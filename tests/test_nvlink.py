@@ -58,9 +58,22 @@ def _compare_dispatch(name, got, want, fmt):
     return rows
 
 
-def _expert_out(rows_valid, capacity, hidden, seed, rank):
+def _expert_out(rows_valid, capacity, hidden, seed, rank, edge=False):
+    """Random bf16 expert rows (the first rows_valid of capacity). edge: some rows get special values -- all +0, all
+    -0, bf16 subnormals, values near the bf16 maximum (their sums overflow), and scattered +-Inf and NaN -- so that the
+    combine's zero, overflow and NaN handling is compared with the reference too."""
     gen = torch.Generator().manual_seed(seed * 31 + rank)
-    valid = (torch.randn(rows_valid, hidden, generator=gen) * 2.0).to(torch.bfloat16)
+    valid = torch.randn(rows_valid, hidden, generator=gen) * 2.0
+    if edge and rows_valid:
+        special = [torch.zeros(hidden), torch.full((hidden,), -0.0),
+                   torch.randn(hidden, generator=gen).sign() * 3e-39 * torch.rand(hidden, generator=gen),
+                   torch.randn(hidden, generator=gen).sign() * 3.0e38]
+        for i, row in enumerate(special):
+            valid[(7 * i + seed) % rows_valid] = row
+        spots = torch.randint(0, valid.numel(), (max(3, valid.numel() // 5000),), generator=gen)
+        values = torch.tensor([float("inf"), float("-inf"), float("nan")])
+        valid.view(-1)[spots] = values[torch.arange(spots.numel()) % 3]
+    valid = valid.to(torch.bfloat16)
     dev = torch.device("cuda", torch.cuda.current_device())
     padded = torch.zeros(capacity, hidden, dtype=torch.bfloat16)
     padded[:rows_valid] = valid
@@ -82,19 +95,21 @@ def _buffers(hidden, num_experts, topk, max_tokens, dfmt, cfmt, align, num_sms=2
     return ref, nvl
 
 
-def _run_pair(name, rank, world, ref, nvl, x, idx, w, fmt, seed):
+def _run_pair(name, rank, world, ref, nvl, x, idx, w, fmt, seed, edge=False):
     """Dispatch + combine (both local_reduce modes) on both backends; bitwise equal. Returns a digest."""
     want = ref.dispatch(x, idx, w)
     got = nvl.dispatch(x, idx, w)
     rows = _compare_dispatch(name, got, want, fmt)
-    out_ref, out_nvl = _expert_out(rows, got.num_rows, x.shape[1], seed, rank)
+    out_ref, out_nvl = _expert_out(rows, got.num_rows, x.shape[1], seed, rank, edge)
     digest = hashlib.sha256()
     for local_reduce in (True, False):
         y_ref = ref.combine(out_ref, want.handle, local_reduce=local_reduce)
         y_nvl = nvl.combine(out_nvl, got.handle, local_reduce=local_reduce)
         if not torch.equal(_bits(y_nvl), _bits(y_ref)):
-            diff = (y_nvl.float() - y_ref.float()).abs().max().item()
-            raise AssertionError(f"{name}: combine(local_reduce={local_reduce}) differs, max abs diff {diff}")
+            bad = (_bits(y_nvl) != _bits(y_ref)).nonzero()[:3].tolist()
+            raise AssertionError(f"{name}: combine(local_reduce={local_reduce}) differs in bits at {bad}: "
+                                 f"{[hex(int(_bits(y_nvl)[i, j]) & 0xFFFF) for i, j in bad]} vs "
+                                 f"{[hex(int(_bits(y_ref)[i, j]) & 0xFFFF) for i, j in bad]}")
         digest.update(_bits(y_nvl).numpy().tobytes())
     return digest.hexdigest()
 
@@ -145,8 +160,10 @@ def versus_reference_worker(rank, world, direct_self_min_tokens=None):
             for call in range(2):  # second call: buffers reused, new data
                 x, idx, w = _make_inputs(rank, tokens[rank], hidden, experts, topk, routing, world,
                                          seed=100 * case_id + call, idx_dtype=idx_dtype)
-                name = f"H={hidden} {dfmt}/{cfmt} align={align} {routing} E={experts} K={topk} call={call}"
-                _run_pair(name, rank, world, ref, nvl, x, idx, w, dfmt, seed=case_id)
+                edge = call == 1 and case_id % 3 == 0  # special expert-output values: S2F6 and BF16 combines
+                name = (f"H={hidden} {dfmt}/{cfmt} align={align} {routing} E={experts} K={topk} call={call}"
+                        f"{' edge values' if edge else ''}")
+                _run_pair(name, rank, world, ref, nvl, x, idx, w, dfmt, seed=case_id, edge=edge)
                 summary.append(name)
         finally:
             ref.destroy()
