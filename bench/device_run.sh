@@ -170,6 +170,16 @@ r = run_ranks(t.pressure_and_graph_worker, 1, backend='nccl', timeout_s=280)
 print('world 1 nvlink workers passed', r[0]['graph'], r[0]['leak'])
 " 2>&1 | tail -4 | tee -a "$log")
 }
+test_moe_one_rank() {  # the MoE layer's GPU worker at world size 1 (fused experts, combine rows): a 1-GPU check
+  say "gpu tier: MoE layer worker at world size 1"
+  (cd tests && timeout 300 python3 -c "
+from harness import run_ranks
+import test_moe as t
+for r in run_ranks(t._moe_worker, 1, 'cuda', backend='nccl', timeout_s=280):
+    t.check_gpu_moe_result(r, True)
+print('world 1 MoE worker passed', r['backend'], r['expert_impl'], r['combine_rows']['equal_to_combine'])
+" 2>&1 | tail -3 | tee -a "$log")
+}
 test_nvlink() {
   say "multigpu tier: nvlink suite"
   pytest_tier nvlink 400 3 tests/test_nvlink.py
