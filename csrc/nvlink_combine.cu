@@ -57,7 +57,7 @@ __device__ __forceinline__ void encode_store(const NvlinkConfig& cfg, const RhtS
 // gets its own register allocation.
 template <bool kS2f6>
 __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig cfg, CombineArgs args) {
-  __shared__ int slot_rows[kCommThreads / 32][kMaxTopk];
+  __shared__ const unsigned short* slot_src[kCommThreads / 32][kMaxTopk];  // the token's expert rows, ascending
   __shared__ float slot_weights[kCommThreads / 32][kMaxTopk];
   __shared__ int slot_ids[kCommThreads / 32][kMaxTopk];
   __shared__ int item_start[kMaxWorld];  // tokens received from each source
@@ -132,14 +132,15 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
     __syncwarp();
     if (row >= 0) {
       const int i = __popc(mask & ((1u << lane) - 1u));
-      slot_rows[warp_in_block][i] = row;
+      slot_src[warp_in_block][i] = args.expert_out + static_cast<long long>(row) * hidden;
       slot_weights[warp_in_block][i] = args.row_weight[row];
       slot_ids[warp_in_block][i] = lane;
     }
     __syncwarp();
     const int t = args.recv_tok[item];
     char* const area = peer_ptr(cfg, s, cfg.off_combine);
-    const int* rows = slot_rows[warp_in_block];
+    // Row addresses computed once per token (one shared load per row and step instead of a 64-bit multiply).
+    const unsigned short* const* src_rows = slot_src[warp_in_block];
 
     if (args.local_reduce) {
       char* dst = area + (static_cast<long long>(t) * topk + args.recv_ord[item]) * cfg.comb_row_bytes;
@@ -155,7 +156,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
         for (int u = 0; u < U; ++u) {
           const int r = batch * U + u;
           if (e0 < hidden && r < n) {
-            const unsigned short* p = args.expert_out + static_cast<long long>(rows[r]) * hidden + e0;
+            const unsigned short* p = src_rows[r] + e0;
             a[u] = ld_input_v4(p);
             b[u] = ld_input_v4(p + 8);
           }
@@ -204,7 +205,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
     } else {
       for (int r = 0; r < n; ++r) {
         char* dst = area + (static_cast<long long>(t) * topk + slot_ids[warp_in_block][r]) * cfg.comb_row_bytes;
-        const unsigned short* src = args.expert_out + static_cast<long long>(rows[r]) * hidden;
+        const unsigned short* src = src_rows[r];
         for (int base = part * 512; base < hidden; base += base_stride) {
           const int e0 = base + lane * 16;
           const bool active = e0 < hidden;
