@@ -46,8 +46,8 @@ __device__ __forceinline__ void encode_store(const NvlinkConfig& cfg, const RhtS
       if ((lane & 1) == 0) *reinterpret_cast<uint8_t*>(dst_row + cfg.comb_scale_off + e0 / 32) = b;
     }
   } else if (active) {
-    // cvt.rn.bf16x2.f32: the reference backend rounds these sums with torch's .to(bfloat16) on the GPU, the same
-    // instruction (the rule's RNE for every non-NaN value).
+    // cvt.rn.bf16x2.f32: the reference backend rounds these sums with torch's .to(bfloat16) on the GPU (cvt.rn.bf16.f32;
+    // both are F2FP.BF16.F32.PACK_AB in SASS): the rule's RNE for every non-NaN value, the GPU's NaN (0x7FFF) for NaN.
     st_v4(dst_row + 2 * e0, vec::Elem<__nv_bfloat16>::pack(v));
     st_v4(dst_row + 2 * e0 + 16, vec::Elem<__nv_bfloat16>::pack(v + 8));
   }
@@ -281,8 +281,8 @@ __device__ __forceinline__ void add_term(float acc[16], const TermData<kS2f6>& d
   }
 }
 
-// The lane's 16 output values as bf16 (cvt.rn.bf16x2.f32, round to nearest even: what the reference backend's CUDA
-// path writes, torch's .to(bfloat16) on the GPU and the formats kernels' bf16 output) at out_row + e0.
+// The lane's 16 output values as bf16 (cvt.rn.bf16x2.f32, round to nearest even, NaN -> 0x7FFF: what the reference
+// backend writes on the GPU -- the formats kernels' bf16 output and torch's .to(bfloat16)) at out_row + e0.
 __device__ __forceinline__ void store_bf16x16(unsigned short* out_row, int e0, const float v[16]) {
   st_v4(out_row + e0, vec::Elem<__nv_bfloat16>::pack(v));
   st_v4(out_row + e0 + 8, vec::Elem<__nv_bfloat16>::pack(v + 8));

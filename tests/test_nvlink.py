@@ -60,14 +60,15 @@ def _compare_dispatch(name, got, want, fmt):
 
 def _expert_out(rows_valid, capacity, hidden, seed, rank, edge=False):
     """Random bf16 expert rows (the first rows_valid of capacity). edge: some rows get special values -- all +0, all
-    -0, bf16 subnormals, values near the bf16 maximum (their sums overflow), and scattered +-Inf and NaN -- so that the
-    combine's zero, overflow and NaN handling is compared with the reference too."""
+    -0, bf16 subnormals, values near the bf16 maximum (times a top-k weight above 1 they overflow to Inf in fp32), and
+    scattered +-Inf and NaN -- so that the combine's zero, overflow and NaN handling is compared with the reference
+    too."""
     gen = torch.Generator().manual_seed(seed * 31 + rank)
     valid = torch.randn(rows_valid, hidden, generator=gen) * 2.0
     if edge and rows_valid:
         special = [torch.zeros(hidden), torch.full((hidden,), -0.0),
                    torch.randn(hidden, generator=gen).sign() * 3e-39 * torch.rand(hidden, generator=gen),
-                   torch.randn(hidden, generator=gen).sign() * 3.0e38]
+                   torch.randn(hidden, generator=gen).sign() * 3.3e38]
         for i, row in enumerate(special):
             valid[(7 * i + seed) % rows_valid] = row
         spots = torch.randint(0, valid.numel(), (max(3, valid.numel() // 5000),), generator=gen)
@@ -146,6 +147,9 @@ def versus_reference_worker(rank, world, direct_self_min_tokens=None):
         (2048, "mxfp8", "s2f6", 1, "all_to_one", 8 * world, 4),
         (7168, "nvfp4", "s2f6", 128, "all_to_one", 64 * world, 8),
         (2080, "mxfp8", "s2f6", 3, "masked", 4 * world, 3),   # H/32 odd, K not a power of two
+        # K = 1: one term per token, so the edge rows (+-0, subnormals) reach the combine outputs unmixed
+        (2048, "bf16", "bf16", 1, "uniform", 8 * world, 1),
+        (2048, "nvfp4", "s2f6", 1, "uniform", 8 * world, 1),
     ]
     summary = []
     for case_id, (hidden, dfmt, cfmt, align, routing, experts, topk) in enumerate(cases):
@@ -160,7 +164,8 @@ def versus_reference_worker(rank, world, direct_self_min_tokens=None):
             for call in range(2):  # second call: buffers reused, new data
                 x, idx, w = _make_inputs(rank, tokens[rank], hidden, experts, topk, routing, world,
                                          seed=100 * case_id + call, idx_dtype=idx_dtype)
-                edge = call == 1 and case_id % 3 == 0  # special expert-output values: S2F6 and BF16 combines
+                # special expert-output values: S2F6 and BF16 combines, every K = 1 case
+                edge = call == 1 and (case_id % 3 == 0 or topk == 1)
                 name = (f"H={hidden} {dfmt}/{cfmt} align={align} {routing} E={experts} K={topk} call={call}"
                         f"{' edge values' if edge else ''}")
                 _run_pair(name, rank, world, ref, nvl, x, idx, w, dfmt, seed=case_id, edge=edge)
