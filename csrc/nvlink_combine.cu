@@ -401,8 +401,8 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
       continue;
     }
     // Software pipeline: the first two terms of the next column group are loaded before the current group is
-    // decoded, summed and stored (two cover every term of a 2-rank local_reduce token); further terms are loaded two
-    // at a time. BF16 multiplies by the weights (1 with local_reduce); S2F6 rows here are always local_reduce sums.
+    // decoded, summed and stored (two cover every term of a 2-rank local_reduce token); further terms are loaded up
+    // to four at a time. BF16 multiplies by the weights (1 with local_reduce); S2F6 rows here are always local_reduce sums.
     constexpr bool kUnit = kMode == kRecvS2f6Ranks;
     // The first two terms' rows, fixed for the token: per group only the column offset is added.
     const char* row0 = n > 0 ? term_row(0) : area;
@@ -430,12 +430,17 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
       if (active && n > 0) {
         add_term<kS2f6, kUnit, true>(acc, cur0, weights[0]);
         if (n > 1) add_term<kS2f6, kUnit, false>(acc, cur1, weights[1]);
-        for (int r = 2; r < n; r += 2) {
-          const TermData<kS2f6> a = load_term_at(r, e0);
-          TermData<kS2f6> b;
-          if (r + 1 < n) b = load_term_at(r + 1, e0);
-          add_term<kS2f6, kUnit, false>(acc, a, weights[r]);
-          if (r + 1 < n) add_term<kS2f6, kUnit, false>(acc, b, weights[r + 1]);
+        constexpr int kMore = 4;  // further terms, loaded together (one wait for up to four)
+        for (int r = 2; r < n; r += kMore) {
+          TermData<kS2f6> more[kMore];
+#pragma unroll
+          for (int u = 0; u < kMore; ++u) {
+            if (r + u < n) more[u] = load_term_at(r + u, e0);
+          }
+#pragma unroll
+          for (int u = 0; u < kMore; ++u) {
+            if (r + u < n) add_term<kS2f6, kUnit, false>(acc, more[u], weights[r + u]);
+          }
         }
       } else {
 #pragma unroll
