@@ -119,15 +119,25 @@ __device__ __forceinline__ int clamped_count(const GroupedGemmArgs& args, int e)
 // count is just past a multiple of 128 (random routing at ~256 rows per expert leaves a remainder of a few rows
 // in about half of the experts). Split launches leave such remainders -- count % main_tile in 1 .. tail_rows -- to
 // a second launch with a small token tile, which costs a weight pass at small-tile speed instead of a full tile.
+//
+// Wide last tiles (wide_tile > 0; EP_COMM_GEMM_WIDE_TILE=144, off by default, not yet run on a GPU): an expert whose
+// count is at most wide_tile * floor(count / main_tile) but not a multiple of main_tile -- e.g. 257..288 rows with
+// tiles of 128 and 144 -- is computed whole by a third launch with token tile wide_tile, in as many tiles as main_tile
+// would need without its remainder: no extra pass over the expert's weights, for wide_tile / main_tile times the MMA
+// work of those tiles. Such an expert is in neither part 1 nor part 2.
 struct RowSplit {
-  int part = 0;       // 0: all rows; 1: all but a small remainder; 2: only the small remainder
+  int part = 0;       // 0: all rows; 1: all but a small remainder; 2: only the small remainder; 3: the wide experts
   int main_tile = 0;  // token tile of the part-1 launch
   int tail_rows = 0;  // remainders of 1 .. tail_rows rows are small
-  // Parts 1 and 2 overlap (not with waves): the part-2 launch is a programmatic dependent of part 1, so its CTAs
-  // take the SMs that part 1's last, partial round of items leaves idle (the two write disjoint rows and read
-  // only inputs complete before part 1); part 2 completes only after part 1 (its CTAs end in griddepcontrol.wait),
-  // so the kernels behind it on the stream still see both.
+  // Parts 1, 3 and 2 (launched in that order) overlap (not with waves): each later launch is a programmatic dependent
+  // of the one before, so its CTAs take the SMs that the earlier one's last, partial round of items leaves idle (the
+  // parts write disjoint rows and read only inputs complete before part 1); each dependent completes only after the
+  // launch before it (its CTAs end in griddepcontrol.wait), so the kernels behind the last one on the stream see all.
   bool overlap = false;
+  int wide_tile = 0;  // token tile of the part-3 launch; 0: no part 3
+  // Parts 1 and 3 release their dependents as soon as their CTAs start; parts 3 and 2 are the dependents.
+  __host__ __device__ bool triggers_dependent() const { return overlap && (part == 1 || part == 3); }
+  __host__ __device__ bool is_dependent() const { return overlap && (part == 2 || part == 3); }
 };
 
 // (first row within the expert, rows) that `split` assigns to this launch for expert e.
@@ -135,8 +145,12 @@ __device__ __forceinline__ int2 rows_of_part(const GroupedGemmArgs& args, const 
   const int count = clamped_count(args, e);
   if (split.part == 0) return make_int2(0, count);
   const int remainder = count % split.main_tile;
-  const bool small = remainder > 0 && remainder <= split.tail_rows;
-  if (split.part == 1) return make_int2(0, small ? count - remainder : count);
+  // count <= wide_tile * (count / main_tile), written without the product of count-sized terms.
+  const bool wide = split.wide_tile > 0 && remainder > 0 &&
+                    remainder <= (count / split.main_tile) * (split.wide_tile - split.main_tile);
+  if (split.part == 3) return wide ? make_int2(0, count) : make_int2(count, 0);
+  const bool small = !wide && remainder > 0 && remainder <= split.tail_rows;
+  if (split.part == 1) return make_int2(0, wide ? 0 : small ? count - remainder : count);
   return small ? make_int2(count - remainder, remainder) : make_int2(count, 0);
 }
 
@@ -568,14 +582,56 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
     convert_step(word[2], std::integral_constant<int, 1>{}, even_r0, even_r1, a[2]);
     convert_step(word[3], std::integral_constant<int, 1>{}, odd_r0, odd_r1, a[3]);
   };
+  // Wide token tiles (kTile > 128: 72 accumulators) cannot hold two whole k-blocks of A fragments (2 x 16
+  // registers) within the 128-register cap of 512 threads: ptxas then serialises every wgmma (C7512) and spills A
+  // fragments inside the k-loop. They double-buffer A per group of kStepsPerGroup k-steps instead (2 x 8 registers
+  // with two k-steps per group; one k-step, 2 x 4, also fits): group g + 1 of a k-block is converted while group g's
+  // wgmma runs, one commit group per group. The k order per accumulator is the same (k-steps 0..3 of each k-block in
+  // turn). Tile 144 (4 x 1, two k-blocks per stage): 128 registers, no spills, no C7512 (CUDA 13.0).
+  constexpr int kStepsPerGroup = kTile > 128 ? 2 : 4;
+  constexpr int kGroups = 4 / kStepsPerGroup;
+  static_assert(kGroups == 1 || kGroups % 2 == 0, "group g of a k-block uses A set g % 2, the same for every k-block");
+  using AGroup = uint32_t[kStepsPerGroup][4];  // one A register set
+  uint32_t group_scales_r0 = 0, group_scales_r1 = 0;
+  auto convert_group = [&](int slot, int sub, auto group_constant, AGroup& a) {
+    constexpr int kGroup = decltype(group_constant)::value;
+    const uint8_t* stage = smem + slot * G::kStageBytes + sub * G::kBlockBytes;
+    if (kGroup == 0) {  // the k-block's scale words, kept for its later groups
+      const uint8_t* tile_scales = stage + G::kScalesOffset + warp_group * kTileScaleBytes;
+      group_scales_r0 = *reinterpret_cast<const uint32_t*>(tile_scales + 4 * row_r0);
+      group_scales_r1 = *reinterpret_cast<const uint32_t*>(tile_scales + 4 * (row_r0 + 8));
+    }
+    const uint32_t scales_r0 = group_scales_r0, scales_r1 = group_scales_r1;
+#pragma unroll
+    for (int i = 0; i < kStepsPerGroup; ++i) {
+      const int k_step = kGroup * kStepsPerGroup + i;  // compile-time after unrolling
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(stage + G::kValuesOffset + threadIdx.x * kValueBytes +
+                                                            4 * k_step);
+      // k-steps 0 / 2: (code << 7) halves; 1 / 3: (code >> 1) halves; low half for k-steps 0, 1, high for 2, 3.
+      const uint32_t s0 = (k_step % 2 == 0 ? scales_r0 << 7 : scales_r0 >> 1) & 0x7F807F80u;
+      const uint32_t s1 = (k_step % 2 == 0 ? scales_r1 << 7 : scales_r1 >> 1) & 0x7F807F80u;
+      if (k_step < 2) {
+        a[i][0] = hmul2_broadcast<0>(decode_pair0(w), s0);
+        a[i][1] = hmul2_broadcast<0>(decode_pair1(w), s1);
+        a[i][2] = hmul2_broadcast<0>(decode_pair2(w), s0);
+        a[i][3] = hmul2_broadcast<0>(decode_pair3(w), s1);
+      } else {
+        a[i][0] = hmul2_broadcast<1>(decode_pair0(w), s0);
+        a[i][1] = hmul2_broadcast<1>(decode_pair1(w), s1);
+        a[i][2] = hmul2_broadcast<1>(decode_pair2(w), s0);
+        a[i][3] = hmul2_broadcast<1>(decode_pair3(w), s1);
+      }
+    }
+  };
   auto wait_stage = [&]() {
     wgmma::fence_proxy_async_shared();  // this thread's landed copies, visible to wgmma's async proxy
     __syncthreads();                    // ... and everyone's
   };
 
   float acc[kAcc];
-  uint32_t a_even[4][4], a_odd[4][4];  // A fragments of even / odd k-blocks: one is converted while the other's
-                                       // wgmma runs (wgmma reads its register operands asynchronously)
+  // A fragments of even / odd k-blocks (kGroups == 1), or of even / odd k-step groups: one is converted while the
+  // other's wgmma runs (wgmma reads its register operands asynchronously).
+  AGroup a_even, a_odd;
   int slot = 0;  // ring slot of the k-block being multiplied
   // The first kStages - 1 stages of the item just begun, from ring slot load_slot on.
   auto fill = [&]() {
@@ -588,7 +644,11 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
   while (true) {
     cp_async::wait<kStages - 2>();  // the item's first stage
     wait_stage();
-    convert(slot, 0, a_even);
+    if constexpr (kGroups == 1) {
+      convert(slot, 0, a_even);
+    } else {
+      convert_group(slot, 0, std::integral_constant<int, 0>{}, a_even);
+    }
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
 
@@ -625,12 +685,61 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
         }
       }
     };
+    // The same per group of k-steps (kGroups > 1): group g of k-block `k_block` (k-block kSub of its stage) reads A
+    // set g % 2; after its commit, wait_group<1> retires the previous group (the previous k-block's last one for
+    // g = 0), whose set the next group is converted into. At a stage's last k-block, the last group publishes the
+    // next stage and refills the freed slot as `step` does (every warpgroup has retired all but its last group).
+    auto group = [&](int k_block, auto sub_constant, auto group_constant, AGroup& a_cur,
+                     AGroup& a_next) {
+      constexpr int kSub = decltype(sub_constant)::value;
+      constexpr int kGroup = decltype(group_constant)::value;
+      wgmma::fence_operand(acc);
+      wgmma::fence_operand(a_cur);
+      wgmma::fence();
+      const uint64_t desc = make_descriptor_sw128(smem_base + slot * G::kStageBytes + kSub * G::kBlockBytes +
+                                                  G::kTokensOffset);
+#pragma unroll
+      for (int i = 0; i < kStepsPerGroup; ++i) {
+        wgmma::MmaRS<kTile>::run(acc, a_cur[i], desc + 2 * (kGroup * kStepsPerGroup + i));
+      }
+      wgmma::commit_group();
+      wgmma::fence_operand(acc);
+      wgmma::wait_group<1>();  // the previous group retired
+      wgmma::fence_operand(a_next);
+      if (kGroup + 1 < kGroups) {
+        convert_group(slot, kSub, std::integral_constant<int, (kGroup + 1) % kGroups>{}, a_next);
+      } else if (k_block + 1 < num_k_blocks) {
+        if (kSub == kBlocksPerStage - 1) {
+          const int stage_index = k_block / kBlocksPerStage;
+          cp_async::wait<kStages - 3>();  // stage stage_index + 1
+          wait_stage();                  // also: every warpgroup has retired the wgmma of stage stage_index - 1
+          load_stage(stage_index + kStages - 1);  // into the slot of stage stage_index - 1
+          slot = slot + 1 == kStages ? 0 : slot + 1;
+          convert_group(slot, 0, std::integral_constant<int, 0>{}, a_next);
+        } else {
+          convert_group(slot, (kSub + 1) % kBlocksPerStage, std::integral_constant<int, 0>{}, a_next);
+        }
+      }
+    };
+    auto step_groups = [&](int k_block, auto sub_constant) {
+      group(k_block, sub_constant, std::integral_constant<int, 0>{}, a_even, a_odd);
+      group(k_block, sub_constant, std::integral_constant<int, 1 % kGroups>{}, a_odd, a_even);
+      if (kGroups == 4) {
+        group(k_block, sub_constant, std::integral_constant<int, 2 % kGroups>{}, a_even, a_odd);
+        group(k_block, sub_constant, std::integral_constant<int, 3 % kGroups>{}, a_odd, a_even);
+      }
+    };
     // Even k-blocks are k-block 0 of their stage; odd ones k-block 1 (or 0 with one k-block per stage).
     static_assert(kBlocksPerStage == 1 || kBlocksPerStage == 2, "k-blocks alternate between two A fragment sets");
     for (int k_block = 0; k_block < num_k_blocks; k_block += 2) {
-      step(k_block, std::integral_constant<int, 0>{}, a_even, a_odd);
-      if (k_block + 1 < num_k_blocks) {
-        step(k_block + 1, std::integral_constant<int, 1 % kBlocksPerStage>{}, a_odd, a_even);
+      if constexpr (kGroups == 1) {
+        step(k_block, std::integral_constant<int, 0>{}, a_even, a_odd);
+        if (k_block + 1 < num_k_blocks) {
+          step(k_block + 1, std::integral_constant<int, 1 % kBlocksPerStage>{}, a_odd, a_even);
+        }
+      } else {
+        step_groups(k_block, std::integral_constant<int, 0>{});
+        if (k_block + 1 < num_k_blocks) step_groups(k_block + 1, std::integral_constant<int, 1 % kBlocksPerStage>{});
       }
     }
     const WorkItem item = items[(item_seq - 1) & 1];
@@ -711,13 +820,13 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
     }
   }
   __syncthreads();
-  // Overlapped split: part 2 may start now; its CTAs get SMs as this launch's CTAs finish.
-  if (split.overlap && split.part == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  // Overlapped split: the next part may start now; its CTAs get SMs as this launch's CTAs finish.
+  if (split.triggers_dependent()) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   gemm_items<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kCombineRows>(args, split, smem, cursor, persistent,
                                                                             wave_epoch);
-  // Waves: complete only after the receive has; overlapped part 2: only after part 1 has (kernels behind this one
-  // keep plain stream order with both).
-  if (args.wave.area != nullptr || (split.overlap && split.part == 2)) {
+  // Waves: complete only after the receive has; overlapped parts 3 and 2: only after the part launched before has
+  // (kernels behind the last part keep plain stream order with all of them).
+  if (args.wave.area != nullptr || split.is_dependent()) {
     asm volatile("griddepcontrol.wait;" ::: "memory");
   }
 #else
@@ -762,7 +871,7 @@ cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64
   // sixteenth session; 16 / 32 rows per expert): w2 (K = 2048) 0.44 -> 0.40 and 0.53 -> 0.47 ms persistent, w1
   // (K = 7168) 0.68 -> 0.71 and 0.78 -> 0.82 ms (the block scheduler's dynamic placement wins there).
   constexpr int64_t kPersistentSmallTileMaxK = 2048;
-  const bool persistent = kCtasPerSm == 1 || split.part == 2 || max_ctas > 0 || waves ||
+  const bool persistent = kCtasPerSm == 1 || split.part >= 2 || max_ctas > 0 || waves ||
                           args.k <= kPersistentSmallTileMaxK;
   const int64_t weight_ctas = (args.n / kTileRows + kWarpGroups - 1) / kWarpGroups;
   const int64_t items = weight_ctas * tile_slots;
@@ -777,8 +886,8 @@ cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64
   // the first item only).
   if (items + (persistent ? grid : 0) > INT32_MAX) return cudaErrorInvalidValue;
   // Waves: the programmatic dependent of the dispatch receive launched just before on this stream (waves.h);
-  // overlapped part 2: of part 1 (RowSplit::overlap).
-  const bool programmatic = waves || (split.overlap && split.part == 2);
+  // overlapped parts 3 and 2: of the part launched before (RowSplit::overlap).
+  const bool programmatic = waves || split.is_dependent();
   return launch_with_pdl(kernel, static_cast<unsigned>(grid), G::kThreads, G::kSmemBytes, stream, programmatic, args,
                          split, persistent);
 }
@@ -825,6 +934,7 @@ LaunchFn select_kernel(int tile, bool combine_rows) {
       case 32: return launch_tile<32, 2, 3, kDefaultBlocksPerStage, true>;
       case 64: return launch_tile<64, 4, 1, kDefaultBlocksPerStage, true>;
       case 128: return launch_tile<128, 4, 1, kDefaultBlocksPerStage, true>;
+      case 144: return launch_tile<144, 4, 1, kDefaultBlocksPerStage, true>;
       default: return nullptr;
     }
   }
@@ -839,6 +949,7 @@ LaunchFn select_kernel(int tile, bool combine_rows) {
       case 3223: return launch_tile<32, 2, 3, 2>;
       case 6441: return launch_tile<64, 4, 1, 2>;
       case 12841: return launch_tile<128, 4, 1, 2>;
+      case 14441: return launch_tile<144, 4, 1, 2>;
       default: break;  // the tuning shapes have one k-block per stage
     }
   }
@@ -909,10 +1020,16 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
     if (!auto_tile) return cudaErrorInvalidValue;
     tail_tile = 0;
   }
-  // Both kernels are resolved before either launches, so a refused tuning override cannot leave out half written.
+  // Every kernel is resolved before any launches, so a refused tuning override cannot leave out half written.
   const LaunchFn main_kernel = select_kernel(tile, combine_rows);
   const LaunchFn tail_kernel = tail_tile ? select_kernel(tail_tile, combine_rows) : nullptr;
   if (!main_kernel || (tail_tile && !tail_kernel)) return cudaErrorInvalidValue;
+  // Wide last tiles (RowSplit::wide_tile): with the split on and token tile 128, EP_COMM_GEMM_WIDE_TILE=144 (off by
+  // default; compiled, not yet run on a GPU). Only the default CTA shape has a 144 kernel: under a tuning override
+  // without one the wide launch is simply left out.
+  static const bool wide_allowed = env_choice("EP_COMM_GEMM_WIDE_TILE", {"0", "144"}) == 1;
+  const LaunchFn wide_kernel = wide_allowed && tail_tile != 0 && tile == 128 ? select_kernel(144, combine_rows) : nullptr;
+  const int wide_tile = wide_kernel ? 144 : 0;
   // sum_e ceil(count_e / tile) <= rows / tile + E bounds the tiles of any launch (segments do not overlap:
   // expert_offsets is non-decreasing).
   const int64_t tile_slots = (args.num_rows_total + tile - 1) / tile + args.num_experts;
@@ -921,14 +1038,20 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
   // part runs) or EP_COMM_GEMM_TAIL_OVERLAP=0 (measurements).
   static const bool overlap_allowed = env_choice("EP_COMM_GEMM_TAIL_OVERLAP", {"1", "0"}) == 0;
   const bool overlap = overlap_allowed && args.wave.area == nullptr;
-  const cudaError_t status = main_kernel(args, RowSplit{1, tile, tail_tile, overlap}, tile_slots, stream);
+  cudaError_t status = main_kernel(args, RowSplit{1, tile, tail_tile, overlap, wide_tile}, tile_slots, stream);
   if (status != cudaSuccess) return status;
-  // Every small remainder fits one tail tile: at most one tile per expert. With waves the main part has completed
-  // (after the receive, see the kernel's end) before this launch starts: it needs no waves.
+  // With waves the main part has completed (after the receive, see the kernel's end) before the later parts start:
+  // they need no waves.
+  GroupedGemmArgs later_args = args;
+  later_args.wave = WaveSync{};
+  if (wide_tile) {
+    const int64_t wide_slots = (args.num_rows_total + wide_tile - 1) / wide_tile + args.num_experts;
+    status = wide_kernel(later_args, RowSplit{3, tile, tail_tile, overlap, wide_tile}, wide_slots, stream);
+    if (status != cudaSuccess) return status;
+  }
+  // Every small remainder fits one tail tile: at most one tile per expert.
   const int64_t tail_slots = args.num_experts < tile_slots ? args.num_experts : tile_slots;
-  GroupedGemmArgs tail_args = args;
-  tail_args.wave = WaveSync{};
-  return tail_kernel(tail_args, RowSplit{2, tile, tail_tile, overlap}, tail_slots, stream);
+  return tail_kernel(later_args, RowSplit{2, tile, tail_tile, overlap, wide_tile}, tail_slots, stream);
 }
 
 }  // namespace ep_comm

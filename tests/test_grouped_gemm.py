@@ -641,6 +641,59 @@ def test_kernel_small_remainders_in_a_second_launch(shape, swiglu, token_tile, t
     assert torch.equal(out.view(torch.int32), single.view(torch.int32))
 
 
+# Counts 1..32 past a multiple of 128 and around them. With EP_COMM_GEMM_WIDE_TILE=144 an expert takes the wide tile
+# when count % 128 > 0 and count <= 144 * (count // 128): 257, 288, 130, 144, 270, 416 here; 145 and 160 (one tile
+# of 128, remainder above 16) and 1 keep the tile-32 remainder launch; 300 and 289 a third tile of 128.
+WIDE_COUNTS = [257, 288, 130, 144, 145, 160, 0, 300, 1, 289, 256, 270, 416]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_counts_just_past_multiples_of_128(swiglu, out_dtype):
+    """Token tile 128 with the default split (remainders of 1..32 in a tile-32 launch; with EP_COMM_GEMM_WIDE_TILE=144
+    the experts whose count fits tiles of 144 in a third launch, test_kernel_wide_tiles): against the reference, and
+    bitwise the single launch (tail_tile = 0), as fp32 / bf16 rows and as combine rows."""
+    n, k = 512, 512
+    offsets, rows = segments(WIDE_COUNTS, 16)
+    w = random_weights(len(WIDE_COUNTS), n, k, seed=11, device="cuda", scale_low=0x18, scale_high=0x58)
+    packed = G.pack_gemm_weights(w, swiglu=swiglu)
+    x = G.expand_nvfp4_rows(random_activations(rows, k, seed=12, device="cuda"))
+    off = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    cnt = torch.tensor(WIDE_COUNTS, dtype=torch.int32, device="cuda")
+    mask = valid_mask(offsets, WIDE_COUNTS, rows).cuda()
+    ref = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.float32, impl="reference")
+    out = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=out_dtype, token_tile=128, impl="cuda")
+    _check_against_reference(out, ref, mask, out_dtype)
+    single = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=out_dtype, token_tile=128, tail_tile=0, impl="cuda")
+    assert torch.equal(out.view(torch.uint8), single.view(torch.uint8))
+    if swiglu or out_dtype != torch.bfloat16:
+        return
+    target, areas, dest_rank, dest_row = _local_combine_target(mask, num_ranks=2, topk=3, hidden=n, seed=n + 7)
+    G.grouped_gemm_nvfp4_combine_rows(x, off, cnt, packed, target, token_tile=128)
+    want = F.s2f6_quantize(single[mask], hadamard=True, sign_mask=target.sign_mask)
+    got = areas[dest_rank.cuda(), dest_row.cuda()]
+    assert torch.equal(got[:, :n], want.data.view(torch.uint8)), "codes differ"
+    assert torch.equal(got[:, target.scale_offset:target.scale_offset + n // 32], want.scales.view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_kernel_wide_tiles():
+    """The split-launch tests again with wide last tiles (EP_COMM_GEMM_WIDE_TILE=144, read once per process: hence a
+    subprocess; also on 3 persistent CTAs): each expert whose count fits tiles of 144 without a remainder pass is
+    computed whole by a token-tile-144 launch, bitwise the single tile-128 launch."""
+    import os
+    import subprocess
+    import sys
+    tests = ("small_remainders or just_past_multiples or combine_row_epilogue_matches or fused_expert_mlp")
+    for extra in ({}, {"EP_COMM_GEMM_MAX_CTAS": "3"}):
+        env = dict(os.environ, EP_COMM_GEMM_WIDE_TILE="144", **extra)
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
+                              tests], env=env, capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+        assert " passed" in run.stdout and "failed" not in run.stdout
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_kernel_leaves_other_rows_untouched(swiglu):
