@@ -191,7 +191,7 @@ bench_gemm() {  # arguments go to the benchmark
 bench_gemm_tail_ab() {  # the remainder launch overlapped with the main one (EP_COMM_GEMM_TAIL_OVERLAP) on and off, routed rows
   for value in 1 0 0 1; do bench_gemm_variant EP_COMM_GEMM_TAIL_OVERLAP=$value 256r; done
 }
-bench_gemm_wide_ab() {  # wide last tiles (EP_COMM_GEMM_WIDE_TILE=144) on and off, routed rows (and the layer-like 4096-token count)
+bench_gemm_wide_ab() {  # wide last tiles (EP_COMM_GEMM_WIDE_TILE=144) on and off, routed ~256 rows per expert
   for value in 144 0 0 144; do bench_gemm_variant EP_COMM_GEMM_WIDE_TILE=$value 256r; done
 }
 bench_gemm_small_persistent() {  # the small token tiles as persistent CTAs (EP_COMM_GEMM_MAX_CTAS=396: 3 per SM) or not
