@@ -120,7 +120,7 @@ __device__ __forceinline__ int clamped_count(const GroupedGemmArgs& args, int e)
 // in about half of the experts). Split launches leave such remainders -- count % main_tile in 1 .. tail_rows -- to
 // a second launch with a small token tile, which costs a weight pass at small-tile speed instead of a full tile.
 //
-// Wide last tiles (wide_tile > 0; EP_COMM_GEMM_WIDE_TILE=144, off by default, not yet run on a GPU): an expert whose
+// Wide last tiles (wide_tile > 0; the default since 2026-12-01, EP_COMM_GEMM_WIDE_TILE=0 turns them off): an expert whose
 // count is at most wide_tile * floor(count / main_tile) but not a multiple of main_tile -- e.g. 257..288 rows with
 // tiles of 128 and 144 -- is computed whole by a third launch with token tile wide_tile, in as many tiles as main_tile
 // would need without its remainder: no extra pass over the expert's weights, for wide_tile / main_tile times the MMA
@@ -1024,10 +1024,11 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
   const LaunchFn main_kernel = select_kernel(tile, combine_rows);
   const LaunchFn tail_kernel = tail_tile ? select_kernel(tail_tile, combine_rows) : nullptr;
   if (!main_kernel || (tail_tile && !tail_kernel)) return cudaErrorInvalidValue;
-  // Wide last tiles (RowSplit::wide_tile): with the split on and token tile 128, EP_COMM_GEMM_WIDE_TILE=144 (off by
-  // default; compiled, not yet run on a GPU). Only the default CTA shape has a 144 kernel: under a tuning override
-  // without one the wide launch is simply left out.
-  static const bool wide_allowed = env_choice("EP_COMM_GEMM_WIDE_TILE", {"0", "144"}) == 1;
+  // Wide last tiles (RowSplit::wide_tile): with the split on and token tile 128, on by default (EP_COMM_GEMM_WIDE_TILE=144;
+  // =0 off). Measured on H200 at routed ~256 rows per expert (bench/RESULTS.md, eighteenth session): w1 3.31-3.36 vs
+  // 3.44-3.45 ms, w2 1.86-1.87 vs 1.98 ms, MoE layer (world 1, graph) 5.80-5.81 vs 6.12-6.13 ms. Only the default CTA
+  // shape has a 144 kernel: under a tuning override without one the wide launch is simply left out.
+  static const bool wide_allowed = env_choice("EP_COMM_GEMM_WIDE_TILE", {"144", "0"}) == 0;
   const LaunchFn wide_kernel = wide_allowed && tail_tile != 0 && tile == 128 ? select_kernel(144, combine_rows) : nullptr;
   const int wide_tile = wide_kernel ? 144 : 0;
   // sum_e ceil(count_e / tile) <= rows / tile + E bounds the tiles of any launch (segments do not overlap:

@@ -641,7 +641,7 @@ def test_kernel_small_remainders_in_a_second_launch(shape, swiglu, token_tile, t
     assert torch.equal(out.view(torch.int32), single.view(torch.int32))
 
 
-# Counts 1..32 past a multiple of 128 and around them. With EP_COMM_GEMM_WIDE_TILE=144 an expert takes the wide tile
+# Counts 1..32 past a multiple of 128 and around them. With wide tiles (the default) an expert takes the wide tile
 # when count % 128 > 0 and count <= 144 * (count // 128): 257, 288, 130, 144, 270, 416 here; 145 and 160 (one tile
 # of 128, remainder above 16) and 1 keep the tile-32 remainder launch; 300 and 289 a third tile of 128.
 WIDE_COUNTS = [257, 288, 130, 144, 145, 160, 0, 300, 1, 289, 256, 270, 416]
@@ -651,8 +651,8 @@ WIDE_COUNTS = [257, 288, 130, 144, 145, 160, 0, 300, 1, 289, 256, 270, 416]
 @pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_kernel_counts_just_past_multiples_of_128(swiglu, out_dtype):
-    """Token tile 128 with the default split (remainders of 1..32 in a tile-32 launch; with EP_COMM_GEMM_WIDE_TILE=144
-    the experts whose count fits tiles of 144 in a third launch, test_kernel_wide_tiles): against the reference, and
+    """Token tile 128 with the default split (the experts whose count fits tiles of 144 in a tile-144 launch, other
+    remainders of 1..32 in a tile-32 launch; test_kernel_wide_tiles runs it with each setting): against the reference, and
     bitwise the single launch (tail_tile = 0), as fp32 / bf16 rows and as combine rows."""
     n, k = 512, 512
     offsets, rows = segments(WIDE_COUNTS, 16)
@@ -679,15 +679,17 @@ def test_kernel_counts_just_past_multiples_of_128(swiglu, out_dtype):
 
 @pytest.mark.gpu
 def test_kernel_wide_tiles():
-    """The split-launch tests again with wide last tiles (EP_COMM_GEMM_WIDE_TILE=144, read once per process: hence a
-    subprocess; also on 3 persistent CTAs): each expert whose count fits tiles of 144 without a remainder pass is
-    computed whole by a token-tile-144 launch, bitwise the single tile-128 launch."""
+    """The split-launch tests under each EP_COMM_GEMM_WIDE_TILE setting (read once per process: hence a subprocess):
+    144 (the default; also on 3 persistent CTAs) -- each expert whose count fits tiles of 144 without a remainder pass
+    is computed whole by a token-tile-144 launch, bitwise the single tile-128 launch -- and 0 (off: tile-32 remainders
+    only)."""
     import os
     import subprocess
     import sys
     tests = ("small_remainders or just_past_multiples or combine_row_epilogue_matches or fused_expert_mlp")
-    for extra in ({}, {"EP_COMM_GEMM_MAX_CTAS": "3"}):
-        env = dict(os.environ, EP_COMM_GEMM_WIDE_TILE="144", **extra)
+    for extra in ({"EP_COMM_GEMM_WIDE_TILE": "144"}, {"EP_COMM_GEMM_WIDE_TILE": "144", "EP_COMM_GEMM_MAX_CTAS": "3"},
+                  {"EP_COMM_GEMM_WIDE_TILE": "0"}):
+        env = dict(os.environ, **extra)
         run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
                               tests], env=env, capture_output=True, text=True, timeout=900)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
