@@ -278,6 +278,10 @@ dc_graph_rows() {
 }
 dc_graph_pattern="nvlink +(dispatch|combine) .* graph"
 bench_dc_ab() { ab_trees "bench: dispatch / combine ${AB_FORMATS:-nvfp4/s2f6}" "$dc_graph_pattern" dc_graph_rows; }
+bench_gemm_ab() {  # the grouped GEMM kernels (ours only) in this tree and in ab_base.tar: GEMM_AB_ROWS (default 128,16)
+  ab_trees "bench: grouped GEMM ${GEMM_AB_ROWS:-128,16}" "^(w1|w2|mlp) " env CUDA_VISIBLE_DEVICES=0 timeout 150 \
+    python3 bench/bench_grouped_gemm.py --rows "${GEMM_AB_ROWS:-128,16}" --no-baseline
+}
 bench_dc_trees() {  # BISECT_TARS="a.tar b.tar ..." (git archives, carried): this tree, then each archive's, one run each
   local tar dir
   say "bench: dispatch / combine ${AB_FORMATS:-nvfp4/s2f6}: this tree"
