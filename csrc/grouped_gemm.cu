@@ -557,6 +557,15 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
   };
 
   const int row_r0 = 16 * (thread_in_group / 32) + (thread_in_group % 32) / 4;  // tile rows r0 and r0 + 8
+  // One k-step's A fragment from its code word w and the scale halves of rows r0 and r0 + 8 (kHalf: which half of
+  // the scale words holds this k-step's scale).
+  auto convert_step = [&](const uint32_t w, auto half, uint32_t scale_r0, uint32_t scale_r1, uint32_t (&out)[4]) {
+    constexpr int kHalf = decltype(half)::value;
+    out[0] = hmul2_broadcast<kHalf>(decode_pair0(w), scale_r0);
+    out[1] = hmul2_broadcast<kHalf>(decode_pair1(w), scale_r1);
+    out[2] = hmul2_broadcast<kHalf>(decode_pair2(w), scale_r0);
+    out[3] = hmul2_broadcast<kHalf>(decode_pair3(w), scale_r1);
+  };
   // This thread's A fragments of k-block `sub` of ring slot `slot` (fp16x2, mma.m16n8k16 order) from its private
   // smem bytes.
   auto convert = [&](int slot, int sub, uint32_t (&a)[4][4]) {
@@ -570,13 +579,6 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
     // fp16 scale * 2^7 = code << 7: k-steps 0 and 2 in the halves of `even`, 1 and 3 in the halves of `odd`.
     const uint32_t even_r0 = (scales_r0 << 7) & 0x7F807F80u, odd_r0 = (scales_r0 >> 1) & 0x7F807F80u;
     const uint32_t even_r1 = (scales_r1 << 7) & 0x7F807F80u, odd_r1 = (scales_r1 >> 1) & 0x7F807F80u;
-    auto convert_step = [&](const uint32_t w, auto half, uint32_t scale_r0, uint32_t scale_r1, uint32_t (&out)[4]) {
-      constexpr int kHalf = decltype(half)::value;
-      out[0] = hmul2_broadcast<kHalf>(decode_pair0(w), scale_r0);
-      out[1] = hmul2_broadcast<kHalf>(decode_pair1(w), scale_r1);
-      out[2] = hmul2_broadcast<kHalf>(decode_pair2(w), scale_r0);
-      out[3] = hmul2_broadcast<kHalf>(decode_pair3(w), scale_r1);
-    };
     convert_step(word[0], std::integral_constant<int, 0>{}, even_r0, even_r1, a[0]);
     convert_step(word[1], std::integral_constant<int, 0>{}, odd_r0, odd_r1, a[1]);
     convert_step(word[2], std::integral_constant<int, 1>{}, even_r0, even_r1, a[2]);
@@ -611,15 +613,9 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
       const uint32_t s0 = (k_step % 2 == 0 ? scales_r0 << 7 : scales_r0 >> 1) & 0x7F807F80u;
       const uint32_t s1 = (k_step % 2 == 0 ? scales_r1 << 7 : scales_r1 >> 1) & 0x7F807F80u;
       if (k_step < 2) {
-        a[i][0] = hmul2_broadcast<0>(decode_pair0(w), s0);
-        a[i][1] = hmul2_broadcast<0>(decode_pair1(w), s1);
-        a[i][2] = hmul2_broadcast<0>(decode_pair2(w), s0);
-        a[i][3] = hmul2_broadcast<0>(decode_pair3(w), s1);
+        convert_step(w, std::integral_constant<int, 0>{}, s0, s1, a[i]);
       } else {
-        a[i][0] = hmul2_broadcast<1>(decode_pair0(w), s0);
-        a[i][1] = hmul2_broadcast<1>(decode_pair1(w), s1);
-        a[i][2] = hmul2_broadcast<1>(decode_pair2(w), s0);
-        a[i][3] = hmul2_broadcast<1>(decode_pair3(w), s1);
+        convert_step(w, std::integral_constant<int, 1>{}, s0, s1, a[i]);
       }
     }
   };

@@ -54,12 +54,6 @@ __device__ __forceinline__ void scale_and_sign(float v[N], uint32_t bits) {
   apply_signs<N>(v, bits);
 }
 
-// RHT-32 inverse of the lane's 16 values of a 2-lane chunk.
-__device__ __forceinline__ void rht32_inverse_lane16(float v[16], uint32_t sign_mask, int lane) {
-  fwht32_lane16(v, lane);
-  scale_and_sign<16>(v, sign_mask >> ((lane & 1) * 16));
-}
-
 // The same for the 8 values of a 4-lane chunk (elements (lane & 3) * 8 + k), for the dequantize kernel.
 __device__ __forceinline__ void rht32_inverse_lane8(float v[8], uint32_t sign_mask, int lane) {
   fwht32_lane8(v, lane);
@@ -166,16 +160,6 @@ struct RhtSigns16 {
   }
 };
 
-// rht32_inverse_lane16 with the signs precomputed: FWHT, then f(v * c), then the signs (same bits, NaN included).
-// Every lane of the warp must call this.
-__device__ __forceinline__ void rht32_inverse_lane16(float v[16], const RhtSigns16& signs, int lane) {
-  fwht32_lane16(v, lane);
-  const float c = __uint_as_float(qm::kRhtScaleBits);
-#pragma unroll
-  for (int k = 0; k < 16; ++k) v[k] = qm::qm_mul(v[k], c);
-  signs.apply(v);
-}
-
 // The signs of a lane's 16 values from the sign mask, applied as apply_signs does (shift and XOR per value): for
 // kernels that would rather not keep 16 sign words in registers.
 struct RhtSignBits16 {
@@ -183,6 +167,21 @@ struct RhtSignBits16 {
   __device__ __forceinline__ RhtSignBits16(uint32_t sign_mask, int lane) : bits(sign_mask >> ((lane & 1) * 16)) {}
   __device__ __forceinline__ void apply(float v[16]) const { apply_signs<16>(v, bits); }
 };
+
+// RHT-32 inverse of the lane's 16 values of a 2-lane chunk: FWHT, then f(v * c), then the signs (RhtSigns16 or
+// RhtSignBits16: the same bits, NaN included). Every lane of the warp must call this.
+template <typename Signs>
+__device__ __forceinline__ void rht32_inverse_lane16(float v[16], const Signs& signs, int lane) {
+  fwht32_lane16(v, lane);
+  const float c = __uint_as_float(qm::kRhtScaleBits);
+#pragma unroll
+  for (int k = 0; k < 16; ++k) v[k] = qm::qm_mul(v[k], c);
+  signs.apply(v);
+}
+
+__device__ __forceinline__ void rht32_inverse_lane16(float v[16], uint32_t sign_mask, int lane) {
+  rht32_inverse_lane16(v, RhtSignBits16(sign_mask, lane), lane);
+}
 
 // S2F6 codes of the lane's 16 values of a 2-lane chunk and the chunk's scale byte (*scale), with the forward RHT
 // first when kHadamard: signs (RhtSigns16 or RhtSignBits16: the same bits), the FWHT, and the 1/sqrt(32) scaling
