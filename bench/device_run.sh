@@ -228,6 +228,19 @@ profile_gemm() {  # Nsight Compute on one w1 launch at 16 and at 128 rows per ex
     echo "ncu rows $rows: rc $?" | tee -a "$log"
   done
 }
+profile_gemm_stalls() {  # GEMM_PROFILE = w1|w2 (default w2), GEMM_PROFILE_ROWS (default 128): stall reasons and per-SASS-line
+  local gemm="${GEMM_PROFILE:-w2}" rows="${GEMM_PROFILE_ROWS:-128}"  # stall samples of the second launch (ncu)
+  say "profile: ncu grouped GEMM stalls, $gemm at $rows rows per expert"
+  CUDA_VISIBLE_DEVICES=0 timeout 200 ncu --kernel-name regex:grouped_gemm --launch-skip 1 --launch-count 1 \
+    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+    --section SourceCounters --metrics regex:"smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    python3 bench/profile_gemm.py --gemm "$gemm" --rows "$rows" > "$OUT/ncu_gemm_stalls_${gemm}_$rows.txt" 2>&1
+  echo "ncu gemm stalls $gemm $rows: rc $?" | tee -a "$log"
+  CUDA_VISIBLE_DEVICES=0 timeout 200 ncu --kernel-name regex:grouped_gemm --launch-skip 1 --launch-count 1 \
+    --section SourceCounters --page source --print-source sass --csv \
+    python3 bench/profile_gemm.py --gemm "$gemm" --rows "$rows" > "$OUT/ncu_gemm_sass_${gemm}_$rows.csv" 2>&1
+  echo "ncu gemm sass $gemm $rows: rc $?" | tee -a "$log"
+}
 profile_formats() {  # Nsight Compute on the second launch of each quantization kernel (64 MiB inputs)
   say "profile: ncu formats kernels"
   CUDA_VISIBLE_DEVICES=0 timeout 200 ncu --kernel-name regex:"quantize|accumulate|transposed" \

@@ -4,7 +4,7 @@
         python bench/profile_gemm.py --gemm w1 --rows 16
 
 Builds the benchmark's random NVFP4 weights (E = 128 experts, w1 [E, 2I, H] with SwiGLU or w2 [E, H, I]) and
-`--rows` uniform rows per expert, then calls `grouped_gemm_nvfp4` twice (the first launch is the warm-up to skip).
+`--rows` uniform rows per expert, then calls `grouped_gemm_nvfp4` twice without the remainder launch (the first launch is the warm-up to skip).
 """
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ def main() -> None:
     offsets = torch.arange(args.experts + 1, dtype=torch.int32, device="cuda") * args.rows
     counts = torch.full((args.experts,), args.rows, dtype=torch.int32, device="cuda")
     for _ in range(2):
-        G.grouped_gemm_nvfp4(x, offsets, counts, gemm.packed, token_tile=args.token_tile or None, impl="cuda")
+        # tail_tile=0: one launch per call (uniform rows have no remainder), so --launch-skip 1 is the second call.
+        G.grouped_gemm_nvfp4(x, offsets, counts, gemm.packed, token_tile=args.token_tile or None, impl="cuda",
+                             tail_tile=0)
     torch.cuda.synchronize()
 
 
