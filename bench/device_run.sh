@@ -216,6 +216,12 @@ bench_gemm_variant() {  # $1 = VAR=value, $2 = rows (default 128,16,256r): ours 
   env "$1" CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/bench_grouped_gemm.py --rows "${2:-128,16,256r}" \
     --no-baseline 2>&1 | grep -E "^(w1|w2|mlp) " | tee -a "$log"
 }
+bench_gemm_cta_shapes() {  # the tile-128 CTA shape at GEMM_AB_ROWS (default 128): default, 2 warpgroups x 2 CTAs, one
+  local v  # k-block per stage, default again (order: drift favours neither)
+  for v in EP_COMM_GEMM_WIDE_TILE=144 EP_COMM_GEMM_WARPGROUPS=2 EP_COMM_GEMM_KBLOCKS_PER_STAGE=1 EP_COMM_GEMM_WIDE_TILE=144; do
+    bench_gemm_variant "$v" "${GEMM_AB_ROWS:-128}"
+  done
+}
 bench_gemm_stage1() { bench_gemm_variant EP_COMM_GEMM_KBLOCKS_PER_STAGE=1; }
 bench_gemm_tiles() { bench_gemm --token-tiles auto,64 --rows 128,16,256r,256; }
 profile_gemm() {  # Nsight Compute on one w1 launch at 16 and at 128 rows per expert
@@ -240,6 +246,8 @@ profile_gemm_stalls() {  # GEMM_PROFILE = w1|w2 (default w2), GEMM_PROFILE_ROWS 
     --section SourceCounters --page source --print-source sass --csv \
     python3 bench/profile_gemm.py --gemm "$gemm" --rows "$rows" > "$OUT/ncu_gemm_sass_${gemm}_$rows.csv" 2>&1
   echo "ncu gemm sass $gemm $rows: rc $?" | tee -a "$log"
+  python3 bench/ncu_sass_summary.py "$OUT/ncu_gemm_sass_${gemm}_$rows.csv" > "$OUT/ncu_gemm_sass_${gemm}_${rows}_summary.txt" 2>&1
+  head -8 "$OUT/ncu_gemm_sass_${gemm}_${rows}_summary.txt" | tee -a "$log"
 }
 profile_formats() {  # Nsight Compute on the second launch of each quantization kernel (64 MiB inputs)
   say "profile: ncu formats kernels"
@@ -342,6 +350,23 @@ profile_one_rank_ab() {  # per-kernel device time of dispatch + combine at world
   # against ab_base.tar: the local kernels' A/B when only one GPU is lent
   ab_trees "profile: world 1, 4096 tokens" "^ +4096 " env CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/profile_nvlink.py \
     --nproc 1 --tokens 4096 --formats nvfp4/s2f6,bf16/bf16 --iters 20
+}
+profile_one_rank_send() {  # world 1, 4096 tokens, NVFP4: per-kernel times with the direct self rows on (default) and off
+  # (off: the send writes one staging row per token, as for one peer), then ncu stall reasons of the send with them off
+  local v
+  for v in 2048 1000000000; do
+    say "profile: world 1, 4096 tokens, nvfp4/s2f6, EP_COMM_DIRECT_SELF_MIN_TOKENS=$v"
+    EP_COMM_DIRECT_SELF_MIN_TOKENS=$v CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/profile_nvlink.py --nproc 1 \
+      --tokens 4096 --formats nvfp4/s2f6 --iters 20 2>&1 | grep -E "^ +4096 |kernel" | tee -a "$log"
+  done
+  EP_COMM_DIRECT_SELF_MIN_TOKENS=1000000000 CUDA_VISIBLE_DEVICES=0 timeout 240 ncu --target-processes all \
+    --kernel-name regex:"dispatch_send" --launch-skip 3 --launch-count 1 \
+    --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
+    --section SourceCounters --metrics regex:"smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    python3 bench/profile_nvlink.py --nproc 1 --tokens 4096 --formats nvfp4/s2f6 --iters 1 > "$OUT/ncu_send_noself.txt" 2>&1
+  echo "ncu send (no direct self rows): rc $?" | tee -a "$log"
+  grep -E "Duration|DRAM Throughput|Issue Slots Busy|No Eligible|Achieved Occupancy|Registers Per|Warp Cycles Per Issued" \
+    "$OUT/ncu_send_noself.txt" | tee -a "$log"
 }
 profile_4096_timeline() {  # both ranks' kernels of the last dispatch + combine of a graph replay at 4096 tokens
   say "profile: timeline of a 4096-token dispatch + combine (graph replay)"
