@@ -1,0 +1,52 @@
+"""bench/ncu_sass_summary.py: the stall samples of an ncu per-SASS-line CSV grouped by execution count (CPU only)."""
+import importlib.util
+import os
+
+import pytest
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "bench", "ncu_sass_summary.py")
+
+
+@pytest.fixture(scope="module")
+def summary():
+    spec = importlib.util.spec_from_file_location("ncu_sass_summary", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_csv(path):
+    header = ['"Address"', '"Source"', '"Warp Stall Sampling (All Samples)"', '"Instructions Executed"',
+              '"stall_barrier"', '"stall_wait"', '"stall_barrier (Not Issued)"']
+    rows = [("0x10", "HGMMA.64x128x16.F32", 60, 400, 0, 50, 0),
+            ("0x20", "LOP3.LUT R1", 20, 400, 0, 20, 0),
+            ("0x30", "BAR.SYNC 0x0", 15, 25, 15, 0, 15),
+            ("0x40", "EXIT", 5, 1, 0, 5, 0)]
+    with open(path, "w") as f:
+        f.write("==PROF== Connected to process 1\n")
+        f.write('"Kernel Name","kernel",\n')
+        f.write(",".join(header) + "\n")
+        for row in rows:
+            f.write(",".join(f'"{v}"' for v in row) + "\n")
+        f.write('"truncated"\n')  # a short line is skipped
+
+
+def test_reads_rows_and_reasons(summary, tmp_path):
+    path = tmp_path / "sass.csv"
+    _write_csv(path)
+    rows = summary.read_rows(str(path))
+    assert [r[0] for r in rows] == ["0x10", "0x20", "0x30", "0x40"]
+    assert rows[2][2:4] == (15, 25)
+    assert rows[2][4] == {"barrier": 15, "wait": 0}  # the "(Not Issued)" columns are left out
+
+
+def test_groups_samples_by_execution_count(summary, tmp_path, capsys):
+    path = tmp_path / "sass.csv"
+    _write_csv(path)
+    assert summary.main([str(path), "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "4 SASS lines, 100 stall samples" in out
+    levels = [line for line in out.splitlines() if line.strip().startswith("executed")]
+    assert levels[0].split(":")[0].split()[-1] == "400" and "2 lines,  80.0% of samples" in levels[0]
+    assert "barrier 15.0%" in levels[1]
+    assert "HGMMA" in out.split("lines with the most samples:")[1].splitlines()[1]
