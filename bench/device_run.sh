@@ -249,6 +249,18 @@ profile_gemm_stalls() {  # GEMM_PROFILE = w1|w2 (default w2), GEMM_PROFILE_ROWS 
   python3 bench/ncu_sass_summary.py "$OUT/ncu_gemm_sass_${gemm}_$rows.csv" > "$OUT/ncu_gemm_sass_${gemm}_${rows}_summary.txt" 2>&1
   head -8 "$OUT/ncu_gemm_sass_${gemm}_${rows}_summary.txt" | tee -a "$log"
 }
+profile_gemm_pipes() {  # GEMM_PROFILE = w1|w2 (default both), GEMM_PROFILE_ROWS (default 128): tensor / ALU pipe utilisation and
+  local gemm rows="${GEMM_PROFILE_ROWS:-128}"  # the instruction mix of the second launch (ncu)
+  for gemm in ${GEMM_PROFILE:-w1 w2}; do
+    say "profile: ncu grouped GEMM pipes, $gemm at $rows rows per expert"
+    CUDA_VISIBLE_DEVICES=0 timeout 200 ncu --kernel-name regex:grouped_gemm --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats --section Occupancy \
+      --metrics regex:"sm__pipe_.*(tensor|alu|fma|fp16|shared).*_cycles_active\.avg\.pct_of_peak_sustained_active",regex:"sm__inst_executed_pipe_.*\.sum$" \
+      python3 bench/profile_gemm.py --gemm "$gemm" --rows "$rows" > "$OUT/ncu_gemm_pipes_${gemm}_$rows.txt" 2>&1
+    echo "ncu gemm pipes $gemm $rows: rc $?" | tee -a "$log"
+    grep -E "Duration|SM Frequency|pipe_.*pct|Issue Slots Busy|Executed Ipc Active" "$OUT/ncu_gemm_pipes_${gemm}_$rows.txt" | tee -a "$log"
+  done
+}
 profile_formats() {  # Nsight Compute on the second launch of each quantization kernel (64 MiB inputs)
   say "profile: ncu formats kernels"
   CUDA_VISIBLE_DEVICES=0 timeout 200 ncu --kernel-name regex:"quantize|accumulate|transposed" \
