@@ -4,7 +4,8 @@
         python bench/profile_gemm.py --gemm w1 --rows 16
 
 Builds the benchmark's random NVFP4 weights (E = 128 experts, w1 [E, 2I, H] with SwiGLU or w2 [E, H, I]) and
-`--rows` uniform rows per expert, then calls `grouped_gemm_nvfp4` twice without the remainder launch (the first launch is the warm-up to skip).
+`--rows` uniform rows per expert, then calls `grouped_gemm_nvfp4` twice without the remainder launch (the first
+launch is the warm-up to skip).
 """
 from __future__ import annotations
 
