@@ -224,27 +224,31 @@ bench_gemm_cta_shapes() {  # the tile-128 CTA shape at GEMM_AB_ROWS (default 128
 }
 bench_gemm_stage1() { bench_gemm_variant EP_COMM_GEMM_KBLOCKS_PER_STAGE=1; }
 bench_gemm_tiles() { bench_gemm --token-tiles auto,64 --rows 128,16,256r,256; }
+ncu_gemm_launch() {  # $1 = w1|w2, $2 = rows per expert, then ncu's options: Nsight Compute on the second grouped GEMM
+  local gemm="$1" rows="$2"  # launch of bench/profile_gemm.py (the first is the warm-up), report on stdout
+  shift 2
+  CUDA_VISIBLE_DEVICES=0 timeout 200 ncu --kernel-name regex:grouped_gemm --launch-skip 1 --launch-count 1 "$@" \
+    python3 bench/profile_gemm.py --gemm "$gemm" --rows "$rows"
+}
 profile_gemm() {  # Nsight Compute on one w1 launch at 16 and at 128 rows per expert
   say "profile: ncu grouped GEMM"
   for rows in 16 128; do
-    CUDA_VISIBLE_DEVICES=0 timeout 150 ncu --kernel-name regex:grouped_gemm --launch-skip 1 --launch-count 1 \
-      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-      --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-      --section SourceCounters python3 bench/profile_gemm.py --gemm w1 --rows "$rows" >> "$OUT/ncu_gemm.txt" 2>&1
+    ncu_gemm_launch w1 "$rows" --section SpeedOfLight --section Occupancy --section LaunchStats \
+      --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis --section SourceCounters >> "$OUT/ncu_gemm.txt" 2>&1
     echo "ncu rows $rows: rc $?" | tee -a "$log"
   done
 }
 profile_gemm_stalls() {  # GEMM_PROFILE = w1|w2 (default w2), GEMM_PROFILE_ROWS (default 128): stall reasons and per-SASS-line
   local gemm="${GEMM_PROFILE:-w2}" rows="${GEMM_PROFILE_ROWS:-128}"  # stall samples of the second launch (ncu)
   say "profile: ncu grouped GEMM stalls, $gemm at $rows rows per expert"
-  CUDA_VISIBLE_DEVICES=0 timeout 200 ncu --kernel-name regex:grouped_gemm --launch-skip 1 --launch-count 1 \
-    --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-    --section SourceCounters --metrics regex:"smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-    python3 bench/profile_gemm.py --gemm "$gemm" --rows "$rows" > "$OUT/ncu_gemm_stalls_${gemm}_$rows.txt" 2>&1
+  ncu_gemm_launch "$gemm" "$rows" --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    --section MemoryWorkloadAnalysis --section SourceCounters \
+    --metrics regex:"smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    > "$OUT/ncu_gemm_stalls_${gemm}_$rows.txt" 2>&1
   echo "ncu gemm stalls $gemm $rows: rc $?" | tee -a "$log"
-  CUDA_VISIBLE_DEVICES=0 timeout 200 ncu --kernel-name regex:grouped_gemm --launch-skip 1 --launch-count 1 \
-    --section SourceCounters --page source --print-source sass --csv \
-    python3 bench/profile_gemm.py --gemm "$gemm" --rows "$rows" > "$OUT/ncu_gemm_sass_${gemm}_$rows.csv" 2>&1
+  ncu_gemm_launch "$gemm" "$rows" --section SourceCounters --page source --print-source sass --csv \
+    > "$OUT/ncu_gemm_sass_${gemm}_$rows.csv" 2>&1
   echo "ncu gemm sass $gemm $rows: rc $?" | tee -a "$log"
   python3 bench/ncu_sass_summary.py "$OUT/ncu_gemm_sass_${gemm}_$rows.csv" > "$OUT/ncu_gemm_sass_${gemm}_${rows}_summary.txt" 2>&1
   head -8 "$OUT/ncu_gemm_sass_${gemm}_${rows}_summary.txt" | tee -a "$log"
@@ -253,10 +257,10 @@ profile_gemm_pipes() {  # GEMM_PROFILE = w1|w2 (default both), GEMM_PROFILE_ROWS
   local gemm rows="${GEMM_PROFILE_ROWS:-128}"  # the instruction mix of the second launch (ncu)
   for gemm in ${GEMM_PROFILE:-w1 w2}; do
     say "profile: ncu grouped GEMM pipes, $gemm at $rows rows per expert"
-    CUDA_VISIBLE_DEVICES=0 timeout 200 ncu --kernel-name regex:grouped_gemm --launch-skip 1 --launch-count 1 \
-      --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats --section Occupancy \
+    ncu_gemm_launch "$gemm" "$rows" --section SpeedOfLight --section ComputeWorkloadAnalysis \
+      --section InstructionStats --section Occupancy \
       --metrics regex:"sm__pipe_.*(tensor|alu|fma|fp16|shared).*_cycles_active\.avg\.pct_of_peak_sustained_active",regex:"sm__inst_executed_pipe_.*\.sum$" \
-      python3 bench/profile_gemm.py --gemm "$gemm" --rows "$rows" > "$OUT/ncu_gemm_pipes_${gemm}_$rows.txt" 2>&1
+      > "$OUT/ncu_gemm_pipes_${gemm}_$rows.txt" 2>&1
     echo "ncu gemm pipes $gemm $rows: rc $?" | tee -a "$log"
     grep -E "Duration|SM Frequency|pipe_.*pct|Issue Slots Busy|Executed Ipc Active" "$OUT/ncu_gemm_pipes_${gemm}_$rows.txt" | tee -a "$log"
   done

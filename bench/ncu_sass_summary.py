@@ -20,9 +20,13 @@ def read_rows(path: str) -> list:
     with open(path) as f:
         lines = [line for line in f if not line.startswith("==")]  # ncu's own messages
     reader = csv.reader(lines)
-    next(reader)  # the kernel name
-    header = next(reader)
+    next(reader, None)  # the kernel name
+    header = next(reader, [])
     column = {name: i for i, name in enumerate(header)}
+    needed = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed"]
+    missing = [name for name in needed if name not in column]
+    if missing:  # e.g. ncu failed and the file holds its error message
+        raise ValueError(f"{path}: not an ncu --page source --csv report (no column {', '.join(missing)})")
     reasons = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
     rows = []
     for row in reader:

@@ -50,3 +50,10 @@ def test_groups_samples_by_execution_count(summary, tmp_path, capsys):
     assert levels[0].split(":")[0].split()[-1] == "400" and "2 lines,  80.0% of samples" in levels[0]
     assert "barrier 15.0%" in levels[1]
     assert "HGMMA" in out.split("lines with the most samples:")[1].splitlines()[1]
+
+
+def test_refuses_a_file_that_is_not_a_source_report(summary, tmp_path):
+    path = tmp_path / "failed.csv"
+    path.write_text("==ERROR== the profiled process failed\n")
+    with pytest.raises(ValueError, match="not an ncu"):
+        summary.read_rows(str(path))
