@@ -57,7 +57,7 @@ constexpr int kTileScaleBytes = 256;  // per warpgroup tile per k-block: 64 rows
 // over one (two calls, bench/RESULTS.md).
 constexpr int kDefaultBlocksPerStage = 2;
 
-template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kSmemA = false>
+template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage>
 struct Geometry {
   static constexpr int kThreads = kWarpGroups * 128;
   // B (token) tile of one k-block, K-major in wgmma's 128-byte swizzle: token rows of 128 B (64 k) with 16-byte
@@ -72,18 +72,13 @@ struct Geometry {
   // A stage (ring slot) holds kBlocksPerStage consecutive k-blocks: the CTA barrier that publishes a stage and
   // frees the previous one, the cp.async issue and the ring bookkeeping are paid once per stage.
   static constexpr int kStageBytes = kBlocksPerStage * kBlockBytes;
-  // SS form (kSmemA, gemm_items): each warpgroup decodes a k-block's weights into a 64 x 64 fp16 A tile (8 KiB, the
-  // token tile's 128-byte-swizzled K-major layout), double-buffered; the 2 * kWarpGroups A tiles follow the ring.
-  static constexpr int kATileBytes = kTileRows * 128;
-  static constexpr int kABytes = kSmemA ? 2 * kWarpGroups * kATileBytes : 0;
   // As many stages as the CTA's share of the SM's shared memory holds (228 KiB less 1 KiB per CTA and the
   // alignment slack): loads are issued kStages - 1 stages ahead, which must cover HBM latency under load
   // (~1-2 us) even when a k-block's MMAs take only ~0.5 us.
-  static constexpr int kSmemBudget = (224 * 1024) / kCtasPerSm - 3 * 1024 - kABytes;
+  static constexpr int kSmemBudget = (224 * 1024) / kCtasPerSm - 3 * 1024;
   static constexpr int kStages = (kSmemBudget / kStageBytes) < 16 ? (kSmemBudget / kStageBytes) : 16;
   static_assert(kStages >= 3, "the ring needs three stages (one in use, one landing, one loading)");
-  static constexpr int kAOffset = kStages * kStageBytes;  // 1024-byte aligned (kBlockBytes is)
-  static constexpr int kSmemBytes = kStages * kStageBytes + kABytes + 1024;  // + room to align the ring to 1024 B
+  static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + room to align the ring to 1024 B
 };
 
 // 128-byte swizzle, K-major: 8-row groups 1024 B apart (the leading offset is unused: one swizzle atom spans
@@ -446,11 +441,11 @@ __device__ __forceinline__ void store_rows(const GroupedGemmArgs& args, const fl
 // runs: the next item's MMAs then start on landed data instead of after a pipeline fill. The main loop itself is
 // the same for every item (no cross-item logic per stage). The combine-row epilogue stages its tile in the ring, so
 // there the next item's loads start after the epilogue.
-template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kCombineRows, bool kSmemA>
+template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kCombineRows>
 __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const RowSplit split, uint8_t* smem,
                                            TileCursor& cursor, const bool persistent,
                                            const unsigned long long wave_epoch) {
-  using G = Geometry<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kSmemA>;
+  using G = Geometry<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage>;
   constexpr int kThreads = G::kThreads;
   constexpr int kStages = G::kStages;
   constexpr int kAcc = kTile / 2;
@@ -629,38 +624,6 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
     __syncthreads();                    // ... and everyone's
   };
 
-  // SS form (kSmemA): the A fragments above are stored into the warpgroup's shared-memory A tile (buffer k-block % 2)
-  // and wgmma reads A from there. Register A (RS) held the tensor pipe at ~70% active at token tile 128 even without
-  // the decode; with A from shared memory it reached ~80% (timing-only variants, docs/GEMM.md section 4(a)).
-  // Fragment register a[s][j] of this thread holds rows r0 (j even) or r0 + 8 (j odd), k 16 s + 2 (lane % 4) + {0, 1}
-  // (j < 2) or + 8 (j >= 2): 16-byte chunk 2 s + j / 2 of the 128-byte row. With the 128-byte swizzle, chunk c of row r
-  // is at r * 128 + ((c ^ (r % 8)) << 4): in this thread's base offset bits 4-6 hold r0 % 8 (= lane / 4, and rows
-  // r0 + 8 share it), so XOR with c << 4 places chunk c. Per store instruction the 32 lanes hit 8 rows x 4 words with
-  // 8 distinct chunks: all 32 banks, no conflict.
-  static_assert(!kSmemA || (kGroups == 1 && kTile == 128), "the SS form exists for token tile 128 (MmaSS<128>)");
-  const int a_tiles = G::kAOffset + warp_group * 2 * G::kATileBytes;  // this warpgroup's two A tiles (smem offset)
-  const int a_store_offset = a_tiles + row_r0 * 128 + ((row_r0 % 8) << 4) + 4 * (thread_in_group % 4);
-  auto convert_store = [&](int slot_to_read, int sub, auto buffer_constant) {
-    constexpr int kBuffer = decltype(buffer_constant)::value;
-    uint32_t a[4][4];
-    convert(slot_to_read, sub, a);
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        uint8_t* chunk = smem + ((a_store_offset ^ ((2 * s + half) << 4)) + kBuffer * G::kATileBytes);
-        *reinterpret_cast<uint32_t*>(chunk) = a[s][2 * half];             // row r0
-        *reinterpret_cast<uint32_t*>(chunk + 1024) = a[s][2 * half + 1];  // row r0 + 8
-      }
-    }
-  };
-  // Makes the warpgroup's A-tile stores visible to wgmma: each writer's fence to the async proxy, then a barrier of
-  // the warpgroup's 128 threads (named barrier 1 + warp group; 0 is __syncthreads).
-  auto publish_a_tile = [&]() {
-    wgmma::fence_proxy_async_shared();
-    asm volatile("bar.sync %0, 128;" ::"r"(1 + warp_group) : "memory");
-  };
-
   float acc[kAcc];
   // A fragments of even / odd k-blocks (kGroups == 1), or of even / odd k-step groups: one is converted while the
   // other's wgmma runs (wgmma reads its register operands asynchronously).
@@ -677,9 +640,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
   while (true) {
     cp_async::wait<kStages - 2>();  // the item's first stage
     wait_stage();
-    if constexpr (kSmemA) {
-      convert_store(slot, 0, std::integral_constant<int, 0>{});
-    } else if constexpr (kGroups == 1) {
+    if constexpr (kGroups == 1) {
       convert(slot, 0, a_even);
     } else {
       convert_group(slot, 0, std::integral_constant<int, 0>{}, a_even);
@@ -717,38 +678,6 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
           convert(slot, 0, a_next);
         } else {
           convert(slot, kSub + 1, a_next);  // the next k-block of this stage (published with it)
-        }
-      }
-    };
-    // The same in the SS form: k-block `k_block` reads A tile kBuffer (= k_block % 2), published here; the next
-    // k-block's tile is decoded into the other buffer once wait_group<1> has retired the wgmma that read it.
-    auto step_smem_a = [&](int k_block, auto sub_constant, auto buffer_constant) {
-      constexpr int kSub = decltype(sub_constant)::value;
-      constexpr int kBuffer = decltype(buffer_constant)::value;
-      publish_a_tile();
-      wgmma::fence_operand(acc);
-      wgmma::fence();
-      const uint64_t desc_b = make_descriptor_sw128(smem_base + slot * G::kStageBytes + kSub * G::kBlockBytes +
-                                                    G::kTokensOffset);
-      const uint64_t desc_a = make_descriptor_sw128(smem_base + a_tiles + kBuffer * G::kATileBytes);
-      if constexpr (kSmemA) {  // (MmaSS exists for kTile 128 only; the lambda is compiled in every instance)
-#pragma unroll
-        for (int s = 0; s < 4; ++s) wgmma::MmaSS<kTile>::run(acc, desc_a + 2 * s, desc_b + 2 * s);
-      }
-      wgmma::commit_group();
-      wgmma::fence_operand(acc);
-      wgmma::wait_group<1>();  // wgmma(k_block - 1) retired: A tile 1 - kBuffer is free
-      if (k_block + 1 < num_k_blocks) {
-        constexpr std::integral_constant<int, 1 - kBuffer> other{};
-        if (kSub == kBlocksPerStage - 1) {
-          const int stage_index = k_block / kBlocksPerStage;
-          cp_async::wait<kStages - 3>();  // stage stage_index + 1
-          wait_stage();                  // also: every warpgroup has retired the wgmma of stage stage_index - 1
-          load_stage(stage_index + kStages - 1);  // into the slot of stage stage_index - 1
-          slot = slot + 1 == kStages ? 0 : slot + 1;
-          convert_store(slot, 0, other);
-        } else {
-          convert_store(slot, kSub + 1, other);
         }
       }
     };
@@ -799,12 +728,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
     // Even k-blocks are k-block 0 of their stage; odd ones k-block 1 (or 0 with one k-block per stage).
     static_assert(kBlocksPerStage == 1 || kBlocksPerStage == 2, "k-blocks alternate between two A fragment sets");
     for (int k_block = 0; k_block < num_k_blocks; k_block += 2) {
-      if constexpr (kSmemA) {
-        step_smem_a(k_block, std::integral_constant<int, 0>{}, std::integral_constant<int, 0>{});
-        if (k_block + 1 < num_k_blocks) {
-          step_smem_a(k_block + 1, std::integral_constant<int, 1 % kBlocksPerStage>{}, std::integral_constant<int, 1>{});
-        }
-      } else if constexpr (kGroups == 1) {
+      if constexpr (kGroups == 1) {
         step(k_block, std::integral_constant<int, 0>{}, a_even, a_odd);
         if (k_block + 1 < num_k_blocks) {
           step(k_block + 1, std::integral_constant<int, 1 % kBlocksPerStage>{}, a_odd, a_even);
@@ -870,7 +794,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
 // CTA on a grid of every slot (measured faster for the 2-warpgroup, 3-CTA/SM shapes of the small token tiles when K
 // is long: launch_tile). With
 // waves (persistent too) CTAs take items from the wave work counter, so late CTAs take fewer (waves.h).
-template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kCombineRows, bool kSmemA>
+template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kCombineRows>
 __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
     grouped_gemm_nvfp4_kernel(const GroupedGemmArgs args, const RowSplit split, const bool persistent) {
 #if EP_COMM_HAS_WGMMA
@@ -894,8 +818,8 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
   __syncthreads();
   // Overlapped split: the next part may start now; its CTAs get SMs as this launch's CTAs finish.
   if (split.triggers_dependent()) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  gemm_items<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kCombineRows, kSmemA>(args, split, smem, cursor,
-                                                                                    persistent, wave_epoch);
+  gemm_items<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kCombineRows>(args, split, smem, cursor, persistent,
+                                                                            wave_epoch);
   // Waves: complete only after the receive has; overlapped parts 3 and 2: only after the part launched before has
   // (kernels behind the last part keep plain stream order with all of them).
   if (args.wave.area != nullptr || split.is_dependent()) {
@@ -920,11 +844,10 @@ int max_ctas_override() {
   return value;
 }
 
-template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage = 1, bool kCombineRows = false,
-          bool kSmemA = false>
+template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage = 1, bool kCombineRows = false>
 cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64_t tile_slots, cudaStream_t stream) {
-  using G = Geometry<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kSmemA>;
-  auto* kernel = grouped_gemm_nvfp4_kernel<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kCombineRows, kSmemA>;
+  using G = Geometry<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage>;
+  auto* kernel = grouped_gemm_nvfp4_kernel<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kCombineRows>;
   // The shared-memory opt-in is per kernel and device.
   static std::atomic<uint64_t> configured{0};
   const cudaError_t status = once_per_device(configured, [&] {
@@ -997,10 +920,6 @@ LaunchFn select_kernel(int tile, bool combine_rows) {
   static const int forced_warp_groups = tuning_choice("EP_COMM_GEMM_WARPGROUPS", {"2", "4"});
   static const int forced_small_cta = tuning_choice("EP_COMM_GEMM_SMALL_CTA", {"1x4", "2x2", "2x3", "4x1"});
   static const int forced_blocks_per_stage = tuning_choice("EP_COMM_GEMM_KBLOCKS_PER_STAGE", {"1", "2"});
-  // Token tile 128 on 4 warpgroups: weights decoded into shared-memory A tiles, SS wgmma (1, default) or A
-  // fragments in registers, RS wgmma (0). Applies to the combine-row epilogue too.
-  // (A value other than 1 or 0 is refused with an exception naming them, as EP_COMM_GEMM_WIDE_TILE is.)
-  static const bool smem_a = env_choice("EP_COMM_GEMM_SMEM_A", {"1", "0"}) == 0;
   if (combine_rows) {
     // The combine-row epilogue exists for the default shapes only (no tuning matrix): it ignores the tuning variables
     // (read above, once per process), so a tuning run of the bf16 kernels (or a mistyped value) leaves MoELayer's w2
@@ -1010,8 +929,7 @@ LaunchFn select_kernel(int tile, bool combine_rows) {
       case 16: return launch_tile<16, 2, 3, kDefaultBlocksPerStage, true>;
       case 32: return launch_tile<32, 2, 3, kDefaultBlocksPerStage, true>;
       case 64: return launch_tile<64, 4, 1, kDefaultBlocksPerStage, true>;
-      case 128: return smem_a ? launch_tile<128, 4, 1, kDefaultBlocksPerStage, true, true>
-                              : launch_tile<128, 4, 1, kDefaultBlocksPerStage, true>;
+      case 128: return launch_tile<128, 4, 1, kDefaultBlocksPerStage, true>;
       case 144: return launch_tile<144, 4, 1, kDefaultBlocksPerStage, true>;
       default: return nullptr;
     }
@@ -1026,7 +944,7 @@ LaunchFn select_kernel(int tile, bool combine_rows) {
       case 1623: return launch_tile<16, 2, 3, 2>;
       case 3223: return launch_tile<32, 2, 3, 2>;
       case 6441: return launch_tile<64, 4, 1, 2>;
-      case 12841: return smem_a ? launch_tile<128, 4, 1, 2, false, true> : launch_tile<128, 4, 1, 2>;
+      case 12841: return launch_tile<128, 4, 1, 2>;
       case 14441: return launch_tile<144, 4, 1, 2>;
       default: break;  // the tuning shapes have one k-block per stage
     }
@@ -1043,7 +961,7 @@ LaunchFn select_kernel(int tile, bool combine_rows) {
     case 6422: return launch_tile<64, 2, 2>;
     case 6441: return launch_tile<64, 4, 1>;
     case 12822: return launch_tile<128, 2, 2>;
-    case 12841: return smem_a ? launch_tile<128, 4, 1, 1, false, true> : launch_tile<128, 4, 1>;
+    case 12841: return launch_tile<128, 4, 1>;
     default: return nullptr;
   }
 }

@@ -696,53 +696,6 @@ def test_kernel_wide_tiles():
         assert " passed" in run.stdout and "failed" not in run.stdout
 
 
-_FP32_OUTPUTS_SCRIPT = """
-import sys
-import torch
-sys.path.insert(0, sys.argv[2])
-import test_grouped_gemm as T
-outs = []
-for shape, swiglu in ((T.SMALL_SHAPES[2], False), (T.SMALL_SHAPES[0], True), (T.BIG_SHAPE, True)):
-    x, off, cnt, packed, ref, mask = T._gpu_case(shape, swiglu, 16)
-    outs.append(T.G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.float32, token_tile=128, tail_tile=0,
-                                       impl="cuda").cpu())
-torch.save(outs, sys.argv[1])
-"""
-
-
-@pytest.mark.gpu
-def test_kernel_register_and_shared_memory_a_forms(tmp_path):
-    """EP_COMM_GEMM_SMEM_A (read once per process: hence subprocesses) picks the token-tile-128 kernels' A operand:
-    weights decoded into shared-memory A tiles (SS wgmma, 1, the default) or kept as register fragments (RS wgmma,
-    0). The RS form passes the kernel tests too; both give bitwise the same fp32 outputs (the same exact products,
-    accumulated by the same instruction shape in the same k order); any other value is refused by name."""
-    import os
-    import subprocess
-    import sys
-    here = os.path.dirname(os.path.abspath(__file__))
-    tests = ("kernel_vs_reference or small_remainders or just_past_multiples or swiglu_row_amax or "
-             "combine_row_epilogue_matches or fused_expert_mlp")
-    for extra in ({"EP_COMM_GEMM_SMEM_A": "0"}, {"EP_COMM_GEMM_SMEM_A": "0", "EP_COMM_GEMM_MAX_CTAS": "3"}):
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
-                              tests], env=dict(os.environ, **extra), capture_output=True, text=True, timeout=900)
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-        assert " passed" in run.stdout and "failed" not in run.stdout
-    outputs = {}
-    for value in ("1", "0", "2"):
-        path = tmp_path / f"out_{value}.pt"
-        run = subprocess.run([sys.executable, "-c", _FP32_OUTPUTS_SCRIPT, str(path), here],
-                             env=dict(os.environ, EP_COMM_GEMM_SMEM_A=value), capture_output=True, text=True,
-                             timeout=300)
-        if value == "2":
-            assert run.returncode != 0 and "EP_COMM_GEMM_SMEM_A must be one of 1, 0" in run.stderr, run.stderr[-2000:]
-        else:
-            assert run.returncode == 0, run.stderr[-2000:]
-            outputs[value] = torch.load(path)
-    for smem, register in zip(outputs["1"], outputs["0"]):
-        assert smem.abs().max() > 0
-        assert torch.equal(smem, register)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_kernel_leaves_other_rows_untouched(swiglu):
