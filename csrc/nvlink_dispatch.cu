@@ -45,9 +45,29 @@ struct Chunk32 {
   }
 };
 
+// One NVFP4 4/6 block (16 bf16 elements) through the general form, its code words and scale byte returned by value.
+// The general form hands its outputs to an out-of-line call (through memory). Given the caller's Nvfp4BlockFast
+// array instead of these locals, it put that array in local memory on the fast path too (5 stores and 3 loads per
+// chunk in the send); with these locals only the general path touches the stack.
+__device__ __forceinline__ Nvfp4BlockFast nvfp4_block16_general_by_value(const uint4& lo, const uint4& hi,
+                                                                         const Nvfp4Outer& outer, float amax) {
+  float xb[16];
+  bf16x8_to_float(lo, xb);
+  bf16x8_to_float(hi, xb + 8);
+  uint32_t words[2];
+  uint8_t scale;
+  nvfp4_four_six_block16_general(xb, vec::bf16_block16_amax(lo, hi), outer, amax, 256.0f, words, &scale);
+  Nvfp4BlockFast out;
+  out.words[0] = words[0];
+  out.words[1] = words[1];
+  out.scale = scale;
+  out.decided = true;
+  return out;
+}
+
 // 32 bf16 elements -> two NVFP4 4/6 blocks: 16 code bytes and two scale bytes (low byte first). Both blocks go
 // through the straight-line fast path first (their instructions interleave), then the general form where it did not
-// decide.
+// decide. No address of `fast` is taken (constant indices once unrolled): it stays in registers.
 __device__ __forceinline__ uint4 quantize_nvfp4_chunk32(const Chunk32& chunk, Nvfp4Outer outer, float amax,
                                                     unsigned int* scales) {
   Nvfp4BlockFast fast[2];
@@ -66,15 +86,8 @@ __device__ __forceinline__ uint4 quantize_nvfp4_chunk32(const Chunk32& chunk, Nv
   }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    if (!fast[half].decided) {
-      const uint4& lo = chunk.v[2 * half];
-      const uint4& hi = chunk.v[2 * half + 1];
-      float xb[16];
-      bf16x8_to_float(lo, xb);
-      bf16x8_to_float(hi, xb + 8);
-      nvfp4_four_six_block16_general(xb, vec::bf16_block16_amax(lo, hi), outer, amax, 256.0f, fast[half].words,
-                                     &fast[half].scale);
-    }
+    if (!fast[half].decided)
+      fast[half] = nvfp4_block16_general_by_value(chunk.v[2 * half], chunk.v[2 * half + 1], outer, amax);
   }
   *scales = static_cast<unsigned int>(fast[0].scale) | (static_cast<unsigned int>(fast[1].scale) << 8);
   return make_uint4(fast[0].words[0], fast[0].words[1], fast[1].words[0], fast[1].words[1]);
