@@ -888,3 +888,52 @@ def test_fused_expert_mlp_matches_reference_experts_without_host_sync():
         assert torch.equal(out[rows_e], again[rows_e]), "not deterministic"
         rel = ((got - want).norm() / want.norm()).item()
         assert rel < 5e-3, f"expert {e}: relative L2 {rel:.2e}"
+
+
+# Last in the file: an experimental kernel (compiled, first run pending), so that `-x` stops after everything else.
+_FP32_OUTPUTS_SCRIPT = """
+import sys
+import torch
+sys.path.insert(0, sys.argv[2])
+import test_grouped_gemm as T
+outs = []
+for shape, swiglu in ((T.SMALL_SHAPES[2], False), (T.SMALL_SHAPES[0], True), (T.BIG_SHAPE, True)):
+    x, off, cnt, packed, ref, mask = T._gpu_case(shape, swiglu, 16)
+    outs.append(T.G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.float32, token_tile=128, tail_tile=0,
+                                       impl="cuda").cpu())
+torch.save(outs, sys.argv[1])
+"""
+
+
+@pytest.mark.gpu
+def test_kernel_decoder_warpgroup(tmp_path):
+    """EP_COMM_GEMM_DECODER_WG=1 (experimental; read once per process: hence subprocesses): the token-tile-128 kernels
+    with a decoder warpgroup and SS wgmma pass the kernel tests -- also with one k-block per stage and on 3 persistent
+    CTAs (many items per CTA: the A-tile buffers' mbarrier phases carried across items) -- and give bitwise the RS
+    kernels' fp32 outputs (the same exact products, accumulated by the same instruction shape in the same k order);
+    any other value than 0 / 1 is refused by name."""
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    tests = "kernel_vs_reference or small_remainders or just_past_multiples or swiglu_row_amax or fused_expert_mlp"
+    for extra in ({}, {"EP_COMM_GEMM_MAX_CTAS": "3"}, {"EP_COMM_GEMM_KBLOCKS_PER_STAGE": "1"}):
+        env = dict(os.environ, EP_COMM_GEMM_DECODER_WG="1", **extra)
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
+                              tests], env=env, capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, str(extra) + run.stdout[-3000:] + run.stderr[-2000:]
+        assert " passed" in run.stdout and "failed" not in run.stdout
+    outputs = {}
+    for value in ("1", "0", "2"):
+        path = tmp_path / f"out_{value}.pt"
+        run = subprocess.run([sys.executable, "-c", _FP32_OUTPUTS_SCRIPT, str(path), here],
+                             env=dict(os.environ, EP_COMM_GEMM_DECODER_WG=value), capture_output=True, text=True,
+                             timeout=300)
+        if value == "2":
+            assert run.returncode != 0 and "EP_COMM_GEMM_DECODER_WG must be one of 0, 1" in run.stderr, run.stderr[-2000:]
+        else:
+            assert run.returncode == 0, run.stderr[-2000:]
+            outputs[value] = torch.load(path)
+    for decoded, register in zip(outputs["1"], outputs["0"]):
+        assert decoded.abs().max() > 0
+        assert torch.equal(decoded, register)
