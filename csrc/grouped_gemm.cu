@@ -755,6 +755,16 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
 
+    // At the last k-block of a stage (not the item's last): wait for the next stage and publish it (the barrier also
+    // means every warpgroup has retired the wgmma of the stage before this one), refill that one's slot kStages - 1
+    // stages ahead, and move to the next slot.
+    auto next_stage = [&](int k_block) {
+      const int stage_index = k_block / kBlocksPerStage;
+      cp_async::wait<kStages - 3>();  // stage stage_index + 1
+      wait_stage();
+      load_stage(stage_index + kStages - 1);  // into the slot of stage stage_index - 1
+      slot = slot + 1 == kStages ? 0 : slot + 1;
+    };
     // One k-block (k-block kSub of its stage): issue its wgmma, retire the previous one (so its A registers are
     // free, and at a stage's last k-block so is the previous stage's slot), then -- at a stage's last k-block --
     // publish the next stage and refill the freed slot kStages - 1 stages ahead; convert the next A fragments
@@ -777,11 +787,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
       wgmma::fence_operand(a_next);
       if (k_block + 1 < num_k_blocks) {
         if (kSub == kBlocksPerStage - 1) {
-          const int stage_index = k_block / kBlocksPerStage;
-          cp_async::wait<kStages - 3>();  // stage stage_index + 1
-          wait_stage();                  // also: every warpgroup has retired the wgmma of stage stage_index - 1
-          load_stage(stage_index + kStages - 1);  // into the slot of stage stage_index - 1
-          slot = slot + 1 == kStages ? 0 : slot + 1;
+          next_stage(k_block);
           convert(slot, 0, a_next);
         } else {
           convert(slot, kSub + 1, a_next);  // the next k-block of this stage (published with it)
@@ -812,11 +818,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
         }
         if (k_block + 1 < num_k_blocks) {
           if (kSub == kBlocksPerStage - 1) {
-            const int stage_index = k_block / kBlocksPerStage;
-            cp_async::wait<kStages - 3>();  // stage stage_index + 1
-            wait_stage();                  // also: every consumer has retired the wgmma of stage stage_index - 1
-            load_stage(stage_index + kStages - 1);  // into the slot of stage stage_index - 1
-            slot = slot + 1 == kStages ? 0 : slot + 1;
+            next_stage(k_block);
           }
         }
       }
@@ -846,11 +848,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
         convert_group(slot, kSub, std::integral_constant<int, (kGroup + 1) % kGroups>{}, a_next);
       } else if (k_block + 1 < num_k_blocks) {
         if (kSub == kBlocksPerStage - 1) {
-          const int stage_index = k_block / kBlocksPerStage;
-          cp_async::wait<kStages - 3>();  // stage stage_index + 1
-          wait_stage();                  // also: every warpgroup has retired the wgmma of stage stage_index - 1
-          load_stage(stage_index + kStages - 1);  // into the slot of stage stage_index - 1
-          slot = slot + 1 == kStages ? 0 : slot + 1;
+          next_stage(k_block);
           convert_group(slot, 0, std::integral_constant<int, 0>{}, a_next);
         } else {
           convert_group(slot, (kSub + 1) % kBlocksPerStage, std::integral_constant<int, 0>{}, a_next);
