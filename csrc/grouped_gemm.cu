@@ -802,25 +802,19 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
         constexpr int kSub = decltype(sub_constant)::value;
         const uint32_t seq = item_first_seq + static_cast<uint32_t>(k_block);
         const int buffer = seq & 1;
-        {
-          mbarrier::wait_parity(full_barrier(warp_group, buffer), (seq >> 1) & 1);
-          wgmma::fence_operand(acc);
-          wgmma::fence();
-          const uint64_t desc_b = make_descriptor_sw128(smem_base + slot * G::kStageBytes + kSub * G::kBlockBytes +
-                                                        G::kTokensOffset);
-          const uint64_t desc_a = make_descriptor_sw128(smem_base + a_tile_offset(warp_group, buffer));
+        mbarrier::wait_parity(full_barrier(warp_group, buffer), (seq >> 1) & 1);
+        wgmma::fence_operand(acc);
+        wgmma::fence();
+        const uint64_t desc_b = make_descriptor_sw128(smem_base + slot * G::kStageBytes + kSub * G::kBlockBytes +
+                                                      G::kTokensOffset);
+        const uint64_t desc_a = make_descriptor_sw128(smem_base + a_tile_offset(warp_group, buffer));
 #pragma unroll
-          for (int s = 0; s < 4; ++s) wgmma::MmaSS<kTile>::run(acc, desc_a + 2 * s, desc_b + 2 * s);
-          wgmma::commit_group();
-          wgmma::fence_operand(acc);
-          wgmma::wait_group<1>();  // wgmma(k_block - 1) retired
-          if (k_block > 0) mbarrier::arrive(empty_barrier(warp_group, buffer ^ 1));
-        }
-        if (k_block + 1 < num_k_blocks) {
-          if (kSub == kBlocksPerStage - 1) {
-            next_stage(k_block);
-          }
-        }
+        for (int s = 0; s < 4; ++s) wgmma::MmaSS<kTile>::run(acc, desc_a + 2 * s, desc_b + 2 * s);
+        wgmma::commit_group();
+        wgmma::fence_operand(acc);
+        wgmma::wait_group<1>();  // wgmma(k_block - 1) retired
+        if (k_block > 0) mbarrier::arrive(empty_barrier(warp_group, buffer ^ 1));
+        if (k_block + 1 < num_k_blocks && kSub == kBlocksPerStage - 1) next_stage(k_block);
       }
     };
     // The same per group of k-steps (kGroups > 1): group g of k-block `k_block` (k-block kSub of its stage) reads A
@@ -898,12 +892,10 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
       }
     };
     if (kPrefetchNextItem) start_next_item();
+    wgmma::wait_group<0>();
     if constexpr (kDecoderWg) {
-      wgmma::wait_group<0>();
       mbarrier::arrive(empty_barrier(warp_group, (item_first_seq + num_k_blocks - 1) & 1));  // the last k-block's
       item_first_seq += static_cast<uint32_t>(num_k_blocks);
-    } else {
-      wgmma::wait_group<0>();
     }
     wgmma::fence_operand(acc);
     // The previous item's epilogue read tile_factors before this item's stage barriers.
