@@ -40,7 +40,6 @@
 #include "cp_async.cuh"
 #include "env_choice.h"
 #include "grouped_gemm.h"
-#include "mbarrier.cuh"
 #include "pdl_launch.cuh"
 #include "s2f6_lane.cuh"
 #include "vec_io.cuh"
@@ -58,39 +57,28 @@ constexpr int kTileScaleBytes = 256;  // per warpgroup tile per k-block: 64 rows
 // over one (two calls, bench/RESULTS.md).
 constexpr int kDefaultBlocksPerStage = 2;
 
-template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kDecoderWg = false>
+template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage>
 struct Geometry {
-  // The MMA warpgroups ("consumers"), plus with kDecoderWg one warpgroup that decodes the weights into shared-memory
-  // A tiles for them (gemm_items).
-  static constexpr int kConsumerThreads = kWarpGroups * 128;
-  static constexpr int kThreads = kConsumerThreads + (kDecoderWg ? 128 : 0);
+  static constexpr int kThreads = kWarpGroups * 128;
   // B (token) tile of one k-block, K-major in wgmma's 128-byte swizzle: token rows of 128 B (64 k) with 16-byte
   // chunk c stored at chunk c ^ (token % 8); 8-row groups 1024 B apart; the tile starts 1024-byte aligned. (An
   // interleaved, unswizzled layout was 1.31x slower at 128 rows per expert: wgmma's shared-memory reads were the
   // bottleneck; removed, bench/RESULTS.md second session.)
   static constexpr int kTokensBytes = kTile * 128;
   static constexpr int kValuesOffset = 0;
-  static constexpr int kScalesOffset = kConsumerThreads * kValueBytes;
+  static constexpr int kScalesOffset = kThreads * kValueBytes;
   static constexpr int kTokensOffset = (kScalesOffset + kWarpGroups * kTileScaleBytes + 1023) / 1024 * 1024;
   static constexpr int kBlockBytes = (kTokensOffset + kTokensBytes + 1023) / 1024 * 1024;  // one k-block
   // A stage (ring slot) holds kBlocksPerStage consecutive k-blocks: the CTA barrier that publishes a stage and
   // frees the previous one, the cp.async issue and the ring bookkeeping are paid once per stage.
   static constexpr int kStageBytes = kBlocksPerStage * kBlockBytes;
-  // kDecoderWg: each consumer warpgroup's A operand of one k-block, 64 x 64 fp16 in the token tile's 128-byte-swizzled
-  // K-major layout (8 KiB), double-buffered; the 2 * kWarpGroups A tiles follow the ring.
-  static constexpr int kATileBytes = kTileRows * 128;
-  static constexpr int kABytes = kDecoderWg ? 2 * kWarpGroups * kATileBytes : 0;
-  // ... and their mbarriers (full and empty per warpgroup and buffer, 8 bytes each).
-  static constexpr int kBarrierBytes = kDecoderWg ? 2 * 2 * kWarpGroups * 8 : 0;
   // As many stages as the CTA's share of the SM's shared memory holds (228 KiB less 1 KiB per CTA and the
   // alignment slack): loads are issued kStages - 1 stages ahead, which must cover HBM latency under load
   // (~1-2 us) even when a k-block's MMAs take only ~0.5 us.
-  static constexpr int kSmemBudget = (224 * 1024) / kCtasPerSm - 3 * 1024 - kABytes - kBarrierBytes;
+  static constexpr int kSmemBudget = (224 * 1024) / kCtasPerSm - 3 * 1024;
   static constexpr int kStages = (kSmemBudget / kStageBytes) < 16 ? (kSmemBudget / kStageBytes) : 16;
   static_assert(kStages >= 3, "the ring needs three stages (one in use, one landing, one loading)");
-  static constexpr int kAOffset = kStages * kStageBytes;  // 1024-byte aligned (kBlockBytes is)
-  static constexpr int kBarrierOffset = kAOffset + kABytes;
-  static constexpr int kSmemBytes = kStages * kStageBytes + kABytes + kBarrierBytes + 1024;  // + ring alignment
+  static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + room to align the ring to 1024 B
 };
 
 // 128-byte swizzle, K-major: 8-row groups 1024 B apart (the leading offset is unused: one swizzle atom spans
@@ -453,11 +441,11 @@ __device__ __forceinline__ void store_rows(const GroupedGemmArgs& args, const fl
 // runs: the next item's MMAs then start on landed data instead of after a pipeline fill. The main loop itself is
 // the same for every item (no cross-item logic per stage). The combine-row epilogue stages its tile in the ring, so
 // there the next item's loads start after the epilogue.
-template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kCombineRows, bool kDecoderWg>
+template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kCombineRows>
 __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const RowSplit split, uint8_t* smem,
                                            TileCursor& cursor, const bool persistent,
                                            const unsigned long long wave_epoch) {
-  using G = Geometry<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kDecoderWg>;
+  using G = Geometry<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage>;
   constexpr int kThreads = G::kThreads;
   constexpr int kStages = G::kStages;
   constexpr int kAcc = kTile / 2;
@@ -483,7 +471,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
   // consecutive lanes copy one row's 128 contiguous bytes); rows past the expert's count are zero-filled (source
   // size 0, from a valid address). kRowsPerCopy is a multiple of 8, so a thread's rows share one swizzle phase
   // and its copies are a base address plus a constant stride (no per-copy address registers).
-  constexpr int kRowsPerCopy = G::kConsumerThreads / 8;
+  constexpr int kRowsPerCopy = kThreads / 8;
   constexpr int kCopies = (kTile + kRowsPerCopy - 1) / kRowsPerCopy;
   const int copy_chunk = threadIdx.x % 8, copy_row = threadIdx.x / 8;
   const int64_t token_src_step = static_cast<int64_t>(kRowsPerCopy) * args.x_row_stride;
@@ -540,12 +528,9 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
   };
 
   int load_slot = 0;  // ring slot of the next stage to load
-  // kDecoderWg: the threads past the consumers decode the weights (below); they issue no copies, and take part in
-  // every CTA barrier (stage, find_tile, epilogue) in the same order as the consumers.
-  const bool is_decoder = kDecoderWg && static_cast<int>(threadIdx.x) / 128 >= kWarpGroups;
   auto load_stage = [&](int stage_index) {  // k-blocks stage_index * kBlocksPerStage + 0 .. kBlocksPerStage - 1
     const int first_block = stage_index * kBlocksPerStage;
-    if (first_block < num_k_blocks && !is_decoder) {
+    if (first_block < num_k_blocks) {
 #pragma unroll
       for (int b = 0; b < kBlocksPerStage; ++b) {
         const int k_block = first_block + b;
@@ -581,13 +566,13 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
     out[2] = hmul2_broadcast<kHalf>(decode_pair2(w), scale_r0);
     out[3] = hmul2_broadcast<kHalf>(decode_pair3(w), scale_r1);
   };
-  // The A fragments (fp16x2, mma.m16n8k16 order) of consumer thread `consumer_thread` (warpgroup `group`, rows r0 and
-  // r0 + 8 of row_r0: the same in every warpgroup) for k-block `sub` of ring slot `slot`, from that thread's smem bytes.
-  auto convert_for = [&](int slot, int sub, unsigned consumer_thread, int group, uint32_t (&a)[4][4]) {
+  // This thread's A fragments of k-block `sub` of ring slot `slot` (fp16x2, mma.m16n8k16 order) from its private
+  // smem bytes.
+  auto convert = [&](int slot, int sub, uint32_t (&a)[4][4]) {
     const uint8_t* stage = smem + slot * G::kStageBytes + sub * G::kBlockBytes;
-    const uint4 words = *reinterpret_cast<const uint4*>(stage + G::kValuesOffset + consumer_thread * kValueBytes);
+    const uint4 words = *reinterpret_cast<const uint4*>(stage + G::kValuesOffset + threadIdx.x * kValueBytes);
     // Scale codes of rows r0 and r1, byte s = k-step s (written by other lanes: read after the stage barrier).
-    const uint8_t* tile_scales = stage + G::kScalesOffset + group * kTileScaleBytes;
+    const uint8_t* tile_scales = stage + G::kScalesOffset + warp_group * kTileScaleBytes;
     const uint32_t scales_r0 = *reinterpret_cast<const uint32_t*>(tile_scales + 4 * row_r0);
     const uint32_t scales_r1 = *reinterpret_cast<const uint32_t*>(tile_scales + 4 * (row_r0 + 8));
     const uint32_t word[4] = {words.x, words.y, words.z, words.w};
@@ -598,10 +583,6 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
     convert_step(word[1], std::integral_constant<int, 0>{}, odd_r0, odd_r1, a[1]);
     convert_step(word[2], std::integral_constant<int, 1>{}, even_r0, even_r1, a[2]);
     convert_step(word[3], std::integral_constant<int, 1>{}, odd_r0, odd_r1, a[3]);
-  };
-  // This thread's own A fragments of k-block `sub` of ring slot `slot` (RS form).
-  auto convert = [&](int slot, int sub, uint32_t (&a)[4][4]) {
-    convert_for(slot, sub, threadIdx.x, warp_group, a);
   };
   // Wide token tiles (kTile > 128: 72 accumulators) cannot hold two whole k-blocks of A fragments (2 x 16
   // registers) within the 128-register cap of 512 threads: ptxas then serialises every wgmma (C7512) and spills A
@@ -643,62 +624,6 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
     __syncthreads();                    // ... and everyone's
   };
 
-  // kDecoderWg ("SS" form: A read by wgmma from shared memory). The RS form above keeps the tensor pipe ~70% busy at
-  // token tile 128; SS wgmma with A tiles in shared memory keeps it busier, but decoding into them inside the MMA
-  // warpgroups cost more than it won (the proxy fence waits for the stores; docs/GEMM.md section 4(a)). So one extra
-  // warpgroup decodes: its thread d does, for every consumer warpgroup g, what consumer thread g * 128 + d does in the
-  // RS form (rows r0 and r0 + 8 of row_r0, the same for thread d of every warpgroup) and stores the fragments into g's
-  // A tile for the k-block: k-block sequence number n (counted over the CTA's items) uses buffer n % 2 for the n / 2-th
-  // time. Fragment a[s][j] holds rows r0 (j even) / r0 + 8 (j odd), k 16 s + 2 (lane % 4) (+ 8 for j >= 2): 16-byte
-  // chunk 2 s + j / 2 of the 128-byte row; with the 128-byte swizzle chunk c of row r is at r * 128 + ((c ^ (r % 8))
-  // << 4), and bits 4-6 of this thread's base offset hold r0 % 8 (rows r0 + 8 share it), so XOR with c << 4 places
-  // chunk c. Per store the 32 lanes hit 8 rows x 4 words in 8 distinct chunks: all banks, no conflict.
-  // Handoff per (g, buffer), mbarriers: `full` completes when the 128 decoder threads have stored and fenced (proxy
-  // fence: wgmma reads through the async proxy), `empty` when g's 128 threads have retired the wgmma that read it.
-  static_assert(!kDecoderWg || (kGroups == 1 && kTile == 128 && !kCombineRows),
-                "the decoder warpgroup exists for token tile 128 with the direct epilogue");
-  const int a_store_offset = G::kAOffset + row_r0 * 128 + ((row_r0 % 8) << 4) + 4 * (thread_in_group % 4);
-  auto a_tile_offset = [&](int group, int buffer) { return G::kAOffset + (2 * group + buffer) * G::kATileBytes; };
-  // mbarriers after the A tiles: full (g, buffer) at index 2 g + buffer, empty at 2 kWarpGroups + 2 g + buffer.
-  auto full_barrier = [&](int group, int buffer) {
-    return smem_base + G::kBarrierOffset + 8 * (2 * group + buffer);
-  };
-  auto empty_barrier = [&](int group, int buffer) {
-    return smem_base + G::kBarrierOffset + 8 * (2 * kWarpGroups + 2 * group + buffer);
-  };
-  auto decode_k_block = [&](int slot_to_read, int sub, uint32_t seq) {
-    if constexpr (kDecoderWg) {
-      const int buffer = seq & 1;
-      const uint32_t use = seq >> 1;
-#pragma unroll
-      for (int g = 0; g < kWarpGroups; ++g) {
-        uint32_t a[4][4];
-        convert_for(slot_to_read, sub, g * 128 + thread_in_group, g, a);
-        if (use > 0) mbarrier::wait_parity(empty_barrier(g, buffer), (use - 1) & 1);  // its previous reader retired
-        const int tile = a_tile_offset(g, buffer) - G::kAOffset;
-#pragma unroll
-        for (int step = 0; step < 4; ++step) {
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            uint8_t* chunk = smem + ((a_store_offset ^ ((2 * step + half) << 4)) + tile);
-            *reinterpret_cast<uint32_t*>(chunk) = a[step][2 * half];             // row r0
-            *reinterpret_cast<uint32_t*>(chunk + 1024) = a[step][2 * half + 1];  // row r0 + 8
-          }
-        }
-      }
-      wgmma::fence_proxy_async_shared();
-#pragma unroll
-      for (int g = 0; g < kWarpGroups; ++g) mbarrier::arrive(full_barrier(g, buffer));
-    }
-  };
-  if constexpr (kDecoderWg) {
-    if (threadIdx.x == 0) {
-      for (int i = 0; i < 4 * kWarpGroups; ++i) mbarrier::init(smem_base + G::kBarrierOffset + 8 * i, 128);
-    }
-    __syncthreads();
-  }
-  uint32_t item_first_seq = 0;  // kDecoderWg: sequence number of the item's first k-block
-
   float acc[kAcc];
   // A fragments of even / odd k-blocks (kGroups == 1), or of even / odd k-step groups: one is converted while the
   // other's wgmma runs (wgmma reads its register operands asynchronously).
@@ -710,44 +635,12 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
     for (int s = 0; s < kStages - 1; ++s) load_stage(s);
   };
 
-  // kDecoderWg, the decoder warpgroup: its own loop (so that the consumers' accumulators are not live in it), which
-  // passes the CTA barriers of the consumers' loop below in the same order -- per item: the item's first stage, each
-  // later stage, find_tile (next item), the epilogue's -- and decodes each k-block once its stage is published, one
-  // k-block ahead of the consumers' wgmma (decode_k_block waits for the buffer's previous reader to retire).
-  if constexpr (kDecoderWg) {
-    if (is_decoder) {
-      if (!begin_next_item()) return;
-      while (true) {
-        __syncthreads();  // the item's first stage
-        decode_k_block(slot, 0, item_first_seq);
-        for (int k_block = 0; k_block + 1 < num_k_blocks; ++k_block) {
-          const int sub = k_block % kBlocksPerStage;
-          if (sub == kBlocksPerStage - 1) {
-            __syncthreads();  // the next stage
-            slot = slot + 1 == kStages ? 0 : slot + 1;
-            decode_k_block(slot, 0, item_first_seq + k_block + 1);
-          } else {
-            decode_k_block(slot, sub + 1, item_first_seq + k_block + 1);
-          }
-        }
-        const int next_slot = slot + 1 == kStages ? 0 : slot + 1;
-        const bool has_next = begin_next_item();  // find_tile's barrier
-        item_first_seq += static_cast<uint32_t>(num_k_blocks);
-        __syncthreads();  // the epilogue's (tile_factors)
-        if (!has_next) return;
-        slot = next_slot;
-      }
-    }
-  }
-
   if (!begin_next_item()) return;
   fill();
   while (true) {
     cp_async::wait<kStages - 2>();  // the item's first stage
     wait_stage();
-    if constexpr (kDecoderWg) {
-      // (the decoder warpgroup decodes; see its loop above)
-    } else if constexpr (kGroups == 1) {
+    if constexpr (kGroups == 1) {
       convert(slot, 0, a_even);
     } else {
       convert_group(slot, 0, std::integral_constant<int, 0>{}, a_even);
@@ -794,29 +687,6 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
         }
       }
     };
-    // kDecoderWg: the consumers wait for their A tile, issue its wgmma and, once the previous k-block's wgmma has
-    // retired, release that one's buffer; the decoder decodes the next k-block (after the stage barrier when the
-    // next k-block opens a stage). Both roles pass the same CTA barriers in the same order.
-    auto step_decoded = [&](int k_block, auto sub_constant) {
-      if constexpr (kDecoderWg) {
-        constexpr int kSub = decltype(sub_constant)::value;
-        const uint32_t seq = item_first_seq + static_cast<uint32_t>(k_block);
-        const int buffer = seq & 1;
-        mbarrier::wait_parity(full_barrier(warp_group, buffer), (seq >> 1) & 1);
-        wgmma::fence_operand(acc);
-        wgmma::fence();
-        const uint64_t desc_b = make_descriptor_sw128(smem_base + slot * G::kStageBytes + kSub * G::kBlockBytes +
-                                                      G::kTokensOffset);
-        const uint64_t desc_a = make_descriptor_sw128(smem_base + a_tile_offset(warp_group, buffer));
-#pragma unroll
-        for (int s = 0; s < 4; ++s) wgmma::MmaSS<kTile>::run(acc, desc_a + 2 * s, desc_b + 2 * s);
-        wgmma::commit_group();
-        wgmma::fence_operand(acc);
-        wgmma::wait_group<1>();  // wgmma(k_block - 1) retired
-        if (k_block > 0) mbarrier::arrive(empty_barrier(warp_group, buffer ^ 1));
-        if (k_block + 1 < num_k_blocks && kSub == kBlocksPerStage - 1) next_stage(k_block);
-      }
-    };
     // The same per group of k-steps (kGroups > 1): group g of k-block `k_block` (k-block kSub of its stage) reads A
     // set g % 2; after its commit, wait_group<1> retires the previous group (the previous k-block's last one for
     // g = 0), whose set the next group is converted into. At a stage's last k-block, the last group publishes the
@@ -860,10 +730,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
     // Even k-blocks are k-block 0 of their stage; odd ones k-block 1 (or 0 with one k-block per stage).
     static_assert(kBlocksPerStage == 1 || kBlocksPerStage == 2, "k-blocks alternate between two A fragment sets");
     for (int k_block = 0; k_block < num_k_blocks; k_block += 2) {
-      if constexpr (kDecoderWg) {
-        step_decoded(k_block, std::integral_constant<int, 0>{});
-        if (k_block + 1 < num_k_blocks) step_decoded(k_block + 1, std::integral_constant<int, 1 % kBlocksPerStage>{});
-      } else if constexpr (kGroups == 1) {
+      if constexpr (kGroups == 1) {
         step(k_block, std::integral_constant<int, 0>{}, a_even, a_odd);
         if (k_block + 1 < num_k_blocks) {
           step(k_block + 1, std::integral_constant<int, 1 % kBlocksPerStage>{}, a_odd, a_even);
@@ -893,10 +760,6 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
     };
     if (kPrefetchNextItem) start_next_item();
     wgmma::wait_group<0>();
-    if constexpr (kDecoderWg) {
-      mbarrier::arrive(empty_barrier(warp_group, (item_first_seq + num_k_blocks - 1) & 1));  // the last k-block's
-      item_first_seq += static_cast<uint32_t>(num_k_blocks);
-    }
     wgmma::fence_operand(acc);
     // The previous item's epilogue read tile_factors before this item's stage barriers.
     if (threadIdx.x < kTile) {
@@ -933,8 +796,8 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
 // CTA on a grid of every slot (measured faster for the 2-warpgroup, 3-CTA/SM shapes of the small token tiles when K
 // is long: launch_tile). With
 // waves (persistent too) CTAs take items from the wave work counter, so late CTAs take fewer (waves.h).
-template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kCombineRows, bool kDecoderWg>
-__global__ void __launch_bounds__(kWarpGroups * 128 + (kDecoderWg ? 128 : 0), kCtasPerSm)
+template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kCombineRows>
+__global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
     grouped_gemm_nvfp4_kernel(const GroupedGemmArgs args, const RowSplit split, const bool persistent) {
 #if EP_COMM_HAS_WGMMA
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -957,8 +820,8 @@ __global__ void __launch_bounds__(kWarpGroups * 128 + (kDecoderWg ? 128 : 0), kC
   __syncthreads();
   // Overlapped split: the next part may start now; its CTAs get SMs as this launch's CTAs finish.
   if (split.triggers_dependent()) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  gemm_items<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kCombineRows, kDecoderWg>(args, split, smem, cursor,
-                                                                                        persistent, wave_epoch);
+  gemm_items<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kCombineRows>(args, split, smem, cursor, persistent,
+                                                                            wave_epoch);
   // Waves: complete only after the receive has; overlapped parts 3 and 2: only after the part launched before has
   // (kernels behind the last part keep plain stream order with all of them).
   if (args.wave.area != nullptr || split.is_dependent()) {
@@ -983,11 +846,10 @@ int max_ctas_override() {
   return value;
 }
 
-template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage = 1, bool kCombineRows = false,
-          bool kDecoderWg = false>
+template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage = 1, bool kCombineRows = false>
 cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64_t tile_slots, cudaStream_t stream) {
-  using G = Geometry<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kDecoderWg>;
-  auto* kernel = grouped_gemm_nvfp4_kernel<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kCombineRows, kDecoderWg>;
+  using G = Geometry<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage>;
+  auto* kernel = grouped_gemm_nvfp4_kernel<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kCombineRows>;
   // The shared-memory opt-in is per kernel and device.
   static std::atomic<uint64_t> configured{0};
   const cudaError_t status = once_per_device(configured, [&] {
@@ -1075,11 +937,6 @@ LaunchFn select_kernel(int tile, bool combine_rows) {
     }
   }
   if (forced_warp_groups < 0 || forced_small_cta < 0 || forced_blocks_per_stage < 0) return nullptr;
-  // EXPERIMENTAL, compiled but not yet run on a GPU (twentieth session): EP_COMM_GEMM_DECODER_WG=1 gives the direct-
-  // epilogue token-tile-128 kernels a fifth warpgroup that decodes the weights into shared-memory A tiles for SS wgmma
-  // (gemm_items, kDecoderWg). 0 (default): the RS kernels. Other values are refused with an exception naming these
-  // (read after the combine-row return above, like the tuning variables, so that it never stops MoELayer's w2).
-  static const bool decoder_wg = env_choice("EP_COMM_GEMM_DECODER_WG", {"0", "1"}) == 1;
   const int blocks_per_stage = forced_blocks_per_stage ? forced_blocks_per_stage : kDefaultBlocksPerStage;
   int shape = forced_warp_groups ? 10 * forced_warp_groups + 4 / forced_warp_groups : (tile <= 32 ? 23 : 41);
   if (tile <= 32 && forced_small_cta) shape = forced_small_cta;
@@ -1089,7 +946,7 @@ LaunchFn select_kernel(int tile, bool combine_rows) {
       case 1623: return launch_tile<16, 2, 3, 2>;
       case 3223: return launch_tile<32, 2, 3, 2>;
       case 6441: return launch_tile<64, 4, 1, 2>;
-      case 12841: return decoder_wg ? launch_tile<128, 4, 1, 2, false, true> : launch_tile<128, 4, 1, 2>;
+      case 12841: return launch_tile<128, 4, 1, 2>;
       case 14441: return launch_tile<144, 4, 1, 2>;
       default: break;  // the tuning shapes have one k-block per stage
     }
@@ -1106,7 +963,7 @@ LaunchFn select_kernel(int tile, bool combine_rows) {
     case 6422: return launch_tile<64, 2, 2>;
     case 6441: return launch_tile<64, 4, 1>;
     case 12822: return launch_tile<128, 2, 2>;
-    case 12841: return decoder_wg ? launch_tile<128, 4, 1, 1, false, true> : launch_tile<128, 4, 1>;
+    case 12841: return launch_tile<128, 4, 1>;
     default: return nullptr;
   }
 }
