@@ -285,3 +285,83 @@ def test_moe_layer_on_gpus_matches_oracle():
     """Same check over NCCL with backend auto (nvlink where available) and the CUDA quantization kernels."""
     for result in run_ranks(_moe_worker, 2, "cuda", backend="nccl"):
         check_gpu_moe_result(result, torch.cuda.can_device_access_peer(0, 1))
+
+
+def _micro_batch_worker(rank, world, device_kind="cpu"):
+    """MoELayer on two Buffers (two micro-batches, overlapped on the nvlink backend) against the same layer on one
+    Buffer called on each chunk alone: bitwise equal. Rank 1 has one token, so its second chunk is empty."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else torch.device("cpu")
+    w1, w2, router = _master_weights()
+    local = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
+    tokens = 23 if rank == 0 else 1
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(300 + rank)).to(torch.bfloat16).to(device)
+    sizes = dict(hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=12)
+    checks = {}
+    with ep_comm.Buffer(None, **sizes) as b0, ep_comm.Buffer(None, **sizes) as b1:
+        packed = moe.pack_weights(w1[local].to(device), w2[local].to(device))
+        router = router.to(device)
+        single = moe.MoELayer(b0, router, packed)
+        want = torch.cat([single(chunk) for chunk in torch.tensor_split(x, 2)])
+        for combine_rows in ((None, False) if b0.combine_rows_supported else (None,)):
+            layer = moe.MoELayer([b0, b1], router, packed, combine_rows=combine_rows)
+            if combine_rows is False:  # the bf16 expert rows + local_reduce combine: its own single-Buffer layer
+                want_here = torch.cat([moe.MoELayer(b0, router, packed, combine_rows=False)(chunk)
+                                       for chunk in torch.tensor_split(x, 2)])
+            else:
+                want_here = want
+            y = layer(x)
+            again = layer(x)
+            name = f"combine_rows={layer.combine_rows}"
+            checks[name + " equal"] = torch.equal(y.view(torch.int16), want_here.view(torch.int16))
+            checks[name + " deterministic"] = torch.equal(y.view(torch.int16), again.view(torch.int16))
+            checks[name + " overlap"] = layer.micro_batch_overlap == (b0.backend == "nvlink")
+            if device_kind == "cuda" and layer.expert_impl == "fused":
+                checks[name + " graph"] = _graph_replay_matches_eager(layer, x, rank)
+        refused = []
+        for bad, text in ((lambda: moe.MoELayer([b0, b0], router, packed), "distinct Buffers"),
+                          (lambda: moe.MoELayer([b0, b1], router, packed, waves=True), "single Buffer"),
+                          (lambda: moe.MoELayer([b0, "b1"], router, packed), "sequence of them"),
+                          (lambda: moe.MoELayer([], router, packed), "non-empty sequence")):
+            try:
+                bad()
+                refused.append(False)
+            except (ValueError, TypeError) as error:
+                refused.append(text in str(error))
+        with ep_comm.Buffer(None, **dict(sizes, max_tokens_per_rank=13)) as other:
+            try:
+                moe.MoELayer([b0, other], router, packed)
+                refused.append(False)
+            except ValueError as error:
+                refused.append("equal configs" in str(error))
+        try:  # 25 tokens: chunks of 13 and 12, over the Buffers' 12 (every rank passes 25, so none waits)
+            layer(torch.zeros(25, HIDDEN, dtype=torch.bfloat16, device=device))
+            refused.append(False)
+        except ValueError as error:
+            refused.append("micro-batches give chunks of up to 13 tokens" in str(error))
+        checks["misuse refused"] = all(refused) and len(refused) == 6
+        checks["backend"] = b0.backend
+        if device_kind == "cuda":
+            torch.cuda.synchronize()
+    return checks
+
+
+def _check_micro_batches(results):
+    for checks in results:
+        failed = [name for name, ok in checks.items() if ok is not True and name != "backend"]
+        assert not failed, checks
+        assert any(name.endswith(" equal") for name in checks), checks
+
+
+@pytest.mark.cpu
+def test_micro_batches_equal_each_chunk_alone():
+    _check_micro_batches(run_ranks(_micro_batch_worker, 2, backend="gloo"))
+
+
+@pytest.mark.multigpu
+def test_micro_batches_on_gpus_equal_each_chunk_alone():
+    """On GPUs (nvlink where available): overlapped micro-batches, both combine forms, a CUDA graph of the layer."""
+    results = run_ranks(_micro_batch_worker, 2, "cuda", backend="nccl")
+    _check_micro_batches(results)
+    if torch.cuda.can_device_access_peer(0, 1):
+        assert all(checks["backend"] == "nvlink" for checks in results), results
+        assert all("combine_rows=True graph" in checks for checks in results), results
