@@ -21,10 +21,6 @@ Timing: median over iterations of one forward between CUDA events, each after a 
   rows_*       : pieces of the combine-row form (experts + combine; begin + finish without the GEMM)
   waves_*      : the layer with waves=True, the default (dispatch receive overlapped with w1, csrc/waves.h); dispatch_w1 /
                  waves_dispatch_w1: dispatch + w1 alone, plain (with the expansion pass) and waves
-  mb<n>_*      : the layer on n Buffers (n micro-batches of tokens / n, each Buffer sized for one; on the nvlink
-                 backend chunk i + 1's dispatch and chunk i's combine run beside the GEMMs on a communication stream).
-                 exposed: mb<n>_layer_graph - experts_graph - router_graph over the same (dispatch + combine) as above;
-                 compute: the micro-batches' own routing + experts alone (n chunks), and the exposed part against it
 """
 from __future__ import annotations
 
@@ -58,8 +54,6 @@ def parse_args(argv=None):
     p.add_argument("--wave-sms", default="auto",
                    help="comma list of wave receive SM counts for MoELayer(waves=True) (auto = default_wave_sms); "
                         "the first is the main waves row, the others add waves<n>_* times")
-    p.add_argument("--micro-batches", default="2",
-                   help="comma list of micro-batch counts (>= 2) to time the layer with (empty: none)")
     p.add_argument("--out", default="")
     p.add_argument("--nproc", type=int, default=2)
     args = p.parse_args(argv)
@@ -69,12 +63,6 @@ def parse_args(argv=None):
         p.error("--wave-sms must be a comma list of auto and SM counts")
     if not args.wave_sms_list:
         p.error("--wave-sms needs at least one value (the main waves row)")
-    try:
-        args.micro_batch_list = [int(t) for t in (v.strip() for v in args.micro_batches.split(",")) if t]
-    except ValueError:
-        p.error("--micro-batches must be a comma list of integers")
-    if any(n < 2 for n in args.micro_batch_list):
-        p.error("--micro-batches counts must be >= 2")
     return args
 
 
@@ -203,8 +191,6 @@ def worker(rank, world, args):
                 row[f"{prefix}_layer_ms"] = _time_ms(lambda: wave_layer(x), args.iters, None)
                 row[f"{prefix}_layer_graph_ms"] = _graph_ms(lambda: wave_layer(x), args.iters)
                 row[f"{prefix}_dispatch_w1_graph_ms"] = _graph_ms(wave_dispatch_w1, args.iters)
-            for n in args.micro_batch_list:
-                _time_micro_batches(row, n, x, router, packed, token_tiles[0], args)
             counts = result.num_tokens_per_expert.float()
             row["rows_per_expert_mean"] = counts.mean().item()
             row["rows_per_expert_max"] = counts.max().item()
@@ -226,12 +212,6 @@ def worker(rank, world, args):
         exposed_waves = row["waves_layer_graph_ms"] - waves_compute - row["router_graph_ms"]
         row["waves_exposed_comm_graph_fraction"] = exposed_waves / comm_graph if comm_graph > 0 else float("nan")
 
-        for n in args.micro_batch_list:
-            prefix = f"mb{n}"
-            row[f"{prefix}_exposed_comm_graph_fraction"] = (
-                (row[f"{prefix}_layer_graph_ms"] - row["experts_graph_ms"] - row["router_graph_ms"]) / comm_graph)
-            row[f"{prefix}_exposed_vs_own_compute_graph_fraction"] = (
-                (row[f"{prefix}_layer_graph_ms"] - row[f"{prefix}_compute_graph_ms"]) / comm_graph)
         if not args.no_baseline:
             try:
                 with ep_comm.Buffer(None, hidden=h, num_experts=experts, num_topk=topk, max_tokens_per_rank=tokens,
@@ -253,43 +233,12 @@ def worker(rank, world, args):
                     row["speedup_vs_bf16"] = row["bf16_layer_ms"] / row["layer_ms"]
                     row["speedup_graph_vs_bf16"] = row["bf16_layer_ms"] / row["layer_graph_ms"]
                     row["local_reduce_speedup_vs_bf16"] = row["bf16_layer_ms"] / row["local_reduce_layer_ms"]
-                    for n in args.micro_batch_list:
-                        row[f"mb{n}_speedup_vs_bf16"] = row["bf16_layer_ms"] / row[f"mb{n}_layer_ms"]
             except Exception as error:  # noqa: BLE001 - a missing baseline is reported, not fatal
                 row["bf16_layer_error"] = f"{type(error).__name__}: {error}"[:300]
         rows.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
     return rows
-
-
-def _time_micro_batches(row, n, x, router, packed, token_tile, args):
-    """The layer on n Buffers (n micro-batches): mb<n>_layer_ms (eager), mb<n>_layer_graph_ms, and mb<n>_compute_graph_ms
-    (each chunk's routing and experts alone, on dispatch results made beforehand: what the GEMMs cost at this size)."""
-    import contextlib
-
-    import ep_comm
-    from ep_comm import moe
-    prefix = f"mb{n}"
-    per_chunk = -(-x.shape[0] // n)
-    with contextlib.ExitStack() as stack:
-        buffers = [stack.enter_context(ep_comm.Buffer(
-            None, hidden=args.hidden, num_experts=args.experts, num_topk=args.topk, max_tokens_per_rank=per_chunk,
-            dispatch_format="nvfp4", combine_format="s2f6", expert_alignment=16)) for _ in range(n)]
-        layer = moe.MoELayer(buffers, router, packed, expert_impl="fused", token_tile=token_tile)
-        row[f"{prefix}_overlap"] = layer.micro_batch_overlap
-        row[f"{prefix}_token_tile"] = layer.token_tile
-        row[f"{prefix}_layer_ms"] = _time_ms(lambda: layer(x), args.iters, None)
-        row[f"{prefix}_layer_graph_ms"] = _graph_ms(lambda: layer(x), args.iters)
-        chunks = torch.tensor_split(x, n)
-        results = [buf.dispatch(chunk, *layer.route(chunk)) for buf, chunk in zip(buffers, chunks)]
-
-        def compute():
-            for chunk, result in zip(chunks, results):
-                layer.route(chunk)
-                layer.experts(result)
-        row[f"{prefix}_compute_graph_ms"] = _graph_ms(compute, args.iters)
-        torch.cuda.synchronize()
 
 
 def main(argv=None):
@@ -314,13 +263,6 @@ def main(argv=None):
               f"{r['waves_layer_graph_ms']:.3f} ms, exposed {r['waves_exposed_comm_graph_fraction']:.2f}; dispatch + "
               f"w1 graph: waves {r['waves_dispatch_w1_graph_ms']:.3f} ms vs plain {r['dispatch_w1_graph_ms']:.3f} ms "
               f"(expansion pass {r['expand_graph_ms']:.3f}, w1 {r['w1_graph_ms']:.3f})")
-        for n in [int(k[2:].split("_")[0]) for k in r if k.startswith("mb") and k.endswith("_layer_ms")]:
-            p = f"mb{n}"
-            print(f"{'':>7} {n} micro-batches (overlap {r[p + '_overlap']}, tile {r[p + '_token_tile']}): layer "
-                  f"{r[p + '_layer_ms']:.3f} ms, graph {r[p + '_layer_graph_ms']:.3f} ms, exposed "
-                  f"{r[p + '_exposed_comm_graph_fraction']:.2f}; their compute alone {r[p + '_compute_graph_ms']:.3f} "
-                  f"ms, exposed against it {r[p + '_exposed_vs_own_compute_graph_fraction']:.2f}"
-                  + (f"; speedup vs bf16 {r[p + '_speedup_vs_bf16']:.2f}" if p + "_speedup_vs_bf16" in r else ""))
         extra = {k: round(v, 3) for k, v in r.items() if k.startswith("tile") or
                  (k.startswith("waves") and k[5:6].isdigit())}
         if extra:

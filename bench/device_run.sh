@@ -170,21 +170,6 @@ r = run_ranks(t.pressure_and_graph_worker, 1, backend='nccl', timeout_s=280)
 print('world 1 nvlink workers passed', r[0]['graph'], r[0]['leak'])
 " 2>&1 | tail -4 | tee -a "$log")
 }
-test_micro_batches_one_rank() {  # the MoE layer on two Buffers (micro-batches) at world size 1: a 1-GPU check
-  say "gpu tier: MoE layer micro-batches at world size 1"
-  (cd tests && timeout 200 python3 -c "
-from harness import run_ranks
-import test_moe as t
-results = run_ranks(t._micro_batch_worker, 1, 'cuda', backend='nccl', timeout_s=180)
-t._check_micro_batches(results)
-print('world 1 micro-batch worker passed', results[0])
-" 2>&1 | tail -3 | tee -a "$log")
-}
-bench_moe_one_rank() {  # the MoE layer at world 1 (128 local experts: the per-rank GEMM shape of 2 ranks), no baseline
-  say "bench: MoE layer at world 1"
-  timeout 240 python3 bench/bench_moe.py --nproc 1 --tokens 4096 --experts 128 --no-baseline --iters 5 "$@" \
-    --out "$OUT/bench_moe_1.json" 2>&1 | tail -5 | tee -a "$log"
-}
 test_moe_one_rank() {  # the MoE layer's GPU worker at world size 1 (fused experts, combine rows): a 1-GPU check
   say "gpu tier: MoE layer worker at world size 1"
   (cd tests && timeout 300 python3 -c "

@@ -434,22 +434,13 @@ class Buffer:
             raise ValueError(f"the combine-row epilogue writes S2F6 rows; this buffer combines in "
                              f"{self.config.combine_format!r}")
 
-    def finish_combine_rows(self, handle, *, out: Optional[torch.Tensor] = None,
-                            comm_stream: Optional[torch.cuda.Stream] = None,
-                            done_event: Optional[torch.cuda.Event] = None) -> torch.Tensor:
+    def finish_combine_rows(self, handle) -> torch.Tensor:
         """Publish the rows stored since `begin_combine_rows` and receive them: bfloat16 [T, H], the weighted sum
-        over the token's unmasked top-k slots in slot order (local_reduce=False semantics), inverse RHT once.
-
-        out: a contiguous bfloat16 [T, H] tensor on the handle's device to write into (e.g. rows of a larger
-            output; None: a new tensor). comm_stream, done_event: as for `combine` (the receive then runs on
-            comm_stream after the work enqueued so far on the current stream, the GEMM that wrote the rows included).
-        """
+        over the token's unmasked top-k slots in slot order (local_reduce=False semantics), inverse RHT once."""
         self._check_alive()
         if self.backend != "nvlink":
             raise NotImplementedError("finish_combine_rows needs the nvlink backend")
-        self._check_stream_args(torch.device("cuda", self._backend.device), comm_stream, done_event)
-        return self._run_on_stream(comm_stream, done_event, (out,),
-                                   lambda: self._backend.finish_combine_rows(handle, out=out))
+        return self._run_on_stream(None, None, (), lambda: self._backend.finish_combine_rows(handle))
 
     def check(self) -> None:
         """Raise if a kernel of this Buffer recorded a timeout (nvlink backend: a peer that never arrived, or a wave

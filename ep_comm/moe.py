@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -193,15 +193,7 @@ class MoELayer(torch.nn.Module):
 
     Args:
         buffer: an `ep_comm.Buffer` with dispatch_format="nvfp4" (its hidden, num_experts, num_topk and
-            max_tokens_per_rank bound the layer), or a sequence of n >= 2 distinct Buffers with equal configs: the
-            forward then runs as n micro-batches (the tokens split in n near-equal consecutive chunks, chunk i on
-            buffers[i], so each bounds one chunk: up to n * max_tokens_per_rank tokens per forward). On the nvlink
-            backend the micro-batches overlap: chunk i + 1's dispatch runs on a high-priority communication stream
-            beside chunk i's experts, and chunk i's combine receive beside chunk i + 1's experts, so only the first
-            dispatch and the last combine stay outside the GEMMs. Results are bitwise those of this layer on each
-            chunk alone (routing, quantization and sums are per token). Elsewhere the micro-batches run one after
-            the other (`self.micro_batch_overlap` says which). Waves need a single Buffer. Opt-in: on 1xH200 (world 1)
-            it measured slower than one Buffer (README "Micro-batches"); the two-GPU figure decides its use.
+            max_tokens_per_rank bound the layer).
         router_weight: [num_experts, H] (fp32), identical on every rank.
         weights: this rank's `PackedExpertWeights` (experts rank * E_local ... (rank + 1) * E_local - 1).
         expert_impl: "fused" (NVFP4 grouped GEMM, sm_90 GPUs), "reference" (FP32 torch matmuls), or "auto":
@@ -229,12 +221,10 @@ class MoELayer(torch.nn.Module):
     forward(x): x bf16 [T, H] -> bf16 [T, H]; the routing weights are the softmax over the top-k logits.
     """
 
-    def __init__(self, buffer: Union[Buffer, Sequence[Buffer]], router_weight: torch.Tensor,
-                 weights: PackedExpertWeights, expert_impl: str = "auto", token_tile=None,
-                 combine_rows: Optional[bool] = None, waves: Optional[bool] = None, wave_sms: Optional[int] = None):
+    def __init__(self, buffer: Buffer, router_weight: torch.Tensor, weights: PackedExpertWeights,
+                 expert_impl: str = "auto", token_tile=None, combine_rows: Optional[bool] = None,
+                 waves: Optional[bool] = None, wave_sms: Optional[int] = None):
         super().__init__()
-        buffers = _micro_batch_buffers(buffer)
-        buffer = buffers[0]
         cfg = buffer.config
         if cfg.dispatch_format != "nvfp4":
             raise ValueError(f"MoELayer consumes NVFP4 tokens; the buffer dispatches {cfg.dispatch_format!r}")
@@ -256,11 +246,7 @@ class MoELayer(torch.nn.Module):
                              f"{list(weights.w1.shape)}, got {list(weights.w2.shape)}")
         if expert_impl not in ("auto", "fused", "reference"):
             raise ValueError(f"expert_impl must be 'auto', 'fused' or 'reference', got {expert_impl!r}")
-        self.buffer = buffer  # the first (or only) Buffer
-        self.buffers = buffers
-        self.micro_batches = len(buffers)
-        self.micro_batch_overlap = self.micro_batches > 1 and buffer.backend == "nvlink"
-        self._comm_stream = None  # the micro-batches' communication stream, made at the first overlapped forward
+        self.buffer = buffer
         self.register_buffer("router_weight", router_weight.float())
         self.weights = weights
         if token_tile is not None and (isinstance(token_tile, bool) or token_tile not in TOKEN_TILES):
@@ -281,11 +267,10 @@ class MoELayer(torch.nn.Module):
                              f"the nvlink backend and S2F6 combine; this layer has expert_impl={expert_impl!r}, "
                              f"backend={buffer.backend!r}, combine_format={cfg.combine_format!r}")
         self.combine_rows = rows_possible if combine_rows is None else bool(combine_rows)
-        waves_possible = expert_impl == "fused" and buffer.backend == "nvlink" and self.micro_batches == 1
+        waves_possible = expert_impl == "fused" and buffer.backend == "nvlink"
         if waves and not waves_possible:
-            raise ValueError(f"waves=True needs the fused experts, the nvlink backend and a single Buffer; this layer "
-                             f"has expert_impl={expert_impl!r}, backend={buffer.backend!r} and "
-                             f"{self.micro_batches} Buffer(s)")
+            raise ValueError(f"waves=True needs the fused experts and the nvlink backend; this layer has "
+                             f"expert_impl={expert_impl!r}, backend={buffer.backend!r}")
         self.waves = waves_possible if waves is None else bool(waves)
         self.wave_sms = None
         if self.waves:
@@ -353,30 +338,26 @@ class MoELayer(torch.nn.Module):
                              "backend, S2F6 combine); use buffer.combine(layer.experts(result), result.handle)")
         hidden = fused_expert_hidden(result.x, result.expert_offsets, result.num_tokens_per_expert, self._w1_packed,
                                      self.token_tile)
-        return self._w2_and_combine(self.buffer, result, hidden)
+        return self._w2_and_combine(result, hidden)
 
-    def _w2_and_combine(self, buffer: Buffer, result, hidden, out=None, comm_stream=None) -> torch.Tensor:
-        """w2 on the requantized hidden rows (grouped_gemm.ExpandedRows), then the combine on `buffer` (the one that
-        dispatched `result`): bf16 [T, H]. out: where the combine-row receive writes (None: a new tensor);
-        comm_stream: run the combine (receive) there, after w2 (None: the current stream)."""
+    def _w2_and_combine(self, result, hidden) -> torch.Tensor:
+        """w2 on the requantized hidden rows (grouped_gemm.ExpandedRows), then the combine: bf16 [T, H]."""
         from . import grouped_gemm
         if self.combine_rows:
             # Begun just before w2: its wait for the sources to have read the previous combine comes after w1, when
             # it is normally long over.
-            target = buffer.begin_combine_rows(result)
+            target = self.buffer.begin_combine_rows(result)
             grouped_gemm.grouped_gemm_nvfp4_combine_rows(hidden, result.expert_offsets, result.num_tokens_per_expert,
                                                          self._w2_packed, target, token_tile=self.token_tile)
-            return buffer.finish_combine_rows(result.handle, out=out, comm_stream=comm_stream)
-        expert_out = _expert_output(hidden, result.expert_offsets, result.num_tokens_per_expert, self._w2_packed,
-                                    self.token_tile)
-        return buffer.combine(expert_out, result.handle, comm_stream=comm_stream)
+            return self.buffer.finish_combine_rows(result.handle)
+        out = _expert_output(hidden, result.expert_offsets, result.num_tokens_per_expert, self._w2_packed,
+                             self.token_tile)
+        return self.buffer.combine(out, result.handle)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Checked before routing (the router's matmul would fail first, on this rank only); on the reference backend the
         # ranks agree on the outcome, so a bad x on one rank raises on every rank.
-        self.buffer._validate_together(lambda: self._check_tokens(x), "MoELayer forward")
-        if self.micro_batches > 1:
-            return self._forward_micro_batches(x)
+        self.buffer._validate_together(lambda: self.buffer._check_tokens(x), "MoELayer forward")
         topk_idx, topk_weights = self.route(x)
         # torch.topk over the logits gives K distinct ids in [0, E): valid by construction, so the dispatch skips
         # the id check and its device->host copy (which made the host wait for the GPU once per layer).
@@ -386,84 +367,8 @@ class MoELayer(torch.nn.Module):
             # w1 right behind the receive (nothing may be launched in between: see Buffer.dispatch_waves).
             hidden = _expert_hidden_from_rows(waved.rows, result.expert_offsets, result.num_tokens_per_expert,
                                               self._w1_packed, self.token_tile, wave=waved.wave)
-            return self._w2_and_combine(self.buffer, result, hidden)
+            return self._w2_and_combine(result, hidden)
         result = self.buffer.dispatch(x, topk_idx, topk_weights, check_inputs=False)
         if self.combine_rows:
             return self.experts_and_combine_rows(result)
         return self.buffer.combine(self.experts(result), result.handle)
-
-    def _check_tokens(self, x) -> None:
-        self.buffer._check_tokens(x)
-        if self.micro_batches > 1:
-            largest = -(-x.shape[0] // self.micro_batches)
-            bound = self.buffer.config.max_tokens_per_rank
-            if largest > bound:
-                raise ValueError(f"{x.shape[0]} tokens in {self.micro_batches} micro-batches give chunks of up to "
-                                 f"{largest} tokens, more than the Buffers' max_tokens_per_rank={bound}")
-
-    def _forward_micro_batches(self, x: torch.Tensor) -> torch.Tensor:
-        """forward as len(self.buffers) micro-batches (see the class docstring). Every rank makes the same calls on
-        every Buffer, whatever its token count (a chunk may be empty)."""
-        chunks = torch.tensor_split(x, self.micro_batches)
-        if not self.micro_batch_overlap:
-            return torch.cat([self._forward_chunk(buffer, chunk) for buffer, chunk in zip(self.buffers, chunks)])
-        main = torch.cuda.current_stream(x.device)
-        if self._comm_stream is None or self._comm_stream.device != x.device:
-            # Highest priority: its kernels' blocks take SMs as the GEMM's CTAs retire instead of queueing behind
-            # the whole GEMM grid.
-            self._comm_stream = torch.cuda.Stream(device=x.device, priority=-100)
-        comm = self._comm_stream
-        # Every chunk's routing, each followed by its dispatch on the communication stream (which waits only for
-        # the work enqueued so far: that routing, not any GEMM). The next routing runs beside the dispatch.
-        results, dispatched = [], []
-        for buffer, chunk in zip(self.buffers, chunks):
-            topk_idx, topk_weights = self.route(chunk)
-            dispatched.append(torch.cuda.Event())
-            results.append(buffer.dispatch(chunk, topk_idx, topk_weights, check_inputs=False, comm_stream=comm,
-                                           done_event=dispatched[-1]))
-        # The combine-row receive writes each chunk's rows straight into the output (no concatenation pass).
-        out = torch.empty_like(x, memory_format=torch.contiguous_format) if self.combine_rows else None
-        outs, start = [], 0
-        for i, (buffer, chunk, result) in enumerate(zip(self.buffers, chunks, results)):
-            # The experts on the current stream, after this chunk's dispatch; the combine of all but the last chunk
-            # on the communication stream, beside the next chunk's experts.
-            main.wait_event(dispatched[i])
-            side = comm if i + 1 < self.micro_batches else None
-            rows = None if out is None else out[start:start + chunk.shape[0]]
-            start += chunk.shape[0]
-            if self.expert_impl == "fused":
-                hidden = fused_expert_hidden(result.x, result.expert_offsets, result.num_tokens_per_expert,
-                                             self._w1_packed, self.token_tile)
-                outs.append(self._w2_and_combine(buffer, result, hidden, out=rows, comm_stream=side))
-            else:
-                outs.append(buffer.combine(self.experts(result), result.handle, comm_stream=side))
-        main.wait_stream(comm)
-        return out if out is not None else torch.cat(outs)
-
-    def _forward_chunk(self, buffer: Buffer, x: torch.Tensor) -> torch.Tensor:
-        """One micro-batch on `buffer`, on the current stream (no overlap): forward's steps without waves."""
-        topk_idx, topk_weights = self.route(x)
-        result = buffer.dispatch(x, topk_idx, topk_weights, check_inputs=False)
-        if self.combine_rows:
-            hidden = fused_expert_hidden(result.x, result.expert_offsets, result.num_tokens_per_expert,
-                                         self._w1_packed, self.token_tile)
-            return self._w2_and_combine(buffer, result, hidden)
-        return buffer.combine(self.experts(result), result.handle)
-
-
-def _micro_batch_buffers(buffer) -> tuple:
-    """MoELayer's `buffer` argument as a tuple of Buffers: one, or n >= 2 distinct ones with equal configs."""
-    buffers = tuple(buffer) if isinstance(buffer, (list, tuple)) else (buffer,)
-    if not buffers:
-        raise ValueError("buffer must be a Buffer or a non-empty sequence of Buffers")
-    for each in buffers:
-        if not isinstance(each, Buffer):
-            raise TypeError(f"buffer must be an ep_comm.Buffer or a sequence of them, got {type(each).__name__}")
-    if len({id(each) for each in buffers}) != len(buffers):
-        raise ValueError("the micro-batches need distinct Buffers (one Buffer holds one dispatch at a time)")
-    first = buffers[0]
-    for each in buffers[1:]:
-        if each.config != first.config or each.backend != first.backend:
-            raise ValueError(f"the micro-batch Buffers must have equal configs and backends; got {first.config} on "
-                             f"{first.backend!r} and {each.config} on {each.backend!r}")
-    return buffers

@@ -730,7 +730,7 @@ class NVLinkBackend:
                                  hidden=cfg.hidden, row_bytes=L.comb_row_bytes, scale_offset=L.comb_scale_off,
                                  sign_mask=cfg.rht_sign_mask)
 
-    def finish_combine_rows(self, handle: NVLinkHandle, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def finish_combine_rows(self, handle: NVLinkHandle) -> torch.Tensor:
         """Publish the rows the GEMM stored since begin_combine_rows, then receive: bf16 [T, H]."""
         self._check_alive()
         self.check()
@@ -741,14 +741,7 @@ class NVLinkBackend:
                                "combine the peers were still reading")
         if handle is not self._rows_handle:
             raise ValueError("finish_combine_rows needs the handle of the DispatchResult given to begin_combine_rows")
-        shape, device = (handle.num_tokens, self.config.hidden), handle.send_idx.device
-        if out is None:
-            out = torch.empty(shape, dtype=torch.bfloat16, device=device)
-        elif (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or tuple(out.shape) != shape
-              or out.device != device or not out.is_contiguous()):
-            raise ValueError(f"out must be a contiguous bfloat16 {list(shape)} tensor on {device}, got "
-                             f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))} on "
-                             f"{getattr(out, 'device', None)}")
+        out = torch.empty(handle.num_tokens, self.config.hidden, dtype=torch.bfloat16, device=handle.send_idx.device)
         self._ctx.combine_rows_finish(handle.send_idx.data_ptr(), handle.send_w.data_ptr(), handle.num_tokens,
                                       out.data_ptr(), torch.cuda.current_stream().cuda_stream)
         # Closed only once the receive is launched: a begin whose finish raised (allocation, launch) stays open, so it
