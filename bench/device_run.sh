@@ -170,6 +170,11 @@ r = run_ranks(t.pressure_and_graph_worker, 1, backend='nccl', timeout_s=280)
 print('world 1 nvlink workers passed', r[0]['graph'], r[0]['leak'])
 " 2>&1 | tail -4 | tee -a "$log")
 }
+profile_host() {  # host (CPU) microseconds per eager dispatch / combine call at world 1, and a cProfile of the Python path
+  say "profile: host cost per eager call (world 1)"
+  timeout 200 python3 bench/profile_host.py --nproc 1 --out "$OUT/profile_host.json" > "$OUT/profile_host.txt" 2>&1
+  grep -E "us per call" "$OUT/profile_host.txt" | tee -a "$log"
+}
 test_moe_one_rank() {  # the MoE layer's GPU worker at world size 1 (fused experts, combine rows): a 1-GPU check
   say "gpu tier: MoE layer worker at world size 1"
   (cd tests && timeout 300 python3 -c "

@@ -23,10 +23,6 @@ def _lib():
     return _ext.require_cuda_extension("the CUDA format kernels")
 
 
-def _stream(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
-
-
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as a [rows, K] tensor whose rows start 16-byte aligned with unit stride along K (a copy if needed)."""
     k = x.shape[-1]
@@ -69,7 +65,8 @@ def _launch_nvfp4_quantize(x: torch.Tensor, four_over_six: bool, amax: Optional[
     with torch.cuda.device(x.device):
         _lib().nvfp4_quantize(rows.data_ptr(), _ELEM_TYPES[rows.dtype], rows.stride(0), num_rows, k, _ptr(amax_in),
                               e4m3_max, four_over_six, _ptr(data), k // 2, _ptr(scales), k // 16, _ptr(amax_out), 0,
-                              _stream(x.device), _ptr(num_rows_limit), _ptr(block_values), k, _ptr(row_factor))
+                              _ext.current_raw_stream(x.device), _ptr(num_rows_limit), _ptr(block_values), k,
+                              _ptr(row_factor))
 
 
 def nvfp4_quantize(x: torch.Tensor, four_over_six: bool, amax: Optional[torch.Tensor],
@@ -110,7 +107,7 @@ def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
     out, out_type = _output((num_rows, k), dtype, q.data.device)
     with torch.cuda.device(q.data.device):
         lib.nvfp4_dequantize(data.data_ptr(), scales.data_ptr(), amax.data_ptr(), num_rows, k, float(q.e4m3_max),
-                             out.data_ptr(), out_type, _stream(q.data.device))
+                             out.data_ptr(), out_type, _ext.current_raw_stream(q.data.device))
     return out.reshape(*q.data.shape[:-1], k).to(dtype)
 
 
@@ -124,7 +121,7 @@ def mxfp8_quantize(x: torch.Tensor, rounding: str, seed: int) -> MXFP8Tensor:
     with torch.cuda.device(x.device):
         lib.mxfp8_quantize(rows.data_ptr(), _ELEM_TYPES[rows.dtype], rows.stride(0), num_rows, k,
                            rounding == "stochastic", seed & 0xFFFFFFFFFFFFFFFF, data.data_ptr(), k,
-                           scales.data_ptr(), k // 32, _stream(x.device))
+                           scales.data_ptr(), k // 32, _ext.current_raw_stream(x.device))
     return MXFP8Tensor(data=data.reshape(*lead_shape, k).view(torch.float8_e4m3fn),
                        scales=scales.reshape(*lead_shape, k // 32).view(torch.float8_e8m0fnu))
 
@@ -138,7 +135,7 @@ def mxfp8_dequantize(m: MXFP8Tensor, dtype: torch.dtype) -> torch.Tensor:
     out, out_type = _output((num_rows, k), dtype, m.data.device)
     with torch.cuda.device(m.data.device):
         lib.mxfp8_dequantize(data.data_ptr(), scales.data_ptr(), num_rows, k, out.data_ptr(), out_type,
-                             _stream(m.data.device))
+                             _ext.current_raw_stream(m.data.device))
     return out.reshape(m.data.shape).to(dtype)
 
 
@@ -153,7 +150,8 @@ def nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str, seed: int) -> MXFP8
     with torch.cuda.device(q.data.device):
         lib.nvfp4_to_mxfp8_transposed(data.data_ptr(), scales.data_ptr(), amax.data_ptr(), num_rows, k,
                                       float(q.e4m3_max), rounding == "stochastic", seed & 0xFFFFFFFFFFFFFFFF,
-                                      out_data.data_ptr(), out_scales.data_ptr(), _stream(q.data.device))
+                                      out_data.data_ptr(), out_scales.data_ptr(),
+                                      _ext.current_raw_stream(q.data.device))
     return MXFP8Tensor(data=out_data.view(torch.float8_e4m3fn), scales=out_scales.view(torch.float8_e8m0fnu))
 
 
@@ -166,7 +164,7 @@ def s2f6_quantize(x: torch.Tensor, hadamard: bool, sign_mask: int) -> S2F6Tensor
     scales = torch.empty(num_rows, k // 32, dtype=torch.uint8, device=x.device)
     with torch.cuda.device(x.device):
         lib.s2f6_quantize(rows.data_ptr(), _ELEM_TYPES[rows.dtype], rows.stride(0), num_rows, k, hadamard,
-                          sign_mask, data.data_ptr(), k, scales.data_ptr(), k // 32, _stream(x.device))
+                          sign_mask, data.data_ptr(), k, scales.data_ptr(), k // 32, _ext.current_raw_stream(x.device))
     return S2F6Tensor(data=data.reshape(*lead_shape, k),
                       scales=scales.reshape(*lead_shape, k // 32).view(torch.float8_e8m0fnu),
                       hadamard=hadamard, sign_mask=sign_mask)
@@ -181,7 +179,7 @@ def s2f6_dequantize(s: S2F6Tensor, dtype: torch.dtype) -> torch.Tensor:
     out, out_type = _output((num_rows, k), dtype, s.data.device)
     with torch.cuda.device(s.data.device):
         lib.s2f6_dequantize(data.data_ptr(), scales.data_ptr(), num_rows, k, s.hadamard, s.sign_mask,
-                            out.data_ptr(), out_type, _stream(s.data.device))
+                            out.data_ptr(), out_type, _ext.current_raw_stream(s.data.device))
     return out.reshape(s.data.shape).to(dtype)
 
 
@@ -199,7 +197,8 @@ def s2f6_dequantize_accumulate(s: S2F6Tensor, row_index: torch.Tensor, weights: 
     with torch.cuda.device(s.data.device):
         lib.s2f6_dequantize_accumulate(data.data_ptr(), scales.data_ptr(), num_src_rows, k, index.data_ptr(),
                                        index.dtype == torch.int64, _ptr(weights), num_out_rows, num_terms,
-                                       s.hadamard, s.sign_mask, out.data_ptr(), out_type, _stream(s.data.device))
+                                       s.hadamard, s.sign_mask, out.data_ptr(), out_type,
+                                       _ext.current_raw_stream(s.data.device))
     return out.to(out_dtype)
 
 

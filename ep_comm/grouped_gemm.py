@@ -334,10 +334,6 @@ def _use_gemm_kernels(impl: str, t: torch.Tensor, what: str) -> bool:
     return False
 
 
-def _stream(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
-
-
 def _check_num_rows_limit(num_rows_limit: Optional[torch.Tensor], device: torch.device) -> None:
     if num_rows_limit is not None and (num_rows_limit.dtype != torch.int32 or num_rows_limit.numel() != 1
                                        or num_rows_limit.device != device):
@@ -376,7 +372,7 @@ def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Option
                 _check_num_rows_limit(num_rows_limit, q.data.device)
                 limit = 0 if num_rows_limit is None else num_rows_limit.data_ptr()
                 lib.nvfp4_dequantize(data.data_ptr(), scales.data_ptr(), 0, num_rows, k, float(q.e4m3_max),
-                                     values.data_ptr(), 2, _stream(q.data.device), limit)
+                                     values.data_ptr(), 2, _ext.current_raw_stream(q.data.device), limit)
         return ExpandedRows(values=values, row_factor=row_factor.contiguous())
     codes = _unpack_codes(data).reshape(num_rows, k // 16, 16)
     block = e2m1_decode(codes) * e4m3_decode(scales)[..., None]
@@ -565,7 +561,7 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
                 -1 if tail_tile is None else int(tail_tile), 0 if row_amax is None else row_amax.data_ptr(),
                 0 if wave is None else wave.area.data_ptr(), 0 if wave is None else wave.epoch,
                 0 if wave is None else wave.abort, 0 if wave is None else wave.error_word,
-                0 if wave is None else wave.timeout_ns, _stream(device))
+                0 if wave is None else wave.timeout_ns, _ext.current_raw_stream(device))
         return out
     return _grouped_gemm_reference(x, expert_offsets, num_tokens_per_expert, weights, out, row_amax)
 
@@ -626,7 +622,7 @@ def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tenso
             -1 if tail_tile is None else int(tail_tile), bases.data_ptr(), int(target.area_offset),
             target.src_rank.data_ptr(), target.src_token.data_ptr(), target.topk_slot.data_ptr(),
             int(target.num_topk), int(target.row_bytes), int(target.scale_offset), int(target.sign_mask),
-            _stream(device))
+            _ext.current_raw_stream(device))
 
 
 def _grouped_gemm_reference(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,

@@ -157,7 +157,7 @@ class _WaveTicket:
         if backend._wave_ticket is not self:
             raise RuntimeError("this WaveSync is stale: a wave dispatch's w1 GEMM runs once, right after its "
                                "dispatch_waves, before any other call on that Buffer")
-        if torch.cuda.current_stream().cuda_stream != self._stream:
+        if _ext.current_raw_stream(backend.device) != self._stream:
             raise RuntimeError("the w1 GEMM of a wave dispatch must run on the stream of its dispatch_waves")
         backend._wave_ticket = None
 
@@ -602,7 +602,7 @@ class NVLinkBackend:
                                            topk_weights.data_ptr(), num_tokens, arena_ptr, values.data_ptr(),
                                            row_factor.data_ptr(), self._wave_area.data_ptr(), blocks, stream)
         result = self._dispatch(x, topk_idx, topk_weights, launch)
-        ticket = _WaveTicket(self, torch.cuda.current_stream().cuda_stream)
+        ticket = _WaveTicket(self, _ext.current_raw_stream(self.device))
         self._wave_ticket = ticket
         epoch, abort, error_word, timeout_ns = self._wave_sync_words
         wave = WaveSync(area=self._wave_area, epoch=epoch, abort=abort, error_word=error_word, timeout_ns=timeout_ns,
@@ -658,7 +658,7 @@ class NVLinkBackend:
         recv_rows = parts[pick[14]]
 
         arena_ptr = arena.data_ptr()
-        launch(x, topk_idx, topk_weights, num_tokens, arena_ptr, torch.cuda.current_stream().cuda_stream)
+        launch(x, topk_idx, topk_weights, num_tokens, arena_ptr, _ext.current_raw_stream(self.device))
         self._after_call()
 
         from .. import formats
@@ -696,13 +696,13 @@ class NVLinkBackend:
         out = torch.empty(handle.num_tokens, cfg.hidden, dtype=torch.bfloat16, device=expert_out.device)
         if handle.arena and handle.owner is self._ctx:  # handle tensors are sections of one dispatch arena
             self._ctx.combine_arena(expert_out.data_ptr(), handle.arena, handle.num_tokens, bool(local_reduce),
-                                    out.data_ptr(), torch.cuda.current_stream().cuda_stream)
+                                    out.data_ptr(), _ext.current_raw_stream(self.device))
             self._after_call()
             return out
         self._ctx.combine(expert_out.data_ptr(), handle.row_weight.data_ptr(), bool(local_reduce),
                           handle.recv_count.data_ptr(), handle.recv_tok.data_ptr(), handle.recv_ord.data_ptr(),
                           handle.recv_rows.data_ptr(), handle.send_idx.data_ptr(), handle.send_w.data_ptr(),
-                          handle.num_tokens, out.data_ptr(), torch.cuda.current_stream().cuda_stream)
+                          handle.num_tokens, out.data_ptr(), _ext.current_raw_stream(self.device))
         self._after_call()
         return out
 
@@ -722,7 +722,7 @@ class NVLinkBackend:
             # Its src_rank / src_token / topk_slot would address another buffer's rows (or past the peer table).
             raise ValueError("begin_combine_rows needs a DispatchResult of this Buffer's own dispatch")
         cfg, L = self.config, self.layout
-        self._ctx.combine_rows_begin(torch.cuda.current_stream().cuda_stream)
+        self._ctx.combine_rows_begin(_ext.current_raw_stream(self.device))
         self._rows_handle = handle
         self._after_call()
         return CombineRowsTarget(bases=self._peer_bases, area_offset=L.off_combine, src_rank=result.src_rank,
@@ -743,7 +743,7 @@ class NVLinkBackend:
             raise ValueError("finish_combine_rows needs the handle of the DispatchResult given to begin_combine_rows")
         out = torch.empty(handle.num_tokens, self.config.hidden, dtype=torch.bfloat16, device=handle.send_idx.device)
         self._ctx.combine_rows_finish(handle.send_idx.data_ptr(), handle.send_w.data_ptr(), handle.num_tokens,
-                                      out.data_ptr(), torch.cuda.current_stream().cuda_stream)
+                                      out.data_ptr(), _ext.current_raw_stream(self.device))
         # Closed only once the receive is launched: a begin whose finish raised (allocation, launch) stays open, so it
         # can be finished again instead of leaving the combine kernels' call counts one apart.
         self._rows_handle = None
