@@ -29,8 +29,9 @@ from ep_comm.launch import run_ranks  # noqa: E402
 
 
 def _per_call_us(fn, calls: int) -> tuple:
-    """(host µs per call, GPU µs per call) over `calls` back-to-back calls. GPU time close to the host time means the
-    loop was GPU-bound (the host waited for queue space), not host-bound."""
+    """(host µs per call, GPU µs per call) over `calls` back-to-back calls. A GPU figure above the host figure means
+    the loop was GPU-bound. Equal figures do not say which side waited: the GPU span also covers the time it idled
+    waiting for the host."""
     fn()
     torch.cuda.synchronize()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -46,6 +47,7 @@ def _per_call_us(fn, calls: int) -> tuple:
 
 def _worker(rank, world, args):
     import ep_comm
+    from ep_comm import _ext
 
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=device).manual_seed(100 + rank)
@@ -72,14 +74,16 @@ def _worker(rank, world, args):
             # The C++ launches alone (one pybind call each, into the last dispatch's arena): dispatch = 3 kernels,
             # combine = 2, with the stream handle computed once outside the loop.
             ctx, handle = buf._backend._ctx, result.handle
-            stream = torch.cuda.current_stream().cuda_stream
+            stream = _ext.current_raw_stream(device)
             is64 = idx.dtype == torch.int64
             row["cpp_dispatch_host_us"] = _per_call_us(lambda: ctx.dispatch_arena(
                 x.data_ptr(), idx.data_ptr(), is64, w.data_ptr(), tokens, handle.arena, stream), args.calls)
             out = torch.empty(tokens, args.hidden, dtype=torch.bfloat16, device=device)
             row["cpp_combine_host_us"] = _per_call_us(lambda: ctx.combine_arena(
                 expert_out.data_ptr(), handle.arena, tokens, True, out.data_ptr(), stream), args.calls)
-            # Scale: the torch calls every dispatch makes anyway, and one small torch kernel launch.
+            # Scale: the stream lookup every call makes (the library's raw accessor, and torch's public call it
+            # replaced), and one small torch kernel launch.
+            row["raw_stream_host_us"] = _per_call_us(lambda: _ext.current_raw_stream(device), args.calls)
             row["current_stream_host_us"] = _per_call_us(lambda: torch.cuda.current_stream().cuda_stream, args.calls)
             small = torch.zeros(16, device=device)
             row["torch_add_host_us"] = _per_call_us(lambda: small.add_(1.0), args.calls)

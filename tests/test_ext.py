@@ -1,0 +1,37 @@
+"""ep_comm._ext helpers: the raw current CUDA stream handed to every kernel launch."""
+import pytest
+import torch
+
+from ep_comm import _ext
+
+
+@pytest.mark.cpu
+def test_current_raw_stream_resolves_the_device_index(monkeypatch):
+    """A torch.device or an int selects the device whose stream torch's raw accessor is asked for; a device without
+    an index means the current device."""
+    asked = []
+    monkeypatch.setattr(_ext, "_raw_stream_of_device", lambda index: asked.append(index) or 1000 + index)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
+    assert _ext.current_raw_stream(torch.device("cuda", 3)) == 1003
+    assert _ext.current_raw_stream(2) == 1002
+    assert _ext.current_raw_stream(torch.device("cuda")) == 1005
+    assert asked == [3, 2, 5]
+
+
+@pytest.mark.gpu
+def test_current_raw_stream_is_the_current_stream():
+    """The same handle as torch.cuda.current_stream(device).cuda_stream: on the default stream, inside a side
+    stream's context (what Buffer's comm_stream and CUDA-graph capture rely on), and through the public fallback."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert _ext.current_raw_stream(device) == torch.cuda.current_stream(device).cuda_stream
+    side = torch.cuda.Stream(device=device)
+    with torch.cuda.stream(side):
+        assert _ext.current_raw_stream(device) == side.cuda_stream
+        assert _ext.current_raw_stream(device.index) == side.cuda_stream
+    saved = _ext._raw_stream_of_device
+    try:
+        _ext._raw_stream_of_device = None
+        with torch.cuda.stream(side):
+            assert _ext.current_raw_stream(device) == side.cuda_stream
+    finally:
+        _ext._raw_stream_of_device = saved
