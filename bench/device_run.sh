@@ -25,7 +25,7 @@ pytest_tier() {  # $1 = name, $2 = timeout s, $3 = summary lines for the log, th
 }
 test_formats() {
   say "gpu tier: formats kernels"
-  pytest_tier formats 150 2 tests/test_formats_cuda.py
+  pytest_tier formats 150 2 tests/test_formats_cuda.py tests/test_ext.py
 }
 test_gemm_default() {  # the grouped GEMM tier with the default kernels only
   say "gpu tier: grouped GEMM + fused expert MLP (defaults)"
@@ -172,8 +172,13 @@ print('world 1 nvlink workers passed', r[0]['graph'], r[0]['leak'])
 }
 profile_host() {  # host (CPU) microseconds per eager dispatch / combine call at world 1, and a cProfile of the Python path
   say "profile: host cost per eager call (world 1)"
-  timeout 200 python3 bench/profile_host.py --nproc 1 --out "$OUT/profile_host.json" > "$OUT/profile_host.txt" 2>&1
+  timeout 200 python3 bench/profile_host.py --nproc 1 --moe-experts 32 --out "$OUT/profile_host.json" \
+    > "$OUT/profile_host.txt" 2>&1
   grep -E "us per call" "$OUT/profile_host.txt" | tee -a "$log"
+}
+profile_host_ab() {  # host µs per eager call at 128 tokens, this tree against ab_base.tar (this, base, base, this)
+  ab_trees "profile: host cost, 128 tokens" "us per call" env CUDA_VISIBLE_DEVICES=0 timeout 100 \
+    python3 bench/profile_host.py --nproc 1 --tokens 128 --calls 500
 }
 test_moe_one_rank() {  # the MoE layer's GPU worker at world size 1 (fused experts, combine rows): a 1-GPU check
   say "gpu tier: MoE layer worker at world size 1"

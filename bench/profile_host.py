@@ -1,13 +1,14 @@
 """Host (CPU) cost of one eager dispatch / combine call on the nvlink backend, and where the Python time goes.
 
-    python bench/profile_host.py [--nproc 1] [--tokens 128,4096] [--calls 300] [--out host.json]
+    python bench/profile_host.py [--nproc 1] [--tokens 128,4096] [--calls 300] [--moe-experts 32] [--out host.json]
 
 Each rank makes `calls` back-to-back calls without synchronizing and divides the wall time by the count. When the
 GPU work of a call is shorter than its host work (small calls), that is the host cost per call: what an eager
 training or serving loop pays on the CPU, and what the GPU idles for when nothing else is queued. Then one round of
 calls under cProfile (rank 0) lists the functions with the most own time. Shapes: H = 7168, top-8 of 256 experts,
 NVFP4 dispatch, S2F6 combine (check_inputs=False, as MoELayer calls it). Timings of the kernels are in
-bench_dispatch_combine.py (CUDA graphs); this says what the Python path costs around them.
+bench_dispatch_combine.py (CUDA graphs); this says what the Python path costs around them. With --moe-experts, also
+the default MoELayer's eager forward at the first token count (fewer experts than the model: same host path).
 """
 from __future__ import annotations
 
@@ -77,10 +78,10 @@ def _worker(rank, world, args):
             stream = _ext.current_raw_stream(device)
             is64 = idx.dtype == torch.int64
             row["cpp_dispatch_host_us"] = _per_call_us(lambda: ctx.dispatch_arena(
-                x.data_ptr(), idx.data_ptr(), is64, w.data_ptr(), tokens, handle.arena, stream), args.calls)
+                x.data_ptr(), idx.data_ptr(), is64, w.data_ptr(), tokens, handle.arena_ptr, stream), args.calls)
             out = torch.empty(tokens, args.hidden, dtype=torch.bfloat16, device=device)
             row["cpp_combine_host_us"] = _per_call_us(lambda: ctx.combine_arena(
-                expert_out.data_ptr(), handle.arena, tokens, True, out.data_ptr(), stream), args.calls)
+                expert_out.data_ptr(), handle.arena_ptr, tokens, True, out.data_ptr(), stream), args.calls)
             # Scale: the stream lookup every call makes (the library's raw accessor, and torch's public call it
             # replaced), and one small torch kernel launch.
             row["raw_stream_host_us"] = _per_call_us(lambda: _ext.current_raw_stream(device), args.calls)
@@ -99,7 +100,45 @@ def _worker(rank, world, args):
                 pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.top)
                 row["profile_tottime"] = text.getvalue()
             rows.append(row)
+    if args.moe_experts:
+        rows.append(_moe_row(rank, world, args, device, gen))
     return rows
+
+
+def _moe_row(rank, world, args, device, gen):
+    """Host / GPU µs per eager MoELayer forward (the default layer: waves, combine rows) at the first token count,
+    with moe_experts experts (fewer than the model's, to keep the weights small: the host path is the same), and the
+    functions with the most own time under cProfile."""
+    import ep_comm
+    from ep_comm import moe
+
+    tokens, h, inter, experts = args.tokens[0], args.hidden, 2048, args.moe_experts
+    local = experts // world
+    w1 = (torch.randn(local, 2 * inter, h, device=device, generator=gen) / h ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(local, h, inter, device=device, generator=gen) / inter ** 0.5).to(torch.bfloat16)
+    router = torch.randn(experts, h, device=device, generator=torch.Generator(device=device).manual_seed(7))
+    packed = moe.pack_weights(w1, w2)
+    del w1, w2
+    x = torch.randn(tokens, h, device=device, generator=gen).to(torch.bfloat16)
+    with ep_comm.Buffer(None, hidden=h, num_experts=experts, num_topk=args.topk, max_tokens_per_rank=tokens,
+                        dispatch_format="nvfp4", combine_format="s2f6", expert_alignment=16) as buf:
+        layer = moe.MoELayer(buf, router, packed)
+        row = {"tokens": tokens, "world": world, "backend": buf.backend, "moe_experts": experts,
+               "waves": layer.waves, "combine_rows": layer.combine_rows}
+        with torch.no_grad():
+            row["moe_forward_host_us"] = _per_call_us(lambda: layer(x), max(args.calls // 10, 10))
+            if rank == 0:
+                profiler = cProfile.Profile()
+                torch.cuda.synchronize()
+                profiler.enable()
+                for _ in range(max(args.calls // 10, 10)):
+                    layer(x)
+                profiler.disable()
+                torch.cuda.synchronize()
+                text = io.StringIO()
+                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.top)
+                row["profile_tottime"] = text.getvalue()
+    return row
 
 
 def main():
@@ -111,6 +150,8 @@ def main():
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--top", type=int, default=25, help="functions listed from the profile")
+    parser.add_argument("--moe-experts", type=int, default=0,
+                        help="also time an eager MoELayer forward with this many experts (0: not)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
@@ -120,7 +161,8 @@ def main():
         print(f"{row['tokens']} tokens, world {row['world']}, {row['backend']}: host / GPU us per call: "
               + ", ".join(f"{name} {host:.1f} / {gpu:.1f}" for name, (host, gpu) in timed.items()))
     for row in results[0]:
-        print(f"--- cProfile, {row['tokens']} tokens, {args.calls} dispatch + combine pairs (rank 0) ---")
+        what = ("MoELayer forwards" if "moe_experts" in row else "dispatch + combine pairs")
+        print(f"--- cProfile, {row['tokens']} tokens, {what} (rank 0) ---")
         print(row["profile_tottime"])
     if args.out:
         with open(args.out, "w") as handle:

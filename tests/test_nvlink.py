@@ -482,3 +482,32 @@ def test_nvlink_region_sections_are_disjoint(world, fmt):
     assert all(off % 8 == 0 for off, _ in sections.values())
     assert L.count_stride >= e_local + 2  # expert counts, token count, row flags (0/1)
 
+
+
+@pytest.mark.cpu
+def test_nvlink_handle_carves_its_arrays_from_the_arena():
+    """The handle keeps only its dispatch's arena and section table; its arrays (read by combine when the handle comes
+    from another Buffer, and by users) are views of the right bytes, with the right dtypes and shapes."""
+    from ep_comm.backends.nvlink import NVLinkHandle
+    tokens, topk, world, t_max, rows = 3, 2, 2, 4, 10
+    sizes = [4 * tokens * topk, 4 * tokens * topk, 40, 8, 4 * rows, 16, 20, 4 * rows, 4 * rows, 4 * rows, 4 * rows,
+             4 * world, 4 * world * t_max, 4 * world * t_max, 4 * world * t_max * topk]
+    offsets, run = [], 0
+    for nbytes in sizes:  # any order works; 256-byte aligned as in the C++ table
+        offsets.append(run)
+        run += (nbytes + 255) // 256 * 256
+    arena = torch.arange(run // 4, dtype=torch.int32)
+    handle = NVLinkHandle(arena=arena, arena_ptr=arena.data_ptr(), sections=tuple(zip(offsets, sizes)),
+                          num_tokens=tokens, num_rows=rows, num_topk=topk)
+
+    def words(i):
+        return arena[offsets[i] // 4:(offsets[i] + sizes[i]) // 4]
+    assert handle.send_idx.shape == (tokens, topk) and handle.send_idx.dtype == torch.int32
+    assert torch.equal(handle.send_idx.flatten(), words(0))
+    assert handle.send_w.dtype == torch.float32 and handle.send_w.shape == (tokens, topk)
+    assert torch.equal(handle.send_w.flatten().view(torch.int32), words(1))
+    assert torch.equal(handle.row_weight.view(torch.int32), words(10)) and handle.row_weight.dtype == torch.float32
+    for name, section in (("recv_count", 11), ("recv_tok", 12), ("recv_ord", 13), ("recv_rows", 14)):
+        assert torch.equal(getattr(handle, name), words(section)), name
+    assert handle.recv_rows.numel() == world * t_max * topk
+    assert handle.send_idx.data_ptr() == arena.data_ptr() + offsets[0]

@@ -27,7 +27,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import _ext
+from .. import _ext, formats
 from ..types import (BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, WaveDispatch, WaveSync,
                      s2f6_combine_row_layout)
 
@@ -365,28 +365,77 @@ class _SymmetricRegion:
 # ----------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class NVLinkHandle:
-    """What combine needs (all device tensors; fixed shapes, so graphs can capture dispatch + combine).
+    """What combine needs: one dispatch's arena (fixed shapes, so graphs can capture dispatch + combine).
 
+    arena: int32 [bytes / 4] on the device, the one allocation of a dispatch call: every DispatchResult tensor and
+        the arrays below are sections of it (their byte offsets and sizes are `sections`, the C++ table for
+        num_tokens), and the handle keeps it alive. arena_ptr: its address. owner: the NvlinkContext whose table
+        describes it.
+    The arrays, carved from the arena when read (combine reads them in C++ from the arena address instead):
     send_idx / send_w: this rank's routing [T, K] (int32 expert ids, -1 masked; fp32 weights), copied by the
         layout kernel. recv_count: [W] tokens received from each source. recv_tok / recv_ord: [W * T_max]
         source token of staging row (s, j) and this rank's ordinal among the token's destination ranks.
     recv_rows: [W * T_max * K] layout row of each slot of staging row (s, j), -1 if not local.
-    row_weight: DispatchResult.topk_weight. num_tokens: T; num_rows: R (capacity).
+    row_weight: DispatchResult.topk_weight. num_tokens: T; num_rows: R (capacity); num_topk: K.
     """
 
-    send_idx: torch.Tensor
-    send_w: torch.Tensor
-    recv_count: torch.Tensor
-    recv_tok: torch.Tensor
-    recv_ord: torch.Tensor
-    recv_rows: torch.Tensor
-    row_weight: torch.Tensor
+    arena: torch.Tensor
+    arena_ptr: int
+    sections: Tuple[Tuple[int, int], ...]
     num_tokens: int
     num_rows: int
-    # Base address of the dispatch arena holding the tensors above (0: separate tensors) and the context
-    # whose section table describes it. The tensors above keep the arena alive.
-    arena: int = 0
+    num_topk: int
     owner: Any = None
+
+    def _words(self, section: int, dtype=torch.int32) -> torch.Tensor:
+        offset, nbytes = self.sections[section]
+        return self.arena.view(dtype).as_strided((nbytes // 4,), (1,), offset // 4)
+
+    @property
+    def send_idx(self) -> torch.Tensor:
+        return self._words(0).view(self.num_tokens, self.num_topk)
+
+    @property
+    def send_w(self) -> torch.Tensor:
+        return self._words(1, torch.float32).view(self.num_tokens, self.num_topk)
+
+    @property
+    def recv_count(self) -> torch.Tensor:
+        return self._words(11)
+
+    @property
+    def recv_tok(self) -> torch.Tensor:
+        return self._words(12)
+
+    @property
+    def recv_ord(self) -> torch.Tensor:
+        return self._words(13)
+
+    @property
+    def recv_rows(self) -> torch.Tensor:
+        return self._words(14)
+
+    @property
+    def row_weight(self) -> torch.Tensor:
+        return self._words(10, torch.float32)
+
+
+@dataclass(frozen=True)
+class _ArenaRecipe:
+    """How one dispatch call's outputs sit in its arena (cached per token count; from the C++ section table).
+
+    words: int32 elements of the arena. sections: (byte offset, bytes) of the 15 sections (order of
+    NvlinkContext.arena_layout). Each output below is one as_strided view of an alias of the arena:
+    (element offset in the alias, shape). `data` / `scales` name their alias dtype too.
+    """
+
+    words: int
+    sections: Tuple[Tuple[int, int], ...]
+    data: Tuple[torch.dtype, int, Tuple[int, int]]
+    scales: Optional[Tuple[torch.dtype, int, Tuple[int, int]]]
+    amax: Optional[int]
+    int_views: Tuple[Tuple[int, int], ...]  # num_per_expert, expert_offsets, src_rank, src_token, topk_slot
+    topk_weight: int
 
 
 class NVLinkBackend:
@@ -410,7 +459,7 @@ class NVLinkBackend:
         self.device = torch.cuda.current_device()
         self.layout = _RegionLayout.of(config)
         self._sync_check = os.environ.get("EP_COMM_SYNC_CHECK", "0") == "1"
-        self._arena_tables = {}
+        self._arena_recipes = {}
         self._destroyed = False
         self._rows_handle = None  # the handle begin_combine_rows was given, until finish_combine_rows (order check)
         self._wave_ticket = None  # the last wave dispatch's _WaveTicket until its w1 GEMM claims it
@@ -552,28 +601,34 @@ class NVLinkBackend:
             torch.cuda.current_stream().synchronize()
             self.check()
 
-    def _arena_table(self, num_tokens: int):
-        """Cached per T: (total bytes, bytes of the int32 block, int32 split sizes, index in that split of
-        the 13 four-byte sections, byte range of the payload (2) and of the scales (3))."""
-        table = self._arena_tables.get(num_tokens)
-        if table is None:
-            offs, nbytes, total = self._ctx.dispatch_arena_layout(num_tokens)
-            word_sections = [i for i in range(len(offs)) if i not in (2, 3)]
-            words_end = offs[2]
-            sizes, pick, pos = [], {}, 0
-            for i in sorted(word_sections, key=lambda j: offs[j]):
-                if offs[i] % 4 or nbytes[i] % 4 or offs[i] + nbytes[i] > words_end or offs[i] < pos:
-                    raise RuntimeError("unexpected nvlink dispatch arena layout")
-                if offs[i] > pos:  # alignment gap
-                    sizes.append((offs[i] - pos) // 4)
-                pick[i] = len(sizes)
-                sizes.append(nbytes[i] // 4)
-                pos = offs[i] + nbytes[i]
-            if words_end > pos:
-                sizes.append((words_end - pos) // 4)
-            table = (total, words_end, sizes, pick, (offs[2], offs[2] + nbytes[2]), (offs[3], offs[3] + nbytes[3]))
-            self._arena_tables[num_tokens] = table
-        return table
+    def _arena_recipe(self, num_tokens: int) -> _ArenaRecipe:
+        """The arena recipe for num_tokens tokens (cached: the C++ table is fixed per token count)."""
+        recipe = self._arena_recipes.get(num_tokens)
+        if recipe is not None:
+            return recipe
+        offs, nbytes, total = self._ctx.dispatch_arena_layout(num_tokens)
+        if total % 4 or any(o % 16 for o in offs):
+            raise RuntimeError("unexpected nvlink dispatch arena layout")
+        cfg = self.config
+        rows, h = cfg.max_recv_rows, cfg.hidden
+        if cfg.dispatch_format == "nvfp4":
+            data = (torch.uint8, offs[2], (rows, h // 2))
+            scales = (torch.float8_e4m3fn, offs[3], (rows, h // 16))
+            amax = offs[4] // 4
+        elif cfg.dispatch_format == "mxfp8":
+            data = (torch.float8_e4m3fn, offs[2], (rows, h))
+            scales = (torch.float8_e8m0fnu, offs[3], (rows, h // 32))
+            amax = None
+        else:
+            data = (torch.bfloat16, offs[2] // 2, (rows, h))
+            scales, amax = None, None
+        local = cfg.num_local_experts
+        int_views = ((offs[5] // 4, local), (offs[6] // 4, local + 1), (offs[7] // 4, rows), (offs[8] // 4, rows),
+                     (offs[9] // 4, rows))
+        recipe = _ArenaRecipe(words=total // 4, sections=tuple(zip(offs, nbytes)), data=data, scales=scales,
+                              amax=amax, int_views=int_views, topk_weight=offs[10] // 4)
+        self._arena_recipes[num_tokens] = recipe
+        return recipe
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
         def launch(x, topk_idx, topk_weights, num_tokens, arena_ptr, stream):
@@ -623,59 +678,38 @@ class NVLinkBackend:
         x = x.contiguous()
         topk_idx = topk_idx.contiguous()
         topk_weights = topk_weights.contiguous().float()
-        dev = x.device
-        h, k = cfg.hidden, cfg.num_topk
-        rows = cfg.max_recv_rows
-        # One allocation per call: every output and handle tensor is a view of a fresh uint8 arena (the
-        # section table comes from the C++ side, which derives the same addresses from the arena base).
-        total, words_end, sizes, pick, data_range, scale_range = self._arena_table(num_tokens)
-        arena = torch.empty(total, dtype=torch.uint8, device=dev)
-        parts = arena[:words_end].view(torch.int32).split(sizes)
-        f32 = torch.float32
-        send_idx = parts[pick[0]].view(num_tokens, k)
-        send_w = parts[pick[1]].view(f32).view(num_tokens, k)
-        data = arena[data_range[0]:data_range[1]]
-        if cfg.dispatch_format == "nvfp4":
-            data = data.view(rows, h // 2)
-            scales = arena[scale_range[0]:scale_range[1]].view(rows, h // 16)
-            amax = parts[pick[4]].view(f32)
-        elif cfg.dispatch_format == "mxfp8":
-            data = data.view(rows, h)
-            scales = arena[scale_range[0]:scale_range[1]].view(rows, h // 32)
-            amax = None
-        else:
-            data = data.view(torch.bfloat16).view(rows, h)
-            scales, amax = None, None
-        num_per_expert = parts[pick[5]]
-        expert_offsets = parts[pick[6]]
-        src_rank = parts[pick[7]]
-        src_token = parts[pick[8]]
-        topk_slot = parts[pick[9]]
-        topk_weight = parts[pick[10]].view(f32)
-        recv_count = parts[pick[11]]
-        recv_tok = parts[pick[12]]
-        recv_ord = parts[pick[13]]
-        recv_rows = parts[pick[14]]
+        # One allocation per call: every output is a view of a fresh arena, carved by the cached recipe (one
+        # as_strided per output: host time per eager call is what small calls pay, and each tensor object costs ~1 us).
+        # The C++ side derives the same addresses from the arena base.
+        recipe = self._arena_recipe(num_tokens)
+        arena = torch.empty(recipe.words, dtype=torch.int32, device=x.device)
+        as_f32 = arena.view(torch.float32)
+        dtype, offset, shape = recipe.data
+        data = arena.view(dtype).as_strided(shape, (shape[1], 1), offset)
+        if recipe.scales is not None:
+            dtype, offset, shape = recipe.scales
+            scales = arena.view(dtype).as_strided(shape, (shape[1], 1), offset)
+        (num_per_expert, expert_offsets, src_rank, src_token, topk_slot) = [
+            arena.as_strided((n,), (1,), offset) for offset, n in recipe.int_views]
+        topk_weight = as_f32.as_strided((cfg.max_recv_rows,), (1,), recipe.topk_weight)
 
         arena_ptr = arena.data_ptr()
         launch(x, topk_idx, topk_weights, num_tokens, arena_ptr, _ext.current_raw_stream(self.device))
         self._after_call()
 
-        from .. import formats
         if cfg.dispatch_format == "nvfp4":
-            payload = formats.NVFP4Tensor(data=data, scales=scales.view(torch.float8_e4m3fn), amax=amax,
-                                          e4m3_max=formats.NVFP4_ACTIVATION_E4M3_MAX)
+            payload = formats.NVFP4Tensor(data=data, scales=scales,
+                                             amax=as_f32.as_strided((cfg.max_recv_rows,), (1,), recipe.amax),
+                                             e4m3_max=formats.NVFP4_ACTIVATION_E4M3_MAX)
         elif cfg.dispatch_format == "mxfp8":
-            payload = formats.MXFP8Tensor(data=data.view(torch.float8_e4m3fn),
-                                          scales=scales.view(torch.float8_e8m0fnu))
+            payload = formats.MXFP8Tensor(data=data, scales=scales)
         else:
             payload = data
-        handle = NVLinkHandle(send_idx=send_idx, send_w=send_w, recv_count=recv_count, recv_tok=recv_tok,
-                              recv_ord=recv_ord, recv_rows=recv_rows, row_weight=topk_weight,
-                              num_tokens=num_tokens, num_rows=rows, arena=arena_ptr, owner=self._ctx)
+        handle = NVLinkHandle(arena=arena, arena_ptr=arena_ptr, sections=recipe.sections, num_tokens=num_tokens,
+                              num_rows=cfg.max_recv_rows, num_topk=cfg.num_topk, owner=self._ctx)
         return DispatchResult(x=payload, num_tokens_per_expert=num_per_expert, expert_offsets=expert_offsets,
                               src_rank=src_rank, src_token=src_token, topk_slot=topk_slot, topk_weight=topk_weight,
-                              handle=handle, num_rows=rows)
+                              handle=handle, num_rows=cfg.max_recv_rows)
 
     @staticmethod
     def check_handle(handle) -> None:
@@ -694,8 +728,8 @@ class NVLinkBackend:
                              f"{expert_out.dtype} {tuple(expert_out.shape)}")
         expert_out = expert_out.contiguous()
         out = torch.empty(handle.num_tokens, cfg.hidden, dtype=torch.bfloat16, device=expert_out.device)
-        if handle.arena and handle.owner is self._ctx:  # handle tensors are sections of one dispatch arena
-            self._ctx.combine_arena(expert_out.data_ptr(), handle.arena, handle.num_tokens, bool(local_reduce),
+        if handle.owner is self._ctx:  # this context's arena table describes the handle's arena
+            self._ctx.combine_arena(expert_out.data_ptr(), handle.arena_ptr, handle.num_tokens, bool(local_reduce),
                                     out.data_ptr(), _ext.current_raw_stream(self.device))
             self._after_call()
             return out
@@ -741,8 +775,9 @@ class NVLinkBackend:
                                "combine the peers were still reading")
         if handle is not self._rows_handle:
             raise ValueError("finish_combine_rows needs the handle of the DispatchResult given to begin_combine_rows")
-        out = torch.empty(handle.num_tokens, self.config.hidden, dtype=torch.bfloat16, device=handle.send_idx.device)
-        self._ctx.combine_rows_finish(handle.send_idx.data_ptr(), handle.send_w.data_ptr(), handle.num_tokens,
+        out = torch.empty(handle.num_tokens, self.config.hidden, dtype=torch.bfloat16, device=handle.arena.device)
+        send_idx, send_w = (handle.arena_ptr + handle.sections[i][0] for i in (0, 1))  # the arena's sections 0 and 1
+        self._ctx.combine_rows_finish(send_idx, send_w, handle.num_tokens,
                                       out.data_ptr(), _ext.current_raw_stream(self.device))
         # Closed only once the receive is launched: a begin whose finish raised (allocation, launch) stays open, so it
         # can be finished again instead of leaving the combine kernels' call counts one apart.
