@@ -400,27 +400,6 @@ profile_one_rank_send() {  # world 1, 4096 tokens, NVFP4: per-kernel times with 
   grep -E "Duration|DRAM Throughput|Issue Slots Busy|No Eligible|Achieved Occupancy|Registers Per|Warp Cycles Per Issued" \
     "$OUT/ncu_send_noself.txt" | tee -a "$log"
 }
-profile_send_shape() {  # world 1, 4096 tokens, NVFP4: per-kernel times under each send shape (EP_COMM_NVFP4_SEND_SHAPE), with
-  # the direct self rows on (default) and off (off: one staging row per token, the work a send does for a peer); order
-  # 1x512, 2x320, 2x320, 1x512 so that drift favours neither
-  local shape v
-  for shape in 1x512 2x320 2x320 1x512; do
-    for v in 2048 1000000000; do
-      say "profile: world 1, 4096 tokens, nvfp4/s2f6, send shape $shape, EP_COMM_DIRECT_SELF_MIN_TOKENS=$v"
-      EP_COMM_NVFP4_SEND_SHAPE=$shape EP_COMM_DIRECT_SELF_MIN_TOKENS=$v CUDA_VISIBLE_DEVICES=0 timeout 150 \
-        python3 bench/profile_nvlink.py --nproc 1 --tokens 4096 --formats nvfp4/s2f6 --iters 20 2>&1 \
-        | grep -E "^ +4096 |kernel" | tee -a "$log"
-    done
-  done
-}
-bench_send_shape() {  # world 1, 4096 tokens: device µs per NVFP4 dispatch (back to back: GPU-bound) under each send shape
-  local shape
-  for shape in 1x512 2x320 2x320 1x512; do
-    say "bench: world 1, nvfp4/s2f6 graph, send shape $shape"
-    EP_COMM_NVFP4_SEND_SHAPE=$shape CUDA_VISIBLE_DEVICES=0 timeout 100 python3 bench/profile_host.py --nproc 1 \
-      --tokens 4096 --calls 200 2>&1 | grep -E "us per call" | tee -a "$log"
-  done
-}
 profile_4096_timeline() {  # both ranks' kernels of the last dispatch + combine of a graph replay at 4096 tokens
   say "profile: timeline of a 4096-token dispatch + combine (graph replay)"
   timeout 150 python3 bench/profile_nvlink.py --timeline --tokens 4096 --formats nvfp4/s2f6,bf16/bf16 --iters 4 \

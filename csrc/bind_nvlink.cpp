@@ -40,7 +40,6 @@ class NvlinkContext {
     c.max_tokens = get<int>(d, "max_tokens");
     c.alignment = get<int>(d, "alignment");
     c.disp_send_blocks = get<int>(d, "disp_send_blocks");
-    c.disp_send_threads = get<int>(d, "disp_send_threads");
     c.disp_recv_blocks = get<int>(d, "disp_recv_blocks");
     c.comb_send_blocks = get<int>(d, "comb_send_blocks");
     c.comb_recv_blocks = get<int>(d, "comb_recv_blocks");
@@ -82,10 +81,6 @@ class NvlinkContext {
     if (c.hidden % 32 != 0) throw std::invalid_argument("hidden must be a multiple of 32");
     if (c.disp_send_blocks < 1 || c.disp_recv_blocks < 1 || c.comb_send_blocks < 1 || c.comb_recv_blocks < 1)
       throw std::invalid_argument("nvlink kernel block counts must be >= 1");
-    if (c.disp_send_threads != kCommThreads &&
-        !(c.disp_fmt == kDispNvfp4 && c.disp_send_threads == kNvfp4SendThreadsNarrow))
-      throw std::invalid_argument("disp_send_threads must be " + std::to_string(kCommThreads) + " (or " +
-                                  std::to_string(kNvfp4SendThreadsNarrow) + " for the NVFP4 send)");
     select();
     prepare_layout_kernel(c);
     prepare_dispatch_kernels(c);

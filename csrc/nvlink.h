@@ -115,7 +115,6 @@ struct NvlinkConfig {
   int max_tokens;    // T_max
   int alignment;     // expert segment alignment (rows)
   int disp_send_blocks;  // grid of the dispatch send kernel (signals disp_ready)
-  int disp_send_threads;  // its block size: kCommThreads, or kNvfp4SendThreadsNarrow for the NVFP4 send (below)
   int disp_recv_blocks;  // grid of the dispatch receive kernel (signals disp_consumed)
   int comb_send_blocks;  // grid of the combine send kernel (signals comb_ready)
   int comb_recv_blocks;  // grid of the combine receive kernel (signals comb_consumed)
@@ -254,9 +253,6 @@ void host_mapped_free(uintptr_t host_ptr);
 
 // Thread-block sizes.
 constexpr int kCommThreads = 512;
-// The NVFP4 dispatch send's other shape: 2 blocks of 320 threads per SM (20 warps at 96 registers) instead of one of
-// 512 (16 warps at 128 registers): more warps to hide the 4/6 quantization's latencies, with a few spilled registers.
-constexpr int kNvfp4SendThreadsNarrow = 320;
 
 #if defined(__CUDACC__)
 // Host side of the kernel files: a failed CUDA call becomes a C++ exception (pybind11 turns it into a Python

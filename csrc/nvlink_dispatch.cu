@@ -268,9 +268,8 @@ __device__ __forceinline__ void record_own_row(const NvlinkConfig& cfg, const Di
 // groups of 32 (G > 1 only when there are fewer tokens than warps, i.e. small latency-bound calls).
 // Templated on the format so that each path gets its own register allocation (the NVFP4 math would
 // otherwise set the budget of the BF16 copy loop and vice versa).
-// The body is shared by two kernels that differ only in their launch bounds (dispatch_send_kernel below).
 template <int kFmt>
-__device__ __forceinline__ void dispatch_send(const NvlinkConfig& cfg, const DispatchArgs& args) {
+__global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfig cfg, DispatchArgs args) {
   extern __shared__ int smem[];  // direct self rows: the receive layout (ReceiveLayout)
   __shared__ char* dest_rows[kCommThreads / 32][kMaxTopk];
   __shared__ int self_rows[kCommThreads / 32][kMaxTopk];
@@ -516,17 +515,6 @@ __device__ __forceinline__ void dispatch_send(const NvlinkConfig& cfg, const Dis
   }
 
   block_signal_all_peers(cfg, cfg.off_disp_ready);
-}
-
-// One block of kCommThreads per SM; the NVFP4 send also as two blocks of kNvfp4SendThreadsNarrow per SM
-// (dispatch_send_narrow_kernel; NvlinkConfig::disp_send_threads picks).
-template <int kFmt>
-__global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfig cfg, DispatchArgs args) {
-  dispatch_send<kFmt>(cfg, args);
-}
-__global__ void __launch_bounds__(kNvfp4SendThreadsNarrow, 2)
-    dispatch_send_narrow_kernel(NvlinkConfig cfg, DispatchArgs args) {
-  dispatch_send<kDispNvfp4>(cfg, args);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -1008,9 +996,6 @@ void prepare_dispatch_kernels(const NvlinkConfig& cfg) {
   const int smem = static_cast<int>(recv_smem(cfg));
   check_cuda(cudaFuncSetAttribute(dispatch_send_kernel<kDispNvfp4>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
              "cudaFuncSetAttribute(dispatch_send)");
-  check_cuda(cudaFuncSetAttribute(dispatch_send_narrow_kernel,
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-             "cudaFuncSetAttribute(dispatch_send, narrow)");
   check_cuda(cudaFuncSetAttribute(dispatch_recv_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
              "cudaFuncSetAttribute(dispatch_recv)");
   check_cuda(cudaFuncSetAttribute(dispatch_recv_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
@@ -1023,12 +1008,8 @@ void launch_dispatch_send(const NvlinkConfig& cfg, const DispatchArgs& args, uin
   cudaError_t err;
   if (cfg.disp_fmt == kDispNvfp4) {
     // Shared memory for the receive layout that direct self rows need.
-    const size_t smem = args.direct_self ? recv_smem(cfg) : 0;
-    err = cfg.disp_send_threads == kNvfp4SendThreadsNarrow
-              ? launch_kernel(dispatch_send_narrow_kernel, cfg.disp_send_blocks,
-                              kNvfp4SendThreadsNarrow, smem, st, pdl, cfg, args)
-              : launch_kernel(dispatch_send_kernel<kDispNvfp4>, cfg.disp_send_blocks, kCommThreads, smem, st, pdl, cfg,
-                              args);
+    err = launch_kernel(dispatch_send_kernel<kDispNvfp4>, cfg.disp_send_blocks, kCommThreads,
+                        args.direct_self ? recv_smem(cfg) : 0, st, pdl, cfg, args);
   } else if (cfg.disp_fmt == kDispMxfp8) {
     err = launch_kernel(dispatch_send_kernel<kDispMxfp8>, cfg.disp_send_blocks, kCommThreads, 0, st, pdl, cfg, args);
   } else {

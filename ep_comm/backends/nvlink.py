@@ -526,11 +526,9 @@ class NVLinkBackend:
             votes = [None] * self.world
             dist.all_gather_object(votes, int(sms), group=group)
             local = min(votes)
-        send, send_threads = (local, 512) if config.dispatch_format == "nvfp4" else (config.num_sms, 512)
-        if config.dispatch_format == "nvfp4" and os.environ.get("EP_COMM_NVFP4_SEND_SHAPE", "1x512") == "2x320":
-            send, send_threads = 2 * local, 320  # two blocks of 320 threads per SM (csrc/nvlink.h)
-        return {"disp_send_blocks": int(send), "disp_send_threads": send_threads, "disp_recv_blocks": int(local),
-                "comb_send_blocks": int(local), "comb_recv_blocks": int(local)}
+        send = local if config.dispatch_format == "nvfp4" else config.num_sms
+        return {"disp_send_blocks": int(send), "disp_recv_blocks": int(local), "comb_send_blocks": int(local),
+                "comb_recv_blocks": int(local)}
 
     @staticmethod
     def is_available(group) -> Tuple[bool, str]:
