@@ -182,6 +182,11 @@ profile_host_small() {  # host-bound shapes (16 tokens, H = 2048, 16 experts): w
     --calls 300 --top 45 --out "$OUT/profile_host_small.json" > "$OUT/profile_host_small.txt" 2>&1
   grep -E "us per call" "$OUT/profile_host_small.txt" | tee -a "$log"
 }
+profile_host_small_ab() {  # profile_host_small's host µs per call (dispatch, combine, MoELayer forward), this tree against
+  # ab_base.tar (this, base, base, this)
+  ab_trees "profile: host cost, small shapes" "us per call" env CUDA_VISIBLE_DEVICES=0 timeout 100 \
+    python3 bench/profile_host.py --nproc 1 --tokens 16 --hidden 2048 --experts 16 --moe-experts 16 --calls 300
+}
 profile_host_ab() {  # host µs per eager call at 128 tokens, this tree against ab_base.tar (this, base, base, this)
   ab_trees "profile: host cost, 128 tokens" "us per call" env CUDA_VISIBLE_DEVICES=0 timeout 100 \
     python3 bench/profile_host.py --nproc 1 --tokens 128 --calls 500

@@ -94,13 +94,14 @@ def _worker(rank, world, args):
             # The C++ launches alone (one pybind call each, into the last dispatch's arena): dispatch = 3 kernels,
             # combine = 2, with the stream handle computed once outside the loop.
             ctx, handle = buf._backend._ctx, result.handle
+            arena = getattr(handle, "arena_ptr", handle.arena)  # trees before 2026-12-01: `arena` was the address
             stream = _ext.current_raw_stream(device)
             is64 = idx.dtype == torch.int64
             row["cpp_dispatch_host_us"] = _per_call_us(lambda: ctx.dispatch_arena(
-                x.data_ptr(), idx.data_ptr(), is64, w.data_ptr(), tokens, handle.arena_ptr, stream), args.calls)
+                x.data_ptr(), idx.data_ptr(), is64, w.data_ptr(), tokens, arena, stream), args.calls)
             out = torch.empty(tokens, args.hidden, dtype=torch.bfloat16, device=device)
             row["cpp_combine_host_us"] = _per_call_us(lambda: ctx.combine_arena(
-                expert_out.data_ptr(), handle.arena_ptr, tokens, True, out.data_ptr(), stream), args.calls)
+                expert_out.data_ptr(), arena, tokens, True, out.data_ptr(), stream), args.calls)
             # Scale: the stream lookup every call makes (the library's raw accessor, and torch's public call it
             # replaced), and one small torch kernel launch.
             row["raw_stream_host_us"] = _per_call_us(lambda: _ext.current_raw_stream(device), args.calls)

@@ -62,7 +62,7 @@ def _launch_nvfp4_quantize(x: torch.Tensor, four_over_six: bool, amax: Optional[
     num_rows = rows.shape[0]
     amax_in = None if amax is None else amax.reshape(num_rows).float().contiguous()
     e4m3_max = _NVFP4_ACTIVATION_M if four_over_six else _NVFP4_WEIGHT_M
-    with torch.cuda.device(x.device):
+    with _ext.cuda_device(x.device):
         _lib().nvfp4_quantize(rows.data_ptr(), _ELEM_TYPES[rows.dtype], rows.stride(0), num_rows, k, _ptr(amax_in),
                               e4m3_max, four_over_six, _ptr(data), k // 2, _ptr(scales), k // 16, _ptr(amax_out), 0,
                               _ext.current_raw_stream(x.device), _ptr(num_rows_limit), _ptr(block_values), k,
@@ -105,7 +105,7 @@ def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
     amax = q.amax.reshape(-1).float().contiguous()
     num_rows = data.shape[0]
     out, out_type = _output((num_rows, k), dtype, q.data.device)
-    with torch.cuda.device(q.data.device):
+    with _ext.cuda_device(q.data.device):
         lib.nvfp4_dequantize(data.data_ptr(), scales.data_ptr(), amax.data_ptr(), num_rows, k, float(q.e4m3_max),
                              out.data_ptr(), out_type, _ext.current_raw_stream(q.data.device))
     return out.reshape(*q.data.shape[:-1], k).to(dtype)
@@ -118,7 +118,7 @@ def mxfp8_quantize(x: torch.Tensor, rounding: str, seed: int) -> MXFP8Tensor:
     num_rows = rows.shape[0]
     data = torch.empty(num_rows, k, dtype=torch.uint8, device=x.device)
     scales = torch.empty(num_rows, k // 32, dtype=torch.uint8, device=x.device)
-    with torch.cuda.device(x.device):
+    with _ext.cuda_device(x.device):
         lib.mxfp8_quantize(rows.data_ptr(), _ELEM_TYPES[rows.dtype], rows.stride(0), num_rows, k,
                            rounding == "stochastic", seed & 0xFFFFFFFFFFFFFFFF, data.data_ptr(), k,
                            scales.data_ptr(), k // 32, _ext.current_raw_stream(x.device))
@@ -133,7 +133,7 @@ def mxfp8_dequantize(m: MXFP8Tensor, dtype: torch.dtype) -> torch.Tensor:
     scales = m.scales.view(torch.uint8).reshape(-1, k // 32).contiguous()
     num_rows = data.shape[0]
     out, out_type = _output((num_rows, k), dtype, m.data.device)
-    with torch.cuda.device(m.data.device):
+    with _ext.cuda_device(m.data.device):
         lib.mxfp8_dequantize(data.data_ptr(), scales.data_ptr(), num_rows, k, out.data_ptr(), out_type,
                              _ext.current_raw_stream(m.data.device))
     return out.reshape(m.data.shape).to(dtype)
@@ -147,7 +147,7 @@ def nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str, seed: int) -> MXFP8
     amax = q.amax.float().contiguous()
     out_data = torch.empty(k, num_rows, dtype=torch.uint8, device=q.data.device)
     out_scales = torch.empty(k, num_rows // 32, dtype=torch.uint8, device=q.data.device)
-    with torch.cuda.device(q.data.device):
+    with _ext.cuda_device(q.data.device):
         lib.nvfp4_to_mxfp8_transposed(data.data_ptr(), scales.data_ptr(), amax.data_ptr(), num_rows, k,
                                       float(q.e4m3_max), rounding == "stochastic", seed & 0xFFFFFFFFFFFFFFFF,
                                       out_data.data_ptr(), out_scales.data_ptr(),
@@ -162,7 +162,7 @@ def s2f6_quantize(x: torch.Tensor, hadamard: bool, sign_mask: int) -> S2F6Tensor
     num_rows = rows.shape[0]
     data = torch.empty(num_rows, k, dtype=torch.int8, device=x.device)
     scales = torch.empty(num_rows, k // 32, dtype=torch.uint8, device=x.device)
-    with torch.cuda.device(x.device):
+    with _ext.cuda_device(x.device):
         lib.s2f6_quantize(rows.data_ptr(), _ELEM_TYPES[rows.dtype], rows.stride(0), num_rows, k, hadamard,
                           sign_mask, data.data_ptr(), k, scales.data_ptr(), k // 32, _ext.current_raw_stream(x.device))
     return S2F6Tensor(data=data.reshape(*lead_shape, k),
@@ -177,7 +177,7 @@ def s2f6_dequantize(s: S2F6Tensor, dtype: torch.dtype) -> torch.Tensor:
     scales = s.scales.view(torch.uint8).reshape(-1, k // 32).contiguous()
     num_rows = data.shape[0]
     out, out_type = _output((num_rows, k), dtype, s.data.device)
-    with torch.cuda.device(s.data.device):
+    with _ext.cuda_device(s.data.device):
         lib.s2f6_dequantize(data.data_ptr(), scales.data_ptr(), num_rows, k, s.hadamard, s.sign_mask,
                             out.data_ptr(), out_type, _ext.current_raw_stream(s.data.device))
     return out.reshape(s.data.shape).to(dtype)
@@ -194,7 +194,7 @@ def s2f6_dequantize_accumulate(s: S2F6Tensor, row_index: torch.Tensor, weights: 
     weights = None if weights is None else weights.float().contiguous()
     num_out_rows, num_terms = index.shape
     out, out_type = _output((num_out_rows, k), out_dtype, s.data.device)
-    with torch.cuda.device(s.data.device):
+    with _ext.cuda_device(s.data.device):
         lib.s2f6_dequantize_accumulate(data.data_ptr(), scales.data_ptr(), num_src_rows, k, index.data_ptr(),
                                        index.dtype == torch.int64, _ptr(weights), num_out_rows, num_terms,
                                        s.hadamard, s.sign_mask, out.data_ptr(), out_type,

@@ -1,10 +1,11 @@
 """Loads the compiled core `ep_comm._C` and remembers why it is unavailable, so nothing falls back silently."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import warnings
-from typing import Optional, Union
+from typing import ContextManager, Optional, Union
 
 import torch
 
@@ -67,3 +68,16 @@ def current_raw_stream(device: Union[torch.device, int]) -> int:
     if _raw_stream_of_device is not None:
         return _raw_stream_of_device(index)
     return torch.cuda.current_stream(index).cuda_stream
+
+
+_already_current = contextlib.nullcontext()  # no state: one instance serves every call
+
+
+def cuda_device(device: Union[torch.device, int]) -> ContextManager:
+    """`torch.cuda.device(device)`, or a no-op context when `device` (a CUDA torch.device or an index) is the current
+    device already, as it is for almost every call: entering and leaving torch.cuda.device costs several µs of host
+    time per kernel launch (bench/profile_host.py)."""
+    index = device if isinstance(device, int) else device.index
+    if index is None or index == torch.cuda.current_device():
+        return _already_current
+    return torch.cuda.device(index)

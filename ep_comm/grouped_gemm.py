@@ -368,7 +368,7 @@ def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Option
         data, scales = data.contiguous(), scales.contiguous()
         values = torch.empty(num_rows, k, dtype=torch.float16, device=q.data.device)
         if num_rows:
-            with torch.cuda.device(q.data.device):
+            with _ext.cuda_device(q.data.device):
                 _check_num_rows_limit(num_rows_limit, q.data.device)
                 limit = 0 if num_rows_limit is None else num_rows_limit.data_ptr()
                 lib.nvfp4_dequantize(data.data_ptr(), scales.data_ptr(), 0, num_rows, k, float(q.e4m3_max),
@@ -552,7 +552,7 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
             wave.claim()
         if rows == 0:
             return out
-        with torch.cuda.device(device):
+        with _ext.cuda_device(device):
             _ext._C.grouped_gemm_nvfp4(
                 x.values.data_ptr(), x.values.stride(0), x.row_factor.data_ptr(), weights.values.data_ptr(),
                 weights.scales.data_ptr(), weights.factor.data_ptr(), expert_offsets.data_ptr(),
@@ -614,7 +614,7 @@ def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tenso
     _check_cuda_weights(weights)
     if rows == 0:
         return
-    with torch.cuda.device(device):
+    with _ext.cuda_device(device):
         _ext._C.grouped_gemm_nvfp4_combine_rows(
             x.values.data_ptr(), x.values.stride(0), x.row_factor.data_ptr(), weights.values.data_ptr(),
             weights.scales.data_ptr(), weights.factor.data_ptr(), expert_offsets.data_ptr(),

@@ -1,4 +1,4 @@
-"""ep_comm._ext helpers: the raw current CUDA stream handed to every kernel launch."""
+"""ep_comm._ext helpers: the raw current CUDA stream handed to every kernel launch, and the device context around it."""
 import pytest
 import torch
 
@@ -35,3 +35,41 @@ def test_current_raw_stream_is_the_current_stream():
             assert _ext.current_raw_stream(device) == side.cuda_stream
     finally:
         _ext._raw_stream_of_device = saved
+
+
+@pytest.mark.cpu
+def test_cuda_device_switches_only_when_needed(monkeypatch):
+    """cuda_device is a no-op context for the current device (or an index-less device) and torch.cuda.device for any
+    other."""
+    switched = []
+
+    class FakeDevice:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            switched.append(self.index)
+
+        def __exit__(self, *exc):
+            return False
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device", FakeDevice)
+    for same in (1, torch.device("cuda", 1), torch.device("cuda")):
+        with _ext.cuda_device(same):
+            pass
+    assert switched == []
+    with _ext.cuda_device(torch.device("cuda", 0)):
+        pass
+    with _ext.cuda_device(3):
+        pass
+    assert switched == [0, 3]
+
+
+@pytest.mark.gpu
+def test_cuda_device_makes_the_device_current():
+    """On a GPU: inside cuda_device(d) the current device is d, and afterwards the previous one again."""
+    before = torch.cuda.current_device()
+    for index in range(torch.cuda.device_count()):
+        with _ext.cuda_device(torch.device("cuda", index)):
+            assert torch.cuda.current_device() == index
+        assert torch.cuda.current_device() == before
