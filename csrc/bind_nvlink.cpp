@@ -96,8 +96,9 @@ class NvlinkContext {
     // Streaming receive (nvlink.h): the receive expands rows as they arrive. A wave receive keeps the wait for the
     // whole send (it writes rows expert by expert, in an order unrelated to the send's).
     a.stream_recv = a.wave_values == nullptr && dispatch_stream_recv() ? 1 : 0;
-    // BF16 self rows from x (nvlink.h): half the send's stores and no wait for this rank's own rows.
-    a.self_from_x = a.stream_recv && cfg_.disp_fmt == kDispBf16 ? 1 : 0;
+    // Self rows from x (nvlink.h), BF16 and MXFP8: the send stores no staging rows for this rank itself, and the receive
+    // makes those rows from x (BF16 copied, MXFP8 quantized) while the peers' rows are still arriving.
+    a.self_from_x = a.stream_recv && (cfg_.disp_fmt == kDispBf16 || cfg_.disp_fmt == kDispMxfp8) ? 1 : 0;
     launch_layout(cfg_, a, stream);
     launch_dispatch_send(cfg_, a, stream);
     launch_dispatch_recv(cfg_, a, stream);

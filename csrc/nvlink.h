@@ -201,8 +201,9 @@ struct DispatchArgs {
   // Streaming receive (see the protocol above): set by the host launcher for dispatches without waves unless
   // EP_COMM_NVLINK_STREAM_RECV=0 (dispatch_stream_recv).
   int stream_recv;
-  // BF16 self rows from x (streaming receive, BF16): the send stores no staging rows for this rank itself; the receive
-  // expands this rank's own tokens straight from x, while the peers' rows are still arriving.
+  // Self rows from x (streaming receive, BF16 and MXFP8): the send stores no staging rows for this rank itself; the
+  // receive expands this rank's own tokens straight from x (MXFP8: quantized there, as the send would have), while the
+  // peers' rows are still arriving.
   int self_from_x;
 };
 

@@ -93,6 +93,35 @@ __device__ __forceinline__ uint4 quantize_nvfp4_chunk32(const Chunk32& chunk, Nv
   return make_uint4(fast[0].words[0], fast[0].words[1], fast[1].words[0], fast[1].words[1]);
 }
 
+// MXFP8 unit h of a bf16 row (16 elements, 16 output bytes) by one lane: lanes 2i and 2i + 1 hold the two halves of
+// one 32-element block and share its amax by a shuffle, so the whole warp calls this together (with h = base + lane,
+// base even; an inactive lane, h >= the row's units, adds amax 0 and its result is unused). Returns the 16 E4M3 bytes
+// and sets `scale` to the block's UE8M0 byte. Used by the send (staging rows) and by the receive for this rank's own
+// tokens (self rows from x): the same bytes either way.
+__device__ __forceinline__ uint4 mxfp8_unit16(const unsigned char* xrow, int h, bool active, uint8_t& scale) {
+  float xv[16];
+  float a = 0.0f;
+  if (active) {
+    bf16x8_to_float(ld_input_v4(xrow + static_cast<long long>(h) * 32), xv);
+    bf16x8_to_float(ld_input_v4(xrow + static_cast<long long>(h) * 32 + 16), xv + 8);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) a = qm_max(a, qm_abs(xv[i]));
+  }
+  a = qm_max(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
+  scale = 0;
+  if (!active) return make_uint4(0u, 0u, 0u, 0u);
+  scale = ue8m0_mxfp8_scale(a);
+  const float p = ue8m0_inverse(scale);
+  unsigned int words[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const unsigned int lo = e4m3x2_encode(qm_mul(xv[4 * i], p), qm_mul(xv[4 * i + 1], p));
+    const unsigned int hi = e4m3x2_encode(qm_mul(xv[4 * i + 2], p), qm_mul(xv[4 * i + 3], p));
+    words[i] = lo | (hi << 16);
+  }
+  return make_uint4(words[0], words[1], words[2], words[3]);
+}
+
 // Row amax of a bf16 row (NaN ignored, Inf kept) by the whole warp: bf16x2 max, exact (max is order-free,
 // so U independent accumulators give the same bits as one). U = 8 loads in flight per lane: an H = 7168 row
 // (28 pieces per lane) takes 4 dependent load rounds instead of 7, which is the amax latency of a small
@@ -253,7 +282,7 @@ __device__ __forceinline__ void record_staging_row(const NvlinkConfig& cfg, cons
   }
 }
 
-// record_staging_row for a row this rank sends to itself without a staging row (direct self rows, BF16 self rows from
+// record_staging_row for a row this rank sends to itself without a staging row (direct self rows, self rows from
 // x): its staging slot is the one the token holds at this rank, on its first lane with an expert here (`here`: lane
 // k's expert is on this rank; slot and e as token_routing gives them). Whole warp.
 __device__ __forceinline__ void record_own_row(const NvlinkConfig& cfg, const DispatchArgs& args, int t, int lane,
@@ -288,8 +317,8 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
   const int hidden = cfg.hidden;
   // Compiled for NVFP4 only (the host sets direct_self for NVFP4 only).
   const bool direct_self = kFmt == kDispNvfp4 && args.direct_self != 0;
-  // BF16 self rows read by the receive from x (DispatchArgs::self_from_x): no staging row for this rank itself.
-  const bool skip_self_staging = direct_self || (kFmt == kDispBf16 && args.self_from_x != 0);
+  // BF16 / MXFP8 self rows made by the receive from x (DispatchArgs::self_from_x): no staging row for this rank itself.
+  const bool skip_self_staging = direct_self || ((kFmt == kDispBf16 || kFmt == kDispMxfp8) && args.self_from_x != 0);
   const int first_expert = cfg.rank * cfg.num_local;
   const int warps_per_block = blockDim.x / 32;
   const int warp_in_block = threadIdx.x / 32;
@@ -412,30 +441,12 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
         }
       }
     } else if (kFmt == kDispMxfp8) {
-      // 16 elements per lane, lanes 2i and 2i+1 share a block of 32 (units is even: both are active or not).
       for (int base = part * 32; base < units; base += unit_stride) {
         const int h = base + lane;
         const bool active = h < units;
-        float xv[16];
-        float a = 0.0f;
+        uint8_t b;
+        const uint4 packed = mxfp8_unit16(xrow, h, active, b);
         if (active) {
-          bf16x8_to_float(ld_input_v4(xrow + static_cast<long long>(h) * 32), xv);
-          bf16x8_to_float(ld_input_v4(xrow + static_cast<long long>(h) * 32 + 16), xv + 8);
-#pragma unroll
-          for (int i = 0; i < 16; ++i) a = qm_max(a, qm_abs(xv[i]));
-        }
-        a = qm_max(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
-        if (active) {
-          const uint8_t b = ue8m0_mxfp8_scale(a);
-          const float p = ue8m0_inverse(b);
-          unsigned int words[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const unsigned int lo = e4m3x2_encode(qm_mul(xv[4 * i], p), qm_mul(xv[4 * i + 1], p));
-            const unsigned int hi = e4m3x2_encode(qm_mul(xv[4 * i + 2], p), qm_mul(xv[4 * i + 3], p));
-            words[i] = lo | (hi << 16);
-          }
-          const uint4 packed = make_uint4(words[0], words[1], words[2], words[3]);
           for (int i = 0; i < num_dest; ++i) {
             char* row = rows[i];
             st_v4(row + static_cast<long long>(h) * 16, packed);
@@ -752,9 +763,13 @@ __device__ __forceinline__ void wait_staging_row(const NvlinkConfig& cfg, int ha
   __syncwarp();
 }
 
-// BF16 self rows from x (DispatchArgs::self_from_x): this rank's token t, read from the input instead of a staging row
-// its own send would have written -- the same bytes, handle entry and metadata as the staging path (record_own_row).
-// Whole warp; `part` of `split` as for a staging row; `rows` is the warp's shared-memory list.
+// Self rows from x (DispatchArgs::self_from_x, BF16 and MXFP8): this rank's token t, read from the input instead of a
+// staging row its own send would have written -- the same bytes (BF16 copied, MXFP8 quantized here as the send does),
+// handle entry and metadata as the staging path (record_own_row). Whole warp; `part` of `split` as for a staging row;
+// `rows` is the warp's shared-memory list. kMxfp8: the MXFP8 form (its own receive kernel instantiation, so that its
+// quantization registers leave the other formats' receive alone: inlined into the common kernel it pushed the main
+// loop into 140 bytes of spills).
+template <bool kMxfp8>
 __device__ __forceinline__ void receive_own_token(const NvlinkConfig& cfg, const DispatchArgs& args, int t, int part,
                                                   int split, const int* seg_start, int* rows) {
   const int lane = threadIdx.x % 32;
@@ -771,13 +786,30 @@ __device__ __forceinline__ void receive_own_token(const NvlinkConfig& cfg, const
   __syncwarp();  // the previous item's readers are done with the list
   if (local) rows[__popc(local_mask & ((1u << lane) - 1u))] = out_row;
   __syncwarp();
-  const char* x_row = reinterpret_cast<const char*>(args.x) + static_cast<long long>(t) * cfg.disp_data_bytes;
-  copy_section(x_row, args.out_data, cfg.disp_data_bytes, cfg.disp_data_bytes, rows, n, part * 32 + lane, 32 * split);
+  if constexpr (kMxfp8) {
+    const unsigned char* x_row = reinterpret_cast<const unsigned char*>(args.x) + static_cast<long long>(t) * cfg.hidden * 2;
+    const int units = cfg.hidden / 16;  // 16 elements (16 output bytes) each; lane pairs share a 32-element block
+    for (int base = part * 32; base < units; base += 32 * split) {
+      const int h = base + lane;
+      const bool active = h < units;
+      uint8_t b;
+      const uint4 packed = mxfp8_unit16(x_row, h, active, b);
+      if (!active) continue;
+      for (int i = 0; i < n; ++i) {
+        const long long r = rows[i];
+        st_v4(args.out_data + r * cfg.disp_data_bytes + static_cast<long long>(h) * 16, packed);
+        if ((h & 1) == 0) args.out_scales[r * cfg.disp_scale_bytes + h / 2] = b;
+      }
+    }
+  } else {  // BF16: the row's bytes as they are
+    const char* x_row = reinterpret_cast<const char*>(args.x) + static_cast<long long>(t) * cfg.disp_data_bytes;
+    copy_section(x_row, args.out_data, cfg.disp_data_bytes, cfg.disp_data_bytes, rows, n, part * 32 + lane, 32 * split);
+  }
 }
 
 // kWaves: the wave receive (args.wave_values set; its own instantiation, so that neither path sets the other's
-// register budget).
-template <bool kWaves>
+// register budget). kOwnMxfp8: MXFP8 with self rows from x (receive_own_token quantizes).
+template <bool kWaves, bool kOwnMxfp8 = false>
 __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfig cfg, DispatchArgs args) {
   extern __shared__ int smem[];
   const int world = cfg.world;
@@ -857,8 +889,8 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
   const int global_warp = blockIdx.x * warps_per_block + warp_in_block;
   const int num_warps = gridDim.x * warps_per_block;
   // Direct self rows: this rank's own staging rows were never written (the send stored them expanded); the items
-  // skip its range. BF16 self rows from x: the same range is skipped and the first own_items items are this rank's
-  // own tokens instead, read from x -- first, so that they fill the time before the peers' rows arrive.
+  // skip its range. Self rows from x (BF16, MXFP8): the same range is skipped and the first own_items items are this
+  // rank's own tokens instead, read from x -- first, so that they fill the time before the peers' rows arrive.
   const int self_items = args.direct_self || args.self_from_x ? ntok[cfg.rank] : 0;
   const int own_items = args.self_from_x ? args.num_tokens : 0;
   const int self_begin = item_start[cfg.rank];
@@ -873,7 +905,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
     const int part = static_cast<int>(flat % split);
     int item = static_cast<int>(flat / split);
     if (item < own_items) {
-      receive_own_token(cfg, args, item, part, split, seg_start, out_rows[warp_in_block]);
+      receive_own_token<kOwnMxfp8>(cfg, args, item, part, split, seg_start, out_rows[warp_in_block]);
       continue;
     }
     item -= own_items;
@@ -1000,6 +1032,8 @@ void prepare_dispatch_kernels(const NvlinkConfig& cfg) {
              "cudaFuncSetAttribute(dispatch_recv)");
   check_cuda(cudaFuncSetAttribute(dispatch_recv_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
              "cudaFuncSetAttribute(dispatch_recv, waves)");
+  check_cuda(cudaFuncSetAttribute(dispatch_recv_kernel<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+             "cudaFuncSetAttribute(dispatch_recv, MXFP8 self rows from x)");
 }
 
 void launch_dispatch_send(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream) {
@@ -1023,7 +1057,10 @@ void launch_dispatch_recv(const NvlinkConfig& cfg, const DispatchArgs& args, uin
   // A streaming receive is launched as the send's programmatic dependent at every size (unless PDL is off), so that it
   // runs while the send sends: on the SMs the send leaves free, and on each SM a send block leaves.
   const bool pdl = args.stream_recv ? dispatch_pdl_allowed() : dispatch_pdl(args.num_tokens);
-  check_cuda(launch_kernel(waves ? dispatch_recv_kernel<true> : dispatch_recv_kernel<false>,
+  const auto kernel = waves ? dispatch_recv_kernel<true>
+                            : (cfg.disp_fmt == kDispMxfp8 && args.self_from_x ? dispatch_recv_kernel<false, true>
+                                                                               : dispatch_recv_kernel<false>);
+  check_cuda(launch_kernel(kernel,
                            waves ? args.wave_blocks : cfg.disp_recv_blocks, kCommThreads, recv_smem(cfg),
                            reinterpret_cast<cudaStream_t>(stream), pdl, cfg, args),
              "dispatch receive kernel launch");
