@@ -96,28 +96,35 @@ __device__ __forceinline__ uint4 quantize_nvfp4_chunk32(const Chunk32& chunk, Nv
 // MXFP8 unit h of a bf16 row (16 elements, 16 output bytes) by one lane: lanes 2i and 2i + 1 hold the two halves of
 // one 32-element block and share its amax by a shuffle, so the whole warp calls this together (with h = base + lane,
 // base even; an inactive lane, h >= the row's units, adds amax 0 and its result is unused). Returns the 16 E4M3 bytes
-// and sets `scale` to the block's UE8M0 byte. Used by the send (staging rows) and by the receive for this rank's own
-// tokens (self rows from x): the same bytes either way.
+// and sets `scale` to the block's UE8M0 byte. Used by the send (staging rows; kCoherent false: x through the read-only
+// path) and by the receive for this rank's own tokens (self rows from x; kCoherent true, as its BF16 copy reads x):
+// the same bytes either way. The amax is taken on the raw bf16 pairs (exact, NaN ignored, as fmaxf over the fp32
+// values) and each pair is widened only when it is encoded: 8 live data registers instead of 16 floats, which keeps
+// the receive kernel that inlines this out of spills.
+template <bool kCoherent>
 __device__ __forceinline__ uint4 mxfp8_unit16(const unsigned char* xrow, int h, bool active, uint8_t& scale) {
-  float xv[16];
-  float a = 0.0f;
+  uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
   if (active) {
-    bf16x8_to_float(ld_input_v4(xrow + static_cast<long long>(h) * 32), xv);
-    bf16x8_to_float(ld_input_v4(xrow + static_cast<long long>(h) * 32 + 16), xv + 8);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) a = qm_max(a, qm_abs(xv[i]));
+    const unsigned char* src = xrow + static_cast<long long>(h) * 32;
+    lo = kCoherent ? ld_coherent_v4(src) : ld_input_v4(src);
+    hi = kCoherent ? ld_coherent_v4(src + 16) : ld_input_v4(src + 16);
   }
+  float a = vec::bf16_block16_amax(lo, hi);  // 0 for an inactive lane
   a = qm_max(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
   scale = 0;
   if (!active) return make_uint4(0u, 0u, 0u, 0u);
   scale = ue8m0_mxfp8_scale(a);
   const float p = ue8m0_inverse(scale);
-  unsigned int words[4];
+  const uint32_t raw[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};  // element 2j in the low half of word j
+  uint32_t words[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const unsigned int lo = e4m3x2_encode(qm_mul(xv[4 * i], p), qm_mul(xv[4 * i + 1], p));
-    const unsigned int hi = e4m3x2_encode(qm_mul(xv[4 * i + 2], p), qm_mul(xv[4 * i + 3], p));
-    words[i] = lo | (hi << 16);
+    const uint32_t w0 = raw[2 * i], w1 = raw[2 * i + 1];
+    const uint32_t lo_pair = e4m3x2_encode(qm_mul(__uint_as_float(w0 << 16), p),
+                                           qm_mul(__uint_as_float(w0 & 0xFFFF0000u), p));
+    const uint32_t hi_pair = e4m3x2_encode(qm_mul(__uint_as_float(w1 << 16), p),
+                                           qm_mul(__uint_as_float(w1 & 0xFFFF0000u), p));
+    words[i] = lo_pair | (hi_pair << 16);
   }
   return make_uint4(words[0], words[1], words[2], words[3]);
 }
@@ -445,7 +452,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
         const int h = base + lane;
         const bool active = h < units;
         uint8_t b;
-        const uint4 packed = mxfp8_unit16(xrow, h, active, b);
+        const uint4 packed = mxfp8_unit16<false>(xrow, h, active, b);
         if (active) {
           for (int i = 0; i < num_dest; ++i) {
             char* row = rows[i];
@@ -793,7 +800,7 @@ __device__ __forceinline__ void receive_own_token(const NvlinkConfig& cfg, const
       const int h = base + lane;
       const bool active = h < units;
       uint8_t b;
-      const uint4 packed = mxfp8_unit16(x_row, h, active, b);
+      const uint4 packed = mxfp8_unit16<true>(x_row, h, active, b);
       if (!active) continue;
       for (int i = 0; i < n; ++i) {
         const long long r = rows[i];

@@ -21,12 +21,27 @@ def _world() -> int:
 # ----------------------------------------------------------------------------------------------------------
 # Helpers (run inside the spawned ranks)
 # ----------------------------------------------------------------------------------------------------------
-def _make_inputs(rank, num_tokens, hidden, num_experts, topk, routing, world, seed, idx_dtype=torch.int64):
+def _make_inputs(rank, num_tokens, hidden, num_experts, topk, routing, world, seed, idx_dtype=torch.int64,
+                 edge=False):
+    """x bf16 [T, H] (randn with scattered x30 spikes), topk_idx, topk_weights on this rank's GPU. edge: the first token
+    rows get special values that every send quantizer (NVFP4 4/6 in registers, MXFP8 in the send or, for the rank's own
+    tokens, in the receive) must treat as the reference does -- all +0, all -0, bf16 subnormals, values near the bf16
+    maximum, scattered +-Inf and NaN, and one outlier in a row of tiny values."""
     gen = torch.Generator().manual_seed(seed * 7919 + rank)
     x = torch.randn(num_tokens, hidden, generator=gen)
     if num_tokens:
         spikes = torch.randint(0, x.numel(), (max(1, x.numel() // 300),), generator=gen)
         x.view(-1)[spikes] *= 30.0
+    if edge and num_tokens >= 6:
+        x[0] = 0.0
+        x[1] = -0.0
+        x[2] = torch.randn(hidden, generator=gen).sign() * 3e-39 * torch.rand(hidden, generator=gen)
+        x[3] = torch.randn(hidden, generator=gen).sign() * 3.3e38
+        specials = torch.tensor([float("inf"), float("-inf"), float("nan")])
+        where = torch.randint(0, hidden, (max(3, hidden // 64),), generator=gen)
+        x[4, where] = specials[torch.arange(where.numel()) % 3]
+        x[5] = torch.randn(hidden, generator=gen) * 1e-3
+        x[5, hidden // 3] = 1e4
     scores = torch.rand(num_tokens, num_experts, generator=gen)
     if routing == "all_to_one":
         scores[:, num_experts // world:] = -1.0
@@ -162,12 +177,13 @@ def versus_reference_worker(rank, world, direct_self_min_tokens=None):
         try:
             idx_dtype = torch.int32 if case_id % 2 else torch.int64
             for call in range(2):  # second call: buffers reused, new data
+                # second call: special token values for the send's (and the own-row receive's) quantizers
                 x, idx, w = _make_inputs(rank, tokens[rank], hidden, experts, topk, routing, world,
-                                         seed=100 * case_id + call, idx_dtype=idx_dtype)
+                                         seed=100 * case_id + call, idx_dtype=idx_dtype, edge=call == 1)
                 # special expert-output values: S2F6 and BF16 combines, every K = 1 case
                 edge = call == 1 and (case_id % 3 == 0 or topk == 1)
                 name = (f"H={hidden} {dfmt}/{cfmt} align={align} {routing} E={experts} K={topk} call={call}"
-                        f"{' edge values' if edge else ''}")
+                        f"{' edge tokens' if call == 1 else ''}{' edge values' if edge else ''}")
                 _run_pair(name, rank, world, ref, nvl, x, idx, w, dfmt, seed=case_id, edge=edge)
                 summary.append(name)
         finally:
@@ -484,30 +500,76 @@ def test_nvlink_region_sections_are_disjoint(world, fmt):
 
 
 
-@pytest.mark.cpu
-def test_nvlink_handle_carves_its_arrays_from_the_arena():
-    """The handle keeps only its dispatch's arena and section table; its arrays (read by combine when the handle comes
-    from another Buffer, and by users) are views of the right bytes, with the right dtypes and shapes."""
-    from ep_comm.backends.nvlink import NVLinkHandle
-    tokens, topk, world, t_max, rows = 3, 2, 2, 4, 10
-    sizes = [4 * tokens * topk, 4 * tokens * topk, 40, 8, 4 * rows, 16, 20, 4 * rows, 4 * rows, 4 * rows, 4 * rows,
-             4 * world, 4 * world * t_max, 4 * world * t_max, 4 * world * t_max * topk]
-    offsets, run = [], 0
-    for nbytes in sizes:  # any order works; 256-byte aligned as in the C++ table
-        offsets.append(run)
-        run += (nbytes + 255) // 256 * 256
-    arena = torch.arange(run // 4, dtype=torch.int32)
-    handle = NVLinkHandle(arena=arena, arena_ptr=arena.data_ptr(), sections=tuple(zip(offsets, sizes)),
-                          num_tokens=tokens, num_rows=rows, num_topk=topk)
+def _cpp_arena_layout(num_tokens, topk, rows, world, num_local, max_tokens, data_bytes, scale_bytes, nvfp4):
+    """A Python copy of NvlinkContext::arena_layout (csrc/bind_nvlink.cpp): (byte offsets, bytes, total) of the 15
+    sections, 256-byte aligned, in the C++ physical order."""
+    t, k, r, w, e = num_tokens, topk, rows, world, num_local
+    sizes = [4 * t * k, 4 * t * k, r * data_bytes, r * scale_bytes, 4 * r if nvfp4 else 0, 4 * e, 4 * (e + 1),
+             4 * r, 4 * r, 4 * r, 4 * r, 4 * w, 4 * w * max_tokens, 4 * w * max_tokens, 4 * w * max_tokens * k]
+    offsets, run = [0] * 15, 0
+    for i in (0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 2, 3):
+        offsets[i] = run
+        run += (sizes[i] + 255) // 256 * 256
+    return offsets, sizes, max(run, 256)
 
-    def words(i):
-        return arena[offsets[i] // 4:(offsets[i] + sizes[i]) // 4]
-    assert handle.send_idx.shape == (tokens, topk) and handle.send_idx.dtype == torch.int32
-    assert torch.equal(handle.send_idx.flatten(), words(0))
-    assert handle.send_w.dtype == torch.float32 and handle.send_w.shape == (tokens, topk)
-    assert torch.equal(handle.send_w.flatten().view(torch.int32), words(1))
-    assert torch.equal(handle.row_weight.view(torch.int32), words(10)) and handle.row_weight.dtype == torch.float32
-    for name, section in (("recv_count", 11), ("recv_tok", 12), ("recv_ord", 13), ("recv_rows", 14)):
-        assert torch.equal(getattr(handle, name), words(section)), name
-    assert handle.recv_rows.numel() == world * t_max * topk
-    assert handle.send_idx.data_ptr() == arena.data_ptr() + offsets[0]
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "bf16"])
+@pytest.mark.parametrize("num_tokens", [0, 5, 64])
+def test_nvlink_dispatch_result_views_of_the_arena(fmt, num_tokens):
+    """Every DispatchResult tensor and handle array of an nvlink dispatch is the arena section the C++ table names, with
+    its dtype and shape: each view's bytes are compared with the arena's bytes at that section (an arena filled with
+    distinct words, on the CPU; the GPU tests check the values the kernels write there)."""
+    from ep_comm.backends.nvlink import NVLinkBackend
+    from ep_comm.types import BufferConfig
+    world, hidden, topk, max_tokens = 2, 2080, 3, 64
+    cfg = BufferConfig(hidden=hidden, num_experts=8 * world, num_topk=topk, max_tokens_per_rank=max_tokens,
+                       world_size=world, dispatch_format=fmt)
+    rows, local = cfg.max_recv_rows, cfg.num_local_experts
+    data_bytes = {"nvfp4": hidden // 2, "mxfp8": hidden, "bf16": 2 * hidden}[fmt]
+    scale_bytes = {"nvfp4": hidden // 16, "mxfp8": hidden // 32, "bf16": 0}[fmt]
+    layout = _cpp_arena_layout(num_tokens, topk, rows, world, local, max_tokens, data_bytes, scale_bytes,
+                               fmt == "nvfp4")
+
+    class FakeContext:
+        def dispatch_arena_layout(self, tokens):
+            assert tokens == num_tokens
+            return list(layout[0]), list(layout[1]), layout[2]
+    backend = object.__new__(NVLinkBackend)  # only the fields the recipe and the views read
+    backend.config, backend._ctx, backend._arena_recipes = cfg, FakeContext(), {}
+    recipe = backend._arena_recipe(num_tokens)
+    assert backend._arena_recipe(num_tokens) is recipe  # cached
+    arena = torch.arange(recipe.words, dtype=torch.int32) * 7 + 3  # distinct words, nonzero bytes
+    result = backend._result_in_arena(arena, recipe, num_tokens)
+    raw = arena.view(torch.uint8)
+    offsets, sizes, _ = layout
+
+    def same_bytes(tensor, section, dtype, shape):
+        assert tensor.dtype == dtype and tuple(tensor.shape) == shape, (section, tensor.dtype, tuple(tensor.shape))
+        got = tensor.contiguous().view(torch.uint8).reshape(-1)
+        assert got.numel() == sizes[section], section
+        assert torch.equal(got, raw[offsets[section]:offsets[section] + sizes[section]]), section
+    if fmt == "nvfp4":
+        same_bytes(result.x.data, 2, torch.uint8, (rows, hidden // 2))
+        same_bytes(result.x.scales, 3, torch.float8_e4m3fn, (rows, hidden // 16))
+        same_bytes(result.x.amax, 4, torch.float32, (rows,))
+    elif fmt == "mxfp8":
+        same_bytes(result.x.data, 2, torch.float8_e4m3fn, (rows, hidden))
+        same_bytes(result.x.scales, 3, torch.float8_e8m0fnu, (rows, hidden // 32))
+    else:
+        same_bytes(result.x, 2, torch.bfloat16, (rows, hidden))
+    same_bytes(result.num_tokens_per_expert, 5, torch.int32, (local,))
+    same_bytes(result.expert_offsets, 6, torch.int32, (local + 1,))
+    same_bytes(result.src_rank, 7, torch.int32, (rows,))
+    same_bytes(result.src_token, 8, torch.int32, (rows,))
+    same_bytes(result.topk_slot, 9, torch.int32, (rows,))
+    same_bytes(result.topk_weight, 10, torch.float32, (rows,))
+    handle = result.handle
+    assert handle.arena_ptr == arena.data_ptr() and handle.num_tokens == num_tokens and handle.num_rows == rows
+    same_bytes(handle.send_idx, 0, torch.int32, (num_tokens, topk))
+    same_bytes(handle.send_w, 1, torch.float32, (num_tokens, topk))
+    same_bytes(handle.row_weight, 10, torch.float32, (rows,))
+    same_bytes(handle.recv_count, 11, torch.int32, (world,))
+    same_bytes(handle.recv_tok, 12, torch.int32, (world * max_tokens,))
+    same_bytes(handle.recv_ord, 13, torch.int32, (world * max_tokens,))
+    same_bytes(handle.recv_rows, 14, torch.int32, (world * max_tokens * topk,))

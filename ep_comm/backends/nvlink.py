@@ -678,11 +678,20 @@ class NVLinkBackend:
         x = x.contiguous()
         topk_idx = topk_idx.contiguous()
         topk_weights = topk_weights.contiguous().float()
-        # One allocation per call: every output is a view of a fresh arena, carved by the cached recipe (one
-        # as_strided per output: host time per eager call is what small calls pay, and each tensor object costs ~1 us).
-        # The C++ side derives the same addresses from the arena base.
+        # One allocation per call: every output is a view of a fresh arena (_result_in_arena); the C++ side derives the
+        # same addresses from the arena base.
         recipe = self._arena_recipe(num_tokens)
         arena = torch.empty(recipe.words, dtype=torch.int32, device=x.device)
+        launch(x, topk_idx, topk_weights, num_tokens, arena.data_ptr(), _ext.current_raw_stream(self.device))
+        self._after_call()
+        return self._result_in_arena(arena, recipe, num_tokens)
+
+    def _result_in_arena(self, arena: torch.Tensor, recipe: _ArenaRecipe, num_tokens: int) -> DispatchResult:
+        """The DispatchResult whose tensors are the sections of `arena` (int32 [recipe.words]) that the recipe names:
+        one as_strided view per output, because host time per eager call is what small calls pay and each tensor
+        object costs ~1 µs (bench/profile_host.py)."""
+        cfg = self.config
+        rows = cfg.max_recv_rows
         as_f32 = arena.view(torch.float32)
         dtype, offset, shape = recipe.data
         data = arena.view(dtype).as_strided(shape, (shape[1], 1), offset)
@@ -691,25 +700,19 @@ class NVLinkBackend:
             scales = arena.view(dtype).as_strided(shape, (shape[1], 1), offset)
         (num_per_expert, expert_offsets, src_rank, src_token, topk_slot) = [
             arena.as_strided((n,), (1,), offset) for offset, n in recipe.int_views]
-        topk_weight = as_f32.as_strided((cfg.max_recv_rows,), (1,), recipe.topk_weight)
-
-        arena_ptr = arena.data_ptr()
-        launch(x, topk_idx, topk_weights, num_tokens, arena_ptr, _ext.current_raw_stream(self.device))
-        self._after_call()
-
+        topk_weight = as_f32.as_strided((rows,), (1,), recipe.topk_weight)
         if cfg.dispatch_format == "nvfp4":
-            payload = formats.NVFP4Tensor(data=data, scales=scales,
-                                             amax=as_f32.as_strided((cfg.max_recv_rows,), (1,), recipe.amax),
-                                             e4m3_max=formats.NVFP4_ACTIVATION_E4M3_MAX)
+            payload = formats.NVFP4Tensor(data=data, scales=scales, amax=as_f32.as_strided((rows,), (1,), recipe.amax),
+                                          e4m3_max=formats.NVFP4_ACTIVATION_E4M3_MAX)
         elif cfg.dispatch_format == "mxfp8":
             payload = formats.MXFP8Tensor(data=data, scales=scales)
         else:
             payload = data
-        handle = NVLinkHandle(arena=arena, arena_ptr=arena_ptr, sections=recipe.sections, num_tokens=num_tokens,
-                              num_rows=cfg.max_recv_rows, num_topk=cfg.num_topk, owner=self._ctx)
+        handle = NVLinkHandle(arena=arena, arena_ptr=arena.data_ptr(), sections=recipe.sections,
+                              num_tokens=num_tokens, num_rows=rows, num_topk=cfg.num_topk, owner=self._ctx)
         return DispatchResult(x=payload, num_tokens_per_expert=num_per_expert, expert_offsets=expert_offsets,
                               src_rank=src_rank, src_token=src_token, topk_slot=topk_slot, topk_weight=topk_weight,
-                              handle=handle, num_rows=cfg.max_recv_rows)
+                              handle=handle, num_rows=rows)
 
     @staticmethod
     def check_handle(handle) -> None:
