@@ -182,6 +182,13 @@ profile_host_small() {  # host-bound shapes (16 tokens, H = 2048, 16 experts): w
     --calls 300 --top 45 --out "$OUT/profile_host_small.json" > "$OUT/profile_host_small.txt" 2>&1
   grep -E "us per call" "$OUT/profile_host_small.txt" | tee -a "$log"
 }
+check_2gpu_quick() {  # on 2 GPUs, little device time: the nvlink reference comparison (all formats, special tokens)
+  # and the MXFP8 / NVFP4 / BF16 dispatch + combine graph timings at 4096 tokens
+  say "gpu tier (2 GPUs): nvlink against the reference"
+  pytest_tier nvlink_ref 200 2 tests/test_nvlink.py -k "matches_reference"
+  say "bench: dispatch / combine graph, 2 ranks, 4096 tokens"
+  AB_FORMATS=mxfp8/s2f6,nvfp4/s2f6,bf16/bf16 AB_TOKENS=4096 dc_graph_rows 2>&1 | grep -E "$dc_graph_pattern" | tee -a "$log"
+}
 profile_host_small_ab() {  # profile_host_small's host µs per call (dispatch, combine, MoELayer forward), this tree against
   # ab_base.tar (this, base, base, this)
   ab_trees "profile: host cost, small shapes" "us per call" env CUDA_VISIBLE_DEVICES=0 timeout 100 \
