@@ -4,10 +4,11 @@
     python -m ep_comm.bench --tokens 4096 --hidden 7168 --topk 8 --experts 256 --out result.json
 
 For each (dispatch format, combine format) pair it prints: wire bytes per token and destination, median
-dispatch and combine time (GPU: device time of calls enqueued back to back, timed by CUDA events; CPU: wall time), wire GB/s (bytes that leave the rank for other ranks / time, per rank),
-BF16-equivalent GB/s (2·H bytes per token-destination / time), the combine's own error (relative L2 against a
-BF16 combine of the same expert rows) and the end-to-end error (relative L2 and SQNR in dB against the unquantized
-result) for a toy expert (a per-expert scale). The detailed
+dispatch and combine time (GPU: device time of calls enqueued back to back, timed by CUDA events; CPU: wall
+time), wire GB/s (bytes that leave the rank for other ranks / time, per rank), BF16-equivalent GB/s (2·H bytes
+per token-destination / time), the combine's own error (relative L2 against a BF16 combine of the same expert
+rows) and the end-to-end error (relative L2 and SQNR in dB against the unquantized result) for a toy expert (a
+per-expert scale). The detailed
 GPU benchmark with NCCL and peer-copy baselines is bench/bench_dispatch_combine.py.
 """
 from __future__ import annotations
