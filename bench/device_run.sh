@@ -159,7 +159,7 @@ profile_4096() {
 }
 bench_direct_self() { bench_ab EP_COMM_DIRECT_SELF_MIN_TOKENS "0 1000000000" 128,512,1024,2048,4096; }
 test_nvlink_one_rank() {  # the nvlink suite's workers on one rank (all rows are the rank's own): a 1-GPU check
-  say "gpu tier: nvlink workers at world size 1 (reference comparison, direct self rows, block counts, pressure + graph)"
+  say "gpu tier: nvlink workers at world size 1 (reference comparison, direct self rows, block counts, pressure + graph, streaming)"
   (cd tests && timeout 300 python3 -c "
 from harness import run_ranks
 import test_nvlink as t
@@ -167,6 +167,7 @@ run_ranks(t.versus_reference_worker, 1, backend='nccl', timeout_s=280)
 run_ranks(t.versus_reference_worker, 1, 0, backend='nccl', timeout_s=280)
 run_ranks(t.block_counts_worker, 1, backend='nccl', timeout_s=280)
 r = run_ranks(t.pressure_and_graph_worker, 1, backend='nccl', timeout_s=280)
+run_ranks(t.streaming_pressure_and_graph_worker, 1, backend='nccl', timeout_s=280)
 print('world 1 nvlink workers passed', r[0]['graph'], r[0]['leak'])
 " 2>&1 | tail -4 | tee -a "$log")
 }
