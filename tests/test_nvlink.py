@@ -566,6 +566,9 @@ def test_nvlink_dispatch_result_views_of_the_arena(fmt, num_tokens):
     same_bytes(result.topk_weight, 10, torch.float32, (rows,))
     handle = result.handle
     assert handle.arena_ptr == arena.data_ptr() and handle.num_tokens == num_tokens and handle.num_rows == rows
+    # The addresses finish_combine_rows passes to C++ without making the views.
+    assert type(handle).send_idx.address(handle) == arena.data_ptr() + offsets[0]
+    assert type(handle).send_w.address(handle) == arena.data_ptr() + offsets[1]
     same_bytes(handle.send_idx, 0, torch.int32, (num_tokens, topk))
     same_bytes(handle.send_w, 1, torch.float32, (num_tokens, topk))
     same_bytes(handle.row_weight, 10, torch.float32, (rows,))

@@ -363,14 +363,32 @@ class _SymmetricRegion:
 # ----------------------------------------------------------------------------------------------------------
 # Handle and backend
 # ----------------------------------------------------------------------------------------------------------
+class _ArenaSection:
+    """A handle array read from the dispatch arena when accessed: section `index` of NvlinkContext.arena_layout as
+    `dtype`, [T, K] when `per_token`, else 1-D. Nothing is stored per handle (combine reads the arena in C++)."""
+
+    def __init__(self, index: int, dtype: torch.dtype = torch.int32, per_token: bool = False):
+        self.index, self.dtype, self.per_token = index, dtype, per_token
+
+    def __get__(self, handle, owner=None):
+        if handle is None:
+            return self
+        offset, nbytes = handle.sections[self.index]
+        words = handle.arena.view(self.dtype).as_strided((nbytes // 4,), (1,), offset // 4)
+        return words.view(handle.num_tokens, handle.num_topk) if self.per_token else words
+
+    def address(self, handle) -> int:
+        """Device address of this section in `handle`'s arena (no tensor made)."""
+        return handle.arena_ptr + handle.sections[self.index][0]
+
+
 @dataclass(frozen=True)
 class NVLinkHandle:
     """What combine needs: one dispatch's arena (fixed shapes, so graphs can capture dispatch + combine).
 
     arena: int32 [bytes / 4] on the device, the one allocation of a dispatch call: every DispatchResult tensor and
         the arrays below are sections of it (their byte offsets and sizes are `sections`, the C++ table for
-        num_tokens), and the handle keeps it alive. arena_ptr: its address. owner: the NvlinkContext whose table
-        describes it.
+        num_tokens), and the handle keeps it alive. owner: the NvlinkContext whose table describes it.
     The arrays, carved from the arena when read (combine reads them in C++ from the arena address instead):
     send_idx / send_w: this rank's routing [T, K] (int32 expert ids, -1 masked; fp32 weights), copied by the
         layout kernel. recv_count: [W] tokens received from each source. recv_tok / recv_ord: [W * T_max]
@@ -380,44 +398,23 @@ class NVLinkHandle:
     """
 
     arena: torch.Tensor
-    arena_ptr: int
     sections: Tuple[Tuple[int, int], ...]
     num_tokens: int
     num_rows: int
     num_topk: int
     owner: Any = None
 
-    def _words(self, section: int, dtype=torch.int32) -> torch.Tensor:
-        offset, nbytes = self.sections[section]
-        return self.arena.view(dtype).as_strided((nbytes // 4,), (1,), offset // 4)
+    send_idx = _ArenaSection(0, per_token=True)
+    send_w = _ArenaSection(1, torch.float32, per_token=True)
+    row_weight = _ArenaSection(10, torch.float32)
+    recv_count = _ArenaSection(11)
+    recv_tok = _ArenaSection(12)
+    recv_ord = _ArenaSection(13)
+    recv_rows = _ArenaSection(14)
 
     @property
-    def send_idx(self) -> torch.Tensor:
-        return self._words(0).view(self.num_tokens, self.num_topk)
-
-    @property
-    def send_w(self) -> torch.Tensor:
-        return self._words(1, torch.float32).view(self.num_tokens, self.num_topk)
-
-    @property
-    def recv_count(self) -> torch.Tensor:
-        return self._words(11)
-
-    @property
-    def recv_tok(self) -> torch.Tensor:
-        return self._words(12)
-
-    @property
-    def recv_ord(self) -> torch.Tensor:
-        return self._words(13)
-
-    @property
-    def recv_rows(self) -> torch.Tensor:
-        return self._words(14)
-
-    @property
-    def row_weight(self) -> torch.Tensor:
-        return self._words(10, torch.float32)
+    def arena_ptr(self) -> int:
+        return self.arena.data_ptr()
 
 
 @dataclass(frozen=True)
@@ -708,8 +705,8 @@ class NVLinkBackend:
             payload = formats.MXFP8Tensor(data=data, scales=scales)
         else:
             payload = data
-        handle = NVLinkHandle(arena=arena, arena_ptr=arena.data_ptr(), sections=recipe.sections,
-                              num_tokens=num_tokens, num_rows=rows, num_topk=cfg.num_topk, owner=self._ctx)
+        handle = NVLinkHandle(arena=arena, sections=recipe.sections, num_tokens=num_tokens, num_rows=rows,
+                              num_topk=cfg.num_topk, owner=self._ctx)
         return DispatchResult(x=payload, num_tokens_per_expert=num_per_expert, expert_offsets=expert_offsets,
                               src_rank=src_rank, src_token=src_token, topk_slot=topk_slot, topk_weight=topk_weight,
                               handle=handle, num_rows=rows)
@@ -779,9 +776,8 @@ class NVLinkBackend:
         if handle is not self._rows_handle:
             raise ValueError("finish_combine_rows needs the handle of the DispatchResult given to begin_combine_rows")
         out = torch.empty(handle.num_tokens, self.config.hidden, dtype=torch.bfloat16, device=handle.arena.device)
-        send_idx, send_w = (handle.arena_ptr + handle.sections[i][0] for i in (0, 1))  # the arena's sections 0 and 1
-        self._ctx.combine_rows_finish(send_idx, send_w, handle.num_tokens,
-                                      out.data_ptr(), _ext.current_raw_stream(self.device))
+        self._ctx.combine_rows_finish(NVLinkHandle.send_idx.address(handle), NVLinkHandle.send_w.address(handle),
+                                      handle.num_tokens, out.data_ptr(), _ext.current_raw_stream(self.device))
         # Closed only once the receive is launched: a begin whose finish raised (allocation, launch) stays open, so it
         # can be finished again instead of leaving the combine kernels' call counts one apart.
         self._rows_handle = None
