@@ -199,6 +199,29 @@ profile_host_ab() {  # host µs per eager call at 128 tokens, this tree against 
   ab_trees "profile: host cost, 128 tokens" "us per call" env CUDA_VISIBLE_DEVICES=0 timeout 100 \
     python3 bench/profile_host.py --nproc 1 --tokens 128 --calls 500
 }
+shared_tier() {  # $1 = name, $2 = timeout s, then pytest arguments: multigpu tests with 2 ranks sharing GPU 0
+  local name="$1" limit="$2" file="$OUT/pytest_shared_$1.txt"
+  shift 2
+  EP_COMM_TEST_SHARED_GPU=1 CUDA_VISIBLE_DEVICES=0 timeout "$limit" python3 -m pytest -q -rs --durations=8 "$@" \
+    > "$file" 2>&1
+  echo "rc $?" >> "$file"
+  grep -E "passed|failed|error|SKIPPED|rc " "$file" | tail -6 | tee -a "$log"
+}
+test_shared_smoke() {  # one GPU: the nvlink smoke (oracle cases, timeouts) with 2 ranks on it and sync checks
+  say "multigpu tier, 2 ranks sharing one GPU (gloo, CUDA IPC, time-sliced): nvlink smoke with sync checks"
+  EP_COMM_SYNC_CHECK=1 shared_tier smoke 200 tests/test_nvlink.py -k "oracle or timeout"
+}
+test_shared_gpu() {  # one GPU: the multigpu tiers with 2 ranks on it (the multi-rank protocol; correctness only)
+  say "multigpu tiers, 2 ranks sharing one GPU: nvlink suite, MoE layer, waves"
+  shared_tier nvlink 420 tests/test_nvlink.py -k "not oracle and not timeout"
+  shared_tier layer 240 tests/test_moe.py tests/test_waves.py tests/test_reference_backend.py -k "not gloo"
+}
+test_shared_worlds() {  # one GPU: the nvlink oracle cases and reference comparison with 4, then 8 ranks sharing it
+  for ranks in 4 8; do
+    say "multigpu tier, $ranks ranks sharing one GPU: nvlink oracle cases + reference comparison"
+    EP_COMM_TEST_SHARED_WORLD=$ranks shared_tier "world$ranks" 240 tests/test_nvlink.py -k "oracle or matches_reference"
+  done
+}
 test_moe_one_rank() {  # the MoE layer's GPU worker at world size 1 (fused experts, combine rows): a 1-GPU check
   say "gpu tier: MoE layer worker at world size 1"
   (cd tests && timeout 300 python3 -c "

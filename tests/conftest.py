@@ -1,4 +1,5 @@
-"""Test tiers: `cpu` runs anywhere; `gpu` needs CUDA and ep_comm._C; `multigpu` needs >= 2 GPUs.
+"""Test tiers: `cpu` runs anywhere; `gpu` needs CUDA and ep_comm._C; `multigpu` needs >= 2 GPUs, or one GPU with
+EP_COMM_TEST_SHARED_GPU=1 (two ranks share it: tests/harness.py).
 
 GPU tiers skip with the reason (no CUDA device, or the extension's import error), never silently pass.
 """
@@ -10,6 +11,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # harness, oracle and dist_cases are plain modules here
 
+from harness import SHARED_GPU  # noqa: E402
+
 for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                     ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(name, value)
@@ -18,6 +21,11 @@ for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAS
 def pytest_collection_modifyitems(config, items):
     import ep_comm
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    # Two ranks on one GPU (harness.SHARED_GPU): only where exactly one GPU is visible; the spawned ranks inherit the
+    # library's switch from this process's environment.
+    shared = SHARED_GPU and num_gpus == 1
+    if shared:
+        os.environ["EP_COMM_ALLOW_SHARED_GPU"] = "1"
     no_ext = None if ep_comm.cuda_extension_available() else ep_comm.cuda_extension_error()
     for item in items:
         if "gpu" in item.keywords or "multigpu" in item.keywords:
@@ -25,5 +33,8 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason="no CUDA device"))
             elif no_ext:
                 item.add_marker(pytest.mark.skip(reason=f"ep_comm._C unavailable: {no_ext}"))
-        if "multigpu" in item.keywords and 0 < num_gpus < 2:
-            item.add_marker(pytest.mark.skip(reason=f"needs 2 GPUs, found {num_gpus}"))
+        if "multigpu" in item.keywords and 0 < num_gpus < 2 and not shared:
+            item.add_marker(pytest.mark.skip(reason=f"needs 2 GPUs, found {num_gpus} (EP_COMM_TEST_SHARED_GPU=1 runs "
+                                                    f"2 ranks on it)"))
+        if "nccl" in item.keywords and shared:
+            item.add_marker(pytest.mark.skip(reason="needs NCCL between GPUs; the ranks share one GPU here"))

@@ -1,2 +1,53 @@
-"""The tests' spawn harness is the package's own launcher (ep_comm.launch)."""
+"""The tests' spawn harness is the package's own launcher (ep_comm.launch), plus the multi-rank tiers' setting.
+
+Multi-rank GPU tests normally run one rank per GPU over NCCL. With EP_COMM_TEST_SHARED_GPU=1 on a machine with one
+GPU they run 2 ranks on that GPU instead (`SHARED_GPU`): the ranks talk over gloo, the nvlink backend maps its peer
+over CUDA IPC (EP_COMM_ALLOW_SHARED_GPU, set by conftest.py), and the reference backend, which needs NCCL for CUDA
+tensors, runs on CPU copies of the inputs (`HostReference`; the reference formats give the CUDA kernels' bits). The
+ranks' kernels progress as the driver time-slices the two processes: slow, and a check of the multi-rank protocol
+(counts, flags and rows from another rank), never of speed.
+"""
+import os
+
 from ep_comm.launch import GPU_ENV, free_port, run_ranks  # noqa: F401
+
+SHARED_GPU = os.environ.get("EP_COMM_TEST_SHARED_GPU", "0") == "1"
+
+
+def multigpu_backend() -> str:
+    """The process-group backend of the multi-rank GPU tests: NCCL, or gloo when the ranks share a GPU."""
+    return "gloo" if SHARED_GPU else "nccl"
+
+
+def multigpu_world(most: int = 8) -> int:
+    """Ranks of the multi-rank GPU tests: one per visible GPU (at most `most`), or, sharing one GPU,
+    EP_COMM_TEST_SHARED_WORLD ranks (default 2; 4 and 8 check the protocol at those world sizes)."""
+    import torch
+    if SHARED_GPU:
+        return min(int(os.environ.get("EP_COMM_TEST_SHARED_WORLD", "2")), most)
+    return min(torch.cuda.device_count(), most) if torch.cuda.is_available() else 2
+
+
+def auto_backend() -> str:
+    """The Buffer backend a multi-rank GPU test asks for: "auto" (nvlink where the GPUs are peers), or "nvlink" when
+    the ranks share a GPU ("auto" picks the reference backend on a gloo group)."""
+    return "nvlink" if SHARED_GPU else "auto"
+
+
+class HostReference:
+    """A reference-backend Buffer fed CPU copies: what `dispatch` returns stays on the CPU (the tests compare with
+    .cpu()), `combine` returns its bf16 rows on the device of its input. Used where the ranks share a GPU and talk
+    over gloo, which moves CPU tensors only."""
+
+    def __init__(self, buffer):
+        self.buffer = buffer
+        self.config = buffer.config
+
+    def dispatch(self, x, topk_idx, topk_weights, **kwargs):
+        return self.buffer.dispatch(x.cpu(), topk_idx.cpu(), topk_weights.cpu(), **kwargs)
+
+    def combine(self, expert_out, handle, **kwargs):
+        return self.buffer.combine(expert_out.cpu(), handle, **kwargs).to(expert_out.device)
+
+    def destroy(self):
+        self.buffer.destroy()

@@ -5,7 +5,7 @@ import torch
 
 import ep_comm
 from ep_comm import formats, moe
-from harness import run_ranks
+from harness import SHARED_GPU, auto_backend, multigpu_backend, run_ranks
 from oracle import Case, expected_combine
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOPK = 128, 64, 8, 3
@@ -19,7 +19,7 @@ def _master_weights():
     return w1, w2, router
 
 
-def _moe_worker(rank, world, device_kind="cpu"):
+def _moe_worker(rank, world, device_kind="cpu", backend="auto"):
     device = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else torch.device("cpu")
     w1, w2, router = _master_weights()
     local = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
@@ -27,7 +27,7 @@ def _moe_worker(rank, world, device_kind="cpu"):
     xs = [torch.randn(t, HIDDEN, generator=torch.Generator().manual_seed(100 + r)).to(torch.bfloat16)
           for r, t in enumerate(tokens)]
     with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK,
-                        max_tokens_per_rank=max(tokens)) as buf:
+                        max_tokens_per_rank=max(tokens), backend=backend) as buf:
         packed = moe.pack_weights(w1[local].to(device), w2[local].to(device))
         layer = moe.MoELayer(buf, router.to(device), packed)
         try:
@@ -283,5 +283,6 @@ def check_gpu_moe_result(result, nvlink_expected):
 @pytest.mark.multigpu
 def test_moe_layer_on_gpus_matches_oracle():
     """Same check over NCCL with backend auto (nvlink where available) and the CUDA quantization kernels."""
-    for result in run_ranks(_moe_worker, 2, "cuda", backend="nccl"):
-        check_gpu_moe_result(result, torch.cuda.can_device_access_peer(0, 1))
+    peers = SHARED_GPU or torch.cuda.can_device_access_peer(0, 1)
+    for result in run_ranks(_moe_worker, 2, "cuda", auto_backend(), backend=multigpu_backend()):
+        check_gpu_moe_result(result, peers)

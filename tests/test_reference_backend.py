@@ -63,6 +63,7 @@ def test_gloo_peer_that_never_calls_raises_after_timeout():
 
 
 @pytest.mark.multigpu
+@pytest.mark.nccl
 def test_nccl_comm_stream():
     """dispatch / combine on a communication stream with an event: the results of the current-stream calls."""
     results = run_ranks(dist_cases.comm_stream_worker, 2, "reference", backend="nccl")
@@ -70,6 +71,7 @@ def test_nccl_comm_stream():
 
 
 @pytest.mark.multigpu
+@pytest.mark.nccl
 def test_nccl_world2_semantics_and_errors():
     world = min(torch.cuda.device_count(), 8)
     results = run_ranks(_both_workers, world, "reference", "cuda", backend="nccl")

@@ -8,7 +8,7 @@ import torch
 import ep_comm
 from ep_comm import grouped_gemm as gemm
 from ep_comm import moe
-from harness import run_ranks
+from harness import auto_backend, multigpu_backend, run_ranks
 from test_moe import _graph_replay_matches_eager  # the whole layer captured once, replayed on new inputs
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOPK = 256, 128, 8, 3  # H and I multiples of 64 (the fused GEMM)
@@ -157,7 +157,7 @@ def _waves_worker(rank, world):
     x = x.to(device)
     out = {"backend": None}
     with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=64,
-                        expert_alignment=16, backend="auto") as buf:
+                        expert_alignment=16, backend=auto_backend()) as buf:
         out["backend"] = buf.backend
         if buf.backend != "nvlink":
             return out
@@ -192,7 +192,7 @@ def _waves_worker(rank, world):
     # A wave GEMM whose receive never publishes (an area that no dispatch writes): a timeout error naming the
     # stage, not a hang. Own Buffer: it is unusable afterwards.
     with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=64,
-                        timeout_s=0.5) as buf:
+                        timeout_s=0.5, backend=auto_backend()) as buf:
         stray_area = torch.zeros(ep_comm._ext._C.wave_area_fixed_words + EXPERTS // world, dtype=torch.int64,
                                  device=device)  # made before the dispatch: no kernel in between
         waved = buf.dispatch_waves(x, *(_routings(rank, num_tokens, device)[0][1:]), wave_sms=2)
@@ -211,7 +211,7 @@ def _waves_worker(rank, world):
 
 @pytest.mark.multigpu
 def test_waves_are_bitwise_the_plain_path():
-    for result in run_ranks(_waves_worker, 2, backend="nccl"):
+    for result in run_ranks(_waves_worker, 2, backend=multigpu_backend()):
         if result["backend"] != "nvlink":
             pytest.skip(f"waves need the nvlink backend (the GPUs are not NVLink peers: {result['backend']})")
         for name, checks in result["dispatch"].items():

@@ -15,6 +15,7 @@ in rank order + inverse RHT). Writers wait until readers have consumed the previ
 Environment:
   EP_COMM_PEER_MEMORY  auto (default: NVSHMEM, else CUDA IPC with a warning) | nvshmem | ipc
   EP_COMM_SYNC_CHECK   1: synchronize after every call and raise at once on a device-side error (debug)
+  EP_COMM_ALLOW_SHARED_GPU  1: ranks may share a GPU, over CUDA IPC (correctness tests only; see _shared_gpu_allowed)
 """
 from __future__ import annotations
 
@@ -173,6 +174,15 @@ def _group_ranks(group) -> Tuple[int, ...]:
     return tuple(dist.get_global_rank(group, r) for r in range(dist.get_world_size(group)))
 
 
+def _shared_gpu_allowed() -> bool:
+    """EP_COMM_ALLOW_SHARED_GPU=1: a correctness-testing mode in which several ranks of one node may share a GPU
+    (more ranks than GPUs). Their regions are mapped with CUDA IPC, and their kernels, which wait for each other,
+    progress only as the driver time-slices the processes' contexts: much slower than separate GPUs, and never a
+    performance figure. It lets the multi-rank protocol (peer stores, flags, counts from other ranks) be tested on a
+    one-GPU machine. Read at each Buffer creation."""
+    return os.environ.get("EP_COMM_ALLOW_SHARED_GPU", "0") == "1"
+
+
 def _cpu_collectives(group) -> bool:
     try:
         backend = str(dist.get_backend(group)).lower()
@@ -254,6 +264,11 @@ class _SymmetricRegion:
         mode = os.environ.get("EP_COMM_PEER_MEMORY", "auto").lower()
         if mode not in ("auto", "nvshmem", "ipc"):
             raise ValueError(f"EP_COMM_PEER_MEMORY must be auto, nvshmem or ipc, got {mode!r}")
+        if _shared_gpu_allowed():
+            if mode == "nvshmem":
+                raise ValueError("EP_COMM_ALLOW_SHARED_GPU=1 maps peers with CUDA IPC; it cannot be combined with "
+                                 "EP_COMM_PEER_MEMORY=nvshmem")
+            mode = "ipc"  # NVSHMEM refuses two PEs on one GPU without MPS; IPC maps a same-GPU peer fine
         why_not = "EP_COMM_PEER_MEMORY=ipc" if mode == "ipc" else self._setup_nvshmem()
         if why_not is not None:
             if mode == "nvshmem":
@@ -550,6 +565,8 @@ class NVLinkBackend:
             have_nvshmem = True
         except Exception:
             have_nvshmem = False
+        if _shared_gpu_allowed():
+            return True, ""  # testing mode: ranks of this node share GPUs, over CUDA IPC (see _shared_gpu_allowed)
         if not have_nvshmem and world > torch.cuda.device_count():
             return False, (f"nvshmem4py is not installed and CUDA IPC needs every rank on this node "
                            f"({world} ranks, {torch.cuda.device_count()} GPUs visible)")
