@@ -59,6 +59,9 @@ test_nvlink_waves() {  # the dispatch/combine kernels' tiers only: nvlink smoke 
   pytest_tier nvlink_waves 300 4 tests/test_nvlink.py tests/test_waves.py -k "not gloo"
 }
 test_multigpu() {
+  if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" = 1 ]; then  # one GPU: 2 ranks share it
+    test_shared_smoke; test_shared_gpu; return
+  fi
   nvlink_smoke
   say "multigpu tier: MoE layer + nvlink suite + reference over NCCL"
   timeout 300 python3 -m pytest -q -rs tests/test_moe.py tests/test_nvlink.py tests/test_reference_backend.py tests/test_waves.py -k "not gloo" > "$OUT/pytest_mg.txt" 2>&1
@@ -216,10 +219,12 @@ test_shared_gpu() {  # one GPU: the multigpu tiers with 2 ranks on it (the multi
   shared_tier nvlink 420 tests/test_nvlink.py -k "not oracle and not timeout"
   shared_tier layer 240 tests/test_moe.py tests/test_waves.py tests/test_reference_backend.py -k "not gloo"
 }
-test_shared_worlds() {  # one GPU: the nvlink oracle cases and reference comparison with 4, then 8 ranks sharing it
+test_shared_worlds() {  # one GPU: the nvlink oracle cases (every format pair, masked / skewed / all-to-one routing, an
+  # empty rank; bitwise the single-process oracle) with 4, then 8 ranks sharing it. (The reference comparison, with
+  # H up to 7168, did not finish within 240 s at 4 ranks on 2026-12-01: time-slicing 4+ contexts is far slower than 2.)
   for ranks in 4 8; do
-    say "multigpu tier, $ranks ranks sharing one GPU: nvlink oracle cases + reference comparison"
-    EP_COMM_TEST_SHARED_WORLD=$ranks shared_tier "world$ranks" 240 tests/test_nvlink.py -k "oracle or matches_reference"
+    say "multigpu tier, $ranks ranks sharing one GPU: nvlink oracle cases"
+    EP_COMM_TEST_SHARED_WORLD=$ranks shared_tier "world$ranks" 150 tests/test_nvlink.py -k "oracle"
   done
 }
 test_moe_one_rank() {  # the MoE layer's GPU worker at world size 1 (fused experts, combine rows): a 1-GPU check
