@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from . import _ext
-from .formats import MXFP8Tensor, NVFP4Tensor, S2F6Tensor
+from .formats import MXFP8Tensor, NVFP4Tensor, S2F6Tensor, _check_mxfp8, _check_nvfp4, _check_s2f6
 
 _ELEM_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/formats.h ElemType
 _NVFP4_ACTIVATION_M = 256.0
@@ -230,6 +230,7 @@ def host_nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True,
 
 
 def host_nvfp4_dequantize(q: NVFP4Tensor) -> torch.Tensor:
+    _check_nvfp4(q)
     k = q.data.shape[-1] * 2
     data = q.data.reshape(-1, k // 2).contiguous()
     scales = q.scales.view(torch.uint8).reshape(-1, k // 16).contiguous()
@@ -252,6 +253,7 @@ def host_mxfp8_quantize(x: torch.Tensor, rounding: str = "nearest", seed: int = 
 
 
 def host_mxfp8_dequantize(m: MXFP8Tensor) -> torch.Tensor:
+    _check_mxfp8(m)
     k = m.data.shape[-1]
     data = m.data.view(torch.uint8).reshape(-1, k).contiguous()
     scales = m.scales.view(torch.uint8).reshape(-1, k // 32).contiguous()
@@ -261,6 +263,7 @@ def host_mxfp8_dequantize(m: MXFP8Tensor) -> torch.Tensor:
 
 
 def host_nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str = "stochastic", seed: int = 0) -> MXFP8Tensor:
+    _check_nvfp4(q)
     num_rows, k = q.data.shape[0], q.data.shape[1] * 2
     data = q.data.contiguous()
     scales = q.scales.view(torch.uint8).contiguous()
@@ -293,6 +296,7 @@ def host_s2f6_quantize(x: torch.Tensor, hadamard: bool = True, sign_mask: int = 
 
 
 def host_s2f6_dequantize(s: S2F6Tensor) -> torch.Tensor:
+    _check_s2f6(s)
     k = s.data.shape[-1]
     data = s.data.reshape(-1, k).contiguous()
     scales = s.scales.view(torch.uint8).reshape(-1, k // 32).contiguous()
@@ -304,6 +308,7 @@ def host_s2f6_dequantize(s: S2F6Tensor) -> torch.Tensor:
 
 def host_s2f6_dequantize_accumulate(s: S2F6Tensor, row_index: torch.Tensor, weights: Optional[torch.Tensor] = None,
                                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    _check_s2f6(s)
     num_src_rows, k = s.data.shape
     data = s.data.contiguous()
     scales = s.scales.view(torch.uint8).contiguous()

@@ -24,7 +24,7 @@ import time
 import torch
 
 from .launch import GPU_ENV, run_ranks
-from .types import combine_bytes_per_token, dispatch_bytes_per_token
+from .types import COMBINE_FORMATS, DISPATCH_FORMATS, combine_bytes_per_token, dispatch_bytes_per_token
 
 DEFAULT_PAIRS = "nvfp4/s2f6,mxfp8/s2f6,bf16/bf16"
 
@@ -56,14 +56,21 @@ def parse_args(argv=None):
     for name in ("tokens", "iters", "ranks", "experts", "topk"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.hidden < 1 or args.hidden % 32:
+        parser.error(f"--hidden must be a positive multiple of 32, got {args.hidden}")
     if args.topk > args.experts:
         parser.error(f"--topk {args.topk} exceeds --experts {args.experts}")
     if args.experts % args.ranks:
         parser.error(f"--experts {args.experts} is not a multiple of the {args.ranks} ranks")
     args.pairs = [tuple(p.split("/")) for p in args.formats.split(",") if p]
+    if not args.pairs:
+        parser.error("--formats names no dispatch/combine pair")
     for pair in args.pairs:
         if len(pair) != 2:
             parser.error(f"--formats takes dispatch/combine pairs, got {'/'.join(pair)!r}")
+        if pair[0] not in DISPATCH_FORMATS or pair[1] not in COMBINE_FORMATS:
+            parser.error(f"--formats pair {'/'.join(pair)!r}: dispatch is one of {'/'.join(DISPATCH_FORMATS)}, "
+                         f"combine one of {'/'.join(COMBINE_FORMATS)}")
     return args
 
 

@@ -54,8 +54,10 @@ class Buffer:
         backend: "auto" (nvlink when every rank's GPUs are NVLink peers and the fast path can start, else
             reference — with a warning that says why), "reference" or "nvlink".
         expert_alignment: expert segments start at multiples of this (e.g. 128 for GEMM tiles).
-        num_sms: blocks (SMs) of the nvlink send kernels. num_local_sms: blocks of the nvlink kernels' local
-            phases (receive/expansion, combine reduction; 0 = all SMs of the device). timeout_s: a peer wait longer
+        num_sms: blocks (SMs) of the nvlink BF16 and MXFP8 dispatch sends (the NVLink-bound kernels).
+            num_local_sms: blocks of every other nvlink kernel -- the NVFP4 quantize-and-send, whose 4/6 quantization
+            dominates, the receive/expansion, the combine reduction-and-send and the combine receive (0 = all SMs of
+            the device). timeout_s: a peer wait longer
             than this raises, naming rank and stage (nvlink: the kernels' flag waits; reference over gloo: each
             collective; reference over NCCL: the process group's own timeout applies instead).
         check_inputs: validate index ranges / duplicate experts (needs a device->host copy; skipped
@@ -124,8 +126,13 @@ class Buffer:
             # A CPU (gloo) group has no GPUs to connect: the reference backend is the only engine there.
             return ReferenceBackend(self.group, self.config, format_impl=format_impl)
         try:
-            from .backends.nvlink import NVLinkBackend
+            from .backends.nvlink import NVLinkBackend, _check_nvlink_limits
             available, reason = NVLinkBackend.is_available(self.group)
+            if available:
+                try:  # a configuration the reference backend takes but these kernels do not (e.g. num_topk > 32)
+                    _check_nvlink_limits(self.config)
+                except ValueError as error:
+                    available, reason = False, str(error)
         except ImportError as error:
             available, reason = False, f"the nvlink backend could not be imported ({error})"
         # Every rank must agree, or one would wait for the others on a different transport.
@@ -206,10 +213,17 @@ class Buffer:
         if topk_idx.device != x.device or topk_weights.device != x.device:
             raise ValueError(f"x, topk_idx and topk_weights must be on one device; got {x.device}, "
                              f"{topk_idx.device}, {topk_weights.device}")
-        if self.backend == "nvlink" and not x.is_cuda:
-            raise ValueError("the nvlink backend needs CUDA tensors")
+        if self.backend == "nvlink":
+            self._check_on_buffer_device("x", x)
         if check_ids and num_tokens and not _is_capturing():
             _check_expert_ids(topk_idx, cfg.num_experts)
+
+    def _check_on_buffer_device(self, name: str, tensor: torch.Tensor) -> None:
+        """nvlink: the kernels run on the Buffer's GPU and read `tensor` there (a CPU or other-GPU tensor would be
+        read through a wrong address)."""
+        device = self._backend.device
+        if tensor.device != torch.device("cuda", device):
+            raise ValueError(f"the nvlink backend needs {name} on this Buffer's GPU (cuda:{device}), got {tensor.device}")
 
     def _check_stream_args(self, device: torch.device, comm_stream, done_event) -> None:
         if comm_stream is not None:
@@ -347,6 +361,9 @@ class Buffer:
                                       "GEMM); use dispatch")
         if isinstance(wave_sms, bool) or not isinstance(wave_sms, int):
             raise TypeError(f"wave_sms must be an int, got {type(wave_sms).__name__}")
+        if not 1 <= wave_sms <= self.max_wave_sms:
+            raise ValueError(f"wave_sms must be in [1, {self.max_wave_sms}] (Buffer.max_wave_sms: the receive's block "
+                             f"count), got {wave_sms}")
         self._check_dispatch_call(x, topk_idx, topk_weights, check_inputs)
         return self._run_on_stream(None, None, (), lambda: self._backend.dispatch_waves(x, topk_idx, topk_weights,
                                                                                         wave_sms))
@@ -378,6 +395,8 @@ class Buffer:
         self._check_alive()
 
         def validate():
+            if not isinstance(local_reduce, bool):  # checked here: every rank raises together (a None would not)
+                raise TypeError(f"local_reduce must be a bool, got {type(local_reduce).__name__}")
             self._validate_combine(expert_out, handle)
             self._check_stream_args(expert_out.device, comm_stream, done_event)
         self._validate_together(validate, "combine")
@@ -387,6 +406,8 @@ class Buffer:
     def _validate_combine(self, expert_out, handle) -> None:
         if not isinstance(expert_out, torch.Tensor):
             raise TypeError(f"expert_out must be a torch.Tensor, got {type(expert_out).__name__}")
+        if self.backend == "nvlink":
+            self._check_on_buffer_device("expert_out", expert_out)
         self._refuse_autograd("combine", expert_out)
         if expert_out.dtype != torch.bfloat16:
             raise TypeError(f"expert_out must be bfloat16, got {expert_out.dtype}")

@@ -112,6 +112,11 @@ def _check_float_input(x, name: str, block: int) -> None:
         raise ValueError(f"the last dimension of {name} ({x.shape[-1]}) must be a positive multiple of {block}")
 
 
+def _check_out_dtype(dtype, name: str = "dtype") -> None:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point torch.dtype, got {dtype!r}")
+
+
 IMPLS = ("auto", "reference", "cuda")  # the quantization paths a caller may ask for (`impl=` / `format_impl=`)
 
 
@@ -327,10 +332,12 @@ def nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True, amax: Optional[t
 
     four_over_six: 4/6 adaptive block scaling with MSE selection and M = 256 (activations, the dispatch
         payload); False: plain NVFP4 with M = 448 (weights).
-    amax: optional outer amax, broadcastable to x.shape[:-1] (per row, per expert, or a scalar per tensor);
-        by default it is computed per row (scale_granularity="row") or once for the tensor ("tensor"). A given
-        amax below a row's true max |x| saturates that row's largest values (nothing checks it: it is the
-        caller's scale).
+    amax: optional outer amax: a scalar (one value for the tensor), or a tensor with exactly x.dim() - 1
+        dimensions broadcastable to the rows x.shape[:-1]: per row [...], or per expert [E, 1] for x [E, N, K]
+        (keepdim form). A 1-D [E] amax for a 3-D x is refused: right-aligned broadcasting would apply it per
+        row position, not per expert. By default the amax is computed per row (scale_granularity="row") or
+        once for the tensor ("tensor"). A given amax below a row's true max |x| saturates that row's largest
+        values (nothing checks it: it is the caller's scale).
     Returns an NVFP4Tensor with data [..., K/2], scales [..., K/16], amax [...] float32.
     """
     _check_float_input(x, "x", NVFP4_BLOCK)
@@ -341,6 +348,10 @@ def nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True, amax: Optional[t
             amax = torch.tensor(float(amax), dtype=torch.float32, device=x.device)
         if amax.device != x.device:
             raise ValueError(f"amax is on {amax.device} but x is on {x.device}")
+        if amax.numel() != 1 and amax.dim() != x.dim() - 1:
+            raise ValueError(f"amax of shape {tuple(amax.shape)} is ambiguous for x of shape {tuple(x.shape)}: give "
+                             f"a scalar or {x.dim() - 1} dimensions broadcastable to the rows {tuple(x.shape[:-1])} "
+                             f"(per expert: [E, 1])")
         try:
             amax = torch.broadcast_to(amax.float(), x.shape[:-1]).contiguous()
         except RuntimeError as error:
@@ -413,7 +424,7 @@ def _check_nvfp4(q) -> None:
     k = q.data.shape[-1] * 2
     if (q.data.dtype != torch.uint8 or q.scales.dtype not in (torch.float8_e4m3fn, torch.uint8)
             or q.amax.dtype != torch.float32 or q.scales.shape[-1] * NVFP4_BLOCK != k
-            or q.amax.shape != q.data.shape[:-1]):
+            or q.scales.shape[:-1] != q.data.shape[:-1] or q.amax.shape != q.data.shape[:-1]):
         raise ValueError("inconsistent NVFP4Tensor: data uint8 [..., K/2], scales float8_e4m3fn [..., K/16], amax "
                          f"float32 [...] expected; got data {tuple(q.data.shape)} {q.data.dtype}, scales "
                          f"{tuple(q.scales.shape)} {q.scales.dtype}, amax {tuple(q.amax.shape)} {q.amax.dtype}")
@@ -422,6 +433,7 @@ def _check_nvfp4(q) -> None:
 def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32, impl: str = "auto") -> torch.Tensor:
     """NVFP4Tensor -> dense [..., K] in `dtype` (values computed in fp32, then rounded)."""
     _check_nvfp4(q)
+    _check_out_dtype(dtype)
     if _use_cuda(impl, q.data):
         return _cuda_formats().nvfp4_dequantize(q, dtype)
     return _nvfp4_dequantize_reference(q).to(dtype)
@@ -475,20 +487,26 @@ def _mxfp8_quantize_reference(xf: torch.Tensor, rounding: str, seed: int) -> MXF
 
 def mxfp8_dequantize(m: MXFP8Tensor, dtype: torch.dtype = torch.float32, impl: str = "auto") -> torch.Tensor:
     """MXFP8Tensor -> dense [..., K] in `dtype`."""
-    if not isinstance(m, MXFP8Tensor):
-        raise TypeError(f"expected an MXFP8Tensor, got {type(m).__name__}")
-    if (m.data.dtype not in (torch.float8_e4m3fn, torch.uint8) or m.scales.dtype not in (torch.float8_e8m0fnu,
-                                                                                            torch.uint8)
-            or m.scales.shape[-1] * MX_BLOCK != m.data.shape[-1]):
-        raise ValueError(f"inconsistent MXFP8Tensor: data float8_e4m3fn [..., K], scales float8_e8m0fnu [..., K/32] "
-                         f"expected; got data {tuple(m.data.shape)} {m.data.dtype}, scales {tuple(m.scales.shape)} "
-                         f"{m.scales.dtype}")
+    _check_mxfp8(m)
+    _check_out_dtype(dtype)
     if _use_cuda(impl, m.data):
         return _cuda_formats().mxfp8_dequantize(m, dtype)
     k = m.data.shape[-1]
     values = e4m3_decode(m.data.view(torch.uint8)).reshape(*m.data.shape[:-1], k // MX_BLOCK, MX_BLOCK)
     values = values * ue8m0_decode(m.scales)[..., None]
     return values.reshape(m.data.shape).to(dtype)
+
+
+def _check_mxfp8(m) -> None:
+    if not isinstance(m, MXFP8Tensor):
+        raise TypeError(f"expected an MXFP8Tensor, got {type(m).__name__}")
+    if (m.data.dtype not in (torch.float8_e4m3fn, torch.uint8) or m.scales.dtype not in (torch.float8_e8m0fnu,
+                                                                                            torch.uint8)
+            or m.scales.shape[:-1] != m.data.shape[:-1]
+            or m.scales.shape[-1] * MX_BLOCK != m.data.shape[-1]):
+        raise ValueError(f"inconsistent MXFP8Tensor: data float8_e4m3fn [..., K], scales float8_e8m0fnu [..., K/32] "
+                         f"expected; got data {tuple(m.data.shape)} {m.data.dtype}, scales {tuple(m.scales.shape)} "
+                         f"{m.scales.dtype}")
 
 
 def nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str = "stochastic", seed: int = 0,
@@ -580,6 +598,7 @@ def _check_s2f6(s) -> None:
     if not isinstance(s, S2F6Tensor):
         raise TypeError(f"expected an S2F6Tensor, got {type(s).__name__}")
     if (s.data.dtype != torch.int8 or s.scales.dtype not in (torch.float8_e8m0fnu, torch.uint8)
+            or s.scales.shape[:-1] != s.data.shape[:-1]
             or s.scales.shape[-1] * MX_BLOCK != s.data.shape[-1]):
         raise ValueError(f"inconsistent S2F6Tensor: int8 data [..., K] and float8_e8m0fnu (or uint8) scales "
                          f"[..., K / {MX_BLOCK}] expected; got data {tuple(s.data.shape)} {s.data.dtype}, "
@@ -602,6 +621,7 @@ def s2f6_dequantize(s: S2F6Tensor, hadamard: Optional[bool] = None, dtype: torch
         True asserts they were rotated (ValueError otherwise); False returns the rotated-domain values.
     """
     _check_s2f6(s)
+    _check_out_dtype(dtype)
     if hadamard is not None:
         if hadamard and not s.hadamard:
             raise ValueError("hadamard=True but this S2F6Tensor was quantized without the RHT")
@@ -630,9 +650,15 @@ def s2f6_dequantize_accumulate(s: S2F6Tensor, row_index: torch.Tensor, weights: 
         raise TypeError("row_index must be an int32/int64 tensor [M, J]")
     if row_index.device != s.data.device:
         raise ValueError(f"row_index is on {row_index.device} but s is on {s.data.device}")
-    if weights is not None and (weights.shape != row_index.shape or weights.dtype != torch.float32):
-        raise ValueError(f"weights must be float32 of shape {tuple(row_index.shape)}, got "
-                         f"{tuple(weights.shape)} {weights.dtype}")
+    if weights is not None:
+        if not isinstance(weights, torch.Tensor):
+            raise TypeError(f"weights must be a float32 tensor or None, got {type(weights).__name__}")
+        if weights.shape != row_index.shape or weights.dtype != torch.float32:
+            raise ValueError(f"weights must be float32 of shape {tuple(row_index.shape)}, got "
+                             f"{tuple(weights.shape)} {weights.dtype}")
+        if weights.device != s.data.device:
+            raise ValueError(f"weights are on {weights.device} but s is on {s.data.device}")
+    _check_out_dtype(out_dtype, "out_dtype")
     if not _is_capturing() and row_index.numel():
         low, high = int(row_index.min()), int(row_index.max())
         if low < -1 or high >= s.data.shape[0]:

@@ -55,6 +55,10 @@ def _per_expert_amax(w: torch.Tensor) -> torch.Tensor:
 def pack_weights(w1: torch.Tensor, w2: torch.Tensor) -> PackedExpertWeights:
     """Quantize master weights once, offline: w1 [E_local, 2I, H] and w2 [E_local, H, I] (bf16 or fp32; H and I
     multiples of 16) to NVFP4 along their input axis with one FP32 amax per expert (no 4/6, as for weights)."""
+    for name, w in (("w1", w1), ("w2", w2)):  # checked here so that errors name w1 / w2, not the quantizer's "x"
+        if not isinstance(w, torch.Tensor) or w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"{name} must be a bfloat16, float16 or float32 tensor, got "
+                            f"{getattr(w, 'dtype', type(w).__name__)}")
     if w1.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"w1 must be [E, 2I, H] and w2 [E, H, I]; got {tuple(w1.shape)} and {tuple(w2.shape)}")
     experts, two_i, hidden = w1.shape
@@ -65,6 +69,9 @@ def pack_weights(w1: torch.Tensor, w2: torch.Tensor) -> PackedExpertWeights:
                          f"got {tuple(w2.shape)}")
     if w1.numel() == 0:
         raise ValueError(f"w1 and w2 must not be empty, got w1 {tuple(w1.shape)}")
+    if hidden % 16 or (two_i // 2) % 16:
+        raise ValueError(f"H and I must be multiples of 16 (NVFP4 blocks along w1's and w2's input axis); got "
+                         f"w1 {tuple(w1.shape)} (H = {hidden}), w2 {tuple(w2.shape)} (I = {two_i // 2})")
     # Offline, so the device->host check is affordable: one Inf would make its expert's amax Inf and every weight of
     # that expert non-finite, one NaN would be encoded as a finite code (docs/NUMERICS.md), both silently.
     for name, w in (("w1", w1), ("w2", w2)):
@@ -81,26 +88,56 @@ def expert_mlp_reference(tokens: formats.NVFP4Tensor, w1: torch.Tensor, w2: torc
     SwiGLU in FP32, then the w2 input is quantized to NVFP4 with 4/6 and a per-token amax (the fused kernel's
     quantization point), dequantized, multiplied by w2 in FP32 and rounded to bf16.
     """
-    x = formats.nvfp4_dequantize(tokens, dtype=torch.float32)
-    gate, up = (x @ w1.t()).chunk(2, dim=-1)
-    hidden = F.silu(gate) * up
-    hidden = formats.nvfp4_dequantize(formats.nvfp4_quantize(hidden, four_over_six=True), dtype=torch.float32)
-    return (hidden @ w2.t()).to(torch.bfloat16)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the FP32 oracle on CUDA tensors too (as grouped_gemm's reference)
+    try:
+        x = formats.nvfp4_dequantize(tokens, dtype=torch.float32)
+        gate, up = (x @ w1.t()).chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
+        hidden = formats.nvfp4_dequantize(formats.nvfp4_quantize(hidden, four_over_six=True), dtype=torch.float32)
+        return (hidden @ w2.t()).to(torch.bfloat16)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 def _fused_experts_supported(device: torch.device, hidden: int, intermediate: int) -> tuple:
-    """(True, "") when the fused grouped GEMM can run on `device` for these sizes, else (False, why)."""
+    """(True, "") when the fused grouped GEMM can run on `device` (the expert weights') for these sizes, else
+    (False, why)."""
     if device.type != "cuda":
-        return False, "tokens are not on a CUDA device"
-    if not _ext.cuda_extension_available():
-        return False, f"the CUDA extension is unavailable ({_ext.cuda_extension_error()})"
-    if not hasattr(_ext._C, "grouped_gemm_nvfp4"):
-        return False, "this ep_comm._C was built without the grouped GEMM (stale build): rebuild the extension"
-    if torch.cuda.get_device_capability(device) != (9, 0):
-        return False, "the fused NVFP4 grouped GEMM needs an sm_90 (Hopper) GPU"
+        return False, f"the expert weights are on {device}, not on a CUDA device"
+    why = _fused_gemm_unavailable(device)
+    if why:
+        return False, why
     if hidden % 64 or intermediate % 64:
         return False, f"the fused grouped GEMM needs H and I multiples of 64 (H = {hidden}, I = {intermediate})"
     return True, ""
+
+
+def _fused_gemm_unavailable(device: torch.device) -> str:
+    """Why the fused grouped GEMM cannot run on the CUDA device `device` ("" when it can)."""
+    if not _ext.cuda_extension_available():
+        return f"the CUDA extension is unavailable ({_ext.cuda_extension_error()})"
+    if not hasattr(_ext._C, "grouped_gemm_nvfp4"):
+        return "this ep_comm._C was built without the grouped GEMM (stale build): rebuild the extension"
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return "the fused NVFP4 grouped GEMM needs an sm_90 (Hopper) GPU"
+    return ""
+
+
+_FUSED_NEEDS = ("fused experts need CUDA tensors on an sm_90 GPU (use expert_mlp_reference / "
+                "MoELayer(expert_impl='reference'))")
+
+
+def _check_fused_inputs(tokens, *weights) -> None:
+    """fused_expert_*: refused up front off the CUDA kernels, rather than failing inside with a message about impl
+    (the torch fallbacks of the pieces would sync with the host and differ in bits from expert_mlp_reference)."""
+    tensors = [t for t in (getattr(tokens, "data", None), *(getattr(w, "values", None) for w in weights))
+               if isinstance(t, torch.Tensor)]
+    if not all(t.is_cuda for t in tensors):
+        raise ValueError(f"{_FUSED_NEEDS}; got tensors on {', '.join(sorted({str(t.device) for t in tensors}))}")
+    why = _fused_gemm_unavailable(tensors[0].device) if tensors else ""
+    if why:
+        raise RuntimeError(f"{_FUSED_NEEDS}: {why}")
 
 
 # Per-SM rates on H200 that size a wave receive (default_wave_sms), measured in this repository (bench/RESULTS.md,
@@ -138,6 +175,12 @@ def fused_expert_hidden(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tenso
     form measured slower on H200 (the atomics cost w1 more than the quantizer's amax pass costs: bench/RESULTS.md,
     ninth session), so it is opt-in. Other arguments as `fused_expert_mlp`.
     """
+    _check_fused_inputs(tokens, w1)
+    return _fused_expert_hidden(tokens, expert_offsets, num_tokens_per_expert, w1, token_tile, amax_in_w1)
+
+
+def _fused_expert_hidden(tokens, expert_offsets, num_tokens_per_expert, w1, token_tile, amax_in_w1=False):
+    """fused_expert_hidden without the input check (MoELayer checked its device when it chose the fused path)."""
     from . import grouped_gemm as gemm
     x = gemm.expand_nvfp4_rows(tokens, num_rows_limit=expert_offsets[-1:])
     return _expert_hidden_from_rows(x, expert_offsets, num_tokens_per_expert, w1, token_tile, amax_in_w1)
@@ -172,9 +215,10 @@ def fused_expert_mlp(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor, 
     Everything stays on the device (no host sync; CUDA-graph capturable). Rows at or past expert_offsets[-1] (the
     nvlink backend returns its fixed capacity) are skipped by every kernel and rows outside expert segments are
     never read, so intermediates are uninitialised and only the rows of valid experts are defined in the result
-    (what `Buffer.combine` reads).
+    (what `Buffer.combine` reads). CUDA tensors on an sm_90 GPU only (else an error naming the reference path).
     """
-    hidden = fused_expert_hidden(tokens, expert_offsets, num_tokens_per_expert, w1, token_tile)
+    _check_fused_inputs(tokens, w1, w2)
+    hidden = _fused_expert_hidden(tokens, expert_offsets, num_tokens_per_expert, w1, token_tile)
     return _expert_output(hidden, expert_offsets, num_tokens_per_expert, w2, token_tile)
 
 
@@ -200,7 +244,8 @@ class MoELayer(torch.nn.Module):
             fused when the layer's device supports it, else reference -- `self.expert_impl` says which was chosen
             and a warning names the reason once when a CUDA layer falls back.
         token_tile: the fused GEMM's token tile (16/32/64/128 rows per CTA); None picks it from the expected
-            rows per local expert with every rank at max_tokens_per_rank (`self.token_tile` says which).
+            rows per local expert with every rank at max_tokens_per_rank (`self.token_tile` says which; None on
+            the reference path, where it is unused; refused with expert_impl="reference").
         combine_rows: how expert outputs get back. True: w2's epilogue stores each (token, expert) row as RHT + S2F6
             straight into the source rank's combine area (`Buffer.begin_combine_rows`): no bf16 expert output and
             no separate encode-and-send pass; the source sums the rows in top-k slot order (local_reduce=False
@@ -217,7 +262,7 @@ class MoELayer(torch.nn.Module):
             measured on 2xH200 (bench/RESULTS.md, tenth session) 1.8-4.5% faster at 128 tokens per rank and within
             -0.8..-0.2% (noise) at 4096; `self.waves` says which.
         wave_sms: SMs of the wave receive; None: `default_wave_sms` (from the bytes and FLOPs per row), clamped to
-            the Buffer's receive block count.
+            the Buffer's receive block count (`self.wave_sms`; None without waves; refused with waves=False).
     forward(x): x bf16 [T, H] -> bf16 [T, H]; the routing weights are the softmax over the top-k logits.
     """
 
@@ -249,8 +294,16 @@ class MoELayer(torch.nn.Module):
         self.buffer = buffer
         self.register_buffer("router_weight", router_weight.float())
         self.weights = weights
+        # Values are checked whichever path the layer picks; a knob that an explicit choice makes void is refused
+        # (with "auto" choices it is kept for the case it applies: self.token_tile / self.wave_sms say).
         if token_tile is not None and (isinstance(token_tile, bool) or token_tile not in TOKEN_TILES):
             raise ValueError(f"token_tile must be None or one of {', '.join(map(str, TOKEN_TILES))}, got {token_tile!r}")
+        if wave_sms is not None and (isinstance(wave_sms, bool) or not isinstance(wave_sms, int) or wave_sms < 1):
+            raise ValueError(f"wave_sms must be None or a positive int, got {wave_sms!r}")
+        if token_tile is not None and expert_impl == "reference":
+            raise ValueError("token_tile is a setting of the fused grouped GEMM; expert_impl='reference' has none")
+        if wave_sms is not None and waves is not None and not waves:
+            raise ValueError("wave_sms sizes the wave receive; waves=False has none")
         device = weights.w1.data.device
         supported, why = _fused_experts_supported(device, cfg.hidden, weights.w2.shape[-1])
         if expert_impl == "fused" and not supported:
@@ -277,8 +330,6 @@ class MoELayer(torch.nn.Module):
             if wave_sms is None:
                 sms = torch.cuda.get_device_properties(device).multi_processor_count
                 wave_sms = default_wave_sms(cfg.hidden, weights.w2.shape[-1], sms)
-            elif isinstance(wave_sms, bool) or not isinstance(wave_sms, int) or wave_sms < 1:
-                raise ValueError(f"wave_sms must be None or a positive int, got {wave_sms!r}")
             self.wave_sms = min(wave_sms, buffer.max_wave_sms)
         if expert_impl == "fused":
             from . import grouped_gemm  # imported here: the CPU-only package does not need it at import time
@@ -314,8 +365,10 @@ class MoELayer(torch.nn.Module):
         return self._experts_reference(result)
 
     def _experts_fused(self, result) -> torch.Tensor:
-        return fused_expert_mlp(result.x, result.expert_offsets, result.num_tokens_per_expert, self._w1_packed,
-                                self._w2_packed, token_tile=self.token_tile)
+        hidden = _fused_expert_hidden(result.x, result.expert_offsets, result.num_tokens_per_expert, self._w1_packed,
+                                      self.token_tile)
+        return _expert_output(hidden, result.expert_offsets, result.num_tokens_per_expert, self._w2_packed,
+                              self.token_tile)
 
     def _experts_reference(self, result) -> torch.Tensor:
         out = torch.zeros(result.num_rows, self.buffer.config.hidden, dtype=torch.bfloat16,
@@ -336,8 +389,8 @@ class MoELayer(torch.nn.Module):
         if not self.combine_rows:
             raise ValueError("experts_and_combine_rows needs a layer with combine_rows=True (fused experts, nvlink "
                              "backend, S2F6 combine); use buffer.combine(layer.experts(result), result.handle)")
-        hidden = fused_expert_hidden(result.x, result.expert_offsets, result.num_tokens_per_expert, self._w1_packed,
-                                     self.token_tile)
+        hidden = _fused_expert_hidden(result.x, result.expert_offsets, result.num_tokens_per_expert, self._w1_packed,
+                                      self.token_tile)
         return self._w2_and_combine(result, hidden)
 
     def _w2_and_combine(self, result, hidden) -> torch.Tensor:

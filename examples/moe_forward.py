@@ -1,6 +1,6 @@
 """A minimal expert-parallel MoE forward with ep_comm: router -> dispatch (NVFP4) -> experts -> combine (S2F6).
 
-Runs on every visible GPU (NCCL), or on 2 CPU ranks over gloo without GPUs:
+Runs on every visible GPU (NCCL) when there are at least 2, else on 2 CPU ranks over gloo:
 
     python examples/moe_forward.py [--tokens 256 --hidden 512 --intermediate 256 --experts 16 --topk 4]
 

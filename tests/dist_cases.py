@@ -177,6 +177,18 @@ def errors_worker(rank: int, world: int, backend: str = "reference", device_kind
         torch.zeros(result.num_rows, hidden, dtype=torch.bfloat16, device=device), result))
     _expect(TypeError, "handle", lambda: buf.combine(
         torch.zeros(result.num_rows, hidden, dtype=torch.bfloat16, device=device), None))
+    _expect(TypeError, "local_reduce must be a bool", lambda: buf.combine(
+        torch.zeros(result.num_rows, hidden, dtype=torch.bfloat16, device=device), result.handle, local_reduce=None))
+    # The dispatch keeps its own weights: the caller may reuse (here: zero) its weights tensor before the combine, and
+    # combine(local_reduce=False), which applies them on the source rank, still uses the dispatched values.
+    reused = w.clone()
+    kept = buf.dispatch(x, idx, reused)
+    rows_out = torch.randn(kept.num_rows, hidden, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+    before = buf.combine(rows_out.to(device), kept.handle, local_reduce=False)
+    reused.zero_()
+    after = buf.combine(rows_out.to(device), kept.handle, local_reduce=False)
+    assert before.float().abs().sum() > 0 and torch.equal(before.view(torch.int16), after.view(torch.int16)), \
+        "combine(local_reduce=False) used weights changed after the dispatch"
     # Different combine arguments on different ranks: every rank raises (no abort of the process group).
     if world > 1:
         _expect(ValueError, "differ between ranks", lambda: buf.combine(
@@ -207,6 +219,11 @@ def errors_worker(rank: int, world: int, backend: str = "reference", device_kind
                 lambda: buf.dispatch(grad_x, idx, w))
         mixed = buf.dispatch(x, idx, w, check_inputs=(rank == 0))
         assert mixed.num_rows == result.num_rows
+        # A local_reduce that is not a bool on one rank: every rank raises, none waits in the combine's exchange.
+        _expect(TypeError if last else ValueError,
+                "local_reduce must be a bool" if last else f"rejected on rank(s) [{world - 1}]",
+                lambda: buf.combine(torch.zeros(mixed.num_rows, hidden, dtype=torch.bfloat16, device=device),
+                                    mixed.handle, local_reduce=None if last else True))
     # Without the check, ids outside [0, E) are masked slots (as on nvlink): the same result as -1 there.
     unchecked = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8,
                                backend=backend, check_inputs=False)

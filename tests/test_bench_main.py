@@ -26,7 +26,12 @@ def test_main_job_on_cpu_ranks(tmp_path, capsys):
 @pytest.mark.cpu
 @pytest.mark.parametrize("argv,message", [(["--iters", "0"], "--iters must be at least 1"),
                                           (["--topk", "40", "--experts", "32"], "exceeds --experts"),
-                                          (["--experts", "30", "--ranks", "4"], "not a multiple")])
+                                          (["--experts", "30", "--ranks", "4"], "not a multiple"),
+                                          (["--hidden", "100"], "--hidden must be a positive multiple of 32"),
+                                          (["--hidden", "0"], "--hidden must be a positive multiple of 32"),
+                                          (["--formats", "fp8/s2f6"], "dispatch is one of nvfp4/mxfp8/bf16"),
+                                          (["--formats", "nvfp4/mxfp8"], "combine one of s2f6/bf16"),
+                                          (["--formats", ","], "names no dispatch/combine pair")])
 def test_main_job_refuses_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--cpu", *argv])

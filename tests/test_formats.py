@@ -349,3 +349,66 @@ def test_api_rejects_malformed_containers_seeds_and_amax():
     with pytest.raises(ValueError, match="not NaN"):
         F.nvfp4_quantize(x, amax=torch.tensor(float("nan")), impl="reference")
     F.nvfp4_quantize(x, amax=torch.tensor(float("inf")), impl="reference")  # what a row holding an Inf computes
+
+
+def test_containers_refuse_scales_of_other_rows():
+    """scales must cover the same rows as data (the CUDA glue reshapes them to [rows, K / block]: fewer rows would be
+    read out of bounds)."""
+    x = torch.randn(4, 64)
+    q, m, s = F.nvfp4_quantize(x), F.mxfp8_quantize(x), F.s2f6_quantize(x)
+    with pytest.raises(ValueError, match=r"scales \(1, 4\)"):
+        F.nvfp4_dequantize(F.NVFP4Tensor(q.data, q.scales[:1], q.amax, q.e4m3_max))
+    with pytest.raises(ValueError, match=r"scales \(1, 2\)"):
+        F.mxfp8_dequantize(F.MXFP8Tensor(m.data, m.scales[:1]))
+    with pytest.raises(ValueError, match=r"scales \(1, 2\)"):
+        F.s2f6_dequantize(F.S2F6Tensor(s.data, s.scales[:1], True))
+    with pytest.raises(ValueError, match=r"scales \(2, 2\)"):
+        F.s2f6_dequantize_accumulate(F.S2F6Tensor(s.data, s.scales[:2], True), torch.tensor([[0, 3]]))
+    with pytest.raises(ValueError, match=r"scales \(4, 1, 4\)"):  # same row count, other shape
+        F.nvfp4_dequantize(F.NVFP4Tensor(q.data, q.scales[:, None], q.amax, q.e4m3_max))
+
+
+def test_nvfp4_amax_forms():
+    """A per-expert amax is [E, 1] for x [E, N, K]; a 1-D [E] one (which would broadcast along N) is refused."""
+    x = torch.randn(4, 4, 32)
+    x[1] *= 100
+    per_expert = x.abs().amax(dim=(1, 2))
+    with pytest.raises(ValueError, match=r"ambiguous.*\[E, 1\]"):
+        F.nvfp4_quantize(x, amax=per_expert)
+    q = F.nvfp4_quantize(x, four_over_six=False, amax=per_expert[:, None])
+    assert torch.equal(q.amax, per_expert[:, None].expand(4, 4))
+    for amax in (per_expert[:, None].expand(4, 4), torch.tensor(500.0), 500.0, torch.tensor([500.0])):
+        F.nvfp4_quantize(x, amax=amax)  # per row, scalar, one element: unambiguous
+    assert torch.equal(F.nvfp4_quantize(x[0], amax=per_expert).amax, per_expert)  # 2-D x: [R] is per row
+
+
+def test_dequantizers_refuse_integer_dtypes():
+    x = torch.randn(2, 64)
+    s = F.s2f6_quantize(x)
+    for call in (lambda: F.nvfp4_dequantize(F.nvfp4_quantize(x), dtype=torch.int32),
+                 lambda: F.mxfp8_dequantize(F.mxfp8_quantize(x), dtype=torch.uint8),
+                 lambda: F.s2f6_dequantize(s, dtype=torch.int8),
+                 lambda: F.s2f6_dequantize_accumulate(s, torch.tensor([[0, 1]]), out_dtype=torch.int16)):
+        with pytest.raises(TypeError, match="floating-point"):
+            call()
+    assert F.s2f6_dequantize(s, dtype=torch.float64).dtype == torch.float64
+
+
+def test_dequantize_accumulate_checks_weights_type_and_device():
+    s = F.s2f6_quantize(torch.randn(4, 32))
+    index = torch.tensor([[0, 1]])
+    with pytest.raises(TypeError, match="weights must be a float32 tensor"):
+        F.s2f6_dequantize_accumulate(s, index, weights=[[1.0, 1.0]])
+    with pytest.raises(ValueError, match="weights are on meta"):
+        F.s2f6_dequantize_accumulate(s, index, weights=torch.ones(1, 2, device="meta"))
+
+
+def test_mxfp8_keeps_nan_and_inf_as_readme_says():
+    """README "NaN / Inf inputs": MXFP8 decodes NaN as NaN and Inf as Inf; an Inf's block scale is 0xFE, which
+    flushes the other 31 elements of its block to zero. (NVFP4 / S2F6: test_nan_inf_and_zero_rows.)"""
+    x = torch.randn(2, 64)
+    x[0, 3], x[1, 5] = math.nan, -math.inf
+    m = F.mxfp8_quantize(x)
+    y = F.mxfp8_dequantize(m)
+    assert math.isnan(y[0, 3]) and y[1, 5] == -math.inf and torch.isfinite(y[0, 4:]).all()
+    assert int(m.scales.view(torch.uint8)[1, 0]) == 0xFE and y[1, :32].count_nonzero() == 1

@@ -195,6 +195,83 @@ def test_pack_weights_and_layer_reject_bad_shapes():
         moe.pack_weights(w1[:, :0], w2[:, :, :0])
 
 
+@pytest.mark.cpu
+def test_pack_weights_errors_name_w1_and_w2():
+    w1, w2, _ = _master_weights()
+    with pytest.raises(ValueError, match=r"H and I must be multiples of 16.*w1 \(8, 128, 120\)"):
+        moe.pack_weights(w1[:, :, :120], w2[:, :120])
+    with pytest.raises(ValueError, match=r"H and I must be multiples of 16.*I = 40"):
+        moe.pack_weights(w1[:, :80], w2[:, :, :40])
+    with pytest.raises(TypeError, match="w2 must be a bfloat16, float16 or float32 tensor, got torch.float64"):
+        moe.pack_weights(w1, w2.double())
+    with pytest.raises(TypeError, match="w1 must be"):
+        moe.pack_weights(w1.tolist(), w2)
+
+
+def _tiny_experts():
+    from ep_comm import grouped_gemm
+    w1, w2, _ = _master_weights()
+    packed = moe.pack_weights(w1[:2], w2[:2])
+    tokens = formats.nvfp4_quantize(torch.randn(6, HIDDEN))
+    offsets, counts = torch.tensor([0, 3, 6], dtype=torch.int32), torch.tensor([3, 3], dtype=torch.int32)
+    return (tokens, offsets, counts, grouped_gemm.pack_gemm_weights(packed.w1, swiglu=True),
+            grouped_gemm.pack_gemm_weights(packed.w2, swiglu=False))
+
+
+@pytest.mark.cpu
+def test_fused_experts_refuse_cpu_tensors_naming_the_reference_path():
+    tokens, offsets, counts, w1, w2 = _tiny_experts()
+    with pytest.raises(ValueError, match=r"fused experts need CUDA tensors on an sm_90 GPU \(use expert_mlp_reference"):
+        moe.fused_expert_mlp(tokens, offsets, counts, w1, w2)
+    with pytest.raises(ValueError, match="fused experts need CUDA tensors"):
+        moe.fused_expert_hidden(tokens, offsets, counts, w1)
+    supported, why = moe._fused_experts_supported(torch.device("cpu"), HIDDEN, INTERMEDIATE)
+    assert not supported and "expert weights are on cpu" in why  # the layer checks the weights' device
+
+
+@pytest.mark.cpu
+def test_expert_mlp_reference_turns_tf32_off(monkeypatch):
+    """The FP32 oracle's matmuls run with TF32 off (as grouped_gemm's reference), and the caller's setting is back
+    afterwards."""
+    w1, w2, _ = _master_weights()
+    seen = []
+    silu = torch.nn.functional.silu
+    monkeypatch.setattr(torch.nn.functional, "silu", lambda v: seen.append(torch.backends.cuda.matmul.allow_tf32)
+                        or silu(v))
+    before = torch.backends.cuda.matmul.allow_tf32  # (a property: monkeypatch cannot restore it)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        moe.expert_mlp_reference(formats.nvfp4_quantize(torch.randn(3, HIDDEN)), w1[0], w2[0])
+        assert seen == [False] and torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _layer_knobs_worker(rank, world):
+    w1, w2, router = _master_weights()
+    with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=8) as buf:
+        packed = moe.pack_weights(w1, w2)
+        messages = []
+        for kwargs in (dict(wave_sms=-5), dict(wave_sms=True), dict(token_tile=64, expert_impl="reference"),
+                       dict(wave_sms=4, waves=False)):
+            try:
+                moe.MoELayer(buf, router, packed, **kwargs)
+                messages.append(None)
+            except ValueError as error:
+                messages.append(str(error))
+        # With the automatic choices a valid knob is kept for where it applies (here: neither does).
+        layer = moe.MoELayer(buf, router, packed, token_tile=64, wave_sms=4)
+        return messages, layer.token_tile, layer.wave_sms
+
+
+@pytest.mark.cpu
+def test_layer_checks_token_tile_and_wave_sms_on_every_path():
+    (messages, token_tile, wave_sms), = run_ranks(_layer_knobs_worker, 1, backend="gloo")
+    assert "wave_sms must be None or a positive int" in messages[0] and "positive int" in messages[1], messages
+    assert "expert_impl='reference' has none" in messages[2] and "waves=False has none" in messages[3], messages
+    assert token_tile is None and wave_sms is None
+
+
 def _layer_misuse_worker(rank, world):
     w1, w2, router = _master_weights()
     with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=8) as buf:

@@ -414,6 +414,57 @@ def timeout_worker(rank, world, direct_self=False):
     return "ok"
 
 
+def misuse_worker(rank, world):
+    """Arguments the nvlink kernels cannot take are refused on the host, or copied into a form they can take: x or
+    expert_out off the Buffer's GPU, a handle of a Buffer with other table sizes, a non-bool local_reduce, wave_sms
+    out of range; x and expert_out at addresses that are not 16-byte aligned give the aligned calls' bits; the dispatch
+    keeps its own weights. A handle of another Buffer with the same sizes combines as on its own Buffer."""
+    import ep_comm
+    from dist_cases import _expect
+    hidden, experts, topk = 256, 4 * world, 2
+    common = dict(hidden=hidden, num_experts=experts, num_topk=topk, backend="nvlink")
+    small = ep_comm.Buffer(None, max_tokens_per_rank=8, **common)
+    large = ep_comm.Buffer(None, max_tokens_per_rank=16, **common)
+    twin = ep_comm.Buffer(None, max_tokens_per_rank=8, **common)
+    try:
+        x, idx, w = _make_inputs(rank, 8, hidden, experts, topk, "uniform", world, seed=3)
+        res = small.dispatch(x, idx, w)
+        _, out = _expert_out(int(res.expert_offsets[-1]), res.num_rows, hidden, 4, rank)
+        y = small.combine(out, res.handle)
+        # The handle of a Buffer with other sizes: refused (its tables would be read with this Buffer's sizes).
+        _expect(ValueError, "another Buffer", lambda: large.combine(
+            torch.zeros(res.num_rows, hidden, dtype=torch.bfloat16, device=x.device), res.handle))
+        # Same sizes: fine, and the same bits.
+        assert torch.equal(_bits(twin.combine(out, res.handle)), _bits(y)), "combine on a same-size Buffer differs"
+        _expect(ValueError, "on this Buffer's GPU", lambda: small.dispatch(x.cpu(), idx.cpu(), w.cpu()))
+        _expect(ValueError, "on this Buffer's GPU", lambda: small.combine(out.cpu(), res.handle))
+        _expect(TypeError, "local_reduce must be a bool", lambda: small.combine(out, res.handle, local_reduce=1))
+        _expect(ValueError, "wave_sms must be in", lambda: small.dispatch_waves(x, idx, w, wave_sms=0))
+        # Views starting 6 bytes past an aligned address: copied, the same bits as the aligned tensors.
+        flat_x = torch.empty(x.numel() + 8, dtype=torch.bfloat16, device=x.device)
+        odd_x = flat_x[3:3 + x.numel()].view_as(x)
+        odd_x.copy_(x)
+        flat_out = torch.empty(out.numel() + 8, dtype=torch.bfloat16, device=x.device)
+        odd_out = flat_out[3:3 + out.numel()].view_as(out)
+        odd_out.copy_(out)
+        assert odd_x.data_ptr() % 16 and odd_out.data_ptr() % 16
+        res_odd = small.dispatch(odd_x, idx, w)
+        rows = int(res.expert_offsets[-1])
+        assert torch.equal(payload_bytes(res_odd.x, "nvfp4")[:rows].cpu(), payload_bytes(res.x, "nvfp4")[:rows].cpu())
+        assert torch.equal(_bits(small.combine(odd_out, res_odd.handle)), _bits(y)), "unaligned expert_out"
+        # The dispatch keeps its own weights: zeroing the caller's tensor after the dispatch changes nothing.
+        reused = w.clone()
+        kept = small.dispatch(x, idx, reused)
+        before = small.combine(out, kept.handle, local_reduce=False)
+        reused.zero_()
+        assert torch.equal(_bits(small.combine(out, kept.handle, local_reduce=False)), _bits(before))
+    finally:
+        small.destroy()
+        large.destroy()
+        twin.destroy()
+    return "ok"
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Tests
 # ----------------------------------------------------------------------------------------------------------
@@ -425,6 +476,11 @@ def test_nvlink_oracle_cases():
     # identity round trip).
     from dist_cases import standard_cases
     assert all(len(summaries) == len(standard_cases(world, 256)) + 1 for summaries in results)
+
+
+@pytest.mark.multigpu
+def test_nvlink_refuses_misuse():
+    assert run_ranks(misuse_worker, _world(), backend=multigpu_backend(), timeout_s=300) == ["ok"] * _world()
 
 
 @pytest.mark.multigpu

@@ -174,6 +174,12 @@ def _group_ranks(group) -> Tuple[int, ...]:
     return tuple(dist.get_global_rank(group, r) for r in range(dist.get_world_size(group)))
 
 
+def _aligned16(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its data starts on a 16-byte boundary, else a copy that does: the kernels read and write rows
+    with 16-byte vector accesses (a contiguous view at an odd element offset would fault)."""
+    return t if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
 def _shared_gpu_allowed() -> bool:
     """EP_COMM_ALLOW_SHARED_GPU=1: a correctness-testing mode in which several ranks of one node may share a GPU
     (more ranks than GPUs). Their regions are mapped with CUDA IPC, and their kernels, which wait for each other,
@@ -689,7 +695,7 @@ class NVLinkBackend:
             raise ValueError(f"{num_tokens} tokens exceed max_tokens_per_rank={cfg.max_tokens_per_rank}")
         if topk_idx.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"topk_idx must be int32 or int64, got {topk_idx.dtype}")
-        x = x.contiguous()
+        x = _aligned16(x.contiguous())
         topk_idx = topk_idx.contiguous()
         topk_weights = topk_weights.contiguous().float()
         # One allocation per call: every output is a view of a fresh arena (_result_in_arena); the C++ side derives the
@@ -728,11 +734,19 @@ class NVLinkBackend:
                               src_rank=src_rank, src_token=src_token, topk_slot=topk_slot, topk_weight=topk_weight,
                               handle=handle, num_rows=rows)
 
-    @staticmethod
-    def check_handle(handle) -> None:
-        """TypeError unless `handle` comes from an nvlink dispatch."""
+    def check_handle(self, handle) -> None:
+        """TypeError unless `handle` comes from an nvlink dispatch; ValueError if it comes from another Buffer whose
+        handle tables have other sizes (max_tokens_per_rank, num_topk, world size, capacity): combine indexes them with
+        this Buffer's sizes. A handle of another Buffer with the same sizes is fine (e.g. dispatch on one Buffer,
+        combine on another)."""
         if not isinstance(handle, NVLinkHandle):
             raise TypeError(f"combine needs the handle of an nvlink dispatch, got {type(handle).__name__}")
+        if handle.owner is not self._ctx and (
+                not 0 <= handle.num_tokens <= self.config.max_tokens_per_rank
+                or handle.sections != self._arena_recipe(handle.num_tokens).sections):
+            raise ValueError("combine got the handle of another Buffer's dispatch whose sizes differ from this "
+                             "Buffer's (max_tokens_per_rank, num_topk, world size or row capacity): pass the handle "
+                             "to the Buffer that dispatched it")
 
     def combine(self, expert_out: torch.Tensor, handle: NVLinkHandle, local_reduce: bool = True) -> torch.Tensor:
         self._check_alive()
@@ -743,7 +757,7 @@ class NVLinkBackend:
                 or expert_out.shape[0] < handle.num_rows:
             raise ValueError(f"expert_out must be bfloat16 [{handle.num_rows}, {cfg.hidden}], got "
                              f"{expert_out.dtype} {tuple(expert_out.shape)}")
-        expert_out = expert_out.contiguous()
+        expert_out = _aligned16(expert_out.contiguous())
         out = torch.empty(handle.num_tokens, cfg.hidden, dtype=torch.bfloat16, device=expert_out.device)
         if handle.owner is self._ctx:  # this context's arena table describes the handle's arena
             self._ctx.combine_arena(expert_out.data_ptr(), handle.arena_ptr, handle.num_tokens, bool(local_reduce),
@@ -813,10 +827,12 @@ class NVLinkBackend:
         """Collective: waits for this device's work, then frees the symmetric region on every rank."""
         if self._destroyed:
             return
-        self._destroyed = True
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)  # no peer kernel still writes into our region
         self.region.free()
+        # Only now: a destroy that raised above (a sticky CUDA error, a lost peer) can be retried instead of leaving the
+        # region allocated behind a Buffer that claims to be destroyed.
+        self._destroyed = True
         c = _ext._C
         if self._error_host is not None and c is not None:
             c.nvlink_host_mapped_free(self._error_host)

@@ -217,7 +217,10 @@ class ReferenceBackend:
         # Ids outside [0, E) are masked slots, as on the nvlink backend (Buffer rejects them when it checks inputs).
         topk_idx = topk_idx.to(torch.int64)
         topk_idx = torch.where((topk_idx >= 0) & (topk_idx < cfg.num_experts), topk_idx, torch.full_like(topk_idx, -1))
-        topk_weights = topk_weights.float()
+        # A copy even when already float32: the handle keeps these weights for combine(local_reduce=False), which must
+        # use the dispatch's values even if the caller reuses its weights buffer in between (as the nvlink backend,
+        # whose layout kernel copies them).
+        topk_weights = topk_weights.to(torch.float32, copy=True)
 
         # Which ranks each token goes to: once per destination rank, however many of its experts it chose.
         slot_rank = torch.where(topk_idx >= 0, topk_idx // num_local, torch.full_like(topk_idx, -1))
