@@ -177,6 +177,13 @@ def errors_worker(rank: int, world: int, backend: str = "reference", device_kind
         torch.zeros(result.num_rows, hidden, dtype=torch.bfloat16, device=device), result))
     _expect(TypeError, "handle", lambda: buf.combine(
         torch.zeros(result.num_rows, hidden, dtype=torch.bfloat16, device=device), None))
+    other = ep_comm.Buffer(None, hidden=hidden, num_experts=2 * experts, num_topk=topk, max_tokens_per_rank=8,
+                           backend=backend)
+    foreign = other.dispatch(x, idx, w)
+    _expect(ValueError, "another Buffer", lambda: buf.combine(
+        torch.zeros(foreign.num_rows, hidden, dtype=torch.bfloat16, device=device), foreign.handle))
+    other.combine(torch.zeros(foreign.num_rows, hidden, dtype=torch.bfloat16, device=device), foreign.handle)
+    other.destroy()
     _expect(TypeError, "local_reduce must be a bool", lambda: buf.combine(
         torch.zeros(result.num_rows, hidden, dtype=torch.bfloat16, device=device), result.handle, local_reduce=None))
     # The dispatch keeps its own weights: the caller may reuse (here: zero) its weights tensor before the combine, and

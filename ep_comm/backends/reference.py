@@ -73,6 +73,12 @@ def accumulate_combine_rows(rows: torch.Tensor, fmt: str, hidden: int, row_index
 
 # ----------------------------------------------------------------------------------------------------------
 # Handle
+def _routing_sizes(config: BufferConfig) -> tuple:
+    """What a handle's rows and counts depend on: Buffers equal in these can combine each other's handles."""
+    return (config.world_size, config.num_experts, config.num_topk, config.hidden, config.expert_alignment,
+            config.max_tokens_per_rank)
+
+
 # ----------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ReferenceHandle:
@@ -84,7 +90,7 @@ class ReferenceHandle:
     recv_topk_weight: float32 [N, K]; layout_row: int64 [N, K], the expert-major row of slot k of received
         row r, or -1 when that slot is masked or lives on another rank.
     topk_idx / topk_weights: this rank's own routing [T, K] (for the local_reduce=False path).
-    num_tokens: T; num_rows: rows of the expert-major layout.
+    num_tokens: T; num_rows: rows of the expert-major layout. config: the dispatching Buffer's configuration.
     """
 
     send_counts: List[int]
@@ -98,6 +104,7 @@ class ReferenceHandle:
     topk_weights: torch.Tensor
     num_tokens: int
     num_rows: int
+    config: Optional[BufferConfig] = None  # of the Buffer that dispatched (combine refuses another configuration's)
 
 
 class ReferenceBackend:
@@ -281,7 +288,7 @@ class ReferenceBackend:
         handle = ReferenceHandle(send_counts=send_counts, recv_counts=recv_counts, send_rows=send_rows,
                                  recv_src_rank=recv_src_rank, recv_src_token=recv_src_token,
                                  recv_topk_weight=recv_weight, layout_row=layout_row, topk_idx=topk_idx,
-                                 topk_weights=topk_weights, num_tokens=num_tokens, num_rows=num_rows)
+                                 topk_weights=topk_weights, num_tokens=num_tokens, num_rows=num_rows, config=cfg)
         return DispatchResult(
             x=unpack_dispatch_payload(rows, cfg.dispatch_format, cfg.hidden),
             num_tokens_per_expert=num_tokens_per_expert.to(torch.int32),
@@ -289,11 +296,15 @@ class ReferenceBackend:
             src_rank=src_rank, src_token=src_token, topk_slot=topk_slot, topk_weight=topk_weight,
             handle=handle, num_rows=num_rows)
 
-    @staticmethod
-    def check_handle(handle) -> None:
-        """TypeError unless `handle` comes from a reference-backend dispatch."""
+    def check_handle(self, handle) -> None:
+        """TypeError unless `handle` comes from a reference-backend dispatch; ValueError if that dispatch ran on a Buffer
+        with another configuration (its rows and counts would not match this Buffer's exchange)."""
         if not isinstance(handle, ReferenceHandle):
             raise TypeError(f"combine needs the handle of a reference-backend dispatch, got {type(handle).__name__}")
+        if handle.config is not None and _routing_sizes(handle.config) != _routing_sizes(self.config):
+            raise ValueError("combine got the handle of another Buffer's dispatch whose sizes differ from this "
+                             "Buffer's (world size, experts, top-k, hidden, alignment or max_tokens_per_rank): pass "
+                             "the handle to the Buffer that dispatched it")
 
     def combine(self, expert_out: torch.Tensor, handle: ReferenceHandle, local_reduce: bool = True) -> torch.Tensor:
         cfg = self.config
