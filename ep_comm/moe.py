@@ -264,7 +264,20 @@ class MoELayer(torch.nn.Module):
         wave_sms: SMs of the wave receive; None: `default_wave_sms` (from the bytes and FLOPs per row), clamped to
             the Buffer's receive block count (`self.wave_sms`; None without waves; refused with waves=False).
     forward(x): x bf16 [T, H] -> bf16 [T, H]; the routing weights are the softmax over the top-k logits.
+    Module state: the router is a buffer (`router_weight`, in state_dict; a module-wide dtype cast casts it). The
+    expert weights are packed for the device they were given on and are not module state: `state_dict()` does not
+    hold them (save `layer.weights`, a PackedExpertWeights), and moving the layer to another device (`.cuda()`,
+    `.to(device)`) raises instead of leaving them behind -- build the layer on its device.
     """
+
+    def _apply(self, fn, recurse=True):
+        # `fn` is what .to() / .cuda() / .half() apply to every tensor: see where it would put one of ours.
+        here = self.router_weight.device
+        there = fn(torch.empty(0, device=here)).device
+        if there != here:
+            raise RuntimeError(f"MoELayer cannot move from {here} to {there}: its expert weights are packed for {here} "
+                               "(and its Buffer's kernels run there). Build the layer on the target device")
+        return super()._apply(fn, recurse)
 
     def __init__(self, buffer: Buffer, router_weight: torch.Tensor, weights: PackedExpertWeights,
                  expert_impl: str = "auto", token_tile=None, combine_rows: Optional[bool] = None,
@@ -291,6 +304,9 @@ class MoELayer(torch.nn.Module):
                              f"{list(weights.w1.shape)}, got {list(weights.w2.shape)}")
         if expert_impl not in ("auto", "fused", "reference"):
             raise ValueError(f"expert_impl must be 'auto', 'fused' or 'reference', got {expert_impl!r}")
+        if router_weight.device != weights.w1.data.device:  # the layer lives where its packed experts are
+            raise ValueError(f"router_weight is on {router_weight.device} but the expert weights are on "
+                             f"{weights.w1.data.device}: give both on the layer's device")
         self.buffer = buffer
         self.register_buffer("router_weight", router_weight.float())
         self.weights = weights

@@ -312,6 +312,21 @@ def _layer_cast_and_one_bad_rank_worker(rank, world):
             want = layer(x)
             layer.to(torch.bfloat16)  # a trainer's module-wide cast also casts the router buffer
             got = layer(x)
+            # A move to another device is refused (the packed expert weights would stay behind), and leaves the layer
+            # as it was.
+            try:
+                layer.to("meta")
+                moved = "moved"
+            except RuntimeError as error:
+                moved = str(error)
+            assert "cannot move from cpu to meta" in moved and layer.router_weight.device.type == "cpu", moved
+            assert set(layer.state_dict()) == {"router_weight"}
+            try:
+                moe.MoELayer(buf, router.to("meta"), moe.pack_weights(w1[local], w2[local]))
+                split = "accepted"
+            except ValueError as error:
+                split = str(error)
+            assert "router_weight is on meta but the expert weights are on cpu" in split, split
             # A wrong hidden size on the last rank only: every rank raises at once, none waits for the others.
             bad = x[:, :HIDDEN // 2] if rank == world - 1 else x
             try:

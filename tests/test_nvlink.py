@@ -526,6 +526,67 @@ def test_nvlink_timeout_names_stage_and_peer(direct_self):
     run_ranks(timeout_worker, 2, direct_self, backend=multigpu_backend(), timeout_s=300)
 
 
+class _FakeIpcExtension:
+    """The five CUDA-IPC calls of ep_comm._C that _SymmetricRegion makes, on the host: `fail` names the one that raises
+    on this rank ("alloc" or "open"); `freed` / `closed` record what was released."""
+
+    def __init__(self, rank, fail):
+        self.rank, self.fail, self.freed, self.closed = rank, fail, [], []
+
+    def nvlink_device_alloc(self, device, nbytes):
+        if self.fail == "alloc":
+            raise RuntimeError("cudaMalloc: out of memory (fake)")
+        return 1000 + self.rank
+
+    def nvlink_ipc_get_handle(self, device, address):
+        return bytes([address % 256]) * 64
+
+    def nvlink_ipc_open_handle(self, device, handle):
+        if self.fail == "open":
+            raise RuntimeError("cudaIpcOpenMemHandle: invalid device context (fake)")
+        return 2000 + handle[0]
+
+    def nvlink_ipc_close_handle(self, device, address):
+        self.closed.append(address)
+
+    def nvlink_device_free(self, device, address):
+        self.freed.append(address)
+
+
+def _ipc_setup_failure_worker(rank, world, failing_rank, step):
+    """_SymmetricRegion over CUDA IPC with the extension's calls faked: one rank's allocation or peer mapping fails.
+    Every rank must raise (naming the failing rank and step) instead of waiting, and free what it had made."""
+    import os
+    from unittest import mock
+    from ep_comm import _ext
+    from ep_comm.backends import nvlink
+    os.environ["EP_COMM_PEER_MEMORY"] = "ipc"
+    fake = _FakeIpcExtension(rank, step if rank == failing_rank else None)
+    with mock.patch.object(_ext, "require_cuda_extension", lambda what: fake), \
+            mock.patch.object(torch.cuda, "current_device", lambda: 0):
+        try:
+            nvlink._SymmetricRegion(None, 4096)
+            message = None
+        except RuntimeError as error:
+            message = str(error)
+    return message, fake.freed, fake.closed
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("failing_rank,step", [(0, "alloc"), (1, "open")])
+def test_nvlink_ipc_setup_failure_raises_on_every_rank(failing_rank, step):
+    results = run_ranks(_ipc_setup_failure_worker, 2, failing_rank, step, backend="gloo", timeout_s=120)
+    what = "allocating" if step == "alloc" else "mapping a peer's region"
+    for rank, (message, freed, closed) in enumerate(results):
+        assert message is not None and f"rank {failing_rank}: {what}" in message, (rank, message)
+        if step == "alloc":  # the failing rank has nothing to free; the other frees its region, maps nothing
+            assert freed == ([] if rank == failing_rank else [1000 + rank]) and closed == [], (rank, freed, closed)
+        else:  # every rank frees its region; the rank that mapped its peer unmaps it
+            assert freed == [1000 + rank], (rank, freed)
+            peer_handle_byte = (1000 + (1 - rank)) % 256  # _FakeIpcExtension: handle = address byte, mapped at 2000 +
+            assert closed == ([] if rank == failing_rank else [2000 + peer_handle_byte]), (rank, closed)
+
+
 @pytest.mark.cpu
 def test_nvlink_size_hint_without_gpu():
     """Runs anywhere: the region layout is computable without a GPU and is consistent."""

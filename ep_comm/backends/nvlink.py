@@ -348,36 +348,54 @@ class _SymmetricRegion:
 
     # -- CUDA IPC -----------------------------------------------------------------------------------------
     def _open_ipc(self) -> None:
+        """Allocate this rank's region and map every peer's, each step agreed by every rank before the next collective
+        one: a rank whose allocation or mapping fails makes every rank raise (naming it) instead of leaving the others
+        in the next collective until the process group's timeout, and each rank frees what it had already made."""
         c = _ext.require_cuda_extension("the nvlink backend")
-        local = c.nvlink_device_alloc(self.device, self.nbytes)  # zeroed
-        self._ipc_local = local
-        handles = [None] * self.world
-        dist.all_gather_object(handles, c.nvlink_ipc_get_handle(self.device, local), group=self.group)
-        peers = []
+        handle, mine = None, None
         try:
-            for r, handle in enumerate(handles):
-                if r == self.rank:
-                    peers.append(local)
-                else:
-                    address = c.nvlink_ipc_open_handle(self.device, handle)
-                    self._ipc_opened.append(address)
-                    peers.append(address)
+            self._ipc_local = c.nvlink_device_alloc(self.device, self.nbytes)  # zeroed
+            handle = c.nvlink_ipc_get_handle(self.device, self._ipc_local)
         except Exception as error:
-            raise RuntimeError(f"CUDA IPC peer mapping failed on rank {self.rank} (all ranks must share one node "
-                               f"with NVLink peer access): {error}") from error
-        self.kind, self.peer_bases, self.local_base = "ipc", peers, local
+            mine = f"allocating or exporting {self.nbytes} bytes failed: {type(error).__name__}: {error}"
+        handles = [None] * self.world
+        dist.all_gather_object(handles, (handle, mine), group=self.group)
+        why = next((f"rank {r}: {failed}" for r, (_, failed) in enumerate(handles) if failed is not None), None)
+        peers, mine = [], None
+        if why is None:
+            try:
+                for r, (peer_handle, _) in enumerate(handles):
+                    if r == self.rank:
+                        peers.append(self._ipc_local)
+                    else:
+                        address = c.nvlink_ipc_open_handle(self.device, peer_handle)
+                        self._ipc_opened.append(address)
+                        peers.append(address)
+            except Exception as error:
+                mine = f"mapping a peer's region failed: {type(error).__name__}: {error}"
+            why = self._agree(mine)
+        if why is not None:
+            self._release_ipc(c)
+            raise RuntimeError(f"CUDA IPC peer memory could not be set up ({why}); all ranks must share one node with "
+                               f"NVLink peer access")
+        self.kind, self.peer_bases, self.local_base = "ipc", peers, self._ipc_local
+
+    def _release_ipc(self, c) -> None:
+        """Collective (every rank calls it after the same vote, or in destroy): unmap the peers' regions, wait until no
+        peer maps ours, free it."""
+        for address in self._ipc_opened:
+            c.nvlink_ipc_close_handle(self.device, address)
+        self._ipc_opened = []
+        dist.barrier(group=self.group)  # no peer maps our region any more
+        if self._ipc_local is not None:
+            c.nvlink_device_free(self.device, self._ipc_local)
+            self._ipc_local = None
 
     def free(self) -> None:
         if self.kind == "nvshmem":
             self._free_nvshmem()
         elif self.kind == "ipc":
-            c = _ext.require_cuda_extension("the nvlink backend")
-            for address in self._ipc_opened:
-                c.nvlink_ipc_close_handle(self.device, address)
-            self._ipc_opened = []
-            dist.barrier(group=self.group)  # no peer maps our region any more
-            c.nvlink_device_free(self.device, self._ipc_local)
-            self._ipc_local = None
+            self._release_ipc(_ext.require_cuda_extension("the nvlink backend"))
             self.kind = None
 
 
@@ -482,51 +500,68 @@ class NVLinkBackend:
         self._rows_handle = None  # the handle begin_combine_rows was given, until finish_combine_rows (order check)
         self._wave_ticket = None  # the last wave dispatch's _WaveTicket until its w1 GEMM claims it
 
-        self.region = _SymmetricRegion(group, self.layout.total_bytes)
-        dev = torch.device("cuda", self.device)
-        t_max, k = config.max_tokens_per_rank, config.num_topk
-        self._peer_bases = torch.tensor(self.region.peer_bases, dtype=torch.int64, device=dev)
-        self._state = torch.zeros(8, dtype=torch.int64, device=dev)  # NvlinkState (<= 64 bytes)
-        if c.nvlink_state_bytes > self._state.numel() * 8:
-            raise RuntimeError("NvlinkState grew past the state buffer")
-        self._scratch_pos = torch.empty(t_max * k, dtype=torch.int32, device=dev)
-        self._scratch_slot = torch.empty(t_max * k, dtype=torch.int32, device=dev)
-        self._expert_count = torch.zeros(config.num_experts, dtype=torch.int32, device=dev)
-        self._rank_count = torch.zeros(self.world, dtype=torch.int32, device=dev)
-        # Per layout chunk (block) and key (E experts, then W ranks): rows/tokens of the earlier chunks.
-        self._layout_base = torch.zeros(c.nvlink_layout_max_chunks * (config.num_experts + self.world),
-                                        dtype=torch.int32, device=dev)
-        # Wave dispatch <-> w1 GEMM sync words (csrc/waves.h; zero once, never reset).
-        self._wave_area = torch.zeros(c.wave_area_fixed_words + config.num_local_experts, dtype=torch.int64,
-                                      device=dev)
+        # Collective: before the region, so that everything between the region and the vote below is local to a rank.
         self.blocks = self._block_counts(group, config)
-        self._error_host, error_dev = c.nvlink_host_mapped_alloc(self.device, 64)
-        L = self.layout
-        self._ctx = c.NvlinkContext(self.device, {
-            "rank": self.rank, "world": self.world, "hidden": config.hidden, "num_experts": config.num_experts,
-            "num_local": config.num_local_experts, "topk": k, "max_tokens": t_max,
-            "alignment": config.expert_alignment, **self.blocks,
-            "disp_fmt": _DISPATCH_FORMAT_CODE[config.dispatch_format],
-            "comb_fmt": _COMBINE_FORMAT_CODE[config.combine_format], "sign_mask": config.rht_sign_mask,
-            "max_recv_rows": config.max_recv_rows, "disp_row_bytes": L.disp_row_bytes,
-            "disp_data_bytes": L.disp_data_bytes, "disp_scale_off": L.disp_scale_off,
-            "disp_scale_bytes": L.disp_scale_bytes, "disp_meta_off": L.disp_meta_off,
-            "comb_row_bytes": L.comb_row_bytes, "comb_scale_off": L.comb_scale_off,
-            "off_disp_ready": L.off_disp_ready, "off_disp_consumed": L.off_disp_consumed,
-            "off_comb_ready": L.off_comb_ready, "off_comb_consumed": L.off_comb_consumed,
-            "off_counts": L.off_counts, "count_stride": L.count_stride, "off_staging": L.off_staging,
-            "off_combine": L.off_combine, "off_wave_index": L.off_wave_index, "off_disp_counts": L.off_disp_counts,
-            "off_row_flags": L.off_row_flags,
-            "direct_self_min_tokens": int(os.environ.get("EP_COMM_DIRECT_SELF_MIN_TOKENS", _DIRECT_SELF_MIN_TOKENS)),
-            "timeout_ns": int(config.timeout_s * 1e9),
-            "peer_bases": self._peer_bases.data_ptr(), "local_base": self.region.local_base,
-            "state": self._state.data_ptr(), "scratch_pos": self._scratch_pos.data_ptr(),
-            "scratch_slot": self._scratch_slot.data_ptr(), "expert_count": self._expert_count.data_ptr(),
-            "rank_count": self._rank_count.data_ptr(), "layout_base": self._layout_base.data_ptr(),
-            "error_word": error_dev,
-        })
-        # What a wave dispatch's GEMM needs besides the sync area (addresses and the timeout: fixed per Buffer).
-        self._wave_sync_words = self._ctx.wave_sync()
+        self._error_host = None
+        self.region = _SymmetricRegion(group, self.layout.total_bytes)
+        failure = None
+        try:
+            dev = torch.device("cuda", self.device)
+            t_max, k = config.max_tokens_per_rank, config.num_topk
+            self._peer_bases = torch.tensor(self.region.peer_bases, dtype=torch.int64, device=dev)
+            self._state = torch.zeros(8, dtype=torch.int64, device=dev)  # NvlinkState (<= 64 bytes)
+            if c.nvlink_state_bytes > self._state.numel() * 8:
+                raise RuntimeError("NvlinkState grew past the state buffer")
+            self._scratch_pos = torch.empty(t_max * k, dtype=torch.int32, device=dev)
+            self._scratch_slot = torch.empty(t_max * k, dtype=torch.int32, device=dev)
+            self._expert_count = torch.zeros(config.num_experts, dtype=torch.int32, device=dev)
+            self._rank_count = torch.zeros(self.world, dtype=torch.int32, device=dev)
+            # Per layout chunk (block) and key (E experts, then W ranks): rows/tokens of the earlier chunks.
+            self._layout_base = torch.zeros(c.nvlink_layout_max_chunks * (config.num_experts + self.world),
+                                            dtype=torch.int32, device=dev)
+            # Wave dispatch <-> w1 GEMM sync words (csrc/waves.h; zero once, never reset).
+            self._wave_area = torch.zeros(c.wave_area_fixed_words + config.num_local_experts, dtype=torch.int64,
+                                          device=dev)
+            self._error_host, error_dev = c.nvlink_host_mapped_alloc(self.device, 64)
+            L = self.layout
+            self._ctx = c.NvlinkContext(self.device, {
+                "rank": self.rank, "world": self.world, "hidden": config.hidden, "num_experts": config.num_experts,
+                "num_local": config.num_local_experts, "topk": k, "max_tokens": t_max,
+                "alignment": config.expert_alignment, **self.blocks,
+                "disp_fmt": _DISPATCH_FORMAT_CODE[config.dispatch_format],
+                "comb_fmt": _COMBINE_FORMAT_CODE[config.combine_format], "sign_mask": config.rht_sign_mask,
+                "max_recv_rows": config.max_recv_rows, "disp_row_bytes": L.disp_row_bytes,
+                "disp_data_bytes": L.disp_data_bytes, "disp_scale_off": L.disp_scale_off,
+                "disp_scale_bytes": L.disp_scale_bytes, "disp_meta_off": L.disp_meta_off,
+                "comb_row_bytes": L.comb_row_bytes, "comb_scale_off": L.comb_scale_off,
+                "off_disp_ready": L.off_disp_ready, "off_disp_consumed": L.off_disp_consumed,
+                "off_comb_ready": L.off_comb_ready, "off_comb_consumed": L.off_comb_consumed,
+                "off_counts": L.off_counts, "count_stride": L.count_stride, "off_staging": L.off_staging,
+                "off_combine": L.off_combine, "off_wave_index": L.off_wave_index, "off_disp_counts": L.off_disp_counts,
+                "off_row_flags": L.off_row_flags,
+                "direct_self_min_tokens": int(os.environ.get("EP_COMM_DIRECT_SELF_MIN_TOKENS", _DIRECT_SELF_MIN_TOKENS)),
+                "timeout_ns": int(config.timeout_s * 1e9),
+                "peer_bases": self._peer_bases.data_ptr(), "local_base": self.region.local_base,
+                "state": self._state.data_ptr(), "scratch_pos": self._scratch_pos.data_ptr(),
+                "scratch_slot": self._scratch_slot.data_ptr(), "expert_count": self._expert_count.data_ptr(),
+                "rank_count": self._rank_count.data_ptr(), "layout_base": self._layout_base.data_ptr(),
+                "error_word": error_dev,
+            })
+            # What a wave dispatch's GEMM needs besides the sync area (addresses and the timeout: fixed per Buffer).
+            self._wave_sync_words = self._ctx.wave_sync()
+        except Exception as error:  # noqa: BLE001 (re-raised below, after every rank has learned of it)
+            failure = error
+        # Every rank learns whether every other one finished its setup: a rank that failed would otherwise leave the
+        # others in the barrier below until the process group's timeout, and the region (collective) would leak.
+        why = self.region._agree(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if why is not None:
+            if self._error_host is not None:
+                c.nvlink_host_mapped_free(self._error_host)
+                self._error_host = None
+            self.region.free()
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"the nvlink backend could not be set up on every rank ({why})")
         # Every region is zeroed (counters at 0) before any rank may write into a peer's.
         torch.cuda.synchronize(self.device)
         dist.barrier(group=group)
