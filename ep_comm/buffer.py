@@ -221,9 +221,9 @@ class Buffer:
     def _check_on_buffer_device(self, name: str, tensor: torch.Tensor) -> None:
         """nvlink: the kernels run on the Buffer's GPU and read `tensor` there (a CPU or other-GPU tensor would be
         read through a wrong address)."""
-        device = self._backend.device
-        if tensor.device != torch.device("cuda", device):
-            raise ValueError(f"the nvlink backend needs {name} on this Buffer's GPU (cuda:{device}), got {tensor.device}")
+        device = self._backend.torch_device
+        if tensor.device != device:
+            raise ValueError(f"the nvlink backend needs {name} on this Buffer's GPU ({device}), got {tensor.device}")
 
     def _check_stream_args(self, device: torch.device, comm_stream, done_event) -> None:
         if comm_stream is not None:

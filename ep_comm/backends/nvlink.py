@@ -493,6 +493,7 @@ class NVLinkBackend:
         if self.world != config.world_size:
             raise ValueError(f"config.world_size={config.world_size} but the group has {self.world} ranks")
         self.device = torch.cuda.current_device()
+        self.torch_device = torch.device("cuda", self.device)  # compared with every call's tensors (Buffer)
         self.layout = _RegionLayout.of(config)
         self._sync_check = os.environ.get("EP_COMM_SYNC_CHECK", "0") == "1"
         self._arena_recipes = {}
