@@ -172,6 +172,7 @@ run_ranks(t.block_counts_worker, 1, backend='nccl', timeout_s=280)
 r = run_ranks(t.pressure_and_graph_worker, 1, backend='nccl', timeout_s=280)
 run_ranks(t.streaming_pressure_and_graph_worker, 1, backend='nccl', timeout_s=280)
 run_ranks(t.misuse_worker, 1, backend='nccl', timeout_s=280)
+run_ranks(t.rows_worker, 1, backend='nccl', timeout_s=280)
 print('world 1 nvlink workers passed', r[0]['graph'], r[0]['leak'])
 " 2>&1 | tail -4 | tee -a "$log")
 }

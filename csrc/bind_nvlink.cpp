@@ -91,14 +91,16 @@ class NvlinkContext {
     // Direct self rows (nvlink.h): NVFP4, whose send runs on every SM, stores this rank's own rows expanded while it
     // quantizes, so the receive expands only the other ranks' rows. A wave receive reads every source's staging rows,
     // so waves keep them; tiny calls skip the extra wait for the counts (Python sets the threshold).
-    a.direct_self = cfg_.disp_fmt == kDispNvfp4 && a.wave_values == nullptr &&
+    a.direct_self = cfg_.disp_fmt == kDispNvfp4 && a.wave_values == nullptr && a.row_index == nullptr &&
                     a.num_tokens >= cfg_.direct_self_min_tokens;
     // Streaming receive (nvlink.h): the receive expands rows as they arrive. A wave receive keeps the wait for the
     // whole send (it writes rows expert by expert, in an order unrelated to the send's).
     a.stream_recv = a.wave_values == nullptr && dispatch_stream_recv() ? 1 : 0;
     // Self rows from x (nvlink.h), BF16 and MXFP8: the send stores no staging rows for this rank itself, and the receive
     // makes those rows from x (BF16 copied, MXFP8 quantized) while the peers' rows are still arriving.
-    a.self_from_x = a.stream_recv && (cfg_.disp_fmt == kDispBf16 || cfg_.disp_fmt == kDispMxfp8) ? 1 : 0;
+    // Neither with row_index (no expansion): every row the result names must be in staging, this rank's own too.
+    a.self_from_x = a.stream_recv && a.row_index == nullptr && (cfg_.disp_fmt == kDispBf16 || cfg_.disp_fmt == kDispMxfp8)
+                        ? 1 : 0;
     launch_layout(cfg_, a, stream);
     launch_dispatch_send(cfg_, a, stream);
     launch_dispatch_recv(cfg_, a, stream);
@@ -152,21 +154,24 @@ class NvlinkContext {
   // One-allocation dispatch outputs: every result/handle tensor is a 256-byte aligned section of one
   // uint8 arena (Python carves the views from the same table). Order and sizes are fixed by the config
   // and num_tokens; absent sections (scales for BF16, amax unless NVFP4) have 0 bytes.
-  static constexpr int kArenaSections = 15;
+  static constexpr int kArenaSections = 16;
   struct ArenaLayout {
     long long off[kArenaSections];
     long long bytes[kArenaSections];
     long long total;
   };
-  ArenaLayout arena_layout(int num_tokens) const {
+  // rows: the table of a dispatch without expansion (row_index): no payload or scale section, a row_index section.
+  // The sections every call has (0, 1, 4..14) sit at the same offsets either way (2 and 3 come last, 15 after 14), so
+  // combine reads either kind of arena with the expanded table.
+  ArenaLayout arena_layout(int num_tokens, bool rows = false) const {
     const NvlinkConfig& c = cfg_;
     const long long T = num_tokens, K = c.topk, R = c.max_recv_rows, W = c.world, L = c.num_local;
     const long long tmax = c.max_tokens;
     const long long sizes[kArenaSections] = {
         4 * T * K,                                   // 0 send_idx i32 [T, K]
         4 * T * K,                                   // 1 send_w f32 [T, K]
-        R * c.disp_data_bytes,                       // 2 data [R, payload bytes]
-        R * c.disp_scale_bytes,                      // 3 scales [R, scale bytes]
+        rows ? 0 : R * c.disp_data_bytes,            // 2 data [R, payload bytes]
+        rows ? 0 : R * c.disp_scale_bytes,           // 3 scales [R, scale bytes]
         c.disp_fmt == kDispNvfp4 ? 4 * R : 0,        // 4 amax f32 [R]
         4 * L,                                       // 5 num_per_expert i32 [L]
         4 * (L + 1),                                 // 6 expert_offsets i32 [L + 1]
@@ -178,10 +183,11 @@ class NvlinkContext {
         4 * W * tmax,                                // 12 recv_tok i32 [W * T_max]
         4 * W * tmax,                                // 13 recv_ord i32 [W * T_max]
         4 * W * tmax * K,                            // 14 recv_rows i32 [W * T_max * K]
+        rows ? 4 * R : 0,                            // 15 row_index i32 [R] (rows only)
     };
     // Physical order: the 4-byte-element sections first (Python views them as one int32 block), then the
     // payload and scale bytes.
-    static constexpr int kOrder[kArenaSections] = {0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 2, 3};
+    static constexpr int kOrder[kArenaSections] = {0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 2, 3};
     ArenaLayout a{};
     long long run = 0;
     for (int o = 0; o < kArenaSections; ++o) {
@@ -194,9 +200,9 @@ class NvlinkContext {
     return a;
   }
 
-  py::tuple dispatch_arena_layout(int num_tokens) const {
+  py::tuple dispatch_arena_layout(int num_tokens, bool rows) const {
     if (num_tokens < 0 || num_tokens > cfg_.max_tokens) throw std::invalid_argument("num_tokens out of range");
-    const ArenaLayout a = arena_layout(num_tokens);
+    const ArenaLayout a = arena_layout(num_tokens, rows);
     py::list offs, sizes;
     for (int i = 0; i < kArenaSections; ++i) {
       offs.append(a.off[i]);
@@ -212,12 +218,21 @@ class NvlinkContext {
     launch_dispatch(arena_args(x, topk_idx, idx_is_int64, topk_weights, num_tokens, arena), stream);
   }
 
+  // dispatch_arena without expansion: the arena has the rows table (dispatch_arena_layout(num_tokens, true)), the
+  // receive writes row_index (section 15) and leaves the rows in staging until the next dispatch.
+  void dispatch_arena_rows(uintptr_t x, uintptr_t topk_idx, bool idx_is_int64, uintptr_t topk_weights, int num_tokens,
+                           uintptr_t arena, uintptr_t stream) {
+    DispatchArgs a = arena_args(x, topk_idx, idx_is_int64, topk_weights, num_tokens, arena, true);
+    a.row_index = ptr<int>(arena + static_cast<uintptr_t>(arena_layout(num_tokens, true).off[15]));
+    launch_dispatch(a, stream);
+  }
+
   // The dispatch's arguments with every output address at its arena section (sections 0..14, in the order of
   // arena_layout; an empty section gives a null address).
   DispatchArgs arena_args(uintptr_t x, uintptr_t topk_idx, bool idx_is_int64, uintptr_t topk_weights, int num_tokens,
-                          uintptr_t arena) const {
+                          uintptr_t arena, bool rows = false) const {
     if (num_tokens < 0 || num_tokens > cfg_.max_tokens) throw std::invalid_argument("num_tokens out of range");
-    const ArenaLayout l = arena_layout(num_tokens);
+    const ArenaLayout l = arena_layout(num_tokens, rows);
     auto at = [&](int i) -> uintptr_t { return l.bytes[i] > 0 ? arena + static_cast<uintptr_t>(l.off[i]) : 0; };
     DispatchArgs a{};
     a.x = ptr<const void>(x);
@@ -303,6 +318,7 @@ void register_nvlink(py::module_& m) {
       .def("combine", &NvlinkContext::combine)
       .def("dispatch_arena_layout", &NvlinkContext::dispatch_arena_layout)
       .def("dispatch_arena", &NvlinkContext::dispatch_arena)
+      .def("dispatch_arena_rows", &NvlinkContext::dispatch_arena_rows)
       .def("dispatch_arena_waves", &NvlinkContext::dispatch_arena_waves)
       .def("wave_sync", &NvlinkContext::wave_sync)
       .def("combine_arena", &NvlinkContext::combine_arena)

@@ -102,6 +102,10 @@ struct NvlinkState {
   // Dispatch receive tickets: each call's receive blocks add cfg.disp_recv_blocks in all (a wave receive on fewer blocks
   // shares it out), so ticket / disp_recv_blocks + 1 is the call's epoch without waiting for the layout kernel.
   unsigned long long disp_recv_tickets;
+  // Epoch of the last dispatch whose receive kept its staging rows for the caller (DispatchArgs::row_index: no
+  // expansion, the rows are the result). That receive does not signal disp_consumed; the next dispatch's send does,
+  // before it waits on the peers (so a CUDA graph mixing both kinds replays correctly: decided on the device).
+  unsigned long long held_epoch;
 };
 
 // Static description of one Buffer: geometry, region offsets and device addresses. Passed by value.
@@ -205,6 +209,11 @@ struct DispatchArgs {
   // receive expands this rank's own tokens straight from x (MXFP8: quantized there, as the send would have), while the
   // peers' rows are still arriving.
   int self_from_x;
+  // No expansion (Buffer.dispatch(expand=False)): the receive writes, for each expert-major row, the staging row that
+  // holds its token (s * T_max + j; -1 for padding and unused rows) instead of copying the payload, and keeps the staging
+  // rows (NvlinkState::held_epoch). The send then stages this rank's own rows too (no direct self rows, no self rows
+  // from x). nullptr: the expert-major payload as usual.
+  int* row_index;  // [R]
 };
 
 struct CombineArgs {

@@ -362,6 +362,13 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
   float w = 0.0f, token_amax = 0.0f;
   if (global_warp < num_items) load_item(global_warp, e, slot, pos, w, token_amax);
 
+  // The previous dispatch kept its staging rows as its result (DispatchArgs::row_index): its receive did not tell the
+  // sources they may overwrite them. This send comes after every use of that result on this rank (stream order), so it
+  // tells them now, on the receive's behalf, before waiting for the same from them (each rank releases before it
+  // waits: no cycle). Decided on the device, so a graph that mixes both kinds of dispatch replays correctly.
+  if (counts_writer && threadIdx.x == 0 && epoch > 1ull && cfg.state->held_epoch == epoch - 1ull) {
+    signal_all_peers_once(cfg, cfg.off_disp_consumed, static_cast<unsigned long long>(cfg.disp_recv_blocks));
+  }
   // The destinations' staging areas still hold the previous dispatch until they have read it.
   block_wait_all_peers(cfg, cfg.off_disp_consumed, (epoch - 1ull) * cfg.disp_recv_blocks,
                        kStageDispatchWaitConsumed, epoch);
@@ -815,8 +822,9 @@ __device__ __forceinline__ void receive_own_token(const NvlinkConfig& cfg, const
 }
 
 // kWaves: the wave receive (args.wave_values set; its own instantiation, so that neither path sets the other's
-// register budget). kOwnMxfp8: MXFP8 with self rows from x (receive_own_token quantizes).
-template <bool kWaves, bool kOwnMxfp8 = false>
+// register budget). kOwnMxfp8: MXFP8 with self rows from x (receive_own_token quantizes). kRowsOnly: no expansion
+// (args.row_index set).
+template <bool kWaves, bool kOwnMxfp8 = false, bool kRowsOnly = false>
 __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfig cfg, DispatchArgs args) {
   extern __shared__ int smem[];
   const int world = cfg.world;
@@ -830,6 +838,9 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
   const int* item_start = layout.item_start;
   constexpr bool waves = kWaves;
   const bool streaming = !waves && args.stream_recv != 0;
+  // No expansion (args.row_index set; its own instantiation, so that the expanding kernels compile as before): the
+  // result is the staging rows plus, per expert-major row, the index of its staging row.
+  constexpr bool rows_only = kRowsOnly;
   // This call's epoch from a start ticket (NvlinkState::disp_recv_tickets), taken before the block lets any dependent
   // launch, so that the next dispatch's receive always draws after every block of this one. A wave receive's blocks
   // share out disp_recv_blocks tickets (its grid is smaller).
@@ -905,7 +916,8 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
   const int first_expert = cfg.rank * num_local;
   // Warps per staging row (> 1 only when there are fewer rows than warps).
   // (Wave receive: the payload is written above; this loop writes the metadata only, one warp per staging row.)
-  const int split = waves ? 1 : split_factor(num_items, num_warps, static_cast<int>((cfg.disp_data_bytes / 16 + 31) / 32));
+  const int split = waves || rows_only
+                        ? 1 : split_factor(num_items, num_warps, static_cast<int>((cfg.disp_data_bytes / 16 + 31) / 32));
   const long long num_parts = static_cast<long long>(num_items) * split;
 
   for (long long flat = global_warp; flat < num_parts; flat += num_warps) {
@@ -928,11 +940,11 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
     // decoded: every load of the item is issued before the first store (one memory round trip per item instead
     // of one per section).
     uint4 pre[kCopyUnroll];
-    if (!waves) prefetch_section(row, cfg.disp_data_bytes, first, stride, pre);
+    if (!waves && !rows_only) prefetch_section(row, cfg.disp_data_bytes, first, stride, pre);
     const bool scales_prefetched = cfg.disp_scale_bytes > 0 && cfg.disp_scale_bytes % 16 == 0 &&
                                    cfg.disp_scale_bytes / 16 <= stride;  // one 16-byte unit per lane at most
     uint4 pre_scales = make_uint4(0u, 0u, 0u, 0u);
-    if (!waves && scales_prefetched && first < cfg.disp_scale_bytes / 16) {
+    if (!waves && !rows_only && scales_prefetched && first < cfg.disp_scale_bytes / 16) {
       pre_scales = ld_coherent_v4(row + cfg.disp_scale_off + static_cast<long long>(first) * 16);
     }
     const char* meta = row + cfg.disp_meta_off;
@@ -948,6 +960,10 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
     const bool local = e >= first_expert && e < first_expert + num_local;
     const int out_row = local ? seg_start[s * num_local + (e - first_expert)] + pos : -1;
     if (part == 0) record_staging_row(cfg, args, s, j, t, lane, lane < topk && e >= 0 ? e / num_local : -1, out_row, w);
+    if (rows_only) {  // no copy: each of the token's rows here names its staging row
+      if (local) args.row_index[out_row] = s * cfg.max_tokens + j;
+      continue;
+    }
     // Compact the local rows into this warp's shared-memory list.
     const unsigned int local_mask = __ballot_sync(0xFFFFFFFFu, local);
     const int n = __popc(local_mask);
@@ -984,7 +1000,9 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
         args.topk_slot[r] = -1;
         args.topk_weight[r] = 0.0f;
         if (cfg.disp_fmt == kDispNvfp4) args.out_amax[r] = 0.0f;
+        if (rows_only) args.row_index[r] = -1;
       }
+      if (rows_only) continue;  // no payload rows to zero
       // Payload bytes of the padding rows (data and scales are each contiguous over rows).
       block_zero_bytes(args.out_data, pad_begin * cfg.disp_data_bytes, pad_end * cfg.disp_data_bytes);
       if (cfg.disp_scale_bytes > 0) {
@@ -1000,6 +1018,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
     args.src_token[r] = -1;
     args.topk_slot[r] = -1;
     args.topk_weight[r] = 0.0f;
+    if (rows_only) args.row_index[r] = -1;
   }
 
   // A streaming receive did not wait for its own send at the start: one block does now, before its last signal, so
@@ -1016,8 +1035,11 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
   }
 
   // Done reading the staging rows and counts: the sources may overwrite them. The sources wait for
-  // disp_recv_blocks signals per call; a wave receive runs on fewer blocks, which share them out.
-  if (waves) {
+  // disp_recv_blocks signals per call; a wave receive runs on fewer blocks, which share them out. Without expansion
+  // the rows are the result: the next dispatch's send signals for this one (NvlinkState::held_epoch).
+  if (rows_only) {
+    if (threadIdx.x == 0) cfg.state->held_epoch = epoch;  // every block stores the same value
+  } else if (waves) {
     __syncthreads();  // (share: this block's part of disp_recv_blocks, as for its ticket)
     for (int p = threadIdx.x; p < cfg.world; p += blockDim.x) signal_peer(cfg, cfg.off_disp_consumed, p, share);
   } else {
@@ -1041,6 +1063,9 @@ void prepare_dispatch_kernels(const NvlinkConfig& cfg) {
              "cudaFuncSetAttribute(dispatch_recv, waves)");
   check_cuda(cudaFuncSetAttribute(dispatch_recv_kernel<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
              "cudaFuncSetAttribute(dispatch_recv, MXFP8 self rows from x)");
+  check_cuda(cudaFuncSetAttribute(dispatch_recv_kernel<false, false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  smem),
+             "cudaFuncSetAttribute(dispatch_recv, rows only)");
 }
 
 void launch_dispatch_send(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream) {
@@ -1065,8 +1090,10 @@ void launch_dispatch_recv(const NvlinkConfig& cfg, const DispatchArgs& args, uin
   // runs while the send sends: on the SMs the send leaves free, and on each SM a send block leaves.
   const bool pdl = args.stream_recv ? dispatch_pdl_allowed() : dispatch_pdl(args.num_tokens);
   const auto kernel = waves ? dispatch_recv_kernel<true>
-                            : (cfg.disp_fmt == kDispMxfp8 && args.self_from_x ? dispatch_recv_kernel<false, true>
-                                                                               : dispatch_recv_kernel<false>);
+                            : args.row_index != nullptr
+                                  ? dispatch_recv_kernel<false, false, true>
+                                  : (cfg.disp_fmt == kDispMxfp8 && args.self_from_x ? dispatch_recv_kernel<false, true>
+                                                                                     : dispatch_recv_kernel<false>);
   check_cuda(launch_kernel(kernel,
                            waves ? args.wave_blocks : cfg.disp_recv_blocks, kCommThreads, recv_smem(cfg),
                            reinterpret_cast<cudaStream_t>(stream), pdl, cfg, args),

@@ -281,7 +281,7 @@ class Buffer:
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  check_inputs: Optional[bool] = None, *, comm_stream: Optional[torch.cuda.Stream] = None,
-                 done_event: Optional[torch.cuda.Event] = None) -> DispatchResult:
+                 done_event: Optional[torch.cuda.Event] = None, expand: bool = True) -> DispatchResult:
         """Send each token (once per destination rank) to the ranks of its top-k experts.
 
         Args:
@@ -302,14 +302,24 @@ class Buffer:
                 (wait on done_event) before the capture ends. Validation and the input check's host copy happen on
                 the current stream, as without comm_stream.
             done_event: a torch.cuda.Event recorded after the dispatch's last kernel (on comm_stream when given).
+            expand: True (default): x comes back in the expert-major layout. False: the received rows are not
+                copied into that layout; the result's `row_index` names, for each expert-major row, the row of
+                `result.x` that holds it (`DispatchResult.expert_major_x()` gathers). On nvlink `result.x` is then
+                this Buffer's staging area itself, valid until the Buffer's next dispatch is enqueued (work that
+                reads it must be ordered before that dispatch on the stream), and the dispatch skips the expansion's
+                HBM writes. Not with comm_stream (yet).
         Returns:
             DispatchResult (see ep_comm.types): received tokens in the expert-major layout in the dispatch
-            format, num_tokens_per_expert / expert_offsets (int32, device), per-row src_rank, src_token,
-            topk_slot, topk_weight, and the handle for `combine`.
+            format (or, with expand=False, as above), num_tokens_per_expert / expert_offsets (int32, device),
+            per-row src_rank, src_token, topk_slot, topk_weight, and the handle for `combine`.
         """
+        if not isinstance(expand, bool):
+            raise TypeError(f"expand must be a bool, got {type(expand).__name__}")
+        if not expand and comm_stream is not None:
+            raise ValueError("dispatch(expand=False) does not take a comm_stream yet")
         self._check_dispatch_call(x, topk_idx, topk_weights, check_inputs, comm_stream, done_event)
         return self._run_on_stream(comm_stream, done_event, (x, topk_idx, topk_weights),
-                                   lambda: self._backend.dispatch(x, topk_idx, topk_weights))
+                                   lambda: self._backend.dispatch(x, topk_idx, topk_weights, expand=expand))
 
     def _check_dispatch_call(self, x, topk_idx, topk_weights, check_inputs: Optional[bool], comm_stream=None,
                              done_event=None) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -175,6 +175,11 @@ class DispatchResult:
     handle: opaque object `combine` needs (backend-specific).
     num_rows: R, the row count of the returned tensors. The reference backend returns exactly the rows in
        use; the nvlink backend returns its fixed capacity (rows past expert_offsets[-1] are unused).
+    row_index: None, except for `Buffer.dispatch(..., expand=False)`: then `x` holds the received rows in another
+       order (nvlink: the Buffer's staging rows, [W * max_tokens_per_rank] rows in source-rank order, valid until
+       this Buffer's next dispatch; reference: the expert-major rows themselves) and row_index int32 [R] names, for
+       each expert-major row i, the row of x that holds it (-1 on padding and unused rows). `expert_major_x()`
+       gathers them.
 
     Rows inside one expert segment are in canonical order: by source rank, then source token index.
     """
@@ -188,6 +193,41 @@ class DispatchResult:
     topk_weight: torch.Tensor
     handle: Any
     num_rows: int
+    row_index: Optional[torch.Tensor] = None
+
+    def expert_major_x(self):
+        """x in the expert-major layout, [R_valid] rows (expert_offsets[-1]; padding rows zero): x itself for an
+        expanded dispatch (its first R_valid rows), else x's rows gathered by row_index (a device->host read of
+        R_valid; not for CUDA-graph capture)."""
+        valid = int(self.expert_offsets[-1])
+        if self.row_index is None:
+            return _rows(self.x, slice(0, valid))
+        index = self.row_index[:valid].long()
+        present = index >= 0
+        gathered = _rows(self.x, index.clamp(min=0))
+        return _zero_rows(gathered, ~present)
+
+
+def _rows(x, index):
+    """Rows `index` (a slice or an index tensor) of a payload: a tensor, or a format container (every tensor field
+    indexed along its first axis, other fields kept)."""
+    if isinstance(x, torch.Tensor):
+        return x[index]
+    return dataclasses.replace(x, **{f.name: getattr(x, f.name)[index] for f in dataclasses.fields(x)
+                                     if isinstance(getattr(x, f.name), torch.Tensor)})
+
+
+def _zero_rows(x, mask: torch.Tensor):
+    """x with the rows where `mask` is set zeroed (the padding rows of the expert-major layout)."""
+    if isinstance(x, torch.Tensor):
+        return x.masked_fill(mask.view(-1, *([1] * (x.dim() - 1))), 0)
+    fields = {}
+    for f in dataclasses.fields(x):
+        t = getattr(x, f.name)
+        if isinstance(t, torch.Tensor):
+            raw = t.view(torch.uint8) if t.element_size() == 1 else t  # float8 tensors cannot masked_fill
+            fields[f.name] = raw.masked_fill(mask.view(-1, *([1] * (t.dim() - 1))), 0).view(t.dtype)
+    return dataclasses.replace(x, **fields)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ Run on the GPU machine:  pytest -m multigpu tests/test_nvlink.py -x -q
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import pytest
@@ -113,10 +114,14 @@ def _buffers(hidden, num_experts, topk, max_tokens, dfmt, cfmt, align, num_sms=2
     return ref, nvl
 
 
-def _run_pair(name, rank, world, ref, nvl, x, idx, w, fmt, seed, edge=False):
-    """Dispatch + combine (both local_reduce modes) on both backends; bitwise equal. Returns a digest."""
+def _run_pair(name, rank, world, ref, nvl, x, idx, w, fmt, seed, edge=False, expand=True):
+    """Dispatch + combine (both local_reduce modes) on both backends; bitwise equal. Returns a digest. expand=False:
+    the nvlink dispatch hands out its staging rows and row_index; their gather is compared with the reference."""
     want = ref.dispatch(x, idx, w)
-    got = nvl.dispatch(x, idx, w)
+    got = nvl.dispatch(x, idx, w, expand=expand)
+    if not expand:
+        assert got.row_index is not None and got.row_index.shape == (got.num_rows,), name
+        got = dataclasses.replace(got, x=got.expert_major_x())  # read now: valid until the next dispatch
     rows = _compare_dispatch(name, got, want, fmt)
     out_ref, out_nvl = _expert_out(rows, got.num_rows, x.shape[1], seed, rank, edge)
     digest = hashlib.sha256()
@@ -414,6 +419,75 @@ def timeout_worker(rank, world, direct_self=False):
     return "ok"
 
 
+def rows_worker(rank, world):
+    """dispatch(expand=False): the staging rows gathered by row_index equal the reference's expert-major rows, bitwise,
+    for every format (special token values included) and alignment, with an empty rank and uneven counts; combine on
+    its handle equals the reference. Then expanded and rows-only calls mixed, two rows-only calls in a row (the
+    second send must release the first one's staging rows for the peers: else a timeout), one hash; and a CUDA graph of
+    a rows-only dispatch + combine replays as the eager calls."""
+    cases = (("nvfp4", "s2f6", 1), ("nvfp4", "bf16", 16), ("mxfp8", "s2f6", 1), ("bf16", "bf16", 8))
+    hidden, experts, topk, max_tokens = 2048, 16 * world, 8, 96
+    for case_id, (dfmt, cfmt, align) in enumerate(cases):
+        tokens = [max_tokens - 37 * r % max_tokens for r in range(world)]
+        tokens[world - 1] = 0 if case_id == 1 else tokens[world - 1]
+        ref, nvl = _buffers(hidden, experts, topk, max_tokens, dfmt, cfmt, align)
+        try:
+            for call in range(3):
+                x, idx, w = _make_inputs(rank, tokens[rank], hidden, experts, topk, "masked" if call else "uniform",
+                                         world, seed=200 + 10 * case_id + call, edge=call == 1)
+                _run_pair(f"rows {dfmt}/{cfmt} align={align} call={call}", rank, world, ref, nvl, x, idx, w, dfmt,
+                          seed=case_id, expand=call == 2)  # rows-only, rows-only (special tokens), expanded
+        finally:
+            ref.destroy()
+            nvl.destroy()
+    # Mixed calls, one hash; graph replay.
+    ref, nvl = _buffers(hidden, experts, topk, max_tokens, "nvfp4", "s2f6", 1)
+    try:
+        x, idx, w = _make_inputs(rank, max_tokens, hidden, experts, topk, "uniform", world, seed=7)
+        hashes, out = set(), None
+        for it in range(24):
+            expand = it % 3 == 0  # rows-only twice in a row between expanded calls
+            res = nvl.dispatch(x, idx, w, expand=expand)
+            payload = res.expert_major_x() if not expand else res.x
+            valid = int(res.expert_offsets[-1])
+            if out is None:
+                _, out = _expert_out(valid, res.num_rows, hidden, 9, rank)
+            digest = hashlib.sha256(payload_bytes(payload, "nvfp4")[:valid].cpu().numpy())
+            digest.update(_bits(nvl.combine(out, res.handle)).numpy().tobytes())
+            hashes.add(digest.hexdigest())
+        assert len(hashes) == 1, f"mixed expanded / rows-only calls gave {len(hashes)} different results"
+        static_x, static_idx, static_w = x.clone(), idx.clone(), w.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                r = nvl.dispatch(static_x, static_idx, static_w, expand=False)
+                nvl.combine(out, r.handle)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            g_res = nvl.dispatch(static_x, static_idx, static_w, expand=False)
+            g_y = nvl.combine(out, g_res.handle)
+        for trial in range(3):
+            nx, nidx, nw = _make_inputs(rank, max_tokens, hidden, experts, topk, "masked", world, seed=60 + trial)
+            static_x.copy_(nx)
+            static_idx.copy_(nidx)
+            static_w.copy_(nw)
+            graph.replay()
+            torch.cuda.synchronize()
+            g_payload = payload_bytes(g_res.expert_major_x(), "nvfp4").cpu()  # before the eager call reuses staging
+            g_bits = _bits(g_y)
+            e_res = nvl.dispatch(nx, nidx, nw, expand=False)
+            e_payload = payload_bytes(e_res.expert_major_x(), "nvfp4").cpu()
+            assert torch.equal(g_payload, e_payload), ("graph rows payload", trial)
+            assert torch.equal(g_bits, _bits(nvl.combine(out, e_res.handle))), ("graph rows combine", trial)
+        nvl._backend.check()
+    finally:
+        ref.destroy()
+        nvl.destroy()
+    return "ok"
+
+
 def misuse_worker(rank, world):
     """Arguments the nvlink kernels cannot take are refused on the host, or copied into a form they can take: x or
     expert_out off the Buffer's GPU, a handle of a Buffer with other table sizes, a non-bool local_reduce, wave_sms
@@ -476,6 +550,11 @@ def test_nvlink_oracle_cases():
     # identity round trip).
     from dist_cases import standard_cases
     assert all(len(summaries) == len(standard_cases(world, 256)) + 1 for summaries in results)
+
+
+@pytest.mark.multigpu
+def test_nvlink_rows_only_dispatch():
+    assert run_ranks(rows_worker, _world(), backend=multigpu_backend(), timeout_s=600) == ["ok"] * _world()
 
 
 @pytest.mark.multigpu
@@ -628,23 +707,26 @@ def test_nvlink_region_sections_are_disjoint(world, fmt):
 
 
 
-def _cpp_arena_layout(num_tokens, topk, rows, world, num_local, max_tokens, data_bytes, scale_bytes, nvfp4):
-    """A Python copy of NvlinkContext::arena_layout (csrc/bind_nvlink.cpp): (byte offsets, bytes, total) of the 15
-    sections, 256-byte aligned, in the C++ physical order."""
+def _cpp_arena_layout(num_tokens, topk, rows, world, num_local, max_tokens, data_bytes, scale_bytes, nvfp4,
+                      rows_only=False):
+    """A Python copy of NvlinkContext::arena_layout (csrc/bind_nvlink.cpp): (byte offsets, bytes, total) of the 16
+    sections, 256-byte aligned, in the C++ physical order (rows_only: no payload sections, a row_index section)."""
     t, k, r, w, e = num_tokens, topk, rows, world, num_local
-    sizes = [4 * t * k, 4 * t * k, r * data_bytes, r * scale_bytes, 4 * r if nvfp4 else 0, 4 * e, 4 * (e + 1),
-             4 * r, 4 * r, 4 * r, 4 * r, 4 * w, 4 * w * max_tokens, 4 * w * max_tokens, 4 * w * max_tokens * k]
-    offsets, run = [0] * 15, 0
-    for i in (0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 2, 3):
+    sizes = [4 * t * k, 4 * t * k, 0 if rows_only else r * data_bytes, 0 if rows_only else r * scale_bytes,
+             4 * r if nvfp4 else 0, 4 * e, 4 * (e + 1), 4 * r, 4 * r, 4 * r, 4 * r, 4 * w, 4 * w * max_tokens,
+             4 * w * max_tokens, 4 * w * max_tokens * k, 4 * r if rows_only else 0]
+    offsets, run = [0] * 16, 0
+    for i in (0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 2, 3):
         offsets[i] = run
         run += (sizes[i] + 255) // 256 * 256
     return offsets, sizes, max(run, 256)
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("rows_only", [False, True], ids=["expanded", "rows-only"])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "bf16"])
 @pytest.mark.parametrize("num_tokens", [0, 5, 64])
-def test_nvlink_dispatch_result_views_of_the_arena(fmt, num_tokens):
+def test_nvlink_dispatch_result_views_of_the_arena(fmt, num_tokens, rows_only):
     """Every DispatchResult tensor and handle array of an nvlink dispatch is the arena section the C++ table names, with
     its dtype and shape: each view's bytes are compared with the arena's bytes at that section (an arena filled with
     distinct words, on the CPU; the GPU tests check the values the kernels write there)."""
@@ -657,16 +739,22 @@ def test_nvlink_dispatch_result_views_of_the_arena(fmt, num_tokens):
     data_bytes = {"nvfp4": hidden // 2, "mxfp8": hidden, "bf16": 2 * hidden}[fmt]
     scale_bytes = {"nvfp4": hidden // 16, "mxfp8": hidden // 32, "bf16": 0}[fmt]
     layout = _cpp_arena_layout(num_tokens, topk, rows, world, local, max_tokens, data_bytes, scale_bytes,
-                               fmt == "nvfp4")
+                               fmt == "nvfp4", rows_only)
+    expanded = _cpp_arena_layout(num_tokens, topk, rows, world, local, max_tokens, data_bytes, scale_bytes,
+                                 fmt == "nvfp4")
+    # combine reads every arena with the expanded table: its sections must sit where they do there
+    assert all(layout[0][i] == expanded[0][i] and layout[1][i] == expanded[1][i] for i in (0, 1, 10, 11, 12, 13, 14))
 
     class FakeContext:
-        def dispatch_arena_layout(self, tokens):
-            assert tokens == num_tokens
+        def dispatch_arena_layout(self, tokens, rows):
+            assert tokens == num_tokens and rows == rows_only
             return list(layout[0]), list(layout[1]), layout[2]
     backend = object.__new__(NVLinkBackend)  # only the fields the recipe and the views read
     backend.config, backend._ctx, backend._arena_recipes = cfg, FakeContext(), {}
-    recipe = backend._arena_recipe(num_tokens)
-    assert backend._arena_recipe(num_tokens) is recipe  # cached
+    staging = object()  # rows-only: x is the staging payload, which needs the region (GPU tests)
+    backend._staging_payload = lambda: staging
+    recipe = backend._arena_recipe(num_tokens, rows_only)
+    assert backend._arena_recipe(num_tokens, rows_only) is recipe  # cached
     arena = torch.arange(recipe.words, dtype=torch.int32) * 7 + 3  # distinct words, nonzero bytes
     result = backend._result_in_arena(arena, recipe, num_tokens)
     raw = arena.view(torch.uint8)
@@ -677,7 +765,11 @@ def test_nvlink_dispatch_result_views_of_the_arena(fmt, num_tokens):
         got = tensor.contiguous().view(torch.uint8).reshape(-1)
         assert got.numel() == sizes[section], section
         assert torch.equal(got, raw[offsets[section]:offsets[section] + sizes[section]]), section
-    if fmt == "nvfp4":
+    if rows_only:
+        assert result.x is staging
+        same_bytes(result.row_index, 15, torch.int32, (rows,))
+    elif fmt == "nvfp4":
+        assert result.row_index is None
         same_bytes(result.x.data, 2, torch.uint8, (rows, hidden // 2))
         same_bytes(result.x.scales, 3, torch.float8_e4m3fn, (rows, hidden // 16))
         same_bytes(result.x.amax, 4, torch.float32, (rows,))

@@ -127,3 +127,35 @@ def test_buffer_config_rejects_wrong_types_and_values():
     with pytest.raises(ValueError, match="size hint"):
         ep_comm.Buffer.get_buffer_size_hint(backend="typo", **base)
     assert ep_comm.Buffer.get_buffer_size_hint(backend="reference", **base).dispatch_recv_bytes >= 0
+
+
+def _rows_only_worker(rank, world):
+    """Reference backend, dispatch(expand=False): row_index names x's rows (x is already expert-major: arange over
+    the received rows, -1 on padding), and expert_major_x() gives the expanded dispatch's x."""
+    import ep_comm
+    from oracle import payload_bytes
+    hidden, experts, topk = 64, 4 * world, 2
+    with ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=16,
+                        expert_alignment=4) as buf:
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(9 + rank, hidden, generator=gen).to(torch.bfloat16)
+        idx = torch.rand(x.shape[0], experts, generator=gen).topk(topk, dim=1).indices
+        w = torch.rand(x.shape[0], topk, generator=gen)
+        full = buf.dispatch(x, idx, w)
+        rows = buf.dispatch(x, idx, w, expand=False)
+        assert full.row_index is None and rows.row_index.dtype == torch.int32
+        padding = full.src_rank < 0
+        assert bool((rows.row_index[padding] == -1).all()) and bool(padding.any())
+        assert torch.equal(rows.row_index[~padding].long(), torch.arange(full.num_rows)[~padding])
+        assert torch.equal(payload_bytes(rows.expert_major_x(), "nvfp4"), payload_bytes(full.x, "nvfp4"))
+        try:
+            buf.dispatch(x, idx, w, expand=0)
+            return "expand=0 accepted"
+        except TypeError:
+            pass
+    return "ok"
+
+
+@pytest.mark.cpu
+def test_reference_rows_only_dispatch():
+    assert run_ranks(_rows_only_worker, 2, backend="gloo") == ["ok", "ok"]

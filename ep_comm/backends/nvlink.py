@@ -174,6 +174,11 @@ def _group_ranks(group) -> Tuple[int, ...]:
     return tuple(dist.get_global_rank(group, r) for r in range(dist.get_world_size(group)))
 
 
+def _combine_sections(sections):
+    """The arena sections combine reads (send_idx, send_w, row_weight, recv_count, recv_tok, recv_ord, recv_rows)."""
+    return tuple(sections[i] for i in (0, 1, 10, 11, 12, 13, 14))
+
+
 def _aligned16(t: torch.Tensor) -> torch.Tensor:
     """t itself when its data starts on a 16-byte boundary, else a copy that does: the kernels read and write rows
     with 16-byte vector accesses (a contiguous view at an odd element offset would fault)."""
@@ -283,6 +288,19 @@ class _SymmetricRegion:
                 _ext.warn_once(f"ep_comm nvlink: using CUDA IPC peer memory (single node only) because NVSHMEM is "
                            f"unavailable: {why_not}")
             self._open_ipc()
+
+    def local_bytes(self) -> torch.Tensor:
+        """This rank's region as a uint8 tensor on its GPU, without a copy: NVSHMEM's symmetric tensor, or, for CUDA
+        IPC, a tensor over the raw allocation (__cuda_array_interface__; it does not own the memory, free() does)."""
+        if self.kind == "nvshmem":
+            return self._tensor.view(torch.uint8).reshape(-1)[:self.nbytes]
+        if self.kind != "ipc":
+            raise RuntimeError("the symmetric region is not allocated")
+
+        class _Memory:  # what torch.as_tensor needs to view foreign device memory
+            __cuda_array_interface__ = {"shape": (self.nbytes,), "typestr": "|u1", "data": (self._ipc_local, False),
+                                        "version": 3, "strides": None}
+        return torch.as_tensor(_Memory(), device=torch.device("cuda", self.device))
 
     def _agree(self, mine: Optional[str]) -> Optional[str]:
         """All ranks learn the first rank's failure reason (None when every rank succeeded)."""
@@ -472,6 +490,7 @@ class _ArenaRecipe:
     amax: Optional[int]
     int_views: Tuple[Tuple[int, int], ...]  # num_per_expert, expert_offsets, src_rank, src_token, topk_slot
     topk_weight: int
+    row_index: Optional[int] = None  # element offset of row_index (a dispatch without expansion only)
 
 
 class NVLinkBackend:
@@ -497,6 +516,7 @@ class NVLinkBackend:
         self.layout = _RegionLayout.of(config)
         self._sync_check = os.environ.get("EP_COMM_SYNC_CHECK", "0") == "1"
         self._arena_recipes = {}
+        self._staging = None  # _staging_payload's views, made on first use
         self._destroyed = False
         self._rows_handle = None  # the handle begin_combine_rows was given, until finish_combine_rows (order check)
         self._wave_ticket = None  # the last wave dispatch's _WaveTicket until its w1 GEMM claims it
@@ -657,17 +677,20 @@ class NVLinkBackend:
             torch.cuda.current_stream().synchronize()
             self.check()
 
-    def _arena_recipe(self, num_tokens: int) -> _ArenaRecipe:
-        """The arena recipe for num_tokens tokens (cached: the C++ table is fixed per token count)."""
-        recipe = self._arena_recipes.get(num_tokens)
+    def _arena_recipe(self, num_tokens: int, rows_only: bool = False) -> _ArenaRecipe:
+        """The arena recipe for num_tokens tokens (cached: the C++ table is fixed per token count). rows_only: the
+        table of a dispatch without expansion (no payload sections; a row_index section)."""
+        recipe = self._arena_recipes.get((num_tokens, rows_only))
         if recipe is not None:
             return recipe
-        offs, nbytes, total = self._ctx.dispatch_arena_layout(num_tokens)
+        offs, nbytes, total = self._ctx.dispatch_arena_layout(num_tokens, rows_only)
         if total % 4 or any(o % 16 for o in offs):
             raise RuntimeError("unexpected nvlink dispatch arena layout")
         cfg = self.config
         rows, h = cfg.max_recv_rows, cfg.hidden
-        if cfg.dispatch_format == "nvfp4":
+        if rows_only:  # the payload stays in staging (_staging_payload)
+            data, scales, amax = None, None, None
+        elif cfg.dispatch_format == "nvfp4":
             data = (torch.uint8, offs[2], (rows, h // 2))
             scales = (torch.float8_e4m3fn, offs[3], (rows, h // 16))
             amax = offs[4] // 4
@@ -682,11 +705,48 @@ class NVLinkBackend:
         int_views = ((offs[5] // 4, local), (offs[6] // 4, local + 1), (offs[7] // 4, rows), (offs[8] // 4, rows),
                      (offs[9] // 4, rows))
         recipe = _ArenaRecipe(words=total // 4, sections=tuple(zip(offs, nbytes)), data=data, scales=scales,
-                              amax=amax, int_views=int_views, topk_weight=offs[10] // 4)
-        self._arena_recipes[num_tokens] = recipe
+                              amax=amax, int_views=int_views, topk_weight=offs[10] // 4,
+                              row_index=offs[15] // 4 if rows_only else None)
+        self._arena_recipes[(num_tokens, rows_only)] = recipe
         return recipe
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
+    def _staging_payload(self):
+        """This rank's staging rows as the dispatch format's container, [W * T_max] rows (source rank major), viewed
+        in place in the symmetric region: the payload of a dispatch without expansion. Built once per Buffer."""
+        if self._staging is not None:
+            return self._staging
+        cfg, L = self.config, self.layout
+        n = self.world * cfg.max_tokens_per_rank
+        region = self.region.local_bytes()  # uint8 [region bytes] on this GPU
+        stride, base = L.disp_row_bytes, L.off_staging
+
+        def section(dtype, offset, width):
+            size = torch.empty((), dtype=dtype).element_size()
+            if (base + offset) % size or stride % size:
+                raise RuntimeError("unexpected nvlink staging layout")
+            return region.view(dtype).as_strided((n, width), (stride // size, 1), (base + offset) // size)
+        h = cfg.hidden
+        if cfg.dispatch_format == "nvfp4":  # the row amax is the first word of each staging row's metadata
+            payload = formats.NVFP4Tensor(data=section(torch.uint8, 0, h // 2),
+                                          scales=section(torch.float8_e4m3fn, L.disp_scale_off, h // 16),
+                                          amax=section(torch.float32, L.disp_meta_off, 1)[:, 0],
+                                          e4m3_max=formats.NVFP4_ACTIVATION_E4M3_MAX)
+        elif cfg.dispatch_format == "mxfp8":
+            payload = formats.MXFP8Tensor(data=section(torch.float8_e4m3fn, 0, h),
+                                          scales=section(torch.float8_e8m0fnu, L.disp_scale_off, h // 32))
+        else:
+            payload = section(torch.bfloat16, 0, h)
+        self._staging = payload
+        return payload
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 expand: bool = True) -> DispatchResult:
+        if not expand:  # the receive writes row_index instead of copying rows; they stay in staging
+            def launch_rows(x, topk_idx, topk_weights, num_tokens, arena_ptr, stream):
+                self._ctx.dispatch_arena_rows(x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype == torch.int64,
+                                              topk_weights.data_ptr(), num_tokens, arena_ptr, stream)
+            return self._dispatch(x, topk_idx, topk_weights, launch_rows, rows_only=True)
+
         def launch(x, topk_idx, topk_weights, num_tokens, arena_ptr, stream):
             self._ctx.dispatch_arena(x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype == torch.int64,
                                      topk_weights.data_ptr(), num_tokens, arena_ptr, stream)
@@ -720,8 +780,8 @@ class NVLinkBackend:
                         claim=ticket.claim)
         return WaveDispatch(result=result, rows=ExpandedRows(values=values, row_factor=row_factor), wave=wave)
 
-    def _dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, launch
-                  ) -> DispatchResult:
+    def _dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, launch,
+                  rows_only: bool = False) -> DispatchResult:
         self._check_alive()
         self.check()
         self._check_rows_closed("dispatch")
@@ -736,7 +796,7 @@ class NVLinkBackend:
         topk_weights = topk_weights.contiguous().float()
         # One allocation per call: every output is a view of a fresh arena (_result_in_arena); the C++ side derives the
         # same addresses from the arena base.
-        recipe = self._arena_recipe(num_tokens)
+        recipe = self._arena_recipe(num_tokens, rows_only)
         arena = torch.empty(recipe.words, dtype=torch.int32, device=x.device)
         launch(x, topk_idx, topk_weights, num_tokens, arena.data_ptr(), _ext.current_raw_stream(self.device))
         self._after_call()
@@ -748,15 +808,15 @@ class NVLinkBackend:
         object costs ~1 µs (bench/profile_host.py)."""
         cfg = self.config
         rows = cfg.max_recv_rows
-        as_f32 = arena.view(torch.float32)
+        if recipe.row_index is not None:  # no expansion: the staging rows and where each expert-major row is
+            return self._result_in_arena_common(arena, recipe, num_tokens, self._staging_payload(),
+                                                row_index=arena.as_strided((rows,), (1,), recipe.row_index))
         dtype, offset, shape = recipe.data
         data = arena.view(dtype).as_strided(shape, (shape[1], 1), offset)
         if recipe.scales is not None:
             dtype, offset, shape = recipe.scales
             scales = arena.view(dtype).as_strided(shape, (shape[1], 1), offset)
-        (num_per_expert, expert_offsets, src_rank, src_token, topk_slot) = [
-            arena.as_strided((n,), (1,), offset) for offset, n in recipe.int_views]
-        topk_weight = as_f32.as_strided((rows,), (1,), recipe.topk_weight)
+        as_f32 = arena.view(torch.float32)
         if cfg.dispatch_format == "nvfp4":
             payload = formats.NVFP4Tensor(data=data, scales=scales, amax=as_f32.as_strided((rows,), (1,), recipe.amax),
                                           e4m3_max=formats.NVFP4_ACTIVATION_E4M3_MAX)
@@ -764,11 +824,22 @@ class NVLinkBackend:
             payload = formats.MXFP8Tensor(data=data, scales=scales)
         else:
             payload = data
+        return self._result_in_arena_common(arena, recipe, num_tokens, payload)
+
+    def _result_in_arena_common(self, arena: torch.Tensor, recipe: _ArenaRecipe, num_tokens: int, payload,
+                                row_index: Optional[torch.Tensor] = None) -> DispatchResult:
+        """The DispatchResult around `payload`: metadata views and the handle, as _result_in_arena describes."""
+        cfg = self.config
+        rows = cfg.max_recv_rows
+        as_f32 = arena.view(torch.float32)
+        (num_per_expert, expert_offsets, src_rank, src_token, topk_slot) = [
+            arena.as_strided((n,), (1,), offset) for offset, n in recipe.int_views]
+        topk_weight = as_f32.as_strided((rows,), (1,), recipe.topk_weight)
         handle = NVLinkHandle(arena=arena, sections=recipe.sections, num_tokens=num_tokens, num_rows=rows,
                               num_topk=cfg.num_topk, owner=self._ctx)
         return DispatchResult(x=payload, num_tokens_per_expert=num_per_expert, expert_offsets=expert_offsets,
                               src_rank=src_rank, src_token=src_token, topk_slot=topk_slot, topk_weight=topk_weight,
-                              handle=handle, num_rows=rows)
+                              handle=handle, num_rows=rows, row_index=row_index)
 
     def check_handle(self, handle) -> None:
         """TypeError unless `handle` comes from an nvlink dispatch; ValueError if it comes from another Buffer whose
@@ -777,9 +848,11 @@ class NVLinkBackend:
         combine on another)."""
         if not isinstance(handle, NVLinkHandle):
             raise TypeError(f"combine needs the handle of an nvlink dispatch, got {type(handle).__name__}")
+        # (The sections combine reads -- 0, 1 and 10..14 -- sit at the same offsets in both kinds of arena.)
         if handle.owner is not self._ctx and (
                 not 0 <= handle.num_tokens <= self.config.max_tokens_per_rank
-                or handle.sections != self._arena_recipe(handle.num_tokens).sections):
+                or _combine_sections(handle.sections)
+                != _combine_sections(self._arena_recipe(handle.num_tokens).sections)):
             raise ValueError("combine got the handle of another Buffer's dispatch whose sizes differ from this "
                              "Buffer's (max_tokens_per_rank, num_topk, world size or row capacity): pass the handle "
                              "to the Buffer that dispatched it")
@@ -874,5 +947,6 @@ class NVLinkBackend:
             c.nvlink_host_mapped_free(self._error_host)
             self._error_host = None
         self._ctx = None
+        self._staging = None
         self._peer_bases = self._state = self._scratch_pos = self._scratch_slot = None
         self._expert_count = self._rank_count = self._layout_base = self._wave_area = None

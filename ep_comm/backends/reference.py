@@ -216,7 +216,10 @@ class ReferenceBackend:
             raise ValueError(f"combine arguments or handles differ between ranks (rank(s) {receivers_seeing_mismatch} "
                              f"saw the mismatch; their errors say how)")
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 expand: bool = True) -> DispatchResult:
+        """expand=False: the same result plus row_index (arange over the rows in use: x is already expert-major),
+        the meaning Buffer.dispatch gives it."""
         cfg = self.config
         device = x.device
         world, num_local = cfg.world_size, cfg.num_local_experts
@@ -289,12 +292,16 @@ class ReferenceBackend:
                                  recv_src_rank=recv_src_rank, recv_src_token=recv_src_token,
                                  recv_topk_weight=recv_weight, layout_row=layout_row, topk_idx=topk_idx,
                                  topk_weights=topk_weights, num_tokens=num_tokens, num_rows=num_rows, config=cfg)
+        row_index = None
+        if not expand:  # padding rows (src_rank -1) hold no received row
+            row_index = torch.where(src_rank >= 0, torch.arange(num_rows, dtype=torch.int32, device=device),
+                                    torch.full((num_rows,), -1, dtype=torch.int32, device=device))
         return DispatchResult(
             x=unpack_dispatch_payload(rows, cfg.dispatch_format, cfg.hidden),
             num_tokens_per_expert=num_tokens_per_expert.to(torch.int32),
             expert_offsets=expert_offsets.to(torch.int32),
             src_rank=src_rank, src_token=src_token, topk_slot=topk_slot, topk_weight=topk_weight,
-            handle=handle, num_rows=num_rows)
+            handle=handle, num_rows=num_rows, row_index=row_index)
 
     def check_handle(self, handle) -> None:
         """TypeError unless `handle` comes from a reference-backend dispatch; ValueError if that dispatch ran on a Buffer
