@@ -12,6 +12,7 @@ Timing, per kernel pair (dispatch = layout + send + receive kernels; combine = s
           nvlink only — the reference syncs with the host and cannot be captured),
   pipe  : (NCCL baseline, with a BF16 format) all_to_all_single of the BF16 token rows the dispatch moves, N calls
           back to back between events, time / N — the all_to_all figure of H200-BASELINE.md, measured in this run.
+dispatch_rows (nvlink, graph): dispatch(expand=False), the received rows left in staging with a row index (no expansion).
 With S2F6 combine also (graph): combine_expert_rows = combine(local_reduce=False), one row per (token, expert);
 combine_rows_begin_finish = what the combine-row form leaves outside the w2 GEMM (MoELayer's default: the GEMM's
 epilogue stores the rows), i.e. begin (wait on the peers' flags) + finish (release + receive), here without a GEMM.
@@ -168,7 +169,11 @@ def _bench_backend(args, backend, tokens, dfmt, cfmt, rank, world, group):
             def combines(n):
                 for _ in range(n):
                     buf.combine(expert_out, res.handle)
+            def row_dispatches(n):  # expand=False: the rows stay in staging, the receive writes row_index only
+                for _ in range(n):
+                    buf.dispatch(x, idx, w, expand=False)
             timings["dispatch"]["graph"] = _graph_time_us(dispatches, args.graph_calls, group)
+            timings["dispatch_rows"] = {"graph": _graph_time_us(row_dispatches, args.graph_calls, group)}
             timings["combine"]["graph"] = _graph_time_us(combines, args.graph_calls, group)
             if cfmt == "s2f6":
                 # One row per (token, expert): combine(local_reduce=False), and the part of the combine-row form that
@@ -189,11 +194,11 @@ def _bench_backend(args, backend, tokens, dfmt, cfmt, rank, world, group):
         expert_rows = int((idx // (args.experts // world) != rank).sum()) * (
             layout.comb_row_bytes if backend == "nvlink" else 0)
         # begin + finish alone move no payload (the rows are the GEMM's stores): wire 0, only the time is reported.
-        for kernel, wire in (("dispatch", wire_d), ("combine", wire_c), ("combine_expert_rows", expert_rows),
-                             ("combine_rows_begin_finish", 0)):
+        for kernel, wire in (("dispatch", wire_d), ("dispatch_rows", wire_d), ("combine", wire_c),
+                             ("combine_expert_rows", expert_rows), ("combine_rows_begin_finish", 0)):
             if kernel not in timings:
                 continue
-            fmt = dfmt if kernel == "dispatch" else cfmt
+            fmt = dfmt if kernel.startswith("dispatch") else cfmt
             for method, us in timings[kernel].items():  # (bf16_eq_GBps: per (token, rank) row, as for combine)
                 rows.append({
                     "backend": backend, "kernel": kernel, "format": fmt, "tokens": tokens, "world": world,
@@ -293,7 +298,7 @@ def run(args) -> list:
 def _blocks(buf, kernel: str) -> str:
     """'send/receive' blocks of the nvlink kernels behind an op (the begin/finish form: its receive only)."""
     blocks = buf._backend.blocks
-    if kernel == "dispatch":
+    if kernel.startswith("dispatch"):
         return f"{blocks['disp_send_blocks']}/{blocks['disp_recv_blocks']}"
     if kernel == "combine_rows_begin_finish":
         return f"-/{blocks['comb_recv_blocks']}"

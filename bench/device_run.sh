@@ -229,6 +229,10 @@ test_shared_worlds() {  # one GPU: the nvlink oracle cases (every format pair, m
     EP_COMM_TEST_SHARED_WORLD=$ranks shared_tier "world$ranks" 150 tests/test_nvlink.py -k "oracle"
   done
 }
+bench_rows_one_rank() {  # world 1: dispatch (expanded) against dispatch(expand=False), graph, 128 and 4096 tokens
+  say "bench: dispatch expanded vs rows-only (expand=False), world 1"
+  bench_dc 1 --tokens 128,4096 --formats nvfp4/s2f6,bf16/bf16 --no-reference --no-ceiling
+}
 test_moe_one_rank() {  # the MoE layer's GPU worker at world size 1 (fused experts, combine rows): a 1-GPU check
   say "gpu tier: MoE layer worker at world size 1"
   (cd tests && timeout 300 python3 -c "
@@ -372,7 +376,7 @@ dc_graph_rows() {
   timeout 120 python3 bench/bench_dispatch_combine.py --nproc "${AB_NPROC:-2}" --tokens "${AB_TOKENS:-128,1024,4096}" \
     --formats "${AB_FORMATS:-nvfp4/s2f6}" --no-reference --no-ceiling
 }
-dc_graph_pattern="nvlink +(dispatch|combine) .* graph"
+dc_graph_pattern="nvlink +(dispatch|dispatch_rows|combine) .* graph"
 bench_dc_ab() { ab_trees "bench: dispatch / combine ${AB_FORMATS:-nvfp4/s2f6}" "$dc_graph_pattern" dc_graph_rows; }
 bench_gemm_ab() {  # the grouped GEMM kernels (ours only) in this tree and in ab_base.tar: GEMM_AB_ROWS (default 128,16)
   ab_trees "bench: grouped GEMM ${GEMM_AB_ROWS:-128,16}" "^(w1|w2|mlp) " env CUDA_VISIBLE_DEVICES=0 timeout 150 \

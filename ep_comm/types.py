@@ -211,9 +211,11 @@ class DispatchResult:
 def _rows(x, index):
     """Rows `index` (a slice or an index tensor) of a payload: a tensor, or a format container (every tensor field
     indexed along its first axis, other fields kept)."""
+    def take(t):  # float8 tensors are indexed as their bytes (not every device has float8 indexing kernels)
+        return t.view(torch.uint8)[index].view(t.dtype) if t.element_size() == 1 else t[index]
     if isinstance(x, torch.Tensor):
-        return x[index]
-    return dataclasses.replace(x, **{f.name: getattr(x, f.name)[index] for f in dataclasses.fields(x)
+        return take(x)
+    return dataclasses.replace(x, **{f.name: take(getattr(x, f.name)) for f in dataclasses.fields(x)
                                      if isinstance(getattr(x, f.name), torch.Tensor)})
 
 
