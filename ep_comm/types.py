@@ -201,35 +201,21 @@ class DispatchResult:
         R_valid; not for CUDA-graph capture)."""
         valid = int(self.expert_offsets[-1])
         if self.row_index is None:
-            return _rows(self.x, slice(0, valid))
+            return _map_payload(self.x, lambda t: t[:valid])
         index = self.row_index[:valid].long()
-        present = index >= 0
-        gathered = _rows(self.x, index.clamp(min=0))
-        return _zero_rows(gathered, ~present)
+        absent, present_rows = index < 0, index.clamp(min=0)
+        return _map_payload(self.x, lambda t: t[present_rows].masked_fill(absent.view(-1, *[1] * (t.dim() - 1)), 0))
 
 
-def _rows(x, index):
-    """Rows `index` (a slice or an index tensor) of a payload: a tensor, or a format container (every tensor field
-    indexed along its first axis, other fields kept)."""
-    def take(t):  # float8 tensors are indexed as their bytes (not every device has float8 indexing kernels)
-        return t.view(torch.uint8)[index].view(t.dtype) if t.element_size() == 1 else t[index]
+def _map_payload(x, fn):
+    """fn applied to each tensor of a payload: the tensor itself, or every tensor field of a format container (other
+    fields kept). float8 tensors go through as their bytes (indexing and masked_fill lack float8 kernels)."""
+    def apply(t):
+        return fn(t.view(torch.uint8)).view(t.dtype) if t.element_size() == 1 else fn(t)
     if isinstance(x, torch.Tensor):
-        return take(x)
-    return dataclasses.replace(x, **{f.name: take(getattr(x, f.name)) for f in dataclasses.fields(x)
+        return apply(x)
+    return dataclasses.replace(x, **{f.name: apply(getattr(x, f.name)) for f in dataclasses.fields(x)
                                      if isinstance(getattr(x, f.name), torch.Tensor)})
-
-
-def _zero_rows(x, mask: torch.Tensor):
-    """x with the rows where `mask` is set zeroed (the padding rows of the expert-major layout)."""
-    if isinstance(x, torch.Tensor):
-        return x.masked_fill(mask.view(-1, *([1] * (x.dim() - 1))), 0)
-    fields = {}
-    for f in dataclasses.fields(x):
-        t = getattr(x, f.name)
-        if isinstance(t, torch.Tensor):
-            raw = t.view(torch.uint8) if t.element_size() == 1 else t  # float8 tensors cannot masked_fill
-            fields[f.name] = raw.masked_fill(mask.view(-1, *([1] * (t.dim() - 1))), 0).view(t.dtype)
-    return dataclasses.replace(x, **fields)
 
 
 @dataclass(frozen=True)

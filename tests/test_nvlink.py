@@ -121,7 +121,7 @@ def _run_pair(name, rank, world, ref, nvl, x, idx, w, fmt, seed, edge=False, exp
     got = nvl.dispatch(x, idx, w, expand=expand)
     if not expand:
         assert got.row_index is not None and got.row_index.shape == (got.num_rows,), name
-        got = dataclasses.replace(got, x=got.expert_major_x())  # read now: valid until the next dispatch
+    got = _expert_major(got)
     rows = _compare_dispatch(name, got, want, fmt)
     out_ref, out_nvl = _expert_out(rows, got.num_rows, x.shape[1], seed, rank, edge)
     digest = hashlib.sha256()
@@ -259,9 +259,16 @@ def _pressure_hash(nvl, x, idx, w, hidden, rank, fmt="nvfp4"):
     return hashes.pop(), out
 
 
-def _graph_matches_eager(nvl, ref, x, idx, w, out, fmt, rank, world):
+def _expert_major(res):
+    """res with x in the expert-major layout: itself, or for dispatch(expand=False) its staging rows gathered by
+    row_index -- read at once, since they are valid only until the Buffer's next dispatch."""
+    return res if res.row_index is None else dataclasses.replace(res, x=res.expert_major_x())
+
+
+def _graph_matches_eager(nvl, ref, x, idx, w, out, fmt, rank, world, expand=True):
     """Capture dispatch + combine (both local_reduce modes) in a CUDA graph, replay it with new data: bitwise the eager
-    calls, and the eager dispatch equals the reference backend's."""
+    calls, and the eager dispatch equals the reference backend's. expand=False: the rows-only dispatch (the graph's
+    rows are read before the eager call reuses the staging area)."""
     tokens, hidden, experts, topk = x.shape[0], x.shape[1], nvl.config.num_experts, idx.shape[1]
     static_x, static_idx, static_w = (t.clone() for t in (x, idx, w))
     static_out = out.clone()
@@ -269,12 +276,12 @@ def _graph_matches_eager(nvl, ref, x, idx, w, out, fmt, rank, world):
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):  # warm-up outside the graph (allocator)
-            r = nvl.dispatch(static_x, static_idx, static_w)
+            r = nvl.dispatch(static_x, static_idx, static_w, expand=expand)
             nvl.combine(static_out, r.handle)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        g_res = nvl.dispatch(static_x, static_idx, static_w)
+        g_res = nvl.dispatch(static_x, static_idx, static_w, expand=expand)
         g_y = nvl.combine(static_out, g_res.handle)
         g_y2 = nvl.combine(static_out, g_res.handle, local_reduce=False)
     for trial in range(3):
@@ -283,20 +290,24 @@ def _graph_matches_eager(nvl, ref, x, idx, w, out, fmt, rank, world):
         static_idx.copy_(nidx)
         static_w.copy_(nw)
         graph.replay()
-        e_res = nvl.dispatch(nx, nidx, nw)
+        torch.cuda.synchronize()
+        g_rows = _expert_major(g_res)
+        g_bits, g_bits2 = _bits(g_y), _bits(g_y2)
+        e_res = nvl.dispatch(nx, nidx, nw, expand=expand)
+        e_rows = _expert_major(e_res)
         e_y = nvl.combine(static_out, e_res.handle)
         e_y2 = nvl.combine(static_out, e_res.handle, local_reduce=False)
         torch.cuda.synchronize()
         rows = int(e_res.expert_offsets[-1])
         assert torch.equal(g_res.expert_offsets.cpu(), e_res.expert_offsets.cpu()), ("graph offsets", trial)
-        assert torch.equal(payload_bytes(g_res.x, fmt)[:rows].cpu(),
-                           payload_bytes(e_res.x, fmt)[:rows].cpu()), ("graph payload", trial)
+        assert torch.equal(payload_bytes(g_rows.x, fmt)[:rows].cpu(),
+                           payload_bytes(e_rows.x, fmt)[:rows].cpu()), ("graph payload", trial)
         assert torch.equal(g_res.src_token[:rows].cpu(), e_res.src_token[:rows].cpu()), ("graph src", trial)
-        assert torch.equal(_bits(g_y), _bits(e_y)), ("graph combine", trial)
-        assert torch.equal(_bits(g_y2), _bits(e_y2)), ("graph combine local_reduce=False", trial)
+        assert torch.equal(g_bits, _bits(e_y)), ("graph combine", trial)
+        assert torch.equal(g_bits2, _bits(e_y2)), ("graph combine local_reduce=False", trial)
         # and the reference agrees with the eager result
         want = ref.dispatch(nx, nidx, nw)
-        _compare_dispatch(f"graph trial {trial}", e_res, want, fmt)
+        _compare_dispatch(f"graph trial {trial}", e_rows, want, fmt)
 
 
 def streaming_pressure_and_graph_worker(rank, world):
@@ -424,7 +435,7 @@ def rows_worker(rank, world):
     for every format (special token values included) and alignment, with an empty rank and uneven counts; combine on
     its handle equals the reference. Then expanded and rows-only calls mixed, two rows-only calls in a row (the
     second send must release the first one's staging rows for the peers: else a timeout), one hash; and a CUDA graph of
-    a rows-only dispatch + combine replays as the eager calls."""
+    a rows-only dispatch + combines replays as the eager calls, which equal the reference."""
     cases = (("nvfp4", "s2f6", 1), ("nvfp4", "bf16", 16), ("mxfp8", "s2f6", 1), ("bf16", "bf16", 8))
     hidden, experts, topk, max_tokens = 2048, 16 * world, 8, 96
     for case_id, (dfmt, cfmt, align) in enumerate(cases):
@@ -448,7 +459,7 @@ def rows_worker(rank, world):
         for it in range(24):
             expand = it % 3 == 0  # rows-only twice in a row between expanded calls
             res = nvl.dispatch(x, idx, w, expand=expand)
-            payload = res.expert_major_x() if not expand else res.x
+            payload = _expert_major(res).x
             valid = int(res.expert_offsets[-1])
             if out is None:
                 _, out = _expert_out(valid, res.num_rows, hidden, 9, rank)
@@ -456,31 +467,7 @@ def rows_worker(rank, world):
             digest.update(_bits(nvl.combine(out, res.handle)).numpy().tobytes())
             hashes.add(digest.hexdigest())
         assert len(hashes) == 1, f"mixed expanded / rows-only calls gave {len(hashes)} different results"
-        static_x, static_idx, static_w = x.clone(), idx.clone(), w.clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                r = nvl.dispatch(static_x, static_idx, static_w, expand=False)
-                nvl.combine(out, r.handle)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            g_res = nvl.dispatch(static_x, static_idx, static_w, expand=False)
-            g_y = nvl.combine(out, g_res.handle)
-        for trial in range(3):
-            nx, nidx, nw = _make_inputs(rank, max_tokens, hidden, experts, topk, "masked", world, seed=60 + trial)
-            static_x.copy_(nx)
-            static_idx.copy_(nidx)
-            static_w.copy_(nw)
-            graph.replay()
-            torch.cuda.synchronize()
-            g_payload = payload_bytes(g_res.expert_major_x(), "nvfp4").cpu()  # before the eager call reuses staging
-            g_bits = _bits(g_y)
-            e_res = nvl.dispatch(nx, nidx, nw, expand=False)
-            e_payload = payload_bytes(e_res.expert_major_x(), "nvfp4").cpu()
-            assert torch.equal(g_payload, e_payload), ("graph rows payload", trial)
-            assert torch.equal(g_bits, _bits(nvl.combine(out, e_res.handle))), ("graph rows combine", trial)
+        _graph_matches_eager(nvl, ref, x, idx, w, out, "nvfp4", rank, world, expand=False)
         nvl._backend.check()
     finally:
         ref.destroy()

@@ -527,7 +527,7 @@ class NVLinkBackend:
         self.region = _SymmetricRegion(group, self.layout.total_bytes)
         failure = None
         try:
-            dev = torch.device("cuda", self.device)
+            dev = self.torch_device
             t_max, k = config.max_tokens_per_rank, config.num_topk
             self._peer_bases = torch.tensor(self.region.peer_bases, dtype=torch.int64, device=dev)
             self._state = torch.zeros(8, dtype=torch.int64, device=dev)  # NvlinkState (<= 64 bytes)
@@ -721,7 +721,7 @@ class NVLinkBackend:
         stride, base = L.disp_row_bytes, L.off_staging
 
         def section(dtype, offset, width):
-            size = torch.empty((), dtype=dtype).element_size()
+            size = dtype.itemsize
             if (base + offset) % size or stride % size:
                 raise RuntimeError("unexpected nvlink staging layout")
             return region.view(dtype).as_strided((n, width), (stride // size, 1), (base + offset) // size)
@@ -741,16 +741,13 @@ class NVLinkBackend:
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  expand: bool = True) -> DispatchResult:
-        if not expand:  # the receive writes row_index instead of copying rows; they stay in staging
-            def launch_rows(x, topk_idx, topk_weights, num_tokens, arena_ptr, stream):
-                self._ctx.dispatch_arena_rows(x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype == torch.int64,
-                                              topk_weights.data_ptr(), num_tokens, arena_ptr, stream)
-            return self._dispatch(x, topk_idx, topk_weights, launch_rows, rows_only=True)
+        # expand=False: the receive writes row_index instead of copying rows, which stay in staging
+        entry = self._ctx.dispatch_arena if expand else self._ctx.dispatch_arena_rows
 
         def launch(x, topk_idx, topk_weights, num_tokens, arena_ptr, stream):
-            self._ctx.dispatch_arena(x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype == torch.int64,
-                                     topk_weights.data_ptr(), num_tokens, arena_ptr, stream)
-        return self._dispatch(x, topk_idx, topk_weights, launch)
+            entry(x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype == torch.int64, topk_weights.data_ptr(), num_tokens,
+                  arena_ptr, stream)
+        return self._dispatch(x, topk_idx, topk_weights, launch, rows_only=not expand)
 
     def dispatch_waves(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                        wave_blocks: int) -> WaveDispatch:
