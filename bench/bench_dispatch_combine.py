@@ -352,9 +352,10 @@ def main(argv=None):
             dist.destroy_process_group()
         return
     world = args.nproc or torch.cuda.device_count()
-    if world < 2:
-        print("[bench] needs >= 2 GPUs (run under torchrun or pass --nproc)")
-        return
+    # One rank only when asked for (--nproc 1): all rows are then the rank's own, which times the kernels' local
+    # work without a peer; found by itself, one GPU is more likely a mistake than a wish.
+    if world < 1 or (world < 2 and args.nproc != 1):
+        raise SystemExit("[bench] needs >= 2 GPUs (run under torchrun, or pass --nproc; --nproc 1 times one rank)")
     import socket
     import torch.multiprocessing as mp
     with socket.socket() as sock:
