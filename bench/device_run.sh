@@ -229,32 +229,6 @@ test_shared_worlds() {  # one GPU: the nvlink oracle cases (every format pair, m
     EP_COMM_TEST_SHARED_WORLD=$ranks shared_tier "world$ranks" 150 tests/test_nvlink.py -k "oracle"
   done
 }
-bench_send_one_rank() {  # A/B at world 1 (all rows the rank's own): the grouped NVFP4 send against the warp-per-token one
-  AB_NPROC=1 bench_ab EP_COMM_NVFP4_SEND "${SEND_VARIANTS:-grouped warp}" "${SEND_TOKENS:-128,512,1024,2048,4096}" nvfp4/s2f6
-}
-test_grouped_send() {  # the grouped NVFP4 send forced at every size: world-1 workers, then 2 ranks sharing the GPU
-  export EP_COMM_NVFP4_SEND=grouped
-  test_nvlink_one_rank
-  say "multigpu tier, 2 ranks sharing one GPU, grouped NVFP4 send at every size: nvlink suite"
-  shared_tier nvlink_grouped 300 -x tests/test_nvlink.py -k "not timeout"
-  unset EP_COMM_NVFP4_SEND
-}
-profile_send_one_rank() {  # world 1, 4096 tokens, NVFP4: per-kernel times of each send variant, then ncu of the default
-  local v
-  for v in ${SEND_VARIANTS:-grouped warp}; do
-    say "profile: world 1, 4096 tokens, nvfp4/s2f6, EP_COMM_NVFP4_SEND=$v"
-    EP_COMM_NVFP4_SEND=$v CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/profile_nvlink.py --nproc 1 \
-      --tokens 4096 --formats nvfp4/s2f6 --iters 20 2>&1 | grep -E "^ +4096 |kernel" | tee -a "$log"
-  done
-  CUDA_VISIBLE_DEVICES=0 timeout 240 ncu --target-processes all --kernel-name regex:"dispatch_send" --launch-skip 3 \
-    --launch-count 1 --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
-    --section SchedulerStats --section SourceCounters \
-    --metrics regex:"smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-    python3 bench/profile_nvlink.py --nproc 1 --tokens 4096 --formats nvfp4/s2f6 --iters 1 > "$OUT/ncu_send_grouped.txt" 2>&1
-  echo "ncu send (grouped): rc $?" | tee -a "$log"
-  grep -E "Duration|DRAM Throughput|Issue Slots Busy|No Eligible|Achieved Occupancy|Registers Per|Warp Cycles Per Issued" \
-    "$OUT/ncu_send_grouped.txt" | tee -a "$log"
-}
 bench_rows_one_rank() {  # world 1: dispatch (expanded) against dispatch(expand=False), graph, 128 and 4096 tokens
   say "bench: dispatch expanded vs rows-only (expand=False), world 1"
   bench_dc 1 --tokens 128,4096 --formats nvfp4/s2f6,bf16/bf16 --no-reference --no-ceiling

@@ -21,7 +21,6 @@
 #include <stdexcept>
 #include <string>
 
-#include "env_choice.h"
 #include "nvlink.h"
 #include "quant_math.cuh"
 #include "vec_io.cuh"
@@ -544,244 +543,6 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
 }
 
 // ---------------------------------------------------------------------------------------------------
-// NVFP4 send, grouped (calls up to kGroupedSendMaxTokens tokens; EP_COMM_NVFP4_SEND=grouped / warp forces either).
-//
-// Why: the warp-per-token send reads each token's whole row twice (an amax pass, then the quantization in chunks) and,
-// at 128 registers, runs 16 warps per SM; Nsight Compute found it latency-bound, its 4/6 quantization at 0.51 G
-// elements/ms against the standalone quantizer's 0.73 (bench/RESULTS.md, nineteenth session). Here a token belongs to
-// a group of G = ceil(H / 1024) warps, each lane holds one 32-element unit (two 4/6 blocks) from a single load, and the
-// row amax is reduced over the group (shuffles, then shared memory and a named barrier): the shape of the standalone
-// quantizer (NarrowShape: 224 threads of 64 input bytes per 7168-wide row, 72 registers), 28 warps per SM.
-// Everything else is the warp-per-token send's: the same routing, staging rows, scales, metadata, wave index, direct
-// self rows and row flags, so the receive cannot tell the two apart (the same bytes land in the same places).
-//
-// Per token, two barriers of the group. B1 (all wait): the amax parts and the destination lists are in. B2 (the other
-// warps only arrive, the leader waits): every store of the token is done, so the leader may release the row flags and
-// overwrite the lists. The leader (warp 0 of the group) reads the routing of the group's next token right after B1,
-// so that its dependent loads hide behind the quantization; the per-token bookkeeping after the stores (metadata,
-// wave index, direct self row records) is spread over warps 1, 2, 3 of the group, which read the routing from shared
-// memory. The amax parts are double-buffered by token parity: a warp past B2 may write the next token's part while a
-// slower warp still reads this token's.
-constexpr int kGroupedSendWarps = 28;     // per block at most (one per SM): 28 * 32 threads * 72 registers <= 64 Ki
-constexpr int kGroupedSendMaxGroups = 7;  // two barrier ids per group (1..14; 0 is __syncthreads)
-
-// Warps of the group that sends one token of a `hidden`-wide row (one 32-element unit per lane), and the block's
-// thread count for a call of num_tokens tokens on `grid` blocks: as few groups per block as cover the tokens in one
-// round (a small call then spreads its tokens over every SM), at most what fits. 0 when one group would need more
-// than a block (hidden > 28672: the warp-per-token send takes it).
-__host__ __device__ inline int grouped_send_group_warps(int hidden) { return (hidden / 32 + 31) / 32; }
-inline int grouped_send_threads(int hidden, int num_tokens, int grid) {
-  const int group_warps = grouped_send_group_warps(hidden);
-  if (group_warps > kGroupedSendWarps) return 0;
-  int groups = kGroupedSendWarps / group_warps;
-  if (group_warps > 1 && groups > kGroupedSendMaxGroups) groups = kGroupedSendMaxGroups;
-  const int needed = (num_tokens + grid - 1) / grid;
-  if (needed >= 1 && needed < groups) groups = needed;
-  return groups * group_warps * 32;
-}
-
-// The group's barriers (named barriers 1 + 2 group and 2 + 2 group), or the warp itself for one-warp groups.
-__device__ __forceinline__ void group_sync(int id, int group_threads) {
-  if (group_threads == 32) {
-    __syncwarp();
-  } else {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(group_threads) : "memory");
-  }
-}
-__device__ __forceinline__ void group_arrive(int id, int group_threads) {
-  if (group_threads == 32) {
-    __syncwarp();
-  } else {
-    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(group_threads) : "memory");
-  }
-}
-
-__global__ void __launch_bounds__(kGroupedSendWarps * 32, 1)
-    dispatch_send_nvfp4_grouped_kernel(NvlinkConfig cfg, DispatchArgs args) {
-  constexpr int kWarps = kGroupedSendWarps;
-  extern __shared__ int smem[];  // direct self rows: the receive layout (ReceiveLayout)
-  // Per group: the destinations' staging rows and row flags, the direct self rows, their counts, the token's routing
-  // (lane k: expert, staging slot, position, weight bits; and its direct self row), and per warp its part of the amax.
-  __shared__ char* dest_rows[kWarps][kMaxTopk];
-  __shared__ unsigned int* dest_flags[kWarps][kMaxTopk];
-  __shared__ int self_rows[kWarps][kMaxTopk];
-  __shared__ int list_sizes[kWarps][2];
-  __shared__ int4 route[kWarps][32];
-  __shared__ int route_self_row[kWarps][32];
-  __shared__ float warp_amax[2][kWarps];
-  __shared__ bool counts_writer;
-  if (threadIdx.x == 0) counts_writer = atomicAdd(&cfg.state->send_arrivals, 1ull) % gridDim.x == 0ull;
-  __syncthreads();
-  pdl_prologue();
-  const unsigned long long epoch = cfg.state->disp_epoch;
-  const int lane = threadIdx.x % 32;
-  const int warp_in_block = threadIdx.x / 32;
-  const int hidden = cfg.hidden;
-  const int units = hidden / 32;  // 32 elements: 16 code bytes and 2 scale bytes
-  const int group_warps = grouped_send_group_warps(hidden);
-  const int group_threads = group_warps * 32;
-  const int groups = blockDim.x / group_threads;
-  const int group = warp_in_block / group_warps;
-  const int warp_in_group = warp_in_block - group * group_warps;
-  const bool leader = warp_in_group == 0;  // routing, lists and row flags of the group's token
-  const int unit = warp_in_group * 32 + lane;
-  const bool has_unit = unit < units;
-  const int barrier_lists = 1 + 2 * group;   // B1
-  const int barrier_stores = 2 + 2 * group;  // B2
-  const bool direct_self = args.direct_self != 0;
-  const int first_expert = cfg.rank * cfg.num_local;
-  const long long staging_base = cfg.off_staging + static_cast<long long>(cfg.rank) * cfg.max_tokens * cfg.disp_row_bytes;
-  const bool row_flags = args.stream_recv != 0;  // a whole group writes the row; the leader releases after B2
-  const unsigned int flag_epoch = static_cast<unsigned int>(epoch);
-  const int first_token = blockIdx.x * groups + group;
-  const int token_stride = gridDim.x * groups;
-  const unsigned char* x_unit = reinterpret_cast<const unsigned char*>(args.x) + static_cast<long long>(unit) * 64;
-
-  // The first token's unit and routing are read before the wait below, which only the stores must follow. The
-  // leader's e / slot / pos / w always hold the routing of the group's next token.
-  Chunk32 chunk;
-  int e = -1, slot = -1, pos = -1;
-  float w = 0.0f;
-  if (first_token < args.num_tokens) {
-    if (has_unit) chunk.load(x_unit + static_cast<long long>(first_token) * hidden * 2);
-    if (leader) token_routing(cfg, args, first_token, lane, e, slot, pos, w);
-  }
-
-  // As dispatch_send_kernel: release the previous rows-only dispatch's staging rows, wait until the destinations have
-  // consumed the previous dispatch, write the counts (first block), and the receive layout for direct self rows.
-  if (counts_writer && threadIdx.x == 0 && epoch > 1ull && cfg.state->held_epoch == epoch - 1ull) {
-    signal_all_peers_once(cfg, cfg.off_disp_consumed, static_cast<unsigned long long>(cfg.disp_recv_blocks));
-  }
-  block_wait_all_peers(cfg, cfg.off_disp_consumed, (epoch - 1ull) * cfg.disp_recv_blocks,
-                       kStageDispatchWaitConsumed, epoch);
-  if (counts_writer) {
-    const int per_rank = cfg.num_local + 2;
-    for (int i = threadIdx.x; i < cfg.world * per_rank; i += blockDim.x) {
-      const int d = i / per_rank;
-      const int j = i - d * per_rank;
-      const int v = j < cfg.num_local ? cfg.expert_count[d * cfg.num_local + j]
-                                      : (j == cfg.num_local ? cfg.rank_count[d] : (row_flags ? 1 : 0));
-      int* dst = reinterpret_cast<int*>(peer_ptr(cfg, d, cfg.off_counts)) + cfg.rank * cfg.count_stride + j;
-      *dst = v;
-    }
-    block_signal_all_peers(cfg, cfg.off_disp_counts);
-  }
-  const ReceiveLayout layout(smem, cfg.world, cfg.num_local);
-  if (direct_self) {
-    block_wait_all_peers(cfg, cfg.off_disp_counts, epoch, kStageDispatchWaitCounts, epoch);
-    compute_receive_layout(cfg, layout);
-  }
-  const int* self_seg_start = layout.seg_start + cfg.rank * cfg.num_local;
-
-  // Every warp of a group runs the same token loop, and every barrier below is the group's own.
-  int parity = 0;
-  for (int t = first_token; t < args.num_tokens; t += token_stride, parity ^= 1) {
-    if (t != first_token && has_unit) chunk.load(x_unit + static_cast<long long>(t) * hidden * 2);
-    float part_amax = 0.0f;  // NaN ignored, Inf kept: warp_row_amax's value, from the unit in registers
-    if (has_unit) {
-      part_amax = qm_max(vec::bf16_block16_amax(chunk.v[0], chunk.v[1]), vec::bf16_block16_amax(chunk.v[2], chunk.v[3]));
-    }
-#pragma unroll
-    for (int o = 16; o >= 1; o >>= 1) part_amax = fmaxf(part_amax, __shfl_xor_sync(0xFFFFFFFFu, part_amax, o));
-    if (lane == 0) warp_amax[parity][warp_in_block] = part_amax;
-
-    if (leader) {  // (the previous token's B2 is behind the leader: every warp is done with the lists)
-      const bool self_lane = direct_self && e >= first_expert && e < first_expert + cfg.num_local;
-      const bool staging_lane = slot >= 0 && !(direct_self && e / cfg.num_local == cfg.rank);
-      const unsigned int dest_mask = __ballot_sync(0xFFFFFFFFu, staging_lane);
-      const unsigned int self_mask = __ballot_sync(0xFFFFFFFFu, self_lane);
-      const unsigned int lanes_below = (1u << lane) - 1u;
-      const int self_row = self_lane ? self_seg_start[e - first_expert] + pos : -1;
-      __syncwarp();  // this warp's reads of the previous token's flag list are done
-      if (staging_lane) {
-        const int d = e / cfg.num_local;
-        const int i = __popc(dest_mask & lanes_below);
-        dest_rows[group][i] = peer_ptr(cfg, d, staging_base + static_cast<long long>(slot) * cfg.disp_row_bytes);
-        dest_flags[group][i] = reinterpret_cast<unsigned int*>(peer_ptr(cfg, d, cfg.off_row_flags)) +
-                               static_cast<long long>(cfg.rank) * cfg.max_tokens + slot;
-      }
-      if (self_lane) self_rows[group][__popc(self_mask & lanes_below)] = self_row;
-      route[group][lane] = make_int4(e, slot, pos, __float_as_int(w));
-      route_self_row[group][lane] = self_row;
-      if (lane == 0) {
-        list_sizes[group][0] = __popc(dest_mask);
-        list_sizes[group][1] = __popc(self_mask);
-      }
-    }
-    group_sync(barrier_lists, group_threads);  // B1: the amax parts and the lists are in
-    if (leader && t + token_stride < args.num_tokens) token_routing(cfg, args, t + token_stride, lane, e, slot, pos, w);
-
-    float token_amax = 0.0f;
-    for (int i = 0; i < group_warps; ++i) token_amax = fmaxf(token_amax, warp_amax[parity][group * group_warps + i]);
-    const int num_dest = list_sizes[group][0];
-    const int num_self = list_sizes[group][1];
-    if (num_dest + num_self > 0) {  // else every slot is masked: the token goes nowhere
-      if (has_unit) {
-        const Nvfp4Outer outer = nvfp4_outer_scales(token_amax, 256.0f);
-        unsigned int scales;
-        const uint4 packed = quantize_nvfp4_chunk32(chunk, outer, token_amax, &scales);
-        for (int i = 0; i < num_dest; ++i) {
-          char* row = dest_rows[group][i];
-          st_v4(row + static_cast<long long>(unit) * 16, packed);
-          *reinterpret_cast<unsigned short*>(row + cfg.disp_scale_off + 2 * unit) = static_cast<unsigned short>(scales);
-        }
-        for (int i = 0; i < num_self; ++i) {  // streaming stores: see dispatch_send_kernel
-          const long long r = self_rows[group][i];
-          __stcs(reinterpret_cast<uint4*>(args.out_data + r * cfg.disp_data_bytes) + unit, packed);
-          __stcs(reinterpret_cast<unsigned short*>(args.out_scales + r * cfg.disp_scale_bytes) + unit,
-                 static_cast<unsigned short>(scales));
-        }
-      }
-      // The bookkeeping, one warp-wide job per warp (all on warp 0 when the group is one warp).
-      const int4 r = route[group][lane];
-      const int te = r.x, tslot = r.y, tpos = r.z;
-      const float tw = __int_as_float(r.w);
-      const int self_row = route_self_row[group][lane];
-      const bool self_lane = self_row >= 0;
-      if (warp_in_group == 1 % group_warps) {  // metadata: amax, token, then per slot expert id, weight, position
-        for (int i = 0; i < num_dest; ++i) {
-          int* words = reinterpret_cast<int*>(dest_rows[group][i] + cfg.disp_meta_off);
-          if (lane == 0) {
-            words[0] = __float_as_int(token_amax);
-            words[1] = t;
-          }
-          if (lane < cfg.topk) {
-            words[2 + lane] = te;
-            words[2 + cfg.topk + lane] = __float_as_int(tw);
-            words[2 + 2 * cfg.topk + lane] = tpos;
-          }
-        }
-      }
-      if (warp_in_group == 2 % group_warps) {  // wave index: as dispatch_send_kernel
-        const int dest = te >= 0 ? te / cfg.num_local : -1 - lane;
-        const unsigned int same_dest = __match_any_sync(0xFFFFFFFFu, dest);
-        const unsigned int holder = same_dest & __ballot_sync(0xFFFFFFFFu, tslot >= 0);
-        const int dest_slot = __shfl_sync(0xFFFFFFFFu, tslot, holder ? __ffs(holder) - 1 : lane);
-        if (te >= 0 && !self_lane && holder && tpos < cfg.max_tokens) {
-          int* index = reinterpret_cast<int*>(peer_ptr(cfg, dest, cfg.off_wave_index));
-          const long long list = static_cast<long long>(cfg.rank) * cfg.num_local + (te - dest * cfg.num_local);
-          index[list * cfg.max_tokens + tpos] = dest_slot;
-        }
-      }
-      if (direct_self && num_self > 0 && warp_in_group == 3 % group_warps) {  // direct self rows' records
-        record_own_row(cfg, args, t, lane, te, tslot, self_lane, self_row, tw);
-        if (self_lane) args.out_amax[self_row] = token_amax;
-      }
-    }
-    // B2: every store of the group for this token precedes the flags (the release is cumulative over what the barrier
-    // ordered before it), and no warp reads this token's lists or routing after it.
-    if (leader) {
-      group_sync(barrier_stores, group_threads);
-      if (row_flags && lane < num_dest) st_release_sys_u32(dest_flags[group][lane], flag_epoch);
-    } else {
-      group_arrive(barrier_stores, group_threads);
-    }
-  }
-
-  block_signal_all_peers(cfg, cfg.off_disp_ready);
-}
-
-// ---------------------------------------------------------------------------------------------------
 // Receive and expand.
 
 // Copy `bytes` from the staging row to the same offset of every row in the warp's list (`rows`, n
@@ -1288,16 +1049,6 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
 
 size_t recv_smem(const NvlinkConfig& cfg) { return ReceiveLayout::ints(cfg.world, cfg.num_local) * sizeof(int); }
 
-// Which NVFP4 send a call of num_tokens tokens takes: the grouped one up to kGroupedSendMaxTokens tokens, the
-// warp-per-token one above (measured at world 1 on H200, bench/RESULTS.md, twenty-fourth session: grouped faster at
-// small calls, 10-15% slower at 4096 tokens). EP_COMM_NVFP4_SEND = auto (default) | grouped | warp forces one, for
-// A/B runs and tests; read once.
-constexpr int kGroupedSendMaxTokens = 1024;
-bool nvfp4_send_grouped(int num_tokens) {
-  static const int choice = env_choice("EP_COMM_NVFP4_SEND", {"auto", "grouped", "warp"});
-  return choice == 1 || (choice == 0 && num_tokens <= kGroupedSendMaxTokens);
-}
-
 }  // namespace
 
 void prepare_dispatch_kernels(const NvlinkConfig& cfg) {
@@ -1306,9 +1057,6 @@ void prepare_dispatch_kernels(const NvlinkConfig& cfg) {
   const int smem = static_cast<int>(recv_smem(cfg));
   check_cuda(cudaFuncSetAttribute(dispatch_send_kernel<kDispNvfp4>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
              "cudaFuncSetAttribute(dispatch_send)");
-  check_cuda(cudaFuncSetAttribute(dispatch_send_nvfp4_grouped_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  smem),
-             "cudaFuncSetAttribute(dispatch_send, grouped)");
   check_cuda(cudaFuncSetAttribute(dispatch_recv_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
              "cudaFuncSetAttribute(dispatch_recv)");
   check_cuda(cudaFuncSetAttribute(dispatch_recv_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
@@ -1325,19 +1073,9 @@ void launch_dispatch_send(const NvlinkConfig& cfg, const DispatchArgs& args, uin
   const bool pdl = dispatch_pdl(args.num_tokens);
   cudaError_t err;
   if (cfg.disp_fmt == kDispNvfp4) {
-    // Shared memory for the receive layout that direct self rows need. The same grid either way (the counters count
-    // cfg.disp_send_blocks blocks).
-    const size_t smem = args.direct_self ? recv_smem(cfg) : 0;
-    const int grouped_threads = nvfp4_send_grouped(args.num_tokens)
-                                    ? grouped_send_threads(cfg.hidden, args.num_tokens, cfg.disp_send_blocks)
-                                    : 0;
-    if (grouped_threads > 0) {
-      err = launch_kernel(dispatch_send_nvfp4_grouped_kernel, cfg.disp_send_blocks, grouped_threads, smem, st, pdl, cfg,
-                          args);
-    } else {
-      err = launch_kernel(dispatch_send_kernel<kDispNvfp4>, cfg.disp_send_blocks, kCommThreads, smem, st, pdl, cfg,
-                          args);
-    }
+    // Shared memory for the receive layout that direct self rows need.
+    err = launch_kernel(dispatch_send_kernel<kDispNvfp4>, cfg.disp_send_blocks, kCommThreads,
+                        args.direct_self ? recv_smem(cfg) : 0, st, pdl, cfg, args);
   } else if (cfg.disp_fmt == kDispMxfp8) {
     err = launch_kernel(dispatch_send_kernel<kDispMxfp8>, cfg.disp_send_blocks, kCommThreads, 0, st, pdl, cfg, args);
   } else {
