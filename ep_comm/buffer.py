@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Optional
 
 import torch
@@ -490,6 +491,18 @@ class Buffer:
 
     def __enter__(self) -> "Buffer":
         return self
+
+    def __del__(self):
+        # destroy() is collective (the nvlink backend's symmetric region is freed by every rank together), so it cannot
+        # run here, where a collection happens at a different moment on each rank. A Buffer whose backend holds memory
+        # outside torch's allocator says so instead of leaking silently (a ResourceWarning, as Python does for an
+        # unclosed file: shown by pytest and under -W default).
+        backend = getattr(self, "_backend", None)
+        if backend is not None and not getattr(self, "_destroyed", True) and getattr(backend, "holds_unmanaged_memory",
+                                                                                      False):
+            warnings.warn(f"ep_comm.Buffer (rank {self.rank}, {backend.name} backend) was garbage-collected without "
+                          f"destroy(): its device memory stays allocated until the process exits. Call destroy() on "
+                          f"every rank, or use `with ep_comm.Buffer(...) as buf:`", ResourceWarning, stacklevel=2)
 
     def __exit__(self, *exc) -> None:
         self.destroy()

@@ -654,6 +654,41 @@ def test_nvlink_ipc_setup_failure_raises_on_every_rank(failing_rank, step):
 
 
 @pytest.mark.cpu
+def test_undestroyed_buffer_warns_when_collected():
+    """A Buffer collected without destroy() warns (ResourceWarning) when its backend holds memory outside torch's
+    allocator (the nvlink backend), and stays silent when it was destroyed, when its backend holds none (reference), and
+    when its constructor failed before a backend existed."""
+    import gc
+    import warnings
+    from ep_comm import Buffer
+    from ep_comm.backends.nvlink import NVLinkBackend
+    from ep_comm.backends.reference import ReferenceBackend
+
+    class _Backend:
+        def __init__(self, cls):
+            self.name = cls.name
+            self.holds_unmanaged_memory = getattr(cls, "holds_unmanaged_memory", False)
+
+    def collect(backend_cls, destroyed, with_backend=True):
+        buf = object.__new__(Buffer)  # no process group needed: only what __del__ reads
+        buf.rank = 0
+        if with_backend:
+            buf._backend = _Backend(backend_cls)
+            buf._destroyed = destroyed
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            del buf
+            gc.collect()
+        return [w for w in caught if issubclass(w.category, ResourceWarning)]
+
+    leaked = collect(NVLinkBackend, destroyed=False)
+    assert len(leaked) == 1 and "without destroy()" in str(leaked[0].message) and "nvlink" in str(leaked[0].message)
+    assert collect(NVLinkBackend, destroyed=True) == []
+    assert collect(ReferenceBackend, destroyed=False) == []
+    assert collect(NVLinkBackend, destroyed=False, with_backend=False) == []
+
+
+@pytest.mark.cpu
 def test_nvlink_size_hint_without_gpu():
     """Runs anywhere: the region layout is computable without a GPU and is consistent."""
     from ep_comm.backends.nvlink import NVLinkBackend, _RegionLayout

@@ -497,6 +497,7 @@ class NVLinkBackend:
     """Dispatch/combine with our kernels over NVLink peer pointers (see the module docstring)."""
 
     name = "nvlink"
+    holds_unmanaged_memory = True  # the symmetric region and host-mapped words: Buffer.__del__ warns if not destroyed
 
     def __init__(self, group, config: BufferConfig):
         config.validate()
@@ -670,7 +671,8 @@ class NVLinkBackend:
             raise RuntimeError(
                 f"ep_comm nvlink: rank {self.rank} timed out after {self.config.timeout_s:g} s in "
                 f"{where} (call {call}); results of that call "
-                f"and later ones are invalid and this Buffer is unusable (did every rank make the same calls?)")
+                f"and later ones are invalid and this Buffer is unusable (did every rank make the same calls? A rank whose "
+                f"call raised before launching, e.g. on inputs it rejected, leaves its peers waiting like this)")
 
     def _after_call(self) -> None:
         if self._sync_check:
