@@ -3,7 +3,8 @@
 Used by the main job (`python -m ep_comm.bench`), the benchmarks and the tests. The worker gets
 (rank, world_size, *args) and returns a picklable value. A rank that raises reports its traceback; a run
 that exceeds `timeout_s` (a hang) kills every child and raises with the ranks that did not finish — it
-never waits forever. Spawning imports torch in every child, so callers run many cases per spawn.
+never waits forever. Spawning imports torch in every child, so callers run many cases per spawn. Each child
+takes cpu_count // N threads for torch's CPU ops, unless OMP_NUM_THREADS is set.
 """
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ def _entry(rank, world_size, port, backend, worker, args, results, collective_ti
     import torch.distributed as dist
 
     os.environ.update(GPU_ENV)
+    # The ranks share this machine's cores: each takes its share for torch's CPU ops unless OMP_NUM_THREADS says
+    # otherwise (torchrun sets 1). With every rank at the default (all cores), their thread pools oversubscribe the
+    # CPU, which slows the CPU-side ranks (gloo tests, the reference backend on CPU copies) many times over.
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
