@@ -229,6 +229,11 @@ test_shared_worlds() {  # one GPU: the nvlink oracle cases (every format pair, m
     EP_COMM_TEST_SHARED_WORLD=$ranks shared_tier "world$ranks" 150 tests/test_nvlink.py -k "oracle"
   done
 }
+test_shared_world4_reference() {  # one GPU, 4 ranks sharing it: the nvlink reference comparison (did not finish in 240 s
+  # on 2026-12-01 when every rank's torch used all 16 cores; the launcher now gives each rank 16 / 4 threads)
+  say "multigpu tier, 4 ranks sharing one GPU: nvlink reference comparison"
+  EP_COMM_TEST_SHARED_WORLD=4 shared_tier world4_reference 400 tests/test_nvlink.py -k "matches_reference"
+}
 bench_rows_one_rank() {  # world 1: dispatch (expanded) against dispatch(expand=False), graph, 128 and 4096 tokens
   say "bench: dispatch expanded vs rows-only (expand=False), world 1"
   bench_dc 1 --tokens 128,4096 --formats nvfp4/s2f6,bf16/bf16 --no-reference --no-ceiling
