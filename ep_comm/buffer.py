@@ -498,11 +498,14 @@ class Buffer:
         # outside torch's allocator says so instead of leaking silently (a ResourceWarning, as Python does for an
         # unclosed file: shown by pytest and under -W default).
         backend = getattr(self, "_backend", None)
-        if backend is not None and not getattr(self, "_destroyed", True) and getattr(backend, "holds_unmanaged_memory",
-                                                                                      False):
+        if backend is None or getattr(self, "_destroyed", True) or not getattr(backend, "holds_unmanaged_memory", False):
+            return
+        try:  # at interpreter shutdown the warnings machinery may already be gone
             warnings.warn(f"ep_comm.Buffer (rank {self.rank}, {backend.name} backend) was garbage-collected without "
                           f"destroy(): its device memory stays allocated until the process exits. Call destroy() on "
                           f"every rank, or use `with ep_comm.Buffer(...) as buf:`", ResourceWarning, stacklevel=2)
+        except Exception:
+            pass
 
     def __exit__(self, *exc) -> None:
         self.destroy()
