@@ -13,6 +13,7 @@ from . import formats
 from ._ext import cuda_extension_available, cuda_extension_error
 from .buffer import Buffer
 from .formats import MXFP8Tensor, NVFP4Tensor, S2F6Tensor
+from . import moe  # noqa: E402  (after .buffer and .formats, which it imports)
 from .types import (BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, WaveDispatch, WaveSync,
                     combine_bytes_per_token, dispatch_bytes_per_token)
 
@@ -21,6 +22,6 @@ __version__ = "0.1.0"
 __all__ = [
     "Buffer", "BufferConfig", "BufferSizes", "CombineRowsTarget", "DispatchResult", "WaveDispatch", "WaveSync",
     "NVFP4Tensor", "MXFP8Tensor", "S2F6Tensor",
-    "formats", "cuda_extension_available", "cuda_extension_error", "dispatch_bytes_per_token",
+    "formats", "moe", "cuda_extension_available", "cuda_extension_error", "dispatch_bytes_per_token",
     "combine_bytes_per_token",
 ]

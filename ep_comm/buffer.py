@@ -216,6 +216,8 @@ class Buffer:
                              f"{topk_idx.device}, {topk_weights.device}")
         if self.backend == "nvlink":
             self._check_on_buffer_device("x", x)
+        else:
+            self._backend.check_device("x", x)
         if check_ids and num_tokens and not _is_capturing():
             _check_expert_ids(topk_idx, cfg.num_experts)
 
@@ -272,8 +274,11 @@ class Buffer:
                 tensor.record_stream(comm_stream)
         with torch.cuda.stream(comm_stream):
             out = run()
-            finished = done_event if done_event is not None else torch.cuda.Event()
+            # The Buffer's own event orders its next call; the caller's done_event is theirs to record again.
+            finished = torch.cuda.Event()
             finished.record(comm_stream)
+            if done_event is not None:
+                done_event.record(comm_stream)
         self._comm_call = (comm_stream, finished, _is_capturing())
         for tensor in _tensors_in(out):
             if tensor.is_cuda:
@@ -306,29 +311,31 @@ class Buffer:
             expand: True (default): x comes back in the expert-major layout. False: the received rows are not
                 copied into that layout; the result's `row_index` names, for each expert-major row, the row of
                 `result.x` that holds it (`DispatchResult.expert_major_x()` gathers). On nvlink `result.x` is then
-                this Buffer's staging area itself, valid until the Buffer's next dispatch is enqueued (work that
-                reads it must be ordered before that dispatch on the stream), and the dispatch skips the expansion's
-                HBM writes. Not with comm_stream (yet).
+                this Buffer's staging area itself, valid until the Buffer's next dispatch is enqueued or the
+                Buffer is destroyed (work that reads it must be ordered before that dispatch on the stream), and the
+                dispatch skips the expansion's HBM writes. Not with comm_stream (yet).
         Returns:
             DispatchResult (see ep_comm.types): received tokens in the expert-major layout in the dispatch
             format (or, with expand=False, as above), num_tokens_per_expert / expert_offsets (int32, device),
             per-row src_rank, src_token, topk_slot, topk_weight, and the handle for `combine`.
         """
-        if not isinstance(expand, bool):
-            raise TypeError(f"expand must be a bool, got {type(expand).__name__}")
-        if not expand and comm_stream is not None:
-            raise ValueError("dispatch(expand=False) does not take a comm_stream yet")
-        self._check_dispatch_call(x, topk_idx, topk_weights, check_inputs, comm_stream, done_event)
+        self._check_dispatch_call(x, topk_idx, topk_weights, check_inputs, comm_stream, done_event, expand)
         return self._run_on_stream(comm_stream, done_event, (x, topk_idx, topk_weights),
                                    lambda: self._backend.dispatch(x, topk_idx, topk_weights, expand=expand))
 
     def _check_dispatch_call(self, x, topk_idx, topk_weights, check_inputs: Optional[bool], comm_stream=None,
-                             done_event=None) -> None:
-        """What every dispatch checks before its kernels: a live Buffer, no autograd, valid inputs and streams."""
+                             done_event=None, expand: bool = True) -> None:
+        """What every dispatch checks before its kernels: a live Buffer, no autograd, valid inputs, arguments and
+        streams -- all inside the ranks' agreement (_validate_together), so that a bad argument on one rank raises
+        on every rank instead of misaligning their collectives."""
         self._check_alive()
-        check = self.check_inputs if check_inputs is None else bool(check_inputs)
 
         def validate():
+            if not isinstance(expand, bool):
+                raise TypeError(f"expand must be a bool, got {type(expand).__name__}")
+            if not expand and comm_stream is not None:
+                raise ValueError("dispatch(expand=False) does not take a comm_stream yet")
+            check = self.check_inputs if check_inputs is None else bool(check_inputs)
             self._refuse_autograd("dispatch", x, topk_weights)
             self._validate_dispatch(x, topk_idx, topk_weights, check)
             self._check_stream_args(x.device, comm_stream, done_event)
@@ -419,6 +426,8 @@ class Buffer:
             raise TypeError(f"expert_out must be a torch.Tensor, got {type(expert_out).__name__}")
         if self.backend == "nvlink":
             self._check_on_buffer_device("expert_out", expert_out)
+        else:
+            self._backend.check_device("expert_out", expert_out)
         self._refuse_autograd("combine", expert_out)
         if expert_out.dtype != torch.bfloat16:
             raise TypeError(f"expert_out must be bfloat16, got {expert_out.dtype}")

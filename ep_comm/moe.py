@@ -61,6 +61,8 @@ def pack_weights(w1: torch.Tensor, w2: torch.Tensor) -> PackedExpertWeights:
                             f"{getattr(w, 'dtype', type(w).__name__)}")
     if w1.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"w1 must be [E, 2I, H] and w2 [E, H, I]; got {tuple(w1.shape)} and {tuple(w2.shape)}")
+    if w1.device != w2.device:
+        raise ValueError(f"w1 is on {w1.device} and w2 on {w2.device}: give both on the layer's device")
     experts, two_i, hidden = w1.shape
     if two_i % 2:
         raise ValueError(f"w1 must be [E, 2I, H] (gate and up rows): its middle dimension {two_i} is odd")
@@ -77,9 +79,13 @@ def pack_weights(w1: torch.Tensor, w2: torch.Tensor) -> PackedExpertWeights:
     for name, w in (("w1", w1), ("w2", w2)):
         if not bool(torch.isfinite(w).all()):
             raise ValueError(f"{name} holds NaN or Inf values; master weights must be finite")
-    return PackedExpertWeights(
-        w1=formats.nvfp4_quantize(w1, four_over_six=False, amax=_per_expert_amax(w1.float())),
-        w2=formats.nvfp4_quantize(w2, four_over_six=False, amax=_per_expert_amax(w2.float())))
+    # Packing is not differentiable: with nn.Parameter masters, autograd would otherwise record the amax and keep a
+    # full-size FP32 |w| alive behind the packed weights (and the reference path's dequantized copies would require
+    # grad, which dispatch and combine refuse).
+    with torch.no_grad():
+        return PackedExpertWeights(
+            w1=formats.nvfp4_quantize(w1.detach(), four_over_six=False, amax=_per_expert_amax(w1.detach().float())),
+            w2=formats.nvfp4_quantize(w2.detach(), four_over_six=False, amax=_per_expert_amax(w2.detach().float())))
 
 
 def expert_mlp_reference(tokens: formats.NVFP4Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -232,6 +238,11 @@ def _expert_output(hidden, expert_offsets: torch.Tensor, num_tokens_per_expert: 
                                    out=out, token_tile=token_tile)
 
 
+_NOT_COPYABLE = ("MoELayer holds a communication Buffer (a process group, and device memory the other ranks write "
+                 "into), which cannot be pickled or copied: save layer.state_dict() (the router) and layer.weights "
+                 "(PackedExpertWeights), and build a new layer from them on every rank")
+
+
 class MoELayer(torch.nn.Module):
     """Router top-k -> dispatch -> expert SwiGLU MLPs of this rank -> combine.
 
@@ -270,6 +281,12 @@ class MoELayer(torch.nn.Module):
     `.to(device)`) raises instead of leaving them behind -- build the layer on its device.
     """
 
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_NOT_COPYABLE)
+
+    def __deepcopy__(self, memo):
+        raise TypeError(_NOT_COPYABLE)
+
     def _apply(self, fn, recurse=True):
         # `fn` is what .to() / .cuda() / .half() apply to every tensor: see where it would put one of ours.
         here = self.router_weight.device
@@ -307,8 +324,13 @@ class MoELayer(torch.nn.Module):
         if router_weight.device != weights.w1.data.device:  # the layer lives where its packed experts are
             raise ValueError(f"router_weight is on {router_weight.device} but the expert weights are on "
                              f"{weights.w1.data.device}: give both on the layer's device")
+        # Once, at construction (a device->host read): a NaN logit would send every token to one expert with NaN
+        # weights, which the S2F6 combine turns into near-zero outputs, silently.
+        if not bool(torch.isfinite(router_weight).all()):
+            raise ValueError("router_weight holds NaN or Inf values")
         self.buffer = buffer
-        self.register_buffer("router_weight", router_weight.float())
+        # The layer's own FP32 copy, outside autograd: not the caller's tensor (or Parameter), whatever its dtype.
+        self.register_buffer("router_weight", router_weight.detach().to(torch.float32, copy=True))
         self.weights = weights
         # Values are checked whichever path the layer picks; a knob that an explicit choice makes void is refused
         # (with "auto" choices it is kept for the case it applies: self.token_tile / self.wave_sms say).
@@ -362,8 +384,18 @@ class MoELayer(torch.nn.Module):
         else:
             self.token_tile = None  # no grouped GEMM on the reference path
             # Dequantized once: the reference expert path multiplies FP32 copies of the NVFP4 weights.
-            self._w1 = formats.nvfp4_dequantize(weights.w1, dtype=torch.float32)
-            self._w2 = formats.nvfp4_dequantize(weights.w2, dtype=torch.float32)
+            with torch.no_grad():
+                self._w1 = formats.nvfp4_dequantize(weights.w1, dtype=torch.float32)
+                self._w2 = formats.nvfp4_dequantize(weights.w2, dtype=torch.float32)
+
+    def _check_input(self, x) -> None:
+        """x as dispatch takes it, on the layer's device (and the router still there: load_state_dict(assign=True)
+        can put it elsewhere)."""
+        self.buffer._check_tokens(x)
+        device = self.weights.w1.data.device
+        if x.device != device or self.router_weight.device != device:
+            raise ValueError(f"x is on {x.device} and router_weight on {self.router_weight.device}; the layer's "
+                             f"experts are on {device}")
 
     def route(self, x: torch.Tensor):
         """topk_idx int64 [T, K] and topk_weights float32 [T, K] (softmax over the K largest logits)."""
@@ -375,7 +407,10 @@ class MoELayer(torch.nn.Module):
     def experts(self, result) -> torch.Tensor:
         """Expert MLPs on a `DispatchResult`: bf16 [R, H] in the dispatch layout. Only the rows of valid experts are
         defined (what `Buffer.combine` reads): the reference path zeroes the others, the fused path leaves them
-        uninitialised."""
+        uninitialised. Needs the expert-major rows of an expanding dispatch (not `dispatch(..., expand=False)`)."""
+        if result.row_index is not None:
+            raise ValueError("MoELayer.experts needs an expanding dispatch: this result came from dispatch(expand=False) "
+                             "(rows in staging order, result.row_index); dispatch with expand=True")
         if self.expert_impl == "fused":
             return self._experts_fused(result)
         return self._experts_reference(result)
@@ -426,7 +461,7 @@ class MoELayer(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Checked before routing (the router's matmul would fail first, on this rank only); on the reference backend the
         # ranks agree on the outcome, so a bad x on one rank raises on every rank.
-        self.buffer._validate_together(lambda: self.buffer._check_tokens(x), "MoELayer forward")
+        self.buffer._validate_together(lambda: self._check_input(x), "MoELayer forward")
         topk_idx, topk_weights = self.route(x)
         # torch.topk over the logits gives K distinct ids in [0, E): valid by construction, so the dispatch skips
         # the id check and its device->host copy (which made the host wait for the GPU once per layer).

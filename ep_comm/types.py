@@ -177,7 +177,7 @@ class DispatchResult:
        use; the nvlink backend returns its fixed capacity (rows past expert_offsets[-1] are unused).
     row_index: None, except for `Buffer.dispatch(..., expand=False)`: then `x` holds the received rows in another
        order (nvlink: the Buffer's staging rows, [W * max_tokens_per_rank] rows in source-rank order, valid until
-       this Buffer's next dispatch; reference: the expert-major rows themselves) and row_index int32 [R] names, for
+       this Buffer's next dispatch or its destroy(); reference: the expert-major rows themselves) and row_index int32 [R] names, for
        each expert-major row i, the row of x that holds it (-1 on padding and unused rows). `expert_major_x()`
        gathers them.
 
@@ -198,7 +198,8 @@ class DispatchResult:
     def expert_major_x(self):
         """x in the expert-major layout, [R_valid] rows (expert_offsets[-1]; padding rows zero): x itself for an
         expanded dispatch (its first R_valid rows), else x's rows gathered by row_index (a device->host read of
-        R_valid; not for CUDA-graph capture)."""
+        R_valid; not for CUDA-graph capture). `combine` takes expert outputs of num_rows rows (on nvlink the
+        capacity, more than R_valid): pad an output computed from these rows to num_rows."""
         valid = int(self.expert_offsets[-1])
         if self.row_index is None:
             return _map_payload(self.x, lambda t: t[:valid])

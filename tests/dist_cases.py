@@ -231,6 +231,20 @@ def errors_worker(rank: int, world: int, backend: str = "reference", device_kind
                 "local_reduce must be a bool" if last else f"rejected on rank(s) [{world - 1}]",
                 lambda: buf.combine(torch.zeros(mixed.num_rows, hidden, dtype=torch.bfloat16, device=device),
                                     mixed.handle, local_reduce=None if last else True))
+        # So do dispatch arguments: expand not a bool, a check_inputs without a truth value, a tensor on a device
+        # this group's collectives cannot take (meta here). Every rank raises in the same call, so the Buffer's next
+        # call still meets on every rank (the last line).
+        _expect(TypeError if last else ValueError, "expand must be a bool" if last else f"rejected on rank(s) [{world - 1}]",
+                lambda: buf.dispatch(x, idx, w, expand=1 if last else True))
+        _expect(RuntimeError if last else ValueError, "ambiguous" if last else f"rejected on rank(s) [{world - 1}]",
+                lambda: buf.dispatch(x, idx, w, check_inputs=torch.ones(2) if last else None))
+        meta_x = torch.empty_like(x, device="meta") if last else x
+        _expect(ValueError, "reference backend over" if last else f"rejected on rank(s) [{world - 1}]",
+                lambda: buf.dispatch(meta_x, idx.to(meta_x.device), w.to(meta_x.device)))
+        meta_out = torch.empty(mixed.num_rows, hidden, dtype=torch.bfloat16, device="meta" if last else device)
+        _expect(ValueError, "reference backend over" if last else f"rejected on rank(s) [{world - 1}]",
+                lambda: buf.combine(meta_out, mixed.handle))
+        assert buf.dispatch(x, idx, w).num_rows == mixed.num_rows
     # Without the check, ids outside [0, E) are masked slots (as on nvlink): the same result as -1 there.
     unchecked = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8,
                                backend=backend, check_inputs=False)
@@ -261,6 +275,10 @@ def errors_worker(rank: int, world: int, backend: str = "reference", device_kind
     _expect(ValueError, "format_impl", lambda: ep_comm.Buffer(
         None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8, backend=backend,
         format_impl="fast"))
+    if device_kind == "cpu":  # the CUDA quantizers on a gloo group (CPU tensors): refused when built, not per call
+        _expect(ValueError, "format_impl='cuda' needs", lambda: ep_comm.Buffer(
+            None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8, backend=backend,
+            format_impl="cuda"))
     dist.barrier()
     return "errors ok"
 

@@ -378,3 +378,76 @@ def test_moe_layer_on_gpus_matches_oracle():
     peers = SHARED_GPU or torch.cuda.can_device_access_peer(0, 1)
     for result in run_ranks(_moe_worker, 2, "cuda", auto_backend(), backend=multigpu_backend()):
         check_gpu_moe_result(result, peers)
+
+
+def _layer_ownership_worker(rank, world):
+    """What the layer takes from the caller: masters given as nn.Parameters pack without an autograd graph, the router
+    is the layer's own FP32 copy (outside autograd), a non-finite router is refused; a forward input on another device
+    on one rank raises on every rank; the experts refuse a row-index dispatch; the layer cannot be copied or pickled
+    (its Buffer cannot), with an error that says what to save instead."""
+    import copy
+    import pickle
+    w1, w2, router = _master_weights()
+    local = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
+    w1_param, w2_param = torch.nn.Parameter(w1[local].clone()), torch.nn.Parameter(w2[local].clone())
+    router_param = torch.nn.Parameter(router.clone())
+    out = {}
+    with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=8) as buf:
+        packed = moe.pack_weights(w1_param, w2_param)
+        out["packed_grad"] = packed.w1.amax.requires_grad or packed.w2.amax.requires_grad
+        layer = moe.MoELayer(buf, router_param, packed, expert_impl="reference")
+        out["router_own"] = (layer.router_weight is not router_param and not layer.router_weight.requires_grad
+                             and layer.router_weight.dtype == torch.float32)
+        with torch.no_grad():
+            router_param.add_(1.0)  # the caller's later edit does not reach the layer
+        out["router_kept"] = torch.equal(layer.router_weight, router)
+        x = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+        y = layer(x)  # grad mode on, x detached: the layer's own tensors need no grad
+        out["forward_shape"] = tuple(y.shape)
+        nan_router = router.clone()
+        nan_router[3, 5] = float("nan")
+        try:
+            moe.MoELayer(buf, nan_router, packed)
+            out["nan_router"] = "accepted"
+        except ValueError as error:
+            out["nan_router"] = str(error)
+        bad = torch.empty_like(x, device="meta") if rank == world - 1 else x
+        try:
+            layer(bad)
+            out["meta_x"] = None
+        except ValueError as error:
+            out["meta_x"] = str(error)
+        with torch.no_grad():
+            topk_idx, topk_weights = layer.route(x)
+            rows = buf.dispatch(x, topk_idx, topk_weights, expand=False)
+            try:
+                layer.experts(rows)
+                out["rows_experts"] = "accepted"
+            except ValueError as error:
+                out["rows_experts"] = str(error)
+            buf.combine(layer.experts(buf.dispatch(x, topk_idx, topk_weights)), rows.handle)  # ranks stay in step
+        copies = []
+        for attempt in (lambda: copy.deepcopy(layer), lambda: pickle.dumps(layer)):
+            try:
+                attempt()
+                copies.append("copied")
+            except TypeError as error:
+                copies.append(str(error))
+        out["copies"] = copies
+    return out
+
+
+@pytest.mark.cpu
+def test_layer_owns_its_router_and_refuses_what_it_cannot_do():
+    import subprocess
+    import sys
+    # `import ep_comm` alone gives ep_comm.moe (a fresh interpreter: this module's own import of moe would mask it).
+    subprocess.run([sys.executable, "-c", "import ep_comm; ep_comm.moe.MoELayer"], check=True)
+    for rank, out in enumerate(run_ranks(_layer_ownership_worker, 2, backend="gloo")):
+        assert out["packed_grad"] is False and out["router_own"] and out["router_kept"], out
+        assert out["forward_shape"] == (4, HIDDEN), out
+        assert "router_weight holds NaN or Inf" in out["nan_router"], out
+        expected = "x is on meta" if rank == 1 else "rejected on rank(s) [1]"
+        assert out["meta_x"] is not None and expected in out["meta_x"], out
+        assert "needs an expanding dispatch" in out["rows_experts"], out
+        assert all("cannot be pickled or copied" in message for message in out["copies"]), out

@@ -127,6 +127,12 @@ def test_buffer_config_rejects_wrong_types_and_values():
     with pytest.raises(ValueError, match="size hint"):
         ep_comm.Buffer.get_buffer_size_hint(backend="typo", **base)
     assert ep_comm.Buffer.get_buffer_size_hint(backend="reference", **base).dispatch_recv_bytes >= 0
+    # The combine hint covers a local_reduce=False combine (one row per (token, expert)), not only one row per
+    # (token, rank): with K > W that is K / W times more.
+    wide = dict(base, num_topk=8, world_size=2)
+    row_bytes = ep_comm.combine_bytes_per_token("s2f6", wide["hidden"])
+    assert ep_comm.Buffer.get_buffer_size_hint(backend="reference", **wide).combine_recv_bytes >= \
+        wide["max_tokens_per_rank"] * 8 * row_bytes
 
 
 def _rows_only_worker(rank, world):

@@ -120,17 +120,37 @@ class ReferenceBackend:
         # gloo collectives wait at most timeout_s (then a RuntimeError names rank and stage); NCCL ones keep the
         # process group's own timeout (their host call returns before the transfer ends).
         self._timed_waits = str(dist.get_backend(group)).lower() == "gloo"
+        if format_impl == "cuda" and "nccl" not in str(dist.get_backend(group)).lower():
+            # (every rank takes the same branch: the arguments were compared across ranks, and the group is shared)
+            raise ValueError("format_impl='cuda' needs CUDA tensors, i.e. an NCCL group; this group is "
+                             f"{dist.get_backend(group)!r} (CPU tensors): use format_impl='auto' or 'reference'")
 
     @staticmethod
     def is_available(group):
         return True, ""
+
+    def check_device(self, name: str, tensor: torch.Tensor) -> None:
+        """ValueError unless `tensor` can go through this group's collectives: CPU tensors over gloo, tensors on the
+        current CUDA device over NCCL (another device would fail on this rank only, leaving the others waiting).
+        Groups of other transports are not checked."""
+        transport = str(dist.get_backend(self.group)).lower()
+        allowed = []
+        if "gloo" in transport:
+            allowed.append(torch.device("cpu"))
+        if "nccl" in transport and torch.cuda.is_available():
+            allowed.append(torch.device("cuda", torch.cuda.current_device()))
+        if allowed and tensor.device not in allowed:
+            raise ValueError(f"the reference backend over {transport} needs {name} on "
+                             f"{' or '.join(str(d) for d in allowed)}, got {tensor.device}")
 
     @staticmethod
     def size_hint(config: BufferConfig) -> BufferSizes:
         """The reference backend allocates per call; it reports what the same call moves, for comparison."""
         dispatch = config.world_size * config.max_tokens_per_rank * dispatch_bytes_per_token(
             config.dispatch_format, config.hidden)
-        combine = config.world_size * config.max_tokens_per_rank * combine_bytes_per_token(
+        # A local_reduce combine receives one row per (token, rank), a local_reduce=False combine one per (token,
+        # expert): the larger of the two, as the nvlink hint (T_max * K rows).
+        combine = max(config.world_size, config.num_topk) * config.max_tokens_per_rank * combine_bytes_per_token(
             config.combine_format, config.hidden)
         layout_rows = config.max_recv_rows
         expert_layout = layout_rows * (dispatch_bytes_per_token(config.dispatch_format, config.hidden) + 16)
