@@ -119,8 +119,9 @@ class ReferenceBackend:
         self.format_impl = format_impl
         # gloo collectives wait at most timeout_s (then a RuntimeError names rank and stage); NCCL ones keep the
         # process group's own timeout (their host call returns before the transfer ends).
-        self._timed_waits = str(dist.get_backend(group)).lower() == "gloo"
-        if format_impl == "cuda" and "nccl" not in str(dist.get_backend(group)).lower():
+        self._transport = str(dist.get_backend(group)).lower()
+        self._timed_waits = self._transport == "gloo"
+        if format_impl == "cuda" and "nccl" not in self._transport:
             # (every rank takes the same branch: the arguments were compared across ranks, and the group is shared)
             raise ValueError("format_impl='cuda' needs CUDA tensors, i.e. an NCCL group; this group is "
                              f"{dist.get_backend(group)!r} (CPU tensors): use format_impl='auto' or 'reference'")
@@ -133,7 +134,7 @@ class ReferenceBackend:
         """ValueError unless `tensor` can go through this group's collectives: CPU tensors over gloo, tensors on the
         current CUDA device over NCCL (another device would fail on this rank only, leaving the others waiting).
         Groups of other transports are not checked."""
-        transport = str(dist.get_backend(self.group)).lower()
+        transport = self._transport
         allowed = []
         if "gloo" in transport:
             allowed.append(torch.device("cpu"))
