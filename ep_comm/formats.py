@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -213,12 +215,22 @@ def e4m3_encode(v: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(v), torch.full_like(code, 0x7F), code)
 
 
+def _check_bytes(t, name: str, dtypes) -> None:
+    """The byte decoders reinterpret bytes: an integer tensor of another width would be read as its bytes."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in dtypes:
+        raise TypeError(f"{name} must be a tensor of bytes ({', '.join(str(d) for d in dtypes)}), got "
+                        f"{getattr(t, 'dtype', type(t).__name__)}")
+
+
 def e4m3_decode(code: torch.Tensor) -> torch.Tensor:
+    """E4M3 bytes (uint8 or float8_e4m3fn) -> fp32."""
+    _check_bytes(code, "code", (torch.uint8, torch.float8_e4m3fn))
     return code.view(torch.uint8).view(torch.float8_e4m3fn).float()
 
 
 def ue8m0_decode(scale: torch.Tensor) -> torch.Tensor:
-    """UE8M0 byte -> fp32 2^(b - 127); 0xFF -> NaN."""
+    """UE8M0 bytes (uint8 or float8_e8m0fnu) -> fp32 2^(b - 127); 0xFF -> NaN."""
+    _check_bytes(scale, "scale", (torch.uint8, torch.float8_e8m0fnu))
     b = scale.view(torch.uint8).to(torch.int64)
     value = _pow2(torch.clamp(b, max=254) - 127)
     return torch.where(b == 255, torch.full_like(value, float("nan")), value)
@@ -326,6 +338,7 @@ def _nvfp4_encode_with_scale(xb: torch.Tensor, scale_code: torch.Tensor, s_dec: 
     return e2m1_encode(xb * inv[..., None])
 
 
+@torch.no_grad()  # quantization is not differentiable here: no graph kept behind the result
 def nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True, amax: Optional[torch.Tensor] = None,
                    scale_granularity: str = "row", impl: str = "auto") -> NVFP4Tensor:
     """Quantize x [..., K] (bf16/fp16/fp32, K % 16 == 0) to NVFP4 along the last axis.
@@ -337,7 +350,8 @@ def nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True, amax: Optional[t
         (keepdim form). A 1-D [E] amax for a 3-D x is refused: right-aligned broadcasting would apply it per
         row position, not per expert. By default the amax is computed per row (scale_granularity="row") or
         once for the tensor ("tensor"). A given amax below a row's true max |x| saturates that row's largest
-        values (nothing checks it: it is the caller's scale).
+        values, and amax 0 decodes the whole row to 0 (nothing checks it: it is the caller's scale). The result
+        holds a copy of it.
     Returns an NVFP4Tensor with data [..., K/2], scales [..., K/16], amax [...] float32.
     """
     _check_float_input(x, "x", NVFP4_BLOCK)
@@ -345,15 +359,23 @@ def nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True, amax: Optional[t
         raise ValueError(f"scale_granularity must be 'row' or 'tensor', got {scale_granularity!r}")
     if amax is not None:
         if not isinstance(amax, torch.Tensor):
+            if isinstance(amax, bool) or not isinstance(amax, numbers.Real):
+                raise TypeError(f"amax must be a tensor or a real number, got {type(amax).__name__}")
             amax = torch.tensor(float(amax), dtype=torch.float32, device=x.device)
+        if not amax.is_floating_point():
+            raise TypeError(f"amax must be a floating-point tensor, got {amax.dtype}")
         if amax.device != x.device:
             raise ValueError(f"amax is on {amax.device} but x is on {x.device}")
         if amax.numel() != 1 and amax.dim() != x.dim() - 1:
             raise ValueError(f"amax of shape {tuple(amax.shape)} is ambiguous for x of shape {tuple(x.shape)}: give "
                              f"a scalar or {x.dim() - 1} dimensions broadcastable to the rows {tuple(x.shape[:-1])} "
                              f"(per expert: [E, 1])")
+        if amax.numel() == 1:
+            amax = amax.reshape(())
         try:
-            amax = torch.broadcast_to(amax.float(), x.shape[:-1]).contiguous()
+            # A copy, always: the result must not share the caller's tensor (an amax history updated in place
+            # would change what this NVFP4Tensor decodes to).
+            amax = torch.broadcast_to(amax.detach().float(), x.shape[:-1]).clone(memory_format=torch.contiguous_format)
         except RuntimeError as error:
             raise ValueError(f"amax of shape {tuple(amax.shape)} does not broadcast to the rows of x "
                              f"{tuple(x.shape[:-1])}") from error
@@ -413,14 +435,38 @@ def _nvfp4_quantize_reference(x: torch.Tensor, four_over_six: bool, amax: Option
     )
 
 
-def _check_seed(seed) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+def _as_int(value, name: str) -> int:
+    """An int from any integer type (numpy and torch integer scalars included); TypeError for anything else."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
+def _check_seed(seed) -> int:
+    seed = _as_int(seed, "seed")
+    if seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    return seed
+
+
+def _check_same_device(container) -> None:
+    """Every tensor field of a format container on data's device (a kernel given a CUDA data pointer would read a
+    CPU scales or amax pointer as a device address)."""
+    device = container.data.device
+    for field in dataclasses.fields(container):
+        value = getattr(container, field.name)
+        if isinstance(value, torch.Tensor) and value.device != device:
+            raise ValueError(f"{type(container).__name__}.{field.name} is on {value.device} but data is on {device}: "
+                             f"move every field together")
 
 
 def _check_nvfp4(q) -> None:
     if not isinstance(q, NVFP4Tensor):
         raise TypeError(f"expected an NVFP4Tensor, got {type(q).__name__}")
+    _check_same_device(q)
     k = q.data.shape[-1] * 2
     if (q.data.dtype != torch.uint8 or q.scales.dtype not in (torch.float8_e4m3fn, torch.uint8)
             or q.amax.dtype != torch.float32 or q.scales.shape[-1] * NVFP4_BLOCK != k
@@ -452,6 +498,7 @@ def _nvfp4_dequantize_reference(q: NVFP4Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 # MXFP8
 # ----------------------------------------------------------------------------------------------------------
+@torch.no_grad()  # quantization is not differentiable here: no graph kept behind the result
 def mxfp8_quantize(x: torch.Tensor, rounding: str = "nearest", seed: int = 0, impl: str = "auto") -> MXFP8Tensor:
     """Quantize x [..., K] (K % 32 == 0) to MXFP8: E4M3 elements, UE8M0 scale per 32 (NVIDIA rule).
 
@@ -461,7 +508,7 @@ def mxfp8_quantize(x: torch.Tensor, rounding: str = "nearest", seed: int = 0, im
     _check_float_input(x, "x", MX_BLOCK)
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
-    _check_seed(seed)
+    seed = _check_seed(seed)
     if _use_cuda(impl, x):
         return _cuda_formats().mxfp8_quantize(x, rounding, seed)
     return _mxfp8_quantize_reference(x.float(), rounding, seed)
@@ -500,6 +547,7 @@ def mxfp8_dequantize(m: MXFP8Tensor, dtype: torch.dtype = torch.float32, impl: s
 def _check_mxfp8(m) -> None:
     if not isinstance(m, MXFP8Tensor):
         raise TypeError(f"expected an MXFP8Tensor, got {type(m).__name__}")
+    _check_same_device(m)
     if (m.data.dtype not in (torch.float8_e4m3fn, torch.uint8) or m.scales.dtype not in (torch.float8_e8m0fnu,
                                                                                             torch.uint8)
             or m.scales.shape[:-1] != m.data.shape[:-1]
@@ -524,7 +572,7 @@ def nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str = "stochastic", seed
         raise ValueError(f"the row count ({rows}) must be a positive multiple of {MX_BLOCK}")
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
-    _check_seed(seed)
+    seed = _check_seed(seed)
     if _use_cuda(impl, q.data):
         return _cuda_formats().nvfp4_to_mxfp8_transposed(q, rounding, seed)
     dense = _nvfp4_dequantize_reference(q)
@@ -535,7 +583,8 @@ def nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str = "stochastic", seed
 # RHT-32 and S2F6
 # ----------------------------------------------------------------------------------------------------------
 def _signs(sign_mask: int, device) -> torch.Tensor:
-    if not isinstance(sign_mask, int) or not 0 <= sign_mask < 2**32:
+    sign_mask = _as_int(sign_mask, "sign_mask")
+    if not 0 <= sign_mask < 2**32:
         raise ValueError(f"sign_mask must be a 32-bit unsigned int, got {sign_mask!r}")
     bits = [(sign_mask >> i) & 1 for i in range(32)]
     return torch.tensor([-1.0 if bit else 1.0 for bit in bits], dtype=torch.float32, device=device)
@@ -567,6 +616,7 @@ def inverse_rht(y: torch.Tensor, sign_mask: int = DEFAULT_SIGN_MASK) -> torch.Te
     return (chunks * _signs(sign_mask, y.device)).reshape(yf.shape)
 
 
+@torch.no_grad()  # quantization is not differentiable here: no graph kept behind the result
 def s2f6_quantize(x: torch.Tensor, hadamard: bool = True, sign_mask: int = DEFAULT_SIGN_MASK,
                   impl: str = "auto") -> S2F6Tensor:
     """Quantize x [..., K] (K % 32 == 0) to S2F6 with a UE8M0 scale per 32, after the RHT-32 if `hadamard`.
@@ -574,7 +624,10 @@ def s2f6_quantize(x: torch.Tensor, hadamard: bool = True, sign_mask: int = DEFAU
     8.25 bits per value. The scale is the smallest power of two for which the block never saturates.
     """
     _check_float_input(x, "x", MX_BLOCK)
+    if not isinstance(hadamard, bool):
+        raise TypeError(f"hadamard must be a bool, got {type(hadamard).__name__}")
     _signs(sign_mask, "cpu")
+    sign_mask = operator.index(sign_mask)
     if _use_cuda(impl, x):
         return _cuda_formats().s2f6_quantize(x, hadamard, sign_mask)
     return _s2f6_quantize_reference(x, hadamard, sign_mask)
@@ -597,6 +650,7 @@ def _s2f6_quantize_reference(x: torch.Tensor, hadamard: bool, sign_mask: int) ->
 def _check_s2f6(s) -> None:
     if not isinstance(s, S2F6Tensor):
         raise TypeError(f"expected an S2F6Tensor, got {type(s).__name__}")
+    _check_same_device(s)
     if (s.data.dtype != torch.int8 or s.scales.dtype not in (torch.float8_e8m0fnu, torch.uint8)
             or s.scales.shape[:-1] != s.data.shape[:-1]
             or s.scales.shape[-1] * MX_BLOCK != s.data.shape[-1]):
@@ -640,7 +694,8 @@ def s2f6_dequantize_accumulate(s: S2F6Tensor, row_index: torch.Tensor, weights: 
 
     s: S2F6Tensor [N, K]; row_index: int [M, J] (row of s, or -1 to skip); weights: float32 [M, J] or None.
     The sum runs in fp32 in ascending j (acc = acc + w * v), in the rotated domain; the inverse RHT is
-    applied once (when s.hadamard). Rows whose every index is -1 come out as zeros.
+    applied once (when s.hadamard). Rows whose every index is -1 come out as zeros (some -0.0 after the inverse
+    RHT).
     """
     _check_s2f6(s)
     if s.data.dim() != 2:

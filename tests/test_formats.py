@@ -1,6 +1,7 @@
 """The torch reference formats: FORMATS-RESEARCH.md §14 test vectors, error bounds, SR, edge cases, bad input."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -341,11 +342,16 @@ def test_api_rejects_malformed_containers_seeds_and_amax():
     with pytest.raises(ValueError, match="inconsistent MXFP8Tensor"):
         F.mxfp8_dequantize(F.MXFP8Tensor(m.data.float(), m.scales), impl="reference")
     rows32 = F.nvfp4_quantize(torch.randn(32, 64), impl="reference")
-    for seed in (-1, True, 1.5):
-        with pytest.raises(ValueError, match="seed"):
+    for seed, error in ((-1, ValueError), (True, TypeError), (1.5, TypeError), ("3", TypeError)):
+        with pytest.raises(error, match="seed"):
             F.nvfp4_to_mxfp8_transposed(rows32, seed=seed, impl="reference")
-        with pytest.raises(ValueError, match="seed"):
+        with pytest.raises(error, match="seed"):
             F.mxfp8_quantize(x, rounding="stochastic", seed=seed, impl="reference")
+    # Integer scalars of other types are ints (numpy's, torch's): the same bits as the plain int.
+    plain = F.mxfp8_quantize(x, rounding="stochastic", seed=5, impl="reference")
+    for seed in (np.int64(5), torch.tensor(5)):
+        other = F.mxfp8_quantize(x, rounding="stochastic", seed=seed, impl="reference")
+        assert torch.equal(other.data.view(torch.uint8), plain.data.view(torch.uint8))
     with pytest.raises(ValueError, match="not NaN"):
         F.nvfp4_quantize(x, amax=torch.tensor(float("nan")), impl="reference")
     F.nvfp4_quantize(x, amax=torch.tensor(float("inf")), impl="reference")  # what a row holding an Inf computes
@@ -412,3 +418,40 @@ def test_mxfp8_keeps_nan_and_inf_as_readme_says():
     y = F.mxfp8_dequantize(m)
     assert math.isnan(y[0, 3]) and y[1, 5] == -math.inf and torch.isfinite(y[0, 4:]).all()
     assert int(m.scales.view(torch.uint8)[1, 0]) == 0xFE and y[1, :32].count_nonzero() == 1
+
+
+def test_api_copies_its_inputs_and_checks_what_it_reinterprets():
+    """The result owns its amax (an amax the caller updates in place later does not change it); quantizing a tensor
+    that requires grad keeps no graph; a container's fields on different devices, integer tensors given to the byte
+    decoders, a non-bool hadamard and non-number amaxes are refused; a one-element amax serves a 1-D x."""
+    x = torch.randn(4, 64)
+    amax = x.abs().amax(dim=-1)
+    q = F.nvfp4_quantize(x, amax=amax, impl="reference")
+    before = F.nvfp4_dequantize(q, impl="reference")
+    amax.mul_(2.0)
+    assert q.amax.data_ptr() != amax.data_ptr() and torch.equal(F.nvfp4_dequantize(q, impl="reference"), before)
+    w = torch.nn.Parameter(torch.randn(8, 64))
+    for result in (F.nvfp4_quantize(w, impl="reference"), F.mxfp8_quantize(w, impl="reference"),
+                   F.s2f6_quantize(w, impl="reference")):
+        assert not any(t.requires_grad for t in (result.data, result.scales) + ((result.amax,) if hasattr(
+            result, "amax") else ())), type(result).__name__
+    with pytest.raises(ValueError, match="NVFP4Tensor.amax is on meta but data is on cpu"):
+        F.nvfp4_dequantize(F.NVFP4Tensor(q.data, q.scales, q.amax.to("meta"), q.e4m3_max))
+    with pytest.raises(TypeError, match="tensor of bytes"):
+        F.ue8m0_decode(torch.tensor([127, 128]))
+    with pytest.raises(TypeError, match="tensor of bytes"):
+        F.e4m3_decode(torch.tensor([0x38]))
+    assert F.ue8m0_decode(torch.tensor([127, 128], dtype=torch.uint8)).tolist() == [1.0, 2.0]
+    for hadamard in ("no", None, 1):
+        with pytest.raises(TypeError, match="hadamard must be a bool"):
+            F.s2f6_quantize(x, hadamard=hadamard, impl="reference")
+    for bad in ("3", [1.0], True):
+        with pytest.raises(TypeError, match="amax must be"):
+            F.nvfp4_quantize(x, amax=bad, impl="reference")
+    with pytest.raises(TypeError, match="floating-point"):
+        F.nvfp4_quantize(x, amax=torch.tensor(3), impl="reference")
+    row = torch.randn(64)
+    assert torch.equal(F.nvfp4_quantize(row, amax=torch.tensor([5.0]), impl="reference").data,
+                       F.nvfp4_quantize(row, amax=5.0, impl="reference").data)
+    assert torch.equal(F.s2f6_quantize(x, sign_mask=np.uint32(5), impl="reference").data,
+                       F.s2f6_quantize(x, sign_mask=5, impl="reference").data)
