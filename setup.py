@@ -27,20 +27,30 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 
 
+def _is_cuda_toolkit(home: Path) -> bool:
+    return (home / "bin" / "nvcc").exists() and (home / "include" / "cuda_runtime.h").exists()
+
+
 def find_cuda_home():
-    """CUDA_HOME if set; else the toolkit of the `nvcc` on PATH, or /usr/local/cuda. A candidate counts only with
-    both bin/nvcc and include/cuda_runtime.h (an `nvcc` on PATH may be a wrapper script outside the toolkit)."""
+    """(toolkit, why not): CUDA_HOME if set -- and then only it: a CUDA_HOME without the toolkit is reported, not
+    silently replaced by another CUDA --; else the toolkit of the `nvcc` on PATH, or /usr/local/cuda. A candidate counts
+    only with both bin/nvcc and include/cuda_runtime.h (an `nvcc` on PATH may be a wrapper script outside the
+    toolkit)."""
     if os.environ.get("CUDA_HOME"):
-        return Path(os.environ["CUDA_HOME"])
+        home = Path(os.environ["CUDA_HOME"])
+        if _is_cuda_toolkit(home):
+            return home, ""
+        return None, f"CUDA_HOME={home} has no bin/nvcc and include/cuda_runtime.h (fix or unset it)"
     candidates = []
     nvcc = shutil.which("nvcc")
     if nvcc:
         candidates.append(Path(nvcc).resolve().parent.parent)
     candidates.append(Path("/usr/local/cuda"))
     for home in candidates:
-        if (home / "bin" / "nvcc").exists() and (home / "include" / "cuda_runtime.h").exists():
-            return home
-    return None
+        if _is_cuda_toolkit(home):
+            return home, ""
+    return None, ("no CUDA toolkit found (looked at the nvcc on PATH and /usr/local/cuda; set CUDA_HOME to the "
+                  "toolkit)")
 
 
 def gencode_flags(archs):
@@ -69,14 +79,14 @@ class CudaBuild(build_ext):
             print("ep_comm: EP_COMM_BUILD_CUDA=0; installing the pure-Python package without ep_comm._C")
             self._record_failure(ext, "not built: EP_COMM_BUILD_CUDA=0 at install time")
             return
-        cuda_home = find_cuda_home()
-        nvcc = cuda_home / "bin" / "nvcc" if cuda_home else None
-        if nvcc is None or not nvcc.exists():
+        cuda_home, why_not = find_cuda_home()
+        if cuda_home is None:
             if mode == "1":
-                raise RuntimeError("EP_COMM_BUILD_CUDA=1 but nvcc was not found (set CUDA_HOME)")
-            print("ep_comm: nvcc not found; installing the pure-Python package without ep_comm._C")
-            self._record_failure(ext, "not built: nvcc was not found at install time (set CUDA_HOME)")
+                raise RuntimeError(f"EP_COMM_BUILD_CUDA=1 but {why_not}")
+            print(f"ep_comm: {why_not}; installing the pure-Python package without ep_comm._C", file=sys.stderr)
+            self._record_failure(ext, f"not built at install time: {why_not}")
             return
+        nvcc = cuda_home / "bin" / "nvcc"
         try:
             self._build(ext, cuda_home, nvcc)
             for path in self._error_files(ext):

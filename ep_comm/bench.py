@@ -62,6 +62,12 @@ def parse_args(argv=None):
         parser.error(f"--topk {args.topk} exceeds --experts {args.experts}")
     if args.experts % args.ranks:
         parser.error(f"--experts {args.experts} is not a multiple of the {args.ranks} ranks")
+    if args.backend == "nvlink" and args.device == "cpu":
+        parser.error("--backend nvlink needs GPUs (these ranks run on the CPU over gloo); use auto or reference")
+    if args.out is not None:  # checked now, not after a run of many minutes
+        folder = os.path.dirname(os.path.abspath(args.out))
+        if os.path.isdir(args.out) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            parser.error(f"--out {args.out!r}: not a writable file path (its folder must exist)")
     args.pairs = [tuple(p.split("/")) for p in args.formats.split(",") if p]
     if not args.pairs:
         parser.error("--formats names no dispatch/combine pair")
@@ -203,7 +209,7 @@ def _worker(rank, world, args):
             combine_bf16_equiv_gbps=combine_pairs * bf16_bytes / t_combine / 1e9, combine_row_pairs=combine_pairs,
             combine_rel_l2_error=combine_error,
             rel_l2_error=error / signal if signal else 0.0,
-            sqnr_db=20 * math.log10(signal / error) if error else float("inf")))
+            sqnr_db=20 * math.log10(signal / error) if error else None))  # None: exact (no error to compare)
     return rows
 
 
@@ -224,7 +230,8 @@ def print_table(rows, args) -> None:
               f"{r['combine_bytes_per_token']:>9}{r['dispatch_us']:>10.1f}{r['combine_us']:>10.1f}"
               f"{rate(r['dispatch_wire_gbps']):>9}{rate(r['dispatch_bf16_equiv_gbps']):>10}"
               f"{rate(r['combine_wire_gbps']):>9}{rate(r['combine_bf16_equiv_gbps']):>10}"
-              f"{r['combine_rel_l2_error']:>9.4f}{r['rel_l2_error']:>9.4f}{r['sqnr_db']:>9.1f}")
+              f"{r['combine_rel_l2_error']:>9.4f}{r['rel_l2_error']:>9.4f}"
+              f"{'exact' if r['sqnr_db'] is None else format(r['sqnr_db'], '.1f'):>9}")
     print("comb L2: the combine's own error (against a BF16 combine of the same expert rows); e2e L2 / SQNR: "
           "dispatch + combine against the unquantized toy expert")
 
@@ -243,7 +250,7 @@ def main(argv=None) -> int:
         meta["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
             if args.device == "cuda" else []
         with open(args.out, "w") as handle:
-            json.dump({"config": meta, "results": rows}, handle, indent=1)
+            json.dump({"config": meta, "results": rows}, handle, indent=1, allow_nan=False)  # strict JSON
         print(f"wrote {args.out}")
     return 0
 

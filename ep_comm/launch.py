@@ -80,6 +80,21 @@ def run_ranks(worker, world_size: int, *args, backend: str = "gloo", timeout_s: 
     raise AssertionError("unreachable")
 
 
+def _drain(results, outcome) -> None:
+    """Read what the ranks have already sent (a short wait for the queue's feeder threads)."""
+    while True:
+        try:
+            rank, status, value = results.get(timeout=1.0)
+        except queue_module.Empty:
+            return
+        outcome[rank] = (status, value)
+
+
+def _silent_exits(processes, outcome) -> list:
+    """Ranks whose process has exited without a report."""
+    return [r for r, p in enumerate(processes) if p.exitcode is not None and r not in outcome]
+
+
 def _run_once(worker, world_size: int, args, backend: str, timeout_s: float):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -102,10 +117,14 @@ def _run_once(worker, world_size: int, args, backend: str, timeout_s: float):
             try:
                 rank, status, value = results.get(timeout=min(remaining, 5.0))
             except queue_module.Empty:
-                dead = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in outcome]
-                if dead:
-                    raise AssertionError(f"ranks {dead} died without reporting (exit codes "
-                                         f"{[processes[r].exitcode for r in dead]})")
+                # A rank that exited (with any code, 0 included) without reporting never will: once what it may
+                # have sent just before exiting is read, it is dead.
+                if any(p.exitcode is not None and r not in outcome for r, p in enumerate(processes)):
+                    _drain(results, outcome)
+                    dead = _silent_exits(processes, outcome)
+                    if dead:
+                        raise AssertionError(f"ranks {dead} exited without reporting (exit codes "
+                                             f"{[processes[r].exitcode for r in dead]})")
                 continue
             outcome[rank] = (status, value)
             if status in ("error", "port_in_use"):
@@ -113,6 +132,10 @@ def _run_once(worker, world_size: int, args, backend: str, timeout_s: float):
     finally:
         for process in processes:
             process.join(timeout=10 if len(outcome) == world_size else 1)
+        silent = []
+        if len(outcome) < world_size:  # reports still in the queue, then who exited on its own (before the kills)
+            _drain(results, outcome)
+            silent = _silent_exits(processes, outcome)
         for process in processes:
             if process.is_alive():
                 process.kill()
@@ -122,5 +145,9 @@ def _run_once(worker, world_size: int, args, backend: str, timeout_s: float):
     errors = {rank: value for rank, (status, value) in outcome.items() if status == "error"}
     if errors:
         rank = min(errors)
-        raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
+        # A rank that died first (os._exit, a crash) makes its peers fail in their next collective: name it, since
+        # the error reported is then only the consequence.
+        died = (f"ranks {silent} exited without reporting (exit codes {[processes[r].exitcode for r in silent]}), "
+                f"which may be the cause; then " if silent else "")
+        raise AssertionError(f"{died}rank {rank} failed:\n{errors[rank]}")
     return [outcome[rank][1] for rank in range(world_size)]

@@ -8,13 +8,12 @@ Each rank owns E / W experts (a SwiGLU MLP in FP32 here); received NVFP4 tokens 
 expert matmuls (a fused NVFP4 grouped GEMM would consume them directly). The output is compared with the
 same layer computed without communication or quantization on the rank's own tokens.
 """
-import argparse
-
 import torch
 import torch.nn.functional as F
 
 import ep_comm
 from ep_comm.launch import run_ranks
+from example_args import parse_moe_args
 
 
 def make_experts(num_experts, hidden, intermediate, seed=0):
@@ -65,15 +64,7 @@ def worker(rank, world, args):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--intermediate", type=int, default=256)
-    parser.add_argument("--experts", type=int, default=16)
-    parser.add_argument("--topk", type=int, default=4)
-    args = parser.parse_args()
-    args.gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 2
-    world = torch.cuda.device_count() if args.gpu else 2
+    args, world = parse_moe_args(hidden=512, intermediate=256)
     errors = run_ranks(worker, world, args, backend="nccl" if args.gpu else "gloo")
     for rank, error in enumerate(errors):
         print(f"rank {rank}: MoE output relative L2 error vs unquantized single-rank computation: {error:.4f}")

@@ -13,14 +13,13 @@ master weights once (`moe.pack_weights`), runs the layer and prints:
   layer with combine_rows=False, and the distance between the two combine forms (one S2F6 rounding per expert row vs
   per rank-local sum) is printed too.
 """
-import argparse
-
 import torch
 import torch.nn.functional as F
 
 import ep_comm
 from ep_comm import moe
 from ep_comm.launch import run_ranks
+from example_args import parse_moe_args
 
 
 def unquantized_layer(x, w1, w2, router, topk):
@@ -68,15 +67,7 @@ def worker(rank, world, args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--intermediate", type=int, default=512)
-    parser.add_argument("--experts", type=int, default=16)
-    parser.add_argument("--topk", type=int, default=4)
-    args = parser.parse_args(argv)
-    args.gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 2
-    world = torch.cuda.device_count() if args.gpu else 2
+    args, world = parse_moe_args(argv, description=__doc__, hidden=1024, intermediate=512)
     for result in run_ranks(worker, world, args, backend="nccl" if args.gpu else "gloo"):
         print(f"rank {result['rank']}: backend {result['backend']}, experts {result['experts']}"
               + (" (waves: w1 behind the dispatch receive)" if result["waves"] else "") + ": relative L2 "

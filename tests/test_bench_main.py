@@ -31,8 +31,23 @@ def test_main_job_on_cpu_ranks(tmp_path, capsys):
                                           (["--hidden", "0"], "--hidden must be a positive multiple of 32"),
                                           (["--formats", "fp8/s2f6"], "dispatch is one of nvfp4/mxfp8/bf16"),
                                           (["--formats", "nvfp4/mxfp8"], "combine one of s2f6/bf16"),
-                                          (["--formats", ","], "names no dispatch/combine pair")])
+                                          (["--formats", ","], "names no dispatch/combine pair"),
+                                          (["--backend", "nvlink"], "--backend nvlink needs GPUs"),
+                                          (["--out", "/nonexistent_dir/x.json"], "not a writable file path"),
+                                          (["--out", "/"], "not a writable file path")])
 def test_main_job_refuses_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--cpu", *argv])
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.cpu
+def test_main_job_json_is_strict_when_exact(tmp_path, capsys):
+    """One rank, one expert, BF16 both ways: the end-to-end error is exactly 0, so the SQNR has no value. The JSON
+    says null (strict JSON has no Infinity) and the table says exact."""
+    out = tmp_path / "one.json"
+    bench.main(["--cpu", "--ranks", "1", "--experts", "1", "--topk", "1", "--tokens", "8", "--hidden", "64",
+                "--iters", "1", "--formats", "bf16/bf16", "--out", str(out)])
+    text = out.read_text()
+    assert "Infinity" not in text and json.loads(text)["results"][0]["sqnr_db"] is None
+    assert "exact" in capsys.readouterr().out

@@ -28,3 +28,15 @@ def test_moe_layer_example_on_gloo():
         # unquantized FP32 layer: NVFP4 activations and weights plus S2F6 (0.22 measured at the example's defaults).
         assert result["experts"] == "reference" and result["vs_reference_experts"] is None, result
         assert 0.05 < result["vs_unquantized"] < 0.35, result
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("argv,message", [(["--hidden", "100"], "--hidden must be a multiple of 32"),
+                                          (["--intermediate", "24"], "--intermediate must be a multiple of 16"),
+                                          (["--topk", "20"], "exceeds --experts"),
+                                          (["--tokens", "0"], "--tokens must be at least 1")])
+def test_examples_refuse_bad_sizes_before_starting_ranks(argv, message, capsys):
+    from example_args import parse_moe_args
+    with pytest.raises(SystemExit):
+        parse_moe_args(argv, hidden=512, intermediate=256)
+    assert message in capsys.readouterr().err

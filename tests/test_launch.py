@@ -42,3 +42,28 @@ def test_failed_rank_is_reported_and_every_rank_reaped():
     # Rank 1 sleeps for 60 s: it must have been killed (not left running) and waited for (not left a zombie).
     left = {pid: state for pid, state in _spawned_children().items() if pid not in before}
     assert left == {}, f"rank processes left behind (pid: state): {left}"
+
+
+def _die_then_barrier(rank, world):
+    import torch.distributed as dist
+    if rank == 0:
+        os._exit(3)  # a crash: no report
+    dist.barrier()  # fails once rank 0 is gone
+
+
+def _exit_quietly(rank, world):
+    if rank == 1:
+        os._exit(0)  # exits "successfully" without ever reporting
+    return rank
+
+
+@pytest.mark.cpu
+def test_a_rank_that_dies_is_named_and_not_waited_for():
+    # The survivor's collective error is reported with the rank whose death caused it.
+    with pytest.raises(AssertionError, match=r"ranks \[0\] exited without reporting \(exit codes \[3\]\)"):
+        run_ranks(_die_then_barrier, 2, backend="gloo", timeout_s=120)
+    # An exit with code 0 and no report is a death too, found within seconds rather than at the timeout.
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"ranks \[1\] exited without reporting \(exit codes \[0\]\)"):
+        run_ranks(_exit_quietly, 2, backend="gloo", timeout_s=120)
+    assert time.monotonic() - start < 60

@@ -1,0 +1,31 @@
+"""The command line of the MoE examples: sizes and rank count, checked before any rank starts (a bad value would
+otherwise surface as one traceback per rank, from inside the Buffer)."""
+import argparse
+
+import torch
+
+
+def parse_moe_args(argv=None, *, description=None, hidden, intermediate, tokens=256, experts=16, topk=4):
+    """(args, world): the parsed sizes (args.gpu: 2+ GPUs visible, one rank each; else 2 CPU ranks over gloo)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=tokens, help="tokens per rank")
+    parser.add_argument("--hidden", type=int, default=hidden, help="H, a multiple of 32")
+    parser.add_argument("--intermediate", type=int, default=intermediate, help="I, a multiple of 16")
+    parser.add_argument("--experts", type=int, default=experts, help="global experts, a multiple of the rank count")
+    parser.add_argument("--topk", type=int, default=topk)
+    args = parser.parse_args(argv)
+    args.gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    world = torch.cuda.device_count() if args.gpu else 2
+    for name in ("tokens", "hidden", "intermediate", "experts", "topk"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.hidden % 32:
+        parser.error(f"--hidden must be a multiple of 32, got {args.hidden}")
+    if args.intermediate % 16:
+        parser.error(f"--intermediate must be a multiple of 16, got {args.intermediate}")
+    if args.topk > args.experts:
+        parser.error(f"--topk {args.topk} exceeds --experts {args.experts}")
+    if args.experts % world:
+        parser.error(f"--experts {args.experts} is not a multiple of the {world} ranks "
+                     f"({'one per visible GPU' if args.gpu else 'CPU ranks'})")
+    return args, world
