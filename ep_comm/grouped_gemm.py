@@ -37,6 +37,7 @@ plus one FP32 outer factor per row, applied in the epilogue.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -112,9 +113,10 @@ class GemmWeights:
                 + self.factor.numel() * self.factor.element_size())
 
     def experts(self, start: int, stop: int) -> "GemmWeights":
-        """The experts [start, stop) as their own GemmWeights (views, no copy)."""
-        if not 0 <= start <= stop <= self.num_experts:
-            raise ValueError(f"expert range [{start}, {stop}) is outside [0, {self.num_experts})")
+        """The experts [start, stop) as their own GemmWeights (views, no copy); at least one (the kernel takes no empty
+        expert list)."""
+        if not 0 <= start < stop <= self.num_experts:
+            raise ValueError(f"expert range [{start}, {stop}) is empty or outside [0, {self.num_experts})")
         return GemmWeights(values=self.values[start:stop], scales=self.scales[start:stop],
                            factor=self.factor[start:stop], amax=self.amax[start:stop], row_perm=self.row_perm,
                            n=self.n, k=self.k, swiglu=self.swiglu, e4m3_max=self.e4m3_max)
@@ -334,9 +336,32 @@ def _use_gemm_kernels(impl: str, t: torch.Tensor, what: str) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def exact_fp32_matmuls():
+    """CUDA FP32 matmuls without TF32 inside (the torch references are FP32 oracles), the caller's setting restored
+    after. Through whichever of torch's two settings the process uses: once the newer
+    `torch.backends.cuda.matmul.fp32_precision` has been set, reading the legacy `allow_tf32` raises."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        saved, legacy = matmul.allow_tf32, True
+    except RuntimeError:
+        saved, legacy = matmul.fp32_precision, False
+    if legacy:
+        matmul.allow_tf32 = False
+    else:
+        matmul.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        if legacy:
+            matmul.allow_tf32 = saved
+        else:
+            matmul.fp32_precision = saved
+
+
 def _check_num_rows_limit(num_rows_limit: Optional[torch.Tensor], device: torch.device) -> None:
-    if num_rows_limit is not None and (num_rows_limit.dtype != torch.int32 or num_rows_limit.numel() != 1
-                                       or num_rows_limit.device != device):
+    if num_rows_limit is not None and (not isinstance(num_rows_limit, torch.Tensor) or num_rows_limit.dtype != torch.int32
+                                       or num_rows_limit.numel() != 1 or num_rows_limit.device != device):
         raise ValueError(f"num_rows_limit must be an int32 tensor of one element on {device}")
 
 
@@ -363,13 +388,13 @@ def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Option
     # torch.full, not a tensor built from a Python number: the latter is a host-to-device copy, which synchronizes
     # (and breaks CUDA graph capture). Same fp32 value (rounded once).
     row_factor = amax * torch.full((), 1.0 / (6.0 * q.e4m3_max), dtype=torch.float32, device=q.data.device)
+    _check_num_rows_limit(num_rows_limit, q.data.device)  # on every path (the reference ignores its value)
     if _use_gemm_kernels(impl, q.data, "expand_nvfp4_rows"):
         lib = _ext._C
         data, scales = data.contiguous(), scales.contiguous()
         values = torch.empty(num_rows, k, dtype=torch.float16, device=q.data.device)
         if num_rows:
             with _ext.cuda_device(q.data.device):
-                _check_num_rows_limit(num_rows_limit, q.data.device)
                 limit = 0 if num_rows_limit is None else num_rows_limit.data_ptr()
                 lib.nvfp4_dequantize(data.data_ptr(), scales.data_ptr(), 0, num_rows, k, float(q.e4m3_max),
                                      values.data_ptr(), 2, _ext.current_raw_stream(q.data.device), limit)
@@ -389,8 +414,12 @@ def quantize_expanded_rows(x: torch.Tensor, amax: Optional[torch.Tensor] = None,
     amax: optional fp32 [R] outer amax (default: each row's max |x|, NaN ignored). num_rows_limit: as
     `expand_nvfp4_rows` (CUDA path: rows at or past it are left unwritten).
     """
-    if x.dim() != 2 or x.shape[-1] % 16 != 0:
-        raise ValueError(f"x must be [R, K] with K a multiple of 16, got {tuple(x.shape)}")
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"x must be a float32, bfloat16 or float16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() != 2 or x.shape[-1] % 16 != 0 or x.shape[-1] == 0:
+        raise ValueError(f"x must be [R, K] with K a positive multiple of 16, got {tuple(x.shape)}")
+    if amax is not None and (not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32):
+        raise TypeError(f"amax must be a float32 tensor, got {getattr(amax, 'dtype', type(amax).__name__)}")
     if amax is not None and (amax.shape != x.shape[:1] or amax.device != x.device):
         raise ValueError(f"amax must be [{x.shape[0]}] on {x.device}, got {tuple(amax.shape)} on {amax.device}")
     _check_num_rows_limit(num_rows_limit, x.device)
@@ -482,8 +511,9 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
     x: ExpandedRows (values fp16 [R, K], row_factor fp32 [R]), expert-major: expert e owns rows
         [expert_offsets[e], expert_offsets[e] + num_tokens_per_expert[e]).
     expert_offsets: int32 [E + 1] on x's device (segment starts, non-decreasing; expert_offsets[E] = rows in
-        use). The CUDA path cannot check them on the host: with overlapping segments it may leave rows
-        uncomputed (it never reads or writes outside x and out); the reference path raises.
+        use). The CUDA path cannot check them on the host: with overlapping segments, rows two experts
+        share get either expert's result, whichever write lands last (it never reads or writes outside x and out);
+        the reference path raises.
     num_tokens_per_expert: int32 [E] on x's device (rows per expert, padding excluded).
     weights: GemmWeights from `pack_gemm_weights` (E experts, [N, K] each).
     out_dtype: torch.bfloat16 or torch.float32. token_tile: None (the kernel picks) or 16/32/64/128 rows of
@@ -637,9 +667,7 @@ def _grouped_gemm_reference(x: ExpandedRows, expert_offsets: torch.Tensor, num_t
         if count < 0 or offsets[e + 1] < offsets[e] or offsets[e] + count > offsets[e + 1]:
             raise ValueError(f"expert {e}: {count} rows at offset {offsets[e]} do not fit before the next "
                              f"segment at {offsets[e + 1]} (offsets must be non-decreasing, counts >= 0)")
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False  # a true FP32 reference on CUDA tensors too
-    try:
+    with exact_fp32_matmuls():  # a true FP32 reference on CUDA tensors too
         for e, count in enumerate(counts):
             if count == 0:
                 continue
@@ -652,6 +680,4 @@ def _grouped_gemm_reference(x: ExpandedRows, expert_offsets: torch.Tensor, num_t
             out[segment] = y.to(out.dtype)
             if row_amax is not None:  # of the values as stored, NaN as 0 (formats' row amax)
                 row_amax[segment] = torch.maximum(row_amax[segment], _nan_to_zero_abs(out[segment].float()).amax(dim=1))
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
     return out

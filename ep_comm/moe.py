@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from . import _ext, formats
 from .buffer import Buffer
-from .grouped_gemm import TOKEN_TILES, has_combine_rows_kernel
+from .grouped_gemm import TOKEN_TILES, exact_fp32_matmuls, has_combine_rows_kernel
 
 
 @dataclass(frozen=True)
@@ -94,16 +94,12 @@ def expert_mlp_reference(tokens: formats.NVFP4Tensor, w1: torch.Tensor, w2: torc
     SwiGLU in FP32, then the w2 input is quantized to NVFP4 with 4/6 and a per-token amax (the fused kernel's
     quantization point), dequantized, multiplied by w2 in FP32 and rounded to bf16.
     """
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False  # the FP32 oracle on CUDA tensors too (as grouped_gemm's reference)
-    try:
+    with exact_fp32_matmuls():  # the FP32 oracle on CUDA tensors too (as grouped_gemm's reference)
         x = formats.nvfp4_dequantize(tokens, dtype=torch.float32)
         gate, up = (x @ w1.t()).chunk(2, dim=-1)
         hidden = F.silu(gate) * up
         hidden = formats.nvfp4_dequantize(formats.nvfp4_quantize(hidden, four_over_six=True), dtype=torch.float32)
         return (hidden @ w2.t()).to(torch.bfloat16)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 def _fused_experts_supported(device: torch.device, hidden: int, intermediate: int) -> tuple:
@@ -134,9 +130,18 @@ _FUSED_NEEDS = ("fused experts need CUDA tensors on an sm_90 GPU (use expert_mlp
                 "MoELayer(expert_impl='reference'))")
 
 
-def _check_fused_inputs(tokens, *weights) -> None:
+def _check_fused_inputs(tokens, expert_offsets, num_tokens_per_expert, w1, w2=None) -> None:
     """fused_expert_*: refused up front off the CUDA kernels, rather than failing inside with a message about impl
-    (the torch fallbacks of the pieces would sync with the host and differ in bits from expert_mlp_reference)."""
+    (the torch fallbacks of the pieces would sync with the host and differ in bits from expert_mlp_reference); w1 must
+    carry the SwiGLU epilogue and w2 not (else a w2-shaped or un-gated result, silently); the segment tensors are
+    checked before the expansion, whose own limit argument would otherwise name them."""
+    for name, weights, swiglu in (("w1", w1, True), ("w2", w2, False)):
+        if weights is not None and getattr(weights, "swiglu", None) is not swiglu:
+            raise ValueError(f"{name} must be packed with pack_gemm_weights(..., swiglu={swiglu})")
+    for name, t in (("expert_offsets", expert_offsets), ("num_tokens_per_expert", num_tokens_per_expert)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
+            raise TypeError(f"{name} must be a 1-D int32 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    weights = [w for w in (w1, w2) if w is not None]
     tensors = [t for t in (getattr(tokens, "data", None), *(getattr(w, "values", None) for w in weights))
                if isinstance(t, torch.Tensor)]
     if not all(t.is_cuda for t in tensors):
@@ -181,7 +186,7 @@ def fused_expert_hidden(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tenso
     form measured slower on H200 (the atomics cost w1 more than the quantizer's amax pass costs: bench/RESULTS.md,
     ninth session), so it is opt-in. Other arguments as `fused_expert_mlp`.
     """
-    _check_fused_inputs(tokens, w1)
+    _check_fused_inputs(tokens, expert_offsets, num_tokens_per_expert, w1)
     return _fused_expert_hidden(tokens, expert_offsets, num_tokens_per_expert, w1, token_tile, amax_in_w1)
 
 
@@ -223,7 +228,7 @@ def fused_expert_mlp(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor, 
     never read, so intermediates are uninitialised and only the rows of valid experts are defined in the result
     (what `Buffer.combine` reads). CUDA tensors on an sm_90 GPU only (else an error naming the reference path).
     """
-    _check_fused_inputs(tokens, w1, w2)
+    _check_fused_inputs(tokens, expert_offsets, num_tokens_per_expert, w1, w2)
     hidden = _fused_expert_hidden(tokens, expert_offsets, num_tokens_per_expert, w1, token_tile)
     return _expert_output(hidden, expert_offsets, num_tokens_per_expert, w2, token_tile)
 

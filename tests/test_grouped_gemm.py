@@ -255,6 +255,58 @@ def test_experts_slice():
     assert torch.equal(G.dequantize_gemm_weights(sub), G.dequantize_gemm_weights(packed)[1:3])
     with pytest.raises(ValueError):
         packed.experts(3, 5)
+    with pytest.raises(ValueError, match="empty"):  # the reference would return zeros, the kernel refuse it
+        packed.experts(1, 1)
+
+
+@pytest.mark.cpu
+def test_reference_paths_under_torchs_new_tf32_setting():
+    """The FP32 references switch TF32 off through whichever setting the process uses: once a user has set the newer
+    torch.backends.cuda.matmul.fp32_precision, reading the legacy allow_tf32 raises (a fresh interpreter, so that
+    this setting does not leak into other tests)."""
+    import subprocess
+    import sys
+    code = """
+import torch
+from ep_comm import formats, moe
+from ep_comm import grouped_gemm as G
+if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+    raise SystemExit(0)  # an older torch: only the legacy setting exists
+torch.backends.cuda.matmul.fp32_precision = "tf32"
+w1, w2 = torch.randn(2, 64, 64), torch.randn(2, 64, 32)
+q = formats.nvfp4_quantize(torch.randn(3, 64))
+moe.expert_mlp_reference(q, w1[0], w2[0])
+x = G.expand_nvfp4_rows(formats.nvfp4_quantize(torch.randn(8, 64)))
+packed = moe.pack_weights(torch.randn(1, 64, 64), torch.randn(1, 64, 32))
+G.grouped_gemm_nvfp4(x, torch.tensor([0, 8], dtype=torch.int32), torch.tensor([8], dtype=torch.int32),
+                     G.pack_gemm_weights(packed.w1, swiglu=False), impl="reference")
+assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.cpu
+def test_gemm_helpers_check_arguments_on_every_path():
+    """num_rows_limit and quantize_expanded_rows' inputs are checked on the CPU too (the CUDA path checked them or
+    trusted them), and the fused experts refuse weights packed for the other GEMM and non-int32 offsets."""
+    q = F.nvfp4_quantize(torch.randn(8, 64))
+    for limit in (3, torch.tensor([3], dtype=torch.int64), torch.tensor([1, 2], dtype=torch.int32)):
+        with pytest.raises(ValueError, match="num_rows_limit"):
+            G.expand_nvfp4_rows(q, num_rows_limit=limit)
+    x = torch.randn(4, 64)
+    with pytest.raises(TypeError, match="x must be"):
+        G.quantize_expanded_rows(x.double())
+    with pytest.raises(TypeError, match="amax must be a float32"):
+        G.quantize_expanded_rows(x, amax=torch.ones(4, dtype=torch.int32))
+    w = moe.pack_weights(torch.randn(2, 64, 64), torch.randn(2, 64, 32)).w1
+    w1, w2 = G.pack_gemm_weights(w, swiglu=True), G.pack_gemm_weights(w, swiglu=False)
+    offsets, counts = torch.tensor([0, 4, 8], dtype=torch.int32), torch.tensor([4, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"w2 must be packed with pack_gemm_weights\(..., swiglu=False\)"):
+        moe.fused_expert_mlp(q, offsets, counts, w1, w1)
+    with pytest.raises(ValueError, match=r"w1 must be packed with pack_gemm_weights\(..., swiglu=True\)"):
+        moe.fused_expert_hidden(q, offsets, counts, w2)
+    with pytest.raises(TypeError, match="expert_offsets must be a 1-D int32 tensor"):
+        moe.fused_expert_mlp(q, offsets.long(), counts, w1, w2)
 
 
 # ----------------------------------------------------------------------------------------------------------
