@@ -209,7 +209,7 @@ def _worker(rank, world, args):
             combine_bf16_equiv_gbps=combine_pairs * bf16_bytes / t_combine / 1e9, combine_row_pairs=combine_pairs,
             combine_rel_l2_error=combine_error,
             rel_l2_error=error / signal if signal else 0.0,
-            sqnr_db=20 * math.log10(signal / error) if error else None))  # None: exact (no error to compare)
+            sqnr_db=20 * math.log10(signal / error) if error else float("inf")))
     return rows
 
 
@@ -230,8 +230,7 @@ def print_table(rows, args) -> None:
               f"{r['combine_bytes_per_token']:>9}{r['dispatch_us']:>10.1f}{r['combine_us']:>10.1f}"
               f"{rate(r['dispatch_wire_gbps']):>9}{rate(r['dispatch_bf16_equiv_gbps']):>10}"
               f"{rate(r['combine_wire_gbps']):>9}{rate(r['combine_bf16_equiv_gbps']):>10}"
-              f"{r['combine_rel_l2_error']:>9.4f}{r['rel_l2_error']:>9.4f}"
-              f"{'exact' if r['sqnr_db'] is None else format(r['sqnr_db'], '.1f'):>9}")
+              f"{r['combine_rel_l2_error']:>9.4f}{r['rel_l2_error']:>9.4f}{r['sqnr_db']:>9.1f}")
     print("comb L2: the combine's own error (against a BF16 combine of the same expert rows); e2e L2 / SQNR: "
           "dispatch + combine against the unquantized toy expert")
 
@@ -250,7 +249,11 @@ def main(argv=None) -> int:
         meta["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
             if args.device == "cuda" else []
         with open(args.out, "w") as handle:
-            json.dump({"config": meta, "results": rows}, handle, indent=1, allow_nan=False)  # strict JSON
+            # Strict JSON has no NaN / Infinity: such figures (an exact result's SQNR, the errors of a NaN output)
+            # are written as the strings "inf", "-inf", "nan".
+            clean = [{k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+                     for row in rows]
+            json.dump({"config": meta, "results": clean}, handle, indent=1, allow_nan=False)
         print(f"wrote {args.out}")
     return 0
 

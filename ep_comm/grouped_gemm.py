@@ -512,8 +512,8 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
         [expert_offsets[e], expert_offsets[e] + num_tokens_per_expert[e]).
     expert_offsets: int32 [E + 1] on x's device (segment starts, non-decreasing; expert_offsets[E] = rows in
         use). The CUDA path cannot check them on the host: with overlapping segments, rows two experts
-        share get either expert's result, whichever write lands last (it never reads or writes outside x and out);
-        the reference path raises.
+        share get either expert's result (whichever write lands last) and some rows may be left unwritten (the grid
+        is sized for disjoint segments); it never reads or writes outside x and out. The reference path raises.
     num_tokens_per_expert: int32 [E] on x's device (rows per expert, padding excluded).
     weights: GemmWeights from `pack_gemm_weights` (E experts, [N, K] each).
     out_dtype: torch.bfloat16 or torch.float32. token_tile: None (the kernel picks) or 16/32/64/128 rows of

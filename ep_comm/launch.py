@@ -4,7 +4,7 @@ Used by the main job (`python -m ep_comm.bench`), the benchmarks and the tests. 
 (rank, world_size, *args) and returns a picklable value. A rank that raises reports its traceback; a run
 that exceeds `timeout_s` (a hang) kills every child and raises with the ranks that did not finish — it
 never waits forever. Spawning imports torch in every child, so callers run many cases per spawn. Each child
-takes cpu_count // N threads for torch's CPU ops, unless OMP_NUM_THREADS is set.
+takes (CPUs it may use) // N threads for torch's CPU ops, unless OMP_NUM_THREADS is set.
 """
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ def _entry(rank, world_size, port, backend, worker, args, results, collective_ti
     # otherwise (torchrun sets 1). With every rank at the default (all cores), their thread pools oversubscribe the
     # CPU, which slows the CPU-side ranks (gloo tests, the reference backend on CPU copies) many times over.
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        # The CPUs this process may run on (a cpuset or affinity mask can be smaller than the machine).
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cpus // world_size))
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -121,6 +123,8 @@ def _run_once(worker, world_size: int, args, backend: str, timeout_s: float):
                 # have sent just before exiting is read, it is dead.
                 if any(p.exitcode is not None and r not in outcome for r, p in enumerate(processes)):
                     _drain(results, outcome)
+                    if any(status in ("error", "port_in_use") for status, _ in outcome.values()):
+                        break  # a report read just now: raised below, with its traceback
                     dead = _silent_exits(processes, outcome)
                     if dead:
                         raise AssertionError(f"ranks {dead} exited without reporting (exit codes "
@@ -147,7 +151,7 @@ def _run_once(worker, world_size: int, args, backend: str, timeout_s: float):
         rank = min(errors)
         # A rank that died first (os._exit, a crash) makes its peers fail in their next collective: name it, since
         # the error reported is then only the consequence.
-        died = (f"ranks {silent} exited without reporting (exit codes {[processes[r].exitcode for r in silent]}), "
-                f"which may be the cause; then " if silent else "")
+        died = (f"ranks {silent} exited without reporting (exit codes {[processes[r].exitcode for r in silent]}; "
+                f"the cause of the failure below, or a consequence); " if silent else "")
         raise AssertionError(f"{died}rank {rank} failed:\n{errors[rank]}")
     return [outcome[rank][1] for rank in range(world_size)]

@@ -243,6 +243,13 @@ def _expert_output(hidden, expert_offsets: torch.Tensor, num_tokens_per_expert: 
                                    out=out, token_tile=token_tile)
 
 
+def _require_expanded(result, what: str) -> None:
+    """The experts read the expert-major rows of an expanding dispatch; a row-index result holds them elsewhere."""
+    if getattr(result, "row_index", None) is not None:
+        raise ValueError(f"MoELayer.{what} needs an expanding dispatch: this result came from dispatch(expand=False) "
+                         "(rows in staging order, result.row_index); dispatch with expand=True")
+
+
 _NOT_COPYABLE = ("MoELayer holds a communication Buffer (a process group, and device memory the other ranks write "
                  "into), which cannot be pickled or copied: save layer.state_dict() (the router) and layer.weights "
                  "(PackedExpertWeights), and build a new layer from them on every rank")
@@ -413,9 +420,7 @@ class MoELayer(torch.nn.Module):
         """Expert MLPs on a `DispatchResult`: bf16 [R, H] in the dispatch layout. Only the rows of valid experts are
         defined (what `Buffer.combine` reads): the reference path zeroes the others, the fused path leaves them
         uninitialised. Needs the expert-major rows of an expanding dispatch (not `dispatch(..., expand=False)`)."""
-        if result.row_index is not None:
-            raise ValueError("MoELayer.experts needs an expanding dispatch: this result came from dispatch(expand=False) "
-                             "(rows in staging order, result.row_index); dispatch with expand=True")
+        _require_expanded(result, "experts")
         if self.expert_impl == "fused":
             return self._experts_fused(result)
         return self._experts_reference(result)
@@ -442,6 +447,7 @@ class MoELayer(torch.nn.Module):
     def experts_and_combine_rows(self, result) -> torch.Tensor:
         """combine_rows=True: the fused experts with w2 storing its rows into the combine areas, then the receive:
         bf16 [T, H], bitwise `Buffer.combine(self.experts(result), result.handle, local_reduce=False)`."""
+        _require_expanded(result, "experts_and_combine_rows")
         if not self.combine_rows:
             raise ValueError("experts_and_combine_rows needs a layer with combine_rows=True (fused experts, nvlink "
                              "backend, S2F6 combine); use buffer.combine(layer.experts(result), result.handle)")

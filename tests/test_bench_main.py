@@ -43,11 +43,11 @@ def test_main_job_refuses_bad_flags(argv, message, capsys):
 
 @pytest.mark.cpu
 def test_main_job_json_is_strict_when_exact(tmp_path, capsys):
-    """One rank, one expert, BF16 both ways: the end-to-end error is exactly 0, so the SQNR has no value. The JSON
-    says null (strict JSON has no Infinity) and the table says exact."""
+    """One rank, one expert, BF16 both ways: the end-to-end error is exactly 0, so the SQNR is infinite. Strict JSON
+    has no Infinity: the file says "inf"."""
     out = tmp_path / "one.json"
     bench.main(["--cpu", "--ranks", "1", "--experts", "1", "--topk", "1", "--tokens", "8", "--hidden", "64",
                 "--iters", "1", "--formats", "bf16/bf16", "--out", str(out)])
     text = out.read_text()
-    assert "Infinity" not in text and json.loads(text)["results"][0]["sqnr_db"] is None
-    assert "exact" in capsys.readouterr().out
+    assert "Infinity" not in text and json.loads(text)["results"][0]["sqnr_db"] == "inf"
+    assert "inf" in capsys.readouterr().out

@@ -420,11 +420,13 @@ def _layer_ownership_worker(rank, world):
         with torch.no_grad():
             topk_idx, topk_weights = layer.route(x)
             rows = buf.dispatch(x, topk_idx, topk_weights, expand=False)
-            try:
-                layer.experts(rows)
-                out["rows_experts"] = "accepted"
-            except ValueError as error:
-                out["rows_experts"] = str(error)
+            out["rows_experts"] = []
+            for consume in (layer.experts, layer.experts_and_combine_rows):
+                try:
+                    consume(rows)
+                    out["rows_experts"].append("accepted")
+                except ValueError as error:
+                    out["rows_experts"].append(str(error))
             buf.combine(layer.experts(buf.dispatch(x, topk_idx, topk_weights)), rows.handle)  # ranks stay in step
         copies = []
         for attempt in (lambda: copy.deepcopy(layer), lambda: pickle.dumps(layer)):
@@ -449,5 +451,5 @@ def test_layer_owns_its_router_and_refuses_what_it_cannot_do():
         assert "router_weight holds NaN or Inf" in out["nan_router"], out
         expected = "x is on meta" if rank == 1 else "rejected on rank(s) [1]"
         assert out["meta_x"] is not None and expected in out["meta_x"], out
-        assert "needs an expanding dispatch" in out["rows_experts"], out
+        assert all("needs an expanding dispatch" in message for message in out["rows_experts"]), out
         assert all("cannot be pickled or copied" in message for message in out["copies"]), out
