@@ -497,6 +497,14 @@ def misuse_worker(rank, world):
             torch.zeros(res.num_rows, hidden, dtype=torch.bfloat16, device=x.device), res.handle))
         # Same sizes: fine, and the same bits.
         assert torch.equal(_bits(twin.combine(out, res.handle)), _bits(y)), "combine on a same-size Buffer differs"
+        # Same table sizes but another split of the experts over the ranks: refused (the combine finds a row's rank
+        # from its expert id).
+        regrouped = ep_comm.Buffer(None, max_tokens_per_rank=8, **dict(common, num_experts=2 * experts))
+        try:
+            _expect(ValueError, "another Buffer", lambda: regrouped.combine(
+                torch.zeros(res.num_rows, hidden, dtype=torch.bfloat16, device=x.device), res.handle))
+        finally:
+            regrouped.destroy()
         _expect(ValueError, "on this Buffer's GPU", lambda: small.dispatch(x.cpu(), idx.cpu(), w.cpu()))
         _expect(ValueError, "on this Buffer's GPU", lambda: small.combine(out.cpu(), res.handle))
         _expect(TypeError, "local_reduce must be a bool", lambda: small.combine(out, res.handle, local_reduce=1))
@@ -818,3 +826,103 @@ def test_nvlink_dispatch_result_views_of_the_arena(fmt, num_tokens, rows_only):
     same_bytes(handle.recv_tok, 12, torch.int32, (world * max_tokens,))
     same_bytes(handle.recv_ord, 13, torch.int32, (world * max_tokens,))
     same_bytes(handle.recv_rows, 14, torch.int32, (world * max_tokens * topk,))
+
+
+@pytest.mark.cpu
+def test_nvlink_limits_env_and_size_hint_constants(monkeypatch):
+    """Per-expert tables that would not fit the kernels' shared memory are refused up front (construction used to fail
+    in cudaFuncSetAttribute); the backend's environment switches take only well-formed values, naming the variable;
+    the size hint's copies of two C++ constants match the extension where it is built."""
+    from ep_comm import _ext
+    from ep_comm.backends import nvlink
+    from ep_comm.types import BufferConfig
+    fits = BufferConfig(hidden=2048, num_experts=256, num_topk=8, max_tokens_per_rank=64, world_size=8)
+    nvlink._check_nvlink_limits(fits)
+    for world, experts in ((2, 28000), (8, 45056), (1, 60000)):
+        with pytest.raises(ValueError, match="per-expert tables in shared memory"):
+            nvlink._check_nvlink_limits(BufferConfig(hidden=2048, num_experts=experts, num_topk=8,
+                                                     max_tokens_per_rank=64, world_size=world))
+    for value, on in (("", False), ("0", False), ("1", True)):
+        monkeypatch.setenv("EP_COMM_SYNC_CHECK", value)
+        assert nvlink._env_flag("EP_COMM_SYNC_CHECK") is on
+    for value in ("true", "on", "1 "):
+        monkeypatch.setenv("EP_COMM_ALLOW_SHARED_GPU", value)
+        with pytest.raises(ValueError, match="EP_COMM_ALLOW_SHARED_GPU must be 0 or 1"):
+            nvlink._shared_gpu_allowed()
+    monkeypatch.setenv("EP_COMM_DIRECT_SELF_MIN_TOKENS", "")
+    assert nvlink._env_count("EP_COMM_DIRECT_SELF_MIN_TOKENS", 2048) == 2048
+    monkeypatch.setenv("EP_COMM_DIRECT_SELF_MIN_TOKENS", "1000000000")
+    assert nvlink._env_count("EP_COMM_DIRECT_SELF_MIN_TOKENS", 2048) == 10**9
+    for value in ("-5", "+7", " 1_000\n", "\u0663", "2147483648"):
+        monkeypatch.setenv("EP_COMM_DIRECT_SELF_MIN_TOKENS", value)
+        with pytest.raises(ValueError, match="EP_COMM_DIRECT_SELF_MIN_TOKENS must be a whole number"):
+            nvlink._env_count("EP_COMM_DIRECT_SELF_MIN_TOKENS", 2048)
+    # The hint counts every chunk's layout bases (64 x (E + W) ints) and the wave area.
+    assert nvlink.NVLinkBackend.size_hint(fits).layout_bytes >= 4 * 64 * (256 + 8) + 8 * (2 + 32)
+    if _ext.cuda_extension_available() and hasattr(_ext._C, "nvlink_layout_max_chunks"):
+        assert (_ext._C.nvlink_layout_max_chunks, _ext._C.wave_area_fixed_words) == (
+            nvlink._LAYOUT_MAX_CHUNKS, nvlink._WAVE_AREA_FIXED_WORDS)
+
+
+def _nvshmem_partial_allocation_worker(rank, world):
+    """NVSHMEM's symmetric allocation fails on rank 1 only (faked): every rank must raise the same error; none may fall
+    back to CUDA IPC (a collective the ranks holding a tensor would never join)."""
+    import os
+    import sys
+    import types
+    from unittest import mock
+    from ep_comm.backends import nvlink
+    os.environ["EP_COMM_PEER_MEMORY"] = "auto"
+    package, core = types.ModuleType("nvshmem"), types.ModuleType("nvshmem.core")
+    package.core = core
+    sys.modules["nvshmem"], sys.modules["nvshmem.core"] = package, core
+
+    class _FakeNvshmem:
+        def tensor(self, shape, dtype):
+            if rank == 1:
+                raise RuntimeError("nvshmem_malloc: out of symmetric heap (fake)")
+            return torch.zeros(shape, dtype=dtype)
+
+    fell_back = []
+    with mock.patch.object(nvlink, "_nvshmem_init", lambda group, nbytes: _FakeNvshmem()), \
+            mock.patch.object(nvlink._SymmetricRegion, "_open_ipc", lambda self: fell_back.append(True)), \
+            mock.patch.object(torch.cuda, "current_device", lambda: 0):
+        try:
+            nvlink._SymmetricRegion(None, 4096)
+            message = None
+        except RuntimeError as error:
+            message = str(error)
+    return message, fell_back
+
+
+@pytest.mark.cpu
+def test_nvlink_partial_nvshmem_allocation_raises_on_every_rank():
+    for rank, (message, fell_back) in enumerate(run_ranks(_nvshmem_partial_allocation_worker, 2, backend="gloo",
+                                                          timeout_s=120)):
+        assert message is not None and "succeeded on some ranks only (rank 1:" in message, (rank, message)
+        assert fell_back == [], rank
+
+
+@pytest.mark.cpu
+def test_nvlink_check_handle_compares_routing_and_device():
+    """check_handle on the host (no GPU: a backend object with only what the check reads): a foreign handle passes when
+    its routing sizes, table sections and device match, and is refused when the experts are split over the ranks
+    otherwise or when its arena is on another device."""
+    from types import SimpleNamespace
+    from ep_comm.backends.nvlink import NVLinkBackend, NVLinkHandle
+    from ep_comm.types import BufferConfig
+    sections = tuple((64 * i, 64) for i in range(16))
+    backend = object.__new__(NVLinkBackend)
+    backend._ctx, backend.torch_device = object(), torch.device("cpu")
+    backend.config = BufferConfig(hidden=256, num_experts=8, num_topk=2, max_tokens_per_rank=8, world_size=2)
+    backend._arena_recipe = lambda num_tokens, rows_only=False: SimpleNamespace(sections=sections)
+
+    def handle(routing, device="cpu"):
+        return NVLinkHandle(arena=torch.zeros(4, dtype=torch.int32, device=device), sections=sections, num_tokens=8,
+                            num_rows=backend.config.max_recv_rows, num_topk=2, owner=object(), routing=routing)
+    backend.check_handle(handle(backend._routing()))
+    other_split = backend._routing()[:-1] + (backend._routing()[-1] * 2,)
+    with pytest.raises(ValueError, match="another Buffer's dispatch"):
+        backend.check_handle(handle(other_split))
+    with pytest.raises(ValueError, match="handle of a dispatch on meta"):
+        backend.check_handle(handle(backend._routing(), device="meta"))

@@ -50,6 +50,14 @@ _DISPATCH_FORMAT_CODE = {"nvfp4": 0, "mxfp8": 1, "bf16": 2}
 _COMBINE_FORMAT_CODE = {"s2f6": 0, "bf16": 1}
 _MAX_TOPK = 32
 _MAX_WORLD = 1024  # csrc/nvlink.h kMaxWorld (static shared arrays of the kernels)
+_LAYOUT_MAX_CHUNKS = 64  # csrc/nvlink.h kLayoutMaxChunks (checked against the extension in __init__)
+_WAVE_AREA_FIXED_WORDS = 2  # csrc/waves.h kWaveRowsDone (likewise)
+
+
+# Dynamic shared memory the kernels may take per block: the layout kernel's per-warp histograms (csrc/nvlink_layout.cu
+# kLayoutMaxSmem, at least one warp of E + W ints) and the dispatch kernels' receive layout (ReceiveLayout in
+# csrc/nvlink_dispatch.cu) -- 200 KiB, which leaves the kernels' static arrays room under the 227 KiB a block can have.
+_MAX_DYNAMIC_SMEM = 200 * 1024
 
 
 def _check_nvlink_limits(config: BufferConfig) -> None:
@@ -58,6 +66,32 @@ def _check_nvlink_limits(config: BufferConfig) -> None:
         raise ValueError(f"the nvlink backend supports num_topk <= {_MAX_TOPK}, got {config.num_topk}")
     if config.world_size > _MAX_WORLD:
         raise ValueError(f"the nvlink backend supports up to {_MAX_WORLD} ranks, got {config.world_size}")
+    w, e = config.world_size, config.num_experts
+    local = e // w
+    layout_bytes = 4 * (e + w)
+    receive_bytes = 4 * (w * local + 2 * local + 3 * w + 2)  # ReceiveLayout::ints
+    if max(layout_bytes, receive_bytes) > _MAX_DYNAMIC_SMEM:
+        raise ValueError(f"the nvlink backend's kernels keep per-expert tables in shared memory: num_experts="
+                         f"{e} with world_size={w} needs {max(layout_bytes, receive_bytes)} bytes, more than "
+                         f"{_MAX_DYNAMIC_SMEM}")
+
+
+def _env_flag(name: str) -> bool:
+    """An on/off switch: unset, empty or "0" is off, "1" is on; anything else is refused (naming the variable)."""
+    value = os.environ.get(name, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def _env_count(name: str, default: int) -> int:
+    """A non-negative 32-bit count: ASCII digits only (unset or empty: the default); refused otherwise, by name."""
+    value = os.environ.get(name, "")
+    if value == "":
+        return default
+    if not (value.isascii() and value.isdigit()) or int(value) > 2**31 - 1:
+        raise ValueError(f"{name} must be a whole number in [0, 2147483647], got {value!r}")
+    return int(value)
 
 
 def _align(value: int, to: int) -> int:
@@ -191,7 +225,7 @@ def _shared_gpu_allowed() -> bool:
     progress only as the driver time-slices the processes' contexts: much slower than separate GPUs, and never a
     performance figure. It lets the multi-rank protocol (peer stores, flags, counts from other ranks) be tested on a
     one-GPU machine. Read at each Buffer creation."""
-    return os.environ.get("EP_COMM_ALLOW_SHARED_GPU", "0") == "1"
+    return _env_flag("EP_COMM_ALLOW_SHARED_GPU")
 
 
 def _cpu_collectives(group) -> bool:
@@ -333,9 +367,13 @@ class _SymmetricRegion:
             tensor = nvshmem.tensor((self.nbytes,), dtype=torch.uint8)
         except Exception as error:
             mine = f"symmetric allocation of {self.nbytes} bytes failed: {type(error).__name__}: {error}"
-        why = self._agree(mine)
+        # Who failed, and who holds a tensor: if some ranks do, a symmetric tensor cannot be freed collectively, so
+        # every rank raises -- a rank that fell back to CUDA IPC alone would wait in a collective the others skip.
+        votes = [None] * self.world
+        dist.all_gather_object(votes, (mine, tensor is not None), group=self.group)
+        why = next((f"rank {r}: {failed}" for r, (failed, _) in enumerate(votes) if failed is not None), None)
         if why is not None:
-            if tensor is not None:  # some ranks hold a symmetric tensor that cannot be freed collectively
+            if any(held for _, held in votes):
                 raise RuntimeError(f"NVSHMEM allocation succeeded on some ranks only ({why}); cannot fall back")
             return why
         try:
@@ -452,6 +490,8 @@ class NVLinkHandle:
         source token of staging row (s, j) and this rank's ordinal among the token's destination ranks.
     recv_rows: [W * T_max * K] layout row of each slot of staging row (s, j), -1 if not local.
     row_weight: DispatchResult.topk_weight. num_tokens: T; num_rows: R (capacity); num_topk: K.
+    routing: (world size, max_tokens_per_rank, K, R, experts per rank) of the dispatching Buffer: what a combine on
+        another Buffer must share (check_handle).
     """
 
     arena: torch.Tensor
@@ -460,6 +500,7 @@ class NVLinkHandle:
     num_rows: int
     num_topk: int
     owner: Any = None
+    routing: Tuple[int, ...] = ()
 
     send_idx = _ArenaSection(0, per_token=True)
     send_w = _ArenaSection(1, torch.float32, per_token=True)
@@ -515,7 +556,7 @@ class NVLinkBackend:
         self.device = torch.cuda.current_device()
         self.torch_device = torch.device("cuda", self.device)  # compared with every call's tensors (Buffer)
         self.layout = _RegionLayout.of(config)
-        self._sync_check = os.environ.get("EP_COMM_SYNC_CHECK", "0") == "1"
+        self._sync_check = _env_flag("EP_COMM_SYNC_CHECK")
         self._arena_recipes = {}
         self._staging = None  # _staging_payload's views, made on first use
         self._destroyed = False
@@ -539,6 +580,8 @@ class NVLinkBackend:
             self._expert_count = torch.zeros(config.num_experts, dtype=torch.int32, device=dev)
             self._rank_count = torch.zeros(self.world, dtype=torch.int32, device=dev)
             # Per layout chunk (block) and key (E experts, then W ranks): rows/tokens of the earlier chunks.
+            if (c.nvlink_layout_max_chunks, c.wave_area_fixed_words) != (_LAYOUT_MAX_CHUNKS, _WAVE_AREA_FIXED_WORDS):
+                raise RuntimeError("ep_comm._C and the size hint's constants differ: rebuild ep_comm")
             self._layout_base = torch.zeros(c.nvlink_layout_max_chunks * (config.num_experts + self.world),
                                             dtype=torch.int32, device=dev)
             # Wave dispatch <-> w1 GEMM sync words (csrc/waves.h; zero once, never reset).
@@ -561,7 +604,7 @@ class NVLinkBackend:
                 "off_counts": L.off_counts, "count_stride": L.count_stride, "off_staging": L.off_staging,
                 "off_combine": L.off_combine, "off_wave_index": L.off_wave_index, "off_disp_counts": L.off_disp_counts,
                 "off_row_flags": L.off_row_flags,
-                "direct_self_min_tokens": int(os.environ.get("EP_COMM_DIRECT_SELF_MIN_TOKENS", _DIRECT_SELF_MIN_TOKENS)),
+                "direct_self_min_tokens": _env_count("EP_COMM_DIRECT_SELF_MIN_TOKENS", _DIRECT_SELF_MIN_TOKENS),
                 "timeout_ns": int(config.timeout_s * 1e9),
                 "peer_bases": self._peer_bases.data_ptr(), "local_base": self.region.local_base,
                 "state": self._state.data_ptr(), "scratch_pos": self._scratch_pos.data_ptr(),
@@ -648,7 +691,12 @@ class NVLinkBackend:
         dispatch = w * t_max * L.disp_row_bytes
         combine = t_max * k * L.comb_row_bytes
         payload = L.disp_data_bytes + L.disp_scale_bytes + (4 if config.dispatch_format == "nvfp4" else 0)
-        local = 2 * t_max * k * 4 + 4 * (config.num_experts + w) + 64
+        # Local scratch as __init__ allocates it: top-k positions and slots, expert and rank counts, the layout
+        # bases of every chunk (csrc/nvlink.h kLayoutMaxChunks), the state words, the wave sync area (csrc/waves.h
+        # kWaveRowsDone words plus one per local expert).
+        keys = config.num_experts + w
+        local = (2 * t_max * k * 4 + 4 * keys + 4 * _LAYOUT_MAX_CHUNKS * keys + 64
+                 + 8 * (_WAVE_AREA_FIXED_WORDS + config.num_local_experts))
         handle = 4 * (w + 2 * w * t_max + w * t_max * k) + 8 * t_max * k
         return BufferSizes(dispatch_recv_bytes=dispatch, combine_recv_bytes=combine,
                            layout_bytes=L.off_staging + local + handle,
@@ -835,26 +883,35 @@ class NVLinkBackend:
             arena.as_strided((n,), (1,), offset) for offset, n in recipe.int_views]
         topk_weight = as_f32.as_strided((rows,), (1,), recipe.topk_weight)
         handle = NVLinkHandle(arena=arena, sections=recipe.sections, num_tokens=num_tokens, num_rows=rows,
-                              num_topk=cfg.num_topk, owner=self._ctx)
+                              num_topk=cfg.num_topk, owner=self._ctx, routing=self._routing())
         return DispatchResult(x=payload, num_tokens_per_expert=num_per_expert, expert_offsets=expert_offsets,
                               src_rank=src_rank, src_token=src_token, topk_slot=topk_slot, topk_weight=topk_weight,
                               handle=handle, num_rows=rows, row_index=row_index)
 
     def check_handle(self, handle) -> None:
         """TypeError unless `handle` comes from an nvlink dispatch; ValueError if it comes from another Buffer whose
-        handle tables have other sizes (max_tokens_per_rank, num_topk, world size, capacity): combine indexes them with
-        this Buffer's sizes. A handle of another Buffer with the same sizes is fine (e.g. dispatch on one Buffer,
-        combine on another)."""
+        routing sizes differ (world size, max_tokens_per_rank, num_topk, capacity, experts per rank: combine indexes
+        the handle's tables with this Buffer's sizes and finds a row's rank from its expert), whose arena places the
+        tables elsewhere (another dispatch format), or whose arena is on another GPU. A handle of another Buffer with
+        the same sizes and format is fine (e.g. dispatch on one Buffer, combine on another)."""
         if not isinstance(handle, NVLinkHandle):
             raise TypeError(f"combine needs the handle of an nvlink dispatch, got {type(handle).__name__}")
+        if handle.owner is self._ctx:
+            return
+        if handle.arena.device != self.torch_device:
+            raise ValueError(f"combine got the handle of a dispatch on {handle.arena.device}; this Buffer runs on "
+                             f"{self.torch_device}")
         # (The sections combine reads -- 0, 1 and 10..14 -- sit at the same offsets in both kinds of arena.)
-        if handle.owner is not self._ctx and (
-                not 0 <= handle.num_tokens <= self.config.max_tokens_per_rank
+        if (handle.routing != self._routing() or not 0 <= handle.num_tokens <= self.config.max_tokens_per_rank
                 or _combine_sections(handle.sections)
                 != _combine_sections(self._arena_recipe(handle.num_tokens).sections)):
-            raise ValueError("combine got the handle of another Buffer's dispatch whose sizes differ from this "
-                             "Buffer's (max_tokens_per_rank, num_topk, world size or row capacity): pass the handle "
-                             "to the Buffer that dispatched it")
+            raise ValueError("combine got the handle of another Buffer's dispatch whose sizes or format differ from "
+                             "this Buffer's (world size, max_tokens_per_rank, num_topk, row capacity, experts per "
+                             "rank, dispatch format): pass the handle to the Buffer that dispatched it")
+
+    def _routing(self) -> Tuple[int, ...]:
+        cfg = self.config
+        return (cfg.world_size, cfg.max_tokens_per_rank, cfg.num_topk, cfg.max_recv_rows, cfg.num_local_experts)
 
     def combine(self, expert_out: torch.Tensor, handle: NVLinkHandle, local_reduce: bool = True) -> torch.Tensor:
         self._check_alive()
