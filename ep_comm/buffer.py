@@ -214,19 +214,9 @@ class Buffer:
         if topk_idx.device != x.device or topk_weights.device != x.device:
             raise ValueError(f"x, topk_idx and topk_weights must be on one device; got {x.device}, "
                              f"{topk_idx.device}, {topk_weights.device}")
-        if self.backend == "nvlink":
-            self._check_on_buffer_device("x", x)
-        else:
-            self._backend.check_device("x", x)
+        self._backend.check_device("x", x)  # where the backend's kernels or collectives can read it
         if check_ids and num_tokens and not _is_capturing():
             _check_expert_ids(topk_idx, cfg.num_experts)
-
-    def _check_on_buffer_device(self, name: str, tensor: torch.Tensor) -> None:
-        """nvlink: the kernels run on the Buffer's GPU and read `tensor` there (a CPU or other-GPU tensor would be
-        read through a wrong address)."""
-        device = self._backend.torch_device
-        if tensor.device != device:
-            raise ValueError(f"the nvlink backend needs {name} on this Buffer's GPU ({device}), got {tensor.device}")
 
     def _check_stream_args(self, device: torch.device, comm_stream, done_event) -> None:
         if comm_stream is not None:
@@ -424,10 +414,7 @@ class Buffer:
     def _validate_combine(self, expert_out, handle) -> None:
         if not isinstance(expert_out, torch.Tensor):
             raise TypeError(f"expert_out must be a torch.Tensor, got {type(expert_out).__name__}")
-        if self.backend == "nvlink":
-            self._check_on_buffer_device("expert_out", expert_out)
-        else:
-            self._backend.check_device("expert_out", expert_out)
+        self._backend.check_device("expert_out", expert_out)
         self._refuse_autograd("combine", expert_out)
         if expert_out.dtype != torch.bfloat16:
             raise TypeError(f"expert_out must be bfloat16, got {expert_out.dtype}")

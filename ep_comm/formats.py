@@ -582,10 +582,15 @@ def nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str = "stochastic", seed
 # ----------------------------------------------------------------------------------------------------------
 # RHT-32 and S2F6
 # ----------------------------------------------------------------------------------------------------------
-def _signs(sign_mask: int, device) -> torch.Tensor:
+def _check_sign_mask(sign_mask) -> int:
     sign_mask = _as_int(sign_mask, "sign_mask")
     if not 0 <= sign_mask < 2**32:
         raise ValueError(f"sign_mask must be a 32-bit unsigned int, got {sign_mask!r}")
+    return sign_mask
+
+
+def _signs(sign_mask: int, device) -> torch.Tensor:
+    sign_mask = _check_sign_mask(sign_mask)
     bits = [(sign_mask >> i) & 1 for i in range(32)]
     return torch.tensor([-1.0 if bit else 1.0 for bit in bits], dtype=torch.float32, device=device)
 
@@ -626,8 +631,7 @@ def s2f6_quantize(x: torch.Tensor, hadamard: bool = True, sign_mask: int = DEFAU
     _check_float_input(x, "x", MX_BLOCK)
     if not isinstance(hadamard, bool):
         raise TypeError(f"hadamard must be a bool, got {type(hadamard).__name__}")
-    _signs(sign_mask, "cpu")
-    sign_mask = operator.index(sign_mask)
+    sign_mask = _check_sign_mask(sign_mask)
     if _use_cuda(impl, x):
         return _cuda_formats().s2f6_quantize(x, hadamard, sign_mask)
     return _s2f6_quantize_reference(x, hadamard, sign_mask)

@@ -627,22 +627,31 @@ class _FakeIpcExtension:
         self.freed.append(address)
 
 
+def _region_setup_error(*patches):
+    """Builds a 4096-byte _SymmetricRegion on "GPU 0" under `patches` (the faked calls): the message of the
+    RuntimeError it raises, or None."""
+    import contextlib
+    from unittest import mock
+    from ep_comm.backends import nvlink
+    with contextlib.ExitStack() as stack:
+        for patch in (*patches, mock.patch.object(torch.cuda, "current_device", lambda: 0)):
+            stack.enter_context(patch)
+        try:
+            nvlink._SymmetricRegion(None, 4096)
+        except RuntimeError as error:
+            return str(error)
+    return None
+
+
 def _ipc_setup_failure_worker(rank, world, failing_rank, step):
     """_SymmetricRegion over CUDA IPC with the extension's calls faked: one rank's allocation or peer mapping fails.
     Every rank must raise (naming the failing rank and step) instead of waiting, and free what it had made."""
     import os
     from unittest import mock
     from ep_comm import _ext
-    from ep_comm.backends import nvlink
     os.environ["EP_COMM_PEER_MEMORY"] = "ipc"
     fake = _FakeIpcExtension(rank, step if rank == failing_rank else None)
-    with mock.patch.object(_ext, "require_cuda_extension", lambda what: fake), \
-            mock.patch.object(torch.cuda, "current_device", lambda: 0):
-        try:
-            nvlink._SymmetricRegion(None, 4096)
-            message = None
-        except RuntimeError as error:
-            message = str(error)
+    message = _region_setup_error(mock.patch.object(_ext, "require_cuda_extension", lambda what: fake))
     return message, fake.freed, fake.closed
 
 
@@ -884,14 +893,9 @@ def _nvshmem_partial_allocation_worker(rank, world):
             return torch.zeros(shape, dtype=dtype)
 
     fell_back = []
-    with mock.patch.object(nvlink, "_nvshmem_init", lambda group, nbytes: _FakeNvshmem()), \
-            mock.patch.object(nvlink._SymmetricRegion, "_open_ipc", lambda self: fell_back.append(True)), \
-            mock.patch.object(torch.cuda, "current_device", lambda: 0):
-        try:
-            nvlink._SymmetricRegion(None, 4096)
-            message = None
-        except RuntimeError as error:
-            message = str(error)
+    message = _region_setup_error(
+        mock.patch.object(nvlink, "_nvshmem_init", lambda group, nbytes: _FakeNvshmem()),
+        mock.patch.object(nvlink._SymmetricRegion, "_open_ipc", lambda self: fell_back.append(True)))
     return message, fell_back
 
 
@@ -920,9 +924,9 @@ def test_nvlink_check_handle_compares_routing_and_device():
     def handle(routing, device="cpu"):
         return NVLinkHandle(arena=torch.zeros(4, dtype=torch.int32, device=device), sections=sections, num_tokens=8,
                             num_rows=backend.config.max_recv_rows, num_topk=2, owner=object(), routing=routing)
-    backend.check_handle(handle(backend._routing()))
-    other_split = backend._routing()[:-1] + (backend._routing()[-1] * 2,)
+    backend.check_handle(handle(backend._routing))
+    other_split = backend._routing[:-1] + (backend._routing[-1] * 2,)
     with pytest.raises(ValueError, match="another Buffer's dispatch"):
         backend.check_handle(handle(other_split))
     with pytest.raises(ValueError, match="handle of a dispatch on meta"):
-        backend.check_handle(handle(backend._routing(), device="meta"))
+        backend.check_handle(handle(backend._routing, device="meta"))

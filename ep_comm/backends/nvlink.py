@@ -20,6 +20,7 @@ Environment:
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -336,11 +337,20 @@ class _SymmetricRegion:
                                         "version": 3, "strides": None}
         return torch.as_tensor(_Memory(), device=torch.device("cuda", self.device))
 
+    def _gather(self, mine) -> list:
+        """Every rank's `mine`, in rank order (a collective)."""
+        values = [None] * self.world
+        dist.all_gather_object(values, mine, group=self.group)
+        return values
+
+    @staticmethod
+    def _first_failure(reasons) -> Optional[str]:
+        """The first rank's failure reason, named by its rank (None when every rank succeeded)."""
+        return next((f"rank {r}: {why}" for r, why in enumerate(reasons) if why is not None), None)
+
     def _agree(self, mine: Optional[str]) -> Optional[str]:
         """All ranks learn the first rank's failure reason (None when every rank succeeded)."""
-        votes = [None] * self.world
-        dist.all_gather_object(votes, mine, group=self.group)
-        return next((f"rank {r}: {why}" for r, why in enumerate(votes) if why is not None), None)
+        return self._first_failure(self._gather(mine))
 
     # -- NVSHMEM ------------------------------------------------------------------------------------------
     def _setup_nvshmem(self) -> Optional[str]:
@@ -369,9 +379,8 @@ class _SymmetricRegion:
             mine = f"symmetric allocation of {self.nbytes} bytes failed: {type(error).__name__}: {error}"
         # Who failed, and who holds a tensor: if some ranks do, a symmetric tensor cannot be freed collectively, so
         # every rank raises -- a rank that fell back to CUDA IPC alone would wait in a collective the others skip.
-        votes = [None] * self.world
-        dist.all_gather_object(votes, (mine, tensor is not None), group=self.group)
-        why = next((f"rank {r}: {failed}" for r, (failed, _) in enumerate(votes) if failed is not None), None)
+        votes = self._gather((mine, tensor is not None))
+        why = self._first_failure(failed for failed, _ in votes)
         if why is not None:
             if any(held for _, held in votes):
                 raise RuntimeError(f"NVSHMEM allocation succeeded on some ranks only ({why}); cannot fall back")
@@ -414,9 +423,8 @@ class _SymmetricRegion:
             handle = c.nvlink_ipc_get_handle(self.device, self._ipc_local)
         except Exception as error:
             mine = f"allocating or exporting {self.nbytes} bytes failed: {type(error).__name__}: {error}"
-        handles = [None] * self.world
-        dist.all_gather_object(handles, (handle, mine), group=self.group)
-        why = next((f"rank {r}: {failed}" for r, (_, failed) in enumerate(handles) if failed is not None), None)
+        handles = self._gather((handle, mine))
+        why = self._first_failure(failed for _, failed in handles)
         peers, mine = [], None
         if why is None:
             try:
@@ -582,10 +590,10 @@ class NVLinkBackend:
             # Per layout chunk (block) and key (E experts, then W ranks): rows/tokens of the earlier chunks.
             if (c.nvlink_layout_max_chunks, c.wave_area_fixed_words) != (_LAYOUT_MAX_CHUNKS, _WAVE_AREA_FIXED_WORDS):
                 raise RuntimeError("ep_comm._C and the size hint's constants differ: rebuild ep_comm")
-            self._layout_base = torch.zeros(c.nvlink_layout_max_chunks * (config.num_experts + self.world),
+            self._layout_base = torch.zeros(_LAYOUT_MAX_CHUNKS * (config.num_experts + self.world),
                                             dtype=torch.int32, device=dev)
             # Wave dispatch <-> w1 GEMM sync words (csrc/waves.h; zero once, never reset).
-            self._wave_area = torch.zeros(c.wave_area_fixed_words + config.num_local_experts, dtype=torch.int64,
+            self._wave_area = torch.zeros(_WAVE_AREA_FIXED_WORDS + config.num_local_experts, dtype=torch.int64,
                                           device=dev)
             self._error_host, error_dev = c.nvlink_host_mapped_alloc(self.device, 64)
             L = self.layout
@@ -883,10 +891,17 @@ class NVLinkBackend:
             arena.as_strided((n,), (1,), offset) for offset, n in recipe.int_views]
         topk_weight = as_f32.as_strided((rows,), (1,), recipe.topk_weight)
         handle = NVLinkHandle(arena=arena, sections=recipe.sections, num_tokens=num_tokens, num_rows=rows,
-                              num_topk=cfg.num_topk, owner=self._ctx, routing=self._routing())
+                              num_topk=cfg.num_topk, owner=self._ctx, routing=self._routing)
         return DispatchResult(x=payload, num_tokens_per_expert=num_per_expert, expert_offsets=expert_offsets,
                               src_rank=src_rank, src_token=src_token, topk_slot=topk_slot, topk_weight=topk_weight,
                               handle=handle, num_rows=rows, row_index=row_index)
+
+    def check_device(self, name: str, tensor: torch.Tensor) -> None:
+        """The kernels run on the Buffer's GPU and read `tensor` there (a CPU or other-GPU tensor would be read through
+        a wrong address)."""
+        if tensor.device != self.torch_device:
+            raise ValueError(f"the nvlink backend needs {name} on this Buffer's GPU ({self.torch_device}), got "
+                             f"{tensor.device}")
 
     def check_handle(self, handle) -> None:
         """TypeError unless `handle` comes from an nvlink dispatch; ValueError if it comes from another Buffer whose
@@ -902,14 +917,15 @@ class NVLinkBackend:
             raise ValueError(f"combine got the handle of a dispatch on {handle.arena.device}; this Buffer runs on "
                              f"{self.torch_device}")
         # (The sections combine reads -- 0, 1 and 10..14 -- sit at the same offsets in both kinds of arena.)
-        if (handle.routing != self._routing() or not 0 <= handle.num_tokens <= self.config.max_tokens_per_rank
-                or _combine_sections(handle.sections)
+        if (handle.routing != self._routing or _combine_sections(handle.sections)
                 != _combine_sections(self._arena_recipe(handle.num_tokens).sections)):
             raise ValueError("combine got the handle of another Buffer's dispatch whose sizes or format differ from "
                              "this Buffer's (world size, max_tokens_per_rank, num_topk, row capacity, experts per "
                              "rank, dispatch format): pass the handle to the Buffer that dispatched it")
 
+    @functools.cached_property
     def _routing(self) -> Tuple[int, ...]:
+        """What a handle from another Buffer must share with this one (NVLinkHandle.routing), fixed per Buffer."""
         cfg = self.config
         return (cfg.world_size, cfg.max_tokens_per_rank, cfg.num_topk, cfg.max_recv_rows, cfg.num_local_experts)
 
