@@ -882,6 +882,7 @@ def _nvshmem_partial_allocation_worker(rank, world):
     from unittest import mock
     from ep_comm.backends import nvlink
     os.environ["EP_COMM_PEER_MEMORY"] = "auto"
+    os.environ.pop("EP_COMM_ALLOW_SHARED_GPU", None)  # the shared-GPU tier sets it, and it forces CUDA IPC
     package, core = types.ModuleType("nvshmem"), types.ModuleType("nvshmem.core")
     package.core = core
     sys.modules["nvshmem"], sys.modules["nvshmem.core"] = package, core
