@@ -19,6 +19,34 @@ using ep_comm::binding::as_stream;
 using ep_comm::binding::check;
 using ep_comm::binding::ptr;
 
+// Backstops of what ep_comm/_cuda_formats.py guarantees, for raw calls (a bench, another module): a null address the
+// kernel writes through, or an address / row stride the kernel reads or writes in 8- or 16-byte vectors that is not
+// aligned to them, would fault on the device and lose the CUDA context (the launchers of nvfp4.cu and mxfp8.cu do not
+// test them). ValueError instead. Checked only where the call has rows (an empty tensor's address may be 0).
+void require(bool ok, const char* what, const char* detail) {
+  if (!ok) throw std::invalid_argument(std::string(what) + ": " + detail);
+}
+bool aligned(uintptr_t address, int64_t row_stride_bytes, uintptr_t alignment) {
+  return ((address | static_cast<uintptr_t>(row_stride_bytes)) & (alignment - 1)) == 0;
+}
+// Bytes of an ElemType element (0 for an unknown code: the launcher refuses it).
+int64_t elem_bytes(int type) {
+  switch (static_cast<ElemType>(type)) {
+    case ElemType::kFloat32:
+      return 4;
+    case ElemType::kBFloat16:
+    case ElemType::kFloat16:
+      return 2;
+  }
+  return 0;
+}
+// A dense input read (x) or output written (out) in 16-byte vectors, row stride in elements.
+void require_dense(uintptr_t address, int type, int64_t row_stride, const char* what, const char* name) {
+  require(address != 0, what, name);
+  require(row_stride >= 0, what, "the row stride must not be negative");
+  require(aligned(address, row_stride * elem_bytes(type), 16), what, "dense rows must start 16-byte aligned");
+}
+
 void nvfp4_quantize(uintptr_t x, int x_type, int64_t x_row_stride, int64_t num_rows, int64_t hidden, uintptr_t amax_in,
                     float e4m3_max, bool four_over_six, uintptr_t data, int64_t data_row_stride, uintptr_t scales,
                     int64_t scales_row_stride, uintptr_t amax_out, uintptr_t dst_rows, uintptr_t stream,
@@ -43,6 +71,13 @@ void nvfp4_quantize(uintptr_t x, int x_type, int64_t x_row_stride, int64_t num_r
   args.block_values = ptr<uint16_t>(block_values);
   args.block_values_row_stride = block_values_row_stride;
   args.row_factor = ptr<float>(row_factor);
+  if (num_rows > 0) {
+    require_dense(x, x_type, x_row_stride, "nvfp4_quantize", "x is null");
+    if (block_values == 0) {  // codes: 8-byte stores per block (block values: the launcher checks its operands)
+      require(data != 0 && scales != 0, "nvfp4_quantize", "data and scales are required");
+      require(aligned(data, data_row_stride, 8), "nvfp4_quantize", "data rows must start 8-byte aligned");
+    }
+  }
   check(ep_comm::launch_nvfp4_quantize(args, as_stream(stream)), "nvfp4_quantize");
 }
 
@@ -61,6 +96,11 @@ void mxfp8_quantize(uintptr_t x, int x_type, int64_t x_row_stride, int64_t num_r
   args.data_row_stride = data_row_stride;
   args.scales = ptr<uint8_t>(scales);
   args.scales_row_stride = scales_row_stride;
+  if (num_rows > 0) {
+    require_dense(x, x_type, x_row_stride, "mxfp8_quantize", "x is null");
+    require(data != 0 && scales != 0, "mxfp8_quantize", "data and scales are required");
+    require(aligned(data, data_row_stride, 16), "mxfp8_quantize", "data rows must start 16-byte aligned");
+  }
   check(ep_comm::launch_mxfp8_quantize(args, as_stream(stream)), "mxfp8_quantize");
 }
 
@@ -79,6 +119,11 @@ void s2f6_quantize(uintptr_t x, int x_type, int64_t x_row_stride, int64_t num_ro
   args.data_row_stride = data_row_stride;
   args.scales = ptr<uint8_t>(scales);
   args.scales_row_stride = scales_row_stride;
+  if (num_rows > 0) {  // (the launcher tests the alignment too, but answers cudaErrorMisalignedAddress)
+    require_dense(x, x_type, x_row_stride, "s2f6_quantize", "x is null");
+    require(data != 0 && scales != 0, "s2f6_quantize", "data and scales are required");
+    require(aligned(data, data_row_stride, 16), "s2f6_quantize", "data rows must start 16-byte aligned");
+  }
   check(ep_comm::launch_s2f6_quantize(args, as_stream(stream)), "s2f6_quantize");
 }
 
@@ -100,7 +145,24 @@ void s2f6_dequantize_accumulate(uintptr_t data, uintptr_t scales, int64_t num_sr
   args.sign_mask = sign_mask;
   args.out = ptr<void>(out);
   args.out_type = out_type;
+  if (num_out_rows > 0) {  // (the launcher tests data and out alignment too, but answers cudaErrorMisalignedAddress)
+    require_dense(out, out_type, 0, "s2f6_dequantize_accumulate", "out is null");
+    require(num_terms == 0 || row_index != 0, "s2f6_dequantize_accumulate", "row_index is null");
+    require(num_src_rows == 0 || (data != 0 && scales != 0), "s2f6_dequantize_accumulate",
+            "data and scales are required");
+    require(aligned(data, 0, 16), "s2f6_dequantize_accumulate", "data must start 16-byte aligned");
+  }
   check(ep_comm::launch_s2f6_dequantize_accumulate(args, as_stream(stream)), "s2f6_dequantize_accumulate");
+}
+
+// The emulation's loops assume what the launchers test (rows of whole blocks; the transposed form, whole blocks of 32
+// rows): S2F6 and the RHT walk num_rows * hidden / 32 flat chunks, which for a hidden not a multiple of 32 runs past a
+// [num_rows, hidden / 32] scale buffer; the transposed form reads and writes past its buffers for rows not a multiple
+// of 32.
+void require_host_rows(int64_t num_rows, int64_t hidden, int64_t block, const char* what) {
+  require(num_rows >= 0 && hidden > 0 && hidden % block == 0, what,
+          block == 16 ? "hidden must be a positive multiple of 16 and num_rows >= 0"
+                      : "hidden must be a positive multiple of 32 and num_rows >= 0");
 }
 
 void register_host_emulation(py::module_& m) {
@@ -109,6 +171,7 @@ void register_host_emulation(py::module_& m) {
   m.def("host_nvfp4_quantize",
         [](uintptr_t x, int64_t num_rows, int64_t hidden, uintptr_t amax_in, float e4m3_max, bool four_over_six,
            uintptr_t data, uintptr_t scales, uintptr_t amax_out) {
+          require_host_rows(num_rows, hidden, 16, "host_nvfp4_quantize");
           host::nvfp4_quantize(ptr<const float>(x), num_rows, hidden, ptr<const float>(amax_in), e4m3_max,
                                four_over_six, ptr<uint8_t>(data), ptr<uint8_t>(scales), ptr<float>(amax_out));
         },
@@ -116,6 +179,7 @@ void register_host_emulation(py::module_& m) {
   m.def("host_nvfp4_dequantize",
         [](uintptr_t data, uintptr_t scales, uintptr_t amax, int64_t num_rows, int64_t hidden, float e4m3_max,
            uintptr_t out) {
+          require_host_rows(num_rows, hidden, 16, "host_nvfp4_dequantize");
           host::nvfp4_dequantize(ptr<const uint8_t>(data), ptr<const uint8_t>(scales), ptr<const float>(amax),
                                  num_rows, hidden, e4m3_max, ptr<float>(out));
         },
@@ -123,12 +187,14 @@ void register_host_emulation(py::module_& m) {
   m.def("host_mxfp8_quantize",
         [](uintptr_t x, int64_t num_rows, int64_t hidden, bool stochastic, uint64_t seed, uintptr_t data,
            uintptr_t scales) {
+          require_host_rows(num_rows, hidden, 32, "host_mxfp8_quantize");
           host::mxfp8_quantize(ptr<const float>(x), num_rows, hidden, stochastic, seed, ptr<uint8_t>(data),
                                ptr<uint8_t>(scales));
         },
         release);
   m.def("host_mxfp8_dequantize",
         [](uintptr_t data, uintptr_t scales, int64_t num_rows, int64_t hidden, uintptr_t out) {
+          require_host_rows(num_rows, hidden, 32, "host_mxfp8_dequantize");
           host::mxfp8_dequantize(ptr<const uint8_t>(data), ptr<const uint8_t>(scales), num_rows, hidden,
                                  ptr<float>(out));
         },
@@ -136,6 +202,8 @@ void register_host_emulation(py::module_& m) {
   m.def("host_nvfp4_to_mxfp8_transposed",
         [](uintptr_t data, uintptr_t scales, uintptr_t amax, int64_t num_rows, int64_t hidden, float e4m3_max,
            bool stochastic, uint64_t seed, uintptr_t out_data, uintptr_t out_scales) {
+          require_host_rows(num_rows, hidden, 16, "host_nvfp4_to_mxfp8_transposed");
+          require(num_rows % 32 == 0, "host_nvfp4_to_mxfp8_transposed", "num_rows must be a multiple of 32");
           host::nvfp4_to_mxfp8_transposed(ptr<const uint8_t>(data), ptr<const uint8_t>(scales),
                                           ptr<const float>(amax), num_rows, hidden, e4m3_max, stochastic, seed,
                                           ptr<uint8_t>(out_data), ptr<uint8_t>(out_scales));
@@ -143,12 +211,14 @@ void register_host_emulation(py::module_& m) {
         release);
   m.def("host_rht",
         [](uintptr_t x, int64_t num_rows, int64_t hidden, uint32_t sign_mask, bool inverse, uintptr_t out) {
+          require_host_rows(num_rows, hidden, 32, "host_rht");
           host::rht(ptr<const float>(x), num_rows, hidden, sign_mask, inverse, ptr<float>(out));
         },
         release);
   m.def("host_s2f6_quantize",
         [](uintptr_t x, int64_t num_rows, int64_t hidden, bool hadamard, uint32_t sign_mask, uintptr_t data,
            uintptr_t scales) {
+          require_host_rows(num_rows, hidden, 32, "host_s2f6_quantize");
           host::s2f6_quantize(ptr<const float>(x), num_rows, hidden, hadamard, sign_mask, ptr<int8_t>(data),
                               ptr<uint8_t>(scales));
         },
@@ -156,6 +226,7 @@ void register_host_emulation(py::module_& m) {
   m.def("host_s2f6_dequantize",
         [](uintptr_t data, uintptr_t scales, int64_t num_rows, int64_t hidden, bool hadamard, uint32_t sign_mask,
            uintptr_t out) {
+          require_host_rows(num_rows, hidden, 32, "host_s2f6_dequantize");
           host::s2f6_dequantize(ptr<const int8_t>(data), ptr<const uint8_t>(scales), num_rows, hidden, hadamard,
                                 sign_mask, ptr<float>(out));
         },
@@ -164,6 +235,7 @@ void register_host_emulation(py::module_& m) {
         [](uintptr_t data, uintptr_t scales, int64_t num_src_rows, int64_t hidden, uintptr_t row_index,
            uintptr_t weights, int64_t num_out_rows, int64_t num_terms, bool hadamard, uint32_t sign_mask,
            uintptr_t out) {
+          require_host_rows(num_src_rows, hidden, 32, "host_s2f6_dequantize_accumulate");
           host::s2f6_dequantize_accumulate(ptr<const int8_t>(data), ptr<const uint8_t>(scales), num_src_rows, hidden,
                                            ptr<const int64_t>(row_index), ptr<const float>(weights), num_out_rows,
                                            num_terms, hadamard, sign_mask, ptr<float>(out));
@@ -172,6 +244,7 @@ void register_host_emulation(py::module_& m) {
   m.def("host_nvfp4_four_over_six_errors",
         [](uintptr_t x, int64_t num_rows, int64_t hidden, uintptr_t amax, float e4m3_max, uintptr_t err6,
            uintptr_t err4) {
+          require_host_rows(num_rows, hidden, 16, "host_nvfp4_four_over_six_errors");
           host::nvfp4_four_over_six_errors(ptr<const float>(x), num_rows, hidden, ptr<const float>(amax), e4m3_max,
                                            ptr<float>(err6), ptr<float>(err4));
         },
@@ -179,6 +252,7 @@ void register_host_emulation(py::module_& m) {
   m.def("host_nvfp4_fast_decided",
         [](uintptr_t x, int64_t num_rows, int64_t hidden, uintptr_t amax, float e4m3_max, bool four_over_six,
            uintptr_t decided) {
+          require_host_rows(num_rows, hidden, 16, "host_nvfp4_fast_decided");
           host::nvfp4_fast_decided(ptr<const float>(x), num_rows, hidden, ptr<const float>(amax), e4m3_max,
                                    four_over_six, ptr<uint8_t>(decided));
         },
@@ -248,6 +322,11 @@ void register_formats(py::module_& m) {
   m.def("nvfp4_dequantize",
         [](uintptr_t data, uintptr_t scales, uintptr_t amax, int64_t num_rows, int64_t hidden, float e4m3_max,
            uintptr_t out, int out_type, uintptr_t stream, uintptr_t num_rows_limit) {
+          if (num_rows > 0) {  // amax may be null (block values)
+            require(data != 0 && scales != 0, "nvfp4_dequantize", "data and scales are required");
+            require(aligned(data, 0, 8), "nvfp4_dequantize", "data must start 8-byte aligned");
+            require_dense(out, out_type, 0, "nvfp4_dequantize", "out is null");
+          }
           check(ep_comm::launch_nvfp4_dequantize(ptr<const uint8_t>(data), ptr<const uint8_t>(scales),
                                                  ptr<const float>(amax), num_rows, hidden, e4m3_max, ptr<void>(out),
                                                  out_type, as_stream(stream), ptr<const int32_t>(num_rows_limit)),
@@ -261,6 +340,11 @@ void register_formats(py::module_& m) {
   m.def("mxfp8_dequantize",
         [](uintptr_t data, uintptr_t scales, int64_t num_rows, int64_t hidden, uintptr_t out, int out_type,
            uintptr_t stream) {
+          if (num_rows > 0) {
+            require(data != 0 && scales != 0, "mxfp8_dequantize", "data and scales are required");
+            require(aligned(data, 0, 8), "mxfp8_dequantize", "data must start 8-byte aligned");
+            require_dense(out, out_type, 0, "mxfp8_dequantize", "out is null");
+          }
           check(ep_comm::launch_mxfp8_dequantize(ptr<const uint8_t>(data), ptr<const uint8_t>(scales), num_rows,
                                                  hidden, ptr<void>(out), out_type, as_stream(stream)),
                 "mxfp8_dequantize");
@@ -270,6 +354,12 @@ void register_formats(py::module_& m) {
   m.def("nvfp4_to_mxfp8_transposed",
         [](uintptr_t data, uintptr_t scales, uintptr_t amax, int64_t num_rows, int64_t hidden, float e4m3_max,
            bool stochastic, uint64_t seed, uintptr_t out_data, uintptr_t out_scales, uintptr_t stream) {
+          if (num_rows > 0) {  // out_scales may be unaligned (byte stores then)
+            require(data != 0 && scales != 0 && amax != 0 && out_data != 0 && out_scales != 0,
+                    "nvfp4_to_mxfp8_transposed", "data, scales, amax, out_data and out_scales are required");
+            require(aligned(data, 0, 8), "nvfp4_to_mxfp8_transposed", "data must start 8-byte aligned");
+            require(aligned(out_data, 0, 16), "nvfp4_to_mxfp8_transposed", "out_data must start 16-byte aligned");
+          }
           check(ep_comm::launch_nvfp4_to_mxfp8_transposed(ptr<const uint8_t>(data), ptr<const uint8_t>(scales),
                                                           ptr<const float>(amax), num_rows, hidden, e4m3_max,
                                                           stochastic, seed, ptr<uint8_t>(out_data),
@@ -285,6 +375,11 @@ void register_formats(py::module_& m) {
   m.def("s2f6_dequantize",
         [](uintptr_t data, uintptr_t scales, int64_t num_rows, int64_t hidden, bool hadamard, uint32_t sign_mask,
            uintptr_t out, int out_type, uintptr_t stream) {
+          if (num_rows > 0) {
+            require(data != 0 && scales != 0, "s2f6_dequantize", "data and scales are required");
+            require(aligned(data, 0, 8), "s2f6_dequantize", "data must start 8-byte aligned");
+            require_dense(out, out_type, 0, "s2f6_dequantize", "out is null");
+          }
           check(ep_comm::launch_s2f6_dequantize(ptr<const int8_t>(data), ptr<const uint8_t>(scales), num_rows,
                                                 hidden, hadamard, sign_mask, ptr<void>(out), out_type,
                                                 as_stream(stream)),

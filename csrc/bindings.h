@@ -28,6 +28,10 @@ inline cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaSt
 inline void check(cudaError_t status, const char* what,
                   const char* invalid_detail = "shape, alignment or size limits") {
   if (status == cudaSuccess) return;
+  // A launcher may return the status of a failed runtime call (cudaFuncSetAttribute, an occupancy query) that also
+  // left it as the thread's last error: clear it, or the next launch's cudaGetLastError would report this failure as
+  // its own (a no-op for sticky errors, which every later call reports anyway).
+  cudaGetLastError();
   if (status == cudaErrorInvalidValue) {
     throw std::invalid_argument(std::string(what) + ": invalid arguments (" + invalid_detail + ")");
   }

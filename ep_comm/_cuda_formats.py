@@ -29,8 +29,18 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, k)
     row_bytes = rows.stride(0) * rows.element_size()
     if rows.stride(-1) != 1 or rows.data_ptr() % 16 != 0 or (rows.shape[0] > 1 and row_bytes % 16 != 0):
-        rows = rows.contiguous()
+        # A copy, not contiguous(): that returns a contiguous view at a misaligned storage offset (a flat buffer sliced
+        # at an odd element) as it is, and the kernels' 16-byte loads of it fault.
+        rows = rows.clone(memory_format=torch.contiguous_format)
     return rows
+
+
+def _aligned(t: torch.Tensor, alignment: int = 8) -> torch.Tensor:
+    """t contiguous and starting `alignment`-byte aligned (a copy if needed): code bytes the kernels read in 8-byte
+    (dequantize) or 16-byte (accumulate) vectors. contiguous() alone keeps a uint8 / int8 view's storage offset, which
+    may be any byte (a flat buffer sliced at an odd offset); the misaligned loads would fault on the device."""
+    t = t.contiguous()
+    return t if t.data_ptr() % alignment == 0 else t.clone()
 
 
 def _dense_input(x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +110,7 @@ def nvfp4_quantize_block_values(x: torch.Tensor, amax: Optional[torch.Tensor],
 def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
     lib = _lib()
     k = q.data.shape[-1] * 2
-    data = q.data.reshape(-1, k // 2).contiguous()
+    data = _aligned(q.data.reshape(-1, k // 2))
     scales = q.scales.view(torch.uint8).reshape(-1, k // 16).contiguous()
     amax = q.amax.reshape(-1).float().contiguous()
     num_rows = data.shape[0]
@@ -129,7 +139,7 @@ def mxfp8_quantize(x: torch.Tensor, rounding: str, seed: int) -> MXFP8Tensor:
 def mxfp8_dequantize(m: MXFP8Tensor, dtype: torch.dtype) -> torch.Tensor:
     lib = _lib()
     k = m.data.shape[-1]
-    data = m.data.view(torch.uint8).reshape(-1, k).contiguous()
+    data = _aligned(m.data.view(torch.uint8).reshape(-1, k))
     scales = m.scales.view(torch.uint8).reshape(-1, k // 32).contiguous()
     num_rows = data.shape[0]
     out, out_type = _output((num_rows, k), dtype, m.data.device)
@@ -142,7 +152,7 @@ def mxfp8_dequantize(m: MXFP8Tensor, dtype: torch.dtype) -> torch.Tensor:
 def nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str, seed: int) -> MXFP8Tensor:
     lib = _lib()
     num_rows, k = q.data.shape[0], q.data.shape[1] * 2
-    data = q.data.contiguous()
+    data = _aligned(q.data)
     scales = q.scales.view(torch.uint8).contiguous()
     amax = q.amax.float().contiguous()
     out_data = torch.empty(k, num_rows, dtype=torch.uint8, device=q.data.device)
@@ -173,7 +183,7 @@ def s2f6_quantize(x: torch.Tensor, hadamard: bool, sign_mask: int) -> S2F6Tensor
 def s2f6_dequantize(s: S2F6Tensor, dtype: torch.dtype) -> torch.Tensor:
     lib = _lib()
     k = s.data.shape[-1]
-    data = s.data.reshape(-1, k).contiguous()
+    data = _aligned(s.data.reshape(-1, k))
     scales = s.scales.view(torch.uint8).reshape(-1, k // 32).contiguous()
     num_rows = data.shape[0]
     out, out_type = _output((num_rows, k), dtype, s.data.device)
@@ -188,7 +198,7 @@ def s2f6_dequantize_accumulate(s: S2F6Tensor, row_index: torch.Tensor, weights: 
     """Indices outside [0, N) are skipped by the kernel like -1 (memory-safe; formats.py decides policy)."""
     lib = _lib()
     num_src_rows, k = s.data.shape
-    data = s.data.contiguous()
+    data = _aligned(s.data, 16)
     scales = s.scales.view(torch.uint8).contiguous()
     index = row_index.contiguous()
     weights = None if weights is None else weights.float().contiguous()
@@ -205,18 +215,35 @@ def s2f6_dequantize_accumulate(s: S2F6Tensor, row_index: torch.Tensor, weights: 
 # ----------------------------------------------------------------------------------------------------------
 # CPU emulation (same arithmetic as the kernels, host memory): results match the reference's containers
 # ----------------------------------------------------------------------------------------------------------
+def _host(t: torch.Tensor, name: str = "x") -> torch.Tensor:
+    """t itself, refused unless it is a CPU tensor: the emulation reads every pointer on the host, where a CUDA address
+    (a CUDA amax, row_index or container field too, not only x) would crash the process."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+        raise ValueError(f"the host_* emulation takes CPU tensors; {name} is "
+                         f"{t.device if isinstance(t, torch.Tensor) else type(t).__name__}")
+    return t
+
+
 def _host_f32(x: torch.Tensor) -> torch.Tensor:
-    if x.is_cuda:
-        raise ValueError("the host_* emulation takes CPU tensors")
-    return x.float().contiguous()
+    return _host(x).float().contiguous()
+
+
+def _host_rows(x: torch.Tensor, block: int):
+    """x as contiguous fp32 rows [R, K] and K, with K a positive multiple of `block` (the emulation's loops assume
+    whole blocks: S2F6 and the RHT with another K would write past the scales)."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] == 0 or x.shape[-1] % block != 0:
+        raise ValueError(f"x must be a tensor [..., K] with K a positive multiple of {block}, got "
+                         f"{tuple(getattr(x, 'shape', ()))}")
+    k = x.shape[-1]
+    return _host_f32(x).reshape(-1, k), k
 
 
 def host_nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True,
                         amax: Optional[torch.Tensor] = None) -> NVFP4Tensor:
-    lead_shape, k = x.shape[:-1], x.shape[-1]
-    xf = _host_f32(x).reshape(-1, k)
+    xf, k = _host_rows(x, 16)
+    lead_shape = x.shape[:-1]
     num_rows = xf.shape[0]
-    amax_in = None if amax is None else torch.broadcast_to(torch.as_tensor(amax, dtype=torch.float32),
+    amax_in = None if amax is None else torch.broadcast_to(_host(torch.as_tensor(amax, dtype=torch.float32), "amax"),
                                                            lead_shape).reshape(num_rows).contiguous()
     e4m3_max = _NVFP4_ACTIVATION_M if four_over_six else _NVFP4_WEIGHT_M
     data = torch.empty(num_rows, k // 2, dtype=torch.uint8)
@@ -231,6 +258,7 @@ def host_nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True,
 
 def host_nvfp4_dequantize(q: NVFP4Tensor) -> torch.Tensor:
     _check_nvfp4(q)
+    _host(q.data, "q")
     k = q.data.shape[-1] * 2
     data = q.data.reshape(-1, k // 2).contiguous()
     scales = q.scales.view(torch.uint8).reshape(-1, k // 16).contiguous()
@@ -242,8 +270,8 @@ def host_nvfp4_dequantize(q: NVFP4Tensor) -> torch.Tensor:
 
 
 def host_mxfp8_quantize(x: torch.Tensor, rounding: str = "nearest", seed: int = 0) -> MXFP8Tensor:
-    lead_shape, k = x.shape[:-1], x.shape[-1]
-    xf = _host_f32(x).reshape(-1, k)
+    xf, k = _host_rows(x, 32)
+    lead_shape = x.shape[:-1]
     data = torch.empty(xf.shape, dtype=torch.uint8)
     scales = torch.empty(xf.shape[0], k // 32, dtype=torch.uint8)
     _lib().host_mxfp8_quantize(xf.data_ptr(), xf.shape[0], k, rounding == "stochastic", seed & (2**64 - 1),
@@ -254,6 +282,7 @@ def host_mxfp8_quantize(x: torch.Tensor, rounding: str = "nearest", seed: int = 
 
 def host_mxfp8_dequantize(m: MXFP8Tensor) -> torch.Tensor:
     _check_mxfp8(m)
+    _host(m.data, "m")
     k = m.data.shape[-1]
     data = m.data.view(torch.uint8).reshape(-1, k).contiguous()
     scales = m.scales.view(torch.uint8).reshape(-1, k // 32).contiguous()
@@ -264,6 +293,10 @@ def host_mxfp8_dequantize(m: MXFP8Tensor) -> torch.Tensor:
 
 def host_nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str = "stochastic", seed: int = 0) -> MXFP8Tensor:
     _check_nvfp4(q)
+    _host(q.data, "q")
+    # The loops take whole blocks of 32 rows: another row count would read and write past the buffers.
+    if q.data.dim() != 2 or q.data.shape[0] % 32 != 0:
+        raise ValueError(f"expects a 2-D NVFP4Tensor with a multiple of 32 rows, got data {tuple(q.data.shape)}")
     num_rows, k = q.data.shape[0], q.data.shape[1] * 2
     data = q.data.contiguous()
     scales = q.scales.view(torch.uint8).contiguous()
@@ -277,16 +310,15 @@ def host_nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str = "stochastic",
 
 
 def host_rht(x: torch.Tensor, sign_mask: int, inverse: bool = False) -> torch.Tensor:
-    k = x.shape[-1]
-    xf = _host_f32(x).reshape(-1, k)
+    xf, k = _host_rows(x, 32)
     out = torch.empty(xf.shape, dtype=torch.float32)
     _lib().host_rht(xf.data_ptr(), xf.shape[0], k, sign_mask, inverse, out.data_ptr())
     return out.reshape(x.shape)
 
 
 def host_s2f6_quantize(x: torch.Tensor, hadamard: bool = True, sign_mask: int = 0x6A09E667) -> S2F6Tensor:
-    lead_shape, k = x.shape[:-1], x.shape[-1]
-    xf = _host_f32(x).reshape(-1, k)
+    xf, k = _host_rows(x, 32)
+    lead_shape = x.shape[:-1]
     data = torch.empty(xf.shape, dtype=torch.int8)
     scales = torch.empty(xf.shape[0], k // 32, dtype=torch.uint8)
     _lib().host_s2f6_quantize(xf.data_ptr(), xf.shape[0], k, hadamard, sign_mask, data.data_ptr(), scales.data_ptr())
@@ -297,6 +329,7 @@ def host_s2f6_quantize(x: torch.Tensor, hadamard: bool = True, sign_mask: int = 
 
 def host_s2f6_dequantize(s: S2F6Tensor) -> torch.Tensor:
     _check_s2f6(s)
+    _host(s.data, "s")
     k = s.data.shape[-1]
     data = s.data.reshape(-1, k).contiguous()
     scales = s.scales.view(torch.uint8).reshape(-1, k // 32).contiguous()
@@ -309,6 +342,14 @@ def host_s2f6_dequantize(s: S2F6Tensor) -> torch.Tensor:
 def host_s2f6_dequantize_accumulate(s: S2F6Tensor, row_index: torch.Tensor, weights: Optional[torch.Tensor] = None,
                                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     _check_s2f6(s)
+    _host(s.data, "s")
+    # The loops read row_index and weights [M, J] as flat M * J arrays: a smaller weights would be read past its end.
+    if s.data.dim() != 2 or _host(row_index, "row_index").dim() != 2 or row_index.is_floating_point():
+        raise ValueError(f"expects s [N, K] and an integer row_index [M, J], got {tuple(s.data.shape)} and "
+                         f"{tuple(row_index.shape)} {row_index.dtype}")
+    if weights is not None and _host(weights, "weights").shape != row_index.shape:
+        raise ValueError(f"weights must have the shape of row_index {tuple(row_index.shape)}, got "
+                         f"{tuple(weights.shape)}")
     num_src_rows, k = s.data.shape
     data = s.data.contiguous()
     scales = s.scales.view(torch.uint8).contiguous()
@@ -351,7 +392,7 @@ def host_bf16_round(x: torch.Tensor) -> torch.Tensor:
 
 def host_rbits(seed: int, index: torch.Tensor) -> torch.Tensor:
     """rbits(seed, index) as an int64 tensor of 16-bit values (docs/NUMERICS.md "Random bits")."""
-    idx = index.to(torch.int64).contiguous().reshape(-1)
+    idx = _host(index, "index").to(torch.int64).contiguous().reshape(-1)
     out = torch.empty(idx.shape, dtype=torch.int32)
     _lib().host_rbits(seed & (2**64 - 1), idx.data_ptr(), idx.numel(), out.data_ptr())
     return out.to(torch.int64).reshape(index.shape)
@@ -360,6 +401,8 @@ def host_rbits(seed: int, index: torch.Tensor) -> torch.Tensor:
 def host_sr_e4m3(x: torch.Tensor, random_bits: torch.Tensor) -> torch.Tensor:
     """E4M3 codes of the stochastic rounding of x with the given 32-bit random words (low 16 bits used)."""
     xf = _host_f32(x).reshape(-1)
+    if _host(random_bits, "random_bits").numel() != xf.numel():  # one word per element, read as a flat array
+        raise ValueError(f"random_bits must have one word per element of x ({xf.numel()}), got {random_bits.numel()}")
     bits = (random_bits.to(torch.int64) & 0xFFFFFFFF).reshape(-1)
     bits32 = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).contiguous()
     out = torch.empty(xf.shape, dtype=torch.uint8)
@@ -369,9 +412,9 @@ def host_sr_e4m3(x: torch.Tensor, random_bits: torch.Tensor) -> torch.Tensor:
 
 def _host_rows_and_amax(x: torch.Tensor, amax):
     """x as contiguous fp32 rows [R, K], the outer amax broadcast to one float32 per row, and K."""
-    k = x.shape[-1]
-    xf = _host_f32(x).reshape(-1, k)
-    row_amax = torch.broadcast_to(torch.as_tensor(amax, dtype=torch.float32), (xf.shape[0],)).contiguous()
+    xf, k = _host_rows(x, 16)
+    amax = _host(torch.as_tensor(amax, dtype=torch.float32), "amax")
+    row_amax = torch.broadcast_to(amax, (xf.shape[0],)).contiguous()
     return xf, row_amax, k
 
 

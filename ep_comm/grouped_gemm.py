@@ -391,7 +391,8 @@ def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Option
     _check_num_rows_limit(num_rows_limit, q.data.device)  # on every path (the reference ignores its value)
     if _use_gemm_kernels(impl, q.data, "expand_nvfp4_rows"):
         lib = _ext._C
-        data, scales = data.contiguous(), scales.contiguous()
+        from ._cuda_formats import _aligned
+        data, scales = _aligned(data, 8), scales.contiguous()  # the kernel reads codes in 8-byte vectors
         values = torch.empty(num_rows, k, dtype=torch.float16, device=q.data.device)
         if num_rows:
             with _ext.cuda_device(q.data.device):
