@@ -52,6 +52,7 @@ class Case:
     expert_alignment: int = 1
     seed: int = 0
     unit_weights: bool = False
+    edge: bool = False     # special token values in rows 1..6 (make_inputs)
 
     @property
     def max_tokens(self) -> int:
@@ -59,13 +60,25 @@ class Case:
 
 
 def make_inputs(case: Case, rank: int, world: int, device="cpu"):
-    """x bf16 [T, H] (Gaussian with a few outliers), topk_idx int64 [T, K], topk_weights float32 [T, K]."""
+    """x bf16 [T, H] (Gaussian with a few outliers), topk_idx int64 [T, K], topk_weights float32 [T, K].
+    case.edge: rows 1..6 (row 0 may be masked entirely) are all +0, all -0, bf16 subnormals, tiny values with one
+    outlier, a row with scattered +-Inf and NaN, and values near the bf16 maximum (Inf after NVFP4's decode or the toy
+    expert)."""
     gen = torch.Generator().manual_seed(case.seed * 1000 + rank)
     num_tokens, experts, k = case.tokens[rank], case.num_experts, case.num_topk
     x = torch.randn(num_tokens, case.hidden, generator=gen)
     if num_tokens:
         outliers = torch.randint(0, x.numel(), (max(1, x.numel() // 500),), generator=gen)
         x.view(-1)[outliers] *= 20.0
+    if case.edge and num_tokens >= 7:
+        h = case.hidden
+        x[1] = 0.0
+        x[2] = -0.0
+        x[3] = torch.randn(h, generator=gen).sign() * 3e-39 * torch.rand(h, generator=gen)
+        x[4] = torch.randn(h, generator=gen) * 1e-3
+        x[4, h // 3] = 1e4
+        x[5, torch.arange(3) * (h // 3) + 1] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+        x[6] = torch.randn(h, generator=gen).sign() * 3.3e38
     x = x.to(torch.bfloat16)
     if case.routing == "skewed":
         probs = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** 1.2

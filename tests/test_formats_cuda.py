@@ -279,7 +279,7 @@ def test_s2f6_quantize(hidden, num_rows, dtype, hadamard):
                            F.s2f6_dequantize(expected, dtype=out_dtype, impl="reference"), f"dequantize {out_dtype}")
 
 
-@pytest.mark.parametrize("hidden", [2048, 7168])
+@pytest.mark.parametrize("hidden", HIDDEN_SIZES)
 @pytest.mark.parametrize("num_terms", [1, 3, 8])
 @pytest.mark.parametrize("weighted", [True, False])
 @pytest.mark.parametrize("hadamard", [True, False])
@@ -347,9 +347,10 @@ def test_s2f6_accumulate_unaligned_scales_pointer():
 # ----------------------------------------------------------------------------------------------------------
 # Edge rows and empty inputs, every kernel
 # ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("hidden", HIDDEN_SIZES)  # threads per row and rows per CTA follow the row length: each size
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_edge_rows(dtype):
-    x = edge_rows(2048).to(dtype)
+def test_edge_rows(dtype, hidden):
+    x = edge_rows(hidden).to(dtype)
     xd = x.to(DEVICE)
     for four_over_six in (True, False):
         expected = F.nvfp4_quantize(x, four_over_six=four_over_six, impl="reference")
@@ -404,12 +405,18 @@ def test_out_of_range_index_is_rejected_and_the_kernel_skips_it():
 
 
 def test_kernels_follow_the_current_stream():
+    """The input is written on the side stream behind a long sleep, then quantized there: a kernel launched on any
+    other stream reads it before the copy (zeros). (Without the sleep and the copy this passed whatever stream the
+    kernels took: the .cpu() below synchronizes the default stream too.)"""
     x = torch.randn(512, 4096, device=DEVICE, dtype=torch.bfloat16)
     stream = torch.cuda.Stream()
+    staged = torch.zeros_like(x)
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        q = F.nvfp4_quantize(x, impl="cuda")
-        s = F.s2f6_quantize(x, impl="cuda")
+        torch.cuda._sleep(200_000_000)  # ~0.1 s: the copy below lands long after a kernel on another stream ran
+        staged.copy_(x)
+        q = F.nvfp4_quantize(staged, impl="cuda")
+        s = F.s2f6_quantize(staged, impl="cuda")
     stream.synchronize()
     assert_same_nvfp4(_cpu_nvfp4(q), F.nvfp4_quantize(x.cpu(), impl="reference"), "nvfp4 on a side stream")
     assert_same_mx(_cpu_s2f6(s), F.s2f6_quantize(x.cpu(), impl="reference"), "s2f6 on a side stream")

@@ -62,8 +62,8 @@ def test_a_rank_that_dies_is_named_and_not_waited_for():
     # The survivor's collective error is reported with the rank whose death caused it.
     with pytest.raises(AssertionError, match=r"ranks \[0\] exited without reporting \(exit codes \[3\];.*rank 1 failed"):
         run_ranks(_die_then_barrier, 2, backend="gloo", timeout_s=120)
-    # An exit with code 0 and no report is a death too, found within seconds rather than at the timeout.
-    start = time.monotonic()
+    # An exit with code 0 and no report is a death too, found as one rather than at the timeout: a run that waited for
+    # the timeout raises "did not finish within 120 s" instead, which this match refuses (no wall-clock assertion:
+    # tests never assert on timings, DESIGN.md section 6).
     with pytest.raises(AssertionError, match=r"ranks \[1\] exited without reporting \(exit codes \[0\]\)"):
         run_ranks(_exit_quietly, 2, backend="gloo", timeout_s=120)
-    assert time.monotonic() - start < 60

@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+pytestmark = pytest.mark.cpu  # a tier marker like every other test (unmarked, `-m cpu` deselected these)
+
 _PATH = os.path.join(os.path.dirname(__file__), "..", "bench", "ncu_sass_summary.py")
 
 
