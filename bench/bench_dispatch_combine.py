@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=2 bench/bench_dispatch_combine.py --out bench.json
     python bench/bench_dispatch_combine.py --nproc 2          # spawns itself
-    (ep_comm.bench calls run(args) on every rank when GPUs are present)
+    (run(args) works on every rank of an initialized NCCL group; `python -m ep_comm.bench` is the smaller main job)
 
 Shape: H = 7168, top-8 of 256 experts, random routing, 128 / 512 / 4096 / 8192 tokens per rank (flags).
 Timing, per kernel pair (dispatch = layout + send + receive kernels; combine = send + receive):
@@ -18,6 +18,9 @@ combine_rows_begin_finish = what the combine-row form leaves outside the w2 GEMM
 epilogue stores the rows), i.e. begin (wait on the peers' flags) + finish (release + receive), here without a GEMM.
 Bytes: `wire` = bytes this rank stores into OTHER ranks' memory (payload + our per-row metadata), i.e. what
 crosses NVLink per rank per direction; `bf16_eq` = 2·H per (token, peer rank) row — the BF16-equivalent rate.
+Dispatch rows are this rank's tokens, once per other destination rank; combine rows are the (token, source rank)
+pairs this rank received from other ranks (combine_expert_rows: one per received (token, expert) row), which it
+sends back.
 SMs: the blocks (one per SM) of the op's send / receive kernels as they ran: the BF16 and MXFP8 dispatch send runs
 num_sms blocks, every other nvlink kernel (NVFP4 quantize-send, receive/expansion, combine reduction and receive)
 num_local_sms (0 = all SMs); the reference is NCCL's choice.
@@ -54,7 +57,42 @@ def parse_args(argv=None):
     p.add_argument("--no-ceiling", action="store_true", help="skip the peer-copy ceiling")
     p.add_argument("--out", default="", help="write the rows as JSON here (rank 0)")
     p.add_argument("--nproc", type=int, default=0, help="spawn this many ranks (when not under torchrun)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    _check_args(p, args)
+    return args
+
+
+def _check_args(p, args) -> None:
+    """Refuse bad flags here, with argparse's message, not as a traceback from inside every spawned rank."""
+    from ep_comm.types import COMBINE_FORMATS, DISPATCH_FORMATS
+    try:
+        args.token_list = [int(t) for t in str(args.tokens).split(",") if t.strip()]
+    except ValueError:
+        p.error(f"--tokens must be a comma list of token counts, got {args.tokens!r}")
+    if not args.token_list or min(args.token_list) < 1:
+        p.error(f"--tokens must name positive token counts, got {args.tokens!r}")
+    for name in ("experts", "topk", "iters", "graph_calls", "num_sms"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.num_local_sms < 0 or args.nproc < 0:
+        p.error("--num-local-sms and --nproc must not be negative")
+    if args.hidden < 1 or args.hidden % 32:
+        p.error(f"--hidden must be a positive multiple of 32, got {args.hidden}")
+    if args.topk > args.experts:
+        p.error(f"--topk {args.topk} exceeds --experts {args.experts}")
+    args.pairs = [tuple(pair.split("/")) for pair in args.formats.split(",") if pair]
+    if not args.pairs:
+        p.error("--formats names no dispatch/combine pair")
+    for pair in args.pairs:
+        if len(pair) != 2 or pair[0] not in DISPATCH_FORMATS or pair[1] not in COMBINE_FORMATS:
+            p.error(f"--formats pair {'/'.join(pair)!r}: dispatch is one of {'/'.join(DISPATCH_FORMATS)}, "
+                    f"combine one of {'/'.join(COMBINE_FORMATS)}")
+
+
+def _check_world(args, world: int) -> None:
+    """The flags that depend on the rank count, checked before any rank starts."""
+    if args.experts % world:
+        raise SystemExit(f"[bench] --experts {args.experts} is not a multiple of the {world} ranks")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -111,6 +149,15 @@ def _peer_rows(idx, rank, world, experts):
     return int(goes.sum() - goes[:, rank].sum())
 
 
+def _combine_send_rows(res, rank, tokens) -> tuple:
+    """(rows, expert rows) this rank's combine stores into other ranks: one per (token, source rank) pair it received
+    from another rank (local_reduce=True), and one per received (token, expert) row (local_reduce=False). These are
+    the other ranks' tokens, not this rank's own dispatch rows: the two counts differ by the routing's imbalance."""
+    remote = (res.src_rank >= 0) & (res.src_rank != rank)
+    pairs = res.src_rank[remote].to(torch.int64) * tokens + res.src_token[remote].to(torch.int64)
+    return int(torch.unique(pairs).numel()), int(remote.sum())
+
+
 def _nccl_all_to_all_rows(args, tokens, rank, world, group, calls=10, reps=5):
     """NCCL baseline in the same run: torch all_to_all_single of BF16 token rows, each token once per destination rank
     it routes to (this rank's own rows included: NCCL copies them locally), the same routing as the dispatch. Timing
@@ -147,16 +194,18 @@ def _bench_backend(args, backend, tokens, dfmt, cfmt, rank, world, group):
     rows = []
     try:
         x, idx, w = _routing(rank, tokens, args.hidden, args.experts, args.topk)
-        res = buf.dispatch(x, idx, w)
+        res = buf.dispatch(x, idx, w)  # also the dispatch's warm-up
         expert_out = torch.randn(res.num_rows, args.hidden, device="cuda").to(torch.bfloat16)
+        buf.combine(expert_out, res.handle)  # the combine's warm-up (its first call is not one of the timed ones)
         peer_rows = _peer_rows(idx, rank, world, args.experts)
+        back_rows, back_expert_rows = _combine_send_rows(res, rank, tokens)
         if backend == "nvlink":
             layout = _RegionLayout.of(buf.config)
-            wire_d, wire_c = peer_rows * layout.disp_row_bytes, peer_rows * layout.comb_row_bytes
+            wire_d, wire_c = peer_rows * layout.disp_row_bytes, back_rows * layout.comb_row_bytes
         else:
             wire_d = peer_rows * dispatch_bytes_per_token(dfmt, args.hidden)
-            wire_c = peer_rows * combine_bytes_per_token(cfmt, args.hidden)
-        bf16_eq = peer_rows * 2 * args.hidden
+            wire_c = back_rows * combine_bytes_per_token(cfmt, args.hidden)
+        bf16_eq = {"dispatch": peer_rows * 2 * args.hidden, "combine": back_rows * 2 * args.hidden}
         timings = {
             "dispatch": {"iso": _iso_time_us(lambda: buf.dispatch(x, idx, w), args.iters, group)},
             "combine": {"iso": _iso_time_us(lambda: buf.combine(expert_out, res.handle), args.iters, group)},
@@ -191,19 +240,19 @@ def _bench_backend(args, backend, tokens, dfmt, cfmt, rank, world, group):
                                                                           group)}
                 timings["combine_rows_begin_finish"] = {"graph": _graph_time_us(rows_finishes, args.graph_calls,
                                                                                 group)}
-        expert_rows = int((idx // (args.experts // world) != rank).sum()) * (
-            layout.comb_row_bytes if backend == "nvlink" else 0)
+        expert_rows = back_expert_rows * (layout.comb_row_bytes if backend == "nvlink" else 0)
         # begin + finish alone move no payload (the rows are the GEMM's stores): wire 0, only the time is reported.
         for kernel, wire in (("dispatch", wire_d), ("dispatch_rows", wire_d), ("combine", wire_c),
                              ("combine_expert_rows", expert_rows), ("combine_rows_begin_finish", 0)):
             if kernel not in timings:
                 continue
             fmt = dfmt if kernel.startswith("dispatch") else cfmt
+            eq = bf16_eq["dispatch" if kernel.startswith("dispatch") else "combine"]
             for method, us in timings[kernel].items():  # (bf16_eq_GBps: per (token, rank) row, as for combine)
                 rows.append({
                     "backend": backend, "kernel": kernel, "format": fmt, "tokens": tokens, "world": world,
                     "timing": method, "time_us": round(us, 2), "wire_bytes": wire,
-                    "wire_GBps": round(wire / us / 1e3, 1), "bf16_eq_GBps": round(bf16_eq / us / 1e3, 1),
+                    "wire_GBps": round(wire / us / 1e3, 1), "bf16_eq_GBps": round(eq / us / 1e3, 1),
                     "sms": _blocks(buf, kernel) if backend == "nvlink" else "nccl", "rank": rank,
                     "peer_memory": buf._backend.region.kind if backend == "nvlink" else "nccl",
                 })
@@ -249,21 +298,10 @@ def _ceiling_rows(rank, world, group, nbytes=1 << 30):
             peer = nvshmem.get_peer_tensor(sym, (rank + 1) % world)
             dist.barrier(group=group)
             if rank == 0:
-                for _ in range(2):
-                    torch.mul(src, 1.0, out=peer)
-                times = []
-                for _ in range(5):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    torch.mul(src, 1.0, out=peer)
-                    end.record()
-                    end.synchronize()
-                    times.append(start.elapsed_time(end) * 1e3)
-                us = statistics.median(times)
-                rows.append({"backend": "ceiling", "kernel": "SM stores into peer (all SMs)", "format": "bytes",
-                             "tokens": 0, "world": world, "timing": "events", "time_us": round(us, 1),
-                             "wire_bytes": nbytes, "wire_GBps": round(nbytes / us / 1e3, 1), "bf16_eq_GBps": None,
-                             "sms": torch.cuda.get_device_properties(0).multi_processor_count, "rank": 0})
+                try:  # rank 0's own failure stays here: the barrier and the collective free below run on every rank
+                    rows.append(_sm_store_row(src, peer, nbytes, world))
+                except Exception as error:
+                    print(f"[bench] SM-store ceiling skipped: {error}", flush=True)
             torch.cuda.synchronize()
             dist.barrier(group=group)
             nvshmem.free_tensor(sym)
@@ -274,6 +312,25 @@ def _ceiling_rows(rank, world, group, nbytes=1 << 30):
     return rows
 
 
+def _sm_store_row(src, peer, nbytes, world) -> dict:
+    """SM stores of `src` into the peer view `peer` (all SMs), timed between CUDA events, median of 5."""
+    for _ in range(2):
+        torch.mul(src, 1.0, out=peer)
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.mul(src, 1.0, out=peer)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    us = statistics.median(times)
+    return {"backend": "ceiling", "kernel": "SM stores into peer (all SMs)", "format": "bytes",
+            "tokens": 0, "world": world, "timing": "events", "time_us": round(us, 1),
+            "wire_bytes": nbytes, "wire_GBps": round(nbytes / us / 1e3, 1), "bf16_eq_GBps": None,
+            "sms": torch.cuda.get_device_properties(0).multi_processor_count, "rank": 0}
+
+
 def run(args) -> list:
     """Run on every rank of an initialized process group (NCCL); returns this rank's rows."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -281,8 +338,8 @@ def run(args) -> list:
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
-    pairs = [tuple(p.split("/")) for p in args.formats.split(",") if p]
-    for tokens in [int(t) for t in str(args.tokens).split(",") if t]:
+    pairs = args.pairs
+    for tokens in args.token_list:
         for dfmt, cfmt in pairs:
             rows += _bench_backend(args, "nvlink", tokens, dfmt, cfmt, rank, world, group)
             if not args.no_reference:
@@ -334,7 +391,7 @@ def _spawned(rank, world, port, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     try:
         _main_in_group(args)
     finally:
@@ -344,8 +401,10 @@ def _spawned(rank, world, port, args):
 def main(argv=None):
     args = parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        _check_world(args, int(os.environ["WORLD_SIZE"]))
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl")
+        # device_id: the group is bound to this GPU (NCCL's barrier() otherwise warns that it guesses the device)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
         try:
             _main_in_group(args)
         finally:
@@ -356,6 +415,9 @@ def main(argv=None):
     # work without a peer; found by itself, one GPU is more likely a mistake than a wish.
     if world < 1 or (world < 2 and args.nproc != 1):
         raise SystemExit("[bench] needs >= 2 GPUs (run under torchrun, or pass --nproc; --nproc 1 times one rank)")
+    if world > torch.cuda.device_count():
+        raise SystemExit(f"[bench] --nproc {world} exceeds the {torch.cuda.device_count()} visible GPUs")
+    _check_world(args, world)
     import socket
     import torch.multiprocessing as mp
     with socket.socket() as sock:

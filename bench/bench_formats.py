@@ -150,15 +150,20 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default="", help="run only the kernels whose name contains this substring")
     parser.add_argument("--out", help="write the results as JSON to this path")
     args = parser.parse_args(argv)
+    # The flags first: a bad one is a usage error wherever it runs, not "no CUDA device" or a traceback.
+    if args.mib < 64 or args.hidden < 32 or args.hidden % 32:
+        parser.error("--mib must be >= 64 and --hidden a positive multiple of 32")
+    if args.iters < 1 or args.batches < 1:
+        parser.error("--iters and --batches must be at least 1")
     if not torch.cuda.is_available():
         print("bench_formats: no CUDA device", file=sys.stderr)
         return 1
     lib = _ext.require_cuda_extension("bench_formats")
-    if args.mib < 64 or args.hidden % 32:
-        parser.error("--mib must be >= 64 and --hidden a multiple of 32")
 
     copy_gbps = copy_bandwidth_gbps()
     cases = build_cases(lib, args.mib, args.hidden, not args.no_reference)
+    if not any(args.only in c.name for c in cases):  # an empty table with exit code 0 would look like a result
+        parser.error(f"--only {args.only!r} matches none of: {', '.join(c.name for c in cases)}")
     results = []
     header = f"{'kernel':36s} {'shape':34s} {'MiB':>8s} {'us':>9s} {'GB/s':>8s} {'% copy':>7s} {'ref us':>10s} {'speedup':>8s}"
     print(f"device: {torch.cuda.get_device_name()}   copy_ (read+write): {copy_gbps:.0f} GB/s")

@@ -26,6 +26,9 @@ GB/s), speedup of ours over BF16.
 
     python bench/bench_grouped_gemm.py [--rows 128,16] [--experts 128] [--token-tiles auto,16,128] [--check]
                                        [--out results.json]
+
+Exit code 1 when a --check fails or a measurement of ours failed (its rows are missing; the JSON's "checks" say
+which); a baseline layout that torch cannot run is only a note.
 """
 from __future__ import annotations
 
@@ -138,7 +141,15 @@ def check_experts(gemm: Gemm, x: G.ExpandedRows, offsets, counts, offsets_t, cou
     return results
 
 
-def time_ours(gemm: Gemm, x, offsets_t, counts_t, out_dtype, token_tile, iters, reps,
+def ran(checks: list, what: str, error: Exception) -> None:
+    """Record a measurement of ours that failed: printed, kept in the JSON's checks, and the exit code is 1 (the
+    run goes on, since the other figures are still useful, but it is not a complete result)."""
+    message = f"{type(error).__name__}: {error}"
+    print(f"  NOTE: {what} failed: {message}")
+    checks.append({"check": f"{what} ran", "ok": False, "error": message[:500]})
+
+
+def time_ours(gemm: Gemm, x, offsets_t, counts_t, out_dtype, token_tile, iters, reps, checks: list,
               tail_tile: Optional[int] = None) -> Optional[float]:
     out = torch.zeros(x.num_rows, gemm.packed.out_features, dtype=out_dtype, device="cuda")
     try:
@@ -146,11 +157,12 @@ def time_ours(gemm: Gemm, x, offsets_t, counts_t, out_dtype, token_tile, iters, 
                                                     token_tile=token_tile, impl="cuda", out=out,
                                                     tail_tile=tail_tile), iters, reps)
     except Exception as error:  # report and keep going: the baseline numbers are still useful
-        print(f"  NOTE: ours failed on {gemm.name}: {type(error).__name__}: {error}")
+        ran(checks, f"ours on {gemm.name} (token tile {token_tile or 'auto'}, "
+            f"tail tile {'default' if tail_tile is None else tail_tile})", error)
         return None
 
 
-def time_combine_rows(gemm: Gemm, x, offsets_t, counts_t, token_tile, iters, reps) -> Optional[float]:
+def time_combine_rows(gemm: Gemm, x, offsets_t, counts_t, token_tile, iters, reps, checks: list) -> Optional[float]:
     """w2 with the combine-row epilogue (RHT + S2F6 rows, as MoELayer(combine_rows=True) stores them), here into a
     local area (row r -> token r // 8, slot r % 8): the epilogue's cost next to the bf16 one, without NVLink."""
     from ep_comm.types import CombineRowsTarget, s2f6_combine_row_layout
@@ -168,7 +180,7 @@ def time_combine_rows(gemm: Gemm, x, offsets_t, counts_t, token_tile, iters, rep
         return time_ms(lambda: G.grouped_gemm_nvfp4_combine_rows(x, offsets_t, counts_t, gemm.packed, target,
                                                                  token_tile=token_tile), iters, reps)
     except Exception as error:
-        print(f"  NOTE: the combine-row epilogue failed on {gemm.name}: {type(error).__name__}: {error}")
+        ran(checks, f"the combine-row epilogue on {gemm.name}", error)
         return None
 
 
@@ -218,7 +230,7 @@ def time_requantization(gemm: Gemm, x, offsets_t, counts_t, args, rows_per_exper
     return out
 
 
-def time_expert_mlp(gemms, rows: int, offsets_t, counts_t, args):
+def time_expert_mlp(gemms, rows: int, offsets_t, counts_t, args, checks: list):
     """(ms, parts) of the experts' whole forward as MoELayer runs it (moe.fused_expert_mlp) from NVFP4 rows in the
     dispatch layout: expansion, w1 with SwiGLU, NVFP4 4/6 requantization into w2's operand rows, w2 (BF16 out);
     parts: ms of the passes between the GEMMs, each timed alone (the expansion of the tokens, the requantization
@@ -226,6 +238,7 @@ def time_expert_mlp(gemms, rows: int, offsets_t, counts_t, args):
     from ep_comm import _cuda_formats, moe
     w1, w2 = gemms
     tokens = random_nvfp4_rows(rows, w1.k, seed=rows + 3)
+    hidden = None
     token_tile = args.token_tile_list[0] or None
     limit = offsets_t[-1:]
     try:
@@ -242,14 +255,13 @@ def time_expert_mlp(gemms, rows: int, offsets_t, counts_t, args):
                 _cuda_formats.nvfp4_quantize(hidden, True, None, num_rows_limit=limit), num_rows_limit=limit),
                 args.iters, args.reps),
         }
-        del hidden
         print("  mlp parts (ms): " + ", ".join(f"{name} {value:.3f}" for name, value in parts.items()))
         return ms, parts
     except Exception as error:
-        print(f"  NOTE: the whole expert MLP failed: {type(error).__name__}: {error}")
+        ran(checks, "the whole expert MLP", error)
         return None, {}
     finally:
-        del tokens
+        tokens = hidden = None  # (not `del`: the lambdas above name them)
         free_memory()
 
 
@@ -323,10 +335,12 @@ def run_case(spec: str, gemms, args, ceilings, notes: list, checks: list) -> lis
         if args.check:
             checks.extend(check_experts(gemm, x, offsets, counts, offsets_t, counts_t, sorted({0, experts - 1}),
                                         args.token_tile_list))
-        ours_by_tile = {t: time_ours(gemm, x, offsets_t, counts_t, out_dtype, t or None, args.iters, args.reps)
+        ours_by_tile = {t: time_ours(gemm, x, offsets_t, counts_t, out_dtype, t or None, args.iters, args.reps,
+                                     checks=checks)
                         for t in args.token_tile_list}
         ours = ours_by_tile[args.token_tile_list[0]]
-        no_tail = (time_ours(gemm, x, offsets_t, counts_t, out_dtype, 128, args.iters, args.reps, tail_tile=0)
+        no_tail = (time_ours(gemm, x, offsets_t, counts_t, out_dtype, 128, args.iters, args.reps, tail_tile=0,
+                             checks=checks)
                    if spec.endswith("r") else None)
         base, layout, swiglu_ms = None, None, None
         if not args.no_baseline:
@@ -364,7 +378,7 @@ def run_case(spec: str, gemms, args, ceilings, notes: list, checks: list) -> lis
             results.extend(time_requantization(gemm, x, offsets_t, counts_t, args, rows_per_expert, ceilings, checks))
         if not gemm.swiglu:
             rows_ms = time_combine_rows(gemm, x, offsets_t, counts_t, args.token_tile_list[0] or None, args.iters,
-                                        args.reps)
+                                        args.reps, checks=checks)
             if rows_ms is not None:
                 results.append(row_for(gemm.name, rows_per_expert, "ours", rows_ms, gemm.flops(rows),
                                        gemm.weight_bytes, ceilings, base, token_tile="combine-rows",
@@ -382,7 +396,7 @@ def run_case(spec: str, gemms, args, ceilings, notes: list, checks: list) -> lis
         results.append(row_for("w1+w2", rows_per_expert, "torch_bf16", totals["torch_bf16"], flops, bytes_bf16,
                                ceilings, None, note="includes silu*mul for w1"))
     if [g.name for g in gemms] == ["w1", "w2"]:
-        mlp_ms, parts = time_expert_mlp(gemms, rows, offsets_t, counts_t, args)
+        mlp_ms, parts = time_expert_mlp(gemms, rows, offsets_t, counts_t, args, checks=checks)
         if mlp_ms is not None:
             results.append(row_for("mlp", rows_per_expert, "ours", mlp_ms, flops, bytes_ours, ceilings,
                                    totals["torch_bf16"], token_tile=tile_label(args.token_tile_list[0], auto_tile),
@@ -447,13 +461,6 @@ def main(argv=None) -> int:
     parser.add_argument("--no-baseline", action="store_true", help="skip torch._grouped_mm")
     parser.add_argument("--out", help="write the results as JSON to this path")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_grouped_gemm: no CUDA device", file=sys.stderr)
-        return 1
-    lib = _ext.require_cuda_extension("bench_grouped_gemm")
-    if not hasattr(lib, "grouped_gemm_nvfp4"):
-        print("bench_grouped_gemm: this ep_comm._C has no grouped_gemm_nvfp4 (rebuild)", file=sys.stderr)
-        return 1
     rows_list = [r.strip() for r in args.rows.split(",") if r.strip()]
     try:
         args.token_tile_list = [0 if t.strip() == "auto" else int(t) for t in args.token_tiles.split(",") if t.strip()]
@@ -461,9 +468,19 @@ def main(argv=None) -> int:
         parser.error("--token-tiles must be a comma list of auto, 16, 32, 64, 128")
     if not args.token_tile_list or any(t not in (0,) + G.TOKEN_TILES for t in args.token_tile_list):
         parser.error("--token-tiles must be a comma list of auto, 16, 32, 64, 128")
-    if args.hidden % 64 or args.inter % 32 or not rows_list or not all(
+    # pack_gemm_weights takes N and K multiples of 64: w1 is [E, 2I, H], w2 [E, H, I], so H and I both.
+    if args.hidden < 64 or args.hidden % 64 or args.inter < 64 or args.inter % 64 or not rows_list or not all(
             r.rstrip("r").isdigit() and int(r.rstrip("r")) > 0 for r in rows_list):
-        parser.error("--hidden must be a multiple of 64, --inter of 32, --rows positive (N or Nr)")
+        parser.error("--hidden and --inter must be positive multiples of 64, --rows positive (N or Nr)")
+    if args.experts < 1 or args.iters < 1 or args.reps < 1:
+        parser.error("--experts, --iters and --reps must be at least 1")
+    if not torch.cuda.is_available():
+        print("bench_grouped_gemm: no CUDA device", file=sys.stderr)
+        return 1
+    lib = _ext.require_cuda_extension("bench_grouped_gemm")
+    if not hasattr(lib, "grouped_gemm_nvfp4"):
+        print("bench_grouped_gemm: this ep_comm._C has no grouped_gemm_nvfp4 (rebuild)", file=sys.stderr)
+        return 1
 
     ceilings = {"mm_tflops": mm_ceiling_tflops(), "copy_gbps": copy_ceiling_gbps()}
     free_memory()
@@ -480,10 +497,10 @@ def main(argv=None) -> int:
     for rows_per_expert in rows_list:
         try:
             results.extend(run_case(rows_per_expert, gemms, args, ceilings, notes, checks))
-        except torch.cuda.OutOfMemoryError:
+        except torch.cuda.OutOfMemoryError as error:
             notes.append(f"out of memory at {rows_per_expert} rows per expert")
-            print(f"  NOTE: {notes[-1]}")
             traceback.print_exc()
+            ran(checks, f"the case of {rows_per_expert} rows per expert", error)  # its rows are missing
             free_memory()
     print_table(results)
     for note in notes:
@@ -491,7 +508,9 @@ def main(argv=None) -> int:
     failed = [c for c in checks if not c["ok"]]
     if args.check:
         print(f"check: {len(checks) - len(failed)}/{len(checks)} passed ((expert, token tile) runs within 1e-5 "
-              f"relative error; fused SwiGLU amax bitwise equal to the amax pass)")
+              f"relative error; fused SwiGLU amax bitwise equal to the amax pass; measurements that ran)")
+    for c in failed:
+        print(f"FAILED: {json.dumps(c)}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -61,9 +62,47 @@ def parse_args(argv=None):
         args.wave_sms_list = [None if t == "auto" else int(t) for t in (v.strip() for v in args.wave_sms.split(",")) if t]
     except ValueError:
         p.error("--wave-sms must be a comma list of auto and SM counts")
-    if not args.wave_sms_list:
-        p.error("--wave-sms needs at least one value (the main waves row)")
+    if not args.wave_sms_list or any(n is not None and n < 1 for n in args.wave_sms_list):
+        p.error("--wave-sms needs at least one value (the main waves row): auto or positive SM counts")
+    _check_shape_args(p, args)
     return args
+
+
+def _check_shape_args(p, args) -> None:
+    """Refuse bad flags here, with argparse's message, not as a traceback from every rank after its weights are
+    built (11 GB per rank at the default shape)."""
+    from ep_comm.grouped_gemm import TOKEN_TILES
+    try:
+        args.token_list = [int(t) for t in args.tokens.split(",") if t.strip()]
+        args.token_tile_list = [None if t == "auto" else int(t)
+                                for t in (s.strip() for s in args.token_tiles.split(",")) if t]
+    except ValueError:
+        p.error("--tokens must be a comma list of token counts, --token-tiles of auto and token tiles")
+    if not args.token_list or min(args.token_list) < 1:
+        p.error(f"--tokens must name positive token counts, got {args.tokens!r}")
+    if not args.token_tile_list or any(t is not None and t not in TOKEN_TILES for t in args.token_tile_list):
+        p.error(f"--token-tiles must be a comma list of auto and {', '.join(map(str, TOKEN_TILES))}")
+    # The fused experts pack w1 [E, 2I, H] and w2 [E, H, I] in 64 x 64 tiles: H and I are multiples of 64.
+    if args.hidden < 64 or args.hidden % 64 or args.intermediate < 64 or args.intermediate % 64:
+        p.error("--hidden and --intermediate must be positive multiples of 64")
+    if args.iters < 1 or args.nproc < 1 or args.topk < 1:
+        p.error("--iters, --nproc and --topk must be at least 1")
+    if args.experts < args.topk:
+        p.error(f"--topk {args.topk} exceeds --experts {args.experts}")
+    if args.experts % args.nproc:
+        p.error(f"--experts {args.experts} is not a multiple of the {args.nproc} ranks")
+
+
+def _strict_json(value):
+    """value with its non-finite floats as the strings 'nan', 'inf', '-inf': strict JSON has no NaN / Infinity (an
+    exposed fraction is NaN when its communication time is 0)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value
 
 
 def _time_ms(fn, iters, group) -> float:
@@ -105,9 +144,9 @@ def worker(rank, world, args):
     h, inter, experts, topk = args.hidden, args.intermediate, args.experts, args.topk
     w1, w2, router, packed, gen = random_layer_weights(rank, world, args)
     # --token-tiles: the first entry is the layer's tile, the others are timed as alternatives ("auto" = None).
-    token_tiles = [None if t == "auto" else int(t) for t in (s.strip() for s in args.token_tiles.split(",")) if t]
+    token_tiles = args.token_tile_list
     rows = []
-    for tokens in [int(t) for t in args.tokens.split(",")]:
+    for tokens in args.token_list:
         x = torch.randn(tokens, h, device=device, generator=gen).to(torch.bfloat16)
         row = {"tokens_per_rank": tokens, "world": world, "hidden": h, "intermediate": inter, "experts": experts,
                "topk": topk}
@@ -243,6 +282,8 @@ def worker(rank, world, args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if not torch.cuda.is_available():  # the ranks would each fail in NCCL's setup with a traceback
+        raise SystemExit("bench_moe: no CUDA device (the MoE layer benchmark runs on GPUs)")
     from ep_comm.launch import run_ranks
     results = run_ranks(worker, args.nproc, args, backend="nccl", timeout_s=900)
     rows = results[0]
@@ -267,9 +308,12 @@ def main(argv=None):
                  (k.startswith("waves") and k[5:6].isdigit())}
         if extra:
             print(f"{'':>7} token tile {r['token_tile']} above; other tiles: {extra}")
+        if "bf16_layer_error" in r:  # the table's bf16 columns are nan: say why here, not only in the JSON
+            print(f"{'':>7} BF16 baseline failed: {r['bf16_layer_error']}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "rows": rows, "per_rank": results}, f, indent=1)
+            json.dump(_strict_json({"command": " ".join(sys.argv), "rows": rows, "per_rank": results}), f, indent=1,
+                      allow_nan=False)
 
 
 if __name__ == "__main__":
