@@ -29,7 +29,7 @@ test_formats() {
 }
 test_gemm_default() {  # the grouped GEMM tier with the default kernels only
   say "gpu tier: grouped GEMM + fused expert MLP (defaults)"
-  timeout 150 python3 -m pytest -q -x tests/test_grouped_gemm.py 2>&1 | tail -2 | tee -a "$log"
+  timeout 150 python3 -m pytest -q -x tests/test_grouped_gemm.py 2>&1 | grep -v "^[.sx]*\( *\[ *[0-9]*%\]\)\?$" | tail -12 | tee -a "$log"
 }
 test_gemm_variant() {  # $1 = "VAR=value [VAR=value]": the grouped GEMM kernel tests with those variants forced
   echo "$1:" | tee -a "$log"

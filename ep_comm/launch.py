@@ -40,11 +40,15 @@ def _entry(rank, world_size, port, backend, worker, args, results, collective_ti
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         torch.set_num_threads(max(1, cpus // world_size))
     try:
+        device_id = None
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
+            # Binds the group to this rank's GPU: NCCL's barrier() otherwise warns that it guesses the device.
+            device_id = torch.device("cuda", torch.cuda.current_device())
         try:
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                    world_size=world_size, timeout=datetime.timedelta(seconds=collective_timeout_s))
+                                    world_size=world_size, timeout=datetime.timedelta(seconds=collective_timeout_s),
+                                    device_id=device_id)
         except Exception as error:
             if "EADDRINUSE" in str(error) or "address already in use" in str(error):
                 results.put((rank, "port_in_use", str(error)))
