@@ -1,7 +1,7 @@
 """ep_comm: quantized expert-parallel dispatch/combine for MoE layers.
 
 Dispatch sends tokens to their experts' ranks in NVFP4 (E2M1 + E4M3 scale per 16 + FP32 per-token scale,
-4/6 block scaling; 3.5x fewer bytes than BF16); combine brings expert outputs back in RHT-32 + S2F6
+4/6 block scaling; 3.55x fewer bytes than BF16); combine brings expert outputs back in RHT-32 + S2F6
 (8.25 bits per value) and accumulates in FP32 on the receive side. See README.md and docs/NUMERICS.md.
 
     import ep_comm
