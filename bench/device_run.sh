@@ -234,6 +234,14 @@ test_shared_world4_reference() {  # one GPU, 4 ranks sharing it: the nvlink refe
   say "multigpu tier, 4 ranks sharing one GPU: nvlink reference comparison"
   EP_COMM_TEST_SHARED_WORLD=4 shared_tier world4_reference 400 tests/test_nvlink.py -k "matches_reference"
 }
+test_shared_world8_reference() {  # one GPU, 8 ranks sharing it: the nvlink reference comparison
+  say "multigpu tier, 8 ranks sharing one GPU: nvlink reference comparison"
+  EP_COMM_TEST_SHARED_WORLD=8 shared_tier world8_reference 300 tests/test_nvlink.py -k "matches_reference"
+}
+test_formats_large() {  # 64-bit index arithmetic and launch-shape edges of the format kernels (up to 14 GiB each)
+  say "gpu tier: format kernels at sizes past 32-bit indices"
+  pytest_tier formats_large 300 2 tests/test_formats_cuda_large.py
+}
 bench_rows_one_rank() {  # world 1: dispatch (expanded) against dispatch(expand=False), graph, 128 and 4096 tokens
   say "bench: dispatch expanded vs rows-only (expand=False), world 1"
   bench_dc 1 --tokens 128,4096 --formats nvfp4/s2f6,bf16/bf16 --no-reference --no-ceiling

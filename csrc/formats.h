@@ -43,7 +43,7 @@ struct Nvfp4QuantizeArgs {
   int64_t data_row_stride = 0;
   uint8_t* scales = nullptr;
   int64_t scales_row_stride = 0;
-  float* amax_out = nullptr;   // may be null unless amax_in is null and hidden > 65536
+  float* amax_out = nullptr;   // may be null (then not written)
   const int64_t* dst_rows = nullptr;
   // Optional device-side row count (e.g. expert_offsets[E] of a dispatch layout): rows >= *num_rows_limit are
   // skipped (their outputs are not written), so a capacity-sized buffer costs only its rows in use.

@@ -261,6 +261,52 @@ def test_nvfp4_to_mxfp8_transposed_unaligned_scales():
         assert torch.equal(out_data.cpu(), expected.data.view(torch.uint8)), offset
 
 
+def _misaligned(t: torch.Tensor, offset_bytes: int) -> torch.Tensor:
+    """A contiguous copy of t on the GPU whose data starts `offset_bytes` past an aligned allocation (a view into a
+    flat byte buffer, as a caller slicing a packed buffer gets): contiguous() keeps such a view as it is."""
+    flat = t.contiguous().view(torch.uint8).reshape(-1)
+    buffer = torch.zeros(flat.numel() + 64, dtype=torch.uint8, device=DEVICE)
+    buffer[offset_bytes:offset_bytes + flat.numel()] = flat.to(DEVICE)
+    view = buffer[offset_bytes:offset_bytes + flat.numel()].view(t.dtype).view(t.shape)
+    assert view.data_ptr() % 16 == offset_bytes % 16 and view.is_contiguous()
+    return view
+
+
+def test_misaligned_views_are_copied_not_faulted():
+    """Inputs whose data pointer is not aligned to the kernels' 16- / 8-byte vector loads (a quantize of bf16 x at +2
+    bytes, or a dequantize of codes at +3, used to fault and lose the CUDA context): each wrapper copies them, and the
+    result is bitwise the reference's."""
+    x = _input("outliers", 33, 2048, torch.float32, seed=9)
+    for dtype, offset in ((torch.bfloat16, 2), (torch.bfloat16, 6), (torch.float32, 4)):
+        xd = _misaligned(x.to(dtype), offset)
+        assert_same_nvfp4(_cpu_nvfp4(F.nvfp4_quantize(xd, impl="cuda")), F.nvfp4_quantize(x.to(dtype),
+                          impl="reference"), f"nvfp4 x at +{offset}")
+        assert_same_mx(_cpu_mx(F.mxfp8_quantize(xd, impl="cuda")), F.mxfp8_quantize(x.to(dtype), impl="reference"),
+                       f"mxfp8 x at +{offset}")
+        assert_same_mx(_cpu_s2f6(F.s2f6_quantize(xd, impl="cuda")), F.s2f6_quantize(x.to(dtype), impl="reference"),
+                       f"s2f6 x at +{offset}")
+    q = F.nvfp4_quantize(x[:32], impl="reference")
+    m = F.mxfp8_quantize(x, impl="reference")
+    s = F.s2f6_quantize(x, impl="reference")
+    index = torch.tensor([[0, 5, -1], [32, 1, 2]])
+    weights = torch.rand(2, 3, generator=torch.Generator().manual_seed(3))
+    for offset in (3, 4, 8):
+        qd = F.NVFP4Tensor(_misaligned(q.data, offset), q.scales.to(DEVICE), q.amax.to(DEVICE), q.e4m3_max)
+        assert_same_floats(F.nvfp4_dequantize(qd, impl="cuda").cpu(), F.nvfp4_dequantize(q, impl="reference"),
+                           f"nvfp4 dequantize codes at +{offset}")
+        assert_same_mx(_cpu_mx(F.nvfp4_to_mxfp8_transposed(qd, seed=4, impl="cuda")),
+                       F.nvfp4_to_mxfp8_transposed(q, seed=4, impl="reference"), f"transposed codes at +{offset}")
+        md = type(m)(_misaligned(m.data, offset), m.scales.to(DEVICE))
+        assert_same_floats(F.mxfp8_dequantize(md, impl="cuda").cpu(), F.mxfp8_dequantize(m, impl="reference"),
+                           f"mxfp8 dequantize codes at +{offset}")
+        sd = F.S2F6Tensor(_misaligned(s.data, offset), s.scales.to(DEVICE), s.hadamard, s.sign_mask)
+        assert_same_floats(F.s2f6_dequantize(sd, impl="cuda").cpu(), F.s2f6_dequantize(s, impl="reference"),
+                           f"s2f6 dequantize codes at +{offset}")
+        assert_same_floats(F.s2f6_dequantize_accumulate(sd, index.to(DEVICE), weights.to(DEVICE), impl="cuda").cpu(),
+                           F.s2f6_dequantize_accumulate(s, index, weights, impl="reference"),
+                           f"s2f6 accumulate codes at +{offset}")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # RHT + S2F6
 # ----------------------------------------------------------------------------------------------------------

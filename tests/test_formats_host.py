@@ -326,3 +326,30 @@ def test_nvfp4_fast_path_decides_typical_blocks(four_over_six):
     special[2, 0] = 1e-30  # with an outer amax of 1: the block's scale rounds to zero
     decided = C.host_nvfp4_fast_decided(special, torch.tensor([1.0, 1.0, 1.0]), four_over_six, 256.0)
     assert not decided.any(), decided
+
+
+def test_host_emulation_refuses_what_its_loops_would_overrun():
+    """The host entry points read every pointer on the host and loop over whole blocks: a non-CPU tensor anywhere,
+    a K that is not whole blocks, a transposed input whose rows are not whole blocks of 32, or index / weight / random
+    arrays shorter than the loops read are refused before the call (they used to crash or run past the buffers)."""
+    x = make_rows("outliers", 64, 64, 2)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        C.host_s2f6_quantize(torch.zeros(4, 48))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        C.host_nvfp4_quantize(torch.zeros(4, 24))
+    with pytest.raises(ValueError, match="multiple of 32 rows"):
+        C.host_nvfp4_to_mxfp8_transposed(C.host_nvfp4_quantize(x[:48]))
+    with pytest.raises(ValueError, match="CPU tensors"):
+        C.host_nvfp4_quantize(x.to("meta"))
+    with pytest.raises(ValueError, match="CPU tensors; amax"):
+        C.host_nvfp4_quantize(x, amax=torch.ones((), device="meta"))
+    s = C.host_s2f6_quantize(x)
+    index = torch.zeros(3, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="shape of row_index"):
+        C.host_s2f6_dequantize_accumulate(s, index, torch.ones(3, 1))
+    with pytest.raises(ValueError, match="one word per element"):
+        C.host_sr_e4m3(torch.ones(8), torch.zeros(7, dtype=torch.int64))
+    # and what they accept still matches the reference
+    assert_same_floats(C.host_s2f6_dequantize_accumulate(s, index, torch.ones(3, 2)),
+                       F.s2f6_dequantize_accumulate(F.s2f6_quantize(x, impl="reference"), index, torch.ones(3, 2),
+                                                    impl="reference"), "accumulate")
