@@ -76,6 +76,8 @@ enum Stage : int {
   kStageCombineWaitReady = 4,      // combine receive: peer's rows never arrived
   // 5 = kStageWaveWaitRows (waves.h): the w1 GEMM waited too long for a wave's rows
   kStageDispatchWaitCounts = 6,    // dispatch send (direct self rows): peer's counts never arrived
+  kStageRowPastCapacity = 7,       // dispatch: a row's place fell outside [0, R) (counts and rows of different calls
+                                   // after a timeout, or a token with one expert in two slots and check_inputs off)
 };
 
 constexpr int kMaxTopk = 32;    // one lane per top-k slot in several warp-level steps
@@ -363,6 +365,19 @@ __device__ __forceinline__ bool wait_counter(const NvlinkConfig& cfg, const unsi
   return spin_until([flag] { return ld_acquire_sys(flag); }, [target](unsigned long long v) { return v >= target; },
                     &cfg.state->abort, cfg.error_word, cfg.timeout_ns,
                     [stage, peer, epoch] { return timeout_error_word(stage, peer, epoch); });
+}
+
+// A dispatch row's place in the [0, num_rows) result, or -1 when it falls outside: the rows it would write are not
+// written (they would land in other tensors) and the fault is recorded like a timeout (abort flag, error word naming the
+// stage and the source rank), so the host raises at its next check. Never taken when every rank's counts and rows
+// belong to the same call and the ids are valid; it bounds the damage when they are not.
+__device__ __forceinline__ int row_in_capacity(const NvlinkConfig& cfg, long long row, long long num_rows, int source) {
+  if (row >= 0 && row < num_rows) return static_cast<int>(row);
+  volatile unsigned long long* err = cfg.error_word;
+  if (*err == 0ull) *err = timeout_error_word(kStageRowPastCapacity, source, cfg.state->disp_epoch);
+  *reinterpret_cast<volatile unsigned int*>(&cfg.state->abort) = 1u;
+  __threadfence_system();
+  return -1;
 }
 
 // Every block: thread p < W waits on counter p of `flags` (in my region), then the block proceeds.

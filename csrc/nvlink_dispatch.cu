@@ -189,7 +189,7 @@ struct ReceiveLayout {
         has_row_flags(item_start + world + 1) {}
 };
 
-__device__ void compute_receive_layout(const NvlinkConfig& cfg, const ReceiveLayout& L) {
+__device__ void compute_receive_layout(const NvlinkConfig& cfg, const ReceiveLayout& L, long long num_rows) {
   const int world = cfg.world;
   const int num_local = cfg.num_local;
   const int* counts = reinterpret_cast<const int*>(cfg.local_base + cfg.off_counts);
@@ -239,6 +239,17 @@ __device__ void compute_receive_layout(const NvlinkConfig& cfg, const ReceiveLay
     }
   }
   __syncthreads();
+  // Counts that do not fit the result (only when counts of different calls meet after a timeout): recorded as a fault
+  // and the layout emptied, so that nothing below writes past the result (row_in_capacity guards single rows).
+  if (L.offsets[num_local] > num_rows) {
+    if (threadIdx.x == 0) row_in_capacity(cfg, L.offsets[num_local], num_rows, 0xFFFF);
+    __syncthreads();  // every thread has read offsets[num_local] above
+    for (int j = threadIdx.x; j <= num_local; j += blockDim.x) {
+      L.offsets[j] = 0;
+      if (j < num_local) L.totals[j] = 0;
+    }
+    __syncthreads();
+  }
   for (int i = threadIdx.x; i < world * num_local; i += blockDim.x) L.seg_start[i] += L.offsets[i % num_local];
   __syncthreads();
 }
@@ -390,7 +401,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
   const ReceiveLayout layout(smem, cfg.world, cfg.num_local);
   if (direct_self) {
     block_wait_all_peers(cfg, cfg.off_disp_counts, epoch, kStageDispatchWaitCounts, epoch);
-    compute_receive_layout(cfg, layout);
+    compute_receive_layout(cfg, layout, args.num_rows);
   }
   const int* self_seg_start = layout.seg_start + cfg.rank * cfg.num_local;
 
@@ -400,7 +411,12 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
     const int part = static_cast<int>(item - static_cast<long long>(t) * split);
     // Lanes whose expert is on this rank write its expert-major row directly (direct_self); the staging rows
     // (one per destination rank, on the rank's first slot) are then for the other ranks only.
-    const bool self_lane = direct_self && e >= first_expert && e < first_expert + cfg.num_local;
+    // self_here: the lane's expert is on this rank (direct_self); self_lane: and its row is inside the result (always,
+    // unless counts and rows of different calls met after a timeout: row_in_capacity records that).
+    const bool self_here = direct_self && e >= first_expert && e < first_expert + cfg.num_local;
+    const int self_row = self_here ? row_in_capacity(cfg, static_cast<long long>(self_seg_start[e - first_expert]) + pos,
+                                                     args.num_rows, cfg.rank) : -1;
+    const bool self_lane = self_row >= 0;
     const bool staging_lane = slot >= 0 && !(skip_self_staging && e / cfg.num_local == cfg.rank);
     const unsigned int dest_mask = __ballot_sync(0xFFFFFFFFu, staging_lane);
     const unsigned int self_mask = direct_self ? __ballot_sync(0xFFFFFFFFu, self_lane) : 0u;
@@ -410,7 +426,6 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
     const int num_dest = __popc(dest_mask);
     const int num_self = __popc(self_mask);
     const unsigned int lanes_below = (1u << lane) - 1u;
-    const int self_row = self_lane ? self_seg_start[e - first_expert] + pos : -1;
     __syncwarp();  // the previous token's readers are done with the lists
     if (staging_lane) {
       const int d = e / cfg.num_local;
@@ -492,7 +507,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
     // Direct self rows (part 0): what the receive records for a staging row of its own rank -- the handle entry of
     // staging index (my rank, my slot) and the rows' metadata.
     if (direct_self && part == 0 && num_self > 0) {
-      record_own_row(cfg, args, t, lane, e, slot, self_lane, self_row, w);
+      record_own_row(cfg, args, t, lane, e, slot, self_here, self_row, w);
       if (self_lane) args.out_amax[self_row] = token_amax;
     }
 
@@ -523,7 +538,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
       const unsigned int same_dest = __match_any_sync(0xFFFFFFFFu, dest);
       const unsigned int holder = same_dest & __ballot_sync(0xFFFFFFFFu, slot >= 0);
       const int dest_slot = __shfl_sync(0xFFFFFFFFu, slot, holder ? __ffs(holder) - 1 : lane);
-      if (e >= 0 && !self_lane && holder && pos < cfg.max_tokens) {
+      if (e >= 0 && !self_here && holder && pos < cfg.max_tokens) {
         int* index = reinterpret_cast<int*>(peer_ptr(cfg, dest, cfg.off_wave_index));
         const long long list = static_cast<long long>(cfg.rank) * cfg.num_local + (e - dest * cfg.num_local);
         index[list * cfg.max_tokens + pos] = dest_slot;
@@ -675,11 +690,14 @@ __device__ void wave_receive_rows(const NvlinkConfig& cfg, const DispatchArgs& a
         int s = cfg.world - 1;  // the source: the last s whose segment starts at or before r
         while (s > 0 && seg_start[s * num_local + lo] > r) --s;
         const long long pos = r - seg_start[s * num_local + lo];
-        const int slot = static_cast<int>(
-            ld_coherent_u32(index + (static_cast<long long>(s) * num_local + lo) * cfg.max_tokens + pos));
-        my_expert = lo;
-        my_row = cfg.local_base + cfg.off_staging +
-                 (static_cast<long long>(s) * cfg.max_tokens + slot) * cfg.disp_row_bytes;
+        // (a slot outside staging only when index and counts belong to different calls: recorded, row skipped)
+        const int slot = row_in_capacity(cfg, static_cast<int>(ld_coherent_u32(
+            index + (static_cast<long long>(s) * num_local + lo) * cfg.max_tokens + pos)), cfg.max_tokens, s);
+        if (slot >= 0) {
+          my_expert = lo;
+          my_row = cfg.local_base + cfg.off_staging +
+                   (static_cast<long long>(s) * cfg.max_tokens + slot) * cfg.disp_row_bytes;
+        }
       }
     }
     const int num_steps = kWaveChunkRows * steps_per_row;
@@ -791,11 +809,14 @@ __device__ __forceinline__ void receive_own_token(const NvlinkConfig& cfg, const
   float w;
   token_routing(cfg, args, t, lane, e, slot, pos, w);
   const int first_expert = cfg.rank * cfg.num_local;
-  const bool local = e >= first_expert && e < first_expert + cfg.num_local;
+  const bool here = e >= first_expert && e < first_expert + cfg.num_local;
+  if (__ballot_sync(0xFFFFFFFFu, here) == 0u) return;  // no expert of this rank: no row here
+  const int out_row = here ? row_in_capacity(cfg, static_cast<long long>(seg_start[cfg.rank * cfg.num_local +
+                                                                            (e - first_expert)]) + pos,
+                                             args.num_rows, cfg.rank) : -1;
+  if (part == 0) record_own_row(cfg, args, t, lane, e, slot, here, out_row, w);
+  const bool local = out_row >= 0;  // (false for a row outside the result: recorded, not written)
   const unsigned int local_mask = __ballot_sync(0xFFFFFFFFu, local);
-  if (local_mask == 0u) return;  // no expert of this rank: no row here
-  const int out_row = local ? seg_start[cfg.rank * cfg.num_local + (e - first_expert)] + pos : -1;
-  if (part == 0) record_own_row(cfg, args, t, lane, e, slot, local, out_row, w);
   const int n = __popc(local_mask);
   __syncwarp();  // the previous item's readers are done with the list
   if (local) rows[__popc(local_mask & ((1u << lane) - 1u))] = out_row;
@@ -880,7 +901,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
     block_wait_all_peers(cfg, cfg.off_disp_ready, epoch * cfg.disp_send_blocks, kStageDispatchWaitReady, epoch);
   }
 
-  compute_receive_layout(cfg, layout);
+  compute_receive_layout(cfg, layout, args.num_rows);
 
   if (blockIdx.x == 0) {
     for (int j = threadIdx.x; j <= num_local; j += blockDim.x) {
@@ -957,8 +978,11 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
       pos = static_cast<int>(ld_coherent_u32(meta + 8 + 4 * (2 * topk + lane)));
     }
     const int t = static_cast<int>(ld_coherent_u32(meta + 4));
-    const bool local = e >= first_expert && e < first_expert + num_local;
-    const int out_row = local ? seg_start[s * num_local + (e - first_expert)] + pos : -1;
+    const int out_row = e >= first_expert && e < first_expert + num_local
+                            ? row_in_capacity(cfg, static_cast<long long>(seg_start[s * num_local + (e - first_expert)]) +
+                                                   pos, args.num_rows, s)
+                            : -1;
+    const bool local = out_row >= 0;
     if (part == 0) record_staging_row(cfg, args, s, j, t, lane, lane < topk && e >= 0 ? e / num_local : -1, out_row, w);
     if (rows_only) {  // no copy: each of the token's rows here names its staging row
       if (local) args.row_index[out_row] = s * cfg.max_tokens + j;

@@ -99,9 +99,9 @@ class Buffer:
             raise ValueError(f"format_impl must be one of {FORMAT_IMPLS}, got {format_impl!r}")
         self._backend = self._make_backend(backend, format_impl)
         self._destroyed = False
-        # The last call that ran on a communication stream: (stream, event after it, recorded during capture?). The
-        # Buffer's calls share device state, so the next call waits for it wherever it runs (_order_after_comm_stream).
-        self._comm_call = None
+        # The previous call: (its stream, the event after it (comm_stream calls) or None, recorded during capture?).
+        # The Buffer's calls share device state, so the next call waits for it wherever it runs (_order_after_last_call).
+        self._last_call = None
 
     # ------------------------------------------------------------------------------------------------------
     def _check_same_arguments_everywhere(self, backend: str, format_impl: str) -> None:
@@ -231,16 +231,24 @@ class Buffer:
         if done_event is not None and device.type != "cuda":
             raise ValueError("done_event needs CUDA tensors (this call's tensors are on the CPU)")
 
-    def _order_after_comm_stream(self, stream) -> None:
-        """Make `stream` (where this call's kernels go) wait for the Buffer's last call on a communication stream: the
-        calls of one Buffer share its device state and must run one after the other, whatever streams they use. An
-        event recorded during a CUDA-graph capture is not waited on outside it, nor the reverse (capture forbids it;
-        inside one capture, the caller joins the streams before it ends)."""
-        if self._comm_call is None:
+    def _order_after_last_call(self, stream) -> None:
+        """Make `stream` (where this call's kernels go) wait for the Buffer's previous call when that ran on another
+        stream: the calls of one Buffer share its device state and must run one after the other, whatever streams they
+        use (two micro-batches on two current streams, or a call after a comm_stream call). A call on the current
+        stream records no event (the common case stays free): the wait is on everything enqueued on its stream so far.
+        Nothing is waited on across a CUDA-graph capture boundary (capture forbids it), nor lazily between two
+        captured calls (their streams belong to the caller's capture: the caller joins them before it ends)."""
+        if self._last_call is None:
             return
-        last_stream, event, captured = self._comm_call
-        if last_stream != stream and captured == _is_capturing():
-            stream.wait_event(event)
+        last_stream, event, captured = self._last_call
+        if last_stream == stream or captured != _is_capturing():
+            return
+        if event is None:
+            if captured:
+                return
+            event = torch.cuda.Event()
+            event.record(last_stream)
+        stream.wait_event(event)
 
     def _run_on_stream(self, comm_stream, done_event, inputs, run):
         """run() on comm_stream (None: the current stream), after everything enqueued so far on the current stream and
@@ -249,16 +257,18 @@ class Buffer:
         outputs (allocated on comm_stream) in use on the caller's stream, so that neither is reused while the other
         stream may still touch it (record_stream also works inside a CUDA-graph capture)."""
         if comm_stream is None:
-            if self._comm_call is not None:
-                self._order_after_comm_stream(torch.cuda.current_stream(self._comm_call[0].device))
-                self._comm_call = None
+            device = next((t.device for t in _tensors_in(inputs) if t.is_cuda), None)
+            stream = None if device is None else torch.cuda.current_stream(device)
+            if stream is not None:
+                self._order_after_last_call(stream)
             out = run()
             if done_event is not None:
                 done_event.record()
+            self._last_call = None if stream is None else (stream, None, _is_capturing())
             return out
         caller = torch.cuda.current_stream(comm_stream.device)
         comm_stream.wait_stream(caller)
-        self._order_after_comm_stream(comm_stream)
+        self._order_after_last_call(comm_stream)
         for tensor in _tensors_in(inputs):
             if tensor.is_cuda:
                 tensor.record_stream(comm_stream)
@@ -269,7 +279,7 @@ class Buffer:
             finished.record(comm_stream)
             if done_event is not None:
                 done_event.record(comm_stream)
-        self._comm_call = (comm_stream, finished, _is_capturing())
+        self._last_call = (comm_stream, finished, _is_capturing())
         for tensor in _tensors_in(out):
             if tensor.is_cuda:
                 tensor.record_stream(caller)
@@ -373,8 +383,8 @@ class Buffer:
             raise ValueError(f"wave_sms must be in [1, {self.max_wave_sms}] (Buffer.max_wave_sms: the receive's block "
                              f"count), got {wave_sms}")
         self._check_dispatch_call(x, topk_idx, topk_weights, check_inputs)
-        return self._run_on_stream(None, None, (), lambda: self._backend.dispatch_waves(x, topk_idx, topk_weights,
-                                                                                        wave_sms))
+        return self._run_on_stream(None, None, (x, topk_idx, topk_weights),
+                                   lambda: self._backend.dispatch_waves(x, topk_idx, topk_weights, wave_sms))
 
     @property
     def max_wave_sms(self) -> int:
@@ -446,7 +456,7 @@ class Buffer:
         if not isinstance(result, DispatchResult):
             raise TypeError(f"begin_combine_rows needs the DispatchResult of a dispatch, got {type(result).__name__}")
         self._require_combine_rows()
-        return self._run_on_stream(None, None, (), lambda: self._backend.begin_combine_rows(result))
+        return self._run_on_stream(None, None, result, lambda: self._backend.begin_combine_rows(result))
 
     @property
     def combine_rows_supported(self) -> bool:
@@ -468,7 +478,7 @@ class Buffer:
         self._check_alive()
         if self.backend != "nvlink":
             raise NotImplementedError("finish_combine_rows needs the nvlink backend")
-        return self._run_on_stream(None, None, (), lambda: self._backend.finish_combine_rows(handle))
+        return self._run_on_stream(None, None, handle, lambda: self._backend.finish_combine_rows(handle))
 
     def check(self) -> None:
         """Raise if a kernel of this Buffer recorded a timeout (nvlink backend: a peer that never arrived, or a wave

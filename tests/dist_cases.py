@@ -389,6 +389,21 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
         torch.cuda.synchronize()
         same(first, "comm-stream call followed by a current-stream call")
         same(second, "current stream right after a comm-stream call", want_other)
+        # 5. two calls on two current streams (micro-batches on two streams, no comm_stream): the second is ordered
+        # after the first by the Buffer (they share its device state), not run beside it.
+        torch.cuda.synchronize()
+        other = torch.cuda.Stream(device=device)
+        with torch.cuda.stream(side):
+            if rank == 0:
+                torch.cuda._sleep(sleep_cycles)
+            first = buf.dispatch(x, idx, w)
+        with torch.cuda.stream(other):
+            second = buf.dispatch(x_other, idx, w)
+            y_other = buf.combine(expert_out, second.handle)
+        torch.cuda.synchronize()
+        same(first, "a call on one current stream followed by one on another")
+        same(second, "current stream after a call on another current stream", want_other)
+        assert y_other.shape == want_y.shape
         del reused
     finally:
         buf.destroy()

@@ -430,6 +430,35 @@ def timeout_worker(rank, world, direct_self=False):
     return "ok"
 
 
+def capacity_fault_worker(rank, world, direct_self=False):
+    """check_inputs=False and every token naming one expert in two slots, with top-k above the experts per rank: each
+    rank receives more rows than max_recv_rows (sized for min(K, experts per rank) rows per token). The receive must
+    write nothing outside its result (guard tensors on both sides of the arena stay intact) and record the fault, so
+    that check() raises naming it (it used to write past the arena)."""
+    import ep_comm
+    _direct_self(0 if direct_self else None)
+    hidden, experts, topk, tokens = 256, 2 * world, 4, 16
+    buf = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=tokens,
+                         backend="nvlink", timeout_s=5.0, check_inputs=False)
+    try:
+        guard_before = torch.full((1 << 20,), 7, dtype=torch.int32, device="cuda")
+        x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+        # Every token: rank 0's two experts, each twice (4 rows for rank 0, whose capacity counts 2 per token).
+        idx = torch.tensor([0, 0, 1, 1], device="cuda").repeat(tokens, 1)
+        w = torch.rand(tokens, topk, device="cuda")
+        guard_after = torch.full((1 << 20,), 7, dtype=torch.int32, device="cuda")
+        buf.dispatch(x, idx, w)
+        torch.cuda.synchronize()
+        if rank == 0:
+            with pytest.raises(RuntimeError, match="outside its result"):
+                buf._backend.check()
+        assert bool((guard_before == 7).all()) and bool((guard_after == 7).all()), "a write landed outside the result"
+        torch.cuda.synchronize()
+    finally:
+        buf.destroy()
+    return "ok"
+
+
 def rows_worker(rank, world):
     """dispatch(expand=False): the staging rows gathered by row_index equal the reference's expert-major rows, bitwise,
     for every format (special token values included) and alignment, with an empty rank and uneven counts; combine on
@@ -598,6 +627,12 @@ def test_nvlink_pressure_graph_and_leaks():
 @pytest.mark.parametrize("direct_self", [False, True])
 def test_nvlink_timeout_names_stage_and_peer(direct_self):
     run_ranks(timeout_worker, 2, direct_self, backend=multigpu_backend(), timeout_s=300)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("direct_self", [False, True])
+def test_nvlink_rows_past_capacity_are_refused_not_written(direct_self):
+    run_ranks(capacity_fault_worker, 2, direct_self, backend=multigpu_backend(), timeout_s=300)
 
 
 class _FakeIpcExtension:

@@ -721,6 +721,14 @@ class NVLinkBackend:
             stage = (word >> 48) & 0xFF
             peer = (word >> 32) & 0xFFFF
             call = word & 0xFFFFFFFF
+            if stage == 7:  # csrc/nvlink.h kStageRowPastCapacity: a fault, not a timeout
+                what = "the exchanged counts" if peer == 0xFFFF else f"a row from rank {peer}"
+                raise RuntimeError(
+                    f"ep_comm nvlink: rank {self.rank}'s dispatch (call {call}) placed {what} outside its result "
+                    f"(max_recv_rows {self.config.max_recv_rows}); those rows were not written. Either the ranks' "
+                    f"calls went out of step (after a timeout on a peer) or a token named one expert in two top-k "
+                    f"slots with check_inputs off. Results of that call and later ones are invalid and this Buffer is "
+                    f"unusable")
             where = (_STAGES[stage].format(what="layout" if peer == 0xFFFF else f"rows of local expert {peer}")
                      if stage == 5 else
                      f"{_STAGES.get(stage, f'stage {stage}')} on peer rank {peer}")
