@@ -100,7 +100,7 @@ class Buffer:
         self._backend = self._make_backend(backend, format_impl)
         self._destroyed = False
         # The previous call: (its stream, the event after it (comm_stream calls) or None, recorded during capture?).
-        # The Buffer's calls share device state, so the next call waits for it wherever it runs (_order_after_last_call).
+        # The Buffer's calls share device state: the next call waits for it wherever it runs (_order_after_last_call).
         self._last_call = None
 
     # ------------------------------------------------------------------------------------------------------
