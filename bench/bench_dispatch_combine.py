@@ -149,15 +149,6 @@ def _peer_rows(idx, rank, world, experts):
     return int(goes.sum() - goes[:, rank].sum())
 
 
-def _combine_send_rows(res, rank, tokens) -> tuple:
-    """(rows, expert rows) this rank's combine stores into other ranks: one per (token, source rank) pair it received
-    from another rank (local_reduce=True), and one per received (token, expert) row (local_reduce=False). These are
-    the other ranks' tokens, not this rank's own dispatch rows: the two counts differ by the routing's imbalance."""
-    remote = (res.src_rank >= 0) & (res.src_rank != rank)
-    pairs = res.src_rank[remote].to(torch.int64) * tokens + res.src_token[remote].to(torch.int64)
-    return int(torch.unique(pairs).numel()), int(remote.sum())
-
-
 def _nccl_all_to_all_rows(args, tokens, rank, world, group, calls=10, reps=5):
     """NCCL baseline in the same run: torch all_to_all_single of BF16 token rows, each token once per destination rank
     it routes to (this rank's own rows included: NCCL copies them locally), the same routing as the dispatch. Timing
@@ -187,6 +178,7 @@ def _nccl_all_to_all_rows(args, tokens, rank, world, group, calls=10, reps=5):
 def _bench_backend(args, backend, tokens, dfmt, cfmt, rank, world, group):
     import ep_comm
     from ep_comm.backends.nvlink import _RegionLayout
+    from ep_comm.bench import combine_send_rows
     from ep_comm.types import combine_bytes_per_token, dispatch_bytes_per_token
     buf = ep_comm.Buffer(group, hidden=args.hidden, num_experts=args.experts, num_topk=args.topk,
                          max_tokens_per_rank=tokens, dispatch_format=dfmt, combine_format=cfmt, backend=backend,
@@ -198,7 +190,7 @@ def _bench_backend(args, backend, tokens, dfmt, cfmt, rank, world, group):
         expert_out = torch.randn(res.num_rows, args.hidden, device="cuda").to(torch.bfloat16)
         buf.combine(expert_out, res.handle)  # the combine's warm-up (its first call is not one of the timed ones)
         peer_rows = _peer_rows(idx, rank, world, args.experts)
-        back_rows, back_expert_rows = _combine_send_rows(res, rank, tokens)
+        back_rows, back_expert_rows = combine_send_rows(res, rank, tokens)
         if backend == "nvlink":
             layout = _RegionLayout.of(buf.config)
             wire_d, wire_c = peer_rows * layout.disp_row_bytes, back_rows * layout.comb_row_bytes
@@ -338,14 +330,13 @@ def run(args) -> list:
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
-    pairs = args.pairs
     for tokens in args.token_list:
-        for dfmt, cfmt in pairs:
+        for dfmt, cfmt in args.pairs:
             rows += _bench_backend(args, "nvlink", tokens, dfmt, cfmt, rank, world, group)
             if not args.no_reference:
                 rows += _bench_backend(args, "reference", tokens, dfmt, cfmt, rank, world, group)
             torch.cuda.empty_cache()
-        if not args.no_reference and world > 1 and any(d == "bf16" for d, _ in pairs):
+        if not args.no_reference and world > 1 and any(d == "bf16" for d, _ in args.pairs):
             rows += _nccl_all_to_all_rows(args, tokens, rank, world, group)
     if not args.no_ceiling:
         rows += _ceiling_rows(rank, world, group)

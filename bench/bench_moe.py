@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -38,6 +37,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from bench_dispatch_combine import _graph_time_us, _iso_time_us  # noqa: E402  one timing method for the benchmarks
+from ep_comm.bench import strict_json  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -91,18 +91,6 @@ def _check_shape_args(p, args) -> None:
         p.error(f"--topk {args.topk} exceeds --experts {args.experts}")
     if args.experts % args.nproc:
         p.error(f"--experts {args.experts} is not a multiple of the {args.nproc} ranks")
-
-
-def _strict_json(value):
-    """value with its non-finite floats as the strings 'nan', 'inf', '-inf': strict JSON has no NaN / Infinity (an
-    exposed fraction is NaN when its communication time is 0)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _strict_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict_json(v) for v in value]
-    return value
 
 
 def _time_ms(fn, iters, group) -> float:
@@ -312,7 +300,7 @@ def main(argv=None):
             print(f"{'':>7} BF16 baseline failed: {r['bf16_layer_error']}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(_strict_json({"command": " ".join(sys.argv), "rows": rows, "per_rank": results}), f, indent=1,
+            json.dump(strict_json({"command": " ".join(sys.argv), "rows": rows, "per_rank": results}), f, indent=1,
                       allow_nan=False)
 
 

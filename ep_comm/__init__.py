@@ -13,7 +13,7 @@ from . import formats
 from ._ext import cuda_extension_available, cuda_extension_error
 from .buffer import Buffer
 from .formats import MXFP8Tensor, NVFP4Tensor, S2F6Tensor
-from . import moe  # noqa: E402  (after .buffer and .formats, which it imports)
+from . import moe  # (after .buffer and .formats, which it imports)
 from .types import (BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, WaveDispatch, WaveSync,
                     combine_bytes_per_token, dispatch_bytes_per_token)
 

@@ -35,14 +35,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-def _aligned(t: torch.Tensor, alignment: int = 8) -> torch.Tensor:
-    """t contiguous and starting `alignment`-byte aligned (a copy if needed): code bytes the kernels read in 8-byte
-    (dequantize) or 16-byte (accumulate) vectors. contiguous() alone keeps a uint8 / int8 view's storage offset, which
-    may be any byte (a flat buffer sliced at an odd offset); the misaligned loads would fault on the device."""
-    t = t.contiguous()
-    return t if t.data_ptr() % alignment == 0 else t.clone()
-
-
 def _dense_input(x: torch.Tensor) -> torch.Tensor:
     """Inputs the kernels read natively (bf16 / fp16 / fp32); anything else is widened exactly to fp32."""
     return x if x.dtype in _ELEM_TYPES else x.float()
@@ -110,7 +102,7 @@ def nvfp4_quantize_block_values(x: torch.Tensor, amax: Optional[torch.Tensor],
 def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
     lib = _lib()
     k = q.data.shape[-1] * 2
-    data = _aligned(q.data.reshape(-1, k // 2))
+    data = _ext.aligned_contiguous(q.data.reshape(-1, k // 2), 8)
     scales = q.scales.view(torch.uint8).reshape(-1, k // 16).contiguous()
     amax = q.amax.reshape(-1).float().contiguous()
     num_rows = data.shape[0]
@@ -139,7 +131,7 @@ def mxfp8_quantize(x: torch.Tensor, rounding: str, seed: int) -> MXFP8Tensor:
 def mxfp8_dequantize(m: MXFP8Tensor, dtype: torch.dtype) -> torch.Tensor:
     lib = _lib()
     k = m.data.shape[-1]
-    data = _aligned(m.data.view(torch.uint8).reshape(-1, k))
+    data = _ext.aligned_contiguous(m.data.view(torch.uint8).reshape(-1, k), 8)
     scales = m.scales.view(torch.uint8).reshape(-1, k // 32).contiguous()
     num_rows = data.shape[0]
     out, out_type = _output((num_rows, k), dtype, m.data.device)
@@ -152,7 +144,7 @@ def mxfp8_dequantize(m: MXFP8Tensor, dtype: torch.dtype) -> torch.Tensor:
 def nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str, seed: int) -> MXFP8Tensor:
     lib = _lib()
     num_rows, k = q.data.shape[0], q.data.shape[1] * 2
-    data = _aligned(q.data)
+    data = _ext.aligned_contiguous(q.data, 8)
     scales = q.scales.view(torch.uint8).contiguous()
     amax = q.amax.float().contiguous()
     out_data = torch.empty(k, num_rows, dtype=torch.uint8, device=q.data.device)
@@ -183,7 +175,7 @@ def s2f6_quantize(x: torch.Tensor, hadamard: bool, sign_mask: int) -> S2F6Tensor
 def s2f6_dequantize(s: S2F6Tensor, dtype: torch.dtype) -> torch.Tensor:
     lib = _lib()
     k = s.data.shape[-1]
-    data = _aligned(s.data.reshape(-1, k))
+    data = _ext.aligned_contiguous(s.data.reshape(-1, k), 8)
     scales = s.scales.view(torch.uint8).reshape(-1, k // 32).contiguous()
     num_rows = data.shape[0]
     out, out_type = _output((num_rows, k), dtype, s.data.device)
@@ -198,7 +190,7 @@ def s2f6_dequantize_accumulate(s: S2F6Tensor, row_index: torch.Tensor, weights: 
     """Indices outside [0, N) are skipped by the kernel like -1 (memory-safe; formats.py decides policy)."""
     lib = _lib()
     num_src_rows, k = s.data.shape
-    data = _aligned(s.data, 16)
+    data = _ext.aligned_contiguous(s.data, 16)
     scales = s.scales.view(torch.uint8).contiguous()
     index = row_index.contiguous()
     weights = None if weights is None else weights.float().contiguous()

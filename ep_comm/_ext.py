@@ -34,6 +34,14 @@ def cuda_extension_error() -> Optional[str]:
     return message
 
 
+def aligned_contiguous(t: torch.Tensor, alignment: int = 16) -> torch.Tensor:
+    """t contiguous and starting `alignment`-byte aligned (a copy only when needed): what the kernels' 8- and 16-byte
+    vector loads and stores need. contiguous() alone keeps a view's storage offset, which may be any element or byte
+    (a flat buffer sliced at an odd offset), and the misaligned vector accesses would fault on the device."""
+    t = t.contiguous()
+    return t if t.data_ptr() % alignment == 0 else t.clone()
+
+
 def require_cuda_extension(what: str):
     """Return the `_C` module or raise a RuntimeError that says what needed it and why it is missing."""
     if _C is None:

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from .launch import GPU_ENV, run_ranks
+from .launch import run_ranks
 from .types import COMBINE_FORMATS, DISPATCH_FORMATS, combine_bytes_per_token, dispatch_bytes_per_token
 
 DEFAULT_PAIRS = "nvfp4/s2f6,mxfp8/s2f6,bf16/bf16"
@@ -166,10 +166,7 @@ def _worker(rank, world, args):
             dist.barrier()
             result = buf.dispatch(x, topk_idx, weights)
             if iteration == 0:
-                # Rows this rank's combine sends away: one per (token, source) pair received from another rank.
-                valid = (result.src_rank >= 0) & (result.src_rank != rank)
-                pair_ids = result.src_rank[valid].to(torch.int64) * args.tokens + result.src_token[valid]
-                combine_pairs = int(torch.unique(pair_ids).numel())
+                combine_pairs = combine_send_rows(result, rank, args.tokens)[0]
                 offsets = result.expert_offsets.to(torch.int64).cpu()
                 experts_of_row = torch.zeros(result.num_rows, dtype=torch.int64)
                 for j in range(num_local):
@@ -235,9 +232,32 @@ def print_table(rows, args) -> None:
           "dispatch + combine against the unquantized toy expert")
 
 
+def combine_send_rows(result, rank: int, tokens: int) -> tuple:
+    """(rows, expert rows) a rank's combine stores into other ranks after `result` (its dispatch): one per (token, source
+    rank) pair it received from another rank (local_reduce=True), and one per received (token, expert) row
+    (local_reduce=False). These are the other ranks' tokens, not this rank's own dispatch rows: the two counts differ by
+    the routing's imbalance."""
+    remote = (result.src_rank >= 0) & (result.src_rank != rank)
+    pairs = result.src_rank[remote].to(torch.int64) * tokens + result.src_token[remote].to(torch.int64)
+    return int(torch.unique(pairs).numel()), int(remote.sum())
+
+
+def strict_json(value):
+    """value with its non-finite floats as the strings "nan", "inf", "-inf" (in dicts, lists and tuples, at any depth):
+    strict JSON has no NaN / Infinity, and such figures occur (an exact result's SQNR, the errors of a NaN output, an
+    exposed fraction whose communication time is 0)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ.update(GPU_ENV)
+    # (each spawned rank sets launch.GPU_ENV before it touches NCCL)
     per_rank = run_ranks(_worker, args.ranks, args, backend="nccl" if args.device == "cuda" else "gloo",
                          timeout_s=900)
     rows = [row for rank_rows in per_rank for row in rank_rows]
@@ -249,11 +269,7 @@ def main(argv=None) -> int:
         meta["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
             if args.device == "cuda" else []
         with open(args.out, "w") as handle:
-            # Strict JSON has no NaN / Infinity: such figures (an exact result's SQNR, the errors of a NaN output)
-            # are written as the strings "inf", "-inf", "nan".
-            clean = [{k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
-                     for row in rows]
-            json.dump({"config": meta, "results": clean}, handle, indent=1, allow_nan=False)
+            json.dump(strict_json({"config": meta, "results": rows}), handle, indent=1, allow_nan=False)
         print(f"wrote {args.out}")
     return 0
 

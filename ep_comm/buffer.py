@@ -250,15 +250,15 @@ class Buffer:
             event.record(last_stream)
         stream.wait_event(event)
 
-    def _run_on_stream(self, comm_stream, done_event, inputs, run):
+    def _run_on_stream(self, device: torch.device, comm_stream, done_event, inputs, run):
         """run() on comm_stream (None: the current stream), after everything enqueued so far on the current stream and
         after this Buffer's previous call; then done_event is recorded where run() enqueued its work. The caching
         allocator is told about the streams that share tensors: inputs are marked in use on comm_stream, and the
         outputs (allocated on comm_stream) in use on the caller's stream, so that neither is reused while the other
-        stream may still touch it (record_stream also works inside a CUDA-graph capture)."""
+        stream may still touch it (record_stream also works inside a CUDA-graph capture). device: where the call's
+        tensors are (CPU: no streams)."""
         if comm_stream is None:
-            device = next((t.device for t in _tensors_in(inputs) if t.is_cuda), None)
-            stream = None if device is None else torch.cuda.current_stream(device)
+            stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
             if stream is not None:
                 self._order_after_last_call(stream)
             out = run()
@@ -320,7 +320,7 @@ class Buffer:
             per-row src_rank, src_token, topk_slot, topk_weight, and the handle for `combine`.
         """
         self._check_dispatch_call(x, topk_idx, topk_weights, check_inputs, comm_stream, done_event, expand)
-        return self._run_on_stream(comm_stream, done_event, (x, topk_idx, topk_weights),
+        return self._run_on_stream(x.device, comm_stream, done_event, (x, topk_idx, topk_weights),
                                    lambda: self._backend.dispatch(x, topk_idx, topk_weights, expand=expand))
 
     def _check_dispatch_call(self, x, topk_idx, topk_weights, check_inputs: Optional[bool], comm_stream=None,
@@ -383,7 +383,7 @@ class Buffer:
             raise ValueError(f"wave_sms must be in [1, {self.max_wave_sms}] (Buffer.max_wave_sms: the receive's block "
                              f"count), got {wave_sms}")
         self._check_dispatch_call(x, topk_idx, topk_weights, check_inputs)
-        return self._run_on_stream(None, None, (x, topk_idx, topk_weights),
+        return self._run_on_stream(x.device, None, None, (),
                                    lambda: self._backend.dispatch_waves(x, topk_idx, topk_weights, wave_sms))
 
     @property
@@ -418,7 +418,7 @@ class Buffer:
             self._validate_combine(expert_out, handle)
             self._check_stream_args(expert_out.device, comm_stream, done_event)
         self._validate_together(validate, "combine")
-        return self._run_on_stream(comm_stream, done_event, (expert_out, handle),
+        return self._run_on_stream(expert_out.device, comm_stream, done_event, (expert_out, handle),
                                    lambda: self._backend.combine(expert_out, handle, local_reduce=local_reduce))
 
     def _validate_combine(self, expert_out, handle) -> None:
@@ -456,7 +456,8 @@ class Buffer:
         if not isinstance(result, DispatchResult):
             raise TypeError(f"begin_combine_rows needs the DispatchResult of a dispatch, got {type(result).__name__}")
         self._require_combine_rows()
-        return self._run_on_stream(None, None, result, lambda: self._backend.begin_combine_rows(result))
+        return self._run_on_stream(self._backend.torch_device, None, None, (),
+                                   lambda: self._backend.begin_combine_rows(result))
 
     @property
     def combine_rows_supported(self) -> bool:
@@ -478,7 +479,8 @@ class Buffer:
         self._check_alive()
         if self.backend != "nvlink":
             raise NotImplementedError("finish_combine_rows needs the nvlink backend")
-        return self._run_on_stream(None, None, handle, lambda: self._backend.finish_combine_rows(handle))
+        return self._run_on_stream(self._backend.torch_device, None, None, (),
+                                   lambda: self._backend.finish_combine_rows(handle))
 
     def check(self) -> None:
         """Raise if a kernel of this Buffer recorded a timeout (nvlink backend: a peer that never arrived, or a wave

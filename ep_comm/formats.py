@@ -514,7 +514,10 @@ def mxfp8_quantize(x: torch.Tensor, rounding: str = "nearest", seed: int = 0, im
     return _mxfp8_quantize_reference(x.float(), rounding, seed)
 
 
-def _mxfp8_quantize_reference(xf: torch.Tensor, rounding: str, seed: int) -> MXFP8Tensor:
+def _mxfp8_quantize_reference(xf: torch.Tensor, rounding: str, seed: int,
+                              index: Optional[torch.Tensor] = None) -> MXFP8Tensor:
+    """index: the stochastic rounding's counter of each element (int64, xf's shape); default its flat place in xf.
+    (A given index serves a slice of a larger tensor, whose counters start elsewhere: tests at sizes past 2^32.)"""
     k = xf.shape[-1]
     xb = xf.reshape(_num_rows(xf), k // MX_BLOCK, MX_BLOCK)
     block_amax = _nan_to_zero_abs(xb).amax(dim=-1) if xb.numel() else xb.new_zeros(xb.shape[:-1])
@@ -526,8 +529,9 @@ def _mxfp8_quantize_reference(xf: torch.Tensor, rounding: str, seed: int) -> MXF
     if rounding == "nearest":
         codes = e4m3_encode(v)
     else:
-        index = torch.arange(v.numel(), device=v.device, dtype=torch.int64).reshape(v.shape)
-        codes = _e4m3_stochastic(v, rbits(seed, index))
+        if index is None:
+            index = torch.arange(v.numel(), device=v.device, dtype=torch.int64)
+        codes = _e4m3_stochastic(v, rbits(seed, index.reshape(v.shape)))
     return MXFP8Tensor(data=codes.reshape(xf.shape).view(torch.float8_e4m3fn),
                        scales=scale.reshape(*xf.shape[:-1], k // MX_BLOCK).view(torch.float8_e8m0fnu))
 

@@ -45,7 +45,8 @@ import torch
 import torch.nn.functional as F
 
 from . import _ext
-from .formats import NVFP4Tensor, _check_nvfp4, _f32, _nan_to_zero_abs, _use_cuda, e2m1_decode, e4m3_decode
+from .formats import (NVFP4_BLOCK, NVFP4Tensor, _check_float_input, _check_nvfp4, _f32, _nan_to_zero_abs, _use_cuda,
+                      e2m1_decode, e4m3_decode)
 from .types import CombineRowsTarget
 
 __all__ = [
@@ -391,8 +392,7 @@ def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Option
     _check_num_rows_limit(num_rows_limit, q.data.device)  # on every path (the reference ignores its value)
     if _use_gemm_kernels(impl, q.data, "expand_nvfp4_rows"):
         lib = _ext._C
-        from ._cuda_formats import _aligned
-        data, scales = _aligned(data, 8), scales.contiguous()  # the kernel reads codes in 8-byte vectors
+        data, scales = _ext.aligned_contiguous(data, 8), scales.contiguous()  # codes are read in 8-byte vectors
         values = torch.empty(num_rows, k, dtype=torch.float16, device=q.data.device)
         if num_rows:
             with _ext.cuda_device(q.data.device):
@@ -415,10 +415,9 @@ def quantize_expanded_rows(x: torch.Tensor, amax: Optional[torch.Tensor] = None,
     amax: optional fp32 [R] outer amax (default: each row's max |x|, NaN ignored). num_rows_limit: as
     `expand_nvfp4_rows` (CUDA path: rows at or past it are left unwritten).
     """
-    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"x must be a float32, bfloat16 or float16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
-    if x.dim() != 2 or x.shape[-1] % 16 != 0 or x.shape[-1] == 0:
-        raise ValueError(f"x must be [R, K] with K a positive multiple of 16, got {tuple(x.shape)}")
+    _check_float_input(x, "x", NVFP4_BLOCK)
+    if x.dim() != 2:
+        raise ValueError(f"x must be [R, K], got {tuple(x.shape)}")
     if amax is not None and (not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32):
         raise TypeError(f"amax must be a float32 tensor, got {getattr(amax, 'dtype', type(amax).__name__)}")
     if amax is not None and (amax.shape != x.shape[:1] or amax.device != x.device):
@@ -436,6 +435,19 @@ def quantize_expanded_rows(x: torch.Tensor, amax: Optional[torch.Tensor] = None,
 # ----------------------------------------------------------------------------------------------------------
 # The grouped GEMM
 # ----------------------------------------------------------------------------------------------------------
+def _check_segments(expert_offsets, num_tokens_per_expert, experts: int) -> None:
+    """The dispatch layout's segment tensors as the GEMMs read them: contiguous int32 expert_offsets [E + 1] and
+    num_tokens_per_expert [E] (read on the device: no host sync)."""
+    for name, t, length in (("expert_offsets", expert_offsets, experts + 1),
+                            ("num_tokens_per_expert", num_tokens_per_expert, experts)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
+            raise TypeError(f"{name} must be a 1-D int32 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        if tuple(t.shape) != (length,):
+            raise ValueError(f"{name} must have shape [{length}] for {experts} experts, got {tuple(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+
 def _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, out_dtype, token_tile, tail_tile, out):
     if not isinstance(x, ExpandedRows):
         raise TypeError(f"x must be ExpandedRows (from expand_nvfp4_rows), got {type(x).__name__}")
@@ -455,15 +467,7 @@ def _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, out_dt
             or tuple(row_factor.shape) != (rows,) or not row_factor.is_contiguous()):
         raise ValueError(f"x.row_factor must be a contiguous float32 [{rows}] tensor, got "
                          f"{getattr(row_factor, 'dtype', None)} {tuple(getattr(row_factor, 'shape', ()))}")
-    experts = weights.num_experts
-    for name, t, length in (("expert_offsets", expert_offsets, experts + 1),
-                            ("num_tokens_per_expert", num_tokens_per_expert, experts)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
-            raise TypeError(f"{name} must be an int32 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
-        if tuple(t.shape) != (length,):
-            raise ValueError(f"{name} must have shape [{length}] for {experts} experts, got {tuple(t.shape)}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
+    _check_segments(expert_offsets, num_tokens_per_expert, weights.num_experts)
     if out_dtype not in _OUT_TYPES:
         raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     if token_tile is not None and (isinstance(token_tile, bool) or token_tile not in TOKEN_TILES):

@@ -125,7 +125,7 @@ def _run_once(worker, world_size: int, args, backend: str, timeout_s: float):
             except queue_module.Empty:
                 # A rank that exited (with any code, 0 included) without reporting never will: once what it may
                 # have sent just before exiting is read, it is dead.
-                if any(p.exitcode is not None and r not in outcome for r, p in enumerate(processes)):
+                if _silent_exits(processes, outcome):
                     _drain(results, outcome)
                     if any(status in ("error", "port_in_use") for status, _ in outcome.values()):
                         break  # a report read just now: raised below, with its traceback

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from . import _ext, formats
 from .buffer import Buffer
-from .grouped_gemm import TOKEN_TILES, exact_fp32_matmuls, has_combine_rows_kernel
+from .grouped_gemm import TOKEN_TILES, _check_segments, exact_fp32_matmuls, has_combine_rows_kernel
 
 
 @dataclass(frozen=True)
@@ -79,13 +79,12 @@ def pack_weights(w1: torch.Tensor, w2: torch.Tensor) -> PackedExpertWeights:
     for name, w in (("w1", w1), ("w2", w2)):
         if not bool(torch.isfinite(w).all()):
             raise ValueError(f"{name} holds NaN or Inf values; master weights must be finite")
-    # Packing is not differentiable: with nn.Parameter masters, autograd would otherwise record the amax and keep a
-    # full-size FP32 |w| alive behind the packed weights (and the reference path's dequantized copies would require
-    # grad, which dispatch and combine refuse).
+    # Packing is not differentiable: with nn.Parameter masters, autograd would otherwise record the amax (and the
+    # reference path's dequantized copies would require grad, which dispatch and combine refuse).
     with torch.no_grad():
         return PackedExpertWeights(
-            w1=formats.nvfp4_quantize(w1.detach(), four_over_six=False, amax=_per_expert_amax(w1.detach().float())),
-            w2=formats.nvfp4_quantize(w2.detach(), four_over_six=False, amax=_per_expert_amax(w2.detach().float())))
+            w1=formats.nvfp4_quantize(w1, four_over_six=False, amax=_per_expert_amax(w1.float())),
+            w2=formats.nvfp4_quantize(w2, four_over_six=False, amax=_per_expert_amax(w2.float())))
 
 
 def expert_mlp_reference(tokens: formats.NVFP4Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -138,9 +137,7 @@ def _check_fused_inputs(tokens, expert_offsets, num_tokens_per_expert, w1, w2=No
     for name, weights, swiglu in (("w1", w1, True), ("w2", w2, False)):
         if weights is not None and getattr(weights, "swiglu", None) is not swiglu:
             raise ValueError(f"{name} must be packed with pack_gemm_weights(..., swiglu={swiglu})")
-    for name, t in (("expert_offsets", expert_offsets), ("num_tokens_per_expert", num_tokens_per_expert)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
-            raise TypeError(f"{name} must be a 1-D int32 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    _check_segments(expert_offsets, num_tokens_per_expert, w1.num_experts)
     weights = [w for w in (w1, w2) if w is not None]
     tensors = [t for t in (getattr(tokens, "data", None), *(getattr(w, "values", None) for w in weights))
                if isinstance(t, torch.Tensor)]

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import ep_comm
+from format_cases import assert_same_floats
 from oracle import Case, expected_combine, expected_dispatch, make_inputs, payload_bytes, run_expert
 
 
@@ -39,13 +40,6 @@ def check_dispatch(case: Case, rank: int, world: int, result, inputs) -> None:
         assert (weight[padding] == 0).all() and (payload[padding] == 0).all(), (case.name, "padding", j)
 
 
-def _bf16_bits(t: torch.Tensor) -> torch.Tensor:
-    """bf16 bits with every NaN as 0x7FFF: the CPU's conversions write 0x7FC0 or 0xFFFF, the GPU's 0x7FFF
-    (docs/NUMERICS.md, combine accumulation), so only NaN positions are compared (the edge cases' Inf / NaN tokens)."""
-    bits = t.view(torch.int16)
-    return torch.where(t.isnan(), torch.full_like(bits, 0x7FFF), bits)
-
-
 def run_case(case: Case, rank: int, world: int, backend: str, device, repeat_check: bool = False) -> dict:
     inputs = [make_inputs(case, r, world) for r in range(world)]
     x, topk_idx, weights = (t.to(device) for t in inputs[rank])
@@ -64,11 +58,9 @@ def run_case(case: Case, rank: int, world: int, backend: str, device, repeat_che
                 got = buf.combine(expert_out, result.handle, local_reduce=local_reduce).cpu()
                 want = expected_combine(case, rank, world, inputs, local_reduce)
                 assert got.dtype == torch.bfloat16 and got.shape == want.shape
-                if not torch.equal(_bf16_bits(got), _bf16_bits(want)):
-                    bad = (_bf16_bits(got) != _bf16_bits(want)).nonzero()[:3].tolist()
-                    raise AssertionError(f"{case.name}: combine(local_reduce={local_reduce}) differs from the "
-                                         f"oracle at {bad}: {[got[i, j].item() for i, j in bad]} vs "
-                                         f"{[want[i, j].item() for i, j in bad]}")
+                # NaN bits differ between the CPU's and the GPU's conversions (docs/NUMERICS.md): NaN positions are
+                # compared, everything else bit for bit (the edge cases' Inf / NaN tokens).
+                assert_same_floats(got, want, f"{case.name}: combine(local_reduce={local_reduce}) against the oracle")
                 digest.update(got.view(torch.int16).numpy().tobytes())
             hashes.append(digest.hexdigest())
     if repeat_check:

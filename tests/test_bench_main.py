@@ -1,23 +1,13 @@
 """The main job (`python -m ep_comm.bench`) on 2 CPU ranks over gloo: its table's figures are the measured ones."""
 import json
-import os
 
 import pytest
 
 from ep_comm import bench
-from ep_comm.launch import GPU_ENV
-
-
-@pytest.fixture
-def keep_environment(monkeypatch):
-    """bench.main writes GPU_ENV into os.environ (for its ranks), in this pytest process: each variable is recorded
-    through monkeypatch first, so that its value (or its absence) is restored after the test."""
-    for name, value in GPU_ENV.items():
-        monkeypatch.setenv(name, os.environ.get(name, value))
 
 
 @pytest.mark.cpu
-def test_main_job_on_cpu_ranks(tmp_path, capsys, keep_environment):
+def test_main_job_on_cpu_ranks(tmp_path, capsys):
     out = tmp_path / "result.json"
     bench.main(["--cpu", "--tokens", "24", "--hidden", "256", "--experts", "8", "--topk", "2", "--iters", "1",
                 "--formats", "nvfp4/s2f6,bf16/bf16", "--out", str(out)])
@@ -52,7 +42,7 @@ def test_main_job_refuses_bad_flags(argv, message, capsys):
 
 
 @pytest.mark.cpu
-def test_main_job_json_is_strict_when_exact(tmp_path, capsys, keep_environment):
+def test_main_job_json_is_strict_when_exact(tmp_path, capsys):
     """One rank, one expert, BF16 both ways: the end-to-end error is exactly 0, so the SQNR is infinite. Strict JSON
     has no Infinity: the file says "inf"."""
     out = tmp_path / "one.json"

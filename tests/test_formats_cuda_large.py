@@ -51,18 +51,11 @@ def _boundary_rows(num_rows: int, hidden: int, boundaries, width: int = 16):
 
 
 def _mx_blocks_reference(v: torch.Tensor, index0: torch.Tensor, rounding: str, seed: int):
-    """MXFP8 of fp32 blocks v [n, 32] whose first elements have flat indices index0 [n] (int64): the arithmetic of the
-    reference (formats._mxfp8_quantize_reference) with the SR counter of each block starting at index0 instead of the
-    block's place in v. Returns (codes uint8 [n, 32], scale bytes uint8 [n])."""
-    scale = F.ue8m0_mxfp8_scale(F._nan_to_zero_abs(v).amax(dim=-1))
-    b = scale.to(torch.int64)
-    p = F._pow2(127 - torch.clamp(b, max=254))
-    p = torch.where(b == 255, torch.full_like(p, float("nan")), p)
-    scaled = v * p[:, None]
-    if rounding == "nearest":
-        return F.e4m3_encode(scaled), scale
-    index = index0[:, None] + torch.arange(32, dtype=torch.int64)
-    return F._e4m3_stochastic(scaled, F.rbits(seed, index)), scale
+    """MXFP8 of fp32 blocks v [n, 32] whose first elements have flat indices index0 [n] (int64): the reference with the
+    SR counter of each block starting at index0 instead of the block's place in v. Returns (codes uint8 [n, 32], scale
+    bytes uint8 [n])."""
+    m = F._mxfp8_quantize_reference(v, rounding, seed, index=index0[:, None] + torch.arange(32, dtype=torch.int64))
+    return m.data.view(torch.uint8), m.scales.view(torch.uint8).reshape(-1)
 
 
 def _mx_rows_reference(x_rows: torch.Tensor, rows: torch.Tensor, hidden: int, rounding: str, seed: int):

@@ -41,6 +41,7 @@ _STAGES = {
     5: "wave GEMM (waiting for the dispatch receive's {what})",
     6: "dispatch send (waiting for the peer's token counts, which place this rank's own rows)",
 }
+_STAGE_ROW_PAST_CAPACITY = 7  # csrc/nvlink.h kStageRowPastCapacity: a dispatch row outside the result (check())
 # Smallest dispatch (tokens on this rank) whose NVFP4 send stores this rank's own rows straight into the expert-major
 # output (csrc/nvlink.h, "direct self rows"); smaller calls keep them in staging and skip the send's wait for the
 # counts. Measured on 2xH200 (bench/RESULTS.md, eleventh session): 4096 tokens 137.6-139.4 vs 151.1-154.6 us per call,
@@ -212,12 +213,6 @@ def _group_ranks(group) -> Tuple[int, ...]:
 def _combine_sections(sections):
     """The arena sections combine reads (send_idx, send_w, row_weight, recv_count, recv_tok, recv_ord, recv_rows)."""
     return tuple(sections[i] for i in (0, 1, 10, 11, 12, 13, 14))
-
-
-def _aligned16(t: torch.Tensor) -> torch.Tensor:
-    """t itself when its data starts on a 16-byte boundary, else a copy that does: the kernels read and write rows
-    with 16-byte vector accesses (a contiguous view at an odd element offset would fault)."""
-    return t if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
 def _shared_gpu_allowed() -> bool:
@@ -721,11 +716,11 @@ class NVLinkBackend:
             stage = (word >> 48) & 0xFF
             peer = (word >> 32) & 0xFFFF
             call = word & 0xFFFFFFFF
-            if stage == 7:  # csrc/nvlink.h kStageRowPastCapacity: a fault, not a timeout
+            if stage == _STAGE_ROW_PAST_CAPACITY:  # a fault, not a timeout
                 what = "the exchanged counts" if peer == 0xFFFF else f"a row from rank {peer}"
                 raise RuntimeError(
                     f"ep_comm nvlink: rank {self.rank}'s dispatch (call {call}) placed {what} outside its result "
-                    f"(max_recv_rows {self.config.max_recv_rows}); those rows were not written. Either the ranks' "
+                    f"(max_recv_rows {self.config.max_recv_rows}) or its staging slots; those rows were not written. Either the ranks' "
                     f"calls went out of step (after a timeout on a peer) or a token named one expert in two top-k "
                     f"slots with check_inputs off. Results of that call and later ones are invalid and this Buffer is "
                     f"unusable")
@@ -854,7 +849,7 @@ class NVLinkBackend:
             raise ValueError(f"{num_tokens} tokens exceed max_tokens_per_rank={cfg.max_tokens_per_rank}")
         if topk_idx.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"topk_idx must be int32 or int64, got {topk_idx.dtype}")
-        x = _aligned16(x.contiguous())
+        x = _ext.aligned_contiguous(x)
         topk_idx = topk_idx.contiguous()
         topk_weights = topk_weights.contiguous().float()
         # One allocation per call: every output is a view of a fresh arena (_result_in_arena); the C++ side derives the
@@ -868,33 +863,27 @@ class NVLinkBackend:
     def _result_in_arena(self, arena: torch.Tensor, recipe: _ArenaRecipe, num_tokens: int) -> DispatchResult:
         """The DispatchResult whose tensors are the sections of `arena` (int32 [recipe.words]) that the recipe names:
         one as_strided view per output, because host time per eager call is what small calls pay and each tensor
-        object costs ~1 µs (bench/profile_host.py)."""
+        object costs ~1 µs (bench/profile_host.py). Without expansion (recipe.row_index) the payload is the staging
+        rows, and row_index says where each expert-major row is."""
         cfg = self.config
         rows = cfg.max_recv_rows
-        if recipe.row_index is not None:  # no expansion: the staging rows and where each expert-major row is
-            return self._result_in_arena_common(arena, recipe, num_tokens, self._staging_payload(),
-                                                row_index=arena.as_strided((rows,), (1,), recipe.row_index))
-        dtype, offset, shape = recipe.data
-        data = arena.view(dtype).as_strided(shape, (shape[1], 1), offset)
-        if recipe.scales is not None:
-            dtype, offset, shape = recipe.scales
-            scales = arena.view(dtype).as_strided(shape, (shape[1], 1), offset)
         as_f32 = arena.view(torch.float32)
-        if cfg.dispatch_format == "nvfp4":
-            payload = formats.NVFP4Tensor(data=data, scales=scales, amax=as_f32.as_strided((rows,), (1,), recipe.amax),
-                                          e4m3_max=formats.NVFP4_ACTIVATION_E4M3_MAX)
-        elif cfg.dispatch_format == "mxfp8":
-            payload = formats.MXFP8Tensor(data=data, scales=scales)
+        row_index = None
+        if recipe.row_index is not None:
+            payload = self._staging_payload()
+            row_index = arena.as_strided((rows,), (1,), recipe.row_index)
         else:
-            payload = data
-        return self._result_in_arena_common(arena, recipe, num_tokens, payload)
-
-    def _result_in_arena_common(self, arena: torch.Tensor, recipe: _ArenaRecipe, num_tokens: int, payload,
-                                row_index: Optional[torch.Tensor] = None) -> DispatchResult:
-        """The DispatchResult around `payload`: metadata views and the handle, as _result_in_arena describes."""
-        cfg = self.config
-        rows = cfg.max_recv_rows
-        as_f32 = arena.view(torch.float32)
+            dtype, offset, shape = recipe.data
+            payload = arena.view(dtype).as_strided(shape, (shape[1], 1), offset)
+            if recipe.scales is not None:
+                dtype, offset, shape = recipe.scales
+                scales = arena.view(dtype).as_strided(shape, (shape[1], 1), offset)
+                if cfg.dispatch_format == "nvfp4":
+                    payload = formats.NVFP4Tensor(data=payload, scales=scales,
+                                                  amax=as_f32.as_strided((rows,), (1,), recipe.amax),
+                                                  e4m3_max=formats.NVFP4_ACTIVATION_E4M3_MAX)
+                else:
+                    payload = formats.MXFP8Tensor(data=payload, scales=scales)
         (num_per_expert, expert_offsets, src_rank, src_token, topk_slot) = [
             arena.as_strided((n,), (1,), offset) for offset, n in recipe.int_views]
         topk_weight = as_f32.as_strided((rows,), (1,), recipe.topk_weight)
@@ -946,7 +935,7 @@ class NVLinkBackend:
                 or expert_out.shape[0] < handle.num_rows:
             raise ValueError(f"expert_out must be bfloat16 [{handle.num_rows}, {cfg.hidden}], got "
                              f"{expert_out.dtype} {tuple(expert_out.shape)}")
-        expert_out = _aligned16(expert_out.contiguous())
+        expert_out = _ext.aligned_contiguous(expert_out)
         out = torch.empty(handle.num_tokens, cfg.hidden, dtype=torch.bfloat16, device=expert_out.device)
         if handle.owner is self._ctx:  # this context's arena table describes the handle's arena
             self._ctx.combine_arena(expert_out.data_ptr(), handle.arena_ptr, handle.num_tokens, bool(local_reduce),
