@@ -380,13 +380,25 @@ __device__ __forceinline__ int row_in_capacity(const NvlinkConfig& cfg, long lon
   return -1;
 }
 
-// Every block: thread p < W waits on counter p of `flags` (in my region), then the block proceeds.
-__device__ __forceinline__ void block_wait_all_peers(const NvlinkConfig& cfg, long long flags_off,
+// Whether this Buffer gave up (a wait timed out, or a fault was recorded): from then on it is fail-stop towards its
+// peers -- no more stores into their regions and no more signals -- so that a peer which is merely slow times out and
+// raises itself instead of reading the rows of a later call as if they were its own.
+__device__ __forceinline__ bool aborted(const NvlinkConfig& cfg) {
+  return *reinterpret_cast<const volatile unsigned int*>(&cfg.state->abort) != 0u;
+}
+
+// Every block: thread p < W waits on counter p of `flags` (in my region), then the block proceeds. Returns, the same
+// for every thread of the block, whether it may go on storing into its peers: false when one of its waits failed or
+// the Buffer has given up (senders then return at once: see aborted()).
+__device__ __forceinline__ bool block_wait_all_peers(const NvlinkConfig& cfg, long long flags_off,
                                                      unsigned long long target, int stage,
                                                      unsigned long long epoch) {
   const unsigned long long* flags = reinterpret_cast<const unsigned long long*>(cfg.local_base + flags_off);
-  for (int p = threadIdx.x; p < cfg.world; p += blockDim.x) wait_counter(cfg, flags + p, target, stage, p, epoch);
-  __syncthreads();
+  bool ok = true;
+  for (int p = threadIdx.x; p < cfg.world; p += blockDim.x) {
+    ok = wait_counter(cfg, flags + p, target, stage, p, epoch) && ok;
+  }
+  return !__syncthreads_or(!ok || (threadIdx.x == 0 && aborted(cfg)));
 }
 
 // A call's epoch from thread 0's start ticket (NvlinkState::comb_*_tickets, disp_recv_tickets): every call launches the
@@ -408,6 +420,7 @@ __device__ __forceinline__ unsigned long long block_epoch_from_ticket(unsigned l
 // session). Stores of an earlier kernel take signal_all_peers_once, which fences first.
 __device__ __forceinline__ void signal_peer(const NvlinkConfig& cfg, long long flags_off, int p,
                                             unsigned long long amount) {
+  if (aborted(cfg)) return;  // fail-stop: the peer must time out, not take what this rank wrote as valid
   unsigned long long* flag =
       reinterpret_cast<unsigned long long*>(static_cast<uintptr_t>(cfg.peer_bases[p]) + flags_off) + cfg.rank;
   red_release_sys_add(flag, amount);

@@ -101,8 +101,10 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
   }
 
   // The sources' combine areas hold the previous combine's rows until they have read them.
-  block_wait_all_peers(cfg, cfg.off_comb_consumed, (epoch - 1ull) * cfg.comb_recv_blocks,
-                       kStageCombineWaitConsumed, epoch);
+  if (!block_wait_all_peers(cfg, cfg.off_comb_consumed, (epoch - 1ull) * cfg.comb_recv_blocks,
+                            kStageCombineWaitConsumed, epoch)) {
+    return;  // gave up (aborted()): nothing more into the sources' combine areas
+  }
 
   const int warps_per_block = blockDim.x / 32;
   const int warp_in_block = threadIdx.x / 32;

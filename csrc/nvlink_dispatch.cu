@@ -381,8 +381,10 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
     signal_all_peers_once(cfg, cfg.off_disp_consumed, static_cast<unsigned long long>(cfg.disp_recv_blocks));
   }
   // The destinations' staging areas still hold the previous dispatch until they have read it.
-  block_wait_all_peers(cfg, cfg.off_disp_consumed, (epoch - 1ull) * cfg.disp_recv_blocks,
-                       kStageDispatchWaitConsumed, epoch);
+  if (!block_wait_all_peers(cfg, cfg.off_disp_consumed, (epoch - 1ull) * cfg.disp_recv_blocks,
+                            kStageDispatchWaitConsumed, epoch)) {
+    return;  // gave up (aborted()): nothing more into the peers, whose staging may still be in use
+  }
 
   // (counts_writer was drawn before the barrier at the top.)
   if (counts_writer) {
@@ -400,7 +402,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
   // Direct self rows land at seg_start[my rank][j] + position, which depends on every source's counts.
   const ReceiveLayout layout(smem, cfg.world, cfg.num_local);
   if (direct_self) {
-    block_wait_all_peers(cfg, cfg.off_disp_counts, epoch, kStageDispatchWaitCounts, epoch);
+    if (!block_wait_all_peers(cfg, cfg.off_disp_counts, epoch, kStageDispatchWaitCounts, epoch)) return;
     compute_receive_layout(cfg, layout, args.num_rows);
   }
   const int* self_seg_start = layout.seg_start + cfg.rank * cfg.num_local;

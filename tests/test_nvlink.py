@@ -430,6 +430,54 @@ def timeout_worker(rank, world, direct_self=False):
     return "ok"
 
 
+def stall_worker(rank, world):
+    """Rank 1 stalls on the host for longer than timeout_s between two calls while rank 0 goes on: rank 0's receive of
+    call 2 times out, and its call 3 (already enqueued) must not store into rank 1 or signal it (fail-stop after a
+    timeout). Rank 1's call 2 then gets call 2's rows (not call 3's, which a sender that no longer waits would have
+    written over them), and its call 3 times out instead of returning data. Tokens carry their call number."""
+    import time
+    import torch.distributed as dist
+    import ep_comm
+    hidden, experts, tokens = 256, 4 * world, 8
+    # check_inputs=False: no host sync inside dispatch, so rank 0 enqueues call 3 before call 2 gives up.
+    buf = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=2, max_tokens_per_rank=tokens,
+                         dispatch_format="bf16", combine_format="bf16", backend="nvlink", timeout_s=0.5,
+                         check_inputs=False)
+    try:
+        idx = torch.tensor([[0, experts - 1]], device="cuda").repeat(tokens, 1)  # one expert on each rank
+        w = torch.ones(tokens, 2, device="cuda")
+
+        def x_of(call):
+            return torch.full((tokens, hidden), float(call), device="cuda", dtype=torch.bfloat16)
+        buf.dispatch(x_of(1), idx, w)
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank == 0:
+            buf.dispatch(x_of(2), idx, w)
+            buf.dispatch(x_of(3), idx, w)  # enqueued before call 2's receive gives up
+            torch.cuda.synchronize()
+            with pytest.raises(RuntimeError, match="timed out"):
+                buf._backend.check()
+            dist.barrier()
+            return "ok"
+        time.sleep(3.0)
+        second = buf.dispatch(x_of(2), idx, w)
+        torch.cuda.synchronize()
+        from_peer = second.src_rank == 0
+        assert bool(from_peer.any()), "no row from rank 0"
+        values = second.x[from_peer].float()
+        assert bool((values == 2.0).all()), f"call 2 got rows of another call: {values.unique().tolist()}"
+        with pytest.raises(RuntimeError, match="timed out"):
+            buf.dispatch(x_of(3), idx, w)
+            torch.cuda.synchronize()
+            buf._backend.check()
+        dist.barrier()
+        return "ok"
+    finally:
+        torch.cuda.synchronize()
+        buf.destroy()
+
+
 def capacity_fault_worker(rank, world, direct_self=False):
     """check_inputs=False and every token naming one expert in two slots, with top-k above the experts per rank: each
     rank receives more rows than max_recv_rows (sized for min(K, experts per rank) rows per token). The receive must
@@ -627,6 +675,11 @@ def test_nvlink_pressure_graph_and_leaks():
 @pytest.mark.parametrize("direct_self", [False, True])
 def test_nvlink_timeout_names_stage_and_peer(direct_self):
     run_ranks(timeout_worker, 2, direct_self, backend=multigpu_backend(), timeout_s=300)
+
+
+@pytest.mark.multigpu
+def test_nvlink_fail_stop_after_a_timeout():
+    run_ranks(stall_worker, 2, backend=multigpu_backend(), timeout_s=300)
 
 
 @pytest.mark.multigpu
