@@ -324,6 +324,8 @@ __device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, 
   const int64_t out_column = static_cast<int64_t>(weight_cta) * kCols + local_column;
   const bool column_valid = out_column < args.n;  // 32-chunks lie wholly inside or outside [0, n): n % 64 == 0
   const GroupedGemmArgs::CombineRows& c = args.combine;
+  // Read once per tile, after the tile's work: a set flag stays set (CombineRows::abort).
+  const bool stopped = c.abort != nullptr && *reinterpret_cast<const volatile unsigned int*>(c.abort) != 0u;
   for (int t_base = (threadIdx.x / 32) * kTokensPerPass; t_base < kTile; t_base += kWarps * kTokensPerPass) {
     const int token = t_base + lane / kLanesPerToken;
     float v[16];
@@ -337,7 +339,7 @@ __device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, 
     }
     uint8_t scale;
     const uint4 codes = s2f6_lane::quantize_lane16<true>(v, c.sign_mask, lane, &scale);  // whole warp
-    if (token < valid_rows && column_valid) {
+    if (token < valid_rows && column_valid && !stopped) {
       char* dst = reinterpret_cast<char*>(static_cast<uintptr_t>(destinations[token]));
       *reinterpret_cast<uint4*>(dst + out_column) = codes;
       if ((lane & 1) == 0) dst[c.scale_offset + out_column / 32] = static_cast<char>(scale);

@@ -657,7 +657,7 @@ def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tenso
             -1 if tail_tile is None else int(tail_tile), bases.data_ptr(), int(target.area_offset),
             target.src_rank.data_ptr(), target.src_token.data_ptr(), target.topk_slot.data_ptr(),
             int(target.num_topk), int(target.row_bytes), int(target.scale_offset), int(target.sign_mask),
-            _ext.current_raw_stream(device))
+            int(target.abort_flag), _ext.current_raw_stream(device))
 
 
 def _grouped_gemm_reference(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,

@@ -231,6 +231,8 @@ class CombineRowsTarget:
     bases: int64 [W] on the device, each rank's symmetric region as this GPU addresses it.
     src_rank, src_token, topk_slot: int32 [R], the DispatchResult's (rows past expert_offsets[-1] unused).
     sign_mask: the RHT sign vector (BufferConfig.rht_sign_mask).
+    abort_flag: device address of the Buffer's uint32 abort flag, or 0 for none. Once the flag is set (a wait timed
+        out) the epilogue stores nothing, so that the peers time out too instead of reading rows they did not wait for.
     """
 
     bases: torch.Tensor
@@ -243,6 +245,7 @@ class CombineRowsTarget:
     row_bytes: int
     scale_offset: int
     sign_mask: int
+    abort_flag: int = 0
 
 
 @dataclass(frozen=True)

@@ -882,6 +882,25 @@ def test_kernel_combine_row_epilogue_matches_bf16_output_then_s2f6(shape, token_
 
 
 @pytest.mark.gpu
+def test_kernel_combine_row_epilogue_stores_nothing_once_aborted():
+    """CombineRowsTarget.abort_flag: with the flag clear the rows are stored; once it is set (a Buffer that gave up
+    after a timeout) not one byte of the target areas changes -- fail-stop towards the peers."""
+    import dataclasses
+    x, off, cnt, packed, _, mask = _gpu_case(SMALL_SHAPES[0], False, 16)
+    target, areas, _, _ = _local_combine_target(mask, num_ranks=2, topk=2, hidden=packed.out_features, seed=11)
+    flag = torch.zeros(4, dtype=torch.int32, device="cuda")
+    target = dataclasses.replace(target, abort_flag=flag.data_ptr())
+    before = areas.clone()
+    G.grouped_gemm_nvfp4_combine_rows(x, off, cnt, packed, target)
+    assert not torch.equal(areas, before), "flag clear: the rows must be stored"
+    areas.copy_(before)
+    flag[0] = 1
+    G.grouped_gemm_nvfp4_combine_rows(x, off, cnt, packed, target)
+    torch.cuda.synchronize()
+    assert torch.equal(areas, before), "flag set: the epilogue stored rows"
+
+
+@pytest.mark.gpu
 def test_kernel_combine_row_epilogue_refuses_bad_targets():
     x, off, cnt, packed, _, mask = _gpu_case(SMALL_SHAPES[0], False, 16)
     target, _, _, _ = _local_combine_target(mask, num_ranks=1, topk=2, hidden=packed.out_features, seed=3)

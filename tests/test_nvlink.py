@@ -446,9 +446,13 @@ def stall_worker(rank, world):
     try:
         idx = torch.tensor([[0, experts - 1]], device="cuda").repeat(tokens, 1)  # one expert on each rank
         w = torch.ones(tokens, 2, device="cuda")
+        calls = {call: torch.full((tokens, hidden), float(call), device="cuda", dtype=torch.bfloat16)
+                 for call in (1, 2, 3)}
 
         def x_of(call):
-            return torch.full((tokens, hidden), float(call), device="cuda", dtype=torch.bfloat16)
+            return calls[call]
+        torch.cuda.synchronize()
+        dist.barrier()  # call 1 starts together on both ranks: only rank 1's stall below may exceed timeout_s
         buf.dispatch(x_of(1), idx, w)
         torch.cuda.synchronize()
         dist.barrier()

@@ -971,7 +971,7 @@ class NVLinkBackend:
         return CombineRowsTarget(bases=self._peer_bases, area_offset=L.off_combine, src_rank=result.src_rank,
                                  src_token=result.src_token, topk_slot=result.topk_slot, num_topk=cfg.num_topk,
                                  hidden=cfg.hidden, row_bytes=L.comb_row_bytes, scale_offset=L.comb_scale_off,
-                                 sign_mask=cfg.rht_sign_mask)
+                                 sign_mask=cfg.rht_sign_mask, abort_flag=self._wave_sync_words[1])
 
     def finish_combine_rows(self, handle: NVLinkHandle) -> torch.Tensor:
         """Publish the rows the GEMM stored since begin_combine_rows, then receive: bf16 [T, H]."""
