@@ -435,11 +435,14 @@ def stall_worker(rank, world):
     call 2 times out, and its call 3 (already enqueued) must not store into rank 1 or signal it (fail-stop after a
     timeout). Rank 1's call 2 then gets call 2's rows (not call 3's, which a sender that no longer waits would have
     written over them), and its call 3 times out instead of returning data. Tokens carry their call number."""
+    import os
     import time
     import torch.distributed as dist
     import ep_comm
     hidden, experts, tokens = 256, 4 * world, 8
-    # check_inputs=False: no host sync inside dispatch, so rank 0 enqueues call 3 before call 2 gives up.
+    # check_inputs=False and no sync check: no host sync inside dispatch, so rank 0 enqueues call 3 before call 2
+    # gives up (the smoke tier sets EP_COMM_SYNC_CHECK=1, read when the Buffer is made).
+    os.environ["EP_COMM_SYNC_CHECK"] = "0"
     buf = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=2, max_tokens_per_rank=tokens,
                          dispatch_format="bf16", combine_format="bf16", backend="nvlink", timeout_s=0.5,
                          check_inputs=False)
