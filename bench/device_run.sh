@@ -378,6 +378,17 @@ ab_trees() {  # $1 = label, $2 = a grep -E pattern for the lines to keep, then a
   done
   rm -f "$out"
 }
+negative_control() {  # NEG_K = a pytest -k expression over tests/test_nvlink.py, run in ab_base.tar's tree (a tree with
+  # a known defect) with 2 ranks sharing GPU 0: the tests must FAIL there, i.e. they can detect that defect
+  ab_base_build || return
+  local base file="$OUT/pytest_negative_control.txt"
+  base=$(ab_base_dir)
+  say "negative control: -k '${NEG_K}' in the base tree ${AB_BASE:-ab_base.tar} (must fail)"
+  (cd "$base" && PYTHONPATH="/tmp/site:$base" EP_COMM_TEST_SHARED_GPU=1 CUDA_VISIBLE_DEVICES=0 timeout 240 \
+    python3 -m pytest -q -rs tests/test_nvlink.py -k "$NEG_K") > "$file" 2>&1
+  echo "rc $?" >> "$file"
+  grep -E "passed|failed|Error|assert|rc " "$file" | tail -8 | tee -a "$log"
+}
 bench_formats_ab() {  # AB_ONLY: the kernels to time (bench_formats --only, a name substring; default nvfp4_quantize)
   ab_trees "bench: ${AB_ONLY:-nvfp4_quantize}" "${AB_ONLY:-nvfp4_quantize}|copy_" env CUDA_VISIBLE_DEVICES=0 timeout 60 \
     python3 bench/bench_formats.py --no-reference --only "${AB_ONLY:-nvfp4_quantize}"

@@ -65,11 +65,13 @@ class NvlinkContext {
     c.off_wave_index = get<long long>(d, "off_wave_index");
     c.off_disp_counts = get<long long>(d, "off_disp_counts");
     c.off_row_flags = get<long long>(d, "off_row_flags");
+    c.off_abort = get<long long>(d, "off_abort");
     c.direct_self_min_tokens = get<int>(d, "direct_self_min_tokens");
     c.timeout_ns = get<unsigned long long>(d, "timeout_ns");
     c.peer_bases = ptr<const unsigned long long>(get<uintptr_t>(d, "peer_bases"));
     c.local_base = ptr<char>(get<uintptr_t>(d, "local_base"));
     c.state = ptr<NvlinkState>(get<uintptr_t>(d, "state"));
+    c.abort = reinterpret_cast<unsigned int*>(c.local_base + c.off_abort);
     c.scratch_pos = ptr<int>(get<uintptr_t>(d, "scratch_pos"));
     c.scratch_slot = ptr<int>(get<uintptr_t>(d, "scratch_slot"));
     c.expert_count = ptr<int>(get<uintptr_t>(d, "expert_count"));
@@ -79,6 +81,7 @@ class NvlinkContext {
     if (c.topk < 1 || c.topk > kMaxTopk) throw std::invalid_argument("num_topk must be in [1, 32] for nvlink");
     if (c.world < 1 || c.world > kMaxWorld) throw std::invalid_argument("world size out of range for nvlink");
     if (c.hidden % 32 != 0) throw std::invalid_argument("hidden must be a multiple of 32");
+    if (c.off_abort < 0 || c.off_abort % 4 != 0) throw std::invalid_argument("off_abort must be a 4-byte aligned offset");
     if (c.disp_send_blocks < 1 || c.disp_recv_blocks < 1 || c.comb_send_blocks < 1 || c.comb_recv_blocks < 1)
       throw std::invalid_argument("nvlink kernel block counts must be >= 1");
     select();
@@ -279,11 +282,18 @@ class NvlinkContext {
     launch_dispatch(a, stream);
   }
 
+  // Set every peer's abort word (nvlink_give_up.cu): this rank's call raised before launching, so the peers stop
+  // waiting for it now instead of at their timeout.
+  void give_up(uintptr_t stream) {
+    select();
+    launch_give_up(cfg_, stream);
+  }
+
   // What the w1 GEMM of a wave dispatch needs besides the sync area: (address of the dispatch epoch, of the abort
   // flag, of the host-mapped error word, timeout in ns).
   py::tuple wave_sync() const {
     return py::make_tuple(reinterpret_cast<uintptr_t>(&cfg_.state->disp_epoch),
-                          reinterpret_cast<uintptr_t>(&cfg_.state->abort), reinterpret_cast<uintptr_t>(cfg_.error_word),
+                          reinterpret_cast<uintptr_t>(cfg_.abort), reinterpret_cast<uintptr_t>(cfg_.error_word),
                           cfg_.timeout_ns);
   }
 
@@ -324,6 +334,7 @@ void register_nvlink(py::module_& m) {
       .def("combine_arena", &NvlinkContext::combine_arena)
       .def("combine_rows_begin", &NvlinkContext::combine_rows_begin)
       .def("combine_rows_finish", &NvlinkContext::combine_rows_finish)
+      .def("give_up", &NvlinkContext::give_up)
       .def_property_readonly("layout_threads", &NvlinkContext::layout_threads)
       .def_property_readonly("comm_threads", &NvlinkContext::comm_threads);
   m.attr("nvlink_state_bytes") = py::int_(sizeof(NvlinkState));

@@ -78,6 +78,7 @@ enum Stage : int {
   kStageDispatchWaitCounts = 6,    // dispatch send (direct self rows): peer's counts never arrived
   kStageRowPastCapacity = 7,       // dispatch: a row's place fell outside [0, R) (counts and rows of different calls
                                    // after a timeout, or a token with one expert in two slots and check_inputs off)
+  // 8 = kStagePeerGaveUp (spin_wait.cuh): the peer named in the word gave up and set this rank's abort word
 };
 
 constexpr int kMaxTopk = 32;    // one lane per top-k slot in several warp-level steps
@@ -99,7 +100,6 @@ struct NvlinkState {
   unsigned long long comb_send_tickets;
   unsigned long long comb_recv_tickets;
   unsigned int layout_done_blocks;  // layout blocks finished in the current call (last one scans)
-  unsigned int abort;             // set after a timeout: every later wait gives up at once
   unsigned long long send_arrivals;  // dispatch send blocks started, all calls (ticket % grid == 0: counts writer)
   // Dispatch receive tickets: each call's receive blocks add cfg.disp_recv_blocks in all (a wave receive on fewer blocks
   // shares it out), so ticket / disp_recv_blocks + 1 is the call's epoch without waiting for the layout kernel.
@@ -152,6 +152,7 @@ struct NvlinkConfig {
   long long off_wave_index;
   long long off_disp_counts;  // disp_counts[W] (u64 counters)
   long long off_row_flags;    // row flags [W][T_max] (u32 epochs)
+  long long off_abort;        // the abort word (u32, spin_wait.cuh): in the region, so that a peer can set it
 
   unsigned long long timeout_ns;
 
@@ -159,6 +160,7 @@ struct NvlinkConfig {
   const unsigned long long* peer_bases;  // [W] base of every rank's region (own rank: the local address)
   char* local_base;                      // my region
   NvlinkState* state;
+  unsigned int* abort;    // local_base + off_abort: nonzero once this rank or a peer gave up (every wait then fails)
   int* scratch_pos;       // [T_max * K] position of (t, k) among this rank's rows for its expert
   int* scratch_slot;      // [T_max * K] staging slot at the destination rank (first slot of a rank) or -1
   int* expert_count;      // [E] rows this rank sends to each expert
@@ -245,6 +247,7 @@ void launch_dispatch_send(const NvlinkConfig& cfg, const DispatchArgs& args, uin
 void launch_dispatch_recv(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream);
 void launch_combine_send(const NvlinkConfig& cfg, const CombineArgs& args, uintptr_t stream);
 void launch_combine_recv(const NvlinkConfig& cfg, const CombineArgs& args, uintptr_t stream);
+void launch_give_up(const NvlinkConfig& cfg, uintptr_t stream);  // set every peer's abort word (nvlink_give_up.cu)
 bool dispatch_pdl_allowed();  // EP_COMM_NVLINK_PDL is not 0 (the streaming receive's launch)
 bool dispatch_stream_recv();  // EP_COMM_NVLINK_STREAM_RECV: 1 (default) streaming receive, 0 wait for the whole send
 // Shared-memory opt-ins that depend on the config (call once per Buffer, before any launch).
@@ -363,7 +366,7 @@ __device__ __forceinline__ bool wait_counter(const NvlinkConfig& cfg, const unsi
                                              unsigned long long target, int stage, int peer,
                                              unsigned long long epoch) {
   return spin_until([flag] { return ld_acquire_sys(flag); }, [target](unsigned long long v) { return v >= target; },
-                    &cfg.state->abort, cfg.error_word, cfg.timeout_ns,
+                    cfg.abort, cfg.error_word, cfg.timeout_ns,
                     [stage, peer, epoch] { return timeout_error_word(stage, peer, epoch); });
 }
 
@@ -375,7 +378,7 @@ __device__ __forceinline__ int row_in_capacity(const NvlinkConfig& cfg, long lon
   if (row >= 0 && row < num_rows) return static_cast<int>(row);
   volatile unsigned long long* err = cfg.error_word;
   if (*err == 0ull) *err = timeout_error_word(kStageRowPastCapacity, source, cfg.state->disp_epoch);
-  *reinterpret_cast<volatile unsigned int*>(&cfg.state->abort) = 1u;
+  *reinterpret_cast<volatile unsigned int*>(cfg.abort) = kAbortSelf;
   __threadfence_system();
   return -1;
 }
@@ -384,7 +387,7 @@ __device__ __forceinline__ int row_in_capacity(const NvlinkConfig& cfg, long lon
 // peers -- no more stores into their regions and no more signals -- so that a peer which is merely slow times out and
 // raises itself instead of reading the rows of a later call as if they were its own.
 __device__ __forceinline__ bool aborted(const NvlinkConfig& cfg) {
-  return *reinterpret_cast<const volatile unsigned int*>(&cfg.state->abort) != 0u;
+  return *reinterpret_cast<const volatile unsigned int*>(cfg.abort) != 0u;
 }
 
 // Every block: thread p < W waits on counter p of `flags` (in my region), then the block proceeds. Returns, the same

@@ -786,7 +786,7 @@ __device__ __forceinline__ void wait_staging_row(const NvlinkConfig& cfg, int ha
           cfg.max_tokens + j;
       const unsigned int want = static_cast<unsigned int>(epoch);
       spin_until([flag] { return ld_relaxed_sys_u32(flag); }, [want](unsigned int v) { return v == want; },
-                 &cfg.state->abort, cfg.error_word, cfg.timeout_ns,
+                 cfg.abort, cfg.error_word, cfg.timeout_ns,
                  [s, epoch] { return timeout_error_word(kStageDispatchWaitReady, s, epoch); });
       (void)ld_acquire_sys_u32(flag);  // the flag stays at this epoch until this rank signals disp_consumed
     } else {
@@ -894,7 +894,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
     if (threadIdx.x == 0) {
       const unsigned long long* own = counts_in + cfg.rank;
       spin_until([own] { return ld_acquire_sys(own); }, [epoch](unsigned long long v) { return v >= epoch; },
-                 &cfg.state->abort, cfg.error_word, ~0ull,
+                 cfg.abort, cfg.error_word, ~0ull,
                  [epoch] { return timeout_error_word(kStageDispatchWaitReady, 0, epoch); });
     }
     __syncthreads();

@@ -1,7 +1,8 @@
 // Device-side waiting on flags another kernel (or another GPU) writes: acquire loads and the one timed spin loop that
 // every wait of the NVLink kernels (nvlink.h) and of the wave GEMM (waves.h) goes through. A wait that runs out of
 // time records why in the Buffer's host-mapped error word, sets the Buffer's abort flag (so every later wait gives up
-// at once) and returns false: the kernel runs on and the host raises at its next check, never a hang.
+// at once) and returns false: the kernel runs on and the host raises at its next check, never a hang. A peer that
+// gave up can set the abort flag too (kAbortByPeer, below).
 // Torch-free; device code only.
 #pragma once
 
@@ -32,6 +33,24 @@ __device__ __forceinline__ unsigned long long timeout_error_word(int stage, int 
          (static_cast<unsigned long long>(peer & 0xFFFF) << 32) | (epoch & 0xFFFFFFFFull);
 }
 
+// The abort word of a Buffer (in its symmetric region, so that peers can set it): 0 while healthy, kAbortSelf once this
+// rank gave up (a timeout or a fault), kAbortByPeer | rank once that peer rank gave up and said so (its call raised
+// before launching, e.g. on inputs it rejected: nvlink_give_up.cu). Either way every later wait gives up at once.
+constexpr unsigned int kAbortSelf = 1u;
+constexpr unsigned int kAbortByPeer = 0x80000000u;
+constexpr int kStagePeerGaveUp = 8;  // error-word stage: the peer in the word told this rank it gave up
+
+// A wait that found the abort word set: when a peer set it, the error word names that peer (unless a first error is
+// already there), so that the host says why this rank stopped waiting.
+__device__ __forceinline__ void note_peer_gave_up(unsigned int abort_value, unsigned long long* error_word) {
+  if ((abort_value & kAbortByPeer) == 0u) return;
+  volatile unsigned long long* err = error_word;
+  if (*err == 0ull) {
+    *err = timeout_error_word(kStagePeerGaveUp, static_cast<int>(abort_value & 0xFFFFu), 0ull);
+    __threadfence_system();
+  }
+}
+
 // Spin until done(load()). On a timeout: abort flag set, error_bits() stored in the error word unless a first error
 // is already there, false returned. load does the acquire; error_bits is only evaluated on a timeout.
 template <typename Load, typename Done, typename ErrorBits>
@@ -42,9 +61,12 @@ __device__ __forceinline__ bool spin_until(Load load, Done done, unsigned int* a
   volatile unsigned int* abort_flag = abort;
   while (true) {
     if (done(load())) return true;
-    if (*abort_flag) return false;
+    if (const unsigned int abort_value = *abort_flag) {
+      note_peer_gave_up(abort_value, error_word);
+      return false;
+    }
     if (global_timer_ns() - start > timeout_ns) {
-      *abort_flag = 1u;
+      *abort_flag = kAbortSelf;
       volatile unsigned long long* err = error_word;
       if (*err == 0ull) *err = error_bits();
       __threadfence_system();

@@ -14,6 +14,11 @@ from .formats import _is_capturing
 from .types import BACKENDS, BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, WaveDispatch
 
 
+class _InvalidExpertIds(ValueError):
+    """topk_idx holds an id outside [-1, E) or one expert twice in a token: a fault of this rank's data (its router),
+    unlike a bad argument usually found on this rank alone (see Buffer._validate_together)."""
+
+
 def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
     """Raise ValueError if an id of topk_idx [T, K] is outside [-1, num_experts) or a token names one expert in two
     slots. Both conditions are reduced on the device and read back with one device->host copy (the only host
@@ -25,10 +30,11 @@ def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
     bad_range, bad_duplicate = torch.stack([out_of_range, duplicate_tokens.any()]).tolist()
     if bad_range:
         low, high = int(topk_idx.min()), int(topk_idx.max())
-        raise ValueError(f"topk_idx values must be in [-1, {num_experts}); got range [{low}, {high}]")
+        raise _InvalidExpertIds(f"topk_idx values must be in [-1, {num_experts}); got range [{low}, {high}]")
     if bad_duplicate:
         token = int(torch.nonzero(duplicate_tokens)[0])
-        raise ValueError(f"token {token} selects the same expert in two top-k slots: {topk_idx[token].tolist()}")
+        raise _InvalidExpertIds(f"token {token} selects the same expert in two top-k slots: "
+                                f"{topk_idx[token].tolist()}")
 
 
 def _tensors_in(obj) -> list:
@@ -64,8 +70,10 @@ class Buffer:
         check_inputs: validate index ranges / duplicate experts (needs a device->host copy; skipped
             automatically during CUDA graph capture). On the reference backend the ranks agree on the outcome of
             every call's argument checks (one small all_reduce per call, whatever check_inputs is), so inputs
-            rejected on one rank -- dispatch or combine -- raise on every rank. Without checks, ids outside
-            [0, num_experts) are masked slots on both backends.
+            rejected on one rank -- dispatch or combine -- raise on every rank. On nvlink (no host collective per
+            call) a rank whose ids are rejected tells its peers, which raise at their next call naming it, and the
+            Buffer is then unusable on every rank. Without checks, ids outside [0, num_experts) are masked slots on
+            both backends.
         format_impl: "auto" | "reference" | "cuda", quantization path of the reference backend.
 
     Every rank must construct the Buffer with the same arguments (compared across ranks before they are
@@ -297,8 +305,10 @@ class Buffer:
             check_inputs: validate the expert ids (range, duplicates) for this call -- a device->host copy, so
                 the host waits for the GPU; None = the Buffer's setting. Callers whose ids are valid by
                 construction (e.g. torch.topk over the expert logits, as MoELayer) pass False. On the reference
-                backend a rank whose inputs are rejected makes every rank raise; on nvlink the kernels of its peers
-                give up after timeout_s and the next call on those ranks raises the timeout, naming rank and stage.
+                backend a rank whose inputs are rejected makes every rank raise. On nvlink, a rank whose ids are
+                rejected tells its peers to stop waiting for it (they raise at their next call, naming it; the
+                Buffer is unusable on every rank from then on); after other arguments rejected on one rank only,
+                its peers' kernels give up after timeout_s and their next call raises the timeout.
             comm_stream: run the dispatch on this CUDA stream instead of the current one (None, the default): it
                 starts after the work enqueued so far on the current stream, and the current stream does not wait
                 for it -- wait with `torch.cuda.current_stream().wait_event(done_event)` (or `.wait_stream(
@@ -345,7 +355,20 @@ class Buffer:
         """Runs `validate`. On the reference backend (outside graph capture) the ranks then agree on the outcome (one
         small all_reduce, whatever check_inputs is, so that ranks calling with different settings still meet): inputs
         rejected on one rank raise on every rank instead of leaving the others in the next collective until the
-        process group's timeout."""
+        process group's timeout. The nvlink backend does not meet its peers on the host (no collective per call), so
+        a rank cannot know whether its peers rejected the same call. Invalid expert ids are data, typically bad on one
+        rank only, whose peers' kernels already wait for it: that rank tells its peers to stop waiting
+        (NVLinkBackend.give_up; they raise at their next check, naming it) and the Buffer refuses later calls on every
+        rank. A bad argument (type, shape, device, handle) is a program's error, usually the same on every rank,
+        which then all raise and go on; on one rank only, its peers wait until their timeout, whose message names
+        this cause."""
+        if self.backend == "nvlink" and not _is_capturing():
+            try:
+                validate()
+            except _InvalidExpertIds as rejected:
+                self._backend.give_up(f"{what}: {rejected}")
+                raise
+            return
         if self.backend != "reference" or _is_capturing():
             validate()
             return

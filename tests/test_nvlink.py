@@ -485,6 +485,42 @@ def stall_worker(rank, world):
         buf.destroy()
 
 
+def rejected_ids_worker(rank, world):
+    """Rank 1's expert ids are rejected (check_inputs) while rank 0's dispatch of the same call is already waiting for
+    it: rank 0 must stop waiting at once and name rank 1 (Buffer._validate_together -> give_up), not time out. The
+    timeout is long (60 s), so a notice that never arrived shows as a timeout message instead of the one expected.
+    Afterwards the Buffer refuses calls on both ranks."""
+    import torch.distributed as dist
+    import ep_comm
+    hidden, experts, tokens = 256, 4 * world, 8
+    buf = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=2, max_tokens_per_rank=tokens,
+                         dispatch_format="bf16", combine_format="bf16", backend="nvlink", timeout_s=60.0)
+    try:
+        x = torch.ones(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        idx = torch.tensor([[0, experts - 1]], device="cuda").repeat(tokens, 1)
+        w = torch.ones(tokens, 2, device="cuda")
+        buf.dispatch(x, idx, w)
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank == 1:
+            with pytest.raises(ValueError, match="must be in"):
+                buf.dispatch(x, idx + experts, w)
+            with pytest.raises(RuntimeError, match="gave up after an earlier call raised on this rank"):
+                buf.dispatch(x, idx, w)
+        else:
+            buf.dispatch(x, idx, w)
+            torch.cuda.synchronize()
+            with pytest.raises(RuntimeError, match="stopped waiting because rank 1 gave up"):
+                buf._backend.check()
+            with pytest.raises(RuntimeError, match="rank 1 gave up"):  # and stays unusable
+                buf.dispatch(x, idx, w)
+        dist.barrier()
+        return "ok"
+    finally:
+        torch.cuda.synchronize()
+        buf.destroy()
+
+
 def capacity_fault_worker(rank, world, direct_self=False):
     """check_inputs=False and every token naming one expert in two slots, with top-k above the experts per rank: each
     rank receives more rows than max_recv_rows (sized for min(K, experts per rank) rows per token). The receive must
@@ -682,6 +718,11 @@ def test_nvlink_pressure_graph_and_leaks():
 @pytest.mark.parametrize("direct_self", [False, True])
 def test_nvlink_timeout_names_stage_and_peer(direct_self):
     run_ranks(timeout_worker, 2, direct_self, backend=multigpu_backend(), timeout_s=300)
+
+
+@pytest.mark.multigpu
+def test_nvlink_rejected_ids_stop_the_peers_at_once():
+    assert run_ranks(rejected_ids_worker, 2, backend=multigpu_backend(), timeout_s=300) == ["ok", "ok"]
 
 
 @pytest.mark.multigpu

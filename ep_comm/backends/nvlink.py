@@ -42,6 +42,7 @@ _STAGES = {
     6: "dispatch send (waiting for the peer's token counts, which place this rank's own rows)",
 }
 _STAGE_ROW_PAST_CAPACITY = 7  # csrc/nvlink.h kStageRowPastCapacity: a dispatch row outside the result (check())
+_STAGE_PEER_GAVE_UP = 8  # csrc/spin_wait.cuh kStagePeerGaveUp: a peer's call raised before launching (give_up)
 # Smallest dispatch (tokens on this rank) whose NVFP4 send stores this rank's own rows straight into the expert-major
 # output (csrc/nvlink.h, "direct self rows"); smaller calls keep them in staging and skip the send's wait for the
 # counts. Measured on 2xH200 (bench/RESULTS.md, eleventh session): 4096 tokens 137.6-139.4 vs 151.1-154.6 us per call,
@@ -123,6 +124,7 @@ class _RegionLayout:
     off_wave_index: int
     off_disp_counts: int
     off_row_flags: int
+    off_abort: int
     total_bytes: int
 
     @staticmethod
@@ -149,6 +151,9 @@ class _RegionLayout:
         off_comb_ready, off = off, off + flags
         off_comb_consumed, off = off, off + flags
         off_disp_counts, off = off, off + flags
+        # The abort word (u32, csrc/spin_wait.cuh): here rather than in the local state, so that a peer giving up can
+        # set it (give_up).
+        off_abort, off = off, off + 128
         count_stride = _align(cfg.num_local_experts + 2, 4)  # expert counts, token count, row flags (0/1)
         off_counts, off = _align(off, 256), _align(off, 256) + 4 * w * count_stride
         # Row flags: [W][T_max] u32, the epoch of the dispatch whose staging row (s, j) is complete (streaming receive).
@@ -169,7 +174,7 @@ class _RegionLayout:
                              off_disp_consumed=off_disp_consumed, off_comb_ready=off_comb_ready,
                              off_comb_consumed=off_comb_consumed, off_counts=off_counts, count_stride=count_stride,
                              off_staging=off_staging, off_combine=off_combine, off_wave_index=off_wave_index,
-                             off_disp_counts=off_disp_counts, off_row_flags=off_row_flags,
+                             off_disp_counts=off_disp_counts, off_row_flags=off_row_flags, off_abort=off_abort,
                              total_bytes=_align(off, 1 << 21))
 
 
@@ -565,6 +570,7 @@ class NVLinkBackend:
         self._destroyed = False
         self._rows_handle = None  # the handle begin_combine_rows was given, until finish_combine_rows (order check)
         self._wave_ticket = None  # the last wave dispatch's _WaveTicket until its w1 GEMM claims it
+        self._gave_up = None  # why this rank gave up (give_up): every later call raises
 
         # Collective: before the region, so that everything between the region and the vote below is local to a rank.
         self.blocks = self._block_counts(group, config)
@@ -606,7 +612,7 @@ class NVLinkBackend:
                 "off_comb_ready": L.off_comb_ready, "off_comb_consumed": L.off_comb_consumed,
                 "off_counts": L.off_counts, "count_stride": L.count_stride, "off_staging": L.off_staging,
                 "off_combine": L.off_combine, "off_wave_index": L.off_wave_index, "off_disp_counts": L.off_disp_counts,
-                "off_row_flags": L.off_row_flags,
+                "off_row_flags": L.off_row_flags, "off_abort": L.off_abort,
                 "direct_self_min_tokens": _env_count("EP_COMM_DIRECT_SELF_MIN_TOKENS", _DIRECT_SELF_MIN_TOKENS),
                 "timeout_ns": int(config.timeout_s * 1e9),
                 "peer_bases": self._peer_bases.data_ptr(), "local_base": self.region.local_base,
@@ -716,6 +722,12 @@ class NVLinkBackend:
             stage = (word >> 48) & 0xFF
             peer = (word >> 32) & 0xFFFF
             call = word & 0xFFFFFFFF
+            if stage == _STAGE_PEER_GAVE_UP:
+                raise RuntimeError(
+                    f"ep_comm nvlink: rank {self.rank} stopped waiting because rank {peer} gave up: a call there "
+                    f"raised before launching (see the error raised on rank {peer}, e.g. inputs it rejected), so it "
+                    f"will not send that call's rows. Results of the calls in flight and later ones are invalid and "
+                    f"this Buffer is unusable")
             if stage == _STAGE_ROW_PAST_CAPACITY:  # a fault, not a timeout
                 what = "the exchanged counts" if peer == 0xFFFF else f"a row from rank {peer}"
                 raise RuntimeError(
@@ -731,7 +743,8 @@ class NVLinkBackend:
                 f"ep_comm nvlink: rank {self.rank} timed out after {self.config.timeout_s:g} s in "
                 f"{where} (call {call}); results of that call "
                 f"and later ones are invalid and this Buffer is unusable (did every rank make the same calls? A rank whose "
-                f"call raised before launching, e.g. on inputs it rejected, leaves its peers waiting like this)")
+                f"call raised before launching, e.g. on an argument it rejected, leaves its peers waiting like this; "
+                f"rejected expert ids are reported as such instead)")
 
     def _after_call(self) -> None:
         if self._sync_check:
@@ -994,9 +1007,26 @@ class NVLinkBackend:
         return out
 
     # ------------------------------------------------------------------------------------------------------
+    def give_up(self, reason: str) -> None:
+        """This rank's call raised before launching (`reason`): tell every peer, whose kernels for that call may
+        already wait on this rank, to stop waiting now (csrc/nvlink_give_up.cu) instead of at their timeout; they
+        raise at their next check, naming this rank. The ranks' calls are out of step from here on, so this Buffer
+        refuses every later call too. Nothing to do with one rank. Blocks until the notice is out (on its own stream,
+        not behind this rank's queued calls), so that it is delivered even if the process exits on the error."""
+        if self.world == 1 or self._destroyed or self._gave_up is not None:
+            return
+        self._gave_up = reason
+        stream = torch.cuda.Stream(self.torch_device)
+        self._ctx.give_up(stream.cuda_stream)
+        stream.synchronize()
+
     def _check_alive(self) -> None:
         if self._destroyed:
             raise RuntimeError("this nvlink backend was destroyed")
+        if self._gave_up is not None:
+            raise RuntimeError(f"this Buffer gave up after an earlier call raised on this rank ({self._gave_up}); "
+                               f"its peers were told to stop waiting, and the ranks' calls are out of step: make a new "
+                               f"Buffer on every rank")
         # Any other call between a wave dispatch and its w1 GEMM makes that dispatch's WaveSync stale (a later
         # dispatch moves the epoch and the sync area on; see _WaveTicket).
         self._wave_ticket = None
