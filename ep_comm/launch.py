@@ -96,6 +96,12 @@ def _drain(results, outcome) -> None:
         outcome[rank] = (status, value)
 
 
+def _last_line(text) -> str:
+    """The last non-empty line of a rank's error report (its exception type and message)."""
+    lines = [line for line in str(text).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(no message)"
+
+
 def _silent_exits(processes, outcome) -> list:
     """Ranks whose process has exited without a report."""
     return [r for r, p in enumerate(processes) if p.exitcode is not None and r not in outcome]
@@ -157,5 +163,8 @@ def _run_once(worker, world_size: int, args, backend: str, timeout_s: float):
         # the error reported is then only the consequence.
         died = (f"ranks {silent} exited without reporting (exit codes {[processes[r].exitcode for r in silent]}; "
                 f"the cause of the failure below, or a consequence); " if silent else "")
-        raise AssertionError(f"{died}rank {rank} failed:\n{errors[rank]}")
+        # The lowest failing rank in full; the others by their last line (the first failure is not always the cause:
+        # a rank that fails and exits makes its peers fail in their next collective).
+        others = "".join(f"\nrank {r} also failed: {_last_line(errors[r])}" for r in sorted(errors) if r != rank)
+        raise AssertionError(f"{died}rank {rank} failed:\n{errors[rank]}{others}")
     return [outcome[rank][1] for rank in range(world_size)]

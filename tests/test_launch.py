@@ -44,6 +44,22 @@ def test_failed_rank_is_reported_and_every_rank_reaped():
     assert left == {}, f"rank processes left behind (pid: state): {left}"
 
 
+def _both_fail(rank, world):
+    raise ValueError(f"failure of rank {rank}")
+
+
+@pytest.mark.cpu
+def test_every_failing_rank_is_named():
+    """The lowest failing rank in full, the others by their message (the first is not always the cause)."""
+    with pytest.raises(AssertionError) as raised:
+        run_ranks(_both_fail, 2, backend="gloo", timeout_s=60)
+    text = str(raised.value)
+    # Both ranks fail right after the rendezvous: both reports are read (the harness drains for a second after the
+    # first), the lowest rank's in full.
+    assert "rank 0 failed" in text and "failure of rank 0" in text
+    assert "rank 1 also failed: ValueError: failure of rank 1" in text
+
+
 def _die_then_barrier(rank, world):
     import torch.distributed as dist
     if rank == 0:
