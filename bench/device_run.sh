@@ -378,8 +378,9 @@ ab_trees() {  # $1 = label, $2 = a grep -E pattern for the lines to keep, then a
   done
   rm -f "$out"
 }
-negative_control() {  # NEG_K = a pytest -k expression over tests/test_nvlink.py, run in ab_base.tar's tree (a tree with
-  # a known defect) with 2 ranks sharing GPU 0: the tests must FAIL there, i.e. they can detect that defect
+negative_control() {  # NEG_K = a pytest -k expression over tests/test_nvlink.py, run in the tree of NEG_BASE (default
+  # AB_BASE: an archive of a tree with a known defect) with 2 ranks sharing GPU 0: the tests must FAIL there
+  local AB_BASE="${NEG_BASE:-${AB_BASE:-ab_base.tar}}"  # seen by ab_base_dir / ab_base_build (dynamic scope)
   ab_base_build || return
   local base file="$OUT/pytest_negative_control.txt"
   base=$(ab_base_dir)

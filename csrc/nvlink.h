@@ -421,25 +421,36 @@ __device__ __forceinline__ unsigned long long block_epoch_from_ticket(unsigned l
 // before it (those of every thread of the block), so no separate fence is needed. A fence.sc.sys before each
 // release (the earlier form) cost ~1-1.5 us per small dispatch or combine on 2xH200 (bench/RESULTS.md, twelfth
 // session). Stores of an earlier kernel take signal_all_peers_once, which fences first.
-__device__ __forceinline__ void signal_peer(const NvlinkConfig& cfg, long long flags_off, int p,
-                                            unsigned long long amount) {
-  if (aborted(cfg)) return;  // fail-stop: the peer must time out, not take what this rank wrote as valid
+__device__ __forceinline__ void release_to_peer(const NvlinkConfig& cfg, long long flags_off, int p,
+                                                unsigned long long amount) {
   unsigned long long* flag =
       reinterpret_cast<unsigned long long*>(static_cast<uintptr_t>(cfg.peer_bases[p]) + flags_off) + cfg.rank;
   red_release_sys_add(flag, amount);
 }
 
-// Every block, after its last access: add 1 to counter `my rank` of `flags` in every peer's region.
+// release_to_peer unless this Buffer gave up (fail-stop: the peer must time out, not take what this rank wrote as
+// valid).
+__device__ __forceinline__ void signal_peer(const NvlinkConfig& cfg, long long flags_off, int p,
+                                            unsigned long long amount) {
+  if (!aborted(cfg)) release_to_peer(cfg, flags_off, p, amount);
+}
+
+// Every block, after its last access: add 1 to counter `my rank` of `flags` in every peer's region. The abort word is
+// read before the barrier, so that its latency overlaps the wait instead of delaying the signals.
 __device__ __forceinline__ void block_signal_all_peers(const NvlinkConfig& cfg, long long flags_off) {
+  const bool stop = threadIdx.x < cfg.world && aborted(cfg);
   __syncthreads();
-  for (int p = threadIdx.x; p < cfg.world; p += blockDim.x) signal_peer(cfg, flags_off, p, 1ull);
+  if (stop) return;
+  for (int p = threadIdx.x; p < cfg.world; p += blockDim.x) release_to_peer(cfg, flags_off, p, 1ull);
 }
 
 // One thread publishes for a whole grid: add `amount` to counter `my rank` of `flags` in every peer's region.
 __device__ __forceinline__ void signal_all_peers_once(const NvlinkConfig& cfg, long long flags_off,
                                                       unsigned long long amount) {
+  const bool stop = aborted(cfg);  // read once, overlapping the fence
   __threadfence_system();  // the rows it publishes were stored by an earlier kernel
-  for (int p = 0; p < cfg.world; ++p) signal_peer(cfg, flags_off, p, amount);
+  if (stop) return;
+  for (int p = 0; p < cfg.world; ++p) release_to_peer(cfg, flags_off, p, amount);
 }
 
 __device__ __forceinline__ char* peer_ptr(const NvlinkConfig& cfg, int peer, long long offset) {
