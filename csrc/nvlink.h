@@ -397,11 +397,13 @@ __device__ __forceinline__ bool block_wait_all_peers(const NvlinkConfig& cfg, lo
                                                      unsigned long long target, int stage,
                                                      unsigned long long epoch) {
   const unsigned long long* flags = reinterpret_cast<const unsigned long long*>(cfg.local_base + flags_off);
+  // Read before the waits, so that its latency overlaps theirs (a wait that spins sees a later abort itself).
+  const bool gave_up = threadIdx.x == 0 && aborted(cfg);
   bool ok = true;
   for (int p = threadIdx.x; p < cfg.world; p += blockDim.x) {
     ok = wait_counter(cfg, flags + p, target, stage, p, epoch) && ok;
   }
-  return !__syncthreads_or(!ok || (threadIdx.x == 0 && aborted(cfg)));
+  return !__syncthreads_or(!ok || gave_up);
 }
 
 // A call's epoch from thread 0's start ticket (NvlinkState::comb_*_tickets, disp_recv_tickets): every call launches the
@@ -421,36 +423,31 @@ __device__ __forceinline__ unsigned long long block_epoch_from_ticket(unsigned l
 // before it (those of every thread of the block), so no separate fence is needed. A fence.sc.sys before each
 // release (the earlier form) cost ~1-1.5 us per small dispatch or combine on 2xH200 (bench/RESULTS.md, twelfth
 // session). Stores of an earlier kernel take signal_all_peers_once, which fences first.
-__device__ __forceinline__ void release_to_peer(const NvlinkConfig& cfg, long long flags_off, int p,
-                                                unsigned long long amount) {
+__device__ __forceinline__ void signal_peer(const NvlinkConfig& cfg, long long flags_off, int p,
+                                            unsigned long long amount) {
   unsigned long long* flag =
       reinterpret_cast<unsigned long long*>(static_cast<uintptr_t>(cfg.peer_bases[p]) + flags_off) + cfg.rank;
   red_release_sys_add(flag, amount);
 }
 
-// release_to_peer unless this Buffer gave up (fail-stop: the peer must time out, not take what this rank wrote as
-// valid).
-__device__ __forceinline__ void signal_peer(const NvlinkConfig& cfg, long long flags_off, int p,
-                                            unsigned long long amount) {
-  if (!aborted(cfg)) release_to_peer(cfg, flags_off, p, amount);
-}
-
-// Every block, after its last access: add 1 to counter `my rank` of `flags` in every peer's region. The abort word is
-// read before the barrier, so that its latency overlaps the wait instead of delaying the signals.
+// Every block, after its last access: add 1 to counter `my rank` of `flags` in every peer's region. No abort check
+// here (it would put a load before every kernel's last signal, ~1 us per small call): fail-stop holds without it,
+// since a sender that gave up returned at its block_wait_all_peers and so never gets here, and a "consumed" signal
+// after giving up only lets the peer send rows this rank will never answer, so that the peer times out.
 __device__ __forceinline__ void block_signal_all_peers(const NvlinkConfig& cfg, long long flags_off) {
-  const bool stop = threadIdx.x < cfg.world && aborted(cfg);
   __syncthreads();
-  if (stop) return;
-  for (int p = threadIdx.x; p < cfg.world; p += blockDim.x) release_to_peer(cfg, flags_off, p, 1ull);
+  for (int p = threadIdx.x; p < cfg.world; p += blockDim.x) signal_peer(cfg, flags_off, p, 1ull);
 }
 
-// One thread publishes for a whole grid: add `amount` to counter `my rank` of `flags` in every peer's region.
+// One thread publishes for a whole grid: add `amount` to counter `my rank` of `flags` in every peer's region --
+// unless this Buffer gave up: this publishes rows that no wait of this kernel vouches for (the combine-row GEMM's,
+// which stored nothing after an abort), so the peer must time out instead of reading them.
 __device__ __forceinline__ void signal_all_peers_once(const NvlinkConfig& cfg, long long flags_off,
                                                       unsigned long long amount) {
   const bool stop = aborted(cfg);  // read once, overlapping the fence
   __threadfence_system();  // the rows it publishes were stored by an earlier kernel
   if (stop) return;
-  for (int p = 0; p < cfg.world; ++p) release_to_peer(cfg, flags_off, p, amount);
+  for (int p = 0; p < cfg.world; ++p) signal_peer(cfg, flags_off, p, amount);
 }
 
 __device__ __forceinline__ char* peer_ptr(const NvlinkConfig& cfg, int peer, long long offset) {
