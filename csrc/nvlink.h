@@ -383,27 +383,26 @@ __device__ __forceinline__ int row_in_capacity(const NvlinkConfig& cfg, long lon
   return -1;
 }
 
-// Whether this Buffer gave up (a wait timed out, or a fault was recorded): from then on it is fail-stop towards its
-// peers -- no more stores into their regions and no more signals -- so that a peer which is merely slow times out and
-// raises itself instead of reading the rows of a later call as if they were its own.
+// Whether this Buffer gave up (a wait timed out, a fault was recorded, or a peer said it gave up). Checked where rows
+// go out that no wait of the same kernel vouches for (signal_all_peers_once; the combine-row GEMM epilogue).
 __device__ __forceinline__ bool aborted(const NvlinkConfig& cfg) {
   return *reinterpret_cast<const volatile unsigned int*>(cfg.abort) != 0u;
 }
 
 // Every block: thread p < W waits on counter p of `flags` (in my region), then the block proceeds. Returns, the same
-// for every thread of the block, whether it may go on storing into its peers: false when one of its waits failed or
-// the Buffer has given up (senders then return at once: see aborted()).
+// for every thread of the block, whether every wait succeeded. A sender returns at once when one failed (a timeout,
+// or the Buffer had given up, which a wait that spins sees): fail-stop, it stores nothing over rows a peer has not
+// consumed, so a peer that is merely slow times out and raises instead of reading a later call's rows as its own.
+// (No separate abort check: when every flag is already there, the peers are in step and the rows are theirs.)
 __device__ __forceinline__ bool block_wait_all_peers(const NvlinkConfig& cfg, long long flags_off,
                                                      unsigned long long target, int stage,
                                                      unsigned long long epoch) {
   const unsigned long long* flags = reinterpret_cast<const unsigned long long*>(cfg.local_base + flags_off);
-  // Read before the waits, so that its latency overlaps theirs (a wait that spins sees a later abort itself).
-  const bool gave_up = threadIdx.x == 0 && aborted(cfg);
   bool ok = true;
   for (int p = threadIdx.x; p < cfg.world; p += blockDim.x) {
     ok = wait_counter(cfg, flags + p, target, stage, p, epoch) && ok;
   }
-  return !__syncthreads_or(!ok || gave_up);
+  return !__syncthreads_or(!ok);
 }
 
 // A call's epoch from thread 0's start ticket (NvlinkState::comb_*_tickets, disp_recv_tickets): every call launches the
