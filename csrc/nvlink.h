@@ -10,6 +10,9 @@
 //              comb_ready[W]    my region, slot e: blocks of expert rank e that finished writing rows to me
 //              comb_consumed[W] my region, slot s: blocks of source s that finished reading my rows
 //              disp_counts[W]   my region, slot s: dispatch calls whose counts source s has written to me
+//   abort      u32 (spin_wait.cuh): nonzero once this rank gave up (a timeout or a fault) or a peer told it that it
+//              gave up (nvlink_give_up.cu); every wait then fails at once. After a failed wait a sender stores nothing
+//              more (fail-stop), so a peer that is only slow times out instead of reading a later call's rows
 //   counts     [W][count_stride] int32: source s writes its per-local-expert row counts, its token count and
 //              whether its rows of this call carry row flags (1 / 0)
 //   staging    [W][T_max] dispatch rows (payload | metadata), slot chosen by the sender's prefix sum
