@@ -64,29 +64,14 @@ def parse_args(argv=None):
 
 def _check_args(p, args) -> None:
     """Refuse bad flags here, with argparse's message, not as a traceback from inside every spawned rank."""
-    from ep_comm.types import COMBINE_FORMATS, DISPATCH_FORMATS
-    try:
-        args.token_list = [int(t) for t in str(args.tokens).split(",") if t.strip()]
-    except ValueError:
-        p.error(f"--tokens must be a comma list of token counts, got {args.tokens!r}")
-    if not args.token_list or min(args.token_list) < 1:
-        p.error(f"--tokens must name positive token counts, got {args.tokens!r}")
-    for name in ("experts", "topk", "iters", "graph_calls", "num_sms"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    from ep_comm.bench import check_routing_flags, parse_format_pairs, parse_token_counts
+    args.token_list = parse_token_counts(p, args.tokens)
+    check_routing_flags(p, args, ("experts", "topk", "iters", "graph_calls", "num_sms"))
     if args.num_local_sms < 0 or args.nproc < 0:
         p.error("--num-local-sms and --nproc must not be negative")
     if args.hidden < 1 or args.hidden % 32:
         p.error(f"--hidden must be a positive multiple of 32, got {args.hidden}")
-    if args.topk > args.experts:
-        p.error(f"--topk {args.topk} exceeds --experts {args.experts}")
-    args.pairs = [tuple(pair.split("/")) for pair in args.formats.split(",") if pair]
-    if not args.pairs:
-        p.error("--formats names no dispatch/combine pair")
-    for pair in args.pairs:
-        if len(pair) != 2 or pair[0] not in DISPATCH_FORMATS or pair[1] not in COMBINE_FORMATS:
-            p.error(f"--formats pair {'/'.join(pair)!r}: dispatch is one of {'/'.join(DISPATCH_FORMATS)}, "
-                    f"combine one of {'/'.join(COMBINE_FORMATS)}")
+    args.pairs = parse_format_pairs(p, args.formats)
 
 
 def _check_world(args, world: int) -> None:

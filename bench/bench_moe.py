@@ -71,26 +71,20 @@ def parse_args(argv=None):
 def _check_shape_args(p, args) -> None:
     """Refuse bad flags here, with argparse's message, not as a traceback from every rank after its weights are
     built (11 GB per rank at the default shape)."""
+    from ep_comm.bench import check_routing_flags, parse_token_counts
     from ep_comm.grouped_gemm import TOKEN_TILES
+    args.token_list = parse_token_counts(p, args.tokens)
     try:
-        args.token_list = [int(t) for t in args.tokens.split(",") if t.strip()]
         args.token_tile_list = [None if t == "auto" else int(t)
                                 for t in (s.strip() for s in args.token_tiles.split(",")) if t]
     except ValueError:
-        p.error("--tokens must be a comma list of token counts, --token-tiles of auto and token tiles")
-    if not args.token_list or min(args.token_list) < 1:
-        p.error(f"--tokens must name positive token counts, got {args.tokens!r}")
+        p.error("--token-tiles must be a comma list of auto and token tiles")
     if not args.token_tile_list or any(t is not None and t not in TOKEN_TILES for t in args.token_tile_list):
         p.error(f"--token-tiles must be a comma list of auto and {', '.join(map(str, TOKEN_TILES))}")
     # The fused experts pack w1 [E, 2I, H] and w2 [E, H, I] in 64 x 64 tiles: H and I are multiples of 64.
     if args.hidden < 64 or args.hidden % 64 or args.intermediate < 64 or args.intermediate % 64:
         p.error("--hidden and --intermediate must be positive multiples of 64")
-    if args.iters < 1 or args.nproc < 1 or args.topk < 1:
-        p.error("--iters, --nproc and --topk must be at least 1")
-    if args.experts < args.topk:
-        p.error(f"--topk {args.topk} exceeds --experts {args.experts}")
-    if args.experts % args.nproc:
-        p.error(f"--experts {args.experts} is not a multiple of the {args.nproc} ranks")
+    check_routing_flags(p, args, ("iters", "nproc", "topk"), world=args.nproc)
 
 
 def _time_ms(fn, iters, group) -> float:

@@ -29,6 +29,42 @@ from .types import COMBINE_FORMATS, DISPATCH_FORMATS, combine_bytes_per_token, d
 DEFAULT_PAIRS = "nvfp4/s2f6,mxfp8/s2f6,bf16/bf16"
 
 
+# Flag checks shared by this main job, the benchmarks in bench/ and the examples: bad values are refused with
+# argparse's message before any rank starts, not as one traceback per rank from inside the Buffer.
+def check_routing_flags(parser, args, positive, world=None, world_what="ranks") -> None:
+    """Each flag in `positive` >= 1, --topk <= --experts, and (world given) --experts a multiple of the ranks."""
+    for name in positive:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.topk > args.experts:
+        parser.error(f"--topk {args.topk} exceeds --experts {args.experts}")
+    if world is not None and args.experts % world:
+        parser.error(f"--experts {args.experts} is not a multiple of the {world} {world_what}")
+
+
+def parse_format_pairs(parser, text: str) -> list:
+    """--formats "d/c,d/c": the (dispatch format, combine format) pairs, each a known format."""
+    pairs = [tuple(pair.split("/")) for pair in text.split(",") if pair]
+    if not pairs:
+        parser.error("--formats names no dispatch/combine pair")
+    for pair in pairs:
+        if len(pair) != 2 or pair[0] not in DISPATCH_FORMATS or pair[1] not in COMBINE_FORMATS:
+            parser.error(f"--formats pair {'/'.join(pair)!r}: dispatch is one of {'/'.join(DISPATCH_FORMATS)}, "
+                         f"combine one of {'/'.join(COMBINE_FORMATS)}")
+    return pairs
+
+
+def parse_token_counts(parser, text: str) -> list:
+    """--tokens "128,4096": positive token counts."""
+    try:
+        counts = [int(t) for t in str(text).split(",") if t.strip()]
+    except ValueError:
+        parser.error(f"--tokens must be a comma list of token counts, got {text!r}")
+    if not counts or min(counts) < 1:
+        parser.error(f"--tokens must name positive token counts, got {text!r}")
+    return counts
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m ep_comm.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=None, help="tokens per rank (GPU default 4096, CPU 256)")
@@ -53,30 +89,17 @@ def parse_args(argv=None):
         args.ranks = torch.cuda.device_count() if use_gpu else 2
     if use_gpu and args.ranks > torch.cuda.device_count():
         parser.error(f"--ranks {args.ranks} exceeds the {torch.cuda.device_count()} visible GPUs")
-    for name in ("tokens", "iters", "ranks", "experts", "topk"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    check_routing_flags(parser, args, ("tokens", "iters", "ranks", "experts", "topk"))
     if args.hidden < 1 or args.hidden % 32:
         parser.error(f"--hidden must be a positive multiple of 32, got {args.hidden}")
-    if args.topk > args.experts:
-        parser.error(f"--topk {args.topk} exceeds --experts {args.experts}")
-    if args.experts % args.ranks:
-        parser.error(f"--experts {args.experts} is not a multiple of the {args.ranks} ranks")
+    check_routing_flags(parser, args, (), world=args.ranks)
     if args.backend == "nvlink" and args.device == "cpu":
         parser.error("--backend nvlink needs GPUs (these ranks run on the CPU over gloo); use auto or reference")
     if args.out is not None:  # checked now, not after a run of many minutes
         folder = os.path.dirname(os.path.abspath(args.out))
         if os.path.isdir(args.out) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             parser.error(f"--out {args.out!r}: not a writable file path (its folder must exist)")
-    args.pairs = [tuple(p.split("/")) for p in args.formats.split(",") if p]
-    if not args.pairs:
-        parser.error("--formats names no dispatch/combine pair")
-    for pair in args.pairs:
-        if len(pair) != 2:
-            parser.error(f"--formats takes dispatch/combine pairs, got {'/'.join(pair)!r}")
-        if pair[0] not in DISPATCH_FORMATS or pair[1] not in COMBINE_FORMATS:
-            parser.error(f"--formats pair {'/'.join(pair)!r}: dispatch is one of {'/'.join(DISPATCH_FORMATS)}, "
-                         f"combine one of {'/'.join(COMBINE_FORMATS)}")
+    args.pairs = parse_format_pairs(parser, args.formats)
     return args
 
 

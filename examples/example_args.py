@@ -4,6 +4,8 @@ import argparse
 
 import torch
 
+from ep_comm.bench import check_routing_flags
+
 
 def parse_moe_args(argv=None, *, description=None, hidden, intermediate, tokens=256, experts=16, topk=4):
     """(args, world): the parsed sizes (args.gpu: 2+ GPUs visible, one rank each; else 2 CPU ranks over gloo)."""
@@ -16,16 +18,11 @@ def parse_moe_args(argv=None, *, description=None, hidden, intermediate, tokens=
     args = parser.parse_args(argv)
     args.gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 2
     world = torch.cuda.device_count() if args.gpu else 2
-    for name in ("tokens", "hidden", "intermediate", "experts", "topk"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    check_routing_flags(parser, args, ("tokens", "hidden", "intermediate", "experts", "topk"))
     if args.hidden % 32:
         parser.error(f"--hidden must be a multiple of 32, got {args.hidden}")
     if args.intermediate % 16:
         parser.error(f"--intermediate must be a multiple of 16, got {args.intermediate}")
-    if args.topk > args.experts:
-        parser.error(f"--topk {args.topk} exceeds --experts {args.experts}")
-    if args.experts % world:
-        parser.error(f"--experts {args.experts} is not a multiple of the {world} ranks "
-                     f"({'one per visible GPU' if args.gpu else 'CPU ranks'})")
+    check_routing_flags(parser, args, (), world=world,
+                        world_what="ranks (one per visible GPU)" if args.gpu else "ranks (CPU ranks)")
     return args, world
