@@ -64,9 +64,9 @@ struct GroupedGemmArgs {
     int64_t row_bytes = 0;     // multiple of 16
     int64_t scale_offset = 0;  // >= n
     uint32_t sign_mask = 0;    // the RHT sign vector
-    // The Buffer's abort flag (nullptr: none). Once it is set (a wait of begin_combine_rows timed out), the epilogue
-    // stores nothing into the sources: fail-stop, so that a slow peer times out instead of reading these rows as
-    // those of the combine it waits for.
+    // The Buffer's abort flag (nullptr: none). Once it is set (an earlier wait timed out -- begin_combine_rows' or
+    // one of an earlier call --, a fault, or a peer's notice), the epilogue stores nothing into the sources:
+    // fail-stop, so that a slow peer times out instead of reading these rows as those of the combine it waits for.
     const unsigned int* abort = nullptr;
   } combine;
   // Waves (waves.h; wave.area == nullptr: off): x, row_factor, expert_offsets and num_tokens_per_expert are being

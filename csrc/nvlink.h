@@ -362,9 +362,10 @@ __device__ __forceinline__ uint4 ld_input_v4(const void* p) { return __ldg(reint
 
 __device__ __forceinline__ void st_v4(void* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
 
-// Wait until *flag >= target. On timeout (or when another wait already timed out) record the stage and
-// peer in the host-mapped error word, set the abort flag and return false: the kernel then runs on with
-// whatever is in the buffer, so the process never hangs; the host raises at its next check.
+// Wait until *flag >= target. On a timeout record the stage and peer in the host-mapped error word (unless an error
+// is already there), set the abort flag and return false; once the abort flag is set, return false at once (naming
+// the peer that gave up, if one did: spin_wait.cuh). The kernel then runs on with whatever is in the buffer, so the
+// process never hangs; the host raises at its next check.
 __device__ __forceinline__ bool wait_counter(const NvlinkConfig& cfg, const unsigned long long* flag,
                                              unsigned long long target, int stage, int peer,
                                              unsigned long long epoch) {
@@ -386,26 +387,28 @@ __device__ __forceinline__ int row_in_capacity(const NvlinkConfig& cfg, long lon
   return -1;
 }
 
-// Whether this Buffer gave up (a wait timed out, a fault was recorded, or a peer said it gave up). Checked where rows
-// go out that no wait of the same kernel vouches for (signal_all_peers_once; the combine-row GEMM epilogue).
+// Whether this Buffer gave up (a wait timed out, a fault was recorded, or a peer said it gave up): from then on it is
+// fail-stop towards its peers (block_wait_all_peers, signal_all_peers_once, the combine-row GEMM epilogue).
 __device__ __forceinline__ bool aborted(const NvlinkConfig& cfg) {
   return *reinterpret_cast<const volatile unsigned int*>(cfg.abort) != 0u;
 }
 
 // Every block: thread p < W waits on counter p of `flags` (in my region), then the block proceeds. Returns, the same
-// for every thread of the block, whether every wait succeeded. A sender returns at once when one failed (a timeout,
-// or the Buffer had given up, which a wait that spins sees): fail-stop, it stores nothing over rows a peer has not
-// consumed, so a peer that is merely slow times out and raises instead of reading a later call's rows as its own.
-// (No separate abort check: when every flag is already there, the peers are in step and the rows are theirs.)
+// for every thread of the block, whether it may go on storing into its peers: false when a wait failed or the Buffer
+// had given up (fail-stop; senders then return at once). The abort check matters even when every flag is in: after
+// a dispatch receive timed out, the next combine's inputs are invalid although the peers have read the previous
+// combine, and a slow peer would take them as its own. The abort word is read before the waits, so that its latency
+// overlaps theirs (measured within the run-to-run spread at world 1, bench/RESULTS.md, twenty-sixth session).
 __device__ __forceinline__ bool block_wait_all_peers(const NvlinkConfig& cfg, long long flags_off,
                                                      unsigned long long target, int stage,
                                                      unsigned long long epoch) {
   const unsigned long long* flags = reinterpret_cast<const unsigned long long*>(cfg.local_base + flags_off);
+  const bool gave_up = threadIdx.x == 0 && aborted(cfg);
   bool ok = true;
   for (int p = threadIdx.x; p < cfg.world; p += blockDim.x) {
     ok = wait_counter(cfg, flags + p, target, stage, p, epoch) && ok;
   }
-  return !__syncthreads_or(!ok);
+  return !__syncthreads_or(!ok || gave_up);
 }
 
 // A call's epoch from thread 0's start ticket (NvlinkState::comb_*_tickets, disp_recv_tickets): every call launches the
@@ -442,8 +445,8 @@ __device__ __forceinline__ void block_signal_all_peers(const NvlinkConfig& cfg, 
 }
 
 // One thread publishes for a whole grid: add `amount` to counter `my rank` of `flags` in every peer's region --
-// unless this Buffer gave up: this publishes rows that no wait of this kernel vouches for (the combine-row GEMM's,
-// which stored nothing after an abort), so the peer must time out instead of reading them.
+// unless this Buffer gave up: for the combine-row form this publishes the GEMM's rows, which it did not store after an
+// abort, so the peer must time out instead of reading them (the held-epoch consumed signal is skipped too, harmlessly).
 __device__ __forceinline__ void signal_all_peers_once(const NvlinkConfig& cfg, long long flags_off,
                                                       unsigned long long amount) {
   const bool stop = aborted(cfg);  // read once, overlapping the fence

@@ -366,7 +366,11 @@ class Buffer:
             try:
                 validate()
             except _InvalidExpertIds as rejected:
-                self._backend.give_up(f"{what}: {rejected}")
+                try:
+                    self._backend.give_up(f"{what}: {rejected}")
+                except Exception as notice_failed:  # noqa: BLE001 (the caller gets the rejection; the failure is warned)
+                    warnings.warn(f"ep_comm: telling the peers to stop waiting failed ({notice_failed!r}); they will "
+                                  f"wait until their timeout", RuntimeWarning, stacklevel=3)
                 raise
             return
         if self.backend != "reference" or _is_capturing():

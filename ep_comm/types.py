@@ -232,7 +232,8 @@ class CombineRowsTarget:
     src_rank, src_token, topk_slot: int32 [R], the DispatchResult's (rows past expert_offsets[-1] unused).
     sign_mask: the RHT sign vector (BufferConfig.rht_sign_mask).
     abort_flag: device address of the Buffer's uint32 abort flag, or 0 for none. Once the flag is set (a wait timed
-        out) the epilogue stores nothing, so that the peers time out too instead of reading rows they did not wait for.
+        out, a fault, or a peer gave up) the epilogue stores nothing, so that the peers time out too instead of
+        reading rows they did not wait for.
     """
 
     bases: torch.Tensor

@@ -485,6 +485,55 @@ def stall_worker(rank, world):
         buf.destroy()
 
 
+def stall_combine_worker(rank, world):
+    """As stall_worker, through a combine: rank 1 stalls on the host after dispatch + combine 1 while rank 0 goes on
+    with dispatch + combine 2. Rank 0's dispatch 2 times out; its combine 2 then finds every "consumed" flag in (rank
+    1 read combine 1) but its inputs are invalid, so it must store nothing (fail-stop on the abort word, not only on
+    a failed wait). Rank 1's dispatch 2 gets rank 0's rows; its combine 2 must time out, not return data."""
+    import os
+    import time
+    import torch.distributed as dist
+    import ep_comm
+    hidden, experts, tokens = 256, 4 * world, 8
+    os.environ["EP_COMM_SYNC_CHECK"] = "0"  # no host sync inside the calls (see stall_worker)
+    buf = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=2, max_tokens_per_rank=tokens,
+                         dispatch_format="bf16", combine_format="bf16", backend="nvlink", timeout_s=0.5,
+                         check_inputs=False)
+    try:
+        idx = torch.tensor([[0, experts - 1]], device="cuda").repeat(tokens, 1)  # one expert on each rank
+        w = torch.ones(tokens, 2, device="cuda")
+        calls = {call: torch.full((tokens, hidden), float(call), device="cuda", dtype=torch.bfloat16)
+                 for call in (1, 2)}
+        torch.cuda.synchronize()
+        dist.barrier()
+        first = buf.dispatch(calls[1], idx, w)
+        buf.combine(first.x, first.handle)
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank == 0:
+            second = buf.dispatch(calls[2], idx, w)
+            buf.combine(second.x, second.handle)  # enqueued before the dispatch gives up
+            torch.cuda.synchronize()
+            with pytest.raises(RuntimeError, match="timed out"):
+                buf._backend.check()
+            dist.barrier()
+            return "ok"
+        time.sleep(3.0)
+        second = buf.dispatch(calls[2], idx, w)
+        torch.cuda.synchronize()
+        from_peer = second.src_rank == 0
+        assert bool(from_peer.any()) and bool((second.x[from_peer].float() == 2.0).all()), "dispatch 2 lost its rows"
+        with pytest.raises(RuntimeError, match="timed out"):
+            buf.combine(second.x, second.handle)
+            torch.cuda.synchronize()
+            buf._backend.check()
+        dist.barrier()
+        return "ok"
+    finally:
+        torch.cuda.synchronize()
+        buf.destroy()
+
+
 def rejected_ids_worker(rank, world):
     """Rank 1's expert ids are rejected (check_inputs) while rank 0's dispatch of the same call is already waiting for
     it: rank 0 must stop waiting at once and name rank 1 (Buffer._validate_together -> give_up), not time out. The
@@ -728,6 +777,11 @@ def test_nvlink_rejected_ids_stop_the_peers_at_once():
 @pytest.mark.multigpu
 def test_nvlink_fail_stop_after_a_timeout():
     run_ranks(stall_worker, 2, backend=multigpu_backend(), timeout_s=300)
+
+
+@pytest.mark.multigpu
+def test_nvlink_fail_stop_after_a_timeout_through_a_combine():
+    run_ranks(stall_combine_worker, 2, backend=multigpu_backend(), timeout_s=300)
 
 
 @pytest.mark.multigpu

@@ -714,9 +714,13 @@ class NVLinkBackend:
 
     # ------------------------------------------------------------------------------------------------------
     def check(self) -> None:
-        """Raise if a kernel of this Buffer recorded a timeout (reads host-mapped memory: no sync)."""
+        """Raise if a kernel of this Buffer recorded a timeout (reads host-mapped memory: no sync), or if this rank gave
+        up (give_up)."""
         if self._destroyed or self._error_host is None:
             return
+        if self._gave_up is not None:
+            raise RuntimeError(f"ep_comm nvlink: rank {self.rank} gave up after an earlier call raised on this rank "
+                               f"({self._gave_up}); its peers were told to stop waiting and this Buffer is unusable")
         word = ctypes.c_uint64.from_address(self._error_host).value
         if word >> 63:
             stage = (word >> 48) & 0xFF
@@ -1011,12 +1015,16 @@ class NVLinkBackend:
         """This rank's call raised before launching (`reason`): tell every peer, whose kernels for that call may
         already wait on this rank, to stop waiting now (csrc/nvlink_give_up.cu) instead of at their timeout; they
         raise at their next check, naming this rank. The ranks' calls are out of step from here on, so this Buffer
-        refuses every later call too. Nothing to do with one rank. Blocks until the notice is out (on its own stream,
-        not behind this rank's queued calls), so that it is delivered even if the process exits on the error."""
+        refuses every later call too. Nothing to do with one rank (the Buffer stays usable). Blocks until the notice
+        is out (on its own stream, after this rank's calls queued on the current stream), so that it is delivered even
+        if the process exits on the error."""
         if self.world == 1 or self._destroyed or self._gave_up is not None:
             return
         self._gave_up = reason
         stream = torch.cuda.Stream(self.torch_device)
+        # After this rank's calls already queued on the current stream (the id check has just waited for them anyway):
+        # they are matched on every rank and complete, instead of being aborted on the peers by an early notice.
+        stream.wait_stream(torch.cuda.current_stream(self.torch_device))
         self._ctx.give_up(stream.cuda_stream)
         stream.synchronize()
 
