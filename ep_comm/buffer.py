@@ -512,9 +512,10 @@ class Buffer:
     def check(self) -> None:
         """Raise if a kernel of this Buffer recorded a timeout (nvlink backend: a peer that never arrived, or a wave
         GEMM whose rows never came), naming rank and stage, or a dispatch row that fell outside the result (not
-        written: calls out of step after a timeout, or one expert in two top-k slots with check_inputs off). Reads
-        host-mapped memory: no synchronization, so it sees what finished so far. Every dispatch / combine call checks
-        first; this is for after the last one."""
+        written: calls out of step after a timeout, or one expert in two top-k slots with check_inputs off), or that
+        this rank or a peer gave up after rejecting its expert ids (nvlink, more than one rank). Reads host-mapped
+        memory: no synchronization, so it sees what finished so far. Every dispatch / combine call checks first; this
+        is for after the last one."""
         self._check_alive()
         backend_check = getattr(self._backend, "check", None)
         if backend_check is not None:
