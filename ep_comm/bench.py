@@ -89,10 +89,9 @@ def parse_args(argv=None):
         args.ranks = torch.cuda.device_count() if use_gpu else 2
     if use_gpu and args.ranks > torch.cuda.device_count():
         parser.error(f"--ranks {args.ranks} exceeds the {torch.cuda.device_count()} visible GPUs")
-    check_routing_flags(parser, args, ("tokens", "iters", "ranks", "experts", "topk"))
     if args.hidden < 1 or args.hidden % 32:
         parser.error(f"--hidden must be a positive multiple of 32, got {args.hidden}")
-    check_routing_flags(parser, args, (), world=args.ranks)
+    check_routing_flags(parser, args, ("tokens", "iters", "ranks", "experts", "topk"), world=args.ranks)
     if args.backend == "nvlink" and args.device == "cpu":
         parser.error("--backend nvlink needs GPUs (these ranks run on the CPU over gloo); use auto or reference")
     if args.out is not None:  # checked now, not after a run of many minutes

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ._ext import warn_once
+from ._ext import current_raw_stream, warn_once
 from .formats import IMPLS as FORMAT_IMPLS
 from .formats import _is_capturing
 from .types import BACKENDS, BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, WaveDispatch
@@ -107,7 +107,7 @@ class Buffer:
             raise ValueError(f"format_impl must be one of {FORMAT_IMPLS}, got {format_impl!r}")
         self._backend = self._make_backend(backend, format_impl)
         self._destroyed = False
-        # The previous call: (its stream, the event after it (comm_stream calls) or None, recorded during capture?).
+        # The previous call: (its raw stream handle, the event after it (comm_stream calls) or None, captured?).
         # The Buffer's calls share device state: the next call waits for it wherever it runs (_order_after_last_call).
         self._last_call = None
 
@@ -239,24 +239,26 @@ class Buffer:
         if done_event is not None and device.type != "cuda":
             raise ValueError("done_event needs CUDA tensors (this call's tensors are on the CPU)")
 
-    def _order_after_last_call(self, stream) -> None:
-        """Make `stream` (where this call's kernels go) wait for the Buffer's previous call when that ran on another
-        stream: the calls of one Buffer share its device state and must run one after the other, whatever streams they
-        use (two micro-batches on two current streams, or a call after a comm_stream call). A call on the current
-        stream records no event (the common case stays free): the wait is on everything enqueued on its stream so far.
-        Nothing is waited on across a CUDA-graph capture boundary (capture forbids it), nor lazily between two
-        captured calls (their streams belong to the caller's capture: the caller joins them before it ends)."""
+    def _order_after_last_call(self, device: torch.device, raw_stream: int, capturing: bool, stream=None) -> None:
+        """Make the stream this call's kernels go to (raw_stream; `stream`, its torch.cuda.Stream, when the caller has
+        it) wait for the Buffer's previous call when that ran on another stream: the calls of one Buffer share its
+        device state and must run one after the other, whatever streams they use (two micro-batches on two current
+        streams, or a call after a comm_stream call). Streams are compared as raw handles, so the common case (the
+        same current stream again) builds no Stream object and records no event: the wait is on everything enqueued
+        on that stream so far. Nothing is waited on across a CUDA-graph capture boundary (capture forbids it), nor
+        lazily between two captured calls (their streams belong to the caller's capture: the caller joins them before
+        it ends)."""
         if self._last_call is None:
             return
-        last_stream, event, captured = self._last_call
-        if last_stream == stream or captured != _is_capturing():
+        last_raw, event, captured = self._last_call
+        if last_raw == raw_stream or captured != capturing:
             return
         if event is None:
             if captured:
                 return
             event = torch.cuda.Event()
-            event.record(last_stream)
-        stream.wait_event(event)
+            event.record(torch.cuda.ExternalStream(last_raw, device=device))
+        (torch.cuda.current_stream(device) if stream is None else stream).wait_event(event)
 
     def _run_on_stream(self, device: torch.device, comm_stream, done_event, inputs, run):
         """run() on comm_stream (None: the current stream), after everything enqueued so far on the current stream and
@@ -264,19 +266,24 @@ class Buffer:
         allocator is told about the streams that share tensors: inputs are marked in use on comm_stream, and the
         outputs (allocated on comm_stream) in use on the caller's stream, so that neither is reused while the other
         stream may still touch it (record_stream also works inside a CUDA-graph capture). device: where the call's
-        tensors are (CPU: no streams)."""
+        tensors are (CPU: no streams). self._last_call: (raw stream, event after the call or None, captured?)."""
         if comm_stream is None:
-            stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-            if stream is not None:
-                self._order_after_last_call(stream)
+            if device.type != "cuda":
+                out = run()
+                self._last_call = None
+                return out
+            # Raw handle, not torch.cuda.current_stream (7 us per call: _ext.current_raw_stream).
+            raw_stream, capturing = current_raw_stream(device), _is_capturing()
+            self._order_after_last_call(device, raw_stream, capturing)
             out = run()
             if done_event is not None:
                 done_event.record()
-            self._last_call = None if stream is None else (stream, None, _is_capturing())
+            self._last_call = (raw_stream, None, capturing)
             return out
         caller = torch.cuda.current_stream(comm_stream.device)
         comm_stream.wait_stream(caller)
-        self._order_after_last_call(comm_stream)
+        capturing = _is_capturing()
+        self._order_after_last_call(comm_stream.device, comm_stream.cuda_stream, capturing, comm_stream)
         for tensor in _tensors_in(inputs):
             if tensor.is_cuda:
                 tensor.record_stream(comm_stream)
@@ -287,7 +294,7 @@ class Buffer:
             finished.record(comm_stream)
             if done_event is not None:
                 done_event.record(comm_stream)
-        self._last_call = (comm_stream, finished, _is_capturing())
+        self._last_call = (comm_stream.cuda_stream, finished, capturing)
         for tensor in _tensors_in(out):
             if tensor.is_cuda:
                 tensor.record_stream(caller)

@@ -452,21 +452,22 @@ def _check_seed(seed) -> int:
     return seed
 
 
-def _check_same_device(container) -> None:
-    """Every tensor field of a format container on data's device (a kernel given a CUDA data pointer would read a
-    CPU scales or amax pointer as a device address)."""
+def _check_same_device(container, *names: str) -> None:
+    """The tensor fields `names` of a format container on data's device (a kernel given a CUDA data pointer would read
+    a CPU scales or amax pointer as a device address). Named, not found through dataclasses.fields: this runs on every
+    container check, MoELayer's forward included."""
     device = container.data.device
-    for field in dataclasses.fields(container):
-        value = getattr(container, field.name)
+    for name in names:
+        value = getattr(container, name)
         if isinstance(value, torch.Tensor) and value.device != device:
-            raise ValueError(f"{type(container).__name__}.{field.name} is on {value.device} but data is on {device}: "
+            raise ValueError(f"{type(container).__name__}.{name} is on {value.device} but data is on {device}: "
                              f"move every field together")
 
 
 def _check_nvfp4(q) -> None:
     if not isinstance(q, NVFP4Tensor):
         raise TypeError(f"expected an NVFP4Tensor, got {type(q).__name__}")
-    _check_same_device(q)
+    _check_same_device(q, "scales", "amax")
     k = q.data.shape[-1] * 2
     if (q.data.dtype != torch.uint8 or q.scales.dtype not in (torch.float8_e4m3fn, torch.uint8)
             or q.amax.dtype != torch.float32 or q.scales.shape[-1] * NVFP4_BLOCK != k
@@ -551,7 +552,7 @@ def mxfp8_dequantize(m: MXFP8Tensor, dtype: torch.dtype = torch.float32, impl: s
 def _check_mxfp8(m) -> None:
     if not isinstance(m, MXFP8Tensor):
         raise TypeError(f"expected an MXFP8Tensor, got {type(m).__name__}")
-    _check_same_device(m)
+    _check_same_device(m, "scales")
     if (m.data.dtype not in (torch.float8_e4m3fn, torch.uint8) or m.scales.dtype not in (torch.float8_e8m0fnu,
                                                                                             torch.uint8)
             or m.scales.shape[:-1] != m.data.shape[:-1]
@@ -658,7 +659,7 @@ def _s2f6_quantize_reference(x: torch.Tensor, hadamard: bool, sign_mask: int) ->
 def _check_s2f6(s) -> None:
     if not isinstance(s, S2F6Tensor):
         raise TypeError(f"expected an S2F6Tensor, got {type(s).__name__}")
-    _check_same_device(s)
+    _check_same_device(s, "scales")
     if (s.data.dtype != torch.int8 or s.scales.dtype not in (torch.float8_e8m0fnu, torch.uint8)
             or s.scales.shape[:-1] != s.data.shape[:-1]
             or s.scales.shape[-1] * MX_BLOCK != s.data.shape[-1]):

@@ -18,11 +18,10 @@ def parse_moe_args(argv=None, *, description=None, hidden, intermediate, tokens=
     args = parser.parse_args(argv)
     args.gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 2
     world = torch.cuda.device_count() if args.gpu else 2
-    check_routing_flags(parser, args, ("tokens", "hidden", "intermediate", "experts", "topk"))
+    check_routing_flags(parser, args, ("tokens", "hidden", "intermediate", "experts", "topk"), world=world,
+                        world_what="ranks (one per visible GPU)" if args.gpu else "ranks (CPU ranks)")
     if args.hidden % 32:
         parser.error(f"--hidden must be a multiple of 32, got {args.hidden}")
     if args.intermediate % 16:
         parser.error(f"--intermediate must be a multiple of 16, got {args.intermediate}")
-    check_routing_flags(parser, args, (), world=world,
-                        world_what="ranks (one per visible GPU)" if args.gpu else "ranks (CPU ranks)")
     return args, world

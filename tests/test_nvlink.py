@@ -430,18 +430,21 @@ def timeout_worker(rank, world, direct_self=False):
     return "ok"
 
 
-def stall_worker(rank, world):
+def stall_worker(rank, world, through_combine=False):
     """Rank 1 stalls on the host for longer than timeout_s between two calls while rank 0 goes on: rank 0's receive of
-    call 2 times out, and its call 3 (already enqueued) must not store into rank 1 or signal it (fail-stop after a
-    timeout). Rank 1's call 2 then gets call 2's rows (not call 3's, which a sender that no longer waits would have
-    written over them), and its call 3 times out instead of returning data. Tokens carry their call number."""
+    dispatch 2 times out, and its next call (already enqueued) must not store into rank 1 or signal it (fail-stop after
+    a timeout). Rank 1's dispatch 2 then gets dispatch 2's rows, and its next call times out instead of returning data.
+    Tokens carry their call number. The next call is dispatch 3 (which, with a sender that no longer waits, would have
+    written over rank 1's unread rows) or, through_combine, combine 2 (both ranks first do dispatch + combine 1: rank
+    0's combine 2 then finds every "consumed" flag in, but its inputs are invalid, so it must store nothing -- the
+    abort word stops it, not a failed wait)."""
     import os
     import time
     import torch.distributed as dist
     import ep_comm
     hidden, experts, tokens = 256, 4 * world, 8
-    # check_inputs=False and no sync check: no host sync inside dispatch, so rank 0 enqueues call 3 before call 2
-    # gives up (the smoke tier sets EP_COMM_SYNC_CHECK=1, read when the Buffer is made).
+    # check_inputs=False and no sync check: no host sync inside the calls, so rank 0 enqueues its next call before
+    # dispatch 2 gives up (the smoke tier sets EP_COMM_SYNC_CHECK=1, read when the Buffer is made).
     os.environ["EP_COMM_SYNC_CHECK"] = "0"
     buf = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=2, max_tokens_per_rank=tokens,
                          dispatch_format="bf16", combine_format="bf16", backend="nvlink", timeout_s=0.5,
@@ -452,67 +455,18 @@ def stall_worker(rank, world):
         calls = {call: torch.full((tokens, hidden), float(call), device="cuda", dtype=torch.bfloat16)
                  for call in (1, 2, 3)}
 
-        def x_of(call):
-            return calls[call]
+        def next_call(second):
+            return (buf.combine(second.x, second.handle) if through_combine
+                    else buf.dispatch(calls[3], idx, w))
         torch.cuda.synchronize()
         dist.barrier()  # call 1 starts together on both ranks: only rank 1's stall below may exceed timeout_s
-        buf.dispatch(x_of(1), idx, w)
-        torch.cuda.synchronize()
-        dist.barrier()
-        if rank == 0:
-            buf.dispatch(x_of(2), idx, w)
-            buf.dispatch(x_of(3), idx, w)  # enqueued before call 2's receive gives up
-            torch.cuda.synchronize()
-            with pytest.raises(RuntimeError, match="timed out"):
-                buf._backend.check()
-            dist.barrier()
-            return "ok"
-        time.sleep(3.0)
-        second = buf.dispatch(x_of(2), idx, w)
-        torch.cuda.synchronize()
-        from_peer = second.src_rank == 0
-        assert bool(from_peer.any()), "no row from rank 0"
-        values = second.x[from_peer].float()
-        assert bool((values == 2.0).all()), f"call 2 got rows of another call: {values.unique().tolist()}"
-        with pytest.raises(RuntimeError, match="timed out"):
-            buf.dispatch(x_of(3), idx, w)
-            torch.cuda.synchronize()
-            buf._backend.check()
-        dist.barrier()
-        return "ok"
-    finally:
-        torch.cuda.synchronize()
-        buf.destroy()
-
-
-def stall_combine_worker(rank, world):
-    """As stall_worker, through a combine: rank 1 stalls on the host after dispatch + combine 1 while rank 0 goes on
-    with dispatch + combine 2. Rank 0's dispatch 2 times out; its combine 2 then finds every "consumed" flag in (rank
-    1 read combine 1) but its inputs are invalid, so it must store nothing (fail-stop on the abort word, not only on
-    a failed wait). Rank 1's dispatch 2 gets rank 0's rows; its combine 2 must time out, not return data."""
-    import os
-    import time
-    import torch.distributed as dist
-    import ep_comm
-    hidden, experts, tokens = 256, 4 * world, 8
-    os.environ["EP_COMM_SYNC_CHECK"] = "0"  # no host sync inside the calls (see stall_worker)
-    buf = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=2, max_tokens_per_rank=tokens,
-                         dispatch_format="bf16", combine_format="bf16", backend="nvlink", timeout_s=0.5,
-                         check_inputs=False)
-    try:
-        idx = torch.tensor([[0, experts - 1]], device="cuda").repeat(tokens, 1)  # one expert on each rank
-        w = torch.ones(tokens, 2, device="cuda")
-        calls = {call: torch.full((tokens, hidden), float(call), device="cuda", dtype=torch.bfloat16)
-                 for call in (1, 2)}
-        torch.cuda.synchronize()
-        dist.barrier()
         first = buf.dispatch(calls[1], idx, w)
-        buf.combine(first.x, first.handle)
+        if through_combine:
+            buf.combine(first.x, first.handle)
         torch.cuda.synchronize()
         dist.barrier()
         if rank == 0:
-            second = buf.dispatch(calls[2], idx, w)
-            buf.combine(second.x, second.handle)  # enqueued before the dispatch gives up
+            next_call(buf.dispatch(calls[2], idx, w))  # enqueued before dispatch 2's receive gives up
             torch.cuda.synchronize()
             with pytest.raises(RuntimeError, match="timed out"):
                 buf._backend.check()
@@ -522,9 +476,11 @@ def stall_combine_worker(rank, world):
         second = buf.dispatch(calls[2], idx, w)
         torch.cuda.synchronize()
         from_peer = second.src_rank == 0
-        assert bool(from_peer.any()) and bool((second.x[from_peer].float() == 2.0).all()), "dispatch 2 lost its rows"
+        assert bool(from_peer.any()), "no row from rank 0"
+        values = second.x[from_peer].float()
+        assert bool((values == 2.0).all()), f"call 2 got rows of another call: {values.unique().tolist()}"
         with pytest.raises(RuntimeError, match="timed out"):
-            buf.combine(second.x, second.handle)
+            next_call(second)
             torch.cuda.synchronize()
             buf._backend.check()
         dist.barrier()
@@ -781,7 +737,7 @@ def test_nvlink_fail_stop_after_a_timeout():
 
 @pytest.mark.multigpu
 def test_nvlink_fail_stop_after_a_timeout_through_a_combine():
-    run_ranks(stall_combine_worker, 2, backend=multigpu_backend(), timeout_s=300)
+    run_ranks(stall_worker, 2, True, backend=multigpu_backend(), timeout_s=300)
 
 
 @pytest.mark.multigpu

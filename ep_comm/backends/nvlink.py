@@ -715,12 +715,13 @@ class NVLinkBackend:
     # ------------------------------------------------------------------------------------------------------
     def check(self) -> None:
         """Raise if a kernel of this Buffer recorded a timeout (reads host-mapped memory: no sync), or if this rank gave
-        up (give_up)."""
+        up (give_up). Every call checks first, so a Buffer that gave up refuses them all."""
         if self._destroyed or self._error_host is None:
             return
         if self._gave_up is not None:
             raise RuntimeError(f"ep_comm nvlink: rank {self.rank} gave up after an earlier call raised on this rank "
-                               f"({self._gave_up}); its peers were told to stop waiting and this Buffer is unusable")
+                               f"({self._gave_up}); its peers were told to stop waiting and the ranks' calls are out "
+                               f"of step: this Buffer is unusable, make a new one on every rank")
         word = ctypes.c_uint64.from_address(self._error_host).value
         if word >> 63:
             stage = (word >> 48) & 0xFF
@@ -1015,7 +1016,7 @@ class NVLinkBackend:
         """This rank's call raised before launching (`reason`): tell every peer, whose kernels for that call may
         already wait on this rank, to stop waiting now (csrc/nvlink_give_up.cu) instead of at their timeout; they
         raise at their next check, naming this rank. The ranks' calls are out of step from here on, so this Buffer
-        refuses every later call too. Nothing to do with one rank (the Buffer stays usable). Blocks until the notice
+        refuses every later call too (check()). Nothing to do with one rank (the Buffer stays usable). Blocks until the notice
         is out (on its own stream, after this rank's calls queued on the current stream), so that it is delivered even
         if the process exits on the error."""
         if self.world == 1 or self._destroyed or self._gave_up is not None:
@@ -1031,10 +1032,6 @@ class NVLinkBackend:
     def _check_alive(self) -> None:
         if self._destroyed:
             raise RuntimeError("this nvlink backend was destroyed")
-        if self._gave_up is not None:
-            raise RuntimeError(f"this Buffer gave up after an earlier call raised on this rank ({self._gave_up}); "
-                               f"its peers were told to stop waiting, and the ranks' calls are out of step: make a new "
-                               f"Buffer on every rank")
         # Any other call between a wave dispatch and its w1 GEMM makes that dispatch's WaveSync stale (a later
         # dispatch moves the epoch and the sync area on; see _WaveTicket).
         self._wave_ticket = None

@@ -201,8 +201,7 @@ class ReferenceBackend:
         the failing ranks their own `error`, the others ValueError(others_message.format(ranks=[...])) -- instead of
         the others waiting in the next exchange until the process group's timeout (or gloo aborting on mismatched
         split sizes)."""
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" \
-            else torch.device("cpu")
+        device = torch.device("cuda", torch.cuda.current_device()) if self._transport == "nccl" else torch.device("cpu")
         failed = torch.zeros(self.config.world_size, dtype=torch.int32, device=device)
         failed[self.rank] = int(error is not None)
         self._collective("the input check's agreement", dist.all_reduce, failed)
