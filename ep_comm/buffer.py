@@ -330,7 +330,9 @@ class Buffer:
                 `result.x` that holds it (`DispatchResult.expert_major_x()` gathers). On nvlink `result.x` is then
                 this Buffer's staging area itself, valid until the Buffer's next dispatch is enqueued or the
                 Buffer is destroyed (work that reads it must be ordered before that dispatch on the stream), and the
-                dispatch skips the expansion's HBM writes. Not with comm_stream (yet).
+                dispatch skips the expansion's HBM writes. With comm_stream, "enqueued" means on the stream it runs on:
+                that dispatch waits for the work enqueued on the current stream before it is called, so reads of
+                `result.x` enqueued there (after waiting on done_event) are ordered before the staging is reused.
         Returns:
             DispatchResult (see ep_comm.types): received tokens in the expert-major layout in the dispatch
             format (or, with expand=False, as above), num_tokens_per_expert / expert_offsets (int32, device),
@@ -350,8 +352,6 @@ class Buffer:
         def validate():
             if not isinstance(expand, bool):
                 raise TypeError(f"expand must be a bool, got {type(expand).__name__}")
-            if not expand and comm_stream is not None:
-                raise ValueError("dispatch(expand=False) does not take a comm_stream yet")
             check = self.check_inputs if check_inputs is None else bool(check_inputs)
             self._refuse_autograd("dispatch", x, topk_weights)
             self._validate_dispatch(x, topk_idx, topk_weights, check)

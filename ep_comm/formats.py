@@ -137,8 +137,12 @@ def _use_cuda(impl: str, *tensors: torch.Tensor) -> bool:
 
 
 def _is_capturing() -> bool:
-    """Value checks need a device->host copy, which CUDA graph capture forbids: they are skipped there."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """Value checks need a device->host copy, which CUDA graph capture forbids: they are skipped there.
+
+    torch.cuda.is_initialized(), not is_available(): no capture can run before torch initialised CUDA, and
+    is_available() reads the environment and asks the driver on every call (~8 us of host time per call on the H200
+    machine, four calls per dispatch + combine pair: bench/profile_host.py, twenty-seventh session)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def _cuda_formats():

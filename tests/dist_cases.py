@@ -396,6 +396,23 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
         same(first, "a call on one current stream followed by one on another")
         same(second, "current stream after a call on another current stream", want_other)
         assert y_other.shape == want_y.shape
+        # 6. a dispatch without expansion on the comm stream (nvlink: its rows stay in the Buffer's staging area, a
+        # region the caching allocator does not own), held back by a sleep; the rows gathered on the current stream
+        # after done_event are the expanding dispatch's, and a combine from its handle is too.
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(sleep_cycles)
+        dispatched = torch.cuda.Event()
+        rows_only = buf.dispatch(x, idx, w, comm_stream=side, done_event=dispatched, expand=False)
+        torch.cuda.current_stream().wait_event(dispatched)
+        assert rows_only.row_index is not None, "expand=False on the comm stream: no row_index"
+        assert torch.equal(rows_only.expert_offsets, want.expert_offsets), "expand=False on the comm stream: offsets"
+        assert torch.equal(payload_bytes(rows_only.expert_major_x(), fmt), payload_bytes(want.x, fmt)[:rows]), \
+            "expand=False on the comm stream: gathered payload"
+        y_rows_only = buf.combine(expert_out, rows_only.handle)
+        torch.cuda.synchronize()
+        assert torch.equal(y_rows_only.view(torch.int16), want_y.view(torch.int16)), \
+            "expand=False on the comm stream: combine"
         del reused
     finally:
         buf.destroy()
