@@ -380,10 +380,7 @@ __device__ __forceinline__ bool wait_counter(const NvlinkConfig& cfg, const unsi
 // belong to the same call and the ids are valid; it bounds the damage when they are not.
 __device__ __forceinline__ int row_in_capacity(const NvlinkConfig& cfg, long long row, long long num_rows, int source) {
   if (row >= 0 && row < num_rows) return static_cast<int>(row);
-  volatile unsigned long long* err = cfg.error_word;
-  if (*err == 0ull) *err = timeout_error_word(kStageRowPastCapacity, source, cfg.state->disp_epoch);
-  *reinterpret_cast<volatile unsigned int*>(cfg.abort) = kAbortSelf;
-  __threadfence_system();
+  record_fault(cfg.abort, cfg.error_word, timeout_error_word(kStageRowPastCapacity, source, cfg.state->disp_epoch));
   return -1;
 }
 
