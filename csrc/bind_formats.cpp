@@ -20,9 +20,11 @@ using ep_comm::binding::check;
 using ep_comm::binding::ptr;
 
 // Backstops of what ep_comm/_cuda_formats.py guarantees, for raw calls (a bench, another module): a null address the
-// kernel writes through, or an address / row stride the kernel reads or writes in 8- or 16-byte vectors that is not
-// aligned to them, would fault on the device and lose the CUDA context (the launchers of nvfp4.cu and mxfp8.cu do not
-// test them). ValueError instead. Checked only where the call has rows (an empty tensor's address may be 0).
+// kernel writes through would fault on the device and lose the CUDA context (the launchers do not test addresses for
+// null), ValueError naming it instead. The alignment that the kernels' 8- and 16-byte vector accesses need is tested
+// by the launchers too (formats.h; cudaErrorInvalidValue, which check() turns into a ValueError that does not say which
+// operand); it is tested here again for a message that names it. Checked only where the call has rows (an empty
+// tensor's address may be 0).
 void require(bool ok, const char* what, const char* detail) {
   if (!ok) throw std::invalid_argument(std::string(what) + ": " + detail);
 }
@@ -119,7 +121,7 @@ void s2f6_quantize(uintptr_t x, int x_type, int64_t x_row_stride, int64_t num_ro
   args.data_row_stride = data_row_stride;
   args.scales = ptr<uint8_t>(scales);
   args.scales_row_stride = scales_row_stride;
-  if (num_rows > 0) {  // (the launcher tests the alignment too, but answers cudaErrorMisalignedAddress)
+  if (num_rows > 0) {
     require_dense(x, x_type, x_row_stride, "s2f6_quantize", "x is null");
     require(data != 0 && scales != 0, "s2f6_quantize", "data and scales are required");
     require(aligned(data, data_row_stride, 16), "s2f6_quantize", "data rows must start 16-byte aligned");
@@ -145,7 +147,7 @@ void s2f6_dequantize_accumulate(uintptr_t data, uintptr_t scales, int64_t num_sr
   args.sign_mask = sign_mask;
   args.out = ptr<void>(out);
   args.out_type = out_type;
-  if (num_out_rows > 0) {  // (the launcher tests data and out alignment too, but answers cudaErrorMisalignedAddress)
+  if (num_out_rows > 0) {
     require_dense(out, out_type, 0, "s2f6_dequantize_accumulate", "out is null");
     require(num_terms == 0 || row_index != 0, "s2f6_dequantize_accumulate", "row_index is null");
     require(num_src_rows == 0 || (data != 0 && scales != 0), "s2f6_dequantize_accumulate",

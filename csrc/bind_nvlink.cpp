@@ -342,6 +342,12 @@ void register_nvlink(py::module_& m) {
   m.attr("nvlink_max_topk") = py::int_(kMaxTopk);
   m.attr("nvlink_max_world") = py::int_(kMaxWorld);
   m.attr("nvlink_layout_max_chunks") = py::int_(kLayoutMaxChunks);
+  // What ep_comm/backends/nvlink.py _check_nvlink_limits tests a configuration against (nvlink.h).
+  m.attr("nvlink_max_dynamic_smem") = py::int_(kMaxDynamicSmem);
+  m.def("nvlink_layout_warp_smem", &layout_warp_smem, py::arg("num_experts"), py::arg("world"),
+        "bytes of dynamic shared memory one warp of the layout kernel takes (E + W int32 counters)");
+  m.def("nvlink_receive_layout_smem", &receive_layout_smem, py::arg("world"), py::arg("num_local"),
+        "bytes of dynamic shared memory the dispatch kernels' receive layout takes");
 
   m.def("nvlink_device_alloc", &device_alloc_zeroed, py::arg("device"), py::arg("bytes"),
         "cudaMalloc + zero fill (CUDA IPC fallback region); returns the address");

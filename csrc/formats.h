@@ -9,11 +9,17 @@
 //  * Packed NVFP4 data: two E2M1 codes per byte, element 2j in the low nibble ([rows, K/2]); NVFP4 scales:
 //    E4M3 bytes [rows, K/16]; amax: fp32 per row. MXFP8: E4M3 bytes [rows, K] + UE8M0 bytes [rows, K/32].
 //    S2F6: int8 [rows, K] + UE8M0 bytes [rows, K/32].
-//  * Requirements the caller checks (ep_comm/formats.py does): K % 16 == 0 (NVFP4) or K % 32 == 0 (MXFP8,
-//    S2F6); every base pointer and every row start 16-byte aligned for the element data (K-aligned rows of
-//    a contiguous tensor from the torch caching allocator are); sizes >= 0.
-//  * Launchers return cudaSuccess or the launch error (cudaErrorInvalidValue for bad arguments); they
-//    never synchronize.
+//  * Shapes: K % 16 == 0 (NVFP4) or K % 32 == 0 (MXFP8, S2F6); sizes >= 0. Tested by the launchers.
+//  * Alignment, tested by the launchers (for calls with rows) before anything is launched, since a misaligned vector
+//    access would fault on the device and lose the CUDA context. Base and row stride (in bytes) aligned to the access:
+//    dense rows (x, out) 16; codes written (NVFP4 data: 8 per block; MXFP8, S2F6 and the transposed form's out_data:
+//    16); codes read (8; S2F6 accumulate: 16); fp16 block values 16. Rows of a contiguous tensor from the torch
+//    caching allocator are aligned.
+//  * Left to the caller (ep_comm/_cuda_formats.py, and bind_formats.cpp for raw calls): non-null addresses for
+//    what a call with rows reads or writes, and buffers as large as the shapes say.
+//  * Launchers return cudaSuccess or the launch error. Bad arguments (shape, alignment or size limits) give
+//    cudaErrorInvalidValue in every launcher -- not cudaErrorMisalignedAddress, which CUDA reports for a device fault
+//    that did happen: here nothing was launched and the context is intact. They never synchronize.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -304,11 +304,15 @@ cudaError_t launch_mxfp8_quantize(const Mxfp8QuantizeArgs& args, cudaStream_t st
   const int64_t blocks_per_row = args.hidden / 32;
   const int64_t total = args.num_rows * blocks_per_row;
   if (total == 0) return cudaSuccess;
+  if (!rows_aligned(args.data, args.data_row_stride, 16)) return cudaErrorInvalidValue;  // 16-byte code stores
   const int64_t grid = ceil_div(total, kThreads);
   if (grid > INT32_MAX) return cudaErrorInvalidValue;
   const uint32_t key = qm::sr_key(args.seed);
   return vec::dispatch_elem_type(args.x_type, [&](auto tag) {
     using T = decltype(tag);
+    if (!rows_aligned(args.x, args.x_row_stride * static_cast<int64_t>(sizeof(T)), 16)) {
+      return cudaErrorInvalidValue;  // 16-byte loads of x
+    }
     if (args.stochastic) {
       mxfp8_quantize_kernel<T, true><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(args, blocks_per_row, key);
     } else {
@@ -323,6 +327,8 @@ cudaError_t launch_mxfp8_dequantize(const uint8_t* data, const uint8_t* scales, 
   if (hidden <= 0 || hidden % 32 != 0 || num_rows < 0) return cudaErrorInvalidValue;
   const int64_t total = num_rows * (hidden / 8);  // 8-element chunks
   if (total == 0) return cudaSuccess;
+  // 8 code bytes per load, 16-byte stores of out.
+  if (!rows_aligned(data, 0, 8) || !rows_aligned(out, 0, 16)) return cudaErrorInvalidValue;
   const int64_t grid = ceil_div(total, kThreads * kDequantChunks);
   if (grid > INT32_MAX) return cudaErrorInvalidValue;
   return vec::dispatch_elem_type(out_type, [&](auto tag) {
@@ -339,6 +345,9 @@ cudaError_t launch_nvfp4_to_mxfp8_transposed(const uint8_t* data, const uint8_t*
                                              cudaStream_t stream) {
   if (hidden <= 0 || hidden % 16 != 0 || num_rows < 0 || num_rows % 32 != 0) return cudaErrorInvalidValue;
   if (num_rows == 0) return cudaSuccess;
+  // 8 code bytes per load (rows of K / 2 bytes, K % 16 == 0), 16-byte code stores (rows of R bytes, R % 32 == 0);
+  // out_scales may be unaligned (the kernel then stores bytes).
+  if (!rows_aligned(data, 0, 8) || !rows_aligned(out_data, 0, 16)) return cudaErrorInvalidValue;
   const int64_t num_row_tiles = ceil_div(num_rows, kTileRows);
   const int64_t num_tiles = num_row_tiles * ceil_div(hidden, kTileCols);
   const auto kernel = stochastic ? nvfp4_to_mxfp8_transposed_kernel<true> : nvfp4_to_mxfp8_transposed_kernel<false>;

@@ -327,8 +327,13 @@ cudaError_t launch_nvfp4_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t st
     return cudaErrorInvalidValue;  // 16-byte stores of fp16 block values
   }
   if (args.num_rows == 0) return cudaSuccess;
+  // Codes: one 8-byte store per block (block values write no codes).
+  if (!block_values && !rows_aligned(args.data, args.data_row_stride, 8)) return cudaErrorInvalidValue;
   return vec::dispatch_elem_type(args.x_type, [&](auto tag) {
     using T = decltype(tag);
+    if (!rows_aligned(args.x, args.x_row_stride * static_cast<int64_t>(sizeof(T)), 16)) {
+      return cudaErrorInvalidValue;  // 16-byte loads of x
+    }
     auto launch = [&](auto block_values_tag) {
       constexpr bool kBlockValues = decltype(block_values_tag)::value;
       switch (quantize_shape_choice(args.four_over_six, args.x_type)) {
@@ -347,6 +352,8 @@ cudaError_t launch_nvfp4_dequantize(const uint8_t* data, const uint8_t* scales, 
   if (hidden <= 0 || hidden % 16 != 0 || num_rows < 0) return cudaErrorInvalidValue;
   const int64_t total_blocks = num_rows * (hidden / 16);
   if (total_blocks == 0) return cudaSuccess;
+  // 8 code bytes per load, 16-byte stores of out.
+  if (!rows_aligned(data, 0, 8) || !rows_aligned(out, 0, 16)) return cudaErrorInvalidValue;
   constexpr int kThreads = 256;
   const int64_t grid = ceil_div(total_blocks, kThreads);
   if (grid > INT32_MAX) return cudaErrorInvalidValue;

@@ -88,6 +88,11 @@ constexpr int kMaxTopk = 32;    // one lane per top-k slot in several warp-level
 constexpr int kMaxWorld = 1024;  // ranks of one NVLink domain (NVL72 needs 72); static shared arrays
 constexpr int kLayoutMaxChunks = 64;  // layout blocks per call (chunks of consecutive tokens)
 constexpr int kLayoutMinChunkTokens = 16;
+// Dynamic shared memory a block of these kernels may take: the layout kernel's per-warp histograms (at least one warp,
+// layout_warp_smem) and the dispatch kernels' receive layout (receive_layout_smem). 200 KiB leaves the kernels' static
+// arrays room under the 227 KiB a block can have. The Python side refuses a configuration whose tables do not fit
+// before it allocates anything (ep_comm/backends/nvlink.py _check_nvlink_limits, with these values: bind_nvlink.cpp).
+constexpr int kMaxDynamicSmem = 200 * 1024;
 
 // Tokens per layout chunk for a call with `num_tokens` tokens (host and device agree through DispatchArgs).
 inline int layout_chunk_tokens(int num_tokens) {
@@ -257,6 +262,10 @@ bool dispatch_stream_recv();  // EP_COMM_NVLINK_STREAM_RECV: 1 (default) streami
 void prepare_layout_kernel(const NvlinkConfig& cfg);
 void prepare_dispatch_kernels(const NvlinkConfig& cfg);
 int layout_warps(const NvlinkConfig& cfg);
+// Dynamic shared memory in bytes: one layout warp's histogram (E + W int32 counters, nvlink_layout.cu) and the
+// dispatch kernels' receive layout (ReceiveLayout, nvlink_dispatch.cu).
+size_t layout_warp_smem(int num_experts, int world);
+size_t receive_layout_smem(int world, int num_local);
 
 // Peer memory without NVSHMEM (peer_memory.cpp): CUDA IPC handles of a cudaMalloc'd region, and a small
 // host-mapped word the kernels report errors into (readable by the host without a sync).
@@ -380,10 +389,7 @@ __device__ __forceinline__ bool wait_counter(const NvlinkConfig& cfg, const unsi
 // belong to the same call and the ids are valid; it bounds the damage when they are not.
 __device__ __forceinline__ int row_in_capacity(const NvlinkConfig& cfg, long long row, long long num_rows, int source) {
   if (row >= 0 && row < num_rows) return static_cast<int>(row);
-  volatile unsigned long long* err = cfg.error_word;
-  if (*err == 0ull) *err = timeout_error_word(kStageRowPastCapacity, source, cfg.state->disp_epoch);
-  *reinterpret_cast<volatile unsigned int*>(cfg.abort) = kAbortSelf;
-  __threadfence_system();
+  record_fault(cfg.abort, cfg.error_word, timeout_error_word(kStageRowPastCapacity, source, cfg.state->disp_epoch));
   return -1;
 }
 

@@ -176,9 +176,10 @@ struct ReceiveLayout {
   int* ntok;        // [W]
   int* item_start;  // [W + 1]
   int* has_row_flags;  // [W]
-  // The ints the arrays above take, in this order: recv_smem's size.
-  static __host__ __device__ size_t ints(int world, int num_local) {
-    return static_cast<size_t>(world) * num_local + (num_local + 1) + num_local + world + (world + 1) + world;
+  // The ints the arrays above take, in this order: receive_layout_smem's size (counted in size_t: Python asks for
+  // configurations it has not refused yet).
+  static __host__ __device__ size_t ints(size_t world, size_t num_local) {
+    return world * num_local + (num_local + 1) + num_local + world + (world + 1) + world;
   }
   __device__ ReceiveLayout(int* smem, int world, int num_local)
       : seg_start(smem),
@@ -1073,9 +1074,11 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
   }
 }
 
-size_t recv_smem(const NvlinkConfig& cfg) { return ReceiveLayout::ints(cfg.world, cfg.num_local) * sizeof(int); }
+size_t recv_smem(const NvlinkConfig& cfg) { return receive_layout_smem(cfg.world, cfg.num_local); }
 
 }  // namespace
+
+size_t receive_layout_smem(int world, int num_local) { return ReceiveLayout::ints(world, num_local) * sizeof(int); }
 
 void prepare_dispatch_kernels(const NvlinkConfig& cfg) {
   // Always opted in: the 48 KiB default bounds static + dynamic shared memory together, and these kernels have a

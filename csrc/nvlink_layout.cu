@@ -27,7 +27,6 @@ namespace ep_comm {
 namespace nvlink {
 namespace {
 
-constexpr int kLayoutMaxSmem = 200 * 1024;
 constexpr int kLayoutMaxWarps = 16;
 
 __device__ __forceinline__ int load_expert(const void* idx, int is64, long long q, int num_experts) {
@@ -170,7 +169,7 @@ __global__ void __launch_bounds__(kLayoutMaxWarps * 32) layout_kernel(NvlinkConf
 }
 
 size_t layout_smem(const NvlinkConfig& cfg, int warps) {
-  return static_cast<size_t>(warps) * (cfg.num_experts + cfg.world) * sizeof(int);
+  return static_cast<size_t>(warps) * layout_warp_smem(cfg.num_experts, cfg.world);
 }
 
 }  // namespace
@@ -207,15 +206,19 @@ bool dispatch_stream_recv() {
   return on;
 }
 
+size_t layout_warp_smem(int num_experts, int world) {
+  return (static_cast<size_t>(num_experts) + static_cast<size_t>(world)) * sizeof(int);
+}
+
 // Warps of a layout block: at least 8, and one thread per key kind (E + W) where that fits, so that the last block's
 // scan over chunks takes every column in one round (256 experts + 2 ranks on 256 threads took two).
 int layout_warps(const NvlinkConfig& cfg) {
   const int num_keys_kinds = cfg.num_experts + cfg.world;
-  const size_t per_warp = static_cast<size_t>(num_keys_kinds) * sizeof(int);
+  const size_t per_warp = layout_warp_smem(cfg.num_experts, cfg.world);
   int warps = (num_keys_kinds + 31) / 32;
   if (warps < 8) warps = 8;
   if (warps > kLayoutMaxWarps) warps = kLayoutMaxWarps;
-  const int smem_warps = static_cast<int>(kLayoutMaxSmem / per_warp);
+  const int smem_warps = static_cast<int>(kMaxDynamicSmem / per_warp);
   if (warps > smem_warps) warps = smem_warps;
   if (warps < 1) throw std::runtime_error("ep_comm nvlink: too many experts for the layout kernel's shared memory");
   return warps;

@@ -344,21 +344,17 @@ SegmentGrid make_segment_grid(int64_t num_rows, int64_t hidden) {
   return g;
 }
 
-bool aligned16(const void* p, int64_t row_stride_bytes) {
-  return ((reinterpret_cast<uintptr_t>(p) | static_cast<uintptr_t>(row_stride_bytes)) & 15u) == 0;
-}
-
 }  // namespace
 
 cudaError_t launch_s2f6_quantize(const S2f6QuantizeArgs& args, cudaStream_t stream) {
   if (args.hidden <= 0 || args.hidden % 32 != 0 || args.num_rows < 0) return cudaErrorInvalidValue;
   if (args.num_rows == 0) return cudaSuccess;
-  if (!aligned16(args.data, args.data_row_stride)) return cudaErrorMisalignedAddress;  // 16-byte code stores
+  if (!rows_aligned(args.data, args.data_row_stride, 16)) return cudaErrorInvalidValue;  // 16-byte code stores
   const SegmentGrid g = make_segment_grid(args.num_rows, args.hidden);
   if (g.blocks > INT32_MAX) return cudaErrorInvalidValue;
   return vec::dispatch_elem_type(args.x_type, [&](auto tag) {
     using T = decltype(tag);
-    if (!aligned16(args.x, args.x_row_stride * static_cast<int64_t>(sizeof(T)))) return cudaErrorMisalignedAddress;
+    if (!rows_aligned(args.x, args.x_row_stride * static_cast<int64_t>(sizeof(T)), 16)) return cudaErrorInvalidValue;
     const auto kernel = args.hadamard ? s2f6_quantize_kernel<T, true> : s2f6_quantize_kernel<T, false>;
     kernel<<<static_cast<unsigned>(g.blocks), kThreads, 0, stream>>>(args, g.segments_per_row, g.num_segments, g.div);
     return cudaGetLastError();
@@ -370,6 +366,8 @@ cudaError_t launch_s2f6_dequantize(const int8_t* data, const uint8_t* scales, in
   if (hidden <= 0 || hidden % 32 != 0 || num_rows < 0) return cudaErrorInvalidValue;
   const int64_t total = num_rows * (hidden / 8);
   if (total == 0) return cudaSuccess;
+  // 8 code bytes per load, 16-byte stores of out.
+  if (!rows_aligned(data, 0, 8) || !rows_aligned(out, 0, 16)) return cudaErrorInvalidValue;
   const int64_t grid = ceil_div(total, kThreads * kUnits);
   if (grid > INT32_MAX) return cudaErrorInvalidValue;
   return vec::dispatch_elem_type(out_type, [&](auto tag) {
@@ -391,7 +389,8 @@ cudaError_t launch_s2f6_dequantize_accumulate(const S2f6AccumulateArgs& args, cu
     return cudaErrorInvalidValue;
   }
   if (args.num_out_rows == 0) return cudaSuccess;
-  if (!aligned16(args.data, 0) || !aligned16(args.out, 0)) return cudaErrorMisalignedAddress;  // 16-byte accesses
+  // 16-byte accesses of data and out.
+  if (!rows_aligned(args.data, 0, 16) || !rows_aligned(args.out, 0, 16)) return cudaErrorInvalidValue;
   const SegmentGrid g = make_segment_grid(args.num_out_rows, args.hidden);
   const bool scale_words = args.hidden % 128 == 0 && (reinterpret_cast<uintptr_t>(args.scales) & 3u) == 0;
   return vec::dispatch_elem_type(args.out_type, [&](auto tag) {

@@ -51,8 +51,23 @@ __device__ __forceinline__ void note_peer_gave_up(unsigned int abort_value, unsi
   }
 }
 
-// Spin until done(load()). On a timeout: abort flag set, error_bits() stored in the error word unless a first error
-// is already there, false returned. load does the acquire; error_bits is only evaluated on a timeout.
+// A fault this rank found itself (a wait that timed out, a row past the result's capacity: nvlink.h row_in_capacity):
+// error_bits goes to the error word unless a first error is already there (the host reports the first cause), then
+// the abort word is set to kAbortSelf, so that every later wait gives up at once, and the system fence makes both
+// visible to the host, which reads the host-mapped error word without a sync, and to later kernels. The two stores are
+// not ordered for other observers (no fence between them); nothing needs that: the host reads only the error word,
+// and a wait that finds kAbortSelf gives up without reading the error word.
+__device__ __forceinline__ void record_fault(unsigned int* abort, unsigned long long* error_word,
+                                             unsigned long long error_bits) {
+  volatile unsigned long long* err = error_word;
+  if (*err == 0ull) *err = error_bits;
+  *reinterpret_cast<volatile unsigned int*>(abort) = kAbortSelf;
+  __threadfence_system();
+}
+
+// Spin until done(load()). On a timeout: the fault recorded (record_fault: error_bits() in the error word unless a
+// first error is already there, abort flag set), false returned. load does the acquire; error_bits is only evaluated
+// on a timeout.
 template <typename Load, typename Done, typename ErrorBits>
 __device__ __forceinline__ bool spin_until(Load load, Done done, unsigned int* abort, unsigned long long* error_word,
                                            unsigned long long timeout_ns, ErrorBits error_bits) {
@@ -66,10 +81,7 @@ __device__ __forceinline__ bool spin_until(Load load, Done done, unsigned int* a
       return false;
     }
     if (global_timer_ns() - start > timeout_ns) {
-      *abort_flag = kAbortSelf;
-      volatile unsigned long long* err = error_word;
-      if (*err == 0ull) *err = error_bits();
-      __threadfence_system();
+      record_fault(abort, error_word, error_bits());
       return false;
     }
   }

@@ -986,17 +986,32 @@ def test_nvlink_dispatch_result_views_of_the_arena(fmt, num_tokens, rows_only):
 @pytest.mark.cpu
 def test_nvlink_limits_env_and_size_hint_constants(monkeypatch):
     """Per-expert tables that would not fit the kernels' shared memory are refused up front (construction used to fail
-    in cudaFuncSetAttribute); the backend's environment switches take only well-formed values, naming the variable;
-    the size hint's copies of two C++ constants match the extension where it is built."""
+    in cudaFuncSetAttribute), with the extension's limits and with the Python copies that stand in without it; the
+    backend's environment switches take only well-formed values, naming the variable; the Python copies of C++
+    constants and sizes match the extension where it is built."""
     from ep_comm import _ext
     from ep_comm.backends import nvlink
     from ep_comm.types import BufferConfig
     fits = BufferConfig(hidden=2048, num_experts=256, num_topk=8, max_tokens_per_rank=64, world_size=8)
-    nvlink._check_nvlink_limits(fits)
-    for world, experts in ((2, 28000), (8, 45056), (1, 60000)):
-        with pytest.raises(ValueError, match="per-expert tables in shared memory"):
-            nvlink._check_nvlink_limits(BufferConfig(hidden=2048, num_experts=experts, num_topk=8,
-                                                     max_tokens_per_rank=64, world_size=world))
+    built = _ext._C if _ext.cuda_extension_available() and hasattr(_ext._C, "nvlink_receive_layout_smem") else None
+    for c in (None, built) if built is not None else (None,):  # None: the copies (no extension)
+        monkeypatch.setattr(_ext, "_C", c)
+        nvlink._check_nvlink_limits(fits)
+        for world, experts in ((2, 28000), (8, 45056), (1, 60000)):
+            with pytest.raises(ValueError, match="per-expert tables in shared memory"):
+                nvlink._check_nvlink_limits(BufferConfig(hidden=2048, num_experts=experts, num_topk=8,
+                                                         max_tokens_per_rank=64, world_size=world))
+        with pytest.raises(ValueError, match="num_topk <= 32"):
+            nvlink._check_nvlink_limits(dataclasses.replace(fits, num_experts=64, num_topk=33))
+        with pytest.raises(ValueError, match="up to 1024 ranks"):
+            nvlink._check_nvlink_limits(dataclasses.replace(fits, num_experts=2048, world_size=2048))
+    if built is not None:
+        assert (built.nvlink_max_topk, built.nvlink_max_world, built.nvlink_max_dynamic_smem) == (
+            nvlink._MAX_TOPK, nvlink._MAX_WORLD, nvlink._MAX_DYNAMIC_SMEM)
+        for world, experts in ((1, 1), (1, 60000), (2, 28000), (8, 256), (72, 576), (1024, 1024), (1024, 50176)):
+            assert built.nvlink_layout_warp_smem(experts, world) == nvlink._layout_warp_smem(experts, world)
+            local = experts // world
+            assert built.nvlink_receive_layout_smem(world, local) == nvlink._receive_layout_smem(world, local)
     for value, on in (("", False), ("0", False), ("1", True)):
         monkeypatch.setenv("EP_COMM_SYNC_CHECK", value)
         assert nvlink._env_flag("EP_COMM_SYNC_CHECK") is on

@@ -51,32 +51,48 @@ _STAGE_PEER_GAVE_UP = 8  # csrc/spin_wait.cuh kStagePeerGaveUp: a peer's call ra
 _DIRECT_SELF_MIN_TOKENS = 2048
 _DISPATCH_FORMAT_CODE = {"nvfp4": 0, "mxfp8": 1, "bf16": 2}
 _COMBINE_FORMAT_CODE = {"s2f6": 0, "bf16": 1}
-_MAX_TOPK = 32
-_MAX_WORLD = 1024  # csrc/nvlink.h kMaxWorld (static shared arrays of the kernels)
 _LAYOUT_MAX_CHUNKS = 64  # csrc/nvlink.h kLayoutMaxChunks (checked against the extension in __init__)
 _WAVE_AREA_FIXED_WORDS = 2  # csrc/waves.h kWaveRowsDone (likewise)
 
 
-# Dynamic shared memory the kernels may take per block: the layout kernel's per-warp histograms (csrc/nvlink_layout.cu
-# kLayoutMaxSmem, at least one warp of E + W ints) and the dispatch kernels' receive layout (ReceiveLayout in
-# csrc/nvlink_dispatch.cu) -- 200 KiB, which leaves the kernels' static arrays room under the 227 KiB a block can have.
-_MAX_DYNAMIC_SMEM = 200 * 1024
+# The kernels' limits are csrc/nvlink.h's (kMaxTopk, kMaxWorld, kMaxDynamicSmem, the shared-memory tables' sizes), read
+# from the extension. Without it (a CPU-only install asking for a size hint: Buffer.get_buffer_size_hint) these copies
+# stand in; tests/test_nvlink.py checks them against the extension wherever it is built.
+_MAX_TOPK = 32
+_MAX_WORLD = 1024
+_MAX_DYNAMIC_SMEM = 200 * 1024  # per block: the layout kernel's histograms, the dispatch kernels' receive layout
+
+
+def _layout_warp_smem(num_experts: int, world: int) -> int:
+    return 4 * (num_experts + world)  # E + W int32 counters (csrc/nvlink_layout.cu layout_warp_smem)
+
+
+def _receive_layout_smem(world: int, num_local: int) -> int:
+    return 4 * (world * num_local + 2 * num_local + 3 * world + 2)  # csrc/nvlink_dispatch.cu ReceiveLayout::ints
+
+
+def _kernel_limits():
+    """(max top-k, max world, max dynamic shared memory per block, layout warp bytes (E, W), receive layout bytes
+    (W, E_local)): the extension's where it is built, else the copies above."""
+    c = _ext._C
+    if c is not None and hasattr(c, "nvlink_receive_layout_smem"):
+        return (c.nvlink_max_topk, c.nvlink_max_world, c.nvlink_max_dynamic_smem, c.nvlink_layout_warp_smem,
+                c.nvlink_receive_layout_smem)
+    return _MAX_TOPK, _MAX_WORLD, _MAX_DYNAMIC_SMEM, _layout_warp_smem, _receive_layout_smem
 
 
 def _check_nvlink_limits(config: BufferConfig) -> None:
     """What this backend's kernels support beyond BufferConfig.validate()."""
-    if config.num_topk > _MAX_TOPK:
-        raise ValueError(f"the nvlink backend supports num_topk <= {_MAX_TOPK}, got {config.num_topk}")
-    if config.world_size > _MAX_WORLD:
-        raise ValueError(f"the nvlink backend supports up to {_MAX_WORLD} ranks, got {config.world_size}")
+    max_topk, max_world, max_smem, layout_warp_smem, receive_layout_smem = _kernel_limits()
+    if config.num_topk > max_topk:
+        raise ValueError(f"the nvlink backend supports num_topk <= {max_topk}, got {config.num_topk}")
+    if config.world_size > max_world:
+        raise ValueError(f"the nvlink backend supports up to {max_world} ranks, got {config.world_size}")
     w, e = config.world_size, config.num_experts
-    local = e // w
-    layout_bytes = 4 * (e + w)
-    receive_bytes = 4 * (w * local + 2 * local + 3 * w + 2)  # ReceiveLayout::ints
-    if max(layout_bytes, receive_bytes) > _MAX_DYNAMIC_SMEM:
+    needed = max(layout_warp_smem(e, w), receive_layout_smem(w, e // w))
+    if needed > max_smem:
         raise ValueError(f"the nvlink backend's kernels keep per-expert tables in shared memory: num_experts="
-                         f"{e} with world_size={w} needs {max(layout_bytes, receive_bytes)} bytes, more than "
-                         f"{_MAX_DYNAMIC_SMEM}")
+                         f"{e} with world_size={w} needs {needed} bytes, more than {max_smem}")
 
 
 def _env_flag(name: str) -> bool:
