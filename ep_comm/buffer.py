@@ -245,28 +245,46 @@ class Buffer:
         device state and must run one after the other, whatever streams they use (two micro-batches on two current
         streams, or a call after a comm_stream call). Streams are compared as raw handles, so the common case (the
         same current stream again) builds no Stream object and records no event: the wait is on everything enqueued
-        on that stream so far. Nothing is waited on across a CUDA-graph capture boundary (capture forbids it), nor
-        lazily between two captured calls (their streams belong to the caller's capture: the caller joins them before
-        it ends)."""
+        on that stream so far. self._last_call = (raw streams, event, captured): with an event (a comm_stream call),
+        that event is waited on; without, an event is recorded now on each listed stream other than this call's, so
+        the wait also covers what was enqueued there after the call (reads of a dispatch(expand=False) result, which
+        lives in the Buffer's staging area until the next dispatch reuses it). Nothing is waited on across a
+        CUDA-graph capture boundary (capture forbids it), nor lazily between two captured calls (their streams belong
+        to the caller's capture: the caller joins them before it ends)."""
         if self._last_call is None:
             return
-        last_raw, event, captured = self._last_call
-        if last_raw == raw_stream or captured != capturing:
+        last_streams, event, captured = self._last_call
+        if captured != capturing:
             return
-        if event is None:
-            if captured:
-                return
-            event = torch.cuda.Event()
-            event.record(torch.cuda.ExternalStream(last_raw, device=device))
-        (torch.cuda.current_stream(device) if stream is None else stream).wait_event(event)
+        waiter = None
+        if event is not None:
+            if last_streams[0] != raw_stream:
+                waiter = torch.cuda.current_stream(device) if stream is None else stream
+                waiter.wait_event(event)
+            return
+        if captured:
+            return
+        for last_raw in last_streams:
+            if last_raw == raw_stream:
+                continue
+            if waiter is None:
+                waiter = torch.cuda.current_stream(device) if stream is None else stream
+            recorded = torch.cuda.Event()
+            recorded.record(torch.cuda.ExternalStream(last_raw, device=device))
+            waiter.wait_event(recorded)
 
-    def _run_on_stream(self, device: torch.device, comm_stream, done_event, inputs, run):
+    def _run_on_stream(self, device: torch.device, comm_stream, done_event, inputs, run, result_in_buffer=False):
         """run() on comm_stream (None: the current stream), after everything enqueued so far on the current stream and
         after this Buffer's previous call; then done_event is recorded where run() enqueued its work. The caching
         allocator is told about the streams that share tensors: inputs are marked in use on comm_stream, and the
         outputs (allocated on comm_stream) in use on the caller's stream, so that neither is reused while the other
-        stream may still touch it (record_stream also works inside a CUDA-graph capture). device: where the call's
-        tensors are (CPU: no streams). self._last_call: (raw stream, event after the call or None, captured?)."""
+        stream may still touch it (record_stream also works inside a CUDA-graph capture). Output tensors in the
+        Buffer's own memory (the staging rows of a dispatch without expansion) are not the allocator's and are not
+        marked (some allocator backends refuse foreign memory). device: where the call's tensors are (CPU: no
+        streams). result_in_buffer: the result reads the Buffer's memory until its next dispatch (expand=False), so
+        after a comm_stream call the next call waits for the work enqueued later on comm_stream and on the caller's
+        stream too (recorded when that call is made), where the result is read. self._last_call: see
+        _order_after_last_call."""
         if comm_stream is None:
             if device.type != "cuda":
                 out = run()
@@ -278,7 +296,7 @@ class Buffer:
             out = run()
             if done_event is not None:
                 done_event.record()
-            self._last_call = (raw_stream, None, capturing)
+            self._last_call = ((raw_stream,), None, capturing)
             return out
         caller = torch.cuda.current_stream(comm_stream.device)
         comm_stream.wait_stream(caller)
@@ -287,16 +305,23 @@ class Buffer:
         for tensor in _tensors_in(inputs):
             if tensor.is_cuda:
                 tensor.record_stream(comm_stream)
+        lazy = result_in_buffer and not capturing
         with torch.cuda.stream(comm_stream):
             out = run()
-            # The Buffer's own event orders its next call; the caller's done_event is theirs to record again.
-            finished = torch.cuda.Event()
-            finished.record(comm_stream)
+            # The Buffer's own event orders its next call (or, for a result in the Buffer's memory outside a capture,
+            # events recorded when that call is made); the caller's done_event is theirs to record again.
+            finished = None
+            if not lazy:
+                finished = torch.cuda.Event()
+                finished.record(comm_stream)
             if done_event is not None:
                 done_event.record(comm_stream)
-        self._last_call = (comm_stream.cuda_stream, finished, capturing)
+        if lazy:
+            self._last_call = (tuple(dict.fromkeys((comm_stream.cuda_stream, caller.cuda_stream))), None, False)
+        else:
+            self._last_call = ((comm_stream.cuda_stream,), finished, capturing)
         for tensor in _tensors_in(out):
-            if tensor.is_cuda:
+            if tensor.is_cuda and not self._backend.holds(tensor):
                 tensor.record_stream(caller)
         return out
 
@@ -320,19 +345,21 @@ class Buffer:
                 starts after the work enqueued so far on the current stream, and the current stream does not wait
                 for it -- wait with `torch.cuda.current_stream().wait_event(done_event)` (or `.wait_stream(
                 comm_stream)`) before using the result there. Inputs and outputs are marked in use on both streams
-                for the caching allocator. The Buffer's next call, on any stream, starts after this one (its calls
-                share device state). Inside a CUDA-graph capture, join comm_stream back into the capturing stream
-                (wait on done_event) before the capture ends. Validation and the input check's host copy happen on
-                the current stream, as without comm_stream.
+                for the caching allocator (not an nvlink `expand=False` result's x: the Buffer's own memory). The
+                Buffer's next call, on any stream, starts after this one (its calls share device state). Inside a
+                CUDA-graph capture, join comm_stream back into the capturing stream (wait on done_event) before the
+                capture ends. Validation and the input check's host copy happen on the current stream, as without
+                comm_stream.
             done_event: a torch.cuda.Event recorded after the dispatch's last kernel (on comm_stream when given).
             expand: True (default): x comes back in the expert-major layout. False: the received rows are not
                 copied into that layout; the result's `row_index` names, for each expert-major row, the row of
                 `result.x` that holds it (`DispatchResult.expert_major_x()` gathers). On nvlink `result.x` is then
                 this Buffer's staging area itself, valid until the Buffer's next dispatch is enqueued or the
                 Buffer is destroyed (work that reads it must be ordered before that dispatch on the stream), and the
-                dispatch skips the expansion's HBM writes. With comm_stream, "enqueued" means on the stream it runs on:
-                that dispatch waits for the work enqueued on the current stream before it is called, so reads of
-                `result.x` enqueued there (after waiting on done_event) are ordered before the staging is reused.
+                dispatch skips the expansion's HBM writes. With comm_stream (outside graph capture), the Buffer's
+                next call, on any stream, also waits for the work enqueued on comm_stream and on this call's current
+                stream until that next call is made, so reads of `result.x` enqueued on either (after done_event) come
+                before the staging is reused; reads on other streams are the caller's to order.
         Returns:
             DispatchResult (see ep_comm.types): received tokens in the expert-major layout in the dispatch
             format (or, with expand=False, as above), num_tokens_per_expert / expert_offsets (int32, device),
@@ -340,7 +367,8 @@ class Buffer:
         """
         self._check_dispatch_call(x, topk_idx, topk_weights, check_inputs, comm_stream, done_event, expand)
         return self._run_on_stream(x.device, comm_stream, done_event, (x, topk_idx, topk_weights),
-                                   lambda: self._backend.dispatch(x, topk_idx, topk_weights, expand=expand))
+                                   lambda: self._backend.dispatch(x, topk_idx, topk_weights, expand=expand),
+                                   result_in_buffer=not expand)
 
     def _check_dispatch_call(self, x, topk_idx, topk_weights, check_inputs: Optional[bool], comm_stream=None,
                              done_event=None, expand: bool = True) -> None:

@@ -413,6 +413,29 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
         torch.cuda.synchronize()
         assert torch.equal(y_rows_only.view(torch.int16), want_y.view(torch.int16)), \
             "expand=False on the comm stream: combine"
+        # 7. reads of such a result enqueued after done_event come before the next dispatch reuses the staging: a read
+        # on the comm stream followed by a dispatch on the current stream, and a read on the caller's current stream
+        # followed by a dispatch from another current stream. Each read is held back by a sleep and the next dispatch
+        # (other rows) is enqueued right behind it: not ordered after the read, it would overwrite the rows first.
+        for reader in ("comm stream", "caller's stream"):
+            torch.cuda.synchronize()
+            dispatched = torch.cuda.Event()
+            held = buf.dispatch(x, idx, w, comm_stream=side, done_event=dispatched, expand=False)
+            read_stream = side if reader == "comm stream" else torch.cuda.current_stream()
+            with torch.cuda.stream(read_stream):
+                read_stream.wait_event(dispatched)
+                torch.cuda._sleep(sleep_cycles)
+                index = held.row_index[:rows].long()
+                read = payload_bytes(held.x, fmt)[index.clamp(min=0)]
+            with torch.cuda.stream(torch.cuda.current_stream() if reader == "comm stream" else other):
+                following = buf.dispatch(x_other, idx, w, expand=False)
+            torch.cuda.synchronize()
+            present = index >= 0
+            assert torch.equal(read[present], payload_bytes(want.x, fmt)[:rows][present]), \
+                f"expand=False, read on the {reader}: the next dispatch overwrote the rows before the read"
+            got_following = payload_bytes(following.expert_major_x(), fmt)
+            assert torch.equal(got_following, payload_bytes(want_other.x, fmt)[:rows]), \
+                f"expand=False, read on the {reader}: the next dispatch's rows"
         del reused
     finally:
         buf.destroy()

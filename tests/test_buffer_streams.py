@@ -45,15 +45,22 @@ def test_order_after_last_call(monkeypatch):
         return log.calls
 
     assert order(7) == []  # no previous call
-    assert order(7, last=(7, None, False)) == []  # the same stream again: nothing recorded, nothing waited on
+    assert order(7, last=((7,), None, False)) == []  # the same stream again: nothing recorded, nothing waited on
     # Another current stream: an event after the previous call's stream, waited on by this call's stream.
-    assert order(8, last=(7, None, False)) == [("record", 7), ("wait", "current")]
-    assert order(8, stream=Stream(8), last=(7, None, False)) == [("record", 7), ("wait", 8)]
+    assert order(8, last=((7,), None, False)) == [("record", 7), ("wait", "current")]
+    assert order(8, stream=Stream(8), last=((7,), None, False)) == [("record", 7), ("wait", 8)]
     # After a comm_stream call its own event is waited on (none recorded again).
     event = torch.cuda.Event()
-    assert order(8, last=(7, event, False)) == [("wait", "current")]
+    assert order(8, last=((7,), event, False)) == [("wait", "current")]
+    assert order(7, last=((7,), event, False)) == []
+    # After a comm_stream dispatch(expand=False) outside a capture: events recorded now on its comm stream (7) and its
+    # caller's stream (9), where the result may still be read, except on this call's own stream.
+    assert order(8, last=((7, 9), None, False)) == [("record", 7), ("wait", "current"), ("record", 9),
+                                                     ("wait", "current")]
+    assert order(9, last=((7, 9), None, False)) == [("record", 7), ("wait", "current")]
+    assert order(7, stream=Stream(7), last=((7, 9), None, False)) == [("record", 9), ("wait", 7)]
     # Across a capture boundary nothing; between two captured calls not lazily (no event), only a recorded one.
-    assert order(8, capturing=True, last=(7, None, False)) == []
-    assert order(8, capturing=False, last=(7, event, True)) == []
-    assert order(8, capturing=True, last=(7, None, True)) == []
-    assert order(8, capturing=True, last=(7, event, True)) == [("wait", "current")]
+    assert order(8, capturing=True, last=((7,), None, False)) == []
+    assert order(8, capturing=False, last=((7,), event, True)) == []
+    assert order(8, capturing=True, last=((7,), None, True)) == []
+    assert order(8, capturing=True, last=((7,), event, True)) == [("wait", "current")]

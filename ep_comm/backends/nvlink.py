@@ -927,6 +927,12 @@ class NVLinkBackend:
                               src_rank=src_rank, src_token=src_token, topk_slot=topk_slot, topk_weight=topk_weight,
                               handle=handle, num_rows=rows, row_index=row_index)
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` lies in this Buffer's symmetric region (the staging rows a dispatch without expansion
+        returns): memory the caching allocator does not own, so Buffer marks it for no stream."""
+        base = getattr(self.region, "local_base", None)
+        return base is not None and base <= tensor.data_ptr() < base + self.layout.total_bytes
+
     def check_device(self, name: str, tensor: torch.Tensor) -> None:
         """The kernels run on the Buffer's GPU and read `tensor` there (a CPU or other-GPU tensor would be read through
         a wrong address)."""

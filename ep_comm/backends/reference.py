@@ -130,6 +130,10 @@ class ReferenceBackend:
     def is_available(group):
         return True, ""
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Every result of this backend is a fresh allocation: nothing lies in Buffer-owned memory."""
+        return False
+
     def check_device(self, name: str, tensor: torch.Tensor) -> None:
         """ValueError unless `tensor` can go through this group's collectives: CPU tensors over gloo, tensors on the
         current CUDA device over NCCL (another device would fail on this rank only, leaving the others waiting).
