@@ -48,6 +48,16 @@ def _tensors_in(obj) -> list:
     return []
 
 
+def _stream_of_raw(raw_stream: int, device: torch.device) -> torch.cuda.Stream:
+    """The torch stream object of a raw cudaStream_t. Handle 0 (torch's default stream) must not go through
+    torch.cuda.ExternalStream: torch reads a null stream_ptr as "no stream given" and hands out a fresh stream from its
+    pool, on which an event records nothing (found on the GPU, twenty-seventh session: a call on another stream after
+    a call on the default stream was not ordered after it)."""
+    if raw_stream == 0:
+        return torch.cuda.default_stream(device)
+    return torch.cuda.ExternalStream(raw_stream, device=device)
+
+
 class Buffer:
     """Dispatch tokens to experts and combine expert outputs across the ranks of `group`.
 
@@ -270,7 +280,7 @@ class Buffer:
             if waiter is None:
                 waiter = torch.cuda.current_stream(device) if stream is None else stream
             recorded = torch.cuda.Event()
-            recorded.record(torch.cuda.ExternalStream(last_raw, device=device))
+            recorded.record(_stream_of_raw(last_raw, device))
             waiter.wait_event(recorded)
 
     def _run_on_stream(self, device: torch.device, comm_stream, done_event, inputs, run, result_in_buffer=False):

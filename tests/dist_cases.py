@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import ep_comm
+from ep_comm.types import _map_payload
 from format_cases import assert_same_floats
 from oracle import Case, expected_combine, expected_dispatch, make_inputs, payload_bytes, run_expert
 
@@ -426,7 +427,7 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
                 read_stream.wait_event(dispatched)
                 torch.cuda._sleep(sleep_cycles)
                 index = held.row_index[:rows].long()
-                read = payload_bytes(held.x, fmt)[index.clamp(min=0)]
+                read = payload_bytes(_map_payload(held.x, lambda t: t[index.clamp(min=0)]), fmt)  # staging: strided
             with torch.cuda.stream(torch.cuda.current_stream() if reader == "comm stream" else other):
                 following = buf.dispatch(x_other, idx, w, expand=False)
             torch.cuda.synchronize()

@@ -26,7 +26,12 @@ def _fakes(monkeypatch, log):
             log.calls.append(("wait", self.raw))
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda raw, device=None: Stream(raw))
+    def external(raw, device=None):  # torch: a null stream_ptr means "a stream from the pool" (see _stream_of_raw)
+        assert raw != 0, "ExternalStream(0) is a pool stream, not the default stream"
+        return Stream(raw)
+
+    monkeypatch.setattr(torch.cuda, "ExternalStream", external)
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: Stream(0))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("current"))
     return Stream
 
@@ -59,6 +64,10 @@ def test_order_after_last_call(monkeypatch):
                                                      ("wait", "current")]
     assert order(9, last=((7, 9), None, False)) == [("record", 7), ("wait", "current")]
     assert order(7, stream=Stream(7), last=((7, 9), None, False)) == [("record", 9), ("wait", 7)]
+    # The default stream (raw handle 0) is recorded on as itself.
+    assert order(8, last=((0,), None, False)) == [("record", 0), ("wait", "current")]
+    assert order(8, last=((7, 0), None, False)) == [("record", 7), ("wait", "current"), ("record", 0),
+                                                     ("wait", "current")]
     # Across a capture boundary nothing; between two captured calls not lazily (no event), only a recorded one.
     assert order(8, capturing=True, last=((7,), None, False)) == []
     assert order(8, capturing=False, last=((7,), event, True)) == []
