@@ -397,6 +397,17 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
         same(first, "a call on one current stream followed by one on another")
         same(second, "current stream after a call on another current stream", want_other)
         assert y_other.shape == want_y.shape
+        # 5b. the same after a call on the default stream (raw handle 0, which torch.cuda.ExternalStream would turn into
+        # a fresh pool stream: an event there orders nothing).
+        torch.cuda.synchronize()
+        if rank == 0:
+            torch.cuda._sleep(sleep_cycles)
+        first = buf.dispatch(x, idx, w)
+        with torch.cuda.stream(other):
+            second = buf.dispatch(x_other, idx, w)
+        torch.cuda.synchronize()
+        same(first, "a call on the default stream followed by one on another stream")
+        same(second, "another stream after a call on the default stream", want_other)
         # 6. a dispatch without expansion on the comm stream (nvlink: its rows stay in the Buffer's staging area, a
         # region the caching allocator does not own), held back by a sleep; the rows gathered on the current stream
         # after done_event are the expanding dispatch's, and a combine from its handle is too.
