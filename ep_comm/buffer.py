@@ -117,8 +117,9 @@ class Buffer:
             raise ValueError(f"format_impl must be one of {FORMAT_IMPLS}, got {format_impl!r}")
         self._backend = self._make_backend(backend, format_impl)
         self._destroyed = False
-        # The previous call: (its raw stream handle, the event after it (comm_stream calls) or None, captured?).
-        # The Buffer's calls share device state: the next call waits for it wherever it runs (_order_after_last_call).
+        # The previous CUDA call: (raw stream handles to wait for, the event after it (comm_stream calls) or None,
+        # captured?). The Buffer's calls share device state: the next call waits for it wherever it runs
+        # (_order_after_last_call).
         self._last_call = None
 
     # ------------------------------------------------------------------------------------------------------
@@ -259,8 +260,11 @@ class Buffer:
         that event is waited on; without, an event is recorded now on each listed stream other than this call's, so
         the wait also covers what was enqueued there after the call (reads of a dispatch(expand=False) result, which
         lives in the Buffer's staging area until the next dispatch reuses it). Nothing is waited on across a
-        CUDA-graph capture boundary (capture forbids it), nor lazily between two captured calls (their streams belong
-        to the caller's capture: the caller joins them before it ends)."""
+        CUDA-graph capture boundary (capture forbids it), nor lazily between two captured calls: inside a capture only
+        a comm_stream call's own event orders the next call, and the caller orders calls made on two capturing streams
+        (README). Known gap (review, twenty-seventh session; not run on a GPU): when a capture ends with a comm_stream
+        call and the next capture's first call runs on another stream, that call waits on the first capture's event,
+        which CUDA may refuse."""
         if self._last_call is None:
             return
         last_streams, event, captured = self._last_call
@@ -296,10 +300,8 @@ class Buffer:
         stream too (recorded when that call is made), where the result is read. self._last_call: see
         _order_after_last_call."""
         if comm_stream is None:
-            if device.type != "cuda":
-                out = run()
-                self._last_call = None
-                return out
+            if device.type != "cuda":  # CPU tensors (reference backend over gloo): no stream; the last CUDA call's
+                return run()           # entry stays, so a later CUDA call is still ordered after it
             # Raw handle, not torch.cuda.current_stream (7 us per call: _ext.current_raw_stream).
             raw_stream, capturing = current_raw_stream(device), _is_capturing()
             self._order_after_last_call(device, raw_stream, capturing)
@@ -368,8 +370,9 @@ class Buffer:
                 Buffer is destroyed (work that reads it must be ordered before that dispatch on the stream), and the
                 dispatch skips the expansion's HBM writes. With comm_stream (outside graph capture), the Buffer's
                 next call, on any stream, also waits for the work enqueued on comm_stream and on this call's current
-                stream until that next call is made, so reads of `result.x` enqueued on either (after done_event) come
-                before the staging is reused; reads on other streams are the caller's to order.
+                stream until that next call is made, so reads of `result.x` enqueued on either (after done_event)
+                before the Buffer's next call come before the staging is reused; reads enqueued after another call of
+                the Buffer (e.g. a combine) or on other streams are the caller's to order before the next dispatch.
         Returns:
             DispatchResult (see ep_comm.types): received tokens in the expert-major layout in the dispatch
             format (or, with expand=False, as above), num_tokens_per_expert / expert_offsets (int32, device),

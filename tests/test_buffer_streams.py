@@ -1,5 +1,7 @@
-"""Buffer._order_after_last_call's decisions, with stand-ins for the CUDA stream and event objects (CPU tier): the
-GPU behaviour (two current streams, comm_stream calls) is tested in dist_cases.comm_stream_worker."""
+"""Buffer's stream ordering (_order_after_last_call's decisions, the entry _run_on_stream leaves for the next call), with
+stand-ins for the CUDA stream and event objects (CPU tier): the GPU behaviour (two current streams, the default
+stream, comm_stream calls) is tested in dist_cases.comm_stream_worker."""
+import contextlib
 import types
 
 import pytest
@@ -73,3 +75,60 @@ def test_order_after_last_call(monkeypatch):
     assert order(8, capturing=False, last=((7,), event, True)) == []
     assert order(8, capturing=True, last=((7,), None, True)) == []
     assert order(8, capturing=True, last=((7,), event, True)) == [("wait", "current")]
+
+
+@pytest.mark.cpu
+def test_run_on_stream_records_what_the_next_call_waits_for(monkeypatch):
+    """The _last_call entry each kind of call leaves (what _order_after_last_call then waits for)."""
+    import ep_comm.buffer as buffer_module
+
+    log = _Log()
+    Stream = _fakes(monkeypatch, log)
+
+    class CommStream(Stream):
+        device = torch.device("cuda", 0)
+
+        @property
+        def cuda_stream(self):
+            return self.raw
+
+        def wait_stream(self, other):
+            log.calls.append(("wait_stream", self.raw, other.raw))
+
+    state = {"current": 5, "capturing": False}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: CommStream(state["current"]))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(buffer_module, "current_raw_stream", lambda device: state["current"])
+    monkeypatch.setattr(buffer_module, "_is_capturing", lambda: state["capturing"])
+    me = types.SimpleNamespace(_last_call=None, _backend=types.SimpleNamespace(holds=lambda tensor: False))
+    me._order_after_last_call = lambda *args, **kwargs: Buffer._order_after_last_call(me, *args, **kwargs)
+    cuda = torch.device("cuda", 0)
+
+    def call(comm=None, result_in_buffer=False, device=cuda):
+        log.calls.clear()
+        Buffer._run_on_stream(me, device, None if comm is None else CommStream(comm), None, (), lambda: None,
+                              result_in_buffer=result_in_buffer)
+        return me._last_call
+
+    # On the current stream: that stream, no event.
+    assert call() == ((5,), None, False)
+    # On a comm stream: the comm stream and the event recorded after the call on it.
+    streams, event, captured = call(comm=7)
+    assert (streams, captured) == ((7,), False) and event is not None and ("record", 7) in log.calls
+    # A result in the Buffer's memory (dispatch(expand=False)) outside a capture: no event; the comm stream and the
+    # caller's stream, recorded on when the next call is made.
+    assert call(comm=7, result_in_buffer=True) == ((7, 5), None, False)
+    assert ("record", 7) not in log.calls
+    # The same with comm_stream = the current stream: listed once.
+    state["current"] = 7
+    assert call(comm=7, result_in_buffer=True) == ((7,), None, False)
+    state["current"] = 5
+    # Inside a capture: the event, as for any comm_stream call.
+    state["capturing"] = True
+    streams, event, captured = call(comm=7, result_in_buffer=True)
+    assert (streams, captured) == ((7,), True) and event is not None
+    assert call() == ((5,), None, True)
+    state["capturing"] = False
+    # A CPU call leaves the entry of the last CUDA call.
+    before = call()
+    assert call(device=torch.device("cpu")) == before
