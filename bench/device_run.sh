@@ -384,7 +384,7 @@ negative_control() {  # NEG_K = a pytest -k expression over tests/test_nvlink.py
   ab_base_build || return
   local base file="$OUT/pytest_negative_control.txt"
   base=$(ab_base_dir)
-  say "negative control: -k '${NEG_K}' in the base tree ${AB_BASE:-ab_base.tar} (must fail)"
+  say "negative control: -k '${NEG_K}' in the base tree $AB_BASE (must fail)"
   (cd "$base" && PYTHONPATH="/tmp/site:$base" EP_COMM_TEST_SHARED_GPU=1 CUDA_VISIBLE_DEVICES=0 timeout 240 \
     python3 -m pytest -q -rs tests/test_nvlink.py -k "$NEG_K") > "$file" 2>&1
   echo "rc $?" >> "$file"

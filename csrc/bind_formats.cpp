@@ -15,6 +15,7 @@ namespace py = pybind11;
 namespace {
 
 using ep_comm::ElemType;
+using ep_comm::rows_aligned;
 using ep_comm::binding::as_stream;
 using ep_comm::binding::check;
 using ep_comm::binding::ptr;
@@ -27,9 +28,6 @@ using ep_comm::binding::ptr;
 // tensor's address may be 0).
 void require(bool ok, const char* what, const char* detail) {
   if (!ok) throw std::invalid_argument(std::string(what) + ": " + detail);
-}
-bool aligned(uintptr_t address, int64_t row_stride_bytes, uintptr_t alignment) {
-  return ((address | static_cast<uintptr_t>(row_stride_bytes)) & (alignment - 1)) == 0;
 }
 // Bytes of an ElemType element (0 for an unknown code: the launcher refuses it).
 int64_t elem_bytes(int type) {
@@ -46,7 +44,7 @@ int64_t elem_bytes(int type) {
 void require_dense(uintptr_t address, int type, int64_t row_stride, const char* what, const char* name) {
   require(address != 0, what, name);
   require(row_stride >= 0, what, "the row stride must not be negative");
-  require(aligned(address, row_stride * elem_bytes(type), 16), what, "dense rows must start 16-byte aligned");
+  require(rows_aligned(address, row_stride * elem_bytes(type), 16), what, "dense rows must start 16-byte aligned");
 }
 
 void nvfp4_quantize(uintptr_t x, int x_type, int64_t x_row_stride, int64_t num_rows, int64_t hidden, uintptr_t amax_in,
@@ -77,7 +75,7 @@ void nvfp4_quantize(uintptr_t x, int x_type, int64_t x_row_stride, int64_t num_r
     require_dense(x, x_type, x_row_stride, "nvfp4_quantize", "x is null");
     if (block_values == 0) {  // codes: 8-byte stores per block (block values: the launcher checks its operands)
       require(data != 0 && scales != 0, "nvfp4_quantize", "data and scales are required");
-      require(aligned(data, data_row_stride, 8), "nvfp4_quantize", "data rows must start 8-byte aligned");
+      require(rows_aligned(data, data_row_stride, 8), "nvfp4_quantize", "data rows must start 8-byte aligned");
     }
   }
   check(ep_comm::launch_nvfp4_quantize(args, as_stream(stream)), "nvfp4_quantize");
@@ -101,7 +99,7 @@ void mxfp8_quantize(uintptr_t x, int x_type, int64_t x_row_stride, int64_t num_r
   if (num_rows > 0) {
     require_dense(x, x_type, x_row_stride, "mxfp8_quantize", "x is null");
     require(data != 0 && scales != 0, "mxfp8_quantize", "data and scales are required");
-    require(aligned(data, data_row_stride, 16), "mxfp8_quantize", "data rows must start 16-byte aligned");
+    require(rows_aligned(data, data_row_stride, 16), "mxfp8_quantize", "data rows must start 16-byte aligned");
   }
   check(ep_comm::launch_mxfp8_quantize(args, as_stream(stream)), "mxfp8_quantize");
 }
@@ -124,7 +122,7 @@ void s2f6_quantize(uintptr_t x, int x_type, int64_t x_row_stride, int64_t num_ro
   if (num_rows > 0) {
     require_dense(x, x_type, x_row_stride, "s2f6_quantize", "x is null");
     require(data != 0 && scales != 0, "s2f6_quantize", "data and scales are required");
-    require(aligned(data, data_row_stride, 16), "s2f6_quantize", "data rows must start 16-byte aligned");
+    require(rows_aligned(data, data_row_stride, 16), "s2f6_quantize", "data rows must start 16-byte aligned");
   }
   check(ep_comm::launch_s2f6_quantize(args, as_stream(stream)), "s2f6_quantize");
 }
@@ -152,7 +150,7 @@ void s2f6_dequantize_accumulate(uintptr_t data, uintptr_t scales, int64_t num_sr
     require(num_terms == 0 || row_index != 0, "s2f6_dequantize_accumulate", "row_index is null");
     require(num_src_rows == 0 || (data != 0 && scales != 0), "s2f6_dequantize_accumulate",
             "data and scales are required");
-    require(aligned(data, 0, 16), "s2f6_dequantize_accumulate", "data must start 16-byte aligned");
+    require(rows_aligned(data, 0, 16), "s2f6_dequantize_accumulate", "data must start 16-byte aligned");
   }
   check(ep_comm::launch_s2f6_dequantize_accumulate(args, as_stream(stream)), "s2f6_dequantize_accumulate");
 }
@@ -326,7 +324,7 @@ void register_formats(py::module_& m) {
            uintptr_t out, int out_type, uintptr_t stream, uintptr_t num_rows_limit) {
           if (num_rows > 0) {  // amax may be null (block values)
             require(data != 0 && scales != 0, "nvfp4_dequantize", "data and scales are required");
-            require(aligned(data, 0, 8), "nvfp4_dequantize", "data must start 8-byte aligned");
+            require(rows_aligned(data, 0, 8), "nvfp4_dequantize", "data must start 8-byte aligned");
             require_dense(out, out_type, 0, "nvfp4_dequantize", "out is null");
           }
           check(ep_comm::launch_nvfp4_dequantize(ptr<const uint8_t>(data), ptr<const uint8_t>(scales),
@@ -344,7 +342,7 @@ void register_formats(py::module_& m) {
            uintptr_t stream) {
           if (num_rows > 0) {
             require(data != 0 && scales != 0, "mxfp8_dequantize", "data and scales are required");
-            require(aligned(data, 0, 8), "mxfp8_dequantize", "data must start 8-byte aligned");
+            require(rows_aligned(data, 0, 8), "mxfp8_dequantize", "data must start 8-byte aligned");
             require_dense(out, out_type, 0, "mxfp8_dequantize", "out is null");
           }
           check(ep_comm::launch_mxfp8_dequantize(ptr<const uint8_t>(data), ptr<const uint8_t>(scales), num_rows,
@@ -359,8 +357,8 @@ void register_formats(py::module_& m) {
           if (num_rows > 0) {  // out_scales may be unaligned (byte stores then)
             require(data != 0 && scales != 0 && amax != 0 && out_data != 0 && out_scales != 0,
                     "nvfp4_to_mxfp8_transposed", "data, scales, amax, out_data and out_scales are required");
-            require(aligned(data, 0, 8), "nvfp4_to_mxfp8_transposed", "data must start 8-byte aligned");
-            require(aligned(out_data, 0, 16), "nvfp4_to_mxfp8_transposed", "out_data must start 16-byte aligned");
+            require(rows_aligned(data, 0, 8), "nvfp4_to_mxfp8_transposed", "data must start 8-byte aligned");
+            require(rows_aligned(out_data, 0, 16), "nvfp4_to_mxfp8_transposed", "out_data must start 16-byte aligned");
           }
           check(ep_comm::launch_nvfp4_to_mxfp8_transposed(ptr<const uint8_t>(data), ptr<const uint8_t>(scales),
                                                           ptr<const float>(amax), num_rows, hidden, e4m3_max,
@@ -379,7 +377,7 @@ void register_formats(py::module_& m) {
            uintptr_t out, int out_type, uintptr_t stream) {
           if (num_rows > 0) {
             require(data != 0 && scales != 0, "s2f6_dequantize", "data and scales are required");
-            require(aligned(data, 0, 8), "s2f6_dequantize", "data must start 8-byte aligned");
+            require(rows_aligned(data, 0, 8), "s2f6_dequantize", "data must start 8-byte aligned");
             require_dense(out, out_type, 0, "s2f6_dequantize", "out is null");
           }
           check(ep_comm::launch_s2f6_dequantize(ptr<const int8_t>(data), ptr<const uint8_t>(scales), num_rows,

@@ -141,6 +141,17 @@ struct S2f6AccumulateArgs {
 };
 cudaError_t launch_s2f6_dequantize_accumulate(const S2f6AccumulateArgs& args, cudaStream_t stream);
 
+// Whether rows at p, p + row_stride_bytes, p + 2 * row_stride_bytes, ... all start `alignment`-byte aligned (a power of
+// two; row_stride_bytes 0: the base only). The launchers test it before a kernel reads or writes rows in 8- or 16-byte
+// vectors: a misaligned vector access would fault on the device and lose the CUDA context. The bindings test it too,
+// for a message that names the operand.
+inline bool rows_aligned(uintptr_t address, int64_t row_stride_bytes, uintptr_t alignment) {
+  return ((address | static_cast<uintptr_t>(row_stride_bytes)) & (alignment - 1)) == 0;
+}
+inline bool rows_aligned(const void* p, int64_t row_stride_bytes, uintptr_t alignment) {
+  return rows_aligned(reinterpret_cast<uintptr_t>(p), row_stride_bytes, alignment);
+}
+
 // ------------------------------------------------------------------------------------------------------
 // CPU emulation (formats_host.cpp): the same quant_math.cuh primitives run on host memory, so a CPU-only
 // build can prove the bit manipulation against the torch reference. fp32 inputs/outputs only (bf16

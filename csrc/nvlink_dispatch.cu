@@ -243,7 +243,7 @@ __device__ void compute_receive_layout(const NvlinkConfig& cfg, const ReceiveLay
   // Counts that do not fit the result (only when counts of different calls meet after a timeout): recorded as a fault
   // and the layout emptied, so that nothing below writes past the result (row_in_capacity guards single rows).
   if (L.offsets[num_local] > num_rows) {
-    if (threadIdx.x == 0) row_in_capacity(cfg, L.offsets[num_local], num_rows, 0xFFFF);
+    if (threadIdx.x == 0) row_in_capacity(cfg, L.offsets[num_local], num_rows, kErrorNoPeer);
     __syncthreads();  // every thread has read offsets[num_local] above
     for (int j = threadIdx.x; j <= num_local; j += blockDim.x) {
       L.offsets[j] = 0;

@@ -33,6 +33,10 @@ __device__ __forceinline__ unsigned long long timeout_error_word(int stage, int 
          (static_cast<unsigned long long>(peer & 0xFFFF) << 32) | (epoch & 0xFFFFFFFFull);
 }
 
+// The error word's peer field when the error concerns no single peer or expert (the exchanged counts, the wave layout;
+// the Python decoder, ep_comm/backends/nvlink.py, says so).
+constexpr int kErrorNoPeer = 0xFFFF;
+
 // The abort word of a Buffer (in its symmetric region, so that peers can set it): 0 while healthy, kAbortSelf once this
 // rank gave up (a timeout or a fault), kAbortByPeer | rank once that peer rank gave up and said so (its call raised
 // before launching, e.g. on inputs it rejected: nvlink_give_up.cu). Either way every later wait gives up at once.

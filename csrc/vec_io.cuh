@@ -121,13 +121,6 @@ __device__ __forceinline__ void store_row_segment(T* dst, const float* in) {
 // Launch-size helper shared by the format kernels' launchers.
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Whether rows at p, p + row_stride_bytes, p + 2 * row_stride_bytes, ... all start `alignment`-byte aligned (a power of
-// two; row_stride_bytes 0: the base only). The launchers test it before a kernel reads or writes rows in 8- or 16-byte
-// vectors: a misaligned vector access would fault on the device and lose the CUDA context (formats.h).
-inline bool rows_aligned(const void* p, int64_t row_stride_bytes, uintptr_t alignment) {
-  return ((reinterpret_cast<uintptr_t>(p) | static_cast<uintptr_t>(row_stride_bytes)) & (alignment - 1)) == 0;
-}
-
 // Grid of a persistent kernel: at most `wanted` blocks and no more than fit on the current device at once (the
 // kernel's occupancy at `threads` per block and `dynamic_smem` bytes of dynamic shared memory), so every block is
 // resident and walks its share of the work.

@@ -69,7 +69,7 @@ __device__ __forceinline__ void count_rows(unsigned long long* area, int j, int 
 }
 
 // Spin until done(*p) (acquire loads at GPU scope; spin_until: a timeout records stage 5 and `what` -- the local
-// expert, or 0xFFFF for the layout -- in the Buffer's error word, never a hang).
+// expert, or kErrorNoPeer for the layout -- in the Buffer's error word, never a hang).
 template <typename Done>
 __device__ __forceinline__ bool wait_until(const WaveSync& ws, const unsigned long long* p, Done done, int what) {
   return spin_until([p] { return ld_acquire_gpu(p); }, done, ws.abort, ws.error_word, ws.timeout_ns,
@@ -78,7 +78,8 @@ __device__ __forceinline__ bool wait_until(const WaveSync& ws, const unsigned lo
 
 // The layout of dispatch `epoch` is published (the word only grows).
 __device__ __forceinline__ bool wait_layout(const WaveSync& ws, unsigned long long epoch) {
-  return wait_until(ws, ws.area + kWaveLayoutReady, [epoch](unsigned long long v) { return v >= epoch; }, 0xFFFF);
+  return wait_until(ws, ws.area + kWaveLayoutReady, [epoch](unsigned long long v) { return v >= epoch; },
+                    kErrorNoPeer);
 }
 
 // All `rows` rows of local expert j are in for dispatch `epoch`: the tag must be this call's exactly (an ordered

@@ -310,10 +310,10 @@ class Buffer:
                 done_event.record()
             self._last_call = ((raw_stream,), None, capturing)
             return out
-        caller = torch.cuda.current_stream(comm_stream.device)
+        caller = torch.cuda.current_stream(device)  # device: comm_stream's (_check_stream_args)
         comm_stream.wait_stream(caller)
         capturing = _is_capturing()
-        self._order_after_last_call(comm_stream.device, comm_stream.cuda_stream, capturing, comm_stream)
+        self._order_after_last_call(device, comm_stream.cuda_stream, capturing, comm_stream)
         for tensor in _tensors_in(inputs):
             if tensor.is_cuda:
                 tensor.record_stream(comm_stream)
@@ -333,7 +333,7 @@ class Buffer:
         else:
             self._last_call = ((comm_stream.cuda_stream,), finished, capturing)
         for tensor in _tensors_in(out):
-            if tensor.is_cuda and not self._backend.holds(tensor):
+            if tensor.is_cuda and not (result_in_buffer and self._backend.holds(tensor)):
                 tensor.record_stream(caller)
         return out
 
@@ -410,7 +410,7 @@ class Buffer:
         rank. A bad argument (type, shape, device, handle) is a program's error, usually the same on every rank,
         which then all raise and go on; on one rank only, its peers wait until their timeout, whose message names
         this cause."""
-        if self.backend == "nvlink" and not _is_capturing():
+        if self.backend == "nvlink":  # (inside a capture the ids are not checked, so nothing below gives up there)
             try:
                 validate()
             except _InvalidExpertIds as rejected:

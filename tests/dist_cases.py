@@ -383,31 +383,23 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
         same(first, "comm-stream call followed by a current-stream call")
         same(second, "current stream right after a comm-stream call", want_other)
         # 5. two calls on two current streams (micro-batches on two streams, no comm_stream): the second is ordered
-        # after the first by the Buffer (they share its device state), not run beside it.
-        torch.cuda.synchronize()
+        # after the first by the Buffer (they share its device state), not run beside it. The first on a side stream,
+        # then on the default stream (raw handle 0, which torch.cuda.ExternalStream would turn into a fresh pool
+        # stream: an event there orders nothing).
         other = torch.cuda.Stream(device=device)
-        with torch.cuda.stream(side):
-            if rank == 0:
-                torch.cuda._sleep(sleep_cycles)
-            first = buf.dispatch(x, idx, w)
-        with torch.cuda.stream(other):
-            second = buf.dispatch(x_other, idx, w)
-            y_other = buf.combine(expert_out, second.handle)
-        torch.cuda.synchronize()
-        same(first, "a call on one current stream followed by one on another")
-        same(second, "current stream after a call on another current stream", want_other)
-        assert y_other.shape == want_y.shape
-        # 5b. the same after a call on the default stream (raw handle 0, which torch.cuda.ExternalStream would turn into
-        # a fresh pool stream: an event there orders nothing).
-        torch.cuda.synchronize()
-        if rank == 0:
-            torch.cuda._sleep(sleep_cycles)
-        first = buf.dispatch(x, idx, w)
-        with torch.cuda.stream(other):
-            second = buf.dispatch(x_other, idx, w)
-        torch.cuda.synchronize()
-        same(first, "a call on the default stream followed by one on another stream")
-        same(second, "another stream after a call on the default stream", want_other)
+        for first_stream, where in ((side, "one current stream"), (torch.cuda.current_stream(), "the default stream")):
+            torch.cuda.synchronize()
+            with torch.cuda.stream(first_stream):
+                if rank == 0:
+                    torch.cuda._sleep(sleep_cycles)
+                first = buf.dispatch(x, idx, w)
+            with torch.cuda.stream(other):
+                second = buf.dispatch(x_other, idx, w)
+                y_other = buf.combine(expert_out, second.handle)
+            torch.cuda.synchronize()
+            same(first, f"a call on {where} followed by one on another")
+            same(second, f"another current stream after a call on {where}", want_other)
+            assert y_other.shape == want_y.shape
         # 6. a dispatch without expansion on the comm stream (nvlink: its rows stay in the Buffer's staging area, a
         # region the caching allocator does not own), held back by a sleep; the rows gathered on the current stream
         # after done_event are the expanding dispatch's, and a combine from its handle is too.

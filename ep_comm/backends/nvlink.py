@@ -930,8 +930,8 @@ class NVLinkBackend:
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` lies in this Buffer's symmetric region (the staging rows a dispatch without expansion
         returns): memory the caching allocator does not own, so Buffer marks it for no stream."""
-        base = getattr(self.region, "local_base", None)
-        return base is not None and base <= tensor.data_ptr() < base + self.layout.total_bytes
+        base = self.region.local_base
+        return base <= tensor.data_ptr() < base + self.layout.total_bytes
 
     def check_device(self, name: str, tensor: torch.Tensor) -> None:
         """The kernels run on the Buffer's GPU and read `tensor` there (a CPU or other-GPU tensor would be read through
@@ -1005,13 +1005,14 @@ class NVLinkBackend:
             # Its src_rank / src_token / topk_slot would address another buffer's rows (or past the peer table).
             raise ValueError("begin_combine_rows needs a DispatchResult of this Buffer's own dispatch")
         cfg, L = self.config, self.layout
+        _, abort, _, _ = self._wave_sync_words  # (epoch, abort, error_word, timeout_ns)
         self._ctx.combine_rows_begin(_ext.current_raw_stream(self.device))
         self._rows_handle = handle
         self._after_call()
         return CombineRowsTarget(bases=self._peer_bases, area_offset=L.off_combine, src_rank=result.src_rank,
                                  src_token=result.src_token, topk_slot=result.topk_slot, num_topk=cfg.num_topk,
                                  hidden=cfg.hidden, row_bytes=L.comb_row_bytes, scale_offset=L.comb_scale_off,
-                                 sign_mask=cfg.rht_sign_mask, abort_flag=self._wave_sync_words[1])
+                                 sign_mask=cfg.rht_sign_mask, abort_flag=abort)
 
     def finish_combine_rows(self, handle: NVLinkHandle) -> torch.Tensor:
         """Publish the rows the GEMM stored since begin_combine_rows, then receive: bf16 [T, H]."""
