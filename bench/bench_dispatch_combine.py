@@ -64,13 +64,12 @@ def parse_args(argv=None):
 
 def _check_args(p, args) -> None:
     """Refuse bad flags here, with argparse's message, not as a traceback from inside every spawned rank."""
-    from ep_comm.bench import check_routing_flags, parse_format_pairs, parse_token_counts
+    from ep_comm.bench import check_hidden, check_routing_flags, parse_format_pairs, parse_token_counts
     args.token_list = parse_token_counts(p, args.tokens)
     check_routing_flags(p, args, ("experts", "topk", "iters", "graph_calls", "num_sms"))
     if args.num_local_sms < 0 or args.nproc < 0:
         p.error("--num-local-sms and --nproc must not be negative")
-    if args.hidden < 1 or args.hidden % 32:
-        p.error(f"--hidden must be a positive multiple of 32, got {args.hidden}")
+    check_hidden(p, args.hidden)
     args.pairs = parse_format_pairs(p, args.formats)
 
 

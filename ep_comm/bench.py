@@ -42,6 +42,12 @@ def check_routing_flags(parser, args, positive, world=None, world_what="ranks") 
         parser.error(f"--experts {args.experts} is not a multiple of the {world} {world_what}")
 
 
+def check_hidden(parser, hidden: int) -> None:
+    """--hidden: a positive multiple of 32 (S2F6 and MXFP8 blocks; NVFP4's 16 divides it)."""
+    if hidden < 1 or hidden % 32:
+        parser.error(f"--hidden must be a positive multiple of 32, got {hidden}")
+
+
 def parse_format_pairs(parser, text: str) -> list:
     """--formats "d/c,d/c": the (dispatch format, combine format) pairs, each a known format."""
     pairs = [tuple(pair.split("/")) for pair in text.split(",") if pair]
@@ -89,8 +95,7 @@ def parse_args(argv=None):
         args.ranks = torch.cuda.device_count() if use_gpu else 2
     if use_gpu and args.ranks > torch.cuda.device_count():
         parser.error(f"--ranks {args.ranks} exceeds the {torch.cuda.device_count()} visible GPUs")
-    if args.hidden < 1 or args.hidden % 32:
-        parser.error(f"--hidden must be a positive multiple of 32, got {args.hidden}")
+    check_hidden(parser, args.hidden)
     check_routing_flags(parser, args, ("tokens", "iters", "ranks", "experts", "topk"), world=args.ranks)
     if args.backend == "nvlink" and args.device == "cpu":
         parser.error("--backend nvlink needs GPUs (these ranks run on the CPU over gloo); use auto or reference")

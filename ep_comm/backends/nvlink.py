@@ -58,6 +58,7 @@ _WAVE_AREA_FIXED_WORDS = 2  # csrc/waves.h kWaveRowsDone (likewise)
 # The kernels' limits are csrc/nvlink.h's (kMaxTopk, kMaxWorld, kMaxDynamicSmem, the shared-memory tables' sizes), read
 # from the extension. Without it (a CPU-only install asking for a size hint: Buffer.get_buffer_size_hint) these copies
 # stand in; tests/test_nvlink.py checks them against the extension wherever it is built.
+_ERROR_NO_PEER = 0xFFFF  # csrc/spin_wait.cuh kErrorNoPeer: the error concerns no single peer or expert
 _MAX_TOPK = 32
 _MAX_WORLD = 1024
 _MAX_DYNAMIC_SMEM = 200 * 1024  # per block: the layout kernel's histograms, the dispatch kernels' receive layout
@@ -750,14 +751,14 @@ class NVLinkBackend:
                     f"will not send that call's rows. Results of the calls in flight and later ones are invalid and "
                     f"this Buffer is unusable")
             if stage == _STAGE_ROW_PAST_CAPACITY:  # a fault, not a timeout
-                what = "the exchanged counts" if peer == 0xFFFF else f"a row from rank {peer}"
+                what = "the exchanged counts" if peer == _ERROR_NO_PEER else f"a row from rank {peer}"
                 raise RuntimeError(
                     f"ep_comm nvlink: rank {self.rank}'s dispatch (call {call}) placed {what} outside its result "
                     f"(max_recv_rows {self.config.max_recv_rows}) or its staging slots; those rows were not written. Either the ranks' "
                     f"calls went out of step (after a timeout on a peer) or a token named one expert in two top-k "
                     f"slots with check_inputs off. Results of that call and later ones are invalid and this Buffer is "
                     f"unusable")
-            where = (_STAGES[stage].format(what="layout" if peer == 0xFFFF else f"rows of local expert {peer}")
+            where = (_STAGES[stage].format(what="layout" if peer == _ERROR_NO_PEER else f"rows of local expert {peer}")
                      if stage == 5 else
                      f"{_STAGES.get(stage, f'stage {stage}')} on peer rank {peer}")
             raise RuntimeError(
