@@ -27,6 +27,10 @@ test_formats() {
   say "gpu tier: formats kernels"
   pytest_tier formats 150 2 tests/test_formats_cuda.py tests/test_ext.py
 }
+test_ext() {  # the ep_comm._ext helpers alone (raw stream, device context, capture ids): part of test_formats
+  say "gpu tier: ep_comm._ext helpers"
+  pytest_tier ext 60 2 tests/test_ext.py
+}
 test_gemm_default() {  # the grouped GEMM tier with the default kernels only
   say "gpu tier: grouped GEMM + fused expert MLP (defaults)"
   timeout 150 python3 -m pytest -q -x tests/test_grouped_gemm.py 2>&1 | grep -v "^[.sx]*\( *\[ *[0-9]*%\]\)\?$" | tail -12 | tee -a "$log"
@@ -211,6 +215,10 @@ shared_tier() {  # $1 = name, $2 = timeout s, then pytest arguments: multigpu te
     > "$file" 2>&1
   echo "rc $?" >> "$file"
   grep -E "passed|failed|error|SKIPPED|rc " "$file" | tail -6 | tee -a "$log"
+}
+shared_k() {  # SHARED_K: a pytest -k expression over tests/test_nvlink.py, with 2 ranks sharing GPU 0
+  say "multigpu tier, 2 ranks sharing one GPU: tests/test_nvlink.py -k '${SHARED_K}'"
+  shared_tier k 300 tests/test_nvlink.py -k "$SHARED_K"
 }
 test_shared_smoke() {  # one GPU: the nvlink smoke (oracle cases, timeouts) with 2 ranks on it and sync checks
   say "multigpu tier, 2 ranks sharing one GPU (gloo, CUDA IPC, time-sliced): nvlink smoke with sync checks"

@@ -17,11 +17,28 @@ int visible_device_count() {
   return count;
 }
 
+// The id of the CUDA-graph capture `stream` belongs to, 0 when it is not capturing, -1 when its capture was
+// invalidated (it will fail at its end). Buffer keys its ordering of one call after the previous one on it: an event
+// recorded inside one capture may only be waited on inside that same capture. The legacy default stream (handle 0)
+// cannot capture and is not queried (CUDA refuses queries of it while another stream captures in global mode).
+long long stream_capture_id(uintptr_t stream) {
+  if (stream == 0) return 0;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  ep_comm::binding::check(cudaStreamGetCaptureInfo(ep_comm::binding::as_stream(stream), &status, &id),
+                          "stream_capture_id");
+  if (status == cudaStreamCaptureStatusNone) return 0;
+  if (status != cudaStreamCaptureStatusActive) return -1;
+  return static_cast<long long>(id & 0x7FFFFFFFFFFFFFFFull) + 1;  // > 0: CUDA's ids may start at 0
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "ep_comm CUDA core (torch-free): quantization kernels, NVLink dispatch/combine, NVFP4 grouped GEMM";
   m.def("visible_device_count", &visible_device_count, "CUDA devices visible to this process (0 without a GPU)");
+  m.def("stream_capture_id", &stream_capture_id, pybind11::arg("stream"),
+        "Capture id of a raw cudaStream_t: 0 when not capturing, -1 for an invalidated capture, else > 0");
   m.attr("cuda_runtime_version") = CUDART_VERSION;
   register_formats(m);
   register_nvlink(m);

@@ -78,6 +78,21 @@ def current_raw_stream(device: Union[torch.device, int]) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
+_SOME_CAPTURE = -2  # capture_id without the extension: every capture looks like this one
+
+
+def capture_id(raw_stream: int) -> int:
+    """The id of the CUDA-graph capture the raw stream `raw_stream` belongs to: 0 when it is not capturing, -1 when its
+    capture was invalidated, else a positive id (cudaStreamGetCaptureInfo), so that Buffer orders a call after its
+    previous one only inside the same capture. Without the compiled core, -2 for any capture of the current stream
+    (captures cannot be told apart then)."""
+    if raw_stream == 0:  # the legacy default stream never captures
+        return 0
+    if _C is not None:
+        return _C.stream_capture_id(raw_stream)
+    return _SOME_CAPTURE if torch.cuda.is_current_stream_capturing() else 0
+
+
 _already_current = contextlib.nullcontext()  # no state: one instance serves every call
 
 

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ._ext import current_raw_stream, warn_once
+from ._ext import capture_id, current_raw_stream, warn_once
 from .formats import IMPLS as FORMAT_IMPLS
 from .formats import _is_capturing
 from .types import BACKENDS, BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, WaveDispatch
@@ -117,9 +117,9 @@ class Buffer:
             raise ValueError(f"format_impl must be one of {FORMAT_IMPLS}, got {format_impl!r}")
         self._backend = self._make_backend(backend, format_impl)
         self._destroyed = False
-        # The previous CUDA call: (raw stream handles to wait for, the event after it (comm_stream calls) or None,
-        # captured?). The Buffer's calls share device state: the next call waits for it wherever it runs
-        # (_order_after_last_call).
+        # The previous CUDA call: (raw stream handles to wait for, the event after it (comm_stream calls) or None, the
+        # id of the CUDA-graph capture it was made in, 0 outside one: _ext.capture_id). The Buffer's calls share device
+        # state: the next call waits for it wherever it runs (_order_after_last_call).
         self._last_call = None
 
     # ------------------------------------------------------------------------------------------------------
@@ -250,25 +250,25 @@ class Buffer:
         if done_event is not None and device.type != "cuda":
             raise ValueError("done_event needs CUDA tensors (this call's tensors are on the CPU)")
 
-    def _order_after_last_call(self, device: torch.device, raw_stream: int, capturing: bool, stream=None) -> None:
+    def _order_after_last_call(self, device: torch.device, raw_stream: int, capture: int, stream=None) -> None:
         """Make the stream this call's kernels go to (raw_stream; `stream`, its torch.cuda.Stream, when the caller has
         it) wait for the Buffer's previous call when that ran on another stream: the calls of one Buffer share its
         device state and must run one after the other, whatever streams they use (two micro-batches on two current
         streams, or a call after a comm_stream call). Streams are compared as raw handles, so the common case (the
         same current stream again) builds no Stream object and records no event: the wait is on everything enqueued
-        on that stream so far. self._last_call = (raw streams, event, captured): with an event (a comm_stream call),
+        on that stream so far. self._last_call = (raw streams, event, capture id): with an event (a comm_stream call),
         that event is waited on; without, an event is recorded now on each listed stream other than this call's, so
         the wait also covers what was enqueued there after the call (reads of a dispatch(expand=False) result, which
         lives in the Buffer's staging area until the next dispatch reuses it). Nothing is waited on across a
         CUDA-graph capture boundary (capture forbids it), nor lazily between two captured calls: inside a capture only
         a comm_stream call's own event orders the next call, and the caller orders calls made on two capturing streams
-        (README). Known gap (review, twenty-seventh session; not run on a GPU): when a capture ends with a comm_stream
-        call and the next capture's first call runs on another stream, that call waits on the first capture's event,
-        which CUDA may refuse."""
+        (README). `capture` (and the entry's last field) is the capture id (_ext.capture_id: 0 outside a capture), so
+        that a call inside one capture never waits on an event recorded inside another (CUDA refuses that: a capture
+        ending with a comm_stream call, then another capture whose first call runs on another stream)."""
         if self._last_call is None:
             return
-        last_streams, event, captured = self._last_call
-        if captured != capturing:
+        last_streams, event, last_capture = self._last_call
+        if last_capture != capture:
             return
         waiter = None
         if event is not None:
@@ -276,7 +276,7 @@ class Buffer:
                 waiter = torch.cuda.current_stream(device) if stream is None else stream
                 waiter.wait_event(event)
             return
-        if captured:
+        if capture:
             return
         for last_raw in last_streams:
             if last_raw == raw_stream:
@@ -303,21 +303,22 @@ class Buffer:
             if device.type != "cuda":  # CPU tensors (reference backend over gloo): no stream; the last CUDA call's
                 return run()           # entry stays, so a later CUDA call is still ordered after it
             # Raw handle, not torch.cuda.current_stream (7 us per call: _ext.current_raw_stream).
-            raw_stream, capturing = current_raw_stream(device), _is_capturing()
-            self._order_after_last_call(device, raw_stream, capturing)
+            raw_stream = current_raw_stream(device)
+            capture = capture_id(raw_stream)
+            self._order_after_last_call(device, raw_stream, capture)
             out = run()
             if done_event is not None:
                 done_event.record()
-            self._last_call = ((raw_stream,), None, capturing)
+            self._last_call = ((raw_stream,), None, capture)
             return out
         caller = torch.cuda.current_stream(device)  # device: comm_stream's (_check_stream_args)
-        comm_stream.wait_stream(caller)
-        capturing = _is_capturing()
-        self._order_after_last_call(device, comm_stream.cuda_stream, capturing, comm_stream)
+        comm_stream.wait_stream(caller)  # inside a capture this also brings comm_stream into it
+        capture = capture_id(comm_stream.cuda_stream)
+        self._order_after_last_call(device, comm_stream.cuda_stream, capture, comm_stream)
         for tensor in _tensors_in(inputs):
             if tensor.is_cuda:
                 tensor.record_stream(comm_stream)
-        lazy = result_in_buffer and not capturing
+        lazy = result_in_buffer and not capture
         with torch.cuda.stream(comm_stream):
             out = run()
             # The Buffer's own event orders its next call (or, for a result in the Buffer's memory outside a capture,
@@ -329,9 +330,9 @@ class Buffer:
             if done_event is not None:
                 done_event.record(comm_stream)
         if lazy:
-            self._last_call = (tuple(dict.fromkeys((comm_stream.cuda_stream, caller.cuda_stream))), None, False)
+            self._last_call = (tuple(dict.fromkeys((comm_stream.cuda_stream, caller.cuda_stream))), None, 0)
         else:
-            self._last_call = ((comm_stream.cuda_stream,), finished, capturing)
+            self._last_call = ((comm_stream.cuda_stream,), finished, capture)
         for tensor in _tensors_in(out):
             if tensor.is_cuda and not (result_in_buffer and self._backend.holds(tensor)):
                 tensor.record_stream(caller)

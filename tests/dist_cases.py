@@ -309,6 +309,8 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
     * the Buffer's own calls stay in call order across streams: a comm-stream call held back by a sleep on rank 0
       only, then a current-stream call with other inputs. Unordered, rank 0 would run them in the other order than
       the other ranks, and the two calls' results would mix (or the call would time out);
+    * two CUDA-graph captures in a row (nvlink backend), the first ending with a comm-stream combine: the second
+      capture's first call does not wait on the first capture's event (CUDA refuses it);
     and the results are bitwise those of the same calls on the current stream. check_inputs=False: no host sync
     (which would order the streams by itself)."""
     device = _device("cuda")
@@ -440,6 +442,31 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
             got_following = payload_bytes(following.expert_major_x(), fmt)
             assert torch.equal(got_following, payload_bytes(want_other.x, fmt)[:rows]), \
                 f"expand=False, read on the {reader}: the next dispatch's rows"
+        # 8. two CUDA-graph captures, as a server captures one graph per batch size: the first ends with a combine on
+        # the comm stream, the second begins with a dispatch on its own capture stream. That dispatch must not wait on
+        # the event the first capture recorded (an event of another capture), and both graphs replay, one after the
+        # other, to the eager results.
+        if backend == "nvlink":
+            want_y_other = buf.combine(expert_out, buf.dispatch(x_other, idx, w).handle)
+            torch.cuda.synchronize()
+            capture_stream = torch.cuda.Stream(device=device)
+            graph_a, graph_b = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph_a, stream=capture_stream):
+                a_res = buf.dispatch(x, idx, w)
+                joined = torch.cuda.Event()
+                a_y = buf.combine(expert_out, a_res.handle, comm_stream=side, done_event=joined)
+                torch.cuda.current_stream().wait_event(joined)  # side joins back before the capture ends
+            with torch.cuda.graph(graph_b, stream=capture_stream):
+                b_res = buf.dispatch(x_other, idx, w)
+                b_y = buf.combine(expert_out, b_res.handle)
+            for graph in (graph_a, graph_b, graph_a, graph_b):
+                graph.replay()
+            torch.cuda.synchronize()
+            same(a_res, "graph ending with a comm-stream combine")
+            assert torch.equal(a_y.view(torch.int16), want_y.view(torch.int16)), "graph A: comm-stream combine"
+            same(b_res, "the next graph's first dispatch", want_other)
+            assert torch.equal(b_y.view(torch.int16), want_y_other.view(torch.int16)), "graph B: combine"
+            del graph_a, graph_b
         del reused
     finally:
         buf.destroy()

@@ -45,36 +45,40 @@ def test_order_after_last_call(monkeypatch):
     device = torch.device("cuda", 0)
     me = types.SimpleNamespace(_last_call=None)
 
-    def order(raw, capturing=False, stream=None, last=None):
+    def order(raw, capture=0, stream=None, last=None):
         me._last_call = last
         log.calls.clear()
-        Buffer._order_after_last_call(me, device, raw, capturing, stream)
+        Buffer._order_after_last_call(me, device, raw, capture, stream)
         return log.calls
 
     assert order(7) == []  # no previous call
-    assert order(7, last=((7,), None, False)) == []  # the same stream again: nothing recorded, nothing waited on
+    assert order(7, last=((7,), None, 0)) == []  # the same stream again: nothing recorded, nothing waited on
     # Another current stream: an event after the previous call's stream, waited on by this call's stream.
-    assert order(8, last=((7,), None, False)) == [("record", 7), ("wait", "current")]
-    assert order(8, stream=Stream(8), last=((7,), None, False)) == [("record", 7), ("wait", 8)]
+    assert order(8, last=((7,), None, 0)) == [("record", 7), ("wait", "current")]
+    assert order(8, stream=Stream(8), last=((7,), None, 0)) == [("record", 7), ("wait", 8)]
     # After a comm_stream call its own event is waited on (none recorded again).
     event = torch.cuda.Event()
-    assert order(8, last=((7,), event, False)) == [("wait", "current")]
-    assert order(7, last=((7,), event, False)) == []
+    assert order(8, last=((7,), event, 0)) == [("wait", "current")]
+    assert order(7, last=((7,), event, 0)) == []
     # After a comm_stream dispatch(expand=False) outside a capture: events recorded now on its comm stream (7) and its
     # caller's stream (9), where the result may still be read, except on this call's own stream.
-    assert order(8, last=((7, 9), None, False)) == [("record", 7), ("wait", "current"), ("record", 9),
+    assert order(8, last=((7, 9), None, 0)) == [("record", 7), ("wait", "current"), ("record", 9),
                                                      ("wait", "current")]
-    assert order(9, last=((7, 9), None, False)) == [("record", 7), ("wait", "current")]
-    assert order(7, stream=Stream(7), last=((7, 9), None, False)) == [("record", 9), ("wait", 7)]
+    assert order(9, last=((7, 9), None, 0)) == [("record", 7), ("wait", "current")]
+    assert order(7, stream=Stream(7), last=((7, 9), None, 0)) == [("record", 9), ("wait", 7)]
     # The default stream (raw handle 0) is recorded on as itself.
-    assert order(8, last=((0,), None, False)) == [("record", 0), ("wait", "current")]
-    assert order(8, last=((7, 0), None, False)) == [("record", 7), ("wait", "current"), ("record", 0),
+    assert order(8, last=((0,), None, 0)) == [("record", 0), ("wait", "current")]
+    assert order(8, last=((7, 0), None, 0)) == [("record", 7), ("wait", "current"), ("record", 0),
                                                      ("wait", "current")]
-    # Across a capture boundary nothing; between two captured calls not lazily (no event), only a recorded one.
-    assert order(8, capturing=True, last=((7,), None, False)) == []
-    assert order(8, capturing=False, last=((7,), event, True)) == []
-    assert order(8, capturing=True, last=((7,), None, True)) == []
-    assert order(8, capturing=True, last=((7,), event, True)) == [("wait", "current")]
+    # Capture ids (0: outside a capture). Across a capture boundary nothing; between two calls of one capture not lazily
+    # (no event), only a recorded event; nothing between two different captures (an event recorded inside one capture
+    # cannot be waited on inside another: a capture ending with a comm_stream call, then a new one on another stream).
+    assert order(8, capture=3, last=((7,), None, 0)) == []
+    assert order(8, capture=0, last=((7,), event, 3)) == []
+    assert order(8, capture=3, last=((7,), None, 3)) == []
+    assert order(8, capture=3, last=((7,), event, 3)) == [("wait", "current")]
+    assert order(8, capture=4, last=((7,), event, 3)) == []
+    assert order(8, capture=-1, last=((7,), event, 3)) == []
 
 
 @pytest.mark.cpu
@@ -95,12 +99,12 @@ def test_run_on_stream_records_what_the_next_call_waits_for(monkeypatch):
         def wait_stream(self, other):
             log.calls.append(("wait_stream", self.raw, other.raw))
 
-    state = {"current": 5, "capturing": False}
+    state = {"current": 5, "capture": 0}  # the capture id every stream reports
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: CommStream(state["current"]))
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(buffer_module, "current_raw_stream", lambda device: state["current"])
-    monkeypatch.setattr(buffer_module, "_is_capturing", lambda: state["capturing"])
-    me = types.SimpleNamespace(_last_call=None, _backend=types.SimpleNamespace(holds=lambda tensor: False))
+    monkeypatch.setattr(buffer_module, "capture_id", lambda raw_stream: state["capture"])
+    me = types.SimpleNamespace(_last_call=None, _backend=types.SimpleNamespace(holds=lambda tensor: 0))
     me._order_after_last_call = lambda *args, **kwargs: Buffer._order_after_last_call(me, *args, **kwargs)
     cuda = torch.device("cuda", 0)
 
@@ -111,24 +115,28 @@ def test_run_on_stream_records_what_the_next_call_waits_for(monkeypatch):
         return me._last_call
 
     # On the current stream: that stream, no event.
-    assert call() == ((5,), None, False)
+    assert call() == ((5,), None, 0)
     # On a comm stream: the comm stream and the event recorded after the call on it.
-    streams, event, captured = call(comm=7)
-    assert (streams, captured) == ((7,), False) and event is not None and ("record", 7) in log.calls
+    streams, event, capture = call(comm=7)
+    assert (streams, capture) == ((7,), 0) and event is not None and ("record", 7) in log.calls
     # A result in the Buffer's memory (dispatch(expand=False)) outside a capture: no event; the comm stream and the
     # caller's stream, recorded on when the next call is made.
-    assert call(comm=7, result_in_buffer=True) == ((7, 5), None, False)
+    assert call(comm=7, result_in_buffer=True) == ((7, 5), None, 0)
     assert ("record", 7) not in log.calls
     # The same with comm_stream = the current stream: listed once.
     state["current"] = 7
-    assert call(comm=7, result_in_buffer=True) == ((7,), None, False)
+    assert call(comm=7, result_in_buffer=True) == ((7,), None, 0)
     state["current"] = 5
-    # Inside a capture: the event, as for any comm_stream call.
-    state["capturing"] = True
-    streams, event, captured = call(comm=7, result_in_buffer=True)
-    assert (streams, captured) == ((7,), True) and event is not None
-    assert call() == ((5,), None, True)
-    state["capturing"] = False
+    # Inside a capture: the event, as for any comm_stream call, and the capture's id.
+    state["capture"] = 3
+    streams, event, capture = call(comm=7, result_in_buffer=True)
+    assert (streams, capture) == ((7,), 3) and event is not None
+    assert call() == ((5,), None, 3)
+    # The next capture's first call, on another stream, does not wait on the previous capture's event.
+    call(comm=7)
+    state["capture"] = 4
+    assert call() == ((5,), None, 4) and not any(entry[0] == "wait" for entry in log.calls)
+    state["capture"] = 0
     # A CPU call leaves the entry of the last CUDA call.
     before = call()
     assert call(device=torch.device("cpu")) == before

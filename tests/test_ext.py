@@ -37,6 +37,36 @@ def test_current_raw_stream_is_the_current_stream():
         _ext._raw_stream_of_device = saved
 
 
+@pytest.mark.gpu
+def test_capture_id_tells_captures_apart():
+    """0 outside a capture (the default stream included), one positive id for every stream of one capture (a side
+    stream joins it through an event wait), another id for the next capture; without the compiled core, one id for
+    every capture of the current stream."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    stream, side = torch.cuda.Stream(device=device), torch.cuda.Stream(device=device)
+    assert _ext.capture_id(0) == 0 and _ext.capture_id(stream.cuda_stream) == 0
+    ids = []
+    for _ in range(2):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            torch.cuda._sleep(1)
+            mine = _ext.capture_id(stream.cuda_stream)
+            outside = _ext.capture_id(side.cuda_stream)
+            side.wait_stream(stream)
+            joined = _ext.capture_id(side.cuda_stream)
+            stream.wait_stream(side)
+            saved = _ext._C
+            try:
+                _ext._C = None
+                fallback = _ext.capture_id(stream.cuda_stream)
+            finally:
+                _ext._C = saved
+        ids.append(mine)
+        assert mine > 0 and outside == 0 and joined == mine and fallback == _ext._SOME_CAPTURE
+    assert ids[0] != ids[1]
+    assert _ext.capture_id(stream.cuda_stream) == 0
+
+
 @pytest.mark.cpu
 def test_cuda_device_switches_only_when_needed(monkeypatch):
     """cuda_device is a no-op context for the current device (or an index-less device) and torch.cuda.device for any
