@@ -284,11 +284,20 @@ struct CombineTile {
 };
 
 // Where row `row`'s combine row goes: bases[src_rank] + offset + (src_token * topk + topk_slot) * row_bytes (the
-// CombineRows contract in grouped_gemm.h). gemm_items computes it once per token and item (two dependent L2 round
-// trips, issued before the last wgmma drains) into shared memory, instead of in each row pass after the quantize.
+// CombineRows contract in grouped_gemm.h), or 0 -- store nothing -- when (src_rank, src_token, topk_slot) names no row
+// of the areas (a padding row's -1s: a caller may count padding in, and bases[-1] would be a wild address, local or
+// over NVLink). gemm_items computes it once per token and item (two dependent L2 round trips, issued before the last
+// wgmma drains) into shared memory, instead of in each row pass after the quantize.
 __device__ __forceinline__ uint64_t combine_row_address(const GroupedGemmArgs::CombineRows& c, int row) {
-  const int64_t dst_row = static_cast<int64_t>(__ldg(c.src_token + row)) * c.topk + __ldg(c.topk_slot + row);
-  return __ldg(c.bases + __ldg(c.src_rank + row)) + static_cast<uint64_t>(c.offset + dst_row * c.row_bytes);
+  const int rank = __ldg(c.src_rank + row), token = __ldg(c.src_token + row), slot = __ldg(c.topk_slot + row);
+  // One unsigned compare per bound also refuses negatives.
+  if (static_cast<unsigned>(rank) >= static_cast<unsigned>(c.num_ranks) ||
+      static_cast<uint64_t>(static_cast<uint32_t>(token)) >= static_cast<uint64_t>(c.max_tokens) ||
+      static_cast<unsigned>(slot) >= static_cast<unsigned>(c.topk)) {
+    return 0;
+  }
+  const int64_t dst_row = static_cast<int64_t>(token) * c.topk + slot;
+  return __ldg(c.bases + rank) + static_cast<uint64_t>(c.offset + dst_row * c.row_bytes);
 }
 
 template <int kTile, int kWarpGroups>
@@ -339,8 +348,9 @@ __device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, 
     }
     uint8_t scale;
     const uint4 codes = s2f6_lane::quantize_lane16<true>(v, c.sign_mask, lane, &scale);  // whole warp
-    if (token < valid_rows && column_valid && !stopped) {
-      char* dst = reinterpret_cast<char*>(static_cast<uintptr_t>(destinations[token]));
+    const uint64_t destination = token < valid_rows ? destinations[token] : 0;
+    if (destination != 0 && column_valid && !stopped) {
+      char* dst = reinterpret_cast<char*>(static_cast<uintptr_t>(destination));
       *reinterpret_cast<uint4*>(dst + out_column) = codes;
       if ((lane & 1) == 0) dst[c.scale_offset + out_column / 32] = static_cast<char>(scale);
     }
@@ -997,7 +1007,8 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
   const bool combine_rows = args.out_type == 2;
   if (combine_rows) {
     const GroupedGemmArgs::CombineRows& c = args.combine;
-    if (args.swiglu || !c.bases || !c.src_rank || !c.src_token || !c.topk_slot || c.topk <= 0 || c.offset < 0 ||
+    if (args.swiglu || !c.bases || !c.src_rank || !c.src_token || !c.topk_slot || c.topk <= 0 || c.num_ranks <= 0 ||
+        c.max_tokens <= 0 || c.offset < 0 ||
         c.offset % 16 != 0 || c.row_bytes % 16 != 0 || c.scale_offset < args.n ||
         c.scale_offset + args.n / 32 > c.row_bytes) {
       return cudaErrorInvalidValue;  // 16-byte code stores: aligned area and rows

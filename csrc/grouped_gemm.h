@@ -50,8 +50,9 @@ struct GroupedGemmArgs {
   // out_type 2: every valid row goes, as one RHT-32 + S2F6 combine row, straight into the combine area of the rank
   // that sent the token (the local_reduce=False rows of DESIGN.md §3; NVLink peer addresses for other ranks).
   // Row r is stored at bases[src_rank[r]] + offset + (src_token[r] * topk + topk_slot[r]) * row_bytes (bases
-  // 16-byte aligned, src_rank < the table's length: the caller's contract, not checked on the device): n code bytes,
-  // then the UE8M0 scale of 32-chunk c at byte scale_offset + c. Each value is rounded to
+  // 16-byte aligned): n code bytes, then the UE8M0 scale of 32-chunk c at byte scale_offset + c. A row counted in
+  // whose destination is not one (src_rank outside [0, num_ranks), src_token outside [0, max_tokens), topk_slot
+  // outside [0, topk): the dispatch's -1 padding rows, when a caller counts a segment's padding in) is not stored. Each value is rounded to
   // bf16 first (what out_type 1 stores), so the bytes are those that combine(bf16 out, local_reduce=False) sends.
   // Needs swiglu off; the caller orders these stores against the reader (the nvlink backend's begin/finish).
   struct CombineRows {
@@ -61,6 +62,8 @@ struct GroupedGemmArgs {
     const int32_t* src_token = nullptr;  // [num_rows_total]
     const int32_t* topk_slot = nullptr;  // [num_rows_total]
     int topk = 0;
+    int num_ranks = 0;         // entries of bases
+    int64_t max_tokens = 0;    // tokens per rank's area (its rows: max_tokens * topk)
     int64_t row_bytes = 0;     // multiple of 16
     int64_t scale_offset = 0;  // >= n
     uint32_t sign_mask = 0;    // the RHT sign vector

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 import warnings
 from typing import Optional
 
@@ -74,9 +75,11 @@ class Buffer:
         num_sms: blocks (SMs) of the nvlink BF16 and MXFP8 dispatch sends (the NVLink-bound kernels).
             num_local_sms: blocks of every other nvlink kernel -- the NVFP4 quantize-and-send, whose 4/6 quantization
             dominates, the receive/expansion, the combine reduction-and-send and the combine receive (0 = all SMs of
-            the device). timeout_s: a peer wait longer
-            than this raises, naming rank and stage (nvlink: the kernels' flag waits; reference over gloo: each
-            collective; reference over NCCL: the process group's own timeout applies instead).
+            the device). timeout_s (default 100 s): a peer
+            wait longer than this raises, naming rank and stage (nvlink: the kernels' flag waits -- the call in flight
+            returns invalid results and the next call or check() raises; reference over gloo: each collective;
+            reference over NCCL: the process group's own timeout applies instead). It bounds the ranks' skew too: a
+            rank pausing longer than this between calls makes its peers time out.
         check_inputs: validate index ranges / duplicate experts (needs a device->host copy; skipped
             automatically during CUDA graph capture). On the reference backend the ranks agree on the outcome of
             every call's argument checks (one small all_reduce per call, whatever check_inputs is), so inputs
@@ -95,7 +98,7 @@ class Buffer:
     def __init__(self, group=None, *, hidden: int, num_experts: int, num_topk: int, max_tokens_per_rank: int,
                  dispatch_format: str = "nvfp4", combine_format: str = "s2f6", backend: str = "auto",
                  expert_alignment: int = 1, num_sms: int = 24, num_local_sms: int = 0, rht_sign_mask: int = 0x6A09E667,
-                 timeout_s: float = 10.0, check_inputs: bool = True, format_impl: str = "auto"):
+                 timeout_s: float = 100.0, check_inputs: bool = True, format_impl: str = "auto"):
         if not dist.is_initialized():
             raise RuntimeError("ep_comm.Buffer needs torch.distributed to be initialized (init_process_group)")
         self.group = group if group is not None else dist.group.WORLD
@@ -130,10 +133,14 @@ class Buffer:
                     check_inputs=bool(self.check_inputs))
         gathered = [None] * self.config.world_size
         dist.all_gather_object(gathered, mine, group=self.group)
+        def same(a, b) -> bool:
+            # Types too: 64 and 64.0 (or True and 1) are equal but one of them fails validate() on its rank only,
+            # which would leave the other ranks in the next collective. NaN counts as equal to NaN here: the same NaN
+            # argument everywhere is refused by validate() instead.
+            return type(a) is type(b) and (a == b or (a != a and b != b))
+
         for other_rank, other in enumerate(gathered):
-            # NaN counts as equal to NaN here: the same NaN argument everywhere is refused by validate() instead
-            diff = {name: (value, other.get(name)) for name, value in mine.items()
-                    if other.get(name) != value and not (value != value and other.get(name) != other.get(name))}
+            diff = {name: (value, other.get(name)) for name, value in mine.items() if not same(value, other.get(name))}
             if diff:
                 raise ValueError(f"ep_comm.Buffer arguments differ between rank {self.rank} and rank {other_rank}: "
                                  + ", ".join(f"{k}: {a!r} vs {b!r}" for k, (a, b) in diff.items()))
@@ -145,9 +152,11 @@ class Buffer:
         if backend == "auto" and "nccl" not in str(dist.get_backend(self.group)).lower():
             # A CPU (gloo) group has no GPUs to connect: the reference backend is the only engine there.
             return ReferenceBackend(self.group, self.config, format_impl=format_impl)
+        have_nvshmem = False
         try:
-            from .backends.nvlink import NVLinkBackend, _check_nvlink_limits
+            from .backends.nvlink import NVLinkBackend, _check_nvlink_limits, nvshmem_importable
             available, reason = NVLinkBackend.is_available(self.group)
+            have_nvshmem = nvshmem_importable()
             if available:
                 try:  # a configuration the reference backend takes but these kernels do not (e.g. num_topk > 32)
                     _check_nvlink_limits(self.config)
@@ -155,11 +164,18 @@ class Buffer:
                     available, reason = False, str(error)
         except ImportError as error:
             available, reason = False, f"the nvlink backend could not be imported ({error})"
-        # Every rank must agree, or one would wait for the others on a different transport.
+        # Every rank must agree, or one would wait for the others on a different transport. The hosts too: without
+        # nvshmem4py on every rank the peers are mapped with CUDA IPC, which cannot reach another node (is_available
+        # only sees its own node's GPUs), and "auto" must then pick the reference backend instead of failing in setup.
         votes = [None] * self.config.world_size
-        dist.all_gather_object(votes, (available, reason), group=self.group)
-        if not all(ok for ok, _ in votes):
-            reason = next(f"rank {r}: {why}" for r, (ok, why) in enumerate(votes) if not ok)
+        dist.all_gather_object(votes, (available, reason, socket.gethostname(), have_nvshmem), group=self.group)
+        hosts = sorted({host for _, _, host, _ in votes})
+        if len(hosts) > 1 and not all(nvshmem for _, _, _, nvshmem in votes):
+            votes = [(False, f"the ranks run on {len(hosts)} hosts ({', '.join(hosts[:4])}) and nvshmem4py is not "
+                      f"installed on every rank: CUDA IPC peer memory needs every rank on one node", host, nvshmem)
+                     for _, _, host, nvshmem in votes]
+        if not all(ok for ok, _, _, _ in votes):
+            reason = next(f"rank {r}: {why}" for r, (ok, why, _, _) in enumerate(votes) if not ok)
             if backend == "nvlink":
                 raise RuntimeError(f"backend='nvlink' is unavailable: {reason}")
             warn_once(f"ep_comm: using the reference backend (torch.distributed all_to_all) because the nvlink "
@@ -594,5 +610,19 @@ class Buffer:
         except Exception:
             pass
 
-    def __exit__(self, *exc) -> None:
-        self.destroy()
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        """destroy() on leaving the block. Left by an exception, the nvlink backend first tells its peers to stop
+        waiting for this rank (their kernels of a call this rank will not make give up now, and they raise at their
+        next check naming it, instead of at their timeout), and a failing destroy() does not replace the exception:
+        it is warned about and the memory stays allocated until the process exits."""
+        if exc_type is None:
+            self.destroy()
+            return
+        give_up = getattr(self._backend, "give_up", None)
+        try:
+            if give_up is not None and not self._destroyed:
+                give_up(f"an exception left the `with Buffer` block: {exc!r}")
+            self.destroy()
+        except Exception as failure:  # noqa: BLE001 (the block's own exception propagates)
+            warnings.warn(f"ep_comm.Buffer: destroy() after an exception in the `with` block failed ({failure!r}); "
+                          f"the Buffer's memory stays allocated", RuntimeWarning, stacklevel=2)

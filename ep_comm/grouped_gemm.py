@@ -339,25 +339,28 @@ def _use_gemm_kernels(impl: str, t: torch.Tensor, what: str) -> bool:
 
 @contextlib.contextmanager
 def exact_fp32_matmuls():
-    """CUDA FP32 matmuls without TF32 inside (the torch references are FP32 oracles), the caller's setting restored
-    after. Through whichever of torch's two settings the process uses: once the newer
-    `torch.backends.cuda.matmul.fp32_precision` has been set, reading the legacy `allow_tf32` raises."""
+    """FP32 matmuls as FP32 inside (the torch references are FP32 oracles, and the router's logits decide routing):
+    autocast off (CUDA and CPU), no TF32 on CUDA, no reduced precision in oneDNN's CPU matmuls; the caller's settings
+    restored after. Through torch's newer per-backend `fp32_precision` where it exists -- also when the process set
+    the legacy `allow_tf32` or `torch.set_float32_matmul_precision` -- so that torch's own getters keep working
+    afterwards (writing the legacy setter after the new API raises in them); the legacy setter on older torch."""
     matmul = torch.backends.cuda.matmul
-    try:
-        saved, legacy = matmul.allow_tf32, True
-    except RuntimeError:
-        saved, legacy = matmul.fp32_precision, False
-    if legacy:
+    saved = []
+    if hasattr(matmul, "fp32_precision"):
+        cpu_matmul = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+        for backend in (matmul, cpu_matmul):
+            if backend is not None and hasattr(backend, "fp32_precision"):
+                saved.append((backend, "fp32_precision", backend.fp32_precision))
+                backend.fp32_precision = "ieee"
+    else:  # torch before the per-backend API
+        saved.append((matmul, "allow_tf32", matmul.allow_tf32))
         matmul.allow_tf32 = False
-    else:
-        matmul.fp32_precision = "ieee"
     try:
-        yield
+        with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+            yield
     finally:
-        if legacy:
-            matmul.allow_tf32 = saved
-        else:
-            matmul.fp32_precision = saved
+        for backend, name, value in reversed(saved):
+            setattr(backend, name, value)
 
 
 def _check_num_rows_limit(num_rows_limit: Optional[torch.Tensor], device: torch.device) -> None:
@@ -611,7 +614,8 @@ def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tenso
     without SwiGLU, out_features = target.hidden). Row r's output, rounded to bf16 exactly as
     `grouped_gemm_nvfp4(..., out_dtype=torch.bfloat16)` returns it, is rotated (RHT-32 with target.sign_mask),
     quantized to S2F6 and stored at target.bases[src_rank[r]] + target.area_offset + (src_token[r] * num_topk +
-    topk_slot[r]) * row_bytes -- into the source rank's combine area over NVLink. The CTA's output tile goes
+    topk_slot[r]) * row_bytes -- into the source rank's combine area over NVLink; a row whose triple names no row
+    of the areas (padding rows' -1s, when num_tokens_per_expert counts padding in) is not stored. The CTA's output tile goes
     through shared memory, since a 32-column RHT chunk spans two warps of the accumulator layout.
     No host synchronisation; the caller orders it between begin_combine_rows and finish_combine_rows.
     """
@@ -627,6 +631,8 @@ def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tenso
         raise ValueError("grouped_gemm_nvfp4_combine_rows runs on CUDA tensors only")
     if target.num_topk < 1:
         raise ValueError(f"target.num_topk must be >= 1, got {target.num_topk}")
+    if target.max_tokens < 1:
+        raise ValueError(f"target.max_tokens must be >= 1, got {target.max_tokens}")
     if weights.swiglu:
         raise ValueError("the combine-row epilogue is for w2 (weights without SwiGLU)")
     if weights.out_features != target.hidden:
@@ -644,8 +650,9 @@ def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tenso
                          f"{target.row_bytes}) with the codes before the scales (scale_offset {target.scale_offset}, "
                          f"hidden {target.hidden})")
     bases = target.bases
-    if bases.dtype != torch.int64 or bases.dim() != 1 or bases.device != device or not bases.is_contiguous():
-        raise ValueError(f"target.bases must be a contiguous int64 [W] tensor on {device}")
+    if bases.dtype != torch.int64 or bases.dim() != 1 or bases.shape[0] < 1 or bases.device != device \
+            or not bases.is_contiguous():
+        raise ValueError(f"target.bases must be a contiguous int64 [W >= 1] tensor on {device}")
     _check_cuda_weights(weights)
     if rows == 0:
         return
@@ -656,7 +663,7 @@ def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tenso
             num_tokens_per_expert.data_ptr(), weights.num_experts, weights.n, weights.k, rows, int(token_tile or 0),
             -1 if tail_tile is None else int(tail_tile), bases.data_ptr(), int(target.area_offset),
             target.src_rank.data_ptr(), target.src_token.data_ptr(), target.topk_slot.data_ptr(),
-            int(target.num_topk), int(target.row_bytes), int(target.scale_offset), int(target.sign_mask),
+            int(target.num_topk), bases.shape[0], int(target.max_tokens), int(target.row_bytes), int(target.scale_offset), int(target.sign_mask),
             int(target.abort_flag), _ext.current_raw_stream(device))
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _ext, formats
+from .formats import _is_capturing
 from .buffer import Buffer
 from .grouped_gemm import TOKEN_TILES, _check_segments, exact_fp32_matmuls, has_combine_rows_kernel
 
@@ -48,8 +49,10 @@ class PackedExpertWeights:
 
 
 def _per_expert_amax(w: torch.Tensor) -> torch.Tensor:
-    finite_abs = torch.where(torch.isnan(w), torch.zeros_like(w), w.abs())
-    return finite_abs.amax(dim=(1, 2))[:, None]  # [E, 1], broadcast over the rows of each expert
+    """max |w[e]| as FP32 [E, 1] (broadcast over the rows of each expert), one expert at a time: no full-size FP32
+    temporaries of the stacked weights (pack_weights has refused NaN / Inf already; the max of bf16 / fp16 values is
+    exact in their own dtype)."""
+    return torch.stack([w[e].abs().amax().float() for e in range(w.shape[0])])[:, None]
 
 
 def pack_weights(w1: torch.Tensor, w2: torch.Tensor) -> PackedExpertWeights:
@@ -83,8 +86,8 @@ def pack_weights(w1: torch.Tensor, w2: torch.Tensor) -> PackedExpertWeights:
     # reference path's dequantized copies would require grad, which dispatch and combine refuse).
     with torch.no_grad():
         return PackedExpertWeights(
-            w1=formats.nvfp4_quantize(w1, four_over_six=False, amax=_per_expert_amax(w1.float())),
-            w2=formats.nvfp4_quantize(w2, four_over_six=False, amax=_per_expert_amax(w2.float())))
+            w1=formats.nvfp4_quantize(w1, four_over_six=False, amax=_per_expert_amax(w1)),
+            w2=formats.nvfp4_quantize(w2, four_over_six=False, amax=_per_expert_amax(w2)))
 
 
 def expert_mlp_reference(tokens: formats.NVFP4Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -138,11 +141,18 @@ def _check_fused_inputs(tokens, expert_offsets, num_tokens_per_expert, w1, w2=No
         if weights is not None and getattr(weights, "swiglu", None) is not swiglu:
             raise ValueError(f"{name} must be packed with pack_gemm_weights(..., swiglu={swiglu})")
     _check_segments(expert_offsets, num_tokens_per_expert, w1.num_experts)
+    if w2 is not None and (w2.num_experts != w1.num_experts or w2.k != w1.out_features):
+        raise ValueError(f"w2 must be packed for the same {w1.num_experts} experts with K = w1's output features "
+                         f"({w1.out_features}); got {w2.num_experts} experts with K = {w2.k}")
+    tokens_k = getattr(getattr(tokens, "data", None), "shape", (0, 0))[-1] * 2  # NVFP4: two codes per byte
+    if tokens_k != w1.k:
+        raise ValueError(f"the tokens have {tokens_k} features but w1 was packed for K = {w1.k}")
     weights = [w for w in (w1, w2) if w is not None]
-    tensors = [t for t in (getattr(tokens, "data", None), *(getattr(w, "values", None) for w in weights))
-               if isinstance(t, torch.Tensor)]
-    if not all(t.is_cuda for t in tensors):
-        raise ValueError(f"{_FUSED_NEEDS}; got tensors on {', '.join(sorted({str(t.device) for t in tensors}))}")
+    tensors = [t for t in (getattr(tokens, "data", None), *(getattr(w, "values", None) for w in weights),
+                           expert_offsets, num_tokens_per_expert) if isinstance(t, torch.Tensor)]
+    if len({t.device for t in tensors}) != 1 or not all(t.is_cuda for t in tensors):
+        raise ValueError(f"{_FUSED_NEEDS} (tokens, expert_offsets, num_tokens_per_expert and the weights on one GPU); "
+                         f"got tensors on {', '.join(sorted({str(t.device) for t in tensors}))}")
     why = _fused_gemm_unavailable(tensors[0].device) if tensors else ""
     if why:
         raise RuntimeError(f"{_FUSED_NEEDS}: {why}")
@@ -407,11 +417,15 @@ class MoELayer(torch.nn.Module):
                              f"experts are on {device}")
 
     def route(self, x: torch.Tensor):
-        """topk_idx int64 [T, K] and topk_weights float32 [T, K] (softmax over the K largest logits)."""
+        """topk_idx int64 [T, K] and topk_weights float32 [T, K] (softmax over the K largest logits).
+
+        The logits are an FP32 matmul whatever the caller's autocast region or TF32 setting (exact_fp32_matmuls):
+        bf16 or TF32 logits would pick other experts at near-ties, and the ranks' routing would depend on it."""
         # .float(): a module-wide cast (model.to(torch.bfloat16)) also casts this buffer.
-        logits = x.float() @ self.router_weight.float().t()
-        top_logits, topk_idx = logits.topk(self.buffer.config.num_topk, dim=-1)
-        return topk_idx, torch.softmax(top_logits, dim=-1)
+        with exact_fp32_matmuls():
+            logits = x.float() @ self.router_weight.float().t()
+            top_logits, topk_idx = logits.topk(self.buffer.config.num_topk, dim=-1)
+            return topk_idx, torch.softmax(top_logits.float(), dim=-1)
 
     def experts(self, result) -> torch.Tensor:
         """Expert MLPs on a `DispatchResult`: bf16 [R, H] in the dispatch layout. Only the rows of valid experts are
@@ -429,6 +443,10 @@ class MoELayer(torch.nn.Module):
                               self.token_tile)
 
     def _experts_reference(self, result) -> torch.Tensor:
+        if _is_capturing():  # its per-expert loop reads the counts on the host, which a capture forbids
+            raise RuntimeError("MoELayer with the reference experts (expert_impl='reference', or 'auto' where the fused "
+                               "grouped GEMM is unavailable) cannot be captured in a CUDA graph: it reads the expert "
+                               "counts on the host")
         out = torch.zeros(result.num_rows, self.buffer.config.hidden, dtype=torch.bfloat16,
                           device=result.x.data.device)
         offsets = result.expert_offsets.tolist()

@@ -33,7 +33,10 @@ class BufferConfig:
     num_local_sms: blocks of the fast backend's HBM-heavy local phases (dispatch receive/expansion, combine
         reduction and receive; also the NVFP4 dispatch send, whose 4/6 quantization is local compute);
         0 (default) = every SM of the device (the minimum over the ranks, so all ranks agree).
-    timeout_s: a fast-backend wait on a peer longer than this raises, naming rank and stage.
+    timeout_s: how long a wait on a peer may last (default 100 s). It bounds the skew between the ranks' calls as
+        well as transfers: a rank that pauses longer than this between two calls (a checkpoint or an evaluation on
+        one rank only) makes its peers time out. On nvlink the call whose wait timed out returns invalid results and
+        the next call (or `Buffer.check()`) raises, naming rank and stage; the Buffer is unusable after that.
     """
 
     hidden: int
@@ -47,7 +50,7 @@ class BufferConfig:
     rht_sign_mask: int = 0x6A09E667
     num_sms: int = 24
     num_local_sms: int = 0
-    timeout_s: float = 10.0
+    timeout_s: float = 100.0
 
     @property
     def num_local_experts(self) -> int:
@@ -229,7 +232,10 @@ class CombineRowsTarget:
     another rank that address is an NVLink peer address, so the epilogue writes straight into the source rank.
 
     bases: int64 [W] on the device, each rank's symmetric region as this GPU addresses it.
-    src_rank, src_token, topk_slot: int32 [R], the DispatchResult's (rows past expert_offsets[-1] unused).
+    src_rank, src_token, topk_slot: int32 [R], the DispatchResult's (rows past expert_offsets[-1] unused). A row
+        whose (src_rank, src_token, topk_slot) lies outside [0, W) x [0, max_tokens) x [0, num_topk) -- the -1s of
+        padding rows, when counts include a segment's padding -- is not stored.
+    max_tokens: tokens per rank's combine area (its rows: max_tokens * num_topk; the Buffer's max_tokens_per_rank).
     sign_mask: the RHT sign vector (BufferConfig.rht_sign_mask).
     abort_flag: device address of the Buffer's uint32 abort flag, or 0 for none. Once the flag is set (a wait timed
         out, a fault, or a peer gave up) the epilogue stores nothing, so that the peers time out too instead of
@@ -242,6 +248,7 @@ class CombineRowsTarget:
     src_token: torch.Tensor
     topk_slot: torch.Tensor
     num_topk: int
+    max_tokens: int
     hidden: int
     row_bytes: int
     scale_offset: int

@@ -205,6 +205,14 @@ def errors_worker(rank: int, world: int, backend: str = "reference", device_kind
         _expect(ValueError, "differ between ranks", lambda: buf.combine(
             torch.zeros(result.num_rows, hidden, dtype=torch.bfloat16, device=device), result.handle,
             local_reduce=(rank == 0)))
+        if backend == "reference":
+            # The handles of two dispatches with the same row counts (the same routing, other experts would do too)
+            # on different ranks: every rank raises instead of combining mismatched rows. (nvlink: not detected.)
+            again = buf.dispatch(x, idx, w)
+            for local_reduce in (True, False):
+                _expect(ValueError, "from the handle of another dispatch", lambda: buf.combine(
+                    torch.zeros(result.num_rows, hidden, dtype=torch.bfloat16, device=device),
+                    (result if rank == 0 else again).handle, local_reduce=local_reduce))
     # Forward-only: inputs that need grad are refused (not silently cut out of backward); no_grad works.
     _expect(RuntimeError, "no autograd", lambda: buf.dispatch(x.clone().requires_grad_(), idx, w))
     _expect(RuntimeError, "no autograd", lambda: buf.dispatch(x, idx, w.clone().requires_grad_()))

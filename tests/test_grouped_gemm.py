@@ -846,7 +846,7 @@ def _local_combine_target(mask, num_ranks: int, topk: int, hidden: int, seed: in
     src_token[mask.cpu()] = (slots % (tokens * topk) // topk).int()
     topk_slot[mask.cpu()] = (slots % topk).int()
     target = CombineRowsTarget(bases=bases, area_offset=area_offset, src_rank=src_rank.cuda(),
-                               src_token=src_token.cuda(), topk_slot=topk_slot.cuda(), num_topk=topk, hidden=hidden,
+                               src_token=src_token.cuda(), topk_slot=topk_slot.cuda(), num_topk=topk, max_tokens=tokens, hidden=hidden,
                                row_bytes=row_bytes, scale_offset=scale_offset, sign_mask=0x9E3779B9)
     areas = memory[area_offset:area_offset + num_ranks * area_bytes].view(num_ranks, tokens * topk, row_bytes)
     return target, areas, slots // (tokens * topk), slots % (tokens * topk)
@@ -901,6 +901,37 @@ def test_kernel_combine_row_epilogue_stores_nothing_once_aborted():
 
 
 @pytest.mark.gpu
+def test_kernel_combine_row_epilogue_skips_rows_that_name_no_destination():
+    """Counts that take in each segment's padding (expert_offsets.diff(), as a caller might) reach rows whose
+    (src_rank, src_token, topk_slot) are the dispatch's -1s; a rank past the table, a token past the area or a slot
+    past num_topk name no row either. Those rows are not stored -- bases[-1] would be a wild address, local or over
+    NVLink -- and the valid rows are, bitwise as with the exact counts; nothing else in the areas changes."""
+    import dataclasses
+    x, off, cnt, packed, _, mask = _gpu_case(SMALL_SHAPES[1], False, 16)
+    hidden, rows = packed.out_features, mask.shape[0]
+    target, areas, dest_rank, dest_row = _local_combine_target(mask, num_ranks=2, topk=3, hidden=hidden, seed=21)
+    tokens = areas.shape[1] // target.num_topk
+    before = areas.clone()
+    G.grouped_gemm_nvfp4_combine_rows(x, off, cnt, packed, target)
+    want = areas.clone()
+    # Padding counted in; and three of the padding rows get one bad field each (the rest of the triple valid).
+    padded_counts = torch.diff(torch.cat([off, torch.tensor([rows], dtype=torch.int32, device="cuda")]))[:-1]
+    assert bool((padded_counts > cnt).any()), "the case needs padding rows"
+    pad_rows = (~mask).nonzero().flatten()
+    pad_rows = pad_rows[pad_rows < int(off[-1])][:3].tolist()
+    assert len(pad_rows) == 3
+    src_rank, src_token, topk_slot = (t.clone() for t in (target.src_rank, target.src_token, target.topk_slot))
+    for row, (rank, token, slot) in zip(pad_rows, [(2, 0, 0), (0, tokens, 0), (1, 0, 3)]):
+        src_rank[row], src_token[row], topk_slot[row] = rank, token, slot
+    bad = dataclasses.replace(target, src_rank=src_rank, src_token=src_token, topk_slot=topk_slot)
+    areas.copy_(before)
+    G.grouped_gemm_nvfp4_combine_rows(x, off, padded_counts.contiguous(), packed, bad)
+    torch.cuda.synchronize()
+    assert torch.equal(areas, want), "rows naming no destination were stored (or the valid rows differ)"
+    assert not torch.equal(want, before)
+
+
+@pytest.mark.gpu
 def test_kernel_combine_row_epilogue_refuses_bad_targets():
     x, off, cnt, packed, _, mask = _gpu_case(SMALL_SHAPES[0], False, 16)
     target, _, _, _ = _local_combine_target(mask, num_ranks=1, topk=2, hidden=packed.out_features, seed=3)
@@ -919,6 +950,8 @@ def test_kernel_combine_row_epilogue_refuses_bad_targets():
         G.grouped_gemm_nvfp4_combine_rows(x, off, cnt, packed, dataclasses.asdict(target))
     with pytest.raises(ValueError, match="num_topk"):
         G.grouped_gemm_nvfp4_combine_rows(x, off, cnt, packed, dataclasses.replace(target, num_topk=0))
+    with pytest.raises(ValueError, match="max_tokens"):
+        G.grouped_gemm_nvfp4_combine_rows(x, off, cnt, packed, dataclasses.replace(target, max_tokens=0))
 
 
 @pytest.mark.gpu

@@ -227,24 +227,50 @@ def test_fused_experts_refuse_cpu_tensors_naming_the_reference_path():
         moe.fused_expert_hidden(tokens, offsets, counts, w1)
     supported, why = moe._fused_experts_supported(torch.device("cpu"), HIDDEN, INTERMEDIATE)
     assert not supported and "expert weights are on cpu" in why  # the layer checks the weights' device
+    # Weights that do not chain, or tokens of another width: named before anything runs (not after w1, by the
+    # expansion's or w2's own checks).
+    import dataclasses
+    with pytest.raises(ValueError, match="w2 must be packed for the same 2 experts with K = w1's output features"):
+        moe.fused_expert_mlp(tokens, offsets, counts, w1, dataclasses.replace(w2, k=2 * w2.k))
+    with pytest.raises(ValueError, match=f"the tokens have {2 * HIDDEN} features but w1 was packed for K = {HIDDEN}"):
+        moe.fused_expert_hidden(formats.nvfp4_quantize(torch.randn(6, 2 * HIDDEN)), offsets, counts, w1)
+
+
+def _matmuls_exact_inside() -> bool:
+    """Whether FP32 matmuls run as FP32 here: no autocast, no TF32 (read through the API torch uses for it)."""
+    matmul = torch.backends.cuda.matmul
+    tf32_off = matmul.fp32_precision == "ieee" if hasattr(matmul, "fp32_precision") else not matmul.allow_tf32
+    return tf32_off and not torch.is_autocast_enabled("cpu") and not torch.is_autocast_enabled("cuda")
 
 
 @pytest.mark.cpu
-def test_expert_mlp_reference_turns_tf32_off(monkeypatch):
-    """The FP32 oracle's matmuls run with TF32 off (as grouped_gemm's reference), and the caller's setting is back
-    afterwards."""
+@pytest.mark.parametrize("setting", ["precision medium", "legacy allow_tf32"])
+def test_expert_mlp_reference_is_fp32_under_autocast_and_tf32(monkeypatch, setting):
+    """The FP32 oracle's matmuls run as FP32 (as grouped_gemm's reference: exact_fp32_matmuls) inside the caller's
+    autocast region and TF32 setting, give the same bits as without them, and leave the caller's setting as it was:
+    torch's own getter still answers afterwards (writing the legacy setter after the newer API makes it raise)."""
     w1, w2, _ = _master_weights()
+    tokens = formats.nvfp4_quantize(torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(5)))
+    want = moe.expert_mlp_reference(tokens, w1[0], w2[0])
     seen = []
     silu = torch.nn.functional.silu
-    monkeypatch.setattr(torch.nn.functional, "silu", lambda v: seen.append(torch.backends.cuda.matmul.allow_tf32)
-                        or silu(v))
-    before = torch.backends.cuda.matmul.allow_tf32  # (a property: monkeypatch cannot restore it)
-    torch.backends.cuda.matmul.allow_tf32 = True
+    monkeypatch.setattr(torch.nn.functional, "silu", lambda v: seen.append(_matmuls_exact_inside()) or silu(v))
+    previous = torch.get_float32_matmul_precision()
     try:
-        moe.expert_mlp_reference(formats.nvfp4_quantize(torch.randn(3, HIDDEN)), w1[0], w2[0])
-        assert seen == [False] and torch.backends.cuda.matmul.allow_tf32
+        if setting == "precision medium":
+            torch.set_float32_matmul_precision("medium")
+        else:
+            torch.backends.cuda.matmul.allow_tf32 = True
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = moe.expert_mlp_reference(tokens, w1[0], w2[0])
+        assert seen == [True]
+        assert torch.equal(got, want)
+        if setting == "precision medium":
+            assert torch.get_float32_matmul_precision() == "medium"
+        else:
+            assert torch.backends.cuda.matmul.allow_tf32
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
+        torch.set_float32_matmul_precision(previous)
 
 
 def _layer_knobs_worker(rank, world):
@@ -294,7 +320,18 @@ def _layer_misuse_worker(rank, world):
             refused.append("no autograd" in str(error))
         with torch.no_grad():
             y = layer(x)
-        return all(refused) and len(refused) == 4 and tuple(y.shape) == (4, HIDDEN)
+            # The reference experts read the counts on the host: inside a CUDA-graph capture they refuse, clearly
+            # (a stand-in for the capture state: this CPU rank cannot capture).
+            result = buf.dispatch(x.detach(), *layer.route(x.detach()))
+            capturing, moe._is_capturing = moe._is_capturing, lambda: True
+            try:
+                layer.experts(result)
+                refused.append(False)
+            except RuntimeError as error:
+                refused.append("cannot be captured in a CUDA graph" in str(error))
+            finally:
+                moe._is_capturing = capturing
+        return all(refused) and len(refused) == 5 and tuple(y.shape) == (4, HIDDEN)
 
 
 @pytest.mark.cpu
@@ -310,6 +347,11 @@ def _layer_cast_and_one_bad_rank_worker(rank, world):
         x = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
         with torch.no_grad():
             want = layer(x)
+            # The router is FP32 inside an autocast region too (bf16 logits would pick other experts at near-ties).
+            plain = layer.route(x)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                autocast = layer.route(x)
+            assert autocast[1].dtype == torch.float32 and all(map(torch.equal, plain, autocast)), "route under autocast"
             layer.to(torch.bfloat16)  # a trainer's module-wide cast also casts the router buffer
             got = layer(x)
             # A move to another device is refused (the packed expert weights would stay behind), and leaves the layer

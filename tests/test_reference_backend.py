@@ -72,6 +72,94 @@ def test_gloo_peer_that_never_calls_raises_after_timeout(tmp_path):
     assert "rank 0 waited more than timeout_s=1.0 s in" in message, message
 
 
+def _argument_types_differ_worker(rank, world):
+    """hidden=64 on rank 0 and 64.0 on rank 1: equal as numbers, but only rank 1's fails validate(). Every rank must
+    raise at construction (none goes on to its first collective alone)."""
+    import ep_comm
+    try:
+        ep_comm.Buffer(None, hidden=64 if rank == 0 else 64.0, num_experts=4, num_topk=2, max_tokens_per_rank=8,
+                       backend="reference", timeout_s=5.0)
+    except (TypeError, ValueError) as error:
+        return str(error)
+    return "constructed"
+
+
+@pytest.mark.cpu
+def test_buffer_arguments_of_another_type_raise_on_every_rank():
+    for message in run_ranks(_argument_types_differ_worker, 2, backend="gloo", timeout_s=120):
+        assert "arguments differ between rank" in message and ("64 vs 64.0" in message or "64.0 vs 64" in message), \
+            message
+
+
+def _ranks_on_two_hosts_worker(rank, world, nvshmem_on):
+    """The backend vote with the nvlink backend pretending to be available on every rank, the ranks on two hosts and
+    nvshmem4py present on the ranks in nvshmem_on: the Buffer refuses backend='nvlink' (or, with nvshmem4py on every
+    rank, goes on to set it up -- here the stand-in constructor) instead of failing in a CUDA IPC setup."""
+    import socket
+    import ep_comm
+    from ep_comm.backends import nvlink
+    socket.gethostname = lambda: f"node{rank}"
+    nvlink.NVLinkBackend.is_available = staticmethod(lambda group: (True, ""))
+    nvlink.nvshmem_importable = lambda: rank in nvshmem_on
+
+    class Constructed(Exception):
+        pass
+
+    def construct(self, group, config):
+        raise Constructed()
+
+    nvlink.NVLinkBackend.__init__ = construct
+    try:
+        ep_comm.Buffer(None, hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=8, backend="nvlink")
+    except RuntimeError as error:
+        return str(error)
+    except Constructed:
+        return "constructed"
+    return "no error"
+
+
+@pytest.mark.cpu
+def test_nvlink_refused_across_hosts_without_nvshmem():
+    for message in run_ranks(_ranks_on_two_hosts_worker, 2, (0,), backend="gloo", timeout_s=120):
+        assert "backend='nvlink' is unavailable" in message and "run on 2 hosts (node0, node1)" in message, message
+    assert run_ranks(_ranks_on_two_hosts_worker, 2, (0, 1), backend="gloo", timeout_s=120) == ["constructed"] * 2
+
+
+def _exception_in_with_block_worker(rank, world):
+    """An exception leaving `with Buffer(...)`: the backend is told to give up first (nvlink: the peers stop waiting
+    for this rank), then destroyed; a destroy() that fails too is warned about and does not replace the exception."""
+    import warnings
+    import ep_comm
+    calls, caught = [], []
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        for destroy_fails in (False, True):
+            try:
+                with ep_comm.Buffer(None, hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=8,
+                                    backend="reference") as buf:
+                    buf._backend.give_up = lambda reason: calls.append(reason)
+                    if destroy_fails:
+                        def failing_destroy():
+                            calls.append("destroy")
+                            raise RuntimeError("destroy failed")
+                        buf._backend.destroy = failing_destroy
+                    raise KeyError(f"own error {destroy_fails}")
+            except KeyError as error:
+                caught.append(str(error))
+            except RuntimeError as error:
+                caught.append(f"replaced by {error}")
+    return calls, caught, [str(w.message) for w in warned if issubclass(w.category, RuntimeWarning)]
+
+
+@pytest.mark.cpu
+def test_exception_leaving_the_with_block_gives_up_then_destroys():
+    (calls, caught, warned), = run_ranks(_exception_in_with_block_worker, 1, backend="gloo", timeout_s=120)
+    assert caught == ["'own error False'", "'own error True'"], caught
+    reason = "an exception left the `with Buffer` block: KeyError('own error"
+    assert len(calls) == 3 and reason in calls[0] and reason in calls[1] and calls[2] == "destroy", calls
+    assert any("destroy() after an exception in the `with` block failed" in w for w in warned), warned
+
+
 @pytest.mark.multigpu
 @pytest.mark.nccl
 def test_nccl_comm_stream():

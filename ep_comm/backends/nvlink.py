@@ -297,6 +297,16 @@ def _nvshmem_init(group, region_bytes: int):
         return nvshmem
 
 
+def nvshmem_importable() -> bool:
+    """Whether nvshmem4py imports here: without it peers are mapped with CUDA IPC, which needs every rank on one
+    node (NVSHMEM can also map peers of other nodes of one NVLink domain)."""
+    try:
+        import nvshmem.core  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
 def finalize_nvshmem() -> None:
     """Collective, optional: shut NVSHMEM down once every nvlink Buffer of this process is destroyed.
     Not registered with atexit on purpose: nvshmem finalize is collective, and ranks leave at different
@@ -692,11 +702,7 @@ class NVLinkBackend:
         major, minor = torch.cuda.get_device_capability()
         if major < 9:
             return False, f"needs compute capability >= 9.0 (sm_90a build), found {major}.{minor}"
-        try:
-            import nvshmem.core  # noqa: F401
-            have_nvshmem = True
-        except Exception:
-            have_nvshmem = False
+        have_nvshmem = nvshmem_importable()
         if _shared_gpu_allowed():
             return True, ""  # testing mode: ranks of this node share GPUs, over CUDA IPC (see _shared_gpu_allowed)
         if not have_nvshmem and world > torch.cuda.device_count():
@@ -770,7 +776,7 @@ class NVLinkBackend:
 
     def _after_call(self) -> None:
         if self._sync_check:
-            torch.cuda.current_stream().synchronize()
+            torch.cuda.current_stream(self.torch_device).synchronize()  # the Buffer's GPU, whichever is current
             self.check()
 
     def _arena_recipe(self, num_tokens: int, rows_only: bool = False) -> _ArenaRecipe:
@@ -1012,7 +1018,7 @@ class NVLinkBackend:
         self._after_call()
         return CombineRowsTarget(bases=self._peer_bases, area_offset=L.off_combine, src_rank=result.src_rank,
                                  src_token=result.src_token, topk_slot=result.topk_slot, num_topk=cfg.num_topk,
-                                 hidden=cfg.hidden, row_bytes=L.comb_row_bytes, scale_offset=L.comb_scale_off,
+                                 max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden, row_bytes=L.comb_row_bytes, scale_offset=L.comb_scale_off,
                                  sign_mask=cfg.rht_sign_mask, abort_flag=abort)
 
     def finish_combine_rows(self, handle: NVLinkHandle) -> torch.Tensor:

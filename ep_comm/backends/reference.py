@@ -8,6 +8,7 @@ host lists), so it is not CUDA-graph capturable — that is the nvlink backend's
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -91,6 +92,9 @@ class ReferenceHandle:
         row r, or -1 when that slot is masked or lives on another rank.
     topk_idx / topk_weights: this rank's own routing [T, K] (for the local_reduce=False path).
     num_tokens: T; num_rows: rows of the expert-major layout. config: the dispatching Buffer's configuration.
+    dispatch_id: which dispatch of its Buffer made it (dispatches are collective, so every rank counts alike);
+        combine compares it across the ranks, so that handles of two different dispatches (even with equal row
+        counts) raise. (Handles of two Buffers with the same count are not told apart.)
     """
 
     send_counts: List[int]
@@ -105,6 +109,7 @@ class ReferenceHandle:
     num_tokens: int
     num_rows: int
     config: Optional[BufferConfig] = None  # of the Buffer that dispatched (combine refuses another configuration's)
+    dispatch_id: int = -1
 
 
 class ReferenceBackend:
@@ -113,6 +118,7 @@ class ReferenceBackend:
     name = "reference"
 
     def __init__(self, group, config: BufferConfig, format_impl: str = "auto"):
+        self._dispatch_ids = itertools.count()  # ReferenceHandle.dispatch_id
         self.group = group
         self.config = config
         self.rank = dist.get_rank(group)
@@ -216,22 +222,25 @@ class ReferenceBackend:
             raise ValueError(others_message.format(ranks=ranks))
 
     def _agree_on_combine(self, send_counts: List[int], expected_counts: List[int], local_reduce: bool,
-                          device) -> None:
+                          dispatch_id: int, device) -> None:
         """Before the combine's all_to_all: the ranks share, in one all_gather, how many rows each sends to each peer,
-        in which mode, and how many each expects; all ranks raise together when any pair disagrees (a different
-        local_reduce, or a handle from another dispatch) -- a receiving rank that sees a mismatch with the details,
-        the others naming those ranks."""
+        in which mode, how many each expects, and which dispatch's handle each combines; all ranks raise together
+        when any pair disagrees (a different local_reduce, or a handle from another dispatch) -- a receiving rank
+        that sees a mismatch with the details, the others naming those ranks."""
         world = self.config.world_size
-        mine = torch.tensor([[send_counts[d], int(local_reduce), expected_counts[d]] for d in range(world)],
+        mine = torch.tensor([[send_counts[d], int(local_reduce), expected_counts[d], dispatch_id] for d in range(world)],
                             dtype=torch.int64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(world)]
         self._collective("combine (row counts)", dist.all_gather, gathered, mine)
-        table = torch.stack(gathered).tolist()  # [source s][peer d] = (rows s sends d, s's mode, rows s expects from d)
-        # (s, d): what s sends d disagrees with what d expects from s (row count or mode).
+        # [source s][peer d] = (rows s sends d, s's mode, rows s expects from d, the dispatch of s's handle)
+        table = torch.stack(gathered).tolist()
+        # (s, d): what s sends d disagrees with what d expects from s (row count, mode or dispatch).
         mismatched = [(s, d) for s in range(world) for d in range(world)
-                      if table[s][d][0] != table[d][s][2] or table[s][d][1] != table[d][s][1]]
+                      if table[s][d][0] != table[d][s][2] or table[s][d][1] != table[d][s][1]
+                      or table[s][d][3] != table[d][s][3]]
         receivers_seeing_mismatch = sorted({d for _, d in mismatched})
-        problems = [f"rank {s} sends {table[s][self.rank][0]} rows with local_reduce={bool(table[s][self.rank][1])}, "
+        problems = [f"rank {s} sends {table[s][self.rank][0]} rows with local_reduce={bool(table[s][self.rank][1])}"
+                    f"{'' if table[s][self.rank][3] == dispatch_id else ' from the handle of another dispatch'}, "
                     f"this rank expects {expected_counts[s]} with local_reduce={local_reduce}"
                     for s, d in mismatched if d == self.rank]
         if problems:
@@ -315,7 +324,8 @@ class ReferenceBackend:
         handle = ReferenceHandle(send_counts=send_counts, recv_counts=recv_counts, send_rows=send_rows,
                                  recv_src_rank=recv_src_rank, recv_src_token=recv_src_token,
                                  recv_topk_weight=recv_weight, layout_row=layout_row, topk_idx=topk_idx,
-                                 topk_weights=topk_weights, num_tokens=num_tokens, num_rows=num_rows, config=cfg)
+                                 topk_weights=topk_weights, num_tokens=num_tokens, num_rows=num_rows, config=cfg,
+                                 dispatch_id=next(self._dispatch_ids))
         row_index = None
         if not expand:  # padding rows (src_rank -1) hold no received row
             row_index = torch.where(src_rank >= 0, torch.arange(num_rows, dtype=torch.int32, device=device),
@@ -355,7 +365,7 @@ class ReferenceBackend:
                 valid = row >= 0
                 term = out_rows[row.clamp(min=0)] * handle.recv_topk_weight[:, slot:slot + 1]
                 acc = torch.where(valid[:, None], acc + term, acc)
-            self._agree_on_combine(handle.recv_counts, handle.send_counts, local_reduce, device)
+            self._agree_on_combine(handle.recv_counts, handle.send_counts, local_reduce, handle.dispatch_id, device)
             back = self._all_to_all(pack_combine_rows(acc, fmt, cfg.rht_sign_mask, self.format_impl),
                                     handle.recv_counts, handle.send_counts, "combine (rows)")
             # Source rank: row (token t, destination d) arrives at offset(d) + position of t in send_rows[d].
@@ -374,7 +384,7 @@ class ReferenceBackend:
         slot_rank = torch.where(handle.topk_idx >= 0, handle.topk_idx // cfg.num_local_experts,
                                 torch.full_like(handle.topk_idx, -1))
         counts_expected = [int((slot_rank == d).sum()) for d in range(world)]
-        self._agree_on_combine(counts_back, counts_expected, local_reduce, device)
+        self._agree_on_combine(counts_back, counts_expected, local_reduce, handle.dispatch_id, device)
         back = self._all_to_all(pack_combine_rows(values, fmt, cfg.rht_sign_mask, self.format_impl),
                                 counts_back, counts_expected, "combine (rows)")
         # Rows from rank d arrive ordered by token, then slot: exactly the (t, k) with slot_rank == d in order.
