@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -183,6 +183,9 @@ class DispatchResult:
        this Buffer's next dispatch or its destroy(); reference: the expert-major rows themselves) and row_index int32 [R] names, for
        each expert-major row i, the row of x that holds it (-1 on padding and unused rows). `expert_major_x()`
        gathers them.
+    staging_valid: None, or (nvlink, expand=False, outside a CUDA-graph capture) a callable saying whether x's
+       staging rows are still this dispatch's (no later dispatch, no destroy()): `expert_major_x()` raises once they
+       are not. Reads of `x` itself, and results of a captured dispatch (refilled by each replay), are not checked.
 
     Rows inside one expert segment are in canonical order: by source rank, then source token index.
     """
@@ -197,12 +200,16 @@ class DispatchResult:
     handle: Any
     num_rows: int
     row_index: Optional[torch.Tensor] = None
+    staging_valid: Optional[Callable[[], bool]] = dataclasses.field(default=None, repr=False, compare=False)
 
     def expert_major_x(self):
         """x in the expert-major layout, [R_valid] rows (expert_offsets[-1]; padding rows zero): x itself for an
         expanded dispatch (its first R_valid rows), else x's rows gathered by row_index (a device->host read of
         R_valid; not for CUDA-graph capture). `combine` takes expert outputs of num_rows rows (on nvlink the
         capacity, more than R_valid): pad an output computed from these rows to num_rows."""
+        if self.staging_valid is not None and not self.staging_valid():
+            raise RuntimeError("this dispatch(expand=False) result's rows are gone: they live in the Buffer's staging "
+                               "area, which the Buffer's next dispatch (or destroy()) reuses; gather them before")
         valid = int(self.expert_offsets[-1])
         if self.row_index is None:
             return _map_payload(self.x, lambda t: t[:valid])

@@ -427,6 +427,15 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
         torch.cuda.synchronize()
         assert torch.equal(y_rows_only.view(torch.int16), want_y.view(torch.int16)), \
             "expand=False on the comm stream: combine"
+        # nvlink: its staging rows are this dispatch's only until the next dispatch; gathering them after it raises.
+        if backend == "nvlink":
+            buf.dispatch(x, idx, w)
+            try:
+                rows_only.expert_major_x()
+                stale = "gathered"
+            except RuntimeError as error:
+                stale = str(error)
+            assert "rows are gone" in stale, f"expand=False result read after the next dispatch: {stale}"
         # 7. reads of such a result enqueued after done_event come before the next dispatch reuses the staging: a read
         # on the comm stream followed by a dispatch on the current stream, and a read on the caller's current stream
         # followed by a dispatch from another current stream. Each read is held back by a sleep and the next dispatch

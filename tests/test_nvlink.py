@@ -936,6 +936,7 @@ def test_nvlink_dispatch_result_views_of_the_arena(fmt, num_tokens, rows_only):
             return list(layout[0]), list(layout[1]), layout[2]
     backend = object.__new__(NVLinkBackend)  # only the fields the recipe and the views read
     backend.config, backend._ctx, backend._arena_recipes = cfg, FakeContext(), {}
+    backend._staging_generation, backend._destroyed = 4, False
     staging = object()  # rows-only: x is the staging payload, which needs the region (GPU tests)
     backend._staging_payload = lambda: staging
     recipe = backend._arena_recipe(num_tokens, rows_only)
@@ -953,6 +954,15 @@ def test_nvlink_dispatch_result_views_of_the_arena(fmt, num_tokens, rows_only):
     if rows_only:
         assert result.x is staging
         same_bytes(result.row_index, 15, torch.int32, (rows,))
+        # The staging rows are this dispatch's until the next dispatch (or destroy()): then expert_major_x refuses.
+        assert result.staging_valid()
+        backend._staging_generation += 1
+        assert not result.staging_valid()
+        with pytest.raises(RuntimeError, match="rows are gone"):
+            result.expert_major_x()
+        backend._staging_generation -= 1
+        backend._destroyed = True
+        assert not result.staging_valid()
     elif fmt == "nvfp4":
         assert result.row_index is None
         same_bytes(result.x.data, 2, torch.uint8, (rows, hidden // 2))

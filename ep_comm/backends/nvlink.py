@@ -596,6 +596,7 @@ class NVLinkBackend:
         self._staging = None  # _staging_payload's views, made on first use
         self._destroyed = False
         self._rows_handle = None  # the handle begin_combine_rows was given, until finish_combine_rows (order check)
+        self._staging_generation = 0  # dispatches so far (an expand=False result's x is valid until the next one)
         self._wave_ticket = None  # the last wave dispatch's _WaveTicket until its w1 GEMM claims it
         self._gave_up = None  # why this rank gave up (give_up): every later call raises
 
@@ -898,8 +899,14 @@ class NVLinkBackend:
         recipe = self._arena_recipe(num_tokens, rows_only)
         arena = torch.empty(recipe.words, dtype=torch.int32, device=x.device)
         launch(x, topk_idx, topk_weights, num_tokens, arena.data_ptr(), _ext.current_raw_stream(self.device))
+        self._staging_generation += 1  # every dispatch rewrites the staging rows an expand=False result points into
         self._after_call()
         return self._result_in_arena(arena, recipe, num_tokens)
+
+    def _staging_still_valid(self, generation: int) -> bool:
+        """Whether the staging rows of dispatch `generation` (a dispatch(expand=False) result's x) are still there:
+        no later dispatch, no destroy()."""
+        return not self._destroyed and self._staging_generation == generation
 
     def _result_in_arena(self, arena: torch.Tensor, recipe: _ArenaRecipe, num_tokens: int) -> DispatchResult:
         """The DispatchResult whose tensors are the sections of `arena` (int32 [recipe.words]) that the recipe names:
@@ -930,9 +937,13 @@ class NVLinkBackend:
         topk_weight = as_f32.as_strided((rows,), (1,), recipe.topk_weight)
         handle = NVLinkHandle(arena=arena, sections=recipe.sections, num_tokens=num_tokens, num_rows=rows,
                               num_topk=cfg.num_topk, owner=self._ctx, routing=self._routing)
+        staging_valid = None
+        if row_index is not None and not formats._is_capturing():
+            # (A captured result is refilled by each replay, which this count does not see: not checked.)
+            staging_valid = functools.partial(self._staging_still_valid, self._staging_generation)
         return DispatchResult(x=payload, num_tokens_per_expert=num_per_expert, expert_offsets=expert_offsets,
                               src_rank=src_rank, src_token=src_token, topk_slot=topk_slot, topk_weight=topk_weight,
-                              handle=handle, num_rows=rows, row_index=row_index)
+                              handle=handle, num_rows=rows, row_index=row_index, staging_valid=staging_valid)
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` lies in this Buffer's symmetric region (the staging rows a dispatch without expansion
