@@ -479,6 +479,10 @@ def _check_nvfp4(q) -> None:
         raise ValueError("inconsistent NVFP4Tensor: data uint8 [..., K/2], scales float8_e4m3fn [..., K/16], amax "
                          f"float32 [...] expected; got data {tuple(q.data.shape)} {q.data.dtype}, scales "
                          f"{tuple(q.scales.shape)} {q.scales.dtype}, amax {tuple(q.amax.shape)} {q.amax.dtype}")
+    # The two bounds nvfp4_quantize writes; the kernels and the reference derive 1 / (6M) differently for other values.
+    if q.e4m3_max not in (NVFP4_ACTIVATION_E4M3_MAX, NVFP4_WEIGHT_E4M3_MAX):
+        raise ValueError(f"NVFP4Tensor.e4m3_max must be {NVFP4_ACTIVATION_E4M3_MAX} (4/6 activations) or "
+                         f"{NVFP4_WEIGHT_E4M3_MAX} (plain), got {q.e4m3_max!r}")
 
 
 def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32, impl: str = "auto") -> torch.Tensor:

@@ -17,6 +17,9 @@ COMBINE_FORMATS = ("s2f6", "bf16")
 BACKENDS = ("auto", "reference", "nvlink")
 
 
+MAX_BLOCKS = 4096  # BufferConfig.num_sms / num_local_sms bound (an H200 has 132 SMs)
+
+
 @dataclass(frozen=True)
 class BufferConfig:
     """Static bounds and formats of one expert-parallel group (identical on every rank).
@@ -97,10 +100,11 @@ class BufferConfig:
             raise ValueError(f"expert_alignment must be >= 1, got {self.expert_alignment}")
         if not 0 <= self.rht_sign_mask < 2**32:
             raise ValueError("rht_sign_mask must be a 32-bit unsigned integer")
-        if self.num_sms < 1:
-            raise ValueError(f"num_sms must be >= 1, got {self.num_sms}")
-        if self.num_local_sms < 0:
-            raise ValueError(f"num_local_sms must be >= 0 (0 = all SMs), got {self.num_local_sms}")
+        # Upper bound: blocks of one kernel (a few per SM at most are useful); the kernels' warp counts are 32-bit.
+        if not 1 <= self.num_sms <= MAX_BLOCKS:
+            raise ValueError(f"num_sms must be in [1, {MAX_BLOCKS}], got {self.num_sms}")
+        if not 0 <= self.num_local_sms <= MAX_BLOCKS:
+            raise ValueError(f"num_local_sms must be in [0, {MAX_BLOCKS}] (0 = all SMs), got {self.num_local_sms}")
         if self.max_recv_rows >= 2**31:
             raise ValueError(f"the receive layout would hold {self.max_recv_rows} rows (world_size * "
                              f"max_tokens_per_rank * min(num_topk, local experts) plus alignment padding); it must "

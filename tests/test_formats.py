@@ -338,6 +338,8 @@ def test_api_rejects_malformed_containers_seeds_and_amax():
     q = F.nvfp4_quantize(x, impl="reference")
     with pytest.raises(ValueError, match="scales float8_e4m3fn"):
         F.nvfp4_dequantize(F.NVFP4Tensor(q.data, q.scales.float(), q.amax, q.e4m3_max), impl="reference")
+    with pytest.raises(ValueError, match="e4m3_max must be 256.0"):  # other bounds: kernels and reference differ
+        F.nvfp4_dequantize(F.NVFP4Tensor(q.data, q.scales, q.amax, 135.0), impl="reference")
     m = F.mxfp8_quantize(x, impl="reference")
     with pytest.raises(ValueError, match="inconsistent MXFP8Tensor"):
         F.mxfp8_dequantize(F.MXFP8Tensor(m.data.float(), m.scales), impl="reference")

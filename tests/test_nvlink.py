@@ -1015,6 +1015,8 @@ def test_nvlink_limits_env_and_size_hint_constants(monkeypatch):
             nvlink._check_nvlink_limits(dataclasses.replace(fits, num_experts=64, num_topk=33))
         with pytest.raises(ValueError, match="up to 1024 ranks"):
             nvlink._check_nvlink_limits(dataclasses.replace(fits, num_experts=2048, world_size=2048))
+        with pytest.raises(ValueError, match="hidden <= 1048576"):  # 2 * hidden wrapped 32-bit offsets past 2**30
+            nvlink._check_nvlink_limits(dataclasses.replace(fits, hidden=2**30 + 32))
     if built is not None:
         assert (built.nvlink_max_topk, built.nvlink_max_world, built.nvlink_max_dynamic_smem) == (
             nvlink._MAX_TOPK, nvlink._MAX_WORLD, nvlink._MAX_DYNAMIC_SMEM)

@@ -218,6 +218,9 @@ def test_buffer_config_rejects_wrong_types_and_values():
             BufferConfig(**dict(base, **{name: 2**31 if name != "hidden" else 2**31 + 32})).validate()
     with pytest.raises(ValueError, match="receive layout would hold"):
         BufferConfig(**dict(base, max_tokens_per_rank=2**29)).validate()  # 2 ranks x 2**29 x top-2 rows
+    for name, value in (("num_sms", 0), ("num_sms", 4097), ("num_local_sms", -1), ("num_local_sms", 2**27)):
+        with pytest.raises(ValueError, match=name):  # 2**27 blocks of 16 warps wrapped the kernels' 32-bit warp count
+            BufferConfig(**dict(base, **{name: value})).validate()
     with pytest.raises(ValueError, match="num_topk <= 32"):  # a hint for what the nvlink backend refuses
         ep_comm.Buffer.get_buffer_size_hint(backend="nvlink", **dict(base, num_experts=64, num_topk=40))
     with pytest.raises(ValueError, match="up to 1024 ranks"):

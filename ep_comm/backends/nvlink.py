@@ -82,6 +82,9 @@ def _kernel_limits():
     return _MAX_TOPK, _MAX_WORLD, _MAX_DYNAMIC_SMEM, _layout_warp_smem, _receive_layout_smem
 
 
+_MAX_HIDDEN = 1 << 20
+
+
 def _check_nvlink_limits(config: BufferConfig) -> None:
     """What this backend's kernels support beyond BufferConfig.validate()."""
     max_topk, max_world, max_smem, layout_warp_smem, receive_layout_smem = _kernel_limits()
@@ -89,6 +92,8 @@ def _check_nvlink_limits(config: BufferConfig) -> None:
         raise ValueError(f"the nvlink backend supports num_topk <= {max_topk}, got {config.num_topk}")
     if config.world_size > max_world:
         raise ValueError(f"the nvlink backend supports up to {max_world} ranks, got {config.world_size}")
+    if config.hidden > _MAX_HIDDEN:  # the kernels' per-row element offsets are 32-bit (2 * hidden must fit)
+        raise ValueError(f"the nvlink backend supports hidden <= {_MAX_HIDDEN}, got {config.hidden}")
     w, e = config.world_size, config.num_experts
     needed = max(layout_warp_smem(e, w), receive_layout_smem(w, e // w))
     if needed > max_smem:
