@@ -319,6 +319,12 @@ void register_formats(py::module_& m) {
         "NVFP4 quantize rows (4/6 or plain); amax_in 0 = per-row amax computed; dst_rows 0 = identity; "
         "num_rows_limit: 0 or a device int32 row count (rows past it are skipped); block_values (fp16) and "
         "row_factor (fp32): 4/6 straight into the grouped GEMM operand form instead of data/scales/amax_out");
+  m.def("formats_kernels_runnable", []() {
+          const bool runnable = ep_comm::formats_kernel_image_status() == cudaSuccess;
+          if (!runnable) cudaGetLastError();  // not sticky: leave no error for the next launch to report
+          return runnable;
+        },
+        "whether the format kernels have an image for the current CUDA device (built for its architecture)");
   m.def("nvfp4_dequantize",
         [](uintptr_t data, uintptr_t scales, uintptr_t amax, int64_t num_rows, int64_t hidden, float e4m3_max,
            uintptr_t out, int out_type, uintptr_t stream, uintptr_t num_rows_limit) {

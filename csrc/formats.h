@@ -71,6 +71,11 @@ cudaError_t launch_nvfp4_dequantize(const uint8_t* data, const uint8_t* scales, 
                                     int64_t hidden, float e4m3_max, void* out, int out_type, cudaStream_t stream,
                                     const int32_t* num_rows_limit = nullptr);
 
+// cudaSuccess when the format kernels have an image for the current device; the error otherwise (a build for other
+// architectures: cudaErrorNoKernelImageForDevice / cudaErrorInvalidDeviceFunction, or no device). One kernel stands
+// for all: they are compiled for the same architectures.
+cudaError_t formats_kernel_image_status();
+
 // ------------------------------------------------------------------------------------------------------
 // MXFP8 (blocks of 32, E4M3 elements, UE8M0 scales, NVIDIA scale rule).
 struct Mxfp8QuantizeArgs {

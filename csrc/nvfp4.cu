@@ -367,4 +367,9 @@ cudaError_t launch_nvfp4_dequantize(const uint8_t* data, const uint8_t* scales, 
   });
 }
 
+cudaError_t formats_kernel_image_status() {
+  cudaFuncAttributes attributes;
+  return cudaFuncGetAttributes(&attributes, nvfp4_dequantize_kernel<float>);
+}
+
 }  // namespace ep_comm

@@ -7,8 +7,9 @@ CUDA tensor goes to the compiled kernels when `ep_comm._C` is available, else to
 (`"cuda"` raises when it is unavailable).
 
 Containers are frozen dataclasses whose fields use torch's own dtypes (`float8_e4m3fn`,
-`float8_e8m0fnu`, `int8`; packed FP4 as `uint8`, lower element index in the low nibble). Every field can
-be viewed as `uint8` bytes with `.view(torch.uint8)`.
+`float8_e8m0fnu`, `int8`; packed FP4 as `uint8`, lower element index in the low nibble). Every tensor field
+of at least one dimension can be viewed as `uint8` bytes with `.view(torch.uint8)` (the 0-d amax of a 1-D input:
+`.reshape(1)` first).
 """
 from __future__ import annotations
 
@@ -132,8 +133,44 @@ def _use_cuda(impl: str, *tensors: torch.Tensor) -> bool:
         if not on_cuda:
             raise ValueError("impl='cuda' needs CUDA tensors")
         _ext.require_cuda_extension("impl='cuda'")
+        if not _kernels_runnable(tensors[0].device):
+            raise RuntimeError(f"impl='cuda': ep_comm._C's format kernels were not built for this GPU "
+                               f"({_device_name(tensors[0].device)}); rebuild with its architecture in "
+                               f"EP_COMM_CUDA_ARCHS, or use impl='reference'")
         return True
-    return on_cuda and _ext.cuda_extension_available()
+    if not on_cuda:
+        return False
+    if not _ext.cuda_extension_available():
+        _ext.warn_once(f"ep_comm.formats: CUDA tensors go to the torch reference because ep_comm._C is unavailable: "
+                       f"{_ext.cuda_extension_error()}")
+        return False
+    if not _kernels_runnable(tensors[0].device):
+        _ext.warn_once(f"ep_comm.formats: CUDA tensors on {_device_name(tensors[0].device)} go to the torch reference: "
+                       f"ep_comm._C's format kernels were not built for its architecture (EP_COMM_CUDA_ARCHS)")
+        return False
+    return True
+
+
+_runnable_on_device = {}  # device index -> whether the format kernels have an image for it (asked once per device)
+
+
+def _kernels_runnable(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    runnable = _runnable_on_device.get(index)
+    if runnable is None:
+        formats_kernels_runnable = getattr(_ext._C, "formats_kernels_runnable", None)
+        if formats_kernels_runnable is None:  # an older build: assume so, as before
+            runnable = True
+        else:
+            with _ext.cuda_device(index):
+                runnable = bool(formats_kernels_runnable())
+        _runnable_on_device[index] = runnable
+    return runnable
+
+
+def _device_name(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)}, sm_{major}{minor}"
 
 
 def _is_capturing() -> bool:
@@ -359,13 +396,16 @@ def nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True, amax: Optional[t
     Returns an NVFP4Tensor with data [..., K/2], scales [..., K/16], amax [...] float32.
     """
     _check_float_input(x, "x", NVFP4_BLOCK)
+    if not isinstance(four_over_six, bool):  # None or "False" would pick a format silently
+        raise TypeError(f"four_over_six must be a bool, got {four_over_six!r}")
     if scale_granularity not in ("row", "tensor"):
         raise ValueError(f"scale_granularity must be 'row' or 'tensor', got {scale_granularity!r}")
     if amax is not None:
         if not isinstance(amax, torch.Tensor):
             if isinstance(amax, bool) or not isinstance(amax, numbers.Real):
                 raise TypeError(f"amax must be a tensor or a real number, got {type(amax).__name__}")
-            amax = torch.tensor(float(amax), dtype=torch.float32, device=x.device)
+            # torch.full, not torch.tensor: no host->device copy (a sync, and refused inside a CUDA-graph capture)
+            amax = torch.full((), float(amax), dtype=torch.float32, device=x.device)
         if not amax.is_floating_point():
             raise TypeError(f"amax must be a floating-point tensor, got {amax.dtype}")
         if amax.device != x.device:
@@ -451,8 +491,8 @@ def _as_int(value, name: str) -> int:
 
 def _check_seed(seed) -> int:
     seed = _as_int(seed, "seed")
-    if seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    if not 0 <= seed < 2**64:  # NUMERICS: the key uses the seed's two 32-bit halves; more bits would be dropped
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
     return seed
 
 
@@ -480,7 +520,8 @@ def _check_nvfp4(q) -> None:
                          f"float32 [...] expected; got data {tuple(q.data.shape)} {q.data.dtype}, scales "
                          f"{tuple(q.scales.shape)} {q.scales.dtype}, amax {tuple(q.amax.shape)} {q.amax.dtype}")
     # The two bounds nvfp4_quantize writes; the kernels and the reference derive 1 / (6M) differently for other values.
-    if q.e4m3_max not in (NVFP4_ACTIVATION_E4M3_MAX, NVFP4_WEIGHT_E4M3_MAX):
+    if isinstance(q.e4m3_max, bool) or not isinstance(q.e4m3_max, numbers.Real) \
+            or q.e4m3_max not in (NVFP4_ACTIVATION_E4M3_MAX, NVFP4_WEIGHT_E4M3_MAX):
         raise ValueError(f"NVFP4Tensor.e4m3_max must be {NVFP4_ACTIVATION_E4M3_MAX} (4/6 activations) or "
                          f"{NVFP4_WEIGHT_E4M3_MAX} (plain), got {q.e4m3_max!r}")
 
@@ -574,15 +615,17 @@ def nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str = "stochastic", seed
                               impl: str = "auto") -> MXFP8Tensor:
     """Requantize a saved NVFP4 activation [R, K] to MXFP8 along the other axis: returns [K, R] MXFP8.
 
-    Dequantize (fp32), transpose, quantize blocks of 32 along R (R % 32 == 0) — what the weight-gradient
-    GEMM of backward needs. Stochastic rounding uses the flat index of the [K, R] output.
+    Dequantize (fp32), transpose, quantize blocks of 32 along R (R % 32 == 0; R = 0 gives [K, 0]) — what the
+    weight-gradient GEMM of backward needs. Stochastic rounding uses the flat index of the [K, R] output and
+    `seed`: the random bits depend on (seed, index) only, so vary the seed per call (e.g. step and layer), or the
+    rounding noise repeats at every position from call to call.
     """
     _check_nvfp4(q)
     if q.data.dim() != 2:
         raise ValueError(f"nvfp4_to_mxfp8_transposed expects a 2-D NVFP4Tensor, got {q.data.dim()}-D")
     rows = q.data.shape[0]
-    if rows % MX_BLOCK != 0 or rows == 0:
-        raise ValueError(f"the row count ({rows}) must be a positive multiple of {MX_BLOCK}")
+    if rows % MX_BLOCK != 0:  # 0 rows (an expert without tokens) give [K, 0]
+        raise ValueError(f"the row count ({rows}) must be a multiple of {MX_BLOCK}")
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     seed = _check_seed(seed)
@@ -674,6 +717,9 @@ def _check_s2f6(s) -> None:
         raise ValueError(f"inconsistent S2F6Tensor: int8 data [..., K] and float8_e8m0fnu (or uint8) scales "
                          f"[..., K / {MX_BLOCK}] expected; got data {tuple(s.data.shape)} {s.data.dtype}, "
                          f"scales {tuple(s.scales.shape)} {s.scales.dtype}")
+    if not isinstance(s.hadamard, bool):
+        raise TypeError(f"S2F6Tensor.hadamard must be a bool, got {s.hadamard!r}")
+    _check_sign_mask(s.sign_mask)  # the kernels take it as a uint32
 
 
 def _s2f6_decode_rotated(s: S2F6Tensor) -> torch.Tensor:
@@ -693,6 +739,8 @@ def s2f6_dequantize(s: S2F6Tensor, hadamard: Optional[bool] = None, dtype: torch
     """
     _check_s2f6(s)
     _check_out_dtype(dtype)
+    if hadamard is not None and not isinstance(hadamard, bool):
+        raise TypeError(f"hadamard must be None or a bool, got {hadamard!r}")
     if hadamard is not None:
         if hadamard and not s.hadamard:
             raise ValueError("hadamard=True but this S2F6Tensor was quantized without the RHT")
@@ -705,6 +753,7 @@ def s2f6_dequantize(s: S2F6Tensor, hadamard: Optional[bool] = None, dtype: torch
     return values.to(dtype)
 
 
+@torch.no_grad()  # as the quantizers: not differentiable on either path (the kernel's output has no grad_fn)
 def s2f6_dequantize_accumulate(s: S2F6Tensor, row_index: torch.Tensor, weights: Optional[torch.Tensor] = None,
                                out_dtype: torch.dtype = torch.bfloat16, impl: str = "auto") -> torch.Tensor:
     """The receive side of combine: out[m] = invRHT(sum_j w[m, j] * deq(s[row_index[m, j]])) -> out_dtype.

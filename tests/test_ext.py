@@ -38,6 +38,15 @@ def test_current_raw_stream_is_the_current_stream():
 
 
 @pytest.mark.gpu
+def test_format_kernels_runnable_on_this_gpu():
+    """The GPU tier's device is one the extension was built for: formats' impl='auto' takes the kernels there."""
+    from ep_comm import formats
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert _ext._C.formats_kernels_runnable()
+    assert formats._kernels_runnable(device) and formats._use_cuda("auto", torch.zeros(1, device=device))
+
+
+@pytest.mark.gpu
 def test_capture_id_tells_captures_apart():
     """0 outside a capture (the default stream included), one positive id for every stream of one capture (a side
     stream joins it through an event wait), another id for the next capture; without the compiled core, one id for

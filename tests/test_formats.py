@@ -1,4 +1,5 @@
 """The torch reference formats: FORMATS-RESEARCH.md §14 test vectors, error bounds, SR, edge cases, bad input."""
+import dataclasses
 import math
 
 import numpy as np
@@ -357,6 +358,53 @@ def test_api_rejects_malformed_containers_seeds_and_amax():
     with pytest.raises(ValueError, match="not NaN"):
         F.nvfp4_quantize(x, amax=torch.tensor(float("nan")), impl="reference")
     F.nvfp4_quantize(x, amax=torch.tensor(float("inf")), impl="reference")  # what a row holding an Inf computes
+
+
+def test_api_refuses_flags_and_containers_of_other_types_and_keeps_edges():
+    """Flags are bools (None or "False" would pick a format silently), S2F6 containers carry a bool hadamard and a
+    32-bit sign mask (the kernels take a uint32), seeds fit 64 bits, the transposed requantization takes 0 rows (an
+    expert without tokens), and the accumulate is no more differentiable on the reference path than in the kernel."""
+    x = torch.randn(4, 64)
+    for value in (None, "False", 1):
+        with pytest.raises(TypeError, match="four_over_six must be a bool"):
+            F.nvfp4_quantize(x, four_over_six=value, impl="reference")
+    s = F.s2f6_quantize(x, hadamard=False, impl="reference")
+    with pytest.raises(TypeError, match="hadamard must be None or a bool"):
+        F.s2f6_dequantize(s, hadamard="no", impl="reference")
+    with pytest.raises(TypeError, match="S2F6Tensor.hadamard must be a bool"):
+        F.s2f6_dequantize(dataclasses.replace(s, hadamard="yes"), impl="reference")
+    with pytest.raises(ValueError, match="sign_mask"):
+        F.s2f6_dequantize(dataclasses.replace(s, sign_mask=-1), impl="reference")
+    with pytest.raises(ValueError, match="seed must be an int in"):
+        F.mxfp8_quantize(x, rounding="stochastic", seed=2**64, impl="reference")
+    F.mxfp8_quantize(x, rounding="stochastic", seed=2**64 - 1, impl="reference")
+    empty = F.nvfp4_quantize(torch.randn(0, 64), impl="reference")
+    m = F.nvfp4_to_mxfp8_transposed(empty, impl="reference")
+    assert tuple(m.data.shape) == (64, 0) and tuple(m.scales.shape) == (64, 0)
+    weights = torch.rand(2, 2, requires_grad=True)
+    out = F.s2f6_dequantize_accumulate(F.s2f6_quantize(x, impl="reference"), torch.tensor([[0, 1], [2, -1]]),
+                                       weights, impl="reference")
+    assert not out.requires_grad
+
+
+def test_auto_impl_falls_back_where_the_kernels_were_not_built(monkeypatch):
+    """impl='auto' sends CUDA tensors to the reference, with a warning, on a GPU the extension has no kernel image for
+    (asked once per device); impl='cuda' raises naming the GPU. (Stand-ins: this machine has no GPU.)"""
+    import contextlib
+    import types
+    from ep_comm import _ext
+    asked = []
+    monkeypatch.setattr(_ext, "_C", types.SimpleNamespace(formats_kernels_runnable=lambda: asked.append(1) or False))
+    monkeypatch.setattr(_ext, "cuda_device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "A100")
+    monkeypatch.setattr(F, "_runnable_on_device", {})
+    tensor = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 3))
+    with pytest.warns(RuntimeWarning, match="A100, sm_80 go to the torch reference"):
+        assert not F._use_cuda("auto", tensor)
+    assert not F._use_cuda("auto", tensor) and asked == [1]
+    with pytest.raises(RuntimeError, match="not built for this GPU \\(A100, sm_80\\)"):
+        F._use_cuda("cuda", tensor)
 
 
 def test_containers_refuse_scales_of_other_rows():
