@@ -237,6 +237,13 @@ def test_nvfp4_to_mxfp8_transposed(num_rows, hidden, rounding):
     assert_same_mx(_cpu_mx(actual), expected, "nvfp4 -> mxfp8^T")
 
 
+def test_nvfp4_to_mxfp8_transposed_of_no_rows():
+    """0 rows (an expert without tokens in backward): [K, 0] from the kernel path too, as from the reference."""
+    q = F.nvfp4_quantize(torch.randn(0, 64, device=DEVICE), impl="cuda")
+    m = F.nvfp4_to_mxfp8_transposed(q, seed=3, impl="cuda")
+    assert tuple(m.data.shape) == (64, 0) and tuple(m.scales.shape) == (64, 0) and m.data.is_cuda
+
+
 def test_nvfp4_to_mxfp8_transposed_unaligned_scales():
     """The kernel stores a row tile's 4 scale bytes of an output row as one word only where that word is aligned; an
     out_scales address that is not a multiple of 4 takes the byte stores (the Python wrapper always allocates aligned
