@@ -1104,3 +1104,54 @@ def test_nvlink_check_handle_compares_routing_and_device():
         backend.check_handle(handle(other_split))
     with pytest.raises(ValueError, match="handle of a dispatch on meta"):
         backend.check_handle(handle(backend._routing, device="meta"))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("states", [
+    [(True, (0, 1), False), (False, None, False)],   # one rank initialized NVSHMEM over these ranks, the other not
+    [(True, (0, 1), False), (True, (0, 2), False)],  # both, over different groups
+    [(False, None, True), (False, None, False)],     # an earlier init failed on one rank only
+])
+def test_nvshmem_setup_agrees_before_the_init_broadcast(monkeypatch, states):
+    """_nvshmem_init broadcasts the unique id only where NVSHMEM is not initialized yet: ranks in different states
+    must not enter it (some would wait in the broadcast for the others). They agree first and fall back together.
+    (Stand-ins for the group and nvshmem4py: no GPU here.)"""
+    import sys
+    import types
+    from ep_comm.backends import nvlink
+    region = object.__new__(nvlink._SymmetricRegion)
+    region.world, region.rank = 2, 0
+    region._gather = lambda mine: states if isinstance(mine, tuple) else [mine] * 2
+    fake = types.ModuleType("nvshmem")
+    fake.core = types.ModuleType("nvshmem.core")
+    monkeypatch.setitem(sys.modules, "nvshmem", fake)
+    monkeypatch.setitem(sys.modules, "nvshmem.core", fake.core)
+    entered = []
+    monkeypatch.setattr(nvlink, "_nvshmem_init", lambda *args: entered.append(args))
+    why = region._setup_nvshmem()
+    assert why is not None and "NVSHMEM's state differs between the ranks" in why and entered == []
+
+
+@pytest.mark.cpu
+def test_nvshmem_setup_enters_the_init_when_the_ranks_agree(monkeypatch):
+    """The counterpart: ranks in the same state go on to _nvshmem_init (here a stand-in that fails, so the setup
+    reports the agreed init failure instead of a state mismatch)."""
+    import sys
+    import types
+    from ep_comm.backends import nvlink
+    region = object.__new__(nvlink._SymmetricRegion)
+    region.world, region.rank, region.group, region.nbytes = 2, 0, None, 1 << 20
+    region._gather = lambda mine: [(False, None, False)] * 2 if isinstance(mine, tuple) else [mine] * 2
+    fake = types.ModuleType("nvshmem")
+    fake.core = types.ModuleType("nvshmem.core")
+    monkeypatch.setitem(sys.modules, "nvshmem", fake)
+    monkeypatch.setitem(sys.modules, "nvshmem.core", fake.core)
+    entered = []
+
+    def init(*args):
+        entered.append(args)
+        raise RuntimeError("stand-in")
+
+    monkeypatch.setattr(nvlink, "_nvshmem_init", init)
+    why = region._setup_nvshmem()
+    assert len(entered) == 1 and "NVSHMEM init failed: RuntimeError: stand-in" in why, why

@@ -396,6 +396,15 @@ class _SymmetricRegion:
         why = self._agree(mine)
         if why is not None:
             return why
+        # _nvshmem_init broadcasts the unique id only on ranks where NVSHMEM is not initialized yet (and did not fail
+        # before): every rank must take the same branch, or some would wait in that broadcast for the others.
+        states = self._gather((bool(_nvshmem_state["initialized"]), _nvshmem_state["group_ranks"],
+                               _nvshmem_state["error"] is not None))
+        if len({(initialized, tuple(ranks or ())) for initialized, ranks, _ in states}) > 1 \
+                or any(failed for _, _, failed in states) and not all(failed for _, _, failed in states):
+            return ("NVSHMEM's state differs between the ranks (initialized over another group, or failed before, on "
+                    "some ranks only): " + ", ".join(f"rank {r}: initialized={initialized} over {ranks}"
+                                                       for r, (initialized, ranks, _) in enumerate(states)))
         try:
             nvshmem = _nvshmem_init(self.group, self.nbytes)
             mine = None
