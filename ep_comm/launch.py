@@ -146,6 +146,7 @@ def _run_once(worker, world_size: int, args, backend: str, timeout_s: float):
     finally:
         for process in processes:
             process.join(timeout=10 if len(outcome) == world_size else 1)
+        lingering = [rank for rank, process in enumerate(processes) if process.is_alive()]
         silent = []
         if len(outcome) < world_size:  # reports still in the queue, then who exited on its own (before the kills)
             _drain(results, outcome)
@@ -167,4 +168,12 @@ def _run_once(worker, world_size: int, args, backend: str, timeout_s: float):
         # a rank that fails and exits makes its peers fail in their next collective).
         others = "".join(f"\nrank {r} also failed: {_last_line(errors[r])}" for r in sorted(errors) if r != rank)
         raise AssertionError(f"{died}rank {rank} failed:\n{errors[rank]}{others}")
+    # Every rank reported; a crash or a hang after that (process-group, NVSHMEM or CUDA IPC teardown, a finalizer)
+    # is a failure too, not a pass.
+    if lingering:
+        raise AssertionError(f"ranks {lingering} reported but did not exit within 10 s (a hang at teardown)")
+    crashed = [rank for rank, process in enumerate(processes) if process.exitcode != 0]
+    if crashed:
+        raise AssertionError(f"ranks {crashed} reported but then exited with codes "
+                             f"{[processes[r].exitcode for r in crashed]} (a crash at teardown)")
     return [outcome[rank][1] for rank in range(world_size)]

@@ -409,7 +409,8 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
             torch.cuda.synchronize()
             same(first, f"a call on {where} followed by one on another")
             same(second, f"another current stream after a call on {where}", want_other)
-            assert y_other.shape == want_y.shape
+            # (the same routing and expert rows as want's: the same bits, whichever dispatch's handle)
+            assert torch.equal(y_other.view(torch.int16), want_y.view(torch.int16)), f"combine after {where}"
         # 6. a dispatch without expansion on the comm stream (nvlink: its rows stay in the Buffer's staging area, a
         # region the caching allocator does not own), held back by a sleep; the rows gathered on the current stream
         # after done_event are the expanding dispatch's, and a combine from its handle is too.
@@ -464,7 +465,9 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
         # the event the first capture recorded (an event of another capture), and both graphs replay, one after the
         # other, to the eager results.
         if backend == "nvlink":
-            want_y_other = buf.combine(expert_out, buf.dispatch(x_other, idx, w).handle)
+            expert_out_b = (expert_out.float() * -0.5 + 1.0).to(torch.bfloat16)  # graph B's combine: other values
+            want_y_other = buf.combine(expert_out_b, buf.dispatch(x_other, idx, w).handle)
+            assert not torch.equal(want_y_other.view(torch.int16), want_y.view(torch.int16))
             torch.cuda.synchronize()
             capture_stream = torch.cuda.Stream(device=device)
             graph_a, graph_b = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
@@ -475,7 +478,7 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
                 torch.cuda.current_stream().wait_event(joined)  # side joins back before the capture ends
             with torch.cuda.graph(graph_b, stream=capture_stream):
                 b_res = buf.dispatch(x_other, idx, w)
-                b_y = buf.combine(expert_out, b_res.handle)
+                b_y = buf.combine(expert_out_b, b_res.handle)
             for graph in (graph_a, graph_b, graph_a, graph_b):
                 graph.replay()
             torch.cuda.synchronize()

@@ -106,7 +106,10 @@ def test_cuda_device_switches_only_when_needed(monkeypatch):
 
 @pytest.mark.gpu
 def test_cuda_device_makes_the_device_current():
-    """On a GPU: inside cuda_device(d) the current device is d, and afterwards the previous one again."""
+    """On a GPU: inside cuda_device(d) the current device is d, and afterwards the previous one again. With one GPU
+    there is no other device to switch to (the switching logic is the CPU test's above)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("one GPU: no other device to make current")
     before = torch.cuda.current_device()
     for index in range(torch.cuda.device_count()):
         with _ext.cuda_device(torch.device("cuda", index)):

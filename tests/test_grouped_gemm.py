@@ -586,6 +586,28 @@ def _check_against_reference(out, ref, mask, out_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("shape", [SMALL_SHAPES[2], BIG_SHAPE])
+def test_kernel_full_range_of_weight_scales(shape, swiglu):
+    """Scale bytes over E4M3's whole range but NaN (0x00 .. 0x7E: zero, subnormals, up to 448 -- pack_weights puts
+    most blocks of real weights at 0x69 .. 0x7E, and every expert has one at 0x7E), against the reference in fp32 and
+    bf16; the other kernel tests keep to 0x18 .. 0x58."""
+    experts, n, k = shape
+    counts = [3, 200] if shape == BIG_SHAPE else _counts(experts, n + k)
+    offsets, rows = segments(counts, 16)
+    w = random_weights(experts, n, k, seed=n + k + 1, device="cuda", scale_low=0, scale_high=0x7F)
+    packed = G.pack_gemm_weights(w, swiglu=swiglu)
+    x = G.expand_nvfp4_rows(random_activations(rows, k, seed=k + rows + 1, device="cuda"))
+    off = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    cnt = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    mask = valid_mask(offsets, counts, rows).cuda()
+    ref = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.float32, impl="reference")
+    for out_dtype in (torch.float32, torch.bfloat16):
+        out = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=out_dtype, impl="cuda")
+        _check_against_reference(out, ref, mask, out_dtype)
+
+
+@pytest.mark.gpu
 def test_expand_cuda_bitwise():
     q = random_activations(333, 7168, seed=9, device="cuda")
     a = G.expand_nvfp4_rows(q, impl="cuda")

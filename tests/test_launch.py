@@ -83,3 +83,18 @@ def test_a_rank_that_dies_is_named_and_not_waited_for():
     # tests never assert on timings, DESIGN.md section 6).
     with pytest.raises(AssertionError, match=r"ranks \[1\] exited without reporting \(exit codes \[0\]\)"):
         run_ranks(_exit_quietly, 2, backend="gloo", timeout_s=120)
+
+
+def _report_then_crash_at_exit(rank, world):
+    """Reports "ok", then the process exits with code 7 at teardown (an atexit handler standing in for a crash in a
+    finalizer or in NVSHMEM / CUDA IPC teardown)."""
+    import atexit
+    if rank == 1:
+        atexit.register(os._exit, 7)
+    return "ok"
+
+
+@pytest.mark.cpu
+def test_a_crash_after_reporting_fails_the_run():
+    with pytest.raises(AssertionError, match=r"ranks \[1\] reported but then exited with codes \[7\]"):
+        run_ranks(_report_then_crash_at_exit, 2, backend="gloo", timeout_s=120)

@@ -160,6 +160,34 @@ def test_exception_leaving_the_with_block_gives_up_then_destroys():
     assert any("destroy() after an exception in the `with` block failed" in w for w in warned), warned
 
 
+def _sign_mask_worker(rank, world, sign_mask):
+    """A combine with a non-default RHT sign vector: the sender's rotation and the receiver's inverse use the same
+    mask, so the S2F6 combine stays within its quantization error of the BF16 combine of the same rows (a receiver on
+    another mask would be off by ~100%). Both local_reduce modes."""
+    import ep_comm
+    kw = dict(hidden=128, num_experts=8, num_topk=3, max_tokens_per_rank=16, backend="reference")
+    g = torch.Generator().manual_seed(3 + rank)
+    x = torch.randn(12, 128, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(12)])
+    w = torch.rand(12, 3, generator=g)
+    errors = []
+    with ep_comm.Buffer(None, rht_sign_mask=sign_mask, **kw) as s2f6, \
+            ep_comm.Buffer(None, combine_format="bf16", **kw) as bf16:
+        res, res_bf16 = s2f6.dispatch(x, idx, w), bf16.dispatch(x, idx, w)
+        out = torch.randn(res.num_rows, 128, generator=g).to(torch.bfloat16)
+        for local_reduce in (True, False):
+            got = s2f6.combine(out, res.handle, local_reduce=local_reduce).float()
+            want = bf16.combine(out, res_bf16.handle, local_reduce=local_reduce).float()
+            errors.append(((got - want).norm() / want.norm()).item())
+    return errors
+
+
+@pytest.mark.cpu
+def test_combine_with_another_rht_sign_mask():
+    for errors in run_ranks(_sign_mask_worker, 2, 0x12345678, backend="gloo", timeout_s=120):
+        assert all(error < 0.05 for error in errors), errors
+
+
 @pytest.mark.multigpu
 @pytest.mark.nccl
 def test_nccl_comm_stream():
