@@ -353,3 +353,28 @@ def test_host_emulation_refuses_what_its_loops_would_overrun():
     assert_same_floats(C.host_s2f6_dequantize_accumulate(s, index, torch.ones(3, 2)),
                        F.s2f6_dequantize_accumulate(F.s2f6_quantize(x, impl="reference"), index, torch.ones(3, 2),
                                                     impl="reference"), "accumulate")
+
+
+def test_emulation_keeps_subnormals_when_the_thread_flushes_them():
+    """The device never flushes subnormals; the emulation runs on the caller's thread, whose mode a program may set to
+    flush (torch.set_flush_denormal(True): FTZ / DAZ). Each entry point keeps IEEE subnormals and restores the mode:
+    an S2F6 code 64 at scale byte 0 (2^-127 * 64 / 64) still decodes to the subnormal 2^-127, and plain NVFP4 of
+    subnormal inputs keeps its codes, as without flushing."""
+    s = F.S2F6Tensor(data=torch.full((1, 32), 64, dtype=torch.int8),
+                     scales=torch.zeros(1, 1, dtype=torch.uint8).view(torch.float8_e8m0fnu), hadamard=False,
+                     sign_mask=0x6A09E667)
+    x, amax = torch.full((1, 16), 1e-39), torch.tensor([1e-39])  # made before flushing (conversions flush too)
+    want_s2f6 = C.host_s2f6_dequantize(s)
+    want_nvfp4 = C.host_nvfp4_quantize(x, four_over_six=False, amax=amax)
+    assert want_s2f6.view(torch.int32)[0, 0].item() == 0x00400000  # 2^-127, subnormal
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals: nothing to keep")
+    try:
+        got_s2f6 = C.host_s2f6_dequantize(s)
+        got_nvfp4 = C.host_nvfp4_quantize(x, four_over_six=False, amax=amax)
+        assert (x * 1.0)[0, 0].item() == 0.0  # the thread flushes (torch's own arithmetic), the emulation does not
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(got_s2f6.view(torch.int32), want_s2f6.view(torch.int32))
+    assert torch.equal(got_nvfp4.data, want_nvfp4.data) and torch.equal(got_nvfp4.scales.view(torch.uint8),
+                                                                          want_nvfp4.scales.view(torch.uint8))
