@@ -6,6 +6,9 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#if defined(__SSE__) || defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
 
 #include "bindings.h"
 #include "formats.h"
@@ -165,9 +168,27 @@ void require_host_rows(int64_t num_rows, int64_t hidden, int64_t block, const ch
                       : "hidden must be a positive multiple of 32 and num_rows >= 0");
 }
 
+// IEEE subnormals for the duration of a host-emulation call, the caller's mode restored after: the emulation must round
+// as the device does, which never flushes, but runs on the caller's thread, whose SSE control word a program may have
+// set to flush-to-zero / denormals-are-zero (torch.set_flush_denormal(True)). (A review found the host results then
+// differed from the device's, e.g. an S2F6 code 64 at scale 2^-127 decoding to 0.) x86 only: aarch64's FPCR.FZ is not
+// handled.
+class IeeeDenormals {
+ public:
+#if defined(__SSE__) || defined(__x86_64__)
+  IeeeDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~kFlushBits); }
+  ~IeeeDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  static constexpr unsigned kFlushBits = 0x8040u;  // FTZ (bit 15) and DAZ (bit 6)
+  unsigned saved_;
+#endif
+};
+
 void register_host_emulation(py::module_& m) {
   namespace host = ep_comm::host;
-  const auto release = py::call_guard<py::gil_scoped_release>();
+  // Every host entry point: the GIL released, IEEE subnormals on.
+  const auto release = py::call_guard<py::gil_scoped_release, IeeeDenormals>();
   m.def("host_nvfp4_quantize",
         [](uintptr_t x, int64_t num_rows, int64_t hidden, uintptr_t amax_in, float e4m3_max, bool four_over_six,
            uintptr_t data, uintptr_t scales, uintptr_t amax_out) {
@@ -276,6 +297,7 @@ void register_host_emulation(py::module_& m) {
             throw std::invalid_argument("unknown check " + check);
           }
           py::gil_scoped_release unlocked;
+          const IeeeDenormals ieee_denormals;
           return host::exhaustive_check(which, stride);
         },
         "mismatches of a fast form vs its definition over every stride-th fp32 bit pattern (1 = all)");

@@ -7,9 +7,6 @@
 #include <cmath>
 #include <initializer_list>
 #include <vector>
-#if defined(__SSE__) || defined(__x86_64__)
-#include <xmmintrin.h>
-#endif
 
 #include "formats.h"
 #include "quant_math.cuh"
@@ -23,25 +20,8 @@ namespace host {
 
 namespace qm = ::ep_comm::qm;
 
-// IEEE subnormals for the duration of an entry point, the caller's mode restored after: the emulation must round as
-// the device does, which never flushes, but runs on the caller's thread, whose SSE control word a program may have
-// set to flush-to-zero / denormals-are-zero (torch.set_flush_denormal(True)). (A review found the host results then
-// differed from the device's, e.g. an S2F6 code 64 at scale 2^-127 decoding to 0.)
-class IeeeDenormals {
- public:
-#if defined(__SSE__) || defined(__x86_64__)
-  IeeeDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~kFlushBits); }
-  ~IeeeDenormals() { _mm_setcsr(saved_); }
-
- private:
-  static constexpr unsigned kFlushBits = 0x8040u;  // FTZ (bit 15) and DAZ (bit 6)
-  unsigned saved_;
-#endif
-};
-
 void nvfp4_quantize(const float* x, int64_t num_rows, int64_t hidden, const float* amax_in, float e4m3_max,
                     bool four_over_six, uint8_t* data, uint8_t* scales, float* amax_out) {
-  const IeeeDenormals ieee_denormals;
   const int64_t num_blocks = hidden / 16;
   for (int64_t row = 0; row < num_rows; ++row) {
     const float* x_row = x + row * hidden;
@@ -62,7 +42,6 @@ void nvfp4_quantize(const float* x, int64_t num_rows, int64_t hidden, const floa
 
 void nvfp4_dequantize(const uint8_t* data, const uint8_t* scales, const float* amax, int64_t num_rows,
                       int64_t hidden, float e4m3_max, float* out) {
-  const IeeeDenormals ieee_denormals;
   const int64_t num_blocks = hidden / 16;
   for (int64_t row = 0; row < num_rows; ++row) {
     for (int64_t b = 0; b < num_blocks; ++b) {
@@ -78,7 +57,6 @@ void nvfp4_dequantize(const uint8_t* data, const uint8_t* scales, const float* a
 // One MX block: x[32] -> 32 codes + scale; SR index of element j is index0 + j.
 void nvfp4_four_over_six_errors(const float* x, int64_t num_rows, int64_t hidden, const float* amax, float e4m3_max,
                                 float* err6, float* err4) {
-  const IeeeDenormals ieee_denormals;
   const int64_t num_blocks = hidden / 16;
   const float six_m = qm::qm_mul(6.0f, e4m3_max);
   for (int64_t row = 0; row < num_rows; ++row) {
@@ -97,7 +75,6 @@ void nvfp4_four_over_six_errors(const float* x, int64_t num_rows, int64_t hidden
 
 void nvfp4_fast_decided(const float* x, int64_t num_rows, int64_t hidden, const float* amax, float e4m3_max,
                         bool four_over_six, uint8_t* decided) {
-  const IeeeDenormals ieee_denormals;
   const int64_t num_blocks = hidden / 16;
   for (int64_t row = 0; row < num_rows; ++row) {
     const qm::Nvfp4Outer outer = qm::nvfp4_outer_scales(amax[row], e4m3_max);
@@ -131,7 +108,6 @@ void mxfp8_quantize(const float* x, int64_t num_rows, int64_t hidden, bool stoch
 }
 
 void mxfp8_dequantize(const uint8_t* data, const uint8_t* scales, int64_t num_rows, int64_t hidden, float* out) {
-  const IeeeDenormals ieee_denormals;
   const int64_t total_blocks = num_rows * (hidden / 32);
   for (int64_t block = 0; block < total_blocks; ++block) {
     const float multiplier = qm::ue8m0_to_float(scales[block]);
@@ -142,7 +118,6 @@ void mxfp8_dequantize(const uint8_t* data, const uint8_t* scales, int64_t num_ro
 void nvfp4_to_mxfp8_transposed(const uint8_t* data, const uint8_t* scales, const float* amax, int64_t num_rows,
                                int64_t hidden, float e4m3_max, bool stochastic, uint64_t seed, uint8_t* out_data,
                                uint8_t* out_scales) {
-  const IeeeDenormals ieee_denormals;
   std::vector<float> dense(static_cast<size_t>(num_rows * hidden));
   nvfp4_dequantize(data, scales, amax, num_rows, hidden, e4m3_max, dense.data());
   const uint32_t key = qm::sr_key(seed);
@@ -157,7 +132,6 @@ void nvfp4_to_mxfp8_transposed(const uint8_t* data, const uint8_t* scales, const
 }
 
 void rht(const float* x, int64_t num_rows, int64_t hidden, uint32_t sign_mask, bool inverse, float* out) {
-  const IeeeDenormals ieee_denormals;
   float chunk[32];
   for (int64_t c = 0; c < num_rows * hidden / 32; ++c) {
     for (int j = 0; j < 32; ++j) chunk[j] = x[c * 32 + j];
@@ -172,7 +146,6 @@ void rht(const float* x, int64_t num_rows, int64_t hidden, uint32_t sign_mask, b
 
 void s2f6_quantize(const float* x, int64_t num_rows, int64_t hidden, bool hadamard, uint32_t sign_mask,
                    int8_t* data, uint8_t* scales) {
-  const IeeeDenormals ieee_denormals;
   float chunk[32];
   for (int64_t c = 0; c < num_rows * hidden / 32; ++c) {
     for (int j = 0; j < 32; ++j) chunk[j] = x[c * 32 + j];
@@ -187,7 +160,6 @@ void s2f6_quantize(const float* x, int64_t num_rows, int64_t hidden, bool hadama
 
 void s2f6_dequantize(const int8_t* data, const uint8_t* scales, int64_t num_rows, int64_t hidden, bool hadamard,
                      uint32_t sign_mask, float* out) {
-  const IeeeDenormals ieee_denormals;
   float chunk[32];
   for (int64_t c = 0; c < num_rows * hidden / 32; ++c) {
     for (int j = 0; j < 32; ++j) chunk[j] = qm::s2f6_decode(data[c * 32 + j], scales[c]);
@@ -199,7 +171,6 @@ void s2f6_dequantize(const int8_t* data, const uint8_t* scales, int64_t num_rows
 void s2f6_dequantize_accumulate(const int8_t* data, const uint8_t* scales, int64_t num_src_rows, int64_t hidden,
                                 const int64_t* row_index, const float* weights, int64_t num_out_rows,
                                 int64_t num_terms, bool hadamard, uint32_t sign_mask, float* out) {
-  const IeeeDenormals ieee_denormals;
   const int64_t chunks = hidden / 32;
   float acc[32];
   for (int64_t m = 0; m < num_out_rows; ++m) {
@@ -222,7 +193,6 @@ void s2f6_dequantize_accumulate(const int8_t* data, const uint8_t* scales, int64
 }
 
 int64_t exhaustive_check(ExhaustiveCheck check, uint32_t stride) {
-  const IeeeDenormals ieee_denormals;
   if (stride == 0) stride = 1;
   int64_t mismatches = 0;
   if (check == ExhaustiveCheck::kE2m1Magnitude) {
@@ -403,32 +373,25 @@ int64_t exhaustive_check(ExhaustiveCheck check, uint32_t stride) {
 }
 
 void e2m1_encode(const float* x, int64_t n, uint8_t* out) {
-  const IeeeDenormals ieee_denormals;
   for (int64_t i = 0; i < n; ++i) out[i] = qm::e2m1_encode(x[i]);
 }
 void e4m3_encode(const float* x, int64_t n, uint8_t* out) {
-  const IeeeDenormals ieee_denormals;
   for (int64_t i = 0; i < n; ++i) out[i] = qm::e4m3_encode(x[i]);
 }
 void ue8m0_mxfp8_scale(const float* amax, int64_t n, uint8_t* out) {
-  const IeeeDenormals ieee_denormals;
   for (int64_t i = 0; i < n; ++i) out[i] = qm::ue8m0_mxfp8_scale(amax[i]);
 }
 void ue8m0_s2f6_scale(const float* amax, int64_t n, uint8_t* out) {
-  const IeeeDenormals ieee_denormals;
   for (int64_t i = 0; i < n; ++i) out[i] = qm::ue8m0_s2f6_scale(amax[i]);
 }
 void rbits(uint64_t seed, const int64_t* index, int64_t n, uint32_t* out) {
-  const IeeeDenormals ieee_denormals;
   const uint32_t key = qm::sr_key(seed);
   for (int64_t i = 0; i < n; ++i) out[i] = qm::rbits(key, static_cast<uint64_t>(index[i]));
 }
 void sr_e4m3(const float* x, const uint32_t* random_bits, int64_t n, uint8_t* out) {
-  const IeeeDenormals ieee_denormals;
   for (int64_t i = 0; i < n; ++i) out[i] = qm::e4m3_encode(qm::sr_e4m3(x[i], random_bits[i]));
 }
 void bf16_round(const float* x, int64_t n, uint16_t* out) {
-  const IeeeDenormals ieee_denormals;
   for (int64_t i = 0; i < n; ++i) out[i] = qm::bf16_bits_rn(x[i]);
 }
 

@@ -1106,6 +1106,23 @@ def test_nvlink_check_handle_compares_routing_and_device():
         backend.check_handle(handle(backend._routing, device="meta"))
 
 
+def _region_with_stand_ins(monkeypatch, states, init):
+    """A _SymmetricRegion of rank 0 of 2 whose gathers answer `states` for NVSHMEM's state (the others: every rank as
+    this one), with nvshmem4py and _nvshmem_init replaced by stand-ins (no GPU here)."""
+    import sys
+    import types
+    from ep_comm.backends import nvlink
+    region = object.__new__(nvlink._SymmetricRegion)
+    region.world, region.rank, region.group, region.nbytes = 2, 0, None, 1 << 20
+    region._gather = lambda mine: states if isinstance(mine, tuple) else [mine] * 2
+    fake = types.ModuleType("nvshmem")
+    fake.core = types.ModuleType("nvshmem.core")
+    monkeypatch.setitem(sys.modules, "nvshmem", fake)
+    monkeypatch.setitem(sys.modules, "nvshmem.core", fake.core)
+    monkeypatch.setattr(nvlink, "_nvshmem_init", init)
+    return region
+
+
 @pytest.mark.cpu
 @pytest.mark.parametrize("states", [
     [(True, (0, 1), False), (False, None, False)],   # one rank initialized NVSHMEM over these ranks, the other not
@@ -1114,20 +1131,9 @@ def test_nvlink_check_handle_compares_routing_and_device():
 ])
 def test_nvshmem_setup_agrees_before_the_init_broadcast(monkeypatch, states):
     """_nvshmem_init broadcasts the unique id only where NVSHMEM is not initialized yet: ranks in different states
-    must not enter it (some would wait in the broadcast for the others). They agree first and fall back together.
-    (Stand-ins for the group and nvshmem4py: no GPU here.)"""
-    import sys
-    import types
-    from ep_comm.backends import nvlink
-    region = object.__new__(nvlink._SymmetricRegion)
-    region.world, region.rank = 2, 0
-    region._gather = lambda mine: states if isinstance(mine, tuple) else [mine] * 2
-    fake = types.ModuleType("nvshmem")
-    fake.core = types.ModuleType("nvshmem.core")
-    monkeypatch.setitem(sys.modules, "nvshmem", fake)
-    monkeypatch.setitem(sys.modules, "nvshmem.core", fake.core)
+    must not enter it (some would wait in the broadcast for the others). They agree first and fall back together."""
     entered = []
-    monkeypatch.setattr(nvlink, "_nvshmem_init", lambda *args: entered.append(args))
+    region = _region_with_stand_ins(monkeypatch, states, lambda *args: entered.append(args))
     why = region._setup_nvshmem()
     assert why is not None and "NVSHMEM's state differs between the ranks" in why and entered == []
 
@@ -1136,22 +1142,12 @@ def test_nvshmem_setup_agrees_before_the_init_broadcast(monkeypatch, states):
 def test_nvshmem_setup_enters_the_init_when_the_ranks_agree(monkeypatch):
     """The counterpart: ranks in the same state go on to _nvshmem_init (here a stand-in that fails, so the setup
     reports the agreed init failure instead of a state mismatch)."""
-    import sys
-    import types
-    from ep_comm.backends import nvlink
-    region = object.__new__(nvlink._SymmetricRegion)
-    region.world, region.rank, region.group, region.nbytes = 2, 0, None, 1 << 20
-    region._gather = lambda mine: [(False, None, False)] * 2 if isinstance(mine, tuple) else [mine] * 2
-    fake = types.ModuleType("nvshmem")
-    fake.core = types.ModuleType("nvshmem.core")
-    monkeypatch.setitem(sys.modules, "nvshmem", fake)
-    monkeypatch.setitem(sys.modules, "nvshmem.core", fake.core)
     entered = []
 
     def init(*args):
         entered.append(args)
         raise RuntimeError("stand-in")
 
-    monkeypatch.setattr(nvlink, "_nvshmem_init", init)
+    region = _region_with_stand_ins(monkeypatch, [(False, None, False)] * 2, init)
     why = region._setup_nvshmem()
     assert len(entered) == 1 and "NVSHMEM init failed: RuntimeError: stand-in" in why, why
