@@ -66,6 +66,7 @@ class NvlinkContext {
     c.off_disp_counts = get<long long>(d, "off_disp_counts");
     c.off_row_flags = get<long long>(d, "off_row_flags");
     c.off_abort = get<long long>(d, "off_abort");
+    c.off_comb_desc = get<long long>(d, "off_comb_desc");
     c.direct_self_min_tokens = get<int>(d, "direct_self_min_tokens");
     c.timeout_ns = get<unsigned long long>(d, "timeout_ns");
     c.peer_bases = ptr<const unsigned long long>(get<uintptr_t>(d, "peer_bases"));
@@ -82,6 +83,9 @@ class NvlinkContext {
     if (c.world < 1 || c.world > kMaxWorld) throw std::invalid_argument("world size out of range for nvlink");
     if (c.hidden % 32 != 0) throw std::invalid_argument("hidden must be a multiple of 32");
     if (c.off_abort < 0 || c.off_abort % 4 != 0) throw std::invalid_argument("off_abort must be a 4-byte aligned offset");
+    if (c.off_comb_desc < 0 || c.off_comb_desc % 8 != 0) {
+      throw std::invalid_argument("off_comb_desc must be an 8-byte aligned offset");
+    }
     if (c.disp_send_blocks < 1 || c.disp_recv_blocks < 1 || c.comb_send_blocks < 1 || c.comb_recv_blocks < 1)
       throw std::invalid_argument("nvlink kernel block counts must be >= 1");
     select();
@@ -110,11 +114,14 @@ class NvlinkContext {
   }
 
   // The receive side's fields (this rank's own routing and the output).
-  CombineArgs receive_args(uintptr_t send_idx, uintptr_t send_w, int num_tokens, uintptr_t out) const {
+  CombineArgs receive_args(uintptr_t send_idx, uintptr_t send_w, uintptr_t dispatch_epoch, int num_tokens,
+                           uintptr_t out) const {
     if (num_tokens < 0 || num_tokens > cfg_.max_tokens) throw std::invalid_argument("num_tokens out of range");
+    if (!dispatch_epoch) throw std::invalid_argument("combine needs the handle's dispatch epoch");
     CombineArgs a{};
     a.send_idx = ptr<const int>(send_idx);
     a.send_w = ptr<const float>(send_w);
+    a.dispatch_epoch = ptr<const unsigned long long>(dispatch_epoch);
     a.num_tokens = num_tokens;
     a.out = ptr<unsigned short>(out);
     return a;
@@ -122,8 +129,8 @@ class NvlinkContext {
 
   void combine(uintptr_t expert_out, uintptr_t row_weight, bool local_reduce, uintptr_t recv_count,
                uintptr_t recv_tok, uintptr_t recv_ord, uintptr_t recv_rows, uintptr_t send_idx, uintptr_t send_w,
-               int num_tokens, uintptr_t out, uintptr_t stream) {
-    CombineArgs a = receive_args(send_idx, send_w, num_tokens, out);
+               uintptr_t dispatch_epoch, int num_tokens, uintptr_t out, uintptr_t stream) {
+    CombineArgs a = receive_args(send_idx, send_w, dispatch_epoch, num_tokens, out);
     a.expert_out = ptr<const unsigned short>(expert_out);
     a.row_weight = ptr<const float>(row_weight);
     a.local_reduce = local_reduce ? 1 : 0;
@@ -139,15 +146,18 @@ class NvlinkContext {
   // The combine of rows that the grouped GEMM's combine-row epilogue stores itself (local_reduce=False rows):
   // begin before the GEMM (wait until the sources have read the previous combine), finish after it (the receive
   // kernel publishes, then receives: weights applied and summed in top-k slot order, inverse RHT, bf16 out).
-  void combine_rows_begin(uintptr_t stream) {
+  void combine_rows_begin(uintptr_t dispatch_epoch, uintptr_t stream) {
+    if (!dispatch_epoch) throw std::invalid_argument("combine needs the handle's dispatch epoch");
     CombineArgs a{};
     a.wait_only = 1;
+    a.dispatch_epoch = ptr<const unsigned long long>(dispatch_epoch);  // rows of the local_reduce=False form
     select();
     launch_combine_send(cfg_, a, stream);
   }
 
-  void combine_rows_finish(uintptr_t send_idx, uintptr_t send_w, int num_tokens, uintptr_t out, uintptr_t stream) {
-    CombineArgs a = receive_args(send_idx, send_w, num_tokens, out);
+  void combine_rows_finish(uintptr_t send_idx, uintptr_t send_w, uintptr_t dispatch_epoch, int num_tokens,
+                           uintptr_t out, uintptr_t stream) {
+    CombineArgs a = receive_args(send_idx, send_w, dispatch_epoch, num_tokens, out);
     a.local_reduce = 0;
     a.publish_rows = 1;  // the receive kernel releases the GEMM's rows itself: one launch instead of two
     select();
@@ -157,14 +167,14 @@ class NvlinkContext {
   // One-allocation dispatch outputs: every result/handle tensor is a 256-byte aligned section of one
   // uint8 arena (Python carves the views from the same table). Order and sizes are fixed by the config
   // and num_tokens; absent sections (scales for BF16, amax unless NVFP4) have 0 bytes.
-  static constexpr int kArenaSections = 16;
+  static constexpr int kArenaSections = 17;
   struct ArenaLayout {
     long long off[kArenaSections];
     long long bytes[kArenaSections];
     long long total;
   };
   // rows: the table of a dispatch without expansion (row_index): no payload or scale section, a row_index section.
-  // The sections every call has (0, 1, 4..14) sit at the same offsets either way (2 and 3 come last, 15 after 14), so
+  // The sections every call has (0, 1, 4..14, 16) sit at the same offsets either way (2 and 3 come last, 15 after 16), so
   // combine reads either kind of arena with the expanded table.
   ArenaLayout arena_layout(int num_tokens, bool rows = false) const {
     const NvlinkConfig& c = cfg_;
@@ -187,10 +197,11 @@ class NvlinkContext {
         4 * W * tmax,                                // 13 recv_ord i32 [W * T_max]
         4 * W * tmax * K,                            // 14 recv_rows i32 [W * T_max * K]
         rows ? 4 * R : 0,                            // 15 row_index i32 [R] (rows only)
+        8,                                           // 16 dispatch_epoch u64 [1] (the layout kernel writes it)
     };
-    // Physical order: the 4-byte-element sections first (Python views them as one int32 block), then the
+    // Physical order: the 4- and 8-byte-element sections first (Python views them as one int32 block), then the
     // payload and scale bytes.
-    static constexpr int kOrder[kArenaSections] = {0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 2, 3};
+    static constexpr int kOrder[kArenaSections] = {0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 16, 15, 2, 3};
     ArenaLayout a{};
     long long run = 0;
     for (int o = 0; o < kArenaSections; ++o) {
@@ -230,7 +241,7 @@ class NvlinkContext {
     launch_dispatch(a, stream);
   }
 
-  // The dispatch's arguments with every output address at its arena section (sections 0..14, in the order of
+  // The dispatch's arguments with every output address at its arena section (sections 0..14 and 16, in the order of
   // arena_layout; an empty section gives a null address).
   DispatchArgs arena_args(uintptr_t x, uintptr_t topk_idx, bool idx_is_int64, uintptr_t topk_weights, int num_tokens,
                           uintptr_t arena, bool rows = false) const {
@@ -260,6 +271,7 @@ class NvlinkContext {
     a.recv_tok = ptr<int>(at(12));
     a.recv_ord = ptr<int>(at(13));
     a.recv_rows = ptr<int>(at(14));
+    a.dispatch_epoch = ptr<unsigned long long>(at(16));
     return a;
   }
 
@@ -303,7 +315,8 @@ class NvlinkContext {
     if (num_tokens < 0 || num_tokens > cfg_.max_tokens) throw std::invalid_argument("num_tokens out of range");
     const ArenaLayout l = arena_layout(num_tokens);
     auto at = [&](int i) -> uintptr_t { return arena + static_cast<uintptr_t>(l.off[i]); };
-    combine(expert_out, at(10), local_reduce, at(11), at(12), at(13), at(14), at(0), at(1), num_tokens, out, stream);
+    combine(expert_out, at(10), local_reduce, at(11), at(12), at(13), at(14), at(0), at(1), at(16), num_tokens, out,
+            stream);
   }
 
   int layout_threads() const { return layout_warps(cfg_) * 32; }

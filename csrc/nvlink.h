@@ -10,6 +10,11 @@
 //              comb_ready[W]    my region, slot e: blocks of expert rank e that finished writing rows to me
 //              comb_consumed[W] my region, slot s: blocks of source s that finished reading my rows
 //              disp_counts[W]   my region, slot s: dispatch calls whose counts source s has written to me
+//              comb_desc[W]     my region, slot e: what expert rank e's latest combine rows to me belong to
+//                               (combine_descriptor: the epoch of the dispatch whose handle it combined, and
+//                               local_reduce), stored before its comb_ready signal. The receive compares each with
+//                               its own and records a fault on a mismatch: the ranks combined different dispatches'
+//                               handles or disagreed on local_reduce, so the rows are not what it reads them as
 //   abort      u32 (spin_wait.cuh): nonzero once this rank gave up (a timeout or a fault) or a peer told it that it
 //              gave up (nvlink_give_up.cu); every wait then fails at once. After a failed wait a sender stores nothing
 //              more (fail-stop), so a peer that is only slow times out instead of reading a later call's rows
@@ -82,6 +87,8 @@ enum Stage : int {
   kStageRowPastCapacity = 7,       // dispatch: a row's place fell outside [0, R) (counts and rows of different calls
                                    // after a timeout, or a token with one expert in two slots and check_inputs off)
   // 8 = kStagePeerGaveUp (spin_wait.cuh): the peer named in the word gave up and set this rank's abort word
+  kStageCombineMismatch = 9,       // combine receive: the peer's rows belong to another dispatch's handle or to the
+                                   // other local_reduce mode (comb_desc)
 };
 
 constexpr int kMaxTopk = 32;    // one lane per top-k slot in several warp-level steps
@@ -161,6 +168,7 @@ struct NvlinkConfig {
   long long off_disp_counts;  // disp_counts[W] (u64 counters)
   long long off_row_flags;    // row flags [W][T_max] (u32 epochs)
   long long off_abort;        // the abort word (u32, spin_wait.cuh): in the region, so that a peer can set it
+  long long off_comb_desc;    // comb_desc[W] (u64 combine descriptors)
 
   unsigned long long timeout_ns;
 
@@ -187,6 +195,7 @@ struct DispatchArgs {
   // Handle (sender side copies, read by combine-receive).
   int* send_idx;    // [T, K] normalized expert ids (-1 masked)
   float* send_w;    // [T, K]
+  unsigned long long* dispatch_epoch;  // [1] this dispatch's epoch (NvlinkState::disp_epoch), by the layout kernel
   // Expert-major result.
   unsigned char* out_data;    // NVFP4 [R, H/2] / MXFP8 [R, H] / BF16 [R, 2H bytes]
   unsigned char* out_scales;  // NVFP4 [R, H/16] / MXFP8 [R, H/32] / unused
@@ -238,6 +247,7 @@ struct CombineArgs {
   const int* recv_rows;
   const int* send_idx;   // [T, K]
   const float* send_w;   // [T, K]
+  const unsigned long long* dispatch_epoch;  // [1] the handle's dispatch epoch (DispatchArgs::dispatch_epoch)
   int num_tokens;
   unsigned short* out;   // bf16 [T, H]
   // The grouped GEMM's combine-row epilogue writes the local_reduce=False rows itself (another kernel). Before it,
@@ -459,6 +469,12 @@ __device__ __forceinline__ void signal_all_peers_once(const NvlinkConfig& cfg, l
   __threadfence_system();  // the rows it publishes were stored by an earlier kernel
   if (stop) return;
   for (int p = 0; p < cfg.world; ++p) signal_peer(cfg, flags_off, p, amount);
+}
+
+// What a combine's rows belong to (comb_desc): the epoch of the dispatch whose handle it combines and its local_reduce
+// mode (the row layout); bit 63 set, so that no descriptor is the region's initial zero.
+__device__ __forceinline__ unsigned long long combine_descriptor(unsigned long long dispatch_epoch, int local_reduce) {
+  return (1ull << 63) | ((dispatch_epoch & 0x3FFFFFFFFFFFFFFFull) << 1) | (local_reduce ? 1ull : 0ull);
 }
 
 __device__ __forceinline__ char* peer_ptr(const NvlinkConfig& cfg, int peer, long long offset) {

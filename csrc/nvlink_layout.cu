@@ -73,7 +73,11 @@ __global__ void __launch_bounds__(kLayoutMaxWarps * 32) layout_kernel(NvlinkConf
   const long long key_begin = t_begin * topk;
   const long long num_keys = t_end > t_begin ? (t_end - t_begin) * topk : 0;
 
-  if (chunk == 0 && threadIdx.x == 0) cfg.state->disp_epoch += 1ull;  // this dispatch's epoch
+  if (chunk == 0 && threadIdx.x == 0) {
+    const unsigned long long epoch = cfg.state->disp_epoch + 1ull;  // this dispatch's epoch
+    cfg.state->disp_epoch = epoch;
+    *args.dispatch_epoch = epoch;  // the handle's copy: a combine on it tells the peers which dispatch its rows follow
+  }
   for (int i = threadIdx.x; i < num_warps * num_keys_kinds; i += blockDim.x) hist[i] = 0;
   __syncthreads();
 

@@ -496,6 +496,9 @@ class Buffer:
             local_reduce: True (default) sums a token's local experts on the expert rank and sends one row
                 per (token, rank); False sends one row per (token, expert) (what a fused GEMM epilogue
                 writes) and the source rank applies the weights.
+            Every rank passes the handle of the same dispatch call and the same local_reduce. A mismatch raises on
+            every rank: at once on the reference backend; on nvlink (found on the device) at the next call or
+            `check()`, the Buffer then unusable.
             comm_stream, done_event: as for `dispatch` (the combine then runs on comm_stream after the work enqueued
                 so far on the current stream; wait on done_event before using the result on the current stream).
         Returns:

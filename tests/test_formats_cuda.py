@@ -433,6 +433,43 @@ def test_edge_rows(dtype, hidden):
                    F.nvfp4_to_mxfp8_transposed(q32, seed=9, impl="reference"), "transposed edge")
 
 
+@pytest.mark.parametrize("hidden", [2048, 7168])
+@pytest.mark.parametrize("hadamard, sign_mask", [(True, F.DEFAULT_SIGN_MASK), (True, 0x5A5A0F0F), (False, 0)])
+def test_s2f6_accumulate_edge_rows_many_terms(hidden, hadamard, sign_mask):
+    """Several terms per output row mixing the edge rows (+-0, subnormals, outliers, scattered and all NaN, +-Inf, near
+    FLT_MAX) with normal rows, under weights that are 0, -0, negative, subnormal, huge (products and sums overflow to
+    +-Inf, Inf + -Inf = NaN), NaN and Inf, in 1..8 terms with skipped slots between: bitwise the reference for fp32
+    and bf16 out, with the default and another RHT sign vector (the kernel's FWHT signs) and without the RHT."""
+    g = torch.Generator().manual_seed(hidden + sign_mask % 1000)
+    edges = edge_rows(hidden)
+    rows = torch.cat([edges, torch.randn(20, hidden, generator=g) * 3.0, edges[9:10] * -1.0])  # -3e38 row too
+    s = F.s2f6_quantize(rows, hadamard=hadamard, sign_mask=sign_mask, impl="reference")
+    s_cuda = F.S2F6Tensor(s.data.to(DEVICE), s.scales.to(DEVICE), s.hadamard, s.sign_mask)
+    assert_same_mx(_cpu_s2f6(F.s2f6_quantize(rows.to(DEVICE), hadamard=hadamard, sign_mask=sign_mask, impl="cuda")),
+                   s, "s2f6 of the edge rows")
+    num_src, num_terms, num_out = rows.shape[0], 8, 96
+    index = torch.randint(0, num_src, (num_out, num_terms), generator=g)
+    index[::2, 0] = torch.arange(0, num_out, 2) % edges.shape[0]  # every edge row leads some output row
+    index[torch.rand(num_out, num_terms, generator=g) < 0.2] = -1
+    index[5, 1:] = -1                     # one term
+    index[6] = 9                          # the near-FLT_MAX row 8 times: the sum overflows
+    index[7, :2] = torch.tensor([9, num_src - 1])  # +3e38 then -3e38 (times weights)
+    special = torch.tensor([0.0, -0.0, -1.5, 1e-40, 3e38, -3e38, math.nan, math.inf, -math.inf, 1.0])
+    weights = torch.rand(num_out, num_terms, generator=g) * 2.0 - 0.5
+    pick = torch.rand(num_out, num_terms, generator=g) < 0.08
+    weights[pick] = special[torch.randint(0, special.numel(), (int(pick.sum()),), generator=g)]
+    weights[6] = 3e38
+    for out_dtype in (torch.float32, torch.bfloat16):
+        for w in (weights, None):
+            want = F.s2f6_dequantize_accumulate(s, index, w, out_dtype=out_dtype, impl="reference")
+            got = F.s2f6_dequantize_accumulate(s_cuda, index.to(DEVICE), None if w is None else w.to(DEVICE),
+                                               out_dtype=out_dtype, impl="cuda")
+            assert_same_floats(got.cpu(), want, f"accumulate edge terms {out_dtype} weighted={w is not None}")
+    # the cases above are really there: non-finite and overflowing sums in the reference's output
+    want = F.s2f6_dequantize_accumulate(s, index, weights, out_dtype=torch.float32, impl="reference")
+    assert bool(want.isnan().any()) and bool(want.isinf().any()) and bool((want == 0).any())
+
+
 def test_empty_inputs():
     x = torch.empty(0, 2048, device=DEVICE, dtype=torch.bfloat16)
     assert F.nvfp4_quantize(x, impl="cuda").data.shape == (0, 1024)

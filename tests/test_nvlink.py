@@ -102,10 +102,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _buffers(hidden, num_experts, topk, max_tokens, dfmt, cfmt, align, num_sms=24, timeout_s=20.0,
-             num_local_sms=0):
+             num_local_sms=0, sign_mask=None):
+    """(reference Buffer, nvlink Buffer) with the same settings; sign_mask: both Buffers' rht_sign_mask (None: default)."""
     import ep_comm
     common = dict(hidden=hidden, num_experts=num_experts, num_topk=topk, max_tokens_per_rank=max_tokens,
                   dispatch_format=dfmt, combine_format=cfmt, expert_alignment=align)
+    if sign_mask is not None:
+        common["rht_sign_mask"] = sign_mask
     ref = ep_comm.Buffer(None, backend="reference", **common)
     if SHARED_GPU:
         ref = HostReference(ref)  # gloo group: the reference runs on CPU copies
@@ -114,11 +117,13 @@ def _buffers(hidden, num_experts, topk, max_tokens, dfmt, cfmt, align, num_sms=2
     return ref, nvl
 
 
-def _run_pair(name, rank, world, ref, nvl, x, idx, w, fmt, seed, edge=False, expand=True):
+def _run_pair(name, rank, world, ref, nvl, x, idx, w, fmt, seed, edge=False, expand=True, ref_idx=None):
     """Dispatch + combine (both local_reduce modes) on both backends; bitwise equal. Returns a digest. expand=False:
-    the nvlink dispatch hands out its staging rows and row_index; their gather is compared with the reference."""
-    want = ref.dispatch(x, idx, w)
-    got = nvl.dispatch(x, idx, w, expand=expand)
+    the nvlink dispatch hands out its staging rows and row_index; their gather is compared with the reference.
+    ref_idx: the reference dispatches these ids instead, and the nvlink dispatch runs with check_inputs=False."""
+    want = ref.dispatch(x, idx if ref_idx is None else ref_idx, w)
+    got = (nvl.dispatch(x, idx, w, expand=expand) if ref_idx is None
+           else nvl.dispatch(x, idx, w, expand=expand, check_inputs=False))
     if not expand:
         assert got.row_index is not None and got.row_index.shape == (got.num_rows,), name
     got = _expert_major(got)
@@ -237,16 +242,23 @@ def block_counts_worker(rank, world, stream_recv=True):
     return summary
 
 
-def _pressure_hash(nvl, x, idx, w, hidden, rank, fmt="nvfp4"):
-    """The same inputs 50 times (dispatch, dispatch again, combine twice per handle) -> one hash (returned)."""
-    hashes = set()
-    out = None
-    for it in range(50):
-        res = nvl.dispatch(x, idx, w)
+def _pressure_hash(nvl, x, idx, w, hidden, rank, fmt="nvfp4", alt=None):
+    """The same inputs 50 times (dispatch, dispatch again, combine twice per handle) -> one hash (returned, with the
+    expert outputs used). alt = (x, idx, w): 100 calls alternating between the two input sets instead, each set one
+    hash and the two different -- a call that read rows or counts left by the previous call would give its set a
+    second hash, which identical inputs every time would hide."""
+    sets = [(x, idx, w)] if alt is None else [(x, idx, w), alt]
+    hashes = [set() for _ in sets]
+    outs = [None] * len(sets)
+    for it in range(50 * len(sets)):
+        which = it % len(sets)
+        cx, cidx, cw = sets[which]
+        res = nvl.dispatch(cx, cidx, cw)
         if it % 10 == 3:
-            res = nvl.dispatch(x, idx, w)  # two dispatches in a row: staging reuse must wait for readers
-        if out is None:
-            _, out = _expert_out(int(res.expert_offsets[-1]), res.num_rows, hidden, 9, rank)
+            res = nvl.dispatch(cx, cidx, cw)  # two dispatches in a row: staging reuse must wait for readers
+        if outs[which] is None:
+            _, outs[which] = _expert_out(int(res.expert_offsets[-1]), res.num_rows, hidden, 9 + which, rank)
+        out = outs[which]
         y1 = nvl.combine(out, res.handle)
         y2 = nvl.combine(out, res.handle, local_reduce=False)
         if it % 10 == 7:
@@ -254,9 +266,12 @@ def _pressure_hash(nvl, x, idx, w, hidden, rank, fmt="nvfp4"):
         digest = hashlib.sha256(payload_bytes(res.x, fmt)[:int(res.expert_offsets[-1])].cpu().numpy())
         digest.update(_bits(y1).numpy().tobytes())
         digest.update(_bits(y2).numpy().tobytes())
-        hashes.add(digest.hexdigest())
-    assert len(hashes) == 1, f"50 identical calls gave {len(hashes)} different results"
-    return hashes.pop(), out
+        hashes[which].add(digest.hexdigest())
+    for which, found in enumerate(hashes):
+        assert len(found) == 1, f"50 identical calls (input set {which}) gave {len(found)} different results"
+    if alt is not None:
+        assert hashes[0] != hashes[1], "the two input sets gave the same results"
+    return next(iter(hashes[0])), outs[0]
 
 
 def _expert_major(res):
@@ -313,13 +328,14 @@ def _graph_matches_eager(nvl, ref, x, idx, w, out, fmt, rank, world, expand=True
 def streaming_pressure_and_graph_worker(rank, world):
     """Rows with row flags (one warp per token: sends on 2 blocks), expanded by the receive as they arrive, for BF16
     (the receive reads this rank's own rows from x), NVFP4 with direct self rows, NVFP4 with its own rows staged (row
-    flags into its own region) and MXFP8: 50 identical calls give one hash, calls equal the reference backend, and a
-    CUDA-graph replay equals the eager calls. Then calls with new routing each time and uneven token counts (256 on
+    flags into its own region) and MXFP8: calls alternating between two input sets give one hash per set, calls
+    equal the reference backend, and a CUDA-graph replay equals the eager calls. Then calls with new routing each time and uneven token counts (256 on
     one rank, 16 on the other: one send writes row flags, the other splits rows across warps and writes none), with x
     zeroed right after each dispatch is enqueued: the dispatch's last kernel must not finish before its send has read
     x."""
     hidden, experts, topk, max_tokens = 2048, 16 * world, 8, 256
     x, idx, w = _make_inputs(rank, max_tokens, hidden, experts, topk, "uniform", world, seed=6)
+    alt = _make_inputs(rank, max_tokens, hidden, experts, topk, "masked", world, seed=16)
     # (dispatch format, combine format, send blocks, local blocks, direct self rows from this many tokens or None)
     cases = (("bf16", "bf16", 2, 0, None), ("nvfp4", "s2f6", 2, 2, 0), ("nvfp4", "s2f6", 2, 2, None),
              ("mxfp8", "s2f6", 2, 0, None))
@@ -328,7 +344,7 @@ def streaming_pressure_and_graph_worker(rank, world):
         ref, nvl = _buffers(hidden, experts, topk, max_tokens, dfmt, cfmt, 1, num_sms=sms, num_local_sms=local_sms)
         name = f"streaming {dfmt} direct_self={direct_self}"
         try:
-            _, out = _pressure_hash(nvl, x, idx, w, hidden, rank, dfmt)
+            _, out = _pressure_hash(nvl, x, idx, w, hidden, rank, dfmt, alt=alt)
             _run_pair(name, rank, world, ref, nvl, x, idx, w, dfmt, seed=7)
             for call in range(4):
                 tokens = max_tokens if (rank + call) % 2 == 0 else 16
@@ -348,16 +364,17 @@ def streaming_pressure_and_graph_worker(rank, world):
 
 
 def pressure_and_graph_worker(rank, world):
-    """Races (50 identical calls, one hash) with the NVFP4 self rows staged and stored directly by the send (a wait
-    on the peers' counts inside the send): the same hash; graph replay with direct self rows; then Buffer
-    create/destroy leaks."""
+    """Races (calls alternating between two input sets, one hash per set) with the NVFP4 self rows staged and stored
+    directly by the send (a wait on the peers' counts inside the send): the same hash; graph replay with direct self
+    rows; then Buffer create/destroy leaks."""
     import ep_comm
     hidden, experts, topk, max_tokens = 2048, 16 * world, 8, 256
     x, idx, w = _make_inputs(rank, max_tokens, hidden, experts, topk, "uniform", world, seed=5)
+    alt = _make_inputs(rank, max_tokens, hidden, experts, topk, "masked", world, seed=15)
     _direct_self(None)
     ref, nvl = _buffers(hidden, experts, topk, max_tokens, "nvfp4", "s2f6", 1)
     try:
-        staged_hash, _ = _pressure_hash(nvl, x, idx, w, hidden, rank)
+        staged_hash, _ = _pressure_hash(nvl, x, idx, w, hidden, rank, alt=alt)
     finally:
         ref.destroy()
         nvl.destroy()
@@ -365,7 +382,7 @@ def pressure_and_graph_worker(rank, world):
     ref, nvl = _buffers(hidden, experts, topk, max_tokens, "nvfp4", "s2f6", 1)
     results = {}
     try:
-        results["pressure"], out = _pressure_hash(nvl, x, idx, w, hidden, rank)
+        results["pressure"], out = _pressure_hash(nvl, x, idx, w, hidden, rank, alt=alt)
         assert results["pressure"] == staged_hash, "direct self rows changed the results"
 
         _graph_matches_eager(nvl, ref, x, idx, w, out, "nvfp4", rank, world)
@@ -529,8 +546,10 @@ def rejected_ids_worker(rank, world):
 def capacity_fault_worker(rank, world, direct_self=False):
     """check_inputs=False and every token naming one expert in two slots, with top-k above the experts per rank: each
     rank receives more rows than max_recv_rows (sized for min(K, experts per rank) rows per token). The receive must
-    write nothing outside its result (guard tensors on both sides of the arena stay intact) and record the fault, so
-    that check() raises naming it (it used to write past the arena)."""
+    write nothing outside its result and record the fault, so that check() raises naming it (it used to write past the
+    arena). The dispatch is launched on an arena carved from the middle of a larger tensor (the C++ entry, with the
+    table Python uses), so guard words right before and after the arena would show a stray write; two more guard
+    tensors are allocated around the call."""
     import ep_comm
     _direct_self(0 if direct_self else None)
     hidden, experts, topk, tokens = 256, 2 * world, 4, 16
@@ -543,11 +562,18 @@ def capacity_fault_worker(rank, world, direct_self=False):
         idx = torch.tensor([0, 0, 1, 1], device="cuda").repeat(tokens, 1)
         w = torch.rand(tokens, topk, device="cuda")
         guard_after = torch.full((1 << 20,), 7, dtype=torch.int32, device="cuda")
-        buf.dispatch(x, idx, w)
+        backend = buf._backend
+        words, guard_words = backend._arena_recipe(tokens).words, 1 << 16
+        guarded = torch.full((words + 2 * guard_words,), 0x7A7A7A7A, dtype=torch.int32, device="cuda")
+        arena = guarded[guard_words:guard_words + words]
+        backend._ctx.dispatch_arena(x.data_ptr(), idx.data_ptr(), True, w.data_ptr(), tokens, arena.data_ptr(),
+                                    torch.cuda.current_stream().cuda_stream)
         torch.cuda.synchronize()
         if rank == 0:
             with pytest.raises(RuntimeError, match="outside its result"):
-                buf._backend.check()
+                backend.check()
+        assert bool((guarded[:guard_words] == 0x7A7A7A7A).all()), "a write landed right before the arena"
+        assert bool((guarded[guard_words + words:] == 0x7A7A7A7A).all()), "a write landed right after the arena"
         assert bool((guard_before == 7).all()) and bool((guard_after == 7).all()), "a write landed outside the result"
         torch.cuda.synchronize()
     finally:
@@ -597,6 +623,100 @@ def rows_worker(rank, world):
     finally:
         ref.destroy()
         nvl.destroy()
+    return "ok"
+
+
+def out_of_range_ids_worker(rank, world):
+    """check_inputs=False: expert ids outside [0, E) -- E itself, -5, 2^40 (int64), INT32_MIN / INT32_MAX (int32), a
+    token with every slot out of range -- are masked slots in the kernels: dispatch and combine are bitwise the
+    reference backend's with those ids set to -1 (README, "check_inputs"), for both id dtypes and an expanded and a
+    rows-only dispatch; and nothing is recorded as a fault. The Buffers take a non-default RHT sign vector, which the
+    S2F6 combine's forward and inverse RHT must both use to give the reference's bits."""
+    hidden, experts, topk, max_tokens = 2048, 8 * world, 4, 32
+    ref, nvl = _buffers(hidden, experts, topk, max_tokens, "nvfp4", "s2f6", 1, sign_mask=0x0F0F5A5A)
+    try:
+        for call, idx_dtype in enumerate((torch.int64, torch.int32)):
+            x, idx, w = _make_inputs(rank, max_tokens, hidden, experts, topk, "uniform", world, seed=40 + call,
+                                     idx_dtype=idx_dtype)
+            bad = idx.clone()
+            big = 2**40 if idx_dtype == torch.int64 else 2**31 - 1
+            small = -5 if idx_dtype == torch.int64 else -2**31
+            bad[0, 0], bad[1, 1], bad[2, topk - 1], bad[3] = experts, small, big, experts + 7
+            masked = torch.where((bad < 0) | (bad >= experts), torch.full_like(bad, -1), bad)
+            assert int((masked != idx).sum()) == 3 + topk
+            _run_pair(f"out-of-range ids {idx_dtype}", rank, world, ref, nvl, x, bad, w, "nvfp4", seed=call,
+                      expand=call == 0, ref_idx=masked)
+        torch.cuda.synchronize()
+        nvl._backend.check()
+    finally:
+        ref.destroy()
+        nvl.destroy()
+    return "ok"
+
+
+def combine_mismatch_worker(rank, world):
+    """Combines the ranks do not agree on are found on the device (comb_desc, csrc/nvlink.h): with local_reduce
+    different on the ranks, or with the handles of two different dispatches, every rank raises at its next check naming
+    a peer, and the Buffer refuses further calls. Combines that agree raise nothing: one handle combined twice, an older
+    handle after a newer dispatch (bitwise the reference's combine of that dispatch), a handle combined on a same-size
+    twin Buffer, both local_reduce modes. Also: the handle's dispatch epoch is the device's call count, and the C++
+    arena table is the one the CPU tests copy (_cpp_arena_layout)."""
+    import ep_comm
+    hidden, experts, topk, max_tokens = 256, 4 * world, 4, 16
+    other = 1 - rank if world == 2 else None
+    ref, nvl = _buffers(hidden, experts, topk, max_tokens, "nvfp4", "s2f6", 1, sign_mask=0)  # no signs: an edge
+    twin = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=max_tokens,
+                          backend="nvlink", timeout_s=20.0, rht_sign_mask=0)
+    try:
+        cfg = nvl.config
+        for rows_only in (False, True):
+            for tokens in (0, 5, max_tokens):
+                got = nvl._backend._ctx.dispatch_arena_layout(tokens, rows_only)
+                want = _cpp_arena_layout(tokens, topk, cfg.max_recv_rows, world, cfg.num_local_experts, max_tokens,
+                                         hidden // 2, hidden // 16, True, rows_only)
+                assert (list(got[0]), list(got[1]), got[2]) == (list(want[0]), list(want[1]), want[2]), \
+                    ("arena table", tokens, rows_only)
+        inputs = [_make_inputs(rank, max_tokens, hidden, experts, topk, "masked", world, seed=60 + i) for i in range(2)]
+        first = nvl.dispatch(*inputs[0])
+        second = nvl.dispatch(*inputs[1])
+        torch.cuda.synchronize()
+        assert int(second.handle.dispatch_epoch) == int(first.handle.dispatch_epoch) + 1 >= 2
+        rows = int(first.expert_offsets[-1])
+        out_ref, out = _expert_out(rows, first.num_rows, hidden, 5, rank)
+        want = ref.dispatch(*inputs[0])
+        for local_reduce in (True, False):
+            y_ref = _bits(ref.combine(out_ref, want.handle, local_reduce=local_reduce))
+            older = _bits(nvl.combine(out, first.handle, local_reduce=local_reduce))  # after `second` was dispatched
+            assert torch.equal(older, y_ref), ("older handle", local_reduce)
+            assert torch.equal(_bits(nvl.combine(out, first.handle, local_reduce=local_reduce)), y_ref)
+            assert torch.equal(_bits(twin.combine(out, first.handle, local_reduce=local_reduce)), y_ref)
+        torch.cuda.synchronize()
+        nvl._backend.check()
+        twin._backend.check()
+    finally:
+        ref.destroy()
+        twin.destroy()
+    nvl.destroy()
+    peer = rf"rank {other}" if other is not None else r"rank \d+"
+    for case in ("local_reduce", "handles"):
+        buf = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=max_tokens,
+                             backend="nvlink", timeout_s=20.0)
+        try:
+            a = buf.dispatch(*inputs[0])
+            b = buf.dispatch(*inputs[1])
+            zeros = torch.zeros(a.num_rows, hidden, dtype=torch.bfloat16, device=a.x.data.device)
+            with pytest.raises(RuntimeError, match=rf"combine \(call 1\) got rows from {peer} that belong to another"):
+                if case == "local_reduce":
+                    buf.combine(zeros, a.handle, local_reduce=rank == 0)
+                else:
+                    buf.combine(zeros, (a if rank == 0 else b).handle)
+                torch.cuda.synchronize()
+                buf._backend.check()
+            with pytest.raises(RuntimeError, match="belong to another"):  # and it stays unusable
+                buf.dispatch(*inputs[0])
+            torch.cuda.synchronize()
+        finally:
+            buf.destroy()
     return "ok"
 
 
@@ -680,6 +800,16 @@ def test_nvlink_rows_only_dispatch():
 @pytest.mark.multigpu
 def test_nvlink_refuses_misuse():
     assert run_ranks(misuse_worker, _world(), backend=multigpu_backend(), timeout_s=300) == ["ok"] * _world()
+
+
+@pytest.mark.multigpu
+def test_nvlink_out_of_range_ids_are_masked_without_checks():
+    assert run_ranks(out_of_range_ids_worker, _world(), backend=multigpu_backend(), timeout_s=300) == ["ok"] * _world()
+
+
+@pytest.mark.multigpu
+def test_nvlink_combine_mismatch_across_ranks_is_detected():
+    assert run_ranks(combine_mismatch_worker, 2, backend=multigpu_backend(), timeout_s=300) == ["ok", "ok"]
 
 
 @pytest.mark.multigpu
@@ -894,14 +1024,14 @@ def test_nvlink_region_sections_are_disjoint(world, fmt):
 
 def _cpp_arena_layout(num_tokens, topk, rows, world, num_local, max_tokens, data_bytes, scale_bytes, nvfp4,
                       rows_only=False):
-    """A Python copy of NvlinkContext::arena_layout (csrc/bind_nvlink.cpp): (byte offsets, bytes, total) of the 16
+    """A Python copy of NvlinkContext::arena_layout (csrc/bind_nvlink.cpp): (byte offsets, bytes, total) of the 17
     sections, 256-byte aligned, in the C++ physical order (rows_only: no payload sections, a row_index section)."""
     t, k, r, w, e = num_tokens, topk, rows, world, num_local
     sizes = [4 * t * k, 4 * t * k, 0 if rows_only else r * data_bytes, 0 if rows_only else r * scale_bytes,
              4 * r if nvfp4 else 0, 4 * e, 4 * (e + 1), 4 * r, 4 * r, 4 * r, 4 * r, 4 * w, 4 * w * max_tokens,
-             4 * w * max_tokens, 4 * w * max_tokens * k, 4 * r if rows_only else 0]
-    offsets, run = [0] * 16, 0
-    for i in (0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 2, 3):
+             4 * w * max_tokens, 4 * w * max_tokens * k, 4 * r if rows_only else 0, 8]
+    offsets, run = [0] * 17, 0
+    for i in (0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 16, 15, 2, 3):
         offsets[i] = run
         run += (sizes[i] + 255) // 256 * 256
     return offsets, sizes, max(run, 256)
@@ -928,7 +1058,8 @@ def test_nvlink_dispatch_result_views_of_the_arena(fmt, num_tokens, rows_only):
     expanded = _cpp_arena_layout(num_tokens, topk, rows, world, local, max_tokens, data_bytes, scale_bytes,
                                  fmt == "nvfp4")
     # combine reads every arena with the expanded table: its sections must sit where they do there
-    assert all(layout[0][i] == expanded[0][i] and layout[1][i] == expanded[1][i] for i in (0, 1, 10, 11, 12, 13, 14))
+    assert all(layout[0][i] == expanded[0][i] and layout[1][i] == expanded[1][i]
+               for i in (0, 1, 10, 11, 12, 13, 14, 16))
 
     class FakeContext:
         def dispatch_arena_layout(self, tokens, rows):
@@ -991,6 +1122,8 @@ def test_nvlink_dispatch_result_views_of_the_arena(fmt, num_tokens, rows_only):
     same_bytes(handle.recv_tok, 12, torch.int32, (world * max_tokens,))
     same_bytes(handle.recv_ord, 13, torch.int32, (world * max_tokens,))
     same_bytes(handle.recv_rows, 14, torch.int32, (world * max_tokens * topk,))
+    same_bytes(handle.dispatch_epoch, 16, torch.int64, (1,))
+    assert type(handle).dispatch_epoch.address(handle) == arena.data_ptr() + offsets[16]
 
 
 @pytest.mark.cpu
@@ -1089,7 +1222,7 @@ def test_nvlink_check_handle_compares_routing_and_device():
     from types import SimpleNamespace
     from ep_comm.backends.nvlink import NVLinkBackend, NVLinkHandle
     from ep_comm.types import BufferConfig
-    sections = tuple((64 * i, 64) for i in range(16))
+    sections = tuple((64 * i, 64) for i in range(17))
     backend = object.__new__(NVLinkBackend)
     backend._ctx, backend.torch_device = object(), torch.device("cpu")
     backend.config = BufferConfig(hidden=256, num_experts=8, num_topk=2, max_tokens_per_rank=8, world_size=2)

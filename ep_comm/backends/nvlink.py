@@ -43,6 +43,7 @@ _STAGES = {
 }
 _STAGE_ROW_PAST_CAPACITY = 7  # csrc/nvlink.h kStageRowPastCapacity: a dispatch row outside the result (check())
 _STAGE_PEER_GAVE_UP = 8  # csrc/spin_wait.cuh kStagePeerGaveUp: a peer's call raised before launching (give_up)
+_STAGE_COMBINE_MISMATCH = 9  # csrc/nvlink.h kStageCombineMismatch: a peer's combine rows follow another handle or mode
 # Smallest dispatch (tokens on this rank) whose NVFP4 send stores this rank's own rows straight into the expert-major
 # output (csrc/nvlink.h, "direct self rows"); smaller calls keep them in staging and skip the send's wait for the
 # counts. Measured on 2xH200 (bench/RESULTS.md, eleventh session): 4096 tokens 137.6-139.4 vs 151.1-154.6 us per call,
@@ -147,6 +148,7 @@ class _RegionLayout:
     off_disp_counts: int
     off_row_flags: int
     off_abort: int
+    off_comb_desc: int
     total_bytes: int
 
     @staticmethod
@@ -173,6 +175,8 @@ class _RegionLayout:
         off_comb_ready, off = off, off + flags
         off_comb_consumed, off = off, off + flags
         off_disp_counts, off = off, off + flags
+        # Combine descriptors: u64 [W], what each expert rank's latest combine rows here belong to (csrc/nvlink.h).
+        off_comb_desc, off = off, off + flags
         # The abort word (u32, csrc/spin_wait.cuh): here rather than in the local state, so that a peer giving up can
         # set it (give_up).
         off_abort, off = off, off + 128
@@ -197,6 +201,7 @@ class _RegionLayout:
                              off_comb_consumed=off_comb_consumed, off_counts=off_counts, count_stride=count_stride,
                              off_staging=off_staging, off_combine=off_combine, off_wave_index=off_wave_index,
                              off_disp_counts=off_disp_counts, off_row_flags=off_row_flags, off_abort=off_abort,
+                             off_comb_desc=off_comb_desc,
                              total_bytes=_align(off, 1 << 21))
 
 
@@ -238,8 +243,9 @@ def _group_ranks(group) -> Tuple[int, ...]:
 
 
 def _combine_sections(sections):
-    """The arena sections combine reads (send_idx, send_w, row_weight, recv_count, recv_tok, recv_ord, recv_rows)."""
-    return tuple(sections[i] for i in (0, 1, 10, 11, 12, 13, 14))
+    """The arena sections combine reads (send_idx, send_w, row_weight, recv_count, recv_tok, recv_ord, recv_rows,
+    dispatch_epoch)."""
+    return tuple(sections[i] for i in (0, 1, 10, 11, 12, 13, 14, 16))
 
 
 def _shared_gpu_allowed() -> bool:
@@ -518,7 +524,8 @@ class _ArenaSection:
         if handle is None:
             return self
         offset, nbytes = handle.sections[self.index]
-        words = handle.arena.view(self.dtype).as_strided((nbytes // 4,), (1,), offset // 4)
+        size = self.dtype.itemsize  # sections start 256-byte aligned
+        words = handle.arena.view(self.dtype).as_strided((nbytes // size,), (1,), offset // size)
         return words.view(handle.num_tokens, handle.num_topk) if self.per_token else words
 
     def address(self, handle) -> int:
@@ -538,6 +545,8 @@ class NVLinkHandle:
         layout kernel. recv_count: [W] tokens received from each source. recv_tok / recv_ord: [W * T_max]
         source token of staging row (s, j) and this rank's ordinal among the token's destination ranks.
     recv_rows: [W * T_max * K] layout row of each slot of staging row (s, j), -1 if not local.
+    dispatch_epoch: int64 [1], the dispatch's call number on the device (written by the layout kernel, so graph replays
+        renew it): combine tells the peers which dispatch its rows follow, and they check it against their own.
     row_weight: DispatchResult.topk_weight. num_tokens: T; num_rows: R (capacity); num_topk: K.
     routing: (world size, max_tokens_per_rank, K, R, experts per rank) of the dispatching Buffer: what a combine on
         another Buffer must share (check_handle).
@@ -558,6 +567,7 @@ class NVLinkHandle:
     recv_tok = _ArenaSection(12)
     recv_ord = _ArenaSection(13)
     recv_rows = _ArenaSection(14)
+    dispatch_epoch = _ArenaSection(16, torch.int64)
 
     @property
     def arena_ptr(self) -> int:
@@ -568,7 +578,7 @@ class NVLinkHandle:
 class _ArenaRecipe:
     """How one dispatch call's outputs sit in its arena (cached per token count; from the C++ section table).
 
-    words: int32 elements of the arena. sections: (byte offset, bytes) of the 15 sections (order of
+    words: int32 elements of the arena. sections: (byte offset, bytes) of the 17 sections (order of
     NvlinkContext.arena_layout). Each output below is one as_strided view of an alias of the arena:
     (element offset in the alias, shape). `data` / `scales` name their alias dtype too.
     """
@@ -655,6 +665,7 @@ class NVLinkBackend:
                 "off_counts": L.off_counts, "count_stride": L.count_stride, "off_staging": L.off_staging,
                 "off_combine": L.off_combine, "off_wave_index": L.off_wave_index, "off_disp_counts": L.off_disp_counts,
                 "off_row_flags": L.off_row_flags, "off_abort": L.off_abort,
+                "off_comb_desc": L.off_comb_desc,
                 "direct_self_min_tokens": _env_count("EP_COMM_DIRECT_SELF_MIN_TOKENS", _DIRECT_SELF_MIN_TOKENS),
                 "timeout_ns": int(config.timeout_s * 1e9),
                 "peer_bases": self._peer_bases.data_ptr(), "local_base": self.region.local_base,
@@ -744,7 +755,7 @@ class NVLinkBackend:
         keys = config.num_experts + w
         local = (2 * t_max * k * 4 + 4 * keys + 4 * _LAYOUT_MAX_CHUNKS * keys + 64
                  + 8 * (_WAVE_AREA_FIXED_WORDS + config.num_local_experts))
-        handle = 4 * (w + 2 * w * t_max + w * t_max * k) + 8 * t_max * k
+        handle = 4 * (w + 2 * w * t_max + w * t_max * k) + 8 * t_max * k + 8  # recv tables, send_idx + send_w, dispatch epoch
         return BufferSizes(dispatch_recv_bytes=dispatch, combine_recv_bytes=combine,
                            layout_bytes=L.off_staging + local + handle,
                            expert_layout_bytes=config.max_recv_rows * (payload + 16),
@@ -779,6 +790,13 @@ class NVLinkBackend:
                     f"calls went out of step (after a timeout on a peer) or a token named one expert in two top-k "
                     f"slots with check_inputs off. Results of that call and later ones are invalid and this Buffer is "
                     f"unusable")
+            if stage == _STAGE_COMBINE_MISMATCH:  # a fault, not a timeout
+                raise RuntimeError(
+                    f"ep_comm nvlink: rank {self.rank}'s combine (call {call}) got rows from rank {peer} that belong "
+                    f"to another dispatch's handle or to the other local_reduce mode than this rank's combine: every "
+                    f"rank must pass the handle of the same dispatch call and the same local_reduce (the reference "
+                    f"backend raises on this before combining). That combine's output is wrong; results of later calls "
+                    f"are invalid and this Buffer is unusable")
             where = (_STAGES[stage].format(what="layout" if peer == _ERROR_NO_PEER else f"rows of local expert {peer}")
                      if stage == 5 else
                      f"{_STAGES.get(stage, f'stage {stage}')} on peer rank {peer}")
@@ -985,7 +1003,7 @@ class NVLinkBackend:
         if handle.arena.device != self.torch_device:
             raise ValueError(f"combine got the handle of a dispatch on {handle.arena.device}; this Buffer runs on "
                              f"{self.torch_device}")
-        # (The sections combine reads -- 0, 1 and 10..14 -- sit at the same offsets in both kinds of arena.)
+        # (The sections combine reads -- 0, 1, 10..14 and 16 -- sit at the same offsets in both kinds of arena.)
         if (handle.routing != self._routing or _combine_sections(handle.sections)
                 != _combine_sections(self._arena_recipe(handle.num_tokens).sections)):
             raise ValueError("combine got the handle of another Buffer's dispatch whose sizes or format differ from "
@@ -1017,7 +1035,8 @@ class NVLinkBackend:
         self._ctx.combine(expert_out.data_ptr(), handle.row_weight.data_ptr(), bool(local_reduce),
                           handle.recv_count.data_ptr(), handle.recv_tok.data_ptr(), handle.recv_ord.data_ptr(),
                           handle.recv_rows.data_ptr(), handle.send_idx.data_ptr(), handle.send_w.data_ptr(),
-                          handle.num_tokens, out.data_ptr(), _ext.current_raw_stream(self.device))
+                          NVLinkHandle.dispatch_epoch.address(handle), handle.num_tokens, out.data_ptr(),
+                          _ext.current_raw_stream(self.device))
         self._after_call()
         return out
 
@@ -1038,7 +1057,7 @@ class NVLinkBackend:
             raise ValueError("begin_combine_rows needs a DispatchResult of this Buffer's own dispatch")
         cfg, L = self.config, self.layout
         _, abort, _, _ = self._wave_sync_words  # (epoch, abort, error_word, timeout_ns)
-        self._ctx.combine_rows_begin(_ext.current_raw_stream(self.device))
+        self._ctx.combine_rows_begin(NVLinkHandle.dispatch_epoch.address(handle), _ext.current_raw_stream(self.device))
         self._rows_handle = handle
         self._after_call()
         return CombineRowsTarget(bases=self._peer_bases, area_offset=L.off_combine, src_rank=result.src_rank,
@@ -1059,7 +1078,8 @@ class NVLinkBackend:
             raise ValueError("finish_combine_rows needs the handle of the DispatchResult given to begin_combine_rows")
         out = torch.empty(handle.num_tokens, self.config.hidden, dtype=torch.bfloat16, device=handle.arena.device)
         self._ctx.combine_rows_finish(NVLinkHandle.send_idx.address(handle), NVLinkHandle.send_w.address(handle),
-                                      handle.num_tokens, out.data_ptr(), _ext.current_raw_stream(self.device))
+                                      NVLinkHandle.dispatch_epoch.address(handle), handle.num_tokens, out.data_ptr(),
+                                      _ext.current_raw_stream(self.device))
         # Closed only once the receive is launched: a begin whose finish raised (allocation, launch) stays open, so it
         # can be finished again instead of leaving the combine kernels' call counts one apart.
         self._rows_handle = None
