@@ -35,10 +35,15 @@ __device__ __forceinline__ void bf16x16_to_float(const uint4& a, const uint4& b,
 
 // comb_desc (nvlink.h): block 0 of a combine's send tells every source what its rows belong to, after the wait for the
 // sources to have read the previous combine (so a slow source still reading that one finds its descriptor unchanged)
-// and before the block's ready signal (whose release covers these stores); thread p for source p. `descriptor` was
-// formed by every thread p < world of block 0 (combine_descriptor).
-__device__ __forceinline__ void store_combine_descriptors(const NvlinkConfig& cfg, unsigned long long descriptor) {
+// and before the block's ready signal (whose release covers these stores); thread p for source p.
+// Both this and the receive's check run at the end of their kernels, after the rows: with the check placed between
+// the receive's wait and its token loop, the S2F6 receive of 4096 tokens took 115.8 instead of 91.1 us at world 1
+// (same register count, no spills: the loop was scheduled differently). At the end they cost ~0.3 us per combine at
+// 128 tokens and 0.5-1 us at 1 token, and nothing measurable at 4096 (bench/RESULTS.md, twenty-ninth session; loading
+// the handle's epoch into shared memory at the start instead measured no faster).
+__device__ __forceinline__ void store_combine_descriptors(const NvlinkConfig& cfg, const CombineArgs& args) {
   if (blockIdx.x != 0) return;
+  const unsigned long long descriptor = combine_descriptor(*args.dispatch_epoch, args.local_reduce);
   for (int p = threadIdx.x; p < cfg.world; p += blockDim.x) {
     reinterpret_cast<unsigned long long*>(peer_ptr(cfg, p, cfg.off_comb_desc))[cfg.rank] = descriptor;
   }
@@ -48,9 +53,10 @@ __device__ __forceinline__ void store_combine_descriptors(const NvlinkConfig& cf
 // expert rank p's descriptor with this rank's own and records a fault naming p where they differ (the rows are then
 // another dispatch's or in the other local_reduce layout: summed, they are wrong; reading them stays in bounds, since
 // both layouts index [T_max][K] rows). Every rank does this, so both sides of a mismatch report it.
-__device__ __forceinline__ void check_combine_descriptors(const NvlinkConfig& cfg, unsigned long long descriptor,
+__device__ __forceinline__ void check_combine_descriptors(const NvlinkConfig& cfg, const CombineArgs& args,
                                                           unsigned long long epoch) {
   if (blockIdx.x != 0) return;
+  const unsigned long long descriptor = combine_descriptor(*args.dispatch_epoch, args.local_reduce);
   const volatile unsigned long long* theirs =
       reinterpret_cast<const volatile unsigned long long*>(cfg.local_base + cfg.off_comb_desc);
   for (int p = threadIdx.x; p < cfg.world; p += blockDim.x) {
@@ -100,14 +106,10 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
   }
   const unsigned long long epoch = block_epoch_from_ticket(ticket, cfg.comb_send_blocks);
   pdl_prologue();
-  // This combine's descriptor for the sources (comb_desc), read from the handle before the wait below so that the
-  // load's latency overlaps it; block 0's threads p < world use it.
-  unsigned long long descriptor = 0ull;
-  if (blockIdx.x == 0 && threadIdx.x < cfg.world) descriptor = combine_descriptor(*args.dispatch_epoch, args.local_reduce);
   if (args.wait_only) {  // rows come from a later kernel (the GEMM's epilogue; local_reduce=False rows)
     if (block_wait_all_peers(cfg, cfg.off_comb_consumed, (epoch - 1ull) * cfg.comb_recv_blocks,
                              kStageCombineWaitConsumed, epoch)) {
-      store_combine_descriptors(cfg, descriptor);  // released by the receive kernel's publish (a fence, then release)
+      store_combine_descriptors(cfg, args);  // released by the receive kernel's publish (a fence, then release)
     }
     return;
   }
@@ -138,7 +140,6 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
                             kStageCombineWaitConsumed, epoch)) {
     return;  // gave up (aborted()): nothing more into the sources' combine areas
   }
-  store_combine_descriptors(cfg, descriptor);
 
   const int warps_per_block = blockDim.x / 32;
   const int warp_in_block = threadIdx.x / 32;
@@ -255,6 +256,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
     }
   }
 
+  store_combine_descriptors(cfg, args);  // after the rows: no register of the hot loop above is held for it
   block_signal_all_peers(cfg, cfg.off_comb_ready);
 }
 
@@ -383,10 +385,6 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
     return n;
   };
 
-  // This rank's own descriptor (comb_desc): block 0 checks every expert rank's against it once their rows are in.
-  unsigned long long descriptor = 0ull;
-  if (blockIdx.x == 0 && threadIdx.x < cfg.world) descriptor = combine_descriptor(*args.dispatch_epoch, args.local_reduce);
-
   // The warp's first token's terms are prepared before waiting for the expert ranks' rows (they only need
   // this rank's routing), so that work overlaps the wait.
   int n = 0;
@@ -397,9 +395,8 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
   if (args.publish_rows && blockIdx.x == 0 && threadIdx.x == 0) {
     signal_all_peers_once(cfg, cfg.off_comb_ready, static_cast<unsigned long long>(cfg.comb_send_blocks));
   }
-  if (block_wait_all_peers(cfg, cfg.off_comb_ready, epoch * cfg.comb_send_blocks, kStageCombineWaitReady, epoch)) {
-    check_combine_descriptors(cfg, descriptor, epoch);
-  }
+  const bool rows_in =
+      block_wait_all_peers(cfg, cfg.off_comb_ready, epoch * cfg.comb_send_blocks, kStageCombineWaitReady, epoch);
 
   for (long long fp = global_warp; fp < num_parts; fp += num_warps) {
     const int t = static_cast<int>(fp / split);
@@ -493,6 +490,9 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
     }
   }
 
+  // The expert ranks' descriptors, after the rows (no register of the loop above is held for it) and before the
+  // consumed signal (after which an expert rank may overwrite them).
+  if (rows_in) check_combine_descriptors(cfg, args, epoch);
   // Done reading the combine area: the expert ranks may overwrite it.
   block_signal_all_peers(cfg, cfg.off_comb_consumed);
 }
