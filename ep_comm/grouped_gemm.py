@@ -46,12 +46,12 @@ import torch.nn.functional as F
 
 from . import _ext
 from .formats import (NVFP4_BLOCK, NVFP4Tensor, _check_float_input, _check_nvfp4, _f32, _nan_to_zero_abs, _use_cuda,
-                      e2m1_decode, e4m3_decode)
+                      e2m1_decode, e4m3_decode, e4m3_encode)
 from .types import CombineRowsTarget
 
 __all__ = [
-    "GemmWeights", "ExpandedRows", "pack_gemm_weights", "dequantize_gemm_weights", "expand_nvfp4_rows",
-    "grouped_gemm_nvfp4", "grouped_gemm_nvfp4_combine_rows", "has_combine_rows_kernel", "swiglu_row_permutation",
+    "GemmWeights", "ExpandedRows", "pack_gemm_weights", "unpack_gemm_weights", "dequantize_gemm_weights",
+    "expand_nvfp4_rows", "grouped_gemm_nvfp4", "grouped_gemm_nvfp4_combine_rows", "has_combine_rows_kernel", "swiglu_row_permutation",
     "TILE_ROWS", "TILE_K", "TOKEN_TILES",
 ]
 
@@ -273,8 +273,8 @@ def _check_gemm_weights(w) -> None:
                          f"row_perm {tuple(w.row_perm.shape)}, n={w.n}, k={w.k}")
 
 
-def _dequantize_expert(w: GemmWeights, e: int) -> torch.Tensor:
-    """fp32 [N, K] of expert e in the original row order, with formats.nvfp4_dequantize's arithmetic."""
+def _expert_codes_and_scales(w: GemmWeights, e: int):
+    """Expert e's E2M1 codes int64 [N, K] and E4M3 block scales fp32 [N, K/16], both in the packed row order."""
     device = w.values.device
     tiles_m, tiles_k = w.n // TILE_ROWS, w.k // TILE_K
     word = w.values[e].to(torch.int64) & 0xFFFFFFFF                                    # [mt, kb, 128, 4]
@@ -287,14 +287,36 @@ def _dequantize_expert(w: GemmWeights, e: int) -> torch.Tensor:
     tiles = torch.empty(tiles_m, tiles_k, TILE_ROWS, TILE_K, dtype=torch.int64, device=device)
     tiles[:, :, frag_rows, frag_cols] = low
     tiles[:, :, frag_rows, frag_cols + 1] = high
-    codes = tiles.permute(0, 2, 1, 3).reshape(w.n, w.k)                                 # packed row order
+    codes = tiles.permute(0, 2, 1, 3).reshape(w.n, w.k)
     sc = w.scales[e]                                                                   # [mt, kb, 64, 4]
-    scale = _scale_codes_to_e4m3_float(sc.permute(0, 2, 1, 3).reshape(w.n, w.k // 16))  # [N, K/16]
-    final = (scale * w.amax[e].float()) * _f32(1.0 / (6.0 * w.e4m3_max), device)
+    scale = _scale_codes_to_e4m3_float(sc.permute(0, 2, 1, 3).reshape(w.n, w.k // 16))
+    return codes, scale
+
+
+def _dequantize_expert(w: GemmWeights, e: int) -> torch.Tensor:
+    """fp32 [N, K] of expert e in the original row order, with formats.nvfp4_dequantize's arithmetic."""
+    codes, scale = _expert_codes_and_scales(w, e)
+    final = (scale * w.amax[e].float()) * _f32(1.0 / (6.0 * w.e4m3_max), w.values.device)
     packed = (e2m1_decode(codes).reshape(w.n, w.k // 16, 16) * final[..., None]).reshape(w.n, w.k)
     out = torch.empty_like(packed)
     out[w.row_perm] = packed
     return out
+
+
+def unpack_gemm_weights(w: GemmWeights) -> NVFP4Tensor:
+    """The NVFP4 weights [E, N, K] that `pack_gemm_weights` packed into w, bit for bit: codes, E4M3 scale bytes, the
+    per-expert amax broadcast along N, e4m3_max. What a layer that keeps only the packed form hands back for saving
+    (`moe.MoELayer.weights`). One expert at a time, on w's device."""
+    _check_gemm_weights(w)
+    experts, device = w.num_experts, w.values.device
+    data = torch.empty(experts, w.n, w.k // 2, dtype=torch.uint8, device=device)
+    scales = torch.empty(experts, w.n, w.k // 16, dtype=torch.uint8, device=device)
+    for e in range(experts):
+        codes, scale = _expert_codes_and_scales(w, e)
+        data[e, w.row_perm] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)  # element 2j: low nibble
+        scales[e, w.row_perm] = e4m3_encode(scale)  # exact: the values are E4M3 bytes 0x00..0x7E decoded
+    amax = w.amax.float()[:, None].expand(experts, w.n).contiguous()
+    return NVFP4Tensor(data=data, scales=scales.view(torch.float8_e4m3fn), amax=amax, e4m3_max=w.e4m3_max)
 
 
 def dequantize_gemm_weights(w: GemmWeights) -> torch.Tensor:

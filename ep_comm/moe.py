@@ -298,6 +298,10 @@ class MoELayer(torch.nn.Module):
     expert weights are packed for the device they were given on and are not module state: `state_dict()` does not
     hold them (save `layer.weights`, a PackedExpertWeights), and moving the layer to another device (`.cuda()`,
     `.to(device)`) raises instead of leaving them behind -- build the layer on its device.
+    Memory: the fused path keeps only the GEMM-packed copy of the expert weights (the same 4.5 bits per weight), not
+    the PackedExpertWeights it was built from -- drop your own reference to those after building the layer, or the
+    weights are held twice; `layer.weights` then unpacks them, bit for bit, on each access. The reference path keeps
+    the given weights and FP32 copies of them.
     """
 
     def __reduce_ex__(self, protocol):
@@ -350,7 +354,8 @@ class MoELayer(torch.nn.Module):
         self.buffer = buffer
         # The layer's own FP32 copy, outside autograd: not the caller's tensor (or Parameter), whatever its dtype.
         self.register_buffer("router_weight", router_weight.detach().to(torch.float32, copy=True))
-        self.weights = weights
+        self._weights = weights  # dropped below once packed (fused path): `weights` unpacks the packed copy
+        self._device = weights.w1.data.device
         # Values are checked whichever path the layer picks; a knob that an explicit choice makes void is refused
         # (with "auto" choices it is kept for the case it applies: self.token_tile / self.wave_sms say).
         if token_tile is not None and (isinstance(token_tile, bool) or token_tile not in TOKEN_TILES):
@@ -400,6 +405,7 @@ class MoELayer(torch.nn.Module):
             self.token_tile = token_tile
             self._w1_packed = grouped_gemm.pack_gemm_weights(weights.w1, swiglu=True)
             self._w2_packed = grouped_gemm.pack_gemm_weights(weights.w2, swiglu=False)
+            self._weights = None  # one copy of the weights in the layer, not two
         else:
             self.token_tile = None  # no grouped GEMM on the reference path
             # Dequantized once: the reference expert path multiplies FP32 copies of the NVFP4 weights.
@@ -407,11 +413,22 @@ class MoELayer(torch.nn.Module):
                 self._w1 = formats.nvfp4_dequantize(weights.w1, dtype=torch.float32)
                 self._w2 = formats.nvfp4_dequantize(weights.w2, dtype=torch.float32)
 
+    @property
+    def weights(self) -> PackedExpertWeights:
+        """This rank's NVFP4 expert weights, as given to the layer (what to save with the router's state_dict). The
+        fused path keeps only their GEMM-packed form, so each access unpacks it (bit for bit the weights given; a
+        pass over them and a new copy in memory); the reference path returns the weights it was given."""
+        if self._weights is not None:
+            return self._weights
+        from . import grouped_gemm
+        return PackedExpertWeights(w1=grouped_gemm.unpack_gemm_weights(self._w1_packed),
+                                   w2=grouped_gemm.unpack_gemm_weights(self._w2_packed))
+
     def _check_input(self, x) -> None:
         """x as dispatch takes it, on the layer's device (and the router still there: load_state_dict(assign=True)
         can put it elsewhere)."""
         self.buffer._check_tokens(x)
-        device = self.weights.w1.data.device
+        device = self._device
         if x.device != device or self.router_weight.device != device:
             raise ValueError(f"x is on {x.device} and router_weight on {self.router_weight.device}; the layer's "
                              f"experts are on {device}")

@@ -181,6 +181,12 @@ def test_pack_round_trip(shape, swiglu):
     actual = G.dequantize_gemm_weights(packed)
     assert actual.dtype == torch.float32 and actual.shape == expected.shape
     assert torch.equal(actual.view(torch.int32), expected.view(torch.int32)), "round trip must be bitwise"
+    # and back to the NVFP4 weights themselves (what MoELayer.weights returns from its packed copy)
+    unpacked = G.unpack_gemm_weights(packed)
+    assert torch.equal(unpacked.data, w.data)
+    assert unpacked.scales.dtype == torch.float8_e4m3fn
+    assert torch.equal(unpacked.scales.view(torch.uint8), w.scales.view(torch.uint8))
+    assert torch.equal(unpacked.amax.view(torch.int32), w.amax.view(torch.int32)) and unpacked.e4m3_max == w.e4m3_max
 
 
 @pytest.mark.cpu

@@ -56,6 +56,13 @@ def _moe_worker(rank, world, device_kind="cpu", backend="auto"):
             buf.combine(layer.experts(result), result.handle)  # the reference backend's collectives stay in step
         y = layer(xs[rank].to(device)).cpu()
         y_again = layer(xs[rank].to(device)).cpu()
+        # The weights a layer hands back for saving are the ones it was given, bitwise (the fused path unpacks them
+        # from its packed copy, which is the only one it keeps).
+        given, back = packed, layer.weights
+        weights_kept = (layer._weights is None) == (layer.expert_impl == "fused") and all(
+            torch.equal(getattr(given, w).data, getattr(back, w).data)
+            and torch.equal(getattr(given, w).scales.view(torch.uint8), getattr(back, w).scales.view(torch.uint8))
+            and torch.equal(getattr(given, w).amax, getattr(back, w).amax) for w in ("w1", "w2"))
         backend, expert_impl, layer_combine_rows = buf.backend, layer.expert_impl, layer.combine_rows
         inputs = [(x, *(t.cpu() for t in layer.route(x.to(device)))) for x in xs]
         # On GPUs: the fused GEMM against the reference experts with the same combine (local_reduce=True), to bound
@@ -94,7 +101,7 @@ def _moe_worker(rank, world, device_kind="cpu", backend="auto"):
             "backend": backend, "expert_impl": expert_impl, "fused_vs_reference": rel(y_fused, y_reference),
             "graph_equal": graph_equal, "bad_tile_refused": bad_tile_refused, "combine_rows": rows,
             "combine_rows_refused": combine_rows_refused, "layer_combine_rows": layer_combine_rows,
-            "rows_api_refused": rows_api_refused}
+            "rows_api_refused": rows_api_refused, "weights_kept": weights_kept}
 
 
 def _combine_rows_checks(buf, router, packed, x, rank):
@@ -166,6 +173,7 @@ def _graph_replay_matches_eager(layer, x, rank):
 def test_moe_layer_matches_token_by_token_oracle():
     for result in run_ranks(_moe_worker, 2, backend="gloo"):
         assert result["deterministic"]
+        assert result["weights_kept"]  # the reference path keeps the given weights
         assert result["bad_tile_refused"]  # token_tile is checked whichever expert path the layer picks
         assert result["combine_rows_refused"]
         assert not result["layer_combine_rows"]  # gloo ranks: reference experts, reference backend
@@ -395,6 +403,7 @@ def check_gpu_moe_result(result, nvlink_expected):
     """The assertions on one rank's _moe_worker result on GPUs (also run at world 1 by bench/device_run.sh when only
     one GPU is lent)."""
     assert result["deterministic"]
+    assert result["weights_kept"], result
     assert result["vs_oracle"] < 1e-2, result   # GPU vs CPU FP32 matmul accumulation order
     assert 0.0 < result["vs_fp32"] < 0.3, result
     if torch.cuda.get_device_capability() == (9, 0):
