@@ -34,6 +34,10 @@ test_ext() {  # the ep_comm._ext helpers alone (raw stream, device context, capt
   say "gpu tier: ep_comm._ext helpers"
   pytest_tier ext 60 2 tests/test_ext.py
 }
+test_k() {  # an ad-hoc GPU tier: TEST_FILES (default tests/test_grouped_gemm.py), TEST_K (a pytest -k expression)
+  say "gpu tier: ${TEST_FILES:-tests/test_grouped_gemm.py} -k '${TEST_K:-}'"
+  pytest_tier k 200 3 ${TEST_FILES:-tests/test_grouped_gemm.py} -k "${TEST_K:-}"
+}
 test_gemm_default() {  # the grouped GEMM tier with the default kernels only
   say "gpu tier: grouped GEMM + fused expert MLP (defaults)"
   timeout 150 python3 -m pytest -q -x tests/test_grouped_gemm.py 2>&1 | grep -v "^[.sx]*\( *\[ *[0-9]*%\]\)\?$" | tail -12 | tee -a "$log"
@@ -230,6 +234,9 @@ test_shared_smoke() {  # one GPU: the nvlink smoke (oracle cases, timeouts) with
 test_shared_gpu() {  # one GPU: the multigpu tiers with 2 ranks on it (the multi-rank protocol; correctness only)
   say "multigpu tiers, 2 ranks sharing one GPU: nvlink suite, MoE layer, waves"
   shared_tier nvlink 420 tests/test_nvlink.py -k "not oracle and not timeout"
+  test_shared_layer
+}
+test_shared_layer() {  # one GPU: the MoE layer, waves and reference-backend tiers with 2 ranks on it
   shared_tier layer 240 tests/test_moe.py tests/test_waves.py tests/test_reference_backend.py -k "not gloo"
 }
 test_shared_worlds() {  # one GPU: the nvlink oracle cases (every format pair, masked / skewed / all-to-one routing, an

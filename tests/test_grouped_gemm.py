@@ -670,6 +670,48 @@ def test_row_limit_skips_rows_past_the_device_count():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("limit_rows", [0, 77, 200])
+def test_row_limit_leaves_the_rows_past_it_unwritten(limit_rows):
+    """The kernels behind num_rows_limit, on outputs the test fills with a sentinel first: rows at or past the device
+    count keep the sentinel (this fails if the limit is ignored), rows below it are the full call's. The NVFP4
+    quantize kernel in both output forms (codes; fp16 block values + row factor) and the expansion kernel, with the
+    limit at 0, inside and at the row count."""
+    from ep_comm import _cuda_formats, _ext
+    num_rows, k = 200, 2048
+    limit = torch.tensor([limit_rows], dtype=torch.int32, device="cuda")
+    x = torch.randn(num_rows, k, device="cuda")
+
+    def filled(shape, dtype):
+        count = math.prod(shape) * dtype.itemsize
+        return torch.full((count,), 0x5A, dtype=torch.uint8, device="cuda").view(dtype).reshape(shape)
+
+    def check(name, got, want):
+        raw_got, raw_want = got.view(torch.uint8).reshape(num_rows, -1), want.view(torch.uint8).reshape(num_rows, -1)
+        assert torch.equal(raw_got[:limit_rows], raw_want[:limit_rows]), f"{name}: rows below the limit"
+        assert bool((raw_got[limit_rows:] == 0x5A).all()), f"{name}: a row at or past the limit was written"
+
+    codes = dict(data=filled((num_rows, k // 2), torch.uint8), scales=filled((num_rows, k // 16), torch.uint8),
+                 amax_out=filled((num_rows,), torch.float32))
+    _cuda_formats._launch_nvfp4_quantize(x, True, None, limit, **codes)
+    whole = _cuda_formats.nvfp4_quantize(x, four_over_six=True, amax=None)
+    check("codes", codes["data"], whole.data)
+    check("scales", codes["scales"], whole.scales)
+    check("amax", codes["amax_out"], whole.amax)
+
+    operand = dict(block_values=filled((num_rows, k), torch.float16), row_factor=filled((num_rows,), torch.float32))
+    _cuda_formats._launch_nvfp4_quantize(x, True, None, limit, **operand)
+    values, row_factor = _cuda_formats.nvfp4_quantize_block_values(x, None)
+    check("block values", operand["block_values"], values)
+    check("row factor", operand["row_factor"], row_factor)
+
+    expanded = filled((num_rows, k), torch.float16)
+    scales = whole.scales.view(torch.uint8)
+    _ext._C.nvfp4_dequantize(whole.data.data_ptr(), scales.data_ptr(), 0, num_rows, k, float(whole.e4m3_max),
+                             expanded.data_ptr(), 2, _ext.current_raw_stream(x.device), limit.data_ptr())
+    check("expanded rows", expanded, G.expand_nvfp4_rows(whole, impl="cuda").values)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_pack_on_gpu_matches_cpu(swiglu):
     w = random_weights(3, 128, 192, seed=4)
