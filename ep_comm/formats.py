@@ -330,11 +330,12 @@ def rbits(seed: int, index: torch.Tensor) -> torch.Tensor:
     """16 counter-based random bits (int64 tensor in [0, 2^16)) for each element index (docs/NUMERICS.md).
 
     One fmix32 word per pair of elements: pair p = index >> 1, word = fmix32((p mod 2^32) ^ fmix32((p >> 32) ^ key));
-    the even element takes the word's low 16 bits, the odd one its high 16 bits.
+    the even element takes the word's low 16 bits, the odd one its high 16 bits. The index is taken as an unsigned
+    64-bit value (a negative one as itself mod 2^64), as the CUDA kernels and the host emulation do.
     """
     index = index.to(torch.int64)
     key = sr_key(seed)
-    pair = index >> 1
+    pair = (index >> 1) & 0x7FFFFFFFFFFFFFFF  # the unsigned shift: int64's >> copies the sign bit
     pair_key = _fmix32(((pair >> 32) & 0xFFFFFFFF) ^ key)
     word = _fmix32((pair & 0xFFFFFFFF) ^ pair_key)
     return (word >> (16 * (index & 1))) & 0xFFFF

@@ -46,7 +46,9 @@ def test_element_encoders_match_reference():
 def test_rbits_and_stochastic_e4m3_match_reference():
     g = torch.Generator().manual_seed(3)
     index = torch.cat([torch.arange(0, 4096), torch.randint(0, 2**40, (4096,), generator=g),
-                       torch.tensor([2**32 - 1, 2**32, 2**32 + 1, 2**62])])
+                       torch.tensor([2**32 - 1, 2**32, 2**32 + 1, 2**62, 2**63 - 1]),
+                       torch.tensor([-1, -2, -3, -2**32, -2**63]),  # as unsigned 64-bit values, in both
+                       -torch.randint(1, 2**62, (512,), generator=g)])
     for seed in (0, 1, 12345, 2**32 + 7, 2**63 + 5):
         assert torch.equal(C.host_rbits(seed, index), F.rbits(seed, index)), f"rbits seed {seed}"
     x = torch.cat([random_bit_floats(1 << 18, 4), special_floats(), e4m3_tie_points(),
