@@ -590,7 +590,10 @@ class Buffer:
             backend_check()
 
     def destroy(self) -> None:
-        """Free every buffer (symmetric memory included). Collective: every rank must call it."""
+        """Free every buffer (symmetric memory included). Collective: every rank must call it. On the nvlink backend
+        it waits in a barrier of the Buffer's group until every rank has called it (no peer may still write into this
+        rank's memory), bounded only by the process group's timeout: a rank that never destroys its Buffer holds the
+        others there."""
         if not self._destroyed:
             self._backend.destroy()
             self._destroyed = True
