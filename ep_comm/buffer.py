@@ -497,8 +497,9 @@ class Buffer:
                 per (token, rank); False sends one row per (token, expert) (what a fused GEMM epilogue
                 writes) and the source rank applies the weights.
             Every rank passes the handle of the same dispatch call and the same local_reduce. A mismatch raises on
-            every rank: at once on the reference backend; on nvlink (found on the device) at the next call or
-            `check()`, the Buffer then unusable.
+            every rank: at once on the reference backend; on nvlink (found on the device) at a later call or
+            `check()` once the combine has run, the Buffer then unusable (a handle of another Buffer with the same
+            sizes and call count is not told apart).
             comm_stream, done_event: as for `dispatch` (the combine then runs on comm_stream after the work enqueued
                 so far on the current stream; wait on done_event before using the result on the current stream).
         Returns:
@@ -580,7 +581,8 @@ class Buffer:
     def check(self) -> None:
         """Raise if a kernel of this Buffer recorded a timeout (nvlink backend: a peer that never arrived, or a wave
         GEMM whose rows never came), naming rank and stage, or a dispatch row that fell outside the result (not
-        written: calls out of step after a timeout, or one expert in two top-k slots with check_inputs off), or that
+        written: calls out of step after a timeout, or one expert in two top-k slots with check_inputs off), or a
+        combine whose peers combined another dispatch's handle or the other local_reduce mode, or that
         this rank or a peer gave up after rejecting its expert ids (nvlink, more than one rank). Reads host-mapped
         memory: no synchronization, so it sees what finished so far. Every dispatch / combine call checks first; this
         is for after the last one."""

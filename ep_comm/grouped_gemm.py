@@ -226,8 +226,10 @@ def pack_gemm_weights(w: NVFP4Tensor, swiglu: bool) -> GemmWeights:
     amax = w.amax.float()
     if not bool(torch.isfinite(amax).all()) or bool((amax < 0).any()):
         raise ValueError("weight amax must be finite and non-negative")
-    if not torch.equal(amax, amax[:, :1].expand_as(amax)):
-        raise ValueError("pack_gemm_weights needs one amax per expert (w.amax equal along N, as "
+    # Bitwise (torch.equal takes -0.0 == +0.0): the packed form keeps one amax per expert, so a mix of +0 and -0 along
+    # N would come back (unpack_gemm_weights, dequantize_gemm_weights) with row 0's sign everywhere.
+    if not torch.equal(amax.view(torch.int32), amax[:, :1].expand_as(amax).contiguous().view(torch.int32)):
+        raise ValueError("pack_gemm_weights needs one amax per expert (w.amax equal along N, bit for bit, as "
                          "moe.pack_weights makes it)")
     device = w.data.device
     row_perm = swiglu_row_permutation(n, device) if swiglu else torch.arange(n, dtype=torch.int64, device=device)

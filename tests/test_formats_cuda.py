@@ -439,7 +439,10 @@ def test_s2f6_accumulate_edge_rows_many_terms(hidden, hadamard, sign_mask):
     """Several terms per output row mixing the edge rows (+-0, subnormals, outliers, scattered and all NaN, +-Inf, near
     FLT_MAX) with normal rows, under weights that are 0, -0, negative, subnormal, huge (products and sums overflow to
     +-Inf, Inf + -Inf = NaN), NaN and Inf, in 1..8 terms with skipped slots between: bitwise the reference for fp32
-    and bf16 out, with the default and another RHT sign vector (the kernel's FWHT signs) and without the RHT."""
+    and bf16 out, with the default and another RHT sign vector (the kernel's FWHT signs) and without the RHT. S2F6
+    holds no NaN (a NaN input encodes as code 127), so NaN reaches the sums through NaN weights, 0 x Inf and
+    Inf - Inf; the +-Inf rows decode to +-Inf. Output row 8 is 0 and -0 times the +-Inf rows (a kernel that skipped
+    zero weights would give 0 there, not NaN)."""
     g = torch.Generator().manual_seed(hidden + sign_mask % 1000)
     edges = edge_rows(hidden)
     rows = torch.cat([edges, torch.randn(20, hidden, generator=g) * 3.0, edges[9:10] * -1.0])  # -3e38 row too
@@ -459,6 +462,8 @@ def test_s2f6_accumulate_edge_rows_many_terms(hidden, hadamard, sign_mask):
     pick = torch.rand(num_out, num_terms, generator=g) < 0.08
     weights[pick] = special[torch.randint(0, special.numel(), (int(pick.sum()),), generator=g)]
     weights[6] = 3e38
+    index[8, :3] = torch.tensor([6, 7, 10])  # +Inf row, -Inf row, a normal row
+    weights[8, :3] = torch.tensor([0.0, -0.0, 1.0])
     for out_dtype in (torch.float32, torch.bfloat16):
         for w in (weights, None):
             want = F.s2f6_dequantize_accumulate(s, index, w, out_dtype=out_dtype, impl="reference")

@@ -7,6 +7,7 @@ weight element the contract assigns to that (thread, k-step, pair) position.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -477,6 +478,18 @@ def test_pack_bad_inputs():
     amax[0, 3] += 1
     with pytest.raises(ValueError, match="one amax per expert"):
         G.pack_gemm_weights(F.NVFP4Tensor(w.data, w.scales, amax, 448.0), swiglu=False)
+    signed_zeros = w.amax.clone()
+    signed_zeros[0] = 0.0
+    signed_zeros[0, 5] = -0.0  # equal as numbers, not as bits: one packed amax could not give both back
+    with pytest.raises(ValueError, match="one amax per expert"):
+        G.pack_gemm_weights(F.NVFP4Tensor(w.data, w.scales, signed_zeros, 448.0), swiglu=False)
+    negative_zero = w.amax.clone()
+    negative_zero[0] = -0.0  # an expert whose amax is -0 along all of N: packed, and given back, bit for bit
+    packed = G.pack_gemm_weights(F.NVFP4Tensor(w.data, w.scales, negative_zero, 448.0), swiglu=False)
+    assert torch.equal(G.unpack_gemm_weights(packed).amax.view(torch.int32), negative_zero.view(torch.int32))
+    assert torch.equal(G.dequantize_gemm_weights(packed).view(torch.int32),
+                       F.nvfp4_dequantize(F.NVFP4Tensor(w.data, w.scales, negative_zero, 448.0),
+                                          impl="reference").view(torch.int32))
     for bad_byte in (0x7F, 0x80, 0xC0, 0xFF):  # NaN, -0, negative, NaN
         scales = w.scales.view(torch.uint8).clone()
         scales[1, 2, 3] = bad_byte
@@ -709,6 +722,37 @@ def test_row_limit_leaves_the_rows_past_it_unwritten(limit_rows):
     _ext._C.nvfp4_dequantize(whole.data.data_ptr(), scales.data_ptr(), 0, num_rows, k, float(whole.e4m3_max),
                              expanded.data_ptr(), 2, _ext.current_raw_stream(x.device), limit.data_ptr())
     check("expanded rows", expanded, G.expand_nvfp4_rows(whole, impl="cuda").values)
+
+
+@pytest.mark.cpu
+def test_row_limit_reaches_the_kernels_from_the_public_functions(monkeypatch):
+    """The wiring behind num_rows_limit, on the host: expand_nvfp4_rows, quantize_expanded_rows (MoELayer's two
+    capacity-sized calls) and the NVFP4 quantize hand the kernels the limit tensor's address (the GPU test above calls
+    the kernels directly, so a public function passing 0 instead would go unseen there). The extension is a recorder."""
+    from ep_comm import _cuda_formats, _ext
+    calls = {}
+
+    class Recorder:
+        def nvfp4_dequantize(self, *args):  # (data, scales, amax, rows, k, e4m3_max, out, out_type, stream, limit)
+            calls["expand"] = args[9]
+
+        def nvfp4_quantize(self, *args):  # (..., stream, limit, block_values, k, row_factor)
+            calls["block_values" if args[16] else "codes"] = args[15]
+    recorder = Recorder()
+    monkeypatch.setattr(G, "_use_gemm_kernels", lambda *args: True)
+    monkeypatch.setattr(G._ext, "_C", recorder)
+    monkeypatch.setattr(_cuda_formats, "_lib", lambda: recorder)
+    monkeypatch.setattr(_ext, "cuda_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(_ext, "current_raw_stream", lambda device: 0)
+    limit = torch.tensor([3], dtype=torch.int32)
+    G.expand_nvfp4_rows(random_activations(8, 64, seed=1), impl="cuda", num_rows_limit=limit)
+    G.quantize_expanded_rows(torch.randn(8, 64), impl="cuda", num_rows_limit=limit)
+    _cuda_formats.nvfp4_quantize(torch.randn(8, 64), four_over_six=True, amax=None, num_rows_limit=limit)
+    assert calls == {"expand": limit.data_ptr(), "block_values": limit.data_ptr(), "codes": limit.data_ptr()}, calls
+    calls.clear()
+    G.expand_nvfp4_rows(random_activations(8, 64, seed=1), impl="cuda")
+    G.quantize_expanded_rows(torch.randn(8, 64), impl="cuda")
+    assert calls == {"expand": 0, "block_values": 0}, calls  # no limit: a null address, every row
 
 
 @pytest.mark.gpu

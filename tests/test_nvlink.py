@@ -254,14 +254,15 @@ def _pressure_hash(nvl, x, idx, w, hidden, rank, fmt="nvfp4", alt=None):
         which = it % len(sets)
         cx, cidx, cw = sets[which]
         res = nvl.dispatch(cx, cidx, cw)
-        if it % 10 == 3:
+        step = it // len(sets)  # each set's own call count: both sets get the doubled calls below
+        if step % 10 == 3:
             res = nvl.dispatch(cx, cidx, cw)  # two dispatches in a row: staging reuse must wait for readers
         if outs[which] is None:
             _, outs[which] = _expert_out(int(res.expert_offsets[-1]), res.num_rows, hidden, 9 + which, rank)
         out = outs[which]
         y1 = nvl.combine(out, res.handle)
         y2 = nvl.combine(out, res.handle, local_reduce=False)
-        if it % 10 == 7:
+        if step % 10 == 7:
             y1 = nvl.combine(out, res.handle)  # two combines with one handle
         digest = hashlib.sha256(payload_bytes(res.x, fmt)[:int(res.expert_offsets[-1])].cpu().numpy())
         digest.update(_bits(y1).numpy().tobytes())
@@ -696,7 +697,7 @@ def combine_mismatch_worker(rank, world):
     finally:
         ref.destroy()
         twin.destroy()
-    nvl.destroy()
+        nvl.destroy()
     peer = rf"rank {other}" if other is not None else r"rank \d+"
     for case in ("local_reduce", "handles"):
         buf = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=max_tokens,
@@ -997,8 +998,8 @@ def test_nvlink_size_hint_without_gpu():
 @pytest.mark.cpu
 @pytest.mark.parametrize("world,fmt", [(2, "nvfp4"), (8, "nvfp4"), (8, "bf16"), (72, "mxfp8")])
 def test_nvlink_region_sections_are_disjoint(world, fmt):
-    """Every section of the symmetric region (the five flag arrays, counts, row flags, staging, combine rows, wave index) lies
-    inside the region, 8-byte aligned, and overlaps no other."""
+    """Every section of the symmetric region (the five flag arrays, the combine descriptors, the abort word, counts, row
+    flags, staging, combine rows, wave index) lies inside the region, 8-byte aligned, and overlaps no other."""
     from ep_comm.backends.nvlink import _RegionLayout
     from ep_comm.types import BufferConfig
     cfg = BufferConfig(hidden=2048, num_experts=4 * world, num_topk=4, max_tokens_per_rank=96, world_size=world,
@@ -1006,7 +1007,9 @@ def test_nvlink_region_sections_are_disjoint(world, fmt):
     L = _RegionLayout.of(cfg)
     w, t, k, e_local = world, 96, 4, 4
     sections = {name: (getattr(L, name), 8 * w) for name in
-                ("off_disp_ready", "off_disp_consumed", "off_comb_ready", "off_comb_consumed", "off_disp_counts")}
+                ("off_disp_ready", "off_disp_consumed", "off_comb_ready", "off_comb_consumed", "off_disp_counts",
+                 "off_comb_desc")}
+    sections["off_abort"] = (L.off_abort, 4)
     sections["off_counts"] = (L.off_counts, 4 * w * L.count_stride)
     sections["off_row_flags"] = (L.off_row_flags, 4 * w * t)
     sections["off_staging"] = (L.off_staging, w * t * L.disp_row_bytes)
@@ -1212,6 +1215,44 @@ def test_nvlink_partial_nvshmem_allocation_raises_on_every_rank():
                                                           timeout_s=120)):
         assert message is not None and "succeeded on some ranks only (rank 1:" in message, (rank, message)
         assert fell_back == [], rank
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("case", ["unreported", "reported", "clean"])
+def test_nvlink_destroy_warns_about_a_fault_no_call_reported(monkeypatch, case):
+    """A fault the kernels record after the last call returned (here a mismatched combine: stage 9, peer 1, call 3)
+    is warned about by destroy(), after its synchronize, instead of being lost; one check() already raised is not
+    warned about again, and a clean error word gives no warning. On the host: a backend with stand-ins for the device
+    calls and a ctypes word as the host-mapped error word."""
+    import ctypes
+    import warnings
+    from types import SimpleNamespace
+    import ep_comm.backends.nvlink as nvlink
+    from ep_comm.types import BufferConfig
+    word = ctypes.c_uint64((1 << 63) | (9 << 48) | (1 << 32) | 3 if case != "clean" else 0)
+    backend = object.__new__(nvlink.NVLinkBackend)
+    backend.config = BufferConfig(hidden=256, num_experts=8, num_topk=2, max_tokens_per_rank=8, world_size=2)
+    backend.rank, backend.device, backend.group = 0, 0, None
+    backend._destroyed, backend._gave_up, backend._fault_reported = False, None, False
+    backend._error_host = ctypes.addressof(word)
+    backend.region = SimpleNamespace(free=lambda: None)
+    freed = []
+    monkeypatch.setattr(nvlink._ext, "_C", SimpleNamespace(nvlink_host_mapped_free=freed.append))
+    monkeypatch.setattr(nvlink.torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(nvlink.dist, "barrier", lambda group=None: None)
+    if case == "reported":
+        with pytest.raises(RuntimeError, match=r"combine \(call 3\) got rows from rank 1"):
+            backend.check()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backend.destroy()
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    if case == "unreported":
+        assert len(messages) == 1 and "destroyed with an error no call reported" in messages[0] \
+            and "combine (call 3) got rows from rank 1" in messages[0], messages
+    else:
+        assert messages == [], messages
+    assert backend._destroyed and freed == [ctypes.addressof(word)]
 
 
 @pytest.mark.cpu

@@ -23,6 +23,7 @@ import ctypes
 import functools
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -623,6 +624,7 @@ class NVLinkBackend:
         self._staging_generation = 0  # dispatches so far (an expand=False result's x is valid until the next one)
         self._wave_ticket = None  # the last wave dispatch's _WaveTicket until its w1 GEMM claims it
         self._gave_up = None  # why this rank gave up (give_up): every later call raises
+        self._fault_reported = False  # check() raised on the error word (destroy() warns about one it did not)
 
         # Collective: before the region, so that everything between the region and the vote below is local to a rank.
         self.blocks = self._block_counts(group, config)
@@ -763,8 +765,9 @@ class NVLinkBackend:
 
     # ------------------------------------------------------------------------------------------------------
     def check(self) -> None:
-        """Raise if a kernel of this Buffer recorded a timeout (reads host-mapped memory: no sync), or if this rank gave
-        up (give_up). Every call checks first, so a Buffer that gave up refuses them all."""
+        """Raise if a kernel of this Buffer recorded a timeout or a fault (a dispatch row past the result, a combine the
+        peers made on another handle or mode: reads host-mapped memory, no sync), or if this rank gave up (give_up).
+        Every call checks first, so a Buffer that gave up refuses them all."""
         if self._destroyed or self._error_host is None:
             return
         if self._gave_up is not None:
@@ -773,35 +776,47 @@ class NVLinkBackend:
                                f"of step: this Buffer is unusable, make a new one on every rank")
         word = ctypes.c_uint64.from_address(self._error_host).value
         if word >> 63:
-            stage = (word >> 48) & 0xFF
-            peer = (word >> 32) & 0xFFFF
-            call = word & 0xFFFFFFFF
-            if stage == _STAGE_PEER_GAVE_UP:
-                raise RuntimeError(
-                    f"ep_comm nvlink: rank {self.rank} stopped waiting because rank {peer} gave up: a call there "
+            self._fault_reported = True
+            raise RuntimeError(self._fault_message(word))
+
+    def _warn_unreported_fault(self) -> None:
+        """After destroy's synchronize: a fault or timeout the kernels recorded that no check() raised (e.g. a
+        mismatched last combine, found on the device after the call returned) is warned about, not lost."""
+        if self._fault_reported or self._error_host is None:
+            return
+        word = ctypes.c_uint64.from_address(self._error_host).value
+        if word >> 63:
+            self._fault_reported = True
+            warnings.warn(f"ep_comm.Buffer destroyed with an error no call reported: {self._fault_message(word)}",
+                          RuntimeWarning, stacklevel=3)
+
+    def _fault_message(self, word: int) -> str:
+        """What the error word (bit 63 set: stage << 48 | peer << 32 | call) says, as the error check() raises."""
+        stage = (word >> 48) & 0xFF
+        peer = (word >> 32) & 0xFFFF
+        call = word & 0xFFFFFFFF
+        if stage == _STAGE_PEER_GAVE_UP:
+            return (f"ep_comm nvlink: rank {self.rank} stopped waiting because rank {peer} gave up: a call there "
                     f"raised before launching (see the error raised on rank {peer}, e.g. inputs it rejected), so it "
                     f"will not send that call's rows. Results of the calls in flight and later ones are invalid and "
                     f"this Buffer is unusable")
-            if stage == _STAGE_ROW_PAST_CAPACITY:  # a fault, not a timeout
-                what = "the exchanged counts" if peer == _ERROR_NO_PEER else f"a row from rank {peer}"
-                raise RuntimeError(
-                    f"ep_comm nvlink: rank {self.rank}'s dispatch (call {call}) placed {what} outside its result "
-                    f"(max_recv_rows {self.config.max_recv_rows}) or its staging slots; those rows were not written. Either the ranks' "
-                    f"calls went out of step (after a timeout on a peer) or a token named one expert in two top-k "
-                    f"slots with check_inputs off. Results of that call and later ones are invalid and this Buffer is "
-                    f"unusable")
-            if stage == _STAGE_COMBINE_MISMATCH:  # a fault, not a timeout
-                raise RuntimeError(
-                    f"ep_comm nvlink: rank {self.rank}'s combine (call {call}) got rows from rank {peer} that belong "
+        if stage == _STAGE_ROW_PAST_CAPACITY:  # a fault, not a timeout
+            what = "the exchanged counts" if peer == _ERROR_NO_PEER else f"a row from rank {peer}"
+            return (f"ep_comm nvlink: rank {self.rank}'s dispatch (call {call}) placed {what} outside its result "
+                    f"(max_recv_rows {self.config.max_recv_rows}) or its staging slots; those rows were not written. "
+                    f"Either the ranks' calls went out of step (after a timeout on a peer) or a token named one expert "
+                    f"in two top-k slots with check_inputs off. Results of that call and later ones are invalid and "
+                    f"this Buffer is unusable")
+        if stage == _STAGE_COMBINE_MISMATCH:  # a fault, not a timeout
+            return (f"ep_comm nvlink: rank {self.rank}'s combine (call {call}) got rows from rank {peer} that belong "
                     f"to another dispatch's handle or to the other local_reduce mode than this rank's combine: every "
                     f"rank must pass the handle of the same dispatch call and the same local_reduce (the reference "
                     f"backend raises on this before combining). That combine's output is wrong; results of later calls "
                     f"are invalid and this Buffer is unusable")
-            where = (_STAGES[stage].format(what="layout" if peer == _ERROR_NO_PEER else f"rows of local expert {peer}")
-                     if stage == 5 else
-                     f"{_STAGES.get(stage, f'stage {stage}')} on peer rank {peer}")
-            raise RuntimeError(
-                f"ep_comm nvlink: rank {self.rank} timed out after {self.config.timeout_s:g} s in "
+        where = (_STAGES[stage].format(what="layout" if peer == _ERROR_NO_PEER else f"rows of local expert {peer}")
+                 if stage == 5 else
+                 f"{_STAGES.get(stage, f'stage {stage}')} on peer rank {peer}")
+        return (f"ep_comm nvlink: rank {self.rank} timed out after {self.config.timeout_s:g} s in "
                 f"{where} (call {call}); results of that call "
                 f"and later ones are invalid and this Buffer is unusable (did every rank make the same calls? A rank whose "
                 f"call raised before launching, e.g. on an argument it rejected, leaves its peers waiting like this; "
@@ -1116,6 +1131,7 @@ class NVLinkBackend:
         if self._destroyed:
             return
         torch.cuda.synchronize(self.device)
+        self._warn_unreported_fault()
         dist.barrier(group=self.group)  # no peer kernel still writes into our region
         self.region.free()
         # Only now: a destroy that raised above (a sticky CUDA error, a lost peer) can be retried instead of leaving the
