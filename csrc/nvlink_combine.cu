@@ -39,7 +39,7 @@ __device__ __forceinline__ void bf16x16_to_float(const uint4& a, const uint4& b,
 // Both this and the receive's check run at the end of their kernels, after the rows: with the check placed between
 // the receive's wait and its token loop, the S2F6 receive of 4096 tokens took 115.8 instead of 91.1 us at world 1
 // (same register count, no spills: the loop was scheduled differently). At the end they cost ~0.3 us per combine at
-// 128 tokens and 0.5-1 us at 1 token, and nothing measurable at 4096 (bench/RESULTS.md, twenty-ninth session; loading
+// 128 tokens and 0.6-1.5 us at 1 token, and nothing measurable at 4096 (bench/RESULTS.md, twenty-ninth session; loading
 // the handle's epoch into shared memory at the start instead measured no faster).
 __device__ __forceinline__ void store_combine_descriptors(const NvlinkConfig& cfg, const CombineArgs& args) {
   if (blockIdx.x != 0) return;
