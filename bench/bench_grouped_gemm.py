@@ -174,8 +174,8 @@ def time_combine_rows(gemm: Gemm, x, offsets_t, counts_t, token_tile, iters, rep
     index = torch.arange(rows, dtype=torch.int32, device="cuda")
     target = CombineRowsTarget(bases=torch.tensor([area.data_ptr()], dtype=torch.int64, device="cuda"),
                                area_offset=0, src_rank=torch.zeros_like(index), src_token=index // topk,
-                               topk_slot=index % topk, num_topk=topk, max_tokens=(rows + topk) // topk, hidden=hidden, row_bytes=row_bytes,
-                               scale_offset=scale_offset, sign_mask=0x6A09E667)
+                               topk_slot=index % topk, num_topk=topk, max_tokens=(rows + topk) // topk, hidden=hidden,
+                               row_bytes=row_bytes, scale_offset=scale_offset, sign_mask=0x6A09E667)
     try:
         return time_ms(lambda: G.grouped_gemm_nvfp4_combine_rows(x, offsets_t, counts_t, gemm.packed, target,
                                                                  token_tile=token_tile), iters, reps)

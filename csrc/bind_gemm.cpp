@@ -82,7 +82,8 @@ void grouped_gemm_nvfp4_combine_rows(uintptr_t x, int64_t x_row_stride, uintptr_
                                      uintptr_t num_tokens_per_expert, int num_experts, int n, int k,
                                      int64_t num_rows_total, int token_tile, int tail_tile, uintptr_t bases,
                                      int64_t area_offset, uintptr_t src_rank, uintptr_t src_token, uintptr_t topk_slot,
-                                     int topk, int num_ranks, int64_t max_tokens, int64_t row_bytes, int64_t scale_offset, uint32_t sign_mask,
+                                     int topk, int num_ranks, int64_t max_tokens, int64_t row_bytes,
+                                     int64_t scale_offset, uint32_t sign_mask,
                                      uintptr_t abort_flag, uintptr_t stream) {
   ep_comm::GroupedGemmArgs args = operand_args(x, x_row_stride, row_factor, w_values, w_scales, w_factor,
                                                expert_offsets, num_tokens_per_expert, num_experts, n, k,
@@ -122,7 +123,8 @@ void register_gemm(py::module_& m) {
         py::arg("w_factor"), py::arg("expert_offsets"), py::arg("num_tokens_per_expert"), py::arg("num_experts"),
         py::arg("n"), py::arg("k"), py::arg("num_rows_total"), py::arg("token_tile"), py::arg("tail_tile"),
         py::arg("bases"), py::arg("area_offset"), py::arg("src_rank"), py::arg("src_token"), py::arg("topk_slot"),
-        py::arg("topk"), py::arg("num_ranks"), py::arg("max_tokens"), py::arg("row_bytes"), py::arg("scale_offset"), py::arg("sign_mask"), py::arg("abort_flag"),
+        py::arg("topk"), py::arg("num_ranks"), py::arg("max_tokens"), py::arg("row_bytes"), py::arg("scale_offset"),
+        py::arg("sign_mask"), py::arg("abort_flag"),
         py::arg("stream"), "NVFP4 grouped GEMM (sm_90a) whose epilogue stores RHT + S2F6 combine rows (see ep_comm/grouped_gemm.py)");
   m.def("grouped_gemm_auto_token_tile", &ep_comm::grouped_gemm_auto_token_tile, py::arg("num_rows_total"),
         py::arg("num_experts"), "token tile the launcher picks for token_tile = 0");

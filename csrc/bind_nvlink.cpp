@@ -174,8 +174,8 @@ class NvlinkContext {
     long long total;
   };
   // rows: the table of a dispatch without expansion (row_index): no payload or scale section, a row_index section.
-  // The sections every call has (0, 1, 4..14, 16) sit at the same offsets either way (2 and 3 come last, 15 after 16), so
-  // combine reads either kind of arena with the expanded table.
+  // The sections every call has (0, 1, 4..14, 16) sit at the same offsets either way (2 and 3 come last, 15 after
+  // 16), so combine reads either kind of arena with the expanded table.
   ArenaLayout arena_layout(int num_tokens, bool rows = false) const {
     const NvlinkConfig& c = cfg_;
     const long long T = num_tokens, K = c.topk, R = c.max_recv_rows, W = c.world, L = c.num_local;

@@ -52,8 +52,9 @@ struct GroupedGemmArgs {
   // Row r is stored at bases[src_rank[r]] + offset + (src_token[r] * topk + topk_slot[r]) * row_bytes (bases
   // 16-byte aligned): n code bytes, then the UE8M0 scale of 32-chunk c at byte scale_offset + c. A row counted in
   // whose destination is not one (src_rank outside [0, num_ranks), src_token outside [0, max_tokens), topk_slot
-  // outside [0, topk): the dispatch's -1 padding rows, when a caller counts a segment's padding in) is not stored. Each value is rounded to
-  // bf16 first (what out_type 1 stores), so the bytes are those that combine(bf16 out, local_reduce=False) sends.
+  // outside [0, topk): the dispatch's -1 padding rows, when a caller counts a segment's padding in) is not stored.
+  // Each value is rounded to bf16 first (what out_type 1 stores), so the bytes are those that combine(bf16 out,
+  // local_reduce=False) sends.
   // Needs swiglu off; the caller orders these stores against the reader (the nvlink backend's begin/finish).
   struct CombineRows {
     const uint64_t* bases = nullptr;  // [world] base address of each rank's region as this GPU addresses it

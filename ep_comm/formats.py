@@ -244,6 +244,17 @@ def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
     return torch.where(nan, torch.full_like(code, 7), code)
 
 
+def _pack_e2m1_codes(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes int [..., K] -> uint8 [..., K/2], element 2j in the low nibble (the NVFP4Tensor.data layout)."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+
+
+def _unpack_e2m1_codes(data: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> int64 codes [..., K] (element 2j from the low nibble): the inverse of _pack_e2m1_codes."""
+    d = data.to(torch.int64)
+    return torch.stack((d & 0xF, d >> 4), dim=-1).reshape(*data.shape[:-1], data.shape[-1] * 2)
+
+
 def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
     table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=code.device)
     return table[code.to(torch.int64) & 0xF]
@@ -471,7 +482,7 @@ def _nvfp4_quantize_reference(x: torch.Tensor, four_over_six: bool, amax: Option
         scale_code = torch.where(pick4, scale4, scale6)
         codes = torch.where(pick4[..., None], codes4, codes6)
     codes = codes.reshape(xb.shape[0], k)
-    data = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    data = _pack_e2m1_codes(codes)
     return NVFP4Tensor(
         data=data.reshape(*lead_shape, k // 2),
         scales=scale_code.reshape(*lead_shape, k // NVFP4_BLOCK).view(torch.float8_e4m3fn),
@@ -538,8 +549,7 @@ def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32, impl: s
 
 def _nvfp4_dequantize_reference(q: NVFP4Tensor) -> torch.Tensor:
     device = q.data.device
-    data = q.data.to(torch.int64)
-    codes = torch.stack((data & 0xF, data >> 4), dim=-1).reshape(*q.data.shape[:-1], q.scales.shape[-1], NVFP4_BLOCK)
+    codes = _unpack_e2m1_codes(q.data).reshape(*q.data.shape[:-1], q.scales.shape[-1], NVFP4_BLOCK)
     scale = e4m3_decode(q.scales.view(torch.uint8))
     final = (scale * q.amax.float()[..., None]) * _f32(1.0 / (6.0 * q.e4m3_max), device)
     values = e2m1_decode(codes) * final[..., None]

@@ -45,14 +45,14 @@ import torch
 import torch.nn.functional as F
 
 from . import _ext
-from .formats import (NVFP4_BLOCK, NVFP4Tensor, _check_float_input, _check_nvfp4, _f32, _nan_to_zero_abs, _use_cuda,
-                      e2m1_decode, e4m3_decode, e4m3_encode)
+from .formats import (NVFP4_BLOCK, NVFP4Tensor, _check_float_input, _check_nvfp4, _f32, _nan_to_zero_abs,
+                      _pack_e2m1_codes, _unpack_e2m1_codes, _use_cuda, e2m1_decode, e4m3_decode, e4m3_encode)
 from .types import CombineRowsTarget
 
 __all__ = [
     "GemmWeights", "ExpandedRows", "pack_gemm_weights", "unpack_gemm_weights", "dequantize_gemm_weights",
-    "expand_nvfp4_rows", "grouped_gemm_nvfp4", "grouped_gemm_nvfp4_combine_rows", "has_combine_rows_kernel", "swiglu_row_permutation",
-    "TILE_ROWS", "TILE_K", "TOKEN_TILES",
+    "expand_nvfp4_rows", "grouped_gemm_nvfp4", "grouped_gemm_nvfp4_combine_rows", "has_combine_rows_kernel",
+    "swiglu_row_permutation", "TILE_ROWS", "TILE_K", "TOKEN_TILES",
 ]
 
 TILE_ROWS = 64          # weight rows per tile (the kernel's M tile)
@@ -187,12 +187,6 @@ def _scale_codes_to_e4m3_float(codes: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float16).float() * (2.0 ** -7)
 
 
-def _unpack_codes(data: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., K/2] -> int64 codes [..., K] (element 2j from the low nibble)."""
-    d = data.to(torch.int64)
-    return torch.stack((d & 0xF, d >> 4), dim=-1).reshape(*data.shape[:-1], data.shape[-1] * 2)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Weights
 # ----------------------------------------------------------------------------------------------------------
@@ -244,7 +238,7 @@ def pack_gemm_weights(w: NVFP4Tensor, swiglu: bool) -> GemmWeights:
     values = torch.empty(experts, tiles_m, tiles_k, THREADS_PER_TILE, K_STEPS, dtype=torch.int32, device=device)
     scales = torch.empty(experts, tiles_m, tiles_k, TILE_ROWS, K_STEPS, dtype=torch.uint8, device=device)
     for e in range(experts):
-        codes = _unpack_codes(w.data[e].index_select(0, row_perm))                      # [N, K]
+        codes = _unpack_e2m1_codes(w.data[e].index_select(0, row_perm))                      # [N, K]
         tiles = codes.reshape(tiles_m, TILE_ROWS, tiles_k, TILE_K).permute(0, 2, 1, 3)   # [mt, kb, 64, 64]
         low = tiles[:, :, frag_rows, frag_cols]                                        # [mt, kb, 128, 4, 4]
         high = tiles[:, :, frag_rows, frag_cols + 1]
@@ -315,7 +309,7 @@ def unpack_gemm_weights(w: GemmWeights) -> NVFP4Tensor:
     scales = torch.empty(experts, w.n, w.k // 16, dtype=torch.uint8, device=device)
     for e in range(experts):
         codes, scale = _expert_codes_and_scales(w, e)
-        data[e, w.row_perm] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)  # element 2j: low nibble
+        data[e, w.row_perm] = _pack_e2m1_codes(codes)
         scales[e, w.row_perm] = e4m3_encode(scale)  # exact: the values are E4M3 bytes 0x00..0x7E decoded
     amax = w.amax.float()[:, None].expand(experts, w.n).contiguous()
     return NVFP4Tensor(data=data, scales=scales.view(torch.float8_e4m3fn), amax=amax, e4m3_max=w.e4m3_max)
@@ -427,7 +421,7 @@ def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Option
                 lib.nvfp4_dequantize(data.data_ptr(), scales.data_ptr(), 0, num_rows, k, float(q.e4m3_max),
                                      values.data_ptr(), 2, _ext.current_raw_stream(q.data.device), limit)
         return ExpandedRows(values=values, row_factor=row_factor.contiguous())
-    codes = _unpack_codes(data).reshape(num_rows, k // 16, 16)
+    codes = _unpack_e2m1_codes(data).reshape(num_rows, k // 16, 16)
     block = e2m1_decode(codes) * e4m3_decode(scales)[..., None]
     return ExpandedRows(values=block.reshape(num_rows, k).to(torch.float16), row_factor=row_factor.contiguous())
 
@@ -639,8 +633,8 @@ def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tenso
     `grouped_gemm_nvfp4(..., out_dtype=torch.bfloat16)` returns it, is rotated (RHT-32 with target.sign_mask),
     quantized to S2F6 and stored at target.bases[src_rank[r]] + target.area_offset + (src_token[r] * num_topk +
     topk_slot[r]) * row_bytes -- into the source rank's combine area over NVLink; a row whose triple names no row
-    of the areas (padding rows' -1s, when num_tokens_per_expert counts padding in) is not stored. The CTA's output tile goes
-    through shared memory, since a 32-column RHT chunk spans two warps of the accumulator layout.
+    of the areas (padding rows' -1s, when num_tokens_per_expert counts padding in) is not stored. The CTA's output
+    tile goes through shared memory, since a 32-column RHT chunk spans two warps of the accumulator layout.
     No host synchronisation; the caller orders it between begin_combine_rows and finish_combine_rows.
     """
     if not has_combine_rows_kernel():
@@ -687,7 +681,8 @@ def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tenso
             num_tokens_per_expert.data_ptr(), weights.num_experts, weights.n, weights.k, rows, int(token_tile or 0),
             -1 if tail_tile is None else int(tail_tile), bases.data_ptr(), int(target.area_offset),
             target.src_rank.data_ptr(), target.src_token.data_ptr(), target.topk_slot.data_ptr(),
-            int(target.num_topk), bases.shape[0], int(target.max_tokens), int(target.row_bytes), int(target.scale_offset), int(target.sign_mask),
+            int(target.num_topk), bases.shape[0], int(target.max_tokens), int(target.row_bytes),
+            int(target.scale_offset), int(target.sign_mask),
             int(target.abort_flag), _ext.current_raw_stream(device))
 
 

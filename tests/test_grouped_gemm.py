@@ -960,8 +960,8 @@ def _local_combine_target(mask, num_ranks: int, topk: int, hidden: int, seed: in
     src_token[mask.cpu()] = (slots % (tokens * topk) // topk).int()
     topk_slot[mask.cpu()] = (slots % topk).int()
     target = CombineRowsTarget(bases=bases, area_offset=area_offset, src_rank=src_rank.cuda(),
-                               src_token=src_token.cuda(), topk_slot=topk_slot.cuda(), num_topk=topk, max_tokens=tokens, hidden=hidden,
-                               row_bytes=row_bytes, scale_offset=scale_offset, sign_mask=0x9E3779B9)
+                               src_token=src_token.cuda(), topk_slot=topk_slot.cuda(), num_topk=topk,
+                               max_tokens=tokens, hidden=hidden, row_bytes=row_bytes, scale_offset=scale_offset, sign_mask=0x9E3779B9)
     areas = memory[area_offset:area_offset + num_ranks * area_bytes].view(num_ranks, tokens * topk, row_bytes)
     return target, areas, slots // (tokens * topk), slots % (tokens * topk)
 

@@ -103,7 +103,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _buffers(hidden, num_experts, topk, max_tokens, dfmt, cfmt, align, num_sms=24, timeout_s=20.0,
              num_local_sms=0, sign_mask=None):
-    """(reference Buffer, nvlink Buffer) with the same settings; sign_mask: both Buffers' rht_sign_mask (None: default)."""
+    """(reference Buffer, nvlink Buffer) with the same settings; sign_mask: both Buffers' rht_sign_mask (None:
+    default)."""
     import ep_comm
     common = dict(hidden=hidden, num_experts=num_experts, num_topk=topk, max_tokens_per_rank=max_tokens,
                   dispatch_format=dfmt, combine_format=cfmt, expert_alignment=align)
@@ -330,10 +331,10 @@ def streaming_pressure_and_graph_worker(rank, world):
     """Rows with row flags (one warp per token: sends on 2 blocks), expanded by the receive as they arrive, for BF16
     (the receive reads this rank's own rows from x), NVFP4 with direct self rows, NVFP4 with its own rows staged (row
     flags into its own region) and MXFP8: calls alternating between two input sets give one hash per set, calls
-    equal the reference backend, and a CUDA-graph replay equals the eager calls. Then calls with new routing each time and uneven token counts (256 on
-    one rank, 16 on the other: one send writes row flags, the other splits rows across warps and writes none), with x
-    zeroed right after each dispatch is enqueued: the dispatch's last kernel must not finish before its send has read
-    x."""
+    equal the reference backend, and a CUDA-graph replay equals the eager calls. Then calls with new routing each time
+    and uneven token counts (256 on one rank, 16 on the other: one send writes row flags, the other splits rows across
+    warps and writes none), with x zeroed right after each dispatch is enqueued: the dispatch's last kernel must not
+    finish before its send has read x."""
     hidden, experts, topk, max_tokens = 2048, 16 * world, 8, 256
     x, idx, w = _make_inputs(rank, max_tokens, hidden, experts, topk, "uniform", world, seed=6)
     alt = _make_inputs(rank, max_tokens, hidden, experts, topk, "masked", world, seed=16)

@@ -757,7 +757,8 @@ class NVLinkBackend:
         keys = config.num_experts + w
         local = (2 * t_max * k * 4 + 4 * keys + 4 * _LAYOUT_MAX_CHUNKS * keys + 64
                  + 8 * (_WAVE_AREA_FIXED_WORDS + config.num_local_experts))
-        handle = 4 * (w + 2 * w * t_max + w * t_max * k) + 8 * t_max * k + 8  # recv tables, send_idx + send_w, dispatch epoch
+        # The handle: recv tables, send_idx + send_w, the dispatch epoch.
+        handle = 4 * (w + 2 * w * t_max + w * t_max * k) + 8 * t_max * k + 8
         return BufferSizes(dispatch_recv_bytes=dispatch, combine_recv_bytes=combine,
                            layout_bytes=L.off_staging + local + handle,
                            expert_layout_bytes=config.max_recv_rows * (payload + 16),
@@ -774,21 +775,27 @@ class NVLinkBackend:
             raise RuntimeError(f"ep_comm nvlink: rank {self.rank} gave up after an earlier call raised on this rank "
                                f"({self._gave_up}); its peers were told to stop waiting and the ranks' calls are out "
                                f"of step: this Buffer is unusable, make a new one on every rank")
-        word = ctypes.c_uint64.from_address(self._error_host).value
-        if word >> 63:
+        message = self._recorded_fault()
+        if message is not None:
             self._fault_reported = True
-            raise RuntimeError(self._fault_message(word))
+            raise RuntimeError(message)
+
+    def _recorded_fault(self) -> Optional[str]:
+        """What the host-mapped error word holds (bit 63 set: a timeout or a fault the kernels recorded), as the error
+        check() raises; None while it is clear."""
+        word = ctypes.c_uint64.from_address(self._error_host).value
+        return self._fault_message(word) if word >> 63 else None
 
     def _warn_unreported_fault(self) -> None:
         """After destroy's synchronize: a fault or timeout the kernels recorded that no check() raised (e.g. a
         mismatched last combine, found on the device after the call returned) is warned about, not lost."""
         if self._fault_reported or self._error_host is None:
             return
-        word = ctypes.c_uint64.from_address(self._error_host).value
-        if word >> 63:
+        message = self._recorded_fault()
+        if message is not None:
             self._fault_reported = True
-            warnings.warn(f"ep_comm.Buffer destroyed with an error no call reported: {self._fault_message(word)}",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(f"ep_comm.Buffer destroyed with an error no call reported: {message}", RuntimeWarning,
+                          stacklevel=3)
 
     def _fault_message(self, word: int) -> str:
         """What the error word (bit 63 set: stage << 48 | peer << 32 | call) says, as the error check() raises."""
@@ -1077,8 +1084,8 @@ class NVLinkBackend:
         self._after_call()
         return CombineRowsTarget(bases=self._peer_bases, area_offset=L.off_combine, src_rank=result.src_rank,
                                  src_token=result.src_token, topk_slot=result.topk_slot, num_topk=cfg.num_topk,
-                                 max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden, row_bytes=L.comb_row_bytes, scale_offset=L.comb_scale_off,
-                                 sign_mask=cfg.rht_sign_mask, abort_flag=abort)
+                                 max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden, row_bytes=L.comb_row_bytes,
+                                 scale_offset=L.comb_scale_off, sign_mask=cfg.rht_sign_mask, abort_flag=abort)
 
     def finish_combine_rows(self, handle: NVLinkHandle) -> torch.Tensor:
         """Publish the rows the GEMM stored since begin_combine_rows, then receive: bf16 [T, H]."""

@@ -228,8 +228,8 @@ class ReferenceBackend:
         when any pair disagrees (a different local_reduce, or a handle from another dispatch) -- a receiving rank
         that sees a mismatch with the details, the others naming those ranks."""
         world = self.config.world_size
-        mine = torch.tensor([[send_counts[d], int(local_reduce), expected_counts[d], dispatch_id] for d in range(world)],
-                            dtype=torch.int64, device=device)
+        mine = torch.tensor([[send_counts[d], int(local_reduce), expected_counts[d], dispatch_id]
+                             for d in range(world)], dtype=torch.int64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(world)]
         self._collective("combine (row counts)", dist.all_gather, gathered, mine)
         # [source s][peer d] = (rows s sends d, s's mode, rows s expects from d, the dispatch of s's handle)
