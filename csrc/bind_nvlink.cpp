@@ -46,6 +46,7 @@ class NvlinkContext {
     c.disp_fmt = get<int>(d, "disp_fmt");
     c.comb_fmt = get<int>(d, "comb_fmt");
     c.sign_mask = get<unsigned int>(d, "sign_mask");
+    c.buffer_tag = get<unsigned int>(d, "buffer_tag");
     c.max_recv_rows = get<long long>(d, "max_recv_rows");
     c.disp_row_bytes = get<long long>(d, "disp_row_bytes");
     c.disp_data_bytes = get<long long>(d, "disp_data_bytes");
@@ -82,6 +83,7 @@ class NvlinkContext {
     if (c.topk < 1 || c.topk > kMaxTopk) throw std::invalid_argument("num_topk must be in [1, 32] for nvlink");
     if (c.world < 1 || c.world > kMaxWorld) throw std::invalid_argument("world size out of range for nvlink");
     if (c.hidden % 32 != 0) throw std::invalid_argument("hidden must be a multiple of 32");
+    if (c.buffer_tag >= (1u << kBufferTagBits)) throw std::invalid_argument("buffer_tag must be below 2^22");
     if (c.off_abort < 0 || c.off_abort % 4 != 0) throw std::invalid_argument("off_abort must be a 4-byte aligned offset");
     if (c.off_comb_desc < 0 || c.off_comb_desc % 8 != 0) {
       throw std::invalid_argument("off_comb_desc must be an 8-byte aligned offset");
@@ -197,7 +199,7 @@ class NvlinkContext {
         4 * W * tmax,                                // 13 recv_ord i32 [W * T_max]
         4 * W * tmax * K,                            // 14 recv_rows i32 [W * T_max * K]
         rows ? 4 * R : 0,                            // 15 row_index i32 [R] (rows only)
-        8,                                           // 16 dispatch_epoch u64 [1] (the layout kernel writes it)
+        8,                                           // 16 dispatch word u64 [1]: epoch and Buffer tag (layout kernel)
     };
     // Physical order: the 4- and 8-byte-element sections first (Python views them as one int32 block), then the
     // payload and scale bytes.
@@ -353,6 +355,7 @@ void register_nvlink(py::module_& m) {
   m.attr("nvlink_state_bytes") = py::int_(sizeof(NvlinkState));
   m.attr("wave_area_fixed_words") = py::int_(ep_comm::kWaveRowsDone);  // + one word per local expert
   m.attr("nvlink_max_topk") = py::int_(kMaxTopk);
+  m.attr("nvlink_buffer_tag_bits") = py::int_(kBufferTagBits);
   m.attr("nvlink_max_world") = py::int_(kMaxWorld);
   m.attr("nvlink_layout_max_chunks") = py::int_(kLayoutMaxChunks);
   // What ep_comm/backends/nvlink.py _check_nvlink_limits tests a configuration against (nvlink.h).

@@ -11,10 +11,11 @@
 //              comb_consumed[W] my region, slot s: blocks of source s that finished reading my rows
 //              disp_counts[W]   my region, slot s: dispatch calls whose counts source s has written to me
 //              comb_desc[W]     my region, slot e: what expert rank e's latest combine rows to me belong to
-//                               (combine_descriptor: the epoch of the dispatch whose handle it combined, and
-//                               local_reduce), stored before its comb_ready signal. The receive compares each with
-//                               its own and records a fault on a mismatch: the ranks combined different dispatches'
-//                               handles or disagreed on local_reduce, so the rows are not what it reads them as
+//                               (combine_descriptor: the dispatch word of the handle it combined -- that
+//                               dispatch's epoch and its Buffer's tag -- and local_reduce), stored before its
+//                               comb_ready signal. The receive compares each with its own and records a fault on a
+//                               mismatch: the ranks combined different dispatches' handles (of one Buffer or of two)
+//                               or disagreed on local_reduce, so the rows are not what it reads them as
 //   abort      u32 (spin_wait.cuh): nonzero once this rank gave up (a timeout or a fault) or a peer told it that it
 //              gave up (nvlink_give_up.cu); every wait then fails at once. After a failed wait a sender stores nothing
 //              more (fail-stop), so a peer that is only slow times out instead of reading a later call's rows
@@ -92,6 +93,8 @@ enum Stage : int {
 };
 
 constexpr int kMaxTopk = 32;    // one lane per top-k slot in several warp-level steps
+constexpr int kBufferTagBits = 22;      // NvlinkConfig::buffer_tag < 2^22 (dispatch_word)
+constexpr int kDispatchEpochBits = 40;  // the epoch's share of a handle's dispatch word (dispatch_word)
 constexpr int kMaxWorld = 1024;  // ranks of one NVLink domain (NVL72 needs 72); static shared arrays
 constexpr int kLayoutMaxChunks = 64;  // layout blocks per call (chunks of consecutive tokens)
 constexpr int kLayoutMinChunkTokens = 16;
@@ -142,6 +145,7 @@ struct NvlinkConfig {
   int disp_fmt;      // DispatchFormat
   int comb_fmt;      // CombineFormat
   unsigned int sign_mask;
+  unsigned int buffer_tag;  // < 2^22, the same on every rank, one per Buffer: in each handle's dispatch epoch word
   long long max_recv_rows;
   int direct_self_min_tokens;  // smallest call that takes the direct self rows (NVFP4 without waves)
 
@@ -195,7 +199,7 @@ struct DispatchArgs {
   // Handle (sender side copies, read by combine-receive).
   int* send_idx;    // [T, K] normalized expert ids (-1 masked)
   float* send_w;    // [T, K]
-  unsigned long long* dispatch_epoch;  // [1] this dispatch's epoch (NvlinkState::disp_epoch), by the layout kernel
+  unsigned long long* dispatch_epoch;  // [1] this dispatch's word (dispatch_word: epoch, Buffer tag): layout kernel
   // Expert-major result.
   unsigned char* out_data;    // NVFP4 [R, H/2] / MXFP8 [R, H] / BF16 [R, 2H bytes]
   unsigned char* out_scales;  // NVFP4 [R, H/16] / MXFP8 [R, H/32] / unused
@@ -247,7 +251,7 @@ struct CombineArgs {
   const int* recv_rows;
   const int* send_idx;   // [T, K]
   const float* send_w;   // [T, K]
-  const unsigned long long* dispatch_epoch;  // [1] the handle's dispatch epoch (DispatchArgs::dispatch_epoch)
+  const unsigned long long* dispatch_epoch;  // [1] the handle's dispatch word (DispatchArgs::dispatch_epoch)
   int num_tokens;
   unsigned short* out;   // bf16 [T, H]
   // The grouped GEMM's combine-row epilogue writes the local_reduce=False rows itself (another kernel). Before it,
@@ -471,8 +475,17 @@ __device__ __forceinline__ void signal_all_peers_once(const NvlinkConfig& cfg, l
   for (int p = 0; p < cfg.world; ++p) signal_peer(cfg, flags_off, p, amount);
 }
 
-// What a combine's rows belong to (comb_desc): the epoch of the dispatch whose handle it combines and its local_reduce
-// mode (the row layout); bit 63 set, so that no descriptor is the region's initial zero.
+// The handle's dispatch word (DispatchArgs::dispatch_epoch): the dispatch's epoch in bits 0..39 and the dispatching
+// Buffer's tag (NvlinkConfig::buffer_tag) in bits 40..61, so that a handle of another Buffer with the same call count
+// differs too. 2^40 dispatches per Buffer before the epoch part wraps.
+__device__ __forceinline__ unsigned long long dispatch_word(unsigned long long epoch, unsigned int buffer_tag) {
+  return (epoch & ((1ull << kDispatchEpochBits) - 1ull)) |
+         (static_cast<unsigned long long>(buffer_tag) << kDispatchEpochBits);
+}
+
+// What a combine's rows belong to (comb_desc): the dispatch word of the handle it combines (dispatch epoch and
+// Buffer tag) and its local_reduce mode (the row layout); bit 63 set, so that no descriptor is the region's initial
+// zero.
 __device__ __forceinline__ unsigned long long combine_descriptor(unsigned long long dispatch_epoch, int local_reduce) {
   return (1ull << 63) | ((dispatch_epoch & 0x3FFFFFFFFFFFFFFFull) << 1) | (local_reduce ? 1ull : 0ull);
 }

@@ -76,7 +76,8 @@ __global__ void __launch_bounds__(kLayoutMaxWarps * 32) layout_kernel(NvlinkConf
   if (chunk == 0 && threadIdx.x == 0) {
     const unsigned long long epoch = cfg.state->disp_epoch + 1ull;  // this dispatch's epoch
     cfg.state->disp_epoch = epoch;
-    *args.dispatch_epoch = epoch;  // the handle's copy: a combine on it tells the peers which dispatch its rows follow
+    // The handle's copy, with this Buffer's tag: a combine on it tells the peers which dispatch its rows follow.
+    *args.dispatch_epoch = dispatch_word(epoch, cfg.buffer_tag);
   }
   for (int i = threadIdx.x; i < num_warps * num_keys_kinds; i += blockDim.x) hist[i] = 0;
   __syncthreads();

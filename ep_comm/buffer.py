@@ -498,8 +498,9 @@ class Buffer:
                 writes) and the source rank applies the weights.
             Every rank passes the handle of the same dispatch call and the same local_reduce. A mismatch raises on
             every rank: at once on the reference backend; on nvlink (found on the device) at a later call or
-            `check()` once the combine has run, the Buffer then unusable (a handle of another Buffer with the same
-            sizes and call count is not told apart).
+            `check()` once the combine has run, the Buffer then unusable (one rank passing another Buffer's handle
+            while the others pass this one's is a mismatch too; every rank passing the same same-size Buffer's handle
+            is fine).
             comm_stream, done_event: as for `dispatch` (the combine then runs on comm_stream after the work enqueued
                 so far on the current stream; wait on done_event before using the result on the current stream).
         Returns:

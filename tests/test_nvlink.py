@@ -5,7 +5,9 @@ Run on the GPU machine:  pytest -m multigpu tests/test_nvlink.py -x -q
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import hashlib
 
 import pytest
@@ -658,11 +660,12 @@ def out_of_range_ids_worker(rank, world):
 
 def combine_mismatch_worker(rank, world):
     """Combines the ranks do not agree on are found on the device (comb_desc, csrc/nvlink.h): with local_reduce
-    different on the ranks, or with the handles of two different dispatches, every rank raises at its next check naming
+    different on the ranks, with the handles of two different dispatches, or with the handles of two same-size Buffers'
+    first dispatches (same call count: the Buffer tag tells them apart), every rank raises at its next check naming
     a peer, and the Buffer refuses further calls. Combines that agree raise nothing: one handle combined twice, an older
     handle after a newer dispatch (bitwise the reference's combine of that dispatch), a handle combined on a same-size
-    twin Buffer, both local_reduce modes. Also: the handle's dispatch epoch is the device's call count, and the C++
-    arena table is the one the CPU tests copy (_cpp_arena_layout)."""
+    twin Buffer, both local_reduce modes. Also: the handle's dispatch word is the device's call count and the Buffer's
+    tag, and the C++ arena table is the one the CPU tests copy (_cpp_arena_layout)."""
     import ep_comm
     hidden, experts, topk, max_tokens = 256, 4 * world, 4, 16
     other = 1 - rank if world == 2 else None
@@ -682,7 +685,10 @@ def combine_mismatch_worker(rank, world):
         first = nvl.dispatch(*inputs[0])
         second = nvl.dispatch(*inputs[1])
         torch.cuda.synchronize()
-        assert int(second.handle.dispatch_epoch) == int(first.handle.dispatch_epoch) + 1 >= 2
+        words = [int(r.handle.dispatch_epoch) for r in (first, second)]
+        epoch_mask = (1 << 40) - 1  # dispatch word: epoch in bits 0..39, the Buffer's tag above
+        assert words[1] & epoch_mask == (words[0] & epoch_mask) + 1 >= 2, words
+        assert words[0] >> 40 == words[1] >> 40 == nvl._backend.buffer_tag != twin._backend.buffer_tag, words
         rows = int(first.expert_offsets[-1])
         out_ref, out = _expert_out(rows, first.num_rows, hidden, 5, rank)
         want = ref.dispatch(*inputs[0])
@@ -700,25 +706,30 @@ def combine_mismatch_worker(rank, world):
         twin.destroy()
         nvl.destroy()
     peer = rf"rank {other}" if other is not None else r"rank \d+"
-    for case in ("local_reduce", "handles"):
-        buf = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=max_tokens,
-                             backend="nvlink", timeout_s=20.0)
-        try:
+    for case in ("local_reduce", "handles", "buffers"):
+        make = functools.partial(ep_comm.Buffer, None, hidden=hidden, num_experts=experts, num_topk=topk,
+                                 max_tokens_per_rank=max_tokens, backend="nvlink", timeout_s=20.0)
+        with contextlib.ExitStack() as stack:  # destroys what was made, in reverse order, even if one destroy raises
+            buf = make()
+            stack.callback(buf.destroy)
+            other_buf = buf
+            if case == "buffers":
+                other_buf = make()
+                stack.callback(other_buf.destroy)
             a = buf.dispatch(*inputs[0])
-            b = buf.dispatch(*inputs[1])
+            # "buffers": the same call count on a same-size Buffer -- rank 1 combines that Buffer's handle on `buf`
+            b = other_buf.dispatch(*inputs[1])
             zeros = torch.zeros(a.num_rows, hidden, dtype=torch.bfloat16, device=a.x.data.device)
             with pytest.raises(RuntimeError, match=rf"combine \(call 1\) got rows from {peer} that belong to another"):
                 if case == "local_reduce":
                     buf.combine(zeros, a.handle, local_reduce=rank == 0)
-                else:
+                else:  # "handles": another dispatch of buf; "buffers": the first dispatch of other_buf
                     buf.combine(zeros, (a if rank == 0 else b).handle)
                 torch.cuda.synchronize()
                 buf._backend.check()
             with pytest.raises(RuntimeError, match="belong to another"):  # and it stays unusable
                 buf.dispatch(*inputs[0])
             torch.cuda.synchronize()
-        finally:
-            buf.destroy()
     return "ok"
 
 
@@ -1155,8 +1166,9 @@ def test_nvlink_limits_env_and_size_hint_constants(monkeypatch):
         with pytest.raises(ValueError, match="hidden <= 1048576"):  # 2 * hidden wrapped 32-bit offsets past 2**30
             nvlink._check_nvlink_limits(dataclasses.replace(fits, hidden=2**30 + 32))
     if built is not None:
-        assert (built.nvlink_max_topk, built.nvlink_max_world, built.nvlink_max_dynamic_smem) == (
-            nvlink._MAX_TOPK, nvlink._MAX_WORLD, nvlink._MAX_DYNAMIC_SMEM)
+        assert (built.nvlink_max_topk, built.nvlink_max_world, built.nvlink_max_dynamic_smem,
+                built.nvlink_buffer_tag_bits) == (nvlink._MAX_TOPK, nvlink._MAX_WORLD, nvlink._MAX_DYNAMIC_SMEM,
+                                                  nvlink._BUFFER_TAG_BITS)
         for world, experts in ((1, 1), (1, 60000), (2, 28000), (8, 256), (72, 576), (1024, 1024), (1024, 50176)):
             assert built.nvlink_layout_warp_smem(experts, world) == nvlink._layout_warp_smem(experts, world)
             local = experts // world
@@ -1216,6 +1228,23 @@ def test_nvlink_partial_nvshmem_allocation_raises_on_every_rank():
                                                           timeout_s=120)):
         assert message is not None and "succeeded on some ranks only (rank 1:" in message, (rank, message)
         assert fell_back == [], rank
+
+
+def _buffer_tag_worker(rank, world):
+    from ep_comm.backends import nvlink
+    if rank == 1:  # a rank that made other Buffers before (its own counter moved on): the tag is still rank 0's
+        for _ in range(5):
+            nvlink._next_buffer_tag()
+    return [nvlink.agree_buffer_tag(None) for _ in range(3)]
+
+
+@pytest.mark.cpu
+def test_nvlink_buffer_tags_agree_across_ranks_and_differ_per_buffer():
+    """Each nvlink Buffer's tag (in every handle's dispatch word, csrc/nvlink.h dispatch_word) is group rank 0's: the
+    same on every rank whatever each rank created before, 22 bits, and different for successive Buffers."""
+    tags = run_ranks(_buffer_tag_worker, 2, backend="gloo", timeout_s=120)
+    assert tags[0] == tags[1], tags
+    assert len(set(tags[0])) == 3 and all(0 <= t < 2**22 for t in tags[0]), tags
 
 
 @pytest.mark.cpu

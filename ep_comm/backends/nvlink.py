@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import os
+import secrets
 import threading
 import warnings
 from dataclasses import dataclass
@@ -241,6 +243,30 @@ _nvshmem_state = {"initialized": False, "group_ranks": None, "error": None}
 
 def _group_ranks(group) -> Tuple[int, ...]:
     return tuple(dist.get_global_rank(group, r) for r in range(dist.get_world_size(group)))
+
+
+_BUFFER_TAG_BITS = 22  # csrc/nvlink.h kBufferTagBits (ep_comm._C.nvlink_buffer_tag_bits)
+_buffer_tags = {"pid": None, "next": None}  # this process's next tag (as group rank 0), drawn on first use
+
+
+def _next_buffer_tag() -> int:
+    """This process's next tag: successive values from a random start drawn in this process (not inherited through a
+    fork, which would give forked processes the same sequence)."""
+    with _nvshmem_lock:
+        if _buffer_tags["pid"] != os.getpid():
+            _buffer_tags["pid"], _buffer_tags["next"] = os.getpid(), itertools.count(secrets.randbits(_BUFFER_TAG_BITS))
+        return next(_buffer_tags["next"]) % (1 << _BUFFER_TAG_BITS)
+
+
+def agree_buffer_tag(group) -> int:
+    """The tag of a new nvlink Buffer: group rank 0's next one, the same on every rank (one all_gather). The layout
+    kernel writes it next to the dispatch epoch in every handle, so the combine's descriptor check (csrc/nvlink.h
+    comb_desc) also tells apart the handles of two Buffers with the same sizes and call counts. Buffers whose group
+    rank 0 is the same process get successive tags (mod 2^22) from a random start, others random ones."""
+    mine = _next_buffer_tag()
+    votes = [None] * dist.get_world_size(group)
+    dist.all_gather_object(votes, mine, group=group)
+    return int(votes[0])
 
 
 def _combine_sections(sections):
@@ -546,8 +572,9 @@ class NVLinkHandle:
         layout kernel. recv_count: [W] tokens received from each source. recv_tok / recv_ord: [W * T_max]
         source token of staging row (s, j) and this rank's ordinal among the token's destination ranks.
     recv_rows: [W * T_max * K] layout row of each slot of staging row (s, j), -1 if not local.
-    dispatch_epoch: int64 [1], the dispatch's call number on the device (written by the layout kernel, so graph replays
-        renew it): combine tells the peers which dispatch its rows follow, and they check it against their own.
+    dispatch_epoch: int64 [1], the dispatch word: the dispatch's call number on the device in bits 0..39 and the
+        dispatching Buffer's tag (agree_buffer_tag) in bits 40..61, written by the layout kernel (so graph replays renew
+        it). Combine tells the peers which dispatch its rows follow, and they check it against their own.
     row_weight: DispatchResult.topk_weight. num_tokens: T; num_rows: R (capacity); num_topk: K.
     routing: (world size, max_tokens_per_rank, K, R, experts per rank) of the dispatching Buffer: what a combine on
         another Buffer must share (check_handle).
@@ -628,6 +655,7 @@ class NVLinkBackend:
 
         # Collective: before the region, so that everything between the region and the vote below is local to a rank.
         self.blocks = self._block_counts(group, config)
+        self.buffer_tag = agree_buffer_tag(group)  # collective too: in every handle's dispatch word (combine check)
         self._error_host = None
         self.region = _SymmetricRegion(group, self.layout.total_bytes)
         failure = None
@@ -658,6 +686,7 @@ class NVLinkBackend:
                 "alignment": config.expert_alignment, **self.blocks,
                 "disp_fmt": _DISPATCH_FORMAT_CODE[config.dispatch_format],
                 "comb_fmt": _COMBINE_FORMAT_CODE[config.combine_format], "sign_mask": config.rht_sign_mask,
+                "buffer_tag": self.buffer_tag,
                 "max_recv_rows": config.max_recv_rows, "disp_row_bytes": L.disp_row_bytes,
                 "disp_data_bytes": L.disp_data_bytes, "disp_scale_off": L.disp_scale_off,
                 "disp_scale_bytes": L.disp_scale_bytes, "disp_meta_off": L.disp_meta_off,
@@ -816,10 +845,10 @@ class NVLinkBackend:
                     f"this Buffer is unusable")
         if stage == _STAGE_COMBINE_MISMATCH:  # a fault, not a timeout
             return (f"ep_comm nvlink: rank {self.rank}'s combine (call {call}) got rows from rank {peer} that belong "
-                    f"to another dispatch's handle or to the other local_reduce mode than this rank's combine: every "
-                    f"rank must pass the handle of the same dispatch call and the same local_reduce (the reference "
-                    f"backend raises on this before combining). That combine's output is wrong; results of later calls "
-                    f"are invalid and this Buffer is unusable")
+                    f"to another dispatch's handle (of this Buffer or another) or to the other local_reduce mode than "
+                    f"this rank's combine: every rank must pass the handle of the same dispatch and the same "
+                    f"local_reduce (the reference backend raises on this before combining). That combine's output is "
+                    f"wrong; results of later calls are invalid and this Buffer is unusable")
         where = (_STAGES[stage].format(what="layout" if peer == _ERROR_NO_PEER else f"rows of local expert {peer}")
                  if stage == 5 else
                  f"{_STAGES.get(stage, f'stage {stage}')} on peer rank {peer}")
