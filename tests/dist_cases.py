@@ -213,6 +213,19 @@ def errors_worker(rank: int, world: int, backend: str = "reference", device_kind
                 _expect(ValueError, "from the handle of another dispatch", lambda: buf.combine(
                     torch.zeros(result.num_rows, hidden, dtype=torch.bfloat16, device=device),
                     (result if rank == 0 else again).handle, local_reduce=local_reduce))
+            # Two same-size Buffers (say two MoE layers), one dispatch each: equal configurations and call counts, so
+            # only the Buffers' tags tell their handles apart. One Buffer's handle on every rank is fine; mixed, every
+            # rank raises.
+            twins = [ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8,
+                                    backend=backend) for _ in range(2)]
+            firsts = [twin.dispatch(x, idx, w) for twin in twins]
+            rows = torch.zeros(firsts[0].num_rows, hidden, dtype=torch.bfloat16, device=device)
+            _expect(ValueError, "another dispatch or Buffer", lambda: twins[0].combine(
+                rows, firsts[0 if rank == 0 else 1].handle))
+            for first in firsts:
+                assert twins[0].combine(rows, first.handle).shape == (4, hidden)
+            for twin in twins:
+                twin.destroy()
     # Forward-only: inputs that need grad are refused (not silently cut out of backward); no_grad works.
     _expect(RuntimeError, "no autograd", lambda: buf.dispatch(x.clone().requires_grad_(), idx, w))
     _expect(RuntimeError, "no autograd", lambda: buf.dispatch(x, idx, w.clone().requires_grad_()))

@@ -1148,7 +1148,7 @@ def test_nvlink_limits_env_and_size_hint_constants(monkeypatch):
     backend's environment switches take only well-formed values, naming the variable; the Python copies of C++
     constants and sizes match the extension where it is built."""
     from ep_comm import _ext
-    from ep_comm.backends import nvlink
+    from ep_comm.backends import buffer_tag, nvlink
     from ep_comm.types import BufferConfig
     fits = BufferConfig(hidden=2048, num_experts=256, num_topk=8, max_tokens_per_rank=64, world_size=8)
     built = _ext._C if _ext.cuda_extension_available() and hasattr(_ext._C, "nvlink_receive_layout_smem") else None
@@ -1168,7 +1168,7 @@ def test_nvlink_limits_env_and_size_hint_constants(monkeypatch):
     if built is not None:
         assert (built.nvlink_max_topk, built.nvlink_max_world, built.nvlink_max_dynamic_smem,
                 built.nvlink_buffer_tag_bits) == (nvlink._MAX_TOPK, nvlink._MAX_WORLD, nvlink._MAX_DYNAMIC_SMEM,
-                                                  nvlink._BUFFER_TAG_BITS)
+                                                  buffer_tag.BUFFER_TAG_BITS)
         for world, experts in ((1, 1), (1, 60000), (2, 28000), (8, 256), (72, 576), (1024, 1024), (1024, 50176)):
             assert built.nvlink_layout_warp_smem(experts, world) == nvlink._layout_warp_smem(experts, world)
             local = experts // world
@@ -1231,11 +1231,11 @@ def test_nvlink_partial_nvshmem_allocation_raises_on_every_rank():
 
 
 def _buffer_tag_worker(rank, world):
-    from ep_comm.backends import nvlink
+    from ep_comm.backends import buffer_tag
     if rank == 1:  # a rank that made other Buffers before (its own counter moved on): the tag is still rank 0's
         for _ in range(5):
-            nvlink._next_buffer_tag()
-    return [nvlink.agree_buffer_tag(None) for _ in range(3)]
+            buffer_tag.next_buffer_tag()
+    return [buffer_tag.agree_buffer_tag(None) for _ in range(3)]
 
 
 @pytest.mark.cpu

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import itertools
 import os
-import secrets
 import threading
 import warnings
 from dataclasses import dataclass
@@ -33,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _ext, formats
+from .buffer_tag import agree_buffer_tag
 from ..types import (BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, WaveDispatch, WaveSync,
                      s2f6_combine_row_layout)
 
@@ -243,30 +242,6 @@ _nvshmem_state = {"initialized": False, "group_ranks": None, "error": None}
 
 def _group_ranks(group) -> Tuple[int, ...]:
     return tuple(dist.get_global_rank(group, r) for r in range(dist.get_world_size(group)))
-
-
-_BUFFER_TAG_BITS = 22  # csrc/nvlink.h kBufferTagBits (ep_comm._C.nvlink_buffer_tag_bits)
-_buffer_tags = {"pid": None, "next": None}  # this process's next tag (as group rank 0), drawn on first use
-
-
-def _next_buffer_tag() -> int:
-    """This process's next tag: successive values from a random start drawn in this process (not inherited through a
-    fork, which would give forked processes the same sequence)."""
-    with _nvshmem_lock:
-        if _buffer_tags["pid"] != os.getpid():
-            _buffer_tags["pid"], _buffer_tags["next"] = os.getpid(), itertools.count(secrets.randbits(_BUFFER_TAG_BITS))
-        return next(_buffer_tags["next"]) % (1 << _BUFFER_TAG_BITS)
-
-
-def agree_buffer_tag(group) -> int:
-    """The tag of a new nvlink Buffer: group rank 0's next one, the same on every rank (one all_gather). The layout
-    kernel writes it next to the dispatch epoch in every handle, so the combine's descriptor check (csrc/nvlink.h
-    comb_desc) also tells apart the handles of two Buffers with the same sizes and call counts. Buffers whose group
-    rank 0 is the same process get successive tags (mod 2^22) from a random start, others random ones."""
-    mine = _next_buffer_tag()
-    votes = [None] * dist.get_world_size(group)
-    dist.all_gather_object(votes, mine, group=group)
-    return int(votes[0])
 
 
 def _combine_sections(sections):

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import formats
+from .buffer_tag import agree_buffer_tag
 from ..types import BufferConfig, BufferSizes, DispatchResult, combine_bytes_per_token, dispatch_bytes_per_token
 
 
@@ -81,6 +82,9 @@ def _routing_sizes(config: BufferConfig) -> tuple:
 
 
 # ----------------------------------------------------------------------------------------------------------
+_DISPATCH_COUNT_BITS = 40  # ReferenceHandle.dispatch_id: the Buffer tag above this many bits of call count
+
+
 @dataclass(frozen=True)
 class ReferenceHandle:
     """What combine needs to route rows back (all on the tokens' device).
@@ -92,9 +96,10 @@ class ReferenceHandle:
         row r, or -1 when that slot is masked or lives on another rank.
     topk_idx / topk_weights: this rank's own routing [T, K] (for the local_reduce=False path).
     num_tokens: T; num_rows: rows of the expert-major layout. config: the dispatching Buffer's configuration.
-    dispatch_id: which dispatch of its Buffer made it (dispatches are collective, so every rank counts alike);
-        combine compares it across the ranks, so that handles of two different dispatches (even with equal row
-        counts) raise. (Handles of two Buffers with the same count are not told apart.)
+    dispatch_id: which dispatch of which Buffer made it: the Buffer's tag (buffer_tag.agree_buffer_tag, the same on
+        every rank) times 2^40 plus the Buffer's dispatch count (dispatches are collective, so every rank counts
+        alike). combine compares it across the ranks, so that handles of two different dispatches raise, even with
+        equal row counts or from two same-size Buffers with equal call counts.
     """
 
     send_counts: List[int]
@@ -118,7 +123,8 @@ class ReferenceBackend:
     name = "reference"
 
     def __init__(self, group, config: BufferConfig, format_impl: str = "auto"):
-        self._dispatch_ids = itertools.count()  # ReferenceHandle.dispatch_id
+        # ReferenceHandle.dispatch_id: this Buffer's tag (agreed by every rank: one collective) above the call count
+        self._dispatch_ids = itertools.count(agree_buffer_tag(group) << _DISPATCH_COUNT_BITS)
         self.group = group
         self.config = config
         self.rank = dist.get_rank(group)
@@ -240,7 +246,7 @@ class ReferenceBackend:
                       or table[s][d][3] != table[d][s][3]]
         receivers_seeing_mismatch = sorted({d for _, d in mismatched})
         problems = [f"rank {s} sends {table[s][self.rank][0]} rows with local_reduce={bool(table[s][self.rank][1])}"
-                    f"{'' if table[s][self.rank][3] == dispatch_id else ' from the handle of another dispatch'}, "
+                    f"{'' if table[s][self.rank][3] == dispatch_id else ' from the handle of another dispatch or Buffer'}, "
                     f"this rank expects {expected_counts[s]} with local_reduce={local_reduce}"
                     for s, d in mismatched if d == self.rank]
         if problems:
