@@ -13,9 +13,12 @@
 //              comb_desc[W]     my region, slot e: what expert rank e's latest combine rows to me belong to
 //                               (combine_descriptor: the dispatch word of the handle it combined -- that
 //                               dispatch's epoch and its Buffer's tag -- and local_reduce), stored before its
-//                               comb_ready signal. The receive compares each with its own and records a fault on a
-//                               mismatch: the ranks combined different dispatches' handles (of one Buffer or of two)
-//                               or disagreed on local_reduce, so the rows are not what it reads them as
+//                               comb_ready signal (combine rows: by the wait-only send after its wait, and the
+//                               receive's publish adds comb_ready after a system fence, below). The receive compares
+//                               each with its own and records a fault on a mismatch: the ranks combined different
+//                               dispatches' handles (of one Buffer or of two) or disagreed on local_reduce, so the rows
+//                               are not what it reads them as. Epochs 2^40 apart, or two Buffers whose 22-bit tags
+//                               collide, are not told apart
 //   abort      u32 (spin_wait.cuh): nonzero once this rank gave up (a timeout or a fault) or a peer told it that it
 //              gave up (nvlink_give_up.cu); every wait then fails at once. After a failed wait a sender stores nothing
 //              more (fail-stop), so a peer that is only slow times out instead of reading a later call's rows
@@ -27,12 +30,14 @@
 //              that token (the inverse of the slot table), so that a wave receive can write rows expert by expert
 //   row flags  [W][T_max] u32: source s stores the low 32 bits of the call's epoch at [s][j] once staging row j (payload
 //              and metadata) is complete (release, system scope), so that a streaming receive expands rows as they
-//              arrive instead of after the whole send (below)
+//              arrive instead of after the whole send (below). (A flag left from exactly k * 2^32 calls earlier, on a
+//              slot not written in between, would pass as fresh: not guarded, 2^32 dispatches of one Buffer apart)
 // Every counter only grows: each block of the signalling kernel adds 1 per call, so "epoch n is complete"
 // is counter >= n * (blocks of the kernel that signals that array):
 //   disp_ready    <- dispatch send blocks    (cfg.disp_send_blocks), waited on by dispatch receive
 //   disp_consumed <- dispatch receive blocks (cfg.disp_recv_blocks), waited on by dispatch send
-//   comb_ready    <- combine send blocks     (cfg.comb_send_blocks), waited on by combine receive
+//   comb_ready    <- combine send blocks     (cfg.comb_send_blocks; combine rows: the receive's publish adds the
+//                    same share at once), waited on by combine receive
 //   comb_consumed <- combine receive blocks  (cfg.comb_recv_blocks), waited on by combine send
 //   disp_counts   <- one dispatch send block per call (the first to start), waited on by the dispatch send's
 //                    direct self rows (below)

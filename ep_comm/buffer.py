@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import warnings
 from typing import Optional
@@ -13,6 +14,9 @@ from ._ext import capture_id, current_raw_stream, warn_once
 from .formats import IMPLS as FORMAT_IMPLS
 from .formats import _is_capturing
 from .types import BACKENDS, BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, WaveDispatch
+
+# Compared across ranks when a Buffer is made (_check_same_arguments_everywhere); README "Environment".
+_COMPARED_ENVIRONMENT = ("EP_COMM_PEER_MEMORY", "EP_COMM_ALLOW_SHARED_GPU", "EP_COMM_SYNC_CHECK")
 
 
 class _InvalidExpertIds(ValueError):
@@ -77,7 +81,8 @@ class Buffer:
             dominates, the receive/expansion, the combine reduction-and-send and the combine receive (0 = all SMs of
             the device). timeout_s (default 100 s): a peer
             wait longer than this raises, naming rank and stage (nvlink: the kernels' flag waits -- the call in flight
-            returns invalid results and the next call or check() raises; reference over gloo: each collective;
+            returns invalid results and the next call or check() raises; reference over gloo: each collective of a call
+            (those at construction keep the process group's timeout);
             reference over NCCL: the process group's own timeout applies instead). It bounds the ranks' skew too: a
             rank pausing longer than this between calls makes its peers time out.
         check_inputs: validate index ranges / duplicate experts (needs a device->host copy; skipped
@@ -89,8 +94,9 @@ class Buffer:
             both backends.
         format_impl: "auto" | "reference" | "cuda", quantization path of the reference backend.
 
-    Every rank must construct the Buffer with the same arguments (compared across ranks before they are
-    validated: a mismatch or an invalid value raises ValueError / TypeError on every rank).
+    Every rank must construct the Buffer with the same arguments, and with the same EP_COMM_PEER_MEMORY,
+    EP_COMM_ALLOW_SHARED_GPU and EP_COMM_SYNC_CHECK environment (compared across ranks before they are validated: a
+    mismatch or an invalid value raises ValueError / TypeError on every rank).
     dispatch and combine are forward-only (no autograd yet): with gradients enabled, inputs that require grad are
     refused with an error rather than silently cut out of backward.
     """
@@ -129,8 +135,12 @@ class Buffer:
     def _check_same_arguments_everywhere(self, backend: str, format_impl: str) -> None:
         # check_inputs too: a Buffer setting that differs between ranks is almost surely a mistake (the reference
         # backend's per-call agreement runs either way, so it would not hang).
+        # And the environment variables the nvlink backend reads before or between its collectives (peer memory
+        # kind, shared-GPU mode, sync checks): set differently, or malformed on one rank, they would misalign the
+        # ranks' collectives at creation instead of raising everywhere.
         mine = dict(dataclasses.asdict(self.config), backend=backend, format_impl=format_impl,
-                    check_inputs=bool(self.check_inputs))
+                    check_inputs=bool(self.check_inputs),
+                    **{name: os.environ.get(name) for name in _COMPARED_ENVIRONMENT})
         gathered = [None] * self.config.world_size
         dist.all_gather_object(gathered, mine, group=self.group)
         def same(a, b) -> bool:
@@ -164,6 +174,8 @@ class Buffer:
                     available, reason = False, str(error)
         except ImportError as error:
             available, reason = False, f"the nvlink backend could not be imported ({error})"
+        except Exception as error:  # noqa: BLE001 (CUDA init, a peer-access query: this rank still votes, no rank hangs)
+            available, reason = False, f"the nvlink backend's availability check raised ({error!r})"
         # Every rank must agree, or one would wait for the others on a different transport. The hosts too: without
         # nvshmem4py on every rank the peers are mapped with CUDA IPC, which cannot reach another node (is_available
         # only sees its own node's GPUs), and "auto" must then pick the reference backend instead of failing in setup.
@@ -323,8 +335,8 @@ class Buffer:
             capture = capture_id(raw_stream)
             self._order_after_last_call(device, raw_stream, capture)
             out = run()
-            if done_event is not None:
-                done_event.record()
+            if done_event is not None:  # on the stream of the call's device (the current device may be another)
+                done_event.record(torch.cuda.current_stream(device))
             self._last_call = ((raw_stream,), None, capture)
             return out
         caller = torch.cuda.current_stream(device)  # device: comm_stream's (_check_stream_args)
@@ -631,6 +643,10 @@ class Buffer:
         try:
             if give_up is not None and not self._destroyed:
                 give_up(f"an exception left the `with Buffer` block: {exc!r}")
+        except Exception as failure:  # noqa: BLE001 (the block's own exception propagates; destroy() still runs)
+            warnings.warn(f"ep_comm.Buffer: telling the peers to stop waiting after an exception in the `with` block "
+                          f"failed ({failure!r}); they wait until their timeout", RuntimeWarning, stacklevel=2)
+        try:
             self.destroy()
         except Exception as failure:  # noqa: BLE001 (the block's own exception propagates)
             warnings.warn(f"ep_comm.Buffer: destroy() after an exception in the `with` block failed ({failure!r}); "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 
 import torch
 import torch.distributed as dist
@@ -144,6 +145,18 @@ def errors_worker(rank: int, world: int, backend: str = "reference", device_kind
     _expect(ValueError, "differ between", lambda: ep_comm.Buffer(
         None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8, backend=backend,
         dispatch_format="nvfp4" if rank == 0 else "mxfp8"))
+    # The nvlink backend's environment too (read between its collectives at creation): compared, not left to hang.
+    if world > 1:
+        saved = os.environ.pop("EP_COMM_SYNC_CHECK", None)
+        try:
+            if rank == 0:
+                os.environ["EP_COMM_SYNC_CHECK"] = "yes"  # malformed, and on one rank only
+            _expect(ValueError, "EP_COMM_SYNC_CHECK", lambda: ep_comm.Buffer(
+                None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8, backend=backend))
+        finally:
+            os.environ.pop("EP_COMM_SYNC_CHECK", None)
+            if saved is not None:
+                os.environ["EP_COMM_SYNC_CHECK"] = saved
     buf = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8,
                          backend=backend)
     x = torch.randn(4, hidden, device=device).to(torch.bfloat16)

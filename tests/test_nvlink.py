@@ -660,8 +660,9 @@ def out_of_range_ids_worker(rank, world):
 
 def combine_mismatch_worker(rank, world):
     """Combines the ranks do not agree on are found on the device (comb_desc, csrc/nvlink.h): with local_reduce
-    different on the ranks, with the handles of two different dispatches, or with the handles of two same-size Buffers'
-    first dispatches (same call count: the Buffer tag tells them apart), every rank raises at its next check naming
+    different on the ranks, with the handles of two different dispatches, with the handles of two same-size Buffers'
+    first dispatches (same call count: the Buffer tag tells them apart), or with one rank combining through the
+    combine-row path (begin/finish_combine_rows) while another reduces, every rank raises at its next check naming
     a peer, and the Buffer refuses further calls. Combines that agree raise nothing: one handle combined twice, an older
     handle after a newer dispatch (bitwise the reference's combine of that dispatch), a handle combined on a same-size
     twin Buffer, both local_reduce modes. Also: the handle's dispatch word is the device's call count and the Buffer's
@@ -706,7 +707,7 @@ def combine_mismatch_worker(rank, world):
         twin.destroy()
         nvl.destroy()
     peer = rf"rank {other}" if other is not None else r"rank \d+"
-    for case in ("local_reduce", "handles", "buffers"):
+    for case in ("local_reduce", "handles", "buffers", "rows"):
         make = functools.partial(ep_comm.Buffer, None, hidden=hidden, num_experts=experts, num_topk=topk,
                                  max_tokens_per_rank=max_tokens, backend="nvlink", timeout_s=20.0)
         with contextlib.ExitStack() as stack:  # destroys what was made, in reverse order, even if one destroy raises
@@ -723,6 +724,13 @@ def combine_mismatch_worker(rank, world):
             with pytest.raises(RuntimeError, match=rf"combine \(call 1\) got rows from {peer} that belong to another"):
                 if case == "local_reduce":
                     buf.combine(zeros, a.handle, local_reduce=rank == 0)
+                elif case == "rows":  # rank 0 through the combine-row path (one row per slot, as local_reduce=False:
+                    # the descriptor comes from its wait-only send; nothing writes the rows here), rank 1 reduced
+                    if rank == 0:
+                        buf.begin_combine_rows(a)
+                        buf.finish_combine_rows(a.handle)
+                    else:
+                        buf.combine(zeros, a.handle, local_reduce=True)
                 else:  # "handles": another dispatch of buf; "buffers": the first dispatch of other_buf
                     buf.combine(zeros, (a if rank == 0 else b).handle)
                 torch.cuda.synchronize()

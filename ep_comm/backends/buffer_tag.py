@@ -18,6 +18,17 @@ _lock = threading.Lock()
 _counter = {"pid": None, "next": None}  # this process's next tag (as group rank 0), drawn on first use
 
 
+def _reset_in_child() -> None:
+    """After a fork: a fresh lock (another thread may have held the parent's at the fork) and a fresh start."""
+    global _lock
+    _lock = threading.Lock()
+    _counter["pid"], _counter["next"] = None, None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_in_child)
+
+
 def next_buffer_tag() -> int:
     """This process's next tag: successive values (mod 2^22) from a random start drawn in this process (not inherited
     through a fork, which would give forked processes the same sequence)."""

@@ -822,8 +822,10 @@ class NVLinkBackend:
             return (f"ep_comm nvlink: rank {self.rank}'s combine (call {call}) got rows from rank {peer} that belong "
                     f"to another dispatch's handle (of this Buffer or another) or to the other local_reduce mode than "
                     f"this rank's combine: every rank must pass the handle of the same dispatch and the same "
-                    f"local_reduce (the reference backend raises on this before combining). That combine's output is "
-                    f"wrong; results of later calls are invalid and this Buffer is unusable")
+                    f"local_reduce (the reference backend raises on this before combining; a MoELayer with "
+                    f"combine_rows on some ranks only, e.g. an ep_comm._C without the combine-row kernel on one rank, "
+                    f"also mixes the modes). That combine's output is wrong; results of later calls are invalid and "
+                    f"this Buffer is unusable")
         where = (_STAGES[stage].format(what="layout" if peer == _ERROR_NO_PEER else f"rows of local expert {peer}")
                  if stage == 5 else
                  f"{_STAGES.get(stage, f'stage {stage}')} on peer rank {peer}")
@@ -1118,15 +1120,16 @@ class NVLinkBackend:
         already wait on this rank, to stop waiting now (csrc/nvlink_give_up.cu) instead of at their timeout; they
         raise at their next check, naming this rank. The ranks' calls are out of step from here on, so this Buffer
         refuses every later call too (check()). Nothing to do with one rank (the Buffer stays usable). Blocks until the notice
-        is out (on its own stream, after this rank's calls queued on the current stream), so that it is delivered even
-        if the process exits on the error."""
+        is out (on its own stream, after the work enqueued on this device, this rank's calls included, on any stream),
+        so that it is delivered even if the process exits on the error."""
         if self.world == 1 or self._destroyed or self._gave_up is not None:
             return
         self._gave_up = reason
+        # After this rank's calls already enqueued, on any stream (a comm_stream call may still run): they are matched
+        # on every rank and complete (or time out on the device), instead of being aborted on the peers by an early
+        # notice. This blocks anyway; the id check has just waited for the current stream.
+        torch.cuda.synchronize(self.torch_device)
         stream = torch.cuda.Stream(self.torch_device)
-        # After this rank's calls already queued on the current stream (the id check has just waited for them anyway):
-        # they are matched on every rank and complete, instead of being aborted on the peers by an early notice.
-        stream.wait_stream(torch.cuda.current_stream(self.torch_device))
         self._ctx.give_up(stream.cuda_stream)
         stream.synchronize()
 

@@ -263,6 +263,9 @@ class ReferenceBackend:
         device = x.device
         world, num_local = cfg.world_size, cfg.num_local_experts
         num_tokens, num_topk = topk_idx.shape
+        # Drawn first: a dispatch that raises on one rank after its collectives (an allocation failing) still counts
+        # there, so the ranks' counts -- compared by combine -- stay in step if the caller goes on.
+        dispatch_id = next(self._dispatch_ids)
         # Ids outside [0, E) are masked slots, as on the nvlink backend (Buffer rejects them when it checks inputs).
         topk_idx = topk_idx.to(torch.int64)
         topk_idx = torch.where((topk_idx >= 0) & (topk_idx < cfg.num_experts), topk_idx, torch.full_like(topk_idx, -1))
@@ -331,7 +334,7 @@ class ReferenceBackend:
                                  recv_src_rank=recv_src_rank, recv_src_token=recv_src_token,
                                  recv_topk_weight=recv_weight, layout_row=layout_row, topk_idx=topk_idx,
                                  topk_weights=topk_weights, num_tokens=num_tokens, num_rows=num_rows, config=cfg,
-                                 dispatch_id=next(self._dispatch_ids))
+                                 dispatch_id=dispatch_id)
         row_index = None
         if not expand:  # padding rows (src_rank -1) hold no received row
             row_index = torch.where(src_rank >= 0, torch.arange(num_rows, dtype=torch.int32, device=device),
