@@ -174,7 +174,7 @@ class Buffer:
                     available, reason = False, str(error)
         except ImportError as error:
             available, reason = False, f"the nvlink backend could not be imported ({error})"
-        except Exception as error:  # noqa: BLE001 (CUDA init, a peer-access query: this rank still votes, no rank hangs)
+        except Exception as error:  # noqa: BLE001 (CUDA init, a peer-access query: this rank still votes)
             available, reason = False, f"the nvlink backend's availability check raised ({error!r})"
         # Every rank must agree, or one would wait for the others on a different transport. The hosts too: without
         # nvshmem4py on every rank the peers are mapped with CUDA IPC, which cannot reach another node (is_available

@@ -245,8 +245,9 @@ class ReferenceBackend:
                       if table[s][d][0] != table[d][s][2] or table[s][d][1] != table[d][s][1]
                       or table[s][d][3] != table[d][s][3]]
         receivers_seeing_mismatch = sorted({d for _, d in mismatched})
+        foreign = " from the handle of another dispatch or Buffer"
         problems = [f"rank {s} sends {table[s][self.rank][0]} rows with local_reduce={bool(table[s][self.rank][1])}"
-                    f"{'' if table[s][self.rank][3] == dispatch_id else ' from the handle of another dispatch or Buffer'}, "
+                    f"{'' if table[s][self.rank][3] == dispatch_id else foreign}, "
                     f"this rank expects {expected_counts[s]} with local_reduce={local_reduce}"
                     for s, d in mismatched if d == self.rank]
         if problems:
