@@ -356,6 +356,7 @@ void register_nvlink(py::module_& m) {
   m.attr("wave_area_fixed_words") = py::int_(ep_comm::kWaveRowsDone);  // + one word per local expert
   m.attr("nvlink_max_topk") = py::int_(kMaxTopk);
   m.attr("nvlink_buffer_tag_bits") = py::int_(kBufferTagBits);
+  m.attr("nvlink_dispatch_epoch_bits") = py::int_(kDispatchEpochBits);
   m.attr("nvlink_max_world") = py::int_(kMaxWorld);
   m.attr("nvlink_layout_max_chunks") = py::int_(kLayoutMaxChunks);
   // What ep_comm/backends/nvlink.py _check_nvlink_limits tests a configuration against (nvlink.h).

@@ -120,6 +120,17 @@ def _buffers(hidden, num_experts, topk, max_tokens, dfmt, cfmt, align, num_sms=2
     return ref, nvl
 
 
+@contextlib.contextmanager
+def _buffer_pair(*args, **kwargs):
+    """_buffers(...) as a context: both Buffers destroyed on leaving it (the reference first)."""
+    ref, nvl = _buffers(*args, **kwargs)
+    try:
+        yield ref, nvl
+    finally:
+        ref.destroy()
+        nvl.destroy()
+
+
 def _run_pair(name, rank, world, ref, nvl, x, idx, w, fmt, seed, edge=False, expand=True, ref_idx=None):
     """Dispatch + combine (both local_reduce modes) on both backends; bitwise equal. Returns a digest. expand=False:
     the nvlink dispatch hands out its staging rows and row_index; their gather is compared with the reference.
@@ -194,8 +205,7 @@ def versus_reference_worker(rank, world, direct_self_min_tokens=None):
         max_tokens = 96
         tokens = [max_tokens - 37 * r % max_tokens for r in range(world)]
         tokens[world - 1] = 0 if case_id % 3 == 2 else tokens[world - 1]  # an empty rank now and then
-        ref, nvl = _buffers(hidden, experts, topk, max_tokens, dfmt, cfmt, align)
-        try:
+        with _buffer_pair(hidden, experts, topk, max_tokens, dfmt, cfmt, align) as (ref, nvl):
             idx_dtype = torch.int32 if case_id % 2 else torch.int64
             for call in range(2):  # second call: buffers reused, new data
                 # second call: special token values for the send's (and the own-row receive's) quantizers
@@ -207,9 +217,6 @@ def versus_reference_worker(rank, world, direct_self_min_tokens=None):
                         f"{' edge tokens' if call == 1 else ''}{' edge values' if edge else ''}")
                 _run_pair(name, rank, world, ref, nvl, x, idx, w, dfmt, seed=case_id, edge=edge)
                 summary.append(name)
-        finally:
-            ref.destroy()
-            nvl.destroy()
     return summary
 
 
@@ -229,9 +236,8 @@ def block_counts_worker(rank, world, stream_recv=True):
     for case_id, (hidden, dfmt, cfmt, align, sms, local_sms, max_tokens) in enumerate(cases):
         experts, topk = 16 * world, 8
         tokens = [max_tokens - 101 * r % max_tokens for r in range(world)]
-        ref, nvl = _buffers(hidden, experts, topk, max_tokens, dfmt, cfmt, align, num_sms=sms,
-                            num_local_sms=local_sms)
-        try:
+        with _buffer_pair(hidden, experts, topk, max_tokens, dfmt, cfmt, align, num_sms=sms,
+                          num_local_sms=local_sms) as (ref, nvl):
             for call in range(3):  # the counters must also agree across calls
                 x, idx, w = _make_inputs(rank, tokens[rank], hidden, experts, topk, "masked" if call else "uniform",
                                          world, seed=700 + 10 * case_id + call)
@@ -239,9 +245,6 @@ def block_counts_worker(rank, world, stream_recv=True):
                 _run_pair(name, rank, world, ref, nvl, x, idx, w, dfmt, seed=case_id)
                 summary.append(name)
             nvl._backend.check()
-        finally:
-            ref.destroy()
-            nvl.destroy()
     return summary
 
 
@@ -376,12 +379,8 @@ def pressure_and_graph_worker(rank, world):
     x, idx, w = _make_inputs(rank, max_tokens, hidden, experts, topk, "uniform", world, seed=5)
     alt = _make_inputs(rank, max_tokens, hidden, experts, topk, "masked", world, seed=15)
     _direct_self(None)
-    ref, nvl = _buffers(hidden, experts, topk, max_tokens, "nvfp4", "s2f6", 1)
-    try:
+    with _buffer_pair(hidden, experts, topk, max_tokens, "nvfp4", "s2f6", 1) as (ref, nvl):
         staged_hash, _ = _pressure_hash(nvl, x, idx, w, hidden, rank, alt=alt)
-    finally:
-        ref.destroy()
-        nvl.destroy()
     _direct_self(0)
     ref, nvl = _buffers(hidden, experts, topk, max_tokens, "nvfp4", "s2f6", 1)
     results = {}
@@ -596,19 +595,14 @@ def rows_worker(rank, world):
     for case_id, (dfmt, cfmt, align) in enumerate(cases):
         tokens = [max_tokens - 37 * r % max_tokens for r in range(world)]
         tokens[world - 1] = 0 if case_id == 1 else tokens[world - 1]
-        ref, nvl = _buffers(hidden, experts, topk, max_tokens, dfmt, cfmt, align)
-        try:
+        with _buffer_pair(hidden, experts, topk, max_tokens, dfmt, cfmt, align) as (ref, nvl):
             for call in range(3):
                 x, idx, w = _make_inputs(rank, tokens[rank], hidden, experts, topk, "masked" if call else "uniform",
                                          world, seed=200 + 10 * case_id + call, edge=call == 1)
                 _run_pair(f"rows {dfmt}/{cfmt} align={align} call={call}", rank, world, ref, nvl, x, idx, w, dfmt,
                           seed=case_id, expand=call == 2)  # rows-only, rows-only (special tokens), expanded
-        finally:
-            ref.destroy()
-            nvl.destroy()
     # Mixed calls, one hash; graph replay.
-    ref, nvl = _buffers(hidden, experts, topk, max_tokens, "nvfp4", "s2f6", 1)
-    try:
+    with _buffer_pair(hidden, experts, topk, max_tokens, "nvfp4", "s2f6", 1) as (ref, nvl):
         x, idx, w = _make_inputs(rank, max_tokens, hidden, experts, topk, "uniform", world, seed=7)
         hashes, out = set(), None
         for it in range(24):
@@ -624,9 +618,6 @@ def rows_worker(rank, world):
         assert len(hashes) == 1, f"mixed expanded / rows-only calls gave {len(hashes)} different results"
         _graph_matches_eager(nvl, ref, x, idx, w, out, "nvfp4", rank, world, expand=False)
         nvl._backend.check()
-    finally:
-        ref.destroy()
-        nvl.destroy()
     return "ok"
 
 
@@ -637,8 +628,7 @@ def out_of_range_ids_worker(rank, world):
     rows-only dispatch; and nothing is recorded as a fault. The Buffers take a non-default RHT sign vector, which the
     S2F6 combine's forward and inverse RHT must both use to give the reference's bits."""
     hidden, experts, topk, max_tokens = 2048, 8 * world, 4, 32
-    ref, nvl = _buffers(hidden, experts, topk, max_tokens, "nvfp4", "s2f6", 1, sign_mask=0x0F0F5A5A)
-    try:
+    with _buffer_pair(hidden, experts, topk, max_tokens, "nvfp4", "s2f6", 1, sign_mask=0x0F0F5A5A) as (ref, nvl):
         for call, idx_dtype in enumerate((torch.int64, torch.int32)):
             x, idx, w = _make_inputs(rank, max_tokens, hidden, experts, topk, "uniform", world, seed=40 + call,
                                      idx_dtype=idx_dtype)
@@ -652,9 +642,6 @@ def out_of_range_ids_worker(rank, world):
                       expand=call == 0, ref_idx=masked)
         torch.cuda.synchronize()
         nvl._backend.check()
-    finally:
-        ref.destroy()
-        nvl.destroy()
     return "ok"
 
 
@@ -1175,8 +1162,9 @@ def test_nvlink_limits_env_and_size_hint_constants(monkeypatch):
             nvlink._check_nvlink_limits(dataclasses.replace(fits, hidden=2**30 + 32))
     if built is not None:
         assert (built.nvlink_max_topk, built.nvlink_max_world, built.nvlink_max_dynamic_smem,
-                built.nvlink_buffer_tag_bits) == (nvlink._MAX_TOPK, nvlink._MAX_WORLD, nvlink._MAX_DYNAMIC_SMEM,
-                                                  buffer_tag.BUFFER_TAG_BITS)
+                built.nvlink_buffer_tag_bits, built.nvlink_dispatch_epoch_bits) == (
+                    nvlink._MAX_TOPK, nvlink._MAX_WORLD, nvlink._MAX_DYNAMIC_SMEM, buffer_tag.BUFFER_TAG_BITS,
+                    buffer_tag.DISPATCH_COUNT_BITS)
         for world, experts in ((1, 1), (1, 60000), (2, 28000), (8, 256), (72, 576), (1024, 1024), (1024, 50176)):
             assert built.nvlink_layout_warp_smem(experts, world) == nvlink._layout_warp_smem(experts, world)
             local = experts // world

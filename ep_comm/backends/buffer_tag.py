@@ -13,16 +13,18 @@ import threading
 import torch.distributed as dist
 
 BUFFER_TAG_BITS = 22  # csrc/nvlink.h kBufferTagBits (ep_comm._C.nvlink_buffer_tag_bits)
+DISPATCH_COUNT_BITS = 40  # the call count's share below the tag: csrc/nvlink.h kDispatchEpochBits
 
 _lock = threading.Lock()
-_counter = {"pid": None, "next": None}  # this process's next tag (as group rank 0), drawn on first use
+_next_tags = None  # this process's tag counter (as group rank 0): drawn on first use, drawn again after a fork
 
 
 def _reset_in_child() -> None:
-    """After a fork: a fresh lock (another thread may have held the parent's at the fork) and a fresh start."""
-    global _lock
+    """After a fork: a fresh lock (another thread may have held the parent's at the fork) and a fresh start (the
+    parent's sequence would give parent and child the same tags)."""
+    global _lock, _next_tags
     _lock = threading.Lock()
-    _counter["pid"], _counter["next"] = None, None
+    _next_tags = None
 
 
 if hasattr(os, "register_at_fork"):
@@ -30,12 +32,12 @@ if hasattr(os, "register_at_fork"):
 
 
 def next_buffer_tag() -> int:
-    """This process's next tag: successive values (mod 2^22) from a random start drawn in this process (not inherited
-    through a fork, which would give forked processes the same sequence)."""
+    """This process's next tag: successive values (mod 2^22) from a random start drawn in this process."""
+    global _next_tags
     with _lock:
-        if _counter["pid"] != os.getpid():
-            _counter["pid"], _counter["next"] = os.getpid(), itertools.count(secrets.randbits(BUFFER_TAG_BITS))
-        return next(_counter["next"]) % (1 << BUFFER_TAG_BITS)
+        if _next_tags is None:
+            _next_tags = itertools.count(secrets.randbits(BUFFER_TAG_BITS))
+        return next(_next_tags) % (1 << BUFFER_TAG_BITS)
 
 
 def agree_buffer_tag(group) -> int:
@@ -47,3 +49,9 @@ def agree_buffer_tag(group) -> int:
     votes = [None] * dist.get_world_size(group)
     dist.all_gather_object(votes, mine, group=group)
     return int(votes[0])
+
+
+def tagged_dispatch_ids(group):
+    """A new Buffer's dispatch ids (collective: agree_buffer_tag): its tag times 2^40 plus 0, 1, 2, ... -- the layout
+    the nvlink layout kernel gives a handle's dispatch word (csrc/nvlink.h dispatch_word), for the reference backend."""
+    return itertools.count(agree_buffer_tag(group) << DISPATCH_COUNT_BITS)

@@ -8,7 +8,6 @@ host lists), so it is not CUDA-graph capturable — that is the nvlink backend's
 """
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import formats
-from .buffer_tag import agree_buffer_tag
+from .buffer_tag import tagged_dispatch_ids
 from ..types import BufferConfig, BufferSizes, DispatchResult, combine_bytes_per_token, dispatch_bytes_per_token
 
 
@@ -82,9 +81,6 @@ def _routing_sizes(config: BufferConfig) -> tuple:
 
 
 # ----------------------------------------------------------------------------------------------------------
-_DISPATCH_COUNT_BITS = 40  # ReferenceHandle.dispatch_id: the Buffer tag above this many bits of call count
-
-
 @dataclass(frozen=True)
 class ReferenceHandle:
     """What combine needs to route rows back (all on the tokens' device).
@@ -96,8 +92,8 @@ class ReferenceHandle:
         row r, or -1 when that slot is masked or lives on another rank.
     topk_idx / topk_weights: this rank's own routing [T, K] (for the local_reduce=False path).
     num_tokens: T; num_rows: rows of the expert-major layout. config: the dispatching Buffer's configuration.
-    dispatch_id: which dispatch of which Buffer made it: the Buffer's tag (buffer_tag.agree_buffer_tag, the same on
-        every rank) times 2^40 plus the Buffer's dispatch count (dispatches are collective, so every rank counts
+    dispatch_id: which dispatch of which Buffer made it (buffer_tag.tagged_dispatch_ids): the Buffer's tag, the same
+        on every rank, times 2^40 plus the Buffer's dispatch count (dispatches are collective, so every rank counts
         alike). combine compares it across the ranks, so that handles of two different dispatches raise, even with
         equal row counts or from two same-size Buffers with equal call counts.
     """
@@ -123,8 +119,7 @@ class ReferenceBackend:
     name = "reference"
 
     def __init__(self, group, config: BufferConfig, format_impl: str = "auto"):
-        # ReferenceHandle.dispatch_id: this Buffer's tag (agreed by every rank: one collective) above the call count
-        self._dispatch_ids = itertools.count(agree_buffer_tag(group) << _DISPATCH_COUNT_BITS)
+        self._dispatch_ids = tagged_dispatch_ids(group)  # ReferenceHandle.dispatch_id (collective: the Buffer's tag)
         self.group = group
         self.config = config
         self.rank = dist.get_rank(group)
