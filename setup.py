@@ -182,7 +182,7 @@ setup(
     description="Quantized expert-parallel dispatch/combine (NVFP4 dispatch, RHT+S2F6 combine) for MoE",
     packages=find_packages(include=["ep_comm", "ep_comm.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "numpy"],
+    install_requires=["torch>=2.7", "numpy"],  # torch.float8_e8m0fnu (MXFP8 / S2F6 scales)
     extras_require={
         "test": ["pytest>=7"],
         "nvlink": ["nvshmem4py-cu13", "cuda-python"],

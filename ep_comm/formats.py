@@ -98,6 +98,13 @@ class S2F6Tensor:
         return self.data.shape
 
 
+# The containers are plain tensors and numbers: allowed in torch.load's default weights-only unpickling (torch >= 2.4), so
+# that saved NVFP4 weights load without weights_only=False (which would run arbitrary pickled code). Import ep_comm
+# before torch.load, so that this has run.
+if hasattr(torch.serialization, "add_safe_globals"):
+    torch.serialization.add_safe_globals([NVFP4Tensor, MXFP8Tensor, S2F6Tensor])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Input checks and implementation choice
 # ----------------------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ plus one FP32 outer factor per row, applied in the epilogue.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -355,13 +356,17 @@ def _use_gemm_kernels(impl: str, t: torch.Tensor, what: str) -> bool:
     return False
 
 
-@contextlib.contextmanager
-def exact_fp32_matmuls():
-    """FP32 matmuls as FP32 inside (the torch references are FP32 oracles, and the router's logits decide routing):
-    autocast off (CUDA and CPU), no TF32 on CUDA, no reduced precision in oneDNN's CPU matmuls; the caller's settings
-    restored after. Through torch's newer per-backend `fp32_precision` where it exists -- also when the process set
-    the legacy `allow_tf32` or `torch.set_float32_matmul_precision` -- so that torch's own getters keep working
-    afterwards (writing the legacy setter after the new API raises in them); the legacy setter on older torch."""
+# The FP32 precision flags are process-wide, autocast is per thread. Threads that overlap in exact_fp32_matmuls share one
+# switch: the first one in saves the caller's settings, the last one out restores them (each thread saving and restoring
+# on its own would leave "ieee" behind whenever two overlap: the second saves what the first set and restores it last).
+_exact_fp32_lock = threading.Lock()
+_exact_fp32_users = 0
+_exact_fp32_saved: list = []
+
+
+def _set_exact_fp32_flags() -> list:
+    """Sets FP32 matmuls to IEEE FP32 (no TF32 on CUDA, no reduced precision in oneDNN's CPU matmuls); returns what to
+    restore, as (object, attribute, value)."""
     matmul = torch.backends.cuda.matmul
     saved = []
     if hasattr(matmul, "fp32_precision"):
@@ -373,12 +378,33 @@ def exact_fp32_matmuls():
     else:  # torch before the per-backend API
         saved.append((matmul, "allow_tf32", matmul.allow_tf32))
         matmul.allow_tf32 = False
+    return saved
+
+
+@contextlib.contextmanager
+def exact_fp32_matmuls():
+    """FP32 matmuls as FP32 inside (the torch references are FP32 oracles, and the router's logits decide routing):
+    autocast off (CUDA and CPU, this thread), no TF32 on CUDA, no reduced precision in oneDNN's CPU matmuls; the
+    caller's settings restored after. Through torch's newer per-backend `fp32_precision` where it exists -- also when
+    the process set the legacy `allow_tf32` or `torch.set_float32_matmul_precision` -- so that torch's own getters keep
+    working afterwards (writing the legacy setter after the new API raises in them); the legacy setter on older torch.
+    The precision flags are process-wide: while any thread is inside, every thread's FP32 matmuls are IEEE, and the
+    settings are restored when the last thread leaves (threads that overlap share one save)."""
+    global _exact_fp32_users, _exact_fp32_saved
+    with _exact_fp32_lock:
+        if _exact_fp32_users == 0:
+            _exact_fp32_saved = _set_exact_fp32_flags()
+        _exact_fp32_users += 1
     try:
         with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
             yield
     finally:
-        for backend, name, value in reversed(saved):
-            setattr(backend, name, value)
+        with _exact_fp32_lock:
+            _exact_fp32_users -= 1
+            if _exact_fp32_users == 0:
+                for backend, name, value in reversed(_exact_fp32_saved):
+                    setattr(backend, name, value)
+                _exact_fp32_saved = []
 
 
 def _check_num_rows_limit(num_rows_limit: Optional[torch.Tensor], device: torch.device) -> None:

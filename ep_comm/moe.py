@@ -48,6 +48,32 @@ class PackedExpertWeights:
         return self.w1.data.shape[0]
 
 
+# Saved with torch.save, PackedExpertWeights loads with torch.load's default weights-only unpickling (after import ep_comm).
+if hasattr(torch.serialization, "add_safe_globals"):
+    torch.serialization.add_safe_globals([PackedExpertWeights])
+
+
+def _check_packed_weights(weights: PackedExpertWeights) -> None:
+    """What PackedExpertWeights promises, checked once at layer construction (a device->host read) on both expert paths,
+    so that weights the fused path would refuse are not taken by the reference path (or the reverse): NVFP4Tensors,
+    plain NVFP4 (e4m3_max 448, no 4/6) and one amax per expert (equal along the rows, bit for bit)."""
+    for name in ("w1", "w2"):
+        w = getattr(weights, name)
+        if not isinstance(w, formats.NVFP4Tensor):
+            raise TypeError(f"weights.{name} must be an NVFP4Tensor (moe.pack_weights), got {type(w).__name__}")
+        formats._check_nvfp4(w)
+        if w.data.dim() != 3:
+            raise ValueError(f"weights.{name} must be [E_local, N, K] NVFP4 weights, got data of shape "
+                             f"{tuple(w.data.shape)}")
+        if w.e4m3_max != formats.NVFP4_WEIGHT_E4M3_MAX:
+            raise ValueError(f"weights.{name} must be plain NVFP4 (e4m3_max {formats.NVFP4_WEIGHT_E4M3_MAX}, no 4/6), "
+                             f"got e4m3_max {w.e4m3_max}: build the weights with moe.pack_weights")
+        amax_bits = w.amax.view(torch.int32)
+        if not torch.equal(amax_bits, amax_bits[:, :1].expand_as(amax_bits)):
+            raise ValueError(f"weights.{name} must have one amax per expert (amax equal along the rows, bit for bit): "
+                             "build the weights with moe.pack_weights")
+
+
 def _per_expert_amax(w: torch.Tensor) -> torch.Tensor:
     """max |w[e]| as FP32 [E, 1] (broadcast over the rows of each expert), one expert at a time: no full-size FP32
     temporaries of the stacked weights (pack_weights has refused NaN / Inf already; the max of bf16 / fp16 values is
@@ -56,8 +82,9 @@ def _per_expert_amax(w: torch.Tensor) -> torch.Tensor:
 
 
 def pack_weights(w1: torch.Tensor, w2: torch.Tensor) -> PackedExpertWeights:
-    """Quantize master weights once, offline: w1 [E_local, 2I, H] and w2 [E_local, H, I] (bf16 or fp32; H and I
-    multiples of 16) to NVFP4 along their input axis with one FP32 amax per expert (no 4/6, as for weights)."""
+    """Quantize master weights once, offline: w1 [E_local, 2I, H] and w2 [E_local, H, I] (bf16, fp16 or fp32, finite;
+    H and I multiples of 16) to NVFP4 along their input axis with one FP32 amax per expert (no 4/6, as for weights).
+    The result can be saved with torch.save and loaded with torch.load (weights-only unpickling) after import ep_comm."""
     for name, w in (("w1", w1), ("w2", w2)):  # checked here so that errors name w1 / w2, not the quantizer's "x"
         if not isinstance(w, torch.Tensor) or w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise TypeError(f"{name} must be a bfloat16, float16 or float32 tensor, got "
@@ -96,6 +123,11 @@ def expert_mlp_reference(tokens: formats.NVFP4Tensor, w1: torch.Tensor, w2: torc
     SwiGLU in FP32, then the w2 input is quantized to NVFP4 with 4/6 and a per-token amax (the fused kernel's
     quantization point), dequantized, multiplied by w2 in FP32 and rounded to bf16.
     """
+    for name, w in (("w1", w1), ("w2", w2)):
+        if not isinstance(w, torch.Tensor) or w.dtype != torch.float32:
+            raise TypeError(f"{name} must be the FP32 dequantized weights of one expert "
+                            f"(formats.nvfp4_dequantize(weights.{name}[e], dtype=torch.float32)), got "
+                            f"{getattr(w, 'dtype', type(w).__name__)}")
     with exact_fp32_matmuls():  # the FP32 oracle on CUDA tensors too (as grouped_gemm's reference)
         x = formats.nvfp4_dequantize(tokens, dtype=torch.float32)
         gate, up = (x @ w1.t()).chunk(2, dim=-1)
@@ -319,6 +351,20 @@ class MoELayer(torch.nn.Module):
                                "(and its Buffer's kernels run there). Build the layer on the target device")
         return super()._apply(fn, recurse)
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # The constructor's check on the router, for load_state_dict too (a host read of the incoming tensor at load
+        # time): a corrupt checkpoint would otherwise make every output near zero, silently (see __init__).
+        router = state_dict.get(prefix + "router_weight")
+        if (isinstance(router, torch.Tensor) and router.device.type != "meta" and router.is_floating_point()
+                and not bool(torch.isfinite(router).all())):
+            error_msgs.append(f"{prefix}router_weight holds NaN or Inf values: not loaded (a NaN logit sends every "
+                              "token to one expert with NaN weights, which the S2F6 combine turns into near-zero "
+                              "outputs)")
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     def __init__(self, buffer: Buffer, router_weight: torch.Tensor, weights: PackedExpertWeights,
                  expert_impl: str = "auto", token_tile=None, combine_rows: Optional[bool] = None,
                  waves: Optional[bool] = None, wave_sms: Optional[int] = None):
@@ -335,6 +381,7 @@ class MoELayer(torch.nn.Module):
         if not isinstance(weights, PackedExpertWeights):
             raise TypeError(f"weights must be moe.pack_weights(w1, w2) (PackedExpertWeights), got "
                             f"{type(weights).__name__}")
+        _check_packed_weights(weights)
         if weights.num_local_experts != cfg.num_local_experts or weights.w1.shape[-1] != cfg.hidden:
             raise ValueError(f"weights hold {weights.num_local_experts} experts of hidden {weights.w1.shape[-1]}; "
                              f"the buffer needs {cfg.num_local_experts} of hidden {cfg.hidden}")
@@ -347,6 +394,12 @@ class MoELayer(torch.nn.Module):
         if router_weight.device != weights.w1.data.device:  # the layer lives where its packed experts are
             raise ValueError(f"router_weight is on {router_weight.device} but the expert weights are on "
                              f"{weights.w1.data.device}: give both on the layer's device")
+        # The layer's tokens live where its weights are, and the Buffer must be able to take them from there (a
+        # gloo Buffer with CUDA weights, an nvlink Buffer with CPU ones, would fail in every forward instead).
+        buffer._backend.check_device("the expert weights (the layer's device)", weights.w1.data)
+        for name, value in (("combine_rows", combine_rows), ("waves", waves)):
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"{name} must be None or a bool, got {value!r}")
         # Once, at construction (a device->host read): a NaN logit would send every token to one expert with NaN
         # weights, which the S2F6 combine turns into near-zero outputs, silently.
         if not bool(torch.isfinite(router_weight).all()):

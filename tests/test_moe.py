@@ -281,6 +281,48 @@ def test_expert_mlp_reference_is_fp32_under_autocast_and_tf32(monkeypatch, setti
         torch.set_float32_matmul_precision(previous)
 
 
+
+@pytest.mark.cpu
+def test_exact_fp32_matmuls_restores_settings_when_threads_overlap():
+    """The precision flags are process-wide: threads that are inside exact_fp32_matmuls at the same time must leave the
+    caller's setting behind, not the "ieee" one of them set (each saving and restoring on its own did: the second
+    thread saved the first one's "ieee" and restored it last). Every thread sees IEEE FP32 inside."""
+    import threading
+    from ep_comm.grouped_gemm import exact_fp32_matmuls
+    previous = torch.get_float32_matmul_precision()
+    inside = threading.Barrier(4)
+    seen = []
+    errors = []
+
+    def work():
+        try:
+            for _ in range(50):
+                with exact_fp32_matmuls():
+                    seen.append(_matmuls_exact_inside())
+            with exact_fp32_matmuls():  # all four inside at once at least once
+                inside.wait(timeout=30)
+                seen.append(_matmuls_exact_inside())
+        except Exception as error:  # noqa: BLE001 (reported below)
+            errors.append(error)
+
+    try:
+        torch.set_float32_matmul_precision("high")
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert not errors and len(seen) == 4 * 51 and all(seen)
+        assert torch.get_float32_matmul_precision() == "high"
+        matmul = torch.backends.cuda.matmul
+        if hasattr(matmul, "fp32_precision"):
+            assert matmul.fp32_precision == "tf32"
+        else:
+            assert matmul.allow_tf32
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
 def _layer_knobs_worker(rank, world):
     w1, w2, router = _master_weights()
     with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=8) as buf:
@@ -346,6 +388,68 @@ def _layer_misuse_worker(rank, world):
 def test_layer_refuses_bad_weights_and_autograd():
     assert run_ranks(_layer_misuse_worker, 1, backend="gloo") == [True]
 
+
+
+def _layer_weight_format_and_state_worker(rank, world):
+    """The weights' documented format is checked on the reference path too (the fused path's packing refuses the same
+    weights), the boolean knobs are bools, and load_state_dict refuses a non-finite router as the constructor does."""
+    w1, w2, router = _master_weights()
+    with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=8) as buf:
+        packed = moe.pack_weights(w1, w2)
+        four_six = moe.PackedExpertWeights(w1=formats.nvfp4_quantize(w1, four_over_six=True), w2=packed.w2)
+        per_row = moe.PackedExpertWeights(w1=packed.w1, w2=formats.nvfp4_quantize(
+            w2, four_over_six=False, amax=w2.abs().amax(dim=-1).float()))
+        messages = []
+        for weights, kwargs in ((four_six, {}), (per_row, {}), (packed, dict(combine_rows="no")),
+                                (packed, dict(waves=1))):
+            try:
+                moe.MoELayer(buf, router, weights, expert_impl="reference", **kwargs)
+                messages.append(None)
+            except (TypeError, ValueError) as error:
+                messages.append(f"{type(error).__name__}: {error}")
+        layer = moe.MoELayer(buf, router, packed)
+        before = layer.router_weight.clone()
+        state = layer.state_dict()
+        state["router_weight"] = state["router_weight"].clone()
+        state["router_weight"][3, 5] = float("nan")
+        try:
+            layer.load_state_dict(state)
+            messages.append(None)
+        except RuntimeError as error:
+            messages.append(str(error))
+        kept = torch.equal(layer.router_weight, before)
+        layer.load_state_dict({"router_weight": router * 2})  # a finite router still loads
+        loaded = torch.equal(layer.router_weight, router * 2)
+        return messages, kept, loaded
+
+
+@pytest.mark.cpu
+def test_layer_checks_weight_format_knob_types_and_loaded_router():
+    (messages, kept, loaded), = run_ranks(_layer_weight_format_and_state_worker, 1, backend="gloo")
+    assert messages[0] and "weights.w1 must be plain NVFP4 (e4m3_max 448" in messages[0], messages
+    assert messages[1] and "weights.w2 must have one amax per expert" in messages[1], messages
+    assert messages[2] == "TypeError: combine_rows must be None or a bool, got 'no'", messages
+    assert messages[3] == "TypeError: waves must be None or a bool, got 1", messages
+    assert messages[4] and "router_weight holds NaN or Inf values: not loaded" in messages[4], messages
+    assert kept and loaded
+
+
+@pytest.mark.cpu
+def test_packed_weights_load_with_weights_only_unpickling(tmp_path):
+    """Saved expert weights load with torch.load's weights-only unpickling, the safe default (no arbitrary code)."""
+    w1, w2, _ = _master_weights()
+    packed = moe.pack_weights(w1, w2)
+    torch.save(packed, tmp_path / "experts.pt")
+    loaded = torch.load(tmp_path / "experts.pt", weights_only=True)
+    assert isinstance(loaded, moe.PackedExpertWeights) and isinstance(loaded.w1, formats.NVFP4Tensor)
+    for name in ("w1", "w2"):
+        a, b = getattr(packed, name), getattr(loaded, name)
+        assert torch.equal(a.data, b.data) and torch.equal(a.scales.view(torch.uint8), b.scales.view(torch.uint8))
+        assert torch.equal(a.amax, b.amax) and a.e4m3_max == b.e4m3_max
+    s2f6 = formats.s2f6_quantize(torch.randn(2, 64), hadamard=True)
+    torch.save(s2f6, tmp_path / "s2f6.pt")
+    again = torch.load(tmp_path / "s2f6.pt", weights_only=True)
+    assert torch.equal(again.data, s2f6.data) and again.hadamard and again.sign_mask == s2f6.sign_mask
 
 def _layer_cast_and_one_bad_rank_worker(rank, world):
     w1, w2, router = _master_weights()
