@@ -527,10 +527,19 @@ def _check_same_device(container, *names: str) -> None:
                              f"move every field together")
 
 
+def _check_container_dims(kind: str, data: torch.Tensor, scales: torch.Tensor) -> None:
+    """data and scales with at least one dimension and a non-empty last one: what the quantizers make (they refuse
+    K = 0), so the reference and the CUDA path (which cannot reshape [N, 0] rows) take the same containers."""
+    if data.dim() == 0 or scales.dim() == 0 or data.shape[-1] == 0:
+        raise ValueError(f"{kind} needs data and scales with a non-empty last dimension, got data "
+                         f"{tuple(data.shape)} and scales {tuple(scales.shape)}")
+
+
 def _check_nvfp4(q) -> None:
     if not isinstance(q, NVFP4Tensor):
         raise TypeError(f"expected an NVFP4Tensor, got {type(q).__name__}")
     _check_same_device(q, "scales", "amax")
+    _check_container_dims("NVFP4Tensor", q.data, q.scales)
     k = q.data.shape[-1] * 2
     if (q.data.dtype != torch.uint8 or q.scales.dtype not in (torch.float8_e4m3fn, torch.uint8)
             or q.amax.dtype != torch.float32 or q.scales.shape[-1] * NVFP4_BLOCK != k
@@ -620,6 +629,7 @@ def _check_mxfp8(m) -> None:
     if not isinstance(m, MXFP8Tensor):
         raise TypeError(f"expected an MXFP8Tensor, got {type(m).__name__}")
     _check_same_device(m, "scales")
+    _check_container_dims("MXFP8Tensor", m.data, m.scales)
     if (m.data.dtype not in (torch.float8_e4m3fn, torch.uint8) or m.scales.dtype not in (torch.float8_e8m0fnu,
                                                                                             torch.uint8)
             or m.scales.shape[:-1] != m.data.shape[:-1]
@@ -729,6 +739,7 @@ def _check_s2f6(s) -> None:
     if not isinstance(s, S2F6Tensor):
         raise TypeError(f"expected an S2F6Tensor, got {type(s).__name__}")
     _check_same_device(s, "scales")
+    _check_container_dims("S2F6Tensor", s.data, s.scales)
     if (s.data.dtype != torch.int8 or s.scales.dtype not in (torch.float8_e8m0fnu, torch.uint8)
             or s.scales.shape[:-1] != s.data.shape[:-1]
             or s.scales.shape[-1] * MX_BLOCK != s.data.shape[-1]):
@@ -812,13 +823,16 @@ def _accumulate_rows(values: torch.Tensor, row_index: torch.Tensor, weights: Opt
                      sign_mask: Optional[int]) -> torch.Tensor:
     """acc[m] = sum_j w[m, j] * values[row_index[m, j]] in ascending j (fp32); inverse RHT if sign_mask given."""
     num_out, num_terms = row_index.shape
+    num_rows = values.shape[0]
     acc = torch.zeros(num_out, values.shape[-1], dtype=torch.float32, device=values.device)
-    if values.shape[0] == 0:
+    if num_rows == 0:
         values = values.new_zeros(1, values.shape[-1])
     for j in range(num_terms):
         index = row_index[:, j].to(torch.int64)
-        valid = index >= 0
-        term = values[index.clamp(min=0)]
+        # Indices outside [0, N) contribute nothing, as in the kernel (during a capture the caller's range check is
+        # skipped: an index past N must not become an out-of-bounds gather here).
+        valid = (index >= 0) & (index < num_rows)
+        term = values[index.clamp(min=0, max=max(num_rows - 1, 0))]
         if weights is not None:
             term = term * weights[:, j:j + 1]
         acc = torch.where(valid[:, None], acc + term, acc)

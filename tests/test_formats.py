@@ -505,3 +505,37 @@ def test_api_copies_its_inputs_and_checks_what_it_reinterprets():
                        F.nvfp4_quantize(row, amax=5.0, impl="reference").data)
     assert torch.equal(F.s2f6_quantize(x, sign_mask=np.uint32(5), impl="reference").data,
                        F.s2f6_quantize(x, sign_mask=5, impl="reference").data)
+
+
+@pytest.mark.cpu
+def test_dequantize_accumulate_skips_indices_past_the_rows_while_capturing(monkeypatch):
+    """During a CUDA-graph capture the range check (a host read) is skipped; the kernel then skips indices outside
+    [0, N), and the reference must too, not gather out of bounds (a device-side assert on CUDA tensors)."""
+    s = F.s2f6_quantize(torch.randn(4, 64, generator=torch.Generator().manual_seed(3)))
+    want = F.s2f6_dequantize_accumulate(s, torch.tensor([[1, -1], [-1, -1]]), out_dtype=torch.float32)
+    monkeypatch.setattr(F, "_is_capturing", lambda: True)
+    got = F.s2f6_dequantize_accumulate(s, torch.tensor([[1, 4], [7, -3]]), out_dtype=torch.float32, impl="reference")
+    assert torch.equal(got, want)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp8", "s2f6"])
+def test_containers_need_a_nonempty_last_dimension(kind):
+    """The quantizers refuse K = 0, so [N, 0] and 0-d containers are refused by every consumer alike (the CUDA path
+    cannot reshape [N, 0] rows; a 0-d one used to fail with an IndexError)."""
+    u8 = torch.uint8
+    if kind == "nvfp4":
+        bad = [F.NVFP4Tensor(torch.zeros(4, 0, dtype=u8), torch.zeros(4, 0, dtype=u8), torch.zeros(4), 256.0),
+               F.NVFP4Tensor(torch.zeros((), dtype=u8), torch.zeros((), dtype=u8), torch.zeros(()), 256.0)]
+        dequantize = F.nvfp4_dequantize
+    elif kind == "mxfp8":
+        bad = [F.MXFP8Tensor(torch.zeros(4, 0, dtype=u8), torch.zeros(4, 0, dtype=u8)),
+               F.MXFP8Tensor(torch.zeros((), dtype=u8), torch.zeros((), dtype=u8))]
+        dequantize = F.mxfp8_dequantize
+    else:
+        bad = [F.S2F6Tensor(torch.zeros(4, 0, dtype=torch.int8), torch.zeros(4, 0, dtype=u8), False),
+               F.S2F6Tensor(torch.zeros((), dtype=torch.int8), torch.zeros((), dtype=u8), False)]
+        dequantize = F.s2f6_dequantize
+    for container in bad:
+        with pytest.raises(ValueError, match="non-empty last dimension"):
+            dequantize(container, impl="reference")
