@@ -3,16 +3,20 @@
 Used by the main job (`python -m ep_comm.bench`), the benchmarks and the tests. The worker gets
 (rank, world_size, *args) and returns a picklable value. A rank that raises reports its traceback; a run
 that exceeds `timeout_s` (a hang) kills every child and raises with the ranks that did not finish — it
-never waits forever. Spawning imports torch in every child, so callers run many cases per spawn. Each child
+never waits forever. The first failure to arrive is shown in full (the others, often its consequences, by their last
+line). The ranks do not outlive the launcher: SIGTERM to it kills them, and on Linux they get SIGTERM when it dies. Spawning imports torch in every child, so callers run many cases per spawn. Each child
 takes (CPUs it may use) // N threads for torch's CPU ops, unless OMP_NUM_THREADS is set.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
 import queue as queue_module
+import signal
 import socket
+import threading
 import time
 import traceback
 import warnings
@@ -28,7 +32,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank, world_size, port, backend, worker, args, results, collective_timeout_s, teardown):
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: this rank gets SIGTERM when the launching process dies (killed with SIGKILL, say), instead of running on
+    and holding its GPU; elsewhere nothing (the parent's handlers below still cover SIGTERM and SIGINT)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before the call above
+        os._exit(1)
+
+
+def _entry(rank, world_size, port, backend, worker, args, results, collective_timeout_s, teardown, parent_pid):
+    _die_with_parent(parent_pid)
     import torch
     import torch.distributed as dist
     reported = False
@@ -84,11 +102,31 @@ class _PortInUse(Exception):
     """The rendezvous port was taken between choosing it and binding it: retry with another."""
 
 
+@contextlib.contextmanager
+def _terminate_as_exit():
+    """SIGTERM (what `timeout`, `kill` and job schedulers send) raises SystemExit in the launching process while ranks
+    run, so that the cleanup below kills them instead of leaving them running; the previous handler is restored after.
+    Only from the main thread (Python delivers signals there); elsewhere the ranks' parent-death signal covers it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigterm(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_ranks(worker, world_size: int, *args, backend: str = "gloo", timeout_s: float = 600.0):
     """Run worker(rank, world_size, *args) on `world_size` spawned processes; return the per-rank results."""
     for attempt in range(3):
         try:
-            return _run_once(worker, world_size, args, backend, timeout_s)
+            with _terminate_as_exit():
+                return _run_once(worker, world_size, args, backend, timeout_s)
         except _PortInUse:
             if attempt == 2:
                 raise AssertionError("could not bind a free rendezvous port in 3 attempts")
@@ -124,12 +162,13 @@ def _run_once(worker, world_size: int, args, backend: str, timeout_s: float):
     teardown = ctx.Event()  # set once every rank reported (or the run failed): the ranks then leave their group
     processes = [ctx.Process(target=_entry, daemon=True,
                              args=(rank, world_size, port, backend, worker, args, results, collective_timeout_s,
-                                   teardown))
+                                   teardown, os.getpid()))
                  for rank in range(world_size)]
     for process in processes:
         process.start()
     deadline = time.monotonic() + timeout_s
     outcome = {}
+    first_error = None  # the rank whose error report arrived first: most often the cause, its peers failing after it
     try:
         while len(outcome) < world_size:
             remaining = deadline - time.monotonic()
@@ -153,6 +192,8 @@ def _run_once(worker, world_size: int, args, backend: str, timeout_s: float):
                 continue
             outcome[rank] = (status, value)
             if status in ("error", "port_in_use"):
+                if status == "error":
+                    first_error = rank
                 break
     finally:
         teardown.set()
@@ -171,13 +212,13 @@ def _run_once(worker, world_size: int, args, backend: str, timeout_s: float):
         raise _PortInUse()
     errors = {rank: value for rank, (status, value) in outcome.items() if status == "error"}
     if errors:
-        rank = min(errors)
+        rank = first_error if first_error in errors else min(errors)
         # A rank that died first (os._exit, a crash) makes its peers fail in their next collective: name it, since
         # the error reported is then only the consequence.
         died = (f"ranks {silent} exited without reporting (exit codes {[processes[r].exitcode for r in silent]}; "
                 f"the cause of the failure below, or a consequence); " if silent else "")
-        # The lowest failing rank in full; the others by their last line (the first failure is not always the cause:
-        # a rank that fails and exits makes its peers fail in their next collective).
+        # The first error to arrive in full (else the lowest failing rank); the others by their last line (a rank that
+        # fails and exits makes its peers fail in their next collective, later: their reports are the consequence).
         others = "".join(f"\nrank {r} also failed: {_last_line(errors[r])}" for r in sorted(errors) if r != rank)
         raise AssertionError(f"{died}rank {rank} failed:\n{errors[rank]}{others}")
     # Every rank reported. A hang after that (process-group, NVSHMEM or CUDA IPC teardown, a finalizer) is a failure,

@@ -50,14 +50,101 @@ def _both_fail(rank, world):
 
 @pytest.mark.cpu
 def test_every_failing_rank_is_named():
-    """The lowest failing rank in full, the others by their message (the first is not always the cause)."""
+    """The first failure to arrive in full, the others by their message."""
     with pytest.raises(AssertionError) as raised:
         run_ranks(_both_fail, 2, backend="gloo", timeout_s=60)
     text = str(raised.value)
     # Both ranks fail right after the rendezvous: both reports are read (the harness drains for a second after the
-    # first), the lowest rank's in full.
-    assert "rank 0 failed" in text and "failure of rank 0" in text
-    assert "rank 1 also failed: ValueError: failure of rank 1" in text
+    # first), whichever came first in full.
+    first, other = (0, 1) if text.startswith("rank 0 failed") else (1, 0)
+    assert text.startswith(f"rank {first} failed") and f"failure of rank {first}" in text, text
+    assert f"rank {other} also failed: ValueError: failure of rank {other}" in text, text
+
+
+def _fail_then_peer_fails(rank, world):
+    import torch.distributed as dist
+    if rank == 1:
+        raise ValueError("the cause, on rank 1")
+    dist.barrier()  # fails once rank 1 has left: the consequence
+
+
+@pytest.mark.cpu
+def test_the_cause_is_shown_in_full_not_the_lowest_rank():
+    """Rank 1 fails first and rank 0 fails because of it: rank 1's traceback is the one shown in full (it used to be
+    the lowest failing rank's, here only gloo's "connection closed")."""
+    with pytest.raises(AssertionError) as raised:
+        run_ranks(_fail_then_peer_fails, 2, backend="gloo", timeout_s=120)
+    text = str(raised.value)
+    assert text.startswith("rank 1 failed") and "Traceback" in text and "the cause, on rank 1" in text, text
+    assert "rank 0 also failed" in text or "rank 0" not in text, text
+
+
+def _sleep_long(rank, world):
+    time.sleep(120.0)
+
+
+@pytest.mark.cpu
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc to list processes")
+def test_sigterm_to_the_launcher_ends_its_ranks():
+    """`timeout`, `kill` and job schedulers send SIGTERM: the ranks must not outlive the launching process (on GPUs
+    they would hold the devices)."""
+    import signal
+    import subprocess
+    import sys
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    code = ("import sys; sys.path.insert(0, %r); import test_launch; from ep_comm.launch import run_ranks; "
+            "run_ranks(test_launch._sleep_long, 2, backend='gloo', timeout_s=300)" % tests_dir)
+    launcher = subprocess.Popen([sys.executable, "-c", code])
+    ranks = []
+    try:
+        for _ in range(600):  # until both ranks run (spawning imports torch: seconds)
+            ranks = _children_of(launcher.pid, b"--multiprocessing-fork")
+            if len(ranks) == 2 or launcher.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert len(ranks) == 2, f"the ranks did not start: {ranks}, launcher exit code {launcher.poll()}"
+        time.sleep(1.0)  # past the ranks' start-up
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=60)
+        alive = ranks
+        for _ in range(100):
+            alive = [pid for pid in ranks if _alive(pid)]
+            if not alive:
+                break
+            time.sleep(0.1)
+        assert alive == [], f"ranks {alive} still run after the launcher got SIGTERM"
+    finally:  # nothing left behind, also when the test fails (the ranks are reparented once the launcher is gone)
+        for pid in set(ranks) | set(_children_of(launcher.pid, b"")):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+def _children_of(parent: int, flag: bytes) -> list:
+    """Live (not zombie) processes whose parent is `parent` and whose command line holds `flag`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    fields = handle.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                    cmdline = handle.read()
+            except OSError:
+                continue
+            if int(fields[1]) == parent and fields[0] != "Z" and flag in cmdline:
+                found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, or a process reparented and already reaped, counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _die_then_barrier(rank, world):
