@@ -16,8 +16,12 @@ dispatch_rows (nvlink, graph): dispatch(expand=False), the received rows left in
 With S2F6 combine also (graph): combine_expert_rows = combine(local_reduce=False), one row per (token, expert);
 combine_rows_begin_finish = what the combine-row form leaves outside the w2 GEMM (MoELayer's default: the GEMM's
 epilogue stores the rows), i.e. begin (wait on the peers' flags) + finish (release + receive), here without a GEMM.
-Bytes: `wire` = bytes this rank stores into OTHER ranks' memory (payload + our per-row metadata), i.e. what
-crosses NVLink per rank per direction; `bf16_eq` = 2·H per (token, peer rank) row — the BF16-equivalent rate.
+Bytes: `wire` = for nvlink, bytes this rank stores into OTHER ranks' memory (the staged row: payload + our 16-byte
+per-row metadata + padding to 16 B, e.g. 4144 B per NVFP4 row at H = 7168 against a 4036-byte payload), i.e. what
+crosses NVLink per rank per direction; for the reference backend the format's payload bytes per row (its metadata
+travels in separate collectives, not counted). The main job (`python -m ep_comm.bench`) counts the payload for both,
+so its nvlink wire GB/s is ~2.6% below this one's for NVFP4. `bf16_eq` = 2·H per (token, peer rank) row — the
+BF16-equivalent rate, the same for every format and backend (the figure to compare across them).
 Dispatch rows are this rank's tokens, once per other destination rank; combine rows are the (token, source rank)
 pairs this rank received from other ranks (combine_expert_rows: one per received (token, expert) row), which it
 sends back.
@@ -39,6 +43,10 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from ep_comm.launch import GPU_ENV  # noqa: E402
+from provenance import run_metadata  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -308,9 +316,9 @@ def _sm_store_row(src, peer, nbytes, world) -> dict:
 
 
 def run(args) -> list:
-    """Run on every rank of an initialized process group (NCCL); returns this rank's rows."""
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    """Run on every rank of an initialized process group (NCCL); returns this rank's rows. (NVLink multicast is kept off
+    by main(), before the process group exists; a caller that makes its own group sets GPU_ENV itself first.)"""
+    os.environ.update(GPU_ENV)  # for NVSHMEM, which starts with the first nvlink Buffer
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
@@ -358,7 +366,8 @@ def _main_in_group(args):
         print_table([r for r in flat if r["rank"] == 0])
         if args.out:
             with open(args.out, "w") as f:
-                json.dump(flat, f, indent=1)
+                json.dump({"meta": run_metadata(), "args": {k: v for k, v in vars(args).items() if k != "pairs"},
+                           "rows": flat}, f, indent=1, default=str)
             print(f"[bench] wrote {len(flat)} rows to {args.out}")
 
 
@@ -375,6 +384,9 @@ def _spawned(rank, world, port, args):
 
 def main(argv=None):
     args = parse_args(argv)
+    # NVLink multicast off before any process group or NVSHMEM exists (NCCL reads NCCL_NVLS_ENABLE when the communicator
+    # is made, which device_id= does at init); spawned ranks inherit it.
+    os.environ.update(GPU_ENV)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         _check_world(args, int(os.environ["WORLD_SIZE"]))
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -20,6 +20,7 @@ import torch
 
 from ep_comm import _ext
 from ep_comm import formats as F
+from provenance import run_metadata  # same directory: what every benchmark JSON records about its run
 
 
 def time_ms(fn: Callable[[], object], iters: int, batches: int, warmup: int = 2) -> float:
@@ -183,7 +184,7 @@ def main(argv=None) -> int:
               f"{100 * gbps / copy_gbps:6.1f}% {ref_text}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "copy_gbps": copy_gbps, "hidden": args.hidden,
+            json.dump({"meta": run_metadata(), "device": torch.cuda.get_device_name(), "copy_gbps": copy_gbps, "hidden": args.hidden,
                        "mib": args.mib, "results": results}, f, indent=2)
     return 0
 

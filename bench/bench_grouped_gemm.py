@@ -47,6 +47,7 @@ from ep_comm import formats as F
 from ep_comm import grouped_gemm as G
 
 from bench_formats import copy_bandwidth_gbps, time_ms  # same directory: one timing helper for the benchmarks
+from provenance import run_metadata  # same directory: what every benchmark JSON records about its run
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -513,7 +514,7 @@ def main(argv=None) -> int:
         print(f"FAILED: {json.dumps(c)}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
+            json.dump({"meta": run_metadata(), "device": torch.cuda.get_device_name(), "args": vars(args),
                        "ceilings": ceilings, "results": results, "checks": checks, "notes": notes}, f, indent=2)
     return 1 if failed else 0
 

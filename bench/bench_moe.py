@@ -38,6 +38,7 @@ sys.path.insert(0, HERE)
 
 from bench_dispatch_combine import _graph_time_us, _iso_time_us  # noqa: E402  one timing method for the benchmarks
 from ep_comm.bench import strict_json  # noqa: E402
+from provenance import run_metadata  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -243,7 +244,8 @@ def worker(rank, world, args):
                     def bf16_layer():
                         logits = x.float() @ router.t()
                         top, top_idx = logits.topk(topk, dim=-1)
-                        res = ref.dispatch(x, top_idx, torch.softmax(top, dim=-1))
+                        # check_inputs=False: as MoELayer.forward (ids from topk are valid), no extra id check.
+                        res = ref.dispatch(x, top_idx, torch.softmax(top, dim=-1), check_inputs=False)
                         offs = res.expert_offsets[1:].to(torch.int32)
                         gate_up = _grouped_mm_bf16(res.x, w1_t, offs)
                         gate, up = gate_up.chunk(2, dim=-1)
@@ -254,6 +256,7 @@ def worker(rank, world, args):
                     row["speedup_vs_bf16"] = row["bf16_layer_ms"] / row["layer_ms"]
                     row["speedup_graph_vs_bf16"] = row["bf16_layer_ms"] / row["layer_graph_ms"]
                     row["local_reduce_speedup_vs_bf16"] = row["bf16_layer_ms"] / row["local_reduce_layer_ms"]
+                    row["waves_speedup_vs_bf16"] = row["bf16_layer_ms"] / row["waves_layer_ms"]  # the default layer
             except Exception as error:  # noqa: BLE001 - a missing baseline is reported, not fatal
                 row["bf16_layer_error"] = f"{type(error).__name__}: {error}"[:300]
         rows.append(row)
@@ -266,6 +269,9 @@ def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():  # the ranks would each fail in NCCL's setup with a traceback
         raise SystemExit("bench_moe: no CUDA device (the MoE layer benchmark runs on GPUs)")
+    if args.nproc > torch.cuda.device_count():  # ranks sharing a GPU time-slice it: no performance figure
+        raise SystemExit(f"bench_moe: --nproc {args.nproc} needs {args.nproc} GPUs, {torch.cuda.device_count()} "
+                         "visible (ranks sharing a GPU would be timed as if each had one)")
     from ep_comm.launch import run_ranks
     results = run_ranks(worker, args.nproc, args, backend="nccl", timeout_s=900)
     rows = results[0]
@@ -294,7 +300,7 @@ def main(argv=None):
             print(f"{'':>7} BF16 baseline failed: {r['bf16_layer_error']}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(strict_json({"command": " ".join(sys.argv), "rows": rows, "per_rank": results}), f, indent=1,
+            json.dump(strict_json({"meta": run_metadata(), "rows": rows, "per_rank": results}), f, indent=1,
                       allow_nan=False)
 
 

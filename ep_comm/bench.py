@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import statistics
 import sys
 import time
@@ -83,6 +84,9 @@ def parse_args(argv=None):
     parser.add_argument("--iters", type=int, default=None, help="timed iterations (GPU default 20, CPU 5)")
     parser.add_argument("--cpu", action="store_true", help="use CPU ranks over gloo even when GPUs exist")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--timeout", type=float, default=900.0,
+                        help="seconds before the run counts as hung and its ranks are killed (default 900; large CPU "
+                             "runs take longer)")
     args = parser.parse_args(argv)
     use_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0 and not args.cpu
     args.device = "cuda" if use_gpu else "cpu"
@@ -103,6 +107,8 @@ def parse_args(argv=None):
         folder = os.path.dirname(os.path.abspath(args.out))
         if os.path.isdir(args.out) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             parser.error(f"--out {args.out!r}: not a writable file path (its folder must exist)")
+    if not args.timeout > 0:
+        parser.error(f"--timeout must be positive, got {args.timeout}")
     args.pairs = parse_format_pairs(parser, args.formats)
     return args
 
@@ -227,10 +233,12 @@ def _worker(rank, world, args):
             rank=rank, backend=buf_backend, dispatch_format=dispatch_format, combine_format=combine_format,
             dispatch_bytes_per_token=d_bytes, combine_bytes_per_token=c_bytes, remote_token_pairs=remote_pairs,
             dispatch_us=t_dispatch * 1e6, combine_us=t_combine * 1e6,
-            dispatch_wire_gbps=remote_pairs * d_bytes / t_dispatch / 1e9,
-            combine_wire_gbps=combine_pairs * c_bytes / t_combine / 1e9,
-            dispatch_bf16_equiv_gbps=remote_pairs * bf16_bytes / t_dispatch / 1e9,
-            combine_bf16_equiv_gbps=combine_pairs * bf16_bytes / t_combine / 1e9, combine_row_pairs=combine_pairs,
+            # No rows to other ranks (one rank): no wire rate to give (None, "n/a" in the table), rather than 0.
+            dispatch_wire_gbps=remote_pairs * d_bytes / t_dispatch / 1e9 if remote_pairs else None,
+            combine_wire_gbps=combine_pairs * c_bytes / t_combine / 1e9 if combine_pairs else None,
+            dispatch_bf16_equiv_gbps=remote_pairs * bf16_bytes / t_dispatch / 1e9 if remote_pairs else None,
+            combine_bf16_equiv_gbps=combine_pairs * bf16_bytes / t_combine / 1e9 if combine_pairs else None,
+            combine_row_pairs=combine_pairs,
             combine_rel_l2_error=combine_error,
             rel_l2_error=error / signal if signal else 0.0,
             sqnr_db=20 * math.log10(signal / error) if error else float("inf")))
@@ -248,15 +256,22 @@ def print_table(rows, args) -> None:
     print("-" * len(header))
 
     def rate(value):  # GB/s: 3 significant digits below 100 (CPU ranks move MB/s), one decimal above
+        if value is None:
+            return "n/a"  # nothing crossed to another rank
         return f"{value:.1f}" if value >= 100 else f"{value:.3g}"
+
+    def micros(value):  # one decimal, in the column's width up to ~1 s (CPU ranks can take seconds)
+        return f"{value:.1f}" if value < 1e6 else f"{value:.3e}"
     for r in rank0:
         print(f"{r['dispatch_format'] + '/' + r['combine_format']:<17}{r['dispatch_bytes_per_token']:>9}"
-              f"{r['combine_bytes_per_token']:>9}{r['dispatch_us']:>10.1f}{r['combine_us']:>10.1f}"
+              f"{r['combine_bytes_per_token']:>9}{micros(r['dispatch_us']):>10}{micros(r['combine_us']):>10}"
               f"{rate(r['dispatch_wire_gbps']):>9}{rate(r['dispatch_bf16_equiv_gbps']):>10}"
               f"{rate(r['combine_wire_gbps']):>9}{rate(r['combine_bf16_equiv_gbps']):>10}"
               f"{r['combine_rel_l2_error']:>9.4f}{r['rel_l2_error']:>9.4f}{r['sqnr_db']:>9.1f}")
     print("comb L2: the combine's own error (against a BF16 combine of the same expert rows); e2e L2 / SQNR: "
           "dispatch + combine against the unquantized toy expert")
+    if rank0 and rank0[0]["dispatch_wire_gbps"] is None:
+        print("n/a: one rank, so no token crosses to another rank (the times are the kernels' local work)")
 
 
 def combine_send_rows(result, rank: int, tokens: int) -> tuple:
@@ -286,12 +301,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     # (each spawned rank sets launch.GPU_ENV before it touches NCCL)
     per_rank = run_ranks(_worker, args.ranks, args, backend="nccl" if args.device == "cuda" else "gloo",
-                         timeout_s=900)
+                         timeout_s=args.timeout)
     rows = [row for rank_rows in per_rank for row in rank_rows]
     print_table(rows, args)
     if args.out:
         meta = {k: v for k, v in vars(args).items() if k != "pairs"}
         meta["date"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        meta["command"] = " ".join([os.path.basename(sys.executable), "-m", "ep_comm.bench"]
+                                   + (sys.argv[1:] if argv is None else list(argv)))
+        meta["host"] = platform.node()
         meta["torch"] = torch.__version__
         meta["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
             if args.device == "cuda" else []

@@ -34,7 +34,8 @@ def test_main_job_on_cpu_ranks(tmp_path, capsys):
                                           (["--formats", ","], "names no dispatch/combine pair"),
                                           (["--backend", "nvlink"], "--backend nvlink needs GPUs"),
                                           (["--out", "/nonexistent_dir/x.json"], "not a writable file path"),
-                                          (["--out", "/"], "not a writable file path")])
+                                          (["--out", "/"], "not a writable file path"),
+                                          (["--timeout", "0"], "--timeout must be positive")])
 def test_main_job_refuses_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--cpu", *argv])
@@ -49,5 +50,10 @@ def test_main_job_json_is_strict_when_exact(tmp_path, capsys):
     bench.main(["--cpu", "--ranks", "1", "--experts", "1", "--topk", "1", "--tokens", "8", "--hidden", "64",
                 "--iters", "1", "--formats", "bf16/bf16", "--out", str(out)])
     text = out.read_text()
-    assert "Infinity" not in text and json.loads(text)["results"][0]["sqnr_db"] == "inf"
-    assert "inf" in capsys.readouterr().out
+    result = json.loads(text)
+    assert "Infinity" not in text and result["results"][0]["sqnr_db"] == "inf"
+    # One rank: nothing crosses to another rank, so no wire rate (None / "n/a", not a 0 that reads as a measurement).
+    assert result["results"][0]["dispatch_wire_gbps"] is None and result["results"][0]["combine_bf16_equiv_gbps"] is None
+    assert "--experts 1" in result["config"]["command"] and result["config"]["host"]
+    printed = capsys.readouterr().out
+    assert "inf" in printed and "n/a" in printed
