@@ -119,6 +119,12 @@ bench_dc() {  # $1 = ranks; further arguments go to the benchmark
   timeout 300 python3 bench/bench_dispatch_combine.py --nproc "$ranks" "$@" --out "$OUT/bench_dc_$ranks.json" > "$OUT/bench_dc_$ranks.txt" 2>&1
   grep -E "graph|ceiling|reference|nccl " "$OUT/bench_dc_$ranks.txt" | tail -30 | tee -a "$log"
 }
+bench_world1() {  # one GPU: dispatch/combine and the MoE layer at world 1 (the local work only: no token crosses NVLink)
+  bench_dc 1 --tokens 128,4096 --formats nvfp4/s2f6,bf16/bf16 --no-reference --no-ceiling
+  say "bench: MoE layer at world 1 (128 experts, all local)"
+  timeout 240 python3 bench/bench_moe.py --nproc 1 --experts 128 --iters 5 --out "$OUT/bench_moe_world1.json" 2>&1 \
+    | tail -5 | tee -a "$log"
+}
 bench_floor() {  # small-call latency: NVFP4/S2F6 and BF16 at 1, 16 and 128 tokens, then the per-kernel profile at 1 and 128
   bench_dc 2 --tokens 1,16,128 --formats nvfp4/s2f6,bf16/bf16 --no-reference --no-ceiling
   say "profile: per-kernel time, 1 and 128 tokens"

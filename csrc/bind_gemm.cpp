@@ -42,6 +42,7 @@ ep_comm::GroupedGemmArgs operand_args(uintptr_t x, int64_t x_row_stride, uintptr
 void launch(const ep_comm::GroupedGemmArgs& args, uintptr_t stream, const char* what, const char* invalid_detail) {
   const cudaError_t status = ep_comm::launch_grouped_gemm_nvfp4(args, as_stream(stream));
   if (status == cudaErrorNotSupported) {
+    cudaGetLastError();  // (see check: never left for a later launch to report)
     throw std::runtime_error("grouped_gemm_nvfp4: needs an sm_90 (Hopper) GPU: the kernel is built on wgmma");
   }
   check(status, what, invalid_detail);

@@ -327,7 +327,10 @@ class NvlinkContext {
  private:
   void select() const {
     const cudaError_t err = cudaSetDevice(device_);
-    if (err != cudaSuccess) throw std::runtime_error(std::string("cudaSetDevice: ") + cudaGetErrorString(err));
+    if (err != cudaSuccess) {
+      cudaGetLastError();  // not left as the thread's last error for a later launch to report (check_cuda)
+      throw std::runtime_error(std::string("cudaSetDevice: ") + cudaGetErrorString(err));
+    }
   }
 
   int device_;

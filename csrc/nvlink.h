@@ -305,6 +305,9 @@ constexpr int kCommThreads = 512;
 // RuntimeError naming the step).
 inline void check_cuda(cudaError_t err, const char* what) {
   if (err != cudaSuccess) {
+    // Clear it as the thread's last error: a later launch checked with cudaGetLastError (the format kernels, give_up)
+    // would otherwise report this failure as its own (a no-op for sticky errors, which every later call reports).
+    cudaGetLastError();
     throw std::runtime_error(std::string("ep_comm nvlink: ") + what + ": " + cudaGetErrorString(err));
   }
 }

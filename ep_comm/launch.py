@@ -121,12 +121,14 @@ def _terminate_as_exit():
         signal.signal(signal.SIGTERM, previous)
 
 
-def run_ranks(worker, world_size: int, *args, backend: str = "gloo", timeout_s: float = 600.0):
-    """Run worker(rank, world_size, *args) on `world_size` spawned processes; return the per-rank results."""
+def run_ranks(worker, world_size: int, *args, backend: str = "gloo", timeout_s: float = 600.0,
+              strict_teardown: bool = False):
+    """Run worker(rank, world_size, *args) on `world_size` spawned processes; return the per-rank results.
+    strict_teardown: a rank that exits with a non-zero code after reporting raises (default: a warning)."""
     for attempt in range(3):
         try:
             with _terminate_as_exit():
-                return _run_once(worker, world_size, args, backend, timeout_s)
+                return _run_once(worker, world_size, args, backend, timeout_s, strict_teardown)
         except _PortInUse:
             if attempt == 2:
                 raise AssertionError("could not bind a free rendezvous port in 3 attempts")
@@ -154,7 +156,7 @@ def _silent_exits(processes, outcome) -> list:
     return [r for r, p in enumerate(processes) if p.exitcode is not None and r not in outcome]
 
 
-def _run_once(worker, world_size: int, args, backend: str, timeout_s: float):
+def _run_once(worker, world_size: int, args, backend: str, timeout_s: float, strict_teardown: bool):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -228,6 +230,9 @@ def _run_once(worker, world_size: int, args, backend: str, timeout_s: float):
     if lingering:
         raise AssertionError(f"ranks {lingering} reported but did not exit within 10 s (a hang at teardown)")
     crashed = [rank for rank, process in enumerate(processes) if process.exitcode != 0]
+    if crashed and strict_teardown:
+        raise AssertionError(f"ranks {crashed} reported but then exited with codes "
+                             f"{[processes[r].exitcode for r in crashed]} (a crash at teardown)")
     if crashed:
         warnings.warn(f"run_ranks: ranks {crashed} reported but then exited with codes "
                       f"{[processes[r].exitcode for r in crashed]} (a crash at teardown)", RuntimeWarning, stacklevel=2)

@@ -21,9 +21,9 @@ for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAS
 def pytest_collection_modifyitems(config, items):
     import ep_comm
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    # Two ranks on one GPU (harness.SHARED_GPU): only where exactly one GPU is visible; the spawned ranks inherit the
+    # Two ranks on one GPU (harness.SHARED_GPU: only where exactly one GPU is visible); the spawned ranks inherit the
     # library's switch from this process's environment.
-    shared = SHARED_GPU and num_gpus == 1
+    shared = SHARED_GPU
     if shared:
         os.environ["EP_COMM_ALLOW_SHARED_GPU"] = "1"
     no_ext = None if ep_comm.cuda_extension_available() else ep_comm.cuda_extension_error()
@@ -38,3 +38,12 @@ def pytest_collection_modifyitems(config, items):
                                                     f"2 ranks on it)"))
         if "nccl" in item.keywords and shared:
             item.add_marker(pytest.mark.skip(reason="needs NCCL between GPUs; the ranks share one GPU here"))
+
+
+def pytest_collection_finish(session):
+    """Every test belongs to exactly one tier (cpu, gpu or multigpu): a test without one would run nowhere on purpose,
+    and one with two would be skipped by the wrong rule."""
+    wrong = [item.nodeid for item in session.items
+             if sum(tier in item.keywords for tier in ("cpu", "gpu", "multigpu")) != 1]
+    if wrong:
+        raise pytest.UsageError(f"tests without exactly one tier marker (cpu / gpu / multigpu): {wrong[:10]}")

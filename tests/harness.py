@@ -9,9 +9,28 @@ ranks' kernels progress as the driver time-slices the two processes: slow, and a
 """
 import os
 
-from ep_comm.launch import GPU_ENV, free_port, run_ranks  # noqa: F401
+from ep_comm.launch import GPU_ENV, free_port  # noqa: F401
+from ep_comm.launch import run_ranks as _launch_ranks
 
-SHARED_GPU = os.environ.get("EP_COMM_TEST_SHARED_GPU", "0") == "1"
+
+def _shared_gpu() -> bool:
+    """EP_COMM_TEST_SHARED_GPU=1 where exactly one GPU is visible (with more, the multi-rank tiers run one rank per
+    GPU as usual): the one place that decides it, for conftest.py and the tests alike."""
+    if os.environ.get("EP_COMM_TEST_SHARED_GPU", "0") != "1":
+        return False
+    import torch
+    return torch.cuda.is_available() and torch.cuda.device_count() == 1
+
+
+SHARED_GPU = _shared_gpu()
+
+
+def run_ranks(worker, world_size, *args, backend="gloo", timeout_s=600.0):
+    """ep_comm.launch.run_ranks. Where GPU teardown runs (NCCL groups, or ranks sharing a GPU: NVSHMEM, CUDA IPC,
+    NCCL), a rank that crashes after reporting fails the test instead of only warning. CPU runs over gloo keep the
+    launcher's warning: a rare gloo abort at exit (once in CI, twenty-eighth session) is not the code under test."""
+    return _launch_ranks(worker, world_size, *args, backend=backend, timeout_s=timeout_s,
+                         strict_teardown=backend == "nccl" or SHARED_GPU)
 
 
 def multigpu_backend() -> str:

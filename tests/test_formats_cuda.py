@@ -126,7 +126,7 @@ def test_nvfp4_strided_rows_and_destination_rows():
     expected = F.nvfp4_quantize(x.cpu(), impl="reference")
     assert_same_nvfp4(_cpu_nvfp4(F.nvfp4_quantize(x, impl="cuda")), expected, "nvfp4 strided input")
 
-    dst_rows = torch.randperm(2 * num_rows)[:num_rows].to(DEVICE)
+    dst_rows = torch.randperm(2 * num_rows, generator=torch.Generator().manual_seed(129))[:num_rows].to(DEVICE)
     dst_rows[3] = -1  # skipped row
     row_bytes, scale_pitch = hidden // 2 + 32, hidden // 16 + 16
     data = torch.full((2 * num_rows, row_bytes), 0xAB, dtype=torch.uint8, device=DEVICE)
@@ -503,7 +503,7 @@ def test_kernels_follow_the_current_stream():
     """The input is written on the side stream behind a long sleep, then quantized there: a kernel launched on any
     other stream reads it before the copy (zeros). (Without the sleep and the copy this passed whatever stream the
     kernels took: the .cpu() below synchronizes the default stream too.)"""
-    x = torch.randn(512, 4096, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(512, 4096, generator=torch.Generator().manual_seed(506)).to(DEVICE, torch.bfloat16)
     stream = torch.cuda.Stream()
     staged = torch.zeros_like(x)
     stream.wait_stream(torch.cuda.current_stream())

@@ -185,3 +185,6 @@ def _report_then_crash_at_exit(rank, world):
 def test_a_crash_after_reporting_is_named():
     with pytest.warns(RuntimeWarning, match=r"ranks \[1\] reported but then exited with codes \[7\]"):
         assert run_ranks(_report_then_crash_at_exit, 2, backend="gloo", timeout_s=120) == ["ok", "ok"]
+    # strict_teardown (the GPU tiers' harness): the same crash fails the run.
+    with pytest.raises(AssertionError, match=r"ranks \[1\] reported but then exited with codes \[7\]"):
+        run_ranks(_report_then_crash_at_exit, 2, backend="gloo", timeout_s=120, strict_teardown=True)

@@ -33,8 +33,8 @@ def _moe_worker(rank, world, device_kind="cpu", backend="auto"):
         try:
             moe.MoELayer(buf, router.to(device), packed, token_tile=100)
             bad_tile_refused = False
-        except ValueError:
-            bad_tile_refused = True
+        except ValueError as error:
+            bad_tile_refused = "token_tile must be None or one of" in str(error)
         try:  # combine_rows needs fused experts on the nvlink backend: refused clearly elsewhere
             moe.MoELayer(buf, router.to(device), packed, expert_impl="reference", combine_rows=True)
             combine_rows_refused = False
@@ -64,7 +64,18 @@ def _moe_worker(rank, world, device_kind="cpu", backend="auto"):
             and torch.equal(getattr(given, w).scales.view(torch.uint8), getattr(back, w).scales.view(torch.uint8))
             and torch.equal(getattr(given, w).amax, getattr(back, w).amax) for w in ("w1", "w2"))
         backend, expert_impl, layer_combine_rows = buf.backend, layer.expert_impl, layer.combine_rows
-        inputs = [(x, *(t.cpu() for t in layer.route(x.to(device)))) for x in xs]
+        # The routing the oracle uses is computed here from its definition (FP32 logits, top-k, softmax over the k
+        # chosen logits), not taken from layer.route, which is under test: it must agree with it.
+        inputs = []
+        for x in xs:
+            logits = x.to(device).float() @ router.to(device).float().t()
+            top_logits, idx_want = logits.topk(TOPK, dim=-1)
+            w_want = torch.softmax(top_logits, dim=-1)
+            idx_got, w_got = layer.route(x.to(device))
+            assert torch.equal(idx_got, idx_want), "MoELayer.route picked other experts than FP32 logits + top-k"
+            assert w_got.dtype == torch.float32 and torch.allclose(w_got, w_want, rtol=1e-6, atol=0.0), \
+                "MoELayer.route weights are not the softmax over the top-k logits"
+            inputs.append((x, idx_want.cpu(), w_want.cpu()))
         # On GPUs: the fused GEMM against the reference experts with the same combine (local_reduce=True), to bound
         # the GEMM's difference directly.
         y_reference = (moe.MoELayer(buf, router.to(device), packed, expert_impl="reference")(xs[rank].to(device)).cpu()

@@ -1265,6 +1265,7 @@ def test_nvlink_destroy_warns_about_a_fault_no_call_reported(monkeypatch, case):
     freed = []
     monkeypatch.setattr(nvlink._ext, "_C", SimpleNamespace(nvlink_host_mapped_free=freed.append))
     monkeypatch.setattr(nvlink.torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(nvlink.torch.cuda, "current_device", lambda: 0)  # the Buffer's device is current
     monkeypatch.setattr(nvlink.dist, "barrier", lambda group=None: None)
     if case == "reported":
         with pytest.raises(RuntimeError, match=r"combine \(call 3\) got rows from rank 1"):
@@ -1351,3 +1352,35 @@ def test_nvshmem_setup_enters_the_init_when_the_ranks_agree(monkeypatch):
     region = _region_with_stand_ins(monkeypatch, [(False, None, False)] * 2, init)
     why = region._setup_nvshmem()
     assert len(entered) == 1 and "NVSHMEM init failed: RuntimeError: stand-in" in why, why
+
+
+def current_device_kept_worker(rank, world):
+    """A Buffer on GPU 1 used while GPU 0 is current: every call runs on GPU 1 and leaves GPU 0 current (the C++ entry
+    points select the Buffer's device in their own CUDA runtime, which torch sees as the thread's current device)."""
+    import ep_comm
+    hidden, experts, topk = 256, 4, 2
+    torch.cuda.set_device(1)
+    buf = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8,
+                         backend="nvlink")
+    seen = []
+    try:
+        x, idx, w = (t.to("cuda:1") for t in _make_inputs(rank, 8, hidden, experts, topk, "uniform", world, seed=5))
+        torch.cuda.set_device(0)
+        res = buf.dispatch(x, idx, w)
+        seen.append(torch.cuda.current_device())
+        _, out = _expert_out(int(res.expert_offsets[-1]), res.num_rows, hidden, 4, rank)
+        y = buf.combine(out.to("cuda:1"), res.handle)
+        seen.append(torch.cuda.current_device())
+        assert y.device == torch.device("cuda", 1), y.device
+    finally:
+        buf.destroy()
+        seen.append(torch.cuda.current_device())
+    assert seen == [0, 0, 0], f"current device after dispatch / combine / destroy: {seen}"
+    return "ok"
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(SHARED_GPU or not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs a second GPU to make current")
+def test_nvlink_calls_keep_the_callers_current_device():
+    assert run_ranks(current_device_kept_worker, 1, backend="gloo", timeout_s=300) == ["ok"]

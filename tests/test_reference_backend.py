@@ -171,21 +171,28 @@ def _sign_mask_worker(rank, world, sign_mask):
     idx = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(12)])
     w = torch.rand(12, 3, generator=g)
     errors = []
+    differs = []
     with ep_comm.Buffer(None, rht_sign_mask=sign_mask, **kw) as s2f6, \
-            ep_comm.Buffer(None, combine_format="bf16", **kw) as bf16:
-        res, res_bf16 = s2f6.dispatch(x, idx, w), bf16.dispatch(x, idx, w)
+            ep_comm.Buffer(None, combine_format="bf16", **kw) as bf16, \
+            ep_comm.Buffer(None, **kw) as default_mask:
+        res, res_bf16, res_default = s2f6.dispatch(x, idx, w), bf16.dispatch(x, idx, w), default_mask.dispatch(x, idx, w)
         out = torch.randn(res.num_rows, 128, generator=g).to(torch.bfloat16)
         for local_reduce in (True, False):
             got = s2f6.combine(out, res.handle, local_reduce=local_reduce).float()
             want = bf16.combine(out, res_bf16.handle, local_reduce=local_reduce).float()
             errors.append(((got - want).norm() / want.norm()).item())
-    return errors
+            # The mask is used, not ignored: the other rotation rounds other values (a backend that applied the
+            # default mask on both sides would pass the bound above with these exact bits).
+            default = default_mask.combine(out, res_default.handle, local_reduce=local_reduce).float()
+            differs.append(not torch.equal(got, default))
+    return errors, differs
 
 
 @pytest.mark.cpu
 def test_combine_with_another_rht_sign_mask():
-    for errors in run_ranks(_sign_mask_worker, 2, 0x12345678, backend="gloo", timeout_s=120):
+    for errors, differs in run_ranks(_sign_mask_worker, 2, 0x12345678, backend="gloo", timeout_s=120):
         assert all(error < 0.05 for error in errors), errors
+        assert all(differs), differs
 
 
 @pytest.mark.multigpu

@@ -67,6 +67,18 @@ _MAX_WORLD = 1024
 _MAX_DYNAMIC_SMEM = 200 * 1024  # per block: the layout kernel's histograms, the dispatch kernels' receive layout
 
 
+def _on_buffer_device(method):
+    """Runs a Buffer method with the Buffer's GPU current, and the caller's current device restored after. The C++
+    entry points select the Buffer's device in this module's own (static) CUDA runtime, and that is the thread's
+    current device for torch too: a call made while another GPU was current would otherwise leave that one switched.
+    (A no-op when the Buffer's GPU is current, as in one process per GPU: _ext.cuda_device.)"""
+    @functools.wraps(method)
+    def on_device(self, *args, **kwargs):
+        with _ext.cuda_device(self.device):
+            return method(self, *args, **kwargs)
+    return on_device
+
+
 def _layout_warp_smem(num_experts: int, world: int) -> int:
     return 4 * (num_experts + world)  # E + W int32 counters (csrc/nvlink_layout.cu layout_warp_smem)
 
@@ -902,6 +914,7 @@ class NVLinkBackend:
         self._staging = payload
         return payload
 
+    @_on_buffer_device
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  expand: bool = True) -> DispatchResult:
         # expand=False: the receive writes row_index instead of copying rows, which stay in staging
@@ -912,6 +925,7 @@ class NVLinkBackend:
                   arena_ptr, stream)
         return self._dispatch(x, topk_idx, topk_weights, launch, rows_only=not expand)
 
+    @_on_buffer_device
     def dispatch_waves(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                        wave_blocks: int) -> WaveDispatch:
         """dispatch() whose receive, on wave_blocks blocks, also writes the GEMM operand rows expert by expert and
@@ -1044,6 +1058,7 @@ class NVLinkBackend:
         cfg = self.config
         return (cfg.world_size, cfg.max_tokens_per_rank, cfg.num_topk, cfg.max_recv_rows, cfg.num_local_experts)
 
+    @_on_buffer_device
     def combine(self, expert_out: torch.Tensor, handle: NVLinkHandle, local_reduce: bool = True) -> torch.Tensor:
         self._check_alive()
         self.check()
@@ -1073,6 +1088,7 @@ class NVLinkBackend:
             raise RuntimeError(f"{what}: a combine begun with begin_combine_rows has not been finished "
                                f"(finish_combine_rows) on this Buffer; the peers wait for it until their timeout")
 
+    @_on_buffer_device
     def begin_combine_rows(self, result: DispatchResult) -> CombineRowsTarget:
         """Wait (on the stream) until every source rank has read the previous combine from its area; return where
         a GEMM epilogue stores this combine's local_reduce=False rows (see Buffer.begin_combine_rows)."""
@@ -1093,6 +1109,7 @@ class NVLinkBackend:
                                  max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden, row_bytes=L.comb_row_bytes,
                                  scale_offset=L.comb_scale_off, sign_mask=cfg.rht_sign_mask, abort_flag=abort)
 
+    @_on_buffer_device
     def finish_combine_rows(self, handle: NVLinkHandle) -> torch.Tensor:
         """Publish the rows the GEMM stored since begin_combine_rows, then receive: bf16 [T, H]."""
         self._check_alive()
@@ -1115,6 +1132,7 @@ class NVLinkBackend:
         return out
 
     # ------------------------------------------------------------------------------------------------------
+    @_on_buffer_device
     def give_up(self, reason: str) -> None:
         """This rank's call raised before launching (`reason`): tell every peer, whose kernels for that call may
         already wait on this rank, to stop waiting now (csrc/nvlink_give_up.cu) instead of at their timeout; they
@@ -1140,6 +1158,7 @@ class NVLinkBackend:
         # dispatch moves the epoch and the sync area on; see _WaveTicket).
         self._wave_ticket = None
 
+    @_on_buffer_device
     def destroy(self) -> None:
         """Collective: waits for this device's work, then frees the symmetric region on every rank."""
         if self._destroyed:
