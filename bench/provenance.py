@@ -15,8 +15,11 @@ import torch
 
 
 def _git_commit() -> str | None:
-    """HEAD of the checkout this script runs from, with "+dirty" for local changes; None outside a git checkout (the
-    device machine gets a copy of the working tree without .git)."""
+    """EP_COMM_SOURCE_COMMIT when set (a copy of a working tree whose .git, if any, is not that tree's: the device
+    machine's copy carried an older HEAD), else HEAD of the checkout this script runs from, with "+dirty" for local
+    changes; None outside a git checkout."""
+    if os.environ.get("EP_COMM_SOURCE_COMMIT"):
+        return os.environ["EP_COMM_SOURCE_COMMIT"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,

@@ -73,7 +73,6 @@ class NvlinkContext {
     c.peer_bases = ptr<const unsigned long long>(get<uintptr_t>(d, "peer_bases"));
     c.local_base = ptr<char>(get<uintptr_t>(d, "local_base"));
     c.state = ptr<NvlinkState>(get<uintptr_t>(d, "state"));
-    c.abort = reinterpret_cast<unsigned int*>(c.local_base + c.off_abort);
     c.scratch_pos = ptr<int>(get<uintptr_t>(d, "scratch_pos"));
     c.scratch_slot = ptr<int>(get<uintptr_t>(d, "scratch_slot"));
     c.expert_count = ptr<int>(get<uintptr_t>(d, "expert_count"));
@@ -82,9 +81,20 @@ class NvlinkContext {
     c.error_word = ptr<unsigned long long>(get<uintptr_t>(d, "error_word"));
     if (c.topk < 1 || c.topk > kMaxTopk) throw std::invalid_argument("num_topk must be in [1, 32] for nvlink");
     if (c.world < 1 || c.world > kMaxWorld) throw std::invalid_argument("world size out of range for nvlink");
-    if (c.hidden % 32 != 0) throw std::invalid_argument("hidden must be a multiple of 32");
+    // The Python backend derives all of this from a validated BufferConfig; checked here too because a wrong rank or
+    // size would make the kernels store outside the region (into the peers' memory too), not fail.
+    if (c.rank < 0 || c.rank >= c.world) throw std::invalid_argument("rank must be in [0, world)");
+    if (c.hidden <= 0 || c.hidden % 32 != 0) throw std::invalid_argument("hidden must be a positive multiple of 32");
+    if (c.num_local < 1 || static_cast<long long>(c.num_local) * c.world != c.num_experts) {
+      throw std::invalid_argument("num_experts must be num_local * world with num_local >= 1");
+    }
+    if (c.max_tokens < 0 || c.max_recv_rows < 0) throw std::invalid_argument("max_tokens and max_recv_rows must be >= 0");
+    if (c.peer_bases == nullptr || c.local_base == nullptr || c.state == nullptr || c.error_word == nullptr) {
+      throw std::invalid_argument("peer_bases, local_base, state and error_word must be device addresses, not 0");
+    }
     if (c.buffer_tag >= (1u << kBufferTagBits)) throw std::invalid_argument("buffer_tag must be below 2^22");
     if (c.off_abort < 0 || c.off_abort % 4 != 0) throw std::invalid_argument("off_abort must be a 4-byte aligned offset");
+    c.abort = reinterpret_cast<unsigned int*>(c.local_base + c.off_abort);
     if (c.off_comb_desc < 0 || c.off_comb_desc % 8 != 0) {
       throw std::invalid_argument("off_comb_desc must be an 8-byte aligned offset");
     }
@@ -369,14 +379,20 @@ void register_nvlink(py::module_& m) {
   m.def("nvlink_receive_layout_smem", &receive_layout_smem, py::arg("world"), py::arg("num_local"),
         "bytes of dynamic shared memory the dispatch kernels' receive layout takes");
 
-  m.def("nvlink_device_alloc", &device_alloc_zeroed, py::arg("device"), py::arg("bytes"),
+  // The peer-memory calls can block on the whole device (cudaDeviceSynchronize, cudaFree): without the GIL, so that
+  // other Python threads (a watchdog, a data loader) run meanwhile. They touch no Python object.
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("nvlink_device_alloc", &device_alloc_zeroed, py::arg("device"), py::arg("bytes"), no_gil,
         "cudaMalloc + zero fill (CUDA IPC fallback region); returns the address");
-  m.def("nvlink_device_free", &device_free, py::arg("device"), py::arg("ptr"));
+  m.def("nvlink_device_free", &device_free, py::arg("device"), py::arg("ptr"), no_gil);
   m.def(
       "nvlink_ipc_get_handle",
       [](int device, uintptr_t ptr) {
         unsigned char handle[64];
-        ipc_get_handle(device, ptr, handle);
+        {
+          py::gil_scoped_release no_gil_here;
+          ipc_get_handle(device, ptr, handle);
+        }
         return py::bytes(reinterpret_cast<const char*>(handle), 64);
       },
       py::arg("device"), py::arg("ptr"), "64-byte cudaIpcMemHandle_t of a cudaMalloc'd address");
@@ -385,18 +401,22 @@ void register_nvlink(py::module_& m) {
       [](int device, py::bytes handle) {
         const std::string raw = handle;
         if (raw.size() != 64) throw std::invalid_argument("a CUDA IPC handle has 64 bytes");
+        py::gil_scoped_release no_gil_here;  // the bytes are copied into `raw` above
         return ipc_open_handle(device, reinterpret_cast<const unsigned char*>(raw.data()));
       },
       py::arg("device"), py::arg("handle"), "map a peer's region; returns the local address of it");
-  m.def("nvlink_ipc_close_handle", &ipc_close_handle, py::arg("device"), py::arg("ptr"));
+  m.def("nvlink_ipc_close_handle", &ipc_close_handle, py::arg("device"), py::arg("ptr"), no_gil);
   m.def("nvlink_can_access_peer", &can_access_peer, py::arg("device"), py::arg("peer"));
   m.def(
       "nvlink_host_mapped_alloc",
       [](int device, size_t bytes) {
         uintptr_t host = 0, dev = 0;
-        host_mapped_alloc(device, bytes, &host, &dev);
+        {
+          py::gil_scoped_release no_gil_here;
+          host_mapped_alloc(device, bytes, &host, &dev);
+        }
         return py::make_tuple(host, dev);
       },
       py::arg("device"), py::arg("bytes"), "zeroed pinned host memory mapped into the device: (host address, device address)");
-  m.def("nvlink_host_mapped_free", &host_mapped_free, py::arg("host_ptr"));
+  m.def("nvlink_host_mapped_free", &host_mapped_free, py::arg("host_ptr"), no_gil);
 }

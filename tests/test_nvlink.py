@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import os
 
 import pytest
 import torch
@@ -1384,3 +1385,24 @@ def current_device_kept_worker(rank, world):
                     reason="needs a second GPU to make current")
 def test_nvlink_calls_keep_the_callers_current_device():
     assert run_ranks(current_device_kept_worker, 1, backend="gloo", timeout_s=300) == ["ok"]
+
+
+@pytest.mark.cpu
+def test_nvlink_context_refuses_a_config_that_would_store_outside_the_region():
+    """NvlinkContext (the C++ side) checks what the kernels' addressing relies on, also for a direct caller of ep_comm._C:
+    a rank outside [0, world), an expert split that is not num_local * world, negative sizes, null base addresses.
+    The checks come before the context touches a GPU, so they run on the CPU."""
+    import re
+    from ep_comm import _ext
+    if _ext._C is None or not hasattr(_ext._C, "NvlinkContext"):
+        pytest.skip("ep_comm._C without the nvlink backend")
+    source = open(os.path.join(os.path.dirname(__file__), "..", "csrc", "bind_nvlink.cpp")).read()
+    good = {key: 0 for key in re.findall(r'get<[^>]+>\(d, "(\w+)"\)', source)}
+    good.update(rank=0, world=2, hidden=256, num_experts=8, num_local=4, topk=2, max_tokens=8, max_recv_rows=64,
+                disp_send_blocks=1, disp_recv_blocks=1, comb_send_blocks=1, comb_recv_blocks=1, peer_bases=64,
+                local_base=64, state=64, error_word=64)
+    for change, message in ((dict(rank=5), "rank must be in"), (dict(rank=-1), "rank must be in"),
+                            (dict(num_local=3), "num_local \\* world"), (dict(hidden=-64), "positive multiple of 32"),
+                            (dict(max_tokens=-7), ">= 0"), (dict(local_base=0), "must be device addresses")):
+        with pytest.raises(ValueError, match=message):
+            _ext._C.NvlinkContext(0, dict(good, **change))
