@@ -760,6 +760,15 @@ def misuse_worker(rank, world):
         finally:
             regrouped.destroy()
         _expect(ValueError, "on this Buffer's GPU", lambda: small.dispatch(x.cpu(), idx.cpu(), w.cpu()))
+        # The CPU tier checks the result views against a Python copy of the C++ arena table: here the copy against the
+        # table itself.
+        cfg = small.config
+        for num_tokens in (0, 5, cfg.max_tokens_per_rank):
+            for rows_only in (False, True):
+                offsets, sizes, total = small._backend._ctx.dispatch_arena_layout(num_tokens, rows_only)
+                want = _cpp_arena_layout(num_tokens, topk, cfg.max_recv_rows, world, cfg.num_local_experts,
+                                         cfg.max_tokens_per_rank, hidden // 2, hidden // 16, True, rows_only)
+                assert (list(offsets), list(sizes), total) == want, (num_tokens, rows_only, offsets, sizes, total)
         _expect(ValueError, "on this Buffer's GPU", lambda: small.combine(out.cpu(), res.handle))
         _expect(TypeError, "local_reduce must be a bool", lambda: small.combine(out, res.handle, local_reduce=1))
         _expect(ValueError, "wave_sms must be in", lambda: small.dispatch_waves(x, idx, w, wave_sms=0))
