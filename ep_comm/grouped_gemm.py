@@ -391,20 +391,23 @@ def exact_fp32_matmuls():
     The precision flags are process-wide: while any thread is inside, every thread's FP32 matmuls are IEEE, and the
     settings are restored when the last thread leaves (threads that overlap share one save)."""
     global _exact_fp32_users, _exact_fp32_saved
-    with _exact_fp32_lock:
-        if _exact_fp32_users == 0:
-            _exact_fp32_saved = _set_exact_fp32_flags()
-        _exact_fp32_users += 1
-    try:
+    entered = False
+    try:  # the count is taken inside the try, so that an exception right after it (Ctrl-C) still gives it back
+        with _exact_fp32_lock:
+            if _exact_fp32_users == 0:
+                _exact_fp32_saved = _set_exact_fp32_flags()
+            _exact_fp32_users += 1
+            entered = True
         with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
             yield
     finally:
-        with _exact_fp32_lock:
-            _exact_fp32_users -= 1
-            if _exact_fp32_users == 0:
-                for backend, name, value in reversed(_exact_fp32_saved):
-                    setattr(backend, name, value)
-                _exact_fp32_saved = []
+        if entered:
+            with _exact_fp32_lock:
+                _exact_fp32_users -= 1
+                if _exact_fp32_users == 0:
+                    for backend, name, value in reversed(_exact_fp32_saved):
+                        setattr(backend, name, value)
+                    _exact_fp32_saved = []
 
 
 def _check_num_rows_limit(num_rows_limit: Optional[torch.Tensor], device: torch.device) -> None:

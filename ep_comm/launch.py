@@ -16,6 +16,7 @@ import pickle
 import queue as queue_module
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -34,12 +35,14 @@ def free_port() -> int:
 
 def _die_with_parent(parent_pid: int) -> None:
     """Linux: this rank gets SIGTERM when the launching process dies (killed with SIGKILL, say), instead of running on
-    and holding its GPU; elsewhere nothing (the parent's handlers below still cover SIGTERM and SIGINT)."""
+    and holding its GPU; elsewhere nothing (the parent's SIGTERM handling below still covers a terminated parent)."""
+    if not sys.platform.startswith("linux"):
+        return
     try:
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
+    except Exception:  # noqa: BLE001 (no libc prctl: the rank runs without the parent-death signal)
         return
     if os.getppid() != parent_pid:  # the parent died before the call above
         os._exit(1)
@@ -102,23 +105,38 @@ class _PortInUse(Exception):
     """The rendezvous port was taken between choosing it and binding it: retry with another."""
 
 
+class _Terminated(BaseException):
+    """SIGTERM arrived while the ranks ran: unwinds through the cleanup that kills them (not an Exception, so that no
+    `except Exception` of a worker's caller swallows it)."""
+
+
 @contextlib.contextmanager
-def _terminate_as_exit():
-    """SIGTERM (what `timeout`, `kill` and job schedulers send) raises SystemExit in the launching process while ranks
-    run, so that the cleanup below kills them instead of leaving them running; the previous handler is restored after.
-    Only from the main thread (Python delivers signals there); elsewhere the ranks' parent-death signal covers it."""
-    if threading.current_thread() is not threading.main_thread():
+def _ranks_end_with_sigterm():
+    """SIGTERM (what `timeout`, `kill` and job schedulers send) to the launching process while ranks run first unwinds
+    through the cleanup that kills them, then is delivered again with the process's own disposition: the default ends
+    the process as SIGTERM would have (a pytest under `timeout` stops), a handler of the application's runs. Only from
+    the main thread (Python delivers signals there) and where SIGTERM has a Python-visible disposition other than
+    "ignored"; elsewhere the ranks' parent-death signal ends them with the process."""
+    previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    if previous is None or previous is signal.SIG_IGN:
         yield
         return
 
     def on_sigterm(signum, frame):
-        raise SystemExit(128 + signum)
+        raise _Terminated()
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGTERM, on_sigterm)
+    terminated = False
     try:
         yield
+    except _Terminated:
+        terminated = True
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if terminated:
+        signal.raise_signal(signal.SIGTERM)
+        # Still here: the application's handler returned. The ranks are gone, so there is no result to give.
+        raise RuntimeError("run_ranks: the launching process got SIGTERM; its ranks were killed")
 
 
 def run_ranks(worker, world_size: int, *args, backend: str = "gloo", timeout_s: float = 600.0,
@@ -127,7 +145,7 @@ def run_ranks(worker, world_size: int, *args, backend: str = "gloo", timeout_s: 
     strict_teardown: a rank that exits with a non-zero code after reporting raises (default: a warning)."""
     for attempt in range(3):
         try:
-            with _terminate_as_exit():
+            with _ranks_end_with_sigterm():
                 return _run_once(worker, world_size, args, backend, timeout_s, strict_teardown)
         except _PortInUse:
             if attempt == 2:

@@ -43,7 +43,17 @@ def pytest_collection_modifyitems(config, items):
 def pytest_collection_finish(session):
     """Every test belongs to exactly one tier (cpu, gpu or multigpu): a test without one would run nowhere on purpose,
     and one with two would be skipped by the wrong rule."""
-    wrong = [item.nodeid for item in session.items
-             if sum(tier in item.keywords for tier in ("cpu", "gpu", "multigpu")) != 1]
+    wrong = [item.nodeid for item in session.items  # markers, not keywords (a parametrize id "cpu" is a keyword too)
+             if len({marker.name for marker in item.iter_markers()} & {"cpu", "gpu", "multigpu"}) != 1]
     if wrong:
         raise pytest.UsageError(f"tests without exactly one tier marker (cpu / gpu / multigpu): {wrong[:10]}")
+
+
+@pytest.fixture(autouse=True)
+def _strict_teardown_in_gpu_tiers(request):
+    """harness.run_ranks fails a gpu / multigpu test whose rank crashes after reporting (NVSHMEM, CUDA IPC or NCCL
+    teardown); cpu tests keep the launcher's warning."""
+    import harness
+    harness.GPU_TIER_TEST = any(marker.name in ("gpu", "multigpu") for marker in request.node.iter_markers())
+    yield
+    harness.GPU_TIER_TEST = False

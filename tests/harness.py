@@ -24,13 +24,17 @@ def _shared_gpu() -> bool:
 
 SHARED_GPU = _shared_gpu()
 
+# Set by conftest.py for the duration of each gpu / multigpu test (device scripts that call run_ranks directly use NCCL,
+# which is strict by itself).
+GPU_TIER_TEST = False
+
 
 def run_ranks(worker, world_size, *args, backend="gloo", timeout_s=600.0):
-    """ep_comm.launch.run_ranks. Where GPU teardown runs (NCCL groups, or ranks sharing a GPU: NVSHMEM, CUDA IPC,
-    NCCL), a rank that crashes after reporting fails the test instead of only warning. CPU runs over gloo keep the
-    launcher's warning: a rare gloo abort at exit (once in CI, twenty-eighth session) is not the code under test."""
+    """ep_comm.launch.run_ranks. Where GPU teardown runs (NCCL groups, and every gpu / multigpu test: NVSHMEM, CUDA IPC,
+    NCCL), a rank that crashes after reporting fails the test instead of only warning. The cpu tier's gloo runs keep
+    the launcher's warning: a rare gloo abort at exit (once in CI, twenty-eighth session) is not the code under test."""
     return _launch_ranks(worker, world_size, *args, backend=backend, timeout_s=timeout_s,
-                         strict_teardown=backend == "nccl" or SHARED_GPU)
+                         strict_teardown=backend == "nccl" or GPU_TIER_TEST)
 
 
 def multigpu_backend() -> str:

@@ -85,12 +85,16 @@ def _sleep_long(rank, world):
 
 @pytest.mark.cpu
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc to list processes")
-def test_sigterm_to_the_launcher_ends_its_ranks():
-    """`timeout`, `kill` and job schedulers send SIGTERM: the ranks must not outlive the launching process (on GPUs
-    they would hold the devices)."""
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGKILL"])
+def test_ranks_do_not_outlive_the_launcher(signal_name):
+    """`timeout`, `kill` and job schedulers send SIGTERM, and a SIGKILL can follow: the ranks must not outlive the
+    launching process (on GPUs they would hold the devices). SIGTERM: the launcher kills them, then dies of the signal
+    itself (its default disposition, not an exception a caller could catch: pytest under `timeout` must stop); SIGKILL:
+    the ranks' parent-death signal ends them."""
     import signal
     import subprocess
     import sys
+    sent = getattr(signal, signal_name)
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     code = ("import sys; sys.path.insert(0, %r); import test_launch; from ep_comm.launch import run_ranks; "
             "run_ranks(test_launch._sleep_long, 2, backend='gloo', timeout_s=300)" % tests_dir)
@@ -104,15 +108,16 @@ def test_sigterm_to_the_launcher_ends_its_ranks():
             time.sleep(0.1)
         assert len(ranks) == 2, f"the ranks did not start: {ranks}, launcher exit code {launcher.poll()}"
         time.sleep(1.0)  # past the ranks' start-up
-        launcher.send_signal(signal.SIGTERM)
-        launcher.wait(timeout=60)
+        assert launcher.poll() is None, f"the launcher ended before the signal (exit code {launcher.poll()})"
+        launcher.send_signal(sent)
+        assert launcher.wait(timeout=60) == -sent, f"launcher exit code {launcher.returncode}, not death by {signal_name}"
         alive = ranks
         for _ in range(100):
             alive = [pid for pid in ranks if _alive(pid)]
             if not alive:
                 break
             time.sleep(0.1)
-        assert alive == [], f"ranks {alive} still run after the launcher got SIGTERM"
+        assert alive == [], f"ranks {alive} still run after the launcher got {signal_name}"
     finally:  # nothing left behind, also when the test fails (the ranks are reparented once the launcher is gone)
         for pid in set(ranks) | set(_children_of(launcher.pid, b"")):
             if _alive(pid):
