@@ -13,11 +13,9 @@ def _fail_or_sleep(rank, world):
     time.sleep(60.0)  # killed by run_ranks once rank 0 has failed
 
 
-def _spawned_children():
-    """Processes this one spawned through multiprocessing (their command line carries --multiprocessing-fork), alive
-    or exited but never waited for (zombies): pid -> state letter (Linux /proc). The resource tracker, a child that
-    multiprocessing keeps for the whole session, does not carry that flag."""
-    me, children = os.getpid(), {}
+def _processes():
+    """(pid, parent pid, state letter, command line) of every process (Linux /proc); those that end while being read
+    are left out."""
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -27,10 +25,17 @@ def _spawned_children():
                     cmdline = handle.read()
             except OSError:
                 continue
-            # A zombie's cmdline is empty: count every zombie child, and live children by their flag.
-            if int(fields[1]) == me and (fields[0] == "Z" or b"--multiprocessing-fork" in cmdline):
-                children[int(entry)] = fields[0]
-    return children
+            yield int(entry), int(fields[1]), fields[0], cmdline
+
+
+def _spawned_children():
+    """Processes this one spawned through multiprocessing (their command line carries --multiprocessing-fork), alive
+    or exited but never waited for (zombies): pid -> state letter. The resource tracker, a child that multiprocessing
+    keeps for the whole session, does not carry that flag."""
+    me = os.getpid()
+    # A zombie's cmdline is empty: count every zombie child, and live children by their flag.
+    return {pid: state for pid, parent, state, cmdline in _processes()
+            if parent == me and (state == "Z" or b"--multiprocessing-fork" in cmdline)}
 
 
 @pytest.mark.cpu
@@ -128,19 +133,7 @@ def test_ranks_do_not_outlive_the_launcher(signal_name):
 
 def _children_of(parent: int, flag: bytes) -> list:
     """Live (not zombie) processes whose parent is `parent` and whose command line holds `flag`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as handle:
-                    fields = handle.read().rsplit(")", 1)[1].split()
-                with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                    cmdline = handle.read()
-            except OSError:
-                continue
-            if int(fields[1]) == parent and fields[0] != "Z" and flag in cmdline:
-                found.append(int(entry))
-    return found
+    return [pid for pid, ppid, state, cmdline in _processes() if ppid == parent and state != "Z" and flag in cmdline]
 
 
 def _alive(pid: int) -> bool:
