@@ -3,9 +3,10 @@
 Used by the main job (`python -m ep_comm.bench`), the benchmarks and the tests. The worker gets
 (rank, world_size, *args) and returns a picklable value. A rank that raises reports its traceback; a run
 that exceeds `timeout_s` (a hang) kills every child and raises with the ranks that did not finish — it
-never waits forever. The first failure to arrive is shown in full (the others, often its consequences, by their last
-line). The ranks do not outlive the launcher: SIGTERM to it kills them, and on Linux they get SIGTERM when it dies. Spawning imports torch in every child, so callers run many cases per spawn. Each child
-takes (CPUs it may use) // N threads for torch's CPU ops, unless OMP_NUM_THREADS is set.
+never waits forever. The first failure to arrive is shown in full (the others, often its consequences, by their
+last line). The ranks do not outlive the launcher: SIGTERM to it kills them, and on Linux they get SIGTERM when it
+dies. Spawning imports torch in every child, so callers run many cases per spawn. Each child takes (CPUs it may
+use) // N threads for torch's CPU ops, unless OMP_NUM_THREADS is set.
 """
 from __future__ import annotations
 
