@@ -45,8 +45,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+from ep_comm.bench import run_metadata  # noqa: E402
 from ep_comm.launch import GPU_ENV  # noqa: E402
-from provenance import run_metadata  # noqa: E402
 
 
 def parse_args(argv=None):

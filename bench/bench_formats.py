@@ -20,7 +20,7 @@ import torch
 
 from ep_comm import _ext
 from ep_comm import formats as F
-from provenance import run_metadata  # same directory: what every benchmark JSON records about its run
+from ep_comm.bench import run_metadata  # what every benchmark JSON records about its run
 
 
 def time_ms(fn: Callable[[], object], iters: int, batches: int, warmup: int = 2) -> float:

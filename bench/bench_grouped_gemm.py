@@ -45,9 +45,9 @@ import torch.nn.functional as TF
 from ep_comm import _ext
 from ep_comm import formats as F
 from ep_comm import grouped_gemm as G
+from ep_comm.bench import run_metadata  # what every benchmark JSON records about its run
 
 from bench_formats import copy_bandwidth_gbps, time_ms  # same directory: one timing helper for the benchmarks
-from provenance import run_metadata  # same directory: what every benchmark JSON records about its run
 
 
 # ----------------------------------------------------------------------------------------------------------

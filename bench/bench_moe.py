@@ -37,8 +37,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from bench_dispatch_combine import _graph_time_us, _iso_time_us  # noqa: E402  one timing method for the benchmarks
-from ep_comm.bench import strict_json  # noqa: E402
-from provenance import run_metadata  # noqa: E402
+from ep_comm.bench import run_metadata, strict_json  # noqa: E402
 
 
 def parse_args(argv=None):

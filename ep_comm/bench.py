@@ -14,13 +14,16 @@ GPU benchmark with NCCL and peer-copy baselines is bench/bench_dispatch_combine.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -297,6 +300,42 @@ def strict_json(value):
     return value
 
 
+def _git_commit() -> Optional[str]:
+    """EP_COMM_SOURCE_COMMIT when set (a copy of a working tree whose .git, if any, is not that tree's: the device
+    machine's copy carried an older HEAD), else HEAD of the checkout the package runs from, with "+dirty" for local
+    changes; None outside a git checkout."""
+    if os.environ.get("EP_COMM_SOURCE_COMMIT"):
+        return os.environ["EP_COMM_SOURCE_COMMIT"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        if not commit:
+            return None
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return commit + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run_metadata(command: Optional[str] = None) -> dict:
+    """What every benchmark JSON (this main job's and bench/*.py's) records about its run, so that a file found on its
+    own still says what it measured: date (UTC), command line (default: this process's), host, git commit, torch and
+    CUDA versions, and the visible GPUs."""
+    gpus = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if torch.cuda.is_available() else [])
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "command": command or " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "host": platform.node(),
+        "git_commit": _git_commit(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpus": gpus,
+    }
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     # (each spawned rank sets launch.GPU_ENV before it touches NCCL)
@@ -306,13 +345,8 @@ def main(argv=None) -> int:
     print_table(rows, args)
     if args.out:
         meta = {k: v for k, v in vars(args).items() if k != "pairs"}
-        meta["date"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-        meta["command"] = " ".join([os.path.basename(sys.executable), "-m", "ep_comm.bench"]
-                                   + (sys.argv[1:] if argv is None else list(argv)))
-        meta["host"] = platform.node()
-        meta["torch"] = torch.__version__
-        meta["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
-            if args.device == "cuda" else []
+        meta.update(run_metadata(" ".join([os.path.basename(sys.executable), "-m", "ep_comm.bench"]
+                                          + (sys.argv[1:] if argv is None else list(argv)))))
         with open(args.out, "w") as handle:
             json.dump(strict_json({"config": meta, "results": rows}), handle, indent=1, allow_nan=False)
         print(f"wrote {args.out}")

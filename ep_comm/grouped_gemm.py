@@ -191,6 +191,14 @@ def _scale_codes_to_e4m3_float(codes: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 # Weights
 # ----------------------------------------------------------------------------------------------------------
+def _one_amax_per_expert(amax: torch.Tensor) -> bool:
+    """Whether amax [E, N] is equal along N, bit for bit (torch.equal takes -0.0 == +0.0): the packed form keeps one
+    amax per expert, so a mix of +0 and -0 along N would come back (unpack_gemm_weights, dequantize_gemm_weights) with
+    row 0's sign everywhere. (A device->host read.)"""
+    bits = amax.float().contiguous().view(torch.int32)
+    return torch.equal(bits, bits[:, :1].expand_as(bits))
+
+
 def pack_gemm_weights(w: NVFP4Tensor, swiglu: bool) -> GemmWeights:
     """Pack NVFP4 expert weights w (logical [E, N, K], one amax per expert) for `grouped_gemm_nvfp4`.
 
@@ -221,9 +229,7 @@ def pack_gemm_weights(w: NVFP4Tensor, swiglu: bool) -> GemmWeights:
     amax = w.amax.float()
     if not bool(torch.isfinite(amax).all()) or bool((amax < 0).any()):
         raise ValueError("weight amax must be finite and non-negative")
-    # Bitwise (torch.equal takes -0.0 == +0.0): the packed form keeps one amax per expert, so a mix of +0 and -0 along
-    # N would come back (unpack_gemm_weights, dequantize_gemm_weights) with row 0's sign everywhere.
-    if not torch.equal(amax.view(torch.int32), amax[:, :1].expand_as(amax).contiguous().view(torch.int32)):
+    if not _one_amax_per_expert(amax):
         raise ValueError("pack_gemm_weights needs one amax per expert (w.amax equal along N, bit for bit, as "
                          "moe.pack_weights makes it)")
     device = w.data.device
@@ -239,7 +245,7 @@ def pack_gemm_weights(w: NVFP4Tensor, swiglu: bool) -> GemmWeights:
     values = torch.empty(experts, tiles_m, tiles_k, THREADS_PER_TILE, K_STEPS, dtype=torch.int32, device=device)
     scales = torch.empty(experts, tiles_m, tiles_k, TILE_ROWS, K_STEPS, dtype=torch.uint8, device=device)
     for e in range(experts):
-        codes = _unpack_e2m1_codes(w.data[e].index_select(0, row_perm))                      # [N, K]
+        codes = _unpack_e2m1_codes(w.data[e].index_select(0, row_perm))                  # [N, K]
         tiles = codes.reshape(tiles_m, TILE_ROWS, tiles_k, TILE_K).permute(0, 2, 1, 3)   # [mt, kb, 64, 64]
         low = tiles[:, :, frag_rows, frag_cols]                                        # [mt, kb, 128, 4, 4]
         high = tiles[:, :, frag_rows, frag_cols + 1]

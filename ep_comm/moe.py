@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from . import _ext, formats
 from .formats import _is_capturing
 from .buffer import Buffer
-from .grouped_gemm import TOKEN_TILES, _check_segments, exact_fp32_matmuls, has_combine_rows_kernel
+from .grouped_gemm import (TOKEN_TILES, _check_segments, _one_amax_per_expert, exact_fp32_matmuls,
+                           has_combine_rows_kernel)
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,7 @@ def _check_packed_weights(weights: PackedExpertWeights) -> None:
         if w.e4m3_max != formats.NVFP4_WEIGHT_E4M3_MAX:
             raise ValueError(f"weights.{name} must be plain NVFP4 (e4m3_max {formats.NVFP4_WEIGHT_E4M3_MAX}, no 4/6), "
                              f"got e4m3_max {w.e4m3_max}: build the weights with moe.pack_weights")
-        amax_bits = w.amax.view(torch.int32)
-        if not torch.equal(amax_bits, amax_bits[:, :1].expand_as(amax_bits)):
+        if not _one_amax_per_expert(w.amax):
             raise ValueError(f"weights.{name} must have one amax per expert (amax equal along the rows, bit for bit): "
                              "build the weights with moe.pack_weights")
 
