@@ -272,8 +272,9 @@ __device__ __forceinline__ float token_factor(const GroupedGemmArgs& args, const
 // same way, for 16-byte stores instead of column pairs, measured no faster for w2 and 4-5% slower for w1 on H200:
 // the direct stores below stay.)
 // Shared tile: FP32 [kTile][kWarpGroups * 64 + 4] (rows padded by 4 floats); float4 granule g of a row lives at
-// granule g ^ ((g >> 3) & 7), so that both the accumulator writes (8 consecutive columns of 4 token rows per
-// instruction) and the row reads (per instruction, the lanes of one token read granules 4 apart) spread over the banks.
+// granule g ^ ((g >> 3) & 7), so that both the accumulator writes (16 consecutive columns of 4 token rows per
+// instruction, two per lane: the column pairs below) and the row reads (per instruction, the lanes of one token read
+// granules 4 apart) spread over the banks.
 template <int kWarpGroups>
 struct CombineTile {
   static constexpr int kStride = kWarpGroups * 64 + 4;
@@ -307,20 +308,20 @@ __device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, 
   using Tile = CombineTile<kWarpGroups>;
   const int warp_group = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
   const int weight_cta = item.weight_cta, valid_rows = item.valid_rows;
-  // Accumulator i of this lane: column 64 * warp_group + 16 * warp + lane / 4 + 8 * ((i / 2) % 2), token
-  // 8 * (i / 4) + 2 * (lane % 4) + i % 2; rounded to bf16 here, as the bf16 epilogue stores it.
-  const int column = 64 * warp_group + 16 * warp + lane / 4;
-  auto put = [&](int token, int col, float v) {
-    tile[Tile::index(token, col)] = __bfloat162float(__float2bfloat16_rn(v));
+  // Accumulator i of this lane: column 64 * warp_group + 16 * warp + 2 * (lane / 4) + (i / 2) % 2 (the column-pair
+  // row order of pack_gemm_weights), token 8 * (i / 4) + 2 * (lane % 4) + i % 2; rounded to bf16 here, as the bf16
+  // epilogue stores it. Columns c and c + 1 (c even) are adjacent in the tile (same float4 granule): one 8-byte store.
+  const int column = 64 * warp_group + 16 * warp + 2 * (lane / 4);
+  auto put2 = [&](int token, float lo, float hi) {
+    *reinterpret_cast<float2*>(tile + Tile::index(token, column)) =
+        make_float2(__bfloat162float(__float2bfloat16_rn(lo)), __bfloat162float(__float2bfloat16_rn(hi)));
   };
 #pragma unroll
   for (int i = 0; i < kTile / 2; i += 4) {
     const int t0 = 8 * (i / 4) + 2 * (lane % 4);
     const float2 f = *reinterpret_cast<const float2*>(factors + t0);  // tokens t0, t0 + 1
-    put(t0, column, acc[i] * f.x);
-    put(t0 + 1, column, acc[i + 1] * f.y);
-    put(t0, column + 8, acc[i + 2] * f.x);
-    put(t0 + 1, column + 8, acc[i + 3] * f.y);
+    put2(t0, acc[i] * f.x, acc[i + 2] * f.x);
+    put2(t0 + 1, acc[i + 1] * f.y, acc[i + 3] * f.y);
   }
   __syncthreads();
 
@@ -358,72 +359,86 @@ __device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, 
 }
 
 #if EP_COMM_HAS_WGMMA
-// Direct epilogue (out_type 0 / 1: OutT = float or bf16 rows; SwiGLU fused for w1). Accumulator 4j + m of lane l in
-// warp w of the warpgroup: weight row 16 w + l / 4 + 8 (m / 2), token 8 j + 2 (l % 4) + m % 2. The output columns
-// are weight rows, so one thread's values are never adjacent in memory; lanes l and l ^ 4 hold columns c and c + 1
-// (c even) for the same two tokens: one shuffle per column pair gives the even lane both columns of the first token
-// and the odd lane both columns of the second -- one 2-wide store each, so every lane stores one token row, at
-// columns `column` (and column + 8), rows 8 j apart.
-template <int kTile, bool kSwiglu, typename OutT>
-__device__ __forceinline__ void store_rows_as(const GroupedGemmArgs& args, const float (&acc)[kTile / 2],
-                                              const float* factors, const WorkItem item, int weight_tile) {
+// Direct epilogues (out_type 0 / 1: OutT = float or bf16 rows). Accumulator 4j + m of lane l in warp w of the
+// warpgroup: packed weight row 16 w + l / 4 + 8 (m / 2), token 8 j + 2 (l % 4) + m % 2.
+template <typename OutT>
+__device__ __forceinline__ void store_pair(OutT* dst, float lo, float hi) {
+  if constexpr (std::is_same<OutT, float>::value) {
+    *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
+  } else {
+    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(lo, hi);
+  }
+}
+
+// Without SwiGLU (w2). pack_gemm_weights orders the rows of each 16-row group in column pairs (packed row g < 8 is
+// row 2 g, g + 8 is row 2 g + 1), so a thread's rows r0 and r0 + 8 are output columns c and c + 1 (c even) and it
+// stores each of its two tokens' pairs itself: 4 FMUL, 2 conversions and 2 stores per j, no shuffle and no select.
+// (With the plain row order, columns r0 and r0 + 8 were 8 apart: lanes l and l ^ 4 swapped values with two shuffles
+// and six selects per j first.) Each store instruction writes 32 contiguous bytes (bf16) of 4 token rows.
+template <int kTile, typename OutT>
+__device__ __forceinline__ void store_column_pairs_as(const GroupedGemmArgs& args, const float (&acc)[kTile / 2],
+                                                      const float* factors, const WorkItem item, int weight_tile) {
+  const int thread_in_group = threadIdx.x % 128;
+  const int warp = thread_in_group / 32, lane = thread_in_group % 32;
+  const int token0 = 2 * (lane % 4);  // + 8 j: tokens token0 and token0 + 1
+  const int64_t column = static_cast<int64_t>(weight_tile) * kTileRows + 16 * warp + 2 * (lane / 4);
+  OutT* out = static_cast<OutT*>(args.out) + (item.first_row + token0) * args.out_row_stride + column;
+  const int64_t rows8 = 8 * args.out_row_stride;
+#pragma unroll
+  for (int j = 0; j < kTile / 8; ++j) {
+    const float2 f = *reinterpret_cast<const float2*>(factors + 8 * j + token0);  // tokens t0, t0 + 1
+    OutT* dst = out + j * rows8;
+    if (8 * j + token0 < item.valid_rows) store_pair(dst, acc[4 * j] * f.x, acc[4 * j + 2] * f.x);
+    if (8 * j + token0 + 1 < item.valid_rows) {
+      store_pair(dst + args.out_row_stride, acc[4 * j + 1] * f.y, acc[4 * j + 3] * f.y);
+    }
+  }
+}
+
+// With SwiGLU (w1): packed rows 16 q + g (g < 8) are gate 8 q + g, rows 16 q + 8 + g the matching up rows, so the
+// lane's gate/up pair gives output column 8 q + lane / 4 of the [R, I] result, one column for two tokens. Lanes l and
+// l ^ 4 hold columns c and c + 1 (c even) for the same two tokens: one shuffle gives the even lane both columns of the
+// first token and the odd lane both columns of the second -- one 2-wide store each, rows 8 j apart.
+template <int kTile, typename OutT>
+__device__ __forceinline__ void store_swiglu_as(const GroupedGemmArgs& args, const float (&acc)[kTile / 2],
+                                                const float* factors, const WorkItem item, int weight_tile) {
   const int thread_in_group = threadIdx.x % 128;
   const int warp = thread_in_group / 32, lane = thread_in_group % 32;
   const bool even_column = (lane / 4) % 2 == 0;
   const int my_token = 2 * (lane % 4) + (even_column ? 0 : 1);  // + 8 j
-  // SwiGLU: packed rows 16 q + g (g < 8) are gate 8 q + g, rows 16 q + 8 + g the matching up rows, so the lane's
-  // gate/up pair gives output column 8 q + lane / 4 of the [R, I] result; otherwise columns r0 and r0 + 8.
-  const int64_t column = kSwiglu ? static_cast<int64_t>(weight_tile) * 32 + 8 * warp + (lane / 4 & ~1)
-                                 : static_cast<int64_t>(weight_tile) * kTileRows + 16 * warp + (lane / 4 & ~1);
+  const int64_t column = static_cast<int64_t>(weight_tile) * 32 + 8 * warp + (lane / 4 & ~1);
   OutT* out = static_cast<OutT*>(args.out) + (item.first_row + my_token) * args.out_row_stride + column;
   const int64_t rows8 = 8 * args.out_row_stride;
-  auto store2 = [&](OutT* dst, float lo, float hi) {
-    if constexpr (std::is_same<OutT, float>::value) {
-      *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
-    } else {
-      *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(lo, hi);
-    }
-  };
 #pragma unroll
   for (int j = 0; j < kTile / 8; ++j) {
     const float2 f = *reinterpret_cast<const float2*>(factors + 8 * j + 2 * (lane % 4));  // tokens t0, t0 + 1
-    const float r0_t0 = acc[4 * j] * f.x, r0_t1 = acc[4 * j + 1] * f.y;      // weight row r0
-    const float r8_t0 = acc[4 * j + 2] * f.x, r8_t1 = acc[4 * j + 3] * f.y;  // weight row r0 + 8
+    const float g_t0 = acc[4 * j] * f.x, g_t1 = acc[4 * j + 1] * f.y;      // gate (row r0)
+    const float u_t0 = acc[4 * j + 2] * f.x, u_t1 = acc[4 * j + 3] * f.y;  // up (row r0 + 8)
     const bool stored = 8 * j + my_token < item.valid_rows;  // the shuffles run in every lane
-    OutT* dst = out + j * rows8;
-    if (kSwiglu) {
-      const float h_t0 = r0_t0 / (1.0f + expf(-r0_t0)) * r8_t0;
-      const float h_t1 = r0_t1 / (1.0f + expf(-r0_t1)) * r8_t1;
-      const float other = __shfl_xor_sync(0xFFFFFFFFu, even_column ? h_t1 : h_t0, 4);
-      if (stored) store2(dst, even_column ? h_t0 : other, even_column ? other : h_t1);
-      if (args.row_amax != nullptr) {
-        // Max |h| as stored (bf16 output: rounded first) of tokens t0 and t0 + 1 over the warp's 8 columns (lanes
-        // with the same lane % 4), NaN as 0 (fmaxf returns the other operand); the max of non-negative floats is
-        // the max of their bit patterns.
-        auto as_stored = [](float v) {
-          if constexpr (std::is_same<OutT, float>::value) return v;
-          else return __bfloat162float(__float2bfloat16_rn(v));
-        };
-        float m0 = fmaxf(fabsf(as_stored(h_t0)), 0.0f), m1 = fmaxf(fabsf(as_stored(h_t1)), 0.0f);
+    const float h_t0 = g_t0 / (1.0f + expf(-g_t0)) * u_t0;
+    const float h_t1 = g_t1 / (1.0f + expf(-g_t1)) * u_t1;
+    const float other = __shfl_xor_sync(0xFFFFFFFFu, even_column ? h_t1 : h_t0, 4);
+    if (stored) store_pair(out + j * rows8, even_column ? h_t0 : other, even_column ? other : h_t1);
+    if (args.row_amax != nullptr) {
+      // Max |h| as stored (bf16 output: rounded first) of tokens t0 and t0 + 1 over the warp's 8 columns (lanes
+      // with the same lane % 4), NaN as 0 (fmaxf returns the other operand); the max of non-negative floats is
+      // the max of their bit patterns.
+      auto as_stored = [](float v) {
+        if constexpr (std::is_same<OutT, float>::value) return v;
+        else return __bfloat162float(__float2bfloat16_rn(v));
+      };
+      float m0 = fmaxf(fabsf(as_stored(h_t0)), 0.0f), m1 = fmaxf(fabsf(as_stored(h_t1)), 0.0f);
 #pragma unroll
-        for (int offset = 4; offset < 32; offset <<= 1) {
-          m0 = fmaxf(m0, __shfl_xor_sync(0xFFFFFFFFu, m0, offset));
-          m1 = fmaxf(m1, __shfl_xor_sync(0xFFFFFFFFu, m1, offset));
-        }
-        const int t0 = 8 * j + 2 * lane;  // lanes 0..3 hold the maxima of their token pair
-        if (lane < 4 && t0 < item.valid_rows) {
-          atomicMax(reinterpret_cast<int*>(args.row_amax + item.first_row + t0), __float_as_int(m0));
-        }
-        if (lane < 4 && t0 + 1 < item.valid_rows) {
-          atomicMax(reinterpret_cast<int*>(args.row_amax + item.first_row + t0 + 1), __float_as_int(m1));
-        }
+      for (int offset = 4; offset < 32; offset <<= 1) {
+        m0 = fmaxf(m0, __shfl_xor_sync(0xFFFFFFFFu, m0, offset));
+        m1 = fmaxf(m1, __shfl_xor_sync(0xFFFFFFFFu, m1, offset));
       }
-    } else {
-      const float other0 = __shfl_xor_sync(0xFFFFFFFFu, even_column ? r0_t1 : r0_t0, 4);
-      const float other8 = __shfl_xor_sync(0xFFFFFFFFu, even_column ? r8_t1 : r8_t0, 4);
-      if (stored) {
-        store2(dst, even_column ? r0_t0 : other0, even_column ? other0 : r0_t1);
-        store2(dst + 8, even_column ? r8_t0 : other8, even_column ? other8 : r8_t1);
+      const int t0 = 8 * j + 2 * lane;  // lanes 0..3 hold the maxima of their token pair
+      if (lane < 4 && t0 < item.valid_rows) {
+        atomicMax(reinterpret_cast<int*>(args.row_amax + item.first_row + t0), __float_as_int(m0));
+      }
+      if (lane < 4 && t0 + 1 < item.valid_rows) {
+        atomicMax(reinterpret_cast<int*>(args.row_amax + item.first_row + t0 + 1), __float_as_int(m1));
       }
     }
   }
@@ -436,11 +451,11 @@ __device__ __forceinline__ void store_rows(const GroupedGemmArgs& args, const fl
   if (weight_tile >= args.n / kTileRows) return;  // a spare warpgroup of the last weight CTA
   // One branch per item instead of per value: each form is its own unrolled loop.
   if (args.out_type == 0) {
-    if (args.swiglu) store_rows_as<kTile, true, float>(args, acc, factors, item, weight_tile);
-    else store_rows_as<kTile, false, float>(args, acc, factors, item, weight_tile);
+    if (args.swiglu) store_swiglu_as<kTile, float>(args, acc, factors, item, weight_tile);
+    else store_column_pairs_as<kTile, float>(args, acc, factors, item, weight_tile);
   } else {
-    if (args.swiglu) store_rows_as<kTile, true, __nv_bfloat16>(args, acc, factors, item, weight_tile);
-    else store_rows_as<kTile, false, __nv_bfloat16>(args, acc, factors, item, weight_tile);
+    if (args.swiglu) store_swiglu_as<kTile, __nv_bfloat16>(args, acc, factors, item, weight_tile);
+    else store_column_pairs_as<kTile, __nv_bfloat16>(args, acc, factors, item, weight_tile);
   }
 }
 

@@ -27,10 +27,14 @@ Weights are packed once, offline (`pack_gemm_weights`), into the layout the kern
 So the kernel accumulates acc = sum_k x * (e2m1 * scale * 2^-7) in FP32 (the products are exact in fp16)
 and writes y = acc * 2^7 * factor[e] * row_factor[row], factor[e] = amax_e * fp32(1 / (6 * 448)).
 
-With swiglu=True the w1 rows (gate rows 0..I-1, then up rows I..2I-1) are permuted so that each 16-row
-group holds 8 gate rows and the 8 matching up rows (packed row p = 16 q + g takes gate row 8 q + g for
-g < 8 and up row I + 8 q + g - 8 otherwise): every thread holds gate row i in r0 and up row i in r1 and
-the epilogue writes silu(g_i) * u_i to output column i.
+Rows are packed in an order that suits the epilogue (`row_perm`; a thread's accumulators are tile rows r0 = 16 w +
+lane / 4 and r1 = r0 + 8):
+* with swiglu=True the w1 rows (gate rows 0..I-1, then up rows I..2I-1) are permuted so that each 16-row group
+  holds 8 gate rows and the 8 matching up rows (packed row p = 16 q + g takes gate row 8 q + g for g < 8 and up row
+  I + 8 q + g - 8 otherwise): every thread holds gate row i in r0 and up row i in r1 and the epilogue writes
+  silu(g_i) * u_i to output column i;
+* otherwise in column pairs (packed row 16 q + g takes row 16 q + 2 g for g < 8 and row 16 q + 2 (g - 8) + 1
+  otherwise): every thread holds two adjacent output columns and stores each token's pair with one 2-wide store.
 
 Activations are expanded once per GEMM input (`expand_nvfp4_rows`): FP16 block values e2m1 * e4m3 (exact)
 plus one FP32 outer factor per row, applied in the epilogue.
@@ -53,7 +57,7 @@ from .types import CombineRowsTarget
 __all__ = [
     "GemmWeights", "ExpandedRows", "pack_gemm_weights", "unpack_gemm_weights", "dequantize_gemm_weights",
     "expand_nvfp4_rows", "grouped_gemm_nvfp4", "grouped_gemm_nvfp4_combine_rows", "has_combine_rows_kernel",
-    "swiglu_row_permutation", "TILE_ROWS", "TILE_K", "TOKEN_TILES",
+    "swiglu_row_permutation", "column_pair_row_permutation", "TILE_ROWS", "TILE_K", "TOKEN_TILES",
 ]
 
 TILE_ROWS = 64          # weight rows per tile (the kernel's M tile)
@@ -81,7 +85,8 @@ class GemmWeights:
     factor: float32 [E], the per-expert outer decode scale amax_e * fp32(1 / (6 * e4m3_max)).
     amax: float32 [E], the per-expert amax (kept so `dequantize_gemm_weights` reproduces
         `formats.nvfp4_dequantize` bit for bit: it computes (scale * amax) * fp32(1 / (6 * e4m3_max))).
-    row_perm: int64 [N], packed row p holds original row row_perm[p] (identity unless swiglu).
+    row_perm: int64 [N], packed row p holds original row row_perm[p] (`swiglu_row_permutation` with swiglu, else
+        `column_pair_row_permutation`: the row order the kernel's epilogue assumes).
     n, k: the logical GEMM sizes (output features, input features); swiglu: whether w1's SwiGLU is fused
         (then the GEMM writes N/2 columns); e4m3_max: the NVFP4 bound M of the weights (448).
     """
@@ -152,6 +157,16 @@ def swiglu_row_permutation(n: int, device=None) -> torch.Tensor:
     p = torch.arange(n, dtype=torch.int64, device=device)
     q, g = p // 16, p % 16
     return torch.where(g < 8, 8 * q + g, n // 2 + 8 * q + (g - 8))
+
+
+def column_pair_row_permutation(n: int, device=None) -> torch.Tensor:
+    """int64 [n]: packed row p = 16 q + g takes row 16 q + 2 g (g < 8) or 16 q + 2 (g - 8) + 1 (the row order of
+    weights without SwiGLU: a thread's tile rows r0 and r0 + 8 are then adjacent output columns)."""
+    if n % 16 != 0 or n <= 0:
+        raise ValueError(f"the column-pair row order needs N % 16 == 0, got N = {n}")
+    p = torch.arange(n, dtype=torch.int64, device=device)
+    q, g = p // 16, p % 16
+    return 16 * q + torch.where(g < 8, 2 * g, 2 * (g - 8) + 1)
 
 
 def _fragment_index(device):
@@ -233,7 +248,7 @@ def pack_gemm_weights(w: NVFP4Tensor, swiglu: bool) -> GemmWeights:
         raise ValueError("pack_gemm_weights needs one amax per expert (w.amax equal along N, bit for bit, as "
                          "moe.pack_weights makes it)")
     device = w.data.device
-    row_perm = swiglu_row_permutation(n, device) if swiglu else torch.arange(n, dtype=torch.int64, device=device)
+    row_perm = swiglu_row_permutation(n, device) if swiglu else column_pair_row_permutation(n, device)
     amax_e = amax[:, 0].contiguous()
     factor = amax_e * _f32(1.0 / (6.0 * w.e4m3_max), device)
 

@@ -166,6 +166,24 @@ def test_swiglu_row_permutation():
 
 
 @pytest.mark.cpu
+def test_column_pair_row_permutation():
+    n = 128
+    perm = G.column_pair_row_permutation(n)
+    assert sorted(perm.tolist()) == list(range(n))
+    assert perm[:16].tolist() == [0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15]
+    for p in range(n):
+        q, g = divmod(p, 16)
+        # what the epilogue assumes: a thread's tile rows r0 = 16 w + lane / 4 and r0 + 8 are columns c and c + 1, c even
+        if g < 8:
+            assert perm[p].item() % 2 == 0 and perm[p + 8].item() == perm[p].item() + 1
+        assert perm[p].item() // 16 == q
+    assert torch.equal(G.pack_gemm_weights(random_weights(1, n, 64, seed=3), swiglu=False).row_perm, perm)
+    for bad in (0, 8, 100):
+        with pytest.raises(ValueError):
+            G.column_pair_row_permutation(bad)
+
+
+@pytest.mark.cpu
 @pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("shape", [(1, 64, 64), (3, 128, 192), (2, 256, 128)])
 def test_pack_round_trip(shape, swiglu):
@@ -223,9 +241,9 @@ def test_layout_oracle(swiglu):
     half = n // 2
 
     def original_row(p: int) -> int:
-        if not swiglu:
-            return p
         q, g = divmod(p, 16)
+        if not swiglu:  # column pairs: tile rows r0 and r0 + 8 of a thread are rows 2 g and 2 g + 1 of the group
+            return 16 * q + (2 * g if g < 8 else 2 * (g - 8) + 1)
         return 8 * q + g if g < 8 else half + 8 * q + g - 8
 
     checked = 0
