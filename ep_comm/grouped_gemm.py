@@ -89,6 +89,9 @@ class GemmWeights:
         `column_pair_row_permutation`: the row order the kernel's epilogue assumes).
     n, k: the logical GEMM sizes (output features, input features); swiglu: whether w1's SwiGLU is fused
         (then the GEMM writes N/2 columns); e4m3_max: the NVFP4 bound M of the weights (448).
+    row_order: the packed row order, "swiglu" or "column_pairs" (what `pack_gemm_weights` writes). GemmWeights
+        packed by ep_comm before 2026-12-02 (plain row order without SwiGLU) unpickle with "plain" and are refused:
+        repack them from the NVFP4 weights (`MoELayer` packs at construction).
     """
 
     values: torch.Tensor
@@ -100,6 +103,7 @@ class GemmWeights:
     k: int
     swiglu: bool
     e4m3_max: float = 448.0
+    row_order: str = "plain"
 
     @property
     def num_experts(self) -> int:
@@ -126,7 +130,7 @@ class GemmWeights:
             raise ValueError(f"expert range [{start}, {stop}) is empty or outside [0, {self.num_experts})")
         return GemmWeights(values=self.values[start:stop], scales=self.scales[start:stop],
                            factor=self.factor[start:stop], amax=self.amax[start:stop], row_perm=self.row_perm,
-                           n=self.n, k=self.k, swiglu=self.swiglu, e4m3_max=self.e4m3_max)
+                           n=self.n, k=self.k, swiglu=self.swiglu, e4m3_max=self.e4m3_max, row_order=self.row_order)
 
 
 @dataclass(frozen=True)
@@ -271,7 +275,20 @@ def pack_gemm_weights(w: NVFP4Tensor, swiglu: bool) -> GemmWeights:
         sc = _e4m3_scale_codes(scale_bytes[e].index_select(0, row_perm))               # [N, K/16]
         scales[e] = sc.reshape(tiles_m, TILE_ROWS, tiles_k, K_STEPS).permute(0, 2, 1, 3)  # [mt, kb, 64, 4]
     return GemmWeights(values=values, scales=scales, factor=factor, amax=amax_e, row_perm=row_perm, n=n, k=k,
-                       swiglu=swiglu, e4m3_max=float(w.e4m3_max))
+                       swiglu=swiglu, e4m3_max=float(w.e4m3_max), row_order=_row_order(swiglu))
+
+
+def _row_order(swiglu: bool) -> str:
+    return "swiglu" if swiglu else "column_pairs"
+
+
+def _check_kernel_row_order(w: GemmWeights) -> None:
+    """The kernels' epilogues assume pack_gemm_weights' row order (the Python helpers follow row_perm, whatever it is:
+    unpack_gemm_weights also takes older GemmWeights, to repack them)."""
+    if w.row_order != _row_order(w.swiglu):
+        raise ValueError(f"GemmWeights with row order {w.row_order!r} (swiglu={w.swiglu}): this version's kernel "
+                         f"needs {_row_order(w.swiglu)!r}; repack them with pack_gemm_weights from the NVFP4 weights "
+                         "(weights packed before 2026-12-02 have the plain order)")
 
 
 def _check_gemm_weights(w) -> None:
@@ -523,6 +540,7 @@ def _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, out_dt
     if not isinstance(x, ExpandedRows):
         raise TypeError(f"x must be ExpandedRows (from expand_nvfp4_rows), got {type(x).__name__}")
     _check_gemm_weights(weights)
+    _check_kernel_row_order(weights)  # on both impls, so that the reference takes what the kernel takes
     values, row_factor = x.values, x.row_factor
     if not isinstance(values, torch.Tensor) or values.dtype != torch.float16 or values.dim() != 2:
         raise TypeError(f"x.values must be a float16 [R, K] tensor, got "

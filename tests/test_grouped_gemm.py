@@ -173,7 +173,7 @@ def test_column_pair_row_permutation():
     assert perm[:16].tolist() == [0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15]
     for p in range(n):
         q, g = divmod(p, 16)
-        # what the epilogue assumes: a thread's tile rows r0 = 16 w + lane / 4 and r0 + 8 are columns c and c + 1, c even
+        # what the epilogue assumes: a thread's tile rows r0 = 16 w + lane / 4 and r0 + 8 are columns c, c + 1 (c even)
         if g < 8:
             assert perm[p].item() % 2 == 0 and perm[p + 8].item() == perm[p].item() + 1
         assert perm[p].item() // 16 == q
@@ -181,6 +181,29 @@ def test_column_pair_row_permutation():
     for bad in (0, 8, 100):
         with pytest.raises(ValueError):
             G.column_pair_row_permutation(bad)
+
+
+@pytest.mark.cpu
+def test_plain_row_order_is_refused_but_unpacks():
+    """GemmWeights in the plain row order (what ep_comm packed before 2026-12-02 without SwiGLU; an unpickled old object
+    reads row_order "plain", the field's default) would give the kernel's column-pair epilogue the wrong columns: both
+    GEMM impls refuse them, and unpack_gemm_weights still returns their NVFP4 weights, to repack."""
+    import dataclasses
+    w = random_weights(2, 64, 64, seed=9)
+    packed = G.pack_gemm_weights(w, swiglu=False)
+    assert packed.row_order == "column_pairs" and G.pack_gemm_weights(w, swiglu=True).row_order == "swiglu"
+    assert packed.experts(0, 1).row_order == "column_pairs"
+    old = dataclasses.replace(packed, row_order="plain")  # what an old object unpickles as (the field's default)
+    assert type(old).__dataclass_fields__["row_order"].default == "plain"
+    x = random_activations(4, 64, seed=2)
+    rows = G.expand_nvfp4_rows(x, impl="reference")
+    offsets = torch.tensor([0, 4, 4], dtype=torch.int32)
+    counts = torch.tensor([4, 0], dtype=torch.int32)
+    for impl in ("reference", "cuda"):
+        with pytest.raises(ValueError, match="repack"):
+            G.grouped_gemm_nvfp4(rows, offsets, counts, old, impl=impl)
+    G.grouped_gemm_nvfp4(rows, offsets, counts, packed, impl="reference")  # the control: the current order runs
+    assert torch.equal(G.unpack_gemm_weights(old).data, w.data)
 
 
 @pytest.mark.cpu
