@@ -6,7 +6,10 @@
 //      per-row outer decode scale amax / (6 M).
 //   w: NVFP4 weights packed offline in the wgmma A-fragment order (ep_comm/grouped_gemm.py documents the
 //      layout bit by bit): per (expert, 64-row tile, 64-column k-block) 128 threads x 16 bytes of codes and
-//      64 rows x 4 k-steps of scale codes (256 bytes); w_factor[e] the per-expert outer decode scale.
+//      64 rows x 4 k-steps of scale codes (256 bytes); w_factor[e] the per-expert outer decode scale. The packed
+//      rows are in the order the epilogues assume (pack_gemm_weights' row_perm): without swiglu, column pairs
+//      (packed row 16 q + g is row 16 q + 2 g for g < 8, 16 q + 2 (g - 8) + 1 otherwise), so w_e[n, k] above is
+//      the weight of output column n; with swiglu, the gate/up interleave below.
 // The counts and offsets stay on the device: the grid is sized from num_rows_total and CTAs without work exit.
 #pragma once
 

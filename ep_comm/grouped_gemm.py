@@ -90,8 +90,10 @@ class GemmWeights:
     n, k: the logical GEMM sizes (output features, input features); swiglu: whether w1's SwiGLU is fused
         (then the GEMM writes N/2 columns); e4m3_max: the NVFP4 bound M of the weights (448).
     row_order: the packed row order, "swiglu" or "column_pairs" (what `pack_gemm_weights` writes). GemmWeights
-        packed by ep_comm before 2026-12-02 (plain row order without SwiGLU) unpickle with "plain" and are refused:
-        repack them from the NVFP4 weights (`MoELayer` packs at construction).
+        without SwiGLU packed by ep_comm before 2026-12-02 (plain row order) unpickle with "plain" and are refused by
+        the GEMMs: repack them from the NVFP4 weights (`MoELayer` packs at construction); with SwiGLU the order has not
+        changed, so "plain" is taken there. It is a label: the kernels trust that row_perm is the order it names
+        (comparing the tensors would cost a device sync per call).
     """
 
     values: torch.Tensor
@@ -284,11 +286,13 @@ def _row_order(swiglu: bool) -> str:
 
 def _check_kernel_row_order(w: GemmWeights) -> None:
     """The kernels' epilogues assume pack_gemm_weights' row order (the Python helpers follow row_perm, whatever it is:
-    unpack_gemm_weights also takes older GemmWeights, to repack them)."""
-    if w.row_order != _row_order(w.swiglu):
+    unpack_gemm_weights also takes older GemmWeights, to repack them). SwiGLU weights kept their order: an older
+    object ("plain", the field's default) is taken."""
+    allowed = ("swiglu", "plain") if w.swiglu else ("column_pairs",)
+    if w.row_order not in allowed:
         raise ValueError(f"GemmWeights with row order {w.row_order!r} (swiglu={w.swiglu}): this version's kernel "
                          f"needs {_row_order(w.swiglu)!r}; repack them with pack_gemm_weights from the NVFP4 weights "
-                         "(weights packed before 2026-12-02 have the plain order)")
+                         "(weights without SwiGLU packed before 2026-12-02 have the plain order)")
 
 
 def _check_gemm_weights(w) -> None:

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from . import _ext, formats
 from .formats import _is_capturing
 from .buffer import Buffer
-from .grouped_gemm import (TOKEN_TILES, _check_segments, _one_amax_per_expert, exact_fp32_matmuls,
-                           has_combine_rows_kernel)
+from .grouped_gemm import (TOKEN_TILES, _check_kernel_row_order, _check_segments, _one_amax_per_expert,
+                           exact_fp32_matmuls, has_combine_rows_kernel)
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,8 @@ def _check_fused_inputs(tokens, expert_offsets, num_tokens_per_expert, w1, w2=No
     for name, weights, swiglu in (("w1", w1, True), ("w2", w2, False)):
         if weights is not None and getattr(weights, "swiglu", None) is not swiglu:
             raise ValueError(f"{name} must be packed with pack_gemm_weights(..., swiglu={swiglu})")
+        if weights is not None:
+            _check_kernel_row_order(weights)  # before w1 runs, rather than at w2's launch
     _check_segments(expert_offsets, num_tokens_per_expert, w1.num_experts)
     if w2 is not None and (w2.num_experts != w1.num_experts or w2.k != w1.out_features):
         raise ValueError(f"w2 must be packed for the same {w1.num_experts} experts with K = w1's output features "

@@ -183,20 +183,30 @@ def test_column_pair_row_permutation():
             G.column_pair_row_permutation(bad)
 
 
+def _as_unpickled_before_row_order(w: G.GemmWeights) -> G.GemmWeights:
+    """w as unpickling an object saved before GemmWeights had row_order would rebuild it: its __dict__ without the
+    field, so that the class default ("plain") shows through."""
+    state = dict(w.__dict__)
+    del state["row_order"]
+    old = G.GemmWeights.__new__(G.GemmWeights)
+    old.__dict__.update(state)
+    return old
+
+
 @pytest.mark.cpu
-def test_plain_row_order_is_refused_but_unpacks():
-    """GemmWeights in the plain row order (what ep_comm packed before 2026-12-02 without SwiGLU; an unpickled old object
-    reads row_order "plain", the field's default) would give the kernel's column-pair epilogue the wrong columns: both
-    GEMM impls refuse them, and unpack_gemm_weights still returns their NVFP4 weights, to repack."""
-    import dataclasses
+def test_plain_row_order_is_refused_but_unpacks(monkeypatch):
+    """GemmWeights without SwiGLU in the plain row order (what ep_comm packed before 2026-12-02) would give the
+    kernel's column-pair epilogue the wrong columns: both GEMM impls refuse them, and unpack_gemm_weights still
+    returns their NVFP4 weights, to repack. SwiGLU weights kept their order: an old object is taken."""
     w = random_weights(2, 64, 64, seed=9)
     packed = G.pack_gemm_weights(w, swiglu=False)
-    assert packed.row_order == "column_pairs" and G.pack_gemm_weights(w, swiglu=True).row_order == "swiglu"
-    assert packed.experts(0, 1).row_order == "column_pairs"
-    old = dataclasses.replace(packed, row_order="plain")  # what an old object unpickles as (the field's default)
-    assert type(old).__dataclass_fields__["row_order"].default == "plain"
-    x = random_activations(4, 64, seed=2)
-    rows = G.expand_nvfp4_rows(x, impl="reference")
+    assert packed.row_order == "column_pairs" and packed.experts(0, 1).row_order == "column_pairs"
+    # A truly old object: packed in the identity order, as the old packer did, then unpickled without the field.
+    with monkeypatch.context() as m:
+        m.setattr(G, "column_pair_row_permutation", lambda n, device=None: torch.arange(n, device=device))
+        old = _as_unpickled_before_row_order(G.pack_gemm_weights(w, swiglu=False))
+    assert old.row_order == "plain" and torch.equal(old.row_perm, torch.arange(64))
+    rows = G.expand_nvfp4_rows(random_activations(4, 64, seed=2), impl="reference")
     offsets = torch.tensor([0, 4, 4], dtype=torch.int32)
     counts = torch.tensor([4, 0], dtype=torch.int32)
     for impl in ("reference", "cuda"):
@@ -204,6 +214,12 @@ def test_plain_row_order_is_refused_but_unpacks():
             G.grouped_gemm_nvfp4(rows, offsets, counts, old, impl=impl)
     G.grouped_gemm_nvfp4(rows, offsets, counts, packed, impl="reference")  # the control: the current order runs
     assert torch.equal(G.unpack_gemm_weights(old).data, w.data)
+    assert torch.equal(G.pack_gemm_weights(G.unpack_gemm_weights(old), swiglu=False).values, packed.values)
+    # SwiGLU: same order as before, so an old object runs.
+    w1 = random_weights(2, 64, 64, seed=10)
+    old_swiglu = _as_unpickled_before_row_order(G.pack_gemm_weights(w1, swiglu=True))
+    assert old_swiglu.row_order == "plain"
+    G.grouped_gemm_nvfp4(rows, offsets, counts, old_swiglu, impl="reference")
 
 
 @pytest.mark.cpu

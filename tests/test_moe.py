@@ -253,6 +253,8 @@ def test_fused_experts_refuse_cpu_tensors_naming_the_reference_path():
         moe.fused_expert_mlp(tokens, offsets, counts, w1, dataclasses.replace(w2, k=2 * w2.k))
     with pytest.raises(ValueError, match=f"the tokens have {2 * HIDDEN} features but w1 was packed for K = {HIDDEN}"):
         moe.fused_expert_hidden(formats.nvfp4_quantize(torch.randn(6, 2 * HIDDEN)), offsets, counts, w1)
+    with pytest.raises(ValueError, match="repack them with pack_gemm_weights"):  # w2 in the pre-2026-12-02 row order
+        moe.fused_expert_mlp(tokens, offsets, counts, w1, dataclasses.replace(w2, row_order="plain"))
 
 
 def _matmuls_exact_inside() -> bool:
