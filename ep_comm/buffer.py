@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import socket
 import warnings
@@ -20,19 +21,26 @@ _COMPARED_ENVIRONMENT = ("EP_COMM_PEER_MEMORY", "EP_COMM_ALLOW_SHARED_GPU", "EP_
 
 
 class _InvalidExpertIds(ValueError):
-    """topk_idx holds an id outside [-1, E) or one expert twice in a token: a fault of this rank's data (its router),
-    unlike a bad argument usually found on this rank alone (see Buffer._validate_together)."""
+    """topk_idx holds an id outside [-1, E) or one expert twice in a token, or a selected slot's routing weight is not
+    finite: a fault of this rank's data (its router), unlike a bad argument usually found on this rank alone (see
+    Buffer._validate_together)."""
 
 
-def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
-    """Raise ValueError if an id of topk_idx [T, K] is outside [-1, num_experts) or a token names one expert in two
-    slots. Both conditions are reduced on the device and read back with one device->host copy (the only host
+def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int, topk_weights: Optional[torch.Tensor] = None) -> None:
+    """Raise ValueError if an id of topk_idx [T, K] is outside [-1, num_experts), a token names one expert in two
+    slots, or (with topk_weights, float32 [T, K]) the weight of a selected slot (id >= 0) is NaN or infinite: combine
+    would spread NaN over the token's output, or, summed in S2F6, lose the token's experts on that rank without a
+    NaN. The conditions are reduced on the device and read back with one device->host copy (the only host
     synchronization of a checked dispatch); the details for the message are computed only on the error path."""
     out_of_range = ((topk_idx < -1) | (topk_idx >= num_experts)).any()
     # Duplicates: equal neighbours after sorting each row, masked slots (-1) excepted (K = 1: none).
     ordered = torch.sort(topk_idx, dim=1).values
     duplicate_tokens = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(dim=1)
-    bad_range, bad_duplicate = torch.stack([out_of_range, duplicate_tokens.any()]).tolist()
+    # The weights of selected slots (masked slots' weights are never used): 4 small kernels, no extra sync.
+    used_weights = torch.where(topk_idx >= 0, topk_weights, 0.0) if topk_weights is not None else None
+    flags = [out_of_range, duplicate_tokens.any()] + ([~used_weights.isfinite().all()] if used_weights is not None
+                                                      else [])
+    bad_range, bad_duplicate, *bad_weight = torch.stack(flags).tolist()
     if bad_range:
         low, high = int(topk_idx.min()), int(topk_idx.max())
         raise _InvalidExpertIds(f"topk_idx values must be in [-1, {num_experts}); got range [{low}, {high}]")
@@ -40,6 +48,28 @@ def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
         token = int(torch.nonzero(duplicate_tokens)[0])
         raise _InvalidExpertIds(f"token {token} selects the same expert in two top-k slots: "
                                 f"{topk_idx[token].tolist()}")
+    if bad_weight and bad_weight[0]:
+        token, slot = (int(i) for i in torch.nonzero(~used_weights.isfinite())[0])
+        raise _InvalidExpertIds(f"token {token} has the routing weight {float(topk_weights[token, slot])} in top-k "
+                                f"slot {slot} (expert {int(topk_idx[token, slot])}): weights of selected slots must "
+                                "be finite")
+
+
+def _type_name(value) -> str:
+    """A value's type for messages: builtins by name, others qualified (numpy.bool, not a second "bool")."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _as_int(value):
+    """Integer-like arguments (numpy integers, 0-d integer tensors) as int; bools and anything else unchanged, for
+    BufferConfig.validate to refuse with its own message."""
+    if isinstance(value, bool):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
 
 
 def _tensors_in(obj) -> list:
@@ -74,25 +104,33 @@ class Buffer:
         dispatch_format: "nvfp4" (default; E2M1 + E4M3 per 16 + FP32 per token, 4/6), "mxfp8" or "bf16".
         combine_format: "s2f6" (default; RHT-32 + S2F6 + UE8M0 per 32) or "bf16".
         backend: "auto" (nvlink when every rank's GPUs are NVLink peers and the fast path can start, else
-            reference — with a warning that says why), "reference" or "nvlink".
+            reference -- with a warning that says why; on a gloo (CPU) group reference, without a warning: there are
+            no GPUs to connect), "reference" or "nvlink".
         expert_alignment: expert segments start at multiples of this (e.g. 128 for GEMM tiles).
         num_sms: blocks (SMs) of the nvlink BF16 and MXFP8 dispatch sends (the NVLink-bound kernels).
-            num_local_sms: blocks of every other nvlink kernel -- the NVFP4 quantize-and-send, whose 4/6 quantization
+        num_local_sms: blocks of every other nvlink kernel -- the NVFP4 quantize-and-send, whose 4/6 quantization
             dominates, the receive/expansion, the combine reduction-and-send and the combine receive (0 = all SMs of
-            the device). timeout_s (default 100 s): a peer
-            wait longer than this raises, naming rank and stage (nvlink: the kernels' flag waits -- the call in flight
-            returns invalid results and the next call or check() raises; reference over gloo: each collective of a call
-            (those at construction keep the process group's timeout);
+            the device).
+        rht_sign_mask: the 32 random signs of the combine's Hadamard transform (bit j set: sign of element j is -1;
+            default 0x6A09E667, docs/NUMERICS.md "RHT-32"); every rank must use the same.
+        timeout_s (default 100 s): a peer wait longer than this raises, naming rank and stage (nvlink: the kernels'
+            flag waits -- the call in flight returns invalid results and the next call or check() raises; reference
+            over gloo: each collective of a call, those at construction keeping the process group's timeout;
             reference over NCCL: the process group's own timeout applies instead). It bounds the ranks' skew too: a
             rank pausing longer than this between calls makes its peers time out.
-        check_inputs: validate index ranges / duplicate experts (needs a device->host copy; skipped
-            automatically during CUDA graph capture). On the reference backend the ranks agree on the outcome of
-            every call's argument checks (one small all_reduce per call, whatever check_inputs is), so inputs
-            rejected on one rank -- dispatch or combine -- raise on every rank. On nvlink (no host collective per
-            call) a rank whose ids are rejected tells its peers, which raise at their next call naming it, and the
-            Buffer is then unusable on every rank. Without checks, ids outside [0, num_experts) are masked slots on
-            both backends.
+        check_inputs: a bool: validate the expert ids (range, duplicates) and that the routing weights of selected
+            slots are finite (needs a device->host copy; skipped automatically during CUDA graph capture). On the
+            reference backend the ranks agree on the outcome of every call's argument checks (one small all_reduce
+            per call, whatever check_inputs is), so inputs rejected on one rank -- dispatch or combine -- raise on
+            every rank. On nvlink (no host collective per call) a rank whose ids are rejected tells its peers, which
+            raise at their next call naming it, and the Buffer is then unusable on every rank. Without checks, ids
+            outside [0, num_experts) are masked slots on both backends; a token naming one expert in two slots is
+            undefined (the reference backend counts the expert twice; nvlink may leave rows unwritten, which check()
+            and the next call report), and non-finite weights reach the combine as they are.
         format_impl: "auto" | "reference" | "cuda", quantization path of the reference backend.
+
+    combine weights each expert row with the routing weight given to dispatch (DispatchResult.topk_weight, kept in the
+    handle): it takes no weights of its own.
 
     Every rank must construct the Buffer with the same arguments, and with the same EP_COMM_PEER_MEMORY,
     EP_COMM_ALLOW_SHARED_GPU and EP_COMM_SYNC_CHECK environment (compared across ranks before they are validated: a
@@ -109,17 +147,19 @@ class Buffer:
             raise RuntimeError("ep_comm.Buffer needs torch.distributed to be initialized (init_process_group)")
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
-        self.config = BufferConfig(hidden=hidden, num_experts=num_experts, num_topk=num_topk,
-                                   max_tokens_per_rank=max_tokens_per_rank,
+        self.config = BufferConfig(hidden=_as_int(hidden), num_experts=_as_int(num_experts),
+                                   num_topk=_as_int(num_topk), max_tokens_per_rank=_as_int(max_tokens_per_rank),
                                    world_size=dist.get_world_size(self.group), dispatch_format=dispatch_format,
-                                   combine_format=combine_format, expert_alignment=expert_alignment,
-                                   rht_sign_mask=rht_sign_mask, num_sms=num_sms, num_local_sms=num_local_sms,
-                                   timeout_s=timeout_s)
+                                   combine_format=combine_format, expert_alignment=_as_int(expert_alignment),
+                                   rht_sign_mask=_as_int(rht_sign_mask), num_sms=_as_int(num_sms),
+                                   num_local_sms=_as_int(num_local_sms), timeout_s=timeout_s)
         self.check_inputs = check_inputs
         # Compared across ranks before anything is validated, so that a bad or mismatched argument on one rank
         # raises on every rank instead of leaving the others waiting in a collective.
         self._check_same_arguments_everywhere(backend, format_impl)
         self.config.validate()
+        if not isinstance(check_inputs, bool):
+            raise TypeError(f"check_inputs must be a bool, got {_type_name(check_inputs)}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if format_impl not in FORMAT_IMPLS:
@@ -139,7 +179,7 @@ class Buffer:
         # kind, shared-GPU mode, sync checks): set differently, or malformed on one rank, they would misalign the
         # ranks' collectives at creation instead of raising everywhere.
         mine = dict(dataclasses.asdict(self.config), backend=backend, format_impl=format_impl,
-                    check_inputs=bool(self.check_inputs),
+                    check_inputs=self.check_inputs,
                     **{name: os.environ.get(name) for name in _COMPARED_ENVIRONMENT})
         gathered = [None] * self.config.world_size
         dist.all_gather_object(gathered, mine, group=self.group)
@@ -228,8 +268,9 @@ class Buffer:
         """dispatch / combine are forward-only: a result without grad_fn would silently cut the MoE branch out of
         backward (the layer would train as if it were not there)."""
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
-            raise RuntimeError(f"ep_comm {what} has no autograd yet: gradients would not flow through it. Run the "
-                               "forward under torch.no_grad() or torch.inference_mode(), or pass detached tensors")
+            raise RuntimeError(f"ep_comm {what} has no autograd yet: gradients would not flow through it. For "
+                               "inference, run the forward under torch.no_grad() or torch.inference_mode(); passing "
+                               "detached tensors in training would leave the MoE branch out of backward")
 
     def _check_tokens(self, x) -> None:
         """x must be a bfloat16 [num_tokens, hidden] tensor (dispatch's input; MoELayer checks it before routing)."""
@@ -263,7 +304,7 @@ class Buffer:
                              f"{topk_idx.device}, {topk_weights.device}")
         self._backend.check_device("x", x)  # where the backend's kernels or collectives can read it
         if check_ids and num_tokens and not _is_capturing():
-            _check_expert_ids(topk_idx, cfg.num_experts)
+            _check_expert_ids(topk_idx, cfg.num_experts, topk_weights)
 
     def _check_stream_args(self, device: torch.device, comm_stream, done_event) -> None:
         if comm_stream is not None:
@@ -374,8 +415,10 @@ class Buffer:
         Args:
             x: bfloat16 [T, H], T <= max_tokens_per_rank (T may be 0 and may differ between ranks).
             topk_idx: int32/int64 [T, K], global expert ids, -1 = masked slot.
-            topk_weights: float32 [T, K], routing weights (used by combine).
-            check_inputs: validate the expert ids (range, duplicates) for this call -- a device->host copy, so
+            topk_weights: float32 [T, K], routing weights (used by combine; those of selected slots must be finite,
+                checked with the ids).
+            check_inputs: validate the expert ids (range, duplicates) and that the weights of selected slots are
+                finite, for this call (None or a bool) -- a device->host copy, so
                 the host waits for the GPU; None = the Buffer's setting. Callers whose ids are valid by
                 construction (e.g. torch.topk over the expert logits, as MoELayer) pass False. On the reference
                 backend a rank whose inputs are rejected makes every rank raise. On nvlink, a rank whose ids are
@@ -421,8 +464,10 @@ class Buffer:
 
         def validate():
             if not isinstance(expand, bool):
-                raise TypeError(f"expand must be a bool, got {type(expand).__name__}")
-            check = self.check_inputs if check_inputs is None else bool(check_inputs)
+                raise TypeError(f"expand must be a bool, got {_type_name(expand)}")
+            if check_inputs is not None and not isinstance(check_inputs, bool):
+                raise TypeError(f"check_inputs must be None or a bool, got {_type_name(check_inputs)}")
+            check = self.check_inputs if check_inputs is None else check_inputs
             self._refuse_autograd("dispatch", x, topk_weights)
             self._validate_dispatch(x, topk_idx, topk_weights, check)
             self._check_stream_args(x.device, comm_stream, done_event)
@@ -523,7 +568,7 @@ class Buffer:
 
         def validate():
             if not isinstance(local_reduce, bool):  # checked here: every rank raises together (a None would not)
-                raise TypeError(f"local_reduce must be a bool, got {type(local_reduce).__name__}")
+                raise TypeError(f"local_reduce must be a bool, got {_type_name(local_reduce)}")
             self._validate_combine(expert_out, handle)
             self._check_stream_args(expert_out.device, comm_stream, done_event)
         self._validate_together(validate, "combine")

@@ -269,12 +269,13 @@ def errors_worker(rank: int, world: int, backend: str = "reference", device_kind
                 "local_reduce must be a bool" if last else f"rejected on rank(s) [{world - 1}]",
                 lambda: buf.combine(torch.zeros(mixed.num_rows, hidden, dtype=torch.bfloat16, device=device),
                                     mixed.handle, local_reduce=None if last else True))
-        # So do dispatch arguments: expand not a bool, a check_inputs without a truth value, a tensor on a device
+        # So do dispatch arguments: expand not a bool, a check_inputs that is not a bool, a tensor on a device
         # this group's collectives cannot take (meta here). Every rank raises in the same call, so the Buffer's next
         # call still meets on every rank (the last line).
         _expect(TypeError if last else ValueError, "expand must be a bool" if last else f"rejected on rank(s) [{world - 1}]",
                 lambda: buf.dispatch(x, idx, w, expand=1 if last else True))
-        _expect(RuntimeError if last else ValueError, "ambiguous" if last else f"rejected on rank(s) [{world - 1}]",
+        _expect(TypeError if last else ValueError,
+                "check_inputs must be None or a bool" if last else f"rejected on rank(s) [{world - 1}]",
                 lambda: buf.dispatch(x, idx, w, check_inputs=torch.ones(2) if last else None))
         meta_x = torch.empty_like(x, device="meta") if last else x
         _expect(ValueError, "reference backend over" if last else f"rejected on rank(s) [{world - 1}]",

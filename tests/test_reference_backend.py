@@ -235,6 +235,75 @@ def test_expert_id_check_edges():
 
 
 @pytest.mark.cpu
+def test_expert_id_check_refuses_non_finite_weights_of_selected_slots():
+    """With the weights, the same check (and the same device->host copy) refuses a NaN or infinite weight on a
+    selected slot, naming token, slot and expert; a masked slot's weight is never used and may be anything."""
+    from ep_comm.buffer import _check_expert_ids
+    idx = torch.tensor([[0, 1], [2, -1], [3, 0]])
+    weights = torch.tensor([[0.5, 0.5], [1.0, float("nan")], [0.25, 0.75]])
+    _check_expert_ids(idx, 4, weights)                                     # NaN on the masked slot: fine
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        w = weights.clone()
+        w[2, 1] = bad
+        with pytest.raises(ValueError, match=r"token 2 has the routing weight .* in top-k slot 1 \(expert 0\)"):
+            _check_expert_ids(idx, 4, w)
+    _check_expert_ids(idx, 4)                                              # without weights: ids only, as before
+
+
+def _input_types_worker(rank, world):
+    """One gloo rank: what the Buffer does with a NaN routing weight (refused with the check, on both forms of the
+    call), with check_inputs that is not a bool, with numpy integers as sizes, and how a numpy bool is named."""
+    import numpy as np
+    import ep_comm
+    messages = []
+    with ep_comm.Buffer(None, hidden=np.int64(64), num_experts=np.int32(2), num_topk=2, max_tokens_per_rank=4,
+                        backend="reference") as buf:
+        assert buf.config.hidden == 64 and type(buf.config.hidden) is int
+        x = torch.ones(2, 64, dtype=torch.bfloat16)
+        idx = torch.tensor([[0, 1], [0, 1]])
+        w = torch.tensor([[float("nan"), 0.5], [0.5, 0.5]])
+        for call in (lambda: buf.dispatch(x, idx, w), lambda: buf.dispatch(x, idx, w, check_inputs=True)):
+            try:
+                call()
+                messages.append("NaN weight accepted")
+            except ValueError as error:
+                messages.append("refused" if "routing weight nan" in str(error) else repr(error))
+        unchecked = buf.dispatch(x, idx, w, check_inputs=False)          # the caller's choice: no check, no sync
+        assert unchecked.num_rows == 4
+        for value in ("off", 1, np.bool_(False)):
+            try:
+                buf.dispatch(x, idx, w.nan_to_num(), check_inputs=value)
+                messages.append(f"check_inputs={value!r} accepted")
+            except TypeError as error:
+                messages.append(str(error))
+        result = buf.dispatch(x, idx, w.nan_to_num())
+        try:
+            buf.combine(torch.zeros(result.num_rows, 64, dtype=torch.bfloat16),
+                        result.handle, local_reduce=np.bool_(True))
+            messages.append("numpy bool accepted")
+        except TypeError as error:
+            messages.append(str(error))
+    try:
+        ep_comm.Buffer(None, hidden=64, num_experts=2, num_topk=2, max_tokens_per_rank=4, backend="reference",
+                       check_inputs="no")
+        messages.append("Buffer(check_inputs='no') accepted")
+    except TypeError as error:
+        messages.append(str(error))
+    return messages
+
+
+@pytest.mark.cpu
+def test_buffer_input_types_and_non_finite_weights():
+    (messages,) = run_ranks(_input_types_worker, 1, backend="gloo", timeout_s=120)
+    assert messages[:2] == ["refused", "refused"], messages
+    assert messages[2] == "check_inputs must be None or a bool, got str", messages
+    assert messages[3] == "check_inputs must be None or a bool, got int", messages
+    assert messages[4].startswith("check_inputs must be None or a bool, got numpy."), messages
+    assert messages[5].startswith("local_reduce must be a bool, got numpy."), messages
+    assert messages[6] == "check_inputs must be a bool, got str", messages
+
+
+@pytest.mark.cpu
 def test_buffer_config_rejects_wrong_types_and_values():
     """Values that would pass the range checks but fail (or silently misalign) later are refused up front."""
     import ep_comm
