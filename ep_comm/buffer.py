@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import operator
 import os
 import socket
 import warnings
@@ -15,6 +14,8 @@ from ._ext import capture_id, current_raw_stream, warn_once
 from .formats import IMPLS as FORMAT_IMPLS
 from .formats import _is_capturing
 from .types import BACKENDS, BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, WaveDispatch
+from .types import as_int as _as_int
+from .types import type_name as _type_name
 
 # Compared across ranks when a Buffer is made (_check_same_arguments_everywhere); README "Environment".
 _COMPARED_ENVIRONMENT = ("EP_COMM_PEER_MEMORY", "EP_COMM_ALLOW_SHARED_GPU", "EP_COMM_SYNC_CHECK")
@@ -53,23 +54,6 @@ def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int, topk_weights: Op
         raise _InvalidExpertIds(f"token {token} has the routing weight {float(topk_weights[token, slot])} in top-k "
                                 f"slot {slot} (expert {int(topk_idx[token, slot])}): weights of selected slots must "
                                 "be finite")
-
-
-def _type_name(value) -> str:
-    """A value's type for messages: builtins by name, others qualified (numpy.bool, not a second "bool")."""
-    kind = type(value)
-    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-
-
-def _as_int(value):
-    """Integer-like arguments (numpy integers, 0-d integer tensors) as int; bools and anything else unchanged, for
-    BufferConfig.validate to refuse with its own message."""
-    if isinstance(value, bool):
-        return value
-    try:
-        return operator.index(value)
-    except TypeError:
-        return value
 
 
 def _tensors_in(obj) -> list:
@@ -122,9 +106,9 @@ class Buffer:
             slots are finite (needs a device->host copy; skipped automatically during CUDA graph capture). On the
             reference backend the ranks agree on the outcome of every call's argument checks (one small all_reduce
             per call, whatever check_inputs is), so inputs rejected on one rank -- dispatch or combine -- raise on
-            every rank. On nvlink (no host collective per call) a rank whose ids are rejected tells its peers, which
-            raise at their next call naming it, and the Buffer is then unusable on every rank. Without checks, ids
-            outside [0, num_experts) are masked slots on both backends; a token naming one expert in two slots is
+            every rank. On nvlink (no host collective per call) a rank whose ids or weights are rejected tells its
+            peers, which raise at their next call naming it, and the Buffer is then unusable on every rank. Without
+            checks, ids outside [0, num_experts) are masked slots on both backends; a token naming one expert in two slots is
             undefined (the reference backend counts the expert twice; nvlink may leave rows unwritten, which check()
             and the next call report), and non-finite weights reach the combine as they are.
         format_impl: "auto" | "reference" | "cuda", quantization path of the reference backend.
@@ -179,7 +163,10 @@ class Buffer:
         # kind, shared-GPU mode, sync checks): set differently, or malformed on one rank, they would misalign the
         # ranks' collectives at creation instead of raising everywhere.
         mine = dict(dataclasses.asdict(self.config), backend=backend, format_impl=format_impl,
-                    check_inputs=self.check_inputs,
+                    # (a bool as is, anything else by its type name: comparable and picklable on every rank, and
+                    # refused below on every rank alike)
+                    check_inputs=self.check_inputs if isinstance(self.check_inputs, bool)
+                    else _type_name(self.check_inputs),
                     **{name: os.environ.get(name) for name in _COMPARED_ENVIRONMENT})
         gathered = [None] * self.config.world_size
         dist.all_gather_object(gathered, mine, group=self.group)
@@ -245,10 +232,10 @@ class Buffer:
                              world_size: int, dispatch_format: str = "nvfp4", combine_format: str = "s2f6",
                              expert_alignment: int = 1, backend: str = "nvlink") -> BufferSizes:
         """Bytes a backend needs for these bounds, before any Buffer exists (no process group needed)."""
-        config = BufferConfig(hidden=hidden, num_experts=num_experts, num_topk=num_topk,
-                              max_tokens_per_rank=max_tokens_per_rank, world_size=world_size,
+        config = BufferConfig(hidden=_as_int(hidden), num_experts=_as_int(num_experts), num_topk=_as_int(num_topk),
+                              max_tokens_per_rank=_as_int(max_tokens_per_rank), world_size=_as_int(world_size),
                               dispatch_format=dispatch_format, combine_format=combine_format,
-                              expert_alignment=expert_alignment)
+                              expert_alignment=_as_int(expert_alignment))
         config.validate()
         if backend not in ("reference", "nvlink"):
             raise ValueError(f"backend must be 'reference' or 'nvlink' for a size hint, got {backend!r}")
@@ -421,9 +408,9 @@ class Buffer:
                 finite, for this call (None or a bool) -- a device->host copy, so
                 the host waits for the GPU; None = the Buffer's setting. Callers whose ids are valid by
                 construction (e.g. torch.topk over the expert logits, as MoELayer) pass False. On the reference
-                backend a rank whose inputs are rejected makes every rank raise. On nvlink, a rank whose ids are
-                rejected tells its peers to stop waiting for it (they raise at their next call, naming it; the
-                Buffer is unusable on every rank from then on); after other arguments rejected on one rank only,
+                backend a rank whose inputs are rejected makes every rank raise. On nvlink, a rank whose ids or
+                weights are rejected tells its peers to stop waiting for it (they raise at their next call, naming
+                it; the Buffer is unusable on every rank from then on); after other arguments rejected on one rank only,
                 its peers' kernels give up after timeout_s and their next call raises the timeout.
             comm_stream: run the dispatch on this CUDA stream instead of the current one (None, the default): it
                 starts after the work enqueued so far on the current stream, and the current stream does not wait

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -18,6 +19,20 @@ BACKENDS = ("auto", "reference", "nvlink")
 
 
 MAX_BLOCKS = 4096  # BufferConfig.num_sms / num_local_sms bound (an H200 has 132 SMs)
+
+
+def type_name(value) -> str:
+    """A value's type for messages: builtins by name, others qualified (numpy.bool, not a second "bool")."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def as_int(value):
+    """Integers of other types (numpy integers: numbers.Integral) as int; everything else -- bools, tensors, floats
+    -- unchanged, for BufferConfig.validate to refuse with its own message."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -71,7 +86,7 @@ class BufferConfig:
         for name in integers:  # a float or bool here would pass the range checks and fail (or misalign) later
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+                raise TypeError(f"{name} must be an int, got {type_name(value)} {value!r}")
         if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
                 or not math.isfinite(self.timeout_s) or not 1e-3 <= self.timeout_s <= 1e9):
             # (The kernels count it in 64-bit nanoseconds and the gloo waits take a timedelta: both overflow far

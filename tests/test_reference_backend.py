@@ -304,6 +304,42 @@ def test_buffer_input_types_and_non_finite_weights():
 
 
 @pytest.mark.cpu
+def test_integer_like_sizes():
+    """numpy integers are sizes; bools, tensors and floats are not (BufferConfig.validate refuses them, naming numpy
+    types as such); the size hint takes what the Buffer takes."""
+    import numpy as np
+    import ep_comm
+    from ep_comm.types import BufferConfig, as_int
+    assert as_int(np.int64(64)) == 64 and type(as_int(np.int32(8))) is int
+    for value in (True, np.bool_(True), torch.tensor(64), torch.tensor([64]), 64.0, "64"):
+        assert as_int(value) is value
+    base = dict(hidden=64, num_experts=8, num_topk=2, max_tokens_per_rank=16, world_size=2)
+    with pytest.raises(TypeError, match="num_topk must be an int, got numpy.bool"):
+        BufferConfig(**dict(base, num_topk=np.bool_(True))).validate()
+    with pytest.raises(TypeError, match="hidden must be an int, got torch.Tensor"):
+        BufferConfig(**dict(base, hidden=torch.tensor(64))).validate()
+    hint = ep_comm.Buffer.get_buffer_size_hint(backend="reference", **{k: np.int64(v) for k, v in base.items()})
+    assert hint == ep_comm.Buffer.get_buffer_size_hint(backend="reference", **base)
+
+
+def _check_inputs_differs_worker(rank, world):
+    """check_inputs that is not a bool on one rank (a tensor, which has no single truth value): every rank raises the
+    same ValueError (arguments differ), none waits in the construction's collective."""
+    import ep_comm
+    try:
+        ep_comm.Buffer(None, hidden=64, num_experts=2, num_topk=2, max_tokens_per_rank=4, backend="reference",
+                       check_inputs=torch.ones(2) if rank == 0 else True)
+        return "constructed"
+    except ValueError as error:
+        return "differ" if "differ between" in str(error) else repr(error)
+
+
+@pytest.mark.cpu
+def test_check_inputs_of_another_type_on_one_rank():
+    assert run_ranks(_check_inputs_differs_worker, 2, backend="gloo", timeout_s=120) == ["differ", "differ"]
+
+
+@pytest.mark.cpu
 def test_buffer_config_rejects_wrong_types_and_values():
     """Values that would pass the range checks but fail (or silently misalign) later are refused up front."""
     import ep_comm
