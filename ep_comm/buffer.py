@@ -21,10 +21,11 @@ from .types import type_name as _type_name
 _COMPARED_ENVIRONMENT = ("EP_COMM_PEER_MEMORY", "EP_COMM_ALLOW_SHARED_GPU", "EP_COMM_SYNC_CHECK")
 
 
-class _InvalidExpertIds(ValueError):
-    """topk_idx holds an id outside [-1, E) or one expert twice in a token, or a selected slot's routing weight is not
-    finite: a fault of this rank's data (its router), unlike a bad argument usually found on this rank alone (see
-    Buffer._validate_together)."""
+class InvalidRoutingError(ValueError):
+    """Raised by a checked dispatch (check_inputs): topk_idx holds an id outside [-1, E) or one expert twice in a
+    token, or a selected slot's routing weight is not finite. A fault of this rank's data (its router), unlike a bad
+    argument usually found on this rank alone (see Buffer._validate_together); on nvlink it also stops the Buffer on
+    every rank. A ValueError, so `except ValueError` catches it too."""
 
 
 def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int, topk_weights: Optional[torch.Tensor] = None) -> None:
@@ -44,16 +45,16 @@ def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int, topk_weights: Op
     bad_range, bad_duplicate, *bad_weight = torch.stack(flags).tolist()
     if bad_range:
         low, high = int(topk_idx.min()), int(topk_idx.max())
-        raise _InvalidExpertIds(f"topk_idx values must be in [-1, {num_experts}); got range [{low}, {high}]")
+        raise InvalidRoutingError(f"topk_idx values must be in [-1, {num_experts}); got range [{low}, {high}]")
     if bad_duplicate:
         token = int(torch.nonzero(duplicate_tokens)[0])
-        raise _InvalidExpertIds(f"token {token} selects the same expert in two top-k slots: "
-                                f"{topk_idx[token].tolist()}")
+        raise InvalidRoutingError(f"token {token} selects the same expert in two top-k slots: "
+                                  f"{topk_idx[token].tolist()}")
     if bad_weight and bad_weight[0]:
         token, slot = (int(i) for i in torch.nonzero(~used_weights.isfinite())[0])
-        raise _InvalidExpertIds(f"token {token} has the routing weight {float(topk_weights[token, slot])} in top-k "
-                                f"slot {slot} (expert {int(topk_idx[token, slot])}): weights of selected slots must "
-                                "be finite")
+        raise InvalidRoutingError(f"token {token} has the routing weight {float(topk_weights[token, slot])} in "
+                                  f"top-k slot {slot} (expert {int(topk_idx[token, slot])}): weights of selected "
+                                  "slots must be finite")
 
 
 def _tensors_in(obj) -> list:
@@ -474,7 +475,7 @@ class Buffer:
         if self.backend == "nvlink":  # (inside a capture the ids are not checked, so nothing below gives up there)
             try:
                 validate()
-            except _InvalidExpertIds as rejected:
+            except InvalidRoutingError as rejected:
                 try:
                     self._backend.give_up(f"{what}: {rejected}")
                 except Exception as notice_failed:  # noqa: BLE001 (the caller gets the rejection; the failure is warned)

@@ -215,11 +215,13 @@ def test_nccl_world2_semantics_and_errors():
 def test_expert_id_check_edges():
     """Buffer's input check (one device->host copy): masked slots may repeat, K = 1 has no duplicates, the
     first offending token is named, and the range error reports the observed range."""
+    from ep_comm import InvalidRoutingError
     from ep_comm.buffer import _check_expert_ids
+    assert issubclass(InvalidRoutingError, ValueError)
     _check_expert_ids(torch.tensor([[-1, -1, 3], [0, 1, 2]]), 4)          # repeated -1 is not a duplicate
     _check_expert_ids(torch.tensor([[3], [3], [-1]]), 4)                  # K = 1
     _check_expert_ids(torch.zeros(0, 2, dtype=torch.int64), 4)            # no tokens
-    with pytest.raises(ValueError, match=r"token 2 selects the same expert .*\[1, 5, 1\]"):
+    with pytest.raises(InvalidRoutingError, match=r"token 2 selects the same expert .*\[1, 5, 1\]"):
         _check_expert_ids(torch.tensor([[0, 1, 2], [3, -1, -1], [1, 5, 1], [2, 2, 0]]), 8)
     with pytest.raises(ValueError, match=r"must be in \[-1, 4\); got range \[-2, 3\]"):
         _check_expert_ids(torch.tensor([[0, 3], [-2, 1]]), 4)
