@@ -184,8 +184,8 @@ def main(argv=None) -> int:
               f"{100 * gbps / copy_gbps:6.1f}% {ref_text}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"meta": run_metadata(), "device": torch.cuda.get_device_name(), "copy_gbps": copy_gbps, "hidden": args.hidden,
-                       "mib": args.mib, "results": results}, f, indent=2)
+            json.dump({"meta": run_metadata(), "device": torch.cuda.get_device_name(), "copy_gbps": copy_gbps,
+                       "hidden": args.hidden, "mib": args.mib, "results": results}, f, indent=2)
     return 0
 
 

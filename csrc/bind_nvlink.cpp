@@ -335,13 +335,7 @@ class NvlinkContext {
   int comm_threads() const { return kCommThreads; }
 
  private:
-  void select() const {
-    const cudaError_t err = cudaSetDevice(device_);
-    if (err != cudaSuccess) {
-      cudaGetLastError();  // not left as the thread's last error for a later launch to report (check_cuda)
-      throw std::runtime_error(std::string("cudaSetDevice: ") + cudaGetErrorString(err));
-    }
-  }
+  void select() const { ep_comm::binding::check(cudaSetDevice(device_), "cudaSetDevice", "device ordinal"); }
 
   int device_;
   NvlinkConfig cfg_{};

@@ -14,7 +14,6 @@ from ._ext import capture_id, current_raw_stream, warn_once
 from .formats import IMPLS as FORMAT_IMPLS
 from .formats import _is_capturing
 from .types import BACKENDS, BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, WaveDispatch
-from .types import as_int as _as_int
 from .types import type_name as _type_name
 
 # Compared across ranks when a Buffer is made (_check_same_arguments_everywhere); README "Environment".
@@ -38,11 +37,11 @@ def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int, topk_weights: Op
     # Duplicates: equal neighbours after sorting each row, masked slots (-1) excepted (K = 1: none).
     ordered = torch.sort(topk_idx, dim=1).values
     duplicate_tokens = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(dim=1)
-    # The weights of selected slots (masked slots' weights are never used): 4 small kernels, no extra sync.
-    used_weights = torch.where(topk_idx >= 0, topk_weights, 0.0) if topk_weights is not None else None
-    flags = [out_of_range, duplicate_tokens.any()] + ([~used_weights.isfinite().all()] if used_weights is not None
-                                                      else [])
-    bad_range, bad_duplicate, *bad_weight = torch.stack(flags).tolist()
+    flags = [out_of_range, duplicate_tokens.any()]
+    if topk_weights is not None:  # the weights of selected slots (a masked slot's weight is never used)
+        finite = torch.where(topk_idx >= 0, topk_weights, 0.0).isfinite()
+        flags.append(~finite.all())
+    bad_range, bad_duplicate, *bad_weight = torch.stack(flags).tolist()  # the one device->host copy
     if bad_range:
         low, high = int(topk_idx.min()), int(topk_idx.max())
         raise InvalidRoutingError(f"topk_idx values must be in [-1, {num_experts}); got range [{low}, {high}]")
@@ -50,8 +49,8 @@ def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int, topk_weights: Op
         token = int(torch.nonzero(duplicate_tokens)[0])
         raise InvalidRoutingError(f"token {token} selects the same expert in two top-k slots: "
                                   f"{topk_idx[token].tolist()}")
-    if bad_weight and bad_weight[0]:
-        token, slot = (int(i) for i in torch.nonzero(~used_weights.isfinite())[0])
+    if any(bad_weight):
+        token, slot = (int(i) for i in torch.nonzero(~finite)[0])
         raise InvalidRoutingError(f"token {token} has the routing weight {float(topk_weights[token, slot])} in "
                                   f"top-k slot {slot} (expert {int(topk_idx[token, slot])}): weights of selected "
                                   "slots must be finite")
@@ -132,12 +131,12 @@ class Buffer:
             raise RuntimeError("ep_comm.Buffer needs torch.distributed to be initialized (init_process_group)")
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
-        self.config = BufferConfig(hidden=_as_int(hidden), num_experts=_as_int(num_experts),
-                                   num_topk=_as_int(num_topk), max_tokens_per_rank=_as_int(max_tokens_per_rank),
+        self.config = BufferConfig(hidden=hidden, num_experts=num_experts, num_topk=num_topk,
+                                   max_tokens_per_rank=max_tokens_per_rank,
                                    world_size=dist.get_world_size(self.group), dispatch_format=dispatch_format,
-                                   combine_format=combine_format, expert_alignment=_as_int(expert_alignment),
-                                   rht_sign_mask=_as_int(rht_sign_mask), num_sms=_as_int(num_sms),
-                                   num_local_sms=_as_int(num_local_sms), timeout_s=timeout_s)
+                                   combine_format=combine_format, expert_alignment=expert_alignment,
+                                   rht_sign_mask=rht_sign_mask, num_sms=num_sms, num_local_sms=num_local_sms,
+                                   timeout_s=timeout_s)
         self.check_inputs = check_inputs
         # Compared across ranks before anything is validated, so that a bad or mismatched argument on one rank
         # raises on every rank instead of leaving the others waiting in a collective.
@@ -233,10 +232,10 @@ class Buffer:
                              world_size: int, dispatch_format: str = "nvfp4", combine_format: str = "s2f6",
                              expert_alignment: int = 1, backend: str = "nvlink") -> BufferSizes:
         """Bytes a backend needs for these bounds, before any Buffer exists (no process group needed)."""
-        config = BufferConfig(hidden=_as_int(hidden), num_experts=_as_int(num_experts), num_topk=_as_int(num_topk),
-                              max_tokens_per_rank=_as_int(max_tokens_per_rank), world_size=_as_int(world_size),
+        config = BufferConfig(hidden=hidden, num_experts=num_experts, num_topk=num_topk,
+                              max_tokens_per_rank=max_tokens_per_rank, world_size=world_size,
                               dispatch_format=dispatch_format, combine_format=combine_format,
-                              expert_alignment=_as_int(expert_alignment))
+                              expert_alignment=expert_alignment)
         config.validate()
         if backend not in ("reference", "nvlink"):
             raise ValueError(f"backend must be 'reference' or 'nvlink' for a size hint, got {backend!r}")

@@ -70,6 +70,15 @@ class BufferConfig:
     num_local_sms: int = 0
     timeout_s: float = 100.0
 
+    _INTEGERS = ("hidden", "num_experts", "num_topk", "max_tokens_per_rank", "world_size", "expert_alignment",
+                 "rht_sign_mask", "num_sms", "num_local_sms")
+
+    def __post_init__(self):
+        # numpy integers (a config read from an array, say) become ints here, for every maker of a config; what is
+        # not an integer stays for validate() to refuse.
+        for name in self._INTEGERS:
+            object.__setattr__(self, name, as_int(getattr(self, name)))
+
     @property
     def num_local_experts(self) -> int:
         return self.num_experts // self.world_size
@@ -81,8 +90,7 @@ class BufferConfig:
         return self.world_size * per_src + self.num_local_experts * (self.expert_alignment - 1)
 
     def validate(self) -> None:
-        integers = ("hidden", "num_experts", "num_topk", "max_tokens_per_rank", "world_size", "expert_alignment",
-                    "rht_sign_mask", "num_sms", "num_local_sms")
+        integers = self._INTEGERS
         for name in integers:  # a float or bool here would pass the range checks and fail (or misalign) later
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
