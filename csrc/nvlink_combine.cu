@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
 
   const int warps_per_block = blockDim.x / 32;
   const int warp_in_block = threadIdx.x / 32;
-  const int global_warp = blockIdx.x * warps_per_block + warp_in_block;
+  const int global_warp = grid_warp_index();
   const int num_warps = gridDim.x * warps_per_block;
 
   // Items: received tokens, each split into `split` parts of its 512-element column groups when there are
@@ -343,7 +343,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
 
   const int warps_per_block = blockDim.x / 32;
   const int warp_in_block = threadIdx.x / 32;
-  const int global_warp = blockIdx.x * warps_per_block + warp_in_block;
+  const int global_warp = grid_warp_index();
   const int num_warps = gridDim.x * warps_per_block;
   const char* area = cfg.local_base + cfg.off_combine;
   const long long row_bytes = cfg.comb_row_bytes;

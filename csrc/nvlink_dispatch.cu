@@ -130,14 +130,15 @@ __device__ __forceinline__ uint4 mxfp8_unit16(const unsigned char* xrow, int h, 
 }
 
 // Row amax of a bf16 row (NaN ignored, Inf kept) by the whole warp: bf16x2 max, exact (max is order-free,
-// so U independent accumulators give the same bits as one). U = 8 loads in flight per lane: an H = 7168 row
-// (28 pieces per lane) takes 4 dependent load rounds instead of 7, which is the amax latency of a small
-// call (every warp of a token computes the whole row's amax before quantizing its part).
+// so any grouping gives the same bits). U = 14 loads in flight per lane: an H = 7168 row (28 pieces per lane) takes
+// 2 dependent load rounds (4 with U = 8, 7 with one load at a time), which is the amax latency of a small call
+// (every warp of a token computes the whole row's amax before quantizing its part).
 __device__ __forceinline__ float warp_row_amax(const unsigned char* row, int hidden, int lane) {
-  constexpr int U = 8;
-  __nv_bfloat162 acc[U];
+  constexpr int U = 14;
+  constexpr int kAcc = 2;  // independent max chains (max is exact: the grouping changes no bit)
+  __nv_bfloat162 acc[kAcc];
 #pragma unroll
-  for (int u = 0; u < U; ++u) acc[u] = __floats2bfloat162_rn(0.0f, 0.0f);
+  for (int u = 0; u < kAcc; ++u) acc[u] = __floats2bfloat162_rn(0.0f, 0.0f);
   const int pieces = hidden / 8;
   for (int c0 = lane; c0 < pieces; c0 += 32 * U) {
     uint4 v[U];
@@ -152,13 +153,13 @@ __device__ __forceinline__ float warp_row_amax(const unsigned char* row, int hid
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&w[i]);
-        acc[u] = __hmax2(acc[u], __habs2(h));  // __hmax2 returns the non-NaN operand; acc is never NaN
+        acc[u % kAcc] = __hmax2(acc[u % kAcc], __habs2(h));  // __hmax2 returns the non-NaN operand; acc is never NaN
       }
     }
   }
   float a = 0.0f;
 #pragma unroll
-  for (int u = 0; u < U; ++u) a = fmaxf(a, fmaxf(__low2float(acc[u]), __high2float(acc[u])));
+  for (int u = 0; u < kAcc; ++u) a = fmaxf(a, fmaxf(__low2float(acc[u]), __high2float(acc[u])));
 #pragma unroll
   for (int o = 16; o >= 1; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, o));
   return a;
@@ -203,41 +204,68 @@ __device__ void compute_receive_layout(const NvlinkConfig& cfg, const ReceiveLay
     L.has_row_flags[s] = static_cast<int>(ld_coherent_u32(counts + s * cfg.count_stride + num_local + 1));
   }
   __syncthreads();
-  // Per expert: total rows; seg_start[s][j] becomes the prefix over sources (offset added below).
-  for (int j = threadIdx.x; j < num_local; j += blockDim.x) {
-    int run = 0;
-    for (int s = 0; s < world; ++s) {
-      const int v = L.seg_start[s * num_local + j];
-      L.seg_start[s * num_local + j] = run;
-      run += v;
+  // Per expert j (thread j of each round of blockDim.x experts): total rows, seg_start[s][j] the prefix over sources
+  // (offset added below), and the exclusive scan of the aligned segment sizes by the whole block -- each warp scans
+  // its 32 experts, warp 0 scans the warp sums. Integer sums: the same offsets as any order gives. The receive, and the
+  // send with direct self rows, wait for this on a small call's critical path: with one warp scanning 32 experts per
+  // step, this function took 2.8-2.9 us of a 1- or 128-token dispatch at 256 local experts, 1.6-1.7 us in this form (in-kernel timer
+  // stamps at world 1 on H200, bench/RESULTS.md, thirty-third session).
+  __shared__ int warp_sums[kCommThreads / 32];
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int num_warps = blockDim.x / 32;
+  int carry = 0;
+  for (int base = 0; base < num_local; base += blockDim.x) {
+    const int j = base + threadIdx.x;
+    int size = 0;
+    if (j < num_local) {
+      int run = 0;
+      for (int s = 0; s < world; ++s) {
+        const int v = L.seg_start[s * num_local + j];
+        L.seg_start[s * num_local + j] = run;
+        run += v;
+      }
+      L.totals[j] = run;
+      size = (run + cfg.alignment - 1) / cfg.alignment * cfg.alignment;
     }
-    L.totals[j] = run;
+    int incl = size;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xFFFFFFFFu, incl, o);
+      if (lane >= o) incl += v;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+      int v = lane < num_warps ? warp_sums[lane] : 0;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int u = __shfl_up_sync(0xFFFFFFFFu, v, o);
+        if (lane >= o) v += u;
+      }
+      if (lane < num_warps) warp_sums[lane] = v;  // inclusive over warps
+    }
+    __syncthreads();
+    if (j < num_local) L.offsets[j] = carry + (warp > 0 ? warp_sums[warp - 1] : 0) + incl - size;
+    carry += warp_sums[num_warps - 1];
+    __syncthreads();  // warp_sums is rewritten by the next round
   }
-  __syncthreads();
-  if (threadIdx.x < 32) {  // warp 0: exclusive scan of aligned segment sizes, 32 experts per step
-    const int lane = threadIdx.x;
-    int carry = 0;
-    for (int base = 0; base < num_local; base += 32) {
-      const int j = base + lane;
-      const int size = j < num_local ? (L.totals[j] + cfg.alignment - 1) / cfg.alignment * cfg.alignment : 0;
-      int incl = size;
+  if (warp == 0) {  // the offsets' end, and the staging items' prefix over sources (32 sources per step)
+    if (lane == 0) L.offsets[num_local] = carry;
+    int run = 0;
+    for (int base = 0; base < world; base += 32) {
+      const int s = base + lane;
+      const int n = s < world ? L.ntok[s] : 0;
+      int incl = n;
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
         const int v = __shfl_up_sync(0xFFFFFFFFu, incl, o);
         if (lane >= o) incl += v;
       }
-      if (j < num_local) L.offsets[j] = carry + incl - size;
-      carry += __shfl_sync(0xFFFFFFFFu, incl, 31);
+      if (s < world) L.item_start[s] = run + incl - n;
+      run += __shfl_sync(0xFFFFFFFFu, incl, 31);
     }
-    if (lane == 0) {
-      L.offsets[num_local] = carry;
-      int run = 0;
-      for (int s = 0; s < world; ++s) {
-        L.item_start[s] = run;
-        run += L.ntok[s];
-      }
-      L.item_start[world] = run;
-    }
+    if (lane == 0) L.item_start[world] = run;
   }
   __syncthreads();
   // Counts that do not fit the result (only when counts of different calls meet after a timeout): recorded as a fault
