@@ -315,9 +315,10 @@ inline void check_cuda(cudaError_t err, const char* what) {
 // A warp's index in its grid, block-minor: consecutive indices fall on different blocks (SMs). The combine kernels
 // hand out work items by this index, so a call with fewer items than warps spreads them over the SMs instead of
 // filling the first blocks' schedulers while the other SMs idle: a 1-token combine (one item split into 14 column
-// parts) took 9.2-9.4 us instead of 10.8-11.0 at world 1 on H200 (bench/RESULTS.md, thirty-third session). The
-// dispatch kernels keep block-major items (blockIdx.x * warps + warp): block-minor measured 5-8% slower there for
-// expand=False at 1 and 128 tokens, and within -2.4% .. +1.8% for the expanding dispatch.
+// parts) took 9.2-9.4 us, against 10.8-11.0 in the same call (10.4-11.0 over that session's calls) at world 1 on H200
+// (bench/RESULTS.md, thirty-third session). The dispatch kernels keep block-major items (blockIdx.x * warps + warp):
+// block-minor measured 4.6-8.0% slower there for expand=False at 1 and 128 tokens, and -2.4% .. +1.8% for the
+// expanding dispatch.
 __device__ __forceinline__ int grid_warp_index() {
   return static_cast<int>(threadIdx.x / 32u * gridDim.x + blockIdx.x);
 }

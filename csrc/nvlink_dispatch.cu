@@ -208,8 +208,8 @@ __device__ void compute_receive_layout(const NvlinkConfig& cfg, const ReceiveLay
   // (offset added below), and the exclusive scan of the aligned segment sizes by the whole block -- each warp scans
   // its 32 experts, warp 0 scans the warp sums. Integer sums: the same offsets as any order gives. The receive, and the
   // send with direct self rows, wait for this on a small call's critical path: with one warp scanning 32 experts per
-  // step, this function took 2.8-2.9 us of a 1- or 128-token dispatch at 256 local experts, 1.6-1.7 us in this form (in-kernel timer
-  // stamps at world 1 on H200, bench/RESULTS.md, thirty-third session).
+  // step, this function took 2.8-2.9 us of a 1- or 128-token dispatch at 256 local experts, 1.6-1.7 us in this form
+  // (in-kernel timer stamps at world 1 on H200, bench/RESULTS.md, thirty-third session).
   __shared__ int warp_sums[kCommThreads / 32];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;

@@ -222,8 +222,8 @@ def versus_reference_worker(rank, world, direct_self_min_tokens=None):
 
 
 def block_counts_worker(rank, world, stream_recv=True):
-    """Kernels with different grids (send num_sms=3, local phases num_local_sms=5, or 1/2) and a call large
-    enough for 63 multi-token layout chunks: the per-kernel counters and the chunked layout stay exact. The NVFP4
+    """Kernels with different grids (send num_sms=3, local phases num_local_sms=5, or 1/2) and calls large
+    enough for 63-64 multi-token layout chunks: the per-kernel counters and the chunked layout stay exact. The NVFP4
     case takes direct self rows (a 2-block send: many tokens per warp, one warp per token). One warp per token is
     also what gives rows their row flags: with stream_recv (the default) the receive expands each row as its flag
     arrives, and reads the BF16 self rows from x; without it, the receive waits for the whole send (the
@@ -232,12 +232,14 @@ def block_counts_worker(rank, world, stream_recv=True):
     os.environ["EP_COMM_NVLINK_STREAM_RECV"] = "1" if stream_recv else "0"
     _direct_self(0)
     summary = []
-    # (The last case: chunks of 47 tokens, 376 keys over the layout kernel's 8 warps, so a warp ranks its keys in two
-    # 32-key steps; every other case gives each warp one step at most.)
-    cases = [(256, "bf16", "bf16", 1, 3, 5, 1500), (256, "nvfp4", "s2f6", 16, 1, 2, 1500),
-             (512, "mxfp8", "s2f6", 1, 5, 3, 40), (256, "bf16", "s2f6", 1, 4, 6, 3000)]
-    for case_id, (hidden, dfmt, cfmt, align, sms, local_sms, max_tokens) in enumerate(cases):
-        experts, topk = 16 * world, 8
+    # The T = 3000 case: chunks of 46-47 tokens, 368-376 keys over the layout kernel's 8 warps, so most warps rank
+    # their keys in two 32-key steps (every other case gives each warp one step at most). The last case: 600 experts per
+    # rank, so the receive layout scans them in two rounds of 512 (the second with a short last warp), alignment 3.
+    cases = [(256, "bf16", "bf16", 1, 3, 5, 1500, 16), (256, "nvfp4", "s2f6", 16, 1, 2, 1500, 16),
+             (512, "mxfp8", "s2f6", 1, 5, 3, 40, 16), (256, "bf16", "s2f6", 1, 4, 6, 3000, 16),
+             (256, "nvfp4", "s2f6", 3, 4, 6, 40, 600)]
+    for case_id, (hidden, dfmt, cfmt, align, sms, local_sms, max_tokens, experts_per_rank) in enumerate(cases):
+        experts, topk = experts_per_rank * world, 8
         tokens = [max_tokens - 101 * r % max_tokens for r in range(world)]
         with _buffer_pair(hidden, experts, topk, max_tokens, dfmt, cfmt, align, num_sms=sms,
                           num_local_sms=local_sms) as (ref, nvl):
