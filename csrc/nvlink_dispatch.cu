@@ -191,6 +191,16 @@ struct ReceiveLayout {
         has_row_flags(item_start + world + 1) {}
 };
 
+// Inclusive prefix sum of v over the warp's lanes (whole warp).
+__device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int below = __shfl_up_sync(0xFFFFFFFFu, v, o);
+    if (lane >= o) v += below;
+  }
+  return v;
+}
+
 __device__ void compute_receive_layout(const NvlinkConfig& cfg, const ReceiveLayout& L, long long num_rows) {
   const int world = cfg.world;
   const int num_local = cfg.num_local;
@@ -228,21 +238,11 @@ __device__ void compute_receive_layout(const NvlinkConfig& cfg, const ReceiveLay
       L.totals[j] = run;
       size = (run + cfg.alignment - 1) / cfg.alignment * cfg.alignment;
     }
-    int incl = size;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xFFFFFFFFu, incl, o);
-      if (lane >= o) incl += v;
-    }
+    const int incl = warp_inclusive_sum(size, lane);
     if (lane == 31) warp_sums[warp] = incl;
     __syncthreads();
     if (warp == 0) {
-      int v = lane < num_warps ? warp_sums[lane] : 0;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int u = __shfl_up_sync(0xFFFFFFFFu, v, o);
-        if (lane >= o) v += u;
-      }
+      const int v = warp_inclusive_sum(lane < num_warps ? warp_sums[lane] : 0, lane);
       if (lane < num_warps) warp_sums[lane] = v;  // inclusive over warps
     }
     __syncthreads();
@@ -256,12 +256,7 @@ __device__ void compute_receive_layout(const NvlinkConfig& cfg, const ReceiveLay
     for (int base = 0; base < world; base += 32) {
       const int s = base + lane;
       const int n = s < world ? L.ntok[s] : 0;
-      int incl = n;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(0xFFFFFFFFu, incl, o);
-        if (lane >= o) incl += v;
-      }
+      const int incl = warp_inclusive_sum(n, lane);
       if (s < world) L.item_start[s] = run + incl - n;
       run += __shfl_sync(0xFFFFFFFFu, incl, 31);
     }

@@ -144,7 +144,8 @@ def _time_calls(buf, x, topk_idx, weights, expert_out, iters: int, device):
     pairs. GPU: the pairs are enqueued back to back (no host sync, no barrier between them) with a CUDA event before
     and after each call, so an interval is the call's device time whenever the host keeps ahead of the GPU (an eager
     call costs ~45-57 us of host time on the H200 machine's CPU, up to ~95 on a slow one: bench/profile_host.py); a
-    call shorter than that shows its host cost instead. CPU ranks (gloo): the wall time of each call, the ranks aligned by a barrier before it."""
+    call shorter than that shows its host cost instead. CPU ranks (gloo): the wall time of each call, the ranks aligned
+    by a barrier before it."""
     import torch.distributed as dist
 
     dispatch_times, combine_times = [], []

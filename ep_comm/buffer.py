@@ -108,9 +108,9 @@ class Buffer:
             per call, whatever check_inputs is), so inputs rejected on one rank -- dispatch or combine -- raise on
             every rank. On nvlink (no host collective per call) a rank whose ids or weights are rejected tells its
             peers, which raise at their next call naming it, and the Buffer is then unusable on every rank. Without
-            checks, ids outside [0, num_experts) are masked slots on both backends; a token naming one expert in two slots is
-            undefined (the reference backend counts the expert twice; nvlink may leave rows unwritten, which check()
-            and the next call report), and non-finite weights reach the combine as they are.
+            checks, ids outside [0, num_experts) are masked slots on both backends; a token naming one expert in two
+            slots is undefined (the reference backend counts the expert twice; nvlink may leave rows unwritten, which
+            check() and the next call report), and non-finite weights reach the combine as they are.
         format_impl: "auto" | "reference" | "cuda", quantization path of the reference backend.
 
     combine weights each expert row with the routing weight given to dispatch (DispatchResult.topk_weight, kept in the

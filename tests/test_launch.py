@@ -115,7 +115,8 @@ def test_ranks_do_not_outlive_the_launcher(signal_name):
         time.sleep(1.0)  # past the ranks' start-up
         assert launcher.poll() is None, f"the launcher ended before the signal (exit code {launcher.poll()})"
         launcher.send_signal(sent)
-        assert launcher.wait(timeout=60) == -sent, f"launcher exit code {launcher.returncode}, not death by {signal_name}"
+        assert launcher.wait(timeout=60) == -sent, \
+            f"launcher exit code {launcher.returncode}, not death by {signal_name}"
         alive = ranks
         for _ in range(100):
             alive = [pid for pid in ranks if _alive(pid)]
