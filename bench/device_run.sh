@@ -473,6 +473,23 @@ profile_comm_ncu() {  # Nsight Compute on one dispatch + combine at 4096 tokens 
     grep -E "^  [a-z_]+_kernel|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible|long_scoreboard_per|Warp Cycles Per Issued" "$OUT/ncu_comm_$name.txt" | tee -a "$log"
   done
 }
+profile_small_stalls() {  # ncu stall reasons of the five kernels of one NVFP4/S2F6 call pair at world 1 (SMALL_STALLS_TOKENS,
+  # default 1; skip 13 = profile_nvlink's first dispatch and two warm-up pairs), caches flushed before each kernel (ncu's
+  # default) and not flushed: how much of a small call is instruction fetch (stalled_no_instruction)
+  local cache tokens="${SMALL_STALLS_TOKENS:-1}"
+  for cache in all none; do
+    say "profile: ncu stall reasons, world 1, $tokens tokens, nvfp4/s2f6, --cache-control $cache"
+    CUDA_VISIBLE_DEVICES=0 timeout 200 ncu --target-processes all --cache-control "$cache" \
+      --kernel-name regex:"layout_kernel|dispatch_send|dispatch_recv|combine_send|combine_recv" --launch-skip 13 \
+      --launch-count 5 --section WarpStateStats \
+      --metrics gpu__time_duration.sum,smsp__inst_executed.sum,regex:"smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+      python3 bench/profile_nvlink.py --nproc 1 --tokens "$tokens" --formats nvfp4/s2f6 --iters 1 \
+      > "$OUT/ncu_small_stalls_${tokens}_$cache.txt" 2>&1
+    echo "ncu small stalls $tokens tokens, cache $cache: rc $?" | tee -a "$log"
+    grep -E "^  [a-z_:<>0-9A-Za-z ,()]*kernel|gpu__time_duration.sum|smsp__inst_executed.sum|stalled_(no_instruction|long_scoreboard|membar|barrier|wait|branch_resolving|lg_throttle|short_scoreboard)_per_issue_active|Warp Cycles Per Issued" \
+      "$OUT/ncu_small_stalls_${tokens}_$cache.txt" | tee -a "$log"
+  done
+}
 profile_one_rank_ab() {  # per-kernel device time of dispatch + combine at world 1 (one GPU; all rows local), this tree
   # against ab_base.tar: the local kernels' A/B when only one GPU is lent
   ab_trees "profile: world 1, 4096 tokens" "^ +4096 " env CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/profile_nvlink.py \
