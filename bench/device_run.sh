@@ -165,6 +165,9 @@ PY
 bench_stream_recv() {  # A/B: the streaming dispatch receive on and off, NVFP4 and BF16, small and large calls
   bench_ab EP_COMM_NVLINK_STREAM_RECV "1 0" 128,1024,4096 nvfp4/s2f6,bf16/bf16
 }
+bench_compact_copy() {  # A/B: split rows copied by the short loop (default) or the unrolled one; AB_NPROC=1 on one GPU
+  bench_ab EP_COMM_NVLINK_COMPACT_COPY "1 0" 1,128,512,4096 nvfp4/s2f6,bf16/bf16
+}
 bench_bf16_sms() {  # the BF16 dispatch at 4096 tokens with 16 / 24 / 32 / 48 send blocks (is the send SM-bound?)
   for sms in 16 24 32 48; do
     say "bench: BF16 dispatch / combine, --num-sms $sms"

@@ -115,6 +115,7 @@ class NvlinkContext {
     // Streaming receive (nvlink.h): the receive expands rows as they arrive. A wave receive keeps the wait for the
     // whole send (it writes rows expert by expert, in an order unrelated to the send's).
     a.stream_recv = a.wave_values == nullptr && dispatch_stream_recv() ? 1 : 0;
+    a.compact_copy = dispatch_compact_copy() ? 1 : 0;
     // Self rows from x (nvlink.h), BF16 and MXFP8: the send stores no staging rows for this rank itself, and the receive
     // makes those rows from x (BF16 copied, MXFP8 quantized) while the peers' rows are still arriving.
     // Neither with row_index (no expansion): every row the result names must be in staging, this rank's own too.

@@ -235,6 +235,10 @@ struct DispatchArgs {
   // Streaming receive (see the protocol above): set by the host launcher for dispatches without waves unless
   // EP_COMM_NVLINK_STREAM_RECV=0 (dispatch_stream_recv).
   int stream_recv;
+  // The receive copies a row split across many warps (at most two 16-byte units per lane: small calls) with a short
+  // loop instead of the unrolled one (copy_section): set by the host launcher unless EP_COMM_NVLINK_COMPACT_COPY=0
+  // (dispatch_compact_copy).
+  int compact_copy;
   // Self rows from x (streaming receive, BF16 and MXFP8): the send stores no staging rows for this rank itself; the
   // receive expands this rank's own tokens straight from x (MXFP8: quantized there, as the send would have), while the
   // peers' rows are still arriving.
@@ -277,6 +281,7 @@ void launch_combine_recv(const NvlinkConfig& cfg, const CombineArgs& args, uintp
 void launch_give_up(const NvlinkConfig& cfg, uintptr_t stream);  // set every peer's abort word (nvlink_give_up.cu)
 bool dispatch_pdl_allowed();  // EP_COMM_NVLINK_PDL is not 0 (the streaming receive's launch)
 bool dispatch_stream_recv();  // EP_COMM_NVLINK_STREAM_RECV: 1 (default) streaming receive, 0 wait for the whole send
+bool dispatch_compact_copy();  // EP_COMM_NVLINK_COMPACT_COPY: 1 (default) short copy loop for split rows, 0 unrolled
 // Shared-memory opt-ins that depend on the config (call once per Buffer, before any launch).
 void prepare_layout_kernel(const NvlinkConfig& cfg);
 void prepare_dispatch_kernels(const NvlinkConfig& cfg);

@@ -590,6 +590,11 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
 // entries, shared memory), choosing the widest unit the destination row stride allows. The lane copies
 // units first, first + stride, ... (stride = 32 * warps sharing the row); on the 16-byte path eight
 // independent loads are in flight before the stores (a whole NVFP4 row of H = 7168 in one round).
+// `compact` (DispatchArgs::compact_copy): when a lane has at most two units (a row split across many warps, i.e. a
+// small call), loops that are not unrolled copy them instead (per unit: one load, then a store per row). Same bytes.
+// A small call runs this code once per lane, so the unrolled form's length is what it pays for (probably instruction
+// fetch; bench/RESULTS.md, thirty-fifth session: the NVFP4 dispatch 8-9% faster at 1 and 128 tokens, world 1). Not
+// for more rounds: with seven per lane (BF16 at 512 tokens) the rolled loop made the dispatch 4% slower.
 constexpr int kCopyUnroll = 8;
 
 // First round of copy_section's 16-byte path, issued early (before the metadata work of the item) so the
@@ -606,8 +611,18 @@ __device__ __forceinline__ void prefetch_section(const char* src, long long byte
 
 __device__ __forceinline__ void copy_section(const char* src, unsigned char* dst_base, long long row_stride,
                                              long long bytes, const int* rows, int n, int first, int stride,
-                                             const uint4* pre = nullptr) {
-  if (bytes % 16 == 0) {
+                                             bool compact, const uint4* pre = nullptr) {
+  if (bytes % 16 == 0 && compact && bytes / 16 <= 2ll * stride) {
+    const long long units = bytes / 16;
+#pragma unroll 1
+    for (long long c = first; c < units; c += stride) {
+      // (Only pre[0]: a second prefetched unit is loaded again, from L2. Taking pre[1] as well pushed the MXFP8
+      // receive into spills.)
+      const uint4 v = pre != nullptr && c == first ? pre[0] : ld_coherent_v4(src + c * 16);
+#pragma unroll 1
+      for (int i = 0; i < n; ++i) st_v4(dst_base + static_cast<long long>(rows[i]) * row_stride + c * 16, v);
+    }
+  } else if (bytes % 16 == 0) {
     constexpr int U = kCopyUnroll;
     const long long units = bytes / 16;
     for (long long c0 = first; c0 < units; c0 += static_cast<long long>(stride) * U) {
@@ -864,7 +879,8 @@ __device__ __forceinline__ void receive_own_token(const NvlinkConfig& cfg, const
     }
   } else {  // BF16: the row's bytes as they are
     const char* x_row = reinterpret_cast<const char*>(args.x) + static_cast<long long>(t) * cfg.disp_data_bytes;
-    copy_section(x_row, args.out_data, cfg.disp_data_bytes, cfg.disp_data_bytes, rows, n, part * 32 + lane, 32 * split);
+    copy_section(x_row, args.out_data, cfg.disp_data_bytes, cfg.disp_data_bytes, rows, n, part * 32 + lane, 32 * split,
+                 args.compact_copy != 0);
   }
 }
 
@@ -1022,7 +1038,8 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
     __syncwarp();
     if (n == 0 || waves) continue;
     const int* rows = out_rows[warp_in_block];
-    copy_section(row, args.out_data, cfg.disp_data_bytes, cfg.disp_data_bytes, rows, n, first, stride, pre);
+    copy_section(row, args.out_data, cfg.disp_data_bytes, cfg.disp_data_bytes, rows, n, first, stride,
+                 args.compact_copy != 0, pre);
     if (scales_prefetched) {
       if (first < cfg.disp_scale_bytes / 16) {
         for (int i = 0; i < n; ++i) {
@@ -1031,7 +1048,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
       }
     } else if (cfg.disp_scale_bytes > 0) {
       copy_section(row + cfg.disp_scale_off, args.out_scales, cfg.disp_scale_bytes, cfg.disp_scale_bytes, rows, n,
-                   first, stride);
+                   first, stride, args.compact_copy != 0);
     }
     // Every lane holds the amax word (a warp-uniform address: one transaction).
     if (cfg.disp_fmt == kDispNvfp4 && part == 0 && lane < n) args.out_amax[rows[lane]] = __uint_as_float(amax_bits);

@@ -206,6 +206,11 @@ bool combine_pdl() {
 
 bool dispatch_pdl_allowed() { return pdl_override() != 0; }
 
+bool dispatch_compact_copy() {
+  static const bool on = env_choice("EP_COMM_NVLINK_COMPACT_COPY", {"1", "0"}) == 0;
+  return on;
+}
+
 bool dispatch_stream_recv() {
   static const bool on = env_choice("EP_COMM_NVLINK_STREAM_RECV", {"1", "0"}) == 0;
   return on;
