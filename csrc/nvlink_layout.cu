@@ -13,8 +13,9 @@
 // per-warp running histogram in shared memory; a scan over warps turns the per-warp histograms into each
 // warp's base (added in a second pass) and the block's histogram, stored in layout_base[c]. The last block
 // to finish (a done-counter; placement itself uses no atomics) turns layout_base into an exclusive scan over
-// chunks and writes the totals (counts). scratch_pos / scratch_slot are therefore relative to the chunk:
-// the consumer (dispatch send) adds layout_base[t / chunk_tokens][key]. Keys of the "rank" kind live after
+// chunks and writes the totals (counts); a call of one chunk writes its counts directly. scratch_pos /
+// scratch_slot are therefore relative to the chunk: the consumer (dispatch send) adds
+// layout_base[t / chunk_tokens][key]. Keys of the "rank" kind live after
 // the E experts in the same histogram.
 #include <cuda_runtime.h>
 
@@ -125,7 +126,12 @@ __global__ void __launch_bounds__(kLayoutMaxWarps * 32) layout_kernel(NvlinkConf
   }
   __syncthreads();
 
-  // Exclusive scan over warps, per key kind; the block's totals are this chunk's histogram.
+  // Exclusive scan over warps, per key kind; the block's totals are this chunk's histogram. One block (one chunk, calls
+  // of up to kLayoutMinChunkTokens tokens): its totals are the counts and its base over earlier chunks is 0, written
+  // here, and it skips the done-counter, fences and read-back below (world 1, one token: NVFP4 dispatch 18.4 -> 16.4
+  // us, bench/RESULTS.md, thirty-fifth session). Larger calls keep their chunks: one block for 128 tokens, with this
+  // path, made the dispatch 24-33% slower than 8 blocks.
+  const bool single_chunk = gridDim.x == 1;
   int* chunk_hist = cfg.layout_base + static_cast<long long>(chunk) * num_keys_kinds;
   for (int c = threadIdx.x; c < num_keys_kinds; c += blockDim.x) {
     int run = 0;
@@ -134,7 +140,11 @@ __global__ void __launch_bounds__(kLayoutMaxWarps * 32) layout_kernel(NvlinkConf
       hist[w * num_keys_kinds + c] = run;
       run += v;
     }
-    chunk_hist[c] = run;
+    chunk_hist[c] = single_chunk ? 0 : run;
+    if (single_chunk) {
+      if (c < cfg.num_experts) cfg.expert_count[c] = run;
+      else cfg.rank_count[c - cfg.num_experts] = run;
+    }
   }
   __syncthreads();
 
@@ -150,6 +160,8 @@ __global__ void __launch_bounds__(kLayoutMaxWarps * 32) layout_kernel(NvlinkConf
     cfg.scratch_pos[q] = pos + my_hist[e];
     if (slot >= 0) cfg.scratch_slot[q] = slot + my_hist[cfg.num_experts + e / cfg.num_local];
   }
+
+  if (single_chunk) return;  // the counts are written above; the consumers wait for this grid's completion
 
   // Last block: exclusive scan of the chunk histograms over chunks; totals are the counts.
   __threadfence();
