@@ -36,6 +36,12 @@ __device__ __forceinline__ int load_expert(const void* idx, int is64, long long 
   return (e < 0 || e >= num_experts) ? -1 : static_cast<int>(e);  // out of range: the Buffer rejects it
 }
 
+// The call's total for key kind c (experts first, then destination ranks): the count the send publishes.
+__device__ __forceinline__ void store_key_count(const NvlinkConfig& cfg, int c, int total) {
+  if (c < cfg.num_experts) cfg.expert_count[c] = total;
+  else cfg.rank_count[c - cfg.num_experts] = total;
+}
+
 // Last layout block: layout_base[chunk][key] becomes the exclusive scan over chunks, the totals the counts.
 // Thread c owns column c; all of its kN chunk values are in flight at once (one L2 round trip), then the
 // scan runs in registers (same integer sums, same order). kN >= num_chunks.
@@ -54,8 +60,7 @@ __device__ __forceinline__ void scan_chunk_columns(const NvlinkConfig& cfg, int 
       if (ch < num_chunks) col[static_cast<long long>(ch) * num_keys_kinds] = run;
       run += v[ch];
     }
-    if (c < cfg.num_experts) cfg.expert_count[c] = run;
-    else cfg.rank_count[c - cfg.num_experts] = run;
+    store_key_count(cfg, c, run);
   }
 }
 
@@ -140,10 +145,11 @@ __global__ void __launch_bounds__(kLayoutMaxWarps * 32) layout_kernel(NvlinkConf
       hist[w * num_keys_kinds + c] = run;
       run += v;
     }
-    chunk_hist[c] = single_chunk ? 0 : run;
     if (single_chunk) {
-      if (c < cfg.num_experts) cfg.expert_count[c] = run;
-      else cfg.rank_count[c - cfg.num_experts] = run;
+      chunk_hist[c] = 0;
+      store_key_count(cfg, c, run);
+    } else {
+      chunk_hist[c] = run;
     }
   }
   __syncthreads();
