@@ -132,20 +132,28 @@ __device__ __forceinline__ uint4 mxfp8_unit16(const unsigned char* xrow, int h, 
 // Row amax of a bf16 row (NaN ignored, Inf kept) by the whole warp: bf16x2 max, exact (max is order-free,
 // so any grouping gives the same bits). U = 14 loads in flight per lane: an H = 7168 row (28 pieces per lane) takes
 // 2 dependent load rounds (4 with U = 8, 7 with one load at a time), which is the amax latency of a small call
-// (every warp of a token computes the whole row's amax before quantizing its part).
-__device__ __forceinline__ float warp_row_amax(const unsigned char* row, int hidden, int lane) {
+// (every warp of a token computes the whole row's amax before quantizing its part). `between()` runs once, after the
+// first round's loads are issued and before their values are used: the caller's other loads (the token's routing,
+// one of which depends on another) then wait alongside the row instead of before it.
+template <typename Between>
+__device__ __forceinline__ float warp_row_amax(const unsigned char* row, int hidden, int lane, Between&& between) {
   constexpr int U = 14;
   constexpr int kAcc = 2;  // independent max chains (max is exact: the grouping changes no bit)
   __nv_bfloat162 acc[kAcc];
 #pragma unroll
   for (int u = 0; u < kAcc; ++u) acc[u] = __floats2bfloat162_rn(0.0f, 0.0f);
   const int pieces = hidden / 8;
+  bool between_done = false;
   for (int c0 = lane; c0 < pieces; c0 += 32 * U) {
     uint4 v[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + 32 * u;
       v[u] = c < pieces ? ld_input_v4(row + static_cast<long long>(c) * 16) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    if (!between_done) {
+      between();
+      between_done = true;
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -157,6 +165,7 @@ __device__ __forceinline__ float warp_row_amax(const unsigned char* row, int hid
       }
     }
   }
+  if (!between_done) between();  // a lane past the row's pieces (H < 256) issued no loads
   float a = 0.0f;
 #pragma unroll
   for (int u = 0; u < kAcc; ++u) a = fmaxf(a, fmaxf(__low2float(acc[u]), __high2float(acc[u])));
@@ -382,11 +391,12 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_send_kernel(NvlinkConfi
   // only (layout kernel outputs and x); whole warp calls.
   auto load_item = [&](long long item, int& e, int& slot, int& pos, float& w, float& amax) {
     const int t = static_cast<int>(item / split);
-    token_routing(cfg, args, t, lane, e, slot, pos, w);
     amax = 0.0f;
-    if (kFmt == kDispNvfp4) {
+    if (kFmt == kDispNvfp4) {  // the row's first amax loads go out before the routing loads
       const unsigned char* xrow = reinterpret_cast<const unsigned char*>(args.x) + static_cast<long long>(t) * hidden * 2;
-      amax = warp_row_amax(xrow, hidden, lane);
+      amax = warp_row_amax(xrow, hidden, lane, [&] { token_routing(cfg, args, t, lane, e, slot, pos, w); });
+    } else {
+      token_routing(cfg, args, t, lane, e, slot, pos, w);
     }
   };
 

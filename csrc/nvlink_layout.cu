@@ -103,10 +103,15 @@ __global__ void __launch_bounds__(kLayoutMaxWarps * 32) layout_kernel(NvlinkConf
     const long long t = valid ? q / topk : 0;
     const int k = valid ? static_cast<int>(q - t * topk) : 0;
     const int d = e >= 0 ? e / cfg.num_local : -1;
+    // An earlier slot on the same rank d holds an expert in [d * E_local, (d + 1) * E_local): two compares per slot
+    // instead of an integer division (masked slots load as -1, below every rank's range; when d is -1, first is
+    // already false).
+    const int rank_lo = d * cfg.num_local;
+    const int rank_hi = rank_lo + cfg.num_local;
     bool first = d >= 0;
     for (int kk = 0; kk < k; ++kk) {
       const int other = load_expert(args.topk_idx, args.idx_is_int64, t * topk + kk, cfg.num_experts);
-      if (other >= 0 && other / cfg.num_local == d) first = false;
+      if (other >= rank_lo && other < rank_hi) first = false;
     }
     // Expert keys.
     const unsigned int peers_e = __match_any_sync(0xFFFFFFFFu, e);
