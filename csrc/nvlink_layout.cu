@@ -105,7 +105,8 @@ __global__ void __launch_bounds__(kLayoutMaxWarps * 32) layout_kernel(NvlinkConf
     const int d = e >= 0 ? e / cfg.num_local : -1;
     // An earlier slot on the same rank d holds an expert in [d * E_local, (d + 1) * E_local): two compares per slot
     // instead of an integer division (masked slots load as -1, below every rank's range; when d is -1, first is
-    // already false).
+    // already false). The divisions were ~0.8 us of a one-token dispatch (world 1, bench/RESULTS.md, thirty-sixth
+    // session); taking the earlier slots from other lanes by shuffles instead of these L1 reloads gained nothing.
     const int rank_lo = d * cfg.num_local;
     const int rank_hi = rank_lo + cfg.num_local;
     bool first = d >= 0;
