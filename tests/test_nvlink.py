@@ -50,6 +50,17 @@ def _make_inputs(rank, num_tokens, hidden, num_experts, topk, routing, world, se
     if routing == "all_to_one":
         scores[:, num_experts // world:] = -1.0
     idx = scores.topk(topk, dim=1).indices
+    if routing == "rank_edges" and num_tokens:
+        # Each token holds experts at the edges of the ranks' expert ranges (first and last of each rank; a random subset
+        # when there are more than K) in random slots, the other slots masked: the layout's "an earlier slot goes to
+        # the same rank" test meets both sides of every range boundary, after and before masked slots.
+        per_rank = num_experts // world
+        edges = torch.tensor(sorted({e for d in range(world) for e in (d * per_rank, (d + 1) * per_rank - 1)}))
+        used = min(topk, edges.numel())
+        idx = torch.full((num_tokens, topk), -1, dtype=torch.long)
+        for t in range(num_tokens):
+            slots = torch.randperm(topk, generator=gen)[:used]
+            idx[t, slots] = edges[torch.randperm(edges.numel(), generator=gen)[:used]]
     if routing == "masked" and num_tokens:
         mask = torch.rand(num_tokens, topk, generator=gen) < 0.3
         mask[0] = True
@@ -198,6 +209,8 @@ def versus_reference_worker(rank, world, direct_self_min_tokens=None):
         # K = 1: one term per token, so the edge rows (+-0, subnormals) reach the combine outputs unmixed
         (2048, "bf16", "bf16", 1, "uniform", 8 * world, 1),
         (2048, "nvfp4", "s2f6", 1, "uniform", 8 * world, 1),
+        # experts at the ranks' range edges (the layout's same-rank test); case 18, so no rank is left empty
+        (2048, "nvfp4", "s2f6", 1, "rank_edges", 16 * world, 8),
     ]
     summary = []
     for case_id, (hidden, dfmt, cfmt, align, routing, experts, topk) in enumerate(cases):
