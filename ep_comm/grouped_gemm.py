@@ -50,8 +50,9 @@ import torch
 import torch.nn.functional as F
 
 from . import _ext
-from .formats import (NVFP4_BLOCK, NVFP4Tensor, _check_float_input, _check_nvfp4, _f32, _nan_to_zero_abs,
-                      _pack_e2m1_codes, _unpack_e2m1_codes, _use_cuda, e2m1_decode, e4m3_decode, e4m3_encode)
+from .formats import (NVFP4_BLOCK, NVFP4Tensor, _check_float_input, _check_nvfp4, _f32, _is_capturing,
+                      _nan_to_zero_abs, _pack_e2m1_codes, _unpack_e2m1_codes, _use_cuda, e2m1_decode, e4m3_decode,
+                      e4m3_encode)
 from .types import CombineRowsTarget
 
 __all__ = [
@@ -220,6 +221,19 @@ def _one_amax_per_expert(amax: torch.Tensor) -> bool:
     return torch.equal(bits, bits[:, :1].expand_as(bits))
 
 
+def check_weight_values(w: NVFP4Tensor, name: str = "weight") -> None:
+    """Refuses NVFP4 weights whose values no expert path can use: E4M3 scale bytes 0x7F..0xFF (NaN or negative
+    scales) and an amax that is NaN, Inf or negative. pack_gemm_weights and MoELayer (on either expert path) both call
+    it, so the reference path does not take weights that the fused path refuses. Reads the values (a device->host
+    sync: an offline or construction-time check)."""
+    if bool((w.scales.view(torch.uint8) >= 0x7F).any()):
+        raise ValueError(f"{name} scales must be finite and non-negative (E4M3 bytes 0x00..0x7E); "
+                         "found negative or NaN scales")
+    amax = w.amax.float()
+    if not bool(torch.isfinite(amax).all()) or bool((amax < 0).any()):
+        raise ValueError(f"{name} amax must be finite and non-negative")
+
+
 def pack_gemm_weights(w: NVFP4Tensor, swiglu: bool) -> GemmWeights:
     """Pack NVFP4 expert weights w (logical [E, N, K], one amax per expert) for `grouped_gemm_nvfp4`.
 
@@ -243,13 +257,9 @@ def pack_gemm_weights(w: NVFP4Tensor, swiglu: bool) -> GemmWeights:
         raise TypeError(f"scales must be float8_e4m3fn, got {w.scales.dtype}")
     if not isinstance(swiglu, bool):
         raise TypeError(f"swiglu must be a bool, got {type(swiglu).__name__}")
+    check_weight_values(w)
     scale_bytes = w.scales.view(torch.uint8)
-    if bool((scale_bytes >= 0x7F).any()):
-        raise ValueError("weight scales must be finite and non-negative (E4M3 bytes 0x00..0x7E); "
-                         "found negative or NaN scales")
     amax = w.amax.float()
-    if not bool(torch.isfinite(amax).all()) or bool((amax < 0).any()):
-        raise ValueError("weight amax must be finite and non-negative")
     if not _one_amax_per_expert(amax):
         raise ValueError("pack_gemm_weights needs one amax per expert (w.amax equal along N, bit for bit, as "
                          "moe.pack_weights makes it)")
@@ -498,14 +508,16 @@ def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Option
 
 
 def quantize_expanded_rows(x: torch.Tensor, amax: Optional[torch.Tensor] = None, impl: str = "auto",
-                           num_rows_limit: Optional[torch.Tensor] = None) -> ExpandedRows:
+                           num_rows_limit: Optional[torch.Tensor] = None, check_amax: bool = True) -> ExpandedRows:
     """NVFP4 4/6 quantization of x [R, K] (fp32 / bf16 / fp16, K % 16 == 0) straight into the GEMM operand form.
 
     Bitwise `expand_nvfp4_rows(formats.nvfp4_quantize(x, four_over_six=True, amax=amax))`: values fp16 [R, K]
     (e2m1 * e4m3 block scale), row_factor fp32 [R] (amax * fp32(1 / (6 * 256))). On CUDA one kernel writes both
     (the packed codes are never stored): the w2 input of the fused experts (moe.fused_expert_hidden).
     amax: optional fp32 [R] outer amax (default: each row's max |x|, NaN ignored). num_rows_limit: as
-    `expand_nvfp4_rows` (CUDA path: rows at or past it are left unwritten).
+    `expand_nvfp4_rows` (CUDA path: rows at or past it are left unwritten). check_amax: outside a CUDA-graph
+    capture, refuse a NaN or negative amax on every path, as formats.nvfp4_quantize does (a device->host read);
+    MoELayer passes False for the amax its own w1 epilogue computed, so that its forward has no host sync.
     """
     _check_float_input(x, "x", NVFP4_BLOCK)
     if x.dim() != 2:
@@ -515,6 +527,9 @@ def quantize_expanded_rows(x: torch.Tensor, amax: Optional[torch.Tensor] = None,
     if amax is not None and (amax.shape != x.shape[:1] or amax.device != x.device):
         raise ValueError(f"amax must be [{x.shape[0]}] on {x.device}, got {tuple(amax.shape)} on {amax.device}")
     _check_num_rows_limit(num_rows_limit, x.device)
+    if (check_amax and amax is not None and amax.numel() and not _is_capturing()
+            and bool(((amax < 0) | torch.isnan(amax)).any())):
+        raise ValueError("amax must be non-negative and not NaN (it is an absolute maximum)")
     if _use_gemm_kernels(impl, x, "quantize_expanded_rows"):
         from . import _cuda_formats
         values, row_factor = _cuda_formats.nvfp4_quantize_block_values(x, amax, num_rows_limit)

@@ -30,7 +30,7 @@ from . import _ext, formats
 from .formats import _is_capturing
 from .buffer import Buffer
 from .grouped_gemm import (TOKEN_TILES, _check_kernel_row_order, _check_segments, _one_amax_per_expert,
-                           exact_fp32_matmuls, has_combine_rows_kernel)
+                           check_weight_values, exact_fp32_matmuls, has_combine_rows_kernel)
 
 
 @dataclass(frozen=True)
@@ -55,9 +55,11 @@ if hasattr(torch.serialization, "add_safe_globals"):
 
 
 def _check_packed_weights(weights: PackedExpertWeights) -> None:
-    """What PackedExpertWeights promises, checked once at layer construction (a device->host read) on both expert paths,
+    """What PackedExpertWeights promises, checked once at layer construction (device->host reads) on both expert paths,
     so that weights the fused path would refuse are not taken by the reference path (or the reverse): NVFP4Tensors,
-    plain NVFP4 (e4m3_max 448, no 4/6) and one amax per expert (equal along the rows, bit for bit)."""
+    plain NVFP4 (e4m3_max 448, no 4/6), finite non-negative scales and amax (grouped_gemm.check_weight_values: a NaN
+    amax or scale would otherwise give wrong, finite outputs on the reference path) and one amax per expert (equal
+    along the rows, bit for bit)."""
     for name in ("w1", "w2"):
         w = getattr(weights, name)
         if not isinstance(w, formats.NVFP4Tensor):
@@ -69,6 +71,7 @@ def _check_packed_weights(weights: PackedExpertWeights) -> None:
         if w.e4m3_max != formats.NVFP4_WEIGHT_E4M3_MAX:
             raise ValueError(f"weights.{name} must be plain NVFP4 (e4m3_max {formats.NVFP4_WEIGHT_E4M3_MAX}, no 4/6), "
                              f"got e4m3_max {w.e4m3_max}: build the weights with moe.pack_weights")
+        check_weight_values(w, f"weights.{name}")
         if not _one_amax_per_expert(w.amax):
             raise ValueError(f"weights.{name} must have one amax per expert (amax equal along the rows, bit for bit): "
                              "build the weights with moe.pack_weights")
@@ -252,7 +255,8 @@ def _expert_hidden_from_rows(x, expert_offsets: torch.Tensor, num_tokens_per_exp
                             token_tile=token_tile, row_amax=row_amax, wave=wave)  # silu(gate) * up
     # NVFP4 4/6 with a per-token amax, written as w2's operand rows in one kernel (bitwise formats.nvfp4_quantize's
     # CUDA kernel followed by expand_nvfp4_rows); rows past rows_in_use skipped.
-    return gemm.quantize_expanded_rows(hidden, amax=row_amax, impl="cuda", num_rows_limit=rows_in_use)
+    return gemm.quantize_expanded_rows(hidden, amax=row_amax, impl="cuda", num_rows_limit=rows_in_use,
+                                       check_amax=False)
 
 
 def fused_expert_mlp(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,

@@ -438,6 +438,11 @@ def test_quantize_expanded_rows_reference_and_errors():
         G.quantize_expanded_rows(x[:, :40])
     with pytest.raises(ValueError, match="amax"):
         G.quantize_expanded_rows(x, amax=amax[:3])
+    for bad in (float("nan"), -1.0):  # refused as formats.nvfp4_quantize refuses it
+        wrong = amax.clone()
+        wrong[4] = bad
+        with pytest.raises(ValueError, match="amax must be non-negative and not NaN"):
+            G.quantize_expanded_rows(x, amax=wrong)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -712,6 +717,10 @@ def test_quantize_expanded_rows_cuda_bitwise(dtype, k):
             assert torch.equal(got.row_factor.view(torch.int32), want.row_factor.view(torch.int32))
     empty = G.quantize_expanded_rows(x[:0], impl="cuda")
     assert tuple(empty.values.shape) == (0, k) and tuple(empty.row_factor.shape) == (0,)
+    wrong = amax.clone()
+    wrong[7] = float("nan")  # the CUDA path refuses it too (MoELayer's own amax skips the check: check_amax=False)
+    with pytest.raises(ValueError, match="amax must be non-negative and not NaN"):
+        G.quantize_expanded_rows(x, amax=wrong, impl="cuda")
     limit = torch.tensor([123], dtype=torch.int32, device="cuda")
     part = G.quantize_expanded_rows(x, impl="cuda", num_rows_limit=limit)
     whole = G.quantize_expanded_rows(x, impl="cuda")

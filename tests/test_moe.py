@@ -1,5 +1,7 @@
 """MoELayer on gloo ranks (reference experts) and on GPUs (fused NVFP4 grouped GEMM and reference experts) against
 a token-by-token single-process oracle."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -420,6 +422,26 @@ def _layer_weight_format_and_state_worker(rank, world):
                 messages.append(None)
             except (TypeError, ValueError) as error:
                 messages.append(f"{type(error).__name__}: {error}")
+        # Values the fused path's packing refuses (a corrupted checkpoint): a NaN amax of one expert, a NaN scale byte,
+        # a negative scale. The reference path would give wrong, finite outputs for the tokens routed there.
+        nan_amax = packed.w1.amax.clone()
+        nan_amax[1] = float("nan")
+        nan_scale = packed.w2.scales.view(torch.uint8).clone()
+        nan_scale[0, 3, 1] = 0x7F
+        negative_scale = packed.w1.scales.view(torch.uint8).clone()
+        negative_scale[2, 0, 0] |= 0x80
+        value_messages = []
+        for weights in (dataclasses.replace(packed, w1=dataclasses.replace(packed.w1, amax=nan_amax)),
+                        dataclasses.replace(packed, w2=dataclasses.replace(
+                            packed.w2, scales=nan_scale.view(packed.w2.scales.dtype))),
+                        dataclasses.replace(packed, w1=dataclasses.replace(
+                            packed.w1, scales=negative_scale.view(packed.w1.scales.dtype)))):
+            try:
+                moe.MoELayer(buf, router, weights, expert_impl="reference")
+                value_messages.append(None)
+            except ValueError as error:
+                value_messages.append(str(error))
+        messages.append(value_messages)
         layer = moe.MoELayer(buf, router, packed)
         before = layer.router_weight.clone()
         state = layer.state_dict()
@@ -443,7 +465,12 @@ def test_layer_checks_weight_format_knob_types_and_loaded_router():
     assert messages[1] and "weights.w2 must have one amax per expert" in messages[1], messages
     assert messages[2] == "TypeError: combine_rows must be None or a bool, got 'no'", messages
     assert messages[3] == "TypeError: waves must be None or a bool, got 1", messages
-    assert messages[4] and "router_weight holds NaN or Inf values: not loaded" in messages[4], messages
+    assert messages[4] == ["weights.w1 amax must be finite and non-negative",
+                           "weights.w2 scales must be finite and non-negative (E4M3 bytes 0x00..0x7E); found "
+                           "negative or NaN scales",
+                           "weights.w1 scales must be finite and non-negative (E4M3 bytes 0x00..0x7E); found "
+                           "negative or NaN scales"], messages
+    assert messages[5] and "router_weight holds NaN or Inf values: not loaded" in messages[5], messages
     assert kept and loaded
 
 
