@@ -65,6 +65,7 @@
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -315,6 +316,21 @@ inline void check_cuda(cudaError_t err, const char* what) {
     cudaGetLastError();
     throw std::runtime_error(std::string("ep_comm nvlink: ") + what + ": " + cudaGetErrorString(err));
   }
+}
+
+// Raises, never lowers, `kernel`'s dynamic shared-memory limit on the current device to `bytes`. The limit belongs to
+// the kernel function in the process, not to a Buffer: a later Buffer with smaller tables (fewer experts or ranks)
+// must not cut it below what an earlier, larger Buffer's launches ask for (they would then fail, and a receive that
+// cannot launch leaves its peers to time out). The mutex keeps two threads' read-then-raise from undoing each other.
+inline void raise_dynamic_smem_limit(const void* kernel, size_t bytes, const char* what) {
+  static std::mutex mutex;
+  const std::lock_guard<std::mutex> lock(mutex);
+  cudaFuncAttributes attributes{};
+  check_cuda(cudaFuncGetAttributes(&attributes, kernel), what);
+  if (attributes.maxDynamicSharedSizeBytes >= 0 && static_cast<size_t>(attributes.maxDynamicSharedSizeBytes) >= bytes) {
+    return;
+  }
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)), what);
 }
 
 // A warp's index in its grid, block-minor: consecutive indices fall on different blocks (SMs). The combine kernels

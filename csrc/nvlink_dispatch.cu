@@ -1132,20 +1132,21 @@ size_t recv_smem(const NvlinkConfig& cfg) { return receive_layout_smem(cfg.world
 size_t receive_layout_smem(int world, int num_local) { return ReceiveLayout::ints(world, num_local) * sizeof(int); }
 
 void prepare_dispatch_kernels(const NvlinkConfig& cfg) {
-  // Always opted in: the 48 KiB default bounds static + dynamic shared memory together, and these kernels have a
-  // few KiB of static arrays, so a layout just under 48 KiB would fail to launch without the opt-in.
-  const int smem = static_cast<int>(recv_smem(cfg));
-  check_cuda(cudaFuncSetAttribute(dispatch_send_kernel<kDispNvfp4>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-             "cudaFuncSetAttribute(dispatch_send)");
-  check_cuda(cudaFuncSetAttribute(dispatch_recv_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-             "cudaFuncSetAttribute(dispatch_recv)");
-  check_cuda(cudaFuncSetAttribute(dispatch_recv_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-             "cudaFuncSetAttribute(dispatch_recv, waves)");
-  check_cuda(cudaFuncSetAttribute(dispatch_recv_kernel<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-             "cudaFuncSetAttribute(dispatch_recv, MXFP8 self rows from x)");
-  check_cuda(cudaFuncSetAttribute(dispatch_recv_kernel<false, false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  smem),
-             "cudaFuncSetAttribute(dispatch_recv, rows only)");
+  // Opted in where needed: the 48 KiB default bounds static + dynamic shared memory together, and these kernels have
+  // a few KiB of static arrays, so a layout just under 48 KiB needs the opt-in (cudaFuncGetAttributes reports the
+  // dynamic part left). Raised only: the limit is the kernel's in the process, shared by every Buffer
+  // (raise_dynamic_smem_limit).
+  const size_t smem = recv_smem(cfg);
+  raise_dynamic_smem_limit(reinterpret_cast<const void*>(dispatch_send_kernel<kDispNvfp4>), smem,
+                           "cudaFuncSetAttribute(dispatch_send)");
+  raise_dynamic_smem_limit(reinterpret_cast<const void*>(dispatch_recv_kernel<false>), smem,
+                           "cudaFuncSetAttribute(dispatch_recv)");
+  raise_dynamic_smem_limit(reinterpret_cast<const void*>(dispatch_recv_kernel<true>), smem,
+                           "cudaFuncSetAttribute(dispatch_recv, waves)");
+  raise_dynamic_smem_limit(reinterpret_cast<const void*>(dispatch_recv_kernel<false, true>), smem,
+                           "cudaFuncSetAttribute(dispatch_recv, MXFP8 self rows from x)");
+  raise_dynamic_smem_limit(reinterpret_cast<const void*>(dispatch_recv_kernel<false, false, true>), smem,
+                           "cudaFuncSetAttribute(dispatch_recv, rows only)");
 }
 
 void launch_dispatch_send(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream) {

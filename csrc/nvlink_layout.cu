@@ -260,9 +260,8 @@ int layout_warps(const NvlinkConfig& cfg) {
 
 void prepare_layout_kernel(const NvlinkConfig& cfg) {
   const int warps = layout_warps(cfg);
-  check_cuda(cudaFuncSetAttribute(layout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(layout_smem(cfg, warps))),
-        "cudaFuncSetAttribute(layout)");
+  raise_dynamic_smem_limit(reinterpret_cast<const void*>(layout_kernel), layout_smem(cfg, warps),
+                           "cudaFuncSetAttribute(layout)");
 }
 
 void launch_layout(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream) {

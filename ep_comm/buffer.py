@@ -56,6 +56,18 @@ def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int, topk_weights: Op
                                   "slots must be finite")
 
 
+def _check_nvlink_environment() -> None:
+    """The values of the compared environment variables (_COMPARED_ENVIRONMENT), as the nvlink backend reads them:
+    EP_COMM_PEER_MEMORY auto / nvshmem / ipc (any case; unset: auto), the two switches unset, empty, 0 or 1."""
+    memory = os.environ.get("EP_COMM_PEER_MEMORY", "auto")
+    if memory.lower() not in ("auto", "nvshmem", "ipc"):
+        raise ValueError(f"EP_COMM_PEER_MEMORY must be auto, nvshmem or ipc, got {memory!r}")
+    for name in ("EP_COMM_ALLOW_SHARED_GPU", "EP_COMM_SYNC_CHECK"):
+        value = os.environ.get(name, "")
+        if value not in ("", "0", "1"):
+            raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+
+
 def _tensors_in(obj) -> list:
     """Every tensor of a result: a tensor, or the fields of (nested) dataclasses, lists and tuples."""
     if isinstance(obj, torch.Tensor):
@@ -148,6 +160,10 @@ class Buffer:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if format_impl not in FORMAT_IMPLS:
             raise ValueError(f"format_impl must be one of {FORMAT_IMPLS}, got {format_impl!r}")
+        if backend != "reference":
+            # Here, not in the nvlink availability check: there a malformed value would only make "auto" fall back
+            # to the reference backend with a warning. (Equal on every rank by now: every rank raises.)
+            _check_nvlink_environment()
         self._backend = self._make_backend(backend, format_impl)
         self._destroyed = False
         # The previous CUDA call: (raw stream handles to wait for, the event after it (comm_stream calls) or None, the
@@ -343,7 +359,8 @@ class Buffer:
             recorded.record(_stream_of_raw(last_raw, device))
             waiter.wait_event(recorded)
 
-    def _run_on_stream(self, device: torch.device, comm_stream, done_event, inputs, run, result_in_buffer=False):
+    def _run_on_stream(self, device: torch.device, comm_stream, done_event, inputs, run, result_in_buffer=False,
+                       handle=None):
         """run() on comm_stream (None: the current stream), after everything enqueued so far on the current stream and
         after this Buffer's previous call; then done_event is recorded where run() enqueued its work. The caching
         allocator is told about the streams that share tensors: inputs are marked in use on comm_stream, and the
@@ -353,7 +370,10 @@ class Buffer:
         marked (some allocator backends refuse foreign memory). device: where the call's tensors are (CPU: no
         streams). result_in_buffer: the result reads the Buffer's memory until its next dispatch (expand=False), so
         after a comm_stream call the next call waits for the work enqueued later on comm_stream and on the caller's
-        stream too (recorded when that call is made), where the result is read. self._last_call: see
+        stream too (recorded when that call is made), where the result is read. handle: the dispatch handle a combine
+        reads; made on another stream than this call's (handle.stream: dispatch and combine on two current streams),
+        its tensors are marked in use on this call's stream, so that dropping the dispatch result on the dispatch's
+        stream does not hand their memory out there while the combine may still read it. self._last_call: see
         _order_after_last_call."""
         if comm_stream is None:
             if device.type != "cuda":  # CPU tensors (reference backend over gloo): no stream; the last CUDA call's
@@ -363,6 +383,11 @@ class Buffer:
             capture = capture_id(raw_stream)
             self._order_after_last_call(device, raw_stream, capture)
             out = run()
+            if handle is not None and getattr(handle, "stream", raw_stream) != raw_stream:
+                current = torch.cuda.current_stream(device)
+                for tensor in _tensors_in(handle):
+                    if tensor.is_cuda:
+                        tensor.record_stream(current)
             if done_event is not None:  # on the stream of the call's device (the current device may be another)
                 done_event.record(torch.cuda.current_stream(device))
             self._last_call = ((raw_stream,), None, capture)
@@ -560,7 +585,8 @@ class Buffer:
             self._check_stream_args(expert_out.device, comm_stream, done_event)
         self._validate_together(validate, "combine")
         return self._run_on_stream(expert_out.device, comm_stream, done_event, (expert_out, handle),
-                                   lambda: self._backend.combine(expert_out, handle, local_reduce=local_reduce))
+                                   lambda: self._backend.combine(expert_out, handle, local_reduce=local_reduce),
+                                   handle=handle)
 
     def _validate_combine(self, expert_out, handle) -> None:
         if not isinstance(expert_out, torch.Tensor):
@@ -598,7 +624,7 @@ class Buffer:
             raise TypeError(f"begin_combine_rows needs the DispatchResult of a dispatch, got {type(result).__name__}")
         self._require_combine_rows()
         return self._run_on_stream(self._backend.torch_device, None, None, (),
-                                   lambda: self._backend.begin_combine_rows(result))
+                                   lambda: self._backend.begin_combine_rows(result), handle=result.handle)
 
     @property
     def combine_rows_supported(self) -> bool:
@@ -621,7 +647,7 @@ class Buffer:
         if self.backend != "nvlink":
             raise NotImplementedError("finish_combine_rows needs the nvlink backend")
         return self._run_on_stream(self._backend.torch_device, None, None, (),
-                                   lambda: self._backend.finish_combine_rows(handle))
+                                   lambda: self._backend.finish_combine_rows(handle), handle=handle)
 
     def check(self) -> None:
         """Raise if a kernel of this Buffer recorded a timeout (nvlink backend: a peer that never arrived, or a wave

@@ -212,7 +212,10 @@ class DispatchResult:
        gathers them.
     staging_valid: None, or (nvlink, expand=False, outside a CUDA-graph capture) a callable saying whether x's
        staging rows are still this dispatch's (no later dispatch, no destroy()): `expert_major_x()` raises once they
-       are not. Reads of `x` itself, and results of a captured dispatch (refilled by each replay), are not checked.
+       are not. Reads of `x` itself, and results of a captured dispatch (refilled by each replay), are not checked;
+       nor is the replay of a graph holding a dispatch of this Buffer: it reuses the staging too, but the count behind
+       this check only sees dispatches called from Python (an eager result read after such a replay holds the
+       replay's rows, without an error).
 
     Rows inside one expert segment are in canonical order: by source rank, then source token index.
     """

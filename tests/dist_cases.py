@@ -346,6 +346,8 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
       the other ranks, and the two calls' results would mix (or the call would time out);
     * two CUDA-graph captures in a row (nvlink backend), the first ending with a comm-stream combine: the second
       capture's first call does not wait on the first capture's event (CUDA refuses it);
+    * a combine on another current stream than its dispatch's, held back by a sleep, after the dispatch result was
+      dropped and its memory refilled on the dispatch's stream: the handle's memory stays reserved;
     and the results are bitwise those of the same calls on the current stream. check_inputs=False: no host sync
     (which would order the streams by itself)."""
     device = _device("cuda")
@@ -514,6 +516,22 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
             same(b_res, "the next graph's first dispatch", want_other)
             assert torch.equal(b_y.view(torch.int16), want_y_other.view(torch.int16)), "graph B: combine"
             del graph_a, graph_b
+        # 9. dispatch on the current stream, combine on another current stream held back by a sleep, and the
+        # dispatch result dropped right after on the first stream, its memory handed out and filled there: the Buffer
+        # marks the handle's memory in use on the combine's stream (the handle is opaque: the caller cannot), so the
+        # combine still reads the routing it was given.
+        torch.cuda.synchronize()
+        dropped = buf.dispatch(x, idx, w)
+        handle_tensors = [(t.shape, t.dtype) for t in ep_comm.buffer._tensors_in(dropped.handle) if t.is_cuda]
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(sleep_cycles)
+            y_dropped = buf.combine(expert_out, dropped.handle)
+        del dropped
+        fills = [torch.full(shape, -7, dtype=dtype, device=device) for shape, dtype in handle_tensors]
+        torch.cuda.synchronize()
+        assert torch.equal(y_dropped.view(torch.int16), want_y.view(torch.int16)), \
+            "combine on another stream after its dispatch result was dropped"
+        del fills
         del reused
     finally:
         buf.destroy()

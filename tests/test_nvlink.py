@@ -388,6 +388,25 @@ def streaming_pressure_and_graph_worker(rank, world):
     return "ok"
 
 
+def sync_check_graph_worker(rank, world):
+    """EP_COMM_SYNC_CHECK=1 (every eager call synchronizes and checks) leaves CUDA-graph capture alone: dispatch +
+    combine captured with it set replay bitwise as the eager calls (a synchronize inside the capture would have
+    invalidated it)."""
+    import os
+    os.environ["EP_COMM_SYNC_CHECK"] = "1"  # every rank: the Buffers compare it
+    try:
+        hidden, experts, topk, max_tokens = 512, 8 * world, 4, 64
+        x, idx, w = _make_inputs(rank, max_tokens, hidden, experts, topk, "uniform", world, seed=8)
+        with _buffer_pair(hidden, experts, topk, max_tokens, "nvfp4", "s2f6", 1) as (ref, nvl):
+            assert nvl._backend._sync_check
+            _, out = _pressure_hash(nvl, x, idx, w, hidden, rank)
+            _graph_matches_eager(nvl, ref, x, idx, w, out, "nvfp4", rank, world)
+            nvl._backend.check()
+    finally:
+        os.environ.pop("EP_COMM_SYNC_CHECK", None)
+    return "ok"
+
+
 def pressure_and_graph_worker(rank, world):
     """Races (calls alternating between two input sets, one hash per set) with the NVFP4 self rows staged and stored
     directly by the send (a wait on the peers' counts inside the send): the same hash; graph replay with direct self
@@ -774,6 +793,18 @@ def misuse_worker(rank, world):
         try:
             _expect(ValueError, "another Buffer", lambda: regrouped.combine(
                 torch.zeros(res.num_rows, hidden, dtype=torch.bfloat16, device=x.device), res.handle))
+            # A Buffer with smaller tables made after it must not lower the kernels' shared-memory limits below what
+            # this one's layout and receive ask for (they are the kernel functions', shared by every Buffer).
+            later_small = ep_comm.Buffer(None, max_tokens_per_rank=8, **common)
+            later_small.destroy()
+            wide = regrouped.dispatch(x, idx, w)
+            local = 2 * experts // world
+            want_rows = sum(int(((i >= rank * local) & (i < (rank + 1) * local)).sum())
+                            for i in (_make_inputs(r, 8, hidden, experts, topk, "uniform", world, seed=3)[1]
+                                      for r in range(world)))
+            assert int(wide.num_tokens_per_expert.sum()) == want_rows, (wide.num_tokens_per_expert, want_rows)
+            torch.cuda.synchronize()
+            regrouped._backend.check()
         finally:
             regrouped.destroy()
         _expect(ValueError, "on this Buffer's GPU", lambda: small.dispatch(x.cpu(), idx.cpu(), w.cpu()))
@@ -817,6 +848,39 @@ def misuse_worker(rank, world):
 # ----------------------------------------------------------------------------------------------------------
 # Tests
 # ----------------------------------------------------------------------------------------------------------
+def _malformed_environment_worker(rank, world):
+    """A malformed EP_COMM_ALLOW_SHARED_GPU raises for backend "auto" as for "nvlink" (not a quiet fallback to the
+    reference backend), and is not read for backend "reference"."""
+    import os
+    import ep_comm
+    os.environ["EP_COMM_ALLOW_SHARED_GPU"] = "true"
+    try:
+        messages = []
+        for backend in ("auto", "nvlink"):
+            try:
+                ep_comm.Buffer(None, hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=4,
+                               backend=backend).destroy()
+                messages.append(None)
+            except ValueError as error:
+                messages.append(str(error))
+        ep_comm.Buffer(None, hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=4,
+                       backend="reference").destroy()
+    finally:
+        os.environ.pop("EP_COMM_ALLOW_SHARED_GPU", None)
+    return messages
+
+
+@pytest.mark.cpu
+def test_malformed_nvlink_environment_raises_for_auto_too():
+    assert run_ranks(_malformed_environment_worker, 1, backend="gloo") == [
+        ["EP_COMM_ALLOW_SHARED_GPU must be 0 or 1, got 'true'"] * 2]
+
+
+@pytest.mark.multigpu
+def test_nvlink_sync_check_leaves_graph_capture_alone():
+    assert run_ranks(sync_check_graph_worker, _world(), backend=multigpu_backend(), timeout_s=300) == ["ok"] * _world()
+
+
 @pytest.mark.multigpu
 def test_nvlink_oracle_cases():
     world = _world()
@@ -1110,7 +1174,7 @@ def test_nvlink_dispatch_result_views_of_the_arena(fmt, num_tokens, rows_only):
     recipe = backend._arena_recipe(num_tokens, rows_only)
     assert backend._arena_recipe(num_tokens, rows_only) is recipe  # cached
     arena = torch.arange(recipe.words, dtype=torch.int32) * 7 + 3  # distinct words, nonzero bytes
-    result = backend._result_in_arena(arena, recipe, num_tokens)
+    result = backend._result_in_arena(arena, recipe, num_tokens, 0)
     raw = arena.view(torch.uint8)
     offsets, sizes, _ = layout
 

@@ -565,6 +565,8 @@ class NVLinkHandle:
     row_weight: DispatchResult.topk_weight. num_tokens: T; num_rows: R (capacity); num_topk: K.
     routing: (world size, max_tokens_per_rank, K, R, experts per rank) of the dispatching Buffer: what a combine on
         another Buffer must share (check_handle).
+    stream: the raw CUDA stream the dispatch ran on (where the caching allocator gave out the arena): a combine on
+        another stream marks the arena in use there (Buffer._run_on_stream).
     """
 
     arena: torch.Tensor
@@ -574,6 +576,7 @@ class NVLinkHandle:
     num_topk: int
     owner: Any = None
     routing: Tuple[int, ...] = ()
+    stream: int = 0
 
     send_idx = _ArenaSection(0, per_token=True)
     send_w = _ArenaSection(1, torch.float32, per_token=True)
@@ -848,7 +851,9 @@ class NVLinkBackend:
                 f"rejected expert ids are reported as such instead)")
 
     def _after_call(self) -> None:
-        if self._sync_check:
+        # (Not inside a CUDA-graph capture: synchronizing a capturing stream would invalidate the capture; the replays
+        # are checked by the next eager call or buf.check().)
+        if self._sync_check and not formats._is_capturing():
             torch.cuda.current_stream(self.torch_device).synchronize()  # the Buffer's GPU, whichever is current
             self.check()
 
@@ -972,17 +977,19 @@ class NVLinkBackend:
         # same addresses from the arena base.
         recipe = self._arena_recipe(num_tokens, rows_only)
         arena = torch.empty(recipe.words, dtype=torch.int32, device=x.device)
-        launch(x, topk_idx, topk_weights, num_tokens, arena.data_ptr(), _ext.current_raw_stream(self.device))
+        stream = _ext.current_raw_stream(self.device)
+        launch(x, topk_idx, topk_weights, num_tokens, arena.data_ptr(), stream)
         self._staging_generation += 1  # every dispatch rewrites the staging rows an expand=False result points into
         self._after_call()
-        return self._result_in_arena(arena, recipe, num_tokens)
+        return self._result_in_arena(arena, recipe, num_tokens, stream)
 
     def _staging_still_valid(self, generation: int) -> bool:
         """Whether the staging rows of dispatch `generation` (a dispatch(expand=False) result's x) are still there:
         no later dispatch, no destroy()."""
         return not self._destroyed and self._staging_generation == generation
 
-    def _result_in_arena(self, arena: torch.Tensor, recipe: _ArenaRecipe, num_tokens: int) -> DispatchResult:
+    def _result_in_arena(self, arena: torch.Tensor, recipe: _ArenaRecipe, num_tokens: int,
+                         stream: int) -> DispatchResult:
         """The DispatchResult whose tensors are the sections of `arena` (int32 [recipe.words]) that the recipe names:
         one as_strided view per output, because host time per eager call is what small calls pay and each tensor
         object costs ~1 µs (bench/profile_host.py). Without expansion (recipe.row_index) the payload is the staging
@@ -1010,7 +1017,7 @@ class NVLinkBackend:
             arena.as_strided((n,), (1,), offset) for offset, n in recipe.int_views]
         topk_weight = as_f32.as_strided((rows,), (1,), recipe.topk_weight)
         handle = NVLinkHandle(arena=arena, sections=recipe.sections, num_tokens=num_tokens, num_rows=rows,
-                              num_topk=cfg.num_topk, owner=self._ctx, routing=self._routing)
+                              num_topk=cfg.num_topk, owner=self._ctx, routing=self._routing, stream=stream)
         staging_valid = None
         if row_index is not None and not formats._is_capturing():
             # (A captured result is refilled by each replay, which this count does not see: not checked.)

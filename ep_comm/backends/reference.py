@@ -16,7 +16,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from .. import formats
+from .. import _ext, formats
 from .buffer_tag import tagged_dispatch_ids
 from ..types import BufferConfig, BufferSizes, DispatchResult, combine_bytes_per_token, dispatch_bytes_per_token
 
@@ -111,6 +111,7 @@ class ReferenceHandle:
     num_rows: int
     config: Optional[BufferConfig] = None  # of the Buffer that dispatched (combine refuses another configuration's)
     dispatch_id: int = -1
+    stream: int = 0  # the raw CUDA stream the dispatch ran on (0 on the CPU): see NVLinkHandle.stream
 
 
 class ReferenceBackend:
@@ -330,7 +331,8 @@ class ReferenceBackend:
                                  recv_src_rank=recv_src_rank, recv_src_token=recv_src_token,
                                  recv_topk_weight=recv_weight, layout_row=layout_row, topk_idx=topk_idx,
                                  topk_weights=topk_weights, num_tokens=num_tokens, num_rows=num_rows, config=cfg,
-                                 dispatch_id=dispatch_id)
+                                 dispatch_id=dispatch_id,
+                                 stream=_ext.current_raw_stream(device) if device.type == "cuda" else 0)
         row_index = None
         if not expand:  # padding rows (src_rank -1) hold no received row
             row_index = torch.where(src_rank >= 0, torch.arange(num_rows, dtype=torch.int32, device=device),
