@@ -391,8 +391,11 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
   if (global_warp < num_parts) n = load_terms(static_cast<int>(global_warp / split));
 
   // Rows stored by the GEMM's combine-row epilogue (finished before this kernel): published here, by one thread,
-  // before any block waits (no block depends on another block of this grid, so residency cannot deadlock it).
-  if (args.publish_rows && blockIdx.x == 0 && threadIdx.x == 0) {
+  // before that block waits. Every block waits for this rank's own counter too, so the publisher must be a block that
+  // has started: the one that drew this launch's first ticket (the start tickets of one launch are drawn before any
+  // later launch's: see above), not block 0, which need not be resident when the others are (a large grid, or SMs
+  // held by other streams).
+  if (args.publish_rows && threadIdx.x == 0 && ticket % static_cast<unsigned long long>(cfg.comb_recv_blocks) == 0ull) {
     signal_all_peers_once(cfg, cfg.off_comb_ready, static_cast<unsigned long long>(cfg.comb_send_blocks));
   }
   const bool rows_in =

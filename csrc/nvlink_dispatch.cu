@@ -742,9 +742,16 @@ __device__ void wave_receive_rows(const NvlinkConfig& cfg, const DispatchArgs& a
         int s = cfg.world - 1;  // the source: the last s whose segment starts at or before r
         while (s > 0 && seg_start[s * num_local + lo] > r) --s;
         const long long pos = r - seg_start[s * num_local + lo];
-        // (a slot outside staging only when index and counts belong to different calls: recorded, row skipped)
-        const int slot = row_in_capacity(cfg, static_cast<int>(ld_coherent_u32(
-            index + (static_cast<long long>(s) * num_local + lo) * cfg.max_tokens + pos)), cfg.max_tokens, s);
+        // A position past T_max only comes from duplicate ids that went unchecked (one source sent this expert more
+        // than T_max rows): the sender stored no index entry for it, and the next list's entries lie there, so it is
+        // recorded as a fault and the row skipped instead of read. (A slot outside staging only when index and counts
+        // belong to different calls: recorded, row skipped.)
+        const int slot =
+            row_in_capacity(cfg, pos, cfg.max_tokens, s) < 0
+                ? -1
+                : row_in_capacity(cfg, static_cast<int>(ld_coherent_u32(
+                                      index + (static_cast<long long>(s) * num_local + lo) * cfg.max_tokens + pos)),
+                                  cfg.max_tokens, s);
         if (slot >= 0) {
           my_expert = lo;
           my_row = cfg.local_base + cfg.off_staging +
@@ -942,14 +949,23 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
     // long before its own send got past the kernels ahead of it on the stream, and that time is not the peers'. The
     // deadline starts once they are in.
     const unsigned long long* counts_in = reinterpret_cast<const unsigned long long*>(cfg.local_base + cfg.off_disp_counts);
+    __shared__ int own_counts_in;
     if (threadIdx.x == 0) {
       const unsigned long long* own = counts_in + cfg.rank;
-      spin_until([own] { return ld_acquire_sys(own); }, [epoch](unsigned long long v) { return v >= epoch; },
-                 cfg.abort, cfg.error_word, ~0ull,
-                 [epoch] { return timeout_error_word(kStageDispatchWaitReady, 0, epoch); });
+      own_counts_in = spin_until([own] { return ld_acquire_sys(own); }, [epoch](unsigned long long v) { return v >= epoch; },
+                                 cfg.abort, cfg.error_word, ~0ull,
+                                 [epoch] { return timeout_error_word(kStageDispatchWaitReady, 0, epoch); })
+                          ? 1
+                          : 0;
     }
     __syncthreads();
     block_wait_all_peers(cfg, cfg.off_disp_counts, epoch, kStageDispatchWaitReady, epoch);
+    // Given up (the abort flag) before this rank's own counts came: then nothing says the kernels ahead of the send on
+    // the stream are done, and the stores below could race with them (e.g. a combine receive still reading memory that
+    // a dropped result gave back to the allocator, now this call's arena). Wait for the send grid, and so for
+    // everything before it, first. The send's own waits end at once on the abort flag, so this cannot block for long;
+    // on the normal path it costs nothing.
+    if (!own_counts_in) asm volatile("griddepcontrol.wait;" ::: "memory");
   } else {
     block_wait_all_peers(cfg, cfg.off_disp_ready, epoch * cfg.disp_send_blocks, kStageDispatchWaitReady, epoch);
   }
