@@ -221,7 +221,7 @@ def _one_amax_per_expert(amax: torch.Tensor) -> bool:
     return torch.equal(bits, bits[:, :1].expand_as(bits))
 
 
-def check_weight_values(w: NVFP4Tensor, name: str = "weight") -> None:
+def _check_weight_values(w: NVFP4Tensor, name: str = "weight") -> None:
     """Refuses NVFP4 weights whose values no expert path can use: E4M3 scale bytes 0x7F..0xFF (NaN or negative
     scales) and an amax that is NaN, Inf or negative. pack_gemm_weights and MoELayer (on either expert path) both call
     it, so the reference path does not take weights that the fused path refuses. Reads the values (a device->host
@@ -257,7 +257,7 @@ def pack_gemm_weights(w: NVFP4Tensor, swiglu: bool) -> GemmWeights:
         raise TypeError(f"scales must be float8_e4m3fn, got {w.scales.dtype}")
     if not isinstance(swiglu, bool):
         raise TypeError(f"swiglu must be a bool, got {type(swiglu).__name__}")
-    check_weight_values(w)
+    _check_weight_values(w)
     scale_bytes = w.scales.view(torch.uint8)
     amax = w.amax.float()
     if not _one_amax_per_expert(amax):

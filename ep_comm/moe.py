@@ -30,7 +30,7 @@ from . import _ext, formats
 from .formats import _is_capturing
 from .buffer import Buffer
 from .grouped_gemm import (TOKEN_TILES, _check_kernel_row_order, _check_segments, _one_amax_per_expert,
-                           check_weight_values, exact_fp32_matmuls, has_combine_rows_kernel)
+                           _check_weight_values, exact_fp32_matmuls, has_combine_rows_kernel)
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ if hasattr(torch.serialization, "add_safe_globals"):
 def _check_packed_weights(weights: PackedExpertWeights) -> None:
     """What PackedExpertWeights promises, checked once at layer construction (device->host reads) on both expert paths,
     so that weights the fused path would refuse are not taken by the reference path (or the reverse): NVFP4Tensors,
-    plain NVFP4 (e4m3_max 448, no 4/6), finite non-negative scales and amax (grouped_gemm.check_weight_values: a NaN
+    plain NVFP4 (e4m3_max 448, no 4/6), finite non-negative scales and amax (grouped_gemm._check_weight_values: a NaN
     amax or scale would otherwise give wrong, finite outputs on the reference path) and one amax per expert (equal
     along the rows, bit for bit)."""
     for name in ("w1", "w2"):
@@ -71,7 +71,7 @@ def _check_packed_weights(weights: PackedExpertWeights) -> None:
         if w.e4m3_max != formats.NVFP4_WEIGHT_E4M3_MAX:
             raise ValueError(f"weights.{name} must be plain NVFP4 (e4m3_max {formats.NVFP4_WEIGHT_E4M3_MAX}, no 4/6), "
                              f"got e4m3_max {w.e4m3_max}: build the weights with moe.pack_weights")
-        check_weight_values(w, f"weights.{name}")
+        _check_weight_values(w, f"weights.{name}")
         if not _one_amax_per_expert(w.amax):
             raise ValueError(f"weights.{name} must have one amax per expert (amax equal along the rows, bit for bit): "
                              "build the weights with moe.pack_weights")
