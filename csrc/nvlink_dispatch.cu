@@ -746,12 +746,11 @@ __device__ void wave_receive_rows(const NvlinkConfig& cfg, const DispatchArgs& a
         // than T_max rows): the sender stored no index entry for it, and the next list's entries lie there, so it is
         // recorded as a fault and the row skipped instead of read. (A slot outside staging only when index and counts
         // belong to different calls: recorded, row skipped.)
-        const int slot =
-            row_in_capacity(cfg, pos, cfg.max_tokens, s) < 0
-                ? -1
-                : row_in_capacity(cfg, static_cast<int>(ld_coherent_u32(
-                                      index + (static_cast<long long>(s) * num_local + lo) * cfg.max_tokens + pos)),
-                                  cfg.max_tokens, s);
+        int slot = row_in_capacity(cfg, pos, cfg.max_tokens, s);
+        if (slot >= 0) {
+          slot = row_in_capacity(cfg, static_cast<int>(ld_coherent_u32(
+              index + (static_cast<long long>(s) * num_local + lo) * cfg.max_tokens + pos)), cfg.max_tokens, s);
+        }
         if (slot >= 0) {
           my_expert = lo;
           my_row = cfg.local_base + cfg.off_staging +
@@ -949,14 +948,12 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
     // long before its own send got past the kernels ahead of it on the stream, and that time is not the peers'. The
     // deadline starts once they are in.
     const unsigned long long* counts_in = reinterpret_cast<const unsigned long long*>(cfg.local_base + cfg.off_disp_counts);
-    __shared__ int own_counts_in;
+    __shared__ bool own_counts_in;
     if (threadIdx.x == 0) {
       const unsigned long long* own = counts_in + cfg.rank;
       own_counts_in = spin_until([own] { return ld_acquire_sys(own); }, [epoch](unsigned long long v) { return v >= epoch; },
                                  cfg.abort, cfg.error_word, ~0ull,
-                                 [epoch] { return timeout_error_word(kStageDispatchWaitReady, 0, epoch); })
-                          ? 1
-                          : 0;
+                                 [epoch] { return timeout_error_word(kStageDispatchWaitReady, 0, epoch); });
     }
     __syncthreads();
     block_wait_all_peers(cfg, cfg.off_disp_counts, epoch, kStageDispatchWaitReady, epoch);
@@ -1152,17 +1149,19 @@ void prepare_dispatch_kernels(const NvlinkConfig& cfg) {
   // a few KiB of static arrays, so a layout just under 48 KiB needs the opt-in (cudaFuncGetAttributes reports the
   // dynamic part left). Raised only: the limit is the kernel's in the process, shared by every Buffer
   // (raise_dynamic_smem_limit).
-  const size_t smem = recv_smem(cfg);
-  raise_dynamic_smem_limit(reinterpret_cast<const void*>(dispatch_send_kernel<kDispNvfp4>), smem,
-                           "cudaFuncSetAttribute(dispatch_send)");
-  raise_dynamic_smem_limit(reinterpret_cast<const void*>(dispatch_recv_kernel<false>), smem,
-                           "cudaFuncSetAttribute(dispatch_recv)");
-  raise_dynamic_smem_limit(reinterpret_cast<const void*>(dispatch_recv_kernel<true>), smem,
-                           "cudaFuncSetAttribute(dispatch_recv, waves)");
-  raise_dynamic_smem_limit(reinterpret_cast<const void*>(dispatch_recv_kernel<false, true>), smem,
-                           "cudaFuncSetAttribute(dispatch_recv, MXFP8 self rows from x)");
-  raise_dynamic_smem_limit(reinterpret_cast<const void*>(dispatch_recv_kernel<false, false, true>), smem,
-                           "cudaFuncSetAttribute(dispatch_recv, rows only)");
+  const struct {
+    const void* kernel;
+    const char* what;
+  } kernels[] = {
+      {reinterpret_cast<const void*>(dispatch_send_kernel<kDispNvfp4>), "cudaFuncSetAttribute(dispatch_send)"},
+      {reinterpret_cast<const void*>(dispatch_recv_kernel<false>), "cudaFuncSetAttribute(dispatch_recv)"},
+      {reinterpret_cast<const void*>(dispatch_recv_kernel<true>), "cudaFuncSetAttribute(dispatch_recv, waves)"},
+      {reinterpret_cast<const void*>(dispatch_recv_kernel<false, true>),
+       "cudaFuncSetAttribute(dispatch_recv, MXFP8 self rows from x)"},
+      {reinterpret_cast<const void*>(dispatch_recv_kernel<false, false, true>),
+       "cudaFuncSetAttribute(dispatch_recv, rows only)"},
+  };
+  for (const auto& k : kernels) raise_dynamic_smem_limit(k.kernel, recv_smem(cfg), k.what);
 }
 
 void launch_dispatch_send(const NvlinkConfig& cfg, const DispatchArgs& args, uintptr_t stream) {

@@ -56,18 +56,6 @@ def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int, topk_weights: Op
                                   "slots must be finite")
 
 
-def _check_nvlink_environment() -> None:
-    """The values of the compared environment variables (_COMPARED_ENVIRONMENT), as the nvlink backend reads them:
-    EP_COMM_PEER_MEMORY auto / nvshmem / ipc (any case; unset: auto), the two switches unset, empty, 0 or 1."""
-    memory = os.environ.get("EP_COMM_PEER_MEMORY", "auto")
-    if memory.lower() not in ("auto", "nvshmem", "ipc"):
-        raise ValueError(f"EP_COMM_PEER_MEMORY must be auto, nvshmem or ipc, got {memory!r}")
-    for name in ("EP_COMM_ALLOW_SHARED_GPU", "EP_COMM_SYNC_CHECK"):
-        value = os.environ.get(name, "")
-        if value not in ("", "0", "1"):
-            raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-
-
 def _tensors_in(obj) -> list:
     """Every tensor of a result: a tensor, or the fields of (nested) dataclasses, lists and tuples."""
     if isinstance(obj, torch.Tensor):
@@ -163,7 +151,8 @@ class Buffer:
         if backend != "reference":
             # Here, not in the nvlink availability check: there a malformed value would only make "auto" fall back
             # to the reference backend with a warning. (Equal on every rank by now: every rank raises.)
-            _check_nvlink_environment()
+            from .backends.nvlink import check_environment
+            check_environment()
         self._backend = self._make_backend(backend, format_impl)
         self._destroyed = False
         # The previous CUDA call: (raw stream handles to wait for, the event after it (comm_stream calls) or None, the

@@ -180,6 +180,14 @@ def _device_name(device: torch.device) -> str:
     return f"{torch.cuda.get_device_name(device)}, sm_{major}{minor}"
 
 
+def _check_amax_values(amax: torch.Tensor) -> None:
+    """Refuses a given outer amax that is negative or NaN, outside a CUDA-graph capture (a device->host read). +Inf
+    stays allowed: it is what the computed amax of a row holding an Inf is."""
+    if not _is_capturing() and amax.numel() and bool(((amax < 0) | torch.isnan(amax)).any()):
+        raise ValueError("amax must be non-negative and not NaN (it is an absolute maximum; a computed amax "
+                         "ignores NaN elements)")
+
+
 def _is_capturing() -> bool:
     """Value checks need a device->host copy, which CUDA graph capture forbids: they are skipped there.
 
@@ -442,10 +450,7 @@ def nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True, amax: Optional[t
         except RuntimeError as error:
             raise ValueError(f"amax of shape {tuple(amax.shape)} does not broadcast to the rows of x "
                              f"{tuple(x.shape[:-1])}") from error
-        if not _is_capturing() and amax.numel() and bool(((amax < 0) | torch.isnan(amax)).any()):
-            # (+Inf stays allowed: it is what the computed amax of a row holding an Inf is.)
-            raise ValueError("amax must be non-negative and not NaN (it is an absolute maximum; a computed amax "
-                             "ignores NaN elements)")
+        _check_amax_values(amax)
     elif scale_granularity == "tensor":
         # An empty tensor has amax 0 (torch's amax() refuses an empty input).
         whole = _nan_to_zero_abs(x.float()).amax() if x.numel() else torch.zeros((), device=x.device)

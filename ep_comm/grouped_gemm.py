@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _ext
-from .formats import (NVFP4_BLOCK, NVFP4Tensor, _check_float_input, _check_nvfp4, _f32, _is_capturing,
+from .formats import (NVFP4_BLOCK, NVFP4Tensor, _check_amax_values, _check_float_input, _check_nvfp4, _f32,
                       _nan_to_zero_abs, _pack_e2m1_codes, _unpack_e2m1_codes, _use_cuda, e2m1_decode, e4m3_decode,
                       e4m3_encode)
 from .types import CombineRowsTarget
@@ -527,9 +527,8 @@ def quantize_expanded_rows(x: torch.Tensor, amax: Optional[torch.Tensor] = None,
     if amax is not None and (amax.shape != x.shape[:1] or amax.device != x.device):
         raise ValueError(f"amax must be [{x.shape[0]}] on {x.device}, got {tuple(amax.shape)} on {amax.device}")
     _check_num_rows_limit(num_rows_limit, x.device)
-    if (check_amax and amax is not None and amax.numel() and not _is_capturing()
-            and bool(((amax < 0) | torch.isnan(amax)).any())):
-        raise ValueError("amax must be non-negative and not NaN (it is an absolute maximum)")
+    if check_amax and amax is not None:
+        _check_amax_values(amax)
     if _use_gemm_kernels(impl, x, "quantize_expanded_rows"):
         from . import _cuda_formats
         values, row_factor = _cuda_formats.nvfp4_quantize_block_values(x, amax, num_rows_limit)

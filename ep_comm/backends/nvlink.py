@@ -124,6 +124,22 @@ def _env_flag(name: str) -> bool:
     return value == "1"
 
 
+def _peer_memory_mode() -> str:
+    """EP_COMM_PEER_MEMORY: auto (unset), nvshmem or ipc, any case; anything else is refused."""
+    mode = os.environ.get("EP_COMM_PEER_MEMORY", "auto").lower()
+    if mode not in ("auto", "nvshmem", "ipc"):
+        raise ValueError(f"EP_COMM_PEER_MEMORY must be auto, nvshmem or ipc, got {mode!r}")
+    return mode
+
+
+def check_environment() -> None:
+    """The environment a Buffer compares across ranks (EP_COMM_PEER_MEMORY, EP_COMM_ALLOW_SHARED_GPU,
+    EP_COMM_SYNC_CHECK), parsed as this backend reads it: a malformed value raises ValueError."""
+    _peer_memory_mode()
+    _env_flag("EP_COMM_ALLOW_SHARED_GPU")
+    _env_flag("EP_COMM_SYNC_CHECK")
+
+
 def _env_count(name: str, default: int) -> int:
     """A non-negative 32-bit count: ASCII digits only (unset or empty: the default); refused otherwise, by name."""
     value = os.environ.get(name, "")
@@ -359,9 +375,7 @@ class _SymmetricRegion:
         self._nvshmem = None
         self._ipc_local = None
         self._ipc_opened: List[int] = []
-        mode = os.environ.get("EP_COMM_PEER_MEMORY", "auto").lower()
-        if mode not in ("auto", "nvshmem", "ipc"):
-            raise ValueError(f"EP_COMM_PEER_MEMORY must be auto, nvshmem or ipc, got {mode!r}")
+        mode = _peer_memory_mode()
         if _shared_gpu_allowed():
             if mode == "nvshmem":
                 raise ValueError("EP_COMM_ALLOW_SHARED_GPU=1 maps peers with CUDA IPC; it cannot be combined with "
