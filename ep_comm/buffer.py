@@ -87,9 +87,10 @@ class Buffer:
         max_tokens_per_rank: the most tokens any rank passes to one dispatch (static capacity).
         dispatch_format: "nvfp4" (default; E2M1 + E4M3 per 16 + FP32 per token, 4/6), "mxfp8" or "bf16".
         combine_format: "s2f6" (default; RHT-32 + S2F6 + UE8M0 per 32) or "bf16".
-        backend: "auto" (nvlink when every rank's GPUs are NVLink peers and the fast path can start, else
-            reference -- with a warning that says why; on a gloo (CPU) group reference, without a warning: there are
-            no GPUs to connect), "reference" or "nvlink".
+        backend: "auto" (nvlink when ep_comm._C is built, every GPU is sm_90 or newer, and either nvshmem4py
+            imports on every rank -- then without a peer check of its own: a region NVSHMEM cannot map raises from
+            Buffer() -- or every rank's GPUs are CUDA peers; else reference, with a warning that says why; on a gloo
+            (CPU) group reference, without a warning: there are no GPUs to connect), "reference" or "nvlink".
         expert_alignment: expert segments start at multiples of this (e.g. 128 for GEMM tiles).
         num_sms: blocks (SMs) of the nvlink BF16 and MXFP8 dispatch sends (the NVLink-bound kernels).
         num_local_sms: blocks of every other nvlink kernel -- the NVFP4 quantize-and-send, whose 4/6 quantization

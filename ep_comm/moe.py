@@ -306,7 +306,7 @@ class MoELayer(torch.nn.Module):
     Args:
         buffer: an `ep_comm.Buffer` with dispatch_format="nvfp4" (its hidden, num_experts, num_topk and
             max_tokens_per_rank bound the layer).
-        router_weight: [num_experts, H] (fp32), identical on every rank.
+        router_weight: [num_experts, H], any floating dtype (kept as an fp32 copy), identical on every rank.
         weights: this rank's `PackedExpertWeights` (experts rank * E_local ... (rank + 1) * E_local - 1).
         expert_impl: "fused" (NVFP4 grouped GEMM, sm_90 GPUs), "reference" (FP32 torch matmuls), or "auto":
             fused when the layer's device supports it, else reference -- `self.expert_impl` says which was chosen

@@ -47,7 +47,7 @@ class BufferConfig:
         padding rows are zero and carry src_rank = src_token = -1, weight 0.
     dispatch_format / combine_format: wire formats ("nvfp4" | "mxfp8" | "bf16", "s2f6" | "bf16").
     rht_sign_mask: 32-bit sign vector of the combine RHT (bit i set -> sign -1 on element i of each chunk).
-    num_sms: blocks (one per SM) of the fast backend's NVLink-facing send kernels (<= 24 by default policy).
+    num_sms: blocks (one per SM) of the fast backend's BF16 and MXFP8 dispatch sends (<= 24 by default policy).
     num_local_sms: blocks of the fast backend's HBM-heavy local phases (dispatch receive/expansion, combine
         reduction and receive; also the NVFP4 dispatch send, whose 4/6 quantization is local compute);
         0 (default) = every SM of the device (the minimum over the ranks, so all ranks agree).
@@ -178,7 +178,8 @@ class BufferSizes:
         max_recv_rows rows), not counted here.
     total_symmetric_bytes: what each rank allocates in symmetric memory: the two receive areas, the counts and
         flags, the NVFP4 wave index (4 * world * local experts * max_tokens_per_rank bytes) and rounding, so more
-        than the sum of the fields above.
+        than dispatch_recv_bytes + combine_recv_bytes (expert_layout_bytes and the local part of layout_bytes are
+        not symmetric memory, so the sum of all four fields can exceed it).
     """
 
     dispatch_recv_bytes: int
