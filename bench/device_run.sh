@@ -182,7 +182,7 @@ profile_4096() {
 }
 bench_direct_self() { bench_ab EP_COMM_DIRECT_SELF_MIN_TOKENS "0 1000000000" 128,512,1024,2048,4096; }
 test_nvlink_one_rank() {  # the nvlink suite's workers on one rank (all rows are the rank's own): a 1-GPU check
-  say "gpu tier: nvlink workers at world size 1 (reference comparison, direct self rows, block counts, pressure + graph, streaming)"
+  say "gpu tier: nvlink workers at world size 1 (reference comparison, direct self rows, block counts, pressure + graph, streaming, waves)"
   (cd tests && timeout 300 python3 -c "
 from harness import run_ranks
 import test_nvlink as t
@@ -194,7 +194,11 @@ run_ranks(t.streaming_pressure_and_graph_worker, 1, backend='nccl', timeout_s=28
 run_ranks(t.misuse_worker, 1, backend='nccl', timeout_s=280)
 run_ranks(t.sync_check_graph_worker, 1, backend='nccl', timeout_s=280)
 run_ranks(t.rows_worker, 1, backend='nccl', timeout_s=280)
-print('world 1 nvlink workers passed', r[0]['graph'], r[0]['leak'])
+import test_waves as tw
+w = run_ranks(tw._waves_worker, 1, backend='nccl', timeout_s=280)[0]
+assert w['backend'] == 'nvlink', w['backend']
+tw.check_waves_result(w)
+print('world 1 nvlink workers passed', r[0]['graph'], r[0]['leak'], 'waves duplicate ids:', w['duplicate_ids'])
 " 2>&1 | tail -4 | tee -a "$log")
 }
 profile_host() {  # host (CPU) microseconds per eager dispatch / combine call at world 1, and a cProfile of the Python path
@@ -233,9 +237,9 @@ shared_tier() {  # $1 = name, $2 = timeout s, then pytest arguments: multigpu te
   echo "rc $?" >> "$file"
   grep -E "passed|failed|error|SKIPPED|rc " "$file" | tail -6 | tee -a "$log"
 }
-shared_k() {  # SHARED_K: a pytest -k expression over tests/test_nvlink.py, with 2 ranks sharing GPU 0
-  say "multigpu tier, 2 ranks sharing one GPU: tests/test_nvlink.py -k '${SHARED_K}'"
-  shared_tier k 300 tests/test_nvlink.py -k "$SHARED_K"
+shared_k() {  # SHARED_K: a pytest -k expression over SHARED_FILES (default tests/test_nvlink.py), 2 ranks sharing GPU 0
+  say "multigpu tier, 2 ranks sharing one GPU: ${SHARED_FILES:-tests/test_nvlink.py} -k '${SHARED_K}'"
+  shared_tier k 300 ${SHARED_FILES:-tests/test_nvlink.py} -k "$SHARED_K"
 }
 test_shared_smoke() {  # one GPU: the nvlink smoke (oracle cases, timeouts) with 2 ranks on it and sync checks
   say "multigpu tier, 2 ranks sharing one GPU (gloo, CUDA IPC, time-sliced): nvlink smoke with sync checks"

@@ -206,7 +206,53 @@ def _waves_worker(rank, world):
             out["timeout"] = "no error"
         except RuntimeError as error:
             out["timeout"] = str(error)
+    out["duplicate_ids"] = _unchecked_duplicate_ids(rank, world, device, x, packed_w1)
     return out
+
+
+def _unchecked_duplicate_ids(rank, world, device, x, packed_w1):
+    """check_inputs=False and every token naming expert 0 (rank 0's) in both of its slots: each source sends expert 0
+    two rows per token, 2 T_max in all, so positions past T_max reach the wave receive's per-(source, expert) index
+    lists. The receive must record a fault for them and skip those rows (not read the next list's entries), and the
+    wave GEMM, which then waits for rows that never come, must give up at once on the Buffer's abort flag instead of
+    running into its timeout. What rank 0's check() says, and the seconds until the GEMM was done."""
+    import time
+    tokens = 16
+    with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=EXPERTS, num_topk=2, max_tokens_per_rank=tokens,
+                        timeout_s=30.0, check_inputs=False, backend=auto_backend()) as buf:
+        idx = torch.zeros(tokens, 2, dtype=torch.int64, device=device)
+        weights = torch.ones(tokens, 2, device=device)
+        torch.cuda.synchronize()
+        start = time.monotonic()
+        waved = buf.dispatch_waves(x[:tokens], idx, weights, wave_sms=2)
+        result = waved.result
+        gemm.grouped_gemm_nvfp4(waved.rows, result.expert_offsets, result.num_tokens_per_expert, packed_w1,
+                                out_dtype=torch.float32, wave=waved.wave)
+        torch.cuda.synchronize()
+        seconds = time.monotonic() - start
+        try:
+            buf.check()
+            error = "no error"
+        except RuntimeError as raised:
+            error = str(raised)
+    return {"error": error, "seconds": seconds, "expects_fault": rank == 0}
+
+
+def check_waves_result(result):
+    """The assertions on one rank's _waves_worker result (also run at world 1 by bench/device_run.sh)."""
+    for name, checks in result["dispatch"].items():
+        assert all(v for k, v in checks.items() if k != "rows_in_use"), (name, checks)
+    assert result["dispatch"]["balanced/1"]["rows_in_use"] > 0
+    for name, layer in result["layers"].items():
+        assert layer["waves"] and layer["wave_sms"] >= 1, layer
+        assert layer["equal"] and layer["graph"], (name, layer)
+    assert "wave GEMM" in result["timeout"] and "timed out" in result["timeout"], result["timeout"]
+    duplicate = result["duplicate_ids"]
+    if duplicate["expects_fault"]:  # rank 0: the fault, named as such, long before the 30 s timeout
+        assert "outside its result" in duplicate["error"] and "two top-k slots" in duplicate["error"], duplicate
+        assert duplicate["seconds"] < 10.0, duplicate
+    else:  # no row of this call comes to the other ranks: nothing to report
+        assert duplicate["error"] == "no error", duplicate
 
 
 @pytest.mark.multigpu
@@ -214,13 +260,7 @@ def test_waves_are_bitwise_the_plain_path():
     for result in run_ranks(_waves_worker, 2, backend=multigpu_backend()):
         if result["backend"] != "nvlink":
             pytest.skip(f"waves need the nvlink backend (the GPUs are not NVLink peers: {result['backend']})")
-        for name, checks in result["dispatch"].items():
-            assert all(v for k, v in checks.items() if k != "rows_in_use"), (name, checks)
-        assert result["dispatch"]["balanced/1"]["rows_in_use"] > 0
-        for name, layer in result["layers"].items():
-            assert layer["waves"] and layer["wave_sms"] >= 1, layer
-            assert layer["equal"] and layer["graph"], (name, layer)
-        assert "wave GEMM" in result["timeout"] and "timed out" in result["timeout"], result["timeout"]
+        check_waves_result(result)
 
 
 @pytest.mark.cpu
