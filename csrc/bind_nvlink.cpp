@@ -180,7 +180,7 @@ class NvlinkContext {
   // One-allocation dispatch outputs: every result/handle tensor is a 256-byte aligned section of one
   // uint8 arena (Python carves the views from the same table). Order and sizes are fixed by the config
   // and num_tokens; absent sections (scales for BF16, amax unless NVFP4) have 0 bytes.
-  static constexpr int kArenaSections = 17;
+  static constexpr int kArenaSections = 18;
   struct ArenaLayout {
     long long off[kArenaSections];
     long long bytes[kArenaSections];
@@ -211,10 +211,11 @@ class NvlinkContext {
         4 * W * tmax * K,                            // 14 recv_rows i32 [W * T_max * K]
         rows ? 4 * R : 0,                            // 15 row_index i32 [R] (rows only)
         8,                                           // 16 dispatch word u64 [1]: epoch and Buffer tag (layout kernel)
+        4 * R,                                       // 17 row_weight f32 [R]: the handle's copy of topk_weight
     };
     // Physical order: the 4- and 8-byte-element sections first (Python views them as one int32 block), then the
     // payload and scale bytes.
-    static constexpr int kOrder[kArenaSections] = {0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 16, 15, 2, 3};
+    static constexpr int kOrder[kArenaSections] = {0, 1, 4, 5, 6, 7, 8, 9, 10, 17, 11, 12, 13, 14, 16, 15, 2, 3};
     ArenaLayout a{};
     long long run = 0;
     for (int o = 0; o < kArenaSections; ++o) {
@@ -254,7 +255,7 @@ class NvlinkContext {
     launch_dispatch(a, stream);
   }
 
-  // The dispatch's arguments with every output address at its arena section (sections 0..14 and 16, in the order of
+  // The dispatch's arguments with every output address at its arena section (sections 0..14, 16 and 17, in the order of
   // arena_layout; an empty section gives a null address).
   DispatchArgs arena_args(uintptr_t x, uintptr_t topk_idx, bool idx_is_int64, uintptr_t topk_weights, int num_tokens,
                           uintptr_t arena, bool rows = false) const {
@@ -279,6 +280,7 @@ class NvlinkContext {
     a.src_token = ptr<int>(at(8));
     a.topk_slot = ptr<int>(at(9));
     a.topk_weight = ptr<float>(at(10));
+    a.row_weight = ptr<float>(at(17));
     a.num_rows = cfg_.max_recv_rows;
     a.recv_count = ptr<int>(at(11));
     a.recv_tok = ptr<int>(at(12));
@@ -328,7 +330,7 @@ class NvlinkContext {
     if (num_tokens < 0 || num_tokens > cfg_.max_tokens) throw std::invalid_argument("num_tokens out of range");
     const ArenaLayout l = arena_layout(num_tokens);
     auto at = [&](int i) -> uintptr_t { return arena + static_cast<uintptr_t>(l.off[i]); };
-    combine(expert_out, at(10), local_reduce, at(11), at(12), at(13), at(14), at(0), at(1), at(16), num_tokens, out,
+    combine(expert_out, at(17), local_reduce, at(11), at(12), at(13), at(14), at(0), at(1), at(16), num_tokens, out,
             stream);
   }
 

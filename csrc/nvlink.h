@@ -216,6 +216,8 @@ struct DispatchArgs {
   int* src_token;             // [R]
   int* topk_slot;             // [R]
   float* topk_weight;         // [R]
+  float* row_weight;          // [R] the handle's own copy of topk_weight (what combine reads: edits of the result's
+                              // topk_weight between dispatch and combine do not reach the combine)
   long long num_rows;         // R (capacity)
   // Handle (receiver side, read by combine-send).
   int* recv_count;  // [W] tokens received from each source
@@ -253,7 +255,7 @@ struct DispatchArgs {
 
 struct CombineArgs {
   const unsigned short* expert_out;  // bf16 [R, H]
-  const float* row_weight;           // [R] (DispatchResult.topk_weight)
+  const float* row_weight;           // [R] (the handle's copy of DispatchResult.topk_weight)
   int local_reduce;
   const int* recv_count;
   const int* recv_tok;

@@ -327,6 +327,7 @@ __device__ __forceinline__ void record_staging_row(const NvlinkConfig& cfg, cons
     args.src_token[out_row] = t;
     args.topk_slot[out_row] = lane;
     args.topk_weight[out_row] = w;
+    args.row_weight[out_row] = w;
   }
   if (lane == 0) {
     args.recv_tok[handle_index] = t;

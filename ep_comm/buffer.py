@@ -108,14 +108,17 @@ class Buffer:
             reference backend the ranks agree on the outcome of every call's argument checks (one small all_reduce
             per call, whatever check_inputs is), so inputs rejected on one rank -- dispatch or combine -- raise on
             every rank. On nvlink (no host collective per call) a rank whose ids or weights are rejected tells its
-            peers, which raise at their next call naming it, and the Buffer is then unusable on every rank. Without
+            peers through their device-side abort word: their kernels stop waiting for it and record its name, and
+            the host raises at the next call or check() after that (a peer that had not launched the call yet
+            gets invalid results from it and raises at the one after); the Buffer is then unusable on every rank. Without
             checks, ids outside [0, num_experts) are masked slots on both backends; a token naming one expert in two
             slots is undefined (the reference backend counts the expert twice; nvlink may leave rows unwritten, which
             check() and the next call report), and non-finite weights reach the combine as they are.
         format_impl: "auto" | "reference" | "cuda", quantization path of the reference backend.
 
-    combine weights each expert row with the routing weight given to dispatch (DispatchResult.topk_weight, kept in the
-    handle): it takes no weights of its own.
+    combine weights each expert row with the routing weight given to dispatch (DispatchResult.topk_weight, of which the
+    handle keeps its own copy: editing the result's topk_weight does not change the combine): it takes no weights of
+    its own.
 
     Every rank must construct the Buffer with the same arguments, and with the same EP_COMM_PEER_MEMORY,
     EP_COMM_ALLOW_SHARED_GPU and EP_COMM_SYNC_CHECK environment (compared across ranks before they are validated: a
@@ -424,8 +427,9 @@ class Buffer:
                 the host waits for the GPU; None = the Buffer's setting. Callers whose ids are valid by
                 construction (e.g. torch.topk over the expert logits, as MoELayer) pass False. On the reference
                 backend a rank whose inputs are rejected makes every rank raise. On nvlink, a rank whose ids or
-                weights are rejected tells its peers to stop waiting for it (they raise at their next call, naming
-                it; the Buffer is unusable on every rank from then on); after other arguments rejected on one rank only,
+                weights are rejected tells its peers to stop waiting for it (they raise, naming it, at their first call
+                or check() after one of their kernels has seen the notice -- a peer that had not launched this call
+                yet gets invalid results from it first; the Buffer is unusable on every rank from then on); after other arguments rejected on one rank only,
                 its peers' kernels give up after timeout_s and their next call raises the timeout.
             comm_stream: run the dispatch on this CUDA stream instead of the current one (None, the default): it
                 starts after the work enqueued so far on the current stream, and the current stream does not wait
@@ -519,9 +523,10 @@ class Buffer:
         `grouped_gemm.grouped_gemm_nvfp4(wave_dispatch.rows, ..., wave=wave_dispatch.wave)` as the next kernel on
         the same stream: it starts behind the receive on the other SMs and multiplies each expert as soon as its
         rows are in (csrc/waves.h; `moe.MoELayer(waves=True)` does both). Nothing may be launched on the stream in
-        between (that kernel would become the GEMM's predecessor and the overlap would be lost), and the GEMM is
-        refused if the Buffer is called first: the WaveSync is good for that one launch. Arguments as `dispatch`;
-        wave_sms in [1, `max_wave_sms`] (the receive's block count, num_local_sms).
+        between: that kernel would become the GEMM's predecessor, the overlap would be lost, and the GEMM could start
+        before it ends and overwrite memory it still reads (see grouped_gemm_nvfp4's `wave`). The GEMM is refused if
+        this Buffer is called first (the WaveSync is good for that one launch); other launches cannot be detected.
+        Arguments as `dispatch`; wave_sms in [1, `max_wave_sms`] (the receive's block count, num_local_sms).
         Returns: `types.WaveDispatch(result, rows, wave)`.
         """
         self._check_alive()

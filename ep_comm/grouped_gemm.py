@@ -654,10 +654,12 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
     wave: the `types.WaveSync` of a `Buffer.dispatch_waves` whose rows, offsets and counts these are (CUDA path
         only). This launch runs behind the dispatch's receive (programmatic dependent launch), on the SMs the
         receive leaves free, starting each expert's tiles once the receive has written that expert's rows; same
-        results as without. It must be the next kernel on the stream after that dispatch to overlap with it (pass a
-        preallocated `out`, or none: with `wave` the default output is torch.empty, not zero-filled, so that no fill
-        kernel sits in between), and it is refused (RuntimeError) if the WaveSync was used before, if the Buffer
-        was called since, or on another stream.
+        results as without. It must be the next kernel on the stream after that dispatch (pass a preallocated
+        `out`, or none: with `wave` the default output is torch.empty, not zero-filled, so that no fill kernel sits
+        in between). A kernel in between loses the overlap, and worse: this launch may then start before that
+        kernel ends and write `out` while that kernel still reads memory the allocator gave to both, so nothing
+        may be launched in between. Refused (RuntimeError) if the WaveSync was used before, if the Buffer was called
+        since, or on another stream; other launches in between (torch ops, another Buffer's calls) cannot be seen.
     """
     rows = _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, out_dtype, token_tile, tail_tile,
                               out)
@@ -758,6 +760,8 @@ def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tenso
             or not bases.is_contiguous():
         raise ValueError(f"target.bases must be a contiguous int64 [W >= 1] tensor on {device}")
     _check_cuda_weights(weights)
+    if target.claim is not None:  # its begin_combine_rows still open, on this stream (Buffer targets)
+        target.claim()
     if rows == 0:
         return
     with _ext.cuda_device(device):

@@ -75,6 +75,12 @@ def _check_packed_weights(weights: PackedExpertWeights) -> None:
         if not _one_amax_per_expert(w.amax):
             raise ValueError(f"weights.{name} must have one amax per expert (amax equal along the rows, bit for bit): "
                              "build the weights with moe.pack_weights")
+    # Across the pair: w1 stacks gate and up rows (an even N), and both live on one device (the fused path packs each
+    # where it is; a w2 elsewhere would fail inside the first forward, after the dispatch's collective).
+    if weights.w1.data.shape[1] % 2:
+        raise ValueError(f"weights.w1 must stack gate and up rows (an even N), got N = {weights.w1.data.shape[1]}")
+    if weights.w2.data.device != weights.w1.data.device:
+        raise ValueError(f"weights.w1 is on {weights.w1.data.device} but weights.w2 on {weights.w2.data.device}")
 
 
 def _per_expert_amax(w: torch.Tensor) -> torch.Tensor:

@@ -202,7 +202,8 @@ class DispatchResult:
        num_tokens_per_expert[j]); expert_offsets[E_local] = R_valid, the rows in use (padding included).
     src_rank, src_token: int32 [R]: where each row came from (-1 on padding and unused rows).
     topk_slot: int32 [R]: which top-k slot of the source token chose this expert (-1 on padding).
-    topk_weight: float32 [R]: that slot's routing weight (0 on padding).
+    topk_weight: float32 [R]: that slot's routing weight (0 on padding). The handle keeps its own copy for combine:
+        editing this tensor does not change what combine computes.
     handle: opaque object `combine` needs (backend-specific).
     num_rows: R, the row count of the returned tensors. The reference backend returns exactly the rows in
        use; the nvlink backend returns its fixed capacity (rows past expert_offsets[-1] are unused).
@@ -278,6 +279,9 @@ class CombineRowsTarget:
     abort_flag: device address of the Buffer's uint32 abort flag, or 0 for none. Once the flag is set (a wait timed
         out, a fault, or a peer gave up) the epilogue stores nothing, so that the peers time out too instead of
         reading rows they did not wait for.
+    claim: called by grouped_gemm_nvfp4_combine_rows before each launch; raises unless the target's
+        begin_combine_rows is still open (not finished, not followed by another begin, the Buffer not destroyed) and
+        the launch is on the begin's stream. None (a target made by hand): no such check.
     """
 
     bases: torch.Tensor
@@ -292,6 +296,7 @@ class CombineRowsTarget:
     scale_offset: int
     sign_mask: int
     abort_flag: int = 0
+    claim: Any = None
 
 
 @dataclass(frozen=True)

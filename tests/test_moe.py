@@ -131,14 +131,23 @@ def _combine_rows_checks(buf, router, packed, x, rank):
     return {"equal_to_combine": torch.equal(got.view(torch.int16), expected.view(torch.int16)),
             "deterministic": torch.equal(got.view(torch.int16), again.view(torch.int16)),
             "graph_equal": _graph_replay_matches_eager(layer, x, rank), "y": layer(x).cpu(),
-            "misuse_refused": _combine_rows_misuse_refused(buf, result, x, topk_idx, topk_weights, expected)}
+            "misuse_refused": _combine_rows_misuse_refused(buf, result, x, topk_idx, topk_weights, expected,
+                                                           packed)}
 
 
-def _combine_rows_misuse_refused(buf, result, x, topk_idx, topk_weights, expert_out_like):
-    """begin / finish out of order, a foreign result, and other calls while rows are open: each refused on the host
-    before any kernel (every rank makes the same calls, so the flag protocol stays in step)."""
+def _combine_rows_misuse_refused(buf, result, x, topk_idx, topk_weights, expert_out_like, packed):
+    """begin / finish out of order, a foreign result, other calls while rows are open, and the combine-row GEMM on
+    another stream than its begin or with a target whose combine was finished: each refused on the host before any
+    kernel (every rank makes the same calls, so the flag protocol stays in step)."""
     import dataclasses
+    from ep_comm import grouped_gemm as gemm
     refused = []
+    w2 = gemm.pack_gemm_weights(packed.w2, swiglu=False)
+    rows = gemm.ExpandedRows(values=torch.zeros(result.num_rows, w2.k, dtype=torch.float16, device=x.device),
+                             row_factor=torch.zeros(result.num_rows, device=x.device))
+
+    def gemm_into(target):
+        gemm.grouped_gemm_nvfp4_combine_rows(rows, result.expert_offsets, result.num_tokens_per_expert, w2, target)
 
     def expect(error_type, text, fn):
         try:
@@ -148,15 +157,19 @@ def _combine_rows_misuse_refused(buf, result, x, topk_idx, topk_weights, expert_
             refused.append(text in str(error))
     expect(RuntimeError, "without begin_combine_rows", lambda: buf.finish_combine_rows(result.handle))
     expect(ValueError, "own dispatch", lambda: buf.begin_combine_rows(dataclasses.replace(result, handle=None)))
-    buf.begin_combine_rows(result)
+    target = buf.begin_combine_rows(result)
+    other_stream = torch.cuda.Stream()
+    with torch.cuda.stream(other_stream):
+        expect(RuntimeError, "stream of its begin_combine_rows", lambda: gemm_into(target))
     expect(RuntimeError, "has not been finished", lambda: buf.begin_combine_rows(result))
     expect(RuntimeError, "has not been finished", lambda: buf.dispatch(x, topk_idx, topk_weights))
     expect(RuntimeError, "has not been finished", lambda: buf.combine(expert_out_like.new_zeros(
         result.num_rows, x.shape[1]), result.handle))
     expect(ValueError, "given to begin_combine_rows", lambda: buf.finish_combine_rows(dataclasses.replace(result.handle)))
     buf.finish_combine_rows(result.handle)  # closes the pair (stale rows: the result is not used)
+    expect(RuntimeError, "is stale", lambda: gemm_into(target))  # its stores would land in a published combine
     torch.cuda.synchronize()
-    return all(refused) and len(refused) == 6
+    return all(refused) and len(refused) == 8
 
 
 def _graph_replay_matches_eager(layer, x, rank):
@@ -455,6 +468,15 @@ def _layer_weight_format_and_state_worker(rank, world):
         kept = torch.equal(layer.router_weight, before)
         layer.load_state_dict({"router_weight": router * 2})  # a finite router still loads
         loaded = torch.equal(layer.router_weight, router * 2)
+        # A w1 of odd N cannot stack gate and up rows: refused at construction, not in the first forward's chunk(2).
+        odd_w1 = dataclasses.replace(packed.w1, data=packed.w1.data[:, 1:].contiguous(),
+                                     scales=packed.w1.scales[:, 1:].contiguous(),
+                                     amax=packed.w1.amax[:, 1:].contiguous())
+        try:
+            moe.MoELayer(buf, router, dataclasses.replace(packed, w1=odd_w1), expert_impl="reference")
+            messages.append(None)
+        except ValueError as error:
+            messages.append(str(error))
         return messages, kept, loaded
 
 
@@ -471,6 +493,7 @@ def test_layer_checks_weight_format_knob_types_and_loaded_router():
                            "weights.w1 scales must be finite and non-negative (E4M3 bytes 0x00..0x7E); found "
                            "negative or NaN scales"], messages
     assert messages[5] and "router_weight holds NaN or Inf values: not loaded" in messages[5], messages
+    assert messages[6] and "weights.w1 must stack gate and up rows (an even N)" in messages[6], messages
     assert kept and loaded
 
 
@@ -648,3 +671,26 @@ def test_layer_owns_its_router_and_refuses_what_it_cannot_do():
         assert out["meta_x"] is not None and expected in out["meta_x"], out
         assert all("needs an expanding dispatch" in message for message in out["rows_experts"]), out
         assert all("cannot be pickled or copied" in message for message in out["copies"]), out
+
+
+@pytest.mark.cpu
+def test_combine_rows_target_is_good_between_its_begin_and_finish():
+    """The host-side ticket behind CombineRowsTarget.claim: refused once its begin is closed or superseded, and on a
+    destroyed Buffer (the stream check and the launcher's call need a GPU: _combine_rows_misuse_refused)."""
+    from ep_comm.backends.nvlink import _RowsTicket
+
+    class Backend:
+        _destroyed = False
+        _rows_handle = None
+
+    backend, handle = Backend(), object()
+    ticket = _RowsTicket(backend, handle, stream=0)
+    with pytest.raises(RuntimeError, match="stale"):  # finished: no begin open
+        ticket.claim()
+    backend._rows_handle = object()
+    with pytest.raises(RuntimeError, match="stale"):  # another begin's handle
+        ticket.claim()
+    backend._rows_handle = handle
+    backend._destroyed = True
+    with pytest.raises(RuntimeError, match="destroyed"):
+        ticket.claim()

@@ -146,7 +146,9 @@ def _buffer_pair(*args, **kwargs):
 def _run_pair(name, rank, world, ref, nvl, x, idx, w, fmt, seed, edge=False, expand=True, ref_idx=None):
     """Dispatch + combine (both local_reduce modes) on both backends; bitwise equal. Returns a digest. expand=False:
     the nvlink dispatch hands out its staging rows and row_index; their gather is compared with the reference.
-    ref_idx: the reference dispatches these ids instead, and the nvlink dispatch runs with check_inputs=False."""
+    ref_idx: the reference dispatches these ids instead, and the nvlink dispatch runs with check_inputs=False.
+    Between dispatch and combine the nvlink result's topk_weight is overwritten, as a user may edit it (e.g. normalise
+    it in place): the combine must still weight with what dispatch delivered, as the reference's does."""
     want = ref.dispatch(x, idx if ref_idx is None else ref_idx, w)
     got = (nvl.dispatch(x, idx, w, expand=expand) if ref_idx is None
            else nvl.dispatch(x, idx, w, expand=expand, check_inputs=False))
@@ -154,6 +156,7 @@ def _run_pair(name, rank, world, ref, nvl, x, idx, w, fmt, seed, edge=False, exp
         assert got.row_index is not None and got.row_index.shape == (got.num_rows,), name
     got = _expert_major(got)
     rows = _compare_dispatch(name, got, want, fmt)
+    got.topk_weight.fill_(-3.0)  # the handle keeps its own copy of the weights
     out_ref, out_nvl = _expert_out(rows, got.num_rows, x.shape[1], seed, rank, edge)
     digest = hashlib.sha256()
     for local_reduce in (True, False):
@@ -1125,14 +1128,14 @@ def test_nvlink_region_sections_are_disjoint(world, fmt):
 
 def _cpp_arena_layout(num_tokens, topk, rows, world, num_local, max_tokens, data_bytes, scale_bytes, nvfp4,
                       rows_only=False):
-    """A Python copy of NvlinkContext::arena_layout (csrc/bind_nvlink.cpp): (byte offsets, bytes, total) of the 17
+    """A Python copy of NvlinkContext::arena_layout (csrc/bind_nvlink.cpp): (byte offsets, bytes, total) of the 18
     sections, 256-byte aligned, in the C++ physical order (rows_only: no payload sections, a row_index section)."""
     t, k, r, w, e = num_tokens, topk, rows, world, num_local
     sizes = [4 * t * k, 4 * t * k, 0 if rows_only else r * data_bytes, 0 if rows_only else r * scale_bytes,
              4 * r if nvfp4 else 0, 4 * e, 4 * (e + 1), 4 * r, 4 * r, 4 * r, 4 * r, 4 * w, 4 * w * max_tokens,
-             4 * w * max_tokens, 4 * w * max_tokens * k, 4 * r if rows_only else 0, 8]
-    offsets, run = [0] * 17, 0
-    for i in (0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 16, 15, 2, 3):
+             4 * w * max_tokens, 4 * w * max_tokens * k, 4 * r if rows_only else 0, 8, 4 * r]
+    offsets, run = [0] * 18, 0
+    for i in (0, 1, 4, 5, 6, 7, 8, 9, 10, 17, 11, 12, 13, 14, 16, 15, 2, 3):
         offsets[i] = run
         run += (sizes[i] + 255) // 256 * 256
     return offsets, sizes, max(run, 256)
@@ -1160,7 +1163,7 @@ def test_nvlink_dispatch_result_views_of_the_arena(fmt, num_tokens, rows_only):
                                  fmt == "nvfp4")
     # combine reads every arena with the expanded table: its sections must sit where they do there
     assert all(layout[0][i] == expanded[0][i] and layout[1][i] == expanded[1][i]
-               for i in (0, 1, 10, 11, 12, 13, 14, 16))
+               for i in (0, 1, 17, 11, 12, 13, 14, 16))
 
     class FakeContext:
         def dispatch_arena_layout(self, tokens, rows):
@@ -1218,7 +1221,7 @@ def test_nvlink_dispatch_result_views_of_the_arena(fmt, num_tokens, rows_only):
     assert type(handle).send_w.address(handle) == arena.data_ptr() + offsets[1]
     same_bytes(handle.send_idx, 0, torch.int32, (num_tokens, topk))
     same_bytes(handle.send_w, 1, torch.float32, (num_tokens, topk))
-    same_bytes(handle.row_weight, 10, torch.float32, (rows,))
+    same_bytes(handle.row_weight, 17, torch.float32, (rows,))  # its own copy: not the result's topk_weight
     same_bytes(handle.recv_count, 11, torch.int32, (world,))
     same_bytes(handle.recv_tok, 12, torch.int32, (world * max_tokens,))
     same_bytes(handle.recv_ord, 13, torch.int32, (world * max_tokens,))
@@ -1381,7 +1384,7 @@ def test_nvlink_check_handle_compares_routing_and_device():
     from types import SimpleNamespace
     from ep_comm.backends.nvlink import NVLinkBackend, NVLinkHandle
     from ep_comm.types import BufferConfig
-    sections = tuple((64 * i, 64) for i in range(17))
+    sections = tuple((64 * i, 64) for i in range(18))
     backend = object.__new__(NVLinkBackend)
     backend._ctx, backend.torch_device = object(), torch.device("cpu")
     backend.config = BufferConfig(hidden=256, num_experts=8, num_topk=2, max_tokens_per_rank=8, world_size=2)

@@ -341,6 +341,29 @@ def test_check_inputs_of_another_type_on_one_rank():
     assert run_ranks(_check_inputs_differs_worker, 2, backend="gloo", timeout_s=120) == ["differ", "differ"]
 
 
+def _edited_weights_worker(rank, world):
+    """A DispatchResult's topk_weight edited in place between dispatch and combine (a user normalising it, say): the
+    combine still weights with what dispatch delivered (the handle's own copy), in both local_reduce modes."""
+    import ep_comm
+    gen = torch.Generator().manual_seed(7 + rank)
+    x = torch.randn(6, 64, generator=gen).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(6)])
+    w = torch.rand(6, 2, generator=gen)
+    with ep_comm.Buffer(None, hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=8,
+                        backend="reference") as buf:
+        res = buf.dispatch(x, idx, w)
+        expert_out = torch.randn(res.num_rows, 64, generator=gen).to(torch.bfloat16)
+        before = [buf.combine(expert_out, res.handle, local_reduce=mode) for mode in (True, False)]
+        res.topk_weight.fill_(-3.0)
+        after = [buf.combine(expert_out, res.handle, local_reduce=mode) for mode in (True, False)]
+    return all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(before, after))
+
+
+@pytest.mark.cpu
+def test_combine_ignores_edits_of_the_results_topk_weight():
+    assert run_ranks(_edited_weights_worker, 2, backend="gloo", timeout_s=120) == [True, True]
+
+
 @pytest.mark.cpu
 def test_buffer_config_rejects_wrong_types_and_values():
     """Values that would pass the range checks but fail (or silently misalign) later are refused up front."""

@@ -261,6 +261,31 @@ class _WaveTicket:
         backend._wave_ticket = None
 
 
+class _RowsTicket:
+    """The right of a begin_combine_rows' target to be stored into (CombineRowsTarget.claim, called by
+    grouped_gemm_nvfp4_combine_rows before each launch; MoELayer launches w2 in up to three parts). The epilogue
+    writes straight into the peers' combine areas, which only the begin's wait makes safe and only until the finish
+    publishes them: a launch after finish_combine_rows, after another begin (its src_rank / src_token / topk_slot
+    would place rows at another dispatch's tokens) or after destroy() would corrupt what the peers read, with no
+    fault recorded anywhere. Refused on the host instead, as is a launch on another stream than the begin's."""
+
+    def __init__(self, backend, handle, stream: int):
+        self._backend = backend
+        self._handle = handle
+        self._stream = stream
+
+    def claim(self) -> None:
+        backend = self._backend
+        if backend._destroyed:
+            raise RuntimeError("the Buffer of this combine-rows target was destroyed")
+        if backend._rows_handle is not self._handle:
+            raise RuntimeError("this CombineRowsTarget is stale: its combine was finished (finish_combine_rows) or "
+                               "another begin_combine_rows followed; a target takes GEMM stores only between its "
+                               "begin_combine_rows and finish_combine_rows")
+        if _ext.current_raw_stream(backend.device) != self._stream:
+            raise RuntimeError("the combine-row GEMM must run on the stream of its begin_combine_rows")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Symmetric memory: NVSHMEM (nvshmem4py) or CUDA IPC
 # ----------------------------------------------------------------------------------------------------------
@@ -275,7 +300,7 @@ def _group_ranks(group) -> Tuple[int, ...]:
 def _combine_sections(sections):
     """The arena sections combine reads (send_idx, send_w, row_weight, recv_count, recv_tok, recv_ord, recv_rows,
     dispatch_epoch)."""
-    return tuple(sections[i] for i in (0, 1, 10, 11, 12, 13, 14, 16))
+    return tuple(sections[i] for i in (0, 1, 17, 11, 12, 13, 14, 16))
 
 
 def _shared_gpu_allowed() -> bool:
@@ -576,7 +601,8 @@ class NVLinkHandle:
     dispatch_epoch: int64 [1], the dispatch word: the dispatch's call number on the device in bits 0..39 and the
         dispatching Buffer's tag (agree_buffer_tag) in bits 40..61, written by the layout kernel (so graph replays renew
         it). Combine tells the peers which dispatch its rows follow, and they check it against their own.
-    row_weight: DispatchResult.topk_weight. num_tokens: T; num_rows: R (capacity); num_topk: K.
+    row_weight: [R] fp32, the handle's own copy of DispatchResult.topk_weight (the receive writes both; combine reads
+        this one, so an edit of the result's topk_weight does not change the combine). num_tokens: T; num_rows: R (capacity); num_topk: K.
     routing: (world size, max_tokens_per_rank, K, R, experts per rank) of the dispatching Buffer: what a combine on
         another Buffer must share (check_handle).
     stream: the raw CUDA stream the dispatch ran on (where the caching allocator gave out the arena): a combine on
@@ -594,7 +620,7 @@ class NVLinkHandle:
 
     send_idx = _ArenaSection(0, per_token=True)
     send_w = _ArenaSection(1, torch.float32, per_token=True)
-    row_weight = _ArenaSection(10, torch.float32)
+    row_weight = _ArenaSection(17, torch.float32)
     recv_count = _ArenaSection(11)
     recv_tok = _ArenaSection(12)
     recv_ord = _ArenaSection(13)
@@ -790,8 +816,8 @@ class NVLinkBackend:
         keys = config.num_experts + w
         local = (2 * t_max * k * 4 + 4 * keys + 4 * _LAYOUT_MAX_CHUNKS * keys + 64
                  + 8 * (_WAVE_AREA_FIXED_WORDS + config.num_local_experts))
-        # The handle: recv tables, send_idx + send_w, the dispatch epoch.
-        handle = 4 * (w + 2 * w * t_max + w * t_max * k) + 8 * t_max * k + 8
+        # The handle: recv tables, send_idx + send_w, the dispatch epoch, its copy of the row weights.
+        handle = 4 * (w + 2 * w * t_max + w * t_max * k) + 8 * t_max * k + 8 + 4 * config.max_recv_rows
         return BufferSizes(dispatch_recv_bytes=dispatch, combine_recv_bytes=combine,
                            layout_bytes=L.off_staging + local + handle,
                            expert_layout_bytes=config.max_recv_rows * (payload + 16),
@@ -837,8 +863,8 @@ class NVLinkBackend:
         call = word & 0xFFFFFFFF
         if stage == _STAGE_PEER_GAVE_UP:
             return (f"ep_comm nvlink: rank {self.rank} stopped waiting because rank {peer} gave up: a call there "
-                    f"raised before launching (see the error raised on rank {peer}, e.g. inputs it rejected), so it "
-                    f"will not send that call's rows. Results of the calls in flight and later ones are invalid and "
+                    f"raised (see the error raised on rank {peer}: e.g. inputs it rejected, or an exception that left "
+                    f"its `with Buffer` block), so it will not send that call's rows. Results of the calls in flight and later ones are invalid and "
                     f"this Buffer is unusable")
         if stage == _STAGE_ROW_PAST_CAPACITY:  # a fault, not a timeout
             what = "the exchanged counts" if peer == _ERROR_NO_PEER else f"a row from rank {peer}"
@@ -1066,7 +1092,7 @@ class NVLinkBackend:
         if handle.arena.device != self.torch_device:
             raise ValueError(f"combine got the handle of a dispatch on {handle.arena.device}; this Buffer runs on "
                              f"{self.torch_device}")
-        # (The sections combine reads -- 0, 1, 10..14 and 16 -- sit at the same offsets in both kinds of arena.)
+        # (The sections combine reads -- 0, 1, 11..14, 16 and 17 -- sit at the same offsets in both kinds of arena.)
         if (handle.routing != self._routing or _combine_sections(handle.sections)
                 != _combine_sections(self._arena_recipe(handle.num_tokens).sections)):
             raise ValueError("combine got the handle of another Buffer's dispatch whose sizes or format differ from "
@@ -1122,13 +1148,15 @@ class NVLinkBackend:
             raise ValueError("begin_combine_rows needs a DispatchResult of this Buffer's own dispatch")
         cfg, L = self.config, self.layout
         _, abort, _, _ = self._wave_sync_words  # (epoch, abort, error_word, timeout_ns)
-        self._ctx.combine_rows_begin(NVLinkHandle.dispatch_epoch.address(handle), _ext.current_raw_stream(self.device))
+        stream = _ext.current_raw_stream(self.device)
+        self._ctx.combine_rows_begin(NVLinkHandle.dispatch_epoch.address(handle), stream)
         self._rows_handle = handle
         self._after_call()
         return CombineRowsTarget(bases=self._peer_bases, area_offset=L.off_combine, src_rank=result.src_rank,
                                  src_token=result.src_token, topk_slot=result.topk_slot, num_topk=cfg.num_topk,
                                  max_tokens=cfg.max_tokens_per_rank, hidden=cfg.hidden, row_bytes=L.comb_row_bytes,
-                                 scale_offset=L.comb_scale_off, sign_mask=cfg.rht_sign_mask, abort_flag=abort)
+                                 scale_offset=L.comb_scale_off, sign_mask=cfg.rht_sign_mask, abort_flag=abort,
+                                 claim=_RowsTicket(self, handle, stream).claim)
 
     @_on_buffer_device
     def finish_combine_rows(self, handle: NVLinkHandle) -> torch.Tensor:
