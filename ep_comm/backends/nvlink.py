@@ -636,7 +636,7 @@ class NVLinkHandle:
 class _ArenaRecipe:
     """How one dispatch call's outputs sit in its arena (cached per token count; from the C++ section table).
 
-    words: int32 elements of the arena. sections: (byte offset, bytes) of the 17 sections (order of
+    words: int32 elements of the arena. sections: (byte offset, bytes) of the 18 sections (order of
     NvlinkContext.arena_layout). Each output below is one as_strided view of an alias of the arena:
     (element offset in the alias, shape). `data` / `scales` name their alias dtype too.
     """
