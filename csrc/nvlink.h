@@ -40,7 +40,7 @@
 //                    same share at once), waited on by combine receive
 //   comb_consumed <- combine receive blocks  (cfg.comb_recv_blocks), waited on by combine send
 //   disp_counts   <- one dispatch send block per call (the first to start), waited on by the dispatch send's
-//                    direct self rows (below)
+//                    direct self rows and by the streaming receive (its own counts, then every peer's; below)
 // Direct self rows (NVFP4, not a wave dispatch; DispatchArgs::direct_self): the send stores the rows a rank sends to
 // itself straight into its expert-major output (handle included) instead of its own staging area, once every
 // source's counts are in (the output offsets depend on them); the receive then expands only the other sources' rows.
@@ -233,7 +233,8 @@ struct DispatchArgs {
   WaveSync wave;
   int wave_blocks;
   // Direct self rows (see the protocol above): set by the host launcher (bind_nvlink.cpp) for NVFP4 calls without
-  // waves and with at least cfg.direct_self_min_tokens tokens; the send and the receive both read it from here.
+  // waves, without row_index (expand=False keeps every row in staging) and with at least cfg.direct_self_min_tokens
+  // tokens; the send and the receive both read it from here.
   int direct_self;
   // Streaming receive (see the protocol above): set by the host launcher for dispatches without waves unless
   // EP_COMM_NVLINK_STREAM_RECV=0 (dispatch_stream_recv).

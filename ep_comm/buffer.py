@@ -177,6 +177,9 @@ class Buffer:
                     check_inputs=self.check_inputs if isinstance(self.check_inputs, bool)
                     else _type_name(self.check_inputs),
                     **{name: os.environ.get(name) for name in _COMPARED_ENVIRONMENT})
+        if backend != "reference":  # the kernels' switches may differ between ranks; malformed on one, all raise
+            from .backends.nvlink import kernel_switch_problem
+            mine["malformed nvlink kernel switch"] = kernel_switch_problem()
         gathered = [None] * self.config.world_size
         dist.all_gather_object(gathered, mine, group=self.group)
         def same(a, b) -> bool:

@@ -879,6 +879,29 @@ def test_malformed_nvlink_environment_raises_for_auto_too():
         ["EP_COMM_ALLOW_SHARED_GPU must be 0 or 1, got 'true'"] * 2]
 
 
+def _malformed_kernel_switch_worker(rank, world):
+    """A malformed kernel switch (read by the C++ launcher at the first dispatch, where only its rank would raise and
+    the peers would time out) on rank 1 only: every rank's Buffer() raises, naming the switch."""
+    import os
+    import ep_comm
+    if rank == 1:
+        os.environ["EP_COMM_NVLINK_PDL"] = "yes"
+    try:
+        ep_comm.Buffer(None, hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=4).destroy()
+        return None
+    except ValueError as error:
+        return str(error)
+    finally:
+        os.environ.pop("EP_COMM_NVLINK_PDL", None)
+
+
+@pytest.mark.cpu
+def test_malformed_nvlink_kernel_switch_raises_on_every_rank():
+    messages = run_ranks(_malformed_kernel_switch_worker, 2, backend="gloo")
+    assert all(m and "malformed nvlink kernel switch" in m and "EP_COMM_NVLINK_PDL must be one of auto, 0, 1, "
+               "not 'yes'" in m for m in messages), messages
+
+
 @pytest.mark.multigpu
 def test_nvlink_sync_check_leaves_graph_capture_alone():
     assert run_ranks(sync_check_graph_worker, _world(), backend=multigpu_backend(), timeout_s=300) == ["ok"] * _world()

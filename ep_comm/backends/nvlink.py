@@ -132,12 +132,32 @@ def _peer_memory_mode() -> str:
     return mode
 
 
+# The kernels' switches (csrc/nvlink_layout.cu, read by the C++ launcher with env_choice at the first dispatch): the
+# values it takes, the first being the default. They may differ between ranks (each rank's launches are its own).
+_KERNEL_SWITCHES = {"EP_COMM_NVLINK_PDL": ("auto", "0", "1"), "EP_COMM_NVLINK_COMPACT_COPY": ("1", "0"),
+                    "EP_COMM_NVLINK_STREAM_RECV": ("1", "0")}
+
+
+def kernel_switch_problem() -> Optional[str]:
+    """What is wrong with this rank's kernel switches (_KERNEL_SWITCHES), or None: the message the launcher would
+    raise at the first dispatch, where a peer would only time out. The Buffer compares it across ranks."""
+    for name, values in _KERNEL_SWITCHES.items():
+        value = os.environ.get(name, "")
+        if value and value not in values:
+            return f"{name} must be one of {', '.join(values)}, not {value!r}"
+    return None
+
+
 def check_environment() -> None:
     """The environment a Buffer compares across ranks (EP_COMM_PEER_MEMORY, EP_COMM_ALLOW_SHARED_GPU,
-    EP_COMM_SYNC_CHECK), parsed as this backend reads it: a malformed value raises ValueError."""
+    EP_COMM_SYNC_CHECK), parsed as this backend reads it, and the kernels' switches: a malformed value raises
+    ValueError."""
     _peer_memory_mode()
     _env_flag("EP_COMM_ALLOW_SHARED_GPU")
     _env_flag("EP_COMM_SYNC_CHECK")
+    problem = kernel_switch_problem()
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _env_count(name: str, default: int) -> int:
