@@ -13,7 +13,9 @@ of at least one dimension can be viewed as `uint8` bytes with `.view(torch.uint8
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 import numbers
 import operator
@@ -109,6 +111,36 @@ if hasattr(torch.serialization, "add_safe_globals"):
 # Input checks and implementation choice
 # ----------------------------------------------------------------------------------------------------------
 _FLOAT_INPUTS = (torch.bfloat16, torch.float32, torch.float16)
+
+
+# docs/NUMERICS.md: no implementation flushes subnormals. torch.set_flush_denormal(True) makes the CPU flush them on
+# the thread that called it (and only there: torch's intra-op threads keep IEEE arithmetic, so a flushed CPU result
+# would even depend on which thread computed which rows). The GPU never flushes.
+_SUBNORMAL, _ONE = 1e-310, 1.0  # variables, not a constant expression: the product is computed at run time
+
+
+@contextlib.contextmanager
+def ieee_subnormals():
+    """Within the block, this thread's CPU arithmetic keeps subnormals (NUMERICS.md), whatever
+    torch.set_flush_denormal set; restored on exit. A Python float product tells (the flag sets the SSE control word
+    that Python's floats use too), so the check costs nothing measurable."""
+    if _SUBNORMAL * _ONE != 0.0:
+        yield
+        return
+    torch.set_flush_denormal(False)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(True)
+
+
+def _keeps_subnormals(function):
+    """Decorator: `function` runs inside ieee_subnormals() (every public reference function of this module)."""
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        with ieee_subnormals():
+            return function(*args, **kwargs)
+    return wrapper
 
 
 def _check_float_input(x, name: str, block: int) -> None:
@@ -247,6 +279,7 @@ def _tree_sum_last(v: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 # Element encoders / decoders (public so tests and kernels can be checked against them)
 # ----------------------------------------------------------------------------------------------------------
+@_keeps_subnormals
 def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
     """fp32 -> E2M1 code (uint8 0..15), round-to-nearest-even with saturation; NaN -> 0x7; -0.0 -> 0x8."""
     v = v.float()
@@ -270,11 +303,13 @@ def _unpack_e2m1_codes(data: torch.Tensor) -> torch.Tensor:
     return torch.stack((d & 0xF, d >> 4), dim=-1).reshape(*data.shape[:-1], data.shape[-1] * 2)
 
 
+@_keeps_subnormals
 def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
     table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=code.device)
     return table[code.to(torch.int64) & 0xF]
 
 
+@_keeps_subnormals
 def e4m3_encode(v: torch.Tensor) -> torch.Tensor:
     """fp32 -> E4M3 byte (uint8), RNE with satfinite (|v| > 448 -> 448); NaN -> 0x7F."""
     v = v.float()
@@ -289,12 +324,14 @@ def _check_bytes(t, name: str, dtypes) -> None:
                         f"{getattr(t, 'dtype', type(t).__name__)}")
 
 
+@_keeps_subnormals
 def e4m3_decode(code: torch.Tensor) -> torch.Tensor:
     """E4M3 bytes (uint8 or float8_e4m3fn) -> fp32."""
     _check_bytes(code, "code", (torch.uint8, torch.float8_e4m3fn))
     return code.view(torch.uint8).view(torch.float8_e4m3fn).float()
 
 
+@_keeps_subnormals
 def ue8m0_decode(scale: torch.Tensor) -> torch.Tensor:
     """UE8M0 bytes (uint8 or float8_e8m0fnu) -> fp32 2^(b - 127); 0xFF -> NaN."""
     _check_bytes(scale, "scale", (torch.uint8, torch.float8_e8m0fnu))
@@ -303,6 +340,7 @@ def ue8m0_decode(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(b == 255, torch.full_like(value, float("nan")), value)
 
 
+@_keeps_subnormals
 def ue8m0_mxfp8_scale(amax: torch.Tensor) -> torch.Tensor:
     """NVIDIA MXFP8 scale byte: round-up power of two of fp32(amax * fp32(1/448)); never clips elements."""
     t = amax.float() * _f32(1.0 / 448.0, amax.device)
@@ -315,6 +353,7 @@ def ue8m0_mxfp8_scale(amax: torch.Tensor) -> torch.Tensor:
     return b.to(torch.uint8)
 
 
+@_keeps_subnormals
 def ue8m0_s2f6_scale(amax: torch.Tensor) -> torch.Tensor:
     """S2F6 block scale byte: smallest e with amax / 2^e <= 127/64 (blocks never saturate)."""
     bits = _bits(amax.float())
@@ -407,6 +446,7 @@ def _nvfp4_encode_with_scale(xb: torch.Tensor, scale_code: torch.Tensor, s_dec: 
 
 
 @torch.no_grad()  # quantization is not differentiable here: no graph kept behind the result
+@_keeps_subnormals
 def nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True, amax: Optional[torch.Tensor] = None,
                    scale_granularity: str = "row", impl: str = "auto") -> NVFP4Tensor:
     """Quantize x [..., K] (bf16/fp16/fp32, K % 16 == 0) to NVFP4 along the last axis.
@@ -559,6 +599,7 @@ def _check_nvfp4(q) -> None:
                          f"{NVFP4_WEIGHT_E4M3_MAX} (plain), got {q.e4m3_max!r}")
 
 
+@_keeps_subnormals
 def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32, impl: str = "auto") -> torch.Tensor:
     """NVFP4Tensor -> dense [..., K] in `dtype` (values computed in fp32, then rounded)."""
     _check_nvfp4(q)
@@ -581,11 +622,13 @@ def _nvfp4_dequantize_reference(q: NVFP4Tensor) -> torch.Tensor:
 # MXFP8
 # ----------------------------------------------------------------------------------------------------------
 @torch.no_grad()  # quantization is not differentiable here: no graph kept behind the result
+@_keeps_subnormals
 def mxfp8_quantize(x: torch.Tensor, rounding: str = "nearest", seed: int = 0, impl: str = "auto") -> MXFP8Tensor:
     """Quantize x [..., K] (K % 32 == 0) to MXFP8: E4M3 elements, UE8M0 scale per 32 (NVIDIA rule).
 
     rounding: "nearest" (RNE) or "stochastic" (counter-based random bits from (seed, flat element index);
-        the same seed gives the same bits on CPU and GPU; clamped to +-448 before rounding, unbiased).
+        the same seed gives the same bits on CPU and GPU; clamped to +-448 before rounding, unbiased to
+        within 2^-16 ulp: the fraction is truncated to 16 bits).
     """
     _check_float_input(x, "x", MX_BLOCK)
     if rounding not in ("nearest", "stochastic"):
@@ -618,6 +661,7 @@ def _mxfp8_quantize_reference(xf: torch.Tensor, rounding: str, seed: int,
                        scales=scale.reshape(*xf.shape[:-1], k // MX_BLOCK).view(torch.float8_e8m0fnu))
 
 
+@_keeps_subnormals
 def mxfp8_dequantize(m: MXFP8Tensor, dtype: torch.dtype = torch.float32, impl: str = "auto") -> torch.Tensor:
     """MXFP8Tensor -> dense [..., K] in `dtype`."""
     _check_mxfp8(m)
@@ -644,6 +688,7 @@ def _check_mxfp8(m) -> None:
                          f"{m.scales.dtype}")
 
 
+@_keeps_subnormals
 def nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str = "stochastic", seed: int = 0,
                               impl: str = "auto") -> MXFP8Tensor:
     """Requantize a saved NVFP4 activation [R, K] to MXFP8 along the other axis: returns [K, R] MXFP8.
@@ -694,6 +739,7 @@ def _fwht32_scaled(v: torch.Tensor) -> torch.Tensor:
     return v * _f32(1.0 / math.sqrt(32.0), v.device)
 
 
+@_keeps_subnormals
 def rht(x: torch.Tensor, sign_mask: int = DEFAULT_SIGN_MASK) -> torch.Tensor:
     """Random Hadamard transform on each aligned 32-chunk of the last axis: y = H32 (s * x) / sqrt(32). fp32 out."""
     _check_float_input(x, "x", MX_BLOCK)
@@ -702,6 +748,7 @@ def rht(x: torch.Tensor, sign_mask: int = DEFAULT_SIGN_MASK) -> torch.Tensor:
     return _fwht32_scaled(chunks).reshape(xf.shape)
 
 
+@_keeps_subnormals
 def inverse_rht(y: torch.Tensor, sign_mask: int = DEFAULT_SIGN_MASK) -> torch.Tensor:
     """Inverse of `rht`: x = s * (H32 y) / sqrt(32). fp32 out."""
     _check_float_input(y, "y", MX_BLOCK)
@@ -711,6 +758,7 @@ def inverse_rht(y: torch.Tensor, sign_mask: int = DEFAULT_SIGN_MASK) -> torch.Te
 
 
 @torch.no_grad()  # quantization is not differentiable here: no graph kept behind the result
+@_keeps_subnormals
 def s2f6_quantize(x: torch.Tensor, hadamard: bool = True, sign_mask: int = DEFAULT_SIGN_MASK,
                   impl: str = "auto") -> S2F6Tensor:
     """Quantize x [..., K] (K % 32 == 0) to S2F6 with a UE8M0 scale per 32, after the RHT-32 if `hadamard`.
@@ -764,6 +812,7 @@ def _s2f6_decode_rotated(s: S2F6Tensor) -> torch.Tensor:
     return values.reshape(s.data.shape)
 
 
+@_keeps_subnormals
 def s2f6_dequantize(s: S2F6Tensor, hadamard: Optional[bool] = None, dtype: torch.dtype = torch.float32,
                     impl: str = "auto") -> torch.Tensor:
     """S2F6Tensor -> dense [..., K] in `dtype`.
@@ -788,6 +837,7 @@ def s2f6_dequantize(s: S2F6Tensor, hadamard: Optional[bool] = None, dtype: torch
 
 
 @torch.no_grad()  # as the quantizers: not differentiable on either path (the kernel's output has no grad_fn)
+@_keeps_subnormals
 def s2f6_dequantize_accumulate(s: S2F6Tensor, row_index: torch.Tensor, weights: Optional[torch.Tensor] = None,
                                out_dtype: torch.dtype = torch.bfloat16, impl: str = "auto") -> torch.Tensor:
     """The receive side of combine: out[m] = invRHT(sum_j w[m, j] * deq(s[row_index[m, j]])) -> out_dtype.
@@ -824,6 +874,7 @@ def s2f6_dequantize_accumulate(s: S2F6Tensor, row_index: torch.Tensor, weights: 
     return _accumulate_rows(values, row_index, weights, s.sign_mask if s.hadamard else None).to(out_dtype)
 
 
+@_keeps_subnormals
 def _accumulate_rows(values: torch.Tensor, row_index: torch.Tensor, weights: Optional[torch.Tensor],
                      sign_mask: Optional[int]) -> torch.Tensor:
     """acc[m] = sum_j w[m, j] * values[row_index[m, j]] in ascending j (fp32); inverse RHT if sign_mask given."""

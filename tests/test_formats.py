@@ -539,3 +539,40 @@ def test_containers_need_a_nonempty_last_dimension(kind):
     for container in bad:
         with pytest.raises(ValueError, match="non-empty last dimension"):
             dequantize(container, impl="reference")
+
+
+@pytest.mark.cpu
+def test_reference_keeps_subnormals_when_the_thread_flushes_them():
+    """NUMERICS.md: no implementation flushes subnormals. Under torch.set_flush_denormal(True) (this thread only; the
+    intra-op threads keep IEEE arithmetic) the reference gives the bits it gives without flushing, on every row whichever
+    thread computes it, and leaves the thread's mode as it found it: an S2F6 block of 3e38 (scale byte 0xFE, whose
+    multiplier 2^-127 is subnormal), MXFP8 and NVFP4 of subnormal inputs."""
+    x_big = torch.zeros(64, 1024)
+    x_big[:, ::32] = 3.0e38
+    x_tiny = torch.full((4, 32), 1e-39)  # made before flushing (conversions flush too)
+
+    def results():
+        s = F.s2f6_quantize(x_big, hadamard=False, impl="reference")
+        m = F.mxfp8_quantize(x_tiny, impl="reference")
+        q = F.nvfp4_quantize(x_tiny, four_over_six=True, impl="reference")
+        return [s.data, s.scales.view(torch.uint8), m.data.view(torch.uint8), m.scales.view(torch.uint8), q.data,
+                q.scales.view(torch.uint8), q.amax, F.mxfp8_dequantize(m, impl="reference"),
+                F.s2f6_dequantize(s, impl="reference")]
+
+    want = results()
+    assert int(want[0][0, 0]) == 113 and float(want[6][0]) > 0  # the code of 3e38; a subnormal amax kept
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        if not torch.set_flush_denormal(True):
+            pytest.skip("this CPU cannot flush subnormals: nothing to keep")
+        try:
+            got = results()
+            assert (x_tiny * 1.0)[0, 0].item() == 0.0  # the thread still flushes outside the reference
+        finally:
+            torch.set_flush_denormal(False)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(got, want):
+        assert torch.equal(a.view(torch.uint8) if a.dtype.is_floating_point else a,
+                           b.view(torch.uint8) if b.dtype.is_floating_point else b)

@@ -252,6 +252,7 @@ class ReferenceBackend:
             raise ValueError(f"combine arguments or handles differ between ranks (rank(s) {receivers_seeing_mismatch} "
                              f"saw the mismatch; their errors say how)")
 
+    @formats._keeps_subnormals
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  expand: bool = True) -> DispatchResult:
         """expand=False: the same result plus row_index (arange over the rows in use: x is already expert-major),
@@ -354,6 +355,7 @@ class ReferenceBackend:
                              "Buffer's (world size, experts, top-k, hidden, alignment or max_tokens_per_rank): pass "
                              "the handle to the Buffer that dispatched it")
 
+    @formats._keeps_subnormals  # its own FP32 sums too follow NUMERICS.md on a CPU thread that flushes
     def combine(self, expert_out: torch.Tensor, handle: ReferenceHandle, local_reduce: bool = True) -> torch.Tensor:
         cfg = self.config
         device = expert_out.device
