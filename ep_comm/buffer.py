@@ -110,10 +110,11 @@ class Buffer:
             every rank. On nvlink (no host collective per call) a rank whose ids or weights are rejected tells its
             peers through their device-side abort word: their kernels stop waiting for it and record its name, and
             the host raises at the next call or check() after that (a peer that had not launched the call yet
-            gets invalid results from it and raises at the one after); the Buffer is then unusable on every rank. Without
-            checks, ids outside [0, num_experts) are masked slots on both backends; a token naming one expert in two
-            slots is undefined (the reference backend counts the expert twice; nvlink may leave rows unwritten, which
-            check() and the next call report), and non-finite weights reach the combine as they are.
+            gets invalid results from it and raises at the one after); the Buffer is then unusable on every rank.
+            Without checks, ids outside [0, num_experts) are masked slots on both backends; a token naming one
+            expert in two slots is undefined (the reference backend counts the expert twice; nvlink may leave rows
+            unwritten, which check() and the next call report), and non-finite weights reach the combine as they
+            are.
         format_impl: "auto" | "reference" | "cuda", quantization path of the reference backend.
 
     combine weights each expert row with the routing weight given to dispatch (DispatchResult.topk_weight, of which the
@@ -432,8 +433,9 @@ class Buffer:
                 backend a rank whose inputs are rejected makes every rank raise. On nvlink, a rank whose ids or
                 weights are rejected tells its peers to stop waiting for it (they raise, naming it, at their first call
                 or check() after one of their kernels has seen the notice -- a peer that had not launched this call
-                yet gets invalid results from it first; the Buffer is unusable on every rank from then on); after other arguments rejected on one rank only,
-                its peers' kernels give up after timeout_s and their next call raises the timeout.
+                yet gets invalid results from it first; the Buffer is unusable on every rank from then on); after
+                other arguments rejected on one rank only, its peers' kernels give up after timeout_s and their
+                next call raises the timeout.
             comm_stream: run the dispatch on this CUDA stream instead of the current one (None, the default): it
                 starts after the work enqueued so far on the current stream, and the current stream does not wait
                 for it -- wait with `torch.cuda.current_stream().wait_event(done_event)` (or `.wait_stream(

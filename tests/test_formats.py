@@ -544,9 +544,9 @@ def test_containers_need_a_nonempty_last_dimension(kind):
 @pytest.mark.cpu
 def test_reference_keeps_subnormals_when_the_thread_flushes_them():
     """NUMERICS.md: no implementation flushes subnormals. Under torch.set_flush_denormal(True) (this thread only; the
-    intra-op threads keep IEEE arithmetic) the reference gives the bits it gives without flushing, on every row whichever
-    thread computes it, and leaves the thread's mode as it found it: an S2F6 block of 3e38 (scale byte 0xFE, whose
-    multiplier 2^-127 is subnormal), MXFP8 and NVFP4 of subnormal inputs."""
+    intra-op threads keep IEEE arithmetic) the reference gives the bits it gives without flushing, on every row
+    whichever thread computes it, and leaves the thread's mode as it found it: an S2F6 block of 3e38 (scale byte
+    0xFE, whose multiplier 2^-127 is subnormal), MXFP8 and NVFP4 of subnormal inputs."""
     x_big = torch.zeros(64, 1024)
     x_big[:, ::32] = 3.0e38
     x_tiny = torch.full((4, 32), 1e-39)  # made before flushing (conversions flush too)

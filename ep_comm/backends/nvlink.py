@@ -622,7 +622,8 @@ class NVLinkHandle:
         dispatching Buffer's tag (agree_buffer_tag) in bits 40..61, written by the layout kernel (so graph replays renew
         it). Combine tells the peers which dispatch its rows follow, and they check it against their own.
     row_weight: [R] fp32, the handle's own copy of DispatchResult.topk_weight (the receive writes both; combine reads
-        this one, so an edit of the result's topk_weight does not change the combine). num_tokens: T; num_rows: R (capacity); num_topk: K.
+        this one, so an edit of the result's topk_weight does not change the combine).
+    num_tokens: T; num_rows: R (capacity); num_topk: K.
     routing: (world size, max_tokens_per_rank, K, R, experts per rank) of the dispatching Buffer: what a combine on
         another Buffer must share (check_handle).
     stream: the raw CUDA stream the dispatch ran on (where the caching allocator gave out the arena): a combine on
@@ -884,8 +885,8 @@ class NVLinkBackend:
         if stage == _STAGE_PEER_GAVE_UP:
             return (f"ep_comm nvlink: rank {self.rank} stopped waiting because rank {peer} gave up: a call there "
                     f"raised (see the error raised on rank {peer}: e.g. inputs it rejected, or an exception that left "
-                    f"its `with Buffer` block), so it will not send that call's rows. Results of the calls in flight and later ones are invalid and "
-                    f"this Buffer is unusable")
+                    f"its `with Buffer` block), so it will not send that call's rows. Results of the calls in flight "
+                    f"and later ones are invalid and this Buffer is unusable")
         if stage == _STAGE_ROW_PAST_CAPACITY:  # a fault, not a timeout
             what = "the exchanged counts" if peer == _ERROR_NO_PEER else f"a row from rank {peer}"
             return (f"ep_comm nvlink: rank {self.rank}'s dispatch (call {call}) placed {what} outside its result "
