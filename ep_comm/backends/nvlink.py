@@ -258,30 +258,52 @@ class _RegionLayout:
 # ----------------------------------------------------------------------------------------------------------
 # Waves: one w1 GEMM per wave dispatch
 # ----------------------------------------------------------------------------------------------------------
-class _WaveTicket:
+class _LaunchTicket:
+    """A host-side right to launch GPU work that reads or writes a Buffer's device state behind the Buffer's back (a
+    GEMM with a WaveSync or a CombineRowsTarget): refused on a destroyed Buffer, once stale (the subclass's rule) and
+    on another stream than the call that made it."""
+
+    _what = ""            # what the ticket belongs to, for the messages
+    _stale_message = ""
+    _stream_message = ""
+
+    def __init__(self, backend, stream: int):
+        self._backend = backend
+        self._stream = stream
+
+    def _stale(self) -> bool:
+        raise NotImplementedError
+
+    def _check(self) -> None:
+        if self._backend._destroyed:
+            raise RuntimeError(f"the Buffer of this {self._what} was destroyed")
+        if self._stale():
+            raise RuntimeError(self._stale_message)
+        if _ext.current_raw_stream(self._backend.device) != self._stream:
+            raise RuntimeError(self._stream_message)
+
+
+class _WaveTicket(_LaunchTicket):
     """A wave dispatch's single right to launch its w1 GEMM (WaveSync.claim, called by grouped_gemm_nvfp4 just before
     the launch). The GEMM reads the Buffer's current dispatch epoch and takes work from a counter only the receive
     resets, so it must run once, on the dispatch's stream, before any other call on the Buffer: a second launch
     would find every item taken and compute nothing, and one after a later dispatch would wait on that dispatch's
     counters. Refused on the host instead."""
 
-    def __init__(self, backend, stream: int):
-        self._backend = backend
-        self._stream = stream
+    _what = "wave dispatch"
+    _stale_message = ("this WaveSync is stale: a wave dispatch's w1 GEMM runs once, right after its dispatch_waves, "
+                      "before any other call on that Buffer")
+    _stream_message = "the w1 GEMM of a wave dispatch must run on the stream of its dispatch_waves"
+
+    def _stale(self) -> bool:
+        return self._backend._wave_ticket is not self
 
     def claim(self) -> None:
-        backend = self._backend
-        if backend._destroyed:
-            raise RuntimeError("the Buffer of this wave dispatch was destroyed")
-        if backend._wave_ticket is not self:
-            raise RuntimeError("this WaveSync is stale: a wave dispatch's w1 GEMM runs once, right after its "
-                               "dispatch_waves, before any other call on that Buffer")
-        if _ext.current_raw_stream(backend.device) != self._stream:
-            raise RuntimeError("the w1 GEMM of a wave dispatch must run on the stream of its dispatch_waves")
-        backend._wave_ticket = None
+        self._check()
+        self._backend._wave_ticket = None
 
 
-class _RowsTicket:
+class _RowsTicket(_LaunchTicket):
     """The right of a begin_combine_rows' target to be stored into (CombineRowsTarget.claim, called by
     grouped_gemm_nvfp4_combine_rows before each launch; MoELayer launches w2 in up to three parts). The epilogue
     writes straight into the peers' combine areas, which only the begin's wait makes safe and only until the finish
@@ -289,21 +311,21 @@ class _RowsTicket:
     would place rows at another dispatch's tokens) or after destroy() would corrupt what the peers read, with no
     fault recorded anywhere. Refused on the host instead, as is a launch on another stream than the begin's."""
 
+    _what = "combine-rows target"
+    _stale_message = ("this CombineRowsTarget is stale: its combine was finished (finish_combine_rows) or another "
+                      "begin_combine_rows followed; a target takes GEMM stores only between its begin_combine_rows "
+                      "and finish_combine_rows")
+    _stream_message = "the combine-row GEMM must run on the stream of its begin_combine_rows"
+
     def __init__(self, backend, handle, stream: int):
-        self._backend = backend
+        super().__init__(backend, stream)
         self._handle = handle
-        self._stream = stream
+
+    def _stale(self) -> bool:
+        return self._backend._rows_handle is not self._handle
 
     def claim(self) -> None:
-        backend = self._backend
-        if backend._destroyed:
-            raise RuntimeError("the Buffer of this combine-rows target was destroyed")
-        if backend._rows_handle is not self._handle:
-            raise RuntimeError("this CombineRowsTarget is stale: its combine was finished (finish_combine_rows) or "
-                               "another begin_combine_rows followed; a target takes GEMM stores only between its "
-                               "begin_combine_rows and finish_combine_rows")
-        if _ext.current_raw_stream(backend.device) != self._stream:
-            raise RuntimeError("the combine-row GEMM must run on the stream of its begin_combine_rows")
+        self._check()
 
 
 # ----------------------------------------------------------------------------------------------------------
