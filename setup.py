@@ -6,7 +6,8 @@ out keeps builds fast and independent of one torch ABI).
 
 Environment:
   EP_COMM_BUILD_CUDA   auto (default): build `_C` when nvcc is found, else install pure Python;
-                       0: never build; 1: build or fail loudly.
+                       0: never build; 1: build or fail loudly. A malformed EP_COMM_CUDA_ARCHS or
+                       EP_COMM_NVCC_THREADS raises in every mode.
   EP_COMM_CUDA_ARCHS   semicolon list of targets, default "90a" (H100/H200). "90a;100a" also compiles the
                        Blackwell-native paths (sm_100a), which CI does as a compile check.
   EP_COMM_NVCC_THREADS parallel compile jobs (default: number of CPUs).
@@ -68,6 +69,21 @@ def gencode_flags(archs):
     return flags
 
 
+def build_options() -> dict:
+    """EP_COMM_CUDA_ARCHS and EP_COMM_NVCC_THREADS, checked (ValueError naming the variable)."""
+    archs = [a.strip() for a in os.environ.get("EP_COMM_CUDA_ARCHS", "90a").replace(",", ";").split(";") if a.strip()]
+    if not archs:
+        raise ValueError("EP_COMM_CUDA_ARCHS names no architecture (e.g. 90a, or 90a;100a)")
+    gencode_flags(archs)  # refuses plain 90
+    for arch in archs:
+        if not (arch[:-1] if arch.endswith(("a", "f")) else arch).isdigit():
+            raise ValueError(f"EP_COMM_CUDA_ARCHS: {arch!r} is not an architecture number like 90a or 100a")
+    threads = os.environ.get("EP_COMM_NVCC_THREADS", str(os.cpu_count() or 1))
+    if not threads.strip().isdigit() or int(threads) < 1:
+        raise ValueError(f"EP_COMM_NVCC_THREADS must be a positive integer, got {threads!r}")
+    return {"archs": archs, "threads": int(threads)}
+
+
 class CudaBuild(build_ext):
     """Compiles csrc/*.cu with nvcc and csrc/*.cpp with the host compiler, links one shared module."""
 
@@ -79,6 +95,9 @@ class CudaBuild(build_ext):
             print("ep_comm: EP_COMM_BUILD_CUDA=0; installing the pure-Python package without ep_comm._C")
             self._record_failure(ext, "not built: EP_COMM_BUILD_CUDA=0 at install time")
             return
+        # Settings are read before anything is built: a malformed one (EP_COMM_CUDA_ARCHS=90, EP_COMM_NVCC_THREADS=abc)
+        # is the user's mistake and raises in every mode, rather than installing the pure-Python package in auto.
+        options = build_options()
         cuda_home, why_not = find_cuda_home()
         if cuda_home is None:
             if mode == "1":
@@ -88,7 +107,7 @@ class CudaBuild(build_ext):
             return
         nvcc = cuda_home / "bin" / "nvcc"
         try:
-            self._build(ext, cuda_home, nvcc)
+            self._build(ext, cuda_home, nvcc, options)
             for path in self._error_files(ext):
                 path.unlink(missing_ok=True)
         except Exception as error:
@@ -124,32 +143,35 @@ class CudaBuild(build_ext):
         finally:
             self.extensions = everything
 
-    def _build(self, ext, cuda_home, nvcc):
+    def _build(self, ext, cuda_home, nvcc, options):
         import pybind11
 
-        archs = os.environ.get("EP_COMM_CUDA_ARCHS", "90a").replace(",", ";").split(";")
-        # Objects are reused only for the same arch list (a different list gets its own folder).
-        build_dir = Path(self.build_temp) / ("ep_comm_C_" + hashlib.sha1(";".join(archs).encode()).hexdigest()[:10])
-        build_dir.mkdir(parents=True, exist_ok=True)
-        includes = [f"-I{ROOT / 'csrc'}", f"-I{cuda_home / 'include'}", f"-I{pybind11.get_include()}",
-                    f"-I{sysconfig.get_paths()['include']}"]
         cu_sources = sorted((ROOT / "csrc").glob("*.cu"))
         cpp_sources = sorted((ROOT / "csrc").glob("*.cpp"))
+        if not cu_sources or not cpp_sources:  # else an empty module links and imports as a broken ep_comm._C
+            raise RuntimeError(f"no CUDA/C++ sources in {ROOT / 'csrc'} (an sdist made without MANIFEST.in?)")
+        includes = [f"-I{ROOT / 'csrc'}", f"-I{cuda_home / 'include'}", f"-I{pybind11.get_include()}",
+                    f"-I{sysconfig.get_paths()['include']}"]
         cxx = os.environ.get("CXX", "c++")
+        # No --use_fast_math and no FMA contraction: the format kernels must be bit-identical to the
+        # reference (docs/NUMERICS.md); kernels that want FMAs write them explicitly.
+        cu_flags = ["-O3", "-std=c++17", "--fmad=false", "-Xcompiler", "-fPIC", "-lineinfo",
+                    "--expt-relaxed-constexpr", *gencode_flags(options["archs"]), *includes]
+        cpp_flags = ["-O2", "-std=c++17", "-fPIC", "-fvisibility=hidden", *includes]
+        # Objects are reused only when everything that shapes them is the same: the compilers (path and version),
+        # their flags (arch list, includes: pybind11 and Python) -- a new toolkit or CXX gets its own folder.
+        versions = [subprocess.run([tool, "--version"], capture_output=True, text=True).stdout
+                    for tool in (str(nvcc), cxx)]
+        key = repr([str(nvcc), cxx, versions, cu_flags, cpp_flags, pybind11.__version__])
+        build_dir = Path(self.build_temp) / ("ep_comm_C_" + hashlib.sha1(key.encode()).hexdigest()[:10])
+        build_dir.mkdir(parents=True, exist_ok=True)
         jobs = []
         for src in cu_sources:
             obj = build_dir / (src.stem + ".cu.o")
-            # No --use_fast_math and no FMA contraction: the format kernels must be bit-identical to the
-            # reference (docs/NUMERICS.md); kernels that want FMAs write them explicitly.
-            cmd = [str(nvcc), "-c", str(src), "-o", str(obj), "-O3", "-std=c++17", "--fmad=false",
-                   "-Xcompiler", "-fPIC", "-lineinfo", "--expt-relaxed-constexpr",
-                   *gencode_flags(archs), *includes]
-            jobs.append((src, obj, cmd))
+            jobs.append((src, obj, [str(nvcc), "-c", str(src), "-o", str(obj), *cu_flags]))
         for src in cpp_sources:
             obj = build_dir / (src.stem + ".cpp.o")
-            cmd = [cxx, "-c", str(src), "-o", str(obj), "-O2", "-std=c++17", "-fPIC",
-                   "-fvisibility=hidden", *includes]
-            jobs.append((src, obj, cmd))
+            jobs.append((src, obj, [cxx, "-c", str(src), "-o", str(obj), *cpp_flags]))
 
         def run(job):
             src, obj, cmd = job
@@ -161,8 +183,7 @@ class CudaBuild(build_ext):
             subprocess.run(cmd, check=True)
             return obj
 
-        threads = int(os.environ.get("EP_COMM_NVCC_THREADS", os.cpu_count() or 1))
-        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        with ThreadPoolExecutor(max_workers=options["threads"]) as pool:
             objects = list(pool.map(run, jobs))
         out = Path(self.get_ext_fullpath(ext.name))
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,8 +5,8 @@
 
 For each (dispatch format, combine format) pair it prints: wire bytes per token and destination, median
 dispatch and combine time (GPU: device time of calls enqueued back to back, timed by CUDA events; CPU: wall
-time), wire GB/s (bytes that leave the rank for other ranks / time, per rank), BF16-equivalent GB/s (2·H bytes
-per token-destination / time), the combine's own error (relative L2 against a BF16 combine of the same expert
+time), wire GB/s (payload bytes that leave the rank for other ranks / time, per rank; the per-row metadata the
+nvlink kernels also store, 112 bytes per row at top-8, is not counted), BF16-equivalent GB/s (2·H bytes per token-destination / time), the combine's own error (relative L2 against a BF16 combine of the same expert
 rows) and the end-to-end error (relative L2 and SQNR in dB against the unquantized result) for a toy expert (a
 per-expert scale). The detailed
 GPU benchmark with NCCL and peer-copy baselines is bench/bench_dispatch_combine.py.
@@ -99,7 +99,9 @@ def parse_args(argv=None):
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.ranks is None:
-        args.ranks = torch.cuda.device_count() if use_gpu else 2
+        # Every GPU, or the most ranks up to that which divide the experts (256 over 6 GPUs cannot): said in the table.
+        args.ranks = max(r for r in range(1, torch.cuda.device_count() + 1) if args.experts % r == 0) \
+            if use_gpu else 2
     if use_gpu and args.ranks > torch.cuda.device_count():
         parser.error(f"--ranks {args.ranks} exceeds the {torch.cuda.device_count()} visible GPUs")
     check_hidden(parser, args.hidden)
@@ -110,8 +112,8 @@ def parse_args(argv=None):
         folder = os.path.dirname(os.path.abspath(args.out))
         if os.path.isdir(args.out) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             parser.error(f"--out {args.out!r}: not a writable file path (its folder must exist)")
-    if not args.timeout > 0:
-        parser.error(f"--timeout must be positive, got {args.timeout}")
+    if not 0 < args.timeout <= 1e6:  # (NaN and inf fail too: the collectives' timeout must be a finite duration)
+        parser.error(f"--timeout must be a positive number of seconds up to 1e6, got {args.timeout}")
     args.pairs = parse_format_pairs(parser, args.formats)
     return args
 
@@ -144,7 +146,8 @@ def _time_calls(buf, x, topk_idx, weights, expert_out, iters: int, device):
     pairs. GPU: the pairs are enqueued back to back (no host sync, no barrier between them) with a CUDA event before
     and after each call, so an interval is the call's device time whenever the host keeps ahead of the GPU (an eager
     call costs ~45-57 us of host time on the H200 machine's CPU, up to ~95 on a slow one: bench/profile_host.py); a
-    call shorter than that shows its host cost instead. CPU ranks (gloo): the wall time of each call, the ranks aligned
+    call shorter than that shows its host cost instead. The reference backend syncs with the host in every call (it
+    reads the split sizes), so on GPUs its intervals include that host work and the GPU's idle time. CPU ranks (gloo): the wall time of each call, the ranks aligned
     by a barrier before it."""
     import torch.distributed as dist
 
@@ -274,8 +277,11 @@ def print_table(rows, args) -> None:
               f"{r['combine_rel_l2_error']:>9.4f}{r['rel_l2_error']:>9.4f}{r['sqnr_db']:>9.1f}")
     print("comb L2: the combine's own error (against a BF16 combine of the same expert rows); e2e L2 / SQNR: "
           "dispatch + combine against the unquantized toy expert")
-    if rank0 and rank0[0]["dispatch_wire_gbps"] is None:
-        print("n/a: one rank, so no token crosses to another rank (the times are the kernels' local work)")
+    if args.device == "cuda" and args.ranks < torch.cuda.device_count():
+        print(f"{args.ranks} of the {torch.cuda.device_count()} visible GPUs: --experts must be a multiple of the ranks")
+    if rank0 and (rank0[0]["dispatch_wire_gbps"] is None or rank0[0]["combine_wire_gbps"] is None):
+        print("n/a: one rank, so no token crosses to another rank (the times are the kernels' local work)"
+              if args.ranks == 1 else "n/a: rank 0 sent no rows to another rank in that direction")
 
 
 def combine_send_rows(result, rank: int, tokens: int) -> tuple:
@@ -309,6 +315,14 @@ def _git_commit() -> Optional[str]:
         return os.environ["EP_COMM_SOURCE_COMMIT"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
+        # Only this project's checkout: an install inside another repository (a .venv in it) must not record that
+        # repository's HEAD (git looks for a .git upwards from root).
+        top = subprocess.run(["git", "-C", root, "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        if not top or os.path.realpath(top) != os.path.realpath(root) or subprocess.run(
+                ["git", "-C", root, "ls-files", "--error-unmatch", "ep_comm/bench.py"], capture_output=True,
+                timeout=10).returncode != 0:
+            return None
         commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
                                 timeout=10).stdout.strip()
         if not commit:
@@ -340,8 +354,9 @@ def run_metadata(command: Optional[str] = None) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     # (each spawned rank sets launch.GPU_ENV before it touches NCCL)
+    # A rank slow to exit after reporting (NCCL or peer-memory teardown) is warned about: the figures are in.
     per_rank = run_ranks(_worker, args.ranks, args, backend="nccl" if args.device == "cuda" else "gloo",
-                         timeout_s=args.timeout)
+                         timeout_s=args.timeout, hang_at_teardown="warn")
     rows = [row for rank_rows in per_rank for row in rank_rows]
     print_table(rows, args)
     if args.out:

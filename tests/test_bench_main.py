@@ -35,7 +35,9 @@ def test_main_job_on_cpu_ranks(tmp_path, capsys):
                                           (["--backend", "nvlink"], "--backend nvlink needs GPUs"),
                                           (["--out", "/nonexistent_dir/x.json"], "not a writable file path"),
                                           (["--out", "/"], "not a writable file path"),
-                                          (["--timeout", "0"], "--timeout must be positive")])
+                                          (["--timeout", "0"], "--timeout must be a positive number"),
+                                          (["--timeout", "inf"], "--timeout must be a positive number"),
+                                          (["--timeout", "nan"], "--timeout must be a positive number")])
 def test_main_job_refuses_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--cpu", *argv])
@@ -57,3 +59,34 @@ def test_main_job_json_is_strict_when_exact(tmp_path, capsys):
     assert "--experts 1" in result["config"]["command"] and result["config"]["host"]
     printed = capsys.readouterr().out
     assert "inf" in printed and "n/a" in printed
+
+
+@pytest.mark.cpu
+def test_default_ranks_divide_the_experts(monkeypatch):
+    """Every visible GPU by default, unless the experts do not split over them: 256 experts on 6 GPUs run on 4 ranks
+    (refusing the README's one-line command there would leave such a machine without its main job)."""
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: 6)
+    assert bench.parse_args([]).ranks == 4
+    assert bench.parse_args(["--experts", "12"]).ranks == 6
+    monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: 8)
+    assert bench.parse_args([]).ranks == 8
+
+
+@pytest.mark.cpu
+def test_git_commit_is_only_this_checkouts(tmp_path, monkeypatch):
+    """A package copied into another git repository (an install into a .venv inside the user's project) records no
+    commit rather than that project's HEAD."""
+    import shutil
+    import subprocess
+    monkeypatch.delenv("EP_COMM_SOURCE_COMMIT", raising=False)
+    other = tmp_path / "their_project"
+    package = other / ".venv" / "site-packages" / "ep_comm"
+    shutil.copytree(bench.os.path.dirname(bench.__file__), package)
+    subprocess.run(["git", "init", "-q", str(other)], check=True)
+    subprocess.run(["git", "-C", str(other), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+                    "--allow-empty", "-m", "theirs"], check=True)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import ep_comm.bench as b; print(repr(b._git_commit()))")
+    printed = subprocess.run([bench.sys.executable, "-c", code, str(package.parent)], capture_output=True, text=True,
+                             check=True).stdout.strip()
+    assert printed == "None", printed

@@ -187,3 +187,80 @@ def test_a_crash_after_reporting_is_named():
     # strict_teardown (the GPU tiers' harness): the same crash fails the run.
     with pytest.raises(AssertionError, match=r"ranks \[1\] reported but then exited with codes \[7\]"):
         run_ranks(_report_then_crash_at_exit, 2, backend="gloo", timeout_s=120, strict_teardown=True)
+
+
+def _fail_while_peer_returns_a_tensor(rank, world):
+    import torch
+    if rank == 0:
+        raise ValueError("the real error, on rank 0")
+    time.sleep(0.5)  # reports after rank 0's error has arrived, then exits before the parent reads the report
+    return torch.ones(4)
+
+
+@pytest.mark.cpu
+def test_a_tensor_result_does_not_hide_a_peers_error():
+    """Results travel as pickle bytes: a tensor sent through the queue's own pickler is a file descriptor that its
+    process must be alive to hand over, and reading it after that rank exited raised FileNotFoundError, hiding the
+    error and skipping the kills."""
+    with pytest.raises(AssertionError, match="the real error, on rank 0"):
+        run_ranks(_fail_while_peer_returns_a_tensor, 2, backend="gloo", timeout_s=120)
+    import torch
+    got = run_ranks(_tensor_result, 2, backend="gloo", timeout_s=120)
+    assert all(torch.equal(t, torch.full((3,), float(r))) for r, t in enumerate(got)), got
+
+
+def _tensor_result(rank, world):
+    import torch
+    return torch.full((3,), float(rank))
+
+
+def _hang_or_fail(rank, world):
+    if rank == 0:
+        time.sleep(120.0)  # a hang: never reports
+    raise ValueError("gave up waiting for rank 0")
+
+
+@pytest.mark.cpu
+def test_a_rank_still_running_is_named_with_the_failure():
+    """Rank 1 fails while rank 0 is still running (a hang there is a likely cause): the error names rank 0 too."""
+    with pytest.raises(AssertionError) as raised:
+        run_ranks(_hang_or_fail, 2, backend="gloo", timeout_s=120)
+    text = str(raised.value)
+    assert "rank 1 failed" in text and "ranks [0] were still running without a report" in text, text
+
+
+def _report_then_linger(rank, world):
+    """Reports, then cannot exit: a non-daemon thread runs on (standing in for a hang in a teardown)."""
+    import threading
+    if rank == 1:
+        threading.Thread(target=time.sleep, args=(60.0,), daemon=False).start()
+    return rank
+
+
+@pytest.mark.cpu
+def test_a_hang_at_teardown_fails_or_warns():
+    with pytest.raises(AssertionError, match=r"ranks \[1\] reported but did not exit within 10 s"):
+        run_ranks(_report_then_linger, 2, backend="gloo", timeout_s=120)
+    with pytest.warns(RuntimeWarning, match=r"ranks \[1\] reported but did not exit within 10 s"):
+        assert run_ranks(_report_then_linger, 2, backend="gloo", timeout_s=120, hang_at_teardown="warn") == [0, 1]
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("timeout_s", [0, -1, float("inf"), float("nan"), True, "60"])
+def test_timeout_must_be_finite_and_positive(timeout_s):
+    with pytest.raises(ValueError, match="timeout_s must be a finite positive number"):
+        run_ranks(_tensor_result, 1, backend="gloo", timeout_s=timeout_s)
+
+
+def _barrier(rank, world):
+    import torch.distributed as dist
+    dist.barrier()
+    return rank
+
+
+@pytest.mark.cpu
+def test_ranks_rendezvous_under_torchrun(monkeypatch):
+    """torchrun sets TORCHELASTIC_USE_AGENT_STORE for its children; inherited, it made every rank a client of a store
+    nobody serves (each waited until the collective timeout)."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert run_ranks(_barrier, 2, backend="gloo", timeout_s=60) == [0, 1]
