@@ -285,6 +285,9 @@ import test_moe as t
 for r in run_ranks(t._moe_worker, 1, 'cuda', backend='nccl', timeout_s=280):
     t.check_gpu_moe_result(r, True)
 print('world 1 MoE worker passed', r['backend'], r['expert_impl'], r['combine_rows']['equal_to_combine'])
+for e in run_ranks(t._moe_edge_worker, 1, 'cuda', backend='nccl', timeout_s=280):
+    t.check_moe_edge_result(e, 0, 1, 1e-2)
+print('world 1 MoE edge worker (top-1, 0 tokens, transposed x) passed', e['backend'], e['expert_impl'])
 " 2>&1 | tail -3 | tee -a "$log")
 }
 test_nvlink() {

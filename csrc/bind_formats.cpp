@@ -347,6 +347,14 @@ void register_formats(py::module_& m) {
           return runnable;
         },
         "whether the format kernels have an image for the current CUDA device (built for its architecture)");
+  m.def("formats_kernel_image_error", []() {
+          const cudaError_t status = ep_comm::formats_kernel_image_status();
+          if (status == cudaSuccess) return std::string();
+          cudaGetLastError();  // not sticky: leave no error for the next launch to report
+          return std::string(cudaGetErrorName(status)) + ": " + cudaGetErrorString(status);
+        },
+        "why the format kernels cannot run on the current CUDA device (no image for its architecture, a driver "
+        "older than the runtime, ...): the CUDA error's name and text, or '' when they can");
   m.def("nvfp4_dequantize",
         [](uintptr_t data, uintptr_t scales, uintptr_t amax, int64_t num_rows, int64_t hidden, float e4m3_max,
            uintptr_t out, int out_type, uintptr_t stream, uintptr_t num_rows_limit) {

@@ -15,6 +15,7 @@ from .formats import IMPLS as FORMAT_IMPLS
 from .formats import _is_capturing
 from .types import BACKENDS, BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, WaveDispatch
 from .types import type_name as _type_name
+from .backends.transport import device_backends
 
 # Compared across ranks when a Buffer is made (_check_same_arguments_everywhere); README "Environment".
 _COMPARED_ENVIRONMENT = ("EP_COMM_PEER_MEMORY", "EP_COMM_ALLOW_SHARED_GPU", "EP_COMM_SYNC_CHECK")
@@ -199,7 +200,7 @@ class Buffer:
         from .backends.reference import ReferenceBackend
         if backend == "reference":
             return ReferenceBackend(self.group, self.config, format_impl=format_impl)
-        if backend == "auto" and "nccl" not in str(dist.get_backend(self.group)).lower():
+        if backend == "auto" and device_backends(self.group).get("cuda") != "nccl":
             # A CPU (gloo) group has no GPUs to connect: the reference backend is the only engine there.
             return ReferenceBackend(self.group, self.config, format_impl=format_impl)
         have_nvshmem = False

@@ -172,10 +172,9 @@ def _use_cuda(impl: str, *tensors: torch.Tensor) -> bool:
         if not on_cuda:
             raise ValueError("impl='cuda' needs CUDA tensors")
         _ext.require_cuda_extension("impl='cuda'")
-        if not _kernels_runnable(tensors[0].device):
-            raise RuntimeError(f"impl='cuda': ep_comm._C's format kernels were not built for this GPU "
-                               f"({_device_name(tensors[0].device)}); rebuild with its architecture in "
-                               f"EP_COMM_CUDA_ARCHS, or use impl='reference'")
+        problem = _kernel_image_problem(tensors[0].device)
+        if problem:
+            raise RuntimeError(f"impl='cuda': {problem}; or use impl='reference'")
         return True
     if not on_cuda:
         return False
@@ -183,28 +182,49 @@ def _use_cuda(impl: str, *tensors: torch.Tensor) -> bool:
         _ext.warn_once(f"ep_comm.formats: CUDA tensors go to the torch reference because ep_comm._C is unavailable: "
                        f"{_ext.cuda_extension_error()}")
         return False
-    if not _kernels_runnable(tensors[0].device):
-        _ext.warn_once(f"ep_comm.formats: CUDA tensors on {_device_name(tensors[0].device)} go to the torch reference: "
-                       f"ep_comm._C's format kernels were not built for its architecture (EP_COMM_CUDA_ARCHS)")
+    problem = _kernel_image_problem(tensors[0].device)
+    if problem:
+        _ext.warn_once(f"ep_comm.formats: CUDA tensors go to the torch reference: {problem}")
         return False
     return True
 
 
-_runnable_on_device = {}  # device index -> whether the format kernels have an image for it (asked once per device)
+_problem_on_device = {}  # device index -> why the format kernels cannot run there ("" when they can; asked once)
+
+
+def _kernel_image_problem(device: torch.device) -> str:
+    """Why ep_comm._C's kernels cannot run on the CUDA device (its format kernels stand for all: one build, one arch
+    list), or "": no kernel image for its architecture, or a driver older than the CUDA runtime _C links statically
+    (the same CUDA call fails either way; the error says which)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    problem = _problem_on_device.get(index)
+    if problem is None:
+        image_error = getattr(_ext._C, "formats_kernel_image_error", None)
+        runnable = getattr(_ext._C, "formats_kernels_runnable", None)
+        with _ext.cuda_device(index):
+            if image_error is not None:
+                error = str(image_error())
+            elif runnable is not None:  # an older build: a bool only
+                error = "" if runnable() else "cudaErrorNoKernelImageForDevice"
+            else:  # older still: assume runnable, as before
+                error = ""
+        name = _device_name(torch.device("cuda", index))
+        if not error:
+            problem = ""
+        elif "NoKernelImage" in error:
+            problem = (f"ep_comm._C's kernels were not built for this GPU ({name}); rebuild with its architecture in "
+                       f"EP_COMM_CUDA_ARCHS")
+        elif "InsufficientDriver" in error:
+            problem = (f"ep_comm._C's kernels cannot run on this GPU ({name}): {error} -- the driver is older than the "
+                       f"CUDA runtime ep_comm._C was built with; update the driver or build with an older toolkit")
+        else:
+            problem = f"ep_comm._C's kernels cannot run on this GPU ({name}): {error}"
+        _problem_on_device[index] = problem
+    return problem
 
 
 def _kernels_runnable(device: torch.device) -> bool:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    runnable = _runnable_on_device.get(index)
-    if runnable is None:
-        formats_kernels_runnable = getattr(_ext._C, "formats_kernels_runnable", None)
-        if formats_kernels_runnable is None:  # an older build: assume so, as before
-            runnable = True
-        else:
-            with _ext.cuda_device(index):
-                runnable = bool(formats_kernels_runnable())
-        _runnable_on_device[index] = runnable
-    return runnable
+    return not _kernel_image_problem(device)
 
 
 def _device_name(device: torch.device) -> str:

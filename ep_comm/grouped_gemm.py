@@ -25,7 +25,8 @@ Weights are packed once, offline (`pack_gemm_weights`), into the layout the kern
   halves of `(word << 7) & 0x7F807F80`, k-steps 1 and 3 as those of `(word >> 1) & 0x7F807F80`.
 
 So the kernel accumulates acc = sum_k x * (e2m1 * scale * 2^-7) in FP32 (the products are exact in fp16)
-and writes y = acc * 2^7 * factor[e] * row_factor[row], factor[e] = amax_e * fp32(1 / (6 * 448)).
+and writes y = acc * 2^7 * factor[e] * row_factor[row], factor[e] = amax_e * fp32(1 / (6 * M)), M the weights'
+e4m3_max (448 as `moe.pack_weights` makes them; 256 is taken too).
 
 Rows are packed in an order that suits the epilogue (`row_perm`; a thread's accumulators are tile rows r0 = 16 w +
 lane / 4 and r1 = r0 + 8):
@@ -51,14 +52,15 @@ import torch.nn.functional as F
 
 from . import _ext
 from .formats import (NVFP4_BLOCK, NVFP4Tensor, _check_amax_values, _check_float_input, _check_nvfp4, _f32,
-                      _nan_to_zero_abs, _pack_e2m1_codes, _unpack_e2m1_codes, _use_cuda, e2m1_decode, e4m3_decode,
-                      e4m3_encode)
+                      _keeps_subnormals, _nan_to_zero_abs, _pack_e2m1_codes, _unpack_e2m1_codes, _use_cuda,
+                      e2m1_decode, e4m3_decode, e4m3_encode)
 from .types import CombineRowsTarget
 
 __all__ = [
     "GemmWeights", "ExpandedRows", "pack_gemm_weights", "unpack_gemm_weights", "dequantize_gemm_weights",
     "expand_nvfp4_rows", "grouped_gemm_nvfp4", "grouped_gemm_nvfp4_combine_rows", "has_combine_rows_kernel",
-    "swiglu_row_permutation", "column_pair_row_permutation", "TILE_ROWS", "TILE_K", "TOKEN_TILES",
+    "gemm_kernels_unavailable", "swiglu_row_permutation", "column_pair_row_permutation", "TILE_ROWS", "TILE_K",
+    "TOKEN_TILES",
 ]
 
 TILE_ROWS = 64          # weight rows per tile (the kernel's M tile)
@@ -234,6 +236,7 @@ def _check_weight_values(w: NVFP4Tensor, name: str = "weight") -> None:
         raise ValueError(f"{name} amax must be finite and non-negative")
 
 
+@_keeps_subnormals
 def pack_gemm_weights(w: NVFP4Tensor, swiglu: bool) -> GemmWeights:
     """Pack NVFP4 expert weights w (logical [E, N, K], one amax per expert) for `grouped_gemm_nvfp4`.
 
@@ -352,6 +355,7 @@ def _dequantize_expert(w: GemmWeights, e: int) -> torch.Tensor:
     return out
 
 
+@_keeps_subnormals
 def unpack_gemm_weights(w: GemmWeights) -> NVFP4Tensor:
     """The NVFP4 weights [E, N, K] that `pack_gemm_weights` packed into w, bit for bit: codes, E4M3 scale bytes, the
     per-expert amax broadcast along N, e4m3_max. What a layer that keeps only the packed form hands back for saving
@@ -368,6 +372,7 @@ def unpack_gemm_weights(w: GemmWeights) -> NVFP4Tensor:
     return NVFP4Tensor(data=data, scales=scales.view(torch.float8_e4m3fn), amax=amax, e4m3_max=w.e4m3_max)
 
 
+@_keeps_subnormals
 def dequantize_gemm_weights(w: GemmWeights) -> torch.Tensor:
     """Unpack GemmWeights to fp32 [E, N, K] in the original row order.
 
@@ -393,18 +398,39 @@ def has_combine_rows_kernel() -> bool:
     return _ext.cuda_extension_available() and hasattr(_ext._C, "grouped_gemm_nvfp4_combine_rows")
 
 
-def _use_gemm_kernels(impl: str, t: torch.Tensor, what: str) -> bool:
+_STALE_BUILD = "this ep_comm._C was built without the grouped GEMM (stale build): rebuild the extension"
+_hopper_devices = {}  # device index -> whether it is sm_90 (asked once per device: the GEMM's hot path calls this)
+
+
+def gemm_kernels_unavailable(device: torch.device) -> str:
+    """Why the grouped GEMM kernels (`grouped_gemm_nvfp4`, `grouped_gemm_nvfp4_combine_rows`; sm_90a code only)
+    cannot run on the CUDA device `device`, or "" when they can."""
+    if not _ext.cuda_extension_available():
+        return f"the CUDA extension is unavailable ({_ext.cuda_extension_error()})"
+    if not _has_grouped_gemm_kernel():
+        return _STALE_BUILD
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _hopper_devices:
+        _hopper_devices[index] = torch.cuda.get_device_capability(index) == (9, 0)
+    if not _hopper_devices[index]:
+        major, minor = torch.cuda.get_device_capability(index)
+        return (f"the NVFP4 grouped GEMM kernels are sm_90a (Hopper) code and {torch.cuda.get_device_name(index)} is "
+                f"sm_{major}{minor}")
+    return ""
+
+
+def _use_gemm_kernels(impl: str, t: torch.Tensor, what: str, hopper_only: bool = False) -> bool:
     """formats' impl rule, plus: a `_C` built before the grouped GEMM existed (stale build) cannot run these kernels
-    (nor nvfp4_dequantize's block-scale-only mode): impl="cuda" raises, "auto" warns once and uses the reference."""
+    (nor nvfp4_dequantize's block-scale-only mode), and (hopper_only: the GEMM itself) another GPU than sm_90 cannot
+    run the GEMM: impl="cuda" raises, "auto" warns once and uses the reference."""
     if not _use_cuda(impl, t):
         return False
-    if _has_grouped_gemm_kernel():
+    why = gemm_kernels_unavailable(t.device) if hopper_only else ("" if _has_grouped_gemm_kernel() else _STALE_BUILD)
+    if not why:
         return True
     if impl == "cuda":
-        raise RuntimeError(f"{what}(impl='cuda') needs an ep_comm._C built with the grouped GEMM; rebuild the "
-                           "extension")
-    _ext.warn_once("ep_comm._C has no grouped_gemm_nvfp4 (stale build): expand_nvfp4_rows and grouped_gemm_nvfp4 "
-                   "use the torch reference")
+        raise RuntimeError(f"{what}(impl='cuda'): {why}")
+    _ext.warn_once(f"ep_comm.grouped_gemm: {what} uses the torch reference: {why}")
     return False
 
 
@@ -468,6 +494,7 @@ def _check_num_rows_limit(num_rows_limit: Optional[torch.Tensor], device: torch.
         raise ValueError(f"num_rows_limit must be an int32 tensor of one element on {device}")
 
 
+@_keeps_subnormals
 def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Optional[torch.Tensor] = None
                       ) -> ExpandedRows:
     """NVFP4 rows q (logical [..., K], flattened to R rows) -> ExpandedRows (values fp16 [R, K], row_factor fp32 [R]).
@@ -507,6 +534,7 @@ def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Option
     return ExpandedRows(values=block.reshape(num_rows, k).to(torch.float16), row_factor=row_factor.contiguous())
 
 
+@_keeps_subnormals
 def quantize_expanded_rows(x: torch.Tensor, amax: Optional[torch.Tensor] = None, impl: str = "auto",
                            num_rows_limit: Optional[torch.Tensor] = None, check_amax: bool = True) -> ExpandedRows:
     """NVFP4 4/6 quantization of x [R, K] (fp32 / bf16 / fp16, K % 16 == 0) straight into the GEMM operand form.
@@ -613,6 +641,7 @@ def _check_cuda_weights(weights: GemmWeights) -> None:
             raise ValueError(f"{name} must start 16-byte aligned for the CUDA kernel (cp.async)")
 
 
+@_keeps_subnormals
 def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
                        weights: GemmWeights, out_dtype: torch.dtype = torch.bfloat16,
                        token_tile: Optional[int] = None, impl: str = "auto",
@@ -636,9 +665,9 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
         token tile 128, else off); 0: off; 16/32/64 (below the token tile; with token_tile=None a value at or
         above the tile the kernel picks turns the split off for that call). Results are the same either
         way (each output element is one row times one weight row, summed in the same k order).
-    out: optional preallocated output (out_dtype [R, out_features], unit column stride); rows outside every
-        expert's segment are left as they are. By default a zero-filled tensor is allocated, so those rows
-        read 0.
+    out: optional preallocated output (out_dtype [R, out_features], unit column stride, an even row stride, starting
+        at an even element: the kernel stores column pairs); rows outside every expert's segment are left as they
+        are. By default a zero-filled tensor is allocated, so those rows read 0.
     With weights.swiglu, column i is silu(g_i) * u_i, computed in fp32 from the fp32 results of gate row i
     and up row i, then rounded once.
     row_amax: optional float32 [R] (contiguous, on x's device; SwiGLU weights only): each valid expert row r gets
@@ -664,7 +693,7 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
     rows = _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, out_dtype, token_tile, tail_tile,
                               out)
     device = x.values.device
-    use_cuda = _use_gemm_kernels(impl, x.values, "grouped_gemm_nvfp4")
+    use_cuda = _use_gemm_kernels(impl, x.values, "grouped_gemm_nvfp4", hopper_only=True)
     if wave is not None:
         from .types import WaveSync
         if not isinstance(wave, WaveSync):
@@ -720,9 +749,10 @@ def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tenso
     without SwiGLU, out_features = target.hidden). Row r's output, rounded to bf16 exactly as
     `grouped_gemm_nvfp4(..., out_dtype=torch.bfloat16)` returns it, is rotated (RHT-32 with target.sign_mask),
     quantized to S2F6 and stored at target.bases[src_rank[r]] + target.area_offset + (src_token[r] * num_topk +
-    topk_slot[r]) * row_bytes -- into the source rank's combine area over NVLink; a row whose triple names no row
-    of the areas (padding rows' -1s, when num_tokens_per_expert counts padding in) is not stored. The CTA's output
-    tile goes through shared memory, since a 32-column RHT chunk spans two warps of the accumulator layout.
+    topk_slot[r]) * row_bytes (bases 16-byte aligned: `CombineRowsTarget`) -- into the source rank's combine area
+    over NVLink; a row whose triple names no row of the areas (padding rows' -1s, when num_tokens_per_expert counts
+    padding in) is not stored. The CTA's output tile goes through shared memory, since a 32-column RHT chunk spans
+    two warps of the accumulator layout.
     No host synchronisation; the caller orders it between begin_combine_rows and finish_combine_rows.
     """
     if not has_combine_rows_kernel():
@@ -735,6 +765,9 @@ def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tenso
                               tail_tile, None)
     if x.values.device.type != "cuda":
         raise ValueError("grouped_gemm_nvfp4_combine_rows runs on CUDA tensors only")
+    why = gemm_kernels_unavailable(x.values.device)
+    if why:
+        raise RuntimeError(f"grouped_gemm_nvfp4_combine_rows: {why}")
     if target.num_topk < 1:
         raise ValueError(f"target.num_topk must be >= 1, got {target.num_topk}")
     if target.max_tokens < 1:

@@ -30,7 +30,8 @@ from . import _ext, formats
 from .formats import _is_capturing
 from .buffer import Buffer
 from .grouped_gemm import (TOKEN_TILES, _check_kernel_row_order, _check_segments, _one_amax_per_expert,
-                           _check_weight_values, exact_fp32_matmuls, has_combine_rows_kernel)
+                           _check_weight_values, exact_fp32_matmuls, gemm_kernels_unavailable,
+                           has_combine_rows_kernel)
 
 
 @dataclass(frozen=True)
@@ -91,9 +92,10 @@ def _per_expert_amax(w: torch.Tensor) -> torch.Tensor:
 
 
 def pack_weights(w1: torch.Tensor, w2: torch.Tensor) -> PackedExpertWeights:
-    """Quantize master weights once, offline: w1 [E_local, 2I, H] and w2 [E_local, H, I] (bf16, fp16 or fp32, finite;
-    H and I multiples of 16) to NVFP4 along their input axis with one FP32 amax per expert (no 4/6, as for weights).
-    The result can be saved with torch.save and loaded with torch.load (weights-only unpickling) after import ep_comm."""
+    """Quantize master weights once, offline: w1 [E_local, 2I, H] (the I gate rows first, then the I up rows:
+    `torch.cat([gate, up], dim=1)`; the layer computes silu(gate) * up) and w2 [E_local, H, I] (bf16, fp16 or fp32,
+    finite; H and I multiples of 16) to NVFP4 along their input axis with one FP32 amax per expert (no 4/6, as for
+    weights). The result can be saved with torch.save and loaded with torch.load (weights-only unpickling) after import ep_comm."""
     for name, w in (("w1", w1), ("w2", w2)):  # checked here so that errors name w1 / w2, not the quantizer's "x"
         if not isinstance(w, torch.Tensor) or w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise TypeError(f"{name} must be a bfloat16, float16 or float32 tensor, got "
@@ -126,6 +128,7 @@ def pack_weights(w1: torch.Tensor, w2: torch.Tensor) -> PackedExpertWeights:
             w2=formats.nvfp4_quantize(w2, four_over_six=False, amax=_per_expert_amax(w2)))
 
 
+@formats._keeps_subnormals
 def expert_mlp_reference(tokens: formats.NVFP4Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """One expert on NVFP4 tokens [n, H] with dequantized FP32 weights w1 [2I, H], w2 [H, I]: bf16 [n, H].
 
@@ -135,7 +138,7 @@ def expert_mlp_reference(tokens: formats.NVFP4Tensor, w1: torch.Tensor, w2: torc
     for name, w in (("w1", w1), ("w2", w2)):
         if not isinstance(w, torch.Tensor) or w.dtype != torch.float32:
             raise TypeError(f"{name} must be the FP32 dequantized weights of one expert "
-                            f"(formats.nvfp4_dequantize(weights.{name}[e], dtype=torch.float32)), got "
+                            f"(formats.nvfp4_dequantize(weights.{name}, dtype=torch.float32)[e]), got "
                             f"{getattr(w, 'dtype', type(w).__name__)}")
     with exact_fp32_matmuls():  # the FP32 oracle on CUDA tensors too (as grouped_gemm's reference)
         x = formats.nvfp4_dequantize(tokens, dtype=torch.float32)
@@ -150,23 +153,12 @@ def _fused_experts_supported(device: torch.device, hidden: int, intermediate: in
     (False, why)."""
     if device.type != "cuda":
         return False, f"the expert weights are on {device}, not on a CUDA device"
-    why = _fused_gemm_unavailable(device)
+    why = gemm_kernels_unavailable(device)
     if why:
         return False, why
     if hidden % 64 or intermediate % 64:
         return False, f"the fused grouped GEMM needs H and I multiples of 64 (H = {hidden}, I = {intermediate})"
     return True, ""
-
-
-def _fused_gemm_unavailable(device: torch.device) -> str:
-    """Why the fused grouped GEMM cannot run on the CUDA device `device` ("" when it can)."""
-    if not _ext.cuda_extension_available():
-        return f"the CUDA extension is unavailable ({_ext.cuda_extension_error()})"
-    if not hasattr(_ext._C, "grouped_gemm_nvfp4"):
-        return "this ep_comm._C was built without the grouped GEMM (stale build): rebuild the extension"
-    if torch.cuda.get_device_capability(device) != (9, 0):
-        return "the fused NVFP4 grouped GEMM needs an sm_90 (Hopper) GPU"
-    return ""
 
 
 _FUSED_NEEDS = ("fused experts need CUDA tensors on an sm_90 GPU (use expert_mlp_reference / "
@@ -196,7 +188,7 @@ def _check_fused_inputs(tokens, expert_offsets, num_tokens_per_expert, w1, w2=No
     if len({t.device for t in tensors}) != 1 or not all(t.is_cuda for t in tensors):
         raise ValueError(f"{_FUSED_NEEDS} (tokens, expert_offsets, num_tokens_per_expert and the weights on one GPU); "
                          f"got tensors on {', '.join(sorted({str(t.device) for t in tensors}))}")
-    why = _fused_gemm_unavailable(tensors[0].device) if tensors else ""
+    why = gemm_kernels_unavailable(tensors[0].device) if tensors else ""
     if why:
         raise RuntimeError(f"{_FUSED_NEEDS}: {why}")
 
@@ -356,7 +348,7 @@ class MoELayer(torch.nn.Module):
 
     def _apply(self, fn, recurse=True):
         # `fn` is what .to() / .cuda() / .half() apply to every tensor: see where it would put one of ours.
-        here = self.router_weight.device
+        here = self._device
         there = fn(torch.empty(0, device=here)).device
         if there != here:
             raise RuntimeError(f"MoELayer cannot move from {here} to {there}: its expert weights are packed for {here} "
@@ -374,8 +366,19 @@ class MoELayer(torch.nn.Module):
                               "token to one expert with NaN weights, which the S2F6 combine turns into near-zero "
                               "outputs)")
             return
+        before = self._buffers["router_weight"]
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        after = self._buffers["router_weight"]
+        if after is not before:
+            # load_state_dict(assign=True) installed the caller's tensor itself (any device or dtype, its storage
+            # shared with the caller): the layer keeps its own copy on its device, as the constructor does.
+            if after.device.type == "meta":
+                self._buffers["router_weight"] = before
+                error_msgs.append(f"{prefix}router_weight is a meta tensor: not loaded (it holds no values)")
+            else:
+                self._buffers["router_weight"] = after.detach().to(device=self._device, dtype=before.dtype,
+                                                                   copy=True)
 
     def __init__(self, buffer: Buffer, router_weight: torch.Tensor, weights: PackedExpertWeights,
                  expert_impl: str = "auto", token_tile=None, combine_rows: Optional[bool] = None,

@@ -270,7 +270,9 @@ class CombineRowsTarget:
     * row_bytes: `hidden` code bytes (int8), then the UE8M0 scale of 32-chunk c at byte scale_offset + c. For
     another rank that address is an NVLink peer address, so the epilogue writes straight into the source rank.
 
-    bases: int64 [W] on the device, each rank's symmetric region as this GPU addresses it.
+    bases: int64 [W] on the device, each rank's symmetric region as this GPU addresses it; each 16-byte aligned (the
+        epilogue stores 16 bytes at a time; the host cannot check device values without a sync, and a misaligned
+        base is a CUDA fault that ends the process's context). area_offset and row_bytes: multiples of 16 (checked).
     src_rank, src_token, topk_slot: int32 [R], the DispatchResult's (rows past expert_offsets[-1] unused). A row
         whose (src_rank, src_token, topk_slot) lies outside [0, W) x [0, max_tokens) x [0, num_topk) -- the -1s of
         padding rows, when counts include a segment's padding -- is not stored.

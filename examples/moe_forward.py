@@ -16,11 +16,14 @@ from ep_comm.launch import run_ranks
 from example_args import parse_moe_args
 
 
-def make_experts(num_experts, hidden, intermediate, seed=0):
+def make_layer(num_experts, hidden, intermediate, seed=0):
+    """The router [E, H] and the experts' w1 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]: one layer, so
+    the same on every rank (one seed)."""
     gen = torch.Generator().manual_seed(seed)
+    router = torch.randn(num_experts, hidden, generator=gen)
     w1 = torch.randn(num_experts, 2 * intermediate, hidden, generator=gen) / hidden ** 0.5
     w2 = torch.randn(num_experts, hidden, intermediate, generator=gen) / intermediate ** 0.5
-    return w1, w2
+    return router, w1, w2
 
 
 def expert_mlp(x, w1, w2):
@@ -30,13 +33,12 @@ def expert_mlp(x, w1, w2):
 
 def worker(rank, world, args):
     device = torch.device("cuda", torch.cuda.current_device()) if args.gpu else torch.device("cpu")
-    w1, w2 = make_experts(args.experts, args.hidden, args.intermediate)
+    router, w1, w2 = make_layer(args.experts, args.hidden, args.intermediate)
     num_local = args.experts // world
     local = range(rank * num_local, (rank + 1) * num_local)
-    gen = torch.Generator().manual_seed(100 + rank)
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank's own tokens
     x = torch.randn(args.tokens, args.hidden, generator=gen).to(torch.bfloat16).to(device)
-    router = torch.randn(args.hidden, args.experts, generator=gen).to(device)
-    scores = torch.softmax(x.float() @ router, dim=-1)
+    scores = torch.softmax(x.float() @ router.to(device).t(), dim=-1)
     topk_weights, topk_idx = scores.topk(args.topk, dim=-1)
 
     with ep_comm.Buffer(None, hidden=args.hidden, num_experts=args.experts, num_topk=args.topk,

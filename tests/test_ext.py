@@ -42,7 +42,7 @@ def test_format_kernels_runnable_on_this_gpu():
     """The GPU tier's device is one the extension was built for: formats' impl='auto' takes the kernels there."""
     from ep_comm import formats
     device = torch.device("cuda", torch.cuda.current_device())
-    assert _ext._C.formats_kernels_runnable()
+    assert _ext._C.formats_kernels_runnable() and _ext._C.formats_kernel_image_error() == ""
     assert formats._kernels_runnable(device) and formats._use_cuda("auto", torch.zeros(1, device=device))
 
 

@@ -398,12 +398,18 @@ def test_auto_impl_falls_back_where_the_kernels_were_not_built(monkeypatch):
     monkeypatch.setattr(_ext, "cuda_device", lambda index: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "A100")
-    monkeypatch.setattr(F, "_runnable_on_device", {})
+    monkeypatch.setattr(F, "_problem_on_device", {})
     tensor = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 3))
-    with pytest.warns(RuntimeWarning, match="A100, sm_80 go to the torch reference"):
+    with pytest.warns(RuntimeWarning, match="go to the torch reference: .* not built for this GPU \\(A100, sm_80\\)"):
         assert not F._use_cuda("auto", tensor)
     assert not F._use_cuda("auto", tensor) and asked == [1]
     with pytest.raises(RuntimeError, match="not built for this GPU \\(A100, sm_80\\)"):
+        F._use_cuda("cuda", tensor)
+    # A driver older than the runtime _C links fails the same probe: the message says so, not "rebuild".
+    monkeypatch.setattr(_ext, "_C", types.SimpleNamespace(
+        formats_kernel_image_error=lambda: "cudaErrorInsufficientDriver: CUDA driver version is insufficient"))
+    monkeypatch.setattr(F, "_problem_on_device", {})
+    with pytest.raises(RuntimeError, match="the driver is older than the CUDA runtime"):
         F._use_cuda("cuda", tensor)
 
 

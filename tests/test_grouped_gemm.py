@@ -8,6 +8,7 @@ weight element the contract assigns to that (thread, k-step, pair) position.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 
@@ -624,6 +625,97 @@ def test_gemm_bad_inputs():
         call(token_tile=32, tail_tile=32)
 
 
+@pytest.mark.cpu
+def test_gemm_refuses_layouts_the_kernel_cannot_take():
+    """The host checks that guard the kernel's addressing (its 16-byte operand loads, 2-wide output stores, its one
+    device), each refused on the CPU path too, so that the reference takes exactly what the kernel takes."""
+    experts, n, k = 2, 64, 128
+    packed = G.pack_gemm_weights(random_weights(experts, n, k, seed=2), swiglu=False)
+    x = G.expand_nvfp4_rows(random_activations(40, k, seed=3))
+    off = torch.tensor([0, 16, 32], dtype=torch.int32)
+    cnt = torch.tensor([10, 5], dtype=torch.int32)
+
+    def call(**kw):
+        args = dict(x=x, expert_offsets=off, num_tokens_per_expert=cnt, weights=packed)
+        args.update(kw)
+        return G.grouped_gemm_nvfp4(**args)
+
+    wide = torch.zeros(40, n + 1, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out rows must start at even columns"):
+        call(out=wide[:, :n])  # an odd row stride
+    flat = torch.zeros(40 * n + 1, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out rows must start at even columns"):
+        call(out=flat[1:].view(40, n))  # starts at an odd element
+    shifted = torch.zeros(40 * k + 4, dtype=torch.float16)[4:].view(40, k)  # 8 bytes past an aligned start
+    shifted.copy_(x.values)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        call(x=G.ExpandedRows(shifted, x.row_factor))
+    with pytest.raises(ValueError, match="expert_offsets must be contiguous"):
+        call(expert_offsets=torch.tensor([0, 9, 16, 9, 32, 9], dtype=torch.int32)[::2])
+    with pytest.raises(ValueError, match="num_tokens_per_expert must be contiguous"):
+        call(num_tokens_per_expert=torch.tensor([10, 0, 5, 0], dtype=torch.int32)[::2])
+    with pytest.raises(ValueError, match="x.row_factor is on meta"):
+        call(x=G.ExpandedRows(x.values, x.row_factor.to("meta")))
+    broken = dataclasses.replace(packed, factor=packed.factor[:1])
+    with pytest.raises(ValueError, match="inconsistent GemmWeights"):
+        call(weights=broken)
+
+
+@pytest.mark.cpu
+def test_gemm_reference_keeps_subnormals_when_the_thread_flushes_them():
+    """NUMERICS.md: no implementation flushes subnormals. Under torch.set_flush_denormal(True) the packing, the
+    weight dequantization, the expansion and the reference GEMM give the bits they give without it (a packed factor
+    of 0 would have made the CUDA path return 0 for those experts too); tiny amaxes make every value subnormal."""
+    w = random_weights(2, 64, 64, seed=5)
+    w = F.NVFP4Tensor(w.data, w.scales, torch.full_like(w.amax, 1e-36), 448.0)
+    q = random_activations(8, 64, seed=6)
+    q_tiny = F.NVFP4Tensor(q.data, q.scales, torch.full_like(q.amax, 1e-35), q.e4m3_max)  # subnormal row factors
+    off, cnt = torch.tensor([0, 4, 8], dtype=torch.int32), torch.tensor([4, 4], dtype=torch.int32)
+
+    def results():
+        packed = G.pack_gemm_weights(w, swiglu=False)
+        x = G.expand_nvfp4_rows(q, impl="reference")
+        y = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.float32, impl="reference")
+        return [packed.factor, G.dequantize_gemm_weights(packed), G.expand_nvfp4_rows(q_tiny).row_factor, y]
+
+    want = results()
+    assert all(bool((t.view(torch.int32) != 0).any()) for t in want), "the case must hold nonzero subnormals"
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals: nothing to keep")
+    try:
+        got = results()
+    finally:
+        torch.set_flush_denormal(False)
+    for a, b in zip(got, want):  # compared as bits: torch.equal itself would read subnormals as 0 when flushing
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.cpu
+def test_gemm_on_a_gpu_other_than_hopper_falls_back_or_raises(monkeypatch):
+    """The GEMM kernels are sm_90a code: on another GPU, impl='auto' warns once and takes the reference, 'cuda'
+    raises naming the GPU (it used to fail in the launcher although the format kernels, built for that GPU, ran).
+    Stand-ins: this machine has no GPU; the tensors stay on the CPU, so only the decision is under test."""
+    from ep_comm import _ext
+    monkeypatch.setattr(G, "_use_cuda", lambda impl, t: impl != "reference")
+    monkeypatch.setattr(G, "_has_grouped_gemm_kernel", lambda: True)
+    monkeypatch.setattr(_ext, "cuda_extension_available", lambda: True)
+    monkeypatch.setattr(G, "_hopper_devices", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "B200")
+    tensor = torch.zeros(1)
+    tensor_on_gpu = type("T", (), {"device": torch.device("cuda", 1)})()
+    with pytest.warns(RuntimeWarning, match="uses the torch reference: .*sm_90a \\(Hopper\\) code and B200 is sm_100"):
+        assert not G._use_gemm_kernels("auto", tensor_on_gpu, "grouped_gemm_nvfp4", hopper_only=True)
+    with pytest.raises(RuntimeError, match="B200 is sm_100"):
+        G._use_gemm_kernels("cuda", tensor_on_gpu, "grouped_gemm_nvfp4", hopper_only=True)
+    # The expansion and requantization kernels are not sm_90a-only: they stay on the kernels.
+    assert G._use_gemm_kernels("auto", tensor_on_gpu, "expand_nvfp4_rows")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(G, "_hopper_devices", {})
+    assert G._use_gemm_kernels("auto", tensor_on_gpu, "grouped_gemm_nvfp4", hopper_only=True)
+    assert tensor is not None
+
+
 # ----------------------------------------------------------------------------------------------------------
 # GPU tier: the CUDA kernel against the reference
 # ----------------------------------------------------------------------------------------------------------
@@ -686,6 +778,61 @@ def test_kernel_full_range_of_weight_scales(shape, swiglu):
     for out_dtype in (torch.float32, torch.bfloat16):
         out = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=out_dtype, impl="cuda")
         _check_against_reference(out, ref, mask, out_dtype)
+
+
+def _clamped_segments(offsets, counts, rows):
+    """What the kernel computes for each expert (grouped_gemm.cu clamped_count): the count clamped to its segment,
+    the segment clipped to the rows; 0 for a negative start or count."""
+    clamped = []
+    for e, requested in enumerate(counts):
+        begin, end = offsets[e], offsets[e + 1]
+        count = min(requested, min(end, rows) - begin)
+        clamped.append((begin, 0 if begin < 0 or count < 0 else count))
+    return clamped
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offsets,counts", [
+    ([0, 16, 32, 48], [17, 5, 16]),          # a count past its segment
+    ([0, 16, 32, 48], [-3, 5, 2**31 - 1]),   # negative, INT32_MAX
+    ([0, 16, 40, 60], [16, 24, 20]),         # segments past the rows
+    ([0, 20, 10, 48], [5, 5, 5]),            # decreasing offsets
+    ([-8, 8, 24, 48], [4, 4, 4]),            # a negative start
+    ([0, 60, 70, 80], [5, 5, 5]),            # starts past the rows
+])
+@pytest.mark.parametrize("token_tile,tail_tile", [(None, None), (16, 0), (128, 32)])
+def test_inconsistent_segments_stay_inside_x_and_out(offsets, counts, token_tile, tail_tile):
+    """The CUDA path cannot check the device-side offsets and counts; its docstring promises it never reads or writes
+    outside x and out. x and out are views inside larger buffers whose guard rows hold a sentinel: the guards stay
+    untouched, the rows of the clamped segments are the reference's, every other row of out keeps the sentinel."""
+    experts, n, k, rows, guard = 3, 128, 128, 48, 16
+    w = random_weights(experts, n, k, seed=31, device="cuda", scale_low=0x18, scale_high=0x58)
+    packed = G.pack_gemm_weights(w, swiglu=False)
+    x = G.expand_nvfp4_rows(random_activations(rows, k, seed=32, device="cuda"))
+    values = torch.full((rows + 2 * guard, k), float("nan"), dtype=torch.float16, device="cuda")
+    factors = torch.full((rows + 2 * guard,), float("nan"), device="cuda")
+    values[guard:guard + rows], factors[guard:guard + rows] = x.values, x.row_factor
+    x_inside = G.ExpandedRows(values[guard:guard + rows], factors[guard:guard + rows])
+    out_all = torch.full((rows + 2 * guard, n), -7.0, device="cuda")
+    out = out_all[guard:guard + rows]
+    off = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    cnt = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    G.grouped_gemm_nvfp4(x_inside, off, cnt, packed, out_dtype=torch.float32, token_tile=token_tile,
+                         tail_tile=tail_tile, impl="cuda", out=out)
+    torch.cuda.synchronize()
+    assert bool((out_all[:guard] == -7.0).all()) and bool((out_all[guard + rows:] == -7.0).all()), \
+        "the kernel wrote outside out"
+    weights = G.dequantize_gemm_weights(packed)
+    x_f32 = x.values.float() * x.row_factor[:, None]
+    written = torch.zeros(rows, dtype=torch.bool)
+    for e, (begin, count) in enumerate(_clamped_segments(offsets, counts, rows)):
+        if count:
+            want = x_f32[begin:begin + count] @ weights[e].t()
+            got = out[begin:begin + count]
+            rel = ((got.double() - want.double()).norm() / want.double().norm()).item()  # as _check_against_reference
+            assert rel < 1e-5, (e, begin, count, rel)
+            written[begin:begin + count] = True
+    assert bool((out[~written.cuda()] == -7.0).all()), "rows outside the clamped segments were written"
 
 
 @pytest.mark.gpu

@@ -117,6 +117,45 @@ def _moe_worker(rank, world, device_kind="cpu", backend="auto"):
             "rows_api_refused": rows_api_refused, "weights_kept": weights_kept}
 
 
+def _moe_edge_worker(rank, world, device_kind="cpu", backend="auto"):
+    """The layer's default path with top-1 routing and an idle rank, as serving often has: rank 0 forwards 0 tokens
+    (every rank at world 1), then a few; a transposed (non-contiguous) input gives the contiguous one's bits. Each
+    forward against the token-by-token oracle of `_moe_worker` (its routing from layer.route, which that worker
+    checks)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else torch.device("cpu")
+    w1, w2, router = _master_weights()
+    local = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
+    packed_all = moe.pack_weights(w1, w2)
+    w1_all, w2_all = formats.nvfp4_dequantize(packed_all.w1), formats.nvfp4_dequantize(packed_all.w2)
+    expert_fn = lambda payload, e: moe.expert_mlp_reference(payload, w1_all[e], w2_all[e])  # noqa: E731
+    out = {}
+    with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=EXPERTS, num_topk=1, max_tokens_per_rank=16,
+                        backend=backend) as buf:
+        layer = moe.MoELayer(buf, router.to(device), moe.pack_weights(w1[local].to(device), w2[local].to(device)))
+        for name, tokens in (("idle rank 0", (0,) + tuple(9 + r for r in range(1, world))),
+                             ("after it", tuple(5 + r for r in range(world)))):
+            xs = [torch.randn(t, HIDDEN, generator=torch.Generator().manual_seed(300 + 10 * r + t))
+                  .to(torch.bfloat16) for r, t in enumerate(tokens)]
+            y = layer(xs[rank].to(device)).cpu()
+            inputs = [(x, *(t.cpu() for t in layer.route(x.to(device)))) for x in xs]
+            want = expected_combine(Case("moe-edge", HIDDEN, EXPERTS, 1, tokens, "uniform"), rank, world, inputs,
+                                    local_reduce=not layer.combine_rows, expert_fn=expert_fn)
+            error = 0.0 if tokens[rank] == 0 else ((y.float() - want.float()).norm() / want.float().norm()).item()
+            out[name] = {"shape": tuple(y.shape), "dtype": y.dtype, "vs_oracle": error}
+        x_t = xs[rank].t().contiguous().t().to(device)  # same values, column-major
+        out["transposed_equal"] = not x_t.is_contiguous() and torch.equal(layer(x_t).cpu(), y)
+        out["expert_impl"], out["backend"] = layer.expert_impl, buf.backend
+    return out
+
+
+def check_moe_edge_result(result, rank, world, bound):
+    assert result["idle rank 0"]["shape"] == ((0 if rank == 0 else 9 + rank), HIDDEN), result
+    assert result["after it"]["shape"] == (5 + rank, HIDDEN), result
+    assert result["idle rank 0"]["dtype"] == result["after it"]["dtype"] == torch.bfloat16, result
+    assert result["idle rank 0"]["vs_oracle"] < bound and result["after it"]["vs_oracle"] < bound, result
+    assert result["transposed_equal"], result
+
+
 def _combine_rows_checks(buf, router, packed, x, rank):
     """MoELayer(combine_rows=True) on the nvlink backend: w2's epilogue stores RHT + S2F6 rows into the source ranks'
     combine areas. Bitwise `Buffer.combine(experts(result), handle, local_reduce=False)` on the same dispatch, the
@@ -210,6 +249,12 @@ def test_moe_layer_matches_token_by_token_oracle():
         # Four NVFP4 quantizations (tokens, w1, SwiGLU output, w2; ~9% each on Gaussian data) and S2F6: ~22%
         # relative L2 against the unquantized FP32 layer on these random weights (0.218 measured on CPU).
         assert 0.0 < result["vs_fp32"] < 0.3, result
+
+
+@pytest.mark.cpu
+def test_moe_layer_with_top1_and_an_idle_rank_matches_the_oracle():
+    for rank, result in enumerate(run_ranks(_moe_edge_worker, 2, backend="gloo")):
+        check_moe_edge_result(result, rank, 2, 1e-5)  # reference experts: the oracle's arithmetic (as above)
 
 
 @pytest.mark.cpu
@@ -596,6 +641,9 @@ def test_moe_layer_on_gpus_matches_oracle():
     peers = SHARED_GPU or torch.cuda.can_device_access_peer(0, 1)
     for result in run_ranks(_moe_worker, 2, "cuda", auto_backend(), backend=multigpu_backend()):
         check_gpu_moe_result(result, peers)
+    edge = run_ranks(_moe_edge_worker, 2, "cuda", auto_backend(), backend=multigpu_backend())
+    for rank, result in enumerate(edge):
+        check_moe_edge_result(result, rank, 2, 1e-2)  # GPU vs CPU FP32 accumulation order (as above)
 
 
 def _layer_ownership_worker(rank, world):

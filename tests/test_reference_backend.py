@@ -72,6 +72,55 @@ def test_gloo_peer_that_never_calls_raises_after_timeout(tmp_path):
     assert "rank 0 waited more than timeout_s=1.0 s in" in message, message
 
 
+def _default_backend_group_worker(rank, world, port, raised_marker):
+    """A group made by init_process_group() without a backend, which dist.get_backend calls "undefined" (torch gives
+    it gloo on a CPU machine): "auto" picks the reference backend, which knows the group carries CPU tensors over
+    gloo -- it refuses other devices, and its waits end after timeout_s (here rank 1 never dispatches a second
+    time) instead of the process group's 30 minutes."""
+    import os
+    import time
+    import torch.distributed as dist
+    import ep_comm
+    dist.destroy_process_group()
+    dist.init_process_group(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    out = {"get_backend": str(dist.get_backend())}
+    buf = ep_comm.Buffer(None, hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=8, timeout_s=1.0)
+    out["backend"] = buf.backend
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+    idx = torch.tensor([[0, 1], [2, 3], [1, -1], [-1, -1]])
+    result = buf.dispatch(x, idx, torch.rand(4, 2))
+    out["combined"] = tuple(buf.combine(torch.zeros(result.num_rows, 64, dtype=torch.bfloat16), result.handle).shape)
+    try:
+        buf._backend.check_device("x", torch.empty(4, 64, device="meta"))
+        out["meta"] = "taken"
+    except ValueError as error:
+        out["meta"] = str(error)
+    if rank == 1:  # alive and outside any collective until rank 0 has raised (as _missing_peer_worker)
+        give_up = time.monotonic() + 60.0
+        while not os.path.exists(raised_marker) and time.monotonic() < give_up:
+            time.sleep(0.05)
+        return out
+    try:
+        buf.dispatch(x, idx, torch.rand(4, 2))
+        out["timeout"] = "no error"
+    except RuntimeError as error:
+        out["timeout"] = str(error)
+    finally:
+        open(raised_marker, "w").close()
+    return out
+
+
+@pytest.mark.cpu
+def test_group_without_a_backend_name_is_served_as_gloo(tmp_path):
+    from ep_comm.launch import free_port
+    results = run_ranks(_default_backend_group_worker, 2, free_port(), str(tmp_path / "rank0_raised"),
+                        backend="gloo", timeout_s=120)
+    for out in results:
+        assert out["backend"] == "reference" and out["combined"] == (4, 64), out
+        assert "needs x on cpu, got meta" in out["meta"], out
+    assert "rank 0 waited more than timeout_s=1.0 s in" in results[0]["timeout"], results[0]
+
+
 def _argument_types_differ_worker(rank, world):
     """hidden=64 on rank 0 and 64.0 on rank 1: equal as numbers, but only rank 1's fails validate(). Every rank must
     raise at construction (none goes on to its first collective alone)."""

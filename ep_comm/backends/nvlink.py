@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from .. import _ext, formats
 from .buffer_tag import agree_buffer_tag
+from .transport import device_backends
 from ..types import (BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, WaveDispatch, WaveSync,
                      s2f6_combine_row_layout)
 
@@ -356,10 +357,9 @@ def _shared_gpu_allowed() -> bool:
 
 def _cpu_collectives(group) -> bool:
     try:
-        backend = str(dist.get_backend(group)).lower()
+        return device_backends(group).get("cpu") == "gloo"
     except Exception:
         return False
-    return "gloo" in backend
 
 
 def _nvshmem_init(group, region_bytes: int):
@@ -832,6 +832,11 @@ class NVLinkBackend:
         major, minor = torch.cuda.get_device_capability()
         if major < 9:
             return False, f"needs compute capability >= 9.0 (sm_90a build), found {major}.{minor}"
+        # A GPU the build has no kernel image for (a Blackwell GPU with the default "90a"), or a driver older than the
+        # runtime _C links: refused here, so that "auto" falls back, instead of failing in the kernels' setup.
+        problem = formats._kernel_image_problem(torch.device("cuda", torch.cuda.current_device()))
+        if problem:
+            return False, problem
         have_nvshmem = nvshmem_importable()
         if _shared_gpu_allowed():
             return True, ""  # testing mode: ranks of this node share GPUs, over CUDA IPC (see _shared_gpu_allowed)

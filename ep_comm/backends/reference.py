@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .. import _ext, formats
 from .buffer_tag import tagged_dispatch_ids
+from .transport import describe, device_backends
 from ..types import BufferConfig, BufferSizes, DispatchResult, combine_bytes_per_token, dispatch_bytes_per_token
 
 
@@ -125,14 +126,16 @@ class ReferenceBackend:
         self.config = config
         self.rank = dist.get_rank(group)
         self.format_impl = format_impl
-        # gloo collectives wait at most timeout_s (then a RuntimeError names rank and stage); NCCL ones keep the
-        # process group's own timeout (their host call returns before the transfer ends).
-        self._transport = str(dist.get_backend(group)).lower()
-        self._timed_waits = self._transport == "gloo"
-        if format_impl == "cuda" and "nccl" not in self._transport:
+        # Collectives on CPU tensors over gloo wait at most timeout_s (then a RuntimeError names rank and stage);
+        # NCCL ones keep the process group's own timeout (their host call returns before the transfer ends).
+        backends = device_backends(group)
+        self._transport = describe(group)
+        self._cpu_gloo = backends.get("cpu") == "gloo"
+        self._cuda_nccl = backends.get("cuda") == "nccl"
+        if format_impl == "cuda" and not self._cuda_nccl:
             # (every rank takes the same branch: the arguments were compared across ranks, and the group is shared)
             raise ValueError("format_impl='cuda' needs CUDA tensors, i.e. an NCCL group; this group is "
-                             f"{dist.get_backend(group)!r} (CPU tensors): use format_impl='auto' or 'reference'")
+                             f"{self._transport!r} (CPU tensors): use format_impl='auto' or 'reference'")
 
     @staticmethod
     def is_available(group):
@@ -146,14 +149,13 @@ class ReferenceBackend:
         """ValueError unless `tensor` can go through this group's collectives: CPU tensors over gloo, tensors on the
         current CUDA device over NCCL (another device would fail on this rank only, leaving the others waiting).
         Groups of other transports are not checked."""
-        transport = self._transport
         allowed = []
-        if "gloo" in transport:
+        if self._cpu_gloo:
             allowed.append(torch.device("cpu"))
-        if "nccl" in transport and torch.cuda.is_available():
+        if self._cuda_nccl and torch.cuda.is_available():
             allowed.append(torch.device("cuda", torch.cuda.current_device()))
         if allowed and tensor.device not in allowed:
-            raise ValueError(f"the reference backend over {transport} needs {name} on "
+            raise ValueError(f"the reference backend over {self._transport} needs {name} on "
                              f"{' or '.join(str(d) for d in allowed)}, got {tensor.device}")
 
     @staticmethod
@@ -178,7 +180,8 @@ class ReferenceBackend:
         """Runs the torch.distributed collective `op` on this backend's group. Over gloo it waits at most timeout_s:
         a peer that does not make the same call raises here, naming this rank and the stage, instead of waiting for
         the process group's timeout (30 minutes by default)."""
-        if not self._timed_waits:
+        tensor = next(a for a in args if isinstance(a, torch.Tensor))
+        if not (self._cpu_gloo and tensor.device.type == "cpu"):
             op(*args, group=self.group, **kwargs)
             return
         work = op(*args, group=self.group, async_op=True, **kwargs)
@@ -190,6 +193,9 @@ class ReferenceBackend:
             if waited >= self.config.timeout_s:
                 why = (f"waited more than timeout_s={self.config.timeout_s} s in {stage}: a peer did not make the same "
                        f"call (or is slower than that)")
+            elif "timed out" in str(error).lower():  # the process group's own timeout, shorter than timeout_s
+                why = (f"waited {waited:.1f} s in {stage}, the process group's own timeout (below timeout_s="
+                       f"{self.config.timeout_s} s): a peer did not make the same call (or is slower than that)")
             else:  # the transport failed first, e.g. a peer process exited
                 why = f"lost a peer after {waited:.1f} s in {stage} (a peer failed or exited)"
             raise RuntimeError(f"ep_comm reference backend: rank {self.rank} {why}; the process group may be "
@@ -213,7 +219,9 @@ class ReferenceBackend:
         the failing ranks their own `error`, the others ValueError(others_message.format(ranks=[...])) -- instead of
         the others waiting in the next exchange until the process group's timeout (or gloo aborting on mismatched
         split sizes)."""
-        device = torch.device("cuda", torch.cuda.current_device()) if self._transport == "nccl" else torch.device("cpu")
+        # On a device the group serves: the CPU where gloo is there, else the current GPU (an NCCL-only group).
+        device = torch.device("cpu") if self._cpu_gloo or not self._cuda_nccl else torch.device(
+            "cuda", torch.cuda.current_device())
         failed = torch.zeros(self.config.world_size, dtype=torch.int32, device=device)
         failed[self.rank] = int(error is not None)
         self._collective("the input check's agreement", dist.all_reduce, failed)
