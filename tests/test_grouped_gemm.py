@@ -829,8 +829,11 @@ def test_inconsistent_segments_stay_inside_x_and_out(offsets, counts, token_tile
         if count:
             want = x_f32[begin:begin + count] @ weights[e].t()
             got = out[begin:begin + count]
-            rel = ((got.double() - want.double()).norm() / want.double().norm()).item()  # as _check_against_reference
-            assert rel < 1e-5, (e, begin, count, rel)
+            if want.abs().max() == 0:  # expert 0 of random_weights has amax 0 (E > 2): its rows are exactly 0
+                assert torch.equal(got, want), (e, begin, count)
+            else:  # as _check_against_reference
+                rel = ((got.double() - want.double()).norm() / want.double().norm()).item()
+                assert rel < 1e-5, (e, begin, count, rel)
             written[begin:begin + count] = True
     assert bool((out[~written.cuda()] == -7.0).all()), "rows outside the clamped segments were written"
 
