@@ -667,6 +667,21 @@ def _layer_ownership_worker(rank, world):
         with torch.no_grad():
             router_param.add_(1.0)  # the caller's later edit does not reach the layer
         out["router_kept"] = torch.equal(layer.router_weight, router)
+        # load_state_dict(assign=True) installs the caller's tensor itself: the layer keeps its own copy instead (on
+        # its device, in its dtype, not sharing storage), and a meta router (no values) is refused, the old one kept.
+        given = (router * 3).to(torch.bfloat16)
+        layer.load_state_dict({"router_weight": given}, assign=True)
+        with torch.no_grad():
+            given.add_(1.0)
+        out["assigned_own"] = (layer.router_weight.dtype == torch.float32
+                               and torch.equal(layer.router_weight, (router * 3).to(torch.bfloat16).float()))
+        try:
+            layer.load_state_dict({"router_weight": torch.empty_like(router, device="meta")}, assign=True)
+            out["meta_router"] = "loaded"
+        except RuntimeError as error:
+            out["meta_router"] = str(error)
+        out["meta_router_kept"] = layer.router_weight.device.type == "cpu"
+        layer.load_state_dict({"router_weight": router})
         x = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
         y = layer(x)  # grad mode on, x detached: the layer's own tensors need no grad
         out["forward_shape"] = tuple(y.shape)
@@ -713,6 +728,8 @@ def test_layer_owns_its_router_and_refuses_what_it_cannot_do():
     subprocess.run([sys.executable, "-c", "import ep_comm; ep_comm.moe.MoELayer"], check=True)
     for rank, out in enumerate(run_ranks(_layer_ownership_worker, 2, backend="gloo")):
         assert out["packed_grad"] is False and out["router_own"] and out["router_kept"], out
+        assert out["assigned_own"] and out["meta_router_kept"], out
+        assert "router_weight is a meta tensor: not loaded" in out["meta_router"], out
         assert out["forward_shape"] == (4, HIDDEN), out
         assert "router_weight holds NaN or Inf" in out["nan_router"], out
         expected = "x is on meta" if rank == 1 else "rejected on rank(s) [1]"
