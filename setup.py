@@ -7,7 +7,7 @@ out keeps builds fast and independent of one torch ABI).
 Environment:
   EP_COMM_BUILD_CUDA   auto (default): build `_C` when nvcc is found, else install pure Python;
                        0: never build; 1: build or fail loudly. A malformed EP_COMM_CUDA_ARCHS or
-                       EP_COMM_NVCC_THREADS raises in every mode.
+                       EP_COMM_NVCC_THREADS raises (auto and 1).
   EP_COMM_CUDA_ARCHS   semicolon list of targets, default "90a" (H100/H200). "90a;100a" also compiles the
                        Blackwell-native paths (sm_100a), which CI does as a compile check.
   EP_COMM_NVCC_THREADS parallel compile jobs (default: number of CPUs).
@@ -162,7 +162,9 @@ class CudaBuild(build_ext):
         # their flags (arch list, includes: pybind11 and Python) -- a new toolkit or CXX gets its own folder.
         versions = [subprocess.run([tool, "--version"], capture_output=True, text=True).stdout
                     for tool in (str(nvcc), cxx)]
-        key = repr([str(nvcc), cxx, versions, cu_flags, cpp_flags, pybind11.__version__])
+        # (pybind11 by its version: its include path is a fresh temporary folder in every isolated pip build)
+        stable_flags = [flag for flag in cu_flags + cpp_flags if flag != f"-I{pybind11.get_include()}"]
+        key = repr([str(nvcc), cxx, versions, stable_flags, pybind11.__version__])
         build_dir = Path(self.build_temp) / ("ep_comm_C_" + hashlib.sha1(key.encode()).hexdigest()[:10])
         build_dir.mkdir(parents=True, exist_ok=True)
         jobs = []

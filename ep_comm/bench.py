@@ -3,13 +3,13 @@
     python -m ep_comm.bench                      # all visible GPUs (backend auto), or 2 CPU ranks
     python -m ep_comm.bench --tokens 4096 --hidden 7168 --topk 8 --experts 256 --out result.json
 
-For each (dispatch format, combine format) pair it prints: wire bytes per token and destination, median
-dispatch and combine time (GPU: device time of calls enqueued back to back, timed by CUDA events; CPU: wall
-time), wire GB/s (payload bytes that leave the rank for other ranks / time, per rank; the per-row metadata the
-nvlink kernels also store, 112 bytes per row at top-8, is not counted), BF16-equivalent GB/s (2·H bytes per token-destination / time), the combine's own error (relative L2 against a BF16 combine of the same expert
-rows) and the end-to-end error (relative L2 and SQNR in dB against the unquantized result) for a toy expert (a
-per-expert scale). The detailed
-GPU benchmark with NCCL and peer-copy baselines is bench/bench_dispatch_combine.py.
+For each (dispatch format, combine format) pair it prints: wire bytes per token and destination, median dispatch and
+combine time (GPU: device time of calls enqueued back to back, timed by CUDA events; CPU: wall time), wire GB/s (payload
+bytes that leave the rank for other ranks / time, per rank; the per-row metadata the nvlink kernels also store, 112
+bytes per row at top-8, is not counted), BF16-equivalent GB/s (2·H bytes per token-destination / time), the combine's
+own error (relative L2 against a BF16 combine of the same expert rows) and the end-to-end error (relative L2 and SQNR in
+dB against the unquantized result) for a toy expert (a per-expert scale). The detailed GPU benchmark with NCCL and
+peer-copy baselines is bench/bench_dispatch_combine.py.
 """
 from __future__ import annotations
 
@@ -98,6 +98,7 @@ def parse_args(argv=None):
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    args.ranks_chosen = args.ranks is None  # (print_table says why the default took fewer GPUs than there are)
     if args.ranks is None:
         # Every GPU, or the most ranks up to that which divide the experts (256 over 6 GPUs cannot): said in the table.
         args.ranks = max(r for r in range(1, torch.cuda.device_count() + 1) if args.experts % r == 0) \
@@ -143,12 +144,12 @@ def _dequantize(x, fmt):
 
 def _time_calls(buf, x, topk_idx, weights, expert_out, iters: int, device):
     """(dispatch seconds per call, combine seconds per call, last combine output) over `iters` dispatch + combine
-    pairs. GPU: the pairs are enqueued back to back (no host sync, no barrier between them) with a CUDA event before
-    and after each call, so an interval is the call's device time whenever the host keeps ahead of the GPU (an eager
-    call costs ~45-57 us of host time on the H200 machine's CPU, up to ~95 on a slow one: bench/profile_host.py); a
-    call shorter than that shows its host cost instead. The reference backend syncs with the host in every call (it
-    reads the split sizes), so on GPUs its intervals include that host work and the GPU's idle time. CPU ranks (gloo): the wall time of each call, the ranks aligned
-    by a barrier before it."""
+    pairs. GPU: the pairs are enqueued back to back (no host sync, no barrier between them) with a CUDA event before and
+    after each call, so an interval is the call's device time whenever the host keeps ahead of the GPU (an eager call
+    costs ~45-57 us of host time on the H200 machine's CPU, up to ~95 on a slow one: bench/profile_host.py); a call
+    shorter than that shows its host cost instead. The reference backend syncs with the host in every call (it reads the
+    split sizes), so on GPUs its intervals include that host work and the GPU's idle time. CPU ranks (gloo): the wall
+    time of each call, the ranks aligned by a barrier before it."""
     import torch.distributed as dist
 
     dispatch_times, combine_times = [], []
@@ -277,8 +278,9 @@ def print_table(rows, args) -> None:
               f"{r['combine_rel_l2_error']:>9.4f}{r['rel_l2_error']:>9.4f}{r['sqnr_db']:>9.1f}")
     print("comb L2: the combine's own error (against a BF16 combine of the same expert rows); e2e L2 / SQNR: "
           "dispatch + combine against the unquantized toy expert")
-    if args.device == "cuda" and args.ranks < torch.cuda.device_count():
-        print(f"{args.ranks} of the {torch.cuda.device_count()} visible GPUs: --experts must be a multiple of the ranks")
+    if args.device == "cuda" and getattr(args, "ranks_chosen", False) and args.ranks < torch.cuda.device_count():
+        print(f"{args.ranks} of the {torch.cuda.device_count()} visible GPUs: --experts must be a multiple of the "
+              f"ranks")
     if rank0 and (rank0[0]["dispatch_wire_gbps"] is None or rank0[0]["combine_wire_gbps"] is None):
         print("n/a: one rank, so no token crosses to another rank (the times are the kernels' local work)"
               if args.ranks == 1 else "n/a: rank 0 sent no rows to another rank in that direction")

@@ -138,6 +138,8 @@ def _keeps_subnormals(function):
     """Decorator: `function` runs inside ieee_subnormals() (every public reference function of this module)."""
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
+        if _SUBNORMAL * _ONE != 0.0:  # the common case, checked without a context manager (CUDA paths call this too)
+            return function(*args, **kwargs)
         with ieee_subnormals():
             return function(*args, **kwargs)
     return wrapper
@@ -179,14 +181,16 @@ def _use_cuda(impl: str, *tensors: torch.Tensor) -> bool:
     if not on_cuda:
         return False
     if not _ext.cuda_extension_available():
-        _ext.warn_once(f"ep_comm.formats: CUDA tensors go to the torch reference because ep_comm._C is unavailable: "
-                       f"{_ext.cuda_extension_error()}")
-        return False
-    problem = _kernel_image_problem(tensors[0].device)
-    if problem:
-        _ext.warn_once(f"ep_comm.formats: CUDA tensors go to the torch reference: {problem}")
-        return False
-    return True
+        problem = f"ep_comm._C is unavailable: {_ext.cuda_extension_error()}"
+    else:
+        problem = _kernel_image_problem(tensors[0].device)
+    if not problem:
+        return True
+    if _is_capturing():  # the reference copies its constants to the device with a sync: it would break the capture
+        raise RuntimeError(f"ep_comm.formats: the CUDA kernels cannot run here ({problem}) and the torch reference "
+                           f"cannot run inside a CUDA graph capture")
+    _ext.warn_once(f"ep_comm.formats: CUDA tensors go to the torch reference: {problem}")
+    return False
 
 
 _problem_on_device = {}  # device index -> why the format kernels cannot run there ("" when they can; asked once)
@@ -619,6 +623,7 @@ def _check_nvfp4(q) -> None:
                          f"{NVFP4_WEIGHT_E4M3_MAX} (plain), got {q.e4m3_max!r}")
 
 
+@torch.no_grad()  # as the quantizers: not differentiable on either path (the kernel's output has no grad_fn)
 @_keeps_subnormals
 def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32, impl: str = "auto") -> torch.Tensor:
     """NVFP4Tensor -> dense [..., K] in `dtype` (values computed in fp32, then rounded)."""
@@ -681,6 +686,7 @@ def _mxfp8_quantize_reference(xf: torch.Tensor, rounding: str, seed: int,
                        scales=scale.reshape(*xf.shape[:-1], k // MX_BLOCK).view(torch.float8_e8m0fnu))
 
 
+@torch.no_grad()  # as the quantizers: not differentiable on either path (the kernel's output has no grad_fn)
 @_keeps_subnormals
 def mxfp8_dequantize(m: MXFP8Tensor, dtype: torch.dtype = torch.float32, impl: str = "auto") -> torch.Tensor:
     """MXFP8Tensor -> dense [..., K] in `dtype`."""
@@ -832,6 +838,7 @@ def _s2f6_decode_rotated(s: S2F6Tensor) -> torch.Tensor:
     return values.reshape(s.data.shape)
 
 
+@torch.no_grad()  # as the quantizers: not differentiable on either path (the kernel's output has no grad_fn)
 @_keeps_subnormals
 def s2f6_dequantize(s: S2F6Tensor, hadamard: Optional[bool] = None, dtype: torch.dtype = torch.float32,
                     impl: str = "auto") -> torch.Tensor:

@@ -1,12 +1,12 @@
 """Run a function on N local ranks (one process each): free port, gloo or NCCL, a hard timeout.
 
-Used by the main job (`python -m ep_comm.bench`), the benchmarks and the tests. The worker gets
-(rank, world_size, *args) and returns a picklable value. A rank that raises reports its traceback; a run
-that exceeds `timeout_s` (a hang) kills every child and raises with the ranks that did not finish — it
-never waits forever; a rank killed while it still runs first prints every thread's stack to stderr (SIGUSR1). The
-first failure to arrive is shown in full (the others, often its consequences, by their last line). The ranks do not
-outlive the launcher: SIGTERM to it kills them, and on Linux they get SIGTERM when it dies. Spawning imports torch in every child, so callers run many cases per spawn. Each child takes (CPUs it may
-use) // N threads for torch's CPU ops, unless OMP_NUM_THREADS is set.
+Used by the main job (`python -m ep_comm.bench`), the benchmarks and the tests. The worker gets (rank, world_size,
+*args) and returns a picklable value. A rank that raises reports its traceback; a run that exceeds `timeout_s` (a hang)
+kills every child and raises with the ranks that did not finish — it never waits forever; a rank killed while it still
+runs first prints every thread's stack to stderr (SIGUSR1). The first failure to arrive is shown in full (the others,
+often its consequences, by their last line). The ranks do not outlive the launcher: SIGTERM to it kills them, and on
+Linux they get SIGTERM when it dies. Spawning imports torch in every child, so callers run many cases per spawn. Each
+child takes (CPUs it may use) // N threads for torch's CPU ops, unless OMP_NUM_THREADS is set.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import faulthandler
 import math
+import numbers
 import os
 import pickle
 import queue as queue_module
@@ -157,7 +158,7 @@ def run_ranks(worker, world_size: int, *args, backend: str = "gloo", timeout_s: 
     strict_teardown: a rank that exits with a non-zero code after reporting raises (default: a warning).
     hang_at_teardown: a rank that reported but did not exit within 10 s is killed, then "raise" (the default: a hang
     is a failure) or "warn" (the results are returned: what a benchmark that has its figures wants)."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or not 0 < timeout_s < math.inf:
         raise ValueError(f"timeout_s must be a finite positive number of seconds, got {timeout_s!r}")
     if hang_at_teardown not in ("raise", "warn"):
         raise ValueError(f"hang_at_teardown must be 'raise' or 'warn', got {hang_at_teardown!r}")
@@ -194,11 +195,12 @@ def _silent_exits(processes, outcome) -> list:
     return [r for r, p in enumerate(processes) if p.exitcode is not None and r not in outcome]
 
 
-def _dump_stacks_then_kill(processes) -> None:
+def _dump_stacks_then_kill(processes, dump: bool = True) -> None:
     """Ranks still running after a failure or a timeout: SIGUSR1 first (each rank prints every thread's Python stack
-    to stderr: where it hangs), then kill and reap (a killed child left unjoined stays a zombie of this process)."""
+    to stderr: where it hangs; not for a handled condition, dump=False), then kill and reap (a killed child left
+    unjoined stays a zombie of this process)."""
     alive = [p for p in processes if p.is_alive()]
-    if alive and hasattr(signal, "SIGUSR1"):
+    if alive and dump and hasattr(signal, "SIGUSR1"):
         for process in alive:
             with contextlib.suppress(OSError):
                 os.kill(process.pid, signal.SIGUSR1)
@@ -263,7 +265,8 @@ def _run_once(worker, world_size: int, args, backend: str, timeout_s: float, str
             _drain(results, outcome)
             silent = _silent_exits(processes, outcome)
         not_reported = [rank for rank in lingering if rank not in outcome]
-        _dump_stacks_then_kill(processes)
+        # (a rendezvous port taken by another program is retried: no stacks for that)
+        _dump_stacks_then_kill(processes, dump=not any(status == "port_in_use" for status, _ in outcome.values()))
     if any(status == "port_in_use" for status, _ in outcome.values()):
         raise _PortInUse()
     errors = {rank: value for rank, (status, value) in outcome.items() if status == "error"}

@@ -95,7 +95,8 @@ def pack_weights(w1: torch.Tensor, w2: torch.Tensor) -> PackedExpertWeights:
     """Quantize master weights once, offline: w1 [E_local, 2I, H] (the I gate rows first, then the I up rows:
     `torch.cat([gate, up], dim=1)`; the layer computes silu(gate) * up) and w2 [E_local, H, I] (bf16, fp16 or fp32,
     finite; H and I multiples of 16) to NVFP4 along their input axis with one FP32 amax per expert (no 4/6, as for
-    weights). The result can be saved with torch.save and loaded with torch.load (weights-only unpickling) after import ep_comm."""
+    weights). The result can be saved with torch.save and loaded with torch.load (weights-only unpickling) after import
+    ep_comm."""
     for name, w in (("w1", w1), ("w2", w2)):  # checked here so that errors name w1 / w2, not the quantizer's "x"
         if not isinstance(w, torch.Tensor) or w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise TypeError(f"{name} must be a bfloat16, float16 or float32 tensor, got "

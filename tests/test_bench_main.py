@@ -90,3 +90,19 @@ def test_git_commit_is_only_this_checkouts(tmp_path, monkeypatch):
     printed = subprocess.run([bench.sys.executable, "-c", code, str(package.parent)], capture_output=True, text=True,
                              check=True).stdout.strip()
     assert printed == "None", printed
+
+
+@pytest.mark.cpu
+def test_git_commit_is_this_checkouts_head():
+    """The positive case of the test above: run from a git checkout of this project, the JSON records its HEAD."""
+    import subprocess
+    root = bench.os.path.dirname(bench.os.path.dirname(bench.os.path.abspath(bench.__file__)))
+    head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0 or not bench.os.path.isdir(bench.os.path.join(root, ".git")):
+        pytest.skip("not run from a git checkout of this project (an installed copy or an sdist)")
+    saved = bench.os.environ.pop("EP_COMM_SOURCE_COMMIT", None)
+    try:
+        assert (bench._git_commit() or "").startswith(head.stdout.strip())
+    finally:
+        if saved is not None:
+            bench.os.environ["EP_COMM_SOURCE_COMMIT"] = saved

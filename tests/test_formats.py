@@ -411,6 +411,22 @@ def test_auto_impl_falls_back_where_the_kernels_were_not_built(monkeypatch):
     monkeypatch.setattr(F, "_problem_on_device", {})
     with pytest.raises(RuntimeError, match="the driver is older than the CUDA runtime"):
         F._use_cuda("cuda", tensor)
+    # Inside a CUDA-graph capture the reference cannot stand in (its constants are synchronous host copies): a clear
+    # error instead of a broken capture.
+    monkeypatch.setattr(F, "_is_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="cannot run inside a CUDA graph capture"):
+        F._use_cuda("auto", tensor)
+
+
+def test_dequantizers_are_not_differentiable_on_either_path():
+    """As the quantizers: the CUDA path's output has no grad_fn, so the reference's has none either (a hand-built
+    container with an amax that requires grad used to give a differentiable result on the reference path only)."""
+    x = torch.randn(2, 64)
+    q, m, s = F.nvfp4_quantize(x), F.mxfp8_quantize(x), F.s2f6_quantize(x)
+    q = F.NVFP4Tensor(q.data, q.scales, torch.nn.Parameter(q.amax.clone()), q.e4m3_max)
+    for out in (F.nvfp4_dequantize(q, impl="reference"), F.mxfp8_dequantize(m, impl="reference"),
+                F.s2f6_dequantize(s, impl="reference")):
+        assert not out.requires_grad and out.grad_fn is None
 
 
 def test_containers_refuse_scales_of_other_rows():

@@ -700,6 +700,7 @@ def test_gemm_on_a_gpu_other_than_hopper_falls_back_or_raises(monkeypatch):
     monkeypatch.setattr(G, "_has_grouped_gemm_kernel", lambda: True)
     monkeypatch.setattr(_ext, "cuda_extension_available", lambda: True)
     monkeypatch.setattr(G, "_hopper_devices", {})
+    monkeypatch.setattr(F, "_problem_on_device", {1: ""})  # the format kernels run there (built for it)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "B200")
     tensor = torch.zeros(1)
@@ -713,6 +714,21 @@ def test_gemm_on_a_gpu_other_than_hopper_falls_back_or_raises(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(G, "_hopper_devices", {})
     assert G._use_gemm_kernels("auto", tensor_on_gpu, "grouped_gemm_nvfp4", hopper_only=True)
+    # A Hopper GPU whose driver is older than _C's runtime: no kernel runs, so MoELayer's "auto" must not pick the
+    # fused experts (it used to, and then its forward failed in a kernel with impl='cuda').
+    monkeypatch.setattr(F, "_problem_on_device", {1: "the driver is older than the CUDA runtime"})
+    assert "driver is older" in G.gemm_kernels_unavailable(torch.device("cuda", 1))
+    assert moe._fused_experts_supported(torch.device("cuda", 1), 128, 128)[0] is False
+    monkeypatch.setattr(F, "_problem_on_device", {1: ""})
+    # The GEMM asks with hopper_only (the wiring: a recorder in place of the decision, which then says "reference").
+    asked = []
+    monkeypatch.setattr(G, "_use_gemm_kernels", lambda impl, t, what, hopper_only=False: asked.append(
+        (what, hopper_only)) or False)
+    packed = G.pack_gemm_weights(random_weights(2, 64, 64, seed=2), swiglu=False)
+    x = G.expand_nvfp4_rows(random_activations(8, 64, seed=3))
+    G.grouped_gemm_nvfp4(x, torch.tensor([0, 4, 8], dtype=torch.int32), torch.tensor([4, 4], dtype=torch.int32),
+                         packed)
+    assert ("grouped_gemm_nvfp4", True) in asked, asked
     assert tensor is not None
 
 

@@ -121,6 +121,43 @@ def test_group_without_a_backend_name_is_served_as_gloo(tmp_path):
     assert "rank 0 waited more than timeout_s=1.0 s in" in results[0]["timeout"], results[0]
 
 
+def _short_group_timeout_worker(rank, world, port, raised_marker):
+    """The process group's own timeout (2 s) ends rank 0's wait before timeout_s (100 s) while rank 1 is alive and
+    idle: worded as that timeout, not as a peer that failed or exited."""
+    import datetime
+    import os
+    import time
+    import torch.distributed as dist
+    import ep_comm
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=2))
+    buf = ep_comm.Buffer(None, hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=8, backend="reference",
+                         timeout_s=100.0)
+    if rank == 1:
+        give_up = time.monotonic() + 60.0
+        while not os.path.exists(raised_marker) and time.monotonic() < give_up:
+            time.sleep(0.05)
+        return "absent"
+    try:
+        buf.dispatch(torch.randn(4, 64).to(torch.bfloat16), torch.tensor([[0, 1], [2, 3], [1, -1], [-1, -1]]),
+                     torch.rand(4, 2))
+        return "no error"
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        open(raised_marker, "w").close()
+
+
+@pytest.mark.cpu
+def test_a_shorter_group_timeout_is_named_as_such(tmp_path):
+    from ep_comm.launch import free_port
+    message, absent = run_ranks(_short_group_timeout_worker, 2, free_port(), str(tmp_path / "rank0_raised"),
+                                backend="gloo", timeout_s=120)
+    assert absent == "absent"
+    assert "the process group's own timeout (below timeout_s=100.0 s)" in message, message
+
+
 def _argument_types_differ_worker(rank, world):
     """hidden=64 on rank 0 and 64.0 on rank 1: equal as numbers, but only rank 1's fails validate(). Every rank must
     raise at construction (none goes on to its first collective alone)."""
