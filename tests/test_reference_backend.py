@@ -34,11 +34,19 @@ def test_gloo_world8_small():
     assert len(results) == 8
 
 
+def _idle_until(marker: str, limit_s: float = 60.0) -> bool:
+    """Outside any collective, until rank 0 has created `marker` (it raised): True, or False after limit_s."""
+    import os
+    import time
+    give_up = time.monotonic() + limit_s
+    while not os.path.exists(marker) and time.monotonic() < give_up:
+        time.sleep(0.05)
+    return os.path.exists(marker)
+
+
 def _missing_peer_worker(rank, world, raised_marker):
     """Rank 1 never calls dispatch: rank 0's wait ends after timeout_s with the rank and stage named, while rank 1 is
     still alive and idle (it waits for rank 0's marker file, not in a collective)."""
-    import os
-    import time
     import ep_comm
     buf = ep_comm.Buffer(None, hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=8, backend="reference",
                          timeout_s=1.0)
@@ -46,10 +54,7 @@ def _missing_peer_worker(rank, world, raised_marker):
         # No collective after this: rank 0's timeout leaves the group unusable. Staying alive until rank 0 has raised
         # means rank 0's error cannot come from this rank's exit (which the backend would also word "waited more than
         # timeout_s" once that much time had passed); 60 s only bounds the wait of a rank 0 that never raises.
-        give_up = time.monotonic() + 60.0
-        while not os.path.exists(raised_marker) and time.monotonic() < give_up:
-            time.sleep(0.05)
-        return "absent" if os.path.exists(raised_marker) else "rank 0 had not raised after 60 s"
+        return "absent" if _idle_until(raised_marker) else "rank 0 had not raised after 60 s"
     x = torch.randn(4, 64).to(torch.bfloat16)
     idx = torch.tensor([[0, 1], [2, 3], [1, -1], [-1, -1]])
     try:
@@ -77,8 +82,6 @@ def _default_backend_group_worker(rank, world, port, raised_marker):
     it gloo on a CPU machine): "auto" picks the reference backend, which knows the group carries CPU tensors over
     gloo -- it refuses other devices, and its waits end after timeout_s (here rank 1 never dispatches a second
     time) instead of the process group's 30 minutes."""
-    import os
-    import time
     import torch.distributed as dist
     import ep_comm
     dist.destroy_process_group()
@@ -96,9 +99,7 @@ def _default_backend_group_worker(rank, world, port, raised_marker):
     except ValueError as error:
         out["meta"] = str(error)
     if rank == 1:  # alive and outside any collective until rank 0 has raised (as _missing_peer_worker)
-        give_up = time.monotonic() + 60.0
-        while not os.path.exists(raised_marker) and time.monotonic() < give_up:
-            time.sleep(0.05)
+        _idle_until(raised_marker)
         return out
     try:
         buf.dispatch(x, idx, torch.rand(4, 2))
@@ -125,8 +126,6 @@ def _short_group_timeout_worker(rank, world, port, raised_marker):
     """The process group's own timeout (2 s) ends rank 0's wait before timeout_s (100 s) while rank 1 is alive and
     idle: worded as that timeout, not as a peer that failed or exited."""
     import datetime
-    import os
-    import time
     import torch.distributed as dist
     import ep_comm
     dist.destroy_process_group()
@@ -135,9 +134,7 @@ def _short_group_timeout_worker(rank, world, port, raised_marker):
     buf = ep_comm.Buffer(None, hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=8, backend="reference",
                          timeout_s=100.0)
     if rank == 1:
-        give_up = time.monotonic() + 60.0
-        while not os.path.exists(raised_marker) and time.monotonic() < give_up:
-            time.sleep(0.05)
+        _idle_until(raised_marker)
         return "absent"
     try:
         buf.dispatch(torch.randn(4, 64).to(torch.bfloat16), torch.tensor([[0, 1], [2, 3], [1, -1], [-1, -1]]),
