@@ -16,8 +16,8 @@ dispatch_rows (nvlink, graph): dispatch(expand=False), the received rows left in
 With S2F6 combine also (graph): combine_expert_rows = combine(local_reduce=False), one row per (token, expert);
 combine_rows_begin_finish = what the combine-row form leaves outside the w2 GEMM (MoELayer's default: the GEMM's
 epilogue stores the rows), i.e. begin (wait on the peers' flags) + finish (release + receive), here without a GEMM.
-Bytes: `wire` = for nvlink, bytes this rank stores into OTHER ranks' memory (the staged row: payload + our 16-byte
-per-row metadata + padding to 16 B, e.g. 4144 B per NVFP4 row at H = 7168 against a 4036-byte payload), i.e. what
+Bytes: `wire` = for nvlink, bytes this rank stores into OTHER ranks' memory (the staged row: payload + our per-row
+metadata, 4·(2 + 3K) bytes, + padding to 16 B, e.g. 4144 B per NVFP4 row at H = 7168 against a 4036-byte payload), i.e. what
 crosses NVLink per rank per direction; for the reference backend the format's payload bytes per row (its metadata
 travels in separate collectives, not counted). The main job (`python -m ep_comm.bench`) counts the payload for both,
 so its nvlink wire GB/s is ~2.6% below this one's for NVFP4. `bf16_eq` = 2·H per (token, peer rank) row — the
@@ -346,14 +346,21 @@ def _blocks(buf, kernel: str) -> str:
 
 
 def print_table(rows) -> None:
-    header = f"{'backend':<10} {'kernel':<30} {'fmt':<6} {'tokens':>6} {'timing':<6} {'us':>9} {'wire GB/s':>10} " \
-             f"{'bf16eq GB/s':>11} {'SMs':>9}"
+    """Every rank's row, rank by rank for each measurement: a collective is done when its last rank is, and the ranks'
+    figures can differ by more than the noise (the 2-GPU run of 2026-12-01: NVFP4 dispatch at 128 tokens 26.7 µs on
+    rank 0, 32.2 on rank 1). Quote the slowest rank."""
+    header = f"{'backend':<10} {'kernel':<30} {'fmt':<6} {'tokens':>6} {'timing':<6} {'rank':>4} {'us':>9} " \
+             f"{'wire GB/s':>10} {'bf16eq GB/s':>11} {'SMs':>9}"
     print(header)
     print("-" * len(header))
-    for r in rows:
+    order = {}
+    for r in rows:  # the measurements in the order rank 0 made them, each with every rank's row
+        order.setdefault((r["backend"], r["kernel"], r["format"], r["tokens"], r["timing"]), len(order))
+    for r in sorted(rows, key=lambda r: (order[(r["backend"], r["kernel"], r["format"], r["tokens"], r["timing"])],
+                                         r["rank"])):
         bf16 = "" if r["bf16_eq_GBps"] is None else r["bf16_eq_GBps"]
         print(f"{r['backend']:<10} {r['kernel']:<30} {r['format']:<6} {r['tokens']:>6} {r['timing']:<6} "
-              f"{r['time_us']:>9} {r['wire_GBps']:>10} {bf16:>11} {str(r['sms']):>9}")
+              f"{r['rank']:>4} {r['time_us']:>9} {r['wire_GBps']:>10} {bf16:>11} {str(r['sms']):>9}")
 
 
 def _main_in_group(args):
@@ -363,7 +370,7 @@ def _main_in_group(args):
     dist.all_gather_object(gathered, rows)
     if dist.get_rank() == 0:
         flat = [r for rank_rows in gathered for r in rank_rows]
-        print_table([r for r in flat if r["rank"] == 0])
+        print_table(flat)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"meta": run_metadata(), "args": {k: v for k, v in vars(args).items() if k != "pairs"},

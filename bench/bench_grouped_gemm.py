@@ -455,7 +455,9 @@ def main(argv=None) -> int:
     parser.add_argument("--token-tiles", default="auto",
                         help="comma list of token tiles for ours (auto,16,32,64,128); the first one counts in "
                              "w1+w2 and the speedups, the others are extra rows")
-    parser.add_argument("--out-dtype", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--out-dtype", default="bf16", choices=("bf16", "fp32"),
+                        help="our kernels' output dtype (default bf16); the torch baseline and the mlp row always write "
+                             "bf16, so fp32 makes the ratios compare different output sizes")
     parser.add_argument("--iters", type=int, default=5, help="calls per timed batch")
     parser.add_argument("--reps", type=int, default=7, help="timed batches (the median is reported)")
     parser.add_argument("--check", action="store_true", help="check experts 0 and E-1 against the reference first")

@@ -78,6 +78,11 @@ class BufferConfig:
         # not an integer stays for validate() to refuse.
         for name in self._INTEGERS:
             object.__setattr__(self, name, as_int(getattr(self, name)))
+        # timeout_s likewise: any real number (numpy's float32 / int64 too) as a float; a bool or a non-number stays
+        # for validate() to refuse.
+        if isinstance(self.timeout_s, numbers.Real) and type(self.timeout_s) is not float \
+                and not isinstance(self.timeout_s, bool) and type(self.timeout_s).__name__ != "bool_":
+            object.__setattr__(self, "timeout_s", float(self.timeout_s))
 
     @property
     def num_local_experts(self) -> int:

@@ -155,6 +155,33 @@ def test_a_shorter_group_timeout_is_named_as_such(tmp_path):
     assert "the process group's own timeout (below timeout_s=100.0 s)" in message, message
 
 
+def _format_impl_cuda_without_kernels_worker(rank, world):
+    """format_impl='cuda' on an NCCL group (stood in for: the transport map says cuda:nccl) where rank 1 has no CUDA
+    kernels: every rank's Buffer() raises, naming rank 1, instead of each call failing after its first collective."""
+    import ep_comm
+    from ep_comm import _ext
+    from ep_comm.backends import reference
+    reference.device_backends = lambda group: {"cpu": "gloo", "cuda": "nccl"}
+    if rank == 1:
+        _ext.cuda_extension_available = lambda: False
+    else:
+        _ext.cuda_extension_available = lambda: True
+        ep_comm.formats._kernel_image_problem = lambda device: ""
+        reference.torch.cuda.current_device = lambda: 0
+    try:
+        ep_comm.Buffer(None, hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=4, backend="reference",
+                       format_impl="cuda")
+        return None
+    except RuntimeError as error:
+        return str(error)
+
+
+@pytest.mark.cpu
+def test_format_impl_cuda_is_checked_on_every_rank_at_construction():
+    for message in run_ranks(_format_impl_cuda_without_kernels_worker, 2, backend="gloo", timeout_s=120):
+        assert message and "cannot run on rank 1 (ep_comm._C is unavailable" in message, message
+
+
 def _argument_types_differ_worker(rank, world):
     """hidden=64 on rank 0 and 64.0 on rank 1: equal as numbers, but only rank 1's fails validate(). Every rank must
     raise at construction (none goes on to its first collective alone)."""
@@ -405,6 +432,18 @@ def test_integer_like_sizes():
         BufferConfig(**dict(base, hidden=torch.tensor(64))).validate()
     hint = ep_comm.Buffer.get_buffer_size_hint(backend="reference", **{k: np.int64(v) for k, v in base.items()})
     assert hint == ep_comm.Buffer.get_buffer_size_hint(backend="reference", **base)
+    # numpy scalars for timeout_s too (float32, int64), as a float; a numpy bool stays refused
+    for value in (np.float32(100), np.int64(100), np.float64(100)):
+        config = BufferConfig(**dict(base, timeout_s=value))
+        config.validate()
+        assert type(config.timeout_s) is float and config.timeout_s == 100.0
+    with pytest.raises(ValueError, match="timeout_s"):
+        BufferConfig(**dict(base, timeout_s=np.bool_(True))).validate()
+    # The combine receives at most K rows per token (min(W, K) reduced, K unreduced): with W > K the hint is T * K
+    # rows, not T * W (it was 8x too large at W = 64, K = 8).
+    wide = dict(base, num_experts=64, world_size=64)
+    sizes = ep_comm.Buffer.get_buffer_size_hint(backend="reference", **wide)
+    assert sizes.combine_recv_bytes == 2 * 16 * ep_comm.types.combine_bytes_per_token("s2f6", 64)
 
 
 def _check_inputs_differs_worker(rank, world):

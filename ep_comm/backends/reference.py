@@ -136,6 +136,19 @@ class ReferenceBackend:
             # (every rank takes the same branch: the arguments were compared across ranks, and the group is shared)
             raise ValueError("format_impl='cuda' needs CUDA tensors, i.e. an NCCL group; this group is "
                              f"{self._transport!r} (CPU tensors): use format_impl='auto' or 'reference'")
+        if format_impl == "cuda":
+            # The kernels must run on every rank, checked now: else each call would fail after its first collective,
+            # and a rank without them would leave the others waiting in the next one.
+            if not _ext.cuda_extension_available():
+                problem = f"ep_comm._C is unavailable: {_ext.cuda_extension_error()}"
+            else:
+                problem = formats._kernel_image_problem(torch.device("cuda", torch.cuda.current_device()))
+            problems = [None] * dist.get_world_size(group)
+            dist.all_gather_object(problems, problem, group=group)
+            failing = [(rank, why) for rank, why in enumerate(problems) if why]
+            if failing:
+                raise RuntimeError(f"format_impl='cuda': the CUDA format kernels cannot run on rank {failing[0][0]} "
+                                   f"({failing[0][1]}); use format_impl='auto' or 'reference'")
 
     @staticmethod
     def is_available(group):
@@ -165,7 +178,7 @@ class ReferenceBackend:
             config.dispatch_format, config.hidden)
         # A local_reduce combine receives one row per (token, rank), a local_reduce=False combine one per (token,
         # expert): the larger of the two, as the nvlink hint (T_max * K rows).
-        combine = max(config.world_size, config.num_topk) * config.max_tokens_per_rank * combine_bytes_per_token(
+        combine = config.num_topk * config.max_tokens_per_rank * combine_bytes_per_token(
             config.combine_format, config.hidden)
         layout_rows = config.max_recv_rows
         expert_layout = layout_rows * (dispatch_bytes_per_token(config.dispatch_format, config.hidden) + 16)
