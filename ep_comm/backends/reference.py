@@ -176,8 +176,8 @@ class ReferenceBackend:
         """The reference backend allocates per call; it reports what the same call moves, for comparison."""
         dispatch = config.world_size * config.max_tokens_per_rank * dispatch_bytes_per_token(
             config.dispatch_format, config.hidden)
-        # A local_reduce combine receives one row per (token, rank), a local_reduce=False combine one per (token,
-        # expert): the larger of the two, as the nvlink hint (T_max * K rows).
+        # A local_reduce combine receives one row per (token, rank the token went to: at most min(W, K)), a
+        # local_reduce=False combine one per (token, expert): at most K rows per token either way, as the nvlink hint.
         combine = config.num_topk * config.max_tokens_per_rank * combine_bytes_per_token(
             config.combine_format, config.hidden)
         layout_rows = config.max_recv_rows
