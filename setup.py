@@ -55,18 +55,8 @@ def find_cuda_home():
 
 
 def gencode_flags(archs):
-    flags = []
-    for arch in archs:
-        arch = arch.strip()
-        if not arch:
-            continue
-        if arch == "90":
-            # Hopper's wgmma (the NVFP4 grouped GEMM) exists only in the arch-specific target: a plain sm_90 build
-            # would compile that kernel to a trap.
-            raise ValueError("EP_COMM_CUDA_ARCHS: use 90a for Hopper (plain 90 has no wgmma)")
-        # The -gencode form: `-arch=sm_90a` would also run a plain sm_90 pass that rejects wgmma.
-        flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
-    return flags
+    # The -gencode form: `-arch=sm_90a` would also run a plain sm_90 pass that rejects wgmma.
+    return [f"-gencode=arch=compute_{arch},code=sm_{arch}" for arch in archs]
 
 
 def build_options() -> dict:
@@ -74,7 +64,10 @@ def build_options() -> dict:
     archs = [a.strip() for a in os.environ.get("EP_COMM_CUDA_ARCHS", "90a").replace(",", ";").split(";") if a.strip()]
     if not archs:
         raise ValueError("EP_COMM_CUDA_ARCHS names no architecture (e.g. 90a, or 90a;100a)")
-    gencode_flags(archs)  # refuses plain 90
+    if "90" in archs:
+        # Hopper's wgmma (the NVFP4 grouped GEMM) exists only in the arch-specific target: a plain sm_90 build
+        # would compile that kernel to a trap.
+        raise ValueError("EP_COMM_CUDA_ARCHS: use 90a for Hopper (plain 90 has no wgmma)")
     for arch in archs:
         if not (arch[:-1] if arch.endswith(("a", "f")) else arch).isdigit():
             raise ValueError(f"EP_COMM_CUDA_ARCHS: {arch!r} is not an architecture number like 90a or 100a")

@@ -180,17 +180,28 @@ def _use_cuda(impl: str, *tensors: torch.Tensor) -> bool:
         return True
     if not on_cuda:
         return False
-    if not _ext.cuda_extension_available():
-        problem = f"ep_comm._C is unavailable: {_ext.cuda_extension_error()}"
-    else:
-        problem = _kernel_image_problem(tensors[0].device)
+    problem = _cuda_kernels_problem(tensors[0].device)
     if not problem:
         return True
-    if _is_capturing():  # the reference copies its constants to the device with a sync: it would break the capture
-        raise RuntimeError(f"ep_comm.formats: the CUDA kernels cannot run here ({problem}) and the torch reference "
-                           f"cannot run inside a CUDA graph capture")
-    _ext.warn_once(f"ep_comm.formats: CUDA tensors go to the torch reference: {problem}")
+    return _reference_fallback("ep_comm.formats", "CUDA tensors go to the torch reference", problem)
+
+
+def _reference_fallback(what: str, fallback: str, problem: str) -> bool:
+    """impl="auto" where the kernels cannot run (`problem`): a warning, once, and False (use the torch reference) --
+    except inside a CUDA-graph capture, where the reference cannot run (it copies constants to the device with a
+    sync, and the GEMM's reads counts on the host): a clear error instead of a broken capture."""
+    if _is_capturing():
+        raise RuntimeError(f"{what}: the CUDA kernels cannot run here ({problem}) and the torch reference cannot run "
+                           f"inside a CUDA graph capture")
+    _ext.warn_once(f"{what}: {fallback}: {problem}")
     return False
+
+
+def _cuda_kernels_problem(device: torch.device) -> str:
+    """Why ep_comm._C's kernels cannot run on the CUDA device: no extension, or _kernel_image_problem; "" if they can."""
+    if not _ext.cuda_extension_available():
+        return f"ep_comm._C is unavailable: {_ext.cuda_extension_error()}"
+    return _kernel_image_problem(device)
 
 
 _problem_on_device = {}  # device index -> why the format kernels cannot run there ("" when they can; asked once)

@@ -51,9 +51,9 @@ import torch
 import torch.nn.functional as F
 
 from . import _ext
-from .formats import (NVFP4_BLOCK, NVFP4Tensor, _check_amax_values, _check_float_input, _check_nvfp4, _f32,
-                      _is_capturing, _kernel_image_problem, _keeps_subnormals, _nan_to_zero_abs, _pack_e2m1_codes,
-                      _unpack_e2m1_codes, _use_cuda, e2m1_decode, e4m3_decode, e4m3_encode)
+from .formats import (NVFP4_BLOCK, NVFP4Tensor, _check_amax_values, _check_float_input, _check_nvfp4,
+                      _cuda_kernels_problem, _f32, _keeps_subnormals, _nan_to_zero_abs, _pack_e2m1_codes,
+                      _reference_fallback, _unpack_e2m1_codes, _use_cuda, e2m1_decode, e4m3_decode, e4m3_encode)
 from .types import CombineRowsTarget
 
 __all__ = [
@@ -405,13 +405,11 @@ _hopper_devices = {}  # device index -> whether it is sm_90 (asked once per devi
 def gemm_kernels_unavailable(device: torch.device) -> str:
     """Why the grouped GEMM kernels (`grouped_gemm_nvfp4`, `grouped_gemm_nvfp4_combine_rows`; sm_90a code only)
     cannot run on the CUDA device `device`, or "" when they can."""
-    if not _ext.cuda_extension_available():
-        return f"the CUDA extension is unavailable ({_ext.cuda_extension_error()})"
-    if not _has_grouped_gemm_kernel():
-        return _STALE_BUILD
-    problem = _kernel_image_problem(device)  # no image for this GPU, or a driver older than the runtime
+    problem = _cuda_kernels_problem(device)  # no extension, no image for this GPU, or a driver older than the runtime
     if problem:
         return problem
+    if not _has_grouped_gemm_kernel():
+        return _STALE_BUILD
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _hopper_devices:
         _hopper_devices[index] = torch.cuda.get_device_capability(index) == (9, 0)
@@ -433,11 +431,7 @@ def _use_gemm_kernels(impl: str, t: torch.Tensor, what: str, hopper_only: bool =
         return True
     if impl == "cuda":
         raise RuntimeError(f"{what}(impl='cuda'): {why}")
-    if _is_capturing():  # the reference syncs with the host: it would break the capture
-        raise RuntimeError(f"{what}: the CUDA kernel cannot run here ({why}) and the torch reference cannot run inside "
-                           f"a CUDA graph capture")
-    _ext.warn_once(f"ep_comm.grouped_gemm: {what} uses the torch reference: {why}")
-    return False
+    return _reference_fallback(f"ep_comm.grouped_gemm.{what}", "uses the torch reference", why)
 
 
 # The FP32 precision flags are process-wide, autocast is per thread. Threads that overlap in exact_fp32_matmuls share one

@@ -80,8 +80,9 @@ class BufferConfig:
             object.__setattr__(self, name, as_int(getattr(self, name)))
         # timeout_s likewise: any real number (numpy's float32 / int64 too) as a float; a bool or a non-number stays
         # for validate() to refuse.
-        if isinstance(self.timeout_s, numbers.Real) and type(self.timeout_s) is not float \
-                and not isinstance(self.timeout_s, bool) and type(self.timeout_s).__name__ != "bool_":
+        # (numpy's bool_ is no numbers.Real)
+        if isinstance(self.timeout_s, numbers.Real) and not isinstance(self.timeout_s, bool) \
+                and type(self.timeout_s) is not float:
             object.__setattr__(self, "timeout_s", float(self.timeout_s))
 
     @property

@@ -162,12 +162,12 @@ def _format_impl_cuda_without_kernels_worker(rank, world):
     from ep_comm import _ext
     from ep_comm.backends import reference
     reference.device_backends = lambda group: {"cpu": "gloo", "cuda": "nccl"}
+    reference.torch.cuda.current_device = lambda: 0
     if rank == 1:
         _ext.cuda_extension_available = lambda: False
     else:
         _ext.cuda_extension_available = lambda: True
         ep_comm.formats._kernel_image_problem = lambda device: ""
-        reference.torch.cuda.current_device = lambda: 0
     try:
         ep_comm.Buffer(None, hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=4, backend="reference",
                        format_impl="cuda")

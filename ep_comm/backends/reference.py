@@ -139,10 +139,7 @@ class ReferenceBackend:
         if format_impl == "cuda":
             # The kernels must run on every rank, checked now: else each call would fail after its first collective,
             # and a rank without them would leave the others waiting in the next one.
-            if not _ext.cuda_extension_available():
-                problem = f"ep_comm._C is unavailable: {_ext.cuda_extension_error()}"
-            else:
-                problem = formats._kernel_image_problem(torch.device("cuda", torch.cuda.current_device()))
+            problem = formats._cuda_kernels_problem(torch.device("cuda", torch.cuda.current_device()))
             problems = [None] * dist.get_world_size(group)
             dist.all_gather_object(problems, problem, group=group)
             failing = [(rank, why) for rank, why in enumerate(problems) if why]
