@@ -12,6 +12,10 @@ with waves, whose receive writes the operand rows) and requantizes w2's input to
 the row `mlp` times that whole sequence (moe.fused_expert_mlp, from NVFP4 rows in the dispatch layout to BF16 out)
 against the BF16 baseline's w1 + silu*mul + w2, and prints the passes between the GEMMs timed alone.
 
+Rows "ours_fp8" (skipped with --no-fp8): the opt-in inexact FP8 mode (grouped_gemm module docstring) on the same
+weights, its FP8 operand rows expanded outside the timed region like the exact ones (the `mlp` row of that mode
+includes its expansions), with the relative L2 of its fp32 output against the exact kernel's.
+
 Timing: CUDA events around a batch of --iters back-to-back calls after warm-up, median over --reps batches;
 each call streams all E experts' weights (2.1 GB NVFP4 for w1, far more than L2). "ours" calls
 `grouped_gemm_nvfp4` with a preallocated output (BF16 by default; the kernel writes only the valid rows).
@@ -163,6 +167,28 @@ def time_ours(gemm: Gemm, x, offsets_t, counts_t, out_dtype, token_tile, iters, 
         return None
 
 
+def time_fp8(gemm: Gemm, q: F.NVFP4Tensor, x_exact, offsets_t, counts_t, out_dtype, token_tile, iters, reps,
+             checks: list):
+    """The inexact FP8 mode (expand_nvfp4_rows(precision="fp8_inexact"), outside the timed region like the exact
+    rows): (ms, relative L2 of its fp32 output against the exact kernel's over every row), or (None, None)."""
+    try:
+        x8 = G.expand_nvfp4_rows(q, precision="fp8_inexact")
+        exact = G.grouped_gemm_nvfp4(x_exact, offsets_t, counts_t, gemm.packed, out_dtype=torch.float32,
+                                     token_tile=token_tile, impl="cuda")
+        fp8 = G.grouped_gemm_nvfp4(x8, offsets_t, counts_t, gemm.packed, out_dtype=torch.float32,
+                                   token_tile=token_tile, impl="cuda")
+        error = (torch.linalg.norm(fp8.double() - exact.double()) / torch.linalg.norm(exact.double())).item()
+        del exact, fp8
+        free_memory()
+        out = torch.zeros(x8.num_rows, gemm.packed.out_features, dtype=out_dtype, device="cuda")
+        ms = time_ms(lambda: G.grouped_gemm_nvfp4(x8, offsets_t, counts_t, gemm.packed, out_dtype=out_dtype,
+                                                  token_tile=token_tile, impl="cuda", out=out), iters, reps)
+        return ms, error
+    except Exception as error:  # report and keep going
+        ran(checks, f"ours (FP8 mode) on {gemm.name}", error)
+        return None, None
+
+
 def time_combine_rows(gemm: Gemm, x, offsets_t, counts_t, token_tile, iters, reps, checks: list) -> Optional[float]:
     """w2 with the combine-row epilogue (RHT + S2F6 rows, as MoELayer(combine_rows=True) stores them), here into a
     local area (row r -> token r // 8, slot r % 8): the epilogue's cost next to the bf16 one, without NVLink."""
@@ -246,7 +272,15 @@ def time_expert_mlp(gemms, rows: int, offsets_t, counts_t, args, checks: list):
         ms = time_ms(lambda: moe.fused_expert_mlp(tokens, offsets_t, counts_t, w1.packed, w2.packed,
                                                   token_tile=token_tile), args.iters, args.reps)
         hidden = torch.randn(rows, w2.k, device="cuda") * 3.0
-        parts = {
+        parts = {}
+        if args.fp8:  # the whole MLP in the inexact FP8 mode (its expansions included)
+            parts["mlp_fp8"] = time_ms(lambda: moe.fused_expert_mlp(tokens, offsets_t, counts_t, w1.packed, w2.packed,
+                                                                    token_tile=token_tile, precision="fp8_inexact"),
+                                       args.iters, args.reps)
+            parts["expand_tokens_fp8"] = time_ms(lambda: G.expand_nvfp4_rows(tokens, num_rows_limit=limit,
+                                                                             precision="fp8_inexact"),
+                                                 args.iters, args.reps)
+        parts.update({
             "expand_tokens": time_ms(lambda: G.expand_nvfp4_rows(tokens, num_rows_limit=limit), args.iters,
                                      args.reps),
             "requantize_to_operand": time_ms(lambda: G.quantize_expanded_rows(hidden, impl="cuda",
@@ -255,7 +289,7 @@ def time_expert_mlp(gemms, rows: int, offsets_t, counts_t, args, checks: list):
             "quantize_then_expand": time_ms(lambda: G.expand_nvfp4_rows(
                 _cuda_formats.nvfp4_quantize(hidden, True, None, num_rows_limit=limit), num_rows_limit=limit),
                 args.iters, args.reps),
-        }
+        })
         print("  mlp parts (ms): " + ", ".join(f"{name} {value:.3f}" for name, value in parts.items()))
         return ms, parts
     except Exception as error:
@@ -326,11 +360,12 @@ def run_case(spec: str, gemms, args, ceilings, notes: list, checks: list) -> lis
     print(f"\n== {spec} rows per expert: R = {rows} (min {min(counts)}, max {max(counts)}, "
           f"{sum(c % 128 != 0 and c % 128 <= 32 for c in counts)} experts with a remainder of 1..32 past a multiple "
           f"of 128); auto token tile {auto_tile}")
-    inputs = {"w1": random_expanded_rows(rows, hidden, seed=rows + 1),
-              "w2": random_expanded_rows(rows, inter, seed=rows + 2)}
+    nvfp4_rows = {"w1": random_nvfp4_rows(rows, hidden, seed=rows + 1),
+                  "w2": random_nvfp4_rows(rows, inter, seed=rows + 2)}
+    inputs = {name: G.expand_nvfp4_rows(q) for name, q in nvfp4_rows.items()}
     out_dtype = torch.float32 if args.out_dtype == "fp32" else torch.bfloat16
     results = []
-    totals = {"ours": 0.0, "torch_bf16": 0.0, "no_tail": 0.0}
+    totals = {"ours": 0.0, "torch_bf16": 0.0, "no_tail": 0.0, "fp8": 0.0 if args.fp8 else None}
     for gemm in gemms:
         x = inputs[gemm.name]
         if args.check:
@@ -375,6 +410,16 @@ def run_case(spec: str, gemms, args, ceilings, notes: list, checks: list) -> lis
         if no_tail is not None:
             results.append(row_for(gemm.name, rows_per_expert, "ours", no_tail, gemm.flops(rows), gemm.weight_bytes,
                                    ceilings, base, token_tile="128/no-tail"))
+        if args.fp8:
+            fp8_ms, fp8_error = time_fp8(gemm, nvfp4_rows[gemm.name], x, offsets_t, counts_t, out_dtype,
+                                         args.token_tile_list[0] or None, args.iters, args.reps, checks)
+            totals["fp8"] = totals["fp8"] + fp8_ms if fp8_ms is not None and totals["fp8"] is not None else None
+            if fp8_ms is not None:
+                results.append(row_for(gemm.name, rows_per_expert, "ours_fp8", fp8_ms, gemm.flops(rows),
+                                       gemm.weight_bytes, ceilings, base,
+                                       token_tile=tile_label(args.token_tile_list[0], auto_tile),
+                                       note=f"inexact FP8 mode; relative L2 against the exact kernel {fp8_error:.3e}"))
+                results[-1]["relative_l2_vs_exact"] = fp8_error
         if gemm.swiglu:
             results.extend(time_requantization(gemm, x, offsets_t, counts_t, args, rows_per_expert, ceilings, checks))
         if not gemm.swiglu:
@@ -393,6 +438,10 @@ def run_case(spec: str, gemms, args, ceilings, notes: list, checks: list) -> lis
     if totals["no_tail"]:
         results.append(row_for("w1+w2", rows_per_expert, "ours", totals["no_tail"], flops, bytes_ours, ceilings,
                                totals["torch_bf16"], token_tile="128/no-tail"))
+    if totals["fp8"]:
+        results.append(row_for("w1+w2", rows_per_expert, "ours_fp8", totals["fp8"], flops, bytes_ours, ceilings,
+                               totals["torch_bf16"], token_tile=tile_label(args.token_tile_list[0], auto_tile),
+                               note="inexact FP8 mode (opt-in)"))
     if totals["torch_bf16"]:
         results.append(row_for("w1+w2", rows_per_expert, "torch_bf16", totals["torch_bf16"], flops, bytes_bf16,
                                ceilings, None, note="includes silu*mul for w1"))
@@ -404,7 +453,12 @@ def run_case(spec: str, gemms, args, ceilings, notes: list, checks: list) -> lis
                                    note="moe.fused_expert_mlp: expansion + w1 + NVFP4 4/6 requantization into w2's "
                                         "operand rows + w2, against torch BF16 w1 + silu*mul + w2"))
             results[-1]["parts_ms"] = parts
-    del inputs
+            if "mlp_fp8" in parts:
+                results.append(row_for("mlp", rows_per_expert, "ours_fp8", parts["mlp_fp8"], flops, bytes_ours,
+                                       ceilings, totals["torch_bf16"],
+                                       token_tile=tile_label(args.token_tile_list[0], auto_tile),
+                                       note="moe.fused_expert_mlp(precision='fp8_inexact'), its expansions included"))
+    del inputs, nvfp4_rows
     free_memory()
     return results
 
@@ -462,6 +516,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=7, help="timed batches (the median is reported)")
     parser.add_argument("--check", action="store_true", help="check experts 0 and E-1 against the reference first")
     parser.add_argument("--no-baseline", action="store_true", help="skip torch._grouped_mm")
+    parser.add_argument("--no-fp8", dest="fp8", action="store_false",
+                        help="skip the rows of the opt-in inexact FP8 mode (impl ours_fp8)")
     parser.add_argument("--out", help="write the results as JSON to this path")
     args = parser.parse_args(argv)
     rows_list = [r.strip() for r in args.rows.split(",") if r.strip()]

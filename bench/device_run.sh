@@ -42,6 +42,13 @@ test_gemm_default() {  # the grouped GEMM tier with the default kernels only
   say "gpu tier: grouped GEMM + fused expert MLP (defaults)"
   timeout 150 python3 -m pytest -q -x tests/test_grouped_gemm.py 2>&1 | grep -v "^[.sx]*\( *\[ *[0-9]*%\]\)\?$" | tail -12 | tee -a "$log"
 }
+test_gemm_fp8() {  # the inexact FP8 mode: its CPU and GPU tests; each kernel case prints its error (largest listed)
+  say "gpu tier: grouped GEMM, inexact FP8 mode"
+  timeout 200 python3 -m pytest -q -s --maxfail=10 tests/test_grouped_gemm_fp8.py > "$OUT/pytest_gemm_fp8.txt" 2>&1
+  echo "rc $?" | tee -a "$log"
+  grep -E "passed|failed|error" "$OUT/pytest_gemm_fp8.txt" | tail -3 | tee -a "$log"
+  grep -E "relative L2" "$OUT/pytest_gemm_fp8.txt" | awk '{print $NF, $0}' | sort -g | tail -4 | tee -a "$log"
+}
 test_gemm_variant() {  # $1 = "VAR=value [VAR=value]": the grouped GEMM kernel tests with those variants forced
   echo "$1:" | tee -a "$log"
   env $1 timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py -k kernel 2>&1 | tail -1 | tee -a "$log"

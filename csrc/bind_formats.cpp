@@ -201,6 +201,7 @@ void register_host_emulation(py::module_& m) {
         [](uintptr_t data, uintptr_t scales, uintptr_t amax, int64_t num_rows, int64_t hidden, float e4m3_max,
            uintptr_t out) {
           require_host_rows(num_rows, hidden, 16, "host_nvfp4_dequantize");
+          require(amax != 0 || num_rows == 0, "host_nvfp4_dequantize", "amax is required (one fp32 per row)");
           host::nvfp4_dequantize(ptr<const uint8_t>(data), ptr<const uint8_t>(scales), ptr<const float>(amax),
                                  num_rows, hidden, e4m3_max, ptr<float>(out));
         },
@@ -266,6 +267,7 @@ void register_host_emulation(py::module_& m) {
         [](uintptr_t x, int64_t num_rows, int64_t hidden, uintptr_t amax, float e4m3_max, uintptr_t err6,
            uintptr_t err4) {
           require_host_rows(num_rows, hidden, 16, "host_nvfp4_four_over_six_errors");
+          require(amax != 0 || num_rows == 0, "host_nvfp4_four_over_six_errors", "amax is required (one fp32 per row)");
           host::nvfp4_four_over_six_errors(ptr<const float>(x), num_rows, hidden, ptr<const float>(amax), e4m3_max,
                                            ptr<float>(err6), ptr<float>(err4));
         },
@@ -274,6 +276,7 @@ void register_host_emulation(py::module_& m) {
         [](uintptr_t x, int64_t num_rows, int64_t hidden, uintptr_t amax, float e4m3_max, bool four_over_six,
            uintptr_t decided) {
           require_host_rows(num_rows, hidden, 16, "host_nvfp4_fast_decided");
+          require(amax != 0 || num_rows == 0, "host_nvfp4_fast_decided", "amax is required (one fp32 per row)");
           host::nvfp4_fast_decided(ptr<const float>(x), num_rows, hidden, ptr<const float>(amax), e4m3_max,
                                    four_over_six, ptr<uint8_t>(decided));
         },
@@ -370,6 +373,21 @@ void register_formats(py::module_& m) {
         },
         release, py::arg("data"), py::arg("scales"), py::arg("amax"), py::arg("num_rows"), py::arg("hidden"),
         py::arg("e4m3_max"), py::arg("out"), py::arg("out_type"), py::arg("stream"), py::arg("num_rows_limit") = 0);
+  m.def("nvfp4_expand_fp8",
+        [](uintptr_t data, uintptr_t scales, int64_t num_rows, int64_t hidden, uintptr_t out, uintptr_t stream,
+           uintptr_t num_rows_limit) {
+          if (num_rows > 0) {
+            require(data != 0 && scales != 0 && out != 0, "nvfp4_expand_fp8", "data, scales and out are required");
+            require(rows_aligned(data, 0, 8), "nvfp4_expand_fp8", "data must start 8-byte aligned");
+            require(rows_aligned(out, 0, 16), "nvfp4_expand_fp8", "out must start 16-byte aligned");
+          }
+          check(ep_comm::launch_nvfp4_expand_fp8(ptr<const uint8_t>(data), ptr<const uint8_t>(scales), num_rows,
+                                                 hidden, ptr<uint8_t>(out), as_stream(stream),
+                                                 ptr<const int32_t>(num_rows_limit)),
+                "nvfp4_expand_fp8");
+        },
+        release, py::arg("data"), py::arg("scales"), py::arg("num_rows"), py::arg("hidden"), py::arg("out"),
+        py::arg("stream"), py::arg("num_rows_limit") = 0);
   m.def("mxfp8_quantize", &mxfp8_quantize, release, py::arg("x"), py::arg("x_type"), py::arg("x_row_stride"),
         py::arg("num_rows"), py::arg("hidden"), py::arg("stochastic"), py::arg("seed"), py::arg("data"),
         py::arg("data_row_stride"), py::arg("scales"), py::arg("scales_row_stride"), py::arg("stream"));

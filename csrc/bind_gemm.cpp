@@ -53,7 +53,8 @@ void grouped_gemm_nvfp4(uintptr_t x, int64_t x_row_stride, uintptr_t row_factor,
                         uintptr_t num_tokens_per_expert, int num_experts, int n, int k, int64_t num_rows_total,
                         uintptr_t out, int out_type, int64_t out_row_stride, bool swiglu, int token_tile,
                         int tail_tile, uintptr_t row_amax, uintptr_t wave_area, uintptr_t wave_epoch,
-                        uintptr_t wave_abort, uintptr_t wave_error_word, uint64_t wave_timeout_ns, uintptr_t stream) {
+                        uintptr_t wave_abort, uintptr_t wave_error_word, uint64_t wave_timeout_ns, uintptr_t stream,
+                        bool fp8) {
   ep_comm::GroupedGemmArgs args = operand_args(x, x_row_stride, row_factor, w_values, w_scales, w_factor,
                                                expert_offsets, num_tokens_per_expert, num_experts, n, k,
                                                num_rows_total, token_tile, tail_tile);
@@ -62,6 +63,7 @@ void grouped_gemm_nvfp4(uintptr_t x, int64_t x_row_stride, uintptr_t row_factor,
   args.out_row_stride = out_row_stride;
   args.swiglu = swiglu;
   args.row_amax = ptr<float>(row_amax);
+  args.fp8 = fp8;
   if (wave_area != 0) {  // waves.h: the programmatic dependent of the wave dispatch receive just launched
     if (!wave_epoch || !wave_abort || !wave_error_word) throw std::invalid_argument("waves need all four addresses");
     args.wave.area = ptr<unsigned long long>(wave_area);
@@ -72,8 +74,8 @@ void grouped_gemm_nvfp4(uintptr_t x, int64_t x_row_stride, uintptr_t row_factor,
   }
   launch(args, stream, "grouped_gemm_nvfp4",
          "n % 64, k % 64, strides, token_tile in {0, 16, 32, 64, 128}, tail_tile in {-1, 0, 16, 32, 64} below it, "
-         "out_type 0/1, row_amax only with swiglu, a tuning override without a compiled kernel, or too many token "
-         "tiles for one grid");
+         "out_type 0/1, row_amax only with swiglu, a tuning override without a compiled kernel, too many token "
+         "tiles for one grid, or FP8 with k % 128 != 0 or waves");
 }
 
 // The same GEMM with the combine-row epilogue (out_type 2, grouped_gemm.h CombineRows): no out tensor; every valid
@@ -116,7 +118,7 @@ void register_gemm(py::module_& m) {
         py::arg("k"), py::arg("num_rows_total"), py::arg("out"), py::arg("out_type"), py::arg("out_row_stride"),
         py::arg("swiglu"), py::arg("token_tile"), py::arg("tail_tile"), py::arg("row_amax"), py::arg("wave_area"),
         py::arg("wave_epoch"), py::arg("wave_abort"), py::arg("wave_error_word"), py::arg("wave_timeout_ns"),
-        py::arg("stream"),
+        py::arg("stream"), py::arg("fp8") = false,
         "NVFP4 grouped GEMM (sm_90a): y = x . w_e^T * row_factor * w_factor[e] per expert segment; see "
         "ep_comm/grouped_gemm.py");
   m.def("grouped_gemm_nvfp4_combine_rows", &grouped_gemm_nvfp4_combine_rows, py::call_guard<py::gil_scoped_release>(),
@@ -127,6 +129,8 @@ void register_gemm(py::module_& m) {
         py::arg("topk"), py::arg("num_ranks"), py::arg("max_tokens"), py::arg("row_bytes"), py::arg("scale_offset"),
         py::arg("sign_mask"), py::arg("abort_flag"),
         py::arg("stream"), "NVFP4 grouped GEMM (sm_90a) whose epilogue stores RHT + S2F6 combine rows (see ep_comm/grouped_gemm.py)");
+  // The inexact FP8 mode's marker: a _C built before it has no fp8 argument (ep_comm/grouped_gemm.py checks).
+  m.attr("grouped_gemm_fp8") = true;
   m.def("grouped_gemm_auto_token_tile", &ep_comm::grouped_gemm_auto_token_tile, py::arg("num_rows_total"),
         py::arg("num_experts"), "token tile the launcher picks for token_tile = 0");
 }

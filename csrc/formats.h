@@ -74,6 +74,11 @@ cudaError_t launch_nvfp4_dequantize(const uint8_t* data, const uint8_t* scales, 
 // cudaSuccess when the format kernels have an image for the current device; the error otherwise (a build for other
 // architectures: cudaErrorNoKernelImageForDevice / cudaErrorInvalidDeviceFunction, or no device). One kernel stands
 // for all: they are compiled for the same architectures.
+// The grouped GEMM's inexact FP8 operand rows: out uint8 [num_rows, hidden] (16-byte aligned), E4M3 of
+// e2m1 * e4m3 * 2^-3 in the GEMM's column order within each 16-block (ep_comm/grouped_gemm.py FP8_COLUMN_ORDER); rows
+// at or past *num_rows_limit (when given) are not written.
+cudaError_t launch_nvfp4_expand_fp8(const uint8_t* data, const uint8_t* scales, int64_t num_rows, int64_t hidden,
+                                    uint8_t* out, cudaStream_t stream, const int32_t* num_rows_limit);
 cudaError_t formats_kernel_image_status();
 
 // ------------------------------------------------------------------------------------------------------

@@ -57,21 +57,32 @@ constexpr int kTileScaleBytes = 256;  // per warpgroup tile per k-block: 64 rows
 // over one (two calls, bench/RESULTS.md).
 constexpr int kDefaultBlocksPerStage = 2;
 
-template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage>
+template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kFp8 = false>
 struct Geometry {
   static constexpr int kThreads = kWarpGroups * 128;
   // B (token) tile of one k-block, K-major in wgmma's 128-byte swizzle: token rows of 128 B (64 k) with 16-byte
   // chunk c stored at chunk c ^ (token % 8); 8-row groups 1024 B apart; the tile starts 1024-byte aligned. (An
   // interleaved, unswizzled layout was 1.31x slower at 128 rows per expert: wgmma's shared-memory reads were the
   // bottleneck; removed, bench/RESULTS.md second session.)
+  // FP8 mode (kFp8): e4m3 tokens, one byte per k, so one 128-byte token row holds both k-blocks of a stage; the stage
+  // is [weights + scales of k-block 0][... of k-block 1][token tile], and k-block b's tokens start 64 b bytes into
+  // each row.
   static constexpr int kTokensBytes = kTile * 128;
   static constexpr int kValuesOffset = 0;
   static constexpr int kScalesOffset = kThreads * kValueBytes;
-  static constexpr int kTokensOffset = (kScalesOffset + kWarpGroups * kTileScaleBytes + 1023) / 1024 * 1024;
-  static constexpr int kBlockBytes = (kTokensOffset + kTokensBytes + 1023) / 1024 * 1024;  // one k-block
+  static constexpr int kWeightBlockBytes = kScalesOffset + kWarpGroups * kTileScaleBytes;  // a multiple of 16
+  static constexpr int kTokensOffset = ((kFp8 ? kBlocksPerStage * kWeightBlockBytes : kWeightBlockBytes) + 1023) /
+                                       1024 * 1024;
+  // One k-block (fp16); the weights and scales of one k-block (FP8).
+  static constexpr int kBlockBytes = kFp8 ? kWeightBlockBytes : (kTokensOffset + kTokensBytes + 1023) / 1024 * 1024;
   // A stage (ring slot) holds kBlocksPerStage consecutive k-blocks: the CTA barrier that publishes a stage and
   // frees the previous one, the cp.async issue and the ring bookkeeping are paid once per stage.
-  static constexpr int kStageBytes = kBlocksPerStage * kBlockBytes;
+  static constexpr int kStageBytes = kFp8 ? kTokensOffset + kTokensBytes : kBlocksPerStage * kBlockBytes;
+  static_assert(!kFp8 || kBlocksPerStage == 2, "an FP8 stage's 128-byte token rows hold two 64-wide k-blocks");
+  // Byte offset, within a stage, of the first token byte of k-block `sub` (where its wgmma descriptors start).
+  static constexpr __host__ __device__ int mma_tokens_offset(int sub) {
+    return kFp8 ? kTokensOffset + 64 * sub : sub * kBlockBytes + kTokensOffset;
+  }
   // As many stages as the CTA's share of the SM's shared memory holds (228 KiB less 1 KiB per CTA and the
   // alignment slack): loads are issued kStages - 1 stages ahead, which must cover HBM latency under load
   // (~1-2 us) even when a k-block's MMAs take only ~0.5 us.
@@ -259,8 +270,10 @@ struct WorkItem : FoundTile {
 // gemm_items loads the kTile factors once per item into shared memory (one L2 round trip, issued before the last
 // wgmma drains). Loading each token pair's factors where the epilogue used them cost one dependent L2 round trip per
 // 8 tokens: ncu put a quarter of w2's stall samples in that epilogue (bench/RESULTS.md, ninth session).
+// (FP8 mode: the weights are decoded times 2^-3 instead, so the factor is w_factor[e] * 2^3.)
+template <bool kFp8>
 __device__ __forceinline__ float token_factor(const GroupedGemmArgs& args, const WorkItem& item, int token) {
-  const float weight_factor = __ldg(args.w_factor + item.expert) * 128.0f;
+  const float weight_factor = __ldg(args.w_factor + item.expert) * (kFp8 ? 8.0f : 128.0f);
   // (__ldcg: with waves the receive writes row_factor while the kernel runs; a cached line could be stale.)
   return token < item.valid_rows ? __ldcg(args.row_factor + item.first_row + token) * weight_factor : 0.0f;
 }
@@ -468,11 +481,11 @@ __device__ __forceinline__ void store_rows(const GroupedGemmArgs& args, const fl
 // runs: the next item's MMAs then start on landed data instead of after a pipeline fill. The main loop itself is
 // the same for every item (no cross-item logic per stage). The combine-row epilogue stages its tile in the ring, so
 // there the next item's loads start after the epilogue.
-template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kCombineRows>
+template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kCombineRows, bool kFp8>
 __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const RowSplit split, uint8_t* smem,
                                            TileCursor& cursor, const bool persistent,
                                            const unsigned long long wave_epoch) {
-  using G = Geometry<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage>;
+  using G = Geometry<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kFp8>;
   constexpr int kThreads = G::kThreads;
   constexpr int kStages = G::kStages;
   constexpr int kAcc = kTile / 2;
@@ -568,13 +581,20 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
         if (copies_scales) {
           cp_async::copy16_zfill(block + scales_dst, w_scales + k_block * kTileScaleBytes, 16);
         }
+        // fp16: each k-block's own 128-byte token rows (64 k). FP8: one 128-byte row per token holds the stage's
+        // two k-blocks (128 k of e4m3, 64 uint16 elements of x), copied with k-block 0 (K % 128 == 0: no partial
+        // stage).
+        if (!kFp8 || b == 0) {
 #pragma unroll
-        for (int i = 0; i < kCopies; ++i) {
-          const int row = copy_row + i * kRowsPerCopy;
-          if (kTile % kRowsPerCopy == 0 || row < kTile) {
-            const bool valid = row < load_valid_rows;
-            cp_async::copy16_zfill(block + token_dst + i * token_dst_step,
-                       (valid ? token_src + i * token_src_step : tile_src) + k_block * kKBlock, valid ? 16 : 0);
+          for (int i = 0; i < kCopies; ++i) {
+            const int row = copy_row + i * kRowsPerCopy;
+            if (kTile % kRowsPerCopy == 0 || row < kTile) {
+              const bool valid = row < load_valid_rows;
+              cp_async::copy16_zfill(block + token_dst + i * token_dst_step,
+                                     (valid ? token_src + i * token_src_step : tile_src) +
+                                         k_block * (kFp8 ? kKBlock / 2 : kKBlock),
+                                     valid ? 16 : 0);
+            }
           }
         }
       }
@@ -611,6 +631,44 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
     convert_step(word[2], std::integral_constant<int, 1>{}, even_r0, even_r1, a[2]);
     convert_step(word[3], std::integral_constant<int, 1>{}, odd_r0, odd_r1, a[3]);
   };
+  // FP8 mode: this thread's A fragments of k-block `sub` as e4m3, two k32 steps of 4 registers. The weights are
+  // decoded to the exact fp16 values v * s * 2^-7 as above (convert_step), scaled by 16 (exact in fp16, subnormals
+  // included) and rounded to e4m3 (RNE): v * s * 2^-3 is at most 336, so never saturated, and real weights' block
+  // values (scale codes mostly 0x69..0x7E, moe.pack_weights) stay in E4M3's normal range, where the rounding costs at
+  // most 2^-5 relative; values below 2^-10 become 0. That rounding is the inexact step. The packing is the fp16 one: in
+  // k32 step q, registers a0 / a1 (rows r0 / r1) take k-step 2q's pairs (0, 2) / (1, 3), i.e. columns c, c + 1,
+  // c + 8, c + 9 of that 16-column group (c = 2 (lane % 4)), and a2 / a3 k-step 2q + 1's. wgmma reads them as the
+  // columns 4 (lane % 4) .. + 3 (a0, a1) and 16 + 4 (lane % 4) .. + 3 (a2, a3) of its 32-wide step, so the activations
+  // are stored with the same permutation inside each 16-column group (expand_nvfp4_rows(precision="fp8_inexact")):
+  // every product pairs the same k on both sides, and the sum over k is unchanged.
+  auto convert_fp8 = [&](int slot, int sub, uint32_t (&a)[2][4]) {
+    uint32_t h[4][4];
+    convert(slot, sub, h);
+    const __half2 sixteen = __float2half2_rn(16.0f);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const __half2 v = __hmul2(*reinterpret_cast<const __half2*>(&h[s][r]), sixteen);
+        h[s][r] = *reinterpret_cast<const uint32_t*>(&v);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      a[q][0] = wgmma::e4m3x4_from_f16x2(h[2 * q][0], h[2 * q][2]);
+      a[q][1] = wgmma::e4m3x4_from_f16x2(h[2 * q][1], h[2 * q][3]);
+      a[q][2] = wgmma::e4m3x4_from_f16x2(h[2 * q + 1][0], h[2 * q + 1][2]);
+      a[q][3] = wgmma::e4m3x4_from_f16x2(h[2 * q + 1][1], h[2 * q + 1][3]);
+    }
+  };
+  using AFragments = uint32_t[kFp8 ? 2 : 4][4];  // one k-block's A fragments (k-steps of 16, or of 32 in FP8)
+  auto convert_block = [&](int slot, int sub, AFragments& a) {
+    if constexpr (kFp8) {
+      convert_fp8(slot, sub, a);
+    } else {
+      convert(slot, sub, a);
+    }
+  };
   // Wide token tiles (kTile > 128: 72 accumulators) cannot hold two whole k-blocks of A fragments (2 x 16
   // registers) within the 128-register cap of 512 threads: ptxas then serialises every wgmma (C7512) and spills A
   // fragments inside the k-loop. They double-buffer A per group of kStepsPerGroup k-steps instead (2 x 8 registers
@@ -619,6 +677,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
   // turn). Tile 144 (4 x 1, two k-blocks per stage): 128 registers, no spills, no C7512 (CUDA 13.0).
   constexpr int kStepsPerGroup = kTile > 128 ? 2 : 4;
   constexpr int kGroups = 4 / kStepsPerGroup;
+  static_assert(!kFp8 || kGroups == 1, "FP8 mode has no wide-tile (grouped k-step) form");
   static_assert(kGroups == 1 || kGroups % 2 == 0, "group g of a k-block uses A set g % 2, the same for every k-block");
   using AGroup = uint32_t[kStepsPerGroup][4];  // one A register set
   uint32_t group_scales_r0 = 0, group_scales_r1 = 0;
@@ -654,7 +713,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
   float acc[kAcc];
   // A fragments of even / odd k-blocks (kGroups == 1), or of even / odd k-step groups: one is converted while the
   // other's wgmma runs (wgmma reads its register operands asynchronously).
-  AGroup a_even, a_odd;
+  std::conditional_t<kGroups == 1, AFragments, AGroup> a_even, a_odd;
   int slot = 0;  // ring slot of the k-block being multiplied
   // The first kStages - 1 stages of the item just begun, from ring slot load_slot on.
   auto fill = [&]() {
@@ -668,7 +727,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
     cp_async::wait<kStages - 2>();  // the item's first stage
     wait_stage();
     if constexpr (kGroups == 1) {
-      convert(slot, 0, a_even);
+      convert_block(slot, 0, a_even);
     } else {
       convert_group(slot, 0, std::integral_constant<int, 0>{}, a_even);
     }
@@ -690,17 +749,21 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
     // publish the next stage and refill the freed slot kStages - 1 stages ahead; convert the next A fragments
     // while this wgmma runs. fence_operand keeps the compiler from reusing or moving registers that an in-flight
     // wgmma still reads (A) or writes (accumulators).
-    auto step = [&](int k_block, auto sub_constant, uint32_t (&a_cur)[4][4], uint32_t (&a_next)[4][4]) {
+    auto step = [&](int k_block, auto sub_constant, AFragments& a_cur, AFragments& a_next) {
       constexpr int kSub = decltype(sub_constant)::value;
       wgmma::fence_operand(acc);
       wgmma::fence_operand(a_cur);
       wgmma::fence();
-      // k-step s starts 32 B further: + 2 in the descriptor's start field (address >> 4; no carry out of it,
-      // shared addresses stay below 2^18).
-      const uint64_t desc = make_descriptor_sw128(smem_base + slot * G::kStageBytes + kSub * G::kBlockBytes +
-                                                  G::kTokensOffset);
+      // k-step s starts 32 B further (16 fp16 or 32 e4m3 values): + 2 in the descriptor's start field (address >> 4;
+      // no carry out of it, shared addresses stay below 2^18).
+      const uint64_t desc = make_descriptor_sw128(smem_base + slot * G::kStageBytes + G::mma_tokens_offset(kSub));
+      if constexpr (kFp8) {
 #pragma unroll
-      for (int s = 0; s < 4; ++s) wgmma::MmaRS<kTile>::run(acc, a_cur[s], desc + 2 * s);
+        for (int s = 0; s < 2; ++s) wgmma::MmaRSE4M3<kTile>::run(acc, a_cur[s], desc + 2 * s);
+      } else {
+#pragma unroll
+        for (int s = 0; s < 4; ++s) wgmma::MmaRS<kTile>::run(acc, a_cur[s], desc + 2 * s);
+      }
       wgmma::commit_group();
       wgmma::fence_operand(acc);
       wgmma::wait_group<1>();  // wgmma(k_block - 1) retired
@@ -708,9 +771,9 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
       if (k_block + 1 < num_k_blocks) {
         if (kSub == kBlocksPerStage - 1) {
           next_stage(k_block);
-          convert(slot, 0, a_next);
+          convert_block(slot, 0, a_next);
         } else {
-          convert(slot, kSub + 1, a_next);  // the next k-block of this stage (published with it)
+          convert_block(slot, kSub + 1, a_next);  // the next k-block of this stage (published with it)
         }
       }
     };
@@ -725,8 +788,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
       wgmma::fence_operand(acc);
       wgmma::fence_operand(a_cur);
       wgmma::fence();
-      const uint64_t desc = make_descriptor_sw128(smem_base + slot * G::kStageBytes + kSub * G::kBlockBytes +
-                                                  G::kTokensOffset);
+      const uint64_t desc = make_descriptor_sw128(smem_base + slot * G::kStageBytes + G::mma_tokens_offset(kSub));
 #pragma unroll
       for (int i = 0; i < kStepsPerGroup; ++i) {
         wgmma::MmaRS<kTile>::run(acc, a_cur[i], desc + 2 * (kGroup * kStepsPerGroup + i));
@@ -769,7 +831,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
     }
     const WorkItem item = items[(item_seq - 1) & 1];
     // The epilogue's token factors: loaded now, stored to shared memory after the last wgmma has drained.
-    const float factor = threadIdx.x < kTile ? token_factor(args, item, threadIdx.x) : 0.0f;
+    const float factor = threadIdx.x < kTile ? token_factor<kFp8>(args, item, threadIdx.x) : 0.0f;
     uint64_t destination = 0;
     if (kCombineRows && threadIdx.x < item.valid_rows) {
       destination = combine_row_address(args.combine, item.first_row + threadIdx.x);
@@ -823,7 +885,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
 // CTA on a grid of every slot (measured faster for the 2-warpgroup, 3-CTA/SM shapes of the small token tiles when K
 // is long: launch_tile). With
 // waves (persistent too) CTAs take items from the wave work counter, so late CTAs take fewer (waves.h).
-template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kCombineRows>
+template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kCombineRows, bool kFp8>
 __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
     grouped_gemm_nvfp4_kernel(const GroupedGemmArgs args, const RowSplit split, const bool persistent) {
 #if EP_COMM_HAS_WGMMA
@@ -847,8 +909,8 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
   __syncthreads();
   // Overlapped split: the next part may start now; its CTAs get SMs as this launch's CTAs finish.
   if (split.triggers_dependent()) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  gemm_items<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kCombineRows>(args, split, smem, cursor, persistent,
-                                                                            wave_epoch);
+  gemm_items<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kCombineRows, kFp8>(args, split, smem, cursor,
+                                                                                  persistent, wave_epoch);
   // Waves: complete only after the receive has; overlapped parts 3 and 2: only after the part launched before has
   // (kernels behind the last part keep plain stream order with all of them).
   if (args.wave.area != nullptr || split.is_dependent()) {
@@ -873,10 +935,11 @@ int max_ctas_override() {
   return value;
 }
 
-template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage = 1, bool kCombineRows = false>
+template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage = 1, bool kCombineRows = false,
+          bool kFp8 = false>
 cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64_t tile_slots, cudaStream_t stream) {
-  using G = Geometry<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage>;
-  auto* kernel = grouped_gemm_nvfp4_kernel<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kCombineRows>;
+  using G = Geometry<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kFp8>;
+  auto* kernel = grouped_gemm_nvfp4_kernel<kTile, kWarpGroups, kCtasPerSm, kBlocksPerStage, kCombineRows, kFp8>;
   // The shared-memory opt-in is per kernel and device.
   static std::atomic<uint64_t> configured{0};
   const cudaError_t status = once_per_device(configured, [&] {
@@ -945,7 +1008,17 @@ int tuning_choice(const char* name, std::initializer_list<const char*> allowed) 
 // 4 / warpgroups, one k-block per stage); EP_COMM_GEMM_SMALL_CTA=1x4|2x2|2x3|4x1 (warpgroups x CTAs per SM) for the
 // token tiles 16 and 32; EP_COMM_GEMM_KBLOCKS_PER_STAGE=1|2 (pipeline stage size) for the default shapes. The
 // combine-row epilogue (out_type 2) always takes the default shape of its tile.
-LaunchFn select_kernel(int tile, bool combine_rows) {
+LaunchFn select_kernel(int tile, bool combine_rows, bool fp8) {
+  if (fp8) {
+    // The inexact FP8 mode: the default shapes, direct epilogues only (the launcher refuses the rest).
+    switch (tile) {
+      case 16: return launch_tile<16, 2, 3, 2, false, true>;
+      case 32: return launch_tile<32, 2, 3, 2, false, true>;
+      case 64: return launch_tile<64, 4, 1, 2, false, true>;
+      case 128: return launch_tile<128, 4, 1, 2, false, true>;
+      default: return nullptr;
+    }
+  }
   static const int forced_warp_groups = tuning_choice("EP_COMM_GEMM_WARPGROUPS", {"2", "4"});
   static const int forced_small_cta = tuning_choice("EP_COMM_GEMM_SMALL_CTA", {"1x4", "2x2", "2x3", "4x1"});
   static const int forced_blocks_per_stage = tuning_choice("EP_COMM_GEMM_KBLOCKS_PER_STAGE", {"1", "2"});
@@ -1017,9 +1090,12 @@ int grouped_gemm_auto_token_tile(int64_t num_rows_total, int num_experts) {
 }
 
 cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t stream) {
+  // FP8: x rows are e4m3 bytes, x_row_stride still counts 2-byte units; K % 128 (whole stages); no combine rows and no
+  // waves (their producers write fp16 rows).
   if (args.num_experts <= 0 || args.n <= 0 || args.k <= 0 || args.n % kTileRows != 0 || args.k % kKBlock != 0 ||
-      args.num_rows_total < 0 || args.x_row_stride < args.k || args.x_row_stride % 8 != 0 ||
-      args.out_type < 0 || args.out_type > 2 || (args.swiglu && args.n % 16 != 0)) {
+      args.num_rows_total < 0 || args.x_row_stride < (args.fp8 ? args.k / 2 : args.k) || args.x_row_stride % 8 != 0 ||
+      args.out_type < 0 || args.out_type > 2 || (args.swiglu && args.n % 16 != 0) ||
+      (args.fp8 && (args.k % (2 * kKBlock) != 0 || args.out_type == 2 || args.wave.area != nullptr))) {
     return cudaErrorInvalidValue;
   }
   const bool combine_rows = args.out_type == 2;
@@ -1050,15 +1126,16 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
     tail_tile = 0;
   }
   // Every kernel is resolved before any launches, so a refused tuning override cannot leave out half written.
-  const LaunchFn main_kernel = select_kernel(tile, combine_rows);
-  const LaunchFn tail_kernel = tail_tile ? select_kernel(tail_tile, combine_rows) : nullptr;
+  const LaunchFn main_kernel = select_kernel(tile, combine_rows, args.fp8);
+  const LaunchFn tail_kernel = tail_tile ? select_kernel(tail_tile, combine_rows, args.fp8) : nullptr;
   if (!main_kernel || (tail_tile && !tail_kernel)) return cudaErrorInvalidValue;
   // Wide last tiles (RowSplit::wide_tile): with the split on and token tile 128, on by default (EP_COMM_GEMM_WIDE_TILE=144;
   // =0 off). Measured on H200 at routed ~256 rows per expert (bench/RESULTS.md, eighteenth session): w1 3.31-3.36 vs
   // 3.44-3.45 ms, w2 1.86-1.87 vs 1.98 ms, MoE layer (world 1, graph) 5.80-5.81 vs 6.12-6.13 ms. Only the default CTA
   // shape has a 144 kernel: under a tuning override without one the wide launch is simply left out.
   static const bool wide_allowed = env_choice("EP_COMM_GEMM_WIDE_TILE", {"144", "0"}) == 0;
-  const LaunchFn wide_kernel = wide_allowed && tail_tile != 0 && tile == 128 ? select_kernel(144, combine_rows) : nullptr;
+  const LaunchFn wide_kernel =
+      wide_allowed && !args.fp8 && tail_tile != 0 && tile == 128 ? select_kernel(144, combine_rows, false) : nullptr;
   const int wide_tile = wide_kernel ? 144 : 0;
   // sum_e ceil(count_e / tile) <= rows / tile + E bounds the tiles of any launch (segments do not overlap:
   // expert_offsets is non-decreasing).

@@ -82,6 +82,11 @@ struct GroupedGemmArgs {
   // dynamic) and starts a token tile only once every row of its expert is in. A split launch's remainder part runs
   // after the main part has completed (which implies the receive has), without waves.
   WaveSync wave;
+  // Inexact FP8 mode (ep_comm/grouped_gemm.py, precision "fp8_inexact"): x holds e4m3 bytes [num_rows_total, k]
+  // (x_row_stride still in 2-byte units: row bytes / 2), permuted inside each 16-column group as
+  // expand_nvfp4_rows(precision="fp8_inexact") writes them; the weights are rounded to e4m3 in registers and the MMA
+  // is wgmma's E4M3 form (twice the fp16 rate). k % 128 == 0, out_type 0 / 1, no waves.
+  bool fp8 = false;
 };
 
 // cudaErrorInvalidValue for bad sizes; cudaErrorNotSupported when the current device is not sm_90 (the kernel

@@ -9,6 +9,8 @@
 //
 // Tried and measured slower on H200 (fourth session): a persistent grid that stages the next row group in
 // shared memory with cp.async while quantizing the current one (4/6 240 -> 299 us, plain 131 -> 175 us).
+#include <cuda_fp8.h>
+
 #include <algorithm>
 #include <type_traits>
 
@@ -284,6 +286,34 @@ __global__ void __launch_bounds__(256) nvfp4_dequantize_kernel(const uint8_t* __
   vec::store_row_segment<Out, 16>(out + block * 16, y);
 }
 
+// The grouped GEMM's inexact FP8 operand rows (ep_comm/grouped_gemm.py, precision "fp8_inexact"): per 16-block the
+// E4M3 bytes (RNE, saturating) of e2m1 * scale * 2^-3 (exact in fp32 before the rounding), stored column o holding
+// column 2 (o / 4) + o % 2 + 8 ((o % 4) / 2): the order in which the GEMM's fp16 weight fragments feed wgmma's E4M3
+// steps (grouped_gemm.cu, convert_fp8). One thread per block, one 16-byte store.
+__global__ void __launch_bounds__(256) nvfp4_expand_fp8_kernel(const uint8_t* __restrict__ data,
+                                                               const uint8_t* __restrict__ scales, int64_t num_rows,
+                                                               int64_t blocks_per_row, RowDiv row_div,
+                                                               uint8_t* __restrict__ out,
+                                                               const int32_t* __restrict__ num_rows_limit) {
+  const int64_t block = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (block >= num_rows * blocks_per_row) return;
+  const int64_t row = row_of(block, row_div);
+  if (num_rows_limit != nullptr && row >= __ldg(num_rows_limit)) return;
+  const uint2 word = __ldg(reinterpret_cast<const uint2*>(data) + block);
+  const float scale = qm::e4m3_decode(__ldg(scales + block)) * 0.125f;  // a power of two: exact
+  float y[16];
+  qm::e2m1x8_decode_scaled(word.x, scale, y);
+  qm::e2m1x8_decode_scaled(word.y, scale, y + 8);
+  uint32_t packed[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {  // stored columns 4q .. 4q + 3 hold columns 2q, 2q + 1, 2q + 8, 2q + 9
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(y[2 * q], y[2 * q + 1]), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(y[2 * q + 8], y[2 * q + 9]), __NV_SATFINITE, __NV_E4M3);
+    packed[q] = (lo & 0xFFFFu) | (hi << 16);
+  }
+  reinterpret_cast<uint4*>(out)[block] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
 template <typename T, typename Shape, bool kBlockValues = false>
 cudaError_t launch_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t stream) {
   const int64_t num_blocks = args.hidden / 16;
@@ -365,6 +395,20 @@ cudaError_t launch_nvfp4_dequantize(const uint8_t* data, const uint8_t* scales, 
         static_cast<Out*>(out), num_rows_limit);
     return cudaGetLastError();
   });
+}
+
+cudaError_t launch_nvfp4_expand_fp8(const uint8_t* data, const uint8_t* scales, int64_t num_rows, int64_t hidden,
+                                    uint8_t* out, cudaStream_t stream, const int32_t* num_rows_limit) {
+  if (hidden <= 0 || hidden % 16 != 0 || num_rows < 0) return cudaErrorInvalidValue;
+  const int64_t total_blocks = num_rows * (hidden / 16);
+  if (total_blocks == 0) return cudaSuccess;
+  if (!rows_aligned(data, 0, 8) || !rows_aligned(out, 0, 16)) return cudaErrorInvalidValue;
+  constexpr int kThreads = 256;
+  const int64_t grid = ceil_div(total_blocks, kThreads);
+  if (grid > INT32_MAX) return cudaErrorInvalidValue;
+  nvfp4_expand_fp8_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+      data, scales, num_rows, hidden / 16, make_row_div(hidden / 16, total_blocks), out, num_rows_limit);
+  return cudaGetLastError();
 }
 
 cudaError_t formats_kernel_image_status() {

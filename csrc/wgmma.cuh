@@ -1,7 +1,8 @@
 // PTX wrappers for Hopper warpgroup MMA (sm_90a): wgmma.mma_async with the A operand in registers ("RS"),
-// FP16 x FP16 -> FP32, shape m64nNk16, B from shared memory through a matrix descriptor, plus the fences and
-// group waits around it. Only compiled into sm_90a code (wgmma does not exist on sm_100a); callers guard with
-// EP_COMM_HAS_WGMMA. The operand lists are long by nature: one "+f" per accumulator register.
+// FP16 x FP16 -> FP32, shape m64nNk16 (and E4M3 x E4M3 -> FP32, m64nNk32, for the inexact FP8 mode), B from shared
+// memory through a matrix descriptor, plus the fences and group waits around it. Only compiled into sm_90a code
+// (wgmma does not exist on sm_100a); callers guard with EP_COMM_HAS_WGMMA. The operand lists are long by nature: one
+// "+f" per accumulator register.
 #pragma once
 
 #include <cstdint>
@@ -138,6 +139,78 @@ struct MmaRS<144> {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
   }
 };
+
+
+// FP8 (inexact mode, grouped_gemm.cu kFp8): acc += A(64x32 e4m3, registers a[4], 4 bytes each in the mma.m16n8k32
+// 8-bit A-fragment order per warp: a0 row g / a1 row g + 8 at k 4t..4t+3, a2 / a3 the same rows at k 16 + 4t..) *
+// B(32xN e4m3, smem, K-major). wgmma's FP8 forms take no transpose flags.
+template <int N>
+struct MmaRSE4M3;
+
+#define EP_COMM_WGMMA_E4M3(N, ACC_REGS, A_FIRST, DESC, PRED)                                                       \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\n"                                                               \
+  "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 "                                                      \
+  "{" ACC_REGS "}, {" A_FIRST "}, " DESC ", p, 1, 1;\n"                                                           \
+  "}\n"
+
+template <>
+struct MmaRSE4M3<16> {
+  __device__ __forceinline__ static void run(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b) {
+    asm volatile(EP_COMM_WGMMA_E4M3(16, "%0, %1, %2, %3, %4, %5, %6, %7", "%8, %9, %10, %11", "%12", "%13")
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  }
+};
+
+template <>
+struct MmaRSE4M3<32> {
+  __device__ __forceinline__ static void run(float (&d)[16], const uint32_t (&a)[4], uint64_t desc_b) {
+    asm volatile(EP_COMM_WGMMA_E4M3(32, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15",
+                                    "%16, %17, %18, %19", "%20", "%21")
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+                   "+f"(d[15])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  }
+};
+
+template <>
+struct MmaRSE4M3<64> {
+  __device__ __forceinline__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
+    asm volatile(EP_COMM_WGMMA_E4M3(64,
+                                    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
+                                    "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31",
+                                    "%32, %33, %34, %35", "%36", "%37")
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+                   "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
+                   "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
+                   "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  }
+};
+
+template <>
+struct MmaRSE4M3<128> {
+  __device__ __forceinline__ static void run(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+    asm volatile(EP_COMM_WGMMA_E4M3(128, EP_COMM_WGMMA_ACC64_REGS, "%64, %65, %66, %67", "%68", "%69")
+                 : EP_COMM_WGMMA_ACC64_OPERANDS(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  }
+};
+#undef EP_COMM_WGMMA_E4M3
+
+// Four e4m3 bytes (RNE, saturating to +-448) from two fp16x2: lo's halves become bytes 0 and 1, hi's bytes 2 and 3.
+__device__ __forceinline__ uint32_t e4m3x4_from_f16x2(uint32_t lo, uint32_t hi) {
+  uint32_t out;
+  asm("{\n.reg .b16 l, h;\n"
+      "cvt.rn.satfinite.e4m3x2.f16x2 l, %1;\n"
+      "cvt.rn.satfinite.e4m3x2.f16x2 h, %2;\n"
+      "mov.b32 %0, {l, h};\n}\n"
+      : "=r"(out)
+      : "r"(lo), "r"(hi));
+  return out;
+}
 
 #endif  // EP_COMM_HAS_WGMMA
 

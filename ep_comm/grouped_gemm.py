@@ -39,6 +39,16 @@ lane / 4 and r1 = r0 + 8):
 
 Activations are expanded once per GEMM input (`expand_nvfp4_rows`): FP16 block values e2m1 * e4m3 (exact)
 plus one FP32 outer factor per row, applied in the epilogue.
+
+Inexact FP8 mode (opt-in: `expand_nvfp4_rows(q, precision="fp8_inexact")`, which the GEMM recognises by the values'
+dtype float8_e4m3fn). Hopper's E4M3 wgmma runs at twice the fp16 rate, but e2m1 * e4m3 products (up to 5
+significant bits) do not fit E4M3 (4): the kernel rounds each weight value e2m1 * scale * 2^-3 to E4M3 (RNE) in
+registers, and the activations are stored as E4M3 of e2m1 * scale * 2^-3 (RNE; row_factor carries the 2^3). Within
+each 16-column group the activation columns are stored in the order `FP8_COLUMN_ORDER` (stored column o holds column
+FP8_COLUMN_ORDER[o]), the order in which the fp16 weight fragments feed wgmma's 32-wide E4M3 steps: the same packed
+weights serve both modes. The extra error (the two roundings, plus the tensor core's FP8 accumulation) is measured in
+bench/bench_grouped_gemm.py and documented in docs/GEMM.md; `_grouped_gemm_reference` with FP8 rows computes the
+rounded operands' product in FP32.
 """
 from __future__ import annotations
 
@@ -60,7 +70,7 @@ __all__ = [
     "GemmWeights", "ExpandedRows", "pack_gemm_weights", "unpack_gemm_weights", "dequantize_gemm_weights",
     "expand_nvfp4_rows", "grouped_gemm_nvfp4", "grouped_gemm_nvfp4_combine_rows", "has_combine_rows_kernel",
     "gemm_kernels_unavailable", "swiglu_row_permutation", "column_pair_row_permutation", "TILE_ROWS", "TILE_K",
-    "TOKEN_TILES",
+    "TOKEN_TILES", "PRECISIONS", "FP8_COLUMN_ORDER", "fp8_rows_in_column_order",
 ]
 
 TILE_ROWS = 64          # weight rows per tile (the kernel's M tile)
@@ -68,6 +78,13 @@ TILE_K = 64             # columns per k-block
 THREADS_PER_TILE = 128  # one warpgroup
 K_STEPS = 4             # 16-column k-steps per k-block (one NVFP4 scale group each)
 TOKEN_TILES = (16, 32, 64, 128)
+PRECISIONS = ("exact", "fp8_inexact")
+# FP8 mode: stored column o of a 16-column group holds column FP8_COLUMN_ORDER[o] (module docstring): wgmma reads the
+# 4 bytes of A register a0 as columns 4t .. 4t + 3 of its 32-wide step, and the fp16 fragment they come from holds
+# columns 2t, 2t + 1, 2t + 8, 2t + 9 of the 16-column k-step (t = lane % 4).
+FP8_COLUMN_ORDER = tuple(2 * (o // 4) + (o % 2) + 8 * ((o % 4) // 2) for o in range(16))
+_FP8_ACTIVATION_SCALE = 0.125  # e2m1 * e4m3 <= 6 * 448: times 2^-3 it stays below E4M3's 448
+_FP8_WEIGHT_SCALE = 0.125      # the same for the weights (the kernel: the fp16 decode's 2^-7, times 16)
 _OUT_TYPES = {torch.float32: 0, torch.bfloat16: 1}
 _SCALE_SHIFT = 7        # scale code << 7 = fp16 bits of scale * 2^7
 # Packed pair j of a k-step word (module docstring): bit of the low element's magnitude (3 bits) and sign
@@ -142,10 +159,13 @@ class GemmWeights:
 class ExpandedRows:
     """NVFP4 rows expanded for the grouped GEMM.
 
-    values: float16 [R, K], e2m1 * e4m3 block scale (exact in fp16; no outer scale).
+    values: float16 [R, K], e2m1 * e4m3 block scale (exact in fp16; no outer scale); or, in the inexact FP8 mode,
+        float8_e4m3fn [R, K]: E4M3 of e2m1 * e4m3 * 2^-3 (RNE), columns permuted inside each 16-column group
+        (`FP8_COLUMN_ORDER`).
     row_factor: float32 [R], the outer decode scale amax / (6 * e4m3_max) of each row (formats' fp32
-        arithmetic: amax * fp32(1 / (6 * e4m3_max))).
-    The dequantized row is values * row_factor (up to one fp32 rounding vs `formats.nvfp4_dequantize`).
+        arithmetic: amax * fp32(1 / (6 * e4m3_max))); times 8 in the FP8 mode.
+    The dequantized row is values * row_factor (up to one fp32 rounding vs `formats.nvfp4_dequantize`; FP8: after
+    undoing the column order, and with the E4M3 rounding).
     """
 
     values: torch.Tensor
@@ -154,6 +174,11 @@ class ExpandedRows:
     @property
     def num_rows(self) -> int:
         return self.values.shape[0]
+
+    @property
+    def precision(self) -> str:
+        """"fp8_inexact" for E4M3 values, else "exact"."""
+        return "fp8_inexact" if self.values.dtype == torch.float8_e4m3fn else "exact"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -355,6 +380,18 @@ def _dequantize_expert(w: GemmWeights, e: int) -> torch.Tensor:
     return out
 
 
+def _fp8_expert_weights(w: GemmWeights, e: int) -> torch.Tensor:
+    """fp32 [N, K] of expert e in the original row order as the FP8 kernel multiplies it: E4M3 (RNE) of
+    e2m1 * scale * 2^-3, times 2^3 * factor[e] (the epilogue's weight factor)."""
+    codes, scale = _expert_codes_and_scales(w, e)
+    rounded = (e2m1_decode(codes).reshape(w.n, w.k // 16, 16) * (scale * _FP8_WEIGHT_SCALE)[..., None]
+               ).to(torch.float8_e4m3fn)
+    packed = rounded.float().reshape(w.n, w.k) * (w.factor[e] * (1.0 / _FP8_WEIGHT_SCALE))
+    out = torch.empty_like(packed)
+    out[w.row_perm] = packed
+    return out
+
+
 @_keeps_subnormals
 def unpack_gemm_weights(w: GemmWeights) -> NVFP4Tensor:
     """The NVFP4 weights [E, N, K] that `pack_gemm_weights` packed into w, bit for bit: codes, E4M3 scale bytes, the
@@ -494,9 +531,44 @@ def _check_num_rows_limit(num_rows_limit: Optional[torch.Tensor], device: torch.
         raise ValueError(f"num_rows_limit must be an int32 tensor of one element on {device}")
 
 
+def _fp8_column_order(device) -> torch.Tensor:
+    return torch.tensor(FP8_COLUMN_ORDER, dtype=torch.int64, device=device)
+
+
+def _expand_fp8_inexact(q: NVFP4Tensor, data: torch.Tensor, scales: torch.Tensor, row_factor: torch.Tensor,
+                        k: int, impl: str, num_rows_limit: Optional[torch.Tensor]) -> ExpandedRows:
+    """The FP8 operand rows (module docstring): E4M3 of e2m1 * scale * 2^-3 in FP8_COLUMN_ORDER, row_factor * 8.
+    The CUDA kernel (nvfp4_expand_fp8) and the torch ops give the same bits."""
+    num_rows = data.shape[0]
+    row_factor = (row_factor * (1.0 / _FP8_ACTIVATION_SCALE)).contiguous()
+    if _use_gemm_kernels(impl, q.data, "expand_nvfp4_rows") and hasattr(_ext._C, "nvfp4_expand_fp8"):
+        data, scales = _ext.aligned_contiguous(data, 8), scales.contiguous()
+        values = torch.empty(num_rows, k, dtype=torch.float8_e4m3fn, device=q.data.device)
+        if num_rows:
+            with _ext.cuda_device(q.data.device):
+                limit = 0 if num_rows_limit is None else num_rows_limit.data_ptr()
+                _ext._C.nvfp4_expand_fp8(data.data_ptr(), scales.data_ptr(), num_rows, k, values.data_ptr(),
+                                         _ext.current_raw_stream(q.data.device), limit)
+        return ExpandedRows(values=values, row_factor=row_factor)
+    if impl == "cuda" and q.data.is_cuda:
+        raise RuntimeError(f"expand_nvfp4_rows(impl='cuda', precision='fp8_inexact'): {_STALE_BUILD}")
+    codes = _unpack_e2m1_codes(data).reshape(num_rows, k // 16, 16)
+    block = e2m1_decode(codes) * (e4m3_decode(scales) * _FP8_ACTIVATION_SCALE)[..., None]  # exact in fp32
+    values = block[..., _fp8_column_order(data.device)].to(torch.float8_e4m3fn).reshape(num_rows, k)
+    return ExpandedRows(values=values, row_factor=row_factor)
+
+
+def fp8_rows_in_column_order(values: torch.Tensor) -> torch.Tensor:
+    """float32 [R, K] of FP8 operand values ([R, K] float8_e4m3fn, `FP8_COLUMN_ORDER`) in the natural column order."""
+    rows, k = values.shape
+    out = torch.empty(rows, k // 16, 16, dtype=torch.float32, device=values.device)
+    out[..., _fp8_column_order(values.device)] = values.float().reshape(rows, k // 16, 16)
+    return out.reshape(rows, k)
+
+
 @_keeps_subnormals
-def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Optional[torch.Tensor] = None
-                      ) -> ExpandedRows:
+def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Optional[torch.Tensor] = None,
+                      precision: str = "exact") -> ExpandedRows:
     """NVFP4 rows q (logical [..., K], flattened to R rows) -> ExpandedRows (values fp16 [R, K], row_factor fp32 [R]).
 
     impl: "auto" (CUDA kernel for CUDA tensors when ep_comm._C has it, else the torch reference),
@@ -504,7 +576,12 @@ def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Option
     num_rows_limit: optional int32 tensor of one element on q's device (e.g. `expert_offsets[-1:]` of a dispatch
     result): rows at or past it are not expanded on the CUDA path (their values are left unwritten), so a
     capacity-sized dispatch result costs only its rows in use. The reference path expands every row.
+    precision: "exact" (default) or "fp8_inexact": the operand rows of the GEMM's inexact FP8 mode (module
+    docstring), values float8_e4m3fn [R, K], row_factor * 8 (CUDA kernel or torch ops, the same bits; impl and
+    num_rows_limit as above). Opt-in: the E4M3 rounding loses precision (docs/GEMM.md).
     """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     _check_nvfp4(q)
     k = q.data.shape[-1] * 2
     if q.scales.dtype not in (torch.float8_e4m3fn, torch.uint8):
@@ -519,6 +596,8 @@ def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Option
     # (and breaks CUDA graph capture). Same fp32 value (rounded once).
     row_factor = amax * torch.full((), 1.0 / (6.0 * q.e4m3_max), dtype=torch.float32, device=q.data.device)
     _check_num_rows_limit(num_rows_limit, q.data.device)  # on every path (the reference ignores its value)
+    if precision == "fp8_inexact":
+        return _expand_fp8_inexact(q, data, scales, row_factor, k, impl, num_rows_limit)
     if _use_gemm_kernels(impl, q.data, "expand_nvfp4_rows"):
         lib = _ext._C
         data, scales = _ext.aligned_contiguous(data, 8), scales.contiguous()  # codes are read in 8-byte vectors
@@ -588,8 +667,9 @@ def _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, out_dt
     _check_gemm_weights(weights)
     _check_kernel_row_order(weights)  # on both impls, so that the reference takes what the kernel takes
     values, row_factor = x.values, x.row_factor
-    if not isinstance(values, torch.Tensor) or values.dtype != torch.float16 or values.dim() != 2:
-        raise TypeError(f"x.values must be a float16 [R, K] tensor, got "
+    if not isinstance(values, torch.Tensor) or values.dtype not in (torch.float16, torch.float8_e4m3fn) \
+            or values.dim() != 2:
+        raise TypeError(f"x.values must be a float16 (or, FP8 mode, float8_e4m3fn) [R, K] tensor, got "
                         f"{getattr(values, 'dtype', type(values))} {tuple(getattr(values, 'shape', ()))}")
     if not values.is_contiguous():
         raise ValueError("x.values must be contiguous")
@@ -694,6 +774,15 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
                               out)
     device = x.values.device
     use_cuda = _use_gemm_kernels(impl, x.values, "grouped_gemm_nvfp4", hopper_only=True)
+    fp8 = x.precision == "fp8_inexact"
+    if fp8 and wave is not None:
+        raise ValueError("the FP8 mode takes no wave: the wave receive writes the exact (fp16) operand rows")
+    if fp8 and use_cuda and weights.k % 128:
+        raise ValueError(f"the FP8 kernel needs K % 128 == 0, got K = {weights.k}")
+    if fp8 and use_cuda and not hasattr(_ext._C, "grouped_gemm_fp8"):
+        raise RuntimeError(f"grouped_gemm_nvfp4 (FP8 mode): {_STALE_BUILD}")
+    # x's row stride for the kernel, in 2-byte units (FP8: K bytes); a one-row tensor may report any stride.
+    row_stride = (x.values.stride(0) if rows > 1 else x.values.shape[1]) // (2 if fp8 else 1)
     if wave is not None:
         from .types import WaveSync
         if not isinstance(wave, WaveSync):
@@ -727,14 +816,16 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
             return out
         with _ext.cuda_device(device):
             _ext._C.grouped_gemm_nvfp4(
-                x.values.data_ptr(), x.values.stride(0), x.row_factor.data_ptr(), weights.values.data_ptr(),
+                x.values.data_ptr(), row_stride, x.row_factor.data_ptr(),
+                weights.values.data_ptr(),
                 weights.scales.data_ptr(), weights.factor.data_ptr(), expert_offsets.data_ptr(),
                 num_tokens_per_expert.data_ptr(), weights.num_experts, weights.n, weights.k, rows, out.data_ptr(),
                 _OUT_TYPES[out_dtype], out.stride(0), bool(weights.swiglu), int(token_tile or 0),
                 -1 if tail_tile is None else int(tail_tile), 0 if row_amax is None else row_amax.data_ptr(),
                 0 if wave is None else wave.area.data_ptr(), 0 if wave is None else wave.epoch,
                 0 if wave is None else wave.abort, 0 if wave is None else wave.error_word,
-                0 if wave is None else wave.timeout_ns, _ext.current_raw_stream(device))
+                0 if wave is None else wave.timeout_ns, _ext.current_raw_stream(device),
+                **({"fp8": True} if fp8 else {}))  # (keyword: a _C built before the FP8 mode still runs the rest)
         return out
     return _grouped_gemm_reference(x, expert_offsets, num_tokens_per_expert, weights, out, row_amax)
 
@@ -763,6 +854,8 @@ def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tenso
                         f"{type(target).__name__}")
     rows = _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, torch.bfloat16, token_tile,
                               tail_tile, None)
+    if x.precision != "exact":
+        raise ValueError("the combine-row epilogue has no FP8 mode: expand the rows with precision='exact'")
     if x.values.device.type != "cuda":
         raise ValueError("grouped_gemm_nvfp4_combine_rows runs on CUDA tensors only")
     why = gemm_kernels_unavailable(x.values.device)
@@ -821,13 +914,18 @@ def _grouped_gemm_reference(x: ExpandedRows, expert_offsets: torch.Tensor, num_t
         if count < 0 or offsets[e + 1] < offsets[e] or offsets[e] + count > offsets[e + 1]:
             raise ValueError(f"expert {e}: {count} rows at offset {offsets[e]} do not fit before the next "
                              f"segment at {offsets[e + 1]} (offsets must be non-decreasing, counts >= 0)")
+    fp8 = x.precision == "fp8_inexact"
     with exact_fp32_matmuls():  # a true FP32 reference on CUDA tensors too
         for e, count in enumerate(counts):
             if count == 0:
                 continue
             segment = slice(offsets[e], offsets[e] + count)
-            x_f32 = x.values[segment].float() * x.row_factor[segment, None]
-            y = x_f32 @ _dequantize_expert(weights, e).t()
+            if fp8:  # the rounded operands (module docstring), their product in FP32
+                x_f32 = fp8_rows_in_column_order(x.values[segment]) * x.row_factor[segment, None]
+                y = x_f32 @ _fp8_expert_weights(weights, e).t()
+            else:
+                x_f32 = x.values[segment].float() * x.row_factor[segment, None]
+                y = x_f32 @ _dequantize_expert(weights, e).t()
             if weights.swiglu:
                 half = weights.n // 2
                 y = F.silu(y[:, :half]) * y[:, half:]

@@ -259,7 +259,7 @@ def _expert_hidden_from_rows(x, expert_offsets: torch.Tensor, num_tokens_per_exp
 
 
 def fused_expert_mlp(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
-                     w1, w2, token_tile=None) -> torch.Tensor:
+                     w1, w2, token_tile=None, precision: str = "exact") -> torch.Tensor:
     """The experts of one rank on the NVFP4 grouped GEMM (sm_90a): bf16 [R, H] in the dispatch layout.
 
     tokens: NVFP4Tensor [R, H] in the expert-major layout (e.g. `DispatchResult.x`); expert_offsets int32 [E + 1]
@@ -271,10 +271,33 @@ def fused_expert_mlp(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor, 
     nvlink backend returns its fixed capacity) are skipped by every kernel and rows outside expert segments are
     never read, so intermediates are uninitialised and only the rows of valid experts are defined in the result
     (what `Buffer.combine` reads). CUDA tensors on an sm_90 GPU only (else an error naming the reference path).
+    precision: "exact" (default) or "fp8_inexact", the grouped GEMM's opt-in FP8 mode (grouped_gemm module
+    docstring; H and I multiples of 128): both GEMMs on E4M3-rounded operands, the w2 input still quantized to
+    NVFP4 4/6 first (then expanded to FP8 rows). Its extra error is measured in bench/bench_grouped_gemm.py.
     """
     _check_fused_inputs(tokens, expert_offsets, num_tokens_per_expert, w1, w2)
+    from . import grouped_gemm as gemm
+    if precision not in gemm.PRECISIONS:
+        raise ValueError(f"precision must be one of {gemm.PRECISIONS}, got {precision!r}")
+    if precision == "fp8_inexact":
+        return _fused_expert_mlp_fp8(tokens, expert_offsets, num_tokens_per_expert, w1, w2, token_tile)
     hidden = _fused_expert_hidden(tokens, expert_offsets, num_tokens_per_expert, w1, token_tile)
     return _expert_output(hidden, expert_offsets, num_tokens_per_expert, w2, token_tile)
+
+
+def _fused_expert_mlp_fp8(tokens, expert_offsets, num_tokens_per_expert, w1, w2, token_tile) -> torch.Tensor:
+    """fused_expert_mlp in the inexact FP8 mode: FP8 rows of the tokens, w1 (+ SwiGLU, FP32), NVFP4 4/6 of its rows
+    (the exact path's quantization point), FP8 rows of those, w2. Rows at or past expert_offsets[-1] are skipped."""
+    from . import _cuda_formats
+    from . import grouped_gemm as gemm
+    rows_in_use = expert_offsets[-1:]
+    x = gemm.expand_nvfp4_rows(tokens, num_rows_limit=rows_in_use, precision="fp8_inexact")
+    hidden = torch.empty(x.num_rows, w1.out_features, dtype=torch.float32, device=x.values.device)
+    gemm.grouped_gemm_nvfp4(x, expert_offsets, num_tokens_per_expert, w1, out_dtype=torch.float32, out=hidden,
+                            token_tile=token_tile)
+    q = _cuda_formats.nvfp4_quantize(hidden, four_over_six=True, amax=None, num_rows_limit=rows_in_use)
+    h = gemm.expand_nvfp4_rows(q, num_rows_limit=rows_in_use, precision="fp8_inexact")
+    return _expert_output(h, expert_offsets, num_tokens_per_expert, w2, token_tile)
 
 
 def _expert_output(hidden, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor, w2, token_tile

@@ -380,3 +380,20 @@ def test_emulation_keeps_subnormals_when_the_thread_flushes_them():
     assert torch.equal(got_s2f6.view(torch.int32), want_s2f6.view(torch.int32))
     assert torch.equal(got_nvfp4.data, want_nvfp4.data) and torch.equal(got_nvfp4.scales.view(torch.uint8),
                                                                           want_nvfp4.scales.view(torch.uint8))
+
+
+def test_host_nvfp4_entry_points_refuse_a_null_amax():
+    """The raw host bindings that read one amax per row refuse a null amax with a ValueError (the device launcher's
+    null amax means "block values only"; a caller copying that convention here used to crash the process)."""
+    data = torch.zeros(1, 8, dtype=torch.uint8)
+    scales = torch.zeros(1, 1, dtype=torch.uint8)
+    x = torch.zeros(1, 16)
+    out = torch.empty(1, 16)
+    lib = ep_comm._ext._C
+    with pytest.raises(ValueError, match="amax is required"):
+        lib.host_nvfp4_dequantize(data.data_ptr(), scales.data_ptr(), 0, 1, 16, 256.0, out.data_ptr())
+    with pytest.raises(ValueError, match="amax is required"):
+        lib.host_nvfp4_four_over_six_errors(x.data_ptr(), 1, 16, 0, 256.0, out.data_ptr(), out.data_ptr())
+    decided = torch.empty(1, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="amax is required"):
+        lib.host_nvfp4_fast_decided(x.data_ptr(), 1, 16, 0, 256.0, True, decided.data_ptr())

@@ -1342,3 +1342,21 @@ def test_fused_expert_mlp_matches_reference_experts_without_host_sync():
         assert torch.equal(out[rows_e], again[rows_e]), "not deterministic"
         rel = ((got - want).norm() / want.norm()).item()
         assert rel < 5e-3, f"expert {e}: relative L2 {rel:.2e}"
+
+
+@pytest.mark.gpu
+def test_kernel_takes_a_one_row_view_with_any_row_stride():
+    """A one-row x.values view of a wider tensor is contiguous for torch whatever its stride(0) (68 here, not a
+    multiple of 8): the GEMM passes the row length as the stride instead of refusing it."""
+    w = random_weights(1, 64, 64, seed=41, device="cuda", scale_low=0x18, scale_high=0x58)
+    packed = G.pack_gemm_weights(w, swiglu=False)
+    x = G.expand_nvfp4_rows(random_activations(4, 64, seed=42, device="cuda"))
+    wide = torch.zeros(4, 68, dtype=torch.float16, device="cuda")
+    wide[:, :64] = x.values
+    one = G.ExpandedRows(values=wide[:1, :64], row_factor=x.row_factor[:1].contiguous())
+    assert one.values.is_contiguous() and one.values.stride(0) == 68
+    off = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+    cnt = torch.tensor([1], dtype=torch.int32, device="cuda")
+    out = G.grouped_gemm_nvfp4(one, off, cnt, packed, out_dtype=torch.float32, impl="cuda")
+    ref = G.grouped_gemm_nvfp4(one, off, cnt, packed, out_dtype=torch.float32, impl="reference")
+    _check_against_reference(out, ref, torch.ones(1, dtype=torch.bool, device="cuda"), torch.float32)

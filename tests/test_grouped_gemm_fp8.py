@@ -1,0 +1,277 @@
+"""The grouped GEMM's opt-in inexact FP8 mode (ep_comm.grouped_gemm, precision "fp8_inexact").
+
+CPU tier: the activation column order against the fp16 A fragments' columns (`_fragment_index`, the packing's own
+oracle), the FP8 operand rows against E4M3 rounding of the exact block values, the FP8 reference against the exact
+reference (the mode's extra error, bounded), and the refusals. GPU tier (marker `gpu`): the kernel against the FP8
+reference (the same rounded operands, so only the accumulation differs) for every token tile, both epilogue forms,
+SwiGLU, uneven and empty experts and the small-remainder launch; and rows outside every segment left unwritten.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ep_comm import formats as F
+from ep_comm import grouped_gemm as G
+from test_grouped_gemm import random_activations, random_weights, segments, valid_mask
+
+FP8 = "fp8_inexact"
+
+
+def _relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (torch.linalg.norm(a.double() - b.double()) / torch.linalg.norm(b.double())).item()
+
+
+@pytest.mark.cpu
+def test_fp8_column_order_is_the_fragment_order():
+    """wgmma's 32-wide E4M3 step reads A register a0 (a2) of lane l as columns 4t .. 4t + 3 (16 + 4t ..) of the step,
+    t = l % 4; the kernel fills a0 / a1 from fp16 k-step 2q's pairs 0 and 2 / 1 and 3, a2 / a3 from k-step 2q + 1's.
+    The activation column stored at each of those positions must be the weight column the byte came from."""
+    frag_rows, frag_cols = G._fragment_index("cpu")  # [thread, k-step, pair]: tile row and low column
+    order = G.FP8_COLUMN_ORDER
+    for thread in range(G.THREADS_PER_TILE):
+        t = thread % 4
+        for q in range(2):
+            for register in range(4):
+                k_step = 2 * q + register // 2
+                pairs = (0, 2) if register % 2 == 0 else (1, 3)
+                rows = {int(frag_rows[thread, k_step, j]) for j in pairs}
+                assert len(rows) == 1, "one register holds one weight row"
+                weight_columns = [int(frag_cols[thread, k_step, j]) + h for j in pairs for h in (0, 1)]
+                for byte, column in enumerate(weight_columns):
+                    logical = 32 * q + 16 * (register // 2) + 4 * t + byte  # what wgmma multiplies it with
+                    group, o = divmod(logical, 16)
+                    assert 16 * group + order[o] == column, (thread, q, register, byte)
+    assert sorted(order) == list(range(16))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("four_over_six", [True, False])
+def test_fp8_rows_are_the_rounded_block_values(four_over_six):
+    """values = E4M3(RNE) of e2m1 * scale * 2^-3 in FP8_COLUMN_ORDER, row_factor = 8x the exact one; undoing the
+    order gives back every block value to within E4M3's rounding (relative 2^-4) and exactly where it fits."""
+    x = torch.randn(37, 256, generator=torch.Generator().manual_seed(3)) * 5
+    x[3] = 0.0
+    q = F.nvfp4_quantize(x, four_over_six=four_over_six)
+    exact = G.expand_nvfp4_rows(q, impl="reference")
+    fp8 = G.expand_nvfp4_rows(q, impl="reference", precision=FP8)
+    assert fp8.values.dtype == torch.float8_e4m3fn and fp8.precision == FP8 and exact.precision == "exact"
+    assert torch.equal(fp8.row_factor, exact.row_factor * 8.0)
+    block = exact.values.float() * 0.125
+    natural = G.fp8_rows_in_column_order(fp8.values)
+    assert torch.equal(natural, block.to(torch.float8_e4m3fn).float())
+    assert bool(((natural - block).abs() <= block.abs() * 2.0 ** -4).all())
+    raw = fp8.values.float().reshape(37, 16, 16)
+    assert torch.equal(raw[..., 2], natural.reshape(37, 16, 16)[..., 8])  # stored column 2 holds column 8
+    assert torch.equal(fp8.values[3].float(), torch.zeros(256))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_fp8_reference_stays_close_to_the_exact_one(swiglu):
+    """The mode's extra error: the FP8 reference (both operands rounded to E4M3) against the exact reference, on
+    random codes with the block scales of real weights (E4M3 bytes 0x60..0x7E, where moe.pack_weights puts most
+    blocks) and 4/6-quantized activations: relative L2 below 6% (measured 3.1% without and 4.8% with the SwiGLU, whose
+    product of two GEMM outputs adds their errors; the E4M3 rounding of one element costs 0.9% on average, at most
+    2^-5 in the normal range; bench/bench_grouped_gemm.py reports it at full size)."""
+    experts, n, k = 3, 128, 256
+    counts = [5, 0, 40]
+    offsets, rows = segments(counts, 16)
+    w = random_weights(experts, n, k, seed=21, scale_low=0x60, scale_high=0x7F)
+    packed = G.pack_gemm_weights(w, swiglu=swiglu)
+    q = random_activations(rows, k, seed=22)
+    off = torch.tensor(offsets, dtype=torch.int32)
+    cnt = torch.tensor(counts, dtype=torch.int32)
+    mask = valid_mask(offsets, counts, rows)
+    exact = G.grouped_gemm_nvfp4(G.expand_nvfp4_rows(q), off, cnt, packed, out_dtype=torch.float32,
+                                 impl="reference")
+    fp8 = G.grouped_gemm_nvfp4(G.expand_nvfp4_rows(q, precision=FP8), off, cnt, packed, out_dtype=torch.float32,
+                               impl="reference")
+    assert torch.all(fp8[~mask] == 0)
+    error = _relative_l2(fp8[mask], exact[mask])
+    assert 0 < error < 0.06, error
+
+
+@pytest.mark.cpu
+def test_fp8_mode_costs_little_against_the_unquantized_mlp():
+    """What the mode costs where it matters: an expert MLP with Gaussian master weights (moe.pack_weights) and
+    tokens, both modes against the unquantized FP32 MLP. NVFP4 itself is ~22% off (relative L2); the FP8 mode adds
+    about 1% of that (22.3% -> 22.6% at H = 1024, I = 512), although it is ~10% off the exact mode: its roundings
+    mostly move values within the NVFP4 error. Bound: at most 5% more error than the exact mode."""
+    import torch.nn.functional as TF
+    from ep_comm import moe
+    torch.manual_seed(0)
+    experts, hidden, inter, per = 2, 512, 256, 32
+    w1 = torch.randn(experts, 2 * inter, hidden) / hidden ** 0.5
+    w2 = torch.randn(experts, hidden, inter) / inter ** 0.5
+    x = torch.randn(experts * per, hidden)
+    packed = moe.pack_weights(w1, w2)
+    p1, p2 = G.pack_gemm_weights(packed.w1, swiglu=True), G.pack_gemm_weights(packed.w2, swiglu=False)
+    off = torch.tensor([0, per, 2 * per], dtype=torch.int32)
+    cnt = torch.tensor([per, per], dtype=torch.int32)
+    tokens = F.nvfp4_quantize(x, four_over_six=True)
+    rows = [x[e * per:(e + 1) * per] for e in range(experts)]
+    want = torch.cat([(TF.silu(r @ w1[e, :inter].T) * (r @ w1[e, inter:].T)) @ w2[e].T for e, r in enumerate(rows)])
+
+    def mlp(precision):
+        h = G.grouped_gemm_nvfp4(G.expand_nvfp4_rows(tokens, precision=precision), off, cnt, p1,
+                                 out_dtype=torch.float32, impl="reference")
+        q = F.nvfp4_quantize(h, four_over_six=True, impl="reference")
+        return G.grouped_gemm_nvfp4(G.expand_nvfp4_rows(q, precision=precision), off, cnt, p2,
+                                    out_dtype=torch.float32, impl="reference")
+    exact_error, fp8_error = _relative_l2(mlp("exact"), want), _relative_l2(mlp(FP8), want)
+    assert 0.1 < exact_error < 0.4, exact_error  # (the NVFP4 error this bound is relative to)
+    assert fp8_error < 1.05 * exact_error, (fp8_error, exact_error)
+
+
+@pytest.mark.cpu
+def test_fp8_refusals():
+    """Bad precision names and impls; the FP8 rows with a wave (its receive writes exact rows) and with the
+    combine-row epilogue (exact only) are refused before anything runs."""
+    w = random_weights(2, 64, 128, seed=5)
+    packed = G.pack_gemm_weights(w, swiglu=False)
+    q = random_activations(8, 128, seed=6)
+    x = G.expand_nvfp4_rows(q, precision=FP8)
+    off = torch.tensor([0, 4, 8], dtype=torch.int32)
+    cnt = torch.tensor([4, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="precision"):
+        G.expand_nvfp4_rows(q, precision="fp8")
+    with pytest.raises(ValueError, match="impl"):
+        G.expand_nvfp4_rows(q, precision=FP8, impl="fast")
+    with pytest.raises(ValueError, match="takes no wave"):
+        G.grouped_gemm_nvfp4(x, off, cnt, packed, impl="reference", wave=object())
+    if not G.has_combine_rows_kernel():
+        return  # (the combine-row entry point refuses every call without the extension)
+    from ep_comm.types import CombineRowsTarget
+    index = torch.zeros(8, dtype=torch.int32)
+    target = CombineRowsTarget(bases=torch.zeros(1, dtype=torch.int64), area_offset=0, src_rank=index,
+                               src_token=index, topk_slot=index, num_topk=1, max_tokens=8, hidden=64, row_bytes=80,
+                               scale_offset=64, sign_mask=0)
+    with pytest.raises(ValueError, match="no FP8 mode"):
+        G.grouped_gemm_nvfp4_combine_rows(x, off, cnt, packed, target)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The kernel (GPU)
+# ----------------------------------------------------------------------------------------------------------
+FP8_SHAPES = [(4, 128, 128), (3, 192, 256), (5, 256, 512), (2, 1024, 7168)]
+FP8_COUNTS = [0, 1, 17, 130, 64, 255, 3, 128, 31, 40]
+
+
+def _fp8_case(shape, swiglu: bool, align: int, seed: int):
+    experts, n, k = shape
+    counts = [3, 200] if k == 7168 else [FP8_COUNTS[(seed + 3 * e) % len(FP8_COUNTS)] for e in range(experts)]
+    offsets, rows = segments(counts, align)
+    w = random_weights(experts, n, k, seed=seed, device="cuda", scale_low=0x60, scale_high=0x7F)
+    packed = G.pack_gemm_weights(w, swiglu=swiglu)
+    x = G.expand_nvfp4_rows(random_activations(rows, k, seed=seed + 1, device="cuda"), precision=FP8)
+    off = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    cnt = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    ref = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.float32, impl="reference")
+    return x, off, cnt, packed, ref, valid_mask(offsets, counts, rows).cuda()
+
+
+# The kernel multiplies the same E4M3 operands as the reference; what differs is the summation: wgmma's order, and
+# its FP8 accumulation, which on Hopper keeps fewer bits than FP32 between the k32 steps. Measured on H200
+# (bench/RESULTS.md, fortieth session): relative L2 up to 1.7e-3 at K = 7168 and 2.4e-3 with the SwiGLU there (the
+# exact kernel stays below 1e-5). A layout error (a wrong column order, fragment or scale) gives an error of order 1.
+FP8_KERNEL_TOLERANCE = 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("token_tile", [None, 16, 32, 64, 128])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("shape", FP8_SHAPES)
+def test_fp8_kernel_vs_fp8_reference(shape, swiglu, out_dtype, token_tile):
+    x, off, cnt, packed, ref, mask = _fp8_case(shape, swiglu, 16, seed=shape[1] + shape[2])
+    out = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=out_dtype, token_tile=token_tile, impl="cuda")
+    assert not torch.isnan(out).any()
+    assert torch.all(out[~mask] == 0), "rows outside every expert were written"
+    error = _relative_l2(out[mask].float(), ref[mask])
+    bound = FP8_KERNEL_TOLERANCE + (2.0 ** -8 if out_dtype == torch.bfloat16 else 0.0)
+    print(f"fp8 kernel {shape} swiglu={swiglu} {out_dtype} tile={token_tile}: relative L2 {error:.2e}")
+    assert error < bound, f"relative L2 {error:.3e} against the FP8 reference"
+    again = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=out_dtype, token_tile=token_tile, impl="cuda")
+    assert torch.equal(out.view(torch.uint8), again.view(torch.uint8)), "two runs differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tail_tile", [16, 32, 64])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_fp8_kernel_small_remainders_in_a_second_launch(swiglu, tail_tile):
+    """Token tile 128 with the remainders in a second launch: bitwise the single launch (same k order per element)."""
+    x, off, cnt, packed, ref, mask = _fp8_case((5, 256, 512), swiglu, 16, seed=77)
+    out = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.float32, token_tile=128, tail_tile=tail_tile,
+                               impl="cuda")
+    single = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.float32, token_tile=128, tail_tile=0,
+                                  impl="cuda")
+    assert torch.equal(out.view(torch.int32), single.view(torch.int32))
+    assert _relative_l2(out[mask], ref[mask]) < FP8_KERNEL_TOLERANCE
+
+
+@pytest.mark.gpu
+def test_fp8_kernel_error_against_the_exact_kernel():
+    """The mode's cost at DeepSeek-V3's w1 shape on one expert: FP8 against the exact kernel (fp32 out), on the block
+    scales of real weights. The same bound as the CPU tier's reference comparison."""
+    experts, n, k = 1, 1024, 7168
+    w = random_weights(experts, n, k, seed=91, device="cuda", scale_low=0x60, scale_high=0x7F)
+    packed = G.pack_gemm_weights(w, swiglu=True)
+    q = random_activations(128, k, seed=92, device="cuda")
+    off = torch.tensor([0, 128], dtype=torch.int32, device="cuda")
+    cnt = torch.tensor([128], dtype=torch.int32, device="cuda")
+    exact = G.grouped_gemm_nvfp4(G.expand_nvfp4_rows(q), off, cnt, packed, out_dtype=torch.float32, impl="cuda")
+    fp8 = G.grouped_gemm_nvfp4(G.expand_nvfp4_rows(q, precision=FP8), off, cnt, packed, out_dtype=torch.float32,
+                               impl="cuda")
+    error = _relative_l2(fp8, exact)
+    print(f"fp8 vs exact kernel, w1 shape, 128 rows: relative L2 {error:.3e}")
+    assert 0 < error < 0.06, error
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [128, 2048, 7168, 112])
+def test_fp8_expansion_kernel_is_the_reference(k):
+    """nvfp4_expand_fp8 (CUDA) gives the reference's bits, on random rows and the format edge rows (zeros, tiny,
+    outliers; NVFP4 codes cannot hold NaN); with a device row limit it leaves the rows past it unwritten."""
+    from format_cases import edge_rows
+    x = torch.cat([torch.randn(61, k, generator=torch.Generator().manual_seed(k)) * 3, edge_rows(k)]).cuda()
+    q = F.nvfp4_quantize(torch.nan_to_num(x, nan=0.0, posinf=1e4, neginf=-1e4), four_over_six=True)
+    ref = G.expand_nvfp4_rows(q, impl="reference", precision=FP8)
+    got = G.expand_nvfp4_rows(q, impl="cuda", precision=FP8)
+    assert torch.equal(got.values.view(torch.uint8), ref.values.view(torch.uint8))
+    assert torch.equal(got.row_factor, ref.row_factor)
+    limit = torch.tensor([20], dtype=torch.int32, device="cuda")
+    part = G.expand_nvfp4_rows(q, impl="cuda", precision=FP8, num_rows_limit=limit)
+    assert torch.equal(part.values[:20].view(torch.uint8), ref.values[:20].view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_fp8_fused_expert_mlp():
+    """moe.fused_expert_mlp(precision="fp8_inexact") against the same steps on the reference paths (FP8 rows, w1,
+    NVFP4 4/6 of its rows, FP8 rows, w2): close (the kernel's accumulation can move a few NVFP4 roundings of the w2
+    input), and against the exact fused MLP within the mode's error."""
+    from ep_comm import moe
+    experts, hidden, inter = 3, 256, 128
+    counts = [40, 0, 70]
+    offsets, rows = segments(counts, 16)
+    w1 = G.pack_gemm_weights(random_weights(experts, 2 * inter, hidden, seed=31, device="cuda", scale_low=0x60,
+                                            scale_high=0x7F), swiglu=True)
+    w2 = G.pack_gemm_weights(random_weights(experts, hidden, inter, seed=32, device="cuda", scale_low=0x60,
+                                            scale_high=0x7F), swiglu=False)
+    tokens = random_activations(rows, hidden, seed=33, device="cuda")
+    off = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    cnt = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    mask = valid_mask(offsets, counts, rows).cuda()
+    got = moe.fused_expert_mlp(tokens, off, cnt, w1, w2, precision=FP8)
+    h = G.grouped_gemm_nvfp4(G.expand_nvfp4_rows(tokens, impl="reference", precision=FP8), off, cnt, w1,
+                             out_dtype=torch.float32, impl="reference")
+    q = F.nvfp4_quantize(h, four_over_six=True, impl="reference")
+    ref = G.grouped_gemm_nvfp4(G.expand_nvfp4_rows(q, impl="reference", precision=FP8), off, cnt, w2,
+                               impl="reference")
+    error = _relative_l2(got[mask].float(), ref[mask].float())
+    print(f"fp8 fused MLP against the reference steps: relative L2 {error:.3e}")
+    assert error < 2e-2, error
+    exact = moe.fused_expert_mlp(tokens, off, cnt, w1, w2)
+    assert _relative_l2(got[mask].float(), exact[mask].float()) < 0.15  # measured 9.2% (see the CPU tier's MLP test)
+    with pytest.raises(ValueError, match="precision"):
+        moe.fused_expert_mlp(tokens, off, cnt, w1, w2, precision="fp8")
