@@ -19,6 +19,8 @@ Timing: median over iterations of one forward between CUDA events, each after a 
   bf16 layer   : router + reference dispatch (bf16) + torch._grouped_mm w1, SiLU*up, w2 + reference combine (bf16)
   local_reduce_*: the layer with combine_rows=False (bf16 w2 output, Buffer.combine with local_reduce=True)
   rows_*       : pieces of the combine-row form (experts + combine; begin + finish without the GEMM)
+  fp8_*        : MoELayer(expert_precision="fp8_inexact") (the grouped GEMM's opt-in inexact FP8 mode; without waves
+                 and combine rows, as that mode runs), when H and I are multiples of 128
   waves_*      : the layer with waves=True, the default (dispatch receive overlapped with w1, csrc/waves.h); dispatch_w1 /
                  waves_dispatch_w1: dispatch + w1 alone, plain (with the expansion pass) and waves
 """
@@ -170,6 +172,15 @@ def worker(rank, world, args):
                     lambda: (buf.begin_combine_rows(result), buf.finish_combine_rows(result.handle)), args.iters)
             row["combine_local_reduce_false_graph_ms"] = _graph_ms(
                 lambda: buf.combine(expert_out, result.handle, local_reduce=False), args.iters)
+            if h % 128 == 0 and inter % 128 == 0:
+                fp8_layer = moe.MoELayer(buf, router, packed, expert_impl="fused", token_tile=token_tiles[0],
+                                         expert_precision="fp8_inexact")
+                row["fp8_layer_ms"] = _time_ms(lambda: fp8_layer(x), args.iters, None)
+                row["fp8_layer_graph_ms"] = _graph_ms(lambda: fp8_layer(x), args.iters)
+                row["fp8_experts_graph_ms"] = _graph_ms(lambda: fp8_layer.experts(result), args.iters)
+                y_exact, y_fp8 = lr_layer(x).float(), fp8_layer(x).float()
+                row["fp8_relative_l2_vs_exact_layer"] = ((y_fp8 - y_exact).norm() / y_exact.norm()).item()
+                del fp8_layer
             for tile in token_tiles[1:]:
                 other = moe.MoELayer(buf, router, packed, expert_impl="fused", token_tile=tile, waves=False)
                 row[f"tile{other.token_tile}_layer_ms"] = _time_ms(lambda: other(x), args.iters, None)
@@ -256,6 +267,8 @@ def worker(rank, world, args):
                     row["speedup_graph_vs_bf16"] = row["bf16_layer_ms"] / row["layer_graph_ms"]
                     row["local_reduce_speedup_vs_bf16"] = row["bf16_layer_ms"] / row["local_reduce_layer_ms"]
                     row["waves_speedup_vs_bf16"] = row["bf16_layer_ms"] / row["waves_layer_ms"]  # the default layer
+                    if "fp8_layer_ms" in row:
+                        row["fp8_speedup_vs_bf16"] = row["bf16_layer_ms"] / row["fp8_layer_ms"]
             except Exception as error:  # noqa: BLE001 - a missing baseline is reported, not fatal
                 row["bf16_layer_error"] = f"{type(error).__name__}: {error}"[:300]
         rows.append(row)
@@ -291,6 +304,11 @@ def main(argv=None):
               f"{r['waves_layer_graph_ms']:.3f} ms, exposed {r['waves_exposed_comm_graph_fraction']:.2f}; dispatch + "
               f"w1 graph: waves {r['waves_dispatch_w1_graph_ms']:.3f} ms vs plain {r['dispatch_w1_graph_ms']:.3f} ms "
               f"(expansion pass {r['expand_graph_ms']:.3f}, w1 {r['w1_graph_ms']:.3f})")
+        if "fp8_layer_ms" in r:
+            print(f"{'':>7} FP8 mode (expert_precision='fp8_inexact'): layer {r['fp8_layer_ms']:.3f} ms, graph "
+                  f"{r['fp8_layer_graph_ms']:.3f} ms, experts graph {r['fp8_experts_graph_ms']:.3f} ms; relative L2 "
+                  f"against the combine_rows=False layer {r['fp8_relative_l2_vs_exact_layer']:.3e}"
+                  + (f"; {r['fp8_speedup_vs_bf16']:.2f}x the BF16 pipeline" if "fp8_speedup_vs_bf16" in r else ""))
         extra = {k: round(v, 3) for k, v in r.items() if k.startswith("tile") or
                  (k.startswith("waves") and k[5:6].isdigit())}
         if extra:

@@ -130,7 +130,7 @@ bench_world1() {  # one GPU: dispatch/combine and the MoE layer at world 1 (the 
   bench_dc 1 --tokens 128,4096 --formats nvfp4/s2f6,bf16/bf16 --no-reference --no-ceiling
   say "bench: MoE layer at world 1 (128 experts, all local)"
   timeout 240 python3 bench/bench_moe.py --nproc 1 --experts 128 --iters 5 --out "$OUT/bench_moe_world1.json" 2>&1 \
-    | tail -5 | tee -a "$log"
+    | tail -14 | tee -a "$log"
 }
 bench_floor() {  # small-call latency: NVFP4/S2F6 and BF16 at 1, 16 and 128 tokens, then the per-kernel profile at 1 and 128
   bench_dc 2 --tokens 1,16,128 --formats nvfp4/s2f6,bf16/bf16 --no-reference --no-ceiling
@@ -295,7 +295,11 @@ print('world 1 MoE worker passed', r['backend'], r['expert_impl'], r['combine_ro
 for e in run_ranks(t._moe_edge_worker, 1, 'cuda', backend='nccl', timeout_s=280):
     t.check_moe_edge_result(e, 0, 1, 1e-2)
 print('world 1 MoE edge worker (top-1, 0 tokens, transposed x) passed', e['backend'], e['expert_impl'])
-" 2>&1 | tail -3 | tee -a "$log")
+for f in run_ranks(t._moe_fp8_worker, 1, 'cuda', backend='nccl', timeout_s=280):
+    print('world 1 MoE FP8 worker:', {k: v for k, v in f.items() if k.startswith('vs_')})
+    t.check_moe_fp8_result(f)
+print('world 1 MoE FP8 worker passed')
+" 2>&1 | tail -5 | tee -a "$log")
 }
 test_nvlink() {
   say "multigpu tier: nvlink suite"
@@ -537,7 +541,7 @@ profile_4096_timeline() {  # both ranks' kernels of the last dispatch + combine 
 }
 bench_moe() {  # arguments go to the benchmark
   say "bench: MoE layer (2 GPUs)"
-  timeout 240 python3 bench/bench_moe.py --nproc 2 --iters 5 "$@" --out "$OUT/bench_moe.json" 2>&1 | tail -5 | tee -a "$log"
+  timeout 240 python3 bench/bench_moe.py --nproc 2 --iters 5 "$@" --out "$OUT/bench_moe.json" 2>&1 | tail -14 | tee -a "$log"
 }
 profile_moe() {  # the kernel timeline of one MoE layer forward at 4096 tokens per rank (rank 0), waves and not
   for waves in 1 0; do

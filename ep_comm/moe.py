@@ -353,6 +353,11 @@ class MoELayer(torch.nn.Module):
             -0.8..-0.2% (noise) at 4096; `self.waves` says which.
         wave_sms: SMs of the wave receive; None: `default_wave_sms` (from the bytes and FLOPs per row), clamped to
             the Buffer's receive block count (`self.wave_sms`; None without waves; refused with waves=False).
+        expert_precision: "exact" (default) or "fp8_inexact": the fused grouped GEMM's opt-in FP8 mode
+            (`fused_expert_mlp(precision=...)`, docs/GEMM.md: E4M3-rounded operands, faster from ~64 rows per
+            expert, slower at 16). It needs the fused experts and H, I multiples of 128, and runs without waves and
+            without combine rows (their producers write exact operand rows; both default to off with it, True is
+            refused).
     forward(x): x bf16 [T, H] -> bf16 [T, H]; the routing weights are the softmax over the top-k logits.
     Module state: the router is a buffer (`router_weight`, in state_dict; a module-wide dtype cast casts it). The
     expert weights are packed for the device they were given on and are not module state: `state_dict()` does not
@@ -406,7 +411,7 @@ class MoELayer(torch.nn.Module):
 
     def __init__(self, buffer: Buffer, router_weight: torch.Tensor, weights: PackedExpertWeights,
                  expert_impl: str = "auto", token_tile=None, combine_rows: Optional[bool] = None,
-                 waves: Optional[bool] = None, wave_sms: Optional[int] = None):
+                 waves: Optional[bool] = None, wave_sms: Optional[int] = None, expert_precision: str = "exact"):
         super().__init__()
         cfg = buffer.config
         if cfg.dispatch_format != "nvfp4":
@@ -467,14 +472,28 @@ class MoELayer(torch.nn.Module):
             if not supported and device.type == "cuda":
                 _ext.warn_once(f"MoELayer: using the reference expert path (FP32 torch matmuls): {why}")
         self.expert_impl = expert_impl
+        if expert_precision not in ("exact", "fp8_inexact"):
+            raise ValueError(f"expert_precision must be 'exact' or 'fp8_inexact', got {expert_precision!r}")
+        fp8 = expert_precision == "fp8_inexact"
+        if fp8:
+            inter = weights.w2.shape[-1]
+            if expert_impl != "fused" or cfg.hidden % 128 or inter % 128:
+                raise ValueError(f"expert_precision='fp8_inexact' is a mode of the fused grouped GEMM with H and I "
+                                 f"multiples of 128; this layer has expert_impl={expert_impl!r}, H = {cfg.hidden}, "
+                                 f"I = {inter}")
+            for name, value in (("combine_rows", combine_rows), ("waves", waves)):
+                if value:
+                    raise ValueError(f"{name}=True is not available with expert_precision='fp8_inexact' (its producer "
+                                     "writes the exact operand rows)")
+        self.expert_precision = expert_precision
         rows_possible = (expert_impl == "fused" and buffer.combine_rows_supported
-                         and has_combine_rows_kernel())
+                         and has_combine_rows_kernel() and not fp8)
         if combine_rows and not rows_possible:
             raise ValueError(f"combine_rows=True needs the fused experts (with the combine-row kernel in ep_comm._C), "
                              f"the nvlink backend and S2F6 combine; this layer has expert_impl={expert_impl!r}, "
                              f"backend={buffer.backend!r}, combine_format={cfg.combine_format!r}")
         self.combine_rows = rows_possible if combine_rows is None else bool(combine_rows)
-        waves_possible = expert_impl == "fused" and buffer.backend == "nvlink"
+        waves_possible = expert_impl == "fused" and buffer.backend == "nvlink" and not fp8
         if waves and not waves_possible:
             raise ValueError(f"waves=True needs the fused experts and the nvlink backend; this layer has "
                              f"expert_impl={expert_impl!r}, backend={buffer.backend!r}")
@@ -546,6 +565,9 @@ class MoELayer(torch.nn.Module):
         return self._experts_reference(result)
 
     def _experts_fused(self, result) -> torch.Tensor:
+        if self.expert_precision == "fp8_inexact":
+            return _fused_expert_mlp_fp8(result.x, result.expert_offsets, result.num_tokens_per_expert,
+                                         self._w1_packed, self._w2_packed, self.token_tile)
         hidden = _fused_expert_hidden(result.x, result.expert_offsets, result.num_tokens_per_expert, self._w1_packed,
                                       self.token_tile)
         return _expert_output(hidden, result.expert_offsets, result.num_tokens_per_expert, self._w2_packed,

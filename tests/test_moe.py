@@ -148,6 +148,75 @@ def _moe_edge_worker(rank, world, device_kind="cpu", backend="auto"):
     return out
 
 
+FP8_HIDDEN, FP8_INTERMEDIATE = 256, 128  # the FP8 mode's K % 128
+
+
+def _fp8_expert_oracle(w1_packed, w2_packed):
+    """expert_fn for expected_combine: one expert of MoELayer(expert_precision="fp8_inexact") on the reference paths
+    (FP8 rows of the token, w1 with SwiGLU, NVFP4 4/6 of the hidden row, FP8 rows, w2; FP32, then bf16)."""
+    from ep_comm import grouped_gemm as G
+
+    def run(payload, expert):
+        one = [torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)]
+        w1, w2 = w1_packed.experts(expert, expert + 1), w2_packed.experts(expert, expert + 1)
+        h = G.grouped_gemm_nvfp4(G.expand_nvfp4_rows(payload, impl="reference", precision="fp8_inexact"), *one, w1,
+                                 out_dtype=torch.float32, impl="reference")
+        q = formats.nvfp4_quantize(h, four_over_six=True, impl="reference")
+        return G.grouped_gemm_nvfp4(G.expand_nvfp4_rows(q, impl="reference", precision="fp8_inexact"), *one, w2,
+                                    impl="reference")
+    return run
+
+
+def _moe_fp8_worker(rank, world, device_kind="cuda", backend="auto"):
+    """MoELayer(expert_precision="fp8_inexact") on the GPU: against the token-by-token oracle of the same FP8 steps
+    (what differs is the kernel's FP8 accumulation, which can move a few NVFP4 roundings of the w2 input), against the
+    exact layer on the same Buffer (the mode's error), and its refusals (waves / combine rows, a reference layer)."""
+    from ep_comm import grouped_gemm as G
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator().manual_seed(43)
+    w1 = torch.randn(EXPERTS, 2 * FP8_INTERMEDIATE, FP8_HIDDEN, generator=gen) / FP8_HIDDEN ** 0.5
+    w2 = torch.randn(EXPERTS, FP8_HIDDEN, FP8_INTERMEDIATE, generator=gen) / FP8_INTERMEDIATE ** 0.5
+    router = torch.randn(EXPERTS, FP8_HIDDEN, generator=gen)
+    local = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
+    packed_all = moe.pack_weights(w1, w2)
+    oracle = _fp8_expert_oracle(G.pack_gemm_weights(packed_all.w1, swiglu=True),
+                                G.pack_gemm_weights(packed_all.w2, swiglu=False))
+    tokens = tuple(6 + 3 * r for r in range(world))
+    xs = [torch.randn(t, FP8_HIDDEN, generator=torch.Generator().manual_seed(500 + r)).to(torch.bfloat16)
+          for r, t in enumerate(tokens)]
+    out = {}
+    with ep_comm.Buffer(None, hidden=FP8_HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=16,
+                        backend=backend) as buf:
+        packed = moe.pack_weights(w1[local].to(device), w2[local].to(device))
+        layer = moe.MoELayer(buf, router.to(device), packed, expert_precision="fp8_inexact")
+        exact = moe.MoELayer(buf, router.to(device), packed)
+        y = layer(xs[rank].to(device)).cpu()
+        y_exact = exact(xs[rank].to(device)).cpu()
+        inputs = [(x, *(t.cpu() for t in layer.route(x.to(device)))) for x in xs]
+        want = expected_combine(Case("moe-fp8", FP8_HIDDEN, EXPERTS, TOPK, tokens, "uniform"), rank, world, inputs,
+                                local_reduce=True, expert_fn=oracle)
+        rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+        out.update(vs_oracle=rel(y, want), vs_exact=rel(y, y_exact), waves=layer.waves,
+                   combine_rows=layer.combine_rows, expert_impl=layer.expert_impl)
+        refused = []
+        for kwargs in ({"waves": True}, {"combine_rows": True}, {"expert_impl": "reference"},
+                       {"expert_precision": "fp8"}):
+            try:
+                moe.MoELayer(buf, router.to(device), packed,
+                             **{"expert_precision": "fp8_inexact", **kwargs})
+            except ValueError:
+                refused.append(tuple(kwargs))
+        out["refused"] = refused
+    return out
+
+
+def check_moe_fp8_result(result):
+    assert result["expert_impl"] == "fused" and not result["waves"] and not result["combine_rows"], result
+    assert result["vs_oracle"] < 2e-2, result
+    assert result["vs_exact"] < 0.2, result
+    assert len(result["refused"]) == 4, result
+
+
 def check_moe_edge_result(result, rank, world, bound):
     assert result["idle rank 0"]["shape"] == ((0 if rank == 0 else 9 + rank), HIDDEN), result
     assert result["after it"]["shape"] == (5 + rank, HIDDEN), result
@@ -644,6 +713,8 @@ def test_moe_layer_on_gpus_matches_oracle():
     edge = run_ranks(_moe_edge_worker, 2, "cuda", auto_backend(), backend=multigpu_backend())
     for rank, result in enumerate(edge):
         check_moe_edge_result(result, rank, 2, 1e-2)  # GPU vs CPU FP32 accumulation order (as above)
+    for result in run_ranks(_moe_fp8_worker, 2, "cuda", auto_backend(), backend=multigpu_backend()):
+        check_moe_fp8_result(result)
 
 
 def _layer_ownership_worker(rank, world):
