@@ -248,8 +248,8 @@ def test_fp8_expansion_kernel_is_the_reference(k):
 @pytest.mark.gpu
 def test_fp8_fused_expert_mlp():
     """moe.fused_expert_mlp(precision="fp8_inexact") against the same steps on the reference paths (FP8 rows, w1,
-    NVFP4 4/6 of its rows, FP8 rows, w2): close (the kernel's accumulation can move a few NVFP4 roundings of the w2
-    input), and against the exact fused MLP within the mode's error."""
+    NVFP4 4/6 of its rows, FP8 rows, w2): close (the kernel's accumulation can move some NVFP4 roundings of the w2
+    input), and against the exact fused MLP within the mode's error (measured 9.2%)."""
     from ep_comm import moe
     experts, hidden, inter = 3, 256, 128
     counts = [40, 0, 70]
@@ -270,7 +270,7 @@ def test_fp8_fused_expert_mlp():
                                impl="reference")
     error = _relative_l2(got[mask].float(), ref[mask].float())
     print(f"fp8 fused MLP against the reference steps: relative L2 {error:.3e}")
-    assert error < 2e-2, error
+    assert error < 5e-2, error  # measured 1.2e-2; the bound and why: tests/test_moe.py check_moe_fp8_result
     exact = moe.fused_expert_mlp(tokens, off, cnt, w1, w2)
     assert _relative_l2(got[mask].float(), exact[mask].float()) < 0.15  # measured 9.2% (see the CPU tier's MLP test)
     with pytest.raises(ValueError, match="precision"):

@@ -212,7 +212,11 @@ def _moe_fp8_worker(rank, world, device_kind="cuda", backend="auto"):
 
 def check_moe_fp8_result(result):
     assert result["expert_impl"] == "fused" and not result["waves"] and not result["combine_rows"], result
-    assert result["vs_oracle"] < 2e-2, result
+    # The kernel's FP8 accumulation differs from the oracle's FP32 by ~2e-3 in w1's output (tests/
+    # test_grouped_gemm_fp8.py); that moves some NVFP4 roundings of the w2 input, and a 2e-3 perturbation of w1's
+    # output moves this MLP's result by ~2.5% (a CPU check at these shapes). Measured 2.9% (H200, world 1 and 2 ranks
+    # sharing it). Integration errors show as 10% (the exact mode's rows) or more.
+    assert result["vs_oracle"] < 5e-2, result
     assert result["vs_exact"] < 0.2, result
     assert len(result["refused"]) == 4, result
 
