@@ -170,7 +170,8 @@ def _fp8_expert_oracle(w1_packed, w2_packed):
 def _moe_fp8_worker(rank, world, device_kind="cuda", backend="auto"):
     """MoELayer(expert_precision="fp8_inexact") on the GPU: against the token-by-token oracle of the same FP8 steps
     (what differs is the kernel's FP8 accumulation, which can move a few NVFP4 roundings of the w2 input), against the
-    exact layer on the same Buffer (the mode's error), and its refusals (waves / combine rows, a reference layer)."""
+    exact layer on the same Buffer (the mode's error), its refusals (waves / combine rows, a reference layer), and a CUDA
+    graph of its forward replayed on new inputs (bitwise eager)."""
     from ep_comm import grouped_gemm as G
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator().manual_seed(43)
@@ -197,7 +198,8 @@ def _moe_fp8_worker(rank, world, device_kind="cuda", backend="auto"):
                                 local_reduce=True, expert_fn=oracle)
         rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
         out.update(vs_oracle=rel(y, want), vs_exact=rel(y, y_exact), waves=layer.waves,
-                   combine_rows=layer.combine_rows, expert_impl=layer.expert_impl)
+                   combine_rows=layer.combine_rows, expert_impl=layer.expert_impl,
+                   graph_equal=_graph_replay_matches_eager(layer, xs[rank].to(device), rank))
         refused = []
         for kwargs in ({"waves": True}, {"combine_rows": True}, {"expert_impl": "reference"},
                        {"expert_precision": "fp8"}):
@@ -219,6 +221,7 @@ def check_moe_fp8_result(result):
     assert result["vs_oracle"] < 5e-2, result
     assert result["vs_exact"] < 0.2, result
     assert len(result["refused"]) == 4, result
+    assert result["graph_equal"], result  # captured once, replayed on new inputs: bitwise eager
 
 
 def check_moe_edge_result(result, rank, world, bound):
