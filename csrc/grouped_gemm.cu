@@ -1009,16 +1009,6 @@ int tuning_choice(const char* name, std::initializer_list<const char*> allowed) 
 // token tiles 16 and 32; EP_COMM_GEMM_KBLOCKS_PER_STAGE=1|2 (pipeline stage size) for the default shapes. The
 // combine-row epilogue (out_type 2) always takes the default shape of its tile.
 LaunchFn select_kernel(int tile, bool combine_rows, bool fp8) {
-  if (fp8) {
-    // The inexact FP8 mode: the default shapes, direct epilogues only (the launcher refuses the rest).
-    switch (tile) {
-      case 16: return launch_tile<16, 2, 3, 2, false, true>;
-      case 32: return launch_tile<32, 2, 3, 2, false, true>;
-      case 64: return launch_tile<64, 4, 1, 2, false, true>;
-      case 128: return launch_tile<128, 4, 1, 2, false, true>;
-      default: return nullptr;
-    }
-  }
   static const int forced_warp_groups = tuning_choice("EP_COMM_GEMM_WARPGROUPS", {"2", "4"});
   static const int forced_small_cta = tuning_choice("EP_COMM_GEMM_SMALL_CTA", {"1x4", "2x2", "2x3", "4x1"});
   static const int forced_blocks_per_stage = tuning_choice("EP_COMM_GEMM_KBLOCKS_PER_STAGE", {"1", "2"});
@@ -1037,6 +1027,17 @@ LaunchFn select_kernel(int tile, bool combine_rows, bool fp8) {
     }
   }
   if (forced_warp_groups < 0 || forced_small_cta < 0 || forced_blocks_per_stage < 0) return nullptr;
+  if (fp8) {
+    // The inexact FP8 mode: the default shapes only, direct epilogues (the launcher refuses the rest). The tuning
+    // variables do not apply to it (a malformed one is still refused, above); neither does EP_COMM_GEMM_WIDE_TILE.
+    switch (tile) {
+      case 16: return launch_tile<16, 2, 3, 2, false, true>;
+      case 32: return launch_tile<32, 2, 3, 2, false, true>;
+      case 64: return launch_tile<64, 4, 1, 2, false, true>;
+      case 128: return launch_tile<128, 4, 1, 2, false, true>;
+      default: return nullptr;
+    }
+  }
   const int blocks_per_stage = forced_blocks_per_stage ? forced_blocks_per_stage : kDefaultBlocksPerStage;
   int shape = forced_warp_groups ? 10 * forced_warp_groups + 4 / forced_warp_groups : (tile <= 32 ? 23 : 41);
   if (tile <= 32 && forced_small_cta) shape = forced_small_cta;

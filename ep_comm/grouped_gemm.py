@@ -166,19 +166,18 @@ class ExpandedRows:
         arithmetic: amax * fp32(1 / (6 * e4m3_max))); times 8 in the FP8 mode.
     The dequantized row is values * row_factor (up to one fp32 rounding vs `formats.nvfp4_dequantize`; FP8: after
     undoing the column order, and with the E4M3 rounding).
+    precision: "exact" or "fp8_inexact", which of the two forms values and row_factor are (the GEMM checks it against
+        the values' dtype: E4M3 values made some other way, in natural column order or without the factor 8, would
+        give wrong results, so they must come from expand_nvfp4_rows).
     """
 
     values: torch.Tensor
     row_factor: torch.Tensor
+    precision: str = "exact"  # "fp8_inexact": the FP8 operand rows above (column order and row_factor * 8 included)
 
     @property
     def num_rows(self) -> int:
         return self.values.shape[0]
-
-    @property
-    def precision(self) -> str:
-        """"fp8_inexact" for E4M3 values, else "exact"."""
-        return "fp8_inexact" if self.values.dtype == torch.float8_e4m3fn else "exact"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -532,7 +531,9 @@ def _check_num_rows_limit(num_rows_limit: Optional[torch.Tensor], device: torch.
 
 
 def _fp8_column_order(device) -> torch.Tensor:
-    return torch.tensor(FP8_COLUMN_ORDER, dtype=torch.int64, device=device)
+    """FP8_COLUMN_ORDER on `device`, computed there (no host-to-device copy, so a CUDA-graph capture can hold it)."""
+    o = torch.arange(16, dtype=torch.int64, device=device)
+    return 2 * (o // 4) + o % 2 + 8 * ((o % 4) // 2)
 
 
 def _expand_fp8_inexact(q: NVFP4Tensor, data: torch.Tensor, scales: torch.Tensor, row_factor: torch.Tensor,
@@ -541,7 +542,13 @@ def _expand_fp8_inexact(q: NVFP4Tensor, data: torch.Tensor, scales: torch.Tensor
     The CUDA kernel (nvfp4_expand_fp8) and the torch ops give the same bits."""
     num_rows = data.shape[0]
     row_factor = (row_factor * (1.0 / _FP8_ACTIVATION_SCALE)).contiguous()
-    if _use_gemm_kernels(impl, q.data, "expand_nvfp4_rows") and hasattr(_ext._C, "nvfp4_expand_fp8"):
+    use_kernel = _use_gemm_kernels(impl, q.data, "expand_nvfp4_rows")
+    if use_kernel and not hasattr(_ext._C, "nvfp4_expand_fp8"):  # a _C built before the FP8 mode
+        if impl == "cuda":
+            raise RuntimeError(f"expand_nvfp4_rows(impl='cuda', precision='fp8_inexact'): {_STALE_BUILD}")
+        use_kernel = _reference_fallback("ep_comm.grouped_gemm.expand_nvfp4_rows (FP8)", "uses the torch reference",
+                                         _STALE_BUILD)
+    if use_kernel:
         data, scales = _ext.aligned_contiguous(data, 8), scales.contiguous()
         values = torch.empty(num_rows, k, dtype=torch.float8_e4m3fn, device=q.data.device)
         if num_rows:
@@ -549,13 +556,11 @@ def _expand_fp8_inexact(q: NVFP4Tensor, data: torch.Tensor, scales: torch.Tensor
                 limit = 0 if num_rows_limit is None else num_rows_limit.data_ptr()
                 _ext._C.nvfp4_expand_fp8(data.data_ptr(), scales.data_ptr(), num_rows, k, values.data_ptr(),
                                          _ext.current_raw_stream(q.data.device), limit)
-        return ExpandedRows(values=values, row_factor=row_factor)
-    if impl == "cuda" and q.data.is_cuda:
-        raise RuntimeError(f"expand_nvfp4_rows(impl='cuda', precision='fp8_inexact'): {_STALE_BUILD}")
+        return ExpandedRows(values=values, row_factor=row_factor, precision="fp8_inexact")
     codes = _unpack_e2m1_codes(data).reshape(num_rows, k // 16, 16)
     block = e2m1_decode(codes) * (e4m3_decode(scales) * _FP8_ACTIVATION_SCALE)[..., None]  # exact in fp32
     values = block[..., _fp8_column_order(data.device)].to(torch.float8_e4m3fn).reshape(num_rows, k)
-    return ExpandedRows(values=values, row_factor=row_factor)
+    return ExpandedRows(values=values, row_factor=row_factor, precision="fp8_inexact")
 
 
 def fp8_rows_in_column_order(values: torch.Tensor) -> torch.Tensor:
@@ -671,6 +676,10 @@ def _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, out_dt
             or values.dim() != 2:
         raise TypeError(f"x.values must be a float16 (or, FP8 mode, float8_e4m3fn) [R, K] tensor, got "
                         f"{getattr(values, 'dtype', type(values))} {tuple(getattr(values, 'shape', ()))}")
+    wanted = torch.float8_e4m3fn if x.precision == "fp8_inexact" else torch.float16
+    if x.precision not in PRECISIONS or values.dtype != wanted:
+        raise ValueError(f"x.precision {x.precision!r} does not match x.values' dtype {values.dtype}: make the rows "
+                         "with expand_nvfp4_rows (precision='fp8_inexact' for the FP8 mode's E4M3 rows)")
     if not values.is_contiguous():
         raise ValueError("x.values must be contiguous")
     if values.data_ptr() % 16 != 0:
@@ -730,7 +739,10 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
     """Per-expert y = x W_e^T on NVFP4 weights; returns out_dtype [R, N] ([R, N/2] with the fused SwiGLU).
 
     x: ExpandedRows (values fp16 [R, K], row_factor fp32 [R]), expert-major: expert e owns rows
-        [expert_offsets[e], expert_offsets[e] + num_tokens_per_expert[e]).
+        [expert_offsets[e], expert_offsets[e] + num_tokens_per_expert[e]). Rows from
+        `expand_nvfp4_rows(..., precision="fp8_inexact")` (E4M3 values, x.precision "fp8_inexact") select the opt-in
+        inexact FP8 mode (module docstring): K % 128 == 0 on the CUDA path, no wave; its reference multiplies the
+        E4M3-rounded operands in FP32.
     expert_offsets: int32 [E + 1] on x's device (segment starts, non-decreasing; expert_offsets[E] = rows in
         use). The CUDA path cannot check them on the host: with overlapping segments, rows two experts
         share get either expert's result (whichever write lands last) and some rows may be left unwritten (the grid

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from . import _ext, formats
 from .formats import _is_capturing
 from .buffer import Buffer
-from .grouped_gemm import (TOKEN_TILES, _check_kernel_row_order, _check_segments, _one_amax_per_expert,
+from .grouped_gemm import (PRECISIONS, TOKEN_TILES, _check_kernel_row_order, _check_segments, _one_amax_per_expert,
                            _check_weight_values, exact_fp32_matmuls, gemm_kernels_unavailable,
                            has_combine_rows_kernel)
 
@@ -276,10 +276,11 @@ def fused_expert_mlp(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor, 
     NVFP4 4/6 first (then expanded to FP8 rows). Its extra error is measured in bench/bench_grouped_gemm.py.
     """
     _check_fused_inputs(tokens, expert_offsets, num_tokens_per_expert, w1, w2)
-    from . import grouped_gemm as gemm
-    if precision not in gemm.PRECISIONS:
-        raise ValueError(f"precision must be one of {gemm.PRECISIONS}, got {precision!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "fp8_inexact":
+        if w1.k % 128 or w2.k % 128:
+            raise ValueError(f"the FP8 mode needs H and I multiples of 128, got H = {w1.k}, I = {w2.k}")
         return _fused_expert_mlp_fp8(tokens, expert_offsets, num_tokens_per_expert, w1, w2, token_tile)
     hidden = _fused_expert_hidden(tokens, expert_offsets, num_tokens_per_expert, w1, token_tile)
     return _expert_output(hidden, expert_offsets, num_tokens_per_expert, w2, token_tile)
@@ -472,8 +473,8 @@ class MoELayer(torch.nn.Module):
             if not supported and device.type == "cuda":
                 _ext.warn_once(f"MoELayer: using the reference expert path (FP32 torch matmuls): {why}")
         self.expert_impl = expert_impl
-        if expert_precision not in ("exact", "fp8_inexact"):
-            raise ValueError(f"expert_precision must be 'exact' or 'fp8_inexact', got {expert_precision!r}")
+        if expert_precision not in PRECISIONS:
+            raise ValueError(f"expert_precision must be one of {PRECISIONS}, got {expert_precision!r}")
         fp8 = expert_precision == "fp8_inexact"
         if fp8:
             inter = weights.w2.shape[-1]
@@ -485,7 +486,7 @@ class MoELayer(torch.nn.Module):
                 if value:
                     raise ValueError(f"{name}=True is not available with expert_precision='fp8_inexact' (its producer "
                                      "writes the exact operand rows)")
-        self.expert_precision = expert_precision
+        self._expert_precision = expert_precision
         rows_possible = (expert_impl == "fused" and buffer.combine_rows_supported
                          and has_combine_rows_kernel() and not fp8)
         if combine_rows and not rows_possible:
@@ -564,8 +565,13 @@ class MoELayer(torch.nn.Module):
             return self._experts_fused(result)
         return self._experts_reference(result)
 
+    @property
+    def expert_precision(self) -> str:
+        """"exact" or "fp8_inexact", fixed at construction (waves and combine rows were chosen for it)."""
+        return self._expert_precision
+
     def _experts_fused(self, result) -> torch.Tensor:
-        if self.expert_precision == "fp8_inexact":
+        if self._expert_precision == "fp8_inexact":
             return _fused_expert_mlp_fp8(result.x, result.expert_offsets, result.num_tokens_per_expert,
                                          self._w1_packed, self._w2_packed, self.token_tile)
         hidden = _fused_expert_hidden(result.x, result.expert_offsets, result.num_tokens_per_expert, self._w1_packed,

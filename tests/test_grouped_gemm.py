@@ -1155,6 +1155,12 @@ def test_kernel_tests_on_few_persistent_ctas():
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "failed" not in run.stdout
+    # The FP8 mode's kernels the same way (their items, stages and prefetch differ from the fp16 ones).
+    fp8_file = os.path.join(os.path.dirname(__file__), "test_grouped_gemm_fp8.py")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", fp8_file, "-k",
+                          "kernel or fused_expert_mlp"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout
 
 
 @pytest.mark.gpu

@@ -197,6 +197,37 @@ def test_fp8_kernel_vs_fp8_reference(shape, swiglu, out_dtype, token_tile):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_kernel_leaves_other_rows_untouched(out_dtype):
+    """A preallocated output filled with a sentinel: rows outside every expert's segment keep it, rows inside are the
+    zero-filled call's."""
+    x, off, cnt, packed, ref, mask = _fp8_case((5, 256, 512), True, 16, seed=55)
+    sentinel = torch.full((x.num_rows, packed.out_features), 7.0, dtype=out_dtype, device="cuda")
+    out = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=out_dtype, impl="cuda", out=sentinel)
+    plain = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=out_dtype, impl="cuda")
+    assert bool((out[~mask] == 7.0).all())
+    assert torch.equal(out[mask].view(torch.uint8), plain[mask].view(torch.uint8))
+
+
+@pytest.mark.cpu
+def test_fp8_rows_must_say_what_they_are():
+    """E4M3 values made some other way (natural column order, no factor 8) would give wrong results: ExpandedRows
+    carries its precision, and the GEMM refuses values whose dtype does not match it."""
+    w = random_weights(2, 64, 128, seed=7)
+    packed = G.pack_gemm_weights(w, swiglu=False)
+    q = random_activations(8, 128, seed=8)
+    exact, fp8 = G.expand_nvfp4_rows(q), G.expand_nvfp4_rows(q, precision=FP8)
+    off = torch.tensor([0, 4, 8], dtype=torch.int32)
+    cnt = torch.tensor([4, 4], dtype=torch.int32)
+    for bad in (G.ExpandedRows(exact.values.to(torch.float8_e4m3fn), exact.row_factor),
+                G.ExpandedRows(exact.values, exact.row_factor, precision=FP8),
+                G.ExpandedRows(fp8.values, fp8.row_factor, precision="fp8")):
+        with pytest.raises(ValueError, match="does not match"):
+            G.grouped_gemm_nvfp4(bad, off, cnt, packed, impl="reference")
+    G.grouped_gemm_nvfp4(fp8, off, cnt, packed, impl="reference")  # the control
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tail_tile", [16, 32, 64])
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_fp8_kernel_small_remainders_in_a_second_launch(swiglu, tail_tile):
@@ -243,6 +274,14 @@ def test_fp8_expansion_kernel_is_the_reference(k):
     limit = torch.tensor([20], dtype=torch.int32, device="cuda")
     part = G.expand_nvfp4_rows(q, impl="cuda", precision=FP8, num_rows_limit=limit)
     assert torch.equal(part.values[:20].view(torch.uint8), ref.values[:20].view(torch.uint8))
+    # The kernel itself on a poisoned output: rows at or past the limit keep the poison.
+    from ep_comm import _ext
+    rows = q.data.shape[0]
+    poisoned = torch.full((rows, k), 0x5A, dtype=torch.uint8, device="cuda")
+    _ext._C.nvfp4_expand_fp8(q.data.data_ptr(), q.scales.view(torch.uint8).data_ptr(), rows, k,
+                             poisoned.data_ptr(), _ext.current_raw_stream(poisoned.device), limit.data_ptr())
+    assert torch.equal(poisoned[:20], ref.values[:20].view(torch.uint8))
+    assert bool((poisoned[20:] == 0x5A).all()), "a row at or past the limit was written"
 
 
 @pytest.mark.gpu

@@ -201,14 +201,28 @@ def _moe_fp8_worker(rank, world, device_kind="cuda", backend="auto"):
                    combine_rows=layer.combine_rows, expert_impl=layer.expert_impl,
                    graph_equal=_graph_replay_matches_eager(layer, xs[rank].to(device), rank))
         refused = []
-        for kwargs in ({"waves": True}, {"combine_rows": True}, {"expert_impl": "reference"},
-                       {"expert_precision": "fp8"}):
+        for kwargs, message in (({"waves": True}, "waves=True is not available"),
+                                ({"combine_rows": True}, "combine_rows=True is not available"),
+                                ({"expert_impl": "reference"}, "mode of the fused grouped GEMM"),
+                                ({"expert_precision": "fp8"}, "expert_precision must be one of")):
             try:
-                moe.MoELayer(buf, router.to(device), packed,
-                             **{"expert_precision": "fp8_inexact", **kwargs})
-            except ValueError:
-                refused.append(tuple(kwargs))
+                moe.MoELayer(buf, router.to(device), packed, **{"expert_precision": "fp8_inexact", **kwargs})
+            except ValueError as error:
+                if message in str(error):
+                    refused.append(tuple(kwargs))
         out["refused"] = refused
+        # The layer's experts are fused_expert_mlp in that mode, bit for bit.
+        idx, weights = layer.route(xs[rank].to(device))
+        result = buf.dispatch(xs[rank].to(device), idx, weights)
+        mlp = moe.fused_expert_mlp(result.x, result.expert_offsets, result.num_tokens_per_expert, layer._w1_packed,
+                                   layer._w2_packed, token_tile=layer.token_tile, precision="fp8_inexact")
+        rows = int(result.expert_offsets[-1])
+        out["experts_equal"] = torch.equal(layer.experts(result)[:rows].view(torch.int16), mlp[:rows].view(torch.int16))
+        out["precision_read_only"] = False
+        try:
+            layer.expert_precision = "exact"
+        except AttributeError:
+            out["precision_read_only"] = True
     return out
 
 
@@ -222,6 +236,7 @@ def check_moe_fp8_result(result):
     assert result["vs_exact"] < 0.2, result
     assert len(result["refused"]) == 4, result
     assert result["graph_equal"], result  # captured once, replayed on new inputs: bitwise eager
+    assert result["experts_equal"] and result["precision_read_only"], result
 
 
 def check_moe_edge_result(result, rank, world, bound):
