@@ -376,17 +376,27 @@ cudaError_t launch_nvfp4_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t st
   });
 }
 
+// The one-thread-per-16-block decode kernels (dequantize, FP8 expansion): sizes and alignment checked (8 code bytes per
+// load, 16-byte stores of out), the block count and grid of 256-thread CTAs; cudaSuccess with total_blocks == 0: nothing
+// to launch.
+constexpr int kDecodeThreads = 256;
+static cudaError_t decode_grid(const void* data, const void* out, int64_t num_rows, int64_t hidden,
+                               int64_t* total_blocks, int64_t* grid) {
+  if (hidden <= 0 || hidden % 16 != 0 || num_rows < 0) return cudaErrorInvalidValue;
+  *total_blocks = num_rows * (hidden / 16);
+  *grid = ceil_div(*total_blocks, kDecodeThreads);
+  if (*total_blocks == 0) return cudaSuccess;
+  if (!rows_aligned(data, 0, 8) || !rows_aligned(out, 0, 16) || *grid > INT32_MAX) return cudaErrorInvalidValue;
+  return cudaSuccess;
+}
+
 cudaError_t launch_nvfp4_dequantize(const uint8_t* data, const uint8_t* scales, const float* amax, int64_t num_rows,
                                     int64_t hidden, float e4m3_max, void* out, int out_type, cudaStream_t stream,
                                     const int32_t* num_rows_limit) {
-  if (hidden <= 0 || hidden % 16 != 0 || num_rows < 0) return cudaErrorInvalidValue;
-  const int64_t total_blocks = num_rows * (hidden / 16);
-  if (total_blocks == 0) return cudaSuccess;
-  // 8 code bytes per load, 16-byte stores of out.
-  if (!rows_aligned(data, 0, 8) || !rows_aligned(out, 0, 16)) return cudaErrorInvalidValue;
-  constexpr int kThreads = 256;
-  const int64_t grid = ceil_div(total_blocks, kThreads);
-  if (grid > INT32_MAX) return cudaErrorInvalidValue;
+  int64_t total_blocks = 0, grid = 0;
+  const cudaError_t sizes = decode_grid(data, out, num_rows, hidden, &total_blocks, &grid);
+  if (sizes != cudaSuccess || total_blocks == 0) return sizes;
+  constexpr int kThreads = kDecodeThreads;
   return vec::dispatch_elem_type(out_type, [&](auto tag) {
     using Out = decltype(tag);
     const float inv_six_m = qm::nvfp4_inv_six_m(e4m3_max);
@@ -399,14 +409,10 @@ cudaError_t launch_nvfp4_dequantize(const uint8_t* data, const uint8_t* scales, 
 
 cudaError_t launch_nvfp4_expand_fp8(const uint8_t* data, const uint8_t* scales, int64_t num_rows, int64_t hidden,
                                     uint8_t* out, cudaStream_t stream, const int32_t* num_rows_limit) {
-  if (hidden <= 0 || hidden % 16 != 0 || num_rows < 0) return cudaErrorInvalidValue;
-  const int64_t total_blocks = num_rows * (hidden / 16);
-  if (total_blocks == 0) return cudaSuccess;
-  if (!rows_aligned(data, 0, 8) || !rows_aligned(out, 0, 16)) return cudaErrorInvalidValue;
-  constexpr int kThreads = 256;
-  const int64_t grid = ceil_div(total_blocks, kThreads);
-  if (grid > INT32_MAX) return cudaErrorInvalidValue;
-  nvfp4_expand_fp8_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+  int64_t total_blocks = 0, grid = 0;
+  const cudaError_t sizes = decode_grid(data, out, num_rows, hidden, &total_blocks, &grid);
+  if (sizes != cudaSuccess || total_blocks == 0) return sizes;
+  nvfp4_expand_fp8_kernel<<<static_cast<unsigned>(grid), kDecodeThreads, 0, stream>>>(
       data, scales, num_rows, hidden / 16, make_row_div(hidden / 16, total_blocks), out, num_rows_limit);
   return cudaGetLastError();
 }
