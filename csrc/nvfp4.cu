@@ -260,6 +260,16 @@ __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::templa
   }
 }
 
+// The 16-element block of this thread in the one-thread-per-block decode kernels (below): its index and row, or
+// false past the last block or at / past the device row limit.
+__device__ __forceinline__ bool decode_block_of_thread(int64_t num_rows, int64_t blocks_per_row, RowDiv row_div,
+                                                       const int32_t* num_rows_limit, int64_t* block, int64_t* row) {
+  *block = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (*block >= num_rows * blocks_per_row) return false;
+  *row = row_of(*block, row_div);
+  return num_rows_limit == nullptr || *row < __ldg(num_rows_limit);
+}
+
 // One thread per 16-element block: 8 code bytes + 1 scale byte -> 16 outputs. inv_six_m = qm::nvfp4_inv_six_m(M),
 // computed once by the launcher; row_div divides by blocks_per_row without a 64-bit division per thread.
 template <typename Out>
@@ -269,10 +279,8 @@ __global__ void __launch_bounds__(256) nvfp4_dequantize_kernel(const uint8_t* __
                                                                int64_t blocks_per_row, RowDiv row_div,
                                                                float inv_six_m, Out* __restrict__ out,
                                                                const int32_t* __restrict__ num_rows_limit) {
-  const int64_t block = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (block >= num_rows * blocks_per_row) return;
-  const int64_t row = row_of(block, row_div);
-  if (num_rows_limit != nullptr && row >= __ldg(num_rows_limit)) return;
+  int64_t block = 0, row = 0;
+  if (!decode_block_of_thread(num_rows, blocks_per_row, row_div, num_rows_limit, &block, &row)) return;
   const uint2 word = __ldg(reinterpret_cast<const uint2*>(data) + block);
   // amax == nullptr: block values only (e2m1 * e4m3, exact in fp16) -- the grouped GEMM's activation operand,
   // whose per-row outer scale is applied in the GEMM epilogue instead.
@@ -295,10 +303,8 @@ __global__ void __launch_bounds__(256) nvfp4_expand_fp8_kernel(const uint8_t* __
                                                                int64_t blocks_per_row, RowDiv row_div,
                                                                uint8_t* __restrict__ out,
                                                                const int32_t* __restrict__ num_rows_limit) {
-  const int64_t block = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (block >= num_rows * blocks_per_row) return;
-  const int64_t row = row_of(block, row_div);
-  if (num_rows_limit != nullptr && row >= __ldg(num_rows_limit)) return;
+  int64_t block = 0, row = 0;
+  if (!decode_block_of_thread(num_rows, blocks_per_row, row_div, num_rows_limit, &block, &row)) return;
   const uint2 word = __ldg(reinterpret_cast<const uint2*>(data) + block);
   const float scale = qm::e4m3_decode(__ldg(scales + block)) * 0.125f;  // a power of two: exact
   float y[16];
