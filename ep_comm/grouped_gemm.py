@@ -40,8 +40,8 @@ lane / 4 and r1 = r0 + 8):
 Activations are expanded once per GEMM input (`expand_nvfp4_rows`): FP16 block values e2m1 * e4m3 (exact)
 plus one FP32 outer factor per row, applied in the epilogue.
 
-Inexact FP8 mode (opt-in: `expand_nvfp4_rows(q, precision="fp8_inexact")`, which the GEMM recognises by the values'
-dtype float8_e4m3fn). Hopper's E4M3 wgmma runs at twice the fp16 rate, but e2m1 * e4m3 products (up to 5
+Inexact FP8 mode (opt-in: `expand_nvfp4_rows(q, precision="fp8_inexact")`, whose rows say so in
+`ExpandedRows.precision`; the GEMM checks it against the values' dtype float8_e4m3fn). Hopper's E4M3 wgmma runs at twice the fp16 rate, but e2m1 * e4m3 products (up to 5
 significant bits) do not fit E4M3 (4): the kernel rounds each weight value e2m1 * scale * 2^-3 to E4M3 (RNE) in
 registers, and the activations are stored as E4M3 of e2m1 * scale * 2^-3 (RNE; row_factor carries the 2^3). Within
 each 16-column group the activation columns are stored in the order `FP8_COLUMN_ORDER` (stored column o holds column
