@@ -66,9 +66,6 @@ test_gemm_items() {  # every launch persistent on a few CTAs: many work items pe
   say "gpu tier: grouped GEMM kernels on 3 (then 5, with 1 k-block per stage) persistent CTAs"
   test_gemm_variant EP_COMM_GEMM_MAX_CTAS=3
   test_gemm_variant "EP_COMM_GEMM_MAX_CTAS=5 EP_COMM_GEMM_KBLOCKS_PER_STAGE=1"
-  echo "EP_COMM_GEMM_MAX_CTAS=3, FP8 mode:" | tee -a "$log"
-  EP_COMM_GEMM_MAX_CTAS=3 timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm_fp8.py -k kernel 2>&1 | tail -1 \
-    | tee -a "$log"
 }
 nvlink_smoke() {
   say "multigpu tier: nvlink smoke (oracle, timeout) with sync checks"

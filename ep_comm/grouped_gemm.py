@@ -41,8 +41,8 @@ Activations are expanded once per GEMM input (`expand_nvfp4_rows`): FP16 block v
 plus one FP32 outer factor per row, applied in the epilogue.
 
 Inexact FP8 mode (opt-in: `expand_nvfp4_rows(q, precision="fp8_inexact")`, whose rows say so in
-`ExpandedRows.precision`; the GEMM checks it against the values' dtype float8_e4m3fn). Hopper's E4M3 wgmma runs at twice the fp16 rate, but e2m1 * e4m3 products (up to 5
-significant bits) do not fit E4M3 (4): the kernel rounds each weight value e2m1 * scale * 2^-3 to E4M3 (RNE) in
+`ExpandedRows.precision`; the GEMM checks it against the values' dtype float8_e4m3fn). Hopper's E4M3 wgmma runs at
+twice the fp16 rate, but e2m1 * e4m3 products (up to 5 significant bits) do not fit E4M3 (4): the kernel rounds each weight value e2m1 * scale * 2^-3 to E4M3 (RNE) in
 registers, and the activations are stored as E4M3 of e2m1 * scale * 2^-3 (RNE; row_factor carries the 2^3). Within
 each 16-column group the activation columns are stored in the order `FP8_COLUMN_ORDER` (stored column o holds column
 FP8_COLUMN_ORDER[o]), the order in which the fp16 weight fragments feed wgmma's 32-wide E4M3 steps: the same packed
@@ -82,7 +82,13 @@ PRECISIONS = ("exact", "fp8_inexact")
 # FP8 mode: stored column o of a 16-column group holds column FP8_COLUMN_ORDER[o] (module docstring): wgmma reads the
 # 4 bytes of A register a0 as columns 4t .. 4t + 3 of its 32-wide step, and the fp16 fragment they come from holds
 # columns 2t, 2t + 1, 2t + 8, 2t + 9 of the 16-column k-step (t = lane % 4).
-FP8_COLUMN_ORDER = tuple(2 * (o // 4) + (o % 2) + 8 * ((o % 4) // 2) for o in range(16))
+def _fp8_column_order(device) -> torch.Tensor:
+    """FP8_COLUMN_ORDER on `device`, computed there (no host-to-device copy, so a CUDA-graph capture can hold it)."""
+    o = torch.arange(16, dtype=torch.int64, device=device)
+    return 2 * (o // 4) + o % 2 + 8 * ((o % 4) // 2)
+
+
+FP8_COLUMN_ORDER = tuple(_fp8_column_order("cpu").tolist())
 _FP8_ACTIVATION_SCALE = 0.125  # e2m1 * e4m3 <= 6 * 448: times 2^-3 it stays below E4M3's 448
 _FP8_WEIGHT_SCALE = 0.125      # the same for the weights (the kernel: the fp16 decode's 2^-7, times 16)
 _OUT_TYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -374,6 +380,11 @@ def _dequantize_expert(w: GemmWeights, e: int) -> torch.Tensor:
     codes, scale = _expert_codes_and_scales(w, e)
     final = (scale * w.amax[e].float()) * _f32(1.0 / (6.0 * w.e4m3_max), w.values.device)
     packed = (e2m1_decode(codes).reshape(w.n, w.k // 16, 16) * final[..., None]).reshape(w.n, w.k)
+    return _in_original_row_order(w, packed)
+
+
+def _in_original_row_order(w: GemmWeights, packed: torch.Tensor) -> torch.Tensor:
+    """[N, K] rows in the packed order (w.row_perm) -> the original row order."""
     out = torch.empty_like(packed)
     out[w.row_perm] = packed
     return out
@@ -385,10 +396,7 @@ def _fp8_expert_weights(w: GemmWeights, e: int) -> torch.Tensor:
     codes, scale = _expert_codes_and_scales(w, e)
     rounded = (e2m1_decode(codes).reshape(w.n, w.k // 16, 16) * (scale * _FP8_WEIGHT_SCALE)[..., None]
                ).to(torch.float8_e4m3fn)
-    packed = rounded.float().reshape(w.n, w.k) * (w.factor[e] * (1.0 / _FP8_WEIGHT_SCALE))
-    out = torch.empty_like(packed)
-    out[w.row_perm] = packed
-    return out
+    return _in_original_row_order(w, rounded.float().reshape(w.n, w.k) * (w.factor[e] * (1.0 / _FP8_WEIGHT_SCALE)))
 
 
 @_keeps_subnormals
@@ -528,12 +536,6 @@ def _check_num_rows_limit(num_rows_limit: Optional[torch.Tensor], device: torch.
     if num_rows_limit is not None and (not isinstance(num_rows_limit, torch.Tensor) or num_rows_limit.dtype != torch.int32
                                        or num_rows_limit.numel() != 1 or num_rows_limit.device != device):
         raise ValueError(f"num_rows_limit must be an int32 tensor of one element on {device}")
-
-
-def _fp8_column_order(device) -> torch.Tensor:
-    """FP8_COLUMN_ORDER on `device`, computed there (no host-to-device copy, so a CUDA-graph capture can hold it)."""
-    o = torch.arange(16, dtype=torch.int64, device=device)
-    return 2 * (o // 4) + o % 2 + 8 * ((o % 4) // 2)
 
 
 def _expand_fp8_inexact(q: NVFP4Tensor, data: torch.Tensor, scales: torch.Tensor, row_factor: torch.Tensor,
