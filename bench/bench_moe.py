@@ -19,8 +19,9 @@ Timing: median over iterations of one forward between CUDA events, each after a 
   bf16 layer   : router + reference dispatch (bf16) + torch._grouped_mm w1, SiLU*up, w2 + reference combine (bf16)
   local_reduce_*: the layer with combine_rows=False (bf16 w2 output, Buffer.combine with local_reduce=True)
   rows_*       : pieces of the combine-row form (experts + combine; begin + finish without the GEMM)
-  fp8_*        : MoELayer(expert_precision="fp8_inexact") (the grouped GEMM's opt-in inexact FP8 mode; without waves
-                 and combine rows, as that mode runs), when H and I are multiples of 128
+  fp8_*        : MoELayer(expert_precision="fp8_inexact") (the grouped GEMM's opt-in inexact FP8 mode) in its default
+                 form (waves and combine rows where they run, as the default layer); fp8_plain_*: with waves=False,
+                 combine_rows=False; when H and I are multiples of 128
   waves_*      : the layer with waves=True, the default (dispatch receive overlapped with w1, csrc/waves.h); dispatch_w1 /
                  waves_dispatch_w1: dispatch + w1 alone, plain (with the expansion pass) and waves
 """
@@ -175,12 +176,17 @@ def worker(rank, world, args):
             if h % 128 == 0 and inter % 128 == 0:
                 fp8_layer = moe.MoELayer(buf, router, packed, expert_impl="fused", token_tile=token_tiles[0],
                                          expert_precision="fp8_inexact")
+                fp8_plain = moe.MoELayer(buf, router, packed, expert_impl="fused", token_tile=token_tiles[0],
+                                         expert_precision="fp8_inexact", waves=False, combine_rows=False)
+                row["fp8_waves"], row["fp8_combine_rows"] = fp8_layer.waves, fp8_layer.combine_rows
                 row["fp8_layer_ms"] = _time_ms(lambda: fp8_layer(x), args.iters, None)
                 row["fp8_layer_graph_ms"] = _graph_ms(lambda: fp8_layer(x), args.iters)
+                row["fp8_plain_layer_ms"] = _time_ms(lambda: fp8_plain(x), args.iters, None)
+                row["fp8_plain_layer_graph_ms"] = _graph_ms(lambda: fp8_plain(x), args.iters)
                 row["fp8_experts_graph_ms"] = _graph_ms(lambda: fp8_layer.experts(result), args.iters)
-                y_exact, y_fp8 = lr_layer(x).float(), fp8_layer(x).float()
+                y_exact, y_fp8 = lr_layer(x).float(), fp8_plain(x).float()  # the same combine form (local_reduce)
                 row["fp8_relative_l2_vs_exact_layer"] = ((y_fp8 - y_exact).norm() / y_exact.norm()).item()
-                del fp8_layer
+                del fp8_layer, fp8_plain
             for tile in token_tiles[1:]:
                 other = moe.MoELayer(buf, router, packed, expert_impl="fused", token_tile=tile, waves=False)
                 row[f"tile{other.token_tile}_layer_ms"] = _time_ms(lambda: other(x), args.iters, None)
@@ -305,9 +311,12 @@ def main(argv=None):
               f"w1 graph: waves {r['waves_dispatch_w1_graph_ms']:.3f} ms vs plain {r['dispatch_w1_graph_ms']:.3f} ms "
               f"(expansion pass {r['expand_graph_ms']:.3f}, w1 {r['w1_graph_ms']:.3f})")
         if "fp8_layer_ms" in r:
-            print(f"{'':>7} FP8 mode (expert_precision='fp8_inexact'): layer {r['fp8_layer_ms']:.3f} ms, graph "
-                  f"{r['fp8_layer_graph_ms']:.3f} ms, experts graph {r['fp8_experts_graph_ms']:.3f} ms; relative L2 "
-                  f"against the combine_rows=False layer {r['fp8_relative_l2_vs_exact_layer']:.3e}"
+            print(f"{'':>7} FP8 mode (expert_precision='fp8_inexact'; waves={r['fp8_waves']}, combine_rows="
+                  f"{r['fp8_combine_rows']}): layer {r['fp8_layer_ms']:.3f} ms, graph {r['fp8_layer_graph_ms']:.3f} ms;"
+                  f" without waves and combine rows {r['fp8_plain_layer_ms']:.3f} ms, graph "
+                  f"{r['fp8_plain_layer_graph_ms']:.3f} ms; experts graph {r['fp8_experts_graph_ms']:.3f} ms; "
+                  f"relative L2 (without waves and rows) against the combine_rows=False exact layer "
+                  f"{r['fp8_relative_l2_vs_exact_layer']:.3e}"
                   + (f"; {r['fp8_speedup_vs_bf16']:.2f}x the BF16 pipeline" if "fp8_speedup_vs_bf16" in r else ""))
         extra = {k: round(v, 3) for k, v in r.items() if k.startswith("tile") or
                  (k.startswith("waves") and k[5:6].isdigit())}

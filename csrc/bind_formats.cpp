@@ -54,7 +54,7 @@ void nvfp4_quantize(uintptr_t x, int x_type, int64_t x_row_stride, int64_t num_r
                     float e4m3_max, bool four_over_six, uintptr_t data, int64_t data_row_stride, uintptr_t scales,
                     int64_t scales_row_stride, uintptr_t amax_out, uintptr_t dst_rows, uintptr_t stream,
                     uintptr_t num_rows_limit, uintptr_t block_values, int64_t block_values_row_stride,
-                    uintptr_t row_factor) {
+                    uintptr_t row_factor, bool block_values_fp8) {
   ep_comm::Nvfp4QuantizeArgs args;
   args.x = ptr<const void>(x);
   args.x_type = x_type;
@@ -71,9 +71,10 @@ void nvfp4_quantize(uintptr_t x, int x_type, int64_t x_row_stride, int64_t num_r
   args.amax_out = ptr<float>(amax_out);
   args.dst_rows = ptr<const int64_t>(dst_rows);
   args.num_rows_limit = ptr<const int32_t>(num_rows_limit);
-  args.block_values = ptr<uint16_t>(block_values);
+  args.block_values = ptr<void>(block_values);
   args.block_values_row_stride = block_values_row_stride;
   args.row_factor = ptr<float>(row_factor);
+  args.block_values_fp8 = block_values_fp8;
   if (num_rows > 0) {
     require_dense(x, x_type, x_row_stride, "nvfp4_quantize", "x is null");
     if (block_values == 0) {  // codes: 8-byte stores per block (block values: the launcher checks its operands)
@@ -341,9 +342,13 @@ void register_formats(py::module_& m) {
         py::arg("data"), py::arg("data_row_stride"), py::arg("scales"), py::arg("scales_row_stride"),
         py::arg("amax_out"), py::arg("dst_rows"), py::arg("stream"), py::arg("num_rows_limit") = 0,
         py::arg("block_values") = 0, py::arg("block_values_row_stride") = 0, py::arg("row_factor") = 0,
+        py::arg("block_values_fp8") = false,
         "NVFP4 quantize rows (4/6 or plain); amax_in 0 = per-row amax computed; dst_rows 0 = identity; "
         "num_rows_limit: 0 or a device int32 row count (rows past it are skipped); block_values (fp16) and "
-        "row_factor (fp32): 4/6 straight into the grouped GEMM operand form instead of data/scales/amax_out");
+        "row_factor (fp32): 4/6 straight into the grouped GEMM operand form instead of data/scales/amax_out "
+        "(block_values_fp8: its inexact FP8 form, E4M3 bytes)");
+  // Marker: a _C built before the quantizer's FP8 operand form has no block_values_fp8 argument.
+  m.attr("nvfp4_quantize_fp8_rows") = true;
   m.def("formats_kernels_runnable", []() {
           const bool runnable = ep_comm::formats_kernel_image_status() == cudaSuccess;
           if (!runnable) cudaGetLastError();  // not sticky: leave no error for the next launch to report

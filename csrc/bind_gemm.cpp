@@ -87,11 +87,12 @@ void grouped_gemm_nvfp4_combine_rows(uintptr_t x, int64_t x_row_stride, uintptr_
                                      int64_t area_offset, uintptr_t src_rank, uintptr_t src_token, uintptr_t topk_slot,
                                      int topk, int num_ranks, int64_t max_tokens, int64_t row_bytes,
                                      int64_t scale_offset, uint32_t sign_mask,
-                                     uintptr_t abort_flag, uintptr_t stream) {
+                                     uintptr_t abort_flag, uintptr_t stream, bool fp8) {
   ep_comm::GroupedGemmArgs args = operand_args(x, x_row_stride, row_factor, w_values, w_scales, w_factor,
                                                expert_offsets, num_tokens_per_expert, num_experts, n, k,
                                                num_rows_total, token_tile, tail_tile);
   args.out_type = 2;
+  args.fp8 = fp8;
   args.combine.bases = ptr<const uint64_t>(bases);
   args.combine.offset = area_offset;
   args.combine.src_rank = ptr<const int32_t>(src_rank);
@@ -128,9 +129,11 @@ void register_gemm(py::module_& m) {
         py::arg("bases"), py::arg("area_offset"), py::arg("src_rank"), py::arg("src_token"), py::arg("topk_slot"),
         py::arg("topk"), py::arg("num_ranks"), py::arg("max_tokens"), py::arg("row_bytes"), py::arg("scale_offset"),
         py::arg("sign_mask"), py::arg("abort_flag"),
-        py::arg("stream"), "NVFP4 grouped GEMM (sm_90a) whose epilogue stores RHT + S2F6 combine rows (see ep_comm/grouped_gemm.py)");
-  // The inexact FP8 mode's marker: a _C built before it has no fp8 argument (ep_comm/grouped_gemm.py checks).
+        py::arg("stream"), py::arg("fp8") = false, "NVFP4 grouped GEMM (sm_90a) whose epilogue stores RHT + S2F6 combine rows (see ep_comm/grouped_gemm.py)");
+  // The inexact FP8 mode's markers: a _C built before it has no fp8 argument (ep_comm/grouped_gemm.py checks); one
+  // built before its combine-row and wave forms refuses those launches.
   m.attr("grouped_gemm_fp8") = true;
+  m.attr("grouped_gemm_fp8_combine_rows_and_waves") = true;
   m.def("grouped_gemm_auto_token_tile", &ep_comm::grouped_gemm_auto_token_tile, py::arg("num_rows_total"),
         py::arg("num_experts"), "token tile the launcher picks for token_tile = 0");
 }

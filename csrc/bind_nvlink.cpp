@@ -292,17 +292,23 @@ class NvlinkContext {
 
   // dispatch_arena whose receive also writes the grouped GEMM's operand rows expert by expert on wave_blocks blocks
   // and counts them in the wave sync area (waves.h): the w1 GEMM launched next, with the same area, starts on the
-  // SMs this receive leaves free as soon as its experts' rows are in. NVFP4 only.
+  // SMs this receive leaves free as soon as its experts' rows are in. NVFP4 only. fp8: the operand rows of the GEMM's
+  // inexact FP8 mode (wave_values E4M3 [R, H], H % 128 == 0; DispatchArgs::wave_fp8) instead of the exact fp16 ones.
   void dispatch_arena_waves(uintptr_t x, uintptr_t topk_idx, bool idx_is_int64, uintptr_t topk_weights,
                             int num_tokens, uintptr_t arena, uintptr_t wave_values, uintptr_t wave_row_factor,
-                            uintptr_t wave_area, int wave_blocks, uintptr_t stream) {
+                            uintptr_t wave_area, int wave_blocks, uintptr_t stream, bool fp8) {
     if (cfg_.disp_fmt != kDispNvfp4) throw std::invalid_argument("waves need the NVFP4 dispatch format");
     if (wave_blocks < 1 || wave_blocks > cfg_.disp_recv_blocks) {
       throw std::invalid_argument("wave_blocks must be in [1, the receive's block count]");
     }
     if (!wave_values || !wave_row_factor || !wave_area) throw std::invalid_argument("waves need their three buffers");
+    // The FP8 rows are written 8 bytes per lane, a 16-column block per lane pair (wave_fp8_half_block).
+    if (fp8 && (cfg_.hidden % 128 != 0 || wave_values % 8 != 0)) {
+      throw std::invalid_argument("FP8 waves need hidden % 128 == 0 and 8-byte aligned values");
+    }
     DispatchArgs a = arena_args(x, topk_idx, idx_is_int64, topk_weights, num_tokens, arena);
-    a.wave_values = ptr<unsigned short>(wave_values);
+    a.wave_values = ptr<void>(wave_values);
+    a.wave_fp8 = fp8 ? 1 : 0;
     a.wave_row_factor = ptr<float>(wave_row_factor);
     a.wave.area = ptr<unsigned long long>(wave_area);
     a.wave_blocks = wave_blocks;
@@ -354,7 +360,10 @@ void register_nvlink(py::module_& m) {
       .def("dispatch_arena_layout", &NvlinkContext::dispatch_arena_layout)
       .def("dispatch_arena", &NvlinkContext::dispatch_arena)
       .def("dispatch_arena_rows", &NvlinkContext::dispatch_arena_rows)
-      .def("dispatch_arena_waves", &NvlinkContext::dispatch_arena_waves)
+      .def("dispatch_arena_waves", &NvlinkContext::dispatch_arena_waves, py::arg("x"), py::arg("topk_idx"),
+           py::arg("idx_is_int64"), py::arg("topk_weights"), py::arg("num_tokens"), py::arg("arena"),
+           py::arg("wave_values"), py::arg("wave_row_factor"), py::arg("wave_area"), py::arg("wave_blocks"),
+           py::arg("stream"), py::arg("fp8") = false)
       .def("wave_sync", &NvlinkContext::wave_sync)
       .def("combine_arena", &NvlinkContext::combine_arena)
       .def("combine_rows_begin", &NvlinkContext::combine_rows_begin)

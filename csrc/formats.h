@@ -58,9 +58,12 @@ struct Nvfp4QuantizeArgs {
   // writes with amax == nullptr and fp16 out): row d's e2m1 * e4m3 values (exact in fp16) go to
   // block_values + d * block_values_row_stride, and its outer factor f(amax * f32(1 / (6 M))) to row_factor + d.
   // data, scales and amax_out are then not written (may be null). One pass instead of quantize + expand.
-  uint16_t* block_values = nullptr;  // fp16 bits
-  int64_t block_values_row_stride = 0;
+  // block_values_fp8: the grouped GEMM's inexact FP8 operand rows instead (what launch_nvfp4_expand_fp8 writes):
+  // block_values holds E4M3 bytes (row stride in bytes), row_factor 8 f(amax * f32(1 / (6 M))).
+  void* block_values = nullptr;  // fp16 bits, or E4M3 bytes with block_values_fp8
+  int64_t block_values_row_stride = 0;  // in elements (2 or 1 bytes)
   float* row_factor = nullptr;
+  bool block_values_fp8 = false;
 };
 cudaError_t launch_nvfp4_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t stream);
 

@@ -1012,6 +1012,16 @@ LaunchFn select_kernel(int tile, bool combine_rows, bool fp8) {
   static const int forced_warp_groups = tuning_choice("EP_COMM_GEMM_WARPGROUPS", {"2", "4"});
   static const int forced_small_cta = tuning_choice("EP_COMM_GEMM_SMALL_CTA", {"1x4", "2x2", "2x3", "4x1"});
   static const int forced_blocks_per_stage = tuning_choice("EP_COMM_GEMM_KBLOCKS_PER_STAGE", {"1", "2"});
+  if (combine_rows && fp8) {
+    // The FP8 mode's combine-row epilogue (MoELayer's w2 with expert_precision="fp8_inexact"): default shapes only.
+    switch (tile) {
+      case 16: return launch_tile<16, 2, 3, 2, true, true>;
+      case 32: return launch_tile<32, 2, 3, 2, true, true>;
+      case 64: return launch_tile<64, 4, 1, 2, true, true>;
+      case 128: return launch_tile<128, 4, 1, 2, true, true>;
+      default: return nullptr;
+    }
+  }
   if (combine_rows) {
     // The combine-row epilogue exists for the default shapes only (no tuning matrix): it ignores the tuning variables
     // (read above, once per process), so a tuning run of the bf16 kernels (or a mistyped value) leaves MoELayer's w2
@@ -1091,12 +1101,12 @@ int grouped_gemm_auto_token_tile(int64_t num_rows_total, int num_experts) {
 }
 
 cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t stream) {
-  // FP8: x rows are e4m3 bytes, x_row_stride still counts 2-byte units; K % 128 (whole stages); no combine rows and no
-  // waves (their producers write fp16 rows).
+  // FP8: x rows are e4m3 bytes, x_row_stride still counts 2-byte units; K % 128 (whole stages). Its operand rows come
+  // from expand_nvfp4_rows, the quantizer's FP8 form or a wave receive's FP8 form; every epilogue and waves apply.
   if (args.num_experts <= 0 || args.n <= 0 || args.k <= 0 || args.n % kTileRows != 0 || args.k % kKBlock != 0 ||
       args.num_rows_total < 0 || args.x_row_stride < (args.fp8 ? args.k / 2 : args.k) || args.x_row_stride % 8 != 0 ||
       args.out_type < 0 || args.out_type > 2 || (args.swiglu && args.n % 16 != 0) ||
-      (args.fp8 && (args.k % (2 * kKBlock) != 0 || args.out_type == 2 || args.wave.area != nullptr))) {
+      (args.fp8 && args.k % (2 * kKBlock) != 0)) {
     return cudaErrorInvalidValue;
   }
   const bool combine_rows = args.out_type == 2;

@@ -134,11 +134,33 @@ __device__ __forceinline__ void store_block_values(const uint32_t words[2], uint
   vec::store_row_segment<__half, 16>(dst, y);
 }
 
-// kBlockValues: write args.block_values and args.row_factor instead of codes, scales and amax (4/6 only).
-template <typename T, bool kFourOverSix, typename Shape, bool kBlockValues = false>
+// The grouped GEMM's inexact FP8 operand block (ep_comm/grouped_gemm.py, precision "fp8_inexact") of one NVFP4 block
+// (code words, scale byte): the E4M3 bytes (RNE, saturating) of e2m1 * scale * 2^-3 (exact in fp32 before the
+// rounding), stored column o holding column 2 (o / 4) + o % 2 + 8 ((o % 4) / 2): the order in which the GEMM's fp16
+// weight fragments feed wgmma's E4M3 steps (grouped_gemm.cu, convert_fp8). The expansion kernel and the quantizer's FP8
+// form both write it, so they give the same bits.
+__device__ __forceinline__ uint4 fp8_operand_block(uint32_t word_lo, uint32_t word_hi, uint8_t scale_byte) {
+  const float scale = qm::e4m3_decode(scale_byte) * 0.125f;  // a power of two: exact
+  float y[16];
+  qm::e2m1x8_decode_scaled(word_lo, scale, y);
+  qm::e2m1x8_decode_scaled(word_hi, scale, y + 8);
+  uint32_t packed[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {  // stored columns 4q .. 4q + 3 hold columns 2q, 2q + 1, 2q + 8, 2q + 9
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(y[2 * q], y[2 * q + 1]), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(y[2 * q + 8], y[2 * q + 9]), __NV_SATFINITE, __NV_E4M3);
+    packed[q] = (lo & 0xFFFFu) | (hi << 16);
+  }
+  return make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
+// kBlockValues: write args.block_values and args.row_factor instead of codes, scales and amax (4/6 only); kFp8Values:
+// in the FP8 operand form (args.block_values_fp8; its own instantiation, so the fp16 form's code is unchanged).
+template <typename T, bool kFourOverSix, typename Shape, bool kBlockValues = false, bool kFp8Values = false>
 __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::template max_registers<T, kFourOverSix>()))
     nvfp4_quantize_kernel(Nvfp4QuantizeArgs args) {
   static_assert(!kBlockValues || kFourOverSix, "block values are the 4/6 form only");
+  static_assert(!kFp8Values || kBlockValues, "the FP8 form is a block-values form");
   __shared__ float warp_max[Shape::kMaxThreads / 32];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool row_valid = row < args.num_rows && (args.num_rows_limit == nullptr || row < __ldg(args.num_rows_limit));
@@ -196,11 +218,16 @@ __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::templa
   const qm::Nvfp4Outer outer = qm::nvfp4_outer_scales(amax, args.e4m3_max);
   uint8_t* data_row = args.data + dst * args.data_row_stride;
   uint8_t* scale_row = args.scales + dst * args.scales_row_stride;
-  __half* values_row = reinterpret_cast<__half*>(args.block_values) + dst * args.block_values_row_stride;
+  // Block values: fp16 (2 bytes per element) or, FP8 form, E4M3 bytes.
+  constexpr bool fp8_values = kFp8Values;
+  uint8_t* values_row =
+      static_cast<uint8_t*>(args.block_values) + dst * args.block_values_row_stride * (fp8_values ? 1 : 2);
   if (threadIdx.x == 0) {
-    // expand_nvfp4_rows' row factor: amax * fp32(1 / (6 M)), the constant rounded once from double as torch does.
+    // expand_nvfp4_rows' row factor: amax * fp32(1 / (6 M)), the constant rounded once from double as torch does
+    // (times 8 in the FP8 form, exact: its values carry 2^-3).
     if (kBlockValues) {
-      args.row_factor[dst] = qm::qm_mul(amax, static_cast<float>(1.0 / (6.0 * static_cast<double>(args.e4m3_max))));
+      const float factor = qm::qm_mul(amax, static_cast<float>(1.0 / (6.0 * static_cast<double>(args.e4m3_max))));
+      args.row_factor[dst] = fp8_values ? factor * 8.0f : factor;
     } else if (args.amax_out != nullptr) {
       args.amax_out[dst] = amax;
     }
@@ -234,7 +261,13 @@ __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::templa
                                              &fast[i].scale);
         }
         if constexpr (kBlockValues) {
-          store_block_values(fast[i].words, fast[i].scale, values_row + static_cast<int64_t>(b) * 16);
+          if constexpr (fp8_values) {
+            reinterpret_cast<uint4*>(values_row)[b] =
+                fp8_operand_block(fast[i].words[0], fast[i].words[1], fast[i].scale);
+          } else {
+            store_block_values(fast[i].words, fast[i].scale,
+                               reinterpret_cast<__half*>(values_row) + static_cast<int64_t>(b) * 16);
+          }
         } else {
           *reinterpret_cast<uint2*>(data_row + static_cast<int64_t>(b) * 8) =
               make_uint2(fast[i].words[0], fast[i].words[1]);
@@ -294,10 +327,8 @@ __global__ void __launch_bounds__(256) nvfp4_dequantize_kernel(const uint8_t* __
   vec::store_row_segment<Out, 16>(out + block * 16, y);
 }
 
-// The grouped GEMM's inexact FP8 operand rows (ep_comm/grouped_gemm.py, precision "fp8_inexact"): per 16-block the
-// E4M3 bytes (RNE, saturating) of e2m1 * scale * 2^-3 (exact in fp32 before the rounding), stored column o holding
-// column 2 (o / 4) + o % 2 + 8 ((o % 4) / 2): the order in which the GEMM's fp16 weight fragments feed wgmma's E4M3
-// steps (grouped_gemm.cu, convert_fp8). One thread per block, one 16-byte store.
+// The grouped GEMM's inexact FP8 operand rows (ep_comm/grouped_gemm.py, precision "fp8_inexact") of NVFP4 rows:
+// fp8_operand_block per 16-block. One thread per block, one 16-byte store.
 __global__ void __launch_bounds__(256) nvfp4_expand_fp8_kernel(const uint8_t* __restrict__ data,
                                                                const uint8_t* __restrict__ scales, int64_t num_rows,
                                                                int64_t blocks_per_row, RowDiv row_div,
@@ -306,21 +337,10 @@ __global__ void __launch_bounds__(256) nvfp4_expand_fp8_kernel(const uint8_t* __
   int64_t block = 0, row = 0;
   if (!decode_block_of_thread(num_rows, blocks_per_row, row_div, num_rows_limit, &block, &row)) return;
   const uint2 word = __ldg(reinterpret_cast<const uint2*>(data) + block);
-  const float scale = qm::e4m3_decode(__ldg(scales + block)) * 0.125f;  // a power of two: exact
-  float y[16];
-  qm::e2m1x8_decode_scaled(word.x, scale, y);
-  qm::e2m1x8_decode_scaled(word.y, scale, y + 8);
-  uint32_t packed[4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {  // stored columns 4q .. 4q + 3 hold columns 2q, 2q + 1, 2q + 8, 2q + 9
-    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(y[2 * q], y[2 * q + 1]), __NV_SATFINITE, __NV_E4M3);
-    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(y[2 * q + 8], y[2 * q + 9]), __NV_SATFINITE, __NV_E4M3);
-    packed[q] = (lo & 0xFFFFu) | (hi << 16);
-  }
-  reinterpret_cast<uint4*>(out)[block] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  reinterpret_cast<uint4*>(out)[block] = fp8_operand_block(word.x, word.y, __ldg(scales + block));
 }
 
-template <typename T, typename Shape, bool kBlockValues = false>
+template <typename T, typename Shape, bool kBlockValues = false, bool kFp8Values = false>
 cudaError_t launch_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t stream) {
   const int64_t num_blocks = args.hidden / 16;
   // Enough threads per row to hold it in registers (one round), a multiple of 32, at most Shape::kMaxThreads
@@ -332,7 +352,7 @@ cudaError_t launch_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t stream) 
   const int64_t grid = ceil_div(args.num_rows, rows_per_cta);
   if (grid > INT32_MAX) return cudaErrorInvalidValue;
   if constexpr (kBlockValues) {
-    nvfp4_quantize_kernel<T, true, Shape, true><<<static_cast<unsigned>(grid), block, 0, stream>>>(args);
+    nvfp4_quantize_kernel<T, true, Shape, true, kFp8Values><<<static_cast<unsigned>(grid), block, 0, stream>>>(args);
   } else if (args.four_over_six) {
     nvfp4_quantize_kernel<T, true, Shape><<<static_cast<unsigned>(grid), block, 0, stream>>>(args);
   } else {
@@ -359,8 +379,9 @@ cudaError_t launch_nvfp4_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t st
   }
   const bool block_values = args.block_values != nullptr;
   if (block_values && (!args.four_over_six || args.row_factor == nullptr || args.block_values_row_stride < args.hidden ||
-                       args.block_values_row_stride % 8 != 0 || reinterpret_cast<uintptr_t>(args.block_values) % 16)) {
-    return cudaErrorInvalidValue;  // 16-byte stores of fp16 block values
+                       args.block_values_row_stride % (args.block_values_fp8 ? 16 : 8) != 0 ||
+                       reinterpret_cast<uintptr_t>(args.block_values) % 16)) {
+    return cudaErrorInvalidValue;  // 16-byte stores of fp16 block values (FP8: of a whole block)
   }
   if (args.num_rows == 0) return cudaSuccess;
   // Codes: one 8-byte store per block (block values write no codes).
@@ -370,15 +391,18 @@ cudaError_t launch_nvfp4_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t st
     if (!rows_aligned(args.x, args.x_row_stride * static_cast<int64_t>(sizeof(T)), 16)) {
       return cudaErrorInvalidValue;  // 16-byte loads of x
     }
-    auto launch = [&](auto block_values_tag) {
+    auto launch = [&](auto block_values_tag, auto fp8_tag) {
       constexpr bool kBlockValues = decltype(block_values_tag)::value;
+      constexpr bool kFp8 = decltype(fp8_tag)::value;
       switch (quantize_shape_choice(args.four_over_six, args.x_type)) {
-        case 1: return launch_quantize<T, WideShape, kBlockValues>(args, stream);
-        case 2: return launch_quantize<T, OccupancyShape, kBlockValues>(args, stream);
-        default: return launch_quantize<T, NarrowShape, kBlockValues>(args, stream);
+        case 1: return launch_quantize<T, WideShape, kBlockValues, kFp8>(args, stream);
+        case 2: return launch_quantize<T, OccupancyShape, kBlockValues, kFp8>(args, stream);
+        default: return launch_quantize<T, NarrowShape, kBlockValues, kFp8>(args, stream);
       }
     };
-    return block_values ? launch(std::true_type{}) : launch(std::false_type{});
+    if (!block_values) return launch(std::false_type{}, std::false_type{});
+    return args.block_values_fp8 ? launch(std::true_type{}, std::true_type{})
+                                 : launch(std::true_type{}, std::false_type{});
   });
 }
 

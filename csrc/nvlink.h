@@ -228,10 +228,14 @@ struct DispatchArgs {
   // (grouped_gemm.py ExpandedRows: fp16 block values, the FP32 outer factor per row) in expert-major row order,
   // counting each expert's rows in wave.area as they land; wave_blocks blocks (<= disp_recv_blocks) receive, so
   // that the GEMM launched behind them (its PDL dependent) gets the other SMs.
-  unsigned short* wave_values;  // fp16 [R, H]
-  float* wave_row_factor;       // [R]
+  void* wave_values;       // fp16 [R, H]; wave_fp8: E4M3 [R, H] (one byte per value)
+  float* wave_row_factor;  // [R]
   WaveSync wave;
   int wave_blocks;
+  // Nonzero: the operand rows of the GEMM's inexact FP8 mode (grouped_gemm.py, expand_nvfp4_rows(precision=
+  // "fp8_inexact")) instead of the exact fp16 ones: E4M3 of e2m1 * scale * 2^-3 in FP8_COLUMN_ORDER, row_factor * 8.
+  // Needs H % 128 == 0 (the host launcher checks it).
+  int wave_fp8;
   // Direct self rows (see the protocol above): set by the host launcher (bind_nvlink.cpp) for NVFP4 calls without
   // waves, without row_index (expand=False keeps every row in staging) and with at least cfg.direct_self_min_tokens
   // tokens; the send and the receive both read it from here.

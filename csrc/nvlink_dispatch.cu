@@ -16,6 +16,7 @@
 // the staging area. With direct self rows it skips this rank's own source (the send wrote those rows).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <stdexcept>
@@ -703,6 +704,9 @@ __device__ __forceinline__ void block_zero_bytes(unsigned char* base, long long 
 // the fp16 stores 64 B apart, 16 cache lines per instruction), and the loads of the next step are issued before the
 // stores of the current one.
 // seg_start [W][E_local] (first row of source s in expert j), offsets [E_local + 1], totals [E_local]: shared memory.
+// kFp8 (DispatchArgs::wave_fp8): the operand rows of the GEMM's inexact FP8 mode instead (wave_fp8_half_block), as
+// expand_nvfp4_rows(precision="fp8_inexact") writes them (256 B of E4M3 values per store instruction); its own
+// instantiation, so the exact path's code is as before.
 constexpr int kWaveChunkRows = 4;
 constexpr int kWaveWordsPerLane = 14;  // words in flight per lane and step (H = 7168: 896 words, two steps a row)
 
@@ -711,6 +715,31 @@ struct WaveStep {
   unsigned char scale_bytes[kWaveWordsPerLane];
 };
 
+// FP8 operand values of one half block (the lane's code word: 8 values), for the inexact FP8 mode: E4M3 (RNE,
+// satfinite) of e2m1 * scale * 2^-3, as nvfp4_expand_fp8_kernel (nvfp4.cu) computes them. Lanes 2i and 2i + 1 hold
+// the low (columns 0..7) and high (8..15) half of one 16-column block (the caller's words are w0 + lane + 32 u with
+// w0 even). The stored block is in FP8_COLUMN_ORDER: bytes 4q..4q+3 hold columns 2q, 2q+1, 2q+8, 2q+9; the low lane
+// returns bytes 0..7 (columns 0..3 and 8..11) and the high lane bytes 8..15 (columns 4..7 and 12..15), so each sends
+// its partner the two pairs it does not keep in one 32-bit shuffle, and stores 8 contiguous bytes at 8 * word.
+// Every lane of the warp must call it (the shuffle), also lanes whose word is past the row.
+__device__ __forceinline__ uint2 wave_fp8_half_block(unsigned int code_word, unsigned char scale_byte, int lane) {
+  float y[8];
+  e2m1x8_decode_scaled(code_word, qm_mul(e4m3_decode(scale_byte), 0.125f), y);  // 2^-3: a power of two, exact
+  unsigned int pair[4];  // E4M3 of this half's columns 2k (low byte) and 2k + 1
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    pair[k] = __nv_cvt_float2_to_fp8x2(make_float2(y[2 * k], y[2 * k + 1]), __NV_SATFINITE, __NV_E4M3);
+  }
+  const bool high = (lane & 1) != 0;
+  const unsigned int sent = high ? pair[0] | (pair[1] << 16) : pair[2] | (pair[3] << 16);
+  const unsigned int got = __shfl_xor_sync(0xFFFFFFFFu, sent, 1);
+  // Low lane: columns 0,1 | 8,9 and 2,3 | 10,11 (got: the high half's first two pairs). High lane: 4,5 | 12,13 and
+  // 6,7 | 14,15 (got: the low half's last two pairs).
+  if (!high) return make_uint2(pair[0] | (got << 16), pair[1] | (got & 0xFFFF0000u));
+  return make_uint2((got & 0xFFFFu) | (pair[2] << 16), (got >> 16) | (pair[3] << 16));
+}
+
+template <bool kFp8>
 __device__ void wave_receive_rows(const NvlinkConfig& cfg, const DispatchArgs& args, const int* seg_start,
                                   const int* offsets, const int* totals, unsigned long long epoch) {
   constexpr int U = kWaveWordsPerLane;
@@ -792,19 +821,31 @@ __device__ void wave_receive_rows(const NvlinkConfig& cfg, const DispatchArgs& a
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int w = w0 + 32 * u;
+        if constexpr (kFp8) {
+          if (w - lane >= words) continue;  // the whole warp past the row (uniform: small H)
+          // Before the range check: the shuffle runs in every lane. Both lanes of a block are in range or neither
+          // (words is even); past the row, the word is garbage and only goes to a lane that stores nothing.
+          const uint2 half_block = wave_fp8_half_block(current.code_words[u], current.scale_bytes[u], lane);
+          unsigned char* out_fp8 = static_cast<unsigned char*>(args.wave_values) + r * cfg.hidden;  // 1 byte a value
+          if (w < words) *reinterpret_cast<uint2*>(out_fp8 + 8ll * w) = half_block;
+        }
         if (w >= words) continue;
         *reinterpret_cast<unsigned int*>(out_codes + 4ll * w) = current.code_words[u];
         if ((w & 1) == 0) out_scales[w / 2] = current.scale_bytes[u];
-        float y[8];
-        e2m1x8_decode_scaled(current.code_words[u], e4m3_decode(current.scale_bytes[u]), y);
-        vec::store_row_segment<__half, 8>(out_values + 8ll * w, y);
+        if constexpr (!kFp8) {
+          float y[8];
+          e2m1x8_decode_scaled(current.code_words[u], e4m3_decode(current.scale_bytes[u]), y);
+          vec::store_row_segment<__half, 8>(out_values + 8ll * w, y);
+        }
       }
     }
     if (my_row != nullptr) {
       const long long r = first + lane;
       const float amax = __uint_as_float(ld_coherent_u32(my_row + cfg.disp_meta_off));
       args.out_amax[r] = amax;
-      args.wave_row_factor[r] = qm_mul(amax, factor_scale);
+      const float row_factor = qm_mul(amax, factor_scale);
+      // FP8: times 8, the 2^-3 taken out of the values (exact), as expand_nvfp4_rows(precision="fp8_inexact").
+      args.wave_row_factor[r] = kFp8 ? qm_mul(row_factor, 8.0f) : row_factor;
     }
     int chunk_experts[kWaveChunkRows];
 #pragma unroll
@@ -903,9 +944,9 @@ __device__ __forceinline__ void receive_own_token(const NvlinkConfig& cfg, const
 }
 
 // kWaves: the wave receive (args.wave_values set; its own instantiation, so that neither path sets the other's
-// register budget). kOwnMxfp8: MXFP8 with self rows from x (receive_own_token quantizes). kRowsOnly: no expansion
-// (args.row_index set).
-template <bool kWaves, bool kOwnMxfp8 = false, bool kRowsOnly = false>
+// register budget); kWaveFp8 with it: the FP8 operand rows (args.wave_fp8). kOwnMxfp8: MXFP8 with self rows from x
+// (receive_own_token quantizes). kRowsOnly: no expansion (args.row_index set).
+template <bool kWaves, bool kOwnMxfp8 = false, bool kRowsOnly = false, bool kWaveFp8 = false>
 __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfig cfg, DispatchArgs args) {
   extern __shared__ int smem[];
   const int world = cfg.world;
@@ -986,7 +1027,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_recv_kernel(NvlinkConfi
       }
     }
   }
-  if (waves) wave_receive_rows(cfg, args, seg_start, offsets, totals, epoch);
+  if (waves) wave_receive_rows<kWaveFp8>(cfg, args, seg_start, offsets, totals, epoch);
 
   __shared__ int out_rows[kCommThreads / 32][kMaxTopk];
   const int lane = threadIdx.x % 32;
@@ -1157,6 +1198,8 @@ void prepare_dispatch_kernels(const NvlinkConfig& cfg) {
       {reinterpret_cast<const void*>(dispatch_send_kernel<kDispNvfp4>), "cudaFuncSetAttribute(dispatch_send)"},
       {reinterpret_cast<const void*>(dispatch_recv_kernel<false>), "cudaFuncSetAttribute(dispatch_recv)"},
       {reinterpret_cast<const void*>(dispatch_recv_kernel<true>), "cudaFuncSetAttribute(dispatch_recv, waves)"},
+      {reinterpret_cast<const void*>(dispatch_recv_kernel<true, false, false, true>),
+       "cudaFuncSetAttribute(dispatch_recv, FP8 waves)"},
       {reinterpret_cast<const void*>(dispatch_recv_kernel<false, true>),
        "cudaFuncSetAttribute(dispatch_recv, MXFP8 self rows from x)"},
       {reinterpret_cast<const void*>(dispatch_recv_kernel<false, false, true>),
@@ -1186,7 +1229,8 @@ void launch_dispatch_recv(const NvlinkConfig& cfg, const DispatchArgs& args, uin
   // A streaming receive is launched as the send's programmatic dependent at every size (unless PDL is off), so that it
   // runs while the send sends: on the SMs the send leaves free, and on each SM a send block leaves.
   const bool pdl = args.stream_recv ? dispatch_pdl_allowed() : dispatch_pdl(args.num_tokens);
-  const auto kernel = waves ? dispatch_recv_kernel<true>
+  const auto kernel = waves ? (args.wave_fp8 ? dispatch_recv_kernel<true, false, false, true>
+                                             : dispatch_recv_kernel<true>)
                             : args.row_index != nullptr
                                   ? dispatch_recv_kernel<false, false, true>
                                   : (cfg.disp_fmt == kDispMxfp8 && args.self_from_x ? dispatch_recv_kernel<false, true>

@@ -55,10 +55,10 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
 # ----------------------------------------------------------------------------------------------------------
 def _launch_nvfp4_quantize(x: torch.Tensor, four_over_six: bool, amax: Optional[torch.Tensor],
                            num_rows_limit: Optional[torch.Tensor], data=None, scales=None, amax_out=None,
-                           block_values=None, row_factor=None) -> None:
+                           block_values=None, row_factor=None, block_values_fp8: bool = False) -> None:
     """The quantize kernel on x's rows into either codes (data [R, K/2], scales [R, K/16], amax_out [R]) or, 4/6 only,
-    GEMM operand rows (block_values fp16 [R, K], row_factor [R]); the outputs are contiguous and allocated by the
-    caller."""
+    GEMM operand rows (block_values fp16 [R, K], or E4M3 bytes [R, K] with block_values_fp8, row_factor [R]); the
+    outputs are contiguous and allocated by the caller."""
     k = x.shape[-1]
     rows = _rows(_dense_input(x))
     num_rows = rows.shape[0]
@@ -68,7 +68,7 @@ def _launch_nvfp4_quantize(x: torch.Tensor, four_over_six: bool, amax: Optional[
         _lib().nvfp4_quantize(rows.data_ptr(), _ELEM_TYPES[rows.dtype], rows.stride(0), num_rows, k, _ptr(amax_in),
                               e4m3_max, four_over_six, _ptr(data), k // 2, _ptr(scales), k // 16, _ptr(amax_out), 0,
                               _ext.current_raw_stream(x.device), _ptr(num_rows_limit), _ptr(block_values), k,
-                              _ptr(row_factor))
+                              _ptr(row_factor), **({"block_values_fp8": True} if block_values_fp8 else {}))
 
 
 def nvfp4_quantize(x: torch.Tensor, four_over_six: bool, amax: Optional[torch.Tensor],
@@ -88,14 +88,17 @@ def nvfp4_quantize(x: torch.Tensor, four_over_six: bool, amax: Optional[torch.Te
 
 
 def nvfp4_quantize_block_values(x: torch.Tensor, amax: Optional[torch.Tensor],
-                                num_rows_limit: Optional[torch.Tensor] = None):
+                                num_rows_limit: Optional[torch.Tensor] = None, fp8: bool = False):
     """NVFP4 4/6 of x [R, K] straight into the grouped GEMM operand form: (values fp16 [R, K] = e2m1 * e4m3 block
     scale, row_factor fp32 [R] = amax * fp32(1 / (6 M))), the bits of `grouped_gemm.expand_nvfp4_rows` applied to
-    `nvfp4_quantize(x, True, amax)`, in one kernel. num_rows_limit as nvfp4_quantize (rows past it unwritten)."""
+    `nvfp4_quantize(x, True, amax)`, in one kernel. fp8: the inexact FP8 mode's rows instead (values float8_e4m3fn
+    [R, K], row_factor * 8: expand_nvfp4_rows(..., precision="fp8_inexact")). num_rows_limit as nvfp4_quantize (rows
+    past it unwritten)."""
     num_rows, k = x.shape[:-1].numel(), x.shape[-1]
-    values = torch.empty(num_rows, k, dtype=torch.float16, device=x.device)
+    values = torch.empty(num_rows, k, dtype=torch.float8_e4m3fn if fp8 else torch.float16, device=x.device)
     row_factor = torch.empty(num_rows, dtype=torch.float32, device=x.device)
-    _launch_nvfp4_quantize(x, True, amax, num_rows_limit, block_values=values, row_factor=row_factor)
+    _launch_nvfp4_quantize(x, True, amax, num_rows_limit, block_values=values, row_factor=row_factor,
+                           block_values_fp8=fp8)
     return values, row_factor
 
 

@@ -519,7 +519,7 @@ class Buffer:
                                                   "there); this rank's call is abandoned so that no rank waits")
 
     def dispatch_waves(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                       wave_sms: int, check_inputs: Optional[bool] = None) -> WaveDispatch:
+                       wave_sms: int, check_inputs: Optional[bool] = None, precision: str = "exact") -> WaveDispatch:
         """`dispatch` for a w1 grouped GEMM that overlaps its receive (nvlink backend, NVFP4 dispatch).
 
         The receive runs on `wave_sms` blocks of 512 threads (one per SM) instead of the Buffer's receive block count
@@ -533,9 +533,28 @@ class Buffer:
         before it ends and overwrite memory it still reads (see grouped_gemm_nvfp4's `wave`). The GEMM is refused if
         this Buffer is called first (the WaveSync is good for that one launch); other launches cannot be detected.
         Arguments as `dispatch`; wave_sms in [1, `max_wave_sms`] (the receive's block count, num_local_sms).
+        precision: the form of the operand rows, one of `grouped_gemm.PRECISIONS`:
+            "exact" (default): rows.values float16 [R, H], e2m1 * e4m3 block values (exact), rows.row_factor float32
+                [R] = amax * fp32(1 / (6 * 256)); bitwise `expand_nvfp4_rows(result.x)`.
+            "fp8_inexact": the operand rows of the GEMM's opt-in inexact FP8 mode (grouped_gemm module docstring; needs
+                H % 128 == 0): rows.values float8_e4m3fn [R, H], E4M3 (RNE) of e2m1 * e4m3 * 2^-3, columns permuted
+                inside each 16-column group (`grouped_gemm.FP8_COLUMN_ORDER`), rows.row_factor float32 [R] the exact
+                factor times 8; bitwise `expand_nvfp4_rows(result.x, precision="fp8_inexact")`. rows.precision says
+                which. result (payload, layout, handle) is the same in both.
+            Either way the rows are written for the rows of the experts (expert_offsets[e] .. + num_tokens_per_expert
+            [e]); alignment padding and rows past expert_offsets[-1] are left unwritten.
         Returns: `types.WaveDispatch(result, rows, wave)`.
         """
         self._check_alive()
+        # The precision first (an argument like any other, refused the same way on every backend and rank).
+        from .grouped_gemm import PRECISIONS
+        if not isinstance(precision, str):
+            raise TypeError(f"precision must be a str, one of {PRECISIONS}, got {_type_name(precision)}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if precision == "fp8_inexact" and self.config.hidden % 128:
+            raise ValueError(f"precision='fp8_inexact' needs hidden % 128 == 0 (the FP8 mode's K granularity), this "
+                             f"Buffer has hidden={self.config.hidden}")
         if self.backend != "nvlink":
             raise NotImplementedError("dispatch_waves needs the nvlink backend (a receive kernel running beside the "
                                       "GEMM); use dispatch")
@@ -546,7 +565,8 @@ class Buffer:
                              f"count), got {wave_sms}")
         self._check_dispatch_call(x, topk_idx, topk_weights, check_inputs)
         return self._run_on_stream(x.device, None, None, (),
-                                   lambda: self._backend.dispatch_waves(x, topk_idx, topk_weights, wave_sms))
+                                   lambda: self._backend.dispatch_waves(x, topk_idx, topk_weights, wave_sms,
+                                                                        precision=precision))
 
     @property
     def max_wave_sms(self) -> int:

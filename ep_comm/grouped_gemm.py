@@ -622,12 +622,14 @@ def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Option
 
 @_keeps_subnormals
 def quantize_expanded_rows(x: torch.Tensor, amax: Optional[torch.Tensor] = None, impl: str = "auto",
-                           num_rows_limit: Optional[torch.Tensor] = None, check_amax: bool = True) -> ExpandedRows:
+                           num_rows_limit: Optional[torch.Tensor] = None, check_amax: bool = True,
+                           precision: str = "exact") -> ExpandedRows:
     """NVFP4 4/6 quantization of x [R, K] (fp32 / bf16 / fp16, K % 16 == 0) straight into the GEMM operand form.
 
-    Bitwise `expand_nvfp4_rows(formats.nvfp4_quantize(x, four_over_six=True, amax=amax))`: values fp16 [R, K]
-    (e2m1 * e4m3 block scale), row_factor fp32 [R] (amax * fp32(1 / (6 * 256))). On CUDA one kernel writes both
-    (the packed codes are never stored): the w2 input of the fused experts (moe.fused_expert_hidden).
+    Bitwise `expand_nvfp4_rows(formats.nvfp4_quantize(x, four_over_six=True, amax=amax), precision=precision)`:
+    values fp16 [R, K] (e2m1 * e4m3 block scale), row_factor fp32 [R] (amax * fp32(1 / (6 * 256))); with precision
+    "fp8_inexact" the FP8 mode's E4M3 rows (float8_e4m3fn [R, K], K % 16 == 0) and row_factor * 8. On CUDA one kernel
+    writes both (the packed codes are never stored): the w2 input of the fused experts (moe.fused_expert_hidden).
     amax: optional fp32 [R] outer amax (default: each row's max |x|, NaN ignored). num_rows_limit: as
     `expand_nvfp4_rows` (CUDA path: rows at or past it are left unwritten). check_amax: outside a CUDA-graph
     capture, refuse a NaN or negative amax on every path, as formats.nvfp4_quantize does (a device->host read);
@@ -640,16 +642,21 @@ def quantize_expanded_rows(x: torch.Tensor, amax: Optional[torch.Tensor] = None,
         raise TypeError(f"amax must be a float32 tensor, got {getattr(amax, 'dtype', type(amax).__name__)}")
     if amax is not None and (amax.shape != x.shape[:1] or amax.device != x.device):
         raise ValueError(f"amax must be [{x.shape[0]}] on {x.device}, got {tuple(amax.shape)} on {amax.device}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     _check_num_rows_limit(num_rows_limit, x.device)
     if check_amax and amax is not None:
         _check_amax_values(amax)
+    fp8 = precision == "fp8_inexact"
     if _use_gemm_kernels(impl, x, "quantize_expanded_rows"):
         from . import _cuda_formats
-        values, row_factor = _cuda_formats.nvfp4_quantize_block_values(x, amax, num_rows_limit)
-        return ExpandedRows(values=values, row_factor=row_factor)
+        if fp8 and not hasattr(_ext._C, "nvfp4_quantize_fp8_rows"):
+            raise RuntimeError(f"quantize_expanded_rows(precision='fp8_inexact'): {_STALE_BUILD}")
+        values, row_factor = _cuda_formats.nvfp4_quantize_block_values(x, amax, num_rows_limit, fp8=fp8)
+        return ExpandedRows(values=values, row_factor=row_factor, precision=precision)
     from . import formats
     return expand_nvfp4_rows(formats.nvfp4_quantize(x, four_over_six=True, amax=amax, impl="reference"),
-                             impl="reference")
+                             impl="reference", precision=precision)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -732,6 +739,23 @@ def _check_cuda_weights(weights: GemmWeights) -> None:
             raise ValueError(f"{name} must start 16-byte aligned for the CUDA kernel (cp.async)")
 
 
+def _check_fp8_kernel(weights: GemmWeights, what: str, needs_new_forms: bool) -> None:
+    """The FP8 mode's CUDA preconditions: K % 128 and a _C that has the mode (and, for the combine-row epilogue or a
+    wave, the forms added after it)."""
+    if weights.k % 128:
+        raise ValueError(f"the FP8 kernel needs K % 128 == 0, got K = {weights.k}")
+    marker = "grouped_gemm_fp8_combine_rows_and_waves" if needs_new_forms else "grouped_gemm_fp8"
+    if not hasattr(_ext._C, marker):
+        raise RuntimeError(f"{what} (FP8 mode): {_STALE_BUILD}")
+
+
+def _kernel_row_stride(x: ExpandedRows, rows: int) -> int:
+    """x's row stride as the kernels take it: in 2-byte units (FP8 rows: K bytes are K / 2 units); a one-row tensor
+    may report any stride (torch calls it contiguous whatever it is), so its row length is passed instead."""
+    stride = x.values.stride(0) if rows > 1 else x.values.shape[1]
+    return stride // (2 if x.precision == "fp8_inexact" else 1)
+
+
 @_keeps_subnormals
 def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
                        weights: GemmWeights, out_dtype: torch.dtype = torch.bfloat16,
@@ -742,9 +766,10 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
 
     x: ExpandedRows (values fp16 [R, K], row_factor fp32 [R]), expert-major: expert e owns rows
         [expert_offsets[e], expert_offsets[e] + num_tokens_per_expert[e]). Rows from
-        `expand_nvfp4_rows(..., precision="fp8_inexact")` (E4M3 values, x.precision "fp8_inexact") select the opt-in
-        inexact FP8 mode (module docstring): K % 128 == 0 on the CUDA path, no wave; its reference multiplies the
-        E4M3-rounded operands in FP32.
+        `expand_nvfp4_rows(..., precision="fp8_inexact")` (E4M3 values, x.precision "fp8_inexact"; also
+        `quantize_expanded_rows(..., precision="fp8_inexact")` and `Buffer.dispatch_waves(..., precision=
+        "fp8_inexact")`) select the opt-in inexact FP8 mode (module docstring): K % 128 == 0 on the CUDA path; its
+        reference multiplies the E4M3-rounded operands in FP32.
     expert_offsets: int32 [E + 1] on x's device (segment starts, non-decreasing; expert_offsets[E] = rows in
         use). The CUDA path cannot check them on the host: with overlapping segments, rows two experts
         share get either expert's result (whichever write lands last) and some rows may be left unwritten (the grid
@@ -789,14 +814,9 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
     device = x.values.device
     use_cuda = _use_gemm_kernels(impl, x.values, "grouped_gemm_nvfp4", hopper_only=True)
     fp8 = x.precision == "fp8_inexact"
-    if fp8 and wave is not None:
-        raise ValueError("the FP8 mode takes no wave: the wave receive writes the exact (fp16) operand rows")
-    if fp8 and use_cuda and weights.k % 128:
-        raise ValueError(f"the FP8 kernel needs K % 128 == 0, got K = {weights.k}")
-    if fp8 and use_cuda and not hasattr(_ext._C, "grouped_gemm_fp8"):
-        raise RuntimeError(f"grouped_gemm_nvfp4 (FP8 mode): {_STALE_BUILD}")
-    # x's row stride for the kernel, in 2-byte units (FP8: K bytes); a one-row tensor may report any stride.
-    row_stride = (x.values.stride(0) if rows > 1 else x.values.shape[1]) // (2 if fp8 else 1)
+    if fp8 and use_cuda:
+        _check_fp8_kernel(weights, "grouped_gemm_nvfp4", wave is not None)
+    row_stride = _kernel_row_stride(x, rows)
     if wave is not None:
         from .types import WaveSync
         if not isinstance(wave, WaveSync):
@@ -851,7 +871,7 @@ def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tenso
     to `target` (a `CombineRowsTarget` from `Buffer.begin_combine_rows`) as one RHT-32 + S2F6 combine row.
 
     x, expert_offsets, num_tokens_per_expert, weights, token_tile, tail_tile: as `grouped_gemm_nvfp4` (weights
-    without SwiGLU, out_features = target.hidden). Row r's output, rounded to bf16 exactly as
+    without SwiGLU, out_features = target.hidden; FP8 operand rows select the inexact FP8 mode). Row r's output, rounded to bf16 exactly as
     `grouped_gemm_nvfp4(..., out_dtype=torch.bfloat16)` returns it, is rotated (RHT-32 with target.sign_mask),
     quantized to S2F6 and stored at target.bases[src_rank[r]] + target.area_offset + (src_token[r] * num_topk +
     topk_slot[r]) * row_bytes (bases 16-byte aligned: `CombineRowsTarget`) -- into the source rank's combine area
@@ -868,13 +888,14 @@ def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tenso
                         f"{type(target).__name__}")
     rows = _check_gemm_inputs(x, expert_offsets, num_tokens_per_expert, weights, torch.bfloat16, token_tile,
                               tail_tile, None)
-    if x.precision != "exact":
-        raise ValueError("the combine-row epilogue has no FP8 mode: expand the rows with precision='exact'")
     if x.values.device.type != "cuda":
         raise ValueError("grouped_gemm_nvfp4_combine_rows runs on CUDA tensors only")
     why = gemm_kernels_unavailable(x.values.device)
     if why:
         raise RuntimeError(f"grouped_gemm_nvfp4_combine_rows: {why}")
+    fp8 = x.precision == "fp8_inexact"
+    if fp8:
+        _check_fp8_kernel(weights, "grouped_gemm_nvfp4_combine_rows", True)
     if target.num_topk < 1:
         raise ValueError(f"target.num_topk must be >= 1, got {target.num_topk}")
     if target.max_tokens < 1:
@@ -906,14 +927,14 @@ def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tenso
         return
     with _ext.cuda_device(device):
         _ext._C.grouped_gemm_nvfp4_combine_rows(
-            x.values.data_ptr(), x.values.stride(0), x.row_factor.data_ptr(), weights.values.data_ptr(),
+            x.values.data_ptr(), _kernel_row_stride(x, rows), x.row_factor.data_ptr(), weights.values.data_ptr(),
             weights.scales.data_ptr(), weights.factor.data_ptr(), expert_offsets.data_ptr(),
             num_tokens_per_expert.data_ptr(), weights.num_experts, weights.n, weights.k, rows, int(token_tile or 0),
             -1 if tail_tile is None else int(tail_tile), bases.data_ptr(), int(target.area_offset),
             target.src_rank.data_ptr(), target.src_token.data_ptr(), target.topk_slot.data_ptr(),
             int(target.num_topk), bases.shape[0], int(target.max_tokens), int(target.row_bytes),
             int(target.scale_offset), int(target.sign_mask),
-            int(target.abort_flag), _ext.current_raw_stream(device))
+            int(target.abort_flag), _ext.current_raw_stream(device), **({"fp8": True} if fp8 else {}))
 
 
 def _grouped_gemm_reference(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,

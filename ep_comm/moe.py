@@ -242,8 +242,9 @@ def _fused_expert_hidden(tokens, expert_offsets, num_tokens_per_expert, w1, toke
 
 def _expert_hidden_from_rows(x, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor, w1, token_tile,
                              amax_in_w1: bool = False, wave=None):
-    """fused_expert_hidden from tokens already expanded for the GEMM (x: grouped_gemm.ExpandedRows). With `wave`
-    (a wave dispatch's WaveSync), w1 must be the next kernel on the stream: nothing is launched before it."""
+    """fused_expert_hidden from tokens already expanded for the GEMM (x: grouped_gemm.ExpandedRows, whose precision
+    the w2 input rows take too). With `wave` (a wave dispatch's WaveSync), w1 must be the next kernel on the stream:
+    nothing is launched before it."""
     from . import grouped_gemm as gemm
     rows_in_use = expert_offsets[-1:]
     if wave is not None and amax_in_w1:
@@ -253,9 +254,9 @@ def _expert_hidden_from_rows(x, expert_offsets: torch.Tensor, num_tokens_per_exp
     gemm.grouped_gemm_nvfp4(x, expert_offsets, num_tokens_per_expert, w1, out_dtype=torch.float32, out=hidden,
                             token_tile=token_tile, row_amax=row_amax, wave=wave)  # silu(gate) * up
     # NVFP4 4/6 with a per-token amax, written as w2's operand rows in one kernel (bitwise formats.nvfp4_quantize's
-    # CUDA kernel followed by expand_nvfp4_rows); rows past rows_in_use skipped.
+    # CUDA kernel followed by expand_nvfp4_rows, in x's precision); rows past rows_in_use skipped.
     return gemm.quantize_expanded_rows(hidden, amax=row_amax, impl="cuda", num_rows_limit=rows_in_use,
-                                       check_amax=False)
+                                       check_amax=False, precision=x.precision)
 
 
 def fused_expert_mlp(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
@@ -286,19 +287,19 @@ def fused_expert_mlp(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor, 
     return _expert_output(hidden, expert_offsets, num_tokens_per_expert, w2, token_tile)
 
 
-def _fused_expert_mlp_fp8(tokens, expert_offsets, num_tokens_per_expert, w1, w2, token_tile) -> torch.Tensor:
-    """fused_expert_mlp in the inexact FP8 mode: FP8 rows of the tokens, w1 (+ SwiGLU, FP32), NVFP4 4/6 of its rows
-    (the exact path's quantization point), FP8 rows of those, w2. Rows at or past expert_offsets[-1] are skipped."""
-    from . import _cuda_formats
+def _fused_expert_hidden_fp8(tokens, expert_offsets, num_tokens_per_expert, w1, token_tile):
+    """The w2 input in the inexact FP8 mode: FP8 rows of the tokens, w1 (+ SwiGLU, FP32), NVFP4 4/6 of its rows (the
+    exact path's quantization point) written as FP8 rows by the quantizer itself. Rows at or past expert_offsets[-1]
+    are skipped."""
     from . import grouped_gemm as gemm
-    rows_in_use = expert_offsets[-1:]
-    x = gemm.expand_nvfp4_rows(tokens, num_rows_limit=rows_in_use, precision="fp8_inexact")
-    hidden = torch.empty(x.num_rows, w1.out_features, dtype=torch.float32, device=x.values.device)
-    gemm.grouped_gemm_nvfp4(x, expert_offsets, num_tokens_per_expert, w1, out_dtype=torch.float32, out=hidden,
-                            token_tile=token_tile)
-    q = _cuda_formats.nvfp4_quantize(hidden, four_over_six=True, amax=None, num_rows_limit=rows_in_use)
-    h = gemm.expand_nvfp4_rows(q, num_rows_limit=rows_in_use, precision="fp8_inexact")
-    return _expert_output(h, expert_offsets, num_tokens_per_expert, w2, token_tile)
+    x = gemm.expand_nvfp4_rows(tokens, num_rows_limit=expert_offsets[-1:], precision="fp8_inexact")
+    return _expert_hidden_from_rows(x, expert_offsets, num_tokens_per_expert, w1, token_tile)
+
+
+def _fused_expert_mlp_fp8(tokens, expert_offsets, num_tokens_per_expert, w1, w2, token_tile) -> torch.Tensor:
+    """fused_expert_mlp in the inexact FP8 mode (_fused_expert_hidden_fp8, then w2)."""
+    hidden = _fused_expert_hidden_fp8(tokens, expert_offsets, num_tokens_per_expert, w1, token_tile)
+    return _expert_output(hidden, expert_offsets, num_tokens_per_expert, w2, token_tile)
 
 
 def _expert_output(hidden, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor, w2, token_tile
@@ -356,9 +357,9 @@ class MoELayer(torch.nn.Module):
             the Buffer's receive block count (`self.wave_sms`; None without waves; refused with waves=False).
         expert_precision: "exact" (default) or "fp8_inexact": the fused grouped GEMM's opt-in FP8 mode
             (`fused_expert_mlp(precision=...)`, docs/GEMM.md: E4M3-rounded operands, faster from ~64 rows per
-            expert, slower at 16). It needs the fused experts and H, I multiples of 128, and runs without waves and
-            without combine rows (their producers write exact operand rows; both default to off with it, True is
-            refused).
+            expert, slower at 16). It needs the fused experts and H, I multiples of 128; waves and combine rows work
+            with it as with the exact mode (the wave receive and the w2 input's quantizer then write FP8 operand rows,
+            and w2's combine-row epilogue runs on them).
     forward(x): x bf16 [T, H] -> bf16 [T, H]; the routing weights are the softmax over the top-k logits.
     Module state: the router is a buffer (`router_weight`, in state_dict; a module-wide dtype cast casts it). The
     expert weights are packed for the device they were given on and are not module state: `state_dict()` does not
@@ -482,19 +483,15 @@ class MoELayer(torch.nn.Module):
                 raise ValueError(f"expert_precision='fp8_inexact' is a mode of the fused grouped GEMM with H and I "
                                  f"multiples of 128; this layer has expert_impl={expert_impl!r}, H = {cfg.hidden}, "
                                  f"I = {inter}")
-            for name, value in (("combine_rows", combine_rows), ("waves", waves)):
-                if value:
-                    raise ValueError(f"{name}=True is not available with expert_precision='fp8_inexact' (its producer "
-                                     "writes the exact operand rows)")
         self._expert_precision = expert_precision
         rows_possible = (expert_impl == "fused" and buffer.combine_rows_supported
-                         and has_combine_rows_kernel() and not fp8)
+                         and has_combine_rows_kernel())
         if combine_rows and not rows_possible:
             raise ValueError(f"combine_rows=True needs the fused experts (with the combine-row kernel in ep_comm._C), "
                              f"the nvlink backend and S2F6 combine; this layer has expert_impl={expert_impl!r}, "
                              f"backend={buffer.backend!r}, combine_format={cfg.combine_format!r}")
         self.combine_rows = rows_possible if combine_rows is None else bool(combine_rows)
-        waves_possible = expert_impl == "fused" and buffer.backend == "nvlink" and not fp8
+        waves_possible = expert_impl == "fused" and buffer.backend == "nvlink"
         if waves and not waves_possible:
             raise ValueError(f"waves=True needs the fused experts and the nvlink backend; this layer has "
                              f"expert_impl={expert_impl!r}, backend={buffer.backend!r}")
@@ -570,14 +567,15 @@ class MoELayer(torch.nn.Module):
         """"exact" or "fp8_inexact", fixed at construction (waves and combine rows were chosen for it)."""
         return self._expert_precision
 
+    def _hidden(self, result):
+        """The w2 input rows of this layer's precision (grouped_gemm.ExpandedRows [R, I])."""
+        hidden_fn = _fused_expert_hidden_fp8 if self._expert_precision == "fp8_inexact" else _fused_expert_hidden
+        return hidden_fn(result.x, result.expert_offsets, result.num_tokens_per_expert, self._w1_packed,
+                         self.token_tile)
+
     def _experts_fused(self, result) -> torch.Tensor:
-        if self._expert_precision == "fp8_inexact":
-            return _fused_expert_mlp_fp8(result.x, result.expert_offsets, result.num_tokens_per_expert,
-                                         self._w1_packed, self._w2_packed, self.token_tile)
-        hidden = _fused_expert_hidden(result.x, result.expert_offsets, result.num_tokens_per_expert, self._w1_packed,
-                                      self.token_tile)
-        return _expert_output(hidden, result.expert_offsets, result.num_tokens_per_expert, self._w2_packed,
-                              self.token_tile)
+        return _expert_output(self._hidden(result), result.expert_offsets, result.num_tokens_per_expert,
+                              self._w2_packed, self.token_tile)
 
     def _experts_reference(self, result) -> torch.Tensor:
         if _is_capturing():  # its per-expert loop reads the counts on the host, which a capture forbids
@@ -603,9 +601,7 @@ class MoELayer(torch.nn.Module):
         if not self.combine_rows:
             raise ValueError("experts_and_combine_rows needs a layer with combine_rows=True (fused experts, nvlink "
                              "backend, S2F6 combine); use buffer.combine(layer.experts(result), result.handle)")
-        hidden = _fused_expert_hidden(result.x, result.expert_offsets, result.num_tokens_per_expert, self._w1_packed,
-                                      self.token_tile)
-        return self._w2_and_combine(result, hidden)
+        return self._w2_and_combine(result, self._hidden(result))
 
     def _w2_and_combine(self, result, hidden) -> torch.Tensor:
         """w2 on the requantized hidden rows (grouped_gemm.ExpandedRows), then the combine: bf16 [T, H]."""
@@ -629,7 +625,8 @@ class MoELayer(torch.nn.Module):
         # torch.topk over the logits gives K distinct ids in [0, E): valid by construction, so the dispatch skips
         # the id check and its device->host copy (which made the host wait for the GPU once per layer).
         if self.waves:
-            waved = self.buffer.dispatch_waves(x, topk_idx, topk_weights, self.wave_sms, check_inputs=False)
+            waved = self.buffer.dispatch_waves(x, topk_idx, topk_weights, self.wave_sms, check_inputs=False,
+                                               precision=self._expert_precision)
             result = waved.result
             # w1 right behind the receive (nothing may be launched in between: see Buffer.dispatch_waves).
             hidden = _expert_hidden_from_rows(waved.rows, result.expert_offsets, result.num_tokens_per_expert,

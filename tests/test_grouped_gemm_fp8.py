@@ -3,8 +3,9 @@
 CPU tier: the activation column order against the fp16 A fragments' columns (`_fragment_index`, the packing's own
 oracle), the FP8 operand rows against E4M3 rounding of the exact block values, the FP8 reference against the exact
 reference (the mode's extra error, bounded), and the refusals. GPU tier (marker `gpu`): the kernel against the FP8
-reference (the same rounded operands, so only the accumulation differs) for every token tile, both epilogue forms,
-SwiGLU, uneven and empty experts and the small-remainder launch; and rows outside every segment left unwritten.
+reference (the same rounded operands, so only the accumulation differs) for every token tile, both direct epilogue
+forms, SwiGLU, uneven and empty experts and the small-remainder launch; the combine-row epilogue bitwise the bf16 one
+followed by the S2F6 quantizer; and rows outside every segment left unwritten.
 """
 from __future__ import annotations
 
@@ -126,8 +127,7 @@ def test_fp8_mode_costs_little_against_the_unquantized_mlp():
 
 @pytest.mark.cpu
 def test_fp8_refusals():
-    """Bad precision names and impls; the FP8 rows with a wave (its receive writes exact rows) and with the
-    combine-row epilogue (exact only) are refused before anything runs."""
+    """Bad precision names and impls are refused before anything runs."""
     w = random_weights(2, 64, 128, seed=5)
     packed = G.pack_gemm_weights(w, swiglu=False)
     q = random_activations(8, 128, seed=6)
@@ -138,17 +138,7 @@ def test_fp8_refusals():
         G.expand_nvfp4_rows(q, precision="fp8")
     with pytest.raises(ValueError, match="impl"):
         G.expand_nvfp4_rows(q, precision=FP8, impl="fast")
-    with pytest.raises(ValueError, match="takes no wave"):
-        G.grouped_gemm_nvfp4(x, off, cnt, packed, impl="reference", wave=object())
-    if not G.has_combine_rows_kernel():
-        return  # (the combine-row entry point refuses every call without the extension)
-    from ep_comm.types import CombineRowsTarget
-    index = torch.zeros(8, dtype=torch.int32)
-    target = CombineRowsTarget(bases=torch.zeros(1, dtype=torch.int64), area_offset=0, src_rank=index,
-                               src_token=index, topk_slot=index, num_topk=1, max_tokens=8, hidden=64, row_bytes=80,
-                               scale_offset=64, sign_mask=0)
-    with pytest.raises(ValueError, match="no FP8 mode"):
-        G.grouped_gemm_nvfp4_combine_rows(x, off, cnt, packed, target)
+    G.grouped_gemm_nvfp4(x, off, cnt, packed, impl="reference")  # the control
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -207,6 +197,51 @@ def test_fp8_kernel_leaves_other_rows_untouched(out_dtype):
     plain = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=out_dtype, impl="cuda")
     assert bool((out[~mask] == 7.0).all())
     assert torch.equal(out[mask].view(torch.uint8), plain[mask].view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("token_tile, tail_tile", [(None, None), (16, None), (32, None), (64, None), (128, None),
+                                                   (128, 0), (128, 16), (64, 32)])
+@pytest.mark.parametrize("shape", [(5, 256, 512), (2, 1024, 7168)])
+def test_fp8_kernel_combine_row_epilogue_matches_bf16_output_then_s2f6(shape, token_tile, tail_tile):
+    """The FP8 mode's combine-row epilogue (MoELayer's w2 with combine rows) against its bf16 epilogue followed by
+    the S2F6 quantizer: the same tiles and k order, so every valid row's codes and scales bitwise, at its (rank,
+    token, slot) row of the target; every other byte untouched."""
+    from test_grouped_gemm import _local_combine_target
+    x, off, cnt, packed, _, mask = _fp8_case(shape, False, 16, seed=shape[2] + 5)
+    hidden = packed.out_features
+    target, areas, dest_rank, dest_row = _local_combine_target(mask, num_ranks=2, topk=3, hidden=hidden,
+                                                              seed=hidden + 9)
+    before = areas.clone()
+    G.grouped_gemm_nvfp4_combine_rows(x, off, cnt, packed, target, token_tile=token_tile, tail_tile=tail_tile)
+    bf16 = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.bfloat16, token_tile=token_tile,
+                                tail_tile=tail_tile, impl="cuda")
+    want = F.s2f6_quantize(bf16[mask], hadamard=True, sign_mask=target.sign_mask)
+    got = areas[dest_rank.cuda(), dest_row.cuda()]
+    assert torch.equal(got[:, :hidden], want.data.view(torch.uint8)), "codes differ"
+    scale_bytes = got[:, target.scale_offset:target.scale_offset + hidden // 32]
+    assert torch.equal(scale_bytes, want.scales.view(torch.uint8)), "scales differ"
+    written = torch.zeros(areas.shape[:2], dtype=torch.bool, device="cuda")
+    written[dest_rank.cuda(), dest_row.cuda()] = True
+    assert torch.equal(areas[~written], before[~written]), "rows that no valid row maps to were written"
+
+
+@pytest.mark.gpu
+def test_fp8_combine_rows_need_k_multiple_of_128():
+    """The FP8 kernels take whole 128-wide stages: K = 192 rows in the FP8 form are refused by the combine-row entry
+    point as by the plain one, before anything runs."""
+    from test_grouped_gemm import _local_combine_target
+    w = random_weights(2, 64, 192, seed=13, device="cuda")
+    packed = G.pack_gemm_weights(w, swiglu=False)
+    x = G.expand_nvfp4_rows(random_activations(8, 192, seed=14, device="cuda"), precision=FP8)
+    off = torch.tensor([0, 4, 8], dtype=torch.int32, device="cuda")
+    cnt = torch.tensor([4, 4], dtype=torch.int32, device="cuda")
+    target, _, _, _ = _local_combine_target(torch.ones(8, dtype=torch.bool, device="cuda"), num_ranks=1, topk=1,
+                                            hidden=64, seed=1)
+    with pytest.raises(ValueError, match="K % 128"):
+        G.grouped_gemm_nvfp4_combine_rows(x, off, cnt, packed, target)
+    with pytest.raises(ValueError, match="K % 128"):
+        G.grouped_gemm_nvfp4(x, off, cnt, packed, impl="cuda")
 
 
 @pytest.mark.cpu
@@ -314,3 +349,55 @@ def test_fp8_fused_expert_mlp():
     assert _relative_l2(got[mask].float(), exact[mask].float()) < 0.15  # measured 9.2% (see the CPU tier's MLP test)
     with pytest.raises(ValueError, match="precision"):
         moe.fused_expert_mlp(tokens, off, cnt, w1, w2, precision="fp8")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The quantizer's FP8 operand form (the fused w2-input requantization of the FP8 mode)
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.cpu
+def test_fp8_quantize_expanded_rows_reference():
+    """quantize_expanded_rows(precision="fp8_inexact") is expand_nvfp4_rows(nvfp4_quantize(x), precision=...) bit for
+    bit (with and without a given amax), and a bad precision name is refused."""
+    from test_grouped_gemm import hidden_rows_with_edges
+    x = hidden_rows_with_edges(20, 64, seed=4)
+    amax = x.abs().nan_to_num(0.0).amax(-1) * 1.5
+    for given in (None, amax):
+        got = G.quantize_expanded_rows(x, amax=given, precision=FP8)
+        want = G.expand_nvfp4_rows(F.nvfp4_quantize(x, four_over_six=True, amax=given), precision=FP8)
+        assert got.precision == FP8 and got.values.dtype == torch.float8_e4m3fn
+        assert torch.equal(got.values.view(torch.uint8), want.values.view(torch.uint8))
+        assert torch.equal(got.row_factor, want.row_factor)
+    with pytest.raises(ValueError, match="precision"):
+        G.quantize_expanded_rows(x, precision="fp8")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [128, 2048, 7168, 112])
+def test_fp8_quantize_expanded_rows_cuda_bitwise(dtype, k):
+    """The 4/6 quantizer writing the FP8 mode's w2 operand rows directly (one kernel): bitwise the CUDA quantizer +
+    the CUDA FP8 expansion and the torch reference, on fresh random rows with the edge rows, with and without a given
+    amax; with a device row limit the rows past it keep their poison."""
+    from ep_comm import _cuda_formats
+    from test_grouped_gemm import hidden_rows_with_edges
+    x = hidden_rows_with_edges(301, k, seed=k + 11, device="cuda", dtype=dtype)
+    amax = x.float().abs().nan_to_num(0.0, posinf=float("inf")).amax(-1)
+    amax[20] = amax[20] * 0.5  # a given amax below the row max: saturated values, the same in every path
+    for given in (None, amax):
+        got = G.quantize_expanded_rows(x, amax=given, impl="cuda", precision=FP8)
+        two_kernels = G.expand_nvfp4_rows(_cuda_formats.nvfp4_quantize(x, four_over_six=True, amax=given),
+                                          impl="cuda", precision=FP8)
+        reference = G.quantize_expanded_rows(x, amax=given, impl="reference", precision=FP8)
+        for want in (two_kernels, reference):
+            assert got.precision == want.precision == FP8
+            assert torch.equal(got.values.view(torch.uint8), want.values.view(torch.uint8))
+            assert torch.equal(got.row_factor.view(torch.int32), want.row_factor.view(torch.int32))
+    limit = torch.tensor([123], dtype=torch.int32, device="cuda")
+    values = torch.full((301, k), 0x5A, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    factor = torch.full((301,), 7.0, device="cuda")
+    _cuda_formats._launch_nvfp4_quantize(x, True, None, limit, block_values=values, row_factor=factor,
+                                         block_values_fp8=True)
+    whole = G.quantize_expanded_rows(x, impl="cuda", precision=FP8)
+    assert torch.equal(values[:123].view(torch.uint8), whole.values[:123].view(torch.uint8))
+    assert torch.equal(factor[:123], whole.row_factor[:123])
+    assert bool((values[123:].view(torch.uint8) == 0x5A).all()) and bool((factor[123:] == 7.0).all())

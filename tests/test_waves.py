@@ -62,6 +62,38 @@ def test_waves_refused_where_they_cannot_run():
     assert run_ranks(_refusal_worker, 1, backend="gloo") == [[True, True, True]]
 
 
+def _precision_refusal_worker(rank, world):
+    """dispatch_waves' precision is checked before anything else (any backend): a str in grouped_gemm.PRECISIONS, and
+    "fp8_inexact" only for hidden % 128 == 0. What each call raised (type name, message)."""
+    raised = {}
+    idx = torch.zeros(4, TOPK, dtype=torch.int64) + torch.arange(TOPK)
+    for hidden in (HIDDEN, 192):  # 192: a multiple of 64 (and 32), not of 128
+        x = torch.randn(4, hidden).to(torch.bfloat16)
+        cases = {f"{hidden}/fp8": "fp8_inexact", f"{hidden}/bogus": "fp8", f"{hidden}/none": None}
+        with ep_comm.Buffer(None, hidden=hidden, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=8) as buf:
+            for name, precision in cases.items():
+                try:
+                    buf.dispatch_waves(x, idx, torch.ones(4, TOPK), wave_sms=4, precision=precision)
+                    raised[name] = ("nothing", "")
+                except Exception as error:  # noqa: BLE001 (the type is what is checked)
+                    raised[name] = (type(error).__name__, str(error))
+    return raised
+
+
+@pytest.mark.cpu
+def test_wave_precision_refusals():
+    raised, = run_ranks(_precision_refusal_worker, 1, backend="gloo")
+    for hidden in (HIDDEN, 192):
+        kind, message = raised[f"{hidden}/bogus"]
+        assert kind == "ValueError" and "precision must be one of" in message and "fp8_inexact" in message, raised
+        kind, message = raised[f"{hidden}/none"]
+        assert kind == "TypeError" and "precision must be a str" in message, raised
+    kind, message = raised["192/fp8"]
+    assert kind == "ValueError" and "hidden % 128" in message and "192" in message, raised
+    # hidden 256 takes the FP8 rows: refused only for the backend (waves need nvlink).
+    assert raised[f"{HIDDEN}/fp8"][0] == "NotImplementedError", raised
+
+
 @pytest.mark.cpu
 def test_gemm_refuses_a_foreign_wave():
     w1, _, _ = _weights("cpu")
@@ -261,6 +293,102 @@ def test_waves_are_bitwise_the_plain_path():
         if result["backend"] != "nvlink":
             pytest.skip(f"waves need the nvlink backend (the GPUs are not NVLink peers: {result['backend']})")
         check_waves_result(result)
+
+
+def _fp8_wave_rows_match(buf, x, idx, weights, wave_sms):
+    """dispatch_waves(precision="fp8_inexact") against dispatch and the exact wave dispatch: the FP8 operand rows
+    bitwise expand_nvfp4_rows(result.x, precision="fp8_inexact") (CUDA kernel and torch reference) on every row of an
+    expert, the result (payload, layout, metadata) bitwise the plain one. No GEMM behind the FP8 wave dispatch."""
+    plain = buf.dispatch(x, idx, weights)
+    exact = buf.dispatch_waves(x, idx, weights, wave_sms=wave_sms)
+    fp8 = buf.dispatch_waves(x, idx, weights, wave_sms=wave_sms, precision="fp8_inexact")
+    torch.cuda.synchronize()
+    buf.check()
+    result, rows = fp8.result, fp8.rows
+    used = int(plain.expert_offsets[-1])
+    checks = {"form": rows.precision == "fp8_inexact" and exact.rows.precision == "exact"
+              and rows.values.dtype == torch.float8_e4m3fn
+              and tuple(rows.values.shape) == (result.num_rows, buf.config.hidden)
+              and rows.row_factor.dtype == torch.float32 and tuple(rows.row_factor.shape) == (result.num_rows,)}
+    checks["layout"] = _equal(result.expert_offsets, plain.expert_offsets) and _equal(
+        result.num_tokens_per_expert, plain.num_tokens_per_expert)
+    checks["metadata"] = all(_equal(getattr(result, f), getattr(plain, f))
+                             for f in ("src_rank", "src_token", "topk_slot", "topk_weight"))
+    checks["payload"] = all(_equal(getattr(result.x, f)[:used], getattr(plain.x, f)[:used])
+                            and _equal(getattr(result.x, f)[:used], getattr(exact.result.x, f)[:used])
+                            for f in ("data", "scales", "amax"))
+    valid = torch.zeros(result.num_rows, dtype=torch.bool, device=x.device)
+    for start, count in zip(plain.expert_offsets[:-1].tolist(), plain.num_tokens_per_expert.tolist()):
+        valid[start:start + count] = True
+    for impl in ("auto", "reference"):
+        want = gemm.expand_nvfp4_rows(result.x, impl=impl, precision="fp8_inexact")
+        checks[f"rows/{impl}"] = want.precision == "fp8_inexact" and _equal(
+            rows.values[valid].view(torch.uint8), want.values[valid].view(torch.uint8)) and _equal(
+            rows.row_factor[valid], want.row_factor[valid])
+    # The exact wave rows of the same call stay what they were (the FP8 form is a separate instantiation).
+    want_exact = gemm.expand_nvfp4_rows(result.x)
+    checks["exact_rows"] = _equal(exact.rows.values[valid], want_exact.values[valid]) and _equal(
+        exact.rows.row_factor[valid], want_exact.row_factor[valid])
+    checks["rows_in_use"] = used
+    return checks
+
+
+# H = 7168 (two full steps of the receive per row), 640 (a step whose last words cover only half the warp's lanes) and
+# the other wave tests' 256.
+FP8_WAVE_HIDDENS = (7168, 640, HIDDEN)
+
+
+def _fp8_waves_worker(rank, world):
+    device = torch.device("cuda", torch.cuda.current_device())
+    num_tokens = 40 + 9 * rank  # uneven token counts
+    out = {"backend": None, "dispatch": {}}
+    for hidden in FP8_WAVE_HIDDENS:
+        x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(100 + rank))
+        x = (x * torch.logspace(-3, 3, num_tokens)[:, None]).to(torch.bfloat16).to(device)  # rows of all sizes
+        with ep_comm.Buffer(None, hidden=hidden, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=64,
+                            expert_alignment=16, backend=auto_backend()) as buf:
+            out["backend"] = buf.backend
+            if buf.backend != "nvlink":
+                return out
+            for name, idx, weights in _routings(rank, num_tokens, device):
+                for wave_sms in (1, 3, buf.max_wave_sms):
+                    out["dispatch"][f"{hidden}/{name}/{wave_sms}"] = _fp8_wave_rows_match(buf, x, idx, weights,
+                                                                                          wave_sms)
+            empty = x[:0] if rank == 1 else x  # no tokens on rank 1 (the others still send)
+            idx, weights = _routings(rank, empty.shape[0], device)[0][1:]
+            out["dispatch"][f"{hidden}/rank1_empty"] = _fp8_wave_rows_match(buf, empty, idx, weights, 2)
+            # The backend refuses what Buffer.dispatch_waves refuses first.
+            try:
+                buf._backend.dispatch_waves(x, *_routings(rank, num_tokens, device)[0][1:], 2, precision="fp16")
+                out["backend_refusal"] = "nothing"
+            except ValueError as error:
+                out["backend_refusal"] = str(error)
+    return out
+
+
+def check_fp8_waves_result(result):
+    """The assertions on one rank's _fp8_waves_worker result (any world size)."""
+    for name, checks in result["dispatch"].items():
+        assert all(v for k, v in checks.items() if k != "rows_in_use"), (name, checks)
+    for hidden in FP8_WAVE_HIDDENS:
+        assert result["dispatch"][f"{hidden}/balanced/1"]["rows_in_use"] > 0
+    assert "precision must be one of" in result["backend_refusal"], result["backend_refusal"]
+
+
+@pytest.mark.gpu
+def test_fp8_wave_rows_are_bitwise_expand_nvfp4_rows_world1():
+    result, = run_ranks(_fp8_waves_worker, 1, backend="nccl")
+    if result["backend"] != "nvlink":
+        pytest.skip(f"waves need the nvlink backend (got {result['backend']})")
+    check_fp8_waves_result(result)
+
+
+@pytest.mark.multigpu
+def test_fp8_wave_rows_are_bitwise_expand_nvfp4_rows():
+    for result in run_ranks(_fp8_waves_worker, 2, backend=multigpu_backend()):
+        if result["backend"] != "nvlink":
+            pytest.skip(f"waves need the nvlink backend (the GPUs are not NVLink peers: {result['backend']})")
+        check_fp8_waves_result(result)
 
 
 @pytest.mark.cpu

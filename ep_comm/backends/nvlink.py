@@ -1020,32 +1020,39 @@ class NVLinkBackend:
 
     @_on_buffer_device
     def dispatch_waves(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                       wave_blocks: int) -> WaveDispatch:
+                       wave_blocks: int, precision: str = "exact") -> WaveDispatch:
         """dispatch() whose receive, on wave_blocks blocks, also writes the GEMM operand rows expert by expert and
-        counts them in the wave area (see Buffer.dispatch_waves)."""
+        counts them in the wave area (see Buffer.dispatch_waves). precision: the rows' form, grouped_gemm.PRECISIONS
+        ("fp8_inexact": E4M3 values [R, H], H % 128 == 0, as expand_nvfp4_rows(precision="fp8_inexact"))."""
+        from ..grouped_gemm import PRECISIONS, ExpandedRows
         if self.config.dispatch_format != "nvfp4":
             raise ValueError(f"waves need the NVFP4 dispatch format, this buffer dispatches "
                              f"{self.config.dispatch_format!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        fp8 = precision == "fp8_inexact"
+        rows, h = self.config.max_recv_rows, self.config.hidden
+        if fp8 and h % 128:  # the FP8 mode's K granularity (the GEMM's E4M3 steps), also what the receive assumes
+            raise ValueError(f"precision='fp8_inexact' needs hidden % 128 == 0, got hidden={h}")
         blocks = int(wave_blocks)
         if blocks < 1 or blocks > self.blocks["disp_recv_blocks"]:
             raise ValueError(f"wave_blocks must be in [1, {self.blocks['disp_recv_blocks']}] (the receive's block "
                              f"count), got {wave_blocks}")
-        from ..grouped_gemm import ExpandedRows
-        rows, h = self.config.max_recv_rows, self.config.hidden
-        values = torch.empty(rows, h, dtype=torch.float16, device=x.device)
+        values = torch.empty(rows, h, dtype=torch.float8_e4m3fn if fp8 else torch.float16, device=x.device)
         row_factor = torch.empty(rows, dtype=torch.float32, device=x.device)
 
         def launch(x, topk_idx, topk_weights, num_tokens, arena_ptr, stream):
             self._ctx.dispatch_arena_waves(x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype == torch.int64,
                                            topk_weights.data_ptr(), num_tokens, arena_ptr, values.data_ptr(),
-                                           row_factor.data_ptr(), self._wave_area.data_ptr(), blocks, stream)
+                                           row_factor.data_ptr(), self._wave_area.data_ptr(), blocks, stream, fp8)
         result = self._dispatch(x, topk_idx, topk_weights, launch)
         ticket = _WaveTicket(self, _ext.current_raw_stream(self.device))
         self._wave_ticket = ticket
         epoch, abort, error_word, timeout_ns = self._wave_sync_words
         wave = WaveSync(area=self._wave_area, epoch=epoch, abort=abort, error_word=error_word, timeout_ns=timeout_ns,
                         claim=ticket.claim)
-        return WaveDispatch(result=result, rows=ExpandedRows(values=values, row_factor=row_factor), wave=wave)
+        return WaveDispatch(result=result, rows=ExpandedRows(values=values, row_factor=row_factor, precision=precision),
+                            wave=wave)
 
     def _dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, launch,
                   rows_only: bool = False) -> DispatchResult:
