@@ -75,6 +75,7 @@ void nvfp4_quantize(uintptr_t x, int x_type, int64_t x_row_stride, int64_t num_r
   args.block_values_row_stride = block_values_row_stride;
   args.row_factor = ptr<float>(row_factor);
   args.block_values_fp8 = block_values_fp8;
+  require(block_values != 0 || !block_values_fp8, "nvfp4_quantize", "block_values_fp8 needs block_values");
   if (num_rows > 0) {
     require_dense(x, x_type, x_row_stride, "nvfp4_quantize", "x is null");
     if (block_values == 0) {  // codes: 8-byte stores per block (block values: the launcher checks its operands)

@@ -129,7 +129,8 @@ void register_gemm(py::module_& m) {
         py::arg("bases"), py::arg("area_offset"), py::arg("src_rank"), py::arg("src_token"), py::arg("topk_slot"),
         py::arg("topk"), py::arg("num_ranks"), py::arg("max_tokens"), py::arg("row_bytes"), py::arg("scale_offset"),
         py::arg("sign_mask"), py::arg("abort_flag"),
-        py::arg("stream"), py::arg("fp8") = false, "NVFP4 grouped GEMM (sm_90a) whose epilogue stores RHT + S2F6 combine rows (see ep_comm/grouped_gemm.py)");
+        py::arg("stream"), py::arg("fp8") = false,
+        "NVFP4 grouped GEMM (sm_90a) whose epilogue stores RHT + S2F6 combine rows (see ep_comm/grouped_gemm.py)");
   // The inexact FP8 mode's markers: a _C built before it has no fp8 argument (ep_comm/grouped_gemm.py checks); one
   // built before its combine-row and wave forms refuses those launches.
   m.attr("grouped_gemm_fp8") = true;

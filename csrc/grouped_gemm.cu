@@ -1038,7 +1038,7 @@ LaunchFn select_kernel(int tile, bool combine_rows, bool fp8) {
   }
   if (forced_warp_groups < 0 || forced_small_cta < 0 || forced_blocks_per_stage < 0) return nullptr;
   if (fp8) {
-    // The inexact FP8 mode: the default shapes only, direct epilogues (the launcher refuses the rest). The tuning
+    // The inexact FP8 mode's direct epilogues (its combine-row kernels: above): the default shapes only. The tuning
     // variables do not apply to it (a malformed one is still refused, above); neither does EP_COMM_GEMM_WIDE_TILE.
     switch (tile) {
       case 16: return launch_tile<16, 2, 3, 2, false, true>;

@@ -85,7 +85,7 @@ struct GroupedGemmArgs {
   // Inexact FP8 mode (ep_comm/grouped_gemm.py, precision "fp8_inexact"): x holds e4m3 bytes [num_rows_total, k]
   // (x_row_stride still in 2-byte units: row bytes / 2), permuted inside each 16-column group as
   // expand_nvfp4_rows(precision="fp8_inexact") writes them; the weights are rounded to e4m3 in registers and the MMA
-  // is wgmma's E4M3 form (twice the fp16 rate). k % 128 == 0, out_type 0 / 1, no waves.
+  // is wgmma's E4M3 form (twice the fp16 rate). k % 128 == 0; every out_type (combine rows too) and waves.
   bool fp8 = false;
 };
 

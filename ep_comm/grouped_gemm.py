@@ -174,7 +174,8 @@ class ExpandedRows:
     undoing the column order, and with the E4M3 rounding).
     precision: "exact" or "fp8_inexact", which of the two forms values and row_factor are (the GEMM checks it against
         the values' dtype: E4M3 values made some other way, in natural column order or without the factor 8, would
-        give wrong results, so they must come from expand_nvfp4_rows).
+        give wrong results, so they must come from expand_nvfp4_rows, quantize_expanded_rows or
+        Buffer.dispatch_waves, which write this form).
     """
 
     values: torch.Tensor
@@ -871,8 +872,8 @@ def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tenso
     to `target` (a `CombineRowsTarget` from `Buffer.begin_combine_rows`) as one RHT-32 + S2F6 combine row.
 
     x, expert_offsets, num_tokens_per_expert, weights, token_tile, tail_tile: as `grouped_gemm_nvfp4` (weights
-    without SwiGLU, out_features = target.hidden; FP8 operand rows select the inexact FP8 mode). Row r's output, rounded to bf16 exactly as
-    `grouped_gemm_nvfp4(..., out_dtype=torch.bfloat16)` returns it, is rotated (RHT-32 with target.sign_mask),
+    without SwiGLU, out_features = target.hidden; FP8 operand rows select the inexact FP8 mode). Row r's output,
+    rounded to bf16 exactly as `grouped_gemm_nvfp4(..., out_dtype=torch.bfloat16)` returns it, is rotated (RHT-32 with target.sign_mask),
     quantized to S2F6 and stored at target.bases[src_rank[r]] + target.area_offset + (src_token[r] * num_topk +
     topk_slot[r]) * row_bytes (bases 16-byte aligned: `CombineRowsTarget`) -- into the source rank's combine area
     over NVLink; a row whose triple names no row of the areas (padding rows' -1s, when num_tokens_per_expert counts

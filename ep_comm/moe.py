@@ -209,7 +209,9 @@ def default_wave_sms(hidden: int, intermediate: int, num_sms: int) -> int:
     and writes it back plus its fp16 GEMM operand, 2H bytes, and two words); w1 costs 2 * H * 2I FLOPs per row.
     With per-SM rates r_receive and r_gemm (measured on H200), n receive SMs keep pace with num_sms - n GEMM SMs
     when n / (num_sms - n) >= (bytes / r_receive) / (flops / r_gemm); twice that n, clamped to [4, num_sms / 2].
-    DeepSeek-V3 shapes (H = 7168, I = 2048) on 132 SMs: 19.
+    DeepSeek-V3 shapes (H = 7168, I = 2048) on 132 SMs: 19. Sized for the exact mode's fp16 operand rows and
+    w1 rate; the FP8 mode (expert_precision="fp8_inexact") writes ~2.1 H bytes per row and its w1 runs ~1.9x faster,
+    which would call for ~24 SMs at those shapes: not measured on 2 GPUs, so MoELayer uses this default for both.
     """
     receive_s = (3.125 * hidden + 28) / _SM_RECEIVE_BYTES_PER_S
     gemm_s = 4.0 * hidden * intermediate / _SM_W1_FLOPS
@@ -233,10 +235,13 @@ def fused_expert_hidden(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tenso
     return _fused_expert_hidden(tokens, expert_offsets, num_tokens_per_expert, w1, token_tile, amax_in_w1)
 
 
-def _fused_expert_hidden(tokens, expert_offsets, num_tokens_per_expert, w1, token_tile, amax_in_w1=False):
-    """fused_expert_hidden without the input check (MoELayer checked its device when it chose the fused path)."""
+def _fused_expert_hidden(tokens, expert_offsets, num_tokens_per_expert, w1, token_tile, amax_in_w1=False,
+                         precision: str = "exact"):
+    """fused_expert_hidden without the input check (MoELayer checked its device when it chose the fused path);
+    precision "fp8_inexact": the FP8 mode's operand rows for both GEMM inputs (the w2 input quantized to NVFP4 4/6,
+    the exact path's quantization point, and written as FP8 rows by the quantizer itself)."""
     from . import grouped_gemm as gemm
-    x = gemm.expand_nvfp4_rows(tokens, num_rows_limit=expert_offsets[-1:])
+    x = gemm.expand_nvfp4_rows(tokens, num_rows_limit=expert_offsets[-1:], precision=precision)
     return _expert_hidden_from_rows(x, expert_offsets, num_tokens_per_expert, w1, token_tile, amax_in_w1)
 
 
@@ -287,18 +292,10 @@ def fused_expert_mlp(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor, 
     return _expert_output(hidden, expert_offsets, num_tokens_per_expert, w2, token_tile)
 
 
-def _fused_expert_hidden_fp8(tokens, expert_offsets, num_tokens_per_expert, w1, token_tile):
-    """The w2 input in the inexact FP8 mode: FP8 rows of the tokens, w1 (+ SwiGLU, FP32), NVFP4 4/6 of its rows (the
-    exact path's quantization point) written as FP8 rows by the quantizer itself. Rows at or past expert_offsets[-1]
-    are skipped."""
-    from . import grouped_gemm as gemm
-    x = gemm.expand_nvfp4_rows(tokens, num_rows_limit=expert_offsets[-1:], precision="fp8_inexact")
-    return _expert_hidden_from_rows(x, expert_offsets, num_tokens_per_expert, w1, token_tile)
-
-
 def _fused_expert_mlp_fp8(tokens, expert_offsets, num_tokens_per_expert, w1, w2, token_tile) -> torch.Tensor:
-    """fused_expert_mlp in the inexact FP8 mode (_fused_expert_hidden_fp8, then w2)."""
-    hidden = _fused_expert_hidden_fp8(tokens, expert_offsets, num_tokens_per_expert, w1, token_tile)
+    """fused_expert_mlp in the inexact FP8 mode (the w2 input in FP8 rows, then w2)."""
+    hidden = _fused_expert_hidden(tokens, expert_offsets, num_tokens_per_expert, w1, token_tile,
+                                  precision="fp8_inexact")
     return _expert_output(hidden, expert_offsets, num_tokens_per_expert, w2, token_tile)
 
 
@@ -484,14 +481,18 @@ class MoELayer(torch.nn.Module):
                                  f"multiples of 128; this layer has expert_impl={expert_impl!r}, H = {cfg.hidden}, "
                                  f"I = {inter}")
         self._expert_precision = expert_precision
+        # The FP8 forms of the combine-row epilogue and of the wave receive need a _C built with them (a stale one
+        # runs the FP8 mode without them, as before they existed).
+        fp8_forms = not fp8 or all(hasattr(_ext._C, marker) for marker in ("grouped_gemm_fp8_combine_rows_and_waves",
+                                                                           "dispatch_waves_fp8"))
         rows_possible = (expert_impl == "fused" and buffer.combine_rows_supported
-                         and has_combine_rows_kernel())
+                         and has_combine_rows_kernel() and fp8_forms)
         if combine_rows and not rows_possible:
             raise ValueError(f"combine_rows=True needs the fused experts (with the combine-row kernel in ep_comm._C), "
                              f"the nvlink backend and S2F6 combine; this layer has expert_impl={expert_impl!r}, "
                              f"backend={buffer.backend!r}, combine_format={cfg.combine_format!r}")
         self.combine_rows = rows_possible if combine_rows is None else bool(combine_rows)
-        waves_possible = expert_impl == "fused" and buffer.backend == "nvlink"
+        waves_possible = expert_impl == "fused" and buffer.backend == "nvlink" and fp8_forms
         if waves and not waves_possible:
             raise ValueError(f"waves=True needs the fused experts and the nvlink backend; this layer has "
                              f"expert_impl={expert_impl!r}, backend={buffer.backend!r}")
@@ -569,9 +570,8 @@ class MoELayer(torch.nn.Module):
 
     def _hidden(self, result):
         """The w2 input rows of this layer's precision (grouped_gemm.ExpandedRows [R, I])."""
-        hidden_fn = _fused_expert_hidden_fp8 if self._expert_precision == "fp8_inexact" else _fused_expert_hidden
-        return hidden_fn(result.x, result.expert_offsets, result.num_tokens_per_expert, self._w1_packed,
-                         self.token_tile)
+        return _fused_expert_hidden(result.x, result.expert_offsets, result.num_tokens_per_expert, self._w1_packed,
+                                    self.token_tile, precision=self._expert_precision)
 
     def _experts_fused(self, result) -> torch.Tensor:
         return _expert_output(self._hidden(result), result.expert_offsets, result.num_tokens_per_expert,

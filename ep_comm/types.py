@@ -180,8 +180,8 @@ class BufferSizes:
         per-call handle arrays; reference: 0.
     expert_layout_bytes: local (non-symmetric) expert-major output tensors of ONE dispatch call. Every nvlink dispatch
         allocates its full capacity (max_recv_rows rows), whatever the call's token count; a result kept alive
-        keeps its allocation. dispatch_waves also allocates the GEMM's fp16 operand rows (2 * hidden bytes per row,
-        max_recv_rows rows), not counted here.
+        keeps its allocation. dispatch_waves also allocates the GEMM's operand rows (2 * hidden bytes per row in fp16,
+        hidden bytes in the FP8 mode's E4M3; max_recv_rows rows), not counted here.
     total_symmetric_bytes: what each rank allocates in symmetric memory: the two receive areas, the counts and
         flags, the NVFP4 wave index (4 * world * local experts * max_tokens_per_rank bytes) and rounding, so more
         than dispatch_recv_bytes + combine_recv_bytes (expert_layout_bytes and the local part of layout_bytes are
@@ -336,9 +336,11 @@ class WaveDispatch:
     """What `Buffer.dispatch_waves` returns.
 
     result: the DispatchResult, the same as `Buffer.dispatch` gives (NVFP4 tokens, layout, handle).
-    rows: `grouped_gemm.ExpandedRows` of result.x (values fp16 [R, H], row_factor fp32 [R]), written by the
-        receive: bitwise `grouped_gemm.expand_nvfp4_rows(result.x)` on every row below expert_offsets[-1] that
-        belongs to an expert (padding rows and rows past the prefix are unwritten; the GEMM never reads them).
+    rows: `grouped_gemm.ExpandedRows` of result.x (values fp16 [R, H], row_factor fp32 [R]; with
+        precision="fp8_inexact" values float8_e4m3fn [R, H] and rows.precision "fp8_inexact"), written by the
+        receive: bitwise `grouped_gemm.expand_nvfp4_rows(result.x, precision=rows.precision)` on every row below
+        expert_offsets[-1] that belongs to an expert (padding rows and rows past the prefix are unwritten; the GEMM
+        never reads them).
     wave: the WaveSync for the w1 GEMM launched next.
     """
 

@@ -227,6 +227,18 @@ def test_fp8_kernel_combine_row_epilogue_matches_bf16_output_then_s2f6(shape, to
 
 
 @pytest.mark.gpu
+def test_fp8_kernel_swiglu_row_amax():
+    """w1's fused per-row amax (row_amax, moe's amax_in_w1) in the FP8 mode: the max |h| of what the rows stored, as
+    in the exact mode; rows outside every segment keep their 0."""
+    x, off, cnt, packed, _, mask = _fp8_case((3, 192, 256), True, 16, seed=61)
+    row_amax = torch.zeros(x.num_rows, dtype=torch.float32, device="cuda")
+    out = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.float32, impl="cuda", row_amax=row_amax)
+    want = out.abs().nan_to_num(0.0).amax(-1)
+    assert bool((want[mask] > 0).all())
+    assert torch.equal(row_amax[mask], want[mask]) and bool((row_amax[~mask] == 0).all())
+
+
+@pytest.mark.gpu
 def test_fp8_combine_rows_need_k_multiple_of_128():
     """The FP8 kernels take whole 128-wide stages: K = 192 rows in the FP8 form are refused by the combine-row entry
     point as by the plain one, before anything runs."""
@@ -372,7 +384,7 @@ def test_fp8_quantize_expanded_rows_reference():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k", [128, 2048, 7168, 112])
 def test_fp8_quantize_expanded_rows_cuda_bitwise(dtype, k):
     """The 4/6 quantizer writing the FP8 mode's w2 operand rows directly (one kernel): bitwise the CUDA quantizer +

@@ -134,14 +134,15 @@ def _equal(a, b):
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def _wave_dispatch_matches_plain(buf, packed_w1, x, idx, weights, wave_sms):
-    """dispatch_waves + the wave w1 GEMM against dispatch + expand_nvfp4_rows + w1: every defined byte equal."""
+def _wave_dispatch_matches_plain(buf, packed_w1, x, idx, weights, wave_sms, precision="exact"):
+    """dispatch_waves + the wave w1 GEMM against dispatch + expand_nvfp4_rows + w1 (both in `precision`): every
+    defined byte equal."""
     plain = buf.dispatch(x, idx, weights)
-    plain_rows = gemm.expand_nvfp4_rows(plain.x, num_rows_limit=plain.expert_offsets[-1:])
+    plain_rows = gemm.expand_nvfp4_rows(plain.x, num_rows_limit=plain.expert_offsets[-1:], precision=precision)
     # Allocated before the wave dispatch: no kernel may sit between its receive and the wave GEMM (a fill would end
     # the overlap).
     hidden = torch.zeros(plain.num_rows, packed_w1.out_features, dtype=torch.float32, device=x.device)
-    waved = buf.dispatch_waves(x, idx, weights, wave_sms=wave_sms)
+    waved = buf.dispatch_waves(x, idx, weights, wave_sms=wave_sms, precision=precision)
     result = waved.result
     gemm.grouped_gemm_nvfp4(waved.rows, result.expert_offsets, result.num_tokens_per_expert, packed_w1,
                             out_dtype=torch.float32, out=hidden, wave=waved.wave)
@@ -172,8 +173,8 @@ def _wave_dispatch_matches_plain(buf, packed_w1, x, idx, weights, wave_sms):
         waved.rows.row_factor[valid], plain_rows.row_factor[valid])
     checks["w1"] = _equal(hidden[valid], plain_hidden[valid])
     # The wave dispatch's handle combines like the plain one.
-    expert_out = torch.randn(result.num_rows, HIDDEN, generator=torch.Generator(device=x.device).manual_seed(5),
-                             device=x.device).to(torch.bfloat16)
+    expert_out = torch.randn(result.num_rows, buf.config.hidden, device=x.device,
+                             generator=torch.Generator(device=x.device).manual_seed(5)).to(torch.bfloat16)
     checks["combine"] = _equal(buf.combine(expert_out, result.handle), buf.combine(expert_out, plain.handle))
     checks["stale_refused"] = stale_refused
     checks["rows_in_use"] = used
@@ -298,7 +299,8 @@ def test_waves_are_bitwise_the_plain_path():
 def _fp8_wave_rows_match(buf, x, idx, weights, wave_sms):
     """dispatch_waves(precision="fp8_inexact") against dispatch and the exact wave dispatch: the FP8 operand rows
     bitwise expand_nvfp4_rows(result.x, precision="fp8_inexact") (CUDA kernel and torch reference) on every row of an
-    expert, the result (payload, layout, metadata) bitwise the plain one. No GEMM behind the FP8 wave dispatch."""
+    expert, the result (payload, layout, metadata) bitwise the plain one. (The GEMM behind an FP8 wave dispatch:
+    _wave_dispatch_matches_plain with precision="fp8_inexact".)"""
     plain = buf.dispatch(x, idx, weights)
     exact = buf.dispatch_waves(x, idx, weights, wave_sms=wave_sms)
     fp8 = buf.dispatch_waves(x, idx, weights, wave_sms=wave_sms, precision="fp8_inexact")
@@ -357,6 +359,16 @@ def _fp8_waves_worker(rank, world):
             empty = x[:0] if rank == 1 else x  # no tokens on rank 1 (the others still send)
             idx, weights = _routings(rank, empty.shape[0], device)[0][1:]
             out["dispatch"][f"{hidden}/rank1_empty"] = _fp8_wave_rows_match(buf, empty, idx, weights, 2)
+            # The FP8 w1 GEMM behind the FP8 wave receive: bitwise the plain dispatch + FP8 expansion + w1.
+            gen = torch.Generator().manual_seed(hidden)
+            local = EXPERTS // world
+            packed = moe.pack_weights(torch.randn(local, 2 * INTERMEDIATE, hidden, generator=gen).to(device),
+                                      torch.randn(local, hidden, INTERMEDIATE, generator=gen).to(device))
+            packed_w1 = gemm.pack_gemm_weights(packed.w1, swiglu=True)
+            for name, idx, weights in _routings(rank, num_tokens, device)[:2]:
+                for wave_sms in (3, buf.max_wave_sms):
+                    out["dispatch"][f"{hidden}/gemm/{name}/{wave_sms}"] = _wave_dispatch_matches_plain(
+                        buf, packed_w1, x, idx, weights, wave_sms, precision="fp8_inexact")
             # The backend refuses what Buffer.dispatch_waves refuses first.
             try:
                 buf._backend.dispatch_waves(x, *_routings(rank, num_tokens, device)[0][1:], 2, precision="fp16")

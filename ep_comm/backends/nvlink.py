@@ -1034,6 +1034,9 @@ class NVLinkBackend:
         rows, h = self.config.max_recv_rows, self.config.hidden
         if fp8 and h % 128:  # the FP8 mode's K granularity (the GEMM's E4M3 steps), also what the receive assumes
             raise ValueError(f"precision='fp8_inexact' needs hidden % 128 == 0, got hidden={h}")
+        if fp8 and not hasattr(_ext._C, "dispatch_waves_fp8"):
+            raise RuntimeError("dispatch_waves(precision='fp8_inexact') needs an ep_comm._C built with the FP8 wave "
+                               "receive (this one predates it): rebuild the extension")
         blocks = int(wave_blocks)
         if blocks < 1 or blocks > self.blocks["disp_recv_blocks"]:
             raise ValueError(f"wave_blocks must be in [1, {self.blocks['disp_recv_blocks']}] (the receive's block "
@@ -1044,7 +1047,8 @@ class NVLinkBackend:
         def launch(x, topk_idx, topk_weights, num_tokens, arena_ptr, stream):
             self._ctx.dispatch_arena_waves(x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype == torch.int64,
                                            topk_weights.data_ptr(), num_tokens, arena_ptr, values.data_ptr(),
-                                           row_factor.data_ptr(), self._wave_area.data_ptr(), blocks, stream, fp8)
+                                           row_factor.data_ptr(), self._wave_area.data_ptr(), blocks, stream,
+                                           **({"fp8": True} if fp8 else {}))  # a _C built before it runs the rest
         result = self._dispatch(x, topk_idx, topk_weights, launch)
         ticket = _WaveTicket(self, _ext.current_raw_stream(self.device))
         self._wave_ticket = ticket
