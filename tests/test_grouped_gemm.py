@@ -1212,9 +1212,16 @@ def test_kernel_combine_row_epilogue_matches_bf16_output_then_s2f6(shape, token_
     """The combine-row epilogue (out_type 2) against the bf16 epilogue followed by the S2F6 quantizer: every valid
     row's codes and scales, at its (rank, token, slot) row of the target, bitwise; every other byte untouched."""
     x, off, cnt, packed, _, mask = _gpu_case(shape, False, 16)
+    check_combine_rows_match_bf16_then_s2f6(x, off, cnt, packed, mask, token_tile, tail_tile,
+                                            seed=packed.out_features + 7)
+
+
+def check_combine_rows_match_bf16_then_s2f6(x, off, cnt, packed, mask, token_tile, tail_tile, seed: int) -> None:
+    """grouped_gemm_nvfp4_combine_rows into a local target against grouped_gemm_nvfp4's bf16 rows through the S2F6
+    quantizer: codes and scales bitwise at each valid row's (rank, token, slot) row; no other byte of the areas
+    written (also used by the FP8 mode's test)."""
     hidden = packed.out_features
-    target, areas, dest_rank, dest_row = _local_combine_target(mask, num_ranks=2, topk=3, hidden=hidden,
-                                                              seed=hidden + 7)
+    target, areas, dest_rank, dest_row = _local_combine_target(mask, num_ranks=2, topk=3, hidden=hidden, seed=seed)
     before = areas.clone()
     G.grouped_gemm_nvfp4_combine_rows(x, off, cnt, packed, target, token_tile=token_tile, tail_tile=tail_tile)
     bf16 = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.bfloat16, token_tile=token_tile,

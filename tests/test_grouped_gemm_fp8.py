@@ -207,23 +207,9 @@ def test_fp8_kernel_combine_row_epilogue_matches_bf16_output_then_s2f6(shape, to
     """The FP8 mode's combine-row epilogue (MoELayer's w2 with combine rows) against its bf16 epilogue followed by
     the S2F6 quantizer: the same tiles and k order, so every valid row's codes and scales bitwise, at its (rank,
     token, slot) row of the target; every other byte untouched."""
-    from test_grouped_gemm import _local_combine_target
+    from test_grouped_gemm import check_combine_rows_match_bf16_then_s2f6
     x, off, cnt, packed, _, mask = _fp8_case(shape, False, 16, seed=shape[2] + 5)
-    hidden = packed.out_features
-    target, areas, dest_rank, dest_row = _local_combine_target(mask, num_ranks=2, topk=3, hidden=hidden,
-                                                              seed=hidden + 9)
-    before = areas.clone()
-    G.grouped_gemm_nvfp4_combine_rows(x, off, cnt, packed, target, token_tile=token_tile, tail_tile=tail_tile)
-    bf16 = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.bfloat16, token_tile=token_tile,
-                                tail_tile=tail_tile, impl="cuda")
-    want = F.s2f6_quantize(bf16[mask], hadamard=True, sign_mask=target.sign_mask)
-    got = areas[dest_rank.cuda(), dest_row.cuda()]
-    assert torch.equal(got[:, :hidden], want.data.view(torch.uint8)), "codes differ"
-    scale_bytes = got[:, target.scale_offset:target.scale_offset + hidden // 32]
-    assert torch.equal(scale_bytes, want.scales.view(torch.uint8)), "scales differ"
-    written = torch.zeros(areas.shape[:2], dtype=torch.bool, device="cuda")
-    written[dest_rank.cuda(), dest_row.cuda()] = True
-    assert torch.equal(areas[~written], before[~written]), "rows that no valid row maps to were written"
+    check_combine_rows_match_bf16_then_s2f6(x, off, cnt, packed, mask, token_tile, tail_tile, seed=shape[1] + 9)
 
 
 @pytest.mark.gpu
