@@ -199,9 +199,12 @@ def _check_fused_inputs(tokens, expert_offsets, num_tokens_per_expert, w1, w2=No
 # kept w1 waiting: ~734 MB in ~3.8 ms), and the w1 grouped GEMM runs at ~610-640 TFLOP/s over 132 SMs.
 _SM_RECEIVE_BYTES_PER_S = 24e9
 _SM_W1_FLOPS = 620e12 / 132
+# The inexact FP8 mode's w1 (bench/RESULTS.md, fortieth and forty-first sessions: 790-802 TFLOP/s at 128 rows per
+# expert, 675-696 at routed ~256).
+_SM_W1_FLOPS_FP8 = 740e12 / 132
 
 
-def default_wave_sms(hidden: int, intermediate: int, num_sms: int) -> int:
+def default_wave_sms(hidden: int, intermediate: int, num_sms: int, precision: str = "exact") -> int:
     """The SMs a wave dispatch receive gets by default: enough to write rows twice as fast as the w1 GEMM consumes
     them on the other SMs, from the bytes and FLOPs per row.
 
@@ -209,12 +212,15 @@ def default_wave_sms(hidden: int, intermediate: int, num_sms: int) -> int:
     and writes it back plus its fp16 GEMM operand, 2H bytes, and two words); w1 costs 2 * H * 2I FLOPs per row.
     With per-SM rates r_receive and r_gemm (measured on H200), n receive SMs keep pace with num_sms - n GEMM SMs
     when n / (num_sms - n) >= (bytes / r_receive) / (flops / r_gemm); twice that n, clamped to [4, num_sms / 2].
-    DeepSeek-V3 shapes (H = 7168, I = 2048) on 132 SMs: 19. Sized for the exact mode's fp16 operand rows and
-    w1 rate; the FP8 mode (expert_precision="fp8_inexact") writes ~2.1 H bytes per row and its w1 runs ~1.9x faster,
-    which would call for ~24 SMs at those shapes: not measured on 2 GPUs, so MoELayer uses this default for both.
+    DeepSeek-V3 shapes (H = 7168, I = 2048) on 132 SMs: 19. precision "fp8_inexact" (the GEMM's FP8 mode): its
+    operand row is H bytes instead of 2H (~2.1 H of traffic per row) and its w1 is faster (the FP8 rate above): 16
+    at those shapes. (The receive's per-SM byte rate is the exact form's; the FP8 form was not measured on 2 GPUs.)
     """
-    receive_s = (3.125 * hidden + 28) / _SM_RECEIVE_BYTES_PER_S
-    gemm_s = 4.0 * hidden * intermediate / _SM_W1_FLOPS
+    if precision not in ("exact", "fp8_inexact"):
+        raise ValueError(f"precision must be 'exact' or 'fp8_inexact', got {precision!r}")
+    fp8 = precision == "fp8_inexact"
+    receive_s = ((2.125 if fp8 else 3.125) * hidden + 28) / _SM_RECEIVE_BYTES_PER_S
+    gemm_s = 4.0 * hidden * intermediate / (_SM_W1_FLOPS_FP8 if fp8 else _SM_W1_FLOPS)
     ratio = receive_s / gemm_s
     sms = math.ceil(2.0 * num_sms * ratio / (1.0 + ratio))
     return max(4, min(sms, num_sms // 2))
@@ -501,7 +507,7 @@ class MoELayer(torch.nn.Module):
         if self.waves:
             if wave_sms is None:
                 sms = torch.cuda.get_device_properties(device).multi_processor_count
-                wave_sms = default_wave_sms(cfg.hidden, weights.w2.shape[-1], sms)
+                wave_sms = default_wave_sms(cfg.hidden, weights.w2.shape[-1], sms, expert_precision)
             self.wave_sms = min(wave_sms, buffer.max_wave_sms)
         if expert_impl == "fused":
             from . import grouped_gemm  # imported here: the CPU-only package does not need it at import time

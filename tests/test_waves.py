@@ -29,6 +29,9 @@ def _weights(device):
 def test_default_wave_sms_follows_bytes_and_flops():
     # DeepSeek-V3 shapes on 132 SMs: the receive needs ~8% of the GEMM's time per row; twice that share of the SMs.
     assert moe.default_wave_sms(7168, 2048, 132) == 19
+    assert moe.default_wave_sms(7168, 2048, 132, "fp8_inexact") == 16  # fewer bytes per row, a faster w1
+    with pytest.raises(ValueError, match="precision"):
+        moe.default_wave_sms(7168, 2048, 132, "fp8")
     # A thinner expert (less GEMM work per received byte) needs more receive SMs; never more than half, never < 4.
     assert moe.default_wave_sms(7168, 256, 132) > moe.default_wave_sms(7168, 2048, 132)
     assert moe.default_wave_sms(7168, 16, 132) == 66
