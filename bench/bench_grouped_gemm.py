@@ -14,7 +14,8 @@ against the BF16 baseline's w1 + silu*mul + w2, and prints the passes between th
 
 Rows "ours_fp8" (skipped with --no-fp8): the opt-in inexact FP8 mode (grouped_gemm module docstring) on the same
 weights, its FP8 operand rows expanded outside the timed region like the exact ones (the `mlp` row of that mode
-includes its expansions), with the relative L2 of its fp32 output against the exact kernel's.
+includes its expansions), with the relative L2 of its fp32 output against the exact kernel's; for w2 also with the
+combine-row epilogue (token tile "combine-rows").
 
 Timing: CUDA events around a batch of --iters back-to-back calls after warm-up, median over --reps batches;
 each call streams all E experts' weights (2.1 GB NVFP4 for w1, far more than L2). "ours" calls
@@ -429,6 +430,16 @@ def run_case(spec: str, gemms, args, ceilings, notes: list, checks: list) -> lis
                 results.append(row_for(gemm.name, rows_per_expert, "ours", rows_ms, gemm.flops(rows),
                                        gemm.weight_bytes, ceilings, base, token_tile="combine-rows",
                                        note="RHT + S2F6 combine-row epilogue into a local area"))
+            fp8_rows_kernel = hasattr(_ext._C, "grouped_gemm_fp8_combine_rows_and_waves")
+            if args.fp8 and G.has_combine_rows_kernel() and fp8_rows_kernel:
+                x8 = G.expand_nvfp4_rows(nvfp4_rows[gemm.name], precision="fp8_inexact")
+                rows_ms = time_combine_rows(gemm, x8, offsets_t, counts_t, args.token_tile_list[0] or None,
+                                            args.iters, args.reps, checks=checks)
+                del x8
+                if rows_ms is not None:
+                    results.append(row_for(gemm.name, rows_per_expert, "ours_fp8", rows_ms, gemm.flops(rows),
+                                           gemm.weight_bytes, ceilings, base, token_tile="combine-rows",
+                                           note="inexact FP8 mode, combine-row epilogue into a local area"))
     flops = sum(g.flops(rows) for g in gemms)
     bytes_ours = sum(g.weight_bytes for g in gemms)
     bytes_bf16 = sum(g.experts * g.n * g.k * 2 for g in gemms)
