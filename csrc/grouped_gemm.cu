@@ -490,6 +490,14 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
   constexpr int kStages = G::kStages;
   constexpr int kAcc = kTile / 2;
   constexpr bool kPrefetchNextItem = !kCombineRows;
+  // The combine-row epilogue stages its output tile in the ring's first kTileSlots slots; the slots wholly past it
+  // take the next item's first kEarlyStages stages before the epilogue (the rest after it), so that less of the
+  // pipeline refill waits behind the epilogue (w2 at 128 rows per expert: the FP8 kernel's combine-row form cost
+  // 0.12 ms over its direct form without this, bench/RESULTS.md, forty-first session).
+  constexpr int kTileSlots =
+      kCombineRows ? (kTile * CombineTile<kWarpGroups>::kStride * 4 + G::kStageBytes - 1) / G::kStageBytes : 0;
+  constexpr int kEarlyStages =
+      !kCombineRows ? 0 : (kStages - kTileSlots < kStages - 1 ? kStages - kTileSlots : kStages - 1);
   static_assert(kTile <= kThreads, "thread t < kTile loads token t's epilogue factor (and combine-row address)");
   __shared__ WorkItem items[2];  // the item being multiplied and the next one (by item_seq parity)
   __shared__ __align__(16) float tile_factors[kTile];  // the epilogue's per-token factors (token_factor)
@@ -862,16 +870,34 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
                     "the combine tile must fit in the pipeline ring");
       cp_async::wait<0>();
       __syncthreads();  // also publishes tile_factors and tile_destinations
-      store_combine_rows<kTile, kWarpGroups>(args, acc, tile_factors, tile_destinations,
-                                             reinterpret_cast<float*>(smem), item);
-      // The next item's loads start now (find_tile's barrier orders this epilogue's ring reads before them).
-      start_next_item();
+      if constexpr (kEarlyStages > 0) {
+        // The whole ring is free now: the next item's first stages go into the slots past the staged tile (its
+        // stage 0 in slot kTileSlots), then the epilogue, then -- once every warp has read the tile -- the rest.
+        has_next = begin_next_item();
+        if (has_next) {
+          load_slot = kTileSlots;
+#pragma unroll
+          for (int s = 0; s < kEarlyStages; ++s) load_stage(s);
+        }
+        store_combine_rows<kTile, kWarpGroups>(args, acc, tile_factors, tile_destinations,
+                                               reinterpret_cast<float*>(smem), item);
+        if (has_next) {
+          __syncthreads();  // the staged tile's last reads, before its slots are refilled
+#pragma unroll
+          for (int s = kEarlyStages; s < kStages - 1; ++s) load_stage(s);
+        }
+      } else {
+        store_combine_rows<kTile, kWarpGroups>(args, acc, tile_factors, tile_destinations,
+                                               reinterpret_cast<float*>(smem), item);
+        // The next item's loads start now (find_tile's barrier orders this epilogue's ring reads before them).
+        start_next_item();
+      }
     } else {
       __syncthreads();  // publishes tile_factors
       store_rows<kTile, kWarpGroups>(args, acc, tile_factors, item);
     }
     if (!has_next) return;
-    slot = next_slot;
+    slot = kEarlyStages > 0 ? kTileSlots : next_slot;  // where the next item's stage 0 went
   }
 }
 
