@@ -479,8 +479,9 @@ __device__ __forceinline__ void store_rows(const GroupedGemmArgs& args, const fl
 // Next-item prefetch (direct epilogues): once an item's last wgmma is issued, every ring slot but the one it reads
 // is free, so the next item's first kStages - 1 stages are issued into them before the wgmma drains and the epilogue
 // runs: the next item's MMAs then start on landed data instead of after a pipeline fill. The main loop itself is
-// the same for every item (no cross-item logic per stage). The combine-row epilogue stages its tile in the ring, so
-// there the next item's loads start after the epilogue.
+// the same for every item (no cross-item logic per stage). The combine-row epilogue stages its tile in the ring's
+// first slots, so there the next item's first stages go into the slots past the tile before the epilogue and the rest
+// after it (one-CTA-per-SM shapes; the three-CTA shapes load all after it: kEarlyStages below).
 template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kCombineRows, bool kFp8>
 __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const RowSplit split, uint8_t* smem,
                                            TileCursor& cursor, const bool persistent,
