@@ -430,8 +430,7 @@ def run_case(spec: str, gemms, args, ceilings, notes: list, checks: list) -> lis
                 results.append(row_for(gemm.name, rows_per_expert, "ours", rows_ms, gemm.flops(rows),
                                        gemm.weight_bytes, ceilings, base, token_tile="combine-rows",
                                        note="RHT + S2F6 combine-row epilogue into a local area"))
-            fp8_rows_kernel = hasattr(_ext._C, "grouped_gemm_fp8_combine_rows_and_waves")
-            if args.fp8 and G.has_combine_rows_kernel() and fp8_rows_kernel:
+            if args.fp8 and G.has_combine_rows_kernel() and hasattr(_ext._C, "fp8_operand_forms"):
                 x8 = G.expand_nvfp4_rows(nvfp4_rows[gemm.name], precision="fp8_inexact")
                 rows_ms = time_combine_rows(gemm, x8, offsets_t, counts_t, args.token_tile_list[0] or None,
                                             args.iters, args.reps, checks=checks)

@@ -348,8 +348,6 @@ void register_formats(py::module_& m) {
         "num_rows_limit: 0 or a device int32 row count (rows past it are skipped); block_values (fp16) and "
         "row_factor (fp32): 4/6 straight into the grouped GEMM operand form instead of data/scales/amax_out "
         "(block_values_fp8: its inexact FP8 form, E4M3 bytes)");
-  // Marker: a _C built before the quantizer's FP8 operand form has no block_values_fp8 argument.
-  m.attr("nvfp4_quantize_fp8_rows") = true;
   m.def("formats_kernels_runnable", []() {
           const bool runnable = ep_comm::formats_kernel_image_status() == cudaSuccess;
           if (!runnable) cudaGetLastError();  // not sticky: leave no error for the next launch to report

@@ -131,10 +131,8 @@ void register_gemm(py::module_& m) {
         py::arg("sign_mask"), py::arg("abort_flag"),
         py::arg("stream"), py::arg("fp8") = false,
         "NVFP4 grouped GEMM (sm_90a) whose epilogue stores RHT + S2F6 combine rows (see ep_comm/grouped_gemm.py)");
-  // The inexact FP8 mode's markers: a _C built before it has no fp8 argument (ep_comm/grouped_gemm.py checks); one
-  // built before its combine-row and wave forms refuses those launches.
+  // The inexact FP8 mode's marker: a _C built before it has no fp8 argument (ep_comm/grouped_gemm.py checks).
   m.attr("grouped_gemm_fp8") = true;
-  m.attr("grouped_gemm_fp8_combine_rows_and_waves") = true;
   m.def("grouped_gemm_auto_token_tile", &ep_comm::grouped_gemm_auto_token_tile, py::arg("num_rows_total"),
         py::arg("num_experts"), "token tile the launcher picks for token_tile = 0");
 }

@@ -373,7 +373,6 @@ void register_nvlink(py::module_& m) {
       .def_property_readonly("comm_threads", &NvlinkContext::comm_threads);
   m.attr("nvlink_state_bytes") = py::int_(sizeof(NvlinkState));
   m.attr("wave_area_fixed_words") = py::int_(ep_comm::kWaveRowsDone);  // + one word per local expert
-  m.attr("dispatch_waves_fp8") = true;  // dispatch_arena_waves takes fp8 (a _C built before it does not)
   m.attr("nvlink_max_topk") = py::int_(kMaxTopk);
   m.attr("nvlink_buffer_tag_bits") = py::int_(kBufferTagBits);
   m.attr("nvlink_dispatch_epoch_bits") = py::int_(kDispatchEpochBits);

@@ -9,7 +9,6 @@
 //
 // Tried and measured slower on H200 (fourth session): a persistent grid that stages the next row group in
 // shared memory with cp.async while quantizing the current one (4/6 240 -> 299 us, plain 131 -> 175 us).
-#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <type_traits>
@@ -135,23 +134,16 @@ __device__ __forceinline__ void store_block_values(const uint32_t words[2], uint
 }
 
 // The grouped GEMM's inexact FP8 operand block (ep_comm/grouped_gemm.py, precision "fp8_inexact") of one NVFP4 block
-// (code words, scale byte): the E4M3 bytes (RNE, saturating) of e2m1 * scale * 2^-3 (exact in fp32 before the
-// rounding), stored column o holding column 2 (o / 4) + o % 2 + 8 ((o % 4) / 2): the order in which the GEMM's fp16
-// weight fragments feed wgmma's E4M3 steps (grouped_gemm.cu, convert_fp8). The expansion kernel and the quantizer's FP8
-// form both write it, so they give the same bits.
+// (code words, scale byte; qm::fp8_operand_pairs8), stored column o holding column 2 (o / 4) + o % 2 + 8 ((o % 4) / 2):
+// the order in which the GEMM's fp16 weight fragments feed wgmma's E4M3 steps (grouped_gemm.cu, convert_fp8). The
+// expansion kernel and the quantizer's FP8 form both write it.
 __device__ __forceinline__ uint4 fp8_operand_block(uint32_t word_lo, uint32_t word_hi, uint8_t scale_byte) {
-  const float scale = qm::e4m3_decode(scale_byte) * 0.125f;  // a power of two: exact
-  float y[16];
-  qm::e2m1x8_decode_scaled(word_lo, scale, y);
-  qm::e2m1x8_decode_scaled(word_hi, scale, y + 8);
-  uint32_t packed[4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {  // stored columns 4q .. 4q + 3 hold columns 2q, 2q + 1, 2q + 8, 2q + 9
-    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(y[2 * q], y[2 * q + 1]), __NV_SATFINITE, __NV_E4M3);
-    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(y[2 * q + 8], y[2 * q + 9]), __NV_SATFINITE, __NV_E4M3);
-    packed[q] = (lo & 0xFFFFu) | (hi << 16);
-  }
-  return make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  const float scale = qm::fp8_operand_scale(scale_byte);
+  uint32_t lo[4], hi[4];  // columns 2q, 2q + 1 and 2q + 8, 2q + 9
+  qm::fp8_operand_pairs8(word_lo, scale, lo);
+  qm::fp8_operand_pairs8(word_hi, scale, hi);
+  // stored columns 4q .. 4q + 3 hold columns 2q, 2q + 1, 2q + 8, 2q + 9
+  return make_uint4(lo[0] | (hi[0] << 16), lo[1] | (hi[1] << 16), lo[2] | (hi[2] << 16), lo[3] | (hi[3] << 16));
 }
 
 // kBlockValues: write args.block_values and args.row_factor instead of codes, scales and amax (4/6 only); kFp8Values:
@@ -219,15 +211,14 @@ __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::templa
   uint8_t* data_row = args.data + dst * args.data_row_stride;
   uint8_t* scale_row = args.scales + dst * args.scales_row_stride;
   // Block values: fp16 (2 bytes per element) or, FP8 form, E4M3 bytes.
-  constexpr bool fp8_values = kFp8Values;
   uint8_t* values_row =
-      static_cast<uint8_t*>(args.block_values) + dst * args.block_values_row_stride * (fp8_values ? 1 : 2);
+      static_cast<uint8_t*>(args.block_values) + dst * args.block_values_row_stride * (kFp8Values ? 1 : 2);
   if (threadIdx.x == 0) {
     // expand_nvfp4_rows' row factor: amax * fp32(1 / (6 M)), the constant rounded once from double as torch does
     // (times 8 in the FP8 form, exact: its values carry 2^-3).
     if (kBlockValues) {
       const float factor = qm::qm_mul(amax, static_cast<float>(1.0 / (6.0 * static_cast<double>(args.e4m3_max))));
-      args.row_factor[dst] = fp8_values ? factor * 8.0f : factor;
+      args.row_factor[dst] = kFp8Values ? factor * 8.0f : factor;
     } else if (args.amax_out != nullptr) {
       args.amax_out[dst] = amax;
     }
@@ -261,7 +252,7 @@ __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::templa
                                              &fast[i].scale);
         }
         if constexpr (kBlockValues) {
-          if constexpr (fp8_values) {
+          if constexpr (kFp8Values) {
             reinterpret_cast<uint4*>(values_row)[b] =
                 fp8_operand_block(fast[i].words[0], fast[i].words[1], fast[i].scale);
           } else {

@@ -16,7 +16,6 @@
 // the staging area. With direct self rows it skips this rank's own source (the send wrote those rows).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <stdexcept>
@@ -716,20 +715,15 @@ struct WaveStep {
 };
 
 // FP8 operand values of one half block (the lane's code word: 8 values), for the inexact FP8 mode: E4M3 (RNE,
-// satfinite) of e2m1 * scale * 2^-3, as nvfp4_expand_fp8_kernel (nvfp4.cu) computes them. Lanes 2i and 2i + 1 hold
+// satfinite) of e2m1 * scale * 2^-3 (qm::fp8_operand_pairs8, which nvfp4.cu's FP8 forms also build on). Lanes 2i and 2i + 1 hold
 // the low (columns 0..7) and high (8..15) half of one 16-column block (the caller's words are w0 + lane + 32 u with
 // w0 even). The stored block is in FP8_COLUMN_ORDER: bytes 4q..4q+3 hold columns 2q, 2q+1, 2q+8, 2q+9; the low lane
 // returns bytes 0..7 (columns 0..3 and 8..11) and the high lane bytes 8..15 (columns 4..7 and 12..15), so each sends
 // its partner the two pairs it does not keep in one 32-bit shuffle, and stores 8 contiguous bytes at 8 * word.
 // Every lane of the warp must call it (the shuffle), also lanes whose word is past the row.
 __device__ __forceinline__ uint2 wave_fp8_half_block(unsigned int code_word, unsigned char scale_byte, int lane) {
-  float y[8];
-  e2m1x8_decode_scaled(code_word, qm_mul(e4m3_decode(scale_byte), 0.125f), y);  // 2^-3: a power of two, exact
   unsigned int pair[4];  // E4M3 of this half's columns 2k (low byte) and 2k + 1
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    pair[k] = __nv_cvt_float2_to_fp8x2(make_float2(y[2 * k], y[2 * k + 1]), __NV_SATFINITE, __NV_E4M3);
-  }
+  fp8_operand_pairs8(code_word, fp8_operand_scale(scale_byte), pair);
   const bool high = (lane & 1) != 0;
   const unsigned int sent = high ? pair[0] | (pair[1] << 16) : pair[2] | (pair[3] << 16);
   const unsigned int got = __shfl_xor_sync(0xFFFFFFFFu, sent, 1);

@@ -278,6 +278,21 @@ QM_HD float e4m3_decode(uint8_t b) {
 #endif
 }
 
+// The grouped GEMM's inexact FP8 operand values of 8 NVFP4 elements (one code word; scale = fp8_operand_scale of the
+// block's E4M3 scale byte, decoded once per block): pairs[k] = the E4M3 bytes (RNE, saturating: e4m3x2_encode) of
+// e2m1 * scale * 2^-3 (exact in fp32 before the rounding) of elements 2k (low byte) and 2k + 1. The FP8 expansion, the
+// quantizer's FP8 form (nvfp4.cu) and the wave receive's FP8 rows (nvlink_dispatch.cu) build their column-permuted
+// blocks (grouped_gemm.py FP8_COLUMN_ORDER) from these, so they give the same bits.
+QM_HD float fp8_operand_scale(uint8_t scale_byte) {
+  return qm_mul(e4m3_decode(scale_byte), 0.125f);  // 2^-3: a power of two, exact
+}
+QM_HD void fp8_operand_pairs8(uint32_t code_word, float scale, uint32_t pairs[4]) {
+  float y[8];
+  e2m1x8_decode_scaled(code_word, scale, y);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) pairs[k] = e4m3x2_encode(y[2 * k], y[2 * k + 1]);
+}
+
 QM_HD void e4m3x2_decode(uint16_t pair, float& lo, float& hi) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
   uint32_t halves;

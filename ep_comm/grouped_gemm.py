@@ -651,7 +651,7 @@ def quantize_expanded_rows(x: torch.Tensor, amax: Optional[torch.Tensor] = None,
     fp8 = precision == "fp8_inexact"
     if _use_gemm_kernels(impl, x, "quantize_expanded_rows"):
         from . import _cuda_formats
-        if fp8 and not hasattr(_ext._C, "nvfp4_quantize_fp8_rows"):
+        if fp8 and not hasattr(_ext._C, "fp8_operand_forms"):
             raise RuntimeError(f"quantize_expanded_rows(precision='fp8_inexact'): {_STALE_BUILD}")
         values, row_factor = _cuda_formats.nvfp4_quantize_block_values(x, amax, num_rows_limit, fp8=fp8)
         return ExpandedRows(values=values, row_factor=row_factor, precision=precision)
@@ -745,7 +745,7 @@ def _check_fp8_kernel(weights: GemmWeights, what: str, needs_new_forms: bool) ->
     wave, the forms added after it)."""
     if weights.k % 128:
         raise ValueError(f"the FP8 kernel needs K % 128 == 0, got K = {weights.k}")
-    marker = "grouped_gemm_fp8_combine_rows_and_waves" if needs_new_forms else "grouped_gemm_fp8"
+    marker = "fp8_operand_forms" if needs_new_forms else "grouped_gemm_fp8"
     if not hasattr(_ext._C, marker):
         raise RuntimeError(f"{what} (FP8 mode): {_STALE_BUILD}")
 

@@ -285,7 +285,8 @@ def fused_expert_mlp(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor, 
     (what `Buffer.combine` reads). CUDA tensors on an sm_90 GPU only (else an error naming the reference path).
     precision: "exact" (default) or "fp8_inexact", the grouped GEMM's opt-in FP8 mode (grouped_gemm module
     docstring; H and I multiples of 128): both GEMMs on E4M3-rounded operands, the w2 input still quantized to
-    NVFP4 4/6 first (then expanded to FP8 rows). Its extra error is measured in bench/bench_grouped_gemm.py.
+    NVFP4 4/6 first (and written as FP8 rows by the quantizer). Its extra error is measured in
+    bench/bench_grouped_gemm.py.
     """
     _check_fused_inputs(tokens, expert_offsets, num_tokens_per_expert, w1, w2)
     if precision not in PRECISIONS:
@@ -293,15 +294,7 @@ def fused_expert_mlp(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor, 
     if precision == "fp8_inexact":
         if w1.k % 128 or w2.k % 128:
             raise ValueError(f"the FP8 mode needs H and I multiples of 128, got H = {w1.k}, I = {w2.k}")
-        return _fused_expert_mlp_fp8(tokens, expert_offsets, num_tokens_per_expert, w1, w2, token_tile)
-    hidden = _fused_expert_hidden(tokens, expert_offsets, num_tokens_per_expert, w1, token_tile)
-    return _expert_output(hidden, expert_offsets, num_tokens_per_expert, w2, token_tile)
-
-
-def _fused_expert_mlp_fp8(tokens, expert_offsets, num_tokens_per_expert, w1, w2, token_tile) -> torch.Tensor:
-    """fused_expert_mlp in the inexact FP8 mode (the w2 input in FP8 rows, then w2)."""
-    hidden = _fused_expert_hidden(tokens, expert_offsets, num_tokens_per_expert, w1, token_tile,
-                                  precision="fp8_inexact")
+    hidden = _fused_expert_hidden(tokens, expert_offsets, num_tokens_per_expert, w1, token_tile, precision=precision)
     return _expert_output(hidden, expert_offsets, num_tokens_per_expert, w2, token_tile)
 
 
@@ -489,8 +482,7 @@ class MoELayer(torch.nn.Module):
         self._expert_precision = expert_precision
         # The FP8 forms of the combine-row epilogue and of the wave receive need a _C built with them (a stale one
         # runs the FP8 mode without them, as before they existed).
-        fp8_forms = not fp8 or all(hasattr(_ext._C, marker) for marker in ("grouped_gemm_fp8_combine_rows_and_waves",
-                                                                           "dispatch_waves_fp8"))
+        fp8_forms = not fp8 or hasattr(_ext._C, "fp8_operand_forms")
         rows_possible = (expert_impl == "fused" and buffer.combine_rows_supported
                          and has_combine_rows_kernel() and fp8_forms)
         if combine_rows and not rows_possible:

@@ -1034,7 +1034,7 @@ class NVLinkBackend:
         rows, h = self.config.max_recv_rows, self.config.hidden
         if fp8 and h % 128:  # the FP8 mode's K granularity (the GEMM's E4M3 steps), also what the receive assumes
             raise ValueError(f"precision='fp8_inexact' needs hidden % 128 == 0, got hidden={h}")
-        if fp8 and not hasattr(_ext._C, "dispatch_waves_fp8"):
+        if fp8 and not hasattr(_ext._C, "fp8_operand_forms"):
             raise RuntimeError("dispatch_waves(precision='fp8_inexact') needs an ep_comm._C built with the FP8 wave "
                                "receive (this one predates it): rebuild the extension")
         blocks = int(wave_blocks)
