@@ -106,6 +106,10 @@ bench_formats() {
   say "bench: formats kernels (1 GPU)"
   CUDA_VISIBLE_DEVICES=0 timeout 120 python3 bench/bench_formats.py --out "$OUT/bench_formats.json" 2>&1 | tail -14 | tee -a "$log"
 }
+bench_router() {  # the router's FP32 logits + top-k against tensor-core forms of the same product (time, top-k agreement)
+  say "bench: router top-k forms (1 GPU)"
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 bench/bench_router.py --out "$OUT/bench_router.json" 2>&1 | tail -14 | tee -a "$log"
+}
 bench_formats_shapes() {  # NVFP4 quantize under each thread shape (tuning; ours only)
   for shape in ${QUANT_SHAPES:-wide occupancy narrow}; do
     say "bench: NVFP4 quantize, EP_COMM_NVFP4_QUANT_SHAPE=$shape"
