@@ -284,17 +284,21 @@ __device__ __forceinline__ float token_factor(const GroupedGemmArgs& args, const
 // values -- the layout of the NVLink combine send, whose bytes this reproduces. (Staging the bf16 / fp32 outputs the
 // same way, for 16-byte stores instead of column pairs, measured no faster for w2 and 4-5% slower for w1 on H200:
 // the direct stores below stay.)
-// Shared tile: FP32 [kTile][kWarpGroups * 64 + 4] (rows padded by 4 floats); float4 granule g of a row lives at
-// granule g ^ ((g >> 3) & 7), so that both the accumulator writes (16 consecutive columns of 4 token rows per
-// instruction, two per lane: the column pairs below) and the row reads (per instruction, the lanes of one token read
-// granules 4 apart) spread over the banks.
+// The tile holds the bf16 values the epilogue rounds to anyway (the combine row quantizes bf16(acc * factor), as the
+// bf16 epilogue followed by the combine send does): one pair conversion (cvt.rn.bf16x2.f32) and one 4-byte store per
+// column pair instead of two single conversions, two widenings and an 8-byte store, and half the shared memory, so
+// that more of the ring is free for the next item's early loads (kTileSlots in gemm_items).
+// Shared tile: bf16 [kTile][kWarpGroups * 64 + 8], rows 16-byte aligned (padded by 8 values: a row is an odd number of
+// 16-byte granules). Bank conflicts: the accumulator writes (per instruction, 4 token rows two apart x 8 lanes'
+// consecutive column pairs, 32 bytes per row) land 2 * row stride = 8 (mod 32) banks apart: all 32 banks. A lane's row
+// read is two 16-byte granules, 2k and 2k + 1 (k = its 16-column group); lanes with k % 8 >= 4 read the odd one first,
+// so that each 8-lane phase of a 16-byte load touches 8 different granules mod 8 (granule 2k mod 8 alone would repeat).
 template <int kWarpGroups>
 struct CombineTile {
-  static constexpr int kStride = kWarpGroups * 64 + 4;
-  static __device__ __forceinline__ int index(int token, int column) {
-    const int granule = column >> 2;
-    return token * kStride + ((granule ^ ((granule >> 3) & 7)) << 2) + (column & 3);
-  }
+  static constexpr int kStride = kWarpGroups * 64 + 8;  // bf16 values per row
+  static constexpr int kBytesPerRow = kStride * 2;
+  static_assert(kBytesPerRow % 16 == 0 && (kBytesPerRow / 16) % 2 == 1, "rows: an odd number of 16-byte granules");
+  static __device__ __forceinline__ int index(int token, int column) { return token * kStride + column; }
 };
 
 // Where row `row`'s combine row goes: bases[src_rank] + offset + (src_token * topk + topk_slot) * row_bytes (the
@@ -316,7 +320,8 @@ __device__ __forceinline__ uint64_t combine_row_address(const GroupedGemmArgs::C
 
 template <int kTile, int kWarpGroups>
 __device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, const float (&acc)[kTile / 2],
-                                                   const float* factors, const uint64_t* destinations, float* tile,
+                                                   const float* factors, const uint64_t* destinations,
+                                                   __nv_bfloat16* tile,
                                                    const WorkItem item) {
   using Tile = CombineTile<kWarpGroups>;
   const int warp_group = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
@@ -326,8 +331,7 @@ __device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, 
   // epilogue stores it. Columns c and c + 1 (c even) are adjacent in the tile (same float4 granule): one 8-byte store.
   const int column = 64 * warp_group + 16 * warp + 2 * (lane / 4);
   auto put2 = [&](int token, float lo, float hi) {
-    *reinterpret_cast<float2*>(tile + Tile::index(token, column)) =
-        make_float2(__bfloat162float(__float2bfloat16_rn(lo)), __bfloat162float(__float2bfloat16_rn(hi)));
+    *reinterpret_cast<__nv_bfloat162*>(tile + Tile::index(token, column)) = __floats2bfloat162_rn(lo, hi);
   };
 #pragma unroll
   for (int i = 0; i < kTile / 2; i += 4) {
@@ -352,13 +356,19 @@ __device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, 
   for (int t_base = (threadIdx.x / 32) * kTokensPerPass; t_base < kTile; t_base += kWarps * kTokensPerPass) {
     const int token = t_base + lane / kLanesPerToken;
     float v[16];
+    // The lane's two granules (columns local_column .. + 7 and + 8 .. + 15), the odd one first for k % 8 >= 4 (see
+    // CombineTile); each bf16 widens exactly (low half: shift, high half: mask).
+    const int first_half = (lane % kLanesPerToken) & 4 ? 1 : 0;
 #pragma unroll
-    for (int g = 0; g < 4; ++g) {
-      const float4 q = *reinterpret_cast<const float4*>(tile + Tile::index(token, local_column + 4 * g));
-      v[4 * g] = q.x;
-      v[4 * g + 1] = q.y;
-      v[4 * g + 2] = q.z;
-      v[4 * g + 3] = q.w;
+    for (int h = 0; h < 2; ++h) {
+      const int half = h ^ first_half;
+      const uint4 q = *reinterpret_cast<const uint4*>(tile + Tile::index(token, local_column + 8 * half));
+      const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        v[8 * half + 2 * w] = __uint_as_float(words[w] << 16);
+        v[8 * half + 2 * w + 1] = __uint_as_float(words[w] & 0xFFFF0000u);
+      }
     }
     uint8_t scale;
     const uint4 codes = s2f6_lane::quantize_lane16<true>(v, c.sign_mask, lane, &scale);  // whole warp
@@ -496,7 +506,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
   // pipeline refill waits behind the epilogue (w2 at 128 rows per expert: the FP8 kernel's combine-row form cost
   // 0.12 ms over its direct form without this, bench/RESULTS.md, forty-first session).
   constexpr int kTileSlots =
-      kCombineRows ? (kTile * CombineTile<kWarpGroups>::kStride * 4 + G::kStageBytes - 1) / G::kStageBytes : 0;
+      kCombineRows ? (kTile * CombineTile<kWarpGroups>::kBytesPerRow + G::kStageBytes - 1) / G::kStageBytes : 0;
   // Only for the one-CTA-per-SM shapes (tiles 64 / 128): with three CTAs per SM (tiles 16 / 32) the others' MMAs run
   // under one CTA's epilogue, and the early loads measured slower there in the one call that timed them (w2 at 16
   // rows per expert 0.413 against 0.386-0.391 ms in two earlier calls; bench/RESULTS.md, forty-first session).
@@ -870,7 +880,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
     if constexpr (kCombineRows) {
       // Every warpgroup takes part (spare ones stage columns >= n, which are not stored): the tile reuses the ring,
       // free once every copy has landed and every warpgroup's wgmma has retired.
-      static_assert(kTile * CombineTile<kWarpGroups>::kStride * 4 <= kStages * G::kStageBytes,
+      static_assert(kTile * CombineTile<kWarpGroups>::kBytesPerRow <= kStages * G::kStageBytes,
                     "the combine tile must fit in the pipeline ring");
       cp_async::wait<0>();
       __syncthreads();  // also publishes tile_factors and tile_destinations
@@ -884,7 +894,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
           for (int s = 0; s < kEarlyStages; ++s) load_stage(s);
         }
         store_combine_rows<kTile, kWarpGroups>(args, acc, tile_factors, tile_destinations,
-                                               reinterpret_cast<float*>(smem), item);
+                                               reinterpret_cast<__nv_bfloat16*>(smem), item);
         if (has_next) {
           __syncthreads();  // the staged tile's last reads, before its slots are refilled
 #pragma unroll
@@ -892,7 +902,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
         }
       } else {
         store_combine_rows<kTile, kWarpGroups>(args, acc, tile_factors, tile_destinations,
-                                               reinterpret_cast<float*>(smem), item);
+                                               reinterpret_cast<__nv_bfloat16*>(smem), item);
         // The next item's loads start now (find_tile's barrier orders this epilogue's ring reads before them).
         start_next_item();
       }
