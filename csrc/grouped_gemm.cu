@@ -355,20 +355,22 @@ __device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, 
   const bool stopped = c.abort != nullptr && *reinterpret_cast<const volatile unsigned int*>(c.abort) != 0u;
   for (int t_base = (threadIdx.x / 32) * kTokensPerPass; t_base < kTile; t_base += kWarps * kTokensPerPass) {
     const int token = t_base + lane / kLanesPerToken;
-    float v[16];
     // The lane's two granules (columns local_column .. + 7 and + 8 .. + 15), the odd one first for k % 8 >= 4 (see
-    // CombineTile); each bf16 widens exactly (low half: shift, high half: mask).
-    const int first_half = (lane % kLanesPerToken) & 4 ? 1 : 0;
+    // CombineTile), put back in order by selects (an index into v that depends on the lane would put v in local
+    // memory); each bf16 widens exactly (low half: shift, high half: mask).
+    const bool odd_first = ((lane % kLanesPerToken) & 4) != 0;
+    const __nv_bfloat16* row = tile + Tile::index(token, local_column);
+    const uint4 first = *reinterpret_cast<const uint4*>(row + (odd_first ? 8 : 0));
+    const uint4 second = *reinterpret_cast<const uint4*>(row + (odd_first ? 0 : 8));
+    const uint32_t words[8] = {odd_first ? second.x : first.x, odd_first ? second.y : first.y,
+                               odd_first ? second.z : first.z, odd_first ? second.w : first.w,
+                               odd_first ? first.x : second.x, odd_first ? first.y : second.y,
+                               odd_first ? first.z : second.z, odd_first ? first.w : second.w};
+    float v[16];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int half = h ^ first_half;
-      const uint4 q = *reinterpret_cast<const uint4*>(tile + Tile::index(token, local_column + 8 * half));
-      const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        v[8 * half + 2 * w] = __uint_as_float(words[w] << 16);
-        v[8 * half + 2 * w + 1] = __uint_as_float(words[w] & 0xFFFF0000u);
-      }
+    for (int w = 0; w < 8; ++w) {
+      v[2 * w] = __uint_as_float(words[w] << 16);
+      v[2 * w + 1] = __uint_as_float(words[w] & 0xFFFF0000u);
     }
     uint8_t scale;
     const uint4 codes = s2f6_lane::quantize_lane16<true>(v, c.sign_mask, lane, &scale);  // whole warp
