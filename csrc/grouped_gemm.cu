@@ -512,8 +512,12 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
   // Only for the one-CTA-per-SM shapes (tiles 64 / 128): with three CTAs per SM (tiles 16 / 32) the others' MMAs run
   // under one CTA's epilogue, and the early loads measured slower there in the one call that timed them (w2 at 16
   // rows per expert 0.413 against 0.386-0.391 ms in two earlier calls; bench/RESULTS.md, forty-first session).
-  // (kTileSlots >= 1, so at most kStages - 1 stages, what one fill loads.)
-  constexpr int kEarlyStages = !kCombineRows || kCtasPerSm > 1 ? 0 : kStages - kTileSlots;
+  // The FP8 form fills every free slot; the exact form leaves one of them for after the epilogue: with the bf16 tile
+  // (one slot more free than the fp32 tile it replaced), filling that slot too made the exact w2 3-4% slower at 128
+  // and routed ~256 rows per expert (tile 128: 2 of 3 stages early against 1), while the FP8 form gained 2-3% from it
+  // (4 of 5 against 2; bench/RESULTS.md, forty-second session). (kTileSlots >= 1, so at most kStages - 1 stages, what
+  // one fill loads.)
+  constexpr int kEarlyStages = !kCombineRows || kCtasPerSm > 1 ? 0 : kStages - kTileSlots - (kFp8 ? 0 : 1);
   static_assert(kTile <= kThreads, "thread t < kTile loads token t's epilogue factor (and combine-row address)");
   __shared__ WorkItem items[2];  // the item being multiplied and the next one (by item_seq parity)
   __shared__ __align__(16) float tile_factors[kTile];  // the epilogue's per-token factors (token_factor)
