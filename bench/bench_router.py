@@ -25,7 +25,9 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
+from bench_formats import time_ms  # noqa: E402  same directory: one timing method for the benchmarks
 from ep_comm.bench import run_metadata, strict_json  # noqa: E402
 from ep_comm.grouped_gemm import exact_fp32_matmuls  # noqa: E402
 
@@ -54,18 +56,8 @@ def split_tf32(w: torch.Tensor) -> torch.Tensor:
 
 
 def time_us(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
+    """Median of `iters` single calls between CUDA events (µs), after 3 warm-up calls."""
+    return time_ms(fn, 1, iters, warmup=3) * 1e3
 
 
 def main(argv=None) -> None:
