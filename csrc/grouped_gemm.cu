@@ -328,7 +328,7 @@ __device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, 
   const int weight_cta = item.weight_cta, valid_rows = item.valid_rows;
   // Accumulator i of this lane: column 64 * warp_group + 16 * warp + 2 * (lane / 4) + (i / 2) % 2 (the column-pair
   // row order of pack_gemm_weights), token 8 * (i / 4) + 2 * (lane % 4) + i % 2; rounded to bf16 here, as the bf16
-  // epilogue stores it. Columns c and c + 1 (c even) are adjacent in the tile (same float4 granule): one 8-byte store.
+  // epilogue stores it. Columns c and c + 1 (c even) are adjacent in the tile: one 4-byte store of the bf16 pair.
   const int column = 64 * warp_group + 16 * warp + 2 * (lane / 4);
   auto put2 = [&](int token, float lo, float hi) {
     *reinterpret_cast<__nv_bfloat162*>(tile + Tile::index(token, column)) = __floats2bfloat162_rn(lo, hi);
