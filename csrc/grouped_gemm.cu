@@ -1044,6 +1044,24 @@ int tuning_choice(const char* name, std::initializer_list<const char*> allowed) 
   return -1;
 }
 
+// The default CTA shape of each token tile, for the kernels that take no tuning override (the combine-row epilogue and
+// the FP8 mode): 2 warpgroups x 3 CTAs per SM for tiles 16 / 32, 4 x 1 for 64 / 128 and the exact mode's wide tile 144
+// (the FP8 mode has none: nullptr, as for any other tile).
+template <bool kCombineRows, bool kFp8>
+LaunchFn default_shape_kernel(int tile) {
+  constexpr int kBlocks = kFp8 ? 2 : kDefaultBlocksPerStage;  // an FP8 stage holds two k-blocks (Geometry)
+  switch (tile) {
+    case 16: return launch_tile<16, 2, 3, kBlocks, kCombineRows, kFp8>;
+    case 32: return launch_tile<32, 2, 3, kBlocks, kCombineRows, kFp8>;
+    case 64: return launch_tile<64, 4, 1, kBlocks, kCombineRows, kFp8>;
+    case 128: return launch_tile<128, 4, 1, kBlocks, kCombineRows, kFp8>;
+    case 144:
+      if constexpr (kFp8) return nullptr;
+      else return launch_tile<144, 4, 1, kBlocks, kCombineRows, kFp8>;
+    default: return nullptr;
+  }
+}
+
 // The kernel for one launch of a token tile, with the CTA shape chosen for it, or nullptr when a tuning override
 // names a shape without a compiled kernel. Warpgroups per CTA: 4 (256 weight rows, one CTA per SM, each token tile
 // read from L2 half as often) for token tiles of 64 and 128, where the MMA dominates; 2 with three CTAs per SM for
@@ -1058,42 +1076,14 @@ LaunchFn select_kernel(int tile, bool combine_rows, bool fp8) {
   static const int forced_warp_groups = tuning_choice("EP_COMM_GEMM_WARPGROUPS", {"2", "4"});
   static const int forced_small_cta = tuning_choice("EP_COMM_GEMM_SMALL_CTA", {"1x4", "2x2", "2x3", "4x1"});
   static const int forced_blocks_per_stage = tuning_choice("EP_COMM_GEMM_KBLOCKS_PER_STAGE", {"1", "2"});
-  if (combine_rows && fp8) {
-    // The FP8 mode's combine-row epilogue (MoELayer's w2 with expert_precision="fp8_inexact"): default shapes only.
-    switch (tile) {
-      case 16: return launch_tile<16, 2, 3, 2, true, true>;
-      case 32: return launch_tile<32, 2, 3, 2, true, true>;
-      case 64: return launch_tile<64, 4, 1, 2, true, true>;
-      case 128: return launch_tile<128, 4, 1, 2, true, true>;
-      default: return nullptr;
-    }
-  }
-  if (combine_rows) {
-    // The combine-row epilogue exists for the default shapes only (no tuning matrix): it ignores the tuning variables
-    // (read above, once per process), so a tuning run of the bf16 kernels (or a mistyped value) leaves MoELayer's w2
-    // working.
-    // (Only the test hook EP_COMM_GEMM_MAX_CTAS applies to it: launch_tile.)
-    switch (tile) {
-      case 16: return launch_tile<16, 2, 3, kDefaultBlocksPerStage, true>;
-      case 32: return launch_tile<32, 2, 3, kDefaultBlocksPerStage, true>;
-      case 64: return launch_tile<64, 4, 1, kDefaultBlocksPerStage, true>;
-      case 128: return launch_tile<128, 4, 1, kDefaultBlocksPerStage, true>;
-      case 144: return launch_tile<144, 4, 1, kDefaultBlocksPerStage, true>;
-      default: return nullptr;
-    }
-  }
+  // The combine-row epilogue exists for the default shapes only (no tuning matrix): it ignores the tuning variables
+  // (read above, once per process), so a tuning run of the bf16 kernels (or a mistyped value) leaves MoELayer's w2
+  // working. (Only the test hook EP_COMM_GEMM_MAX_CTAS applies to it: launch_tile.)
+  if (combine_rows) return fp8 ? default_shape_kernel<true, true>(tile) : default_shape_kernel<true, false>(tile);
   if (forced_warp_groups < 0 || forced_small_cta < 0 || forced_blocks_per_stage < 0) return nullptr;
-  if (fp8) {
-    // The inexact FP8 mode's direct epilogues (its combine-row kernels: above): the default shapes only. The tuning
-    // variables do not apply to it (a malformed one is still refused, above); neither does EP_COMM_GEMM_WIDE_TILE.
-    switch (tile) {
-      case 16: return launch_tile<16, 2, 3, 2, false, true>;
-      case 32: return launch_tile<32, 2, 3, 2, false, true>;
-      case 64: return launch_tile<64, 4, 1, 2, false, true>;
-      case 128: return launch_tile<128, 4, 1, 2, false, true>;
-      default: return nullptr;
-    }
-  }
+  // The inexact FP8 mode's direct epilogues: the default shapes only too. The tuning variables do not apply to it (a
+  // malformed one is still refused, above); neither does EP_COMM_GEMM_WIDE_TILE.
+  if (fp8) return default_shape_kernel<false, true>(tile);
   const int blocks_per_stage = forced_blocks_per_stage ? forced_blocks_per_stage : kDefaultBlocksPerStage;
   int shape = forced_warp_groups ? 10 * forced_warp_groups + 4 / forced_warp_groups : (tile <= 32 ? 23 : 41);
   if (tile <= 32 && forced_small_cta) shape = forced_small_cta;

@@ -547,11 +547,10 @@ class Buffer:
         """
         self._check_alive()
         # The precision first (an argument like any other, refused the same way on every backend and rank).
-        from .grouped_gemm import PRECISIONS
+        from .grouped_gemm import PRECISIONS, check_precision
         if not isinstance(precision, str):
             raise TypeError(f"precision must be a str, one of {PRECISIONS}, got {_type_name(precision)}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        check_precision(precision)
         if precision == "fp8_inexact" and self.config.hidden % 128:
             raise ValueError(f"precision='fp8_inexact' needs hidden % 128 == 0 (the FP8 mode's K granularity), this "
                              f"Buffer has hidden={self.config.hidden}")

@@ -79,6 +79,14 @@ THREADS_PER_TILE = 128  # one warpgroup
 K_STEPS = 4             # 16-column k-steps per k-block (one NVFP4 scale group each)
 TOKEN_TILES = (16, 32, 64, 128)
 PRECISIONS = ("exact", "fp8_inexact")
+
+
+def check_precision(precision, name: str = "precision") -> bool:
+    """Refuses a value that is not one of PRECISIONS (ValueError naming them); True for the inexact FP8 mode. The one
+    check behind every function and class that takes a precision."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"{name} must be one of {PRECISIONS}, got {precision!r}")
+    return precision == "fp8_inexact"
 # FP8 mode: stored column o of a 16-column group holds column FP8_COLUMN_ORDER[o] (module docstring): wgmma reads the
 # 4 bytes of A register a0 as columns 4t .. 4t + 3 of its 32-wide step, and the fp16 fragment they come from holds
 # columns 2t, 2t + 1, 2t + 8, 2t + 9 of the 16-column k-step (t = lane % 4).
@@ -588,8 +596,7 @@ def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Option
     docstring), values float8_e4m3fn [R, K], row_factor * 8 (CUDA kernel or torch ops, the same bits; impl and
     num_rows_limit as above). Opt-in: the E4M3 rounding loses precision (docs/GEMM.md).
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    check_precision(precision)
     _check_nvfp4(q)
     k = q.data.shape[-1] * 2
     if q.scales.dtype not in (torch.float8_e4m3fn, torch.uint8):
@@ -643,12 +650,10 @@ def quantize_expanded_rows(x: torch.Tensor, amax: Optional[torch.Tensor] = None,
         raise TypeError(f"amax must be a float32 tensor, got {getattr(amax, 'dtype', type(amax).__name__)}")
     if amax is not None and (amax.shape != x.shape[:1] or amax.device != x.device):
         raise ValueError(f"amax must be [{x.shape[0]}] on {x.device}, got {tuple(amax.shape)} on {amax.device}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    fp8 = check_precision(precision)
     _check_num_rows_limit(num_rows_limit, x.device)
     if check_amax and amax is not None:
         _check_amax_values(amax)
-    fp8 = precision == "fp8_inexact"
     if _use_gemm_kernels(impl, x, "quantize_expanded_rows"):
         from . import _cuda_formats
         if fp8 and not hasattr(_ext._C, "fp8_operand_forms"):

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from . import _ext, formats
 from .formats import _is_capturing
 from .buffer import Buffer
-from .grouped_gemm import (PRECISIONS, TOKEN_TILES, _check_kernel_row_order, _check_segments, _one_amax_per_expert,
-                           _check_weight_values, exact_fp32_matmuls, gemm_kernels_unavailable,
+from .grouped_gemm import (TOKEN_TILES, _check_kernel_row_order, _check_segments, _one_amax_per_expert,
+                           _check_weight_values, check_precision, exact_fp32_matmuls, gemm_kernels_unavailable,
                            has_combine_rows_kernel)
 
 
@@ -216,9 +216,7 @@ def default_wave_sms(hidden: int, intermediate: int, num_sms: int, precision: st
     operand row is H bytes instead of 2H (~2.1 H of traffic per row) and its w1 is faster (the FP8 rate above): 16
     at those shapes. (The receive's per-SM byte rate is the exact form's; the FP8 form was not measured on 2 GPUs.)
     """
-    if precision not in ("exact", "fp8_inexact"):
-        raise ValueError(f"precision must be 'exact' or 'fp8_inexact', got {precision!r}")
-    fp8 = precision == "fp8_inexact"
+    fp8 = check_precision(precision)
     receive_s = ((2.125 if fp8 else 3.125) * hidden + 28) / _SM_RECEIVE_BYTES_PER_S
     gemm_s = 4.0 * hidden * intermediate / (_SM_W1_FLOPS_FP8 if fp8 else _SM_W1_FLOPS)
     ratio = receive_s / gemm_s
@@ -289,9 +287,7 @@ def fused_expert_mlp(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor, 
     bench/bench_grouped_gemm.py.
     """
     _check_fused_inputs(tokens, expert_offsets, num_tokens_per_expert, w1, w2)
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision == "fp8_inexact":
+    if check_precision(precision):
         if w1.k % 128 or w2.k % 128:
             raise ValueError(f"the FP8 mode needs H and I multiples of 128, got H = {w1.k}, I = {w2.k}")
     hidden = _fused_expert_hidden(tokens, expert_offsets, num_tokens_per_expert, w1, token_tile, precision=precision)
@@ -470,9 +466,7 @@ class MoELayer(torch.nn.Module):
             if not supported and device.type == "cuda":
                 _ext.warn_once(f"MoELayer: using the reference expert path (FP32 torch matmuls): {why}")
         self.expert_impl = expert_impl
-        if expert_precision not in PRECISIONS:
-            raise ValueError(f"expert_precision must be one of {PRECISIONS}, got {expert_precision!r}")
-        fp8 = expert_precision == "fp8_inexact"
+        fp8 = check_precision(expert_precision, "expert_precision")
         if fp8:
             inter = weights.w2.shape[-1]
             if expert_impl != "fused" or cfg.hidden % 128 or inter % 128:

@@ -1024,13 +1024,11 @@ class NVLinkBackend:
         """dispatch() whose receive, on wave_blocks blocks, also writes the GEMM operand rows expert by expert and
         counts them in the wave area (see Buffer.dispatch_waves). precision: the rows' form, grouped_gemm.PRECISIONS
         ("fp8_inexact": E4M3 values [R, H], H % 128 == 0, as expand_nvfp4_rows(precision="fp8_inexact"))."""
-        from ..grouped_gemm import PRECISIONS, ExpandedRows
+        from ..grouped_gemm import ExpandedRows, check_precision
         if self.config.dispatch_format != "nvfp4":
             raise ValueError(f"waves need the NVFP4 dispatch format, this buffer dispatches "
                              f"{self.config.dispatch_format!r}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-        fp8 = precision == "fp8_inexact"
+        fp8 = check_precision(precision)
         rows, h = self.config.max_recv_rows, self.config.hidden
         if fp8 and h % 128:  # the FP8 mode's K granularity (the GEMM's E4M3 steps), also what the receive assumes
             raise ValueError(f"precision='fp8_inexact' needs hidden % 128 == 0, got hidden={h}")
