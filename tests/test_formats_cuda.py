@@ -153,14 +153,14 @@ def test_nvfp4_strided_rows_and_destination_rows():
 # ----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("hidden", HIDDEN_SIZES)
 @pytest.mark.parametrize("num_rows", ROW_COUNTS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_mxfp8_quantize(hidden, num_rows, dtype, rounding):
     x = _input("wide", num_rows, hidden, dtype, seed=hidden * 3 + num_rows)
     expected = F.mxfp8_quantize(x, rounding=rounding, seed=2**33 + 9, impl="reference")
     actual = F.mxfp8_quantize(x.to(DEVICE), rounding=rounding, seed=2**33 + 9, impl="cuda")
     assert_same_mx(_cpu_mx(actual), expected, "mxfp8")
-    for out_dtype in (torch.float32, torch.bfloat16):
+    for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert_same_floats(F.mxfp8_dequantize(actual, dtype=out_dtype, impl="cuda").cpu(),
                            F.mxfp8_dequantize(expected, dtype=out_dtype, impl="reference"), f"dequantize {out_dtype}")
 
@@ -346,7 +346,7 @@ def test_s2f6_dequantize_accumulate(hidden, num_terms, weighted, hadamard, index
     index[0] = -1
     weights = torch.rand(num_out, num_terms, generator=g) if weighted else None
     s_cuda = F.S2F6Tensor(s.data.to(DEVICE), s.scales.to(DEVICE), s.hadamard, s.sign_mask)
-    for out_dtype in (torch.bfloat16, torch.float32):
+    for out_dtype in (torch.bfloat16, torch.float32, torch.float16):
         expected = F.s2f6_dequantize_accumulate(s, index, weights, out_dtype=out_dtype, impl="reference")
         actual = F.s2f6_dequantize_accumulate(s_cuda, index.to(DEVICE), None if weights is None else weights.to(DEVICE),
                                               out_dtype=out_dtype, impl="cuda")
@@ -371,7 +371,7 @@ def test_s2f6_partial_segments_and_many_terms(hidden, num_terms):
     index[1, 30:36] = -1  # skipped terms on both sides of the first pass boundary
     index[2] = -1         # an output row with no terms at all
     weights = torch.rand(num_out, num_terms, generator=g)
-    for out_dtype in (torch.bfloat16, torch.float32):
+    for out_dtype in (torch.bfloat16, torch.float32, torch.float16):
         got = F.s2f6_dequantize_accumulate(actual, index.to(DEVICE), weights.to(DEVICE), out_dtype=out_dtype,
                                            impl="cuda")
         want = F.s2f6_dequantize_accumulate(expected, index, weights, out_dtype=out_dtype, impl="reference")
@@ -409,17 +409,23 @@ def test_edge_rows(dtype, hidden):
         expected = F.nvfp4_quantize(x, four_over_six=four_over_six, impl="reference")
         actual = F.nvfp4_quantize(xd, four_over_six=four_over_six, impl="cuda")
         assert_same_nvfp4(_cpu_nvfp4(actual), expected, f"nvfp4 edge 4/6={four_over_six}")
-        assert_same_floats(F.nvfp4_dequantize(actual, impl="cuda").cpu(), F.nvfp4_dequantize(expected), "nvfp4 deq")
+        for out in (torch.float32, torch.bfloat16, torch.float16):  # fp16: its own overflow to Inf and subnormal range
+            assert_same_floats(F.nvfp4_dequantize(actual, dtype=out, impl="cuda").cpu(),
+                               F.nvfp4_dequantize(expected, dtype=out), f"nvfp4 deq {out}")
     for rounding in ("nearest", "stochastic"):
         expected = F.mxfp8_quantize(x, rounding=rounding, seed=4, impl="reference")
         actual = F.mxfp8_quantize(xd, rounding=rounding, seed=4, impl="cuda")
         assert_same_mx(_cpu_mx(actual), expected, f"mxfp8 edge {rounding}")
-        assert_same_floats(F.mxfp8_dequantize(actual, impl="cuda").cpu(), F.mxfp8_dequantize(expected), "mx deq")
+        for out in (torch.float32, torch.bfloat16, torch.float16):
+            assert_same_floats(F.mxfp8_dequantize(actual, dtype=out, impl="cuda").cpu(),
+                               F.mxfp8_dequantize(expected, dtype=out), f"mx deq {out}")
     for hadamard in (True, False):
         expected = F.s2f6_quantize(x, hadamard=hadamard, impl="reference")
         actual = F.s2f6_quantize(xd, hadamard=hadamard, impl="cuda")
         assert_same_mx(_cpu_s2f6(actual), expected, f"s2f6 edge hadamard={hadamard}")
-        assert_same_floats(F.s2f6_dequantize(actual, impl="cuda").cpu(), F.s2f6_dequantize(expected), "s2f6 deq")
+        for out in (torch.float32, torch.bfloat16, torch.float16):
+            assert_same_floats(F.s2f6_dequantize(actual, dtype=out, impl="cuda").cpu(),
+                               F.s2f6_dequantize(expected, dtype=out), f"s2f6 deq {out}")
         index = torch.arange(x.shape[0])[:, None].repeat(1, 2)
         index[:, 1] = -1
         assert_same_floats(
@@ -464,7 +470,7 @@ def test_s2f6_accumulate_edge_rows_many_terms(hidden, hadamard, sign_mask):
     weights[6] = 3e38
     index[8, :3] = torch.tensor([6, 7, 10])  # +Inf row, -Inf row, a normal row
     weights[8, :3] = torch.tensor([0.0, -0.0, 1.0])
-    for out_dtype in (torch.float32, torch.bfloat16):
+    for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
         for w in (weights, None):
             want = F.s2f6_dequantize_accumulate(s, index, w, out_dtype=out_dtype, impl="reference")
             got = F.s2f6_dequantize_accumulate(s_cuda, index.to(DEVICE), None if w is None else w.to(DEVICE),

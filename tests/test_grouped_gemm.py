@@ -735,8 +735,9 @@ def test_gemm_on_a_gpu_other_than_hopper_falls_back_or_raises(monkeypatch):
 # ----------------------------------------------------------------------------------------------------------
 # GPU tier: the CUDA kernel against the reference
 # ----------------------------------------------------------------------------------------------------------
-# (experts, N, K); K = 192 and 64 give an odd number of 64-wide k-blocks (a partial last pipeline stage)
-SMALL_SHAPES = [(4, 128, 128), (3, 192, 256), (5, 256, 512), (2, 64, 192), (3, 128, 64)]
+# (experts, N, K); K = 192 and 64 give an odd number of 64-wide k-blocks (a partial last pipeline stage); 70 experts
+# make the kernels' tile scan (32 experts per warp pass, find_tile) take three passes and resume across them
+SMALL_SHAPES = [(4, 128, 128), (3, 192, 256), (5, 256, 512), (2, 64, 192), (3, 128, 64), (70, 64, 128)]
 BIG_SHAPE = (2, 4096, 7168)
 COUNT_PATTERN = [0, 1, 17, 130, 64, 255, 0, 3, 128, 31]
 
@@ -1214,6 +1215,40 @@ def test_kernel_combine_row_epilogue_matches_bf16_output_then_s2f6(shape, token_
     x, off, cnt, packed, _, mask = _gpu_case(shape, False, 16)
     check_combine_rows_match_bf16_then_s2f6(x, off, cnt, packed, mask, token_tile, tail_tile,
                                             seed=packed.out_features + 7)
+
+
+# Row factors that make whole rows special in the GEMM's output: NaN, zero, overflowing to +-Inf in bf16 (and in the
+# fp32 accumulator's product), and so small that the row is subnormal or zero in bf16.
+SPECIAL_ROW_FACTORS = (float("nan"), 0.0, 3.0e38, -3.0e38, 1.0e-38, 1.0e-42, float("inf"))
+
+
+def with_special_row_factors(x, mask):
+    """x with the SPECIAL_ROW_FACTORS on spread-out valid rows (and their negatives on some more): the rows the
+    combine-row epilogue's RHT + S2F6 must encode exactly as the S2F6 quantizer does. Returns (x', special rows)."""
+    valid = mask.nonzero().flatten().tolist()
+    step = max(1, len(valid) // (2 * len(SPECIAL_ROW_FACTORS)))
+    rows = valid[::step][:2 * len(SPECIAL_ROW_FACTORS)]
+    factor = x.row_factor.clone()
+    for i, row in enumerate(rows):
+        value = SPECIAL_ROW_FACTORS[i % len(SPECIAL_ROW_FACTORS)]
+        factor[row] = value if i < len(SPECIAL_ROW_FACTORS) else -value
+    return dataclasses.replace(x, row_factor=factor), rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("token_tile", [None, 16, 128])
+def test_kernel_combine_row_epilogue_special_rows(token_tile):
+    """The combine-row epilogue on rows that are NaN, zero, +-Inf, overflowing or subnormal after the outer scale:
+    bitwise the bf16 epilogue followed by the S2F6 quantizer (RHT included), as for finite rows."""
+    x, off, cnt, packed, _, mask = _gpu_case(SMALL_SHAPES[2], False, 16)
+    special, rows = with_special_row_factors(x, mask)
+    bf16 = G.grouped_gemm_nvfp4(special, off, cnt, packed, out_dtype=torch.bfloat16, token_tile=token_tile,
+                                impl="cuda").float()
+    picked = bf16[torch.tensor(rows, device="cuda")]
+    # The case does reach the special paths: NaN rows, infinite rows, all-zero rows.
+    assert bool(torch.isnan(picked).all(dim=1).any()) and bool(torch.isinf(picked).any())
+    assert bool((picked == 0).all(dim=1).any())
+    check_combine_rows_match_bf16_then_s2f6(special, off, cnt, packed, mask, token_tile, None, seed=31)
 
 
 def check_combine_rows_match_bf16_then_s2f6(x, off, cnt, packed, mask, token_tile, tail_tile, seed: int) -> None:

@@ -144,7 +144,7 @@ def test_fp8_refusals():
 # ----------------------------------------------------------------------------------------------------------
 # The kernel (GPU)
 # ----------------------------------------------------------------------------------------------------------
-FP8_SHAPES = [(4, 128, 128), (3, 192, 256), (5, 256, 512), (2, 1024, 7168)]
+FP8_SHAPES = [(4, 128, 128), (3, 192, 256), (5, 256, 512), (2, 1024, 7168), (70, 128, 128)]  # 70: three scan passes
 FP8_COUNTS = [0, 1, 17, 130, 64, 255, 3, 128, 31, 40]
 
 
@@ -210,6 +210,17 @@ def test_fp8_kernel_combine_row_epilogue_matches_bf16_output_then_s2f6(shape, to
     from test_grouped_gemm import check_combine_rows_match_bf16_then_s2f6
     x, off, cnt, packed, _, mask = _fp8_case(shape, False, 16, seed=shape[2] + 5)
     check_combine_rows_match_bf16_then_s2f6(x, off, cnt, packed, mask, token_tile, tail_tile, seed=shape[1] + 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("token_tile", [None, 16, 128])
+def test_fp8_kernel_combine_row_epilogue_special_rows(token_tile):
+    """The FP8 mode's combine-row epilogue on NaN, zero, +-Inf, overflowing and subnormal rows (row factors of
+    test_grouped_gemm.SPECIAL_ROW_FACTORS): bitwise its bf16 epilogue followed by the S2F6 quantizer."""
+    from test_grouped_gemm import check_combine_rows_match_bf16_then_s2f6, with_special_row_factors
+    x, off, cnt, packed, _, mask = _fp8_case((5, 256, 512), False, 16, seed=517)
+    special, _ = with_special_row_factors(x, mask)
+    check_combine_rows_match_bf16_then_s2f6(special, off, cnt, packed, mask, token_tile, None, seed=33)
 
 
 @pytest.mark.gpu

@@ -275,8 +275,18 @@ def _combine_rows_checks(buf, router, packed, x, rank):
     expected = buf.combine(layer.experts(result), result.handle, local_reduce=False)
     got = layer.experts_and_combine_rows(result)
     again = layer.experts_and_combine_rows(result)
+    # Masked top-k slots (-1; the router never masks, a caller may): every third token's second slot, and the first
+    # token entirely -- its output row must be zero, as combine's.
+    masked_idx = topk_idx.clone()
+    masked_idx[::3, 1 % masked_idx.shape[1]] = -1
+    masked_idx[:1] = -1
+    masked = buf.dispatch(x, masked_idx, topk_weights)
+    masked_expected = buf.combine(layer.experts(masked), masked.handle, local_reduce=False)
+    masked_got = layer.experts_and_combine_rows(masked)
     torch.cuda.synchronize()
     return {"equal_to_combine": torch.equal(got.view(torch.int16), expected.view(torch.int16)),
+            "masked_equal_to_combine": torch.equal(masked_got.view(torch.int16), masked_expected.view(torch.int16))
+            and (x.shape[0] == 0 or not bool(masked_got[0].any())),
             "deterministic": torch.equal(got.view(torch.int16), again.view(torch.int16)),
             "graph_equal": _graph_replay_matches_eager(layer, x, rank), "y": layer(x).cpu(),
             "misuse_refused": _combine_rows_misuse_refused(buf, result, x, topk_idx, topk_weights, expected,
@@ -740,6 +750,7 @@ def check_gpu_moe_result(result, nvlink_expected):
     if result["expert_impl"] == "fused" and result["backend"] == "nvlink":
         assert result["layer_combine_rows"], result  # the default where it can run
         assert rows["equal_to_combine"] and rows["deterministic"] and rows["graph_equal"], rows
+        assert rows["masked_equal_to_combine"], rows
         assert rows["misuse_refused"], rows
         assert rows["vs_oracle"] < 1e-2, rows
 

@@ -214,6 +214,9 @@ def versus_reference_worker(rank, world, direct_self_min_tokens=None):
         (2048, "nvfp4", "s2f6", 1, "uniform", 8 * world, 1),
         # experts at the ranks' range edges (the layout's same-rank test); case 18, so no rank is left empty
         (2048, "nvfp4", "s2f6", 1, "rank_edges", 16 * world, 8),
+        # row sections whose byte counts are 2 (mod 4): the receive copies them 2 bytes at a time (copy_section)
+        (2080, "nvfp4", "s2f6", 16, "masked", 4 * world, 4),  # 130 NVFP4 scale bytes
+        (192, "mxfp8", "bf16", 1, "uniform", 8 * world, 2),    # 6 MXFP8 scale bytes
     ]
     summary = []
     for case_id, (hidden, dfmt, cfmt, align, routing, experts, topk) in enumerate(cases):

@@ -10,6 +10,7 @@ from ep_comm import grouped_gemm as gemm
 from ep_comm import moe
 from harness import auto_backend, multigpu_backend, run_ranks
 from test_moe import _graph_replay_matches_eager  # the whole layer captured once, replayed on new inputs
+from test_nvlink import _make_inputs  # tokens with special values (zeros, subnormals, near-max, Inf, NaN)
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOPK = 256, 128, 8, 3  # H and I multiples of 64 (the fused GEMM)
 
@@ -184,6 +185,12 @@ def _wave_dispatch_matches_plain(buf, packed_w1, x, idx, weights, wave_sms, prec
     return checks
 
 
+def _edge_tokens(rank, world, num_tokens, hidden):
+    """bf16 [T, H] on this rank's GPU whose first rows hold the special values of test_nvlink._make_inputs(edge=True):
+    +0, -0, subnormals, near the bf16 maximum, scattered +-Inf and NaN, an outlier among tiny values."""
+    return _make_inputs(rank, num_tokens, hidden, EXPERTS, TOPK, "uniform", world, seed=hidden + 7, edge=True)[0]
+
+
 def _waves_worker(rank, world):
     device = torch.device("cuda", torch.cuda.current_device())
     w1, w2, router = _weights(device)
@@ -208,6 +215,10 @@ def _waves_worker(rank, world):
         empty = x[:0] if rank == 1 else x
         idx, weights = _routings(rank, empty.shape[0], device)[0][1:]
         dispatch_checks["rank1_empty"] = _wave_dispatch_matches_plain(buf, packed_w1, empty, idx, weights, 2)
+        # Special token values through the wave receive and the wave GEMM.
+        edge_x = _edge_tokens(rank, world, num_tokens, HIDDEN)
+        for name, idx, weights in _routings(rank, num_tokens, device)[::2]:
+            dispatch_checks[f"edge/{name}"] = _wave_dispatch_matches_plain(buf, packed_w1, edge_x, idx, weights, 3)
         out["dispatch"] = dispatch_checks
 
         layers = {}
@@ -362,6 +373,9 @@ def _fp8_waves_worker(rank, world):
             empty = x[:0] if rank == 1 else x  # no tokens on rank 1 (the others still send)
             idx, weights = _routings(rank, empty.shape[0], device)[0][1:]
             out["dispatch"][f"{hidden}/rank1_empty"] = _fp8_wave_rows_match(buf, empty, idx, weights, 2)
+            edge_x = _edge_tokens(rank, world, num_tokens, hidden)  # special token values
+            for name, idx, weights in _routings(rank, num_tokens, device)[::2]:
+                out["dispatch"][f"{hidden}/edge/{name}"] = _fp8_wave_rows_match(buf, edge_x, idx, weights, 3)
             # The FP8 w1 GEMM behind the FP8 wave receive: bitwise the plain dispatch + FP8 expansion + w1.
             gen = torch.Generator().manual_seed(hidden)
             local = EXPERTS // world
@@ -372,6 +386,9 @@ def _fp8_waves_worker(rank, world):
                 for wave_sms in (3, buf.max_wave_sms):
                     out["dispatch"][f"{hidden}/gemm/{name}/{wave_sms}"] = _wave_dispatch_matches_plain(
                         buf, packed_w1, x, idx, weights, wave_sms, precision="fp8_inexact")
+            idx, weights = _routings(rank, num_tokens, device)[0][1:]
+            out["dispatch"][f"{hidden}/gemm/edge"] = _wave_dispatch_matches_plain(
+                buf, packed_w1, edge_x, idx, weights, 3, precision="fp8_inexact")
             # The backend refuses what Buffer.dispatch_waves refuses first.
             try:
                 buf._backend.dispatch_waves(x, *_routings(rank, num_tokens, device)[0][1:], 2, precision="fp16")
