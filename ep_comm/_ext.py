@@ -19,6 +19,9 @@ except ImportError as error:  # pragma: no cover - depends on the build
 
 
 def cuda_extension_available() -> bool:
+    """Whether the C++/CUDA core `ep_comm._C` was built and imports (needed by the nvlink backend and the CUDA
+    kernels; without it the reference backend and the torch formats still work). `cuda_extension_error()` says
+    why not."""
     return _C is not None
 
 

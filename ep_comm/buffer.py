@@ -92,8 +92,8 @@ class Buffer:
             imports on every rank -- then without a peer check of its own: a region NVSHMEM cannot map raises from
             Buffer() -- or every rank's GPUs are CUDA peers; else reference, with a warning that says why; on a gloo
             (CPU) group reference, without a warning: there are no GPUs to connect), "reference" or "nvlink".
-        expert_alignment: expert segments start at multiples of this (e.g. 128 for GEMM tiles).
-        num_sms: blocks (SMs) of the nvlink BF16 and MXFP8 dispatch sends (the NVLink-bound kernels).
+        expert_alignment: expert segments start at multiples of this (default 1; e.g. 128 for GEMM tiles).
+        num_sms: blocks (SMs) of the nvlink BF16 and MXFP8 dispatch sends (the NVLink-bound kernels; default 24).
         num_local_sms: blocks of every other nvlink kernel -- the NVFP4 quantize-and-send, whose 4/6 quantization
             dominates, the receive/expansion, the combine reduction-and-send and the combine receive (0 = all SMs of
             the device).
@@ -245,7 +245,12 @@ class Buffer:
     def get_buffer_size_hint(*, hidden: int, num_experts: int, num_topk: int, max_tokens_per_rank: int,
                              world_size: int, dispatch_format: str = "nvfp4", combine_format: str = "s2f6",
                              expert_alignment: int = 1, backend: str = "nvlink") -> BufferSizes:
-        """Bytes a backend needs for these bounds, before any Buffer exists (no process group needed)."""
+        """Bytes a backend needs for these bounds, before any Buffer exists (no process group needed).
+
+        Arguments as `Buffer` (world_size: the ranks of the group), and backend: "nvlink" (default: the symmetric
+        areas, layout and expert-major outputs) or "reference" (only the expert-major outputs; no symmetric memory).
+        Returns `types.BufferSizes` (dispatch_recv_bytes, combine_recv_bytes, layout_bytes, expert_layout_bytes,
+        total_symmetric_bytes; see its docstring)."""
         config = BufferConfig(hidden=hidden, num_experts=num_experts, num_topk=num_topk,
                               max_tokens_per_rank=max_tokens_per_rank, world_size=world_size,
                               dispatch_format=dispatch_format, combine_format=combine_format,
@@ -471,10 +476,10 @@ class Buffer:
                              done_event=None, expand: bool = True) -> None:
         """What every dispatch checks before its kernels: a live Buffer, no autograd, valid inputs, arguments and
         streams -- all inside the ranks' agreement (_validate_together), so that a bad argument on one rank raises
-        on every rank instead of misaligning their collectives."""
-        self._check_alive()
+        on every rank instead of misaligning their collectives (a Buffer destroyed on one rank only included)."""
 
         def validate():
+            self._check_alive()
             if not isinstance(expand, bool):
                 raise TypeError(f"expand must be a bool, got {_type_name(expand)}")
             if check_inputs is not None and not isinstance(check_inputs, bool):
@@ -507,8 +512,8 @@ class Buffer:
                                   f"wait until their timeout", RuntimeWarning, stacklevel=3)
                 raise
             return
-        if self.backend != "reference" or _is_capturing():
-            validate()
+        if self.backend != "reference" or _is_capturing() or (self._destroyed and not dist.is_initialized()):
+            validate()  # (a destroyed Buffer whose process group is gone too: no peer left to tell)
             return
         error = None
         try:
@@ -596,9 +601,9 @@ class Buffer:
             bfloat16 [T, H]: sum over the token's unmasked slots of weight * expert output (S2F6 mode:
             through RHT + S2F6 on the wire, summed in FP32, inverse RHT once).
         """
-        self._check_alive()
 
         def validate():
+            self._check_alive()  # inside the agreement, as for dispatch
             if not isinstance(local_reduce, bool):  # checked here: every rank raises together (a None would not)
                 raise TypeError(f"local_reduce must be a bool, got {_type_name(local_reduce)}")
             self._validate_combine(expert_out, handle)

@@ -340,6 +340,8 @@ def _unpack_e2m1_codes(data: torch.Tensor) -> torch.Tensor:
 
 @_keeps_subnormals
 def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (any integer tensor; the low 4 bits of each element: sign bit 3, magnitude code bits 0-2) -> their
+    values as float32, same shape: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (code 8 is -0.0)."""
     table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=code.device)
     return table[code.to(torch.int64) & 0xF]
 
@@ -432,7 +434,13 @@ def rbits(seed: int, index: torch.Tensor) -> torch.Tensor:
     One fmix32 word per pair of elements: pair p = index >> 1, word = fmix32((p mod 2^32) ^ fmix32((p >> 32) ^ key));
     the even element takes the word's low 16 bits, the odd one its high 16 bits. The index is taken as an unsigned
     64-bit value (a negative one as itself mod 2^64), as the CUDA kernels and the host emulation do.
+    seed: int in [0, 2^64) (as mxfp8_quantize takes it); index: an integer tensor of any shape (the result's shape).
     """
+    seed = _check_seed(seed)
+    if not isinstance(index, torch.Tensor) or index.is_floating_point() or index.is_complex() or \
+            index.dtype == torch.bool:
+        raise TypeError("index must be an integer tensor, got " +
+                        (str(index.dtype) if isinstance(index, torch.Tensor) else type(index).__name__))
     index = index.to(torch.int64)
     key = sr_key(seed)
     pair = (index >> 1) & 0x7FFFFFFFFFFFFFFF  # the unsigned shift: int64's >> copies the sign bit
@@ -660,7 +668,8 @@ def _nvfp4_dequantize_reference(q: NVFP4Tensor) -> torch.Tensor:
 @torch.no_grad()  # quantization is not differentiable here: no graph kept behind the result
 @_keeps_subnormals
 def mxfp8_quantize(x: torch.Tensor, rounding: str = "nearest", seed: int = 0, impl: str = "auto") -> MXFP8Tensor:
-    """Quantize x [..., K] (K % 32 == 0) to MXFP8: E4M3 elements, UE8M0 scale per 32 (NVIDIA rule).
+    """Quantize x [..., K] (K % 32 == 0; bfloat16, float16 or float32) to MXFP8: E4M3 elements, UE8M0 scale per 32
+    (NVIDIA rule). Returns MXFP8Tensor(data float8_e4m3fn [..., K], scales float8_e8m0fnu [..., K / 32]).
 
     rounding: "nearest" (RNE) or "stochastic" (counter-based random bits from (seed, flat element index);
         the same seed gives the same bits on CPU and GPU; clamped to +-448 before rounding, unbiased to
@@ -700,7 +709,8 @@ def _mxfp8_quantize_reference(xf: torch.Tensor, rounding: str, seed: int,
 @torch.no_grad()  # as the quantizers: not differentiable on either path (the kernel's output has no grad_fn)
 @_keeps_subnormals
 def mxfp8_dequantize(m: MXFP8Tensor, dtype: torch.dtype = torch.float32, impl: str = "auto") -> torch.Tensor:
-    """MXFP8Tensor -> dense [..., K] in `dtype`."""
+    """MXFP8Tensor (data float8_e4m3fn [..., K], scales float8_e8m0fnu [..., K / 32]) -> dense [..., K] in `dtype`
+    (float32, bfloat16 or float16): element * 2^(scale - 127), computed in fp32, then rounded."""
     _check_mxfp8(m)
     _check_out_dtype(dtype)
     if _use_cuda(impl, m.data):
@@ -778,7 +788,9 @@ def _fwht32_scaled(v: torch.Tensor) -> torch.Tensor:
 
 @_keeps_subnormals
 def rht(x: torch.Tensor, sign_mask: int = DEFAULT_SIGN_MASK) -> torch.Tensor:
-    """Random Hadamard transform on each aligned 32-chunk of the last axis: y = H32 (s * x) / sqrt(32). fp32 out."""
+    """Random Hadamard transform on each aligned 32-chunk of the last axis: y = H32 (s * x) / sqrt(32).
+    x: bfloat16, float16 or float32 [..., K], K % 32 == 0; returns float32 [..., K]. s_j = -1 where bit j of
+    sign_mask is set."""
     _check_float_input(x, "x", MX_BLOCK)
     xf = x.float()
     chunks = xf.reshape(*xf.shape[:-1], xf.shape[-1] // 32, 32) * _signs(sign_mask, x.device)
@@ -787,7 +799,8 @@ def rht(x: torch.Tensor, sign_mask: int = DEFAULT_SIGN_MASK) -> torch.Tensor:
 
 @_keeps_subnormals
 def inverse_rht(y: torch.Tensor, sign_mask: int = DEFAULT_SIGN_MASK) -> torch.Tensor:
-    """Inverse of `rht`: x = s * (H32 y) / sqrt(32). fp32 out."""
+    """Inverse of `rht`: x = s * (H32 y) / sqrt(32). y: bfloat16, float16 or float32 [..., K], K % 32 == 0; returns
+    float32 [..., K]."""
     _check_float_input(y, "y", MX_BLOCK)
     yf = y.float()
     chunks = _fwht32_scaled(yf.reshape(*yf.shape[:-1], yf.shape[-1] // 32, 32))

@@ -610,6 +610,9 @@ class MoELayer(torch.nn.Module):
         return self.buffer.combine(out, result.handle)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: bfloat16 [T, hidden] on this rank's device (T <= the Buffer's max_tokens_per_rank; T may differ per rank,
+        0 included). Returns bfloat16 [T, hidden]: route (FP32 logits, top-k, softmax) -> dispatch -> expert MLP ->
+        combine, as the class docstring describes. Collective: every rank of the Buffer's group calls it."""
         # Checked before routing (the router's matmul would fail first, on this rank only); on the reference backend the
         # ranks agree on the outcome, so a bad x on one rank raises on every rank.
         self.buffer._validate_together(lambda: self._check_input(x), "MoELayer forward")

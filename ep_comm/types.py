@@ -47,7 +47,7 @@ class BufferConfig:
         padding rows are zero and carry src_rank = src_token = -1, weight 0.
     dispatch_format / combine_format: wire formats ("nvfp4" | "mxfp8" | "bf16", "s2f6" | "bf16").
     rht_sign_mask: 32-bit sign vector of the combine RHT (bit i set -> sign -1 on element i of each chunk).
-    num_sms: blocks (one per SM) of the fast backend's BF16 and MXFP8 dispatch sends (<= 24 by default policy).
+    num_sms: blocks (one per SM) of the fast backend's BF16 and MXFP8 dispatch sends (default 24; 1 .. 4096).
     num_local_sms: blocks of the fast backend's HBM-heavy local phases (dispatch receive/expansion, combine
         reduction and receive; also the NVFP4 dispatch send, whose 4/6 quantization is local compute);
         0 (default) = every SM of the device (the minimum over the ranks, so all ranks agree).
@@ -101,8 +101,10 @@ class BufferConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {type_name(value)} {value!r}")
-        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
-                or not math.isfinite(self.timeout_s) or not 1e-3 <= self.timeout_s <= 1e9):
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)):
+            raise TypeError(f"timeout_s must be a number of seconds (int or float), got {type_name(self.timeout_s)} "
+                            f"{self.timeout_s!r}")
+        if not math.isfinite(self.timeout_s) or not 1e-3 <= self.timeout_s <= 1e9:
             # (The kernels count it in 64-bit nanoseconds and the gloo waits take a timedelta: both overflow far
             # beyond 1e9 s; below 1 ms every wait that is not already satisfied would time out.)
             raise ValueError(f"timeout_s must be a number of seconds in [0.001, 1e9], got {self.timeout_s!r}")

@@ -284,6 +284,19 @@ def errors_worker(rank: int, world: int, backend: str = "reference", device_kind
         _expect(ValueError, "reference backend over" if last else f"rejected on rank(s) [{world - 1}]",
                 lambda: buf.combine(meta_out, mixed.handle))
         assert buf.dispatch(x, idx, w).num_rows == mixed.num_rows
+        # A Buffer destroyed on one rank only (a program error): that rank says so, the others raise at once instead
+        # of waiting out timeout_s in the agreement.
+        lone = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8,
+                              backend=backend)
+        lone_result = lone.dispatch(x, idx, w)
+        if last:
+            lone.destroy()
+        for call in (lambda: lone.dispatch(x, idx, w),
+                     lambda: lone.combine(torch.zeros(lone_result.num_rows, hidden, dtype=torch.bfloat16,
+                                                      device=device), lone_result.handle)):
+            _expect(RuntimeError if last else ValueError, "destroyed" if last else f"rejected on rank(s) [{world - 1}]",
+                    call)
+        lone.destroy()
     # Without the check, ids outside [0, E) are masked slots (as on nvlink): the same result as -1 there.
     unchecked = ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8,
                                backend=backend, check_inputs=False)

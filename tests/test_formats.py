@@ -208,6 +208,13 @@ def test_rbits_reference_values():
         assert F.rbits(seed, torch.tensor(index)).tolist() == [_rbits_plain(seed, i) for i in index], seed
     high = F.rbits(0, torch.tensor([2**33 + 10, 10]))  # same low word of the pair index, different high word
     assert high[0] != high[1]
+    # Refused like mxfp8_quantize's seed: outside [0, 2^64) (not wrapped); indices that are not integers.
+    for seed in (-1, 2**64):
+        with pytest.raises(ValueError, match="seed must be an int in"):
+            F.rbits(seed, torch.arange(4))
+    for index in (torch.tensor([0.5, 1.5]), torch.tensor([True]), [0, 1]):
+        with pytest.raises(TypeError, match="index must be an integer tensor"):
+            F.rbits(0, index)
 
 
 def test_rbits_uniform_and_uncorrelated():

@@ -437,7 +437,7 @@ def test_integer_like_sizes():
         config = BufferConfig(**dict(base, timeout_s=value))
         config.validate()
         assert type(config.timeout_s) is float and config.timeout_s == 100.0
-    with pytest.raises(ValueError, match="timeout_s"):
+    with pytest.raises(TypeError, match="timeout_s"):
         BufferConfig(**dict(base, timeout_s=np.bool_(True))).validate()
     # The combine receives at most K rows per token (min(W, K) reduced, K unreduced): with W > K the hint is T * K
     # rows, not T * W (it was 8x too large at W = 64, K = 8).
@@ -497,8 +497,11 @@ def test_buffer_config_rejects_wrong_types_and_values():
                         ("rht_sign_mask", 1.5), ("num_sms", "24")):
         with pytest.raises(TypeError, match=name):
             BufferConfig(**dict(base, **{name: value})).validate()
-    for value in (-1.0, 0, float("inf"), float("nan"), True, 1e-12, 1e14):  # 1e14 s overflowed the gloo wait
+    for value in (-1.0, 0, float("inf"), float("nan"), 1e-12, 1e14):  # 1e14 s overflowed the gloo wait
         with pytest.raises(ValueError, match="timeout_s"):
+            BufferConfig(**dict(base, timeout_s=value)).validate()
+    for value in (True, "10", None):  # not a number: a TypeError, like the integer fields'
+        with pytest.raises(TypeError, match="timeout_s must be a number"):
             BufferConfig(**dict(base, timeout_s=value)).validate()
     for name in ("hidden", "max_tokens_per_rank", "expert_alignment"):  # 32-bit indices in kernels and results
         with pytest.raises(ValueError, match=f"{name}|2\\*\\*31"):
