@@ -295,9 +295,12 @@ from harness import run_ranks
 import test_moe as t
 for r in run_ranks(t._moe_worker, 1, 'cuda', backend='nccl', timeout_s=280):
     t.check_gpu_moe_result(r, True)
-print('world 1 MoE worker passed', r['backend'], r['expert_impl'], r['combine_rows']['equal_to_combine'])
+print('world 1 MoE worker passed', r['backend'], r['expert_impl'], r['combine_rows']['equal_to_combine'],
+      'vs oracle / other mode', r['vs_oracle'], r['vs_other_mode'], 'rows', r['combine_rows']['vs_oracle'],
+      r['combine_rows']['vs_other_mode'])
 for e in run_ranks(t._moe_edge_worker, 1, 'cuda', backend='nccl', timeout_s=280):
     t.check_moe_edge_result(e, 0, 1, 1e-2)
+    assert e['backend'] == 'nvlink' and e['expert_impl'] == 'fused', (e['backend'], e['expert_impl'])
 print('world 1 MoE edge worker (top-1, 0 tokens, transposed x) passed', e['backend'], e['expert_impl'])
 for f in run_ranks(t._moe_fp8_worker, 1, 'cuda', backend='nccl', timeout_s=280):
     print('world 1 MoE FP8 worker:', {k: v for k, v in f.items() if k.startswith('vs_')})

@@ -362,7 +362,9 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
     * a combine on another current stream than its dispatch's, held back by a sleep, after the dispatch result was
       dropped and its memory refilled on the dispatch's stream: the handle's memory stays reserved;
     and the results are bitwise those of the same calls on the current stream. check_inputs=False: no host sync
-    (which would order the streams by itself)."""
+    (which would order the streams by itself). The reference backend reads its split sizes on the host in every call,
+    which waits for the comm stream and so orders the streams by itself: there only the ordering after the current
+    stream and bitwise equality can show a fault; the other parts need the nvlink backend (test_nvlink_comm_stream)."""
     device = _device("cuda")
     hidden, experts, topk, tokens = 2048, 8 * world, 4, 96
     sleep_cycles = 200_000_000  # ~0.1 s at H200 clocks

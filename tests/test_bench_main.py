@@ -14,8 +14,9 @@ def test_main_job_on_cpu_ranks(tmp_path, capsys):
     rows = {(r["rank"], r["dispatch_format"]): r for r in json.loads(out.read_text())["results"]}
     assert len(rows) == 4
     for (rank, fmt), r in rows.items():
-        # The combine's own error: S2F6 within DESIGN's 1.5%, BF16 only the final bf16 rounding of each sum.
-        assert 0.0 < r["combine_rel_l2_error"] < 0.015 if fmt == "nvfp4" else r["combine_rel_l2_error"] < 0.005
+        # The combine's own error, against a BF16 combine of the same expert rows: S2F6 within DESIGN's 1.5%; a BF16
+        # combine is that reference itself, so the job reports exactly 0 for it (not measured).
+        assert 0.0 < r["combine_rel_l2_error"] < 0.015 if fmt == "nvfp4" else r["combine_rel_l2_error"] == 0.0
         # End to end: NVFP4 dispatch error dominates.
         assert (0.02 < r["rel_l2_error"] < 0.2) if fmt == "nvfp4" else r["rel_l2_error"] < 0.01
         assert r["dispatch_us"] > 0 and r["combine_us"] > 0 and 0 < r["combine_row_pairs"] <= 24

@@ -1242,13 +1242,18 @@ def test_kernel_combine_row_epilogue_special_rows(token_tile):
     bitwise the bf16 epilogue followed by the S2F6 quantizer (RHT included), as for finite rows."""
     x, off, cnt, packed, _, mask = _gpu_case(SMALL_SHAPES[2], False, 16)
     special, rows = with_special_row_factors(x, mask)
+    assert_special_rows_reached(special, off, cnt, packed, rows, token_tile)
+    check_combine_rows_match_bf16_then_s2f6(special, off, cnt, packed, mask, token_tile, None, seed=31)
+
+
+def assert_special_rows_reached(special, off, cnt, packed, rows, token_tile) -> None:
+    """The special row factors do make the GEMM's bf16 output hold NaN rows, infinite values and all-zero rows (so
+    the combine-row comparison meets them; also used by the FP8 mode's test)."""
     bf16 = G.grouped_gemm_nvfp4(special, off, cnt, packed, out_dtype=torch.bfloat16, token_tile=token_tile,
                                 impl="cuda").float()
     picked = bf16[torch.tensor(rows, device="cuda")]
-    # The case does reach the special paths: NaN rows, infinite rows, all-zero rows.
     assert bool(torch.isnan(picked).all(dim=1).any()) and bool(torch.isinf(picked).any())
     assert bool((picked == 0).all(dim=1).any())
-    check_combine_rows_match_bf16_then_s2f6(special, off, cnt, packed, mask, token_tile, None, seed=31)
 
 
 def check_combine_rows_match_bf16_then_s2f6(x, off, cnt, packed, mask, token_tile, tail_tile, seed: int) -> None:

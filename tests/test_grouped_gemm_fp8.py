@@ -217,9 +217,11 @@ def test_fp8_kernel_combine_row_epilogue_matches_bf16_output_then_s2f6(shape, to
 def test_fp8_kernel_combine_row_epilogue_special_rows(token_tile):
     """The FP8 mode's combine-row epilogue on NaN, zero, +-Inf, overflowing and subnormal rows (row factors of
     test_grouped_gemm.SPECIAL_ROW_FACTORS): bitwise its bf16 epilogue followed by the S2F6 quantizer."""
-    from test_grouped_gemm import check_combine_rows_match_bf16_then_s2f6, with_special_row_factors
+    from test_grouped_gemm import (assert_special_rows_reached, check_combine_rows_match_bf16_then_s2f6,
+                                   with_special_row_factors)
     x, off, cnt, packed, _, mask = _fp8_case((5, 256, 512), False, 16, seed=517)
-    special, _ = with_special_row_factors(x, mask)
+    special, rows = with_special_row_factors(x, mask)
+    assert_special_rows_reached(special, off, cnt, packed, rows, token_tile)
     check_combine_rows_match_bf16_then_s2f6(special, off, cnt, packed, mask, token_tile, None, seed=33)
 
 

@@ -196,7 +196,8 @@ def _direct_self(min_tokens):
 
 
 def versus_reference_worker(rank, world, direct_self_min_tokens=None):
-    """Every format pair at H = 2048/4096/7168 and the routing corner cases. With direct_self_min_tokens set, the NVFP4
+    """Four format pairs (nvfp4/s2f6, mxfp8/bf16, bf16/s2f6, nvfp4/bf16) at H = 2048/4096/7168, the other pairs and the
+    routing corner cases at smaller H. With direct_self_min_tokens set, the NVFP4
     cases only, with the send storing the rows of each rank at or above that many tokens straight into its output
     (the default keeps them in staging below 2048 tokens)."""
     _direct_self(direct_self_min_tokens)

@@ -357,7 +357,7 @@ FP8_WAVE_HIDDENS = (7168, 640, HIDDEN)
 def _fp8_waves_worker(rank, world):
     device = torch.device("cuda", torch.cuda.current_device())
     num_tokens = 40 + 9 * rank  # uneven token counts
-    out = {"backend": None, "dispatch": {}}
+    out = {"backend": None, "dispatch": {}, "backend_refusal": {}}
     for hidden in FP8_WAVE_HIDDENS:
         x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(100 + rank))
         x = (x * torch.logspace(-3, 3, num_tokens)[:, None]).to(torch.bfloat16).to(device)  # rows of all sizes
@@ -392,9 +392,9 @@ def _fp8_waves_worker(rank, world):
             # The backend refuses what Buffer.dispatch_waves refuses first.
             try:
                 buf._backend.dispatch_waves(x, *_routings(rank, num_tokens, device)[0][1:], 2, precision="fp16")
-                out["backend_refusal"] = "nothing"
+                out["backend_refusal"][hidden] = "nothing"
             except ValueError as error:
-                out["backend_refusal"] = str(error)
+                out["backend_refusal"][hidden] = str(error)
     return out
 
 
@@ -404,7 +404,9 @@ def check_fp8_waves_result(result):
         assert all(v for k, v in checks.items() if k != "rows_in_use"), (name, checks)
     for hidden in FP8_WAVE_HIDDENS:
         assert result["dispatch"][f"{hidden}/balanced/1"]["rows_in_use"] > 0
-    assert "precision must be one of" in result["backend_refusal"], result["backend_refusal"]
+    assert sorted(result["backend_refusal"]) == sorted(FP8_WAVE_HIDDENS), result["backend_refusal"]
+    assert all("precision must be one of" in text for text in result["backend_refusal"].values()), \
+        result["backend_refusal"]
 
 
 @pytest.mark.gpu
