@@ -479,7 +479,6 @@ class Buffer:
         on every rank instead of misaligning their collectives (a Buffer destroyed on one rank only included)."""
 
         def validate():
-            self._check_alive()
             if not isinstance(expand, bool):
                 raise TypeError(f"expand must be a bool, got {_type_name(expand)}")
             if check_inputs is not None and not isinstance(check_inputs, bool):
@@ -490,9 +489,10 @@ class Buffer:
             self._check_stream_args(x.device, comm_stream, done_event)
         self._validate_together(validate, "dispatch")
 
-    def _validate_together(self, validate, what: str) -> None:
-        """Runs `validate`. On the reference backend (outside graph capture) the ranks then agree on the outcome (one
-        small all_reduce, whatever check_inputs is, so that ranks calling with different settings still meet): inputs
+    def _validate_together(self, check, what: str) -> None:
+        """Runs this Buffer's liveness check, then `check`. On the reference backend (outside graph capture) the ranks
+        then agree on the outcome (one small all_reduce, whatever check_inputs is, so that ranks calling with
+        different settings still meet): inputs
         rejected on one rank raise on every rank instead of leaving the others in the next collective until the
         process group's timeout. The nvlink backend does not meet its peers on the host (no collective per call), so
         a rank cannot know whether its peers rejected the same call. Invalid expert ids are data, typically bad on one
@@ -500,7 +500,11 @@ class Buffer:
         (NVLinkBackend.give_up; they raise at their next check, naming it) and the Buffer refuses later calls on every
         rank. A bad argument (type, shape, device, handle) is a program's error, usually the same on every rank,
         which then all raise and go on; on one rank only, its peers wait until their timeout, whose message names
-        this cause."""
+        this cause. The liveness check is part of the agreement: a Buffer destroyed on one rank only makes its
+        reference-backend peers raise at once."""
+        def validate():
+            self._check_alive()
+            check()
         if self.backend == "nvlink":  # (inside a capture the ids are not checked, so nothing below gives up there)
             try:
                 validate()
@@ -555,8 +559,7 @@ class Buffer:
         from .grouped_gemm import PRECISIONS, check_precision
         if not isinstance(precision, str):
             raise TypeError(f"precision must be a str, one of {PRECISIONS}, got {_type_name(precision)}")
-        check_precision(precision)
-        if precision == "fp8_inexact" and self.config.hidden % 128:
+        if check_precision(precision) and self.config.hidden % 128:
             raise ValueError(f"precision='fp8_inexact' needs hidden % 128 == 0 (the FP8 mode's K granularity), this "
                              f"Buffer has hidden={self.config.hidden}")
         if self.backend != "nvlink":
@@ -603,7 +606,6 @@ class Buffer:
         """
 
         def validate():
-            self._check_alive()  # inside the agreement, as for dispatch
             if not isinstance(local_reduce, bool):  # checked here: every rank raises together (a None would not)
                 raise TypeError(f"local_reduce must be a bool, got {_type_name(local_reduce)}")
             self._validate_combine(expert_out, handle)

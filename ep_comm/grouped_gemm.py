@@ -87,6 +87,8 @@ def check_precision(precision, name: str = "precision") -> bool:
     if precision not in PRECISIONS:
         raise ValueError(f"{name} must be one of {PRECISIONS}, got {precision!r}")
     return precision == "fp8_inexact"
+
+
 # FP8 mode: stored column o of a 16-column group holds column FP8_COLUMN_ORDER[o] (module docstring): wgmma reads the
 # 4 bytes of A register a0 as columns 4t .. 4t + 3 of its 32-wide step, and the fp16 fragment they come from holds
 # columns 2t, 2t + 1, 2t + 8, 2t + 9 of the 16-column k-step (t = lane % 4).
