@@ -262,7 +262,7 @@ test_shared_gpu() {  # one GPU: the multigpu tiers with 2 ranks on it (the multi
   test_shared_layer
 }
 test_shared_layer() {  # one GPU: the MoE layer, waves and reference-backend tiers with 2 ranks on it
-  shared_tier layer 240 tests/test_moe.py tests/test_waves.py tests/test_reference_backend.py -k "not gloo"
+  shared_tier layer 320 tests/test_moe.py tests/test_waves.py tests/test_reference_backend.py -k "not gloo"
 }
 test_shared_worlds() {  # one GPU: the nvlink oracle cases (every format pair, masked / skewed / all-to-one routing, an
   # empty rank; bitwise the single-process oracle) with 4, then 8 ranks sharing it. (The reference comparison, with
@@ -293,11 +293,13 @@ test_moe_one_rank() {  # the MoE layer's GPU worker at world size 1 (fused exper
   (cd tests && timeout 300 python3 -c "
 from harness import run_ranks
 import test_moe as t
-for r in run_ranks(t._moe_worker, 1, 'cuda', backend='nccl', timeout_s=280):
-    t.check_gpu_moe_result(r, True)
-print('world 1 MoE worker passed', r['backend'], r['expert_impl'], r['combine_rows']['equal_to_combine'],
-      'vs oracle / other mode', r['vs_oracle'], r['vs_other_mode'], 'rows', r['combine_rows']['vs_oracle'],
-      r['combine_rows']['vs_other_mode'])
+for routing in t.ROUTINGS:
+    for r in run_ranks(t._moe_worker, 1, 'cuda', 'auto', routing, backend='nccl', timeout_s=280):
+        t.check_routing(r)
+        t.check_gpu_moe_result(r, True)
+    print('world 1 MoE worker passed,', routing, 'routing', r['rows_per_expert'], r['backend'], r['expert_impl'],
+          r['combine_rows']['equal_to_combine'], 'vs oracle / other mode', r['vs_oracle'], r['vs_other_mode'],
+          'rows', r['combine_rows']['vs_oracle'], r['combine_rows']['vs_other_mode'])
 for e in run_ranks(t._moe_edge_worker, 1, 'cuda', backend='nccl', timeout_s=280):
     t.check_moe_edge_result(e, 0, 1, 1e-2)
     assert e['backend'] == 'nvlink' and e['expert_impl'] == 'fused', (e['backend'], e['expert_impl'])
@@ -306,7 +308,7 @@ for f in run_ranks(t._moe_fp8_worker, 1, 'cuda', backend='nccl', timeout_s=280):
     print('world 1 MoE FP8 worker:', {k: v for k, v in f.items() if k.startswith('vs_')})
     t.check_moe_fp8_result(f)
 print('world 1 MoE FP8 worker passed')
-" 2>&1 | tail -5 | tee -a "$log")
+" 2>&1 | tail -8 | tee -a "$log")
 }
 test_nvlink() {
   say "multigpu tier: nvlink suite"
