@@ -49,6 +49,16 @@ def _layer_inputs(routing, world):
     return tokens, xs, 0.05 * router + pull[:, None] * direction
 
 
+def _masked_slots(topk_idx):
+    """A copy of topk_idx [T, K] with -1 slots: slot 0 of every third token, slot K - 1 of every fourth, and every
+    slot of token 1 (its combine output must be zero)."""
+    masked = topk_idx.clone()
+    masked[::3, 0] = -1
+    masked[::4, -1] = -1
+    masked[1] = -1
+    return masked
+
+
 def _moe_worker(rank, world, device_kind="cpu", backend="auto", routing="balanced"):
     device = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else torch.device("cpu")
     w1, w2, _ = _master_weights()
@@ -113,6 +123,13 @@ def _moe_worker(rank, world, device_kind="cpu", backend="auto", routing="balance
         graph_equal = _graph_replay_matches_eager(layer, xs[rank].to(device), rank) if expert_impl == "fused" else None
         rows = _combine_rows_checks(buf, router.to(device), packed, xs[rank].to(device), rank) \
             if expert_impl == "fused" and backend == "nvlink" else None
+        # Masked routing (-1 slots: the router never masks, a caller's routing may): the layer's experts between the
+        # Buffer's dispatch and combine, against the oracle below on the same masked inputs.
+        masked_inputs = [(x, _masked_slots(idx), w) for x, idx, w in inputs]
+        x_m, idx_m, w_m = masked_inputs[rank]
+        result_m = buf.dispatch(x_m.to(device), idx_m.to(device), w_m.to(device))
+        y_masked = buf.combine(layer.experts(result_m), result_m.handle).cpu()
+        default_precision = layer.expert_precision
 
     # Oracle: every token alone, the same quantization points, the combine semantics of DESIGN.md §3.
     packed_all = moe.pack_weights(w1, w2)
@@ -121,11 +138,11 @@ def _moe_worker(rank, world, device_kind="cpu", backend="auto", routing="balance
     case = Case("moe", HIDDEN, EXPERTS, TOPK, tokens, "uniform" if routing == "balanced" else routing)
     # Both combine modes' oracles: the layer's own semantics (one row per (token, expert) when w2 writes the combine
     # rows itself) must be the nearer one -- the GPU bounds on vs_oracle alone are too loose to tell the modes apart.
-    want_by_mode = {mode: expected_combine(case, rank, world, inputs, local_reduce=mode,
-                                           expert_fn=lambda payload, e: moe.expert_mlp_reference(payload, w1_all[e],
-                                                                                                  w2_all[e]))
+    expert_fn = lambda payload, e: moe.expert_mlp_reference(payload, w1_all[e], w2_all[e])  # noqa: E731
+    want_by_mode = {mode: expected_combine(case, rank, world, inputs, local_reduce=mode, expert_fn=expert_fn)
                     for mode in (True, False)}
     want = want_by_mode[not layer_combine_rows]
+    want_masked = expected_combine(case, rank, world, masked_inputs, local_reduce=True, expert_fn=expert_fn)
     # Unquantized FP32 layer: the error NVFP4 dispatch + NVFP4 weights/activations + S2F6 combine cost.
     x, idx, w = inputs[rank]
     exact = torch.zeros(x.shape[0], HIDDEN)
@@ -145,6 +162,8 @@ def _moe_worker(rank, world, device_kind="cpu", backend="auto", routing="balance
             "graph_equal": graph_equal, "bad_tile_refused": bad_tile_refused, "combine_rows": rows,
             "combine_rows_refused": combine_rows_refused, "layer_combine_rows": layer_combine_rows,
             "rows_api_refused": rows_api_refused, "weights_kept": weights_kept,
+            "masked_vs_oracle": rel(y_masked, want_masked), "masked_token_zero": not y_masked[1].any().item(),
+            "default_precision": default_precision,
             # rows per expert over every rank's tokens (the oracle's routing): what check_routing tests
             "rows_per_expert": torch.bincount(torch.cat([i.flatten() for _, i, _ in inputs]), minlength=EXPERTS)
             .tolist(), "routing": routing}
@@ -295,7 +314,7 @@ def check_moe_fp8_result(result):
     # output moves this MLP's result by ~2.5% (a CPU check at these shapes). Measured 2.9% (H200, world 1 and 2 ranks
     # sharing it). Integration errors show as 10% (the exact mode's rows) or more.
     assert result["vs_oracle"] < 5e-2 and result["plain_vs_oracle"] < 5e-2, result
-    assert result["vs_exact"] < 0.2, result
+    assert 0.0 < result["vs_exact"] < 0.2, result  # the FP8 mode really ran (not the exact kernels' bits)
     assert len(result["refused"]) == 2, result
     assert result["graph_equal"], result  # captured once, replayed on new inputs: bitwise eager
     assert result["experts_equal"] and result["precision_read_only"], result
@@ -416,6 +435,8 @@ def test_moe_layer_matches_token_by_token_oracle(routing):
         # against this oracle (0.009 balanced, 0.012 skewed).
         bound = 1e-5 if routing == "balanced" else 2e-3
         assert result["vs_oracle"] < bound and result["vs_other_mode"] > 5 * bound, result
+        assert result["masked_vs_oracle"] < bound and result["masked_token_zero"], result  # the same, masked slots
+        assert result["default_precision"] == "exact", result
         # Four NVFP4 quantizations (tokens, w1, SwiGLU output, w2; ~9% each on Gaussian data) and S2F6: ~22%
         # relative L2 against the unquantized FP32 layer on these random weights (0.218 measured on CPU).
         assert 0.0 < result["vs_fp32"] < 0.3, result
@@ -442,6 +463,27 @@ def test_pack_weights_and_layer_reject_bad_shapes():
             moe.pack_weights(w1_bad, w2)
     with pytest.raises(ValueError, match="must not be empty"):
         moe.pack_weights(w1[:, :0], w2[:, :, :0])
+
+
+@pytest.mark.gpu
+def test_pack_weights_on_the_gpu_from_bf16_masters_gives_the_cpu_bytes():
+    """pack_weights of bf16 masters on the GPU (the CUDA plain NVFP4 quantizer with one amax per expert) writes the
+    same bytes as on the CPU (the torch reference), and both are nvfp4_quantize(four_over_six=False) with each
+    expert's amax in the [E, 1] form; an outlier weight and an expert of tiny weights included."""
+    w1, w2, _ = _master_weights()
+    w1[0, 3, 5] = 40.0  # expert 0's amax, far above its other weights
+    w2[1] *= 1e-3
+    masters = (w1.to(torch.bfloat16), w2.to(torch.bfloat16))
+    on_cpu = moe.pack_weights(*masters)
+    on_gpu = moe.pack_weights(*(w.cuda() for w in masters))
+    for name, master in zip(("w1", "w2"), masters):
+        amax = master.float().abs().amax(dim=2).amax(dim=1, keepdim=True)
+        want = formats.nvfp4_quantize(master, four_over_six=False, amax=amax, impl="reference")
+        for packed in (on_cpu, on_gpu):
+            got = getattr(packed, name)
+            assert torch.equal(got.data.cpu(), want.data), name
+            assert torch.equal(got.scales.view(torch.uint8).cpu(), want.scales.view(torch.uint8)), name
+            assert torch.equal(got.amax.cpu(), want.amax) and got.e4m3_max == want.e4m3_max, name
 
 
 @pytest.mark.cpu
@@ -789,6 +831,9 @@ def check_gpu_moe_result(result, nvlink_expected):
     assert result["vs_oracle"] < 1e-2, result   # GPU vs CPU FP32 matmul accumulation order
     # That bound alone would pass the other combine mode too (~0.009 off this oracle): the layer's own is the nearer.
     assert result["vs_oracle"] < result["vs_other_mode"], result
+    # Masked slots (the layer's experts between dispatch and combine), against the oracle on the same masked routing.
+    assert result["masked_vs_oracle"] < 1e-2 and result["masked_token_zero"], result
+    assert result["default_precision"] == "exact", result
     assert result["bad_tile_refused"] and result["combine_rows_refused"], result  # checked on every backend
     assert 0.0 < result["vs_fp32"] < 0.3, result
     if torch.cuda.get_device_capability() == (9, 0):
