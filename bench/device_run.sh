@@ -209,7 +209,9 @@ import test_waves as tw
 w = run_ranks(tw._waves_worker, 1, backend='nccl', timeout_s=280)[0]
 assert w['backend'] == 'nvlink', w['backend']
 tw.check_waves_result(w)
-print('world 1 nvlink workers passed', r[0]['graph'], r[0]['leak'], 'waves duplicate ids:', w['duplicate_ids'])
+assert r[0]['memset'] == 'ok', r[0]
+print('world 1 nvlink workers passed', r[0]['graph'], r[0]['leak'], 'region', r[0]['region'], 'memsets', r[0]['memset'],
+      'waves duplicate ids:', w['duplicate_ids'])
 " 2>&1 | tail -4 | tee -a "$log")
 }
 profile_host() {  # host (CPU) microseconds per eager dispatch / combine call at world 1, and a cProfile of the Python path

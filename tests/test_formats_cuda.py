@@ -116,15 +116,28 @@ def test_nvfp4_quantize_fp16_inputs():
         assert_same_nvfp4(_cpu_nvfp4(actual), expected, f"nvfp4 fp16 4/6={four_over_six}")
 
 
-def test_nvfp4_strided_rows_and_destination_rows():
-    """The launcher's strided input and the dispatch-style destination map (rows scattered into a buffer)."""
+@pytest.mark.parametrize("hidden", [2048, 7168])
+@pytest.mark.parametrize("amax_form", ["computed", "given"])
+@pytest.mark.parametrize("four_over_six", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=["bf16", "fp32", "fp16"])
+def test_nvfp4_strided_rows_and_destination_rows(dtype, four_over_six, amax_form, hidden):
+    """The launcher's strided input and the dispatch-style destination map (rows scattered into a buffer with its
+    own row pitches), in every input type, 4/6 and plain NVFP4, with the per-row amax computed by the kernel or
+    given (amax_in: below the row max on some rows, 0 on one), at H = 2048 and 7168: bitwise the reference at each
+    row's destination; a skipped row (-1), the padding past each row and every other row stay untouched."""
     from ep_comm import _ext
     lib = _ext.require_cuda_extension("test")
-    hidden, num_rows = 2048, 37
-    wide = _input("outliers", num_rows, hidden + 64, torch.bfloat16, seed=8).to(DEVICE)
+    num_rows = 37
+    wide = _input("outliers", num_rows, hidden + 64, dtype, seed=8 + hidden).to(DEVICE)
     x = wide[:, :hidden]  # row stride hidden + 64 elements (16-byte aligned)
-    expected = F.nvfp4_quantize(x.cpu(), impl="reference")
-    assert_same_nvfp4(_cpu_nvfp4(F.nvfp4_quantize(x, impl="cuda")), expected, "nvfp4 strided input")
+    given = None
+    if amax_form == "given":
+        given = x.float().abs().amax(dim=-1).cpu() * torch.linspace(0.5, 2.0, num_rows)
+        given[5] = 0.0  # the whole row decodes to 0
+    expected = F.nvfp4_quantize(x.cpu(), four_over_six=four_over_six, amax=given, impl="reference")
+    amax_in = None if given is None else given.to(DEVICE)
+    assert_same_nvfp4(_cpu_nvfp4(F.nvfp4_quantize(x, four_over_six=four_over_six, amax=amax_in, impl="cuda")),
+                      expected, "nvfp4 strided input")
 
     dst_rows = torch.randperm(2 * num_rows, generator=torch.Generator().manual_seed(129))[:num_rows].to(DEVICE)
     dst_rows[3] = -1  # skipped row
@@ -132,20 +145,62 @@ def test_nvfp4_strided_rows_and_destination_rows():
     data = torch.full((2 * num_rows, row_bytes), 0xAB, dtype=torch.uint8, device=DEVICE)
     scales = torch.full((2 * num_rows, scale_pitch), 0xCD, dtype=torch.uint8, device=DEVICE)
     amax = torch.full((2 * num_rows,), -1.0, device=DEVICE)
-    lib.nvfp4_quantize(x.data_ptr(), lib.ELEM_BFLOAT16, x.stride(0), num_rows, hidden, 0, 256.0, True,
+    elem_type = {torch.bfloat16: lib.ELEM_BFLOAT16, torch.float32: lib.ELEM_FLOAT32, torch.float16: lib.ELEM_FLOAT16}
+    lib.nvfp4_quantize(x.data_ptr(), elem_type[dtype], x.stride(0), num_rows, hidden,
+                       0 if amax_in is None else amax_in.data_ptr(), 256.0 if four_over_six else 448.0, four_over_six,
                        data.data_ptr(), row_bytes, scales.data_ptr(), scale_pitch, amax.data_ptr(),
                        dst_rows.data_ptr(), torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
-    for i, d in enumerate(dst_rows.tolist()):
-        if d < 0:
-            continue
-        assert torch.equal(data[d, :hidden // 2].cpu(), expected.data[i]), f"row {i}"
-        assert torch.equal(scales[d, :hidden // 16].cpu(), expected.scales[i].view(torch.uint8)), f"row {i}"
-        assert amax[d].item() == expected.amax[i].item()
-        assert (data[d, hidden // 2:] == 0xAB).all() and (scales[d, hidden // 16:] == 0xCD).all(), "wrote past row"
+    sent = (dst_rows >= 0).cpu()
+    dst = dst_rows[dst_rows >= 0]
+    assert torch.equal(data[dst, :hidden // 2].cpu(), expected.data[sent]), "codes"
+    assert torch.equal(scales[dst, :hidden // 16].cpu(), expected.scales[sent].view(torch.uint8)), "scales"
+    assert torch.equal(amax[dst].cpu().view(torch.int32), expected.amax[sent].view(torch.int32)), "amax"
+    assert (data[dst, hidden // 2:] == 0xAB).all() and (scales[dst, hidden // 16:] == 0xCD).all(), "wrote past row"
     untouched = torch.ones(2 * num_rows, dtype=torch.bool)
-    untouched[dst_rows[dst_rows >= 0].cpu()] = False
-    assert (data[untouched.to(DEVICE)] == 0xAB).all() and (amax[untouched.to(DEVICE)] == -1.0).all()
+    untouched[dst.cpu()] = False
+    untouched = untouched.to(DEVICE)
+    assert (data[untouched] == 0xAB).all() and (scales[untouched] == 0xCD).all() and (amax[untouched] == -1.0).all()
+
+
+def test_nvfp4_destination_rows_refusals():
+    """What the raw quantize entry point refuses for a caller-given destination, each with an error that says why, and
+    nothing written: code rows (or their pitch) not 8-byte aligned, input rows not 16-byte aligned, no scales, and
+    the GEMM operand form (block values) with plain NVFP4 (4/6 only)."""
+    from ep_comm import _ext
+    lib = _ext.require_cuda_extension("test")
+    hidden, num_rows = 2048, 5
+    wide = _input("outliers", num_rows, hidden + 64, torch.bfloat16, seed=9).to(DEVICE)
+    data = torch.full((num_rows, hidden // 2 + 32), 0xAB, dtype=torch.uint8, device=DEVICE)
+    scales = torch.full((num_rows, hidden // 16), 0xCD, dtype=torch.uint8, device=DEVICE)
+    values = torch.full((num_rows, hidden), 7.0, dtype=torch.float16, device=DEVICE)
+    row_factor = torch.full((num_rows,), -1.0, device=DEVICE)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def call(x_ptr=wide.data_ptr(), x_stride=wide.stride(0), four_over_six=True, data_ptr=data.data_ptr(),
+             data_stride=hidden // 2 + 32, scales_ptr=scales.data_ptr(), **operand):
+        lib.nvfp4_quantize(x_ptr, lib.ELEM_BFLOAT16, x_stride, num_rows, hidden, 0, 256.0 if four_over_six else 448.0,
+                           four_over_six, data_ptr, data_stride, scales_ptr, hidden // 16, 0, 0, stream, **operand)
+
+    with pytest.raises(ValueError, match="data rows must start 8-byte aligned"):
+        call(data_stride=hidden // 2 + 4)
+    with pytest.raises(ValueError, match="data rows must start 8-byte aligned"):
+        call(data_ptr=data.data_ptr() + 4)
+    with pytest.raises(ValueError, match="dense rows must start 16-byte aligned"):
+        call(x_stride=hidden + 4)  # 8 bytes past a 16-byte multiple
+    with pytest.raises(ValueError, match="dense rows must start 16-byte aligned"):
+        call(x_ptr=wide.data_ptr() + 8)
+    with pytest.raises(ValueError, match="data and scales are required"):
+        call(scales_ptr=0)
+    operand = dict(block_values=values.data_ptr(), block_values_row_stride=hidden, row_factor=row_factor.data_ptr())
+    with pytest.raises(ValueError, match="nvfp4_quantize: invalid arguments"):
+        call(four_over_six=False, data_ptr=0, scales_ptr=0, **operand)
+    torch.cuda.synchronize()
+    assert (data == 0xAB).all() and (scales == 0xCD).all(), "a refused call wrote codes"
+    assert (values == 7.0).all() and (row_factor == -1.0).all(), "a refused call wrote block values"
+    call(data_ptr=0, scales_ptr=0, **operand)  # the control: the same operand form with 4/6 is taken, and writes
+    torch.cuda.synchronize()
+    assert not (values == 7.0).all() and bool((row_factor > 0).all())
 
 
 # ----------------------------------------------------------------------------------------------------------

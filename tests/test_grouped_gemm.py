@@ -739,6 +739,12 @@ def test_gemm_on_a_gpu_other_than_hopper_falls_back_or_raises(monkeypatch):
 # make the kernels' tile scan (32 experts per warp pass, find_tile) take three passes and resume across them
 SMALL_SHAPES = [(4, 128, 128), (3, 192, 256), (5, 256, 512), (2, 64, 192), (3, 128, 64), (70, 64, 128)]
 BIG_SHAPE = (2, 4096, 7168)
+# DeepSeek-V3's w2 (the down projection): K = 2048 in, N = 7168 out, 224 S2F6 blocks per combine row (BIG_SHAPE is its
+# w1). Its counts: an empty expert (expert 0, whose weights have amax 0), 3 rows (at token tile 128 a remainder-only
+# expert: the tail launch), 130 (a full tile and 2 rows: by default one wide tile of 144) and 200 (a full tile of 128
+# and 72 rows in a partial one); at token tile 16, 130 and 200 are full tiles and a remainder of 2 and 8.
+W2_SHAPE = (4, 7168, 2048)
+W2_COUNTS = [0, 3, 130, 200]
 COUNT_PATTERN = [0, 1, 17, 130, 64, 255, 0, 3, 128, 31]
 
 
@@ -750,7 +756,7 @@ def _counts(experts: int, seed: int):
 def _gpu_case(shape, swiglu: bool, align: int):
     """(x, offsets, counts, weights, fp32 reference on the GPU, valid-row mask) for one configuration."""
     experts, n, k = shape
-    counts = [3, 200] if shape == BIG_SHAPE else _counts(experts, n + k)
+    counts = [3, 200] if shape == BIG_SHAPE else W2_COUNTS if shape == W2_SHAPE else _counts(experts, n + k)
     offsets, rows = segments(counts, align)
     w = random_weights(experts, n, k, seed=n + k, device="cuda", scale_low=0x18, scale_high=0x58)
     packed = G.pack_gemm_weights(w, swiglu=swiglu)
@@ -1026,6 +1032,23 @@ def test_kernel_vs_reference_deepseek_shape(swiglu, out_dtype, token_tile):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("token_tile, tail_tile", [(None, None), (16, None), (32, None), (64, None), (128, None),
+                                                   (128, 0), (128, 16), (64, 32)])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_kernel_vs_reference_deepseek_w2_shape(out_dtype, token_tile, tail_tile):
+    """DeepSeek-V3's w2 shape (output width 7168 = 112 column tiles of 64 from K = 2048; W2_COUNTS: full tiles,
+    partial ones, a tail launch, a wide tile) against the reference, bf16 and fp32 out, deterministic."""
+    x, off, cnt, packed, ref, mask = _gpu_case(W2_SHAPE, False, 16)
+    assert (packed.out_features, packed.k, tuple(ref.shape)) == (7168, 2048, (x.num_rows, 7168))
+    out = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=out_dtype, token_tile=token_tile, tail_tile=tail_tile,
+                               impl="cuda")
+    _check_against_reference(out, ref, mask, out_dtype)
+    again = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=out_dtype, token_tile=token_tile,
+                                 tail_tile=tail_tile, impl="cuda")
+    assert torch.equal(out.view(torch.uint8), again.view(torch.uint8)), "two runs differ"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("token_tile, tail_tile", [(128, None), (128, 16), (128, 32), (128, 64), (64, 16),
                                                    (64, 32)])
 @pytest.mark.parametrize("swiglu", [False, True])
@@ -1208,7 +1231,7 @@ def _local_combine_target(mask, num_ranks: int, topk: int, hidden: int, seed: in
 @pytest.mark.gpu
 @pytest.mark.parametrize("token_tile, tail_tile", [(None, None), (16, None), (32, None), (64, None), (128, None),
                                                    (128, 0), (128, 16), (64, 32)])
-@pytest.mark.parametrize("shape", SMALL_SHAPES + [BIG_SHAPE])
+@pytest.mark.parametrize("shape", SMALL_SHAPES + [BIG_SHAPE, pytest.param(W2_SHAPE, id="deepseek_w2")])
 def test_kernel_combine_row_epilogue_matches_bf16_output_then_s2f6(shape, token_tile, tail_tile):
     """The combine-row epilogue (out_type 2) against the bf16 epilogue followed by the S2F6 quantizer: every valid
     row's codes and scales, at its (rank, token, slot) row of the target, bitwise; every other byte untouched."""

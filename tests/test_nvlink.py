@@ -313,9 +313,10 @@ def _expert_major(res):
 
 
 def _graph_matches_eager(nvl, ref, x, idx, w, out, fmt, rank, world, expand=True):
-    """Capture dispatch + combine (both local_reduce modes) in a CUDA graph, replay it with new data: bitwise the eager
-    calls, and the eager dispatch equals the reference backend's. expand=False: the rows-only dispatch (the graph's
-    rows are read before the eager call reuses the staging area)."""
+    """Capture dispatch + combine (both local_reduce modes) in a CUDA graph, replay it with new data -- new tokens and
+    routing, and new expert outputs for the captured combines: bitwise the eager calls, and the eager dispatch equals
+    the reference backend's. expand=False: the rows-only dispatch (the graph's rows are read before the eager call
+    reuses the staging area)."""
     tokens, hidden, experts, topk = x.shape[0], x.shape[1], nvl.config.num_experts, idx.shape[1]
     static_x, static_idx, static_w = (t.clone() for t in (x, idx, w))
     static_out = out.clone()
@@ -336,6 +337,12 @@ def _graph_matches_eager(nvl, ref, x, idx, w, out, fmt, rank, world, expand=True
         static_x.copy_(nx)
         static_idx.copy_(nidx)
         static_w.copy_(nw)
+        # New expert outputs too (every row: the replayed dispatch may place its rows elsewhere): the replayed combines
+        # must read the captured tensor's current values, which the eager combines below read as well.
+        _, new_out = _expert_out(static_out.shape[0], static_out.shape[0], hidden, 70 + trial, rank)
+        previous = _bits(static_out)
+        static_out.copy_(new_out)
+        assert not torch.equal(_bits(static_out), previous), ("graph trial kept the expert outputs", trial)
         graph.replay()
         torch.cuda.synchronize()
         g_rows = _expert_major(g_res)
@@ -414,57 +421,188 @@ def sync_check_graph_worker(rank, world):
     return "ok"
 
 
+def _expected_region_kind(world):
+    """The symmetric memory an nvlink Buffer must get here, or None where either may be right: CUDA IPC where it is
+    forced (EP_COMM_ALLOW_SHARED_GPU=1, the ranks sharing a GPU, or EP_COMM_PEER_MEMORY=ipc); NVSHMEM at world 1 with
+    EP_COMM_PEER_MEMORY auto (unset) wherever nvshmem4py imports -- a fallback to CUDA IPC there only warns, which
+    would hide an NVSHMEM setup that stopped working. (With more ranks, NVSHMEM may be refused for reasons of the
+    machine, e.g. no NVLink between the GPUs, and the fallback is the documented behaviour.)"""
+    from ep_comm.backends import nvlink
+    if nvlink._shared_gpu_allowed() or nvlink._peer_memory_mode() == "ipc":
+        return "ipc"
+    if world == 1 and nvlink._peer_memory_mode() == "auto" and nvlink.nvshmem_importable():
+        return "nvshmem"
+    return None
+
+
+def _check_region_kind(nvl, world):
+    """nvl's symmetric region is of the kind _expected_region_kind names (the fallback's warning in the message)."""
+    from ep_comm import _ext
+    kind, want = nvl._backend.region.kind, _expected_region_kind(world)
+    fallback = [m for m in _ext._warned if "using CUDA IPC peer memory" in m]
+    assert want is None or kind == want, f"the nvlink Buffer's symmetric region is {kind!r}, not {want!r}: {fallback}"
+    return kind
+
+
+def _nvshmem_live_allocations():
+    """How many NVSHMEM symmetric allocations nvshmem.core holds live in this process, or None where nvshmem.core was
+    never imported or its table is not there. NVSHMEM allocates from a heap reserved at its init, so
+    torch.cuda.mem_get_info does not see a region leaked there, and nvshmem4py has no public query of the heap's use;
+    this reads its own tracker of what nvshmem.core.tensor allocated and free_tensor freed (nvshmem4py 0.4:
+    _internal_tracking._mr_references, one NvshmemResource per device whose _mem_references maps each pointer to
+    {"type": BufferTypes.NORMAL for an allocation, "freed": ...}). A private table: if a later nvshmem4py drops it,
+    this says None and the heap goes unchecked (the region's own state is still checked)."""
+    import sys
+    if sys.modules.get("nvshmem.core") is None:
+        return None
+    try:
+        from nvshmem.core._internal_tracking import _mr_references
+        from nvshmem.core.nvshmem_types import BufferTypes
+        live = 0
+        for resource in list(_mr_references.values()):
+            for entry in list(resource._mem_references.values()):
+                live += entry["type"] == BufferTypes.NORMAL and not entry["freed"]
+        return live
+    except Exception:  # noqa: BLE001 (another nvshmem4py: its table is not there)
+        return None
+
+
+# What pressure_and_graph_worker reports for the memset check where the ranks share a GPU (not profiled there).
+_MEMSET_NOT_PROFILED = "not profiled: the ranks share a GPU"
+
+
+def _memsets_in_steady_state(nvl, x, idx, w, out, calls=3):
+    """A torch.profiler trace (CUDA activities) of `calls` dispatch + combine (both local_reduce modes) calls of a
+    Buffer already warmed up: the names of its memset events (CUDA runtime calls such as cudaMemsetAsync, device
+    activities "Memset (Device)"), which must be none -- the kernels count calls with growing epochs instead of
+    resetting flags (csrc/nvlink.h), and every output is a fresh torch.empty. The trace must show the calls' kernels
+    (the layout kernel and the combine receive), or it proves nothing. check_inputs=False: the id check is torch's
+    sort and reductions, not this backend's protocol."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            res = nvl.dispatch(x, idx, w, check_inputs=False)
+            nvl.combine(out, res.handle)
+            nvl.combine(out, res.handle, local_reduce=False)
+        torch.cuda.synchronize()
+    events = prof.events()
+    kernels = {e.name for e in events if e.device_type == DeviceType.CUDA}
+    for name in ("layout_kernel", "combine_recv_kernel"):
+        assert any(name in k for k in kernels), f"the profiler recorded no {name}: {sorted(kernels)[:10]}"
+    return sorted({e.name for e in events if "memset" in e.name.lower()})
+
+
 def pressure_and_graph_worker(rank, world):
     """Races (calls alternating between two input sets, one hash per set) with the NVFP4 self rows staged and stored
-    directly by the send (a wait on the peers' counts inside the send): the same hash; graph replay with direct self
-    rows; then Buffer create/destroy leaks."""
-    import ep_comm
+    directly by the send (a wait on the peers' counts inside the send): the same hash; no memset in the steady state
+    (a profiler trace; not where the ranks share a GPU); graph replay with direct self rows; then Buffer
+    create/destroy leaks. Each Buffer's symmetric region is of the kind _expected_region_kind names (at world 1 with
+    nvshmem4py: NVSHMEM)."""
+    from ep_comm.backends.nvlink import _shared_gpu_allowed
     hidden, experts, topk, max_tokens = 2048, 16 * world, 8, 256
     x, idx, w = _make_inputs(rank, max_tokens, hidden, experts, topk, "uniform", world, seed=5)
     alt = _make_inputs(rank, max_tokens, hidden, experts, topk, "masked", world, seed=15)
+    results = {}
     _direct_self(None)
     with _buffer_pair(hidden, experts, topk, max_tokens, "nvfp4", "s2f6", 1) as (ref, nvl):
+        results["region"] = _check_region_kind(nvl, world)  # the process's first Buffer: NVSHMEM's init
         staged_hash, _ = _pressure_hash(nvl, x, idx, w, hidden, rank, alt=alt)
     _direct_self(0)
     ref, nvl = _buffers(hidden, experts, topk, max_tokens, "nvfp4", "s2f6", 1)
-    results = {}
     try:
+        _check_region_kind(nvl, world)
         results["pressure"], out = _pressure_hash(nvl, x, idx, w, hidden, rank, alt=alt)
         assert results["pressure"] == staged_hash, "direct self rows changed the results"
 
         _graph_matches_eager(nvl, ref, x, idx, w, out, "nvfp4", rank, world)
         nvl._backend.check()
         results["graph"] = "ok"
+        # Steady state (after the pressure calls and the graph's eager calls; the profiler after the capture, not
+        # before it). Two processes tracing one time-sliced GPU with CUPTI is not how the profiler is used here: the
+        # world-1 and one-rank-per-GPU runs trace the same host path and kernels.
+        results["memset"] = _MEMSET_NOT_PROFILED
+        if not _shared_gpu_allowed():
+            memsets = _memsets_in_steady_state(nvl, x, idx, w, out)
+            assert memsets == [], f"memsets in steady-state dispatch / combine calls: {memsets}"
+            results["memset"] = "ok"
+        nvl._backend.check()
     finally:
         ref.destroy()
         nvl.destroy()
+    results["leak"] = _create_destroy_leaks(rank, world)
+    return results
 
-    # Create/destroy many Buffers: no growth of torch or device memory. (A destroyed Buffer object that is still
-    # referenced -- `buf` below -- must hold no device memory either.)
+
+def _create_destroy_leaks(rank, world, cycles=24):
+    """Create, use and destroy `cycles` nvlink Buffers: torch's allocated memory does not grow, the device's
+    free memory (torch.cuda.mem_get_info, after synchronize + empty_cache, every rank settled) drops by less than half
+    of one Buffer's symmetric region (the size hint's total_symmetric_bytes), so that a region (CUDA IPC) left behind by
+    any one Buffer fails; NVSHMEM's live allocations (_nvshmem_live_allocations: its heap is invisible to
+    mem_get_info) are one per live Buffer and back to where they were; and every destroyed backend holds no region, no
+    IPC mapping and no host-mapped word -- also while its Buffer object is still referenced (`buf` below). One cycle
+    first, unmeasured: the first launches of these kernels' instantiations load their modules.
+    The sizes give a 6 MiB region (8 MiB at 8 ranks; the region grows with max_tokens_per_rank, mostly its combine
+    area), so that half of it tolerates one stray 2 MiB page of the driver's while a leaked region fails; the calls
+    carry 16 tokens only, to keep the cycles short."""
     import gc
     import torch.distributed as dist
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    dist.barrier()  # every rank's memory settled before any rank reads the device's free memory (ranks may share it)
-    free_before = torch.cuda.mem_get_info()[0]
-    allocated_before = torch.cuda.memory_allocated()
-    for _ in range(6):
-        with ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=max_tokens,
-                            backend="nvlink") as buf:
+    import ep_comm
+    hidden, experts, topk, max_tokens, tokens = 2048, 16 * world, 8, 256, 16
+    sizes = dict(hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=max_tokens)
+    region_bytes = ep_comm.Buffer.get_buffer_size_hint(world_size=world, **sizes).total_symmetric_bytes
+    x, idx, w = _make_inputs(rank, tokens, hidden, experts, topk, "uniform", world, seed=25)
+    outs = []
+
+    def cycle(live_before):
+        with ep_comm.Buffer(None, backend="nvlink", **sizes) as buf:
+            region = buf._backend.region
+            assert region.nbytes == region_bytes, (region.nbytes, region_bytes)
+            live = _nvshmem_live_allocations()
+            if region.kind == "nvshmem" and live is not None and live_before is not None:
+                # this Buffer's region and nothing left by an earlier one (also the tracker's own check: it sees it)
+                assert live == live_before + 1, f"NVSHMEM allocations live: {live}, before the Buffer {live_before}"
             res = buf.dispatch(x, idx, w)
-            buf.combine(out, res.handle)
+            if not outs:
+                outs.append(_expert_out(int(res.expert_offsets[-1]), res.num_rows, hidden, 4, rank)[1])
+            buf.combine(outs[0], res.handle)
+            buf.combine(outs[0], res.handle, local_reduce=False)
+            torch.cuda.synchronize()
+            buf._backend.check()
             del res
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    dist.barrier()
-    grown = torch.cuda.memory_allocated() - allocated_before
-    assert grown <= 0, f"torch memory grew by {grown} bytes over Buffer create/destroy"
-    free_after = torch.cuda.mem_get_info()[0]
-    assert free_before - free_after < (64 << 20), f"device memory leaked: {(free_before - free_after) >> 20} MiB"
-    results["leak"] = "ok"
-    return results
+        backend = buf._backend
+        fields = (("region.kind", region.kind), ("NVSHMEM tensor", region._tensor),
+                  ("IPC allocation", region._ipc_local), ("host-mapped word", backend._error_host),
+                  ("NvlinkContext", backend._ctx))
+        held = [name for name, value in fields if value is not None]
+        assert not held and region._ipc_opened == [], f"a destroyed Buffer still holds {held} {region._ipc_opened}"
+
+    def settled():
+        """(free device bytes, torch's allocated bytes) once every rank's memory has settled; no rank allocates again
+        before every rank has read them (the ranks may share the GPU)."""
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        dist.barrier()
+        measured = torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated()
+        dist.barrier()
+        return measured
+
+    cycle(_nvshmem_live_allocations())
+    live_before = _nvshmem_live_allocations()
+    free_before, allocated_before = settled()
+    for _ in range(cycles):
+        cycle(live_before)
+    free_after, allocated_after = settled()
+    assert allocated_after <= allocated_before, \
+        f"torch memory grew by {allocated_after - allocated_before} bytes over {cycles} Buffer create/destroy cycles"
+    lost = free_before - free_after
+    assert lost < region_bytes // 2, (f"device memory leaked over {cycles} Buffer create/destroy cycles: {lost} bytes "
+                                      f"(one Buffer's region: {region_bytes})")
+    live_after = _nvshmem_live_allocations()
+    assert live_after == live_before, f"NVSHMEM allocations live: {live_after}, before the cycles {live_before}"
+    return "ok"
 
 
 def timeout_worker(rank, world, direct_self=False):
@@ -488,6 +626,58 @@ def timeout_worker(rank, world, direct_self=False):
             assert "rank 0" in message and stage in message and "peer rank 1" in message, message
             with pytest.raises(RuntimeError, match="timed out"):  # the Buffer stays unusable, loudly
                 buf._backend.check()
+        torch.cuda.synchronize()
+    finally:
+        buf.destroy()
+    return "ok"
+
+
+def combine_timeout_worker(rank, world):
+    """Both ranks dispatch; rank 1 never combines: rank 0's combine receive times out waiting for rank 1's expert
+    outputs, and its error names rank 0, the stage (combine receive), the peer (rank 1) and the call. Rank 1, with
+    no call in flight, records no fault, and both destroy their Buffers as usual (rank 1 waits in destroy's barrier
+    while rank 0 times out)."""
+    import torch.distributed as dist
+    import ep_comm
+    hidden, experts, tokens = 256, 4 * world, 8
+    sizes = dict(hidden=hidden, num_experts=experts, num_topk=2, max_tokens_per_rank=tokens, backend="nvlink")
+    x, idx, w = _make_inputs(rank, tokens, hidden, experts, 2, "uniform", world, seed=2)
+    # The kernels' first launches (module loading) on a Buffer with a long timeout, not while the short-timeout
+    # Buffer's dispatch waits for the peer.
+    with ep_comm.Buffer(None, timeout_s=20.0, **sizes) as warm:
+        res = warm.dispatch(x, idx, w)
+        _, out = _expert_out(int(res.expert_offsets[-1]), res.num_rows, hidden, 3, rank)
+        warm.combine(out, res.handle)
+        torch.cuda.synchronize()
+        del res
+    buf = ep_comm.Buffer(None, timeout_s=1.0, **sizes)
+    try:
+        torch.cuda.synchronize()
+        dist.barrier()  # the dispatch starts together on both ranks: only the combine below may exceed timeout_s
+        res = buf.dispatch(x, idx, w)
+        torch.cuda.synchronize()
+        buf._backend.check()  # the dispatch completed on both ranks
+        dist.barrier()
+        message = None
+        if rank == 0:
+            # The error surfaces at the latest in check() (at once inside combine with EP_COMM_SYNC_CHECK=1). Caught,
+            # not raised, so that both ranks reach the barrier below whatever happens here.
+            try:
+                buf.combine(out, res.handle)
+                torch.cuda.synchronize()
+                buf._backend.check()
+            except RuntimeError as error:
+                message = str(error)
+        dist.barrier()  # rank 0's combine has given up (or returned)
+        if rank == 0:
+            assert message is not None, "rank 0's combine returned although rank 1 never combined"
+            assert "rank 0 timed out" in message and "(call 1)" in message \
+                and "combine receive (waiting for the peer's expert outputs) on peer rank 1" in message, message
+            with pytest.raises(RuntimeError, match="timed out"):  # the Buffer stays unusable, loudly
+                buf._backend.check()
+        else:  # the timeout is rank 0's: rank 1, with nothing in flight, recorded nothing
+            assert buf._backend._recorded_fault() is None, buf._backend._recorded_fault()
+            buf._backend.check()
         torch.cuda.synchronize()
     finally:
         buf.destroy()
@@ -975,13 +1165,20 @@ def test_nvlink_block_counts_and_chunked_layout(stream_recv):
 @pytest.mark.multigpu
 def test_nvlink_pressure_graph_and_leaks():
     results = run_ranks(pressure_and_graph_worker, _world(), backend=multigpu_backend(), timeout_s=600)
-    assert all(r["graph"] == "ok" and r["leak"] == "ok" for r in results)
+    assert all(r["graph"] == "ok" and r["leak"] == "ok" for r in results), results
+    assert all(r["memset"] in ("ok", _MEMSET_NOT_PROFILED) for r in results), results  # the workers assert it
 
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize("direct_self", [False, True])
 def test_nvlink_timeout_names_stage_and_peer(direct_self):
     run_ranks(timeout_worker, 2, direct_self, backend=multigpu_backend(), timeout_s=300)
+
+
+@pytest.mark.multigpu
+def test_nvlink_combine_timeout_names_stage_and_peer():
+    """Rank 1 dispatches but never combines (combine_timeout_worker). Named with "timeout": the smoke tiers run it."""
+    assert run_ranks(combine_timeout_worker, 2, backend=multigpu_backend(), timeout_s=300) == ["ok", "ok"]
 
 
 @pytest.mark.multigpu

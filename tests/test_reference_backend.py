@@ -235,6 +235,73 @@ def test_nvlink_refused_across_hosts_without_nvshmem():
     assert run_ranks(_ranks_on_two_hosts_worker, 2, (0, 1), backend="gloo", timeout_s=120) == ["constructed"] * 2
 
 
+def _auto_falls_back_worker(rank, world):
+    """backend="auto" where the nvlink backend cannot run. A gloo group picks the reference backend without asking
+    nvlink, so the Buffer's choice is shown an NCCL group (its transport map says cuda:nccl; the reference backend
+    keeps the real gloo map), and NVLinkBackend.is_available itself runs on a faked CUDA setting: ep_comm._C with the
+    nvlink kernels, two sm_90 GPUs that are peers, their kernel images runnable. The control: there "auto" goes to the
+    nvlink backend (a stand-in constructor). Then rank 1's GPU turns sm_80: is_available refuses it with its reason,
+    every rank takes the reference backend and warns once (two Buffers made), backend="nvlink" raises with it."""
+    import types
+    import warnings
+    import ep_comm
+    from ep_comm import _ext, buffer, formats
+    from ep_comm.backends import nvlink
+    capability = {0: (9, 0), 1: (9, 0)}
+    buffer.device_backends = lambda group: {"cpu": "gloo", "cuda": "nccl"}
+    _ext._C = types.SimpleNamespace(NvlinkContext=object, nvlink_max_world=8)
+    _ext.cuda_extension_available = lambda: True
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 2
+    torch.cuda.current_device = lambda: rank
+    torch.cuda.get_device_capability = lambda device=None: capability[rank]
+    torch.cuda.can_device_access_peer = lambda device, peer: True
+    formats._kernel_image_problem = lambda device: ""
+    nvlink.nvshmem_importable = lambda: False
+
+    class Constructed(Exception):
+        pass
+
+    def construct(self, group, config):
+        raise Constructed()
+
+    nvlink.NVLinkBackend.__init__ = construct
+    kw = dict(hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=8)
+    out = {"available": nvlink.NVLinkBackend.is_available(None)}
+    try:
+        ep_comm.Buffer(None, backend="auto", **kw)
+        out["control"] = "no nvlink attempt"
+    except Constructed:
+        out["control"] = "nvlink"
+    capability[1] = (8, 0)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        buffers = [ep_comm.Buffer(None, backend="auto", **kw) for _ in range(2)]
+        out["backends"] = [b.backend for b in buffers]
+        try:
+            ep_comm.Buffer(None, backend="nvlink", **kw)
+            out["nvlink"] = "no error"
+        except RuntimeError as error:
+            out["nvlink"] = str(error)
+    for b in buffers:
+        b.destroy()
+    out["warnings"] = [str(w.message) for w in warned if issubclass(w.category, RuntimeWarning)]
+    return out
+
+
+@pytest.mark.cpu
+def test_auto_falls_back_to_reference_when_nvlink_cannot_run():
+    reason = "rank 1: needs compute capability >= 9.0 (sm_90a build), found 8.0"
+    for rank, out in enumerate(run_ranks(_auto_falls_back_worker, 2, backend="gloo", timeout_s=120)):
+        assert out["available"] == (True, ""), out  # the faked setting passes every other check of is_available
+        assert out["control"] == "nvlink", out
+        assert out["backends"] == ["reference", "reference"], out
+        fallback = [w for w in out["warnings"] if "using the reference backend" in w]
+        assert len(fallback) == 1 and fallback[0].endswith(f"because the nvlink backend is unavailable: {reason}"), \
+            (rank, out["warnings"])
+        assert out["nvlink"] == f"backend='nvlink' is unavailable: {reason}", out
+
+
 def _exception_in_with_block_worker(rank, world):
     """An exception leaving `with Buffer(...)`: the backend is told to give up first (nvlink: the peers stop waiting
     for this rank), then destroyed; a destroy() that fails too is warned about and does not replace the exception."""
