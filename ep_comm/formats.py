@@ -87,12 +87,13 @@ class S2F6Tensor:
 
     data: int8 [..., K]; scales: float8_e8m0fnu [..., K/32].
     hadamard: whether the values were rotated by the RHT-32 before quantization (then dequantization
-        applies the inverse); sign_mask: the RHT sign vector.
+        applies the inverse; default True, as s2f6_quantize and the combine wire format); sign_mask: the RHT sign
+        vector.
     """
 
     data: torch.Tensor
     scales: torch.Tensor
-    hadamard: bool
+    hadamard: bool = True
     sign_mask: int = DEFAULT_SIGN_MASK
 
     @property

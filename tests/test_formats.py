@@ -451,6 +451,8 @@ def test_containers_refuse_scales_of_other_rows():
         F.s2f6_dequantize_accumulate(F.S2F6Tensor(s.data, s.scales[:2], True), torch.tensor([[0, 3]]))
     with pytest.raises(ValueError, match=r"scales \(4, 1, 4\)"):  # same row count, other shape
         F.nvfp4_dequantize(F.NVFP4Tensor(q.data, q.scales[:, None], q.amax, q.e4m3_max))
+    # Built by hand from data and scales alone (as DESIGN.md writes it): rotated, like s2f6_quantize's default result.
+    assert torch.equal(F.s2f6_dequantize(F.S2F6Tensor(s.data, s.scales)), F.s2f6_dequantize(s))
 
 
 def test_nvfp4_amax_forms():
