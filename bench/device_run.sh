@@ -205,6 +205,8 @@ run_ranks(t.streaming_pressure_and_graph_worker, 1, backend='nccl', timeout_s=28
 run_ranks(t.misuse_worker, 1, backend='nccl', timeout_s=280)
 run_ranks(t.sync_check_graph_worker, 1, backend='nccl', timeout_s=280)
 run_ranks(t.rows_worker, 1, backend='nccl', timeout_s=280)
+import dist_cases
+assert run_ranks(dist_cases.check_finite_worker, 1, 'nvlink', 'cuda', backend='nccl', timeout_s=280) == ['check_finite ok']
 import test_waves as tw
 w = run_ranks(tw._waves_worker, 1, backend='nccl', timeout_s=280)[0]
 assert w['backend'] == 'nvlink', w['backend']

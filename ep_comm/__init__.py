@@ -11,7 +11,7 @@ Dispatch sends tokens to their experts' ranks in NVFP4 (E2M1 + E4M3 scale per 16
 """
 from . import formats
 from ._ext import cuda_extension_available, cuda_extension_error
-from .buffer import Buffer, InvalidRoutingError
+from .buffer import Buffer, InvalidRoutingError, NonFiniteInputError
 from .formats import MXFP8Tensor, NVFP4Tensor, S2F6Tensor
 from . import moe  # (after .buffer and .formats, which it imports)
 from .types import (BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, WaveDispatch, WaveSync,
@@ -20,8 +20,8 @@ from .types import (BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult
 __version__ = "0.1.0"
 
 __all__ = [
-    "Buffer", "InvalidRoutingError", "BufferConfig", "BufferSizes", "CombineRowsTarget", "DispatchResult",
-    "WaveDispatch", "WaveSync",
+    "Buffer", "InvalidRoutingError", "NonFiniteInputError", "BufferConfig", "BufferSizes", "CombineRowsTarget",
+    "DispatchResult", "WaveDispatch", "WaveSync",
     "NVFP4Tensor", "MXFP8Tensor", "S2F6Tensor",
     "formats", "moe", "cuda_extension_available", "cuda_extension_error", "dispatch_bytes_per_token",
     "combine_bytes_per_token",

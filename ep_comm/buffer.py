@@ -28,6 +28,29 @@ class InvalidRoutingError(ValueError):
     every rank. A ValueError, so `except ValueError` catches it too."""
 
 
+class NonFiniteInputError(ValueError):
+    """Raised by a Buffer made with check_finite=True: dispatch's x, or a row of combine's expert_out that the combine
+    reads, holds NaN or Inf (which the quantized wire formats do not propagate faithfully: README, "NaN / Inf
+    inputs"). A fault of this rank's data, like InvalidRoutingError: on nvlink it also stops the Buffer on every rank,
+    so that no peer waits for a call this rank abandoned. A ValueError."""
+
+
+def _check_finite_rows(name: str, rows: torch.Tensor, row_ids: Optional[torch.Tensor] = None) -> None:
+    """Raise NonFiniteInputError if rows [N, H] hold NaN or Inf, naming the first such row (row_ids[i]: its index in
+    the caller's tensor; default i) and value. One reduction on the device and one device->host copy."""
+    if rows.numel() == 0:
+        return
+    finite_rows = rows.isfinite().all(dim=1)
+    if bool(finite_rows.all()):
+        return
+    i = int(torch.nonzero(~finite_rows)[0])
+    row = rows[i]
+    column = int(torch.nonzero(~row.isfinite())[0])
+    index = i if row_ids is None else int(row_ids[i])
+    raise NonFiniteInputError(f"{name} row {index} holds {float(row[column])} at column {column} (check_finite=True: "
+                              f"NaN / Inf are refused instead of being quantized)")
+
+
 def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int, topk_weights: Optional[torch.Tensor] = None) -> None:
     """Raise ValueError if an id of topk_idx [T, K] is outside [-1, num_experts), a token names one expert in two
     slots, or (with topk_weights, float32 [T, K]) the weight of a selected slot (id >= 0) is NaN or infinite: combine
@@ -117,6 +140,12 @@ class Buffer:
             unwritten, which check() and the next call report), and non-finite weights reach the combine as they
             are.
         format_impl: "auto" | "reference" | "cuda", quantization path of the reference backend.
+        check_finite: a bool (default False): refuse NaN / Inf in dispatch's x and in the rows of combine's expert_out
+            that the combine reads (`ep_comm.NonFiniteInputError`, a ValueError, naming the row), instead of
+            quantizing them (the quantized formats do not propagate them faithfully: README "NaN / Inf inputs").
+            A debugging aid: a device->host copy per call (skipped during CUDA graph capture). Rejected on one rank,
+            it stops the call on every rank as check_inputs does. Not covered: rows a GEMM epilogue writes itself
+            (`begin_combine_rows`, MoELayer's combine rows), which never exist as an expert_out tensor.
 
     combine weights each expert row with the routing weight given to dispatch (DispatchResult.topk_weight, of which the
     handle keeps its own copy: editing the result's topk_weight does not change the combine): it takes no weights of
@@ -132,7 +161,8 @@ class Buffer:
     def __init__(self, group=None, *, hidden: int, num_experts: int, num_topk: int, max_tokens_per_rank: int,
                  dispatch_format: str = "nvfp4", combine_format: str = "s2f6", backend: str = "auto",
                  expert_alignment: int = 1, num_sms: int = 24, num_local_sms: int = 0, rht_sign_mask: int = 0x6A09E667,
-                 timeout_s: float = 100.0, check_inputs: bool = True, format_impl: str = "auto"):
+                 timeout_s: float = 100.0, check_inputs: bool = True, format_impl: str = "auto",
+                 check_finite: bool = False):
         if not dist.is_initialized():
             raise RuntimeError("ep_comm.Buffer needs torch.distributed to be initialized (init_process_group)")
         self.group = group if group is not None else dist.group.WORLD
@@ -144,12 +174,15 @@ class Buffer:
                                    rht_sign_mask=rht_sign_mask, num_sms=num_sms, num_local_sms=num_local_sms,
                                    timeout_s=timeout_s)
         self.check_inputs = check_inputs
+        self.check_finite = check_finite
         # Compared across ranks before anything is validated, so that a bad or mismatched argument on one rank
         # raises on every rank instead of leaving the others waiting in a collective.
         self._check_same_arguments_everywhere(backend, format_impl)
         self.config.validate()
         if not isinstance(check_inputs, bool):
             raise TypeError(f"check_inputs must be a bool, got {_type_name(check_inputs)}")
+        if not isinstance(check_finite, bool):
+            raise TypeError(f"check_finite must be a bool, got {_type_name(check_finite)}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if format_impl not in FORMAT_IMPLS:
@@ -178,6 +211,8 @@ class Buffer:
                     # refused below on every rank alike)
                     check_inputs=self.check_inputs if isinstance(self.check_inputs, bool)
                     else _type_name(self.check_inputs),
+                    check_finite=self.check_finite if isinstance(self.check_finite, bool)
+                    else _type_name(self.check_finite),
                     **{name: os.environ.get(name) for name in _COMPARED_ENVIRONMENT})
         if backend != "reference":  # the kernels' switches may differ between ranks; malformed on one, all raise
             from .backends.nvlink import kernel_switch_problem
@@ -311,6 +346,8 @@ class Buffer:
         self._backend.check_device("x", x)  # where the backend's kernels or collectives can read it
         if check_ids and num_tokens and not _is_capturing():
             _check_expert_ids(topk_idx, cfg.num_experts, topk_weights)
+        if self.check_finite and not _is_capturing():
+            _check_finite_rows("x", x)
 
     def _check_stream_args(self, device: torch.device, comm_stream, done_event) -> None:
         if comm_stream is not None:
@@ -508,7 +545,7 @@ class Buffer:
         if self.backend == "nvlink":  # (inside a capture the ids are not checked, so nothing below gives up there)
             try:
                 validate()
-            except InvalidRoutingError as rejected:
+            except (InvalidRoutingError, NonFiniteInputError) as rejected:
                 try:
                     self._backend.give_up(f"{what}: {rejected}")
                 except Exception as notice_failed:  # noqa: BLE001 (the caller gets the rejection; the failure is warned)
@@ -631,6 +668,9 @@ class Buffer:
         if expert_out.dim() != 2 or tuple(expert_out.shape) != (num_rows, self.config.hidden):
             raise ValueError(f"expert_out must be [{num_rows}, {self.config.hidden}] (the rows of the dispatch "
                              f"result), got {tuple(expert_out.shape)}")
+        if self.check_finite and not _is_capturing():  # only the rows combine reads: padding rows may hold anything
+            rows = self._backend.rows_read_by_combine(handle)
+            _check_finite_rows("expert_out", expert_out.index_select(0, rows), rows)
 
     def begin_combine_rows(self, result: DispatchResult) -> CombineRowsTarget:
         """Start a combine whose rows a GEMM epilogue writes itself (nvlink backend, combine_format "s2f6").

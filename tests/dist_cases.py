@@ -551,3 +551,81 @@ def comm_stream_worker(rank: int, world: int, backend: str = "reference"):
     finally:
         buf.destroy()
     return "comm stream ok"
+
+
+def check_finite_worker(rank: int, world: int, backend: str = "reference", device_kind: str = "cpu"):
+    """Buffer(check_finite=True): the rows combine reads are exactly the result's rows with a source (src_rank >= 0);
+    NaN in a padding row (never read) passes, bitwise the clean combine; Inf in a read row of expert_out, and NaN in
+    dispatch's x, raise NonFiniteInputError on the rank holding them, naming the row and column. The peers: the call
+    is abandoned on every rank (reference: at once, "rejected on rank(s)"; nvlink: the rank gives up, the peers' kernels
+    stop waiting and their check() names it; a fresh Buffer for the dispatch case). Without check_finite the same NaN
+    is quantized without an error. Also the argument's type check."""
+    import pytest
+    device = _device(device_kind)
+    hidden, experts, topk, tokens = 64, 4 * world, 2, 6
+    sizes = dict(hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=8, expert_alignment=4,
+                 backend=backend, timeout_s=60.0)
+    _expect(TypeError, "check_finite must be a bool", lambda: ep_comm.Buffer(None, check_finite=1, **sizes))
+    gen = torch.Generator().manual_seed(10 + rank)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
+    idx = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)]).to(device)
+    w = torch.rand(tokens, topk, generator=gen).to(device)
+    nan_x = x.clone()
+    nan_x[3, 5] = float("nan")
+    last = world - 1
+
+    def peer_stopped(buf, stopped_by):
+        """A peer's view of a call that rank `stopped_by` abandoned."""
+        if backend == "reference":
+            return  # (the agreement itself raised on this rank: see the callers)
+        torch.cuda.synchronize()
+        with pytest.raises(RuntimeError, match=f"rank {stopped_by} gave up"):
+            buf._backend.check()
+
+    with ep_comm.Buffer(None, check_finite=False, **sizes) as plain:  # no check: the NaN is quantized, no error
+        res = plain.dispatch(nan_x, idx, w)
+        plain.combine(torch.zeros(res.num_rows, hidden, dtype=torch.bfloat16, device=device), res.handle)
+    buf = ep_comm.Buffer(None, check_finite=True, **sizes)
+    try:
+        res = buf.dispatch(x, idx, w)
+        rows = buf._backend.rows_read_by_combine(res.handle)
+        # (nvlink: rows past expert_offsets[-1] are capacity, their metadata never written)
+        sourced = torch.nonzero(res.src_rank[:int(res.expert_offsets[-1])] >= 0).flatten()
+        assert torch.equal(rows.sort().values.cpu(), sourced.cpu()), (rows.tolist(), sourced.tolist())
+        padding = sorted(set(range(res.num_rows)) - set(sourced.tolist()))
+        assert padding, "expert_alignment 4 (and nvlink's capacity) leaves rows without a source"
+        expert_out = torch.randn(res.num_rows, hidden, generator=gen).to(torch.bfloat16).to(device)
+        clean = buf.combine(expert_out, res.handle)
+        noisy = expert_out.clone()
+        noisy[padding] = float("nan")
+        assert torch.equal(buf.combine(noisy, res.handle).view(torch.int16), clean.view(torch.int16))
+        bad_row = int(sourced[len(sourced) // 2])
+        inf_out = expert_out.clone()
+        inf_out[bad_row, 7] = float("inf")
+        if rank == 0:
+            _expect(ep_comm.NonFiniteInputError, f"expert_out row {bad_row} holds inf at column 7",
+                    lambda: buf.combine(inf_out, res.handle))
+        elif backend == "reference":
+            _expect(ValueError, "rejected on rank(s) [0]", lambda: buf.combine(expert_out, res.handle))
+        else:
+            buf.combine(expert_out, res.handle)
+            peer_stopped(buf, 0)
+    finally:
+        if backend != "reference":
+            torch.cuda.synchronize()
+        buf.destroy()
+    with ep_comm.Buffer(None, check_finite=True, **sizes) as buf:
+        if backend != "reference":
+            buf.dispatch(x, idx, w)  # one clean call first: the kernels loaded on every rank
+            torch.cuda.synchronize()
+            dist.barrier()
+        if rank == last:
+            _expect(ep_comm.NonFiniteInputError, "x row 3 holds nan at column 5", lambda: buf.dispatch(nan_x, idx, w))
+        elif backend == "reference":
+            _expect(ValueError, f"rejected on rank(s) [{last}]", lambda: buf.dispatch(x, idx, w))
+        else:
+            buf.dispatch(x, idx, w)
+            peer_stopped(buf, last)
+        if backend != "reference":
+            torch.cuda.synchronize()
+    return "check_finite ok"

@@ -1182,6 +1182,15 @@ def test_nvlink_combine_timeout_names_stage_and_peer():
 
 
 @pytest.mark.multigpu
+def test_nvlink_check_finite_misuse_refused_on_every_rank():
+    """dist_cases.check_finite_worker on the nvlink backend ("misuse" in the name: the shared-GPU smoke tiers select
+    it; bench/device_run.sh test_nvlink_one_rank runs the worker at world 1)."""
+    import dist_cases
+    assert run_ranks(dist_cases.check_finite_worker, 2, "nvlink", "cuda", backend=multigpu_backend(),
+                     timeout_s=300) == ["check_finite ok"] * 2
+
+
+@pytest.mark.multigpu
 def test_nvlink_rejected_ids_stop_the_peers_at_once():
     assert run_ranks(rejected_ids_worker, 2, backend=multigpu_backend(), timeout_s=300) == ["ok", "ok"]
 

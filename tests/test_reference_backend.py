@@ -21,6 +21,13 @@ def test_gloo_world2_semantics_and_errors():
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_check_finite_refuses_nan_and_inf_in_read_rows_only(world):
+    assert run_ranks(dist_cases.check_finite_worker, world, "reference", "cpu", backend="gloo") == \
+        ["check_finite ok"] * world
+
+
+@pytest.mark.cpu
 @pytest.mark.parametrize("world", [3, 4])
 def test_gloo_semantics(world):
     results = run_ranks(dist_cases.semantics_worker, world, "reference", "cpu", backend="gloo")

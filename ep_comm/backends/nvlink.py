@@ -1136,6 +1136,16 @@ class NVLinkBackend:
             raise ValueError(f"the nvlink backend needs {name} on this Buffer's GPU ({self.torch_device}), got "
                              f"{tensor.device}")
 
+    def rows_read_by_combine(self, handle: "NVLinkHandle") -> torch.Tensor:
+        """int64 [n] on the GPU: the rows of the dispatch result a combine with this handle reads (Buffer's
+        check_finite): recv_rows of the staging rows each source filled (j < recv_count[s]), -1 (not here) left out.
+        Reads the handle's tables, so it waits for the dispatch (stream order on the current stream)."""
+        world, max_tokens, topk = self.config.world_size, self.config.max_tokens_per_rank, self.config.num_topk
+        rows = handle.recv_rows[:world * max_tokens * topk].view(world, max_tokens, topk).long()
+        filled = torch.arange(max_tokens, device=rows.device)[None, :] < handle.recv_count[:world, None]
+        rows = rows[filled[:, :, None].expand_as(rows) & (rows >= 0)]
+        return torch.unique(rows)
+
     def check_handle(self, handle) -> None:
         """TypeError unless `handle` comes from an nvlink dispatch; ValueError if it comes from another Buffer whose
         routing sizes differ (world size, max_tokens_per_rank, num_topk, capacity, experts per rank: combine indexes

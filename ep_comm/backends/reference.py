@@ -373,6 +373,13 @@ class ReferenceBackend:
                              "Buffer's (world size, experts, top-k, hidden, alignment or max_tokens_per_rank): pass "
                              "the handle to the Buffer that dispatched it")
 
+    @staticmethod
+    def rows_read_by_combine(handle: ReferenceHandle) -> torch.Tensor:
+        """int64 [n] on the tokens' device: the expert-major rows a combine with this handle reads (Buffer's
+        check_finite; padding rows are not among them)."""
+        rows = handle.layout_row.reshape(-1)
+        return torch.unique(rows[rows >= 0])
+
     @formats._keeps_subnormals  # its own FP32 sums too follow NUMERICS.md on a CPU thread that flushes
     def combine(self, expert_out: torch.Tensor, handle: ReferenceHandle, local_reduce: bool = True) -> torch.Tensor:
         cfg = self.config
