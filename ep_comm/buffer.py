@@ -21,14 +21,20 @@ from .backends.transport import device_backends
 _COMPARED_ENVIRONMENT = ("EP_COMM_PEER_MEMORY", "EP_COMM_ALLOW_SHARED_GPU", "EP_COMM_SYNC_CHECK")
 
 
-class InvalidRoutingError(ValueError):
+class _RankDataFault(ValueError):
+    """A fault of this rank's data (not of the program's arguments), typically on one rank only: the subclasses below.
+    On nvlink, whose ranks do not agree on each call on the host, the rank that finds one tells its peers to stop
+    waiting for it (Buffer._validate_together)."""
+
+
+class InvalidRoutingError(_RankDataFault):
     """Raised by a checked dispatch (check_inputs): topk_idx holds an id outside [-1, E) or one expert twice in a
     token, or a selected slot's routing weight is not finite. A fault of this rank's data (its router), unlike a bad
     argument usually found on this rank alone (see Buffer._validate_together); on nvlink it also stops the Buffer on
     every rank. A ValueError, so `except ValueError` catches it too."""
 
 
-class NonFiniteInputError(ValueError):
+class NonFiniteInputError(_RankDataFault):
     """Raised by a Buffer made with check_finite=True: dispatch's x, or a row of combine's expert_out that the combine
     reads, holds NaN or Inf (which the quantized wire formats do not propagate faithfully: README, "NaN / Inf
     inputs"). A fault of this rank's data, like InvalidRoutingError: on nvlink it also stops the Buffer on every rank,
@@ -209,10 +215,8 @@ class Buffer:
         mine = dict(dataclasses.asdict(self.config), backend=backend, format_impl=format_impl,
                     # (a bool as is, anything else by its type name: comparable and picklable on every rank, and
                     # refused below on every rank alike)
-                    check_inputs=self.check_inputs if isinstance(self.check_inputs, bool)
-                    else _type_name(self.check_inputs),
-                    check_finite=self.check_finite if isinstance(self.check_finite, bool)
-                    else _type_name(self.check_finite),
+                    **{name: value if isinstance(value, bool) else _type_name(value)
+                       for name, value in (("check_inputs", self.check_inputs), ("check_finite", self.check_finite))},
                     **{name: os.environ.get(name) for name in _COMPARED_ENVIRONMENT})
         if backend != "reference":  # the kernels' switches may differ between ranks; malformed on one, all raise
             from .backends.nvlink import kernel_switch_problem
@@ -545,7 +549,7 @@ class Buffer:
         if self.backend == "nvlink":  # (inside a capture the ids are not checked, so nothing below gives up there)
             try:
                 validate()
-            except (InvalidRoutingError, NonFiniteInputError) as rejected:
+            except _RankDataFault as rejected:
                 try:
                     self._backend.give_up(f"{what}: {rejected}")
                 except Exception as notice_failed:  # noqa: BLE001 (the caller gets the rejection; the failure is warned)

@@ -24,14 +24,13 @@ def _master_weights():
 ROUTINGS = ("balanced", "skewed")
 
 
-def _layer_inputs(routing, world):
-    """Tokens per rank, every rank's x (bf16 [T_r, H]) and the router for one routing kind. "balanced": Gaussian
+def _layer_inputs(routing, world, router):
+    """Tokens per rank, every rank's x (bf16 [T_r, H]) and the router for one routing kind, from `router` (E, H). "balanced": Gaussian
     tokens and router rows (each expert gets ~T * K / E rows). "skewed": every token and every router row share a
     direction d (x.d = 2 for every token, router rows 0.05 * Gaussian + pull_e * d), so experts 0 and 1 are in nearly
     every token's top-k, 2-4 share the third slot and 5-7 get nothing (at world 2: 137, 137, 62, 33, 42, 0, 0, 0 rows;
     rank 0 holds 369 of the 411 rows, a hot expert spans more than one token tile and rank 1 has three empty experts),
     while the top-k logits stay within ~2 of each other, so every slot's weight matters (smallest ~0.03)."""
-    _, _, router = _master_weights()
     if routing == "balanced":
         tokens = tuple(20 + 7 * r for r in range(world))
         return tokens, [torch.randn(t, HIDDEN, generator=torch.Generator().manual_seed(100 + r)).to(torch.bfloat16)
@@ -61,9 +60,9 @@ def _masked_slots(topk_idx):
 
 def _moe_worker(rank, world, device_kind="cpu", backend="auto", routing="balanced"):
     device = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else torch.device("cpu")
-    w1, w2, _ = _master_weights()
+    w1, w2, router = _master_weights()
     local = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
-    tokens, xs, router = _layer_inputs(routing, world)
+    tokens, xs, router = _layer_inputs(routing, world, router)
     with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK,
                         max_tokens_per_rank=max(tokens), backend=backend) as buf:
         packed = moe.pack_weights(w1[local].to(device), w2[local].to(device))

@@ -2,8 +2,9 @@
 cannot run on our sm_90 GPUs). The extension's build compiles the default native form for sm_100a (e2m1x2); the
 opt-in forms (EP_COMM_NATIVE_UE8M0: ue8m0x2, EP_COMM_NATIVE_S2F6: s2f6x2, PTX ISA 9.1 = CUDA >= 13.1) are compiled
 by no build, so this test compiles a small kernel with them on and checks that nvcc and ptxas accept them and that the
-native instructions, and only there, replace the software forms. Needs nvcc (CUDA_HOME, the PATH or
-/usr/local/cuda); no GPU."""
+native instructions, and only there, replace the software forms. Needs the CUDA toolkit setup.py finds
+(CUDA_HOME, the PATH or /usr/local/cuda); no GPU."""
+import ast
 import os
 import re
 import shutil
@@ -32,12 +33,16 @@ S2F6 = "s2f6x2.f32"
 
 
 def _nvcc():
-    home = os.environ.get("CUDA_HOME")
-    for candidate in ([Path(home) / "bin" / "nvcc"] if home else []) + \
-            [Path(p) for p in (shutil.which("nvcc"),) if p] + [Path("/usr/local/cuda/bin/nvcc")]:
-        if candidate.exists():
-            return candidate
-    return None
+    """The nvcc of the toolkit setup.py builds with (its find_cuda_home, taken from setup.py's source: importing
+    setup.py would run setup()), or None."""
+    setup_py = CSRC.parent / "setup.py"
+    tree = ast.parse(setup_py.read_text())
+    wanted = [node for node in tree.body if isinstance(node, ast.FunctionDef)
+              and node.name in ("_is_cuda_toolkit", "find_cuda_home")]
+    namespace = {"os": os, "shutil": shutil, "Path": Path}
+    exec(compile(ast.Module(body=wanted, type_ignores=[]), str(setup_py), "exec"), namespace)
+    home, _ = namespace["find_cuda_home"]()
+    return None if home is None else home / "bin" / "nvcc"
 
 
 def _version(nvcc):
