@@ -26,8 +26,9 @@ ROUTINGS = ("balanced", "skewed")
 
 def _layer_inputs(routing, world, router):
     """Tokens per rank, every rank's x (bf16 [T_r, H]) and the router for one routing kind, made from `router`
-    [E, H]. "balanced": Gaussian tokens and router rows as given (each expert gets ~T * K / E rows). "skewed": every token and every router row share a
-    direction d (x.d = 2 for every token, router rows 0.05 * Gaussian + pull_e * d), so experts 0 and 1 are in nearly
+    [E, H]. "balanced": Gaussian tokens and router rows as given (each expert gets ~T * K / E rows). "skewed":
+    every token and every router row share a direction d (x.d = 2 for every token, router rows 0.05 * Gaussian +
+    pull_e * d), so experts 0 and 1 are in nearly
     every token's top-k, 2-4 share the third slot and 5-7 get nothing (at world 2: 137, 137, 62, 33, 42, 0, 0, 0 rows;
     rank 0 holds 369 of the 411 rows, a hot expert spans more than one token tile and rank 1 has three empty experts),
     while the top-k logits stay within ~2 of each other, so every slot's weight matters (smallest ~0.03)."""
