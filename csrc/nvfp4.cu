@@ -342,12 +342,10 @@ __global__ void __launch_bounds__(NarrowShape::kMaxThreads) __maxnreg__((NarrowS
   const uint32_t rows_smem = bulk::smem_address(staged_rows);
   const uint32_t full_bar = bulk::smem_address(stage_full);
 
-  // Thread (0, 0): the rows in use of iteration k's group into stage k % stages; a group without any completes its
-  // phase by the arrival alone.
-  auto issue = [&](int64_t k) {
-    const int64_t group = blockIdx.x + k * gridDim.x;
+  // Thread (0, 0): the rows in use of `group` into stage s; a group without any completes its phase by the arrival
+  // alone. (Stage and phase are stepped, not computed: k % stages on a 64-bit k is a division subroutine.)
+  auto issue = [&](int64_t group, uint32_t s) {
     if (group >= num_groups) return;
-    const uint32_t s = static_cast<uint32_t>(k % stages);
     const int64_t first_row = group * rows_per_cta;
     const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(rows_per_cta, rows_in_use - first_row)));
     bulk::arrive_expect_tx(full_bar + 8 * s, static_cast<uint32_t>(n) * row_bytes);
@@ -363,16 +361,15 @@ __global__ void __launch_bounds__(NarrowShape::kMaxThreads) __maxnreg__((NarrowS
   }
   __syncthreads();
   if (leader) {
-    for (int k = 0; k < stages; ++k) issue(k);
+    for (int s = 0; s < stages; ++s) issue(blockIdx.x + static_cast<int64_t>(s) * gridDim.x, s);
   }
 
-  for (int64_t k = 0;; ++k) {
-    const int64_t group = blockIdx.x + k * gridDim.x;
-    if (group >= num_groups) break;
-    const uint32_t s = static_cast<uint32_t>(k % stages);
+  const int64_t ahead = static_cast<int64_t>(stages) * gridDim.x;  // the group that reuses a stage after this one
+  uint32_t s = 0, phase = 0, iteration = 0;
+  for (int64_t group = blockIdx.x; group < num_groups; group += gridDim.x, ++iteration) {
     const int64_t row = group * rows_per_cta + threadIdx.y;
     const bool row_valid = row < rows_in_use;
-    bulk::wait_parity(full_bar + 8 * s, static_cast<uint32_t>((k / stages) & 1));
+    bulk::wait_parity(full_bar + 8 * s, phase);
     const T* x_row = reinterpret_cast<const T*>(staged_rows + s * stage_bytes + threadIdx.y * row_bytes);
     RawBlock16<T> blocks[kBlocksPerThread];
     float block_amax[kBlocksPerThread];
@@ -392,14 +389,17 @@ __global__ void __launch_bounds__(NarrowShape::kMaxThreads) __maxnreg__((NarrowS
     // The barrier in both branches also frees stage s: every thread holds its blocks in registers now.
     float amax;
     if (args.amax_in == nullptr) {
-      amax = row_max<true>(local, warp_max[k & 1]);  // NaN-free: fmaxf ignores NaN elements
+      amax = row_max<true>(local, warp_max[iteration & 1]);  // NaN-free: fmaxf ignores NaN elements
     } else {
       __syncthreads();
       amax = row_valid ? args.amax_in[row] : 0.0f;
     }
-    if (leader) issue(k + stages);
-    if (!row_valid) continue;
-    const int64_t dst = args.dst_rows != nullptr ? args.dst_rows[row] : row;
+    if (leader) issue(group + ahead, s);
+    if (++s == static_cast<uint32_t>(stages)) {
+      s = 0;
+      phase ^= 1u;
+    }
+    const int64_t dst = !row_valid ? -1 : (args.dst_rows != nullptr ? args.dst_rows[row] : row);
     if (dst < 0) continue;
     const qm::Nvfp4Outer outer = qm::nvfp4_outer_scales(amax, args.e4m3_max);
     const QuantRowOut out = quant_row_out<kBlockValues, kFp8Values>(args, dst, amax);
