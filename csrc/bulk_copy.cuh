@@ -29,12 +29,13 @@ __device__ __forceinline__ void fence_barrier_init() {
 
 // This thread's arrival for the current phase, which then also waits for `bytes` of copy transactions.
 __device__ __forceinline__ void arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  uint64_t state;
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;\n"
-               : "=l"(state)
-               : "r"(bar), "r"(bytes)
-               : "memory");
-  (void)state;
+  asm volatile(
+      "{\n"
+      ".reg .b64 state;\n"
+      "mbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n"
+      "}\n" ::"r"(bar),
+      "r"(bytes)
+      : "memory");
 }
 
 // `bytes` (a multiple of 16; src and dst 16-byte aligned) from global memory to this CTA's shared memory, counted on

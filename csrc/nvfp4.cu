@@ -114,16 +114,12 @@ struct RawBlock16 {
 };
 
 // Max over the threads of one row (threads_per_row consecutive threads of threadIdx.x). All threads of
-// the CTA must call it (it synchronizes when a row spans several warps, or always with kAlwaysSync).
-template <bool kAlwaysSync = false>
+// the CTA must call it (it synchronizes when a row spans several warps).
 __device__ __forceinline__ float row_max(float v, float* warp_max) {
 #pragma unroll
   for (int offset = 16; offset >= 1; offset >>= 1) v = qm::qm_max(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
   const int warps_per_row = blockDim.x / 32;
-  if (warps_per_row == 1) {
-    if (kAlwaysSync) __syncthreads();
-    return v;
-  }
+  if (warps_per_row == 1) return v;
   const int lane = threadIdx.x % 32;
   if (lane == 0) warp_max[threadIdx.y * warps_per_row + threadIdx.x / 32] = v;
   __syncthreads();
@@ -323,7 +319,7 @@ __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::templa
 // without registers or issue slots spent on them, and the per-thread setup is paid once per CTA instead of once per
 // row. Same per-block arithmetic as nvfp4_quantize_kernel (quantize_round_46), same bits.
 constexpr int kMaxStages = 4;
-template <typename T, bool kBlockValues, bool kFp8Values>
+template <typename T, bool kBlockValues, bool kFp8Values, bool kPipelined>
 __global__ void __launch_bounds__(NarrowShape::kMaxThreads) __maxnreg__((NarrowShape::template max_registers<T, true>()))
     nvfp4_quantize_staged_kernel(Nvfp4QuantizeArgs args, int64_t num_groups, int stages) {
   static_assert(sizeof(T) == 2, "the staged form is for 16-bit rows");
@@ -333,6 +329,8 @@ __global__ void __launch_bounds__(NarrowShape::kMaxThreads) __maxnreg__((NarrowS
   __shared__ float warp_max[2][NarrowShape::kMaxThreads / 32];  // by iteration parity: no reader races a writer
   const int rows_per_cta = blockDim.y;
   const int num_blocks = static_cast<int>(args.hidden / 16);
+  const int warps_per_row = blockDim.x / 32;
+  const int warp_slot = threadIdx.y * warps_per_row;
   const uint32_t row_bytes = static_cast<uint32_t>(args.hidden) * static_cast<uint32_t>(sizeof(T));
   const uint32_t stage_bytes = row_bytes * static_cast<uint32_t>(rows_per_cta);
   const int64_t rows_in_use =
@@ -342,69 +340,135 @@ __global__ void __launch_bounds__(NarrowShape::kMaxThreads) __maxnreg__((NarrowS
   const uint32_t rows_smem = bulk::smem_address(staged_rows);
   const uint32_t full_bar = bulk::smem_address(stage_full);
 
-  // Thread (0, 0): the rows in use of `group` into stage s; a group without any completes its phase by the arrival
+  // Thread (0, 0): the rows in use of `group` into stage st; a group without any completes its phase by the arrival
   // alone. (Stage and phase are stepped, not computed: k % stages on a 64-bit k is a division subroutine.)
-  auto issue = [&](int64_t group, uint32_t s) {
+  auto issue = [&](int64_t group, uint32_t st) {
     if (group >= num_groups) return;
     const int64_t first_row = group * rows_per_cta;
     const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(rows_per_cta, rows_in_use - first_row)));
-    bulk::arrive_expect_tx(full_bar + 8 * s, static_cast<uint32_t>(n) * row_bytes);
+    bulk::arrive_expect_tx(full_bar + 8 * st, static_cast<uint32_t>(n) * row_bytes);
     for (int r = 0; r < n; ++r) {
-      bulk::copy_to_shared(rows_smem + s * stage_bytes + static_cast<uint32_t>(r) * row_bytes,
+      bulk::copy_to_shared(rows_smem + st * stage_bytes + static_cast<uint32_t>(r) * row_bytes,
                            static_cast<const T*>(args.x) + (first_row + r) * args.x_row_stride, row_bytes,
-                           full_bar + 8 * s);
+                           full_bar + 8 * st);
     }
   };
-  if (leader) {
-    for (int s = 0; s < stages; ++s) bulk::barrier_init(full_bar + 8 * s, 1);
-    bulk::fence_barrier_init();
-  }
-  __syncthreads();
-  if (leader) {
-    for (int s = 0; s < stages; ++s) issue(blockIdx.x + static_cast<int64_t>(s) * gridDim.x, s);
-  }
-
-  const int64_t ahead = static_cast<int64_t>(stages) * gridDim.x;  // the group that reuses a stage after this one
-  uint32_t s = 0, phase = 0, iteration = 0;
-  for (int64_t group = blockIdx.x; group < num_groups; group += gridDim.x, ++iteration) {
-    const int64_t row = group * rows_per_cta + threadIdx.y;
-    const bool row_valid = row < rows_in_use;
-    bulk::wait_parity(full_bar + 8 * s, phase);
-    const T* x_row = reinterpret_cast<const T*>(staged_rows + s * stage_bytes + threadIdx.y * row_bytes);
-    RawBlock16<T> blocks[kBlocksPerThread];
-    float block_amax[kBlocksPerThread];
-    float local = 0.0f;
+  // This thread's blocks of `group`'s row from stage st (zero past the row or the rows in use).
+  auto load_blocks = [&](int64_t group, uint32_t st, RawBlock16<T>(&blocks)[kBlocksPerThread]) {
+    const bool row_valid = group * rows_per_cta + threadIdx.y < rows_in_use;
+    const T* x_row = reinterpret_cast<const T*>(staged_rows + st * stage_bytes + threadIdx.y * row_bytes);
 #pragma unroll
     for (int i = 0; i < kBlocksPerThread; ++i) {
       const int b = threadIdx.x + i * blockDim.x;
       if (row_valid && b < num_blocks) {
         blocks[i].load_shared(x_row + static_cast<int64_t>(b) * 16);
-        block_amax[i] = blocks[i].amax();
       } else {
         blocks[i].clear();  // quantized with the others (straight-line), never stored
-        block_amax[i] = 0.0f;
       }
-      local = qm::qm_max(local, block_amax[i]);
     }
-    // The barrier in both branches also frees stage s: every thread holds its blocks in registers now.
-    float amax;
+  };
+  // The amax pass of `group` (its stage st waited for with phase ph): the block amaxes, and the warp's max published
+  // in warp_max[parity] for row_amax after the next CTA barrier.
+  auto amax_pass = [&](const RawBlock16<T>(&blocks)[kBlocksPerThread], uint32_t parity,
+                       float (&block_amax)[kBlocksPerThread]) {
+    float v = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kBlocksPerThread; ++i) {
+      block_amax[i] = blocks[i].amax();  // 0 for cleared blocks
+      v = qm::qm_max(v, block_amax[i]);
+    }
     if (args.amax_in == nullptr) {
-      amax = row_max<true>(local, warp_max[iteration & 1]);  // NaN-free: fmaxf ignores NaN elements
-    } else {
-      __syncthreads();
-      amax = row_valid ? args.amax_in[row] : 0.0f;
+#pragma unroll
+      for (int offset = 16; offset >= 1; offset >>= 1) v = qm::qm_max(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+      if (threadIdx.x % 32 == 0) warp_max[parity][warp_slot + threadIdx.x / 32] = v;
     }
-    if (leader) issue(group + ahead, s);
-    if (++s == static_cast<uint32_t>(stages)) {
-      s = 0;
-      phase ^= 1u;
-    }
-    const int64_t dst = !row_valid ? -1 : (args.dst_rows != nullptr ? args.dst_rows[row] : row);
-    if (dst < 0) continue;
+  };
+  // After the barrier that follows group's amax pass: its row amax (NaN-free: fmaxf ignores NaN elements).
+  auto row_amax = [&](int64_t group, uint32_t parity) {
+    const int64_t row = group * rows_per_cta + threadIdx.y;
+    if (args.amax_in != nullptr) return row < rows_in_use ? args.amax_in[row] : 0.0f;
+    float r = 0.0f;
+    for (int w = 0; w < warps_per_row; ++w) r = qm::qm_max(r, warp_max[parity][warp_slot + w]);
+    return r;
+  };
+  auto quantize_row = [&](int64_t group, const RawBlock16<T>(&blocks)[kBlocksPerThread],
+                          const float (&block_amax)[kBlocksPerThread], float amax) {
+    const int64_t row = group * rows_per_cta + threadIdx.y;
+    const int64_t dst = row >= rows_in_use ? -1 : (args.dst_rows != nullptr ? args.dst_rows[row] : row);
+    if (dst < 0) return;
     const qm::Nvfp4Outer outer = qm::nvfp4_outer_scales(amax, args.e4m3_max);
     const QuantRowOut out = quant_row_out<kBlockValues, kFp8Values>(args, dst, amax);
     quantize_round_46<T, kBlocksPerThread, kBlockValues, kFp8Values>(
         args, blocks, [&](int i) { return block_amax[i]; }, outer, amax, 0, num_blocks, out);
+  };
+
+  if (leader) {
+    for (int st = 0; st < stages; ++st) bulk::barrier_init(full_bar + 8 * st, 1);
+    bulk::fence_barrier_init();
+  }
+  __syncthreads();
+  if (leader) {
+    for (int st = 0; st < stages; ++st) issue(blockIdx.x + static_cast<int64_t>(st) * gridDim.x, st);
+  }
+  const int64_t ahead = static_cast<int64_t>(stages) * gridDim.x;  // the group that reuses a stage after this one
+  uint32_t st = 0, phase = 0, parity = 0;
+  auto step = [&](uint32_t& stage, uint32_t& ph) {
+    if (++stage == static_cast<uint32_t>(stages)) {
+      stage = 0;
+      ph ^= 1u;
+    }
+  };
+
+  if constexpr (!kPipelined) {
+    // Per group: amax pass, barrier (which also frees the stage: every thread holds its blocks in registers), the
+    // next copy into the stage, the row.
+    for (int64_t group = blockIdx.x; group < num_groups; group += gridDim.x, parity ^= 1u) {
+      RawBlock16<T> blocks[kBlocksPerThread];
+      float block_amax[kBlocksPerThread];
+      bulk::wait_parity(full_bar + 8 * st, phase);
+      load_blocks(group, st, blocks);
+      amax_pass(blocks, parity, block_amax);
+      __syncthreads();
+      if (leader) issue(group + ahead, st);
+      step(st, phase);
+      quantize_row(group, blocks, block_amax, row_amax(group, parity));
+    }
+  } else {
+    // Software-pipelined: the next group's amax pass (its latency-bound loads, shuffles and shared store) runs in the
+    // same straight-line code as this group's 4/6 arithmetic, so the warp issues one while waiting on the other. This
+    // group's blocks are read from its stage again, which it therefore holds until the barrier after the row.
+    float block_amax[kBlocksPerThread] = {};
+    float amax = 0.0f;
+    if (blockIdx.x < num_groups) {
+      RawBlock16<T> blocks[kBlocksPerThread];
+      bulk::wait_parity(full_bar, 0u);
+      load_blocks(blockIdx.x, 0u, blocks);
+      amax_pass(blocks, 0u, block_amax);
+    }
+    __syncthreads();
+    if (blockIdx.x < num_groups) amax = row_amax(blockIdx.x, 0u);
+    for (int64_t group = blockIdx.x; group < num_groups; group += gridDim.x, parity ^= 1u) {
+      uint32_t next_st = st, next_phase = phase;
+      step(next_st, next_phase);
+      const int64_t next = group + gridDim.x;
+      float next_block_amax[kBlocksPerThread] = {};
+      if (next < num_groups) {
+        RawBlock16<T> next_blocks[kBlocksPerThread];
+        bulk::wait_parity(full_bar + 8 * next_st, next_phase);
+        load_blocks(next, next_st, next_blocks);
+        amax_pass(next_blocks, parity ^ 1u, next_block_amax);
+      }
+      RawBlock16<T> blocks[kBlocksPerThread];
+      load_blocks(group, st, blocks);
+      quantize_row(group, blocks, block_amax, amax);
+      __syncthreads();  // stage st is free, and the next group's warp maxima are in
+      if (leader) issue(group + ahead, st);
+      if (next < num_groups) amax = row_amax(next, parity ^ 1u);
+#pragma unroll
+      for (int i = 0; i < kBlocksPerThread; ++i) block_amax[i] = next_block_amax[i];
+      st = next_st;
+      phase = next_phase;
+    }
   }
 }
 
@@ -483,7 +547,7 @@ cudaError_t launch_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t stream) 
 // hook that runs the staged kernel on at most that many CTAs, so that small inputs wrap the stage ring many times.
 // For measurements and tests; read once per process.
 int staged_choice() {
-  static const int choice = env_choice("EP_COMM_NVFP4_QUANT_STAGED", {"auto", "off", "on"});
+  static const int choice = env_choice("EP_COMM_NVFP4_QUANT_STAGED", {"auto", "off", "on", "pipelined"});
   return choice;
 }
 int staged_stages() {
@@ -517,7 +581,8 @@ bool launch_quantize_staged(const Nvfp4QuantizeArgs& args, cudaStream_t stream, 
     const int stages = staged_stages();
     const size_t smem = static_cast<size_t>(stages) * rows_per_cta * args.hidden * sizeof(T);
     const int64_t num_groups = ceil_div(args.num_rows, rows_per_cta);
-    auto kernel = nvfp4_quantize_staged_kernel<T, kBlockValues, kFp8Values>;
+    auto kernel = choice == 3 ? nvfp4_quantize_staged_kernel<T, kBlockValues, kFp8Values, true>
+                              : nvfp4_quantize_staged_kernel<T, kBlockValues, kFp8Values, false>;
     int device = 0, sms = 0, per_sm = 0;
     if ((*status = cudaGetDevice(&device)) != cudaSuccess) return true;
     if ((*status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return true;
