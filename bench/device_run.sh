@@ -117,17 +117,6 @@ bench_formats_shapes() {  # NVFP4 quantize under each thread shape (tuning; ours
       --only nvfp4_quantize 2>&1 | grep nvfp4_quantize | tee -a "$log"
   done
 }
-bench_formats_staged() {  # NVFP4 4/6 quantize: old kernel (off), staged (on), staged software-pipelined, twice, interleaved
-  local setting
-  for round in 1 2; do
-    for setting in "EP_COMM_NVFP4_QUANT_STAGED=off" "EP_COMM_NVFP4_QUANT_STAGED=on" \
-                   "EP_COMM_NVFP4_QUANT_STAGED=pipelined" "EP_COMM_NVFP4_QUANT_STAGED=pipelined EP_COMM_NVFP4_QUANT_STAGES=2"; do
-      say "bench: NVFP4 quantize, $setting (round $round)"
-      env $setting CUDA_VISIBLE_DEVICES=0 timeout 60 python3 bench/bench_formats.py --no-reference \
-        --only nvfp4_quantize 2>&1 | grep -E "nvfp4_quantize 4" | tee -a "$log"
-    done
-  done
-}
 test_formats_shapes() {  # the NVFP4 quantize tests under the non-default thread shapes
   for shape in ${QUANT_SHAPES:-wide occupancy narrow}; do
     echo "EP_COMM_NVFP4_QUANT_SHAPE=$shape:" | tee -a "$log"

@@ -11,12 +11,10 @@
 // shared memory with cp.async while quantizing the current one (4/6 240 -> 299 us, plain 131 -> 175 us).
 
 #include <algorithm>
-#include <array>
 #include <type_traits>
 
 #include "env_choice.h"
 #include "formats.h"
-#include "bulk_copy.cuh"
 #include "quant_math.cuh"
 #include "vec_io.cuh"
 
@@ -75,10 +73,6 @@ struct RawBlock16 {
   __device__ __forceinline__ void load(const T* src) {
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) raw[v] = vec::load16(src + v * vec::Elem<T>::kPerVec);
-  }
-  __device__ __forceinline__ void load_shared(const T* src) {  // src in shared memory (16-byte aligned)
-#pragma unroll
-    for (int v = 0; v < kVecs; ++v) raw[v] = reinterpret_cast<const uint4*>(src)[v];
   }
   __device__ __forceinline__ void clear() {
 #pragma unroll
@@ -152,73 +146,6 @@ __device__ __forceinline__ uint4 fp8_operand_block(uint32_t word_lo, uint32_t wo
   return make_uint4(lo[0] | (hi[0] << 16), lo[1] | (hi[1] << 16), lo[2] | (hi[2] << 16), lo[3] | (hi[3] << 16));
 }
 
-// Where one quantized row goes (destination row dst): its codes, scales and, for the block-values forms, values.
-// Thread x == 0 of the row also records its outer amax (amax_out) or, block values, the row factor.
-struct QuantRowOut {
-  uint8_t* data;
-  uint8_t* scales;
-  uint8_t* values;  // fp16 (2 bytes per element) or, FP8 form, E4M3 bytes
-};
-template <bool kBlockValues, bool kFp8Values>
-__device__ __forceinline__ QuantRowOut quant_row_out(const Nvfp4QuantizeArgs& args, int64_t dst, float amax) {
-  QuantRowOut out;
-  out.data = args.data + dst * args.data_row_stride;
-  out.scales = args.scales + dst * args.scales_row_stride;
-  out.values = static_cast<uint8_t*>(args.block_values) + dst * args.block_values_row_stride * (kFp8Values ? 1 : 2);
-  if (threadIdx.x == 0) {
-    // expand_nvfp4_rows' row factor: amax * fp32(1 / (6 M)), the constant rounded once from double as torch does
-    // (times 8 in the FP8 form, exact: its values carry 2^-3).
-    if (kBlockValues) {
-      const float factor = qm::qm_mul(amax, static_cast<float>(1.0 / (6.0 * static_cast<double>(args.e4m3_max))));
-      args.row_factor[dst] = kFp8Values ? factor * 8.0f : factor;
-    } else if (args.amax_out != nullptr) {
-      args.amax_out[dst] = amax;
-    }
-  }
-  return out;
-}
-
-// The 4/6 blocks a thread holds for one round (block first + threadIdx.x + i * threads_per_row of the row): every block
-// through the straight-line fast path first, so that their instructions interleave (each candidate's error sum is a
-// dependent chain): 231 -> 220 us on H200 (fourteenth session); then the general form where the fast path did not
-// decide, and the stores. block_amax_of(i): block i's amax (kept from the row amax pass, or recomputed).
-template <typename T, int kBlocksPerThread, bool kBlockValues, bool kFp8Values, typename BlockAmaxOf>
-__device__ __forceinline__ void quantize_round_46(const Nvfp4QuantizeArgs& args, const RawBlock16<T> (&blocks)[kBlocksPerThread],
-                                                  BlockAmaxOf block_amax_of, const qm::Nvfp4Outer& outer, float amax,
-                                                  int first, int num_blocks, const QuantRowOut& out) {
-  const int threads_per_row = blockDim.x;
-  qm::Nvfp4BlockFast fast[kBlocksPerThread];
-#pragma unroll
-  for (int i = 0; i < kBlocksPerThread; ++i) {
-    float x[16];
-    blocks[i].unpack(x);
-    uint32_t signs[4];
-    fast[i] = qm::nvfp4_four_six_block16_fast(x, block_amax_of(i), outer, amax, blocks[i].sign_bytes(signs));
-  }
-#pragma unroll
-  for (int i = 0; i < kBlocksPerThread; ++i) {
-    const int b = first + threadIdx.x + i * threads_per_row;
-    if (b >= num_blocks) continue;
-    if (!fast[i].decided) {
-      float x[16];
-      blocks[i].unpack(x);
-      qm::nvfp4_four_six_block16_general(x, block_amax_of(i), outer, amax, args.e4m3_max, fast[i].words,
-                                         &fast[i].scale);
-    }
-    if constexpr (kBlockValues) {
-      if constexpr (kFp8Values) {
-        reinterpret_cast<uint4*>(out.values)[b] = fp8_operand_block(fast[i].words[0], fast[i].words[1], fast[i].scale);
-      } else {
-        store_block_values(fast[i].words, fast[i].scale,
-                           reinterpret_cast<__half*>(out.values) + static_cast<int64_t>(b) * 16);
-      }
-    } else {
-      *reinterpret_cast<uint2*>(out.data + static_cast<int64_t>(b) * 8) = make_uint2(fast[i].words[0], fast[i].words[1]);
-      out.scales[b] = fast[i].scale;
-    }
-  }
-}
-
 // kBlockValues: write args.block_values and args.row_factor instead of codes, scales and amax (4/6 only); kFp8Values:
 // in the FP8 operand form (args.block_values_fp8; its own instantiation, so the fp16 form's code is unchanged).
 template <typename T, bool kFourOverSix, typename Shape, bool kBlockValues = false, bool kFp8Values = false>
@@ -281,17 +208,63 @@ __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::templa
   if (dst < 0) return;
 
   const qm::Nvfp4Outer outer = qm::nvfp4_outer_scales(amax, args.e4m3_max);
-  const QuantRowOut out = quant_row_out<kBlockValues, kFp8Values>(args, dst, amax);
+  uint8_t* data_row = args.data + dst * args.data_row_stride;
+  uint8_t* scale_row = args.scales + dst * args.scales_row_stride;
+  // Block values: fp16 (2 bytes per element) or, FP8 form, E4M3 bytes.
+  uint8_t* values_row =
+      static_cast<uint8_t*>(args.block_values) + dst * args.block_values_row_stride * (kFp8Values ? 1 : 2);
+  if (threadIdx.x == 0) {
+    // expand_nvfp4_rows' row factor: amax * fp32(1 / (6 M)), the constant rounded once from double as torch does
+    // (times 8 in the FP8 form, exact: its values carry 2^-3).
+    if (kBlockValues) {
+      const float factor = qm::qm_mul(amax, static_cast<float>(1.0 / (6.0 * static_cast<double>(args.e4m3_max))));
+      args.row_factor[dst] = kFp8Values ? factor * 8.0f : factor;
+    } else if (args.amax_out != nullptr) {
+      args.amax_out[dst] = amax;
+    }
+  }
 
   const bool amax_kept = single_round && args.amax_in == nullptr;
   auto this_block_amax = [&](int i) { return amax_kept ? block_amax[i] : blocks[i].amax(); };
   for (int first = 0; first < num_blocks; first += per_round) {
     if (!single_round) load_round(first);
-    // 4/6: the round's blocks interleaved (quantize_round_46). Plain: block by block (interleaving its 4 blocks
+    // 4/6: every block of the round through the straight-line fast path first, so that their instructions interleave
+    // (each candidate's error sum is a dependent chain): 231 -> 220 us on H200 (fourteenth session); then the general
+    // form where the fast path did not decide, and the stores. Plain: block by block (interleaving its 4 blocks
     // spilled registers and measured 22% slower).
     if constexpr (kFourOverSix) {
-      quantize_round_46<T, kBlocksPerThread, kBlockValues, kFp8Values>(args, blocks, this_block_amax, outer, amax, first,
-                                                                       num_blocks, out);
+      qm::Nvfp4BlockFast fast[kBlocksPerThread];
+#pragma unroll
+      for (int i = 0; i < kBlocksPerThread; ++i) {
+        float x[16];
+        blocks[i].unpack(x);
+        uint32_t signs[4];
+        fast[i] = qm::nvfp4_four_six_block16_fast(x, this_block_amax(i), outer, amax, blocks[i].sign_bytes(signs));
+      }
+#pragma unroll
+      for (int i = 0; i < kBlocksPerThread; ++i) {
+        const int b = first + threadIdx.x + i * threads_per_row;
+        if (b >= num_blocks) continue;
+        if (!fast[i].decided) {
+          float x[16];
+          blocks[i].unpack(x);
+          qm::nvfp4_four_six_block16_general(x, this_block_amax(i), outer, amax, args.e4m3_max, fast[i].words,
+                                             &fast[i].scale);
+        }
+        if constexpr (kBlockValues) {
+          if constexpr (kFp8Values) {
+            reinterpret_cast<uint4*>(values_row)[b] =
+                fp8_operand_block(fast[i].words[0], fast[i].words[1], fast[i].scale);
+          } else {
+            store_block_values(fast[i].words, fast[i].scale,
+                               reinterpret_cast<__half*>(values_row) + static_cast<int64_t>(b) * 16);
+          }
+        } else {
+          *reinterpret_cast<uint2*>(data_row + static_cast<int64_t>(b) * 8) =
+              make_uint2(fast[i].words[0], fast[i].words[1]);
+          scale_row[b] = fast[i].scale;
+        }
+      }
     } else {
 #pragma unroll
       for (int i = 0; i < kBlocksPerThread; ++i) {
@@ -304,170 +277,9 @@ __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::templa
         uint32_t signs[4];
         qm::nvfp4_quantize_block16_words(x, this_block_amax(i), outer, amax, args.e4m3_max, false, words, &scale,
                                          nullptr, blocks[i].sign_bytes(signs));
-        *reinterpret_cast<uint2*>(out.data + static_cast<int64_t>(b) * 8) = make_uint2(words[0], words[1]);
-        out.scales[b] = scale;
+        *reinterpret_cast<uint2*>(data_row + static_cast<int64_t>(b) * 8) = make_uint2(words[0], words[1]);
+        scale_row[b] = scale;
       }
-    }
-  }
-}
-
-// Staged 4/6 quantizer for 16-bit rows that fit the narrow shape's registers (two blocks per thread, K <= 8192): the
-// bf16 rows of the benchmarks and of dispatch-side callers. Persistent CTAs walk the row groups blockIdx.x,
-// blockIdx.x + gridDim.x, ...; thread (0, 0) brings each group's rows into a ring of `stages` shared-memory stages
-// with one bulk copy per row (bulk_copy.cuh), issued as soon as the stage's previous rows are in registers (after the
-// row-max barrier, which every iteration has). So `stages` row groups per CTA are in flight while it quantizes,
-// without registers or issue slots spent on them, and the per-thread setup is paid once per CTA instead of once per
-// row. Same per-block arithmetic as nvfp4_quantize_kernel (quantize_round_46), same bits.
-constexpr int kMaxStages = 4;
-template <typename T, bool kBlockValues, bool kFp8Values, bool kPipelined>
-__global__ void __launch_bounds__(NarrowShape::kMaxThreads) __maxnreg__((NarrowShape::template max_registers<T, true>()))
-    nvfp4_quantize_staged_kernel(Nvfp4QuantizeArgs args, int64_t num_groups, int stages) {
-  static_assert(sizeof(T) == 2, "the staged form is for 16-bit rows");
-  constexpr int kBlocksPerThread = NarrowShape::template blocks_per_thread<T>();
-  extern __shared__ __align__(128) unsigned char staged_rows[];
-  __shared__ __align__(8) uint64_t stage_full[kMaxStages];
-  __shared__ float warp_max[2][NarrowShape::kMaxThreads / 32];  // by iteration parity: no reader races a writer
-  const int rows_per_cta = blockDim.y;
-  const int num_blocks = static_cast<int>(args.hidden / 16);
-  const int warps_per_row = blockDim.x / 32;
-  const int warp_slot = threadIdx.y * warps_per_row;
-  const uint32_t row_bytes = static_cast<uint32_t>(args.hidden) * static_cast<uint32_t>(sizeof(T));
-  const uint32_t stage_bytes = row_bytes * static_cast<uint32_t>(rows_per_cta);
-  const int64_t rows_in_use =
-      args.num_rows_limit == nullptr ? args.num_rows
-                                     : std::min<int64_t>(args.num_rows, static_cast<int64_t>(__ldg(args.num_rows_limit)));
-  const bool leader = threadIdx.x == 0 && threadIdx.y == 0;
-  const uint32_t rows_smem = bulk::smem_address(staged_rows);
-  const uint32_t full_bar = bulk::smem_address(stage_full);
-
-  // Thread (0, 0): the rows in use of `group` into stage st; a group without any completes its phase by the arrival
-  // alone. (Stage and phase are stepped, not computed: k % stages on a 64-bit k is a division subroutine.)
-  auto issue = [&](int64_t group, uint32_t st) {
-    if (group >= num_groups) return;
-    const int64_t first_row = group * rows_per_cta;
-    const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(rows_per_cta, rows_in_use - first_row)));
-    bulk::arrive_expect_tx(full_bar + 8 * st, static_cast<uint32_t>(n) * row_bytes);
-    for (int r = 0; r < n; ++r) {
-      bulk::copy_to_shared(rows_smem + st * stage_bytes + static_cast<uint32_t>(r) * row_bytes,
-                           static_cast<const T*>(args.x) + (first_row + r) * args.x_row_stride, row_bytes,
-                           full_bar + 8 * st);
-    }
-  };
-  // This thread's blocks of `group`'s row from stage st (zero past the row or the rows in use).
-  auto load_blocks = [&](int64_t group, uint32_t st, RawBlock16<T>(&blocks)[kBlocksPerThread]) {
-    const bool row_valid = group * rows_per_cta + threadIdx.y < rows_in_use;
-    const T* x_row = reinterpret_cast<const T*>(staged_rows + st * stage_bytes + threadIdx.y * row_bytes);
-#pragma unroll
-    for (int i = 0; i < kBlocksPerThread; ++i) {
-      const int b = threadIdx.x + i * blockDim.x;
-      if (row_valid && b < num_blocks) {
-        blocks[i].load_shared(x_row + static_cast<int64_t>(b) * 16);
-      } else {
-        blocks[i].clear();  // quantized with the others (straight-line), never stored
-      }
-    }
-  };
-  // The amax pass of `group` (its stage st waited for with phase ph): the block amaxes, and the warp's max published
-  // in warp_max[parity] for row_amax after the next CTA barrier.
-  auto amax_pass = [&](const RawBlock16<T>(&blocks)[kBlocksPerThread], uint32_t parity,
-                       float (&block_amax)[kBlocksPerThread]) {
-    float v = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kBlocksPerThread; ++i) {
-      block_amax[i] = blocks[i].amax();  // 0 for cleared blocks
-      v = qm::qm_max(v, block_amax[i]);
-    }
-    if (args.amax_in == nullptr) {
-#pragma unroll
-      for (int offset = 16; offset >= 1; offset >>= 1) v = qm::qm_max(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
-      if (threadIdx.x % 32 == 0) warp_max[parity][warp_slot + threadIdx.x / 32] = v;
-    }
-  };
-  // After the barrier that follows group's amax pass: its row amax (NaN-free: fmaxf ignores NaN elements).
-  auto row_amax = [&](int64_t group, uint32_t parity) {
-    const int64_t row = group * rows_per_cta + threadIdx.y;
-    if (args.amax_in != nullptr) return row < rows_in_use ? args.amax_in[row] : 0.0f;
-    float r = 0.0f;
-    for (int w = 0; w < warps_per_row; ++w) r = qm::qm_max(r, warp_max[parity][warp_slot + w]);
-    return r;
-  };
-  auto quantize_row = [&](int64_t group, const RawBlock16<T>(&blocks)[kBlocksPerThread],
-                          const float (&block_amax)[kBlocksPerThread], float amax) {
-    const int64_t row = group * rows_per_cta + threadIdx.y;
-    const int64_t dst = row >= rows_in_use ? -1 : (args.dst_rows != nullptr ? args.dst_rows[row] : row);
-    if (dst < 0) return;
-    const qm::Nvfp4Outer outer = qm::nvfp4_outer_scales(amax, args.e4m3_max);
-    const QuantRowOut out = quant_row_out<kBlockValues, kFp8Values>(args, dst, amax);
-    quantize_round_46<T, kBlocksPerThread, kBlockValues, kFp8Values>(
-        args, blocks, [&](int i) { return block_amax[i]; }, outer, amax, 0, num_blocks, out);
-  };
-
-  if (leader) {
-    for (int st = 0; st < stages; ++st) bulk::barrier_init(full_bar + 8 * st, 1);
-    bulk::fence_barrier_init();
-  }
-  __syncthreads();
-  if (leader) {
-    for (int st = 0; st < stages; ++st) issue(blockIdx.x + static_cast<int64_t>(st) * gridDim.x, st);
-  }
-  const int64_t ahead = static_cast<int64_t>(stages) * gridDim.x;  // the group that reuses a stage after this one
-  uint32_t st = 0, phase = 0, parity = 0;
-  auto step = [&](uint32_t& stage, uint32_t& ph) {
-    if (++stage == static_cast<uint32_t>(stages)) {
-      stage = 0;
-      ph ^= 1u;
-    }
-  };
-
-  if constexpr (!kPipelined) {
-    // Per group: amax pass, barrier (which also frees the stage: every thread holds its blocks in registers), the
-    // next copy into the stage, the row.
-    for (int64_t group = blockIdx.x; group < num_groups; group += gridDim.x, parity ^= 1u) {
-      RawBlock16<T> blocks[kBlocksPerThread];
-      float block_amax[kBlocksPerThread];
-      bulk::wait_parity(full_bar + 8 * st, phase);
-      load_blocks(group, st, blocks);
-      amax_pass(blocks, parity, block_amax);
-      __syncthreads();
-      if (leader) issue(group + ahead, st);
-      step(st, phase);
-      quantize_row(group, blocks, block_amax, row_amax(group, parity));
-    }
-  } else {
-    // Software-pipelined: the next group's amax pass (its latency-bound loads, shuffles and shared store) runs in the
-    // same straight-line code as this group's 4/6 arithmetic, so the warp issues one while waiting on the other. This
-    // group's blocks are read from its stage again, which it therefore holds until the barrier after the row.
-    float block_amax[kBlocksPerThread] = {};
-    float amax = 0.0f;
-    if (blockIdx.x < num_groups) {
-      RawBlock16<T> blocks[kBlocksPerThread];
-      bulk::wait_parity(full_bar, 0u);
-      load_blocks(blockIdx.x, 0u, blocks);
-      amax_pass(blocks, 0u, block_amax);
-    }
-    __syncthreads();
-    if (blockIdx.x < num_groups) amax = row_amax(blockIdx.x, 0u);
-    for (int64_t group = blockIdx.x; group < num_groups; group += gridDim.x, parity ^= 1u) {
-      uint32_t next_st = st, next_phase = phase;
-      step(next_st, next_phase);
-      const int64_t next = group + gridDim.x;
-      float next_block_amax[kBlocksPerThread] = {};
-      if (next < num_groups) {
-        RawBlock16<T> next_blocks[kBlocksPerThread];
-        bulk::wait_parity(full_bar + 8 * next_st, next_phase);
-        load_blocks(next, next_st, next_blocks);
-        amax_pass(next_blocks, parity ^ 1u, next_block_amax);
-      }
-      RawBlock16<T> blocks[kBlocksPerThread];
-      load_blocks(group, st, blocks);
-      quantize_row(group, blocks, block_amax, amax);
-      __syncthreads();  // stage st is free, and the next group's warp maxima are in
-      if (leader) issue(group + ahead, st);
-      if (next < num_groups) amax = row_amax(next, parity ^ 1u);
-#pragma unroll
-      for (int i = 0; i < kBlocksPerThread; ++i) block_amax[i] = next_block_amax[i];
-      st = next_st;
-      phase = next_phase;
     }
   }
 }
@@ -540,70 +352,6 @@ cudaError_t launch_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t stream) 
   return cudaGetLastError();
 }
 
-// EP_COMM_NVFP4_QUANT_STAGED = auto | off | on: the staged 4/6 kernel (nvfp4_quantize_staged_kernel) where it applies
-// (16-bit rows of at most 8192 elements, the narrow shape) -- auto: when there are more row groups than CTAs fit on the
-// device at once, so that CTAs take several; on: always where it applies; off: never. EP_COMM_NVFP4_QUANT_STAGES = 2,
-// 3 or 4 row groups in flight per CTA (default 3). EP_COMM_NVFP4_QUANT_MAX_CTAS = 0 (no limit), 1, 3 or 7: a test
-// hook that runs the staged kernel on at most that many CTAs, so that small inputs wrap the stage ring many times.
-// For measurements and tests; read once per process.
-int staged_choice() {
-  static const int choice = env_choice("EP_COMM_NVFP4_QUANT_STAGED", {"auto", "off", "on", "pipelined"});
-  return choice;
-}
-int staged_stages() {
-  static const int stages = std::array<int, 3>{3, 2, 4}[env_choice("EP_COMM_NVFP4_QUANT_STAGES", {"3", "2", "4"})];
-  return stages;
-}
-
-int staged_max_ctas() {
-  static const int max_ctas = std::array<int, 4>{0, 1, 3, 7}[env_choice("EP_COMM_NVFP4_QUANT_MAX_CTAS",
-                                                                         {"0", "1", "3", "7"})];
-  return max_ctas;
-}
-
-// The staged kernel where it applies (see staged_choice); returns false (nothing launched) where it does not, with
-// *status cudaSuccess. Thread shape as launch_quantize<NarrowShape>; grid: at most the CTAs that fit at once.
-template <typename T, bool kBlockValues, bool kFp8Values>
-bool launch_quantize_staged(const Nvfp4QuantizeArgs& args, cudaStream_t stream, cudaError_t* status) {
-  *status = cudaSuccess;
-  const int choice = staged_choice();
-  constexpr int kBlocksPerThread = NarrowShape::blocks_per_thread<T>();
-  const int64_t num_blocks = args.hidden / 16;
-  if constexpr (sizeof(T) != 2) {
-    return false;
-  } else {
-    if (choice == 1 || !args.four_over_six || num_blocks > int64_t{NarrowShape::kMaxThreads} * kBlocksPerThread) {
-      return false;
-    }
-    const int threads_per_row =
-        static_cast<int>(std::max<int64_t>(32, ceil_div(ceil_div(num_blocks, kBlocksPerThread), 32) * 32));
-    const int rows_per_cta = std::max(1, kTargetCtaThreads / threads_per_row);
-    const int stages = staged_stages();
-    const size_t smem = static_cast<size_t>(stages) * rows_per_cta * args.hidden * sizeof(T);
-    const int64_t num_groups = ceil_div(args.num_rows, rows_per_cta);
-    auto kernel = choice == 3 ? nvfp4_quantize_staged_kernel<T, kBlockValues, kFp8Values, true>
-                              : nvfp4_quantize_staged_kernel<T, kBlockValues, kFp8Values, false>;
-    int device = 0, sms = 0, per_sm = 0;
-    if ((*status = cudaGetDevice(&device)) != cudaSuccess) return true;
-    if ((*status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return true;
-    if (smem > 48 * 1024 && (*status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                            static_cast<int>(smem))) != cudaSuccess) {
-      return true;
-    }
-    if ((*status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads_per_row * rows_per_cta,
-                                                                 smem)) != cudaSuccess) {
-      return true;
-    }
-    const int64_t resident = static_cast<int64_t>(per_sm) * sms;
-    if (resident == 0 || (choice == 0 && num_groups <= resident)) return false;
-    const int64_t grid = std::min(num_groups, staged_max_ctas() > 0 ? std::min<int64_t>(resident, staged_max_ctas())
-                                                                    : resident);
-    kernel<<<static_cast<unsigned>(grid), dim3(threads_per_row, rows_per_cta), smem, stream>>>(args, num_groups, stages);
-    *status = cudaGetLastError();
-    return true;
-  }
-}
-
 // EP_COMM_NVFP4_QUANT_SHAPE = wide | occupancy | narrow overrides the thread shape (for measurements); by
 // default (unset or auto) 4/6 takes two blocks of 16 per thread -- narrow for 16-bit input, occupancy (the same 3
 // CTAs per SM, 128 raw bytes) for fp32 -- and plain takes occupancy, the fastest for each on H200 (RESULTS.md:
@@ -637,11 +385,6 @@ cudaError_t launch_nvfp4_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t st
     auto launch = [&](auto block_values_tag, auto fp8_tag) {
       constexpr bool kBlockValues = decltype(block_values_tag)::value;
       constexpr bool kFp8 = decltype(fp8_tag)::value;
-      cudaError_t staged_status = cudaSuccess;
-      if (quantize_shape_choice(args.four_over_six, args.x_type) == 3 &&
-          launch_quantize_staged<T, kBlockValues, kFp8>(args, stream, &staged_status)) {
-        return staged_status;
-      }
       switch (quantize_shape_choice(args.four_over_six, args.x_type)) {
         case 1: return launch_quantize<T, WideShape, kBlockValues, kFp8>(args, stream);
         case 2: return launch_quantize<T, OccupancyShape, kBlockValues, kFp8>(args, stream);

@@ -163,31 +163,6 @@ def test_nvfp4_strided_rows_and_destination_rows(dtype, four_over_six, amax_form
     assert (data[untouched] == 0xAB).all() and (scales[untouched] == 0xCD).all() and (amax[untouched] == -1.0).all()
 
 
-def test_staged_quantizer_under_each_setting():
-    """The staged 4/6 quantizer (csrc/nvfp4.cu: persistent CTAs, each row group brought into a ring of shared-memory
-    stages by bulk copies) forced on wherever it applies -- 16-bit rows up to 8192 wide: bf16 and fp16, amax computed
-    and given, strided input, destination rows, edge and adversarial rows -- with 2, 3 and 4 stages, on all the CTAs
-    that fit and on 1, 3 or 7 CTAs (so that the ring wraps many times, phases flip and CTAs take unequal counts):
-    this file's NVFP4 tests bitwise the reference, and with 3 stages also the grouped GEMM's block-values forms and
-    device row limits. The settings are read once per process: hence subprocesses."""
-    import os
-    import subprocess
-    import sys
-    here = os.path.dirname(os.path.abspath(__file__))
-    runs = [({"EP_COMM_NVFP4_QUANT_STAGES": "3"}, True), ({"EP_COMM_NVFP4_QUANT_STAGES": "2",
-             "EP_COMM_NVFP4_QUANT_MAX_CTAS": "3"}, False), ({"EP_COMM_NVFP4_QUANT_STAGES": "4",
-             "EP_COMM_NVFP4_QUANT_MAX_CTAS": "7"}, False), ({"EP_COMM_NVFP4_QUANT_MAX_CTAS": "1"}, True)]
-    for extra, with_gemm in runs:
-        env = dict(os.environ, EP_COMM_NVFP4_QUANT_STAGED="on", **extra)
-        files = [__file__] + ([os.path.join(here, "test_grouped_gemm.py")] if with_gemm else [])
-        selection = "nvfp4 or four_over_six or edge" + (" or limit or quantize_expanded" if with_gemm else "")
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files, "-k",
-                              f"({selection}) and not staged and not transposed"], env=env, capture_output=True, text=True,
-                             timeout=900, cwd=here)
-        assert run.returncode == 0, f"{extra}: " + run.stdout[-3000:] + run.stderr[-2000:]
-        assert " passed" in run.stdout and "failed" not in run.stdout, run.stdout[-2000:]
-
-
 def test_nvfp4_destination_rows_refusals():
     """What the raw quantize entry point refuses for a caller-given destination, each with an error that says why, and
     nothing written: code rows (or their pitch) not 8-byte aligned, input rows not 16-byte aligned, no scales, and
