@@ -158,7 +158,7 @@ __device__ __forceinline__ uint4 fp8_operand_block(uint32_t word_lo, uint32_t wo
 // in the FP8 operand form (args.block_values_fp8; its own instantiation, so the fp16 form's code is unchanged).
 template <typename T, bool kFourOverSix, typename Shape, bool kBlockValues = false, bool kFp8Values = false>
 __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::template max_registers<T, kFourOverSix>()))
-    nvfp4_quantize_kernel(Nvfp4QuantizeArgs args) {
+    nvfp4_quantize_kernel(Nvfp4QuantizeArgs args, float inv_six_m) {  // qm::nvfp4_inv_six_m(M), from the host
   static_assert(!kBlockValues || kFourOverSix, "block values are the 4/6 form only");
   static_assert(!kFp8Values || kBlockValues, "the FP8 form is a block-values form");
   __shared__ float warp_max[Shape::kMaxThreads / 32];
@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::templa
   const int64_t dst = args.dst_rows != nullptr ? args.dst_rows[row] : row;
   if (dst < 0) return;
 
-  const qm::Nvfp4Outer outer = qm::nvfp4_outer_scales(amax, args.e4m3_max);
+  const qm::Nvfp4Outer outer = qm::nvfp4_outer_scales(amax, args.e4m3_max, inv_six_m);
   uint8_t* data_row = args.data + dst * args.data_row_stride;
   uint8_t* scale_row = args.scales + dst * args.scales_row_stride;
   // Block values: fp16 (2 bytes per element) or, FP8 form, E4M3 bytes.
@@ -350,12 +350,14 @@ cudaError_t launch_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t stream) 
   const dim3 block(threads_per_row, rows_per_cta);
   const int64_t grid = ceil_div(args.num_rows, rows_per_cta);
   if (grid > INT32_MAX) return cudaErrorInvalidValue;
+  const unsigned grid_x = static_cast<unsigned>(grid);
+  const float inv_six_m = qm::nvfp4_inv_six_m(args.e4m3_max);  // once here, not in every thread
   if constexpr (kBlockValues) {
-    nvfp4_quantize_kernel<T, true, Shape, true, kFp8Values><<<static_cast<unsigned>(grid), block, 0, stream>>>(args);
+    nvfp4_quantize_kernel<T, true, Shape, true, kFp8Values><<<grid_x, block, 0, stream>>>(args, inv_six_m);
   } else if (args.four_over_six) {
-    nvfp4_quantize_kernel<T, true, Shape><<<static_cast<unsigned>(grid), block, 0, stream>>>(args);
+    nvfp4_quantize_kernel<T, true, Shape><<<grid_x, block, 0, stream>>>(args, inv_six_m);
   } else {
-    nvfp4_quantize_kernel<T, false, Shape><<<static_cast<unsigned>(grid), block, 0, stream>>>(args);
+    nvfp4_quantize_kernel<T, false, Shape><<<grid_x, block, 0, stream>>>(args, inv_six_m);
   }
   return cudaGetLastError();
 }

@@ -757,12 +757,17 @@ struct Nvfp4Outer {
 // f(1 / f(6M)): the 4/6 error's and the dequantize factor's divisor, computed once per row or launch.
 QM_HD float nvfp4_inv_six_m(float e4m3_max) { return qm_div(1.0f, qm_mul(6.0f, e4m3_max)); }
 
-QM_HD Nvfp4Outer nvfp4_outer_scales(float amax, float e4m3_max) {
+// inv_six_m: nvfp4_inv_six_m(e4m3_max), which a kernel's launcher can compute once on the host (the same IEEE
+// division) instead of every thread.
+QM_HD Nvfp4Outer nvfp4_outer_scales(float amax, float e4m3_max, float inv_six_m) {
   const float six_m = qm_mul(6.0f, e4m3_max);  // 1536 or 2688, exact
   float s_enc = qm_min(qm_div(six_m, amax), kFltMax);
   if (amax == 0.0f || s_enc == 0.0f || qm_isnan(amax)) s_enc = 1.0f;
   const bool approx_ok = (six_m == 1536.0f || six_m == 2688.0f) && amax >= 0x1p-80f && amax <= 0x1p100f;
-  return Nvfp4Outer{s_enc, qm_div(1.0f, s_enc), approx_ok, nvfp4_inv_six_m(e4m3_max)};
+  return Nvfp4Outer{s_enc, qm_div(1.0f, s_enc), approx_ok, inv_six_m};
+}
+QM_HD Nvfp4Outer nvfp4_outer_scales(float amax, float e4m3_max) {
+  return nvfp4_outer_scales(amax, e4m3_max, nvfp4_inv_six_m(e4m3_max));
 }
 
 // Correctly rounded 1 / d (the device's reciprocal sequence instead of a general division; same bits).
