@@ -111,16 +111,15 @@ struct RawBlock16 {
 // the CTA must call it (it synchronizes when a row spans several warps). kMaxWarps: the most warps a row spans
 // (Shape::kMaxThreads / 32). The row's warp maxima are read by a fixed, unrolled sequence of kMaxWarps predicated
 // loads: a loop over warps_per_row compiled to unrolled-by-16/8/4 bodies plus a remainder loop, ~60 instructions per
-// warp for 7 warps where this takes ~25 (the 4/6 kernel executes ~1050 per warp).
+// warp for 7 warps where this takes ~25 (the 4/6 kernel executes ~1000 per warp).
 template <int kMaxWarps>
 __device__ __forceinline__ float row_max(float v, float* warp_max) {
 #pragma unroll
   for (int offset = 16; offset >= 1; offset >>= 1) v = qm::qm_max(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
   const int warps_per_row = blockDim.x / 32;
   if (warps_per_row == 1) return v;
-  const int lane = threadIdx.x % 32;
-  const float* row_warps = warp_max + threadIdx.y * warps_per_row;
-  if (lane == 0) warp_max[threadIdx.y * warps_per_row + threadIdx.x / 32] = v;
+  float* row_warps = warp_max + threadIdx.y * warps_per_row;  // this row's warps' slots
+  if (threadIdx.x % 32 == 0) row_warps[threadIdx.x / 32] = v;
   __syncthreads();
   float row = 0.0f;
 #pragma unroll
