@@ -484,6 +484,7 @@ profile_stalls() {  # STALLS_ONLY = a bench_formats case name substring (default
   say "profile: ncu stall reasons, $only"
   CUDA_VISIBLE_DEVICES=0 timeout 200 ncu --kernel-name regex:"${STALLS_KERNEL:-transposed}" --launch-skip 1 --launch-count 1 \
     --section WarpStateStats --section SourceCounters --section Occupancy --section InstructionStats \
+    --section SpeedOfLight --section ComputeWorkloadAnalysis \
     --metrics regex:"smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
     python3 bench/profile_formats.py --mib 64 --only "$only" > "$OUT/ncu_stalls_$name.txt" 2>&1
   echo "ncu stalls $only: rc $?" | tee -a "$log"

@@ -1361,13 +1361,12 @@ QM_HD float nvfp4_dequant_scale(uint8_t scale_byte, float amax, float e4m3_max) 
 // nvfp4_quad_decode) and the host emulation (nvfp4_block_decode) decode through it; the NVFP4 dequantize kernel keeps
 // its per-code decode (measured faster there, nvfp4.cu) and gives the same bits.
 //
-// The two E2M1 values whose E4M3 images (above) are the bytes of `pair` (lo in bits 7:0): e4m3val * 2^6, exact
-// (kTimes64 false: e4m3val itself, e2m1val * 2^-6, also exact).
+// The two E2M1 values whose E4M3 images (above) are the bytes of `pair` (lo in bits 7:0): e4m3val * 2^6, exact.
 // Device (sm_89+): cvt.rn.f16x2.e4m3x2 gives e2m1val * 2^-6 exactly (every E4M3 value is an f16 number), the f16x2
 // multiply by 64 (0x5400) is exact (the products are e2m1val in {0, 0.5, ..., 6} with their signs, -0 included: f16
 // numbers; f16 arithmetic never flushes, and nothing here is an f16 subnormal), and cvt.f32.f16 is exact. Host: the
-// software decode (times 64), an exact fp32 power-of-two scaling of a normal or zero value.
-template <int kHalf, bool kTimes64 = true>
+// software decode times 64, an exact fp32 power-of-two scaling of a normal or zero value.
+template <int kHalf>
 QM_HD void e2m1x2_from_e4m3x2(uint32_t pairs, float& lo, float& hi) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
   uint32_t halves;
@@ -1376,7 +1375,7 @@ QM_HD void e2m1x2_from_e4m3x2(uint32_t pairs, float& lo, float& hi) {
   } else {
     asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, h;\n\t}" : "=r"(halves) : "r"(pairs));
   }
-  if (kTimes64) asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(halves) : "r"(0x54005400u));
+  asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(halves) : "r"(0x54005400u));
   float f_lo, f_hi;
   asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
       : "=f"(f_lo), "=f"(f_hi) : "r"(halves));
@@ -1384,31 +1383,24 @@ QM_HD void e2m1x2_from_e4m3x2(uint32_t pairs, float& lo, float& hi) {
   hi = f_hi;
 #else
   const uint32_t pair = pairs >> (16 * kHalf);
-  const float times = kTimes64 ? 64.0f : 1.0f;
-  lo = qm_mul(e4m3_decode_soft(static_cast<uint8_t>(pair & 0xFF)), times);
-  hi = qm_mul(e4m3_decode_soft(static_cast<uint8_t>((pair >> 8) & 0xFF)), times);
+  lo = qm_mul(e4m3_decode_soft(static_cast<uint8_t>(pair & 0xFF)), 64.0f);
+  hi = qm_mul(e4m3_decode_soft(static_cast<uint8_t>((pair >> 8) & 0xFF)), 64.0f);
 #endif
 }
 // Elements 4q .. 4q + 3 (q = 0 or 1) of the 8 codes in word w, decoded as above. Per word (8 codes): the odd
 // elements' bytes keep the high nibble's sign bit 7 and shift its bits 6..4 to 4..2; the even elements' bytes are the
 // same transform of the word shifted left by 4; bytes 2q and 2q + 1 are elements 4q + {0, 2} (even) and 4q + {1, 3}
-// (odd). nvfp4_block_decode is four of these.
-// kTimes64 false (the transposed requantization): `scale` must be f(final_b * 64), exact and finite for every finite
-// final_b -- which holds there, since final_b = f(f(s * amax) * f(1/(6M))) <= f(FLT_MAX * f(1/(6M))) < FLT_MAX / 64
-// for 6M >= 128 (M = 256 or 448) -- or final_b itself where it is Inf or NaN. The values then stay at
-// e2m1val * 2^-6 (no f16 multiply per pair) and y = f(e2m1val * 2^-6 * f(final_b * 64)): the same real product
-// e2m1val * final_b, so the same rounded bits, Inf and NaN cases included (0 * Inf = NaN either way).
-template <bool kTimes64 = true>
+// (odd). nvfp4_block_decode is four of these; the transposed requantization calls it directly, for 4 rows at a time.
 QM_HD void nvfp4_quad_decode(uint32_t w, int q, float scale, float y[4]) {
   const uint32_t odd = (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu);
   const uint32_t even = ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu);
   float v[4];
   if (q == 0) {
-    e2m1x2_from_e4m3x2<0, kTimes64>(even, v[0], v[2]);
-    e2m1x2_from_e4m3x2<0, kTimes64>(odd, v[1], v[3]);
+    e2m1x2_from_e4m3x2<0>(even, v[0], v[2]);
+    e2m1x2_from_e4m3x2<0>(odd, v[1], v[3]);
   } else {
-    e2m1x2_from_e4m3x2<1, kTimes64>(even, v[0], v[2]);
-    e2m1x2_from_e4m3x2<1, kTimes64>(odd, v[1], v[3]);
+    e2m1x2_from_e4m3x2<1>(even, v[0], v[2]);
+    e2m1x2_from_e4m3x2<1>(odd, v[1], v[3]);
   }
 #pragma unroll
   for (int k = 0; k < 4; ++k) y[k] = qm_mul(v[k], scale);
