@@ -95,28 +95,34 @@ __global__ void __launch_bounds__(kThreads) mxfp8_dequantize_kernel(const uint8_
   }
 }
 
-// NVFP4 [R, K] -> MXFP8 [K, R]. A CTA takes a tile of kTileRows input rows x kTileCols columns, and each of its 4
-// warps works on its own 32 rows of it (one row block: one MX block per output row), with no CTA barrier:
-//  phase 1: each thread dequantizes one 16-column block of 4 consecutive input rows of its warp's row block into
-//           smem, transposed: column by column, the 4 rows' values are one 16-byte store;
-//  phase 2: lane l of warp w encodes output row (tile column) l + 32 p in pass p over row block w: amax, scale,
-//           encode, a 32-byte store of codes and one scale byte.
-// A warp reads in phase 2 only what it wrote in phase 1, so __syncwarp orders phase 1's writes before phase 2's reads
-// and phase 2's reads before the next tile's phase 1 overwrites them. (Until 2026-12-03 phase 2 gave the 4 row blocks
-// of one output row to 4 consecutive lanes, which stored 128 contiguous bytes and gathered the 4 scale bytes into one
-// word, at the price of two CTA barriers per tile: 11% of the warps' stall samples waited there, ncu 2026-12-03.)
-// Shared memory: column c's value of tile row r at word c * kTilePitch + r. Phase 2 reads a block's 32 values as 8
-// float4 (16-byte aligned); the 8 lanes of a quarter warp (columns c .. c + 7) start at 16-byte chunk
-// (c * kTilePitch / 4 + 8 w + j) mod 8 = (33 c + j) mod 8: all different, no bank conflicts. Phase 1: lane l of warp w
-// takes block l / 8 of rows 32w + 4(l % 8) .. + 3, so a quarter warp (8 lanes, one block, 8 row quads) stores one
-// column's 32 rows at 8 consecutive chunks: no conflicts either; and each load instruction of a warp reads 8 rows x
-// 32 contiguous bytes. (Before 2026-12-01 a thread dequantized a whole tile row and stored its 64 values one word at
-// a time: 64 stores per thread and tile instead of 16, and the shared-memory queue was the kernel's largest stall,
-// 12% of the samples.)
+// NVFP4 [R, K] -> MXFP8 [K, R]. A CTA takes a tile of kTileRows input rows x kTileCols columns:
+//  phase 1: each thread dequantizes one 16-column block of 4 consecutive input rows into smem, transposed: column
+//           by column, the 4 rows' values are one 16-byte store;
+//  phase 2: each (output row k, 32-row block) pair is one MX block: amax, scale, encode, 32-byte store; the 4 lanes
+//           holding the 4 row blocks of one output row k (row blocks r0/32 .. r0/32 + 3, adjacent in out_scales)
+//           gather their scale bytes by two shuffles and one of them stores the word (when the tile is full,
+//           R % 128 == 0 and out_scales is 4-byte aligned, so the word is aligned) instead of 4 byte stores R/32
+//           bytes apart.
+// Two CTA barriers per tile: phase 1's writes before phase 2's reads, and phase 2's reads before the next tile's
+// phase 1 overwrites the tile. (The scale bytes once went through shared memory, with a third barrier; ncu showed
+// 8.5% of the warps' stall samples at the barriers, 2026-12-01.)
+// Phase 2 gives the 4 row blocks of one output row to 4 consecutive lanes, so a warp stores 8 output rows x 128
+// contiguous bytes (whole sectors) instead of 32 rows x 32 bytes. Shared memory: column c's value of tile row r at
+// word c * kTilePitch + r + (r / 32) * kRowBlockSkew. Phase 2 reads a block's 32 values as 8 float4 (16-byte
+// aligned), and the 8 lanes of a quarter warp (columns c, c + 1 x row blocks 0..3) start at 16-byte chunk
+// 4c + b + j (mod 8): all different, no bank conflicts. Phase 1: lane l of warp w takes block l / 8 of rows
+// 32w + 4(l % 8) .. + 3, so a quarter warp (8 lanes, one block, 8 row quads) stores one column's 32 rows at chunks
+// 4c + w + (l % 8) (mod 8): no conflicts either; and each load instruction of a warp reads 8 rows x 32 contiguous
+// bytes. (Before 2026-12-01 a thread dequantized a whole tile row and stored its 64 values one word at a time: 64
+// stores per thread and tile instead of 16, and the shared-memory queue was the kernel's largest stall, 12% of the
+// samples.)
 constexpr int kTileRows = 128;
 constexpr int kTileCols = 64;
-constexpr int kTilePitch = 132;  // >= kTileRows, and kTilePitch / 4 odd (see above)
-__device__ __forceinline__ int tile_word(int column, int row) { return column * kTilePitch + row; }
+constexpr int kRowBlockSkew = 4;
+constexpr int kTilePitch = 144;  // >= kTileRows + 3 * kRowBlockSkew, and 16 (mod 32) words (see above)
+__device__ __forceinline__ int tile_word(int column, int row) {
+  return column * kTilePitch + row + (row / 32) * kRowBlockSkew;
+}
 
 // One thread's input for a tile: 16-column block b of tile rows 4 * quad .. 4 * quad + 3 (codes, scale bytes, row
 // amaxes), loaded into registers one tile ahead of its use. Nothing here computes on a loaded value: the first
@@ -151,9 +157,9 @@ __device__ __forceinline__ void load_tile_quad(const uint8_t* __restrict__ data,
   }
 }
 
-// Persistent CTAs walk the tiles (tile = row tile + num_row_tiles * column tile); a warp issues the loads of its part
-// of the CTA's next tile right after it staged its part of the current one in shared memory, so they are in flight
-// during the current tile's encoding (phase 2, the long one) instead of after it. inv_six_m = qm::nvfp4_inv_six_m(M), computed once by
+// Persistent CTAs walk the tiles (tile = row tile + num_row_tiles * column tile); the loads of a CTA's next tile
+// are issued right after its current tile is staged in shared memory, so they are in flight during the current
+// tile's encoding (phase 2, the long one) instead of after it. inv_six_m = qm::nvfp4_inv_six_m(M), computed once by
 // the launcher.
 template <bool kStochastic>
 __global__ void __launch_bounds__(kTileRows, 6) nvfp4_to_mxfp8_transposed_kernel(
@@ -218,28 +224,37 @@ __global__ void __launch_bounds__(kTileRows, 6) nvfp4_to_mxfp8_transposed_kernel
         }
       }
     }
-    __syncwarp();  // this warp's phase 1 stores before its phase 2 loads (it reads only its own rows)
+    __syncthreads();
     const int64_t following = tile_index + gridDim.x;
     if (following < num_tiles) {
       load_tile_quad(data, scales, amax, num_rows, hidden, row_tile * kTileRows + quad_row,
                      col_tile * kTileCols + block_col, next);
     }
 
-    // Phase 2: row block `warp` of the tile (input rows rb .. rb + 31, all valid or none: R % 32 == 0), output row
-    // k = k0 + lane + 32 p in pass p; its flat output index k * R + rb, its scale byte k * R / 32 + rb / 32.
-    const int warp = t / 32;
-    const int64_t rb = r0 + 32 * warp;
-    if (rb < num_rows) {
-      const int64_t row_blocks = num_rows / 32;
-      constexpr int kPasses = kTileCols / 32;
+    // Whether the 4 scale bytes of an output row go out as one aligned word (else each lane stores its own byte).
+    constexpr int kRowBlocks = kTileRows / 32;
+    const int64_t row_blocks = num_rows / 32;
+    const bool scale_words = r0 + kTileRows <= num_rows && row_blocks % kRowBlocks == 0 &&
+                             (reinterpret_cast<uintptr_t>(out_scales) & 3u) == 0;
+    constexpr int kPasses = kTileCols * kRowBlocks / kTileRows;
+    uint32_t pass_scale[kPasses];  // this lane's scale byte of each pass (0 where it had no block)
+    // Pass p takes output row k = k0 + t / 4 + 32 p (unit = t + 128 p) and row block t % 4 in both passes: its flat
+    // output index k * R + rb is pass 0's plus 32 p R, and its scale byte's index k * R / 32 + rb / 32 pass 0's plus
+    // 32 p R / 32 (rb >= 0, so rb / 32 = rb >> 5).
+    const int row_block = t % kRowBlocks;  // which 32 input rows: consecutive lanes
+    const int64_t rb = r0 + row_block * 32;
+    const int64_t k_first = k0 + t / kRowBlocks;
+    const int64_t index_first = k_first * num_rows + rb;
+    static_assert(kTileRows / kRowBlocks == 32, "pass p adds 32 output rows");
 #pragma unroll
-      for (int pass = 0; pass < kPasses; ++pass) {
-        const int col = lane + 32 * pass;  // output row within the tile
-        const int64_t k = k0 + col;
-        if (k >= hidden) break;  // the later pass's k is larger
-        const int64_t index0 = k * num_rows + rb;  // flat index of the block's first element
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int col = t / kRowBlocks + 32 * pass;  // output row within the tile
+      const int64_t k = k_first + 32 * pass;
+      const int64_t index0 = index_first + 32 * pass * num_rows;  // flat index of the block's first element
+      pass_scale[pass] = 0;
+      if (k < hidden && rb < num_rows) {
         float x[32];
-        const float4* column = reinterpret_cast<const float4*>(tile + tile_word(col, 32 * warp));
+        const float4* column = reinterpret_cast<const float4*>(tile + tile_word(col, row_block * 32));
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           const float4 four = column[j];
@@ -249,21 +264,36 @@ __global__ void __launch_bounds__(kTileRows, 6) nvfp4_to_mxfp8_transposed_kernel
           x[4 * j + 3] = four.w;
         }
         uint4 codes[2];
-        uint8_t scale;
         if (kStochastic) {
           const uint32_t pair_key =
               low_indices ? low_pair_key : qm::rbits_pair_key(key, static_cast<uint64_t>(index0) >> 1);
-          scale = mxfp8_encode32_stochastic_hashed(x, qm::rbits_block_keyed(pair_key, index0), codes);
+          pass_scale[pass] = mxfp8_encode32_stochastic_hashed(x, qm::rbits_block_keyed(pair_key, index0), codes);
         } else {
-          scale = mxfp8_encode32_nearest(x, codes);
+          pass_scale[pass] = mxfp8_encode32_nearest(x, codes);
         }
         uint8_t* dst = out_data + index0;
         vec::store16(dst, codes[0]);
         vec::store16(dst + 16, codes[1]);
-        out_scales[k * row_blocks + (rb >> 5)] = scale;  // rb >= 0
       }
     }
-    __syncwarp();  // this warp's phase 2 loads before the next tile's phase 1 overwrites its rows
+    // The scale bytes, after both passes (their shuffles' latencies overlap): lanes 4m .. 4m + 3 hold row blocks 0..3
+    // of the same output row, and every lane of the warp takes part in the shuffles.
+    static_assert(kRowBlocks == 4 && kTileRows % 32 == 0, "the scale word gathers 4 consecutive lanes");
+    const int64_t scale_first = k_first * row_blocks + (rb >> 5);
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int64_t k = k_first + 32 * pass;
+      uint32_t word = pass_scale[pass] << (8 * row_block);
+      word |= __shfl_xor_sync(0xFFFFFFFFu, word, 1);
+      word |= __shfl_xor_sync(0xFFFFFFFFu, word, 2);
+      uint8_t* scale_dst = out_scales + scale_first + 32 * pass * row_blocks;
+      if (scale_words) {
+        if (row_block == 0 && k < hidden) *reinterpret_cast<uint32_t*>(scale_dst) = word;  // r0 / 32 % 4 == 0: aligned
+      } else if (k < hidden && rb < num_rows) {
+        *scale_dst = static_cast<uint8_t>(pass_scale[pass]);
+      }
+    }
+    __syncthreads();  // the next tile's phase 1 overwrites the tile
   }
 }
 
@@ -316,12 +346,12 @@ cudaError_t launch_nvfp4_to_mxfp8_transposed(const uint8_t* data, const uint8_t*
   if (hidden <= 0 || hidden % 16 != 0 || num_rows < 0 || num_rows % 32 != 0) return cudaErrorInvalidValue;
   if (num_rows == 0) return cudaSuccess;
   // 8 code bytes per load (rows of K / 2 bytes, K % 16 == 0), 16-byte code stores (rows of R bytes, R % 32 == 0);
-  // out_scales may be unaligned (one byte store per MX block).
+  // out_scales may be unaligned (the kernel then stores bytes).
   if (!rows_aligned(data, 0, 8) || !rows_aligned(out_data, 0, 16)) return cudaErrorInvalidValue;
   const int64_t num_row_tiles = ceil_div(num_rows, kTileRows);
   const int64_t num_tiles = num_row_tiles * ceil_div(hidden, kTileCols);
   const auto kernel = stochastic ? nvfp4_to_mxfp8_transposed_kernel<true> : nvfp4_to_mxfp8_transposed_kernel<false>;
-  int64_t grid = 0;  // persistent: as many CTAs as fit at once (6 per SM: 80 registers and the 33 KiB tile)
+  int64_t grid = 0;  // persistent: as many CTAs as fit at once (6 per SM: 80 registers and the 36 KiB tile)
   const cudaError_t err = resident_grid(kernel, kTileRows, num_tiles, &grid);
   if (err != cudaSuccess) return err;
   const uint32_t key = qm::sr_key(seed);

@@ -300,12 +300,12 @@ def test_nvfp4_to_mxfp8_transposed_of_no_rows():
 
 
 def test_nvfp4_to_mxfp8_transposed_unaligned_scales():
-    """out_scales at an address that is not a multiple of 4 (the kernel stores one byte per MX block; it once stored
-    words where they were aligned): the same bytes, none outside. The Python wrapper always allocates aligned outputs,
-    so the raw binding is called here."""
+    """The kernel stores a row tile's 4 scale bytes of an output row as one word only where that word is aligned; an
+    out_scales address that is not a multiple of 4 takes the byte stores (the Python wrapper always allocates aligned
+    outputs, so the raw binding is called here)."""
     from ep_comm import _ext
     lib = _ext.require_cuda_extension("test")
-    num_rows, hidden = 256, 128  # full tiles
+    num_rows, hidden = 256, 128  # R % 128 == 0 and full tiles: the word stores unless the address forbids them
     q = F.nvfp4_quantize(_input("outliers", num_rows, hidden, torch.float32, seed=5), impl="reference")
     expected = F.nvfp4_to_mxfp8_transposed(q, rounding="stochastic", seed=31, impl="reference")
     data, scales, amax = (t.to(DEVICE).contiguous() for t in (q.data, q.scales.view(torch.uint8), q.amax.float()))
