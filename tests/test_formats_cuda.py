@@ -328,8 +328,8 @@ def test_nvfp4_to_mxfp8_transposed_unaligned_scales():
 def test_nvfp4_to_mxfp8_transposed_extreme_row_amax(rounding, e4m3_max):
     """Rows whose decode factor final_b = f(f(s * amax) * f(1/(6M))) reaches its largest finite values (amax =
     FLT_MAX / s for s near 448; final_b <= f(FLT_MAX / 6M) ~ 2^117), or overflows (amax up to FLT_MAX, where
-    f(s * amax) is Inf), beside Inf, tiny and subnormal amax, every scale byte 0x00..0x7E and every code: bitwise
-    the reference (a decode that rescales final_b, e.g. by 2^6, must stay exact there)."""
+    f(s * amax) is Inf), beside Inf, tiny and subnormal amax, with scale bytes drawn from 0x00..0x7E and random
+    codes: bitwise the reference (a decode that rescales final_b, e.g. by 2^6, must stay exact there)."""
     g = torch.Generator().manual_seed(11)
     num_rows, hidden = 128, 64
     fmax = torch.finfo(torch.float32).max
