@@ -33,11 +33,21 @@ namespace {
 // kMinCtasHeavyArg: the CTAs per SM for the kernels that need more registers -- fp16 input and 4/6.
 // kRegisters46Arg (nonzero): the register cap of the 4/6 kernels, instead of what kMinCtasHeavyArg CTAs of
 // kMaxThreadsArg threads allow -- so that shorter CTAs (a 7168-wide bf16 row takes 224 threads) fit one more per SM.
+// kRoundsArg: the rounds of kRawBytes per thread a row is given when it has enough blocks (default 1: the whole row
+// in registers at once). With 2, a row takes half the threads and each thread quantizes two rounds: the per-thread
+// work that does not depend on the thread's share (row and pointer arithmetic, the row-max reduction and barrier, the
+// outer scales: ~300 of the 4/6 kernel's ~1050 warp instructions per 32 elements, forty-fifth session) is paid once
+// per 64 elements instead of 32. The last round stays in registers from the amax pass; the others are read again
+// (from L2: the row was read moments before). Such a row's thread count is a multiple of 16 rather than 32 (a
+// 7168-wide bf16 row: 112 threads, two rows per CTA), so the row max reduces over 16-lane segments (row_max).
 template <int kRawBytesArg, int kMaxThreadsArg, int kMinCtasArg, int kMinCtasHeavyArg = kMinCtasArg,
-          int kRegisters46Arg = 0>
+          int kRegisters46Arg = 0, int kRoundsArg = 1>
 struct QuantShape {
   static constexpr int kRawBytes = kRawBytesArg;
   static constexpr int kMaxThreads = kMaxThreadsArg;
+  static constexpr int kRounds = kRoundsArg;
+  // Threads per row are a multiple of kRowGranule; the row max reduces over segments of that many lanes.
+  static constexpr int kRowGranule = kRoundsArg > 1 ? 16 : 32;
   template <typename T>
   static constexpr int blocks_per_thread() {
     return kRawBytes / (16 * static_cast<int>(sizeof(T)));
@@ -60,8 +70,8 @@ using WideShape = QuantShape<128, 512, 1>;       // fewest threads, most registe
 using OccupancyShape = QuantShape<128, 256, 4, 3>;  // plain: 4 CTAs of 256 threads per SM (<= 64 registers); fp16
                                                     // and 4/6: 3 (they spill at 64; fp16's amax and signs go
                                                     // through fp32)
-using NarrowShape = QuantShape<64, 256, 3, 3, 72>;  // half the raw registers, twice the threads per row; 4/6 at 72
-                                                     // registers: 4 CTAs of 224 threads (7168-wide bf16 rows)
+using NarrowShape = QuantShape<64, 256, 3, 3, 72, 2>;  // half the raw registers, two rounds per thread; 4/6 at 72
+                                                        // registers: 4 CTAs of 224 threads (two 7168-wide bf16 rows)
 constexpr int kTargetCtaThreads = 256;
 
 // Raw 16-byte vectors of one 16-element block (2 for bf16/fp16, 4 for fp32).
@@ -108,23 +118,28 @@ struct RawBlock16 {
 };
 
 // Max over the threads of one row (threads_per_row consecutive threads of threadIdx.x). All threads of
-// the CTA must call it (it synchronizes when a row spans several warps). kMaxWarps: the most warps a row spans
-// (Shape::kMaxThreads / 32). The row's warp maxima are read by a fixed, unrolled sequence of kMaxWarps predicated
-// loads: a loop over warps_per_row compiled to unrolled-by-16/8/4 bodies plus a remainder loop, ~60 instructions per
-// warp for 7 warps where this takes ~25 (the 4/6 kernel executes ~1000 per warp).
-template <int kMaxWarps>
-__device__ __forceinline__ float row_max(float v, float* warp_max) {
+// the CTA must call it (it synchronizes when a row spans several segments). A segment is a warp, or, with
+// kHalfWarpRows and threads_per_row an odd multiple of 16 (two rows then share a warp), a 16-lane half of one: the
+// shuffles stay in it. kMaxSegments: the most segments a row spans. The row's segment maxima are read by a fixed,
+// unrolled sequence of kMaxSegments predicated loads: a loop over segments_per_row compiled to unrolled-by-16/8/4
+// bodies plus a remainder loop, ~60 instructions per warp for 7 warps where this takes ~25 (the 4/6 kernel executes
+// ~1000 per warp).
+template <bool kHalfWarpRows, int kMaxSegments>
+__device__ __forceinline__ float row_max(float v, float* segment_max) {
+  const bool half_warps = kHalfWarpRows && blockDim.x % 32 != 0;
+  if (!half_warps) v = qm::qm_max(v, __shfl_xor_sync(0xFFFFFFFFu, v, 16));
 #pragma unroll
-  for (int offset = 16; offset >= 1; offset >>= 1) v = qm::qm_max(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
-  const int warps_per_row = blockDim.x / 32;
-  if (warps_per_row == 1) return v;
-  float* row_warps = warp_max + threadIdx.y * warps_per_row;  // this row's warps' slots
-  if (threadIdx.x % 32 == 0) row_warps[threadIdx.x / 32] = v;
+  for (int offset = 8; offset >= 1; offset >>= 1) v = qm::qm_max(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+  const int segment_shift = half_warps ? 4 : 5;
+  const int segments_per_row = blockDim.x >> segment_shift;
+  if (segments_per_row == 1) return v;
+  float* row_segments = segment_max + threadIdx.y * segments_per_row;  // this row's segments' slots
+  if ((threadIdx.x & ((1 << segment_shift) - 1)) == 0) row_segments[threadIdx.x >> segment_shift] = v;
   __syncthreads();
   float row = 0.0f;
 #pragma unroll
-  for (int w = 0; w < kMaxWarps; ++w) {
-    if (w < warps_per_row) row = qm::qm_max(row, row_warps[w]);
+  for (int w = 0; w < kMaxSegments; ++w) {
+    if (w < segments_per_row) row = qm::qm_max(row, row_segments[w]);
   }
   return row;
 }
@@ -160,7 +175,9 @@ __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::templa
     nvfp4_quantize_kernel(Nvfp4QuantizeArgs args, float inv_six_m) {  // qm::nvfp4_inv_six_m(M), from the host
   static_assert(!kBlockValues || kFourOverSix, "block values are the 4/6 form only");
   static_assert(!kFp8Values || kBlockValues, "the FP8 form is a block-values form");
-  __shared__ float warp_max[Shape::kMaxThreads / 32];
+  // Row max slots: one per segment of the CTA. A row spans at most kMaxThreads / 32 segments (half-warp segments only
+  // where two rows fit a CTA: launch_quantize).
+  __shared__ float segment_max[Shape::kMaxThreads / Shape::kRowGranule];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool row_valid = row < args.num_rows && (args.num_rows_limit == nullptr || row < __ldg(args.num_rows_limit));
   const int num_blocks = static_cast<int>(args.hidden / 16);
@@ -168,6 +185,7 @@ __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::templa
   constexpr int kBlocksPerThread = Shape::template blocks_per_thread<T>();
   const int per_round = threads_per_row * kBlocksPerThread;
   const bool single_round = num_blocks <= per_round;
+  const int last_first = (num_blocks - 1) / per_round * per_round;  // the first block of the last round
   const T* x_row = static_cast<const T*>(args.x) + (row_valid ? row : 0) * args.x_row_stride;
 
   RawBlock16<T> blocks[kBlocksPerThread];
@@ -178,7 +196,7 @@ __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::templa
       const int b = first + threadIdx.x + i * threads_per_row;
       if (row_valid && b < num_blocks) {
         blocks[i].load(x_row + static_cast<int64_t>(b) * 16);
-      } else if (kFourOverSix && first == 0) {
+      } else if (kFourOverSix && first == last_first) {
         blocks[i].clear();  // 4/6: quantized below with the others (straight-line), never stored
       }
     }
@@ -206,7 +224,8 @@ __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::templa
         local = qm::qm_max(local, round_amax(first));
       }
     }
-    amax = row_max<Shape::kMaxThreads / 32>(local, warp_max);  // NaN-free: fmaxf ignores NaN elements
+    // NaN-free: fmaxf ignores NaN elements
+    amax = row_max<Shape::kRowGranule == 16, Shape::kMaxThreads / 32>(local, segment_max);
   } else {
     amax = row_valid ? args.amax_in[row] : 0.0f;
   }
@@ -231,10 +250,12 @@ __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::templa
     }
   }
 
-  const bool amax_kept = single_round && args.amax_in == nullptr;
-  auto this_block_amax = [&](int i) { return amax_kept ? block_amax[i] : blocks[i].amax(); };
-  for (int first = 0; first < num_blocks; first += per_round) {
-    if (!single_round) load_round(first);
+  // The rounds last to first: the last one is still in registers (and its block amaxes kept) when this thread
+  // computed the row amax; the others are read again.
+  for (int first = last_first; first >= 0; first -= per_round) {
+    const bool amax_kept = first == last_first && args.amax_in == nullptr;
+    if (!amax_kept && !single_round) load_round(first);
+    auto this_block_amax = [&](int i) { return amax_kept ? block_amax[i] : blocks[i].amax(); };
     // 4/6: every block of the round through the straight-line fast path first, so that their instructions interleave
     // (each candidate's error sum is a dependent chain): 231 -> 220 us on H200 (fourteenth session); then the general
     // form where the fast path did not decide, and the stores. Plain: block by block (interleaving its 4 blocks
@@ -341,11 +362,22 @@ __global__ void __launch_bounds__(256) nvfp4_expand_fp8_kernel(const uint8_t* __
 template <typename T, typename Shape, bool kBlockValues = false, bool kFp8Values = false>
 cudaError_t launch_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t stream) {
   const int64_t num_blocks = args.hidden / 16;
-  // Enough threads per row to hold it in registers (one round), a multiple of 32, at most Shape::kMaxThreads
-  // (longer rows take several rounds).
-  const int64_t wanted = ceil_div(ceil_div(num_blocks, Shape::template blocks_per_thread<T>()), 32) * 32;
-  const int threads_per_row = static_cast<int>(std::min<int64_t>(Shape::kMaxThreads, std::max<int64_t>(32, wanted)));
-  const int rows_per_cta = std::max(1, std::min(kTargetCtaThreads, Shape::kMaxThreads) / threads_per_row);
+  // Enough threads per row to quantize it in Shape::kRounds rounds, a multiple of the row granule (32, or 16 for
+  // shapes whose rows may share a warp), at most Shape::kMaxThreads (longer rows take more rounds).
+  constexpr int kGranule = Shape::kRowGranule;
+  const int64_t wanted =
+      ceil_div(ceil_div(num_blocks, Shape::template blocks_per_thread<T>() * Shape::kRounds), kGranule) * kGranule;
+  int threads_per_row = static_cast<int>(std::min<int64_t>(Shape::kMaxThreads, std::max<int64_t>(kGranule, wanted)));
+  int rows_per_cta = std::max(1, std::min(kTargetCtaThreads, Shape::kMaxThreads) / threads_per_row);
+  if (threads_per_row % 32 != 0) {
+    // Whole warps per CTA (the row max shuffles over full warps): an even number of rows; where two do not fit, the
+    // row takes whole warps instead.
+    rows_per_cta -= rows_per_cta % 2;
+    if (rows_per_cta == 0) {
+      threads_per_row = static_cast<int>(ceil_div(threads_per_row, 32) * 32);
+      rows_per_cta = 1;
+    }
+  }
   const dim3 block(threads_per_row, rows_per_cta);
   const int64_t grid = ceil_div(args.num_rows, rows_per_cta);
   if (grid > INT32_MAX) return cudaErrorInvalidValue;

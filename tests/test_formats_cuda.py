@@ -106,6 +106,24 @@ def test_nvfp4_random_bit_rows(four_over_six):
             assert_same_nvfp4(_cpu_nvfp4(actual), expected, f"nvfp4 random bits {dtype} amax={amax is not None}")
 
 
+@pytest.mark.parametrize("hidden", [16, 48, 1552, 2064, 4112, 8720])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("four_over_six", [True, False])
+def test_nvfp4_quantize_uneven_widths(hidden, dtype, four_over_six):
+    """Row widths that do not fill the quantizer's thread shape: 16-thread rows (16 to a CTA), rows of 48 and 80
+    threads (two rows share a warp), a second round only partly filled (2064, 4112), and a width whose half-warp
+    shape would not fit two rows to a CTA (8720: 144 threads, taken as 160); 33 rows, an odd count, so a CTA's second
+    row is missing; row amax computed and given."""
+    x = _input("outliers", 33, hidden, dtype, seed=hidden)
+    per_row = x.float().abs().amax(dim=-1) * 1.5
+    for amax in (None, per_row):
+        kwargs = {} if amax is None else {"amax": amax}
+        expected = F.nvfp4_quantize(x, four_over_six=four_over_six, impl="reference", **kwargs)
+        kwargs = {} if amax is None else {"amax": amax.to(DEVICE)}
+        actual = F.nvfp4_quantize(x.to(DEVICE), four_over_six=four_over_six, impl="cuda", **kwargs)
+        assert_same_nvfp4(_cpu_nvfp4(actual), expected, f"nvfp4 width {hidden} amax given={amax is not None}")
+
+
 def test_nvfp4_quantize_fp16_inputs():
     """fp16 rows (random, outliers, and the edge rows: zeros, tiny, huge -> Inf, NaN) through the quantize kernel."""
     rows = torch.cat([make_rows("outliers", 5, 2048, seed=16), make_rows("gauss", 3, 2048, seed=17),
