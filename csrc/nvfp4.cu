@@ -33,21 +33,16 @@ namespace {
 // kMinCtasHeavyArg: the CTAs per SM for the kernels that need more registers -- fp16 input and 4/6.
 // kRegisters46Arg (nonzero): the register cap of the 4/6 kernels, instead of what kMinCtasHeavyArg CTAs of
 // kMaxThreadsArg threads allow -- so that shorter CTAs (a 7168-wide bf16 row takes 224 threads) fit one more per SM.
-// kRoundsArg: the rounds of kRawBytes per thread a row is given when it has enough blocks (default 1: the whole row
-// in registers at once). With 2, a row takes half the threads and each thread quantizes two rounds: the per-thread
-// work that does not depend on the thread's share (row and pointer arithmetic, the row-max reduction and barrier, the
-// outer scales: ~300 of the 4/6 kernel's ~1050 warp instructions per 32 elements, forty-fifth session) is paid once
-// per 64 elements instead of 32. The last round stays in registers from the amax pass; the others are read again
-// (from L2: the row was read moments before). Such a row's thread count is a multiple of 16 rather than 32 (a
-// 7168-wide bf16 row: 112 threads, two rows per CTA), so the row max reduces over 16-lane segments (row_max).
+// kRowGranuleArg: threads per row are a multiple of this, 32 or 16. With 16, two rows may share a warp (a 7168-wide
+// bf16 row of 448 blocks takes 112 threads at 4 blocks each, two rows to a CTA, instead of 128 threads with 64 block
+// slots idle), and the row max reduces over 16-lane segments (row_max).
 template <int kRawBytesArg, int kMaxThreadsArg, int kMinCtasArg, int kMinCtasHeavyArg = kMinCtasArg,
-          int kRegisters46Arg = 0, int kRoundsArg = 1>
+          int kRegisters46Arg = 0, int kRowGranuleArg = 32>
 struct QuantShape {
+  static_assert(kRowGranuleArg == 16 || kRowGranuleArg == 32, "rows are whole or half warps");
   static constexpr int kRawBytes = kRawBytesArg;
   static constexpr int kMaxThreads = kMaxThreadsArg;
-  static constexpr int kRounds = kRoundsArg;
-  // Threads per row are a multiple of kRowGranule; the row max reduces over segments of that many lanes.
-  static constexpr int kRowGranule = kRoundsArg > 1 ? 16 : 32;
+  static constexpr int kRowGranule = kRowGranuleArg;
   template <typename T>
   static constexpr int blocks_per_thread() {
     return kRawBytes / (16 * static_cast<int>(sizeof(T)));
@@ -70,8 +65,9 @@ using WideShape = QuantShape<128, 512, 1>;       // fewest threads, most registe
 using OccupancyShape = QuantShape<128, 256, 4, 3>;  // plain: 4 CTAs of 256 threads per SM (<= 64 registers); fp16
                                                     // and 4/6: 3 (they spill at 64; fp16's amax and signs go
                                                     // through fp32)
-using NarrowShape = QuantShape<64, 256, 3, 3, 72, 2>;  // half the raw registers, two rounds per thread; 4/6 at 72
-                                                        // registers: 4 CTAs of 224 threads (two 7168-wide bf16 rows)
+using PackedShape = QuantShape<128, 256, 4, 3, 0, 16>;  // occupancy's 4 blocks per thread, rows of 16-thread granules
+using NarrowShape = QuantShape<64, 256, 3, 3, 72>;  // half the raw registers, twice the threads per row; 4/6 at 72
+                                                     // registers: 4 CTAs of 224 threads (7168-wide bf16 rows)
 constexpr int kTargetCtaThreads = 256;
 
 // Raw 16-byte vectors of one 16-element block (2 for bf16/fp16, 4 for fp32).
@@ -185,7 +181,6 @@ __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::templa
   constexpr int kBlocksPerThread = Shape::template blocks_per_thread<T>();
   const int per_round = threads_per_row * kBlocksPerThread;
   const bool single_round = num_blocks <= per_round;
-  const int last_first = (num_blocks - 1) / per_round * per_round;  // the first block of the last round
   const T* x_row = static_cast<const T*>(args.x) + (row_valid ? row : 0) * args.x_row_stride;
 
   RawBlock16<T> blocks[kBlocksPerThread];
@@ -196,7 +191,7 @@ __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::templa
       const int b = first + threadIdx.x + i * threads_per_row;
       if (row_valid && b < num_blocks) {
         blocks[i].load(x_row + static_cast<int64_t>(b) * 16);
-      } else if (kFourOverSix && first == last_first) {
+      } else if (kFourOverSix && first == 0) {
         blocks[i].clear();  // 4/6: quantized below with the others (straight-line), never stored
       }
     }
@@ -250,12 +245,10 @@ __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::templa
     }
   }
 
-  // The rounds last to first: the last one is still in registers (and its block amaxes kept) when this thread
-  // computed the row amax; the others are read again.
-  for (int first = last_first; first >= 0; first -= per_round) {
-    const bool amax_kept = first == last_first && args.amax_in == nullptr;
-    if (!amax_kept && !single_round) load_round(first);
-    auto this_block_amax = [&](int i) { return amax_kept ? block_amax[i] : blocks[i].amax(); };
+  const bool amax_kept = single_round && args.amax_in == nullptr;
+  auto this_block_amax = [&](int i) { return amax_kept ? block_amax[i] : blocks[i].amax(); };
+  for (int first = 0; first < num_blocks; first += per_round) {
+    if (!single_round) load_round(first);
     // 4/6: every block of the round through the straight-line fast path first, so that their instructions interleave
     // (each candidate's error sum is a dependent chain): 231 -> 220 us on H200 (fourteenth session); then the general
     // form where the fast path did not decide, and the stores. Plain: block by block (interleaving its 4 blocks
@@ -362,11 +355,10 @@ __global__ void __launch_bounds__(256) nvfp4_expand_fp8_kernel(const uint8_t* __
 template <typename T, typename Shape, bool kBlockValues = false, bool kFp8Values = false>
 cudaError_t launch_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t stream) {
   const int64_t num_blocks = args.hidden / 16;
-  // Enough threads per row to quantize it in Shape::kRounds rounds, a multiple of the row granule (32, or 16 for
-  // shapes whose rows may share a warp), at most Shape::kMaxThreads (longer rows take more rounds).
+  // Enough threads per row to hold it in registers (one round), a multiple of the row granule (32, or 16 for shapes
+  // whose rows may share a warp), at most Shape::kMaxThreads (longer rows take several rounds).
   constexpr int kGranule = Shape::kRowGranule;
-  const int64_t wanted =
-      ceil_div(ceil_div(num_blocks, Shape::template blocks_per_thread<T>() * Shape::kRounds), kGranule) * kGranule;
+  const int64_t wanted = ceil_div(ceil_div(num_blocks, Shape::template blocks_per_thread<T>()), kGranule) * kGranule;
   int threads_per_row = static_cast<int>(std::min<int64_t>(Shape::kMaxThreads, std::max<int64_t>(kGranule, wanted)));
   int rows_per_cta = std::max(1, std::min(kTargetCtaThreads, Shape::kMaxThreads) / threads_per_row);
   if (threads_per_row % 32 != 0) {
@@ -398,7 +390,8 @@ cudaError_t launch_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t stream) 
 // CTAs per SM, 128 raw bytes) for fp32 -- and plain takes occupancy, the fastest for each on H200 (RESULTS.md:
 // fp32 4/6, the MoE layer's w2 input, 94 -> 83 us for 16384 x 2048 rows, sixteenth session).
 int quantize_shape_choice(bool four_over_six, int x_type) {
-  static const int forced = env_choice("EP_COMM_NVFP4_QUANT_SHAPE", {"auto", "wide", "occupancy", "narrow"});
+  static const int forced =
+      env_choice("EP_COMM_NVFP4_QUANT_SHAPE", {"auto", "wide", "occupancy", "narrow", "packed"});
   if (forced != 0) return forced;
   return four_over_six && static_cast<ElemType>(x_type) != ElemType::kFloat32 ? 3 : 2;
 }
@@ -429,6 +422,7 @@ cudaError_t launch_nvfp4_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t st
       switch (quantize_shape_choice(args.four_over_six, args.x_type)) {
         case 1: return launch_quantize<T, WideShape, kBlockValues, kFp8>(args, stream);
         case 2: return launch_quantize<T, OccupancyShape, kBlockValues, kFp8>(args, stream);
+        case 4: return launch_quantize<T, PackedShape, kBlockValues, kFp8>(args, stream);
         default: return launch_quantize<T, NarrowShape, kBlockValues, kFp8>(args, stream);
       }
     };
