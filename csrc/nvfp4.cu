@@ -33,16 +33,11 @@ namespace {
 // kMinCtasHeavyArg: the CTAs per SM for the kernels that need more registers -- fp16 input and 4/6.
 // kRegisters46Arg (nonzero): the register cap of the 4/6 kernels, instead of what kMinCtasHeavyArg CTAs of
 // kMaxThreadsArg threads allow -- so that shorter CTAs (a 7168-wide bf16 row takes 224 threads) fit one more per SM.
-// kRowGranuleArg: threads per row are a multiple of this, 32 or 16. With 16, two rows may share a warp (a 7168-wide
-// bf16 row of 448 blocks takes 112 threads at 4 blocks each, two rows to a CTA, instead of 128 threads with 64 block
-// slots idle), and the row max reduces over 16-lane segments (row_max).
 template <int kRawBytesArg, int kMaxThreadsArg, int kMinCtasArg, int kMinCtasHeavyArg = kMinCtasArg,
-          int kRegisters46Arg = 0, int kRowGranuleArg = 32>
+          int kRegisters46Arg = 0>
 struct QuantShape {
-  static_assert(kRowGranuleArg == 16 || kRowGranuleArg == 32, "rows are whole or half warps");
   static constexpr int kRawBytes = kRawBytesArg;
   static constexpr int kMaxThreads = kMaxThreadsArg;
-  static constexpr int kRowGranule = kRowGranuleArg;
   template <typename T>
   static constexpr int blocks_per_thread() {
     return kRawBytes / (16 * static_cast<int>(sizeof(T)));
@@ -65,7 +60,6 @@ using WideShape = QuantShape<128, 512, 1>;       // fewest threads, most registe
 using OccupancyShape = QuantShape<128, 256, 4, 3>;  // plain: 4 CTAs of 256 threads per SM (<= 64 registers); fp16
                                                     // and 4/6: 3 (they spill at 64; fp16's amax and signs go
                                                     // through fp32)
-using PackedShape = QuantShape<128, 256, 4, 3, 0, 16>;  // occupancy's 4 blocks per thread, rows of 16-thread granules
 using NarrowShape = QuantShape<64, 256, 3, 3, 72>;  // half the raw registers, twice the threads per row; 4/6 at 72
                                                      // registers: 4 CTAs of 224 threads (7168-wide bf16 rows)
 constexpr int kTargetCtaThreads = 256;
@@ -114,28 +108,23 @@ struct RawBlock16 {
 };
 
 // Max over the threads of one row (threads_per_row consecutive threads of threadIdx.x). All threads of
-// the CTA must call it (it synchronizes when a row spans several segments). A segment is a warp, or, with
-// kHalfWarpRows and threads_per_row an odd multiple of 16 (two rows then share a warp), a 16-lane half of one: the
-// shuffles stay in it. kMaxSegments: the most segments a row spans. The row's segment maxima are read by a fixed,
-// unrolled sequence of kMaxSegments predicated loads: a loop over segments_per_row compiled to unrolled-by-16/8/4
-// bodies plus a remainder loop, ~60 instructions per warp for 7 warps where this takes ~25 (the 4/6 kernel executes
-// ~1000 per warp).
-template <bool kHalfWarpRows, int kMaxSegments>
-__device__ __forceinline__ float row_max(float v, float* segment_max) {
-  const bool half_warps = kHalfWarpRows && blockDim.x % 32 != 0;
-  if (!half_warps) v = qm::qm_max(v, __shfl_xor_sync(0xFFFFFFFFu, v, 16));
+// the CTA must call it (it synchronizes when a row spans several warps). kMaxWarps: the most warps a row spans
+// (Shape::kMaxThreads / 32). The row's warp maxima are read by a fixed, unrolled sequence of kMaxWarps predicated
+// loads: a loop over warps_per_row compiled to unrolled-by-16/8/4 bodies plus a remainder loop, ~60 instructions per
+// warp for 7 warps where this takes ~25 (the 4/6 kernel executes ~1000 per warp).
+template <int kMaxWarps>
+__device__ __forceinline__ float row_max(float v, float* warp_max) {
 #pragma unroll
-  for (int offset = 8; offset >= 1; offset >>= 1) v = qm::qm_max(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
-  const int segment_shift = half_warps ? 4 : 5;
-  const int segments_per_row = blockDim.x >> segment_shift;
-  if (segments_per_row == 1) return v;
-  float* row_segments = segment_max + threadIdx.y * segments_per_row;  // this row's segments' slots
-  if ((threadIdx.x & ((1 << segment_shift) - 1)) == 0) row_segments[threadIdx.x >> segment_shift] = v;
+  for (int offset = 16; offset >= 1; offset >>= 1) v = qm::qm_max(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+  const int warps_per_row = blockDim.x / 32;
+  if (warps_per_row == 1) return v;
+  float* row_warps = warp_max + threadIdx.y * warps_per_row;  // this row's warps' slots
+  if (threadIdx.x % 32 == 0) row_warps[threadIdx.x / 32] = v;
   __syncthreads();
   float row = 0.0f;
 #pragma unroll
-  for (int w = 0; w < kMaxSegments; ++w) {
-    if (w < segments_per_row) row = qm::qm_max(row, row_segments[w]);
+  for (int w = 0; w < kMaxWarps; ++w) {
+    if (w < warps_per_row) row = qm::qm_max(row, row_warps[w]);
   }
   return row;
 }
@@ -171,9 +160,7 @@ __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::templa
     nvfp4_quantize_kernel(Nvfp4QuantizeArgs args, float inv_six_m) {  // qm::nvfp4_inv_six_m(M), from the host
   static_assert(!kBlockValues || kFourOverSix, "block values are the 4/6 form only");
   static_assert(!kFp8Values || kBlockValues, "the FP8 form is a block-values form");
-  // Row max slots: one per segment of the CTA. A row spans at most kMaxThreads / 32 segments (half-warp segments only
-  // where two rows fit a CTA: launch_quantize).
-  __shared__ float segment_max[Shape::kMaxThreads / Shape::kRowGranule];
+  __shared__ float warp_max[Shape::kMaxThreads / 32];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool row_valid = row < args.num_rows && (args.num_rows_limit == nullptr || row < __ldg(args.num_rows_limit));
   const int num_blocks = static_cast<int>(args.hidden / 16);
@@ -219,8 +206,7 @@ __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::templa
         local = qm::qm_max(local, round_amax(first));
       }
     }
-    // NaN-free: fmaxf ignores NaN elements
-    amax = row_max<Shape::kRowGranule == 16, Shape::kMaxThreads / 32>(local, segment_max);
+    amax = row_max<Shape::kMaxThreads / 32>(local, warp_max);  // NaN-free: fmaxf ignores NaN elements
   } else {
     amax = row_valid ? args.amax_in[row] : 0.0f;
   }
@@ -355,21 +341,11 @@ __global__ void __launch_bounds__(256) nvfp4_expand_fp8_kernel(const uint8_t* __
 template <typename T, typename Shape, bool kBlockValues = false, bool kFp8Values = false>
 cudaError_t launch_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t stream) {
   const int64_t num_blocks = args.hidden / 16;
-  // Enough threads per row to hold it in registers (one round), a multiple of the row granule (32, or 16 for shapes
-  // whose rows may share a warp), at most Shape::kMaxThreads (longer rows take several rounds).
-  constexpr int kGranule = Shape::kRowGranule;
-  const int64_t wanted = ceil_div(ceil_div(num_blocks, Shape::template blocks_per_thread<T>()), kGranule) * kGranule;
-  int threads_per_row = static_cast<int>(std::min<int64_t>(Shape::kMaxThreads, std::max<int64_t>(kGranule, wanted)));
-  int rows_per_cta = std::max(1, std::min(kTargetCtaThreads, Shape::kMaxThreads) / threads_per_row);
-  if (threads_per_row % 32 != 0) {
-    // Whole warps per CTA (the row max shuffles over full warps): an even number of rows; where two do not fit, the
-    // row takes whole warps instead.
-    rows_per_cta -= rows_per_cta % 2;
-    if (rows_per_cta == 0) {
-      threads_per_row = static_cast<int>(ceil_div(threads_per_row, 32) * 32);
-      rows_per_cta = 1;
-    }
-  }
+  // Enough threads per row to hold it in registers (one round), a multiple of 32, at most Shape::kMaxThreads
+  // (longer rows take several rounds).
+  const int64_t wanted = ceil_div(ceil_div(num_blocks, Shape::template blocks_per_thread<T>()), 32) * 32;
+  const int threads_per_row = static_cast<int>(std::min<int64_t>(Shape::kMaxThreads, std::max<int64_t>(32, wanted)));
+  const int rows_per_cta = std::max(1, std::min(kTargetCtaThreads, Shape::kMaxThreads) / threads_per_row);
   const dim3 block(threads_per_row, rows_per_cta);
   const int64_t grid = ceil_div(args.num_rows, rows_per_cta);
   if (grid > INT32_MAX) return cudaErrorInvalidValue;
@@ -390,8 +366,7 @@ cudaError_t launch_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t stream) 
 // CTAs per SM, 128 raw bytes) for fp32 -- and plain takes occupancy, the fastest for each on H200 (RESULTS.md:
 // fp32 4/6, the MoE layer's w2 input, 94 -> 83 us for 16384 x 2048 rows, sixteenth session).
 int quantize_shape_choice(bool four_over_six, int x_type) {
-  static const int forced =
-      env_choice("EP_COMM_NVFP4_QUANT_SHAPE", {"auto", "wide", "occupancy", "narrow", "packed"});
+  static const int forced = env_choice("EP_COMM_NVFP4_QUANT_SHAPE", {"auto", "wide", "occupancy", "narrow"});
   if (forced != 0) return forced;
   return four_over_six && static_cast<ElemType>(x_type) != ElemType::kFloat32 ? 3 : 2;
 }
@@ -422,7 +397,6 @@ cudaError_t launch_nvfp4_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t st
       switch (quantize_shape_choice(args.four_over_six, args.x_type)) {
         case 1: return launch_quantize<T, WideShape, kBlockValues, kFp8>(args, stream);
         case 2: return launch_quantize<T, OccupancyShape, kBlockValues, kFp8>(args, stream);
-        case 4: return launch_quantize<T, PackedShape, kBlockValues, kFp8>(args, stream);
         default: return launch_quantize<T, NarrowShape, kBlockValues, kFp8>(args, stream);
       }
     };

@@ -110,10 +110,9 @@ def test_nvfp4_random_bit_rows(four_over_six):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("four_over_six", [True, False])
 def test_nvfp4_quantize_uneven_widths(hidden, dtype, four_over_six):
-    """Row widths that do not fill the quantizer's thread shape: 16-thread rows (16 to a CTA), rows of 48 and 80
-    threads (two rows share a warp), a second round only partly filled (2064, 4112), and a width whose half-warp
-    shape would not fit two rows to a CTA (8720: 144 threads, taken as 160); 33 rows, an odd count, so a CTA's second
-    row is missing; row amax computed and given."""
+    """Row widths (1, 3, 97, 129, 257 and 545 blocks of 16) that leave some of the quantizer's threads with fewer
+    blocks than others or none, and at 545 blocks with two blocks per thread a second round only partly filled; 33
+    rows, an odd count (a CTA's last row missing where a CTA holds several); row amax computed and given."""
     x = _input("outliers", 33, hidden, dtype, seed=hidden)
     per_row = x.float().abs().amax(dim=-1) * 1.5
     for amax in (None, per_row):
