@@ -451,9 +451,9 @@ negative_control() {  # NEG_K = a pytest -k expression over tests/test_nvlink.py
 }
 bench_formats_ab() {  # AB_ONLY: the kernels to time (bench_formats --only, a name substring; default nvfp4_quantize);
   # AB_HIDDEN: the row width (default 7168)
-  ab_trees "bench: ${AB_ONLY:-nvfp4_quantize}, hidden ${AB_HIDDEN:-7168}" "${AB_ONLY:-nvfp4_quantize}|copy_" \
-    env CUDA_VISIBLE_DEVICES=0 timeout 60 python3 bench/bench_formats.py --no-reference --only "${AB_ONLY:-nvfp4_quantize}" \
-    --hidden "${AB_HIDDEN:-7168}"
+  local only="${AB_ONLY:-nvfp4_quantize}"
+  ab_trees "bench: $only, hidden ${AB_HIDDEN:-7168}" "$only|copy_" env CUDA_VISIBLE_DEVICES=0 timeout 60 \
+    python3 bench/bench_formats.py --no-reference --only "$only" --hidden "${AB_HIDDEN:-7168}"
 }
 # The nvlink graph rows of a dispatch/combine run in the current directory's tree: AB_FORMATS (default nvfp4/s2f6;
 # several: "nvfp4/s2f6,bf16/bf16"), AB_TOKENS (default 128,1024,4096), AB_NPROC (ranks, default 2).
