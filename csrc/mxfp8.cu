@@ -96,32 +96,54 @@ __global__ void __launch_bounds__(kThreads) mxfp8_dequantize_kernel(const uint8_
 }
 
 // NVFP4 [R, K] -> MXFP8 [K, R]. A CTA takes a tile of kTileRows input rows x kTileCols columns:
-//  phase 1: each thread dequantizes one 16-column block of 4 consecutive input rows into smem, transposed: column
-//           by column, the 4 rows' values are one 16-byte store;
-//  phase 2: each (output row k, 32-row block) pair is one MX block: amax, scale, encode, 32-byte store; the 4 lanes
-//           holding the 4 row blocks of one output row k (row blocks r0/32 .. r0/32 + 3, adjacent in out_scales)
-//           gather their scale bytes by two shuffles and one of them stores the word (when the tile is full,
-//           R % 128 == 0 and out_scales is 4-byte aligned, so the word is aligned) instead of 4 byte stores R/32
+//  phase 1: each thread takes one 16-column block of 4 consecutive input rows and stages it in shared memory without
+//           decoding it: for each of the 16 columns, the 4 rows' codes as one word of bytes (the E4M3 images of the
+//           E2M1 codes, qm::e2m1_codes_as_e4m3_bytes: 4 bytes per 4 elements), and for each row its decode factor
+//           final_b = f(f(fp32(s_b) * amax) * f(1/6M)) (one float per row and 16 columns);
+//  phase 2: each thread takes columns c and c + 8 of one 16-column block (output rows k0 + c, k0 + c + 8) and one
+//           32-row block: decodes the block's 32 codes (the hardware E4M3 pair decode) and multiplies each by its
+//           row's factor -- y = f(e2m1val * final_b), the NUMERICS decode (phase 1 explains the factor's form) --
+//           then amax, scale, encode, 32-byte store;
+//           the 4 lanes holding the 4 row blocks of one output row (row blocks r0/32 .. r0/32 + 3, adjacent in
+//           out_scales) gather their scale bytes by two shuffles and one of them stores the word (when the tile is
+//           full, R % 128 == 0 and out_scales is 4-byte aligned, so the word is aligned) instead of 4 byte stores R/32
 //           bytes apart.
+// Staging codes and factors instead of the decoded fp32 values moves ~1.3 bytes of shared memory per element (a code
+// byte written and read, the factors' 4 bytes per 16 elements written and read, 8 lanes reading each) instead of 8
+// (Nsight Compute, forty-sixth session: the shared-memory queue was the largest stall, 1.47 cycles per issue).
 // Two CTA barriers per tile: phase 1's writes before phase 2's reads, and phase 2's reads before the next tile's
-// phase 1 overwrites the tile. (The scale bytes once went through shared memory, with a third barrier; ncu showed
-// 8.5% of the warps' stall samples at the barriers, 2026-12-01.)
-// Phase 2 gives the 4 row blocks of one output row to 4 consecutive lanes, so a warp stores 8 output rows x 128
-// contiguous bytes (whole sectors) instead of 32 rows x 32 bytes. Shared memory: column c's value of tile row r at
-// word c * kTilePitch + r + (r / 32) * kRowBlockSkew. Phase 2 reads a block's 32 values as 8 float4 (16-byte
-// aligned), and the 8 lanes of a quarter warp (columns c, c + 1 x row blocks 0..3) start at 16-byte chunk
-// 4c + b + j (mod 8): all different, no bank conflicts. Phase 1: lane l of warp w takes block l / 8 of rows
-// 32w + 4(l % 8) .. + 3, so a quarter warp (8 lanes, one block, 8 row quads) stores one column's 32 rows at chunks
-// 4c + w + (l % 8) (mod 8): no conflicts either; and each load instruction of a warp reads 8 rows x 32 contiguous
-// bytes. (Before 2026-12-01 a thread dequantized a whole tile row and stored its 64 values one word at a time: 64
-// stores per thread and tile instead of 16, and the shared-memory queue was the kernel's largest stall, 12% of the
-// samples.)
+// phase 1 overwrites the tile. Phase 2 gives the 4 row blocks of one output row to 4 consecutive lanes, so a warp
+// stores 8 output rows x 128 contiguous bytes (whole sectors) instead of 32 rows x 32 bytes.
+// Shared memory (no bank conflicts, below):
+//  codes: column c's byte of tile row r at c * kCodePitch + (c / 16) * 32 + r. Phase 1, the 4-byte store of one
+//         column: lane l of warp w (block g = l / 8, rows 32w + 4 (l % 8)) hits bank 4c + 8g + 8w + l % 8 (mod 32):
+//         distinct. Phase 2, 16-byte loads: a quarter warp (columns c, c + 1 x row blocks 0..3) starts at 16-byte
+//         chunks c + 2 rb + const (mod 8): distinct.
+//  factors: row r's factor of block g at g * kFactorPitch + r + (r / 32) * 4 (floats). Phase 1, one 16-byte store of 4
+//         rows: a quarter warp's 8 row quads are consecutive chunks. Phase 2: a quarter warp reads 4 row blocks (each
+//         by 2 lanes, a broadcast) at chunks rb + const (mod 8): distinct.
+// (Before the forty-seventh session phase 1 stored each column's 4 decoded fp32 values as one 16-byte store and
+// phase 2 read its block's 32 values as 8 float4. Before 2026-12-01 a thread dequantized a whole tile row and stored
+// its 64 values one word at a time: 64 stores per thread and tile instead of 16, and the shared-memory queue was the
+// kernel's largest stall, 12% of the samples.)
 constexpr int kTileRows = 128;
 constexpr int kTileCols = 64;
-constexpr int kRowBlockSkew = 4;
-constexpr int kTilePitch = 144;  // >= kTileRows + 3 * kRowBlockSkew, and 16 (mod 32) words (see above)
-__device__ __forceinline__ int tile_word(int column, int row) {
-  return column * kTilePitch + row + (row / 32) * kRowBlockSkew;
+constexpr int kCodePitch = 144;    // bytes per column: >= kTileRows, 16 (mod 32) (see above)
+constexpr int kFactorPitch = 144;  // floats per 16-column block: >= kTileRows + 3 * 4
+constexpr int kCodeTileBytes = kTileCols * kCodePitch + (kTileCols / 16) * 32;
+__device__ __forceinline__ int code_byte(int column, int row) { return column * kCodePitch + (column / 16) * 32 + row; }
+__device__ __forceinline__ int factor_word(int block, int row) { return block * kFactorPitch + row + (row / 32) * 4; }
+
+// The 4x4 byte transpose: out[j] byte i = in[i] byte j.
+__device__ __forceinline__ void transpose_bytes4x4(const uint32_t in[4], uint32_t out[4]) {
+  const uint32_t rows01_lo = qm::byte_perm(in[0], in[1], 0x5140u);  // in0.b0 in1.b0 in0.b1 in1.b1
+  const uint32_t rows01_hi = qm::byte_perm(in[0], in[1], 0x7362u);  // in0.b2 in1.b2 in0.b3 in1.b3
+  const uint32_t rows23_lo = qm::byte_perm(in[2], in[3], 0x5140u);
+  const uint32_t rows23_hi = qm::byte_perm(in[2], in[3], 0x7362u);
+  out[0] = qm::byte_perm(rows01_lo, rows23_lo, 0x5410u);
+  out[1] = qm::byte_perm(rows01_lo, rows23_lo, 0x7632u);
+  out[2] = qm::byte_perm(rows01_hi, rows23_hi, 0x5410u);
+  out[3] = qm::byte_perm(rows01_hi, rows23_hi, 0x7632u);
 }
 
 // One thread's input for a tile: 16-column block b of tile rows 4 * quad .. 4 * quad + 3 (codes, scale bytes, row
@@ -166,14 +188,18 @@ __global__ void __launch_bounds__(kTileRows, 6) nvfp4_to_mxfp8_transposed_kernel
     const uint8_t* __restrict__ data, const uint8_t* __restrict__ scales, const float* __restrict__ amax,
     int64_t num_rows, int64_t hidden, int64_t num_row_tiles, int64_t num_tiles, float inv_six_m, uint32_t key,
     bool low_indices, uint32_t low_pair_key, uint8_t* __restrict__ out_data, uint8_t* __restrict__ out_scales) {
-  __shared__ __align__(16) float tile[kTileCols * kTilePitch];
+  __shared__ __align__(16) uint8_t code_tile[kCodeTileBytes];
+  __shared__ __align__(16) float factor_tile[(kTileCols / 16) * kFactorPitch];
   const int t = threadIdx.x;
   int64_t tile_index = blockIdx.x;
   if (tile_index >= num_tiles) return;
   // This thread's place in phase 1: block (lane / 8) of tile rows quad_row .. quad_row + 3.
   const int lane = t % 32;
-  const int block_col = (lane / 8) * 16;
+  const int block = lane / 8;
+  const int block_col = block * 16;
   const int quad_row = (t / 32) * 32 + (lane % 8) * kQuadRows;
+  uint8_t* const block_codes = code_tile + code_byte(block_col, quad_row);  // its staged codes, column block_col
+  float* const block_factors = factor_tile + factor_word(block, quad_row);   // its rows' staged factors
   static_assert(kTileRows == 4 * 32 && kTileCols == 4 * 16, "phase 1: a warp takes 32 rows x 4 blocks");
   // The tile's (row tile, column tile) = (tile_index % num_row_tiles, tile_index / num_row_tiles), stepped without a
   // division per tile: with gridDim.x = step_col * num_row_tiles + step_row (0 <= step_row < num_row_tiles), the next
@@ -201,26 +227,34 @@ __global__ void __launch_bounds__(kTileRows, 6) nvfp4_to_mxfp8_transposed_kernel
       float scale_values[kQuadRows];  // fp32(s_b), two per hardware decode (exact, like e4m3_decode)
       qm::e4m3x2_decode(static_cast<uint16_t>(in.scales[0] | (in.scales[1] << 8)), scale_values[0], scale_values[1]);
       qm::e4m3x2_decode(static_cast<uint16_t>(in.scales[2] | (in.scales[3] << 8)), scale_values[2], scale_values[3]);
-      float decode_scale[kQuadRows];
+      // The staged factor is f(final_b * 64), exact: with M = 256 or 448 (the launcher refuses others) a finite
+      // final_b = f(f(s_b * amax) * f(1/6M)) is at most ~FLT_MAX / 1536 < 2^118, so the product stays below 2^124, and
+      // a power-of-two scaling of a subnormal, zero, Inf or NaN is exact too. Phase 2 multiplies it by the E4M3 image
+      // of the code, e2m1val * 2^-6 (exact): the same real product e2m1val * final_b, rounded once, as the NUMERICS
+      // decode f(e2m1val * final_b).
+      float factor[kQuadRows];
 #pragma unroll
       for (int i = 0; i < kQuadRows; ++i) {
-        decode_scale[i] = qm::nvfp4_dequant_scale_from(scale_values[i], in.row_amax[i], inv_six_m);
+        factor[i] = qm::qm_mul(qm::nvfp4_dequant_scale_from(scale_values[i], in.row_amax[i], inv_six_m), 64.0f);
       }
-      // Elements 4q .. 4q + 3 of each half (word) of the block for all 4 rows, then one 16-byte store per column.
+      *reinterpret_cast<float4*>(block_factors) = make_float4(factor[0], factor[1], factor[2], factor[3]);
+      // Per half (word) of the block: the 4 rows' even and odd elements as E4M3 bytes, transposed to one word per
+      // column (byte i = row quad_row + i), one 4-byte store each.
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
+        uint32_t even[kQuadRows], odd[kQuadRows];
 #pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          float y[kQuadRows][4];
+        for (int i = 0; i < kQuadRows; ++i) {
+          qm::e2m1_codes_as_e4m3_bytes(half == 0 ? in.codes[i].x : in.codes[i].y, even[i], odd[i]);
+        }
+        uint32_t even_columns[4], odd_columns[4];  // columns 8 half + 2m and 8 half + 2m + 1
+        transpose_bytes4x4(even, even_columns);
+        transpose_bytes4x4(odd, odd_columns);
 #pragma unroll
-          for (int i = 0; i < kQuadRows; ++i) {
-            qm::nvfp4_quad_decode(half == 0 ? in.codes[i].x : in.codes[i].y, q, decode_scale[i], y[i]);
-          }
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int col = block_col + 8 * half + 4 * q + e;
-            *reinterpret_cast<float4*>(tile + tile_word(col, quad_row)) = make_float4(y[0][e], y[1][e], y[2][e], y[3][e]);
-          }
+        for (int m = 0; m < 4; ++m) {  // columns block_col + j: code_byte(block_col, quad_row) + j * kCodePitch
+          const int j = 8 * half + 2 * m;
+          *reinterpret_cast<uint32_t*>(block_codes + j * kCodePitch) = even_columns[m];
+          *reinterpret_cast<uint32_t*>(block_codes + (j + 1) * kCodePitch) = odd_columns[m];
         }
       }
     }
@@ -238,30 +272,43 @@ __global__ void __launch_bounds__(kTileRows, 6) nvfp4_to_mxfp8_transposed_kernel
                              (reinterpret_cast<uintptr_t>(out_scales) & 3u) == 0;
     constexpr int kPasses = kTileCols * kRowBlocks / kTileRows;
     uint32_t pass_scale[kPasses];  // this lane's scale byte of each pass (0 where it had no block)
-    // Pass p takes output row k = k0 + t / 4 + 32 p (unit = t + 128 p) and row block t % 4 in both passes: its flat
-    // output index k * R + rb is pass 0's plus 32 p R, and its scale byte's index k * R / 32 + rb / 32 pass 0's plus
-    // 32 p R / 32 (rb >= 0, so rb / 32 = rb >> 5).
+    // Pass p takes tile column col_first + 8 p, i.e. output row k = k0 + col_first + 8 p, with col_first =
+    // 16 (u / 8) + u % 8 for u = t / 4 (warp w: the columns of block w), and row block t % 4 in both passes: its flat
+    // output index k * R + rb is pass 0's plus 8 p R, and its scale byte's index k * R / 32 + rb / 32 pass 0's plus
+    // 8 p R / 32 (rb >= 0, so rb / 32 = rb >> 5). Both passes' columns are in block u / 8: the same row factors.
     const int row_block = t % kRowBlocks;  // which 32 input rows: consecutive lanes
     const int64_t rb = r0 + row_block * 32;
-    const int64_t k_first = k0 + t / kRowBlocks;
+    const int unit = t / kRowBlocks;
+    const int col_first = (unit / 8) * 16 + unit % 8;
+    const int64_t k_first = k0 + col_first;
     const int64_t index_first = k_first * num_rows + rb;
-    static_assert(kTileRows / kRowBlocks == 32, "pass p adds 32 output rows");
+    static_assert(kTileRows / kRowBlocks == 32 && kPasses == 2, "a thread takes columns c and c + 8 of one block");
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
-      const int col = t / kRowBlocks + 32 * pass;  // output row within the tile
-      const int64_t k = k_first + 32 * pass;
-      const int64_t index0 = index_first + 32 * pass * num_rows;  // flat index of the block's first element
+      const int col = col_first + 8 * pass;  // output row within the tile
+      const int64_t k = k_first + 8 * pass;
+      const int64_t index0 = index_first + 8 * pass * num_rows;  // flat index of the block's first element
       pass_scale[pass] = 0;
       if (k < hidden && rb < num_rows) {
         float x[32];
-        const float4* column = reinterpret_cast<const float4*>(tile + tile_word(col, row_block * 32));
+        const uint4* codes_in = reinterpret_cast<const uint4*>(code_tile + code_byte(col, row_block * 32));
+        const float4* factors = reinterpret_cast<const float4*>(factor_tile + factor_word(col / 16, row_block * 32));
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float4 four = column[j];
-          x[4 * j] = four.x;
-          x[4 * j + 1] = four.y;
-          x[4 * j + 2] = four.z;
-          x[4 * j + 3] = four.w;
+        for (int h = 0; h < 2; ++h) {
+          const uint4 code_words = codes_in[h];  // rows 16 h .. 16 h + 15 of the block, 4 per word
+          const uint32_t words[4] = {code_words.x, code_words.y, code_words.z, code_words.w};
+#pragma unroll
+          for (int m = 0; m < 4; ++m) {
+            const float4 factor = factors[4 * h + m];  // rows 16 h + 4 m .. + 3
+            float v[4];  // e2m1val * 2^-6 of rows 16 h + 4 m .. + 3 (exact)
+            qm::e4m3x2_decode(static_cast<uint16_t>(words[m] & 0xFFFFu), v[0], v[1]);
+            qm::e4m3x2_decode(static_cast<uint16_t>(words[m] >> 16), v[2], v[3]);
+            float* y = x + 16 * h + 4 * m;
+            y[0] = qm::qm_mul(v[0], factor.x);
+            y[1] = qm::qm_mul(v[1], factor.y);
+            y[2] = qm::qm_mul(v[2], factor.z);
+            y[3] = qm::qm_mul(v[3], factor.w);
+          }
         }
         uint4 codes[2];
         if (kStochastic) {
@@ -282,11 +329,11 @@ __global__ void __launch_bounds__(kTileRows, 6) nvfp4_to_mxfp8_transposed_kernel
     const int64_t scale_first = k_first * row_blocks + (rb >> 5);
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
-      const int64_t k = k_first + 32 * pass;
+      const int64_t k = k_first + 8 * pass;
       uint32_t word = pass_scale[pass] << (8 * row_block);
       word |= __shfl_xor_sync(0xFFFFFFFFu, word, 1);
       word |= __shfl_xor_sync(0xFFFFFFFFu, word, 2);
-      uint8_t* scale_dst = out_scales + scale_first + 32 * pass * row_blocks;
+      uint8_t* scale_dst = out_scales + scale_first + 8 * pass * row_blocks;
       if (scale_words) {
         if (row_block == 0 && k < hidden) *reinterpret_cast<uint32_t*>(scale_dst) = word;  // r0 / 32 % 4 == 0: aligned
       } else if (k < hidden && rb < num_rows) {
@@ -344,6 +391,7 @@ cudaError_t launch_nvfp4_to_mxfp8_transposed(const uint8_t* data, const uint8_t*
                                              uint64_t seed, uint8_t* out_data, uint8_t* out_scales,
                                              cudaStream_t stream) {
   if (hidden <= 0 || hidden % 16 != 0 || num_rows < 0 || num_rows % 32 != 0) return cudaErrorInvalidValue;
+  if (e4m3_max != 256.0f && e4m3_max != 448.0f) return cudaErrorInvalidValue;  // the kernel's exact factor * 64
   if (num_rows == 0) return cudaSuccess;
   // 8 code bytes per load (rows of K / 2 bytes, K % 16 == 0), 16-byte code stores (rows of R bytes, R % 32 == 0);
   // out_scales may be unaligned (the kernel then stores bytes).
@@ -351,7 +399,7 @@ cudaError_t launch_nvfp4_to_mxfp8_transposed(const uint8_t* data, const uint8_t*
   const int64_t num_row_tiles = ceil_div(num_rows, kTileRows);
   const int64_t num_tiles = num_row_tiles * ceil_div(hidden, kTileCols);
   const auto kernel = stochastic ? nvfp4_to_mxfp8_transposed_kernel<true> : nvfp4_to_mxfp8_transposed_kernel<false>;
-  int64_t grid = 0;  // persistent: as many CTAs as fit at once (6 per SM: 80 registers and the 36 KiB tile)
+  int64_t grid = 0;  // persistent: as many CTAs as fit at once (6 per SM: 80 registers; the tile is 11.5 KiB)
   const cudaError_t err = resident_grid(kernel, kTileRows, num_tiles, &grid);
   if (err != cudaSuccess) return err;
   const uint32_t key = qm::sr_key(seed);

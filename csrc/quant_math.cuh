@@ -1391,9 +1391,14 @@ QM_HD void e2m1x2_from_e4m3x2(uint32_t pairs, float& lo, float& hi) {
 // elements' bytes keep the high nibble's sign bit 7 and shift its bits 6..4 to 4..2; the even elements' bytes are the
 // same transform of the word shifted left by 4; bytes 2q and 2q + 1 are elements 4q + {0, 2} (even) and 4q + {1, 3}
 // (odd). nvfp4_block_decode is four of these; the transposed requantization calls it directly, for 4 rows at a time.
+// The E4M3 images of the 8 E2M1 codes of word w: byte m of `even` is element 2m's, byte m of `odd` element 2m + 1's.
+QM_HD void e2m1_codes_as_e4m3_bytes(uint32_t w, uint32_t& even, uint32_t& odd) {
+  odd = (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu);
+  even = ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu);
+}
 QM_HD void nvfp4_quad_decode(uint32_t w, int q, float scale, float y[4]) {
-  const uint32_t odd = (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu);
-  const uint32_t even = ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu);
+  uint32_t even, odd;
+  e2m1_codes_as_e4m3_bytes(w, even, odd);
   float v[4];
   if (q == 0) {
     e2m1x2_from_e4m3x2<0>(even, v[0], v[2]);
