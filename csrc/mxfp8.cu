@@ -3,6 +3,8 @@
 //
 // Quantize / dequantize: one thread per 32-element block, consecutive threads on consecutive blocks, so
 // a warp moves 2 KiB (bf16 in) and 1 KiB (codes out) of contiguous memory with 16-byte accesses.
+#include <cstdlib>
+
 #include "formats.h"
 #include "quant_math.cuh"
 #include "vec_io.cuh"
@@ -183,8 +185,8 @@ __device__ __forceinline__ void load_tile_quad(const uint8_t* __restrict__ data,
 // are issued right after its current tile is staged in shared memory, so they are in flight during the current
 // tile's encoding (phase 2, the long one) instead of after it. inv_six_m = qm::nvfp4_inv_six_m(M), computed once by
 // the launcher.
-template <bool kStochastic>
-__global__ void __launch_bounds__(kTileRows, 6) nvfp4_to_mxfp8_transposed_kernel(
+template <bool kStochastic, int kMinCtas = 6>
+__global__ void __launch_bounds__(kTileRows, kMinCtas) nvfp4_to_mxfp8_transposed_kernel(
     const uint8_t* __restrict__ data, const uint8_t* __restrict__ scales, const float* __restrict__ amax,
     int64_t num_rows, int64_t hidden, int64_t num_row_tiles, int64_t num_tiles, float inv_six_m, uint32_t key,
     bool low_indices, uint32_t low_pair_key, uint8_t* __restrict__ out_data, uint8_t* __restrict__ out_scales) {
@@ -398,7 +400,11 @@ cudaError_t launch_nvfp4_to_mxfp8_transposed(const uint8_t* data, const uint8_t*
   if (!rows_aligned(data, 0, 8) || !rows_aligned(out_data, 0, 16)) return cudaErrorInvalidValue;
   const int64_t num_row_tiles = ceil_div(num_rows, kTileRows);
   const int64_t num_tiles = num_row_tiles * ceil_div(hidden, kTileCols);
-  const auto kernel = stochastic ? nvfp4_to_mxfp8_transposed_kernel<true> : nvfp4_to_mxfp8_transposed_kernel<false>;
+  // TEMPORARY (measurement): EP_COMM_TRANSPOSED_CTAS = 7 or 8 CTAs per SM.
+  static const int ctas = [] { const char* v = getenv("EP_COMM_TRANSPOSED_CTAS"); return v ? atoi(v) : 6; }();
+  auto kernel = stochastic ? nvfp4_to_mxfp8_transposed_kernel<true> : nvfp4_to_mxfp8_transposed_kernel<false>;
+  if (ctas == 7) kernel = stochastic ? nvfp4_to_mxfp8_transposed_kernel<true, 7> : nvfp4_to_mxfp8_transposed_kernel<false, 7>;
+  if (ctas == 8) kernel = stochastic ? nvfp4_to_mxfp8_transposed_kernel<true, 8> : nvfp4_to_mxfp8_transposed_kernel<false, 8>;
   int64_t grid = 0;  // persistent: as many CTAs as fit at once (6 per SM: 80 registers; the tile is 11.5 KiB)
   const cudaError_t err = resident_grid(kernel, kTileRows, num_tiles, &grid);
   if (err != cudaSuccess) return err;
