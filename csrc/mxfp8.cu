@@ -3,8 +3,6 @@
 //
 // Quantize / dequantize: one thread per 32-element block, consecutive threads on consecutive blocks, so
 // a warp moves 2 KiB (bf16 in) and 1 KiB (codes out) of contiguous memory with 16-byte accesses.
-#include <cstdlib>
-
 #include "formats.h"
 #include "quant_math.cuh"
 #include "vec_io.cuh"
@@ -185,8 +183,8 @@ __device__ __forceinline__ void load_tile_quad(const uint8_t* __restrict__ data,
 // are issued right after its current tile is staged in shared memory, so they are in flight during the current
 // tile's encoding (phase 2, the long one) instead of after it. inv_six_m = qm::nvfp4_inv_six_m(M), computed once by
 // the launcher.
-template <bool kStochastic, int kMinCtas = 6>
-__global__ void __launch_bounds__(kTileRows, kMinCtas) nvfp4_to_mxfp8_transposed_kernel(
+template <bool kStochastic>
+__global__ void __launch_bounds__(kTileRows, 6) nvfp4_to_mxfp8_transposed_kernel(
     const uint8_t* __restrict__ data, const uint8_t* __restrict__ scales, const float* __restrict__ amax,
     int64_t num_rows, int64_t hidden, int64_t num_row_tiles, int64_t num_tiles, float inv_six_m, uint32_t key,
     bool low_indices, uint32_t low_pair_key, uint8_t* __restrict__ out_data, uint8_t* __restrict__ out_scales) {
@@ -303,8 +301,8 @@ __global__ void __launch_bounds__(kTileRows, kMinCtas) nvfp4_to_mxfp8_transposed
           for (int m = 0; m < 4; ++m) {
             const float4 factor = factors[4 * h + m];  // rows 16 h + 4 m .. + 3
             float v[4];  // e2m1val * 2^-6 of rows 16 h + 4 m .. + 3 (exact)
-            qm::e4m3x2_decode(static_cast<uint16_t>(words[m] & 0xFFFFu), v[0], v[1]);
-            qm::e4m3x2_decode(static_cast<uint16_t>(words[m] >> 16), v[2], v[3]);
+            qm::e4m3x2_decode_half<0>(words[m], v[0], v[1]);
+            qm::e4m3x2_decode_half<1>(words[m], v[2], v[3]);
             float* y = x + 16 * h + 4 * m;
             y[0] = qm::qm_mul(v[0], factor.x);
             y[1] = qm::qm_mul(v[1], factor.y);
@@ -400,12 +398,10 @@ cudaError_t launch_nvfp4_to_mxfp8_transposed(const uint8_t* data, const uint8_t*
   if (!rows_aligned(data, 0, 8) || !rows_aligned(out_data, 0, 16)) return cudaErrorInvalidValue;
   const int64_t num_row_tiles = ceil_div(num_rows, kTileRows);
   const int64_t num_tiles = num_row_tiles * ceil_div(hidden, kTileCols);
-  // TEMPORARY (measurement): EP_COMM_TRANSPOSED_CTAS = 7 or 8 CTAs per SM.
-  static const int ctas = [] { const char* v = getenv("EP_COMM_TRANSPOSED_CTAS"); return v ? atoi(v) : 6; }();
-  auto kernel = stochastic ? nvfp4_to_mxfp8_transposed_kernel<true> : nvfp4_to_mxfp8_transposed_kernel<false>;
-  if (ctas == 7) kernel = stochastic ? nvfp4_to_mxfp8_transposed_kernel<true, 7> : nvfp4_to_mxfp8_transposed_kernel<false, 7>;
-  if (ctas == 8) kernel = stochastic ? nvfp4_to_mxfp8_transposed_kernel<true, 8> : nvfp4_to_mxfp8_transposed_kernel<false, 8>;
-  int64_t grid = 0;  // persistent: as many CTAs as fit at once (6 per SM: 80 registers; the tile is 11.5 KiB)
+  const auto kernel = stochastic ? nvfp4_to_mxfp8_transposed_kernel<true> : nvfp4_to_mxfp8_transposed_kernel<false>;
+  // Persistent: as many CTAs as fit at once (6 per SM: 80 registers; the tile is 11.4 KiB). 7 and 8 CTAs (72 and 64
+  // registers, with spills) measured 1.3% and 9% slower (forty-seventh session).
+  int64_t grid = 0;
   const cudaError_t err = resident_grid(kernel, kTileRows, num_tiles, &grid);
   if (err != cudaSuccess) return err;
   const uint32_t key = qm::sr_key(seed);

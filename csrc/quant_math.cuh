@@ -308,6 +308,27 @@ QM_HD void e4m3x2_decode(uint16_t pair, float& lo, float& hi) {
 #endif
 }
 
+// e4m3x2_decode of half kHalf (0: bits 15:0, 1: bits 31:16) of `pairs`, the half taken as a register half on the device
+// (no shift instruction).
+template <int kHalf>
+QM_HD void e4m3x2_decode_half(uint32_t pairs, float& lo, float& hi) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
+  uint32_t halves;
+  if (kHalf == 0) {
+    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\t}" : "=r"(halves) : "r"(pairs));
+  } else {
+    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, h;\n\t}" : "=r"(halves) : "r"(pairs));
+  }
+  float f_lo, f_hi;
+  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+      : "=f"(f_lo), "=f"(f_hi) : "r"(halves));
+  lo = f_lo;
+  hi = f_hi;
+#else
+  e4m3x2_decode(static_cast<uint16_t>(pairs >> (16 * kHalf)), lo, hi);
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------------
 // UE8M0 scales.
 // MXFP8 (NVIDIA rule): b = round-up-to-power-of-two(f(amax * f(1/448))), satfinite; NaN -> 0xFF.
@@ -1357,9 +1378,11 @@ QM_HD float nvfp4_dequant_scale(uint8_t scale_byte, float amax, float e4m3_max) 
 // for every scale (zero, subnormal, huge, Inf, NaN) and every code (+-0 included), with no case split.
 // (Until 2026-12-01 the values stayed at e2m1val * 2^-6 and were multiplied by f(scale * 64), with a second,
 // two-product form for finite scales above 2^121 where scale * 64 could overflow; the kernel issued all three
-// multiplies per element, predicated.) The transposed requantization (4 elements of 4 rows at a time,
-// nvfp4_quad_decode) and the host emulation (nvfp4_block_decode) decode through it; the NVFP4 dequantize kernel keeps
-// its per-code decode (measured faster there, nvfp4.cu) and gives the same bits.
+// multiplies per element, predicated.) The host emulation (nvfp4_block_decode) decodes through it. The transposed
+// requantization (mxfp8.cu) stages the E4M3 images (e2m1_codes_as_e4m3_bytes) and multiplies e2m1val * 2^-6
+// (e4m3x2_decode_half) by f(final_b * 64), which its launcher keeps exact by taking M = 256 or 448 only (forty-seventh
+// session); the NVFP4 dequantize kernel keeps its per-code decode (measured faster there, nvfp4.cu). All give the same
+// bits.
 //
 // The two E2M1 values whose E4M3 images (above) are the bytes of `pair` (lo in bits 7:0): e4m3val * 2^6, exact.
 // Device (sm_89+): cvt.rn.f16x2.e4m3x2 gives e2m1val * 2^-6 exactly (every E4M3 value is an f16 number), the f16x2
