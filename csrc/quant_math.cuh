@@ -308,22 +308,33 @@ QM_HD void e4m3x2_decode(uint16_t pair, float& lo, float& hi) {
 #endif
 }
 
-// e4m3x2_decode of half kHalf (0: bits 15:0, 1: bits 31:16) of `pairs`, the half taken as a register half on the device
-// (no shift instruction).
-template <int kHalf>
-QM_HD void e4m3x2_decode_half(uint32_t pairs, float& lo, float& hi) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
+// The two E4M3 bytes of half kHalf (0: bits 15:0, 1: bits 31:16) of `pairs` as an f16 pair, the half taken as a
+// register half (no shift instruction); and an f16 pair as two fp32 values. Both exact.
+template <int kHalf>
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2_half(uint32_t pairs) {
   uint32_t halves;
   if (kHalf == 0) {
     asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\t}" : "=r"(halves) : "r"(pairs));
   } else {
     asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, h;\n\t}" : "=r"(halves) : "r"(pairs));
   }
+  return halves;
+}
+__device__ __forceinline__ void f16x2_to_floats(uint32_t halves, float& lo, float& hi) {
   float f_lo, f_hi;
   asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
       : "=f"(f_lo), "=f"(f_hi) : "r"(halves));
   lo = f_lo;
   hi = f_hi;
+}
+#endif
+
+// e4m3x2_decode of half kHalf of `pairs` (on the device without a shift).
+template <int kHalf>
+QM_HD void e4m3x2_decode_half(uint32_t pairs, float& lo, float& hi) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
+  f16x2_to_floats(e4m3x2_to_f16x2_half<kHalf>(pairs), lo, hi);
 #else
   e4m3x2_decode(static_cast<uint16_t>(pairs >> (16 * kHalf)), lo, hi);
 #endif
@@ -1392,18 +1403,9 @@ QM_HD float nvfp4_dequant_scale(uint8_t scale_byte, float amax, float e4m3_max) 
 template <int kHalf>
 QM_HD void e2m1x2_from_e4m3x2(uint32_t pairs, float& lo, float& hi) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
-  uint32_t halves;
-  if (kHalf == 0) {
-    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\t}" : "=r"(halves) : "r"(pairs));
-  } else {
-    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, h;\n\t}" : "=r"(halves) : "r"(pairs));
-  }
+  uint32_t halves = e4m3x2_to_f16x2_half<kHalf>(pairs);
   asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(halves) : "r"(0x54005400u));
-  float f_lo, f_hi;
-  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
-      : "=f"(f_lo), "=f"(f_hi) : "r"(halves));
-  lo = f_lo;
-  hi = f_hi;
+  f16x2_to_floats(halves, lo, hi);
 #else
   const uint32_t pair = pairs >> (16 * kHalf);
   lo = qm_mul(e4m3_decode_soft(static_cast<uint8_t>(pair & 0xFF)), 64.0f);
