@@ -412,6 +412,8 @@ void register_formats(py::module_& m) {
   m.def("nvfp4_to_mxfp8_transposed",
         [](uintptr_t data, uintptr_t scales, uintptr_t amax, int64_t num_rows, int64_t hidden, float e4m3_max,
            bool stochastic, uint64_t seed, uintptr_t out_data, uintptr_t out_scales, uintptr_t stream) {
+          // The kernel's decode factor f(final_b * 64) is exact for these two bounds only (mxfp8.cu).
+          require(e4m3_max == 256.0f || e4m3_max == 448.0f, "nvfp4_to_mxfp8_transposed", "e4m3_max must be 256 or 448");
           if (num_rows > 0) {  // out_scales may be unaligned (byte stores then)
             require(data != 0 && scales != 0 && amax != 0 && out_data != 0 && out_scales != 0,
                     "nvfp4_to_mxfp8_transposed", "data, scales, amax, out_data and out_scales are required");

@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(kThreads) mxfp8_dequantize_kernel(const uint8_
 //  phase 1: each thread takes one 16-column block of 4 consecutive input rows and stages it in shared memory without
 //           decoding it: for each of the 16 columns, the 4 rows' codes as one word of bytes (the E4M3 images of the
 //           E2M1 codes, qm::e2m1_codes_as_e4m3_bytes: 4 bytes per 4 elements), and for each row its decode factor
-//           final_b = f(f(fp32(s_b) * amax) * f(1/6M)) (one float per row and 16 columns);
+//           final_b = f(f(fp32(s_b) * amax) * f(1/6M)) times 64 (one float per row and 16 columns; exact, below);
 //  phase 2: each thread takes columns c and c + 8 of one 16-column block (output rows k0 + c, k0 + c + 8) and one
 //           32-row block: decodes the block's 32 codes (the hardware E4M3 pair decode) and multiplies each by its
 //           row's factor -- y = f(e2m1val * final_b), the NUMERICS decode (phase 1 explains the factor's form) --

@@ -382,6 +382,15 @@ def test_emulation_keeps_subnormals_when_the_thread_flushes_them():
                                                                           want_nvfp4.scales.view(torch.uint8))
 
 
+def test_transposed_requantization_refuses_other_e4m3_bounds():
+    """The device binding of the transposed requantization takes M = 256 or 448 only (its kernel's decode factor
+    f(final_b * 64) is exact for those); checked before any pointer is used, so it runs without a GPU."""
+    lib = ep_comm._ext._C
+    for bound in (255.0, 300.0, 447.0, 1.0):
+        with pytest.raises(ValueError, match="e4m3_max must be 256 or 448"):
+            lib.nvfp4_to_mxfp8_transposed(0, 0, 0, 32, 16, bound, True, 0, 0, 0, 0)
+
+
 def test_host_nvfp4_entry_points_refuse_a_null_amax():
     """The raw host bindings that read one amax per row refuse a null amax with a ValueError (the device launcher's
     null amax means "block values only"; a caller copying that convention here used to crash the process)."""
