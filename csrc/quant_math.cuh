@@ -1412,15 +1412,16 @@ QM_HD void e2m1x2_from_e4m3x2(uint32_t pairs, float& lo, float& hi) {
   hi = qm_mul(e4m3_decode_soft(static_cast<uint8_t>((pair >> 8) & 0xFF)), 64.0f);
 #endif
 }
-// Elements 4q .. 4q + 3 (q = 0 or 1) of the 8 codes in word w, decoded as above. Per word (8 codes): the odd
-// elements' bytes keep the high nibble's sign bit 7 and shift its bits 6..4 to 4..2; the even elements' bytes are the
-// same transform of the word shifted left by 4; bytes 2q and 2q + 1 are elements 4q + {0, 2} (even) and 4q + {1, 3}
-// (odd). nvfp4_block_decode is four of these; the transposed requantization calls it directly, for 4 rows at a time.
-// The E4M3 images of the 8 E2M1 codes of word w: byte m of `even` is element 2m's, byte m of `odd` element 2m + 1's.
+// The E4M3 images (above) of the 8 E2M1 codes of word w: byte m of `even` is element 2m's, byte m of `odd` element
+// 2m + 1's. The odd elements' bytes keep the high nibble's sign bit 7 and shift its bits 6..4 to 4..2; the even
+// elements' bytes are the same transform of the word shifted left by 4. The transposed requantization stages these
+// bytes (mxfp8.cu).
 QM_HD void e2m1_codes_as_e4m3_bytes(uint32_t w, uint32_t& even, uint32_t& odd) {
   odd = (w & 0x80808080u) | ((w >> 2) & 0x1C1C1C1Cu);
   even = ((w << 4) & 0x80808080u) | ((w << 2) & 0x1C1C1C1Cu);
 }
+// Elements 4q .. 4q + 3 (q = 0 or 1) of the 8 codes in word w, decoded as above: bytes 2q and 2q + 1 of the images
+// are elements 4q + {0, 2} (even) and 4q + {1, 3} (odd). nvfp4_block_decode is four of these.
 QM_HD void nvfp4_quad_decode(uint32_t w, int q, float scale, float y[4]) {
   uint32_t even, odd;
   e2m1_codes_as_e4m3_bytes(w, even, odd);
