@@ -105,7 +105,8 @@ cudaError_t launch_mxfp8_dequantize(const uint8_t* data, const uint8_t* scales, 
                                     void* out, int out_type, cudaStream_t stream);
 
 // NVFP4 [num_rows = R, hidden = K] -> dequantize (fp32) -> transpose -> MXFP8 [K, R] with blocks of 32 along
-// R (R % 32 == 0). Stochastic rounding indexes the [K, R] output: rbits(seed, k * R + r).
+// R (R % 32 == 0). Stochastic rounding indexes the [K, R] output: rbits(seed, k * R + r). e4m3_max: M of the input,
+// 256 or 448 (others give cudaErrorInvalidValue: the kernel's decode factor f(final_b * 64) is exact for these).
 cudaError_t launch_nvfp4_to_mxfp8_transposed(const uint8_t* data, const uint8_t* scales, const float* amax,
                                              int64_t num_rows, int64_t hidden, float e4m3_max, bool stochastic,
                                              uint64_t seed, uint8_t* out_data, uint8_t* out_scales,

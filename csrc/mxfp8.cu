@@ -275,7 +275,8 @@ __global__ void __launch_bounds__(kTileRows, 6) nvfp4_to_mxfp8_transposed_kernel
     // Pass p takes tile column col_first + 8 p, i.e. output row k = k0 + col_first + 8 p, with col_first =
     // 16 (u / 8) + u % 8 for u = t / 4 (warp w: the columns of block w), and row block t % 4 in both passes: its flat
     // output index k * R + rb is pass 0's plus 8 p R, and its scale byte's index k * R / 32 + rb / 32 pass 0's plus
-    // 8 p R / 32 (rb >= 0, so rb / 32 = rb >> 5). Both passes' columns are in block u / 8: the same row factors.
+    // 8 p R / 32 (rb >= 0, so rb / 32 = rb >> 5). Both passes' columns are in block u / 8: the same row factors,
+    // read again in the second pass (a broadcast load; holding them would take 32 more registers).
     const int row_block = t % kRowBlocks;  // which 32 input rows: consecutive lanes
     const int64_t rb = r0 + row_block * 32;
     const int unit = t / kRowBlocks;

@@ -308,33 +308,22 @@ QM_HD void e4m3x2_decode(uint16_t pair, float& lo, float& hi) {
 #endif
 }
 
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
-// The two E4M3 bytes of half kHalf (0: bits 15:0, 1: bits 31:16) of `pairs` as an f16 pair, the half taken as a
-// register half (no shift instruction); and an f16 pair as two fp32 values. Both exact.
+// e4m3x2_decode of half kHalf (0: bits 15:0, 1: bits 31:16) of `pairs`; on the device the half is taken as a register
+// half (no shift instruction). Exact.
 template <int kHalf>
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2_half(uint32_t pairs) {
+QM_HD void e4m3x2_decode_half(uint32_t pairs, float& lo, float& hi) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
   uint32_t halves;
   if (kHalf == 0) {
     asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\t}" : "=r"(halves) : "r"(pairs));
   } else {
     asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, h;\n\t}" : "=r"(halves) : "r"(pairs));
   }
-  return halves;
-}
-__device__ __forceinline__ void f16x2_to_floats(uint32_t halves, float& lo, float& hi) {
   float f_lo, f_hi;
   asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
       : "=f"(f_lo), "=f"(f_hi) : "r"(halves));
   lo = f_lo;
   hi = f_hi;
-}
-#endif
-
-// e4m3x2_decode of half kHalf of `pairs` (on the device without a shift).
-template <int kHalf>
-QM_HD void e4m3x2_decode_half(uint32_t pairs, float& lo, float& hi) {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
-  f16x2_to_floats(e4m3x2_to_f16x2_half<kHalf>(pairs), lo, hi);
 #else
   e4m3x2_decode(static_cast<uint16_t>(pairs >> (16 * kHalf)), lo, hi);
 #endif
@@ -1384,33 +1373,21 @@ QM_HD float nvfp4_dequant_scale(uint8_t scale_byte, float amax, float e4m3_max) 
 // the software rule elsewhere) instead of a per-code select chain: the E2M1 code s e1 e0 m becomes the E4M3 byte
 // s 0 0 e1 e0 m 0 0, whose value is exactly e2m1val * 2^-6 for every code (E4M3's exponent bias 7 is E2M1's 1
 // plus 6, and E4M3's subnormals (m / 2) 2^-6 match E2M1's 0.m). e2m1x2_from_e4m3x2 scales the pair back by 2^6
-// before the conversion to fp32 (on the device in f16, where every value involved is exact), so each element is
-// e2m1val itself, exactly, and y = f(e2m1val * scale) is one fp32 multiply by the scale as it is: the definition,
-// for every scale (zero, subnormal, huge, Inf, NaN) and every code (+-0 included), with no case split.
-// (Until 2026-12-01 the values stayed at e2m1val * 2^-6 and were multiplied by f(scale * 64), with a second,
-// two-product form for finite scales above 2^121 where scale * 64 could overflow; the kernel issued all three
-// multiplies per element, predicated.) The host emulation (nvfp4_block_decode) decodes through it. The transposed
-// requantization (mxfp8.cu) stages the E4M3 images (e2m1_codes_as_e4m3_bytes) and multiplies e2m1val * 2^-6
-// (e4m3x2_decode_half) by f(final_b * 64), which its launcher keeps exact by taking M = 256 or 448 only (forty-seventh
-// session); the NVFP4 dequantize kernel keeps its per-code decode (measured faster there, nvfp4.cu). All give the same
-// bits.
+// (exact: a power-of-two scaling of a normal or zero fp32 value), so each element is e2m1val itself, and
+// y = f(e2m1val * scale) is one fp32 multiply by the scale as it is: the definition, for every scale (zero, subnormal,
+// huge, Inf, NaN) and every code (+-0 included), with no case split. The host emulation (nvfp4_block_decode) decodes
+// through it; no kernel does any more. The transposed requantization (mxfp8.cu) stages the E4M3 images
+// (e2m1_codes_as_e4m3_bytes) and multiplies e2m1val * 2^-6 (e4m3x2_decode_half) by f(final_b * 64): the same real
+// product, exact because its launcher takes M = 256 or 448 only (forty-seventh session; until then it decoded through
+// this function, with the scaling by 2^6 done in f16 on the device). The NVFP4 dequantize kernel keeps its per-code
+// decode (measured faster there, nvfp4.cu). All give the same bits.
 //
 // The two E2M1 values whose E4M3 images (above) are the bytes of `pair` (lo in bits 7:0): e4m3val * 2^6, exact.
-// Device (sm_89+): cvt.rn.f16x2.e4m3x2 gives e2m1val * 2^-6 exactly (every E4M3 value is an f16 number), the f16x2
-// multiply by 64 (0x5400) is exact (the products are e2m1val in {0, 0.5, ..., 6} with their signs, -0 included: f16
-// numbers; f16 arithmetic never flushes, and nothing here is an f16 subnormal), and cvt.f32.f16 is exact. Host: the
-// software decode times 64, an exact fp32 power-of-two scaling of a normal or zero value.
 template <int kHalf>
 QM_HD void e2m1x2_from_e4m3x2(uint32_t pairs, float& lo, float& hi) {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
-  uint32_t halves = e4m3x2_to_f16x2_half<kHalf>(pairs);
-  asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(halves) : "r"(0x54005400u));
-  f16x2_to_floats(halves, lo, hi);
-#else
-  const uint32_t pair = pairs >> (16 * kHalf);
-  lo = qm_mul(e4m3_decode_soft(static_cast<uint8_t>(pair & 0xFF)), 64.0f);
-  hi = qm_mul(e4m3_decode_soft(static_cast<uint8_t>((pair >> 8) & 0xFF)), 64.0f);
-#endif
+  e4m3x2_decode_half<kHalf>(pairs, lo, hi);
+  lo = qm_mul(lo, 64.0f);
+  hi = qm_mul(hi, 64.0f);
 }
 // The E4M3 images (above) of the 8 E2M1 codes of word w: byte m of `even` is element 2m's, byte m of `odd` element
 // 2m + 1's. The odd elements' bytes keep the high nibble's sign bit 7 and shift its bits 6..4 to 4..2; the even
