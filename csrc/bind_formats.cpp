@@ -298,6 +298,8 @@ void register_host_emulation(py::module_& m) {
             which = host::ExhaustiveCheck::kS2f6Fast;
           } else if (check == "div_six") {
             which = host::ExhaustiveCheck::kDivSix;
+          } else if (check == "outer_scales") {
+            which = host::ExhaustiveCheck::kOuterScales;
           } else {
             throw std::invalid_argument("unknown check " + check);
           }

@@ -208,6 +208,8 @@ void nvfp4_fast_decided(const float* x, int64_t num_rows, int64_t hidden, const 
 //   kDivSix: div_six_markstein vs f(a / 6) (equal wherever the quotient is normal, both below 2^-125 elsewhere) and
 //            nvfp4_four_six_scale_pair_fast vs nvfp4_four_six_scale_pair under approx_ok outer scales (the largest
 //            S_enc for both M, and amax = 1), every a in [0, +Inf].
+//   kOuterScales: nvfp4_outer_scales' division-free S_enc (div_by_rcp_markstein) and S_dec (qm_rcp_fast) vs the IEEE
+//            divisions f(6M / amax) and f(1 / S_enc), for M = 256 and 448 and every amax in [2^-80, 2^100] (approx_ok).
 // Returns the number of mismatches (0 expected).
 enum class ExhaustiveCheck : int {
   kE2m1Magnitude = 0,
@@ -216,6 +218,7 @@ enum class ExhaustiveCheck : int {
   kSrE4m3 = 3,
   kS2f6Fast = 4,
   kDivSix = 5,
+  kOuterScales = 6,
 };
 int64_t exhaustive_check(ExhaustiveCheck check, uint32_t stride);
 // Element-level primitives, one value each (for exhaustive / test-vector checks).

@@ -361,6 +361,21 @@ int64_t exhaustive_check(ExhaustiveCheck check, uint32_t stride) {
     }
     return mismatches;
   }
+  if (check == ExhaustiveCheck::kOuterScales) {
+    for (const float e4m3_max : {256.0f, 448.0f}) {
+      const float six_m = qm::qm_mul(6.0f, e4m3_max);
+      for (uint64_t bits = 0x17800000u; bits <= 0x71800000u; bits += stride) {  // 2^-80 .. 2^100
+        const float amax = qm::bits_float(static_cast<uint32_t>(bits));
+        const qm::Nvfp4Outer outer = qm::nvfp4_outer_scales(amax, e4m3_max);
+        const float s_enc = qm::qm_div(six_m, amax);
+        if (!outer.approx_ok || qm::float_bits(outer.s_enc) != qm::float_bits(s_enc) ||
+            qm::float_bits(outer.s_dec) != qm::float_bits(qm::qm_div(1.0f, s_enc))) {
+          ++mismatches;
+        }
+      }
+    }
+    return mismatches;
+  }
   const float six_m = check == ExhaustiveCheck::kMarkstein1536 ? 1536.0f : 2688.0f;
   const float inv_six_m = qm::qm_div(1.0f, six_m);
   for (uint64_t bits = 0x0D800000u; bits <= 0x7F7FFFFFu; bits += stride) {  // 2^-100 .. FLT_MAX

@@ -762,34 +762,6 @@ QM_HD uint8_t mxfp8_encode32_stochastic(const float x[32], uint32_t key, int64_t
 }
 
 // ---------------------------------------------------------------------------------------------------
-// NVFP4 outer (per-row or per-tensor) scales from the outer amax and the E4M3 bound M (256 or 448).
-// The amax must be >= 0 (or +Inf / NaN); a negative amax is not a valid input.
-struct Nvfp4Outer {
-  float s_enc;
-  float s_dec;
-  // Whether the fast 4/6 path's error bound holds for every block of the row: 6M is 1536 or 2688 and
-  // 2^-80 <= amax <= 2^100. Then every nonzero numerator n = f(f(r * s) * amax), r in [0.5, 6], s in
-  // [2^-9, 448] (every nonzero E4M3 scale) lies in [2^-90, 2^112], inside [2^-100, FLT_MAX], so n, n / 6M, g
-  // and r * g are normal fp32 numbers; a zero scale gives d = g = 0 exactly.
-  bool approx_ok;
-  float inv_six_m;  // f(1 / 6M), for the 4/6 error terms
-};
-
-// f(1 / f(6M)): the 4/6 error's and the dequantize factor's divisor, computed once per row or launch.
-QM_HD float nvfp4_inv_six_m(float e4m3_max) { return qm_div(1.0f, qm_mul(6.0f, e4m3_max)); }
-
-// inv_six_m: nvfp4_inv_six_m(e4m3_max), which a kernel's launcher can compute once on the host (the same IEEE
-// division) instead of every thread.
-QM_HD Nvfp4Outer nvfp4_outer_scales(float amax, float e4m3_max, float inv_six_m) {
-  const float six_m = qm_mul(6.0f, e4m3_max);  // 1536 or 2688, exact
-  float s_enc = qm_min(qm_div(six_m, amax), kFltMax);
-  if (amax == 0.0f || s_enc == 0.0f || qm_isnan(amax)) s_enc = 1.0f;
-  const bool approx_ok = (six_m == 1536.0f || six_m == 2688.0f) && amax >= 0x1p-80f && amax <= 0x1p100f;
-  return Nvfp4Outer{s_enc, qm_div(1.0f, s_enc), approx_ok, inv_six_m};
-}
-QM_HD Nvfp4Outer nvfp4_outer_scales(float amax, float e4m3_max) {
-  return nvfp4_outer_scales(amax, e4m3_max, nvfp4_inv_six_m(e4m3_max));
-}
 
 // Correctly rounded 1 / d (the device's reciprocal sequence instead of a general division; same bits).
 QM_HD float qm_rcp(float d) {
@@ -864,6 +836,54 @@ QM_HD float qm_fma(float a, float b, float c) {
 #else
   return std::fmaf(a, b, c);
 #endif
+}
+
+// f(c / d) for a normal quotient, without a division: y = f(1 / d) (qm_rcp_fast: correctly rounded for d with a biased
+// exponent in [1, 252]), q0 = f(c * y), the remainder c - q0 * d exact in one fma, and f(q0 + rem * y) (Markstein's
+// correction). nvfp4_outer_scales' S_enc = f(6M / amax) under approx_ok; host_exhaustive_check "outer_scales" compares
+// it with the IEEE division there, for every amax and both M.
+QM_HD float div_by_rcp_markstein(float c, float d) {
+  const float y = qm_rcp_fast(d);
+  const float q0 = qm_mul(c, y);
+  return qm_fma(qm_fma(-q0, d, c), y, q0);
+}
+
+// NVFP4 outer (per-row or per-tensor) scales from the outer amax and the E4M3 bound M (256 or 448).
+// The amax must be >= 0 (or +Inf / NaN); a negative amax is not a valid input.
+struct Nvfp4Outer {
+  float s_enc;
+  float s_dec;
+  // Whether the fast 4/6 path's error bound holds for every block of the row: 6M is 1536 or 2688 and
+  // 2^-80 <= amax <= 2^100. Then every nonzero numerator n = f(f(r * s) * amax), r in [0.5, 6], s in
+  // [2^-9, 448] (every nonzero E4M3 scale) lies in [2^-90, 2^112], inside [2^-100, FLT_MAX], so n, n / 6M, g
+  // and r * g are normal fp32 numbers; a zero scale gives d = g = 0 exactly.
+  bool approx_ok;
+  float inv_six_m;  // f(1 / 6M), for the 4/6 error terms
+};
+
+// f(1 / f(6M)): the 4/6 error's and the dequantize factor's divisor, computed once per row or launch.
+QM_HD float nvfp4_inv_six_m(float e4m3_max) { return qm_div(1.0f, qm_mul(6.0f, e4m3_max)); }
+
+// inv_six_m: nvfp4_inv_six_m(e4m3_max), which a kernel's launcher can compute once on the host (the same IEEE
+// division) instead of every thread.
+// With approx_ok (6M = 1536 or 2688, 2^-80 <= amax <= 2^100) S_enc = f(6M / amax) lies in [2^-90, 2^92] and
+// S_dec = f(1 / S_enc) is its correctly rounded reciprocal, both normal: the division-free forms below give the same
+// bits (div_by_rcp_markstein, host_exhaustive_check "outer_scales" for both M), without the IEEE division's range
+// check, branch to its slow path and the register saves around that call (forty-eighth session). The min with
+// FLT_MAX and the zero / Inf / NaN cases cannot arise there.
+QM_HD Nvfp4Outer nvfp4_outer_scales(float amax, float e4m3_max, float inv_six_m) {
+  const float six_m = qm_mul(6.0f, e4m3_max);  // 1536 or 2688, exact
+  const bool approx_ok = (six_m == 1536.0f || six_m == 2688.0f) && amax >= 0x1p-80f && amax <= 0x1p100f;
+  if (approx_ok) {
+    const float s_enc = div_by_rcp_markstein(six_m, amax);
+    return Nvfp4Outer{s_enc, qm_rcp_fast(s_enc), true, inv_six_m};
+  }
+  float s_enc = qm_min(qm_div(six_m, amax), kFltMax);
+  if (amax == 0.0f || s_enc == 0.0f || qm_isnan(amax)) s_enc = 1.0f;
+  return Nvfp4Outer{s_enc, qm_div(1.0f, s_enc), false, inv_six_m};
+}
+QM_HD Nvfp4Outer nvfp4_outer_scales(float amax, float e4m3_max) {
+  return nvfp4_outer_scales(amax, e4m3_max, nvfp4_inv_six_m(e4m3_max));
 }
 
 // f(n / six_m) for six_m in {1536, 2688} without a division: q0 = f(n * f(1/six_m)), the remainder
@@ -1118,10 +1138,13 @@ QM_HD float nvfp4_candidate_scaled(const float x[16], float inv_s, float g_s, ui
   return qm_add(acc[0], acc[1]);
 }
 
-// Bound B >= |err - A| for one candidate (err as NUMERICS computes it, A from nvfp4_candidate_scaled):
-// B = f(f(f(A * 2^-15) + f(f(g * g) * 2^-16)) + 2^-120). Proof: above nvfp4_four_six_block16_fast.
-QM_HD float nvfp4_approx_bound(float approx, float g) {
-  return qm_add(qm_add(qm_mul(approx, 0x1p-15f), qm_mul(qm_mul(g, g), 0x1p-16f)), 0x1p-120f);
+// The decision threshold of the two candidates (A_k from nvfp4_candidate_scaled, g_k_s = g_k * 2^6 its error factor in
+// the scaled domain): T = f(f(g4_s^2 + f(g6_s^2)) * 2^-27 + f(f(A_4 + A_6) * 2^-14 + 2^-118)) (fused multiply-adds),
+// more than (1+u) (E_4 + E_6) for the bounds E_k >= |err_k - A_k|. Five instructions for both candidates. Proof: above
+// nvfp4_four_six_block16_fast.
+QM_HD float nvfp4_decision_threshold(float approx4, float approx6, float g4_s, float g6_s) {
+  const float g_squares = qm_fma(g4_s, g4_s, qm_mul(g6_s, g6_s));
+  return qm_fma(g_squares, 0x1p-27f, qm_fma(qm_add(approx4, approx6), 0x1p-14f, 0x1p-118f));
 }
 
 // The exact 4/6 formula, out of line on the device: the fast path below decides all but a few blocks, and
@@ -1145,14 +1168,16 @@ bool nvfp4_four_over_six_exact_outlined(const float* x, uint8_t s6, uint8_t s4, 
 //  (1) s4 == s6: both candidates are the same computation, err_4 == err_6 bit for bit (or both NaN), so
 //      err_4 < err_6 is false: map-6 (candidate 4, computed anyway to keep the path straight-line, is dropped).
 //  (2) Otherwise the exact codes of both candidates and an approximate error A_k (nvfp4_candidate_scaled) with
-//      a rigorous bound B_k >= |err_k - A_k|. With D = f(A_6 - A_4), D' = f(A_4 - A_6), S = f(B_4 + B_6):
-//      D > 2S proves err_4 < err_6 (map-4), D' > 2S proves err_4 > err_6 (map-6). Only near-ties
-//      (|err_4 - err_6| within ~2^-12 relative) remain.
+//      a rigorous bound E_k >= |err_k - A_k| (below). With D = f(A_6 - A_4), D' = f(A_4 - A_6) and the computed
+//      threshold T (nvfp4_decision_threshold), which exceeds (1+u) (E_4 + E_6): D > T proves err_4 < err_6
+//      (map-4), D' > T proves err_4 > err_6 (map-6). Only near-ties (|err_4 - err_6| within ~2^-13 relative)
+//      remain.
 //  A NaN element makes A_6 NaN (t = f(r * g - NaN)); the fast path then decides nothing, in (1) as in (2).
 //  (3) Anything else (near-ties, NaN/Inf elements, extreme amax, unusual M, zero or saturated scales): the
 //      exact formula.
 //
-// Proof of B_k >= |err_k - A_k| (u = 2^-24; every quantity of one candidate, s > 0 first; s = 0 is below).
+// Proof of |err_k - A_k| <= E_k = 1.688e-5 A_k + 4.83e-6 G_k^2 + 2^-143 (u = 2^-24; every quantity of one candidate,
+// s > 0 first; s = 0 is below).
 //  Let a_i = |x_i| (finite: otherwise A or the bound is Inf/NaN and the comparisons in (2) are false), r_i
 //  the E2M1 value (the same in both computations), G = s * amax / 6M (real), delta_i = r_i * G (real),
 //  e_i = delta_i - a_i. approx_ok makes n_i = f(r_i s amax) (r_i s is exact) and the quotient normal, so
@@ -1178,16 +1203,21 @@ bool nvfp4_four_over_six_exact_outlined(const float* x, uint8_t s6, uint8_t s4, 
 //              <= V ((1+rho) lambda + rho + rho'') + 16 h^2 (1+rho)(1 + 1/lambda) + c + c''
 //              <= 1.687e-5 V + 4.83e-6 G^2 + 2^-144, and V <= (A + c'') / (1 - rho''), so
 //    |err - A| <= 1.688e-5 A + 4.83e-6 G^2 + 2^-143.
-//  * The computed B: f(A 2^-15) >= 3.05e-5 A (1-u) - 2^-150 covers the first term. If g >= 2^-53, g*g and
-//    its 2^-16 multiple are normal: f(f(g g) 2^-16) >= 1.52e-5 G^2 (1-u)^7 > 4.83e-6 G^2 (g = G (1+beta),
-//    |beta| <= (1+u)^3 - 1); if g < 2^-53, 4.83e-6 G^2 < 2^-123 is covered by the 2^-120 term, as is
-//    2^-143 + 2^-150. Adding non-negative terms loses at most a factor (1-u)^2, far inside the margins.
-//    Hence B >= |err - A|.
 //  * s = 0: G = g = 0, so d_i = 0 and t_i = f(-a_i) = -a_i exactly, D_i = P_i = -a_i, h = 0 and the same
 //    bounds hold.
-// Decision: if D = f(A_6 - A_4) > 2S (2S exact or Inf), then A_6 - A_4 >= D / (1+u) > 2S / (1+u)
-//  >= 2 (1-u)(B_4 + B_6) / (1+u) > B_4 + B_6, so err_4 <= A_4 + B_4 < A_6 - B_6 <= err_6: map-4, as the exact
-//  formula. Symmetrically D' > 2S gives err_4 > err_6: map-6. Inf/NaN anywhere makes both tests false.
+// The threshold T = f(f(g_4s^2 + f(g_6s^2)) 2^-27 + f(f(A_4 + A_6) 2^-14 + 2^-118)), g_ks = 2^6 g_k exactly (see
+//  the fast path), every operand >= +0: each fused multiply-add and the add round once, by a factor >= 1 - u, or,
+//  where the result is subnormal, by at most 2^-150 (the two inner ones only; the outer two are >= 2^-118, normal),
+//  so T >= (1-u)^3 (2^-14 (A_4 + A_6) + 2^-15 (g_4^2 + g_6^2) + 2^-118) - 2^-176 (2^-27 g_ks^2 = 2^-15 g_k^2), and
+//  with g_k >= G_k (1 - 3.01u): T / (1+u) >= 6.1e-5 (A_4 + A_6) + 3.05e-5 (G_4^2 + G_6^2) + (1 - 4u) 2^-118 - 2^-175,
+//  more than E_4 + E_6 = 1.688e-5 (A_4 + A_6) + 4.83e-6 (G_4^2 + G_6^2) + 2^-142 (margins 3.6, 6.3, 2^23).
+//  An overflow to Inf (huge A or g) makes T Inf and both tests false.
+// Decision: if D = f(A_6 - A_4) > T, then A_6 - A_4 >= D / (1+u) > T / (1+u) > E_4 + E_6, so
+//  err_4 <= A_4 + E_4 < A_6 - E_6 <= err_6: map-4, as the exact formula. Symmetrically D' > T gives
+//  err_4 > err_6: map-6. Inf/NaN anywhere makes both tests false.
+// (Until the forty-eighth session: per-candidate bounds B_k = f(f(f(A 2^-15) + f(f(g g) 2^-16)) + 2^-120) and the
+//  test D > 2 f(B_4 + B_6); the same proof with a 1.8x margin on the A term. The threshold form takes 5 instructions
+//  instead of 12.)
 // Checked against the exact formula on random and adversarial blocks (ties, e4m3 boundaries, all-equal,
 // outliers, subnormals) by tests/test_formats_host.py (host_nvfp4_quantize vs the torch reference).
 // (The functions below: nvfp4_four_six_block16_fast is this fast path, nvfp4_four_six_block16_general the exact
@@ -1266,20 +1296,24 @@ QM_HD Nvfp4BlockFast nvfp4_four_six_block16_fast(const float x[16], float block_
   // the unscaled one below 2^-120 < 7). Outside approx_ok (or the bound) the values below are computed all the
   // same and discarded.
   const bool in_range = outer.approx_ok && qm_mul(block_amax, inv6_s) < kE2m1ScaledBound;
-  const float g6 = qm_mul(qm_mul(scale6, amax), outer.inv_six_m);
-  const float g4 = qm_mul(qm_mul(scale4, amax), outer.inv_six_m);
+  // g_k * 2^6 = f(f(s_k * amax) * f(1 / 6M) * 2^6) exactly: with approx_ok, f(s_k * amax) is 0 or in [2^-89, 2^109]
+  // (s_k 0 or in [2^-9, 448]), so both products with f(1 / 6M) (~2^-11) and its 2^6 multiple are normal, and a
+  // power-of-two factor commutes with their rounding. One multiply per candidate fewer than g_k, then * 2^6.
+  const float inv_six_m_64 = qm_mul(outer.inv_six_m, 64.0f);
+  const float g6_s = qm_mul(qm_mul(scale6, amax), inv_six_m_64);
+  const float g4_s = qm_mul(qm_mul(scale4, amax), inv_six_m_64);
   uint32_t codes6[4];
   uint32_t codes4[4];
-  const float approx6 = nvfp4_candidate_scaled(x, inv6_s, qm_mul(g6, 64.0f), codes6);
-  const float approx4 = nvfp4_candidate_scaled(x, inv4_s, qm_mul(g4, 64.0f), codes4);
-  const float twice_bound = qm_mul(2.0f, qm_add(nvfp4_approx_bound(approx4, g4), nvfp4_approx_bound(approx6, g6)));
-  const bool four_better = qm_sub(approx6, approx4) > twice_bound;
-  const bool six_better = qm_sub(approx4, approx6) > twice_bound;
+  const float approx6 = nvfp4_candidate_scaled(x, inv6_s, g6_s, codes6);
+  const float approx4 = nvfp4_candidate_scaled(x, inv4_s, g4_s, codes4);
+  const float threshold = nvfp4_decision_threshold(approx4, approx6, g4_s, g6_s);
+  const bool four_better = qm_sub(approx6, approx4) > threshold;
+  const bool six_better = qm_sub(approx4, approx6) > threshold;
   // Step (1): identical candidates (s4 == s6) decide map-6 unless an element is NaN; step (2): the bound.
   // s4 == s6 is tested on the decoded scales (one float compare instead of extracting two bytes): both bytes lie in
   // [0x00, 0x7E] (min(base, 448) with base >= 0 or NaN, never -0), where E4M3 decoding is injective. When s4 == s6 both
   // candidates are the same computation, so approx4 and approx6 are the same bits: approx6 - approx4 is 0 or NaN and
-  // twice_bound > 0 or NaN, so four_better and six_better are false -- hence chosen4 = four_better, and step (1) only
+  // threshold > 0 or NaN, so four_better and six_better are false -- hence chosen4 = four_better, and step (1) only
   // adds its own case to `decided` (approx6 == approx6: not NaN).
   const bool same = scale4 == scale6;
   const bool chosen4 = four_better;

@@ -58,7 +58,7 @@ def test_rbits_and_stochastic_e4m3_match_reference():
 
 
 @pytest.mark.parametrize("check", ["e2m1_magnitude", "markstein_1536", "markstein_2688", "sr_e4m3", "s2f6_fast",
-                                   "div_six"])
+                                   "div_six", "outer_scales"])
 def test_fast_forms_match_their_definitions(check):
     """The division-free / conversion-free forms the kernels use, over fp32 bit patterns (EP_COMM_EXHAUSTIVE=1:
     all of them -- the non-negative 2^31, or all 2^32 for s2f6_fast -- a few minutes each; default: every
