@@ -208,8 +208,8 @@ void nvfp4_fast_decided(const float* x, int64_t num_rows, int64_t hidden, const 
 //   kDivSix: div_six_markstein vs f(a / 6) (equal wherever the quotient is normal, both below 2^-125 elsewhere) and
 //            nvfp4_four_six_scale_pair_fast vs nvfp4_four_six_scale_pair under approx_ok outer scales (the largest
 //            S_enc for both M, and amax = 1), every a in [0, +Inf].
-//   kOuterScales: nvfp4_outer_scales' division-free S_enc (div_by_rcp_markstein) and S_dec (qm_rcp_fast) vs the IEEE
-//            divisions f(6M / amax) and f(1 / S_enc), for M = 256 and 448 and every amax in [2^-80, 2^100] (approx_ok).
+//   kOuterScales: nvfp4_outer_scales' division-free S_enc (qm_rcp_fast, div_markstein) and S_dec (qm_rcp_fast) vs
+//            the IEEE divisions f(6M / amax) and f(1 / S_enc), for M = 256 and 448 and every amax in [2^-80, 2^100].
 // Returns the number of mismatches (0 expected).
 enum class ExhaustiveCheck : int {
   kE2m1Magnitude = 0,

@@ -838,14 +838,13 @@ QM_HD float qm_fma(float a, float b, float c) {
 #endif
 }
 
-// f(c / d) for a normal quotient, without a division: y = f(1 / d) (qm_rcp_fast: correctly rounded for d with a biased
-// exponent in [1, 252]), q0 = f(c * y), the remainder c - q0 * d exact in one fma, and f(q0 + rem * y) (Markstein's
-// correction). nvfp4_outer_scales' S_enc = f(6M / amax) under approx_ok; host_exhaustive_check "outer_scales" compares
-// it with the IEEE division there, for every amax and both M.
-QM_HD float div_by_rcp_markstein(float c, float d) {
-  const float y = qm_rcp_fast(d);
-  const float q0 = qm_mul(c, y);
-  return qm_fma(qm_fma(-q0, d, c), y, q0);
+// Markstein's division step, f(n / d) without a division from inv_d = f(1 / d): q0 = f(n * inv_d), the remainder
+// n - q0 * d exact in one fma, then f(q0 + rem * inv_d). Where it equals the IEEE quotient is each caller's claim, and
+// each has its exhaustive host check: div_six_markstein ("div_six"), div_six_m_markstein ("markstein_1536" / "_2688"),
+// nvfp4_outer_scales' S_enc with inv_d = qm_rcp_fast(amax) ("outer_scales").
+QM_HD float div_markstein(float n, float d, float inv_d) {
+  const float q0 = qm_mul(n, inv_d);
+  return qm_fma(qm_fma(-q0, d, n), inv_d, q0);
 }
 
 // NVFP4 outer (per-row or per-tensor) scales from the outer amax and the E4M3 bound M (256 or 448).
@@ -865,17 +864,17 @@ struct Nvfp4Outer {
 QM_HD float nvfp4_inv_six_m(float e4m3_max) { return qm_div(1.0f, qm_mul(6.0f, e4m3_max)); }
 
 // inv_six_m: nvfp4_inv_six_m(e4m3_max), which a kernel's launcher can compute once on the host (the same IEEE
-// division) instead of every thread.
-// With approx_ok (6M = 1536 or 2688, 2^-80 <= amax <= 2^100) S_enc = f(6M / amax) lies in [2^-90, 2^92] and
-// S_dec = f(1 / S_enc) is its correctly rounded reciprocal, both normal: the division-free forms below give the same
-// bits (div_by_rcp_markstein, host_exhaustive_check "outer_scales" for both M), without the IEEE division's range
-// check, branch to its slow path and the register saves around that call (forty-eighth session). The min with
-// FLT_MAX and the zero / Inf / NaN cases cannot arise there.
+// division) instead of every thread. With approx_ok (6M = 1536 or 2688, 2^-80 <= amax <= 2^100) S_enc = f(6M / amax)
+// lies in [2^-90, 2^92] and S_dec = f(1 / S_enc) is its correctly rounded reciprocal, both normal and with biased
+// exponents inside qm_rcp_fast's range: a reciprocal and one Markstein step give the IEEE quotient's bits
+// (host_exhaustive_check "outer_scales", every such amax and both M), without the IEEE division's range check, branch
+// to its slow path and the register saves around that call (forty-eighth session). The min with FLT_MAX and the
+// zero / Inf / NaN cases cannot arise there.
 QM_HD Nvfp4Outer nvfp4_outer_scales(float amax, float e4m3_max, float inv_six_m) {
   const float six_m = qm_mul(6.0f, e4m3_max);  // 1536 or 2688, exact
   const bool approx_ok = (six_m == 1536.0f || six_m == 2688.0f) && amax >= 0x1p-80f && amax <= 0x1p100f;
   if (approx_ok) {
-    const float s_enc = div_by_rcp_markstein(six_m, amax);
+    const float s_enc = div_markstein(six_m, amax, qm_rcp_fast(amax));
     return Nvfp4Outer{s_enc, qm_rcp_fast(s_enc), true, inv_six_m};
   }
   float s_enc = qm_min(qm_div(six_m, amax), kFltMax);
@@ -891,11 +890,7 @@ QM_HD Nvfp4Outer nvfp4_outer_scales(float amax, float e4m3_max) {
 // (Markstein). Checked exhaustively for every positive finite fp32 n against the IEEE division: equal
 // unless the quotient is subnormal (n < 2^-114). Callers use it only when every n of a block lies in
 // [2^-100, FLT_MAX] or is zero (the sign of a zero quotient is irrelevant where it is used).
-QM_HD float div_six_m_markstein(float n, float six_m, float inv_six_m) {
-  const float q0 = qm_mul(n, inv_six_m);
-  const float rem = qm_fma(-q0, six_m, n);
-  return qm_fma(rem, inv_six_m, q0);
-}
+QM_HD float div_six_m_markstein(float n, float six_m, float inv_six_m) { return div_markstein(n, six_m, inv_six_m); }
 
 // Block amax over 16 values: NaN ignored (fmaxf), Inf kept.
 QM_HD float block_amax16(const float x[16]) {
@@ -1240,8 +1235,7 @@ QM_HD uint16_t nvfp4_four_six_scale_pair(float block_amax, const Nvfp4Outer& out
 // f(a / 6) < 2^-126, where both are below 2^-125; a = Inf gives NaN (f(Inf - Inf) in the remainder).
 QM_HD float div_six_markstein(float a) {
   constexpr float kInvSix = 1.0f / 6.0f;  // f(1/6) = 0x3E2AAAAB, rounded at compile time
-  const float q0 = qm_mul(a, kInvSix);
-  return qm_fma(qm_fma(-q0, 6.0f, a), kInvSix, q0);
+  return div_markstein(a, 6.0f, kInvSix);
 }
 
 // nvfp4_four_six_scale_pair for the fast path: the same bytes whenever outer.approx_ok (the only case where the fast
