@@ -30,15 +30,12 @@ sys.path.insert(0, HERE)
 from bench_formats import time_ms  # noqa: E402  same directory: one timing method for the benchmarks
 from ep_comm.bench import run_metadata, strict_json  # noqa: E402
 from ep_comm.grouped_gemm import exact_fp32_matmuls  # noqa: E402
+from ep_comm.training import split_fp32_in_bf16  # noqa: E402
 
 
 def split_bf16(w: torch.Tensor) -> torch.Tensor:
     """[3E, H] bf16: hi, mid, lo with hi + mid + lo == w exactly (fp32 w away from the subnormal range)."""
-    hi = w.to(torch.bfloat16)
-    rest = w - hi.float()
-    mid = rest.to(torch.bfloat16)
-    lo = (rest - mid.float()).to(torch.bfloat16)
-    return torch.cat([hi, mid, lo])
+    return split_fp32_in_bf16(w).movedim(-1, 0).reshape(3 * w.shape[0], w.shape[1])
 
 
 def round_tf32(w: torch.Tensor) -> torch.Tensor:

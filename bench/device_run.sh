@@ -82,7 +82,7 @@ test_multigpu() {
   fi
   nvlink_smoke
   say "multigpu tier: MoE layer + nvlink suite + reference over NCCL"
-  timeout 300 python3 -m pytest -q -rs tests/test_moe.py tests/test_nvlink.py tests/test_reference_backend.py tests/test_waves.py -k "not gloo" > "$OUT/pytest_mg.txt" 2>&1
+  timeout 300 python3 -m pytest -q -rs tests/test_moe.py tests/test_nvlink.py tests/test_reference_backend.py tests/test_waves.py tests/test_training.py -k "not gloo" > "$OUT/pytest_mg.txt" 2>&1
   tail -4 "$OUT/pytest_mg.txt" | tee -a "$log"
   say "example: MoE layer on the visible GPUs"
   timeout 120 python3 examples/moe_layer.py 2>&1 | grep rank | tee -a "$log"
@@ -109,6 +109,10 @@ bench_formats() {
 bench_router() {  # the router's FP32 logits + top-k against tensor-core forms of the same product (time, top-k agreement)
   say "bench: router top-k forms (1 GPU)"
   CUDA_VISIBLE_DEVICES=0 timeout 120 python3 bench/bench_router.py --out "$OUT/bench_router.json" 2>&1 | tail -14 | tee -a "$log"
+}
+bench_training() {  # ep_comm.training: forward + backward against the forward Buffer calls (nvlink, every GPU up to 2)
+  say "bench: training autograd (forward + backward through dispatch / combine)"
+  timeout 300 python3 bench/bench_training.py --out "$OUT/bench_training.json" 2>&1 | tail -8 | tee -a "$log"
 }
 bench_formats_shapes() {  # NVFP4 quantize under each thread shape (tuning; ours only)
   for shape in ${QUANT_SHAPES:-wide occupancy narrow}; do
@@ -266,7 +270,15 @@ test_shared_gpu() {  # one GPU: the multigpu tiers with 2 ranks on it (the multi
   test_shared_layer
 }
 test_shared_layer() {  # one GPU: the MoE layer, waves and reference-backend tiers with 2 ranks on it
-  shared_tier layer 320 tests/test_moe.py tests/test_waves.py tests/test_reference_backend.py -k "not gloo"
+  shared_tier layer 320 tests/test_moe.py tests/test_waves.py tests/test_reference_backend.py tests/test_training.py \
+    -k "not gloo"
+}
+test_training() {  # ep_comm.training (autograd through dispatch / combine) on the nvlink backend: world 1, then 2 ranks
+  # sharing GPU 0 (the multigpu test; on 2+ GPUs test_multigpu runs it one rank per GPU)
+  say "gpu tier: ep_comm.training gradients on nvlink at world 1"
+  pytest_tier training 200 2 tests/test_training.py -m gpu
+  say "multigpu tier, 2 ranks sharing one GPU: ep_comm.training gradients"
+  shared_tier training 300 tests/test_training.py -m multigpu
 }
 test_shared_worlds() {  # one GPU: the nvlink oracle cases (every format pair, masked / skewed / all-to-one routing, an
   # empty rank; bitwise the single-process oracle) with 4, then 8 ranks sharing it. (The reference comparison, with

@@ -14,6 +14,7 @@ from ._ext import cuda_extension_available, cuda_extension_error
 from .buffer import Buffer, InvalidRoutingError, NonFiniteInputError
 from .formats import MXFP8Tensor, NVFP4Tensor, S2F6Tensor
 from . import moe  # (after .buffer and .formats, which it imports)
+from . import training
 from .types import (BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, WaveDispatch, WaveSync,
                     combine_bytes_per_token, dispatch_bytes_per_token)
 
@@ -23,6 +24,6 @@ __all__ = [
     "Buffer", "InvalidRoutingError", "NonFiniteInputError", "BufferConfig", "BufferSizes", "CombineRowsTarget",
     "DispatchResult", "WaveDispatch", "WaveSync",
     "NVFP4Tensor", "MXFP8Tensor", "S2F6Tensor",
-    "formats", "moe", "cuda_extension_available", "cuda_extension_error", "dispatch_bytes_per_token",
+    "formats", "moe", "training", "cuda_extension_available", "cuda_extension_error", "dispatch_bytes_per_token",
     "combine_bytes_per_token",
 ]

@@ -160,8 +160,8 @@ class Buffer:
     Every rank must construct the Buffer with the same arguments, and with the same EP_COMM_PEER_MEMORY,
     EP_COMM_ALLOW_SHARED_GPU and EP_COMM_SYNC_CHECK environment (compared across ranks before they are validated: a
     mismatch or an invalid value raises ValueError / TypeError on every rank).
-    dispatch and combine are forward-only (no autograd yet): with gradients enabled, inputs that require grad are
-    refused with an error rather than silently cut out of backward.
+    dispatch and combine have no autograd of their own (ep_comm.training wraps them for training): with gradients
+    enabled, inputs that require grad are refused with an error rather than silently cut out of backward.
     """
 
     def __init__(self, group=None, *, hidden: int, num_experts: int, num_topk: int, max_tokens_per_rank: int,
@@ -310,12 +310,13 @@ class Buffer:
 
     @staticmethod
     def _refuse_autograd(what: str, *tensors) -> None:
-        """dispatch / combine are forward-only: a result without grad_fn would silently cut the MoE branch out of
-        backward (the layer would train as if it were not there)."""
+        """dispatch / combine have no autograd here (ep_comm.training has it): a result without grad_fn would silently
+        cut the MoE branch out of backward (the layer would train as if it were not there)."""
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
-            raise RuntimeError(f"ep_comm {what} has no autograd yet: gradients would not flow through it. For "
-                               "inference, run the forward under torch.no_grad() or torch.inference_mode(); passing "
-                               "detached tensors in training would leave the MoE branch out of backward")
+            raise RuntimeError(f"Buffer.{what} has no autograd: gradients would not flow through it. For training, "
+                               "use ep_comm.training.dispatch / combine (their backward passes run on "
+                               "ep_comm.training.GradBuffers); for inference, run the forward under torch.no_grad() "
+                               "or torch.inference_mode()")
 
     def _check_tokens(self, x) -> None:
         """x must be a bfloat16 [num_tokens, hidden] tensor (dispatch's input; MoELayer checks it before routing)."""

@@ -34,7 +34,10 @@ def pack_dispatch_payload(x: torch.Tensor, fmt: str, impl: str) -> torch.Tensor:
         m = formats.mxfp8_quantize(x, rounding="nearest", impl=impl)
         parts = [m.data.view(torch.uint8), m.scales.view(torch.uint8)]
     else:
-        parts = [x.contiguous().view(torch.uint8)]
+        # (An empty tensor counts as contiguous whatever its strides, and view() refuses a stride-0 last dimension --
+        # e.g. the gradient of a sum over zero tokens, expand()ed: give it fresh storage.)
+        rows = x.contiguous() if x.numel() else x.new_empty(x.shape)
+        parts = [rows.view(torch.uint8)]
     return torch.cat(parts, dim=1)
 
 

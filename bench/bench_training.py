@@ -1,0 +1,102 @@
+"""What ep_comm.training's autograd costs: one forward + backward through dispatch and combine, against the forward
+Buffer calls alone, in the same run (eager calls, CUDA events; every visible GPU up to --nproc, one rank each).
+
+    python bench/bench_training.py --tokens 128,4096 --out training.json
+
+The experts are the identity (expert_out = the dispatched rows, so the timing is the library's alone). Per token
+count, median milliseconds of:
+  forward_buffer   : Buffer.dispatch + Buffer.combine (no autograd), the forward's floor;
+  forward_training : training.dispatch + training.combine (+ the dense rows: the NVFP4 payload dequantized to bf16);
+  forward_backward : the same plus .backward() of a sum over the output: a BF16 (or MXFP8) dispatch of the output
+                     gradient, the routing-weight dots and their small dispatch + combine, and a BF16 combine of the
+                     input gradient.
+Timing only; nothing here is asserted (tests/test_training.py checks the gradients).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import ep_comm  # noqa: E402
+from bench_formats import time_ms  # noqa: E402  same directory: one timing method for the benchmarks
+from ep_comm import training  # noqa: E402
+from ep_comm.bench import run_metadata, strict_json  # noqa: E402
+from ep_comm.launch import run_ranks  # noqa: E402
+
+
+def _worker(rank, world, args):
+    device = torch.device("cuda", torch.cuda.current_device())
+    figures = []
+    for tokens in args.tokens:
+        gen = torch.Generator().manual_seed(1234 + rank)
+        x = torch.randn(tokens, args.hidden, generator=gen).to(torch.bfloat16).to(device)
+        topk_idx = torch.rand(tokens, args.experts, generator=gen).topk(args.topk, dim=1).indices.to(device)
+        weights = torch.softmax(torch.randn(tokens, args.topk, generator=gen), dim=1).to(device)
+        with ep_comm.Buffer(None, hidden=args.hidden, num_experts=args.experts, num_topk=args.topk,
+                            max_tokens_per_rank=tokens, dispatch_format=args.dispatch_format,
+                            combine_format=args.combine_format, backend="nvlink") as buf, \
+                training.GradBuffers.create(buf, args.grad_format) as grads:
+            x_leaf = x.clone().requires_grad_()
+            w_leaf = weights.clone().requires_grad_()
+            expert_out = torch.zeros(buf.config.max_recv_rows, args.hidden, dtype=torch.bfloat16, device=device)
+
+            def forward_buffer():
+                result = buf.dispatch(x, topk_idx, weights, check_inputs=False)
+                return buf.combine(expert_out[:result.num_rows], result.handle)
+
+            def forward_training():
+                routed = training.dispatch(buf, grads, x_leaf, topk_idx, w_leaf, check_inputs=False)
+                return training.combine(routed.x, routed)
+
+            def forward_backward():
+                forward_training().float().sum().backward()
+
+            row = {"tokens": tokens}
+            for name, fn in (("forward_buffer", forward_buffer), ("forward_training", forward_training),
+                             ("forward_backward", forward_backward)):
+                row[name + "_ms"] = time_ms(fn, iters=args.iters, batches=args.batches)
+            figures.append(row)
+    return figures
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="128,4096", help="tokens per rank, comma-separated")
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--dispatch-format", default="nvfp4")
+    parser.add_argument("--combine-format", default="s2f6")
+    parser.add_argument("--grad-format", default="bf16", choices=training.GRAD_FORMATS)
+    parser.add_argument("--nproc", type=int, default=2, help="ranks, one per GPU (at most the visible GPUs)")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--batches", type=int, default=5)
+    parser.add_argument("--out", default=None, help="JSON file for the figures")
+    args = parser.parse_args(argv)
+    args.tokens = [int(t) for t in args.tokens.split(",")]
+    if not torch.cuda.is_available():
+        parser.error("needs CUDA GPUs (the nvlink backend)")
+    world = max(1, min(args.nproc, torch.cuda.device_count()))
+    per_rank = run_ranks(_worker, world, args, backend="nccl", timeout_s=900)
+    report = {"meta": run_metadata(), "world": world, "args": {k: v for k, v in vars(args).items() if k != "out"},
+              "ranks": per_rank}
+    for rank, rows in enumerate(per_rank):
+        for row in rows:
+            print(f"rank {rank} tokens {row['tokens']:5d}: Buffer dispatch + combine {1e3 * row['forward_buffer_ms']:9.1f}"
+                  f" us, training forward {1e3 * row['forward_training_ms']:9.1f} us, forward + backward "
+                  f"{1e3 * row['forward_backward_ms']:9.1f} us")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(strict_json(report), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""Autograd for dispatch and combine: the backward passes of DESIGN.md §3, built from Buffer calls.
+
+    grads = ep_comm.training.GradBuffers.create(buf)                  # collective, once
+    routed = ep_comm.training.dispatch(buf, grads, x, topk_idx, topk_weights)
+    expert_out = my_experts(routed.x, routed.result.expert_offsets)   # bf16 [R, H], any torch autograd code
+    y = ep_comm.training.combine(expert_out, routed)                  # bf16 [T, H]
+    loss(y).backward()    # gradients reach x, topk_weights and the experts' parameters
+
+Forward: `Buffer.dispatch` and `Buffer.combine` in the Buffer's wire formats (NVFP4 / MXFP8 / BF16 out, S2F6 / BF16
+back), the received tokens dequantized to dense rows for the experts. Backward treats the quantizers as the identity
+(straight-through, as Transformer Engine treats its FP8 / FP4 casts), so the gradients are those of
+y[t] = sum_k w[t, k] * E_k(xq[t]) with xq the dequantized dispatch payload:
+
+* combine's backward is a dispatch of the output gradient g [T, H] on `GradBuffers.rows` (BF16, or MXFP8 with
+  nearest rounding: grad_format), with unit weights and the forward's routing, so its rows line up with the forward's
+  expert-major rows. Then d expert_out[r] = w_r * g_r (w_r the row's routing weight) and d w[t, k] = <g[t],
+  expert_out[r]>, summed in FP32 on the expert rank.
+* The routing-weight gradients go back to their source ranks through `GradBuffers.weights`, a BF16 Buffer of
+  32 * ceil(3K / 32) columns: each row carries its FP32 dot split into three BF16 parts (hi + mid + lo, exact) in the
+  columns 3k .. 3k + 2 of its top-k slot k, so a unit-weight BF16 combine sums nothing (one row per column) and the
+  source rank rebuilds the FP32 value exactly.
+* dispatch's backward is a BF16 combine of the gradient rows on `GradBuffers.rows` with the unit weights of the
+  gradient dispatch: d x[t] = sum over t's rows of their gradient, summed in FP32, rounded to BF16.
+
+Rows that are alignment padding or past the rows in use are zero in `routed.x` and get zero gradients, so experts
+that run on whole segments (or on all R rows) see no garbage in either direction.
+
+Cost: backward moves g at BF16 (or MXFP8) width out and the input gradient at BF16 width back, plus a small dispatch
+and combine of 32 * ceil(3K / 32) BF16 columns for the routing weights; none of it is fused into a GEMM, and there is
+no CUDA-graph or comm_stream support here (plain eager autograd). Every rank must run the same backward (the calls are
+collective, like the forward's); a rank that does not gets its peers' timeouts, as a missing forward call does.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from . import formats
+from .buffer import Buffer
+from .types import DispatchResult
+
+GRAD_FORMATS = ("bf16", "mxfp8")
+
+
+def weights_hidden(num_topk: int) -> int:
+    """Columns of GradBuffers.weights: three BF16 parts per top-k slot, rounded up to the 32-column granularity of
+    every Buffer."""
+    return 32 * -(-3 * num_topk // 32)
+
+
+def _routing_sizes(config) -> tuple:
+    return (config.world_size, config.num_experts, config.num_topk, config.max_tokens_per_rank,
+            config.expert_alignment)
+
+
+@dataclass(frozen=True)
+class GradBuffers:
+    """The two Buffers backward uses (made by `create`, or by hand with the same routing sizes as the forward Buffer).
+
+    rows: hidden H, dispatch_format "bf16" or "mxfp8" (the output gradient's wire format), combine_format "bf16"
+        (the input gradient's).
+    weights: hidden weights_hidden(num_topk), both formats "bf16" (the routing-weight gradients).
+    """
+
+    rows: Buffer
+    weights: Buffer
+
+    @staticmethod
+    def create(buffer: Buffer, grad_format: str = "bf16", backend: Optional[str] = None) -> "GradBuffers":
+        """Collective (every rank of buffer.group): the backward Buffers for `buffer`'s routing sizes.
+
+        grad_format: the output gradient's dispatch format, "bf16" (default, exact) or "mxfp8" (E4M3 + UE8M0 per 32,
+            nearest rounding: half the bytes, ~2^-4 relative error per element).
+        backend: None = buffer.backend ("reference" or "nvlink")."""
+        if grad_format not in GRAD_FORMATS:
+            raise ValueError(f"grad_format must be one of {GRAD_FORMATS}, got {grad_format!r}")
+        cfg = buffer.config
+        common = dict(num_experts=cfg.num_experts, num_topk=cfg.num_topk, max_tokens_per_rank=cfg.max_tokens_per_rank,
+                      expert_alignment=cfg.expert_alignment, num_sms=cfg.num_sms, num_local_sms=cfg.num_local_sms,
+                      timeout_s=cfg.timeout_s, backend=buffer.backend if backend is None else backend,
+                      combine_format="bf16", check_inputs=False)
+        rows = Buffer(buffer.group, hidden=cfg.hidden, dispatch_format=grad_format, **common)
+        try:
+            weights = Buffer(buffer.group, hidden=weights_hidden(cfg.num_topk), dispatch_format="bf16", **common)
+        except BaseException:
+            rows.destroy()
+            raise
+        return GradBuffers(rows=rows, weights=weights)
+
+    def check_for(self, buffer: Buffer) -> None:
+        """ValueError unless these Buffers can carry `buffer`'s backward (same group, routing sizes and hidden; the
+        formats above)."""
+        for name, grad in (("rows", self.rows), ("weights", self.weights)):
+            if not isinstance(grad, Buffer):
+                raise TypeError(f"GradBuffers.{name} must be an ep_comm.Buffer, got {type(grad).__name__}")
+            if grad.rank != buffer.rank:  # (what can be seen of the group: the sizes are compared below)
+                raise ValueError(f"GradBuffers.{name} is rank {grad.rank} of its group, the forward Buffer rank "
+                                 f"{buffer.rank}: they must run on the same process group")
+            if _routing_sizes(grad.config) != _routing_sizes(buffer.config):
+                raise ValueError(f"GradBuffers.{name} has other routing sizes (world size, experts, top-k, "
+                                 f"max_tokens_per_rank, alignment) than the forward Buffer: {_routing_sizes(grad.config)} "
+                                 f"vs {_routing_sizes(buffer.config)}")
+            if grad.config.combine_format != "bf16":
+                raise ValueError(f"GradBuffers.{name} must combine in bf16, has {grad.config.combine_format!r}")
+        if self.rows.config.hidden != buffer.config.hidden:
+            raise ValueError(f"GradBuffers.rows must have the forward Buffer's hidden ({buffer.config.hidden}), has "
+                             f"{self.rows.config.hidden}")
+        if self.rows.config.dispatch_format not in GRAD_FORMATS:
+            raise ValueError(f"GradBuffers.rows must dispatch in one of {GRAD_FORMATS}, has "
+                             f"{self.rows.config.dispatch_format!r}")
+        want = weights_hidden(buffer.config.num_topk)
+        if self.weights.config.hidden != want or self.weights.config.dispatch_format != "bf16":
+            raise ValueError(f"GradBuffers.weights must be a bf16 / bf16 Buffer of hidden {want}, has hidden "
+                             f"{self.weights.config.hidden} and dispatch format {self.weights.config.dispatch_format!r}")
+
+    def destroy(self) -> None:
+        self.rows.destroy()
+        self.weights.destroy()
+
+    def __enter__(self) -> "GradBuffers":
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        self.destroy()
+
+
+class _Link:
+    """What a dispatch and the backward passes of its combines share: the forward's routing and result, and the
+    handle of the unit-weight gradient dispatch (set by combine's backward, reused by dispatch's backward)."""
+
+    def __init__(self, buffer: Buffer, grads: GradBuffers, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
+        self.buffer = buffer
+        self.grads = grads
+        self.topk_idx = topk_idx
+        self.unit_weights = torch.ones(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
+        self.topk_weights = topk_weights
+        self.result: Optional[DispatchResult] = None
+        self.rows_in_use: Optional[torch.Tensor] = None  # bool [R]: a token's row (not padding, not past the rows in use)
+        self.unit_handle = None
+
+    def dispatch_gradient(self, grad_y: torch.Tensor):
+        """The output gradient to the expert ranks (GradBuffers.rows): fp32 [R, H] rows, zero where not in use."""
+        sent = self.grads.rows.dispatch(grad_y.to(torch.bfloat16).contiguous(), self.topk_idx, self.unit_weights,
+                                        check_inputs=False)
+        self.unit_handle = sent.handle
+        return _dense_rows(sent.x, torch.float32, self.rows_in_use)
+
+    def unit_weight_handle(self):
+        """A handle of GradBuffers.rows whose combine sums a token's rows with weight 1: the gradient dispatch's, or,
+        when no combine's backward made one (routed.x used without combine), a dispatch of zero rows made here."""
+        if self.unit_handle is None:
+            zeros = torch.zeros(self.topk_idx.shape[0], self.buffer.config.hidden, dtype=torch.bfloat16,
+                                device=self.topk_idx.device)
+            self.unit_handle = self.grads.rows.dispatch(zeros, self.topk_idx, self.unit_weights,
+                                                        check_inputs=False).handle
+        return self.unit_handle
+
+
+def _dense_rows(payload, dtype: torch.dtype, rows_in_use: torch.Tensor) -> torch.Tensor:
+    """A dispatch payload (NVFP4Tensor, MXFP8Tensor or bf16 [R, H]) as dense [R, H] `dtype`, zero on the rows not in
+    use (the nvlink capacity rows past the rows in use are not written by the dispatch)."""
+    if isinstance(payload, formats.NVFP4Tensor):
+        dense = formats.nvfp4_dequantize(payload, dtype=dtype)
+    elif isinstance(payload, formats.MXFP8Tensor):
+        dense = formats.mxfp8_dequantize(payload, dtype=dtype)
+    else:
+        dense = payload.to(dtype)
+    return torch.where(rows_in_use[:, None], dense, torch.zeros((), dtype=dtype, device=dense.device))
+
+
+def split_fp32_in_bf16(values: torch.Tensor) -> torch.Tensor:
+    """fp32 [...] -> bf16 [..., 3] with hi + mid + lo == values exactly (in fp32, summed in that order) for every
+    finite value whose parts stay normal in bf16: hi = bf16(v), mid = bf16(v - hi), lo = v - hi - mid (each residual is
+    exact in fp32 and has at most 16, then 8, significant bits). Non-finite values travel in hi alone."""
+    hi = values.to(torch.bfloat16)
+    rest = values - hi.float()
+    mid = rest.to(torch.bfloat16)
+    lo = (rest - mid.float()).to(torch.bfloat16)
+    finite = torch.isfinite(values)
+    zero = torch.zeros((), dtype=torch.bfloat16, device=values.device)
+    return torch.stack((hi, torch.where(finite, mid, zero), torch.where(finite, lo, zero)), dim=-1)
+
+
+def join_bf16_parts(parts: torch.Tensor) -> torch.Tensor:
+    """The inverse of split_fp32_in_bf16: bf16 [..., 3] -> fp32 [...], (hi + mid) + lo."""
+    parts = parts.float()
+    return (parts[..., 0] + parts[..., 1]) + parts[..., 2]
+
+
+class _DispatchFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, link: _Link, dtype: torch.dtype, check_inputs):
+        result = link.buffer.dispatch(x.detach(), link.topk_idx, link.topk_weights.detach(), check_inputs=check_inputs)
+        link.result = result
+        link.rows_in_use = result.src_rank >= 0
+        ctx.link = link
+        return _dense_rows(result.x, dtype, link.rows_in_use)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        link = ctx.link
+        grad_rows = torch.where(link.rows_in_use[:, None], grad_rows, torch.zeros((), dtype=grad_rows.dtype,
+                                                                                  device=grad_rows.device))
+        grad_x = link.grads.rows.combine(grad_rows.to(torch.bfloat16).contiguous(), link.unit_weight_handle())
+        return grad_x, None, None, None
+
+
+class _CombineFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, expert_out, topk_weights, link: _Link):
+        # (topk_weights is an input only so that autograd delivers its gradient here: the combine applies the
+        # handle's copy of the weights the dispatch was given, which `combine` passes as this very tensor.)
+        y = link.buffer.combine(expert_out.detach(), link.result.handle)
+        ctx.save_for_backward(expert_out.detach())
+        ctx.link = link
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        link = ctx.link
+        (expert_out,) = ctx.saved_tensors
+        want_rows, want_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g_rows = link.dispatch_gradient(grad_y)  # fp32 [R, H], zero on rows not in use
+        grad_expert_out = grad_weights = None
+        if want_rows:
+            weight = torch.where(link.rows_in_use, link.result.topk_weight.float(),
+                                 torch.zeros((), device=g_rows.device))
+            grad_expert_out = (g_rows * weight[:, None]).to(expert_out.dtype)
+        if want_weights:
+            grad_weights = _routing_weight_gradient(link, g_rows, expert_out)
+        return grad_expert_out, grad_weights, None
+
+
+def _routing_weight_gradient(link: _Link, g_rows: torch.Tensor, expert_out: torch.Tensor) -> torch.Tensor:
+    """d w[t, k] = <g[t], expert_out[r]> for the row r of (t, k): FP32 dots on the expert rank, carried back exactly
+    as three BF16 parts per slot through GradBuffers.weights (a unit-weight BF16 combine of one row per column)."""
+    num_tokens, num_topk = link.topk_idx.shape
+    dots = (g_rows * expert_out.float()).sum(dim=-1)  # fp32 [R]; rows not in use give 0 (their g_rows are 0)
+    parts = split_fp32_in_bf16(dots)  # bf16 [R, 3]
+    slot = torch.where(link.rows_in_use, link.result.topk_slot.long(), torch.zeros((), dtype=torch.long,
+                                                                                 device=dots.device))
+    columns = 3 * slot[:, None] + torch.arange(3, device=dots.device)
+    width = link.grads.weights.config.hidden
+    carried = torch.zeros(dots.shape[0], width, dtype=torch.bfloat16, device=dots.device)
+    carried.scatter_(1, columns, torch.where(link.rows_in_use[:, None], parts, torch.zeros((), dtype=torch.bfloat16,
+                                                                                          device=dots.device)))
+    placeholder = torch.zeros(num_tokens, width, dtype=torch.bfloat16, device=link.topk_idx.device)
+    handle = link.grads.weights.dispatch(placeholder, link.topk_idx, link.unit_weights, check_inputs=False).handle
+    back = link.grads.weights.combine(carried, handle)  # bf16 [T, width]
+    return join_bf16_parts(back[:, :3 * num_topk].reshape(num_tokens, num_topk, 3)).to(link.topk_weights.dtype)
+
+
+@dataclass(frozen=True)
+class RoutedTokens:
+    """What `dispatch` returns.
+
+    x: dense [R, H] rows in the expert-major layout (dtype as asked, bfloat16 by default): the dequantized dispatch
+        payload, zero on padding and on the rows past expert_offsets[-1]; differentiable with respect to the x given
+        to `dispatch` (straight-through the quantizer).
+    result: the Buffer's DispatchResult (payload in the wire format, counts, offsets, per-row metadata, handle): e.g.
+        result.x (NVFP4) for a weight gradient from the saved quantized activations (formats.nvfp4_to_mxfp8_transposed).
+    topk_weights: the routing weights given to `dispatch`; `combine` returns their gradient through them.
+    """
+
+    x: torch.Tensor
+    result: DispatchResult
+    topk_weights: torch.Tensor
+    link: Any = dataclasses.field(repr=False, compare=False)
+
+
+def dispatch(buffer: Buffer, grads: GradBuffers, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+             *, dtype: torch.dtype = torch.bfloat16, check_inputs: Optional[bool] = None) -> RoutedTokens:
+    """`Buffer.dispatch` with autograd: x bfloat16 [T, H] (may require grad), topk_idx int [T, K] (-1 masked),
+    topk_weights float32 [T, K] (may require grad; its gradient comes from `combine`'s backward). dtype: the dense rows'
+    dtype (bfloat16, float16 or float32). check_inputs: as Buffer.dispatch. Collective, like Buffer.dispatch; so is its
+    backward (a BF16 combine on grads.rows)."""
+    if not isinstance(buffer, Buffer):
+        raise TypeError(f"buffer must be an ep_comm.Buffer, got {type(buffer).__name__}")
+    if not isinstance(grads, GradBuffers):
+        raise TypeError(f"grads must be ep_comm.training.GradBuffers, got {type(grads).__name__}")
+    grads.check_for(buffer)
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
+    if not isinstance(topk_idx, torch.Tensor):
+        raise TypeError(f"topk_idx must be a torch.Tensor, got {type(topk_idx).__name__}")
+    # (The forward's routing is kept for backward: a copy, so that an in-place edit after the call cannot misroute it.)
+    link = _Link(buffer, grads, topk_idx.clone(), topk_weights)
+    rows = _DispatchFunction.apply(x, link, dtype, check_inputs)
+    return RoutedTokens(x=rows, result=link.result, topk_weights=topk_weights, link=link)
+
+
+def combine(expert_out: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
+    """`Buffer.combine` with autograd: expert_out [R, H] (bfloat16; row i the expert output for routed.x[i]) ->
+    bfloat16 [T, H], the routing-weighted sum (the weights given to `dispatch`). Gradients flow to expert_out and to
+    routed.topk_weights. Collective, like Buffer.combine; so is its backward (a dispatch on grads.rows and a small
+    dispatch + combine on grads.weights)."""
+    if not isinstance(routed, RoutedTokens):
+        raise TypeError(f"routed must be what ep_comm.training.dispatch returned, got {type(routed).__name__}")
+    if not isinstance(expert_out, torch.Tensor):
+        raise TypeError(f"expert_out must be a torch.Tensor, got {type(expert_out).__name__}")
+    return _CombineFunction.apply(expert_out, routed.topk_weights, routed.link)

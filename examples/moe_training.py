@@ -1,0 +1,89 @@
+"""Training an expert-parallel MoE layer with ep_comm.training: router -> dispatch (NVFP4) -> experts -> combine (S2F6),
+and back through both (BF16 gradients on the wire).
+
+Runs on every visible GPU (NCCL) when there are at least 2, else on 2 CPU ranks over gloo:
+
+    python examples/moe_training.py [--tokens 128 --hidden 256 --intermediate 128 --experts 8 --topk 2 --steps 30]
+
+A student layer (its own router and SwiGLU experts, E / W per rank) learns to reproduce a fixed random teacher layer
+of the same shape, by plain SGD on the mean squared error. The experts' weights, the router and the tokens' inputs all
+get their gradients through the library: the routing weights' through combine's backward, the experts' through the
+dispatched rows. Each rank prints its loss at the first and the last step.
+"""
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import ep_comm
+from ep_comm import training
+from ep_comm.launch import run_ranks
+from example_args import parse_moe_args
+
+
+class ExpertParallelMoE(torch.nn.Module):
+    """Router [E, H] (replicated) and this rank's E / W SwiGLU experts: w1 [E/W, 2I, H] (gate rows, then up rows), w2
+    [E/W, H, I], FP32 parameters. forward(x bf16 [T, H]) -> bf16 [T, H]."""
+
+    def __init__(self, buffer, grads, rank, world, num_experts, hidden, intermediate, topk, seed):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        router = torch.randn(num_experts, hidden, generator=gen) / hidden ** 0.5
+        w1 = torch.randn(num_experts, 2 * intermediate, hidden, generator=gen) / hidden ** 0.5
+        w2 = torch.randn(num_experts, hidden, intermediate, generator=gen) / intermediate ** 0.5
+        local = slice(rank * num_experts // world, (rank + 1) * num_experts // world)
+        self.router = torch.nn.Parameter(router)
+        self.w1 = torch.nn.Parameter(w1[local].clone())
+        self.w2 = torch.nn.Parameter(w2[local].clone())
+        self.buffer, self.grads, self.topk = buffer, grads, topk
+
+    def forward(self, x):
+        scores = torch.softmax(x.float() @ self.router.t(), dim=-1)
+        topk_weights, topk_idx = scores.topk(self.topk, dim=-1)  # the weights stay in the graph: the router trains
+        routed = training.dispatch(self.buffer, self.grads, x, topk_idx, topk_weights, dtype=torch.float32)
+        offsets = routed.result.expert_offsets.tolist()  # (a host read: fine for an example; see README "Training")
+        counts = routed.result.num_tokens_per_expert.tolist()
+        out = torch.zeros_like(routed.x)
+        for j, count in enumerate(counts):
+            rows = torch.arange(offsets[j], offsets[j] + count, device=x.device)
+            gate, up = (routed.x[rows] @ self.w1[j].t()).chunk(2, dim=-1)
+            out = out.index_add(0, rows, (F.silu(gate) * up) @ self.w2[j].t())
+        return training.combine(out.to(torch.bfloat16), routed)
+
+
+def worker(rank, world, args):
+    device = torch.device("cuda", torch.cuda.current_device()) if args.gpu else torch.device("cpu")
+    gen = torch.Generator().manual_seed(100 + rank)  # this rank's tokens
+    x = torch.randn(args.tokens, args.hidden, generator=gen).to(torch.bfloat16).to(device)
+    sizes = dict(hidden=args.hidden, num_experts=args.experts, num_topk=args.topk, max_tokens_per_rank=args.tokens)
+    losses = []
+    with ep_comm.Buffer(None, **sizes) as buf, training.GradBuffers.create(buf) as grads:
+        layer_sizes = (rank, world, args.experts, args.hidden, args.intermediate, args.topk)
+        teacher = ExpertParallelMoE(buf, grads, *layer_sizes, seed=1).to(device)
+        student = ExpertParallelMoE(buf, grads, *layer_sizes, seed=2).to(device)
+        with torch.no_grad():
+            target = teacher(x).float()
+        optimizer = torch.optim.SGD(student.parameters(), lr=args.lr)
+        for _ in range(args.steps):
+            optimizer.zero_grad()
+            loss = F.mse_loss(student(x).float(), target)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    return losses
+
+
+def main():
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--lr", type=float, default=5.0)
+    own, rest = parser.parse_known_args()
+    args, world = parse_moe_args(rest, description=__doc__, hidden=256, intermediate=128, tokens=128, experts=8,
+                                 topk=2)
+    args.steps, args.lr = own.steps, own.lr
+    for rank, losses in enumerate(run_ranks(worker, world, args, backend="nccl" if args.gpu else "gloo")):
+        print(f"rank {rank}: loss {losses[0]:.5f} at step 1, {losses[-1]:.5f} at step {len(losses)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""ep_comm.training (autograd for dispatch / combine) against single-process torch autograd of the same layer.
+
+The reference builds y[t] = sum_k w[t, k] * (xq[t] @ W[e_k]) for every rank's tokens in FP32, with xq the dequantized
+dispatch payload (straight-through: d xq / d x = identity) and the output gradient the one that reaches the experts
+(the BF16 gradient itself, or its MXFP8 round trip for grad_format "mxfp8"). Every gradient -- of x, of the routing
+weights and of the experts' weights -- must match it to BF16 rounding (the dispatched rows, expert outputs and
+gradient rows are BF16); a wrong weight, a missing or doubled row, or a misplaced slot is an O(1) error.
+"""
+import pytest
+import torch
+
+import ep_comm
+from ep_comm import formats, training
+from harness import auto_backend, multigpu_backend, multigpu_world, run_ranks
+
+HIDDEN, TOPK, MAX_TOKENS, ALIGNMENT = 64, 3, 9, 4
+
+
+def _tokens_of(rank: int) -> int:
+    return (7, 0, 9, 4)[rank % 4]  # uneven, one rank with none
+
+
+def _inputs(rank: int, num_experts: int):
+    """Rank `rank`'s x bf16 [T, H], topk_idx [T, K] (distinct experts, some slots masked), weights fp32 [T, K] and
+    output gradient bf16 [T, H]: the same on every rank that makes them (one seed per rank)."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    num_tokens = _tokens_of(rank)
+    x = torch.randn(num_tokens, HIDDEN, generator=gen).to(torch.bfloat16)
+    if num_tokens:
+        x[0, 5] = 40.0  # an outlier: a block whose 4/6 choice differs from its neighbours'
+    idx = torch.stack([torch.randperm(num_experts, generator=gen)[:TOPK] for _ in range(num_tokens)]) \
+        if num_tokens else torch.zeros(0, TOPK, dtype=torch.long)
+    if num_tokens > 2:
+        idx[1, 2] = -1
+        idx[2, 0] = -1
+    weights = torch.rand(num_tokens, TOPK, generator=gen) + 0.1
+    grad_y = torch.randn(num_tokens, HIDDEN, generator=gen).to(torch.bfloat16)
+    return x, idx, weights, grad_y
+
+
+def _expert_weights(num_experts: int) -> torch.Tensor:
+    return torch.randn(num_experts, HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(7)) / HIDDEN ** 0.5
+
+
+def _round_trip(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """What the dispatch delivers for rows x (bf16 [T, H]), dense fp32, rounded to BF16 as training.dispatch's rows."""
+    if fmt == "nvfp4":
+        dense = formats.nvfp4_dequantize(formats.nvfp4_quantize(x, impl="reference"), impl="reference")
+    elif fmt == "mxfp8":
+        dense = formats.mxfp8_dequantize(formats.mxfp8_quantize(x, impl="reference"), impl="reference")
+    else:
+        dense = x.float()
+    return dense.to(torch.bfloat16).float()
+
+
+def _reference(world: int, num_experts: int, dispatch_format: str, grad_format: str):
+    """FP32 autograd of the whole layer over every rank's tokens: (y per rank, d x per rank, d w per rank, d W)."""
+    W = _expert_weights(num_experts).requires_grad_()
+    ys, leaves, weight_leaves, loss = [], [], [], 0.0
+    for rank in range(world):
+        x, idx, weights, grad_y = _inputs(rank, num_experts)
+        leaf = x.float().requires_grad_()
+        weight_leaf = weights.clone().requires_grad_()
+        xq = leaf + (_round_trip(x, dispatch_format) - leaf).detach()  # straight-through
+        y = torch.zeros(x.shape[0], HIDDEN)
+        for k in range(TOPK):
+            chosen = idx[:, k] >= 0
+            out = torch.einsum("th,thj->tj", xq, W[idx[:, k].clamp(min=0)])
+            y = y + torch.where(chosen[:, None], weight_leaf[:, k:k + 1] * out, torch.zeros(()))
+        g = _round_trip(grad_y, grad_format)  # the gradient the experts see
+        loss = loss + (y * g).sum()
+        ys.append(y.detach())
+        leaves.append(leaf)
+        weight_leaves.append(weight_leaf)
+    loss.backward()
+    return ys, [l.grad for l in leaves], [w.grad for w in weight_leaves], W.grad
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30))
+
+
+def _run_experts(routed, W_local: torch.Tensor) -> torch.Tensor:
+    """expert_out bf16 [R, H]: each local expert's segment times its weight (FP32), zero elsewhere."""
+    result = routed.result
+    offsets = result.expert_offsets.tolist()
+    counts = result.num_tokens_per_expert.tolist()
+    out = torch.zeros(routed.x.shape[0], HIDDEN, device=routed.x.device)
+    for j, count in enumerate(counts):
+        rows = torch.arange(offsets[j], offsets[j] + count, device=routed.x.device)
+        out = out.index_add(0, rows, routed.x[rows].float() @ W_local[j])
+    return out.to(torch.bfloat16)
+
+
+def training_worker(rank, world, backend="reference", device_kind="cpu", formats_list=(("nvfp4", "s2f6", "bf16"),)):
+    device = torch.device("cuda", torch.cuda.current_device()) if device_kind != "cpu" else torch.device("cpu")
+    num_experts = 4 * world
+    num_local = num_experts // world
+    checked = []
+    for dispatch_format, combine_format, grad_format in formats_list:
+        want_y, want_dx, want_dw, want_dW = _reference(world, num_experts, dispatch_format, grad_format)
+        x, idx, weights, grad_y = (t.to(device) for t in _inputs(rank, num_experts))
+        with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=num_experts, num_topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
+                            dispatch_format=dispatch_format, combine_format=combine_format, expert_alignment=ALIGNMENT,
+                            backend=backend) as buf, training.GradBuffers.create(buf, grad_format) as grads:
+            x_leaf = x.clone().requires_grad_()
+            w_leaf = weights.clone().requires_grad_()
+            W_local = _expert_weights(num_experts)[rank * num_local:(rank + 1) * num_local].to(device).requires_grad_()
+            routed = training.dispatch(buf, grads, x_leaf, idx, w_leaf)
+            valid = int(routed.result.expert_offsets[-1])
+            # Rows past those in use (nvlink capacity) and padding rows are zero.
+            assert not routed.x[valid:].any() and not routed.x[(routed.result.src_rank < 0)].any()
+            y = training.combine(_run_experts(routed, W_local), routed)
+            (y.float() * grad_y.float()).sum().backward()
+        case = (dispatch_format, combine_format, grad_format)
+        y_tolerance = 3e-2 if combine_format == "s2f6" else 1e-2  # S2F6's 8-bit codes vs BF16 rounding
+        if x.shape[0]:
+            assert _relative_error(y.cpu(), want_y[rank]) < y_tolerance, (case, "y")
+            assert _relative_error(x_leaf.grad.cpu(), want_dx[rank]) < 1e-2, (case, "d x")
+            assert _relative_error(w_leaf.grad.cpu(), want_dw[rank]) < 1e-2, (case, "d topk_weights")
+            masked = idx < 0
+            assert (w_leaf.grad[masked] == 0).all(), (case, "masked slots get no gradient")
+        else:
+            assert x_leaf.grad.shape == (0, HIDDEN) and w_leaf.grad.shape == (0, TOPK)
+        local_dW = want_dW[rank * num_local:(rank + 1) * num_local]
+        assert _relative_error(W_local.grad.cpu(), local_dW) < 1e-2, (case, "d W")
+        assert x_leaf.grad.dtype == torch.bfloat16 and w_leaf.grad.dtype == torch.float32
+        checked.append(case)
+    return checked
+
+
+def rows_only_worker(rank, world, backend="reference", device_kind="cpu"):
+    """routed.x used without combine (dispatch's backward makes its own unit-weight handle): d x[t] is, in every
+    column, the number of rows token t was sent as (its unmasked slots) -- exact; and x that does not require grad
+    still lets the routing weights and expert weights train."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device_kind != "cpu" else torch.device("cpu")
+    num_experts = 4 * world
+    x, idx, weights, _ = (t.to(device) for t in _inputs(rank, num_experts))
+    with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=num_experts, num_topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
+                        expert_alignment=ALIGNMENT, backend=backend) as buf, \
+            training.GradBuffers.create(buf) as grads:
+        # (Tokens of stride 0, as the gradient of a sum is: on a rank with none, the reference backend used to fail to
+        # view them as bytes.)
+        for fmt_buf in (buf, grads.rows):
+            fmt_buf.dispatch(torch.zeros((), dtype=torch.bfloat16, device=device).expand(x.shape[0], HIDDEN), idx,
+                             weights)
+        x_leaf = x.clone().requires_grad_()
+        routed = training.dispatch(buf, grads, x_leaf, idx, weights)
+        routed.x.float().sum().backward()
+        want = (idx >= 0).sum(dim=1, keepdim=True).expand(-1, HIDDEN).to(torch.bfloat16)
+        assert torch.equal(x_leaf.grad, want)
+
+        # No grad for x: the weights still get theirs.
+        w_leaf = weights.clone().requires_grad_()
+        routed = training.dispatch(buf, grads, x, idx, w_leaf)
+        assert not routed.x.requires_grad
+        y = training.combine(routed.x.clone(), routed)
+        y.float().sum().backward()
+        assert w_leaf.grad is not None and w_leaf.grad.shape == weights.shape
+        if x.shape[0]:
+            assert w_leaf.grad[idx >= 0].abs().sum() > 0
+    return "rows only ok"
+
+
+def errors_worker(rank, world):
+    with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=4 * world, num_topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
+                        backend="reference") as buf, \
+            ep_comm.Buffer(None, hidden=2 * HIDDEN, num_experts=4 * world, num_topk=TOPK,
+                           max_tokens_per_rank=MAX_TOKENS, dispatch_format="bf16", combine_format="bf16",
+                           backend="reference") as wide, \
+            training.GradBuffers.create(buf) as grads:
+        x, idx, weights, _ = _inputs(rank, 4 * world)
+        with pytest.raises(ValueError, match="grad_format"):
+            training.GradBuffers.create(buf, "nvfp4")
+        with pytest.raises(ValueError, match="hidden"):
+            training.dispatch(buf, training.GradBuffers(rows=wide, weights=grads.weights), x, idx, weights)
+        with pytest.raises(ValueError, match="combine in bf16"):
+            training.dispatch(buf, training.GradBuffers(rows=buf, weights=grads.weights), x, idx, weights)
+        with pytest.raises(TypeError, match="GradBuffers"):
+            training.dispatch(buf, buf, x, idx, weights)
+        with pytest.raises(TypeError, match="what ep_comm.training.dispatch returned"):
+            training.combine(torch.zeros(1, HIDDEN, dtype=torch.bfloat16), buf.dispatch(x, idx, weights))
+        # The plain calls still refuse tensors that require grad, and name this module.
+        with pytest.raises(RuntimeError, match="ep_comm.training"):
+            buf.dispatch(x.clone().requires_grad_(), idx, weights)
+    return "errors ok"
+
+
+@pytest.mark.cpu
+def test_fp32_split_into_three_bf16_parts_is_exact():
+    gen = torch.Generator().manual_seed(3)
+    values = torch.randn(100000, generator=gen) * torch.exp2(torch.randint(-100, 100, (100000,), generator=gen).float())
+    values = torch.cat([values, torch.tensor([0.0, -0.0, 1.0, -3.0e38, 3.0e38, 1e-30, 65504.0, 1.0000001])])
+    parts = training.split_fp32_in_bf16(values)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (values.numel(), 3)
+    assert torch.equal(training.join_bf16_parts(parts), values)
+    special = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    back = training.join_bf16_parts(training.split_fp32_in_bf16(special))
+    assert back[0] == float("inf") and back[1] == -float("inf") and back[2].isnan()
+    assert training.weights_hidden(8) == 32 and training.weights_hidden(11) == 64 and training.weights_hidden(1) == 32
+
+
+_ALL_FORMATS = (("nvfp4", "s2f6", "bf16"), ("bf16", "bf16", "bf16"), ("mxfp8", "s2f6", "mxfp8"),
+                ("nvfp4", "bf16", "mxfp8"))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_gloo_gradients_match_torch_autograd(world):
+    results = run_ranks(training_worker, world, "reference", "cpu", _ALL_FORMATS, backend="gloo")
+    assert results == [list(_ALL_FORMATS)] * world
+
+
+@pytest.mark.cpu
+def test_gloo_rows_only_and_errors():
+    assert run_ranks(rows_only_worker, 2, "reference", "cpu", backend="gloo") == ["rows only ok"] * 2
+    assert run_ranks(errors_worker, 2, backend="gloo") == ["errors ok"] * 2
+
+
+@pytest.mark.gpu
+def test_nvlink_one_rank_gradients_match_torch_autograd():
+    assert run_ranks(training_worker, 1, "nvlink", "cuda", _ALL_FORMATS, backend="nccl") == [list(_ALL_FORMATS)]
+    assert run_ranks(rows_only_worker, 1, "nvlink", "cuda", backend="nccl") == ["rows only ok"]
+
+
+@pytest.mark.multigpu
+def test_nvlink_gradients_match_torch_autograd():
+    world = multigpu_world()
+    results = run_ranks(training_worker, world, auto_backend(), "cuda", _ALL_FORMATS, backend=multigpu_backend())
+    assert results == [list(_ALL_FORMATS)] * world
+    assert run_ranks(rows_only_worker, world, auto_backend(), "cuda", backend=multigpu_backend()) == \
+        ["rows only ok"] * world
