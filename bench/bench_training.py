@@ -63,6 +63,21 @@ def _worker(rank, world, args):
             for name, fn in (("forward_buffer", forward_buffer), ("forward_training", forward_training),
                              ("forward_backward", forward_backward)):
                 row[name + "_ms"] = time_ms(fn, iters=args.iters, batches=args.batches)
+            if args.profile and tokens == min(args.tokens) and rank == 0:
+                # Where the host time of forward + backward goes (eager: a small call is host-bound).
+                import cProfile
+                import io
+                import pstats
+                profile = cProfile.Profile()
+                profile.enable()
+                for _ in range(20):
+                    forward_backward()
+                torch.cuda.synchronize()
+                profile.disable()
+                text = io.StringIO()
+                pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
+                row["profile_top"] = text.getvalue()
+                print(text.getvalue())
             figures.append(row)
     return figures
 
@@ -80,6 +95,8 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--batches", type=int, default=5)
     parser.add_argument("--out", default=None, help="JSON file for the figures")
+    parser.add_argument("--profile", action="store_true", help="cProfile 20 forward + backward calls at the smallest "
+                                                               "token count on rank 0 (host time)")
     args = parser.parse_args(argv)
     args.tokens = [int(t) for t in args.tokens.split(",")]
     if not torch.cuda.is_available():
@@ -90,8 +107,10 @@ def main(argv=None):
               "ranks": per_rank}
     for rank, rows in enumerate(per_rank):
         for row in rows:
-            print(f"rank {rank} tokens {row['tokens']:5d}: Buffer dispatch + combine {1e3 * row['forward_buffer_ms']:9.1f}"
-                  f" us, training forward {1e3 * row['forward_training_ms']:9.1f} us, forward + backward "
+            print(f"rank {rank} tokens {row['tokens']:5d}: Buffer dispatch + combine "
+                  f"{1e3 * row['forward_buffer_ms']:9.1f} us, training forward "
+                  f"{1e3 * row['forward_training_ms']:9.1f} us, "
+                  f"forward + backward "
                   f"{1e3 * row['forward_backward_ms']:9.1f} us")
     if args.out:
         with open(args.out, "w") as f:

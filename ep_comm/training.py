@@ -101,8 +101,8 @@ class GradBuffers:
                                  f"{buffer.rank}: they must run on the same process group")
             if _routing_sizes(grad.config) != _routing_sizes(buffer.config):
                 raise ValueError(f"GradBuffers.{name} has other routing sizes (world size, experts, top-k, "
-                                 f"max_tokens_per_rank, alignment) than the forward Buffer: {_routing_sizes(grad.config)} "
-                                 f"vs {_routing_sizes(buffer.config)}")
+                                 f"max_tokens_per_rank, alignment) than the forward Buffer: "
+                                 f"{_routing_sizes(grad.config)} vs {_routing_sizes(buffer.config)}")
             if grad.config.combine_format != "bf16":
                 raise ValueError(f"GradBuffers.{name} must combine in bf16, has {grad.config.combine_format!r}")
         if self.rows.config.hidden != buffer.config.hidden:
@@ -114,7 +114,8 @@ class GradBuffers:
         want = weights_hidden(buffer.config.num_topk)
         if self.weights.config.hidden != want or self.weights.config.dispatch_format != "bf16":
             raise ValueError(f"GradBuffers.weights must be a bf16 / bf16 Buffer of hidden {want}, has hidden "
-                             f"{self.weights.config.hidden} and dispatch format {self.weights.config.dispatch_format!r}")
+                             f"{self.weights.config.hidden} and dispatch format "
+                             f"{self.weights.config.dispatch_format!r}")
 
     def destroy(self) -> None:
         self.rows.destroy()
@@ -138,15 +139,17 @@ class _Link:
         self.unit_weights = torch.ones(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
         self.topk_weights = topk_weights
         self.result: Optional[DispatchResult] = None
-        self.rows_in_use: Optional[torch.Tensor] = None  # bool [R]: a token's row (not padding, not past the rows in use)
+        # bool [R]: a token's row (not padding, not past the rows in use)
+        self.rows_in_use: Optional[torch.Tensor] = None
         self.unit_handle = None
 
     def dispatch_gradient(self, grad_y: torch.Tensor):
-        """The output gradient to the expert ranks (GradBuffers.rows): fp32 [R, H] rows, zero where not in use."""
+        """The output gradient to the expert ranks (GradBuffers.rows): bf16 [R, H] rows, zero where not in use (BF16:
+        the rows as sent; MXFP8: E4M3 * 2^k, exact in BF16 but for values below 2^-126)."""
         sent = self.grads.rows.dispatch(grad_y.to(torch.bfloat16).contiguous(), self.topk_idx, self.unit_weights,
                                         check_inputs=False)
         self.unit_handle = sent.handle
-        return _dense_rows(sent.x, torch.float32, self.rows_in_use)
+        return _dense_rows(sent.x, torch.bfloat16, self.rows_in_use)
 
     def unit_weight_handle(self):
         """A handle of GradBuffers.rows whose combine sums a token's rows with weight 1: the gradient dispatch's, or,
@@ -161,14 +164,28 @@ class _Link:
 
 def _dense_rows(payload, dtype: torch.dtype, rows_in_use: torch.Tensor) -> torch.Tensor:
     """A dispatch payload (NVFP4Tensor, MXFP8Tensor or bf16 [R, H]) as dense [R, H] `dtype`, zero on the rows not in
-    use (the nvlink capacity rows past the rows in use are not written by the dispatch)."""
+    use (padding rows are zero already; the nvlink capacity rows past the rows in use are not written by the dispatch
+    and may hold anything, NaN included). The mask goes where it is cheapest: NVFP4's scales and amax (a zero scale
+    and amax make every value of the row 0, whatever its codes: E2M1 codes are finite), MXFP8's bytes, BF16's rows."""
+    def masked(t: torch.Tensor) -> torch.Tensor:
+        shape = (-1,) + (1,) * (t.dim() - 1)
+        if t.element_size() == 1:  # (float8 tensors: where() through their bytes)
+            return torch.where(rows_in_use.view(shape), t.view(torch.uint8), 0).view(t.dtype)
+        return torch.where(rows_in_use.view(shape), t, torch.zeros((), dtype=t.dtype, device=t.device))
     if isinstance(payload, formats.NVFP4Tensor):
-        dense = formats.nvfp4_dequantize(payload, dtype=dtype)
-    elif isinstance(payload, formats.MXFP8Tensor):
-        dense = formats.mxfp8_dequantize(payload, dtype=dtype)
-    else:
-        dense = payload.to(dtype)
-    return torch.where(rows_in_use[:, None], dense, torch.zeros((), dtype=dtype, device=dense.device))
+        payload = dataclasses.replace(payload, scales=masked(payload.scales), amax=masked(payload.amax))
+        return formats.nvfp4_dequantize(payload, dtype=dtype)
+    if isinstance(payload, formats.MXFP8Tensor):
+        return formats.mxfp8_dequantize(dataclasses.replace(payload, data=masked(payload.data)), dtype=dtype)
+    return masked(payload).to(dtype)
+
+
+def _row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 [R]: sum_h a[r, h] * b[r, h] for bf16 a, b [R, H], accumulated in FP32 (each product of two BF16 values is
+    exact in FP32). On CUDA one batched GEMM with FP32 output (no FP32 copies of the rows); elsewhere FP32 copies."""
+    if a.is_cuda:
+        return torch.bmm(a.unsqueeze(1), b.unsqueeze(2), out_dtype=torch.float32).view(-1)
+    return (a.float() * b.float()).sum(dim=-1)
 
 
 def split_fp32_in_bf16(values: torch.Tensor) -> torch.Tensor:
@@ -202,8 +219,7 @@ class _DispatchFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows):
         link = ctx.link
-        grad_rows = torch.where(link.rows_in_use[:, None], grad_rows, torch.zeros((), dtype=grad_rows.dtype,
-                                                                                  device=grad_rows.device))
+        # (No mask: the combine reads the rows in use only, not padding or capacity rows.)
         grad_x = link.grads.rows.combine(grad_rows.to(torch.bfloat16).contiguous(), link.unit_weight_handle())
         return grad_x, None, None, None
 
@@ -223,9 +239,11 @@ class _CombineFunction(torch.autograd.Function):
         link = ctx.link
         (expert_out,) = ctx.saved_tensors
         want_rows, want_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        g_rows = link.dispatch_gradient(grad_y)  # fp32 [R, H], zero on rows not in use
+        g_rows = link.dispatch_gradient(grad_y)  # bf16 [R, H], zero on rows not in use
         grad_expert_out = grad_weights = None
         if want_rows:
+            # f(w * g) in FP32, rounded once to BF16. The weights of capacity rows are not written (g is 0 there, but
+            # 0 * NaN is not 0): masked, as the gradient reaches the experts' backward on every row.
             weight = torch.where(link.rows_in_use, link.result.topk_weight.float(),
                                  torch.zeros((), device=g_rows.device))
             grad_expert_out = (g_rows * weight[:, None]).to(expert_out.dtype)
@@ -238,7 +256,8 @@ def _routing_weight_gradient(link: _Link, g_rows: torch.Tensor, expert_out: torc
     """d w[t, k] = <g[t], expert_out[r]> for the row r of (t, k): FP32 dots on the expert rank, carried back exactly
     as three BF16 parts per slot through GradBuffers.weights (a unit-weight BF16 combine of one row per column)."""
     num_tokens, num_topk = link.topk_idx.shape
-    dots = (g_rows * expert_out.float()).sum(dim=-1)  # fp32 [R]; rows not in use give 0 (their g_rows are 0)
+    # fp32 [R]; rows not in use give 0 unless expert_out holds a non-finite value there (dropped below).
+    dots = _row_dots(g_rows, expert_out.to(torch.bfloat16))
     parts = split_fp32_in_bf16(dots)  # bf16 [R, 3]
     slot = torch.where(link.rows_in_use, link.result.topk_slot.long(), torch.zeros((), dtype=torch.long,
                                                                                  device=dots.device))
