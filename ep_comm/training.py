@@ -20,15 +20,18 @@ y[t] = sum_k w[t, k] * E_k(xq[t]) with xq the dequantized dispatch payload:
   columns 3k .. 3k + 2 of its top-k slot k, so a unit-weight BF16 combine sums nothing (one row per column) and the
   source rank rebuilds the FP32 value exactly.
 * dispatch's backward is a BF16 combine of the gradient rows on `GradBuffers.rows` with the unit weights of the
-  gradient dispatch: d x[t] = sum over t's rows of their gradient, summed in FP32, rounded to BF16.
+  gradient dispatch: d x[t] = sum over t's rows of their gradient (the combine's order and roundings: each expert
+  rank's partial sum in FP32, rounded to BF16 on the wire, then the ranks' sum in FP32, rounded to BF16).
 
 Rows that are alignment padding or past the rows in use are zero in `routed.x` and get zero gradients, so experts
 that run on whole segments (or on all R rows) see no garbage in either direction.
 
 Cost: backward moves g at BF16 (or MXFP8) width out and the input gradient at BF16 width back, plus a small dispatch
 and combine of 32 * ceil(3K / 32) BF16 columns for the routing weights; none of it is fused into a GEMM, and there is
-no CUDA-graph or comm_stream support here (plain eager autograd). Every rank must run the same backward (the calls are
-collective, like the forward's); a rank that does not gets its peers' timeouts, as a missing forward call does.
+no CUDA-graph or comm_stream support here (plain eager autograd). The backward calls are collective like the forward's:
+every rank must call backward through the same layers (wherever the combine's output reaches the loss, both backward
+passes run on every rank and make all their calls, whatever the rank's own tensors require; see the Functions). A rank
+that skips one gets its peers' timeouts, as a missing forward call does. Not twice differentiable.
 """
 from __future__ import annotations
 
@@ -103,6 +106,9 @@ class GradBuffers:
                 raise ValueError(f"GradBuffers.{name} has other routing sizes (world size, experts, top-k, "
                                  f"max_tokens_per_rank, alignment) than the forward Buffer: "
                                  f"{_routing_sizes(grad.config)} vs {_routing_sizes(buffer.config)}")
+            if grad.backend != buffer.backend:  # (their results differ in row count: nvlink returns its capacity)
+                raise ValueError(f"GradBuffers.{name} uses the {grad.backend} backend, the forward Buffer "
+                                 f"{buffer.backend}: they must use the same")
             if grad.config.combine_format != "bf16":
                 raise ValueError(f"GradBuffers.{name} must combine in bf16, has {grad.config.combine_format!r}")
         if self.rows.config.hidden != buffer.config.hidden:
@@ -142,6 +148,8 @@ class _Link:
         # bool [R]: a token's row (not padding, not past the rows in use)
         self.rows_in_use: Optional[torch.Tensor] = None
         self.unit_handle = None
+        self.anchor = torch.zeros((), requires_grad=True)  # (see the Functions below)
+        self.token: Optional[torch.Tensor] = None
 
     def dispatch_gradient(self, grad_y: torch.Tensor):
         """The output gradient to the expert ranks (GradBuffers.rows): bf16 [R, H] rows, zero where not in use (BF16:
@@ -188,16 +196,24 @@ def _row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.float() * b.float()).sum(dim=-1)
 
 
+def _truncate_to_bf16(values: torch.Tensor) -> torch.Tensor:
+    """fp32 values with their low 16 bits cleared, as bf16: exact (the same sign, exponent and top 7 mantissa bits)."""
+    return (values.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
 def split_fp32_in_bf16(values: torch.Tensor) -> torch.Tensor:
-    """fp32 [...] -> bf16 [..., 3] with hi + mid + lo == values exactly (in fp32, summed in that order) for every
-    finite value whose parts stay normal in bf16: hi = bf16(v), mid = bf16(v - hi), lo = v - hi - mid (each residual is
-    exact in fp32 and has at most 16, then 8, significant bits). Non-finite values travel in hi alone."""
-    hi = values.to(torch.bfloat16)
+    """fp32 [...] -> bf16 [..., 3] with (hi + mid) + lo == values exactly in fp32, for every finite value of magnitude
+    2^-110 or more (below, lo may lose bits under BF16's subnormal spacing 2^-133). hi is `values` truncated to BF16
+    (exact, never overflows), the remainder has at most 16 significant bits, mid is it truncated, and what is left
+    (at most 8 bits) is lo. Non-finite values travel in hi alone."""
+    values = values.float().contiguous()
+    hi = _truncate_to_bf16(values)
     rest = values - hi.float()
-    mid = rest.to(torch.bfloat16)
+    mid = _truncate_to_bf16(rest)
     lo = (rest - mid.float()).to(torch.bfloat16)
     finite = torch.isfinite(values)
     zero = torch.zeros((), dtype=torch.bfloat16, device=values.device)
+    hi = torch.where(finite, hi, values.to(torch.bfloat16))  # (Inf stays Inf; NaN stays NaN whatever its payload)
     return torch.stack((hi, torch.where(finite, mid, zero), torch.where(finite, lo, zero)), dim=-1)
 
 
@@ -207,26 +223,45 @@ def join_bf16_parts(parts: torch.Tensor) -> torch.Tensor:
     return (parts[..., 0] + parts[..., 1]) + parts[..., 2]
 
 
+# Collective backward: every rank must make the same Buffer calls in backward, whatever its own data. Autograd runs a
+# node only where something that requires grad lies behind it, and a rank's x, routing weights or expert outputs may
+# not (a rank whose experts got no rows returns zeros). So both Functions also take the link's `anchor`, a leaf that
+# always requires grad, and dispatch passes a `token` to combine: wherever y reaches the loss, combine's backward and
+# then dispatch's backward run on every rank, and each makes all its calls (the routing-weight exchange included,
+# whether or not this rank's weights want a gradient).
 class _DispatchFunction(torch.autograd.Function):
+    """x [T, H] -> (dense rows [R, H], token): Buffer.dispatch; backward: a unit-weight BF16 combine of the rows'
+    gradients on GradBuffers.rows."""
+
     @staticmethod
-    def forward(ctx, x, link: _Link, dtype: torch.dtype, check_inputs):
+    def forward(ctx, x, anchor, link: _Link, dtype: torch.dtype, check_inputs):
         result = link.buffer.dispatch(x.detach(), link.topk_idx, link.topk_weights.detach(), check_inputs=check_inputs)
         link.result = result
         link.rows_in_use = result.src_rank >= 0
         ctx.link = link
-        return _dense_rows(result.x, dtype, link.rows_in_use)
+        ctx.set_materialize_grads(False)
+        token = torch.zeros((), device=x.device)
+        return _dense_rows(result.x, dtype, link.rows_in_use), token
 
     @staticmethod
-    def backward(ctx, grad_rows):
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_rows, grad_token):
         link = ctx.link
+        if grad_rows is None:  # (the rows do not reach the loss on this rank; the combine is collective all the same)
+            grad_rows = torch.zeros(link.result.num_rows, link.buffer.config.hidden, dtype=torch.bfloat16,
+                                    device=link.topk_idx.device)
         # (No mask: the combine reads the rows in use only, not padding or capacity rows.)
         grad_x = link.grads.rows.combine(grad_rows.to(torch.bfloat16).contiguous(), link.unit_weight_handle())
-        return grad_x, None, None, None
+        link.unit_handle = None  # (its arena holds the gradient rows: free it with this backward)
+        return grad_x, None, None, None, None
 
 
 class _CombineFunction(torch.autograd.Function):
+    """(expert_out [R, H], topk_weights [T, K], token) -> y [T, H]: Buffer.combine; backward: the output gradient
+    dispatched on GradBuffers.rows, the routing-weight gradients through GradBuffers.weights."""
+
     @staticmethod
-    def forward(ctx, expert_out, topk_weights, link: _Link):
+    def forward(ctx, expert_out, topk_weights, token, anchor, link: _Link):
         # (topk_weights is an input only so that autograd delivers its gradient here: the combine applies the
         # handle's copy of the weights the dispatch was given, which `combine` passes as this very tensor.)
         y = link.buffer.combine(expert_out.detach(), link.result.handle)
@@ -235,21 +270,21 @@ class _CombineFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
         link = ctx.link
         (expert_out,) = ctx.saved_tensors
-        want_rows, want_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g_rows = link.dispatch_gradient(grad_y)  # bf16 [R, H], zero on rows not in use
-        grad_expert_out = grad_weights = None
-        if want_rows:
+        grad_expert_out = None
+        if ctx.needs_input_grad[0]:
             # f(w * g) in FP32, rounded once to BF16. The weights of capacity rows are not written (g is 0 there, but
             # 0 * NaN is not 0): masked, as the gradient reaches the experts' backward on every row.
             weight = torch.where(link.rows_in_use, link.result.topk_weight.float(),
                                  torch.zeros((), device=g_rows.device))
             grad_expert_out = (g_rows * weight[:, None]).to(expert_out.dtype)
-        if want_weights:
-            grad_weights = _routing_weight_gradient(link, g_rows, expert_out)
-        return grad_expert_out, grad_weights, None
+        grad_weights = _routing_weight_gradient(link, g_rows, expert_out)  # (collective: on every rank)
+        token_grad = torch.zeros((), device=grad_y.device)
+        return grad_expert_out, grad_weights if ctx.needs_input_grad[1] else None, token_grad, None, None
 
 
 def _routing_weight_gradient(link: _Link, g_rows: torch.Tensor, expert_out: torch.Tensor) -> torch.Tensor:
@@ -303,11 +338,12 @@ def dispatch(buffer: Buffer, grads: GradBuffers, x: torch.Tensor, topk_idx: torc
     grads.check_for(buffer)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
-    if not isinstance(topk_idx, torch.Tensor):
-        raise TypeError(f"topk_idx must be a torch.Tensor, got {type(topk_idx).__name__}")
+    for name, value in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     # (The forward's routing is kept for backward: a copy, so that an in-place edit after the call cannot misroute it.)
     link = _Link(buffer, grads, topk_idx.clone(), topk_weights)
-    rows = _DispatchFunction.apply(x, link, dtype, check_inputs)
+    rows, link.token = _DispatchFunction.apply(x, link.anchor, link, dtype, check_inputs)
     return RoutedTokens(x=rows, result=link.result, topk_weights=topk_weights, link=link)
 
 
@@ -320,4 +356,5 @@ def combine(expert_out: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
         raise TypeError(f"routed must be what ep_comm.training.dispatch returned, got {type(routed).__name__}")
     if not isinstance(expert_out, torch.Tensor):
         raise TypeError(f"expert_out must be a torch.Tensor, got {type(expert_out).__name__}")
-    return _CombineFunction.apply(expert_out, routed.topk_weights, routed.link)
+    link = routed.link
+    return _CombineFunction.apply(expert_out, routed.topk_weights, link.token, link.anchor, link)
