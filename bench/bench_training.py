@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -63,6 +64,14 @@ def _worker(rank, world, args):
             for name, fn in (("forward_buffer", forward_buffer), ("forward_training", forward_training),
                              ("forward_backward", forward_backward)):
                 row[name + "_ms"] = time_ms(fn, iters=args.iters, batches=args.batches)
+                # Host milliseconds per call (no synchronization inside the loop): where it is close to the device
+                # figure above, the call is host-bound.
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(args.iters):
+                    fn()
+                row[name + "_host_ms"] = 1e3 * (time.perf_counter() - start) / args.iters
+                torch.cuda.synchronize()
             if args.profile and tokens == min(args.tokens) and rank == 0:
                 # Where the host time of forward + backward goes (eager: a small call is host-bound).
                 import cProfile
@@ -110,8 +119,9 @@ def main(argv=None):
             print(f"rank {rank} tokens {row['tokens']:5d}: Buffer dispatch + combine "
                   f"{1e3 * row['forward_buffer_ms']:9.1f} us, training forward "
                   f"{1e3 * row['forward_training_ms']:9.1f} us, "
-                  f"forward + backward "
-                  f"{1e3 * row['forward_backward_ms']:9.1f} us")
+                  f"forward + backward {1e3 * row['forward_backward_ms']:9.1f} us (host "
+                  f"{1e3 * row['forward_buffer_host_ms']:.1f} / {1e3 * row['forward_training_host_ms']:.1f} / "
+                  f"{1e3 * row['forward_backward_host_ms']:.1f} us)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(strict_json(report), f, indent=1)

@@ -281,7 +281,8 @@ class _CombineFunction(torch.autograd.Function):
             # 0 * NaN is not 0): masked, as the gradient reaches the experts' backward on every row.
             weight = torch.where(link.rows_in_use, link.result.topk_weight.float(),
                                  torch.zeros((), device=g_rows.device))
-            grad_expert_out = (g_rows * weight[:, None]).to(expert_out.dtype)
+            # One pass: torch computes the product in FP32 (the inputs' common dtype) and rounds it on the store.
+            grad_expert_out = torch.mul(g_rows, weight[:, None], out=torch.empty_like(g_rows, dtype=expert_out.dtype))
         grad_weights = _routing_weight_gradient(link, g_rows, expert_out)  # (collective: on every rank)
         token_grad = torch.zeros((), device=grad_y.device)
         return grad_expert_out, grad_weights if ctx.needs_input_grad[1] else None, token_grad, None, None

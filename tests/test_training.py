@@ -173,6 +173,47 @@ def rows_only_worker(rank, world, backend="reference", device_kind="cpu"):
     return "rows only ok"
 
 
+def _integer_outputs(src_rank, src_token, slot):
+    """Integer-valued expert outputs [n, H] in [-30, 30] from each row's (source rank, token, slot): every product and
+    sum of the routing-weight dots is an exact integer below 2^24, in any order."""
+    h = torch.arange(HIDDEN)
+    key = (src_rank * 131 + src_token * 7 + slot * 3)[:, None] + h * 5
+    return (key % 61 - 30).float()
+
+
+def exact_weights_worker(rank, world, backend="reference", device_kind="cpu"):
+    """The routing-weight gradients are exact end to end: with integer-valued expert outputs and output gradients
+    every dot is an integer that needs more than BF16's 8 bits, and d w must equal it bit for bit (a path that kept
+    only BF16 precision, or lost a part, fails). Padding and capacity rows of expert_out hold NaN: nothing of them
+    may reach a gradient."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device_kind != "cpu" else torch.device("cpu")
+    num_experts = 4 * world
+    x, idx, weights, _ = (t.to(device) for t in _inputs(rank, num_experts))
+    gen = torch.Generator().manual_seed(50 + rank)
+    grad_y = torch.randint(-30, 31, (x.shape[0], HIDDEN), generator=gen).to(torch.bfloat16).to(device)
+    with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=num_experts, num_topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
+                        dispatch_format="bf16", combine_format="bf16", expert_alignment=ALIGNMENT,
+                        backend=backend) as buf, training.GradBuffers.create(buf) as grads:
+        w_leaf = weights.clone().requires_grad_()
+        routed = training.dispatch(buf, grads, x, idx, w_leaf)
+        result = routed.result
+        in_use = (result.src_rank >= 0).cpu()
+        expert_out = torch.full((result.num_rows, HIDDEN), float("nan"))
+        expert_out[in_use] = _integer_outputs(result.src_rank.cpu()[in_use], result.src_token.cpu()[in_use],
+                                              result.topk_slot.cpu()[in_use])
+        y = training.combine(expert_out.to(torch.bfloat16).to(device), routed)
+        (y.float() * grad_y.float()).sum().backward()
+    tokens = torch.arange(x.shape[0]).repeat_interleave(TOPK)
+    slots = torch.arange(TOPK).repeat(x.shape[0])
+    outputs = _integer_outputs(torch.full_like(tokens, rank), tokens, slots).view(x.shape[0], TOPK, HIDDEN)
+    want = (outputs * grad_y.cpu().float()[:, None, :]).sum(dim=-1)  # exact integers
+    want = torch.where(idx.cpu() >= 0, want, torch.zeros(()))
+    got = w_leaf.grad.cpu()
+    assert torch.equal(got, want), (got - want).abs().max()
+    assert x.shape[0] == 0 or want.abs().max() > 512  # (dots that BF16 alone could not carry)
+    return "exact weights ok"
+
+
 def errors_worker(rank, world):
     with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=4 * world, num_topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
                         backend="reference") as buf, \
@@ -227,6 +268,7 @@ def test_gloo_gradients_match_torch_autograd(world):
 @pytest.mark.cpu
 def test_gloo_rows_only_and_errors():
     assert run_ranks(rows_only_worker, 2, "reference", "cpu", backend="gloo") == ["rows only ok"] * 2
+    assert run_ranks(exact_weights_worker, 2, "reference", "cpu", backend="gloo") == ["exact weights ok"] * 2
     assert run_ranks(errors_worker, 2, backend="gloo") == ["errors ok"] * 2
 
 
@@ -234,6 +276,7 @@ def test_gloo_rows_only_and_errors():
 def test_nvlink_one_rank_gradients_match_torch_autograd():
     assert run_ranks(training_worker, 1, "nvlink", "cuda", _ALL_FORMATS, backend="nccl") == [list(_ALL_FORMATS)]
     assert run_ranks(rows_only_worker, 1, "nvlink", "cuda", backend="nccl") == ["rows only ok"]
+    assert run_ranks(exact_weights_worker, 1, "nvlink", "cuda", backend="nccl") == ["exact weights ok"]
 
 
 @pytest.mark.multigpu
@@ -243,3 +286,5 @@ def test_nvlink_gradients_match_torch_autograd():
     assert results == [list(_ALL_FORMATS)] * world
     assert run_ranks(rows_only_worker, world, auto_backend(), "cuda", backend=multigpu_backend()) == \
         ["rows only ok"] * world
+    assert run_ranks(exact_weights_worker, world, auto_backend(), "cuda", backend=multigpu_backend()) == \
+        ["exact weights ok"] * world
