@@ -87,6 +87,18 @@ def _worker(rank, world, args):
                 pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
                 row["profile_top"] = text.getvalue()
                 print(text.getvalue())
+            if args.profile and tokens == max(args.tokens) and rank == 0:
+                # Where the device time of forward + backward goes: CUDA kernels by total time.
+                from torch.profiler import ProfilerActivity, profile as torch_profile
+                forward_backward()
+                torch.cuda.synchronize()
+                with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        forward_backward()
+                    torch.cuda.synchronize()
+                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=60)
+                row["kernel_profile"] = table
+                print(table)
             figures.append(row)
     return figures
 
@@ -104,8 +116,8 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--batches", type=int, default=5)
     parser.add_argument("--out", default=None, help="JSON file for the figures")
-    parser.add_argument("--profile", action="store_true", help="cProfile 20 forward + backward calls at the smallest "
-                                                               "token count on rank 0 (host time)")
+    parser.add_argument("--profile", action="store_true", help="cProfile 20 forward + backward calls at the "
+                        "smallest token count (host time) and torch.profiler 3 at the largest (CUDA kernels), rank 0")
     args = parser.parse_args(argv)
     args.tokens = [int(t) for t in args.tokens.split(",")]
     if not torch.cuda.is_available():

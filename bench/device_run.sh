@@ -112,7 +112,7 @@ bench_router() {  # the router's FP32 logits + top-k against tensor-core forms o
 }
 bench_training() {  # ep_comm.training: forward + backward against the forward Buffer calls (nvlink, every GPU up to 2)
   say "bench: training autograd (forward + backward through dispatch / combine)"
-  timeout 300 python3 bench/bench_training.py --profile --out "$OUT/bench_training.json" 2>&1 | tail -40 | tee -a "$log"
+  timeout 300 python3 bench/bench_training.py --profile --out "$OUT/bench_training.json" 2>&1 | tail -70 | tee -a "$log"
 }
 bench_formats_shapes() {  # NVFP4 quantize under each thread shape (tuning; ours only)
   for shape in ${QUANT_SHAPES:-wide occupancy narrow}; do
