@@ -43,6 +43,7 @@ PYBIND11_MODULE(_C, m) {
   register_formats(m);
   register_nvlink(m);
   register_gemm(m);
+  register_training(m);
   // The FP8 mode's later operand-row forms, built together: the quantizer's (block_values_fp8), the wave receive's
   // (dispatch_arena_waves' fp8) and the combine-row epilogue's (its fp8). Python checks it before using any of them,
   // so that a _C built before them keeps running the rest.

@@ -11,6 +11,7 @@
 void register_formats(pybind11::module_& m);  // bind_formats.cpp: NVFP4 / MXFP8 / RHT+S2F6 kernels
 void register_nvlink(pybind11::module_& m);   // bind_nvlink.cpp: layout, dispatch, combine over NVLink
 void register_gemm(pybind11::module_& m);     // bind_gemm.cpp: NVFP4 grouped GEMM for the experts (sm_90a)
+void register_training(pybind11::module_& m); // bind_training.cpp: combine's backward rows (ep_comm.training)
 
 // Shared by the binding files: the integer a Python caller passed (tensor.data_ptr(), cuda_stream) as a typed
 // pointer or stream, and a launcher's status as a Python exception.

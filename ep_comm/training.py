@@ -41,7 +41,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import formats
+from . import _ext, formats
 from .buffer import Buffer
 from .types import DispatchResult
 
@@ -151,13 +151,16 @@ class _Link:
         self.anchor = torch.zeros((), requires_grad=True)  # (see the Functions below)
         self.token: Optional[torch.Tensor] = None
 
-    def dispatch_gradient(self, grad_y: torch.Tensor):
-        """The output gradient to the expert ranks (GradBuffers.rows): bf16 [R, H] rows, zero where not in use (BF16:
-        the rows as sent; MXFP8: E4M3 * 2^k, exact in BF16 but for values below 2^-126)."""
+    def dispatch_gradient(self, grad_y: torch.Tensor) -> torch.Tensor:
+        """The output gradient to the expert ranks (GradBuffers.rows): bf16 [R, H] rows (BF16: the payload itself;
+        MXFP8: E4M3 * 2^k, exact in BF16 but below 2^-126). Rows not in use are not masked: combine_backward_rows
+        ignores them."""
         sent = self.grads.rows.dispatch(grad_y.to(torch.bfloat16).contiguous(), self.topk_idx, self.unit_weights,
                                         check_inputs=False)
         self.unit_handle = sent.handle
-        return _dense_rows(sent.x, torch.bfloat16, self.rows_in_use)
+        if isinstance(sent.x, formats.MXFP8Tensor):
+            return formats.mxfp8_dequantize(sent.x, dtype=torch.bfloat16)
+        return sent.x
 
     def unit_weight_handle(self):
         """A handle of GradBuffers.rows whose combine sums a token's rows with weight 1: the gradient dispatch's, or,
@@ -188,12 +191,43 @@ def _dense_rows(payload, dtype: torch.dtype, rows_in_use: torch.Tensor) -> torch
     return masked(payload).to(dtype)
 
 
-def _row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """fp32 [R]: sum_h a[r, h] * b[r, h] for bf16 a, b [R, H], accumulated in FP32 (each product of two BF16 values is
-    exact in FP32). On CUDA one batched GEMM with FP32 output (no FP32 copies of the rows); elsewhere FP32 copies."""
-    if a.is_cuda:
-        return torch.bmm(a.unsqueeze(1), b.unsqueeze(2), out_dtype=torch.float32).view(-1)
-    return (a.float() * b.float()).sum(dim=-1)
+def combine_backward_rows_reference(g: torch.Tensor, expert_out: torch.Tensor, row_weight: torch.Tensor,
+                                    src_rank: torch.Tensor):
+    """(grad_expert_out bf16 [R, H], dots fp32 [R]) from g, expert_out bf16 [R, H], row_weight fp32 [R], src_rank
+    int32 [R]: csrc/training_rows.h in torch, the same bits (its FP32 sum order included). Rows with src_rank < 0 give
+    zeros whatever they hold."""
+    num_rows, hidden = g.shape
+    in_use = src_rank >= 0
+    zero = torch.zeros((), device=g.device)
+    g_rows = torch.where(in_use[:, None], g.float(), zero)
+    weight = torch.where(in_use, row_weight.float(), zero)
+    grad = (g_rows * weight[:, None]).to(torch.bfloat16)
+    products = (g_rows * torch.where(in_use[:, None], expert_out.float(), zero)).view(num_rows, hidden // 32, 32)
+    lanes = torch.zeros(num_rows, 32, device=g.device)
+    for step in range(hidden // 32):  # lane l: columns l, l + 32, ... in turn
+        lanes = lanes + products[:, step]
+    for d in (16, 8, 4, 2, 1):  # the warp's shuffle-down tree
+        lanes = torch.cat([lanes[:, :d] + lanes[:, d:2 * d], lanes[:, d:]], dim=1)
+    return grad, lanes[:, 0].contiguous()
+
+
+def combine_backward_rows(g: torch.Tensor, expert_out: torch.Tensor, row_weight: torch.Tensor,
+                          src_rank: torch.Tensor):
+    """Combine's backward on the expert rank in one pass: grad_expert_out = bf16(w * g) and the routing-weight dots
+    <g, expert_out> in FP32 (csrc/training_rows.h on CUDA tensors when ep_comm._C is built, else its torch form;
+    the same bits either way)."""
+    if g.is_cuda and _ext.cuda_extension_available():
+        g, expert_out = g.contiguous(), expert_out.contiguous()
+        row_weight, src_rank = row_weight.float().contiguous(), src_rank.to(torch.int32).contiguous()
+        num_rows, hidden = g.shape
+        grad = torch.empty_like(g)
+        dots = torch.empty(num_rows, dtype=torch.float32, device=g.device)
+        with _ext.cuda_device(g.device):
+            _ext.require_cuda_extension("the training kernels").combine_backward_rows(
+                g.data_ptr(), expert_out.data_ptr(), row_weight.data_ptr(), src_rank.data_ptr(), num_rows, hidden,
+                grad.data_ptr(), dots.data_ptr(), _ext.current_raw_stream(g.device))
+        return grad, dots
+    return combine_backward_rows_reference(g, expert_out, row_weight, src_rank)
 
 
 def _truncate_to_bf16(values: torch.Tensor) -> torch.Tensor:
@@ -274,34 +308,31 @@ class _CombineFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         link = ctx.link
         (expert_out,) = ctx.saved_tensors
-        g_rows = link.dispatch_gradient(grad_y)  # bf16 [R, H], zero on rows not in use
-        grad_expert_out = None
-        if ctx.needs_input_grad[0]:
-            # f(w * g) in FP32, rounded once to BF16. The weights of capacity rows are not written (g is 0 there, but
-            # 0 * NaN is not 0): masked, as the gradient reaches the experts' backward on every row.
-            weight = torch.where(link.rows_in_use, link.result.topk_weight.float(),
-                                 torch.zeros((), device=g_rows.device))
-            # One pass: torch computes the product in FP32 (the inputs' common dtype) and rounds it on the store.
-            grad_expert_out = torch.mul(g_rows, weight[:, None], out=torch.empty_like(g_rows, dtype=expert_out.dtype))
-        grad_weights = _routing_weight_gradient(link, g_rows, expert_out)  # (collective: on every rank)
+        g_rows = link.dispatch_gradient(grad_y)  # bf16 [R, H]
+        # d expert_out = f(w * g) and the dots, zero on rows not in use (capacity rows: whatever the dispatch left
+        # there, NaN included, never reaches the experts' backward).
+        grad_expert_out, dots = combine_backward_rows(g_rows, expert_out, link.result.topk_weight,
+                                                      link.result.src_rank)
+        grad_weights = _routing_weight_gradient(link, dots)  # (collective: on every rank)
         token_grad = torch.zeros((), device=grad_y.device)
-        return grad_expert_out, grad_weights if ctx.needs_input_grad[1] else None, token_grad, None, None
+        return (grad_expert_out if ctx.needs_input_grad[0] else None,
+                grad_weights if ctx.needs_input_grad[1] else None, token_grad, None, None)
 
 
-def _routing_weight_gradient(link: _Link, g_rows: torch.Tensor, expert_out: torch.Tensor) -> torch.Tensor:
-    """d w[t, k] = <g[t], expert_out[r]> for the row r of (t, k): FP32 dots on the expert rank, carried back exactly
-    as three BF16 parts per slot through GradBuffers.weights (a unit-weight BF16 combine of one row per column)."""
+def _routing_weight_gradient(link: _Link, dots: torch.Tensor) -> torch.Tensor:
+    """d w[t, k] = dots[r] for the row r of (t, k) (<g[t], expert_out[r]>, computed on the expert rank), carried back
+    exactly as three BF16 parts per slot through GradBuffers.weights (a unit-weight BF16 combine of one row per
+    column). Returns fp32 [T, K] (0 on masked slots)."""
     num_tokens, num_topk = link.topk_idx.shape
-    # fp32 [R]; rows not in use give 0 unless expert_out holds a non-finite value there (dropped below).
-    dots = _row_dots(g_rows, expert_out.to(torch.bfloat16))
-    parts = split_fp32_in_bf16(dots)  # bf16 [R, 3]
+    parts = split_fp32_in_bf16(dots)  # bf16 [R, 3]; rows not in use: zeros
     slot = torch.where(link.rows_in_use, link.result.topk_slot.long(), torch.zeros((), dtype=torch.long,
                                                                                  device=dots.device))
     columns = 3 * slot[:, None] + torch.arange(3, device=dots.device)
     width = link.grads.weights.config.hidden
     carried = torch.zeros(dots.shape[0], width, dtype=torch.bfloat16, device=dots.device)
-    carried.scatter_(1, columns, torch.where(link.rows_in_use[:, None], parts, torch.zeros((), dtype=torch.bfloat16,
-                                                                                          device=dots.device)))
+    carried.scatter_(1, columns, parts)  # (a row not in use writes its zeros into columns 0-2: nothing)
+    # The combine needs a handle of GradBuffers.weights with the forward's routing and unit weights: a dispatch of
+    # zero rows, T x width bf16, the smallest that makes one.
     placeholder = torch.zeros(num_tokens, width, dtype=torch.bfloat16, device=link.topk_idx.device)
     handle = link.grads.weights.dispatch(placeholder, link.topk_idx, link.unit_weights, check_inputs=False).handle
     back = link.grads.weights.combine(carried, handle)  # bf16 [T, width]

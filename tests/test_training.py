@@ -288,3 +288,57 @@ def test_nvlink_gradients_match_torch_autograd():
         ["rows only ok"] * world
     assert run_ranks(exact_weights_worker, world, auto_backend(), "cuda", backend=multigpu_backend()) == \
         ["exact weights ok"] * world
+
+
+def _rows_case(num_rows: int, hidden: int, seed: int, device):
+    """Random bf16 g, expert_out [R, H] with outliers, zero rows and NaN / Inf in rows in use, NaN garbage in the rows
+    not in use (src_rank -1), weights of both signs and zero."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(num_rows, hidden, generator=gen) * torch.exp2(torch.randint(-20, 20, (num_rows, 1), generator=gen))
+    e = torch.randn(num_rows, hidden, generator=gen)
+    src_rank = torch.randint(-1, 3, (num_rows,), generator=gen, dtype=torch.int32)
+    weight = torch.rand(num_rows, generator=gen) * 2 - 0.5
+    if num_rows > 4:
+        g[1] = 0.0
+        e[2, :5] = 3.0e4  # outliers
+        g[3, 7] = float("nan")
+        e[4, 1] = float("inf")
+        weight[0] = 0.0
+    unused = src_rank < 0
+    g[unused] = float("nan")
+    e[unused] = float("nan")
+    weight[unused] = float("nan")
+    return (g.to(torch.bfloat16).to(device), e.to(torch.bfloat16).to(device), weight.to(device), src_rank.to(device))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit, except that any NaN equals any NaN (payloads differ between CUDA's and torch's casts)."""
+    nan_a, nan_b = torch.isnan(a.float()), torch.isnan(b.float())
+    if not torch.equal(nan_a, nan_b):
+        return False
+    ints = torch.int16 if a.element_size() == 2 else torch.int32
+    return torch.equal(torch.where(nan_a, 0, a.view(ints)), torch.where(nan_b, 0, b.view(ints)))
+
+
+@pytest.mark.cpu
+def test_combine_backward_rows_reference_semantics():
+    g, e, weight, src_rank = _rows_case(40, 96, 0, "cpu")
+    grad, dots = training.combine_backward_rows_reference(g, e, weight, src_rank)
+    used = src_rank >= 0
+    assert torch.equal(grad[~used].float(), torch.zeros_like(grad[~used].float())) and not dots[~used].any()
+    assert _same_bits(grad[used], (g[used].float() * weight[used, None]).to(torch.bfloat16))
+    want = (g[used].double() * e[used].double()).sum(dim=-1)
+    finite = torch.isfinite(want)
+    assert torch.allclose(dots[used][finite].double(), want[finite], rtol=1e-5, atol=1e-3)
+    assert torch.equal(torch.isnan(dots[used]), torch.isnan(want))  # NaN and Inf - Inf rows stay NaN
+
+
+@pytest.mark.gpu
+def test_combine_backward_rows_kernel_matches_reference():
+    """csrc/training_rows.cu against its torch form, bit for bit (NaN as NaN), on fresh random rows."""
+    for seed, (num_rows, hidden) in enumerate([(0, 64), (1, 32), (37, 96), (300, 7168), (1025, 2048)]):
+        g, e, weight, src_rank = _rows_case(num_rows, hidden, 100 + seed, "cuda")
+        grad, dots = training.combine_backward_rows(g, e, weight, src_rank)
+        want_grad, want_dots = training.combine_backward_rows_reference(g, e, weight, src_rank)
+        assert _same_bits(grad, want_grad), (num_rows, hidden)
+        assert _same_bits(dots, want_dots), (num_rows, hidden)
