@@ -6,6 +6,7 @@ Buffer calls alone, in the same run (eager calls, CUDA events; every visible GPU
 The experts are the identity (expert_out = the dispatched rows, so the timing is the library's alone). Per token
 count, median milliseconds of:
   forward_buffer   : Buffer.dispatch + Buffer.combine (no autograd), the forward's floor;
+  buffer_calls     : the six Buffer calls a forward + backward makes, alone (no autograd, no torch ops between);
   forward_training : training.dispatch + training.combine (+ the dense rows: the NVFP4 payload dequantized to bf16);
   forward_backward : the same plus .backward() of a sum over the output: a BF16 (or MXFP8) dispatch of the output
                      gradient, the routing-weight dots and their small dispatch + combine, and a BF16 combine of the
@@ -29,8 +30,9 @@ sys.path.insert(0, HERE)
 import ep_comm  # noqa: E402
 from bench_formats import time_ms  # noqa: E402  same directory: one timing method for the benchmarks
 from ep_comm import training  # noqa: E402
-from ep_comm.bench import run_metadata, strict_json  # noqa: E402
+from ep_comm.bench import parse_token_counts, run_metadata, strict_json  # noqa: E402
 from ep_comm.launch import run_ranks  # noqa: E402
+from ep_comm.types import COMBINE_FORMATS, DISPATCH_FORMATS  # noqa: E402
 
 
 def _worker(rank, world, args):
@@ -53,6 +55,20 @@ def _worker(rank, world, args):
                 result = buf.dispatch(x, topk_idx, weights, check_inputs=False)
                 return buf.combine(expert_out[:result.num_rows], result.handle)
 
+            grad_y = torch.ones(tokens, args.hidden, dtype=torch.bfloat16, device=device)
+            ones = torch.ones_like(weights)
+            width = grads.weights.config.hidden
+            small = torch.zeros(tokens, width, dtype=torch.bfloat16, device=device)
+            small_rows = torch.zeros(buf.config.max_recv_rows, width, dtype=torch.bfloat16, device=device)
+
+            def buffer_calls():  # the six Buffer calls of forward + backward alone: what the rest of it costs on top
+                result = buf.dispatch(x, topk_idx, weights, check_inputs=False)
+                buf.combine(expert_out[:result.num_rows], result.handle)
+                sent = grads.rows.dispatch(grad_y, topk_idx, ones, check_inputs=False)
+                handle = grads.weights.dispatch(small, topk_idx, ones, check_inputs=False).handle
+                grads.weights.combine(small_rows[:result.num_rows], handle)
+                return grads.rows.combine(sent.x, sent.handle)
+
             def forward_training():
                 routed = training.dispatch(buf, grads, x_leaf, topk_idx, w_leaf, check_inputs=False)
                 return training.combine(routed.x, routed)
@@ -61,8 +77,8 @@ def _worker(rank, world, args):
                 forward_training().float().sum().backward()
 
             row = {"tokens": tokens}
-            for name, fn in (("forward_buffer", forward_buffer), ("forward_training", forward_training),
-                             ("forward_backward", forward_backward)):
+            for name, fn in (("forward_buffer", forward_buffer), ("buffer_calls", buffer_calls),
+                             ("forward_training", forward_training), ("forward_backward", forward_backward)):
                 row[name + "_ms"] = time_ms(fn, iters=args.iters, batches=args.batches)
                 # Host milliseconds per call (no synchronization inside the loop): where it is close to the device
                 # figure above, the call is host-bound.
@@ -109,8 +125,8 @@ def main(argv=None):
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--dispatch-format", default="nvfp4")
-    parser.add_argument("--combine-format", default="s2f6")
+    parser.add_argument("--dispatch-format", default="nvfp4", choices=DISPATCH_FORMATS)
+    parser.add_argument("--combine-format", default="s2f6", choices=COMBINE_FORMATS)
     parser.add_argument("--grad-format", default="bf16", choices=training.GRAD_FORMATS)
     parser.add_argument("--nproc", type=int, default=2, help="ranks, one per GPU (at most the visible GPUs)")
     parser.add_argument("--iters", type=int, default=5)
@@ -119,7 +135,7 @@ def main(argv=None):
     parser.add_argument("--profile", action="store_true", help="cProfile 20 forward + backward calls at the "
                         "smallest token count (host time) and torch.profiler 3 at the largest (CUDA kernels), rank 0")
     args = parser.parse_args(argv)
-    args.tokens = [int(t) for t in args.tokens.split(",")]
+    args.tokens = parse_token_counts(parser, args.tokens)
     if not torch.cuda.is_available():
         parser.error("needs CUDA GPUs (the nvlink backend)")
     world = max(1, min(args.nproc, torch.cuda.device_count()))
@@ -133,7 +149,8 @@ def main(argv=None):
                   f"{1e3 * row['forward_training_ms']:9.1f} us, "
                   f"forward + backward {1e3 * row['forward_backward_ms']:9.1f} us (host "
                   f"{1e3 * row['forward_buffer_host_ms']:.1f} / {1e3 * row['forward_training_host_ms']:.1f} / "
-                  f"{1e3 * row['forward_backward_host_ms']:.1f} us)")
+                  f"{1e3 * row['forward_backward_host_ms']:.1f} us); its six Buffer calls alone "
+                  f"{1e3 * row['buffer_calls_ms']:.1f} us (host {1e3 * row['buffer_calls_host_ms']:.1f})")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(strict_json(report), f, indent=1)
