@@ -31,7 +31,10 @@ and combine of 32 * ceil(3K / 32) BF16 columns for the routing weights; none of 
 no CUDA-graph or comm_stream support here (plain eager autograd). The backward calls are collective like the forward's:
 every rank must call backward through the same layers (wherever the combine's output reaches the loss, both backward
 passes run on every rank and make all their calls, whatever the rank's own tensors require; see the Functions). A rank
-that skips one gets its peers' timeouts, as a missing forward call does. Not twice differentiable.
+that skips one gets its peers' timeouts, as a missing forward call does. This holds for a plain `loss.backward()`:
+`torch.autograd.grad(...)` and `backward(inputs=...)` run only the nodes on the way to the tensors they name, which
+may leave out one of these backward passes on some ranks and not others (they then time out). Not twice
+differentiable.
 """
 from __future__ import annotations
 
@@ -148,8 +151,9 @@ class _Link:
         # bool [R]: a token's row (not padding, not past the rows in use)
         self.rows_in_use: Optional[torch.Tensor] = None
         self.unit_handle = None
-        self.anchor = torch.zeros((), requires_grad=True)  # (see the Functions below)
-        self.token: Optional[torch.Tensor] = None
+        # (See the Functions below. On the tokens' device, so that backward needs no CPU step. The token that links
+        # the two Functions is kept by RoutedTokens, not here: its grad_fn holds this link, a reference cycle.)
+        self.anchor = torch.zeros((), device=topk_idx.device, requires_grad=True)
 
     def dispatch_gradient(self, grad_y: torch.Tensor) -> torch.Tensor:
         """The output gradient to the expert ranks (GradBuffers.rows): bf16 [R, H] rows (BF16: the payload itself;
@@ -216,9 +220,21 @@ def combine_backward_rows(g: torch.Tensor, expert_out: torch.Tensor, row_weight:
     """Combine's backward on the expert rank in one pass: grad_expert_out = bf16(w * g) and the routing-weight dots
     <g, expert_out> in FP32 (csrc/training_rows.h on CUDA tensors when ep_comm._C is built, else its torch form;
     the same bits either way)."""
+    num_rows = g.shape[0] if g.dim() == 2 else -1
+    for name, tensor, dtype, shape in (("g", g, torch.bfloat16, tuple(g.shape)),
+                                       ("expert_out", expert_out, torch.bfloat16, tuple(g.shape)),
+                                       ("row_weight", row_weight, torch.float32, (num_rows,)),
+                                       ("src_rank", src_rank, torch.int32, (num_rows,))):
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != shape \
+                or tensor.device != g.device:
+            raise ValueError(f"combine_backward_rows: {name} must be {dtype} {list(shape)} on {g.device} (g bf16 "
+                             f"[R, H]), got {type(tensor).__name__} {getattr(tensor, 'dtype', '')} "
+                             f"{list(getattr(tensor, 'shape', []))} on {getattr(tensor, 'device', '')}")
+    if g.dim() != 2 or g.shape[1] % 32:
+        raise ValueError(f"combine_backward_rows: g must be [R, H] with H % 32 == 0, got {list(g.shape)}")
     if g.is_cuda and _ext.cuda_extension_available():
         g, expert_out = g.contiguous(), expert_out.contiguous()
-        row_weight, src_rank = row_weight.float().contiguous(), src_rank.to(torch.int32).contiguous()
+        row_weight, src_rank = row_weight.contiguous(), src_rank.contiguous()
         num_rows, hidden = g.shape
         grad = torch.empty_like(g)
         dots = torch.empty(num_rows, dtype=torch.float32, device=g.device)
@@ -354,7 +370,8 @@ class RoutedTokens:
     x: torch.Tensor
     result: DispatchResult
     topk_weights: torch.Tensor
-    link: Any = dataclasses.field(repr=False, compare=False)
+    link: Any = dataclasses.field(repr=False, compare=False)  # the state the backward passes share (_Link)
+    token: Any = dataclasses.field(default=None, repr=False, compare=False)  # dispatch's output that combine takes
 
 
 def dispatch(buffer: Buffer, grads: GradBuffers, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -375,8 +392,8 @@ def dispatch(buffer: Buffer, grads: GradBuffers, x: torch.Tensor, topk_idx: torc
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     # (The forward's routing is kept for backward: a copy, so that an in-place edit after the call cannot misroute it.)
     link = _Link(buffer, grads, topk_idx.clone(), topk_weights)
-    rows, link.token = _DispatchFunction.apply(x, link.anchor, link, dtype, check_inputs)
-    return RoutedTokens(x=rows, result=link.result, topk_weights=topk_weights, link=link)
+    rows, token = _DispatchFunction.apply(x, link.anchor, link, dtype, check_inputs)
+    return RoutedTokens(x=rows, result=link.result, topk_weights=topk_weights, link=link, token=token)
 
 
 def combine(expert_out: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
@@ -389,4 +406,4 @@ def combine(expert_out: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
     if not isinstance(expert_out, torch.Tensor):
         raise TypeError(f"expert_out must be a torch.Tensor, got {type(expert_out).__name__}")
     link = routed.link
-    return _CombineFunction.apply(expert_out, routed.topk_weights, link.token, link.anchor, link)
+    return _CombineFunction.apply(expert_out, routed.topk_weights, routed.token, link.anchor, link)

@@ -170,6 +170,21 @@ def rows_only_worker(rank, world, backend="reference", device_kind="cpu"):
         training.combine(expert_out, routed).float().sum().backward()
         if mine:
             assert x_in.grad is not None and w_in.grad is not None
+
+        # No reference cycle: a dispatch's state (its payload, the gradient rows) goes with its last reference, not at
+        # the garbage collector's next pass.
+        import gc
+        import weakref
+        gc.disable()
+        try:
+            routed = training.dispatch(buf, grads, x.clone().requires_grad_(), idx, weights)
+            y = training.combine(routed.x.clone(), routed)
+            y.float().sum().backward()
+            state = weakref.ref(routed.link)
+            del routed, y, expert_out
+            assert state() is None
+        finally:
+            gc.enable()
     return "rows only ok"
 
 
@@ -254,6 +269,15 @@ def test_fp32_split_into_three_bf16_parts_is_exact():
     assert training.weights_hidden(8) == 32 and training.weights_hidden(11) == 64 and training.weights_hidden(1) == 32
 
 
+@pytest.mark.cpu
+def test_combine_backward_rows_refuses_mismatched_tensors():
+    g, e, weight, src_rank = _rows_case(8, 64, 1, "cpu")
+    for bad in ((g, e[:4], weight, src_rank), (g, e.float(), weight, src_rank), (g, e, weight[:4], src_rank),
+                (g, e, weight, src_rank.long()), (g[:, :48], e[:, :48], weight, src_rank)):
+        with pytest.raises(ValueError, match="combine_backward_rows"):
+            training.combine_backward_rows(*bad)
+
+
 _ALL_FORMATS = (("nvfp4", "s2f6", "bf16"), ("bf16", "bf16", "bf16"), ("mxfp8", "s2f6", "mxfp8"),
                 ("nvfp4", "bf16", "mxfp8"))
 
@@ -336,8 +360,14 @@ def test_combine_backward_rows_reference_semantics():
 @pytest.mark.gpu
 def test_combine_backward_rows_kernel_matches_reference():
     """csrc/training_rows.cu against its torch form, bit for bit (NaN as NaN), on fresh random rows."""
-    for seed, (num_rows, hidden) in enumerate([(0, 64), (1, 32), (37, 96), (300, 7168), (1025, 2048)]):
+    shapes = [(0, 64), (1, 32), (37, 96), (300, 7168), (1025, 2048), (20000, 96)]  # (the last: rows > the grid)
+    for seed, (num_rows, hidden) in enumerate(shapes):
         g, e, weight, src_rank = _rows_case(num_rows, hidden, 100 + seed, "cuda")
+        if num_rows > 8:  # subnormal products and subnormal w * g (a flush-to-zero build would differ here)
+            g[5] = (torch.randn(hidden) * 2.0 ** -130).to(torch.bfloat16).to(g.device)
+            e[5] = (torch.randn(hidden) * 2.0 ** -5).to(torch.bfloat16).to(g.device)
+            weight[5] = 2.0 ** -10
+            src_rank[5] = 0
         grad, dots = training.combine_backward_rows(g, e, weight, src_rank)
         want_grad, want_dots = training.combine_backward_rows_reference(g, e, weight, src_rank)
         assert _same_bits(grad, want_grad), (num_rows, hidden)
