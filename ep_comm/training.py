@@ -151,9 +151,6 @@ class _Link:
         # bool [R]: a token's row (not padding, not past the rows in use)
         self.rows_in_use: Optional[torch.Tensor] = None
         self.unit_handle = None
-        # (See the Functions below. On the tokens' device, so that backward needs no CPU step. The token that links
-        # the two Functions is kept by RoutedTokens, not here: its grad_fn holds this link, a reference cycle.)
-        self.anchor = torch.zeros((), device=topk_idx.device, requires_grad=True)
 
     def dispatch_gradient(self, grad_y: torch.Tensor) -> torch.Tensor:
         """The output gradient to the expert ranks (GradBuffers.rows): bf16 [R, H] rows (BF16: the payload itself;
@@ -162,9 +159,7 @@ class _Link:
         sent = self.grads.rows.dispatch(grad_y.to(torch.bfloat16).contiguous(), self.topk_idx, self.unit_weights,
                                         check_inputs=False)
         self.unit_handle = sent.handle
-        if isinstance(sent.x, formats.MXFP8Tensor):
-            return formats.mxfp8_dequantize(sent.x, dtype=torch.bfloat16)
-        return sent.x
+        return _dense(sent.x, torch.bfloat16)
 
     def unit_weight_handle(self):
         """A handle of GradBuffers.rows whose combine sums a token's rows with weight 1: the gradient dispatch's, or,
@@ -177,22 +172,31 @@ class _Link:
         return self.unit_handle
 
 
+def _dense(payload, dtype: torch.dtype) -> torch.Tensor:
+    """A dispatch payload (NVFP4Tensor, MXFP8Tensor or bf16 [R, H]) as dense [R, H] `dtype` (the bf16 payload itself
+    when dtype is bf16)."""
+    if isinstance(payload, formats.NVFP4Tensor):
+        return formats.nvfp4_dequantize(payload, dtype=dtype)
+    if isinstance(payload, formats.MXFP8Tensor):
+        return formats.mxfp8_dequantize(payload, dtype=dtype)
+    return payload.to(dtype)
+
+
 def _dense_rows(payload, dtype: torch.dtype, rows_in_use: torch.Tensor) -> torch.Tensor:
-    """A dispatch payload (NVFP4Tensor, MXFP8Tensor or bf16 [R, H]) as dense [R, H] `dtype`, zero on the rows not in
-    use (padding rows are zero already; the nvlink capacity rows past the rows in use are not written by the dispatch
-    and may hold anything, NaN included). The mask goes where it is cheapest: NVFP4's scales and amax (a zero scale
-    and amax make every value of the row 0, whatever its codes: E2M1 codes are finite), MXFP8's bytes, BF16's rows."""
+    """_dense, zero on the rows not in use (padding rows are zero already; the nvlink capacity rows past the rows in
+    use are not written by the dispatch and may hold anything, NaN included). The mask goes where it is cheapest:
+    NVFP4's scales and amax (a zero scale and amax make every value of the row 0, whatever its codes: E2M1 codes are
+    finite), MXFP8's bytes, BF16's rows."""
     def masked(t: torch.Tensor) -> torch.Tensor:
         shape = (-1,) + (1,) * (t.dim() - 1)
         if t.element_size() == 1:  # (float8 tensors: where() through their bytes)
             return torch.where(rows_in_use.view(shape), t.view(torch.uint8), 0).view(t.dtype)
         return torch.where(rows_in_use.view(shape), t, torch.zeros((), dtype=t.dtype, device=t.device))
     if isinstance(payload, formats.NVFP4Tensor):
-        payload = dataclasses.replace(payload, scales=masked(payload.scales), amax=masked(payload.amax))
-        return formats.nvfp4_dequantize(payload, dtype=dtype)
+        return _dense(dataclasses.replace(payload, scales=masked(payload.scales), amax=masked(payload.amax)), dtype)
     if isinstance(payload, formats.MXFP8Tensor):
-        return formats.mxfp8_dequantize(dataclasses.replace(payload, data=masked(payload.data)), dtype=dtype)
-    return masked(payload).to(dtype)
+        return _dense(dataclasses.replace(payload, data=masked(payload.data)), dtype)
+    return _dense(masked(payload), dtype)
 
 
 def combine_backward_rows_reference(g: torch.Tensor, expert_out: torch.Tensor, row_weight: torch.Tensor,
@@ -275,10 +279,10 @@ def join_bf16_parts(parts: torch.Tensor) -> torch.Tensor:
 
 # Collective backward: every rank must make the same Buffer calls in backward, whatever its own data. Autograd runs a
 # node only where something that requires grad lies behind it, and a rank's x, routing weights or expert outputs may
-# not (a rank whose experts got no rows returns zeros). So both Functions also take the link's `anchor`, a leaf that
-# always requires grad, and dispatch passes a `token` to combine: wherever y reaches the loss, combine's backward and
-# then dispatch's backward run on every rank, and each makes all its calls (the routing-weight exchange included,
-# whether or not this rank's weights want a gradient).
+# not (a rank whose experts got no rows returns zeros). So dispatch also takes an `anchor`, a leaf that always
+# requires grad, and passes a `token` (which therefore requires grad too) to combine: wherever y reaches the loss,
+# combine's backward and then dispatch's backward run on every rank, and each makes all its calls (the routing-weight
+# exchange included, whether or not this rank's weights want a gradient).
 class _DispatchFunction(torch.autograd.Function):
     """x [T, H] -> (dense rows [R, H], token): Buffer.dispatch; backward: a unit-weight BF16 combine of the rows'
     gradients on GradBuffers.rows."""
@@ -311,7 +315,7 @@ class _CombineFunction(torch.autograd.Function):
     dispatched on GradBuffers.rows, the routing-weight gradients through GradBuffers.weights."""
 
     @staticmethod
-    def forward(ctx, expert_out, topk_weights, token, anchor, link: _Link):
+    def forward(ctx, expert_out, topk_weights, token, link: _Link):
         # (topk_weights is an input only so that autograd delivers its gradient here: the combine applies the
         # handle's copy of the weights the dispatch was given, which `combine` passes as this very tensor.)
         y = link.buffer.combine(expert_out.detach(), link.result.handle)
@@ -332,7 +336,7 @@ class _CombineFunction(torch.autograd.Function):
         grad_weights = _routing_weight_gradient(link, dots)  # (collective: on every rank)
         token_grad = torch.zeros((), device=grad_y.device)
         return (grad_expert_out if ctx.needs_input_grad[0] else None,
-                grad_weights if ctx.needs_input_grad[1] else None, token_grad, None, None)
+                grad_weights if ctx.needs_input_grad[1] else None, token_grad, None)
 
 
 def _routing_weight_gradient(link: _Link, dots: torch.Tensor) -> torch.Tensor:
@@ -371,7 +375,7 @@ class RoutedTokens:
     result: DispatchResult
     topk_weights: torch.Tensor
     link: Any = dataclasses.field(repr=False, compare=False)  # the state the backward passes share (_Link)
-    token: Any = dataclasses.field(default=None, repr=False, compare=False)  # dispatch's output that combine takes
+    token: Any = dataclasses.field(repr=False, compare=False)  # dispatch's output that combine takes
 
 
 def dispatch(buffer: Buffer, grads: GradBuffers, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -392,7 +396,10 @@ def dispatch(buffer: Buffer, grads: GradBuffers, x: torch.Tensor, topk_idx: torc
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     # (The forward's routing is kept for backward: a copy, so that an in-place edit after the call cannot misroute it.)
     link = _Link(buffer, grads, topk_idx.clone(), topk_weights)
-    rows, token = _DispatchFunction.apply(x, link.anchor, link, dtype, check_inputs)
+    # (The anchor on the tokens' device, so that backward needs no CPU step. The token is kept by RoutedTokens, not by
+    # the link: its grad_fn holds the link, which would make a reference cycle.)
+    anchor = torch.zeros((), device=topk_idx.device, requires_grad=True)
+    rows, token = _DispatchFunction.apply(x, anchor, link, dtype, check_inputs)
     return RoutedTokens(x=rows, result=link.result, topk_weights=topk_weights, link=link, token=token)
 
 
@@ -406,4 +413,4 @@ def combine(expert_out: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
     if not isinstance(expert_out, torch.Tensor):
         raise TypeError(f"expert_out must be a torch.Tensor, got {type(expert_out).__name__}")
     link = routed.link
-    return _CombineFunction.apply(expert_out, routed.topk_weights, routed.token, link.anchor, link)
+    return _CombineFunction.apply(expert_out, routed.topk_weights, routed.token, link)

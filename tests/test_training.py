@@ -11,6 +11,7 @@ import torch
 
 import ep_comm
 from ep_comm import formats, training
+from format_cases import assert_same_floats
 from harness import auto_backend, multigpu_backend, multigpu_world, run_ranks
 
 HIDDEN, TOPK, MAX_TOKENS, ALIGNMENT = 64, 3, 9, 4
@@ -335,22 +336,13 @@ def _rows_case(num_rows: int, hidden: int, seed: int, device):
     return (g.to(torch.bfloat16).to(device), e.to(torch.bfloat16).to(device), weight.to(device), src_rank.to(device))
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit for bit, except that any NaN equals any NaN (payloads differ between CUDA's and torch's casts)."""
-    nan_a, nan_b = torch.isnan(a.float()), torch.isnan(b.float())
-    if not torch.equal(nan_a, nan_b):
-        return False
-    ints = torch.int16 if a.element_size() == 2 else torch.int32
-    return torch.equal(torch.where(nan_a, 0, a.view(ints)), torch.where(nan_b, 0, b.view(ints)))
-
-
 @pytest.mark.cpu
 def test_combine_backward_rows_reference_semantics():
     g, e, weight, src_rank = _rows_case(40, 96, 0, "cpu")
     grad, dots = training.combine_backward_rows_reference(g, e, weight, src_rank)
     used = src_rank >= 0
     assert torch.equal(grad[~used].float(), torch.zeros_like(grad[~used].float())) and not dots[~used].any()
-    assert _same_bits(grad[used], (g[used].float() * weight[used, None]).to(torch.bfloat16))
+    assert_same_floats(grad[used], (g[used].float() * weight[used, None]).to(torch.bfloat16), "f(w * g)")
     want = (g[used].double() * e[used].double()).sum(dim=-1)
     finite = torch.isfinite(want)
     assert torch.allclose(dots[used][finite].double(), want[finite], rtol=1e-5, atol=1e-3)
@@ -370,5 +362,5 @@ def test_combine_backward_rows_kernel_matches_reference():
             src_rank[5] = 0
         grad, dots = training.combine_backward_rows(g, e, weight, src_rank)
         want_grad, want_dots = training.combine_backward_rows_reference(g, e, weight, src_rank)
-        assert _same_bits(grad, want_grad), (num_rows, hidden)
-        assert _same_bits(dots, want_dots), (num_rows, hidden)
+        assert_same_floats(grad, want_grad, f"d expert_out at {num_rows} x {hidden}")
+        assert_same_floats(dots, want_dots, f"dots at {num_rows} x {hidden}")
