@@ -273,6 +273,15 @@ test_shared_layer() {  # one GPU: the MoE layer, waves and reference-backend tie
   shared_tier layer 320 tests/test_moe.py tests/test_waves.py tests/test_reference_backend.py tests/test_training.py \
     -k "not gloo"
 }
+test_training_experts() {  # ep_comm.training.ExpertMLP (NVFP4 forward, MXFP8 + SR backward) against its FP32 oracle
+  say "gpu tier: trainable experts (ExpertMLP) on nvlink at world 1"
+  pytest_tier training_experts 200 2 tests/test_training_experts.py -m gpu
+}
+bench_training_experts() {  # ExpertMLP forward + backward against BF16 torch._grouped_mm autograd, one GPU
+  say "bench: trainable experts (ExpertMLP) vs BF16 grouped-GEMM autograd"
+  timeout 400 python3 bench/bench_training_experts.py --profile --out "$OUT/bench_training_experts.json" 2>&1 \
+    | tail -60 | tee -a "$log"
+}
 test_training() {  # ep_comm.training (autograd through dispatch / combine) on the nvlink backend: world 1, then 2 ranks
   # sharing GPU 0 (the multigpu test; on 2+ GPUs test_multigpu runs it one rank per GPU)
   say "gpu tier: ep_comm.training gradients on nvlink at world 1"

@@ -414,3 +414,8 @@ def combine(expert_out: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
         raise TypeError(f"expert_out must be a torch.Tensor, got {type(expert_out).__name__}")
     link = routed.link
     return _CombineFunction.apply(expert_out, routed.topk_weights, routed.token, link)
+
+
+# The trainable experts (ep_comm/training_experts.py), here with the rest of the training API. (Imported last: that
+# module builds on RoutedTokens.)
+from .training_experts import ExpertMLP, expert_mlp, quantize_expert_weights  # noqa: E402

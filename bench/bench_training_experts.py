@@ -1,0 +1,165 @@
+"""What the trainable experts cost (ep_comm.training.ExpertMLP: NVFP4 forward, MXFP8 + SR backward), against the same
+SwiGLU experts in plain BF16 autograd over torch._grouped_mm, and against the dense BF16 ceiling -- one GPU, same run.
+
+    python bench/bench_training_experts.py --tokens 4096 --experts 32 --out training_experts.json
+
+The rows come from a real NVFP4 dispatch (nvlink backend, one rank: every expert local, E experts, top-k, expert
+alignment 32), so the layout is the one training uses (capacity rows included). Median milliseconds of:
+  ours_forward, ours_forward_backward : _ExpertMLPFunction (weights quantized to NVFP4 each call; backward: six MXFP8
+      SR quantizations and four grouped GEMMs), with a gradient for the rows and both weights;
+  bf16_forward, bf16_forward_backward : BF16 weights and rows, silu(gate) * up, torch._grouped_mm forward and
+      torch's own autograd of it (the BF16 baseline of DESIGN.md §6 for the expert compute);
+  gemms_only : the four backward + two forward BF16 grouped GEMMs of ours alone, on the same operands (what the
+      quantization, masking and scaling passes cost on top is ours_forward_backward - gemms_only);
+  dense_bf16_tflops : torch.mm in BF16 on 8192^3, the tensor-core ceiling of this GPU in this run.
+TFLOP/s counts 6 R H I (forward) and 18 R H I (forward + backward) over the rows in use. Timing only; the gradients
+are checked in tests/test_training_experts.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import ep_comm  # noqa: E402
+from bench_formats import time_ms  # noqa: E402  same directory: one timing method for the benchmarks
+from ep_comm import training  # noqa: E402
+from ep_comm.bench import parse_token_counts, run_metadata, strict_json  # noqa: E402
+from ep_comm.launch import run_ranks  # noqa: E402
+from ep_comm.training_experts import _ExpertMLPFunction  # noqa: E402
+
+
+def _dense_ceiling_tflops(device) -> float:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    ms = time_ms(lambda: a @ b, iters=10, batches=5)
+    return 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
+
+
+def _worker(rank, world, args):
+    device = torch.device("cuda", torch.cuda.current_device())
+    hidden, inter, experts = args.hidden, args.intermediate, args.experts
+    figures = {"dense_bf16_tflops": _dense_ceiling_tflops(device), "cases": []}
+    for tokens in args.tokens:
+        gen = torch.Generator().manual_seed(7)
+        x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
+        topk_idx = torch.rand(tokens, experts, generator=gen).topk(args.topk, dim=1).indices.to(device)
+        weights = torch.softmax(torch.randn(tokens, args.topk, generator=gen), dim=1).to(device)
+        with ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=args.topk, max_tokens_per_rank=tokens,
+                            expert_alignment=32, backend="nvlink") as buf:
+            result = buf.dispatch(x, topk_idx, weights)
+            rows_in_use = int(result.expert_offsets[-1])
+            mlp = training.ExpertMLP(experts, hidden, inter, device=device)
+            rows = torch.zeros(result.num_rows, hidden, dtype=torch.bfloat16, device=device, requires_grad=True)
+            grad = torch.randn(result.num_rows, hidden, dtype=torch.bfloat16, device=device)
+
+            def ours_forward():
+                with torch.no_grad():
+                    return _ExpertMLPFunction.apply(rows, mlp.w1, mlp.w2, result, 1)
+
+            def ours_forward_backward():
+                _ExpertMLPFunction.apply(rows, mlp.w1, mlp.w2, result, 1).backward(grad)
+
+            # The BF16 baseline on the same rows and segments.
+            ends = result.expert_offsets[1:].contiguous()
+            x_rows = training._dense(result.x, torch.bfloat16)[:rows_in_use].detach().requires_grad_()
+            w1 = mlp.w1.detach().to(torch.bfloat16).requires_grad_()
+            w2 = mlp.w2.detach().to(torch.bfloat16).requires_grad_()
+            g_rows = grad[:rows_in_use]
+
+            def bf16_mlp():
+                gate, up = torch._grouped_mm(x_rows, w1.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+                return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)
+
+            def bf16_forward():
+                with torch.no_grad():
+                    return bf16_mlp()
+
+            def bf16_forward_backward():
+                bf16_mlp().backward(g_rows)
+
+            # The six grouped GEMMs of ours alone, on operands of the same shapes and layouts.
+            padded = -(-result.num_rows // 32) * 32
+            a_h = torch.randn(result.num_rows, hidden, dtype=torch.bfloat16, device=device)
+            a_i = torch.randn(result.num_rows, inter, dtype=torch.bfloat16, device=device)
+            a_2i = torch.randn(result.num_rows, 2 * inter, dtype=torch.bfloat16, device=device)
+            t_h = torch.randn(hidden, padded, dtype=torch.bfloat16, device=device)
+            t_i = torch.randn(inter, padded, dtype=torch.bfloat16, device=device)
+            t_2i = torch.randn(2 * inter, padded, dtype=torch.bfloat16, device=device)
+            v1, v2 = w1.detach(), w2.detach()
+
+            def gemms_only():
+                torch._grouped_mm(a_h, v1.transpose(1, 2), offs=ends)
+                torch._grouped_mm(a_i, v2.transpose(1, 2), offs=ends)
+                torch._grouped_mm(a_h, v2, offs=ends)
+                torch._grouped_mm(t_h, t_i.t(), offs=ends)
+                torch._grouped_mm(a_2i, v1, offs=ends)
+                torch._grouped_mm(t_2i, t_h.t(), offs=ends)
+
+            row = {"tokens": tokens, "rows_in_use": rows_in_use, "num_rows": result.num_rows}
+            for name, fn in (("ours_forward", ours_forward), ("ours_forward_backward", ours_forward_backward),
+                             ("bf16_forward", bf16_forward), ("bf16_forward_backward", bf16_forward_backward),
+                             ("gemms_only", gemms_only)):
+                row[name + "_ms"] = time_ms(fn, iters=args.iters, batches=args.batches)
+            flops = 6.0 * rows_in_use * hidden * inter
+            for name, scale in (("ours_forward", 1), ("ours_forward_backward", 3), ("bf16_forward", 1),
+                                ("bf16_forward_backward", 3), ("gemms_only", 3)):
+                row[name + "_tflops"] = scale * flops / (row[name + "_ms"] * 1e-3) / 1e12
+            row["speedup_forward_backward_vs_bf16"] = row["bf16_forward_backward_ms"] / row["ours_forward_backward_ms"]
+            if args.profile:
+                from torch.profiler import ProfilerActivity, profile as torch_profile
+                ours_forward_backward()
+                torch.cuda.synchronize()
+                with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    ours_forward_backward()
+                    torch.cuda.synchronize()
+                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+                row["kernel_profile"] = table
+                print(table)
+            figures["cases"].append(row)
+            del mlp, rows, grad, x_rows, w1, w2, a_h, a_i, a_2i, t_h, t_i, t_2i, v1, v2
+            torch.cuda.empty_cache()
+    return figures
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="4096", help="tokens (one rank), comma-separated")
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--experts", type=int, default=32, help="local experts (DeepSeek-V3's 256 over 8 ranks)")
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--batches", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="torch.profiler of one forward + backward (ours)")
+    parser.add_argument("--out", default=None, help="JSON file for the figures")
+    args = parser.parse_args(argv)
+    args.tokens = parse_token_counts(parser, args.tokens)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    (figures,) = run_ranks(_worker, 1, args, backend="nccl", timeout_s=900)
+    print(f"dense BF16 mm ceiling: {figures['dense_bf16_tflops']:.0f} TFLOP/s")
+    for row in figures["cases"]:
+        print(f"tokens {row['tokens']} ({row['rows_in_use']} rows in use of {row['num_rows']}): "
+              f"ours fwd {row['ours_forward_ms']:.2f} ms ({row['ours_forward_tflops']:.0f} TFLOP/s), fwd+bwd "
+              f"{row['ours_forward_backward_ms']:.2f} ms ({row['ours_forward_backward_tflops']:.0f}); BF16 fwd "
+              f"{row['bf16_forward_ms']:.2f} ms, fwd+bwd {row['bf16_forward_backward_ms']:.2f} ms "
+              f"({row['bf16_forward_backward_tflops']:.0f}); the six GEMMs alone {row['gemms_only_ms']:.2f} ms "
+              f"({row['gemms_only_tflops']:.0f}); ours / BF16 speed {row['speedup_forward_backward_vs_bf16']:.2f}x")
+    if args.out:
+        report = {"meta": run_metadata(), "args": {k: v for k, v in vars(args).items() if k != "out"},
+                  "figures": figures}
+        with open(args.out, "w") as f:
+            json.dump(strict_json(report), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

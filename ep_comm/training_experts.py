@@ -1,0 +1,303 @@
+"""Trainable SwiGLU experts on the dispatched NVFP4 tokens: MoELayer's expert MLP with autograd, its backward in
+MXFP8 with stochastic rounding (DESIGN.md §3 "Backward": saved NVFP4 activations reused, not re-sent).
+
+    buf = ep_comm.Buffer(..., dispatch_format="nvfp4", expert_alignment=32)
+    grads = training.GradBuffers.create(buf)
+    experts = training.ExpertMLP(buf.config.num_local_experts, hidden, intermediate, device=device)
+    routed = training.dispatch(buf, grads, x, topk_idx, topk_weights)
+    y = training.combine(experts(routed), routed)
+    loss(y).backward()            # gradients reach experts.w1 / experts.w2, x and the routing weights
+
+Forward, MoELayer's quantization points: the master weights (FP32 or BF16 parameters) are quantized to NVFP4 on every
+call (no 4/6, one FP32 amax per expert: what `moe.pack_weights` makes, bit for bit); w1 reads the dispatched NVFP4
+tokens themselves (`routed.result.x`); SwiGLU in FP32; the w2 input is requantized to NVFP4 with 4/6 and a per-token
+amax; w2. Only the rows in use get outputs: padding rows and the rows past expert_offsets[-1] are zero.
+
+Backward, for each local expert e, with g the output gradient [R, H] and straight-through weight quantizers:
+
+    dgrad:  d_hidden = Q(g) W2_e             d_x = Q(d_gate_up) W1_e
+    wgrad:  dW2_e = Q_T(g)^T Q_T(h)          dW1_e = Q_T(d_gate_up)^T Q_T(x)
+
+Q is MXFP8 (E4M3, UE8M0 scale per 32) along the contraction axis (H, 2I), Q_T MXFP8 along the tokens (32 rows of
+one expert per block: hence expert_alignment % 32 == 0), all with stochastic rounding, a fresh seed per call and
+tensor. W are the forward's NVFP4 weights; h (the w2 input) and x (the dispatched tokens) are the forward's saved
+NVFP4 operands, dequantized, transposed and requantized (`formats.nvfp4_to_mxfp8_transposed`). SwiGLU's backward
+runs in FP32 from the saved pre-activations (kept in BF16: 4 I bytes per row).
+
+Compute: Hopper has no FP4 or block-scaled MMA. Every GEMM here multiplies operands that are exact in BF16 (E2M1 x
+E4M3 block values, MXFP8 values) with `torch._grouped_mm` (BF16 tensor cores, FP32 accumulation, BF16 output) over
+the dispatch layout's segments (device-side offsets: no host sync), and applies the FP32 outer factors (per token,
+per expert) to the output rows. The numerics are those of NVFP4 / MXFP8 GEMMs with FP32 accumulation and BF16
+outputs; the speed that of BF16 grouped GEMMs. (The fused NVFP4 kernels of `ep_comm.grouped_gemm` serve inference:
+they take weights packed once, offline, which training would repack at every step.) The same code runs on CPU ranks
+(torch's CPU _grouped_mm) and on GPUs, where the quantizers are the CUDA kernels of `ep_comm.formats` (bitwise the
+reference quantizers). MXFP8 values below 2^-133 (a block whose largest magnitude is below ~2^-118) are not exact in
+BF16; nothing else is rounded on the way into a GEMM.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import formats
+from .training import RoutedTokens
+
+# Seeds of the six stochastic roundings of one backward (one per quantized tensor), offsets from the call's seed.
+_SEED_TAGS = {"g_rows": 1, "g_tokens": 2, "h_tokens": 3, "d_gate_up_rows": 4, "d_gate_up_tokens": 5, "x_tokens": 6}
+_SEED_STRIDE = 8
+
+
+@dataclass(frozen=True)
+class ExpertGradSeeds:
+    """The seed of each stochastic rounding of one backward: `call_seed * 8 + tag` (a 64-bit wrap), tags as above."""
+
+    call_seed: int
+
+    def of(self, tensor: str) -> int:
+        return (self.call_seed * _SEED_STRIDE + _SEED_TAGS[tensor]) % 2**64
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm in BF16 (FP32 accumulation, BF16 result). a [R, K] x b [E, K, N] -> [R, N] (groups of rows;
+    rows past group_ends[-1] undefined); a [M, R] x b [R, N] -> [E, M, N] (groups along the contraction)."""
+    return torch._grouped_mm(a, b, offs=group_ends)
+
+
+def quantize_expert_weights(w: torch.Tensor) -> formats.NVFP4Tensor:
+    """Master weights [E, N, K] (float32 / bfloat16 / float16, finite) -> NVFP4 along K without 4/6 and with one FP32
+    amax per expert: bitwise `moe.pack_weights`'s quantization. No autograd (straight-through: see the module doc)."""
+    with torch.no_grad():
+        w = w.detach()
+        amax = torch.linalg.vector_norm(w, ord=math.inf, dim=(1, 2)).float()[:, None]  # exact: a max
+        return formats.nvfp4_quantize(w, four_over_six=False, amax=amax)
+
+
+def _block_values(q: formats.NVFP4Tensor):
+    """NVFP4 [..., K] -> (values bf16 [N, K]: E2M1 x E4M3, exact; factor fp32 [N]: the outer decode scale
+    amax * fp32(1 / (6 * e4m3_max)), as the grouped GEMM's ExpandedRows), rows flattened."""
+    factor = q.amax.reshape(-1).float() * torch.full((), 1.0 / (6.0 * q.e4m3_max), dtype=torch.float32,
+                                                     device=q.amax.device)
+    if formats._use_cuda("auto", q.data):
+        from . import _cuda_formats
+        return _cuda_formats.nvfp4_block_values(q), factor
+    k = q.data.shape[-1] * 2
+    codes = formats._unpack_e2m1_codes(q.data.reshape(-1, k // 2)).reshape(-1, k // 16, 16)
+    scales = formats.e4m3_decode(q.scales.view(torch.uint8).reshape(-1, k // 16))
+    return (formats.e2m1_decode(codes) * scales[..., None]).reshape(-1, k).to(torch.bfloat16), factor
+
+
+def _masked_nvfp4(q: formats.NVFP4Tensor, rows_in_use: torch.Tensor, num_rows: int) -> formats.NVFP4Tensor:
+    """q's rows with zero scales and amax outside rows_in_use (so every value there is 0, whatever the codes or the
+    garbage scales of nvlink's capacity rows), padded with zero rows to num_rows."""
+    pad = num_rows - q.data.shape[0]
+
+    def masked(t: torch.Tensor) -> torch.Tensor:
+        shape = (-1,) + (1,) * (t.dim() - 1)
+        bytes_view = t.view(torch.uint8) if t.element_size() == 1 else t
+        kept = torch.where(rows_in_use.view(shape), bytes_view, torch.zeros((), dtype=bytes_view.dtype,
+                                                                              device=t.device))
+        kept = F.pad(kept, (0, 0) * (t.dim() - 1) + (0, pad)) if pad else kept
+        return kept.view(t.dtype) if t.element_size() == 1 else kept
+    data = F.pad(q.data, (0, 0, 0, pad)) if pad else q.data
+    return dataclasses.replace(q, data=data, scales=masked(q.scales), amax=masked(q.amax))
+
+
+def _mxfp8_values(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """x [M, K] -> bf16 [M, K]: MXFP8 along K with stochastic rounding, dequantized (exact in BF16)."""
+    q = formats.mxfp8_quantize(x, rounding="stochastic", seed=seed)
+    return formats.mxfp8_dequantize(q, dtype=torch.bfloat16)
+
+
+def _mxfp8_token_values(x: torch.Tensor, num_rows: int, seed: int) -> torch.Tensor:
+    """x [R, K] -> bf16 [K, num_rows]: transposed, zero-padded to num_rows (a multiple of 32), MXFP8 along the tokens
+    with stochastic rounding, dequantized."""
+    xt = torch.zeros(x.shape[1], num_rows, dtype=x.dtype, device=x.device)
+    xt[:, :x.shape[0]] = x.t()
+    return _mxfp8_values(xt, seed)
+
+
+def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _swiglu_backward(d_hidden: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """d (silu(gate) * up) -> d [gate, up], FP32 (gate_up: the forward's pre-activations)."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    d_gate = d_hidden * up * (sig * (1.0 + gate * (1.0 - sig)))
+    return torch.cat([d_gate, d_hidden * silu], dim=-1)
+
+
+@dataclass
+class _Saved:
+    """What the forward keeps for backward (attributes of ctx: NVFP4Tensors are not tensors for save_for_backward;
+    all of it is the Function's own, made in its forward)."""
+
+    tokens: formats.NVFP4Tensor      # the dispatched NVFP4 tokens, masked and padded to padded_rows
+    hidden: formats.NVFP4Tensor      # the w2 input, NVFP4 4/6 [padded_rows, I]
+    gate_up: torch.Tensor            # bf16 [R, 2I], the w1 outputs (zero outside the rows in use)
+    w1: formats.NVFP4Tensor
+    w2: formats.NVFP4Tensor
+    group_ends: torch.Tensor         # int32 [E], expert_offsets[1:]
+    expert_of_row: torch.Tensor      # int64 [R]
+    rows_in_use: torch.Tensor        # bool [R]
+    padded_rows: int
+    seeds: ExpertGradSeeds
+
+
+def _expert_factor(w: formats.NVFP4Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
+    """The per-expert outer decode scale of NVFP4 weights [E, N, K] (one amax per expert), per row: fp32 [R]."""
+    per_expert = w.amax[:, 0].float() * torch.full((), 1.0 / (6.0 * w.e4m3_max), dtype=torch.float32,
+                                                   device=w.amax.device)
+    return per_expert[expert_of_row]
+
+
+def _weight_values(w: formats.NVFP4Tensor) -> torch.Tensor:
+    values, _ = _block_values(w)
+    return values.view(w.data.shape[0], w.data.shape[1], -1)
+
+
+class _ExpertMLPFunction(torch.autograd.Function):
+    """(rows [R, H], w1 [E, 2I, H], w2 [E, H, I]) -> bf16 [R, H]; rows only carries the gradient back to dispatch:
+    the values come from the NVFP4 payload (result.x) it was dequantized from."""
+
+    @staticmethod
+    def forward(ctx, rows, w1, w2, result, seed: int):
+        num_rows = result.num_rows
+        padded_rows = -(-num_rows // formats.MX_BLOCK) * formats.MX_BLOCK
+        rows_in_use = result.src_rank >= 0
+        group_ends = result.expert_offsets[1:].contiguous()
+        experts = w1.shape[0]
+        positions = torch.arange(num_rows, dtype=torch.int32, device=rows_in_use.device)
+        expert_of_row = torch.searchsorted(group_ends, positions, right=True).clamp_(max=experts - 1)
+        w1q, w2q = quantize_expert_weights(w1), quantize_expert_weights(w2)
+        tokens = _masked_nvfp4(result.x, rows_in_use, padded_rows)
+        in_use = rows_in_use[:, None]
+
+        x_values, x_factor = _block_values(tokens)
+        gate_up = _grouped_mm(x_values[:num_rows], _weight_values(w1q).transpose(1, 2), group_ends)
+        gate_up = gate_up.float() * (x_factor[:num_rows] * _expert_factor(w1q, expert_of_row))[:, None]
+        gate_up = torch.where(in_use, gate_up, 0.0)  # (rows past the groups are not written by the GEMM)
+        hidden = formats.nvfp4_quantize(F.pad(_swiglu(gate_up), (0, 0, 0, padded_rows - num_rows)),
+                                        four_over_six=True)
+        h_values, h_factor = _block_values(hidden)
+        out = _grouped_mm(h_values[:num_rows], _weight_values(w2q).transpose(1, 2), group_ends)
+        out = out.float() * (h_factor[:num_rows] * _expert_factor(w2q, expert_of_row))[:, None]
+        out = torch.where(in_use, out, 0.0).to(torch.bfloat16)
+
+        ctx.saved = _Saved(tokens=tokens, hidden=hidden, gate_up=gate_up.to(torch.bfloat16), w1=w1q, w2=w2q,
+                           group_ends=group_ends, expert_of_row=expert_of_row, rows_in_use=rows_in_use,
+                           padded_rows=padded_rows, seeds=ExpertGradSeeds(seed))
+        ctx.rows_dtype, ctx.w1_dtype, ctx.w2_dtype = rows.dtype, w1.dtype, w2.dtype
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        s: _Saved = ctx.saved
+        ctx.saved = None  # (freed with this backward)
+        in_use = s.rows_in_use[:, None]
+        g = torch.where(in_use, grad_out.to(torch.bfloat16), torch.zeros((), dtype=torch.bfloat16,
+                                                                          device=grad_out.device))
+        # w2: dgrad (MXFP8 along H) and wgrad (MXFP8 along the tokens).
+        d_hidden = _grouped_mm(_mxfp8_values(g, s.seeds.of("g_rows")), _weight_values(s.w2), s.group_ends)
+        d_hidden = torch.where(in_use, d_hidden.float() * _expert_factor(s.w2, s.expert_of_row)[:, None], 0.0)
+        grad_w2 = None
+        if ctx.needs_input_grad[2]:
+            g_t = _mxfp8_token_values(g, s.padded_rows, s.seeds.of("g_tokens"))                    # [H, Rp]
+            h_t = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(
+                s.hidden, rounding="stochastic", seed=s.seeds.of("h_tokens")), dtype=torch.bfloat16)  # [I, Rp]
+            grad_w2 = _grouped_mm(g_t, h_t.t(), s.group_ends).to(ctx.w2_dtype)                    # [E, H, I]
+        # SwiGLU (FP32), then w1: dgrad (MXFP8 along 2I) and wgrad (MXFP8 along the tokens).
+        d_gate_up = torch.where(in_use, _swiglu_backward(d_hidden, s.gate_up), 0.0)
+        grad_rows = None
+        if ctx.needs_input_grad[0]:
+            d_x = _grouped_mm(_mxfp8_values(d_gate_up, s.seeds.of("d_gate_up_rows")), _weight_values(s.w1),
+                              s.group_ends)
+            d_x = d_x.float() * _expert_factor(s.w1, s.expert_of_row)[:, None]
+            grad_rows = torch.where(in_use, d_x, 0.0).to(ctx.rows_dtype)
+        grad_w1 = None
+        if ctx.needs_input_grad[1]:
+            d_t = _mxfp8_token_values(d_gate_up, s.padded_rows, s.seeds.of("d_gate_up_tokens"))   # [2I, Rp]
+            x_t = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(
+                s.tokens, rounding="stochastic", seed=s.seeds.of("x_tokens")), dtype=torch.bfloat16)  # [H, Rp]
+            grad_w1 = _grouped_mm(d_t, x_t.t(), s.group_ends).to(ctx.w1_dtype)                    # [E, 2I, H]
+        return grad_rows, grad_w1, grad_w2, None, None
+
+
+def _check_routed(routed, w1: torch.Tensor, w2: torch.Tensor) -> None:
+    if not isinstance(routed, RoutedTokens):
+        raise TypeError(f"routed must be what ep_comm.training.dispatch returned, got {type(routed).__name__}")
+    result = routed.result
+    if not isinstance(result.x, formats.NVFP4Tensor):
+        raise ValueError("the trainable experts read the NVFP4 tokens of the dispatch: make the Buffer with "
+                         f"dispatch_format='nvfp4' (this one dispatched {type(result.x).__name__})")
+    if getattr(result, "row_index", None) is not None:
+        raise ValueError("the trainable experts need the expert-major rows of an expanding dispatch")
+    cfg = routed.link.buffer.config
+    if cfg.expert_alignment % formats.MX_BLOCK:
+        raise ValueError(f"the trainable experts' weight gradients quantize 32 rows of one expert per MXFP8 block: "
+                         f"make the Buffer with expert_alignment a multiple of 32 (it has {cfg.expert_alignment})")
+    experts, two_i, hidden = w1.shape
+    if experts != cfg.num_local_experts or hidden != cfg.hidden:
+        raise ValueError(f"w1 is [{experts}, {two_i}, {hidden}]; the Buffer has {cfg.num_local_experts} local experts "
+                         f"of hidden {cfg.hidden}")
+    if w1.device != result.src_rank.device or w2.device != w1.device:
+        raise ValueError(f"the weights (w1 on {w1.device}, w2 on {w2.device}) must be on the tokens' device "
+                         f"({result.src_rank.device})")
+
+
+def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """The SwiGLU experts of this rank on a `training.dispatch` result, with autograd: bf16 [R, H] in the dispatch
+    layout (zero outside the rows in use), ready for `training.combine`.
+
+    w1: [E_local, 2I, H] (gate rows, then up rows), w2: [E_local, H, I]; float32, bfloat16 or float16 master weights
+    (parameters), finite; H and I multiples of 32. seed: the backward's stochastic rounding (give each call its own:
+    e.g. the step and the layer). The gradient of routed.x is returned to the dispatch (and so reaches x), those of
+    w1 and w2 in their dtypes. See the module docstring for the numerics."""
+    _check_routed(routed, w1, w2)
+    for name, w in (("w1", w1), ("w2", w2)):
+        if not isinstance(w, torch.Tensor) or w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"{name} must be a float32, bfloat16 or float16 tensor, got "
+                            f"{getattr(w, 'dtype', type(w).__name__)}")
+    experts, two_i, hidden = w1.shape
+    if two_i % 2 or tuple(w2.shape) != (experts, hidden, two_i // 2):
+        raise ValueError(f"w1 must be [E, 2I, H] and w2 [E, H, I]; got {tuple(w1.shape)} and {tuple(w2.shape)}")
+    if (two_i // 2) % formats.MX_BLOCK:
+        raise ValueError(f"I must be a multiple of 32 (MXFP8 blocks of the backward), got {two_i // 2}")
+    seed = formats._check_seed(seed)
+    return _ExpertMLPFunction.apply(routed.x, w1, w2, routed.result, seed)
+
+
+class ExpertMLP(torch.nn.Module):
+    """This rank's SwiGLU experts as trainable parameters: w1 [E_local, 2I, H] (gate rows, then up rows) and w2
+    [E_local, H, I] (float32 masters by default), initialised N(0, 1 / fan_in).
+
+    forward(routed) -> bf16 [R, H]: `expert_mlp` with a new seed per call (seed * 2^32 + the call count).
+    pack() -> moe.PackedExpertWeights: the same NVFP4 weights, bit for bit, for the inference MoELayer."""
+
+    def __init__(self, num_local_experts: int, hidden: int, intermediate: int, *, dtype: torch.dtype = torch.float32,
+                 device=None, seed: int = 0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        w1 = torch.randn(num_local_experts, 2 * intermediate, hidden, generator=gen) / math.sqrt(hidden)
+        w2 = torch.randn(num_local_experts, hidden, intermediate, generator=gen) / math.sqrt(intermediate)
+        self.w1 = torch.nn.Parameter(w1.to(device=device, dtype=dtype))
+        self.w2 = torch.nn.Parameter(w2.to(device=device, dtype=dtype))
+        self.seed = formats._check_seed(seed)
+        self.calls = 0
+
+    def forward(self, routed: RoutedTokens) -> torch.Tensor:
+        self.calls += 1
+        return expert_mlp(routed, self.w1, self.w2, seed=(self.seed * 2**32 + self.calls) % 2**64)
+
+    def pack(self):
+        from . import moe
+        return moe.pack_weights(self.w1.detach(), self.w2.detach())

@@ -1,0 +1,314 @@
+"""ep_comm.training.ExpertMLP / expert_mlp (trainable NVFP4 experts, MXFP8 + SR backward) against an FP32 oracle.
+
+The oracle (`_oracle`) is written apart from the implementation: one expert at a time, FP32 matmuls on dequantized
+operands (no BF16 GEMM outputs, no grouped GEMM, no per-row factors), SwiGLU's backward by torch autograd, and the
+same quantizers (formats' torch references) with the seeds the module docstring names. The implementation rounds its
+GEMM outputs to BF16, so some stochastic roundings of its backward see inputs one BF16 ulp away from the oracle's and
+land on the neighbouring E4M3 code, and the forward's NVFP4 requantization of the w2 input amplifies the same BF16
+rounding: the comparison is a relative L2 bound (`_BOUNDS`), far below what a transposed operand, a wrong factor, a
+misplaced segment or a missing mask gives (O(1)).
+"""
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ep_comm
+from ep_comm import formats, moe, training
+from ep_comm.training_experts import ExpertGradSeeds, _ExpertMLPFunction
+from harness import run_ranks
+
+HIDDEN, INTER, TOPK, MAX_TOKENS, ALIGNMENT = 64, 32, 2, 48, 32
+# Relative L2 bounds against the oracle for (out, d rows, d w1, d w2): ~3x the largest of 30 random cases on CPU (means
+# 2.7, 1.4, 1.5, 3.1%; maxima 5.7, 2.0, 2.3, 7.0%). The output and d w2 move most: the implementation rounds w1's outputs
+# to BF16 (torch._grouped_mm), and the NVFP4 4/6 requantization of the w2 input turns a 2^-9 change into another
+# E4M3 block scale or 4/6 choice for some blocks.
+_BOUNDS = (0.15, 0.06, 0.07, 0.2)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30))
+
+
+def _inputs(rank: int, num_experts: int, num_tokens: int):
+    """x bf16 [T, H] (an outlier), topk_idx [T, K] (masked slots; no token for local expert 1), weights fp32 [T, K]."""
+    gen = torch.Generator().manual_seed(500 + rank)
+    x = torch.randn(num_tokens, HIDDEN, generator=gen).to(torch.bfloat16)
+    if num_tokens:
+        x[0, 3] = 12.0  # (an outlier, not so large that its row's error is all the relative L2 measures)
+    choices = [e for e in range(num_experts) if e % 4 != 1]  # (local expert 1 of every rank gets no token)
+    idx = torch.stack([torch.tensor(choices)[torch.randperm(len(choices), generator=gen)[:TOPK]]
+                       for _ in range(num_tokens)]) if num_tokens else torch.zeros(0, TOPK, dtype=torch.long)
+    if num_tokens > 3:
+        idx[2, 1] = -1
+    weights = torch.softmax(torch.randn(num_tokens, TOPK, generator=gen), dim=-1)
+    return x, idx, weights
+
+
+def _oracle(result, w1: torch.Tensor, w2: torch.Tensor, g: torch.Tensor, seed: int):
+    """FP32 (out [R, H], d rows [R, H], d w1, d w2) for one rank's dispatch result and output gradient g, on CPU."""
+    result_x = formats.NVFP4Tensor(data=result.x.data.cpu(), scales=result.x.scales.cpu(), amax=result.x.amax.cpu(),
+                                   e4m3_max=result.x.e4m3_max)
+    num_rows = result.num_rows
+    padded = -(-num_rows // 32) * 32
+    use = (result.src_rank >= 0).cpu()
+    offsets = result.expert_offsets.tolist()
+    seeds = ExpertGradSeeds(seed)
+    packed = moe.pack_weights(w1.detach().cpu(), w2.detach().cpu())
+    W1 = formats.nvfp4_dequantize(packed.w1, impl="reference")
+    W2 = formats.nvfp4_dequantize(packed.w2, impl="reference")
+    x = torch.where(use[:, None], formats.nvfp4_dequantize(result_x, impl="reference"), 0.0)
+    with moe.exact_fp32_matmuls():
+        gate_up = torch.zeros(num_rows, 2 * INTER)
+        for e in range(W1.shape[0]):
+            rows = slice(offsets[e], offsets[e + 1])
+            gate_up[rows] = x[rows] @ W1[e].t()
+        gate_up.requires_grad_()
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        hq = formats.nvfp4_quantize(F.pad(h.detach(), (0, 0, 0, padded - num_rows)), impl="reference")
+        h_dense = formats.nvfp4_dequantize(hq, impl="reference")
+        out = torch.zeros(num_rows, HIDDEN)
+        for e in range(W1.shape[0]):
+            rows = slice(offsets[e], offsets[e + 1])
+            out[rows] = h_dense[rows] @ W2[e].t()
+        g = torch.where(use[:, None], g.cpu().to(torch.bfloat16), torch.zeros((), dtype=torch.bfloat16))
+
+        def mx(t, name):
+            q = formats.mxfp8_quantize(t, rounding="stochastic", seed=seeds.of(name), impl="reference")
+            return formats.mxfp8_dequantize(q, impl="reference")
+
+        g_rows = mx(g, "g_rows")
+        d_h = torch.zeros(num_rows, INTER)
+        for e in range(W1.shape[0]):
+            rows = slice(offsets[e], offsets[e + 1])
+            d_h[rows] = g_rows[rows] @ W2[e]
+        (d_gate_up,) = torch.autograd.grad(h, gate_up, d_h)
+        d_gate_up = torch.where(use[:, None], d_gate_up, 0.0)
+        d_rows_q = mx(d_gate_up, "d_gate_up_rows")
+        d_x = torch.zeros(num_rows, HIDDEN)
+        for e in range(W1.shape[0]):
+            rows = slice(offsets[e], offsets[e + 1])
+            d_x[rows] = d_rows_q[rows] @ W1[e]
+        g_t = mx(F.pad(g, (0, 0, 0, padded - num_rows)).t().contiguous(), "g_tokens")
+        d_t = mx(F.pad(d_gate_up, (0, 0, 0, padded - num_rows)).t().contiguous(), "d_gate_up_tokens")
+        h_t = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(hq, seed=seeds.of("h_tokens"),
+                                                                          impl="reference"), impl="reference")
+        masked_x = formats.NVFP4Tensor(
+            data=F.pad(result_x.data, (0, 0, 0, padded - num_rows)),
+            scales=F.pad(torch.where(use[:, None], result_x.scales.view(torch.uint8), 0),
+                         (0, 0, 0, padded - num_rows)).view(torch.float8_e4m3fn),
+            amax=F.pad(torch.where(use, result_x.amax, 0.0), (0, padded - num_rows)),
+            e4m3_max=result_x.e4m3_max)
+        x_t = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(masked_x, seed=seeds.of("x_tokens"),
+                                                                          impl="reference"), impl="reference")
+        d_w1, d_w2 = torch.zeros_like(W1), torch.zeros_like(W2)
+        for e in range(W1.shape[0]):
+            rows = slice(offsets[e], offsets[e + 1])
+            d_w2[e] = g_t[:, rows] @ h_t[:, rows].t()
+            d_w1[e] = d_t[:, rows] @ x_t[:, rows].t()
+    return out, d_x, d_w1, d_w2
+
+
+def _buffer(world: int, backend: str = "reference", **overrides):
+    sizes = dict(hidden=HIDDEN, num_experts=4 * world, num_topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
+                 expert_alignment=ALIGNMENT, backend=backend)
+    sizes.update(overrides)
+    return ep_comm.Buffer(None, **sizes)
+
+
+def oracle_worker(rank, world, backend="reference", device_kind="cpu"):
+    """The Function alone on a real dispatch result against the oracle, then the same result with NaN garbage rows
+    appended past the rows in use (nvlink's capacity rows): bitwise the same outputs and gradients on the rows in use."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device_kind != "cpu" else torch.device("cpu")
+    x, idx, weights = (t.to(device) for t in _inputs(rank, 4 * world, 40 if rank == 0 else 17))
+    experts = training.ExpertMLP(4, HIDDEN, INTER, device=device, seed=11 + rank)
+    seed = 2**40 + 3
+    with _buffer(world, backend) as buf:
+        result = buf.dispatch(x, idx, weights)
+        num_rows = result.num_rows
+        g = torch.randn(num_rows, HIDDEN, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16).to(device)
+
+        def run(res):
+            rows = torch.zeros(res.num_rows, HIDDEN, dtype=torch.bfloat16, device=device, requires_grad=True)
+            experts.zero_grad()
+            out = _ExpertMLPFunction.apply(rows, experts.w1, experts.w2, res, seed)
+            out.backward(F.pad(g, (0, 0, 0, res.num_rows - num_rows)))
+            return out.detach(), rows.grad, experts.w1.grad.clone(), experts.w2.grad.clone()
+
+        got = run(result)
+        want = _oracle(result, experts.w1, experts.w2, g, seed)
+        names = ("out", "d rows", "d w1", "d w2")
+        errors = {name: _relative_error(a.cpu(), b) for name, a, b in zip(names, got, want)}
+        for name, bound in zip(names, _BOUNDS):
+            assert errors[name] < bound, (name, errors)
+        assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.bfloat16
+        assert got[2].dtype == torch.float32 and got[2].shape == experts.w1.shape
+        unused = result.src_rank < 0
+        assert not got[0][unused].any() and not got[1][unused].any()
+        assert not got[2][1].any() and not got[3][1].any(), "expert 1 got no token: zero weight gradients"
+        # The forward is the inference MoELayer's reference experts on the same packed weights, up to the BF16
+        # rounding of the w1 outputs.
+        packed = experts.pack()
+        w1d, w2d = (formats.nvfp4_dequantize(w, impl="reference").to(device) for w in (packed.w1, packed.w2))
+        offsets = result.expert_offsets.tolist()
+        inference = torch.zeros_like(got[0])
+        for e in range(4):
+            rows = slice(offsets[e], offsets[e] + int(result.num_tokens_per_expert[e]))
+            if rows.stop > rows.start:
+                tokens = dataclasses.replace(result.x, data=result.x.data[rows], scales=result.x.scales[rows],
+                                             amax=result.x.amax[rows])
+                inference[rows] = moe.expert_mlp_reference(tokens, w1d[e], w2d[e])
+        assert _relative_error(got[0], inference) < _BOUNDS[0], (_relative_error(got[0], inference), errors)
+
+        # Garbage past the rows in use: NaN scales and amax, random codes, src_rank -1; same padded row count.
+        extra = -(-num_rows // 32) * 32 - num_rows or 32
+        gen = torch.Generator().manual_seed(9)
+
+        def garbage(t, fill):
+            tail = torch.randint(0, 256, (extra,) + tuple(t.shape[1:]), generator=gen, dtype=torch.uint8)
+            tail = tail.to(device).view(t.dtype) if t.element_size() == 1 else torch.full(
+                (extra,) + tuple(t.shape[1:]), fill, dtype=t.dtype, device=device)
+            return torch.cat([t, tail])
+        scales = garbage(result.x.scales, 0)
+        scales[num_rows:] = torch.full_like(scales[num_rows:].view(torch.uint8), 0x7F).view(scales.dtype)
+        padded_x = dataclasses.replace(result.x, data=garbage(result.x.data, 0), scales=scales,
+                                       amax=garbage(result.x.amax, float("nan")))
+        padded = dataclasses.replace(result, x=padded_x, src_rank=garbage(result.src_rank, -1), num_rows=num_rows + extra)
+        again = run(padded)
+        same_padding = -(-(num_rows + extra) // 32) == -(-num_rows // 32)
+        if same_padding:  # bitwise (the token-axis roundings number their elements by the padded row count)
+            for name, a, b in zip(names, again, got):
+                assert torch.equal(a[:num_rows] if a.shape[0] == num_rows + extra else a, b), name
+        else:
+            want = _oracle(padded, experts.w1, experts.w2, F.pad(g, (0, 0, 0, extra)), seed)
+            for name, a, b, bound in zip(names, again, want, _BOUNDS):
+                assert _relative_error(a.cpu(), b) < bound, name
+        assert not again[0][num_rows:].any() and not again[1][num_rows:].any()
+    return "oracle ok"
+
+
+def training_worker(rank, world, steps=12):
+    """dispatch -> ExpertMLP -> combine with a router, a few SGD steps on a teacher's outputs: the loss falls."""
+    num_experts = 4 * world
+    gen = torch.Generator().manual_seed(77)
+    router = torch.nn.Parameter(torch.randn(num_experts, HIDDEN, generator=gen) / HIDDEN ** 0.5)
+    x, _, _ = _inputs(rank, num_experts, MAX_TOKENS)
+    target = torch.tanh(x.float() @ torch.randn(HIDDEN, HIDDEN, generator=gen) / HIDDEN ** 0.5)
+    losses = []
+    with _buffer(world) as buf, training.GradBuffers.create(buf) as grads:
+        experts = training.ExpertMLP(4, HIDDEN, INTER, seed=rank)
+        params = [router, *experts.parameters()]
+        optimizer = torch.optim.SGD(params, lr=2.0)
+        for _ in range(steps):
+            optimizer.zero_grad()
+            scores = torch.softmax(x.float() @ router.t(), dim=-1)
+            topk_weights, topk_idx = scores.topk(TOPK, dim=-1)
+            routed = training.dispatch(buf, grads, x, topk_idx, topk_weights)
+            y = training.combine(experts(routed), routed)
+            loss = F.mse_loss(y.float(), target)
+            loss.backward()
+            torch.distributed.all_reduce(router.grad)  # (replicated: every rank's tokens' share)
+            assert all(torch.isfinite(p.grad).all() for p in params)
+            optimizer.step()
+            losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses
+    return "training ok"
+
+
+def errors_worker(rank, world):
+    x, idx, weights = _inputs(rank, 4 * world, 8)
+    experts = training.ExpertMLP(4, HIDDEN, INTER)
+    with _buffer(world) as buf, training.GradBuffers.create(buf) as grads, \
+            _buffer(world, expert_alignment=8) as unaligned, training.GradBuffers.create(unaligned) as grads8, \
+            _buffer(world, dispatch_format="bf16") as plain, training.GradBuffers.create(plain) as grads_bf16:
+        routed = training.dispatch(buf, grads, x, idx, weights)
+        with pytest.raises(ValueError, match="expert_alignment"):
+            experts(training.dispatch(unaligned, grads8, x, idx, weights))
+        with pytest.raises(ValueError, match="dispatch_format='nvfp4'"):
+            experts(training.dispatch(plain, grads_bf16, x, idx, weights))
+        with pytest.raises(ValueError, match="local experts"):
+            training.expert_mlp(routed, experts.w1[:3], experts.w2[:3])
+        with pytest.raises(ValueError, match="w2"):
+            training.expert_mlp(routed, experts.w1, experts.w2[:, :, :16])
+        with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+            training.expert_mlp(routed, experts.w1.double(), experts.w2)
+        with pytest.raises(TypeError, match="training.dispatch"):
+            training.expert_mlp(buf.dispatch(x, idx, weights), experts.w1, experts.w2)
+        with pytest.raises(ValueError, match="multiple of 32"):
+            training.expert_mlp(routed, torch.zeros(4, 32, HIDDEN), torch.zeros(4, HIDDEN, 16))
+    return "errors ok"
+
+
+@pytest.mark.cpu
+def test_expert_weights_quantize_as_pack_weights():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(3, 64, 64, generator=gen) * torch.tensor([1.0, 1e-3, 50.0])[:, None, None]
+    got = training.quantize_expert_weights(w)
+    want = moe.pack_weights(w, w[:, :, :32]).w1
+    for name in ("data", "scales", "amax"):
+        assert torch.equal(getattr(got, name).view(torch.uint8) if name == "scales" else getattr(got, name),
+                           getattr(want, name).view(torch.uint8) if name == "scales" else getattr(want, name)), name
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_gloo_expert_mlp_matches_oracle(world):
+    assert run_ranks(oracle_worker, world, "reference", "cpu", backend="gloo") == ["oracle ok"] * world
+
+
+@pytest.mark.cpu
+def test_stochastic_rounding_averages_out():
+    """The backward's MXFP8 roundings are stochastic and fresh per seed: the mean weight gradient over 16 seeds is
+    ~4x closer to the gradient without backward quantization than one seed's (nearest rounding would not move)."""
+    assert run_ranks(_averaging_worker, 1, backend="gloo") == ["averaging ok"]
+
+
+def _averaging_worker(rank, world):
+    x, idx, weights = _inputs(rank, 4, 48)
+    experts = training.ExpertMLP(4, HIDDEN, INTER, seed=5)
+    with _buffer(1) as buf:
+        result = buf.dispatch(x, idx, weights)
+        g = torch.randn(result.num_rows, HIDDEN, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        grads = []
+        for seed in range(16):
+            experts.zero_grad()
+            rows = torch.zeros(result.num_rows, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+            _ExpertMLPFunction.apply(rows, experts.w1, experts.w2, result, seed).backward(g)
+            grads.append(experts.w2.grad.clone())
+        # Without backward quantization: dW2[e] = g_e^T h_e, FP32, h the forward's NVFP4 w2 input (from the oracle's
+        # forward pieces).
+        exact = _unquantized_w2_grad(result, experts, g)
+        single = _relative_error(grads[0], exact)
+        mean = _relative_error(torch.stack(grads).mean(0), exact)
+        assert single > 1e-3 and mean < 0.5 * single, (single, mean)
+    return "averaging ok"
+
+
+def _unquantized_w2_grad(result, experts, g):
+    use = result.src_rank >= 0
+    packed = experts.pack()
+    W1 = formats.nvfp4_dequantize(packed.w1)
+    x = torch.where(use[:, None], formats.nvfp4_dequantize(result.x), 0.0)
+    offsets = result.expert_offsets.tolist()
+    grad = torch.zeros_like(experts.w2)
+    with moe.exact_fp32_matmuls():
+        for e in range(4):
+            rows = slice(offsets[e], offsets[e + 1])
+            gate, up = (x[rows] @ W1[e].t()).chunk(2, dim=-1)
+            h = formats.nvfp4_dequantize(formats.nvfp4_quantize(F.silu(gate) * up))
+            grad[e] = g[rows].float().t() @ h
+    return grad
+
+
+@pytest.mark.cpu
+def test_gloo_expert_mlp_trains_and_refuses_bad_input():
+    assert run_ranks(training_worker, 2, backend="gloo") == ["training ok"] * 2
+    assert run_ranks(errors_worker, 1, backend="gloo") == ["errors ok"]
+
+
+@pytest.mark.gpu
+def test_cuda_expert_mlp_matches_oracle():
+    assert run_ranks(oracle_worker, 1, "nvlink", "cuda", backend="nccl") == ["oracle ok"]
