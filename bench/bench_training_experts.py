@@ -57,7 +57,7 @@ def _worker(rank, world, args):
                             expert_alignment=32, backend="nvlink") as buf:
             result = buf.dispatch(x, topk_idx, weights)
             rows_in_use = int(result.expert_offsets[-1])
-            mlp = training.ExpertMLP(experts, hidden, inter, device=device)
+            mlp = training.ExpertMLP(experts, hidden, inter, device=device, dtype=getattr(torch, args.master_dtype))
             rows = torch.zeros(result.num_rows, hidden, dtype=torch.bfloat16, device=device, requires_grad=True)
             grad = torch.randn(result.num_rows, hidden, dtype=torch.bfloat16, device=device)
 
@@ -121,7 +121,7 @@ def _worker(rank, world, args):
                 with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
                     ours_forward_backward()
                     torch.cuda.synchronize()
-                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=110)
                 row["kernel_profile"] = table
                 print(table)
             figures["cases"].append(row)
@@ -137,6 +137,8 @@ def main(argv=None):
     parser.add_argument("--intermediate", type=int, default=2048)
     parser.add_argument("--experts", type=int, default=32, help="local experts (DeepSeek-V3's 256 over 8 ranks)")
     parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--master-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="ExpertMLP's master weights (the BF16 baseline's weights are BF16 either way)")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--batches", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="torch.profiler of one forward + backward (ours)")
@@ -146,7 +148,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     (figures,) = run_ranks(_worker, 1, args, backend="nccl", timeout_s=900)
-    print(f"dense BF16 mm ceiling: {figures['dense_bf16_tflops']:.0f} TFLOP/s")
+    print(f"dense BF16 mm ceiling: {figures['dense_bf16_tflops']:.0f} TFLOP/s; master weights {args.master_dtype}")
     for row in figures["cases"]:
         print(f"tokens {row['tokens']} ({row['rows_in_use']} rows in use of {row['num_rows']}): "
               f"ours fwd {row['ours_forward_ms']:.2f} ms ({row['ours_forward_tflops']:.0f} TFLOP/s), fwd+bwd "

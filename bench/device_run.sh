@@ -279,8 +279,10 @@ test_training_experts() {  # ep_comm.training.ExpertMLP (NVFP4 forward, MXFP8 + 
 }
 bench_training_experts() {  # ExpertMLP forward + backward against BF16 torch._grouped_mm autograd, one GPU
   say "bench: trainable experts (ExpertMLP) vs BF16 grouped-GEMM autograd"
-  timeout 400 python3 bench/bench_training_experts.py --profile --out "$OUT/bench_training_experts.json" 2>&1 \
-    | tail -60 | tee -a "$log"
+  timeout 300 python3 bench/bench_training_experts.py --profile --out "$OUT/bench_training_experts.json" 2>&1 \
+    | tail -30 | tee -a "$log"
+  timeout 200 python3 bench/bench_training_experts.py --master-dtype bfloat16 \
+    --out "$OUT/bench_training_experts_bf16_masters.json" 2>&1 | tail -3 | tee -a "$log"
 }
 test_training() {  # ep_comm.training (autograd through dispatch / combine) on the nvlink backend: world 1, then 2 ranks
   # sharing GPU 0 (the multigpu test; on 2+ GPUs test_multigpu runs it one rank per GPU)

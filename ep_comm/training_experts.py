@@ -22,7 +22,8 @@ Q is MXFP8 (E4M3, UE8M0 scale per 32) along the contraction axis (H, 2I), Q_T MX
 one expert per block: hence expert_alignment % 32 == 0), all with stochastic rounding, a fresh seed per call and
 tensor. W are the forward's NVFP4 weights; h (the w2 input) and x (the dispatched tokens) are the forward's saved
 NVFP4 operands, dequantized, transposed and requantized (`formats.nvfp4_to_mxfp8_transposed`). SwiGLU's backward
-runs in FP32 from the saved pre-activations (kept in BF16: 4 I bytes per row).
+runs in FP32 from the saved pre-activations (w1's BF16 GEMM output and its FP32 row factor: 4 I + 4 bytes per
+row), its output rounded to BF16 before the two MXFP8 roundings.
 
 Compute: Hopper has no FP4 or block-scaled MMA. Every GEMM here multiplies operands that are exact in BF16 (E2M1 x
 E4M3 block values, MXFP8 values) with `torch._grouped_mm` (BF16 tensor cores, FP32 accumulation, BF16 output) over
@@ -116,14 +117,21 @@ def _mxfp8_values(x: torch.Tensor, seed: int) -> torch.Tensor:
 def _mxfp8_token_values(x: torch.Tensor, num_rows: int, seed: int) -> torch.Tensor:
     """x [R, K] -> bf16 [K, num_rows]: transposed, zero-padded to num_rows (a multiple of 32), MXFP8 along the tokens
     with stochastic rounding, dequantized."""
-    xt = torch.zeros(x.shape[1], num_rows, dtype=x.dtype, device=x.device)
+    xt = torch.empty(x.shape[1], num_rows, dtype=x.dtype, device=x.device)
     xt[:, :x.shape[0]] = x.t()
+    xt[:, x.shape[0]:] = 0
     return _mxfp8_values(xt, seed)
 
 
-def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+def _scaled_rows(gemm_out: torch.Tensor, row_factor: torch.Tensor, rows_in_use: torch.Tensor) -> torch.Tensor:
+    """A GEMM's bf16 rows times their FP32 outer factor: fp32, zero outside rows_in_use (the grouped GEMM leaves rows
+    past its groups unwritten: anything, NaN included)."""
+    return torch.mul(gemm_out, row_factor[:, None]).masked_fill_(~rows_in_use[:, None], 0.0)
+
+
+def _scale_rows_(gemm_out: torch.Tensor, row_factor: torch.Tensor, rows_in_use: torch.Tensor) -> torch.Tensor:
+    """_scaled_rows in place, in the GEMM's bf16 (the product in FP32, rounded once)."""
+    return gemm_out.mul_(row_factor[:, None]).masked_fill_(~rows_in_use[:, None], 0.0)
 
 
 def _swiglu_backward(d_hidden: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
@@ -142,7 +150,8 @@ class _Saved:
 
     tokens: formats.NVFP4Tensor      # the dispatched NVFP4 tokens, masked and padded to padded_rows
     hidden: formats.NVFP4Tensor      # the w2 input, NVFP4 4/6 [padded_rows, I]
-    gate_up: torch.Tensor            # bf16 [R, 2I], the w1 outputs (zero outside the rows in use)
+    gate_up_bf16: torch.Tensor       # bf16 [R, 2I], w1's GEMM output (before the outer factors; garbage outside
+    w1_row_factor: torch.Tensor      # fp32 [R], its outer factor per row                       the rows in use)
     w1: formats.NVFP4Tensor
     w2: formats.NVFP4Tensor
     group_ends: torch.Tensor         # int32 [E], expert_offsets[1:]
@@ -174,27 +183,30 @@ class _ExpertMLPFunction(torch.autograd.Function):
         padded_rows = -(-num_rows // formats.MX_BLOCK) * formats.MX_BLOCK
         rows_in_use = result.src_rank >= 0
         group_ends = result.expert_offsets[1:].contiguous()
-        experts = w1.shape[0]
+        experts, two_i, _ = w1.shape
         positions = torch.arange(num_rows, dtype=torch.int32, device=rows_in_use.device)
         expert_of_row = torch.searchsorted(group_ends, positions, right=True).clamp_(max=experts - 1)
         w1q, w2q = quantize_expert_weights(w1), quantize_expert_weights(w2)
         tokens = _masked_nvfp4(result.x, rows_in_use, padded_rows)
-        in_use = rows_in_use[:, None]
 
+        # w1: gate and up (BF16 GEMM output times the token's and the expert's outer factors, in FP32).
         x_values, x_factor = _block_values(tokens)
-        gate_up = _grouped_mm(x_values[:num_rows], _weight_values(w1q).transpose(1, 2), group_ends)
-        gate_up = gate_up.float() * (x_factor[:num_rows] * _expert_factor(w1q, expert_of_row))[:, None]
-        gate_up = torch.where(in_use, gate_up, 0.0)  # (rows past the groups are not written by the GEMM)
-        hidden = formats.nvfp4_quantize(F.pad(_swiglu(gate_up), (0, 0, 0, padded_rows - num_rows)),
-                                        four_over_six=True)
+        w1_row_factor = x_factor[:num_rows] * _expert_factor(w1q, expert_of_row)
+        gate_up_bf16 = _grouped_mm(x_values[:num_rows], _weight_values(w1q).transpose(1, 2), group_ends)
+        gate, up = _scaled_rows(gate_up_bf16, w1_row_factor, rows_in_use).chunk(2, dim=-1)
+        # SwiGLU in FP32, then the w2 input: NVFP4 4/6 with a per-token amax (zero rows up to the padded count).
+        swiglu = torch.zeros(padded_rows, two_i // 2, dtype=torch.float32, device=rows_in_use.device)
+        torch.mul(F.silu(gate), up, out=swiglu[:num_rows])
+        del gate, up
+        hidden = formats.nvfp4_quantize(swiglu, four_over_six=True)
+        del swiglu
         h_values, h_factor = _block_values(hidden)
         out = _grouped_mm(h_values[:num_rows], _weight_values(w2q).transpose(1, 2), group_ends)
-        out = out.float() * (h_factor[:num_rows] * _expert_factor(w2q, expert_of_row))[:, None]
-        out = torch.where(in_use, out, 0.0).to(torch.bfloat16)
+        _scale_rows_(out, h_factor[:num_rows] * _expert_factor(w2q, expert_of_row), rows_in_use)
 
-        ctx.saved = _Saved(tokens=tokens, hidden=hidden, gate_up=gate_up.to(torch.bfloat16), w1=w1q, w2=w2q,
-                           group_ends=group_ends, expert_of_row=expert_of_row, rows_in_use=rows_in_use,
-                           padded_rows=padded_rows, seeds=ExpertGradSeeds(seed))
+        ctx.saved = _Saved(tokens=tokens, hidden=hidden, gate_up_bf16=gate_up_bf16, w1_row_factor=w1_row_factor,
+                           w1=w1q, w2=w2q, group_ends=group_ends, expert_of_row=expert_of_row,
+                           rows_in_use=rows_in_use, padded_rows=padded_rows, seeds=ExpertGradSeeds(seed))
         ctx.rows_dtype, ctx.w1_dtype, ctx.w2_dtype = rows.dtype, w1.dtype, w2.dtype
         return out
 
@@ -203,26 +215,30 @@ class _ExpertMLPFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         s: _Saved = ctx.saved
         ctx.saved = None  # (freed with this backward)
-        in_use = s.rows_in_use[:, None]
-        g = torch.where(in_use, grad_out.to(torch.bfloat16), torch.zeros((), dtype=torch.bfloat16,
-                                                                          device=grad_out.device))
+        use = s.rows_in_use
+        g = grad_out.to(torch.bfloat16).masked_fill(~use[:, None], 0.0)
         # w2: dgrad (MXFP8 along H) and wgrad (MXFP8 along the tokens).
         d_hidden = _grouped_mm(_mxfp8_values(g, s.seeds.of("g_rows")), _weight_values(s.w2), s.group_ends)
-        d_hidden = torch.where(in_use, d_hidden.float() * _expert_factor(s.w2, s.expert_of_row)[:, None], 0.0)
+        # (fp32; rows not in use hold anything here, and are masked in d_gate_up)
+        d_hidden = torch.mul(d_hidden, _expert_factor(s.w2, s.expert_of_row)[:, None])
         grad_w2 = None
         if ctx.needs_input_grad[2]:
             g_t = _mxfp8_token_values(g, s.padded_rows, s.seeds.of("g_tokens"))                    # [H, Rp]
             h_t = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(
                 s.hidden, rounding="stochastic", seed=s.seeds.of("h_tokens")), dtype=torch.bfloat16)  # [I, Rp]
             grad_w2 = _grouped_mm(g_t, h_t.t(), s.group_ends).to(ctx.w2_dtype)                    # [E, H, I]
-        # SwiGLU (FP32), then w1: dgrad (MXFP8 along 2I) and wgrad (MXFP8 along the tokens).
-        d_gate_up = torch.where(in_use, _swiglu_backward(d_hidden, s.gate_up), 0.0)
+            del g_t, h_t
+        del g
+        # SwiGLU's backward in FP32 from the forward's pre-activations, its output rounded to BF16 (the source of
+        # both MXFP8 roundings of w1's backward).
+        gate_up = torch.mul(s.gate_up_bf16, s.w1_row_factor[:, None])
+        d_gate_up = _swiglu_backward(d_hidden, gate_up).to(torch.bfloat16).masked_fill_(~use[:, None], 0.0)
+        del d_hidden, gate_up
         grad_rows = None
         if ctx.needs_input_grad[0]:
             d_x = _grouped_mm(_mxfp8_values(d_gate_up, s.seeds.of("d_gate_up_rows")), _weight_values(s.w1),
                               s.group_ends)
-            d_x = d_x.float() * _expert_factor(s.w1, s.expert_of_row)[:, None]
-            grad_rows = torch.where(in_use, d_x, 0.0).to(ctx.rows_dtype)
+            grad_rows = _scale_rows_(d_x, _expert_factor(s.w1, s.expert_of_row), use).to(ctx.rows_dtype)
         grad_w1 = None
         if ctx.needs_input_grad[1]:
             d_t = _mxfp8_token_values(d_gate_up, s.padded_rows, s.seeds.of("d_gate_up_tokens"))   # [2I, Rp]
