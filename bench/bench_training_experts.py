@@ -6,7 +6,8 @@ SwiGLU experts in plain BF16 autograd over torch._grouped_mm, and against the de
 The rows come from a real NVFP4 dispatch (nvlink backend, one rank: every expert local, E experts, top-k, expert
 alignment 32), so the layout is the one training uses (capacity rows included). Median milliseconds of:
   ours_forward, ours_forward_backward : _ExpertMLPFunction (weights quantized to NVFP4 each call; backward: six MXFP8
-      SR quantizations and four grouped GEMMs), with a gradient for the rows and both weights;
+      SR quantizations and four grouped GEMMs), with a gradient for the rows and both weights (set to None before
+      each backward, as zero_grad() does: no accumulation pass; the same for the baseline);
   bf16_forward, bf16_forward_backward : BF16 weights and rows, silu(gate) * up, torch._grouped_mm forward and
       torch's own autograd of it (the BF16 baseline of DESIGN.md §6 for the expert compute);
   gemms_only : the four backward + two forward BF16 grouped GEMMs of ours alone, on the same operands (what the
@@ -66,6 +67,7 @@ def _worker(rank, world, args):
                     return _ExpertMLPFunction.apply(rows, mlp.w1, mlp.w2, result, 1)
 
             def ours_forward_backward():
+                rows.grad = mlp.w1.grad = mlp.w2.grad = None  # (as zero_grad(): no accumulation pass)
                 _ExpertMLPFunction.apply(rows, mlp.w1, mlp.w2, result, 1).backward(grad)
 
             # The BF16 baseline on the same rows and segments.
@@ -84,6 +86,7 @@ def _worker(rank, world, args):
                     return bf16_mlp()
 
             def bf16_forward_backward():
+                x_rows.grad = w1.grad = w2.grad = None
                 bf16_mlp().backward(g_rows)
 
             # The six grouped GEMMs of ours alone, on operands of the same shapes and layouts.

@@ -4,11 +4,16 @@ and back through both (BF16 gradients on the wire).
 Runs on every visible GPU (NCCL) when there are at least 2, else on 2 CPU ranks over gloo:
 
     python examples/moe_training.py [--tokens 128 --hidden 256 --intermediate 128 --experts 8 --topk 2 --steps 30]
+                                    [--expert-mlp ep_comm|torch]
 
 A student layer (its own router and SwiGLU experts, E / W per rank) learns to reproduce a fixed random teacher layer
 of the same shape, by plain SGD on the mean squared error. The experts' weights, the router and the tokens' inputs all
 get their gradients through the library: the routing weights' through combine's backward, the experts' through the
 dispatched rows. Each rank prints its loss at the first and the last step.
+
+--expert-mlp ep_comm (default): the experts are `training.ExpertMLP` -- NVFP4 weights and tokens in the forward, MXFP8
+with stochastic rounding in the backward (the Buffer then needs expert_alignment 32). --expert-mlp torch: your own
+experts in plain torch on the dense rows `routed.x` (FP32 here), to show how any expert code plugs in.
 """
 import argparse
 
@@ -23,9 +28,10 @@ from example_args import parse_moe_args
 
 class ExpertParallelMoE(torch.nn.Module):
     """Router [E, H] (replicated) and this rank's E / W SwiGLU experts: w1 [E/W, 2I, H] (gate rows, then up rows), w2
-    [E/W, H, I], FP32 parameters. forward(x bf16 [T, H]) -> bf16 [T, H]."""
+    [E/W, H, I], FP32 parameters. forward(x bf16 [T, H]) -> bf16 [T, H]. expert_mlp "ep_comm": the experts run as
+    training.ExpertMLP (NVFP4 / MXFP8), with these parameters as its masters; "torch": FP32 matmuls on routed.x."""
 
-    def __init__(self, buffer, grads, rank, world, num_experts, hidden, intermediate, topk, seed):
+    def __init__(self, buffer, grads, rank, world, num_experts, hidden, intermediate, topk, seed, expert_mlp="ep_comm"):
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
         router = torch.randn(num_experts, hidden, generator=gen) / hidden ** 0.5
@@ -35,11 +41,17 @@ class ExpertParallelMoE(torch.nn.Module):
         self.router = torch.nn.Parameter(router)
         self.w1 = torch.nn.Parameter(w1[local].clone())
         self.w2 = torch.nn.Parameter(w2[local].clone())
-        self.buffer, self.grads, self.topk = buffer, grads, topk
+        self.buffer, self.grads, self.topk, self.expert_mlp = buffer, grads, topk, expert_mlp
+        self.calls = 0
 
     def forward(self, x):
         scores = torch.softmax(x.float() @ self.router.t(), dim=-1)
         topk_weights, topk_idx = scores.topk(self.topk, dim=-1)  # the weights stay in the graph: the router trains
+        if self.expert_mlp == "ep_comm":
+            routed = training.dispatch(self.buffer, self.grads, x, topk_idx, topk_weights)
+            self.calls += 1  # (a fresh seed for the backward's stochastic rounding at every step)
+            out = training.expert_mlp(routed, self.w1, self.w2, seed=self.calls)
+            return training.combine(out, routed)
         routed = training.dispatch(self.buffer, self.grads, x, topk_idx, topk_weights, dtype=torch.float32)
         offsets = routed.result.expert_offsets.tolist()  # (a host read: fine for an example; see README "Training")
         counts = routed.result.num_tokens_per_expert.tolist()
@@ -55,12 +67,13 @@ def worker(rank, world, args):
     device = torch.device("cuda", torch.cuda.current_device()) if args.gpu else torch.device("cpu")
     gen = torch.Generator().manual_seed(100 + rank)  # this rank's tokens
     x = torch.randn(args.tokens, args.hidden, generator=gen).to(torch.bfloat16).to(device)
-    sizes = dict(hidden=args.hidden, num_experts=args.experts, num_topk=args.topk, max_tokens_per_rank=args.tokens)
+    sizes = dict(hidden=args.hidden, num_experts=args.experts, num_topk=args.topk, max_tokens_per_rank=args.tokens,
+                 expert_alignment=32)  # (ExpertMLP's weight gradients: MXFP8 blocks of 32 rows of one expert)
     losses = []
     with ep_comm.Buffer(None, **sizes) as buf, training.GradBuffers.create(buf) as grads:
         layer_sizes = (rank, world, args.experts, args.hidden, args.intermediate, args.topk)
-        teacher = ExpertParallelMoE(buf, grads, *layer_sizes, seed=1).to(device)
-        student = ExpertParallelMoE(buf, grads, *layer_sizes, seed=2).to(device)
+        teacher = ExpertParallelMoE(buf, grads, *layer_sizes, seed=1, expert_mlp=args.expert_mlp).to(device)
+        student = ExpertParallelMoE(buf, grads, *layer_sizes, seed=2, expert_mlp=args.expert_mlp).to(device)
         with torch.no_grad():
             target = teacher(x).float()
         optimizer = torch.optim.SGD(student.parameters(), lr=args.lr)
@@ -77,10 +90,11 @@ def main():
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--lr", type=float, default=5.0)
+    parser.add_argument("--expert-mlp", default="ep_comm", choices=("ep_comm", "torch"))
     own, rest = parser.parse_known_args()
     args, world = parse_moe_args(rest, description=__doc__, hidden=256, intermediate=128, tokens=128, experts=8,
                                  topk=2)
-    args.steps, args.lr = own.steps, own.lr
+    args.steps, args.lr, args.expert_mlp = own.steps, own.lr, own.expert_mlp
     for rank, losses in enumerate(run_ranks(worker, world, args, backend="nccl" if args.gpu else "gloo")):
         print(f"rank {rank}: loss {losses[0]:.5f} at step 1, {losses[-1]:.5f} at step {len(losses)}")
 

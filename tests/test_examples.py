@@ -43,11 +43,14 @@ def test_examples_refuse_bad_sizes_before_starting_ranks(argv, message, capsys):
 
 
 @pytest.mark.cpu
-def test_moe_training_example_learns_on_gloo():
-    """Gradients through dispatch, combine and the routing weights (ep_comm.training) train the student layer: SGD
-    lowers its loss against the teacher on every rank (0.135 -> 0.068 in 30 steps at the example's defaults)."""
+@pytest.mark.parametrize("expert_mlp", ["ep_comm", "torch"])
+def test_moe_training_example_learns_on_gloo(expert_mlp):
+    """Gradients through dispatch, combine and the routing weights (ep_comm.training), and through the experts
+    (training.ExpertMLP's NVFP4 / MXFP8 experts, or plain torch ones) train the student layer: SGD lowers its loss
+    against the teacher on every rank."""
     import moe_training
-    args = argparse.Namespace(tokens=64, hidden=128, intermediate=64, experts=8, topk=2, gpu=False, steps=12, lr=5.0)
+    args = argparse.Namespace(tokens=64, hidden=128, intermediate=64, experts=8, topk=2, gpu=False, steps=12, lr=5.0,
+                              expert_mlp=expert_mlp)
     for losses in run_ranks(moe_training.worker, 2, args, backend="gloo"):
         assert len(losses) == 12 and all(0.0 < loss < 1.0 for loss in losses), losses
         assert losses[-1] < 0.8 * losses[0], losses
