@@ -128,7 +128,7 @@ def _worker(rank, world, args):
                 row["kernel_profile"] = table
                 print(table)
             figures["cases"].append(row)
-            del mlp, rows, grad, x_rows, w1, w2, a_h, a_i, a_2i, t_h, t_i, t_2i, v1, v2
+            mlp = rows = grad = x_rows = w1 = w2 = a_h = a_i = a_2i = t_h = t_i = t_2i = v1 = v2 = None  # (freed)
             torch.cuda.empty_cache()
     return figures
 

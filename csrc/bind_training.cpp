@@ -1,10 +1,11 @@
-// Python binding of combine's backward rows kernel (training_rows.h). Thin: ep_comm/training.py validates and
-// allocates.
+// Python bindings of the training kernels: combine's backward rows (training_rows.h) and the trainable experts' row
+// kernels (training_experts.h). Thin: ep_comm/training.py and ep_comm/training_experts.py validate and allocate.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
 
 #include "bindings.h"
+#include "training_experts.h"
 #include "training_rows.h"
 
 namespace py = pybind11;
@@ -27,4 +28,53 @@ void register_training(py::module_& m) {
       py::arg("src_rank"), py::arg("num_rows"), py::arg("hidden"), py::arg("grad_expert_out"), py::arg("dots"),
       py::arg("stream"),
       "Combine's backward on the expert rank: f(w * g) rows and FP32 dots <g, expert_out> (training_rows.h)");
+  m.def(
+      "mxfp8_round_trips",
+      [](uintptr_t x, uintptr_t src_rank, int64_t num_rows, int64_t hidden, int64_t padded_rows, uint64_t seed_rows,
+         uint64_t seed_tokens, uintptr_t rows_out, uintptr_t tokens_out, uintptr_t stream) {
+        check(ep_comm::launch_mxfp8_round_trips(ptr<const uint16_t>(x), ptr<const int32_t>(src_rank), num_rows,
+                                                hidden, padded_rows, seed_rows, seed_tokens, ptr<uint16_t>(rows_out),
+                                                ptr<uint16_t>(tokens_out), as_stream(stream)),
+              "mxfp8_round_trips");
+      },
+      py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("src_rank"), py::arg("num_rows"),
+      py::arg("hidden"), py::arg("padded_rows"), py::arg("seed_rows"), py::arg("seed_tokens"), py::arg("rows_out"),
+      py::arg("tokens_out"), py::arg("stream"),
+      "MXFP8 (stochastic) round trips of bf16 rows along K and of their transpose along the tokens, one read "
+      "(training_experts.h)");
+  m.def(
+      "swiglu_rows",
+      [](uintptr_t gate_up, uintptr_t factor, uintptr_t src_rank, int64_t num_rows, int64_t intermediate,
+         int64_t padded_rows, uintptr_t out, uintptr_t stream) {
+        check(ep_comm::launch_swiglu_rows(ptr<const uint16_t>(gate_up), ptr<const float>(factor),
+                                          ptr<const int32_t>(src_rank), num_rows, intermediate, padded_rows,
+                                          ptr<float>(out), as_stream(stream)),
+              "swiglu_rows");
+      },
+      py::call_guard<py::gil_scoped_release>(), py::arg("gate_up"), py::arg("factor"), py::arg("src_rank"),
+      py::arg("num_rows"), py::arg("intermediate"), py::arg("padded_rows"), py::arg("out"), py::arg("stream"),
+      "silu(gate * factor) * (up * factor) of w1's bf16 rows, fp32, zero rows up to padded_rows (training_experts.h)");
+  m.def(
+      "swiglu_backward_rows",
+      [](uintptr_t d_hidden, uintptr_t d_factor, uintptr_t gate_up, uintptr_t factor, uintptr_t src_rank,
+         int64_t num_rows, int64_t intermediate, uintptr_t d_gate_up, uintptr_t stream) {
+        check(ep_comm::launch_swiglu_backward_rows(ptr<const uint16_t>(d_hidden), ptr<const float>(d_factor),
+                                                   ptr<const uint16_t>(gate_up), ptr<const float>(factor),
+                                                   ptr<const int32_t>(src_rank), num_rows, intermediate,
+                                                   ptr<uint16_t>(d_gate_up), as_stream(stream)),
+              "swiglu_backward_rows");
+      },
+      py::call_guard<py::gil_scoped_release>(), py::arg("d_hidden"), py::arg("d_factor"), py::arg("gate_up"),
+      py::arg("factor"), py::arg("src_rank"), py::arg("num_rows"), py::arg("intermediate"), py::arg("d_gate_up"),
+      py::arg("stream"), "SwiGLU's backward on row-scaled bf16 rows, bf16 out (training_experts.h)");
+  m.def(
+      "scale_rows",
+      [](uintptr_t x, uintptr_t factor, uintptr_t src_rank, int64_t num_rows, int64_t hidden, uintptr_t stream) {
+        check(ep_comm::launch_scale_rows(ptr<uint16_t>(x), ptr<const float>(factor), ptr<const int32_t>(src_rank),
+                                         num_rows, hidden, as_stream(stream)),
+              "scale_rows");
+      },
+      py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("factor"), py::arg("src_rank"),
+      py::arg("num_rows"), py::arg("hidden"), py::arg("stream"),
+      "In place: bf16 rows times their fp32 factor, zero rows not in use (training_experts.h)");
 }

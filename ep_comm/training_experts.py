@@ -45,7 +45,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import formats
+from . import _ext, formats
 from .training import RoutedTokens
 
 # Seeds of the six stochastic roundings of one backward (one per quantized tensor), offsets from the call's seed.
@@ -108,6 +108,19 @@ def _masked_nvfp4(q: formats.NVFP4Tensor, rows_in_use: torch.Tensor, num_rows: i
     return dataclasses.replace(q, data=data, scales=masked(q.scales), amax=masked(q.amax))
 
 
+def _row_kernels(t: torch.Tensor):
+    """ep_comm._C with the row kernels of csrc/training_experts.cu for CUDA tensor t, else None (CPU tensors: the torch
+    forms below, the same bits). A CUDA tensor without them (an ep_comm._C built before them, or a GPU the kernels
+    cannot run on) takes the torch forms too, with a warning once: slower, the same results."""
+    if not t.is_cuda:
+        return None
+    if formats._use_cuda("auto", t) and hasattr(_ext._C, "mxfp8_round_trips"):
+        return _ext._C
+    _ext.warn_once("ep_comm.training.ExpertMLP: the row kernels of csrc/training_experts.cu are not in this build of "
+                   "ep_comm._C (or cannot run here): using their torch forms (the same bits, more passes)")
+    return None
+
+
 def _mxfp8_values(x: torch.Tensor, seed: int) -> torch.Tensor:
     """x [M, K] -> bf16 [M, K]: MXFP8 along K with stochastic rounding, dequantized (exact in BF16)."""
     q = formats.mxfp8_quantize(x, rounding="stochastic", seed=seed)
@@ -123,15 +136,77 @@ def _mxfp8_token_values(x: torch.Tensor, num_rows: int, seed: int) -> torch.Tens
     return _mxfp8_values(xt, seed)
 
 
-def _scaled_rows(gemm_out: torch.Tensor, row_factor: torch.Tensor, rows_in_use: torch.Tensor) -> torch.Tensor:
-    """A GEMM's bf16 rows times their FP32 outer factor: fp32, zero outside rows_in_use (the grouped GEMM leaves rows
-    past its groups unwritten: anything, NaN included)."""
-    return torch.mul(gemm_out, row_factor[:, None]).masked_fill_(~rows_in_use[:, None], 0.0)
+def mxfp8_round_trips(x: torch.Tensor, src_rank: torch.Tensor, padded_rows: int, seed_rows: Optional[int],
+                      seed_tokens: Optional[int]):
+    """The backward's two MXFP8 roundings of one bf16 tensor x [R, K] (rows with src_rank < 0 taken as 0): (rows bf16
+    [R, K] along K, tokens bf16 [K, padded_rows] along the tokens, transposed and zero-padded), each with stochastic
+    rounding and dequantized; a None seed skips that output. One read of x on CUDA (csrc/training_experts.cu);
+    elsewhere `_mxfp8_values` / `_mxfp8_token_values` of the masked x, the same bits."""
+    lib = _row_kernels(x)
+    if lib is None:
+        masked = x.masked_fill(~(src_rank >= 0)[:, None], 0.0)
+        return (None if seed_rows is None else _mxfp8_values(masked, seed_rows),
+                None if seed_tokens is None else _mxfp8_token_values(masked, padded_rows, seed_tokens))
+    x, src_rank = x.contiguous(), src_rank.contiguous()
+    num_rows, hidden = x.shape
+    rows = None if seed_rows is None else torch.empty_like(x)
+    tokens = None if seed_tokens is None else torch.empty(hidden, padded_rows, dtype=x.dtype, device=x.device)
+    with _ext.cuda_device(x.device):
+        lib.mxfp8_round_trips(x.data_ptr(), src_rank.data_ptr(), num_rows, hidden, padded_rows, seed_rows or 0,
+                              seed_tokens or 0, 0 if rows is None else rows.data_ptr(),
+                              0 if tokens is None else tokens.data_ptr(), _ext.current_raw_stream(x.device))
+    return rows, tokens
 
 
-def _scale_rows_(gemm_out: torch.Tensor, row_factor: torch.Tensor, rows_in_use: torch.Tensor) -> torch.Tensor:
-    """_scaled_rows in place, in the GEMM's bf16 (the product in FP32, rounded once)."""
-    return gemm_out.mul_(row_factor[:, None]).masked_fill_(~rows_in_use[:, None], 0.0)
+def swiglu_rows(gate_up: torch.Tensor, factor: torch.Tensor, src_rank: torch.Tensor, padded_rows: int
+                ) -> torch.Tensor:
+    """silu(gate) * up with gate, up = w1's bf16 output [R, 2I] times its fp32 row factor [R]: fp32 [padded_rows, I],
+    zero on rows not in use and past R (csrc/training_experts.cu on CUDA, else torch; the same bits)."""
+    num_rows, two_i = gate_up.shape
+    lib = _row_kernels(gate_up)
+    out = torch.zeros(padded_rows, two_i // 2, dtype=torch.float32, device=gate_up.device) if lib is None else \
+        torch.empty(padded_rows, two_i // 2, dtype=torch.float32, device=gate_up.device)
+    if lib is None:
+        gate, up = torch.mul(gate_up, factor[:, None]).chunk(2, dim=-1)
+        torch.mul(F.silu(gate), up, out=out[:num_rows])
+        out[:num_rows].masked_fill_(~(src_rank >= 0)[:, None], 0.0)
+        return out
+    gate_up, factor, src_rank = gate_up.contiguous(), factor.contiguous(), src_rank.contiguous()
+    with _ext.cuda_device(gate_up.device):
+        lib.swiglu_rows(gate_up.data_ptr(), factor.data_ptr(), src_rank.data_ptr(), num_rows, two_i // 2,
+                        padded_rows, out.data_ptr(), _ext.current_raw_stream(gate_up.device))
+    return out
+
+
+def swiglu_backward_rows(d_hidden: torch.Tensor, d_factor: torch.Tensor, gate_up: torch.Tensor,
+                         factor: torch.Tensor, src_rank: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's backward: d [gate, up] bf16 [R, 2I] from d_hidden bf16 [R, I] times d_factor fp32 [R] and the
+    forward's gate_up bf16 [R, 2I] times factor fp32 [R], in FP32; zero on rows not in use (csrc/training_experts.cu
+    on CUDA, else `_swiglu_backward`; the same bits)."""
+    lib = _row_kernels(d_hidden)
+    if lib is None:
+        d_gate_up = _swiglu_backward(torch.mul(d_hidden, d_factor[:, None]), torch.mul(gate_up, factor[:, None]))
+        return d_gate_up.to(torch.bfloat16).masked_fill_(~(src_rank >= 0)[:, None], 0.0)
+    tensors = [t.contiguous() for t in (d_hidden, d_factor, gate_up, factor, src_rank)]
+    num_rows, two_i = gate_up.shape
+    out = torch.empty(num_rows, two_i, dtype=torch.bfloat16, device=gate_up.device)
+    with _ext.cuda_device(gate_up.device):
+        lib.swiglu_backward_rows(*(t.data_ptr() for t in tensors), num_rows, two_i // 2, out.data_ptr(),
+                                 _ext.current_raw_stream(gate_up.device))
+    return out
+
+
+def scale_rows_(x: torch.Tensor, factor: torch.Tensor, src_rank: torch.Tensor) -> torch.Tensor:
+    """In place on a GEMM's bf16 rows x [R, K]: each row times its fp32 factor (the product in FP32, rounded once),
+    zero on rows not in use (the grouped GEMM leaves rows past its groups unwritten: anything, NaN included)."""
+    lib = _row_kernels(x)
+    if lib is None or not x.is_contiguous():
+        return x.mul_(factor[:, None]).masked_fill_(~(src_rank >= 0)[:, None], 0.0)
+    factor, src_rank = factor.contiguous(), src_rank.contiguous()
+    with _ext.cuda_device(x.device):
+        lib.scale_rows(x.data_ptr(), factor.data_ptr(), src_rank.data_ptr(), x.shape[0], x.shape[1],
+                       _ext.current_raw_stream(x.device))
+    return x
 
 
 def _swiglu_backward(d_hidden: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
@@ -156,7 +231,7 @@ class _Saved:
     w2: formats.NVFP4Tensor
     group_ends: torch.Tensor         # int32 [E], expert_offsets[1:]
     expert_of_row: torch.Tensor      # int64 [R]
-    rows_in_use: torch.Tensor        # bool [R]
+    src_rank: torch.Tensor           # int32 [R]: a row is in use iff src_rank >= 0
     padded_rows: int
     seeds: ExpertGradSeeds
 
@@ -181,32 +256,30 @@ class _ExpertMLPFunction(torch.autograd.Function):
     def forward(ctx, rows, w1, w2, result, seed: int):
         num_rows = result.num_rows
         padded_rows = -(-num_rows // formats.MX_BLOCK) * formats.MX_BLOCK
-        rows_in_use = result.src_rank >= 0
+        src_rank = result.src_rank
+        rows_in_use = src_rank >= 0
         group_ends = result.expert_offsets[1:].contiguous()
-        experts, two_i, _ = w1.shape
+        experts = w1.shape[0]
         positions = torch.arange(num_rows, dtype=torch.int32, device=rows_in_use.device)
         expert_of_row = torch.searchsorted(group_ends, positions, right=True).clamp_(max=experts - 1)
         w1q, w2q = quantize_expert_weights(w1), quantize_expert_weights(w2)
         tokens = _masked_nvfp4(result.x, rows_in_use, padded_rows)
 
-        # w1: gate and up (BF16 GEMM output times the token's and the expert's outer factors, in FP32).
+        # w1: gate and up (BF16 GEMM output times the token's and the expert's outer factors, in FP32), SwiGLU in
+        # FP32, then the w2 input: NVFP4 4/6 with a per-token amax (zero rows up to the padded count).
         x_values, x_factor = _block_values(tokens)
         w1_row_factor = x_factor[:num_rows] * _expert_factor(w1q, expert_of_row)
         gate_up_bf16 = _grouped_mm(x_values[:num_rows], _weight_values(w1q).transpose(1, 2), group_ends)
-        gate, up = _scaled_rows(gate_up_bf16, w1_row_factor, rows_in_use).chunk(2, dim=-1)
-        # SwiGLU in FP32, then the w2 input: NVFP4 4/6 with a per-token amax (zero rows up to the padded count).
-        swiglu = torch.zeros(padded_rows, two_i // 2, dtype=torch.float32, device=rows_in_use.device)
-        torch.mul(F.silu(gate), up, out=swiglu[:num_rows])
-        del gate, up
-        hidden = formats.nvfp4_quantize(swiglu, four_over_six=True)
-        del swiglu
+        del x_values
+        hidden = formats.nvfp4_quantize(swiglu_rows(gate_up_bf16, w1_row_factor, src_rank, padded_rows),
+                                        four_over_six=True)
         h_values, h_factor = _block_values(hidden)
         out = _grouped_mm(h_values[:num_rows], _weight_values(w2q).transpose(1, 2), group_ends)
-        _scale_rows_(out, h_factor[:num_rows] * _expert_factor(w2q, expert_of_row), rows_in_use)
+        scale_rows_(out, h_factor[:num_rows] * _expert_factor(w2q, expert_of_row), src_rank)
 
         ctx.saved = _Saved(tokens=tokens, hidden=hidden, gate_up_bf16=gate_up_bf16, w1_row_factor=w1_row_factor,
-                           w1=w1q, w2=w2q, group_ends=group_ends, expert_of_row=expert_of_row,
-                           rows_in_use=rows_in_use, padded_rows=padded_rows, seeds=ExpertGradSeeds(seed))
+                           w1=w1q, w2=w2q, group_ends=group_ends, expert_of_row=expert_of_row, src_rank=src_rank,
+                           padded_rows=padded_rows, seeds=ExpertGradSeeds(seed))
         ctx.rows_dtype, ctx.w1_dtype, ctx.w2_dtype = rows.dtype, w1.dtype, w2.dtype
         return out
 
@@ -215,36 +288,36 @@ class _ExpertMLPFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         s: _Saved = ctx.saved
         ctx.saved = None  # (freed with this backward)
-        use = s.rows_in_use
-        g = grad_out.to(torch.bfloat16).masked_fill(~use[:, None], 0.0)
-        # w2: dgrad (MXFP8 along H) and wgrad (MXFP8 along the tokens).
-        d_hidden = _grouped_mm(_mxfp8_values(g, s.seeds.of("g_rows")), _weight_values(s.w2), s.group_ends)
-        # (fp32; rows not in use hold anything here, and are masked in d_gate_up)
-        d_hidden = torch.mul(d_hidden, _expert_factor(s.w2, s.expert_of_row)[:, None])
+        src, rows_p, seeds = s.src_rank, s.padded_rows, s.seeds
+        want_rows, want_w1, want_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        # w2: dgrad (MXFP8 along H) and wgrad (MXFP8 along the tokens), both roundings of g from one read.
+        g_rows, g_tokens = mxfp8_round_trips(grad_out.to(torch.bfloat16), src, rows_p, seeds.of("g_rows"),
+                                             seeds.of("g_tokens") if want_w2 else None)
+        d_hidden = _grouped_mm(g_rows, _weight_values(s.w2), s.group_ends)  # (bf16; times W2's expert factor below)
+        del g_rows
         grad_w2 = None
-        if ctx.needs_input_grad[2]:
-            g_t = _mxfp8_token_values(g, s.padded_rows, s.seeds.of("g_tokens"))                    # [H, Rp]
-            h_t = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(
-                s.hidden, rounding="stochastic", seed=s.seeds.of("h_tokens")), dtype=torch.bfloat16)  # [I, Rp]
-            grad_w2 = _grouped_mm(g_t, h_t.t(), s.group_ends).to(ctx.w2_dtype)                    # [E, H, I]
-            del g_t, h_t
-        del g
-        # SwiGLU's backward in FP32 from the forward's pre-activations, its output rounded to BF16 (the source of
-        # both MXFP8 roundings of w1's backward).
-        gate_up = torch.mul(s.gate_up_bf16, s.w1_row_factor[:, None])
-        d_gate_up = _swiglu_backward(d_hidden, gate_up).to(torch.bfloat16).masked_fill_(~use[:, None], 0.0)
-        del d_hidden, gate_up
+        if want_w2:
+            h_tokens = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(
+                s.hidden, rounding="stochastic", seed=seeds.of("h_tokens")), dtype=torch.bfloat16)    # [I, Rp]
+            grad_w2 = _grouped_mm(g_tokens, h_tokens.t(), s.group_ends).to(ctx.w2_dtype)           # [E, H, I]
+            del g_tokens, h_tokens
+        # SwiGLU's backward in FP32 from the forward's pre-activations, rounded to BF16 (the source of both MXFP8
+        # roundings of w1's backward), then w1's dgrad (MXFP8 along 2I) and wgrad (MXFP8 along the tokens).
+        d_gate_up = swiglu_backward_rows(d_hidden, _expert_factor(s.w2, s.expert_of_row), s.gate_up_bf16,
+                                         s.w1_row_factor, src)
+        del d_hidden
+        d_rows, d_tokens = mxfp8_round_trips(d_gate_up, src, rows_p, seeds.of("d_gate_up_rows") if want_rows else None,
+                                             seeds.of("d_gate_up_tokens") if want_w1 else None)
+        del d_gate_up
         grad_rows = None
-        if ctx.needs_input_grad[0]:
-            d_x = _grouped_mm(_mxfp8_values(d_gate_up, s.seeds.of("d_gate_up_rows")), _weight_values(s.w1),
-                              s.group_ends)
-            grad_rows = _scale_rows_(d_x, _expert_factor(s.w1, s.expert_of_row), use).to(ctx.rows_dtype)
+        if want_rows:
+            d_x = _grouped_mm(d_rows, _weight_values(s.w1), s.group_ends)
+            grad_rows = scale_rows_(d_x, _expert_factor(s.w1, s.expert_of_row), src).to(ctx.rows_dtype)
         grad_w1 = None
-        if ctx.needs_input_grad[1]:
-            d_t = _mxfp8_token_values(d_gate_up, s.padded_rows, s.seeds.of("d_gate_up_tokens"))   # [2I, Rp]
-            x_t = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(
-                s.tokens, rounding="stochastic", seed=s.seeds.of("x_tokens")), dtype=torch.bfloat16)  # [H, Rp]
-            grad_w1 = _grouped_mm(d_t, x_t.t(), s.group_ends).to(ctx.w1_dtype)                    # [E, 2I, H]
+        if want_w1:
+            x_tokens = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(
+                s.tokens, rounding="stochastic", seed=seeds.of("x_tokens")), dtype=torch.bfloat16)    # [H, Rp]
+            grad_w1 = _grouped_mm(d_tokens, x_tokens.t(), s.group_ends).to(ctx.w1_dtype)           # [E, 2I, H]
         return grad_rows, grad_w1, grad_w2, None, None
 
 

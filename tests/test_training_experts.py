@@ -9,7 +9,6 @@ rounding: the comparison is a relative L2 bound (`_BOUNDS`), far below what a tr
 misplaced segment or a missing mask gives (O(1)).
 """
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -314,3 +313,57 @@ def test_gloo_expert_mlp_trains_and_refuses_bad_input():
 @pytest.mark.gpu
 def test_cuda_expert_mlp_matches_oracle():
     assert run_ranks(oracle_worker, 1, "nvlink", "cuda", backend="nccl") == ["oracle ok"]
+
+
+def _row_case(num_rows: int, width: int, seed: int, device):
+    """bf16 [R, width] rows with outliers, a zero row, NaN / Inf and tiny values; src_rank int32 [R] with rows not in
+    use (NaN garbage in one of them); an fp32 row factor [R] with a zero and a huge value."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_rows, width, generator=gen) * torch.exp(2 * torch.randn(num_rows, 1, generator=gen))
+    src = torch.randint(-1, 3, (num_rows,), generator=gen, dtype=torch.int32)
+    factor = torch.rand(num_rows, generator=gen) * 0.1
+    if num_rows > 6:
+        x[1, 3], x[2, :] = 3e4, 0.0
+        x[3, 5], x[4, 7], x[5, :] = float("nan"), float("inf"), 1e-30
+        src[1:6] = 0
+        x[6, :] = float("nan")
+        src[6] = -1
+        factor[2], factor[3] = 0.0, 1e30
+    return x.to(torch.bfloat16).to(device), src.to(device), factor.to(device)
+
+
+@pytest.mark.gpu
+def test_row_kernels_match_their_torch_forms(monkeypatch):
+    """csrc/training_experts.cu bit for bit against the torch forms the CPU path runs (NaN as NaN), at row counts that
+    are and are not multiples of 32 and widths past one tile."""
+    from format_cases import assert_same_floats
+    from ep_comm import training_experts as te
+    device = torch.device("cuda")
+
+    def both(fn):
+        kernel = fn()
+        with monkeypatch.context() as patch:
+            patch.setattr(te, "_row_kernels", lambda t: None)
+            torch_form = fn()
+        return kernel, torch_form
+
+    for num_rows, width, extra in ((0, 64, 0), (1, 32, 0), (77, 96, 32), (300, 7168, 0), (1025, 2048, 0)):
+        x, src, factor = _row_case(num_rows, width, num_rows + width, device)
+        padded = -(-num_rows // 32) * 32 + extra
+        (rows, tokens), (rows_t, tokens_t) = both(lambda: te.mxfp8_round_trips(x, src, padded, 2**40 + 5, 9))
+        assert_same_floats(rows, rows_t, f"mxfp8 rows {num_rows}x{width}")
+        assert_same_floats(tokens, tokens_t, f"mxfp8 tokens {num_rows}x{width}")
+        (_, only_tokens), _ = both(lambda: te.mxfp8_round_trips(x, src, padded, None, 9))
+        assert_same_floats(only_tokens, tokens_t, "tokens alone")
+        scaled, scaled_t = both(lambda: te.scale_rows_(x.clone(), factor, src))
+        assert_same_floats(scaled, scaled_t, f"scale_rows {num_rows}x{width}")
+        if width % 16 == 0:
+            swiglu, swiglu_t = both(lambda: te.swiglu_rows(x, factor, src, padded))
+            assert_same_floats(swiglu, swiglu_t, f"swiglu {num_rows}x{width}")
+            d_hidden = x[:, :width // 2].contiguous()
+            d_factor = factor.flip(0).contiguous()
+            back, back_t = both(lambda: te.swiglu_backward_rows(d_hidden, d_factor, x, factor, src))
+            assert_same_floats(back, back_t, f"swiglu backward {num_rows}x{width}")
+        unused = (src < 0).nonzero()
+        if unused.numel():
+            assert not scaled[unused[:, 0]].any() and not rows[unused[:, 0]].any()
