@@ -70,11 +70,16 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, group_ends: torch.Tensor) -> t
 
 
 def quantize_expert_weights(w: torch.Tensor) -> formats.NVFP4Tensor:
-    """Master weights [E, N, K] (float32 / bfloat16 / float16, finite) -> NVFP4 along K without 4/6 and with one FP32
-    amax per expert: bitwise `moe.pack_weights`'s quantization. No autograd (straight-through: see the module doc)."""
+    """Master weights [E, N, K] (float32 / bfloat16 / float16) -> NVFP4 along K without 4/6 and with one FP32 amax per
+    expert: bitwise `moe.pack_weights`'s quantization. No autograd (straight-through: see the module doc). On CUDA it
+    does not read the amax on the host (formats.nvfp4_quantize would, to refuse a NaN one): no sync in a training step;
+    a NaN or Inf among the masters then gives non-finite outputs and loss, as a diverged BF16 layer does."""
     with torch.no_grad():
         w = w.detach()
         amax = torch.linalg.vector_norm(w, ord=math.inf, dim=(1, 2)).float()[:, None]  # exact: a max
+        if formats._use_cuda("auto", w):
+            from . import _cuda_formats  # (what nvfp4_quantize runs after its check: the amax broadcast to the rows)
+            return _cuda_formats.nvfp4_quantize(w, False, amax.expand(w.shape[:-1]).contiguous())
         return formats.nvfp4_quantize(w, four_over_six=False, amax=amax)
 
 
@@ -348,7 +353,8 @@ def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: i
     layout (zero outside the rows in use), ready for `training.combine`.
 
     w1: [E_local, 2I, H] (gate rows, then up rows), w2: [E_local, H, I]; float32, bfloat16 or float16 master weights
-    (parameters), finite; H and I multiples of 32. seed: the backward's stochastic rounding (give each call its own:
+    (parameters); H and I multiples of 32. No host synchronization on CUDA tensors (non-finite masters give non-finite
+    outputs, not an exception). seed: the backward's stochastic rounding (give each call its own:
     e.g. the step and the layer). The gradient of routed.x is returned to the dispatch (and so reaches x), those of
     w1 and w2 in their dtypes. See the module docstring for the numerics."""
     _check_routed(routed, w1, w2)

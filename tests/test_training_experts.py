@@ -243,15 +243,25 @@ def errors_worker(rank, world):
     return "errors ok"
 
 
-@pytest.mark.cpu
-def test_expert_weights_quantize_as_pack_weights():
+def _check_quantize_as_pack_weights(device):
     gen = torch.Generator().manual_seed(3)
-    w = torch.randn(3, 64, 64, generator=gen) * torch.tensor([1.0, 1e-3, 50.0])[:, None, None]
+    w = (torch.randn(3, 64, 64, generator=gen) * torch.tensor([1.0, 1e-3, 50.0])[:, None, None]).to(device)
     got = training.quantize_expert_weights(w)
     want = moe.pack_weights(w, w[:, :, :32]).w1
     for name in ("data", "scales", "amax"):
-        assert torch.equal(getattr(got, name).view(torch.uint8) if name == "scales" else getattr(got, name),
-                           getattr(want, name).view(torch.uint8) if name == "scales" else getattr(want, name)), name
+        a, b = getattr(got, name), getattr(want, name)
+        assert torch.equal(a.view(torch.uint8) if name == "scales" else a,
+                           b.view(torch.uint8) if name == "scales" else b), name
+
+
+@pytest.mark.cpu
+def test_expert_weights_quantize_as_pack_weights():
+    _check_quantize_as_pack_weights(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_cuda_expert_weights_quantize_as_pack_weights():
+    _check_quantize_as_pack_weights(torch.device("cuda"))
 
 
 @pytest.mark.cpu
