@@ -107,7 +107,10 @@ def _worker(rank, world, args):
                 torch._grouped_mm(a_2i, v1, offs=ends)
                 torch._grouped_mm(t_2i, t_h.t(), offs=ends)
 
-            row = {"tokens": tokens, "rows_in_use": rows_in_use, "num_rows": result.num_rows}
+            row = {"tokens": tokens, "rows_in_use": rows_in_use, "num_rows": result.num_rows,
+                   # (the layouts torch._grouped_mm returns: a strided weight gradient costs a slow cast)
+                   "wgrad_out_strides": list(torch._grouped_mm(t_h, t_i.t(), offs=ends).stride()),
+                   "dgrad_out_strides": list(torch._grouped_mm(a_h, v2, offs=ends).stride())}
             for name, fn in (("ours_forward", ours_forward), ("ours_forward_backward", ours_forward_backward),
                              ("bf16_forward", bf16_forward), ("bf16_forward_backward", bf16_forward_backward),
                              ("gemms_only", gemms_only)):
@@ -158,7 +161,8 @@ def main(argv=None):
               f"{row['ours_forward_backward_ms']:.2f} ms ({row['ours_forward_backward_tflops']:.0f}); BF16 fwd "
               f"{row['bf16_forward_ms']:.2f} ms, fwd+bwd {row['bf16_forward_backward_ms']:.2f} ms "
               f"({row['bf16_forward_backward_tflops']:.0f}); the six GEMMs alone {row['gemms_only_ms']:.2f} ms "
-              f"({row['gemms_only_tflops']:.0f}); ours / BF16 speed {row['speedup_forward_backward_vs_bf16']:.2f}x")
+              f"({row['gemms_only_tflops']:.0f}); ours / BF16 speed {row['speedup_forward_backward_vs_bf16']:.2f}x; "
+              f"_grouped_mm output strides: wgrad {row['wgrad_out_strides']}, dgrad {row['dgrad_out_strides']}")
     if args.out:
         report = {"meta": run_metadata(), "args": {k: v for k, v in vars(args).items() if k != "out"},
                   "figures": figures}
