@@ -77,4 +77,12 @@ void register_training(py::module_& m) {
       py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("factor"), py::arg("src_rank"),
       py::arg("num_rows"), py::arg("hidden"), py::arg("stream"),
       "In place: bf16 rows times their fp32 factor, zero rows not in use (training_experts.h)");
+  m.def(
+      "widen_bf16",
+      [](uintptr_t x, uintptr_t out, int64_t n, uintptr_t stream) {
+        check(ep_comm::launch_widen_bf16(ptr<const uint16_t>(x), ptr<float>(out), n, as_stream(stream)),
+              "widen_bf16");
+      },
+      py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("out"), py::arg("n"), py::arg("stream"),
+      "bf16 -> fp32, n elements (training_experts.h)");
 }

@@ -163,6 +163,26 @@ __global__ void __launch_bounds__(kRowThreads) scale_rows_kernel(uint16_t* __res
   }
 }
 
+// Two 16-byte vectors of bf16 per thread per step (loads issued before the stores).
+__global__ void __launch_bounds__(kRowThreads) widen_bf16_kernel(const uint16_t* __restrict__ x,
+                                                                 float* __restrict__ out, int64_t num_vectors) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kRowThreads;
+  for (int64_t v = static_cast<int64_t>(blockIdx.x) * kRowThreads + threadIdx.x; v < num_vectors; v += 2 * stride) {
+    const bool second = v + stride < num_vectors;
+    const uint4 a = vec::load16(x + 8 * v);
+    const uint4 b = second ? vec::load16(x + 8 * (v + stride)) : make_uint4(0, 0, 0, 0);
+    float y[8];
+    Bf16::unpack(a, y);
+    vec::store16(out + 8 * v, vec::Elem<float>::pack(y));
+    vec::store16(out + 8 * v + 4, vec::Elem<float>::pack(y + 4));
+    if (second) {
+      Bf16::unpack(b, y);
+      vec::store16(out + 8 * (v + stride), vec::Elem<float>::pack(y));
+      vec::store16(out + 8 * (v + stride) + 4, vec::Elem<float>::pack(y + 4));
+    }
+  }
+}
+
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 int64_t row_grid(int64_t chunks) {  // grid-strided: enough CTAs to fill the GPU several times, no more
@@ -229,6 +249,17 @@ cudaError_t launch_scale_rows(uint16_t* x, const float* factor, const int32_t* s
   if (x == nullptr || factor == nullptr || !aligned16(x)) return cudaErrorInvalidValue;
   scale_rows_kernel<<<static_cast<unsigned>(row_grid(num_rows * (hidden / 8))), kRowThreads, 0, stream>>>(
       x, factor, src_rank, num_rows, hidden);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_widen_bf16(const uint16_t* x, float* out, int64_t n, cudaStream_t stream) {
+  if (n < 0 || n % 8 != 0) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  if (x == nullptr || out == nullptr || !aligned16(x) || !aligned16(out)) return cudaErrorInvalidValue;
+  const int64_t vectors = n / 8;
+  int64_t grid = ceil_div(vectors, 2 * kRowThreads);
+  if (grid > 65536) grid = 65536;
+  widen_bf16_kernel<<<static_cast<unsigned>(grid), kRowThreads, 0, stream>>>(x, out, vectors);
   return cudaGetLastError();
 }
 

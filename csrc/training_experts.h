@@ -42,4 +42,8 @@ cudaError_t launch_swiglu_backward_rows(const uint16_t* d_hidden, const float* d
 cudaError_t launch_scale_rows(uint16_t* x, const float* factor, const int32_t* src_rank, int64_t num_rows,
                               int64_t hidden, cudaStream_t stream);
 
+// out[i] = f32(x[i]) for i < n (bf16 -> fp32, exact; n % 8 == 0, both 16-byte aligned): the weight gradients,
+// torch._grouped_mm's bf16, into the dtype of FP32 master weights (torch's cast kernel ran at ~2 TB/s there).
+cudaError_t launch_widen_bf16(const uint16_t* x, float* out, int64_t n, cudaStream_t stream);
+
 }  // namespace ep_comm

@@ -135,6 +135,8 @@ def _mxfp8_values(x: torch.Tensor, seed: int) -> torch.Tensor:
 def _mxfp8_token_values(x: torch.Tensor, num_rows: int, seed: int) -> torch.Tensor:
     """x [R, K] -> bf16 [K, num_rows]: transposed, zero-padded to num_rows (a multiple of 32), MXFP8 along the tokens
     with stochastic rounding, dequantized."""
+    if num_rows == 0:  # (no token block at all: mxfp8_quantize refuses a zero-length last axis)
+        return torch.zeros(x.shape[1], 0, dtype=torch.bfloat16, device=x.device)
     xt = torch.empty(x.shape[1], num_rows, dtype=x.dtype, device=x.device)
     xt[:, :x.shape[0]] = x.t()
     xt[:, x.shape[0]:] = 0
@@ -201,6 +203,17 @@ def swiglu_backward_rows(d_hidden: torch.Tensor, d_factor: torch.Tensor, gate_up
     return out
 
 
+def to_master_dtype(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A weight gradient from torch._grouped_mm (bf16) in the master weights' dtype (exact: widening)."""
+    lib = _row_kernels(grad) if dtype == torch.float32 and grad.is_contiguous() and grad.numel() % 8 == 0 else None
+    if lib is None:
+        return grad.to(dtype)
+    out = torch.empty(grad.shape, dtype=torch.float32, device=grad.device)
+    with _ext.cuda_device(grad.device):
+        lib.widen_bf16(grad.data_ptr(), out.data_ptr(), grad.numel(), _ext.current_raw_stream(grad.device))
+    return out
+
+
 def scale_rows_(x: torch.Tensor, factor: torch.Tensor, src_rank: torch.Tensor) -> torch.Tensor:
     """In place on a GEMM's bf16 rows x [R, K]: each row times its fp32 factor (the product in FP32, rounded once),
     zero on rows not in use (the grouped GEMM leaves rows past its groups unwritten: anything, NaN included)."""
@@ -260,6 +273,11 @@ class _ExpertMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, w1, w2, result, seed: int):
         num_rows = result.num_rows
+        ctx.rows_dtype, ctx.w1_dtype, ctx.w2_dtype = rows.dtype, w1.dtype, w2.dtype
+        ctx.w1_shape_device, ctx.w2_shape_device = (w1.shape, w1.device), (w2.shape, w2.device)
+        if num_rows == 0:  # (no rows on this rank: nothing to multiply; zero weight gradients)
+            ctx.saved = None
+            return torch.zeros(0, w1.shape[2], dtype=torch.bfloat16, device=rows.device)
         padded_rows = -(-num_rows // formats.MX_BLOCK) * formats.MX_BLOCK
         src_rank = result.src_rank
         rows_in_use = src_rank >= 0
@@ -285,7 +303,6 @@ class _ExpertMLPFunction(torch.autograd.Function):
         ctx.saved = _Saved(tokens=tokens, hidden=hidden, gate_up_bf16=gate_up_bf16, w1_row_factor=w1_row_factor,
                            w1=w1q, w2=w2q, group_ends=group_ends, expert_of_row=expert_of_row, src_rank=src_rank,
                            padded_rows=padded_rows, seeds=ExpertGradSeeds(seed))
-        ctx.rows_dtype, ctx.w1_dtype, ctx.w2_dtype = rows.dtype, w1.dtype, w2.dtype
         return out
 
     @staticmethod
@@ -293,6 +310,11 @@ class _ExpertMLPFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         s: _Saved = ctx.saved
         ctx.saved = None  # (freed with this backward)
+        if s is None:  # (no rows)
+            w1, w2 = ctx.w1_shape_device, ctx.w2_shape_device
+            return (grad_out.new_zeros(0, w1[0][2], dtype=ctx.rows_dtype),
+                    torch.zeros(w1[0], dtype=ctx.w1_dtype, device=w1[1]),
+                    torch.zeros(w2[0], dtype=ctx.w2_dtype, device=w2[1]), None, None)
         src, rows_p, seeds = s.src_rank, s.padded_rows, s.seeds
         want_rows, want_w1, want_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         # w2: dgrad (MXFP8 along H) and wgrad (MXFP8 along the tokens), both roundings of g from one read.
@@ -304,7 +326,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
         if want_w2:
             h_tokens = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(
                 s.hidden, rounding="stochastic", seed=seeds.of("h_tokens")), dtype=torch.bfloat16)    # [I, Rp]
-            grad_w2 = _grouped_mm(g_tokens, h_tokens.t(), s.group_ends).to(ctx.w2_dtype)           # [E, H, I]
+            grad_w2 = to_master_dtype(_grouped_mm(g_tokens, h_tokens.t(), s.group_ends), ctx.w2_dtype)  # [E, H, I]
             del g_tokens, h_tokens
         # SwiGLU's backward in FP32 from the forward's pre-activations, rounded to BF16 (the source of both MXFP8
         # roundings of w1's backward), then w1's dgrad (MXFP8 along 2I) and wgrad (MXFP8 along the tokens).
@@ -322,7 +344,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
         if want_w1:
             x_tokens = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(
                 s.tokens, rounding="stochastic", seed=seeds.of("x_tokens")), dtype=torch.bfloat16)    # [H, Rp]
-            grad_w1 = _grouped_mm(d_tokens, x_tokens.t(), s.group_ends).to(ctx.w1_dtype)           # [E, 2I, H]
+            grad_w1 = to_master_dtype(_grouped_mm(d_tokens, x_tokens.t(), s.group_ends), ctx.w1_dtype)  # [E, 2I, H]
         return grad_rows, grad_w1, grad_w2, None, None
 
 

@@ -374,6 +374,30 @@ def test_row_kernels_match_their_torch_forms(monkeypatch):
             d_factor = factor.flip(0).contiguous()
             back, back_t = both(lambda: te.swiglu_backward_rows(d_hidden, d_factor, x, factor, src))
             assert_same_floats(back, back_t, f"swiglu backward {num_rows}x{width}")
+        widened, widened_t = both(lambda: te.to_master_dtype(x, torch.float32))
+        assert_same_floats(widened, widened_t, f"widen {num_rows}x{width}")
         unused = (src < 0).nonzero()
         if unused.numel():
             assert not scaled[unused[:, 0]].any() and not rows[unused[:, 0]].any()
+
+
+def _no_rows_worker(rank, world):
+    """A rank whose experts get no token (reference backend: a result of 0 rows): an empty output, zero weight
+    gradients, an empty gradient for the rows."""
+    experts = training.ExpertMLP(4, HIDDEN, INTER)
+    with _buffer(1) as buf:
+        result = buf.dispatch(torch.zeros(0, HIDDEN, dtype=torch.bfloat16), torch.zeros(0, TOPK, dtype=torch.long),
+                              torch.zeros(0, TOPK))
+        assert result.num_rows == 0
+        rows = torch.zeros(0, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+        out = _ExpertMLPFunction.apply(rows, experts.w1, experts.w2, result, 3)
+        assert out.shape == (0, HIDDEN) and out.dtype == torch.bfloat16
+        out.sum().backward()
+        assert rows.grad.shape == (0, HIDDEN) and not experts.w1.grad.any() and not experts.w2.grad.any()
+        assert experts.w1.grad.dtype == torch.float32
+    return "no rows ok"
+
+
+@pytest.mark.cpu
+def test_expert_mlp_without_rows():
+    assert run_ranks(_no_rows_worker, 1, backend="gloo") == ["no rows ok"]
