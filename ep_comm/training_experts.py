@@ -30,10 +30,15 @@ E4M3 block values, MXFP8 values) with `torch._grouped_mm` (BF16 tensor cores, FP
 the dispatch layout's segments (device-side offsets: no host sync), and applies the FP32 outer factors (per token,
 per expert) to the output rows. The numerics are those of NVFP4 / MXFP8 GEMMs with FP32 accumulation and BF16
 outputs; the speed that of BF16 grouped GEMMs. (The fused NVFP4 kernels of `ep_comm.grouped_gemm` serve inference:
-they take weights packed once, offline, which training would repack at every step.) The same code runs on CPU ranks
-(torch's CPU _grouped_mm) and on GPUs, where the quantizers are the CUDA kernels of `ep_comm.formats` (bitwise the
-reference quantizers). MXFP8 values below 2^-133 (a block whose largest magnitude is below ~2^-118) are not exact in
-BF16; nothing else is rounded on the way into a GEMM.
+they take weights packed once, offline, which training would repack at every step.) Between the GEMMs, the kernels
+of csrc/training_experts.cu: both MXFP8 roundings of a tensor from one read, SwiGLU forward and backward, row scaling
+with the mask, the weight gradients widened to FP32. The same code runs on CPU ranks (torch's CPU _grouped_mm, the
+kernels' torch forms: the same bits) and on GPUs, where the quantizers are the CUDA kernels of `ep_comm.formats`
+(bitwise the reference quantizers). No host synchronization in a step on CUDA. MXFP8 values below 2^-133 (a block
+whose largest magnitude is below ~2^-118) are not exact in BF16; nothing else is rounded on the way into a GEMM.
+
+Measured on one H200 (bench/RESULTS.md, fiftieth session; bench/bench_training_experts.py): 0.67x (FP32 masters) and
+0.79x (BF16 masters) the speed of BF16 experts in torch autograd over the same segments.
 """
 from __future__ import annotations
 
