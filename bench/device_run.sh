@@ -82,7 +82,7 @@ test_multigpu() {
   fi
   nvlink_smoke
   say "multigpu tier: MoE layer + nvlink suite + reference over NCCL"
-  timeout 300 python3 -m pytest -q -rs tests/test_moe.py tests/test_nvlink.py tests/test_reference_backend.py tests/test_waves.py tests/test_training.py -k "not gloo" > "$OUT/pytest_mg.txt" 2>&1
+  timeout 300 python3 -m pytest -q -rs tests/test_moe.py tests/test_nvlink.py tests/test_reference_backend.py tests/test_waves.py tests/test_training.py tests/test_training_experts.py -k "not gloo" > "$OUT/pytest_mg.txt" 2>&1
   tail -4 "$OUT/pytest_mg.txt" | tee -a "$log"
   say "example: MoE layer on the visible GPUs"
   timeout 120 python3 examples/moe_layer.py 2>&1 | grep rank | tee -a "$log"
@@ -276,6 +276,8 @@ test_shared_layer() {  # one GPU: the MoE layer, waves and reference-backend tie
 test_training_experts() {  # ep_comm.training.ExpertMLP (NVFP4 forward, MXFP8 + SR backward) against its FP32 oracle
   say "gpu tier: trainable experts (ExpertMLP) on nvlink at world 1"
   pytest_tier training_experts 200 2 tests/test_training_experts.py -m gpu
+  say "multigpu tier, 2 ranks sharing one GPU: trainable experts"
+  shared_tier training_experts 300 tests/test_training_experts.py -m multigpu
 }
 bench_training_experts() {  # ExpertMLP forward + backward against BF16 torch._grouped_mm autograd, one GPU
   say "bench: trainable experts (ExpertMLP) vs BF16 grouped-GEMM autograd"

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import ep_comm
 from ep_comm import formats, moe, training
 from ep_comm.training_experts import ExpertGradSeeds, _ExpertMLPFunction
-from harness import run_ranks
+from harness import auto_backend, multigpu_backend, multigpu_world, run_ranks
 
 HIDDEN, INTER, TOPK, MAX_TOKENS, ALIGNMENT = 64, 32, 2, 48, 32
 # Relative L2 bounds against the oracle for (out, d rows, d w1, d w2): ~3x the largest of 30 random cases on CPU
@@ -191,16 +191,18 @@ def oracle_worker(rank, world, backend="reference", device_kind="cpu"):
     return "oracle ok"
 
 
-def training_worker(rank, world, steps=12):
+def training_worker(rank, world, steps=12, backend="reference", device_kind="cpu"):
     """dispatch -> ExpertMLP -> combine with a router, a few SGD steps on a teacher's outputs: the loss falls."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device_kind != "cpu" else torch.device("cpu")
     num_experts = 4 * world
     gen = torch.Generator().manual_seed(77)
-    router = torch.nn.Parameter(torch.randn(num_experts, HIDDEN, generator=gen) / HIDDEN ** 0.5)
+    router = torch.nn.Parameter((torch.randn(num_experts, HIDDEN, generator=gen) / HIDDEN ** 0.5).to(device))
     x, _, _ = _inputs(rank, num_experts, MAX_TOKENS)
-    target = torch.tanh(x.float() @ torch.randn(HIDDEN, HIDDEN, generator=gen) / HIDDEN ** 0.5)
+    target = torch.tanh(x.float() @ torch.randn(HIDDEN, HIDDEN, generator=gen) / HIDDEN ** 0.5).to(device)
+    x = x.to(device)
     losses = []
-    with _buffer(world) as buf, training.GradBuffers.create(buf) as grads:
-        experts = training.ExpertMLP(4, HIDDEN, INTER, seed=rank)
+    with _buffer(world, backend) as buf, training.GradBuffers.create(buf) as grads:
+        experts = training.ExpertMLP(4, HIDDEN, INTER, seed=rank, device=device)
         params = [router, *experts.parameters()]
         optimizer = torch.optim.SGD(params, lr=2.0)
         for _ in range(steps):
@@ -323,6 +325,15 @@ def test_gloo_expert_mlp_trains_and_refuses_bad_input():
 @pytest.mark.gpu
 def test_cuda_expert_mlp_matches_oracle():
     assert run_ranks(oracle_worker, 1, "nvlink", "cuda", backend="nccl") == ["oracle ok"]
+
+
+@pytest.mark.multigpu
+def test_nvlink_expert_mlp_matches_oracle_and_trains():
+    """Every rank's experts against the oracle, and a few training steps, with the GPU ranks' own Buffers."""
+    world = multigpu_world()
+    assert run_ranks(oracle_worker, world, auto_backend(), "cuda", backend=multigpu_backend()) == ["oracle ok"] * world
+    assert run_ranks(training_worker, world, 12, auto_backend(), "cuda", backend=multigpu_backend()) == \
+        ["training ok"] * world
 
 
 def _row_case(num_rows: int, width: int, seed: int, device):
