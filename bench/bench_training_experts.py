@@ -8,8 +8,10 @@ alignment 32), so the layout is the one training uses (capacity rows included). 
   ours_forward, ours_forward_backward : _ExpertMLPFunction (weights quantized to NVFP4 each call; backward: six MXFP8
       SR quantizations and four grouped GEMMs), with a gradient for the rows and both weights (set to None before
       each backward, as zero_grad() does: no accumulation pass; the same for the baseline);
-  bf16_forward, bf16_forward_backward : BF16 weights and rows, silu(gate) * up, torch._grouped_mm forward and
-      torch's own autograd of it (the BF16 baseline of DESIGN.md §6 for the expert compute);
+  bf16_forward, bf16_forward_backward : BF16 rows, silu(gate) * up, torch._grouped_mm forward and torch's own
+      autograd of it (the BF16 baseline of DESIGN.md §6 for the expert compute), on master weights of the same dtype
+      as ours cast to BF16 inside autograd (as autocast does: with FP32 masters it casts them forward and widens the
+      gradients back);
   gemms_only : the four backward + two forward BF16 grouped GEMMs of ours alone, on the same operands (what the
       quantization, masking and scaling passes cost on top is ours_forward_backward - gemms_only);
   dense_bf16_tflops : torch.mm in BF16 on 8192^3, the tensor-core ceiling of this GPU in this run.
@@ -72,14 +74,17 @@ def _worker(rank, world, args):
 
             # The BF16 baseline on the same rows and segments.
             ends = result.expert_offsets[1:].contiguous()
+            # (Masters of the same dtype as ours, cast to BF16 inside autograd as autocast does: with FP32 masters the
+            # baseline pays the forward cast and the gradients' widening too.)
             x_rows = training._dense(result.x, torch.bfloat16)[:rows_in_use].detach().requires_grad_()
-            w1 = mlp.w1.detach().to(torch.bfloat16).requires_grad_()
-            w2 = mlp.w2.detach().to(torch.bfloat16).requires_grad_()
+            w1 = mlp.w1.detach().clone().requires_grad_()
+            w2 = mlp.w2.detach().clone().requires_grad_()
             g_rows = grad[:rows_in_use]
 
             def bf16_mlp():
-                gate, up = torch._grouped_mm(x_rows, w1.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-                return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)
+                w1_bf16, w2_bf16 = w1.to(torch.bfloat16), w2.to(torch.bfloat16)
+                gate, up = torch._grouped_mm(x_rows, w1_bf16.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+                return torch._grouped_mm(F.silu(gate) * up, w2_bf16.transpose(1, 2), offs=ends)
 
             def bf16_forward():
                 with torch.no_grad():
@@ -97,7 +102,7 @@ def _worker(rank, world, args):
             t_h = torch.randn(hidden, padded, dtype=torch.bfloat16, device=device)
             t_i = torch.randn(inter, padded, dtype=torch.bfloat16, device=device)
             t_2i = torch.randn(2 * inter, padded, dtype=torch.bfloat16, device=device)
-            v1, v2 = w1.detach(), w2.detach()
+            v1, v2 = w1.detach().to(torch.bfloat16), w2.detach().to(torch.bfloat16)
 
             def gemms_only():
                 torch._grouped_mm(a_h, v1.transpose(1, 2), offs=ends)

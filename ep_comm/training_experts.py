@@ -32,8 +32,9 @@ per expert) to the output rows. The numerics are those of NVFP4 / MXFP8 GEMMs wi
 outputs; the speed that of BF16 grouped GEMMs. (The fused NVFP4 kernels of `ep_comm.grouped_gemm` serve inference:
 they take weights packed once, offline, which training would repack at every step.) Between the GEMMs, the kernels
 of csrc/training_experts.cu: both MXFP8 roundings of a tensor from one read, SwiGLU forward and backward, row scaling
-with the mask, the weight gradients widened to FP32. The same code runs on CPU ranks (torch's CPU _grouped_mm, the
-kernels' torch forms: the same bits) and on GPUs, where the quantizers are the CUDA kernels of `ep_comm.formats`
+with the mask, the weight gradients widened to FP32, each bit for bit its torch form run on CUDA. The same code runs on
+CPU ranks (torch's CPU _grouped_mm and the kernels' torch forms; CPU's exp may round silu / sigmoid differently in the
+last bit) and on GPUs, where the quantizers are the CUDA kernels of `ep_comm.formats`
 (bitwise the reference quantizers). No host synchronization in a step on CUDA. MXFP8 values below 2^-133 (a block
 whose largest magnitude is below ~2^-118) are not exact in BF16; nothing else is rounded on the way into a GEMM.
 
@@ -53,19 +54,28 @@ import torch.nn.functional as F
 from . import _ext, formats
 from .training import RoutedTokens
 
-# Seeds of the six stochastic roundings of one backward (one per quantized tensor), offsets from the call's seed.
+# The six stochastic roundings of one backward, one per quantized tensor.
 _SEED_TAGS = {"g_rows": 1, "g_tokens": 2, "h_tokens": 3, "d_gate_up_rows": 4, "d_gate_up_tokens": 5, "x_tokens": 6}
-_SEED_STRIDE = 8
+_MASK64 = 2**64 - 1
+
+
+def _mix64(value: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit ints whose outputs for nearby inputs look unrelated."""
+    z = (value + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 @dataclass(frozen=True)
 class ExpertGradSeeds:
-    """The seed of each stochastic rounding of one backward: `call_seed * 8 + tag` (a 64-bit wrap), tags as above."""
+    """The seed of each stochastic rounding of one backward: _mix64(call_seed ^ _mix64(tag)), tags as above (distinct
+    for every call seed and tensor, all 64 bits of the call seed kept)."""
 
     call_seed: int
 
     def of(self, tensor: str) -> int:
-        return (self.call_seed * _SEED_STRIDE + _SEED_TAGS[tensor]) % 2**64
+        return _mix64(self.call_seed ^ _mix64(_SEED_TAGS[tensor]))
 
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
@@ -118,16 +128,17 @@ def _masked_nvfp4(q: formats.NVFP4Tensor, rows_in_use: torch.Tensor, num_rows: i
     return dataclasses.replace(q, data=data, scales=masked(q.scales), amax=masked(q.amax))
 
 
-def _row_kernels(t: torch.Tensor):
-    """ep_comm._C with the row kernels of csrc/training_experts.cu for CUDA tensor t, else None (CPU tensors: the torch
-    forms below, the same bits). A CUDA tensor without them (an ep_comm._C built before them, or a GPU the kernels
-    cannot run on) takes the torch forms too, with a warning once: slower, the same results."""
+def _row_kernels(t: torch.Tensor, kernel: str):
+    """ep_comm._C when it has the row kernel `kernel` of csrc/training_experts.cu and can run it on CUDA tensor t, else
+    None: CPU tensors take the torch forms below; so does a CUDA tensor without it (an ep_comm._C built before it, or a
+    GPU the kernels cannot run on), with a warning once -- slower, and the same bits (the kernels are bitwise their
+    torch forms run on CUDA)."""
     if not t.is_cuda:
         return None
-    if formats._use_cuda("auto", t) and hasattr(_ext._C, "mxfp8_round_trips"):
+    if formats._use_cuda("auto", t) and hasattr(_ext._C, kernel):
         return _ext._C
-    _ext.warn_once("ep_comm.training.ExpertMLP: the row kernels of csrc/training_experts.cu are not in this build of "
-                   "ep_comm._C (or cannot run here): using their torch forms (the same bits, more passes)")
+    _ext.warn_once(f"ep_comm.training.ExpertMLP: the row kernel {kernel} of csrc/training_experts.cu is not in this "
+                   "build of ep_comm._C (or cannot run here): using its torch form (the same bits, more passes)")
     return None
 
 
@@ -148,13 +159,13 @@ def _mxfp8_token_values(x: torch.Tensor, num_rows: int, seed: int) -> torch.Tens
     return _mxfp8_values(xt, seed)
 
 
-def mxfp8_round_trips(x: torch.Tensor, src_rank: torch.Tensor, padded_rows: int, seed_rows: Optional[int],
+def _mxfp8_round_trips(x: torch.Tensor, src_rank: torch.Tensor, padded_rows: int, seed_rows: Optional[int],
                       seed_tokens: Optional[int]):
     """The backward's two MXFP8 roundings of one bf16 tensor x [R, K] (rows with src_rank < 0 taken as 0): (rows bf16
     [R, K] along K, tokens bf16 [K, padded_rows] along the tokens, transposed and zero-padded), each with stochastic
     rounding and dequantized; a None seed skips that output. One read of x on CUDA (csrc/training_experts.cu);
-    elsewhere `_mxfp8_values` / `_mxfp8_token_values` of the masked x, the same bits."""
-    lib = _row_kernels(x)
+    elsewhere `_mxfp8_values` / `_mxfp8_token_values` of the masked x (the same bits on CPU and GPU)."""
+    lib = _row_kernels(x, "mxfp8_round_trips")
     if lib is None:
         masked = x.masked_fill(~(src_rank >= 0)[:, None], 0.0)
         return (None if seed_rows is None else _mxfp8_values(masked, seed_rows),
@@ -170,12 +181,13 @@ def mxfp8_round_trips(x: torch.Tensor, src_rank: torch.Tensor, padded_rows: int,
     return rows, tokens
 
 
-def swiglu_rows(gate_up: torch.Tensor, factor: torch.Tensor, src_rank: torch.Tensor, padded_rows: int
+def _swiglu_rows(gate_up: torch.Tensor, factor: torch.Tensor, src_rank: torch.Tensor, padded_rows: int
                 ) -> torch.Tensor:
     """silu(gate) * up with gate, up = w1's bf16 output [R, 2I] times its fp32 row factor [R]: fp32 [padded_rows, I],
-    zero on rows not in use and past R (csrc/training_experts.cu on CUDA, else torch; the same bits)."""
+    zero on rows not in use and past R (csrc/training_experts.cu on CUDA, bitwise torch's CUDA silu; on CPU torch's
+    CPU silu, whose exp may round the last bit differently)."""
     num_rows, two_i = gate_up.shape
-    lib = _row_kernels(gate_up)
+    lib = _row_kernels(gate_up, "swiglu_rows")
     out = torch.zeros(padded_rows, two_i // 2, dtype=torch.float32, device=gate_up.device) if lib is None else \
         torch.empty(padded_rows, two_i // 2, dtype=torch.float32, device=gate_up.device)
     if lib is None:
@@ -190,12 +202,12 @@ def swiglu_rows(gate_up: torch.Tensor, factor: torch.Tensor, src_rank: torch.Ten
     return out
 
 
-def swiglu_backward_rows(d_hidden: torch.Tensor, d_factor: torch.Tensor, gate_up: torch.Tensor,
+def _swiglu_backward_rows(d_hidden: torch.Tensor, d_factor: torch.Tensor, gate_up: torch.Tensor,
                          factor: torch.Tensor, src_rank: torch.Tensor) -> torch.Tensor:
     """SwiGLU's backward: d [gate, up] bf16 [R, 2I] from d_hidden bf16 [R, I] times d_factor fp32 [R] and the
     forward's gate_up bf16 [R, 2I] times factor fp32 [R], in FP32; zero on rows not in use (csrc/training_experts.cu
-    on CUDA, else `_swiglu_backward`; the same bits)."""
-    lib = _row_kernels(d_hidden)
+    on CUDA, bitwise `_swiglu_backward` on CUDA; on CPU torch's sigmoid may round the last bit differently)."""
+    lib = _row_kernels(d_hidden, "swiglu_backward_rows")
     if lib is None:
         d_gate_up = _swiglu_backward(torch.mul(d_hidden, d_factor[:, None]), torch.mul(gate_up, factor[:, None]))
         return d_gate_up.to(torch.bfloat16).masked_fill_(~(src_rank >= 0)[:, None], 0.0)
@@ -208,9 +220,10 @@ def swiglu_backward_rows(d_hidden: torch.Tensor, d_factor: torch.Tensor, gate_up
     return out
 
 
-def to_master_dtype(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A weight gradient from torch._grouped_mm (bf16) in the master weights' dtype (exact: widening)."""
-    lib = _row_kernels(grad) if dtype == torch.float32 and grad.is_contiguous() and grad.numel() % 8 == 0 else None
+def _to_master_dtype(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A weight gradient from torch._grouped_mm (bf16) in the master weights' dtype, float32 or bfloat16 (exact)."""
+    widen = dtype == torch.float32 and grad.is_contiguous() and grad.numel() % 8 == 0
+    lib = _row_kernels(grad, "widen_bf16") if widen else None
     if lib is None:
         return grad.to(dtype)
     out = torch.empty(grad.shape, dtype=torch.float32, device=grad.device)
@@ -219,10 +232,10 @@ def to_master_dtype(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def scale_rows_(x: torch.Tensor, factor: torch.Tensor, src_rank: torch.Tensor) -> torch.Tensor:
+def _scale_rows_(x: torch.Tensor, factor: torch.Tensor, src_rank: torch.Tensor) -> torch.Tensor:
     """In place on a GEMM's bf16 rows x [R, K]: each row times its fp32 factor (the product in FP32, rounded once),
     zero on rows not in use (the grouped GEMM leaves rows past its groups unwritten: anything, NaN included)."""
-    lib = _row_kernels(x)
+    lib = _row_kernels(x, "scale_rows")
     if lib is None or not x.is_contiguous():
         return x.mul_(factor[:, None]).masked_fill_(~(src_rank >= 0)[:, None], 0.0)
     factor, src_rank = factor.contiguous(), src_rank.contiguous()
@@ -243,8 +256,10 @@ def _swiglu_backward(d_hidden: torch.Tensor, gate_up: torch.Tensor) -> torch.Ten
 
 @dataclass
 class _Saved:
-    """What the forward keeps for backward (attributes of ctx: NVFP4Tensors are not tensors for save_for_backward;
-    all of it is the Function's own, made in its forward)."""
+    """What the forward keeps for backward (attributes of ctx: NVFP4Tensors are not tensors for save_for_backward).
+    src_rank, group_ends and (when R is a multiple of 32 and no row needs a mask copy) tokens' data are views of the
+    DispatchResult's own tensors (an expanding dispatch's allocation, alive while referenced; nothing reuses it); the
+    rest is made in the forward."""
 
     tokens: formats.NVFP4Tensor      # the dispatched NVFP4 tokens, masked and padded to padded_rows
     hidden: formats.NVFP4Tensor      # the w2 input, NVFP4 4/6 [padded_rows, I]
@@ -280,6 +295,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
         num_rows = result.num_rows
         ctx.rows_dtype, ctx.w1_dtype, ctx.w2_dtype = rows.dtype, w1.dtype, w2.dtype
         ctx.w1_shape_device, ctx.w2_shape_device = (w1.shape, w1.device), (w2.shape, w2.device)
+        ctx.freed = False
         if num_rows == 0:  # (no rows on this rank: nothing to multiply; zero weight gradients)
             ctx.saved = None
             return torch.zeros(0, w1.shape[2], dtype=torch.bfloat16, device=rows.device)
@@ -299,11 +315,11 @@ class _ExpertMLPFunction(torch.autograd.Function):
         w1_row_factor = x_factor[:num_rows] * _expert_factor(w1q, expert_of_row)
         gate_up_bf16 = _grouped_mm(x_values[:num_rows], _weight_values(w1q).transpose(1, 2), group_ends)
         del x_values
-        hidden = formats.nvfp4_quantize(swiglu_rows(gate_up_bf16, w1_row_factor, src_rank, padded_rows),
+        hidden = formats.nvfp4_quantize(_swiglu_rows(gate_up_bf16, w1_row_factor, src_rank, padded_rows),
                                         four_over_six=True)
         h_values, h_factor = _block_values(hidden)
         out = _grouped_mm(h_values[:num_rows], _weight_values(w2q).transpose(1, 2), group_ends)
-        scale_rows_(out, h_factor[:num_rows] * _expert_factor(w2q, expert_of_row), src_rank)
+        _scale_rows_(out, h_factor[:num_rows] * _expert_factor(w2q, expert_of_row), src_rank)
 
         ctx.saved = _Saved(tokens=tokens, hidden=hidden, gate_up_bf16=gate_up_bf16, w1_row_factor=w1_row_factor,
                            w1=w1q, w2=w2q, group_ends=group_ends, expert_of_row=expert_of_row, src_rank=src_rank,
@@ -313,8 +329,11 @@ class _ExpertMLPFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
+        if ctx.freed:
+            raise RuntimeError("backward through training.expert_mlp a second time: its saved operands were freed by "
+                               "the first backward (retain_graph is not supported here)")
         s: _Saved = ctx.saved
-        ctx.saved = None  # (freed with this backward)
+        ctx.saved, ctx.freed = None, True  # (freed with this backward)
         if s is None:  # (no rows)
             w1, w2 = ctx.w1_shape_device, ctx.w2_shape_device
             return (grad_out.new_zeros(0, w1[0][2], dtype=ctx.rows_dtype),
@@ -323,33 +342,39 @@ class _ExpertMLPFunction(torch.autograd.Function):
         src, rows_p, seeds = s.src_rank, s.padded_rows, s.seeds
         want_rows, want_w1, want_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         # w2: dgrad (MXFP8 along H) and wgrad (MXFP8 along the tokens), both roundings of g from one read.
-        g_rows, g_tokens = mxfp8_round_trips(grad_out.to(torch.bfloat16), src, rows_p, seeds.of("g_rows"),
-                                             seeds.of("g_tokens") if want_w2 else None)
-        d_hidden = _grouped_mm(g_rows, _weight_values(s.w2), s.group_ends)  # (bf16; times W2's expert factor below)
+        g_rows, g_tokens = _mxfp8_round_trips(grad_out.to(torch.bfloat16), src, rows_p,
+                                              seeds.of("g_rows") if want_rows or want_w1 else None,
+                                              seeds.of("g_tokens") if want_w2 else None)
+        d_hidden = None
+        if want_rows or want_w1:
+            d_hidden = _grouped_mm(g_rows, _weight_values(s.w2), s.group_ends)  # (bf16; W2's expert factor below)
         del g_rows
         grad_w2 = None
         if want_w2:
             h_tokens = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(
                 s.hidden, rounding="stochastic", seed=seeds.of("h_tokens")), dtype=torch.bfloat16)    # [I, Rp]
-            grad_w2 = to_master_dtype(_grouped_mm(g_tokens, h_tokens.t(), s.group_ends), ctx.w2_dtype)  # [E, H, I]
+            grad_w2 = _to_master_dtype(_grouped_mm(g_tokens, h_tokens.t(), s.group_ends), ctx.w2_dtype)  # [E, H, I]
             del g_tokens, h_tokens
+        if d_hidden is None:
+            return None, None, grad_w2, None, None
         # SwiGLU's backward in FP32 from the forward's pre-activations, rounded to BF16 (the source of both MXFP8
         # roundings of w1's backward), then w1's dgrad (MXFP8 along 2I) and wgrad (MXFP8 along the tokens).
-        d_gate_up = swiglu_backward_rows(d_hidden, _expert_factor(s.w2, s.expert_of_row), s.gate_up_bf16,
-                                         s.w1_row_factor, src)
+        d_gate_up = _swiglu_backward_rows(d_hidden, _expert_factor(s.w2, s.expert_of_row), s.gate_up_bf16,
+                                          s.w1_row_factor, src)
         del d_hidden
-        d_rows, d_tokens = mxfp8_round_trips(d_gate_up, src, rows_p, seeds.of("d_gate_up_rows") if want_rows else None,
-                                             seeds.of("d_gate_up_tokens") if want_w1 else None)
+        d_rows, d_tokens = _mxfp8_round_trips(d_gate_up, src, rows_p,
+                                              seeds.of("d_gate_up_rows") if want_rows else None,
+                                              seeds.of("d_gate_up_tokens") if want_w1 else None)
         del d_gate_up
         grad_rows = None
         if want_rows:
             d_x = _grouped_mm(d_rows, _weight_values(s.w1), s.group_ends)
-            grad_rows = scale_rows_(d_x, _expert_factor(s.w1, s.expert_of_row), src).to(ctx.rows_dtype)
+            grad_rows = _scale_rows_(d_x, _expert_factor(s.w1, s.expert_of_row), src).to(ctx.rows_dtype)
         grad_w1 = None
         if want_w1:
             x_tokens = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(
                 s.tokens, rounding="stochastic", seed=seeds.of("x_tokens")), dtype=torch.bfloat16)    # [H, Rp]
-            grad_w1 = to_master_dtype(_grouped_mm(d_tokens, x_tokens.t(), s.group_ends), ctx.w1_dtype)  # [E, 2I, H]
+            grad_w1 = _to_master_dtype(_grouped_mm(d_tokens, x_tokens.t(), s.group_ends), ctx.w1_dtype)  # [E, 2I, H]
         return grad_rows, grad_w1, grad_w2, None, None
 
 
@@ -375,19 +400,21 @@ def _check_routed(routed, w1: torch.Tensor, w2: torch.Tensor) -> None:
                          f"({result.src_rank.device})")
 
 
-def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: int = 0) -> torch.Tensor:
+def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: int) -> torch.Tensor:
     """The SwiGLU experts of this rank on a `training.dispatch` result, with autograd: bf16 [R, H] in the dispatch
     layout (zero outside the rows in use), ready for `training.combine`.
 
-    w1: [E_local, 2I, H] (gate rows, then up rows), w2: [E_local, H, I]; float32, bfloat16 or float16 master weights
+    w1: [E_local, 2I, H] (gate rows, then up rows), w2: [E_local, H, I]; float32 or bfloat16 master weights
     (parameters); H and I multiples of 32. No host synchronization on CUDA tensors (non-finite masters give non-finite
-    outputs, not an exception). seed: the backward's stochastic rounding (give each call its own:
-    e.g. the step and the layer). The gradient of routed.x is returned to the dispatch (and so reaches x), those of
-    w1 and w2 in their dtypes. See the module docstring for the numerics."""
+    outputs, not an exception). seed: the backward's stochastic rounding, an int in [0, 2^64); give each call its own
+    (ExpertMLP hashes its seed with its call count): a repeated seed repeats the rounding noise. The gradient of
+    routed.x is returned to the dispatch (and so reaches x), those of w1 and w2 in their dtypes. See the module
+    docstring for the numerics."""
     _check_routed(routed, w1, w2)
     for name, w in (("w1", w1), ("w2", w2)):
-        if not isinstance(w, torch.Tensor) or w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise TypeError(f"{name} must be a float32, bfloat16 or float16 tensor, got "
+        # (float16 masters are refused: the bf16 weight gradients would overflow their range, silently)
+        if not isinstance(w, torch.Tensor) or w.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"{name} must be a float32 or bfloat16 tensor, got "
                             f"{getattr(w, 'dtype', type(w).__name__)}")
     experts, two_i, hidden = w1.shape
     if two_i % 2 or tuple(w2.shape) != (experts, hidden, two_i // 2):
@@ -400,14 +427,18 @@ def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: i
 
 class ExpertMLP(torch.nn.Module):
     """This rank's SwiGLU experts as trainable parameters: w1 [E_local, 2I, H] (gate rows, then up rows) and w2
-    [E_local, H, I] (float32 masters by default), initialised N(0, 1 / fan_in).
+    [E_local, H, I] (float32 masters by default; float32 or bfloat16), initialised N(0, 1 / fan_in).
 
-    forward(routed) -> bf16 [R, H]: `expert_mlp` with a new seed per call (seed * 2^32 + the call count).
+    forward(routed) -> bf16 [R, H]: `expert_mlp` with a new seed per call, a hash of (seed, the call count). The count
+    is saved in state_dict (extra state), so a resumed run does not replay the first steps' rounding noise. Give each
+    layer its own seed.
     pack() -> moe.PackedExpertWeights: the same NVFP4 weights, bit for bit, for the inference MoELayer."""
 
     def __init__(self, num_local_experts: int, hidden: int, intermediate: int, *, dtype: torch.dtype = torch.float32,
                  device=None, seed: int = 0):
         super().__init__()
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"dtype must be torch.float32 or torch.bfloat16 (the master weights), got {dtype}")
         gen = torch.Generator().manual_seed(seed)
         w1 = torch.randn(num_local_experts, 2 * intermediate, hidden, generator=gen) / math.sqrt(hidden)
         w2 = torch.randn(num_local_experts, hidden, intermediate, generator=gen) / math.sqrt(intermediate)
@@ -418,7 +449,13 @@ class ExpertMLP(torch.nn.Module):
 
     def forward(self, routed: RoutedTokens) -> torch.Tensor:
         self.calls += 1
-        return expert_mlp(routed, self.w1, self.w2, seed=(self.seed * 2**32 + self.calls) % 2**64)
+        return expert_mlp(routed, self.w1, self.w2, seed=_mix64(_mix64(self.seed) ^ self.calls))
+
+    def get_extra_state(self):
+        return {"seed": self.seed, "calls": self.calls}
+
+    def set_extra_state(self, state) -> None:
+        self.seed, self.calls = formats._check_seed(state["seed"]), int(state["calls"])
 
     def pack(self):
         from . import moe

@@ -130,12 +130,13 @@ def oracle_worker(rank, world, backend="reference", device_kind="cpu"):
         result = buf.dispatch(x, idx, weights)
         num_rows = result.num_rows
         g = torch.randn(num_rows, HIDDEN, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16).to(device)
+        g[result.src_rank < 0] = float("nan")  # (the gradient of rows not in use must reach nothing)
 
         def run(res):
             rows = torch.zeros(res.num_rows, HIDDEN, dtype=torch.bfloat16, device=device, requires_grad=True)
             experts.zero_grad()
             out = _ExpertMLPFunction.apply(rows, experts.w1, experts.w2, res, seed)
-            out.backward(F.pad(g, (0, 0, 0, res.num_rows - num_rows)))
+            out.backward(F.pad(g, (0, 0, 0, res.num_rows - num_rows), value=float("nan")))
             return out.detach(), rows.grad, experts.w1.grad.clone(), experts.w2.grad.clone()
 
         got = run(result)
@@ -184,11 +185,41 @@ def oracle_worker(rank, world, backend="reference", device_kind="cpu"):
             for name, a, b in zip(names, again, got):
                 assert torch.equal(a[:num_rows] if a.shape[0] == num_rows + extra else a, b), name
         else:
-            want = _oracle(padded, experts.w1, experts.w2, F.pad(g, (0, 0, 0, extra)), seed)
+            want = _oracle(padded, experts.w1, experts.w2, F.pad(g, (0, 0, 0, extra), value=float("nan")), seed)
             for name, a, b, bound in zip(names, again, want, _BOUNDS):
                 assert _relative_error(a.cpu(), b) < bound, name
         assert not again[0][num_rows:].any() and not again[1][num_rows:].any()
     return "oracle ok"
+
+
+def _frozen_worker(rank, world):
+    """Inputs that do not require grad get none, and the others the same bits as with every input requiring grad (each
+    rounding has its own seed whatever else is computed)."""
+    x, idx, weights = _inputs(rank, 4, 40)
+    experts = training.ExpertMLP(4, HIDDEN, INTER, seed=21)
+    with _buffer(1) as buf:
+        result = buf.dispatch(x, idx, weights)
+        g = torch.randn(result.num_rows, HIDDEN, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+
+        def grads(want_rows, want_w1, want_w2):
+            rows = torch.zeros(result.num_rows, HIDDEN, dtype=torch.bfloat16, requires_grad=want_rows)
+            w1 = experts.w1.detach().clone().requires_grad_(want_w1)
+            w2 = experts.w2.detach().clone().requires_grad_(want_w2)
+            _ExpertMLPFunction.apply(rows, w1, w2, result, 77).backward(g)
+            return rows.grad, w1.grad, w2.grad
+
+        every = grads(True, True, True)
+        for wanted in ((False, True, True), (True, False, True), (True, True, False), (False, False, True),
+                       (True, False, False), (False, True, False)):
+            got = grads(*wanted)
+            for want, a, b, name in zip(wanted, got, every, ("rows", "w1", "w2")):
+                assert (a is None) != want and (a is None or torch.equal(a, b)), (wanted, name)
+    return "frozen ok"
+
+
+@pytest.mark.cpu
+def test_frozen_inputs_get_no_gradient_and_the_others_the_same_bits():
+    assert run_ranks(_frozen_worker, 1, backend="gloo") == ["frozen ok"]
 
 
 def training_worker(rank, world, steps=12, backend="reference", device_kind="cpu"):
@@ -233,15 +264,22 @@ def errors_worker(rank, world):
         with pytest.raises(ValueError, match="dispatch_format='nvfp4'"):
             experts(training.dispatch(plain, grads_bf16, x, idx, weights))
         with pytest.raises(ValueError, match="local experts"):
-            training.expert_mlp(routed, experts.w1[:3], experts.w2[:3])
+            training.expert_mlp(routed, experts.w1[:3], experts.w2[:3], 0)
         with pytest.raises(ValueError, match="w2"):
-            training.expert_mlp(routed, experts.w1, experts.w2[:, :, :16])
-        with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
-            training.expert_mlp(routed, experts.w1.double(), experts.w2)
+            training.expert_mlp(routed, experts.w1, experts.w2[:, :, :16], 0)
+        with pytest.raises(TypeError, match="float32 or bfloat16"):
+            training.expert_mlp(routed, experts.w1.half(), experts.w2, 0)
+        with pytest.raises(TypeError, match="torch.float32 or torch.bfloat16"):
+            training.ExpertMLP(4, HIDDEN, INTER, dtype=torch.float16)
         with pytest.raises(TypeError, match="training.dispatch"):
-            training.expert_mlp(buf.dispatch(x, idx, weights), experts.w1, experts.w2)
+            training.expert_mlp(buf.dispatch(x, idx, weights), experts.w1, experts.w2, 0)
         with pytest.raises(ValueError, match="multiple of 32"):
-            training.expert_mlp(routed, torch.zeros(4, 32, HIDDEN), torch.zeros(4, HIDDEN, 16))
+            training.expert_mlp(routed, torch.zeros(4, 32, HIDDEN), torch.zeros(4, HIDDEN, 16), 0)
+        # A second backward through the same graph (retain_graph) is refused, not answered with zeros.
+        y = experts(routed)
+        y.float().sum().backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="a second time"):
+            y.float().sum().backward()
     return "errors ok"
 
 
@@ -360,32 +398,35 @@ def test_row_kernels_match_their_torch_forms(monkeypatch):
     from format_cases import assert_same_floats
     from ep_comm import training_experts as te
     device = torch.device("cuda")
+    probe = torch.zeros(8, device=device)
+    for kernel in ("mxfp8_round_trips", "swiglu_rows", "swiglu_backward_rows", "scale_rows", "widen_bf16"):
+        assert te._row_kernels(probe, kernel) is not None, f"{kernel} is not in ep_comm._C: nothing would be tested"
 
     def both(fn):
         kernel = fn()
         with monkeypatch.context() as patch:
-            patch.setattr(te, "_row_kernels", lambda t: None)
+            patch.setattr(te, "_row_kernels", lambda t, kernel: None)
             torch_form = fn()
         return kernel, torch_form
 
     for num_rows, width, extra in ((0, 64, 0), (1, 32, 0), (77, 96, 32), (300, 7168, 0), (1025, 2048, 0)):
         x, src, factor = _row_case(num_rows, width, num_rows + width, device)
         padded = -(-num_rows // 32) * 32 + extra
-        (rows, tokens), (rows_t, tokens_t) = both(lambda: te.mxfp8_round_trips(x, src, padded, 2**40 + 5, 9))
+        (rows, tokens), (rows_t, tokens_t) = both(lambda: te._mxfp8_round_trips(x, src, padded, 2**40 + 5, 9))
         assert_same_floats(rows, rows_t, f"mxfp8 rows {num_rows}x{width}")
         assert_same_floats(tokens, tokens_t, f"mxfp8 tokens {num_rows}x{width}")
-        (_, only_tokens), _ = both(lambda: te.mxfp8_round_trips(x, src, padded, None, 9))
+        (_, only_tokens), _ = both(lambda: te._mxfp8_round_trips(x, src, padded, None, 9))
         assert_same_floats(only_tokens, tokens_t, "tokens alone")
-        scaled, scaled_t = both(lambda: te.scale_rows_(x.clone(), factor, src))
+        scaled, scaled_t = both(lambda: te._scale_rows_(x.clone(), factor, src))
         assert_same_floats(scaled, scaled_t, f"scale_rows {num_rows}x{width}")
         if width % 16 == 0:
-            swiglu, swiglu_t = both(lambda: te.swiglu_rows(x, factor, src, padded))
+            swiglu, swiglu_t = both(lambda: te._swiglu_rows(x, factor, src, padded))
             assert_same_floats(swiglu, swiglu_t, f"swiglu {num_rows}x{width}")
             d_hidden = x[:, :width // 2].contiguous()
             d_factor = factor.flip(0).contiguous()
-            back, back_t = both(lambda: te.swiglu_backward_rows(d_hidden, d_factor, x, factor, src))
+            back, back_t = both(lambda: te._swiglu_backward_rows(d_hidden, d_factor, x, factor, src))
             assert_same_floats(back, back_t, f"swiglu backward {num_rows}x{width}")
-        widened, widened_t = both(lambda: te.to_master_dtype(x, torch.float32))
+        widened, widened_t = both(lambda: te._to_master_dtype(x, torch.float32))
         assert_same_floats(widened, widened_t, f"widen {num_rows}x{width}")
         unused = (src < 0).nonzero()
         if unused.numel():
