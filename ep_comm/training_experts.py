@@ -38,8 +38,8 @@ last bit) and on GPUs, where the quantizers are the CUDA kernels of `ep_comm.for
 (bitwise the reference quantizers). No host synchronization in a step on CUDA. MXFP8 values below 2^-133 (a block
 whose largest magnitude is below ~2^-118) are not exact in BF16; nothing else is rounded on the way into a GEMM.
 
-Measured on one H200 (bench/RESULTS.md, fiftieth session; bench/bench_training_experts.py): 0.67x (FP32 masters) and
-0.79x (BF16 masters) the speed of BF16 experts in torch autograd over the same segments.
+Measured on one H200 (bench/RESULTS.md, fiftieth session; bench/bench_training_experts.py): 0.88x (FP32 masters) and
+0.78x (BF16 masters) the speed of BF16 experts in torch autograd over the same segments, on masters of the same dtype.
 """
 from __future__ import annotations
 
