@@ -160,7 +160,7 @@ def _mxfp8_token_values(x: torch.Tensor, num_rows: int, seed: int) -> torch.Tens
 
 
 def _mxfp8_round_trips(x: torch.Tensor, src_rank: torch.Tensor, padded_rows: int, seed_rows: Optional[int],
-                      seed_tokens: Optional[int]):
+                       seed_tokens: Optional[int]):
     """The backward's two MXFP8 roundings of one bf16 tensor x [R, K] (rows with src_rank < 0 taken as 0): (rows bf16
     [R, K] along K, tokens bf16 [K, padded_rows] along the tokens, transposed and zero-padded), each with stochastic
     rounding and dequantized; a None seed skips that output. One read of x on CUDA (csrc/training_experts.cu);
@@ -182,7 +182,7 @@ def _mxfp8_round_trips(x: torch.Tensor, src_rank: torch.Tensor, padded_rows: int
 
 
 def _swiglu_rows(gate_up: torch.Tensor, factor: torch.Tensor, src_rank: torch.Tensor, padded_rows: int
-                ) -> torch.Tensor:
+                 ) -> torch.Tensor:
     """silu(gate) * up with gate, up = w1's bf16 output [R, 2I] times its fp32 row factor [R]: fp32 [padded_rows, I],
     zero on rows not in use and past R (csrc/training_experts.cu on CUDA, bitwise torch's CUDA silu; on CPU torch's
     CPU silu, whose exp may round the last bit differently)."""
@@ -203,7 +203,7 @@ def _swiglu_rows(gate_up: torch.Tensor, factor: torch.Tensor, src_rank: torch.Te
 
 
 def _swiglu_backward_rows(d_hidden: torch.Tensor, d_factor: torch.Tensor, gate_up: torch.Tensor,
-                         factor: torch.Tensor, src_rank: torch.Tensor) -> torch.Tensor:
+                          factor: torch.Tensor, src_rank: torch.Tensor) -> torch.Tensor:
     """SwiGLU's backward: d [gate, up] bf16 [R, 2I] from d_hidden bf16 [R, I] times d_factor fp32 [R] and the
     forward's gate_up bf16 [R, 2I] times factor fp32 [R], in FP32; zero on rows not in use (csrc/training_experts.cu
     on CUDA, bitwise `_swiglu_backward` on CUDA; on CPU torch's sigmoid may round the last bit differently)."""
