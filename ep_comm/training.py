@@ -6,6 +6,9 @@
     y = ep_comm.training.combine(expert_out, routed)                  # bf16 [T, H]
     loss(y).backward()    # gradients reach x, topk_weights and the experts' parameters
 
+Experts: any torch autograd code on `routed.x`, or `ExpertMLP` / `expert_mlp` (ep_comm/training_experts.py): trainable
+SwiGLU experts on the dispatched NVFP4 tokens themselves, with an MXFP8 + stochastic-rounding backward.
+
 Forward: `Buffer.dispatch` and `Buffer.combine` in the Buffer's wire formats (NVFP4 / MXFP8 / BF16 out, S2F6 / BF16
 back), the received tokens dequantized to dense rows for the experts. Backward treats the quantizers as the identity
 (straight-through, as Transformer Engine treats its FP8 / FP4 casts), so the gradients are those of
@@ -418,4 +421,4 @@ def combine(expert_out: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
 
 # The trainable experts (ep_comm/training_experts.py), here with the rest of the training API. (Imported last: that
 # module builds on RoutedTokens.)
-from .training_experts import ExpertMLP, expert_mlp, quantize_expert_weights  # noqa: E402
+from .training_experts import ExpertMLP, expert_mlp, quantize_expert_weights  # noqa: E402,F401
