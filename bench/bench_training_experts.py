@@ -34,7 +34,7 @@ sys.path.insert(0, HERE)
 
 import ep_comm  # noqa: E402
 from bench_formats import time_ms  # noqa: E402  same directory: one timing method for the benchmarks
-from ep_comm import training  # noqa: E402
+from ep_comm import formats, training  # noqa: E402
 from ep_comm.bench import parse_token_counts, run_metadata, strict_json  # noqa: E402
 from ep_comm.launch import run_ranks  # noqa: E402
 from ep_comm.training_experts import _ExpertMLPFunction  # noqa: E402
@@ -76,7 +76,7 @@ def _worker(rank, world, args):
             ends = result.expert_offsets[1:].contiguous()
             # (Masters of the same dtype as ours, cast to BF16 inside autograd as autocast does: with FP32 masters the
             # baseline pays the forward cast and the gradients' widening too.)
-            x_rows = training._dense(result.x, torch.bfloat16)[:rows_in_use].detach().requires_grad_()
+            x_rows = formats.dequantize(result.x, torch.bfloat16)[:rows_in_use].detach().requires_grad_()
             w1 = mlp.w1.detach().clone().requires_grad_()
             w2 = mlp.w2.detach().clone().requires_grad_()
             g_rows = grad[:rows_in_use]

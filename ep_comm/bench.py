@@ -133,15 +133,6 @@ def _make_inputs(args, rank, device):
     return x.to(torch.bfloat16).to(device), topk_idx.to(device), weights.to(device)
 
 
-def _dequantize(x, fmt):
-    from . import formats
-    if fmt == "nvfp4":
-        return formats.nvfp4_dequantize(x, dtype=torch.float32)
-    if fmt == "mxfp8":
-        return formats.mxfp8_dequantize(x, dtype=torch.float32)
-    return x.float()
-
-
 def _time_calls(buf, x, topk_idx, weights, expert_out, iters: int, device):
     """(dispatch seconds per call, combine seconds per call, last combine output) over `iters` dispatch + combine
     pairs. GPU: the pairs are enqueued back to back (no host sync, no barrier between them) with a CUDA event before and
@@ -185,6 +176,7 @@ def _worker(rank, world, args):
     import torch.distributed as dist
 
     import ep_comm
+    from ep_comm import formats
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     x, topk_idx, weights = _make_inputs(args, rank, device)
     num_local = args.experts // world
@@ -212,7 +204,7 @@ def _worker(rank, world, args):
                 experts_of_row = torch.zeros(result.num_rows, dtype=torch.int64)
                 for j in range(num_local):
                     experts_of_row[offsets[j]:offsets[j + 1]] = rank * num_local + j
-                expert_out = (_dequantize(result.x, dispatch_format)
+                expert_out = (formats.dequantize(result.x)
                               * _expert_scale(experts_of_row.to(device))[:, None]).to(torch.bfloat16)
                 expert_out[result.src_rank < 0] = 0
             dist.barrier()

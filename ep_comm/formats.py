@@ -29,7 +29,7 @@ from . import _ext
 __all__ = [
     "NVFP4Tensor", "MXFP8Tensor", "S2F6Tensor", "DEFAULT_SIGN_MASK",
     "nvfp4_quantize", "nvfp4_dequantize", "mxfp8_quantize", "mxfp8_dequantize", "nvfp4_to_mxfp8_transposed",
-    "rht", "inverse_rht", "s2f6_quantize", "s2f6_dequantize", "s2f6_dequantize_accumulate",
+    "rht", "inverse_rht", "s2f6_quantize", "s2f6_dequantize", "s2f6_dequantize_accumulate", "dequantize",
     "e2m1_encode", "e2m1_decode", "e4m3_encode", "e4m3_decode", "ue8m0_mxfp8_scale", "ue8m0_s2f6_scale",
     "ue8m0_decode", "rbits",
 ]
@@ -886,6 +886,24 @@ def s2f6_dequantize(s: S2F6Tensor, hadamard: Optional[bool] = None, dtype: torch
     if s.hadamard:
         values = inverse_rht(values, s.sign_mask)
     return values.to(dtype)
+
+
+def dequantize(x, dtype: torch.dtype = torch.float32, impl: str = "auto") -> torch.Tensor:
+    """Any payload of this library as a dense tensor in `dtype` (float32, bfloat16 or float16): an NVFP4Tensor,
+    MXFP8Tensor or S2F6Tensor through its own dequantizer (S2F6: inverse RHT applied when it was rotated), a plain
+    floating tensor (a BF16 dispatch payload) converted. E.g. `dequantize(result.x)` for a DispatchResult of any
+    dispatch format."""
+    if isinstance(x, NVFP4Tensor):
+        return nvfp4_dequantize(x, dtype=dtype, impl=impl)
+    if isinstance(x, MXFP8Tensor):
+        return mxfp8_dequantize(x, dtype=dtype, impl=impl)
+    if isinstance(x, S2F6Tensor):
+        return s2f6_dequantize(x, dtype=dtype, impl=impl)
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        _check_out_dtype(dtype)
+        return x.to(dtype)
+    raise TypeError(f"expected an NVFP4Tensor, MXFP8Tensor, S2F6Tensor or a floating-point tensor, got "
+                    f"{getattr(x, 'dtype', type(x).__name__)}")
 
 
 @torch.no_grad()  # as the quantizers: not differentiable on either path (the kernel's output has no grad_fn)

@@ -162,7 +162,7 @@ class _Link:
         sent = self.grads.rows.dispatch(grad_y.to(torch.bfloat16).contiguous(), self.topk_idx, self.unit_weights,
                                         check_inputs=False)
         self.unit_handle = sent.handle
-        return _dense(sent.x, torch.bfloat16)
+        return formats.dequantize(sent.x, torch.bfloat16)
 
     def unit_weight_handle(self):
         """A handle of GradBuffers.rows whose combine sums a token's rows with weight 1: the gradient dispatch's, or,
@@ -173,16 +173,6 @@ class _Link:
             self.unit_handle = self.grads.rows.dispatch(zeros, self.topk_idx, self.unit_weights,
                                                         check_inputs=False).handle
         return self.unit_handle
-
-
-def _dense(payload, dtype: torch.dtype) -> torch.Tensor:
-    """A dispatch payload (NVFP4Tensor, MXFP8Tensor or bf16 [R, H]) as dense [R, H] `dtype` (the bf16 payload itself
-    when dtype is bf16)."""
-    if isinstance(payload, formats.NVFP4Tensor):
-        return formats.nvfp4_dequantize(payload, dtype=dtype)
-    if isinstance(payload, formats.MXFP8Tensor):
-        return formats.mxfp8_dequantize(payload, dtype=dtype)
-    return payload.to(dtype)
 
 
 def _dense_rows(payload, dtype: torch.dtype, rows_in_use: torch.Tensor) -> torch.Tensor:
@@ -196,10 +186,11 @@ def _dense_rows(payload, dtype: torch.dtype, rows_in_use: torch.Tensor) -> torch
             return torch.where(rows_in_use.view(shape), t.view(torch.uint8), 0).view(t.dtype)
         return torch.where(rows_in_use.view(shape), t, torch.zeros((), dtype=t.dtype, device=t.device))
     if isinstance(payload, formats.NVFP4Tensor):
-        return _dense(dataclasses.replace(payload, scales=masked(payload.scales), amax=masked(payload.amax)), dtype)
+        return formats.dequantize(dataclasses.replace(payload, scales=masked(payload.scales),
+                                                      amax=masked(payload.amax)), dtype)
     if isinstance(payload, formats.MXFP8Tensor):
-        return _dense(dataclasses.replace(payload, data=masked(payload.data)), dtype)
-    return _dense(masked(payload), dtype)
+        return formats.dequantize(dataclasses.replace(payload, data=masked(payload.data)), dtype)
+    return formats.dequantize(masked(payload), dtype)
 
 
 def combine_backward_rows_reference(g: torch.Tensor, expert_out: torch.Tensor, row_weight: torch.Tensor,

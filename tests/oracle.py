@@ -119,11 +119,10 @@ def case_expert_function(case, dequantized_rows: torch.Tensor, experts: torch.Te
 
 
 def dequantize_payload(x, fmt: str) -> torch.Tensor:
-    if fmt == "nvfp4":
-        return formats.nvfp4_dequantize(x, impl="reference")
-    if fmt == "mxfp8":
-        return formats.mxfp8_dequantize(x, impl="reference")
-    return x.float()
+    """The payload dense in fp32 on the reference path (fmt: the dispatch format it must be, checked)."""
+    expected = {"nvfp4": formats.NVFP4Tensor, "mxfp8": formats.MXFP8Tensor}.get(fmt, torch.Tensor)
+    assert isinstance(x, expected), (fmt, type(x).__name__)
+    return formats.dequantize(x, impl="reference")
 
 
 @dataclass

@@ -607,3 +607,20 @@ def test_reference_keeps_subnormals_when_the_thread_flushes_them():
     for a, b in zip(got, want):
         assert torch.equal(a.view(torch.uint8) if a.dtype.is_floating_point else a,
                            b.view(torch.uint8) if b.dtype.is_floating_point else b)
+
+
+@pytest.mark.cpu
+def test_dequantize_takes_any_payload():
+    """F.dequantize dispatches on the container: the same bits as each format's own dequantizer, a BF16 payload
+    converted, anything else refused."""
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    cases = ((F.nvfp4_quantize(x), F.nvfp4_dequantize), (F.mxfp8_quantize(x), F.mxfp8_dequantize),
+             (F.s2f6_quantize(x), F.s2f6_dequantize))
+    for payload, own in cases:
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(F.dequantize(payload, dtype), own(payload, dtype=dtype)), (type(payload), dtype)
+    assert torch.equal(F.dequantize(x), x.float()) and F.dequantize(x, torch.bfloat16) is x
+    with pytest.raises(TypeError, match="NVFP4Tensor, MXFP8Tensor, S2F6Tensor"):
+        F.dequantize(x.view(torch.int16))
+    with pytest.raises(TypeError, match="NVFP4Tensor, MXFP8Tensor, S2F6Tensor"):
+        F.dequantize([1.0])
