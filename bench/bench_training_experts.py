@@ -34,23 +34,17 @@ sys.path.insert(0, HERE)
 
 import ep_comm  # noqa: E402
 from bench_formats import time_ms  # noqa: E402  same directory: one timing method for the benchmarks
+from bench_grouped_gemm import mm_ceiling_tflops  # noqa: E402  the dense BF16 ceiling, measured the same way
 from ep_comm import formats, training  # noqa: E402
 from ep_comm.bench import parse_token_counts, run_metadata, strict_json  # noqa: E402
 from ep_comm.launch import run_ranks  # noqa: E402
 from ep_comm.training_experts import _ExpertMLPFunction  # noqa: E402
 
 
-def _dense_ceiling_tflops(device) -> float:
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    ms = time_ms(lambda: a @ b, iters=10, batches=5)
-    return 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
-
-
 def _worker(rank, world, args):
     device = torch.device("cuda", torch.cuda.current_device())
     hidden, inter, experts = args.hidden, args.intermediate, args.experts
-    figures = {"dense_bf16_tflops": _dense_ceiling_tflops(device), "cases": []}
+    figures = {"dense_bf16_tflops": mm_ceiling_tflops(), "cases": []}
     for tokens in args.tokens:
         gen = torch.Generator().manual_seed(7)
         x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)

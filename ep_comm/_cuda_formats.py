@@ -102,34 +102,20 @@ def nvfp4_quantize_block_values(x: torch.Tensor, amax: Optional[torch.Tensor],
     return values, row_factor
 
 
-def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
+def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype, block_values: bool = False) -> torch.Tensor:
+    """block_values: the E2M1 x E4M3 values without the outer scale (the kernel's amax == nullptr form; exact in
+    bf16 / fp16: at most 6 significant bits, 2^-10 .. 2688)."""
     lib = _lib()
     k = q.data.shape[-1] * 2
     data = _ext.aligned_contiguous(q.data.reshape(-1, k // 2), 8)
     scales = q.scales.view(torch.uint8).reshape(-1, k // 16).contiguous()
-    amax = q.amax.reshape(-1).float().contiguous()
+    amax = None if block_values else q.amax.reshape(-1).float().contiguous()
     num_rows = data.shape[0]
     out, out_type = _output((num_rows, k), dtype, q.data.device)
     with _ext.cuda_device(q.data.device):
-        lib.nvfp4_dequantize(data.data_ptr(), scales.data_ptr(), amax.data_ptr(), num_rows, k, float(q.e4m3_max),
+        lib.nvfp4_dequantize(data.data_ptr(), scales.data_ptr(), _ptr(amax), num_rows, k, float(q.e4m3_max),
                              out.data_ptr(), out_type, _ext.current_raw_stream(q.data.device))
     return out.reshape(*q.data.shape[:-1], k).to(dtype)
-
-
-def nvfp4_block_values(q: NVFP4Tensor) -> torch.Tensor:
-    """The E2M1 x E4M3 block values of NVFP4 rows (no outer scale: the kernel's amax == nullptr form) as bf16 [N, K],
-    rows flattened: exact in BF16 (at most 6 significant bits, 2^-10 .. 2688)."""
-    lib = _lib()
-    k = q.data.shape[-1] * 2
-    data = _ext.aligned_contiguous(q.data.reshape(-1, k // 2), 8)
-    scales = q.scales.view(torch.uint8).reshape(-1, k // 16).contiguous()
-    num_rows = data.shape[0]
-    out = torch.empty(num_rows, k, dtype=torch.bfloat16, device=q.data.device)
-    if num_rows:
-        with _ext.cuda_device(q.data.device):
-            lib.nvfp4_dequantize(data.data_ptr(), scales.data_ptr(), 0, num_rows, k, float(q.e4m3_max),
-                                 out.data_ptr(), _ELEM_TYPES[torch.bfloat16], _ext.current_raw_stream(q.data.device))
-    return out
 
 
 def mxfp8_quantize(x: torch.Tensor, rounding: str, seed: int) -> MXFP8Tensor:

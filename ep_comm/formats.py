@@ -492,7 +492,7 @@ def _nvfp4_encode_with_scale(xb: torch.Tensor, scale_code: torch.Tensor, s_dec: 
 @torch.no_grad()  # quantization is not differentiable here: no graph kept behind the result
 @_keeps_subnormals
 def nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True, amax: Optional[torch.Tensor] = None,
-                   scale_granularity: str = "row", impl: str = "auto") -> NVFP4Tensor:
+                   scale_granularity: str = "row", impl: str = "auto", check_amax: bool = True) -> NVFP4Tensor:
     """Quantize x [..., K] (bf16/fp16/fp32, K % 16 == 0) to NVFP4 along the last axis.
 
     four_over_six: 4/6 adaptive block scaling with MSE selection and M = 256 (activations, the dispatch
@@ -504,6 +504,10 @@ def nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True, amax: Optional[t
         once for the tensor ("tensor"). A given amax below a row's true max |x| saturates that row's largest
         values, and amax 0 decodes the whole row to 0 (nothing checks it: it is the caller's scale). The result
         holds a copy of it.
+    check_amax: refuse a given amax that is NaN or negative (outside a CUDA-graph capture: a device->host read).
+        False skips that read, so the call never syncs (the trainable experts' per-step weight quantization; as
+        grouped_gemm.quantize_expanded_rows's check_amax): such an amax is then taken as given, and what it decodes
+        to is not specified.
     Returns an NVFP4Tensor with data [..., K/2], scales [..., K/16], amax [...] float32.
     """
     _check_float_input(x, "x", NVFP4_BLOCK)
@@ -534,7 +538,8 @@ def nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True, amax: Optional[t
         except RuntimeError as error:
             raise ValueError(f"amax of shape {tuple(amax.shape)} does not broadcast to the rows of x "
                              f"{tuple(x.shape[:-1])}") from error
-        _check_amax_values(amax)
+        if check_amax:
+            _check_amax_values(amax)
     elif scale_granularity == "tensor":
         # An empty tensor has amax 0 (torch's amax() refuses an empty input).
         whole = _nan_to_zero_abs(x.float()).amax() if x.numel() else torch.zeros((), device=x.device)

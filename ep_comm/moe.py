@@ -85,10 +85,10 @@ def _check_packed_weights(weights: PackedExpertWeights) -> None:
 
 
 def _per_expert_amax(w: torch.Tensor) -> torch.Tensor:
-    """max |w[e]| as FP32 [E, 1] (broadcast over the rows of each expert), one expert at a time: no full-size FP32
-    temporaries of the stacked weights (pack_weights has refused NaN / Inf already; the max of bf16 / fp16 values is
-    exact in their own dtype)."""
-    return torch.stack([w[e].abs().amax().float() for e in range(w.shape[0])])[:, None]
+    """max |w[e]| as FP32 [E, 1] (broadcast over the rows of each expert): one reduction, no full-size temporaries (the
+    max of bf16 / fp16 values is exact in their own dtype). Also the trainable experts' per-step amax
+    (training_experts.quantize_expert_weights), so both quantize the same weights to the same bits."""
+    return torch.linalg.vector_norm(w.detach(), ord=math.inf, dim=(1, 2)).float()[:, None]
 
 
 def pack_weights(w1: torch.Tensor, w2: torch.Tensor) -> PackedExpertWeights:

@@ -175,22 +175,25 @@ class _Link:
         return self.unit_handle
 
 
+def _mask_rows(t: torch.Tensor, rows_in_use: torch.Tensor) -> torch.Tensor:
+    """t [R, ...] with zeros in the rows not in use (rows_in_use bool [R]); float8 tensors through their bytes."""
+    shape = (-1,) + (1,) * (t.dim() - 1)
+    if t.element_size() == 1:
+        return torch.where(rows_in_use.view(shape), t.view(torch.uint8), 0).view(t.dtype)
+    return torch.where(rows_in_use.view(shape), t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
 def _dense_rows(payload, dtype: torch.dtype, rows_in_use: torch.Tensor) -> torch.Tensor:
-    """_dense, zero on the rows not in use (padding rows are zero already; the nvlink capacity rows past the rows in
-    use are not written by the dispatch and may hold anything, NaN included). The mask goes where it is cheapest:
-    NVFP4's scales and amax (a zero scale and amax make every value of the row 0, whatever its codes: E2M1 codes are
-    finite), MXFP8's bytes, BF16's rows."""
-    def masked(t: torch.Tensor) -> torch.Tensor:
-        shape = (-1,) + (1,) * (t.dim() - 1)
-        if t.element_size() == 1:  # (float8 tensors: where() through their bytes)
-            return torch.where(rows_in_use.view(shape), t.view(torch.uint8), 0).view(t.dtype)
-        return torch.where(rows_in_use.view(shape), t, torch.zeros((), dtype=t.dtype, device=t.device))
+    """formats.dequantize, zero on the rows not in use (padding rows are zero already; the nvlink capacity rows past the
+    rows in use are not written by the dispatch and may hold anything, NaN included). The mask goes where it is
+    cheapest: NVFP4's scales and amax (a zero scale and amax make every value of the row 0, whatever its codes: E2M1
+    codes are finite), MXFP8's bytes, BF16's rows."""
     if isinstance(payload, formats.NVFP4Tensor):
-        return formats.dequantize(dataclasses.replace(payload, scales=masked(payload.scales),
-                                                      amax=masked(payload.amax)), dtype)
+        return formats.dequantize(dataclasses.replace(payload, scales=_mask_rows(payload.scales, rows_in_use),
+                                                      amax=_mask_rows(payload.amax, rows_in_use)), dtype)
     if isinstance(payload, formats.MXFP8Tensor):
-        return formats.dequantize(dataclasses.replace(payload, data=masked(payload.data)), dtype)
-    return formats.dequantize(masked(payload), dtype)
+        return formats.dequantize(dataclasses.replace(payload, data=_mask_rows(payload.data, rows_in_use)), dtype)
+    return formats.dequantize(_mask_rows(payload, rows_in_use), dtype)
 
 
 def combine_backward_rows_reference(g: torch.Tensor, expert_out: torch.Tensor, row_weight: torch.Tensor,

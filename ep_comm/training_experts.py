@@ -67,15 +67,10 @@ def _mix64(value: int) -> int:
     return z ^ (z >> 31)
 
 
-@dataclass(frozen=True)
-class ExpertGradSeeds:
-    """The seed of each stochastic rounding of one backward: _mix64(call_seed ^ _mix64(tag)), tags as above (distinct
-    for every call seed and tensor, all 64 bits of the call seed kept)."""
-
-    call_seed: int
-
-    def of(self, tensor: str) -> int:
-        return _mix64(self.call_seed ^ _mix64(_SEED_TAGS[tensor]))
+def grad_seed(call_seed: int, tensor: str) -> int:
+    """The seed of one stochastic rounding of a backward: _mix64(call_seed ^ _mix64(tag)), tags as above (distinct for
+    every call seed and tensor, all 64 bits of the call seed kept)."""
+    return _mix64(call_seed ^ _mix64(_SEED_TAGS[tensor]))
 
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
@@ -85,47 +80,43 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, group_ends: torch.Tensor) -> t
 
 
 def quantize_expert_weights(w: torch.Tensor) -> formats.NVFP4Tensor:
-    """Master weights [E, N, K] (float32 / bfloat16 / float16) -> NVFP4 along K without 4/6 and with one FP32 amax per
-    expert: bitwise `moe.pack_weights`'s quantization. No autograd (straight-through: see the module doc). On CUDA it
-    does not read the amax on the host (formats.nvfp4_quantize would, to refuse a NaN one): no sync in a training step;
-    a NaN or Inf among the masters then gives non-finite outputs and loss, as a diverged BF16 layer does."""
+    """Master weights [E, N, K] (float32 / bfloat16) -> NVFP4 along K without 4/6 and with one FP32 amax per expert:
+    `moe.pack_weights`'s quantization (the same amax helper, the same quantizer). No autograd (straight-through: see
+    the module doc). It does not read the amax on the host (check_amax=False), so a step never syncs; non-finite
+    masters are therefore not refused here, and the outputs they give are not meaningful."""
+    from . import moe
     with torch.no_grad():
         w = w.detach()
-        amax = torch.linalg.vector_norm(w, ord=math.inf, dim=(1, 2)).float()[:, None]  # exact: a max
-        if formats._use_cuda("auto", w):
-            from . import _cuda_formats  # (what nvfp4_quantize runs after its check: the amax broadcast to the rows)
-            return _cuda_formats.nvfp4_quantize(w, False, amax.expand(w.shape[:-1]).contiguous())
-        return formats.nvfp4_quantize(w, four_over_six=False, amax=amax)
+        return formats.nvfp4_quantize(w, four_over_six=False, amax=moe._per_expert_amax(w), check_amax=False)
 
 
 def _block_values(q: formats.NVFP4Tensor):
     """NVFP4 [..., K] -> (values bf16 [N, K]: E2M1 x E4M3, exact; factor fp32 [N]: the outer decode scale
     amax * fp32(1 / (6 * e4m3_max)), as the grouped GEMM's ExpandedRows), rows flattened."""
-    factor = q.amax.reshape(-1).float() * torch.full((), 1.0 / (6.0 * q.e4m3_max), dtype=torch.float32,
-                                                     device=q.amax.device)
-    if formats._use_cuda("auto", q.data):
-        from . import _cuda_formats
-        return _cuda_formats.nvfp4_block_values(q), factor
     k = q.data.shape[-1] * 2
-    codes = formats._unpack_e2m1_codes(q.data.reshape(-1, k // 2)).reshape(-1, k // 16, 16)
-    scales = formats.e4m3_decode(q.scales.view(torch.uint8).reshape(-1, k // 16))
-    return (formats.e2m1_decode(codes) * scales[..., None]).reshape(-1, k).to(torch.bfloat16), factor
+    if formats._use_cuda("auto", q.data):
+        from . import _cuda_formats  # (bf16 straight from the dequantize kernel's block-value form)
+        values = _cuda_formats.nvfp4_dequantize(q, torch.bfloat16, block_values=True).reshape(-1, k)
+        factor = q.amax.reshape(-1).float() * torch.full((), 1.0 / (6.0 * q.e4m3_max), dtype=torch.float32,
+                                                         device=q.amax.device)
+        return values, factor
+    from . import grouped_gemm
+    rows = grouped_gemm.expand_nvfp4_rows(q, impl="reference")  # (fp16 block values: exact in bf16 too)
+    return rows.values.to(torch.bfloat16), rows.row_factor
 
 
 def _masked_nvfp4(q: formats.NVFP4Tensor, rows_in_use: torch.Tensor, num_rows: int) -> formats.NVFP4Tensor:
     """q's rows with zero scales and amax outside rows_in_use (so every value there is 0, whatever the codes or the
     garbage scales of nvlink's capacity rows), padded with zero rows to num_rows."""
+    from .training import _mask_rows
     pad = num_rows - q.data.shape[0]
 
-    def masked(t: torch.Tensor) -> torch.Tensor:
-        shape = (-1,) + (1,) * (t.dim() - 1)
-        bytes_view = t.view(torch.uint8) if t.element_size() == 1 else t
-        kept = torch.where(rows_in_use.view(shape), bytes_view, torch.zeros((), dtype=bytes_view.dtype,
-                                                                              device=t.device))
-        kept = F.pad(kept, (0, 0) * (t.dim() - 1) + (0, pad)) if pad else kept
-        return kept.view(t.dtype) if t.element_size() == 1 else kept
-    data = F.pad(q.data, (0, 0, 0, pad)) if pad else q.data
-    return dataclasses.replace(q, data=data, scales=masked(q.scales), amax=masked(q.amax))
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        if not pad:
+            return t
+        return torch.cat([t, torch.zeros((pad,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)])
+    return dataclasses.replace(q, data=padded(q.data), scales=padded(_mask_rows(q.scales, rows_in_use)),
+                               amax=padded(_mask_rows(q.amax, rows_in_use)))
 
 
 def _row_kernels(t: torch.Tensor, kernel: str):
@@ -271,7 +262,7 @@ class _Saved:
     expert_of_row: torch.Tensor      # int64 [R]
     src_rank: torch.Tensor           # int32 [R]: a row is in use iff src_rank >= 0
     padded_rows: int
-    seeds: ExpertGradSeeds
+    call_seed: int                   # the call's seed: grad_seed(call_seed, tensor) per rounding
 
 
 def _expert_factor(w: formats.NVFP4Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
@@ -323,7 +314,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
 
         ctx.saved = _Saved(tokens=tokens, hidden=hidden, gate_up_bf16=gate_up_bf16, w1_row_factor=w1_row_factor,
                            w1=w1q, w2=w2q, group_ends=group_ends, expert_of_row=expert_of_row, src_rank=src_rank,
-                           padded_rows=padded_rows, seeds=ExpertGradSeeds(seed))
+                           padded_rows=padded_rows, call_seed=seed)
         return out
 
     @staticmethod
@@ -339,12 +330,15 @@ class _ExpertMLPFunction(torch.autograd.Function):
             return (grad_out.new_zeros(0, w1[0][2], dtype=ctx.rows_dtype),
                     torch.zeros(w1[0], dtype=ctx.w1_dtype, device=w1[1]),
                     torch.zeros(w2[0], dtype=ctx.w2_dtype, device=w2[1]), None, None)
-        src, rows_p, seeds = s.src_rank, s.padded_rows, s.seeds
+        src, rows_p = s.src_rank, s.padded_rows
+
+        def seed_of(tensor: str) -> int:
+            return grad_seed(s.call_seed, tensor)
         want_rows, want_w1, want_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         # w2: dgrad (MXFP8 along H) and wgrad (MXFP8 along the tokens), both roundings of g from one read.
         g_rows, g_tokens = _mxfp8_round_trips(grad_out.to(torch.bfloat16), src, rows_p,
-                                              seeds.of("g_rows") if want_rows or want_w1 else None,
-                                              seeds.of("g_tokens") if want_w2 else None)
+                                              seed_of("g_rows") if want_rows or want_w1 else None,
+                                              seed_of("g_tokens") if want_w2 else None)
         d_hidden = None
         if want_rows or want_w1:
             d_hidden = _grouped_mm(g_rows, _weight_values(s.w2), s.group_ends)  # (bf16; W2's expert factor below)
@@ -352,7 +346,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
         grad_w2 = None
         if want_w2:
             h_tokens = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(
-                s.hidden, rounding="stochastic", seed=seeds.of("h_tokens")), dtype=torch.bfloat16)    # [I, Rp]
+                s.hidden, rounding="stochastic", seed=seed_of("h_tokens")), dtype=torch.bfloat16)    # [I, Rp]
             grad_w2 = _to_master_dtype(_grouped_mm(g_tokens, h_tokens.t(), s.group_ends), ctx.w2_dtype)  # [E, H, I]
             del g_tokens, h_tokens
         if d_hidden is None:
@@ -363,8 +357,8 @@ class _ExpertMLPFunction(torch.autograd.Function):
                                           s.w1_row_factor, src)
         del d_hidden
         d_rows, d_tokens = _mxfp8_round_trips(d_gate_up, src, rows_p,
-                                              seeds.of("d_gate_up_rows") if want_rows else None,
-                                              seeds.of("d_gate_up_tokens") if want_w1 else None)
+                                              seed_of("d_gate_up_rows") if want_rows else None,
+                                              seed_of("d_gate_up_tokens") if want_w1 else None)
         del d_gate_up
         grad_rows = None
         if want_rows:
@@ -373,7 +367,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
         grad_w1 = None
         if want_w1:
             x_tokens = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(
-                s.tokens, rounding="stochastic", seed=seeds.of("x_tokens")), dtype=torch.bfloat16)    # [H, Rp]
+                s.tokens, rounding="stochastic", seed=seed_of("x_tokens")), dtype=torch.bfloat16)    # [H, Rp]
             grad_w1 = _to_master_dtype(_grouped_mm(d_tokens, x_tokens.t(), s.group_ends), ctx.w1_dtype)  # [E, 2I, H]
         return grad_rows, grad_w1, grad_w2, None, None
 
@@ -405,11 +399,11 @@ def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: i
     layout (zero outside the rows in use), ready for `training.combine`.
 
     w1: [E_local, 2I, H] (gate rows, then up rows), w2: [E_local, H, I]; float32 or bfloat16 master weights
-    (parameters); H and I multiples of 32. No host synchronization on CUDA tensors (non-finite masters give non-finite
-    outputs, not an exception). seed: the backward's stochastic rounding, an int in [0, 2^64); give each call its own
-    (ExpertMLP hashes its seed with its call count): a repeated seed repeats the rounding noise. The gradient of
-    routed.x is returned to the dispatch (and so reaches x), those of w1 and w2 in their dtypes. See the module
-    docstring for the numerics."""
+    (parameters); H and I multiples of 32. No host synchronization on CUDA tensors (so non-finite masters are not
+    refused: see quantize_expert_weights). seed: the backward's stochastic rounding, an int in [0, 2^64); give each
+    call its own (ExpertMLP hashes its seed with its call count): a repeated seed repeats the rounding noise. The
+    gradient of routed.x is returned to the dispatch (and so reaches x), those of w1 and w2 in their dtypes. See the
+    module docstring for the numerics."""
     _check_routed(routed, w1, w2)
     for name, w in (("w1", w1), ("w2", w2)):
         # (float16 masters are refused: the bf16 weight gradients would overflow their range, silently)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import ep_comm
 from ep_comm import formats, moe, training
-from ep_comm.training_experts import ExpertGradSeeds, _ExpertMLPFunction
+from ep_comm.training_experts import _ExpertMLPFunction, grad_seed
 from harness import auto_backend, multigpu_backend, multigpu_world, run_ranks
 
 HIDDEN, INTER, TOPK, MAX_TOKENS, ALIGNMENT = 64, 32, 2, 48, 32
@@ -54,7 +54,6 @@ def _oracle(result, w1: torch.Tensor, w2: torch.Tensor, g: torch.Tensor, seed: i
     padded = -(-num_rows // 32) * 32
     use = (result.src_rank >= 0).cpu()
     offsets = result.expert_offsets.tolist()
-    seeds = ExpertGradSeeds(seed)
     packed = moe.pack_weights(w1.detach().cpu(), w2.detach().cpu())
     W1 = formats.nvfp4_dequantize(packed.w1, impl="reference")
     W2 = formats.nvfp4_dequantize(packed.w2, impl="reference")
@@ -76,7 +75,7 @@ def _oracle(result, w1: torch.Tensor, w2: torch.Tensor, g: torch.Tensor, seed: i
         g = torch.where(use[:, None], g.cpu().to(torch.bfloat16), torch.zeros((), dtype=torch.bfloat16))
 
         def mx(t, name):
-            q = formats.mxfp8_quantize(t, rounding="stochastic", seed=seeds.of(name), impl="reference")
+            q = formats.mxfp8_quantize(t, rounding="stochastic", seed=grad_seed(seed, name), impl="reference")
             return formats.mxfp8_dequantize(q, impl="reference")
 
         g_rows = mx(g, "g_rows")
@@ -93,7 +92,7 @@ def _oracle(result, w1: torch.Tensor, w2: torch.Tensor, g: torch.Tensor, seed: i
             d_x[rows] = d_rows_q[rows] @ W1[e]
         g_t = mx(F.pad(g, (0, 0, 0, padded - num_rows)).t().contiguous(), "g_tokens")
         d_t = mx(F.pad(d_gate_up, (0, 0, 0, padded - num_rows)).t().contiguous(), "d_gate_up_tokens")
-        h_t = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(hq, seed=seeds.of("h_tokens"),
+        h_t = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(hq, seed=grad_seed(seed, "h_tokens"),
                                                                           impl="reference"), impl="reference")
         masked_x = formats.NVFP4Tensor(
             data=F.pad(result_x.data, (0, 0, 0, padded - num_rows)),
@@ -101,7 +100,7 @@ def _oracle(result, w1: torch.Tensor, w2: torch.Tensor, g: torch.Tensor, seed: i
                          (0, 0, 0, padded - num_rows)).view(torch.float8_e4m3fn),
             amax=F.pad(torch.where(use, result_x.amax, 0.0), (0, padded - num_rows)),
             e4m3_max=result_x.e4m3_max)
-        x_t = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(masked_x, seed=seeds.of("x_tokens"),
+        x_t = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(masked_x, seed=grad_seed(seed, "x_tokens"),
                                                                           impl="reference"), impl="reference")
         d_w1, d_w2 = torch.zeros_like(W1), torch.zeros_like(W2)
         for e in range(W1.shape[0]):
