@@ -14,6 +14,10 @@ alignment 32), so the layout is the one training uses (capacity rows included). 
       gradients back);
   gemms_only : the four backward + two forward BF16 grouped GEMMs of ours alone, on the same operands (what the
       quantization, masking and scaling passes cost on top is ours_forward_backward - gemms_only);
+  ours_forward_backward_torch_wgrad : ours with EP_COMM_WGRAD_GEMM=torch (FP32 masters: the weight gradients from
+      torch._grouped_mm in BF16, widened, instead of csrc/grouped_wgrad.cu; the same call otherwise);
+  wgrad_ours, wgrad_torch : the two weight-gradient GEMMs alone on random BF16 operands of the backward's shapes, into
+      FP32: csrc/grouped_wgrad.cu against torch._grouped_mm + the widening kernel (FP32 masters only);
   dense_bf16_tflops : torch.mm in BF16 on 8192^3, the tensor-core ceiling of this GPU in this run.
 TFLOP/s counts 6 R H I (forward) and 18 R H I (forward + backward) over the rows in use. Timing only; the gradients
 are checked in tests/test_training_experts.py.
@@ -38,7 +42,7 @@ from bench_grouped_gemm import mm_ceiling_tflops  # noqa: E402  the dense BF16 c
 from ep_comm import formats, training  # noqa: E402
 from ep_comm.bench import parse_token_counts, run_metadata, strict_json  # noqa: E402
 from ep_comm.launch import run_ranks  # noqa: E402
-from ep_comm.training_experts import _ExpertMLPFunction  # noqa: E402
+from ep_comm.training_experts import _ExpertMLPFunction, _weight_gradient  # noqa: E402
 
 
 def _worker(rank, world, args):
@@ -106,18 +110,38 @@ def _worker(rank, world, args):
                 torch._grouped_mm(a_2i, v1, offs=ends)
                 torch._grouped_mm(t_2i, t_h.t(), offs=ends)
 
+            def with_torch_wgrad(fn):
+                def run():
+                    os.environ["EP_COMM_WGRAD_GEMM"] = "torch"
+                    try:
+                        fn()
+                    finally:
+                        del os.environ["EP_COMM_WGRAD_GEMM"]
+                return run
+
+            def wgrad_ours():
+                _weight_gradient(t_h, t_i, ends, torch.float32)
+                _weight_gradient(t_2i, t_h, ends, torch.float32)
+
+            wgrad_torch = with_torch_wgrad(wgrad_ours)
+            timed = [("ours_forward", ours_forward), ("ours_forward_backward", ours_forward_backward),
+                     ("bf16_forward", bf16_forward), ("bf16_forward_backward", bf16_forward_backward),
+                     ("gemms_only", gemms_only)]
+            if mlp.w1.dtype == torch.float32:
+                timed += [("ours_forward_backward_torch_wgrad", with_torch_wgrad(ours_forward_backward)),
+                          ("wgrad_ours", wgrad_ours), ("wgrad_torch", wgrad_torch)]
             row = {"tokens": tokens, "rows_in_use": rows_in_use, "num_rows": result.num_rows,
                    # (the layouts torch._grouped_mm returns: a strided weight gradient costs a slow cast)
                    "wgrad_out_strides": list(torch._grouped_mm(t_h, t_i.t(), offs=ends).stride()),
                    "dgrad_out_strides": list(torch._grouped_mm(a_h, v2, offs=ends).stride())}
-            for name, fn in (("ours_forward", ours_forward), ("ours_forward_backward", ours_forward_backward),
-                             ("bf16_forward", bf16_forward), ("bf16_forward_backward", bf16_forward_backward),
-                             ("gemms_only", gemms_only)):
+            for name, fn in timed:
                 row[name + "_ms"] = time_ms(fn, iters=args.iters, batches=args.batches)
-            flops = 6.0 * rows_in_use * hidden * inter
+            flops = 6.0 * rows_in_use * hidden * inter  # (the wgrads: 2 R H I for w2, 4 R H I for w1)
             for name, scale in (("ours_forward", 1), ("ours_forward_backward", 3), ("bf16_forward", 1),
-                                ("bf16_forward_backward", 3), ("gemms_only", 3)):
-                row[name + "_tflops"] = scale * flops / (row[name + "_ms"] * 1e-3) / 1e12
+                                ("bf16_forward_backward", 3), ("gemms_only", 3), ("wgrad_ours", 1), ("wgrad_torch", 1),
+                                ("ours_forward_backward_torch_wgrad", 3)):
+                if name + "_ms" in row:
+                    row[name + "_tflops"] = scale * flops / (row[name + "_ms"] * 1e-3) / 1e12
             row["speedup_forward_backward_vs_bf16"] = row["bf16_forward_backward_ms"] / row["ours_forward_backward_ms"]
             if args.profile:
                 from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -162,6 +186,11 @@ def main(argv=None):
               f"({row['bf16_forward_backward_tflops']:.0f}); the six GEMMs alone {row['gemms_only_ms']:.2f} ms "
               f"({row['gemms_only_tflops']:.0f}); ours / BF16 speed {row['speedup_forward_backward_vs_bf16']:.2f}x; "
               f"_grouped_mm output strides: wgrad {row['wgrad_out_strides']}, dgrad {row['dgrad_out_strides']}")
+        if "wgrad_ours_ms" in row:
+            print(f"  weight gradients into FP32: fwd+bwd with torch's wgrad "
+                  f"{row['ours_forward_backward_torch_wgrad_ms']:.2f} ms; the two wgrads alone: ours "
+                  f"{row['wgrad_ours_ms']:.2f} ms ({row['wgrad_ours_tflops']:.0f} TFLOP/s), torch._grouped_mm + "
+                  f"widening {row['wgrad_torch_ms']:.2f} ms ({row['wgrad_torch_tflops']:.0f})")
     if args.out:
         report = {"meta": run_metadata(), "args": {k: v for k, v in vars(args).items() if k != "out"},
                   "figures": figures}

@@ -273,9 +273,10 @@ test_shared_layer() {  # one GPU: the MoE layer, waves and reference-backend tie
   shared_tier layer 320 tests/test_moe.py tests/test_waves.py tests/test_reference_backend.py tests/test_training.py \
     -k "not gloo"
 }
-test_training_experts() {  # ep_comm.training.ExpertMLP (NVFP4 forward, MXFP8 + SR backward) against its FP32 oracle
+test_training_experts() {  # ep_comm.training.ExpertMLP (NVFP4 forward, MXFP8 + SR backward) against its FP32 oracle,
+  # and its weight-gradient GEMM (csrc/grouped_wgrad.cu)
   say "gpu tier: trainable experts (ExpertMLP) on nvlink at world 1"
-  pytest_tier training_experts 200 2 tests/test_training_experts.py -m gpu
+  pytest_tier training_experts 300 2 tests/test_training_experts.py tests/test_grouped_wgrad.py -m gpu
   say "multigpu tier, 2 ranks sharing one GPU: trainable experts"
   shared_tier training_experts 300 tests/test_training_experts.py -m multigpu
 }

@@ -1,10 +1,12 @@
-// Python bindings of the training kernels: combine's backward rows (training_rows.h) and the trainable experts' row
-// kernels (training_experts.h). Thin: ep_comm/training.py and ep_comm/training_experts.py validate and allocate.
+// Python bindings of the training kernels: combine's backward rows (training_rows.h), the trainable experts' row
+// kernels (training_experts.h) and their weight-gradient GEMM (grouped_wgrad.h). Thin: ep_comm/training.py and
+// ep_comm/training_experts.py validate and allocate.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
 
 #include "bindings.h"
+#include "grouped_wgrad.h"
 #include "training_experts.h"
 #include "training_rows.h"
 
@@ -85,4 +87,25 @@ void register_training(py::module_& m) {
       },
       py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("out"), py::arg("n"), py::arg("stream"),
       "bf16 -> fp32, n elements (training_experts.h)");
+  m.def(
+      "grouped_wgrad_bf16",
+      [](uintptr_t a, int64_t lda, uintptr_t b, int64_t ldb, uintptr_t group_ends, int num_experts, int64_t m_rows,
+         int64_t n_rows, int64_t k_total, uintptr_t out, uintptr_t stream) {
+        ep_comm::GroupedWgradArgs args;
+        args.a = ptr<const uint16_t>(a);
+        args.lda = lda;
+        args.b = ptr<const uint16_t>(b);
+        args.ldb = ldb;
+        args.group_ends = ptr<const int32_t>(group_ends);
+        args.num_experts = num_experts;
+        args.m_rows = m_rows;
+        args.n_rows = n_rows;
+        args.k_total = k_total;
+        args.out = ptr<float>(out);
+        check(ep_comm::launch_grouped_wgrad_bf16(args, as_stream(stream)), "grouped_wgrad_bf16");
+      },
+      py::call_guard<py::gil_scoped_release>(), py::arg("a"), py::arg("lda"), py::arg("b"), py::arg("ldb"),
+      py::arg("group_ends"), py::arg("num_experts"), py::arg("m_rows"), py::arg("n_rows"), py::arg("k_total"),
+      py::arg("out"), py::arg("stream"),
+      "out[e] = a[:, segment e] @ b[:, segment e]^T, bf16 in, fp32 out, segments along K (grouped_wgrad.h)");
 }

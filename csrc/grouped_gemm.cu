@@ -92,13 +92,6 @@ struct Geometry {
   static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + room to align the ring to 1024 B
 };
 
-// 128-byte swizzle, K-major: 8-row groups 1024 B apart (the leading offset is unused: one swizzle atom spans
-// all of a k16 step); start = tile base + 32 B per k16 step, the hardware applies the XOR to the final address.
-__device__ __forceinline__ uint64_t make_descriptor_sw128(uint32_t start) {
-  return static_cast<uint64_t>((start & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
-         (uint64_t{1} << 62);
-}
-
 // fp16x2 a * (b's low or high half in both halves): the broadcast folds into HMUL2's operand (R.H0_H0 / R.H1_H1).
 template <int kHalf>
 __device__ __forceinline__ uint32_t hmul2_broadcast(uint32_t a, uint32_t b) {
@@ -784,7 +777,8 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
       wgmma::fence();
       // k-step s starts 32 B further (16 fp16 or 32 e4m3 values): + 2 in the descriptor's start field (address >> 4;
       // no carry out of it, shared addresses stay below 2^18).
-      const uint64_t desc = make_descriptor_sw128(smem_base + slot * G::kStageBytes + G::mma_tokens_offset(kSub));
+      const uint64_t desc =
+          wgmma::make_descriptor_sw128(smem_base + slot * G::kStageBytes + G::mma_tokens_offset(kSub));
       if constexpr (kFp8) {
 #pragma unroll
         for (int s = 0; s < 2; ++s) wgmma::MmaRSE4M3<kTile>::run(acc, a_cur[s], desc + 2 * s);
@@ -816,7 +810,8 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
       wgmma::fence_operand(acc);
       wgmma::fence_operand(a_cur);
       wgmma::fence();
-      const uint64_t desc = make_descriptor_sw128(smem_base + slot * G::kStageBytes + G::mma_tokens_offset(kSub));
+      const uint64_t desc =
+          wgmma::make_descriptor_sw128(smem_base + slot * G::kStageBytes + G::mma_tokens_offset(kSub));
 #pragma unroll
       for (int i = 0; i < kStepsPerGroup; ++i) {
         wgmma::MmaRS<kTile>::run(acc, a_cur[i], desc + 2 * (kGroup * kStepsPerGroup + i));
@@ -1115,6 +1110,9 @@ LaunchFn select_kernel(int tile, bool combine_rows, bool fp8) {
   }
 }
 
+
+}  // namespace
+
 bool device_is_sm90() {
   int device = 0, major = 0, minor = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
@@ -1125,8 +1123,6 @@ bool device_is_sm90() {
   }
   return major == 9 && minor == 0;
 }
-
-}  // namespace
 
 int grouped_gemm_auto_token_tile(int64_t num_rows_total, int num_experts) {
   const int64_t rows_per_expert = num_experts > 0 ? num_rows_total / num_experts : num_rows_total;

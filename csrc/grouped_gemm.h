@@ -93,6 +93,9 @@ struct GroupedGemmArgs {
 // uses wgmma, which only sm_90a has; Blackwell needs the tcgen05 design in docs/GEMM.md).
 cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t stream);
 
+// Whether the current device is sm_90 (the wgmma kernels' only architecture); false when it cannot be asked.
+bool device_is_sm90();
+
 // The token tile the launcher picks for token_tile = 0 (exposed so benchmarks can report it).
 int grouped_gemm_auto_token_tile(int64_t num_rows_total, int num_experts);
 

@@ -1,6 +1,7 @@
 // PTX wrappers for Hopper warpgroup MMA (sm_90a): wgmma.mma_async with the A operand in registers ("RS"),
 // FP16 x FP16 -> FP32, shape m64nNk16 (and E4M3 x E4M3 -> FP32, m64nNk32, for the inexact FP8 mode), B from shared
-// memory through a matrix descriptor, plus the fences and group waits around it. Only compiled into sm_90a code
+// memory through a matrix descriptor; BF16 x BF16 -> FP32 with both operands in shared memory ("SS", m64n128k16);
+// plus the fences and group waits around them. Only compiled into sm_90a code
 // (wgmma does not exist on sm_100a); callers guard with EP_COMM_HAS_WGMMA. The operand lists are long by nature: one
 // "+f" per accumulator register.
 #pragma once
@@ -15,6 +16,15 @@
 
 namespace ep_comm {
 namespace wgmma {
+
+// Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle: rows of 128 B (64 16-bit k values)
+// whose 16-byte chunk c is stored at chunk c ^ (row % 8), 8-row groups 1024 B apart (the stride offset; the leading
+// offset is unused: one swizzle atom spans all of a k16 step), tiles 1024-byte aligned. start = tile base + 32 B per
+// k16 step; the hardware applies the XOR to the final address.
+__device__ __forceinline__ uint64_t make_descriptor_sw128(uint32_t start) {
+  return static_cast<uint64_t>((start & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+}
 
 #if EP_COMM_HAS_WGMMA
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -199,6 +209,18 @@ struct MmaRSE4M3<128> {
   }
 };
 #undef EP_COMM_WGMMA_E4M3
+
+// acc[64] += A(64x16 bf16, smem, K-major) * B(16x128 bf16, smem, K-major), both through matrix descriptors ("SS";
+// the trainable experts' weight-gradient GEMM, grouped_wgrad.cu). No transposes (both operands K-major).
+__device__ __forceinline__ void mma_ss_bf16_n128(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{" EP_COMM_WGMMA_ACC64_REGS "}, %64, %65, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : EP_COMM_WGMMA_ACC64_OPERANDS(d)
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
 
 // Four e4m3 bytes (RNE, saturating to +-448) from two fp16x2: lo's halves become bytes 0 and 1, hi's bytes 2 and 3.
 __device__ __forceinline__ uint32_t e4m3x4_from_f16x2(uint32_t lo, uint32_t hi) {

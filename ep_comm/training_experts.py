@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -223,6 +224,28 @@ def _to_master_dtype(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+def _weight_gradient(a_tokens: torch.Tensor, b_tokens: torch.Tensor, group_ends: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """A weight gradient from the backward's token-axis operands: a_tokens bf16 [M, Rp] and b_tokens bf16 [N, Rp]
+    (tokens along the last axis, Rp >= group_ends[-1]) -> [E, M, N] in the master dtype, out[e] = a[:, seg_e] @
+    b[:, seg_e]^T over expert e's tokens. FP32 masters on an sm_90 GPU: csrc/grouped_wgrad.cu, whose FP32
+    accumulators are the gradient; otherwise (BF16 masters, CPU, other GPUs, or EP_COMM_WGRAD_GEMM=torch)
+    torch._grouped_mm's BF16 output in the master dtype (rounded to BF16 once on the way)."""
+    if dtype == torch.float32 and a_tokens.is_cuda and os.environ.get("EP_COMM_WGRAD_GEMM", "ep_comm") != "torch":
+        from . import grouped_gemm
+        if not grouped_gemm.gemm_kernels_unavailable(a_tokens.device) and hasattr(_ext._C, "grouped_wgrad_bf16"):
+            lib = _ext._C
+            a_tokens, b_tokens, group_ends = a_tokens.contiguous(), b_tokens.contiguous(), group_ends.contiguous()
+            (m, k_total), n, experts = a_tokens.shape, b_tokens.shape[0], group_ends.numel()
+            out = torch.empty(experts, m, n, dtype=torch.float32, device=a_tokens.device)
+            with _ext.cuda_device(a_tokens.device):
+                lib.grouped_wgrad_bf16(a_tokens.data_ptr(), k_total, b_tokens.data_ptr(), b_tokens.shape[1],
+                                       group_ends.data_ptr(), experts, m, n, k_total, out.data_ptr(),
+                                       _ext.current_raw_stream(a_tokens.device))
+            return out
+    return _to_master_dtype(_grouped_mm(a_tokens, b_tokens.t(), group_ends), dtype)
+
+
 def _scale_rows_(x: torch.Tensor, factor: torch.Tensor, src_rank: torch.Tensor) -> torch.Tensor:
     """In place on a GEMM's bf16 rows x [R, K]: each row times its fp32 factor (the product in FP32, rounded once),
     zero on rows not in use (the grouped GEMM leaves rows past its groups unwritten: anything, NaN included)."""
@@ -347,7 +370,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
         if want_w2:
             h_tokens = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(
                 s.hidden, rounding="stochastic", seed=seed_of("h_tokens")), dtype=torch.bfloat16)    # [I, Rp]
-            grad_w2 = _to_master_dtype(_grouped_mm(g_tokens, h_tokens.t(), s.group_ends), ctx.w2_dtype)  # [E, H, I]
+            grad_w2 = _weight_gradient(g_tokens, h_tokens, s.group_ends, ctx.w2_dtype)  # [E, H, I]
             del g_tokens, h_tokens
         if d_hidden is None:
             return None, None, grad_w2, None, None
@@ -368,7 +391,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
         if want_w1:
             x_tokens = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(
                 s.tokens, rounding="stochastic", seed=seed_of("x_tokens")), dtype=torch.bfloat16)    # [H, Rp]
-            grad_w1 = _to_master_dtype(_grouped_mm(d_tokens, x_tokens.t(), s.group_ends), ctx.w1_dtype)  # [E, 2I, H]
+            grad_w1 = _weight_gradient(d_tokens, x_tokens, s.group_ends, ctx.w1_dtype)  # [E, 2I, H]
         return grad_rows, grad_w1, grad_w2, None, None
 
 

@@ -1,0 +1,248 @@
+// Weight-gradient grouped GEMM (grouped_wgrad.h): BF16 x BF16 -> FP32 on Hopper with wgmma, both operands K-major
+// in shared memory ("SS"), groups along the contraction.
+//
+// CTA tile 128 (m) x 256 (n): two warpgroups, warpgroup g computing rows 64 g .. 64 g + 63 as two m64n128k16 wgmmas
+// (n halves) per k16 step, 128 FP32 accumulators per thread. k-blocks of 64 (one 128-byte row per operand row, the
+// 128-byte swizzle of wgmma.cuh), a ring of kStages stages of 48 KiB, one CTA per SM. Persistent: CTA c takes work
+// items c, c + grid, ... (item = expert, m tile, n tile; n fastest, so the CTAs running at one time share their
+// expert's operands in L2). The loads run kStages - 2 k-blocks ahead of the MMAs in the CTA's flat sequence of
+// k-blocks over all its items, so the next item's first k-blocks are in flight while an item drains its last wgmma
+// and stores its tile: the epilogue's 128 KiB of FP32 stores overlap loads, not an empty pipeline.
+//
+// Every thread cp.async's 4 chunks of 16 bytes of the a tile and 8 of the b tile per k-block: fixed 16-byte column
+// chunk c = tid % 8, rows tid / 8 + 32 j, so its swizzled shared-memory column (c ^ (row % 8)) is the same for all
+// its chunks. A chunk outside the expert's segment or past the last row is zero-filled; a chunk cut by a segment
+// boundary that is not a multiple of 8 (not the trainable experts' case: their segments are multiples of 32) is
+// copied element by element with the mask.
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "cp_async.cuh"
+#include "grouped_gemm.h"
+#include "grouped_wgrad.h"
+#include "vec_io.cuh"
+#include "wgmma.cuh"
+
+namespace ep_comm {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kTileM = 128;
+constexpr int kTileN = 256;
+constexpr int kStages = 4;
+constexpr int kTileABytes = kTileM * 128;
+constexpr int kTileBBytes = kTileN * 128;
+constexpr int kStageBytes = kTileABytes + kTileBBytes;
+constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + room to align the ring to 1024 B
+
+#if EP_COMM_HAS_WGMMA  // (the helpers are sm_90a code only, as the kernel body)
+constexpr int kBlockK = 64;                // one 128-byte swizzle row of bf16
+constexpr int kRowsPerPass = kThreads / 8;  // rows one pass of all threads' 16-byte chunks covers
+
+// Where one CTA's flat sequence of k-blocks stands: the item, its k-block and the item's segment. Uniform across the
+// CTA (every thread computes the same from the same loads).
+struct Cursor {
+  int64_t item;
+  int kb, nk;
+  int64_t m0, n0, out_matrix;  // out_matrix: e * m_rows * n_rows
+  int64_t seg_begin, seg_end, k_begin;
+};
+
+__device__ __forceinline__ void locate(const GroupedWgradArgs& args, int64_t tiles_m, int64_t tiles_n, int64_t item,
+                                       Cursor& c) {
+  const int64_t per_expert = tiles_m * tiles_n;
+  const int e = static_cast<int>(item / per_expert);
+  const int64_t r = item - e * per_expert;
+  c.item = item;
+  c.kb = 0;
+  c.m0 = (r / tiles_n) * kTileM;
+  c.n0 = (r % tiles_n) * kTileN;
+  c.out_matrix = static_cast<int64_t>(e) * args.m_rows * args.n_rows;
+  int64_t begin = e == 0 ? 0 : __ldg(args.group_ends + e - 1);
+  int64_t end = __ldg(args.group_ends + e);
+  begin = begin < 0 ? 0 : (begin > args.k_total ? args.k_total : begin);
+  end = end < begin ? begin : (end > args.k_total ? args.k_total : end);
+  c.seg_begin = begin;
+  c.seg_end = end;
+  c.k_begin = begin & ~int64_t{7};  // 16-byte aligned chunks
+  c.nk = end > begin ? static_cast<int>((end - c.k_begin + kBlockK - 1) / kBlockK) : 0;
+}
+
+// One 16-byte chunk (8 columns from col) of operand row `row` (row < rows checked by the caller) into dst.
+__device__ __forceinline__ void load_chunk(uint32_t dst, const uint16_t* row_ptr, int64_t col, const Cursor& c,
+                                           bool row_valid) {
+  const int64_t lo = col > c.seg_begin ? col : c.seg_begin;
+  const int64_t hi = col + 8 < c.seg_end ? col + 8 : c.seg_end;
+  if (!row_valid || lo >= hi) {
+    cp_async::copy16_zfill(dst, row_ptr, 0);  // (nothing is read: any valid address)
+  } else if (lo == col && hi == col + 8) {
+    cp_async::copy16(dst, row_ptr + col);
+  } else {  // a segment boundary inside the chunk
+    uint32_t words[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t c0 = col + 2 * i;
+      const uint32_t v0 = c0 >= lo && c0 < hi ? row_ptr[c0] : 0u;
+      const uint32_t v1 = c0 + 1 >= lo && c0 + 1 < hi ? row_ptr[c0 + 1] : 0u;
+      words[i] = v0 | (v1 << 16);
+    }
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(words[0]), "r"(words[1]),
+                 "r"(words[2]), "r"(words[3])
+                 : "memory");
+  }
+}
+
+// The a and b tiles of the cursor's current k-block into ring slot `slot`.
+__device__ __forceinline__ void load_stage(const GroupedWgradArgs& args, const Cursor& c, uint32_t slot_base) {
+  const int row0 = threadIdx.x / 8;
+  const int chunk = threadIdx.x % 8;
+  const uint32_t swizzled = static_cast<uint32_t>(((chunk ^ (row0 % 8)) * 16));
+  const int64_t col = c.k_begin + static_cast<int64_t>(c.kb) * kBlockK + 8 * chunk;
+#pragma unroll
+  for (int j = 0; j < kTileM / kRowsPerPass; ++j) {
+    const int row = row0 + j * kRowsPerPass;
+    const int64_t m = c.m0 + row;
+    const bool valid = m < args.m_rows;
+    load_chunk(slot_base + row * 128 + swizzled, args.a + (valid ? m : 0) * args.lda, col, c, valid);
+  }
+#pragma unroll
+  for (int j = 0; j < kTileN / kRowsPerPass; ++j) {
+    const int row = row0 + j * kRowsPerPass;
+    const int64_t n = c.n0 + row;
+    const bool valid = n < args.n_rows;
+    load_chunk(slot_base + kTileABytes + row * 128 + swizzled, args.b + (valid ? n : 0) * args.ldb, col, c, valid);
+  }
+}
+
+// The loader's cursor to the next k-block of the flat sequence (skipping empty items); false past the last one.
+__device__ __forceinline__ bool advance(const GroupedWgradArgs& args, int64_t tiles_m, int64_t tiles_n, int64_t items,
+                                        Cursor& c) {
+  if (++c.kb < c.nk) return true;
+  for (int64_t item = c.item + gridDim.x; item < items; item += gridDim.x) {
+    locate(args, tiles_m, tiles_n, item, c);
+    if (c.nk > 0) return true;
+  }
+  return false;
+}
+#endif  // EP_COMM_HAS_WGMMA
+
+__global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const GroupedWgradArgs args) {
+#if EP_COMM_HAS_WGMMA
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t ring = cp_async::smem_address(smem_raw) +
+                        ((1024 - (cp_async::smem_address(smem_raw) & 1023)) & 1023);  // 1024-aligned tiles
+  const int64_t tiles_m = (args.m_rows + kTileM - 1) / kTileM;
+  const int64_t tiles_n = (args.n_rows + kTileN - 1) / kTileN;
+  const int64_t items = tiles_m * tiles_n * args.num_experts;
+
+  // The loader: first k-block of the CTA's first non-empty item.
+  Cursor load;
+  bool loading = false;
+  for (int64_t item = blockIdx.x; item < items && !loading; item += gridDim.x) {
+    locate(args, tiles_m, tiles_n, item, load);
+    loading = load.nk > 0;
+  }
+  int64_t issued = 0;  // k-blocks issued (the flat index of the next)
+  // One commit group per k-block (empty once the sequence has ended), so that "k-block f has landed" is always
+  // "at most kStages - 3 groups pending" at the consumer's wait.
+  auto issue = [&]() {
+    if (loading) {
+      load_stage(args, load, ring + static_cast<uint32_t>(issued % kStages) * kStageBytes);
+      ++issued;
+      loading = advance(args, tiles_m, tiles_n, items, load);
+    }
+    cp_async::commit();
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 2; ++s) issue();
+
+  const int warpgroup = threadIdx.x / 128;
+  const int warp = (threadIdx.x % 128) / 32;
+  const int lane = threadIdx.x % 32;
+  int64_t consumed = 0;
+  float acc0[64], acc1[64];  // n columns 0..127 and 128..255 of the tile
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    Cursor c;
+    locate(args, tiles_m, tiles_n, item, c);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc0[i] = acc1[i] = 0.0f;
+    for (int kb = 0; kb < c.nk; ++kb) {
+      cp_async::wait<kStages - 3>();           // this thread's copies of k-block `consumed` have landed
+      wgmma::fence_proxy_async_shared();       // ... and are visible to wgmma's async proxy
+      __syncthreads();                         // everyone's; and every warpgroup has retired k-block consumed - 2
+      issue();                                 // k-block consumed + kStages - 2, into that one's slot
+      const uint32_t slot = ring + static_cast<uint32_t>(consumed % kStages) * kStageBytes;
+      const uint64_t desc_a = wgmma::make_descriptor_sw128(slot + warpgroup * 64 * 128);
+      const uint64_t desc_b0 = wgmma::make_descriptor_sw128(slot + kTileABytes);
+      const uint64_t desc_b1 = wgmma::make_descriptor_sw128(slot + kTileABytes + 128 * 128);
+      wgmma::fence_operand(acc0);
+      wgmma::fence_operand(acc1);
+      wgmma::fence();
+#pragma unroll
+      for (int s = 0; s < kBlockK / 16; ++s) {  // k16 step s: 32 B further, + 2 in the start field (address >> 4)
+        wgmma::mma_ss_bf16_n128(acc0, desc_a + 2 * s, desc_b0 + 2 * s);
+        wgmma::mma_ss_bf16_n128(acc1, desc_a + 2 * s, desc_b1 + 2 * s);
+      }
+      wgmma::commit_group();
+      wgmma::fence_operand(acc0);
+      wgmma::fence_operand(acc1);
+      wgmma::wait_group<1>();  // k-block consumed - 1 retired
+      ++consumed;
+    }
+    wgmma::wait_group<0>();
+    wgmma::fence_operand(acc0);
+    wgmma::fence_operand(acc1);
+    // Accumulator i of lane l in warp w: row 16 w + l / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (l % 4) + i % 2.
+    // Streaming stores (evict first): the gradient is not read again here, the operands are.
+    float* out = args.out + c.out_matrix;
+#pragma unroll
+    for (int i = 0; i < 64; i += 2) {
+      const int64_t m = c.m0 + warpgroup * 64 + 16 * warp + lane / 4 + 8 * ((i / 2) % 2);
+      const int64_t n = c.n0 + 8 * (i / 4) + 2 * (lane % 4);
+      if (m < args.m_rows) {
+        float* row = out + m * args.n_rows;
+        if (n < args.n_rows) __stcs(reinterpret_cast<float2*>(row + n), make_float2(acc0[i], acc0[i + 1]));
+        if (n + 128 < args.n_rows) {
+          __stcs(reinterpret_cast<float2*>(row + n + 128), make_float2(acc1[i], acc1[i + 1]));
+        }
+      }
+    }
+  }
+  cp_async::wait<0>();  // (only empty groups can be pending here)
+#else
+  __trap();  // built for an architecture without wgmma; the launcher refuses such devices
+#endif
+}
+
+bool aligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0; }
+
+}  // namespace
+
+cudaError_t launch_grouped_wgrad_bf16(const GroupedWgradArgs& args, cudaStream_t stream) {
+  if (args.num_experts < 0 || args.m_rows < 0 || args.n_rows < 0 || args.k_total < 0 || args.m_rows % 8 != 0 ||
+      args.n_rows % 8 != 0 || args.lda < args.k_total || args.ldb < args.k_total || args.lda % 8 != 0 ||
+      args.ldb % 8 != 0) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t items = ceil_div(args.m_rows, kTileM) * ceil_div(args.n_rows, kTileN) * args.num_experts;
+  if (items == 0) return cudaSuccess;
+  if (args.out == nullptr || args.group_ends == nullptr || !aligned(args.out, 8) ||
+      (args.k_total > 0 && (args.a == nullptr || args.b == nullptr || !aligned(args.a, 16) || !aligned(args.b, 16)))) {
+    return cudaErrorInvalidValue;
+  }
+  if (!device_is_sm90()) return cudaErrorNotSupported;
+  static std::atomic<uint64_t> configured{0};
+  cudaError_t status = once_per_device(configured, [] {
+    return cudaFuncSetAttribute(grouped_wgrad_bf16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  });
+  if (status != cudaSuccess) return status;
+  int64_t grid = 0;
+  status = resident_grid(grouped_wgrad_bf16_kernel, kThreads, items, &grid, kSmemBytes);
+  if (status != cudaSuccess) return status;
+  grouped_wgrad_bf16_kernel<<<static_cast<unsigned>(grid), kThreads, kSmemBytes, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace ep_comm
