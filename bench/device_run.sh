@@ -425,6 +425,18 @@ profile_gemm_pipes() {  # GEMM_PROFILE = w1|w2 (default both), GEMM_PROFILE_ROWS
     grep -E "Duration|SM Frequency|pipe_.*pct|Issue Slots Busy|Executed Ipc Active" "$OUT/ncu_gemm_pipes_${gemm}_$rows.txt" | tee -a "$log"
   done
 }
+profile_wgrad() {  # Nsight Compute on the weight-gradient GEMM (csrc/grouped_wgrad.cu), its second launch at the w2 shape
+  say "profile: wgrad GEMM"
+  python3 bench/profile_wgrad.py 2>&1 | tail -2 | tee -a "$log"
+  PROFILE_WGRAD_TIME=0 CUDA_VISIBLE_DEVICES=0 timeout 200 ncu --kernel-name regex:grouped_wgrad --launch-skip 1 \
+    --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    --section MemoryWorkloadAnalysis --section Occupancy \
+    --metrics regex:"sm__pipe_tensor.*cycles_active\.avg\.pct_of_peak_sustained_active",regex:"smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    python3 bench/profile_wgrad.py > "$OUT/ncu_wgrad.txt" 2>&1
+  echo "ncu wgrad: rc $?" | tee -a "$log"
+  grep -E "Duration|Throughput|pipe_tensor|Issue Slots Busy|stalled_(long|barrier|wait|math|lg|mio|short|dispatch|no_inst|membar|sleep).*ratio|Hit Rate|Achieved Occupancy" \
+    "$OUT/ncu_wgrad.txt" | tee -a "$log"
+}
 profile_formats() {  # Nsight Compute on the second launch of each quantization kernel (64 MiB inputs)
   say "profile: ncu formats kernels"
   CUDA_VISIBLE_DEVICES=0 timeout 200 ncu --kernel-name regex:"quantize|accumulate|transposed" \
