@@ -1,13 +1,14 @@
 // Weight-gradient grouped GEMM (grouped_wgrad.h): BF16 x BF16 -> FP32 on Hopper with wgmma, both operands K-major
 // in shared memory ("SS"), groups along the contraction.
 //
-// CTA tile 128 (m) x 256 (n): two warpgroups, warpgroup g computing rows 64 g .. 64 g + 63 as two m64n128k16 wgmmas
-// (n halves) per k16 step, 128 FP32 accumulators per thread. k-blocks of 64 (one 128-byte row per operand row, the
+// CTA tile 128 (m) x 256 (n): two warpgroups, warpgroup g computing rows 64 g .. 64 g + 63 with one m64n256k16
+// wgmma per k16 step, 128 FP32 accumulators per thread. k-blocks of 64 (one 128-byte row per operand row, the
 // 128-byte swizzle of wgmma.cuh), a ring of kStages stages of 48 KiB, one CTA per SM. Persistent: CTA c takes work
 // items c, c + grid, ... (item = expert, m tile, n tile; n fastest, so the CTAs running at one time share their
 // expert's operands in L2). The loads run kStages - 2 k-blocks ahead of the MMAs in the CTA's flat sequence of
 // k-blocks over all its items, so the next item's first k-blocks are in flight while an item drains its last wgmma
-// and stores its tile: the epilogue's 128 KiB of FP32 stores overlap loads, not an empty pipeline.
+// and stores its tile: the epilogue's 128 KiB of FP32 stores overlap loads, not an empty pipeline. Each k-block's
+// loads are issued after its wgmma, so they run under it.
 //
 // Every thread cp.async's 4 chunks of 16 bytes of the a tile and 8 of the b tile per k-block: fixed 16-byte column
 // chunk c = tid % 8, rows tid / 8 + 32 j, so its swizzled shared-memory column (c ^ (row % 8)) is the same for all
@@ -48,6 +49,11 @@ struct Cursor {
   int kb, nk;
   int64_t m0, n0, out_matrix;  // out_matrix: e * m_rows * n_rows
   int64_t seg_begin, seg_end, k_begin;
+  // This thread's first chunk of k-block 0 in a and b (rows m0 / n0 + tid / 8, column k_begin + 8 (tid % 8)); valid
+  // as addresses only where the row is.
+  const uint16_t* a_src;
+  const uint16_t* b_src;
+  bool full_tile;  // every row of the tile exists (m0 + 128 <= m_rows, n0 + 256 <= n_rows)
 };
 
 __device__ __forceinline__ void locate(const GroupedWgradArgs& args, int64_t tiles_m, int64_t tiles_n, int64_t item,
@@ -68,6 +74,10 @@ __device__ __forceinline__ void locate(const GroupedWgradArgs& args, int64_t til
   c.seg_end = end;
   c.k_begin = begin & ~int64_t{7};  // 16-byte aligned chunks
   c.nk = end > begin ? static_cast<int>((end - c.k_begin + kBlockK - 1) / kBlockK) : 0;
+  const int64_t column = c.k_begin + 8 * (threadIdx.x % 8);
+  c.a_src = args.a + (c.m0 + threadIdx.x / 8) * args.lda + column;
+  c.b_src = args.b + (c.n0 + threadIdx.x / 8) * args.ldb + column;
+  c.full_tile = c.m0 + kTileM <= args.m_rows && c.n0 + kTileN <= args.n_rows;
 }
 
 // One 16-byte chunk (8 columns from col) of operand row `row` (row < rows checked by the caller) into dst.
@@ -94,12 +104,29 @@ __device__ __forceinline__ void load_chunk(uint32_t dst, const uint16_t* row_ptr
   }
 }
 
-// The a and b tiles of the cursor's current k-block into ring slot `slot`.
+// The a and b tiles of the cursor's current k-block into ring slot `slot`. A k-block inside the segment of a full
+// tile (all but the first and last of a segment whose boundaries are not multiples of 64, and the tiles at the matrix
+// edges) takes the short path: 12 unconditional copies from the thread's two source pointers (the per-chunk checks
+// cost ~25 instructions each, which the MMA-issuing warps paid on every k-block: a third of the tensor pipe's time).
 __device__ __forceinline__ void load_stage(const GroupedWgradArgs& args, const Cursor& c, uint32_t slot_base) {
   const int row0 = threadIdx.x / 8;
   const int chunk = threadIdx.x % 8;
   const uint32_t swizzled = static_cast<uint32_t>(((chunk ^ (row0 % 8)) * 16));
-  const int64_t col = c.k_begin + static_cast<int64_t>(c.kb) * kBlockK + 8 * chunk;
+  const int64_t k0 = c.k_begin + static_cast<int64_t>(c.kb) * kBlockK;
+  if (c.full_tile && k0 >= c.seg_begin && k0 + kBlockK <= c.seg_end) {
+    const uint16_t* a = c.a_src + static_cast<int64_t>(c.kb) * kBlockK;
+    const uint16_t* b = c.b_src + static_cast<int64_t>(c.kb) * kBlockK;
+    const int64_t a_step = kRowsPerPass * args.lda, b_step = kRowsPerPass * args.ldb;
+    const uint32_t dst = slot_base + row0 * 128 + swizzled;
+#pragma unroll
+    for (int j = 0; j < kTileM / kRowsPerPass; ++j) cp_async::copy16(dst + j * kRowsPerPass * 128, a + j * a_step);
+#pragma unroll
+    for (int j = 0; j < kTileN / kRowsPerPass; ++j) {
+      cp_async::copy16(dst + kTileABytes + j * kRowsPerPass * 128, b + j * b_step);
+    }
+    return;
+  }
+  const int64_t col = k0 + 8 * chunk;
 #pragma unroll
   for (int j = 0; j < kTileM / kRowsPerPass; ++j) {
     const int row = row0 + j * kRowsPerPass;
@@ -162,50 +189,49 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const G
   const int warp = (threadIdx.x % 128) / 32;
   const int lane = threadIdx.x % 32;
   int64_t consumed = 0;
-  float acc0[64], acc1[64];  // n columns 0..127 and 128..255 of the tile
+  float acc[128];
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     Cursor c;
     locate(args, tiles_m, tiles_n, item, c);
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc0[i] = acc1[i] = 0.0f;
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
     for (int kb = 0; kb < c.nk; ++kb) {
       cp_async::wait<kStages - 3>();           // this thread's copies of k-block `consumed` have landed
       wgmma::fence_proxy_async_shared();       // ... and are visible to wgmma's async proxy
-      __syncthreads();                         // everyone's; and every warpgroup has retired k-block consumed - 2
-      issue();                                 // k-block consumed + kStages - 2, into that one's slot
+      __syncthreads();                         // everyone's (and every warpgroup has retired consumed - 2)
       const uint32_t slot = ring + static_cast<uint32_t>(consumed % kStages) * kStageBytes;
       const uint64_t desc_a = wgmma::make_descriptor_sw128(slot + warpgroup * 64 * 128);
-      const uint64_t desc_b0 = wgmma::make_descriptor_sw128(slot + kTileABytes);
-      const uint64_t desc_b1 = wgmma::make_descriptor_sw128(slot + kTileABytes + 128 * 128);
-      wgmma::fence_operand(acc0);
-      wgmma::fence_operand(acc1);
+      const uint64_t desc_b = wgmma::make_descriptor_sw128(slot + kTileABytes);
+      wgmma::fence_operand(acc);
       wgmma::fence();
 #pragma unroll
       for (int s = 0; s < kBlockK / 16; ++s) {  // k16 step s: 32 B further, + 2 in the start field (address >> 4)
-        wgmma::mma_ss_bf16_n128(acc0, desc_a + 2 * s, desc_b0 + 2 * s);
-        wgmma::mma_ss_bf16_n128(acc1, desc_a + 2 * s, desc_b1 + 2 * s);
+        wgmma::mma_ss_bf16_n256(acc, desc_a + 2 * s, desc_b + 2 * s);
       }
       wgmma::commit_group();
-      wgmma::fence_operand(acc0);
-      wgmma::fence_operand(acc1);
+      // While it runs: k-block consumed + kStages - 2 into the slot of consumed - 2, which every warpgroup has retired
+      // (the barrier above is after each one's wait for consumed - 2).
+      issue();
+      wgmma::fence_operand(acc);
       wgmma::wait_group<1>();  // k-block consumed - 1 retired
       ++consumed;
     }
     wgmma::wait_group<0>();
-    wgmma::fence_operand(acc0);
-    wgmma::fence_operand(acc1);
+    wgmma::fence_operand(acc);
     // Accumulator i of lane l in warp w: row 16 w + l / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (l % 4) + i % 2.
     // Streaming stores (evict first): the gradient is not read again here, the operands are.
-    float* out = args.out + c.out_matrix;
+    const int64_t m_first = c.m0 + warpgroup * 64 + 16 * warp + lane / 4;
+    const int64_t n_first = c.n0 + 2 * (lane % 4);
+    float* out = args.out + c.out_matrix + m_first * args.n_rows + n_first;
 #pragma unroll
-    for (int i = 0; i < 64; i += 2) {
-      const int64_t m = c.m0 + warpgroup * 64 + 16 * warp + lane / 4 + 8 * ((i / 2) % 2);
-      const int64_t n = c.n0 + 8 * (i / 4) + 2 * (lane % 4);
-      if (m < args.m_rows) {
-        float* row = out + m * args.n_rows;
-        if (n < args.n_rows) __stcs(reinterpret_cast<float2*>(row + n), make_float2(acc0[i], acc0[i + 1]));
-        if (n + 128 < args.n_rows) {
-          __stcs(reinterpret_cast<float2*>(row + n + 128), make_float2(acc1[i], acc1[i + 1]));
+    for (int half = 0; half < 2; ++half) {  // rows m_first and m_first + 8
+      if (m_first + 8 * half < args.m_rows) {
+        float* row = out + 8 * half * args.n_rows;
+#pragma unroll
+        for (int i = 2 * half; i < 128; i += 4) {
+          if (c.full_tile || n_first + 8 * (i / 4) < args.n_rows) {
+            __stcs(reinterpret_cast<float2*>(row + 8 * (i / 4)), make_float2(acc[i], acc[i + 1]));
+          }
         }
       }
     }
