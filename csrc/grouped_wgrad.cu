@@ -40,6 +40,7 @@ constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + room to align the
 
 #if EP_COMM_HAS_WGMMA  // (the helpers are sm_90a code only, as the kernel body)
 constexpr int kBlockK = 64;                // one 128-byte swizzle row of bf16
+constexpr int kCachedExperts = 1024;       // segment ends kept in shared memory (4 KiB)
 constexpr int kRowsPerPass = kThreads / 8;  // rows one pass of all threads' 16-byte chunks covers
 
 // Where one CTA's flat sequence of k-blocks stands: the item, its k-block and the item's segment. Uniform across the
@@ -56,8 +57,9 @@ struct Cursor {
   bool full_tile;  // every row of the tile exists (m0 + 128 <= m_rows, n0 + 256 <= n_rows)
 };
 
-__device__ __forceinline__ void locate(const GroupedWgradArgs& args, int64_t tiles_m, int64_t tiles_n, int64_t item,
-                                       Cursor& c) {
+// ends: the segment ends (shared memory for up to kCachedExperts experts, else args.group_ends).
+__device__ __forceinline__ void locate(const GroupedWgradArgs& args, const int32_t* ends, int64_t tiles_m,
+                                       int64_t tiles_n, int64_t item, Cursor& c) {
   const int64_t per_expert = tiles_m * tiles_n;
   const int e = static_cast<int>(item / per_expert);
   const int64_t r = item - e * per_expert;
@@ -66,8 +68,8 @@ __device__ __forceinline__ void locate(const GroupedWgradArgs& args, int64_t til
   c.m0 = (r / tiles_n) * kTileM;
   c.n0 = (r % tiles_n) * kTileN;
   c.out_matrix = static_cast<int64_t>(e) * args.m_rows * args.n_rows;
-  int64_t begin = e == 0 ? 0 : __ldg(args.group_ends + e - 1);
-  int64_t end = __ldg(args.group_ends + e);
+  int64_t begin = e == 0 ? 0 : ends[e - 1];
+  int64_t end = ends[e];
   begin = begin < 0 ? 0 : (begin > args.k_total ? args.k_total : begin);
   end = end < begin ? begin : (end > args.k_total ? args.k_total : end);
   c.seg_begin = begin;
@@ -144,11 +146,11 @@ __device__ __forceinline__ void load_stage(const GroupedWgradArgs& args, const C
 }
 
 // The loader's cursor to the next k-block of the flat sequence (skipping empty items); false past the last one.
-__device__ __forceinline__ bool advance(const GroupedWgradArgs& args, int64_t tiles_m, int64_t tiles_n, int64_t items,
-                                        Cursor& c) {
+__device__ __forceinline__ bool advance(const GroupedWgradArgs& args, const int32_t* ends, int64_t tiles_m,
+                                        int64_t tiles_n, int64_t items, Cursor& c) {
   if (++c.kb < c.nk) return true;
   for (int64_t item = c.item + gridDim.x; item < items; item += gridDim.x) {
-    locate(args, tiles_m, tiles_n, item, c);
+    locate(args, ends, tiles_m, tiles_n, item, c);
     if (c.nk > 0) return true;
   }
   return false;
@@ -163,12 +165,21 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const G
   const int64_t tiles_m = (args.m_rows + kTileM - 1) / kTileM;
   const int64_t tiles_n = (args.n_rows + kTileN - 1) / kTileN;
   const int64_t items = tiles_m * tiles_n * args.num_experts;
+  // The segment ends in shared memory: every item start reads two of them, once for the loads and once for the MMAs,
+  // and from global memory that dependent round trip stalled the MMA-issuing warps at every item.
+  __shared__ int32_t cached_ends[kCachedExperts];
+  const bool cached = args.num_experts <= kCachedExperts;
+  if (cached) {
+    for (int e = threadIdx.x; e < args.num_experts; e += kThreads) cached_ends[e] = __ldg(args.group_ends + e);
+  }
+  __syncthreads();
+  const int32_t* ends = cached ? cached_ends : args.group_ends;
 
   // The loader: first k-block of the CTA's first non-empty item.
   Cursor load;
   bool loading = false;
   for (int64_t item = blockIdx.x; item < items && !loading; item += gridDim.x) {
-    locate(args, tiles_m, tiles_n, item, load);
+    locate(args, ends, tiles_m, tiles_n, item, load);
     loading = load.nk > 0;
   }
   int64_t issued = 0;  // k-blocks issued (the flat index of the next)
@@ -178,7 +189,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const G
     if (loading) {
       load_stage(args, load, ring + static_cast<uint32_t>(issued % kStages) * kStageBytes);
       ++issued;
-      loading = advance(args, tiles_m, tiles_n, items, load);
+      loading = advance(args, ends, tiles_m, tiles_n, items, load);
     }
     cp_async::commit();
   };
@@ -192,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const G
   float acc[128];
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     Cursor c;
-    locate(args, tiles_m, tiles_n, item, c);
+    locate(args, ends, tiles_m, tiles_n, item, c);
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
     for (int kb = 0; kb < c.nk; ++kb) {
@@ -219,20 +230,22 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const G
     wgmma::wait_group<0>();
     wgmma::fence_operand(acc);
     // Accumulator i of lane l in warp w: row 16 w + l / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (l % 4) + i % 2.
+    // Lanes l and l ^ 1 trade halves so that each stores 4 consecutive columns of one row (16-byte stores: half the
+    // store instructions of column pairs, whose queue throttled the epilogue): the even lane row r, the odd one r + 8.
     // Streaming stores (evict first): the gradient is not read again here, the operands are.
-    const int64_t m_first = c.m0 + warpgroup * 64 + 16 * warp + lane / 4;
-    const int64_t n_first = c.n0 + 2 * (lane % 4);
-    float* out = args.out + c.out_matrix + m_first * args.n_rows + n_first;
+    const bool odd = lane % 2 == 1;
+    const int64_t m = c.m0 + warpgroup * 64 + 16 * warp + lane / 4 + (odd ? 8 : 0);
+    const int64_t n_first = c.n0 + 2 * (lane % 4) - (odd ? 2 : 0);
+    const bool row_valid = m < args.m_rows;  // (the shuffles stay outside it: the partner lane's row may exist)
+    float* row = args.out + c.out_matrix + (row_valid ? m : 0) * args.n_rows + n_first;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {  // rows m_first and m_first + 8
-      if (m_first + 8 * half < args.m_rows) {
-        float* row = out + 8 * half * args.n_rows;
-#pragma unroll
-        for (int i = 2 * half; i < 128; i += 4) {
-          if (c.full_tile || n_first + 8 * (i / 4) < args.n_rows) {
-            __stcs(reinterpret_cast<float2*>(row + 8 * (i / 4)), make_float2(acc[i], acc[i + 1]));
-          }
-        }
+    for (int q = 0; q < 32; ++q) {  // 8-column group q: acc[4 q + 0, 1] row r, acc[4 q + 2, 3] row r + 8
+      const float got0 = __shfl_xor_sync(0xFFFFFFFFu, odd ? acc[4 * q] : acc[4 * q + 2], 1);
+      const float got1 = __shfl_xor_sync(0xFFFFFFFFu, odd ? acc[4 * q + 1] : acc[4 * q + 3], 1);
+      const float4 v = odd ? make_float4(got0, got1, acc[4 * q + 2], acc[4 * q + 3])
+                           : make_float4(acc[4 * q], acc[4 * q + 1], got0, got1);
+      if (row_valid && (c.full_tile || n_first + 8 * q < args.n_rows)) {
+        __stcs(reinterpret_cast<float4*>(row + 8 * q), v);
       }
     }
   }
@@ -254,7 +267,7 @@ cudaError_t launch_grouped_wgrad_bf16(const GroupedWgradArgs& args, cudaStream_t
   }
   const int64_t items = ceil_div(args.m_rows, kTileM) * ceil_div(args.n_rows, kTileN) * args.num_experts;
   if (items == 0) return cudaSuccess;
-  if (args.out == nullptr || args.group_ends == nullptr || !aligned(args.out, 8) ||
+  if (args.out == nullptr || args.group_ends == nullptr || !aligned(args.out, 16) ||
       (args.k_total > 0 && (args.a == nullptr || args.b == nullptr || !aligned(args.a, 16) || !aligned(args.b, 16)))) {
     return cudaErrorInvalidValue;
   }

@@ -30,7 +30,7 @@ struct GroupedWgradArgs {
   int64_t m_rows = 0;   // multiple of 8
   int64_t n_rows = 0;   // multiple of 8
   int64_t k_total = 0;  // <= lda and <= ldb: the columns the segments may cover
-  float* out = nullptr;  // [num_experts, m_rows, n_rows], 8-byte aligned
+  float* out = nullptr;  // [num_experts, m_rows, n_rows], 16-byte aligned
 };
 
 // cudaErrorInvalidValue for bad sizes, null or misaligned pointers; cudaErrorNotSupported when the current device is
