@@ -437,6 +437,16 @@ profile_wgrad() {  # Nsight Compute on the weight-gradient GEMM (csrc/grouped_wg
   grep -E "Duration|Throughput|pipe_tensor|Issue Slots Busy|stalled_(long|barrier|wait|math|lg|mio|short|dispatch|no_inst|membar|sleep).*ratio|Hit Rate|Achieved Occupancy" \
     "$OUT/ncu_wgrad.txt" | tee -a "$log"
 }
+profile_wgrad_sass() {  # per-SASS-line stall samples of the weight-gradient GEMM (second launch, w2 shape)
+  say "profile: wgrad GEMM stalls per SASS line"
+  PROFILE_WGRAD_TIME=0 CUDA_VISIBLE_DEVICES=0 timeout 200 ncu --kernel-name regex:grouped_wgrad --launch-skip 1 \
+    --launch-count 1 --section SourceCounters --page source --print-source sass --csv \
+    python3 bench/profile_wgrad.py > "$OUT/ncu_wgrad_sass.csv" 2>&1
+  echo "ncu wgrad sass: rc $?" | tee -a "$log"
+  python3 bench/ncu_sass_summary.py "$OUT/ncu_wgrad_sass.csv" --top 25 > "$OUT/ncu_wgrad_sass_summary.txt" 2>&1
+  head -60 "$OUT/ncu_wgrad_sass_summary.txt" | tee -a "$log"
+  rm -f "$OUT/ncu_wgrad_sass.csv"
+}
 profile_formats() {  # Nsight Compute on the second launch of each quantization kernel (64 MiB inputs)
   say "profile: ncu formats kernels"
   CUDA_VISIBLE_DEVICES=0 timeout 200 ncu --kernel-name regex:"quantize|accumulate|transposed" \
