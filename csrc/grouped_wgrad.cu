@@ -18,6 +18,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstdint>
 
 #include "cp_async.cuh"
@@ -157,6 +158,7 @@ __device__ __forceinline__ bool advance(const GroupedWgradArgs& args, const int3
 }
 #endif  // EP_COMM_HAS_WGMMA
 
+template <bool kStreamingStores>
 __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const GroupedWgradArgs args) {
 #if EP_COMM_HAS_WGMMA
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -245,7 +247,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const G
       const float4 v = odd ? make_float4(got0, got1, acc[4 * q + 2], acc[4 * q + 3])
                            : make_float4(acc[4 * q], acc[4 * q + 1], got0, got1);
       if (row_valid && (c.full_tile || n_first + 8 * q < args.n_rows)) {
-        __stcs(reinterpret_cast<float4*>(row + 8 * q), v);
+        if constexpr (kStreamingStores) {
+          __stcs(reinterpret_cast<float4*>(row + 8 * q), v);
+        } else {
+          *reinterpret_cast<float4*>(row + 8 * q) = v;
+        }
       }
     }
   }
@@ -272,15 +278,17 @@ cudaError_t launch_grouped_wgrad_bf16(const GroupedWgradArgs& args, cudaStream_t
     return cudaErrorInvalidValue;
   }
   if (!device_is_sm90()) return cudaErrorNotSupported;
-  static std::atomic<uint64_t> configured{0};
-  cudaError_t status = once_per_device(configured, [] {
-    return cudaFuncSetAttribute(grouped_wgrad_bf16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  const bool streaming = std::getenv("EP_COMM_WGRAD_STREAM_STORES") != nullptr;  // (experiment)
+  auto* kernel = streaming ? grouped_wgrad_bf16_kernel<true> : grouped_wgrad_bf16_kernel<false>;
+  static std::atomic<uint64_t> configured[2] = {0, 0};
+  cudaError_t status = once_per_device(configured[streaming ? 1 : 0], [&] {
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   });
   if (status != cudaSuccess) return status;
   int64_t grid = 0;
-  status = resident_grid(grouped_wgrad_bf16_kernel, kThreads, items, &grid, kSmemBytes);
+  status = resident_grid(kernel, kThreads, items, &grid, kSmemBytes);
   if (status != cudaSuccess) return status;
-  grouped_wgrad_bf16_kernel<<<static_cast<unsigned>(grid), kThreads, kSmemBytes, stream>>>(args);
+  kernel<<<static_cast<unsigned>(grid), kThreads, kSmemBytes, stream>>>(args);
   return cudaGetLastError();
 }
 
