@@ -26,7 +26,7 @@ def main():
         stop.record()
         torch.cuda.synchronize()
         ms = start.elapsed_time(stop) / 5
-        print(f"[{os.environ.get('EP_COMM_WGRAD_STREAM_STORES', 'default stores')}] wgrad {m}x{n}, {experts} experts x {per_expert} tokens: {ms:.3f} ms, "
+        print(f"wgrad {m}x{n}, {experts} experts x {per_expert} tokens: {ms:.3f} ms, "
               f"{2.0 * m * n * k_total / ms / 1e9:.0f} TFLOP/s")
 
 

@@ -15,10 +15,19 @@
 // its chunks. A chunk outside the expert's segment or past the last row is zero-filled; a chunk cut by a segment
 // boundary that is not a multiple of 8 (not the trainable experts' case: their segments are multiples of 32) is
 // copied element by element with the mask.
+//
+// Measured on one H200 (bench/RESULTS.md, fifty-first session; bench/profile_wgrad.py, w2's shape: 7168 x 2048, 32
+// experts of 1040 tokens): 1.87-1.95 ms, 500-525 TFLOP/s; both weight gradients of bench_training_experts.py 5.94 ms
+// against 7.65 ms for torch._grouped_mm (BF16 out) + the widening to FP32. torch's CUTLASS kernel alone runs at ~650
+// TFLOP/s. Where the rest goes (Nsight Compute): the tensor pipe is busy 61-64% of the time; a third of the stall
+// samples are in the epilogue (every SM stores its 128 KiB tile while its tensor cores idle: nothing else runs on the
+// SM), and the per-k-block code waits on the load queue (12 cp.async per thread). What would close the gap: TMA loads
+// from a producer warp (one instruction per tile instead of 3072 per k-block) with mbarriers instead of the CTA
+// barrier, and two consumer warpgroups on different tiles so that one's epilogue overlaps the other's MMAs. First
+// version (per-chunk checks on every load, loads before the MMAs, two n128 MMAs per k16 step): 273 TFLOP/s.
 #include <cuda_runtime.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <cstdint>
 
 #include "cp_async.cuh"
@@ -158,7 +167,6 @@ __device__ __forceinline__ bool advance(const GroupedWgradArgs& args, const int3
 }
 #endif  // EP_COMM_HAS_WGMMA
 
-template <bool kStreamingStores>
 __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const GroupedWgradArgs args) {
 #if EP_COMM_HAS_WGMMA
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -234,7 +242,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const G
     // Accumulator i of lane l in warp w: row 16 w + l / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (l % 4) + i % 2.
     // Lanes l and l ^ 1 trade halves so that each stores 4 consecutive columns of one row (16-byte stores: half the
     // store instructions of column pairs, whose queue throttled the epilogue): the even lane row r, the odd one r + 8.
-    // Streaming stores (evict first): the gradient is not read again here, the operands are.
+    // Plain stores: L2 takes the burst of every SM's epilogue (the items end together) and writes it back during the
+    // next items; streaming (evict-first) stores measured 3% slower (bench/RESULTS.md, fifty-first session).
     const bool odd = lane % 2 == 1;
     const int64_t m = c.m0 + warpgroup * 64 + 16 * warp + lane / 4 + (odd ? 8 : 0);
     const int64_t n_first = c.n0 + 2 * (lane % 4) - (odd ? 2 : 0);
@@ -247,11 +256,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const G
       const float4 v = odd ? make_float4(got0, got1, acc[4 * q + 2], acc[4 * q + 3])
                            : make_float4(acc[4 * q], acc[4 * q + 1], got0, got1);
       if (row_valid && (c.full_tile || n_first + 8 * q < args.n_rows)) {
-        if constexpr (kStreamingStores) {
-          __stcs(reinterpret_cast<float4*>(row + 8 * q), v);
-        } else {
-          *reinterpret_cast<float4*>(row + 8 * q) = v;
-        }
+        *reinterpret_cast<float4*>(row + 8 * q) = v;
       }
     }
   }
@@ -278,17 +283,15 @@ cudaError_t launch_grouped_wgrad_bf16(const GroupedWgradArgs& args, cudaStream_t
     return cudaErrorInvalidValue;
   }
   if (!device_is_sm90()) return cudaErrorNotSupported;
-  const bool streaming = std::getenv("EP_COMM_WGRAD_STREAM_STORES") != nullptr;  // (experiment)
-  auto* kernel = streaming ? grouped_wgrad_bf16_kernel<true> : grouped_wgrad_bf16_kernel<false>;
-  static std::atomic<uint64_t> configured[2] = {0, 0};
-  cudaError_t status = once_per_device(configured[streaming ? 1 : 0], [&] {
-    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  static std::atomic<uint64_t> configured{0};
+  cudaError_t status = once_per_device(configured, [] {
+    return cudaFuncSetAttribute(grouped_wgrad_bf16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   });
   if (status != cudaSuccess) return status;
   int64_t grid = 0;
-  status = resident_grid(kernel, kThreads, items, &grid, kSmemBytes);
+  status = resident_grid(grouped_wgrad_bf16_kernel, kThreads, items, &grid, kSmemBytes);
   if (status != cudaSuccess) return status;
-  kernel<<<static_cast<unsigned>(grid), kThreads, kSmemBytes, stream>>>(args);
+  grouped_wgrad_bf16_kernel<<<static_cast<unsigned>(grid), kThreads, kSmemBytes, stream>>>(args);
   return cudaGetLastError();
 }
 

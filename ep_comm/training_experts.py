@@ -29,17 +29,21 @@ Compute: Hopper has no FP4 or block-scaled MMA. Every GEMM here multiplies opera
 E4M3 block values, MXFP8 values) with `torch._grouped_mm` (BF16 tensor cores, FP32 accumulation, BF16 output) over
 the dispatch layout's segments (device-side offsets: no host sync), and applies the FP32 outer factors (per token,
 per expert) to the output rows. The numerics are those of NVFP4 / MXFP8 GEMMs with FP32 accumulation and BF16
-outputs; the speed that of BF16 grouped GEMMs. (The fused NVFP4 kernels of `ep_comm.grouped_gemm` serve inference:
-they take weights packed once, offline, which training would repack at every step.) Between the GEMMs, the kernels
-of csrc/training_experts.cu: both MXFP8 roundings of a tensor from one read, SwiGLU forward and backward, row scaling
-with the mask, the weight gradients widened to FP32, each bit for bit its torch form run on CUDA. The same code runs on
-CPU ranks (torch's CPU _grouped_mm and the kernels' torch forms; CPU's exp may round silu / sigmoid differently in the
-last bit) and on GPUs, where the quantizers are the CUDA kernels of `ep_comm.formats`
-(bitwise the reference quantizers). No host synchronization in a step on CUDA. MXFP8 values below 2^-133 (a block
+outputs; the speed that of BF16 grouped GEMMs. The exception: with FP32 master weights on an sm_90 GPU the two weight
+gradients come from csrc/grouped_wgrad.cu (BF16 operands, groups along the tokens, FP32 out), whose FP32 accumulators
+are the gradients -- not rounded to BF16 and widened, as torch._grouped_mm's BF16 output is everywhere else
+(`EP_COMM_WGRAD_GEMM=torch` selects that path on sm_90 too). (The fused NVFP4 kernels of `ep_comm.grouped_gemm` serve
+inference: they take weights packed once, offline, which training would repack at every step.) Between the GEMMs, the
+kernels of csrc/training_experts.cu: both MXFP8 roundings of a tensor from one read, SwiGLU forward and backward, row
+scaling with the mask, the BF16 weight gradients widened to FP32, each bit for bit its torch form run on CUDA. The same
+code runs on CPU ranks (torch's CPU _grouped_mm and the kernels' torch forms; CPU's exp may round silu / sigmoid
+differently in the last bit) and on GPUs, where the quantizers are the CUDA kernels of `ep_comm.formats` (bitwise the
+reference quantizers). No host synchronization in a step on CUDA. MXFP8 values below 2^-133 (a block
 whose largest magnitude is below ~2^-118) are not exact in BF16; nothing else is rounded on the way into a GEMM.
 
-Measured on one H200 (bench/RESULTS.md, fiftieth session; bench/bench_training_experts.py): 0.88x (FP32 masters) and
-0.78x (BF16 masters) the speed of BF16 experts in torch autograd over the same segments, on masters of the same dtype.
+Measured on one H200 (bench/RESULTS.md, fifty-first session; bench/bench_training_experts.py): 0.95x (FP32 masters:
+21.4 against 20.3 ms per forward + backward; 23.1 ms with torch's weight-gradient GEMMs, same run) and 0.79x (BF16
+masters) the speed of BF16 experts in torch autograd over the same segments, on masters of the same dtype.
 """
 from __future__ import annotations
 
@@ -235,6 +239,8 @@ def _weight_gradient(a_tokens: torch.Tensor, b_tokens: torch.Tensor, group_ends:
         from . import grouped_gemm
         if not grouped_gemm.gemm_kernels_unavailable(a_tokens.device) and hasattr(_ext._C, "grouped_wgrad_bf16"):
             lib = _ext._C
+            if a_tokens.shape[1] != b_tokens.shape[1]:
+                raise ValueError(f"the operands' token axes differ: {tuple(a_tokens.shape)} and {tuple(b_tokens.shape)}")
             a_tokens, b_tokens, group_ends = a_tokens.contiguous(), b_tokens.contiguous(), group_ends.contiguous()
             (m, k_total), n, experts = a_tokens.shape, b_tokens.shape[0], group_ends.numel()
             out = torch.empty(experts, m, n, dtype=torch.float32, device=a_tokens.device)
