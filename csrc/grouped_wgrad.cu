@@ -17,8 +17,8 @@
 // copied element by element with the mask.
 //
 // Measured on one H200 (bench/RESULTS.md, fifty-first session; bench/profile_wgrad.py, w2's shape: 7168 x 2048, 32
-// experts of 1040 tokens): 1.87-1.95 ms, 500-525 TFLOP/s; both weight gradients of bench_training_experts.py 5.94 ms
-// against 7.65 ms for torch._grouped_mm (BF16 out) + the widening to FP32. torch's CUTLASS kernel alone runs at ~650
+// experts of 1040 tokens): 1.87-1.95 ms, 500-525 TFLOP/s; both weight gradients of bench_training_experts.py 5.94-6.04
+// ms against 7.54-7.65 ms for torch._grouped_mm (BF16 out) + the widening to FP32. torch's CUTLASS kernel alone runs at ~650
 // TFLOP/s. Where the rest goes (Nsight Compute): the tensor pipe is busy 61-64% of the time; a third of the stall
 // samples are in the epilogue (every SM stores its 128 KiB tile while its tensor cores idle: nothing else runs on the
 // SM), and the per-k-block code waits on the load queue (12 cp.async per thread). What would close the gap: TMA loads
