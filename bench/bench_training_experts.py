@@ -14,6 +14,8 @@ alignment 32), so the layout is the one training uses (capacity rows included). 
       gradients back);
   gemms_only : the four backward + two forward BF16 grouped GEMMs of ours alone, on the same operands (what the
       quantization, masking and scaling passes cost on top is ours_forward_backward - gemms_only);
+  ours_forward_backward_kept_values : ours with keep_weight_values=True (the forward's BF16 weight values kept for
+      the backward instead of decoded again from the NVFP4 weights: 2 bytes per weight held, as autocast holds);
   ours_forward_backward_torch_wgrad : ours with EP_COMM_WGRAD_GEMM=torch (FP32 masters: the weight gradients from
       torch._grouped_mm in BF16, widened, instead of csrc/grouped_wgrad.cu; the same call otherwise);
   wgrad_ours, wgrad_torch : the two weight-gradient GEMMs alone on random BF16 operands of the backward's shapes, into
@@ -66,9 +68,9 @@ def _worker(rank, world, args):
                 with torch.no_grad():
                     return _ExpertMLPFunction.apply(rows, mlp.w1, mlp.w2, result, 1)
 
-            def ours_forward_backward():
+            def ours_forward_backward(keep_weight_values=False):
                 rows.grad = mlp.w1.grad = mlp.w2.grad = None  # (as zero_grad(): no accumulation pass)
-                _ExpertMLPFunction.apply(rows, mlp.w1, mlp.w2, result, 1).backward(grad)
+                _ExpertMLPFunction.apply(rows, mlp.w1, mlp.w2, result, 1, keep_weight_values).backward(grad)
 
             # The BF16 baseline on the same rows and segments.
             ends = result.expert_offsets[1:].contiguous()
@@ -125,6 +127,7 @@ def _worker(rank, world, args):
 
             wgrad_torch = with_torch_wgrad(wgrad_ours)
             timed = [("ours_forward", ours_forward), ("ours_forward_backward", ours_forward_backward),
+                     ("ours_forward_backward_kept_values", lambda: ours_forward_backward(keep_weight_values=True)),
                      ("bf16_forward", bf16_forward), ("bf16_forward_backward", bf16_forward_backward),
                      ("gemms_only", gemms_only)]
             if mlp.w1.dtype == torch.float32:
@@ -139,7 +142,7 @@ def _worker(rank, world, args):
             flops = 6.0 * rows_in_use * hidden * inter  # (the wgrads: 2 R H I for w2, 4 R H I for w1)
             for name, scale in (("ours_forward", 1), ("ours_forward_backward", 3), ("bf16_forward", 1),
                                 ("bf16_forward_backward", 3), ("gemms_only", 3), ("wgrad_ours", 1), ("wgrad_torch", 1),
-                                ("ours_forward_backward_torch_wgrad", 3)):
+                                ("ours_forward_backward_torch_wgrad", 3), ("ours_forward_backward_kept_values", 3)):
                 if name + "_ms" in row:
                     row[name + "_tflops"] = scale * flops / (row[name + "_ms"] * 1e-3) / 1e12
             row["speedup_forward_backward_vs_bf16"] = row["bf16_forward_backward_ms"] / row["ours_forward_backward_ms"]
@@ -185,6 +188,7 @@ def main(argv=None):
               f"{row['bf16_forward_ms']:.2f} ms, fwd+bwd {row['bf16_forward_backward_ms']:.2f} ms "
               f"({row['bf16_forward_backward_tflops']:.0f}); the six GEMMs alone {row['gemms_only_ms']:.2f} ms "
               f"({row['gemms_only_tflops']:.0f}); ours / BF16 speed {row['speedup_forward_backward_vs_bf16']:.2f}x; "
+              f"with keep_weight_values {row['ours_forward_backward_kept_values_ms']:.2f} ms; "
               f"_grouped_mm output strides: wgrad {row['wgrad_out_strides']}, dgrad {row['dgrad_out_strides']}")
         if "wgrad_ours_ms" in row:
             print(f"  weight gradients into FP32: fwd+bwd with torch's wgrad "

@@ -241,7 +241,7 @@ def _weight_gradient(a_tokens: torch.Tensor, b_tokens: torch.Tensor, group_ends:
         if not grouped_gemm.gemm_kernels_unavailable(a_tokens.device) and hasattr(_ext._C, "grouped_wgrad_bf16"):
             lib = _ext._C
             if a_tokens.shape[1] != b_tokens.shape[1]:
-                raise ValueError(f"the operands' token axes differ: {tuple(a_tokens.shape)} and {tuple(b_tokens.shape)}")
+                raise ValueError(f"the operands' token axes differ: {tuple(a_tokens.shape)}, {tuple(b_tokens.shape)}")
             a_tokens, b_tokens, group_ends = a_tokens.contiguous(), b_tokens.contiguous(), group_ends.contiguous()
             (m, k_total), n, experts = a_tokens.shape, b_tokens.shape[0], group_ends.numel()
             out = torch.empty(experts, m, n, dtype=torch.float32, device=a_tokens.device)
@@ -293,6 +293,8 @@ class _Saved:
     src_rank: torch.Tensor           # int32 [R]: a row is in use iff src_rank >= 0
     padded_rows: int
     call_seed: int                   # the call's seed: grad_seed(call_seed, tensor) per rounding
+    w1_values: Optional[torch.Tensor] = None  # keep_weight_values: the forward's bf16 block values of w1 / w2 (else
+    w2_values: Optional[torch.Tensor] = None  # the backward decodes them again from w1 / w2)
 
 
 def _expert_factor(w: formats.NVFP4Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
@@ -312,7 +314,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
     the values come from the NVFP4 payload (result.x) it was dequantized from."""
 
     @staticmethod
-    def forward(ctx, rows, w1, w2, result, seed: int):
+    def forward(ctx, rows, w1, w2, result, seed: int, keep_weight_values: bool = False):
         num_rows = result.num_rows
         ctx.rows_dtype, ctx.w1_dtype, ctx.w2_dtype = rows.dtype, w1.dtype, w2.dtype
         ctx.w1_shape_device, ctx.w2_shape_device = (w1.shape, w1.device), (w2.shape, w2.device)
@@ -334,17 +336,21 @@ class _ExpertMLPFunction(torch.autograd.Function):
         # FP32, then the w2 input: NVFP4 4/6 with a per-token amax (zero rows up to the padded count).
         x_values, x_factor = _block_values(tokens)
         w1_row_factor = x_factor[:num_rows] * _expert_factor(w1q, expert_of_row)
-        gate_up_bf16 = _grouped_mm(x_values[:num_rows], _weight_values(w1q).transpose(1, 2), group_ends)
+        w1_values = _weight_values(w1q)
+        gate_up_bf16 = _grouped_mm(x_values[:num_rows], w1_values.transpose(1, 2), group_ends)
         del x_values
         hidden = formats.nvfp4_quantize(_swiglu_rows(gate_up_bf16, w1_row_factor, src_rank, padded_rows),
                                         four_over_six=True)
         h_values, h_factor = _block_values(hidden)
-        out = _grouped_mm(h_values[:num_rows], _weight_values(w2q).transpose(1, 2), group_ends)
+        w2_values = _weight_values(w2q)
+        out = _grouped_mm(h_values[:num_rows], w2_values.transpose(1, 2), group_ends)
         _scale_rows_(out, h_factor[:num_rows] * _expert_factor(w2q, expert_of_row), src_rank)
 
         ctx.saved = _Saved(tokens=tokens, hidden=hidden, gate_up_bf16=gate_up_bf16, w1_row_factor=w1_row_factor,
                            w1=w1q, w2=w2q, group_ends=group_ends, expert_of_row=expert_of_row, src_rank=src_rank,
-                           padded_rows=padded_rows, call_seed=seed)
+                           padded_rows=padded_rows, call_seed=seed,
+                           w1_values=w1_values if keep_weight_values else None,
+                           w2_values=w2_values if keep_weight_values else None)
         return out
 
     @staticmethod
@@ -359,7 +365,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
             w1, w2 = ctx.w1_shape_device, ctx.w2_shape_device
             return (grad_out.new_zeros(0, w1[0][2], dtype=ctx.rows_dtype),
                     torch.zeros(w1[0], dtype=ctx.w1_dtype, device=w1[1]),
-                    torch.zeros(w2[0], dtype=ctx.w2_dtype, device=w2[1]), None, None)
+                    torch.zeros(w2[0], dtype=ctx.w2_dtype, device=w2[1]), None, None, None)
         src, rows_p = s.src_rank, s.padded_rows
 
         def seed_of(tensor: str) -> int:
@@ -371,7 +377,10 @@ class _ExpertMLPFunction(torch.autograd.Function):
                                               seed_of("g_tokens") if want_w2 else None)
         d_hidden = None
         if want_rows or want_w1:
-            d_hidden = _grouped_mm(g_rows, _weight_values(s.w2), s.group_ends)  # (bf16; W2's expert factor below)
+            w2_values = s.w2_values if s.w2_values is not None else _weight_values(s.w2)
+            s.w2_values = None  # (freed after its one use)
+            d_hidden = _grouped_mm(g_rows, w2_values, s.group_ends)  # (bf16; W2's expert factor below)
+            del w2_values
         del g_rows
         grad_w2 = None
         if want_w2:
@@ -380,7 +389,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
             grad_w2 = _weight_gradient(g_tokens, h_tokens, s.group_ends, ctx.w2_dtype)  # [E, H, I]
             del g_tokens, h_tokens
         if d_hidden is None:
-            return None, None, grad_w2, None, None
+            return None, None, grad_w2, None, None, None
         # SwiGLU's backward in FP32 from the forward's pre-activations, rounded to BF16 (the source of both MXFP8
         # roundings of w1's backward), then w1's dgrad (MXFP8 along 2I) and wgrad (MXFP8 along the tokens).
         d_gate_up = _swiglu_backward_rows(d_hidden, _expert_factor(s.w2, s.expert_of_row), s.gate_up_bf16,
@@ -392,14 +401,17 @@ class _ExpertMLPFunction(torch.autograd.Function):
         del d_gate_up
         grad_rows = None
         if want_rows:
-            d_x = _grouped_mm(d_rows, _weight_values(s.w1), s.group_ends)
+            w1_values = s.w1_values if s.w1_values is not None else _weight_values(s.w1)
+            s.w1_values = None
+            d_x = _grouped_mm(d_rows, w1_values, s.group_ends)
+            del w1_values
             grad_rows = _scale_rows_(d_x, _expert_factor(s.w1, s.expert_of_row), src).to(ctx.rows_dtype)
         grad_w1 = None
         if want_w1:
             x_tokens = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(
                 s.tokens, rounding="stochastic", seed=seed_of("x_tokens")), dtype=torch.bfloat16)    # [H, Rp]
             grad_w1 = _weight_gradient(d_tokens, x_tokens, s.group_ends, ctx.w1_dtype)  # [E, 2I, H]
-        return grad_rows, grad_w1, grad_w2, None, None
+        return grad_rows, grad_w1, grad_w2, None, None, None
 
 
 def _check_routed(routed, w1: torch.Tensor, w2: torch.Tensor) -> None:
@@ -424,7 +436,8 @@ def _check_routed(routed, w1: torch.Tensor, w2: torch.Tensor) -> None:
                          f"({result.src_rank.device})")
 
 
-def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: int) -> torch.Tensor:
+def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: int,
+               keep_weight_values: bool = False) -> torch.Tensor:
     """The SwiGLU experts of this rank on a `training.dispatch` result, with autograd: bf16 [R, H] in the dispatch
     layout (zero outside the rows in use), ready for `training.combine`.
 
@@ -433,8 +446,14 @@ def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: i
     refused: see quantize_expert_weights). seed: the backward's stochastic rounding, an int in [0, 2^64); give each
     call its own (ExpertMLP hashes its seed with its call count): a repeated seed repeats the rounding noise. The
     gradient of routed.x is returned to the dispatch (and so reaches x), those of w1 and w2 in their dtypes. See the
-    module docstring for the numerics."""
+    module docstring for the numerics.
+
+    keep_weight_values: keep the forward's BF16 block values of the NVFP4 weights (2 bytes per weight, as autocast keeps
+    its BF16 weight copies) until the backward, which then does not decode them again from the NVFP4 weights (0.56
+    bytes per weight); the same bits either way. Off by default: memory over time."""
     _check_routed(routed, w1, w2)
+    if not isinstance(keep_weight_values, bool):
+        raise TypeError(f"keep_weight_values must be a bool, got {type(keep_weight_values).__name__}")
     for name, w in (("w1", w1), ("w2", w2)):
         # (float16 masters are refused: the bf16 weight gradients would overflow their range, silently)
         if not isinstance(w, torch.Tensor) or w.dtype not in (torch.float32, torch.bfloat16):
@@ -446,7 +465,7 @@ def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: i
     if (two_i // 2) % formats.MX_BLOCK:
         raise ValueError(f"I must be a multiple of 32 (MXFP8 blocks of the backward), got {two_i // 2}")
     seed = formats._check_seed(seed)
-    return _ExpertMLPFunction.apply(routed.x, w1, w2, routed.result, seed)
+    return _ExpertMLPFunction.apply(routed.x, w1, w2, routed.result, seed, keep_weight_values)
 
 
 class ExpertMLP(torch.nn.Module):
@@ -455,11 +474,11 @@ class ExpertMLP(torch.nn.Module):
 
     forward(routed) -> bf16 [R, H]: `expert_mlp` with a new seed per call, a hash of (seed, the call count). The count
     is saved in state_dict (extra state), so a resumed run does not replay the first steps' rounding noise. Give each
-    layer its own seed.
+    layer its own seed. keep_weight_values: as for `expert_mlp` (memory for speed, the same bits).
     pack() -> moe.PackedExpertWeights: the same NVFP4 weights, bit for bit, for the inference MoELayer."""
 
     def __init__(self, num_local_experts: int, hidden: int, intermediate: int, *, dtype: torch.dtype = torch.float32,
-                 device=None, seed: int = 0):
+                 device=None, seed: int = 0, keep_weight_values: bool = False):
         super().__init__()
         if dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"dtype must be torch.float32 or torch.bfloat16 (the master weights), got {dtype}")
@@ -470,10 +489,12 @@ class ExpertMLP(torch.nn.Module):
         self.w2 = torch.nn.Parameter(w2.to(device=device, dtype=dtype))
         self.seed = formats._check_seed(seed)
         self.calls = 0
+        self.keep_weight_values = keep_weight_values
 
     def forward(self, routed: RoutedTokens) -> torch.Tensor:
         self.calls += 1
-        return expert_mlp(routed, self.w1, self.w2, seed=_mix64(_mix64(self.seed) ^ self.calls))
+        return expert_mlp(routed, self.w1, self.w2, seed=_mix64(_mix64(self.seed) ^ self.calls),
+                          keep_weight_values=self.keep_weight_values)
 
     def get_extra_state(self):
         return {"seed": self.seed, "calls": self.calls}

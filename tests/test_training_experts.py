@@ -132,16 +132,18 @@ def oracle_worker(rank, world, backend="reference", device_kind="cpu"):
         g = torch.randn(num_rows, HIDDEN, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16).to(device)
         g[result.src_rank < 0] = float("nan")  # (the gradient of rows not in use must reach nothing)
 
-        def run(res):
+        def run(res, keep_weight_values=False):
             rows = torch.zeros(res.num_rows, HIDDEN, dtype=torch.bfloat16, device=device, requires_grad=True)
             experts.zero_grad()
-            out = _ExpertMLPFunction.apply(rows, experts.w1, experts.w2, res, seed)
+            out = _ExpertMLPFunction.apply(rows, experts.w1, experts.w2, res, seed, keep_weight_values)
             out.backward(F.pad(g, (0, 0, 0, res.num_rows - num_rows), value=float("nan")))
             return out.detach(), rows.grad, experts.w1.grad.clone(), experts.w2.grad.clone()
 
         got = run(result)
         want = _oracle(result, experts.w1, experts.w2, g, seed)
         names = ("out", "d rows", "d w1", "d w2")
+        for name, a, b in zip(names, run(result, keep_weight_values=True), got):  # (the values kept, not decoded again)
+            assert torch.equal(a, b), f"keep_weight_values changed {name}"
         errors = {name: _relative_error(a.cpu(), b) for name, a, b in zip(names, got, want)}
         for name, bound in zip(names, _BOUNDS):
             assert errors[name] < bound, (name, errors)
@@ -233,7 +235,7 @@ def training_worker(rank, world, steps=12, backend="reference", device_kind="cpu
     x = x.to(device)
     losses = []
     with _buffer(world, backend) as buf, training.GradBuffers.create(buf) as grads:
-        experts = training.ExpertMLP(4, HIDDEN, INTER, seed=rank, device=device)
+        experts = training.ExpertMLP(4, HIDDEN, INTER, seed=rank, device=device, keep_weight_values=rank == 1)
         params = [router, *experts.parameters()]
         optimizer = torch.optim.SGD(params, lr=2.0)
         for _ in range(steps):
@@ -275,6 +277,8 @@ def errors_worker(rank, world):
             training.expert_mlp(buf.dispatch(x, idx, weights), experts.w1, experts.w2, 0)
         with pytest.raises(ValueError, match="multiple of 32"):
             training.expert_mlp(routed, torch.zeros(4, 32, HIDDEN), torch.zeros(4, HIDDEN, 16), 0)
+        with pytest.raises(TypeError, match="keep_weight_values"):
+            training.expert_mlp(routed, experts.w1, experts.w2, 0, keep_weight_values=1)
         # A second backward through the same graph (retain_graph) is refused, not answered with zeros.
         y = experts(routed)
         y.float().sum().backward(retain_graph=True)
