@@ -42,9 +42,9 @@ reference quantizers). No host synchronization in a step on CUDA. MXFP8 values b
 whose largest magnitude is below ~2^-118) are not exact in BF16; nothing else is rounded on the way into a GEMM.
 
 Measured on one H200 (bench/RESULTS.md, fifty-first session; bench/bench_training_experts.py): 0.92-0.95x (FP32
-masters: 21.4-21.8 against 20.1-20.3 ms per forward + backward; 23.1-23.3 ms with torch's weight-gradient GEMMs in the
-same runs) and 0.79x (BF16 masters) the speed of BF16 experts in torch autograd over the same segments, on masters of
-the same dtype.
+masters: 21.3-21.8 against 20.1-20.3 ms per forward + backward; 23.1-23.3 ms with torch's weight-gradient GEMMs in the
+same runs; 0.98x with keep_weight_values) and 0.79-0.87x (BF16 masters) the speed of BF16 experts in torch autograd
+over the same segments, on masters of the same dtype.
 """
 from __future__ import annotations
 
