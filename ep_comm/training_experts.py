@@ -338,19 +338,21 @@ class _ExpertMLPFunction(torch.autograd.Function):
         w1_row_factor = x_factor[:num_rows] * _expert_factor(w1q, expert_of_row)
         w1_values = _weight_values(w1q)
         gate_up_bf16 = _grouped_mm(x_values[:num_rows], w1_values.transpose(1, 2), group_ends)
-        del x_values
+        kept_w1_values = w1_values if keep_weight_values else None
+        del x_values, w1_values  # (else held through w2's GEMM)
         hidden = formats.nvfp4_quantize(_swiglu_rows(gate_up_bf16, w1_row_factor, src_rank, padded_rows),
                                         four_over_six=True)
         h_values, h_factor = _block_values(hidden)
         w2_values = _weight_values(w2q)
         out = _grouped_mm(h_values[:num_rows], w2_values.transpose(1, 2), group_ends)
+        kept_w2_values = w2_values if keep_weight_values else None
+        del w2_values
         _scale_rows_(out, h_factor[:num_rows] * _expert_factor(w2q, expert_of_row), src_rank)
 
         ctx.saved = _Saved(tokens=tokens, hidden=hidden, gate_up_bf16=gate_up_bf16, w1_row_factor=w1_row_factor,
                            w1=w1q, w2=w2q, group_ends=group_ends, expert_of_row=expert_of_row, src_rank=src_rank,
                            padded_rows=padded_rows, call_seed=seed,
-                           w1_values=w1_values if keep_weight_values else None,
-                           w2_values=w2_values if keep_weight_values else None)
+                           w1_values=kept_w1_values, w2_values=kept_w2_values)
         return out
 
     @staticmethod
@@ -450,7 +452,7 @@ def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: i
 
     keep_weight_values: keep the forward's BF16 block values of the NVFP4 weights (2 bytes per weight, as autocast keeps
     its BF16 weight copies) until the backward, which then does not decode them again from the NVFP4 weights (0.56
-    bytes per weight); the same bits either way. Off by default: memory over time."""
+    bytes per weight); the same bits either way. Off by default (memory before speed)."""
     _check_routed(routed, w1, w2)
     if not isinstance(keep_weight_values, bool):
         raise TypeError(f"keep_weight_values must be a bool, got {type(keep_weight_values).__name__}")
