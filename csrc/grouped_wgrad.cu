@@ -117,8 +117,8 @@ __device__ __forceinline__ void load_chunk(uint32_t dst, const uint16_t* row_ptr
 }
 
 // The a and b tiles of the cursor's current k-block into ring slot `slot`. A k-block inside the segment of a full
-// tile (all but the first and last of a segment whose boundaries are not multiples of 64, and the tiles at the matrix
-// edges) takes the short path: 12 unconditional copies from the thread's two source pointers (the per-chunk checks
+// tile (every k-block but the last of a segment whose length is not a multiple of 64 and the first of one that does
+// not start on a multiple of 8, in every tile but those at the matrix edges) takes the short path: 12 unconditional copies from the thread's two source pointers (the per-chunk checks
 // cost ~25 instructions each, which the MMA-issuing warps paid on every k-block: a third of the tensor pipe's time).
 __device__ __forceinline__ void load_stage(const GroupedWgradArgs& args, const Cursor& c, uint32_t slot_base) {
   const int row0 = threadIdx.x / 8;

@@ -54,7 +54,8 @@ def _operands(m: int, n: int, k_total: int, ends: list, integers: bool, seed: in
 
 
 # (M, N, columns, segment ends): tile edges (M % 128, N % 256), boundaries inside 16-byte chunks, empty experts,
-# ends past the columns and decreasing, 300 work items (more than the CTAs of one launch) over mostly empty experts.
+# ends past the columns and decreasing, 300 work items (more than the CTAs of one launch) over mostly empty experts,
+# more experts than the kernel keeps in shared memory.
 _CASES = [
     (128, 256, 64, [64]),
     (392, 520, 1000, [0, 96, 96, 640, 992]),
@@ -63,6 +64,7 @@ _CASES = [
     (128, 256, 256, [200, 100, 256]),
     (1024, 1024, 2048, [512, 1024, 1536, 2048, 2048, 2048]),
     (128, 256, 4096, [0] * 150 + [32 * i for i in range(1, 151)]),
+    (128, 256, 1600, [0] * 1000 + [16 * i for i in range(1, 101)]),  # (more experts than the kernel caches: 1024)
 ]
 
 
