@@ -116,6 +116,19 @@ __device__ __forceinline__ void load_chunk(uint32_t dst, const uint16_t* row_ptr
   }
 }
 
+// One operand's kRows-row tile (rows first_row.., of rows_total) of a k-block through load_chunk: this thread's
+// chunks at column col of rows tid / 8 + 32 j, into dst (its swizzled column already added) + row * 128.
+template <int kRows>
+__device__ __forceinline__ void load_tile_checked(const uint16_t* operand, int64_t ld, int64_t rows_total,
+                                                  int64_t first_row, uint32_t dst, int64_t col, const Cursor& c) {
+#pragma unroll
+  for (int j = 0; j < kRows / kRowsPerPass; ++j) {
+    const int row = static_cast<int>(threadIdx.x / 8) + j * kRowsPerPass;
+    const bool valid = first_row + row < rows_total;
+    load_chunk(dst + row * 128, operand + (valid ? first_row + row : 0) * ld, col, c, valid);
+  }
+}
+
 // The a and b tiles of the cursor's current k-block into ring slot `slot`. A k-block inside the segment of a full
 // tile (every k-block but the last of a segment whose length is not a multiple of 64 and the first of one that does
 // not start on a multiple of 8, in every tile but those at the matrix edges) takes the short path: 12 unconditional copies from the thread's two source pointers (the per-chunk checks
@@ -139,20 +152,8 @@ __device__ __forceinline__ void load_stage(const GroupedWgradArgs& args, const C
     return;
   }
   const int64_t col = k0 + 8 * chunk;
-#pragma unroll
-  for (int j = 0; j < kTileM / kRowsPerPass; ++j) {
-    const int row = row0 + j * kRowsPerPass;
-    const int64_t m = c.m0 + row;
-    const bool valid = m < args.m_rows;
-    load_chunk(slot_base + row * 128 + swizzled, args.a + (valid ? m : 0) * args.lda, col, c, valid);
-  }
-#pragma unroll
-  for (int j = 0; j < kTileN / kRowsPerPass; ++j) {
-    const int row = row0 + j * kRowsPerPass;
-    const int64_t n = c.n0 + row;
-    const bool valid = n < args.n_rows;
-    load_chunk(slot_base + kTileABytes + row * 128 + swizzled, args.b + (valid ? n : 0) * args.ldb, col, c, valid);
-  }
+  load_tile_checked<kTileM>(args.a, args.lda, args.m_rows, c.m0, slot_base + swizzled, col, c);
+  load_tile_checked<kTileN>(args.b, args.ldb, args.n_rows, c.n0, slot_base + kTileABytes + swizzled, col, c);
 }
 
 // The loader's cursor to the next k-block of the flat sequence (skipping empty items); false past the last one.
@@ -266,8 +267,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const G
 #endif
 }
 
-bool aligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0; }
-
 }  // namespace
 
 cudaError_t launch_grouped_wgrad_bf16(const GroupedWgradArgs& args, cudaStream_t stream) {
@@ -278,8 +277,9 @@ cudaError_t launch_grouped_wgrad_bf16(const GroupedWgradArgs& args, cudaStream_t
   }
   const int64_t items = ceil_div(args.m_rows, kTileM) * ceil_div(args.n_rows, kTileN) * args.num_experts;
   if (items == 0) return cudaSuccess;
-  if (args.out == nullptr || args.group_ends == nullptr || !aligned(args.out, 16) ||
-      (args.k_total > 0 && (args.a == nullptr || args.b == nullptr || !aligned(args.a, 16) || !aligned(args.b, 16)))) {
+  if (args.out == nullptr || args.group_ends == nullptr || !rows_aligned(args.out, 0, 16) ||
+      (args.k_total > 0 && (args.a == nullptr || args.b == nullptr || !rows_aligned(args.a, 0, 16) ||
+                            !rows_aligned(args.b, 0, 16)))) {
     return cudaErrorInvalidValue;
   }
   if (!device_is_sm90()) return cudaErrorNotSupported;
