@@ -430,12 +430,18 @@ profile_wgrad() {  # Nsight Compute on the weight-gradient GEMM (csrc/grouped_wg
   python3 bench/profile_wgrad.py 2>&1 | tail -2 | tee -a "$log"
   PROFILE_WGRAD_TIME=0 CUDA_VISIBLE_DEVICES=0 timeout 200 ncu --kernel-name regex:grouped_wgrad --launch-skip 1 \
     --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-    --section MemoryWorkloadAnalysis --section Occupancy \
+    --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
     --metrics regex:"sm__pipe_tensor.*cycles_active\.avg\.pct_of_peak_sustained_active",regex:"smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
     python3 bench/profile_wgrad.py > "$OUT/ncu_wgrad.txt" 2>&1
   echo "ncu wgrad: rc $?" | tee -a "$log"
   grep -E "Duration|Throughput|pipe_tensor|Issue Slots Busy|stalled_(long|barrier|wait|math|lg|mio|short|dispatch|no_inst|membar|sleep).*ratio|Hit Rate|Achieved Occupancy" \
     "$OUT/ncu_wgrad.txt" | tee -a "$log"
+  grep -E "Grid Size|Cluster|Registers Per|Block Limit" "$OUT/ncu_wgrad.txt" | tee -a "$log"
+}
+time_wgrad() {  # the weight-gradient GEMM's time at w2's and w1's backward shapes, with the environment's choices
+  say "wgrad GEMM time (EP_COMM_WGRAD_EPILOGUE=${EP_COMM_WGRAD_EPILOGUE:-}, EP_COMM_WGRAD_GEMM=${EP_COMM_WGRAD_GEMM:-})"
+  python3 bench/profile_wgrad.py 2>&1 | tail -1 | tee -a "$log"
+  python3 bench/profile_wgrad.py --m 4096 --n 7168 2>&1 | tail -1 | tee -a "$log"
 }
 profile_wgrad_sass() {  # per-SASS-line stall samples of the weight-gradient GEMM (second launch, w2 shape)
   say "profile: wgrad GEMM stalls per SASS line"

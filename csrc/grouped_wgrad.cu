@@ -1,298 +1,352 @@
 // Weight-gradient grouped GEMM (grouped_wgrad.h): BF16 x BF16 -> FP32 on Hopper with wgmma, both operands K-major
 // in shared memory ("SS"), groups along the contraction.
 //
-// CTA tile 128 (m) x 256 (n): two warpgroups, warpgroup g computing rows 64 g .. 64 g + 63 with one m64n256k16
-// wgmma per k16 step, 128 FP32 accumulators per thread. k-blocks of 64 (one 128-byte row per operand row, the
-// 128-byte swizzle of wgmma.cuh), a ring of kStages stages of 48 KiB, one CTA per SM. Persistent: CTA c takes work
-// items c, c + grid, ... (item = expert, m tile, n tile; n fastest, so the CTAs running at one time share their
-// expert's operands in L2). The loads run kStages - 2 k-blocks ahead of the MMAs in the CTA's flat sequence of
-// k-blocks over all its items, so the next item's first k-blocks are in flight while an item drains its last wgmma
-// and stores its tile: the epilogue's 128 KiB of FP32 stores overlap loads, not an empty pipeline. Each k-block's
-// loads are issued after its wgmma, so they run under it.
+// CTA tile 128 (m) x 256 (n), k-blocks of 64 (one 128-byte row per operand row, the 128-byte swizzle of wgmma.cuh),
+// three warpgroups with fixed roles ("warp-specialized"), clusters of two CTAs:
+// * one producer thread (warpgroup 0) issues the TMA loads into a ring of kStages slots of 48 KiB, each with a "full"
+//   mbarrier (the loads' bytes) and an "empty" one (the consumer warps' releases). It runs up to kStages k-blocks
+//   ahead, across work items: the next item's first k-blocks land while the consumers finish the current one.
+// * two consumer warpgroups, warpgroup g computing rows 64 g .. 64 g + 63 with one m64n256k16 wgmma per k16 step,
+//   128 FP32 accumulators per thread; each warp releases a slot once its wgmma reading it has retired.
+// * the two CTAs of a cluster take the two m tiles of one cluster item (expert, 256 rows of m, n tile): they share its
+//   b tile, so each loads its own a tile and half of the b tile, multicast into both (TMA .multicast::cluster). A
+//   slot is refilled once the consumer warps of both CTAs have released it (remote mbarrier arrivals).
+// Persistent: cluster c takes cluster items c, c + clusters, ... (n fastest, so the clusters running at one time share
+// their expert's operands in L2).
 //
-// Every thread cp.async's 4 chunks of 16 bytes of the a tile and 8 of the b tile per k-block: fixed 16-byte column
-// chunk c = tid % 8, rows tid / 8 + 32 j, so its swizzled shared-memory column (c ^ (row % 8)) is the same for all
-// its chunks. A chunk outside the expert's segment or past the last row is zero-filled; a chunk cut by a segment
-// boundary that is not a multiple of 8 (not the trainable experts' case: their segments are multiples of 32) is
-// copied element by element with the mask.
+// k-blocks sit at multiples of 64 in the token axis (the TMA coordinates stay aligned). A k-block that a segment
+// boundary cuts is loaded whole; the consumers then zero its columns outside the segment in both tiles (shared-memory
+// stores, 12 16-byte chunks per thread) before its wgmma. Rows past m_rows / n_rows and columns past k_total are the
+// TMA's zero fill. The epilogue stores the accumulators straight from registers (16-byte stores after lane-pair
+// shuffles).
 //
-// Measured on one H200 (bench/RESULTS.md, fifty-first session; bench/profile_wgrad.py, w2's shape: 7168 x 2048, 32
-// experts of 1040 tokens): 1.87-1.95 ms, 500-525 TFLOP/s; both weight gradients of bench_training_experts.py 5.94-6.04
-// ms against 7.54-7.65 ms for torch._grouped_mm (BF16 out) + the widening to FP32. torch's CUTLASS kernel alone runs at ~650
-// TFLOP/s. Where the rest goes (Nsight Compute): the tensor pipe is busy 61-64% of the time; a third of the stall
-// samples are in the epilogue (every SM stores its 128 KiB tile while its tensor cores idle: nothing else runs on the
-// SM), and the per-k-block code waits on the load queue (12 cp.async per thread). What would close the gap: TMA loads
-// from a producer warp (one instruction per tile instead of 3072 per k-block) with mbarriers instead of the CTA
-// barrier, and two consumer warpgroups on different tiles so that one's epilogue overlaps the other's MMAs. First
-// version (per-chunk checks on every load, loads before the MMAs, two n128 MMAs per k16 step): 273 TFLOP/s.
+// Measured on one H200 (bench/RESULTS.md, fifty-second session; bench/profile_wgrad.py, 32 experts of 1040 tokens):
+// 557 TFLOP/s at w2's shape (7168 x 2048) and 533 at w1's (4096 x 7168), against 519 and 485 for the previous
+// version (cp.async by all 256 MMA threads, one role) in the same run. Tried and dropped in the same session: without
+// clusters (each CTA loads its whole b tile: 531 / 517); an epilogue staged through 128 KiB of shared memory and
+// written by TMA stores while the next item's MMAs run, which needs k-blocks of 32 to fit (520 / 509 with clusters,
+// 517 / 506 without); remote arrivals with .release.cluster semantics (a memory barrier each: 362 at w2's shape).
+#include <cuda.h>  // (CUtensorMap and its enums only: the encoder comes from the runtime's driver entry point)
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>
 
 #include <atomic>
 #include <cstdint>
 
-#include "cp_async.cuh"
+#include "formats.h"
 #include "grouped_gemm.h"
 #include "grouped_wgrad.h"
+#include "tma.cuh"
 #include "vec_io.cuh"
 #include "wgmma.cuh"
 
 namespace ep_comm {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kConsumerThreads = 256;
+constexpr int kThreads = 128 + kConsumerThreads;
+constexpr int kCluster = 2;  // CTAs per cluster: m tiles sharing one b tile
 constexpr int kTileM = 128;
 constexpr int kTileN = 256;
+constexpr int kBlockK = 64;
 constexpr int kStages = 4;
-constexpr int kTileABytes = kTileM * 128;
-constexpr int kTileBBytes = kTileN * 128;
-constexpr int kStageBytes = kTileABytes + kTileBBytes;
-constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + room to align the ring to 1024 B
+constexpr int kRowBytes = kBlockK * 2;  // one 128-byte swizzle row
+constexpr int kStageBytes = (kTileM + kTileN) * kRowBytes;
+constexpr int kCachedExperts = 1024;  // segment ends kept in shared memory (4 KiB)
+// + room to align the ring to 1024 bytes, the full and empty barriers, the cached ends
+constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8 + kCachedExperts * 4;
 
-#if EP_COMM_HAS_WGMMA  // (the helpers are sm_90a code only, as the kernel body)
-constexpr int kBlockK = 64;                // one 128-byte swizzle row of bf16
-constexpr int kCachedExperts = 1024;       // segment ends kept in shared memory (4 KiB)
-constexpr int kRowsPerPass = kThreads / 8;  // rows one pass of all threads' 16-byte chunks covers
-
-// Where one CTA's flat sequence of k-blocks stands: the item, its k-block and the item's segment. Uniform across the
-// CTA (every thread computes the same from the same loads).
-struct Cursor {
-  int64_t item;
-  int kb, nk;
-  int64_t m0, n0, out_matrix;  // out_matrix: e * m_rows * n_rows
-  int64_t seg_begin, seg_end, k_begin;
-  // This thread's first chunk of k-block 0 in a and b (rows m0 / n0 + tid / 8, column k_begin + 8 (tid % 8)); valid
-  // as addresses only where the row is.
-  const uint16_t* a_src;
-  const uint16_t* b_src;
-  bool full_tile;  // every row of the tile exists (m0 + 128 <= m_rows, n0 + 256 <= n_rows)
+struct KernelParams {
+  CUtensorMap a;  // bf16 [m_rows, k_total], box 64 x 128
+  CUtensorMap b;  // bf16 [n_rows, k_total], box 64 x 128 (half a b tile)
+  GroupedWgradArgs args;
 };
 
-// ends: the segment ends (shared memory for up to kCachedExperts experts, else args.group_ends).
-__device__ __forceinline__ void locate(const GroupedWgradArgs& args, const int32_t* ends, int64_t tiles_m,
-                                       int64_t tiles_n, int64_t item, Cursor& c) {
+#if EP_COMM_HAS_WGMMA
+constexpr int kTileABytes = kTileM * kRowBytes;
+constexpr int kHalfBBytes = 128 * kRowBytes;  // what one CTA of the cluster loads of the b tile
+
+// One work item's place: its output tile and its segment's k-blocks. Every role computes the same from the same ends.
+struct Item {
+  int expert;
+  int32_t m0, n0;
+  int64_t seg_begin, seg_end;
+  int32_t first_kb, nk;  // k-blocks first_kb .. first_kb + nk - 1 (multiples of kBlockK)
+};
+
+// tiles_m: cluster m tiles (kCluster * 128 rows; rank = this CTA's in the cluster).
+__device__ __forceinline__ Item locate(const GroupedWgradArgs& args, const int32_t* ends, int64_t tiles_m,
+                                       int64_t tiles_n, int64_t item, int rank) {
   const int64_t per_expert = tiles_m * tiles_n;
-  const int e = static_cast<int>(item / per_expert);
-  const int64_t r = item - e * per_expert;
-  c.item = item;
-  c.kb = 0;
-  c.m0 = (r / tiles_n) * kTileM;
-  c.n0 = (r % tiles_n) * kTileN;
-  c.out_matrix = static_cast<int64_t>(e) * args.m_rows * args.n_rows;
-  int64_t begin = e == 0 ? 0 : ends[e - 1];
-  int64_t end = ends[e];
+  Item it;
+  it.expert = static_cast<int>(item / per_expert);
+  const int64_t r = item - it.expert * per_expert;
+  it.m0 = static_cast<int32_t>(((r / tiles_n) * kCluster + rank) * kTileM);
+  it.n0 = static_cast<int32_t>((r % tiles_n) * kTileN);
+  int64_t begin = it.expert == 0 ? 0 : ends[it.expert - 1];
+  int64_t end = ends[it.expert];
   begin = begin < 0 ? 0 : (begin > args.k_total ? args.k_total : begin);
   end = end < begin ? begin : (end > args.k_total ? args.k_total : end);
-  c.seg_begin = begin;
-  c.seg_end = end;
-  c.k_begin = begin & ~int64_t{7};  // 16-byte aligned chunks
-  c.nk = end > begin ? static_cast<int>((end - c.k_begin + kBlockK - 1) / kBlockK) : 0;
-  const int64_t column = c.k_begin + 8 * (threadIdx.x % 8);
-  c.a_src = args.a + (c.m0 + threadIdx.x / 8) * args.lda + column;
-  c.b_src = args.b + (c.n0 + threadIdx.x / 8) * args.ldb + column;
-  c.full_tile = c.m0 + kTileM <= args.m_rows && c.n0 + kTileN <= args.n_rows;
+  it.seg_begin = begin;
+  it.seg_end = end;
+  it.first_kb = static_cast<int32_t>(begin / kBlockK);
+  it.nk = end > begin ? static_cast<int32_t>((end + kBlockK - 1) / kBlockK) - it.first_kb : 0;
+  return it;
 }
 
-// One 16-byte chunk (8 columns from col) of operand row `row` (row < rows checked by the caller) into dst.
-__device__ __forceinline__ void load_chunk(uint32_t dst, const uint16_t* row_ptr, int64_t col, const Cursor& c,
-                                           bool row_valid) {
-  const int64_t lo = col > c.seg_begin ? col : c.seg_begin;
-  const int64_t hi = col + 8 < c.seg_end ? col + 8 : c.seg_end;
-  if (!row_valid || lo >= hi) {
-    cp_async::copy16_zfill(dst, row_ptr, 0);  // (nothing is read: any valid address)
-  } else if (lo == col && hi == col + 8) {
-    cp_async::copy16(dst, row_ptr + col);
-  } else {  // a segment boundary inside the chunk
-    uint32_t words[4];
+// Zeroes the columns outside [begin, end) of the k-block at k0 in both tiles of a ring slot: 384 rows of 128 bytes
+// (the a tile's 128, then the b tile's 256: one swizzle pattern across both), 16-byte chunk c of row r stored at
+// c ^ (r % 8). Called by the 256 consumer threads together.
+__device__ void zero_outside_segment(uint32_t slot, int64_t k0, int64_t begin, int64_t end, int consumer_thread) {
+  constexpr int kChunksPerRow = kBlockK / 8;
+  for (int i = consumer_thread; i < (kTileM + kTileN) * kChunksPerRow; i += kConsumerThreads) {
+    const int row = i / kChunksPerRow;
+    const int chunk = i % kChunksPerRow;
+    const int64_t col = k0 + 8 * chunk;
+    if (col >= begin && col + 8 <= end) continue;
+    const uint32_t address = slot + static_cast<uint32_t>(row * kRowBytes + (chunk ^ (row % 8)) * 16);
+    uint32_t words[4] = {0u, 0u, 0u, 0u};
+    if (col + 8 > begin && col < end) {  // cut inside the chunk: keep the columns in the segment
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(words[0]), "=r"(words[1]), "=r"(words[2]), "=r"(words[3])
+                   : "r"(address));
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int64_t c0 = col + 2 * i;
-      const uint32_t v0 = c0 >= lo && c0 < hi ? row_ptr[c0] : 0u;
-      const uint32_t v1 = c0 + 1 >= lo && c0 + 1 < hi ? row_ptr[c0 + 1] : 0u;
-      words[i] = v0 | (v1 << 16);
+      for (int j = 0; j < 8; ++j) {
+        const bool keep = col + j >= begin && col + j < end;
+        if (!keep) words[j / 2] &= j % 2 == 0 ? 0xFFFF0000u : 0x0000FFFFu;
+      }
     }
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(words[0]), "r"(words[1]),
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(words[0]), "r"(words[1]),
                  "r"(words[2]), "r"(words[3])
                  : "memory");
   }
 }
 
-// One operand's kRows-row tile (rows first_row.., of rows_total) of a k-block through load_chunk: this thread's
-// chunks at column col of rows tid / 8 + 32 j, into dst (its swizzled column already added) + row * 128.
-template <int kRows>
-__device__ __forceinline__ void load_tile_checked(const uint16_t* operand, int64_t ld, int64_t rows_total,
-                                                  int64_t first_row, uint32_t dst, int64_t col, const Cursor& c) {
+// Accumulator i of lane l in warp w (of a consumer warpgroup): row 16 w + l / 4 + 8 ((i / 2) % 2), column 8 (i / 4)
+// + 2 (l % 4) + i % 2. Lanes l and l ^ 1 trade halves so that each stores 4 consecutive columns of one row (16-byte
+// stores: half the store instructions of column pairs): the even lane row r, the odd one r + 8. Plain stores: L2
+// takes the burst of every SM's epilogue (the items end together) and writes it back during the next items.
+__device__ __forceinline__ void store_accumulators(const float (&acc)[128], const GroupedWgradArgs& args,
+                                                   const Item& item, int warpgroup, int warp, int lane) {
+  const bool odd = lane % 2 == 1;
+  const int64_t m = item.m0 + warpgroup * 64 + 16 * warp + lane / 4 + (odd ? 8 : 0);
+  const int64_t n_first = item.n0 + 2 * (lane % 4) - (odd ? 2 : 0);
+  const bool row_valid = m < args.m_rows;  // (the shuffles stay outside it: the partner lane's row may exist)
+  const bool full_n = item.n0 + kTileN <= args.n_rows;
+  float* row = args.out + static_cast<int64_t>(item.expert) * args.m_rows * args.n_rows +
+               (row_valid ? m : 0) * args.n_rows + n_first;
 #pragma unroll
-  for (int j = 0; j < kRows / kRowsPerPass; ++j) {
-    const int row = static_cast<int>(threadIdx.x / 8) + j * kRowsPerPass;
-    const bool valid = first_row + row < rows_total;
-    load_chunk(dst + row * 128, operand + (valid ? first_row + row : 0) * ld, col, c, valid);
+  for (int q = 0; q < 32; ++q) {  // 8-column group q: acc[4 q + 0, 1] row r, acc[4 q + 2, 3] row r + 8
+    const float got0 = __shfl_xor_sync(0xFFFFFFFFu, odd ? acc[4 * q] : acc[4 * q + 2], 1);
+    const float got1 = __shfl_xor_sync(0xFFFFFFFFu, odd ? acc[4 * q + 1] : acc[4 * q + 3], 1);
+    const float4 v = odd ? make_float4(got0, got1, acc[4 * q + 2], acc[4 * q + 3])
+                         : make_float4(acc[4 * q], acc[4 * q + 1], got0, got1);
+    if (row_valid && (full_n || n_first + 8 * q < args.n_rows)) *reinterpret_cast<float4*>(row + 8 * q) = v;
   }
 }
 
-// The a and b tiles of the cursor's current k-block into ring slot `slot`. A k-block inside the segment of a full
-// tile (every k-block but the last of a segment whose length is not a multiple of 64 and the first of one that does
-// not start on a multiple of 8, in every tile but those at the matrix edges) takes the short path: 12 unconditional copies from the thread's two source pointers (the per-chunk checks
-// cost ~25 instructions each, which the MMA-issuing warps paid on every k-block: a third of the tensor pipe's time).
-__device__ __forceinline__ void load_stage(const GroupedWgradArgs& args, const Cursor& c, uint32_t slot_base) {
-  const int row0 = threadIdx.x / 8;
-  const int chunk = threadIdx.x % 8;
-  const uint32_t swizzled = static_cast<uint32_t>(((chunk ^ (row0 % 8)) * 16));
-  const int64_t k0 = c.k_begin + static_cast<int64_t>(c.kb) * kBlockK;
-  if (c.full_tile && k0 >= c.seg_begin && k0 + kBlockK <= c.seg_end) {
-    const uint16_t* a = c.a_src + static_cast<int64_t>(c.kb) * kBlockK;
-    const uint16_t* b = c.b_src + static_cast<int64_t>(c.kb) * kBlockK;
-    const int64_t a_step = kRowsPerPass * args.lda, b_step = kRowsPerPass * args.ldb;
-    const uint32_t dst = slot_base + row0 * 128 + swizzled;
-#pragma unroll
-    for (int j = 0; j < kTileM / kRowsPerPass; ++j) cp_async::copy16(dst + j * kRowsPerPass * 128, a + j * a_step);
-#pragma unroll
-    for (int j = 0; j < kTileN / kRowsPerPass; ++j) {
-      cp_async::copy16(dst + kTileABytes + j * kRowsPerPass * 128, b + j * b_step);
+// The producer thread: every k-block of the CTA's items into the ring; its a tile, and b rows 128 rank .. 128 rank +
+// 127 of the item's b tile into every CTA of the cluster.
+__device__ void produce(const KernelParams& p, const int32_t* ends, int64_t tiles_m, int64_t tiles_n, int64_t items,
+                        int64_t first_item, int64_t item_step, int rank, uint32_t ring, uint32_t full_bars,
+                        uint32_t empty_bars) {
+  tma::prefetch_map(&p.a);
+  tma::prefetch_map(&p.b);
+  uint32_t flat = 0;  // k-blocks issued so far (ring slot flat % kStages, pass flat / kStages)
+  for (int64_t index = first_item; index < items; index += item_step) {
+    const Item item = locate(p.args, ends, tiles_m, tiles_n, index, rank);
+    for (int kb = 0; kb < item.nk; ++kb, ++flat) {
+      const uint32_t s = flat % kStages;
+      // every consumer warp of the cluster released the slot's previous k-block (this CTA's loads write into all)
+      tma::wait(empty_bars + 8 * s, ((flat / kStages) & 1) ^ 1);
+      const uint32_t slot = ring + s * kStageBytes;
+      const uint32_t full = full_bars + 8 * s;
+      const int32_t k0 = (item.first_kb + kb) * kBlockK;
+      tma::arrive_expect_bytes(full, kStageBytes);  // (the peer's half of b counts on this barrier too)
+      tma::load_2d(slot, &p.a, full, k0, item.m0);
+      tma::load_2d_multicast(slot + kTileABytes + rank * kHalfBBytes, &p.b, full, k0, item.n0 + 128 * rank,
+                             static_cast<uint16_t>((1u << kCluster) - 1));
     }
-    return;
   }
-  const int64_t col = k0 + 8 * chunk;
-  load_tile_checked<kTileM>(args.a, args.lda, args.m_rows, c.m0, slot_base + swizzled, col, c);
-  load_tile_checked<kTileN>(args.b, args.ldb, args.n_rows, c.n0, slot_base + kTileABytes + swizzled, col, c);
 }
 
-// The loader's cursor to the next k-block of the flat sequence (skipping empty items); false past the last one.
-__device__ __forceinline__ bool advance(const GroupedWgradArgs& args, const int32_t* ends, int64_t tiles_m,
-                                        int64_t tiles_n, int64_t items, Cursor& c) {
-  if (++c.kb < c.nk) return true;
-  for (int64_t item = c.item + gridDim.x; item < items; item += gridDim.x) {
-    locate(args, ends, tiles_m, tiles_n, item, c);
-    if (c.nk > 0) return true;
-  }
-  return false;
+// A consumer warp's release of a ring slot: to the producer of every CTA of the cluster.
+__device__ __forceinline__ void release(uint32_t empty_bar) {
+#pragma unroll
+  for (int cta = 0; cta < kCluster; ++cta) tma::arrive_in_cta(empty_bar, cta);
 }
 #endif  // EP_COMM_HAS_WGMMA
 
-__global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const GroupedWgradArgs args) {
+__global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const __grid_constant__ KernelParams p) {
 #if EP_COMM_HAS_WGMMA
+  const GroupedWgradArgs& args = p.args;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  const uint32_t ring = cp_async::smem_address(smem_raw) +
-                        ((1024 - (cp_async::smem_address(smem_raw) & 1023)) & 1023);  // 1024-aligned tiles
-  const int64_t tiles_m = (args.m_rows + kTileM - 1) / kTileM;
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t ring = base + ((1024 - (base & 1023)) & 1023);  // (the same offset in both CTAs of a cluster)
+  const uint32_t full_bars = ring + kStages * kStageBytes;
+  const uint32_t empty_bars = full_bars + kStages * 8;
+  int32_t* cached_ends = reinterpret_cast<int32_t*>(smem_raw + (empty_bars + kStages * 8 - base));
+  const int64_t tiles_m = (args.m_rows + kTileM * kCluster - 1) / (kTileM * kCluster);
   const int64_t tiles_n = (args.n_rows + kTileN - 1) / kTileN;
   const int64_t items = tiles_m * tiles_n * args.num_experts;
-  // The segment ends in shared memory: every item start reads two of them, once for the loads and once for the MMAs,
-  // and from global memory that dependent round trip stalled the MMA-issuing warps at every item.
-  __shared__ int32_t cached_ends[kCachedExperts];
+  const int rank = static_cast<int>(tma::cluster_rank());
+  const int64_t first_item = blockIdx.x / kCluster, item_step = gridDim.x / kCluster;
+  // The segment ends in shared memory: every role reads two per item, and from global memory that dependent round
+  // trip stalled the MMA-issuing warps at every item start (first version).
   const bool cached = args.num_experts <= kCachedExperts;
   if (cached) {
     for (int e = threadIdx.x; e < args.num_experts; e += kThreads) cached_ends[e] = __ldg(args.group_ends + e);
   }
-  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      tma::barrier_init(full_bars + 8 * s, 1);  // the producer's arrive_expect_bytes (+ the loads' bytes)
+      // one arrival per consumer warp of every CTA of the cluster (each CTA's slot holds b rows its peer loaded)
+      tma::barrier_init(empty_bars + 8 * s, kCluster * kConsumerThreads / 32);
+    }
+    tma::fence_barrier_init();
+  }
+  // The roles part here. The peer's barriers must be initialized before this CTA's loads and releases reach them.
+  tma::cluster_sync();
   const int32_t* ends = cached ? cached_ends : args.group_ends;
 
-  // The loader: first k-block of the CTA's first non-empty item.
-  Cursor load;
-  bool loading = false;
-  for (int64_t item = blockIdx.x; item < items && !loading; item += gridDim.x) {
-    locate(args, ends, tiles_m, tiles_n, item, load);
-    loading = load.nk > 0;
-  }
-  int64_t issued = 0;  // k-blocks issued (the flat index of the next)
-  // One commit group per k-block (empty once the sequence has ended), so that "k-block f has landed" is always
-  // "at most kStages - 3 groups pending" at the consumer's wait.
-  auto issue = [&]() {
-    if (loading) {
-      load_stage(args, load, ring + static_cast<uint32_t>(issued % kStages) * kStageBytes);
-      ++issued;
-      loading = advance(args, ends, tiles_m, tiles_n, items, load);
+  if (threadIdx.x < 128) {  // producer warpgroup: one thread issues everything, the rest have nothing to do
+    if (threadIdx.x == 0) {
+      produce(p, ends, tiles_m, tiles_n, items, first_item, item_step, rank, ring, full_bars, empty_bars);
     }
-    cp_async::commit();
-  };
-#pragma unroll
-  for (int s = 0; s < kStages - 2; ++s) issue();
+    __syncwarp();
+    tma::cluster_sync();  // (no CTA exits while its peer may still load into it or arrive on its barriers)
+    return;
+  }
 
-  const int warpgroup = threadIdx.x / 128;
-  const int warp = (threadIdx.x % 128) / 32;
+  const int consumer_thread = threadIdx.x - 128;
+  const int warpgroup = consumer_thread / 128;
+  const int warp = (consumer_thread % 128) / 32;
   const int lane = threadIdx.x % 32;
-  int64_t consumed = 0;
+  uint32_t flat = 0;
   float acc[128];
-  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    Cursor c;
-    locate(args, ends, tiles_m, tiles_n, item, c);
+  for (int64_t index = first_item; index < items; index += item_step) {
+    const Item item = locate(args, ends, tiles_m, tiles_n, index, rank);
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-    for (int kb = 0; kb < c.nk; ++kb) {
-      cp_async::wait<kStages - 3>();           // this thread's copies of k-block `consumed` have landed
-      wgmma::fence_proxy_async_shared();       // ... and are visible to wgmma's async proxy
-      __syncthreads();                         // everyone's (and every warpgroup has retired consumed - 2)
-      const uint32_t slot = ring + static_cast<uint32_t>(consumed % kStages) * kStageBytes;
-      const uint64_t desc_a = wgmma::make_descriptor_sw128(slot + warpgroup * 64 * 128);
+    for (int kb = 0; kb < item.nk; ++kb, ++flat) {
+      const uint32_t s = flat % kStages;
+      const uint32_t slot = ring + s * kStageBytes;
+      tma::wait(full_bars + 8 * s, (flat / kStages) & 1);
+      const int64_t k0 = static_cast<int64_t>(item.first_kb + kb) * kBlockK;
+      if (k0 < item.seg_begin || k0 + kBlockK > item.seg_end) {  // (uniform across the consumers)
+        zero_outside_segment(slot, k0, item.seg_begin, item.seg_end, consumer_thread);
+        wgmma::fence_proxy_async_shared();  // the zeros, visible to wgmma's async proxy
+        tma::named_barrier(1, kConsumerThreads);
+      }
+      const uint64_t desc_a = wgmma::make_descriptor_sw128(slot + warpgroup * 64 * kRowBytes);
       const uint64_t desc_b = wgmma::make_descriptor_sw128(slot + kTileABytes);
       wgmma::fence_operand(acc);
       wgmma::fence();
 #pragma unroll
-      for (int s = 0; s < kBlockK / 16; ++s) {  // k16 step s: 32 B further, + 2 in the start field (address >> 4)
-        wgmma::mma_ss_bf16_n256(acc, desc_a + 2 * s, desc_b + 2 * s);
+      for (int k16 = 0; k16 < kBlockK / 16; ++k16) {  // k16 step: 32 B further, + 2 in the start field (address >> 4)
+        wgmma::mma_ss_bf16_n256(acc, desc_a + 2 * k16, desc_b + 2 * k16);
       }
       wgmma::commit_group();
-      // While it runs: k-block consumed + kStages - 2 into the slot of consumed - 2, which every warpgroup has retired
-      // (the barrier above is after each one's wait for consumed - 2).
-      issue();
       wgmma::fence_operand(acc);
-      wgmma::wait_group<1>();  // k-block consumed - 1 retired
-      ++consumed;
+      wgmma::wait_group<1>();  // the previous k-block's wgmma has retired: its slot goes back to the producers
+      if (kb > 0 && lane == 0) release(empty_bars + 8 * ((flat - 1) % kStages));
     }
     wgmma::wait_group<0>();
     wgmma::fence_operand(acc);
-    // Accumulator i of lane l in warp w: row 16 w + l / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (l % 4) + i % 2.
-    // Lanes l and l ^ 1 trade halves so that each stores 4 consecutive columns of one row (16-byte stores: half the
-    // store instructions of column pairs, whose queue throttled the epilogue): the even lane row r, the odd one r + 8.
-    // Plain stores: L2 takes the burst of every SM's epilogue (the items end together) and writes it back during the
-    // next items; streaming (evict-first) stores measured 3% slower (bench/RESULTS.md, fifty-first session).
-    const bool odd = lane % 2 == 1;
-    const int64_t m = c.m0 + warpgroup * 64 + 16 * warp + lane / 4 + (odd ? 8 : 0);
-    const int64_t n_first = c.n0 + 2 * (lane % 4) - (odd ? 2 : 0);
-    const bool row_valid = m < args.m_rows;  // (the shuffles stay outside it: the partner lane's row may exist)
-    float* row = args.out + c.out_matrix + (row_valid ? m : 0) * args.n_rows + n_first;
-#pragma unroll
-    for (int q = 0; q < 32; ++q) {  // 8-column group q: acc[4 q + 0, 1] row r, acc[4 q + 2, 3] row r + 8
-      const float got0 = __shfl_xor_sync(0xFFFFFFFFu, odd ? acc[4 * q] : acc[4 * q + 2], 1);
-      const float got1 = __shfl_xor_sync(0xFFFFFFFFu, odd ? acc[4 * q + 1] : acc[4 * q + 3], 1);
-      const float4 v = odd ? make_float4(got0, got1, acc[4 * q + 2], acc[4 * q + 3])
-                           : make_float4(acc[4 * q], acc[4 * q + 1], got0, got1);
-      if (row_valid && (c.full_tile || n_first + 8 * q < args.n_rows)) {
-        *reinterpret_cast<float4*>(row + 8 * q) = v;
-      }
-    }
+    if (item.nk > 0 && lane == 0) release(empty_bars + 8 * ((flat - 1) % kStages));
+    store_accumulators(acc, args, item, warpgroup, warp, lane);
   }
-  cp_async::wait<0>();  // (only empty groups can be pending here)
+  tma::cluster_sync();
 #else
   __trap();  // built for an architecture without wgmma; the launcher refuses such devices
 #endif
 }
 
+using EncodeTiled = PFN_cuTensorMapEncodeTiled_v12000;
+
+// The driver's tensor-map encoder through the runtime (no link against libcuda); null when the driver lacks it.
+EncodeTiled tensor_map_encoder() {
+  static const EncodeTiled encoder = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      return static_cast<EncodeTiled>(nullptr);
+    }
+    return reinterpret_cast<EncodeTiled>(fn);
+  }();
+  return encoder;
+}
+
+// A K-major bf16 operand [rows, k_total] (row stride ld elements) in boxes of 64 x 128, 128-byte swizzle.
+bool encode_operand(EncodeTiled encode, CUtensorMap* map, const uint16_t* data, int64_t rows, int64_t ld,
+                    int64_t k_total) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k_total), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
+  const cuuint32_t box[2] = {kBlockK, 128};
+  const cuuint32_t element_strides[2] = {1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<uint16_t*>(data), dims, strides, box,
+                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 }  // namespace
 
 cudaError_t launch_grouped_wgrad_bf16(const GroupedWgradArgs& args, cudaStream_t stream) {
+  constexpr int64_t kMaxCoordinate = 0x7FFFFFFF;  // TMA coordinates are int32
   if (args.num_experts < 0 || args.m_rows < 0 || args.n_rows < 0 || args.k_total < 0 || args.m_rows % 8 != 0 ||
       args.n_rows % 8 != 0 || args.lda < args.k_total || args.ldb < args.k_total || args.lda % 8 != 0 ||
-      args.ldb % 8 != 0) {
+      args.ldb % 8 != 0 || args.m_rows > kMaxCoordinate || args.n_rows > kMaxCoordinate ||
+      args.k_total > kMaxCoordinate - kBlockK) {
     return cudaErrorInvalidValue;
   }
-  const int64_t items = ceil_div(args.m_rows, kTileM) * ceil_div(args.n_rows, kTileN) * args.num_experts;
-  if (items == 0) return cudaSuccess;
+  const int64_t cluster_items = ceil_div(args.m_rows, kTileM * kCluster) * ceil_div(args.n_rows, kTileN) *
+                                args.num_experts;
+  if (cluster_items == 0) return cudaSuccess;
   if (args.out == nullptr || args.group_ends == nullptr || !rows_aligned(args.out, 0, 16) ||
       (args.k_total > 0 && (args.a == nullptr || args.b == nullptr || !rows_aligned(args.a, 0, 16) ||
                             !rows_aligned(args.b, 0, 16)))) {
     return cudaErrorInvalidValue;
   }
   if (!device_is_sm90()) return cudaErrorNotSupported;
+  if (args.k_total == 0) {  // every segment empty (and no tensor map has zero columns)
+    return cudaMemsetAsync(args.out, 0, static_cast<size_t>(args.num_experts) * args.m_rows * args.n_rows *
+                                            sizeof(float), stream);
+  }
+  const EncodeTiled encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  KernelParams params{};
+  params.args = args;
+  if (!encode_operand(encode, &params.a, args.a, args.m_rows, args.lda, args.k_total) ||
+      !encode_operand(encode, &params.b, args.b, args.n_rows, args.ldb, args.k_total)) {
+    return cudaErrorInvalidValue;
+  }
   static std::atomic<uint64_t> configured{0};
   cudaError_t status = once_per_device(configured, [] {
     return cudaFuncSetAttribute(grouped_wgrad_bf16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   });
   if (status != cudaSuccess) return status;
-  int64_t grid = 0;
-  status = resident_grid(grouped_wgrad_bf16_kernel, kThreads, items, &grid, kSmemBytes);
+  // Persistent: one cluster per cluster item, at most as many as fit on the GPU at once.
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = kCluster;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(kCluster);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSmemBytes;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  int resident_clusters = 0;
+  status = cudaOccupancyMaxActiveClusters(&resident_clusters, grouped_wgrad_bf16_kernel, &config);
   if (status != cudaSuccess) return status;
-  grouped_wgrad_bf16_kernel<<<static_cast<unsigned>(grid), kThreads, kSmemBytes, stream>>>(args);
-  return cudaGetLastError();
+  if (resident_clusters < 1) return cudaErrorInvalidConfiguration;
+  const int64_t clusters = cluster_items < resident_clusters ? cluster_items : resident_clusters;
+  config.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
+  return cudaLaunchKernelEx(&config, grouped_wgrad_bf16_kernel, params);
 }
 
 }  // namespace ep_comm

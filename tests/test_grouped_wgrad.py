@@ -55,16 +55,17 @@ def _operands(m: int, n: int, k_total: int, ends: list, integers: bool, seed: in
 
 # (M, N, columns, segment ends): tile edges (M % 128, N % 256), boundaries inside 16-byte chunks, empty experts,
 # ends past the columns and decreasing, 300 work items (more than the CTAs of one launch) over mostly empty experts,
-# more experts than the kernel keeps in shared memory.
+# more experts than the kernel keeps in shared memory, many full work items per CTA.
 _CASES = [
     (128, 256, 64, [64]),
     (392, 520, 1000, [0, 96, 96, 640, 992]),
     (136, 264, 1000, [13, 13, 250, 251, 999]),
-    (256, 512, 200, [50, 5000]),
+    (384, 512, 200, [50, 5000]),  # (3 m tiles: a cluster whose second CTA has no rows)
     (128, 256, 256, [200, 100, 256]),
     (1024, 1024, 2048, [512, 1024, 1536, 2048, 2048, 2048]),
     (128, 256, 4096, [0] * 150 + [32 * i for i in range(1, 151)]),
     (128, 256, 1600, [0] * 1000 + [16 * i for i in range(1, 101)]),  # (more experts than the kernel caches: 1024)
+    (2048, 2048, 2048, [256 * i for i in range(1, 9)]),  # 512 cluster items: ~8 per cluster, the ring across them
 ]
 
 
