@@ -14,11 +14,13 @@
 // Persistent: cluster c takes cluster items c, c + clusters, ... (n fastest, so the clusters running at one time share
 // their expert's operands in L2).
 //
-// k-blocks sit at multiples of 64 in the token axis (the TMA coordinates stay aligned). A k-block that a segment
-// boundary cuts is loaded whole; the consumers then zero its columns outside the segment in both tiles (shared-memory
-// stores, 12 16-byte chunks per thread) before its wgmma. Rows past m_rows / n_rows and columns past k_total are the
-// TMA's zero fill. The epilogue stores the accumulators straight from registers (16-byte stores after lane-pair
-// shuffles).
+// A segment's k-blocks start at its first column rounded down to 16 (TMA coordinates at 32-byte steps). The k16 steps
+// of its last k-block that lie past its end multiply an all-zero operand instead (a stride-0 descriptor over 1 KiB of
+// zeros), so segments whose boundaries are multiples of 16 (the trainable experts': multiples of 32) cost no extra
+// work. Only a boundary inside a k16 step (not the dispatch layout's case) makes the consumers zero that k-block's
+// columns outside the segment in both tiles (shared-memory stores, 12 16-byte chunks per thread) before its wgmma.
+// Rows past m_rows / n_rows and columns past k_total are the TMA's zero fill. The epilogue stores the accumulators
+// straight from registers (16-byte stores after lane-pair shuffles).
 //
 // Measured on one H200 (bench/RESULTS.md, fifty-second session; bench/profile_wgrad.py, 32 experts of 1040 tokens):
 // 557 TFLOP/s at w2's shape (7168 x 2048) and 533 at w1's (4096 x 7168), against 519 and 485 for the previous
@@ -53,8 +55,9 @@ constexpr int kStages = 4;
 constexpr int kRowBytes = kBlockK * 2;  // one 128-byte swizzle row
 constexpr int kStageBytes = (kTileM + kTileN) * kRowBytes;
 constexpr int kCachedExperts = 1024;  // segment ends kept in shared memory (4 KiB)
-// + room to align the ring to 1024 bytes, the full and empty barriers, the cached ends
-constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8 + kCachedExperts * 4;
+constexpr int kZeroBytes = 1024;  // 8 rows of 128 zero bytes: the operand of a k16 step past a segment's end
+// + room to align the ring to 1024 bytes, the zeros, the full and empty barriers, the cached ends
+constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kZeroBytes + 2 * kStages * 8 + kCachedExperts * 4;
 
 struct KernelParams {
   CUtensorMap a;  // bf16 [m_rows, k_total], box 64 x 128
@@ -71,7 +74,7 @@ struct Item {
   int expert;
   int32_t m0, n0;
   int64_t seg_begin, seg_end;
-  int32_t first_kb, nk;  // k-blocks first_kb .. first_kb + nk - 1 (multiples of kBlockK)
+  int32_t first_k, nk;  // k-blocks at first_k + kBlockK kb, kb < nk; first_k: seg_begin rounded down to 16
 };
 
 // tiles_m: cluster m tiles (kCluster * 128 rows; rank = this CTA's in the cluster).
@@ -89,8 +92,8 @@ __device__ __forceinline__ Item locate(const GroupedWgradArgs& args, const int32
   end = end < begin ? begin : (end > args.k_total ? args.k_total : end);
   it.seg_begin = begin;
   it.seg_end = end;
-  it.first_kb = static_cast<int32_t>(begin / kBlockK);
-  it.nk = end > begin ? static_cast<int32_t>((end + kBlockK - 1) / kBlockK) - it.first_kb : 0;
+  it.first_k = static_cast<int32_t>(begin & ~int64_t{15});
+  it.nk = end > begin ? static_cast<int32_t>((end - it.first_k + kBlockK - 1) / kBlockK) : 0;
   return it;
 }
 
@@ -161,7 +164,7 @@ __device__ void produce(const KernelParams& p, const int32_t* ends, int64_t tile
       tma::wait(empty_bars + 8 * s, ((flat / kStages) & 1) ^ 1);
       const uint32_t slot = ring + s * kStageBytes;
       const uint32_t full = full_bars + 8 * s;
-      const int32_t k0 = (item.first_kb + kb) * kBlockK;
+      const int32_t k0 = item.first_k + kb * kBlockK;
       tma::arrive_expect_bytes(full, kStageBytes);  // (the peer's half of b counts on this barrier too)
       tma::load_2d(slot, &p.a, full, k0, item.m0);
       tma::load_2d_multicast(slot + kTileABytes + rank * kHalfBBytes, &p.b, full, k0, item.n0 + 128 * rank,
@@ -183,7 +186,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const _
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t ring = base + ((1024 - (base & 1023)) & 1023);  // (the same offset in both CTAs of a cluster)
-  const uint32_t full_bars = ring + kStages * kStageBytes;
+  const uint32_t zeros = ring + kStages * kStageBytes;  // (1024-aligned)
+  const uint32_t full_bars = zeros + kZeroBytes;
   const uint32_t empty_bars = full_bars + kStages * 8;
   int32_t* cached_ends = reinterpret_cast<int32_t*>(smem_raw + (empty_bars + kStages * 8 - base));
   const int64_t tiles_m = (args.m_rows + kTileM * kCluster - 1) / (kTileM * kCluster);
@@ -197,6 +201,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const _
   if (cached) {
     for (int e = threadIdx.x; e < args.num_experts; e += kThreads) cached_ends[e] = __ldg(args.group_ends + e);
   }
+  for (int i = threadIdx.x; i < kZeroBytes / 16; i += kThreads) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(zeros + 16 * i), "r"(0u) : "memory");
+  }
+  wgmma::fence_proxy_async_shared();  // (the zeros, visible to wgmma; published by the cluster barrier below)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       tma::barrier_init(full_bars + 8 * s, 1);  // the producer's arrive_expect_bytes (+ the loads' bytes)
@@ -222,6 +230,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const _
   const int warpgroup = consumer_thread / 128;
   const int warp = (consumer_thread % 128) / 32;
   const int lane = threadIdx.x % 32;
+  // A descriptor of the zeros with stride 0 between 8-row groups: every group reads the same 1 KiB, so it is an
+  // all-zero operand of any height. The k16 steps past a segment's end multiply it instead of the slot's columns
+  // (which may hold the next segment's values, or NaN): a select, not a branch around the wgmma (ptxas serializes
+  // every wgmma of a kernel that issues one under a condition it cannot prove uniform).
+  const uint64_t zero_desc = wgmma::make_descriptor_sw128(zeros) & ~(uint64_t{0x3FFF} << 32);
   uint32_t flat = 0;
   float acc[128];
   for (int64_t index = first_item; index < items; index += item_step) {
@@ -232,8 +245,12 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const _
       const uint32_t s = flat % kStages;
       const uint32_t slot = ring + s * kStageBytes;
       tma::wait(full_bars + 8 * s, (flat / kStages) & 1);
-      const int64_t k0 = static_cast<int64_t>(item.first_kb + kb) * kBlockK;
-      if (k0 < item.seg_begin || k0 + kBlockK > item.seg_end) {  // (uniform across the consumers)
+      const int64_t k0 = item.first_k + static_cast<int64_t>(kb) * kBlockK;
+      // k16 steps with columns in the segment (all four but in a segment's last k-block); the columns outside it are
+      // zeroed only where a boundary falls inside a step (segments whose ends are not multiples of 16).
+      const int64_t valid = item.seg_end - k0 < kBlockK ? item.seg_end - k0 : kBlockK;
+      const int steps = static_cast<int>((valid + 15) / 16);
+      if (k0 < item.seg_begin || valid % 16 != 0) {  // (uniform across the consumers)
         zero_outside_segment(slot, k0, item.seg_begin, item.seg_end, consumer_thread);
         wgmma::fence_proxy_async_shared();  // the zeros, visible to wgmma's async proxy
         tma::named_barrier(1, kConsumerThreads);
@@ -244,7 +261,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const _
       wgmma::fence();
 #pragma unroll
       for (int k16 = 0; k16 < kBlockK / 16; ++k16) {  // k16 step: 32 B further, + 2 in the start field (address >> 4)
-        wgmma::mma_ss_bf16_n256(acc, desc_a + 2 * k16, desc_b + 2 * k16);
+        wgmma::mma_ss_bf16_n256(acc, k16 < steps ? desc_a + 2 * k16 : zero_desc,
+                                k16 < steps ? desc_b + 2 * k16 : zero_desc);
       }
       wgmma::commit_group();
       wgmma::fence_operand(acc);
