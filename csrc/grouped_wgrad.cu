@@ -23,11 +23,12 @@
 // straight from registers (16-byte stores after lane-pair shuffles).
 //
 // Measured on one H200 (bench/RESULTS.md, fifty-second session; bench/profile_wgrad.py, 32 experts of 1040 tokens):
-// 557 TFLOP/s at w2's shape (7168 x 2048) and 533 at w1's (4096 x 7168), against 519 and 485 for the previous
-// version (cp.async by all 256 MMA threads, one role) in the same run. Tried and dropped in the same session: without
-// clusters (each CTA loads its whole b tile: 531 / 517); an epilogue staged through 128 KiB of shared memory and
-// written by TMA stores while the next item's MMAs run, which needs k-blocks of 32 to fit (520 / 509 with clusters,
-// 517 / 506 without); remote arrivals with .release.cluster semantics (a memory barrier each: 362 at w2's shape).
+// 550 TFLOP/s at w2's shape (7168 x 2048) and 537 at w1's (4096 x 7168), 605 / 581 at 1024 tokens per expert, against
+// 519 and 485-490 for the first version (cp.async by all 256 MMA threads, one role) in the same runs. Tried and
+// dropped in the same session: without clusters (each CTA loads its whole b tile: 531 / 517); an epilogue staged
+// through 128 KiB of shared memory and written by TMA stores while the next item's MMAs run, which needs k-blocks of
+// 32 to fit (520 / 509 with clusters); remote arrivals with .release.cluster semantics (a memory barrier each: 352 /
+// 348).
 #include <cuda.h>  // (CUtensorMap and its enums only: the encoder comes from the runtime's driver entry point)
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>

@@ -33,8 +33,9 @@ struct GroupedWgradArgs {
   float* out = nullptr;  // [num_experts, m_rows, n_rows], 16-byte aligned
 };
 
-// cudaErrorInvalidValue for bad sizes, null or misaligned pointers; cudaErrorNotSupported when the current device is
-// not sm_90 (wgmma is sm_90a code). Never synchronizes.
+// cudaErrorInvalidValue for bad sizes, null or misaligned pointers (or sizes past the TMA's int32 coordinates);
+// cudaErrorNotSupported when the current device is not sm_90 (wgmma is sm_90a code) or the driver has no tensor-map
+// encoder. Launches clusters of two CTAs. Never synchronizes.
 cudaError_t launch_grouped_wgrad_bf16(const GroupedWgradArgs& args, cudaStream_t stream);
 
 }  // namespace ep_comm

@@ -41,10 +41,10 @@ differently in the last bit) and on GPUs, where the quantizers are the CUDA kern
 reference quantizers). No host synchronization in a step on CUDA. MXFP8 values below 2^-133 (a block
 whose largest magnitude is below ~2^-118) are not exact in BF16; nothing else is rounded on the way into a GEMM.
 
-Measured on one H200 (bench/RESULTS.md, fifty-first session; bench/bench_training_experts.py): 0.92-0.95x (FP32
-masters: 21.3-21.8 against 20.1-20.3 ms per forward + backward; 23.1-23.3 ms with torch's weight-gradient GEMMs in the
-same runs; 0.98x with keep_weight_values) and 0.79-0.87x (BF16 masters) the speed of BF16 experts in torch autograd
-over the same segments, on masters of the same dtype.
+Measured on one H200 (bench/RESULTS.md, fifty-second session; bench/bench_training_experts.py): 0.96-1.01x (FP32
+masters: 21.4 against 20.7-21.5 ms per forward + backward; 23.2 ms with torch's weight-gradient GEMMs in the same runs;
+20.6 ms with keep_weight_values) and 0.90-0.91x (BF16 masters) the speed of BF16 experts in torch autograd over the
+same segments, on masters of the same dtype (the baseline moves between runs by a few percent).
 """
 from __future__ import annotations
 
