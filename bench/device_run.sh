@@ -439,7 +439,7 @@ profile_wgrad() {  # Nsight Compute on the weight-gradient GEMM (csrc/grouped_wg
   grep -E "Grid Size|Cluster|Registers Per|Block Limit" "$OUT/ncu_wgrad.txt" | tee -a "$log"
 }
 time_wgrad() {  # the weight-gradient GEMM's time at w2's and w1's backward shapes, with the environment's choices
-  say "wgrad GEMM time (EP_COMM_WGRAD_EPILOGUE=${EP_COMM_WGRAD_EPILOGUE:-}, EP_COMM_WGRAD_GEMM=${EP_COMM_WGRAD_GEMM:-})"
+  say "wgrad GEMM time (EP_COMM_WGRAD_GEMM=${EP_COMM_WGRAD_GEMM:-})"
   python3 bench/profile_wgrad.py 2>&1 | tail -1 | tee -a "$log"
   python3 bench/profile_wgrad.py --m 4096 --n 7168 2>&1 | tail -1 | tee -a "$log"
 }
