@@ -65,6 +65,10 @@ __device__ __forceinline__ void load_2d_multicast(uint32_t dst, const void* map,
       "l"(map), "r"(bar), "r"(c0), "r"(c1), "h"(cta_mask)
       : "memory");
 }
+// One arrival on a barrier of this CTA (release at CTA scope: what this thread did before it, e.g. its waits).
+__device__ __forceinline__ void arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
 // One arrival on the barrier at offset `bar` in the shared memory of cluster CTA `cta_rank`. The default semantics
 // (release at CTA scope): what it publishes is that wgmma reads this thread waited for are done, not data. With
 // .release.cluster every arrival waited on a memory barrier (ncu: 5.4 membar stall cycles per issued instruction,
