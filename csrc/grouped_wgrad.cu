@@ -19,22 +19,25 @@
 // zeros), so segments whose boundaries are multiples of 16 (the trainable experts': multiples of 32) cost no extra
 // work. Only a boundary inside a k16 step (not the dispatch layout's case) makes the consumers zero that k-block's
 // columns outside the segment in both tiles (shared-memory stores, 12 16-byte chunks per thread) before its wgmma.
-// Rows past m_rows / n_rows and columns past k_total are the TMA's zero fill. The epilogue stores the accumulators
-// straight from registers (16-byte stores after lane-pair shuffles).
+// Rows past m_rows / n_rows and columns past k_total are the TMA's zero fill. The epilogue goes through 2 KiB of
+// shared memory per consumer warp, 32 columns at a time, written out by TMA stores in whole 128-byte lines.
 //
-// Measured on one H200 (bench/RESULTS.md, fifty-second session; bench/profile_wgrad.py, 32 experts of 1040 tokens):
-// 550 TFLOP/s at w2's shape (7168 x 2048) and 537 at w1's (4096 x 7168), 605 / 581 at 1024 tokens per expert, against
-// 519 and 485-490 for the first version (cp.async by all 256 MMA threads, one role) in the same runs. Tried and
-// dropped in the same session: without clusters (each CTA loads its whole b tile: 531 / 517); an epilogue staged
-// through 128 KiB of shared memory and written by TMA stores while the next item's MMAs run, which needs k-blocks of
-// 32 to fit (520 / 509 with clusters); remote arrivals with .release.cluster semantics (a memory barrier each: 352 /
-// 348).
+// Measured on one H200 (bench/RESULTS.md, fifty-third session; bench/profile_wgrad.py, 32 experts of 1040 tokens):
+// ~604 TFLOP/s at w2's shape (7168 x 2048) and ~590 at w1's (4096 x 7168), against 548-556 / 530-543 for the same
+// kernel storing straight from the accumulators in the same runs. The kernel is bound by its output more than by its
+// MMAs: without the epilogue's stores (a timing-only variant, wrong results) it ran at 878 / 857 TFLOP/s, and with the
+// stores but without the MMAs almost as long as whole. Tried and dropped: without clusters (531 / 517, fifty-second
+// session); an epilogue staged through 128 KiB of shared memory, which forces k-blocks of 32 (520 / 509); remote
+// arrivals with .release.cluster semantics (a memory barrier each: 352 / 348); clusters of 4 or 8 CTAs sharing the b
+// tile (2-4% slower; the operand loads were not the limit); ping-pong consumers, each warpgroup on its own 64 x 256
+// items, the two taking turns at the tensor cores so that one's epilogue runs beside the other's MMAs (8-16% slower;
+// by count, its 40 KiB stages plus the wgmma reads move ~1.26x the shared-memory bytes per MMA of the 128 x 256 tile,
+// past the 128 bytes per cycle an SM has -- an estimate, not measured; fifty-third session).
 #include <cuda.h>  // (CUtensorMap and its enums only: the encoder comes from the runtime's driver entry point)
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <cstdint>
 
 #include "formats.h"
@@ -49,36 +52,31 @@ namespace {
 
 constexpr int kConsumerThreads = 256;
 constexpr int kThreads = 128 + kConsumerThreads;
+constexpr int kCluster = 2;  // CTAs per cluster: m tiles sharing one b tile
+constexpr int kTileM = 128;
 constexpr int kTileN = 256;
 constexpr int kBlockK = 64;
+constexpr int kStages = 4;
 constexpr int kRowBytes = kBlockK * 2;  // one 128-byte swizzle row
+constexpr int kStageBytes = (kTileM + kTileN) * kRowBytes;
 constexpr int kCachedExperts = 1024;  // segment ends kept in shared memory (4 KiB)
 constexpr int kZeroBytes = 1024;  // 8 rows of 128 zero bytes: the operand of a k16 step past a segment's end
-constexpr int kStageRowsPerWarp = 16;  // the epilogue's staging: 16 rows x 32 FP32 columns per consumer warp
-constexpr int kStagingBytes = (kConsumerThreads / 32) * kStageRowsPerWarp * 128;
+constexpr int kStagingBytesPerWarp = 16 * 128;  // the epilogue's staging: 16 rows x 32 FP32 columns per consumer warp
+constexpr int kStagingBytes = (kConsumerThreads / 32) * kStagingBytesPerWarp;
 // + room to align the ring to 1024 bytes, the zeros, the staging, the full and empty barriers, the cached ends
-
-// The two forms. Cooperative: both consumer warpgroups on one 128 x 256 item (rows 64 g ..), 4 slots of 48 KiB.
-// Ping-pong: each consumer warpgroup on its own 64 x 256 items (the CTA's items alternate between them), 5 slots of
-// 40 KiB; the ring's order makes one warpgroup's epilogue run beside the other's MMAs.
-template <bool kPingPong>
-struct Form {
-  static constexpr int kItemM = kPingPong ? 64 : 128;  // rows of m per CTA and item
-  static constexpr int kStageBytes = (kItemM + kTileN) * kRowBytes;
-  static constexpr int kStages = kPingPong ? 5 : 4;
-  static constexpr int kSlotReaders = kPingPong ? 4 : 8;  // consumer warps of a CTA that read a slot
-  static constexpr int kItemThreads = kPingPong ? 128 : 256;  // consumer threads of a CTA on one item
-  static constexpr int kSmemBytes =
-      1024 + kStages * kStageBytes + kZeroBytes + kStagingBytes + 2 * kStages * 8 + 2 * 8 + kCachedExperts * 4;
-};
+constexpr int kSmemBytes =
+    1024 + kStages * kStageBytes + kZeroBytes + kStagingBytes + 2 * kStages * 8 + kCachedExperts * 4;
 
 struct KernelParams {
-  CUtensorMap a;  // bf16 [m_rows, k_total], box 64 x (the form's rows per item)
-  CUtensorMap b;  // bf16 [n_rows, k_total], box 64 x (256 / cluster size): one CTA's share of a b tile
+  CUtensorMap a;    // bf16 [m_rows, k_total], box 64 x 128
+  CUtensorMap b;    // bf16 [n_rows, k_total], box 64 x 128 (half a b tile)
+  CUtensorMap out;  // fp32 [num_experts, m_rows, n_rows], box 32 x 16 x 1, 128-byte swizzle
   GroupedWgradArgs args;
 };
 
 #if EP_COMM_HAS_WGMMA
+constexpr int kTileABytes = kTileM * kRowBytes;
+constexpr int kHalfBBytes = 128 * kRowBytes;  // what one CTA of the cluster loads of the b tile
 
 // One work item's place: its output tile and its segment's k-blocks. Every role computes the same from the same ends.
 struct Item {
@@ -88,15 +86,14 @@ struct Item {
   int32_t first_k, nk;  // k-blocks at first_k + kBlockK kb, kb < nk; first_k: seg_begin rounded down to 16
 };
 
-// tiles_m: cluster m tiles (kCluster * kItemM rows; rank = this CTA's in the cluster).
-template <int kCluster, int kItemM>
+// tiles_m: cluster m tiles (kCluster * 128 rows; rank = this CTA's in the cluster).
 __device__ __forceinline__ Item locate(const GroupedWgradArgs& args, const int32_t* ends, int64_t tiles_m,
                                        int64_t tiles_n, int64_t item, int rank) {
   const int64_t per_expert = tiles_m * tiles_n;
   Item it;
   it.expert = static_cast<int>(item / per_expert);
   const int64_t r = item - it.expert * per_expert;
-  it.m0 = static_cast<int32_t>(((r / tiles_n) * kCluster + rank) * kItemM);
+  it.m0 = static_cast<int32_t>(((r / tiles_n) * kCluster + rank) * kTileM);
   it.n0 = static_cast<int32_t>((r % tiles_n) * kTileN);
   int64_t begin = it.expert == 0 ? 0 : ends[it.expert - 1];
   int64_t end = ends[it.expert];
@@ -109,13 +106,12 @@ __device__ __forceinline__ Item locate(const GroupedWgradArgs& args, const int32
   return it;
 }
 
-// Zeroes the columns outside [begin, end) of the k-block at k0 in both tiles of a ring slot: kRows rows of 128 bytes
-// (the a tile's, then the b tile's 256: one swizzle pattern across both), 16-byte chunk c of row r stored at
-// c ^ (r % 8). Called by the kThreads consumer threads of the item together (thread = 0 .. kThreads - 1).
-template <int kRows, int kThreads>
-__device__ void zero_outside_segment(uint32_t slot, int64_t k0, int64_t begin, int64_t end, int thread) {
+// Zeroes the columns outside [begin, end) of the k-block at k0 in both tiles of a ring slot: 384 rows of 128 bytes
+// (the a tile's 128, then the b tile's 256: one swizzle pattern across both), 16-byte chunk c of row r stored at
+// c ^ (r % 8). Called by the 256 consumer threads together.
+__device__ void zero_outside_segment(uint32_t slot, int64_t k0, int64_t begin, int64_t end, int consumer_thread) {
   constexpr int kChunksPerRow = kBlockK / 8;
-  for (int i = thread; i < kRows * kChunksPerRow; i += kThreads) {
+  for (int i = consumer_thread; i < (kTileM + kTileN) * kChunksPerRow; i += kConsumerThreads) {
     const int row = i / kChunksPerRow;
     const int chunk = i % kChunksPerRow;
     const int64_t col = k0 + 8 * chunk;
@@ -138,105 +134,91 @@ __device__ void zero_outside_segment(uint32_t slot, int64_t k0, int64_t begin, i
   }
 }
 
-// The same stores through shared memory, so that each store instruction writes whole 128-byte lines: per 32-column
-// chunk a warp writes its 16 x 32 accumulators into its staging area (16-byte granule g of row r at g ^ (r % 8):
-// conflict-free both ways), then reads 4 rows of 128 bytes per instruction and stores them (4 lines per instruction
-// instead of 16 rows' 32-byte sectors).
-__device__ __forceinline__ void store_accumulators_staged(const float (&acc)[128], const GroupedWgradArgs& args,
-                                                          const Item& item, int row_offset, int warp, int lane,
-                                                          uint32_t staging) {
-  const int64_t m_first = item.m0 + row_offset + 16 * warp;
-  float* tile = args.out + static_cast<int64_t>(item.expert) * args.m_rows * args.n_rows + m_first * args.n_rows;
-  // writes: lane l holds rows l / 4 and l / 4 + 8, columns 8 q' + 2 (l % 4) + {0, 1} of the chunk (q' = q % 4)
-  const int write_row = lane / 4;
-  // reads: 4 rows per instruction, row 4 j + l / 8, granule l % 8
-  const int read_row = lane / 8;
-  const int read_granule = lane % 8;
+// Writes columns 32 c .. 32 c + 31 of a consumer warp's 16 accumulator rows into its staging area, 16-byte granule g of
+// row r at g ^ (r % 8) (the 128-byte swizzle: conflict-free for these 8-byte writes and for 16-byte row reads).
+// Accumulator i of lane l (m64n256 fragment): row l / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (l % 4) + i % 2.
+__device__ __forceinline__ void stage_chunk(const float (&acc)[128], int chunk, int lane, uint32_t staging) {
+#pragma unroll
+  for (int qq = 0; qq < 4; ++qq) {
+    const int q = 4 * chunk + qq;
+    const int granule = 2 * qq + (lane % 4) / 2;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = lane / 4 + 8 * half;
+      const uint32_t address = staging + r * 128 + (granule ^ (r % 8)) * 16 + 8 * (lane % 2);
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(address), "f"(acc[4 * q + 2 * half]),
+                   "f"(acc[4 * q + 2 * half + 1])
+                   : "memory");
+    }
+  }
+}
+
+// The epilogue of a consumer warp (rows m_first .. m_first + 15 of the item's tile): in 32-column chunks through its
+// staging area, each chunk one TMA store (box 32 x 16 of the output map, whose 128-byte swizzle is the staging's), so
+// whole 128-byte lines reach L2 and the TMA unit, not the warp, waits for them. Straight from the accumulators each
+// store instruction wrote one 32-byte sector in each of 16 rows, and the kernel ran 8-10% slower; the same staging
+// with 16-byte stores of whole lines by the warp measured ~1-2% slower than the TMA stores (bench/RESULTS.md,
+// fifty-third session). The staging area is rewritten only once the previous chunk's store has read it.
+__device__ __forceinline__ void store_accumulators(const float (&acc)[128], const KernelParams& p, const Item& item,
+                                                   int64_t m_first, int lane, uint32_t staging) {
 #pragma unroll
   for (int chunk = 0; chunk < kTileN / 32; ++chunk) {
-#pragma unroll
-    for (int qq = 0; qq < 4; ++qq) {
-      const int q = 4 * chunk + qq;
-      const int granule = 2 * qq + (lane % 4) / 2;
-      const uint32_t byte_in_granule = 8u * (lane % 2);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = write_row + 8 * half;
-        const uint32_t address = staging + r * 128 + ((granule ^ (r % 8)) * 16) + byte_in_granule;
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(address), "f"(acc[4 * q + 2 * half]),
-                     "f"(acc[4 * q + 2 * half + 1])
-                     : "memory");
-      }
-    }
+    if (lane == 0) tma::wait_store_reads();
     __syncwarp();
-    const int64_t col = item.n0 + 32 * chunk + 4 * read_granule;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int r = 4 * j + read_row;
-      float4 v;
-      asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                   : "r"(staging + r * 128 + ((read_granule ^ (r % 8)) * 16))
-                   : "memory");
-      if (m_first + r < args.m_rows && col < args.n_rows) {
-        *reinterpret_cast<float4*>(tile + static_cast<int64_t>(r) * args.n_rows + col) = v;
-      }
-    }
+    stage_chunk(acc, chunk, lane, staging);
+    wgmma::fence_proxy_async_shared();  // the writes, visible to the TMA's reads
     __syncwarp();
+    if (lane == 0) {
+      tma::store_3d(&p.out, staging, item.n0 + 32 * chunk, static_cast<int32_t>(m_first), item.expert);
+      tma::commit_stores();
+    }
   }
 }
 
 // The producer thread: every k-block of the CTA's items into the ring; its a tile, and b rows 128 rank .. 128 rank +
 // 127 of the item's b tile into every CTA of the cluster.
-template <int kCluster, bool kPingPong>
 __device__ void produce(const KernelParams& p, const int32_t* ends, int64_t tiles_m, int64_t tiles_n, int64_t items,
                         int64_t first_item, int64_t item_step, int rank, uint32_t ring, uint32_t full_bars,
                         uint32_t empty_bars) {
-  using F = Form<kPingPong>;
   tma::prefetch_map(&p.a);
   tma::prefetch_map(&p.b);
   uint32_t flat = 0;  // k-blocks issued so far (ring slot flat % kStages, pass flat / kStages)
   for (int64_t index = first_item; index < items; index += item_step) {
-    const Item item = locate<kCluster, F::kItemM>(p.args, ends, tiles_m, tiles_n, index, rank);
+    const Item item = locate(p.args, ends, tiles_m, tiles_n, index, rank);
     for (int kb = 0; kb < item.nk; ++kb, ++flat) {
-      const uint32_t s = flat % F::kStages;
+      const uint32_t s = flat % kStages;
       // every consumer warp of the cluster released the slot's previous k-block (this CTA's loads write into all)
-      tma::wait(empty_bars + 8 * s, ((flat / F::kStages) & 1) ^ 1);
-      const uint32_t slot = ring + s * F::kStageBytes;
+      tma::wait(empty_bars + 8 * s, ((flat / kStages) & 1) ^ 1);
+      const uint32_t slot = ring + s * kStageBytes;
       const uint32_t full = full_bars + 8 * s;
       const int32_t k0 = item.first_k + kb * kBlockK;
-      tma::arrive_expect_bytes(full, F::kStageBytes);  // (the peers' shares of b count on this barrier too)
+      tma::arrive_expect_bytes(full, kStageBytes);  // (the peer's half of b counts on this barrier too)
       tma::load_2d(slot, &p.a, full, k0, item.m0);
-      constexpr int kShareRows = kTileN / kCluster;  // b rows this CTA loads for the cluster
-      tma::load_2d_multicast(slot + F::kItemM * kRowBytes + rank * kShareRows * kRowBytes, &p.b, full, k0,
-                             item.n0 + kShareRows * rank, static_cast<uint16_t>((1u << kCluster) - 1));
+      tma::load_2d_multicast(slot + kTileABytes + rank * kHalfBBytes, &p.b, full, k0, item.n0 + 128 * rank,
+                             static_cast<uint16_t>((1u << kCluster) - 1));
     }
   }
 }
 
 // A consumer warp's release of a ring slot: to the producer of every CTA of the cluster.
-template <int kCluster>
 __device__ __forceinline__ void release(uint32_t empty_bar) {
 #pragma unroll
   for (int cta = 0; cta < kCluster; ++cta) tma::arrive_in_cta(empty_bar, cta);
 }
 #endif  // EP_COMM_HAS_WGMMA
 
-template <int kCluster, bool kPingPong>
 __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const __grid_constant__ KernelParams p) {
 #if EP_COMM_HAS_WGMMA
-  using F = Form<kPingPong>;
   const GroupedWgradArgs& args = p.args;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  const uint32_t ring = base + ((1024 - (base & 1023)) & 1023);  // (the same offset in every CTA of a cluster)
-  const uint32_t zeros = ring + F::kStages * F::kStageBytes;  // (1024-aligned)
-  const uint32_t staging = zeros + kZeroBytes;
+  const uint32_t ring = base + ((1024 - (base & 1023)) & 1023);  // (the same offset in both CTAs of a cluster)
+  const uint32_t zeros = ring + kStages * kStageBytes;  // (1024-aligned)
+  const uint32_t staging = zeros + kZeroBytes;  // (1024-aligned: the TMA store's swizzle needs it)
   const uint32_t full_bars = staging + kStagingBytes;
-  const uint32_t empty_bars = full_bars + F::kStages * 8;
-  const uint32_t turn_bars = empty_bars + F::kStages * 8;  // ping-pong: turn_bars + 8 g is warpgroup g's turn
-  int32_t* cached_ends = reinterpret_cast<int32_t*>(smem_raw + (turn_bars + 2 * 8 - base));
-  const int64_t tiles_m = (args.m_rows + F::kItemM * kCluster - 1) / (F::kItemM * kCluster);
+  const uint32_t empty_bars = full_bars + kStages * 8;
+  int32_t* cached_ends = reinterpret_cast<int32_t*>(smem_raw + (empty_bars + kStages * 8 - base));
+  const int64_t tiles_m = (args.m_rows + kTileM * kCluster - 1) / (kTileM * kCluster);
   const int64_t tiles_n = (args.n_rows + kTileN - 1) / kTileN;
   const int64_t items = tiles_m * tiles_n * args.num_experts;
   const int rank = static_cast<int>(tma::cluster_rank());
@@ -252,26 +234,23 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const _
   }
   wgmma::fence_proxy_async_shared();  // (the zeros, visible to wgmma; published by the cluster barrier below)
   if (threadIdx.x == 0) {
-    for (int s = 0; s < F::kStages; ++s) {
+    for (int s = 0; s < kStages; ++s) {
       tma::barrier_init(full_bars + 8 * s, 1);  // the producer's arrive_expect_bytes (+ the loads' bytes)
-      // one arrival per consumer warp that reads the slot, in every CTA of the cluster (each CTA's slot holds b rows
-      // its peers loaded)
-      tma::barrier_init(empty_bars + 8 * s, kCluster * F::kSlotReaders);
+      // one arrival per consumer warp of every CTA of the cluster (each CTA's slot holds b rows its peer loaded)
+      tma::barrier_init(empty_bars + 8 * s, kCluster * kConsumerThreads / 32);
     }
-    for (int g = 0; g < 2; ++g) tma::barrier_init(turn_bars + 8 * g, 4);  // the other warpgroup's 4 warps
     tma::fence_barrier_init();
   }
-  // The roles part here. The peers' barriers must be initialized before this CTA's loads and releases reach them.
+  // The roles part here. The peer's barriers must be initialized before this CTA's loads and releases reach them.
   tma::cluster_sync();
   const int32_t* ends = cached ? cached_ends : args.group_ends;
 
   if (threadIdx.x < 128) {  // producer warpgroup: one thread issues everything, the rest have nothing to do
     if (threadIdx.x == 0) {
-      produce<kCluster, kPingPong>(p, ends, tiles_m, tiles_n, items, first_item, item_step, rank, ring, full_bars,
-                                   empty_bars);
+      produce(p, ends, tiles_m, tiles_n, items, first_item, item_step, rank, ring, full_bars, empty_bars);
     }
     __syncwarp();
-    tma::cluster_sync();  // (no CTA exits while a peer may still load into it or arrive on its barriers)
+    tma::cluster_sync();  // (no CTA exits while its peer may still load into it or arrive on its barriers)
     return;
   }
 
@@ -279,47 +258,35 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const _
   const int warpgroup = consumer_thread / 128;
   const int warp = (consumer_thread % 128) / 32;
   const int lane = threadIdx.x % 32;
-  // Ping-pong: warpgroup g takes the CTA's items 2 i + g, all 64 rows; cooperative: every item, rows 64 g ..
-  const int row_offset = kPingPong ? 0 : warpgroup * 64;
-  const int item_thread = kPingPong ? consumer_thread % 128 : consumer_thread;
+  const uint32_t warp_staging = staging + (consumer_thread / 32) * kStagingBytesPerWarp;
+  if (lane == 0) tma::prefetch_map(&p.out);
   // A descriptor of the zeros with stride 0 between 8-row groups: every group reads the same 1 KiB, so it is an
   // all-zero operand of any height. The k16 steps past a segment's end multiply it instead of the slot's columns
   // (which may hold the next segment's values, or NaN): a select, not a branch around the wgmma (ptxas serializes
   // every wgmma of a kernel that issues one under a condition it cannot prove uniform).
   const uint64_t zero_desc = wgmma::make_descriptor_sw128(zeros) & ~(uint64_t{0x3FFF} << 32);
-  uint32_t flat = 0;  // k-blocks of the CTA's items so far (both warpgroups', in ring order)
+  uint32_t flat = 0;
   float acc[128];
-  int64_t local = 0;  // the item's place among the CTA's items
-  for (int64_t index = first_item; index < items; index += item_step, ++local) {
-    const Item item = locate<kCluster, F::kItemM>(args, ends, tiles_m, tiles_n, index, rank);
-    if (kPingPong && local % 2 != warpgroup) {  // the other warpgroup's item: its k-blocks pass by in the ring
-      flat += item.nk;
-      continue;
-    }
-    // Ping-pong turns: a warpgroup starts waiting for its item's k-blocks only once the other one has waited for
-    // every k-block of the item before (so each of its full-barrier waits is at most one phase ahead of the barrier,
-    // which a parity wait needs), and so the two warpgroups' MMAs alternate rather than share the tensor cores: one
-    // runs its MMAs while the other drains and stores its tile.
-    if (kPingPong && local > 0) tma::wait(turn_bars + 8 * warpgroup, ((local - 1) / 2) & 1);
+  for (int64_t index = first_item; index < items; index += item_step) {
+    const Item item = locate(args, ends, tiles_m, tiles_n, index, rank);
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
     for (int kb = 0; kb < item.nk; ++kb, ++flat) {
-      const uint32_t s = flat % F::kStages;
-      const uint32_t slot = ring + s * F::kStageBytes;
-      tma::wait(full_bars + 8 * s, (flat / F::kStages) & 1);
+      const uint32_t s = flat % kStages;
+      const uint32_t slot = ring + s * kStageBytes;
+      tma::wait(full_bars + 8 * s, (flat / kStages) & 1);
       const int64_t k0 = item.first_k + static_cast<int64_t>(kb) * kBlockK;
       // k16 steps with columns in the segment (all four but in a segment's last k-block); the columns outside it are
       // zeroed only where a boundary falls inside a step (segments whose ends are not multiples of 16).
       const int64_t valid = item.seg_end - k0 < kBlockK ? item.seg_end - k0 : kBlockK;
       const int steps = static_cast<int>((valid + 15) / 16);
-      if (k0 < item.seg_begin || valid % 16 != 0) {  // (uniform across the item's consumers)
-        zero_outside_segment<F::kItemM + kTileN, F::kItemThreads>(slot, k0, item.seg_begin, item.seg_end,
-                                                                  item_thread);
+      if (k0 < item.seg_begin || valid % 16 != 0) {  // (uniform across the consumers)
+        zero_outside_segment(slot, k0, item.seg_begin, item.seg_end, consumer_thread);
         wgmma::fence_proxy_async_shared();  // the zeros, visible to wgmma's async proxy
-        tma::named_barrier(kPingPong ? 1 + warpgroup : 1, F::kItemThreads);
+        tma::named_barrier(1, kConsumerThreads);
       }
-      const uint64_t desc_a = wgmma::make_descriptor_sw128(slot + row_offset * kRowBytes);
-      const uint64_t desc_b = wgmma::make_descriptor_sw128(slot + F::kItemM * kRowBytes);
+      const uint64_t desc_a = wgmma::make_descriptor_sw128(slot + warpgroup * 64 * kRowBytes);
+      const uint64_t desc_b = wgmma::make_descriptor_sw128(slot + kTileABytes);
       wgmma::fence_operand(acc);
       wgmma::fence();
 #pragma unroll
@@ -330,18 +297,14 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const _
       wgmma::commit_group();
       wgmma::fence_operand(acc);
       wgmma::wait_group<1>();  // the previous k-block's wgmma has retired: its slot goes back to the producers
-      if (kb > 0 && lane == 0) release<kCluster>(empty_bars + 8 * ((flat - 1) % F::kStages));
-    }
-    if (kPingPong) {  // every k-block of this item waited for and its MMAs issued: the other warpgroup's turn
-      __syncwarp();
-      if (lane == 0) tma::arrive(turn_bars + 8 * (1 - warpgroup));
+      if (kb > 0 && lane == 0) release(empty_bars + 8 * ((flat - 1) % kStages));
     }
     wgmma::wait_group<0>();
     wgmma::fence_operand(acc);
-    if (item.nk > 0 && lane == 0) release<kCluster>(empty_bars + 8 * ((flat - 1) % F::kStages));
-    store_accumulators_staged(acc, args, item, row_offset, warp, lane,
-                              staging + (consumer_thread / 32) * kStageRowsPerWarp * 128);
+    if (item.nk > 0 && lane == 0) release(empty_bars + 8 * ((flat - 1) % kStages));
+    store_accumulators(acc, p, item, item.m0 + warpgroup * 64 + 16 * warp, lane, warp_staging);
   }
+  if (lane == 0) tma::wait_stores();  // (the last stores complete before the CTA exits)
   tma::cluster_sync();
 #else
   __trap();  // built for an architecture without wgmma; the launcher refuses such devices
@@ -367,53 +330,28 @@ EncodeTiled tensor_map_encoder() {
 
 // A K-major bf16 operand [rows, k_total] (row stride ld elements) in boxes of 64 x 128, 128-byte swizzle.
 bool encode_operand(EncodeTiled encode, CUtensorMap* map, const uint16_t* data, int64_t rows, int64_t ld,
-                    int64_t k_total, uint32_t box_rows) {
+                    int64_t k_total) {
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k_total), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
-  const cuuint32_t box[2] = {kBlockK, box_rows};
+  const cuuint32_t box[2] = {kBlockK, 128};
   const cuuint32_t element_strides[2] = {1, 1};
   return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<uint16_t*>(data), dims, strides, box,
                 element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// Encodes the tensor maps and launches persistent clusters: one per cluster item, at most as many as fit at once.
-template <int kCluster, bool kPingPong>
-cudaError_t launch_kernel(const GroupedWgradArgs& args, EncodeTiled encode, cudaStream_t stream) {
-  using F = Form<kPingPong>;
-  const auto kernel = grouped_wgrad_bf16_kernel<kCluster, kPingPong>;
-  KernelParams params{};
-  params.args = args;
-  if (!encode_operand(encode, &params.a, args.a, args.m_rows, args.lda, args.k_total, F::kItemM) ||
-      !encode_operand(encode, &params.b, args.b, args.n_rows, args.ldb, args.k_total, kTileN / kCluster)) {
-    return cudaErrorInvalidValue;
-  }
-  static std::atomic<uint64_t> configured{0};
-  cudaError_t status = once_per_device(configured, [kernel] {
-    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, F::kSmemBytes);
-  });
-  if (status != cudaSuccess) return status;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = kCluster;
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(kCluster);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = F::kSmemBytes;
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  int resident_clusters = 0;
-  status = cudaOccupancyMaxActiveClusters(&resident_clusters, kernel, &config);
-  if (status != cudaSuccess) return status;
-  if (resident_clusters < 1) return cudaErrorInvalidConfiguration;
-  const int64_t cluster_items =
-      ceil_div(args.m_rows, F::kItemM * kCluster) * ceil_div(args.n_rows, kTileN) * args.num_experts;
-  const int64_t clusters = cluster_items < resident_clusters ? cluster_items : resident_clusters;
-  config.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
-  return cudaLaunchKernelEx(&config, kernel, params);
+// The output [num_experts, m_rows, n_rows] fp32 in boxes of 32 x 16 x 1 (one warp's staged chunk), 128-byte swizzle:
+// the staging's own layout. Rows and columns past the tensor are not written.
+bool encode_output(EncodeTiled encode, CUtensorMap* map, const GroupedWgradArgs& args) {
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(args.n_rows), static_cast<cuuint64_t>(args.m_rows),
+                              static_cast<cuuint64_t>(args.num_experts)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(args.n_rows) * 4,
+                                 static_cast<cuuint64_t>(args.m_rows) * args.n_rows * 4};
+  const cuuint32_t box[3] = {32, 16, 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, args.out, dims, strides, box, element_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 }  // namespace
@@ -426,7 +364,9 @@ cudaError_t launch_grouped_wgrad_bf16(const GroupedWgradArgs& args, cudaStream_t
       args.k_total > kMaxCoordinate - kBlockK) {
     return cudaErrorInvalidValue;
   }
-  if (args.m_rows == 0 || args.n_rows == 0 || args.num_experts == 0) return cudaSuccess;
+  const int64_t cluster_items = ceil_div(args.m_rows, kTileM * kCluster) * ceil_div(args.n_rows, kTileN) *
+                                args.num_experts;
+  if (cluster_items == 0) return cudaSuccess;
   if (args.out == nullptr || args.group_ends == nullptr || !rows_aligned(args.out, 0, 16) ||
       (args.k_total > 0 && (args.a == nullptr || args.b == nullptr || !rows_aligned(args.a, 0, 16) ||
                             !rows_aligned(args.b, 0, 16)))) {
@@ -439,11 +379,38 @@ cudaError_t launch_grouped_wgrad_bf16(const GroupedWgradArgs& args, cudaStream_t
   }
   const EncodeTiled encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
-  const char* variant_env = getenv("EP_COMM_WGRAD_VARIANT");  // (temporary: the session's A/B)
-  const int variant = variant_env ? atoi(variant_env) : 0;
-  if (variant == 1) return launch_kernel<4, true>(args, encode, stream);
-  if (variant == 2) return launch_kernel<2, true>(args, encode, stream);
-  return launch_kernel<2, false>(args, encode, stream);
+  KernelParams params{};
+  params.args = args;
+  if (!encode_operand(encode, &params.a, args.a, args.m_rows, args.lda, args.k_total) ||
+      !encode_operand(encode, &params.b, args.b, args.n_rows, args.ldb, args.k_total) ||
+      !encode_output(encode, &params.out, args)) {
+    return cudaErrorInvalidValue;
+  }
+  static std::atomic<uint64_t> configured{0};
+  cudaError_t status = once_per_device(configured, [] {
+    return cudaFuncSetAttribute(grouped_wgrad_bf16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  });
+  if (status != cudaSuccess) return status;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = kCluster;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(kCluster);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSmemBytes;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  // Persistent: one cluster per cluster item, at most as many as fit on the GPU at once.
+  int resident_clusters = 0;
+  status = cudaOccupancyMaxActiveClusters(&resident_clusters, grouped_wgrad_bf16_kernel, &config);
+  if (status != cudaSuccess) return status;
+  if (resident_clusters < 1) return cudaErrorInvalidConfiguration;
+  const int64_t clusters = cluster_items < resident_clusters ? cluster_items : resident_clusters;
+  config.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
+  return cudaLaunchKernelEx(&config, grouped_wgrad_bf16_kernel, params);
 }
 
 }  // namespace ep_comm

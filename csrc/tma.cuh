@@ -1,5 +1,6 @@
 // PTX wrappers for Hopper's tensor memory accelerator (TMA) and the shared-memory barriers (mbarrier) that its
-// loads complete on: tiled 2-D loads global -> shared (multicast to the CTAs of a cluster too), the barrier operations
+// loads complete on: tiled 2-D loads global -> shared (multicast to the CTAs of a cluster too), tiled 3-D stores
+// shared -> global in bulk groups, the barrier operations
 // around them (remote arrivals, cluster barrier) and named CTA barriers for subsets of warps. sm_90+ device code only
 // (callers guard with EP_COMM_HAS_WGMMA or their own __CUDA_ARCH__ test); the tensor maps are encoded on the host
 // (cuTensorMapEncodeTiled) and passed as __grid_constant__ kernel parameters, whose generic address is `map`.
@@ -65,10 +66,22 @@ __device__ __forceinline__ void load_2d_multicast(uint32_t dst, const void* map,
       "l"(map), "r"(bar), "r"(c0), "r"(c1), "h"(cta_mask)
       : "memory");
 }
-// One arrival on a barrier of this CTA (release at CTA scope: what this thread did before it, e.g. its waits).
-__device__ __forceinline__ void arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+// Tile [c2] x [c1 .. c1 + box1) x [c0 .. c0 + box0) of a 3-D tensor map from shared memory at src (laid out as the
+// map's swizzle says) to global memory, in this thread's bulk group; elements outside the tensor are not written. The
+// writing threads make src visible to the async proxy first (fence.proxy.async.shared::cta).
+__device__ __forceinline__ void store_3d(const void* map, uint32_t src, int32_t c0, int32_t c1, int32_t c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(map),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
 }
+// Closes this thread's bulk group of the stores issued since the last commit.
+__device__ __forceinline__ void commit_stores() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Until every committed bulk store of this thread has read its shared-memory source (it may be rewritten).
+__device__ __forceinline__ void wait_store_reads() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+// Until every committed bulk store of this thread has completed (its writes are done).
+__device__ __forceinline__ void wait_stores() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 // One arrival on the barrier at offset `bar` in the shared memory of cluster CTA `cta_rank`. The default semantics
 // (release at CTA scope): what it publishes is that wgmma reads this thread waited for are done, not data. With
 // .release.cluster every arrival waited on a memory barrier (ncu: 5.4 membar stall cycles per issued instruction,
