@@ -41,10 +41,11 @@ differently in the last bit) and on GPUs, where the quantizers are the CUDA kern
 reference quantizers). No host synchronization in a step on CUDA. MXFP8 values below 2^-133 (a block
 whose largest magnitude is below ~2^-118) are not exact in BF16; nothing else is rounded on the way into a GEMM.
 
-Measured on one H200 (bench/RESULTS.md, fifty-second session; bench/bench_training_experts.py): 0.96-1.01x (FP32
-masters: 21.4 against 20.7-21.5 ms per forward + backward; 23.2 ms with torch's weight-gradient GEMMs in the same runs;
-20.6 ms with keep_weight_values) and 0.90-0.91x (BF16 masters) the speed of BF16 experts in torch autograd over the
-same segments, on masters of the same dtype (the baseline moves between runs by a few percent).
+Measured on one H200 (bench/RESULTS.md, fifty-third session; bench/bench_training_experts.py): 1.05x (FP32 masters:
+20.8 against 21.8 ms per forward + backward; 0.99-1.05x against the baselines of the last two sessions, which move by
+a few percent between runs; 23.2 ms with torch's weight-gradient GEMMs in the same run; 20.0 ms with
+keep_weight_values) and 0.90x (BF16 masters) the speed of BF16 experts in torch autograd over the same segments, on
+masters of the same dtype.
 """
 from __future__ import annotations
 
