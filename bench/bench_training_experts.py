@@ -18,6 +18,10 @@ alignment 32), so the layout is the one training uses (capacity rows included). 
       the backward instead of decoded again from the NVFP4 weights: 2 bytes per weight held, as autocast holds);
   ours_forward_backward_torch_wgrad : ours with EP_COMM_WGRAD_GEMM=torch (FP32 masters: the weight gradients from
       torch._grouped_mm in BF16, widened, instead of csrc/grouped_wgrad.cu; the same call otherwise);
+  ours_forward_backward_main_grad : ours with accumulate_into_main_grad=True (the weight gradients added into FP32
+      main_grad buffers by the wgrad GEMM's stores, Megatron-style gradient accumulation), against
+  ours_forward_backward_then_add, bf16_forward_backward_then_add : ours / the baseline, then main_grad += w.grad for
+      both weights (what a trainer that keeps FP32 main gradients does without the fusion);
   wgrad_ours, wgrad_torch : the two weight-gradient GEMMs alone on random BF16 operands of the backward's shapes, into
       FP32: csrc/grouped_wgrad.cu against torch._grouped_mm + the widening kernel (FP32 masters only);
   dense_bf16_tflops : torch.mm in BF16 on 8192^3, the tensor-core ceiling of this GPU in this run.
@@ -68,9 +72,18 @@ def _worker(rank, world, args):
                 with torch.no_grad():
                     return _ExpertMLPFunction.apply(rows, mlp.w1, mlp.w2, result, 1)
 
-            def ours_forward_backward(keep_weight_values=False):
+            def ours_forward_backward(keep_weight_values=False, accumulate_into_main_grad=False):
                 rows.grad = mlp.w1.grad = mlp.w2.grad = None  # (as zero_grad(): no accumulation pass)
-                _ExpertMLPFunction.apply(rows, mlp.w1, mlp.w2, result, 1, keep_weight_values).backward(grad)
+                _ExpertMLPFunction.apply(rows, mlp.w1, mlp.w2, result, 1, keep_weight_values,
+                                         accumulate_into_main_grad).backward(grad)
+
+            for w in (mlp.w1, mlp.w2):  # (FP32 gradient buffers for the main_grad rows)
+                w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=device)
+
+            def ours_forward_backward_then_add():
+                ours_forward_backward()
+                for w in (mlp.w1, mlp.w2):
+                    w.main_grad.add_(w.grad)
 
             # The BF16 baseline on the same rows and segments.
             ends = result.expert_offsets[1:].contiguous()
@@ -93,6 +106,13 @@ def _worker(rank, world, args):
             def bf16_forward_backward():
                 x_rows.grad = w1.grad = w2.grad = None
                 bf16_mlp().backward(g_rows)
+
+            main_grads = [torch.zeros(w.shape, dtype=torch.float32, device=device) for w in (w1, w2)]
+
+            def bf16_forward_backward_then_add():
+                bf16_forward_backward()
+                for w, main_grad in zip((w1, w2), main_grads):
+                    main_grad.add_(w.grad)
 
             # The six grouped GEMMs of ours alone, on operands of the same shapes and layouts.
             padded = -(-result.num_rows // 32) * 32
@@ -129,7 +149,10 @@ def _worker(rank, world, args):
             timed = [("ours_forward", ours_forward), ("ours_forward_backward", ours_forward_backward),
                      ("ours_forward_backward_kept_values", lambda: ours_forward_backward(keep_weight_values=True)),
                      ("bf16_forward", bf16_forward), ("bf16_forward_backward", bf16_forward_backward),
-                     ("gemms_only", gemms_only)]
+                     ("gemms_only", gemms_only),
+                     ("ours_forward_backward_main_grad", lambda: ours_forward_backward(accumulate_into_main_grad=True)),
+                     ("ours_forward_backward_then_add", ours_forward_backward_then_add),
+                     ("bf16_forward_backward_then_add", bf16_forward_backward_then_add)]
             if mlp.w1.dtype == torch.float32:
                 timed += [("ours_forward_backward_torch_wgrad", with_torch_wgrad(ours_forward_backward)),
                           ("wgrad_ours", wgrad_ours), ("wgrad_torch", wgrad_torch)]
@@ -142,7 +165,9 @@ def _worker(rank, world, args):
             flops = 6.0 * rows_in_use * hidden * inter  # (the wgrads: 2 R H I for w2, 4 R H I for w1)
             for name, scale in (("ours_forward", 1), ("ours_forward_backward", 3), ("bf16_forward", 1),
                                 ("bf16_forward_backward", 3), ("gemms_only", 3), ("wgrad_ours", 1), ("wgrad_torch", 1),
-                                ("ours_forward_backward_torch_wgrad", 3), ("ours_forward_backward_kept_values", 3)):
+                                ("ours_forward_backward_torch_wgrad", 3), ("ours_forward_backward_kept_values", 3),
+                                ("ours_forward_backward_main_grad", 3), ("ours_forward_backward_then_add", 3),
+                                ("bf16_forward_backward_then_add", 3)):
                 if name + "_ms" in row:
                     row[name + "_tflops"] = scale * flops / (row[name + "_ms"] * 1e-3) / 1e12
             row["speedup_forward_backward_vs_bf16"] = row["bf16_forward_backward_ms"] / row["ours_forward_backward_ms"]
@@ -158,6 +183,7 @@ def _worker(rank, world, args):
                 print(table)
             figures["cases"].append(row)
             mlp = rows = grad = x_rows = w1 = w2 = a_h = a_i = a_2i = t_h = t_i = t_2i = v1 = v2 = None  # (freed)
+            main_grads = None
             torch.cuda.empty_cache()
     return figures
 
@@ -190,6 +216,11 @@ def main(argv=None):
               f"({row['gemms_only_tflops']:.0f}); ours / BF16 speed {row['speedup_forward_backward_vs_bf16']:.2f}x; "
               f"with keep_weight_values {row['ours_forward_backward_kept_values_ms']:.2f} ms; "
               f"_grouped_mm output strides: wgrad {row['wgrad_out_strides']}, dgrad {row['dgrad_out_strides']}")
+        print(f"  FP32 main_grad accumulation: ours accumulate_into_main_grad "
+              f"{row['ours_forward_backward_main_grad_ms']:.2f} ms, ours then main_grad += grad "
+              f"{row['ours_forward_backward_then_add_ms']:.2f} ms, BF16 then main_grad += grad "
+              f"{row['bf16_forward_backward_then_add_ms']:.2f} ms (ours / BF16 "
+              f"{row['bf16_forward_backward_then_add_ms'] / row['ours_forward_backward_main_grad_ms']:.2f}x)")
         if "wgrad_ours_ms" in row:
             print(f"  weight gradients into FP32: fwd+bwd with torch's wgrad "
                   f"{row['ours_forward_backward_torch_wgrad_ms']:.2f} ms; the two wgrads alone: ours "

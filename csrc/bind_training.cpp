@@ -90,7 +90,7 @@ void register_training(py::module_& m) {
   m.def(
       "grouped_wgrad_bf16",
       [](uintptr_t a, int64_t lda, uintptr_t b, int64_t ldb, uintptr_t group_ends, int num_experts, int64_t m_rows,
-         int64_t n_rows, int64_t k_total, uintptr_t out, uintptr_t stream) {
+         int64_t n_rows, int64_t k_total, uintptr_t out, bool accumulate, uintptr_t stream) {
         ep_comm::GroupedWgradArgs args;
         args.a = ptr<const uint16_t>(a);
         args.lda = lda;
@@ -102,10 +102,11 @@ void register_training(py::module_& m) {
         args.n_rows = n_rows;
         args.k_total = k_total;
         args.out = ptr<float>(out);
+        args.accumulate = accumulate;
         check(ep_comm::launch_grouped_wgrad_bf16(args, as_stream(stream)), "grouped_wgrad_bf16");
       },
       py::call_guard<py::gil_scoped_release>(), py::arg("a"), py::arg("lda"), py::arg("b"), py::arg("ldb"),
       py::arg("group_ends"), py::arg("num_experts"), py::arg("m_rows"), py::arg("n_rows"), py::arg("k_total"),
-      py::arg("out"), py::arg("stream"),
-      "out[e] = a[:, segment e] @ b[:, segment e]^T, bf16 in, fp32 out, segments along K (grouped_wgrad.h)");
+      py::arg("out"), py::arg("accumulate"), py::arg("stream"),
+      "out[e] (+)= a[:, segment e] @ b[:, segment e]^T, bf16 in, fp32 out, segments along K (grouped_wgrad.h)");
 }

@@ -158,7 +158,9 @@ __device__ __forceinline__ void stage_chunk(const float (&acc)[128], int chunk, 
 // whole 128-byte lines reach L2 and the TMA unit, not the warp, waits for them. Straight from the accumulators each
 // store instruction wrote one 32-byte sector in each of 16 rows, and the kernel ran 8-10% slower; the same staging
 // with 16-byte stores of whole lines by the warp measured ~1-2% slower than the TMA stores (bench/RESULTS.md,
-// fifty-third session). The staging area is rewritten only once the previous chunk's store has read it.
+// fifty-third session). The staging area is rewritten only once the previous chunk's store has read it. kAccumulate:
+// the TMA adds the chunk into the output instead (args.accumulate).
+template <bool kAccumulate>
 __device__ __forceinline__ void store_accumulators(const float (&acc)[128], const KernelParams& p, const Item& item,
                                                    int64_t m_first, int lane, uint32_t staging) {
 #pragma unroll
@@ -169,7 +171,12 @@ __device__ __forceinline__ void store_accumulators(const float (&acc)[128], cons
     wgmma::fence_proxy_async_shared();  // the writes, visible to the TMA's reads
     __syncwarp();
     if (lane == 0) {
-      tma::store_3d(&p.out, staging, item.n0 + 32 * chunk, static_cast<int32_t>(m_first), item.expert);
+      const int32_t col = item.n0 + 32 * chunk, row = static_cast<int32_t>(m_first);
+      if constexpr (kAccumulate) {
+        tma::reduce_add_3d(&p.out, staging, col, row, item.expert);
+      } else {
+        tma::store_3d(&p.out, staging, col, row, item.expert);
+      }
       tma::commit_stores();
     }
   }
@@ -207,6 +214,7 @@ __device__ __forceinline__ void release(uint32_t empty_bar) {
 }
 #endif  // EP_COMM_HAS_WGMMA
 
+template <bool kAccumulate>
 __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const __grid_constant__ KernelParams p) {
 #if EP_COMM_HAS_WGMMA
   const GroupedWgradArgs& args = p.args;
@@ -302,7 +310,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const _
     wgmma::wait_group<0>();
     wgmma::fence_operand(acc);
     if (item.nk > 0 && lane == 0) release(empty_bars + 8 * ((flat - 1) % kStages));
-    store_accumulators(acc, p, item, item.m0 + warpgroup * 64 + 16 * warp, lane, warp_staging);
+    store_accumulators<kAccumulate>(acc, p, item, item.m0 + warpgroup * 64 + 16 * warp, lane, warp_staging);
   }
   if (lane == 0) tma::wait_stores();  // (the last stores complete before the CTA exits)
   tma::cluster_sync();
@@ -373,7 +381,8 @@ cudaError_t launch_grouped_wgrad_bf16(const GroupedWgradArgs& args, cudaStream_t
     return cudaErrorInvalidValue;
   }
   if (!device_is_sm90()) return cudaErrorNotSupported;
-  if (args.k_total == 0) {  // every segment empty (and no tensor map has zero columns)
+  if (args.k_total == 0) {  // every segment empty (and no tensor map has zero columns): zeros, or nothing to add
+    if (args.accumulate) return cudaSuccess;
     return cudaMemsetAsync(args.out, 0, static_cast<size_t>(args.num_experts) * args.m_rows * args.n_rows *
                                             sizeof(float), stream);
   }
@@ -386,9 +395,10 @@ cudaError_t launch_grouped_wgrad_bf16(const GroupedWgradArgs& args, cudaStream_t
       !encode_output(encode, &params.out, args)) {
     return cudaErrorInvalidValue;
   }
-  static std::atomic<uint64_t> configured{0};
-  cudaError_t status = once_per_device(configured, [] {
-    return cudaFuncSetAttribute(grouped_wgrad_bf16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  const auto kernel = args.accumulate ? grouped_wgrad_bf16_kernel<true> : grouped_wgrad_bf16_kernel<false>;
+  static std::atomic<uint64_t> configured[2] = {0, 0};
+  cudaError_t status = once_per_device(configured[args.accumulate ? 1 : 0], [kernel] {
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   });
   if (status != cudaSuccess) return status;
   cudaLaunchAttribute attribute{};
@@ -405,12 +415,12 @@ cudaError_t launch_grouped_wgrad_bf16(const GroupedWgradArgs& args, cudaStream_t
   config.numAttrs = 1;
   // Persistent: one cluster per cluster item, at most as many as fit on the GPU at once.
   int resident_clusters = 0;
-  status = cudaOccupancyMaxActiveClusters(&resident_clusters, grouped_wgrad_bf16_kernel, &config);
+  status = cudaOccupancyMaxActiveClusters(&resident_clusters, kernel, &config);
   if (status != cudaSuccess) return status;
   if (resident_clusters < 1) return cudaErrorInvalidConfiguration;
   const int64_t clusters = cluster_items < resident_clusters ? cluster_items : resident_clusters;
   config.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
-  return cudaLaunchKernelEx(&config, grouped_wgrad_bf16_kernel, params);
+  return cudaLaunchKernelEx(&config, kernel, params);
 }
 
 }  // namespace ep_comm

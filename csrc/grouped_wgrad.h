@@ -7,7 +7,7 @@
 // along K -- what the MXFP8 round trips' transposed outputs are); the groups are the experts' token segments:
 // start_e = e ? group_ends[e - 1] : 0, end_e = group_ends[e] (int32 [E] on the device, non-decreasing; clamped on the
 // device to [0, k_total], so inconsistent ends cannot make the kernel read outside a and b); an empty segment gives a
-// zero matrix. out: fp32 [E, m_rows, n_rows], contiguous, every element written.
+// zero matrix. out: fp32 [E, m_rows, n_rows], contiguous, every element written (or added to: `accumulate`).
 //
 // Why: torch._grouped_mm writes BF16 only, so FP32 master weights took its BF16 weight gradients widened by a separate
 // pass (read 2 + write 4 bytes per weight, ~3 ms of a ~23 ms forward + backward at DeepSeek-V3 expert shapes) and
@@ -31,6 +31,10 @@ struct GroupedWgradArgs {
   int64_t n_rows = 0;   // multiple of 8
   int64_t k_total = 0;  // <= lda and <= ldb: the columns the segments may cover
   float* out = nullptr;  // [num_experts, m_rows, n_rows], 16-byte aligned
+  // false: out = the result (every element written). true: out += the result, one FP32 addition per element (the
+  // TMA's reduce-add in L2: the bits of `out + result` computed apart), for gradients accumulated over micro-batches
+  // in an FP32 buffer (Megatron's main_grad) without a separate pass over it.
+  bool accumulate = false;
 };
 
 // cudaErrorInvalidValue for bad sizes, null or misaligned pointers (or sizes past the TMA's int32 coordinates);

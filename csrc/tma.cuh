@@ -74,6 +74,14 @@ __device__ __forceinline__ void store_3d(const void* map, uint32_t src, int32_t 
                "r"(src), "r"(c0), "r"(c1), "r"(c2)
                : "memory");
 }
+// The same tile added into global memory (element-wise reduce-add of the map's type, performed in L2; elements outside
+// the tensor untouched), in this thread's bulk group.
+__device__ __forceinline__ void reduce_add_3d(const void* map, uint32_t src, int32_t c0, int32_t c1, int32_t c2) {
+  asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                   map),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
 // Closes this thread's bulk group of the stores issued since the last commit.
 __device__ __forceinline__ void commit_stores() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Until every committed bulk store of this thread has read its shared-memory source (it may be rewritten).

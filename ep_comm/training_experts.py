@@ -230,28 +230,43 @@ def _to_master_dtype(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+def _wgrad_kernel_usable(a_tokens: torch.Tensor) -> bool:
+    """csrc/grouped_wgrad.cu runs here: an sm_90 GPU with the kernels built, not turned off by EP_COMM_WGRAD_GEMM=torch."""
+    if not a_tokens.is_cuda or os.environ.get("EP_COMM_WGRAD_GEMM", "ep_comm") == "torch":
+        return False
+    from . import grouped_gemm
+    return not grouped_gemm.gemm_kernels_unavailable(a_tokens.device) and hasattr(_ext._C, "grouped_wgrad_bf16")
+
+
 def _weight_gradient(a_tokens: torch.Tensor, b_tokens: torch.Tensor, group_ends: torch.Tensor,
-                     dtype: torch.dtype) -> torch.Tensor:
+                     dtype: torch.dtype, accumulate_into: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """A weight gradient from the backward's token-axis operands: a_tokens bf16 [M, Rp] and b_tokens bf16 [N, Rp]
     (tokens along the last axis, Rp >= group_ends[-1]) -> [E, M, N] in the master dtype, out[e] = a[:, seg_e] @
     b[:, seg_e]^T over expert e's tokens. FP32 masters on an sm_90 GPU: csrc/grouped_wgrad.cu, whose FP32
     accumulators are the gradient; otherwise (BF16 masters, CPU, other GPUs, or EP_COMM_WGRAD_GEMM=torch)
-    torch._grouped_mm's BF16 output in the master dtype (rounded to BF16 once on the way)."""
-    if dtype == torch.float32 and a_tokens.is_cuda and os.environ.get("EP_COMM_WGRAD_GEMM", "ep_comm") != "torch":
-        from . import grouped_gemm
-        if not grouped_gemm.gemm_kernels_unavailable(a_tokens.device) and hasattr(_ext._C, "grouped_wgrad_bf16"):
-            lib = _ext._C
-            if a_tokens.shape[1] != b_tokens.shape[1]:
-                raise ValueError(f"the operands' token axes differ: {tuple(a_tokens.shape)}, {tuple(b_tokens.shape)}")
-            a_tokens, b_tokens, group_ends = a_tokens.contiguous(), b_tokens.contiguous(), group_ends.contiguous()
-            (m, k_total), n, experts = a_tokens.shape, b_tokens.shape[0], group_ends.numel()
-            out = torch.empty(experts, m, n, dtype=torch.float32, device=a_tokens.device)
-            with _ext.cuda_device(a_tokens.device):
-                lib.grouped_wgrad_bf16(a_tokens.data_ptr(), k_total, b_tokens.data_ptr(), b_tokens.shape[1],
+    torch._grouped_mm's BF16 output in the master dtype (rounded to BF16 once on the way).
+
+    accumulate_into: an FP32 [E, M, N] contiguous tensor (a main_grad) to add the gradient into, in place, instead of
+    returning it (returns None): on an sm_90 GPU the kernel adds its FP32 accumulators (whatever the master dtype),
+    else the gradient above, widened to FP32, is added -- the same bits as `accumulate_into += gradient`."""
+    if a_tokens.shape[1] != b_tokens.shape[1]:
+        raise ValueError(f"the operands' token axes differ: {tuple(a_tokens.shape)}, {tuple(b_tokens.shape)}")
+    kernel = _wgrad_kernel_usable(a_tokens) and (dtype == torch.float32 or accumulate_into is not None)
+    if kernel:
+        a_tokens, b_tokens, group_ends = a_tokens.contiguous(), b_tokens.contiguous(), group_ends.contiguous()
+        (m, k_total), n, experts = a_tokens.shape, b_tokens.shape[0], group_ends.numel()
+        out = accumulate_into if accumulate_into is not None else torch.empty(
+            experts, m, n, dtype=torch.float32, device=a_tokens.device)
+        with _ext.cuda_device(a_tokens.device):
+            _ext._C.grouped_wgrad_bf16(a_tokens.data_ptr(), k_total, b_tokens.data_ptr(), b_tokens.shape[1],
                                        group_ends.data_ptr(), experts, m, n, k_total, out.data_ptr(),
-                                       _ext.current_raw_stream(a_tokens.device))
-            return out
-    return _to_master_dtype(_grouped_mm(a_tokens, b_tokens.t(), group_ends), dtype)
+                                       accumulate_into is not None, _ext.current_raw_stream(a_tokens.device))
+        return None if accumulate_into is not None else out
+    grad = _to_master_dtype(_grouped_mm(a_tokens, b_tokens.t(), group_ends), dtype)
+    if accumulate_into is None:
+        return grad
+    accumulate_into.add_(grad)  # (a bf16 gradient: exact in FP32, so one rounding, in the addition)
+    return None
 
 
 def _scale_rows_(x: torch.Tensor, factor: torch.Tensor, src_rank: torch.Tensor) -> torch.Tensor:
@@ -310,13 +325,38 @@ def _weight_values(w: formats.NVFP4Tensor) -> torch.Tensor:
     return values.view(w.data.shape[0], w.data.shape[1], -1)
 
 
+def _flag_added_to_main_grad(weights) -> None:
+    """Sets `grad_added_to_main_grad` on the weights that have that attribute (trainers that keep FP32 main gradients,
+    Megatron's convention, read it to know the gradient went to main_grad rather than .grad)."""
+    for w in weights:
+        if hasattr(w, "grad_added_to_main_grad"):
+            w.grad_added_to_main_grad = True
+
+
+def _check_main_grads(w1: torch.Tensor, w2: torch.Tensor) -> None:
+    for name, w in (("w1", w1), ("w2", w2)):
+        main_grad = getattr(w, "main_grad", None)
+        if not isinstance(main_grad, torch.Tensor):
+            raise ValueError(f"accumulate_into_main_grad=True: {name} has no main_grad tensor (an FP32 buffer of its "
+                             f"shape that the weight gradients are added into)")
+        if (main_grad.dtype != torch.float32 or main_grad.shape != w.shape or main_grad.device != w.device
+                or not main_grad.is_contiguous()):
+            raise ValueError(f"accumulate_into_main_grad=True: {name}.main_grad must be a contiguous float32 tensor "
+                             f"of {name}'s shape {tuple(w.shape)} on {w.device}; got {main_grad.dtype} "
+                             f"{tuple(main_grad.shape)} on {main_grad.device}"
+                             f"{'' if main_grad.is_contiguous() else ', not contiguous'}")
+
+
 class _ExpertMLPFunction(torch.autograd.Function):
     """(rows [R, H], w1 [E, 2I, H], w2 [E, H, I]) -> bf16 [R, H]; rows only carries the gradient back to dispatch:
     the values come from the NVFP4 payload (result.x) it was dequantized from."""
 
     @staticmethod
-    def forward(ctx, rows, w1, w2, result, seed: int, keep_weight_values: bool = False):
+    def forward(ctx, rows, w1, w2, result, seed: int, keep_weight_values: bool = False,
+                accumulate_into_main_grad: bool = False):
         num_rows = result.num_rows
+        # (the parameters themselves: the backward adds into their main_grad, read then, and flags them)
+        ctx.main_grad_of = (w1, w2) if accumulate_into_main_grad else None
         ctx.rows_dtype, ctx.w1_dtype, ctx.w2_dtype = rows.dtype, w1.dtype, w2.dtype
         ctx.w1_shape_device, ctx.w2_shape_device = (w1.shape, w1.device), (w2.shape, w2.device)
         ctx.freed = False
@@ -364,11 +404,17 @@ class _ExpertMLPFunction(torch.autograd.Function):
                                "the first backward (retain_graph is not supported here)")
         s: _Saved = ctx.saved
         ctx.saved, ctx.freed = None, True  # (freed with this backward)
-        if s is None:  # (no rows)
+        main_grad_of, ctx.main_grad_of = ctx.main_grad_of, None
+        if main_grad_of is not None:
+            _check_main_grads(*main_grad_of)  # (again: the trainer may have replaced them since the forward)
+        if s is None:  # (no rows: zero weight gradients, or nothing to add)
             w1, w2 = ctx.w1_shape_device, ctx.w2_shape_device
+            if main_grad_of is not None:
+                _flag_added_to_main_grad([w for w, wanted in zip(main_grad_of, ctx.needs_input_grad[1:3]) if wanted])
+                return grad_out.new_zeros(0, w1[0][2], dtype=ctx.rows_dtype), None, None, None, None, None, None
             return (grad_out.new_zeros(0, w1[0][2], dtype=ctx.rows_dtype),
                     torch.zeros(w1[0], dtype=ctx.w1_dtype, device=w1[1]),
-                    torch.zeros(w2[0], dtype=ctx.w2_dtype, device=w2[1]), None, None, None)
+                    torch.zeros(w2[0], dtype=ctx.w2_dtype, device=w2[1]), None, None, None, None)
         src, rows_p = s.src_rank, s.padded_rows
 
         def seed_of(tensor: str) -> int:
@@ -389,10 +435,13 @@ class _ExpertMLPFunction(torch.autograd.Function):
         if want_w2:
             h_tokens = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(
                 s.hidden, rounding="stochastic", seed=seed_of("h_tokens")), dtype=torch.bfloat16)    # [I, Rp]
-            grad_w2 = _weight_gradient(g_tokens, h_tokens, s.group_ends, ctx.w2_dtype)  # [E, H, I]
+            grad_w2 = _weight_gradient(g_tokens, h_tokens, s.group_ends, ctx.w2_dtype,  # [E, H, I]
+                                       main_grad_of[1].main_grad if main_grad_of is not None else None)
             del g_tokens, h_tokens
         if d_hidden is None:
-            return None, None, grad_w2, None, None, None
+            if main_grad_of is not None and want_w2:
+                _flag_added_to_main_grad(main_grad_of[1:])
+            return None, None, grad_w2, None, None, None, None
         # SwiGLU's backward in FP32 from the forward's pre-activations, rounded to BF16 (the source of both MXFP8
         # roundings of w1's backward), then w1's dgrad (MXFP8 along 2I) and wgrad (MXFP8 along the tokens).
         d_gate_up = _swiglu_backward_rows(d_hidden, _expert_factor(s.w2, s.expert_of_row), s.gate_up_bf16,
@@ -413,8 +462,11 @@ class _ExpertMLPFunction(torch.autograd.Function):
         if want_w1:
             x_tokens = formats.mxfp8_dequantize(formats.nvfp4_to_mxfp8_transposed(
                 s.tokens, rounding="stochastic", seed=seed_of("x_tokens")), dtype=torch.bfloat16)    # [H, Rp]
-            grad_w1 = _weight_gradient(d_tokens, x_tokens, s.group_ends, ctx.w1_dtype)  # [E, 2I, H]
-        return grad_rows, grad_w1, grad_w2, None, None, None
+            grad_w1 = _weight_gradient(d_tokens, x_tokens, s.group_ends, ctx.w1_dtype,  # [E, 2I, H]
+                                       main_grad_of[0].main_grad if main_grad_of is not None else None)
+        if main_grad_of is not None:
+            _flag_added_to_main_grad([w for w, wanted in zip(main_grad_of, (want_w1, want_w2)) if wanted])
+        return grad_rows, grad_w1, grad_w2, None, None, None, None
 
 
 def _check_routed(routed, w1: torch.Tensor, w2: torch.Tensor) -> None:
@@ -440,7 +492,7 @@ def _check_routed(routed, w1: torch.Tensor, w2: torch.Tensor) -> None:
 
 
 def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: int,
-               keep_weight_values: bool = False) -> torch.Tensor:
+               keep_weight_values: bool = False, accumulate_into_main_grad: bool = False) -> torch.Tensor:
     """The SwiGLU experts of this rank on a `training.dispatch` result, with autograd: bf16 [R, H] in the dispatch
     layout (zero outside the rows in use), ready for `training.combine`.
 
@@ -453,10 +505,20 @@ def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: i
 
     keep_weight_values: keep the forward's BF16 block values of the NVFP4 weights (2 bytes per weight, as autocast keeps
     its BF16 weight copies) until the backward, which then does not decode them again from the NVFP4 weights (0.56
-    bytes per weight); the same bits either way. Off by default (memory before speed)."""
+    bytes per weight); the same bits either way. Off by default (memory before speed).
+
+    accumulate_into_main_grad: the backward adds the weight gradients into `w1.main_grad` / `w2.main_grad` (float32,
+    the weights' shapes, contiguous: the FP32 gradient buffers of trainers that accumulate micro-batches there,
+    Megatron-style) instead of returning them: w1.grad / w2.grad are not written, the weights' gradient hooks do not
+    run, and `grad_added_to_main_grad` is set to True on weights that have that attribute. On an sm_90 GPU the
+    weight-gradient GEMM adds its FP32 accumulators into main_grad as it stores them (no gradient tensor, no separate
+    addition pass), for float32 and bfloat16 masters alike; elsewhere the gradient is computed as without it and added.
+    Either way each element of main_grad gets exactly one FP32 addition per backward."""
     _check_routed(routed, w1, w2)
-    if not isinstance(keep_weight_values, bool):
-        raise TypeError(f"keep_weight_values must be a bool, got {type(keep_weight_values).__name__}")
+    for name, flag in (("keep_weight_values", keep_weight_values),
+                       ("accumulate_into_main_grad", accumulate_into_main_grad)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     for name, w in (("w1", w1), ("w2", w2)):
         # (float16 masters are refused: the bf16 weight gradients would overflow their range, silently)
         if not isinstance(w, torch.Tensor) or w.dtype not in (torch.float32, torch.bfloat16):
@@ -467,8 +529,11 @@ def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: i
         raise ValueError(f"w1 must be [E, 2I, H] and w2 [E, H, I]; got {tuple(w1.shape)} and {tuple(w2.shape)}")
     if (two_i // 2) % formats.MX_BLOCK:
         raise ValueError(f"I must be a multiple of 32 (MXFP8 blocks of the backward), got {two_i // 2}")
+    if accumulate_into_main_grad:
+        _check_main_grads(w1, w2)
     seed = formats._check_seed(seed)
-    return _ExpertMLPFunction.apply(routed.x, w1, w2, routed.result, seed, keep_weight_values)
+    return _ExpertMLPFunction.apply(routed.x, w1, w2, routed.result, seed, keep_weight_values,
+                                    accumulate_into_main_grad)
 
 
 class ExpertMLP(torch.nn.Module):
@@ -477,11 +542,13 @@ class ExpertMLP(torch.nn.Module):
 
     forward(routed) -> bf16 [R, H]: `expert_mlp` with a new seed per call, a hash of (seed, the call count). The count
     is saved in state_dict (extra state), so a resumed run does not replay the first steps' rounding noise. Give each
-    layer its own seed. keep_weight_values: as for `expert_mlp` (memory for speed, the same bits).
+    layer its own seed. keep_weight_values, accumulate_into_main_grad: as for `expert_mlp` (the latter needs
+    w1.main_grad / w2.main_grad set by the trainer before the backward).
     pack() -> moe.PackedExpertWeights: the same NVFP4 weights, bit for bit, for the inference MoELayer."""
 
     def __init__(self, num_local_experts: int, hidden: int, intermediate: int, *, dtype: torch.dtype = torch.float32,
-                 device=None, seed: int = 0, keep_weight_values: bool = False):
+                 device=None, seed: int = 0, keep_weight_values: bool = False,
+                 accumulate_into_main_grad: bool = False):
         super().__init__()
         if dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"dtype must be torch.float32 or torch.bfloat16 (the master weights), got {dtype}")
@@ -493,11 +560,13 @@ class ExpertMLP(torch.nn.Module):
         self.seed = formats._check_seed(seed)
         self.calls = 0
         self.keep_weight_values = keep_weight_values
+        self.accumulate_into_main_grad = accumulate_into_main_grad
 
     def forward(self, routed: RoutedTokens) -> torch.Tensor:
         self.calls += 1
         return expert_mlp(routed, self.w1, self.w2, seed=_mix64(_mix64(self.seed) ^ self.calls),
-                          keep_weight_values=self.keep_weight_values)
+                          keep_weight_values=self.keep_weight_values,
+                          accumulate_into_main_grad=self.accumulate_into_main_grad)
 
     def get_extra_state(self):
         return {"seed": self.seed, "calls": self.calls}

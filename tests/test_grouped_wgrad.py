@@ -93,6 +93,31 @@ def test_wgrad_kernel_exact_on_integers(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", [0, 1, 2, 5, 6, 8])
+def test_wgrad_kernel_accumulates_on_integers(case):
+    """accumulate_into: the kernel adds its accumulators into an FP32 buffer (TMA reduce-add) -- integer values, so
+    the buffer must equal its old values plus the float64 reference exactly, whatever the master dtype asked for (the
+    kernel serves BF16 masters too when it accumulates); nothing past the tensor's edges is touched."""
+    device = _kernel_available()
+    m, n, k_total, ends = _CASES[case]
+    a, b = _operands(m, n, k_total, ends, True, 100 + case, device)
+    group_ends = torch.tensor(ends, dtype=torch.int32, device=device)
+    before = torch.randint(-4096, 4097, (len(ends) + 1, m, n), generator=torch.Generator().manual_seed(case)).float()
+    want = before.to(device)
+    want[:len(ends)] += _reference(a, b, ends).float()
+    for dtype in (torch.float32, torch.bfloat16):
+        buffer = before.to(device)
+        assert te._weight_gradient(a, b, group_ends, dtype, accumulate_into=buffer[:len(ends)]) is None
+        # (values, not bits: an all -0 product sum adds +0)
+        assert torch.equal(buffer, want), f"case {case} {dtype}: {(buffer != want).sum().item()} values differ"
+    buffer = before.to(device)[:len(ends)].contiguous()
+    empty = torch.zeros(m, 0, dtype=torch.bfloat16, device=device)
+    te._weight_gradient(empty, torch.zeros(n, 0, dtype=torch.bfloat16, device=device), group_ends, torch.float32,
+                        accumulate_into=buffer)
+    assert torch.equal(buffer, before[:len(ends)].to(device)), "no columns: nothing to add"
+
+
+@pytest.mark.gpu
 def test_wgrad_kernel_within_fp32_accumulation_bound(monkeypatch):
     """Random operands: |kernel - float64| <= K 2^-22 (|a| @ |b|^T) per element (FP32 accumulation of exact products,
     with 4x margin over one rounding per add); torch's BF16 path differs from it by its one BF16 rounding only."""
@@ -122,7 +147,7 @@ def test_wgrad_kernel_refuses_bad_arguments():
     out = torch.empty(1, 128, 128, device=device)
     stream = _ext.current_raw_stream(device)
     good = dict(a=a.data_ptr(), lda=64, b=a.data_ptr(), ldb=64, group_ends=ends.data_ptr(), num_experts=1, m_rows=128,
-                n_rows=128, k_total=64, out=out.data_ptr(), stream=stream)
+                n_rows=128, k_total=64, out=out.data_ptr(), accumulate=False, stream=stream)
     _ext._C.grouped_wgrad_bf16(**good)
     torch.cuda.synchronize()
     for bad in (dict(lda=60), dict(m_rows=100), dict(k_total=72), dict(a=a.data_ptr() + 2), dict(out=0)):
@@ -144,3 +169,9 @@ def test_weight_gradient_segments_on_cpu():
     bound = _reference(a_abs, b_abs, ends) * (k_total * 2.0 ** -22) + want.abs() * 2.0 ** -8
     assert ((got.double() - want).abs() <= bound).all()
     assert te._weight_gradient(a, b, torch.tensor(ends, dtype=torch.int32), torch.bfloat16).dtype == torch.bfloat16
+    # accumulate_into: the same gradient added into an FP32 buffer in place, one addition per element.
+    for dtype in (torch.float32, torch.bfloat16):
+        buffer = torch.randn(len(ends), m, n)
+        want_sum = buffer + te._weight_gradient(a, b, torch.tensor(ends, dtype=torch.int32), dtype).float()
+        assert te._weight_gradient(a, b, torch.tensor(ends, dtype=torch.int32), dtype, accumulate_into=buffer) is None
+        assert torch.equal(buffer, want_sum)

@@ -140,6 +140,7 @@ def oracle_worker(rank, world, backend="reference", device_kind="cpu"):
             return out.detach(), rows.grad, experts.w1.grad.clone(), experts.w2.grad.clone()
 
         got = run(result)
+        _check_main_grad_accumulation(experts, result, g, seed, device)
         want = _oracle(result, experts.w1, experts.w2, g, seed)
         names = ("out", "d rows", "d w1", "d w2")
         for name, a, b in zip(names, run(result, keep_weight_values=True), got):  # (the values kept, not decoded again)
@@ -192,6 +193,39 @@ def oracle_worker(rank, world, backend="reference", device_kind="cpu"):
                 assert _relative_error(a.cpu(), b) < bound, name
         assert not again[0][num_rows:].any() and not again[1][num_rows:].any()
     return "oracle ok"
+
+
+def _check_main_grad_accumulation(experts, result, g, seed, device):
+    """accumulate_into_main_grad: the weight gradients added into FP32 main_grad buffers in place, bitwise `main_grad +
+    the gradient` an FP32 master of the same values gets (the wgrad kernel accumulates in FP32 whatever the master
+    dtype, and elsewhere a BF16 gradient is exact in FP32); .grad untouched, grad_added_to_main_grad set; the output
+    and the rows' gradient the same bits."""
+    def run(mlp, accumulate):
+        rows = torch.zeros(result.num_rows, HIDDEN, dtype=torch.bfloat16, device=device, requires_grad=True)
+        mlp.zero_grad()
+        out = _ExpertMLPFunction.apply(rows, mlp.w1, mlp.w2, result, seed, False, accumulate)
+        out.backward(g)
+        return out.detach(), rows.grad
+
+    for dtype in (torch.float32, torch.bfloat16):
+        reference = training.ExpertMLP(4, HIDDEN, INTER, device=device)
+        twin = training.ExpertMLP(4, HIDDEN, INTER, device=device, dtype=dtype)
+        with torch.no_grad():
+            for ref_w, twin_w, w in ((reference.w1, twin.w1, experts.w1), (reference.w2, twin.w2, experts.w2)):
+                twin_w.copy_(w.to(dtype))
+                ref_w.copy_(twin_w.float())
+        want = run(reference, False)
+        before = []
+        for i, w in enumerate((twin.w1, twin.w2)):
+            w.main_grad = torch.randn(w.shape, generator=torch.Generator().manual_seed(i)).to(device)
+            w.grad_added_to_main_grad = False
+            before.append(w.main_grad.clone())
+        got = run(twin, True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), dtype
+        for w, ref_w, old in zip((twin.w1, twin.w2), (reference.w1, reference.w2), before):
+            assert w.grad is None and w.grad_added_to_main_grad, dtype
+            assert torch.equal(w.main_grad, old + ref_w.grad), \
+                f"{dtype}: main_grad is not main_grad + the gradient in {(w.main_grad != old + ref_w.grad).sum()} values"
 
 
 def _frozen_worker(rank, world):
@@ -279,6 +313,18 @@ def errors_worker(rank, world):
             training.expert_mlp(routed, torch.zeros(4, 32, HIDDEN), torch.zeros(4, HIDDEN, 16), 0)
         with pytest.raises(TypeError, match="keep_weight_values"):
             training.expert_mlp(routed, experts.w1, experts.w2, 0, keep_weight_values=1)
+        with pytest.raises(TypeError, match="accumulate_into_main_grad"):
+            training.expert_mlp(routed, experts.w1, experts.w2, 0, accumulate_into_main_grad=1)
+        with pytest.raises(ValueError, match="w1 has no main_grad"):
+            training.expert_mlp(routed, experts.w1, experts.w2, 0, accumulate_into_main_grad=True)
+        experts.w1.main_grad = torch.zeros(experts.w1.shape)
+        experts.w2.main_grad = torch.zeros(experts.w2.shape, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="w2.main_grad must be a contiguous float32"):
+            training.expert_mlp(routed, experts.w1, experts.w2, 0, accumulate_into_main_grad=True)
+        experts.w2.main_grad = torch.zeros(experts.w2.shape).transpose(1, 2).contiguous().transpose(1, 2)
+        with pytest.raises(ValueError, match="not contiguous"):
+            training.expert_mlp(routed, experts.w1, experts.w2, 0, accumulate_into_main_grad=True)
+        del experts.w1.main_grad, experts.w2.main_grad
         # A second backward through the same graph (retain_graph) is refused, not answered with zeros.
         y = experts(routed)
         y.float().sum().backward(retain_graph=True)
