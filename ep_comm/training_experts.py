@@ -32,7 +32,9 @@ per expert) to the output rows. The numerics are those of NVFP4 / MXFP8 GEMMs wi
 outputs; the speed that of BF16 grouped GEMMs. The exception: with FP32 master weights on an sm_90 GPU the two weight
 gradients come from csrc/grouped_wgrad.cu (BF16 operands, groups along the tokens, FP32 out), whose FP32 accumulators
 are the gradients -- not rounded to BF16 and widened, as torch._grouped_mm's BF16 output is everywhere else
-(`EP_COMM_WGRAD_GEMM=torch` selects that path on sm_90 too). (The fused NVFP4 kernels of `ep_comm.grouped_gemm` serve
+(`EP_COMM_WGRAD_GEMM=torch` selects that path on sm_90 too). With accumulate_into_main_grad (FP32 main gradients of a
+trainer that accumulates micro-batches, Megatron-style) the same kernel adds its accumulators into w.main_grad by TMA
+reduce-add stores, for FP32 and BF16 masters alike. (The fused NVFP4 kernels of `ep_comm.grouped_gemm` serve
 inference: they take weights packed once, offline, which training would repack at every step.) Between the GEMMs, the
 kernels of csrc/training_experts.cu: both MXFP8 roundings of a tensor from one read, SwiGLU forward and backward, row
 scaling with the mask, the BF16 weight gradients widened to FP32, each bit for bit its torch form run on CUDA. The same
