@@ -135,7 +135,7 @@ __device__ void zero_outside_segment(uint32_t slot, int64_t k0, int64_t begin, i
 }
 
 // Writes columns 32 c .. 32 c + 31 of a consumer warp's 16 accumulator rows into its staging area, 16-byte granule g of
-// row r at g ^ (r % 8) (the 128-byte swizzle: conflict-free for these 8-byte writes and for 16-byte row reads).
+// row r at g ^ (r % 8) (the 128-byte swizzle: conflict-free for these 8-byte writes, and the output map's layout).
 // Accumulator i of lane l (m64n256 fragment): row l / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (l % 4) + i % 2.
 __device__ __forceinline__ void stage_chunk(const float (&acc)[128], int chunk, int lane, uint32_t staging) {
 #pragma unroll

@@ -1,7 +1,7 @@
 // PTX wrappers for Hopper's tensor memory accelerator (TMA) and the shared-memory barriers (mbarrier) that its
-// loads complete on: tiled 2-D loads global -> shared (multicast to the CTAs of a cluster too), tiled 3-D stores
-// shared -> global in bulk groups, the barrier operations
-// around them (remote arrivals, cluster barrier) and named CTA barriers for subsets of warps. sm_90+ device code only
+// loads complete on: tiled 2-D loads global -> shared (multicast to the CTAs of a cluster too), tiled 3-D stores and
+// reduce-adds shared -> global in bulk groups, the barrier operations around the loads (remote arrivals, cluster
+// barrier) and named CTA barriers for subsets of warps. sm_90+ device code only
 // (callers guard with EP_COMM_HAS_WGMMA or their own __CUDA_ARCH__ test); the tensor maps are encoded on the host
 // (cuTensorMapEncodeTiled) and passed as __grid_constant__ kernel parameters, whose generic address is `map`.
 #pragma once

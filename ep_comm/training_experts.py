@@ -253,6 +253,12 @@ def _weight_gradient(a_tokens: torch.Tensor, b_tokens: torch.Tensor, group_ends:
     else the gradient above, widened to FP32, is added -- the same bits as `accumulate_into += gradient`."""
     if a_tokens.shape[1] != b_tokens.shape[1]:
         raise ValueError(f"the operands' token axes differ: {tuple(a_tokens.shape)}, {tuple(b_tokens.shape)}")
+    want = (group_ends.numel(), a_tokens.shape[0], b_tokens.shape[0])
+    if accumulate_into is not None and (
+            accumulate_into.shape != want or accumulate_into.dtype != torch.float32
+            or not accumulate_into.is_contiguous() or accumulate_into.device != a_tokens.device):
+        raise ValueError(f"accumulate_into must be a contiguous float32 {list(want)} tensor on {a_tokens.device}; got "
+                         f"{accumulate_into.dtype} {tuple(accumulate_into.shape)} on {accumulate_into.device}")
     kernel = _wgrad_kernel_usable(a_tokens) and (dtype == torch.float32 or accumulate_into is not None)
     if kernel:
         a_tokens, b_tokens, group_ends = a_tokens.contiguous(), b_tokens.contiguous(), group_ends.contiguous()

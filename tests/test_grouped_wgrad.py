@@ -175,3 +175,6 @@ def test_weight_gradient_segments_on_cpu():
         want_sum = buffer + te._weight_gradient(a, b, torch.tensor(ends, dtype=torch.int32), dtype).float()
         assert te._weight_gradient(a, b, torch.tensor(ends, dtype=torch.int32), dtype, accumulate_into=buffer) is None
         assert torch.equal(buffer, want_sum)
+    with pytest.raises(ValueError, match="accumulate_into must be a contiguous float32"):
+        te._weight_gradient(a, b, torch.tensor(ends, dtype=torch.int32), torch.float32,
+                            accumulate_into=torch.zeros(len(ends), n, m))
