@@ -551,7 +551,7 @@ class ExpertMLP(torch.nn.Module):
     forward(routed) -> bf16 [R, H]: `expert_mlp` with a new seed per call, a hash of (seed, the call count). The count
     is saved in state_dict (extra state), so a resumed run does not replay the first steps' rounding noise. Give each
     layer its own seed. keep_weight_values, accumulate_into_main_grad: as for `expert_mlp` (the latter needs
-    w1.main_grad / w2.main_grad set by the trainer before the backward).
+    w1.main_grad / w2.main_grad set by the trainer before the forward; checked there and again in the backward).
     pack() -> moe.PackedExpertWeights: the same NVFP4 weights, bit for bit, for the inference MoELayer."""
 
     def __init__(self, num_local_experts: int, hidden: int, intermediate: int, *, dtype: torch.dtype = torch.float32,
