@@ -1110,7 +1110,6 @@ LaunchFn select_kernel(int tile, bool combine_rows, bool fp8) {
   }
 }
 
-
 }  // namespace
 
 bool device_is_sm90() {

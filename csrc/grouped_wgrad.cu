@@ -20,7 +20,8 @@
 // work. Only a boundary inside a k16 step (not the dispatch layout's case) makes the consumers zero that k-block's
 // columns outside the segment in both tiles (shared-memory stores, 12 16-byte chunks per thread) before its wgmma.
 // Rows past m_rows / n_rows and columns past k_total are the TMA's zero fill. The epilogue goes through 2 KiB of
-// shared memory per consumer warp, 32 columns at a time, written out by TMA stores in whole 128-byte lines.
+// shared memory per consumer warp, 32 columns at a time, written out by TMA stores in whole 128-byte lines (TMA
+// reduce-adds into the output when args.accumulate).
 //
 // Measured on one H200 (bench/RESULTS.md, fifty-third session; bench/profile_wgrad.py, 32 experts of 1040 tokens):
 // ~604 TFLOP/s at w2's shape (7168 x 2048) and ~590 at w1's (4096 x 7168), against 548-556 / 530-543 for the same

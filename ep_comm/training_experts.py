@@ -415,10 +415,11 @@ class _ExpertMLPFunction(torch.autograd.Function):
         main_grad_of, ctx.main_grad_of = ctx.main_grad_of, None
         if main_grad_of is not None:
             _check_main_grads(*main_grad_of)  # (again: the trainer may have replaced them since the forward)
+            # (the weights whose gradient this backward adds into main_grad)
+            _flag_added_to_main_grad([w for w, wanted in zip(main_grad_of, ctx.needs_input_grad[1:3]) if wanted])
         if s is None:  # (no rows: zero weight gradients, or nothing to add)
             w1, w2 = ctx.w1_shape_device, ctx.w2_shape_device
             if main_grad_of is not None:
-                _flag_added_to_main_grad([w for w, wanted in zip(main_grad_of, ctx.needs_input_grad[1:3]) if wanted])
                 return grad_out.new_zeros(0, w1[0][2], dtype=ctx.rows_dtype), None, None, None, None, None, None
             return (grad_out.new_zeros(0, w1[0][2], dtype=ctx.rows_dtype),
                     torch.zeros(w1[0], dtype=ctx.w1_dtype, device=w1[1]),
@@ -447,8 +448,6 @@ class _ExpertMLPFunction(torch.autograd.Function):
                                        main_grad_of[1].main_grad if main_grad_of is not None else None)
             del g_tokens, h_tokens
         if d_hidden is None:
-            if main_grad_of is not None and want_w2:
-                _flag_added_to_main_grad(main_grad_of[1:])
             return None, None, grad_w2, None, None, None, None
         # SwiGLU's backward in FP32 from the forward's pre-activations, rounded to BF16 (the source of both MXFP8
         # roundings of w1's backward), then w1's dgrad (MXFP8 along 2I) and wgrad (MXFP8 along the tokens).
@@ -472,8 +471,6 @@ class _ExpertMLPFunction(torch.autograd.Function):
                 s.tokens, rounding="stochastic", seed=seed_of("x_tokens")), dtype=torch.bfloat16)    # [H, Rp]
             grad_w1 = _weight_gradient(d_tokens, x_tokens, s.group_ends, ctx.w1_dtype,  # [E, 2I, H]
                                        main_grad_of[0].main_grad if main_grad_of is not None else None)
-        if main_grad_of is not None:
-            _flag_added_to_main_grad([w for w, wanted in zip(main_grad_of, (want_w1, want_w2)) if wanted])
         return grad_rows, grad_w1, grad_w2, None, None, None, None
 
 
