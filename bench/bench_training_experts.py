@@ -22,6 +22,9 @@ alignment 32), so the layout is the one training uses (capacity rows included). 
       main_grad buffers by the wgrad GEMM's stores, Megatron-style gradient accumulation), against
   ours_forward_backward_then_add, bf16_forward_backward_then_add : ours / the baseline, then main_grad += w.grad for
       both weights (what a trainer that keeps FP32 main gradients does without the fusion);
+  ours_forward_backward_seed_tensor : ours with the seed in a device tensor, incremented on the device at every step
+      (the graph-safe form ExpertMLP uses: the backward's six seeds derived there by one more launch), and
+  ours_forward_backward_graph : the same step captured once in a CUDA graph and replayed (the host's launches gone);
   wgrad_ours, wgrad_torch : the two weight-gradient GEMMs alone on random BF16 operands of the backward's shapes, into
       FP32: csrc/grouped_wgrad.cu against torch._grouped_mm + the widening kernel (FP32 masters only);
   dense_bf16_tflops : torch.mm in BF16 on 8192^3, the tensor-core ceiling of this GPU in this run.
@@ -49,6 +52,20 @@ from ep_comm import formats, training  # noqa: E402
 from ep_comm.bench import parse_token_counts, run_metadata, strict_json  # noqa: E402
 from ep_comm.launch import run_ranks  # noqa: E402
 from ep_comm.training_experts import _ExpertMLPFunction, _weight_gradient  # noqa: E402
+
+
+def _captured(step):
+    """step captured once in a CUDA graph (after warm-up calls on a side stream, torch's recipe): its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def _worker(rank, world, args):
@@ -79,6 +96,13 @@ def _worker(rank, world, args):
 
             for w in (mlp.w1, mlp.w2):  # (FP32 gradient buffers for the main_grad rows)
                 w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=device)
+
+            seed = torch.zeros((), dtype=torch.int64, device=device)
+
+            def ours_forward_backward_seed_tensor():
+                rows.grad = mlp.w1.grad = mlp.w2.grad = None
+                seed.add_(1)  # (a new seed per step, counted on the device: what a graph replays)
+                _ExpertMLPFunction.apply(rows, mlp.w1, mlp.w2, result, seed).backward(grad)
 
             def ours_forward_backward_then_add():
                 ours_forward_backward()
@@ -156,6 +180,8 @@ def _worker(rank, world, args):
             if mlp.w1.dtype == torch.float32:
                 timed += [("ours_forward_backward_torch_wgrad", with_torch_wgrad(ours_forward_backward)),
                           ("wgrad_ours", wgrad_ours), ("wgrad_torch", wgrad_torch)]
+            timed += [("ours_forward_backward_seed_tensor", ours_forward_backward_seed_tensor),
+                      ("ours_forward_backward_graph", _captured(ours_forward_backward_seed_tensor))]
             row = {"tokens": tokens, "rows_in_use": rows_in_use, "num_rows": result.num_rows,
                    # (the layouts torch._grouped_mm returns: a strided weight gradient costs a slow cast)
                    "wgrad_out_strides": list(torch._grouped_mm(t_h, t_i.t(), offs=ends).stride()),
@@ -167,7 +193,8 @@ def _worker(rank, world, args):
                                 ("bf16_forward_backward", 3), ("gemms_only", 3), ("wgrad_ours", 1), ("wgrad_torch", 1),
                                 ("ours_forward_backward_torch_wgrad", 3), ("ours_forward_backward_kept_values", 3),
                                 ("ours_forward_backward_main_grad", 3), ("ours_forward_backward_then_add", 3),
-                                ("bf16_forward_backward_then_add", 3)):
+                                ("bf16_forward_backward_then_add", 3), ("ours_forward_backward_seed_tensor", 3),
+                                ("ours_forward_backward_graph", 3)):
                 if name + "_ms" in row:
                     row[name + "_tflops"] = scale * flops / (row[name + "_ms"] * 1e-3) / 1e12
             row["speedup_forward_backward_vs_bf16"] = row["bf16_forward_backward_ms"] / row["ours_forward_backward_ms"]
@@ -183,7 +210,7 @@ def _worker(rank, world, args):
                 print(table)
             figures["cases"].append(row)
             mlp = rows = grad = x_rows = w1 = w2 = a_h = a_i = a_2i = t_h = t_i = t_2i = v1 = v2 = None  # (freed)
-            main_grads = None
+            main_grads = timed = None  # (the graph and its memory pool with it)
             torch.cuda.empty_cache()
     return figures
 

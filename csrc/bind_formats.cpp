@@ -88,7 +88,7 @@ void nvfp4_quantize(uintptr_t x, int x_type, int64_t x_row_stride, int64_t num_r
 
 void mxfp8_quantize(uintptr_t x, int x_type, int64_t x_row_stride, int64_t num_rows, int64_t hidden, bool stochastic,
                     uint64_t seed, uintptr_t data, int64_t data_row_stride, uintptr_t scales, int64_t scales_row_stride,
-                    uintptr_t stream) {
+                    uintptr_t stream, uintptr_t seed_on_device) {
   ep_comm::Mxfp8QuantizeArgs args;
   args.x = ptr<const void>(x);
   args.x_type = x_type;
@@ -97,6 +97,7 @@ void mxfp8_quantize(uintptr_t x, int x_type, int64_t x_row_stride, int64_t num_r
   args.hidden = hidden;
   args.stochastic = stochastic;
   args.seed = seed;
+  args.seed_on_device = ptr<const uint64_t>(seed_on_device);
   args.data = ptr<uint8_t>(data);
   args.data_row_stride = data_row_stride;
   args.scales = ptr<uint8_t>(scales);
@@ -396,7 +397,8 @@ void register_formats(py::module_& m) {
         py::arg("stream"), py::arg("num_rows_limit") = 0);
   m.def("mxfp8_quantize", &mxfp8_quantize, release, py::arg("x"), py::arg("x_type"), py::arg("x_row_stride"),
         py::arg("num_rows"), py::arg("hidden"), py::arg("stochastic"), py::arg("seed"), py::arg("data"),
-        py::arg("data_row_stride"), py::arg("scales"), py::arg("scales_row_stride"), py::arg("stream"));
+        py::arg("data_row_stride"), py::arg("scales"), py::arg("scales_row_stride"), py::arg("stream"),
+        py::arg("seed_on_device") = 0);
   m.def("mxfp8_dequantize",
         [](uintptr_t data, uintptr_t scales, int64_t num_rows, int64_t hidden, uintptr_t out, int out_type,
            uintptr_t stream) {
@@ -413,7 +415,8 @@ void register_formats(py::module_& m) {
         py::arg("out_type"), py::arg("stream"));
   m.def("nvfp4_to_mxfp8_transposed",
         [](uintptr_t data, uintptr_t scales, uintptr_t amax, int64_t num_rows, int64_t hidden, float e4m3_max,
-           bool stochastic, uint64_t seed, uintptr_t out_data, uintptr_t out_scales, uintptr_t stream) {
+           bool stochastic, uint64_t seed, uintptr_t out_data, uintptr_t out_scales, uintptr_t stream,
+           uintptr_t seed_on_device) {
           // The kernel's decode factor f(final_b * 64) is exact for these two bounds only (mxfp8.cu).
           require(e4m3_max == 256.0f || e4m3_max == 448.0f, "nvfp4_to_mxfp8_transposed", "e4m3_max must be 256 or 448");
           if (num_rows > 0) {  // out_scales may be unaligned (byte stores then)
@@ -424,13 +427,14 @@ void register_formats(py::module_& m) {
           }
           check(ep_comm::launch_nvfp4_to_mxfp8_transposed(ptr<const uint8_t>(data), ptr<const uint8_t>(scales),
                                                           ptr<const float>(amax), num_rows, hidden, e4m3_max,
-                                                          stochastic, seed, ptr<uint8_t>(out_data),
-                                                          ptr<uint8_t>(out_scales), as_stream(stream)),
+                                                          stochastic, seed, ptr<const uint64_t>(seed_on_device),
+                                                          ptr<uint8_t>(out_data), ptr<uint8_t>(out_scales),
+                                                          as_stream(stream)),
                 "nvfp4_to_mxfp8_transposed");
         },
         release, py::arg("data"), py::arg("scales"), py::arg("amax"), py::arg("num_rows"), py::arg("hidden"),
         py::arg("e4m3_max"), py::arg("stochastic"), py::arg("seed"), py::arg("out_data"), py::arg("out_scales"),
-        py::arg("stream"));
+        py::arg("stream"), py::arg("seed_on_device") = 0);
   m.def("s2f6_quantize", &s2f6_quantize, release, py::arg("x"), py::arg("x_type"), py::arg("x_row_stride"),
         py::arg("num_rows"), py::arg("hidden"), py::arg("hadamard"), py::arg("sign_mask"), py::arg("data"),
         py::arg("data_row_stride"), py::arg("scales"), py::arg("scales_row_stride"), py::arg("stream"));

@@ -2,8 +2,12 @@
 // kernels (training_experts.h) and their weight-gradient GEMM (grouped_wgrad.h). Thin: ep_comm/training.py and
 // ep_comm/training_experts.py validate and allocate.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "bindings.h"
 #include "grouped_wgrad.h"
@@ -33,17 +37,37 @@ void register_training(py::module_& m) {
   m.def(
       "mxfp8_round_trips",
       [](uintptr_t x, uintptr_t src_rank, int64_t num_rows, int64_t hidden, int64_t padded_rows, uint64_t seed_rows,
-         uint64_t seed_tokens, uintptr_t rows_out, uintptr_t tokens_out, uintptr_t stream) {
+         uint64_t seed_tokens, uintptr_t rows_out, uintptr_t tokens_out, uintptr_t stream,
+         uintptr_t seed_rows_on_device, uintptr_t seed_tokens_on_device) {
         check(ep_comm::launch_mxfp8_round_trips(ptr<const uint16_t>(x), ptr<const int32_t>(src_rank), num_rows,
-                                                hidden, padded_rows, seed_rows, seed_tokens, ptr<uint16_t>(rows_out),
+                                                hidden, padded_rows, seed_rows, seed_tokens,
+                                                ptr<const uint64_t>(seed_rows_on_device),
+                                                ptr<const uint64_t>(seed_tokens_on_device), ptr<uint16_t>(rows_out),
                                                 ptr<uint16_t>(tokens_out), as_stream(stream)),
               "mxfp8_round_trips");
       },
       py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("src_rank"), py::arg("num_rows"),
       py::arg("hidden"), py::arg("padded_rows"), py::arg("seed_rows"), py::arg("seed_tokens"), py::arg("rows_out"),
-      py::arg("tokens_out"), py::arg("stream"),
+      py::arg("tokens_out"), py::arg("stream"), py::arg("seed_rows_on_device") = 0,
+      py::arg("seed_tokens_on_device") = 0,
       "MXFP8 (stochastic) round trips of bf16 rows along K and of their transpose along the tokens, one read "
       "(training_experts.h)");
+  m.def(
+      "mix_seeds",
+      [](uintptr_t in, bool increment_in, const std::vector<uint64_t>& xor_values, uintptr_t out, uintptr_t stream) {
+        ep_comm::SeedMixArgs args;
+        if (xor_values.size() > static_cast<size_t>(ep_comm::kMaxMixedSeeds)) {
+          throw std::invalid_argument("mix_seeds: at most " + std::to_string(ep_comm::kMaxMixedSeeds) + " seeds");
+        }
+        args.in = ptr<uint64_t>(in);
+        args.increment_in = increment_in;
+        for (size_t j = 0; j < xor_values.size(); ++j) args.xor_values[j] = xor_values[j];
+        args.count = static_cast<int>(xor_values.size());
+        args.out = ptr<uint64_t>(out);
+        check(ep_comm::launch_mix_seeds(args, as_stream(stream)), "mix_seeds");
+      },
+      py::arg("in"), py::arg("increment_in"), py::arg("xor_values"), py::arg("out"), py::arg("stream"),
+      "out[j] = mix64(*in ^ xor_values[j]) on the device, *in incremented first if asked (training_experts.h)");
   m.def(
       "swiglu_rows",
       [](uintptr_t gate_up, uintptr_t factor, uintptr_t src_rank, int64_t num_rows, int64_t intermediate,

@@ -94,6 +94,7 @@ struct Mxfp8QuantizeArgs {
   int64_t hidden = 0;
   bool stochastic = false;  // SR with rbits(seed, row * hidden + column)
   uint64_t seed = 0;
+  const uint64_t* seed_on_device = nullptr;  // non-null: the seed is read here when the kernel runs (graph replays)
   uint8_t* data = nullptr;  // row i at data + i * data_row_stride (hidden bytes)
   int64_t data_row_stride = 0;
   uint8_t* scales = nullptr;  // row i at scales + i * scales_row_stride (hidden / 32 bytes)
@@ -105,12 +106,13 @@ cudaError_t launch_mxfp8_dequantize(const uint8_t* data, const uint8_t* scales, 
                                     void* out, int out_type, cudaStream_t stream);
 
 // NVFP4 [num_rows = R, hidden = K] -> dequantize (fp32) -> transpose -> MXFP8 [K, R] with blocks of 32 along
-// R (R % 32 == 0). Stochastic rounding indexes the [K, R] output: rbits(seed, k * R + r). e4m3_max: M of the input,
-// 256 or 448 (others give cudaErrorInvalidValue: the kernel's decode factor f(final_b * 64) is exact for these).
+// R (R % 32 == 0). Stochastic rounding indexes the [K, R] output: rbits(seed, k * R + r), the seed read from
+// seed_on_device when the kernel runs if that is non-null. e4m3_max: M of the input, 256 or 448 (others give
+// cudaErrorInvalidValue: the kernel's decode factor f(final_b * 64) is exact for these).
 cudaError_t launch_nvfp4_to_mxfp8_transposed(const uint8_t* data, const uint8_t* scales, const float* amax,
                                              int64_t num_rows, int64_t hidden, float e4m3_max, bool stochastic,
-                                             uint64_t seed, uint8_t* out_data, uint8_t* out_scales,
-                                             cudaStream_t stream);
+                                             uint64_t seed, const uint64_t* seed_on_device, uint8_t* out_data,
+                                             uint8_t* out_scales, cudaStream_t stream);
 
 // ------------------------------------------------------------------------------------------------------
 // RHT-32 + S2F6 (blocks of 32, UE8M0 scales).

@@ -49,7 +49,8 @@ __global__ void __launch_bounds__(kThreads) mxfp8_quantize_kernel(Mxfp8QuantizeA
   float x[32];
   vec::load_row_segment<T, 32>(static_cast<const T*>(args.x) + row * args.x_row_stride + column, x);
   uint4 codes[2];
-  const uint8_t scale = kStochastic ? mxfp8_encode32_stochastic(x, key, row * args.hidden + column, codes)
+  const uint8_t scale = kStochastic ? mxfp8_encode32_stochastic(x, qm::sr_key_of(key, args.seed_on_device),
+                                                                row * args.hidden + column, codes)
                                     : mxfp8_encode32_nearest(x, codes);
   uint8_t* dst = args.data + row * args.data_row_stride + column;
   vec::store16(dst, codes[0]);
@@ -187,12 +188,17 @@ template <bool kStochastic>
 __global__ void __launch_bounds__(kTileRows, 6) nvfp4_to_mxfp8_transposed_kernel(
     const uint8_t* __restrict__ data, const uint8_t* __restrict__ scales, const float* __restrict__ amax,
     int64_t num_rows, int64_t hidden, int64_t num_row_tiles, int64_t num_tiles, float inv_six_m, uint32_t key,
-    bool low_indices, uint32_t low_pair_key, uint8_t* __restrict__ out_data, uint8_t* __restrict__ out_scales) {
+    const uint64_t* __restrict__ seed_on_device, bool low_indices, uint32_t low_pair_key,
+    uint8_t* __restrict__ out_data, uint8_t* __restrict__ out_scales) {
   __shared__ __align__(16) uint8_t code_tile[kCodeTileBytes];
   __shared__ __align__(16) float factor_tile[(kTileCols / 16) * kFactorPitch];
   const int t = threadIdx.x;
   int64_t tile_index = blockIdx.x;
   if (tile_index >= num_tiles) return;
+  // The stochastic rounding's keys (those of a seed in device memory computed here, once per thread).
+  const uint32_t rounding_key = kStochastic ? qm::sr_key_of(key, seed_on_device) : key;
+  const uint32_t rounding_low_pair_key =
+      kStochastic && seed_on_device != nullptr ? qm::rbits_pair_key(rounding_key, 0) : low_pair_key;
   // This thread's place in phase 1: block (lane / 8) of tile rows quad_row .. quad_row + 3.
   const int lane = t % 32;
   const int block = lane / 8;
@@ -313,8 +319,8 @@ __global__ void __launch_bounds__(kTileRows, 6) nvfp4_to_mxfp8_transposed_kernel
         }
         uint4 codes[2];
         if (kStochastic) {
-          const uint32_t pair_key =
-              low_indices ? low_pair_key : qm::rbits_pair_key(key, static_cast<uint64_t>(index0) >> 1);
+          const uint32_t pair_key = low_indices ? rounding_low_pair_key
+                                                : qm::rbits_pair_key(rounding_key, static_cast<uint64_t>(index0) >> 1);
           pass_scale[pass] = mxfp8_encode32_stochastic_hashed(x, qm::rbits_block_keyed(pair_key, index0), codes);
         } else {
           pass_scale[pass] = mxfp8_encode32_nearest(x, codes);
@@ -389,8 +395,8 @@ cudaError_t launch_mxfp8_dequantize(const uint8_t* data, const uint8_t* scales, 
 
 cudaError_t launch_nvfp4_to_mxfp8_transposed(const uint8_t* data, const uint8_t* scales, const float* amax,
                                              int64_t num_rows, int64_t hidden, float e4m3_max, bool stochastic,
-                                             uint64_t seed, uint8_t* out_data, uint8_t* out_scales,
-                                             cudaStream_t stream) {
+                                             uint64_t seed, const uint64_t* seed_on_device, uint8_t* out_data,
+                                             uint8_t* out_scales, cudaStream_t stream) {
   if (hidden <= 0 || hidden % 16 != 0 || num_rows < 0 || num_rows % 32 != 0) return cudaErrorInvalidValue;
   if (e4m3_max != 256.0f && e4m3_max != 448.0f) return cudaErrorInvalidValue;  // the kernel's exact factor * 64
   if (num_rows == 0) return cudaSuccess;
@@ -412,8 +418,8 @@ cudaError_t launch_nvfp4_to_mxfp8_transposed(const uint8_t* data, const uint8_t*
   const bool low_indices = num_rows * hidden <= (int64_t{1} << 33);
   const uint32_t low_pair_key = qm::rbits_pair_key(key, 0);
   kernel<<<static_cast<unsigned>(grid), kTileRows, 0, stream>>>(data, scales, amax, num_rows, hidden, num_row_tiles,
-                                                                num_tiles, inv_six_m, key, low_indices, low_pair_key,
-                                                                out_data, out_scales);
+                                                                num_tiles, inv_six_m, key, seed_on_device, low_indices,
+                                                                low_pair_key, out_data, out_scales);
   return cudaGetLastError();
 }
 

@@ -448,6 +448,21 @@ QM_HD uint32_t sr_key(uint64_t seed) {
          fmix32(static_cast<uint32_t>(seed >> 32) ^ 0x7F4A7C15u);
 }
 
+// The key of a seed given either by value or in device memory (seed_on_device non-null: read when the kernel runs,
+// so that a CUDA-graph replay rounds with the seed written there before it, not the one of the capture).
+QM_HD uint32_t sr_key_of(uint32_t key_of_value, const uint64_t* seed_on_device) {
+  return seed_on_device != nullptr ? sr_key(*seed_on_device) : key_of_value;
+}
+
+// splitmix64's finalizer (ep_comm.training_experts._mix64): the seeds of the trainable experts' roundings are
+// derived with it, on the device when they live there.
+QM_HD uint64_t mix64(uint64_t value) {
+  uint64_t z = value + 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
 // SR needs 16 random bits per element, so one fmix32 word serves a pair of elements: pair p = index >> 1
 // holds elements 2p (low half of the word) and 2p + 1 (high half). The pair's high word is hashed into the
 // key first (pair_key), so that pairs 2^32 apart get unrelated words.

@@ -40,7 +40,8 @@ constexpr int kThreads = 256;
 
 __global__ void __launch_bounds__(kThreads) mxfp8_round_trips_kernel(
     const uint16_t* __restrict__ x, const int32_t* __restrict__ src_rank, int64_t num_rows, int64_t hidden,
-    int64_t padded_rows, uint32_t key_rows, uint32_t key_tokens, uint16_t* __restrict__ rows_out,
+    int64_t padded_rows, uint32_t key_rows, uint32_t key_tokens, const uint64_t* __restrict__ seed_rows_on_device,
+    const uint64_t* __restrict__ seed_tokens_on_device, uint16_t* __restrict__ rows_out,
     uint16_t* __restrict__ tokens_out) {
   __shared__ __align__(16) uint16_t tile[kTileRows][kTileCols + kTilePad];
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTileRows;
@@ -62,7 +63,7 @@ __global__ void __launch_bounds__(kThreads) mxfp8_round_trips_kernel(
       float v[32];
 #pragma unroll
       for (int q = 0; q < 4; ++q) Bf16::unpack(*reinterpret_cast<const uint4*>(&tile[row][column + 8 * q]), v + 8 * q);
-      mxfp8_round_trip32(v, key_rows, r * hidden + c0 + column);
+      mxfp8_round_trip32(v, qm::sr_key_of(key_rows, seed_rows_on_device), r * hidden + c0 + column);
       uint16_t* dst = rows_out + r * hidden + c0 + column;
 #pragma unroll
       for (int q = 0; q < 4; ++q) vec::store16(dst + 8 * q, Bf16::pack(v + 8 * q));
@@ -73,7 +74,7 @@ __global__ void __launch_bounds__(kThreads) mxfp8_round_trips_kernel(
 #pragma unroll
     for (int i = 0; i < kTileRows; ++i) v[i] = __uint_as_float(static_cast<uint32_t>(tile[i][threadIdx.x]) << 16);
     const int64_t k = c0 + threadIdx.x;
-    mxfp8_round_trip32(v, key_tokens, k * padded_rows + r0);
+    mxfp8_round_trip32(v, qm::sr_key_of(key_tokens, seed_tokens_on_device), k * padded_rows + r0);
     uint16_t* dst = tokens_out + k * padded_rows + r0;
 #pragma unroll
     for (int q = 0; q < 4; ++q) vec::store16(dst + 8 * q, Bf16::pack(v + 8 * q));
@@ -190,10 +191,25 @@ int64_t row_grid(int64_t chunks) {  // grid-strided: enough CTAs to fill the GPU
   return grid < 65536 ? grid : 65536;
 }
 
+__global__ void mix_seeds_kernel(SeedMixArgs args) {
+  uint64_t in = *args.in;
+  if (args.increment_in) *args.in = ++in;
+  for (int j = 0; j < args.count; ++j) args.out[j] = qm::mix64(in ^ args.xor_values[j]);
+}
+
 }  // namespace
+
+cudaError_t launch_mix_seeds(const SeedMixArgs& args, cudaStream_t stream) {
+  if (args.count < 0 || args.count > kMaxMixedSeeds) return cudaErrorInvalidValue;
+  if (args.in == nullptr || (args.count > 0 && args.out == nullptr)) return cudaErrorInvalidValue;
+  if (args.count > 0 && args.out < args.in + 1 && args.in < args.out + args.count) return cudaErrorInvalidValue;
+  mix_seeds_kernel<<<1, 1, 0, stream>>>(args);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_mxfp8_round_trips(const uint16_t* x, const int32_t* src_rank, int64_t num_rows, int64_t hidden,
                                      int64_t padded_rows, uint64_t seed_rows, uint64_t seed_tokens,
+                                     const uint64_t* seed_rows_on_device, const uint64_t* seed_tokens_on_device,
                                      uint16_t* rows_out, uint16_t* tokens_out, cudaStream_t stream) {
   if (num_rows < 0 || hidden <= 0 || hidden % 32 != 0 || padded_rows < num_rows || padded_rows % 32 != 0) {
     return cudaErrorInvalidValue;
@@ -206,7 +222,8 @@ cudaError_t launch_mxfp8_round_trips(const uint16_t* x, const int32_t* src_rank,
   const dim3 grid(static_cast<unsigned>(padded_rows / kTileRows), static_cast<unsigned>(ceil_div(hidden, kTileCols)));
   if (padded_rows / kTileRows > INT32_MAX || grid.y > 65535) return cudaErrorInvalidValue;
   mxfp8_round_trips_kernel<<<grid, kThreads, 0, stream>>>(x, src_rank, num_rows, hidden, padded_rows,
-                                                          qm::sr_key(seed_rows), qm::sr_key(seed_tokens), rows_out,
+                                                          qm::sr_key(seed_rows), qm::sr_key(seed_tokens),
+                                                          seed_rows_on_device, seed_tokens_on_device, rows_out,
                                                           tokens_out);
   return cudaGetLastError();
 }

@@ -19,9 +19,25 @@ namespace ep_comm {
 //  * tokens_out bf16 [K, padded_rows] (nullable; padded_rows >= R, a multiple of 32, 16-byte aligned rows): x
 //    transposed and zero-padded to padded_rows, MXFP8 along the tokens with stochastic rounding, dequantized --
 //    the same of x^T (element index k * padded_rows + r).
+// A non-null seed_*_on_device replaces seed_*: the seed is read there when the kernel runs (CUDA-graph replays).
 cudaError_t launch_mxfp8_round_trips(const uint16_t* x, const int32_t* src_rank, int64_t num_rows, int64_t hidden,
                                      int64_t padded_rows, uint64_t seed_rows, uint64_t seed_tokens,
+                                     const uint64_t* seed_rows_on_device, const uint64_t* seed_tokens_on_device,
                                      uint16_t* rows_out, uint16_t* tokens_out, cudaStream_t stream);
+
+// The seeds of the trainable experts' stochastic roundings, derived on the device (so that a CUDA-graph replay
+// derives them from the values there at replay time): out[j] = mix64(*in ^ xor_values[j]) for j < count (at most
+// kMaxMixedSeeds; mix64 is splitmix64's finalizer, ep_comm.training_experts._mix64). If increment_in, *in is first
+// incremented by one in place (a call counter). One thread; out must not overlap in.
+constexpr int kMaxMixedSeeds = 8;
+struct SeedMixArgs {
+  uint64_t* in = nullptr;
+  bool increment_in = false;
+  uint64_t xor_values[kMaxMixedSeeds] = {};
+  int count = 0;
+  uint64_t* out = nullptr;
+};
+cudaError_t launch_mix_seeds(const SeedMixArgs& args, cudaStream_t stream);
 
 // SwiGLU of w1's output: out fp32 [padded_rows, I] with, for rows in use, out[r, i] = silu(g) * u, g = f32(gate_up[r,
 // i]) * factor[r], u = f32(gate_up[r, I + i]) * factor[r] (gate_up bf16 [R, 2I], factor fp32 [R]; silu(g) =

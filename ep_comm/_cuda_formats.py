@@ -118,17 +118,26 @@ def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype, block_values: bool = Fa
     return out.reshape(*q.data.shape[:-1], k).to(dtype)
 
 
-def mxfp8_quantize(x: torch.Tensor, rounding: str, seed: int) -> MXFP8Tensor:
+def _seed_args(seed) -> tuple:
+    """(value, device pointer) of a seed for the kernels: an int goes by value, a one-element int64 tensor on the
+    kernel's device by address (read when the kernel runs; formats._check_seed_arg checked it)."""
+    if isinstance(seed, torch.Tensor):
+        return 0, seed.data_ptr()
+    return seed & 0xFFFFFFFFFFFFFFFF, 0
+
+
+def mxfp8_quantize(x: torch.Tensor, rounding: str, seed) -> MXFP8Tensor:
     lib = _lib()
     lead_shape, k = x.shape[:-1], x.shape[-1]
     rows = _rows(_dense_input(x))
     num_rows = rows.shape[0]
     data = torch.empty(num_rows, k, dtype=torch.uint8, device=x.device)
     scales = torch.empty(num_rows, k // 32, dtype=torch.uint8, device=x.device)
+    seed_value, seed_on_device = _seed_args(seed)
     with _ext.cuda_device(x.device):
         lib.mxfp8_quantize(rows.data_ptr(), _ELEM_TYPES[rows.dtype], rows.stride(0), num_rows, k,
-                           rounding == "stochastic", seed & 0xFFFFFFFFFFFFFFFF, data.data_ptr(), k,
-                           scales.data_ptr(), k // 32, _ext.current_raw_stream(x.device))
+                           rounding == "stochastic", seed_value, data.data_ptr(), k,
+                           scales.data_ptr(), k // 32, _ext.current_raw_stream(x.device), seed_on_device)
     return MXFP8Tensor(data=data.reshape(*lead_shape, k).view(torch.float8_e4m3fn),
                        scales=scales.reshape(*lead_shape, k // 32).view(torch.float8_e8m0fnu))
 
@@ -146,7 +155,7 @@ def mxfp8_dequantize(m: MXFP8Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out.reshape(m.data.shape).to(dtype)
 
 
-def nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str, seed: int) -> MXFP8Tensor:
+def nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str, seed) -> MXFP8Tensor:
     lib = _lib()
     num_rows, k = q.data.shape[0], q.data.shape[1] * 2
     data = _ext.aligned_contiguous(q.data, 8)
@@ -154,11 +163,12 @@ def nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str, seed: int) -> MXFP8
     amax = q.amax.float().contiguous()
     out_data = torch.empty(k, num_rows, dtype=torch.uint8, device=q.data.device)
     out_scales = torch.empty(k, num_rows // 32, dtype=torch.uint8, device=q.data.device)
+    seed_value, seed_on_device = _seed_args(seed)
     with _ext.cuda_device(q.data.device):
         lib.nvfp4_to_mxfp8_transposed(data.data_ptr(), scales.data_ptr(), amax.data_ptr(), num_rows, k,
-                                      float(q.e4m3_max), rounding == "stochastic", seed & 0xFFFFFFFFFFFFFFFF,
+                                      float(q.e4m3_max), rounding == "stochastic", seed_value,
                                       out_data.data_ptr(), out_scales.data_ptr(),
-                                      _ext.current_raw_stream(q.data.device))
+                                      _ext.current_raw_stream(q.data.device), seed_on_device)
     return MXFP8Tensor(data=out_data.view(torch.float8_e4m3fn), scales=out_scales.view(torch.float8_e8m0fnu))
 
 

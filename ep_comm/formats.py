@@ -20,7 +20,7 @@ import math
 import numbers
 import operator
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -609,6 +609,34 @@ def _check_seed(seed) -> int:
     return seed
 
 
+SeedArg = Union[int, torch.Tensor]
+
+
+def _check_seed_arg(seed, device: torch.device) -> SeedArg:
+    """A stochastic rounding's seed, as an int in [0, 2^64) or a CUDA seed tensor. A one-element int64 tensor holds the
+    seed's 64 bits (two's complement: seed - 2^64 for seeds from 2^63). On a GPU it must be on `device`; the kernels
+    read it when they run, so a CUDA graph replays with the value written there before the replay, not the
+    capture's. On the CPU it is read now. Other integer scalars (ints, numpy's, other CPU tensors) are the seed."""
+    if isinstance(seed, torch.Tensor) and seed.dtype == torch.int64 and seed.numel() == 1:
+        if not seed.is_cuda:
+            return int(seed.reshape(()).item()) & 0xFFFFFFFFFFFFFFFF
+        if seed.device != device:
+            raise ValueError(f"the seed tensor is on {seed.device} but the tensor it rounds is on {device} (the "
+                             f"kernels read the seed where they run)")
+        return seed
+    if isinstance(seed, torch.Tensor) and seed.is_cuda:
+        raise TypeError(f"a seed tensor on the GPU must hold one int64 element, got {seed.dtype} of shape "
+                        f"{tuple(seed.shape)}")
+    return _check_seed(seed)
+
+
+def _seed_value(seed: SeedArg) -> int:
+    """The seed as an int in [0, 2^64) (the torch reference's form; reading a CUDA seed tensor syncs)."""
+    if isinstance(seed, torch.Tensor):
+        return int(seed.reshape(()).item()) & 0xFFFFFFFFFFFFFFFF
+    return seed
+
+
 def _check_same_device(container, *names: str) -> None:
     """The tensor fields `names` of a format container on data's device (a kernel given a CUDA data pointer would read
     a CPU scales or amax pointer as a device address). Named, not found through dataclasses.fields: this runs on every
@@ -673,21 +701,25 @@ def _nvfp4_dequantize_reference(q: NVFP4Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 @torch.no_grad()  # quantization is not differentiable here: no graph kept behind the result
 @_keeps_subnormals
-def mxfp8_quantize(x: torch.Tensor, rounding: str = "nearest", seed: int = 0, impl: str = "auto") -> MXFP8Tensor:
+def mxfp8_quantize(x: torch.Tensor, rounding: str = "nearest", seed: SeedArg = 0,
+                   impl: str = "auto") -> MXFP8Tensor:
     """Quantize x [..., K] (K % 32 == 0; bfloat16, float16 or float32) to MXFP8: E4M3 elements, UE8M0 scale per 32
     (NVIDIA rule). Returns MXFP8Tensor(data float8_e4m3fn [..., K], scales float8_e8m0fnu [..., K / 32]).
 
     rounding: "nearest" (RNE) or "stochastic" (counter-based random bits from (seed, flat element index);
         the same seed gives the same bits on CPU and GPU; clamped to +-448 before rounding, unbiased to
         within 2^-16 ulp: the fraction is truncated to 16 bits).
+    seed: an int in [0, 2^64), or a one-element int64 tensor holding its bits (two's complement). On the GPU (x's
+        device) the kernel reads it when it runs: a CUDA graph that captured this call rounds with the value the
+        tensor holds at each replay. (The torch reference reads it on the host.)
     """
     _check_float_input(x, "x", MX_BLOCK)
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
-    seed = _check_seed(seed)
+    seed = _check_seed_arg(seed, x.device)
     if _use_cuda(impl, x):
         return _cuda_formats().mxfp8_quantize(x, rounding, seed)
-    return _mxfp8_quantize_reference(x.float(), rounding, seed)
+    return _mxfp8_quantize_reference(x.float(), rounding, _seed_value(seed) if rounding == "stochastic" else 0)
 
 
 def _mxfp8_quantize_reference(xf: torch.Tensor, rounding: str, seed: int,
@@ -742,14 +774,15 @@ def _check_mxfp8(m) -> None:
 
 
 @_keeps_subnormals
-def nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str = "stochastic", seed: int = 0,
+def nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str = "stochastic", seed: SeedArg = 0,
                               impl: str = "auto") -> MXFP8Tensor:
     """Requantize a saved NVFP4 activation [R, K] to MXFP8 along the other axis: returns [K, R] MXFP8.
 
     Dequantize (fp32), transpose, quantize blocks of 32 along R (R % 32 == 0; R = 0 gives [K, 0]) — what the
     weight-gradient GEMM of backward needs. Stochastic rounding uses the flat index of the [K, R] output and
     `seed`: the random bits depend on (seed, index) only, so vary the seed per call (e.g. step and layer), or the
-    rounding noise repeats at every position from call to call.
+    rounding noise repeats at every position from call to call. seed: an int, or a one-element int64 tensor on q's
+    device read when the kernel runs (as for mxfp8_quantize: CUDA-graph replays see its new values).
     """
     _check_nvfp4(q)
     if q.data.dim() != 2:
@@ -759,11 +792,12 @@ def nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str = "stochastic", seed
         raise ValueError(f"the row count ({rows}) must be a multiple of {MX_BLOCK}")
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
-    seed = _check_seed(seed)
+    seed = _check_seed_arg(seed, q.data.device)
     if _use_cuda(impl, q.data):
         return _cuda_formats().nvfp4_to_mxfp8_transposed(q, rounding, seed)
     dense = _nvfp4_dequantize_reference(q)
-    return _mxfp8_quantize_reference(dense.t().contiguous(), rounding, seed)
+    return _mxfp8_quantize_reference(dense.t().contiguous(), rounding,
+                                     _seed_value(seed) if rounding == "stochastic" else 0)
 
 
 # ----------------------------------------------------------------------------------------------------------

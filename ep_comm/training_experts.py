@@ -82,6 +82,40 @@ def grad_seed(call_seed: int, tensor: str) -> int:
     return _mix64(call_seed ^ _mix64(_SEED_TAGS[tensor]))
 
 
+def _as_int64(value: int) -> int:
+    """A 64-bit unsigned value as the int64 holding its bits (two's complement)."""
+    return value - 2**64 if value >= 2**63 else value
+
+
+def _mix_seeds(source: torch.Tensor, xor_values, increment: bool = False) -> torch.Tensor:
+    """int64 [len(xor_values)] on source's device: _mix64(s ^ v) for each v (as int64 bits), s the 64 bits of the
+    one-element int64 tensor `source`, first incremented by one in place if `increment` (a call counter). On CUDA one
+    thread of csrc/training_experts.cu does it when the stream gets there (so a CUDA graph derives the seeds from the
+    values at replay); elsewhere the host reads source (the same bits)."""
+    lib = _row_kernels(source, "mix_seeds")
+    out = torch.empty(len(xor_values), dtype=torch.int64, device=source.device)
+    if lib is None:
+        if increment:
+            source.add_(1)
+        value = int(source.reshape(()).item()) & _MASK64
+        out.copy_(torch.tensor([_as_int64(_mix64(value ^ v)) for v in xor_values], dtype=torch.int64))
+        return out
+    with _ext.cuda_device(source.device):
+        lib.mix_seeds(source.data_ptr(), increment, list(xor_values), out.data_ptr(),
+                      _ext.current_raw_stream(source.device))
+    return out
+
+
+def _backward_seeds(call_seed: formats.SeedArg) -> dict:
+    """The seeds of the backward's six roundings, {tensor name: grad_seed(call_seed, name)}: ints for an int call
+    seed; for a seed tensor (one int64 element), one-element int64 tensors on its device, derived there now (so the
+    forward reads the call seed: the caller may overwrite it before the backward runs)."""
+    if not isinstance(call_seed, torch.Tensor):
+        return {name: grad_seed(call_seed, name) for name in _SEED_TAGS}
+    seeds = _mix_seeds(call_seed.reshape(1), [_mix64(tag) for tag in _SEED_TAGS.values()])
+    return {name: seeds[i:i + 1] for i, name in enumerate(_SEED_TAGS)}
+
+
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
     """torch._grouped_mm in BF16 (FP32 accumulation, BF16 result). a [R, K] x b [E, K, N] -> [R, N] (groups of rows;
     rows past group_ends[-1] undefined); a [M, R] x b [R, N] -> [E, M, N] (groups along the contraction)."""
@@ -142,13 +176,13 @@ def _row_kernels(t: torch.Tensor, kernel: str):
     return None
 
 
-def _mxfp8_values(x: torch.Tensor, seed: int) -> torch.Tensor:
+def _mxfp8_values(x: torch.Tensor, seed: formats.SeedArg) -> torch.Tensor:
     """x [M, K] -> bf16 [M, K]: MXFP8 along K with stochastic rounding, dequantized (exact in BF16)."""
     q = formats.mxfp8_quantize(x, rounding="stochastic", seed=seed)
     return formats.mxfp8_dequantize(q, dtype=torch.bfloat16)
 
 
-def _mxfp8_token_values(x: torch.Tensor, num_rows: int, seed: int) -> torch.Tensor:
+def _mxfp8_token_values(x: torch.Tensor, num_rows: int, seed: formats.SeedArg) -> torch.Tensor:
     """x [R, K] -> bf16 [K, num_rows]: transposed, zero-padded to num_rows (a multiple of 32), MXFP8 along the tokens
     with stochastic rounding, dequantized."""
     if num_rows == 0:  # (no token block at all: mxfp8_quantize refuses a zero-length last axis)
@@ -159,12 +193,13 @@ def _mxfp8_token_values(x: torch.Tensor, num_rows: int, seed: int) -> torch.Tens
     return _mxfp8_values(xt, seed)
 
 
-def _mxfp8_round_trips(x: torch.Tensor, src_rank: torch.Tensor, padded_rows: int, seed_rows: Optional[int],
-                       seed_tokens: Optional[int]):
+def _mxfp8_round_trips(x: torch.Tensor, src_rank: torch.Tensor, padded_rows: int,
+                       seed_rows: Optional[formats.SeedArg], seed_tokens: Optional[formats.SeedArg]):
     """The backward's two MXFP8 roundings of one bf16 tensor x [R, K] (rows with src_rank < 0 taken as 0): (rows bf16
     [R, K] along K, tokens bf16 [K, padded_rows] along the tokens, transposed and zero-padded), each with stochastic
-    rounding and dequantized; a None seed skips that output. One read of x on CUDA (csrc/training_experts.cu);
-    elsewhere `_mxfp8_values` / `_mxfp8_token_values` of the masked x (the same bits on CPU and GPU)."""
+    rounding and dequantized; a None seed skips that output (a seed: an int, or a one-element int64 tensor on x's
+    device, read when the kernel runs). One read of x on CUDA (csrc/training_experts.cu); elsewhere `_mxfp8_values` /
+    `_mxfp8_token_values` of the masked x (the same bits on CPU and GPU)."""
     lib = _row_kernels(x, "mxfp8_round_trips")
     if lib is None:
         masked = x.masked_fill(~(src_rank >= 0)[:, None], 0.0)
@@ -174,10 +209,14 @@ def _mxfp8_round_trips(x: torch.Tensor, src_rank: torch.Tensor, padded_rows: int
     num_rows, hidden = x.shape
     rows = None if seed_rows is None else torch.empty_like(x)
     tokens = None if seed_tokens is None else torch.empty(hidden, padded_rows, dtype=x.dtype, device=x.device)
+    from ._cuda_formats import _seed_args  # (a seed by value, or a seed tensor's address; None: not used)
+    rows_seed, rows_seed_at = _seed_args(0 if seed_rows is None else seed_rows)
+    tokens_seed, tokens_seed_at = _seed_args(0 if seed_tokens is None else seed_tokens)
     with _ext.cuda_device(x.device):
-        lib.mxfp8_round_trips(x.data_ptr(), src_rank.data_ptr(), num_rows, hidden, padded_rows, seed_rows or 0,
-                              seed_tokens or 0, 0 if rows is None else rows.data_ptr(),
-                              0 if tokens is None else tokens.data_ptr(), _ext.current_raw_stream(x.device))
+        lib.mxfp8_round_trips(x.data_ptr(), src_rank.data_ptr(), num_rows, hidden, padded_rows, rows_seed,
+                              tokens_seed, 0 if rows is None else rows.data_ptr(),
+                              0 if tokens is None else tokens.data_ptr(), _ext.current_raw_stream(x.device),
+                              rows_seed_at, tokens_seed_at)
     return rows, tokens
 
 
@@ -316,7 +355,7 @@ class _Saved:
     expert_of_row: torch.Tensor      # int64 [R]
     src_rank: torch.Tensor           # int32 [R]: a row is in use iff src_rank >= 0
     padded_rows: int
-    call_seed: int                   # the call's seed: grad_seed(call_seed, tensor) per rounding
+    seeds: dict                      # the backward's rounding seeds by tensor name (_backward_seeds)
     w1_values: Optional[torch.Tensor] = None  # keep_weight_values: the forward's bf16 block values of w1 / w2 (else
     w2_values: Optional[torch.Tensor] = None  # the backward decodes them again from w1 / w2)
 
@@ -400,7 +439,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
 
         ctx.saved = _Saved(tokens=tokens, hidden=hidden, gate_up_bf16=gate_up_bf16, w1_row_factor=w1_row_factor,
                            w1=w1q, w2=w2q, group_ends=group_ends, expert_of_row=expert_of_row, src_rank=src_rank,
-                           padded_rows=padded_rows, call_seed=seed,
+                           padded_rows=padded_rows, seeds=_backward_seeds(seed),
                            w1_values=kept_w1_values, w2_values=kept_w2_values)
         return out
 
@@ -426,8 +465,8 @@ class _ExpertMLPFunction(torch.autograd.Function):
                     torch.zeros(w2[0], dtype=ctx.w2_dtype, device=w2[1]), None, None, None, None)
         src, rows_p = s.src_rank, s.padded_rows
 
-        def seed_of(tensor: str) -> int:
-            return grad_seed(s.call_seed, tensor)
+        def seed_of(tensor: str) -> formats.SeedArg:
+            return s.seeds[tensor]
         want_rows, want_w1, want_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         # w2: dgrad (MXFP8 along H) and wgrad (MXFP8 along the tokens), both roundings of g from one read.
         g_rows, g_tokens = _mxfp8_round_trips(grad_out.to(torch.bfloat16), src, rows_p,
@@ -496,17 +535,19 @@ def _check_routed(routed, w1: torch.Tensor, w2: torch.Tensor) -> None:
                          f"({result.src_rank.device})")
 
 
-def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: int,
+def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: formats.SeedArg,
                keep_weight_values: bool = False, accumulate_into_main_grad: bool = False) -> torch.Tensor:
     """The SwiGLU experts of this rank on a `training.dispatch` result, with autograd: bf16 [R, H] in the dispatch
     layout (zero outside the rows in use), ready for `training.combine`.
 
     w1: [E_local, 2I, H] (gate rows, then up rows), w2: [E_local, H, I]; float32 or bfloat16 master weights
     (parameters); H and I multiples of 32. No host synchronization on CUDA tensors (so non-finite masters are not
-    refused: see quantize_expert_weights). seed: the backward's stochastic rounding, an int in [0, 2^64); give each
-    call its own (ExpertMLP hashes its seed with its call count): a repeated seed repeats the rounding noise. The
-    gradient of routed.x is returned to the dispatch (and so reaches x), those of w1 and w2 in their dtypes. See the
-    module docstring for the numerics.
+    refused: see quantize_expert_weights). seed: the backward's stochastic rounding, an int in [0, 2^64), or a
+    one-element int64 tensor on the weights' device holding its 64 bits (two's complement), read on the device when
+    the forward runs -- the form for CUDA graphs: a replay uses the value the tensor holds then, where an int would be
+    the capture's for ever. Give each call its own (ExpertMLP hashes its seed with a call counter kept on the device):
+    a repeated seed repeats the rounding noise. The gradient of routed.x is returned to the dispatch (and so reaches
+    x), those of w1 and w2 in their dtypes. See the module docstring for the numerics.
 
     keep_weight_values: keep the forward's BF16 block values of the NVFP4 weights (2 bytes per weight, as autocast keeps
     its BF16 weight copies) until the backward, which then does not decode them again from the NVFP4 weights (0.56
@@ -536,7 +577,7 @@ def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: i
         raise ValueError(f"I must be a multiple of 32 (MXFP8 blocks of the backward), got {two_i // 2}")
     if accumulate_into_main_grad:
         _check_main_grads(w1, w2)
-    seed = formats._check_seed(seed)
+    seed = formats._check_seed_arg(seed, w1.device)
     return _ExpertMLPFunction.apply(routed.x, w1, w2, routed.result, seed, keep_weight_values,
                                     accumulate_into_main_grad)
 
@@ -546,8 +587,10 @@ class ExpertMLP(torch.nn.Module):
     [E_local, H, I] (float32 masters by default; float32 or bfloat16), initialised N(0, 1 / fan_in).
 
     forward(routed) -> bf16 [R, H]: `expert_mlp` with a new seed per call, a hash of (seed, the call count). The count
-    is saved in state_dict (extra state), so a resumed run does not replay the first steps' rounding noise. Give each
-    layer its own seed. keep_weight_values, accumulate_into_main_grad: as for `expert_mlp` (the latter needs
+    (`call_count`, an int64 buffer on the weights' device) is incremented and hashed on the device by the forward
+    itself, so a CUDA graph that captured the forward and backward draws fresh rounding noise at every replay; it is
+    saved in state_dict (extra state), so a resumed run does not replay the first steps' noise. Give each layer its
+    own seed. keep_weight_values, accumulate_into_main_grad: as for `expert_mlp` (the latter needs
     w1.main_grad / w2.main_grad set by the trainer before the forward; checked there and again in the backward).
     pack() -> moe.PackedExpertWeights: the same NVFP4 weights, bit for bit, for the inference MoELayer."""
 
@@ -563,21 +606,29 @@ class ExpertMLP(torch.nn.Module):
         self.w1 = torch.nn.Parameter(w1.to(device=device, dtype=dtype))
         self.w2 = torch.nn.Parameter(w2.to(device=device, dtype=dtype))
         self.seed = formats._check_seed(seed)
-        self.calls = 0
+        self.register_buffer("call_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self.keep_weight_values = keep_weight_values
         self.accumulate_into_main_grad = accumulate_into_main_grad
 
+    @property
+    def calls(self) -> int:
+        """Forward calls so far (read from the device: a sync)."""
+        return int(self.call_count.item())
+
     def forward(self, routed: RoutedTokens) -> torch.Tensor:
-        self.calls += 1
-        return expert_mlp(routed, self.w1, self.w2, seed=_mix64(_mix64(self.seed) ^ self.calls),
-                          keep_weight_values=self.keep_weight_values,
+        if self.call_count.device != self.w1.device:  # (weights moved without the module's .to)
+            self.call_count = self.call_count.to(self.w1.device)
+        # the call seed _mix64(_mix64(seed) ^ calls), calls counted first (on the device, in the stream's order)
+        call_seed = _mix_seeds(self.call_count, [_mix64(self.seed)], increment=True)
+        return expert_mlp(routed, self.w1, self.w2, seed=call_seed, keep_weight_values=self.keep_weight_values,
                           accumulate_into_main_grad=self.accumulate_into_main_grad)
 
     def get_extra_state(self):
         return {"seed": self.seed, "calls": self.calls}
 
     def set_extra_state(self, state) -> None:
-        self.seed, self.calls = formats._check_seed(state["seed"]), int(state["calls"])
+        self.seed = formats._check_seed(state["seed"])
+        self.call_count.fill_(int(state["calls"]))
 
     def pack(self):
         from . import moe

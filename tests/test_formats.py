@@ -359,9 +359,14 @@ def test_api_rejects_malformed_containers_seeds_and_amax():
             F.mxfp8_quantize(x, rounding="stochastic", seed=seed, impl="reference")
     # Integer scalars of other types are ints (numpy's, torch's): the same bits as the plain int.
     plain = F.mxfp8_quantize(x, rounding="stochastic", seed=5, impl="reference")
-    for seed in (np.int64(5), torch.tensor(5)):
+    for seed in (np.int64(5), torch.tensor(5), torch.tensor([5], dtype=torch.int32)):
         other = F.mxfp8_quantize(x, rounding="stochastic", seed=seed, impl="reference")
         assert torch.equal(other.data.view(torch.uint8), plain.data.view(torch.uint8))
+    # A one-element int64 tensor holds the seed's 64 bits (two's complement), as the kernels read a GPU seed tensor.
+    big = F.mxfp8_quantize(x, rounding="stochastic", seed=2**64 - 3, impl="reference")
+    other = F.mxfp8_quantize(x, rounding="stochastic", seed=torch.tensor([-3]), impl="reference")
+    assert torch.equal(other.data.view(torch.uint8), big.data.view(torch.uint8))
+    assert not torch.equal(big.data.view(torch.uint8), plain.data.view(torch.uint8))
     with pytest.raises(ValueError, match="not NaN"):
         F.nvfp4_quantize(x, amax=torch.tensor(float("nan")), impl="reference")
     F.nvfp4_quantize(x, amax=torch.tensor(float("inf")), impl="reference")  # what a row holding an Inf computes

@@ -258,6 +258,47 @@ def test_stochastic_rounding_seeds_and_unbiasedness():
     assert abs(signed) < 0.02, f"SR is biased: mean signed error {signed} of the nearest-rounding error"
 
 
+def test_seed_tensors_are_read_when_the_kernels_run():
+    """A one-element int64 seed tensor on the GPU gives the bits of its int seed (two's complement from 2^63), and a
+    CUDA graph that captured the stochastic quantizers with it rounds with the value the tensor holds at each replay
+    (an int seed would be the capture's for ever). Seed tensors of another dtype, or on another device than the
+    input, are refused."""
+    x = _input("gauss", 64, 2048, torch.bfloat16, seed=6).to(DEVICE)
+    q = F.nvfp4_quantize(_input("outliers", 96, 2048, torch.float32, seed=7).to(DEVICE), impl="cuda")
+    seed = torch.zeros((), dtype=torch.int64, device=DEVICE)
+
+    def calls(s):
+        return (F.mxfp8_quantize(x, rounding="stochastic", seed=s, impl="cuda"),
+                F.nvfp4_to_mxfp8_transposed(q, seed=s, impl="cuda"))
+
+    def bits(value: int) -> int:
+        return value - 2**64 if value >= 2**63 else value
+
+    def check(got, value):
+        for a, b, name in zip(got, calls(value), ("mxfp8", "nvfp4 -> mxfp8^T")):
+            assert_same_mx(_cpu_mx(a), _cpu_mx(b), f"{name}, seed {value}")
+
+    for value in (3, 2**63 + 5, 2**64 - 1):
+        seed.fill_(bits(value))
+        check(calls(seed), value)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        calls(seed)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = calls(seed)
+    for value in (11, 2**63 + 1):
+        seed.fill_(bits(value))
+        graph.replay()
+        check(static, value)
+    with pytest.raises(TypeError, match="one int64 element"):
+        F.mxfp8_quantize(x, rounding="stochastic", seed=seed.int(), impl="cuda")
+    with pytest.raises(ValueError, match="seed tensor is on"):
+        F.mxfp8_quantize(x.cpu(), rounding="stochastic", seed=seed, impl="reference")
+
+
 def test_stochastic_rounding_fast_path_limits():
     """Blocks on both sides of the kernels' fast SR form, bitwise against the reference."""
     x = sr_fast_path_limit_blocks()

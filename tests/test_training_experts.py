@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import ep_comm
 from ep_comm import formats, moe, training
-from ep_comm.training_experts import _ExpertMLPFunction, grad_seed
+from ep_comm.training_experts import _ExpertMLPFunction, _as_int64, _mix64, grad_seed
 from harness import auto_backend, multigpu_backend, multigpu_world, run_ranks
 
 HIDDEN, INTER, TOPK, MAX_TOKENS, ALIGNMENT = 64, 32, 2, 48, 32
@@ -498,6 +498,100 @@ def _no_rows_worker(rank, world):
         assert rows.grad.shape == (0, HIDDEN) and not experts.w1.grad.any() and not experts.w2.grad.any()
         assert experts.w1.grad.dtype == torch.float32
     return "no rows ok"
+
+
+def _seed_worker(rank, world, backend="reference", device_kind="cpu"):
+    """ExpertMLP's call seed is _mix64(_mix64(seed) ^ calls), the calls counted on the weights' device: its calls give
+    the bits of expert_mlp with those int seeds (on a GPU the seeds are derived there, and the roundings read them
+    there); a seed tensor gives the bits of its int (two's complement from 2^63); state_dict carries the count, so a
+    module loaded from it draws the next call's noise, not the first call's again."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device_kind != "cpu" else torch.device("cpu")
+    x, idx, weights = (t.to(device) for t in _inputs(rank, 4, 40))
+    with _buffer(1, backend) as buf, training.GradBuffers.create(buf) as grads:
+        routed = training.dispatch(buf, grads, x, idx, weights)
+        routed = dataclasses.replace(routed, x=routed.x.detach().requires_grad_())  # (the experts' part alone)
+        g = torch.randn(routed.result.num_rows, HIDDEN, generator=torch.Generator().manual_seed(4))
+        g = g.to(torch.bfloat16).to(device)
+
+        def step(mlp, seed=None):
+            out = mlp(routed) if seed is None else training.expert_mlp(routed, mlp.w1, mlp.w2, seed)
+            return (out.detach(), *torch.autograd.grad(out, (routed.x, mlp.w1, mlp.w2), g))
+
+        def same(a, b):
+            return all(torch.equal(p, q) for p, q in zip(a, b))
+
+        mlp = training.ExpertMLP(4, HIDDEN, INTER, device=device, seed=2**64 - 5)
+        assert mlp.call_count.device == device
+        first = step(mlp)
+        assert mlp.calls == 1 and same(first, step(mlp, _mix64(_mix64(2**64 - 5) ^ 1)))
+        for value in (7, 2**63 + 12345):
+            assert same(step(mlp, torch.tensor(_as_int64(value), device=device)), step(mlp, value)), value
+        second = step(mlp)
+        assert mlp.calls == 2 and same(second, step(mlp, _mix64(_mix64(2**64 - 5) ^ 2)))
+        assert not torch.equal(second[2], first[2]), "the second call repeated the first call's rounding noise"
+        loaded = training.ExpertMLP(4, HIDDEN, INTER, device=device, seed=1)
+        loaded.load_state_dict(mlp.state_dict())
+        assert (loaded.seed, loaded.calls) == (2**64 - 5, 2)
+        assert same(step(loaded), step(mlp))
+    return "seeds ok"
+
+
+@pytest.mark.cpu
+def test_expert_mlp_call_seeds_count_and_resume():
+    assert run_ranks(_seed_worker, 1, backend="gloo") == ["seeds ok"]
+
+
+def _graph_worker(rank, world, backend):
+    """ExpertMLP's forward and backward captured in one CUDA graph: each replay, after new weights written in place (as
+    an optimizer step does) and a new output gradient, gives the bits of an eager twin at the same call count, and a
+    replay of the same inputs draws new rounding noise (the call counter and the seeds live on the device)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    x, idx, weights = (t.to(device) for t in _inputs(rank, 4, 40))
+    with _buffer(1, backend) as buf, training.GradBuffers.create(buf) as grads:
+        routed = training.dispatch(buf, grads, x, idx, weights)
+        routed = dataclasses.replace(routed, x=routed.x.detach().requires_grad_())
+        g = torch.zeros(routed.result.num_rows, HIDDEN, dtype=torch.bfloat16, device=device)
+        graphed = training.ExpertMLP(4, HIDDEN, INTER, device=device, seed=9)
+        eager = training.ExpertMLP(4, HIDDEN, INTER, device=device, seed=9)
+
+        def step(mlp):
+            out = mlp(routed)
+            return (out, *torch.autograd.grad(out, (routed.x, mlp.w1, mlp.w2), g))
+
+        side = torch.cuda.Stream()  # (torch's capture recipe: warm up on a side stream first)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step(graphed)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = step(graphed)
+        assert graphed.calls == 2  # (the capture records the count's increment without running it)
+        gen = torch.Generator().manual_seed(8)
+        w1_grads = []
+        for replay in range(3):
+            if replay < 2:  # (the third replay repeats the second one's inputs)
+                for name in ("w1", "w2"):
+                    value = torch.randn(getattr(graphed, name).shape, generator=gen) / HIDDEN ** 0.5
+                    for mlp in (graphed, eager):
+                        getattr(mlp, name).data.copy_(value)
+                g.copy_(torch.randn(g.shape, generator=gen).to(torch.bfloat16))
+            eager.call_count.copy_(graphed.call_count)
+            graph.replay()
+            want = step(eager)
+            for name, a, b in zip(("out", "d rows", "d w1", "d w2"), static, want):
+                assert torch.equal(a, b), (replay, name)
+            w1_grads.append(static[2].clone())
+        assert graphed.calls == 5
+        assert not torch.equal(w1_grads[1], w1_grads[2]), "a replay repeated the previous replay's rounding noise"
+    return "graph ok"
+
+
+@pytest.mark.gpu
+def test_cuda_expert_mlp_seeds_and_cuda_graph():
+    assert run_ranks(_seed_worker, 1, "nvlink", "cuda", backend="nccl") == ["seeds ok"]
+    assert run_ranks(_graph_worker, 1, "nvlink", backend="nccl") == ["graph ok"]
 
 
 @pytest.mark.cpu
