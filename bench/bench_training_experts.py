@@ -25,6 +25,9 @@ alignment 32), so the layout is the one training uses (capacity rows included). 
   ours_forward_backward_seed_tensor : ours with the seed in a device tensor, incremented on the device at every step
       (the graph-safe form ExpertMLP uses: the backward's six seeds derived there by one more launch), and
   ours_forward_backward_graph : the same step captured once in a CUDA graph and replayed (the host's launches gone);
+      ours_forward_backward (an int seed), this and the graph are timed again in three alternating rounds
+      (seed_forms_alternating_ms: the clock drifts
+      between rows timed far apart);
   wgrad_ours, wgrad_torch : the two weight-gradient GEMMs alone on random BF16 operands of the backward's shapes, into
       FP32: csrc/grouped_wgrad.cu against torch._grouped_mm + the widening kernel (FP32 masters only);
   dense_bf16_tflops : torch.mm in BF16 on 8192^3, the tensor-core ceiling of this GPU in this run.
@@ -180,14 +183,23 @@ def _worker(rank, world, args):
             if mlp.w1.dtype == torch.float32:
                 timed += [("ours_forward_backward_torch_wgrad", with_torch_wgrad(ours_forward_backward)),
                           ("wgrad_ours", wgrad_ours), ("wgrad_torch", wgrad_torch)]
+            graph_step = _captured(ours_forward_backward_seed_tensor)
             timed += [("ours_forward_backward_seed_tensor", ours_forward_backward_seed_tensor),
-                      ("ours_forward_backward_graph", _captured(ours_forward_backward_seed_tensor))]
+                      ("ours_forward_backward_graph", graph_step)]
             row = {"tokens": tokens, "rows_in_use": rows_in_use, "num_rows": result.num_rows,
                    # (the layouts torch._grouped_mm returns: a strided weight gradient costs a slow cast)
                    "wgrad_out_strides": list(torch._grouped_mm(t_h, t_i.t(), offs=ends).stride()),
                    "dgrad_out_strides": list(torch._grouped_mm(a_h, v2, offs=ends).stride())}
             for name, fn in timed:
                 row[name + "_ms"] = time_ms(fn, iters=args.iters, batches=args.batches)
+            # The rows above run one after another, and the GPU's clock drifts between them (the random-operand wgrad
+            # rows draw the most power): the int seed, the seed tensor and the graph also in alternating rounds.
+            rounds = {"int_seed": [], "seed_tensor": [], "graph": []}
+            for _ in range(3):
+                for name, fn in (("int_seed", ours_forward_backward), ("seed_tensor", ours_forward_backward_seed_tensor),
+                                 ("graph", graph_step)):
+                    rounds[name].append(time_ms(fn, iters=args.iters, batches=args.batches))
+            row["seed_forms_alternating_ms"] = rounds
             flops = 6.0 * rows_in_use * hidden * inter  # (the wgrads: 2 R H I for w2, 4 R H I for w1)
             for name, scale in (("ours_forward", 1), ("ours_forward_backward", 3), ("bf16_forward", 1),
                                 ("bf16_forward_backward", 3), ("gemms_only", 3), ("wgrad_ours", 1), ("wgrad_torch", 1),
@@ -248,6 +260,10 @@ def main(argv=None):
               f"{row['ours_forward_backward_then_add_ms']:.2f} ms, BF16 then main_grad += grad "
               f"{row['bf16_forward_backward_then_add_ms']:.2f} ms (ours / BF16 "
               f"{row['bf16_forward_backward_then_add_ms'] / row['ours_forward_backward_main_grad_ms']:.2f}x)")
+        alternating = {name: " / ".join(f"{ms:.2f}" for ms in times)
+                       for name, times in row["seed_forms_alternating_ms"].items()}
+        print(f"  seed forms, alternating rounds (ms): int seed {alternating['int_seed']}; seed tensor "
+              f"{alternating['seed_tensor']}; CUDA graph of the seed-tensor step {alternating['graph']}")
         if "wgrad_ours_ms" in row:
             print(f"  weight gradients into FP32: fwd+bwd with torch's wgrad "
                   f"{row['ours_forward_backward_torch_wgrad_ms']:.2f} ms; the two wgrads alone: ours "
