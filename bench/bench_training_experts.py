@@ -26,8 +26,7 @@ alignment 32), so the layout is the one training uses (capacity rows included). 
       (the graph-safe form ExpertMLP uses: the backward's six seeds derived there by one more launch), and
   ours_forward_backward_graph : the same step captured once in a CUDA graph and replayed (the host's launches gone);
       ours_forward_backward (an int seed), this and the graph are timed again in three alternating rounds
-      (seed_forms_alternating_ms: the clock drifts
-      between rows timed far apart);
+      (seed_forms_alternating_ms: the clock drifts between rows timed far apart);
   wgrad_ours, wgrad_torch : the two weight-gradient GEMMs alone on random BF16 operands of the backward's shapes, into
       FP32: csrc/grouped_wgrad.cu against torch._grouped_mm + the widening kernel (FP32 masters only);
   dense_bf16_tflops : torch.mm in BF16 on 8192^3, the tensor-core ceiling of this GPU in this run.
