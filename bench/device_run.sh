@@ -287,6 +287,10 @@ bench_training_experts() {  # ExpertMLP forward + backward against BF16 torch._g
   timeout 200 python3 bench/bench_training_experts.py --master-dtype bfloat16 \
     --out "$OUT/bench_training_experts_bf16_masters.json" 2>&1 | tail -3 | tee -a "$log"
 }
+profile_seed_forms() {  # the trainable experts' step with an int seed and a seed tensor: GPU time, kernels, gaps
+  say "profile: trainable experts' step, int seed vs seed tensor"
+  timeout 300 python3 bench/profile_seed_forms.py --out "$OUT/profile_seed_forms.json" 2>&1 | tail -6 | tee -a "$log"
+}
 test_training() {  # ep_comm.training (autograd through dispatch / combine) on the nvlink backend: world 1, then 2 ranks
   # sharing GPU 0 (the multigpu test; on 2+ GPUs test_multigpu runs it one rank per GPU)
   say "gpu tier: ep_comm.training gradients on nvlink at world 1"
