@@ -27,6 +27,12 @@ alignment 32), so the layout is the one training uses (capacity rows included). 
   ours_forward_backward_graph : the same step captured once in a CUDA graph and replayed (the host's launches gone);
       ours_forward_backward (an int seed), this and the graph are timed again in three alternating rounds
       (seed_forms_alternating_ms: the clock drifts between rows timed far apart);
+  ours_microbatch, ours_microbatch_kept_values, ours_microbatch_main_grad : a micro-batch after the first of a step
+      (ExpertMLP's is_first_microbatch=False): the NVFP4 weights of the first one reused (with kept values: their BF16
+      block values too; main_grad: kept values and accumulate_into_main_grad, the gradient-accumulation regime),
+      against
+  bf16_weights_forward_backward : the BF16 baseline on BF16 weight copies made once outside the step (a BF16 trainer's
+      micro-batch: no cast, BF16 weight gradients, no accumulation pass -- a lower bound for that trainer);
   wgrad_ours, wgrad_torch : the two weight-gradient GEMMs alone on random BF16 operands of the backward's shapes, into
       FP32: csrc/grouped_wgrad.cu against torch._grouped_mm + the widening kernel (FP32 masters only);
   dense_bf16_tflops : torch.mm in BF16 on 8192^3, the tensor-core ceiling of this GPU in this run.
@@ -36,6 +42,7 @@ are checked in tests/test_training_experts.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -53,7 +60,8 @@ from bench_grouped_gemm import mm_ceiling_tflops  # noqa: E402  the dense BF16 c
 from ep_comm import formats, training  # noqa: E402
 from ep_comm.bench import parse_token_counts, run_metadata, strict_json  # noqa: E402
 from ep_comm.launch import run_ranks  # noqa: E402
-from ep_comm.training_experts import _ExpertMLPFunction, _weight_gradient  # noqa: E402
+from ep_comm.training_experts import (_ExpertMLPFunction, _WeightCache, _weight_gradient,  # noqa: E402
+                                     quantize_expert_weights)
 
 
 def _captured(step):
@@ -106,6 +114,15 @@ def _worker(rank, world, args):
                 seed.add_(1)  # (a new seed per step, counted on the device: what a graph replays)
                 _ExpertMLPFunction.apply(rows, mlp.w1, mlp.w2, result, seed).backward(grad)
 
+            cache = _WeightCache(versions=(), w1=quantize_expert_weights(mlp.w1), w2=quantize_expert_weights(mlp.w2),
+                                 keep_values=False)
+            kept_cache = dataclasses.replace(cache, keep_values=True)
+
+            def ours_microbatch(kept=False, main_grad=False):
+                rows.grad = mlp.w1.grad = mlp.w2.grad = None
+                _ExpertMLPFunction.apply(rows, mlp.w1, mlp.w2, result, 1, kept, main_grad,
+                                         kept_cache if kept else cache).backward(grad)
+
             def ours_forward_backward_then_add():
                 ours_forward_backward()
                 for w in (mlp.w1, mlp.w2):
@@ -124,6 +141,14 @@ def _worker(rank, world, args):
                 w1_bf16, w2_bf16 = w1.to(torch.bfloat16), w2.to(torch.bfloat16)
                 gate, up = torch._grouped_mm(x_rows, w1_bf16.transpose(1, 2), offs=ends).chunk(2, dim=-1)
                 return torch._grouped_mm(F.silu(gate) * up, w2_bf16.transpose(1, 2), offs=ends)
+
+            w1_weights = mlp.w1.detach().to(torch.bfloat16).requires_grad_()
+            w2_weights = mlp.w2.detach().to(torch.bfloat16).requires_grad_()
+
+            def bf16_weights_forward_backward():
+                x_rows.grad = w1_weights.grad = w2_weights.grad = None
+                gate, up = torch._grouped_mm(x_rows, w1_weights.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+                torch._grouped_mm(F.silu(gate) * up, w2_weights.transpose(1, 2), offs=ends).backward(g_rows)
 
             def bf16_forward():
                 with torch.no_grad():
@@ -182,6 +207,10 @@ def _worker(rank, world, args):
             if mlp.w1.dtype == torch.float32:
                 timed += [("ours_forward_backward_torch_wgrad", with_torch_wgrad(ours_forward_backward)),
                           ("wgrad_ours", wgrad_ours), ("wgrad_torch", wgrad_torch)]
+            timed += [("ours_microbatch", ours_microbatch),
+                      ("ours_microbatch_kept_values", lambda: ours_microbatch(kept=True)),
+                      ("ours_microbatch_main_grad", lambda: ours_microbatch(kept=True, main_grad=True)),
+                      ("bf16_weights_forward_backward", bf16_weights_forward_backward)]
             graph_step = _captured(ours_forward_backward_seed_tensor)
             timed += [("ours_forward_backward_seed_tensor", ours_forward_backward_seed_tensor),
                       ("ours_forward_backward_graph", graph_step)]
@@ -205,7 +234,9 @@ def _worker(rank, world, args):
                                 ("ours_forward_backward_torch_wgrad", 3), ("ours_forward_backward_kept_values", 3),
                                 ("ours_forward_backward_main_grad", 3), ("ours_forward_backward_then_add", 3),
                                 ("bf16_forward_backward_then_add", 3), ("ours_forward_backward_seed_tensor", 3),
-                                ("ours_forward_backward_graph", 3)):
+                                ("ours_forward_backward_graph", 3), ("ours_microbatch", 3),
+                                ("ours_microbatch_kept_values", 3), ("ours_microbatch_main_grad", 3),
+                                ("bf16_weights_forward_backward", 3)):
                 if name + "_ms" in row:
                     row[name + "_tflops"] = scale * flops / (row[name + "_ms"] * 1e-3) / 1e12
             row["speedup_forward_backward_vs_bf16"] = row["bf16_forward_backward_ms"] / row["ours_forward_backward_ms"]
@@ -221,7 +252,7 @@ def _worker(rank, world, args):
                 print(table)
             figures["cases"].append(row)
             mlp = rows = grad = x_rows = w1 = w2 = a_h = a_i = a_2i = t_h = t_i = t_2i = v1 = v2 = None  # (freed)
-            main_grads = timed = None  # (the graph and its memory pool with it)
+            main_grads = timed = cache = kept_cache = w1_weights = w2_weights = None  # (the graph's pool with it)
             torch.cuda.empty_cache()
     return figures
 
@@ -259,6 +290,10 @@ def main(argv=None):
               f"{row['ours_forward_backward_then_add_ms']:.2f} ms, BF16 then main_grad += grad "
               f"{row['bf16_forward_backward_then_add_ms']:.2f} ms (ours / BF16 "
               f"{row['bf16_forward_backward_then_add_ms'] / row['ours_forward_backward_main_grad_ms']:.2f}x)")
+        print(f"  micro-batches after the first (ms): ours {row['ours_microbatch_ms']:.2f}, with kept values "
+              f"{row['ours_microbatch_kept_values_ms']:.2f}, kept values + main_grad "
+              f"{row['ours_microbatch_main_grad_ms']:.2f}; BF16 on BF16 weight copies "
+              f"{row['bf16_weights_forward_backward_ms']:.2f}")
         alternating = {name: " / ".join(f"{ms:.2f}" for ms in times)
                        for name, times in row["seed_forms_alternating_ms"].items()}
         print(f"  seed forms, alternating rounds (ms): int seed {alternating['int_seed']}; seed tensor "

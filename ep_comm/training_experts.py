@@ -360,6 +360,24 @@ class _Saved:
     w2_values: Optional[torch.Tensor] = None  # the backward decodes them again from w1 / w2)
 
 
+@dataclass
+class _WeightCache:
+    """The weights' quantization, reused by the micro-batches of one step (ExpertMLP's is_first_microbatch): the NVFP4
+    weights, and (keep_values) their BF16 block values once a forward has decoded them. versions: the masters'
+    (_version, data_ptr) pairs when quantized -- an in-place update (an optimizer step) changes them."""
+
+    versions: tuple
+    w1: formats.NVFP4Tensor
+    w2: formats.NVFP4Tensor
+    keep_values: bool
+    w1_values: Optional[torch.Tensor] = None
+    w2_values: Optional[torch.Tensor] = None
+
+
+def _weight_versions(w1: torch.Tensor, w2: torch.Tensor) -> tuple:
+    return (w1._version, w1.data_ptr(), w2._version, w2.data_ptr())
+
+
 def _expert_factor(w: formats.NVFP4Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
     """The per-expert outer decode scale of NVFP4 weights [E, N, K] (one amax per expert), per row: fp32 [R]."""
     per_expert = w.amax[:, 0].float() * torch.full((), 1.0 / (6.0 * w.e4m3_max), dtype=torch.float32,
@@ -394,13 +412,18 @@ def _check_main_grads(w1: torch.Tensor, w2: torch.Tensor) -> None:
                              f"{'' if main_grad.is_contiguous() else ', not contiguous'}")
 
 
+_NO_GRADS = (None,) * 5  # (the Function's inputs after rows, w1, w2: result, seed and three options)
+
+
 class _ExpertMLPFunction(torch.autograd.Function):
     """(rows [R, H], w1 [E, 2I, H], w2 [E, H, I]) -> bf16 [R, H]; rows only carries the gradient back to dispatch:
     the values come from the NVFP4 payload (result.x) it was dequantized from."""
 
     @staticmethod
     def forward(ctx, rows, w1, w2, result, seed: int, keep_weight_values: bool = False,
-                accumulate_into_main_grad: bool = False):
+                accumulate_into_main_grad: bool = False, weight_cache: Optional[_WeightCache] = None):
+        # weight_cache: the NVFP4 weights (and block values) of an earlier micro-batch, used instead of quantizing
+        # (and decoding) w1 / w2 again; the block values this forward decodes are stored there if it keeps them.
         num_rows = result.num_rows
         # (the parameters themselves: the backward adds into their main_grad, read then, and flags them)
         ctx.main_grad_of = (w1, w2) if accumulate_into_main_grad else None
@@ -417,21 +440,34 @@ class _ExpertMLPFunction(torch.autograd.Function):
         experts = w1.shape[0]
         positions = torch.arange(num_rows, dtype=torch.int32, device=rows_in_use.device)
         expert_of_row = torch.searchsorted(group_ends, positions, right=True).clamp_(max=experts - 1)
-        w1q, w2q = quantize_expert_weights(w1), quantize_expert_weights(w2)
+        if weight_cache is None:
+            w1q, w2q = quantize_expert_weights(w1), quantize_expert_weights(w2)
+        else:
+            w1q, w2q = weight_cache.w1, weight_cache.w2
         tokens = _masked_nvfp4(result.x, rows_in_use, padded_rows)
+
+        def values_of(name: str, q: formats.NVFP4Tensor) -> torch.Tensor:
+            if weight_cache is None:
+                return _weight_values(q)
+            cached = getattr(weight_cache, name)
+            if cached is None:
+                cached = _weight_values(q)
+                if weight_cache.keep_values:
+                    setattr(weight_cache, name, cached)
+            return cached
 
         # w1: gate and up (BF16 GEMM output times the token's and the expert's outer factors, in FP32), SwiGLU in
         # FP32, then the w2 input: NVFP4 4/6 with a per-token amax (zero rows up to the padded count).
         x_values, x_factor = _block_values(tokens)
         w1_row_factor = x_factor[:num_rows] * _expert_factor(w1q, expert_of_row)
-        w1_values = _weight_values(w1q)
+        w1_values = values_of("w1_values", w1q)
         gate_up_bf16 = _grouped_mm(x_values[:num_rows], w1_values.transpose(1, 2), group_ends)
         kept_w1_values = w1_values if keep_weight_values else None
         del x_values, w1_values  # (else held through w2's GEMM)
         hidden = formats.nvfp4_quantize(_swiglu_rows(gate_up_bf16, w1_row_factor, src_rank, padded_rows),
                                         four_over_six=True)
         h_values, h_factor = _block_values(hidden)
-        w2_values = _weight_values(w2q)
+        w2_values = values_of("w2_values", w2q)
         out = _grouped_mm(h_values[:num_rows], w2_values.transpose(1, 2), group_ends)
         kept_w2_values = w2_values if keep_weight_values else None
         del w2_values
@@ -459,10 +495,10 @@ class _ExpertMLPFunction(torch.autograd.Function):
         if s is None:  # (no rows: zero weight gradients, or nothing to add)
             w1, w2 = ctx.w1_shape_device, ctx.w2_shape_device
             if main_grad_of is not None:
-                return grad_out.new_zeros(0, w1[0][2], dtype=ctx.rows_dtype), None, None, None, None, None, None
+                return (grad_out.new_zeros(0, w1[0][2], dtype=ctx.rows_dtype), None, None) + _NO_GRADS
             return (grad_out.new_zeros(0, w1[0][2], dtype=ctx.rows_dtype),
                     torch.zeros(w1[0], dtype=ctx.w1_dtype, device=w1[1]),
-                    torch.zeros(w2[0], dtype=ctx.w2_dtype, device=w2[1]), None, None, None, None)
+                    torch.zeros(w2[0], dtype=ctx.w2_dtype, device=w2[1])) + _NO_GRADS
         src, rows_p = s.src_rank, s.padded_rows
 
         def seed_of(tensor: str) -> formats.SeedArg:
@@ -487,7 +523,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
                                        main_grad_of[1].main_grad if main_grad_of is not None else None)
             del g_tokens, h_tokens
         if d_hidden is None:
-            return None, None, grad_w2, None, None, None, None
+            return (None, None, grad_w2) + _NO_GRADS
         # SwiGLU's backward in FP32 from the forward's pre-activations, rounded to BF16 (the source of both MXFP8
         # roundings of w1's backward), then w1's dgrad (MXFP8 along 2I) and wgrad (MXFP8 along the tokens).
         d_gate_up = _swiglu_backward_rows(d_hidden, _expert_factor(s.w2, s.expert_of_row), s.gate_up_bf16,
@@ -510,7 +546,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
                 s.tokens, rounding="stochastic", seed=seed_of("x_tokens")), dtype=torch.bfloat16)    # [H, Rp]
             grad_w1 = _weight_gradient(d_tokens, x_tokens, s.group_ends, ctx.w1_dtype,  # [E, 2I, H]
                                        main_grad_of[0].main_grad if main_grad_of is not None else None)
-        return grad_rows, grad_w1, grad_w2, None, None, None, None
+        return (grad_rows, grad_w1, grad_w2) + _NO_GRADS
 
 
 def _check_routed(routed, w1: torch.Tensor, w2: torch.Tensor) -> None:
@@ -560,6 +596,12 @@ def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: f
     weight-gradient GEMM adds its FP32 accumulators into main_grad as it stores them (no gradient tensor, no separate
     addition pass), for float32 and bfloat16 masters alike; elsewhere the gradient is computed as without it and added.
     Either way each element of main_grad gets exactly one FP32 addition per backward."""
+    return _expert_mlp(routed, w1, w2, seed, keep_weight_values, accumulate_into_main_grad, None)
+
+
+def _expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: formats.SeedArg,
+                keep_weight_values: bool, accumulate_into_main_grad: bool,
+                weight_cache: Optional[_WeightCache]) -> torch.Tensor:
     _check_routed(routed, w1, w2)
     for name, flag in (("keep_weight_values", keep_weight_values),
                        ("accumulate_into_main_grad", accumulate_into_main_grad)):
@@ -579,7 +621,7 @@ def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: f
         _check_main_grads(w1, w2)
     seed = formats._check_seed_arg(seed, w1.device)
     return _ExpertMLPFunction.apply(routed.x, w1, w2, routed.result, seed, keep_weight_values,
-                                    accumulate_into_main_grad)
+                                    accumulate_into_main_grad, weight_cache)
 
 
 class ExpertMLP(torch.nn.Module):
@@ -592,7 +634,15 @@ class ExpertMLP(torch.nn.Module):
     saved in state_dict (extra state), so a resumed run does not replay the first steps' noise. Give each layer its
     own seed. keep_weight_values, accumulate_into_main_grad: as for `expert_mlp` (the latter needs
     w1.main_grad / w2.main_grad set by the trainer before the forward; checked there and again in the backward).
-    pack() -> moe.PackedExpertWeights: the same NVFP4 weights, bit for bit, for the inference MoELayer."""
+    pack() -> moe.PackedExpertWeights: the same NVFP4 weights, bit for bit, for the inference MoELayer.
+
+    forward(routed, is_first_microbatch=None), as Transformer Engine's modules take it, for gradient accumulation
+    over micro-batches (the weights do not change between the micro-batches of one step): True quantizes the weights
+    and keeps their NVFP4 form (0.56 bytes per weight; with keep_weight_values also their BF16 block values, 2 bytes
+    per weight, once a forward with rows has decoded them) for the calls that follow with False, which reuse it
+    instead of quantizing (and decoding) again -- the same bits. None (the default) quantizes at every call and drops
+    what was kept. A call with False raises if nothing was kept, or if a weight was updated in place since (its
+    version counter moved, as an optimizer step moves it; writes through `.data` are not seen)."""
 
     def __init__(self, num_local_experts: int, hidden: int, intermediate: int, *, dtype: torch.dtype = torch.float32,
                  device=None, seed: int = 0, keep_weight_values: bool = False,
@@ -609,19 +659,38 @@ class ExpertMLP(torch.nn.Module):
         self.register_buffer("call_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self.keep_weight_values = keep_weight_values
         self.accumulate_into_main_grad = accumulate_into_main_grad
+        self._weight_cache: Optional[_WeightCache] = None  # (is_first_microbatch: see forward)
 
     @property
     def calls(self) -> int:
         """Forward calls so far (read from the device: a sync)."""
         return int(self.call_count.item())
 
-    def forward(self, routed: RoutedTokens) -> torch.Tensor:
+    def forward(self, routed: RoutedTokens, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+            raise TypeError(f"is_first_microbatch must be None or a bool, got {type(is_first_microbatch).__name__}")
+        if is_first_microbatch is None:
+            self._weight_cache = None
+        elif is_first_microbatch:
+            self._weight_cache = None  # (the previous step's, freed before quantizing again)
+            self._weight_cache = _WeightCache(
+                versions=_weight_versions(self.w1, self.w2), w1=quantize_expert_weights(self.w1),
+                w2=quantize_expert_weights(self.w2), keep_values=self.keep_weight_values)
+        else:
+            cache = getattr(self, "_weight_cache", None)
+            if cache is None:
+                raise RuntimeError("ExpertMLP(..., is_first_microbatch=False): no weights were kept -- call with "
+                                   "is_first_microbatch=True first (each step's first micro-batch)")
+            if cache.versions != _weight_versions(self.w1, self.w2):
+                raise RuntimeError("ExpertMLP(..., is_first_microbatch=False): w1 or w2 changed since the call with "
+                                   "is_first_microbatch=True (an optimizer step or another in-place update): call "
+                                   "with is_first_microbatch=True to quantize them again")
         if self.call_count.device != self.w1.device:  # (weights moved without the module's .to)
             self.call_count = self.call_count.to(self.w1.device)
         # the call seed _mix64(_mix64(seed) ^ calls), calls counted first (on the device, in the stream's order)
         call_seed = _mix_seeds(self.call_count, [_mix64(self.seed)], increment=True)
-        return expert_mlp(routed, self.w1, self.w2, seed=call_seed, keep_weight_values=self.keep_weight_values,
-                          accumulate_into_main_grad=self.accumulate_into_main_grad)
+        return _expert_mlp(routed, self.w1, self.w2, call_seed, self.keep_weight_values,
+                           self.accumulate_into_main_grad, getattr(self, "_weight_cache", None))
 
     def get_extra_state(self):
         return {"seed": self.seed, "calls": self.calls}

@@ -541,6 +541,65 @@ def test_expert_mlp_call_seeds_count_and_resume():
     assert run_ranks(_seed_worker, 1, backend="gloo") == ["seeds ok"]
 
 
+def _microbatch_worker(rank, world, backend="reference", device_kind="cpu"):
+    """ExpertMLP(..., is_first_microbatch=True / False): the micro-batches after the first reuse its NVFP4 weights (and,
+    with keep_weight_values, their BF16 block values) instead of quantizing again -- the bits of a twin that quantizes
+    at every call; a call with False is refused before any call with True, after None, and after an in-place update of
+    a weight (an optimizer step), and a True call after that quantizes the new weights."""
+    import ep_comm.training_experts as te
+    device = torch.device("cuda", torch.cuda.current_device()) if device_kind != "cpu" else torch.device("cpu")
+    x, idx, weights = (t.to(device) for t in _inputs(rank, 4, 40))
+    quantized = []
+    quantize = te.quantize_expert_weights
+    te.quantize_expert_weights = lambda w: quantized.append(w.shape) or quantize(w)  # (counts the quantizations)
+    try:
+        with _buffer(1, backend) as buf, training.GradBuffers.create(buf) as grads:
+            routed = training.dispatch(buf, grads, x, idx, weights)
+            routed = dataclasses.replace(routed, x=routed.x.detach().requires_grad_())
+            g = torch.randn(routed.result.num_rows, HIDDEN, generator=torch.Generator().manual_seed(6))
+            g = g.to(torch.bfloat16).to(device)
+
+            def step(mlp, first):
+                out = mlp(routed, is_first_microbatch=first)
+                return (out.detach(), *torch.autograd.grad(out, (routed.x, mlp.w1, mlp.w2), g))
+
+            for keep in (False, True):
+                mlp = training.ExpertMLP(4, HIDDEN, INTER, device=device, seed=3, keep_weight_values=keep)
+                twin = training.ExpertMLP(4, HIDDEN, INTER, device=device, seed=3, keep_weight_values=keep)
+                with pytest.raises(RuntimeError, match="call with is_first_microbatch=True first"):
+                    mlp(routed, is_first_microbatch=False)
+                with pytest.raises(TypeError, match="is_first_microbatch must be None or a bool"):
+                    mlp(routed, is_first_microbatch=1)
+                assert mlp.calls == 0  # (a refused call draws no seed)
+                for update in range(2):
+                    del quantized[:]
+                    for first in (True, False, False):
+                        got, want = step(mlp, first), step(twin, None)
+                        for name, a, b in zip(("out", "d rows", "d w1", "d w2"), got, want):
+                            assert torch.equal(a, b), (keep, update, first, name)
+                    assert len(quantized) == 2 + 3 * 2, quantized  # (the twin's three calls quantize both weights)
+                    cache = mlp._weight_cache
+                    assert (cache.w1_values is not None) == keep and (cache.w2_values is not None) == keep
+                    with torch.no_grad():  # (an optimizer step: in place)
+                        for mod in (mlp, twin):
+                            mod.w1.mul_(0.5)
+                            mod.w2.add_(0.01)
+                    with pytest.raises(RuntimeError, match="changed since the call with is_first_microbatch=True"):
+                        mlp(routed, is_first_microbatch=False)
+                    assert mlp.calls == twin.calls
+                mlp(routed)  # (None: drops what was kept)
+                with pytest.raises(RuntimeError, match="no weights were kept"):
+                    mlp(routed, is_first_microbatch=False)
+    finally:
+        te.quantize_expert_weights = quantize
+    return "micro-batches ok"
+
+
+@pytest.mark.cpu
+def test_expert_mlp_reuses_the_first_microbatch_weights():
+    assert run_ranks(_microbatch_worker, 1, backend="gloo") == ["micro-batches ok"]
+
+
 def _graph_worker(rank, world, backend):
     """ExpertMLP's forward and backward captured in one CUDA graph: each replay, after new weights written in place (as
     an optimizer step does) and a new output gradient, gives the bits of an eager twin at the same call count, and a
@@ -592,6 +651,7 @@ def _graph_worker(rank, world, backend):
 def test_cuda_expert_mlp_seeds_and_cuda_graph():
     assert run_ranks(_seed_worker, 1, "nvlink", "cuda", backend="nccl") == ["seeds ok"]
     assert run_ranks(_graph_worker, 1, "nvlink", backend="nccl") == ["graph ok"]
+    assert run_ranks(_microbatch_worker, 1, "nvlink", "cuda", backend="nccl") == ["micro-batches ok"]
 
 
 @pytest.mark.cpu
