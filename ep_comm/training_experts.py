@@ -47,7 +47,13 @@ Measured on one H200 (bench/RESULTS.md, fifty-third session; bench/bench_trainin
 20.8 against 21.8 ms per forward + backward; 0.99-1.05x against the baselines of the last two sessions, which move by
 a few percent between runs; 23.2 ms with torch's weight-gradient GEMMs in the same run; 20.0 ms with
 keep_weight_values) and 0.90x (BF16 masters) the speed of BF16 experts in torch autograd over the same segments, on
-masters of the same dtype.
+masters of the same dtype (0.94-0.97x with FP32 masters in the fifty-fourth session's runs, whose baseline was faster).
+A micro-batch after the first of a step (ExpertMLP's is_first_microbatch=False, the weights' quantization reused):
+19.0 ms, 17.7 with kept values, against 21.0 quantizing every call (fifty-fourth session, FP32 masters).
+
+CUDA graphs: the stochastic roundings' seeds may live on the device (a one-element int64 seed tensor, read by the
+kernels when they run), and ExpertMLP counts its calls there, so its forward + backward can be captured in a graph
+whose replays draw fresh rounding noise (tests/test_training_experts.py).
 """
 from __future__ import annotations
 
