@@ -25,8 +25,9 @@ alignment 32), so the layout is the one training uses (capacity rows included). 
   ours_forward_backward_seed_tensor : ours with the seed in a device tensor, incremented on the device at every step
       (the graph-safe form ExpertMLP uses: the backward's six seeds derived there by one more launch), and
   ours_forward_backward_graph : the same step captured once in a CUDA graph and replayed (the host's launches gone);
-      ours_forward_backward (an int seed), this and the graph are timed again in three alternating rounds
-      (seed_forms_alternating_ms: the clock drifts between rows timed far apart);
+      (alternating_ms: ours with an int seed, with accumulate_into_main_grad, the micro-batch rows, the seed tensor,
+      the graph and the two BF16 baselines again, in three alternating rounds: the clock drifts between rows timed
+      far apart);
   ours_microbatch, ours_microbatch_kept_values, ours_microbatch_main_grad : a micro-batch after the first of a step
       (ExpertMLP's is_first_microbatch=False): the NVFP4 weights of the first one reused (with kept values: their BF16
       block values too; main_grad: kept values and accumulate_into_main_grad, the gradient-accumulation regime),
@@ -114,8 +115,8 @@ def _worker(rank, world, args):
                 seed.add_(1)  # (a new seed per step, counted on the device: what a graph replays)
                 _ExpertMLPFunction.apply(rows, mlp.w1, mlp.w2, result, seed).backward(grad)
 
-            cache = _WeightCache(versions=(), w1=quantize_expert_weights(mlp.w1), w2=quantize_expert_weights(mlp.w2),
-                                 keep_values=False)
+            cache = _WeightCache(masters=(), versions=(), w1=quantize_expert_weights(mlp.w1),
+                                 w2=quantize_expert_weights(mlp.w2), keep_values=False)
             kept_cache = dataclasses.replace(cache, keep_values=True)
 
             def ours_microbatch(kept=False, main_grad=False):
@@ -220,14 +221,19 @@ def _worker(rank, world, args):
                    "dgrad_out_strides": list(torch._grouped_mm(a_h, v2, offs=ends).stride())}
             for name, fn in timed:
                 row[name + "_ms"] = time_ms(fn, iters=args.iters, batches=args.batches)
-            # The rows above run one after another, and the GPU's clock drifts between them (the random-operand wgrad
-            # rows draw the most power): the int seed, the seed tensor and the graph also in alternating rounds.
-            rounds = {"int_seed": [], "seed_tensor": [], "graph": []}
+            # The rows above run one after another, and the GPU's clock drifts between them: the forms compared in
+            # the write-up also in alternating rounds.
+            alternating = (("int_seed", ours_forward_backward),
+                           ("main_grad", lambda: ours_forward_backward(accumulate_into_main_grad=True)),
+                           ("microbatch", ours_microbatch), ("microbatch_kept_values", lambda: ours_microbatch(True)),
+                           ("microbatch_main_grad", lambda: ours_microbatch(True, True)),
+                           ("seed_tensor", ours_forward_backward_seed_tensor), ("graph", graph_step),
+                           ("bf16", bf16_forward_backward), ("bf16_weights", bf16_weights_forward_backward))
+            rounds = {name: [] for name, _ in alternating}
             for _ in range(3):
-                for name, fn in (("int_seed", ours_forward_backward), ("seed_tensor", ours_forward_backward_seed_tensor),
-                                 ("graph", graph_step)):
+                for name, fn in alternating:
                     rounds[name].append(time_ms(fn, iters=args.iters, batches=args.batches))
-            row["seed_forms_alternating_ms"] = rounds
+            row["alternating_ms"] = rounds
             flops = 6.0 * rows_in_use * hidden * inter  # (the wgrads: 2 R H I for w2, 4 R H I for w1)
             for name, scale in (("ours_forward", 1), ("ours_forward_backward", 3), ("bf16_forward", 1),
                                 ("bf16_forward_backward", 3), ("gemms_only", 3), ("wgrad_ours", 1), ("wgrad_torch", 1),
@@ -294,10 +300,8 @@ def main(argv=None):
               f"{row['ours_microbatch_kept_values_ms']:.2f}, kept values + main_grad "
               f"{row['ours_microbatch_main_grad_ms']:.2f}; BF16 on BF16 weight copies "
               f"{row['bf16_weights_forward_backward_ms']:.2f}")
-        alternating = {name: " / ".join(f"{ms:.2f}" for ms in times)
-                       for name, times in row["seed_forms_alternating_ms"].items()}
-        print(f"  seed forms, alternating rounds (ms): int seed {alternating['int_seed']}; seed tensor "
-              f"{alternating['seed_tensor']}; CUDA graph of the seed-tensor step {alternating['graph']}")
+        print("  alternating rounds (ms): " + "; ".join(f"{name} " + " / ".join(f"{ms:.2f}" for ms in times)
+                                                     for name, times in row["alternating_ms"].items()))
         if "wgrad_ours_ms" in row:
             print(f"  weight gradients into FP32: fwd+bwd with torch's wgrad "
                   f"{row['ours_forward_backward_torch_wgrad_ms']:.2f} ms; the two wgrads alone: ours "

@@ -66,7 +66,8 @@ void register_training(py::module_& m) {
         args.out = ptr<uint64_t>(out);
         check(ep_comm::launch_mix_seeds(args, as_stream(stream)), "mix_seeds");
       },
-      py::arg("in"), py::arg("increment_in"), py::arg("xor_values"), py::arg("out"), py::arg("stream"),
+      py::call_guard<py::gil_scoped_release>(), py::arg("in"), py::arg("increment_in"), py::arg("xor_values"),
+      py::arg("out"), py::arg("stream"),
       "out[j] = mix64(*in ^ xor_values[j]) on the device, *in incremented first if asked (training_experts.h)");
   m.def(
       "swiglu_rows",

@@ -60,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -369,9 +370,11 @@ class _Saved:
 @dataclass
 class _WeightCache:
     """The weights' quantization, reused by the micro-batches of one step (ExpertMLP's is_first_microbatch): the NVFP4
-    weights, and (keep_values) their BF16 block values once a forward has decoded them. versions: the masters'
-    (_version, data_ptr) pairs when quantized -- an in-place update (an optimizer step) changes them."""
+    weights, and (keep_values) their BF16 block values once a forward has decoded them. masters: weak references to
+    the parameters it was made from; versions: their _weight_state when quantized (an in-place update through the
+    parameter -- a torch optimizer's step -- moves the version counter; .to() moves the storage)."""
 
+    masters: tuple
     versions: tuple
     w1: formats.NVFP4Tensor
     w2: formats.NVFP4Tensor
@@ -380,8 +383,15 @@ class _WeightCache:
     w2_values: Optional[torch.Tensor] = None
 
 
-def _weight_versions(w1: torch.Tensor, w2: torch.Tensor) -> tuple:
-    return (w1._version, w1.data_ptr(), w2._version, w2.data_ptr())
+def _weight_state(w: torch.Tensor) -> tuple:
+    return (w._version, w.data_ptr(), w.dtype, tuple(w.shape), w.device)
+
+
+def _cache_serves(cache: _WeightCache, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether cache was made from these parameters, unchanged since as far as their version counters and storage tell
+    (writes that bypass the counter -- through .data, into a buffer the parameters view -- are not seen)."""
+    return (cache.masters[0]() is w1 and cache.masters[1]() is w2
+            and cache.versions == (_weight_state(w1), _weight_state(w2)))
 
 
 def _expert_factor(w: formats.NVFP4Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
@@ -418,7 +428,7 @@ def _check_main_grads(w1: torch.Tensor, w2: torch.Tensor) -> None:
                              f"{'' if main_grad.is_contiguous() else ', not contiguous'}")
 
 
-_NO_GRADS = (None,) * 5  # (the Function's inputs after rows, w1, w2: result, seed and three options)
+_NO_GRADS = (None,) * 5  # (the Function's inputs after rows, w1, w2: result, seed, two flags, the weight cache)
 
 
 class _ExpertMLPFunction(torch.autograd.Function):
@@ -426,7 +436,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
     the values come from the NVFP4 payload (result.x) it was dequantized from."""
 
     @staticmethod
-    def forward(ctx, rows, w1, w2, result, seed: int, keep_weight_values: bool = False,
+    def forward(ctx, rows, w1, w2, result, seed: formats.SeedArg, keep_weight_values: bool = False,
                 accumulate_into_main_grad: bool = False, weight_cache: Optional[_WeightCache] = None):
         # weight_cache: the NVFP4 weights (and block values) of an earlier micro-batch, used instead of quantizing
         # (and decoding) w1 / w2 again; the block values this forward decodes are stored there if it keeps them.
@@ -647,8 +657,15 @@ class ExpertMLP(torch.nn.Module):
     and keeps their NVFP4 form (0.56 bytes per weight; with keep_weight_values also their BF16 block values, 2 bytes
     per weight, once a forward with rows has decoded them) for the calls that follow with False, which reuse it
     instead of quantizing (and decoding) again -- the same bits. None (the default) quantizes at every call and drops
-    what was kept. A call with False raises if nothing was kept, or if a weight was updated in place since (its
-    version counter moved, as an optimizer step moves it; writes through `.data` are not seen)."""
+    what was kept; so does release_weight_cache() (what was kept stays held until then, optimizer step included).
+    Pass True at the first micro-batch of every step: that is the contract. A call with False raises if nothing was
+    kept, if w1 / w2 were replaced or moved (.to()), or if their version counters moved (an in-place update through
+    the parameter, as torch's optimizers make); updates that bypass the counter -- writes through `.data`, into a
+    flat buffer the parameters view (distributed optimizers), an optimizer step replayed from a CUDA graph -- are not
+    seen, and a False call after them would use the previous step's weights.
+
+    reset_parameters() initialises the weights as the constructor does (from the seed) and zeroes call_count: the
+    deferred initialisation after construction on the meta device and `to_empty()`."""
 
     def __init__(self, num_local_experts: int, hidden: int, intermediate: int, *, dtype: torch.dtype = torch.float32,
                  device=None, seed: int = 0, keep_weight_values: bool = False,
@@ -656,16 +673,37 @@ class ExpertMLP(torch.nn.Module):
         super().__init__()
         if dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"dtype must be torch.float32 or torch.bfloat16 (the master weights), got {dtype}")
-        gen = torch.Generator().manual_seed(seed)
-        w1 = torch.randn(num_local_experts, 2 * intermediate, hidden, generator=gen) / math.sqrt(hidden)
-        w2 = torch.randn(num_local_experts, hidden, intermediate, generator=gen) / math.sqrt(intermediate)
-        self.w1 = torch.nn.Parameter(w1.to(device=device, dtype=dtype))
-        self.w2 = torch.nn.Parameter(w2.to(device=device, dtype=dtype))
         self.seed = formats._check_seed(seed)
+        self.w1 = torch.nn.Parameter(torch.empty(num_local_experts, 2 * intermediate, hidden, device=device,
+                                                 dtype=dtype))
+        self.w2 = torch.nn.Parameter(torch.empty(num_local_experts, hidden, intermediate, device=device, dtype=dtype))
         self.register_buffer("call_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self.keep_weight_values = keep_weight_values
         self.accumulate_into_main_grad = accumulate_into_main_grad
         self._weight_cache: Optional[_WeightCache] = None  # (is_first_microbatch: see forward)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        gen = torch.Generator().manual_seed(self.seed)
+        experts, two_i, hidden = self.w1.shape
+        with torch.no_grad():  # (drawn in FP32 on the CPU, rounded to the masters' dtype: as the weights always were)
+            self.w1.copy_(torch.randn(experts, two_i, hidden, generator=gen) / math.sqrt(hidden))
+            self.w2.copy_(torch.randn(experts, hidden, two_i // 2, generator=gen) / math.sqrt(two_i // 2))
+            self.call_count.zero_()
+        self._weight_cache = None
+
+    def release_weight_cache(self) -> None:
+        """Drops the weights kept by is_first_microbatch=True (their memory returns to the allocator)."""
+        self._weight_cache = None
+
+    def __setstate__(self, state) -> None:
+        # (a module pickled before the call count moved to the device: its count was the int attribute `calls`)
+        calls = state.pop("calls", None)
+        super().__setstate__(state)
+        if "call_count" not in self._buffers:
+            self.register_buffer("call_count", torch.tensor(calls or 0, dtype=torch.int64, device=self.w1.device),
+                                 persistent=False)
+        self.__dict__.setdefault("_weight_cache", None)
 
     @property
     def calls(self) -> int:
@@ -680,23 +718,24 @@ class ExpertMLP(torch.nn.Module):
         elif is_first_microbatch:
             self._weight_cache = None  # (the previous step's, freed before quantizing again)
             self._weight_cache = _WeightCache(
-                versions=_weight_versions(self.w1, self.w2), w1=quantize_expert_weights(self.w1),
+                masters=(weakref.ref(self.w1), weakref.ref(self.w2)),
+                versions=(_weight_state(self.w1), _weight_state(self.w2)), w1=quantize_expert_weights(self.w1),
                 w2=quantize_expert_weights(self.w2), keep_values=self.keep_weight_values)
         else:
             cache = getattr(self, "_weight_cache", None)
             if cache is None:
                 raise RuntimeError("ExpertMLP(..., is_first_microbatch=False): no weights were kept -- call with "
                                    "is_first_microbatch=True first (each step's first micro-batch)")
-            if cache.versions != _weight_versions(self.w1, self.w2):
+            if not _cache_serves(cache, self.w1, self.w2):
                 raise RuntimeError("ExpertMLP(..., is_first_microbatch=False): w1 or w2 changed since the call with "
-                                   "is_first_microbatch=True (an optimizer step or another in-place update): call "
-                                   "with is_first_microbatch=True to quantize them again")
+                                   "is_first_microbatch=True (updated in place, as an optimizer step does, replaced, "
+                                   "or moved): call with is_first_microbatch=True to quantize them again")
         if self.call_count.device != self.w1.device:  # (weights moved without the module's .to)
             self.call_count = self.call_count.to(self.w1.device)
         # the call seed _mix64(_mix64(seed) ^ calls), calls counted first (on the device, in the stream's order)
         call_seed = _mix_seeds(self.call_count, [_mix64(self.seed)], increment=True)
         return _expert_mlp(routed, self.w1, self.w2, call_seed, self.keep_weight_values,
-                           self.accumulate_into_main_grad, getattr(self, "_weight_cache", None))
+                           self.accumulate_into_main_grad, self._weight_cache)
 
     def get_extra_state(self):
         return {"seed": self.seed, "calls": self.calls}

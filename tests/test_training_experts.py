@@ -533,6 +533,14 @@ def _seed_worker(rank, world, backend="reference", device_kind="cpu"):
         loaded.load_state_dict(mlp.state_dict())
         assert (loaded.seed, loaded.calls) == (2**64 - 5, 2)
         assert same(step(loaded), step(mlp))
+    if device.type == "cuda":  # the seed kernel's argument checks
+        from ep_comm import _ext
+        seeds, stream = torch.zeros(10, dtype=torch.int64, device=device), _ext.current_raw_stream(device)
+        with pytest.raises(ValueError, match="at most 8 seeds"):
+            _ext._C.mix_seeds(seeds.data_ptr(), False, [1] * 9, seeds[1:].data_ptr(), stream)
+        with pytest.raises(ValueError, match="invalid arguments"):  # (out overlaps in)
+            _ext._C.mix_seeds(seeds[1:].data_ptr(), True, [1, 2], seeds.data_ptr(), stream)
+        assert not seeds.any()  # (nothing launched)
     return "seeds ok"
 
 
@@ -549,9 +557,10 @@ def _microbatch_worker(rank, world, backend="reference", device_kind="cpu"):
     import ep_comm.training_experts as te
     device = torch.device("cuda", torch.cuda.current_device()) if device_kind != "cpu" else torch.device("cpu")
     x, idx, weights = (t.to(device) for t in _inputs(rank, 4, 40))
-    quantized = []
-    quantize = te.quantize_expert_weights
-    te.quantize_expert_weights = lambda w: quantized.append(w.shape) or quantize(w)  # (counts the quantizations)
+    quantized, decoded = [], []
+    quantize, decode = te.quantize_expert_weights, te._weight_values
+    te.quantize_expert_weights = lambda w: quantized.append(w.shape) or quantize(w)  # (counts the quantizations
+    te._weight_values = lambda q: decoded.append(q.data.shape) or decode(q)          # and the weights' decodes)
     try:
         with _buffer(1, backend) as buf, training.GradBuffers.create(buf) as grads:
             routed = training.dispatch(buf, grads, x, idx, weights)
@@ -572,12 +581,15 @@ def _microbatch_worker(rank, world, backend="reference", device_kind="cpu"):
                     mlp(routed, is_first_microbatch=1)
                 assert mlp.calls == 0  # (a refused call draws no seed)
                 for update in range(2):
-                    del quantized[:]
                     for first in (True, False, False):
-                        got, want = step(mlp, first), step(twin, None)
+                        del quantized[:], decoded[:]
+                        got = step(mlp, first)
+                        # (quantized by the True call only; decoded by every forward and backward, or -- values kept
+                        # -- once, by the True call's forward)
+                        assert (len(quantized), len(decoded)) == (2 if first else 0, (2 if first else 0) if keep else 4)
+                        want = step(twin, None)
                         for name, a, b in zip(("out", "d rows", "d w1", "d w2"), got, want):
                             assert torch.equal(a, b), (keep, update, first, name)
-                    assert len(quantized) == 2 + 3 * 2, quantized  # (the twin's three calls quantize both weights)
                     cache = mlp._weight_cache
                     assert (cache.w1_values is not None) == keep and (cache.w2_values is not None) == keep
                     with torch.no_grad():  # (an optimizer step: in place)
@@ -590,14 +602,45 @@ def _microbatch_worker(rank, world, backend="reference", device_kind="cpu"):
                 mlp(routed)  # (None: drops what was kept)
                 with pytest.raises(RuntimeError, match="no weights were kept"):
                     mlp(routed, is_first_microbatch=False)
+                mlp(routed, is_first_microbatch=True)
+                mlp.release_weight_cache()
+                with pytest.raises(RuntimeError, match="no weights were kept"):
+                    mlp(routed, is_first_microbatch=False)
+                # A parameter replaced by another (whatever its address and version), or moved: refused.
+                mlp(routed, is_first_microbatch=True)
+                mlp.w1 = torch.nn.Parameter(mlp.w1.detach().clone())
+                with pytest.raises(RuntimeError, match="replaced, or moved"):
+                    mlp(routed, is_first_microbatch=False)
+                mlp(routed, is_first_microbatch=True)
+                mlp.to(torch.bfloat16)
+                with pytest.raises(RuntimeError, match="replaced, or moved"):
+                    mlp(routed, is_first_microbatch=False)
     finally:
-        te.quantize_expert_weights = quantize
+        te.quantize_expert_weights, te._weight_values = quantize, decode
     return "micro-batches ok"
 
 
 @pytest.mark.cpu
 def test_expert_mlp_reuses_the_first_microbatch_weights():
     assert run_ranks(_microbatch_worker, 1, backend="gloo") == ["micro-batches ok"]
+
+
+@pytest.mark.cpu
+def test_expert_mlp_deferred_init_and_old_pickles():
+    """reset_parameters() after construction on the meta device and to_empty() gives the constructor's weights and a
+    zero call count; a module pickled when the count was the int attribute `calls` loads with that count."""
+    made = training.ExpertMLP(2, HIDDEN, INTER, seed=2**63 + 1, dtype=torch.bfloat16)
+    deferred = training.ExpertMLP(2, HIDDEN, INTER, seed=2**63 + 1, dtype=torch.bfloat16, device="meta")
+    deferred.to_empty(device="cpu")
+    deferred.call_count.fill_(12345)  # (to_empty leaves garbage there)
+    deferred.reset_parameters()
+    assert torch.equal(deferred.w1, made.w1) and torch.equal(deferred.w2, made.w2) and deferred.calls == 0
+    state = dict(made.__dict__)
+    state["_buffers"] = {name: b for name, b in made._buffers.items() if name != "call_count"}
+    state["calls"] = 7
+    old = training.ExpertMLP.__new__(training.ExpertMLP)
+    old.__setstate__(state)
+    assert old.calls == 7 and old.call_count.device == made.w1.device and old._weight_cache is None
 
 
 def _graph_worker(rank, world, backend):
