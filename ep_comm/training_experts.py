@@ -49,7 +49,8 @@ a few percent between runs; 23.2 ms with torch's weight-gradient GEMMs in the sa
 keep_weight_values) and 0.90x (BF16 masters) the speed of BF16 experts in torch autograd over the same segments, on
 masters of the same dtype (0.94-0.97x with FP32 masters in the fifty-fourth session's runs, whose baseline was faster).
 A micro-batch after the first of a step (ExpertMLP's is_first_microbatch=False, the weights' quantization reused):
-19.0 ms, 17.7 with kept values, against 21.0 quantizing every call (fifty-fourth session, FP32 masters).
+18.9-19.1 ms, 17.0-17.1 with kept values, against 21.3-21.6 quantizing every call (fifty-fourth session, FP32
+masters, alternating rounds).
 
 CUDA graphs: the stochastic roundings' seeds may live on the device (a one-element int64 seed tensor, read by the
 kernels when they run), and ExpertMLP counts its calls there, so its forward + backward can be captured in a graph
