@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 
@@ -59,7 +58,7 @@ import ep_comm  # noqa: E402
 from bench_formats import time_ms  # noqa: E402  same directory: one timing method for the benchmarks
 from bench_grouped_gemm import mm_ceiling_tflops  # noqa: E402  the dense BF16 ceiling, measured the same way
 from ep_comm import formats, training  # noqa: E402
-from ep_comm.bench import parse_token_counts, run_metadata, strict_json  # noqa: E402
+from ep_comm.bench import parse_token_counts, write_report  # noqa: E402
 from ep_comm.launch import run_ranks  # noqa: E402
 from ep_comm.training_experts import (_ExpertMLPFunction, _WeightCache, _weight_gradient,  # noqa: E402
                                      quantize_expert_weights)
@@ -308,10 +307,7 @@ def main(argv=None):
                   f"{row['wgrad_ours_ms']:.2f} ms ({row['wgrad_ours_tflops']:.0f} TFLOP/s), torch._grouped_mm + "
                   f"widening {row['wgrad_torch_ms']:.2f} ms ({row['wgrad_torch_tflops']:.0f})")
     if args.out:
-        report = {"meta": run_metadata(), "args": {k: v for k, v in vars(args).items() if k != "out"},
-                  "figures": figures}
-        with open(args.out, "w") as f:
-            json.dump(strict_json(report), f, indent=1)
+        write_report(args.out, args, figures=figures)
 
 
 if __name__ == "__main__":

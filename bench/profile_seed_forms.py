@@ -10,7 +10,6 @@ FP32 masters): the shapes of bench/bench_training_experts.py. Each round times t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -21,7 +20,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import ep_comm  # noqa: E402
 from ep_comm import training  # noqa: E402
-from ep_comm.bench import run_metadata, strict_json  # noqa: E402
+from ep_comm.bench import write_report  # noqa: E402
 from ep_comm.launch import run_ranks  # noqa: E402
 from ep_comm.training_experts import _ExpertMLPFunction  # noqa: E402
 
@@ -101,10 +100,7 @@ def main(argv=None):
               f"{row['kernels_per_step']} per step, busy {row['kernels_busy_ms']:.3f} ms, span "
               f"{row['kernels_span_ms']:.3f} ms; largest gap {row['largest_gaps'][-1]['ms']:.3f} ms")
     if args.out:
-        report = {"meta": run_metadata(), "args": {k: v for k, v in vars(args).items() if k != "out"},
-                  "rows": rows}
-        with open(args.out, "w") as f:
-            json.dump(strict_json(report), f, indent=1)
+        write_report(args.out, args, rows=rows)
 
 
 if __name__ == "__main__":

@@ -345,6 +345,14 @@ def run_metadata(command: Optional[str] = None) -> dict:
     }
 
 
+def write_report(path: str, args, **figures) -> None:
+    """A benchmark's JSON file: {"meta": run_metadata(), "args": the parsed arguments but `out`, **figures}, strict
+    JSON (strict_json)."""
+    report = {"meta": run_metadata(), "args": {k: v for k, v in vars(args).items() if k != "out"}, **figures}
+    with open(path, "w") as f:
+        json.dump(strict_json(report), f, indent=1)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     # (each spawned rank sets launch.GPU_ENV before it touches NCCL)
