@@ -151,10 +151,11 @@ def test_nvfp4_to_mxfp8_transposed_counter_past_2_33(extra_rows):
     """The transposed requantization of R x K with R * K > 2^33: the output's flat index k * R + r passes 2^32 (in
     output row 2^32 / R) and 2^33 (in the last one), so the kernel takes its per-block pair key path (below 2^33 in all
     it uses one key). Random codes, scales and amaxes (4 GiB in, 8 GiB out); checked for every output row on 32-row
-    blocks at the start, at each crossing and at the end."""
+    blocks at the start, at each crossing and at the end. The seed given as a device tensor (the kernel derives that
+    path's keys itself) gives the same output, whole."""
     hidden = 2048
     num_rows = 2**33 // hidden + extra_rows
-    _need(14)
+    _need(22)
     g = _generator(5)
     data = torch.randint(0, 256, (num_rows, hidden // 2), dtype=torch.uint8, device=DEVICE, generator=g)
     scales = torch.randint(0x20, 0x70, (num_rows, hidden // 16), dtype=torch.uint8, device=DEVICE, generator=g)
@@ -173,6 +174,10 @@ def test_nvfp4_to_mxfp8_transposed_counter_past_2_33(extra_rows):
     assert_same_bytes(m.data.view(torch.uint8)[:, rows.to(DEVICE)].cpu(), codes, "transposed codes past 2^33")
     assert_same_bytes(m.scales.view(torch.uint8)[:, (blocks // 32).to(DEVICE)].cpu(), scale,
                       "transposed scales past 2^33")
+    seed_tensor = torch.tensor(SEED, dtype=torch.int64, device=DEVICE)  # (SEED < 2^63: its int64 bits are itself)
+    again = F.nvfp4_to_mxfp8_transposed(q, rounding="stochastic", seed=seed_tensor, impl="cuda")
+    assert torch.equal(again.data.view(torch.uint8), m.data.view(torch.uint8)), "seed tensor: other codes past 2^33"
+    assert torch.equal(again.scales.view(torch.uint8), m.scales.view(torch.uint8))
 
 
 # ----------------------------------------------------------------------------------------------------------
