@@ -619,7 +619,7 @@ def _check_seed_arg(seed, device: torch.device) -> SeedArg:
     capture's. On the CPU it is read now. Other integer scalars (ints, numpy's, other CPU tensors) are the seed."""
     if isinstance(seed, torch.Tensor) and seed.dtype == torch.int64 and seed.numel() == 1:
         if not seed.is_cuda:
-            return int(seed.reshape(()).item()) & 0xFFFFFFFFFFFFFFFF
+            return _seed_value(seed)
         if seed.device != device:
             raise ValueError(f"the seed tensor is on {seed.device} but the tensor it rounds is on {device} (the "
                              f"kernels read the seed where they run)")
@@ -719,13 +719,14 @@ def mxfp8_quantize(x: torch.Tensor, rounding: str = "nearest", seed: SeedArg = 0
     seed = _check_seed_arg(seed, x.device)
     if _use_cuda(impl, x):
         return _cuda_formats().mxfp8_quantize(x, rounding, seed)
-    return _mxfp8_quantize_reference(x.float(), rounding, _seed_value(seed) if rounding == "stochastic" else 0)
+    return _mxfp8_quantize_reference(x.float(), rounding, seed)
 
 
-def _mxfp8_quantize_reference(xf: torch.Tensor, rounding: str, seed: int,
+def _mxfp8_quantize_reference(xf: torch.Tensor, rounding: str, seed: SeedArg,
                               index: Optional[torch.Tensor] = None) -> MXFP8Tensor:
     """index: the stochastic rounding's counter of each element (int64, xf's shape); default its flat place in xf.
-    (A given index serves a slice of a larger tensor, whose counters start elsewhere: tests at sizes past 2^32.)"""
+    (A given index serves a slice of a larger tensor, whose counters start elsewhere: tests at sizes past 2^32.) seed:
+    read only for stochastic rounding (a CUDA seed tensor on the host, here)."""
     k = xf.shape[-1]
     xb = xf.reshape(_num_rows(xf), k // MX_BLOCK, MX_BLOCK)
     block_amax = _nan_to_zero_abs(xb).amax(dim=-1) if xb.numel() else xb.new_zeros(xb.shape[:-1])
@@ -739,7 +740,7 @@ def _mxfp8_quantize_reference(xf: torch.Tensor, rounding: str, seed: int,
     else:
         if index is None:
             index = torch.arange(v.numel(), device=v.device, dtype=torch.int64)
-        codes = _e4m3_stochastic(v, rbits(seed, index.reshape(v.shape)))
+        codes = _e4m3_stochastic(v, rbits(_seed_value(seed), index.reshape(v.shape)))
     return MXFP8Tensor(data=codes.reshape(xf.shape).view(torch.float8_e4m3fn),
                        scales=scale.reshape(*xf.shape[:-1], k // MX_BLOCK).view(torch.float8_e8m0fnu))
 
@@ -796,8 +797,7 @@ def nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str = "stochastic", seed
     if _use_cuda(impl, q.data):
         return _cuda_formats().nvfp4_to_mxfp8_transposed(q, rounding, seed)
     dense = _nvfp4_dequantize_reference(q)
-    return _mxfp8_quantize_reference(dense.t().contiguous(), rounding,
-                                     _seed_value(seed) if rounding == "stochastic" else 0)
+    return _mxfp8_quantize_reference(dense.t().contiguous(), rounding, seed)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -105,7 +105,7 @@ def _mix_seeds(source: torch.Tensor, xor_values, increment: bool = False) -> tor
     if lib is None:
         if increment:
             source.add_(1)
-        value = int(source.reshape(()).item()) & _MASK64
+        value = formats._seed_value(source)
         out.copy_(torch.tensor([_as_int64(_mix64(value ^ v)) for v in xor_values], dtype=torch.int64))
         return out
     with _ext.cuda_device(source.device):
@@ -287,6 +287,14 @@ def _wgrad_kernel_usable(a_tokens: torch.Tensor) -> bool:
     return not grouped_gemm.gemm_kernels_unavailable(a_tokens.device) and hasattr(_ext._C, "grouped_wgrad_bf16")
 
 
+def _fp32_buffer_problem(t: torch.Tensor, shape: tuple, device: torch.device) -> str:
+    """'' if t is a contiguous float32 tensor of `shape` on `device` (what the wgrad kernel adds into through a raw
+    pointer: a main_grad), else what it is instead."""
+    if t.dtype == torch.float32 and tuple(t.shape) == tuple(shape) and t.device == device and t.is_contiguous():
+        return ""
+    return f"got {t.dtype} {tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ', not contiguous'}"
+
+
 def _weight_gradient(a_tokens: torch.Tensor, b_tokens: torch.Tensor, group_ends: torch.Tensor,
                      dtype: torch.dtype, accumulate_into: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """A weight gradient from the backward's token-axis operands: a_tokens bf16 [M, Rp] and b_tokens bf16 [N, Rp]
@@ -301,11 +309,10 @@ def _weight_gradient(a_tokens: torch.Tensor, b_tokens: torch.Tensor, group_ends:
     if a_tokens.shape[1] != b_tokens.shape[1]:
         raise ValueError(f"the operands' token axes differ: {tuple(a_tokens.shape)}, {tuple(b_tokens.shape)}")
     want = (group_ends.numel(), a_tokens.shape[0], b_tokens.shape[0])
-    if accumulate_into is not None and (
-            accumulate_into.shape != want or accumulate_into.dtype != torch.float32
-            or not accumulate_into.is_contiguous() or accumulate_into.device != a_tokens.device):
-        raise ValueError(f"accumulate_into must be a contiguous float32 {list(want)} tensor on {a_tokens.device}; got "
-                         f"{accumulate_into.dtype} {tuple(accumulate_into.shape)} on {accumulate_into.device}")
+    problem = "" if accumulate_into is None else _fp32_buffer_problem(accumulate_into, want, a_tokens.device)
+    if problem:
+        raise ValueError(f"accumulate_into must be a contiguous float32 {list(want)} tensor on {a_tokens.device}; "
+                         f"{problem}")
     kernel = _wgrad_kernel_usable(a_tokens) and (dtype == torch.float32 or accumulate_into is not None)
     if kernel:
         a_tokens, b_tokens, group_ends = a_tokens.contiguous(), b_tokens.contiguous(), group_ends.contiguous()
@@ -421,12 +428,10 @@ def _check_main_grads(w1: torch.Tensor, w2: torch.Tensor) -> None:
         if not isinstance(main_grad, torch.Tensor):
             raise ValueError(f"accumulate_into_main_grad=True: {name} has no main_grad tensor (an FP32 buffer of its "
                              f"shape that the weight gradients are added into)")
-        if (main_grad.dtype != torch.float32 or main_grad.shape != w.shape or main_grad.device != w.device
-                or not main_grad.is_contiguous()):
+        problem = _fp32_buffer_problem(main_grad, w.shape, w.device)
+        if problem:
             raise ValueError(f"accumulate_into_main_grad=True: {name}.main_grad must be a contiguous float32 tensor "
-                             f"of {name}'s shape {tuple(w.shape)} on {w.device}; got {main_grad.dtype} "
-                             f"{tuple(main_grad.shape)} on {main_grad.device}"
-                             f"{'' if main_grad.is_contiguous() else ', not contiguous'}")
+                             f"of {name}'s shape {tuple(w.shape)} on {w.device}; {problem}")
 
 
 _NO_GRADS = (None,) * 5  # (the Function's inputs after rows, w1, w2: result, seed, two flags, the weight cache)
