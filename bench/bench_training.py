@@ -10,8 +10,17 @@ count, median milliseconds of:
   forward_training : training.dispatch + training.combine (+ the dense rows: the NVFP4 payload dequantized to bf16);
   forward_backward : the same plus .backward() of a sum over the output: a BF16 (or MXFP8) dispatch of the output
                      gradient, the routing-weight dots and their small dispatch + combine, and a BF16 combine of the
-                     input gradient.
-Timing only; nothing here is asserted (tests/test_training.py checks the gradients).
+                     input gradient;
+  forward_backward_graph : the same step captured once in a CUDA graph and replayed (gradients assigned, not
+                     accumulated: set to None before the capture, as zero_grad() does).
+With --layer-experts E (default 32; 0: off), at the largest token count, a whole training layer on its own Buffers
+(top-k of E experts, all local, expert alignment 32): training.dispatch, training.ExpertMLP (FP32 masters,
+intermediate size --layer-intermediate), training.combine and backward, gradients set to None before each step:
+  layer_eager  : the step as eager autograd;
+  layer_graph  : the step captured once in a CUDA graph and replayed.
+Every row also has its host milliseconds per call (_host_ms: no synchronization inside the loop; close to the device
+figure means host-bound). Timing only; nothing here is asserted (tests/test_training.py checks the gradients, the
+graph replays included).
 """
 from __future__ import annotations
 
@@ -33,6 +42,66 @@ from ep_comm import training  # noqa: E402
 from ep_comm.bench import parse_token_counts, run_metadata, strict_json  # noqa: E402
 from ep_comm.launch import run_ranks  # noqa: E402
 from ep_comm.types import COMBINE_FORMATS, DISPATCH_FORMATS  # noqa: E402
+
+
+def _time_into(row: dict, name: str, fn, args) -> None:
+    """row[name + "_ms"]: fn's median device milliseconds (CUDA events); row[name + "_host_ms"]: host milliseconds per
+    call, no synchronization inside the loop (where it is close to the device figure, the call is host-bound)."""
+    row[name + "_ms"] = time_ms(fn, iters=args.iters, batches=args.batches)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.iters):
+        fn()
+    row[name + "_host_ms"] = 1e3 * (time.perf_counter() - start) / args.iters
+    torch.cuda.synchronize()
+
+
+def _captured(step, leaves):
+    """step captured once in a CUDA graph (warm-up calls on a side stream first, torch's recipe; the leaves' gradients
+    set to None before the capture, so that the graph assigns them): its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for leaf in leaves:
+        leaf.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def _time_layer(row: dict, x: torch.Tensor, args) -> None:
+    """A whole training layer (dispatch, ExpertMLP, combine, backward) eager and as a graph replay: row["layer_*"]."""
+    device = x.device
+    tokens, hidden, experts = x.shape[0], args.hidden, args.layer_experts
+    gen = torch.Generator().manual_seed(99)
+    topk_idx = torch.rand(tokens, experts, generator=gen).topk(args.topk, dim=1).indices.to(device)
+    weights = torch.softmax(torch.randn(tokens, args.topk, generator=gen), dim=1).to(device)
+    grad_y = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
+    with ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=args.topk, max_tokens_per_rank=tokens,
+                        dispatch_format=args.dispatch_format, combine_format=args.combine_format, expert_alignment=32,
+                        backend="nvlink") as buf, training.GradBuffers.create(buf, args.grad_format) as grads:
+        mlp = training.ExpertMLP(buf.config.num_local_experts, hidden, args.layer_intermediate, device=device)
+        x_leaf = x.clone().requires_grad_()
+        w_leaf = weights.clone().requires_grad_()
+        leaves = (x_leaf, w_leaf, mlp.w1, mlp.w2)
+
+        def layer_step():
+            routed = training.dispatch(buf, grads, x_leaf, topk_idx, w_leaf, check_inputs=False)
+            training.combine(mlp(routed), routed).backward(grad_y)
+
+        def layer_eager():
+            for leaf in leaves:
+                leaf.grad = None  # (as zero_grad(): no accumulation pass, as in the graph)
+            layer_step()
+
+        _time_into(row, "layer_eager", layer_eager, args)
+        _time_into(row, "layer_graph", _captured(layer_step, leaves), args)
+        row["layer"] = {"experts": experts, "intermediate": args.layer_intermediate,
+                        "rows_in_use": int(buf.dispatch(x, topk_idx, weights).expert_offsets[-1])}
 
 
 def _worker(rank, world, args):
@@ -79,15 +148,10 @@ def _worker(rank, world, args):
             row = {"tokens": tokens}
             for name, fn in (("forward_buffer", forward_buffer), ("buffer_calls", buffer_calls),
                              ("forward_training", forward_training), ("forward_backward", forward_backward)):
-                row[name + "_ms"] = time_ms(fn, iters=args.iters, batches=args.batches)
-                # Host milliseconds per call (no synchronization inside the loop): where it is close to the device
-                # figure above, the call is host-bound.
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(args.iters):
-                    fn()
-                row[name + "_host_ms"] = 1e3 * (time.perf_counter() - start) / args.iters
-                torch.cuda.synchronize()
+                _time_into(row, name, fn, args)
+            _time_into(row, "forward_backward_graph", _captured(forward_backward, (x_leaf, w_leaf)), args)
+            if args.layer_experts and tokens == max(args.tokens):
+                _time_layer(row, x, args)
             if args.profile and tokens == min(args.tokens) and rank == 0:
                 # Where the host time of forward + backward goes (eager: a small call is host-bound).
                 import cProfile
@@ -128,6 +192,8 @@ def main(argv=None):
     parser.add_argument("--dispatch-format", default="nvfp4", choices=DISPATCH_FORMATS)
     parser.add_argument("--combine-format", default="s2f6", choices=COMBINE_FORMATS)
     parser.add_argument("--grad-format", default="bf16", choices=training.GRAD_FORMATS)
+    parser.add_argument("--layer-experts", type=int, default=32, help="experts of the whole-layer rows (0: none)")
+    parser.add_argument("--layer-intermediate", type=int, default=2048, help="ExpertMLP intermediate size there")
     parser.add_argument("--nproc", type=int, default=2, help="ranks, one per GPU (at most the visible GPUs)")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--batches", type=int, default=5)
@@ -150,7 +216,13 @@ def main(argv=None):
                   f"forward + backward {1e3 * row['forward_backward_ms']:9.1f} us (host "
                   f"{1e3 * row['forward_buffer_host_ms']:.1f} / {1e3 * row['forward_training_host_ms']:.1f} / "
                   f"{1e3 * row['forward_backward_host_ms']:.1f} us); its six Buffer calls alone "
-                  f"{1e3 * row['buffer_calls_ms']:.1f} us (host {1e3 * row['buffer_calls_host_ms']:.1f})")
+                  f"{1e3 * row['buffer_calls_ms']:.1f} us (host {1e3 * row['buffer_calls_host_ms']:.1f}); "
+                  f"forward + backward as a graph {1e3 * row['forward_backward_graph_ms']:.1f} us (host "
+                  f"{1e3 * row['forward_backward_graph_host_ms']:.1f})")
+            if "layer_eager_ms" in row:
+                print(f"rank {rank} tokens {row['tokens']:5d}: whole layer with ExpertMLP ({row['layer']}) eager "
+                      f"{row['layer_eager_ms']:.3f} ms (host {row['layer_eager_host_ms']:.3f}), graph "
+                      f"{row['layer_graph_ms']:.3f} ms (host {row['layer_graph_host_ms']:.3f})")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(strict_json(report), f, indent=1)

@@ -230,6 +230,102 @@ def exact_weights_worker(rank, world, backend="reference", device_kind="cpu"):
     return "exact weights ok"
 
 
+def _experts_on_device(routed, W_local: torch.Tensor) -> torch.Tensor:
+    """_run_experts without a host step (CUDA-graph capturable): each row times its expert's weight, the expert found
+    from expert_offsets on the device; zero rows (padding, capacity) stay zero."""
+    offsets = routed.result.expert_offsets
+    rows = torch.arange(routed.x.shape[0], dtype=offsets.dtype, device=routed.x.device)
+    expert = torch.searchsorted(offsets[1:].contiguous(), rows, right=True).clamp(max=W_local.shape[0] - 1)
+    return torch.einsum("rh,rhj->rj", routed.x.float(), W_local[expert]).to(torch.bfloat16)
+
+
+def _new_inputs(num_tokens: int, num_experts: int, seed: int, device):
+    """Fresh x, topk_idx (masked slots), weights, output gradient and expert weights of the same shapes as _inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, HIDDEN, generator=gen).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(num_experts, generator=gen)[:TOPK] for _ in range(num_tokens)]) \
+        if num_tokens else torch.zeros(0, TOPK, dtype=torch.long)
+    idx = torch.where(torch.rand(idx.shape, generator=gen) < 0.2, torch.full((), -1), idx)
+    weights = torch.rand(num_tokens, TOPK, generator=gen) + 0.1
+    grad_y = torch.randn(num_tokens, HIDDEN, generator=gen).to(torch.bfloat16)
+    W = torch.randn(num_experts, HIDDEN, HIDDEN, generator=gen) / HIDDEN ** 0.5
+    return [t.to(device) for t in (x, idx, weights, grad_y, W)]
+
+
+def graph_worker(rank, world, backend="nvlink", formats_list=(("nvfp4", "s2f6", "bf16"),)):
+    """A whole training step -- training.dispatch, experts, training.combine, loss.backward() -- captured in one CUDA
+    graph (nvlink backend): the first replay, on _inputs, matches FP32 torch autograd as training_worker's eager step
+    does; then three replays, each after new tokens, routing, routing weights, output gradient and expert weights were
+    written into the captured tensors, are bitwise equal to the same step run eagerly on the same Buffers."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    num_experts = 4 * world
+    num_local = num_experts // world
+    mine = slice(rank * num_local, (rank + 1) * num_local)
+    checked = []
+    for dispatch_format, combine_format, grad_format in formats_list:
+        case = (dispatch_format, combine_format, grad_format)
+        want_y, want_dx, want_dw, want_dW = _reference(world, num_experts, dispatch_format, grad_format)
+        x, idx, weights, grad_y = (t.to(device) for t in _inputs(rank, num_experts))
+        with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=num_experts, num_topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
+                            dispatch_format=dispatch_format, combine_format=combine_format, expert_alignment=ALIGNMENT,
+                            backend=backend) as buf, training.GradBuffers.create(buf, grad_format) as grads:
+            # The captured tensors: leaves that require grad, and the routing and output gradient.
+            x_leaf = x.clone().requires_grad_()
+            w_leaf = weights.clone().requires_grad_()
+            W_local = _expert_weights(num_experts)[mine].to(device).requires_grad_()
+            static_idx, static_grad_y = idx.clone(), grad_y.clone()
+
+            def step(x_in, idx_in, w_in, W_in, g_in):
+                routed = training.dispatch(buf, grads, x_in, idx_in, w_in)
+                y = training.combine(_experts_on_device(routed, W_in), routed)
+                (y.float() * g_in.float()).sum().backward()
+                return y
+
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up outside the graph (allocator, autograd's accumulators)
+                    step(x_leaf, static_idx, w_leaf, W_local, static_grad_y)
+            torch.cuda.current_stream().wait_stream(stream)
+            for leaf in (x_leaf, w_leaf, W_local):
+                leaf.grad = None  # (the graph's backward then assigns, not accumulates, the gradients)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                static_y = step(x_leaf, static_idx, w_leaf, W_local, static_grad_y)
+            graph.replay()
+            torch.cuda.synchronize()
+            y_tolerance = 3e-2 if combine_format == "s2f6" else 1e-2
+            if x.shape[0]:
+                assert _relative_error(static_y.cpu(), want_y[rank]) < y_tolerance, (case, "graph y")
+                assert _relative_error(x_leaf.grad.cpu(), want_dx[rank]) < 1e-2, (case, "graph d x")
+                assert _relative_error(w_leaf.grad.cpu(), want_dw[rank]) < 1e-2, (case, "graph d topk_weights")
+            assert _relative_error(W_local.grad.cpu(), want_dW[mine]) < 1e-2, (case, "graph d W")
+
+            for trial in range(3):
+                nx, nidx, nw, ng, nW = _new_inputs(x.shape[0], num_experts, 300 + 10 * trial + rank, device)
+                previous = [t.clone() for t in (static_y, x_leaf.grad, w_leaf.grad, W_local.grad)]
+                with torch.no_grad():
+                    for static, new in ((x_leaf, nx), (static_idx, nidx), (w_leaf, nw), (static_grad_y, ng),
+                                        (W_local, nW[mine])):
+                        static.copy_(new)
+                graph.replay()
+                torch.cuda.synchronize()
+                got = [t.clone() for t in (static_y, x_leaf.grad, w_leaf.grad, W_local.grad)]
+                # The same step eagerly, on fresh leaves with the same values, on the same Buffers.
+                ex, ew, eW = (t.clone().requires_grad_() for t in (nx, nw, nW[mine]))
+                e_y = step(ex, nidx, ew, eW, ng)
+                torch.cuda.synchronize()
+                for name, g_t, e_t, old in zip(("y", "d x", "d topk_weights", "d W"), got,
+                                               (e_y, ex.grad, ew.grad, eW.grad), previous):
+                    assert torch.equal(g_t.view(torch.uint8) if g_t.dtype == torch.bfloat16 else g_t,
+                                       e_t.view(torch.uint8) if e_t.dtype == torch.bfloat16 else e_t), \
+                        (case, trial, "graph replay differs from the eager step", name)
+                    assert g_t.numel() == 0 or not torch.equal(g_t, old), (case, trial, "replay kept the old", name)
+            del graph
+        checked.append(case)
+    return checked
+
+
 def errors_worker(rank, world):
     with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=4 * world, num_topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
                         backend="reference") as buf, \
@@ -302,6 +398,18 @@ def test_nvlink_one_rank_gradients_match_torch_autograd():
     assert run_ranks(training_worker, 1, "nvlink", "cuda", _ALL_FORMATS, backend="nccl") == [list(_ALL_FORMATS)]
     assert run_ranks(rows_only_worker, 1, "nvlink", "cuda", backend="nccl") == ["rows only ok"]
     assert run_ranks(exact_weights_worker, 1, "nvlink", "cuda", backend="nccl") == ["exact weights ok"]
+
+
+@pytest.mark.gpu
+def test_nvlink_one_rank_training_step_in_a_cuda_graph():
+    assert run_ranks(graph_worker, 1, "nvlink", _ALL_FORMATS, backend="nccl") == [list(_ALL_FORMATS)]
+
+
+@pytest.mark.multigpu
+def test_nvlink_training_step_in_a_cuda_graph():
+    world = multigpu_world()
+    assert run_ranks(graph_worker, world, "nvlink", _ALL_FORMATS, backend=multigpu_backend()) == \
+        [list(_ALL_FORMATS)] * world
 
 
 @pytest.mark.multigpu
