@@ -232,11 +232,17 @@ def exact_weights_worker(rank, world, backend="reference", device_kind="cpu"):
 
 def _experts_on_device(routed, W_local: torch.Tensor) -> torch.Tensor:
     """_run_experts without a host step (CUDA-graph capturable): each row times its expert's weight, the expert found
-    from expert_offsets on the device; zero rows (padding, capacity) stay zero."""
+    from expert_offsets on the device; zero rows (padding, capacity) stay zero. One masked matmul per expert, not a
+    gather of W per row, whose backward (index_put with accumulate) may sum in a different order at each call: the
+    tests below compare steps bit for bit."""
     offsets = routed.result.expert_offsets
     rows = torch.arange(routed.x.shape[0], dtype=offsets.dtype, device=routed.x.device)
-    expert = torch.searchsorted(offsets[1:].contiguous(), rows, right=True).clamp(max=W_local.shape[0] - 1)
-    return torch.einsum("rh,rhj->rj", routed.x.float(), W_local[expert]).to(torch.bfloat16)
+    x = routed.x.float()
+    out = torch.zeros(x.shape[0], HIDDEN, device=x.device)
+    for j in range(W_local.shape[0]):
+        in_expert = (rows >= offsets[j]) & (rows < offsets[j + 1])
+        out = out + torch.where(in_expert[:, None], x @ W_local[j], torch.zeros((), device=x.device))
+    return out.to(torch.bfloat16)
 
 
 def _new_inputs(num_tokens: int, num_experts: int, seed: int, device):
@@ -250,6 +256,20 @@ def _new_inputs(num_tokens: int, num_experts: int, seed: int, device):
     grad_y = torch.randn(num_tokens, HIDDEN, generator=gen).to(torch.bfloat16)
     W = torch.randn(num_experts, HIDDEN, HIDDEN, generator=gen) / HIDDEN ** 0.5
     return [t.to(device) for t in (x, idx, weights, grad_y, W)]
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _difference(a: torch.Tensor, b: torch.Tensor) -> str:
+    """Where two same-shape tensors differ (for an assertion message): count, largest difference, first index."""
+    differ = (a.float() != b.float()) & ~(a.float().isnan() & b.float().isnan())
+    if not differ.any():
+        return "equal values (different bits only)"
+    where = differ.nonzero()[0].tolist()
+    return (f"{int(differ.sum())} of {a.numel()} differ, largest by {float((a.float() - b.float()).abs().max()):.3g} "
+            f"(of {float(b.float().abs().max()):.3g}), first at {where}")
 
 
 def graph_worker(rank, world, backend="nvlink", formats_list=(("nvfp4", "s2f6", "bf16"),)):
@@ -311,15 +331,19 @@ def graph_worker(rank, world, backend="nvlink", formats_list=(("nvfp4", "s2f6", 
                 graph.replay()
                 torch.cuda.synchronize()
                 got = [t.clone() for t in (static_y, x_leaf.grad, w_leaf.grad, W_local.grad)]
-                # The same step eagerly, on fresh leaves with the same values, on the same Buffers.
-                ex, ew, eW = (t.clone().requires_grad_() for t in (nx, nw, nW[mine]))
-                e_y = step(ex, nidx, ew, eW, ng)
+                # The same step eagerly, twice, on fresh leaves with the same values, on the same Buffers.
+                eager = []
+                for _ in range(2):
+                    ex, ew, eW = (t.clone().requires_grad_() for t in (nx, nw, nW[mine]))
+                    e_y = step(ex, nidx, ew, eW, ng)
+                    eager.append((e_y, ex.grad, ew.grad, eW.grad))
                 torch.cuda.synchronize()
-                for name, g_t, e_t, old in zip(("y", "d x", "d topk_weights", "d W"), got,
-                                               (e_y, ex.grad, ew.grad, eW.grad), previous):
-                    assert torch.equal(g_t.view(torch.uint8) if g_t.dtype == torch.bfloat16 else g_t,
-                                       e_t.view(torch.uint8) if e_t.dtype == torch.bfloat16 else e_t), \
-                        (case, trial, "graph replay differs from the eager step", name)
+                for name, g_t, e_t, e2_t, old in zip(("y", "d x", "d topk_weights", "d W"), got, eager[0], eager[1],
+                                                     previous):
+                    assert _bitwise_equal(e_t, e2_t), (case, trial, "two eager steps differ", name,
+                                                       _difference(e_t, e2_t))
+                    assert _bitwise_equal(g_t, e_t), (case, trial, "graph replay differs from the eager step", name,
+                                                      _difference(g_t, e_t))
                     assert g_t.numel() == 0 or not torch.equal(g_t, old), (case, trial, "replay kept the old", name)
             del graph
         checked.append(case)
