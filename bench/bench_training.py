@@ -13,7 +13,7 @@ count, median milliseconds of:
                      input gradient;
   forward_backward_graph : the same step captured once in a CUDA graph and replayed (gradients assigned, not
                      accumulated: set to None before the capture, as zero_grad() does).
-With --layer-experts E (default 32; 0: off), at the largest token count, a whole training layer on its own Buffers
+With --layer-experts E (default 32; 0: off), at each token count, a whole training layer on its own Buffers
 (top-k of E experts, all local, expert alignment 32): training.dispatch, training.ExpertMLP (FP32 masters,
 intermediate size --layer-intermediate), training.combine and backward, gradients set to None before each step:
   layer_eager  : the step as eager autograd;
@@ -150,7 +150,7 @@ def _worker(rank, world, args):
                              ("forward_training", forward_training), ("forward_backward", forward_backward)):
                 _time_into(row, name, fn, args)
             _time_into(row, "forward_backward_graph", _captured(forward_backward, (x_leaf, w_leaf)), args)
-            if args.layer_experts and tokens == max(args.tokens):
+            if args.layer_experts:
                 _time_layer(row, x, args)
             if args.profile and tokens == min(args.tokens) and rank == 0:
                 # Where the host time of forward + backward goes (eager: a small call is host-bound).

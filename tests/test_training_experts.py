@@ -690,11 +690,81 @@ def _graph_worker(rank, world, backend):
     return "graph ok"
 
 
+def _layer_graph_worker(rank, world, backend):
+    """A whole training layer in one CUDA graph: training.dispatch, ExpertMLP, training.combine and backward. Each
+    replay, after new tokens, routing, routing weights, output gradient and weights were written into the captured
+    tensors, gives the bits of the same step run eagerly with a twin ExpertMLP at the same call count, on the same
+    Buffers: the output and the gradients of x, the routing weights, w1 and w2."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    num_experts = 4 * world
+    x, idx, weights = (t.to(device) for t in _inputs(rank, num_experts, 40))
+    with _buffer(world, backend) as buf, training.GradBuffers.create(buf) as grads:
+        graphed = training.ExpertMLP(4, HIDDEN, INTER, device=device, seed=21)
+        eager = training.ExpertMLP(4, HIDDEN, INTER, device=device, seed=21)
+        x_leaf, w_leaf = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        static_idx = idx.clone()
+        grad_y = torch.zeros(x.shape[0], HIDDEN, dtype=torch.bfloat16, device=device)
+
+        def step(mlp, x_in, idx_in, w_in):
+            routed = training.dispatch(buf, grads, x_in, idx_in, w_in)
+            y = training.combine(mlp(routed), routed)
+            y.backward(grad_y)
+            return y
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step(graphed, x_leaf, static_idx, w_leaf)
+        torch.cuda.current_stream().wait_stream(side)
+        for leaf in (x_leaf, w_leaf, graphed.w1, graphed.w2):
+            leaf.grad = None  # (the graph's backward assigns the gradients)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = step(graphed, x_leaf, static_idx, w_leaf)
+        gen = torch.Generator().manual_seed(30 + rank)
+        for replay in range(3):
+            with torch.no_grad():
+                nx = torch.randn(x.shape, generator=gen).to(torch.bfloat16)
+                nidx = idx.cpu()[torch.randperm(x.shape[0], generator=gen)]  # (the same experts, other tokens)
+                nw = torch.rand(weights.shape, generator=gen) + 0.1
+                for static, new in ((x_leaf, nx), (static_idx, nidx), (w_leaf, nw),
+                                    (grad_y, torch.randn(grad_y.shape, generator=gen).to(torch.bfloat16))):
+                    static.copy_(new)
+                for name in ("w1", "w2"):
+                    value = torch.randn(getattr(graphed, name).shape, generator=gen) / HIDDEN ** 0.5
+                    for mlp in (graphed, eager):
+                        getattr(mlp, name).copy_(value)
+            eager.call_count.copy_(graphed.call_count)
+            graph.replay()
+            ex, ew = x_leaf.detach().clone().requires_grad_(), w_leaf.detach().clone().requires_grad_()
+            eager.w1.grad = eager.w2.grad = None
+            e_y = step(eager, ex, static_idx.clone(), ew)
+            for name, a, b in (("y", static_y, e_y), ("d x", x_leaf.grad, ex.grad), ("d weights", w_leaf.grad, ew.grad),
+                               ("d w1", graphed.w1.grad, eager.w1.grad), ("d w2", graphed.w2.grad, eager.w2.grad)):
+                assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (replay, name)
+            if x.shape[0]:
+                assert static_y.abs().sum() > 0 and x_leaf.grad.abs().sum() > 0
+        assert graphed.calls == 5
+    return "layer graph ok"
+
+
 @pytest.mark.gpu
 def test_cuda_expert_mlp_seeds_and_cuda_graph():
     assert run_ranks(_seed_worker, 1, "nvlink", "cuda", backend="nccl") == ["seeds ok"]
     assert run_ranks(_graph_worker, 1, "nvlink", backend="nccl") == ["graph ok"]
     assert run_ranks(_microbatch_worker, 1, "nvlink", "cuda", backend="nccl") == ["micro-batches ok"]
+
+
+@pytest.mark.gpu
+def test_cuda_training_layer_with_expert_mlp_in_a_cuda_graph():
+    assert run_ranks(_layer_graph_worker, 1, "nvlink", backend="nccl") == ["layer graph ok"]
+
+
+@pytest.mark.multigpu
+def test_nvlink_training_layer_with_expert_mlp_in_a_cuda_graph():
+    world = multigpu_world()
+    assert run_ranks(_layer_graph_worker, world, "nvlink", backend=multigpu_backend()) == ["layer graph ok"] * world
 
 
 @pytest.mark.cpu
