@@ -532,9 +532,9 @@ class Buffer:
         self._validate_together(validate, "dispatch")
 
     def _validate_together(self, check, what: str) -> None:
-        """Runs this Buffer's liveness check, then `check`. On the reference backend (outside graph capture) the ranks
-        then agree on the outcome (one small all_reduce, whatever check_inputs is, so that ranks calling with
-        different settings still meet): inputs
+        """Runs this Buffer's liveness check, then `check`. On the reference backend (which refuses CUDA-graph capture
+        here, before anything is enqueued: it is not capturable) the ranks then agree on the outcome (one small
+        all_reduce, whatever check_inputs is, so that ranks calling with different settings still meet): inputs
         rejected on one rank raise on every rank instead of leaving the others in the next collective until the
         process group's timeout. The nvlink backend does not meet its peers on the host (no collective per call), so
         a rank cannot know whether its peers rejected the same call. Invalid expert ids are data, typically bad on one
@@ -558,7 +558,11 @@ class Buffer:
                                   f"wait until their timeout", RuntimeWarning, stacklevel=3)
                 raise
             return
-        if self.backend != "reference" or _is_capturing() or (self._destroyed and not dist.is_initialized()):
+        if _is_capturing():  # (the reference backend; a program error, the same on every rank: each raises)
+            raise RuntimeError(f"{what} on the reference backend cannot be captured in a CUDA graph: it sizes its "
+                               f"results on the host and exchanges them with host collectives. Use the nvlink "
+                               f"backend (Buffer(..., backend='nvlink')) for graphs")
+        if self.backend != "reference" or (self._destroyed and not dist.is_initialized()):
             validate()  # (a destroyed Buffer whose process group is gone too: no peer left to tell)
             return
         error = None

@@ -350,6 +350,24 @@ def graph_worker(rank, world, backend="nvlink", formats_list=(("nvfp4", "s2f6", 
     return checked
 
 
+def reference_capture_worker(rank, world):
+    """The reference backend is not capturable: a capture of training.dispatch on it (or of a plain Buffer call) is
+    refused with a message naming the nvlink backend, before anything is enqueued, and the Buffer still works after."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    x, idx, weights, _ = (t.to(device) for t in _inputs(rank, 4 * world))
+    with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=4 * world, num_topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
+                        expert_alignment=ALIGNMENT, backend="reference") as buf, \
+            training.GradBuffers.create(buf) as grads:
+        for call in (lambda: training.dispatch(buf, grads, x, idx, weights), lambda: buf.dispatch(x, idx, weights)):
+            graph = torch.cuda.CUDAGraph()
+            with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph.*nvlink"):
+                with torch.cuda.graph(graph):
+                    call()
+        result = buf.dispatch(x, idx, weights)  # (still usable, on every rank)
+        assert int(result.expert_offsets[-1]) >= int((idx >= 0).sum())
+    return "reference refuses capture"
+
+
 def errors_worker(rank, world):
     with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=4 * world, num_topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
                         backend="reference") as buf, \
@@ -427,6 +445,7 @@ def test_nvlink_one_rank_gradients_match_torch_autograd():
 @pytest.mark.gpu
 def test_nvlink_one_rank_training_step_in_a_cuda_graph():
     assert run_ranks(graph_worker, 1, "nvlink", _ALL_FORMATS, backend="nccl") == [list(_ALL_FORMATS)]
+    assert run_ranks(reference_capture_worker, 1, backend="nccl") == ["reference refuses capture"]
 
 
 @pytest.mark.multigpu
