@@ -559,6 +559,7 @@ class Buffer:
                 raise
             return
         if _is_capturing():  # (the reference backend; a program error, the same on every rank: each raises)
+            self._check_alive()  # (a destroyed Buffer says so first)
             raise RuntimeError(f"{what} on the reference backend cannot be captured in a CUDA graph: it sizes its "
                                f"results on the host and exchanges them with host collectives. Use the nvlink "
                                f"backend (Buffer(..., backend='nvlink')) for graphs")
