@@ -272,11 +272,13 @@ def _difference(a: torch.Tensor, b: torch.Tensor) -> str:
             f"(of {float(b.float().abs().max()):.3g}), first at {where}")
 
 
-def graph_worker(rank, world, backend="nvlink", formats_list=(("nvfp4", "s2f6", "bf16"),)):
+def graph_worker(rank, world, backend="nvlink", formats_list=(("nvfp4", "s2f6", "bf16"),), experts=None, trials=3):
     """A whole training step -- training.dispatch, experts, training.combine, loss.backward() -- captured in one CUDA
     graph (nvlink backend): the first replay, on _inputs, matches FP32 torch autograd as training_worker's eager step
     does; then three replays, each after new tokens, routing, routing weights, output gradient and expert weights were
-    written into the captured tensors, are bitwise equal to the same step run eagerly on the same Buffers."""
+    written into the captured tensors, are bitwise equal to the same step run eagerly on the same Buffers (and two
+    eager steps to each other). experts: the expert function (default _experts_on_device); trials: the replays."""
+    experts = _experts_on_device if experts is None else experts
     device = torch.device("cuda", torch.cuda.current_device())
     num_experts = 4 * world
     num_local = num_experts // world
@@ -297,7 +299,7 @@ def graph_worker(rank, world, backend="nvlink", formats_list=(("nvfp4", "s2f6", 
 
             def step(x_in, idx_in, w_in, W_in, g_in):
                 routed = training.dispatch(buf, grads, x_in, idx_in, w_in)
-                y = training.combine(_experts_on_device(routed, W_in), routed)
+                y = training.combine(experts(routed, W_in), routed)
                 (y.float() * g_in.float()).sum().backward()
                 return y
 
@@ -321,7 +323,7 @@ def graph_worker(rank, world, backend="nvlink", formats_list=(("nvfp4", "s2f6", 
                 assert _relative_error(w_leaf.grad.cpu(), want_dw[rank]) < 1e-2, (case, "graph d topk_weights")
             assert _relative_error(W_local.grad.cpu(), want_dW[mine]) < 1e-2, (case, "graph d W")
 
-            for trial in range(3):
+            for trial in range(trials):
                 nx, nidx, nw, ng, nW = _new_inputs(x.shape[0], num_experts, 300 + 10 * trial + rank, device)
                 previous = [t.clone() for t in (static_y, x_leaf.grad, w_leaf.grad, W_local.grad)]
                 with torch.no_grad():
@@ -389,6 +391,16 @@ def errors_worker(rank, world):
         # The plain calls still refuse tensors that require grad, and name this module.
         with pytest.raises(RuntimeError, match="ep_comm.training"):
             buf.dispatch(x.clone().requires_grad_(), idx, weights)
+        # Inside a CUDA-graph capture the reference backend refuses, naming the nvlink backend (a stand-in for the
+        # capture state: CPU ranks cannot capture; the GPU form is reference_capture_worker), on every rank alike.
+        from ep_comm import buffer as buffer_module
+        capturing, buffer_module._is_capturing = buffer_module._is_capturing, lambda: True
+        try:
+            with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph.*nvlink"):
+                training.dispatch(buf, grads, x, idx, weights)
+        finally:
+            buffer_module._is_capturing = capturing
+        assert buf.dispatch(x, idx, weights).num_rows >= 0  # (still in step with its peers)
     return "errors ok"
 
 
