@@ -187,12 +187,14 @@ def _dense_rows(payload, dtype: torch.dtype, rows_in_use: torch.Tensor) -> torch
     """formats.dequantize, zero on the rows not in use (padding rows are zero already; the nvlink capacity rows past the
     rows in use are not written by the dispatch and may hold anything, NaN included). The mask goes where it is
     cheapest: NVFP4's scales and amax (a zero scale and amax make every value of the row 0, whatever its codes: E2M1
-    codes are finite), MXFP8's bytes, BF16's rows."""
+    codes are finite), MXFP8's codes and scales (both: a left-over scale byte 0xFF is E8M0's NaN, which makes even a
+    zero code NaN; a zero byte is 2^-127, finite), BF16's rows."""
     if isinstance(payload, formats.NVFP4Tensor):
         return formats.dequantize(dataclasses.replace(payload, scales=_mask_rows(payload.scales, rows_in_use),
                                                       amax=_mask_rows(payload.amax, rows_in_use)), dtype)
     if isinstance(payload, formats.MXFP8Tensor):
-        return formats.dequantize(dataclasses.replace(payload, data=_mask_rows(payload.data, rows_in_use)), dtype)
+        return formats.dequantize(dataclasses.replace(payload, data=_mask_rows(payload.data, rows_in_use),
+                                                      scales=_mask_rows(payload.scales, rows_in_use)), dtype)
     return formats.dequantize(_mask_rows(payload, rows_in_use), dtype)
 
 

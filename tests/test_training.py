@@ -231,18 +231,15 @@ def exact_weights_worker(rank, world, backend="reference", device_kind="cpu"):
 
 
 def _experts_on_device(routed, W_local: torch.Tensor) -> torch.Tensor:
-    """_run_experts without a host step (CUDA-graph capturable): each row times its expert's weight, the expert found
-    from expert_offsets on the device; zero rows (padding, capacity) stay zero. One masked matmul per expert, not a
-    gather of W per row, whose backward (index_put with accumulate) may sum in a different order at each call: the
-    tests below compare steps bit for bit."""
+    """_run_experts without a host step (CUDA-graph capturable), on every one of the R rows as expert code that ignores
+    the segments would run: each row times its expert's weight (the expert found from expert_offsets on the device;
+    the capacity rows past the rows in use go with the last expert). So a non-finite value in routed.x or in its
+    gradient on a row not in use reaches the weight gradient (as 0 * NaN): that is how the MXFP8 rows' left-over NaN
+    scales were found (test_dense_rows_are_zero_outside_the_rows_in_use_whatever_they_hold)."""
     offsets = routed.result.expert_offsets
     rows = torch.arange(routed.x.shape[0], dtype=offsets.dtype, device=routed.x.device)
-    x = routed.x.float()
-    out = torch.zeros(x.shape[0], HIDDEN, device=x.device)
-    for j in range(W_local.shape[0]):
-        in_expert = (rows >= offsets[j]) & (rows < offsets[j + 1])
-        out = out + torch.where(in_expert[:, None], x @ W_local[j], torch.zeros((), device=x.device))
-    return out.to(torch.bfloat16)
+    expert = torch.searchsorted(offsets[1:].contiguous(), rows, right=True).clamp(max=W_local.shape[0] - 1)
+    return torch.einsum("rh,rhj->rj", routed.x.float(), W_local[expert]).to(torch.bfloat16)
 
 
 def _new_inputs(num_tokens: int, num_experts: int, seed: int, device):
@@ -418,6 +415,32 @@ def test_fp32_split_into_three_bf16_parts_is_exact():
     back = training.join_bf16_parts(training.split_fp32_in_bf16(special))
     assert back[0] == float("inf") and back[1] == -float("inf") and back[2].isnan()
     assert training.weights_hidden(8) == 32 and training.weights_hidden(11) == 64 and training.weights_hidden(1) == 32
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "bf16"])
+def test_dense_rows_are_zero_outside_the_rows_in_use_whatever_they_hold(fmt):
+    """routed.x is zero on the rows not in use (padding, nvlink capacity rows), whatever bytes those rows of the
+    payload hold: left-over codes and scales of earlier calls, NaN encodings included (an MXFP8 scale byte 0xFF is
+    E8M0's NaN and made a zero code NaN before the scales were masked too -- found on the H200 by the CUDA-graph
+    test's eager twin, whose capacity rows held such bytes)."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(12, HIDDEN, generator=gen).to(torch.bfloat16)
+    payload = {"nvfp4": lambda: formats.nvfp4_quantize(x, impl="reference"),
+               "mxfp8": lambda: formats.mxfp8_quantize(x, impl="reference"), "bf16": lambda: x.clone()}[fmt]()
+    in_use = torch.tensor([True, False] * 6)
+    garbage = ~in_use
+    want = torch.where(in_use[:, None], formats.dequantize(payload, torch.bfloat16), torch.zeros((), dtype=torch.bfloat16))
+    for fill in (0xFF, 0x7F, 0x80):  # (NaN in E8M0 and E4M3, NaN in E4M3, -0 / 2^1 scales)
+        if fmt == "bf16":
+            payload[garbage] = float("nan")
+        else:
+            for name in ("data", "scales"):
+                getattr(payload, name).view(torch.uint8)[garbage] = fill
+            if fmt == "nvfp4":
+                payload.amax[garbage] = float("nan")
+        got = training._dense_rows(payload, torch.bfloat16, in_use)
+        assert torch.equal(got, want), (fmt, hex(fill))  # (values: NVFP4's negative codes give -0.0 there)
 
 
 @pytest.mark.cpu
