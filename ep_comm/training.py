@@ -31,7 +31,10 @@ that run on whole segments (or on all R rows) see no garbage in either direction
 
 Cost: backward moves g at BF16 (or MXFP8) width out and the input gradient at BF16 width back, plus a small dispatch
 and combine of 32 * ceil(3K / 32) BF16 columns for the routing weights; none of it is fused into a GEMM, and there is
-no CUDA-graph or comm_stream support here (plain eager autograd). The backward calls are collective like the forward's:
+no comm_stream support here. CUDA graphs (nvlink backend): forward and backward make no host synchronization, so a
+whole step (dispatch, experts, combine, loss.backward()) can be captured in one graph and replayed, torch's recipe
+(warm-up steps on a side stream, the leaves' .grad set to None before the capture; tests/test_training.py
+graph_worker). The reference backend refuses capture. The backward calls are collective like the forward's:
 every rank must call backward through the same layers (wherever the combine's output reaches the loss, both backward
 passes run on every rank and make all their calls, whatever the rank's own tensors require; see the Functions). A rank
 that skips one gets its peers' timeouts, as a missing forward call does. This holds for a plain `loss.backward()`:
