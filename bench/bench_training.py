@@ -38,6 +38,7 @@ sys.path.insert(0, HERE)
 
 import ep_comm  # noqa: E402
 from bench_formats import time_ms  # noqa: E402  same directory: one timing method for the benchmarks
+from bench_training_experts import captured  # noqa: E402  (and one capture recipe)
 from ep_comm import training  # noqa: E402
 from ep_comm.bench import parse_token_counts, run_metadata, strict_json  # noqa: E402
 from ep_comm.launch import run_ranks  # noqa: E402
@@ -54,23 +55,6 @@ def _time_into(row: dict, name: str, fn, args) -> None:
         fn()
     row[name + "_host_ms"] = 1e3 * (time.perf_counter() - start) / args.iters
     torch.cuda.synchronize()
-
-
-def _captured(step, leaves):
-    """step captured once in a CUDA graph (warm-up calls on a side stream first, torch's recipe; the leaves' gradients
-    set to None before the capture, so that the graph assigns them): its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    for leaf in leaves:
-        leaf.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
 
 
 def _time_layer(row: dict, x: torch.Tensor, args) -> None:
@@ -99,7 +83,7 @@ def _time_layer(row: dict, x: torch.Tensor, args) -> None:
             layer_step()
 
         _time_into(row, "layer_eager", layer_eager, args)
-        _time_into(row, "layer_graph", _captured(layer_step, leaves), args)
+        _time_into(row, "layer_graph", captured(layer_step, leaves), args)
         row["layer"] = {"experts": experts, "intermediate": args.layer_intermediate,
                         "rows_in_use": int(buf.dispatch(x, topk_idx, weights).expert_offsets[-1])}
 
@@ -149,7 +133,7 @@ def _worker(rank, world, args):
             for name, fn in (("forward_buffer", forward_buffer), ("buffer_calls", buffer_calls),
                              ("forward_training", forward_training), ("forward_backward", forward_backward)):
                 _time_into(row, name, fn, args)
-            _time_into(row, "forward_backward_graph", _captured(forward_backward, (x_leaf, w_leaf)), args)
+            _time_into(row, "forward_backward_graph", captured(forward_backward, (x_leaf, w_leaf)), args)
             if args.layer_experts:
                 _time_layer(row, x, args)
             if args.profile and tokens == min(args.tokens) and rank == 0:

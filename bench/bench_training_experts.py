@@ -64,14 +64,17 @@ from ep_comm.training_experts import (_ExpertMLPFunction, _WeightCache, _weight_
                                      quantize_expert_weights)
 
 
-def _captured(step):
-    """step captured once in a CUDA graph (after warm-up calls on a side stream, torch's recipe): its replay."""
+def captured(step, leaves=()):
+    """step captured once in a CUDA graph (after warm-up calls on a side stream, torch's recipe; the gradients of
+    `leaves` set to None before the capture, so that the graph assigns them): its replay."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
             step()
     torch.cuda.current_stream().wait_stream(side)
+    for leaf in leaves:
+        leaf.grad = None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
@@ -211,7 +214,7 @@ def _worker(rank, world, args):
                       ("ours_microbatch_kept_values", lambda: ours_microbatch(kept=True)),
                       ("ours_microbatch_main_grad", lambda: ours_microbatch(kept=True, main_grad=True)),
                       ("bf16_weights_forward_backward", bf16_weights_forward_backward)]
-            graph_step = _captured(ours_forward_backward_seed_tensor)
+            graph_step = captured(ours_forward_backward_seed_tensor)
             timed += [("ours_forward_backward_seed_tensor", ours_forward_backward_seed_tensor),
                       ("ours_forward_backward_graph", graph_step)]
             row = {"tokens": tokens, "rows_in_use": rows_in_use, "num_rows": result.num_rows,

@@ -6,6 +6,8 @@ dispatch payload (straight-through: d xq / d x = identity) and the output gradie
 weights and of the experts' weights -- must match it to BF16 rounding (the dispatched rows, expert outputs and
 gradient rows are BF16); a wrong weight, a missing or doubled row, or a misplaced slot is an O(1) error.
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -93,39 +95,60 @@ def _run_experts(routed, W_local: torch.Tensor) -> torch.Tensor:
     return out.to(torch.bfloat16)
 
 
+@contextlib.contextmanager
+def _case_buffers(num_experts: int, case, backend: str):
+    """(Buffer, GradBuffers) for one (dispatch, combine, gradient) format triple at this file's sizes; destroyed after."""
+    dispatch_format, combine_format, grad_format = case
+    with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=num_experts, num_topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
+                        dispatch_format=dispatch_format, combine_format=combine_format, expert_alignment=ALIGNMENT,
+                        backend=backend) as buf, training.GradBuffers.create(buf, grad_format) as grads:
+        yield buf, grads
+
+
+def _case_leaves(rank: int, world: int, device):
+    """The step's leaves (x, routing weights, this rank's expert weights W [E/W, H, H]; all require grad), the routing
+    and the output gradient of _inputs(rank), for 4 * world experts."""
+    num_experts = 4 * world
+    x, idx, weights, grad_y = (t.to(device) for t in _inputs(rank, num_experts))
+    num_local = num_experts // world
+    mine = slice(rank * num_local, (rank + 1) * num_local)
+    W_local = _expert_weights(num_experts)[mine].to(device).requires_grad_()
+    return x.clone().requires_grad_(), weights.clone().requires_grad_(), W_local, idx, grad_y
+
+
+def _assert_matches_reference(case, rank: int, want, y, x_leaf, w_leaf, W_local, what: str = "") -> None:
+    """y and the leaves' gradients against _reference's (want: its four results) for rank `rank`."""
+    want_y, want_dx, want_dw, want_dW = want
+    num_local = W_local.shape[0]
+    y_tolerance = 3e-2 if case[1] == "s2f6" else 1e-2  # S2F6's 8-bit codes vs BF16 rounding
+    if y.shape[0]:
+        assert _relative_error(y.cpu(), want_y[rank]) < y_tolerance, (case, what + "y")
+        assert _relative_error(x_leaf.grad.cpu(), want_dx[rank]) < 1e-2, (case, what + "d x")
+        assert _relative_error(w_leaf.grad.cpu(), want_dw[rank]) < 1e-2, (case, what + "d topk_weights")
+    else:
+        assert x_leaf.grad.shape == (0, HIDDEN) and w_leaf.grad.shape == (0, TOPK)
+    local_dW = want_dW[rank * num_local:(rank + 1) * num_local]
+    assert _relative_error(W_local.grad.cpu(), local_dW) < 1e-2, (case, what + "d W")
+    assert x_leaf.grad.dtype == torch.bfloat16 and w_leaf.grad.dtype == torch.float32
+
+
 def training_worker(rank, world, backend="reference", device_kind="cpu", formats_list=(("nvfp4", "s2f6", "bf16"),)):
     device = torch.device("cuda", torch.cuda.current_device()) if device_kind != "cpu" else torch.device("cpu")
     num_experts = 4 * world
-    num_local = num_experts // world
     checked = []
-    for dispatch_format, combine_format, grad_format in formats_list:
-        want_y, want_dx, want_dw, want_dW = _reference(world, num_experts, dispatch_format, grad_format)
-        x, idx, weights, grad_y = (t.to(device) for t in _inputs(rank, num_experts))
-        with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=num_experts, num_topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
-                            dispatch_format=dispatch_format, combine_format=combine_format, expert_alignment=ALIGNMENT,
-                            backend=backend) as buf, training.GradBuffers.create(buf, grad_format) as grads:
-            x_leaf = x.clone().requires_grad_()
-            w_leaf = weights.clone().requires_grad_()
-            W_local = _expert_weights(num_experts)[rank * num_local:(rank + 1) * num_local].to(device).requires_grad_()
+    for case in formats_list:
+        want = _reference(world, num_experts, case[0], case[2])
+        x_leaf, w_leaf, W_local, idx, grad_y = _case_leaves(rank, world, device)
+        with _case_buffers(num_experts, case, backend) as (buf, grads):
             routed = training.dispatch(buf, grads, x_leaf, idx, w_leaf)
             valid = int(routed.result.expert_offsets[-1])
             # Rows past those in use (nvlink capacity) and padding rows are zero.
             assert not routed.x[valid:].any() and not routed.x[(routed.result.src_rank < 0)].any()
             y = training.combine(_run_experts(routed, W_local), routed)
             (y.float() * grad_y.float()).sum().backward()
-        case = (dispatch_format, combine_format, grad_format)
-        y_tolerance = 3e-2 if combine_format == "s2f6" else 1e-2  # S2F6's 8-bit codes vs BF16 rounding
-        if x.shape[0]:
-            assert _relative_error(y.cpu(), want_y[rank]) < y_tolerance, (case, "y")
-            assert _relative_error(x_leaf.grad.cpu(), want_dx[rank]) < 1e-2, (case, "d x")
-            assert _relative_error(w_leaf.grad.cpu(), want_dw[rank]) < 1e-2, (case, "d topk_weights")
-            masked = idx < 0
-            assert (w_leaf.grad[masked] == 0).all(), (case, "masked slots get no gradient")
-        else:
-            assert x_leaf.grad.shape == (0, HIDDEN) and w_leaf.grad.shape == (0, TOPK)
-        local_dW = want_dW[rank * num_local:(rank + 1) * num_local]
-        assert _relative_error(W_local.grad.cpu(), local_dW) < 1e-2, (case, "d W")
-        assert x_leaf.grad.dtype == torch.bfloat16 and w_leaf.grad.dtype == torch.float32
+        _assert_matches_reference(case, rank, want, y, x_leaf, w_leaf, W_local)
+        if y.shape[0]:
+            assert (w_leaf.grad[idx < 0] == 0).all(), (case, "masked slots get no gradient")
         checked.append(case)
     return checked
 
@@ -278,21 +301,13 @@ def graph_worker(rank, world, backend="nvlink", formats_list=(("nvfp4", "s2f6", 
     experts = _experts_on_device if experts is None else experts
     device = torch.device("cuda", torch.cuda.current_device())
     num_experts = 4 * world
-    num_local = num_experts // world
-    mine = slice(rank * num_local, (rank + 1) * num_local)
     checked = []
-    for dispatch_format, combine_format, grad_format in formats_list:
-        case = (dispatch_format, combine_format, grad_format)
-        want_y, want_dx, want_dw, want_dW = _reference(world, num_experts, dispatch_format, grad_format)
-        x, idx, weights, grad_y = (t.to(device) for t in _inputs(rank, num_experts))
-        with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=num_experts, num_topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
-                            dispatch_format=dispatch_format, combine_format=combine_format, expert_alignment=ALIGNMENT,
-                            backend=backend) as buf, training.GradBuffers.create(buf, grad_format) as grads:
-            # The captured tensors: leaves that require grad, and the routing and output gradient.
-            x_leaf = x.clone().requires_grad_()
-            w_leaf = weights.clone().requires_grad_()
-            W_local = _expert_weights(num_experts)[mine].to(device).requires_grad_()
-            static_idx, static_grad_y = idx.clone(), grad_y.clone()
+    for case in formats_list:
+        want = _reference(world, num_experts, case[0], case[2])
+        # The captured tensors: leaves that require grad, and the routing and output gradient.
+        x_leaf, w_leaf, W_local, static_idx, static_grad_y = _case_leaves(rank, world, device)
+        mine = slice(rank * W_local.shape[0], (rank + 1) * W_local.shape[0])
+        with _case_buffers(num_experts, case, backend) as (buf, grads):
 
             def step(x_in, idx_in, w_in, W_in, g_in):
                 routed = training.dispatch(buf, grads, x_in, idx_in, w_in)
@@ -313,15 +328,10 @@ def graph_worker(rank, world, backend="nvlink", formats_list=(("nvfp4", "s2f6", 
                 static_y = step(x_leaf, static_idx, w_leaf, W_local, static_grad_y)
             graph.replay()
             torch.cuda.synchronize()
-            y_tolerance = 3e-2 if combine_format == "s2f6" else 1e-2
-            if x.shape[0]:
-                assert _relative_error(static_y.cpu(), want_y[rank]) < y_tolerance, (case, "graph y")
-                assert _relative_error(x_leaf.grad.cpu(), want_dx[rank]) < 1e-2, (case, "graph d x")
-                assert _relative_error(w_leaf.grad.cpu(), want_dw[rank]) < 1e-2, (case, "graph d topk_weights")
-            assert _relative_error(W_local.grad.cpu(), want_dW[mine]) < 1e-2, (case, "graph d W")
+            _assert_matches_reference(case, rank, want, static_y, x_leaf, w_leaf, W_local, "graph ")
 
             for trial in range(trials):
-                nx, nidx, nw, ng, nW = _new_inputs(x.shape[0], num_experts, 300 + 10 * trial + rank, device)
+                nx, nidx, nw, ng, nW = _new_inputs(x_leaf.shape[0], num_experts, 300 + 10 * trial + rank, device)
                 previous = [t.clone() for t in (static_y, x_leaf.grad, w_leaf.grad, W_local.grad)]
                 with torch.no_grad():
                     for static, new in ((x_leaf, nx), (static_idx, nidx), (w_leaf, nw), (static_grad_y, ng),
