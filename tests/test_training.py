@@ -97,7 +97,8 @@ def _run_experts(routed, W_local: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _case_buffers(num_experts: int, case, backend: str):
-    """(Buffer, GradBuffers) for one (dispatch, combine, gradient) format triple at this file's sizes; destroyed after."""
+    """(Buffer, GradBuffers) for one (dispatch, combine, gradient) format triple at this file's sizes, destroyed
+    after."""
     dispatch_format, combine_format, grad_format = case
     with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=num_experts, num_topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
                         dispatch_format=dispatch_format, combine_format=combine_format, expert_alignment=ALIGNMENT,
@@ -278,20 +279,6 @@ def _new_inputs(num_tokens: int, num_experts: int, seed: int, device):
     return [t.to(device) for t in (x, idx, weights, grad_y, W)]
 
 
-def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
-
-def _difference(a: torch.Tensor, b: torch.Tensor) -> str:
-    """Where two same-shape tensors differ (for an assertion message): count, largest difference, first index."""
-    differ = (a.float() != b.float()) & ~(a.float().isnan() & b.float().isnan())
-    if not differ.any():
-        return "equal values (different bits only)"
-    where = differ.nonzero()[0].tolist()
-    return (f"{int(differ.sum())} of {a.numel()} differ, largest by {float((a.float() - b.float()).abs().max()):.3g} "
-            f"(of {float(b.float().abs().max()):.3g}), first at {where}")
-
-
 def graph_worker(rank, world, backend="nvlink", formats_list=(("nvfp4", "s2f6", "bf16"),), experts=None, trials=3):
     """A whole training step -- training.dispatch, experts, training.combine, loss.backward() -- captured in one CUDA
     graph (nvlink backend): the first replay, on _inputs, matches FP32 torch autograd as training_worker's eager step
@@ -349,10 +336,8 @@ def graph_worker(rank, world, backend="nvlink", formats_list=(("nvfp4", "s2f6", 
                 torch.cuda.synchronize()
                 for name, g_t, e_t, e2_t, old in zip(("y", "d x", "d topk_weights", "d W"), got, eager[0], eager[1],
                                                      previous):
-                    assert _bitwise_equal(e_t, e2_t), (case, trial, "two eager steps differ", name,
-                                                       _difference(e_t, e2_t))
-                    assert _bitwise_equal(g_t, e_t), (case, trial, "graph replay differs from the eager step", name,
-                                                      _difference(g_t, e_t))
+                    assert_same_floats(e2_t, e_t, f"{case} trial {trial}: {name}, a second eager step")
+                    assert_same_floats(g_t, e_t, f"{case} trial {trial}: {name}, the graph replay vs the eager step")
                     assert g_t.numel() == 0 or not torch.equal(g_t, old), (case, trial, "replay kept the old", name)
             del graph
         checked.append(case)
@@ -440,7 +425,8 @@ def test_dense_rows_are_zero_outside_the_rows_in_use_whatever_they_hold(fmt):
                "mxfp8": lambda: formats.mxfp8_quantize(x, impl="reference"), "bf16": lambda: x.clone()}[fmt]()
     in_use = torch.tensor([True, False] * 6)
     garbage = ~in_use
-    want = torch.where(in_use[:, None], formats.dequantize(payload, torch.bfloat16), torch.zeros((), dtype=torch.bfloat16))
+    zero = torch.zeros((), dtype=torch.bfloat16)
+    want = torch.where(in_use[:, None], formats.dequantize(payload, torch.bfloat16), zero)
     for fill in (0xFF, 0x7F, 0x80):  # (NaN in E8M0 and E4M3, NaN in E4M3, -0 / 2^1 scales)
         if fmt == "bf16":
             payload[garbage] = float("nan")
