@@ -23,17 +23,19 @@ void register_training(py::module_& m) {
   m.def(
       "combine_backward_rows",
       [](uintptr_t g, uintptr_t expert_out, uintptr_t row_weight, uintptr_t src_rank, int64_t num_rows,
-         int64_t hidden, uintptr_t grad_expert_out, uintptr_t dots, uintptr_t stream) {
-        check(ep_comm::launch_combine_backward_rows(ptr<const uint16_t>(g), ptr<const uint16_t>(expert_out),
-                                                    ptr<const float>(row_weight), ptr<const int32_t>(src_rank),
-                                                    num_rows, hidden, ptr<uint16_t>(grad_expert_out),
-                                                    ptr<float>(dots), as_stream(stream)),
+         int64_t hidden, uintptr_t grad_expert_out, uintptr_t dots, uintptr_t topk_slot, int64_t weight_columns,
+         uintptr_t weight_rows, uintptr_t stream) {
+        check(ep_comm::launch_combine_backward_rows(
+                  ptr<const uint16_t>(g), ptr<const uint16_t>(expert_out), ptr<const float>(row_weight),
+                  ptr<const int32_t>(src_rank), num_rows, hidden, ptr<uint16_t>(grad_expert_out), ptr<float>(dots),
+                  ptr<const int32_t>(topk_slot), weight_columns, ptr<uint16_t>(weight_rows), as_stream(stream)),
               "combine_backward_rows");
       },
       py::call_guard<py::gil_scoped_release>(), py::arg("g"), py::arg("expert_out"), py::arg("row_weight"),
       py::arg("src_rank"), py::arg("num_rows"), py::arg("hidden"), py::arg("grad_expert_out"), py::arg("dots"),
-      py::arg("stream"),
-      "Combine's backward on the expert rank: f(w * g) rows and FP32 dots <g, expert_out> (training_rows.h)");
+      py::arg("topk_slot"), py::arg("weight_columns"), py::arg("weight_rows"), py::arg("stream"),
+      "Combine's backward on the expert rank: f(w * g) rows, FP32 dots <g, expert_out> and (weight_rows != 0) the "
+      "dots as three bf16 parts in their top-k slot's columns (training_rows.h)");
   m.def(
       "mxfp8_round_trips",
       [](uintptr_t x, uintptr_t src_rank, int64_t num_rows, int64_t hidden, int64_t padded_rows, uint64_t seed_rows,

@@ -183,7 +183,7 @@ def _mask_rows(t: torch.Tensor, rows_in_use: torch.Tensor) -> torch.Tensor:
     shape = (-1,) + (1,) * (t.dim() - 1)
     if t.element_size() == 1:
         return torch.where(rows_in_use.view(shape), t.view(torch.uint8), 0).view(t.dtype)
-    return torch.where(rows_in_use.view(shape), t, torch.zeros((), dtype=t.dtype, device=t.device))
+    return torch.where(rows_in_use.view(shape), t, 0)  # (a Python zero: no 0-dim tensor to fill on the device)
 
 
 def _dense_rows(payload, dtype: torch.dtype, rows_in_use: torch.Tensor) -> torch.Tensor:
@@ -201,36 +201,81 @@ def _dense_rows(payload, dtype: torch.dtype, rows_in_use: torch.Tensor) -> torch
     return formats.dequantize(_mask_rows(payload, rows_in_use), dtype)
 
 
+@dataclass(frozen=True)
+class BackwardRows:
+    """What `combine_backward_rows` returns, for the R rows of a dispatch layout of hidden H.
+
+    grad_expert_out: bf16 [R, H], bf16(w * g) on the rows in use, zero on the others.
+    dots: fp32 [R], <g, expert_out> on the rows in use (a fixed FP32 sum order, csrc/training_rows.h), zero on the
+        others.
+    weight_rows: bf16 [R, weight_columns] or None (no topk_slot given): the rows GradBuffers.weights combines back to
+        the source ranks, each row's dot as three bf16 parts (split_fp32_in_bf16) in the columns 3 s .. 3 s + 2 of its
+        top-k slot s, zeros elsewhere and on the rows not in use.
+    """
+
+    grad_expert_out: torch.Tensor
+    dots: torch.Tensor
+    weight_rows: Optional[torch.Tensor]
+
+
+_CHUNK = 256  # columns per chunk in the kernel's sum order: 32 lanes x 8 contiguous columns (one 16-byte load each)
+
+
+def _weight_rows_reference(dots: torch.Tensor, in_use: torch.Tensor, topk_slot: torch.Tensor,
+                           weight_columns: int) -> torch.Tensor:
+    """bf16 [R, weight_columns]: the three parts of each dot in row r's columns 3 topk_slot[r] + 0, 1, 2 (rows in use;
+    a slot past the columns writes what fits, as the kernel does), zeros elsewhere."""
+    parts = split_fp32_in_bf16(dots)  # bf16 [R, 3]
+    first = torch.where(in_use, 3 * topk_slot.long(), torch.full((), -3, dtype=torch.long, device=dots.device))
+    part_of_column = torch.arange(weight_columns, device=dots.device) - first[:, None]  # [R, W]
+    rows = torch.zeros(dots.shape[0], weight_columns, dtype=torch.bfloat16, device=dots.device)
+    for part in range(3):
+        rows = torch.where(part_of_column == part, parts[:, part:part + 1], rows)
+    return rows
+
+
 def combine_backward_rows_reference(g: torch.Tensor, expert_out: torch.Tensor, row_weight: torch.Tensor,
-                                    src_rank: torch.Tensor):
-    """(grad_expert_out bf16 [R, H], dots fp32 [R]) from g, expert_out bf16 [R, H], row_weight fp32 [R], src_rank
-    int32 [R]: csrc/training_rows.h in torch, the same bits (its FP32 sum order included). Rows with src_rank < 0 give
-    zeros whatever they hold."""
+                                    src_rank: torch.Tensor, topk_slot: Optional[torch.Tensor] = None,
+                                    weight_columns: int = 0) -> BackwardRows:
+    """`combine_backward_rows` in torch (csrc/training_rows.h, the same bits, its FP32 sum order included): the
+    tests' oracle and the path without ep_comm._C. Rows with src_rank < 0 give zeros whatever they hold."""
     num_rows, hidden = g.shape
     in_use = src_rank >= 0
     zero = torch.zeros((), device=g.device)
     g_rows = torch.where(in_use[:, None], g.float(), zero)
     weight = torch.where(in_use, row_weight.float(), zero)
     grad = (g_rows * weight[:, None]).to(torch.bfloat16)
-    products = (g_rows * torch.where(in_use[:, None], expert_out.float(), zero)).view(num_rows, hidden // 32, 32)
+    products = g_rows * torch.where(in_use[:, None], expert_out.float(), zero)
+    padded = -(-hidden // _CHUNK) * _CHUNK  # (zero products past H change no sum: the sums start at +0)
+    products = torch.nn.functional.pad(products, (0, padded - hidden)).view(num_rows, padded // _CHUNK, 32, 8)
     lanes = torch.zeros(num_rows, 32, device=g.device)
-    for step in range(hidden // 32):  # lane l: columns l, l + 32, ... in turn
-        lanes = lanes + products[:, step]
+    for chunk in range(padded // _CHUNK):  # lane l: its 8 columns of chunk 0, then of chunk 1, ...
+        for column in range(8):
+            lanes = lanes + products[:, chunk, :, column]
     for d in (16, 8, 4, 2, 1):  # the warp's shuffle-down tree
         lanes = torch.cat([lanes[:, :d] + lanes[:, d:2 * d], lanes[:, d:]], dim=1)
-    return grad, lanes[:, 0].contiguous()
+    dots = lanes[:, 0].contiguous()
+    weight_rows = None if topk_slot is None else _weight_rows_reference(dots, in_use, topk_slot, weight_columns)
+    return BackwardRows(grad_expert_out=grad, dots=dots, weight_rows=weight_rows)
 
 
 def combine_backward_rows(g: torch.Tensor, expert_out: torch.Tensor, row_weight: torch.Tensor,
-                          src_rank: torch.Tensor):
-    """Combine's backward on the expert rank in one pass: grad_expert_out = bf16(w * g) and the routing-weight dots
-    <g, expert_out> in FP32 (csrc/training_rows.h on CUDA tensors when ep_comm._C is built, else its torch form;
-    the same bits either way)."""
+                          src_rank: torch.Tensor, topk_slot: Optional[torch.Tensor] = None,
+                          weight_columns: int = 0) -> BackwardRows:
+    """Combine's backward on the expert rank in one pass (csrc/training_rows.h on CUDA tensors when ep_comm._C is
+    built, else its torch form; the same bits either way).
+
+    g, expert_out: bf16 [R, H] (H % 32 == 0): the output gradient dispatched to the expert rank, and the expert
+        outputs; row_weight fp32 [R] and src_rank int32 [R]: the DispatchResult's topk_weight and src_rank (rows with
+        src_rank < 0 are not in use). topk_slot int32 [R] (the DispatchResult's) and weight_columns (a multiple of
+        32, at least 3 x num_topk: weights_hidden) ask for BackwardRows.weight_rows too.
+    Returns BackwardRows (grad_expert_out = bf16(w * g), the FP32 dots <g, expert_out>, weight_rows)."""
     num_rows = g.shape[0] if g.dim() == 2 else -1
-    for name, tensor, dtype, shape in (("g", g, torch.bfloat16, tuple(g.shape)),
-                                       ("expert_out", expert_out, torch.bfloat16, tuple(g.shape)),
-                                       ("row_weight", row_weight, torch.float32, (num_rows,)),
-                                       ("src_rank", src_rank, torch.int32, (num_rows,))):
+    checks = [("g", g, torch.bfloat16, tuple(g.shape)), ("expert_out", expert_out, torch.bfloat16, tuple(g.shape)),
+              ("row_weight", row_weight, torch.float32, (num_rows,)), ("src_rank", src_rank, torch.int32, (num_rows,))]
+    if topk_slot is not None:
+        checks.append(("topk_slot", topk_slot, torch.int32, (num_rows,)))
+    for name, tensor, dtype, shape in checks:
         if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != shape \
                 or tensor.device != g.device:
             raise ValueError(f"combine_backward_rows: {name} must be {dtype} {list(shape)} on {g.device} (g bf16 "
@@ -238,18 +283,28 @@ def combine_backward_rows(g: torch.Tensor, expert_out: torch.Tensor, row_weight:
                              f"{list(getattr(tensor, 'shape', []))} on {getattr(tensor, 'device', '')}")
     if g.dim() != 2 or g.shape[1] % 32:
         raise ValueError(f"combine_backward_rows: g must be [R, H] with H % 32 == 0, got {list(g.shape)}")
+    if topk_slot is not None and (isinstance(weight_columns, bool) or not isinstance(weight_columns, int)
+                                  or weight_columns <= 0 or weight_columns % 32):
+        raise ValueError(f"combine_backward_rows: weight_columns must be a positive multiple of 32 with topk_slot, "
+                         f"got {weight_columns!r}")
     if g.is_cuda and _ext.cuda_extension_available():
-        g, expert_out = g.contiguous(), expert_out.contiguous()
+        g, expert_out = _ext.aligned_contiguous(g, 16), _ext.aligned_contiguous(expert_out, 16)
         row_weight, src_rank = row_weight.contiguous(), src_rank.contiguous()
         num_rows, hidden = g.shape
         grad = torch.empty_like(g)
         dots = torch.empty(num_rows, dtype=torch.float32, device=g.device)
+        weight_rows = None
+        if topk_slot is not None:
+            topk_slot = topk_slot.contiguous()
+            weight_rows = torch.empty(num_rows, weight_columns, dtype=torch.bfloat16, device=g.device)
         with _ext.cuda_device(g.device):
             _ext.require_cuda_extension("the training kernels").combine_backward_rows(
                 g.data_ptr(), expert_out.data_ptr(), row_weight.data_ptr(), src_rank.data_ptr(), num_rows, hidden,
-                grad.data_ptr(), dots.data_ptr(), _ext.current_raw_stream(g.device))
-        return grad, dots
-    return combine_backward_rows_reference(g, expert_out, row_weight, src_rank)
+                grad.data_ptr(), dots.data_ptr(), 0 if topk_slot is None else topk_slot.data_ptr(),
+                weight_columns if topk_slot is not None else 0, 0 if weight_rows is None else weight_rows.data_ptr(),
+                _ext.current_raw_stream(g.device))
+        return BackwardRows(grad_expert_out=grad, dots=dots, weight_rows=weight_rows)
+    return combine_backward_rows_reference(g, expert_out, row_weight, src_rank, topk_slot, weight_columns)
 
 
 def _truncate_to_bf16(values: torch.Tensor) -> torch.Tensor:
@@ -331,33 +386,29 @@ class _CombineFunction(torch.autograd.Function):
         link = ctx.link
         (expert_out,) = ctx.saved_tensors
         g_rows = link.dispatch_gradient(grad_y)  # bf16 [R, H]
-        # d expert_out = f(w * g) and the dots, zero on rows not in use (capacity rows: whatever the dispatch left
-        # there, NaN included, never reaches the experts' backward).
-        grad_expert_out, dots = combine_backward_rows(g_rows, expert_out, link.result.topk_weight,
-                                                      link.result.src_rank)
-        grad_weights = _routing_weight_gradient(link, dots)  # (collective: on every rank)
+        # d expert_out = f(w * g), zero on rows not in use (capacity rows: whatever the dispatch left there, NaN
+        # included, never reaches the experts' backward), and the routing-weight dots as the rows that carry them
+        # back, in one pass.
+        rows = combine_backward_rows(g_rows, expert_out, link.result.topk_weight, link.result.src_rank,
+                                     link.result.topk_slot, link.grads.weights.config.hidden)
+        grad_weights = _routing_weight_gradient(link, rows.weight_rows)  # (collective: on every rank)
         token_grad = torch.zeros((), device=grad_y.device)
-        return (grad_expert_out if ctx.needs_input_grad[0] else None,
+        return (rows.grad_expert_out if ctx.needs_input_grad[0] else None,
                 grad_weights if ctx.needs_input_grad[1] else None, token_grad, None)
 
 
-def _routing_weight_gradient(link: _Link, dots: torch.Tensor) -> torch.Tensor:
+def _routing_weight_gradient(link: _Link, weight_rows: torch.Tensor) -> torch.Tensor:
     """d w[t, k] = dots[r] for the row r of (t, k) (<g[t], expert_out[r]>, computed on the expert rank), carried back
-    exactly as three BF16 parts per slot through GradBuffers.weights (a unit-weight BF16 combine of one row per
-    column). Returns fp32 [T, K] (0 on masked slots)."""
+    exactly as three BF16 parts per slot through GradBuffers.weights: weight_rows bf16 [R, weights_hidden(K)]
+    (BackwardRows.weight_rows), combined with unit weights, so each column of a token's result is one row's part.
+    Returns fp32 [T, K] (0 on masked slots)."""
     num_tokens, num_topk = link.topk_idx.shape
-    parts = split_fp32_in_bf16(dots)  # bf16 [R, 3]; rows not in use: zeros
-    slot = torch.where(link.rows_in_use, link.result.topk_slot.long(), torch.zeros((), dtype=torch.long,
-                                                                                 device=dots.device))
-    columns = 3 * slot[:, None] + torch.arange(3, device=dots.device)
-    width = link.grads.weights.config.hidden
-    carried = torch.zeros(dots.shape[0], width, dtype=torch.bfloat16, device=dots.device)
-    carried.scatter_(1, columns, parts)  # (a row not in use writes its zeros into columns 0-2: nothing)
     # The combine needs a handle of GradBuffers.weights with the forward's routing and unit weights: a dispatch of
     # zero rows, T x width bf16, the smallest that makes one.
-    placeholder = torch.zeros(num_tokens, width, dtype=torch.bfloat16, device=link.topk_idx.device)
+    placeholder = torch.zeros(num_tokens, link.grads.weights.config.hidden, dtype=torch.bfloat16,
+                              device=link.topk_idx.device)
     handle = link.grads.weights.dispatch(placeholder, link.topk_idx, link.unit_weights, check_inputs=False).handle
-    back = link.grads.weights.combine(carried, handle)  # bf16 [T, width]
+    back = link.grads.weights.combine(weight_rows, handle)  # bf16 [T, width]
     return join_bf16_parts(back[:, :3 * num_topk].reshape(num_tokens, num_topk, 3)).to(link.topk_weights.dtype)
 
 

@@ -442,8 +442,12 @@ def test_dense_rows_are_zero_outside_the_rows_in_use_whatever_they_hold(fmt):
 @pytest.mark.cpu
 def test_combine_backward_rows_refuses_mismatched_tensors():
     g, e, weight, src_rank = _rows_case(8, 64, 1, "cpu")
+    slot = torch.zeros(8, dtype=torch.int32)
     for bad in ((g, e[:4], weight, src_rank), (g, e.float(), weight, src_rank), (g, e, weight[:4], src_rank),
-                (g, e, weight, src_rank.long()), (g[:, :48], e[:, :48], weight, src_rank)):
+                (g, e, weight, src_rank.long()), (g[:, :48], e[:, :48], weight, src_rank),
+                (g, e, weight, src_rank, slot.long(), 32), (g, e, weight, src_rank, slot[:4], 32),
+                (g, e, weight, src_rank, slot, 24), (g, e, weight, src_rank, slot, 0),
+                (g, e, weight, src_rank, slot, True)):
         with pytest.raises(ValueError, match="combine_backward_rows"):
             training.combine_backward_rows(*bad)
 
@@ -520,8 +524,10 @@ def _rows_case(num_rows: int, hidden: int, seed: int, device):
 
 @pytest.mark.cpu
 def test_combine_backward_rows_reference_semantics():
-    g, e, weight, src_rank = _rows_case(40, 96, 0, "cpu")
-    grad, dots = training.combine_backward_rows_reference(g, e, weight, src_rank)
+    g, e, weight, src_rank = _rows_case(40, 352, 0, "cpu")  # (352: a partial last 256-column chunk)
+    slot = torch.randint(0, 8, (40,), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    rows = training.combine_backward_rows_reference(g, e, weight, src_rank, slot, training.weights_hidden(8))
+    grad, dots = rows.grad_expert_out, rows.dots
     used = src_rank >= 0
     assert torch.equal(grad[~used].float(), torch.zeros_like(grad[~used].float())) and not dots[~used].any()
     assert_same_floats(grad[used], (g[used].float() * weight[used, None]).to(torch.bfloat16), "f(w * g)")
@@ -529,20 +535,46 @@ def test_combine_backward_rows_reference_semantics():
     finite = torch.isfinite(want)
     assert torch.allclose(dots[used][finite].double(), want[finite], rtol=1e-5, atol=1e-3)
     assert torch.equal(torch.isnan(dots[used]), torch.isnan(want))  # NaN and Inf - Inf rows stay NaN
+    # The weight rows: each row in use holds its dot's three parts in its slot's columns, zeros elsewhere.
+    carried = rows.weight_rows
+    assert carried.dtype == torch.bfloat16 and carried.shape == (40, 32)
+    assert not carried[~used].float().any()
+    for row in used.nonzero().flatten().tolist():
+        first = 3 * int(slot[row])
+        assert_same_floats(training.join_bf16_parts(carried[row, first:first + 3]), dots[row], f"row {row}'s parts")
+        others = torch.cat([carried[row, :first], carried[row, first + 3:]])
+        assert not others.float().any(), row
+    assert training.combine_backward_rows_reference(g, e, weight, src_rank).weight_rows is None
 
 
 @pytest.mark.gpu
 def test_combine_backward_rows_kernel_matches_reference():
-    """csrc/training_rows.cu against its torch form, bit for bit (NaN as NaN), on fresh random rows."""
-    shapes = [(0, 64), (1, 32), (37, 96), (300, 7168), (1025, 2048), (20000, 96)]  # (the last: rows > the grid)
-    for seed, (num_rows, hidden) in enumerate(shapes):
+    """csrc/training_rows.cu against its torch form, bit for bit (NaN as NaN), on fresh random rows: the rows'
+    gradients, the dots and the weight rows (dots of every magnitude, NaN and Inf among them)."""
+    shapes = [(0, 64), (1, 32), (37, 96), (300, 7168), (1025, 2048), (20000, 96), (77, 352)]
+    for seed, (num_rows, hidden) in enumerate(shapes):  # (20000: rows > the grid; 96, 352: partial chunks)
         g, e, weight, src_rank = _rows_case(num_rows, hidden, 100 + seed, "cuda")
         if num_rows > 8:  # subnormal products and subnormal w * g (a flush-to-zero build would differ here)
             g[5] = (torch.randn(hidden) * 2.0 ** -130).to(torch.bfloat16).to(g.device)
             e[5] = (torch.randn(hidden) * 2.0 ** -5).to(torch.bfloat16).to(g.device)
             weight[5] = 2.0 ** -10
             src_rank[5] = 0
-        grad, dots = training.combine_backward_rows(g, e, weight, src_rank)
-        want_grad, want_dots = training.combine_backward_rows_reference(g, e, weight, src_rank)
-        assert_same_floats(grad, want_grad, f"d expert_out at {num_rows} x {hidden}")
-        assert_same_floats(dots, want_dots, f"dots at {num_rows} x {hidden}")
+        num_topk = 1 + seed % 11  # (11: weights_hidden 64, two lanes' columns per row)
+        slot = torch.randint(0, num_topk, (num_rows,), dtype=torch.int32).to(g.device)
+        columns = training.weights_hidden(num_topk)
+        rows = training.combine_backward_rows(g, e, weight, src_rank, slot, columns)
+        want = training.combine_backward_rows_reference(g, e, weight, src_rank, slot, columns)
+        what = f"at {num_rows} x {hidden}"
+        assert_same_floats(rows.grad_expert_out, want.grad_expert_out, f"d expert_out {what}")
+        assert_same_floats(rows.dots, want.dots, f"dots {what}")
+        assert_same_floats(rows.weight_rows, want.weight_rows, f"weight rows {what}")
+        plain = training.combine_backward_rows(g, e, weight, src_rank)  # (no weight rows asked for)
+        assert plain.weight_rows is None
+        assert_same_floats(plain.dots, want.dots, f"dots without weight rows {what}")
+    # A view at an odd offset into its storage (not 16-byte aligned): copied, not faulted on.
+    g, e, weight, src_rank = _rows_case(16, 64, 9, "cuda")
+    flat = torch.zeros(16 * 64 + 1, dtype=torch.bfloat16, device="cuda")
+    flat[1:].copy_(g.flatten())
+    odd = flat[1:].view(16, 64)
+    assert_same_floats(training.combine_backward_rows(odd, e, weight, src_rank).dots,
+                       training.combine_backward_rows_reference(g, e, weight, src_rank).dots, "unaligned g")
