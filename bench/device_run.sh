@@ -520,9 +520,11 @@ dc_graph_rows() {
     --formats "${AB_FORMATS:-nvfp4/s2f6}" --no-reference --no-ceiling
 }
 dc_graph_pattern="nvlink +(dispatch|dispatch_rows|combine) .* graph"
-bench_training_ab() {  # ep_comm.training forward + backward (identity experts, world 1), this tree against ab_base.tar
+bench_training_ab() {  # ep_comm.training forward + backward (identity experts, world 1), this tree against ab_base.tar;
+  # AB_LAYER_EXPERTS (default 0: off) adds the whole layer with ExpertMLP
   ab_trees "bench: training autograd, ${AB_TOKENS:-128,4096} tokens" "^rank 0 tokens" env CUDA_VISIBLE_DEVICES=0 \
-    timeout 150 python3 bench/bench_training.py --nproc 1 --layer-experts 0 --tokens "${AB_TOKENS:-128,4096}"
+    timeout 200 python3 bench/bench_training.py --nproc 1 --layer-experts "${AB_LAYER_EXPERTS:-0}" \
+    --tokens "${AB_TOKENS:-128,4096}"
 }
 bench_dc_ab() { ab_trees "bench: dispatch / combine ${AB_FORMATS:-nvfp4/s2f6}" "$dc_graph_pattern" dc_graph_rows; }
 bench_gemm_ab() {  # the grouped GEMM kernels (ours only) in this tree and in ab_base.tar: GEMM_AB_ROWS (default 128,16)

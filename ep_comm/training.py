@@ -45,6 +45,7 @@ differentiable.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -341,8 +342,11 @@ def join_bf16_parts(parts: torch.Tensor) -> torch.Tensor:
 # combine's backward and then dispatch's backward run on every rank, and each makes all its calls (the routing-weight
 # exchange included, whether or not this rank's weights want a gradient).
 class _DispatchFunction(torch.autograd.Function):
-    """x [T, H] -> (dense rows [R, H], token): Buffer.dispatch; backward: a unit-weight BF16 combine of the rows'
-    gradients on GradBuffers.rows."""
+    """x [T, H] -> (carrier [R, H], token): Buffer.dispatch; backward: a unit-weight BF16 combine of the rows'
+    gradients on GradBuffers.rows. The carrier is a zero tensor of no memory (an expanded 0-dim zero): it only carries
+    the gradient of the dispatched rows back here. _DenseRowsFunction makes the dense rows from it when asked for
+    (RoutedTokens.x); expert code that reads the payload itself (ExpertMLP) takes the carrier, and the dequantize pass
+    over the capacity rows never runs."""
 
     @staticmethod
     def forward(ctx, x, anchor, link: _Link, dtype: torch.dtype, check_inputs):
@@ -352,7 +356,8 @@ class _DispatchFunction(torch.autograd.Function):
         ctx.link = link
         ctx.set_materialize_grads(False)
         token = torch.zeros((), device=x.device)
-        return _dense_rows(result.x, dtype, link.rows_in_use), token
+        carrier = torch.zeros((), dtype=dtype, device=x.device).expand(result.num_rows, link.buffer.config.hidden)
+        return carrier, token
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -365,6 +370,20 @@ class _DispatchFunction(torch.autograd.Function):
         grad_x = link.grads.rows.combine(grad_rows.to(torch.bfloat16).contiguous(), link.unit_weight_handle())
         link.unit_handle = None  # (its arena holds the gradient rows: free it with this backward)
         return grad_x, None, None, None, None
+
+
+class _DenseRowsFunction(torch.autograd.Function):
+    """carrier [R, H] -> the dense rows: the dispatch payload dequantized (in the carrier's dtype), zero on the rows
+    not in use; straight through in backward (the gradient goes to the carrier, and from it to dispatch's backward)."""
+
+    @staticmethod
+    def forward(ctx, carrier, link: _Link):
+        return _dense_rows(link.result.x, carrier.dtype, link.rows_in_use)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_rows):
+        return grad_rows, None
 
 
 class _CombineFunction(torch.autograd.Function):
@@ -418,17 +437,26 @@ class RoutedTokens:
 
     x: dense [R, H] rows in the expert-major layout (dtype as asked, bfloat16 by default): the dequantized dispatch
         payload, zero on padding and on the rows past expert_offsets[-1]; differentiable with respect to the x given
-        to `dispatch` (straight-through the quantizer).
+        to `dispatch` (straight-through the quantizer). Made on first access (one dequantize pass over the R rows,
+        R x H values of memory), with autograd on even under torch.no_grad(), then kept.
     result: the Buffer's DispatchResult (payload in the wire format, counts, offsets, per-row metadata, handle): e.g.
         result.x (NVFP4) for a weight gradient from the saved quantized activations (formats.nvfp4_to_mxfp8_transposed).
     topk_weights: the routing weights given to `dispatch`; `combine` returns their gradient through them.
+    carrier: [R, H] zeros of x's dtype that take no memory (an expanded 0-dim tensor), differentiable like x: for
+        expert code that computes from `result.x` itself (ExpertMLP does) and returns the gradient of the dispatched
+        rows through this instead, so that x is never made.
     """
 
-    x: torch.Tensor
     result: DispatchResult
     topk_weights: torch.Tensor
+    carrier: torch.Tensor = dataclasses.field(repr=False, compare=False)
     link: Any = dataclasses.field(repr=False, compare=False)  # the state the backward passes share (_Link)
     token: Any = dataclasses.field(repr=False, compare=False)  # dispatch's output that combine takes
+
+    @functools.cached_property
+    def x(self) -> torch.Tensor:
+        with torch.enable_grad():  # (a first access under no_grad must not cut the rows off from dispatch's backward)
+            return _DenseRowsFunction.apply(self.carrier, self.link)
 
 
 def dispatch(buffer: Buffer, grads: GradBuffers, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -452,8 +480,8 @@ def dispatch(buffer: Buffer, grads: GradBuffers, x: torch.Tensor, topk_idx: torc
     # (The anchor on the tokens' device, so that backward needs no CPU step. The token is kept by RoutedTokens, not by
     # the link: its grad_fn holds the link, which would make a reference cycle.)
     anchor = torch.zeros((), device=topk_idx.device, requires_grad=True)
-    rows, token = _DispatchFunction.apply(x, anchor, link, dtype, check_inputs)
-    return RoutedTokens(x=rows, result=link.result, topk_weights=topk_weights, link=link, token=token)
+    carrier, token = _DispatchFunction.apply(x, anchor, link, dtype, check_inputs)
+    return RoutedTokens(result=link.result, topk_weights=topk_weights, carrier=carrier, link=link, token=token)
 
 
 def combine(expert_out: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:

@@ -438,8 +438,8 @@ _NO_GRADS = (None,) * 5  # (the Function's inputs after rows, w1, w2: result, se
 
 
 class _ExpertMLPFunction(torch.autograd.Function):
-    """(rows [R, H], w1 [E, 2I, H], w2 [E, H, I]) -> bf16 [R, H]; rows only carries the gradient back to dispatch:
-    the values come from the NVFP4 payload (result.x) it was dequantized from."""
+    """(rows [R, H], w1 [E, 2I, H], w2 [E, H, I]) -> bf16 [R, H]; rows (RoutedTokens.carrier) only carries the
+    gradient back to dispatch: the values come from the NVFP4 payload (result.x)."""
 
     @staticmethod
     def forward(ctx, rows, w1, w2, result, seed: formats.SeedArg, keep_weight_values: bool = False,
@@ -604,8 +604,9 @@ def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: f
     one-element int64 tensor on the weights' device holding its 64 bits (two's complement), read on the device when
     the forward runs -- the form for CUDA graphs: a replay uses the value the tensor holds then, where an int would be
     the capture's for ever. Give each call its own (ExpertMLP hashes its seed with a call counter kept on the device):
-    a repeated seed repeats the rounding noise. The gradient of routed.x is returned to the dispatch (and so reaches
-    x), those of w1 and w2 in their dtypes. See the module docstring for the numerics.
+    a repeated seed repeats the rounding noise. The gradient of the dispatched rows is returned to the dispatch
+    through routed.carrier (and so reaches x; routed.x, the dense rows, is never made here), those of w1 and w2 in
+    their dtypes. See the module docstring for the numerics.
 
     keep_weight_values: keep the forward's BF16 block values of the NVFP4 weights (2 bytes per weight, as autocast keeps
     its BF16 weight copies) until the backward, which then does not decode them again from the NVFP4 weights (0.56
@@ -642,7 +643,8 @@ def _expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: 
     if accumulate_into_main_grad:
         _check_main_grads(w1, w2)
     seed = formats._check_seed_arg(seed, w1.device)
-    return _ExpertMLPFunction.apply(routed.x, w1, w2, routed.result, seed, keep_weight_values,
+    # (routed.carrier, not routed.x: the values come from result.x, so the dense rows are never made)
+    return _ExpertMLPFunction.apply(routed.carrier, w1, w2, routed.result, seed, keep_weight_values,
                                     accumulate_into_main_grad, weight_cache)
 
 

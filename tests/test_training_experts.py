@@ -258,6 +258,50 @@ def test_frozen_inputs_get_no_gradient_and_the_others_the_same_bits():
     assert run_ranks(_frozen_worker, 1, backend="gloo") == ["frozen ok"]
 
 
+def _dense_rows_worker(rank, world):
+    """routed.x is made only when asked for: ExpertMLP's forward and backward never dequantize the dispatched rows into
+    dense ones (it reads the NVFP4 payload; its row gradient goes back through routed.carrier), and x still gets its
+    gradient. Asked for first under torch.no_grad(), routed.x is still differentiable, kept, and gives x the same
+    gradient bits as when asked for with autograd on."""
+    made = []
+    dense_rows = training._dense_rows
+    training._dense_rows = lambda *args: made.append(1) or dense_rows(*args)
+    try:
+        x, idx, weights = _inputs(rank, 4, 40)
+        experts = training.ExpertMLP(4, HIDDEN, INTER, seed=5)
+        with _buffer(1) as buf, training.GradBuffers.create(buf) as grads:
+            x_leaf = x.clone().requires_grad_()
+            routed = training.dispatch(buf, grads, x_leaf, idx, weights)
+            training.combine(experts(routed), routed).float().square().sum().backward()
+            assert not made and x_leaf.grad is not None and x_leaf.grad.float().abs().sum() > 0
+            assert "x" not in vars(routed)  # (cached_property: not made behind the test's back either)
+
+            def x_gradient(first_access_without_grad: bool) -> torch.Tensor:
+                leaf = x.clone().requires_grad_()
+                routed = training.dispatch(buf, grads, leaf, idx, weights)
+                if first_access_without_grad:
+                    with torch.no_grad():
+                        rows = routed.x
+                else:
+                    rows = routed.x
+                assert rows is routed.x and rows.requires_grad and rows.grad_fn is not None
+                training.combine((rows * 3).to(torch.bfloat16), routed).float().square().sum().backward()
+                return leaf.grad
+
+            before = len(made)
+            plain, under_no_grad = x_gradient(False), x_gradient(True)
+            assert len(made) == before + 2  # (one dequantize per dispatch, whatever the number of accesses)
+            assert plain.float().abs().sum() > 0 and torch.equal(plain, under_no_grad)
+    finally:
+        training._dense_rows = dense_rows
+    return "dense rows ok"
+
+
+@pytest.mark.cpu
+def test_dense_rows_are_made_only_when_asked_for():
+    assert run_ranks(_dense_rows_worker, 1, backend="gloo") == ["dense rows ok"]
+
+
 def training_worker(rank, world, steps=12, backend="reference", device_kind="cpu"):
     """dispatch -> ExpertMLP -> combine with a router, a few SGD steps on a teacher's outputs: the loss falls."""
     device = torch.device("cuda", torch.cuda.current_device()) if device_kind != "cpu" else torch.device("cpu")
@@ -509,13 +553,14 @@ def _seed_worker(rank, world, backend="reference", device_kind="cpu"):
     x, idx, weights = (t.to(device) for t in _inputs(rank, 4, 40))
     with _buffer(1, backend) as buf, training.GradBuffers.create(buf) as grads:
         routed = training.dispatch(buf, grads, x, idx, weights)
-        routed = dataclasses.replace(routed, x=routed.x.detach().requires_grad_())  # (the experts' part alone)
+        # (the experts' part alone)
+        routed = dataclasses.replace(routed, carrier=routed.carrier.detach().requires_grad_())
         g = torch.randn(routed.result.num_rows, HIDDEN, generator=torch.Generator().manual_seed(4))
         g = g.to(torch.bfloat16).to(device)
 
         def step(mlp, seed=None):
             out = mlp(routed) if seed is None else training.expert_mlp(routed, mlp.w1, mlp.w2, seed)
-            return (out.detach(), *torch.autograd.grad(out, (routed.x, mlp.w1, mlp.w2), g))
+            return (out.detach(), *torch.autograd.grad(out, (routed.carrier, mlp.w1, mlp.w2), g))
 
         def same(a, b):
             return all(torch.equal(p, q) for p, q in zip(a, b))
@@ -564,13 +609,13 @@ def _microbatch_worker(rank, world, backend="reference", device_kind="cpu"):
     try:
         with _buffer(1, backend) as buf, training.GradBuffers.create(buf) as grads:
             routed = training.dispatch(buf, grads, x, idx, weights)
-            routed = dataclasses.replace(routed, x=routed.x.detach().requires_grad_())
+            routed = dataclasses.replace(routed, carrier=routed.carrier.detach().requires_grad_())
             g = torch.randn(routed.result.num_rows, HIDDEN, generator=torch.Generator().manual_seed(6))
             g = g.to(torch.bfloat16).to(device)
 
             def step(mlp, first):
                 out = mlp(routed, is_first_microbatch=first)
-                return (out.detach(), *torch.autograd.grad(out, (routed.x, mlp.w1, mlp.w2), g))
+                return (out.detach(), *torch.autograd.grad(out, (routed.carrier, mlp.w1, mlp.w2), g))
 
             for keep in (False, True):
                 mlp = training.ExpertMLP(4, HIDDEN, INTER, device=device, seed=3, keep_weight_values=keep)
@@ -651,14 +696,14 @@ def _graph_worker(rank, world, backend):
     x, idx, weights = (t.to(device) for t in _inputs(rank, 4, 40))
     with _buffer(1, backend) as buf, training.GradBuffers.create(buf) as grads:
         routed = training.dispatch(buf, grads, x, idx, weights)
-        routed = dataclasses.replace(routed, x=routed.x.detach().requires_grad_())
+        routed = dataclasses.replace(routed, carrier=routed.carrier.detach().requires_grad_())
         g = torch.zeros(routed.result.num_rows, HIDDEN, dtype=torch.bfloat16, device=device)
         graphed = training.ExpertMLP(4, HIDDEN, INTER, device=device, seed=9)
         eager = training.ExpertMLP(4, HIDDEN, INTER, device=device, seed=9)
 
         def step(mlp):
             out = mlp(routed)
-            return (out, *torch.autograd.grad(out, (routed.x, mlp.w1, mlp.w2), g))
+            return (out, *torch.autograd.grad(out, (routed.carrier, mlp.w1, mlp.w2), g))
 
         side = torch.cuda.Stream()  # (torch's capture recipe: warm up on a side stream first)
         side.wait_stream(torch.cuda.current_stream())
