@@ -196,8 +196,9 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--batches", type=int, default=5)
     parser.add_argument("--out", default=None, help="JSON file for the figures")
-    parser.add_argument("--profile", action="store_true", help="cProfile 20 forward + backward calls at the "
-                        "smallest token count (host time) and torch.profiler 3 at the largest (CUDA kernels), rank 0")
+    parser.add_argument("--profile", action="store_true", help="cProfile and torch.profiler (CPU ops) 20 forward + "
+                        "backward calls each at the smallest token count (host time), torch.profiler 3 at the largest "
+                        "(CUDA kernels), rank 0")
     args = parser.parse_args(argv)
     args.tokens = parse_token_counts(parser, args.tokens)
     if not torch.cuda.is_available():
