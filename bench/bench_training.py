@@ -25,12 +25,12 @@ graph replays included).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile as torch_profile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -40,7 +40,7 @@ import ep_comm  # noqa: E402
 from bench_formats import time_ms  # noqa: E402  same directory: one timing method for the benchmarks
 from bench_training_experts import captured  # noqa: E402  (and one capture recipe)
 from ep_comm import training  # noqa: E402
-from ep_comm.bench import parse_token_counts, run_metadata, strict_json  # noqa: E402
+from ep_comm.bench import parse_token_counts, write_report  # noqa: E402
 from ep_comm.launch import run_ranks  # noqa: E402
 from ep_comm.types import COMBINE_FORMATS, DISPATCH_FORMATS  # noqa: E402
 
@@ -156,7 +156,6 @@ def _worker(rank, world, args):
                 row["profile_top"] = text.getvalue()
                 print(text.getvalue())
                 # The torch ops' own host time (both threads), per op name.
-                from torch.profiler import ProfilerActivity, profile as torch_profile
                 with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
                     for _ in range(20):
                         forward_backward()
@@ -167,7 +166,6 @@ def _worker(rank, world, args):
                 print(table)
             if args.profile and tokens == max(args.tokens) and rank == 0:
                 # Where the device time of forward + backward goes: CUDA kernels by total time.
-                from torch.profiler import ProfilerActivity, profile as torch_profile
                 forward_backward()
                 torch.cuda.synchronize()
                 with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -205,8 +203,6 @@ def main(argv=None):
         parser.error("needs CUDA GPUs (the nvlink backend)")
     world = max(1, min(args.nproc, torch.cuda.device_count()))
     per_rank = run_ranks(_worker, world, args, backend="nccl", timeout_s=900)
-    report = {"meta": run_metadata(), "world": world, "args": {k: v for k, v in vars(args).items() if k != "out"},
-              "ranks": per_rank}
     for rank, rows in enumerate(per_rank):
         for row in rows:
             print(f"rank {rank} tokens {row['tokens']:5d}: Buffer dispatch + combine "
@@ -223,8 +219,7 @@ def main(argv=None):
                       f"{row['layer_eager_ms']:.3f} ms (host {row['layer_eager_host_ms']:.3f}), graph "
                       f"{row['layer_graph_ms']:.3f} ms (host {row['layer_graph_host_ms']:.3f})")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(strict_json(report), f, indent=1)
+        write_report(args.out, args, world=world, ranks=per_rank)
 
 
 if __name__ == "__main__":

@@ -155,8 +155,6 @@ class _Link:
         self.unit_weights = torch.ones(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
         self.topk_weights = topk_weights
         self.result: Optional[DispatchResult] = None
-        # bool [R]: a token's row (not padding, not past the rows in use)
-        self.rows_in_use: Optional[torch.Tensor] = None
         self.unit_handle = None
 
     def dispatch_gradient(self, grad_y: torch.Tensor) -> torch.Tensor:
@@ -352,7 +350,6 @@ class _DispatchFunction(torch.autograd.Function):
     def forward(ctx, x, anchor, link: _Link, dtype: torch.dtype, check_inputs):
         result = link.buffer.dispatch(x.detach(), link.topk_idx, link.topk_weights.detach(), check_inputs=check_inputs)
         link.result = result
-        link.rows_in_use = result.src_rank >= 0
         ctx.link = link
         ctx.set_materialize_grads(False)
         token = torch.zeros((), device=x.device)
@@ -378,7 +375,7 @@ class _DenseRowsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, carrier, link: _Link):
-        return _dense_rows(link.result.x, carrier.dtype, link.rows_in_use)
+        return _dense_rows(link.result.x, carrier.dtype, link.result.src_rank >= 0)  # (src_rank -1: not in use)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
