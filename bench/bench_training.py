@@ -18,6 +18,15 @@ With --layer-experts E (default 32; 0: off), at each token count, a whole traini
 intermediate size --layer-intermediate), training.combine and backward, gradients set to None before each step:
   layer_eager  : the step as eager autograd;
   layer_graph  : the step captured once in a CUDA graph and replayed.
+With --shared-intermediate I_s (default 2048; 0: off), at each token count, a layer with a shared expert (a BF16
+SwiGLU MLP of intermediate I_s on the rank's own tokens, torch matmuls) beside the identity experts:
+training.dispatch, the shared expert, the dense rows, training.combine, their sum (and backward):
+  shared_alone            : the shared expert's forward alone, the most that overlapping can hide;
+  shared_forward_serial   : the layer's forward, every call on the current stream;
+  shared_forward_overlap  : the same with dispatch and combine on a comm_stream: the shared expert, enqueued after
+                            the dispatch, runs beside it;
+  shared_step_serial / shared_step_overlap : forward + backward (the backward is the same in both);
+  shared_step_serial_graph / shared_step_overlap_graph : forward + backward captured in a CUDA graph and replayed.
 Every row also has its host milliseconds per call (_host_ms: no synchronization inside the loop; close to the device
 figure means host-bound). Timing only; nothing here is asserted (tests/test_training.py checks the gradients, the
 graph replays included).
@@ -88,6 +97,47 @@ def _time_layer(row: dict, x: torch.Tensor, args) -> None:
                         "rows_in_use": int(buf.dispatch(x, topk_idx, weights).expert_offsets[-1])}
 
 
+def _time_shared(row: dict, buf, grads, x_leaf, topk_idx, w_leaf, args) -> None:
+    """The shared-expert layer with and without a comm_stream (row["shared_*"]; see the module docstring)."""
+    device = x_leaf.device
+    hidden, inter = args.hidden, args.shared_intermediate
+    gen = torch.Generator().manual_seed(5)
+    w1 = (torch.randn(2 * inter, hidden, generator=gen) / hidden ** 0.5).to(torch.bfloat16).to(device)
+    w2 = (torch.randn(hidden, inter, generator=gen) / inter ** 0.5).to(torch.bfloat16).to(device)
+    w1.requires_grad_()
+    w2.requires_grad_()
+    comm = torch.cuda.Stream(device)
+    grad_y = torch.ones(x_leaf.shape, dtype=torch.bfloat16, device=device)
+
+    def shared_expert():
+        gate, up = (x_leaf @ w1.t()).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up) @ w2.t()
+
+    def forward(overlap: bool):
+        stream = comm if overlap else None
+        routed = training.dispatch(buf, grads, x_leaf, topk_idx, w_leaf, check_inputs=False, comm_stream=stream)
+        shared = shared_expert()  # (enqueued after the dispatch: beside it when the dispatch is on the comm_stream)
+        done = torch.cuda.Event() if overlap else None
+        y = training.combine(routed.x, routed, comm_stream=stream, done_event=done)
+        if done is not None:
+            torch.cuda.current_stream().wait_event(done)
+        return y + shared
+
+    def step(overlap: bool):
+        for leaf in (x_leaf, w_leaf, w1, w2):
+            leaf.grad = None
+        forward(overlap).backward(grad_y)
+
+    with torch.no_grad():
+        _time_into(row, "shared_alone", shared_expert, args)
+    for mode in ("serial", "overlap"):
+        overlap = mode == "overlap"
+        _time_into(row, f"shared_forward_{mode}", lambda: forward(overlap), args)
+        _time_into(row, f"shared_step_{mode}", lambda: step(overlap), args)
+        _time_into(row, f"shared_step_{mode}_graph", captured(lambda: step(overlap), (x_leaf, w_leaf, w1, w2)), args)
+    row["shared"] = {"intermediate": inter}
+
+
 def _worker(rank, world, args):
     device = torch.device("cuda", torch.cuda.current_device())
     figures = []
@@ -134,6 +184,8 @@ def _worker(rank, world, args):
                              ("forward_training", forward_training), ("forward_backward", forward_backward)):
                 _time_into(row, name, fn, args)
             _time_into(row, "forward_backward_graph", captured(forward_backward, (x_leaf, w_leaf)), args)
+            if args.shared_intermediate:
+                _time_shared(row, buf, grads, x_leaf, topk_idx, w_leaf, args)
             if args.layer_experts:
                 _time_layer(row, x, args)
             if args.profile and tokens == min(args.tokens) and rank == 0:
@@ -190,6 +242,8 @@ def main(argv=None):
     parser.add_argument("--grad-format", default="bf16", choices=training.GRAD_FORMATS)
     parser.add_argument("--layer-experts", type=int, default=32, help="experts of the whole-layer rows (0: none)")
     parser.add_argument("--layer-intermediate", type=int, default=2048, help="ExpertMLP intermediate size there")
+    parser.add_argument("--shared-intermediate", type=int, default=2048,
+                        help="intermediate size of the shared expert of the comm_stream rows (0: none)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks, one per GPU (at most the visible GPUs)")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--batches", type=int, default=5)
@@ -214,6 +268,14 @@ def main(argv=None):
                   f"{1e3 * row['buffer_calls_ms']:.1f} us (host {1e3 * row['buffer_calls_host_ms']:.1f}); "
                   f"forward + backward as a graph {1e3 * row['forward_backward_graph_ms']:.1f} us (host "
                   f"{1e3 * row['forward_backward_graph_host_ms']:.1f})")
+            if "shared_alone_ms" in row:
+                print(f"rank {rank} tokens {row['tokens']:5d}: with a shared expert (alone "
+                      f"{1e3 * row['shared_alone_ms']:.1f} us): forward serial / comm_stream "
+                      f"{1e3 * row['shared_forward_serial_ms']:.1f} / {1e3 * row['shared_forward_overlap_ms']:.1f} us, "
+                      f"forward + backward {1e3 * row['shared_step_serial_ms']:.1f} / "
+                      f"{1e3 * row['shared_step_overlap_ms']:.1f} us, as a graph "
+                      f"{1e3 * row['shared_step_serial_graph_ms']:.1f} / {1e3 * row['shared_step_overlap_graph_ms']:.1f}"
+                      f" us")
             if "layer_eager_ms" in row:
                 print(f"rank {rank} tokens {row['tokens']:5d}: whole layer with ExpertMLP ({row['layer']}) eager "
                       f"{row['layer_eager_ms']:.3f} ms (host {row['layer_eager_host_ms']:.3f}), graph "

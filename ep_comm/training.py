@@ -30,8 +30,13 @@ Rows that are alignment padding or past the rows in use are zero in `routed.x` a
 that run on whole segments (or on all R rows) see no garbage in either direction.
 
 Cost: backward moves g at BF16 (or MXFP8) width out and the input gradient at BF16 width back, plus a small dispatch
-and combine of 32 * ceil(3K / 32) BF16 columns for the routing weights; none of it is fused into a GEMM, and there is
-no comm_stream support here. CUDA graphs (nvlink backend): forward and backward make no host synchronization, so a
+and combine of 32 * ceil(3K / 32) BF16 columns for the routing weights; none of it is fused into a GEMM.
+
+Streams: `dispatch` and `combine` take a comm_stream, as the Buffer's calls do, so that the forward's communication
+overlaps work the caller enqueues meanwhile (a shared expert, say). The dispatch's results are waited for where they
+are read (RoutedTokens.result, .x, ExpertMLP); the combine's output must be waited for by the caller (done_event). The
+backward passes run on the stream autograd gives them: the one that was current when `dispatch` / `combine` were
+called. CUDA graphs (nvlink backend): forward and backward make no host synchronization, so a
 whole step (dispatch, experts, combine, loss.backward()) can be captured in one graph and replayed, torch's recipe
 (warm-up steps on a side stream, the leaves' .grad set to None before the capture; tests/test_training.py
 graph_worker). The reference backend refuses capture. The backward calls are collective like the forward's:
@@ -347,8 +352,9 @@ class _DispatchFunction(torch.autograd.Function):
     over the capacity rows never runs."""
 
     @staticmethod
-    def forward(ctx, x, anchor, link: _Link, dtype: torch.dtype, check_inputs):
-        result = link.buffer.dispatch(x.detach(), link.topk_idx, link.topk_weights.detach(), check_inputs=check_inputs)
+    def forward(ctx, x, anchor, link: _Link, dtype: torch.dtype, check_inputs, comm_stream, done_event):
+        result = link.buffer.dispatch(x.detach(), link.topk_idx, link.topk_weights.detach(), check_inputs=check_inputs,
+                                      comm_stream=comm_stream, done_event=done_event)
         link.result = result
         ctx.link = link
         ctx.set_materialize_grads(False)
@@ -366,7 +372,7 @@ class _DispatchFunction(torch.autograd.Function):
         # (No mask: the combine reads the rows in use only, not padding or capacity rows.)
         grad_x = link.grads.rows.combine(grad_rows.to(torch.bfloat16).contiguous(), link.unit_weight_handle())
         link.unit_handle = None  # (its arena holds the gradient rows: free it with this backward)
-        return grad_x, None, None, None, None
+        return grad_x, None, None, None, None, None, None
 
 
 class _DenseRowsFunction(torch.autograd.Function):
@@ -388,10 +394,11 @@ class _CombineFunction(torch.autograd.Function):
     dispatched on GradBuffers.rows, the routing-weight gradients through GradBuffers.weights."""
 
     @staticmethod
-    def forward(ctx, expert_out, topk_weights, token, link: _Link):
+    def forward(ctx, expert_out, topk_weights, token, link: _Link, comm_stream, done_event):
         # (topk_weights is an input only so that autograd delivers its gradient here: the combine applies the
         # handle's copy of the weights the dispatch was given, which `combine` passes as this very tensor.)
-        y = link.buffer.combine(expert_out.detach(), link.result.handle)
+        y = link.buffer.combine(expert_out.detach(), link.result.handle, comm_stream=comm_stream,
+                                done_event=done_event)
         ctx.save_for_backward(expert_out.detach())
         ctx.link = link
         return y
@@ -410,7 +417,7 @@ class _CombineFunction(torch.autograd.Function):
         grad_weights = _routing_weight_gradient(link, rows.weight_rows)  # (collective: on every rank)
         token_grad = torch.zeros((), device=grad_y.device)
         return (rows.grad_expert_out if ctx.needs_input_grad[0] else None,
-                grad_weights if ctx.needs_input_grad[1] else None, token_grad, None)
+                grad_weights if ctx.needs_input_grad[1] else None, token_grad, None, None, None)
 
 
 def _routing_weight_gradient(link: _Link, weight_rows: torch.Tensor) -> torch.Tensor:
@@ -432,36 +439,60 @@ def _routing_weight_gradient(link: _Link, weight_rows: torch.Tensor) -> torch.Te
 class RoutedTokens:
     """What `dispatch` returns.
 
+    result: the Buffer's DispatchResult (payload in the wire format, counts, offsets, per-row metadata, handle): e.g.
+        result.x (NVFP4) for a weight gradient from the saved quantized activations (formats.nvfp4_to_mxfp8_transposed).
+        After a dispatch on a comm_stream, reading `result` makes the current stream wait for the dispatch (`wait`).
     x: dense [R, H] rows in the expert-major layout (dtype as asked, bfloat16 by default): the dequantized dispatch
         payload, zero on padding and on the rows past expert_offsets[-1]; differentiable with respect to the x given
         to `dispatch` (straight-through the quantizer). Made on first access (one dequantize pass over the R rows,
-        R x H values of memory), with autograd on even under torch.no_grad(), then kept.
-    result: the Buffer's DispatchResult (payload in the wire format, counts, offsets, per-row metadata, handle): e.g.
-        result.x (NVFP4) for a weight gradient from the saved quantized activations (formats.nvfp4_to_mxfp8_transposed).
+        R x H values of memory), with autograd on even under torch.no_grad(), then kept. Waits for the dispatch as
+        `result` does.
     topk_weights: the routing weights given to `dispatch`; `combine` returns their gradient through them.
     carrier: [R, H] zeros of x's dtype that take no memory (an expanded 0-dim tensor), differentiable like x: for
         expert code that computes from `result.x` itself (ExpertMLP does) and returns the gradient of the dispatched
-        rows through this instead, so that x is never made.
+        rows through this instead, so that x is never made. (No data: reading it needs no wait.)
+    done_event: the torch.cuda.Event recorded on the comm_stream after the dispatch, or None (no comm_stream).
     """
 
-    result: DispatchResult
+    _dispatched: DispatchResult = dataclasses.field(repr=False)  # (read through `result`, which waits for it)
     topk_weights: torch.Tensor
     carrier: torch.Tensor = dataclasses.field(repr=False, compare=False)
     link: Any = dataclasses.field(repr=False, compare=False)  # the state the backward passes share (_Link)
     token: Any = dataclasses.field(repr=False, compare=False)  # dispatch's output that combine takes
+    done_event: Optional[Any] = dataclasses.field(default=None, repr=False, compare=False)
+
+    def wait(self) -> None:
+        """Make the current stream (of the tokens' device) wait for the dispatch: a no-op unless it ran on a
+        comm_stream. Work enqueued on the current stream before this overlaps the dispatch; work after it sees its
+        results. No host synchronization (capturable)."""
+        if self.done_event is not None:
+            torch.cuda.current_stream(self.carrier.device).wait_event(self.done_event)
+
+    @property
+    def result(self) -> DispatchResult:
+        self.wait()
+        return self._dispatched
 
     @functools.cached_property
     def x(self) -> torch.Tensor:
+        self.wait()
         with torch.enable_grad():  # (a first access under no_grad must not cut the rows off from dispatch's backward)
             return _DenseRowsFunction.apply(self.carrier, self.link)
 
 
 def dispatch(buffer: Buffer, grads: GradBuffers, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-             *, dtype: torch.dtype = torch.bfloat16, check_inputs: Optional[bool] = None) -> RoutedTokens:
+             *, dtype: torch.dtype = torch.bfloat16, check_inputs: Optional[bool] = None,
+             comm_stream: Optional[torch.cuda.Stream] = None) -> RoutedTokens:
     """`Buffer.dispatch` with autograd: x bfloat16 [T, H] (may require grad), topk_idx int [T, K] (-1 masked),
     topk_weights float32 [T, K] (may require grad; its gradient comes from `combine`'s backward). dtype: the dense rows'
     dtype (bfloat16, float16 or float32). check_inputs: as Buffer.dispatch. Collective, like Buffer.dispatch; so is its
-    backward (a BF16 combine on grads.rows)."""
+    backward (a BF16 combine on grads.rows).
+
+    comm_stream: run the dispatch on this CUDA stream (as Buffer.dispatch does: after the work enqueued so far on the
+    current stream), so that what the caller enqueues next on the current stream overlaps it. The returned
+    RoutedTokens waits for it where its results are read (`result`, `x`; ExpertMLP and `combine` read them), so code
+    on the current stream never sees them early; `routed.wait()` does it explicitly and `routed.done_event` is the
+    event. The backward pass runs on the current stream of this call, not on comm_stream."""
     if not isinstance(buffer, Buffer):
         raise TypeError(f"buffer must be an ep_comm.Buffer, got {type(buffer).__name__}")
     if not isinstance(grads, GradBuffers):
@@ -477,21 +508,31 @@ def dispatch(buffer: Buffer, grads: GradBuffers, x: torch.Tensor, topk_idx: torc
     # (The anchor on the tokens' device, so that backward needs no CPU step. The token is kept by RoutedTokens, not by
     # the link: its grad_fn holds the link, which would make a reference cycle.)
     anchor = torch.zeros((), device=topk_idx.device, requires_grad=True)
-    carrier, token = _DispatchFunction.apply(x, anchor, link, dtype, check_inputs)
-    return RoutedTokens(result=link.result, topk_weights=topk_weights, carrier=carrier, link=link, token=token)
+    # (A wrong comm_stream is refused by Buffer.dispatch, on every rank alike, before its collective; the event is
+    # made only for a real stream.)
+    done_event = torch.cuda.Event() if isinstance(comm_stream, torch.cuda.Stream) else None
+    carrier, token = _DispatchFunction.apply(x, anchor, link, dtype, check_inputs, comm_stream, done_event)
+    return RoutedTokens(_dispatched=link.result, topk_weights=topk_weights, carrier=carrier, link=link, token=token,
+                        done_event=done_event)
 
 
-def combine(expert_out: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
+def combine(expert_out: torch.Tensor, routed: RoutedTokens, *, comm_stream: Optional[torch.cuda.Stream] = None,
+            done_event: Optional[torch.cuda.Event] = None) -> torch.Tensor:
     """`Buffer.combine` with autograd: expert_out [R, H] (bfloat16; row i the expert output for routed.x[i]) ->
     bfloat16 [T, H], the routing-weighted sum (the weights given to `dispatch`). Gradients flow to expert_out and to
     routed.topk_weights. Collective, like Buffer.combine; so is its backward (a dispatch on grads.rows and a small
-    dispatch + combine on grads.weights)."""
+    dispatch + combine on grads.weights).
+
+    comm_stream, done_event: as for Buffer.combine: the combine runs on comm_stream after the work enqueued so far on
+    the current stream, and done_event is recorded after it. The output is then not ready on the current stream: wait
+    for it there (`torch.cuda.current_stream().wait_event(done_event)`) before anything reads it, the loss included.
+    The backward pass runs on the current stream of this call."""
     if not isinstance(routed, RoutedTokens):
         raise TypeError(f"routed must be what ep_comm.training.dispatch returned, got {type(routed).__name__}")
     if not isinstance(expert_out, torch.Tensor):
         raise TypeError(f"expert_out must be a torch.Tensor, got {type(expert_out).__name__}")
     link = routed.link
-    return _CombineFunction.apply(expert_out, routed.topk_weights, routed.token, link)
+    return _CombineFunction.apply(expert_out, routed.topk_weights, routed.token, link, comm_stream, done_event)
 
 
 # The trainable experts (ep_comm/training_experts.py), here with the rest of the training API. (Imported last: that

@@ -279,13 +279,17 @@ def _new_inputs(num_tokens: int, num_experts: int, seed: int, device):
     return [t.to(device) for t in (x, idx, weights, grad_y, W)]
 
 
-def graph_worker(rank, world, backend="nvlink", formats_list=(("nvfp4", "s2f6", "bf16"),), experts=None, trials=3):
+def graph_worker(rank, world, backend="nvlink", formats_list=(("nvfp4", "s2f6", "bf16"),), experts=None, trials=3,
+                 comm_stream=False):
     """A whole training step -- training.dispatch, experts, training.combine, loss.backward() -- captured in one CUDA
     graph (nvlink backend): the first replay, on _inputs, matches FP32 torch autograd as training_worker's eager step
     does; then three replays, each after new tokens, routing, routing weights, output gradient and expert weights were
     written into the captured tensors, are bitwise equal to the same step run eagerly on the same Buffers (and two
-    eager steps to each other). experts: the expert function (default _experts_on_device); trials: the replays."""
+    eager steps to each other). experts: the expert function (default _experts_on_device); trials: the replays.
+    comm_stream: the captured step runs the forward's dispatch and combine on a comm_stream (the eager steps it is
+    compared with do not)."""
     experts = _experts_on_device if experts is None else experts
+    side = torch.cuda.Stream() if comm_stream else None
     device = torch.device("cuda", torch.cuda.current_device())
     num_experts = 4 * world
     checked = []
@@ -296,9 +300,12 @@ def graph_worker(rank, world, backend="nvlink", formats_list=(("nvfp4", "s2f6", 
         mine = slice(rank * W_local.shape[0], (rank + 1) * W_local.shape[0])
         with _case_buffers(num_experts, case, backend) as (buf, grads):
 
-            def step(x_in, idx_in, w_in, W_in, g_in):
-                routed = training.dispatch(buf, grads, x_in, idx_in, w_in)
-                y = training.combine(experts(routed, W_in), routed)
+            def step(x_in, idx_in, w_in, W_in, g_in, comm=None):
+                routed = training.dispatch(buf, grads, x_in, idx_in, w_in, comm_stream=comm)
+                done = torch.cuda.Event() if comm is not None else None
+                y = training.combine(experts(routed, W_in), routed, comm_stream=comm, done_event=done)
+                if done is not None:  # (this also joins the comm_stream back into a capture)
+                    torch.cuda.current_stream().wait_event(done)
                 (y.float() * g_in.float()).sum().backward()
                 return y
 
@@ -306,13 +313,13 @@ def graph_worker(rank, world, backend="nvlink", formats_list=(("nvfp4", "s2f6", 
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up outside the graph (allocator, autograd's accumulators)
-                    step(x_leaf, static_idx, w_leaf, W_local, static_grad_y)
+                    step(x_leaf, static_idx, w_leaf, W_local, static_grad_y, side)
             torch.cuda.current_stream().wait_stream(stream)
             for leaf in (x_leaf, w_leaf, W_local):
                 leaf.grad = None  # (the graph's backward then assigns, not accumulates, the gradients)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
-                static_y = step(x_leaf, static_idx, w_leaf, W_local, static_grad_y)
+                static_y = step(x_leaf, static_idx, w_leaf, W_local, static_grad_y, side)
             graph.replay()
             torch.cuda.synchronize()
             _assert_matches_reference(case, rank, want, static_y, x_leaf, w_leaf, W_local, "graph ")
@@ -340,6 +347,59 @@ def graph_worker(rank, world, backend="nvlink", formats_list=(("nvfp4", "s2f6", 
                     assert_same_floats(g_t, e_t, f"{case} trial {trial}: {name}, the graph replay vs the eager step")
                     assert g_t.numel() == 0 or not torch.equal(g_t, old), (case, trial, "replay kept the old", name)
             del graph
+        checked.append(case)
+    return checked
+
+
+def comm_stream_worker(rank, world, backend="nvlink", formats_list=(("nvfp4", "s2f6", "bf16"),)):
+    """training.dispatch / combine on a comm_stream give the bits of the same step without one (y and every gradient),
+    while the streams are made to race: the current stream is held up (a sleep kernel) before it writes the tokens and
+    routing weights that the dispatch reads, and the comm_stream before the dispatch and the combine, so a call that
+    did not wait for the current stream would read stale tokens, and code that read the dispatch's results (or the
+    combine's output) before they were ready would read stale rows. A matmul on the current stream between the
+    dispatch and the experts stands for the work the comm_stream lets overlap."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    num_experts = 4 * world
+    side = torch.cuda.Stream()
+    checked = []
+    for case in formats_list:
+        x_leaf, w_leaf, W_local, idx, grad_y = _case_leaves(rank, world, device)
+        with _case_buffers(num_experts, case, backend) as (buf, grads):
+
+            def step(comm_stream):
+                x_in, w_in, W_in = (t.detach().clone().requires_grad_() for t in (x_leaf, w_leaf, W_local))
+                with torch.no_grad():  # stale values that a dispatch running early would read
+                    x_in.fill_(float("nan"))
+                    w_in.fill_(-1.0)
+                torch.cuda._sleep(20_000_000)
+                with torch.no_grad():
+                    x_in.copy_(x_leaf)
+                    w_in.copy_(w_leaf)
+                if comm_stream is not None:
+                    with torch.cuda.stream(comm_stream):
+                        torch.cuda._sleep(20_000_000)  # (the dispatch, enqueued after this, ends late)
+                routed = training.dispatch(buf, grads, x_in, idx, w_in, comm_stream=comm_stream)
+                assert (routed.done_event is not None) == (comm_stream is not None)
+                overlapped = torch.randn(512, 512, device=device) @ torch.randn(512, 512, device=device)
+                expert_out = _experts_on_device(routed, W_in)
+                done = torch.cuda.Event() if comm_stream is not None else None
+                if comm_stream is not None:
+                    with torch.cuda.stream(comm_stream):
+                        torch.cuda._sleep(20_000_000)
+                y = training.combine(expert_out, routed, comm_stream=comm_stream, done_event=done)
+                if done is not None:
+                    torch.cuda.current_stream().wait_event(done)
+                (y.float() * grad_y.float()).sum().backward()
+                assert overlapped.isfinite().all()
+                return [t.detach().clone() for t in (y, x_in.grad, w_in.grad, W_in.grad)]
+
+            want = step(None)
+            got = step(side)
+            again = step(None)
+            torch.cuda.synchronize()
+            for name, g_t, w_t, a_t in zip(("y", "d x", "d topk_weights", "d W"), got, want, again):
+                assert_same_floats(a_t, w_t, f"{case}: {name}, two steps without comm_stream")
+                assert_same_floats(g_t, w_t, f"{case}: {name}, with comm_stream vs without")
         checked.append(case)
     return checked
 
@@ -380,6 +440,17 @@ def errors_worker(rank, world):
             training.dispatch(buf, buf, x, idx, weights)
         with pytest.raises(TypeError, match="what ep_comm.training.dispatch returned"):
             training.combine(torch.zeros(1, HIDDEN, dtype=torch.bfloat16), buf.dispatch(x, idx, weights))
+        # A comm_stream that is not a CUDA stream is refused (by the Buffer's own check, before its collective), for
+        # the dispatch and the combine; CPU ranks have no streams at all.
+        with pytest.raises(TypeError, match="comm_stream must be a torch.cuda.Stream"):
+            training.dispatch(buf, grads, x, idx, weights, comm_stream="side")
+        routed = training.dispatch(buf, grads, x, idx, weights)
+        assert routed.done_event is None and routed.result is routed.link.result  # (no stream: nothing to wait for)
+        with pytest.raises(TypeError, match="comm_stream must be a torch.cuda.Stream"):
+            training.combine(routed.x, routed, comm_stream="side")
+        with pytest.raises(TypeError, match="done_event must be a torch.cuda.Event"):
+            training.combine(routed.x, routed, done_event="done")
+        assert training.combine(routed.x, routed).shape == x.shape  # (the refusals left the ranks in step)
         # The plain calls still refuse tensors that require grad, and name this module.
         with pytest.raises(RuntimeError, match="ep_comm.training"):
             buf.dispatch(x.clone().requires_grad_(), idx, weights)
@@ -481,6 +552,23 @@ def test_nvlink_one_rank_gradients_match_torch_autograd():
 def test_nvlink_one_rank_training_step_in_a_cuda_graph():
     assert run_ranks(graph_worker, 1, "nvlink", _ALL_FORMATS, backend="nccl") == [list(_ALL_FORMATS)]
     assert run_ranks(reference_capture_worker, 1, backend="nccl") == ["reference refuses capture"]
+
+
+@pytest.mark.gpu
+def test_nvlink_one_rank_comm_stream_gives_the_same_step():
+    assert run_ranks(comm_stream_worker, 1, "nvlink", _ALL_FORMATS, backend="nccl") == [list(_ALL_FORMATS)]
+    assert run_ranks(comm_stream_worker, 1, "reference", _ALL_FORMATS[:1], backend="nccl") == [list(_ALL_FORMATS[:1])]
+    assert run_ranks(graph_worker, 1, "nvlink", _ALL_FORMATS[:1], None, 3, True, backend="nccl") == \
+        [list(_ALL_FORMATS[:1])]
+
+
+@pytest.mark.multigpu
+def test_nvlink_comm_stream_gives_the_same_step():
+    world = multigpu_world()
+    assert run_ranks(comm_stream_worker, world, "nvlink", _ALL_FORMATS, backend=multigpu_backend()) == \
+        [list(_ALL_FORMATS)] * world
+    assert run_ranks(graph_worker, world, "nvlink", _ALL_FORMATS[:1], None, 3, True, backend=multigpu_backend()) == \
+        [list(_ALL_FORMATS[:1])] * world
 
 
 @pytest.mark.multigpu

@@ -735,11 +735,13 @@ def _graph_worker(rank, world, backend):
     return "graph ok"
 
 
-def _layer_graph_worker(rank, world, backend):
+def _layer_graph_worker(rank, world, backend, comm_stream=False):
     """A whole training layer in one CUDA graph: training.dispatch, ExpertMLP, training.combine and backward. Each
     replay, after new tokens, routing, routing weights, output gradient and weights were written into the captured
     tensors, gives the bits of the same step run eagerly with a twin ExpertMLP at the same call count, on the same
-    Buffers: the output and the gradients of x, the routing weights, w1 and w2."""
+    Buffers: the output and the gradients of x, the routing weights, w1 and w2. comm_stream: the captured step runs
+    the forward's dispatch and combine on a comm_stream held up by a sleep kernel before each (ExpertMLP must wait for
+    the dispatch, the caller for the combine); the eager twin runs without one."""
     device = torch.device("cuda", torch.cuda.current_device())
     num_experts = 4 * world
     x, idx, weights = (t.to(device) for t in _inputs(rank, num_experts, 40))
@@ -750,9 +752,20 @@ def _layer_graph_worker(rank, world, backend):
         static_idx = idx.clone()
         grad_y = torch.zeros(x.shape[0], HIDDEN, dtype=torch.bfloat16, device=device)
 
-        def step(mlp, x_in, idx_in, w_in):
-            routed = training.dispatch(buf, grads, x_in, idx_in, w_in)
-            y = training.combine(mlp(routed), routed)
+        comm = torch.cuda.Stream() if comm_stream else None
+
+        def held_up():  # the comm_stream, joined to the current stream (so into a capture) and then delayed
+            comm.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(comm):
+                torch.cuda._sleep(5_000_000)
+            return comm
+
+        def step(mlp, x_in, idx_in, w_in, on_comm=False):
+            routed = training.dispatch(buf, grads, x_in, idx_in, w_in, comm_stream=held_up() if on_comm else None)
+            done = torch.cuda.Event() if on_comm else None
+            y = training.combine(mlp(routed), routed, comm_stream=held_up() if on_comm else None, done_event=done)
+            if done is not None:
+                torch.cuda.current_stream().wait_event(done)
             y.backward(grad_y)
             return y
 
@@ -760,13 +773,13 @@ def _layer_graph_worker(rank, world, backend):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                step(graphed, x_leaf, static_idx, w_leaf)
+                step(graphed, x_leaf, static_idx, w_leaf, comm_stream)
         torch.cuda.current_stream().wait_stream(side)
         for leaf in (x_leaf, w_leaf, graphed.w1, graphed.w2):
             leaf.grad = None  # (the graph's backward assigns the gradients)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            static_y = step(graphed, x_leaf, static_idx, w_leaf)
+            static_y = step(graphed, x_leaf, static_idx, w_leaf, comm_stream)
         gen = torch.Generator().manual_seed(30 + rank)
         for replay in range(3):
             with torch.no_grad():
@@ -804,12 +817,15 @@ def test_cuda_expert_mlp_seeds_and_cuda_graph():
 @pytest.mark.gpu
 def test_cuda_training_layer_with_expert_mlp_in_a_cuda_graph():
     assert run_ranks(_layer_graph_worker, 1, "nvlink", backend="nccl") == ["layer graph ok"]
+    assert run_ranks(_layer_graph_worker, 1, "nvlink", True, backend="nccl") == ["layer graph ok"]
 
 
 @pytest.mark.multigpu
 def test_nvlink_training_layer_with_expert_mlp_in_a_cuda_graph():
     world = multigpu_world()
     assert run_ranks(_layer_graph_worker, world, "nvlink", backend=multigpu_backend()) == ["layer graph ok"] * world
+    assert run_ranks(_layer_graph_worker, world, "nvlink", True, backend=multigpu_backend()) == \
+        ["layer graph ok"] * world
 
 
 @pytest.mark.cpu
