@@ -136,6 +136,30 @@ def _time_shared(row: dict, buf, grads, x_leaf, topk_idx, w_leaf, args) -> None:
         _time_into(row, f"shared_step_{mode}", lambda: step(overlap), args)
         _time_into(row, f"shared_step_{mode}_graph", captured(lambda: step(overlap), (x_leaf, w_leaf, w1, w2)), args)
     row["shared"] = {"intermediate": inter}
+    if args.profile and row["tokens"] == min(args.tokens):
+        # Where the host time of the forward goes, without and with the comm_stream.
+        for mode in ("serial", "overlap"):
+            row[f"shared_forward_{mode}_profile"] = _host_profile(lambda: forward(mode == "overlap"), 20)
+            print(f"host profile, shared-expert forward, {mode}:\n" + row[f"shared_forward_{mode}_profile"])
+
+
+def _host_profile(fn, calls: int) -> str:
+    """cProfile of `calls` calls of fn (then a device synchronization): the top functions by own and by cumulative
+    time. (Python 3.12's cProfile sees every thread, the autograd engine's device thread included.)"""
+    import cProfile
+    import io
+    import pstats
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    profile.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(24)
+    stats.sort_stats("cumulative").print_stats(36)
+    return text.getvalue()
 
 
 def _worker(rank, world, args):
@@ -190,23 +214,8 @@ def _worker(rank, world, args):
                 _time_layer(row, x, args)
             if args.profile and tokens == min(args.tokens) and rank == 0:
                 # Where the host time of forward + backward goes (eager: a small call is host-bound).
-                import cProfile
-                import io
-                import pstats
-                profile = cProfile.Profile()
-                profile.enable()
-                for _ in range(20):
-                    forward_backward()
-                torch.cuda.synchronize()
-                profile.disable()
-                text = io.StringIO()
-                # (Python 3.12's cProfile sees every thread, the autograd engine's device thread included, where the
-                # backward Functions run.)
-                stats = pstats.Stats(profile, stream=text)
-                stats.sort_stats("tottime").print_stats(24)
-                stats.sort_stats("cumulative").print_stats(36)
-                row["profile_top"] = text.getvalue()
-                print(text.getvalue())
+                row["profile_top"] = _host_profile(forward_backward, 20)
+                print(row["profile_top"])
                 # The torch ops' own host time (both threads), per op name.
                 with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
                     for _ in range(20):
