@@ -137,10 +137,12 @@ def _time_shared(row: dict, buf, grads, x_leaf, topk_idx, w_leaf, args) -> None:
         _time_into(row, f"shared_step_{mode}_graph", captured(lambda: step(overlap), (x_leaf, w_leaf, w1, w2)), args)
     row["shared"] = {"intermediate": inter}
     if args.profile and row["tokens"] == min(args.tokens):
-        # Where the host time of the forward goes, without and with the comm_stream.
+        # Where the host time goes, without and with the comm_stream: the forward, then forward + backward.
         for mode in ("serial", "overlap"):
-            row[f"shared_forward_{mode}_profile"] = _host_profile(lambda: forward(mode == "overlap"), 20)
-            print(f"host profile, shared-expert forward, {mode}:\n" + row[f"shared_forward_{mode}_profile"])
+            for name, fn in (("forward", forward), ("step", step)):
+                key = f"shared_{name}_{mode}_profile"
+                row[key] = _host_profile(lambda: fn(mode == "overlap"), 20)
+                print(f"host profile, shared-expert {name}, {mode}:\n" + row[key])
 
 
 def _host_profile(fn, calls: int) -> str:

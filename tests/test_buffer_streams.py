@@ -140,3 +140,34 @@ def test_run_on_stream_records_what_the_next_call_waits_for(monkeypatch):
     # A CPU call leaves the entry of the last CUDA call.
     before = call()
     assert call(device=torch.device("cpu")) == before
+
+
+@pytest.mark.cpu
+def test_tensors_in_finds_every_tensor_of_a_result_once_in_order():
+    """_tensors_in (what a comm_stream call marks in use on the other stream): the tensors of nested dataclasses,
+    lists and tuples, in field order, and nothing from other values (a dataclass type, strings, dtypes, None)."""
+    import dataclasses
+
+    from ep_comm.buffer import _tensors_in
+
+    @dataclasses.dataclass(frozen=True)
+    class Inner:
+        a: torch.Tensor
+        nested: object = None
+
+    @dataclasses.dataclass
+    class Outer:
+        x: torch.Tensor
+        count: int
+        name: str
+        dtype: torch.dtype
+        inner: Inner
+        items: list
+        kind: type = Inner
+
+    t = [torch.zeros(i + 1) for i in range(6)]
+    outer = Outer(t[0], 3, "s", torch.float32, Inner(t[1], Inner(t[2])), [t[3], (t[4], Inner(t[5])), 7, None])
+    for _ in range(2):  # (the second walk uses the cached field names)
+        assert [id(x) for x in _tensors_in(outer)] == [id(x) for x in t]
+    assert _tensors_in(Outer) == [] and _tensors_in(None) == [] and _tensors_in("x") == []
+    assert [id(x) for x in _tensors_in((t[0], [t[1]]))] == [id(t[0]), id(t[1])]
