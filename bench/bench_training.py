@@ -25,8 +25,10 @@ training.dispatch, the shared expert, the dense rows, training.combine, their su
   shared_forward_serial   : the layer's forward, every call on the current stream;
   shared_forward_overlap  : the same with dispatch and combine on a comm_stream: the shared expert, enqueued after
                             the dispatch, runs beside it;
-  shared_step_serial / shared_step_overlap : forward + backward (the backward is the same in both);
-  shared_step_serial_graph / shared_step_overlap_graph : forward + backward captured in a CUDA graph and replayed.
+  shared_*_overlap_capped : the same with the communication kernels on --shared-comm-sms blocks (num_local_sms;
+                            by default they take every SM, and the kernel beside them gets SMs as they finish);
+  shared_step_* : forward + backward (the backward is the same in every mode);
+  shared_step_*_graph : forward + backward captured in a CUDA graph and replayed.
 Every row also has its host milliseconds per call (_host_ms: no synchronization inside the loop; close to the device
 figure means host-bound). Timing only; nothing here is asserted (tests/test_training.py checks the gradients, the
 graph replays included).
@@ -108,41 +110,52 @@ def _time_shared(row: dict, buf, grads, x_leaf, topk_idx, w_leaf, args) -> None:
     w2.requires_grad_()
     comm = torch.cuda.Stream(device)
     grad_y = torch.ones(x_leaf.shape, dtype=torch.bfloat16, device=device)
+    cfg = buf.config
+    # The same Buffer with its kernels on args.shared_comm_sms blocks (num_local_sms): by default they take every SM,
+    # so a kernel beside them gets SMs only as their blocks finish.
+    capped = ep_comm.Buffer(None, hidden=cfg.hidden, num_experts=cfg.num_experts, num_topk=cfg.num_topk,
+                            max_tokens_per_rank=cfg.max_tokens_per_rank, dispatch_format=cfg.dispatch_format,
+                            combine_format=cfg.combine_format, num_local_sms=args.shared_comm_sms, backend="nvlink")
+    capped_grads = training.GradBuffers.create(capped, args.grad_format)
+    modes = {"serial": (buf, grads, None), "overlap": (buf, grads, comm),
+             "overlap_capped": (capped, capped_grads, comm)}
 
     def shared_expert():
         gate, up = (x_leaf @ w1.t()).chunk(2, dim=-1)
         return (torch.nn.functional.silu(gate) * up) @ w2.t()
 
-    def forward(overlap: bool):
-        stream = comm if overlap else None
-        routed = training.dispatch(buf, grads, x_leaf, topk_idx, w_leaf, check_inputs=False, comm_stream=stream)
+    def forward(mode: str):
+        layer_buf, layer_grads, stream = modes[mode]
+        routed = training.dispatch(layer_buf, layer_grads, x_leaf, topk_idx, w_leaf, check_inputs=False,
+                                   comm_stream=stream)
         shared = shared_expert()  # (enqueued after the dispatch: beside it when the dispatch is on the comm_stream)
-        done = torch.cuda.Event() if overlap else None
+        done = torch.cuda.Event() if stream is not None else None
         y = training.combine(routed.x, routed, comm_stream=stream, done_event=done)
         if done is not None:
             torch.cuda.current_stream().wait_event(done)
         return y + shared
 
-    def step(overlap: bool):
+    def step(mode: str):
         for leaf in (x_leaf, w_leaf, w1, w2):
             leaf.grad = None
-        forward(overlap).backward(grad_y)
+        forward(mode).backward(grad_y)
 
     with torch.no_grad():
         _time_into(row, "shared_alone", shared_expert, args)
-    for mode in ("serial", "overlap"):
-        overlap = mode == "overlap"
-        _time_into(row, f"shared_forward_{mode}", lambda: forward(overlap), args)
-        _time_into(row, f"shared_step_{mode}", lambda: step(overlap), args)
-        _time_into(row, f"shared_step_{mode}_graph", captured(lambda: step(overlap), (x_leaf, w_leaf, w1, w2)), args)
-    row["shared"] = {"intermediate": inter}
+    for mode in modes:
+        _time_into(row, f"shared_forward_{mode}", lambda: forward(mode), args)
+        _time_into(row, f"shared_step_{mode}", lambda: step(mode), args)
+        _time_into(row, f"shared_step_{mode}_graph", captured(lambda: step(mode), (x_leaf, w_leaf, w1, w2)), args)
+    row["shared"] = {"intermediate": inter, "capped_comm_sms": args.shared_comm_sms}
     if args.profile and row["tokens"] == min(args.tokens):
         # Where the host time goes, without and with the comm_stream: the forward, then forward + backward.
         for mode in ("serial", "overlap"):
             for name, fn in (("forward", forward), ("step", step)):
                 key = f"shared_{name}_{mode}_profile"
-                row[key] = _host_profile(lambda: fn(mode == "overlap"), 20)
+                row[key] = _host_profile(lambda: fn(mode), 20)
                 print(f"host profile, shared-expert {name}, {mode}:\n" + row[key])
+    capped_grads.destroy()
+    capped.destroy()
 
 
 def _host_profile(fn, calls: int) -> str:
@@ -255,6 +268,8 @@ def main(argv=None):
     parser.add_argument("--layer-intermediate", type=int, default=2048, help="ExpertMLP intermediate size there")
     parser.add_argument("--shared-intermediate", type=int, default=2048,
                         help="intermediate size of the shared expert of the comm_stream rows (0: none)")
+    parser.add_argument("--shared-comm-sms", type=int, default=24,
+                        help="num_local_sms of the Buffer of the capped comm_stream rows")
     parser.add_argument("--nproc", type=int, default=2, help="ranks, one per GPU (at most the visible GPUs)")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--batches", type=int, default=5)
@@ -286,7 +301,9 @@ def main(argv=None):
                       f"forward + backward {1e3 * row['shared_step_serial_ms']:.1f} / "
                       f"{1e3 * row['shared_step_overlap_ms']:.1f} us, as a graph "
                       f"{1e3 * row['shared_step_serial_graph_ms']:.1f} / {1e3 * row['shared_step_overlap_graph_ms']:.1f}"
-                      f" us")
+                      f" us; comm kernels on {args.shared_comm_sms} SMs: forward "
+                      f"{1e3 * row['shared_forward_overlap_capped_ms']:.1f}, as a graph "
+                      f"{1e3 * row['shared_step_overlap_capped_graph_ms']:.1f} us")
             if "layer_eager_ms" in row:
                 print(f"rank {rank} tokens {row['tokens']:5d}: whole layer with ExpertMLP ({row['layer']}) eager "
                       f"{row['layer_eager_ms']:.3f} ms (host {row['layer_eager_host_ms']:.3f}), graph "
