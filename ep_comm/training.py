@@ -34,7 +34,8 @@ and combine of 32 * ceil(3K / 32) BF16 columns for the routing weights; none of 
 
 Streams: `dispatch` and `combine` take a comm_stream, as the Buffer's calls do, so that the forward's communication
 overlaps work the caller enqueues meanwhile (a shared expert, say). The dispatch's results are waited for where they
-are read (RoutedTokens.result, .x, ExpertMLP); the combine's output must be waited for by the caller (done_event). The
+are read (RoutedTokens.result and .x; ExpertMLP reads .result); the combine's output must be waited for by the caller
+(its done_event). The
 backward passes run on the stream autograd gives them: the one that was current when `dispatch` / `combine` were
 called. CUDA graphs (nvlink backend): forward and backward make no host synchronization, so a
 whole step (dispatch, experts, combine, loss.backward()) can be captured in one graph and replayed, torch's recipe
@@ -490,9 +491,10 @@ def dispatch(buffer: Buffer, grads: GradBuffers, x: torch.Tensor, topk_idx: torc
 
     comm_stream: run the dispatch on this CUDA stream (as Buffer.dispatch does: after the work enqueued so far on the
     current stream), so that what the caller enqueues next on the current stream overlaps it. The returned
-    RoutedTokens waits for it where its results are read (`result`, `x`; ExpertMLP and `combine` read them), so code
-    on the current stream never sees them early; `routed.wait()` does it explicitly and `routed.done_event` is the
-    event. The backward pass runs on the current stream of this call, not on comm_stream."""
+    RoutedTokens makes the current stream wait for it where its results are read (`result`, `x`; ExpertMLP reads
+    `result`), so code on the current stream never sees them early; `routed.wait()` does it explicitly and
+    `routed.done_event` is the event. (`combine` is ordered after it by the Buffer itself.) The backward pass runs on
+    the current stream of this call, not on comm_stream."""
     if not isinstance(buffer, Buffer):
         raise TypeError(f"buffer must be an ep_comm.Buffer, got {type(buffer).__name__}")
     if not isinstance(grads, GradBuffers):
