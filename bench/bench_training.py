@@ -6,6 +6,7 @@ Buffer calls alone, in the same run (eager calls, CUDA events; every visible GPU
 The experts are the identity (expert_out = the dispatched rows, so the timing is the library's alone). Per token
 count, median milliseconds of:
   forward_buffer   : Buffer.dispatch + Buffer.combine (no autograd), the forward's floor;
+  forward_buffer_comm : the same on a comm_stream (the current stream waits for the combine's event);
   buffer_calls     : the six Buffer calls a forward + backward makes, alone (no autograd, no torch ops between);
   forward_training : training.dispatch + training.combine (+ the dense rows: the NVFP4 payload dequantized to bf16);
   forward_backward : the same plus .backward() of a sum over the output: a BF16 (or MXFP8) dispatch of the output
@@ -197,6 +198,15 @@ def _worker(rank, world, args):
                 result = buf.dispatch(x, topk_idx, weights, check_inputs=False)
                 return buf.combine(expert_out[:result.num_rows], result.handle)
 
+            comm = torch.cuda.Stream(device)
+
+            def forward_buffer_comm():  # the same on a comm_stream: what the stream bookkeeping costs the host
+                done = torch.cuda.Event()
+                result = buf.dispatch(x, topk_idx, weights, check_inputs=False, comm_stream=comm)
+                out = buf.combine(expert_out[:result.num_rows], result.handle, comm_stream=comm, done_event=done)
+                torch.cuda.current_stream(device).wait_event(done)
+                return out
+
             grad_y = torch.ones(tokens, args.hidden, dtype=torch.bfloat16, device=device)
             ones = torch.ones_like(weights)
             width = grads.weights.config.hidden
@@ -219,7 +229,8 @@ def _worker(rank, world, args):
                 forward_training().float().sum().backward()
 
             row = {"tokens": tokens}
-            for name, fn in (("forward_buffer", forward_buffer), ("buffer_calls", buffer_calls),
+            for name, fn in (("forward_buffer", forward_buffer), ("forward_buffer_comm", forward_buffer_comm),
+                             ("buffer_calls", buffer_calls),
                              ("forward_training", forward_training), ("forward_backward", forward_backward)):
                 _time_into(row, name, fn, args)
             _time_into(row, "forward_backward_graph", captured(forward_backward, (x_leaf, w_leaf)), args)
@@ -296,7 +307,9 @@ def main(argv=None):
                   f"{1e3 * row['forward_backward_graph_host_ms']:.1f})")
             if "shared_alone_ms" in row:
                 print(f"rank {rank} tokens {row['tokens']:5d}: with a shared expert (alone "
-                      f"{1e3 * row['shared_alone_ms']:.1f} us): forward serial / comm_stream "
+                      f"{1e3 * row['shared_alone_ms']:.1f} us; Buffer dispatch + combine on a comm_stream "
+                      f"{1e3 * row['forward_buffer_comm_ms']:.1f} us, host {1e3 * row['forward_buffer_comm_host_ms']:.1f}"
+                      f"): forward serial / comm_stream "
                       f"{1e3 * row['shared_forward_serial_ms']:.1f} / {1e3 * row['shared_forward_overlap_ms']:.1f} us, "
                       f"forward + backward {1e3 * row['shared_step_serial_ms']:.1f} / "
                       f"{1e3 * row['shared_step_overlap_ms']:.1f} us, as a graph "
