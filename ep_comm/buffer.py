@@ -99,25 +99,34 @@ _FIELD_NAMES: dict = {}
 _LEAF_TYPES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 
 
+def _field_names(kind: type) -> tuple:
+    """The field names of dataclass type `kind`, () for any other type (a dataclass type itself, as opposed to an
+    instance, is of type `type`: no fields, no tensors)."""
+    try:
+        names = _FIELD_NAMES.get(kind)
+    except TypeError:  # (a type that cannot be a dict key: a metaclass with __eq__ and no __hash__)
+        return tuple(field.name for field in dataclasses.fields(kind)) if dataclasses.is_dataclass(kind) else ()
+    if names is None:
+        names = tuple(field.name for field in dataclasses.fields(kind)) if dataclasses.is_dataclass(kind) else ()
+        _FIELD_NAMES[kind] = names
+    return names
+
+
 def _collect_tensors(obj, found: list) -> None:
     if isinstance(obj, torch.Tensor):
         found.append(obj)
         return
-    if isinstance(obj, (list, tuple)):
+    names = _field_names(type(obj))
+    if names:  # (a dataclass before a list or tuple: a dataclass that subclasses one is walked by its fields)
+        for name in names:
+            value = getattr(obj, name)
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif not isinstance(value, _LEAF_TYPES):
+                _collect_tensors(value, found)
+    elif isinstance(obj, (list, tuple)):
         for item in obj:
             _collect_tensors(item, found)
-        return
-    kind = type(obj)
-    names = _FIELD_NAMES.get(kind)
-    if names is None:  # (a dataclass type itself, as opposed to an instance, has no tensors: its type is `type`)
-        names = tuple(field.name for field in dataclasses.fields(kind)) if dataclasses.is_dataclass(kind) else ()
-        _FIELD_NAMES[kind] = names
-    for name in names:
-        value = getattr(obj, name)
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif not isinstance(value, _LEAF_TYPES):
-            _collect_tensors(value, found)
 
 
 def _stream_of_raw(raw_stream: int, device: torch.device) -> torch.cuda.Stream:

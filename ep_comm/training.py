@@ -35,9 +35,10 @@ and combine of 32 * ceil(3K / 32) BF16 columns for the routing weights; none of 
 Streams: `dispatch` and `combine` take a comm_stream, as the Buffer's calls do, so that the forward's communication
 overlaps work the caller enqueues meanwhile (a shared expert, say). The dispatch's results are waited for where they
 are read (RoutedTokens.result and .x; ExpertMLP reads .result); the combine's output must be waited for by the caller
-(its done_event). The
-backward passes run on the stream autograd gives them: the one that was current when `dispatch` / `combine` were
-called. CUDA graphs (nvlink backend): forward and backward make no host synchronization, so a
+(its done_event). The backward passes run on the stream autograd gives them: the one that was current when `dispatch`
+/ `combine` were called. What runs beside a comm_stream call must not be another collective (another Buffer's calls,
+another layer's backward, an NCCL all-reduce): the ranks could start the two in different orders and wait on each
+other. CUDA graphs (nvlink backend): forward and backward make no host synchronization, so a
 whole step (dispatch, experts, combine, loss.backward()) can be captured in one graph and replayed, torch's recipe
 (warm-up steps on a side stream, the leaves' .grad set to None before the capture; tests/test_training.py
 graph_worker). The reference backend refuses capture. The backward calls are collective like the forward's:
@@ -461,13 +462,21 @@ class RoutedTokens:
     link: Any = dataclasses.field(repr=False, compare=False)  # the state the backward passes share (_Link)
     token: Any = dataclasses.field(repr=False, compare=False)  # dispatch's output that combine takes
     done_event: Optional[Any] = dataclasses.field(default=None, repr=False, compare=False)
+    # (The CUDA-graph capture the comm_stream dispatch was made in, 0 outside one: _ext.capture_id.)
+    capture: int = dataclasses.field(default=0, repr=False, compare=False)
 
     def wait(self) -> None:
         """Make the current stream (of the tokens' device) wait for the dispatch: a no-op unless it ran on a
         comm_stream. Work enqueued on the current stream before this overlaps the dispatch; work after it sees its
-        results. No host synchronization (capturable)."""
-        if self.done_event is not None:
-            torch.cuda.current_stream(self.carrier.device).wait_event(self.done_event)
+        results. No host synchronization; capturable. CUDA refuses waits across a capture's boundary, so the wait is
+        made only from the capture the dispatch was made in (or, for an eager dispatch, outside any capture): a
+        captured dispatch read after the graph's replay on the replay's stream is ordered by the replay itself; reads
+        of an eager dispatch inside a capture, or of a captured one on another stream, are the caller's to order."""
+        if self.done_event is None:
+            return
+        device = self.carrier.device
+        if _ext.capture_id(_ext.current_raw_stream(device)) == self.capture:
+            torch.cuda.current_stream(device).wait_event(self.done_event)
 
     @property
     def result(self) -> DispatchResult:
@@ -514,8 +523,9 @@ def dispatch(buffer: Buffer, grads: GradBuffers, x: torch.Tensor, topk_idx: torc
     # made only for a real stream.)
     done_event = torch.cuda.Event() if isinstance(comm_stream, torch.cuda.Stream) else None
     carrier, token = _DispatchFunction.apply(x, anchor, link, dtype, check_inputs, comm_stream, done_event)
+    capture = _ext.capture_id(comm_stream.cuda_stream) if done_event is not None else 0
     return RoutedTokens(_dispatched=link.result, topk_weights=topk_weights, carrier=carrier, link=link, token=token,
-                        done_event=done_event)
+                        done_event=done_event, capture=capture)
 
 
 def combine(expert_out: torch.Tensor, routed: RoutedTokens, *, comm_stream: Optional[torch.cuda.Stream] = None,
@@ -527,8 +537,9 @@ def combine(expert_out: torch.Tensor, routed: RoutedTokens, *, comm_stream: Opti
 
     comm_stream, done_event: as for Buffer.combine: the combine runs on comm_stream after the work enqueued so far on
     the current stream, and done_event is recorded after it. The output is then not ready on the current stream: wait
-    for it there (`torch.cuda.current_stream().wait_event(done_event)`) before anything reads it, the loss included.
-    The backward pass runs on the current stream of this call."""
+    for it there (`torch.cuda.current_stream().wait_event(done_event)`, or without an event
+    `torch.cuda.current_stream().wait_stream(comm_stream)`) before anything reads it, the loss included. The backward
+    pass runs on the current stream of this call."""
     if not isinstance(routed, RoutedTokens):
         raise TypeError(f"routed must be what ep_comm.training.dispatch returned, got {type(routed).__name__}")
     if not isinstance(expert_out, torch.Tensor):

@@ -171,3 +171,11 @@ def test_tensors_in_finds_every_tensor_of_a_result_once_in_order():
         assert [id(x) for x in _tensors_in(outer)] == [id(x) for x in t]
     assert _tensors_in(Outer) == [] and _tensors_in(None) == [] and _tensors_in("x") == []
     assert [id(x) for x in _tensors_in((t[0], [t[1]]))] == [id(t[0]), id(t[1])]
+
+    @dataclasses.dataclass(frozen=True)
+    class Pair(tuple):  # a dataclass that is also a tuple: walked by its fields (what the dataclass says it holds)
+        first: torch.Tensor
+
+    pair = Pair((t[2], t[3]))
+    object.__setattr__(pair, "first", t[1])
+    assert [id(x) for x in _tensors_in(pair)] == [id(t[1])]

@@ -300,8 +300,11 @@ def graph_worker(rank, world, backend="nvlink", formats_list=(("nvfp4", "s2f6", 
         mine = slice(rank * W_local.shape[0], (rank + 1) * W_local.shape[0])
         with _case_buffers(num_experts, case, backend) as (buf, grads):
 
+            made = []  # the RoutedTokens of the last step
+
             def step(x_in, idx_in, w_in, W_in, g_in, comm=None):
                 routed = training.dispatch(buf, grads, x_in, idx_in, w_in, comm_stream=comm)
+                made[:] = [routed]
                 done = torch.cuda.Event() if comm is not None else None
                 y = training.combine(experts(routed, W_in), routed, comm_stream=comm, done_event=done)
                 if done is not None:  # (this also joins the comm_stream back into a capture)
@@ -321,6 +324,9 @@ def graph_worker(rank, world, backend="nvlink", formats_list=(("nvfp4", "s2f6", 
             with torch.cuda.graph(graph, stream=stream):
                 static_y = step(x_leaf, static_idx, w_leaf, W_local, static_grad_y, side)
             graph.replay()
+            # The captured dispatch's result read after the capture (its comm_stream event belongs to the capture:
+            # RoutedTokens.wait must not wait on it from outside, which CUDA refuses).
+            assert int(made[0].result.expert_offsets[-1]) >= 0
             torch.cuda.synchronize()
             _assert_matches_reference(case, rank, want, static_y, x_leaf, w_leaf, W_local, "graph ")
 
@@ -353,14 +359,21 @@ def graph_worker(rank, world, backend="nvlink", formats_list=(("nvfp4", "s2f6", 
 
 def comm_stream_worker(rank, world, backend="nvlink", formats_list=(("nvfp4", "s2f6", "bf16"),)):
     """training.dispatch / combine on a comm_stream give the bits of the same step without one (y and every gradient),
-    while the streams are made to race: the current stream is held up (a sleep kernel) before it writes the tokens and
-    routing weights that the dispatch reads, and the comm_stream before the dispatch and the combine, so a call that
-    did not wait for the current stream would read stale tokens, and code that read the dispatch's results (or the
-    combine's output) before they were ready would read stale rows. A matmul on the current stream between the
-    dispatch and the experts stands for the work the comm_stream lets overlap."""
+    while the streams are made to race with sleep kernels: the current stream is held up before it writes the tokens
+    and routing weights that the dispatch reads, and before it writes the expert outputs that the combine reads (a
+    call that did not wait for the current stream would read stale values); the comm_stream is held up before the
+    dispatch and the combine (code that read their results before they were ready would read stale rows). A matmul
+    on the current stream after the dispatch stands for the work the comm_stream lets overlap: when it has finished,
+    the dispatch must not have (so the dispatch did run on the comm_stream)."""
     device = torch.device("cuda", torch.cuda.current_device())
     num_experts = 4 * world
     side = torch.cuda.Stream()
+
+    def held_up(stream):  # a sleep on `stream` after the work enqueued so far on the current stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(20_000_000)
+
     checked = []
     for case in formats_list:
         x_leaf, w_leaf, W_local, idx, grad_y = _case_leaves(rank, world, device)
@@ -376,16 +389,21 @@ def comm_stream_worker(rank, world, backend="nvlink", formats_list=(("nvfp4", "s
                     x_in.copy_(x_leaf)
                     w_in.copy_(w_leaf)
                 if comm_stream is not None:
-                    with torch.cuda.stream(comm_stream):
-                        torch.cuda._sleep(20_000_000)  # (the dispatch, enqueued after this, ends late)
+                    held_up(comm_stream)  # (the dispatch, enqueued after this, ends late)
                 routed = training.dispatch(buf, grads, x_in, idx, w_in, comm_stream=comm_stream)
                 assert (routed.done_event is not None) == (comm_stream is not None)
                 overlapped = torch.randn(512, 512, device=device) @ torch.randn(512, 512, device=device)
+                if comm_stream is not None:
+                    beside = torch.cuda.Event()
+                    beside.record()
+                    beside.synchronize()
+                    assert not routed.done_event.query(), "the dispatch did not run beside the current stream"
                 expert_out = _experts_on_device(routed, W_in)
+                torch.cuda._sleep(20_000_000)
+                expert_out = expert_out * 1  # (written late: the combine must wait for it)
                 done = torch.cuda.Event() if comm_stream is not None else None
                 if comm_stream is not None:
-                    with torch.cuda.stream(comm_stream):
-                        torch.cuda._sleep(20_000_000)
+                    held_up(comm_stream)
                 y = training.combine(expert_out, routed, comm_stream=comm_stream, done_event=done)
                 if done is not None:
                     torch.cuda.current_stream().wait_event(done)
