@@ -298,6 +298,20 @@ test_training() {  # ep_comm.training (autograd through dispatch / combine) on t
   say "multigpu tier, 2 ranks sharing one GPU: ep_comm.training gradients"
   shared_tier training 300 tests/test_training.py -m multigpu
 }
+test_comm_stream() {  # ep_comm.training on a comm_stream (eager and captured, ExpertMLP too) and the stream bookkeeping:
+  # world 1, then 2 ranks sharing GPU 0
+  say "gpu tier: ep_comm.training on a comm_stream, graphs"
+  pytest_tier comm_stream 240 3 tests/test_training.py tests/test_training_experts.py tests/test_buffer_streams.py \
+    -k "comm_stream or cuda_graph or tensors_in"
+  say "multigpu tier, 2 ranks sharing one GPU: ep_comm.training on a comm_stream, graphs"
+  shared_tier comm_stream 300 tests/test_training.py tests/test_training_experts.py -k "comm_stream or cuda_graph"
+}
+bench_training_comm() {  # the shared-expert rows of bench_training (serial, comm_stream, comm kernels capped) with the
+  # host profiles, one rank
+  say "bench: training with a shared expert beside a comm_stream dispatch"
+  timeout 300 python3 bench/bench_training.py --nproc 1 --tokens 128,4096 --layer-experts 0 --profile \
+    --out "$OUT/bench_training_comm.json" 2>&1 | grep "rank 0" | tee -a "$log"
+}
 test_shared_worlds() {  # one GPU: the nvlink oracle cases (every format pair, masked / skewed / all-to-one routing, an
   # empty rank; bitwise the single-process oracle) with 4, then 8 ranks sharing it. (The reference comparison, with
   # H up to 7168, did not finish within 240 s at 4 ranks on 2026-12-01: time-slicing 4+ contexts is far slower than 2.)
