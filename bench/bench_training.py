@@ -308,13 +308,14 @@ def main(argv=None):
             if "shared_alone_ms" in row:
                 print(f"rank {rank} tokens {row['tokens']:5d}: with a shared expert (alone "
                       f"{1e3 * row['shared_alone_ms']:.1f} us; Buffer dispatch + combine on a comm_stream "
-                      f"{1e3 * row['forward_buffer_comm_ms']:.1f} us, host {1e3 * row['forward_buffer_comm_host_ms']:.1f}"
-                      f"): forward serial / comm_stream "
+                      f"{1e3 * row['forward_buffer_comm_ms']:.1f} us, host "
+                      f"{1e3 * row['forward_buffer_comm_host_ms']:.1f}): forward serial / comm_stream "
                       f"{1e3 * row['shared_forward_serial_ms']:.1f} / {1e3 * row['shared_forward_overlap_ms']:.1f} us, "
                       f"forward + backward {1e3 * row['shared_step_serial_ms']:.1f} / "
                       f"{1e3 * row['shared_step_overlap_ms']:.1f} us, as a graph "
-                      f"{1e3 * row['shared_step_serial_graph_ms']:.1f} / {1e3 * row['shared_step_overlap_graph_ms']:.1f}"
-                      f" us; comm kernels on {args.shared_comm_sms} SMs: forward "
+                      f"{1e3 * row['shared_step_serial_graph_ms']:.1f} / "
+                      f"{1e3 * row['shared_step_overlap_graph_ms']:.1f} us; comm kernels on "
+                      f"{args.shared_comm_sms} SMs: forward "
                       f"{1e3 * row['shared_forward_overlap_capped_ms']:.1f}, as a graph "
                       f"{1e3 * row['shared_step_overlap_capped_graph_ms']:.1f} us")
             if "layer_eager_ms" in row:

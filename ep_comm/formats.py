@@ -48,7 +48,7 @@ _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, 
 # ----------------------------------------------------------------------------------------------------------
 # Containers
 # ----------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (identity comparison: field-wise == of tensors is ambiguous and raised)
 class NVFP4Tensor:
     """NVFP4 along the last axis (blocks of 16).
 
@@ -69,7 +69,7 @@ class NVFP4Tensor:
         return torch.Size((*self.data.shape[:-1], self.data.shape[-1] * 2))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (identity comparison: field-wise == of tensors is ambiguous and raised)
 class MXFP8Tensor:
     """MXFP8 along the last axis: data float8_e4m3fn [..., K], scales float8_e8m0fnu [..., K/32]."""
 
@@ -81,7 +81,7 @@ class MXFP8Tensor:
         return self.data.shape
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (identity comparison: field-wise == of tensors is ambiguous and raised)
 class S2F6Tensor:
     """S2F6 (int8 fixed point, value = code * 2^-6 * 2^(scale - 127)) along the last axis, blocks of 32.
 
@@ -158,8 +158,10 @@ def _check_float_input(x, name: str, block: int) -> None:
 
 
 def _check_out_dtype(dtype, name: str = "dtype") -> None:
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"{name} must be a floating-point torch.dtype, got {dtype!r}")
+    """A dequantizer's output dtype: float32, bfloat16, float16 or float64 (the values are computed in fp32, then
+    rounded to it). float8 dtypes are refused: that would be a second, lossy quantization, silently saturating."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+        raise TypeError(f"{name} must be a floating-point torch.dtype of 16 bits or more, got {dtype!r}")
 
 
 IMPLS = ("auto", "reference", "cuda")  # the quantization paths a caller may ask for (`impl=` / `format_impl=`)
@@ -315,9 +317,20 @@ def _tree_sum_last(v: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 # Element encoders / decoders (public so tests and kernels can be checked against them)
 # ----------------------------------------------------------------------------------------------------------
+_ENCODER_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # widen to fp32 exactly (float64 would round)
+
+
+def _check_encoder_input(v, name: str) -> None:
+    if not isinstance(v, torch.Tensor) or v.dtype not in _ENCODER_INPUT_DTYPES:
+        raise TypeError(f"{name} takes a float32, bfloat16 or float16 tensor (its values rounded as fp32 values), got "
+                        f"{getattr(v, 'dtype', type(v).__name__)}")
+
+
 @_keeps_subnormals
 def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
-    """fp32 -> E2M1 code (uint8 0..15), round-to-nearest-even with saturation; NaN -> 0x7; -0.0 -> 0x8."""
+    """fp32 -> E2M1 code (uint8 0..15), round-to-nearest-even with saturation; NaN -> 0x7; -0.0 -> 0x8. v: float32,
+    bfloat16 or float16 (float64 is refused: rounding it to fp32 first would round twice)."""
+    _check_encoder_input(v, "e2m1_encode")
     v = v.float()
     a = v.abs()
     code = ((a > 0.25).to(torch.uint8) + (a >= 0.75).to(torch.uint8) + (a > 1.25).to(torch.uint8)
@@ -343,13 +356,18 @@ def _unpack_e2m1_codes(data: torch.Tensor) -> torch.Tensor:
 def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (any integer tensor; the low 4 bits of each element: sign bit 3, magnitude code bits 0-2) -> their
     values as float32, same shape: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (code 8 is -0.0)."""
+    if not isinstance(code, torch.Tensor) or code.is_floating_point() or code.is_complex() or code.dtype == torch.bool:
+        got = getattr(code, "dtype", type(code).__name__)
+        raise TypeError(f"e2m1_decode takes an integer tensor of codes, got {got}")
     table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=code.device)
     return table[code.to(torch.int64) & 0xF]
 
 
 @_keeps_subnormals
 def e4m3_encode(v: torch.Tensor) -> torch.Tensor:
-    """fp32 -> E4M3 byte (uint8), RNE with satfinite (|v| > 448 -> 448); NaN -> 0x7F."""
+    """fp32 -> E4M3 byte (uint8), RNE with satfinite (|v| > 448 -> 448); NaN -> 0x7F. v: float32, bfloat16 or float16
+    (float64 is refused: rounding it to fp32 first would round twice)."""
+    _check_encoder_input(v, "e4m3_encode")
     v = v.float()
     code = v.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     return torch.where(torch.isnan(v), torch.full_like(code, 0x7F), code)
@@ -393,7 +411,8 @@ def ue8m0_mxfp8_scale(amax: torch.Tensor) -> torch.Tensor:
 
 @_keeps_subnormals
 def ue8m0_s2f6_scale(amax: torch.Tensor) -> torch.Tensor:
-    """S2F6 block scale byte: smallest e with amax / 2^e <= 127/64 (blocks never saturate)."""
+    """S2F6 block scale byte: smallest e with amax / 2^e <= 127/64 (blocks never saturate, except those with amax
+    above 127/64 * 2^127, where the byte clamps at 0xFE: docs/NUMERICS.md, known limits)."""
     bits = _bits(amax.float())
     exponent = (bits >> 23) & 0xFF
     mantissa = bits & 0x7FFFFF
@@ -435,7 +454,8 @@ def rbits(seed: int, index: torch.Tensor) -> torch.Tensor:
     One fmix32 word per pair of elements: pair p = index >> 1, word = fmix32((p mod 2^32) ^ fmix32((p >> 32) ^ key));
     the even element takes the word's low 16 bits, the odd one its high 16 bits. The index is taken as an unsigned
     64-bit value (a negative one as itself mod 2^64), as the CUDA kernels and the host emulation do.
-    seed: int in [0, 2^64) (as mxfp8_quantize takes it); index: an integer tensor of any shape (the result's shape).
+    seed: int in [0, 2^64) (mxfp8_quantize also takes a seed tensor; this helper takes the int only); index: an
+    integer tensor of any shape (the result's shape).
     """
     seed = _check_seed(seed)
     if not isinstance(index, torch.Tensor) or index.is_floating_point() or index.is_complex() or \
@@ -501,9 +521,10 @@ def nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True, amax: Optional[t
         dimensions broadcastable to the rows x.shape[:-1]: per row [...], or per expert [E, 1] for x [E, N, K]
         (keepdim form). A 1-D [E] amax for a 3-D x is refused: right-aligned broadcasting would apply it per
         row position, not per expert. By default the amax is computed per row (scale_granularity="row") or
-        once for the tensor ("tensor"). A given amax below a row's true max |x| saturates that row's largest
-        values, and amax 0 decodes the whole row to 0 (nothing checks it: it is the caller's scale). The result
-        holds a copy of it.
+        once for the tensor ("tensor"); a given amax is used as given, whatever scale_granularity says. A given
+        amax below a row's true max |x| saturates that row's largest values, and amax 0 decodes the whole row to 0
+        (nothing checks it: it is the caller's scale). A Python number is rounded to fp32 (above FLT_MAX: Inf). The
+        result holds a copy of it.
     check_amax: refuse a given amax that is NaN or negative (outside a CUDA-graph capture: a device->host read).
         False skips that read, so the call never syncs (the trainable experts' per-step weight quantization; as
         grouped_gemm.quantize_expanded_rows's check_amax): such an amax is then taken as given, and what it decodes
@@ -515,12 +536,16 @@ def nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True, amax: Optional[t
         raise TypeError(f"four_over_six must be a bool, got {four_over_six!r}")
     if scale_granularity not in ("row", "tensor"):
         raise ValueError(f"scale_granularity must be 'row' or 'tensor', got {scale_granularity!r}")
+    if not isinstance(check_amax, bool):  # (None or 0 would skip the check silently)
+        raise TypeError(f"check_amax must be a bool, got {check_amax!r}")
     if amax is not None:
         if not isinstance(amax, torch.Tensor):
             if isinstance(amax, bool) or not isinstance(amax, numbers.Real):
                 raise TypeError(f"amax must be a tensor or a real number, got {type(amax).__name__}")
-            # torch.full, not torch.tensor: no host->device copy (a sync, and refused inside a CUDA-graph capture)
-            amax = torch.full((), float(amax), dtype=torch.float32, device=x.device)
+            # Rounded to fp32 as a float64 tensor amax is (above FLT_MAX: Inf, which the outer-scale rule takes);
+            # torch.full, not torch.tensor: no host->device copy (a sync, and refused inside a CUDA-graph capture).
+            value = float(torch.tensor(float(amax), dtype=torch.float64).float())
+            amax = torch.full((), value, dtype=torch.float32, device=x.device)
         if not amax.is_floating_point():
             raise TypeError(f"amax must be a floating-point tensor, got {amax.dtype}")
         if amax.device != x.device:
@@ -594,7 +619,7 @@ def _nvfp4_quantize_reference(x: torch.Tensor, four_over_six: bool, amax: Option
 
 def _as_int(value, name: str) -> int:
     """An int from any integer type (numpy and torch integer scalars included); TypeError for anything else."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         raise TypeError(f"{name} must be an int, got bool")
     try:
         return operator.index(value)
@@ -749,7 +774,7 @@ def _mxfp8_quantize_reference(xf: torch.Tensor, rounding: str, seed: SeedArg,
 @_keeps_subnormals
 def mxfp8_dequantize(m: MXFP8Tensor, dtype: torch.dtype = torch.float32, impl: str = "auto") -> torch.Tensor:
     """MXFP8Tensor (data float8_e4m3fn [..., K], scales float8_e8m0fnu [..., K / 32]) -> dense [..., K] in `dtype`
-    (float32, bfloat16 or float16): element * 2^(scale - 127), computed in fp32, then rounded."""
+    (float32, bfloat16, float16 or float64): element * 2^(scale - 127), computed in fp32, then rounded."""
     _check_mxfp8(m)
     _check_out_dtype(dtype)
     if _use_cuda(impl, m.data):
@@ -853,7 +878,8 @@ def s2f6_quantize(x: torch.Tensor, hadamard: bool = True, sign_mask: int = DEFAU
                   impl: str = "auto") -> S2F6Tensor:
     """Quantize x [..., K] (K % 32 == 0) to S2F6 with a UE8M0 scale per 32, after the RHT-32 if `hadamard`.
 
-    8.25 bits per value. The scale is the smallest power of two for which the block never saturates.
+    8.25 bits per value. The scale is the smallest power of two for which the block does not saturate (blocks with
+    amax above 127/64 * 2^127 do: the scale clamps at 0xFE; docs/NUMERICS.md, known limits).
     """
     _check_float_input(x, "x", MX_BLOCK)
     if not isinstance(hadamard, bool):
@@ -928,9 +954,9 @@ def s2f6_dequantize(s: S2F6Tensor, hadamard: Optional[bool] = None, dtype: torch
 
 
 def dequantize(x, dtype: torch.dtype = torch.float32, impl: str = "auto") -> torch.Tensor:
-    """Any payload of this library as a dense tensor in `dtype` (float32, bfloat16 or float16): an NVFP4Tensor,
-    MXFP8Tensor or S2F6Tensor through its own dequantizer (S2F6: inverse RHT applied when it was rotated), a plain
-    floating tensor (a BF16 dispatch payload) converted. E.g. `dequantize(result.x)` for a DispatchResult of any
+    """Any payload of this library as a dense tensor in `dtype` (float32, bfloat16, float16 or float64): an
+    NVFP4Tensor, MXFP8Tensor or S2F6Tensor through its own dequantizer (S2F6: inverse RHT applied when it was rotated),
+    a plain floating tensor (a BF16 dispatch payload) converted. E.g. `dequantize(result.x)` for a DispatchResult of any
     dispatch format."""
     if isinstance(x, NVFP4Tensor):
         return nvfp4_dequantize(x, dtype=dtype, impl=impl)
@@ -939,6 +965,8 @@ def dequantize(x, dtype: torch.dtype = torch.float32, impl: str = "auto") -> tor
     if isinstance(x, S2F6Tensor):
         return s2f6_dequantize(x, dtype=dtype, impl=impl)
     if isinstance(x, torch.Tensor) and x.is_floating_point():
+        if impl not in IMPLS:  # (checked as the containers' dequantizers check it, though unused here)
+            raise ValueError(f"impl must be 'auto', 'reference' or 'cuda', got {impl!r}")
         _check_out_dtype(dtype)
         return x.to(dtype)
     raise TypeError(f"expected an NVFP4Tensor, MXFP8Tensor, S2F6Tensor or a floating-point tensor, got "

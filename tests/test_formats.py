@@ -629,3 +629,41 @@ def test_dequantize_takes_any_payload():
         F.dequantize(x.view(torch.int16))
     with pytest.raises(TypeError, match="NVFP4Tensor, MXFP8Tensor, S2F6Tensor"):
         F.dequantize([1.0])
+
+
+def test_api_edges():
+    """Inputs a review found accepted silently or refused with torch's own errors (2026-12-04)."""
+    x = torch.randn(2, 32)
+    q1, q2 = F.nvfp4_quantize(x, impl="reference"), F.nvfp4_quantize(x.clone(), impl="reference")
+    # Containers compare by identity (field-wise == of tensors raised "Boolean value of Tensor ... is ambiguous").
+    assert q1 == q1 and q1 != q2 and q1 in [q2, q1] and len({q1, q2}) == 2
+    m = F.mxfp8_quantize(x, impl="reference")
+    s = F.s2f6_quantize(x, impl="reference")
+    assert m == m and m != F.mxfp8_quantize(x, impl="reference") and s == s
+    for bad in (None, 0, "yes"):  # (a falsy non-bool skipped the amax check silently)
+        with pytest.raises(TypeError, match="check_amax must be a bool"):
+            F.nvfp4_quantize(x, amax=-1.0, check_amax=bad, impl="reference")
+    with pytest.raises(ValueError):  # (the check itself still runs for check_amax=True)
+        F.nvfp4_quantize(x, amax=-1.0, impl="reference")
+    # A Python amax above FLT_MAX rounds to fp32 Inf, as a float64 tensor amax does (torch.full raised before).
+    huge = F.nvfp4_quantize(x, amax=1e39, impl="reference")
+    as_tensor = F.nvfp4_quantize(x, amax=torch.tensor(1e39, dtype=torch.float64), impl="reference")
+    assert torch.isinf(huge.amax).all()
+    for a, b in ((huge.data, as_tensor.data), (huge.scales.view(torch.uint8), as_tensor.scales.view(torch.uint8)),
+                 (huge.amax, as_tensor.amax)):
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError, match="seed must be an int, got bool"):  # (as seed=True is)
+        F.mxfp8_quantize(x, "stochastic", seed=torch.tensor(True), impl="reference")
+    with pytest.raises(ValueError, match="impl must be"):  # (only the containers' dequantizers checked it)
+        F.dequantize(torch.ones(2), impl="bogus")
+    with pytest.raises(TypeError, match="16 bits or more"):  # (a second, saturating quantization)
+        F.dequantize(q1, dtype=torch.float8_e4m3fn, impl="reference")
+    assert F.dequantize(q1, dtype=torch.float64, impl="reference").dtype == torch.float64
+    # The element helpers: float64 would be rounded twice (to fp32, then to the format); float codes truncated.
+    with pytest.raises(TypeError, match="e2m1_encode takes"):
+        F.e2m1_encode(torch.tensor([0.25 + 1e-12], dtype=torch.float64))
+    with pytest.raises(TypeError, match="e4m3_encode takes"):
+        F.e4m3_encode(torch.tensor([1.0625 + 2**-30], dtype=torch.float64))
+    with pytest.raises(TypeError, match="integer tensor of codes"):
+        F.e2m1_decode(torch.tensor([1.5, 6.0]))
+    assert F.e2m1_encode(torch.tensor([0.25 + 1e-7])).tolist() == [1]  # (fp32 input: 0.25000010 rounds up)
