@@ -20,6 +20,7 @@ as they land (csrc/waves.h).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
@@ -73,6 +74,7 @@ def _check_packed_weights(weights: PackedExpertWeights) -> None:
             raise ValueError(f"weights.{name} must be plain NVFP4 (e4m3_max {formats.NVFP4_WEIGHT_E4M3_MAX}, no 4/6), "
                              f"got e4m3_max {w.e4m3_max}: build the weights with moe.pack_weights")
         _check_weight_values(w, f"weights.{name}")
+        _check_weight_amax(w.amax, f"weights.{name}")
         if not _one_amax_per_expert(w.amax):
             raise ValueError(f"weights.{name} must have one amax per expert (amax equal along the rows, bit for bit): "
                              "build the weights with moe.pack_weights")
@@ -82,6 +84,21 @@ def _check_packed_weights(weights: PackedExpertWeights) -> None:
         raise ValueError(f"weights.w1 must stack gate and up rows (an even N), got N = {weights.w1.data.shape[1]}")
     if weights.w2.data.device != weights.w1.data.device:
         raise ValueError(f"weights.w1 is on {weights.w1.data.device} but weights.w2 on {weights.w2.data.device}")
+
+
+# The largest per-expert weight amax whose NVFP4 weights decode finite: the decode computes f(s_b * amax) first, and
+# the block that holds the amax has s_b up to 448 (docs/NUMERICS.md, known limits: above FLT_MAX / s_b a whole finite
+# row decodes to +-Inf or NaN, and that expert's output silently vanishes on the reference path).
+_MAX_WEIGHT_AMAX = torch.finfo(torch.float32).max / formats.NVFP4_WEIGHT_E4M3_MAX
+
+
+def _check_weight_amax(amax: torch.Tensor, name: str) -> None:
+    """ValueError when an expert's amax is past _MAX_WEIGHT_AMAX (a device->host read: offline / construction only)."""
+    largest = float(amax.max()) if amax.numel() else 0.0
+    if largest > _MAX_WEIGHT_AMAX:
+        raise ValueError(f"{name} has an expert whose largest |weight| is {largest:.3e}, above {_MAX_WEIGHT_AMAX:.3e}: "
+                         f"its NVFP4 weights would decode to Inf / NaN (docs/NUMERICS.md, known limits); scale the "
+                         f"master weights down")
 
 
 def _per_expert_amax(w: torch.Tensor) -> torch.Tensor:
@@ -124,9 +141,11 @@ def pack_weights(w1: torch.Tensor, w2: torch.Tensor) -> PackedExpertWeights:
     # Packing is not differentiable: with nn.Parameter masters, autograd would otherwise record the amax (and the
     # reference path's dequantized copies would require grad, which dispatch and combine refuse).
     with torch.no_grad():
-        return PackedExpertWeights(
-            w1=formats.nvfp4_quantize(w1, four_over_six=False, amax=_per_expert_amax(w1)),
-            w2=formats.nvfp4_quantize(w2, four_over_six=False, amax=_per_expert_amax(w2)))
+        amax1, amax2 = _per_expert_amax(w1), _per_expert_amax(w2)
+        _check_weight_amax(amax1, "w1")
+        _check_weight_amax(amax2, "w2")
+        return PackedExpertWeights(w1=formats.nvfp4_quantize(w1, four_over_six=False, amax=amax1),
+                                   w2=formats.nvfp4_quantize(w2, four_over_six=False, amax=amax2))
 
 
 @formats._keeps_subnormals
@@ -141,6 +160,11 @@ def expert_mlp_reference(tokens: formats.NVFP4Tensor, w1: torch.Tensor, w2: torc
             raise TypeError(f"{name} must be the FP32 dequantized weights of one expert "
                             f"(formats.nvfp4_dequantize(weights.{name}, dtype=torch.float32)[e]), got "
                             f"{getattr(w, 'dtype', type(w).__name__)}")
+    hidden = tokens.shape[-1] if isinstance(tokens, formats.NVFP4Tensor) else -1
+    if w1.dim() != 2 or w2.dim() != 2 or w1.shape[0] % 2 or tuple(w1.shape) != (w1.shape[0], hidden) or \
+            tuple(w2.shape) != (hidden, w1.shape[0] // 2) or (w1.shape[0] // 2) % 16:
+        raise ValueError(f"expert_mlp_reference needs NVFP4 tokens [n, H], w1 [2I, H] and w2 [H, I] with I % 16 == 0; "
+                         f"got tokens of width {hidden}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}")
     with exact_fp32_matmuls():  # the FP32 oracle on CUDA tensors too (as grouped_gemm's reference)
         x = formats.nvfp4_dequantize(tokens, dtype=torch.float32)
         gate, up = (x @ w1.t()).chunk(2, dim=-1)
@@ -176,6 +200,9 @@ def _check_fused_inputs(tokens, expert_offsets, num_tokens_per_expert, w1, w2=No
             raise ValueError(f"{name} must be packed with pack_gemm_weights(..., swiglu={swiglu})")
         if weights is not None:
             _check_kernel_row_order(weights)  # before w1 runs, rather than at w2's launch
+    if not isinstance(tokens, formats.NVFP4Tensor):  # (a plain tensor's width would be misread as codes)
+        raise TypeError(f"the fused experts take NVFP4 tokens (an NVFP4Tensor: a dispatch's result.x in nvfp4), got "
+                        f"{type(tokens).__name__}")
     _check_segments(expert_offsets, num_tokens_per_expert, w1.num_experts)
     if w2 is not None and (w2.num_experts != w1.num_experts or w2.k != w1.out_features):
         raise ValueError(f"w2 must be packed for the same {w1.num_experts} experts with K = w1's output features "
@@ -211,12 +238,16 @@ def default_wave_sms(hidden: int, intermediate: int, num_sms: int, precision: st
     A received row costs the receive ~3.1 H bytes of memory traffic (it reads the NVFP4 row, H/2 + H/16 bytes,
     and writes it back plus its fp16 GEMM operand, 2H bytes, and two words); w1 costs 2 * H * 2I FLOPs per row.
     With per-SM rates r_receive and r_gemm (measured on H200), n receive SMs keep pace with num_sms - n GEMM SMs
-    when n / (num_sms - n) >= (bytes / r_receive) / (flops / r_gemm); twice that n, clamped to [4, num_sms / 2].
+    when n / (num_sms - n) >= (bytes / r_receive) / (flops / r_gemm); twice that n, clamped to [4, num_sms / 2]
+    (4 when num_sms / 2 < 4).
     DeepSeek-V3 shapes (H = 7168, I = 2048) on 132 SMs: 19. precision "fp8_inexact" (the GEMM's FP8 mode): its
     operand row is H bytes instead of 2H (~2.1 H of traffic per row) and its w1 is faster (the FP8 rate above): 16
     at those shapes. (The receive's per-SM byte rate is the exact form's; the FP8 form was not measured on 2 GPUs.)
     """
     fp8 = check_precision(precision)
+    for name, value in (("hidden", hidden), ("intermediate", intermediate), ("num_sms", num_sms)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+            raise ValueError(f"default_wave_sms: {name} must be a positive int, got {value!r}")
     receive_s = ((2.125 if fp8 else 3.125) * hidden + 28) / _SM_RECEIVE_BYTES_PER_S
     gemm_s = 4.0 * hidden * intermediate / (_SM_W1_FLOPS_FP8 if fp8 else _SM_W1_FLOPS)
     ratio = receive_s / gemm_s
@@ -542,7 +573,9 @@ class MoELayer(torch.nn.Module):
         bf16 or TF32 logits would pick other experts at near-ties, and the ranks' routing would depend on it."""
         # .float(): a module-wide cast (model.to(torch.bfloat16)) also casts this buffer.
         with exact_fp32_matmuls():
-            logits = x.float() @ self.router_weight.float().t()
+            # (A contiguous copy: BLAS may sum in another order for another layout of the same values, and a near-tie
+            # would then route the same token differently.)
+            logits = x.float().contiguous() @ self.router_weight.float().t()
             top_logits, topk_idx = logits.topk(self.buffer.config.num_topk, dim=-1)
             return topk_idx, torch.softmax(top_logits.float(), dim=-1)
 
@@ -551,6 +584,14 @@ class MoELayer(torch.nn.Module):
         defined (what `Buffer.combine` reads): the reference path zeroes the others, the fused path leaves them
         uninitialised. Needs the expert-major rows of an expanding dispatch (not `dispatch(..., expand=False)`)."""
         _require_expanded(result, "experts")
+        cfg = self.buffer.config
+        counts = getattr(result, "num_tokens_per_expert", None)
+        width = getattr(getattr(result, "x", None), "shape", (0,))[-1]
+        if not isinstance(counts, torch.Tensor) or counts.numel() != cfg.num_local_experts or width != cfg.hidden:
+            # (the reference path would zero the rows of experts past its own, silently)
+            raise ValueError(f"experts() takes a dispatch result of this layer's Buffer ({cfg.num_local_experts} local "
+                             f"experts, hidden {cfg.hidden}); got {getattr(counts, 'numel', lambda: '?')()} expert "
+                             f"counts and hidden {width}")
         if self.expert_impl == "fused":
             return self._experts_fused(result)
         return self._experts_reference(result)

@@ -463,6 +463,31 @@ def test_pack_weights_and_layer_reject_bad_shapes():
             moe.pack_weights(w1_bad, w2)
     with pytest.raises(ValueError, match="must not be empty"):
         moe.pack_weights(w1[:, :0], w2[:, :, :0])
+    # Finite but so large that the NVFP4 weights would decode to Inf / NaN (docs/NUMERICS.md, known limits): refused,
+    # by pack_weights and by the layer for weights packed some other way; just below the bound, taken.
+    bound = torch.finfo(torch.float32).max / 448
+    w1_huge = w1.clone()
+    w1_huge[3] *= 1.01 * bound / float(w1_huge[3].abs().max())
+    with pytest.raises(ValueError, match="w1 has an expert whose largest"):
+        moe.pack_weights(w1_huge, w2)
+    w1_big = w1.clone()
+    w1_big[3] *= 0.99 * bound / float(w1_big[3].abs().max())
+    big = moe.pack_weights(w1_big, w2)
+    assert torch.isfinite(formats.nvfp4_dequantize(big.w1, impl="reference")).all()
+    forged = moe.PackedExpertWeights(w1=formats.nvfp4_quantize(w1_huge, four_over_six=False,
+                                                               amax=moe._per_expert_amax(w1_huge)), w2=big.w2)
+    with pytest.raises(ValueError, match="weights.w1 has an expert whose largest"):
+        moe._check_packed_weights(forged)
+    # expert_mlp_reference names its own arguments for shapes that do not chain.
+    tokens = formats.nvfp4_quantize(torch.randn(3, HIDDEN))
+    w1_f, w2_f = (formats.nvfp4_dequantize(w, impl="reference") for w in (packed.w1, packed.w2))
+    with pytest.raises(ValueError, match="expert_mlp_reference needs NVFP4 tokens"):
+        moe.expert_mlp_reference(tokens, w1_f[0, :-1], w2_f[0])
+    with pytest.raises(ValueError, match="expert_mlp_reference needs NVFP4 tokens"):
+        moe.expert_mlp_reference(tokens, w1_f[0], w2_f[0, :, :-16])
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            moe.default_wave_sms(HIDDEN, bad, 132)
 
 
 @pytest.mark.gpu
@@ -527,6 +552,10 @@ def test_fused_experts_refuse_cpu_tensors_naming_the_reference_path():
         moe.fused_expert_hidden(formats.nvfp4_quantize(torch.randn(6, 2 * HIDDEN)), offsets, counts, w1)
     with pytest.raises(ValueError, match="repack them with pack_gemm_weights"):  # w2 in the pre-2026-12-02 row order
         moe.fused_expert_mlp(tokens, offsets, counts, w1, dataclasses.replace(w2, row_order="plain"))
+    # Tokens in another format: named as such (a plain tensor's width was read as packed codes, twice too wide).
+    for other in (torch.randn(6, HIDDEN).to(torch.bfloat16), formats.mxfp8_quantize(torch.randn(6, HIDDEN))):
+        with pytest.raises(TypeError, match="the fused experts take NVFP4 tokens"):
+            moe.fused_expert_mlp(other, offsets, counts, w1, w2)
 
 
 def _matmuls_exact_inside() -> bool:
@@ -647,6 +676,22 @@ def _layer_misuse_worker(rank, world):
             except error:
                 refused.append(True)
         layer = moe.MoELayer(buf, router, packed)
+        # A result of a Buffer with other sizes: refused (the reference experts zeroed the rows of the experts past
+        # their own, silently).
+        with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=2 * EXPERTS, num_topk=TOPK, max_tokens_per_rank=8) as wide:
+            xw = torch.randn(4, HIDDEN).to(torch.bfloat16)
+            other = wide.dispatch(xw, torch.stack([torch.randperm(2 * EXPERTS)[:TOPK] for _ in range(4)]),
+                                  torch.rand(4, TOPK))
+            try:
+                layer.experts(other)
+                refused.append(False)
+            except ValueError as error:
+                refused.append("dispatch result of this layer's Buffer" in str(error))
+        # Routing does not depend on x's memory layout (BLAS may sum a transposed copy in another order).
+        xs = torch.randn(16, HIDDEN)
+        idx_a, w_a = layer.route(xs)
+        idx_b, w_b = layer.route(xs.t().contiguous().t())
+        refused.append(torch.equal(idx_a, idx_b) and torch.equal(w_a, w_b))
         x = torch.randn(4, HIDDEN).to(torch.bfloat16).requires_grad_()
         try:  # forward-only: a grad-requiring input is refused, not silently cut out of backward
             layer(x)
@@ -666,7 +711,7 @@ def _layer_misuse_worker(rank, world):
                 refused.append("cannot be captured in a CUDA graph" in str(error))
             finally:
                 moe._is_capturing = capturing
-        return all(refused) and len(refused) == 5 and tuple(y.shape) == (4, HIDDEN)
+        return all(refused) and len(refused) == 7 and tuple(y.shape) == (4, HIDDEN)
 
 
 @pytest.mark.cpu
