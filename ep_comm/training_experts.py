@@ -622,9 +622,10 @@ def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: f
     return _expert_mlp(routed, w1, w2, seed, keep_weight_values, accumulate_into_main_grad, None)
 
 
-def _expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: formats.SeedArg,
-                keep_weight_values: bool, accumulate_into_main_grad: bool,
-                weight_cache: Optional[_WeightCache]) -> torch.Tensor:
+def _check_expert_inputs(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, keep_weight_values: bool,
+                         accumulate_into_main_grad: bool) -> None:
+    """Everything _expert_mlp takes but the seed: checked before ExpertMLP draws a call seed, so that a refused call
+    draws none."""
     _check_routed(routed, w1, w2)
     for name, flag in (("keep_weight_values", keep_weight_values),
                        ("accumulate_into_main_grad", accumulate_into_main_grad)):
@@ -642,6 +643,14 @@ def _expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: 
         raise ValueError(f"I must be a multiple of 32 (MXFP8 blocks of the backward), got {two_i // 2}")
     if accumulate_into_main_grad:
         _check_main_grads(w1, w2)
+
+
+def _expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: formats.SeedArg,
+                keep_weight_values: bool, accumulate_into_main_grad: bool,
+                weight_cache: Optional[_WeightCache], checked: bool = False) -> torch.Tensor:
+    """expert_mlp; checked: the inputs other than the seed were checked already (_check_expert_inputs)."""
+    if not checked:
+        _check_expert_inputs(routed, w1, w2, keep_weight_values, accumulate_into_main_grad)
     seed = formats._check_seed_arg(seed, w1.device)
     # (routed.carrier, not routed.x: the values come from result.x, so the dense rows are never made)
     return _ExpertMLPFunction.apply(routed.carrier, w1, w2, routed.result, seed, keep_weight_values,
@@ -668,9 +677,10 @@ class ExpertMLP(torch.nn.Module):
     what was kept; so does release_weight_cache() (what was kept stays held until then, optimizer step included).
     Pass True at the first micro-batch of every step: that is the contract. A call with False raises if nothing was
     kept, if w1 / w2 were replaced or moved (.to()), or if their version counters moved (an in-place update through
-    the parameter, as torch's optimizers make); updates that bypass the counter -- writes through `.data`, into a
-    flat buffer the parameters view (distributed optimizers), an optimizer step replayed from a CUDA graph -- are not
-    seen, and a False call after them would use the previous step's weights.
+    the parameter, as torch's default and foreach optimizers make); updates that bypass the counter -- writes through
+    `.data`, into a flat buffer the parameters view (distributed optimizers), torch's fused optimizers (fused=True,
+    whose kernels do not move it), an optimizer step replayed from a CUDA graph -- are not seen, and a False call after
+    them would use the previous step's weights.
 
     reset_parameters() initialises the weights as the constructor does (from the seed) and zeroes call_count: the
     deferred initialisation after construction on the meta device and `to_empty()`."""
@@ -721,6 +731,8 @@ class ExpertMLP(torch.nn.Module):
     def forward(self, routed: RoutedTokens, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"is_first_microbatch must be None or a bool, got {type(is_first_microbatch).__name__}")
+        # (before the weights are quantized for the cache and before a call seed is drawn: a refused call draws none)
+        _check_expert_inputs(routed, self.w1, self.w2, self.keep_weight_values, self.accumulate_into_main_grad)
         if is_first_microbatch is None:
             self._weight_cache = None
         elif is_first_microbatch:
@@ -743,14 +755,28 @@ class ExpertMLP(torch.nn.Module):
         # the call seed _mix64(_mix64(seed) ^ calls), calls counted first (on the device, in the stream's order)
         call_seed = _mix_seeds(self.call_count, [_mix64(self.seed)], increment=True)
         return _expert_mlp(routed, self.w1, self.w2, call_seed, self.keep_weight_values,
-                           self.accumulate_into_main_grad, self._weight_cache)
+                           self.accumulate_into_main_grad, self._weight_cache, checked=True)
 
     def get_extra_state(self):
-        return {"seed": self.seed, "calls": self.calls}
+        # (A module on the meta device has no count yet: 0, what reset_parameters() gives it.)
+        return {"seed": self.seed, "calls": 0 if self.call_count.is_meta else self.calls}
 
     def set_extra_state(self, state) -> None:
         self.seed = formats._check_seed(state["seed"])
-        self.call_count.fill_(int(state["calls"]))
+        calls = int(state["calls"])
+        if self.call_count.is_meta or self.call_count.device != self.w1.device:
+            # (load_state_dict(..., assign=True) into a module built on the meta device: the weights are real now;
+            # fill_ on the meta count would keep nothing)
+            self.call_count = torch.tensor(calls, dtype=torch.int64, device=self.w1.device)
+        else:
+            self.call_count.fill_(calls)
+
+    def __getstate__(self):
+        # The weights kept by is_first_microbatch=True are not pickled (nor deep-copied): they hold weak references to
+        # this module's parameters, which a copy does not share; the copy's next call needs True again.
+        state = dict(super().__getstate__())
+        state["_weight_cache"] = None
+        return state
 
     def pack(self):
         from . import moe

@@ -9,7 +9,9 @@ land on the neighbouring E4M3 code, and the forward's NVFP4 requantization of th
 rounding: the comparison is a relative L2 bound (`_BOUNDS`), far below what a transposed operand, a wrong factor, a
 misplaced segment or a missing mask gives (O(1)).
 """
+import copy
 import dataclasses
+import pickle
 
 import pytest
 import torch
@@ -343,6 +345,7 @@ def errors_worker(rank, world):
             experts(training.dispatch(unaligned, grads8, x, idx, weights))
         with pytest.raises(ValueError, match="dispatch_format='nvfp4'"):
             experts(training.dispatch(plain, grads_bf16, x, idx, weights))
+        assert experts.calls == 0  # (the refused calls drew no seed)
         with pytest.raises(ValueError, match="local experts"):
             training.expert_mlp(routed, experts.w1[:3], experts.w2[:3], 0)
         with pytest.raises(ValueError, match="w2"):
@@ -660,6 +663,17 @@ def _microbatch_worker(rank, world, backend="reference", device_kind="cpu"):
                 mlp.to(torch.bfloat16)
                 with pytest.raises(RuntimeError, match="replaced, or moved"):
                     mlp(routed, is_first_microbatch=False)
+                # The kept weights are neither pickled nor deep-copied (they refer to this module's parameters): the
+                # copies load and need True again; the module itself keeps them.
+                mlp(routed, is_first_microbatch=True)
+                calls = mlp.calls
+                for copy_of in (lambda m: pickle.loads(pickle.dumps(m)), copy.deepcopy):
+                    other = copy_of(mlp)
+                    assert other._weight_cache is None and other.calls == calls
+                    with pytest.raises(RuntimeError, match="no weights were kept"):
+                        other(routed, is_first_microbatch=False)
+                assert mlp._weight_cache is not None
+                mlp(routed, is_first_microbatch=False)
     finally:
         te.quantize_expert_weights, te._weight_values = quantize, decode
     return "micro-batches ok"
@@ -686,6 +700,15 @@ def test_expert_mlp_deferred_init_and_old_pickles():
     old = training.ExpertMLP.__new__(training.ExpertMLP)
     old.__setstate__(state)
     assert old.calls == 7 and old.call_count.device == made.w1.device and old._weight_cache is None
+    # Torch's recipe for big models: build on the meta device, then load_state_dict(..., assign=True). The meta module's
+    # state_dict works (count 0), and the loaded one has the checkpoint's weights and call count (on the weights'
+    # device: fill_ on the meta count would have kept nothing).
+    made.call_count.fill_(5)
+    on_meta = training.ExpertMLP(2, HIDDEN, INTER, seed=1, dtype=torch.bfloat16, device="meta")
+    assert on_meta.state_dict()["_extra_state"]["calls"] == 0
+    on_meta.load_state_dict(made.state_dict(), assign=True)
+    assert torch.equal(on_meta.w1, made.w1) and on_meta.seed == made.seed
+    assert on_meta.calls == 5 and on_meta.call_count.device == made.w1.device
 
 
 def _graph_worker(rank, world, backend):
