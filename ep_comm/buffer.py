@@ -205,6 +205,9 @@ class Buffer:
             raise RuntimeError("ep_comm.Buffer needs torch.distributed to be initialized (init_process_group)")
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
+        if self.rank < 0:  # (torch answers -1 for a process outside the group)
+            raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the process group given "
+                             f"to ep_comm.Buffer")
         self.config = BufferConfig(hidden=hidden, num_experts=num_experts, num_topk=num_topk,
                                    max_tokens_per_rank=max_tokens_per_rank,
                                    world_size=dist.get_world_size(self.group), dispatch_format=dispatch_format,
@@ -603,8 +606,14 @@ class Buffer:
             validate()
         except (TypeError, ValueError, RuntimeError) as rejected:
             error = rejected
-        self._backend.raise_together(error, what + " inputs were rejected on rank(s) {ranks} (see the error raised "
-                                                  "there); this rank's call is abandoned so that no rank waits")
+        try:
+            self._backend.raise_together(error, what + " inputs were rejected on rank(s) {ranks} (see the error raised "
+                                                      "there); this rank's call is abandoned so that no rank waits")
+        except RuntimeError as failed:
+            if self._destroyed and failed is not error:  # (the agreement itself failed: its timeout, say)
+                raise RuntimeError(f"this ep_comm.Buffer was destroyed, and its peers did not join this {what}'s "
+                                   f"agreement (a call after destroy() made on this rank only?): {failed}") from failed
+            raise
 
     def dispatch_waves(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                        wave_sms: int, check_inputs: Optional[bool] = None, precision: str = "exact") -> WaveDispatch:
@@ -775,7 +784,9 @@ class Buffer:
         """Free every buffer (symmetric memory included). Collective: every rank must call it. On the nvlink backend
         it waits in a barrier of the Buffer's group until every rank has called it (no peer may still write into this
         rank's memory), bounded only by the process group's timeout: a rank that never destroys its Buffer holds the
-        others there."""
+        others there. On the reference backend it makes no collective of its own (it frees nothing shared); a call on
+        a Buffer destroyed everywhere raises at once on every rank that makes it together, and one made on one rank
+        only raises after timeout_s, saying the Buffer was destroyed."""
         if not self._destroyed:
             self._backend.destroy()
             self._destroyed = True

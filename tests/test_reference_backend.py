@@ -1,6 +1,7 @@
 """The reference backend (all_to_all_single) against the single-process oracle, on gloo and NCCL."""
 import pytest
 import torch
+import torch.distributed as dist
 
 import dist_cases
 from harness import run_ranks
@@ -71,6 +72,46 @@ def _missing_peer_worker(rank, world, raised_marker):
     finally:
         open(raised_marker, "w").close()
     return "no error"
+
+
+def _lone_call_after_destroy_worker(rank, world, raised_marker):
+    """Both ranks destroy the Buffer, then rank 0 alone calls dispatch on it: it waits for the agreement's timeout (a
+    peer's Buffer destroyed on one rank only must still be told), and the error then says the Buffer was destroyed."""
+    import ep_comm
+    buf = ep_comm.Buffer(None, hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=8, backend="reference",
+                         timeout_s=1.0)
+    buf.destroy()
+    if rank == 1:
+        return "absent" if _idle_until(raised_marker) else "rank 0 had not raised after 60 s"
+    try:
+        buf.dispatch(torch.randn(4, 64).to(torch.bfloat16), torch.tensor([[0, 1]] * 4), torch.rand(4, 2))
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        open(raised_marker, "w").close()
+    return "no error"
+
+
+def _not_a_member_worker(rank, world):
+    import ep_comm
+    group = dist.new_group([0, 1])  # (collective: every rank makes it)
+    if rank != 2:
+        return "member"
+    try:
+        ep_comm.Buffer(group, hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=8, backend="reference")
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.cpu
+def test_gloo_misuse_named_for_what_it_is(tmp_path):
+    results = run_ranks(_lone_call_after_destroy_worker, 2, str(tmp_path / "rank0_raised"), backend="gloo",
+                        timeout_s=120)
+    assert results[1] == "absent", results[1]
+    assert "this ep_comm.Buffer was destroyed, and its peers did not join" in results[0], results[0]
+    results = run_ranks(_not_a_member_worker, 3, backend="gloo")
+    assert results[:2] == ["member", "member"] and "is not a member of the process group" in results[2], results
 
 
 @pytest.mark.cpu
