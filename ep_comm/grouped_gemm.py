@@ -42,7 +42,7 @@ plus one FP32 outer factor per row, applied in the epilogue.
 
 Inexact FP8 mode (opt-in: `expand_nvfp4_rows(q, precision="fp8_inexact")`, whose rows say so in
 `ExpandedRows.precision`; the GEMM checks it against the values' dtype float8_e4m3fn). Hopper's E4M3 wgmma runs at
-twice the fp16 rate, but e2m1 * e4m3 products (up to 5 significant bits) do not fit E4M3 (4): the kernel rounds each weight value e2m1 * scale * 2^-3 to E4M3 (RNE) in
+twice the fp16 rate, but e2m1 * e4m3 products (up to 6 significant bits) do not fit E4M3 (4): the kernel rounds each weight value e2m1 * scale * 2^-3 to E4M3 (RNE) in
 registers, and the activations are stored as E4M3 of e2m1 * scale * 2^-3 (RNE; row_factor carries the 2^3). Within
 each 16-column group the activation columns are stored in the order `FP8_COLUMN_ORDER` (stored column o holds column
 FP8_COLUMN_ORDER[o]), the order in which the fp16 weight fragments feed wgmma's 32-wide E4M3 steps: the same packed
@@ -180,8 +180,9 @@ class ExpandedRows:
         (`FP8_COLUMN_ORDER`).
     row_factor: float32 [R], the outer decode scale amax / (6 * e4m3_max) of each row (formats' fp32
         arithmetic: amax * fp32(1 / (6 * e4m3_max))); times 8 in the FP8 mode.
-    The dequantized row is values * row_factor (up to one fp32 rounding vs `formats.nvfp4_dequantize`; FP8: after
-    undoing the column order, and with the E4M3 rounding).
+    The dequantized row is values * row_factor (a few fp32 ulp from `formats.nvfp4_dequantize`, which multiplies in
+    another order: two roundings against three, up to 3 ulp seen; FP8: after undoing the column order, and with the
+    E4M3 rounding).
     precision: "exact" or "fp8_inexact", which of the two forms values and row_factor are (the GEMM checks it against
         the values' dtype: E4M3 values made some other way, in natural column order or without the factor 8, would
         give wrong results, so they must come from expand_nvfp4_rows, quantize_expanded_rows or
@@ -264,17 +265,33 @@ def _one_amax_per_expert(amax: torch.Tensor) -> bool:
     return torch.equal(bits, bits[:, :1].expand_as(bits))
 
 
+# The largest expert amax whose NVFP4 weights decode finite: the decode computes f(s_b * amax) first, and the block that
+# holds the amax has s_b up to 448 (docs/NUMERICS.md, known limits: above FLT_MAX / s_b a whole finite row decodes to
+# +-Inf or NaN; the reference path's outputs then are NaN, and so are the trainable experts' decoded weights).
+MAX_WEIGHT_AMAX = torch.finfo(torch.float32).max / 448.0
+
+
+def check_weight_amax(amax: torch.Tensor, name: str) -> None:
+    """ValueError when some expert amax is above MAX_WEIGHT_AMAX (a device->host read: offline / construction only)."""
+    largest = float(amax.float().max()) if amax.numel() else 0.0
+    if largest > MAX_WEIGHT_AMAX:
+        raise ValueError(f"{name} has an expert whose largest |weight| is {largest:.3e}, above {MAX_WEIGHT_AMAX:.3e}: "
+                         f"its NVFP4 weights would decode to Inf / NaN (docs/NUMERICS.md, known limits); scale the "
+                         f"master weights down")
+
+
 def _check_weight_values(w: NVFP4Tensor, name: str = "weight") -> None:
     """Refuses NVFP4 weights whose values no expert path can use: E4M3 scale bytes 0x7F..0xFF (NaN or negative
-    scales) and an amax that is NaN, Inf or negative. pack_gemm_weights and MoELayer (on either expert path) both call
-    it, so the reference path does not take weights that the fused path refuses. Reads the values (a device->host
-    sync: an offline or construction-time check)."""
+    scales) and an amax that is NaN, Inf, negative or so large that the weights decode to Inf (MAX_WEIGHT_AMAX).
+    pack_gemm_weights and MoELayer (on either expert path) both call it, so the reference path does not take weights
+    that the fused path refuses. Reads the values (a device->host sync: an offline or construction-time check)."""
     if bool((w.scales.view(torch.uint8) >= 0x7F).any()):
         raise ValueError(f"{name} scales must be finite and non-negative (E4M3 bytes 0x00..0x7E); "
                          "found negative or NaN scales")
     amax = w.amax.float()
     if not bool(torch.isfinite(amax).all()) or bool((amax < 0).any()):
         raise ValueError(f"{name} amax must be finite and non-negative")
+    check_weight_amax(amax, name)
 
 
 @_keeps_subnormals
@@ -360,7 +377,7 @@ def _check_gemm_weights(w) -> None:
             or tuple(w.factor.shape) != (experts,) or tuple(w.amax.shape) != (experts,)
             or tuple(w.row_perm.shape) != (w.n,) or w.n % TILE_ROWS or w.k % TILE_K):
         raise ValueError("inconsistent GemmWeights: values int32 [E, N/64, K/64, 128, 4], scales uint8 "
-                         "[E, N/64, K/64, 64, 4], factor/amax float32 [E], row_perm [N] expected; got values "
+                         "[E, N/64, K/64, 64, 4], factor float32 [E], amax [E], row_perm [N] expected; got values "
                          f"{w.values.dtype}{tuple(w.values.shape)}, scales {w.scales.dtype}{tuple(w.scales.shape)}, "
                          f"factor {w.factor.dtype}{tuple(w.factor.shape)}, amax {tuple(w.amax.shape)}, "
                          f"row_perm {tuple(w.row_perm.shape)}, n={w.n}, k={w.k}")
@@ -578,6 +595,10 @@ def _expand_fp8_inexact(q: NVFP4Tensor, data: torch.Tensor, scales: torch.Tensor
 
 def fp8_rows_in_column_order(values: torch.Tensor) -> torch.Tensor:
     """float32 [R, K] of FP8 operand values ([R, K] float8_e4m3fn, `FP8_COLUMN_ORDER`) in the natural column order."""
+    if not isinstance(values, torch.Tensor) or values.dtype != torch.float8_e4m3fn or values.dim() != 2 or \
+            values.shape[1] % 16:
+        raise TypeError(f"fp8_rows_in_column_order takes the FP8 mode's float8_e4m3fn [R, K] rows (K % 16 == 0), got "
+                        f"{getattr(values, 'dtype', type(values).__name__)} {tuple(getattr(values, 'shape', ()))}")
     rows, k = values.shape
     out = torch.empty(rows, k // 16, 16, dtype=torch.float32, device=values.device)
     out[..., _fp8_column_order(values.device)] = values.float().reshape(rows, k // 16, 16)
@@ -654,6 +675,8 @@ def quantize_expanded_rows(x: torch.Tensor, amax: Optional[torch.Tensor] = None,
         raise ValueError(f"amax must be [{x.shape[0]}] on {x.device}, got {tuple(amax.shape)} on {amax.device}")
     fp8 = check_precision(precision)
     _check_num_rows_limit(num_rows_limit, x.device)
+    if not isinstance(check_amax, bool):  # (None would skip the check silently)
+        raise TypeError(f"check_amax must be a bool, got {check_amax!r}")
     if check_amax and amax is not None:
         _check_amax_values(amax)
     if _use_gemm_kernels(impl, x, "quantize_expanded_rows"):
@@ -663,8 +686,8 @@ def quantize_expanded_rows(x: torch.Tensor, amax: Optional[torch.Tensor] = None,
         values, row_factor = _cuda_formats.nvfp4_quantize_block_values(x, amax, num_rows_limit, fp8=fp8)
         return ExpandedRows(values=values, row_factor=row_factor, precision=precision)
     from . import formats
-    return expand_nvfp4_rows(formats.nvfp4_quantize(x, four_over_six=True, amax=amax, impl="reference"),
-                             impl="reference", precision=precision)
+    return expand_nvfp4_rows(formats.nvfp4_quantize(x, four_over_six=True, amax=amax, impl="reference",
+                                                    check_amax=check_amax), impl="reference", precision=precision)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -676,7 +699,8 @@ def _check_segments(expert_offsets, num_tokens_per_expert, experts: int) -> None
     for name, t, length in (("expert_offsets", expert_offsets, experts + 1),
                             ("num_tokens_per_expert", num_tokens_per_expert, experts)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
-            raise TypeError(f"{name} must be a 1-D int32 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+            got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{name} must be a 1-D int32 tensor, got {got}")
         if tuple(t.shape) != (length,):
             raise ValueError(f"{name} must have shape [{length}] for {experts} experts, got {tuple(t.shape)}")
         if not t.is_contiguous():

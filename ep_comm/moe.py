@@ -31,8 +31,8 @@ from . import _ext, formats
 from .formats import _is_capturing
 from .buffer import Buffer
 from .grouped_gemm import (TOKEN_TILES, _check_kernel_row_order, _check_segments, _one_amax_per_expert,
-                           _check_weight_values, check_precision, exact_fp32_matmuls, gemm_kernels_unavailable,
-                           has_combine_rows_kernel)
+                           _check_weight_values, check_precision, check_weight_amax, exact_fp32_matmuls,
+                           gemm_kernels_unavailable, has_combine_rows_kernel)
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,7 @@ def _check_packed_weights(weights: PackedExpertWeights) -> None:
         if w.e4m3_max != formats.NVFP4_WEIGHT_E4M3_MAX:
             raise ValueError(f"weights.{name} must be plain NVFP4 (e4m3_max {formats.NVFP4_WEIGHT_E4M3_MAX}, no 4/6), "
                              f"got e4m3_max {w.e4m3_max}: build the weights with moe.pack_weights")
-        _check_weight_values(w, f"weights.{name}")
-        _check_weight_amax(w.amax, f"weights.{name}")
+        _check_weight_values(w, f"weights.{name}")  # (the amax bound included: grouped_gemm.MAX_WEIGHT_AMAX)
         if not _one_amax_per_expert(w.amax):
             raise ValueError(f"weights.{name} must have one amax per expert (amax equal along the rows, bit for bit): "
                              "build the weights with moe.pack_weights")
@@ -84,21 +83,6 @@ def _check_packed_weights(weights: PackedExpertWeights) -> None:
         raise ValueError(f"weights.w1 must stack gate and up rows (an even N), got N = {weights.w1.data.shape[1]}")
     if weights.w2.data.device != weights.w1.data.device:
         raise ValueError(f"weights.w1 is on {weights.w1.data.device} but weights.w2 on {weights.w2.data.device}")
-
-
-# The largest per-expert weight amax whose NVFP4 weights decode finite: the decode computes f(s_b * amax) first, and
-# the block that holds the amax has s_b up to 448 (docs/NUMERICS.md, known limits: above FLT_MAX / s_b a whole finite
-# row decodes to +-Inf or NaN, and that expert's output silently vanishes on the reference path).
-_MAX_WEIGHT_AMAX = torch.finfo(torch.float32).max / formats.NVFP4_WEIGHT_E4M3_MAX
-
-
-def _check_weight_amax(amax: torch.Tensor, name: str) -> None:
-    """ValueError when an expert's amax is past _MAX_WEIGHT_AMAX (a device->host read: offline / construction only)."""
-    largest = float(amax.max()) if amax.numel() else 0.0
-    if largest > _MAX_WEIGHT_AMAX:
-        raise ValueError(f"{name} has an expert whose largest |weight| is {largest:.3e}, above {_MAX_WEIGHT_AMAX:.3e}: "
-                         f"its NVFP4 weights would decode to Inf / NaN (docs/NUMERICS.md, known limits); scale the "
-                         f"master weights down")
 
 
 def _per_expert_amax(w: torch.Tensor) -> torch.Tensor:
@@ -142,8 +126,8 @@ def pack_weights(w1: torch.Tensor, w2: torch.Tensor) -> PackedExpertWeights:
     # reference path's dequantized copies would require grad, which dispatch and combine refuse).
     with torch.no_grad():
         amax1, amax2 = _per_expert_amax(w1), _per_expert_amax(w2)
-        _check_weight_amax(amax1, "w1")
-        _check_weight_amax(amax2, "w2")
+        check_weight_amax(amax1, "w1")  # (finite but too large: its NVFP4 weights would decode to Inf)
+        check_weight_amax(amax2, "w2")
         return PackedExpertWeights(w1=formats.nvfp4_quantize(w1, four_over_six=False, amax=amax1),
                                    w2=formats.nvfp4_quantize(w2, four_over_six=False, amax=amax2))
 

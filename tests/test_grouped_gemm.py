@@ -1436,3 +1436,29 @@ def test_kernel_takes_a_one_row_view_with_any_row_stride():
     out = G.grouped_gemm_nvfp4(one, off, cnt, packed, out_dtype=torch.float32, impl="cuda")
     ref = G.grouped_gemm_nvfp4(one, off, cnt, packed, out_dtype=torch.float32, impl="reference")
     _check_against_reference(out, ref, torch.ones(1, dtype=torch.bool, device="cuda"), torch.float32)
+
+
+@pytest.mark.cpu
+def test_cpu_api_edges():
+    """Inputs a review found accepted silently or named wrongly (2026-12-04)."""
+    x = torch.randn(4, 32)
+    nan_amax = torch.tensor([1.0, float("nan"), 2.0, 3.0])
+    # check_amax=False skips the amax check on the reference path too (it used to check anyway, with a host read).
+    rows = G.quantize_expanded_rows(x, amax=nan_amax, impl="reference", check_amax=False)
+    assert rows.values.shape == (4, 32)
+    with pytest.raises(ValueError, match="non-negative"):
+        G.quantize_expanded_rows(x, amax=nan_amax, impl="reference")
+    with pytest.raises(TypeError, match="check_amax must be a bool"):
+        G.quantize_expanded_rows(x, amax=nan_amax, impl="reference", check_amax=None)
+    # Weights whose NVFP4 decode overflows (finite masters of |w| > FLT_MAX / 448) are refused when packed.
+    w = torch.randn(2, 64, 64)
+    w[1] *= 1e36 / float(w[1].abs().max())
+    q = F.nvfp4_quantize(w, four_over_six=False, amax=moe._per_expert_amax(w), impl="reference")
+    with pytest.raises(ValueError, match="has an expert whose largest"):
+        G.pack_gemm_weights(q, swiglu=False)
+    # The FP8 column order helper takes the FP8 rows only (fp16 rows came back with scrambled columns).
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        G.fp8_rows_in_column_order(torch.randn(2, 32).half())
+    # A 2-D int32 offsets tensor is named by its shape, not by its (right) dtype.
+    with pytest.raises(TypeError, match=r"got torch.int32 of shape \(1, 3\)"):
+        G._check_segments(torch.zeros(1, 3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 2)
