@@ -111,8 +111,16 @@ def parse_args(argv=None):
         parser.error("--backend nvlink needs GPUs (these ranks run on the CPU over gloo); use auto or reference")
     if args.out is not None:  # checked now, not after a run of many minutes
         folder = os.path.dirname(os.path.abspath(args.out))
-        if os.path.isdir(args.out) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        if os.path.isdir(args.out) or not os.path.isdir(folder):
             parser.error(f"--out {args.out!r}: not a writable file path (its folder must exist)")
+        existed = os.path.exists(args.out)
+        try:  # (an open, not os.access: root passes that check for read-only files and folders)
+            with open(args.out, "a"):
+                pass
+        except OSError as error:
+            parser.error(f"--out {args.out!r}: cannot be written ({error.strerror})")
+        if not existed:
+            os.remove(args.out)
     if not 0 < args.timeout <= 1e6:  # (NaN and inf fail too: the collectives' timeout must be a finite duration)
         parser.error(f"--timeout must be a positive number of seconds up to 1e6, got {args.timeout}")
     args.pairs = parse_format_pairs(parser, args.formats)

@@ -162,6 +162,8 @@ def run_ranks(worker, world_size: int, *args, backend: str = "gloo", timeout_s: 
         raise ValueError(f"timeout_s must be a finite positive number of seconds, got {timeout_s!r}")
     if hang_at_teardown not in ("raise", "warn"):
         raise ValueError(f"hang_at_teardown must be 'raise' or 'warn', got {hang_at_teardown!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")  # (0 returned [] untried)
     for attempt in range(3):
         try:
             with _ranks_end_with_sigterm():
@@ -234,8 +236,8 @@ def _run_once(worker, world_size: int, args, backend: str, timeout_s: float, str
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(outcome))
-                raise AssertionError(f"ranks {missing} did not finish within {timeout_s:.0f} s (hang? killed; their "
-                                     f"stacks are on stderr); finished: {sorted(outcome)}")
+                raise AssertionError(f"ranks {missing} did not finish within {timeout_s:.0f} s (hang? killed; the "
+                                     f"stacks of those that had started are on stderr); finished: {sorted(outcome)}")
             try:
                 rank, status, value = results.get(timeout=min(remaining, 5.0))
             except queue_module.Empty:

@@ -7,12 +7,17 @@ import torch
 from ep_comm.bench import check_routing_flags
 
 
-def parse_moe_args(argv=None, *, description=None, hidden, intermediate, tokens=256, experts=16, topk=4):
-    """(args, world): the parsed sizes (args.gpu: 2+ GPUs visible, one rank each; else 2 CPU ranks over gloo)."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_moe_args(argv=None, *, description=None, hidden, intermediate, tokens=256, experts=16, topk=4, parents=(),
+                   intermediate_multiple=16):
+    """(args, world): the parsed sizes (args.gpu: 2+ GPUs visible, one rank each; else 2 CPU ranks over gloo).
+    parents: argparse parsers (add_help=False) of an example's own flags, parsed and listed by --help with these.
+    intermediate_multiple: what I must be a multiple of (16: NVFP4 blocks; 32 for the MXFP8 backward of ExpertMLP)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     parents=list(parents))
     parser.add_argument("--tokens", type=int, default=tokens, help="tokens per rank")
     parser.add_argument("--hidden", type=int, default=hidden, help="H, a multiple of 32")
-    parser.add_argument("--intermediate", type=int, default=intermediate, help="I, a multiple of 16")
+    parser.add_argument("--intermediate", type=int, default=intermediate,
+                        help=f"I, a multiple of {intermediate_multiple}")
     parser.add_argument("--experts", type=int, default=experts, help="global experts, a multiple of the rank count")
     parser.add_argument("--topk", type=int, default=topk)
     args = parser.parse_args(argv)
@@ -22,6 +27,7 @@ def parse_moe_args(argv=None, *, description=None, hidden, intermediate, tokens=
                         world_what="ranks (one per visible GPU)" if args.gpu else "ranks (CPU ranks)")
     if args.hidden % 32:
         parser.error(f"--hidden must be a multiple of 32, got {args.hidden}")
-    if args.intermediate % 16:
-        parser.error(f"--intermediate must be a multiple of 16, got {args.intermediate}")
+    if args.intermediate % intermediate_multiple:
+        parser.error(f"--intermediate must be a multiple of {intermediate_multiple}, got {args.intermediate}")
+    args.parser = parser  # (for an example's own checks of its flags: parser.error)
     return args, world

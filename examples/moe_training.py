@@ -16,6 +16,7 @@ with stochastic rounding in the backward (the Buffer then needs expert_alignment
 experts in plain torch on the dense rows `routed.x` (FP32 here), to show how any expert code plugs in.
 """
 import argparse
+import math
 
 import torch
 import torch.nn.functional as F
@@ -87,14 +88,19 @@ def worker(rank, world, args):
 
 
 def main():
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--lr", type=float, default=5.0)
-    parser.add_argument("--expert-mlp", default="ep_comm", choices=("ep_comm", "torch"))
-    own, rest = parser.parse_known_args()
-    args, world = parse_moe_args(rest, description=__doc__, hidden=256, intermediate=128, tokens=128, experts=8,
-                                 topk=2)
-    args.steps, args.lr, args.expert_mlp = own.steps, own.lr, own.expert_mlp
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--steps", type=int, default=30, help="SGD steps (at least 1)")
+    own.add_argument("--lr", type=float, default=5.0, help="SGD learning rate (finite, positive)")
+    own.add_argument("--expert-mlp", default="ep_comm", choices=("ep_comm", "torch"),
+                     help="the experts: training.ExpertMLP (I a multiple of 32) or plain FP32 torch experts")
+    expert_mlp = own.parse_known_args()[0].expert_mlp
+    args, world = parse_moe_args(None, description=__doc__, hidden=256, intermediate=128, tokens=128, experts=8,
+                                 topk=2, parents=[own], intermediate_multiple=32 if expert_mlp == "ep_comm" else 16)
+    if args.steps < 1:
+        args.parser.error(f"--steps must be at least 1, got {args.steps}")
+    if not 0 < args.lr < math.inf:
+        args.parser.error(f"--lr must be a finite positive number, got {args.lr}")
+    del args.parser  # (the ranks get args: a parser is not worth pickling)
     for rank, losses in enumerate(run_ranks(worker, world, args, backend="nccl" if args.gpu else "gloo")):
         print(f"rank {rank}: loss {losses[0]:.5f} at step 1, {losses[-1]:.5f} at step {len(losses)}")
 

@@ -36,6 +36,7 @@ def test_main_job_on_cpu_ranks(tmp_path, capsys):
                                           (["--backend", "nvlink"], "--backend nvlink needs GPUs"),
                                           (["--out", "/nonexistent_dir/x.json"], "not a writable file path"),
                                           (["--out", "/"], "not a writable file path"),
+                                          (["--out", "/proc/ep_comm_x.json"], "cannot be written"),
                                           (["--timeout", "0"], "--timeout must be a positive number"),
                                           (["--timeout", "inf"], "--timeout must be a positive number"),
                                           (["--timeout", "nan"], "--timeout must be a positive number")])

@@ -43,6 +43,25 @@ def test_examples_refuse_bad_sizes_before_starting_ranks(argv, message, capsys):
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("argv,message", [(["--steps", "0"], "--steps must be at least 1"),
+                                          (["--lr", "nan"], "--lr must be a finite positive number"),
+                                          (["--intermediate", "48"], "--intermediate must be a multiple of 32")])
+def test_training_example_refuses_bad_flags_before_starting_ranks(argv, message, monkeypatch, capsys):
+    """Its own flags too (checked after the ranks ran, or by every rank's ExpertMLP, before), and --help lists them."""
+    import moe_training
+    monkeypatch.setattr(sys, "argv", ["moe_training.py", *argv])
+    monkeypatch.setattr(moe_training, "run_ranks", lambda *a, **k: pytest.fail("ranks started"))
+    with pytest.raises(SystemExit):
+        moe_training.main()
+    assert message in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["moe_training.py", "--help"])
+    with pytest.raises(SystemExit):
+        moe_training.main()
+    shown = capsys.readouterr().out
+    assert all(flag in shown for flag in ("--steps", "--lr", "--expert-mlp", "--intermediate")), shown
+
+
+@pytest.mark.cpu
 @pytest.mark.parametrize("expert_mlp", ["ep_comm", "torch"])
 def test_moe_training_example_learns_on_gloo(expert_mlp):
     """Gradients through dispatch, combine and the routing weights (ep_comm.training), and through the experts

@@ -264,3 +264,10 @@ def test_ranks_rendezvous_under_torchrun(monkeypatch):
     nobody serves (each waited until the collective timeout)."""
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     assert run_ranks(_barrier, 2, backend="gloo", timeout_s=60) == [0, 1]
+
+
+@pytest.mark.cpu
+def test_a_world_of_no_ranks_is_refused():
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="world_size must be a positive int"):
+            run_ranks(print, bad)
