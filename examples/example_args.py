@@ -8,10 +8,12 @@ from ep_comm.bench import check_routing_flags
 
 
 def parse_moe_args(argv=None, *, description=None, hidden, intermediate, tokens=256, experts=16, topk=4, parents=(),
-                   intermediate_multiple=16):
+                   intermediate_multiple=16, check=None):
     """(args, world): the parsed sizes (args.gpu: 2+ GPUs visible, one rank each; else 2 CPU ranks over gloo).
     parents: argparse parsers (add_help=False) of an example's own flags, parsed and listed by --help with these.
-    intermediate_multiple: what I must be a multiple of (16: NVFP4 blocks; 32 for the MXFP8 backward of ExpertMLP)."""
+    intermediate_multiple: what I must be a multiple of (16: NVFP4 blocks; 32 for the MXFP8 backward of ExpertMLP).
+    check: check(parser, args) for an example's own flags (parser.error to refuse), before any rank starts. args goes
+    to the ranks, so it holds plain values only (a parser does not pickle)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      parents=list(parents))
     parser.add_argument("--tokens", type=int, default=tokens, help="tokens per rank")
@@ -29,5 +31,6 @@ def parse_moe_args(argv=None, *, description=None, hidden, intermediate, tokens=
         parser.error(f"--hidden must be a multiple of 32, got {args.hidden}")
     if args.intermediate % intermediate_multiple:
         parser.error(f"--intermediate must be a multiple of {intermediate_multiple}, got {args.intermediate}")
-    args.parser = parser  # (for an example's own checks of its flags: parser.error)
+    if check is not None:
+        check(parser, args)
     return args, world

@@ -94,13 +94,16 @@ def main():
     own.add_argument("--expert-mlp", default="ep_comm", choices=("ep_comm", "torch"),
                      help="the experts: training.ExpertMLP (I a multiple of 32) or plain FP32 torch experts")
     expert_mlp = own.parse_known_args()[0].expert_mlp
+
+    def check(parser, args):
+        if args.steps < 1:
+            parser.error(f"--steps must be at least 1, got {args.steps}")
+        if not 0 < args.lr < math.inf:
+            parser.error(f"--lr must be a finite positive number, got {args.lr}")
+
     args, world = parse_moe_args(None, description=__doc__, hidden=256, intermediate=128, tokens=128, experts=8,
-                                 topk=2, parents=[own], intermediate_multiple=32 if expert_mlp == "ep_comm" else 16)
-    if args.steps < 1:
-        args.parser.error(f"--steps must be at least 1, got {args.steps}")
-    if not 0 < args.lr < math.inf:
-        args.parser.error(f"--lr must be a finite positive number, got {args.lr}")
-    del args.parser  # (the ranks get args: a parser is not worth pickling)
+                                 topk=2, parents=[own], intermediate_multiple=32 if expert_mlp == "ep_comm" else 16,
+                                 check=check)
     for rank, losses in enumerate(run_ranks(worker, world, args, backend="nccl" if args.gpu else "gloo")):
         print(f"rank {rank}: loss {losses[0]:.5f} at step 1, {losses[-1]:.5f} at step {len(losses)}")
 

@@ -43,6 +43,15 @@ def test_examples_refuse_bad_sizes_before_starting_ranks(argv, message, capsys):
 
 
 @pytest.mark.cpu
+def test_example_args_reach_the_ranks():
+    """What parse_moe_args returns goes to spawned ranks: it must pickle (a parser kept on it broke every example)."""
+    import pickle
+    from example_args import parse_moe_args
+    args, world = parse_moe_args([], hidden=512, intermediate=256, check=lambda parser, a: None)
+    assert pickle.loads(pickle.dumps(args)).hidden == 512 and world >= 1
+
+
+@pytest.mark.cpu
 @pytest.mark.parametrize("argv,message", [(["--steps", "0"], "--steps must be at least 1"),
                                           (["--lr", "nan"], "--lr must be a finite positive number"),
                                           (["--intermediate", "48"], "--intermediate must be a multiple of 32")])
