@@ -106,8 +106,14 @@ def _not_a_member_worker(rank, world):
 
 @pytest.mark.cpu
 def test_gloo_misuse_named_for_what_it_is(tmp_path):
-    results = run_ranks(_lone_call_after_destroy_worker, 2, str(tmp_path / "rank0_raised"), backend="gloo",
-                        timeout_s=120)
+    import warnings
+    with warnings.catch_warnings():
+        # (rank 0's abandoned all_reduce is still pending in gloo when it exits, which may abort it after it reported:
+        # run_ranks warns of a crash at teardown; the result this test checks has arrived by then)
+        warnings.filterwarnings("ignore", message=r"run_ranks: ranks \[0\] reported but then exited",
+                                category=RuntimeWarning)
+        results = run_ranks(_lone_call_after_destroy_worker, 2, str(tmp_path / "rank0_raised"), backend="gloo",
+                            timeout_s=120)
     assert results[1] == "absent", results[1]
     assert "this ep_comm.Buffer was destroyed, and its peers did not join" in results[0], results[0]
     results = run_ranks(_not_a_member_worker, 3, backend="gloo")
