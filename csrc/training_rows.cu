@@ -9,6 +9,7 @@
 // is fixed (training_rows.h), so the dots are deterministic and the torch oracle reproduces them bit for bit.
 #include <cuda_bf16.h>
 
+#include "formats.h"
 #include "training_rows.h"
 #include "vec_io.cuh"
 
@@ -109,8 +110,6 @@ __global__ void __launch_bounds__(kThreads) combine_backward_rows_kernel(
   }
 }
 
-bool aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
-
 }  // namespace
 
 cudaError_t launch_combine_backward_rows(const uint16_t* g, const uint16_t* expert_out, const float* row_weight,
@@ -126,7 +125,9 @@ cudaError_t launch_combine_backward_rows(const uint16_t* g, const uint16_t* expe
       grad_expert_out == nullptr || dots == nullptr) {
     return cudaErrorInvalidValue;
   }
-  if (!aligned16(g) || !aligned16(expert_out) || !aligned16(grad_expert_out)) return cudaErrorInvalidValue;
+  if (!rows_aligned(g, 0, 16) || !rows_aligned(expert_out, 0, 16) || !rows_aligned(grad_expert_out, 0, 16)) {
+    return cudaErrorInvalidValue;  // 16-byte loads and stores (rows of 2 * hidden bytes, hidden % 32 == 0)
+  }
   int device = 0, num_sms = 0;
   cudaError_t status = cudaGetDevice(&device);
   if (status == cudaSuccess) status = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);

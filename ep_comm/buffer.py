@@ -103,13 +103,12 @@ def _field_names(kind: type) -> tuple:
     """The field names of dataclass type `kind`, () for any other type (a dataclass type itself, as opposed to an
     instance, is of type `type`: no fields, no tensors)."""
     try:
-        names = _FIELD_NAMES.get(kind)
-    except TypeError:  # (a type that cannot be a dict key: a metaclass with __eq__ and no __hash__)
-        return tuple(field.name for field in dataclasses.fields(kind)) if dataclasses.is_dataclass(kind) else ()
-    if names is None:
+        return _FIELD_NAMES[kind]
+    except (KeyError, TypeError) as missing:  # (TypeError: a type that cannot be a key, a metaclass without __hash__)
         names = tuple(field.name for field in dataclasses.fields(kind)) if dataclasses.is_dataclass(kind) else ()
-        _FIELD_NAMES[kind] = names
-    return names
+        if isinstance(missing, KeyError):
+            _FIELD_NAMES[kind] = names
+        return names
 
 
 def _collect_tensors(obj, found: list) -> None:

@@ -61,9 +61,10 @@ import torch
 import torch.nn.functional as F
 
 from . import _ext
-from .formats import (NVFP4_BLOCK, NVFP4Tensor, _check_amax_values, _check_float_input, _check_nvfp4,
-                      _cuda_kernels_problem, _f32, _keeps_subnormals, _nan_to_zero_abs, _pack_e2m1_codes,
-                      _reference_fallback, _unpack_e2m1_codes, _use_cuda, e2m1_decode, e4m3_decode, e4m3_encode)
+from .formats import (NVFP4_BLOCK, NVFP4_WEIGHT_E4M3_MAX, NVFP4Tensor, _check_amax_values, _check_float_input,
+                      _check_nvfp4, _cuda_kernels_problem, _f32, _keeps_subnormals, _nan_to_zero_abs,
+                      _pack_e2m1_codes, _reference_fallback, _unpack_e2m1_codes, _use_cuda, e2m1_decode, e4m3_decode,
+                      e4m3_encode)
 from .types import CombineRowsTarget
 
 __all__ = [
@@ -268,7 +269,7 @@ def _one_amax_per_expert(amax: torch.Tensor) -> bool:
 # The largest expert amax whose NVFP4 weights decode finite: the decode computes f(s_b * amax) first, and the block that
 # holds the amax has s_b up to 448 (docs/NUMERICS.md, known limits: above FLT_MAX / s_b a whole finite row decodes to
 # +-Inf or NaN; the reference path's outputs then are NaN, and so are the trainable experts' decoded weights).
-MAX_WEIGHT_AMAX = torch.finfo(torch.float32).max / 448.0
+MAX_WEIGHT_AMAX = torch.finfo(torch.float32).max / NVFP4_WEIGHT_E4M3_MAX
 
 
 def check_weight_amax(amax: torch.Tensor, name: str) -> None:

@@ -456,7 +456,6 @@ class RoutedTokens:
     done_event: the torch.cuda.Event recorded on the comm_stream after the dispatch, or None (no comm_stream).
     """
 
-    _dispatched: DispatchResult = dataclasses.field(repr=False)  # (read through `result`, which waits for it)
     topk_weights: torch.Tensor
     carrier: torch.Tensor = dataclasses.field(repr=False, compare=False)
     link: Any = dataclasses.field(repr=False, compare=False)  # the state the backward passes share (_Link)
@@ -481,7 +480,7 @@ class RoutedTokens:
     @property
     def result(self) -> DispatchResult:
         self.wait()
-        return self._dispatched
+        return self.link.result
 
     @functools.cached_property
     def x(self) -> torch.Tensor:
@@ -524,8 +523,8 @@ def dispatch(buffer: Buffer, grads: GradBuffers, x: torch.Tensor, topk_idx: torc
     done_event = torch.cuda.Event() if isinstance(comm_stream, torch.cuda.Stream) else None
     carrier, token = _DispatchFunction.apply(x, anchor, link, dtype, check_inputs, comm_stream, done_event)
     capture = _ext.capture_id(comm_stream.cuda_stream) if done_event is not None else 0
-    return RoutedTokens(_dispatched=link.result, topk_weights=topk_weights, carrier=carrier, link=link, token=token,
-                        done_event=done_event, capture=capture)
+    return RoutedTokens(topk_weights=topk_weights, carrier=carrier, link=link, token=token, done_event=done_event,
+                        capture=capture)
 
 
 def combine(expert_out: torch.Tensor, routed: RoutedTokens, *, comm_stream: Optional[torch.cuda.Stream] = None,

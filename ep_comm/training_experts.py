@@ -619,6 +619,7 @@ def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: f
     weight-gradient GEMM adds its FP32 accumulators into main_grad as it stores them (no gradient tensor, no separate
     addition pass), for float32 and bfloat16 masters alike; elsewhere the gradient is computed as without it and added.
     Either way each element of main_grad gets exactly one FP32 addition per backward."""
+    _check_expert_inputs(routed, w1, w2, keep_weight_values, accumulate_into_main_grad)
     return _expert_mlp(routed, w1, w2, seed, keep_weight_values, accumulate_into_main_grad, None)
 
 
@@ -647,10 +648,8 @@ def _check_expert_inputs(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tenso
 
 def _expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: formats.SeedArg,
                 keep_weight_values: bool, accumulate_into_main_grad: bool,
-                weight_cache: Optional[_WeightCache], checked: bool = False) -> torch.Tensor:
-    """expert_mlp; checked: the inputs other than the seed were checked already (_check_expert_inputs)."""
-    if not checked:
-        _check_expert_inputs(routed, w1, w2, keep_weight_values, accumulate_into_main_grad)
+                weight_cache: Optional[_WeightCache]) -> torch.Tensor:
+    """expert_mlp on inputs its callers have checked (_check_expert_inputs), the seed apart."""
     seed = formats._check_seed_arg(seed, w1.device)
     # (routed.carrier, not routed.x: the values come from result.x, so the dense rows are never made)
     return _ExpertMLPFunction.apply(routed.carrier, w1, w2, routed.result, seed, keep_weight_values,
@@ -755,7 +754,7 @@ class ExpertMLP(torch.nn.Module):
         # the call seed _mix64(_mix64(seed) ^ calls), calls counted first (on the device, in the stream's order)
         call_seed = _mix_seeds(self.call_count, [_mix64(self.seed)], increment=True)
         return _expert_mlp(routed, self.w1, self.w2, call_seed, self.keep_weight_values,
-                           self.accumulate_into_main_grad, self._weight_cache, checked=True)
+                           self.accumulate_into_main_grad, self._weight_cache)
 
     def get_extra_state(self):
         # (A module on the meta device has no count yet: 0, what reset_parameters() gives it.)
