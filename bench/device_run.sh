@@ -372,6 +372,15 @@ bench_gemm_tail_ab() {  # the remainder launch overlapped with the main one (EP_
 bench_gemm_wide_ab() {  # wide last tiles (EP_COMM_GEMM_WIDE_TILE=144) on and off, routed ~256 rows per expert
   for value in 144 0 0 144; do bench_gemm_variant EP_COMM_GEMM_WIDE_TILE=$value 256r; done
 }
+test_ws() {  # the warp-specialized tile-128 GEMM (EP_COMM_GEMM_WS=1|2, experimental): bitwise the classic kernel
+  say "gpu tier: grouped GEMM, warp-specialized form against the classic kernel"
+  timeout 400 python3 -m pytest -q -x tests/test_grouped_gemm.py -k warp_specialized > "$OUT/pytest_ws.txt" 2>&1
+  echo "rc $?" | tee -a "$log"
+  tail -25 "$OUT/pytest_ws.txt" | tee -a "$log"
+}
+bench_gemm_ws_ab() {  # the warp-specialized tile-128 GEMM: classic, one CTA per cluster, two, two, one, classic
+  for value in 0 1 2 2 1 0; do bench_gemm_variant EP_COMM_GEMM_WS=$value "${GEMM_AB_ROWS:-128,256r}"; done
+}
 bench_gemm_small_persistent() {  # the small token tiles as persistent CTAs (EP_COMM_GEMM_MAX_CTAS=396: 3 per SM) or not
   for value in 0 396 396 0; do bench_gemm_variant EP_COMM_GEMM_MAX_CTAS=$value 16,32; done
 }

@@ -42,6 +42,8 @@
 #include "grouped_gemm.h"
 #include "pdl_launch.cuh"
 #include "s2f6_lane.cuh"
+#include "tensor_map.h"
+#include "tma.cuh"
 #include "vec_io.cuh"
 #include "wgmma.cuh"
 
@@ -106,6 +108,34 @@ __device__ __forceinline__ uint32_t decode_pair0(uint32_t w) { return w & kPairM
 __device__ __forceinline__ uint32_t decode_pair1(uint32_t w) { return (w << 3) & kPairMask; }
 __device__ __forceinline__ uint32_t decode_pair2(uint32_t w) { return ((w & 0x40384038u) * 66u) & kPairMask; }
 __device__ __forceinline__ uint32_t decode_pair3(uint32_t w) { return ((w & 0x20072007u) * 516u) & kPairMask; }
+
+// One k-step's A fragment (fp16x2, mma.m16n8k16 A order) from its code word w and the fp16 scale * 2^7 halves of rows
+// r0 and r0 + 8 (kHalf: which half of the scale words holds this k-step's scale).
+template <int kHalf>
+__device__ __forceinline__ void decode_k_step(const uint32_t w, uint32_t scale_r0, uint32_t scale_r1,
+                                              uint32_t (&out)[4]) {
+  out[0] = hmul2_broadcast<kHalf>(decode_pair0(w), scale_r0);
+  out[1] = hmul2_broadcast<kHalf>(decode_pair1(w), scale_r1);
+  out[2] = hmul2_broadcast<kHalf>(decode_pair2(w), scale_r0);
+  out[3] = hmul2_broadcast<kHalf>(decode_pair3(w), scale_r1);
+}
+
+// A thread's A fragments of one 64-row weight tile and k-block: its 16 bytes of codes at `values` (4 k-step words)
+// and the tile's 256 scale bytes at `tile_scales` (row r at 4 r, byte s = k-step s), of which it reads rows r0 and
+// r0 + 8.
+__device__ __forceinline__ void decode_a_fragments(const uint8_t* values, const uint8_t* tile_scales, int row_r0,
+                                                   uint32_t (&a)[4][4]) {
+  const uint4 words = *reinterpret_cast<const uint4*>(values);
+  const uint32_t scales_r0 = *reinterpret_cast<const uint32_t*>(tile_scales + 4 * row_r0);
+  const uint32_t scales_r1 = *reinterpret_cast<const uint32_t*>(tile_scales + 4 * (row_r0 + 8));
+  // fp16 scale * 2^7 = code << 7: k-steps 0 and 2 in the halves of `even`, 1 and 3 in the halves of `odd`.
+  const uint32_t even_r0 = (scales_r0 << 7) & 0x7F807F80u, odd_r0 = (scales_r0 >> 1) & 0x7F807F80u;
+  const uint32_t even_r1 = (scales_r1 << 7) & 0x7F807F80u, odd_r1 = (scales_r1 >> 1) & 0x7F807F80u;
+  decode_k_step<0>(words.x, even_r0, even_r1, a[0]);
+  decode_k_step<0>(words.y, odd_r0, odd_r1, a[1]);
+  decode_k_step<1>(words.z, even_r0, even_r1, a[2]);
+  decode_k_step<1>(words.w, odd_r0, odd_r1, a[3]);
+}
 
 // Counts are clamped to [0, segment length] (expert_offsets[e + 1] - expert_offsets[e]) and segments to the rows
 // of x, so inconsistent offsets/counts cannot make the kernel read or write outside its buffers.
@@ -189,57 +219,69 @@ struct FoundTile {
 // Waves (args.wave.area set): lane 0 also waits, before the barrier, until every row of the tile's expert has been
 // received (acquire): the barrier then orders the whole CTA's loads of the tile after it, with no barrier of its own.
 // The other lanes take the slot from lane 0 of warp 0 (with waves only thread 0 holds the item it took).
+//
+// The scan itself is scan_tiles: warp 0 runs it (lane = threadIdx.x) and every lane gets the result; the
+// warp-specialized kernel's producer warp (warp 0 too) calls it directly, after a __syncwarp that orders its lane 0's
+// cursor writes of the previous call before the other lanes' reads.
+template <int kTile>
+__device__ __forceinline__ FoundTile scan_tiles(const GroupedGemmArgs& args, const RowSplit split, const int slot,
+                                                TileCursor& cursor) {
+  const int lane = threadIdx.x;
+  FoundTile result{-1, 0, 0};
+  int base = cursor.base, tiles_before = cursor.tiles_before;
+  const bool resume = cursor.loaded;
+  int inclusive = resume ? cursor.inclusive[lane] : 0;
+  int lane_first_row = resume ? cursor.first_row[lane] : 0;
+  int lane_rows = resume ? cursor.rows[lane] : 0;
+  bool loaded = resume;
+  while (base < args.num_experts) {
+    if (!loaded) {
+      const int e = base + lane;
+      const int2 part_rows = e < args.num_experts ? rows_of_part(args, split, e) : make_int2(0, 0);
+      lane_first_row = e < args.num_experts ? static_cast<int>(__ldcg(args.expert_offsets + e)) + part_rows.x : 0;
+      lane_rows = part_rows.y;
+      inclusive = (lane_rows + kTile - 1) / kTile;
+#pragma unroll
+      for (int offset = 1; offset < 32; offset <<= 1) {
+        const int v = __shfl_up_sync(0xFFFFFFFFu, inclusive, offset);
+        if (lane >= offset) inclusive += v;
+      }
+      loaded = true;
+    }
+    const int below = __shfl_up_sync(0xFFFFFFFFu, inclusive, 1);  // every lane shuffles (lane 0 gets its own)
+    const int tiles = inclusive - (lane > 0 ? below : 0);
+    const int exclusive = tiles_before + inclusive - tiles;
+    const unsigned hit = __ballot_sync(0xFFFFFFFFu, slot >= exclusive && slot < exclusive + tiles);
+    if (hit) {
+      const int src = __ffs(hit) - 1;
+      const int tile_in_expert = slot - __shfl_sync(0xFFFFFFFFu, exclusive, src);
+      result.expert = base + src;
+      result.first_row = __shfl_sync(0xFFFFFFFFu, lane_first_row, src) + tile_in_expert * kTile;
+      result.valid_rows = min(kTile, __shfl_sync(0xFFFFFFFFu, lane_rows, src) - tile_in_expert * kTile);
+      break;
+    }
+    tiles_before += __shfl_sync(0xFFFFFFFFu, inclusive, 31);
+    base += 32;
+    loaded = false;
+  }
+  cursor.inclusive[lane] = inclusive;
+  cursor.first_row[lane] = lane_first_row;
+  cursor.rows[lane] = lane_rows;
+  if (lane == 0) {
+    cursor.base = base;
+    cursor.tiles_before = tiles_before;
+    cursor.loaded = loaded;
+  }
+  return result;
+}
+
 template <int kTile>
 __device__ bool find_tile(const GroupedGemmArgs& args, const RowSplit split, int slot, TileCursor& cursor,
                           FoundTile* tile, const unsigned long long wave_epoch) {
   __shared__ FoundTile found;
   if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    slot = __shfl_sync(0xFFFFFFFFu, slot, 0);
-    FoundTile result{-1, 0, 0};
-    int base = cursor.base, tiles_before = cursor.tiles_before;
-    const bool resume = cursor.loaded;
-    int inclusive = resume ? cursor.inclusive[lane] : 0;
-    int lane_first_row = resume ? cursor.first_row[lane] : 0;
-    int lane_rows = resume ? cursor.rows[lane] : 0;
-    bool loaded = resume;
-    while (base < args.num_experts) {
-      if (!loaded) {
-        const int e = base + lane;
-        const int2 part_rows = e < args.num_experts ? rows_of_part(args, split, e) : make_int2(0, 0);
-        lane_first_row = e < args.num_experts ? static_cast<int>(__ldcg(args.expert_offsets + e)) + part_rows.x : 0;
-        lane_rows = part_rows.y;
-        inclusive = (lane_rows + kTile - 1) / kTile;
-#pragma unroll
-        for (int offset = 1; offset < 32; offset <<= 1) {
-          const int v = __shfl_up_sync(0xFFFFFFFFu, inclusive, offset);
-          if (lane >= offset) inclusive += v;
-        }
-        loaded = true;
-      }
-      const int below = __shfl_up_sync(0xFFFFFFFFu, inclusive, 1);  // every lane shuffles (lane 0 gets its own)
-      const int tiles = inclusive - (lane > 0 ? below : 0);
-      const int exclusive = tiles_before + inclusive - tiles;
-      const unsigned hit = __ballot_sync(0xFFFFFFFFu, slot >= exclusive && slot < exclusive + tiles);
-      if (hit) {
-        const int src = __ffs(hit) - 1;
-        const int tile_in_expert = slot - __shfl_sync(0xFFFFFFFFu, exclusive, src);
-        result.expert = base + src;
-        result.first_row = __shfl_sync(0xFFFFFFFFu, lane_first_row, src) + tile_in_expert * kTile;
-        result.valid_rows = min(kTile, __shfl_sync(0xFFFFFFFFu, lane_rows, src) - tile_in_expert * kTile);
-        break;
-      }
-      tiles_before += __shfl_sync(0xFFFFFFFFu, inclusive, 31);
-      base += 32;
-      loaded = false;
-    }
-    cursor.inclusive[lane] = inclusive;
-    cursor.first_row[lane] = lane_first_row;
-    cursor.rows[lane] = lane_rows;
-    if (lane == 0) {
-      cursor.base = base;
-      cursor.tiles_before = tiles_before;
-      cursor.loaded = loaded;
+    const FoundTile result = scan_tiles<kTile>(args, split, __shfl_sync(0xFFFFFFFFu, slot, 0), cursor);
+    if (threadIdx.x == 0) {
       found = result;
       if (args.wave.area != nullptr && result.expert >= 0) {
         wave::wait_rows(args.wave, result.expert, wave_epoch, clamped_count(args, result.expert));
@@ -462,11 +504,10 @@ __device__ __forceinline__ void store_swiglu_as(const GroupedGemmArgs& args, con
   }
 }
 
-template <int kTile, int kWarpGroups>
-__device__ __forceinline__ void store_rows(const GroupedGemmArgs& args, const float (&acc)[kTile / 2],
-                                           const float* factors, const WorkItem item) {
-  const int weight_tile = item.weight_cta * kWarpGroups + threadIdx.x / 128;
-  if (weight_tile >= args.n / kTileRows) return;  // a spare warpgroup of the last weight CTA
+// Weight tile `weight_tile`'s outputs from the warpgroup's accumulators (fp32 / bf16 rows, SwiGLU or not).
+template <int kTile>
+__device__ __forceinline__ void store_tile_rows(const GroupedGemmArgs& args, const float (&acc)[kTile / 2],
+                                                const float* factors, const WorkItem item, const int weight_tile) {
   // One branch per item instead of per value: each form is its own unrolled loop.
   if (args.out_type == 0) {
     if (args.swiglu) store_swiglu_as<kTile, float>(args, acc, factors, item, weight_tile);
@@ -475,6 +516,14 @@ __device__ __forceinline__ void store_rows(const GroupedGemmArgs& args, const fl
     if (args.swiglu) store_swiglu_as<kTile, __nv_bfloat16>(args, acc, factors, item, weight_tile);
     else store_column_pairs_as<kTile, __nv_bfloat16>(args, acc, factors, item, weight_tile);
   }
+}
+
+template <int kTile, int kWarpGroups>
+__device__ __forceinline__ void store_rows(const GroupedGemmArgs& args, const float (&acc)[kTile / 2],
+                                           const float* factors, const WorkItem item) {
+  const int weight_tile = item.weight_cta * kWarpGroups + threadIdx.x / 128;
+  if (weight_tile >= args.n / kTileRows) return;  // a spare warpgroup of the last weight CTA
+  store_tile_rows<kTile>(args, acc, factors, item, weight_tile);
 }
 
 // Every work item of this CTA: item blockIdx.x, then (persistent) blockIdx.x + gridDim.x, ... until find_tile finds
@@ -625,35 +674,15 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
   };
 
   const int row_r0 = 16 * (thread_in_group / 32) + (thread_in_group % 32) / 4;  // tile rows r0 and r0 + 8
-  // One k-step's A fragment from its code word w and the scale halves of rows r0 and r0 + 8 (kHalf: which half of
-  // the scale words holds this k-step's scale).
-  auto convert_step = [&](const uint32_t w, auto half, uint32_t scale_r0, uint32_t scale_r1, uint32_t (&out)[4]) {
-    constexpr int kHalf = decltype(half)::value;
-    out[0] = hmul2_broadcast<kHalf>(decode_pair0(w), scale_r0);
-    out[1] = hmul2_broadcast<kHalf>(decode_pair1(w), scale_r1);
-    out[2] = hmul2_broadcast<kHalf>(decode_pair2(w), scale_r0);
-    out[3] = hmul2_broadcast<kHalf>(decode_pair3(w), scale_r1);
-  };
   // This thread's A fragments of k-block `sub` of ring slot `slot` (fp16x2, mma.m16n8k16 order) from its private
-  // smem bytes.
+  // smem bytes and its warpgroup's scale codes (written by other lanes: read after the stage barrier).
   auto convert = [&](int slot, int sub, uint32_t (&a)[4][4]) {
     const uint8_t* stage = smem + slot * G::kStageBytes + sub * G::kBlockBytes;
-    const uint4 words = *reinterpret_cast<const uint4*>(stage + G::kValuesOffset + threadIdx.x * kValueBytes);
-    // Scale codes of rows r0 and r1, byte s = k-step s (written by other lanes: read after the stage barrier).
-    const uint8_t* tile_scales = stage + G::kScalesOffset + warp_group * kTileScaleBytes;
-    const uint32_t scales_r0 = *reinterpret_cast<const uint32_t*>(tile_scales + 4 * row_r0);
-    const uint32_t scales_r1 = *reinterpret_cast<const uint32_t*>(tile_scales + 4 * (row_r0 + 8));
-    const uint32_t word[4] = {words.x, words.y, words.z, words.w};
-    // fp16 scale * 2^7 = code << 7: k-steps 0 and 2 in the halves of `even`, 1 and 3 in the halves of `odd`.
-    const uint32_t even_r0 = (scales_r0 << 7) & 0x7F807F80u, odd_r0 = (scales_r0 >> 1) & 0x7F807F80u;
-    const uint32_t even_r1 = (scales_r1 << 7) & 0x7F807F80u, odd_r1 = (scales_r1 >> 1) & 0x7F807F80u;
-    convert_step(word[0], std::integral_constant<int, 0>{}, even_r0, even_r1, a[0]);
-    convert_step(word[1], std::integral_constant<int, 0>{}, odd_r0, odd_r1, a[1]);
-    convert_step(word[2], std::integral_constant<int, 1>{}, even_r0, even_r1, a[2]);
-    convert_step(word[3], std::integral_constant<int, 1>{}, odd_r0, odd_r1, a[3]);
+    decode_a_fragments(stage + G::kValuesOffset + threadIdx.x * kValueBytes,
+                       stage + G::kScalesOffset + warp_group * kTileScaleBytes, row_r0, a);
   };
   // FP8 mode: this thread's A fragments of k-block `sub` as e4m3, two k32 steps of 4 registers. The weights are
-  // decoded to the exact fp16 values v * s * 2^-7 as above (convert_step), scaled by 16 (exact in fp16, subnormals
+  // decoded to the exact fp16 values v * s * 2^-7 as above (decode_a_fragments), scaled by 16 (exact in fp16, subnormals
   // included) and rounded to e4m3 (RNE): v * s * 2^-3 is at most 336, so never saturated, and real weights' block
   // values (scale codes mostly 0x69..0x7E, moe.pack_weights) stay in E4M3's normal range, where the rounding costs at
   // most 2^-5 relative; values below 2^-10 become 0. That rounding is the inexact step. The packing is the fp16 one: in
@@ -720,9 +749,9 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
       const uint32_t s0 = (k_step % 2 == 0 ? scales_r0 << 7 : scales_r0 >> 1) & 0x7F807F80u;
       const uint32_t s1 = (k_step % 2 == 0 ? scales_r1 << 7 : scales_r1 >> 1) & 0x7F807F80u;
       if (k_step < 2) {
-        convert_step(w, std::integral_constant<int, 0>{}, s0, s1, a[i]);
+        decode_k_step<0>(w, s0, s1, a[i]);
       } else {
-        convert_step(w, std::integral_constant<int, 1>{}, s0, s1, a[i]);
+        decode_k_step<1>(w, s0, s1, a[i]);
       }
     }
   };
@@ -962,6 +991,311 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------------------------------
+// Warp-specialized form (experimental, opt-in: EP_COMM_GEMM_WS=1, or 2 for clusters of two CTAs; token tile 128, exact
+// mode, direct epilogues, no waves; docs/GEMM.md §4(a)). The same work items, k order per output element and epilogue
+// formulas as the classic kernel above, so its results are bitwise the classic kernel's. What differs is who does what:
+// * warpgroup 0 is the producer. Its warp 0 finds the items (scan_tiles) and its lane 0 issues every load of a stage
+//   as bulk copies completing on the stage's "full" mbarrier: the four weight tiles' codes and scales (stored in the
+//   packed order shared memory wants: one contiguous copy per tile and stage) and the token tile by TMA (a tensor map
+//   over x, 128-byte swizzle: the wgmma B layout). It runs up to kStages stages ahead, across work items, so the next
+//   item's loads land while the consumers run the epilogue. It gives registers back (setmaxnreg.dec).
+// * warpgroups 1 and 2 are consumers of 128 weight rows each (two 64-row tiles: two m64n128 accumulators, 128
+//   registers, and the even / odd A sets of both tiles, 64 registers), claiming 232 registers (setmaxnreg.inc; the
+//   launch cap of 384 threads is 168). They wait on "full", decode, issue the wgmma and release the stage on "empty"
+//   once its last wgmma has retired: no CTA barrier, no cp.async bookkeeping and no load addresses in the MMA warps.
+// * clusters of two (kCluster = 2): the two CTAs take the same token tile against weight CTAs 2 w and 2 w + 1, each
+//   loads half of the token rows and multicasts them into both (the token tile is the larger operand: 16 KiB per
+//   k-block against 9 KiB of weights), and a stage is refilled only once the consumers of both CTAs have released it.
+// Rows of a token tile past the expert's count are not zero-filled: the TMA reads whatever rows follow in x (zeros
+// past its end). Such a row only feeds its own output column (the token), which the epilogue never stores.
+namespace ws {
+constexpr int kTile = 128;
+constexpr int kConsumers = 2;    // consumer warpgroups
+constexpr int kWeightTiles = 4;  // 64-row weight tiles per CTA (256 weight rows), two per consumer
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kBlocksPerStage = 2;
+constexpr int kTileValueBytes = 128 * kValueBytes;  // one tile's codes of one k-block
+// A stage: codes [tile][k-block][thread] x 16 B, scales [tile][k-block] x 256 B, tokens [k-block][row] x 128 B.
+constexpr int kScalesOffset = kWeightTiles * kBlocksPerStage * kTileValueBytes;                   // 16 KiB
+constexpr int kTokensOffset = kScalesOffset + kWeightTiles * kBlocksPerStage * kTileScaleBytes;  // 18 KiB
+constexpr int kTokenBlockBytes = kTile * 128;
+constexpr int kStageBytes = kTokensOffset + kBlocksPerStage * kTokenBlockBytes;  // 50 KiB
+constexpr int kStages = 4;
+static_assert(kTokensOffset % 1024 == 0 && kStageBytes % 1024 == 0, "token tiles start 1024-byte aligned");
+constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + room to align the ring
+// Work items in flight between the producer and the consumers: the producer writes item n's entry once the slot of
+// item n's first stage is free, i.e. after the consumers released a stage of item n - kStages or later, which they do
+// only after reading that item's entry; so kStages + 1 entries suffice.
+constexpr int kItemSlots = 8;
+static_assert(kItemSlots >= kStages + 1, "an item entry is rewritten only after its consumers have read it");
+constexpr int kProducerRegisters = 40;
+constexpr int kConsumerRegisters = 232;
+static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= 65536, "the register file");
+}  // namespace ws
+
+struct WsParams {
+  CUtensorMap x_map;  // fp16 x [num_rows_total, k], box 64 (k) x 128 / kCluster (rows), 128-byte swizzle
+  GroupedGemmArgs args;
+  RowSplit split;
+};
+
+#if EP_COMM_HAS_WGMMA
+// The producer warp: every stage of the CTA's items into the ring, and each item's entry (an entry with expert -1,
+// published by a plain arrival on the next stage's "full" barrier, ends the consumers); then it waits, with the
+// timeout, until every consumer warp is done (ws_consume).
+template <int kCluster>
+__device__ __forceinline__ void ws_produce(const WsParams& p, TileCursor& cursor, WorkItem* items, uint32_t ring,
+                                           uint32_t full_bars, uint32_t empty_bars, uint32_t done_bar) {
+  const GroupedGemmArgs& args = p.args;
+  const int lane = threadIdx.x;  // warp 0
+  const int rank = kCluster > 1 ? static_cast<int>(tma::cluster_rank()) : 0;
+  const int num_weight_tiles = args.n / kTileRows;
+  const int num_weight_ctas = (num_weight_tiles + ws::kWeightTiles - 1) / ws::kWeightTiles;
+  const int weight_groups = (num_weight_ctas + kCluster - 1) / kCluster;  // cluster items per token tile
+  const int num_k_blocks = args.k / kKBlock;
+  const int stages_per_item = (num_k_blocks + ws::kBlocksPerStage - 1) / ws::kBlocksPerStage;
+  const uint8_t* w_values = reinterpret_cast<const uint8_t*>(args.w_values);
+  if (lane == 0) tma::prefetch_map(&p.x_map);
+  uint32_t flat = 0;  // stages issued so far (ring slot flat % kStages, pass flat / kStages)
+  int seq = 0;        // items started
+  // (The launcher bounds cluster items + clusters < 2^31.)
+  for (int cluster_item = blockIdx.x / kCluster;; cluster_item += gridDim.x / kCluster) {
+    __syncwarp();  // lane 0's cursor writes of the previous scan, before the other lanes read them
+    const FoundTile tile = scan_tiles<ws::kTile>(args, p.split, cluster_item / weight_groups, cursor);
+    const int weight_cta = (cluster_item % weight_groups) * kCluster + rank;
+    if (lane == 0) {
+      const uint32_t s = flat % ws::kStages;
+      tma::wait(empty_bars + 8 * s, ((flat / ws::kStages) & 1) ^ 1);
+      items[seq % ws::kItemSlots] = WorkItem{tile, weight_cta};
+      if (tile.expert < 0) tma::arrive(full_bars + 8 * s);  // no more items: the consumers stop here
+    }
+    ++seq;
+    if (tile.expert < 0) break;
+    if (lane == 0) {
+      int64_t tile_index[ws::kWeightTiles];
+#pragma unroll
+      for (int j = 0; j < ws::kWeightTiles; ++j) {
+        // A spare tile of the last weight CTA loads tile 0 again (computed, never stored: the classic kernel's rule).
+        const int weight_tile = weight_cta * ws::kWeightTiles + j;
+        tile_index[j] = static_cast<int64_t>(tile.expert) * num_weight_tiles +
+                        (weight_tile < num_weight_tiles ? weight_tile : 0);
+      }
+      for (int st = 0; st < stages_per_item; ++st, ++flat) {
+        const uint32_t s = flat % ws::kStages;
+        if (st > 0) tma::wait(empty_bars + 8 * s, ((flat / ws::kStages) & 1) ^ 1);
+        const uint32_t stage = ring + s * ws::kStageBytes;
+        const uint32_t full = full_bars + 8 * s;
+        const int first_block = st * ws::kBlocksPerStage;
+        const int blocks = num_k_blocks - first_block < ws::kBlocksPerStage ? num_k_blocks - first_block
+                                                                             : ws::kBlocksPerStage;
+        tma::arrive_expect_bytes(
+            full, blocks * (ws::kWeightTiles * (ws::kTileValueBytes + kTileScaleBytes) + ws::kTokenBlockBytes));
+#pragma unroll
+        for (int j = 0; j < ws::kWeightTiles; ++j) {
+          const int64_t block = tile_index[j] * num_k_blocks + first_block;
+          tma::load_bytes(stage + j * ws::kBlocksPerStage * ws::kTileValueBytes, w_values + block * ws::kTileValueBytes,
+                          blocks * ws::kTileValueBytes, full);
+          tma::load_bytes(stage + ws::kScalesOffset + j * ws::kBlocksPerStage * kTileScaleBytes,
+                          args.w_scales + block * kTileScaleBytes, blocks * kTileScaleBytes, full);
+        }
+        for (int b = 0; b < blocks; ++b) {
+          const uint32_t tokens = stage + ws::kTokensOffset + b * ws::kTokenBlockBytes;
+          const int32_t k0 = (first_block + b) * kKBlock;
+          if constexpr (kCluster == 1) {
+            tma::load_2d(tokens, &p.x_map, full, k0, tile.first_row);
+          } else {
+            constexpr int kRows = ws::kTile / kCluster;
+            tma::load_2d_multicast(tokens + rank * kRows * 128, &p.x_map, full, k0, tile.first_row + rank * kRows,
+                                   static_cast<uint16_t>((1u << kCluster) - 1));
+          }
+        }
+      }
+    } else {
+      flat += stages_per_item;
+    }
+  }
+  if (lane == 0) tma::wait(done_bar, 0);
+}
+
+// A consumer warp's release of a ring slot: to the producer of every CTA of the cluster (each CTA's slot holds token
+// rows its peer loaded).
+template <int kCluster>
+__device__ __forceinline__ void ws_release(uint32_t empty_bar) {
+  if constexpr (kCluster == 1) {
+    tma::arrive(empty_bar);
+  } else {
+#pragma unroll
+    for (int cta = 0; cta < kCluster; ++cta) tma::arrive_in_cta(empty_bar, cta);
+  }
+}
+
+// A consumer warpgroup (`consumer` 0 or 1: weight tiles 2 consumer and 2 consumer + 1 of the CTA's four). Its waits
+// have no timeout (tma::wait_untimed: a trap here would cost every wgmma its registers); each warp arrives on
+// `done_bar` when it leaves, and the producer waits for that with the timeout, so a barrier that never completes traps
+// there instead of hanging.
+// `smem` is the ring's generic address, `ring` its shared-window address.
+template <int kCluster>
+__device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const WorkItem* items,
+                                           float (*tile_factors)[ws::kTile], const uint8_t* smem, uint32_t ring,
+                                           uint32_t full_bars, uint32_t empty_bars, uint32_t done_bar) {
+  const int consumer = threadIdx.x / 128 - 1;
+  const int thread_in_group = threadIdx.x % 128;
+  const int lane = threadIdx.x % 32;
+  const int row_r0 = 16 * (thread_in_group / 32) + lane / 4;  // tile rows r0 and r0 + 8
+  const int num_weight_tiles = args.n / kTileRows;
+  const int num_k_blocks = args.k / kKBlock;
+  uint32_t flat = 0;  // stages consumed so far
+  int seq = 0;
+  float acc0[ws::kTile / 2], acc1[ws::kTile / 2];
+  using AFragments = uint32_t[4][4];
+  AFragments a0_even, a1_even, a0_odd, a1_odd;  // [k-step][register] of tiles 0 / 1, even / odd k-blocks
+  // This consumer's A fragments of both its tiles, k-block `sub` of the stage at ring offset `stage_offset`.
+  auto decode = [&](uint32_t stage_offset, int sub, AFragments& a0, AFragments& a1) {
+    const uint8_t* stage = smem + stage_offset;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int j = 2 * consumer + t;  // the tile within the CTA's four
+      const uint8_t* values =
+          stage + (j * ws::kBlocksPerStage + sub) * ws::kTileValueBytes + thread_in_group * kValueBytes;
+      const uint8_t* scales = stage + ws::kScalesOffset + (j * ws::kBlocksPerStage + sub) * kTileScaleBytes;
+      decode_a_fragments(values, scales, row_r0, t == 0 ? a0 : a1);
+    }
+  };
+  while (true) {
+    uint32_t s = flat % ws::kStages;
+    tma::wait_untimed(full_bars + 8 * s, (flat / ws::kStages) & 1);
+    const WorkItem item = items[seq % ws::kItemSlots];
+    ++seq;
+    if (item.expert < 0) break;
+    decode(s * ws::kStageBytes, 0, a0_even, a1_even);
+#pragma unroll
+    for (int i = 0; i < ws::kTile / 2; ++i) acc0[i] = acc1[i] = 0.0f;
+    // k-block `k_block` (k-block kSub of its stage): its eight wgmma (four k-steps of both tiles, the tiles
+    // interleaved), then -- once the previous k-block's have retired -- release the stage before this one if that was
+    // its last k-block, and decode the next k-block into the set the retired wgmma read (waiting for its stage first
+    // when it starts one).
+    auto step = [&](int k_block, auto sub_constant, AFragments& c0, AFragments& c1, AFragments& n0, AFragments& n1) {
+      constexpr int kSub = decltype(sub_constant)::value;
+      wgmma::fence_operand(acc0);
+      wgmma::fence_operand(acc1);
+      wgmma::fence_operand(c0);
+      wgmma::fence_operand(c1);
+      wgmma::fence();
+      const uint64_t desc =
+          wgmma::make_descriptor_sw128(ring + s * ws::kStageBytes + ws::kTokensOffset + kSub * ws::kTokenBlockBytes);
+#pragma unroll
+      for (int k_step = 0; k_step < 4; ++k_step) {  // + 2 in the start field per k-step (32 B, address >> 4)
+        wgmma::MmaRS<ws::kTile>::run(acc0, c0[k_step], desc + 2 * k_step);
+        wgmma::MmaRS<ws::kTile>::run(acc1, c1[k_step], desc + 2 * k_step);
+      }
+      wgmma::commit_group();
+      wgmma::fence_operand(acc0);
+      wgmma::fence_operand(acc1);
+      wgmma::wait_group<1>();  // k-block k_block - 1 retired
+      wgmma::fence_operand(n0);
+      wgmma::fence_operand(n1);
+      if (kSub == 0 && k_block > 0) {  // k_block - 1 was the previous stage's last k-block
+        __syncwarp();
+        if (lane == 0) ws_release<kCluster>(empty_bars + 8 * ((flat - 1) % ws::kStages));
+      }
+      if (k_block + 1 < num_k_blocks) {
+        if (kSub == ws::kBlocksPerStage - 1) {
+          ++flat;
+          s = flat % ws::kStages;
+          tma::wait_untimed(full_bars + 8 * s, (flat / ws::kStages) & 1);
+          decode(s * ws::kStageBytes, 0, n0, n1);
+        } else {
+          decode(s * ws::kStageBytes, kSub + 1, n0, n1);
+        }
+      }
+    };
+    static_assert(ws::kBlocksPerStage == 2, "even k-blocks are k-block 0 of their stage, odd ones k-block 1");
+    for (int k_block = 0; k_block < num_k_blocks; k_block += 2) {
+      step(k_block, std::integral_constant<int, 0>{}, a0_even, a1_even, a0_odd, a1_odd);
+      if (k_block + 1 < num_k_blocks) {
+        step(k_block + 1, std::integral_constant<int, 1>{}, a0_odd, a1_odd, a0_even, a1_even);
+      }
+    }
+    // The epilogue's token factors (consumer 0 loads all 128), issued before the last wgmma drains.
+    const float factor = consumer == 0 ? token_factor<false>(args, item, thread_in_group) : 0.0f;
+    wgmma::wait_group<0>();
+    wgmma::fence_operand(acc0);
+    wgmma::fence_operand(acc1);
+    __syncwarp();
+    if (lane == 0) ws_release<kCluster>(empty_bars + 8 * (flat % ws::kStages));  // the item's last stage
+    ++flat;
+    // Two buffers by item parity: an item's factors are rewritten two items later, after the barrier of the item in
+    // between, which every consumer passes only after this item's epilogue.
+    float* factors = tile_factors[seq & 1];
+    if (consumer == 0) factors[thread_in_group] = factor;
+    tma::named_barrier(1, 128 * ws::kConsumers);
+    const int weight_tile = item.weight_cta * ws::kWeightTiles + 2 * consumer;
+    if (weight_tile < num_weight_tiles) store_tile_rows<ws::kTile>(args, acc0, factors, item, weight_tile);
+    if (weight_tile + 1 < num_weight_tiles) store_tile_rows<ws::kTile>(args, acc1, factors, item, weight_tile + 1);
+  }
+  __syncwarp();
+  if (lane == 0) tma::arrive(done_bar);  // the producer's watchdog (its wait on done_bar has the timeout)
+}
+#endif  // EP_COMM_HAS_WGMMA
+
+template <int kCluster>
+__global__ void __launch_bounds__(ws::kThreads, 1) grouped_gemm_nvfp4_ws_kernel(const __grid_constant__ WsParams p) {
+#if EP_COMM_HAS_WGMMA
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  // (The same offset in both CTAs of a cluster: the multicast loads write at the same address in each.)
+  const uint8_t* smem = smem_raw + ((1024 - (cp_async::smem_address(smem_raw) & 1023)) & 1023);
+  const uint32_t ring = cp_async::smem_address(smem);
+  __shared__ __align__(8) uint64_t full_barriers[ws::kStages];
+  __shared__ __align__(8) uint64_t empty_barriers[ws::kStages];
+  __shared__ __align__(8) uint64_t done_barrier;
+  __shared__ WorkItem items[ws::kItemSlots];
+  __shared__ __align__(16) float tile_factors[2][ws::kTile];
+  __shared__ TileCursor cursor;
+  const uint32_t full_bars = cp_async::smem_address(full_barriers);
+  const uint32_t empty_bars = cp_async::smem_address(empty_barriers);
+  const uint32_t done_bar = cp_async::smem_address(&done_barrier);
+  if (threadIdx.x == 0) {
+    cursor.base = 0;
+    cursor.tiles_before = 0;
+    cursor.loaded = false;
+    for (int s = 0; s < ws::kStages; ++s) {
+      tma::barrier_init(full_bars + 8 * s, 1);  // the producer's arrive_expect_bytes (+ the loads' bytes)
+      tma::barrier_init(empty_bars + 8 * s, kCluster * ws::kConsumers * 4);  // every consumer warp of the cluster
+    }
+    tma::barrier_init(done_bar, ws::kConsumers * 4);  // every consumer warp of this CTA, once
+    tma::fence_barrier_init();
+  }
+  // The peer's barriers must be initialized before this CTA's loads and releases reach them.
+  if constexpr (kCluster > 1) {
+    tma::cluster_sync();
+  } else {
+    __syncthreads();
+  }
+  // Overlapped split: the next part may start now; its CTAs get SMs as this launch's CTAs finish.
+  if (p.split.triggers_dependent()) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  // Each role ends on its own (no code after the branches): ptxas budgets the code after a setmaxnreg at its count,
+  // and a shared tail would be reached with both.
+  auto finish = [&]() {
+    // No CTA exits while its peer may still load into it or arrive on its barriers.
+    if constexpr (kCluster > 1) tma::cluster_sync();
+    // Overlapped parts 3 and 2: complete only after the part launched before has.
+    if (p.split.is_dependent()) asm volatile("griddepcontrol.wait;" ::: "memory");
+  };
+  if (threadIdx.x < 128) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(ws::kProducerRegisters));
+    if (threadIdx.x < 32) ws_produce<kCluster>(p, cursor, items, ring, full_bars, empty_bars, done_bar);
+    finish();
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(ws::kConsumerRegisters));
+  ws_consume<kCluster>(p.args, items, tile_factors, smem, ring, full_bars, empty_bars, done_bar);
+  finish();
+#else
+  __trap();  // built for an architecture without wgmma; the launcher refuses such devices
+#endif
+}
+
 // Test hook: EP_COMM_GEMM_MAX_CTAS=n (n > 0) makes every launch -- the combine-row kernels too -- persistent on at
 // most n CTAs, so that small problems run many work items per CTA (next-item prefetch, odd k-block counts at item
 // boundaries, the scan cursor). 0 when unset or "0", -1 when set to anything else (launches are then refused).
@@ -1019,6 +1353,68 @@ cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64
   const bool programmatic = waves || split.is_dependent();
   return launch_with_pdl(kernel, static_cast<unsigned>(grid), G::kThreads, G::kSmemBytes, stream, programmatic, args,
                          split, persistent);
+}
+
+// The warp-specialized tile-128 kernel's launch (EP_COMM_GEMM_WS=1: one CTA per cluster, 2: two), persistent: as
+// many clusters as are resident at once, at most one per cluster item (a token tile against kCluster weight CTAs).
+template <int kCluster>
+cudaError_t launch_ws_tile(const GroupedGemmArgs& args, const RowSplit split, int64_t tile_slots, cudaStream_t stream) {
+  auto* kernel = grouped_gemm_nvfp4_ws_kernel<kCluster>;
+  const EncodeTiled encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  WsParams params{};
+  params.args = args;
+  params.split = split;
+  // x as a [num_rows_total, k] fp16 tensor in boxes of 64 k x (128 / kCluster) rows, 128-byte swizzle (the wgmma B
+  // layout); rows past its end read as zeros.
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(args.k), static_cast<cuuint64_t>(args.num_rows_total)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(args.x_row_stride) * 2};
+  const cuuint32_t box[2] = {kKBlock, ws::kTile / kCluster};
+  const cuuint32_t element_strides[2] = {1, 1};
+  if (encode(&params.x_map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, const_cast<uint16_t*>(args.x), dims, strides, box,
+             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+    return cudaErrorInvalidValue;
+  }
+  static std::atomic<uint64_t> configured{0};
+  cudaError_t status = once_per_device(configured, [&] {
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ws::kSmemBytes);
+  });
+  if (status != cudaSuccess) return status;
+  const int max_ctas = max_ctas_override();
+  if (max_ctas < 0) return cudaErrorInvalidValue;
+  const int64_t weight_ctas = (args.n / kTileRows + ws::kWeightTiles - 1) / ws::kWeightTiles;
+  const int64_t cluster_items = (weight_ctas + kCluster - 1) / kCluster * tile_slots;
+  cudaLaunchAttribute attributes[2] = {};
+  attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[0].val.programmaticStreamSerializationAllowed = split.is_dependent() ? 1 : 0;
+  attributes[1].id = cudaLaunchAttributeClusterDimension;
+  attributes[1].val.clusterDim.x = kCluster;
+  attributes[1].val.clusterDim.y = 1;
+  attributes[1].val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(kCluster);
+  config.blockDim = dim3(ws::kThreads);
+  config.dynamicSmemBytes = ws::kSmemBytes;
+  config.stream = stream;
+  config.attrs = attributes;
+  config.numAttrs = kCluster > 1 ? 2 : 1;
+  int64_t clusters = 0;
+  if constexpr (kCluster == 1) {
+    status = resident_grid(kernel, ws::kThreads, cluster_items, &clusters, ws::kSmemBytes);
+  } else {
+    int resident = 0;
+    status = cudaOccupancyMaxActiveClusters(&resident, kernel, &config);
+    if (status == cudaSuccess && resident < 1) status = cudaErrorInvalidConfiguration;
+    clusters = cluster_items < resident ? cluster_items : resident;
+  }
+  if (status != cudaSuccess) return status;
+  if (max_ctas > 0 && clusters * kCluster > max_ctas) clusters = max_ctas / kCluster > 0 ? max_ctas / kCluster : 1;
+  if (clusters == 0) return cudaSuccess;
+  // Cluster item indices are ints: the last one a cluster computes before stopping is below cluster_items + clusters.
+  if (cluster_items + clusters > INT32_MAX) return cudaErrorInvalidValue;
+  config.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
+  return cudaLaunchKernelEx(&config, kernel, params);
 }
 
 using LaunchFn = cudaError_t (*)(const GroupedGemmArgs&, RowSplit, int64_t, cudaStream_t);
@@ -1168,7 +1564,15 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
     tail_tile = 0;
   }
   // Every kernel is resolved before any launches, so a refused tuning override cannot leave out half written.
-  const LaunchFn main_kernel = select_kernel(tile, combine_rows, args.fp8);
+  LaunchFn main_kernel = select_kernel(tile, combine_rows, args.fp8);
+  // The warp-specialized form (experimental, EP_COMM_GEMM_WS=1|2; "0" or unset: off) replaces the tile-128 kernel of
+  // the exact mode's direct epilogues outside waves; its bulk copies need 16-byte aligned operands.
+  static const int ws_cluster = env_choice("EP_COMM_GEMM_WS", {"0", "1", "2"});
+  if (ws_cluster > 0 && tile == 128 && !combine_rows && !args.fp8 && args.wave.area == nullptr &&
+      reinterpret_cast<uintptr_t>(args.x) % 16 == 0 && reinterpret_cast<uintptr_t>(args.w_values) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(args.w_scales) % 16 == 0) {
+    main_kernel = ws_cluster == 1 ? launch_ws_tile<1> : launch_ws_tile<2>;
+  }
   const LaunchFn tail_kernel = tail_tile ? select_kernel(tail_tile, combine_rows, args.fp8) : nullptr;
   if (!main_kernel || (tail_tile && !tail_kernel)) return cudaErrorInvalidValue;
   // Wide last tiles (RowSplit::wide_tile): with the split on and token tile 128, on by default (EP_COMM_GEMM_WIDE_TILE=144;

@@ -1187,6 +1187,92 @@ def test_kernel_tests_on_few_persistent_ctas():
     assert " passed" in run.stdout and "failed" not in run.stdout
 
 
+def _ws_cases():
+    """(name, output) of the token-tile-128 launches that the warp-specialized form (EP_COMM_GEMM_WS) takes over, on
+    inputs made from fixed seeds, so that a process with the form on and one with it off compute the same cases. Covers
+    one and three k-blocks (an odd count), spare weight tiles (N = 192, 320, 576: three, five and nine 64-row tiles),
+    an odd number of weight CTAs (N = 576: three, so clusters of two have a spare CTA), more than 32 experts, the split launches (remainders, wide tiles), the
+    SwiGLU row amax, and padding rows full of NaN right after each expert's rows (the warp-specialized form reads a
+    tile's rows past the count instead of zero-filling them: they must stay in their own, unstored columns)."""
+    cases = []
+    shapes = SMALL_SHAPES + [(3, 320, 192), (2, 192, 64), (2, 576, 128)]
+    for shape in shapes + [BIG_SHAPE, W2_SHAPE]:
+        for swiglu in ((False, True) if shape != W2_SHAPE else (False,)):
+            if swiglu and shape[1] % 16:
+                continue
+            x, off, cnt, packed, _, mask = _gpu_case(shape, swiglu, 16)
+            for out_dtype in (torch.float32, torch.bfloat16):
+                out = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=out_dtype, token_tile=128, impl="cuda")
+                cases.append((f"{shape} swiglu={swiglu} {out_dtype}", out))
+            single = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.float32, token_tile=128, tail_tile=0,
+                                          impl="cuda")
+            cases.append((f"{shape} swiglu={swiglu} single launch", single))
+            padded = x.values.clone()
+            padded[~mask] = float("nan")
+            x_padded = G.ExpandedRows(values=padded, row_factor=x.row_factor)
+            out = G.grouped_gemm_nvfp4(x_padded, off, cnt, packed, out_dtype=torch.float32, token_tile=128,
+                                       impl="cuda", out=torch.full_like(single, 7.0))
+            cases.append((f"{shape} swiglu={swiglu} NaN padding", out))
+            if swiglu:
+                started = torch.zeros(x.num_rows, device="cuda")
+                G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.bfloat16, token_tile=128, impl="cuda",
+                                     row_amax=started)
+                cases.append((f"{shape} row amax", started))
+    n, k = 512, 512
+    offsets, rows = segments(WIDE_COUNTS, 16)
+    w = random_weights(len(WIDE_COUNTS), n, k, seed=11, device="cuda", scale_low=0x18, scale_high=0x58)
+    x = G.expand_nvfp4_rows(random_activations(rows, k, seed=12, device="cuda"))
+    off = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    cnt = torch.tensor(WIDE_COUNTS, dtype=torch.int32, device="cuda")
+    for swiglu in (False, True):
+        packed = G.pack_gemm_weights(w, swiglu=swiglu)
+        cases.append((f"wide counts swiglu={swiglu}",
+                      G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.bfloat16, token_tile=128,
+                                           impl="cuda")))
+    return cases
+
+
+def _ws_compare(path: str):
+    """Child side of test_kernel_warp_specialized_is_bitwise_the_classic_kernel: every case bitwise the saved one."""
+    saved = torch.load(path)
+    cases = _ws_cases()
+    assert [name for name, _ in cases] == [name for name, _ in saved]
+    for (name, out), (_, want) in zip(cases, saved):
+        assert torch.equal(out.cpu().view(torch.uint8), want.view(torch.uint8)), name
+    print(f"{len(cases)} cases bitwise equal")
+
+
+@pytest.mark.gpu
+def test_kernel_warp_specialized_is_bitwise_the_classic_kernel(tmp_path):
+    """The warp-specialized token-tile-128 form (experimental, EP_COMM_GEMM_WS=1, or 2 for clusters of two CTAs
+    sharing the token tile; read once per process: hence subprocesses) gives the classic kernel's bits on every case
+    of _ws_cases (same work items and k order per output element, same epilogue), also on few persistent CTAs; and the
+    kernel tests against the reference pass with it."""
+    import os
+    import subprocess
+    import sys
+    if os.environ.get("EP_COMM_GEMM_WS", "0") != "0":
+        pytest.skip("this process runs the warp-specialized form itself: the classic side would be missing")
+    path = str(tmp_path / "classic.pt")
+    torch.save([(name, out.cpu()) for name, out in _ws_cases()], path)
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = f"import sys; sys.path.insert(0, {here!r}); import test_grouped_gemm as T; T._ws_compare({path!r})"
+    tests = ("kernel_vs_reference_small or inconsistent_segments or leaves_other_rows or all_experts_empty or "
+             "one_row_view or fused_expert_mlp")
+    for extra in ({"EP_COMM_GEMM_WS": "1"}, {"EP_COMM_GEMM_WS": "2"},
+                  {"EP_COMM_GEMM_WS": "1", "EP_COMM_GEMM_MAX_CTAS": "3"},
+                  {"EP_COMM_GEMM_WS": "2", "EP_COMM_GEMM_MAX_CTAS": "5"}):
+        env = dict(os.environ, **extra)
+        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0 and "bitwise equal" in run.stdout, (extra, run.stdout[-3000:] + run.stderr[-3000:])
+        if "EP_COMM_GEMM_MAX_CTAS" not in extra:
+            continue
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
+                              tests], env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, (extra, run.stdout[-3000:] + run.stderr[-2000:])
+        assert " passed" in run.stdout and "failed" not in run.stdout
+
+
 @pytest.mark.gpu
 def test_kernel_all_experts_empty_and_no_rows():
     x, off, _, packed, ref, _ = _gpu_case(SMALL_SHAPES[0], False, 16)
