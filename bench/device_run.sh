@@ -374,7 +374,7 @@ bench_gemm_wide_ab() {  # wide last tiles (EP_COMM_GEMM_WIDE_TILE=144) on and of
 }
 test_ws() {  # the warp-specialized tile-128 GEMM (EP_COMM_GEMM_WS=1|2, experimental): bitwise the classic kernel
   say "gpu tier: grouped GEMM, warp-specialized form against the classic kernel"
-  timeout 400 python3 -m pytest -q -x tests/test_grouped_gemm.py -k warp_specialized > "$OUT/pytest_ws.txt" 2>&1
+  timeout 560 python3 -m pytest -q -x tests/test_grouped_gemm.py -k warp_specialized > "$OUT/pytest_ws.txt" 2>&1
   echo "rc $?" | tee -a "$log"
   tail -25 "$OUT/pytest_ws.txt" | tee -a "$log"
 }

@@ -1031,7 +1031,12 @@ constexpr int kItemSlots = 8;
 static_assert(kItemSlots >= kStages + 1, "an item entry is rewritten only after its consumers have read it");
 constexpr int kProducerRegisters = 40;
 constexpr int kConsumerRegisters = 232;
-static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= 65536, "the register file");
+// The launch gets 168 registers per thread (65536 / 384, rounded down to a multiple of 8; ptxas reports that count
+// for a kernel with setmaxnreg): the consumers' setmaxnreg.inc waits until the pool of 168 x 384 covers their claim
+// and the producer's remainder, so a claim beyond it would hang (the producer's watchdog would then trap).
+constexpr int kLaunchRegisters = (65536 / kThreads) / 8 * 8;
+static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= kLaunchRegisters * kThreads,
+              "the register pool of the launch");
 }  // namespace ws
 
 struct WsParams {
@@ -1405,10 +1410,13 @@ cudaError_t launch_ws_tile(const GroupedGemmArgs& args, const RowSplit split, in
   } else {
     int resident = 0;
     status = cudaOccupancyMaxActiveClusters(&resident, kernel, &config);
-    if (status == cudaSuccess && resident < 1) status = cudaErrorInvalidConfiguration;
+    if (status != cudaSuccess) return status;
+    // No cluster of two fits (a partition of the GPU without two free SMs in one GPC): one CTA per cluster instead.
+    if (resident < 1) return launch_ws_tile<1>(args, split, tile_slots, stream);
     clusters = cluster_items < resident ? cluster_items : resident;
   }
   if (status != cudaSuccess) return status;
+  // (With clusters of two, EP_COMM_GEMM_MAX_CTAS=1 still launches one cluster: two CTAs.)
   if (max_ctas > 0 && clusters * kCluster > max_ctas) clusters = max_ctas / kCluster > 0 ? max_ctas / kCluster : 1;
   if (clusters == 0) return cudaSuccess;
   // Cluster item indices are ints: the last one a cluster computes before stopping is below cluster_items + clusters.
@@ -1566,9 +1574,11 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
   // Every kernel is resolved before any launches, so a refused tuning override cannot leave out half written.
   LaunchFn main_kernel = select_kernel(tile, combine_rows, args.fp8);
   // The warp-specialized form (experimental, EP_COMM_GEMM_WS=1|2; "0" or unset: off) replaces the tile-128 kernel of
-  // the exact mode's direct epilogues outside waves; its bulk copies need 16-byte aligned operands.
+  // the exact mode's direct epilogues outside waves (not a refused tuning override: main_kernel null); its bulk copies
+  // need 16-byte aligned operands.
   static const int ws_cluster = env_choice("EP_COMM_GEMM_WS", {"0", "1", "2"});
-  if (ws_cluster > 0 && tile == 128 && !combine_rows && !args.fp8 && args.wave.area == nullptr &&
+  if (ws_cluster > 0 && main_kernel != nullptr && tile == 128 && !combine_rows && !args.fp8 &&
+      args.wave.area == nullptr &&
       reinterpret_cast<uintptr_t>(args.x) % 16 == 0 && reinterpret_cast<uintptr_t>(args.w_values) % 16 == 0 &&
       reinterpret_cast<uintptr_t>(args.w_scales) % 16 == 0) {
     main_kernel = ws_cluster == 1 ? launch_ws_tile<1> : launch_ws_tile<2>;

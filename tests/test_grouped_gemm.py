@@ -1233,9 +1233,15 @@ def _ws_cases():
 
 
 def _ws_compare(path: str):
-    """Child side of test_kernel_warp_specialized_is_bitwise_the_classic_kernel: every case bitwise the saved one."""
+    """Child side of test_kernel_warp_specialized_is_bitwise_the_classic_kernel: every case bitwise the saved one, and
+    the warp-specialized kernel did run (the launcher takes the classic one where the form does not apply: the kernel
+    names in the profile tell which ran)."""
     saved = torch.load(path)
-    cases = _ws_cases()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        cases = _ws_cases()
+        torch.cuda.synchronize()
+    names = [event.name for event in profile.events()]
+    assert any("grouped_gemm_nvfp4_ws_kernel" in name for name in names), "the warp-specialized kernel did not run"
     assert [name for name, _ in cases] == [name for name, _ in saved]
     for (name, out), (_, want) in zip(cases, saved):
         assert torch.equal(out.cpu().view(torch.uint8), want.view(torch.uint8)), name
