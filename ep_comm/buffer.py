@@ -522,8 +522,10 @@ class Buffer:
                 starts after the work enqueued so far on the current stream, and the current stream does not wait
                 for it -- wait with `torch.cuda.current_stream().wait_event(done_event)` (or `.wait_stream(
                 comm_stream)`) before using the result there. Inputs and outputs are marked in use on both streams
-                for the caching allocator (not an nvlink `expand=False` result's x: the Buffer's own memory). The
-                Buffer's next call, on any stream, starts after this one (its calls share device state). Inside a
+                for the caching allocator (not an nvlink `expand=False` result's x: the Buffer's own memory); the
+                inputs are read on comm_stream after this returns, so do not write them in place before done_event
+                (as with any asynchronous copy). The Buffer's next call, on any stream, starts after this one (its
+                calls share device state). Inside a
                 CUDA-graph capture, join comm_stream back into the capturing stream (wait on done_event) before the
                 capture ends. Validation and the input check's host copy happen on the current stream, as without
                 comm_stream.

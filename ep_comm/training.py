@@ -474,8 +474,16 @@ class RoutedTokens:
         if self.done_event is None:
             return
         device = self.carrier.device
-        if _ext.capture_id(_ext.current_raw_stream(device)) == self.capture:
+        capture = _ext.capture_id(_ext.current_raw_stream(device))
+        if capture == self.capture:
             torch.cuda.current_stream(device).wait_event(self.done_event)
+        elif capture != 0:
+            # (A read after the graph's replay, outside any capture, is ordered by the replay; one inside another
+            # capture is not, and no wait can be made from there.)
+            _ext.warn_once("ep_comm.training: a comm_stream dispatch's result was read inside a CUDA-graph capture "
+                           "other than the dispatch's own (or inside one, of an eager dispatch): no wait is made "
+                           "there, so order the read after the dispatch yourself (e.g. make the dispatch inside the "
+                           "same capture)")
 
     @property
     def result(self) -> DispatchResult:
@@ -499,10 +507,12 @@ def dispatch(buffer: Buffer, grads: GradBuffers, x: torch.Tensor, topk_idx: torc
 
     comm_stream: run the dispatch on this CUDA stream (as Buffer.dispatch does: after the work enqueued so far on the
     current stream), so that what the caller enqueues next on the current stream overlaps it. The returned
-    RoutedTokens makes the current stream wait for it where its results are read (`result`, `x`; ExpertMLP reads
-    `result`), so code on the current stream never sees them early; `routed.wait()` does it explicitly and
-    `routed.done_event` is the event. (`combine` is ordered after it by the Buffer itself.) The backward pass runs on
-    the current stream of this call, not on comm_stream."""
+    RoutedTokens makes the current stream wait for it where its results are read (`result`, `x`; ExpertMLP waits
+    after quantizing its weights), so code on the stream current at the read, in the capture the dispatch was made in
+    (or outside any, for an eager one), never sees them early; `routed.wait()` does it explicitly and
+    `routed.done_event` is the event. (`combine` is ordered after it by the Buffer itself.) x and topk_weights are
+    read on comm_stream after this returns: do not write them in place until the dispatch is done (wait for it on the
+    stream that writes them). The backward pass runs on the current stream of this call, not on comm_stream."""
     if not isinstance(buffer, Buffer):
         raise TypeError(f"buffer must be an ep_comm.Buffer, got {type(buffer).__name__}")
     if not isinstance(grads, GradBuffers):
@@ -537,8 +547,9 @@ def combine(expert_out: torch.Tensor, routed: RoutedTokens, *, comm_stream: Opti
     comm_stream, done_event: as for Buffer.combine: the combine runs on comm_stream after the work enqueued so far on
     the current stream, and done_event is recorded after it. The output is then not ready on the current stream: wait
     for it there (`torch.cuda.current_stream().wait_event(done_event)`, or without an event
-    `torch.cuda.current_stream().wait_stream(comm_stream)`) before anything reads it, the loss included. The backward
-    pass runs on the current stream of this call."""
+    `torch.cuda.current_stream().wait_stream(comm_stream)`) before anything reads it, the loss included. expert_out
+    is read on comm_stream after this returns: do not write it in place before then. The backward pass runs on the
+    current stream of this call."""
     if not isinstance(routed, RoutedTokens):
         raise TypeError(f"routed must be what ep_comm.training.dispatch returned, got {type(routed).__name__}")
     if not isinstance(expert_out, torch.Tensor):

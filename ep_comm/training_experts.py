@@ -434,7 +434,7 @@ def _check_main_grads(w1: torch.Tensor, w2: torch.Tensor) -> None:
                              f"of {name}'s shape {tuple(w.shape)} on {w.device}; {problem}")
 
 
-_NO_GRADS = (None,) * 5  # (the Function's inputs after rows, w1, w2: result, seed, two flags, the weight cache)
+_NO_GRADS = (None,) * 6  # (the Function's inputs after rows, w1, w2: result, seed, two flags, the weight cache, wait)
 
 
 class _ExpertMLPFunction(torch.autograd.Function):
@@ -443,9 +443,12 @@ class _ExpertMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, w1, w2, result, seed: formats.SeedArg, keep_weight_values: bool = False,
-                accumulate_into_main_grad: bool = False, weight_cache: Optional[_WeightCache] = None):
+                accumulate_into_main_grad: bool = False, weight_cache: Optional[_WeightCache] = None,
+                wait_for_tokens=None):
         # weight_cache: the NVFP4 weights (and block values) of an earlier micro-batch, used instead of quantizing
         # (and decoding) w1 / w2 again; the block values this forward decodes are stored there if it keeps them.
+        # wait_for_tokens: RoutedTokens.wait of a dispatch on a comm_stream, called before the first device read of
+        # result (after the weights are quantized, which needs none of it and so overlaps the dispatch).
         num_rows = result.num_rows
         # (the parameters themselves: the backward adds into their main_grad, read then, and flags them)
         ctx.main_grad_of = (w1, w2) if accumulate_into_main_grad else None
@@ -456,16 +459,18 @@ class _ExpertMLPFunction(torch.autograd.Function):
             ctx.saved = None
             return torch.zeros(0, w1.shape[2], dtype=torch.bfloat16, device=rows.device)
         padded_rows = -(-num_rows // formats.MX_BLOCK) * formats.MX_BLOCK
+        if weight_cache is None:
+            w1q, w2q = quantize_expert_weights(w1), quantize_expert_weights(w2)
+        else:
+            w1q, w2q = weight_cache.w1, weight_cache.w2
+        if wait_for_tokens is not None:
+            wait_for_tokens()
         src_rank = result.src_rank
         rows_in_use = src_rank >= 0
         group_ends = result.expert_offsets[1:].contiguous()
         experts = w1.shape[0]
         positions = torch.arange(num_rows, dtype=torch.int32, device=rows_in_use.device)
         expert_of_row = torch.searchsorted(group_ends, positions, right=True).clamp_(max=experts - 1)
-        if weight_cache is None:
-            w1q, w2q = quantize_expert_weights(w1), quantize_expert_weights(w2)
-        else:
-            w1q, w2q = weight_cache.w1, weight_cache.w2
         tokens = _masked_nvfp4(result.x, rows_in_use, padded_rows)
 
         def values_of(name: str, q: formats.NVFP4Tensor) -> torch.Tensor:
@@ -574,7 +579,9 @@ class _ExpertMLPFunction(torch.autograd.Function):
 def _check_routed(routed, w1: torch.Tensor, w2: torch.Tensor) -> None:
     if not isinstance(routed, RoutedTokens):
         raise TypeError(f"routed must be what ep_comm.training.dispatch returned, got {type(routed).__name__}")
-    result = routed.result
+    # (host-side metadata only, so no wait for a dispatch on a comm_stream: _ExpertMLPFunction waits before its first
+    # device read of the result)
+    result = routed.link.result
     if not isinstance(result.x, formats.NVFP4Tensor):
         raise ValueError("the trainable experts read the NVFP4 tokens of the dispatch: make the Buffer with "
                          f"dispatch_format='nvfp4' (this one dispatched {type(result.x).__name__})")
@@ -652,8 +659,8 @@ def _expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: 
     """expert_mlp on inputs its callers have checked (_check_expert_inputs), the seed apart."""
     seed = formats._check_seed_arg(seed, w1.device)
     # (routed.carrier, not routed.x: the values come from result.x, so the dense rows are never made)
-    return _ExpertMLPFunction.apply(routed.carrier, w1, w2, routed.result, seed, keep_weight_values,
-                                    accumulate_into_main_grad, weight_cache)
+    return _ExpertMLPFunction.apply(routed.carrier, w1, w2, routed.link.result, seed, keep_weight_values,
+                                    accumulate_into_main_grad, weight_cache, routed.wait)
 
 
 class ExpertMLP(torch.nn.Module):

@@ -241,6 +241,33 @@ def versus_reference_worker(rank, world, direct_self_min_tokens=None):
     return summary
 
 
+def weight_edges_worker(rank, world):
+    """Routing weights at their edges, bitwise against the reference: masked slots holding NaN (a masked slot's weight
+    may be anything), selected slots weighted +0, -0 and negative, meeting the special expert outputs (+-Inf and NaN:
+    0 * Inf is NaN on both backends); then a call in which no rank has a token, one in which every slot is masked, and
+    a plain call after them (the Buffers' epochs and counters stay in step). Four format pairs, both expand modes."""
+    hidden, experts, topk, max_tokens = 2048, 8 * world, 4, 48
+    for dfmt, cfmt in (("nvfp4", "s2f6"), ("bf16", "bf16"), ("mxfp8", "bf16"), ("bf16", "s2f6")):
+        with _buffer_pair(hidden, experts, topk, max_tokens, dfmt, cfmt, 1) as (ref, nvl):
+            for expand in (True, False):
+                name = f"{dfmt}/{cfmt} expand={expand}"
+                x, idx, w = _make_inputs(rank, max_tokens, hidden, experts, topk, "masked", world, seed=83, edge=True)
+                w = torch.where(idx < 0, torch.full_like(w, float("nan")), w)
+                w[::4, 0], w[1::4, 0], w[2::4, 1] = 0.0, -0.0, -1.5
+                _run_pair(f"{name} weight edges", rank, world, ref, nvl, x, idx, w, dfmt, seed=5, edge=True,
+                          expand=expand)
+                x, idx, w = _make_inputs(rank, 0, hidden, experts, topk, "uniform", world, seed=84)
+                _run_pair(f"{name} no tokens anywhere", rank, world, ref, nvl, x, idx, w, dfmt, seed=6,
+                          expand=expand)
+                x, idx, w = _make_inputs(rank, 16, hidden, experts, topk, "uniform", world, seed=85)
+                idx = torch.full_like(idx, -1)
+                _run_pair(f"{name} every slot masked", rank, world, ref, nvl, x, idx, w, dfmt, seed=7, expand=expand)
+                x, idx, w = _make_inputs(rank, max_tokens, hidden, experts, topk, "uniform", world, seed=86)
+                _run_pair(f"{name} after them", rank, world, ref, nvl, x, idx, w, dfmt, seed=8, expand=expand)
+            nvl._backend.check()
+    return "ok"
+
+
 def block_counts_worker(rank, world, stream_recv=True):
     """Kernels with different grids (send num_sms=3, local phases num_local_sms=5, or 1/2) and calls large
     enough for 63-64 multi-token layout chunks: the per-kernel counters and the chunked layout stay exact. The NVFP4
@@ -1134,6 +1161,11 @@ def test_nvlink_combine_mismatch_across_ranks_is_detected():
 @pytest.mark.multigpu
 def test_nvlink_matches_reference():
     run_ranks(versus_reference_worker, _world(), backend=multigpu_backend(), timeout_s=900)
+
+
+@pytest.mark.multigpu
+def test_nvlink_weight_edges_and_calls_without_tokens():
+    assert run_ranks(weight_edges_worker, _world(), backend=multigpu_backend(), timeout_s=600) == ["ok"] * _world()
 
 
 @pytest.mark.multigpu

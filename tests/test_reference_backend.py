@@ -483,6 +483,38 @@ def test_expert_id_check_refuses_non_finite_weights_of_selected_slots():
     _check_expert_ids(idx, 4)                                              # without weights: ids only, as before
 
 
+def _masked_weights_worker(rank, world):
+    """One gloo rank: the combine of a dispatch whose masked slots hold NaN weights is bitwise the one whose masked
+    slots hold 0 (they are never used), for four format pairs and both local_reduce modes."""
+    import ep_comm
+    gen = torch.Generator().manual_seed(rank)
+    tokens, hidden, experts, topk = 16, 256, 4 * world, 3
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    idx = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)])
+    idx[::2, 1] = -1
+    idx[3] = -1
+    w = torch.rand(tokens, topk, generator=gen)
+    masked_nan = torch.where(idx < 0, torch.full_like(w, float("nan")), w)
+    masked_zero = torch.where(idx < 0, torch.zeros_like(w), w)
+    for dfmt, cfmt in (("bf16", "bf16"), ("nvfp4", "s2f6"), ("mxfp8", "bf16"), ("bf16", "s2f6")):
+        with ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=topk, max_tokens_per_rank=tokens,
+                            dispatch_format=dfmt, combine_format=cfmt, backend="reference") as buf:
+            for local_reduce in (True, False):
+                outs = []
+                for weights in (masked_zero, masked_nan):
+                    res = buf.dispatch(x, idx, weights, check_inputs=True)
+                    rows = torch.randn(res.num_rows, hidden, generator=torch.Generator().manual_seed(7)).bfloat16()
+                    outs.append(buf.combine(rows, res.handle, local_reduce=local_reduce))
+                assert not outs[1].isnan().any(), (dfmt, cfmt, local_reduce)
+                assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), (dfmt, cfmt, local_reduce)
+    return "ok"
+
+
+@pytest.mark.cpu
+def test_masked_slots_weights_are_never_used():
+    assert run_ranks(_masked_weights_worker, 2) == ["ok", "ok"]
+
+
 def _input_types_worker(rank, world):
     """One gloo rank: what the Buffer does with a NaN routing weight (refused with the check, on both forms of the
     call), with check_inputs that is not a bool, with numpy integers as sizes, and how a numpy bool is named."""

@@ -631,6 +631,47 @@ def _rows_case(num_rows: int, hidden: int, seed: int, device):
 
 
 @pytest.mark.cpu
+def test_routed_tokens_wait_only_from_the_dispatchs_own_capture(monkeypatch):
+    """RoutedTokens.wait (stand-in streams and capture ids): it waits on the current stream when the read is in the
+    capture the comm_stream dispatch was made in (0: both eager); a captured dispatch read after its replay (outside any
+    capture) makes no wait (the replay orders it) and no warning; a read inside another capture makes no wait (CUDA
+    refuses it) and warns once; a dispatch without a comm_stream never waits. `result` and `x` go through it."""
+    import types
+    import warnings
+    from ep_comm import _ext
+    waits = []
+    now = {"capture": 0}
+
+    class Stream:
+        def wait_event(self, event):
+            waits.append(event)
+
+    monkeypatch.setattr(_ext, "capture_id", lambda raw: now["capture"])
+    monkeypatch.setattr(_ext, "current_raw_stream", lambda device: 1)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(_ext, "_warned", set())
+    link = types.SimpleNamespace(result="the result")
+
+    def routed(capture, event="done"):
+        return training.RoutedTokens(topk_weights=torch.zeros(1), carrier=torch.zeros(()), link=link, token=None,
+                                     done_event=event, capture=capture)
+
+    for made, read, waited, warned in ((0, 0, True, False), (7, 7, True, False), (7, 0, False, False),
+                                       (0, 7, False, True), (7, 8, False, True)):
+        waits.clear()
+        now["capture"] = read
+        monkeypatch.setattr(_ext, "_warned", set())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert routed(made).result == "the result"
+        assert waits == (["done"] if waited else []), (made, read)
+        assert any("CUDA-graph capture" in str(w.message) for w in caught) == warned, (made, read)
+    waits.clear()
+    now["capture"] = 0
+    assert routed(0, event=None).result == "the result" and waits == []
+
+
+@pytest.mark.cpu
 def test_combine_backward_rows_reference_semantics():
     g, e, weight, src_rank = _rows_case(40, 352, 0, "cpu")  # (352: a partial last 256-column chunk)
     slot = torch.randint(0, 8, (40,), generator=torch.Generator().manual_seed(1), dtype=torch.int32)

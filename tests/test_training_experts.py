@@ -489,6 +489,32 @@ def _row_case(num_rows: int, width: int, seed: int, device):
 
 
 @pytest.mark.gpu
+def test_block_values_kernel_is_bitwise_the_reference():
+    """_block_values' CUDA path (the dequantize kernel's bf16 block-value form) against its CPU path (the grouped GEMM
+    expansion's fp16 block values, widened), bit for bit (NaN as NaN): random code and scale bytes -- every E4M3 scale
+    code, NaN ones (0x7F, 0xFF) included, as nvlink capacity rows may hold --, zero and tiny amax, odd row counts."""
+    from ep_comm.training_experts import _block_values
+    gen = torch.Generator().manual_seed(91)
+    for rows, k in ((1, 32), (37, 2048), (130, 7168)):
+        data = torch.randint(0, 256, (rows, k // 2), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(0, 256, (rows, k // 16), generator=gen, dtype=torch.uint8)
+        scales[0, :] = torch.arange(k // 16, dtype=torch.int64).remainder(256).to(torch.uint8)
+        amax = torch.rand(rows, generator=gen) * 10
+        amax[::5] = 0.0
+        amax[1::7] = 1e-30
+        q = formats.NVFP4Tensor(data, scales.view(torch.float8_e4m3fn), amax, 448.0)
+        want_values, want_factor = _block_values(q)
+        q_cuda = formats.NVFP4Tensor(data.cuda(), scales.view(torch.float8_e4m3fn).cuda(), amax.cuda(), 448.0)
+        got_values, got_factor = _block_values(q_cuda)
+        got_values, got_factor = got_values.cpu(), got_factor.cpu()
+        assert got_values.dtype == torch.bfloat16 and got_values.shape == want_values.shape == (rows, k)
+        assert torch.equal(got_values.isnan(), want_values.isnan()), (rows, k)
+        finite = ~want_values.isnan()
+        assert torch.equal(got_values[finite].view(torch.int16), want_values[finite].view(torch.int16)), (rows, k)
+        assert torch.equal(got_factor.view(torch.int32), want_factor.view(torch.int32)), (rows, k)
+
+
+@pytest.mark.gpu
 def test_row_kernels_match_their_torch_forms(monkeypatch):
     """csrc/training_experts.cu bit for bit against the torch forms the CPU path runs (NaN as NaN), at row counts that
     are and are not multiples of 32 and widths past one tile."""
