@@ -378,6 +378,12 @@ test_ws() {  # the warp-specialized tile-128 GEMM (EP_COMM_GEMM_WS=1|2, experime
   echo "rc $?" | tee -a "$log"
   tail -25 "$OUT/pytest_ws.txt" | tee -a "$log"
 }
+test_ws_layer() {  # the warp-specialized form behind a wave receive (w1 of the MoE layer): the waves tier with 2 ranks
+  # sharing GPU 0 and the MoE layer worker at world 1, with EP_COMM_GEMM_WS=1
+  say "gpu tier: the waves tier and the MoE layer with the warp-specialized GEMM (EP_COMM_GEMM_WS=1)"
+  EP_COMM_GEMM_WS=1 shared_tier ws_waves 300 tests/test_waves.py -k "bitwise_the_plain"
+  EP_COMM_GEMM_WS=1 test_moe_one_rank
+}
 bench_gemm_ws_ab() {  # the warp-specialized tile-128 GEMM: classic, one CTA per cluster, two, two, one, classic
   for value in 0 1 2 2 1 0; do bench_gemm_variant EP_COMM_GEMM_WS=$value "${GEMM_AB_ROWS:-128,256r}"; done
 }

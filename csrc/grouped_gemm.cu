@@ -993,8 +993,9 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
 
 // ---------------------------------------------------------------------------------------------------------------------
 // Warp-specialized form (experimental, opt-in: EP_COMM_GEMM_WS=1, or 2 for clusters of two CTAs; token tile 128, exact
-// mode, direct epilogues, no waves; docs/GEMM.md §4(a)). The same work items, k order per output element and epilogue
-// formulas as the classic kernel above, so its results are bitwise the classic kernel's. What differs is who does what:
+// mode, direct epilogues, waves with one CTA per cluster; docs/GEMM.md §4(a)). The same work items, k order per output
+// element and epilogue formulas as the classic kernel above, so its results are bitwise the classic kernel's. What
+// differs is who does what:
 // * warpgroup 0 is the producer. Its warp 0 finds the items (scan_tiles) and its lane 0 issues every load of a stage
 //   as bulk copies completing on the stage's "full" mbarrier: the four weight tiles' codes and scales (stored in the
 //   packed order shared memory wants: one contiguous copy per tile and stage) and the token tile by TMA (a tensor map
@@ -1008,7 +1009,8 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
 //   loads half of the token rows and multicasts them into both (the token tile is the larger operand: 16 KiB per
 //   k-block against 9 KiB of weights), and a stage is refilled only once the consumers of both CTAs have released it.
 // Rows of a token tile past the expert's count are not zero-filled: the TMA reads whatever rows follow in x (zeros
-// past its end). Such a row only feeds its own output column (the token), which the epilogue never stores.
+// past its end; behind a wave receive, rows of other experts that may still be landing). Such a row only feeds its own
+// output column (the token), which the epilogue never stores.
 namespace ws {
 constexpr int kTile = 128;
 constexpr int kConsumers = 2;    // consumer warpgroups
@@ -1061,15 +1063,35 @@ __device__ __forceinline__ void ws_produce(const WsParams& p, TileCursor& cursor
   const int num_k_blocks = args.k / kKBlock;
   const int stages_per_item = (num_k_blocks + ws::kBlocksPerStage - 1) / ws::kBlocksPerStage;
   const uint8_t* w_values = reinterpret_cast<const uint8_t*>(args.w_values);
+  // Waves (one CTA per cluster only): the receive running beside us publishes the layout first; items come from the
+  // wave work counter (dynamic: CTAs that start late, on SMs the receive frees, take fewer), and a tile's loads start
+  // once every row of its expert is in (as find_tile does for the classic kernel).
+  const bool waves = kCluster == 1 && args.wave.area != nullptr;
+  unsigned long long wave_epoch = 0;
+  if (waves && lane == 0) {
+    wave_epoch = *reinterpret_cast<const volatile unsigned long long*>(args.wave.epoch);
+    wave::wait_layout(args.wave, wave_epoch);
+  }
   if (lane == 0) tma::prefetch_map(&p.x_map);
   uint32_t flat = 0;  // stages issued so far (ring slot flat % kStages, pass flat / kStages)
   int seq = 0;        // items started
   // (The launcher bounds cluster items + clusters < 2^31.)
   for (int cluster_item = blockIdx.x / kCluster;; cluster_item += gridDim.x / kCluster) {
-    __syncwarp();  // lane 0's cursor writes of the previous scan, before the other lanes read them
+    if (waves) {
+      int taken = 0;
+      if (lane == 0) taken = static_cast<int>(atomicAdd(args.wave.area + kWaveWorkCounter, 1ull));
+      cluster_item = __shfl_sync(0xFFFFFFFFu, taken, 0);
+    }
+    __syncwarp();  // lane 0's cursor writes of the previous scan (and its layout wait), before the other lanes read
     const FoundTile tile = scan_tiles<ws::kTile>(args, p.split, cluster_item / weight_groups, cursor);
     const int weight_cta = (cluster_item % weight_groups) * kCluster + rank;
     if (lane == 0) {
+      if (waves && tile.expert >= 0) {
+        wave::wait_rows(args.wave, tile.expert, wave_epoch, clamped_count(args, tile.expert));
+        // The rows were written by the receive's generic stores and acquired above; the TMA reads them through the
+        // async proxy.
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+      }
       const uint32_t s = flat % ws::kStages;
       tma::wait(empty_bars + 8 * s, ((flat / ws::kStages) & 1) ^ 1);
       items[seq % ws::kItemSlots] = WorkItem{tile, weight_cta};
@@ -1284,8 +1306,8 @@ __global__ void __launch_bounds__(ws::kThreads, 1) grouped_gemm_nvfp4_ws_kernel(
   auto finish = [&]() {
     // No CTA exits while its peer may still load into it or arrive on its barriers.
     if constexpr (kCluster > 1) tma::cluster_sync();
-    // Overlapped parts 3 and 2: complete only after the part launched before has.
-    if (p.split.is_dependent()) asm volatile("griddepcontrol.wait;" ::: "memory");
+    // Waves: complete only after the receive has; overlapped parts 3 and 2: only after the part launched before has.
+    if (p.args.wave.area != nullptr || p.split.is_dependent()) asm volatile("griddepcontrol.wait;" ::: "memory");
   };
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(ws::kProducerRegisters));
@@ -1392,7 +1414,8 @@ cudaError_t launch_ws_tile(const GroupedGemmArgs& args, const RowSplit split, in
   const int64_t cluster_items = (weight_ctas + kCluster - 1) / kCluster * tile_slots;
   cudaLaunchAttribute attributes[2] = {};
   attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attributes[0].val.programmaticStreamSerializationAllowed = split.is_dependent() ? 1 : 0;
+  // Waves: the programmatic dependent of the dispatch receive launched just before on this stream (waves.h).
+  attributes[0].val.programmaticStreamSerializationAllowed = args.wave.area != nullptr || split.is_dependent() ? 1 : 0;
   attributes[1].id = cudaLaunchAttributeClusterDimension;
   attributes[1].val.clusterDim.x = kCluster;
   attributes[1].val.clusterDim.y = 1;
@@ -1574,14 +1597,14 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
   // Every kernel is resolved before any launches, so a refused tuning override cannot leave out half written.
   LaunchFn main_kernel = select_kernel(tile, combine_rows, args.fp8);
   // The warp-specialized form (experimental, EP_COMM_GEMM_WS=1|2; "0" or unset: off) replaces the tile-128 kernel of
-  // the exact mode's direct epilogues outside waves (not a refused tuning override: main_kernel null); its bulk copies
-  // need 16-byte aligned operands.
+  // the exact mode's direct epilogues (not a refused tuning override: main_kernel null); its bulk copies need 16-byte
+  // aligned operands. Behind a wave receive it runs with one CTA per cluster (the wave work counter hands out items
+  // one by one).
   static const int ws_cluster = env_choice("EP_COMM_GEMM_WS", {"0", "1", "2"});
   if (ws_cluster > 0 && main_kernel != nullptr && tile == 128 && !combine_rows && !args.fp8 &&
-      args.wave.area == nullptr &&
       reinterpret_cast<uintptr_t>(args.x) % 16 == 0 && reinterpret_cast<uintptr_t>(args.w_values) % 16 == 0 &&
       reinterpret_cast<uintptr_t>(args.w_scales) % 16 == 0) {
-    main_kernel = ws_cluster == 1 ? launch_ws_tile<1> : launch_ws_tile<2>;
+    main_kernel = ws_cluster == 1 || args.wave.area != nullptr ? launch_ws_tile<1> : launch_ws_tile<2>;
   }
   const LaunchFn tail_kernel = tail_tile ? select_kernel(tail_tile, combine_rows, args.fp8) : nullptr;
   if (!main_kernel || (tail_tile && !tail_kernel)) return cudaErrorInvalidValue;
