@@ -306,6 +306,15 @@ test_comm_stream() {  # ep_comm.training on a comm_stream (eager and captured, E
   say "multigpu tier, 2 ranks sharing one GPU: ep_comm.training on a comm_stream, graphs"
   shared_tier comm_stream 300 tests/test_training.py tests/test_training_experts.py -k "comm_stream or cuda_graph"
 }
+test_untested() {  # the GPU tests written in the fifty-eighth session without a GPU (2026-12-04): nvlink weight edges
+  # and calls without tokens (2 ranks sharing GPU 0), _block_values bit for bit, the FP8 GEMM row by row, and the
+  # comm_stream tier (its review mends and ExpertMLP's later wait)
+  say "gpu tier: tests written without a GPU (fifty-eighth session)"
+  SHARED_K="weight_edges" shared_k
+  pytest_tier untested 200 3 tests/test_training_experts.py tests/test_grouped_gemm_fp8.py \
+    -k "block_values_kernel or kernel_vs_fp8_reference"
+  test_comm_stream
+}
 bench_training_comm() {  # the shared-expert rows of bench_training (serial, comm_stream, comm kernels capped) with the
   # host profiles, one rank
   say "bench: training with a shared expert beside a comm_stream dispatch"
