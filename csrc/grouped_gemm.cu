@@ -353,18 +353,13 @@ __device__ __forceinline__ uint64_t combine_row_address(const GroupedGemmArgs::C
   return __ldg(c.bases + rank) + static_cast<uint64_t>(c.offset + dst_row * c.row_bytes);
 }
 
+// A warpgroup's accumulators (weight tile columns `column` .. of the swap-AB layout, see below) into the staged tile,
+// times the token factors, rounded to bf16.
 template <int kTile, int kWarpGroups>
-__device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, const float (&acc)[kTile / 2],
-                                                   const float* factors, const uint64_t* destinations,
-                                                   __nv_bfloat16* tile,
-                                                   const WorkItem item) {
+__device__ __forceinline__ void stage_combine_tile(const float (&acc)[kTile / 2], const float* factors,
+                                                   __nv_bfloat16* tile, const int column) {
   using Tile = CombineTile<kWarpGroups>;
-  const int warp_group = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
-  const int weight_cta = item.weight_cta, valid_rows = item.valid_rows;
-  // Accumulator i of this lane: column 64 * warp_group + 16 * warp + 2 * (lane / 4) + (i / 2) % 2 (the column-pair
-  // row order of pack_gemm_weights), token 8 * (i / 4) + 2 * (lane % 4) + i % 2; rounded to bf16 here, as the bf16
-  // epilogue stores it. Columns c and c + 1 (c even) are adjacent in the tile: one 4-byte store of the bf16 pair.
-  const int column = 64 * warp_group + 16 * warp + 2 * (lane / 4);
+  const int lane = threadIdx.x % 32;
   auto put2 = [&](int token, float lo, float hi) {
     *reinterpret_cast<__nv_bfloat162*>(tile + Tile::index(token, column)) = __floats2bfloat162_rn(lo, hi);
   };
@@ -375,20 +370,27 @@ __device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, 
     put2(t0, acc[i] * f.x, acc[i + 2] * f.x);
     put2(t0 + 1, acc[i + 1] * f.y, acc[i + 3] * f.y);
   }
-  __syncthreads();
+}
 
+// The staged tile's rows, RHT-32 + S2F6, into their combine rows: warp `warp` of `kWarps` takes its share of the
+// tokens (kWarpGroups * 64 columns: kWarpGroups * 4 lanes per token).
+template <int kTile, int kWarpGroups, int kWarps>
+__device__ __forceinline__ void send_combine_rows(const GroupedGemmArgs& args, const uint64_t* destinations,
+                                                  const __nv_bfloat16* tile, const WorkItem item, const int warp) {
+  using Tile = CombineTile<kWarpGroups>;
+  const int lane = threadIdx.x % 32;
+  const int weight_cta = item.weight_cta, valid_rows = item.valid_rows;
   // Rows: kWarpGroups * 4 lanes per token, lanes 2j and 2j + 1 one 32-chunk (the RHT/S2F6 lane layout).
   constexpr int kCols = kWarpGroups * 64;
   constexpr int kLanesPerToken = kCols / 16;
   constexpr int kTokensPerPass = 32 / kLanesPerToken;
-  constexpr int kWarps = kWarpGroups * 4;
   const int local_column = 16 * (lane % kLanesPerToken);
   const int64_t out_column = static_cast<int64_t>(weight_cta) * kCols + local_column;
   const bool column_valid = out_column < args.n;  // 32-chunks lie wholly inside or outside [0, n): n % 64 == 0
   const GroupedGemmArgs::CombineRows& c = args.combine;
   // Read once per tile, after the tile's work: a set flag stays set (CombineRows::abort).
   const bool stopped = c.abort != nullptr && *reinterpret_cast<const volatile unsigned int*>(c.abort) != 0u;
-  for (int t_base = (threadIdx.x / 32) * kTokensPerPass; t_base < kTile; t_base += kWarps * kTokensPerPass) {
+  for (int t_base = warp * kTokensPerPass; t_base < kTile; t_base += kWarps * kTokensPerPass) {
     const int token = t_base + lane / kLanesPerToken;
     // The lane's two granules (columns local_column .. + 7 and + 8 .. + 15), the odd one first for k % 8 >= 4 (see
     // CombineTile), put back in order by selects (an index into v that depends on the lane would put v in local
@@ -416,6 +418,20 @@ __device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, 
       if ((lane & 1) == 0) dst[c.scale_offset + out_column / 32] = static_cast<char>(scale);
     }
   }
+}
+
+template <int kTile, int kWarpGroups>
+__device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, const float (&acc)[kTile / 2],
+                                                   const float* factors, const uint64_t* destinations,
+                                                   __nv_bfloat16* tile,
+                                                   const WorkItem item) {
+  // Accumulator i of this lane: column 64 * warp_group + 16 * warp + 2 * (lane / 4) + (i / 2) % 2 (the column-pair
+  // row order of pack_gemm_weights), token 8 * (i / 4) + 2 * (lane % 4) + i % 2; rounded to bf16 here, as the bf16
+  // epilogue stores it. Columns c and c + 1 (c even) are adjacent in the tile: one 4-byte store of the bf16 pair.
+  const int warp_group = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  stage_combine_tile<kTile, kWarpGroups>(acc, factors, tile, 64 * warp_group + 16 * warp + 2 * (lane / 4));
+  __syncthreads();
+  send_combine_rows<kTile, kWarpGroups, kWarpGroups * 4>(args, destinations, tile, item, threadIdx.x / 32);
 }
 
 #if EP_COMM_HAS_WGMMA
@@ -993,7 +1009,8 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
 
 // ---------------------------------------------------------------------------------------------------------------------
 // Warp-specialized form (experimental, opt-in: EP_COMM_GEMM_WS=1, or 2 for clusters of two CTAs; token tile 128, exact
-// mode, direct epilogues, waves with one CTA per cluster; docs/GEMM.md §4(a)). The same work items, k order per output
+// mode, every epilogue (the combine rows' through a staging area past a 3-stage ring), waves with one CTA per
+// cluster; docs/GEMM.md §4(a)). The same work items, k order per output
 // element and epilogue formulas as the classic kernel above, so its results are bitwise the classic kernel's. What
 // differs is who does what:
 // * warpgroup 0 is the producer. Its warp 0 finds the items (scan_tiles) and its lane 0 issues every load of a stage
@@ -1023,14 +1040,13 @@ constexpr int kScalesOffset = kWeightTiles * kBlocksPerStage * kTileValueBytes; 
 constexpr int kTokensOffset = kScalesOffset + kWeightTiles * kBlocksPerStage * kTileScaleBytes;  // 18 KiB
 constexpr int kTokenBlockBytes = kTile * 128;
 constexpr int kStageBytes = kTokensOffset + kBlocksPerStage * kTokenBlockBytes;  // 50 KiB
-constexpr int kStages = 4;
 static_assert(kTokensOffset % 1024 == 0 && kStageBytes % 1024 == 0, "token tiles start 1024-byte aligned");
-constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + room to align the ring
+constexpr int kMaxStages = 4;
 // Work items in flight between the producer and the consumers: the producer writes item n's entry once the slot of
 // item n's first stage is free, i.e. after the consumers released a stage of item n - kStages or later, which they do
 // only after reading that item's entry; so kStages + 1 entries suffice.
 constexpr int kItemSlots = 8;
-static_assert(kItemSlots >= kStages + 1, "an item entry is rewritten only after its consumers have read it");
+static_assert(kItemSlots >= kMaxStages + 1, "an item entry is rewritten only after its consumers have read it");
 constexpr int kProducerRegisters = 40;
 constexpr int kConsumerRegisters = 232;
 // The launch gets 168 registers per thread (65536 / 384, rounded down to a multiple of 8; ptxas reports that count
@@ -1040,6 +1056,17 @@ constexpr int kLaunchRegisters = (65536 / kThreads) / 8 * 8;
 static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= kLaunchRegisters * kThreads,
               "the register pool of the launch");
 }  // namespace ws
+
+// The ring of the direct epilogues: 4 stages. The combine-row epilogue (kCombineRows) stages its bf16 output tile
+// (CombineTile, 66 KiB) outside the ring, which the producer keeps filling with the next item's stages meanwhile: 3
+// stages then, so that ring and tile fit the 227 KiB a CTA may have.
+template <bool kCombineRows>
+struct WsGeometry {
+  static constexpr int kStages = kCombineRows ? 3 : ws::kMaxStages;
+  static constexpr int kStagingOffset = kStages * ws::kStageBytes;  // 1024-aligned
+  static constexpr int kStagingBytes = kCombineRows ? ws::kTile * CombineTile<ws::kWeightTiles>::kBytesPerRow : 0;
+  static constexpr int kSmemBytes = kStagingOffset + kStagingBytes + 1024;  // + room to align the ring
+};
 
 struct WsParams {
   CUtensorMap x_map;  // fp16 x [num_rows_total, k], box 64 (k) x 128 / kCluster (rows), 128-byte swizzle
@@ -1051,7 +1078,7 @@ struct WsParams {
 // The producer warp: every stage of the CTA's items into the ring, and each item's entry (an entry with expert -1,
 // published by a plain arrival on the next stage's "full" barrier, ends the consumers); then it waits, with the
 // timeout, until every consumer warp is done (ws_consume).
-template <int kCluster>
+template <int kCluster, int kStages>
 __device__ __forceinline__ void ws_produce(const WsParams& p, TileCursor& cursor, WorkItem* items, uint32_t ring,
                                            uint32_t full_bars, uint32_t empty_bars, uint32_t done_bar) {
   const GroupedGemmArgs& args = p.args;
@@ -1092,8 +1119,8 @@ __device__ __forceinline__ void ws_produce(const WsParams& p, TileCursor& cursor
         // async proxy.
         asm volatile("fence.proxy.async.global;" ::: "memory");
       }
-      const uint32_t s = flat % ws::kStages;
-      tma::wait(empty_bars + 8 * s, ((flat / ws::kStages) & 1) ^ 1);
+      const uint32_t s = flat % kStages;
+      tma::wait(empty_bars + 8 * s, ((flat / kStages) & 1) ^ 1);
       items[seq % ws::kItemSlots] = WorkItem{tile, weight_cta};
       if (tile.expert < 0) tma::arrive(full_bars + 8 * s);  // no more items: the consumers stop here
     }
@@ -1109,8 +1136,8 @@ __device__ __forceinline__ void ws_produce(const WsParams& p, TileCursor& cursor
                         (weight_tile < num_weight_tiles ? weight_tile : 0);
       }
       for (int st = 0; st < stages_per_item; ++st, ++flat) {
-        const uint32_t s = flat % ws::kStages;
-        if (st > 0) tma::wait(empty_bars + 8 * s, ((flat / ws::kStages) & 1) ^ 1);
+        const uint32_t s = flat % kStages;
+        if (st > 0) tma::wait(empty_bars + 8 * s, ((flat / kStages) & 1) ^ 1);
         const uint32_t stage = ring + s * ws::kStageBytes;
         const uint32_t full = full_bars + 8 * s;
         const int first_block = st * ws::kBlocksPerStage;
@@ -1162,10 +1189,12 @@ __device__ __forceinline__ void ws_release(uint32_t empty_bar) {
 // `done_bar` when it leaves, and the producer waits for that with the timeout, so a barrier that never completes traps
 // there instead of hanging.
 // `smem` is the ring's generic address, `ring` its shared-window address.
-template <int kCluster>
+template <int kCluster, bool kCombineRows>
 __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const WorkItem* items,
-                                           float (*tile_factors)[ws::kTile], const uint8_t* smem, uint32_t ring,
-                                           uint32_t full_bars, uint32_t empty_bars, uint32_t done_bar) {
+                                           float (*tile_factors)[ws::kTile], uint64_t (*tile_destinations)[ws::kTile],
+                                           const uint8_t* smem, uint32_t ring, uint32_t full_bars,
+                                           uint32_t empty_bars, uint32_t done_bar) {
+  constexpr int kStages = WsGeometry<kCombineRows>::kStages;
   const int consumer = threadIdx.x / 128 - 1;
   const int thread_in_group = threadIdx.x % 128;
   const int lane = threadIdx.x % 32;
@@ -1190,8 +1219,8 @@ __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const Wo
     }
   };
   while (true) {
-    uint32_t s = flat % ws::kStages;
-    tma::wait_untimed(full_bars + 8 * s, (flat / ws::kStages) & 1);
+    uint32_t s = flat % kStages;
+    tma::wait_untimed(full_bars + 8 * s, (flat / kStages) & 1);
     const WorkItem item = items[seq % ws::kItemSlots];
     ++seq;
     if (item.expert < 0) break;
@@ -1224,13 +1253,13 @@ __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const Wo
       wgmma::fence_operand(n1);
       if (kSub == 0 && k_block > 0) {  // k_block - 1 was the previous stage's last k-block
         __syncwarp();
-        if (lane == 0) ws_release<kCluster>(empty_bars + 8 * ((flat - 1) % ws::kStages));
+        if (lane == 0) ws_release<kCluster>(empty_bars + 8 * ((flat - 1) % kStages));
       }
       if (k_block + 1 < num_k_blocks) {
         if (kSub == ws::kBlocksPerStage - 1) {
           ++flat;
-          s = flat % ws::kStages;
-          tma::wait_untimed(full_bars + 8 * s, (flat / ws::kStages) & 1);
+          s = flat % kStages;
+          tma::wait_untimed(full_bars + 8 * s, (flat / kStages) & 1);
           decode(s * ws::kStageBytes, 0, n0, n1);
         } else {
           decode(s * ws::kStageBytes, kSub + 1, n0, n1);
@@ -1244,40 +1273,63 @@ __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const Wo
         step(k_block + 1, std::integral_constant<int, 1>{}, a0_odd, a1_odd, a0_even, a1_even);
       }
     }
-    // The epilogue's token factors (consumer 0 loads all 128), issued before the last wgmma drains.
+    // The epilogue's token factors (consumer 0 loads all 128; and the combine rows' addresses), issued before the
+    // last wgmma drains.
     const float factor = consumer == 0 ? token_factor<false>(args, item, thread_in_group) : 0.0f;
+    uint64_t destination = 0;
+    if (kCombineRows && consumer == 0 && thread_in_group < item.valid_rows) {
+      destination = combine_row_address(args.combine, item.first_row + thread_in_group);
+    }
     wgmma::wait_group<0>();
     wgmma::fence_operand(acc0);
     wgmma::fence_operand(acc1);
     __syncwarp();
-    if (lane == 0) ws_release<kCluster>(empty_bars + 8 * (flat % ws::kStages));  // the item's last stage
+    if (lane == 0) ws_release<kCluster>(empty_bars + 8 * (flat % kStages));  // the item's last stage
     ++flat;
-    // Two buffers by item parity: an item's factors are rewritten two items later, after the barrier of the item in
-    // between, which every consumer passes only after this item's epilogue.
+    // Two buffers by item parity: an item's factors (and combine-row addresses) are rewritten two items later, after
+    // the barrier of the item in between, which every consumer passes only after this item's epilogue.
     float* factors = tile_factors[seq & 1];
-    if (consumer == 0) factors[thread_in_group] = factor;
-    tma::named_barrier(1, 128 * ws::kConsumers);
-    const int weight_tile = item.weight_cta * ws::kWeightTiles + 2 * consumer;
-    if (weight_tile < num_weight_tiles) store_tile_rows<ws::kTile>(args, acc0, factors, item, weight_tile);
-    if (weight_tile + 1 < num_weight_tiles) store_tile_rows<ws::kTile>(args, acc1, factors, item, weight_tile + 1);
+    if (consumer == 0) {
+      factors[thread_in_group] = factor;
+      if (kCombineRows) tile_destinations[seq & 1][thread_in_group] = destination;
+    }
+    tma::named_barrier(1, 128 * ws::kConsumers);  // (also: every consumer is done with the previous item's staging)
+    if constexpr (kCombineRows) {
+      // The combine-row epilogue of the classic kernel, over the 256 columns of both consumers (4 tiles of 64, the
+      // spare ones staged and not stored) and the 8 consumer warps, through the staging area past the ring.
+      __nv_bfloat16* staging = reinterpret_cast<__nv_bfloat16*>(
+          const_cast<uint8_t*>(smem) + WsGeometry<kCombineRows>::kStagingOffset);
+      const int column = 16 * (thread_in_group / 32) + 2 * (lane / 4);
+      stage_combine_tile<ws::kTile, ws::kWeightTiles>(acc0, factors, staging, 64 * (2 * consumer) + column);
+      stage_combine_tile<ws::kTile, ws::kWeightTiles>(acc1, factors, staging, 64 * (2 * consumer + 1) + column);
+      tma::named_barrier(1, 128 * ws::kConsumers);
+      send_combine_rows<ws::kTile, ws::kWeightTiles, 4 * ws::kConsumers>(args, tile_destinations[seq & 1], staging,
+                                                                         item, (threadIdx.x - 128) / 32);
+    } else {
+      const int weight_tile = item.weight_cta * ws::kWeightTiles + 2 * consumer;
+      if (weight_tile < num_weight_tiles) store_tile_rows<ws::kTile>(args, acc0, factors, item, weight_tile);
+      if (weight_tile + 1 < num_weight_tiles) store_tile_rows<ws::kTile>(args, acc1, factors, item, weight_tile + 1);
+    }
   }
   __syncwarp();
   if (lane == 0) tma::arrive(done_bar);  // the producer's watchdog (its wait on done_bar has the timeout)
 }
 #endif  // EP_COMM_HAS_WGMMA
 
-template <int kCluster>
+template <int kCluster, bool kCombineRows>
 __global__ void __launch_bounds__(ws::kThreads, 1) grouped_gemm_nvfp4_ws_kernel(const __grid_constant__ WsParams p) {
 #if EP_COMM_HAS_WGMMA
+  constexpr int kStages = WsGeometry<kCombineRows>::kStages;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // (The same offset in both CTAs of a cluster: the multicast loads write at the same address in each.)
   const uint8_t* smem = smem_raw + ((1024 - (cp_async::smem_address(smem_raw) & 1023)) & 1023);
   const uint32_t ring = cp_async::smem_address(smem);
-  __shared__ __align__(8) uint64_t full_barriers[ws::kStages];
-  __shared__ __align__(8) uint64_t empty_barriers[ws::kStages];
+  __shared__ __align__(8) uint64_t full_barriers[kStages];
+  __shared__ __align__(8) uint64_t empty_barriers[kStages];
   __shared__ __align__(8) uint64_t done_barrier;
   __shared__ WorkItem items[ws::kItemSlots];
   __shared__ __align__(16) float tile_factors[2][ws::kTile];
+  __shared__ uint64_t tile_destinations[kCombineRows ? 2 : 1][ws::kTile];  // combine-row addresses
   __shared__ TileCursor cursor;
   const uint32_t full_bars = cp_async::smem_address(full_barriers);
   const uint32_t empty_bars = cp_async::smem_address(empty_barriers);
@@ -1286,7 +1338,7 @@ __global__ void __launch_bounds__(ws::kThreads, 1) grouped_gemm_nvfp4_ws_kernel(
     cursor.base = 0;
     cursor.tiles_before = 0;
     cursor.loaded = false;
-    for (int s = 0; s < ws::kStages; ++s) {
+    for (int s = 0; s < kStages; ++s) {
       tma::barrier_init(full_bars + 8 * s, 1);  // the producer's arrive_expect_bytes (+ the loads' bytes)
       tma::barrier_init(empty_bars + 8 * s, kCluster * ws::kConsumers * 4);  // every consumer warp of the cluster
     }
@@ -1311,12 +1363,13 @@ __global__ void __launch_bounds__(ws::kThreads, 1) grouped_gemm_nvfp4_ws_kernel(
   };
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(ws::kProducerRegisters));
-    if (threadIdx.x < 32) ws_produce<kCluster>(p, cursor, items, ring, full_bars, empty_bars, done_bar);
+    if (threadIdx.x < 32) ws_produce<kCluster, kStages>(p, cursor, items, ring, full_bars, empty_bars, done_bar);
     finish();
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(ws::kConsumerRegisters));
-  ws_consume<kCluster>(p.args, items, tile_factors, smem, ring, full_bars, empty_bars, done_bar);
+  ws_consume<kCluster, kCombineRows>(p.args, items, tile_factors, tile_destinations, smem, ring, full_bars,
+                                     empty_bars, done_bar);
   finish();
 #else
   __trap();  // built for an architecture without wgmma; the launcher refuses such devices
@@ -1384,9 +1437,10 @@ cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64
 
 // The warp-specialized tile-128 kernel's launch (EP_COMM_GEMM_WS=1: one CTA per cluster, 2: two), persistent: as
 // many clusters as are resident at once, at most one per cluster item (a token tile against kCluster weight CTAs).
-template <int kCluster>
+template <int kCluster, bool kCombineRows = false>
 cudaError_t launch_ws_tile(const GroupedGemmArgs& args, const RowSplit split, int64_t tile_slots, cudaStream_t stream) {
-  auto* kernel = grouped_gemm_nvfp4_ws_kernel<kCluster>;
+  using G = WsGeometry<kCombineRows>;
+  auto* kernel = grouped_gemm_nvfp4_ws_kernel<kCluster, kCombineRows>;
   const EncodeTiled encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
   WsParams params{};
@@ -1405,7 +1459,7 @@ cudaError_t launch_ws_tile(const GroupedGemmArgs& args, const RowSplit split, in
   }
   static std::atomic<uint64_t> configured{0};
   cudaError_t status = once_per_device(configured, [&] {
-    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ws::kSmemBytes);
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kSmemBytes);
   });
   if (status != cudaSuccess) return status;
   const int max_ctas = max_ctas_override();
@@ -1423,19 +1477,19 @@ cudaError_t launch_ws_tile(const GroupedGemmArgs& args, const RowSplit split, in
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(kCluster);
   config.blockDim = dim3(ws::kThreads);
-  config.dynamicSmemBytes = ws::kSmemBytes;
+  config.dynamicSmemBytes = G::kSmemBytes;
   config.stream = stream;
   config.attrs = attributes;
   config.numAttrs = kCluster > 1 ? 2 : 1;
   int64_t clusters = 0;
   if constexpr (kCluster == 1) {
-    status = resident_grid(kernel, ws::kThreads, cluster_items, &clusters, ws::kSmemBytes);
+    status = resident_grid(kernel, ws::kThreads, cluster_items, &clusters, G::kSmemBytes);
   } else {
     int resident = 0;
     status = cudaOccupancyMaxActiveClusters(&resident, kernel, &config);
     if (status != cudaSuccess) return status;
     // No cluster of two fits (a partition of the GPU without two free SMs in one GPC): one CTA per cluster instead.
-    if (resident < 1) return launch_ws_tile<1>(args, split, tile_slots, stream);
+    if (resident < 1) return launch_ws_tile<1, kCombineRows>(args, split, tile_slots, stream);
     clusters = cluster_items < resident ? cluster_items : resident;
   }
   if (status != cudaSuccess) return status;
@@ -1597,14 +1651,15 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
   // Every kernel is resolved before any launches, so a refused tuning override cannot leave out half written.
   LaunchFn main_kernel = select_kernel(tile, combine_rows, args.fp8);
   // The warp-specialized form (experimental, EP_COMM_GEMM_WS=1|2; "0" or unset: off) replaces the tile-128 kernel of
-  // the exact mode's direct epilogues (not a refused tuning override: main_kernel null); its bulk copies need 16-byte
-  // aligned operands. Behind a wave receive it runs with one CTA per cluster (the wave work counter hands out items
-  // one by one).
+  // the exact mode (not a refused tuning override: main_kernel null); its bulk copies need 16-byte aligned operands.
+  // Behind a wave receive it runs with one CTA per cluster (the wave work counter hands out items one by one).
   static const int ws_cluster = env_choice("EP_COMM_GEMM_WS", {"0", "1", "2"});
-  if (ws_cluster > 0 && main_kernel != nullptr && tile == 128 && !combine_rows && !args.fp8 &&
+  if (ws_cluster > 0 && main_kernel != nullptr && tile == 128 && !args.fp8 &&
       reinterpret_cast<uintptr_t>(args.x) % 16 == 0 && reinterpret_cast<uintptr_t>(args.w_values) % 16 == 0 &&
       reinterpret_cast<uintptr_t>(args.w_scales) % 16 == 0) {
-    main_kernel = ws_cluster == 1 || args.wave.area != nullptr ? launch_ws_tile<1> : launch_ws_tile<2>;
+    const bool one = ws_cluster == 1 || args.wave.area != nullptr;
+    main_kernel = combine_rows ? (one ? launch_ws_tile<1, true> : launch_ws_tile<2, true>)
+                               : (one ? launch_ws_tile<1, false> : launch_ws_tile<2, false>);
   }
   const LaunchFn tail_kernel = tail_tile ? select_kernel(tail_tile, combine_rows, args.fp8) : nullptr;
   if (!main_kernel || (tail_tile && !tail_kernel)) return cudaErrorInvalidValue;

@@ -1192,8 +1192,9 @@ def _ws_cases():
     inputs made from fixed seeds, so that a process with the form on and one with it off compute the same cases. Covers
     one and three k-blocks (an odd count), spare weight tiles (N = 192, 320, 576: three, five and nine 64-row tiles),
     an odd number of weight CTAs (N = 576: three, so clusters of two have a spare CTA), more than 32 experts, the split launches (remainders, wide tiles), the
-    SwiGLU row amax, and padding rows full of NaN right after each expert's rows (the warp-specialized form reads a
-    tile's rows past the count instead of zero-filling them: they must stay in their own, unstored columns)."""
+    SwiGLU row amax, the combine-row epilogue, and padding rows full of NaN right after each expert's rows (the
+    warp-specialized form reads a tile's rows past the count instead of zero-filling them: they must stay in their
+    own, unstored columns)."""
     cases = []
     shapes = SMALL_SHAPES + [(3, 320, 192), (2, 192, 64), (2, 576, 128)]
     for shape in shapes + [BIG_SHAPE, W2_SHAPE]:
@@ -1213,6 +1214,11 @@ def _ws_cases():
             out = G.grouped_gemm_nvfp4(x_padded, off, cnt, packed, out_dtype=torch.float32, token_tile=128,
                                        impl="cuda", out=torch.full_like(single, 7.0))
             cases.append((f"{shape} swiglu={swiglu} NaN padding", out))
+            if not swiglu:  # the combine-row epilogue (MoELayer's w2): the whole target, 0xA5 outside the rows
+                target, areas, _, _ = _local_combine_target(mask, num_ranks=2, topk=3, hidden=packed.out_features,
+                                                            seed=packed.out_features + 5)
+                G.grouped_gemm_nvfp4_combine_rows(x, off, cnt, packed, target, token_tile=128)
+                cases.append((f"{shape} combine rows", areas.clone()))
             if swiglu:
                 started = torch.zeros(x.num_rows, device="cuda")
                 G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.bfloat16, token_tile=128, impl="cuda",
@@ -1264,7 +1270,7 @@ def test_kernel_warp_specialized_is_bitwise_the_classic_kernel(tmp_path):
     here = os.path.dirname(os.path.abspath(__file__))
     script = f"import sys; sys.path.insert(0, {here!r}); import test_grouped_gemm as T; T._ws_compare({path!r})"
     tests = ("kernel_vs_reference_small or inconsistent_segments or leaves_other_rows or all_experts_empty or "
-             "one_row_view or fused_expert_mlp")
+             "one_row_view or fused_expert_mlp or combine_row_epilogue")
     for extra in ({"EP_COMM_GEMM_WS": "1"}, {"EP_COMM_GEMM_WS": "2"},
                   {"EP_COMM_GEMM_WS": "1", "EP_COMM_GEMM_MAX_CTAS": "3"},
                   {"EP_COMM_GEMM_WS": "2", "EP_COMM_GEMM_MAX_CTAS": "5"}):
