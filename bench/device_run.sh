@@ -393,6 +393,15 @@ test_ws_layer() {  # the warp-specialized form behind a wave receive (w1 of the 
   EP_COMM_GEMM_WS=1 shared_tier ws_waves 300 tests/test_waves.py -k "bitwise_the_plain"
   EP_COMM_GEMM_WS=1 test_moe_one_rank
 }
+bench_moe_ws_ab() {  # the MoE layer at world 1 (4096 tokens, 128 experts) with the classic and the warp-specialized
+  # GEMMs (w1 behind the wave receive, w2 with combine rows), in the order classic, ws, ws, classic
+  local value
+  for value in 0 1 1 0; do
+    say "bench: MoE layer at world 1, EP_COMM_GEMM_WS=$value"
+    EP_COMM_GEMM_WS=$value CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/bench_moe.py --nproc 1 --experts 128 \
+      --tokens 4096,128 --iters 5 --no-baseline 2>&1 | grep -E "graph|layer|ms" | tail -6 | tee -a "$log"
+  done
+}
 bench_gemm_ws_ab() {  # the warp-specialized tile-128 GEMM: classic, one CTA per cluster, two, two, one, classic
   for value in 0 1 2 2 1 0; do bench_gemm_variant EP_COMM_GEMM_WS=$value "${GEMM_AB_ROWS:-128,256r}"; done
 }
