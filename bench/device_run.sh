@@ -387,11 +387,11 @@ test_ws() {  # the warp-specialized tile-128 GEMM (EP_COMM_GEMM_WS=1|2, experime
   echo "rc $?" | tee -a "$log"
   tail -25 "$OUT/pytest_ws.txt" | tee -a "$log"
 }
-test_ws_layer() {  # the warp-specialized form behind a wave receive (w1 of the MoE layer): the waves tier with 2 ranks
-  # sharing GPU 0 and the MoE layer worker at world 1, with EP_COMM_GEMM_WS=1
-  say "gpu tier: the waves tier and the MoE layer with the warp-specialized GEMM (EP_COMM_GEMM_WS=1)"
+test_ws_layer() {  # the warp-specialized form behind a wave receive (w1 of the MoE layer) and with combine rows: the
+  # waves tier with 2 ranks sharing GPU 0 and EP_COMM_GEMM_WS=1 (its w1 calls take token tile 128, and so does its
+  # combine-rows layer case; the MoE layer worker of test_moe_one_rank takes tile 32 and would not reach the form)
+  say "gpu tier: the waves tier with the warp-specialized GEMM (EP_COMM_GEMM_WS=1)"
   EP_COMM_GEMM_WS=1 shared_tier ws_waves 300 tests/test_waves.py -k "bitwise_the_plain"
-  EP_COMM_GEMM_WS=1 test_moe_one_rank
 }
 bench_moe_ws_ab() {  # the MoE layer at world 1 (4096 tokens, 128 experts) with the classic and the warp-specialized
   # GEMMs (w1 behind the wave receive, w2 with combine rows), in the order classic, ws, ws, classic
@@ -399,7 +399,7 @@ bench_moe_ws_ab() {  # the MoE layer at world 1 (4096 tokens, 128 experts) with 
   for value in 0 1 1 0; do
     say "bench: MoE layer at world 1, EP_COMM_GEMM_WS=$value"
     EP_COMM_GEMM_WS=$value CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/bench_moe.py --nproc 1 --experts 128 \
-      --tokens 4096,128 --iters 5 --no-baseline 2>&1 | grep -E "graph|layer|ms" | tail -6 | tee -a "$log"
+      --tokens 4096,128 --iters 5 --no-baseline 2>&1 | tail -14 | tee -a "$log"
   done
 }
 bench_gemm_ws_ab() {  # the warp-specialized tile-128 GEMM: classic, one CTA per cluster, two, two, one, classic

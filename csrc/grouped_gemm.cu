@@ -1440,6 +1440,9 @@ cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64
 template <int kCluster, bool kCombineRows = false>
 cudaError_t launch_ws_tile(const GroupedGemmArgs& args, const RowSplit split, int64_t tile_slots, cudaStream_t stream) {
   using G = WsGeometry<kCombineRows>;
+  // Waves take items one by one from the wave counter: clusters of one CTA only (the kernel skips the waves protocol
+  // in clusters of two).
+  if (kCluster > 1 && args.wave.area != nullptr) return launch_ws_tile<1, kCombineRows>(args, split, tile_slots, stream);
   auto* kernel = grouped_gemm_nvfp4_ws_kernel<kCluster, kCombineRows>;
   const EncodeTiled encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;

@@ -1215,10 +1215,12 @@ def _ws_cases():
                                        impl="cuda", out=torch.full_like(single, 7.0))
             cases.append((f"{shape} swiglu={swiglu} NaN padding", out))
             if not swiglu:  # the combine-row epilogue (MoELayer's w2): the whole target, 0xA5 outside the rows
-                target, areas, _, _ = _local_combine_target(mask, num_ranks=2, topk=3, hidden=packed.out_features,
-                                                            seed=packed.out_features + 5)
-                G.grouped_gemm_nvfp4_combine_rows(x, off, cnt, packed, target, token_tile=128)
-                cases.append((f"{shape} combine rows", areas.clone()))
+                for name, rows in (("combine rows", x), ("combine rows, NaN padding", x_padded)):
+                    target, areas, _, _ = _local_combine_target(mask, num_ranks=2, topk=3,
+                                                                hidden=packed.out_features,
+                                                                seed=packed.out_features + 5)
+                    G.grouped_gemm_nvfp4_combine_rows(rows, off, cnt, packed, target, token_tile=128)
+                    cases.append((f"{shape} {name}", areas.clone()))
             if swiglu:
                 started = torch.zeros(x.num_rows, device="cuda")
                 G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.bfloat16, token_tile=128, impl="cuda",
@@ -1246,8 +1248,12 @@ def _ws_compare(path: str):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         cases = _ws_cases()
         torch.cuda.synchronize()
-    names = [event.name for event in profile.events()]
-    assert any("grouped_gemm_nvfp4_ws_kernel" in name for name in names), "the warp-specialized kernel did not run"
+    names = {event.name for event in profile.events() if "grouped_gemm_nvfp4_ws_kernel" in event.name}
+    # (Both instances, the direct epilogues' and the combine rows': demangled "<1, false>" or mangled "ILi1ELb0E".)
+    for combine_rows in (False, True):
+        forms = (f", {str(combine_rows).lower()}>", f"ELb{int(combine_rows)}E")
+        assert any(form in name for name in names for form in forms), \
+            f"the warp-specialized kernel (combine rows: {combine_rows}) did not run; ran: {sorted(names)}"
     assert [name for name, _ in cases] == [name for name, _ in saved]
     for (name, out), (_, want) in zip(cases, saved):
         assert torch.equal(out.cpu().view(torch.uint8), want.view(torch.uint8)), name
