@@ -183,13 +183,14 @@ def test_fp8_kernel_vs_fp8_reference(shape, swiglu, out_dtype, token_tile):
     print(f"fp8 kernel {shape} swiglu={swiglu} {out_dtype} tile={token_tile}: relative L2 {error:.2e}")
     assert error < bound, f"relative L2 {error:.3e} against the FP8 reference"
     # Row by row too: a few wrong elements (one 64-column tile of one token: 10-50% of that row's norm at these widths)
-    # hardly move the whole output's L2, but they do move their row's.
+    # hardly move the whole output's L2, but they do move their row's. (An emulation of a reduced-precision tensor-core
+    # accumulation put the worst row at 1.05-1.2x the whole output's error: 3x leaves margin.)
     got, want = out[mask].float(), ref[mask]
     norms = torch.linalg.norm(want.double(), dim=1)
     zero = norms == 0
     assert bool((got[zero] == 0).all()), "rows whose reference is zero are not zero"
     per_row = torch.linalg.norm(got[~zero].double() - want[~zero].double(), dim=1) / norms[~zero]
-    assert per_row.numel() == 0 or per_row.max().item() < 10 * bound, \
+    assert per_row.numel() == 0 or per_row.max().item() < 3 * bound, \
         f"worst rows' relative L2 {per_row.topk(min(3, per_row.numel())).values.tolist()}"
     again = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=out_dtype, token_tile=token_tile, impl="cuda")
     assert torch.equal(out.view(torch.uint8), again.view(torch.uint8)), "two runs differ"
