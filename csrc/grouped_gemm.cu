@@ -1029,7 +1029,6 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
 // past its end; behind a wave receive, rows of other experts that may still be landing). Such a row only feeds its own
 // output column (the token), which the epilogue never stores.
 namespace ws {
-constexpr int kTile = 128;
 constexpr int kConsumers = 2;    // consumer warpgroups
 constexpr int kWeightTiles = 4;  // 64-row weight tiles per CTA (256 weight rows), two per consumer
 constexpr int kThreads = 128 * (1 + kConsumers);
@@ -1038,9 +1037,6 @@ constexpr int kTileValueBytes = 128 * kValueBytes;  // one tile's codes of one k
 // A stage: codes [tile][k-block][thread] x 16 B, scales [tile][k-block] x 256 B, tokens [k-block][row] x 128 B.
 constexpr int kScalesOffset = kWeightTiles * kBlocksPerStage * kTileValueBytes;                   // 16 KiB
 constexpr int kTokensOffset = kScalesOffset + kWeightTiles * kBlocksPerStage * kTileScaleBytes;  // 18 KiB
-constexpr int kTokenBlockBytes = kTile * 128;
-constexpr int kStageBytes = kTokensOffset + kBlocksPerStage * kTokenBlockBytes;  // 50 KiB
-static_assert(kTokensOffset % 1024 == 0 && kStageBytes % 1024 == 0, "token tiles start 1024-byte aligned");
 constexpr int kMaxStages = 4;
 // Work items in flight between the producer and the consumers: the producer writes item n's entry once the slot of
 // item n's first stage is free, i.e. after the consumers released a stage of item n - kStages or later, which they do
@@ -1057,19 +1053,26 @@ static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <
               "the register pool of the launch");
 }  // namespace ws
 
-// The ring of the direct epilogues: 4 stages. The combine-row epilogue (kCombineRows) stages its bf16 output tile
-// (CombineTile, 66 KiB) outside the ring, which the producer keeps filling with the next item's stages meanwhile: 3
-// stages then, so that ring and tile fit the 227 KiB a CTA may have.
-template <bool kCombineRows>
+// Token tile kTile (128; 144, the wide last tiles of RowSplit part 3, compiles but serializes its wgmma: see the
+// launcher). The ring of the
+// direct epilogues: 4 stages. The combine-row epilogue (kCombineRows) stages its bf16 output tile (CombineTile, 66 KiB)
+// outside the ring, which the producer keeps filling with the next item's stages meanwhile: 3 stages then, so that
+// ring and tile fit the 227 KiB a CTA may have.
+template <int kTile, bool kCombineRows>
 struct WsGeometry {
+  static constexpr int kTokenBlockBytes = kTile * 128;
+  static constexpr int kStageBytes = ws::kTokensOffset + ws::kBlocksPerStage * kTokenBlockBytes;  // 50 / 54 KiB
+  static_assert(ws::kTokensOffset % 1024 == 0 && kStageBytes % 1024 == 0, "token tiles start 1024-byte aligned");
   static constexpr int kStages = kCombineRows ? 3 : ws::kMaxStages;
-  static constexpr int kStagingOffset = kStages * ws::kStageBytes;  // 1024-aligned
-  static constexpr int kStagingBytes = kCombineRows ? ws::kTile * CombineTile<ws::kWeightTiles>::kBytesPerRow : 0;
+  static constexpr int kStagingOffset = kStages * kStageBytes;  // 1024-aligned
+  static constexpr int kStagingBytes = kCombineRows ? kTile * CombineTile<ws::kWeightTiles>::kBytesPerRow : 0;
   static constexpr int kSmemBytes = kStagingOffset + kStagingBytes + 1024;  // + room to align the ring
+  static_assert(kSmemBytes + 8 * 1024 <= 232448, "the ring, the staging and the static shared memory in 227 KiB");
+  static_assert(kTile % 8 == 0 && kTile <= 256, "a TMA box of at most 256 rows, 8-row swizzle groups");
 };
 
 struct WsParams {
-  CUtensorMap x_map;  // fp16 x [num_rows_total, k], box 64 (k) x 128 / kCluster (rows), 128-byte swizzle
+  CUtensorMap x_map;  // fp16 x [num_rows_total, k], box 64 (k) x kTile / kCluster (rows), 128-byte swizzle
   GroupedGemmArgs args;
   RowSplit split;
 };
@@ -1078,9 +1081,11 @@ struct WsParams {
 // The producer warp: every stage of the CTA's items into the ring, and each item's entry (an entry with expert -1,
 // published by a plain arrival on the next stage's "full" barrier, ends the consumers); then it waits, with the
 // timeout, until every consumer warp is done (ws_consume).
-template <int kCluster, int kStages>
+template <int kCluster, int kTile, bool kCombineRows>
 __device__ __forceinline__ void ws_produce(const WsParams& p, TileCursor& cursor, WorkItem* items, uint32_t ring,
                                            uint32_t full_bars, uint32_t empty_bars, uint32_t done_bar) {
+  using G = WsGeometry<kTile, kCombineRows>;
+  constexpr int kStages = G::kStages;
   const GroupedGemmArgs& args = p.args;
   const int lane = threadIdx.x;  // warp 0
   const int rank = kCluster > 1 ? static_cast<int>(tma::cluster_rank()) : 0;
@@ -1110,7 +1115,7 @@ __device__ __forceinline__ void ws_produce(const WsParams& p, TileCursor& cursor
       cluster_item = __shfl_sync(0xFFFFFFFFu, taken, 0);
     }
     __syncwarp();  // lane 0's cursor writes of the previous scan (and its layout wait), before the other lanes read
-    const FoundTile tile = scan_tiles<ws::kTile>(args, p.split, cluster_item / weight_groups, cursor);
+    const FoundTile tile = scan_tiles<kTile>(args, p.split, cluster_item / weight_groups, cursor);
     const int weight_cta = (cluster_item % weight_groups) * kCluster + rank;
     if (lane == 0) {
       if (waves && tile.expert >= 0) {
@@ -1138,13 +1143,13 @@ __device__ __forceinline__ void ws_produce(const WsParams& p, TileCursor& cursor
       for (int st = 0; st < stages_per_item; ++st, ++flat) {
         const uint32_t s = flat % kStages;
         if (st > 0) tma::wait(empty_bars + 8 * s, ((flat / kStages) & 1) ^ 1);
-        const uint32_t stage = ring + s * ws::kStageBytes;
+        const uint32_t stage = ring + s * G::kStageBytes;
         const uint32_t full = full_bars + 8 * s;
         const int first_block = st * ws::kBlocksPerStage;
         const int blocks = num_k_blocks - first_block < ws::kBlocksPerStage ? num_k_blocks - first_block
                                                                              : ws::kBlocksPerStage;
         tma::arrive_expect_bytes(
-            full, blocks * (ws::kWeightTiles * (ws::kTileValueBytes + kTileScaleBytes) + ws::kTokenBlockBytes));
+            full, blocks * (ws::kWeightTiles * (ws::kTileValueBytes + kTileScaleBytes) + G::kTokenBlockBytes));
 #pragma unroll
         for (int j = 0; j < ws::kWeightTiles; ++j) {
           const int64_t block = tile_index[j] * num_k_blocks + first_block;
@@ -1154,12 +1159,12 @@ __device__ __forceinline__ void ws_produce(const WsParams& p, TileCursor& cursor
                           args.w_scales + block * kTileScaleBytes, blocks * kTileScaleBytes, full);
         }
         for (int b = 0; b < blocks; ++b) {
-          const uint32_t tokens = stage + ws::kTokensOffset + b * ws::kTokenBlockBytes;
+          const uint32_t tokens = stage + ws::kTokensOffset + b * G::kTokenBlockBytes;
           const int32_t k0 = (first_block + b) * kKBlock;
           if constexpr (kCluster == 1) {
             tma::load_2d(tokens, &p.x_map, full, k0, tile.first_row);
           } else {
-            constexpr int kRows = ws::kTile / kCluster;
+            constexpr int kRows = kTile / kCluster;
             tma::load_2d_multicast(tokens + rank * kRows * 128, &p.x_map, full, k0, tile.first_row + rank * kRows,
                                    static_cast<uint16_t>((1u << kCluster) - 1));
           }
@@ -1189,12 +1194,13 @@ __device__ __forceinline__ void ws_release(uint32_t empty_bar) {
 // `done_bar` when it leaves, and the producer waits for that with the timeout, so a barrier that never completes traps
 // there instead of hanging.
 // `smem` is the ring's generic address, `ring` its shared-window address.
-template <int kCluster, bool kCombineRows>
+template <int kCluster, int kTile, bool kCombineRows>
 __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const WorkItem* items,
-                                           float (*tile_factors)[ws::kTile], uint64_t (*tile_destinations)[ws::kTile],
+                                           float (*tile_factors)[kTile], uint64_t (*tile_destinations)[kTile],
                                            const uint8_t* smem, uint32_t ring, uint32_t full_bars,
                                            uint32_t empty_bars, uint32_t done_bar) {
-  constexpr int kStages = WsGeometry<kCombineRows>::kStages;
+  using G = WsGeometry<kTile, kCombineRows>;
+  constexpr int kStages = G::kStages;
   const int consumer = threadIdx.x / 128 - 1;
   const int thread_in_group = threadIdx.x % 128;
   const int lane = threadIdx.x % 32;
@@ -1203,7 +1209,7 @@ __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const Wo
   const int num_k_blocks = args.k / kKBlock;
   uint32_t flat = 0;  // stages consumed so far
   int seq = 0;
-  float acc0[ws::kTile / 2], acc1[ws::kTile / 2];
+  float acc0[kTile / 2], acc1[kTile / 2];
   using AFragments = uint32_t[4][4];
   AFragments a0_even, a1_even, a0_odd, a1_odd;  // [k-step][register] of tiles 0 / 1, even / odd k-blocks
   // This consumer's A fragments of both its tiles, k-block `sub` of the stage at ring offset `stage_offset`.
@@ -1224,9 +1230,9 @@ __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const Wo
     const WorkItem item = items[seq % ws::kItemSlots];
     ++seq;
     if (item.expert < 0) break;
-    decode(s * ws::kStageBytes, 0, a0_even, a1_even);
+    decode(s * G::kStageBytes, 0, a0_even, a1_even);
 #pragma unroll
-    for (int i = 0; i < ws::kTile / 2; ++i) acc0[i] = acc1[i] = 0.0f;
+    for (int i = 0; i < kTile / 2; ++i) acc0[i] = acc1[i] = 0.0f;
     // k-block `k_block` (k-block kSub of its stage): its eight wgmma (four k-steps of both tiles, the tiles
     // interleaved), then -- once the previous k-block's have retired -- release the stage before this one if that was
     // its last k-block, and decode the next k-block into the set the retired wgmma read (waiting for its stage first
@@ -1239,11 +1245,11 @@ __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const Wo
       wgmma::fence_operand(c1);
       wgmma::fence();
       const uint64_t desc =
-          wgmma::make_descriptor_sw128(ring + s * ws::kStageBytes + ws::kTokensOffset + kSub * ws::kTokenBlockBytes);
+          wgmma::make_descriptor_sw128(ring + s * G::kStageBytes + ws::kTokensOffset + kSub * G::kTokenBlockBytes);
 #pragma unroll
       for (int k_step = 0; k_step < 4; ++k_step) {  // + 2 in the start field per k-step (32 B, address >> 4)
-        wgmma::MmaRS<ws::kTile>::run(acc0, c0[k_step], desc + 2 * k_step);
-        wgmma::MmaRS<ws::kTile>::run(acc1, c1[k_step], desc + 2 * k_step);
+        wgmma::MmaRS<kTile>::run(acc0, c0[k_step], desc + 2 * k_step);
+        wgmma::MmaRS<kTile>::run(acc1, c1[k_step], desc + 2 * k_step);
       }
       wgmma::commit_group();
       wgmma::fence_operand(acc0);
@@ -1260,9 +1266,9 @@ __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const Wo
           ++flat;
           s = flat % kStages;
           tma::wait_untimed(full_bars + 8 * s, (flat / kStages) & 1);
-          decode(s * ws::kStageBytes, 0, n0, n1);
+          decode(s * G::kStageBytes, 0, n0, n1);
         } else {
-          decode(s * ws::kStageBytes, kSub + 1, n0, n1);
+          decode(s * G::kStageBytes, kSub + 1, n0, n1);
         }
       }
     };
@@ -1273,12 +1279,13 @@ __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const Wo
         step(k_block + 1, std::integral_constant<int, 1>{}, a0_odd, a1_odd, a0_even, a1_even);
       }
     }
-    // The epilogue's token factors (consumer 0 loads all 128; and the combine rows' addresses), issued before the
-    // last wgmma drains.
-    const float factor = consumer == 0 ? token_factor<false>(args, item, thread_in_group) : 0.0f;
+    // The epilogue's token factors (and the combine rows' addresses), token t loaded by consumer thread t (tokens
+    // 128.. of a tile of 144 by consumer 1), issued before the last wgmma drains.
+    const int my_token = 128 * consumer + thread_in_group;
+    const float factor = my_token < kTile ? token_factor<false>(args, item, my_token) : 0.0f;
     uint64_t destination = 0;
-    if (kCombineRows && consumer == 0 && thread_in_group < item.valid_rows) {
-      destination = combine_row_address(args.combine, item.first_row + thread_in_group);
+    if (kCombineRows && my_token < item.valid_rows) {
+      destination = combine_row_address(args.combine, item.first_row + my_token);
     }
     wgmma::wait_group<0>();
     wgmma::fence_operand(acc0);
@@ -1289,26 +1296,26 @@ __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const Wo
     // Two buffers by item parity: an item's factors (and combine-row addresses) are rewritten two items later, after
     // the barrier of the item in between, which every consumer passes only after this item's epilogue.
     float* factors = tile_factors[seq & 1];
-    if (consumer == 0) {
-      factors[thread_in_group] = factor;
-      if (kCombineRows) tile_destinations[seq & 1][thread_in_group] = destination;
+    if (my_token < kTile) {
+      factors[my_token] = factor;
+      if (kCombineRows) tile_destinations[seq & 1][my_token] = destination;
     }
     tma::named_barrier(1, 128 * ws::kConsumers);  // (also: every consumer is done with the previous item's staging)
     if constexpr (kCombineRows) {
       // The combine-row epilogue of the classic kernel, over the 256 columns of both consumers (4 tiles of 64, the
       // spare ones staged and not stored) and the 8 consumer warps, through the staging area past the ring.
       __nv_bfloat16* staging = reinterpret_cast<__nv_bfloat16*>(
-          const_cast<uint8_t*>(smem) + WsGeometry<kCombineRows>::kStagingOffset);
+          const_cast<uint8_t*>(smem) + G::kStagingOffset);
       const int column = 16 * (thread_in_group / 32) + 2 * (lane / 4);
-      stage_combine_tile<ws::kTile, ws::kWeightTiles>(acc0, factors, staging, 64 * (2 * consumer) + column);
-      stage_combine_tile<ws::kTile, ws::kWeightTiles>(acc1, factors, staging, 64 * (2 * consumer + 1) + column);
+      stage_combine_tile<kTile, ws::kWeightTiles>(acc0, factors, staging, 64 * (2 * consumer) + column);
+      stage_combine_tile<kTile, ws::kWeightTiles>(acc1, factors, staging, 64 * (2 * consumer + 1) + column);
       tma::named_barrier(1, 128 * ws::kConsumers);
-      send_combine_rows<ws::kTile, ws::kWeightTiles, 4 * ws::kConsumers>(args, tile_destinations[seq & 1], staging,
+      send_combine_rows<kTile, ws::kWeightTiles, 4 * ws::kConsumers>(args, tile_destinations[seq & 1], staging,
                                                                          item, (threadIdx.x - 128) / 32);
     } else {
       const int weight_tile = item.weight_cta * ws::kWeightTiles + 2 * consumer;
-      if (weight_tile < num_weight_tiles) store_tile_rows<ws::kTile>(args, acc0, factors, item, weight_tile);
-      if (weight_tile + 1 < num_weight_tiles) store_tile_rows<ws::kTile>(args, acc1, factors, item, weight_tile + 1);
+      if (weight_tile < num_weight_tiles) store_tile_rows<kTile>(args, acc0, factors, item, weight_tile);
+      if (weight_tile + 1 < num_weight_tiles) store_tile_rows<kTile>(args, acc1, factors, item, weight_tile + 1);
     }
   }
   __syncwarp();
@@ -1316,10 +1323,10 @@ __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const Wo
 }
 #endif  // EP_COMM_HAS_WGMMA
 
-template <int kCluster, bool kCombineRows>
+template <int kCluster, int kTile, bool kCombineRows>
 __global__ void __launch_bounds__(ws::kThreads, 1) grouped_gemm_nvfp4_ws_kernel(const __grid_constant__ WsParams p) {
 #if EP_COMM_HAS_WGMMA
-  constexpr int kStages = WsGeometry<kCombineRows>::kStages;
+  constexpr int kStages = WsGeometry<kTile, kCombineRows>::kStages;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // (The same offset in both CTAs of a cluster: the multicast loads write at the same address in each.)
   const uint8_t* smem = smem_raw + ((1024 - (cp_async::smem_address(smem_raw) & 1023)) & 1023);
@@ -1328,8 +1335,8 @@ __global__ void __launch_bounds__(ws::kThreads, 1) grouped_gemm_nvfp4_ws_kernel(
   __shared__ __align__(8) uint64_t empty_barriers[kStages];
   __shared__ __align__(8) uint64_t done_barrier;
   __shared__ WorkItem items[ws::kItemSlots];
-  __shared__ __align__(16) float tile_factors[2][ws::kTile];
-  __shared__ uint64_t tile_destinations[kCombineRows ? 2 : 1][ws::kTile];  // combine-row addresses
+  __shared__ __align__(16) float tile_factors[2][kTile];
+  __shared__ uint64_t tile_destinations[kCombineRows ? 2 : 1][kTile];  // combine-row addresses
   __shared__ TileCursor cursor;
   const uint32_t full_bars = cp_async::smem_address(full_barriers);
   const uint32_t empty_bars = cp_async::smem_address(empty_barriers);
@@ -1363,13 +1370,15 @@ __global__ void __launch_bounds__(ws::kThreads, 1) grouped_gemm_nvfp4_ws_kernel(
   };
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(ws::kProducerRegisters));
-    if (threadIdx.x < 32) ws_produce<kCluster, kStages>(p, cursor, items, ring, full_bars, empty_bars, done_bar);
+    if (threadIdx.x < 32) {
+      ws_produce<kCluster, kTile, kCombineRows>(p, cursor, items, ring, full_bars, empty_bars, done_bar);
+    }
     finish();
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(ws::kConsumerRegisters));
-  ws_consume<kCluster, kCombineRows>(p.args, items, tile_factors, tile_destinations, smem, ring, full_bars,
-                                     empty_bars, done_bar);
+  ws_consume<kCluster, kTile, kCombineRows>(p.args, items, tile_factors, tile_destinations, smem, ring, full_bars,
+                                            empty_bars, done_bar);
   finish();
 #else
   __trap();  // built for an architecture without wgmma; the launcher refuses such devices
@@ -1437,13 +1446,15 @@ cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64
 
 // The warp-specialized tile-128 kernel's launch (EP_COMM_GEMM_WS=1: one CTA per cluster, 2: two), persistent: as
 // many clusters as are resident at once, at most one per cluster item (a token tile against kCluster weight CTAs).
-template <int kCluster, bool kCombineRows = false>
+template <int kCluster, int kTile, bool kCombineRows>
 cudaError_t launch_ws_tile(const GroupedGemmArgs& args, const RowSplit split, int64_t tile_slots, cudaStream_t stream) {
-  using G = WsGeometry<kCombineRows>;
+  using G = WsGeometry<kTile, kCombineRows>;
   // Waves take items one by one from the wave counter: clusters of one CTA only (the kernel skips the waves protocol
   // in clusters of two).
-  if (kCluster > 1 && args.wave.area != nullptr) return launch_ws_tile<1, kCombineRows>(args, split, tile_slots, stream);
-  auto* kernel = grouped_gemm_nvfp4_ws_kernel<kCluster, kCombineRows>;
+  if (kCluster > 1 && args.wave.area != nullptr) {
+    return launch_ws_tile<1, kTile, kCombineRows>(args, split, tile_slots, stream);
+  }
+  auto* kernel = grouped_gemm_nvfp4_ws_kernel<kCluster, kTile, kCombineRows>;
   const EncodeTiled encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
   WsParams params{};
@@ -1453,7 +1464,7 @@ cudaError_t launch_ws_tile(const GroupedGemmArgs& args, const RowSplit split, in
   // layout); rows past its end read as zeros.
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(args.k), static_cast<cuuint64_t>(args.num_rows_total)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(args.x_row_stride) * 2};
-  const cuuint32_t box[2] = {kKBlock, ws::kTile / kCluster};
+  const cuuint32_t box[2] = {kKBlock, kTile / kCluster};
   const cuuint32_t element_strides[2] = {1, 1};
   if (encode(&params.x_map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, const_cast<uint16_t*>(args.x), dims, strides, box,
              element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
@@ -1492,7 +1503,7 @@ cudaError_t launch_ws_tile(const GroupedGemmArgs& args, const RowSplit split, in
     status = cudaOccupancyMaxActiveClusters(&resident, kernel, &config);
     if (status != cudaSuccess) return status;
     // No cluster of two fits (a partition of the GPU without two free SMs in one GPC): one CTA per cluster instead.
-    if (resident < 1) return launch_ws_tile<1, kCombineRows>(args, split, tile_slots, stream);
+    if (resident < 1) return launch_ws_tile<1, kTile, kCombineRows>(args, split, tile_slots, stream);
     clusters = cluster_items < resident ? cluster_items : resident;
   }
   if (status != cudaSuccess) return status;
@@ -1657,12 +1668,13 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
   // the exact mode (not a refused tuning override: main_kernel null); its bulk copies need 16-byte aligned operands.
   // Behind a wave receive it runs with one CTA per cluster (the wave work counter hands out items one by one).
   static const int ws_cluster = env_choice("EP_COMM_GEMM_WS", {"0", "1", "2"});
-  if (ws_cluster > 0 && main_kernel != nullptr && tile == 128 && !args.fp8 &&
-      reinterpret_cast<uintptr_t>(args.x) % 16 == 0 && reinterpret_cast<uintptr_t>(args.w_values) % 16 == 0 &&
-      reinterpret_cast<uintptr_t>(args.w_scales) % 16 == 0) {
+  const bool ws_form = ws_cluster > 0 && !args.fp8 && reinterpret_cast<uintptr_t>(args.x) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(args.w_values) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(args.w_scales) % 16 == 0;
+  if (ws_form && main_kernel != nullptr && tile == 128) {
     const bool one = ws_cluster == 1 || args.wave.area != nullptr;
-    main_kernel = combine_rows ? (one ? launch_ws_tile<1, true> : launch_ws_tile<2, true>)
-                               : (one ? launch_ws_tile<1, false> : launch_ws_tile<2, false>);
+    main_kernel = combine_rows ? (one ? launch_ws_tile<1, 128, true> : launch_ws_tile<2, 128, true>)
+                               : (one ? launch_ws_tile<1, 128, false> : launch_ws_tile<2, 128, false>);
   }
   const LaunchFn tail_kernel = tail_tile ? select_kernel(tail_tile, combine_rows, args.fp8) : nullptr;
   if (!main_kernel || (tail_tile && !tail_kernel)) return cudaErrorInvalidValue;
@@ -1671,6 +1683,9 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
   // 3.44-3.45 ms, w2 1.86-1.87 vs 1.98 ms, MoE layer (world 1, graph) 5.80-5.81 vs 6.12-6.13 ms. Only the default CTA
   // shape has a 144 kernel: under a tuning override without one the wide launch is simply left out.
   static const bool wide_allowed = env_choice("EP_COMM_GEMM_WIDE_TILE", {"144", "0"}) == 0;
+  // (Not the warp-specialized form: its tile 144, instantiated on trial, serializes every wgmma -- 2 x 72 accumulators
+  // and two double-buffered A sets exceed 232 registers; it would need the classic wide tile's A sets per group of
+  // k-steps, and its combine rows a smaller staging.)
   const LaunchFn wide_kernel =
       wide_allowed && !args.fp8 && tail_tile != 0 && tile == 128 ? select_kernel(144, combine_rows, false) : nullptr;
   const int wide_tile = wide_kernel ? 144 : 0;
