@@ -1053,8 +1053,7 @@ static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <
               "the register pool of the launch");
 }  // namespace ws
 
-// Token tile kTile (128; 144, the wide last tiles of RowSplit part 3, compiles but serializes its wgmma: see the
-// launcher). The ring of the
+// Token tile kTile (128, or 144: the wide last tiles of RowSplit part 3, direct epilogues only). The ring of the
 // direct epilogues: 4 stages. The combine-row epilogue (kCombineRows) stages its bf16 output tile (CombineTile, 66 KiB)
 // outside the ring, which the producer keeps filling with the next item's stages meanwhile: 3 stages then, so that
 // ring and tile fit the 227 KiB a CTA may have.
@@ -1210,8 +1209,13 @@ __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const Wo
   uint32_t flat = 0;  // stages consumed so far
   int seq = 0;
   float acc0[kTile / 2], acc1[kTile / 2];
-  using AFragments = uint32_t[4][4];
-  AFragments a0_even, a1_even, a0_odd, a1_odd;  // [k-step][register] of tiles 0 / 1, even / odd k-blocks
+  // Tiles above 128 tokens (72 accumulators per tile) cannot also hold two whole k-blocks of A fragments of both tiles
+  // in 232 registers (ptxas serializes every wgmma): they double-buffer A per group of two k-steps, as the classic
+  // kernel's wide tile does (the k order per accumulator is the same).
+  constexpr int kStepsPerGroup = kTile > 128 ? 2 : 4;
+  constexpr int kGroups = 4 / kStepsPerGroup;
+  using AFragments = uint32_t[kStepsPerGroup][4];
+  AFragments a0_even, a1_even, a0_odd, a1_odd;  // [k-step][register] of tiles 0 / 1, even / odd k-blocks (groups)
   // This consumer's A fragments of both its tiles, k-block `sub` of the stage at ring offset `stage_offset`.
   auto decode = [&](uint32_t stage_offset, int sub, AFragments& a0, AFragments& a1) {
     const uint8_t* stage = smem + stage_offset;
@@ -1221,7 +1225,38 @@ __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const Wo
       const uint8_t* values =
           stage + (j * ws::kBlocksPerStage + sub) * ws::kTileValueBytes + thread_in_group * kValueBytes;
       const uint8_t* scales = stage + ws::kScalesOffset + (j * ws::kBlocksPerStage + sub) * kTileScaleBytes;
-      decode_a_fragments(values, scales, row_r0, t == 0 ? a0 : a1);
+      if constexpr (kGroups == 1) decode_a_fragments(values, scales, row_r0, t == 0 ? a0 : a1);
+    }
+  };
+  // Grouped form (kGroups > 1): group kGroup's k-steps of k-block `sub`, the k-block's scale words read at its group 0
+  // and kept (tile t, rows r0 / r0 + 8).
+  uint32_t group_scales[2][2] = {{0u, 0u}, {0u, 0u}};
+  auto decode_group = [&](uint32_t stage_offset, int sub, auto group_constant, AFragments& a0, AFragments& a1) {
+    constexpr int kGroup = decltype(group_constant)::value;
+    const uint8_t* stage = smem + stage_offset;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int j = 2 * consumer + t;
+      const uint8_t* values =
+          stage + (j * ws::kBlocksPerStage + sub) * ws::kTileValueBytes + thread_in_group * kValueBytes;
+      if (kGroup == 0) {
+        const uint8_t* scales = stage + ws::kScalesOffset + (j * ws::kBlocksPerStage + sub) * kTileScaleBytes;
+        group_scales[t][0] = *reinterpret_cast<const uint32_t*>(scales + 4 * row_r0);
+        group_scales[t][1] = *reinterpret_cast<const uint32_t*>(scales + 4 * (row_r0 + 8));
+      }
+#pragma unroll
+      for (int i = 0; i < kStepsPerGroup; ++i) {
+        const int k_step = kGroup * kStepsPerGroup + i;  // compile-time after unrolling
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(values + 4 * k_step);
+        // k-steps 0 / 2: (code << 7) halves; 1 / 3: (code >> 1) halves; low half for k-steps 0, 1, high for 2, 3.
+        const uint32_t s0 = (k_step % 2 == 0 ? group_scales[t][0] << 7 : group_scales[t][0] >> 1) & 0x7F807F80u;
+        const uint32_t s1 = (k_step % 2 == 0 ? group_scales[t][1] << 7 : group_scales[t][1] >> 1) & 0x7F807F80u;
+        if (k_step < 2) {
+          decode_k_step<0>(w, s0, s1, (t == 0 ? a0 : a1)[i]);
+        } else {
+          decode_k_step<1>(w, s0, s1, (t == 0 ? a0 : a1)[i]);
+        }
+      }
     }
   };
   while (true) {
@@ -1230,7 +1265,11 @@ __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const Wo
     const WorkItem item = items[seq % ws::kItemSlots];
     ++seq;
     if (item.expert < 0) break;
-    decode(s * G::kStageBytes, 0, a0_even, a1_even);
+    if constexpr (kGroups == 1) {
+      decode(s * G::kStageBytes, 0, a0_even, a1_even);
+    } else {
+      decode_group(s * G::kStageBytes, 0, std::integral_constant<int, 0>{}, a0_even, a1_even);
+    }
 #pragma unroll
     for (int i = 0; i < kTile / 2; ++i) acc0[i] = acc1[i] = 0.0f;
     // k-block `k_block` (k-block kSub of its stage): its eight wgmma (four k-steps of both tiles, the tiles
@@ -1272,11 +1311,68 @@ __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const Wo
         }
       }
     };
+    // The grouped form (kGroups == 2): group g of a k-block reads set g (even, odd); after its commit, wait_group<1>
+    // retires the group before it (the previous k-block's last one for g = 0: at a stage's first k-block, the previous
+    // stage is then free), whose set the next group is decoded into.
+    auto group = [&](int k_block, auto sub_constant, auto group_constant, AFragments& c0, AFragments& c1,
+                     AFragments& n0, AFragments& n1) {
+      constexpr int kSub = decltype(sub_constant)::value;
+      constexpr int kGroup = decltype(group_constant)::value;
+      wgmma::fence_operand(acc0);
+      wgmma::fence_operand(acc1);
+      wgmma::fence_operand(c0);
+      wgmma::fence_operand(c1);
+      wgmma::fence();
+      const uint64_t desc =
+          wgmma::make_descriptor_sw128(ring + s * G::kStageBytes + ws::kTokensOffset + kSub * G::kTokenBlockBytes);
+#pragma unroll
+      for (int i = 0; i < kStepsPerGroup; ++i) {
+        const int k_step = kGroup * kStepsPerGroup + i;
+        wgmma::MmaRS<kTile>::run(acc0, c0[i], desc + 2 * k_step);
+        wgmma::MmaRS<kTile>::run(acc1, c1[i], desc + 2 * k_step);
+      }
+      wgmma::commit_group();
+      wgmma::fence_operand(acc0);
+      wgmma::fence_operand(acc1);
+      wgmma::wait_group<1>();  // the previous group retired
+      wgmma::fence_operand(n0);
+      wgmma::fence_operand(n1);
+      if (kGroup == 0 && kSub == 0 && k_block > 0) {  // that group was the previous stage's last
+        __syncwarp();
+        if (lane == 0) ws_release<kCluster>(empty_bars + 8 * ((flat - 1) % kStages));
+      }
+      if (kGroup + 1 < kGroups) {
+        decode_group(s * G::kStageBytes, kSub, std::integral_constant<int, (kGroup + 1) % kGroups>{}, n0, n1);
+      } else if (k_block + 1 < num_k_blocks) {
+        if (kSub == ws::kBlocksPerStage - 1) {
+          ++flat;
+          s = flat % kStages;
+          tma::wait_untimed(full_bars + 8 * s, (flat / kStages) & 1);
+          decode_group(s * G::kStageBytes, 0, std::integral_constant<int, 0>{}, n0, n1);
+        } else {
+          decode_group(s * G::kStageBytes, kSub + 1, std::integral_constant<int, 0>{}, n0, n1);
+        }
+      }
+    };
     static_assert(ws::kBlocksPerStage == 2, "even k-blocks are k-block 0 of their stage, odd ones k-block 1");
+    static_assert(kGroups == 1 || kGroups == 2, "one or two k-step groups per k-block");
     for (int k_block = 0; k_block < num_k_blocks; k_block += 2) {
-      step(k_block, std::integral_constant<int, 0>{}, a0_even, a1_even, a0_odd, a1_odd);
-      if (k_block + 1 < num_k_blocks) {
-        step(k_block + 1, std::integral_constant<int, 1>{}, a0_odd, a1_odd, a0_even, a1_even);
+      if constexpr (kGroups == 1) {
+        step(k_block, std::integral_constant<int, 0>{}, a0_even, a1_even, a0_odd, a1_odd);
+        if (k_block + 1 < num_k_blocks) {
+          step(k_block + 1, std::integral_constant<int, 1>{}, a0_odd, a1_odd, a0_even, a1_even);
+        }
+      } else {
+        group(k_block, std::integral_constant<int, 0>{}, std::integral_constant<int, 0>{}, a0_even, a1_even, a0_odd,
+              a1_odd);
+        group(k_block, std::integral_constant<int, 0>{}, std::integral_constant<int, 1>{}, a0_odd, a1_odd, a0_even,
+              a1_even);
+        if (k_block + 1 < num_k_blocks) {
+          group(k_block + 1, std::integral_constant<int, 1>{}, std::integral_constant<int, 0>{}, a0_even, a1_even,
+                a0_odd, a1_odd);
+          group(k_block + 1, std::integral_constant<int, 1>{}, std::integral_constant<int, 1>{}, a0_odd, a1_odd,
+                a0_even, a1_even);
+        }
       }
     }
     // The epilogue's token factors (and the combine rows' addresses), token t loaded by consumer thread t (tokens
@@ -1683,11 +1779,13 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
   // 3.44-3.45 ms, w2 1.86-1.87 vs 1.98 ms, MoE layer (world 1, graph) 5.80-5.81 vs 6.12-6.13 ms. Only the default CTA
   // shape has a 144 kernel: under a tuning override without one the wide launch is simply left out.
   static const bool wide_allowed = env_choice("EP_COMM_GEMM_WIDE_TILE", {"144", "0"}) == 0;
-  // (Not the warp-specialized form: its tile 144, instantiated on trial, serializes every wgmma -- 2 x 72 accumulators
-  // and two double-buffered A sets exceed 232 registers; it would need the classic wide tile's A sets per group of
-  // k-steps, and its combine rows a smaller staging.)
-  const LaunchFn wide_kernel =
+  LaunchFn wide_kernel =
       wide_allowed && !args.fp8 && tail_tile != 0 && tile == 128 ? select_kernel(144, combine_rows, false) : nullptr;
+  // The warp-specialized form's tile 144 (A double-buffered per group of two k-steps): direct epilogues only (a staged
+  // combine tile of 144 rows beside its ring does not fit). The wide launch never runs behind waves.
+  if (ws_form && wide_kernel != nullptr && !combine_rows) {
+    wide_kernel = ws_cluster == 1 ? launch_ws_tile<1, 144, false> : launch_ws_tile<2, 144, false>;
+  }
   const int wide_tile = wide_kernel ? 144 : 0;
   // sum_e ceil(count_e / tile) <= rows / tile + E bounds the tiles of any launch (segments do not overlap:
   // expert_offsets is non-decreasing).

@@ -1188,13 +1188,13 @@ def test_kernel_tests_on_few_persistent_ctas():
 
 
 def _ws_cases():
-    """(name, output) of the token-tile-128 launches that the warp-specialized form (EP_COMM_GEMM_WS) takes over, on
-    inputs made from fixed seeds, so that a process with the form on and one with it off compute the same cases. Covers
-    one and three k-blocks (an odd count), spare weight tiles (N = 192, 320, 576: three, five and nine 64-row tiles),
-    an odd number of weight CTAs (N = 576: three, so clusters of two have a spare CTA), more than 32 experts, the split launches (remainders, wide tiles), the
-    SwiGLU row amax, the combine-row epilogue, and padding rows full of NaN right after each expert's rows (the
-    warp-specialized form reads a tile's rows past the count instead of zero-filling them: they must stay in their
-    own, unstored columns)."""
+    """(name, output) of the token-tile-128 launches (and their wide tiles of 144) that the warp-specialized form
+    (EP_COMM_GEMM_WS) takes over, on inputs made from fixed seeds, so that a process with the form on and one with it
+    off compute the same cases. Covers one and three k-blocks (an odd count), spare weight tiles (N = 192, 320, 576:
+    three, five and nine 64-row tiles), an odd number of weight CTAs (N = 576: three, so clusters of two have a spare
+    CTA), more than 32 experts, the split launches (remainders, wide tiles), the SwiGLU row amax, the combine-row
+    epilogue, and padding rows full of NaN right after each expert's rows (the warp-specialized form reads a tile's
+    rows past the count instead of zero-filling them: they must stay in their own, unstored columns)."""
     cases = []
     shapes = SMALL_SHAPES + [(3, 320, 192), (2, 192, 64), (2, 576, 128)]
     for shape in shapes + [BIG_SHAPE, W2_SHAPE]:
@@ -1249,11 +1249,12 @@ def _ws_compare(path: str):
         cases = _ws_cases()
         torch.cuda.synchronize()
     names = {event.name for event in profile.events() if "grouped_gemm_nvfp4_ws_kernel" in event.name}
-    # (Both instances, the direct epilogues' and the combine rows': demangled "<1, false>" or mangled "ILi1ELb0E".)
-    for combine_rows in (False, True):
-        forms = (f", {str(combine_rows).lower()}>", f"ELb{int(combine_rows)}E")
+    # (Each instance: token tile 128 with the direct epilogues and with combine rows, token tile 144 (the wide last
+    # tiles); demangled "<1, 128, false>" or mangled "ILi1ELi128ELb0E".)
+    for tile, combine_rows in ((128, False), (128, True), (144, False)):
+        forms = (f", {tile}, {str(combine_rows).lower()}>", f"ELi{tile}ELb{int(combine_rows)}E")
         assert any(form in name for name in names for form in forms), \
-            f"the warp-specialized kernel (combine rows: {combine_rows}) did not run; ran: {sorted(names)}"
+            f"the warp-specialized kernel (tile {tile}, combine rows: {combine_rows}) did not run; ran: {sorted(names)}"
     assert [name for name, _ in cases] == [name for name, _ in saved]
     for (name, out), (_, want) in zip(cases, saved):
         assert torch.equal(out.cpu().view(torch.uint8), want.view(torch.uint8)), name
