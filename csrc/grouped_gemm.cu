@@ -1216,20 +1216,8 @@ __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const Wo
   constexpr int kGroups = 4 / kStepsPerGroup;
   using AFragments = uint32_t[kStepsPerGroup][4];
   AFragments a0_even, a1_even, a0_odd, a1_odd;  // [k-step][register] of tiles 0 / 1, even / odd k-blocks (groups)
-  // This consumer's A fragments of both its tiles, k-block `sub` of the stage at ring offset `stage_offset`.
-  auto decode = [&](uint32_t stage_offset, int sub, AFragments& a0, AFragments& a1) {
-    const uint8_t* stage = smem + stage_offset;
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const int j = 2 * consumer + t;  // the tile within the CTA's four
-      const uint8_t* values =
-          stage + (j * ws::kBlocksPerStage + sub) * ws::kTileValueBytes + thread_in_group * kValueBytes;
-      const uint8_t* scales = stage + ws::kScalesOffset + (j * ws::kBlocksPerStage + sub) * kTileScaleBytes;
-      if constexpr (kGroups == 1) decode_a_fragments(values, scales, row_r0, t == 0 ? a0 : a1);
-    }
-  };
-  // Grouped form (kGroups > 1): group kGroup's k-steps of k-block `sub`, the k-block's scale words read at its group 0
-  // and kept (tile t, rows r0 / r0 + 8).
+  // This consumer's A fragments of both its tiles, group kGroup's k-steps of k-block `sub` of the stage at ring offset
+  // `stage_offset`; the k-block's scale words are read at its group 0 and kept (tile t, rows r0 / r0 + 8).
   uint32_t group_scales[2][2] = {{0u, 0u}, {0u, 0u}};
   auto decode_group = [&](uint32_t stage_offset, int sub, auto group_constant, AFragments& a0, AFragments& a1) {
     constexpr int kGroup = decltype(group_constant)::value;
@@ -1265,55 +1253,14 @@ __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const Wo
     const WorkItem item = items[seq % ws::kItemSlots];
     ++seq;
     if (item.expert < 0) break;
-    if constexpr (kGroups == 1) {
-      decode(s * G::kStageBytes, 0, a0_even, a1_even);
-    } else {
-      decode_group(s * G::kStageBytes, 0, std::integral_constant<int, 0>{}, a0_even, a1_even);
-    }
+    decode_group(s * G::kStageBytes, 0, std::integral_constant<int, 0>{}, a0_even, a1_even);
 #pragma unroll
     for (int i = 0; i < kTile / 2; ++i) acc0[i] = acc1[i] = 0.0f;
-    // k-block `k_block` (k-block kSub of its stage): its eight wgmma (four k-steps of both tiles, the tiles
-    // interleaved), then -- once the previous k-block's have retired -- release the stage before this one if that was
-    // its last k-block, and decode the next k-block into the set the retired wgmma read (waiting for its stage first
-    // when it starts one).
-    auto step = [&](int k_block, auto sub_constant, AFragments& c0, AFragments& c1, AFragments& n0, AFragments& n1) {
-      constexpr int kSub = decltype(sub_constant)::value;
-      wgmma::fence_operand(acc0);
-      wgmma::fence_operand(acc1);
-      wgmma::fence_operand(c0);
-      wgmma::fence_operand(c1);
-      wgmma::fence();
-      const uint64_t desc =
-          wgmma::make_descriptor_sw128(ring + s * G::kStageBytes + ws::kTokensOffset + kSub * G::kTokenBlockBytes);
-#pragma unroll
-      for (int k_step = 0; k_step < 4; ++k_step) {  // + 2 in the start field per k-step (32 B, address >> 4)
-        wgmma::MmaRS<kTile>::run(acc0, c0[k_step], desc + 2 * k_step);
-        wgmma::MmaRS<kTile>::run(acc1, c1[k_step], desc + 2 * k_step);
-      }
-      wgmma::commit_group();
-      wgmma::fence_operand(acc0);
-      wgmma::fence_operand(acc1);
-      wgmma::wait_group<1>();  // k-block k_block - 1 retired
-      wgmma::fence_operand(n0);
-      wgmma::fence_operand(n1);
-      if (kSub == 0 && k_block > 0) {  // k_block - 1 was the previous stage's last k-block
-        __syncwarp();
-        if (lane == 0) ws_release<kCluster>(empty_bars + 8 * ((flat - 1) % kStages));
-      }
-      if (k_block + 1 < num_k_blocks) {
-        if (kSub == ws::kBlocksPerStage - 1) {
-          ++flat;
-          s = flat % kStages;
-          tma::wait_untimed(full_bars + 8 * s, (flat / kStages) & 1);
-          decode(s * G::kStageBytes, 0, n0, n1);
-        } else {
-          decode(s * G::kStageBytes, kSub + 1, n0, n1);
-        }
-      }
-    };
-    // The grouped form (kGroups == 2): group g of a k-block reads set g (even, odd); after its commit, wait_group<1>
-    // retires the group before it (the previous k-block's last one for g = 0: at a stage's first k-block, the previous
-    // stage is then free), whose set the next group is decoded into.
+    // Group kGroup of k-block `k_block` (k-block kSub of its stage; one group of four k-steps per k-block at tile 128,
+    // two of two at 144): its wgmma (the k-steps of both tiles, the tiles interleaved) read A set even / odd, which
+    // alternates group by group; after its commit, wait_group<1> retires the group before it -- the previous
+    // k-block's last one for group 0, so at a stage's first k-block the previous stage is then free -- and the next
+    // group is decoded into that group's set (waiting for its stage first when it starts one).
     auto group = [&](int k_block, auto sub_constant, auto group_constant, AFragments& c0, AFragments& c1,
                      AFragments& n0, AFragments& n1) {
       constexpr int kSub = decltype(sub_constant)::value;
@@ -1358,9 +1305,11 @@ __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const Wo
     static_assert(kGroups == 1 || kGroups == 2, "one or two k-step groups per k-block");
     for (int k_block = 0; k_block < num_k_blocks; k_block += 2) {
       if constexpr (kGroups == 1) {
-        step(k_block, std::integral_constant<int, 0>{}, a0_even, a1_even, a0_odd, a1_odd);
+        group(k_block, std::integral_constant<int, 0>{}, std::integral_constant<int, 0>{}, a0_even, a1_even, a0_odd,
+              a1_odd);
         if (k_block + 1 < num_k_blocks) {
-          step(k_block + 1, std::integral_constant<int, 1>{}, a0_odd, a1_odd, a0_even, a1_even);
+          group(k_block + 1, std::integral_constant<int, 1>{}, std::integral_constant<int, 0>{}, a0_odd, a1_odd,
+                a0_even, a1_even);
         }
       } else {
         group(k_block, std::integral_constant<int, 0>{}, std::integral_constant<int, 0>{}, a0_even, a1_even, a0_odd,
