@@ -354,17 +354,19 @@ __device__ __forceinline__ uint64_t combine_row_address(const GroupedGemmArgs::C
 }
 
 // A warpgroup's accumulators (weight tile columns `column` .. of the swap-AB layout, see below) into the staged tile,
-// times the token factors, rounded to bf16.
-template <int kTile, int kWarpGroups>
+// times the token factors, rounded to bf16: tokens kFirst .. kFirst + kTokens - 1 of the token tile (multiples of 8),
+// as rows 0 .. kTokens - 1 of the staged tile.
+template <int kTile, int kWarpGroups, int kFirst = 0, int kTokens = kTile>
 __device__ __forceinline__ void stage_combine_tile(const float (&acc)[kTile / 2], const float* factors,
                                                    __nv_bfloat16* tile, const int column) {
+  static_assert(kFirst % 8 == 0 && kTokens % 8 == 0 && kFirst + kTokens <= kTile, "whole 8-token groups");
   using Tile = CombineTile<kWarpGroups>;
   const int lane = threadIdx.x % 32;
   auto put2 = [&](int token, float lo, float hi) {
-    *reinterpret_cast<__nv_bfloat162*>(tile + Tile::index(token, column)) = __floats2bfloat162_rn(lo, hi);
+    *reinterpret_cast<__nv_bfloat162*>(tile + Tile::index(token - kFirst, column)) = __floats2bfloat162_rn(lo, hi);
   };
 #pragma unroll
-  for (int i = 0; i < kTile / 2; i += 4) {
+  for (int i = kFirst / 2; i < (kFirst + kTokens) / 2; i += 4) {
     const int t0 = 8 * (i / 4) + 2 * (lane % 4);
     const float2 f = *reinterpret_cast<const float2*>(factors + t0);  // tokens t0, t0 + 1
     put2(t0, acc[i] * f.x, acc[i + 2] * f.x);
@@ -372,11 +374,12 @@ __device__ __forceinline__ void stage_combine_tile(const float (&acc)[kTile / 2]
   }
 }
 
-// The staged tile's rows, RHT-32 + S2F6, into their combine rows: warp `warp` of `kWarps` takes its share of the
-// tokens (kWarpGroups * 64 columns: kWarpGroups * 4 lanes per token).
+// The staged tile's kTile rows (tokens token_base .. of the work item), RHT-32 + S2F6, into their combine rows: warp
+// `warp` of `kWarps` takes its share of the tokens (kWarpGroups * 64 columns: kWarpGroups * 4 lanes per token).
 template <int kTile, int kWarpGroups, int kWarps>
 __device__ __forceinline__ void send_combine_rows(const GroupedGemmArgs& args, const uint64_t* destinations,
-                                                  const __nv_bfloat16* tile, const WorkItem item, const int warp) {
+                                                  const __nv_bfloat16* tile, const WorkItem item, const int warp,
+                                                  const int token_base = 0) {
   using Tile = CombineTile<kWarpGroups>;
   const int lane = threadIdx.x % 32;
   const int weight_cta = item.weight_cta, valid_rows = item.valid_rows;
@@ -411,7 +414,7 @@ __device__ __forceinline__ void send_combine_rows(const GroupedGemmArgs& args, c
     }
     uint8_t scale;
     const uint4 codes = s2f6_lane::quantize_lane16<true>(v, c.sign_mask, lane, &scale);  // whole warp
-    const uint64_t destination = token < valid_rows ? destinations[token] : 0;
+    const uint64_t destination = token_base + token < valid_rows ? destinations[token_base + token] : 0;
     if (destination != 0 && column_valid && !stopped) {
       char* dst = reinterpret_cast<char*>(static_cast<uintptr_t>(destination));
       *reinterpret_cast<uint4*>(dst + out_column) = codes;
@@ -1053,7 +1056,7 @@ static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <
               "the register pool of the launch");
 }  // namespace ws
 
-// Token tile kTile (128, or 144: the wide last tiles of RowSplit part 3, direct epilogues only). The ring of the
+// Token tile kTile (128, or 144: the wide last tiles of RowSplit part 3). The ring of the
 // direct epilogues: 4 stages. The combine-row epilogue (kCombineRows) stages its bf16 output tile (CombineTile, 66 KiB)
 // outside the ring, which the producer keeps filling with the next item's stages meanwhile: 3 stages then, so that
 // ring and tile fit the 227 KiB a CTA may have.
@@ -1064,7 +1067,11 @@ struct WsGeometry {
   static_assert(ws::kTokensOffset % 1024 == 0 && kStageBytes % 1024 == 0, "token tiles start 1024-byte aligned");
   static constexpr int kStages = kCombineRows ? 3 : ws::kMaxStages;
   static constexpr int kStagingOffset = kStages * kStageBytes;  // 1024-aligned
-  static constexpr int kStagingBytes = kCombineRows ? kTile * CombineTile<ws::kWeightTiles>::kBytesPerRow : 0;
+  // Tokens staged at a time: the whole tile of 128; a tile of 144 in two halves of 72 (144 rows beside the ring would
+  // not fit).
+  static constexpr int kStagedTokens = kTile > 128 ? kTile / 2 : kTile;
+  static constexpr int kStagingBytes =
+      kCombineRows ? kStagedTokens * CombineTile<ws::kWeightTiles>::kBytesPerRow : 0;
   static constexpr int kSmemBytes = kStagingOffset + kStagingBytes + 1024;  // + room to align the ring
   static_assert(kSmemBytes + 8 * 1024 <= 232448, "the ring, the staging and the static shared memory in 227 KiB");
   static_assert(kTile % 8 == 0 && kTile <= 256, "a TMA box of at most 256 rows, 8-row swizzle groups");
@@ -1352,11 +1359,23 @@ __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const Wo
       __nv_bfloat16* staging = reinterpret_cast<__nv_bfloat16*>(
           const_cast<uint8_t*>(smem) + G::kStagingOffset);
       const int column = 16 * (thread_in_group / 32) + 2 * (lane / 4);
-      stage_combine_tile<kTile, ws::kWeightTiles>(acc0, factors, staging, 64 * (2 * consumer) + column);
-      stage_combine_tile<kTile, ws::kWeightTiles>(acc1, factors, staging, 64 * (2 * consumer + 1) + column);
-      tma::named_barrier(1, 128 * ws::kConsumers);
-      send_combine_rows<kTile, ws::kWeightTiles, 4 * ws::kConsumers>(args, tile_destinations[seq & 1], staging,
-                                                                         item, (threadIdx.x - 128) / 32);
+      constexpr int kStaged = G::kStagedTokens;
+      auto stage_and_send = [&](auto first_constant) {  // tokens kFirst .. kFirst + kStaged - 1
+        constexpr int kFirst = decltype(first_constant)::value;
+        stage_combine_tile<kTile, ws::kWeightTiles, kFirst, kStaged>(acc0, factors, staging,
+                                                                     64 * (2 * consumer) + column);
+        stage_combine_tile<kTile, ws::kWeightTiles, kFirst, kStaged>(acc1, factors, staging,
+                                                                     64 * (2 * consumer + 1) + column);
+        tma::named_barrier(1, 128 * ws::kConsumers);
+        send_combine_rows<kStaged, ws::kWeightTiles, 4 * ws::kConsumers>(args, tile_destinations[seq & 1], staging,
+                                                                         item, (threadIdx.x - 128) / 32, kFirst);
+      };
+      stage_and_send(std::integral_constant<int, 0>{});
+      if constexpr (kStaged < kTile) {
+        static_assert(2 * kStaged == kTile, "two halves");
+        tma::named_barrier(1, 128 * ws::kConsumers);  // every consumer is done with the first half's staging
+        stage_and_send(std::integral_constant<int, kStaged>{});
+      }
     } else {
       const int weight_tile = item.weight_cta * ws::kWeightTiles + 2 * consumer;
       if (weight_tile < num_weight_tiles) store_tile_rows<kTile>(args, acc0, factors, item, weight_tile);
@@ -1730,10 +1749,11 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
   static const bool wide_allowed = env_choice("EP_COMM_GEMM_WIDE_TILE", {"144", "0"}) == 0;
   LaunchFn wide_kernel =
       wide_allowed && !args.fp8 && tail_tile != 0 && tile == 128 ? select_kernel(144, combine_rows, false) : nullptr;
-  // The warp-specialized form's tile 144 (A double-buffered per group of two k-steps): direct epilogues only (a staged
-  // combine tile of 144 rows beside its ring does not fit). The wide launch never runs behind waves.
-  if (ws_form && wide_kernel != nullptr && !combine_rows) {
-    wide_kernel = ws_cluster == 1 ? launch_ws_tile<1, 144, false> : launch_ws_tile<2, 144, false>;
+  // The warp-specialized form's tile 144 (A double-buffered per group of two k-steps; combine rows staged in two
+  // halves). The wide launch never runs behind waves.
+  if (ws_form && wide_kernel != nullptr) {
+    wide_kernel = combine_rows ? (ws_cluster == 1 ? launch_ws_tile<1, 144, true> : launch_ws_tile<2, 144, true>)
+                               : (ws_cluster == 1 ? launch_ws_tile<1, 144, false> : launch_ws_tile<2, 144, false>);
   }
   const int wide_tile = wide_kernel ? 144 : 0;
   // sum_e ceil(count_e / tile) <= rows / tile + E bounds the tiles of any launch (segments do not overlap:

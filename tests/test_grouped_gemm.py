@@ -1249,9 +1249,9 @@ def _ws_compare(path: str):
         cases = _ws_cases()
         torch.cuda.synchronize()
     names = {event.name for event in profile.events() if "grouped_gemm_nvfp4_ws_kernel" in event.name}
-    # (Each instance: token tile 128 with the direct epilogues and with combine rows, token tile 144 (the wide last
-    # tiles); demangled "<1, 128, false>" or mangled "ILi1ELi128ELb0E".)
-    for tile, combine_rows in ((128, False), (128, True), (144, False)):
+    # (Each instance: token tiles 128 and 144 (the wide last tiles), with the direct epilogues and with combine rows;
+    # demangled "<1, 128, false>" or mangled "ILi1ELi128ELb0E".)
+    for tile, combine_rows in ((128, False), (128, True), (144, False), (144, True)):
         forms = (f", {tile}, {str(combine_rows).lower()}>", f"ELi{tile}ELb{int(combine_rows)}E")
         assert any(form in name for name in names for form in forms), \
             f"the warp-specialized kernel (tile {tile}, combine rows: {combine_rows}) did not run; ran: {sorted(names)}"
