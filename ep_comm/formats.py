@@ -167,9 +167,13 @@ def _check_out_dtype(dtype, name: str = "dtype") -> None:
 IMPLS = ("auto", "reference", "cuda")  # the quantization paths a caller may ask for (`impl=` / `format_impl=`)
 
 
-def _use_cuda(impl: str, *tensors: torch.Tensor) -> bool:
+def _check_impl(impl) -> None:
     if impl not in IMPLS:
         raise ValueError(f"impl must be 'auto', 'reference' or 'cuda', got {impl!r}")
+
+
+def _use_cuda(impl: str, *tensors: torch.Tensor) -> bool:
+    _check_impl(impl)
     if impl == "reference":
         return False
     on_cuda = all(t.is_cuda for t in tensors)
@@ -965,8 +969,7 @@ def dequantize(x, dtype: torch.dtype = torch.float32, impl: str = "auto") -> tor
     if isinstance(x, S2F6Tensor):
         return s2f6_dequantize(x, dtype=dtype, impl=impl)
     if isinstance(x, torch.Tensor) and x.is_floating_point():
-        if impl not in IMPLS:  # (checked as the containers' dequantizers check it, though unused here)
-            raise ValueError(f"impl must be 'auto', 'reference' or 'cuda', got {impl!r}")
+        _check_impl(impl)  # (as the containers' dequantizers check it, though unused here)
         _check_out_dtype(dtype)
         return x.to(dtype)
     raise TypeError(f"expected an NVFP4Tensor, MXFP8Tensor, S2F6Tensor or a floating-point tensor, got "

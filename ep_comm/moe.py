@@ -570,12 +570,12 @@ class MoELayer(torch.nn.Module):
         _require_expanded(result, "experts")
         cfg = self.buffer.config
         counts = getattr(result, "num_tokens_per_expert", None)
+        num_counts = counts.numel() if isinstance(counts, torch.Tensor) else None
         width = getattr(getattr(result, "x", None), "shape", (0,))[-1]
-        if not isinstance(counts, torch.Tensor) or counts.numel() != cfg.num_local_experts or width != cfg.hidden:
+        if num_counts != cfg.num_local_experts or width != cfg.hidden:
             # (the reference path would zero the rows of experts past its own, silently)
             raise ValueError(f"experts() takes a dispatch result of this layer's Buffer ({cfg.num_local_experts} local "
-                             f"experts, hidden {cfg.hidden}); got {getattr(counts, 'numel', lambda: '?')()} expert "
-                             f"counts and hidden {width}")
+                             f"experts, hidden {cfg.hidden}); got {num_counts} expert counts and hidden {width}")
         if self.expert_impl == "fused":
             return self._experts_fused(result)
         return self._experts_reference(result)

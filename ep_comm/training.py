@@ -34,11 +34,11 @@ and combine of 32 * ceil(3K / 32) BF16 columns for the routing weights; none of 
 
 Streams: `dispatch` and `combine` take a comm_stream, as the Buffer's calls do, so that the forward's communication
 overlaps work the caller enqueues meanwhile (a shared expert, say). The dispatch's results are waited for where they
-are read (RoutedTokens.result and .x; ExpertMLP reads .result); the combine's output must be waited for by the caller
-(its done_event). The backward passes run on the stream autograd gives them: the one that was current when `dispatch`
-/ `combine` were called. What runs beside a comm_stream call must not be another collective (another Buffer's calls,
-another layer's backward, an NCCL all-reduce): the ranks could start the two in different orders and wait on each
-other. CUDA graphs (nvlink backend): forward and backward make no host synchronization, so a
+are read (RoutedTokens.result and .x; ExpertMLP after quantizing its weights); the combine's output must be waited
+for by the caller (its done_event). The backward passes run on the stream autograd gives them: the one that was
+current when `dispatch` / `combine` were called. What runs beside a comm_stream call must not be another collective
+(another Buffer's calls, another layer's backward, an NCCL all-reduce): the ranks could start the two in different
+orders and wait on each other. CUDA graphs (nvlink backend): forward and backward make no host synchronization, so a
 whole step (dispatch, experts, combine, loss.backward()) can be captured in one graph and replayed, torch's recipe
 (warm-up steps on a side stream, the leaves' .grad set to None before the capture; tests/test_training.py
 graph_worker). The reference backend refuses capture. The backward calls are collective like the forward's:
