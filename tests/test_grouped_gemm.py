@@ -1189,10 +1189,10 @@ def test_kernel_tests_on_few_persistent_ctas():
 
 def _ws_cases():
     """(name, output) of the token-tile-128 launches (and their wide tiles of 144) that the warp-specialized form
-    (EP_COMM_GEMM_WS) takes over, on inputs made from fixed seeds, so that a process with the form on and one with it
-    off compute the same cases. Covers one and three k-blocks (an odd count), spare weight tiles (N = 192, 320, 576:
-    three, five and nine 64-row tiles), an odd number of weight CTAs (N = 576: three, so clusters of two have a spare
-    CTA), more than 32 experts, the split launches (remainders, wide tiles), the SwiGLU row amax, the combine-row
+    computes (the default; EP_COMM_GEMM_WS=0 the classic kernel), on inputs made from fixed seeds, so that a process
+    with the form and one without compute the same cases. Covers one and three k-blocks (an odd count), spare weight
+    tiles (N = 192, 320, 576: three, five and nine 64-row tiles), an odd number of weight CTAs (N = 576: three), more
+    than 32 experts, the split launches (remainders, wide tiles), the SwiGLU row amax, the combine-row
     epilogue, and padding rows full of NaN right after each expert's rows (the warp-specialized form reads a tile's
     rows past the count instead of zero-filling them: they must stay in their own, unstored columns)."""
     cases = []
@@ -1240,19 +1240,31 @@ def _ws_cases():
     return cases
 
 
+def _ws_save(path: str):
+    """Classic side of test_kernel_warp_specialized_is_bitwise_the_classic_kernel (EP_COMM_GEMM_WS=0): the cases, saved;
+    and no warp-specialized kernel ran."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        cases = _ws_cases()
+        torch.cuda.synchronize()
+    ran = {event.name for event in profile.events() if "grouped_gemm_nvfp4_ws_kernel" in event.name}
+    assert not ran, f"EP_COMM_GEMM_WS=0 still ran {sorted(ran)}"
+    torch.save([(name, out.cpu()) for name, out in cases], path)
+    print(f"{len(cases)} cases saved")
+
+
 def _ws_compare(path: str):
-    """Child side of test_kernel_warp_specialized_is_bitwise_the_classic_kernel: every case bitwise the saved one, and
-    the warp-specialized kernel did run (the launcher takes the classic one where the form does not apply: the kernel
-    names in the profile tell which ran)."""
+    """Warp-specialized side of test_kernel_warp_specialized_is_bitwise_the_classic_kernel: every case bitwise the
+    saved one, and the warp-specialized kernel did run (the launcher takes the classic one where the form does not
+    apply: the kernel names in the profile tell which ran)."""
     saved = torch.load(path)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         cases = _ws_cases()
         torch.cuda.synchronize()
     names = {event.name for event in profile.events() if "grouped_gemm_nvfp4_ws_kernel" in event.name}
     # (Each instance: token tiles 128 and 144 (the wide last tiles), with the direct epilogues and with combine rows;
-    # demangled "<1, 128, false>" or mangled "ILi1ELi128ELb0E".)
+    # demangled "<128, false>" or mangled "ILi128ELb0E".)
     for tile, combine_rows in ((128, False), (128, True), (144, False), (144, True)):
-        forms = (f", {tile}, {str(combine_rows).lower()}>", f"ELi{tile}ELb{int(combine_rows)}E")
+        forms = (f"<{tile}, {str(combine_rows).lower()}>", f"ILi{tile}ELb{int(combine_rows)}E")
         assert any(form in name for name in names for form in forms), \
             f"the warp-specialized kernel (tile {tile}, combine rows: {combine_rows}) did not run; ran: {sorted(names)}"
     assert [name for name, _ in cases] == [name for name, _ in saved]
@@ -1263,31 +1275,37 @@ def _ws_compare(path: str):
 
 @pytest.mark.gpu
 def test_kernel_warp_specialized_is_bitwise_the_classic_kernel(tmp_path):
-    """The warp-specialized token-tile-128 form (experimental, EP_COMM_GEMM_WS=1, or 2 for clusters of two CTAs
-    sharing the token tile; read once per process: hence subprocesses) gives the classic kernel's bits on every case
-    of _ws_cases (same work items and k order per output element, same epilogue), also on few persistent CTAs; and the
-    kernel tests against the reference pass with it."""
+    """The warp-specialized form of token tiles 128 / 144 (the default; EP_COMM_GEMM_WS=0 selects the classic kernel,
+    read once per process: hence subprocesses) gives the classic kernel's bits on every case of _ws_cases (same work
+    items and k order per output element, same epilogue), also on few persistent CTAs (many items per CTA: the ring
+    and the item queue continue across items); and the kernel tests against the reference pass with it there."""
     import os
     import subprocess
     import sys
-    if os.environ.get("EP_COMM_GEMM_WS", "0") != "0":
-        pytest.skip("this process runs the warp-specialized form itself: the classic side would be missing")
+    # Both sides choose their kernel from the environment alone: no classic tuning override (it would keep the
+    # classic kernel on the warp-specialized side too) and no EP_COMM_GEMM_WS from the caller.
+    base_env = {name: value for name, value in os.environ.items()
+                if name not in ("EP_COMM_GEMM_WS", "EP_COMM_GEMM_WARPGROUPS", "EP_COMM_GEMM_KBLOCKS_PER_STAGE",
+                                "EP_COMM_GEMM_MAX_CTAS")}
     path = str(tmp_path / "classic.pt")
-    torch.save([(name, out.cpu()) for name, out in _ws_cases()], path)
     here = os.path.dirname(os.path.abspath(__file__))
-    script = f"import sys; sys.path.insert(0, {here!r}); import test_grouped_gemm as T; T._ws_compare({path!r})"
+
+    def child(function: str, extra: dict):
+        script = f"import sys; sys.path.insert(0, {here!r}); import test_grouped_gemm as T; T.{function}({path!r})"
+        return subprocess.run([sys.executable, "-c", script], env=dict(base_env, **extra), capture_output=True,
+                              text=True, timeout=600)
+
+    run = child("_ws_save", {"EP_COMM_GEMM_WS": "0"})
+    assert run.returncode == 0 and "cases saved" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
     tests = ("kernel_vs_reference_small or inconsistent_segments or leaves_other_rows or all_experts_empty or "
              "one_row_view or fused_expert_mlp or combine_row_epilogue")
-    for extra in ({"EP_COMM_GEMM_WS": "1"}, {"EP_COMM_GEMM_WS": "2"},
-                  {"EP_COMM_GEMM_WS": "1", "EP_COMM_GEMM_MAX_CTAS": "3"},
-                  {"EP_COMM_GEMM_WS": "2", "EP_COMM_GEMM_MAX_CTAS": "5"}):
-        env = dict(os.environ, **extra)
-        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    for extra in ({}, {"EP_COMM_GEMM_MAX_CTAS": "3"}, {"EP_COMM_GEMM_MAX_CTAS": "5"}):
+        run = child("_ws_compare", extra)
         assert run.returncode == 0 and "bitwise equal" in run.stdout, (extra, run.stdout[-3000:] + run.stderr[-3000:])
         if "EP_COMM_GEMM_MAX_CTAS" not in extra:
             continue
         run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
-                              tests], env=env, capture_output=True, text=True, timeout=600)
+                              tests], env=dict(base_env, **extra), capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, (extra, run.stdout[-3000:] + run.stderr[-2000:])
         assert " passed" in run.stdout and "failed" not in run.stdout
 
