@@ -62,6 +62,7 @@ test_gemm() {  # defaults, then each selectable kernel variant
     test_gemm_variant "$variant"
   done
   test_gemm_items
+  test_ws
 }
 test_gemm_items() {  # every launch persistent on a few CTAs: many work items per CTA (ring continued across items)
   say "gpu tier: grouped GEMM kernels on 3 (then classic on 3, then 5 with 1 k-block per stage) persistent CTAs"

@@ -9,7 +9,12 @@
 // fused for w1), or RHT-32 + S2F6 combine rows stored straight into the source ranks' combine areas
 // (store_combine_rows, out_type 2: the w2 GEMM of MoELayer on the nvlink backend).
 //
-// CTA = kWarpGroups (2 or 4) warpgroups; warpgroup g owns weight tile mt = cta * kWarpGroups + g (64 rows) and all
+// This file: the classic form (below: every warpgroup loads and computes) and the launcher (select_kernel,
+// launch_grouped_gemm_nvfp4). The exact mode's token tiles 128 and 144 run by default in the warp-specialized form
+// (grouped_gemm_ws.cu: a producer warp feeds two consumer warpgroups), bitwise the same; the pieces both share are
+// in grouped_gemm_tiles.cuh.
+//
+// Classic form: CTA = kWarpGroups (2 or 4) warpgroups; warpgroup g owns weight tile mt = cta * kWarpGroups + g (64 rows) and all
 // of the CTA's token tile (kTile tokens of one expert). Every thread streams its own packed weight bytes
 // (16 B of codes per 64-wide k-block) with cp.async into a private smem slot; 16 lanes of each warpgroup copy
 // the tile's 256 scale bytes; the token tile is shared and published with a barrier. kStages-deep ring of
@@ -17,7 +22,7 @@
 // that read it has retired.
 //
 // Weight decode (layout in ep_comm/grouped_gemm.py): for pair j of a k-step word w,
-//   ((w & F_j) * M_j) & 0x8E008E00 (32-bit; decode_pair0..3 below) is the fp16x2 of the two E2M1 values * 2^-14
+//   ((w & F_j) * M_j) & 0x8E008E00 (32-bit; decode_pair0..3 in grouped_gemm_tiles.cuh) is the fp16x2 of the two E2M1 values * 2^-14
 // (magnitude bits at the fp16 exponent/mantissa boundary, sign at bit 15; E2M1's subnormal 0.5 lands on fp16's
 // subnormal 2^-15, so zero and 0.5 need no special case). Pair 0 is stored in place (1 op), pair 1 three bits
 // lower (shift + mask), pairs 2 and 3 keep sign and magnitude at other distances: the multiply by 2^a + 2^b
@@ -44,7 +49,6 @@
 #include "pdl_launch.cuh"
 #include "s2f6_lane.cuh"
 #include "tensor_map.h"
-#include "tma.cuh"
 #include "vec_io.cuh"
 #include "wgmma.cuh"
 
@@ -93,6 +97,11 @@ struct Geometry {
   static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + room to align the ring to 1024 B
 };
 
+// Which expert and token tile tile slot `slot` is (scan_tiles, run by warp 0), for the whole CTA. Returns false when
+// the slot is past the last tile. All threads of the CTA call it (it ends in a barrier); `slot` only matters in lane 0
+// of warp 0 (with waves only thread 0 holds the item it took).
+// Waves (args.wave.area set): lane 0 also waits, before the barrier, until every row of the tile's expert has been
+// received (acquire): the barrier then orders the whole CTA's loads of the tile after it, with no barrier of its own.
 template <int kTile>
 __device__ bool find_tile(const GroupedGemmArgs& args, const RowSplit split, int slot, TileCursor& cursor,
                           FoundTile* tile, const unsigned long long wave_epoch) {
@@ -290,7 +299,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
                        stage + G::kScalesOffset + warp_group * kTileScaleBytes, row_r0, a);
   };
   // FP8 mode: this thread's A fragments of k-block `sub` as e4m3, two k32 steps of 4 registers. The weights are
-  // decoded to the exact fp16 values v * s * 2^-7 as above (decode_a_fragments), scaled by 16 (exact in fp16, subnormals
+  // decoded to the exact fp16 values v * s * 2^-7 as decode_a_fragments does, scaled by 16 (exact in fp16, subnormals
   // included) and rounded to e4m3 (RNE): v * s * 2^-3 is at most 336, so never saturated, and real weights' block
   // values (scale codes mostly 0x69..0x7E, moe.pack_weights) stay in E4M3's normal range, where the rounding costs at
   // most 2^-5 relative; values below 2^-10 become 0. That rounding is the inexact step. The packing is the fp16 one: in
@@ -714,8 +723,8 @@ LaunchFn default_shape_kernel(int tile) {
 //
 // Token tiles 128 and 144 of the exact mode take the warp-specialized form (grouped_gemm_ws.cu) instead of the
 // default shape: bitwise the same results, 0.88-0.97x the time (H200, bench/RESULTS.md, fifty-ninth session: w1
-// 1.445 vs 1.530-1.555 ms and w2 0.79 vs 0.89-0.90 ms at 128 rows per expert, MoE layer experts 4.63 vs 5.13-5.26 ms
-// at 4096 tokens). EP_COMM_GEMM_WS=0 keeps the classic kernel (A/B and bisection); so does a classic tuning override
+// 1.445 vs 1.530-1.555 ms and w2 0.79 vs 0.89-0.90 ms at 128 rows per expert, MoE layer experts 4.63-4.78 vs
+// 5.13-5.26 ms at 4096 tokens). EP_COMM_GEMM_WS=0 keeps the classic kernel (A/B and bisection); so does a classic tuning override
 // (EP_COMM_GEMM_WARPGROUPS or EP_COMM_GEMM_KBLOCKS_PER_STAGE set: those tune the classic kernel), and so do operands
 // that are not 16-byte aligned (`ws_operands`: the form's bulk copies and TMA loads need it; same results, slower).
 LaunchFn select_kernel(int tile, bool combine_rows, bool fp8, bool ws_operands) {
@@ -825,7 +834,8 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
     tail_tile = 0;
   }
   // Every kernel is resolved before any launches, so a refused tuning override cannot leave out half written.
-  const bool ws_operands = reinterpret_cast<uintptr_t>(args.x) % 16 == 0 &&
+  // (The form's TMA needs the driver's tensor-map encoder: without it the classic kernel runs, same results.)
+  const bool ws_operands = tensor_map_encoder() != nullptr && reinterpret_cast<uintptr_t>(args.x) % 16 == 0 &&
                            reinterpret_cast<uintptr_t>(args.w_values) % 16 == 0 &&
                            reinterpret_cast<uintptr_t>(args.w_scales) % 16 == 0;
   const LaunchFn main_kernel = select_kernel(tile, combine_rows, args.fp8, ws_operands);

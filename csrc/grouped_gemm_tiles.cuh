@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "grouped_gemm.h"
 #include "s2f6_lane.cuh"
@@ -32,7 +33,7 @@ __device__ __forceinline__ uint32_t hmul2_broadcast(uint32_t a, uint32_t b) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
-// Pair decode masks and multipliers (see the file header): field of pair j in the k-step word, and 2^a + 2^b.
+// Pair decode masks and multipliers (see grouped_gemm.cu's header comment): field of pair j in the k-step word, and 2^a + 2^b.
 constexpr uint32_t kPairMask = 0x8E008E00u;  // fp16x2 sign + 3 magnitude bits of both halves
 __device__ __forceinline__ uint32_t decode_pair0(uint32_t w) { return w & kPairMask; }
 __device__ __forceinline__ uint32_t decode_pair1(uint32_t w) { return (w << 3) & kPairMask; }
@@ -142,17 +143,12 @@ struct FoundTile {
 };
 
 // Which expert and token tile tile slot `slot` is, in the concatenation of every expert's ceil(rows / kTile) tiles
-// (rows: this launch's part, rows_of_part). Returns false when the slot is past the last tile. All threads of the
-// CTA call it (it ends in a barrier); `slot` only matters in lane 0 of warp 0 (see below); `cursor` starts zeroed
-// (base 0, tiles_before 0, loaded false) and only warp 0 touches it. The tile's rows come from the scan's own loads, so the caller needs no
-// further (dependent) global load to start the tile.
-// Waves (args.wave.area set): lane 0 also waits, before the barrier, until every row of the tile's expert has been
-// received (acquire): the barrier then orders the whole CTA's loads of the tile after it, with no barrier of its own.
-// The other lanes take the slot from lane 0 of warp 0 (with waves only thread 0 holds the item it took).
-//
-// The scan itself is scan_tiles: warp 0 runs it (lane = threadIdx.x) and every lane gets the result; the
-// warp-specialized kernel's producer warp (warp 0 too) calls it directly, after a __syncwarp that orders its lane 0's
-// cursor writes of the previous call before the other lanes' reads.
+// (rows: this launch's part, rows_of_part); expert -1 when the slot is past the last tile. Warp 0 runs it
+// (lane = threadIdx.x; `slot` only matters in lane 0) and every lane gets the result. `cursor` starts zeroed (base 0,
+// tiles_before 0, loaded false) and only warp 0 touches it. The tile's rows come from the scan's own loads, so the
+// caller needs no further (dependent) global load to start the tile. Callers: the classic kernel's find_tile
+// (grouped_gemm.cu), and the warp-specialized kernel's producer warp (grouped_gemm_ws.cu), after a __syncwarp that
+// orders its lane 0's cursor writes of the previous call before the other lanes' reads.
 template <int kTile>
 __device__ __forceinline__ FoundTile scan_tiles(const GroupedGemmArgs& args, const RowSplit split, const int slot,
                                                 TileCursor& cursor) {

@@ -14,9 +14,9 @@
 //   launch cap of 384 threads is 168). They wait on "full", decode, issue the wgmma and release the stage on "empty"
 //   once its last wgmma has retired: no CTA barrier, no cp.async bookkeeping and no load addresses in the MMA warps.
 // Measured on H200 against the classic kernel's default shape (bench/RESULTS.md, fifty-ninth session): w1 0.94x and
-// w2 0.88x the time at 128 rows per expert, 0.90x for the experts of the MoE layer at 4096 tokens. A variant with
-// clusters of two CTAs sharing the token tile by TMA multicast measured no better (equal at 128 rows per expert,
-// slower at ~256; the layer's experts 4.78 against 4.63 ms) and was removed.
+// w2 0.88x the time at 128 rows per expert, 0.88-0.93x for the experts of the MoE layer at 4096 tokens (docs/GEMM.md
+// §4(a)). A variant with clusters of two CTAs sharing the token tile by TMA multicast measured no better overall
+// (equal at 128 rows per expert; at ~256 w1 slower, w2 and the whole MLP equal or slightly faster) and was removed.
 // Rows of a token tile past the expert's count are not zero-filled: the TMA reads whatever rows follow in x (zeros
 // past its end; behind a wave receive, rows of other experts that may still be landing). Such a row only feeds its own
 // output column (the token), which the epilogue never stores.

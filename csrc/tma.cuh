@@ -49,8 +49,8 @@ __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) {
 
 // The same wait without the timeout, for code in which a trap is not allowed: ptxas (CUDA 13.0) budgets a warp whose
 // code after `setmaxnreg.inc` contains a trap at the launch's register count, not at the claimed one, and then spills
-// and serializes every wgmma (C7512). The kernel that uses it must bound the wait elsewhere (grouped_gemm.cu's
-// warp-specialized form: its producer waits, with the timeout, until its consumers are done).
+// and serializes every wgmma (C7512). The kernel that uses it must bound the wait elsewhere (grouped_gemm_ws.cu's
+// consumers: their producer waits, with the timeout, until its consumers are done).
 __device__ __forceinline__ void wait_untimed(uint32_t bar, uint32_t parity) {
   while (!try_wait(bar, parity)) {
   }

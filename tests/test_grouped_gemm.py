@@ -1261,6 +1261,10 @@ def _ws_compare(path: str):
         cases = _ws_cases()
         torch.cuda.synchronize()
     names = {event.name for event in profile.events() if "grouped_gemm_nvfp4_ws_kernel" in event.name}
+    # And no tile-128 / 144 launch fell back to the classic kernel (it would pass bitwise trivially).
+    classic = {event.name for event in profile.events() if "grouped_gemm_nvfp4_kernel" in event.name and
+               any(form in event.name for form in ("<128,", "<144,", "ILi128E", "ILi144E"))}
+    assert not classic, f"classic tile-128/144 kernels ran on the warp-specialized side: {sorted(classic)}"
     # (Each instance: token tiles 128 and 144 (the wide last tiles), with the direct epilogues and with combine rows;
     # demangled "<128, false>" or mangled "ILi128ELb0E".)
     for tile, combine_rows in ((128, False), (128, True), (144, False), (144, True)):
@@ -1282,11 +1286,10 @@ def test_kernel_warp_specialized_is_bitwise_the_classic_kernel(tmp_path):
     import os
     import subprocess
     import sys
-    # Both sides choose their kernel from the environment alone: no classic tuning override (it would keep the
-    # classic kernel on the warp-specialized side too) and no EP_COMM_GEMM_WS from the caller.
-    base_env = {name: value for name, value in os.environ.items()
-                if name not in ("EP_COMM_GEMM_WS", "EP_COMM_GEMM_WARPGROUPS", "EP_COMM_GEMM_KBLOCKS_PER_STAGE",
-                                "EP_COMM_GEMM_MAX_CTAS")}
+    # Both sides choose their kernels from the defaults and what is set here alone: no grouped-GEMM variable from the
+    # caller (a classic tuning override would keep the classic kernel on the warp-specialized side too, and
+    # EP_COMM_GEMM_WIDE_TILE=0 would leave the tile-144 instances out).
+    base_env = {name: value for name, value in os.environ.items() if not name.startswith("EP_COMM_GEMM_")}
     path = str(tmp_path / "classic.pt")
     here = os.path.dirname(os.path.abspath(__file__))
 
