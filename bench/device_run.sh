@@ -38,9 +38,9 @@ test_k() {  # an ad-hoc GPU tier: TEST_FILES (default tests/test_grouped_gemm.py
   say "gpu tier: ${TEST_FILES:-tests/test_grouped_gemm.py} -k '${TEST_K:-}'"
   pytest_tier k 200 3 ${TEST_FILES:-tests/test_grouped_gemm.py} -k "${TEST_K:-}"
 }
-test_gemm_default() {  # the grouped GEMM tier with the default kernels only
+test_gemm_default() {  # the grouped GEMM tier with the default kernels only (test_ws: the classic-vs-warp-specialized test)
   say "gpu tier: grouped GEMM + fused expert MLP (defaults)"
-  timeout 150 python3 -m pytest -q -x tests/test_grouped_gemm.py 2>&1 | grep -v "^[.sx]*\( *\[ *[0-9]*%\]\)\?$" | tail -12 | tee -a "$log"
+  timeout 150 python3 -m pytest -q -x tests/test_grouped_gemm.py -k "not warp_specialized" 2>&1 | grep -v "^[.sx]*\( *\[ *[0-9]*%\]\)\?$" | tail -12 | tee -a "$log"
 }
 test_gemm_fp8() {  # the inexact FP8 mode: its CPU and GPU tests; each kernel case prints its error (largest listed)
   say "gpu tier: grouped GEMM, inexact FP8 mode"
@@ -51,20 +51,23 @@ test_gemm_fp8() {  # the inexact FP8 mode: its CPU and GPU tests; each kernel ca
 }
 test_gemm_variant() {  # $1 = "VAR=value [VAR=value]": the grouped GEMM kernel tests with those variants forced
   echo "$1:" | tee -a "$log"
-  env $1 timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py -k kernel 2>&1 | tail -1 | tee -a "$log"
+  env $1 timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py -k "kernel and not warp_specialized" 2>&1 \
+    | tail -1 | tee -a "$log"
 }
 test_gemm() {  # defaults, then each selectable kernel variant
   test_gemm_default
-  say "gpu tier: grouped GEMM kernels with 2 / 4 warpgroups forced, small-tile shapes, 1 k-block/stage"
-  for variant in EP_COMM_GEMM_WARPGROUPS=2 EP_COMM_GEMM_WARPGROUPS=4 \
+  say "gpu tier: grouped GEMM kernels: classic tile 128/144, 2 / 4 warpgroups forced, small-tile shapes, 1 k-block/stage"
+  for variant in EP_COMM_GEMM_WS=0 EP_COMM_GEMM_WARPGROUPS=2 EP_COMM_GEMM_WARPGROUPS=4 \
                  EP_COMM_GEMM_SMALL_CTA=1x4 EP_COMM_GEMM_SMALL_CTA=2x2 EP_COMM_GEMM_KBLOCKS_PER_STAGE=1; do
     test_gemm_variant "$variant"
   done
   test_gemm_items
+  test_ws
 }
 test_gemm_items() {  # every launch persistent on a few CTAs: many work items per CTA (ring continued across items)
-  say "gpu tier: grouped GEMM kernels on 3 (then 5, with 1 k-block per stage) persistent CTAs"
+  say "gpu tier: grouped GEMM kernels on 3 (then classic on 3, then 5 with 1 k-block per stage) persistent CTAs"
   test_gemm_variant EP_COMM_GEMM_MAX_CTAS=3
+  test_gemm_variant "EP_COMM_GEMM_WS=0 EP_COMM_GEMM_MAX_CTAS=3"
   test_gemm_variant "EP_COMM_GEMM_MAX_CTAS=5 EP_COMM_GEMM_KBLOCKS_PER_STAGE=1"
 }
 nvlink_smoke() {
@@ -380,6 +383,30 @@ bench_gemm_tail_ab() {  # the remainder launch overlapped with the main one (EP_
 }
 bench_gemm_wide_ab() {  # wide last tiles (EP_COMM_GEMM_WIDE_TILE=144) on and off, routed ~256 rows per expert
   for value in 144 0 0 144; do bench_gemm_variant EP_COMM_GEMM_WIDE_TILE=$value 256r; done
+}
+test_ws() {  # the warp-specialized GEMM of tiles 128 / 144 (the default) bitwise the classic one (EP_COMM_GEMM_WS=0)
+  say "gpu tier: grouped GEMM, warp-specialized form against the classic kernel"
+  timeout 560 python3 -m pytest -q -x tests/test_grouped_gemm.py -k warp_specialized > "$OUT/pytest_ws.txt" 2>&1
+  echo "rc $?" | tee -a "$log"
+  tail -25 "$OUT/pytest_ws.txt" | tee -a "$log"
+}
+test_ws_layer() {  # the classic tile-128 kernel behind a wave receive (w1 of the MoE layer) and with combine rows:
+  # the waves tier with 2 ranks sharing GPU 0 and EP_COMM_GEMM_WS=0 (the default tiers run the warp-specialized form
+  # there; the MoE layer worker of test_moe_one_rank takes tile 32 and reaches neither)
+  say "gpu tier: the waves tier with the classic tile-128 GEMM (EP_COMM_GEMM_WS=0)"
+  EP_COMM_GEMM_WS=0 shared_tier classic_waves 300 tests/test_waves.py -k "bitwise_the_plain"
+}
+bench_moe_ws_ab() {  # the MoE layer at world 1 (4096 tokens, 128 experts) with the classic and the warp-specialized
+  # GEMMs (w1 behind the wave receive, w2 with combine rows), in the order classic, ws, ws, classic
+  local value
+  for value in 0 1 1 0; do
+    say "bench: MoE layer at world 1, EP_COMM_GEMM_WS=$value"
+    EP_COMM_GEMM_WS=$value CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/bench_moe.py --nproc 1 --experts 128 \
+      --tokens 4096,128 --iters 5 --no-baseline 2>&1 | tail -14 | tee -a "$log"
+  done
+}
+bench_gemm_ws_ab() {  # the tile-128/144 GEMM: classic, warp-specialized (the default), twice each
+  for value in 0 1 1 0; do bench_gemm_variant EP_COMM_GEMM_WS=$value "${GEMM_AB_ROWS:-128,256r}"; done
 }
 bench_gemm_small_persistent() {  # the small token tiles as persistent CTAs (EP_COMM_GEMM_MAX_CTAS=396: 3 per SM) or not
   for value in 0 396 396 0; do bench_gemm_variant EP_COMM_GEMM_MAX_CTAS=$value 16,32; done

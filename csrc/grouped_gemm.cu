@@ -9,7 +9,12 @@
 // fused for w1), or RHT-32 + S2F6 combine rows stored straight into the source ranks' combine areas
 // (store_combine_rows, out_type 2: the w2 GEMM of MoELayer on the nvlink backend).
 //
-// CTA = kWarpGroups (2 or 4) warpgroups; warpgroup g owns weight tile mt = cta * kWarpGroups + g (64 rows) and all
+// This file: the classic form (below: every warpgroup loads and computes) and the launcher (select_kernel,
+// launch_grouped_gemm_nvfp4). The exact mode's token tiles 128 and 144 run by default in the warp-specialized form
+// (grouped_gemm_ws.cu: a producer warp feeds two consumer warpgroups), bitwise the same; the pieces both share are
+// in grouped_gemm_tiles.cuh.
+//
+// Classic form: CTA = kWarpGroups (2 or 4) warpgroups; warpgroup g owns weight tile mt = cta * kWarpGroups + g (64 rows) and all
 // of the CTA's token tile (kTile tokens of one expert). Every thread streams its own packed weight bytes
 // (16 B of codes per 64-wide k-block) with cp.async into a private smem slot; 16 lanes of each warpgroup copy
 // the tile's 256 scale bytes; the token tile is shared and published with a barrier. kStages-deep ring of
@@ -17,7 +22,7 @@
 // that read it has retired.
 //
 // Weight decode (layout in ep_comm/grouped_gemm.py): for pair j of a k-step word w,
-//   ((w & F_j) * M_j) & 0x8E008E00 (32-bit; decode_pair0..3 below) is the fp16x2 of the two E2M1 values * 2^-14
+//   ((w & F_j) * M_j) & 0x8E008E00 (32-bit; decode_pair0..3 in grouped_gemm_tiles.cuh) is the fp16x2 of the two E2M1 values * 2^-14
 // (magnitude bits at the fp16 exponent/mantissa boundary, sign at bit 15; E2M1's subnormal 0.5 lands on fp16's
 // subnormal 2^-15, so zero and 0.5 need no special case). Pair 0 is stored in place (1 op), pair 1 three bits
 // lower (shift + mask), pairs 2 and 3 keep sign and magnitude at other distances: the multiply by 2^a + 2^b
@@ -40,18 +45,18 @@
 #include "cp_async.cuh"
 #include "env_choice.h"
 #include "grouped_gemm.h"
+#include "grouped_gemm_tiles.cuh"
 #include "pdl_launch.cuh"
 #include "s2f6_lane.cuh"
+#include "tensor_map.h"
 #include "vec_io.cuh"
 #include "wgmma.cuh"
 
 namespace ep_comm {
 namespace {
 
-constexpr int kKBlock = 64;      // k elements per k-block (4 wgmma k-steps of 16)
-constexpr int kTileRows = 64;    // weight rows per warpgroup (wgmma M)
-constexpr int kValueBytes = 16;  // per thread per k-block: 4 words of E2M1 codes
-constexpr int kTileScaleBytes = 256;  // per warpgroup tile per k-block: 64 rows x 4 k-steps, one byte each
+using namespace grouped_gemm_detail;
+
 // k-blocks per pipeline stage for the default CTA shapes (EP_COMM_GEMM_KBLOCKS_PER_STAGE=1 for tuning): two halve
 // the barriers and ring bookkeeping; measured on H200 1.01-1.05x (128 rows per expert) and 1.04-1.07x (16 rows)
 // over one (two calls, bench/RESULTS.md).
@@ -92,154 +97,18 @@ struct Geometry {
   static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + room to align the ring to 1024 B
 };
 
-// fp16x2 a * (b's low or high half in both halves): the broadcast folds into HMUL2's operand (R.H0_H0 / R.H1_H1).
-template <int kHalf>
-__device__ __forceinline__ uint32_t hmul2_broadcast(uint32_t a, uint32_t b) {
-  const __half2 b2 = *reinterpret_cast<const __half2*>(&b);
-  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), kHalf == 0 ? __low2half2(b2) : __high2half2(b2));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-
-// Pair decode masks and multipliers (see the file header): field of pair j in the k-step word, and 2^a + 2^b.
-constexpr uint32_t kPairMask = 0x8E008E00u;  // fp16x2 sign + 3 magnitude bits of both halves
-__device__ __forceinline__ uint32_t decode_pair0(uint32_t w) { return w & kPairMask; }
-__device__ __forceinline__ uint32_t decode_pair1(uint32_t w) { return (w << 3) & kPairMask; }
-__device__ __forceinline__ uint32_t decode_pair2(uint32_t w) { return ((w & 0x40384038u) * 66u) & kPairMask; }
-__device__ __forceinline__ uint32_t decode_pair3(uint32_t w) { return ((w & 0x20072007u) * 516u) & kPairMask; }
-
-// Counts are clamped to [0, segment length] (expert_offsets[e + 1] - expert_offsets[e]) and segments to the rows
-// of x, so inconsistent offsets/counts cannot make the kernel read or write outside its buffers.
-__device__ __forceinline__ int clamped_count(const GroupedGemmArgs& args, int e) {
-  // __ldcg, not __ldg: with waves the dispatch receive writes these while the kernel runs (waves.h), and a
-  // non-coherent load could return a stale cached line.
-  const int64_t begin = __ldcg(args.expert_offsets + e), end = __ldcg(args.expert_offsets + e + 1);
-  const int64_t stop = end < args.num_rows_total ? end : args.num_rows_total;
-  const int64_t requested = __ldcg(args.num_tokens_per_expert + e);
-  const int64_t count = requested < stop - begin ? requested : stop - begin;
-  return begin < 0 || count < 0 ? 0 : static_cast<int>(count);
-}
-
-// Which rows of an expert one launch covers. A token tile of 128 wastes most of its MMA work on an expert whose
-// count is just past a multiple of 128 (random routing at ~256 rows per expert leaves a remainder of a few rows
-// in about half of the experts). Split launches leave such remainders -- count % main_tile in 1 .. tail_rows -- to
-// a second launch with a small token tile, which costs a weight pass at small-tile speed instead of a full tile.
-//
-// Wide last tiles (wide_tile > 0; the default since 2026-12-01, EP_COMM_GEMM_WIDE_TILE=0 turns them off): an expert whose
-// count is at most wide_tile * floor(count / main_tile) but not a multiple of main_tile -- e.g. 257..288 rows with
-// tiles of 128 and 144 -- is computed whole by a third launch with token tile wide_tile, in as many tiles as main_tile
-// would need without its remainder: no extra pass over the expert's weights, for wide_tile / main_tile times the MMA
-// work of those tiles. Such an expert is in neither part 1 nor part 2.
-struct RowSplit {
-  int part = 0;       // 0: all rows; 1: all but a small remainder; 2: only the small remainder; 3: the wide experts
-  int main_tile = 0;  // token tile of the part-1 launch
-  int tail_rows = 0;  // remainders of 1 .. tail_rows rows are small
-  // Parts 1, 3 and 2 (launched in that order) overlap (not with waves): each later launch is a programmatic dependent
-  // of the one before, so its CTAs take the SMs that the earlier one's last, partial round of items leaves idle (the
-  // parts write disjoint rows and read only inputs complete before part 1); each dependent completes only after the
-  // launch before it (its CTAs end in griddepcontrol.wait), so the kernels behind the last one on the stream see all.
-  bool overlap = false;
-  int wide_tile = 0;  // token tile of the part-3 launch; 0: no part 3
-  // Parts 1 and 3 release their dependents as soon as their CTAs start; parts 3 and 2 are the dependents.
-  __host__ __device__ bool triggers_dependent() const { return overlap && (part == 1 || part == 3); }
-  __host__ __device__ bool is_dependent() const { return overlap && (part == 2 || part == 3); }
-};
-
-// (first row within the expert, rows) that `split` assigns to this launch for expert e.
-__device__ __forceinline__ int2 rows_of_part(const GroupedGemmArgs& args, const RowSplit split, int e) {
-  const int count = clamped_count(args, e);
-  if (split.part == 0) return make_int2(0, count);
-  const int remainder = count % split.main_tile;
-  // count <= wide_tile * (count / main_tile), written without the product of count-sized terms.
-  const bool wide = split.wide_tile > 0 && remainder > 0 &&
-                    remainder <= (count / split.main_tile) * (split.wide_tile - split.main_tile);
-  if (split.part == 3) return wide ? make_int2(0, count) : make_int2(count, 0);
-  const bool small = !wide && remainder > 0 && remainder <= split.tail_rows;
-  if (split.part == 1) return make_int2(0, wide ? 0 : small ? count - remainder : count);
-  return small ? make_int2(count - remainder, remainder) : make_int2(count, 0);
-}
-
-// Warp 0's place in the scan of the experts' tiles (find_tile), kept in shared memory so that it costs the main
-// loop no registers: the 32-expert chunk at `base`, the tiles of the experts before it, and -- once loaded -- the
-// chunk's inclusive prefix of tiles per lane and each lane's expert rows (first row in x, rows of this launch's
-// part; loaded = false: not yet). A persistent CTA visits non-decreasing tile slots, so the scan resumes where the
-// previous item stopped: each CTA reads every expert's count once per launch instead of scanning from expert 0 for
-// every tile.
-struct TileCursor {
-  int inclusive[32];
-  int first_row[32];
-  int rows[32];
-  int base;
-  int tiles_before;
-  bool loaded;
-};
-
-// A token tile found by find_tile: its expert, its first row in x (and out) and its rows below the expert's count
-// (the rest of the tile is zero-filled and not stored).
-struct FoundTile {
-  int expert;
-  int first_row;
-  int valid_rows;
-};
-
-// Which expert and token tile tile slot `slot` is, in the concatenation of every expert's ceil(rows / kTile) tiles
-// (rows: this launch's part, rows_of_part). Returns false when the slot is past the last tile. All threads of the
-// CTA call it (it ends in a barrier); `slot` only matters in lane 0 of warp 0 (see below); `cursor` starts zeroed
-// (base 0, tiles_before 0, loaded false) and only warp 0 touches it. The tile's rows come from the scan's own loads, so the caller needs no
-// further (dependent) global load to start the tile.
+// Which expert and token tile tile slot `slot` is (scan_tiles, run by warp 0), for the whole CTA. Returns false when
+// the slot is past the last tile. All threads of the CTA call it (it ends in a barrier); `slot` only matters in lane 0
+// of warp 0 (with waves only thread 0 holds the item it took).
 // Waves (args.wave.area set): lane 0 also waits, before the barrier, until every row of the tile's expert has been
 // received (acquire): the barrier then orders the whole CTA's loads of the tile after it, with no barrier of its own.
-// The other lanes take the slot from lane 0 of warp 0 (with waves only thread 0 holds the item it took).
 template <int kTile>
 __device__ bool find_tile(const GroupedGemmArgs& args, const RowSplit split, int slot, TileCursor& cursor,
                           FoundTile* tile, const unsigned long long wave_epoch) {
   __shared__ FoundTile found;
   if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    slot = __shfl_sync(0xFFFFFFFFu, slot, 0);
-    FoundTile result{-1, 0, 0};
-    int base = cursor.base, tiles_before = cursor.tiles_before;
-    const bool resume = cursor.loaded;
-    int inclusive = resume ? cursor.inclusive[lane] : 0;
-    int lane_first_row = resume ? cursor.first_row[lane] : 0;
-    int lane_rows = resume ? cursor.rows[lane] : 0;
-    bool loaded = resume;
-    while (base < args.num_experts) {
-      if (!loaded) {
-        const int e = base + lane;
-        const int2 part_rows = e < args.num_experts ? rows_of_part(args, split, e) : make_int2(0, 0);
-        lane_first_row = e < args.num_experts ? static_cast<int>(__ldcg(args.expert_offsets + e)) + part_rows.x : 0;
-        lane_rows = part_rows.y;
-        inclusive = (lane_rows + kTile - 1) / kTile;
-#pragma unroll
-        for (int offset = 1; offset < 32; offset <<= 1) {
-          const int v = __shfl_up_sync(0xFFFFFFFFu, inclusive, offset);
-          if (lane >= offset) inclusive += v;
-        }
-        loaded = true;
-      }
-      const int below = __shfl_up_sync(0xFFFFFFFFu, inclusive, 1);  // every lane shuffles (lane 0 gets its own)
-      const int tiles = inclusive - (lane > 0 ? below : 0);
-      const int exclusive = tiles_before + inclusive - tiles;
-      const unsigned hit = __ballot_sync(0xFFFFFFFFu, slot >= exclusive && slot < exclusive + tiles);
-      if (hit) {
-        const int src = __ffs(hit) - 1;
-        const int tile_in_expert = slot - __shfl_sync(0xFFFFFFFFu, exclusive, src);
-        result.expert = base + src;
-        result.first_row = __shfl_sync(0xFFFFFFFFu, lane_first_row, src) + tile_in_expert * kTile;
-        result.valid_rows = min(kTile, __shfl_sync(0xFFFFFFFFu, lane_rows, src) - tile_in_expert * kTile);
-        break;
-      }
-      tiles_before += __shfl_sync(0xFFFFFFFFu, inclusive, 31);
-      base += 32;
-      loaded = false;
-    }
-    cursor.inclusive[lane] = inclusive;
-    cursor.first_row[lane] = lane_first_row;
-    cursor.rows[lane] = lane_rows;
-    if (lane == 0) {
-      cursor.base = base;
-      cursor.tiles_before = tiles_before;
-      cursor.loaded = loaded;
+    const FoundTile result = scan_tiles<kTile>(args, split, __shfl_sync(0xFFFFFFFFu, slot, 0), cursor);
+    if (threadIdx.x == 0) {
       found = result;
       if (args.wave.area != nullptr && result.expert >= 0) {
         wave::wait_rows(args.wave, result.expert, wave_epoch, clamped_count(args, result.expert));
@@ -251,230 +120,27 @@ __device__ bool find_tile(const GroupedGemmArgs& args, const RowSplit split, int
   return tile->expert >= 0;
 }
 
-// What the epilogue needs of a work item: its token tile and weight CTA, written by the loader when it starts the
-// item's loads (shared memory: with the next-item prefetch the loader starts item n + 1 before item n's epilogue,
-// see gemm_items).
-struct WorkItem : FoundTile {
-  int weight_cta;
-};
-
-// Both epilogues scale token t of the tile by f[t] = row_factor[first_row + t] * weight_factor (weight_factor =
-// w_factor[e] * 2^7, which undoes the decode's 2^-7), 0 past the count (those values are computed, never stored).
-// gemm_items loads the kTile factors once per item into shared memory (one L2 round trip, issued before the last
-// wgmma drains). Loading each token pair's factors where the epilogue used them cost one dependent L2 round trip per
-// 8 tokens: ncu put a quarter of w2's stall samples in that epilogue (bench/RESULTS.md, ninth session).
-// (FP8 mode: the weights are decoded times 2^-3 instead, so the factor is w_factor[e] * 2^3.)
-template <bool kFp8>
-__device__ __forceinline__ float token_factor(const GroupedGemmArgs& args, const WorkItem& item, int token) {
-  const float weight_factor = __ldg(args.w_factor + item.expert) * (kFp8 ? 8.0f : 128.0f);
-  // (__ldcg: with waves the receive writes row_factor while the kernel runs; a cached line could be stale.)
-  return token < item.valid_rows ? __ldcg(args.row_factor + item.first_row + token) * weight_factor : 0.0f;
-}
-
-// Combine-row epilogue (out_type 2), after the main loop. The CTA's output tile goes through shared memory (the
-// ring, free by then), because in the accumulator layout (swap AB) one token's 32-column RHT chunk is spread over two
-// warps (16 columns each, 8 lanes x 2 registers), while the S2F6 lane helpers want it in two lanes of 16 consecutive
-// values -- the layout of the NVLink combine send, whose bytes this reproduces. (Staging the bf16 / fp32 outputs the
-// same way, for 16-byte stores instead of column pairs, measured no faster for w2 and 4-5% slower for w1 on H200:
-// the direct stores below stay.)
-// The tile holds the bf16 values the epilogue rounds to anyway (the combine row quantizes bf16(acc * factor), as the
-// bf16 epilogue followed by the combine send does): one pair conversion (cvt.rn.bf16x2.f32) and one 4-byte store per
-// column pair instead of two single conversions, two widenings and an 8-byte store, and half the shared memory, so
-// that more of the ring is free for the next item's early loads (kTileSlots in gemm_items).
-// Shared tile: bf16 [kTile][kWarpGroups * 64 + 8], rows 16-byte aligned (padded by 8 values: a row is an odd number of
-// 16-byte granules). Bank conflicts: the accumulator writes (per instruction, 4 token rows two apart x 8 lanes'
-// consecutive column pairs, 32 bytes per row) land 2 * row stride = 8 (mod 32) banks apart: all 32 banks. A lane's row
-// read is two 16-byte granules, 2k and 2k + 1 (k = its 16-column group); lanes with k % 8 >= 4 read the odd one first,
-// so that each 8-lane phase of a 16-byte load touches 8 different granules mod 8 (granule 2k mod 8 alone would repeat).
-template <int kWarpGroups>
-struct CombineTile {
-  static constexpr int kStride = kWarpGroups * 64 + 8;  // bf16 values per row
-  static constexpr int kBytesPerRow = kStride * 2;
-  static_assert(kBytesPerRow % 16 == 0 && (kBytesPerRow / 16) % 2 == 1, "rows: an odd number of 16-byte granules");
-  static __device__ __forceinline__ int index(int token, int column) { return token * kStride + column; }
-};
-
-// Where row `row`'s combine row goes: bases[src_rank] + offset + (src_token * topk + topk_slot) * row_bytes (the
-// CombineRows contract in grouped_gemm.h), or 0 -- store nothing -- when (src_rank, src_token, topk_slot) names no row
-// of the areas (a padding row's -1s: a caller may count padding in, and bases[-1] would be a wild address, local or
-// over NVLink). gemm_items computes it once per token and item (two dependent L2 round trips, issued before the last
-// wgmma drains) into shared memory, instead of in each row pass after the quantize.
-__device__ __forceinline__ uint64_t combine_row_address(const GroupedGemmArgs::CombineRows& c, int row) {
-  const int rank = __ldg(c.src_rank + row), token = __ldg(c.src_token + row), slot = __ldg(c.topk_slot + row);
-  // One unsigned compare per bound also refuses negatives.
-  if (static_cast<unsigned>(rank) >= static_cast<unsigned>(c.num_ranks) ||
-      static_cast<uint64_t>(static_cast<uint32_t>(token)) >= static_cast<uint64_t>(c.max_tokens) ||
-      static_cast<unsigned>(slot) >= static_cast<unsigned>(c.topk)) {
-    return 0;
-  }
-  const int64_t dst_row = static_cast<int64_t>(token) * c.topk + slot;
-  return __ldg(c.bases + rank) + static_cast<uint64_t>(c.offset + dst_row * c.row_bytes);
-}
-
 template <int kTile, int kWarpGroups>
 __device__ __forceinline__ void store_combine_rows(const GroupedGemmArgs& args, const float (&acc)[kTile / 2],
                                                    const float* factors, const uint64_t* destinations,
                                                    __nv_bfloat16* tile,
                                                    const WorkItem item) {
-  using Tile = CombineTile<kWarpGroups>;
-  const int warp_group = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
-  const int weight_cta = item.weight_cta, valid_rows = item.valid_rows;
   // Accumulator i of this lane: column 64 * warp_group + 16 * warp + 2 * (lane / 4) + (i / 2) % 2 (the column-pair
   // row order of pack_gemm_weights), token 8 * (i / 4) + 2 * (lane % 4) + i % 2; rounded to bf16 here, as the bf16
   // epilogue stores it. Columns c and c + 1 (c even) are adjacent in the tile: one 4-byte store of the bf16 pair.
-  const int column = 64 * warp_group + 16 * warp + 2 * (lane / 4);
-  auto put2 = [&](int token, float lo, float hi) {
-    *reinterpret_cast<__nv_bfloat162*>(tile + Tile::index(token, column)) = __floats2bfloat162_rn(lo, hi);
-  };
-#pragma unroll
-  for (int i = 0; i < kTile / 2; i += 4) {
-    const int t0 = 8 * (i / 4) + 2 * (lane % 4);
-    const float2 f = *reinterpret_cast<const float2*>(factors + t0);  // tokens t0, t0 + 1
-    put2(t0, acc[i] * f.x, acc[i + 2] * f.x);
-    put2(t0 + 1, acc[i + 1] * f.y, acc[i + 3] * f.y);
-  }
+  const int warp_group = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  stage_combine_tile<kTile, kWarpGroups>(acc, factors, tile, 64 * warp_group + 16 * warp + 2 * (lane / 4));
   __syncthreads();
-
-  // Rows: kWarpGroups * 4 lanes per token, lanes 2j and 2j + 1 one 32-chunk (the RHT/S2F6 lane layout).
-  constexpr int kCols = kWarpGroups * 64;
-  constexpr int kLanesPerToken = kCols / 16;
-  constexpr int kTokensPerPass = 32 / kLanesPerToken;
-  constexpr int kWarps = kWarpGroups * 4;
-  const int local_column = 16 * (lane % kLanesPerToken);
-  const int64_t out_column = static_cast<int64_t>(weight_cta) * kCols + local_column;
-  const bool column_valid = out_column < args.n;  // 32-chunks lie wholly inside or outside [0, n): n % 64 == 0
-  const GroupedGemmArgs::CombineRows& c = args.combine;
-  // Read once per tile, after the tile's work: a set flag stays set (CombineRows::abort).
-  const bool stopped = c.abort != nullptr && *reinterpret_cast<const volatile unsigned int*>(c.abort) != 0u;
-  for (int t_base = (threadIdx.x / 32) * kTokensPerPass; t_base < kTile; t_base += kWarps * kTokensPerPass) {
-    const int token = t_base + lane / kLanesPerToken;
-    // The lane's two granules (columns local_column .. + 7 and + 8 .. + 15), the odd one first for k % 8 >= 4 (see
-    // CombineTile), put back in order by selects (an index into v that depends on the lane would put v in local
-    // memory); each bf16 widens exactly (low half: shift, high half: mask).
-    const bool odd_first = ((lane % kLanesPerToken) & 4) != 0;
-    const __nv_bfloat16* row = tile + Tile::index(token, local_column);
-    const uint4 first = *reinterpret_cast<const uint4*>(row + (odd_first ? 8 : 0));
-    const uint4 second = *reinterpret_cast<const uint4*>(row + (odd_first ? 0 : 8));
-    const uint32_t words[8] = {odd_first ? second.x : first.x, odd_first ? second.y : first.y,
-                               odd_first ? second.z : first.z, odd_first ? second.w : first.w,
-                               odd_first ? first.x : second.x, odd_first ? first.y : second.y,
-                               odd_first ? first.z : second.z, odd_first ? first.w : second.w};
-    float v[16];
-#pragma unroll
-    for (int w = 0; w < 8; ++w) {
-      v[2 * w] = __uint_as_float(words[w] << 16);
-      v[2 * w + 1] = __uint_as_float(words[w] & 0xFFFF0000u);
-    }
-    uint8_t scale;
-    const uint4 codes = s2f6_lane::quantize_lane16<true>(v, c.sign_mask, lane, &scale);  // whole warp
-    const uint64_t destination = token < valid_rows ? destinations[token] : 0;
-    if (destination != 0 && column_valid && !stopped) {
-      char* dst = reinterpret_cast<char*>(static_cast<uintptr_t>(destination));
-      *reinterpret_cast<uint4*>(dst + out_column) = codes;
-      if ((lane & 1) == 0) dst[c.scale_offset + out_column / 32] = static_cast<char>(scale);
-    }
-  }
+  send_combine_rows<kTile, kWarpGroups, kWarpGroups * 4>(args, destinations, tile, item, threadIdx.x / 32);
 }
 
 #if EP_COMM_HAS_WGMMA
-// Direct epilogues (out_type 0 / 1: OutT = float or bf16 rows). Accumulator 4j + m of lane l in warp w of the
-// warpgroup: packed weight row 16 w + l / 4 + 8 (m / 2), token 8 j + 2 (l % 4) + m % 2.
-template <typename OutT>
-__device__ __forceinline__ void store_pair(OutT* dst, float lo, float hi) {
-  if constexpr (std::is_same<OutT, float>::value) {
-    *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
-  } else {
-    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(lo, hi);
-  }
-}
-
-// Without SwiGLU (w2). pack_gemm_weights orders the rows of each 16-row group in column pairs (packed row g < 8 is
-// row 2 g, g + 8 is row 2 g + 1), so a thread's rows r0 and r0 + 8 are output columns c and c + 1 (c even) and it
-// stores each of its two tokens' pairs itself: 4 FMUL, 2 conversions and 2 stores per j, no shuffle and no select.
-// (With the plain row order, columns r0 and r0 + 8 were 8 apart: lanes l and l ^ 4 swapped values with two shuffles
-// and six selects per j first.) Each store instruction writes 32 contiguous bytes (bf16) of 4 token rows.
-template <int kTile, typename OutT>
-__device__ __forceinline__ void store_column_pairs_as(const GroupedGemmArgs& args, const float (&acc)[kTile / 2],
-                                                      const float* factors, const WorkItem item, int weight_tile) {
-  const int thread_in_group = threadIdx.x % 128;
-  const int warp = thread_in_group / 32, lane = thread_in_group % 32;
-  const int token0 = 2 * (lane % 4);  // + 8 j: tokens token0 and token0 + 1
-  const int64_t column = static_cast<int64_t>(weight_tile) * kTileRows + 16 * warp + 2 * (lane / 4);
-  OutT* out = static_cast<OutT*>(args.out) + (item.first_row + token0) * args.out_row_stride + column;
-  const int64_t rows8 = 8 * args.out_row_stride;
-#pragma unroll
-  for (int j = 0; j < kTile / 8; ++j) {
-    const float2 f = *reinterpret_cast<const float2*>(factors + 8 * j + token0);  // tokens t0, t0 + 1
-    OutT* dst = out + j * rows8;
-    if (8 * j + token0 < item.valid_rows) store_pair(dst, acc[4 * j] * f.x, acc[4 * j + 2] * f.x);
-    if (8 * j + token0 + 1 < item.valid_rows) {
-      store_pair(dst + args.out_row_stride, acc[4 * j + 1] * f.y, acc[4 * j + 3] * f.y);
-    }
-  }
-}
-
-// With SwiGLU (w1): packed rows 16 q + g (g < 8) are gate 8 q + g, rows 16 q + 8 + g the matching up rows, so the
-// lane's gate/up pair gives output column 8 q + lane / 4 of the [R, I] result, one column for two tokens. Lanes l and
-// l ^ 4 hold columns c and c + 1 (c even) for the same two tokens: one shuffle gives the even lane both columns of the
-// first token and the odd lane both columns of the second -- one 2-wide store each, rows 8 j apart.
-template <int kTile, typename OutT>
-__device__ __forceinline__ void store_swiglu_as(const GroupedGemmArgs& args, const float (&acc)[kTile / 2],
-                                                const float* factors, const WorkItem item, int weight_tile) {
-  const int thread_in_group = threadIdx.x % 128;
-  const int warp = thread_in_group / 32, lane = thread_in_group % 32;
-  const bool even_column = (lane / 4) % 2 == 0;
-  const int my_token = 2 * (lane % 4) + (even_column ? 0 : 1);  // + 8 j
-  const int64_t column = static_cast<int64_t>(weight_tile) * 32 + 8 * warp + (lane / 4 & ~1);
-  OutT* out = static_cast<OutT*>(args.out) + (item.first_row + my_token) * args.out_row_stride + column;
-  const int64_t rows8 = 8 * args.out_row_stride;
-#pragma unroll
-  for (int j = 0; j < kTile / 8; ++j) {
-    const float2 f = *reinterpret_cast<const float2*>(factors + 8 * j + 2 * (lane % 4));  // tokens t0, t0 + 1
-    const float g_t0 = acc[4 * j] * f.x, g_t1 = acc[4 * j + 1] * f.y;      // gate (row r0)
-    const float u_t0 = acc[4 * j + 2] * f.x, u_t1 = acc[4 * j + 3] * f.y;  // up (row r0 + 8)
-    const bool stored = 8 * j + my_token < item.valid_rows;  // the shuffles run in every lane
-    const float h_t0 = g_t0 / (1.0f + expf(-g_t0)) * u_t0;
-    const float h_t1 = g_t1 / (1.0f + expf(-g_t1)) * u_t1;
-    const float other = __shfl_xor_sync(0xFFFFFFFFu, even_column ? h_t1 : h_t0, 4);
-    if (stored) store_pair(out + j * rows8, even_column ? h_t0 : other, even_column ? other : h_t1);
-    if (args.row_amax != nullptr) {
-      // Max |h| as stored (bf16 output: rounded first) of tokens t0 and t0 + 1 over the warp's 8 columns (lanes
-      // with the same lane % 4), NaN as 0 (fmaxf returns the other operand); the max of non-negative floats is
-      // the max of their bit patterns.
-      auto as_stored = [](float v) {
-        if constexpr (std::is_same<OutT, float>::value) return v;
-        else return __bfloat162float(__float2bfloat16_rn(v));
-      };
-      float m0 = fmaxf(fabsf(as_stored(h_t0)), 0.0f), m1 = fmaxf(fabsf(as_stored(h_t1)), 0.0f);
-#pragma unroll
-      for (int offset = 4; offset < 32; offset <<= 1) {
-        m0 = fmaxf(m0, __shfl_xor_sync(0xFFFFFFFFu, m0, offset));
-        m1 = fmaxf(m1, __shfl_xor_sync(0xFFFFFFFFu, m1, offset));
-      }
-      const int t0 = 8 * j + 2 * lane;  // lanes 0..3 hold the maxima of their token pair
-      if (lane < 4 && t0 < item.valid_rows) {
-        atomicMax(reinterpret_cast<int*>(args.row_amax + item.first_row + t0), __float_as_int(m0));
-      }
-      if (lane < 4 && t0 + 1 < item.valid_rows) {
-        atomicMax(reinterpret_cast<int*>(args.row_amax + item.first_row + t0 + 1), __float_as_int(m1));
-      }
-    }
-  }
-}
-
 template <int kTile, int kWarpGroups>
 __device__ __forceinline__ void store_rows(const GroupedGemmArgs& args, const float (&acc)[kTile / 2],
                                            const float* factors, const WorkItem item) {
   const int weight_tile = item.weight_cta * kWarpGroups + threadIdx.x / 128;
   if (weight_tile >= args.n / kTileRows) return;  // a spare warpgroup of the last weight CTA
-  // One branch per item instead of per value: each form is its own unrolled loop.
-  if (args.out_type == 0) {
-    if (args.swiglu) store_swiglu_as<kTile, float>(args, acc, factors, item, weight_tile);
-    else store_column_pairs_as<kTile, float>(args, acc, factors, item, weight_tile);
-  } else {
-    if (args.swiglu) store_swiglu_as<kTile, __nv_bfloat16>(args, acc, factors, item, weight_tile);
-    else store_column_pairs_as<kTile, __nv_bfloat16>(args, acc, factors, item, weight_tile);
-  }
+  store_tile_rows<kTile>(args, acc, factors, item, weight_tile);
 }
 
 // Every work item of this CTA: item blockIdx.x, then (persistent) blockIdx.x + gridDim.x, ... until find_tile finds
@@ -625,35 +291,15 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
   };
 
   const int row_r0 = 16 * (thread_in_group / 32) + (thread_in_group % 32) / 4;  // tile rows r0 and r0 + 8
-  // One k-step's A fragment from its code word w and the scale halves of rows r0 and r0 + 8 (kHalf: which half of
-  // the scale words holds this k-step's scale).
-  auto convert_step = [&](const uint32_t w, auto half, uint32_t scale_r0, uint32_t scale_r1, uint32_t (&out)[4]) {
-    constexpr int kHalf = decltype(half)::value;
-    out[0] = hmul2_broadcast<kHalf>(decode_pair0(w), scale_r0);
-    out[1] = hmul2_broadcast<kHalf>(decode_pair1(w), scale_r1);
-    out[2] = hmul2_broadcast<kHalf>(decode_pair2(w), scale_r0);
-    out[3] = hmul2_broadcast<kHalf>(decode_pair3(w), scale_r1);
-  };
   // This thread's A fragments of k-block `sub` of ring slot `slot` (fp16x2, mma.m16n8k16 order) from its private
-  // smem bytes.
+  // smem bytes and its warpgroup's scale codes (written by other lanes: read after the stage barrier).
   auto convert = [&](int slot, int sub, uint32_t (&a)[4][4]) {
     const uint8_t* stage = smem + slot * G::kStageBytes + sub * G::kBlockBytes;
-    const uint4 words = *reinterpret_cast<const uint4*>(stage + G::kValuesOffset + threadIdx.x * kValueBytes);
-    // Scale codes of rows r0 and r1, byte s = k-step s (written by other lanes: read after the stage barrier).
-    const uint8_t* tile_scales = stage + G::kScalesOffset + warp_group * kTileScaleBytes;
-    const uint32_t scales_r0 = *reinterpret_cast<const uint32_t*>(tile_scales + 4 * row_r0);
-    const uint32_t scales_r1 = *reinterpret_cast<const uint32_t*>(tile_scales + 4 * (row_r0 + 8));
-    const uint32_t word[4] = {words.x, words.y, words.z, words.w};
-    // fp16 scale * 2^7 = code << 7: k-steps 0 and 2 in the halves of `even`, 1 and 3 in the halves of `odd`.
-    const uint32_t even_r0 = (scales_r0 << 7) & 0x7F807F80u, odd_r0 = (scales_r0 >> 1) & 0x7F807F80u;
-    const uint32_t even_r1 = (scales_r1 << 7) & 0x7F807F80u, odd_r1 = (scales_r1 >> 1) & 0x7F807F80u;
-    convert_step(word[0], std::integral_constant<int, 0>{}, even_r0, even_r1, a[0]);
-    convert_step(word[1], std::integral_constant<int, 0>{}, odd_r0, odd_r1, a[1]);
-    convert_step(word[2], std::integral_constant<int, 1>{}, even_r0, even_r1, a[2]);
-    convert_step(word[3], std::integral_constant<int, 1>{}, odd_r0, odd_r1, a[3]);
+    decode_a_fragments(stage + G::kValuesOffset + threadIdx.x * kValueBytes,
+                       stage + G::kScalesOffset + warp_group * kTileScaleBytes, row_r0, a);
   };
   // FP8 mode: this thread's A fragments of k-block `sub` as e4m3, two k32 steps of 4 registers. The weights are
-  // decoded to the exact fp16 values v * s * 2^-7 as above (convert_step), scaled by 16 (exact in fp16, subnormals
+  // decoded to the exact fp16 values v * s * 2^-7 as decode_a_fragments does, scaled by 16 (exact in fp16, subnormals
   // included) and rounded to e4m3 (RNE): v * s * 2^-3 is at most 336, so never saturated, and real weights' block
   // values (scale codes mostly 0x69..0x7E, moe.pack_weights) stay in E4M3's normal range, where the rounding costs at
   // most 2^-5 relative; values below 2^-10 become 0. That rounding is the inexact step. The packing is the fp16 one: in
@@ -720,9 +366,9 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
       const uint32_t s0 = (k_step % 2 == 0 ? scales_r0 << 7 : scales_r0 >> 1) & 0x7F807F80u;
       const uint32_t s1 = (k_step % 2 == 0 ? scales_r1 << 7 : scales_r1 >> 1) & 0x7F807F80u;
       if (k_step < 2) {
-        convert_step(w, std::integral_constant<int, 0>{}, s0, s1, a[i]);
+        decode_k_step<0>(w, s0, s1, a[i]);
       } else {
-        convert_step(w, std::integral_constant<int, 1>{}, s0, s1, a[i]);
+        decode_k_step<1>(w, s0, s1, a[i]);
       }
     }
   };
@@ -962,6 +608,10 @@ __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
 #endif
 }
 
+}  // namespace
+
+namespace grouped_gemm_detail {
+
 // Test hook: EP_COMM_GEMM_MAX_CTAS=n (n > 0) makes every launch -- the combine-row kernels too -- persistent on at
 // most n CTAs, so that small problems run many work items per CTA (next-item prefetch, odd k-block counts at item
 // boundaries, the scan cursor). 0 when unset or "0", -1 when set to anything else (launches are then refused).
@@ -975,6 +625,10 @@ int max_ctas_override() {
   }();
   return value;
 }
+
+}  // namespace grouped_gemm_detail
+
+namespace {
 
 template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage = 1, bool kCombineRows = false,
           bool kFp8 = false>
@@ -1021,7 +675,6 @@ cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64
                          split, persistent);
 }
 
-using LaunchFn = cudaError_t (*)(const GroupedGemmArgs&, RowSplit, int64_t, cudaStream_t);
 
 // A tuning environment variable that must be one of `allowed` when set: 0 when unset, -1 when set to anything
 // else, otherwise its digits read as one number ("4" -> 4, "2x3" -> 23: warpgroups then CTAs per SM).
@@ -1067,18 +720,31 @@ LaunchFn default_shape_kernel(int tile) {
 // 4 / warpgroups, one k-block per stage); EP_COMM_GEMM_SMALL_CTA=1x4|2x2|2x3|4x1 (warpgroups x CTAs per SM) for the
 // token tiles 16 and 32; EP_COMM_GEMM_KBLOCKS_PER_STAGE=1|2 (pipeline stage size) for the default shapes. The
 // combine-row epilogue (out_type 2) always takes the default shape of its tile.
-LaunchFn select_kernel(int tile, bool combine_rows, bool fp8) {
+//
+// Token tiles 128 and 144 of the exact mode take the warp-specialized form (grouped_gemm_ws.cu) instead of the
+// default shape: bitwise the same results, 0.88-0.97x the time (H200, bench/RESULTS.md, fifty-ninth session: w1
+// 1.445 vs 1.530-1.555 ms and w2 0.79 vs 0.89-0.90 ms at 128 rows per expert, MoE layer experts 4.63-4.78 vs
+// 5.13-5.26 ms at 4096 tokens). EP_COMM_GEMM_WS=0 keeps the classic kernel (A/B and bisection); so does a classic tuning override
+// (EP_COMM_GEMM_WARPGROUPS or EP_COMM_GEMM_KBLOCKS_PER_STAGE set: those tune the classic kernel), and so do operands
+// that are not 16-byte aligned (`ws_operands`: the form's bulk copies and TMA loads need it; same results, slower).
+LaunchFn select_kernel(int tile, bool combine_rows, bool fp8, bool ws_operands) {
   static const int forced_warp_groups = tuning_choice("EP_COMM_GEMM_WARPGROUPS", {"2", "4"});
   static const int forced_small_cta = tuning_choice("EP_COMM_GEMM_SMALL_CTA", {"1x4", "2x2", "2x3", "4x1"});
   static const int forced_blocks_per_stage = tuning_choice("EP_COMM_GEMM_KBLOCKS_PER_STAGE", {"1", "2"});
+  static const bool warp_specialized = env_choice("EP_COMM_GEMM_WS", {"1", "0"}) == 0;
+  const bool ws_tile = warp_specialized && ws_operands && !fp8 && (tile == 128 || tile == 144);
   // The combine-row epilogue exists for the default shapes only (no tuning matrix): it ignores the tuning variables
   // (read above, once per process), so a tuning run of the bf16 kernels (or a mistyped value) leaves MoELayer's w2
   // working. (Only the test hook EP_COMM_GEMM_MAX_CTAS applies to it: launch_tile.)
-  if (combine_rows) return fp8 ? default_shape_kernel<true, true>(tile) : default_shape_kernel<true, false>(tile);
+  if (combine_rows) {
+    if (ws_tile) return warp_specialized_launch(tile, true);
+    return fp8 ? default_shape_kernel<true, true>(tile) : default_shape_kernel<true, false>(tile);
+  }
   if (forced_warp_groups < 0 || forced_small_cta < 0 || forced_blocks_per_stage < 0) return nullptr;
   // The inexact FP8 mode's direct epilogues: the default shapes only too. The tuning variables do not apply to it (a
   // malformed one is still refused, above); neither does EP_COMM_GEMM_WIDE_TILE.
   if (fp8) return default_shape_kernel<false, true>(tile);
+  if (ws_tile && forced_warp_groups == 0 && forced_blocks_per_stage == 0) return warp_specialized_launch(tile, false);
   const int blocks_per_stage = forced_blocks_per_stage ? forced_blocks_per_stage : kDefaultBlocksPerStage;
   int shape = forced_warp_groups ? 10 * forced_warp_groups + 4 / forced_warp_groups : (tile <= 32 ? 23 : 41);
   if (tile <= 32 && forced_small_cta) shape = forced_small_cta;
@@ -1168,16 +834,21 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
     tail_tile = 0;
   }
   // Every kernel is resolved before any launches, so a refused tuning override cannot leave out half written.
-  const LaunchFn main_kernel = select_kernel(tile, combine_rows, args.fp8);
-  const LaunchFn tail_kernel = tail_tile ? select_kernel(tail_tile, combine_rows, args.fp8) : nullptr;
+  // (The form's TMA needs the driver's tensor-map encoder: without it the classic kernel runs, same results.)
+  const bool ws_operands = tensor_map_encoder() != nullptr && reinterpret_cast<uintptr_t>(args.x) % 16 == 0 &&
+                           reinterpret_cast<uintptr_t>(args.w_values) % 16 == 0 &&
+                           reinterpret_cast<uintptr_t>(args.w_scales) % 16 == 0;
+  const LaunchFn main_kernel = select_kernel(tile, combine_rows, args.fp8, ws_operands);
+  const LaunchFn tail_kernel = tail_tile ? select_kernel(tail_tile, combine_rows, args.fp8, ws_operands) : nullptr;
   if (!main_kernel || (tail_tile && !tail_kernel)) return cudaErrorInvalidValue;
   // Wide last tiles (RowSplit::wide_tile): with the split on and token tile 128, on by default (EP_COMM_GEMM_WIDE_TILE=144;
   // =0 off). Measured on H200 at routed ~256 rows per expert (bench/RESULTS.md, eighteenth session): w1 3.31-3.36 vs
   // 3.44-3.45 ms, w2 1.86-1.87 vs 1.98 ms, MoE layer (world 1, graph) 5.80-5.81 vs 6.12-6.13 ms. Only the default CTA
   // shape has a 144 kernel: under a tuning override without one the wide launch is simply left out.
   static const bool wide_allowed = env_choice("EP_COMM_GEMM_WIDE_TILE", {"144", "0"}) == 0;
-  const LaunchFn wide_kernel =
-      wide_allowed && !args.fp8 && tail_tile != 0 && tile == 128 ? select_kernel(144, combine_rows, false) : nullptr;
+  const LaunchFn wide_kernel = wide_allowed && !args.fp8 && tail_tile != 0 && tile == 128
+                                   ? select_kernel(144, combine_rows, false, ws_operands)
+                                   : nullptr;
   const int wide_tile = wide_kernel ? 144 : 0;
   // sum_e ceil(count_e / tile) <= rows / tile + E bounds the tiles of any launch (segments do not overlap:
   // expert_offsets is non-decreasing).

@@ -34,9 +34,7 @@
 // items, the two taking turns at the tensor cores so that one's epilogue runs beside the other's MMAs (8-16% slower;
 // by count, its 40 KiB stages plus the wgmma reads move ~1.26x the shared-memory bytes per MMA of the 128 x 256 tile,
 // past the 128 bytes per cycle an SM has -- an estimate, not measured; fifty-third session).
-#include <cuda.h>  // (CUtensorMap and its enums only: the encoder comes from the runtime's driver entry point)
 #include <cuda_runtime.h>
-#include <cudaTypedefs.h>
 
 #include <atomic>
 #include <cstdint>
@@ -44,6 +42,7 @@
 #include "formats.h"
 #include "grouped_gemm.h"
 #include "grouped_wgrad.h"
+#include "tensor_map.h"
 #include "tma.cuh"
 #include "vec_io.cuh"
 #include "wgmma.cuh"
@@ -318,23 +317,6 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const _
 #else
   __trap();  // built for an architecture without wgmma; the launcher refuses such devices
 #endif
-}
-
-using EncodeTiled = PFN_cuTensorMapEncodeTiled_v12000;
-
-// The driver's tensor-map encoder through the runtime (no link against libcuda); null when the driver lacks it.
-EncodeTiled tensor_map_encoder() {
-  static const EncodeTiled encoder = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      return static_cast<EncodeTiled>(nullptr);
-    }
-    return reinterpret_cast<EncodeTiled>(fn);
-  }();
-  return encoder;
 }
 
 // A K-major bf16 operand [rows, k_total] (row stride ld elements) in boxes of 64 x 128, 128-byte swizzle.

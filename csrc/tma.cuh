@@ -47,6 +47,15 @@ __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) {
   }
 }
 
+// The same wait without the timeout, for code in which a trap is not allowed: ptxas (CUDA 13.0) budgets a warp whose
+// code after `setmaxnreg.inc` contains a trap at the launch's register count, not at the claimed one, and then spills
+// and serializes every wgmma (C7512). The kernel that uses it must bound the wait elsewhere (grouped_gemm_ws.cu's
+// consumers: their producer waits, with the timeout, until its consumers are done).
+__device__ __forceinline__ void wait_untimed(uint32_t bar, uint32_t parity) {
+  while (!try_wait(bar, parity)) {
+  }
+}
+
 // Tile [c1 .. c1 + box1) x [c0 .. c0 + box0) of a 2-D tensor map (c0 innermost) into shared memory at dst, completing
 // its bytes on `bar`. Elements outside the tensor are zero-filled (and counted).
 __device__ __forceinline__ void load_2d(uint32_t dst, const void* map, uint32_t bar, int32_t c0, int32_t c1) {
@@ -65,6 +74,17 @@ __device__ __forceinline__ void load_2d_multicast(uint32_t dst, const void* map,
       " [%0], [%1, {%3, %4}], [%2], %5;\n" ::"r"(dst),
       "l"(map), "r"(bar), "r"(c0), "r"(c1), "h"(cta_mask)
       : "memory");
+}
+// `bytes` contiguous bytes (a multiple of 16; both addresses 16-byte aligned) from global memory into shared memory at
+// dst, completing them on `bar` (a bulk copy, no tensor map: for operands stored in the order shared memory wants).
+__device__ __forceinline__ void load_bytes(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+// One plain arrival (release at CTA scope): publishes this thread's earlier shared-memory writes to the waiters.
+__device__ __forceinline__ void arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 // Tile [c2] x [c1 .. c1 + box1) x [c0 .. c0 + box0) of a 3-D tensor map from shared memory at src (laid out as the
 // map's swizzle says) to global memory, in this thread's bulk group; elements outside the tensor are not written. The

@@ -1187,6 +1187,132 @@ def test_kernel_tests_on_few_persistent_ctas():
     assert " passed" in run.stdout and "failed" not in run.stdout
 
 
+def _ws_cases():
+    """(name, output) of the token-tile-128 launches (and their wide tiles of 144) that the warp-specialized form
+    computes (the default; EP_COMM_GEMM_WS=0 the classic kernel), on inputs made from fixed seeds, so that a process
+    with the form and one without compute the same cases. Covers one and three k-blocks (an odd count), spare weight
+    tiles (N = 192, 320, 576: three, five and nine 64-row tiles), an odd number of weight CTAs (N = 576: three), more
+    than 32 experts, the split launches (remainders, wide tiles), the SwiGLU row amax, the combine-row
+    epilogue, and padding rows full of NaN right after each expert's rows (the warp-specialized form reads a tile's
+    rows past the count instead of zero-filling them: they must stay in their own, unstored columns)."""
+    cases = []
+    shapes = SMALL_SHAPES + [(3, 320, 192), (2, 192, 64), (2, 576, 128)]
+    for shape in shapes + [BIG_SHAPE, W2_SHAPE]:
+        for swiglu in ((False, True) if shape != W2_SHAPE else (False,)):
+            if swiglu and shape[1] % 16:
+                continue
+            x, off, cnt, packed, _, mask = _gpu_case(shape, swiglu, 16)
+            for out_dtype in (torch.float32, torch.bfloat16):
+                out = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=out_dtype, token_tile=128, impl="cuda")
+                cases.append((f"{shape} swiglu={swiglu} {out_dtype}", out))
+            single = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.float32, token_tile=128, tail_tile=0,
+                                          impl="cuda")
+            cases.append((f"{shape} swiglu={swiglu} single launch", single))
+            padded = x.values.clone()
+            padded[~mask] = float("nan")
+            x_padded = G.ExpandedRows(values=padded, row_factor=x.row_factor)
+            out = G.grouped_gemm_nvfp4(x_padded, off, cnt, packed, out_dtype=torch.float32, token_tile=128,
+                                       impl="cuda", out=torch.full_like(single, 7.0))
+            cases.append((f"{shape} swiglu={swiglu} NaN padding", out))
+            if not swiglu:  # the combine-row epilogue (MoELayer's w2): the whole target, 0xA5 outside the rows
+                for name, rows in (("combine rows", x), ("combine rows, NaN padding", x_padded)):
+                    target, areas, _, _ = _local_combine_target(mask, num_ranks=2, topk=3,
+                                                                hidden=packed.out_features,
+                                                                seed=packed.out_features + 5)
+                    G.grouped_gemm_nvfp4_combine_rows(rows, off, cnt, packed, target, token_tile=128)
+                    cases.append((f"{shape} {name}", areas.clone()))
+            if swiglu:
+                started = torch.zeros(x.num_rows, device="cuda")
+                G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.bfloat16, token_tile=128, impl="cuda",
+                                     row_amax=started)
+                cases.append((f"{shape} row amax", started))
+    n, k = 512, 512
+    offsets, rows = segments(WIDE_COUNTS, 16)
+    w = random_weights(len(WIDE_COUNTS), n, k, seed=11, device="cuda", scale_low=0x18, scale_high=0x58)
+    x = G.expand_nvfp4_rows(random_activations(rows, k, seed=12, device="cuda"))
+    off = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    cnt = torch.tensor(WIDE_COUNTS, dtype=torch.int32, device="cuda")
+    for swiglu in (False, True):
+        packed = G.pack_gemm_weights(w, swiglu=swiglu)
+        cases.append((f"wide counts swiglu={swiglu}",
+                      G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=torch.bfloat16, token_tile=128,
+                                           impl="cuda")))
+    return cases
+
+
+def _ws_save(path: str):
+    """Classic side of test_kernel_warp_specialized_is_bitwise_the_classic_kernel (EP_COMM_GEMM_WS=0): the cases, saved;
+    and no warp-specialized kernel ran."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        cases = _ws_cases()
+        torch.cuda.synchronize()
+    ran = {event.name for event in profile.events() if "grouped_gemm_nvfp4_ws_kernel" in event.name}
+    assert not ran, f"EP_COMM_GEMM_WS=0 still ran {sorted(ran)}"
+    torch.save([(name, out.cpu()) for name, out in cases], path)
+    print(f"{len(cases)} cases saved")
+
+
+def _ws_compare(path: str):
+    """Warp-specialized side of test_kernel_warp_specialized_is_bitwise_the_classic_kernel: every case bitwise the
+    saved one, and the warp-specialized kernel did run (the launcher takes the classic one where the form does not
+    apply: the kernel names in the profile tell which ran)."""
+    saved = torch.load(path)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        cases = _ws_cases()
+        torch.cuda.synchronize()
+    names = {event.name for event in profile.events() if "grouped_gemm_nvfp4_ws_kernel" in event.name}
+    # And no tile-128 / 144 launch fell back to the classic kernel (it would pass bitwise trivially).
+    classic = {event.name for event in profile.events() if "grouped_gemm_nvfp4_kernel" in event.name and
+               any(form in event.name for form in ("<128,", "<144,", "ILi128E", "ILi144E"))}
+    assert not classic, f"classic tile-128/144 kernels ran on the warp-specialized side: {sorted(classic)}"
+    # (Each instance: token tiles 128 and 144 (the wide last tiles), with the direct epilogues and with combine rows;
+    # demangled "<128, false>" or mangled "ILi128ELb0E".)
+    for tile, combine_rows in ((128, False), (128, True), (144, False), (144, True)):
+        forms = (f"<{tile}, {str(combine_rows).lower()}>", f"ILi{tile}ELb{int(combine_rows)}E")
+        assert any(form in name for name in names for form in forms), \
+            f"the warp-specialized kernel (tile {tile}, combine rows: {combine_rows}) did not run; ran: {sorted(names)}"
+    assert [name for name, _ in cases] == [name for name, _ in saved]
+    for (name, out), (_, want) in zip(cases, saved):
+        assert torch.equal(out.cpu().view(torch.uint8), want.view(torch.uint8)), name
+    print(f"{len(cases)} cases bitwise equal")
+
+
+@pytest.mark.gpu
+def test_kernel_warp_specialized_is_bitwise_the_classic_kernel(tmp_path):
+    """The warp-specialized form of token tiles 128 / 144 (the default; EP_COMM_GEMM_WS=0 selects the classic kernel,
+    read once per process: hence subprocesses) gives the classic kernel's bits on every case of _ws_cases (same work
+    items and k order per output element, same epilogue), also on few persistent CTAs (many items per CTA: the ring
+    and the item queue continue across items); and the kernel tests against the reference pass with it there."""
+    import os
+    import subprocess
+    import sys
+    # Both sides choose their kernels from the defaults and what is set here alone: no grouped-GEMM variable from the
+    # caller (a classic tuning override would keep the classic kernel on the warp-specialized side too, and
+    # EP_COMM_GEMM_WIDE_TILE=0 would leave the tile-144 instances out).
+    base_env = {name: value for name, value in os.environ.items() if not name.startswith("EP_COMM_GEMM_")}
+    path = str(tmp_path / "classic.pt")
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def child(function: str, extra: dict):
+        script = f"import sys; sys.path.insert(0, {here!r}); import test_grouped_gemm as T; T.{function}({path!r})"
+        return subprocess.run([sys.executable, "-c", script], env=dict(base_env, **extra), capture_output=True,
+                              text=True, timeout=600)
+
+    run = child("_ws_save", {"EP_COMM_GEMM_WS": "0"})
+    assert run.returncode == 0 and "cases saved" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    tests = ("kernel_vs_reference_small or inconsistent_segments or leaves_other_rows or all_experts_empty or "
+             "one_row_view or fused_expert_mlp or combine_row_epilogue")
+    for extra in ({}, {"EP_COMM_GEMM_MAX_CTAS": "3"}, {"EP_COMM_GEMM_MAX_CTAS": "5"}):
+        run = child("_ws_compare", extra)
+        assert run.returncode == 0 and "bitwise equal" in run.stdout, (extra, run.stdout[-3000:] + run.stderr[-3000:])
+        if "EP_COMM_GEMM_MAX_CTAS" not in extra:
+            continue
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
+                              tests], env=dict(base_env, **extra), capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, (extra, run.stdout[-3000:] + run.stderr[-2000:])
+        assert " passed" in run.stdout and "failed" not in run.stdout
+
+
 @pytest.mark.gpu
 def test_kernel_all_experts_empty_and_no_rows():
     x, off, _, packed, ref, _ = _gpu_case(SMALL_SHAPES[0], False, 16)
