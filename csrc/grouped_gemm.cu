@@ -722,8 +722,8 @@ LaunchFn default_shape_kernel(int tile) {
 // combine-row epilogue (out_type 2) always takes the default shape of its tile.
 //
 // Token tiles 128 and 144 of the exact mode take the warp-specialized form (grouped_gemm_ws.cu) instead of the
-// default shape: bitwise the same results, 0.88-0.97x the time (H200, bench/RESULTS.md, fifty-ninth session: w1
-// 1.445 vs 1.530-1.555 ms and w2 0.79 vs 0.89-0.90 ms at 128 rows per expert, MoE layer experts 4.63-4.78 vs
+// default shape: bitwise the same results, 0.88-0.99x the time per launch kind (H200, bench/RESULTS.md, fifty-ninth session: w1
+// 1.445-1.477 vs 1.530-1.555 ms and w2 0.79-0.81 vs 0.88-0.90 ms at 128 rows per expert, MoE layer experts 4.63-4.78 vs
 // 5.13-5.26 ms at 4096 tokens). EP_COMM_GEMM_WS=0 keeps the classic kernel (A/B and bisection); so does a classic tuning override
 // (EP_COMM_GEMM_WARPGROUPS or EP_COMM_GEMM_KBLOCKS_PER_STAGE set: those tune the classic kernel), and so do operands
 // that are not 16-byte aligned (`ws_operands`: the form's bulk copies and TMA loads need it; same results, slower).

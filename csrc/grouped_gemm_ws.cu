@@ -16,7 +16,8 @@
 // Measured on H200 against the classic kernel's default shape (bench/RESULTS.md, fifty-ninth session): w1 0.94x and
 // w2 0.88x the time at 128 rows per expert, 0.88-0.93x for the experts of the MoE layer at 4096 tokens (docs/GEMM.md
 // §4(a)). A variant with clusters of two CTAs sharing the token tile by TMA multicast measured no better overall
-// (equal at 128 rows per expert; at ~256 w1 slower, w2 and the whole MLP equal or slightly faster) and was removed.
+// (at 128 rows per expert w1 and w2 equal, combine rows and the whole MLP 2-3% slower; at ~256 w1 slower, w2 and the
+// MLP equal or slightly faster) and was removed.
 // Rows of a token tile past the expert's count are not zero-filled: the TMA reads whatever rows follow in x (zeros
 // past its end; behind a wave receive, rows of other experts that may still be landing). Such a row only feeds its own
 // output column (the token), which the epilogue never stores.
