@@ -362,14 +362,7 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
       const int k_step = kGroup * kStepsPerGroup + i;  // compile-time after unrolling
       const uint32_t w = *reinterpret_cast<const uint32_t*>(stage + G::kValuesOffset + threadIdx.x * kValueBytes +
                                                             4 * k_step);
-      // k-steps 0 / 2: (code << 7) halves; 1 / 3: (code >> 1) halves; low half for k-steps 0, 1, high for 2, 3.
-      const uint32_t s0 = (k_step % 2 == 0 ? scales_r0 << 7 : scales_r0 >> 1) & 0x7F807F80u;
-      const uint32_t s1 = (k_step % 2 == 0 ? scales_r1 << 7 : scales_r1 >> 1) & 0x7F807F80u;
-      if (k_step < 2) {
-        decode_k_step<0>(w, s0, s1, a[i]);
-      } else {
-        decode_k_step<1>(w, s0, s1, a[i]);
-      }
+      decode_scaled_k_step(w, scales_r0, scales_r1, k_step, a[i]);
     }
   };
   auto wait_stage = [&]() {
@@ -725,14 +718,14 @@ LaunchFn default_shape_kernel(int tile) {
 // default shape: bitwise the same results, 0.88-0.99x the time per launch kind (H200, bench/RESULTS.md, fifty-ninth session: w1
 // 1.445-1.477 vs 1.530-1.555 ms and w2 0.79-0.81 vs 0.88-0.90 ms at 128 rows per expert, MoE layer experts 4.63-4.78 vs
 // 5.13-5.26 ms at 4096 tokens). EP_COMM_GEMM_WS=0 keeps the classic kernel (A/B and bisection); so does a classic tuning override
-// (EP_COMM_GEMM_WARPGROUPS or EP_COMM_GEMM_KBLOCKS_PER_STAGE set: those tune the classic kernel), and so do operands
-// that are not 16-byte aligned (`ws_operands`: the form's bulk copies and TMA loads need it; same results, slower).
-LaunchFn select_kernel(int tile, bool combine_rows, bool fp8, bool ws_operands) {
+// (EP_COMM_GEMM_WARPGROUPS or EP_COMM_GEMM_KBLOCKS_PER_STAGE set: those tune the classic kernel), and so does a driver
+// without the tensor-map encoder (`tma_available` false; same results, slower).
+LaunchFn select_kernel(int tile, bool combine_rows, bool fp8, bool tma_available) {
   static const int forced_warp_groups = tuning_choice("EP_COMM_GEMM_WARPGROUPS", {"2", "4"});
   static const int forced_small_cta = tuning_choice("EP_COMM_GEMM_SMALL_CTA", {"1x4", "2x2", "2x3", "4x1"});
   static const int forced_blocks_per_stage = tuning_choice("EP_COMM_GEMM_KBLOCKS_PER_STAGE", {"1", "2"});
   static const bool warp_specialized = env_choice("EP_COMM_GEMM_WS", {"1", "0"}) == 0;
-  const bool ws_tile = warp_specialized && ws_operands && !fp8 && (tile == 128 || tile == 144);
+  const bool ws_tile = warp_specialized && tma_available && !fp8 && (tile == 128 || tile == 144);
   // The combine-row epilogue exists for the default shapes only (no tuning matrix): it ignores the tuning variables
   // (read above, once per process), so a tuning run of the bf16 kernels (or a mistyped value) leaves MoELayer's w2
   // working. (Only the test hook EP_COMM_GEMM_MAX_CTAS applies to it: launch_tile.)
@@ -806,6 +799,11 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
       (args.fp8 && args.k % (2 * kKBlock) != 0)) {
     return cudaErrorInvalidValue;
   }
+  // Both forms copy x, the codes and the scales in 16-byte pieces (cp.async; bulk copies and TMA).
+  if (reinterpret_cast<uintptr_t>(args.x) % 16 != 0 || reinterpret_cast<uintptr_t>(args.w_values) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(args.w_scales) % 16 != 0) {
+    return cudaErrorInvalidValue;
+  }
   const bool combine_rows = args.out_type == 2;
   if (combine_rows) {
     const GroupedGemmArgs::CombineRows& c = args.combine;
@@ -835,11 +833,9 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
   }
   // Every kernel is resolved before any launches, so a refused tuning override cannot leave out half written.
   // (The form's TMA needs the driver's tensor-map encoder: without it the classic kernel runs, same results.)
-  const bool ws_operands = tensor_map_encoder() != nullptr && reinterpret_cast<uintptr_t>(args.x) % 16 == 0 &&
-                           reinterpret_cast<uintptr_t>(args.w_values) % 16 == 0 &&
-                           reinterpret_cast<uintptr_t>(args.w_scales) % 16 == 0;
-  const LaunchFn main_kernel = select_kernel(tile, combine_rows, args.fp8, ws_operands);
-  const LaunchFn tail_kernel = tail_tile ? select_kernel(tail_tile, combine_rows, args.fp8, ws_operands) : nullptr;
+  const bool tma_available = tensor_map_encoder() != nullptr;
+  const LaunchFn main_kernel = select_kernel(tile, combine_rows, args.fp8, tma_available);
+  const LaunchFn tail_kernel = tail_tile ? select_kernel(tail_tile, combine_rows, args.fp8, tma_available) : nullptr;
   if (!main_kernel || (tail_tile && !tail_kernel)) return cudaErrorInvalidValue;
   // Wide last tiles (RowSplit::wide_tile): with the split on and token tile 128, on by default (EP_COMM_GEMM_WIDE_TILE=144;
   // =0 off). Measured on H200 at routed ~256 rows per expert (bench/RESULTS.md, eighteenth session): w1 3.31-3.36 vs
@@ -847,7 +843,7 @@ cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t 
   // shape has a 144 kernel: under a tuning override without one the wide launch is simply left out.
   static const bool wide_allowed = env_choice("EP_COMM_GEMM_WIDE_TILE", {"144", "0"}) == 0;
   const LaunchFn wide_kernel = wide_allowed && !args.fp8 && tail_tile != 0 && tile == 128
-                                   ? select_kernel(144, combine_rows, false, ws_operands)
+                                   ? select_kernel(144, combine_rows, false, tma_available)
                                    : nullptr;
   const int wide_tile = wide_kernel ? 144 : 0;
   // sum_e ceil(count_e / tile) <= rows / tile + E bounds the tiles of any launch (segments do not overlap:

@@ -89,8 +89,9 @@ struct GroupedGemmArgs {
   bool fp8 = false;
 };
 
-// cudaErrorInvalidValue for bad sizes; cudaErrorNotSupported when the current device is not sm_90 (the kernel
-// uses wgmma, which only sm_90a has; Blackwell needs the tcgen05 design in docs/GEMM.md).
+// cudaErrorInvalidValue for bad sizes or x / w_values / w_scales not 16-byte aligned; cudaErrorNotSupported when
+// the current device is not sm_90 (the kernel uses wgmma, which only sm_90a has; Blackwell needs the tcgen05 design
+// in docs/GEMM.md).
 cudaError_t launch_grouped_gemm_nvfp4(const GroupedGemmArgs& args, cudaStream_t stream);
 
 // Whether the current device is sm_90 (the wgmma kernels' only architecture); false when it cannot be asked.

@@ -51,6 +51,24 @@ __device__ __forceinline__ void decode_k_step(const uint32_t w, uint32_t scale_r
   out[3] = hmul2_broadcast<kHalf>(decode_pair3(w), scale_r1);
 }
 
+// The fp16 scale * 2^7 halves of k-step `k_step` (0..3, a constant after unrolling) from a row's 4-byte scale word
+// (one E4M3 code per k-step): fp16 scale * 2^7 = code << 7, so k-steps 0 and 2 are the halves of word << 7 and 1 and
+// 3 those of word >> 1 (masked); decode_k_step<0> takes the low half (k-steps 0, 1), <1> the high one (2, 3).
+__device__ __forceinline__ uint32_t k_step_scales(uint32_t scale_word, int k_step) {
+  return (k_step % 2 == 0 ? scale_word << 7 : scale_word >> 1) & 0x7F807F80u;
+}
+
+// k-step `k_step`'s A fragment from its code word w and the scale words of rows r0 and r0 + 8.
+__device__ __forceinline__ void decode_scaled_k_step(const uint32_t w, uint32_t scales_r0, uint32_t scales_r1,
+                                                     int k_step, uint32_t (&out)[4]) {
+  const uint32_t s0 = k_step_scales(scales_r0, k_step), s1 = k_step_scales(scales_r1, k_step);
+  if (k_step < 2) {
+    decode_k_step<0>(w, s0, s1, out);
+  } else {
+    decode_k_step<1>(w, s0, s1, out);
+  }
+}
+
 // A thread's A fragments of one 64-row weight tile and k-block: its 16 bytes of codes at `values` (4 k-step words)
 // and the tile's 256 scale bytes at `tile_scales` (row r at 4 r, byte s = k-step s), of which it reads rows r0 and
 // r0 + 8.
@@ -59,9 +77,10 @@ __device__ __forceinline__ void decode_a_fragments(const uint8_t* values, const 
   const uint4 words = *reinterpret_cast<const uint4*>(values);
   const uint32_t scales_r0 = *reinterpret_cast<const uint32_t*>(tile_scales + 4 * row_r0);
   const uint32_t scales_r1 = *reinterpret_cast<const uint32_t*>(tile_scales + 4 * (row_r0 + 8));
-  // fp16 scale * 2^7 = code << 7: k-steps 0 and 2 in the halves of `even`, 1 and 3 in the halves of `odd`.
-  const uint32_t even_r0 = (scales_r0 << 7) & 0x7F807F80u, odd_r0 = (scales_r0 >> 1) & 0x7F807F80u;
-  const uint32_t even_r1 = (scales_r1 << 7) & 0x7F807F80u, odd_r1 = (scales_r1 >> 1) & 0x7F807F80u;
+  // (Each row's two masked words once, for k-steps 0 / 2 and 1 / 3: written per k-step, ptxas schedules the FP8
+  // combine-row kernel of tile 32 eight instructions longer.)
+  const uint32_t even_r0 = k_step_scales(scales_r0, 0), odd_r0 = k_step_scales(scales_r0, 1);
+  const uint32_t even_r1 = k_step_scales(scales_r1, 0), odd_r1 = k_step_scales(scales_r1, 1);
   decode_k_step<0>(words.x, even_r0, even_r1, a[0]);
   decode_k_step<0>(words.y, odd_r0, odd_r1, a[1]);
   decode_k_step<1>(words.z, even_r0, even_r1, a[2]);

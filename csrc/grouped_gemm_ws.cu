@@ -236,14 +236,7 @@ __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const Wo
       for (int i = 0; i < kStepsPerGroup; ++i) {
         const int k_step = kGroup * kStepsPerGroup + i;  // compile-time after unrolling
         const uint32_t w = *reinterpret_cast<const uint32_t*>(values + 4 * k_step);
-        // k-steps 0 / 2: (code << 7) halves; 1 / 3: (code >> 1) halves; low half for k-steps 0, 1, high for 2, 3.
-        const uint32_t s0 = (k_step % 2 == 0 ? group_scales[t][0] << 7 : group_scales[t][0] >> 1) & 0x7F807F80u;
-        const uint32_t s1 = (k_step % 2 == 0 ? group_scales[t][1] << 7 : group_scales[t][1] >> 1) & 0x7F807F80u;
-        if (k_step < 2) {
-          decode_k_step<0>(w, s0, s1, (t == 0 ? a0 : a1)[i]);
-        } else {
-          decode_k_step<1>(w, s0, s1, (t == 0 ? a0 : a1)[i]);
-        }
+        decode_scaled_k_step(w, group_scales[t][0], group_scales[t][1], k_step, (t == 0 ? a0 : a1)[i]);
       }
     }
   };

@@ -1240,13 +1240,19 @@ def _ws_cases():
     return cases
 
 
-def _ws_save(path: str):
-    """Classic side of test_kernel_warp_specialized_is_bitwise_the_classic_kernel (EP_COMM_GEMM_WS=0): the cases, saved;
-    and no warp-specialized kernel ran."""
+def _profiled_ws_cases():
+    """_ws_cases, and the names of the grouped-GEMM kernels that computed them (from the profiler)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         cases = _ws_cases()
         torch.cuda.synchronize()
-    ran = {event.name for event in profile.events() if "grouped_gemm_nvfp4_ws_kernel" in event.name}
+    return cases, {event.name for event in profile.events() if "grouped_gemm_nvfp4_" in event.name}
+
+
+def _ws_save(path: str):
+    """Classic side of test_kernel_warp_specialized_is_bitwise_the_classic_kernel (EP_COMM_GEMM_WS=0): the cases, saved;
+    and no warp-specialized kernel ran."""
+    cases, ran = _profiled_ws_cases()
+    ran = {name for name in ran if "grouped_gemm_nvfp4_ws_kernel" in name}
     assert not ran, f"EP_COMM_GEMM_WS=0 still ran {sorted(ran)}"
     torch.save([(name, out.cpu()) for name, out in cases], path)
     print(f"{len(cases)} cases saved")
@@ -1257,13 +1263,11 @@ def _ws_compare(path: str):
     saved one, and the warp-specialized kernel did run (the launcher takes the classic one where the form does not
     apply: the kernel names in the profile tell which ran)."""
     saved = torch.load(path)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        cases = _ws_cases()
-        torch.cuda.synchronize()
-    names = {event.name for event in profile.events() if "grouped_gemm_nvfp4_ws_kernel" in event.name}
+    cases, ran = _profiled_ws_cases()
+    names = {name for name in ran if "grouped_gemm_nvfp4_ws_kernel" in name}
     # And no tile-128 / 144 launch fell back to the classic kernel (it would pass bitwise trivially).
-    classic = {event.name for event in profile.events() if "grouped_gemm_nvfp4_kernel" in event.name and
-               any(form in event.name for form in ("<128,", "<144,", "ILi128E", "ILi144E"))}
+    classic = {name for name in ran if "grouped_gemm_nvfp4_kernel" in name and
+               any(form in name for form in ("<128,", "<144,", "ILi128E", "ILi144E"))}
     assert not classic, f"classic tile-128/144 kernels ran on the warp-specialized side: {sorted(classic)}"
     # (Each instance: token tiles 128 and 144 (the wide last tiles), with the direct epilogues and with combine rows;
     # demangled "<128, false>" or mangled "ILi128ELb0E".)
