@@ -65,7 +65,7 @@ test_gemm() {  # defaults, then each selectable kernel variant
   test_ws
 }
 test_gemm_items() {  # every launch persistent on a few CTAs: many work items per CTA (ring continued across items)
-  say "gpu tier: grouped GEMM kernels on 3 (then classic on 3, then 5 with 1 k-block per stage) persistent CTAs"
+  say "gpu tier: grouped GEMM kernels on 3 (then classic on 3, then classic on 5 with 1 k-block per stage) persistent CTAs"
   test_gemm_variant EP_COMM_GEMM_MAX_CTAS=3
   test_gemm_variant "EP_COMM_GEMM_WS=0 EP_COMM_GEMM_MAX_CTAS=3"
   test_gemm_variant "EP_COMM_GEMM_MAX_CTAS=5 EP_COMM_GEMM_KBLOCKS_PER_STAGE=1"
@@ -272,8 +272,8 @@ test_shared_gpu() {  # one GPU: the multigpu tiers with 2 ranks on it (the multi
   shared_tier nvlink 420 tests/test_nvlink.py -k "not oracle and not timeout"
   test_shared_layer
 }
-test_shared_layer() {  # one GPU: the MoE layer, waves and reference-backend tiers with 2 ranks on it (60 tests; 54 of
-  # them took ~280 s on 2026-12-05: give it a call of its own)
+test_shared_layer() {  # one GPU: the MoE layer, waves and reference-backend tiers with 2 ranks on it (60 tests, 320 s
+  # on 2026-12-05: give it a call of its own)
   shared_tier layer 480 tests/test_moe.py tests/test_waves.py tests/test_reference_backend.py tests/test_training.py \
     -k "not gloo"
 }
@@ -387,9 +387,7 @@ bench_gemm_wide_ab() {  # wide last tiles (EP_COMM_GEMM_WIDE_TILE=144) on and of
 }
 test_ws() {  # the warp-specialized GEMM of tiles 128 / 144 (the default) bitwise the classic one (EP_COMM_GEMM_WS=0)
   say "gpu tier: grouped GEMM, warp-specialized form against the classic kernel"
-  timeout 560 python3 -m pytest -q -x tests/test_grouped_gemm.py -k warp_specialized > "$OUT/pytest_ws.txt" 2>&1
-  echo "rc $?" | tee -a "$log"
-  tail -25 "$OUT/pytest_ws.txt" | tee -a "$log"
+  pytest_tier ws 560 25 tests/test_grouped_gemm.py -k warp_specialized
 }
 test_ws_layer() {  # the classic tile-128 kernel behind a wave receive (w1 of the MoE layer) and with combine rows:
   # the waves tier with 2 ranks sharing GPU 0 and EP_COMM_GEMM_WS=0 (the default tiers run the warp-specialized form

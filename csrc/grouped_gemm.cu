@@ -47,7 +47,6 @@
 #include "grouped_gemm.h"
 #include "grouped_gemm_tiles.cuh"
 #include "pdl_launch.cuh"
-#include "s2f6_lane.cuh"
 #include "tensor_map.h"
 #include "vec_io.cuh"
 #include "wgmma.cuh"

@@ -438,15 +438,11 @@ cudaError_t launch_ws_tile(const GroupedGemmArgs& args, const RowSplit split, in
   WsParams params{};
   params.args = args;
   params.split = split;
-  // x as a [num_rows_total, k] fp16 tensor in boxes of 64 k x kTile rows, 128-byte swizzle (the wgmma B layout); rows
-  // past its end read as zeros.
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(args.k), static_cast<cuuint64_t>(args.num_rows_total)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(args.x_row_stride) * 2};
-  const cuuint32_t box[2] = {kKBlock, kTile};
-  const cuuint32_t element_strides[2] = {1, 1};
-  if (encode(&params.x_map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, const_cast<uint16_t*>(args.x), dims, strides, box,
-             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+  // x as a [num_rows_total, k] fp16 tensor in boxes of 64 k x kTile rows (the wgmma B layout); rows past its end read
+  // as zeros.
+  static_assert(kKBlock == 64, "boxes of 64 k: encode_k_major_operand");
+  if (!encode_k_major_operand(encode, &params.x_map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, args.x, args.num_rows_total,
+                              args.x_row_stride, args.k, kTile)) {
     return cudaErrorInvalidValue;
   }
   static std::atomic<uint64_t> configured{0};

@@ -322,13 +322,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgrad_bf16_kernel(const _
 // A K-major bf16 operand [rows, k_total] (row stride ld elements) in boxes of 64 x 128, 128-byte swizzle.
 bool encode_operand(EncodeTiled encode, CUtensorMap* map, const uint16_t* data, int64_t rows, int64_t ld,
                     int64_t k_total) {
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k_total), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
-  const cuuint32_t box[2] = {kBlockK, 128};
-  const cuuint32_t element_strides[2] = {1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<uint16_t*>(data), dims, strides, box,
-                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  static_assert(kBlockK == 64, "boxes of 64 k: encode_k_major_operand");
+  return encode_k_major_operand(encode, map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, data, rows, ld, k_total, 128);
 }
 
 // The output [num_experts, m_rows, n_rows] fp32 in boxes of 32 x 16 x 1 (one warp's staged chunk), 128-byte swizzle:

@@ -1191,8 +1191,7 @@ def _ws_cases():
     """(name, output) of the token-tile-128 launches (and their wide tiles of 144) that the warp-specialized form
     computes (the default; EP_COMM_GEMM_WS=0 the classic kernel), on inputs made from fixed seeds, so that a process
     with the form and one without compute the same cases. Covers one and three k-blocks (an odd count), spare weight
-    tiles (N = 192, 320, 576: three, five and nine 64-row tiles), an odd number of weight CTAs (N = 576: three), more
-    than 32 experts, the split launches (remainders, wide tiles), the SwiGLU row amax, the combine-row
+    tiles (N = 192, 320, 576: three, five and nine 64-row tiles), more than 32 experts, the split launches (remainders, wide tiles), the SwiGLU row amax, the combine-row
     epilogue, and padding rows full of NaN right after each expert's rows (the warp-specialized form reads a tile's
     rows past the count instead of zero-filling them: they must stay in their own, unstored columns)."""
     cases = []
