@@ -346,23 +346,13 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
   static_assert(!kFp8 || kGroups == 1, "FP8 mode has no wide-tile (grouped k-step) form");
   static_assert(kGroups == 1 || kGroups % 2 == 0, "group g of a k-block uses A set g % 2, the same for every k-block");
   using AGroup = uint32_t[kStepsPerGroup][4];  // one A register set
-  uint32_t group_scales_r0 = 0, group_scales_r1 = 0;
+  uint32_t group_scales[2] = {0u, 0u};  // the k-block's scale words (rows r0, r0 + 8), read at its group 0
   auto convert_group = [&](int slot, int sub, auto group_constant, AGroup& a) {
     constexpr int kGroup = decltype(group_constant)::value;
     const uint8_t* stage = smem + slot * G::kStageBytes + sub * G::kBlockBytes;
-    if (kGroup == 0) {  // the k-block's scale words, kept for its later groups
-      const uint8_t* tile_scales = stage + G::kScalesOffset + warp_group * kTileScaleBytes;
-      group_scales_r0 = *reinterpret_cast<const uint32_t*>(tile_scales + 4 * row_r0);
-      group_scales_r1 = *reinterpret_cast<const uint32_t*>(tile_scales + 4 * (row_r0 + 8));
-    }
-    const uint32_t scales_r0 = group_scales_r0, scales_r1 = group_scales_r1;
-#pragma unroll
-    for (int i = 0; i < kStepsPerGroup; ++i) {
-      const int k_step = kGroup * kStepsPerGroup + i;  // compile-time after unrolling
-      const uint32_t w = *reinterpret_cast<const uint32_t*>(stage + G::kValuesOffset + threadIdx.x * kValueBytes +
-                                                            4 * k_step);
-      decode_scaled_k_step(w, scales_r0, scales_r1, k_step, a[i]);
-    }
+    const uint8_t* tile_scales = stage + G::kScalesOffset + warp_group * kTileScaleBytes;
+    decode_k_step_group<kStepsPerGroup, kGroup>(stage + G::kValuesOffset + threadIdx.x * kValueBytes, tile_scales,
+                                                row_r0, group_scales, a);
   };
   auto wait_stage = [&]() {
     wgmma::fence_proxy_async_shared();  // this thread's landed copies, visible to wgmma's async proxy
@@ -638,28 +628,19 @@ cudaError_t launch_tile(const GroupedGemmArgs& args, const RowSplit split, int64
   // the small-tile shapes unless K is short (below). Same-call A/B on H200 against one CTA per item (bench/RESULTS.md,
   // eighth session): 128 rows per expert -2% (w1 + w2), MoE layer at 4096 tokens -1.7%; 16 rows per expert +3% if
   // persistent too (before the next-item prefetch of the ninth session).
-  const int max_ctas = max_ctas_override();
-  if (max_ctas < 0) return cudaErrorInvalidValue;
   const bool waves = args.wave.area != nullptr;
   // The small-tile shapes too when K is short: an item of K <= 2048 (w2) is too short to amortize a CTA's launch and
   // pipeline fill, which the persistent CTAs' next-item prefetch hides. Measured on H200 (bench/RESULTS.md,
   // sixteenth session; 16 / 32 rows per expert): w2 (K = 2048) 0.44 -> 0.40 and 0.53 -> 0.47 ms persistent, w1
   // (K = 7168) 0.68 -> 0.71 and 0.78 -> 0.82 ms (the block scheduler's dynamic placement wins there).
   constexpr int64_t kPersistentSmallTileMaxK = 2048;
-  const bool persistent = kCtasPerSm == 1 || split.part >= 2 || max_ctas > 0 || waves ||
+  const bool persistent = kCtasPerSm == 1 || split.part >= 2 || max_ctas_override() > 0 || waves ||
                           args.k <= kPersistentSmallTileMaxK;
   const int64_t weight_ctas = (args.n / kTileRows + kWarpGroups - 1) / kWarpGroups;
-  const int64_t items = weight_ctas * tile_slots;
-  int64_t grid = items;
-  if (persistent) {
-    const cudaError_t occupancy = resident_grid(kernel, G::kThreads, items, &grid, G::kSmemBytes);
-    if (occupancy != cudaSuccess) return occupancy;
-    if (max_ctas > 0 && grid > max_ctas) grid = max_ctas;
-  }
-  if (grid == 0) return cudaSuccess;
-  // Item indices are ints: the last one a CTA computes before stopping is below items + grid (one CTA per item:
-  // the first item only).
-  if (items + (persistent ? grid : 0) > INT32_MAX) return cudaErrorInvalidValue;
+  int64_t grid = 0;
+  const cudaError_t sized = work_item_grid(kernel, G::kThreads, G::kSmemBytes, weight_ctas * tile_slots, persistent,
+                                           &grid);
+  if (sized != cudaSuccess || grid == 0) return sized;
   // Waves: the programmatic dependent of the dispatch receive launched just before on this stream (waves.h);
   // overlapped parts 3 and 2: of the part launched before (RowSplit::overlap).
   const bool programmatic = waves || split.is_dependent();
@@ -684,11 +665,14 @@ int tuning_choice(const char* name, std::initializer_list<const char*> allowed) 
   return -1;
 }
 
-// The default CTA shape of each token tile, for the kernels that take no tuning override (the combine-row epilogue and
-// the FP8 mode): 2 warpgroups x 3 CTAs per SM for tiles 16 / 32, 4 x 1 for 64 / 128 and the exact mode's wide tile 144
-// (the FP8 mode has none: nullptr, as for any other tile).
+// The default kernel of each token tile: 2 warpgroups x 3 CTAs per SM for tiles 16 / 32, 4 x 1 for 64 / 128 and the
+// exact mode's wide tile 144 (the FP8 mode has none: nullptr, as for any other tile); the warp-specialized form
+// (grouped_gemm_ws.cu) instead for the exact mode's tiles 128 and 144 when `warp_specialized`.
 template <bool kCombineRows, bool kFp8>
-LaunchFn default_shape_kernel(int tile) {
+LaunchFn default_kernel(int tile, bool warp_specialized) {
+  if constexpr (!kFp8) {
+    if (warp_specialized && (tile == 128 || tile == 144)) return warp_specialized_launch(tile, kCombineRows);
+  }
   constexpr int kBlocks = kFp8 ? 2 : kDefaultBlocksPerStage;  // an FP8 stage holds two k-blocks (Geometry)
   switch (tile) {
     case 16: return launch_tile<16, 2, 3, kBlocks, kCombineRows, kFp8>;
@@ -702,8 +686,8 @@ LaunchFn default_shape_kernel(int tile) {
   }
 }
 
-// The kernel for one launch of a token tile, with the CTA shape chosen for it, or nullptr when a tuning override
-// names a shape without a compiled kernel. Warpgroups per CTA: 4 (256 weight rows, one CTA per SM, each token tile
+// The kernel for one launch of a token tile, or nullptr when a tuning override names a shape without a compiled
+// kernel. Warpgroups per CTA: 4 (256 weight rows, one CTA per SM, each token tile
 // read from L2 half as often) for token tiles of 64 and 128, where the MMA dominates; 2 with three CTAs per SM for
 // 16 and 32, where the weight conversion dominates (issue-bound: ncu shows ~80% of issue slots busy at 16 rows per
 // expert) and more resident warps hide its latencies. Measured on H200 (bench/RESULTS.md): 4 warpgroups are 1.3x
@@ -711,7 +695,7 @@ LaunchFn default_shape_kernel(int tile) {
 // overrides (other values are refused): EP_COMM_GEMM_WARPGROUPS=2|4 for every tile (as many CTAs per SM as fit:
 // 4 / warpgroups, one k-block per stage); EP_COMM_GEMM_SMALL_CTA=1x4|2x2|2x3|4x1 (warpgroups x CTAs per SM) for the
 // token tiles 16 and 32; EP_COMM_GEMM_KBLOCKS_PER_STAGE=1|2 (pipeline stage size) for the default shapes. The
-// combine-row epilogue (out_type 2) always takes the default shape of its tile.
+// combine-row epilogue (out_type 2) always takes the default kernel of its tile.
 //
 // Token tiles 128 and 144 of the exact mode take the warp-specialized form (grouped_gemm_ws.cu) instead of the
 // default shape: bitwise the same results, 0.88-0.99x the time per launch kind (H200, bench/RESULTS.md, fifty-ninth session: w1
@@ -723,20 +707,20 @@ LaunchFn select_kernel(int tile, bool combine_rows, bool fp8, bool tma_available
   static const int forced_warp_groups = tuning_choice("EP_COMM_GEMM_WARPGROUPS", {"2", "4"});
   static const int forced_small_cta = tuning_choice("EP_COMM_GEMM_SMALL_CTA", {"1x4", "2x2", "2x3", "4x1"});
   static const int forced_blocks_per_stage = tuning_choice("EP_COMM_GEMM_KBLOCKS_PER_STAGE", {"1", "2"});
-  static const bool warp_specialized = env_choice("EP_COMM_GEMM_WS", {"1", "0"}) == 0;
-  const bool ws_tile = warp_specialized && tma_available && !fp8 && (tile == 128 || tile == 144);
-  // The combine-row epilogue exists for the default shapes only (no tuning matrix): it ignores the tuning variables
+  static const bool form_allowed = env_choice("EP_COMM_GEMM_WS", {"1", "0"}) == 0;
+  const bool warp_specialized = form_allowed && tma_available;
+  // The combine-row epilogue exists for the default kernels only (no tuning matrix): it ignores the tuning variables
   // (read above, once per process), so a tuning run of the bf16 kernels (or a mistyped value) leaves MoELayer's w2
-  // working. (Only the test hook EP_COMM_GEMM_MAX_CTAS applies to it: launch_tile.)
+  // working. (Only the test hook EP_COMM_GEMM_MAX_CTAS applies to it: work_item_grid.)
   if (combine_rows) {
-    if (ws_tile) return warp_specialized_launch(tile, true);
-    return fp8 ? default_shape_kernel<true, true>(tile) : default_shape_kernel<true, false>(tile);
+    return fp8 ? default_kernel<true, true>(tile, false) : default_kernel<true, false>(tile, warp_specialized);
   }
   if (forced_warp_groups < 0 || forced_small_cta < 0 || forced_blocks_per_stage < 0) return nullptr;
   // The inexact FP8 mode's direct epilogues: the default shapes only too. The tuning variables do not apply to it (a
   // malformed one is still refused, above); neither does EP_COMM_GEMM_WIDE_TILE.
-  if (fp8) return default_shape_kernel<false, true>(tile);
-  if (ws_tile && forced_warp_groups == 0 && forced_blocks_per_stage == 0) return warp_specialized_launch(tile, false);
+  if (fp8) return default_kernel<false, true>(tile, false);
+  const bool tuned = forced_warp_groups != 0 || forced_blocks_per_stage != 0 || (tile <= 32 && forced_small_cta != 0);
+  if (!tuned) return default_kernel<false, false>(tile, warp_specialized);
   const int blocks_per_stage = forced_blocks_per_stage ? forced_blocks_per_stage : kDefaultBlocksPerStage;
   int shape = forced_warp_groups ? 10 * forced_warp_groups + 4 / forced_warp_groups : (tile <= 32 ? 23 : 41);
   if (tile <= 32 && forced_small_cta) shape = forced_small_cta;

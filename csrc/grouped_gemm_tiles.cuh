@@ -10,11 +10,13 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdint>
 #include <type_traits>
 
 #include "grouped_gemm.h"
 #include "s2f6_lane.cuh"
+#include "vec_io.cuh"
 #include "wgmma.cuh"
 
 namespace ep_comm {
@@ -66,6 +68,26 @@ __device__ __forceinline__ void decode_scaled_k_step(const uint32_t w, uint32_t 
     decode_k_step<0>(w, s0, s1, out);
   } else {
     decode_k_step<1>(w, s0, s1, out);
+  }
+}
+
+// Group kGroup (kStepsPerGroup k-steps: k-steps kGroup * kStepsPerGroup ..) of a thread's A fragments of one 64-row
+// weight tile and k-block, for the kernels that decode a k-block in groups (the classic kernel's wide tile, the
+// warp-specialized form): `values` is the thread's 16 bytes of codes (4 k-step words), `tile_scales` the tile's 256
+// scale bytes (row r at 4 r). Group 0 reads rows r0's and r0 + 8's scale words into `scale_words`, which the caller
+// keeps for the k-block's later groups.
+template <int kStepsPerGroup, int kGroup>
+__device__ __forceinline__ void decode_k_step_group(const uint8_t* values, const uint8_t* tile_scales, int row_r0,
+                                                    uint32_t (&scale_words)[2], uint32_t (&a)[kStepsPerGroup][4]) {
+  if (kGroup == 0) {
+    scale_words[0] = *reinterpret_cast<const uint32_t*>(tile_scales + 4 * row_r0);
+    scale_words[1] = *reinterpret_cast<const uint32_t*>(tile_scales + 4 * (row_r0 + 8));
+  }
+#pragma unroll
+  for (int i = 0; i < kStepsPerGroup; ++i) {
+    const int k_step = kGroup * kStepsPerGroup + i;  // compile-time after unrolling
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(values + 4 * k_step);
+    decode_scaled_k_step(w, scale_words[0], scale_words[1], k_step, a[i]);
   }
 }
 
@@ -457,6 +479,24 @@ using LaunchFn = cudaError_t (*)(const GroupedGemmArgs&, RowSplit, int64_t, cuda
 
 // Test hook EP_COMM_GEMM_MAX_CTAS (grouped_gemm.cu): the cap on any launch's CTAs, 0 for none, -1 for a bad value.
 int max_ctas_override();
+
+// The grid of a launch over `items` work items, for both kernel forms: one CTA per item, or (persistent) as many as are
+// resident at once (at `threads` per CTA and `smem_bytes` of dynamic shared memory), capped by the test hook; 0 when
+// there are no items. Refuses a malformed hook, and launches whose item indices would overflow an int: the last index
+// a CTA computes before stopping is below items + grid (persistent), or is its first item.
+template <typename Kernel>
+cudaError_t work_item_grid(Kernel kernel, int threads, size_t smem_bytes, int64_t items, bool persistent,
+                           int64_t* grid) {
+  const int max_ctas = max_ctas_override();
+  if (max_ctas < 0) return cudaErrorInvalidValue;
+  *grid = items;
+  if (persistent) {
+    const cudaError_t occupancy = resident_grid(kernel, threads, items, grid, smem_bytes);
+    if (occupancy != cudaSuccess) return occupancy;
+    if (max_ctas > 0 && *grid > max_ctas) *grid = max_ctas;
+  }
+  return items + (persistent ? *grid : 0) > INT32_MAX ? cudaErrorInvalidValue : cudaSuccess;
+}
 
 // The warp-specialized form's launch for token tile 128 or 144 (grouped_gemm_ws.cu), or nullptr for other tiles.
 LaunchFn warp_specialized_launch(int tile, bool combine_rows);

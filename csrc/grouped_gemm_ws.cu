@@ -227,17 +227,8 @@ __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const Wo
       const int j = 2 * consumer + t;
       const uint8_t* values =
           stage + (j * ws::kBlocksPerStage + sub) * ws::kTileValueBytes + thread_in_group * kValueBytes;
-      if (kGroup == 0) {
-        const uint8_t* scales = stage + ws::kScalesOffset + (j * ws::kBlocksPerStage + sub) * kTileScaleBytes;
-        group_scales[t][0] = *reinterpret_cast<const uint32_t*>(scales + 4 * row_r0);
-        group_scales[t][1] = *reinterpret_cast<const uint32_t*>(scales + 4 * (row_r0 + 8));
-      }
-#pragma unroll
-      for (int i = 0; i < kStepsPerGroup; ++i) {
-        const int k_step = kGroup * kStepsPerGroup + i;  // compile-time after unrolling
-        const uint32_t w = *reinterpret_cast<const uint32_t*>(values + 4 * k_step);
-        decode_scaled_k_step(w, group_scales[t][0], group_scales[t][1], k_step, (t == 0 ? a0 : a1)[i]);
-      }
+      const uint8_t* scales = stage + ws::kScalesOffset + (j * ws::kBlocksPerStage + sub) * kTileScaleBytes;
+      decode_k_step_group<kStepsPerGroup, kGroup>(values, scales, row_r0, group_scales[t], t == 0 ? a0 : a1);
     }
   };
   while (true) {
@@ -450,17 +441,10 @@ cudaError_t launch_ws_tile(const GroupedGemmArgs& args, const RowSplit split, in
     return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kSmemBytes);
   });
   if (status != cudaSuccess) return status;
-  const int max_ctas = max_ctas_override();
-  if (max_ctas < 0) return cudaErrorInvalidValue;
   const int64_t weight_ctas = (args.n / kTileRows + ws::kWeightTiles - 1) / ws::kWeightTiles;
-  const int64_t items = weight_ctas * tile_slots;
   int64_t grid = 0;
-  status = resident_grid(kernel, ws::kThreads, items, &grid, G::kSmemBytes);
-  if (status != cudaSuccess) return status;
-  if (max_ctas > 0 && grid > max_ctas) grid = max_ctas;
-  if (grid == 0) return cudaSuccess;
-  // Item indices are ints: the last one a CTA computes before stopping is below items + grid.
-  if (items + grid > INT32_MAX) return cudaErrorInvalidValue;
+  status = work_item_grid(kernel, ws::kThreads, G::kSmemBytes, weight_ctas * tile_slots, true, &grid);
+  if (status != cudaSuccess || grid == 0) return status;
   // Waves: the programmatic dependent of the dispatch receive launched just before on this stream (waves.h);
   // overlapped parts 3 and 2: of the part launched before (RowSplit::overlap).
   const bool programmatic = args.wave.area != nullptr || split.is_dependent();

@@ -1102,6 +1102,18 @@ def test_kernel_counts_just_past_multiples_of_128(swiglu, out_dtype):
     assert torch.equal(got[:, target.scale_offset:target.scale_offset + n // 32], want.scales.view(torch.uint8))
 
 
+def _pytest_in_subprocess(test_file: str, selection: str, env: dict, timeout: int = 600):
+    """Runs the tests of `test_file` that `selection` (a pytest -k expression) picks in a fresh interpreter with the
+    environment `env` (the grouped-GEMM variables are read once per process), and asserts that some ran and all
+    passed."""
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file, "-k",
+                          selection], env=env, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, (selection, run.stdout[-3000:] + run.stderr[-2000:])
+    assert " passed" in run.stdout and "failed" not in run.stdout, run.stdout[-3000:]
+
+
 @pytest.mark.gpu
 def test_kernel_wide_tiles():
     """The split-launch tests under each EP_COMM_GEMM_WIDE_TILE setting (read once per process: hence a subprocess):
@@ -1109,16 +1121,10 @@ def test_kernel_wide_tiles():
     is computed whole by a token-tile-144 launch, bitwise the single tile-128 launch -- and 0 (off: tile-32 remainders
     only)."""
     import os
-    import subprocess
-    import sys
     tests = ("small_remainders or just_past_multiples or combine_row_epilogue_matches or fused_expert_mlp")
     for extra in ({"EP_COMM_GEMM_WIDE_TILE": "144"}, {"EP_COMM_GEMM_WIDE_TILE": "144", "EP_COMM_GEMM_MAX_CTAS": "3"},
                   {"EP_COMM_GEMM_WIDE_TILE": "0"}):
-        env = dict(os.environ, **extra)
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
-                              tests], env=env, capture_output=True, text=True, timeout=900)
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-        assert " passed" in run.stdout and "failed" not in run.stdout
+        _pytest_in_subprocess(__file__, tests, dict(os.environ, **extra), timeout=900)
 
 
 @pytest.mark.gpu
@@ -1168,23 +1174,16 @@ def test_kernel_swiglu_row_amax(shape, token_tile, out_dtype):
 def test_kernel_tests_on_few_persistent_ctas():
     """The kernel tests again with every launch persistent on 2 CTAs (EP_COMM_GEMM_MAX_CTAS, read once per process:
     hence a subprocess), so each CTA runs many work items: next-item prefetch, odd k-block counts at item
-    boundaries, the scan cursor resuming, the combine-row path's per-item refill."""
+    boundaries, the scan cursor resuming, the combine-row path's per-item refill; the segment edge cases too (empty
+    experts, inconsistent segments, rows left untouched, a one-row view)."""
     import os
-    import subprocess
-    import sys
     env = dict(os.environ, EP_COMM_GEMM_MAX_CTAS="2")
     tests = ("kernel_vs_reference_small or small_remainders or swiglu_row_amax or combine_row_epilogue_matches "
-             "or fused_expert_mlp")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", tests],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout
+             "or fused_expert_mlp or inconsistent_segments or leaves_other_rows or all_experts_empty or one_row_view")
+    _pytest_in_subprocess(__file__, tests, env)
     # The FP8 mode's kernels the same way (their items, stages and prefetch differ from the fp16 ones).
     fp8_file = os.path.join(os.path.dirname(__file__), "test_grouped_gemm_fp8.py")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", fp8_file, "-k",
-                          "kernel or fused_expert_mlp"], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout
+    _pytest_in_subprocess(fp8_file, "kernel or fused_expert_mlp", env)
 
 
 def _ws_cases():
@@ -1285,7 +1284,7 @@ def test_kernel_warp_specialized_is_bitwise_the_classic_kernel(tmp_path):
     """The warp-specialized form of token tiles 128 / 144 (the default; EP_COMM_GEMM_WS=0 selects the classic kernel,
     read once per process: hence subprocesses) gives the classic kernel's bits on every case of _ws_cases (same work
     items and k order per output element, same epilogue), also on few persistent CTAs (many items per CTA: the ring
-    and the item queue continue across items); and the kernel tests against the reference pass with it there."""
+    and the item queue continue across items)."""
     import os
     import subprocess
     import sys
@@ -1303,17 +1302,11 @@ def test_kernel_warp_specialized_is_bitwise_the_classic_kernel(tmp_path):
 
     run = child("_ws_save", {"EP_COMM_GEMM_WS": "0"})
     assert run.returncode == 0 and "cases saved" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
-    tests = ("kernel_vs_reference_small or inconsistent_segments or leaves_other_rows or all_experts_empty or "
-             "one_row_view or fused_expert_mlp or combine_row_epilogue")
-    for extra in ({}, {"EP_COMM_GEMM_MAX_CTAS": "3"}, {"EP_COMM_GEMM_MAX_CTAS": "5"}):
+    # (The kernel tests against the reference run with the form on few persistent CTAs in
+    # test_kernel_tests_on_few_persistent_ctas.)
+    for extra in ({}, {"EP_COMM_GEMM_MAX_CTAS": "3"}):
         run = child("_ws_compare", extra)
         assert run.returncode == 0 and "bitwise equal" in run.stdout, (extra, run.stdout[-3000:] + run.stderr[-3000:])
-        if "EP_COMM_GEMM_MAX_CTAS" not in extra:
-            continue
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
-                              tests], env=dict(base_env, **extra), capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, (extra, run.stdout[-3000:] + run.stderr[-2000:])
-        assert " passed" in run.stdout and "failed" not in run.stdout
 
 
 @pytest.mark.gpu
