@@ -121,6 +121,8 @@ __device__ __forceinline__ void ws_produce(const WsParams& p, TileCursor& cursor
     wave::wait_layout(args.wave, wave_epoch);
   }
   if (lane == 0) tma::prefetch_map(&p.x_map);
+  // Lane 0 issues every load and reads these; the other lanes take part in scan_tiles only, but keep them in step (an
+  // add per item; dropping it changed the compiled kernels, which were timed with it).
   uint32_t flat = 0;  // stages issued so far (ring slot flat % kStages, pass flat / kStages)
   int seq = 0;        // items started
   // (The launcher bounds items + CTAs < 2^31.) Item = token tile slot * weight CTAs + weight CTA, as in the classic
@@ -192,11 +194,12 @@ __device__ __forceinline__ void ws_produce(const WsParams& p, TileCursor& cursor
 // have no timeout (tma::wait_untimed: a trap here would cost every wgmma its registers); each warp arrives on
 // `done_bar` when it leaves, and the producer waits for that with the timeout, so a barrier that never completes traps
 // there instead of hanging.
-// `smem` is the ring's generic address, `ring` its shared-window address.
+// `smem` is the ring's generic address (the combine-row staging area lies past the ring), `ring` its shared-window
+// address.
 template <int kTile, bool kCombineRows>
 __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const WorkItem* items,
                                            float (*tile_factors)[kTile], uint64_t (*tile_destinations)[kTile],
-                                           const uint8_t* smem, uint32_t ring, uint32_t full_bars,
+                                           uint8_t* smem, uint32_t ring, uint32_t full_bars,
                                            uint32_t empty_bars, uint32_t done_bar) {
   using G = WsGeometry<kTile, kCombineRows>;
   constexpr int kStages = G::kStages;
@@ -333,8 +336,7 @@ __device__ __forceinline__ void ws_consume(const GroupedGemmArgs& args, const Wo
     if constexpr (kCombineRows) {
       // The combine-row epilogue of the classic kernel, over the 256 columns of both consumers (4 tiles of 64, the
       // spare ones staged and not stored) and the 8 consumer warps, through the staging area past the ring.
-      __nv_bfloat16* staging = reinterpret_cast<__nv_bfloat16*>(
-          const_cast<uint8_t*>(smem) + G::kStagingOffset);
+      __nv_bfloat16* staging = reinterpret_cast<__nv_bfloat16*>(smem + G::kStagingOffset);
       const int column = 16 * (thread_in_group / 32) + 2 * (lane / 4);
       constexpr int kStaged = G::kStagedTokens;
       auto stage_and_send = [&](auto first_constant) {  // tokens kFirst .. kFirst + kStaged - 1
@@ -369,7 +371,7 @@ __global__ void __launch_bounds__(ws::kThreads, 1) grouped_gemm_nvfp4_ws_kernel(
 #if EP_COMM_HAS_WGMMA
   constexpr int kStages = WsGeometry<kTile, kCombineRows>::kStages;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  const uint8_t* smem = smem_raw + ((1024 - (cp_async::smem_address(smem_raw) & 1023)) & 1023);
+  uint8_t* smem = smem_raw + ((1024 - (cp_async::smem_address(smem_raw) & 1023)) & 1023);
   const uint32_t ring = cp_async::smem_address(smem);
   __shared__ __align__(8) uint64_t full_barriers[kStages];
   __shared__ __align__(8) uint64_t empty_barriers[kStages];

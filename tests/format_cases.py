@@ -180,7 +180,7 @@ def four_over_six_amax_cases(x: torch.Tensor, g: torch.Generator):
 
 
 def sr_fast_path_limit_blocks() -> torch.Tensor:
-    """MXFP8 blocks at the limits of the kernels' fast SR form (sr_e4m3_fast / sr_fast_block_ok, quant_math.cuh),
+    """MXFP8 blocks at the limits of the kernels' fast SR form (sr_e4m3_fast / sr_fast_block_ok, qm_mxfp8_sr.cuh),
     one per row of 32: scale byte 156 (the last fast one) and 157, the one finite amax whose block needs the clamp
     (0x1.c00002p-119), fp32-subnormal inputs, values that scale into the E4M3 subnormal range or below 2^-126,
     zeros of both signs, and Inf / NaN blocks (general form)."""

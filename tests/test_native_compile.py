@@ -1,5 +1,5 @@
-"""Compile-only checks of the Blackwell-native conversions in csrc/quant_math.cuh (CUTLASS's compile-only tier: they
-cannot run on our sm_90 GPUs). The extension's build compiles the default native form for sm_100a (e2m1x2); the
+"""Compile-only checks of the Blackwell-native conversions in csrc/qm_element_formats.cuh (CUTLASS's compile-only tier:
+they cannot run on our sm_90 GPUs). The extension's build compiles the default native form for sm_100a (e2m1x2); the
 opt-in forms (EP_COMM_NATIVE_UE8M0: ue8m0x2, EP_COMM_NATIVE_S2F6: s2f6x2, PTX ISA 9.1 = CUDA >= 13.1) are compiled
 by no build, so this test compiles a small kernel with them on and checks that nvcc and ptxas accept them and that the
 native instructions, and only there, replace the software forms. Needs the CUDA toolkit setup.py finds
@@ -78,7 +78,7 @@ def test_opt_in_native_conversions_compile_for_sm100a(tmp_path):
     opt_in = _compile(nvcc, tmp_path, "100a", ("EP_COMM_NATIVE_UE8M0", "EP_COMM_NATIVE_S2F6"), "sm100a_opt_in")
     assert E2M1 in opt_in and UE8M0 in opt_in, "EP_COMM_NATIVE_UE8M0 on sm_100a: the native ue8m0x2"
     # s2f6x2 needs PTX ISA 9.1 (CUDA 13.1): older toolkits keep the software form under the opt-in (the guard in
-    # quant_math.cuh), newer ones must emit it.
+    # qm_arith.cuh), newer ones must emit it.
     assert (S2F6 in opt_in) == (version >= (13, 1)), (version, "s2f6x2 present" if S2F6 in opt_in else "absent")
     forced_soft = _compile(nvcc, tmp_path, "100a", ("EP_COMM_NATIVE_UE8M0", "EP_COMM_NATIVE_S2F6",
                                                    "EP_COMM_NO_NATIVE_CVT"), "sm100a_forced_soft")
