@@ -50,8 +50,9 @@ test_gemm_fp8() {  # the inexact FP8 mode: its CPU and GPU tests; each kernel ca
   grep -E "relative L2" "$OUT/pytest_gemm_fp8.txt" | awk '{print $NF, $0}' | sort -g | tail -4 | tee -a "$log"
 }
 test_gemm_variant() {  # $1 = "VAR=value [VAR=value]": the grouped GEMM kernel tests with those variants forced; not
-  # the tests that start pytest again under variables of their own (few persistent CTAs, wide tiles): the default tier
-  # runs them, and under a variant they would mostly repeat it
+  # the tests that start pytest again under variables of their own (few persistent CTAs, wide tiles: the default tier
+  # runs them), whose nested runs (up to 600-900 s each) do not fit a variant's 100 s; test_gemm_items runs the kernel
+  # tests on few persistent CTAs under the classic kernel too
   echo "$1:" | tee -a "$log"
   env $1 timeout 100 python3 -m pytest -q -x tests/test_grouped_gemm.py \
     -k "kernel and not warp_specialized and not few_persistent_ctas and not wide_tiles" 2>&1 | tail -1 | tee -a "$log"

@@ -548,12 +548,12 @@ __device__ __forceinline__ void gemm_items(const GroupedGemmArgs& args, const Ro
 
 // Work items: item = tile slot * weight CTAs + weight CTA (weight CTAs fastest, so the CTAs running at one time share
 // a few token tiles in L2). `persistent`: each CTA walks the items blockIdx.x, blockIdx.x + gridDim.x, ... until the
-// slot is past the last tile, on a grid of what fits on the GPU at once (launch_tile), so that a launch sized for
+// slot is past the last tile, on a grid of what fits on the GPU at once (work_item_grid), so that a launch sized for
 // the worst case (rows / tile + experts slots, without reading the counts on the host) pays neither a CTA launch
 // nor a scan for every empty slot, and each CTA reads the expert counts once (TileCursor). Otherwise one item per
 // CTA on a grid of every slot (measured faster for the 2-warpgroup, 3-CTA/SM shapes of the small token tiles when K
-// is long: launch_tile). With
-// waves (persistent too) CTAs take items from the wave work counter, so late CTAs take fewer (waves.h).
+// is long: launch_tile). With waves (persistent too) CTAs take items from the wave work counter, so late CTAs take
+// fewer (waves.h).
 template <int kTile, int kWarpGroups, int kCtasPerSm, int kBlocksPerStage, bool kCombineRows, bool kFp8>
 __global__ void __launch_bounds__(kWarpGroups * 128, kCtasPerSm)
     grouped_gemm_nvfp4_kernel(const GroupedGemmArgs args, const RowSplit split, const bool persistent) {
@@ -687,8 +687,8 @@ LaunchFn default_kernel(int tile, bool warp_specialized) {
 }
 
 // The kernel for one launch of a token tile, or nullptr when a tuning override names a shape without a compiled
-// kernel. Warpgroups per CTA: 4 (256 weight rows, one CTA per SM, each token tile
-// read from L2 half as often) for token tiles of 64 and 128, where the MMA dominates; 2 with three CTAs per SM for
+// kernel. Warpgroups per CTA: 4 (256 weight rows, one CTA per SM, each token tile read from L2 half as often) for
+// token tiles of 64 and 128, where the MMA dominates; 2 with three CTAs per SM for
 // 16 and 32, where the weight conversion dominates (issue-bound: ncu shows ~80% of issue slots busy at 16 rows per
 // expert) and more resident warps hide its latencies. Measured on H200 (bench/RESULTS.md): 4 warpgroups are 1.3x
 // faster at 128 rows per expert; at 16 rows 2x3 is 1.09x faster than 2x2 and 1.02x faster than 1x4. Tuning
@@ -698,11 +698,11 @@ LaunchFn default_kernel(int tile, bool warp_specialized) {
 // combine-row epilogue (out_type 2) always takes the default kernel of its tile.
 //
 // Token tiles 128 and 144 of the exact mode take the warp-specialized form (grouped_gemm_ws.cu) instead of the
-// default shape: bitwise the same results, 0.88-0.99x the time per launch kind (H200, bench/RESULTS.md, fifty-ninth session: w1
-// 1.445-1.477 vs 1.530-1.555 ms and w2 0.79-0.81 vs 0.88-0.90 ms at 128 rows per expert, MoE layer experts 4.63-4.78 vs
-// 5.13-5.26 ms at 4096 tokens). EP_COMM_GEMM_WS=0 keeps the classic kernel (A/B and bisection); so does a classic tuning override
-// (EP_COMM_GEMM_WARPGROUPS or EP_COMM_GEMM_KBLOCKS_PER_STAGE set: those tune the classic kernel), and so does a driver
-// without the tensor-map encoder (`tma_available` false; same results, slower).
+// default shape: bitwise the same results, 0.88-0.99x the time per launch kind (H200, bench/RESULTS.md, fifty-ninth
+// session: w1 1.445-1.477 vs 1.530-1.555 ms and w2 0.79-0.81 vs 0.88-0.90 ms at 128 rows per expert, MoE layer
+// experts 4.63-4.78 vs 5.13-5.26 ms at 4096 tokens). EP_COMM_GEMM_WS=0 keeps the classic kernel (A/B and bisection);
+// so does a classic tuning override (EP_COMM_GEMM_WARPGROUPS or EP_COMM_GEMM_KBLOCKS_PER_STAGE set: those tune the
+// classic kernel), and so does a driver without the tensor-map encoder (`tma_available` false; same results, slower).
 LaunchFn select_kernel(int tile, bool combine_rows, bool fp8, bool tma_available) {
   static const int forced_warp_groups = tuning_choice("EP_COMM_GEMM_WARPGROUPS", {"2", "4"});
   static const int forced_small_cta = tuning_choice("EP_COMM_GEMM_SMALL_CTA", {"1x4", "2x2", "2x3", "4x1"});
@@ -711,7 +711,7 @@ LaunchFn select_kernel(int tile, bool combine_rows, bool fp8, bool tma_available
   const bool warp_specialized = form_allowed && tma_available;
   // The combine-row epilogue exists for the default kernels only (no tuning matrix): it ignores the tuning variables
   // (read above, once per process), so a tuning run of the bf16 kernels (or a mistyped value) leaves MoELayer's w2
-  // working. (Only the test hook EP_COMM_GEMM_MAX_CTAS applies to it: work_item_grid.)
+  // working. (Only the test hook EP_COMM_GEMM_MAX_CTAS applies to it: launch_tile, work_item_grid.)
   if (combine_rows) {
     return fp8 ? default_kernel<true, true>(tile, false) : default_kernel<true, false>(tile, warp_specialized);
   }

@@ -10,7 +10,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <climits>
 #include <cstdint>
 #include <type_traits>
 
@@ -79,7 +78,8 @@ __device__ __forceinline__ void decode_scaled_k_step(const uint32_t w, uint32_t 
 template <int kStepsPerGroup, int kGroup>
 __device__ __forceinline__ void decode_k_step_group(const uint8_t* values, const uint8_t* tile_scales, int row_r0,
                                                     uint32_t (&scale_words)[2], uint32_t (&a)[kStepsPerGroup][4]) {
-  if (kGroup == 0) {
+  static_assert((kGroup + 1) * kStepsPerGroup <= 4, "a k-block has 4 k-steps");
+  if constexpr (kGroup == 0) {
     scale_words[0] = *reinterpret_cast<const uint32_t*>(tile_scales + 4 * row_r0);
     scale_words[1] = *reinterpret_cast<const uint32_t*>(tile_scales + 4 * (row_r0 + 8));
   }
@@ -481,9 +481,10 @@ using LaunchFn = cudaError_t (*)(const GroupedGemmArgs&, RowSplit, int64_t, cuda
 int max_ctas_override();
 
 // The grid of a launch over `items` work items, for both kernel forms: one CTA per item, or (persistent) as many as are
-// resident at once (at `threads` per CTA and `smem_bytes` of dynamic shared memory), capped by the test hook; 0 when
-// there are no items. Refuses a malformed hook, and launches whose item indices would overflow an int: the last index
-// a CTA computes before stopping is below items + grid (persistent), or is its first item.
+// resident at once (at `threads` per CTA and `smem_bytes` of dynamic shared memory), capped by the test hook (which
+// only caps persistent launches: its callers make every launch persistent when it is set); 0 when there are no items.
+// Refuses a malformed hook, and launches whose item indices would overflow an int: the last index a CTA computes
+// before stopping is below items + grid (persistent), or is its first item.
 template <typename Kernel>
 cudaError_t work_item_grid(Kernel kernel, int threads, size_t smem_bytes, int64_t items, bool persistent,
                            int64_t* grid) {

@@ -122,7 +122,7 @@ __device__ __forceinline__ void ws_produce(const WsParams& p, TileCursor& cursor
   }
   if (lane == 0) tma::prefetch_map(&p.x_map);
   // Lane 0 issues every load and reads these; the other lanes take part in scan_tiles only, but keep them in step (an
-  // add per item; dropping it changed the compiled kernels, which were timed with it).
+  // add per item; dropping it changes the compiled kernels, so it waits for a session that can test and time that).
   uint32_t flat = 0;  // stages issued so far (ring slot flat % kStages, pass flat / kStages)
   int seq = 0;        // items started
   // (The launcher bounds items + CTAs < 2^31.) Item = token tile slot * weight CTAs + weight CTA, as in the classic

@@ -1174,11 +1174,13 @@ def test_kernel_swiglu_row_amax(shape, token_tile, out_dtype):
 def test_kernel_tests_on_few_persistent_ctas():
     """The kernel tests again with every launch persistent on 2 CTAs (EP_COMM_GEMM_MAX_CTAS, read once per process:
     hence a subprocess), so each CTA runs many work items: next-item prefetch, odd k-block counts at item
-    boundaries, the scan cursor resuming, the combine-row path's per-item refill; the segment edge cases too (empty
-    experts, inconsistent segments, rows left untouched, a one-row view)."""
+    boundaries, the scan cursor resuming, the combine-row path's per-item refill (and its special rows, refusals and
+    aborts); the segment edge cases too (empty experts, inconsistent segments, rows left untouched, a one-row view).
+    The kernels are the ones the caller's environment selects: by default the warp-specialized form for tiles 128 and
+    144."""
     import os
     env = dict(os.environ, EP_COMM_GEMM_MAX_CTAS="2")
-    tests = ("kernel_vs_reference_small or small_remainders or swiglu_row_amax or combine_row_epilogue_matches "
+    tests = ("kernel_vs_reference_small or small_remainders or swiglu_row_amax or combine_row_epilogue "
              "or fused_expert_mlp or inconsistent_segments or leaves_other_rows or all_experts_empty or one_row_view")
     _pytest_in_subprocess(__file__, tests, env)
     # The FP8 mode's kernels the same way (their items, stages and prefetch differ from the fp16 ones).
@@ -1302,8 +1304,8 @@ def test_kernel_warp_specialized_is_bitwise_the_classic_kernel(tmp_path):
 
     run = child("_ws_save", {"EP_COMM_GEMM_WS": "0"})
     assert run.returncode == 0 and "cases saved" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
-    # (The kernel tests against the reference run with the form on few persistent CTAs in
-    # test_kernel_tests_on_few_persistent_ctas.)
+    # (The kernel tests against the reference run on few persistent CTAs with the default kernels, the form among them,
+    # in test_kernel_tests_on_few_persistent_ctas.)
     for extra in ({}, {"EP_COMM_GEMM_MAX_CTAS": "3"}):
         run = child("_ws_compare", extra)
         assert run.returncode == 0 and "bitwise equal" in run.stdout, (extra, run.stdout[-3000:] + run.stderr[-3000:])
