@@ -240,6 +240,7 @@ def _weight_rows_reference(dots: torch.Tensor, in_use: torch.Tensor, topk_slot: 
     return rows
 
 
+@formats._keeps_subnormals  # (its FP32 sums and products follow NUMERICS.md on a CPU thread that flushes them)
 def combine_backward_rows_reference(g: torch.Tensor, expert_out: torch.Tensor, row_weight: torch.Tensor,
                                     src_rank: torch.Tensor, topk_slot: Optional[torch.Tensor] = None,
                                     weight_columns: int = 0) -> BackwardRows:
@@ -318,6 +319,7 @@ def _truncate_to_bf16(values: torch.Tensor) -> torch.Tensor:
     return (values.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
+@formats._keeps_subnormals
 def split_fp32_in_bf16(values: torch.Tensor) -> torch.Tensor:
     """fp32 [...] -> bf16 [..., 3] with (hi + mid) + lo == values exactly in fp32, for every finite value of magnitude
     2^-110 or more (below, lo may lose bits under BF16's subnormal spacing 2^-133). hi is `values` truncated to BF16
@@ -334,6 +336,7 @@ def split_fp32_in_bf16(values: torch.Tensor) -> torch.Tensor:
     return torch.stack((hi, torch.where(finite, mid, zero), torch.where(finite, lo, zero)), dim=-1)
 
 
+@formats._keeps_subnormals
 def join_bf16_parts(parts: torch.Tensor) -> torch.Tensor:
     """The inverse of split_fp32_in_bf16: bf16 [..., 3] -> fp32 [...], (hi + mid) + lo."""
     parts = parts.float()

@@ -441,7 +441,10 @@ class _ExpertMLPFunction(torch.autograd.Function):
     """(rows [R, H], w1 [E, 2I, H], w2 [E, H, I]) -> bf16 [R, H]; rows (RoutedTokens.carrier) only carries the
     gradient back to dispatch: the values come from the NVFP4 payload (result.x)."""
 
+    # Both passes keep subnormals on a CPU thread that flushes them (NUMERICS.md: the torch forms give the kernels'
+    # bits, and the GPU never flushes).
     @staticmethod
+    @formats._keeps_subnormals
     def forward(ctx, rows, w1, w2, result, seed: formats.SeedArg, keep_weight_values: bool = False,
                 accumulate_into_main_grad: bool = False, weight_cache: Optional[_WeightCache] = None,
                 wait_for_tokens=None):
@@ -508,6 +511,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @formats._keeps_subnormals
     def backward(ctx, grad_out):
         if ctx.freed:
             raise RuntimeError("backward through training.expert_mlp a second time: its saved operands were freed by "

@@ -145,22 +145,36 @@ class BufferConfig:
         return dataclasses.replace(self, **changes)
 
 
+def _check_row_width(fmt: str, hidden: int, block: int) -> None:
+    """`hidden` must be a positive int and a multiple of the format's block width (a row of any other width has no
+    byte count: its last block would be partial)."""
+    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden <= 0 or hidden % block:
+        raise ValueError(f"hidden must be a positive int multiple of {block} for {fmt!r}, got {hidden!r}")
+
+
 def dispatch_bytes_per_token(fmt: str, hidden: int) -> int:
-    """Wire bytes of one token sent to one destination rank (payload only)."""
+    """Wire bytes of one token sent to one destination rank (payload only). fmt: "nvfp4" (hidden a multiple of 16),
+    "mxfp8" (of 32) or "bf16"; ValueError otherwise."""
     if fmt == "nvfp4":
+        _check_row_width(fmt, hidden, 16)
         return hidden // 2 + hidden // 16 + 4      # E2M1 codes + E4M3 scale per 16 + FP32 per-token amax
     if fmt == "mxfp8":
+        _check_row_width(fmt, hidden, 32)
         return hidden + hidden // 32               # E4M3 codes + UE8M0 scale per 32
     if fmt == "bf16":
+        _check_row_width(fmt, hidden, 1)
         return 2 * hidden
     raise ValueError(f"unknown dispatch format {fmt!r}")
 
 
 def combine_bytes_per_token(fmt: str, hidden: int) -> int:
-    """Wire bytes of one combined row sent back to its source rank."""
+    """Wire bytes of one combined row sent back to its source rank. fmt: "s2f6" (hidden a multiple of 32) or "bf16";
+    ValueError otherwise."""
     if fmt == "s2f6":
+        _check_row_width(fmt, hidden, 32)
         return hidden + hidden // 32               # int8 codes + UE8M0 scale per 32
     if fmt == "bf16":
+        _check_row_width(fmt, hidden, 1)
         return 2 * hidden
     raise ValueError(f"unknown combine format {fmt!r}")
 

@@ -679,6 +679,24 @@ def test_buffer_config_rejects_wrong_types_and_values():
         wide["max_tokens_per_rank"] * 8 * row_bytes
 
 
+
+@pytest.mark.cpu
+def test_wire_byte_counts_of_each_format():
+    """dispatch / combine_bytes_per_token: the README's figures at H = 7168 (NVFP4 4036 = 3584 codes + 448 scales + 4,
+    MXFP8 and S2F6 7392, BF16 14336), and a ValueError for a row width the format cannot carry (a partial last
+    block, zero, negative, not an int) or an unknown format, instead of a number."""
+    import ep_comm
+    assert [ep_comm.dispatch_bytes_per_token(f, 7168) for f in ("nvfp4", "mxfp8", "bf16")] == [4036, 7392, 14336]
+    assert [ep_comm.combine_bytes_per_token(f, 7168) for f in ("s2f6", "bf16")] == [7392, 14336]
+    bad = ((ep_comm.dispatch_bytes_per_token, "nvfp4", 7), (ep_comm.dispatch_bytes_per_token, "nvfp4", 0),
+           (ep_comm.dispatch_bytes_per_token, "nvfp4", -64), (ep_comm.dispatch_bytes_per_token, "mxfp8", 48),
+           (ep_comm.dispatch_bytes_per_token, "bf16", 64.0), (ep_comm.dispatch_bytes_per_token, "bf16", True),
+           (ep_comm.combine_bytes_per_token, "s2f6", 48), (ep_comm.combine_bytes_per_token, "bf16", 0),
+           (ep_comm.dispatch_bytes_per_token, "fp8", 64), (ep_comm.combine_bytes_per_token, "nvfp4", 64))
+    for function, fmt, hidden in bad:
+        with pytest.raises(ValueError):
+            function(fmt, hidden)
+
 def _rows_only_worker(rank, world):
     """Reference backend, dispatch(expand=False): row_index names x's rows (x is already expert-major: arange over
     the received rows, -1 on padding), and expert_major_x() gives the expanded dispatch's x."""

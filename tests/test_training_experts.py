@@ -457,6 +457,46 @@ def test_gloo_expert_mlp_trains_and_refuses_bad_input():
     assert run_ranks(errors_worker, 1, backend="gloo") == ["errors ok"]
 
 
+def _tiny_step_worker(rank, world, flush: bool):
+    """One dispatch -> ExpertMLP -> combine -> backward on CPU whose gradients reach the subnormal range inside the
+    library (weights scaled by 1e-5, the loss by 1e-25; the test's own operations make only normal numbers), with
+    this thread flushing subnormals or not. Returns the gradients of x, the routing weights, w1 and w2."""
+    x, idx, weights = _inputs(rank, 4, 16)
+    x = x.requires_grad_()
+    weights = weights.requires_grad_()
+    with _buffer(1) as buf, training.GradBuffers.create(buf) as grads:
+        experts = training.ExpertMLP(4, HIDDEN, INTER, seed=1)
+        with torch.no_grad():
+            experts.w1.mul_(1e-5)
+            experts.w2.mul_(1e-5)
+        if flush and not torch.set_flush_denormal(True):
+            return None  # this CPU cannot flush subnormals: nothing to keep
+        try:
+            routed = training.dispatch(buf, grads, x, idx, weights)
+            y = training.combine(experts(routed), routed)
+            (y.float() * 1e-25).sum().backward()
+        finally:
+            torch.set_flush_denormal(False)
+        return [t.grad.clone() for t in (x, weights, experts.w1, experts.w2)]
+
+
+@pytest.mark.cpu
+def test_gloo_training_step_keeps_subnormals_when_the_thread_flushes_them():
+    """NUMERICS.md: no implementation flushes subnormals, and the torch forms give the kernels' bits (the GPU never
+    flushes). So combine's backward rows and routing-weight gradient (ep_comm.training) and the trainable experts'
+    forward and backward (ep_comm.training_experts) give the same gradients, bit for bit, on a CPU thread under
+    torch.set_flush_denormal(True); subnormal gradients included."""
+    want = run_ranks(_tiny_step_worker, 1, False, backend="gloo")[0]
+    got = run_ranks(_tiny_step_worker, 1, True, backend="gloo")[0]
+    if got is None:
+        pytest.skip("this CPU cannot flush subnormals: nothing to keep")
+    tiny = torch.finfo(torch.float32).tiny
+    assert any(bool(((g != 0) & (g.float().abs() < tiny)).any()) for g in want[1:]), "no subnormal gradient to keep"
+    for name, w, g in zip(("x", "topk_weights", "w1", "w2"), want, got):
+        bits = torch.int16 if w.dtype == torch.bfloat16 else torch.int32  # (bf16 x, fp32 others: bit patterns)
+        assert torch.equal(w.view(bits), g.view(bits)), f"d {name} changed under a flushing thread"
+
+
 @pytest.mark.gpu
 def test_cuda_expert_mlp_matches_oracle():
     assert run_ranks(oracle_worker, 1, "nvlink", "cuda", backend="nccl") == ["oracle ok"]
