@@ -571,7 +571,8 @@ def nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True, amax: Optional[t
             _check_amax_values(amax)
     elif scale_granularity == "tensor":
         # An empty tensor has amax 0 (torch's amax() refuses an empty input).
-        whole = _nan_to_zero_abs(x.float()).amax() if x.numel() else torch.zeros((), device=x.device)
+        whole = (_nan_to_zero_abs(x.float()).amax() if x.numel()
+                 else torch.zeros((), dtype=torch.float32, device=x.device))
         amax = torch.broadcast_to(whole, x.shape[:-1]).contiguous()
     if _use_cuda(impl, x):
         return _cuda_formats().nvfp4_quantize(x, four_over_six, amax)

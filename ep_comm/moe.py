@@ -92,6 +92,7 @@ def _per_expert_amax(w: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(w.detach(), ord=math.inf, dim=(1, 2)).float()[:, None]
 
 
+@formats._keeps_subnormals  # (the per-expert amax too: on a flushing thread an all-subnormal expert's was 0)
 def pack_weights(w1: torch.Tensor, w2: torch.Tensor) -> PackedExpertWeights:
     """Quantize master weights once, offline: w1 [E_local, 2I, H] (the I gate rows first, then the I up rows:
     `torch.cat([gate, up], dim=1)`; the layer computes silu(gate) * up) and w2 [E_local, H, I] (bf16, fp16 or fp32,
@@ -399,7 +400,7 @@ class MoELayer(torch.nn.Module):
         # time): a corrupt checkpoint would otherwise make every output near zero, silently (see __init__).
         router = state_dict.get(prefix + "router_weight")
         if (isinstance(router, torch.Tensor) and router.device.type != "meta" and router.is_floating_point()
-                and not bool(torch.isfinite(router).all())):
+                and not bool(torch.isfinite(router.to(torch.float32)).all())):  # (as the layer keeps it: FP32)
             error_msgs.append(f"{prefix}router_weight holds NaN or Inf values: not loaded (a NaN logit sends every "
                               "token to one expert with NaN weights, which the S2F6 combine turns into near-zero "
                               "outputs)")
@@ -455,8 +456,9 @@ class MoELayer(torch.nn.Module):
                 raise TypeError(f"{name} must be None or a bool, got {value!r}")
         # Once, at construction (a device->host read): a NaN logit would send every token to one expert with NaN
         # weights, which the S2F6 combine turns into near-zero outputs, silently.
-        if not bool(torch.isfinite(router_weight).all()):
-            raise ValueError("router_weight holds NaN or Inf values")
+        # (Of the FP32 copy the layer keeps: a float64 value past FP32's range would become Inf there.)
+        if not bool(torch.isfinite(router_weight.detach().to(torch.float32)).all()):
+            raise ValueError("router_weight holds NaN or Inf values (as FP32, the layer's copy)")
         self.buffer = buffer
         # The layer's own FP32 copy, outside autograd: not the caller's tensor (or Parameter), whatever its dtype.
         self.register_buffer("router_weight", router_weight.detach().to(torch.float32, copy=True))
@@ -550,6 +552,7 @@ class MoELayer(torch.nn.Module):
             raise ValueError(f"x is on {x.device} and router_weight on {self.router_weight.device}; the layer's "
                              f"experts are on {device}")
 
+    @formats._keeps_subnormals  # (the logits and the softmax: tiny routing weights stay as a GPU computes them)
     def route(self, x: torch.Tensor):
         """topk_idx int64 [T, K] and topk_weights float32 [T, K] (softmax over the K largest logits).
 

@@ -248,14 +248,14 @@ def combine_backward_rows_reference(g: torch.Tensor, expert_out: torch.Tensor, r
     tests' oracle and the path without ep_comm._C. Rows with src_rank < 0 give zeros whatever they hold."""
     num_rows, hidden = g.shape
     in_use = src_rank >= 0
-    zero = torch.zeros((), device=g.device)
+    zero = torch.zeros((), dtype=torch.float32, device=g.device)  # (FP32 whatever torch's default dtype)
     g_rows = torch.where(in_use[:, None], g.float(), zero)
     weight = torch.where(in_use, row_weight.float(), zero)
     grad = (g_rows * weight[:, None]).to(torch.bfloat16)
     products = g_rows * torch.where(in_use[:, None], expert_out.float(), zero)
     padded = -(-hidden // _CHUNK) * _CHUNK  # (zero products past H change no sum: the sums start at +0)
     products = torch.nn.functional.pad(products, (0, padded - hidden)).view(num_rows, padded // _CHUNK, 32, 8)
-    lanes = torch.zeros(num_rows, 32, device=g.device)
+    lanes = torch.zeros(num_rows, 32, dtype=torch.float32, device=g.device)
     for chunk in range(padded // _CHUNK):  # lane l: its 8 columns of chunk 0, then of chunk 1, ...
         for column in range(8):
             lanes = lanes + products[:, chunk, :, column]

@@ -638,16 +638,18 @@ def _check_expert_inputs(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tenso
                          accumulate_into_main_grad: bool) -> None:
     """Everything _expert_mlp takes but the seed: checked before ExpertMLP draws a call seed, so that a refused call
     draws none."""
+    for name, w in (("w1", w1), ("w2", w2)):  # (first: _check_routed reads their shapes and devices)
+        # (float16 masters are refused: the bf16 weight gradients would overflow their range, silently)
+        if not isinstance(w, torch.Tensor) or w.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"{name} must be a float32 or bfloat16 tensor, got "
+                            f"{getattr(w, 'dtype', type(w).__name__)}")
+        if w.dim() != 3:
+            raise ValueError(f"w1 must be [E, 2I, H] and w2 [E, H, I]; {name} is {tuple(w.shape)}")
     _check_routed(routed, w1, w2)
     for name, flag in (("keep_weight_values", keep_weight_values),
                        ("accumulate_into_main_grad", accumulate_into_main_grad)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    for name, w in (("w1", w1), ("w2", w2)):
-        # (float16 masters are refused: the bf16 weight gradients would overflow their range, silently)
-        if not isinstance(w, torch.Tensor) or w.dtype not in (torch.float32, torch.bfloat16):
-            raise TypeError(f"{name} must be a float32 or bfloat16 tensor, got "
-                            f"{getattr(w, 'dtype', type(w).__name__)}")
     experts, two_i, hidden = w1.shape
     if two_i % 2 or tuple(w2.shape) != (experts, hidden, two_i // 2):
         raise ValueError(f"w1 must be [E, 2I, H] and w2 [E, H, I]; got {tuple(w1.shape)} and {tuple(w2.shape)}")
@@ -715,8 +717,9 @@ class ExpertMLP(torch.nn.Module):
         gen = torch.Generator().manual_seed(self.seed)
         experts, two_i, hidden = self.w1.shape
         with torch.no_grad():  # (drawn in FP32 on the CPU, rounded to the masters' dtype: as the weights always were)
-            self.w1.copy_(torch.randn(experts, two_i, hidden, generator=gen) / math.sqrt(hidden))
-            self.w2.copy_(torch.randn(experts, hidden, two_i // 2, generator=gen) / math.sqrt(two_i // 2))
+            self.w1.copy_(torch.randn(experts, two_i, hidden, generator=gen, dtype=torch.float32) / math.sqrt(hidden))
+            self.w2.copy_(torch.randn(experts, hidden, two_i // 2, generator=gen, dtype=torch.float32)
+                          / math.sqrt(two_i // 2))
             self.call_count.zero_()
         self._weight_cache = None
 

@@ -78,12 +78,21 @@ def worker(rank, world, args):
         with torch.no_grad():
             target = teacher(x).float()
         optimizer = torch.optim.SGD(student.parameters(), lr=args.lr)
-        for _ in range(args.steps):
+        for step in range(args.steps):
             optimizer.zero_grad()
             loss = F.mse_loss(student(x).float(), target)
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
+            # Every rank stops together, with the reason, once a loss or a weight is no longer finite on any rank (a
+            # learning rate too large for these sizes): the next forward would route by NaN logits, which dispatch
+            # refuses.
+            finite = torch.stack([torch.isfinite(loss.detach())] +
+                                 [torch.isfinite(p).all() for p in student.parameters()]).all().float().reshape(1)
+            torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+            if finite.item() == 0:
+                raise RuntimeError(f"the training diverged at step {step + 1} (a loss or weight is not finite on some "
+                                   f"rank): lower --lr (now {args.lr})")
     return losses
 
 

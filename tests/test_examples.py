@@ -82,3 +82,15 @@ def test_moe_training_example_learns_on_gloo(expert_mlp):
     for losses in run_ranks(moe_training.worker, 2, args, backend="gloo"):
         assert len(losses) == 12 and all(0.0 < loss < 1.0 for loss in losses), losses
         assert losses[-1] < 0.8 * losses[0], losses
+
+
+@pytest.mark.cpu
+def test_moe_training_example_stops_every_rank_with_the_reason_when_it_diverges():
+    """A learning rate too large for the sizes (here 8 tokens per rank at lr 5): every rank stops at the same step with
+    a message that names the cause, instead of a routing error from a forward on NaN router weights."""
+    import moe_training
+    args = argparse.Namespace(tokens=8, hidden=256, intermediate=128, experts=8, topk=2, gpu=False, steps=30, lr=5.0,
+                              expert_mlp="ep_comm")
+    with pytest.raises(AssertionError, match="the training diverged at step") as failure:
+        run_ranks(moe_training.worker, 2, args, backend="gloo")
+    assert "lower --lr" in str(failure.value) and "InvalidRoutingError" not in str(failure.value)

@@ -1010,6 +1010,72 @@ def test_layer_owns_its_router_and_refuses_what_it_cannot_do():
         assert all("cannot be pickled or copied" in message for message in out["copies"]), out
 
 
+def _router_and_subnormals_worker(rank, world):
+    """A float64 router past FP32's range (the layer keeps an FP32 copy) in the constructor and in load_state_dict;
+    pack_weights, route and the layer's forward on a CPU thread that flushes subnormals against one that does not."""
+    h, inter, experts, topk = 32, 16, 2, 2
+    w1 = torch.randn(experts, 2 * inter, h, generator=torch.Generator().manual_seed(0))
+    w2 = torch.randn(experts, h, inter, generator=torch.Generator().manual_seed(1))
+    out = {}
+    with ep_comm.Buffer(None, hidden=h, num_experts=experts, num_topk=topk, max_tokens_per_rank=4) as buf:
+        wide = torch.zeros(experts, h, dtype=torch.float64)
+        wide[1, 3] = 1e39  # finite in float64, Inf as FP32
+        try:
+            moe.MoELayer(buf, wide, moe.pack_weights(w1, w2))
+            out["wide_router"] = "accepted"
+        except ValueError as error:
+            out["wide_router"] = str(error)
+        router = torch.zeros(experts, h)
+        router[0, 0] = 1.0  # token logits 100 apart: the second routing weight exp(-100) is subnormal
+        w1_tiny = w1.clone()
+        w1_tiny[1] *= 1e-39  # expert 1's w1 all subnormal: its amax too
+        w2_big = w2.clone()
+        w2_big[0] = 0.0  # expert 0 outputs zeros: a token's output is its subnormal-weighted expert-1 row
+        w2_big[1] *= 1e6
+        x = torch.randn(4, h, generator=torch.Generator().manual_seed(3))
+        x[:, 0] = 100.0
+        x = x.to(torch.bfloat16)
+        layer = moe.MoELayer(buf, router, moe.pack_weights(w1, w2_big))
+        try:
+            layer.load_state_dict({"router_weight": wide}, strict=False)
+            out["wide_load"] = "loaded"
+        except RuntimeError as error:
+            out["wide_load"] = str(error)
+        out["router_kept"] = bool(torch.equal(layer.router_weight, router))
+
+        def results():
+            packed = moe.pack_weights(w1_tiny, w2)
+            topk_idx, topk_weights = layer.route(x)
+            return [packed.w1.data, packed.w1.amax, topk_idx, topk_weights, layer(x)]
+
+        want = results()
+        flushing = torch.set_flush_denormal(True)
+        try:
+            got = results()
+        finally:
+            torch.set_flush_denormal(False)
+        out["flushing"] = flushing
+        out["subnormals"] = [float(want[1][1, 0]), float(want[3][0, 1])]
+        # (bit patterns: fp32 as int32, bf16 through its exact fp32 value; codes and indices as they are)
+        out["same"] = [torch.equal(w.float().view(torch.int32), g.float().view(torch.int32)) if w.is_floating_point()
+                       else torch.equal(w, g) for w, g in zip(want, got)]
+    return out
+
+
+@pytest.mark.cpu
+def test_layer_router_range_and_subnormals_on_a_flushing_thread():
+    """MoELayer checks its router as the FP32 copy it keeps (a float64 1e39 would be Inf there: every token's routing
+    weights NaN, its output near zero) in the constructor and in load_state_dict; pack_weights (the per-expert amax),
+    route (the softmax) and the forward keep subnormals on a CPU thread that flushes them (NUMERICS.md: as a GPU
+    computes them)."""
+    out = run_ranks(_router_and_subnormals_worker, 1, backend="gloo")[0]
+    assert "router_weight holds NaN or Inf" in out["wide_router"], out
+    assert "router_weight holds NaN or Inf values: not loaded" in out["wide_load"] and out["router_kept"], out
+    if not out["flushing"]:
+        pytest.skip("this CPU cannot flush subnormals: nothing to keep")
+    assert all(0 < v < torch.finfo(torch.float32).tiny for v in out["subnormals"]), out
+    assert all(out["same"]), out
+
 @pytest.mark.cpu
 def test_combine_rows_target_is_good_between_its_begin_and_finish():
     """The host-side ticket behind CombineRowsTarget.claim: refused once its begin is closed or superseded, and on a

@@ -352,6 +352,14 @@ def errors_worker(rank, world):
             training.expert_mlp(routed, experts.w1, experts.w2[:, :, :16], 0)
         with pytest.raises(TypeError, match="float32 or bfloat16"):
             training.expert_mlp(routed, experts.w1.half(), experts.w2, 0)
+        # (Malformed weights are named, not an AttributeError or an unpacking error from the routing checks.)
+        with pytest.raises(TypeError, match="w1 must be a float32 or bfloat16 tensor"):
+            training.expert_mlp(routed, None, experts.w2, 0)
+        with pytest.raises(TypeError, match="w2 must be a float32 or bfloat16 tensor"):
+            training.expert_mlp(routed, experts.w1, None, 0)
+        for w1 in (experts.w1[0], experts.w1[None]):
+            with pytest.raises(ValueError, match="w1 is"):
+                training.expert_mlp(routed, w1, experts.w2, 0)
         with pytest.raises(TypeError, match="torch.float32 or torch.bfloat16"):
             training.ExpertMLP(4, HIDDEN, INTER, dtype=torch.float16)
         with pytest.raises(TypeError, match="training.dispatch"):
@@ -455,6 +463,36 @@ def _unquantized_w2_grad(result, experts, g):
 def test_gloo_expert_mlp_trains_and_refuses_bad_input():
     assert run_ranks(training_worker, 2, backend="gloo") == ["training ok"] * 2
     assert run_ranks(errors_worker, 1, backend="gloo") == ["errors ok"]
+
+
+def _default_dtype_step_worker(rank, world, default_dtype):
+    """One dispatch -> ExpertMLP(seed=0) -> combine -> backward on CPU with torch's default dtype set to
+    `default_dtype` while the layer is made and runs. Returns the output and the gradients of x, the routing weights,
+    w1 and w2."""
+    x, idx, weights = _inputs(rank, 4, 16)
+    x = x.requires_grad_()
+    weights = weights.requires_grad_()
+    torch.set_default_dtype(default_dtype)
+    try:
+        with _buffer(1) as buf, training.GradBuffers.create(buf) as grads:
+            experts = training.ExpertMLP(4, HIDDEN, INTER, seed=0)
+            routed = training.dispatch(buf, grads, x, idx, weights)
+            y = training.combine(experts(routed), routed)
+            (y.float() * torch.linspace(-1, 1, HIDDEN, dtype=torch.float32)).sum().backward()
+            return [t.detach().clone() for t in (y, x.grad, weights.grad, experts.w1.grad, experts.w2.grad)]
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.cpu
+def test_gloo_training_step_does_not_depend_on_the_default_dtype():
+    """The trainable experts' initial weights are drawn in FP32 and combine's backward sums its dots in FP32 whatever
+    torch.set_default_dtype says: a float64 default gives the same step bit for bit (it gave other weights, and
+    float64 dots with other bits)."""
+    want = run_ranks(_default_dtype_step_worker, 1, torch.float32, backend="gloo")[0]
+    got = run_ranks(_default_dtype_step_worker, 1, torch.float64, backend="gloo")[0]
+    for name, w, g in zip(("y", "x", "topk_weights", "w1", "w2"), want, got):
+        assert w.dtype == g.dtype and torch.equal(w, g), f"{name} ({w.dtype} / {g.dtype}) depends on the default dtype"
 
 
 def _tiny_step_worker(rank, world, flush: bool):
