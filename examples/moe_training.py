@@ -11,8 +11,9 @@ of the same shape, by plain SGD on the mean squared error. The experts' weights,
 get their gradients through the library: the routing weights' through combine's backward, the experts' through the
 dispatched rows. Each rank prints its loss at the first and the last step.
 
---expert-mlp ep_comm (default): the experts are `training.ExpertMLP` -- NVFP4 weights and tokens in the forward, MXFP8
-with stochastic rounding in the backward (the Buffer then needs expert_alignment 32). --expert-mlp torch: your own
+--expert-mlp ep_comm (default): the experts are `training.expert_mlp` (the functional form of `training.ExpertMLP`) on
+the layer's own parameters -- NVFP4 weights and tokens in the forward, MXFP8 with stochastic rounding in the backward
+(the Buffer then needs expert_alignment 32). --expert-mlp torch: your own
 experts in plain torch on the dense rows `routed.x` (FP32 here), to show how any expert code plugs in.
 """
 import argparse
@@ -30,7 +31,8 @@ from example_args import parse_moe_args
 class ExpertParallelMoE(torch.nn.Module):
     """Router [E, H] (replicated) and this rank's E / W SwiGLU experts: w1 [E/W, 2I, H] (gate rows, then up rows), w2
     [E/W, H, I], FP32 parameters. forward(x bf16 [T, H]) -> bf16 [T, H]. expert_mlp "ep_comm": the experts run as
-    training.ExpertMLP (NVFP4 / MXFP8), with these parameters as its masters; "torch": FP32 matmuls on routed.x."""
+    training.expert_mlp (ExpertMLP's functional form: NVFP4 / MXFP8), with these parameters as its masters; "torch":
+    FP32 matmuls on routed.x."""
 
     def __init__(self, buffer, grads, rank, world, num_experts, hidden, intermediate, topk, seed, expert_mlp="ep_comm"):
         super().__init__()
