@@ -148,7 +148,7 @@ class BufferConfig:
 def _check_row_width(fmt: str, hidden: int, block: int) -> None:
     """`hidden` must be a positive int and a multiple of the format's block width (a row of any other width has no
     byte count: its last block would be partial)."""
-    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden <= 0 or hidden % block:
+    if isinstance(hidden, bool) or not isinstance(hidden, numbers.Integral) or hidden <= 0 or hidden % block:
         raise ValueError(f"hidden must be a positive int multiple of {block} for {fmt!r}, got {hidden!r}")
 
 
