@@ -609,7 +609,8 @@ class Buffer:
             error = rejected
         try:
             self._backend.raise_together(error, what + " inputs were rejected on rank(s) {ranks} (see the error raised "
-                                                      "there); this rank's call is abandoned so that no rank waits")
+                                                      "there); this rank's call is abandoned so that no rank waits",
+                                         self._backend.call_id(what))
         except RuntimeError as failed:
             if self._destroyed and failed is not error:  # (the agreement itself failed: its timeout, say)
                 raise RuntimeError(f"this ep_comm.Buffer was destroyed, and its peers did not join this {what}'s "
@@ -686,7 +687,7 @@ class Buffer:
             every rank: at once on the reference backend; on nvlink (found on the device) at a later call or
             `check()` once the combine has run, the Buffer then unusable (one rank passing another Buffer's handle
             while the others pass this one's is a mismatch too; every rank passing the same same-size Buffer's handle
-            is fine).
+            is fine if that Buffer's group holds the same processes in the same rank order: else ValueError).
             comm_stream, done_event: as for `dispatch` (the combine then runs on comm_stream after the work enqueued
                 so far on the current stream; wait on done_event before using the result on the current stream).
         Returns:

@@ -1437,6 +1437,7 @@ def test_nvlink_dispatch_result_views_of_the_arena(fmt, num_tokens, rows_only):
     backend = object.__new__(NVLinkBackend)  # only the fields the recipe and the views read
     backend.config, backend._ctx, backend._arena_recipes = cfg, FakeContext(), {}
     backend._staging_generation, backend._destroyed = 4, False
+    backend._group_global_ranks = tuple(range(cfg.world_size))  # (what the handle records of the group)
     staging = object()  # rows-only: x is the staging payload, which needs the region (GPU tests)
     backend._staging_payload = lambda: staging
     recipe = backend._arena_recipe(num_tokens, rows_only)
@@ -1664,6 +1665,11 @@ def test_nvlink_check_handle_compares_routing_and_device():
         backend.check_handle(handle(other_split))
     with pytest.raises(ValueError, match="handle of a dispatch on meta"):
         backend.check_handle(handle(backend._routing, device="meta"))
+    # A same-size Buffer on a group that numbers the same processes otherwise: its tables name other peers.
+    backend._group_global_ranks = (0, 1)
+    backend.check_handle(dataclasses.replace(handle(backend._routing), group_ranks=(0, 1)))
+    with pytest.raises(ValueError, match="another process group"):
+        backend.check_handle(dataclasses.replace(handle(backend._routing), group_ranks=(1, 0)))
 
 
 def _region_with_stand_ins(monkeypatch, states, init):

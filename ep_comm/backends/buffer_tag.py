@@ -50,8 +50,3 @@ def agree_buffer_tag(group) -> int:
     dist.all_gather_object(votes, mine, group=group)
     return int(votes[0])
 
-
-def tagged_dispatch_ids(group):
-    """A new Buffer's dispatch ids (collective: agree_buffer_tag): its tag times 2^40 plus 0, 1, 2, ... -- the layout
-    the nvlink layout kernel gives a handle's dispatch word (csrc/nvlink.h dispatch_word), for the reference backend."""
-    return itertools.count(agree_buffer_tag(group) << DISPATCH_COUNT_BITS)

@@ -647,7 +647,8 @@ class NVLinkHandle:
         this one, so an edit of the result's topk_weight does not change the combine).
     num_tokens: T; num_rows: R (capacity); num_topk: K.
     routing: (world size, max_tokens_per_rank, K, R, experts per rank) of the dispatching Buffer: what a combine on
-        another Buffer must share (check_handle).
+        another Buffer must share (check_handle); group_ranks: its group's global ranks in group-rank order, which that
+        Buffer's must equal too (the handle's tables name peers by group rank).
     stream: the raw CUDA stream the dispatch ran on (where the caching allocator gave out the arena): a combine on
         another stream marks the arena in use there (Buffer._run_on_stream).
     """
@@ -659,6 +660,7 @@ class NVLinkHandle:
     num_topk: int
     owner: Any = None
     routing: Tuple[int, ...] = ()
+    group_ranks: Tuple[int, ...] = ()
     stream: int = 0
 
     send_idx = _ArenaSection(0, per_token=True)
@@ -1114,7 +1116,8 @@ class NVLinkBackend:
             arena.as_strided((n,), (1,), offset) for offset, n in recipe.int_views]
         topk_weight = as_f32.as_strided((rows,), (1,), recipe.topk_weight)
         handle = NVLinkHandle(arena=arena, sections=recipe.sections, num_tokens=num_tokens, num_rows=rows,
-                              num_topk=cfg.num_topk, owner=self._ctx, routing=self._routing, stream=stream)
+                              num_topk=cfg.num_topk, owner=self._ctx, routing=self._routing,
+                              group_ranks=self._group_global_ranks, stream=stream)
         staging_valid = None
         if row_index is not None and not formats._is_capturing():
             # (A captured result is refilled by each replay, which this count does not see: not checked.)
@@ -1150,8 +1153,9 @@ class NVLinkBackend:
         """TypeError unless `handle` comes from an nvlink dispatch; ValueError if it comes from another Buffer whose
         routing sizes differ (world size, max_tokens_per_rank, num_topk, capacity, experts per rank: combine indexes
         the handle's tables with this Buffer's sizes and finds a row's rank from its expert), whose arena places the
-        tables elsewhere (another dispatch format), or whose arena is on another GPU. A handle of another Buffer with
-        the same sizes and format is fine (e.g. dispatch on one Buffer, combine on another)."""
+        tables elsewhere (another dispatch format), whose group numbers its ranks otherwise (the tables name peers by
+        group rank), or whose arena is on another GPU. A handle of another Buffer with the same sizes, format and group
+        ranks is fine (e.g. dispatch on one Buffer, combine on another)."""
         if not isinstance(handle, NVLinkHandle):
             raise TypeError(f"combine needs the handle of an nvlink dispatch, got {type(handle).__name__}")
         if handle.owner is self._ctx:
@@ -1165,6 +1169,15 @@ class NVLinkBackend:
             raise ValueError("combine got the handle of another Buffer's dispatch whose sizes or format differ from "
                              "this Buffer's (world size, max_tokens_per_rank, num_topk, row capacity, experts per "
                              "rank, dispatch format): pass the handle to the Buffer that dispatched it")
+        if handle.group_ranks and handle.group_ranks != self._group_global_ranks:
+            raise ValueError(f"combine got the handle of a dispatch on another process group (global ranks "
+                             f"{list(handle.group_ranks)} in group-rank order; this Buffer's group: "
+                             f"{list(self._group_global_ranks)}): pass the handle to the Buffer that dispatched it")
+
+    @functools.cached_property
+    def _group_global_ranks(self) -> Tuple[int, ...]:
+        """This Buffer's group's global ranks in group-rank order (NVLinkHandle.group_ranks)."""
+        return _group_ranks(self.group)
 
     @functools.cached_property
     def _routing(self) -> Tuple[int, ...]:

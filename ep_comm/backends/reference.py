@@ -11,13 +11,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .. import _ext, formats
-from .buffer_tag import tagged_dispatch_ids
+from .buffer_tag import DISPATCH_COUNT_BITS, agree_buffer_tag
 from .transport import describe, device_backends
 from ..types import BufferConfig, BufferSizes, DispatchResult, combine_bytes_per_token, dispatch_bytes_per_token
 
@@ -96,9 +96,9 @@ class ReferenceHandle:
         row r, or -1 when that slot is masked or lives on another rank.
     topk_idx / topk_weights: this rank's own routing [T, K] (for the local_reduce=False path).
     num_tokens: T; num_rows: rows of the expert-major layout. config: the dispatching Buffer's configuration.
-    dispatch_id: which dispatch of which Buffer made it (buffer_tag.tagged_dispatch_ids): the Buffer's tag, the same
-        on every rank, times 2^40 plus the Buffer's dispatch count (dispatches are collective, so every rank counts
-        alike). combine compares it across the ranks, so that handles of two different dispatches raise, even with
+    dispatch_id: which dispatch of which Buffer made it (ReferenceBackend.next_dispatch_id): the Buffer's tag, the
+        same on every rank, times 2^40 plus the Buffer's dispatch count (dispatches are collective, and the ranks agree
+        on the id before each one, so every rank counts alike). combine compares it across the ranks, so that handles of two different dispatches raise, even with
         equal row counts or from two same-size Buffers with equal call counts.
     """
 
@@ -114,6 +114,7 @@ class ReferenceHandle:
     num_tokens: int
     num_rows: int
     config: Optional[BufferConfig] = None  # of the Buffer that dispatched (combine refuses another configuration's)
+    group_ranks: Tuple[int, ...] = ()  # its group's global ranks in group-rank order (combine refuses another order)
     dispatch_id: int = -1
     stream: int = 0  # the raw CUDA stream the dispatch ran on (0 on the CPU): see NVLinkHandle.stream
 
@@ -124,8 +125,13 @@ class ReferenceBackend:
     name = "reference"
 
     def __init__(self, group, config: BufferConfig, format_impl: str = "auto"):
-        self._dispatch_ids = tagged_dispatch_ids(group)  # ReferenceHandle.dispatch_id (collective: the Buffer's tag)
+        # ReferenceHandle.dispatch_id: the Buffer's tag (collective: agreed at creation) and its dispatch count.
+        self._tag_base = agree_buffer_tag(group) << DISPATCH_COUNT_BITS
+        self._dispatch_count = 0
         self.group = group
+        # (A handle names its group's ranks in order: a same-size Buffer on a group that numbers them otherwise would
+        # send its rows to other processes.)
+        self._group_ranks = tuple(dist.get_global_rank(group, r) for r in range(dist.get_world_size(group)))
         self.config = config
         self.rank = dist.get_rank(group)
         self.format_impl = format_impl
@@ -227,22 +233,41 @@ class ReferenceBackend:
         self._collective("dispatch (token counts)", dist.all_to_all_single, recv, send)
         return [int(v) for v in recv.tolist()]
 
-    def raise_together(self, error: Optional[Exception], others_message: str) -> None:
-        """Collective: every rank learns which ranks failed a check (one small all_reduce) and all of them raise --
-        the failing ranks their own `error`, the others ValueError(others_message.format(ranks=[...])) -- instead of
-        the others waiting in the next exchange until the process group's timeout (or gloo aborting on mismatched
-        split sizes)."""
+    def next_dispatch_id(self) -> int:
+        """The ReferenceHandle.dispatch_id of this Buffer's next dispatch."""
+        return self._tag_base + self._dispatch_count
+
+    def call_id(self, what: str) -> int:
+        """What the ranks of a `what` call ("dispatch", "combine") must agree on in raise_together: a dispatch, the
+        id of the dispatch it is about to make (so that ranks calling two same-size Buffers' dispatches in different
+        orders, whose exchanges would pair one Buffer's rows with the other's, raise instead); other calls, the
+        Buffer's tag."""
+        return self.next_dispatch_id() if what == "dispatch" else self._tag_base
+
+    def raise_together(self, error: Optional[Exception], others_message: str, call_id: int = 0) -> None:
+        """Collective: every rank learns which ranks failed a check and which call each makes (`call_id`; one small
+        all_reduce) and all of them raise -- the failing ranks their own `error`, the others
+        ValueError(others_message.format(ranks=[...])), and when the call ids differ every rank a ValueError naming
+        them -- instead of the others waiting in the next exchange until the process group's timeout (or gloo
+        aborting on mismatched split sizes), or two different calls exchanging each other's rows."""
         # On a device the group serves: the CPU where gloo is there, else the current GPU (an NCCL-only group).
         device = torch.device("cpu") if self._cpu_gloo or not self._cuda_nccl else torch.device(
             "cuda", torch.cuda.current_device())
-        failed = torch.zeros(self.config.world_size, dtype=torch.int32, device=device)
-        failed[self.rank] = int(error is not None)
-        self._collective("the input check's agreement", dist.all_reduce, failed)
+        table = torch.zeros(self.config.world_size, 2, dtype=torch.int64, device=device)  # [rank] = (failed, call id)
+        table[self.rank, 0] = int(error is not None)
+        table[self.rank, 1] = call_id
+        self._collective("the input check's agreement", dist.all_reduce, table)
         if error is not None:
             raise error
-        ranks = [r for r, bad in enumerate(failed.tolist()) if bad]
+        rows = table.tolist()
+        ranks = [r for r, (bad, _) in enumerate(rows) if bad]
         if ranks:
             raise ValueError(others_message.format(ranks=ranks))
+        if any(call != rows[0][1] for _, call in rows):
+            calls = ", ".join(f"rank {r}: Buffer tag {call >> DISPATCH_COUNT_BITS}, dispatch "
+                              f"{call & ((1 << DISPATCH_COUNT_BITS) - 1)}" for r, (_, call) in enumerate(rows))
+            raise ValueError(f"the ranks made this call on different Buffers or out of step ({calls}): every rank must "
+                             "call the same Buffers in the same order; this call is abandoned on every rank")
 
     def _agree_on_combine(self, send_counts: List[int], expected_counts: List[int], local_reduce: bool,
                           dispatch_id: int, device) -> None:
@@ -284,7 +309,8 @@ class ReferenceBackend:
         num_tokens, num_topk = topk_idx.shape
         # Drawn first: a dispatch that raises on one rank after its collectives (an allocation failing) still counts
         # there, so the ranks' counts -- compared by combine -- stay in step if the caller goes on.
-        dispatch_id = next(self._dispatch_ids)
+        dispatch_id = self.next_dispatch_id()
+        self._dispatch_count += 1
         # Ids outside [0, E) are masked slots, as on the nvlink backend (Buffer rejects them when it checks inputs).
         topk_idx = topk_idx.to(torch.int64)
         topk_idx = torch.where((topk_idx >= 0) & (topk_idx < cfg.num_experts), topk_idx, torch.full_like(topk_idx, -1))
@@ -353,7 +379,7 @@ class ReferenceBackend:
                                  recv_src_rank=recv_src_rank, recv_src_token=recv_src_token,
                                  recv_topk_weight=recv_weight, layout_row=layout_row, topk_idx=topk_idx,
                                  topk_weights=topk_weights, num_tokens=num_tokens, num_rows=num_rows, config=cfg,
-                                 dispatch_id=dispatch_id,
+                                 group_ranks=self._group_ranks, dispatch_id=dispatch_id,
                                  stream=_ext.current_raw_stream(device) if device.type == "cuda" else 0)
         row_index = None
         if not expand:  # padding rows (src_rank -1) hold no received row
@@ -375,6 +401,10 @@ class ReferenceBackend:
             raise ValueError("combine got the handle of another Buffer's dispatch whose sizes differ from this "
                              "Buffer's (world size, experts, top-k, hidden, alignment or max_tokens_per_rank): pass "
                              "the handle to the Buffer that dispatched it")
+        if handle.group_ranks and handle.group_ranks != self._group_ranks:
+            raise ValueError(f"combine got the handle of a dispatch on another process group (global ranks "
+                             f"{list(handle.group_ranks)} in group-rank order; this Buffer's group: "
+                             f"{list(self._group_ranks)}): pass the handle to the Buffer that dispatched it")
 
     @staticmethod
     def rows_read_by_combine(handle: ReferenceHandle) -> torch.Tensor:
