@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .. import _ext, formats
 from .buffer_tag import agree_buffer_tag
-from .transport import device_backends
+from .transport import check_handle_group, device_backends, group_global_ranks
 from ..types import (BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, WaveDispatch, WaveSync,
                      s2f6_combine_row_layout)
 
@@ -336,10 +336,6 @@ _nvshmem_lock = threading.Lock()
 _nvshmem_state = {"initialized": False, "group_ranks": None, "error": None}
 
 
-def _group_ranks(group) -> Tuple[int, ...]:
-    return tuple(dist.get_global_rank(group, r) for r in range(dist.get_world_size(group)))
-
-
 def _combine_sections(sections):
     """The arena sections combine reads (send_idx, send_w, row_weight, recv_count, recv_tok, recv_ord, recv_rows,
     dispatch_epoch)."""
@@ -372,7 +368,7 @@ def _nvshmem_init(group, region_bytes: int):
     import numpy as np
 
     with _nvshmem_lock:
-        ranks = _group_ranks(group)
+        ranks = group_global_ranks(group)
         if _nvshmem_state["initialized"]:
             if _nvshmem_state["group_ranks"] != ranks:
                 raise RuntimeError(f"NVSHMEM is already initialized over ranks {_nvshmem_state['group_ranks']}, "
@@ -1169,15 +1165,12 @@ class NVLinkBackend:
             raise ValueError("combine got the handle of another Buffer's dispatch whose sizes or format differ from "
                              "this Buffer's (world size, max_tokens_per_rank, num_topk, row capacity, experts per "
                              "rank, dispatch format): pass the handle to the Buffer that dispatched it")
-        if handle.group_ranks and handle.group_ranks != self._group_global_ranks:
-            raise ValueError(f"combine got the handle of a dispatch on another process group (global ranks "
-                             f"{list(handle.group_ranks)} in group-rank order; this Buffer's group: "
-                             f"{list(self._group_global_ranks)}): pass the handle to the Buffer that dispatched it")
+        check_handle_group(handle.group_ranks, self._group_global_ranks)
 
     @functools.cached_property
     def _group_global_ranks(self) -> Tuple[int, ...]:
         """This Buffer's group's global ranks in group-rank order (NVLinkHandle.group_ranks)."""
-        return _group_ranks(self.group)
+        return group_global_ranks(self.group)
 
     @functools.cached_property
     def _routing(self) -> Tuple[int, ...]:

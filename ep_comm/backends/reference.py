@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from .. import _ext, formats
 from .buffer_tag import DISPATCH_COUNT_BITS, agree_buffer_tag
-from .transport import describe, device_backends
+from .transport import check_handle_group, describe, device_backends, group_global_ranks
 from ..types import BufferConfig, BufferSizes, DispatchResult, combine_bytes_per_token, dispatch_bytes_per_token
 
 
@@ -98,8 +98,9 @@ class ReferenceHandle:
     num_tokens: T; num_rows: rows of the expert-major layout. config: the dispatching Buffer's configuration.
     dispatch_id: which dispatch of which Buffer made it (ReferenceBackend.next_dispatch_id): the Buffer's tag, the
         same on every rank, times 2^40 plus the Buffer's dispatch count (dispatches are collective, and the ranks agree
-        on the id before each one, so every rank counts alike). combine compares it across the ranks, so that handles of two different dispatches raise, even with
-        equal row counts or from two same-size Buffers with equal call counts.
+        on the id before each one, so every rank counts alike). combine compares it across the ranks, so that handles
+        of two different dispatches raise, even with equal row counts or from two same-size Buffers with equal call
+        counts.
     """
 
     send_counts: List[int]
@@ -129,9 +130,7 @@ class ReferenceBackend:
         self._tag_base = agree_buffer_tag(group) << DISPATCH_COUNT_BITS
         self._dispatch_count = 0
         self.group = group
-        # (A handle names its group's ranks in order: a same-size Buffer on a group that numbers them otherwise would
-        # send its rows to other processes.)
-        self._group_ranks = tuple(dist.get_global_rank(group, r) for r in range(dist.get_world_size(group)))
+        self._group_ranks = group_global_ranks(group)  # (ReferenceHandle.group_ranks: check_handle_group)
         self.config = config
         self.rank = dist.get_rank(group)
         self.format_impl = format_impl
@@ -401,10 +400,7 @@ class ReferenceBackend:
             raise ValueError("combine got the handle of another Buffer's dispatch whose sizes differ from this "
                              "Buffer's (world size, experts, top-k, hidden, alignment or max_tokens_per_rank): pass "
                              "the handle to the Buffer that dispatched it")
-        if handle.group_ranks and handle.group_ranks != self._group_ranks:
-            raise ValueError(f"combine got the handle of a dispatch on another process group (global ranks "
-                             f"{list(handle.group_ranks)} in group-rank order; this Buffer's group: "
-                             f"{list(self._group_ranks)}): pass the handle to the Buffer that dispatched it")
+        check_handle_group(handle.group_ranks, self._group_ranks)
 
     @staticmethod
     def rows_read_by_combine(handle: ReferenceHandle) -> torch.Tensor:

@@ -29,3 +29,18 @@ def device_backends(group) -> dict:
 def describe(group) -> str:
     """The group's backends for messages ("cpu:gloo", "cuda:nccl", ...)."""
     return ",".join(f"{device}:{name}" for device, name in device_backends(group).items()) or "no known backend"
+
+
+def group_global_ranks(group) -> tuple:
+    """The global ranks of `group`'s processes in group-rank order."""
+    return tuple(dist.get_global_rank(group, r) for r in range(dist.get_world_size(group)))
+
+
+def check_handle_group(handle_ranks: tuple, own_ranks: tuple) -> None:
+    """ValueError unless a dispatch handle made on a group of `handle_ranks` (group_global_ranks; empty: not recorded)
+    fits a Buffer whose group has `own_ranks`: a handle names peers by group rank, so a group of the same processes in
+    another order would send its rows to other processes."""
+    if handle_ranks and handle_ranks != own_ranks:
+        raise ValueError(f"combine got the handle of a dispatch on another process group (global ranks "
+                         f"{list(handle_ranks)} in group-rank order; this Buffer's group: {list(own_ranks)}): pass "
+                         f"the handle to the Buffer that dispatched it")
