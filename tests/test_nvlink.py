@@ -1653,6 +1653,7 @@ def test_nvlink_check_handle_compares_routing_and_device():
     sections = tuple((64 * i, 64) for i in range(18))
     backend = object.__new__(NVLinkBackend)
     backend._ctx, backend.torch_device = object(), torch.device("cpu")
+    backend._group_global_ranks = (0, 1)  # (its group's global ranks)
     backend.config = BufferConfig(hidden=256, num_experts=8, num_topk=2, max_tokens_per_rank=8, world_size=2)
     backend._arena_recipe = lambda num_tokens, rows_only=False: SimpleNamespace(sections=sections)
 
@@ -1666,7 +1667,6 @@ def test_nvlink_check_handle_compares_routing_and_device():
     with pytest.raises(ValueError, match="handle of a dispatch on meta"):
         backend.check_handle(handle(backend._routing, device="meta"))
     # A same-size Buffer on a group that numbers the same processes otherwise: its tables name other peers.
-    backend._group_global_ranks = (0, 1)
     backend.check_handle(dataclasses.replace(handle(backend._routing), group_ranks=(0, 1)))
     with pytest.raises(ValueError, match="another process group"):
         backend.check_handle(dataclasses.replace(handle(backend._routing), group_ranks=(1, 0)))
