@@ -552,12 +552,27 @@ class MoELayer(torch.nn.Module):
             raise ValueError(f"x is on {x.device} and router_weight on {self.router_weight.device}; the layer's "
                              f"experts are on {device}")
 
+    def _check_router_input(self, x) -> None:
+        """route's x: a floating-point [T, H] tensor on the layer's device (forward has checked more already, on every
+        rank together; a caller of route may not have)."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"x must be bfloat16 (or float16 / float32), got {x.dtype}")
+        hidden = self.buffer.config.hidden
+        if x.dim() != 2 or x.shape[1] != hidden:
+            raise ValueError(f"x must be [num_tokens, {hidden}], got {tuple(x.shape)}")
+        if x.device != self.router_weight.device:
+            raise ValueError(f"x is on {x.device} and router_weight on {self.router_weight.device}")
+
     @formats._keeps_subnormals  # (the logits and the softmax: tiny routing weights stay as a GPU computes them)
     def route(self, x: torch.Tensor):
-        """topk_idx int64 [T, K] and topk_weights float32 [T, K] (softmax over the K largest logits).
+        """The router on x: [T, H] on the layer's device, bfloat16 as `forward` passes it (float16 / float32 are
+        accepted too: the logits are FP32 either way). Returns topk_idx int64 [T, K] and topk_weights float32 [T, K] (softmax over the K largest logits).
 
         The logits are an FP32 matmul whatever the caller's autocast region or TF32 setting (exact_fp32_matmuls):
         bf16 or TF32 logits would pick other experts at near-ties, and the ranks' routing would depend on it."""
+        self._check_router_input(x)
         # .float(): a module-wide cast (model.to(torch.bfloat16)) also casts this buffer.
         with exact_fp32_matmuls():
             # (A contiguous copy: BLAS may sum in another order for another layout of the same values, and a near-tie

@@ -711,7 +711,15 @@ def _layer_misuse_worker(rank, world):
                 refused.append("cannot be captured in a CUDA graph" in str(error))
             finally:
                 moe._is_capturing = capturing
-        return all(refused) and len(refused) == 7 and tuple(y.shape) == (4, HIDDEN)
+        # route on its own checks x as forward does (a narrow x gave a raw matmul error, a 1-D one [K]-shaped
+        # results, an integer one a silent cast).
+        for bad in (x.detach()[:, :32], x.detach()[0], x.detach().long(), x.detach().tolist()):
+            try:
+                layer.route(bad)
+                refused.append(False)
+            except (TypeError, ValueError) as error:
+                refused.append(str(error).startswith("x must be"))
+        return all(refused) and len(refused) == 11 and tuple(y.shape) == (4, HIDDEN)
 
 
 @pytest.mark.cpu
