@@ -703,6 +703,20 @@ class ExpertMLP(torch.nn.Module):
         super().__init__()
         if dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"dtype must be torch.float32 or torch.bfloat16 (the master weights), got {dtype}")
+        # (here, not at the first forward: that one is refused only after the collective dispatch has run)
+        num_local_experts = formats._as_int(num_local_experts, "num_local_experts")
+        if num_local_experts <= 0:
+            raise ValueError(f"num_local_experts must be positive, got {num_local_experts}")
+        for name, value in (("hidden", hidden), ("intermediate", intermediate)):
+            value = formats._as_int(value, name)
+            if value <= 0 or value % formats.MX_BLOCK:
+                raise ValueError(f"{name} must be a positive multiple of {formats.MX_BLOCK} (the RHT / MXFP8 blocks), "
+                                 f"got {value}")
+        hidden, intermediate = int(hidden), int(intermediate)
+        for name, flag in (("keep_weight_values", keep_weight_values),
+                           ("accumulate_into_main_grad", accumulate_into_main_grad)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         self.seed = formats._check_seed(seed)
         self.w1 = torch.nn.Parameter(torch.empty(num_local_experts, 2 * intermediate, hidden, device=device,
                                                  dtype=dtype))

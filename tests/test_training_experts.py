@@ -362,6 +362,17 @@ def errors_worker(rank, world):
                 training.expert_mlp(routed, w1, experts.w2, 0)
         with pytest.raises(TypeError, match="torch.float32 or torch.bfloat16"):
             training.ExpertMLP(4, HIDDEN, INTER, dtype=torch.float16)
+        # (the constructor refuses sizes the first forward would refuse only after the collective dispatch, and ones
+        # torch.empty would refuse with its own message)
+        for args, error, message in (((4, HIDDEN, 48), ValueError, "intermediate must be a positive multiple of 32"),
+                                     ((4, 24, INTER), ValueError, "hidden must be a positive multiple of 32"),
+                                     ((-1, HIDDEN, INTER), ValueError, "num_local_experts must be positive"),
+                                     ((4, True, INTER), TypeError, "hidden must be an int, got bool"),
+                                     ((4, float(HIDDEN), INTER), TypeError, "hidden must be an int, got float")):
+            with pytest.raises(error, match=message):
+                training.ExpertMLP(*args)
+        with pytest.raises(TypeError, match="keep_weight_values must be a bool"):
+            training.ExpertMLP(4, HIDDEN, INTER, keep_weight_values=1)
         with pytest.raises(TypeError, match="training.dispatch"):
             training.expert_mlp(buf.dispatch(x, idx, weights), experts.w1, experts.w2, 0)
         with pytest.raises(ValueError, match="multiple of 32"):
