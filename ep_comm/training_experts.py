@@ -131,11 +131,16 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, group_ends: torch.Tensor) -> t
 
 
 def quantize_expert_weights(w: torch.Tensor) -> formats.NVFP4Tensor:
-    """Master weights [E, N, K] (float32 / bfloat16) -> NVFP4 along K without 4/6 and with one FP32 amax per expert:
-    `moe.pack_weights`'s quantization (the same amax helper, the same quantizer). No autograd (straight-through: see
-    the module doc). It does not read the amax on the host (check_amax=False), so a step never syncs; non-finite
-    masters are therefore not refused here, and the outputs they give are not meaningful."""
+    """Master weights [E, N, K] (float32 / bfloat16 as ExpertMLP keeps them; float16 as pack_weights takes it; K a
+    multiple of 16) -> NVFP4 along K without 4/6 and with one FP32 amax per expert: `moe.pack_weights`'s
+    quantization (the same amax helper, the same quantizer). No autograd (straight-through: see the module doc). It
+    does not read the amax on the host (check_amax=False), so a step never syncs; non-finite masters are therefore not
+    refused here, and the outputs they give are not meaningful."""
     from . import moe
+    if not isinstance(w, torch.Tensor) or w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"w must be a float32, bfloat16 or float16 tensor, got {getattr(w, 'dtype', type(w).__name__)}")
+    if w.dim() != 3:
+        raise ValueError(f"w must be [E, N, K] (one matrix per expert), got {tuple(w.shape)}")
     with torch.no_grad():
         w = w.detach()
         return formats.nvfp4_quantize(w, four_over_six=False, amax=moe._per_expert_amax(w), check_amax=False)
