@@ -240,12 +240,46 @@ def _weight_rows_reference(dots: torch.Tensor, in_use: torch.Tensor, topk_slot: 
     return rows
 
 
+def _check_backward_rows_args(g, expert_out, row_weight, src_rank, topk_slot, weight_columns) -> None:
+    """combine_backward_rows's (and its reference's) arguments; ValueError naming the first wrong one."""
+    if not isinstance(g, torch.Tensor):
+        raise ValueError(f"combine_backward_rows: g must be a bf16 [R, H] tensor, got {type(g).__name__}")
+    num_rows = g.shape[0] if g.dim() == 2 else -1
+    checks = [("g", g, torch.bfloat16, tuple(g.shape)), ("expert_out", expert_out, torch.bfloat16, tuple(g.shape)),
+              ("row_weight", row_weight, torch.float32, (num_rows,)), ("src_rank", src_rank, torch.int32, (num_rows,))]
+    if topk_slot is not None:
+        checks.append(("topk_slot", topk_slot, torch.int32, (num_rows,)))
+    for name, tensor, dtype, shape in checks:
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != shape \
+                or tensor.device != g.device:
+            raise ValueError(f"combine_backward_rows: {name} must be {dtype} {list(shape)} on {g.device} (g bf16 "
+                             f"[R, H]), got {type(tensor).__name__} {getattr(tensor, 'dtype', '')} "
+                             f"{list(getattr(tensor, 'shape', []))} on {getattr(tensor, 'device', '')}")
+    if g.dim() != 2 or g.shape[1] % 32:
+        raise ValueError(f"combine_backward_rows: g must be [R, H] with H % 32 == 0, got {list(g.shape)}")
+    if topk_slot is not None and (isinstance(weight_columns, bool) or not isinstance(weight_columns, int)
+                                  or weight_columns <= 0 or weight_columns % 32):
+        raise ValueError(f"combine_backward_rows: weight_columns must be a positive multiple of 32 with topk_slot, "
+                         f"got {weight_columns!r}")
+    if topk_slot is None and weight_columns:
+        raise ValueError(f"combine_backward_rows: weight_columns={weight_columns!r} asks for weight rows, which need "
+                         "topk_slot")
+    if topk_slot is not None and not topk_slot.is_cuda:  # (CPU tensors only: on CUDA this would be a host sync)
+        slots = topk_slot[src_rank >= 0]
+        if slots.numel() and (int(slots.min()) < 0 or 3 * int(slots.max()) + 3 > weight_columns):
+            raise ValueError(f"combine_backward_rows: topk_slot of the rows in use must be in [0, "
+                             f"{weight_columns // 3}) for weight_columns={weight_columns} (3 columns per slot), got "
+                             f"[{int(slots.min())}, {int(slots.max())}]")
+
+
 @formats._keeps_subnormals  # (its FP32 sums and products follow NUMERICS.md on a CPU thread that flushes them)
 def combine_backward_rows_reference(g: torch.Tensor, expert_out: torch.Tensor, row_weight: torch.Tensor,
                                     src_rank: torch.Tensor, topk_slot: Optional[torch.Tensor] = None,
                                     weight_columns: int = 0) -> BackwardRows:
     """`combine_backward_rows` in torch (csrc/training_rows.h, the same bits, its FP32 sum order included): the
-    tests' oracle and the path without ep_comm._C. Rows with src_rank < 0 give zeros whatever they hold."""
+    tests' oracle and the path without ep_comm._C. The same arguments, checked the same way. Rows with src_rank < 0
+    give zeros whatever they hold."""
+    _check_backward_rows_args(g, expert_out, row_weight, src_rank, topk_slot, weight_columns)
     num_rows, hidden = g.shape
     in_use = src_rank >= 0
     zero = torch.zeros((), dtype=torch.float32, device=g.device)  # (FP32 whatever torch's default dtype)
@@ -275,25 +309,12 @@ def combine_backward_rows(g: torch.Tensor, expert_out: torch.Tensor, row_weight:
     g, expert_out: bf16 [R, H] (H % 32 == 0): the output gradient dispatched to the expert rank, and the expert
         outputs; row_weight fp32 [R] and src_rank int32 [R]: the DispatchResult's topk_weight and src_rank (rows with
         src_rank < 0 are not in use). topk_slot int32 [R] (the DispatchResult's) and weight_columns (a multiple of
-        32, at least 3 x num_topk: weights_hidden) ask for BackwardRows.weight_rows too.
+        32, at least 3 x num_topk: weights_hidden) ask for BackwardRows.weight_rows too. A row in use whose slot's
+        three columns fall outside weight_columns is refused for CPU tensors; for CUDA tensors that check would
+        read topk_slot on the host (a sync, and no CUDA graph), so there the caller guarantees it (the kernel
+        writes only the columns that fit) -- ep_comm.training's backward passes weights_hidden(num_topk).
     Returns BackwardRows (grad_expert_out = bf16(w * g), the FP32 dots <g, expert_out>, weight_rows)."""
-    num_rows = g.shape[0] if g.dim() == 2 else -1
-    checks = [("g", g, torch.bfloat16, tuple(g.shape)), ("expert_out", expert_out, torch.bfloat16, tuple(g.shape)),
-              ("row_weight", row_weight, torch.float32, (num_rows,)), ("src_rank", src_rank, torch.int32, (num_rows,))]
-    if topk_slot is not None:
-        checks.append(("topk_slot", topk_slot, torch.int32, (num_rows,)))
-    for name, tensor, dtype, shape in checks:
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != shape \
-                or tensor.device != g.device:
-            raise ValueError(f"combine_backward_rows: {name} must be {dtype} {list(shape)} on {g.device} (g bf16 "
-                             f"[R, H]), got {type(tensor).__name__} {getattr(tensor, 'dtype', '')} "
-                             f"{list(getattr(tensor, 'shape', []))} on {getattr(tensor, 'device', '')}")
-    if g.dim() != 2 or g.shape[1] % 32:
-        raise ValueError(f"combine_backward_rows: g must be [R, H] with H % 32 == 0, got {list(g.shape)}")
-    if topk_slot is not None and (isinstance(weight_columns, bool) or not isinstance(weight_columns, int)
-                                  or weight_columns <= 0 or weight_columns % 32):
-        raise ValueError(f"combine_backward_rows: weight_columns must be a positive multiple of 32 with topk_slot, "
-                         f"got {weight_columns!r}")
+    _check_backward_rows_args(g, expert_out, row_weight, src_rank, topk_slot, weight_columns)
     if g.is_cuda and _ext.cuda_extension_available():
         g, expert_out = _ext.aligned_contiguous(g, 16), _ext.aligned_contiguous(expert_out, 16)
         row_weight, src_rank = row_weight.contiguous(), src_rank.contiguous()

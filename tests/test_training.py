@@ -538,9 +538,19 @@ def test_combine_backward_rows_refuses_mismatched_tensors():
                 (g, e, weight, src_rank.long()), (g[:, :48], e[:, :48], weight, src_rank),
                 (g, e, weight, src_rank, slot.long(), 32), (g, e, weight, src_rank, slot[:4], 32),
                 (g, e, weight, src_rank, slot, 24), (g, e, weight, src_rank, slot, 0),
-                (g, e, weight, src_rank, slot, True)):
-        with pytest.raises(ValueError, match="combine_backward_rows"):
-            training.combine_backward_rows(*bad)
+                (g, e, weight, src_rank, slot, True), (g, e, weight, src_rank, None, 32),
+                (g, e, weight, src_rank, slot + 11, 32), (g, e, weight, src_rank, slot - 1, 32), (None, e, weight,
+                                                                                                 src_rank)):
+        for function in (training.combine_backward_rows, training.combine_backward_rows_reference):
+            with pytest.raises(ValueError, match="combine_backward_rows"):
+                function(*bad)
+    # A slot whose 3 columns do not fit was a silently dropped routing-weight gradient; rows not in use may hold any
+    # slot.
+    with pytest.raises(ValueError, match=r"topk_slot of the rows in use must be in \[0, 10\)"):
+        training.combine_backward_rows(g, e, weight, src_rank, slot + 10, 32)
+    unused = src_rank.clone()
+    unused[:] = -1
+    assert training.combine_backward_rows(g, e, weight, unused, slot + 10, 32).weight_rows.abs().sum() == 0
 
 
 _ALL_FORMATS = (("nvfp4", "s2f6", "bf16"), ("bf16", "bf16", "bf16"), ("mxfp8", "s2f6", "mxfp8"),
