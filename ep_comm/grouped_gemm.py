@@ -475,9 +475,13 @@ _STALE_BUILD = "this ep_comm._C was built without the grouped GEMM (stale build)
 _hopper_devices = {}  # device index -> whether it is sm_90 (asked once per device: the GEMM's hot path calls this)
 
 
-def gemm_kernels_unavailable(device: torch.device) -> str:
+def gemm_kernels_unavailable(device) -> str:
     """Why the grouped GEMM kernels (`grouped_gemm_nvfp4`, `grouped_gemm_nvfp4_combine_rows`; sm_90a code only)
-    cannot run on the CUDA device `device`, or "" when they can."""
+    cannot run on `device` (a torch.device, or a string or index as torch.device takes it), or "" when they can."""
+    if not isinstance(device, torch.device):
+        device = torch.device(device)  # ("cuda:0", "cpu", 0; torch's own error for anything else)
+    if device.type != "cuda":
+        return f"{device} is not a CUDA device (the grouped GEMM kernels run on sm_90 GPUs)"
     problem = _cuda_kernels_problem(device)  # no extension, no image for this GPU, or a driver older than the runtime
     if problem:
         return problem

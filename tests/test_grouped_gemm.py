@@ -718,8 +718,13 @@ def test_gemm_on_a_gpu_other_than_hopper_falls_back_or_raises(monkeypatch):
     # fused experts (it used to, and then its forward failed in a kernel with impl='cuda').
     monkeypatch.setattr(F, "_problem_on_device", {1: "the driver is older than the CUDA runtime"})
     assert "driver is older" in G.gemm_kernels_unavailable(torch.device("cuda", 1))
+    assert "driver is older" in G.gemm_kernels_unavailable("cuda:1")  # (a string, as torch.device takes it)
     assert moe._fused_experts_supported(torch.device("cuda", 1), 128, 128)[0] is False
     monkeypatch.setattr(F, "_problem_on_device", {1: ""})
+    # A CPU device is not "available" (it was answered for the current GPU, or raised from torch.cuda).
+    for device in (torch.device("cpu"), "cpu"):
+        assert G.gemm_kernels_unavailable(device) == "cpu is not a CUDA device (the grouped GEMM kernels run on " \
+                                                     "sm_90 GPUs)"
     # The GEMM asks with hopper_only (the wiring: a recorder in place of the decision, which then says "reference").
     asked = []
     monkeypatch.setattr(G, "_use_gemm_kernels", lambda impl, t, what, hopper_only=False: asked.append(
