@@ -402,7 +402,11 @@ def ue8m0_decode(scale: torch.Tensor) -> torch.Tensor:
 
 @_keeps_subnormals
 def ue8m0_mxfp8_scale(amax: torch.Tensor) -> torch.Tensor:
-    """NVIDIA MXFP8 scale byte: round-up power of two of fp32(amax * fp32(1/448)); never clips elements."""
+    """NVIDIA MXFP8 scale byte: round-up power of two of fp32(amax * fp32(1/448)); never clips elements.
+
+    amax: float32 / bfloat16 / float16 [...], the blocks' maxima of |x| (the sign bit is not read: a negative value
+    counts as its magnitude); NaN -> 0xFF (the quantizer itself takes NaN-ignoring maxima). Returns uint8 [...]."""
+    _check_encoder_input(amax, "ue8m0_mxfp8_scale")
     t = amax.float() * _f32(1.0 / 448.0, amax.device)
     bits = _bits(t)
     exponent = (bits >> 23) & 0xFF
@@ -416,7 +420,12 @@ def ue8m0_mxfp8_scale(amax: torch.Tensor) -> torch.Tensor:
 @_keeps_subnormals
 def ue8m0_s2f6_scale(amax: torch.Tensor) -> torch.Tensor:
     """S2F6 block scale byte: smallest e with amax / 2^e <= 127/64 (blocks never saturate, except those with amax
-    above 127/64 * 2^127, where the byte clamps at 0xFE: docs/NUMERICS.md, known limits)."""
+    above 127/64 * 2^127, where the byte clamps at 0xFE: docs/NUMERICS.md, known limits).
+
+    amax: float32 / bfloat16 / float16 [...], the blocks' maxima of |x| (the sign bit is not read: a negative value
+    counts as its magnitude). S2F6 has no NaN scale: the quantizer takes NaN-ignoring maxima, and a NaN amax given
+    here reads as the largest exponent (0xFE), as Inf does. Returns uint8 [...]."""
+    _check_encoder_input(amax, "ue8m0_s2f6_scale")
     bits = _bits(amax.float())
     exponent = (bits >> 23) & 0xFF
     mantissa = bits & 0x7FFFFF

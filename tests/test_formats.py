@@ -40,6 +40,14 @@ def test_ue8m0_mxfp8_scale_vectors():
     assert F.ue8m0_decode(torch.tensor([0x00, 0x7F, 0x80, 0xFE], dtype=torch.uint8)).tolist() == [
         2.0**-127, 1.0, 2.0, 2.0**127]
     assert math.isnan(F.ue8m0_decode(torch.tensor([0xFF], dtype=torch.uint8)).item())
+    # The scale helpers take what the element encoders take (float64 would be rounded twice; a list was an
+    # AttributeError), and their documented NaN / sign rules hold.
+    for helper in (F.ue8m0_mxfp8_scale, F.ue8m0_s2f6_scale):
+        for bad in (torch.tensor([1.0], dtype=torch.float64), [1.0], torch.tensor([1])):
+            with pytest.raises(TypeError, match=helper.__name__):
+                helper(bad)
+    assert F.ue8m0_mxfp8_scale(torch.tensor([-448.0, math.nan])).tolist() == [0x7F, 0xFF]
+    assert F.ue8m0_s2f6_scale(torch.tensor([-1.0, 1.0, math.nan, math.inf])).tolist() == [0x7F, 0x7F, 0xFE, 0xFE]
 
 
 def test_nvfp4_block_examples():
