@@ -67,7 +67,10 @@ GRAD_FORMATS = ("bf16", "mxfp8")
 
 def weights_hidden(num_topk: int) -> int:
     """Columns of GradBuffers.weights: three BF16 parts per top-k slot, rounded up to the 32-column granularity of
-    every Buffer."""
+    every Buffer. num_topk: a positive int."""
+    num_topk = formats._as_int(num_topk, "num_topk")
+    if num_topk <= 0:
+        raise ValueError(f"num_topk must be positive, got {num_topk}")
     return 32 * -(-3 * num_topk // 32)
 
 
@@ -345,8 +348,11 @@ def split_fp32_in_bf16(values: torch.Tensor) -> torch.Tensor:
     """fp32 [...] -> bf16 [..., 3] with (hi + mid) + lo == values exactly in fp32, for every finite value of magnitude
     2^-110 or more (below, lo may lose bits under BF16's subnormal spacing 2^-133). hi is `values` truncated to BF16
     (exact, never overflows), the remainder has at most 16 significant bits, mid is it truncated, and what is left
-    (at most 8 bits) is lo. Non-finite values travel in hi alone."""
-    values = values.float().contiguous()
+    (at most 8 bits) is lo. Non-finite values travel in hi alone. values: float32 (other dtypes are refused: float64
+    would lose bits before the split, and narrower ones need no split)."""
+    if not isinstance(values, torch.Tensor) or values.dtype != torch.float32:
+        raise TypeError(f"split_fp32_in_bf16 takes a float32 tensor, got {getattr(values, 'dtype', type(values).__name__)}")
+    values = values.contiguous()
     hi = _truncate_to_bf16(values)
     rest = values - hi.float()
     mid = _truncate_to_bf16(rest)
@@ -360,6 +366,10 @@ def split_fp32_in_bf16(values: torch.Tensor) -> torch.Tensor:
 @formats._keeps_subnormals
 def join_bf16_parts(parts: torch.Tensor) -> torch.Tensor:
     """The inverse of split_fp32_in_bf16: bf16 [..., 3] -> fp32 [...], (hi + mid) + lo."""
+    if not isinstance(parts, torch.Tensor) or parts.dtype != torch.bfloat16 or parts.dim() == 0 \
+            or parts.shape[-1] != 3:
+        raise ValueError(f"join_bf16_parts takes bf16 [..., 3] (split_fp32_in_bf16's parts), got "
+                         f"{getattr(parts, 'dtype', type(parts).__name__)} {list(getattr(parts, 'shape', []))}")
     parts = parts.float()
     return (parts[..., 0] + parts[..., 1]) + parts[..., 2]
 

@@ -501,6 +501,17 @@ def test_fp32_split_into_three_bf16_parts_is_exact():
     back = training.join_bf16_parts(training.split_fp32_in_bf16(special))
     assert back[0] == float("inf") and back[1] == -float("inf") and back[2].isnan()
     assert training.weights_hidden(8) == 32 and training.weights_hidden(11) == 64 and training.weights_hidden(1) == 32
+    # What they cannot round-trip is refused (float64 was rounded silently, a 4th part dropped, a 2-part row an
+    # IndexError; weights_hidden(2.5) was 32.0 and weights_hidden(-5) 0).
+    with pytest.raises(TypeError, match="takes a float32 tensor, got torch.float64"):
+        training.split_fp32_in_bf16(torch.tensor([1 + 2.0 ** -40], dtype=torch.float64))
+    for bad in (torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.bfloat16), torch.zeros(2, 3)):
+        with pytest.raises(ValueError, match=r"join_bf16_parts takes bf16 \[\.\.\., 3\]"):
+            training.join_bf16_parts(bad)
+    with pytest.raises(TypeError, match="num_topk must be an int"):
+        training.weights_hidden(2.5)
+    with pytest.raises(ValueError, match="num_topk must be positive"):
+        training.weights_hidden(-5)
 
 
 @pytest.mark.cpu
