@@ -456,8 +456,8 @@ def _fmix32_int(h: int) -> int:
 
 
 def sr_key(seed: int) -> int:
-    """32-bit key of a stochastic-rounding seed (docs/NUMERICS.md)."""
-    seed &= 0xFFFFFFFFFFFFFFFF
+    """32-bit key of a stochastic-rounding seed, an int in [0, 2^64) as `rbits` takes it (docs/NUMERICS.md)."""
+    seed = _check_seed(seed)
     return _fmix32_int((seed & 0xFFFFFFFF) ^ 0x9E3779B9) ^ _fmix32_int((seed >> 32) ^ 0x7F4A7C15)
 
 

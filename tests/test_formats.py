@@ -47,6 +47,10 @@ def test_ue8m0_mxfp8_scale_vectors():
             with pytest.raises(TypeError, match=helper.__name__):
                 helper(bad)
     assert F.ue8m0_mxfp8_scale(torch.tensor([-448.0, math.nan])).tolist() == [0x7F, 0xFF]
+    # sr_key checks its seed as rbits does (2**64 + 5 was masked to 5 silently, -1 read as 2**64 - 1).
+    for bad, error in ((-1, ValueError), (2**64 + 5, ValueError), (True, TypeError), (1.5, TypeError)):
+        with pytest.raises(error, match="seed must be an int"):
+            F.sr_key(bad)
     assert F.ue8m0_s2f6_scale(torch.tensor([-1.0, 1.0, math.nan, math.inf])).tolist() == [0x7F, 0x7F, 0xFE, 0xFE]
 
 
