@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _ext
-from .formats import (NVFP4_BLOCK, NVFP4_WEIGHT_E4M3_MAX, NVFP4Tensor, _check_amax_values, _check_float_input,
+from .formats import (NVFP4_BLOCK, NVFP4_WEIGHT_E4M3_MAX, NVFP4Tensor, _as_int, _check_amax_values, _check_float_input,
                       _check_nvfp4, _cuda_kernels_problem, _f32, _keeps_subnormals, _nan_to_zero_abs,
                       _pack_e2m1_codes, _reference_fallback, _unpack_e2m1_codes, _use_cuda, e2m1_decode, e4m3_decode,
                       e4m3_encode)
@@ -165,6 +165,7 @@ class GemmWeights:
     def experts(self, start: int, stop: int) -> "GemmWeights":
         """The experts [start, stop) as their own GemmWeights (views, no copy); at least one (the kernel takes no empty
         expert list)."""
+        start, stop = _as_int(start, "start"), _as_int(stop, "stop")
         if not 0 <= start < stop <= self.num_experts:
             raise ValueError(f"expert range [{start}, {stop}) is empty or outside [0, {self.num_experts})")
         return GemmWeights(values=self.values[start:stop], scales=self.scales[start:stop],
@@ -204,6 +205,7 @@ class ExpandedRows:
 # ----------------------------------------------------------------------------------------------------------
 def swiglu_row_permutation(n: int, device=None) -> torch.Tensor:
     """int64 [n]: packed row p = 16 q + g takes gate row 8 q + g (g < 8) or up row n/2 + 8 q + g - 8."""
+    n = _as_int(n, "n")
     if n % 64 != 0 or n <= 0:
         raise ValueError(f"swiglu needs N = 2I with I % 32 == 0, got N = {n}")
     p = torch.arange(n, dtype=torch.int64, device=device)
@@ -214,6 +216,7 @@ def swiglu_row_permutation(n: int, device=None) -> torch.Tensor:
 def column_pair_row_permutation(n: int, device=None) -> torch.Tensor:
     """int64 [n]: packed row p = 16 q + g takes row 16 q + 2 g (g < 8) or 16 q + 2 (g - 8) + 1 (the row order of
     weights without SwiGLU: a thread's tile rows r0 and r0 + 8 are then adjacent output columns)."""
+    n = _as_int(n, "n")
     if n % 16 != 0 or n <= 0:
         raise ValueError(f"the column-pair row order needs N % 16 == 0, got N = {n}")
     p = torch.arange(n, dtype=torch.int64, device=device)

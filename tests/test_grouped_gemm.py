@@ -164,6 +164,8 @@ def test_swiglu_row_permutation():
         assert perm[p].item() == (8 * q + g if g < 8 else half + 8 * q + g - 8)
     with pytest.raises(ValueError):
         G.swiglu_row_permutation(96)
+    with pytest.raises(TypeError, match="n must be an int, got float"):  # (it gave a float32 "permutation")
+        G.swiglu_row_permutation(64.0)
 
 
 @pytest.mark.cpu
@@ -182,6 +184,8 @@ def test_column_pair_row_permutation():
     for bad in (0, 8, 100):
         with pytest.raises(ValueError):
             G.column_pair_row_permutation(bad)
+    with pytest.raises(TypeError, match="n must be an int, got str"):  # (it was a string-formatting TypeError)
+        G.column_pair_row_permutation("16")
 
 
 def _as_unpickled_before_row_order(w: G.GemmWeights) -> G.GemmWeights:
@@ -322,6 +326,9 @@ def test_experts_slice():
         packed.experts(3, 5)
     with pytest.raises(ValueError, match="empty"):  # the reference would return zeros, the kernel refuse it
         packed.experts(1, 1)
+    for bad, name in (((True, 2), "start"), ((0, 1.5), "stop")):  # (True was taken as 1, 1.5 a slicing TypeError)
+        with pytest.raises(TypeError, match=f"{name} must be an int"):
+            packed.experts(*bad)
 
 
 @pytest.mark.cpu
