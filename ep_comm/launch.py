@@ -26,6 +26,7 @@ import time
 import traceback
 import warnings
 
+import torch
 import torch.multiprocessing as mp
 
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -164,6 +165,12 @@ def run_ranks(worker, world_size: int, *args, backend: str = "gloo", timeout_s: 
         raise ValueError(f"hang_at_teardown must be 'raise' or 'warn', got {hang_at_teardown!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")  # (0 returned [] untried)
+    # (checked before spawning: a typo was refused by every rank, and "nccl" without a GPU failed in each rank with a
+    # ZeroDivisionError from its device choice)
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and not (torch.cuda.is_available() and torch.cuda.device_count() > 0):
+        raise RuntimeError("backend='nccl' needs a CUDA GPU and this process sees none: use backend='gloo'")
     for attempt in range(3):
         try:
             with _ranks_end_with_sigterm():

@@ -3,6 +3,7 @@ import os
 import time
 
 import pytest
+import torch
 
 from ep_comm.launch import run_ranks
 
@@ -271,3 +272,13 @@ def test_a_world_of_no_ranks_is_refused():
     for bad in (0, -1, True, 2.0):
         with pytest.raises(ValueError, match="world_size must be a positive int"):
             run_ranks(print, bad)
+
+
+@pytest.mark.cpu
+def test_a_bad_backend_is_refused_before_spawning(monkeypatch):
+    # (a typo was refused by each spawned rank; "nccl" without a GPU failed in every rank with a ZeroDivisionError)
+    with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl', got 'gllo'"):
+        run_ranks(print, 2, backend="gllo")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="backend='nccl' needs a CUDA GPU"):
+        run_ranks(print, 2, backend="nccl")
