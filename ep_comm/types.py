@@ -37,7 +37,9 @@ def as_int(value):
 
 @dataclass(frozen=True)
 class BufferConfig:
-    """Static bounds and formats of one expert-parallel group (identical on every rank).
+    """Static bounds and formats of one expert-parallel group (identical on every rank). Building one does not check
+    it (Buffer builds it and checks it on every rank together); `validate()` raises TypeError / ValueError naming the
+    first field that is wrong, and the derived sizes below refuse an unchecked config whose world_size is below 1.
 
     hidden: H, a multiple of 32 (NVFP4 blocks are 16 wide, S2F6/RHT and MXFP8 blocks 32).
     num_experts: global expert count E, divisible by the world size W; expert e lives on rank e // (E / W).
@@ -87,6 +89,10 @@ class BufferConfig:
 
     @property
     def num_local_experts(self) -> int:
+        """E / W, the experts each rank hosts."""
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {self.world_size!r} (BufferConfig.validate() "
+                             "checks every field)")
         return self.num_experts // self.world_size
 
     @property
@@ -96,6 +102,8 @@ class BufferConfig:
         return self.world_size * per_src + self.num_local_experts * (self.expert_alignment - 1)
 
     def validate(self) -> None:
+        """TypeError / ValueError naming the first field out of its documented range (the kernels' 32-bit limits
+        included); None when the config is usable."""
         integers = self._INTEGERS
         for name in integers:  # a float or bool here would pass the range checks and fail (or misalign) later
             value = getattr(self, name)
@@ -142,27 +150,29 @@ class BufferConfig:
                              f"stay below 2**31")
 
     def replace(self, **changes) -> "BufferConfig":
+        """A copy with `changes` applied (dataclasses.replace; not validated, as the constructor)."""
         return dataclasses.replace(self, **changes)
 
 
-def _check_row_width(fmt: str, hidden: int, block: int) -> None:
-    """`hidden` must be a positive int and a multiple of the format's block width (a row of any other width has no
-    byte count: its last block would be partial)."""
+def _check_row_width(fmt: str, hidden: int, block: int) -> int:
+    """`hidden` as an int (numpy integers too); it must be a positive int and a multiple of the format's block width
+    (a row of any other width has no byte count: its last block would be partial)."""
     if isinstance(hidden, bool) or not isinstance(hidden, numbers.Integral) or hidden <= 0 or hidden % block:
         raise ValueError(f"hidden must be a positive int multiple of {block} for {fmt!r}, got {hidden!r}")
+    return int(hidden)
 
 
 def dispatch_bytes_per_token(fmt: str, hidden: int) -> int:
     """Wire bytes of one token sent to one destination rank (payload only). fmt: "nvfp4" (hidden a multiple of 16),
     "mxfp8" (of 32) or "bf16"; ValueError otherwise."""
     if fmt == "nvfp4":
-        _check_row_width(fmt, hidden, 16)
+        hidden = _check_row_width(fmt, hidden, 16)
         return hidden // 2 + hidden // 16 + 4      # E2M1 codes + E4M3 scale per 16 + FP32 per-token amax
     if fmt == "mxfp8":
-        _check_row_width(fmt, hidden, 32)
+        hidden = _check_row_width(fmt, hidden, 32)
         return hidden + hidden // 32               # E4M3 codes + UE8M0 scale per 32
     if fmt == "bf16":
-        _check_row_width(fmt, hidden, 1)
+        hidden = _check_row_width(fmt, hidden, 1)
         return 2 * hidden
     raise ValueError(f"unknown dispatch format {fmt!r}")
 
@@ -171,10 +181,10 @@ def combine_bytes_per_token(fmt: str, hidden: int) -> int:
     """Wire bytes of one combined row sent back to its source rank. fmt: "s2f6" (hidden a multiple of 32) or "bf16";
     ValueError otherwise."""
     if fmt == "s2f6":
-        _check_row_width(fmt, hidden, 32)
+        hidden = _check_row_width(fmt, hidden, 32)
         return hidden + hidden // 32               # int8 codes + UE8M0 scale per 32
     if fmt == "bf16":
-        _check_row_width(fmt, hidden, 1)
+        hidden = _check_row_width(fmt, hidden, 1)
         return 2 * hidden
     raise ValueError(f"unknown combine format {fmt!r}")
 

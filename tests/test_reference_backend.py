@@ -696,6 +696,18 @@ def test_wire_byte_counts_of_each_format():
     for function, fmt, hidden in bad:
         with pytest.raises(ValueError):
             function(fmt, hidden)
+    # A numpy width gives a Python int, as annotated (it gave numpy.int64).
+    import numpy as np
+    counts = [ep_comm.dispatch_bytes_per_token("nvfp4", np.int64(64)), ep_comm.combine_bytes_per_token("s2f6",
+                                                                                                      np.int32(64))]
+    assert counts == [40, 66] and all(type(count) is int for count in counts), counts
+    # An unchecked config (validate() not called) refuses its derived sizes with a ValueError, not a
+    # ZeroDivisionError.
+    from ep_comm.types import BufferConfig
+    unchecked = BufferConfig(hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=4, world_size=0)
+    for derived in ("num_local_experts", "max_recv_rows"):
+        with pytest.raises(ValueError, match="world_size must be an int >= 1"):
+            getattr(unchecked, derived)
 
 def _two_buffers_worker(rank, world):
     """Two misuses of two same-size Buffers, each of which exchanged one Buffer's rows as the other's without a word:
