@@ -98,6 +98,8 @@ class GradBuffers:
         grad_format: the output gradient's dispatch format, "bf16" (default, exact) or "mxfp8" (E4M3 + UE8M0 per 32,
             nearest rounding: half the bytes, ~2^-4 relative error per element).
         backend: None = buffer.backend ("reference" or "nvlink")."""
+        if not isinstance(buffer, Buffer):
+            raise TypeError(f"GradBuffers.create takes the forward's ep_comm.Buffer, got {type(buffer).__name__}")
         if grad_format not in GRAD_FORMATS:
             raise ValueError(f"grad_format must be one of {GRAD_FORMATS}, got {grad_format!r}")
         cfg = buffer.config
@@ -144,6 +146,7 @@ class GradBuffers:
                              f"{self.weights.config.dispatch_format!r}")
 
     def destroy(self) -> None:
+        """Collective, as Buffer.destroy: frees both Buffers (also on leaving a `with` block)."""
         self.rows.destroy()
         self.weights.destroy()
 

@@ -86,7 +86,9 @@ def _mix64(value: int) -> int:
 
 def grad_seed(call_seed: int, tensor: str) -> int:
     """The seed of one stochastic rounding of a backward: _mix64(call_seed ^ _mix64(tag)), tags as above (distinct for
-    every call seed and tensor, all 64 bits of the call seed kept)."""
+    every call seed and tensor, all 64 bits of the call seed kept). tensor: one of _SEED_TAGS's names."""
+    if tensor not in _SEED_TAGS:
+        raise ValueError(f"tensor must be one of {sorted(_SEED_TAGS)}, got {tensor!r}")
     return _mix64(call_seed ^ _mix64(_SEED_TAGS[tensor]))
 
 

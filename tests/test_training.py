@@ -452,6 +452,8 @@ def errors_worker(rank, world):
         x, idx, weights, _ = _inputs(rank, 4 * world)
         with pytest.raises(ValueError, match="grad_format"):
             training.GradBuffers.create(buf, "nvfp4")
+        with pytest.raises(TypeError, match="takes the forward's ep_comm.Buffer, got NoneType"):  # (AttributeError)
+            training.GradBuffers.create(None)
         with pytest.raises(ValueError, match="hidden"):
             training.dispatch(buf, training.GradBuffers(rows=wide, weights=grads.weights), x, idx, weights)
         with pytest.raises(ValueError, match="combine in bf16"):

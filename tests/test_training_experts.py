@@ -414,6 +414,8 @@ def _check_quantize_as_pack_weights(device):
 def test_expert_weights_quantize_as_pack_weights():
     _check_quantize_as_pack_weights(torch.device("cpu"))
     # (a 2-D w was an IndexError from the amax helper; an integer one would be quantized as its values)
+    with pytest.raises(ValueError, match="tensor must be one of"):  # (a KeyError)
+        grad_seed(0, "x")
     with pytest.raises(ValueError, match=r"w must be \[E, N, K\]"):
         training.quantize_expert_weights(torch.zeros(64, 64))
     with pytest.raises(TypeError, match="w must be a float32, bfloat16 or float16 tensor, got torch.int32"):
