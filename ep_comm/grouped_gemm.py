@@ -61,10 +61,10 @@ import torch
 import torch.nn.functional as F
 
 from . import _ext
-from .formats import (NVFP4_BLOCK, NVFP4_WEIGHT_E4M3_MAX, NVFP4Tensor, _as_int, _check_amax_values, _check_float_input,
-                      _check_nvfp4, _cuda_kernels_problem, _f32, _keeps_subnormals, _nan_to_zero_abs,
-                      _pack_e2m1_codes, _reference_fallback, _unpack_e2m1_codes, _use_cuda, e2m1_decode, e4m3_decode,
-                      e4m3_encode)
+from .formats import (NVFP4_ACTIVATION_E4M3_MAX, NVFP4_BLOCK, NVFP4_WEIGHT_E4M3_MAX, NVFP4Tensor, _as_int,
+                      _check_amax_values, _check_float_input, _check_nvfp4, _cuda_kernels_problem, _f32,
+                      _keeps_subnormals, _nan_to_zero_abs, _pack_e2m1_codes, _reference_fallback, _unpack_e2m1_codes,
+                      _use_cuda, e2m1_decode, e4m3_decode, e4m3_encode)
 from .types import CombineRowsTarget
 
 __all__ = [
@@ -385,6 +385,17 @@ def _check_gemm_weights(w) -> None:
                          f"{w.values.dtype}{tuple(w.values.shape)}, scales {w.scales.dtype}{tuple(w.scales.shape)}, "
                          f"factor {w.factor.dtype}{tuple(w.factor.shape)}, amax {tuple(w.amax.shape)}, "
                          f"row_perm {tuple(w.row_perm.shape)}, n={w.n}, k={w.k}")
+    if w.e4m3_max not in (NVFP4_WEIGHT_E4M3_MAX, NVFP4_ACTIVATION_E4M3_MAX):  # (its decode factor 1 / (6 e4m3_max))
+        raise ValueError(f"inconsistent GemmWeights: e4m3_max must be {NVFP4_WEIGHT_E4M3_MAX:g} or "
+                         f"{NVFP4_ACTIVATION_E4M3_MAX:g}, got {w.e4m3_max!r}")
+
+
+def _check_row_perm(w: GemmWeights) -> None:
+    """The unpacking helpers scatter rows by row_perm: anything but a permutation of [0, N) would leave rows of their
+    output uninitialised (a host read: these helpers are not on a hot path)."""
+    perm = w.row_perm
+    if perm.dtype != torch.int64 or not torch.equal(perm.sort().values, torch.arange(w.n, device=perm.device)):
+        raise ValueError(f"inconsistent GemmWeights: row_perm must be an int64 permutation of [0, {w.n})")
 
 
 def _expert_codes_and_scales(w: GemmWeights, e: int):
@@ -437,6 +448,7 @@ def unpack_gemm_weights(w: GemmWeights) -> NVFP4Tensor:
     per-expert amax broadcast along N, e4m3_max. What a layer that keeps only the packed form hands back for saving
     (`moe.MoELayer.weights`). One expert at a time, on w's device."""
     _check_gemm_weights(w)
+    _check_row_perm(w)
     experts, device = w.num_experts, w.values.device
     data = torch.empty(experts, w.n, w.k // 2, dtype=torch.uint8, device=device)
     scales = torch.empty(experts, w.n, w.k // 16, dtype=torch.uint8, device=device)
@@ -456,6 +468,7 @@ def dequantize_gemm_weights(w: GemmWeights) -> torch.Tensor:
     e2m1 * ((scale * amax) * fp32(1 / (6 * e4m3_max)))).
     """
     _check_gemm_weights(w)
+    _check_row_perm(w)
     out = torch.empty(w.num_experts, w.n, w.k, dtype=torch.float32, device=w.values.device)
     for e in range(w.num_experts):
         out[e] = _dequantize_expert(w, e)

@@ -329,6 +329,13 @@ def test_experts_slice():
     for bad, name in (((True, 2), "start"), ((0, 1.5), "stop")):  # (True was taken as 1, 1.5 a slicing TypeError)
         with pytest.raises(TypeError, match=f"{name} must be an int"):
             packed.experts(*bad)
+    # Hand-made GemmWeights: a row_perm that is no permutation left rows of the unpacked weights uninitialised, and an
+    # e4m3_max other than NVFP4's two gave another decode factor.
+    for bad, message in ((dataclasses.replace(packed, row_perm=torch.zeros_like(packed.row_perm)), "row_perm must be"),
+                         (dataclasses.replace(packed, e4m3_max=300), "e4m3_max must be 448 or 256")):
+        for helper in (G.dequantize_gemm_weights, G.unpack_gemm_weights):
+            with pytest.raises(ValueError, match=message):
+                helper(bad)
 
 
 @pytest.mark.cpu
