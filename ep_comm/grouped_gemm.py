@@ -276,8 +276,11 @@ MAX_WEIGHT_AMAX = torch.finfo(torch.float32).max / NVFP4_WEIGHT_E4M3_MAX
 
 
 def check_weight_amax(amax: torch.Tensor, name: str) -> None:
-    """ValueError when some expert amax is above MAX_WEIGHT_AMAX (a device->host read: offline / construction only)."""
-    largest = float(amax.float().max()) if amax.numel() else 0.0
+    """ValueError when some expert amax is NaN or above MAX_WEIGHT_AMAX (a device->host read: offline / construction
+    only)."""
+    largest = float(amax.float().max()) if amax.numel() else 0.0  # (NaN when any is: torch's max propagates it)
+    if largest != largest:
+        raise ValueError(f"{name} has an expert whose amax is NaN")
     if largest > MAX_WEIGHT_AMAX:
         raise ValueError(f"{name} has an expert whose largest |weight| is {largest:.3e}, above {MAX_WEIGHT_AMAX:.3e}: "
                          f"its NVFP4 weights would decode to Inf / NaN (docs/NUMERICS.md, known limits); scale the "

@@ -336,6 +336,11 @@ def test_experts_slice():
         for helper in (G.dequantize_gemm_weights, G.unpack_gemm_weights):
             with pytest.raises(ValueError, match=message):
                 helper(bad)
+    with pytest.raises(ValueError, match="w1 has an expert whose amax is NaN"):  # (it passed)
+        G.check_weight_amax(torch.tensor([1.0, float("nan")]), "w1")
+    with pytest.raises(ValueError, match="above"):
+        G.check_weight_amax(torch.tensor([1.0, float("inf")]), "w1")
+    G.check_weight_amax(torch.tensor([1.0, 2.0]), "w1")
 
 
 @pytest.mark.cpu
