@@ -76,6 +76,8 @@ def parse_token_counts(parser, text: str) -> list:
 
 
 def parse_args(argv=None):
+    """The command line (README, "Quick start") as an argparse.Namespace, GPU or CPU defaults filled in and checked;
+    argparse's error (exit 2) for a bad value."""
     parser = argparse.ArgumentParser(prog="python -m ep_comm.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=None, help="tokens per rank (GPU default 4096, CPU 256)")
     parser.add_argument("--hidden", type=int, default=None, help="hidden size (GPU default 7168, CPU 1024)")
@@ -254,6 +256,7 @@ def _worker(rank, world, args):
 
 
 def print_table(rows, args) -> None:
+    """Prints rank 0's figures per format pair (and the slowest rank's times) as the README describes them."""
     rank0 = [r for r in rows if r["rank"] == 0]
     print(f"ep_comm.bench: {args.ranks} {args.device.upper()} ranks, backend {rank0[0]['backend'] if rank0 else '?'}, "
           f"tokens/rank {args.tokens}, hidden {args.hidden}, top-{args.topk} of {args.experts} experts, "
@@ -362,6 +365,7 @@ def write_report(path: str, args, **figures) -> None:
 
 
 def main(argv=None) -> int:
+    """Runs the benchmark on the ranks parse_args chose, prints the table, writes --out; the process exit code."""
     args = parse_args(argv)
     # (each spawned rank sets launch.GPU_ENV before it touches NCCL)
     # A rank slow to exit after reporting (NCCL or peer-memory teardown) is warned about: the figures are in.

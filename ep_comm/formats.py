@@ -66,6 +66,7 @@ class NVFP4Tensor:
 
     @property
     def shape(self) -> torch.Size:
+        """The quantized tensor's shape [..., K] (data holds K / 2 bytes per row)."""
         return torch.Size((*self.data.shape[:-1], self.data.shape[-1] * 2))
 
 
@@ -78,6 +79,7 @@ class MXFP8Tensor:
 
     @property
     def shape(self) -> torch.Size:
+        """The quantized tensor's shape [..., K] (one data byte per element)."""
         return self.data.shape
 
 
@@ -98,6 +100,7 @@ class S2F6Tensor:
 
     @property
     def shape(self) -> torch.Size:
+        """The quantized tensor's shape [..., K] (one data byte per element)."""
         return self.data.shape
 
 

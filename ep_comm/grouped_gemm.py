@@ -146,6 +146,7 @@ class GemmWeights:
 
     @property
     def num_experts(self) -> int:
+        """E, the experts packed."""
         return self.values.shape[0]
 
     @property
@@ -155,6 +156,7 @@ class GemmWeights:
 
     @property
     def device(self) -> torch.device:
+        """Where the packed weights are."""
         return self.values.device
 
     def nbytes(self) -> int:

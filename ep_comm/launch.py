@@ -33,6 +33,7 @@ GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NV
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the rendezvous port; run_ranks retries if it is taken)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -48,6 +48,7 @@ class PackedExpertWeights:
 
     @property
     def num_local_experts(self) -> int:
+        """E_local, the experts of w1 (and w2)."""
         return self.w1.data.shape[0]
 
 

@@ -735,6 +735,7 @@ class ExpertMLP(torch.nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """w1, w2 ~ N(0, 1 / fan_in) from the seed (drawn in FP32 on the CPU), call_count 0, the kept weights dropped."""
         gen = torch.Generator().manual_seed(self.seed)
         experts, two_i, hidden = self.w1.shape
         with torch.no_grad():  # (drawn in FP32 on the CPU, rounded to the masters' dtype: as the weights always were)
@@ -763,6 +764,8 @@ class ExpertMLP(torch.nn.Module):
         return int(self.call_count.item())
 
     def forward(self, routed: RoutedTokens, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        """bf16 [R, H] expert outputs in routed's dispatch layout (`expert_mlp`; see the class docstring for the seed
+        and is_first_microbatch)."""
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"is_first_microbatch must be None or a bool, got {type(is_first_microbatch).__name__}")
         # (before the weights are quantized for the cache and before a call seed is drawn: a refused call draws none)
@@ -792,10 +795,12 @@ class ExpertMLP(torch.nn.Module):
                            self.accumulate_into_main_grad, self._weight_cache)
 
     def get_extra_state(self):
+        """{"seed", "calls"} for state_dict (reads the call count: a sync)."""
         # (A module on the meta device has no count yet: 0, what reset_parameters() gives it.)
         return {"seed": self.seed, "calls": 0 if self.call_count.is_meta else self.calls}
 
     def set_extra_state(self, state) -> None:
+        """Restores get_extra_state's seed and call count (load_state_dict)."""
         self.seed = formats._check_seed(state["seed"])
         calls = int(state["calls"])
         if self.call_count.is_meta or self.call_count.device != self.w1.device:
@@ -813,5 +818,6 @@ class ExpertMLP(torch.nn.Module):
         return state
 
     def pack(self):
+        """moe.PackedExpertWeights of the current weights (moe.pack_weights: the bits the training forward uses)."""
         from . import moe
         return moe.pack_weights(self.w1.detach(), self.w2.detach())
