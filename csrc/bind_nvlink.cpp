@@ -85,6 +85,10 @@ class NvlinkContext {
     // size would make the kernels store outside the region (into the peers' memory too), not fail.
     if (c.rank < 0 || c.rank >= c.world) throw std::invalid_argument("rank must be in [0, world)");
     if (c.hidden <= 0 || c.hidden % 32 != 0) throw std::invalid_argument("hidden must be a positive multiple of 32");
+    // (the kernels' per-row element offsets and the layout's token sums are 32-bit: nvlink.py's _MAX_HIDDEN and
+    // _MAX_TOKENS, repeated for a direct caller)
+    if (c.hidden > (1 << 20)) throw std::invalid_argument("hidden must be <= 2^20 for nvlink");
+    if (c.max_tokens > 0x7FFFFFFF - 127) throw std::invalid_argument("max_tokens must be <= 2^31 - 128 for nvlink");
     if (c.num_local < 1 || static_cast<long long>(c.num_local) * c.world != c.num_experts) {
       throw std::invalid_argument("num_experts must be num_local * world with num_local >= 1");
     }

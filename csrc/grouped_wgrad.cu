@@ -344,10 +344,11 @@ bool encode_output(EncodeTiled encode, CUtensorMap* map, const GroupedWgradArgs&
 
 cudaError_t launch_grouped_wgrad_bf16(const GroupedWgradArgs& args, cudaStream_t stream) {
   constexpr int64_t kMaxCoordinate = 0x7FFFFFFF;  // TMA coordinates are int32
+  // (a tile's start, locate()'s m0 / n0, can lie up to a cluster's m rows / a tile's n columns past the last row)
   if (args.num_experts < 0 || args.m_rows < 0 || args.n_rows < 0 || args.k_total < 0 || args.m_rows % 8 != 0 ||
       args.n_rows % 8 != 0 || args.lda < args.k_total || args.ldb < args.k_total || args.lda % 8 != 0 ||
-      args.ldb % 8 != 0 || args.m_rows > kMaxCoordinate || args.n_rows > kMaxCoordinate ||
-      args.k_total > kMaxCoordinate - kBlockK) {
+      args.ldb % 8 != 0 || args.m_rows > kMaxCoordinate - kCluster * kTileM ||
+      args.n_rows > kMaxCoordinate - kTileN || args.k_total > kMaxCoordinate - kBlockK) {
     return cudaErrorInvalidValue;
   }
   const int64_t cluster_items = ceil_div(args.m_rows, kTileM * kCluster) * ceil_div(args.n_rows, kTileN) *
