@@ -8,7 +8,7 @@ import torch
 import ep_comm
 from ep_comm import formats, moe
 from harness import SHARED_GPU, auto_backend, multigpu_backend, run_ranks
-from oracle import Case, expected_combine
+from oracle import Case, expected_combine, nvfp4_expert_mlp
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOPK = 128, 64, 8, 3
 
@@ -138,7 +138,7 @@ def _moe_worker(rank, world, device_kind="cpu", backend="auto", routing="balance
     case = Case("moe", HIDDEN, EXPERTS, TOPK, tokens, "uniform" if routing == "balanced" else routing)
     # Both combine modes' oracles: the layer's own semantics (one row per (token, expert) when w2 writes the combine
     # rows itself) must be the nearer one -- the GPU bounds on vs_oracle alone are too loose to tell the modes apart.
-    expert_fn = lambda payload, e: moe.expert_mlp_reference(payload, w1_all[e], w2_all[e])  # noqa: E731
+    expert_fn = lambda payload, e: nvfp4_expert_mlp(payload, w1_all[e], w2_all[e])  # noqa: E731
     want_by_mode = {mode: expected_combine(case, rank, world, inputs, local_reduce=mode, expert_fn=expert_fn)
                     for mode in (True, False)}
     want = want_by_mode[not layer_combine_rows]
@@ -190,7 +190,7 @@ def _moe_edge_worker(rank, world, device_kind="cpu", backend="auto"):
     local = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
     packed_all = moe.pack_weights(w1, w2)
     w1_all, w2_all = formats.nvfp4_dequantize(packed_all.w1), formats.nvfp4_dequantize(packed_all.w2)
-    expert_fn = lambda payload, e: moe.expert_mlp_reference(payload, w1_all[e], w2_all[e])  # noqa: E731
+    expert_fn = lambda payload, e: nvfp4_expert_mlp(payload, w1_all[e], w2_all[e])  # noqa: E731
     out = {}
     with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=EXPERTS, num_topk=1, max_tokens_per_rank=16,
                         backend=backend) as buf:
