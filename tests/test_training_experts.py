@@ -142,6 +142,7 @@ def oracle_worker(rank, world, backend="reference", device_kind="cpu"):
             return out.detach(), rows.grad, experts.w1.grad.clone(), experts.w2.grad.clone()
 
         got = run(result)
+        _check_w2_input_is_the_swiglu_in_nvfp4_four_six(experts, result, seed, device)
         _check_main_grad_accumulation(experts, result, g, seed, device)
         want = _oracle(result, experts.w1, experts.w2, g, seed)
         names = ("out", "d rows", "d w1", "d w2")
@@ -195,6 +196,26 @@ def oracle_worker(rank, world, backend="reference", device_kind="cpu"):
                 assert _relative_error(a.cpu(), b) < bound, name
         assert not again[0][num_rows:].any() and not again[1][num_rows:].any()
     return "oracle ok"
+
+
+def _check_w2_input_is_the_swiglu_in_nvfp4_four_six(experts, result, seed, device):
+    """The forward's w2 input, bit for bit: silu(gate) * up of w1's saved BF16 output times its FP32 row factor, zero
+    on rows not in use and up to the padded count, quantized by the formats reference to NVFP4 with 4/6 and a
+    per-token amax. (The oracle's relative bounds cannot tell plain NVFP4 here from 4/6: a mutation audit's plain
+    quantization passed them.)"""
+    rows = torch.zeros(result.num_rows, HIDDEN, dtype=torch.bfloat16, device=device, requires_grad=True)
+    out = _ExpertMLPFunction.apply(rows, experts.w1, experts.w2, result, seed, False)
+    saved = out.grad_fn.saved
+    gate, up = (saved.gate_up_bf16.float() * saved.w1_row_factor[:, None]).chunk(2, dim=-1)
+    swiglu = torch.zeros(saved.padded_rows, INTER, device=device)
+    swiglu[:result.num_rows] = torch.where((result.src_rank >= 0)[:, None], F.silu(gate) * up, 0.0)
+    want = formats.nvfp4_quantize(swiglu, four_over_six=True, impl="reference")
+    got = saved.hidden
+    assert got.e4m3_max == want.e4m3_max == formats.NVFP4_ACTIVATION_E4M3_MAX, got.e4m3_max
+    for name in ("data", "scales", "amax"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert torch.equal(a.view(torch.uint8) if name == "scales" else a,
+                           b.view(torch.uint8) if name == "scales" else b), f"the w2 input's {name}"
 
 
 def _check_main_grad_accumulation(experts, result, g, seed, device):
