@@ -694,6 +694,26 @@ def test_routed_tokens_wait_only_from_the_dispatchs_own_capture(monkeypatch):
     assert routed(0, event=None).result == "the result" and waits == []
 
 
+def _dot_in_kernel_order(g_row: torch.Tensor, e_row: torch.Tensor) -> float:
+    """<g, e> in csrc/training_rows.h's order, one numpy FP32 addition at a time: lane l of 32 adds its 8 columns of
+    each 256-column chunk in column order (chunk 0 first), then lane l += lane l + d for d = 16, 8, 4, 2, 1. (bf16
+    products are exact in FP32.)"""
+    import numpy as np
+    g, e = g_row.float().numpy(), e_row.float().numpy()
+    lanes = np.zeros(32, dtype=np.float32)
+    with np.errstate(all="ignore"):  # (Inf - Inf and NaN rows)
+        for chunk in range(-(-g.size // 256)):
+            for lane in range(32):
+                for column in range(8):
+                    index = chunk * 256 + lane * 8 + column
+                    if index < g.size:
+                        lanes[lane] = np.float32(lanes[lane] + np.float32(g[index] * e[index]))
+        for d in (16, 8, 4, 2, 1):
+            for lane in range(d):
+                lanes[lane] = np.float32(lanes[lane] + lanes[lane + d])
+    return float(lanes[0])
+
+
 @pytest.mark.cpu
 def test_combine_backward_rows_reference_semantics():
     g, e, weight, src_rank = _rows_case(40, 352, 0, "cpu")  # (352: a partial last 256-column chunk)
@@ -707,6 +727,10 @@ def test_combine_backward_rows_reference_semantics():
     finite = torch.isfinite(want)
     assert torch.allclose(dots[used][finite].double(), want[finite], rtol=1e-5, atol=1e-3)
     assert torch.equal(torch.isnan(dots[used]), torch.isnan(want))  # NaN and Inf - Inf rows stay NaN
+    # The sum order, bit for bit (the docstring's promise; another order changed 17 of these 31 rows' dots and passed
+    # the tolerance above): written out here one FP32 addition at a time.
+    assert_same_floats(dots[used], torch.tensor([_dot_in_kernel_order(g[r], e[r]) for r in used.nonzero().flatten()
+                                                 .tolist()], dtype=torch.float32), "the dots' FP32 sum order")
     # The weight rows: each row in use holds its dot's three parts in its slot's columns, zeros elsewhere.
     carried = rows.weight_rows
     assert carried.dtype == torch.bfloat16 and carried.shape == (40, 32)
