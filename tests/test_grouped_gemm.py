@@ -499,6 +499,7 @@ def test_reference_row_amax_and_refusals():
     offsets, rows = segments(counts, 16)
     w = random_weights(experts, n, k, seed=23, scale_low=0x20, scale_high=0x50)
     x = G.expand_nvfp4_rows(random_activations(rows, k, seed=24))
+    x.values[offsets[2] + 1, 7] = float("nan")  # (a NaN output row: its amax counts NaN as 0, as formats' row amax)
     off_t, cnt_t = torch.tensor(offsets, dtype=torch.int32), torch.tensor(counts, dtype=torch.int32)
     packed = G.pack_gemm_weights(w, swiglu=True)
     row_amax = torch.full((rows,), 0.5)
@@ -507,6 +508,7 @@ def test_reference_row_amax_and_refusals():
     mask = valid_mask(offsets, counts, rows)
     want = torch.maximum(_row_amax_of(out, mask), torch.tensor(0.5))
     assert torch.equal(row_amax[mask], want[mask]) and bool((row_amax[~mask] == 0.5).all())
+    assert bool(out[offsets[2] + 1].isnan().all()) and row_amax[offsets[2] + 1] == 0.5
     with pytest.raises(ValueError, match="SwiGLU"):
         G.grouped_gemm_nvfp4(x, off_t, cnt_t, G.pack_gemm_weights(w, swiglu=False), impl="reference",
                              row_amax=torch.zeros(rows))
