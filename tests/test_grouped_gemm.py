@@ -412,15 +412,23 @@ def test_expand_reference_exact(e4m3_max):
     x = G.expand_nvfp4_rows(q, impl="reference")
     assert x.values.dtype == torch.float16 and tuple(x.values.shape) == (rows, k)
     assert x.row_factor.dtype == torch.float32 and tuple(x.row_factor.shape) == (rows,)
-    codes = torch.stack((data.to(torch.int64) & 0xF, data.to(torch.int64) >> 4), -1).reshape(rows, k)
-    exact = (torch.tensor(E2M1, dtype=torch.float64)[codes].reshape(rows, k // 16, 16)
-             * F.e4m3_decode(scales).double()[..., None]).reshape(rows, k)
+    exact, factor = _expanded_by_hand(q)
     assert torch.equal(x.values.double(), exact), "fp16 values must be exact"
-    assert torch.equal(x.row_factor, amax * torch.tensor(1.0 / (6.0 * e4m3_max), dtype=torch.float32))
+    assert torch.equal(x.row_factor, factor)
     # values * row_factor is formats' dequantization up to one fp32 rounding.
     ref = F.nvfp4_dequantize(q, impl="reference")
     got = x.values.float() * x.row_factor[:, None]
     assert torch.all((got - ref).abs() <= ref.abs() * 2.0 ** -22)
+
+
+def _expanded_by_hand(q: F.NVFP4Tensor):
+    """expand_nvfp4_rows's exact form of 2-D q, from the format's definition: float64 [R, K] block values (the E2M1
+    value of each nibble, low nibble first, times its E4M3 block scale) and the row factor amax * fp32(1 / (6 M))."""
+    rows, k = q.data.shape[0], q.data.shape[1] * 2
+    codes = torch.stack((q.data.to(torch.int64) & 0xF, q.data.to(torch.int64) >> 4), -1).reshape(rows, k)
+    values = (torch.tensor(E2M1, dtype=torch.float64)[codes].reshape(rows, k // 16, 16)
+              * F.e4m3_decode(q.scales.view(torch.uint8)).double()[..., None]).reshape(rows, k)
+    return values, q.amax * torch.tensor(1.0 / (6.0 * q.e4m3_max), dtype=torch.float32)
 
 
 @pytest.mark.cpu
@@ -449,9 +457,10 @@ def test_quantize_expanded_rows_reference_and_errors():
     amax = x.abs().nan_to_num(0.0).amax(-1) * 1.5
     for given in (None, amax):
         got = G.quantize_expanded_rows(x, amax=given)
-        want = G.expand_nvfp4_rows(F.nvfp4_quantize(x, four_over_six=True, amax=given))
-        assert torch.equal(got.values.view(torch.int16), want.values.view(torch.int16))
-        assert torch.equal(got.row_factor, want.row_factor)
+        # (expanded by hand, not by expand_nvfp4_rows: on CPU that is the path under test)
+        values, factor = _expanded_by_hand(F.nvfp4_quantize(x, four_over_six=True, amax=given, impl="reference"))
+        assert got.values.dtype == torch.float16 and torch.equal(got.values.double(), values)
+        assert torch.equal(got.row_factor, factor)
     empty = G.quantize_expanded_rows(x[:0])
     assert tuple(empty.values.shape) == (0, 64) and tuple(empty.row_factor.shape) == (0,)
     with pytest.raises(ValueError, match="multiple of 16"):
