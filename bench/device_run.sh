@@ -88,7 +88,7 @@ test_multigpu() {
   fi
   nvlink_smoke
   say "multigpu tier: MoE layer + nvlink suite + reference over NCCL"
-  timeout 300 python3 -m pytest -q -rs tests/test_moe.py tests/test_nvlink.py tests/test_reference_backend.py tests/test_waves.py tests/test_training.py tests/test_training_experts.py -k "not gloo" > "$OUT/pytest_mg.txt" 2>&1
+  timeout 300 python3 -m pytest -q -rs tests/test_moe.py tests/test_nvlink.py tests/test_reference_backend.py tests/test_waves.py tests/test_training.py tests/test_training_experts.py tests/test_ext.py -k "not gloo" > "$OUT/pytest_mg.txt" 2>&1
   tail -4 "$OUT/pytest_mg.txt" | tee -a "$log"
   say "example: MoE layer on the visible GPUs"
   timeout 120 python3 examples/moe_layer.py 2>&1 | grep rank | tee -a "$log"

@@ -28,15 +28,17 @@ def pytest_collection_modifyitems(config, items):
         os.environ["EP_COMM_ALLOW_SHARED_GPU"] = "1"
     no_ext = None if ep_comm.cuda_extension_available() else ep_comm.cuda_extension_error()
     for item in items:
-        if "gpu" in item.keywords or "multigpu" in item.keywords:
+        # (markers, not item.keywords: a parametrize id such as "gpu" or "nccl" is a keyword too)
+        marked = {marker.name for marker in item.iter_markers()}
+        if "gpu" in marked or "multigpu" in marked:
             if num_gpus == 0:
                 item.add_marker(pytest.mark.skip(reason="no CUDA device"))
             elif no_ext:
                 item.add_marker(pytest.mark.skip(reason=f"ep_comm._C unavailable: {no_ext}"))
-        if "multigpu" in item.keywords and 0 < num_gpus < 2 and not shared:
+        if "multigpu" in marked and 0 < num_gpus < 2 and not shared:
             item.add_marker(pytest.mark.skip(reason=f"needs 2 GPUs, found {num_gpus} (EP_COMM_TEST_SHARED_GPU=1 runs "
                                                     f"2 ranks on it)"))
-        if "nccl" in item.keywords and shared:
+        if "nccl" in marked and shared:
             item.add_marker(pytest.mark.skip(reason="needs NCCL between GPUs; the ranks share one GPU here"))
 
 

@@ -104,9 +104,9 @@ def test_cuda_device_switches_only_when_needed(monkeypatch):
     assert switched == [0, 3]
 
 
-@pytest.mark.gpu
+@pytest.mark.multigpu  # (with one GPU there is nothing to switch to: the multigpu tier's machines run it)
 def test_cuda_device_makes_the_device_current():
-    """On a GPU: inside cuda_device(d) the current device is d, and afterwards the previous one again. With one GPU
+    """On GPUs: inside cuda_device(d) the current device is d, and afterwards the previous one again. With one GPU
     there is no other device to switch to (the switching logic is the CPU test's above)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("one GPU: no other device to make current")
