@@ -377,17 +377,21 @@ def test_fp8_fused_expert_mlp():
 # ----------------------------------------------------------------------------------------------------------
 @pytest.mark.cpu
 def test_fp8_quantize_expanded_rows_reference():
-    """quantize_expanded_rows(precision="fp8_inexact") is expand_nvfp4_rows(nvfp4_quantize(x), precision=...) bit for
-    bit (with and without a given amax), and a bad precision name is refused."""
-    from test_grouped_gemm import hidden_rows_with_edges
+    """quantize_expanded_rows(precision="fp8_inexact") is the FP8 operand form of nvfp4_quantize(x) bit for bit (with
+    and without a given amax): E4M3 (RNE) of each block value times 2^-3, stored in FP8_COLUMN_ORDER, and 8x the
+    exact row factor -- built here from the format's definition, not by expand_nvfp4_rows (on CPU the path under
+    test). A bad precision name is refused."""
+    from test_grouped_gemm import _expanded_by_hand, hidden_rows_with_edges
     x = hidden_rows_with_edges(20, 64, seed=4)
     amax = x.abs().nan_to_num(0.0).amax(-1) * 1.5
     for given in (None, amax):
         got = G.quantize_expanded_rows(x, amax=given, precision=FP8)
-        want = G.expand_nvfp4_rows(F.nvfp4_quantize(x, four_over_six=True, amax=given), precision=FP8)
+        values, factor = _expanded_by_hand(F.nvfp4_quantize(x, four_over_six=True, amax=given, impl="reference"))
         assert got.precision == FP8 and got.values.dtype == torch.float8_e4m3fn
-        assert torch.equal(got.values.view(torch.uint8), want.values.view(torch.uint8))
-        assert torch.equal(got.row_factor, want.row_factor)
+        want = (values * 0.125).float().to(torch.float8_e4m3fn)  # (block values are exact in FP32; one rounding)
+        stored_at = 16 * torch.arange(x.shape[1] // 16)[:, None] + torch.tensor(G.FP8_COLUMN_ORDER)  # [groups, 16]
+        assert torch.equal(got.values.view(torch.uint8), want[:, stored_at.flatten()].view(torch.uint8))
+        assert torch.equal(got.row_factor, factor * 8.0)
     with pytest.raises(ValueError, match="precision"):
         G.quantize_expanded_rows(x, precision="fp8")
 
