@@ -88,7 +88,7 @@ class NvlinkContext {
     // (the kernels' per-row element offsets and the layout's token sums are 32-bit: nvlink.py's _MAX_HIDDEN and
     // _MAX_TOKENS, repeated for a direct caller)
     if (c.hidden > (1 << 20)) throw std::invalid_argument("hidden must be <= 2^20 for nvlink");
-    if (c.max_tokens > 0x7FFFFFFF - 127) throw std::invalid_argument("max_tokens must be <= 2^31 - 128 for nvlink");
+    if (c.max_tokens > (1 << 30)) throw std::invalid_argument("max_tokens must be <= 2^30 for nvlink");
     if (c.num_local < 1 || static_cast<long long>(c.num_local) * c.world != c.num_experts) {
       throw std::invalid_argument("num_experts must be num_local * world with num_local >= 1");
     }

@@ -29,8 +29,8 @@ QM_HD uint32_t sr_key_of(uint32_t key_of_value, const uint64_t* seed_on_device) 
   return seed_on_device != nullptr ? sr_key(*seed_on_device) : key_of_value;
 }
 
-// splitmix64's finalizer (ep_comm.training_experts._mix64): the seeds of the trainable experts' roundings are
-// derived with it, on the device when they live there.
+// One splitmix64 step, the increment then the finalizer (ep_comm.training_experts._mix64): the seeds of the
+// trainable experts' roundings are derived with it, on the device when they live there.
 QM_HD uint64_t mix64(uint64_t value) {
   uint64_t z = value + 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;

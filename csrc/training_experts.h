@@ -27,7 +27,7 @@ cudaError_t launch_mxfp8_round_trips(const uint16_t* x, const int32_t* src_rank,
 
 // The seeds of the trainable experts' stochastic roundings, derived on the device (so that a CUDA-graph replay
 // derives them from the values there at replay time): out[j] = mix64(*in ^ xor_values[j]) for j < count (at most
-// kMaxMixedSeeds; mix64 is splitmix64's finalizer, ep_comm.training_experts._mix64). If increment_in, *in is first
+// kMaxMixedSeeds; mix64 is one splitmix64 step, ep_comm.training_experts._mix64). If increment_in, *in is first
 // incremented by one in place (a call counter). One thread; out must not overlap in.
 constexpr int kMaxMixedSeeds = 8;
 struct SeedMixArgs {

@@ -554,8 +554,8 @@ class MoELayer(torch.nn.Module):
                              f"experts are on {device}")
 
     def _check_router_input(self, x) -> None:
-        """route's x: a floating-point [T, H] tensor on the layer's device (forward has checked more already, on every
-        rank together; a caller of route may not have)."""
+        """route's x: a floating-point [T, H] tensor on the layer's device (forward has checked more already, on
+        every rank together; a caller of route may not have)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -569,7 +569,8 @@ class MoELayer(torch.nn.Module):
     @formats._keeps_subnormals  # (the logits and the softmax: tiny routing weights stay as a GPU computes them)
     def route(self, x: torch.Tensor):
         """The router on x: [T, H] on the layer's device, bfloat16 as `forward` passes it (float16 / float32 are
-        accepted too: the logits are FP32 either way). Returns topk_idx int64 [T, K] and topk_weights float32 [T, K] (softmax over the K largest logits).
+        accepted too: the logits are FP32 either way). Returns topk_idx int64 [T, K] and topk_weights float32 [T, K]
+        (softmax over the K largest logits).
 
         The logits are an FP32 matmul whatever the caller's autocast region or TF32 setting (exact_fp32_matmuls):
         bf16 or TF32 logits would pick other experts at near-ties, and the ranks' routing would depend on it."""

@@ -236,7 +236,8 @@ _CHUNK = 256  # columns per chunk in the kernel's sum order: 32 lanes x 8 contig
 def _weight_rows_reference(dots: torch.Tensor, in_use: torch.Tensor, topk_slot: torch.Tensor,
                            weight_columns: int) -> torch.Tensor:
     """bf16 [R, weight_columns]: the three parts of each dot in row r's columns 3 topk_slot[r] + 0, 1, 2 (rows in use;
-    a slot past the columns writes what fits, as the kernel does), zeros elsewhere."""
+    a slot past the columns writes what fits, as the kernel does -- the public functions refuse that on CPU tensors,
+    see combine_backward_rows), zeros elsewhere."""
     parts = split_fp32_in_bf16(dots)  # bf16 [R, 3]
     first = torch.where(in_use, 3 * topk_slot.long(), torch.full((), -3, dtype=torch.long, device=dots.device))
     part_of_column = torch.arange(weight_columns, device=dots.device) - first[:, None]  # [R, W]
@@ -354,7 +355,8 @@ def split_fp32_in_bf16(values: torch.Tensor) -> torch.Tensor:
     (at most 8 bits) is lo. Non-finite values travel in hi alone. values: float32 (other dtypes are refused: float64
     would lose bits before the split, and narrower ones need no split)."""
     if not isinstance(values, torch.Tensor) or values.dtype != torch.float32:
-        raise TypeError(f"split_fp32_in_bf16 takes a float32 tensor, got {getattr(values, 'dtype', type(values).__name__)}")
+        raise TypeError(f"split_fp32_in_bf16 takes a float32 tensor, got "
+                        f"{getattr(values, 'dtype', type(values).__name__)}")
     values = values.contiguous()
     hi = _truncate_to_bf16(values)
     rest = values - hi.float()
@@ -369,10 +371,11 @@ def split_fp32_in_bf16(values: torch.Tensor) -> torch.Tensor:
 @formats._keeps_subnormals
 def join_bf16_parts(parts: torch.Tensor) -> torch.Tensor:
     """The inverse of split_fp32_in_bf16: bf16 [..., 3] -> fp32 [...], (hi + mid) + lo."""
-    if not isinstance(parts, torch.Tensor) or parts.dtype != torch.bfloat16 or parts.dim() == 0 \
-            or parts.shape[-1] != 3:
-        raise ValueError(f"join_bf16_parts takes bf16 [..., 3] (split_fp32_in_bf16's parts), got "
-                         f"{getattr(parts, 'dtype', type(parts).__name__)} {list(getattr(parts, 'shape', []))}")
+    if not isinstance(parts, torch.Tensor) or parts.dtype != torch.bfloat16:
+        raise TypeError(f"join_bf16_parts takes a bf16 tensor (split_fp32_in_bf16's parts), got "
+                        f"{getattr(parts, 'dtype', type(parts).__name__)}")
+    if parts.dim() == 0 or parts.shape[-1] != 3:
+        raise ValueError(f"join_bf16_parts takes bf16 [..., 3] (split_fp32_in_bf16's parts), got {list(parts.shape)}")
     parts = parts.float()
     return (parts[..., 0] + parts[..., 1]) + parts[..., 2]
 

@@ -77,7 +77,8 @@ _MASK64 = 2**64 - 1
 
 
 def _mix64(value: int) -> int:
-    """splitmix64's finalizer: a bijection of 64-bit ints whose outputs for nearby inputs look unrelated."""
+    """One splitmix64 step with `value` as its state (the golden-ratio increment, then the finalizer): a bijection of
+    64-bit ints whose outputs for nearby inputs look unrelated."""
     z = (value + 0x9E3779B97F4A7C15) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -641,6 +642,14 @@ def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: f
     return _expert_mlp(routed, w1, w2, seed, keep_weight_values, accumulate_into_main_grad, None)
 
 
+def _check_flags(keep_weight_values, accumulate_into_main_grad) -> None:
+    """expert_mlp's and ExpertMLP's two switches must be bools (a 1 or a tensor would be taken as true silently)."""
+    for name, flag in (("keep_weight_values", keep_weight_values),
+                       ("accumulate_into_main_grad", accumulate_into_main_grad)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+
+
 def _check_expert_inputs(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, keep_weight_values: bool,
                          accumulate_into_main_grad: bool) -> None:
     """Everything _expert_mlp takes but the seed: checked before ExpertMLP draws a call seed, so that a refused call
@@ -653,10 +662,7 @@ def _check_expert_inputs(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tenso
         if w.dim() != 3:
             raise ValueError(f"w1 must be [E, 2I, H] and w2 [E, H, I]; {name} is {tuple(w.shape)}")
     _check_routed(routed, w1, w2)
-    for name, flag in (("keep_weight_values", keep_weight_values),
-                       ("accumulate_into_main_grad", accumulate_into_main_grad)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    _check_flags(keep_weight_values, accumulate_into_main_grad)
     experts, two_i, hidden = w1.shape
     if two_i % 2 or tuple(w2.shape) != (experts, hidden, two_i // 2):
         raise ValueError(f"w1 must be [E, 2I, H] and w2 [E, H, I]; got {tuple(w1.shape)} and {tuple(w2.shape)}")
@@ -714,16 +720,13 @@ class ExpertMLP(torch.nn.Module):
         num_local_experts = formats._as_int(num_local_experts, "num_local_experts")
         if num_local_experts <= 0:
             raise ValueError(f"num_local_experts must be positive, got {num_local_experts}")
-        for name, value in (("hidden", hidden), ("intermediate", intermediate)):
+        for name, value, why in (("hidden", hidden, "a Buffer's rows"),
+                                 ("intermediate", intermediate, "the backward's MXFP8 blocks")):
             value = formats._as_int(value, name)
             if value <= 0 or value % formats.MX_BLOCK:
-                raise ValueError(f"{name} must be a positive multiple of {formats.MX_BLOCK} (the RHT / MXFP8 blocks), "
-                                 f"got {value}")
+                raise ValueError(f"{name} must be a positive multiple of {formats.MX_BLOCK} ({why}), got {value}")
         hidden, intermediate = int(hidden), int(intermediate)
-        for name, flag in (("keep_weight_values", keep_weight_values),
-                           ("accumulate_into_main_grad", accumulate_into_main_grad)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        _check_flags(keep_weight_values, accumulate_into_main_grad)
         self.seed = formats._check_seed(seed)
         self.w1 = torch.nn.Parameter(torch.empty(num_local_experts, 2 * intermediate, hidden, device=device,
                                                  dtype=dtype))
@@ -735,7 +738,8 @@ class ExpertMLP(torch.nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """w1, w2 ~ N(0, 1 / fan_in) from the seed (drawn in FP32 on the CPU), call_count 0, the kept weights dropped."""
+        """w1, w2 ~ N(0, 1 / fan_in) from the seed (drawn in FP32 on the CPU), call_count 0, the kept weights
+        dropped."""
         gen = torch.Generator().manual_seed(self.seed)
         experts, two_i, hidden = self.w1.shape
         with torch.no_grad():  # (drawn in FP32 on the CPU, rounded to the masters' dtype: as the weights always were)

@@ -90,7 +90,10 @@ class BufferConfig:
     @property
     def num_local_experts(self) -> int:
         """E / W, the experts each rank hosts."""
-        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
+            raise TypeError(f"world_size must be an int, got {self.world_size!r} (BufferConfig.validate() checks every "
+                            "field)")
+        if self.world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {self.world_size!r} (BufferConfig.validate() "
                              "checks every field)")
         return self.num_experts // self.world_size

@@ -123,20 +123,15 @@ def nvfp4_expert_mlp(tokens: formats.NVFP4Tensor, w1: torch.Tensor, w2: torch.Te
     moe.expert_mlp_reference (the layer's own CPU path, so a test against it could not fail): the NVFP4 tokens
     dequantized, FP32 x @ w1^T (w1 [2I, H]: gate rows, then up rows), silu(gate) * up quantized to NVFP4 with 4/6 and
     a per-token amax by the formats reference, dequantized, FP32 @ w2^T (w2 [H, I]), bf16. FP32 matmuls without TF32
-    (the caller's settings restored)."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
-    try:
+    or autocast (exact_fp32_matmuls: the caller's settings restored, whichever TF32 API the process used)."""
+    from ep_comm.grouped_gemm import exact_fp32_matmuls
+    with exact_fp32_matmuls():
         x = formats.nvfp4_dequantize(tokens, dtype=torch.float32, impl="reference")
         gate, up = (x @ w1.float().t()).chunk(2, dim=-1)
         swiglu = torch.nn.functional.silu(gate) * up
         swiglu = formats.nvfp4_dequantize(formats.nvfp4_quantize(swiglu, four_over_six=True, impl="reference"),
                                           dtype=torch.float32, impl="reference")
         return (swiglu @ w2.float().t()).to(torch.bfloat16)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved[0]
-        torch.set_float32_matmul_precision(saved[1])
 
 
 def dequantize_payload(x, fmt: str) -> torch.Tensor:

@@ -1520,11 +1520,12 @@ def test_nvlink_limits_env_and_size_hint_constants(monkeypatch):
             nvlink._check_nvlink_limits(dataclasses.replace(fits, num_experts=2048, world_size=2048))
         with pytest.raises(ValueError, match="hidden <= 1048576"):  # 2 * hidden wrapped 32-bit offsets past 2**30
             nvlink._check_nvlink_limits(dataclasses.replace(fits, hidden=2**30 + 32))
-        with pytest.raises(ValueError, match="max_tokens_per_rank <= 2147483520"):  # the layout's 32-bit token sums
+        # (the layout's chunk count sums T + T / 64 in 32 bits: T = 2^31 - 128 wrapped it and laid out one chunk)
+        with pytest.raises(ValueError, match="max_tokens_per_rank <= 1073741824"):
             nvlink._check_nvlink_limits(dataclasses.replace(fits, num_experts=8, num_topk=1, world_size=1,
-                                                            max_tokens_per_rank=2**31 - 100))
+                                                            max_tokens_per_rank=2**31 - 128))
         nvlink._check_nvlink_limits(dataclasses.replace(fits, num_experts=8, num_topk=1, world_size=1,
-                                                        max_tokens_per_rank=2**31 - 128))
+                                                        max_tokens_per_rank=2**30))
     if built is not None:
         assert (built.nvlink_max_topk, built.nvlink_max_world, built.nvlink_max_dynamic_smem,
                 built.nvlink_buffer_tag_bits, built.nvlink_dispatch_epoch_bits) == (

@@ -507,9 +507,11 @@ def test_fp32_split_into_three_bf16_parts_is_exact():
     # IndexError; weights_hidden(2.5) was 32.0 and weights_hidden(-5) 0).
     with pytest.raises(TypeError, match="takes a float32 tensor, got torch.float64"):
         training.split_fp32_in_bf16(torch.tensor([1 + 2.0 ** -40], dtype=torch.float64))
-    for bad in (torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.bfloat16), torch.zeros(2, 3)):
+    for bad in (torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.bfloat16)):
         with pytest.raises(ValueError, match=r"join_bf16_parts takes bf16 \[\.\.\., 3\]"):
             training.join_bf16_parts(bad)
+    with pytest.raises(TypeError, match="join_bf16_parts takes a bf16 tensor"):
+        training.join_bf16_parts(torch.zeros(2, 3))
     with pytest.raises(TypeError, match="num_topk must be an int"):
         training.weights_hidden(2.5)
     with pytest.raises(ValueError, match="num_topk must be positive"):

@@ -99,7 +99,8 @@ def _kernel_limits():
 
 
 _MAX_HIDDEN = 1 << 20
-_MAX_TOKENS = (1 << 31) - 128  # (num_tokens + chunk size - 1 in csrc/nvlink.h and nvlink_layout.cu must stay an int)
+# (launch_layout, csrc/nvlink_layout.cu, sums T + T / 64 - 1 in an int: 2^30 keeps it far below 2^31)
+_MAX_TOKENS = 1 << 30
 
 
 def _check_nvlink_limits(config: BufferConfig) -> None:
@@ -111,7 +112,7 @@ def _check_nvlink_limits(config: BufferConfig) -> None:
         raise ValueError(f"the nvlink backend supports up to {max_world} ranks, got {config.world_size}")
     if config.hidden > _MAX_HIDDEN:  # the kernels' per-row element offsets are 32-bit (2 * hidden must fit)
         raise ValueError(f"the nvlink backend supports hidden <= {_MAX_HIDDEN}, got {config.hidden}")
-    if config.max_tokens_per_rank > _MAX_TOKENS:  # the layout's chunk arithmetic (csrc/nvlink.h) sums in 32 bits
+    if config.max_tokens_per_rank > _MAX_TOKENS:  # the layout's chunk count (csrc/nvlink_layout.cu) sums in 32 bits
         raise ValueError(f"the nvlink backend supports max_tokens_per_rank <= {_MAX_TOKENS}, got "
                          f"{config.max_tokens_per_rank}")
     w, e = config.world_size, config.num_experts
