@@ -709,50 +709,71 @@ def test_wire_byte_counts_of_each_format():
         with pytest.raises(ValueError, match="world_size must be an int >= 1"):
             getattr(unchecked, derived)
 
-def _two_buffers_worker(rank, world):
+def _two_buffers_worker(rank, world, reversed_group_too: bool):
     """Two misuses of two same-size Buffers, each of which exchanged one Buffer's rows as the other's without a word:
-    the ranks calling the Buffers' dispatches in different orders (rank 0: A then B, rank 1: B then A), and every rank
-    combining the handle of a Buffer whose group numbers the same processes the other way round (new_group([1, 0]))
-    on a world-group Buffer. Then what stays allowed: the same Buffers in the same order, and the handle on the
-    Buffer that made it."""
+    the ranks calling the Buffers' dispatches in different orders (rank 0: A then B, rank 1: B then A), and (with
+    reversed_group_too) every rank combining the handle of a Buffer whose group numbers the same processes the other
+    way round (new_group([1, 0], sort_ranks=False), torch >= 2.12) on a world-group Buffer. Then what stays allowed:
+    the same Buffers in the same order, and the handle on the Buffer that made it."""
     import torch.distributed as dist
     import ep_comm
     sizes = dict(hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=4, dispatch_format="bf16",
                  combine_format="bf16", backend="reference", timeout_s=30)
-    reversed_group = dist.new_group([1, 0], sort_ranks=False)
-    a, b, r = ep_comm.Buffer(None, **sizes), ep_comm.Buffer(None, **sizes), ep_comm.Buffer(reversed_group, **sizes)
+    a, b = ep_comm.Buffer(None, **sizes), ep_comm.Buffer(None, **sizes)
     idx = torch.tensor([[0, 2], [1, 3], [0, 3], [2, 1]])
     w = torch.ones(4, 2)
     x = torch.full((4, 64), 1.0 + rank, dtype=torch.bfloat16)
     want = (2 * x.float()).to(torch.bfloat16)  # identity experts, two slots of weight 1
     out = {}
-    first, second = (a, b) if rank == 0 else (b, a)
+    first = a if rank == 0 else b
     try:
         first.dispatch(x, idx, w)
         out["orders"] = "accepted"
     except ValueError as error:
         out["orders"] = str(error)
-    result = r.dispatch(x, idx, w)
-    try:
-        a.combine(result.x.clone(), result.handle)
-        out["reversed_handle"] = "accepted"
-    except ValueError as error:
-        out["reversed_handle"] = str(error)
-    out["own_handle"] = bool(torch.equal(r.combine(result.x.clone(), result.handle), want))
+    buffers = [a, b]
+    if reversed_group_too:
+        r = ep_comm.Buffer(dist.new_group([1, 0], sort_ranks=False), **sizes)
+        buffers.append(r)
+        result = r.dispatch(x, idx, w)
+        try:
+            a.combine(result.x.clone(), result.handle)
+            out["reversed_handle"] = "accepted"
+        except ValueError as error:
+            out["reversed_handle"] = str(error)
+        out["own_handle"] = bool(torch.equal(r.combine(result.x.clone(), result.handle), want))
     ra, rb = a.dispatch(x, idx, w), b.dispatch(x, idx, w)
     out["same_order"] = bool(torch.equal(a.combine(ra.x.clone(), ra.handle), want)
                              and torch.equal(b.combine(rb.x.clone(), rb.handle), want))
-    for buffer in (a, b, r):
+    for buffer in buffers:
         buffer.destroy()
     return out
 
 
+def _new_group_keeps_rank_order() -> bool:
+    """torch >= 2.12: new_group(..., sort_ranks=False) (before, every group numbered its ranks in global order)."""
+    import inspect
+    import torch.distributed as dist
+    return "sort_ranks" in inspect.signature(dist.new_group).parameters
+
+
 @pytest.mark.cpu
-def test_two_same_size_buffers_misused_raise_instead_of_mixing_rows():
-    for out in run_ranks(_two_buffers_worker, 2, backend="gloo", timeout_s=120):
+def test_two_same_size_buffers_called_in_different_orders_raise_instead_of_mixing_rows():
+    for out in run_ranks(_two_buffers_worker, 2, False, backend="gloo", timeout_s=120):
+        assert "made this call on different Buffers or out of step" in out["orders"], out
+        assert out["same_order"], out
+
+
+@pytest.mark.cpu
+def test_a_handle_from_a_group_in_another_rank_order_is_refused():
+    if not _new_group_keeps_rank_order():  # (torch 2.11 on the GPU machine: there only the test above runs)
+        pytest.skip(f"torch {torch.__version__}'s new_group has no sort_ranks: no group can number these processes "
+                    "the other way round")
+    for out in run_ranks(_two_buffers_worker, 2, True, backend="gloo", timeout_s=120):
         assert "made this call on different Buffers or out of step" in out["orders"], out
         assert "another process group" in out["reversed_handle"], out
         assert out["own_handle"] and out["same_order"], out
+
 
 def _rows_only_worker(rank, world):
     """Reference backend, dispatch(expand=False): row_index names x's rows (x is already expert-major: arange over
