@@ -272,8 +272,11 @@ test_shared_smoke() {  # one GPU: the nvlink smoke (oracle cases, timeouts) with
 }
 test_shared_gpu() {  # one GPU: the multigpu tiers with 2 ranks on it (the multi-rank protocol; correctness only)
   say "multigpu tiers, 2 ranks sharing one GPU: nvlink suite, MoE layer, waves"
-  shared_tier nvlink 420 tests/test_nvlink.py -k "not oracle and not timeout"
+  test_shared_nvlink
   test_shared_layer
+}
+test_shared_nvlink() {  # one GPU, 2 ranks on it: the nvlink suite (the smoke's cases apart)
+  shared_tier nvlink 420 tests/test_nvlink.py -k "not oracle and not timeout"
 }
 test_shared_layer() {  # one GPU: the MoE layer, waves, reference-backend and training tiers with 2 ranks on it
   # (60 tests took 320 s on an H200 on 2026-12-05, 64 over 480 s on an H100 later that day: so two tiers with their
