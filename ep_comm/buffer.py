@@ -352,12 +352,15 @@ class Buffer:
                                "ep_comm.training.GradBuffers); for inference, run the forward under torch.no_grad() "
                                "or torch.inference_mode()")
 
-    def _check_tokens(self, x) -> None:
-        """x must be a bfloat16 [num_tokens, hidden] tensor (dispatch's input; MoELayer checks it before routing)."""
+    def _check_tokens(self, x, also_accepted: tuple = ()) -> None:
+        """x must be a bfloat16 [num_tokens, hidden] tensor (dispatch's input; MoELayer checks it before routing), or
+        of a dtype in also_accepted (MoELayer.route's FP32 logits take float16 / float32 too)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype != torch.bfloat16:
-            raise TypeError(f"x must be bfloat16, got {x.dtype}")
+        if x.dtype != torch.bfloat16 and x.dtype not in also_accepted:
+            names = " / ".join(str(dtype).replace("torch.", "") for dtype in also_accepted)
+            others = f" (or {names})" if also_accepted else ""
+            raise TypeError(f"x must be bfloat16{others}, got {x.dtype}")
         if x.dim() != 2 or x.shape[1] != self.config.hidden:
             raise ValueError(f"x must be [num_tokens, {self.config.hidden}], got {tuple(x.shape)}")
 

@@ -556,13 +556,7 @@ class MoELayer(torch.nn.Module):
     def _check_router_input(self, x) -> None:
         """route's x: a floating-point [T, H] tensor on the layer's device (forward has checked more already, on
         every rank together; a caller of route may not have)."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise TypeError(f"x must be bfloat16 (or float16 / float32), got {x.dtype}")
-        hidden = self.buffer.config.hidden
-        if x.dim() != 2 or x.shape[1] != hidden:
-            raise ValueError(f"x must be [num_tokens, {hidden}], got {tuple(x.shape)}")
+        self.buffer._check_tokens(x, also_accepted=(torch.float16, torch.float32))
         if x.device != self.router_weight.device:
             raise ValueError(f"x is on {x.device} and router_weight on {self.router_weight.device}")
 

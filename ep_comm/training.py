@@ -321,25 +321,26 @@ def combine_backward_rows(g: torch.Tensor, expert_out: torch.Tensor, row_weight:
         read topk_slot on the host (a sync, and no CUDA graph), so there the caller guarantees it (the kernel
         writes only the columns that fit) -- ep_comm.training's backward passes weights_hidden(num_topk).
     Returns BackwardRows (grad_expert_out = bf16(w * g), the FP32 dots <g, expert_out>, weight_rows)."""
+    if not (isinstance(g, torch.Tensor) and g.is_cuda and _ext.cuda_extension_available()):
+        # (the torch form checks its arguments itself: checking them here too would run its CPU slot check twice)
+        return combine_backward_rows_reference(g, expert_out, row_weight, src_rank, topk_slot, weight_columns)
     _check_backward_rows_args(g, expert_out, row_weight, src_rank, topk_slot, weight_columns)
-    if g.is_cuda and _ext.cuda_extension_available():
-        g, expert_out = _ext.aligned_contiguous(g, 16), _ext.aligned_contiguous(expert_out, 16)
-        row_weight, src_rank = row_weight.contiguous(), src_rank.contiguous()
-        num_rows, hidden = g.shape
-        grad = torch.empty_like(g)
-        dots = torch.empty(num_rows, dtype=torch.float32, device=g.device)
-        weight_rows = None
-        if topk_slot is not None:
-            topk_slot = topk_slot.contiguous()
-            weight_rows = torch.empty(num_rows, weight_columns, dtype=torch.bfloat16, device=g.device)
-        with _ext.cuda_device(g.device):
-            _ext.require_cuda_extension("the training kernels").combine_backward_rows(
-                g.data_ptr(), expert_out.data_ptr(), row_weight.data_ptr(), src_rank.data_ptr(), num_rows, hidden,
-                grad.data_ptr(), dots.data_ptr(), 0 if topk_slot is None else topk_slot.data_ptr(),
-                weight_columns if topk_slot is not None else 0, 0 if weight_rows is None else weight_rows.data_ptr(),
-                _ext.current_raw_stream(g.device))
-        return BackwardRows(grad_expert_out=grad, dots=dots, weight_rows=weight_rows)
-    return combine_backward_rows_reference(g, expert_out, row_weight, src_rank, topk_slot, weight_columns)
+    g, expert_out = _ext.aligned_contiguous(g, 16), _ext.aligned_contiguous(expert_out, 16)
+    row_weight, src_rank = row_weight.contiguous(), src_rank.contiguous()
+    num_rows, hidden = g.shape
+    grad = torch.empty_like(g)
+    dots = torch.empty(num_rows, dtype=torch.float32, device=g.device)
+    weight_rows = None
+    if topk_slot is not None:
+        topk_slot = topk_slot.contiguous()
+        weight_rows = torch.empty(num_rows, weight_columns, dtype=torch.bfloat16, device=g.device)
+    with _ext.cuda_device(g.device):
+        _ext.require_cuda_extension("the training kernels").combine_backward_rows(
+            g.data_ptr(), expert_out.data_ptr(), row_weight.data_ptr(), src_rank.data_ptr(), num_rows, hidden,
+            grad.data_ptr(), dots.data_ptr(), 0 if topk_slot is None else topk_slot.data_ptr(),
+            weight_columns if topk_slot is not None else 0, 0 if weight_rows is None else weight_rows.data_ptr(),
+            _ext.current_raw_stream(g.device))
+    return BackwardRows(grad_expert_out=grad, dots=dots, weight_rows=weight_rows)
 
 
 def _truncate_to_bf16(values: torch.Tensor) -> torch.Tensor:
