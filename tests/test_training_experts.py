@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import ep_comm
 from ep_comm import formats, moe, training
 from ep_comm.training_experts import _ExpertMLPFunction, _as_int64, _mix64, grad_seed
+from format_cases import assert_same_nvfp4
 from harness import auto_backend, multigpu_backend, multigpu_world, run_ranks
 
 HIDDEN, INTER, TOPK, MAX_TOKENS, ALIGNMENT = 64, 32, 2, 48, 32
@@ -210,12 +211,8 @@ def _check_w2_input_is_the_swiglu_in_nvfp4_four_six(experts, result, seed, devic
     swiglu = torch.zeros(saved.padded_rows, INTER, device=device)
     swiglu[:result.num_rows] = torch.where((result.src_rank >= 0)[:, None], F.silu(gate) * up, 0.0)
     want = formats.nvfp4_quantize(swiglu, four_over_six=True, impl="reference")
-    got = saved.hidden
-    assert got.e4m3_max == want.e4m3_max == formats.NVFP4_ACTIVATION_E4M3_MAX, got.e4m3_max
-    for name in ("data", "scales", "amax"):
-        a, b = getattr(got, name), getattr(want, name)
-        assert torch.equal(a.view(torch.uint8) if name == "scales" else a,
-                           b.view(torch.uint8) if name == "scales" else b), f"the w2 input's {name}"
+    assert saved.hidden.e4m3_max == formats.NVFP4_ACTIVATION_E4M3_MAX, saved.hidden.e4m3_max
+    assert_same_nvfp4(saved.hidden, want, "the w2 input")
 
 
 def _check_main_grad_accumulation(experts, result, g, seed, device):
