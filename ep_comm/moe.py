@@ -361,7 +361,10 @@ class MoELayer(torch.nn.Module):
             SMs, starting each expert as soon as its rows are in (no separate expansion pass). Same results
             bitwise. Needs the fused experts and the nvlink backend. None (default): on where it can run --
             measured on 2xH200 (bench/RESULTS.md, tenth session) 1.8-4.5% faster at 128 tokens per rank and within
-            -0.8..-0.2% (noise) at 4096; `self.waves` says which.
+            -0.8..-0.2% (noise) at 4096, with the classic grouped GEMM. Behind the warp-specialized GEMM (the default
+            since 2026-12-05) the waves measured 0.1-2.5% slower at 4096 tokens and on par at 128 at world 1 (one
+            H200 and one H100, where they have nothing to hide); on 2 GPUs that pairing is not yet measured.
+            `self.waves` says which.
         wave_sms: SMs of the wave receive; None: `default_wave_sms` (from the bytes and FLOPs per row), clamped to
             the Buffer's receive block count (`self.wave_sms`; None without waves; refused with waves=False).
         expert_precision: "exact" (default) or "fp8_inexact": the fused grouped GEMM's opt-in FP8 mode
