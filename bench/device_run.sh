@@ -82,14 +82,38 @@ test_nvlink_waves() {  # the dispatch/combine kernels' tiers only: nvlink smoke 
   say "multigpu tier: nvlink suite + waves"
   pytest_tier nvlink_waves 300 4 tests/test_nvlink.py tests/test_waves.py -k "not gloo"
 }
-test_multigpu() {
-  if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" = 1 ]; then  # one GPU: 2 ranks share it
+test_multigpu() {  # 2+ GPUs: the multigpu tier, one rank per GPU, then the example (one GPU: 2 ranks share it)
+  if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" = 1 ]; then
     test_shared_smoke; test_shared_gpu; return
   fi
   nvlink_smoke
-  say "multigpu tier: MoE layer + nvlink suite + reference over NCCL"
-  timeout 300 python3 -m pytest -q -rs tests/test_moe.py tests/test_nvlink.py tests/test_reference_backend.py tests/test_waves.py tests/test_training.py tests/test_training_experts.py tests/test_ext.py -k "not gloo" > "$OUT/pytest_mg.txt" 2>&1
-  tail -4 "$OUT/pytest_mg.txt" | tee -a "$log"
+  test_mg_comm
+  test_mg_layer
+  mg_example
+}
+# On 2+ GPUs only the tests marked multigpu (35 on 2026-12-05: the gpu and cpu tiers run on one GPU and in CI), in two
+# pytest runs with limits of their own and without -x, so that a cut or a failure loses little of a scarce 2-GPU call.
+# Until 2026-12-05 test_multigpu ran every test of the seven files (150, the gpu tier's world-1 cases included) under
+# one 300 s limit; its last 2-GPU run (2026-12-01) took 153 s for the 29 multigpu tests of then.
+# A 2-GPU session's plan, one call each (build ~35 s): (1) steps nvlink_smoke test_mg_comm test_mg_layer mg_example;
+# (2) steps bench_dc_both bench_moe main_job; (3) steps bench_training (and whatever a change needs).
+mg_tier() {  # $1 = name, $2 = timeout s, then pytest arguments: the multigpu-marked tests, one rank per visible GPU
+  local name="$1" limit="$2" file="$OUT/pytest_mg_$1.txt"
+  shift 2
+  timeout "$limit" python3 -m pytest -q -rs --durations=8 -m multigpu "$@" > "$file" 2>&1
+  echo "rc $?" >> "$file"  # 124: cut off by the timeout
+  grep -E "passed|failed|error|skipped|SKIPPED|rc " "$file" | tail -8 | tee -a "$log"
+}
+test_mg_comm() {  # 2+ GPUs: the nvlink suite (the smoke's 6 cases apart), waves and the device helpers (21 tests)
+  say "multigpu tier: nvlink suite + waves + device helpers"
+  mg_tier comm 300 tests/test_nvlink.py tests/test_waves.py tests/test_ext.py -k "not gloo and not oracle and not timeout"
+}
+test_mg_layer() {  # 2+ GPUs: the MoE layer, the reference backend over NCCL and the training tiers (8 tests)
+  say "multigpu tier: MoE layer + reference over NCCL + training"
+  mg_tier layer 300 tests/test_moe.py tests/test_reference_backend.py tests/test_training.py \
+    tests/test_training_experts.py -k "not gloo"
+}
+mg_example() {
   say "example: MoE layer on the visible GPUs"
   timeout 120 python3 examples/moe_layer.py 2>&1 | grep rank | tee -a "$log"
 }
