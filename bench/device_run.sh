@@ -59,13 +59,16 @@ test_gemm_variant() {  # $1 = "VAR=value [VAR=value]": the grouped GEMM kernel t
 }
 test_gemm() {  # defaults, then each selectable kernel variant
   test_gemm_default
+  test_gemm_variants
+  test_gemm_items
+  test_ws
+}
+test_gemm_variants() {  # the kernel tests under each forced classic-kernel variant (~10-45 s each)
   say "gpu tier: grouped GEMM kernels: classic tile 128/144, 2 / 4 warpgroups forced, small-tile shapes, 1 k-block/stage"
   for variant in EP_COMM_GEMM_WS=0 EP_COMM_GEMM_WARPGROUPS=2 EP_COMM_GEMM_WARPGROUPS=4 \
                  EP_COMM_GEMM_SMALL_CTA=1x4 EP_COMM_GEMM_SMALL_CTA=2x2 EP_COMM_GEMM_KBLOCKS_PER_STAGE=1; do
     test_gemm_variant "$variant"
   done
-  test_gemm_items
-  test_ws
 }
 test_gemm_items() {  # every launch persistent on a few CTAs: many work items per CTA (ring continued across items)
   say "gpu tier: grouped GEMM kernels on 3 (then classic on 3, then classic on 5 with 1 k-block per stage) persistent CTAs"
