@@ -103,11 +103,9 @@ test_multigpu() {  # 2+ GPUs: the multigpu tier, one rank per GPU, then the exam
 # bench_moe (300 + 240); (4) steps main_job bench_training (110 + 300). Expected far shorter: on 2026-12-01 the smoke,
 # the 29 multigpu tests of then, the example and the dispatch/combine benchmark took 3.7 minutes together.
 mg_tier() {  # $1 = name, $2 = timeout s, then pytest arguments: the multigpu-marked tests, one rank per visible GPU
-  local name="$1" limit="$2" file="$OUT/pytest_mg_$1.txt"
+  local name="$1" limit="$2"
   shift 2
-  timeout "$limit" python3 -m pytest -q -rs --durations=8 -m multigpu "$@" > "$file" 2>&1
-  echo "rc $?" >> "$file"  # 124: cut off by the timeout
-  grep -E "passed|failed|error|skipped|SKIPPED|rc " "$file" | tail -8 | tee -a "$log"
+  kept_tier "$OUT/pytest_mg_$name.txt" "$limit" 8 -m multigpu "$@"
 }
 test_mg_comm() {  # 2+ GPUs: the nvlink suite (the smoke's 6 cases apart), waves and the device helpers (21 tests)
   say "multigpu tier: nvlink suite + waves + device helpers"
@@ -285,13 +283,18 @@ profile_host_ab() {  # host µs per eager call at 128 tokens, this tree against 
   ab_trees "profile: host cost, 128 tokens" "us per call" env CUDA_VISIBLE_DEVICES=0 timeout 100 \
     python3 bench/profile_host.py --nproc 1 --tokens 128 --calls 500
 }
-shared_tier() {  # $1 = name, $2 = timeout s, then pytest arguments: multigpu tests with 2 ranks sharing GPU 0
-  local name="$1" limit="$2" file="$OUT/pytest_shared_$1.txt"
-  shift 2
-  EP_COMM_TEST_SHARED_GPU=1 CUDA_VISIBLE_DEVICES=0 timeout "$limit" python3 -m pytest -q -rs --durations=8 "$@" \
-    > "$file" 2>&1
+kept_tier() {  # $1 = output file, $2 = timeout s, $3 = summary lines for the log, then pytest arguments: no -x, and
+  # the whole output kept (with the exit status; 124: cut off by the timeout)
+  local file="$1" limit="$2" lines="$3"
+  shift 3
+  timeout "$limit" python3 -m pytest -q -rs --durations=8 "$@" > "$file" 2>&1
   echo "rc $?" >> "$file"
-  grep -E "passed|failed|error|SKIPPED|rc " "$file" | tail -6 | tee -a "$log"
+  grep -E "passed|failed|error|skipped|SKIPPED|rc " "$file" | tail -"$lines" | tee -a "$log"
+}
+shared_tier() {  # $1 = name, $2 = timeout s, then pytest arguments: multigpu tests with 2 ranks sharing GPU 0
+  local name="$1" limit="$2"
+  shift 2
+  EP_COMM_TEST_SHARED_GPU=1 CUDA_VISIBLE_DEVICES=0 kept_tier "$OUT/pytest_shared_$name.txt" "$limit" 6 "$@"
 }
 shared_k() {  # SHARED_K: a pytest -k expression over SHARED_FILES (default tests/test_nvlink.py), 2 ranks sharing GPU 0
   say "multigpu tier, 2 ranks sharing one GPU: ${SHARED_FILES:-tests/test_nvlink.py} -k '${SHARED_K}'"
