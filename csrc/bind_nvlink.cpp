@@ -416,7 +416,13 @@ void register_nvlink(py::module_& m) {
       },
       py::arg("device"), py::arg("handle"), "map a peer's region; returns the local address of it");
   m.def("nvlink_ipc_close_handle", &ipc_close_handle, py::arg("device"), py::arg("ptr"), no_gil);
-  m.def("nvlink_can_access_peer", &can_access_peer, py::arg("device"), py::arg("peer"));
+  m.def(
+      "nvlink_peer_link",
+      [](int device, int peer) {
+        const PeerLink link = peer_link(device, peer);
+        return py::make_tuple(link.access, link.native_atomics);
+      },
+      py::arg("device"), py::arg("peer"), "(access, native_atomics) from device's kernels to peer's memory");
   m.def(
       "nvlink_host_mapped_alloc",
       [](int device, size_t bytes) {

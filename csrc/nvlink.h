@@ -306,7 +306,14 @@ void device_free(int device, uintptr_t ptr);
 void ipc_get_handle(int device, uintptr_t ptr, unsigned char out[64]);
 uintptr_t ipc_open_handle(int device, const unsigned char handle[64]);
 void ipc_close_handle(int device, uintptr_t ptr);
-bool can_access_peer(int device, int peer);
+// What the kernels on `device` can do with memory of `peer` (cudaDeviceGetP2PAttribute, device -> peer): load and
+// store at all, and native atomics -- the flags and counters (red.release.sys, atomicCAS_system) need them; a PCIe link
+// often has access without them, NVLink has both. A device is its own peer.
+struct PeerLink {
+  bool access;
+  bool native_atomics;
+};
+PeerLink peer_link(int device, int peer);
 void host_mapped_alloc(int device, size_t bytes, uintptr_t* host_ptr, uintptr_t* device_ptr);
 void host_mapped_free(uintptr_t host_ptr);
 

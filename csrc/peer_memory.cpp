@@ -67,11 +67,14 @@ void ipc_close_handle(int device, uintptr_t ptr) {
   check(cudaIpcCloseMemHandle(reinterpret_cast<void*>(ptr)), "cudaIpcCloseMemHandle");
 }
 
-bool can_access_peer(int device, int peer) {
-  if (device == peer) return true;
-  int ok = 0;
-  check(cudaDeviceCanAccessPeer(&ok, device, peer), "cudaDeviceCanAccessPeer");
-  return ok != 0;
+PeerLink peer_link(int device, int peer) {
+  if (device == peer) return PeerLink{true, true};
+  int access = 0, atomics = 0;
+  check(cudaDeviceGetP2PAttribute(&access, cudaDevP2PAttrAccessSupported, device, peer),
+        "cudaDeviceGetP2PAttribute(AccessSupported)");
+  check(cudaDeviceGetP2PAttribute(&atomics, cudaDevP2PAttrNativeAtomicSupported, device, peer),
+        "cudaDeviceGetP2PAttribute(NativeAtomicSupported)");
+  return PeerLink{access != 0, atomics != 0};
 }
 
 void host_mapped_alloc(int device, size_t bytes, uintptr_t* host_ptr, uintptr_t* device_ptr) {

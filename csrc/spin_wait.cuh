@@ -57,15 +57,17 @@ __device__ __forceinline__ void note_peer_gave_up(unsigned int abort_value, unsi
 
 // A fault this rank found itself (a wait that timed out, a row past the result's capacity: nvlink.h row_in_capacity):
 // error_bits goes to the error word unless a first error is already there (the host reports the first cause), then
-// the abort word is set to kAbortSelf, so that every later wait gives up at once, and the system fence makes both
-// visible to the host, which reads the host-mapped error word without a sync, and to later kernels. The two stores are
-// not ordered for other observers (no fence between them); nothing needs that: the host reads only the error word,
-// and a wait that finds kAbortSelf gives up without reading the error word.
+// the abort word is set to kAbortSelf unless it is set already, so that every later wait gives up at once, and the
+// system fence makes both visible to the host, which reads the host-mapped error word without a sync, and to later
+// kernels. The abort word is set by a system-scope compare-and-swap from 0, as a peer's give-up notice is
+// (nvlink_give_up.cu), so that it keeps whichever reason came first (a plain store could replace a peer's notice that
+// landed just before it, a race with the peer's atomic besides). The two writes are not ordered for other observers (no fence between them); nothing
+// needs that: the host reads only the error word, and a wait that finds kAbortSelf gives up without reading it.
 __device__ __forceinline__ void record_fault(unsigned int* abort, unsigned long long* error_word,
                                              unsigned long long error_bits) {
   volatile unsigned long long* err = error_word;
   if (*err == 0ull) *err = error_bits;
-  *reinterpret_cast<volatile unsigned int*>(abort) = kAbortSelf;
+  atomicCAS_system(abort, 0u, kAbortSelf);
   __threadfence_system();
 }
 

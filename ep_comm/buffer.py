@@ -138,6 +138,20 @@ def _stream_of_raw(raw_stream: int, device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.ExternalStream(raw_stream, device=device)
 
 
+def _gpu_identity() -> tuple:
+    """(host, GPU UUID, device index) of this process's current GPU, or (host, None, None) without one: what the nvlink
+    backend's peer check compares between ranks (NVLinkBackend.is_available). Never raises: it runs before a
+    collective that every rank must reach."""
+    host = socket.gethostname()
+    try:
+        if torch.cuda.is_available():
+            index = torch.cuda.current_device()
+            return host, str(torch.cuda.get_device_properties(index).uuid), index
+    except Exception:  # noqa: BLE001 (a broken CUDA setup: is_available reports it on this rank)
+        pass
+    return host, None, None
+
+
 class Buffer:
     """Dispatch tokens to experts and combine expert outputs across the ranks of `group`.
 
@@ -148,10 +162,12 @@ class Buffer:
         max_tokens_per_rank: the most tokens any rank passes to one dispatch (static capacity).
         dispatch_format: "nvfp4" (default; E2M1 + E4M3 per 16 + FP32 per token, 4/6), "mxfp8" or "bf16".
         combine_format: "s2f6" (default; RHT-32 + S2F6 + UE8M0 per 32) or "bf16".
-        backend: "auto" (nvlink when ep_comm._C is built, every GPU is sm_90 or newer, and either nvshmem4py
-            imports on every rank -- then without a peer check of its own: a region NVSHMEM cannot map raises from
-            Buffer() -- or every rank's GPUs are CUDA peers; else reference, with a warning that says why; on a gloo
-            (CPU) group reference, without a warning: there are no GPUs to connect), "reference" or "nvlink".
+        backend: "auto" (nvlink when ep_comm._C is built, every GPU is sm_90 or newer, every two ranks of a node
+            use two GPUs that reach each other with peer access and native peer atomics (NVLink; a PCIe-only link is
+            refused: the kernels' flags need the atomics), and either nvshmem4py imports on every rank -- a region
+            NVSHMEM cannot map then raises from Buffer() -- or all ranks run on one node (CUDA IPC); else reference,
+            with a warning that says why; on a gloo (CPU) group reference, without a warning: there are no GPUs to
+            connect), "reference" or "nvlink" (which raises with the same reason instead of falling back).
         expert_alignment: expert segments start at multiples of this (default 1; e.g. 128 for GEMM tiles).
         num_sms: blocks (SMs) of the nvlink BF16 and MXFP8 dispatch sends (the NVLink-bound kernels; default 24).
         num_local_sms: blocks of every other nvlink kernel -- the NVFP4 quantize-and-send, whose 4/6 quantization
@@ -277,9 +293,12 @@ class Buffer:
             # A CPU (gloo) group has no GPUs to connect: the reference backend is the only engine there.
             return ReferenceBackend(self.group, self.config, format_impl=format_impl)
         have_nvshmem = False
+        # Every rank's GPU, for the nvlink backend's peer check (a collective: before anything that may raise).
+        identities = [None] * self.config.world_size
+        dist.all_gather_object(identities, _gpu_identity(), group=self.group)
         try:
             from .backends.nvlink import NVLinkBackend, _check_nvlink_limits, nvshmem_importable
-            available, reason = NVLinkBackend.is_available(self.group)
+            available, reason = NVLinkBackend.is_available(self.group, identities)
             have_nvshmem = nvshmem_importable()
             if available:
                 try:  # a configuration the reference backend takes but these kernels do not (e.g. num_topk > 32)

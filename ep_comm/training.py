@@ -51,6 +51,7 @@ differentiable.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -107,12 +108,15 @@ class GradBuffers:
                       expert_alignment=cfg.expert_alignment, num_sms=cfg.num_sms, num_local_sms=cfg.num_local_sms,
                       timeout_s=cfg.timeout_s, backend=buffer.backend if backend is None else backend,
                       combine_format="bf16", check_inputs=False)
-        rows = Buffer(buffer.group, hidden=cfg.hidden, dispatch_format=grad_format, **common)
-        try:
-            weights = Buffer(buffer.group, hidden=weights_hidden(cfg.num_topk), dispatch_format="bf16", **common)
-        except BaseException:
-            rows.destroy()
-            raise
+        # An nvlink Buffer binds to the GPU current at its creation: the forward Buffer's, whichever is current now.
+        device = getattr(buffer._backend, "torch_device", None)
+        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+            rows = Buffer(buffer.group, hidden=cfg.hidden, dispatch_format=grad_format, **common)
+            try:
+                weights = Buffer(buffer.group, hidden=weights_hidden(cfg.num_topk), dispatch_format="bf16", **common)
+            except BaseException:
+                rows.destroy()
+                raise
         return GradBuffers(rows=rows, weights=weights)
 
     def check_for(self, buffer: Buffer) -> None:

@@ -1685,7 +1685,7 @@ def _region_with_stand_ins(monkeypatch, states, init):
     import types
     from ep_comm.backends import nvlink
     region = object.__new__(nvlink._SymmetricRegion)
-    region.world, region.rank, region.group, region.nbytes = 2, 0, None, 1 << 20
+    region.world, region.rank, region.group, region.nbytes, region.device = 2, 0, None, 1 << 20, 0
     region._gather = lambda mine: states if isinstance(mine, tuple) else [mine] * 2
     fake = types.ModuleType("nvshmem")
     fake.core = types.ModuleType("nvshmem.core")
@@ -1697,9 +1697,10 @@ def _region_with_stand_ins(monkeypatch, states, init):
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("states", [
-    [(True, (0, 1), False), (False, None, False)],   # one rank initialized NVSHMEM over these ranks, the other not
-    [(True, (0, 1), False), (True, (0, 2), False)],  # both, over different groups
-    [(False, None, True), (False, None, False)],     # an earlier init failed on one rank only
+    # (initialized, over which ranks, an earlier init failed, started on another GPU than this Buffer's)
+    [(True, (0, 1), False, False), (False, None, False, False)],   # one rank initialized it over these ranks, one not
+    [(True, (0, 1), False, False), (True, (0, 2), False, False)],  # both, over different groups
+    [(False, None, True, False), (False, None, False, False)],     # an earlier init failed on one rank only
 ])
 def test_nvshmem_setup_agrees_before_the_init_broadcast(monkeypatch, states):
     """_nvshmem_init broadcasts the unique id only where NVSHMEM is not initialized yet: ranks in different states
@@ -1720,9 +1721,42 @@ def test_nvshmem_setup_enters_the_init_when_the_ranks_agree(monkeypatch):
         entered.append(args)
         raise RuntimeError("stand-in")
 
-    region = _region_with_stand_ins(monkeypatch, [(False, None, False)] * 2, init)
+    region = _region_with_stand_ins(monkeypatch, [(False, None, False, False)] * 2, init)
     why = region._setup_nvshmem()
     assert len(entered) == 1 and "NVSHMEM init failed: RuntimeError: stand-in" in why, why
+
+
+@pytest.mark.cpu
+def test_nvshmem_setup_refused_where_it_was_started_on_another_gpu(monkeypatch):
+    """NVSHMEM allocates on the GPU it was started on: a rank whose process started it on another GPU than the new
+    Buffer's makes every rank take the same way out (CUDA IPC, or a raise under EP_COMM_PEER_MEMORY=nvshmem), with the
+    reason, before any NVSHMEM call."""
+    entered = []
+    region = _region_with_stand_ins(monkeypatch, [(True, (0, 1), False, False), (True, (0, 1), False, True)],
+                                    lambda *args: entered.append(args))
+    why = region._setup_nvshmem()
+    assert why is not None and why.startswith("rank 1 started NVSHMEM on another GPU than this Buffer's") \
+        and entered == [], why
+
+
+@pytest.mark.gpu
+def test_nvlink_peer_link_query_agrees_with_cuda():
+    """_C.nvlink_peer_link, the query of the nvlink backend's peer check (_peer_link_problem): a GPU is its own peer,
+    with atomics; between two GPUs its access answer is cudaDeviceCanAccessPeer's (torch's), and it leaves the
+    current device alone. (Whether a link has native atomics is the driver's answer; the multigpu tier's Buffers,
+    which expect the nvlink backend from "auto", fail if NVLink-joined GPUs were refused for lacking them.)"""
+    from ep_comm import _ext
+    if not hasattr(_ext._C, "nvlink_peer_link"):
+        pytest.skip("ep_comm._C was built without the nvlink kernels")
+    current = torch.cuda.current_device()
+    count = torch.cuda.device_count()
+    for device in range(count):
+        assert _ext._C.nvlink_peer_link(device, device) == (True, True)
+        for peer in range(count):
+            if peer != device:
+                access, _ = _ext._C.nvlink_peer_link(device, peer)
+                assert access == torch.cuda.can_device_access_peer(device, peer), (device, peer)
+    assert torch.cuda.current_device() == current
 
 
 def current_device_kept_worker(rank, world):

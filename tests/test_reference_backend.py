@@ -263,7 +263,7 @@ def _ranks_on_two_hosts_worker(rank, world, nvshmem_on):
     import ep_comm
     from ep_comm.backends import nvlink
     socket.gethostname = lambda: f"node{rank}"
-    nvlink.NVLinkBackend.is_available = staticmethod(lambda group: (True, ""))
+    nvlink.NVLinkBackend.is_available = staticmethod(lambda group, identities=None: (True, ""))
     nvlink.nvshmem_importable = lambda: rank in nvshmem_on
 
     class Constructed(Exception):
@@ -303,13 +303,14 @@ def _auto_falls_back_worker(rank, world):
     from ep_comm.backends import nvlink
     capability = {0: (9, 0), 1: (9, 0)}
     buffer.device_backends = lambda group: {"cpu": "gloo", "cuda": "nccl"}
-    _ext._C = types.SimpleNamespace(NvlinkContext=object, nvlink_max_world=8)
+    _ext._C = types.SimpleNamespace(NvlinkContext=object, nvlink_max_world=8,
+                                    nvlink_peer_link=lambda device, peer: (True, True))
     _ext.cuda_extension_available = lambda: True
     torch.cuda.is_available = lambda: True
     torch.cuda.device_count = lambda: 2
     torch.cuda.current_device = lambda: rank
+    torch.cuda.get_device_properties = lambda index: types.SimpleNamespace(uuid=f"GPU-{index}")
     torch.cuda.get_device_capability = lambda device=None: capability[rank]
-    torch.cuda.can_device_access_peer = lambda device, peer: True
     formats._kernel_image_problem = lambda device: ""
     nvlink.nvshmem_importable = lambda: False
 
@@ -354,6 +355,100 @@ def test_auto_falls_back_to_reference_when_nvlink_cannot_run():
         assert len(fallback) == 1 and fallback[0].endswith(f"because the nvlink backend is unavailable: {reason}"), \
             (rank, out["warnings"])
         assert out["nvlink"] == f"backend='nvlink' is unavailable: {reason}", out
+
+
+def _peer_links_worker(rank, world, gpus, link, shared_gpu):
+    """The nvlink backend's peer check (backends/nvlink.py _peer_link_problem) on a faked node of 4 sm_90 GPUs (UUIDs
+    GPU-0 .. GPU-3), rank r on GPU gpus[r], every link answering `link` = (access, native atomics), the Buffer shown
+    an NCCL group as in _auto_falls_back_worker. Returns what backend="auto" and backend="nvlink" chose (the nvlink
+    constructor is a stand-in) and which (device, peer) links this rank asked about."""
+    import os
+    import types
+    import warnings
+    import ep_comm
+    from ep_comm import _ext, buffer, formats
+    from ep_comm.backends import nvlink
+    asked = []
+
+    def peer_link(device, peer):
+        asked.append((device, peer))
+        return link
+    if shared_gpu:
+        os.environ["EP_COMM_ALLOW_SHARED_GPU"] = "1"
+    buffer.device_backends = lambda group: {"cpu": "gloo", "cuda": "nccl"}
+    _ext._C = types.SimpleNamespace(NvlinkContext=object, nvlink_max_world=8, nvlink_peer_link=peer_link)
+    _ext.cuda_extension_available = lambda: True
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 4
+    torch.cuda.current_device = lambda: gpus[rank]
+    torch.cuda.get_device_properties = lambda index: types.SimpleNamespace(uuid=f"GPU-{index}")
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    formats._kernel_image_problem = lambda device: ""
+    nvlink.nvshmem_importable = lambda: False
+
+    class Constructed(Exception):
+        pass
+
+    def construct(self, group, config):
+        raise Constructed()
+
+    nvlink.NVLinkBackend.__init__ = construct
+    out = {}
+    for backend in ("auto", "nvlink"):
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            try:
+                made = ep_comm.Buffer(None, backend=backend, hidden=64, num_experts=4, num_topk=2,
+                                      max_tokens_per_rank=8)
+                out[backend] = made.backend
+                made.destroy()
+            except Constructed:
+                out[backend] = "nvlink"
+            except RuntimeError as error:
+                out[backend] = str(error)
+        out[backend + " warnings"] = [str(w.message) for w in warned if issubclass(w.category, RuntimeWarning)]
+    out["asked"] = asked
+    return out
+
+
+@pytest.mark.cpu
+def test_nvlink_peer_check_follows_each_ranks_gpu():
+    """Ranks on GPUs 2 and 3 with NVLink-like links: each rank asks about the other's GPU (found by UUID), not GPUs
+    0 and 1, and both backends choose nvlink."""
+    outs = run_ranks(_peer_links_worker, 2, (2, 3), (True, True), False, backend="gloo", timeout_s=120)
+    for rank, out in enumerate(outs):
+        assert out["auto"] == "nvlink" and out["nvlink"] == "nvlink", out
+        assert out["asked"] == [(2 + rank, 3 - rank)] * 2, out
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("link, reason", [
+    ((True, False), "rank 0: GPU cuda:0 reaches rank 1's GPU cuda:1 without native peer atomics (a PCIe link, not "
+                    "NVLink): the nvlink kernels' flags and counters need them"),
+    ((False, False), "rank 0: GPU cuda:0 cannot access rank 1's GPU cuda:1 as a peer (no NVLink/P2P)"),
+])
+def test_nvlink_refused_without_peer_atomics_or_access(link, reason):
+    """A PCIe-like link (access without native atomics) or none: "auto" takes the reference backend and says why
+    (rank 0's reason, the first), "nvlink" raises with it, on every rank."""
+    for out in run_ranks(_peer_links_worker, 2, (0, 1), link, False, backend="gloo", timeout_s=120):
+        assert out["auto"] == "reference", out
+        assert out["auto warnings"] == [f"ep_comm: using the reference backend (torch.distributed all_to_all) "
+                                        f"because the nvlink backend is unavailable: {reason}"], out
+        assert out["nvlink"] == f"backend='nvlink' is unavailable: {reason}", out
+
+
+@pytest.mark.cpu
+def test_nvlink_refused_on_one_gpu_for_two_ranks_unless_shared_gpu_is_allowed():
+    """Both ranks on GPU 0 (e.g. no torch.cuda.set_device(local_rank)): refused with the remedy, without asking about
+    any link; with EP_COMM_ALLOW_SHARED_GPU=1 (the correctness-testing mode) accepted."""
+    reason = ("rank 0: ranks 0 and 1 use the same GPU (cuda:0 here, GPU-0): give each rank its own GPU "
+              "(torch.cuda.set_device(local_rank) before creating the Buffer); EP_COMM_ALLOW_SHARED_GPU=1 lets ranks "
+              "share one for correctness tests only")
+    for out in run_ranks(_peer_links_worker, 2, (0, 0), (True, True), False, backend="gloo", timeout_s=120):
+        assert out["auto"] == "reference" and out["nvlink"] == f"backend='nvlink' is unavailable: {reason}", out
+        assert out["asked"] == [], out
+    for out in run_ranks(_peer_links_worker, 2, (0, 0), (True, True), True, backend="gloo", timeout_s=120):
+        assert out["auto"] == "nvlink" and out["nvlink"] == "nvlink" and out["asked"] == [], out
 
 
 def _exception_in_with_block_worker(rank, world):

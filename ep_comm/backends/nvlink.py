@@ -338,7 +338,7 @@ class _RowsTicket(_LaunchTicket):
 # Symmetric memory: NVSHMEM (nvshmem4py) or CUDA IPC
 # ----------------------------------------------------------------------------------------------------------
 _nvshmem_lock = threading.Lock()
-_nvshmem_state = {"initialized": False, "group_ranks": None, "error": None}
+_nvshmem_state = {"initialized": False, "group_ranks": None, "device": None, "error": None}
 
 
 def _combine_sections(sections):
@@ -388,12 +388,12 @@ def _nvshmem_init(group, region_bytes: int):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         device = torch.cuda.current_device()
         torch.cuda.init()
-        torch.empty(1, device="cuda")  # make sure the context exists before NVSHMEM starts
+        torch.empty(1, device=torch.device("cuda", device))  # make sure the context exists before NVSHMEM starts
         uid = nvshmem.get_unique_id(empty=(rank != 0))
         raw = np.asarray(uid._data).view(np.uint8).reshape(-1)
         payload = torch.from_numpy(raw.copy())
         if not _cpu_collectives(group):
-            payload = payload.cuda()
+            payload = payload.to(torch.device("cuda", device))
         dist.broadcast(payload, src=dist.get_global_rank(group, 0), group=group)
         raw[:] = payload.cpu().numpy()
         try:
@@ -403,7 +403,42 @@ def _nvshmem_init(group, region_bytes: int):
             raise
         _nvshmem_state["initialized"] = True
         _nvshmem_state["group_ranks"] = ranks
+        _nvshmem_state["device"] = device  # NVSHMEM allocates on this GPU from now on, whichever is current
         return nvshmem
+
+
+def _peer_link_problem(identities: list, rank: int, shared_gpu_allowed: bool) -> Optional[str]:
+    """Why this rank's GPU cannot serve as the nvlink peer of the other ranks of its node (None: it can).
+
+    identities: every rank's (host, GPU UUID, device index) in group-rank order (buffer._gpu_identity). The kernels
+    store into their peers' memory and update its flags and counters with system-scope atomics, so each pair of ranks
+    on one node needs two distinct GPUs (unless EP_COMM_ALLOW_SHARED_GPU) with peer access and native peer atomics:
+    NVLink has both; a PCIe link often has access only, and atomics over it are then not atomic. The peer's GPU is
+    found by its UUID, so any rank-to-GPU mapping and CUDA_VISIBLE_DEVICES order is checked as it is. Left to the
+    peer-memory setup: peers on other hosts (NVSHMEM across one NVLink domain) and GPUs this process cannot see."""
+    host, uuid, device = identities[rank]
+    if uuid is None:
+        return None  # no GPU here: is_available says so itself
+    visible = {str(torch.cuda.get_device_properties(index).uuid): index for index in range(torch.cuda.device_count())}
+    for peer, (peer_host, peer_uuid, _) in enumerate(identities):
+        if peer == rank or peer_host != host or peer_uuid is None:
+            continue
+        if peer_uuid == uuid:
+            if shared_gpu_allowed:
+                continue
+            return (f"ranks {min(rank, peer)} and {max(rank, peer)} use the same GPU (cuda:{device} here, {uuid}): "
+                    f"give each rank its own GPU (torch.cuda.set_device(local_rank) before creating the Buffer); "
+                    f"EP_COMM_ALLOW_SHARED_GPU=1 lets ranks share one for correctness tests only")
+        peer_index = visible.get(peer_uuid)
+        if peer_index is None:
+            continue
+        access, native_atomics = _ext._C.nvlink_peer_link(device, peer_index)
+        if not access:
+            return f"GPU cuda:{device} cannot access rank {peer}'s GPU cuda:{peer_index} as a peer (no NVLink/P2P)"
+        if not native_atomics:
+            return (f"GPU cuda:{device} reaches rank {peer}'s GPU cuda:{peer_index} without native peer atomics (a PCIe "
+                    f"link, not NVLink): the nvlink kernels' flags and counters need them")
+    return None
 
 
 def nvshmem_importable() -> bool:
@@ -427,6 +462,7 @@ def finalize_nvshmem() -> None:
         except Exception:
             pass
         _nvshmem_state["initialized"] = False
+        _nvshmem_state["device"] = None
 
 
 class _SymmetricRegion:
@@ -500,13 +536,21 @@ class _SymmetricRegion:
             return why
         # _nvshmem_init broadcasts the unique id only on ranks where NVSHMEM is not initialized yet (and did not fail
         # before): every rank must take the same branch, or some would wait in that broadcast for the others.
+        # NVSHMEM allocates on the GPU it was started on: a process that started it on another GPU than this
+        # Buffer's cannot give it a symmetric region here (every rank then takes the same way out).
+        started_on = _nvshmem_state["device"] if _nvshmem_state["initialized"] else None
         states = self._gather((bool(_nvshmem_state["initialized"]), _nvshmem_state["group_ranks"],
-                               _nvshmem_state["error"] is not None))
-        if len({(initialized, tuple(ranks or ())) for initialized, ranks, _ in states}) > 1 \
-                or any(failed for _, _, failed in states) and not all(failed for _, _, failed in states):
+                               _nvshmem_state["error"] is not None,
+                               started_on is not None and started_on != self.device))
+        if len({(initialized, tuple(ranks or ())) for initialized, ranks, _, _ in states}) > 1 \
+                or any(failed for _, _, failed, _ in states) and not all(failed for _, _, failed, _ in states):
             return ("NVSHMEM's state differs between the ranks (initialized over another group, or failed before, on "
                     "some ranks only): " + ", ".join(f"rank {r}: initialized={initialized} over {ranks}"
-                                                       for r, (initialized, ranks, _) in enumerate(states)))
+                                                       for r, (initialized, ranks, _, _) in enumerate(states)))
+        moved = next((r for r, (_, _, _, other_gpu) in enumerate(states) if other_gpu), None)
+        if moved is not None:
+            return (f"rank {moved} started NVSHMEM on another GPU than this Buffer's (one process uses NVSHMEM on one "
+                    f"GPU: make every nvlink Buffer of a process while the same GPU is current)")
         try:
             nvshmem = _nvshmem_init(self.group, self.nbytes)
             mine = None
@@ -818,7 +862,11 @@ class NVLinkBackend:
                 "comb_recv_blocks": int(local)}
 
     @staticmethod
-    def is_available(group) -> Tuple[bool, str]:
+    def is_available(group, identities: Optional[list] = None) -> Tuple[bool, str]:
+        """(True, "") when this rank can run the nvlink backend, else (False, why). Local checks (no collective):
+        the built kernels, a GPU of compute capability >= 9.0 whose kernel image loads, the world size; with
+        `identities` (every rank's (host, GPU UUID, device index), gathered by Buffer) also its GPU's links to the
+        GPUs of the other ranks of its node (_peer_link_problem)."""
         if not _ext.cuda_extension_available():
             return False, f"ep_comm._C is unavailable: {_ext.cuda_extension_error()}"
         c = _ext._C
@@ -840,17 +888,15 @@ class NVLinkBackend:
         problem = formats._kernel_image_problem(torch.device("cuda", torch.cuda.current_device()))
         if problem:
             return False, problem
-        have_nvshmem = nvshmem_importable()
+        if identities is not None:
+            why = _peer_link_problem(identities, dist.get_rank(group), _shared_gpu_allowed())
+            if why is not None:
+                return False, why
         if _shared_gpu_allowed():
             return True, ""  # testing mode: ranks of this node share GPUs, over CUDA IPC (see _shared_gpu_allowed)
-        if not have_nvshmem and world > torch.cuda.device_count():
+        if not nvshmem_importable() and world > torch.cuda.device_count():
             return False, (f"nvshmem4py is not installed and CUDA IPC needs every rank on this node "
                            f"({world} ranks, {torch.cuda.device_count()} GPUs visible)")
-        if not have_nvshmem:
-            device = torch.cuda.current_device()
-            for peer in range(min(world, torch.cuda.device_count())):
-                if peer != device and not torch.cuda.can_device_access_peer(device, peer):
-                    return False, f"GPU {device} cannot access GPU {peer} as a peer (no NVLink/P2P)"
         return True, ""
 
     @staticmethod
