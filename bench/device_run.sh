@@ -99,9 +99,11 @@ test_multigpu() {  # 2+ GPUs: the multigpu tier, one rank per GPU, then the exam
 # Until 2026-12-05 test_multigpu ran every test of the seven files (150, the gpu tier's world-1 cases included) under
 # one 300 s limit; its last 2-GPU run (2026-12-01) took 153 s for the 29 multigpu tests of then.
 # A 2-GPU session's plan, one call each, every call's step limits within a 600 s call (build ~35 s): (1) steps
-# nvlink_smoke test_mg_comm (150 + 300 s); (2) steps test_mg_layer mg_example (300 + 120); (3) steps bench_dc_both
-# bench_moe (300 + 240); (4) steps main_job bench_training (110 + 300). Expected far shorter: on 2026-12-01 the smoke,
-# the 29 multigpu tests of then, the example and the dispatch/combine benchmark took 3.7 minutes together.
+# nvlink_smoke test_mg_comm (150 + 300 s); (2) steps test_mg_layer EP_COMM_PEER_MEMORY=ipc nvlink_smoke (300 + 150:
+# the CUDA IPC peer memory between two GPUs, never run there -- the 2-GPU runs used NVSHMEM); (3) steps bench_dc_both
+# bench_moe (300 + 240); (4) steps main_job mg_example bench_training (110 + 120 + 300). Expected far shorter: on
+# 2026-12-01 the smoke, the 29 multigpu tests of then, the example and the dispatch/combine benchmark took 3.7 minutes
+# together.
 mg_tier() {  # $1 = name, $2 = timeout s, then pytest arguments: the multigpu-marked tests, one rank per visible GPU
   local name="$1" limit="$2"
   shift 2
