@@ -289,28 +289,24 @@ def test_nvlink_refused_across_hosts_without_nvshmem():
     assert run_ranks(_ranks_on_two_hosts_worker, 2, (0, 1), backend="gloo", timeout_s=120) == ["constructed"] * 2
 
 
-def _auto_falls_back_worker(rank, world):
-    """backend="auto" where the nvlink backend cannot run. A gloo group picks the reference backend without asking
-    nvlink, so the Buffer's choice is shown an NCCL group (its transport map says cuda:nccl; the reference backend
-    keeps the real gloo map), and NVLinkBackend.is_available itself runs on a faked CUDA setting: ep_comm._C with the
-    nvlink kernels, two sm_90 GPUs that are peers, their kernel images runnable. The control: there "auto" goes to the
-    nvlink backend (a stand-in constructor). Then rank 1's GPU turns sm_80: is_available refuses it with its reason,
-    every rank takes the reference backend and warns once (two Buffers made), backend="nvlink" raises with it."""
+def _fake_nvlink_node(device, device_count, capability, peer_link=lambda _device, _peer: (True, True)):
+    """Inside one rank's process (run_ranks spawns each): a faked node on which the nvlink backend could run.
+    ep_comm._C with the nvlink kernels (`peer_link(device, peer)` answers its link query), `device_count` GPUs with
+    UUIDs GPU-0, GPU-1, ..., this rank on GPU `device`, of compute capability `capability()`, kernel images runnable,
+    no nvshmem4py; the Buffer is shown an NCCL group (a gloo group picks the reference backend without asking nvlink;
+    the reference backend keeps the real gloo map). The nvlink constructor is a stand-in that raises the returned
+    exception class, so that the Buffer's choice can be seen."""
     import types
-    import warnings
-    import ep_comm
     from ep_comm import _ext, buffer, formats
     from ep_comm.backends import nvlink
-    capability = {0: (9, 0), 1: (9, 0)}
     buffer.device_backends = lambda group: {"cpu": "gloo", "cuda": "nccl"}
-    _ext._C = types.SimpleNamespace(NvlinkContext=object, nvlink_max_world=8,
-                                    nvlink_peer_link=lambda device, peer: (True, True))
+    _ext._C = types.SimpleNamespace(NvlinkContext=object, nvlink_max_world=8, nvlink_peer_link=peer_link)
     _ext.cuda_extension_available = lambda: True
     torch.cuda.is_available = lambda: True
-    torch.cuda.device_count = lambda: 2
-    torch.cuda.current_device = lambda: rank
+    torch.cuda.device_count = lambda: device_count
+    torch.cuda.current_device = lambda: device
     torch.cuda.get_device_properties = lambda index: types.SimpleNamespace(uuid=f"GPU-{index}")
-    torch.cuda.get_device_capability = lambda device=None: capability[rank]
+    torch.cuda.get_device_capability = lambda device=None: capability()
     formats._kernel_image_problem = lambda device: ""
     nvlink.nvshmem_importable = lambda: False
 
@@ -321,6 +317,19 @@ def _auto_falls_back_worker(rank, world):
         raise Constructed()
 
     nvlink.NVLinkBackend.__init__ = construct
+    return Constructed
+
+
+def _auto_falls_back_worker(rank, world):
+    """backend="auto" where the nvlink backend cannot run, on a faked node (_fake_nvlink_node) of two sm_90 GPUs with
+    NVLink-like links, rank r on GPU r. The control: there "auto" goes to the nvlink backend (a stand-in constructor).
+    Then rank 1's GPU turns sm_80: is_available refuses it with its reason, every rank takes the reference backend and
+    warns once (two Buffers made), backend="nvlink" raises with it."""
+    import warnings
+    import ep_comm
+    from ep_comm.backends import nvlink
+    capability = {0: (9, 0), 1: (9, 0)}
+    Constructed = _fake_nvlink_node(rank, 2, lambda: capability[rank])
     kw = dict(hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=8)
     out = {"available": nvlink.NVLinkBackend.is_available(None)}
     try:
@@ -358,16 +367,12 @@ def test_auto_falls_back_to_reference_when_nvlink_cannot_run():
 
 
 def _peer_links_worker(rank, world, gpus, link, shared_gpu):
-    """The nvlink backend's peer check (backends/nvlink.py _peer_link_problem) on a faked node of 4 sm_90 GPUs (UUIDs
-    GPU-0 .. GPU-3), rank r on GPU gpus[r], every link answering `link` = (access, native atomics), the Buffer shown
-    an NCCL group as in _auto_falls_back_worker. Returns what backend="auto" and backend="nvlink" chose (the nvlink
+    """The nvlink backend's peer check (backends/nvlink.py _peer_link_problem) on a faked node (_fake_nvlink_node) of
+    4 sm_90 GPUs, rank r on GPU gpus[r], every link answering `link` = (access, native atomics). Returns what backend="auto" and backend="nvlink" chose (the nvlink
     constructor is a stand-in) and which (device, peer) links this rank asked about."""
     import os
-    import types
     import warnings
     import ep_comm
-    from ep_comm import _ext, buffer, formats
-    from ep_comm.backends import nvlink
     asked = []
 
     def peer_link(device, peer):
@@ -375,24 +380,7 @@ def _peer_links_worker(rank, world, gpus, link, shared_gpu):
         return link
     if shared_gpu:
         os.environ["EP_COMM_ALLOW_SHARED_GPU"] = "1"
-    buffer.device_backends = lambda group: {"cpu": "gloo", "cuda": "nccl"}
-    _ext._C = types.SimpleNamespace(NvlinkContext=object, nvlink_max_world=8, nvlink_peer_link=peer_link)
-    _ext.cuda_extension_available = lambda: True
-    torch.cuda.is_available = lambda: True
-    torch.cuda.device_count = lambda: 4
-    torch.cuda.current_device = lambda: gpus[rank]
-    torch.cuda.get_device_properties = lambda index: types.SimpleNamespace(uuid=f"GPU-{index}")
-    torch.cuda.get_device_capability = lambda device=None: (9, 0)
-    formats._kernel_image_problem = lambda device: ""
-    nvlink.nvshmem_importable = lambda: False
-
-    class Constructed(Exception):
-        pass
-
-    def construct(self, group, config):
-        raise Constructed()
-
-    nvlink.NVLinkBackend.__init__ = construct
+    Constructed = _fake_nvlink_node(gpus[rank], 4, lambda: (9, 0), peer_link)
     out = {}
     for backend in ("auto", "nvlink"):
         with warnings.catch_warnings(record=True) as warned:
