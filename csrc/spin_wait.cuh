@@ -61,8 +61,9 @@ __device__ __forceinline__ void note_peer_gave_up(unsigned int abort_value, unsi
 // system fence makes both visible to the host, which reads the host-mapped error word without a sync, and to later
 // kernels. The abort word is set by a system-scope compare-and-swap from 0, as a peer's give-up notice is
 // (nvlink_give_up.cu), so that it keeps whichever reason came first (a plain store could replace a peer's notice that
-// landed just before it, a race with the peer's atomic besides). The two writes are not ordered for other observers (no fence between them); nothing
-// needs that: the host reads only the error word, and a wait that finds kAbortSelf gives up without reading it.
+// landed just before it, a race with the peer's atomic besides). The two writes are not ordered for other observers
+// (no fence between them); nothing needs that: the host reads only the error word, and a wait that finds kAbortSelf
+// gives up without reading it.
 __device__ __forceinline__ void record_fault(unsigned int* abort, unsigned long long* error_word,
                                              unsigned long long error_bits) {
   volatile unsigned long long* err = error_word;

@@ -162,10 +162,11 @@ class Buffer:
         max_tokens_per_rank: the most tokens any rank passes to one dispatch (static capacity).
         dispatch_format: "nvfp4" (default; E2M1 + E4M3 per 16 + FP32 per token, 4/6), "mxfp8" or "bf16".
         combine_format: "s2f6" (default; RHT-32 + S2F6 + UE8M0 per 32) or "bf16".
-        backend: "auto" (nvlink when ep_comm._C is built, every GPU is sm_90 or newer, every two ranks of a node
-            use two GPUs that reach each other with peer access and native peer atomics (NVLink; a PCIe-only link is
-            refused: the kernels' flags need the atomics), and either nvshmem4py imports on every rank -- a region
-            NVSHMEM cannot map then raises from Buffer() -- or all ranks run on one node (CUDA IPC); else reference,
+        backend: "auto" (nvlink when ep_comm._C is built, every GPU is sm_90 or newer, no two ranks share a GPU,
+            every two ranks of a node use GPUs that reach each other with peer access and native peer atomics
+            (NVLink; a PCIe-only link is refused: the kernels' flags need the atomics; a peer GPU this process cannot
+            see is left to the peer-memory setup), and either nvshmem4py imports on every rank -- a region NVSHMEM
+            cannot map then raises from Buffer() -- or all ranks run on one node (CUDA IPC); else reference,
             with a warning that says why; on a gloo (CPU) group reference, without a warning: there are no GPUs to
             connect), "reference" or "nvlink" (which raises with the same reason instead of falling back).
         expert_alignment: expert segments start at multiples of this (default 1; e.g. 128 for GEMM tiles).

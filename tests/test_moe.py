@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ep_comm
-from ep_comm import formats, moe
+from ep_comm import _ext, formats, moe
 from harness import SHARED_GPU, auto_backend, multigpu_backend, run_ranks
 from oracle import Case, expected_combine, nvfp4_expert_mlp
 
@@ -910,7 +910,7 @@ def check_gpu_moe_result(result, nvlink_expected):
 @pytest.mark.multigpu
 def test_moe_layer_on_gpus_matches_oracle():
     """Same check over NCCL with backend auto (nvlink where available) and the CUDA quantization kernels."""
-    peers = SHARED_GPU or torch.cuda.can_device_access_peer(0, 1)
+    peers = SHARED_GPU or _ext._C.nvlink_peer_link(0, 1) == (True, True)  # what "auto" asks of the two GPUs
     for routing in ROUTINGS:
         for result in run_ranks(_moe_worker, 2, "cuda", auto_backend(), routing, backend=multigpu_backend()):
             check_routing(result)

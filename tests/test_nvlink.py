@@ -1759,6 +1759,21 @@ def test_nvlink_peer_link_query_agrees_with_cuda():
     assert torch.cuda.current_device() == current
 
 
+@pytest.mark.cpu
+@pytest.mark.parametrize("started_on, expected", [(1, True), (0, False)])
+def test_nvshmem_setup_votes_on_the_gpu_nvshmem_started_on(monkeypatch, started_on, expected):
+    """What this rank puts in the state vote: whether NVSHMEM, already initialized in this process, runs on another
+    GPU than this Buffer's (cuda:0 here)."""
+    from ep_comm.backends import nvlink
+    voted = []
+    region = _region_with_stand_ins(monkeypatch, None, lambda *args: None)
+    region._gather = lambda mine: voted.append(mine) or [mine] * 2
+    monkeypatch.setattr(nvlink, "_nvshmem_state",
+                        {"initialized": True, "group_ranks": (0, 1), "device": started_on, "error": None})
+    region._setup_nvshmem()
+    assert voted[1] == (True, (0, 1), False, expected), voted
+
+
 def current_device_kept_worker(rank, world):
     """A Buffer on GPU 1 used while GPU 0 is current: every call runs on GPU 1 and leaves GPU 0 current (the C++ entry
     points select the Buffer's device in their own CUDA runtime, which torch sees as the thread's current device)."""

@@ -366,21 +366,35 @@ def test_auto_falls_back_to_reference_when_nvlink_cannot_run():
         assert out["nvlink"] == f"backend='nvlink' is unavailable: {reason}", out
 
 
-def _peer_links_worker(rank, world, gpus, link, shared_gpu):
+def _peer_links_worker(rank, world, gpus, link, shared_gpu, hosts=None, uuid_readable=True):
     """The nvlink backend's peer check (backends/nvlink.py _peer_link_problem) on a faked node (_fake_nvlink_node) of
-    4 sm_90 GPUs, rank r on GPU gpus[r], every link answering `link` = (access, native atomics). Returns what backend="auto" and backend="nvlink" chose (the nvlink
-    constructor is a stand-in) and which (device, peer) links this rank asked about."""
+    4 sm_90 GPUs, rank r on GPU gpus[r], every link answering `link` = (access, native atomics). hosts: each rank's
+    host name (then with nvshmem4py "installed", as ranks on two hosts need); uuid_readable=False: the GPU's
+    properties raise. Returns what backend="auto" and backend="nvlink" chose (the nvlink constructor is a stand-in)
+    and which (device, peer) links this rank asked about."""
     import os
+    import socket
+    import types
     import warnings
     import ep_comm
+    from ep_comm.backends import nvlink
     asked = []
 
     def peer_link(device, peer):
         asked.append((device, peer))
         return link
-    if shared_gpu:
-        os.environ["EP_COMM_ALLOW_SHARED_GPU"] = "1"
+    # Set either way: the shared-GPU test runs (EP_COMM_TEST_SHARED_GPU) export it as 1 to every rank they start.
+    os.environ["EP_COMM_ALLOW_SHARED_GPU"] = "1" if shared_gpu else "0"
     Constructed = _fake_nvlink_node(gpus[rank], 4, lambda: (9, 0), peer_link)
+    if hosts is not None:
+        socket.gethostname = lambda: hosts[rank]
+        nvlink.nvshmem_importable = lambda: True
+    if not uuid_readable:
+        def unreadable(index):
+            raise RuntimeError("no properties")
+        torch.cuda.get_device_properties = unreadable
+    else:
+        torch.cuda.get_device_properties = lambda index: types.SimpleNamespace(uuid=f"GPU-{index}")
     out = {}
     for backend in ("auto", "nvlink"):
         with warnings.catch_warnings(record=True) as warned:
@@ -423,6 +437,30 @@ def test_nvlink_refused_without_peer_atomics_or_access(link, reason):
         assert out["auto warnings"] == [f"ep_comm: using the reference backend (torch.distributed all_to_all) "
                                         f"because the nvlink backend is unavailable: {reason}"], out
         assert out["nvlink"] == f"backend='nvlink' is unavailable: {reason}", out
+
+
+@pytest.mark.cpu
+def test_nvlink_peer_check_across_hosts():
+    """Ranks on two hosts (NVSHMEM across one NVLink domain): no link query for the other host's GPU, which this
+    process cannot see (here: a PCIe-like answer that would refuse it); but one GPU UUID on both hosts is one GPU, and
+    is refused."""
+    outs = run_ranks(_peer_links_worker, 2, (0, 1), (True, False), False, ("node0", "node1"), backend="gloo",
+                     timeout_s=120)
+    assert all(out["auto"] == "nvlink" and out["nvlink"] == "nvlink" and out["asked"] == [] for out in outs), outs
+    for out in run_ranks(_peer_links_worker, 2, (0, 0), (True, True), False, ("node0", "node1"), backend="gloo",
+                         timeout_s=120):
+        assert out["auto"] == "reference" and "ranks 0 and 1 use the same GPU" in out["nvlink"], out
+
+
+@pytest.mark.cpu
+def test_nvlink_refused_when_the_gpu_uuid_cannot_be_read():
+    """A GPU whose properties cannot be read gives no UUID: the peer check cannot run, so nvlink is refused (not
+    skipped) with that reason."""
+    reason = ("rank 0: could not read this GPU's UUID (torch.cuda.get_device_properties(...).uuid), which the peer "
+              "check needs")
+    for out in run_ranks(_peer_links_worker, 2, (0, 1), (True, True), False, None, False, backend="gloo",
+                         timeout_s=120):
+        assert out["auto"] == "reference" and out["nvlink"] == f"backend='nvlink' is unavailable: {reason}", out
 
 
 @pytest.mark.cpu

@@ -412,32 +412,34 @@ def _peer_link_problem(identities: list, rank: int, shared_gpu_allowed: bool) ->
 
     identities: every rank's (host, GPU UUID, device index) in group-rank order (buffer._gpu_identity). The kernels
     store into their peers' memory and update its flags and counters with system-scope atomics, so each pair of ranks
-    on one node needs two distinct GPUs (unless EP_COMM_ALLOW_SHARED_GPU) with peer access and native peer atomics:
-    NVLink has both; a PCIe link often has access only, and atomics over it are then not atomic. The peer's GPU is
-    found by its UUID, so any rank-to-GPU mapping and CUDA_VISIBLE_DEVICES order is checked as it is. Left to the
-    peer-memory setup: peers on other hosts (NVSHMEM across one NVLink domain) and GPUs this process cannot see."""
+    on one node needs two distinct GPUs (unless EP_COMM_ALLOW_SHARED_GPU; compared by UUID, on any host) with peer
+    access and native peer atomics: NVLink has both; a PCIe link often has access only, and atomics over it are then
+    not atomic. The peer's GPU is found among this process's GPUs by its UUID, so any rank-to-GPU mapping and
+    CUDA_VISIBLE_DEVICES order is checked as it is. Left to the peer-memory setup: peers on other hosts (by host name;
+    NVSHMEM across one NVLink domain) and GPUs this process cannot see (e.g. each rank given only its own GPU by
+    CUDA_VISIBLE_DEVICES)."""
     host, uuid, device = identities[rank]
-    if uuid is None:
-        return None  # no GPU here: is_available says so itself
+    if uuid is None:  # (is_available asks only where CUDA works)
+        return "could not read this GPU's UUID (torch.cuda.get_device_properties(...).uuid), which the peer check needs"
     visible = {str(torch.cuda.get_device_properties(index).uuid): index for index in range(torch.cuda.device_count())}
     for peer, (peer_host, peer_uuid, _) in enumerate(identities):
-        if peer == rank or peer_host != host or peer_uuid is None:
+        if peer == rank or peer_uuid is None:
             continue
-        if peer_uuid == uuid:
+        if peer_uuid == uuid:  # a UUID names one GPU, whatever host names the processes see
             if shared_gpu_allowed:
                 continue
             return (f"ranks {min(rank, peer)} and {max(rank, peer)} use the same GPU (cuda:{device} here, {uuid}): "
                     f"give each rank its own GPU (torch.cuda.set_device(local_rank) before creating the Buffer); "
                     f"EP_COMM_ALLOW_SHARED_GPU=1 lets ranks share one for correctness tests only")
-        peer_index = visible.get(peer_uuid)
+        peer_index = visible.get(peer_uuid) if peer_host == host else None
         if peer_index is None:
             continue
         access, native_atomics = _ext._C.nvlink_peer_link(device, peer_index)
         if not access:
             return f"GPU cuda:{device} cannot access rank {peer}'s GPU cuda:{peer_index} as a peer (no NVLink/P2P)"
         if not native_atomics:
-            return (f"GPU cuda:{device} reaches rank {peer}'s GPU cuda:{peer_index} without native peer atomics (a PCIe "
-                    f"link, not NVLink): the nvlink kernels' flags and counters need them")
+            return (f"GPU cuda:{device} reaches rank {peer}'s GPU cuda:{peer_index} without native peer atomics "
+                    f"(a PCIe link, not NVLink): the nvlink kernels' flags and counters need them")
     return None
 
 
