@@ -256,7 +256,8 @@ def _worker(rank, world, args):
 
 
 def print_table(rows, args) -> None:
-    """Prints rank 0's figures per format pair (and the slowest rank's times) as the README describes them."""
+    """Prints rank 0's figures per format pair, then, with several ranks, each pair's slowest rank (rank skew shows
+    there; the JSON has every rank's rows)."""
     rank0 = [r for r in rows if r["rank"] == 0]
     print(f"ep_comm.bench: {args.ranks} {args.device.upper()} ranks, backend {rank0[0]['backend'] if rank0 else '?'}, "
           f"tokens/rank {args.tokens}, hidden {args.hidden}, top-{args.topk} of {args.experts} experts, "
@@ -281,6 +282,15 @@ def print_table(rows, args) -> None:
               f"{r['combine_rel_l2_error']:>9.4f}{r['rel_l2_error']:>9.4f}{r['sqnr_db']:>9.1f}")
     print("comb L2: the combine's own error (against a BF16 combine of the same expert rows); e2e L2 / SQNR: "
           "dispatch + combine against the unquantized toy expert")
+    if args.ranks > 1:
+        for r in rank0:
+            pair = [o for o in rows if (o["dispatch_format"], o["combine_format"]) ==
+                    (r["dispatch_format"], r["combine_format"])]
+            slow_d = max(pair, key=lambda o: o["dispatch_us"])
+            slow_c = max(pair, key=lambda o: o["combine_us"])
+            print(f"{r['dispatch_format'] + '/' + r['combine_format']:<17}slowest rank: dispatch "
+                  f"{micros(slow_d['dispatch_us'])} us (rank {slow_d['rank']}), combine {micros(slow_c['combine_us'])} "
+                  f"us (rank {slow_c['rank']})")
     if args.device == "cuda" and getattr(args, "ranks_chosen", False) and args.ranks < torch.cuda.device_count():
         print(f"{args.ranks} of the {torch.cuda.device_count()} visible GPUs: --experts must be a multiple of the "
               f"ranks")

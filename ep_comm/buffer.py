@@ -588,9 +588,9 @@ class Buffer:
             self._refuse_autograd("dispatch", x, topk_weights)
             self._validate_dispatch(x, topk_idx, topk_weights, check)
             self._check_stream_args(x.device, comm_stream, done_event)
-        self._validate_together(validate, "dispatch")
+        self._validate_together(validate, "dispatch", x)
 
-    def _validate_together(self, check, what: str) -> None:
+    def _validate_together(self, check, what: str, tensor=None) -> None:
         """Runs this Buffer's liveness check, then `check`. On the reference backend (which refuses CUDA-graph capture
         here, before anything is enqueued: it is not capturable) the ranks then agree on the outcome (one small
         all_reduce, whatever check_inputs is, so that ranks calling with different settings still meet): inputs
@@ -602,7 +602,9 @@ class Buffer:
         rank. A bad argument (type, shape, device, handle) is a program's error, usually the same on every rank,
         which then all raise and go on; on one rank only, its peers wait until their timeout, whose message names
         this cause. The liveness check is part of the agreement: a Buffer destroyed on one rank only makes its
-        reference-backend peers raise at once."""
+        reference-backend peers raise at once. So is `tensor`'s device type (the call's main input: x, expert_out):
+        over a group with both gloo and NCCL, one rank's CPU tensors would go over gloo while its peers' CUDA
+        tensors wait over NCCL."""
         def validate():
             self._check_alive()
             check()
@@ -628,12 +630,13 @@ class Buffer:
         error = None
         try:
             validate()
-        except (TypeError, ValueError, RuntimeError) as rejected:
+        except Exception as rejected:  # noqa: BLE001 (whatever the check raised, the peers must hear of it)
             error = rejected
+        device = getattr(tensor, "device", None)  # `tensor`: the call's main input (x, expert_out), if any
         try:
             self._backend.raise_together(error, what + " inputs were rejected on rank(s) {ranks} (see the error raised "
                                                       "there); this rank's call is abandoned so that no rank waits",
-                                         self._backend.call_id(what))
+                                         self._backend.call_id(what), getattr(device, "type", None))
         except RuntimeError as failed:
             if self._destroyed and failed is not error:  # (the agreement itself failed: its timeout, say)
                 raise RuntimeError(f"this ep_comm.Buffer was destroyed, and its peers did not join this {what}'s "
@@ -723,7 +726,7 @@ class Buffer:
                 raise TypeError(f"local_reduce must be a bool, got {_type_name(local_reduce)}")
             self._validate_combine(expert_out, handle)
             self._check_stream_args(expert_out.device, comm_stream, done_event)
-        self._validate_together(validate, "combine")
+        self._validate_together(validate, "combine", expert_out)
         return self._run_on_stream(expert_out.device, comm_stream, done_event, (expert_out, handle),
                                    lambda: self._backend.combine(expert_out, handle, local_reduce=local_reduce),
                                    handle=handle)

@@ -657,7 +657,7 @@ class MoELayer(torch.nn.Module):
         combine, as the class docstring describes. Collective: every rank of the Buffer's group calls it."""
         # Checked before routing (the router's matmul would fail first, on this rank only); on the reference backend the
         # ranks agree on the outcome, so a bad x on one rank raises on every rank.
-        self.buffer._validate_together(lambda: self._check_input(x), "MoELayer forward")
+        self.buffer._validate_together(lambda: self._check_input(x), "MoELayer forward", x)
         topk_idx, topk_weights = self.route(x)
         # torch.topk over the logits gives K distinct ids in [0, E): valid by construction, so the dispatch skips
         # the id check and its device->host copy (which made the host wait for the GPU once per layer).

@@ -22,6 +22,10 @@ def test_main_job_on_cpu_ranks(tmp_path, capsys):
         assert r["dispatch_us"] > 0 and r["combine_us"] > 0 and 0 < r["combine_row_pairs"] <= 24
     table = capsys.readouterr().out
     assert "comb L2" in table and "0.00" not in table.split("\n")[3].split()[5:9], table  # rates keep their digits
+    for fmt in ("nvfp4/s2f6", "bf16/bf16"):  # each pair's slowest rank, from the rows the JSON has
+        d, c = (max(rows[(rank, fmt.split("/")[0])][key] for rank in (0, 1)) for key in ("dispatch_us", "combine_us"))
+        slow = [line for line in table.splitlines() if line.startswith(fmt) and "slowest rank" in line]
+        assert len(slow) == 1 and f"dispatch {d:.1f} us" in slow[0] and f"combine {c:.1f} us" in slow[0], table
 
 
 @pytest.mark.cpu

@@ -477,6 +477,36 @@ def test_nvlink_refused_on_one_gpu_for_two_ranks_unless_shared_gpu_is_allowed():
         assert out["auto"] == "nvlink" and out["nvlink"] == "nvlink" and out["asked"] == [], out
 
 
+def _agreement_worker(rank, world):
+    """The reference backend's per-call agreement (raise_together) on its own: the ranks' tensors on different device
+    types (rank 0 CPU, rank 1 CUDA, as on a group with both gloo and NCCL: the agreement runs over gloo) make every
+    rank raise naming both; unknown types (None) and equal types pass; a failed check on one rank still takes
+    precedence (its own error there, the others name it)."""
+    import ep_comm
+    buf = ep_comm.Buffer(None, hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=8, backend="reference")
+    out = []
+    for types_of_ranks, failing in ((("cpu", "cuda"), None), (("cpu", None), None), (("cuda", "cuda"), None),
+                                    (("cpu", "cuda"), 1)):
+        error = KeyError("own check") if rank == failing else None
+        try:
+            buf._backend.raise_together(error, "rejected on rank(s) {ranks}", 7, types_of_ranks[rank])
+            out.append("passed")
+        except (KeyError, ValueError) as raised:
+            out.append(f"{type(raised).__name__}: {raised}")
+    buf.destroy()
+    return out
+
+
+@pytest.mark.cpu
+def test_ranks_agree_on_the_device_type_of_a_call():
+    mixed = ("ValueError: the ranks passed this call's tensors on different device types (rank 0: cpu, rank 1: cuda): "
+             "every rank must use the same (over a group with both gloo and NCCL, CPU tensors go over gloo and CUDA "
+             "tensors over NCCL, and the two never meet); this call is abandoned on every rank")
+    rank0, rank1 = run_ranks(_agreement_worker, 2, backend="gloo", timeout_s=120)
+    assert rank0 == [mixed, "passed", "passed", "ValueError: rejected on rank(s) [1]"], rank0
+    assert rank1 == [mixed, "passed", "passed", "KeyError: 'own check'"], rank1
+
+
 def _exception_in_with_block_worker(rank, world):
     """An exception leaving `with Buffer(...)`: the backend is told to give up first (nvlink: the peers stop waiting
     for this rank), then destroyed; a destroy() that fails too is warned about and does not replace the exception."""

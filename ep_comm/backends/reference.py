@@ -243,28 +243,40 @@ class ReferenceBackend:
         Buffer's tag."""
         return self.next_dispatch_id() if what == "dispatch" else self._tag_base
 
-    def raise_together(self, error: Optional[Exception], others_message: str, call_id: int = 0) -> None:
-        """Collective: every rank learns which ranks failed a check and which call each makes (`call_id`; one small
-        all_reduce) and all of them raise -- the failing ranks their own `error`, the others
-        ValueError(others_message.format(ranks=[...])), and when the call ids differ every rank a ValueError naming
-        them -- instead of the others waiting in the next exchange until the process group's timeout (or gloo
-        aborting on mismatched split sizes), or two different calls exchanging each other's rows."""
+    def raise_together(self, error: Optional[Exception], others_message: str, call_id: int = 0,
+                       device_type: Optional[str] = None) -> None:
+        """Collective: every rank learns which ranks failed a check, which call each makes (`call_id`) and on which
+        device type its tensors are (`device_type`: "cpu", "cuda", or None when unknown; one small all_reduce), and
+        all of them raise -- the failing ranks their own `error`, the others ValueError(others_message.format(
+        ranks=[...])), and when the call ids or the device types differ every rank a ValueError naming them --
+        instead of the others waiting in the next exchange until the process group's timeout (or gloo aborting on
+        mismatched split sizes), two different calls exchanging each other's rows, or, on a group with both gloo and
+        NCCL, one rank's CPU tensors going over gloo while its peers' CUDA tensors wait over NCCL."""
         # On a device the group serves: the CPU where gloo is there, else the current GPU (an NCCL-only group).
         device = torch.device("cpu") if self._cpu_gloo or not self._cuda_nccl else torch.device(
             "cuda", torch.cuda.current_device())
-        table = torch.zeros(self.config.world_size, 2, dtype=torch.int64, device=device)  # [rank] = (failed, call id)
+        kinds = {None: 0, "cpu": 1, "cuda": 2}
+        # [rank] = (failed, call id, device type code)
+        table = torch.zeros(self.config.world_size, 3, dtype=torch.int64, device=device)
         table[self.rank, 0] = int(error is not None)
         table[self.rank, 1] = call_id
+        table[self.rank, 2] = kinds.get(device_type, len(kinds))
         self._collective("the input check's agreement", dist.all_reduce, table)
         if error is not None:
             raise error
         rows = table.tolist()
-        ranks = [r for r, (bad, _) in enumerate(rows) if bad]
+        ranks = [r for r, (bad, _, _) in enumerate(rows) if bad]
         if ranks:
             raise ValueError(others_message.format(ranks=ranks))
-        if any(call != rows[0][1] for _, call in rows):
+        if len({kind for _, _, kind in rows if kind != 0}) > 1:
+            names = {code: name for name, code in kinds.items()}
+            types = ", ".join(f"rank {r}: {names.get(kind, 'other')}" for r, (_, _, kind) in enumerate(rows))
+            raise ValueError(f"the ranks passed this call's tensors on different device types ({types}): every rank "
+                             f"must use the same (over a group with both gloo and NCCL, CPU tensors go over gloo and "
+                             f"CUDA tensors over NCCL, and the two never meet); this call is abandoned on every rank")
+        if any(call != rows[0][1] for _, call, _ in rows):
             calls = ", ".join(f"rank {r}: Buffer tag {call >> DISPATCH_COUNT_BITS}, dispatch "
-                              f"{call & ((1 << DISPATCH_COUNT_BITS) - 1)}" for r, (_, call) in enumerate(rows))
+                              f"{call & ((1 << DISPATCH_COUNT_BITS) - 1)}" for r, (_, call, _) in enumerate(rows))
             raise ValueError(f"the ranks made this call on different Buffers or out of step ({calls}): every rank must "
                              "call the same Buffers in the same order; this call is abandoned on every rank")
 
