@@ -310,18 +310,19 @@ class Buffer:
             available, reason = False, f"the nvlink backend could not be imported ({error})"
         except Exception as error:  # noqa: BLE001 (CUDA init, a peer-access query: this rank still votes)
             available, reason = False, f"the nvlink backend's availability check raised ({error!r})"
-        # Every rank must agree, or one would wait for the others on a different transport. The hosts too: without
-        # nvshmem4py on every rank the peers are mapped with CUDA IPC, which cannot reach another node (is_available
-        # only sees its own node's GPUs), and "auto" must then pick the reference backend instead of failing in setup.
+        # Every rank must agree, or one would wait for the others on a different transport. The hosts too (from the
+        # identities): without nvshmem4py on every rank the peers are mapped with CUDA IPC, which cannot reach another
+        # node (is_available only sees its own node's GPUs), and "auto" must then pick the reference backend instead
+        # of failing in setup.
         votes = [None] * self.config.world_size
-        dist.all_gather_object(votes, (available, reason, socket.gethostname(), have_nvshmem), group=self.group)
-        hosts = sorted({host for _, _, host, _ in votes})
-        if len(hosts) > 1 and not all(nvshmem for _, _, _, nvshmem in votes):
+        dist.all_gather_object(votes, (available, reason, have_nvshmem), group=self.group)
+        hosts = sorted({host for host, _, _ in identities})
+        if len(hosts) > 1 and not all(nvshmem for _, _, nvshmem in votes):
             votes = [(False, f"the ranks run on {len(hosts)} hosts ({', '.join(hosts[:4])}) and nvshmem4py is not "
-                      f"installed on every rank: CUDA IPC peer memory needs every rank on one node", host, nvshmem)
-                     for _, _, host, nvshmem in votes]
-        if not all(ok for ok, _, _, _ in votes):
-            reason = next(f"rank {r}: {why}" for r, (ok, why, _, _) in enumerate(votes) if not ok)
+                      f"installed on every rank: CUDA IPC peer memory needs every rank on one node", nvshmem)
+                     for _, _, nvshmem in votes]
+        if not all(ok for ok, _, _ in votes):
+            reason = next(f"rank {r}: {why}" for r, (ok, why, _) in enumerate(votes) if not ok)
             if backend == "nvlink":
                 raise RuntimeError(f"backend='nvlink' is unavailable: {reason}")
             warn_once(f"ep_comm: using the reference backend (torch.distributed all_to_all) because the nvlink "

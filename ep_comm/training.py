@@ -51,7 +51,6 @@ differentiable.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -108,9 +107,9 @@ class GradBuffers:
                       expert_alignment=cfg.expert_alignment, num_sms=cfg.num_sms, num_local_sms=cfg.num_local_sms,
                       timeout_s=cfg.timeout_s, backend=buffer.backend if backend is None else backend,
                       combine_format="bf16", check_inputs=False)
-        # An nvlink Buffer binds to the GPU current at its creation: the forward Buffer's, whichever is current now.
-        device = getattr(buffer._backend, "torch_device", None)
-        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+        # An nvlink Buffer binds to the GPU current at its creation: the forward Buffer's, whichever is current now
+        # (the reference backend has no GPU of its own: an index-less device leaves the current one).
+        with _ext.cuda_device(getattr(buffer._backend, "torch_device", torch.device("cuda"))):
             rows = Buffer(buffer.group, hidden=cfg.hidden, dispatch_format=grad_format, **common)
             try:
                 weights = Buffer(buffer.group, hidden=weights_hidden(cfg.num_topk), dispatch_format="bf16", **common)

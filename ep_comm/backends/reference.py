@@ -255,12 +255,12 @@ class ReferenceBackend:
         # On a device the group serves: the CPU where gloo is there, else the current GPU (an NCCL-only group).
         device = torch.device("cpu") if self._cpu_gloo or not self._cuda_nccl else torch.device(
             "cuda", torch.cuda.current_device())
-        kinds = {None: 0, "cpu": 1, "cuda": 2}
+        kinds = (None, "cpu", "cuda", "other")  # device type codes (0: unknown, compared with nothing)
         # [rank] = (failed, call id, device type code)
         table = torch.zeros(self.config.world_size, 3, dtype=torch.int64, device=device)
         table[self.rank, 0] = int(error is not None)
         table[self.rank, 1] = call_id
-        table[self.rank, 2] = kinds.get(device_type, len(kinds))
+        table[self.rank, 2] = kinds.index(device_type if device_type in kinds else "other")
         self._collective("the input check's agreement", dist.all_reduce, table)
         if error is not None:
             raise error
@@ -269,8 +269,7 @@ class ReferenceBackend:
         if ranks:
             raise ValueError(others_message.format(ranks=ranks))
         if len({kind for _, _, kind in rows if kind != 0}) > 1:
-            names = {code: name for name, code in kinds.items()}
-            types = ", ".join(f"rank {r}: {names.get(kind, 'other')}" for r, (_, _, kind) in enumerate(rows))
+            types = ", ".join(f"rank {r}: {kinds[kind]}" for r, (_, _, kind) in enumerate(rows))
             raise ValueError(f"the ranks passed this call's tensors on different device types ({types}): every rank "
                              f"must use the same (over a group with both gloo and NCCL, CPU tensors go over gloo and "
                              f"CUDA tensors over NCCL, and the two never meet); this call is abandoned on every rank")
