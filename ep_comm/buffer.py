@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ._compile import eager_only
 from ._ext import capture_id, current_raw_stream, warn_once
 from .formats import IMPLS as FORMAT_IMPLS
 from .formats import _is_capturing
@@ -212,6 +213,7 @@ class Buffer:
     enabled, inputs that require grad are refused with an error rather than silently cut out of backward.
     """
 
+    @eager_only
     def __init__(self, group=None, *, hidden: int, num_experts: int, num_topk: int, max_tokens_per_rank: int,
                  dispatch_format: str = "nvfp4", combine_format: str = "s2f6", backend: str = "auto",
                  expert_alignment: int = 1, num_sms: int = 24, num_local_sms: int = 0, rht_sign_mask: int = 0x6A09E667,
@@ -522,6 +524,7 @@ class Buffer:
                 tensor.record_stream(caller)
         return out
 
+    @eager_only
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  check_inputs: Optional[bool] = None, *, comm_stream: Optional[torch.cuda.Stream] = None,
                  done_event: Optional[torch.cuda.Event] = None, expand: bool = True) -> DispatchResult:
@@ -644,6 +647,7 @@ class Buffer:
                                    f"agreement (a call after destroy() made on this rank only?): {failed}") from failed
             raise
 
+    @eager_only
     def dispatch_waves(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                        wave_sms: int, check_inputs: Optional[bool] = None, precision: str = "exact") -> WaveDispatch:
         """`dispatch` for a w1 grouped GEMM that overlaps its receive (nvlink backend, NVFP4 dispatch).
@@ -699,6 +703,7 @@ class Buffer:
             raise NotImplementedError("waves need the nvlink backend")
         return self._backend.blocks["disp_recv_blocks"]
 
+    @eager_only
     def combine(self, expert_out: torch.Tensor, handle, local_reduce: bool = True, *,
                 comm_stream: Optional[torch.cuda.Stream] = None,
                 done_event: Optional[torch.cuda.Event] = None) -> torch.Tensor:
@@ -752,6 +757,7 @@ class Buffer:
             rows = self._backend.rows_read_by_combine(handle)
             _check_finite_rows("expert_out", expert_out.index_select(0, rows), rows)
 
+    @eager_only
     def begin_combine_rows(self, result: DispatchResult) -> CombineRowsTarget:
         """Start a combine whose rows a GEMM epilogue writes itself (nvlink backend, combine_format "s2f6").
 
@@ -787,6 +793,7 @@ class Buffer:
             raise ValueError(f"the combine-row epilogue writes S2F6 rows; this buffer combines in "
                              f"{self.config.combine_format!r}")
 
+    @eager_only
     def finish_combine_rows(self, handle) -> torch.Tensor:
         """Publish the rows stored since `begin_combine_rows` and receive them: bfloat16 [T, H], the weighted sum
         over the token's unmasked top-k slots in slot order (local_reduce=False semantics), inverse RHT once."""
@@ -796,6 +803,7 @@ class Buffer:
         return self._run_on_stream(self._backend.torch_device, None, None, (),
                                    lambda: self._backend.finish_combine_rows(handle), handle=handle)
 
+    @eager_only
     def check(self) -> None:
         """Raise if a kernel of this Buffer recorded a timeout (nvlink backend: a peer that never arrived, or a wave
         GEMM whose rows never came), naming rank and stage, or a dispatch row that fell outside the result (not
@@ -809,6 +817,7 @@ class Buffer:
         if backend_check is not None:
             backend_check()
 
+    @eager_only
     def destroy(self) -> None:
         """Free every buffer (symmetric memory included). Collective: every rank must call it. On the nvlink backend
         it waits in a barrier of the Buffer's group until every rank has called it (no peer may still write into this

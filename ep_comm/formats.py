@@ -25,6 +25,7 @@ from typing import Optional, Union
 import torch
 
 from . import _ext
+from ._compile import eager_only
 
 __all__ = [
     "NVFP4Tensor", "MXFP8Tensor", "S2F6Tensor", "DEFAULT_SIGN_MASK",
@@ -139,14 +140,15 @@ def ieee_subnormals():
 
 
 def _keeps_subnormals(function):
-    """Decorator: `function` runs inside ieee_subnormals() (every public reference function of this module)."""
+    """Decorator of every public function of this module that computes format bits: `function` runs inside
+    ieee_subnormals(), and eagerly under torch.compile (_compile.eager_only)."""
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         if _SUBNORMAL * _ONE != 0.0:  # the common case, checked without a context manager (CUDA paths call this too)
             return function(*args, **kwargs)
         with ieee_subnormals():
             return function(*args, **kwargs)
-    return wrapper
+    return eager_only(wrapper)
 
 
 def _check_float_input(x, name: str, block: int) -> None:
@@ -458,12 +460,14 @@ def _fmix32_int(h: int) -> int:
     return h ^ (h >> 16)
 
 
+@eager_only
 def sr_key(seed: int) -> int:
     """32-bit key of a stochastic-rounding seed, an int in [0, 2^64) as `rbits` takes it (docs/NUMERICS.md)."""
     seed = _check_seed(seed)
     return _fmix32_int((seed & 0xFFFFFFFF) ^ 0x9E3779B9) ^ _fmix32_int((seed >> 32) ^ 0x7F4A7C15)
 
 
+@eager_only
 def rbits(seed: int, index: torch.Tensor) -> torch.Tensor:
     """16 counter-based random bits (int64 tensor in [0, 2^16)) for each element index (docs/NUMERICS.md).
 
@@ -970,6 +974,7 @@ def s2f6_dequantize(s: S2F6Tensor, hadamard: Optional[bool] = None, dtype: torch
     return values.to(dtype)
 
 
+@eager_only
 def dequantize(x, dtype: torch.dtype = torch.float32, impl: str = "auto") -> torch.Tensor:
     """Any payload of this library as a dense tensor in `dtype` (float32, bfloat16, float16 or float64): an
     NVFP4Tensor, MXFP8Tensor or S2F6Tensor through its own dequantizer (S2F6: inverse RHT applied when it was rotated),

@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _ext
+from ._compile import eager_only
 from .formats import (NVFP4_ACTIVATION_E4M3_MAX, NVFP4_BLOCK, NVFP4_WEIGHT_E4M3_MAX, NVFP4Tensor, _as_int,
                       _check_amax_values, _check_float_input, _check_nvfp4, _cuda_kernels_problem, _f32,
                       _keeps_subnormals, _nan_to_zero_abs, _pack_e2m1_codes, _reference_fallback, _unpack_e2m1_codes,
@@ -304,6 +305,7 @@ def _check_weight_values(w: NVFP4Tensor, name: str = "weight") -> None:
 
 
 @_keeps_subnormals
+@eager_only
 def pack_gemm_weights(w: NVFP4Tensor, swiglu: bool) -> GemmWeights:
     """Pack NVFP4 expert weights w (logical [E, N, K], one amax per expert) for `grouped_gemm_nvfp4`.
 
@@ -448,6 +450,7 @@ def _fp8_expert_weights(w: GemmWeights, e: int) -> torch.Tensor:
 
 
 @_keeps_subnormals
+@eager_only
 def unpack_gemm_weights(w: GemmWeights) -> NVFP4Tensor:
     """The NVFP4 weights [E, N, K] that `pack_gemm_weights` packed into w, bit for bit: codes, E4M3 scale bytes, the
     per-expert amax broadcast along N, e4m3_max. What a layer that keeps only the packed form hands back for saving
@@ -466,6 +469,7 @@ def unpack_gemm_weights(w: GemmWeights) -> NVFP4Tensor:
 
 
 @_keeps_subnormals
+@eager_only
 def dequantize_gemm_weights(w: GemmWeights) -> torch.Tensor:
     """Unpack GemmWeights to fp32 [E, N, K] in the original row order.
 
@@ -632,6 +636,7 @@ def fp8_rows_in_column_order(values: torch.Tensor) -> torch.Tensor:
 
 
 @_keeps_subnormals
+@eager_only
 def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Optional[torch.Tensor] = None,
                       precision: str = "exact") -> ExpandedRows:
     """NVFP4 rows q (logical [..., K], flattened to R rows) -> ExpandedRows (values fp16 [R, K], row_factor fp32 [R]).
@@ -678,6 +683,7 @@ def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Option
 
 
 @_keeps_subnormals
+@eager_only
 def quantize_expanded_rows(x: torch.Tensor, amax: Optional[torch.Tensor] = None, impl: str = "auto",
                            num_rows_limit: Optional[torch.Tensor] = None, check_amax: bool = True,
                            precision: str = "exact") -> ExpandedRows:
@@ -815,6 +821,7 @@ def _kernel_row_stride(x: ExpandedRows, rows: int) -> int:
 
 
 @_keeps_subnormals
+@eager_only
 def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
                        weights: GemmWeights, out_dtype: torch.dtype = torch.bfloat16,
                        token_tile: Optional[int] = None, impl: str = "auto",
@@ -922,6 +929,7 @@ def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens
     return _grouped_gemm_reference(x, expert_offsets, num_tokens_per_expert, weights, out, row_amax)
 
 
+@eager_only
 def grouped_gemm_nvfp4_combine_rows(x: ExpandedRows, expert_offsets: torch.Tensor,
                                     num_tokens_per_expert: torch.Tensor, weights: GemmWeights,
                                     target: CombineRowsTarget, token_tile: Optional[int] = None, tail_tile: Optional[int] = None) -> None:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _ext, formats
+from ._compile import eager_only
 from .formats import _is_capturing
 from .buffer import Buffer
 from .grouped_gemm import (TOKEN_TILES, _check_kernel_row_order, _check_segments, _one_amax_per_expert,
@@ -94,6 +95,7 @@ def _per_expert_amax(w: torch.Tensor) -> torch.Tensor:
 
 
 @formats._keeps_subnormals  # (the per-expert amax too: on a flushing thread an all-subnormal expert's was 0)
+@eager_only
 def pack_weights(w1: torch.Tensor, w2: torch.Tensor) -> PackedExpertWeights:
     """Quantize master weights once, offline: w1 [E_local, 2I, H] (the I gate rows first, then the I up rows:
     `torch.cat([gate, up], dim=1)`; the layer computes silu(gate) * up) and w2 [E_local, H, I] (bf16, fp16 or fp32,
@@ -135,6 +137,7 @@ def pack_weights(w1: torch.Tensor, w2: torch.Tensor) -> PackedExpertWeights:
 
 
 @formats._keeps_subnormals
+@eager_only
 def expert_mlp_reference(tokens: formats.NVFP4Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """One expert on NVFP4 tokens [n, H] with dequantized FP32 weights w1 [2I, H], w2 [H, I]: bf16 [n, H].
 
@@ -241,6 +244,7 @@ def default_wave_sms(hidden: int, intermediate: int, num_sms: int, precision: st
     return max(4, min(sms, num_sms // 2))
 
 
+@eager_only
 def fused_expert_hidden(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor,
                         num_tokens_per_expert: torch.Tensor, w1, token_tile=None, amax_in_w1: bool = False):
     """The w2 input of the fused experts: `grouped_gemm.ExpandedRows` [R, I] (fp16 NVFP4 block values + row factor).
@@ -285,6 +289,7 @@ def _expert_hidden_from_rows(x, expert_offsets: torch.Tensor, num_tokens_per_exp
                                        check_amax=False, precision=x.precision)
 
 
+@eager_only
 def fused_expert_mlp(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
                      w1, w2, token_tile=None, precision: str = "exact") -> torch.Tensor:
     """The experts of one rank on the NVFP4 grouped GEMM (sm_90a): bf16 [R, H] in the dispatch layout.
@@ -651,6 +656,7 @@ class MoELayer(torch.nn.Module):
                              self.token_tile)
         return self.buffer.combine(out, result.handle)
 
+    @eager_only
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: bfloat16 [T, hidden] on this rank's device (T <= the Buffer's max_tokens_per_rank; T may differ per rank,
         0 included). Returns bfloat16 [T, hidden]: route (FP32 logits, top-k, softmax) -> dispatch -> expert MLP ->

@@ -59,6 +59,7 @@ from typing import Any, Optional
 import torch
 
 from . import _ext, formats
+from ._compile import eager_only
 from .buffer import Buffer
 from .types import DispatchResult
 
@@ -92,6 +93,7 @@ class GradBuffers:
     weights: Buffer
 
     @staticmethod
+    @eager_only
     def create(buffer: Buffer, grad_format: str = "bf16", backend: Optional[str] = None) -> "GradBuffers":
         """Collective (every rank of buffer.group): the backward Buffers for `buffer`'s routing sizes.
 
@@ -283,6 +285,7 @@ def _check_backward_rows_args(g, expert_out, row_weight, src_rank, topk_slot, we
 
 
 @formats._keeps_subnormals  # (its FP32 sums and products follow NUMERICS.md on a CPU thread that flushes them)
+@eager_only
 def combine_backward_rows_reference(g: torch.Tensor, expert_out: torch.Tensor, row_weight: torch.Tensor,
                                     src_rank: torch.Tensor, topk_slot: Optional[torch.Tensor] = None,
                                     weight_columns: int = 0) -> BackwardRows:
@@ -310,6 +313,7 @@ def combine_backward_rows_reference(g: torch.Tensor, expert_out: torch.Tensor, r
     return BackwardRows(grad_expert_out=grad, dots=dots, weight_rows=weight_rows)
 
 
+@eager_only
 def combine_backward_rows(g: torch.Tensor, expert_out: torch.Tensor, row_weight: torch.Tensor,
                           src_rank: torch.Tensor, topk_slot: Optional[torch.Tensor] = None,
                           weight_columns: int = 0) -> BackwardRows:
@@ -352,6 +356,7 @@ def _truncate_to_bf16(values: torch.Tensor) -> torch.Tensor:
 
 
 @formats._keeps_subnormals
+@eager_only
 def split_fp32_in_bf16(values: torch.Tensor) -> torch.Tensor:
     """fp32 [...] -> bf16 [..., 3] with (hi + mid) + lo == values exactly in fp32, for every finite value of magnitude
     2^-110 or more (below, lo may lose bits under BF16's subnormal spacing 2^-133). hi is `values` truncated to BF16
@@ -373,6 +378,7 @@ def split_fp32_in_bf16(values: torch.Tensor) -> torch.Tensor:
 
 
 @formats._keeps_subnormals
+@eager_only
 def join_bf16_parts(parts: torch.Tensor) -> torch.Tensor:
     """The inverse of split_fp32_in_bf16: bf16 [..., 3] -> fp32 [...], (hi + mid) + lo."""
     if not isinstance(parts, torch.Tensor) or parts.dtype != torch.bfloat16:
@@ -541,6 +547,7 @@ class RoutedTokens:
             return _DenseRowsFunction.apply(self.carrier, self.link)
 
 
+@eager_only
 def dispatch(buffer: Buffer, grads: GradBuffers, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
              *, dtype: torch.dtype = torch.bfloat16, check_inputs: Optional[bool] = None,
              comm_stream: Optional[torch.cuda.Stream] = None) -> RoutedTokens:
@@ -581,6 +588,7 @@ def dispatch(buffer: Buffer, grads: GradBuffers, x: torch.Tensor, topk_idx: torc
                         capture=capture)
 
 
+@eager_only
 def combine(expert_out: torch.Tensor, routed: RoutedTokens, *, comm_stream: Optional[torch.cuda.Stream] = None,
             done_event: Optional[torch.cuda.Event] = None) -> torch.Tensor:
     """`Buffer.combine` with autograd: expert_out [R, H] (bfloat16; row i the expert output for routed.x[i]) ->

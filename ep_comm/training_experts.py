@@ -69,6 +69,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _ext, formats
+from ._compile import eager_only
 from .training import RoutedTokens
 
 # The six stochastic roundings of one backward, one per quantized tensor.
@@ -133,6 +134,7 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, group_ends: torch.Tensor) -> t
     return torch._grouped_mm(a, b, offs=group_ends)
 
 
+@eager_only
 def quantize_expert_weights(w: torch.Tensor) -> formats.NVFP4Tensor:
     """Master weights [E, N, K] (float32 / bfloat16 as ExpertMLP keeps them; float16 as pack_weights takes it; K a
     multiple of 16) -> NVFP4 along K without 4/6 and with one FP32 amax per expert: `moe.pack_weights`'s
@@ -612,6 +614,7 @@ def _check_routed(routed, w1: torch.Tensor, w2: torch.Tensor) -> None:
                          f"({result.src_rank.device})")
 
 
+@eager_only
 def expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: formats.SeedArg,
                keep_weight_values: bool = False, accumulate_into_main_grad: bool = False) -> torch.Tensor:
     """The SwiGLU experts of this rank on a `training.dispatch` result, with autograd: bf16 [R, H] in the dispatch
