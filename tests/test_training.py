@@ -442,6 +442,53 @@ def reference_capture_worker(rank, world):
     return "reference refuses capture"
 
 
+def checkpoint_worker(rank, world, backend="reference", device_kind="cpu"):
+    """Activation checkpointing (torch.utils.checkpoint, reentrant and not) around two stacked layers of router ->
+    training.dispatch -> training.expert_mlp -> training.combine: the backward recomputes each layer's forward, with
+    its dispatch and combine (collectives, every rank in the same order), and must give the outputs and every gradient
+    (x, router, both layers' expert weights) of the step without checkpointing, bit for bit. Returns the checks that
+    failed (none: an empty list)."""
+    from torch.utils.checkpoint import checkpoint
+    device = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else torch.device("cpu")
+    hidden, intermediate, num_experts, num_topk, num_tokens = 128, 64, 4 * world, 3, 24 - rank
+    gen = torch.Generator().manual_seed(5)
+    local = slice(rank * 4, rank * 4 + 4)
+    params = [torch.nn.Parameter(torch.randn(num_experts, hidden, generator=gen).to(device))]  # the router
+    for _ in range(2):  # each layer's local experts: w1 [4, 2I, H], w2 [4, H, I]
+        params.append(torch.nn.Parameter((torch.randn(num_experts, 2 * intermediate, hidden, generator=gen)[local]
+                                          / hidden ** 0.5).to(device)))
+        params.append(torch.nn.Parameter((torch.randn(num_experts, hidden, intermediate, generator=gen)[local]
+                                          / intermediate ** 0.5).to(device)))
+    x0 = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16).to(device)
+    failed = []
+    with ep_comm.Buffer(None, hidden=hidden, num_experts=num_experts, num_topk=num_topk, max_tokens_per_rank=24,
+                        expert_alignment=32, backend=backend) as buf, training.GradBuffers.create(buf) as grads:
+
+        def layer(h, layer_index):
+            topk_weights, topk_idx = torch.softmax(h.float() @ params[0].t(), dim=-1).topk(num_topk, dim=-1)
+            routed = training.dispatch(buf, grads, h, topk_idx, topk_weights)
+            w1, w2 = params[1 + 2 * layer_index], params[2 + 2 * layer_index]
+            return training.combine(training.expert_mlp(routed, w1, w2, seed=10 + layer_index), routed)
+
+        def step(mode):
+            x = x0.clone().requires_grad_()
+            for p in params:
+                p.grad = None
+            h = x
+            for layer_index in range(2):
+                h = layer(h, layer_index) if mode is None else \
+                    checkpoint(layer, h, layer_index, use_reentrant=mode == "reentrant")
+            h.float().square().sum().backward()
+            return [h.detach(), x.grad] + [p.grad for p in params]
+
+        plain = step(None)
+        for mode in ("reentrant", "non-reentrant"):
+            again = step(mode)
+            failed += [f"{mode}: tensor {i}" for i, (a, b) in enumerate(zip(plain, again))
+                       if b is None or not torch.equal(a, b)]
+    return failed
+
+
 def errors_worker(rank, world):
     with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=4 * world, num_topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
                         backend="reference") as buf, \
@@ -584,6 +631,16 @@ def test_gloo_rows_only_and_errors():
     assert run_ranks(rows_only_worker, 2, "reference", "cpu", backend="gloo") == ["rows only ok"] * 2
     assert run_ranks(exact_weights_worker, 2, "reference", "cpu", backend="gloo") == ["exact weights ok"] * 2
     assert run_ranks(errors_worker, 2, backend="gloo") == ["errors ok"] * 2
+
+
+@pytest.mark.cpu
+def test_gloo_activation_checkpointing_gives_the_same_step():
+    assert run_ranks(checkpoint_worker, 2, backend="gloo") == [[], []]
+
+
+@pytest.mark.gpu
+def test_nvlink_one_rank_activation_checkpointing_gives_the_same_step():
+    assert run_ranks(checkpoint_worker, 1, "nvlink", "cuda", backend="nccl") == [[]]
 
 
 @pytest.mark.gpu
