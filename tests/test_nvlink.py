@@ -1280,7 +1280,7 @@ def _region_setup_error(*patches):
         for patch in (*patches, mock.patch.object(torch.cuda, "current_device", lambda: 0)):
             stack.enter_context(patch)
         try:
-            nvlink._SymmetricRegion(None, 4096)
+            nvlink._SymmetricRegion(None, 4096, 100.0)
         except RuntimeError as error:
             return str(error)
     return None
@@ -1579,7 +1579,7 @@ def _nvshmem_partial_allocation_worker(rank, world):
 
     fell_back = []
     message = _region_setup_error(
-        mock.patch.object(nvlink, "_nvshmem_init", lambda group, nbytes: _FakeNvshmem()),
+        mock.patch.object(nvlink, "_nvshmem_init", lambda group, nbytes, timeout_s: _FakeNvshmem()),
         mock.patch.object(nvlink._SymmetricRegion, "_open_ipc", lambda self: fell_back.append(True)))
     return message, fell_back
 
@@ -1686,6 +1686,7 @@ def _region_with_stand_ins(monkeypatch, states, init):
     from ep_comm.backends import nvlink
     region = object.__new__(nvlink._SymmetricRegion)
     region.world, region.rank, region.group, region.nbytes, region.device = 2, 0, None, 1 << 20, 0
+    region.timeout_s = 100.0
     region._gather = lambda mine: states if isinstance(mine, tuple) else [mine] * 2
     fake = types.ModuleType("nvshmem")
     fake.core = types.ModuleType("nvshmem.core")
@@ -1724,6 +1725,39 @@ def test_nvshmem_setup_enters_the_init_when_the_ranks_agree(monkeypatch):
     region = _region_with_stand_ins(monkeypatch, [(False, None, False, False)] * 2, init)
     why = region._setup_nvshmem()
     assert len(entered) == 1 and "NVSHMEM init failed: RuntimeError: stand-in" in why, why
+
+
+@pytest.mark.cpu
+def test_nvshmem_collective_calls_say_when_a_rank_waits_too_long(monkeypatch, capfd):
+    """NVSHMEM's init, symmetric allocation and free wait for every rank without a timeout of their own: a rank still
+    inside one after the Buffer's timeout_s says so on stderr, once, naming the call (a peer that failed before it
+    would otherwise leave it hanging silently); a call that returns in time says nothing."""
+    import time
+
+    class SlowAllocation:  # nvshmem.core's calls, the allocation slower than the timeout
+        def tensor(self, shape, dtype):
+            time.sleep(0.8)
+            return torch.zeros(shape, dtype=dtype)
+
+        def get_peer_tensor(self, tensor, rank):
+            return tensor
+
+        def free_tensor(self, tensor):
+            pass
+
+    entered = []
+    region = _region_with_stand_ins(monkeypatch, [(False, None, False, False)] * 2,
+                                    lambda *args: entered.append(args) or SlowAllocation())
+    region.timeout_s = 0.2
+    region._gather = lambda mine: [mine] * 2  # every vote as this rank's (the state vote included: same state)
+    assert region._setup_nvshmem() is None and region.kind == "nvshmem"
+    assert entered[0][2] == 0.2  # _nvshmem_init's own announcement (around nvshmem.core.init) gets the same timeout
+    err = capfd.readouterr().err
+    assert err.count("ep_comm nvlink:") == 1 and "rank 0 has waited 0.2 s in NVSHMEM's symmetric allocation" in err \
+        and "stop the job" in err, err
+    region._free_symmetric(SlowAllocation(), region._tensor)
+    time.sleep(0.4)  # past the timeout: a cancelled announcement stays silent
+    assert capfd.readouterr().err == ""
 
 
 @pytest.mark.cpu

@@ -19,9 +19,11 @@ Environment:
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -363,8 +365,9 @@ def _cpu_collectives(group) -> bool:
         return False
 
 
-def _nvshmem_init(group, region_bytes: int):
-    """Initialize NVSHMEM once per process over `group` (UID broadcast); returns the nvshmem.core module."""
+def _nvshmem_init(group, region_bytes: int, timeout_s: float):
+    """Initialize NVSHMEM once per process over `group` (UID broadcast); returns the nvshmem.core module. A rank still
+    inside nvshmem.init after timeout_s says so on stderr (_announce_if_slow)."""
     import nvshmem.core as nvshmem  # noqa: F401  (ImportError -> caller falls back)
     try:
         from cuda.core import Device
@@ -397,7 +400,8 @@ def _nvshmem_init(group, region_bytes: int):
         dist.broadcast(payload, src=dist.get_global_rank(group, 0), group=group)
         raw[:] = payload.cpu().numpy()
         try:
-            nvshmem.init(device=Device(device), uid=uid, rank=rank, nranks=world, initializer_method="uid")
+            with _announce_if_slow("NVSHMEM initialization (nvshmem.core.init)", rank, timeout_s):
+                nvshmem.init(device=Device(device), uid=uid, rank=rank, nranks=world, initializer_method="uid")
         except Exception as error:
             _nvshmem_state["error"] = f"nvshmem.core.init failed: {error}"
             raise
@@ -443,6 +447,26 @@ def _peer_link_problem(identities: list, rank: int, shared_gpu_allowed: bool) ->
     return None
 
 
+@contextlib.contextmanager
+def _announce_if_slow(what: str, rank: int, seconds: float):
+    """Around a collective call that nothing of ours can bound (NVSHMEM's bootstrap, symmetric allocation and free wait
+    for every rank inside the library, without a timeout): if the block has not ended after `seconds`, print once to
+    stderr what this rank waits in and why it may never return, so that a peer's failure is not a silent hang. The
+    call itself goes on (a thread blocked in C cannot be interrupted from Python)."""
+    def announce():
+        print(f"ep_comm nvlink: rank {rank} has waited {seconds:g} s in {what}, which waits for every rank and has no "
+              f"timeout: a peer rank probably failed before or inside it (see its output), and this rank will not "
+              f"return from it; stop the job. EP_COMM_PEER_MEMORY=ipc (one node) does without NVSHMEM.",
+              file=sys.stderr, flush=True)
+    timer = threading.Timer(seconds, announce)
+    timer.daemon = True  # never keeps the process alive
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 def nvshmem_importable() -> bool:
     """Whether nvshmem4py imports here: without it peers are mapped with CUDA IPC, which needs every rank on one
     node (NVSHMEM can also map peers of other nodes of one NVLink domain)."""
@@ -470,8 +494,9 @@ def finalize_nvshmem() -> None:
 class _SymmetricRegion:
     """One region per rank; `peer_bases[r]` is the local address of rank r's region (own rank: local)."""
 
-    def __init__(self, group, nbytes: int):
+    def __init__(self, group, nbytes: int, timeout_s: float):
         self.group = group
+        self.timeout_s = timeout_s  # how long NVSHMEM's collective calls may take before a rank says it waits
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.device = torch.cuda.current_device()
@@ -554,7 +579,7 @@ class _SymmetricRegion:
             return (f"rank {moved} started NVSHMEM on another GPU than this Buffer's (one process uses NVSHMEM on one "
                     f"GPU: make every nvlink Buffer of a process while the same GPU is current)")
         try:
-            nvshmem = _nvshmem_init(self.group, self.nbytes)
+            nvshmem = _nvshmem_init(self.group, self.nbytes, self.timeout_s)
             mine = None
         except Exception as error:
             nvshmem, mine = None, f"NVSHMEM init failed: {type(error).__name__}: {error}"
@@ -563,7 +588,8 @@ class _SymmetricRegion:
             return why
         tensor, peers, mine = None, [], None
         try:
-            tensor = nvshmem.tensor((self.nbytes,), dtype=torch.uint8)
+            with _announce_if_slow("NVSHMEM's symmetric allocation (nvshmem.core.tensor)", self.rank, self.timeout_s):
+                tensor = nvshmem.tensor((self.nbytes,), dtype=torch.uint8)
         except Exception as error:
             mine = f"symmetric allocation of {self.nbytes} bytes failed: {type(error).__name__}: {error}"
         # Who failed, and who holds a tensor: if some ranks do, a symmetric tensor cannot be freed collectively, so
@@ -589,15 +615,19 @@ class _SymmetricRegion:
             mine = f"peer mapping failed: {type(error).__name__}: {error}"
         why = self._agree(mine)
         if why is not None:
-            nvshmem.free_tensor(tensor)  # every rank allocated: the collective free is safe
+            self._free_symmetric(nvshmem, tensor)  # every rank allocated: the collective free is safe
             return why
         self.kind, self._tensor, self._nvshmem, self.peer_bases = "nvshmem", tensor, nvshmem, peers
         self.local_base = tensor.data_ptr()
         return None
 
+    def _free_symmetric(self, nvshmem, tensor) -> None:
+        with _announce_if_slow("NVSHMEM's symmetric free (nvshmem.core.free_tensor)", self.rank, self.timeout_s):
+            nvshmem.free_tensor(tensor)
+
     def _free_nvshmem(self) -> None:
         if self._tensor is not None:
-            self._nvshmem.free_tensor(self._tensor)
+            self._free_symmetric(self._nvshmem, self._tensor)
         self._tensor, self.kind = None, None
 
     # -- CUDA IPC -----------------------------------------------------------------------------------------
@@ -779,7 +809,7 @@ class NVLinkBackend:
         self.blocks = self._block_counts(group, config)
         self.buffer_tag = agree_buffer_tag(group)  # collective too: in every handle's dispatch word (combine check)
         self._error_host = None
-        self.region = _SymmetricRegion(group, self.layout.total_bytes)
+        self.region = _SymmetricRegion(group, self.layout.total_bytes, config.timeout_s)
         failure = None
         try:
             dev = self.torch_device
