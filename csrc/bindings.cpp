@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include "bindings.h"
+#include "stall_announcer.h"
 
 namespace {
 
@@ -40,6 +41,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("stream_capture_id", &stream_capture_id, pybind11::arg("stream"),
         "Capture id of a raw cudaStream_t: 0 when not capturing, -1 for an invalidated capture, else > 0");
   m.attr("cuda_runtime_version") = CUDART_VERSION;
+  pybind11::class_<ep_comm::StallAnnouncer>(
+      m, "StallAnnouncer",
+      "StallAnnouncer(message, seconds): writes message to stderr (fd 2) once unless stop() comes within seconds; a "
+      "native thread, so it fires while the caller's thread holds the GIL in a blocked call")
+      .def(pybind11::init<std::string, double>(), pybind11::arg("message"), pybind11::arg("seconds"))
+      .def("stop", &ep_comm::StallAnnouncer::stop, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "End the timer (idempotent); True when the message was written");
   register_formats(m);
   register_nvlink(m);
   register_gemm(m);

@@ -16,4 +16,9 @@ def eager_only(function):
       shapes that depend on the routing: traced, they would only break the graph in many places and recompile.
     `torch.compile(..., fullgraph=True)` around a call of these raises at compile time (dynamo names the disabled
     function) instead of compiling part of it."""
+    # Never on a function that is already disabled, nor on a wrapper of one (functools.wraps copies the inner
+    # function's dynamo attributes): torch before 2.11 unwraps such a stack to the innermost function and would skip
+    # what the outer wrappers do (formats._keeps_subnormals, which applies this itself, is one).
+    if getattr(function, "_torchdynamo_orig_callable", None) is not None:
+        raise TypeError(f"{function.__qualname__} is already eager_only (or wraps a function that is)")
     return torch.compiler.disable(function, recursive=True)

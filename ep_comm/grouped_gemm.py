@@ -305,7 +305,6 @@ def _check_weight_values(w: NVFP4Tensor, name: str = "weight") -> None:
 
 
 @_keeps_subnormals
-@eager_only
 def pack_gemm_weights(w: NVFP4Tensor, swiglu: bool) -> GemmWeights:
     """Pack NVFP4 expert weights w (logical [E, N, K], one amax per expert) for `grouped_gemm_nvfp4`.
 
@@ -450,7 +449,6 @@ def _fp8_expert_weights(w: GemmWeights, e: int) -> torch.Tensor:
 
 
 @_keeps_subnormals
-@eager_only
 def unpack_gemm_weights(w: GemmWeights) -> NVFP4Tensor:
     """The NVFP4 weights [E, N, K] that `pack_gemm_weights` packed into w, bit for bit: codes, E4M3 scale bytes, the
     per-expert amax broadcast along N, e4m3_max. What a layer that keeps only the packed form hands back for saving
@@ -469,7 +467,6 @@ def unpack_gemm_weights(w: GemmWeights) -> NVFP4Tensor:
 
 
 @_keeps_subnormals
-@eager_only
 def dequantize_gemm_weights(w: GemmWeights) -> torch.Tensor:
     """Unpack GemmWeights to fp32 [E, N, K] in the original row order.
 
@@ -636,7 +633,6 @@ def fp8_rows_in_column_order(values: torch.Tensor) -> torch.Tensor:
 
 
 @_keeps_subnormals
-@eager_only
 def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Optional[torch.Tensor] = None,
                       precision: str = "exact") -> ExpandedRows:
     """NVFP4 rows q (logical [..., K], flattened to R rows) -> ExpandedRows (values fp16 [R, K], row_factor fp32 [R]).
@@ -683,7 +679,6 @@ def expand_nvfp4_rows(q: NVFP4Tensor, impl: str = "auto", num_rows_limit: Option
 
 
 @_keeps_subnormals
-@eager_only
 def quantize_expanded_rows(x: torch.Tensor, amax: Optional[torch.Tensor] = None, impl: str = "auto",
                            num_rows_limit: Optional[torch.Tensor] = None, check_amax: bool = True,
                            precision: str = "exact") -> ExpandedRows:
@@ -821,7 +816,6 @@ def _kernel_row_stride(x: ExpandedRows, rows: int) -> int:
 
 
 @_keeps_subnormals
-@eager_only
 def grouped_gemm_nvfp4(x: ExpandedRows, expert_offsets: torch.Tensor, num_tokens_per_expert: torch.Tensor,
                        weights: GemmWeights, out_dtype: torch.dtype = torch.bfloat16,
                        token_tile: Optional[int] = None, impl: str = "auto",

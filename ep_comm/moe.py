@@ -95,7 +95,6 @@ def _per_expert_amax(w: torch.Tensor) -> torch.Tensor:
 
 
 @formats._keeps_subnormals  # (the per-expert amax too: on a flushing thread an all-subnormal expert's was 0)
-@eager_only
 def pack_weights(w1: torch.Tensor, w2: torch.Tensor) -> PackedExpertWeights:
     """Quantize master weights once, offline: w1 [E_local, 2I, H] (the I gate rows first, then the I up rows:
     `torch.cat([gate, up], dim=1)`; the layer computes silu(gate) * up) and w2 [E_local, H, I] (bf16, fp16 or fp32,
@@ -137,7 +136,6 @@ def pack_weights(w1: torch.Tensor, w2: torch.Tensor) -> PackedExpertWeights:
 
 
 @formats._keeps_subnormals
-@eager_only
 def expert_mlp_reference(tokens: formats.NVFP4Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """One expert on NVFP4 tokens [n, H] with dequantized FP32 weights w1 [2I, H], w2 [H, I]: bf16 [n, H].
 
@@ -585,6 +583,7 @@ class MoELayer(torch.nn.Module):
             top_logits, topk_idx = logits.topk(self.buffer.config.num_topk, dim=-1)
             return topk_idx, torch.softmax(top_logits.float(), dim=-1)
 
+    @eager_only
     def experts(self, result) -> torch.Tensor:
         """Expert MLPs on a `DispatchResult`: bf16 [R, H] in the dispatch layout. Only the rows of valid experts are
         defined (what `Buffer.combine` reads): the reference path zeroes the others, the fused path leaves them
@@ -633,6 +632,7 @@ class MoELayer(torch.nn.Module):
                 out[rows] = expert_mlp_reference(tokens, self._w1[j], self._w2[j])
         return out
 
+    @eager_only
     def experts_and_combine_rows(self, result) -> torch.Tensor:
         """combine_rows=True: the fused experts with w2 storing its rows into the combine areas, then the receive:
         bf16 [T, H], bitwise `Buffer.combine(self.experts(result), result.handle, local_reduce=False)`."""

@@ -285,7 +285,6 @@ def _check_backward_rows_args(g, expert_out, row_weight, src_rank, topk_slot, we
 
 
 @formats._keeps_subnormals  # (its FP32 sums and products follow NUMERICS.md on a CPU thread that flushes them)
-@eager_only
 def combine_backward_rows_reference(g: torch.Tensor, expert_out: torch.Tensor, row_weight: torch.Tensor,
                                     src_rank: torch.Tensor, topk_slot: Optional[torch.Tensor] = None,
                                     weight_columns: int = 0) -> BackwardRows:
@@ -356,7 +355,6 @@ def _truncate_to_bf16(values: torch.Tensor) -> torch.Tensor:
 
 
 @formats._keeps_subnormals
-@eager_only
 def split_fp32_in_bf16(values: torch.Tensor) -> torch.Tensor:
     """fp32 [...] -> bf16 [..., 3] with (hi + mid) + lo == values exactly in fp32, for every finite value of magnitude
     2^-110 or more (below, lo may lose bits under BF16's subnormal spacing 2^-133). hi is `values` truncated to BF16
@@ -378,7 +376,6 @@ def split_fp32_in_bf16(values: torch.Tensor) -> torch.Tensor:
 
 
 @formats._keeps_subnormals
-@eager_only
 def join_bf16_parts(parts: torch.Tensor) -> torch.Tensor:
     """The inverse of split_fp32_in_bf16: bf16 [..., 3] -> fp32 [...], (hi + mid) + lo."""
     if not isinstance(parts, torch.Tensor) or parts.dtype != torch.bfloat16:
@@ -514,6 +511,7 @@ class RoutedTokens:
     # (The CUDA-graph capture the comm_stream dispatch was made in, 0 outside one: _ext.capture_id.)
     capture: int = dataclasses.field(default=0, repr=False, compare=False)
 
+    @eager_only
     def wait(self) -> None:
         """Make the current stream (of the tokens' device) wait for the dispatch: a no-op unless it ran on a
         comm_stream. Work enqueued on the current stream before this overlaps the dispatch; work after it sees its

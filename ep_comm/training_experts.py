@@ -770,6 +770,7 @@ class ExpertMLP(torch.nn.Module):
         """Forward calls so far (read from the device: a sync)."""
         return int(self.call_count.item())
 
+    @eager_only
     def forward(self, routed: RoutedTokens, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """bf16 [R, H] expert outputs in routed's dispatch layout (`expert_mlp`; see the class docstring for the seed
         and is_first_microbatch)."""

@@ -13,6 +13,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ._compile import eager_only
+
 DISPATCH_FORMATS = ("nvfp4", "mxfp8", "bf16")
 COMBINE_FORMATS = ("s2f6", "bf16")
 BACKENDS = ("auto", "reference", "nvlink")
@@ -269,6 +271,7 @@ class DispatchResult:
     row_index: Optional[torch.Tensor] = None
     staging_valid: Optional[Callable[[], bool]] = dataclasses.field(default=None, repr=False, compare=False)
 
+    @eager_only
     def expert_major_x(self):
         """x in the expert-major layout, [R_valid] rows (expert_offsets[-1]; padding rows zero): x itself for an
         expanded dispatch (its first R_valid rows), else x's rows gathered by row_index (a device->host read of

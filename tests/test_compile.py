@@ -2,6 +2,8 @@
 so a compiled model gets the eager bits, and inductor never generates code for the formats' exact rules (torch 2.13's
 CPU code generator could not even build the S2F6 / MXFP8 quantizers: an InductorError on their float8_e8m0fnu
 bitcasts, before the boundary)."""
+import shutil
+
 import pytest
 import torch
 
@@ -10,6 +12,10 @@ from ep_comm import formats, moe, training
 from harness import run_ranks
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOPK, TOKENS = 128, 64, 8, 3, 24
+
+# inductor (torch.compile's default backend) builds C++ on the CPU; Triton on the GPU needs none.
+needs_cpp_compiler = pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
+                                        reason="inductor's CPU code generator needs a C++ compiler")
 
 
 class RecordingBackend:
@@ -29,13 +35,16 @@ class RecordingBackend:
 
 
 def _same_bits(a, b) -> bool:
-    """Bitwise equality of two tensors (NaN payloads included), or of two format objects' fields."""
+    """Bitwise equality of two tensors (compared as bytes: NaN payloads and the sign of zero count), or of two format
+    objects' tensor fields."""
     if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1
-                                                                         else a, b.view(torch.uint8)
-                                                                         if b.dtype.itemsize == 1 else b)
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bytes(a), _bytes(b))
     fields = [name for name, value in vars(a).items() if isinstance(value, torch.Tensor)]
     return bool(fields) and all(_same_bits(getattr(a, name), getattr(b, name)) for name in fields)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
 
 
 def _format_round_trip(x):
@@ -67,6 +76,7 @@ def test_formats_run_eagerly_inside_a_compiled_function():
 
 
 @pytest.mark.cpu
+@needs_cpp_compiler
 def test_inductor_builds_a_function_that_quantizes():
     """The default backend (inductor, C++ on the CPU) compiles the caller's operations and leaves the formats eager:
     the eager bits (before the boundary: InductorError on the S2F6 and MXFP8 scale bitcasts)."""
@@ -77,7 +87,8 @@ def test_inductor_builds_a_function_that_quantizes():
 
 
 def _layer_and_training_worker(rank, world, device_kind):
-    """One rank: MoELayer and an ep_comm.training step (dispatch -> ExpertMLP -> combine, forward and backward), each
+    """One rank: MoELayer and an ep_comm.training step (dispatch -> expert_mlp -> combine, forward and backward; then
+    with the ExpertMLP module over three steps), each
     eager, then compiled with a recording backend and with inductor, between two operations of the caller's own
     (x * 2 and y * 2: exact in bf16). Returns, per case, whether every output and gradient has the eager bits, and
     whether dynamo captured nothing but those multiplies."""
@@ -112,36 +123,60 @@ def _layer_and_training_worker(rank, world, device_kind):
             routed = training.dispatch(buf, grads, x * 2, topk_idx, topk_weights)
             return training.combine(training.expert_mlp(routed, w1_local, w2_local, seed=3), routed) * 2
 
-        def gradients(step, x):
+        def gradients(step, x, params):
             topk_weights, topk_idx = torch.softmax(x.detach().float() @ router.t(), dim=-1).topk(TOPK, dim=-1)
             x = x.detach().requires_grad_()
             topk_weights = topk_weights.requires_grad_()
             y = step(x, topk_idx, topk_weights)
             grad_y = torch.randn(y.shape, generator=torch.Generator().manual_seed(77 + rank)).to(y)
-            w1_local.grad = w2_local.grad = None
+            for p in params:
+                p.grad = None
             y.backward(grad_y)
-            return [y, x.grad, topk_weights.grad, w1_local.grad, w2_local.grad]
+            return [y, x.grad, topk_weights.grad] + [p.grad for p in params]
 
         backend = RecordingBackend()
         same = []
         x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(40 + rank)).to(torch.bfloat16).to(device)
-        eager = gradients(step_between, x)
+        eager = gradients(step_between, x, [w1_local, w2_local])
         for compiled in (torch.compile(step_between, backend=backend), torch.compile(step_between)):
-            same.append(all(_same_bits(a, b) for a, b in zip(eager, gradients(compiled, x))))
+            same.append(all(_same_bits(a, b) for a, b in zip(eager, gradients(compiled, x, [w1_local, w2_local]))))
         out["training"] = (all(same), backend.only_the_callers_arithmetic())
+
+        # training.ExpertMLP, the module form: its forward hashes a call counter into the seed, which dynamo would
+        # otherwise trace (and inductor failed to build from the second call on). Three modules with the same seed
+        # (one eager, one per backend) take the same three steps; each step's outputs and gradients must agree.
+        modules = [training.ExpertMLP(EXPERTS // world, HIDDEN, INTERMEDIATE, device=device, seed=9) for _ in range(3)]
+
+        def module_step(module):
+            def step(x, topk_idx, topk_weights):
+                routed = training.dispatch(buf, grads, x * 2, topk_idx, topk_weights)
+                return training.combine(module(routed), routed) * 2
+            return step
+
+        backend = RecordingBackend()
+        steps = [module_step(modules[0]), torch.compile(module_step(modules[1]), backend=backend),
+                 torch.compile(module_step(modules[2]))]
+        same = []
+        for call in range(3):
+            x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(60 + 10 * call + rank))
+            x = x.to(torch.bfloat16).to(device)
+            results = [gradients(step, x, list(module.parameters())) for step, module in zip(steps, modules)]
+            same += [all(_same_bits(a, b) for a, b in zip(results[0], other)) for other in results[1:]]
+        out["expert_mlp_module"] = (all(same), backend.only_the_callers_arithmetic())
     return out
 
 
 @pytest.mark.cpu
+@needs_cpp_compiler
 def test_moe_layer_and_training_step_compile_to_the_eager_bits():
     """2 CPU ranks over gloo (reference backend): the compiled layer and training step give the eager outputs and
     gradients bit for bit, and dynamo captures only the caller's multiplies."""
     for result in run_ranks(_layer_and_training_worker, 2, "cpu", backend="gloo"):
-        assert result == {"layer": (True, True), "training": (True, True)}, result
+        assert result == {"layer": (True, True), "training": (True, True), "expert_mlp_module": (True, True)}, result
 
 
 @pytest.mark.gpu
 def test_moe_layer_and_training_step_compile_to_the_eager_bits_on_a_gpu():
     """World 1 on a GPU (nvlink backend, fused experts where the GPU has them; inductor's own code is Triton here)."""
     assert run_ranks(_layer_and_training_worker, 1, "cuda", backend="nccl") == \
-        [{"layer": (True, True), "training": (True, True)}]
+        [{"layer": (True, True), "training": (True, True), "expert_mlp_module": (True, True)}]

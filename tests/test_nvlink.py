@@ -1731,13 +1731,22 @@ def test_nvshmem_setup_enters_the_init_when_the_ranks_agree(monkeypatch):
 def test_nvshmem_collective_calls_say_when_a_rank_waits_too_long(monkeypatch, capfd):
     """NVSHMEM's init, symmetric allocation and free wait for every rank without a timeout of their own: a rank still
     inside one after the Buffer's timeout_s says so on stderr, once, naming the call (a peer that failed before it
-    would otherwise leave it hanging silently); a call that returns in time says nothing."""
+    would otherwise leave it hanging silently), and says so again if the call returns after all; a call that returns
+    in time says nothing. The stand-in allocation blocks in C while holding the GIL, as nvshmem4py's malloc binding
+    does: a Python timer could not fire during it (and, cancelled on the way out, would never say anything)."""
+    import ctypes
+    import sys
     import time
+    from ep_comm import _ext
+    if not _ext.cuda_extension_available():
+        pytest.skip(f"needs ep_comm._C (its native timer): {_ext.cuda_extension_error()}")
+    hold_gil_and_sleep = ctypes.PyDLL(None).usleep  # PyDLL: the GIL stays held during the call
 
     class SlowAllocation:  # nvshmem.core's calls, the allocation slower than the timeout
         def tensor(self, shape, dtype):
-            time.sleep(0.8)
-            return torch.zeros(shape, dtype=dtype)
+            made = torch.zeros(shape, dtype=dtype)  # (before the wait: torch ops release the GIL)
+            hold_gil_and_sleep(800_000)
+            return made
 
         def get_peer_tensor(self, tensor, rank):
             return tensor
@@ -1750,13 +1759,22 @@ def test_nvshmem_collective_calls_say_when_a_rank_waits_too_long(monkeypatch, ca
                                     lambda *args: entered.append(args) or SlowAllocation())
     region.timeout_s = 0.2
     region._gather = lambda mine: [mine] * 2  # every vote as this rank's (the state vote included: same state)
-    assert region._setup_nvshmem() is None and region.kind == "nvshmem"
+    # A long switch interval: after the allocation returns, this thread keeps the GIL until the announcer has stopped,
+    # so only a timer that fired during the call (not one that got the GIL on the way out) can have said anything.
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    try:
+        assert region._setup_nvshmem() is None and region.kind == "nvshmem"
+    finally:
+        sys.setswitchinterval(switch_interval)
     assert entered[0][2] == 0.2  # _nvshmem_init's own announcement (around nvshmem.core.init) gets the same timeout
     err = capfd.readouterr().err
-    assert err.count("ep_comm nvlink:") == 1 and "rank 0 has waited 0.2 s in NVSHMEM's symmetric allocation" in err \
-        and "stop the job" in err, err
+    waited = "ep_comm nvlink: rank 0 has waited 0.2 s in NVSHMEM's symmetric allocation (nvshmem.core.tensor)"
+    returned = "ep_comm nvlink: rank 0: NVSHMEM's symmetric allocation (nvshmem.core.tensor) returned after"
+    assert err.count("ep_comm nvlink:") == 2 and waited in err and "the job must be stopped" in err \
+        and returned in err and err.index(waited) < err.index(returned), err
     region._free_symmetric(SlowAllocation(), region._tensor)
-    time.sleep(0.4)  # past the timeout: a cancelled announcement stays silent
+    time.sleep(0.4)  # past the timeout: a stopped announcer stays silent
     assert capfd.readouterr().err == ""
 
 

@@ -25,6 +25,7 @@ import functools
 import os
 import sys
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
@@ -450,21 +451,22 @@ def _peer_link_problem(identities: list, rank: int, shared_gpu_allowed: bool) ->
 @contextlib.contextmanager
 def _announce_if_slow(what: str, rank: int, seconds: float):
     """Around a collective call that nothing of ours can bound (NVSHMEM's bootstrap, symmetric allocation and free wait
-    for every rank inside the library, without a timeout): if the block has not ended after `seconds`, print once to
-    stderr what this rank waits in and why it may never return, so that a peer's failure is not a silent hang. The
-    call itself goes on (a thread blocked in C cannot be interrupted from Python)."""
-    def announce():
-        print(f"ep_comm nvlink: rank {rank} has waited {seconds:g} s in {what}, which waits for every rank and has no "
-              f"timeout: a peer rank probably failed before or inside it (see its output), and this rank will not "
-              f"return from it; stop the job. EP_COMM_PEER_MEMORY=ipc (one node) does without NVSHMEM.",
-              file=sys.stderr, flush=True)
-    timer = threading.Timer(seconds, announce)
-    timer.daemon = True  # never keeps the process alive
-    timer.start()
+    for every rank inside the library, without a timeout): if the block has not ended after `seconds`, a native timer
+    (_C.StallAnnouncer: it fires while this thread holds the GIL, as nvshmem4py's malloc / free do while they block)
+    writes once to stderr what this rank waits in and why it may never return, so that a peer's failure is not a
+    silent hang. The call itself goes on; if it does return after the message, that is said too."""
+    message = (f"ep_comm nvlink: rank {rank} has waited {seconds:g} s in {what}, which waits for every rank and has no "
+               f"timeout: a peer rank may have failed before or inside it (see its output), and then this rank never "
+               f"returns from it and the job must be stopped. EP_COMM_PEER_MEMORY=ipc (one node) does without "
+               f"NVSHMEM.\n")
+    announcer = _ext.require_cuda_extension("the nvlink backend").StallAnnouncer(message, seconds)
+    started = time.monotonic()
     try:
         yield
     finally:
-        timer.cancel()
+        if announcer.stop():
+            print(f"ep_comm nvlink: rank {rank}: {what} returned after {time.monotonic() - started:.1f} s",
+                  file=sys.stderr, flush=True)
 
 
 def nvshmem_importable() -> bool:
