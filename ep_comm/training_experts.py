@@ -365,7 +365,7 @@ def _swiglu_backward(d_hidden: torch.Tensor, gate_up: torch.Tensor) -> torch.Ten
 
 @dataclass
 class _Saved:
-    """What the forward keeps for backward (attributes of ctx: NVFP4Tensors are not tensors for save_for_backward).
+    """What the forward keeps for backward (its tensors through ctx.save_for_backward: _save_for_backward).
     src_rank, group_ends and (when R is a multiple of 32 and no row needs a mask copy) tokens' data are views of the
     DispatchResult's own tensors (an expanding dispatch's allocation, alive while referenced; nothing reuses it); the
     rest is made in the forward."""
@@ -383,6 +383,47 @@ class _Saved:
     seeds: dict                      # the backward's rounding seeds by tensor name (_backward_seeds)
     w1_values: Optional[torch.Tensor] = None  # keep_weight_values: the forward's bf16 block values of w1 / w2 (else
     w2_values: Optional[torch.Tensor] = None  # the backward decodes them again from w1 / w2)
+
+
+# _Saved's tensor fields (NVFP4Tensors included): they go to the backward through ctx.save_for_backward, so that
+# torch.utils.checkpoint (non-reentrant) can free them after the forward and recompute them; as ctx attributes they
+# stayed alive. The seeds stay ctx attributes on purpose: a recomputation (ExpertMLP's forward bumps its call count)
+# would otherwise change the backward's rounding. So do the kept weight values (keep_weight_values): the backward
+# frees each after its one use, which a saved tensor (alive until the backward returns) would not allow.
+_SAVED_TENSOR_FIELDS = ("tokens", "hidden", "gate_up_bf16", "w1_row_factor", "w1", "w2", "group_ends", "expert_of_row",
+                        "src_rank")
+
+
+def _save_for_backward(ctx, saved: _Saved) -> None:
+    """ctx.save_for_backward of saved's tensors (an NVFP4Tensor as its three), and on ctx the rest of saved with the
+    places of those tensors (_saved_for_backward rebuilds it)."""
+    tensors, places = [], {}
+    for name in _SAVED_TENSOR_FIELDS:
+        value = getattr(saved, name)
+        if isinstance(value, formats.NVFP4Tensor):
+            places[name] = (len(tensors), value.e4m3_max)
+            tensors += [value.data, value.scales, value.amax]
+        elif value is not None:
+            places[name] = len(tensors)
+            tensors.append(value)
+    ctx.save_for_backward(*tensors)
+    ctx.saved = (dataclasses.replace(saved, **{name: None for name in _SAVED_TENSOR_FIELDS}), places)
+
+
+def _saved_for_backward(ctx) -> Optional[_Saved]:
+    """The _Saved that _save_for_backward put on ctx (None: the forward had no rows)."""
+    if ctx.saved is None:
+        return None
+    rest, places = ctx.saved
+    tensors = ctx.saved_tensors
+    fields = {}
+    for name, place in places.items():
+        if isinstance(place, tuple):
+            first, e4m3_max = place
+            fields[name] = formats.NVFP4Tensor(tensors[first], tensors[first + 1], tensors[first + 2], e4m3_max)
+        else:
+            fields[name] = tensors[place]
+    return dataclasses.replace(rest, **fields)
 
 
 @dataclass
@@ -513,10 +554,11 @@ class _ExpertMLPFunction(torch.autograd.Function):
         del w2_values
         _scale_rows_(out, h_factor[:num_rows] * _expert_factor(w2q, expert_of_row), src_rank)
 
-        ctx.saved = _Saved(tokens=tokens, hidden=hidden, gate_up_bf16=gate_up_bf16, w1_row_factor=w1_row_factor,
-                           w1=w1q, w2=w2q, group_ends=group_ends, expert_of_row=expert_of_row, src_rank=src_rank,
-                           padded_rows=padded_rows, seeds=_backward_seeds(seed),
-                           w1_values=kept_w1_values, w2_values=kept_w2_values)
+        _save_for_backward(ctx, _Saved(tokens=tokens, hidden=hidden, gate_up_bf16=gate_up_bf16,
+                                       w1_row_factor=w1_row_factor, w1=w1q, w2=w2q, group_ends=group_ends,
+                                       expert_of_row=expert_of_row, src_rank=src_rank, padded_rows=padded_rows,
+                                       seeds=_backward_seeds(seed), w1_values=kept_w1_values,
+                                       w2_values=kept_w2_values))
         return out
 
     @staticmethod
@@ -526,8 +568,8 @@ class _ExpertMLPFunction(torch.autograd.Function):
         if ctx.freed:
             raise RuntimeError("backward through training.expert_mlp a second time: its saved operands were freed by "
                                "the first backward (retain_graph is not supported here)")
-        s: _Saved = ctx.saved
-        ctx.saved, ctx.freed = None, True  # (freed with this backward)
+        s: Optional[_Saved] = _saved_for_backward(ctx)
+        ctx.saved, ctx.freed = None, True  # (freed with this backward; autograd frees the saved tensors)
         main_grad_of, ctx.main_grad_of = ctx.main_grad_of, None
         if main_grad_of is not None:
             _check_main_grads(*main_grad_of)  # (again: the trainer may have replaced them since the forward)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import ep_comm
 from ep_comm import formats, moe, training
-from ep_comm.training_experts import _ExpertMLPFunction, _as_int64, _mix64, grad_seed
+from ep_comm.training_experts import _ExpertMLPFunction, _as_int64, _mix64, _saved_for_backward, grad_seed
 from format_cases import assert_same_nvfp4
 from harness import auto_backend, multigpu_backend, multigpu_world, run_ranks
 
@@ -206,7 +206,7 @@ def _check_w2_input_is_the_swiglu_in_nvfp4_four_six(experts, result, seed, devic
     quantization passed them.)"""
     rows = torch.zeros(result.num_rows, HIDDEN, dtype=torch.bfloat16, device=device, requires_grad=True)
     out = _ExpertMLPFunction.apply(rows, experts.w1, experts.w2, result, seed, False)
-    saved = out.grad_fn.saved
+    saved = _saved_for_backward(out.grad_fn)  # (the forward's _Saved, rebuilt as the backward does)
     gate, up = (saved.gate_up_bf16.float() * saved.w1_row_factor[:, None]).chunk(2, dim=-1)
     swiglu = torch.zeros(saved.padded_rows, INTER, device=device)
     swiglu[:result.num_rows] = torch.where((result.src_rank >= 0)[:, None], F.silu(gate) * up, 0.0)
