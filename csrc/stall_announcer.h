@@ -8,8 +8,10 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
@@ -19,6 +21,8 @@ namespace ep_comm {
 class StallAnnouncer {
  public:
   StallAnnouncer(std::string message, double seconds) : message_(std::move(message)) {
+    if (!std::isfinite(seconds) || seconds < 0.0 || seconds > 1e9)  // (the duration cast below needs a sane value)
+      throw std::invalid_argument("StallAnnouncer: seconds must be finite and in [0, 1e9]");
     thread_ = std::thread([this, seconds] {
       std::unique_lock<std::mutex> lock(mutex_);
       if (!stop_requested_.wait_for(lock, std::chrono::duration<double>(seconds), [this] { return stopped_; })) {
@@ -31,14 +35,15 @@ class StallAnnouncer {
   StallAnnouncer& operator=(const StallAnnouncer&) = delete;
   ~StallAnnouncer() { stop(); }
 
-  // Ends the timer (idempotent) and says whether the message was written: the caller can then say that the call it
-  // announced did return after all.
+  // Ends the timer (idempotent, also from two threads at once) and says whether the message was written: the caller
+  // can then say that the call it announced did end after all.
   bool stop() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       stopped_ = true;
     }
     stop_requested_.notify_all();
+    std::lock_guard<std::mutex> joining(join_mutex_);  // (two joins of one thread at once are undefined)
     if (thread_.joinable()) thread_.join();
     return fired_;
   }
@@ -55,6 +60,7 @@ class StallAnnouncer {
 
   std::string message_;
   std::mutex mutex_;
+  std::mutex join_mutex_;
   std::condition_variable stop_requested_;
   bool stopped_ = false;
   bool fired_ = false;  // written by the timer thread under mutex_, read after join()

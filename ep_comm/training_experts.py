@@ -385,37 +385,61 @@ class _Saved:
     w2_values: Optional[torch.Tensor] = None  # the backward decodes them again from w1 / w2)
 
 
-# _Saved's tensor fields (NVFP4Tensors included): they go to the backward through ctx.save_for_backward, so that
-# torch.utils.checkpoint (non-reentrant) can free them after the forward and recompute them; as ctx attributes they
-# stayed alive. The seeds stay ctx attributes on purpose: a recomputation (ExpertMLP's forward bumps its call count)
-# would otherwise change the backward's rounding. So do the kept weight values (keep_weight_values): the backward
-# frees each after its one use, which a saved tensor (alive until the backward returns) would not allow.
+# _Saved's tensor fields (NVFP4Tensors included) that go to the backward through ctx.save_for_backward, so that
+# torch.utils.checkpoint (non-reentrant) can free them after the forward and recompute them (ctx attributes stay
+# alive). Not all of them, and nothing else:
+# * a field that shares memory with the DispatchResult (src_rank, group_ends, the tokens when no row needed a mask
+#   copy) stays a ctx attribute: the result is alive anyway (the combine's backward needs it), and a saved tensor's
+#   version check would make the backward fail after any in-place edit of the result -- on nvlink every field is a
+#   view of one arena, and editing topk_weight in place is allowed;
+# * the seeds: a recomputation (ExpertMLP's forward bumps its call count) would change the backward's rounding;
+# * the kept weight values (keep_weight_values): the backward frees each after its one use, which a saved tensor
+#   (alive until the backward returns) would not allow.
 _SAVED_TENSOR_FIELDS = ("tokens", "hidden", "gate_up_bf16", "w1_row_factor", "w1", "w2", "group_ends", "expert_of_row",
                         "src_rank")
 
 
-def _save_for_backward(ctx, saved: _Saved) -> None:
-    """ctx.save_for_backward of saved's tensors (an NVFP4Tensor as its three), and on ctx the rest of saved with the
-    places of those tensors (_saved_for_backward rebuilds it)."""
+def _storages(value) -> set:
+    """The data pointers of the storages of value's tensors (a tensor, or a dataclass of tensors and NVFP4Tensors)."""
+    if isinstance(value, torch.Tensor):
+        pointer = value.untyped_storage().data_ptr()
+        return {pointer} if pointer else set()
+    if dataclasses.is_dataclass(value):
+        return set().union(*(_storages(getattr(value, field.name)) for field in dataclasses.fields(value)))
+    return set()
+
+
+def _save_for_backward(ctx, saved: Optional[_Saved], result_storages: set, device) -> None:
+    """ctx.save_for_backward of saved's tensors (an NVFP4Tensor as its three) but those in result_storages, and on ctx
+    the rest of saved with the places of those tensors (_saved_for_backward rebuilds it). A forward without rows saves
+    an empty placeholder: every rank's backward then unpacks a saved tensor at the same point, which is where
+    non-reentrant checkpointing starts the recomputation (with its dispatch, a collective)."""
+    if saved is None:
+        ctx.save_for_backward(torch.empty(0, device=device))
+        ctx.saved = None
+        return
     tensors, places = [], {}
     for name in _SAVED_TENSOR_FIELDS:
         value = getattr(saved, name)
+        if value is None or _storages(value) & result_storages:
+            continue
         if isinstance(value, formats.NVFP4Tensor):
             places[name] = (len(tensors), value.e4m3_max)
             tensors += [value.data, value.scales, value.amax]
-        elif value is not None:
+        else:
             places[name] = len(tensors)
             tensors.append(value)
     ctx.save_for_backward(*tensors)
-    ctx.saved = (dataclasses.replace(saved, **{name: None for name in _SAVED_TENSOR_FIELDS}), places)
+    ctx.saved = (dataclasses.replace(saved, **{name: None for name in places}), places)
 
 
 def _saved_for_backward(ctx) -> Optional[_Saved]:
-    """The _Saved that _save_for_backward put on ctx (None: the forward had no rows)."""
+    """The _Saved that _save_for_backward put on ctx (None: the forward had no rows). Unpacks the saved tensors first
+    in every case (see _save_for_backward)."""
+    tensors = ctx.saved_tensors
     if ctx.saved is None:
         return None
     rest, places = ctx.saved
-    tensors = ctx.saved_tensors
     fields = {}
     for name, place in places.items():
         if isinstance(place, tuple):
@@ -510,7 +534,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
         ctx.w1_shape_device, ctx.w2_shape_device = (w1.shape, w1.device), (w2.shape, w2.device)
         ctx.freed = False
         if num_rows == 0:  # (no rows on this rank: nothing to multiply; zero weight gradients)
-            ctx.saved = None
+            _save_for_backward(ctx, None, set(), rows.device)
             return torch.zeros(0, w1.shape[2], dtype=torch.bfloat16, device=rows.device)
         padded_rows = -(-num_rows // formats.MX_BLOCK) * formats.MX_BLOCK
         if weight_cache is None:
@@ -558,7 +582,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
                                        w1_row_factor=w1_row_factor, w1=w1q, w2=w2q, group_ends=group_ends,
                                        expert_of_row=expert_of_row, src_rank=src_rank, padded_rows=padded_rows,
                                        seeds=_backward_seeds(seed), w1_values=kept_w1_values,
-                                       w2_values=kept_w2_values))
+                                       w2_values=kept_w2_values), _storages(result), rows.device)
         return out
 
     @staticmethod

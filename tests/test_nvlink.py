@@ -1745,7 +1745,9 @@ def test_nvshmem_collective_calls_say_when_a_rank_waits_too_long(monkeypatch, ca
     class SlowAllocation:  # nvshmem.core's calls, the allocation slower than the timeout
         def tensor(self, shape, dtype):
             made = torch.zeros(shape, dtype=dtype)  # (before the wait: torch ops release the GIL)
-            hold_gil_and_sleep(800_000)
+            end = time.monotonic() + 0.8
+            while time.monotonic() < end:  # (usleep may end early on a signal)
+                hold_gil_and_sleep(int((end - time.monotonic()) * 1e6) + 1)
             return made
 
         def get_peer_tensor(self, tensor, rank):
@@ -1770,12 +1772,13 @@ def test_nvshmem_collective_calls_say_when_a_rank_waits_too_long(monkeypatch, ca
     assert entered[0][2] == 0.2  # _nvshmem_init's own announcement (around nvshmem.core.init) gets the same timeout
     err = capfd.readouterr().err
     waited = "ep_comm nvlink: rank 0 has waited 0.2 s in NVSHMEM's symmetric allocation (nvshmem.core.tensor)"
-    returned = "ep_comm nvlink: rank 0: NVSHMEM's symmetric allocation (nvshmem.core.tensor) returned after"
+    returned = "ep_comm nvlink: rank 0: NVSHMEM's symmetric allocation (nvshmem.core.tensor) ended after"
     assert err.count("ep_comm nvlink:") == 2 and waited in err and "the job must be stopped" in err \
         and returned in err and err.index(waited) < err.index(returned), err
-    region._free_symmetric(SlowAllocation(), region._tensor)
-    time.sleep(0.4)  # past the timeout: a stopped announcer stays silent
+    region._free_symmetric(SlowAllocation(), region._tensor)  # (in time: stop() has joined the silent timer)
     assert capfd.readouterr().err == ""
+    with pytest.raises(ValueError, match="seconds must be finite"):
+        _ext._C.StallAnnouncer("never", float("nan"))
 
 
 @pytest.mark.cpu

@@ -504,6 +504,42 @@ def checkpoint_worker(rank, world, backend="reference", device_kind="cpu"):
     return {"failed": failed, "alive_mib": alive_mib}
 
 
+def checkpoint_empty_rank_worker(rank, world):
+    """Non-reentrant checkpointing of router -> training.dispatch -> training.expert_mlp, with the combine outside the
+    region, where rank 1's experts receive no row. The recomputation starts at the first saved tensor the backward
+    unpacks, and it runs the dispatch (a collective): every rank must start it at the same point, so the experts save
+    a placeholder where they have no rows. Returns whether the step's outputs and gradients equal those without
+    checkpointing, bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+    hidden, intermediate, num_experts, num_topk, num_tokens = 64, 32, 8, 2, 16
+    gen = torch.Generator().manual_seed(1)
+    router = torch.nn.Parameter(torch.randn(num_experts, hidden, generator=gen))
+    w1 = torch.nn.Parameter(torch.randn(4, 2 * intermediate, hidden, generator=gen) / 8)
+    w2 = torch.nn.Parameter(torch.randn(4, hidden, intermediate, generator=gen) / 6)
+    x0 = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+    with ep_comm.Buffer(None, hidden=hidden, num_experts=num_experts, num_topk=num_topk, max_tokens_per_rank=num_tokens,
+                        expert_alignment=32, backend="reference", timeout_s=60) as buf, \
+            training.GradBuffers.create(buf) as grads:
+
+        def region(h):
+            logits = (h.float() @ router.t()).masked_fill(torch.arange(num_experts) >= 4, -1e9)  # rank 0's experts
+            topk_weights, topk_idx = torch.softmax(logits, -1).topk(num_topk, -1)
+            routed = training.dispatch(buf, grads, h, topk_idx, topk_weights)
+            return training.expert_mlp(routed, w1, w2, seed=5), routed
+
+        results = []
+        for checkpointed in (False, True):
+            x = x0.clone().requires_grad_()
+            for p in (router, w1, w2):
+                p.grad = None
+            out, routed = checkpoint(region, x, use_reentrant=False) if checkpointed else region(x)
+            y = training.combine(out, routed)
+            y.float().square().sum().backward()
+            results.append([y.detach(), x.grad, router.grad, w1.grad, w2.grad])
+        rows_here = routed.result.num_rows
+    return rows_here, all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(*results))
+
+
 def errors_worker(rank, world):
     with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=4 * world, num_topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
                         backend="reference") as buf, \
@@ -651,6 +687,12 @@ def test_gloo_rows_only_and_errors():
 @pytest.mark.cpu
 def test_gloo_activation_checkpointing_gives_the_same_step():
     assert run_ranks(checkpoint_worker, 2, backend="gloo") == [{"failed": [], "alive_mib": {}}] * 2
+
+
+@pytest.mark.cpu
+def test_gloo_non_reentrant_checkpointing_with_a_rank_without_rows():
+    (rows_0, same_0), (rows_1, same_1) = run_ranks(checkpoint_empty_rank_worker, 2, backend="gloo")
+    assert rows_0 > 0 and rows_1 == 0 and same_0 and same_1
 
 
 @pytest.mark.gpu

@@ -428,6 +428,54 @@ def _check_quantize_as_pack_weights(device):
                            b.view(torch.uint8) if name == "scales" else b), name
 
 
+def _arena_result_worker(rank, world):
+    """_ExpertMLPFunction on a DispatchResult laid out as the nvlink backend lays it out (every field a view of one
+    arena, made here from a reference-backend result), with the result's topk_weight edited in place between forward
+    and backward (allowed: README, Buffer.dispatch). The backward must not trip autograd's version check on the saved
+    tensors that are views of the result, and the gradients are those of the same step without the edit (the experts'
+    backward reads no weight). Returns the three gradients' byte equality."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, HIDDEN, generator=gen).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(4, generator=gen)[:TOPK] for _ in range(40)])
+    weights = torch.softmax(torch.randn(40, TOPK, generator=gen), -1)
+    experts = training.ExpertMLP(4, HIDDEN, INTER, seed=3)
+    with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=4, num_topk=TOPK, max_tokens_per_rank=MAX_TOKENS,
+                        expert_alignment=ALIGNMENT, backend="reference") as buf:
+        plain = buf.dispatch(x, idx, weights)
+        rows = plain.num_rows
+        data_bytes, scale_bytes = plain.x.data.numel(), plain.x.scales.numel()
+        arena = torch.zeros((data_bytes + scale_bytes) // 4 + 3 * rows + plain.expert_offsets.numel(), dtype=torch.int32)
+        as_bytes, as_floats = arena.view(torch.uint8), arena.view(torch.float32)
+        data = as_bytes[:data_bytes].view(plain.x.data.shape)
+        scales = as_bytes[data_bytes:data_bytes + scale_bytes].view(plain.x.scales.shape).view(plain.x.scales.dtype)
+        word = (data_bytes + scale_bytes) // 4
+        amax = as_floats[word:word + rows]
+        src_rank = arena[word + rows:word + 2 * rows]
+        topk_weight = as_floats[word + 2 * rows:word + 3 * rows]
+        offsets = arena[word + 3 * rows:]
+        for view, value in ((data, plain.x.data), (scales.view(torch.uint8), plain.x.scales.view(torch.uint8)),
+                            (amax, plain.x.amax), (src_rank, plain.src_rank), (topk_weight, plain.topk_weight),
+                            (offsets, plain.expert_offsets)):
+            view.copy_(value)
+        in_arena = dataclasses.replace(plain, x=formats.NVFP4Tensor(data, scales, amax, plain.x.e4m3_max),
+                                       src_rank=src_rank, topk_weight=topk_weight, expert_offsets=offsets)
+        gradients = []
+        for result, edit in ((plain, False), (in_arena, True)):
+            rows_leaf = torch.zeros(rows, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+            experts.zero_grad(set_to_none=True)
+            out = _ExpertMLPFunction.apply(rows_leaf, experts.w1, experts.w2, result, 5, False)
+            if edit:
+                result.topk_weight.mul_(0.5)
+            out.float().square().sum().backward()
+            gradients.append([rows_leaf.grad, experts.w1.grad, experts.w2.grad])
+    return [torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)) for a, b in zip(*gradients)]
+
+
+@pytest.mark.cpu
+def test_backward_survives_an_in_place_edit_of_the_dispatch_result():
+    assert run_ranks(_arena_result_worker, 1, backend="gloo") == [[True, True, True]]
+
+
 @pytest.mark.cpu
 def test_expert_weights_quantize_as_pack_weights():
     _check_quantize_as_pack_weights(torch.device("cpu"))

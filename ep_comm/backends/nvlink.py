@@ -454,18 +454,24 @@ def _announce_if_slow(what: str, rank: int, seconds: float):
     for every rank inside the library, without a timeout): if the block has not ended after `seconds`, a native timer
     (_C.StallAnnouncer: it fires while this thread holds the GIL, as nvshmem4py's malloc / free do while they block)
     writes once to stderr what this rank waits in and why it may never return, so that a peer's failure is not a
-    silent hang. The call itself goes on; if it does return after the message, that is said too."""
+    silent hang. The call itself goes on; if it does end after the message, that is said too."""
     message = (f"ep_comm nvlink: rank {rank} has waited {seconds:g} s in {what}, which waits for every rank and has no "
                f"timeout: a peer rank may have failed before or inside it (see its output), and then this rank never "
                f"returns from it and the job must be stopped. EP_COMM_PEER_MEMORY=ipc (one node) does without "
                f"NVSHMEM.\n")
-    announcer = _ext.require_cuda_extension("the nvlink backend").StallAnnouncer(message, seconds)
+    # Best effort: the announcement must never keep the call from being made (every rank waits in it for this one).
+    announcer = None
+    try:
+        announcer = _ext._C.StallAnnouncer(message, seconds)
+    except Exception as error:  # (an ep_comm._C built before it, or no thread to be had)
+        _ext.warn_once(f"ep_comm nvlink: no announcement of NVSHMEM calls that stall ({type(error).__name__}: "
+                       f"{error})")
     started = time.monotonic()
     try:
         yield
     finally:
-        if announcer.stop():
-            print(f"ep_comm nvlink: rank {rank}: {what} returned after {time.monotonic() - started:.1f} s",
+        if announcer is not None and announcer.stop():
+            print(f"ep_comm nvlink: rank {rank}: {what} ended after {time.monotonic() - started:.1f} s",
                   file=sys.stderr, flush=True)
 
 
