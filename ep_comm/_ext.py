@@ -99,6 +99,12 @@ def capture_id(raw_stream: int) -> int:
 _already_current = contextlib.nullcontext()  # no state: one instance serves every call
 
 
+def gpu_uuid(index: int) -> str:
+    """The UUID of CUDA device `index` as a string: the one spelling every rank's identity and the nvlink peer check
+    compare (buffer._gpu_identity, backends.nvlink._peer_link_problem)."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
 def cuda_device(device: Union[torch.device, int]) -> ContextManager:
     """`torch.cuda.device(device)`, or a no-op context when `device` (a CUDA torch.device or an index) is the current
     device already, as it is for almost every call: entering and leaving torch.cuda.device costs several µs of host

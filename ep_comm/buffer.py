@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ._compile import eager_only
-from ._ext import capture_id, current_raw_stream, warn_once
+from ._ext import capture_id, current_raw_stream, gpu_uuid, warn_once
 from .formats import IMPLS as FORMAT_IMPLS
 from .formats import _is_capturing
 from .types import BACKENDS, BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, WaveDispatch
@@ -147,7 +147,7 @@ def _gpu_identity() -> tuple:
     try:
         if torch.cuda.is_available():
             index = torch.cuda.current_device()
-            return host, str(torch.cuda.get_device_properties(index).uuid), index
+            return host, gpu_uuid(index), index
     except Exception:  # noqa: BLE001 (a broken CUDA setup: is_available reports it on this rank)
         pass
     return host, None, None

@@ -9,6 +9,7 @@ import torch
 
 import ep_comm
 from ep_comm import formats, moe, training
+from format_cases import as_bytes
 from harness import run_ranks
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOPK, TOKENS = 128, 64, 8, 3, 24
@@ -38,13 +39,9 @@ def _same_bits(a, b) -> bool:
     """Bitwise equality of two tensors (compared as bytes: NaN payloads and the sign of zero count), or of two format
     objects' tensor fields."""
     if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bytes(a), _bytes(b))
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_bytes(a.detach()), as_bytes(b.detach()))
     fields = [name for name, value in vars(a).items() if isinstance(value, torch.Tensor)]
     return bool(fields) and all(_same_bits(getattr(a, name), getattr(b, name)) for name in fields)
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).contiguous().view(torch.uint8)
 
 
 def _format_round_trip(x):

@@ -13,7 +13,7 @@ import torch
 
 import ep_comm
 from ep_comm import formats, training
-from format_cases import assert_same_floats
+from format_cases import as_bytes, assert_same_floats
 from harness import auto_backend, multigpu_backend, multigpu_world, run_ranks
 
 HIDDEN, TOPK, MAX_TOKENS, ALIGNMENT = 64, 3, 9, 4
@@ -442,11 +442,6 @@ def reference_capture_worker(rank, world):
     return "reference refuses capture"
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """t's bytes (bitwise comparisons: NaN payloads and the sign of zero count)."""
-    return t.detach().reshape(-1).contiguous().view(torch.uint8)
-
-
 def checkpoint_worker(rank, world, backend="reference", device_kind="cpu"):
     """Activation checkpointing (torch.utils.checkpoint, reentrant and not) around two stacked layers of router ->
     training.dispatch -> training.expert_mlp -> training.combine: the backward recomputes each layer's forward, with
@@ -500,7 +495,7 @@ def checkpoint_worker(rank, world, backend="reference", device_kind="cpu"):
         for mode in ("reentrant", "non-reentrant"):
             again = step(mode)
             failed += [f"{mode}: tensor {i}" for i, (a, b) in enumerate(zip(plain, again))
-                       if b is None or a.shape != b.shape or not torch.equal(_bytes(a), _bytes(b))]
+                       if b is None or a.shape != b.shape or not torch.equal(as_bytes(a), as_bytes(b))]
     return {"failed": failed, "alive_mib": alive_mib}
 
 
@@ -537,7 +532,7 @@ def checkpoint_empty_rank_worker(rank, world):
             y.float().square().sum().backward()
             results.append([y.detach(), x.grad, router.grad, w1.grad, w2.grad])
         rows_here = routed.result.num_rows
-    return rows_here, all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(*results))
+    return rows_here, all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(*results))
 
 
 def errors_worker(rank, world):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import ep_comm
 from ep_comm import formats, moe, training
 from ep_comm.training_experts import _ExpertMLPFunction, _as_int64, _mix64, _saved_for_backward, grad_seed
-from format_cases import assert_same_nvfp4
+from format_cases import as_bytes, assert_same_nvfp4
 from harness import auto_backend, multigpu_backend, multigpu_world, run_ranks
 
 HIDDEN, INTER, TOPK, MAX_TOKENS, ALIGNMENT = 64, 32, 2, 48, 32
@@ -445,9 +445,9 @@ def _arena_result_worker(rank, world):
         rows = plain.num_rows
         data_bytes, scale_bytes = plain.x.data.numel(), plain.x.scales.numel()
         arena = torch.zeros((data_bytes + scale_bytes) // 4 + 3 * rows + plain.expert_offsets.numel(), dtype=torch.int32)
-        as_bytes, as_floats = arena.view(torch.uint8), arena.view(torch.float32)
-        data = as_bytes[:data_bytes].view(plain.x.data.shape)
-        scales = as_bytes[data_bytes:data_bytes + scale_bytes].view(plain.x.scales.shape).view(plain.x.scales.dtype)
+        arena_bytes, as_floats = arena.view(torch.uint8), arena.view(torch.float32)
+        data = arena_bytes[:data_bytes].view(plain.x.data.shape)
+        scales = arena_bytes[data_bytes:data_bytes + scale_bytes].view(plain.x.scales.shape).view(plain.x.scales.dtype)
         word = (data_bytes + scale_bytes) // 4
         amax = as_floats[word:word + rows]
         src_rank = arena[word + rows:word + 2 * rows]
@@ -468,7 +468,7 @@ def _arena_result_worker(rank, world):
                 result.topk_weight.mul_(0.5)
             out.float().square().sum().backward()
             gradients.append([rows_leaf.grad, experts.w1.grad, experts.w2.grad])
-    return [torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)) for a, b in zip(*gradients)]
+    return [torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(*gradients)]
 
 
 @pytest.mark.cpu

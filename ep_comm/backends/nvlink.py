@@ -426,7 +426,7 @@ def _peer_link_problem(identities: list, rank: int, shared_gpu_allowed: bool) ->
     host, uuid, device = identities[rank]
     if uuid is None:  # (is_available asks only where CUDA works)
         return "could not read this GPU's UUID (torch.cuda.get_device_properties(...).uuid), which the peer check needs"
-    visible = {str(torch.cuda.get_device_properties(index).uuid): index for index in range(torch.cuda.device_count())}
+    visible = {_ext.gpu_uuid(index): index for index in range(torch.cuda.device_count())}
     for peer, (peer_host, peer_uuid, _) in enumerate(identities):
         if peer == rank or peer_uuid is None:
             continue
