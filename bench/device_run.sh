@@ -234,7 +234,7 @@ profile_4096() {
 }
 bench_direct_self() { bench_ab EP_COMM_DIRECT_SELF_MIN_TOKENS "0 1000000000" 128,512,1024,2048,4096; }
 test_nvlink_one_rank() {  # the nvlink suite's workers on one rank (all rows are the rank's own): a 1-GPU check
-  say "gpu tier: nvlink workers at world size 1 (reference comparison, direct self rows, block counts, pressure + graph, streaming, waves)"
+  say "gpu tier: nvlink workers at world size 1 (reference comparison, direct self rows, block counts, pressure + graph, streaming, dispatches in flight, waves)"
   (cd tests && timeout 300 python3 -c "
 from harness import run_ranks
 import test_nvlink as t
@@ -248,6 +248,7 @@ run_ranks(t.sync_check_graph_worker, 1, backend='nccl', timeout_s=280)
 run_ranks(t.rows_worker, 1, backend='nccl', timeout_s=280)
 import dist_cases
 assert run_ranks(dist_cases.check_finite_worker, 1, 'nvlink', 'cuda', backend='nccl', timeout_s=280) == ['check_finite ok']
+assert run_ranks(dist_cases.in_flight_worker, 1, 'nvlink', 'cuda', backend='nccl', timeout_s=280) == ['in flight ok']
 import test_waves as tw
 w = run_ranks(tw._waves_worker, 1, backend='nccl', timeout_s=280)[0]
 assert w['backend'] == 'nvlink', w['backend']

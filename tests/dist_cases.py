@@ -1,6 +1,7 @@
 """Worker functions run on every rank by tests/harness.run_ranks (many cases per spawn)."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 
@@ -42,10 +43,12 @@ def check_dispatch(case: Case, rank: int, world: int, result, inputs) -> None:
         assert (weight[padding] == 0).all() and (payload[padding] == 0).all(), (case.name, "padding", j)
 
 
-def run_case(case: Case, rank: int, world: int, backend: str, device, repeat_check: bool = False) -> dict:
+def run_case(case: Case, rank: int, world: int, backend: str, device, repeat_check: bool = False,
+             group=None) -> dict:
+    """One case on a Buffer over `group` (None: the world), where this process is rank `rank` of `world`."""
     inputs = [make_inputs(case, r, world) for r in range(world)]
     x, topk_idx, weights = (t.to(device) for t in inputs[rank])
-    buf = ep_comm.Buffer(None, hidden=case.hidden, num_experts=case.num_experts, num_topk=case.num_topk,
+    buf = ep_comm.Buffer(group, hidden=case.hidden, num_experts=case.num_experts, num_topk=case.num_topk,
                          max_tokens_per_rank=case.max_tokens, dispatch_format=case.dispatch_format,
                          combine_format=case.combine_format, expert_alignment=case.expert_alignment,
                          backend=backend)
@@ -90,24 +93,82 @@ def standard_cases(world: int, hidden: int = 256):
 
 
 def semantics_worker(rank: int, world: int, backend: str = "reference", device_kind: str = "cpu",
-                     hidden: int = 256):
-    """Every standard case against the oracle; the first twice (bitwise determinism)."""
+                     hidden: int = 256, group=None):
+    """Every standard case against the oracle; the first twice (bitwise determinism). group: the Buffers' process
+    group (None: the world), of which this process is rank `rank` of `world`."""
     device = _device(device_kind)
     summaries = []
     for index, case in enumerate(standard_cases(world, hidden)):
-        summaries.append(run_case(case, rank, world, backend, device, repeat_check=(index == 0)))
-    summaries.append(identity_roundtrip(rank, world, backend, device, hidden))
+        summaries.append(run_case(case, rank, world, backend, device, repeat_check=(index == 0), group=group))
+    summaries.append(identity_roundtrip(rank, world, backend, device, hidden, group))
     return summaries
 
 
-def identity_roundtrip(rank: int, world: int, backend: str, device, hidden: int) -> dict:
+def ep_groups(world: int, ep_size: int, layout: str):
+    """The expert-parallel groups of a data x expert parallel world, as a trainer makes them (new_group is collective:
+    every rank makes every group): "blocked" puts ranks [i * ep_size, (i + 1) * ep_size) together (EP inside a node),
+    "strided" ranks i, i + D, i + 2D, ... with D = world // ep_size. Returns (the groups, this rank's group)."""
+    data_parallel = world // ep_size
+    if layout == "blocked":
+        members = [list(range(i * ep_size, (i + 1) * ep_size)) for i in range(data_parallel)]
+    elif layout == "strided":
+        members = [list(range(i, world, data_parallel)) for i in range(data_parallel)]
+    else:
+        raise ValueError(f"layout must be 'blocked' or 'strided', got {layout!r}")
+    groups = [dist.new_group(ranks) for ranks in members]
+    me = dist.get_rank()
+    return groups, next(g for g, ranks in zip(groups, members) if me in ranks)
+
+
+def ep_groups_worker(rank: int, world: int, ep_size: int, layout: str, backend: str = "reference",
+                     device_kind: str = "cpu", hidden: int = 256):
+    """The standard cases on Buffers over this rank's expert-parallel group (ep_groups), every group at once, each
+    with the same inputs (made from the group rank). Returns (group rank, semantics_worker's summaries): equal to
+    what an EP world of ep_size ranks alone gives, bitwise, if the Buffer numbers peers by group rank throughout."""
+    _, group = ep_groups(world, ep_size, layout)
+    group_rank = dist.get_rank(group)
+    return group_rank, semantics_worker(group_rank, ep_size, backend, device_kind, hidden, group)
+
+
+def in_flight_worker(rank: int, world: int, backend: str = "reference", device_kind: str = "cpu"):
+    """Several dispatches in flight on one Buffer, as a pipeline schedule's micro-batches have them: three dispatches
+    of different inputs (and token counts) first, then their combines in reverse order and again in dispatch order.
+    Each result must still be what the oracle says after the later dispatches, and every combine, of an earlier handle
+    too, must give the oracle's output bit for bit: a handle carries all its combine needs."""
+    device = _device(device_kind)
+    bases = [Case("in_flight_nvfp4_s2f6", 256, 4 * world, 4, (), "uniform", expert_alignment=4),
+             Case("in_flight_bf16_masked", 256, 4 * world, 3, (), "masked", "bf16", "bf16", edge=True)]
+    for base in bases:
+        cases = [dataclasses.replace(base, seed=20 + i, tokens=tuple(12 + 3 * r - 4 * i for r in range(world)))
+                 for i in range(3)]
+        inputs = [[make_inputs(case, r, world) for r in range(world)] for case in cases]
+        with ep_comm.Buffer(None, hidden=base.hidden, num_experts=base.num_experts, num_topk=base.num_topk,
+                            max_tokens_per_rank=max(case.max_tokens for case in cases),
+                            dispatch_format=base.dispatch_format, combine_format=base.combine_format,
+                            expert_alignment=base.expert_alignment, backend=backend) as buf:
+            results = [buf.dispatch(*(t.to(device) for t in case_inputs[rank])) for case_inputs in inputs]
+            expert_outs = []
+            for case, case_inputs, result in zip(cases, inputs, results):
+                check_dispatch(case, rank, world, result, case_inputs)
+                expert_outs.append(run_expert(result, case, rank, world).to(device))
+            for order in ((2, 1, 0), (0, 1, 2)):
+                for i in order:
+                    for local_reduce in (True, False):
+                        got = buf.combine(expert_outs[i], results[i].handle, local_reduce=local_reduce).cpu()
+                        want = expected_combine(cases[i], rank, world, inputs[i], local_reduce)
+                        assert_same_floats(got, want, f"{cases[i].name}: micro-batch {i} combined in order {order} "
+                                                      f"(local_reduce={local_reduce})")
+    return "in flight ok"
+
+
+def identity_roundtrip(rank: int, world: int, backend: str, device, hidden: int, group=None) -> dict:
     """Identity routing, unit weights: combine(dispatch(x)) == x for bf16, within the format error otherwise."""
     errors = {}
     for dispatch_format, combine_format in (("bf16", "bf16"), ("nvfp4", "s2f6"), ("mxfp8", "s2f6")):
         case = Case("identity", hidden, 2 * world, 1, tuple(64 for _ in range(world)), "uniform",
                     dispatch_format, combine_format, unit_weights=True, seed=7)
         x, topk_idx, weights = (t.to(device) for t in make_inputs(case, rank, world))
-        with ep_comm.Buffer(None, hidden=hidden, num_experts=case.num_experts, num_topk=1, max_tokens_per_rank=64,
+        with ep_comm.Buffer(group, hidden=hidden, num_experts=case.num_experts, num_topk=1, max_tokens_per_rank=64,
                             dispatch_format=dispatch_format, combine_format=combine_format,
                             backend=backend) as buf:
             result = buf.dispatch(x, topk_idx, weights)

@@ -1139,6 +1139,28 @@ def test_nvlink_oracle_cases():
 
 
 @pytest.mark.multigpu
+def test_nvlink_dispatches_in_flight_combine_in_any_order():
+    from dist_cases import in_flight_worker
+    world = _world()
+    assert run_ranks(in_flight_worker, world, "nvlink", "cuda", backend=multigpu_backend(), timeout_s=600) == \
+        ["in flight ok"] * world
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(multigpu_world() < 4, reason="needs 4 ranks for two expert-parallel groups of 2: 4 GPUs, or "
+                    "EP_COMM_TEST_SHARED_GPU=1 EP_COMM_TEST_SHARED_WORLD=4 on one")
+@pytest.mark.parametrize("layout", ["blocked", "strided"])
+def test_nvlink_expert_parallel_groups_inside_a_larger_world(layout):
+    """Two EP groups of 2 in a world of 4, each group's nvlink Buffers at once (NVSHMEM started per process over its
+    EP group): each group gives the oracle's results and what an EP world of 2 alone gives, bit for bit."""
+    from dist_cases import ep_groups_worker, semantics_worker
+    alone = run_ranks(semantics_worker, 2, "nvlink", "cuda", backend=multigpu_backend(), timeout_s=600)
+    grouped = run_ranks(ep_groups_worker, 4, 2, layout, "nvlink", "cuda", backend=multigpu_backend(), timeout_s=600)
+    for global_rank, (group_rank, summaries) in enumerate(grouped):
+        assert summaries == alone[group_rank], (layout, global_rank, group_rank)
+
+
+@pytest.mark.multigpu
 def test_nvlink_rows_only_dispatch():
     assert run_ranks(rows_worker, _world(), backend=multigpu_backend(), timeout_s=600) == ["ok"] * _world()
 

@@ -36,6 +36,25 @@ def test_gloo_semantics(world):
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("layout", ["blocked", "strided"])
+def test_gloo_expert_parallel_groups_inside_a_larger_world(layout):
+    """Data x expert parallelism: 4 ranks in two EP groups of 2, every group's Buffers at once. Each group gives what
+    an EP world of 2 alone gives, bit for bit (the same hashes of every case's outputs): peers are numbered by group
+    rank, and the groups' calls do not mix."""
+    alone = run_ranks(dist_cases.semantics_worker, 2, "reference", "cpu", backend="gloo")
+    grouped = run_ranks(dist_cases.ep_groups_worker, 4, 2, layout, backend="gloo")
+    assert sorted(group_rank for group_rank, _ in grouped) == [0, 0, 1, 1]
+    for global_rank, (group_rank, summaries) in enumerate(grouped):
+        assert summaries == alone[group_rank], (layout, global_rank, group_rank)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_gloo_dispatches_in_flight_combine_in_any_order(world):
+    assert run_ranks(dist_cases.in_flight_worker, world, backend="gloo") == ["in flight ok"] * world
+
+
+@pytest.mark.cpu
 def test_gloo_world8_small():
     """EP8 on CPU ranks: the world-size-independent semantics at the largest size issue 5 asks for."""
     results = run_ranks(dist_cases.scaling_worker, 8, "reference", "cpu", backend="gloo", timeout_s=900)

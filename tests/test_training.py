@@ -7,6 +7,7 @@ weights and of the experts' weights -- must match it to BF16 rounding (the dispa
 gradient rows are BF16); a wrong weight, a missing or doubled row, or a misplaced slot is an O(1) error.
 """
 import contextlib
+import hashlib
 
 import pytest
 import torch
@@ -499,6 +500,69 @@ def checkpoint_worker(rank, world, backend="reference", device_kind="cpu"):
     return {"failed": failed, "alive_mib": alive_mib}
 
 
+_SCHEDULES = {  # (F i: micro-batch i's forward, B i: its backward)
+    "sequential": ("F0", "B0", "F1", "B1", "F2", "B2"),
+    "all forwards first": ("F0", "F1", "F2", "B0", "B1", "B2"),
+    "one forward ahead": ("F0", "F1", "B0", "F2", "B1", "B2"),
+    "backwards reversed": ("F0", "F1", "F2", "B2", "B1", "B0"),
+}
+
+
+def pipeline_worker(rank, world, backend="reference", device_kind="cpu", ep_layout=None):
+    """Micro-batches of a pipeline schedule: three micro-batches (different tokens and token counts) through router ->
+    training.dispatch -> training.expert_mlp -> training.combine on one Buffer and its GradBuffers, forwards and
+    backwards in the orders of _SCHEDULES (GPipe's, 1F1B's, ...). Each micro-batch's output and its own gradients
+    (torch.autograd.grad: of its x, the router and both expert weights) must be those of the sequential schedule, bit
+    for bit: a forward in flight keeps everything its backward needs, whatever runs in between.
+    ep_layout ("blocked" / "strided"): the Buffers are made over this rank's expert-parallel group of 2 (two groups in
+    a world of 4, dist_cases.ep_groups), every group at once. Returns (the differences found, [] when none; a digest of
+    every result; the rank in the Buffers' group): with ep_layout, the digest must be that of an EP world of 2 alone."""
+    group = None
+    if ep_layout is not None:
+        from dist_cases import ep_groups
+        _, group = ep_groups(world, 2, ep_layout)
+        rank, world = torch.distributed.get_rank(group), 2
+    on_gpu = device_kind == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    hidden, intermediate, max_tokens, num_topk = 128, 64, 24, 3
+    num_experts = 4 * world
+    gen = torch.Generator().manual_seed(6)
+    local = slice(rank * 4, rank * 4 + 4)
+    router = torch.nn.Parameter(torch.randn(num_experts, hidden, generator=gen).to(device))
+    w1 = torch.nn.Parameter((torch.randn(num_experts, 2 * intermediate, hidden, generator=gen)[local]
+                             / hidden ** 0.5).to(device))
+    w2 = torch.nn.Parameter((torch.randn(num_experts, hidden, intermediate, generator=gen)[local]
+                             / intermediate ** 0.5).to(device))
+    inputs = [torch.randn(max_tokens - rank - 5 * i, hidden, generator=torch.Generator().manual_seed(10 * rank + i))
+              .to(torch.bfloat16).to(device) for i in range(3)]
+    runs = {}
+    with ep_comm.Buffer(group, hidden=hidden, num_experts=num_experts, num_topk=num_topk,
+                        max_tokens_per_rank=max_tokens, expert_alignment=32, backend=backend) as buf, \
+            training.GradBuffers.create(buf) as grads:
+        for name, schedule in _SCHEDULES.items():
+            leaves, outputs, results = {}, {}, {}
+            for event in schedule:
+                i = int(event[1])
+                if event[0] == "F":
+                    leaves[i] = inputs[i].clone().requires_grad_()
+                    topk_weights, topk_idx = torch.softmax(leaves[i].float() @ router.t(), dim=-1).topk(num_topk, -1)
+                    routed = training.dispatch(buf, grads, leaves[i], topk_idx, topk_weights)
+                    outputs[i] = training.combine(training.expert_mlp(routed, w1, w2, seed=20 + i), routed)
+                else:
+                    loss = outputs[i].float().square().sum()
+                    results[i] = [outputs[i].detach()] + list(torch.autograd.grad(loss, [leaves[i], router, w1, w2]))
+            runs[name] = [results[i] for i in range(3)]
+    differences = []
+    for name, run in runs.items():
+        for i, (want, got) in enumerate(zip(runs["sequential"], run)):
+            differences += [f"{name}: micro-batch {i}, tensor {j}" for j, (a, b) in enumerate(zip(want, got))
+                            if a.shape != b.shape or not torch.equal(as_bytes(a), as_bytes(b))]
+    digest = hashlib.sha256()
+    for tensor in (t for results in runs.values() for micro_batch in results for t in micro_batch):
+        digest.update(as_bytes(tensor).cpu().numpy().tobytes())
+    return differences, digest.hexdigest(), rank
+
+
 def checkpoint_empty_rank_worker(rank, world):
     """Non-reentrant checkpointing of router -> training.dispatch -> training.expert_mlp, with the combine outside the
     region, where rank 1's experts receive no row. The recomputation starts at the first saved tensor the backward
@@ -685,6 +749,24 @@ def test_gloo_activation_checkpointing_gives_the_same_step():
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_gloo_pipeline_schedules_give_each_micro_batch_the_same_step(world):
+    assert [differences for differences, _, _ in run_ranks(pipeline_worker, world, backend="gloo")] == [[]] * world
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("layout", ["blocked", "strided"])
+def test_gloo_training_in_expert_parallel_groups_inside_a_larger_world(layout):
+    """Two EP groups of 2 in a world of 4: each group's training steps (forwards, backwards and their collectives over
+    the group) give what an EP world of 2 alone gives, bit for bit."""
+    alone = run_ranks(pipeline_worker, 2, backend="gloo")
+    grouped = run_ranks(pipeline_worker, 4, "reference", "cpu", layout, backend="gloo")
+    assert [group_rank for _, _, group_rank in grouped] == ([0, 1, 0, 1] if layout == "blocked" else [0, 0, 1, 1])
+    for differences, digest, group_rank in grouped:
+        assert differences == [] and digest == alone[group_rank][1], (layout, group_rank)
+
+
+@pytest.mark.cpu
 def test_gloo_non_reentrant_checkpointing_with_a_rank_without_rows():
     (rows_0, same_0), (rows_1, same_1) = run_ranks(checkpoint_empty_rank_worker, 2, backend="gloo")
     assert rows_0 > 0 and rows_1 == 0 and same_0 and same_1
@@ -707,6 +789,7 @@ def test_nvlink_one_rank_gradients_match_torch_autograd():
     assert run_ranks(training_worker, 1, "nvlink", "cuda", _ALL_FORMATS, backend="nccl") == [list(_ALL_FORMATS)]
     assert run_ranks(rows_only_worker, 1, "nvlink", "cuda", backend="nccl") == ["rows only ok"]
     assert run_ranks(exact_weights_worker, 1, "nvlink", "cuda", backend="nccl") == ["exact weights ok"]
+    assert run_ranks(pipeline_worker, 1, "nvlink", "cuda", backend="nccl")[0][0] == []
 
 
 @pytest.mark.gpu
@@ -748,6 +831,8 @@ def test_nvlink_gradients_match_torch_autograd():
         ["rows only ok"] * world
     assert run_ranks(exact_weights_worker, world, auto_backend(), "cuda", backend=multigpu_backend()) == \
         ["exact weights ok"] * world
+    assert [differences for differences, _, _ in
+            run_ranks(pipeline_worker, world, auto_backend(), "cuda", backend=multigpu_backend())] == [[]] * world
 
 
 def _rows_case(num_rows: int, hidden: int, seed: int, device):
