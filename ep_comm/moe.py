@@ -375,7 +375,8 @@ class MoELayer(torch.nn.Module):
             expert, slower at 16). It needs the fused experts and H, I multiples of 128; waves and combine rows work
             with it as with the exact mode (the wave receive and the w2 input's quantizer then write FP8 operand rows,
             and w2's combine-row epilogue runs on them).
-    forward(x): x bf16 [T, H] -> bf16 [T, H]; the routing weights are the softmax over the top-k logits.
+    forward(x): x bf16 [T, H] -> bf16 [T, H] ([..., H] -> [..., H] too: the leading dimensions are the tokens); the
+        routing weights are the softmax over the top-k logits.
     Module state: the router is a buffer (`router_weight`, in state_dict; a module-wide dtype cast casts it). The
     expert weights are packed for the device they were given on and are not module state: `state_dict()` does not
     hold them (save `layer.weights`, a PackedExpertWeights), and moving the layer to another device (`.cuda()`,
@@ -659,8 +660,17 @@ class MoELayer(torch.nn.Module):
     @eager_only
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: bfloat16 [T, hidden] on this rank's device (T <= the Buffer's max_tokens_per_rank; T may differ per rank,
-        0 included). Returns bfloat16 [T, hidden]: route (FP32 logits, top-k, softmax) -> dispatch -> expert MLP ->
+        0 included), or [..., hidden] (say [batch, sequence, hidden]), whose leading dimensions are the tokens: their
+        product is T. Returns bfloat16 of x's shape: route (FP32 logits, top-k, softmax) -> dispatch -> expert MLP ->
         combine, as the class docstring describes. Collective: every rank of the Buffer's group calls it."""
+        if isinstance(x, torch.Tensor) and x.dim() > 2 and x.shape[-1] == self.buffer.config.hidden:
+            # (reshape: a view of a contiguous x; the result is made contiguous [T, hidden], so view gives x's shape.
+            # Any other x goes on as it is, for the check to name its own shape.)
+            return self._forward_tokens(x.reshape(-1, x.shape[-1])).view(x.shape)
+        return self._forward_tokens(x)
+
+    def _forward_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """forward on x [T, hidden] (or whatever the caller passed that is not [..., hidden]: checked here)."""
         # Checked before routing (the router's matmul would fail first, on this rank only); on the reference backend the
         # ranks agree on the outcome, so a bad x on one rank raises on every rank.
         self.buffer._validate_together(lambda: self._check_input(x), "MoELayer forward", x)

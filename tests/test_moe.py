@@ -876,6 +876,45 @@ def test_layer_survives_a_bf16_cast_and_a_bad_input_on_one_rank():
                                        in raised), raised
 
 
+def _token_shapes_worker(rank, world, device_kind="cpu", backend="auto"):
+    """forward on [batch, sequence, H] and [a, b, c, H] (the leading dimensions are the tokens) gives the [T, H] call's
+    bits in x's shape, an empty batch included; a 1-D x and a wrong last dimension are refused. Returns the failures."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else torch.device("cpu")
+    w1, w2, router = _master_weights()
+    local = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
+    failures = []
+    with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=24,
+                        expert_alignment=16, backend=backend) as buf, torch.no_grad():
+        layer = moe.MoELayer(buf, router.to(device), moe.pack_weights(w1[local].to(device), w2[local].to(device)))
+        x = torch.randn(24, HIDDEN, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16).to(device)
+        want = layer(x)
+        for shape in ((2, 12, HIDDEN), (3, 2, 4, HIDDEN), (0, 5, HIDDEN)):
+            tokens = x[:int(torch.tensor(shape[:-1]).prod())]
+            got = layer(tokens.reshape(shape))
+            if got.shape != shape or got.dtype != torch.bfloat16 or \
+                    not torch.equal(got.reshape(-1, HIDDEN).view(torch.int16), want[:tokens.shape[0]].view(torch.int16)):
+                failures.append(f"shape {shape}")
+        for bad, text in ((x[0], "x must be [num_tokens"), (x.reshape(2, 12, HIDDEN)[..., :64], "got (2, 12, 64)")):
+            try:
+                layer(bad)
+                failures.append(f"{tuple(bad.shape)} accepted")
+            except ValueError as error:
+                if text not in str(error):
+                    failures.append(f"{tuple(bad.shape)}: {error}")
+    return failures
+
+
+@pytest.mark.cpu
+def test_layer_takes_tokens_with_leading_dimensions():
+    assert run_ranks(_token_shapes_worker, 2, backend="gloo") == [[], []]
+
+
+@pytest.mark.gpu
+def test_layer_takes_tokens_with_leading_dimensions_on_the_gpu():
+    """World 1 on one GPU: the fused experts (and combine rows, waves where they run) on the reshaped tokens."""
+    assert run_ranks(_token_shapes_worker, 1, "cuda", backend="nccl") == [[]]
+
+
 def check_gpu_moe_result(result, nvlink_expected):
     """The assertions on one rank's _moe_worker result on GPUs (also run at world 1 by bench/device_run.sh when only
     one GPU is lent)."""
