@@ -198,7 +198,8 @@ setup(
     description="Quantized expert-parallel dispatch/combine (NVFP4 dispatch, RHT+S2F6 combine) for MoE",
     packages=find_packages(include=["ep_comm", "ep_comm.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.7", "numpy"],  # torch.float8_e8m0fnu (MXFP8 / S2F6 scales)
+    # torch.float8_e8m0fnu (MXFP8 / S2F6 scales, 2.7), torch._grouped_mm on CPU and CUDA (ExpertMLP, 2.9): README
+    install_requires=["torch>=2.9", "numpy"],
     extras_require={
         "test": ["pytest>=7"],
         "nvlink": ["nvshmem4py-cu13", "cuda-python"],

@@ -53,6 +53,7 @@ rounded operands' product in FP32.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -542,19 +543,20 @@ _exact_fp32_saved: list = []
 
 
 def _set_exact_fp32_flags() -> list:
-    """Sets FP32 matmuls to IEEE FP32 (no TF32 on CUDA, no reduced precision in oneDNN's CPU matmuls); returns what to
-    restore, as (object, attribute, value)."""
+    """Sets FP32 matmuls to IEEE FP32 (no TF32 on CUDA, no reduced precision in oneDNN's CPU matmuls); returns what
+    restores the caller's settings, as functions to call in reverse order."""
     matmul = torch.backends.cuda.matmul
     saved = []
     if hasattr(matmul, "fp32_precision"):
         cpu_matmul = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
         for backend in (matmul, cpu_matmul):
             if backend is not None and hasattr(backend, "fp32_precision"):
-                saved.append((backend, "fp32_precision", backend.fp32_precision))
+                saved.append(functools.partial(setattr, backend, "fp32_precision", backend.fp32_precision))
                 backend.fp32_precision = "ieee"
-    else:  # torch before the per-backend API
-        saved.append((matmul, "allow_tf32", matmul.allow_tf32))
-        matmul.allow_tf32 = False
+    else:  # torch before the per-backend API (< 2.9): the process-wide precision, which also sets allow_tf32
+        # (Saving allow_tf32 instead turned a caller's "medium" into "high": allow_tf32 = True writes "high".)
+        saved.append(functools.partial(torch.set_float32_matmul_precision, torch.get_float32_matmul_precision()))
+        torch.set_float32_matmul_precision("highest")
     return saved
 
 
@@ -582,8 +584,8 @@ def exact_fp32_matmuls():
             with _exact_fp32_lock:
                 _exact_fp32_users -= 1
                 if _exact_fp32_users == 0:
-                    for backend, name, value in reversed(_exact_fp32_saved):
-                        setattr(backend, name, value)
+                    for restore in reversed(_exact_fp32_saved):
+                        restore()
                     _exact_fp32_saved = []
 
 

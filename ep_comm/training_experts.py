@@ -131,6 +131,9 @@ def _backward_seeds(call_seed: formats.SeedArg) -> dict:
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
     """torch._grouped_mm in BF16 (FP32 accumulation, BF16 result). a [R, K] x b [E, K, N] -> [R, N] (groups of rows;
     rows past group_ends[-1] undefined); a [M, R] x b [R, N] -> [E, M, N] (groups along the contraction)."""
+    if not hasattr(torch, "_grouped_mm"):  # (setup.py asks for 2.9; a torch installed around pip may be older)
+        raise RuntimeError(f"ExpertMLP / training.expert_mlp need torch >= 2.9 (torch._grouped_mm, on CPU and CUDA); "
+                           f"this is torch {torch.__version__}")
     return torch._grouped_mm(a, b, offs=group_ends)
 
 

@@ -390,7 +390,7 @@ def test_fp8_quantize_expanded_rows_reference():
         assert got.precision == FP8 and got.values.dtype == torch.float8_e4m3fn
         want = (values * 0.125).float().to(torch.float8_e4m3fn)  # (block values are exact in FP32; one rounding)
         stored_at = 16 * torch.arange(x.shape[1] // 16)[:, None] + torch.tensor(G.FP8_COLUMN_ORDER)  # [groups, 16]
-        assert torch.equal(got.values.view(torch.uint8), want[:, stored_at.flatten()].view(torch.uint8))
+        assert torch.equal(got.values.view(torch.uint8), want.view(torch.uint8)[:, stored_at.flatten()])
         assert torch.equal(got.row_factor, factor * 8.0)
     with pytest.raises(ValueError, match="precision"):
         G.quantize_expanded_rows(x, precision="fp8")
