@@ -94,8 +94,9 @@ test_multigpu() {  # 2+ GPUs: the multigpu tier, one rank per GPU, then the exam
   test_mg_layer
   mg_example
 }
-# On 2+ GPUs only the tests marked multigpu (35 on 2026-12-05: the gpu and cpu tiers run on one GPU and in CI), in two
-# pytest runs with limits of their own and without -x, so that a cut or a failure loses little of a scarce 2-GPU call.
+# On 2+ GPUs only the tests marked multigpu (38 on 2026-12-05, two of them needing 4 ranks; the gpu and cpu tiers run
+# on one GPU and in CI), in two pytest runs with limits of their own and without -x, so that a cut or a failure loses
+# little of a scarce 2-GPU call.
 # Until 2026-12-05 test_multigpu ran every test of the seven files (150, the gpu tier's world-1 cases included) under
 # one 300 s limit; its last 2-GPU run (2026-12-01) took 153 s for the 29 multigpu tests of then.
 # A 2-GPU session's plan, one call each, every call's step limits within a 600 s call (build ~35 s): (1) steps
@@ -109,7 +110,8 @@ mg_tier() {  # $1 = name, $2 = timeout s, then pytest arguments: the multigpu-ma
   shift 2
   kept_tier "$OUT/pytest_mg_$name.txt" "$limit" 8 -m multigpu "$@"
 }
-test_mg_comm() {  # 2+ GPUs: the nvlink suite (the smoke's 6 cases apart), waves and the device helpers (21 tests)
+test_mg_comm() {  # 2+ GPUs: the nvlink suite (the smoke's 6 cases apart), waves and the device helpers (24 tests,
+  # 2 of them skipped below 4 ranks)
   say "multigpu tier: nvlink suite + waves + device helpers"
   mg_tier comm 300 tests/test_nvlink.py tests/test_waves.py tests/test_ext.py -k "not gloo and not oracle and not timeout"
 }
@@ -390,6 +392,11 @@ test_shared_world_reference() {  # $1 = ranks sharing one GPU, $2 = timeout s: t
   EP_COMM_TEST_SHARED_WORLD=$1 shared_tier "world$1_reference" "$2" tests/test_nvlink.py -k "matches_reference"
 }
 test_shared_world4_reference() { test_shared_world_reference 4 400; }
+test_shared_ep_groups() {  # one GPU, 4 ranks sharing it: two expert-parallel groups of 2 (blocked, strided), each
+  # against an EP world of 2 alone, and dispatches in flight at world 4 (written 2026-12-05, not yet run)
+  say "multigpu tier, 4 ranks sharing one GPU: EP groups inside a larger world, dispatches in flight"
+  EP_COMM_TEST_SHARED_WORLD=4 shared_tier ep_groups 300 tests/test_nvlink.py -k "expert_parallel_groups or in_flight"
+}
 test_shared_world8_reference() { test_shared_world_reference 8 300; }
 test_formats_large() {  # 64-bit index arithmetic and launch-shape edges of the format kernels (up to 14 GiB each)
   say "gpu tier: format kernels at sizes past 32-bit indices"
