@@ -93,21 +93,26 @@ def standard_cases(world: int, hidden: int = 256):
 
 
 def semantics_worker(rank: int, world: int, backend: str = "reference", device_kind: str = "cpu",
-                     hidden: int = 256, group=None):
+                     hidden: int = 256, group=None, seed_offset: int = 0):
     """Every standard case against the oracle; the first twice (bitwise determinism). group: the Buffers' process
-    group (None: the world), of which this process is rank `rank` of `world`."""
+    group (None: the world), of which this process is rank `rank` of `world`. seed_offset: added to every case's
+    seed (other inputs, the same cases)."""
     device = _device(device_kind)
     summaries = []
     for index, case in enumerate(standard_cases(world, hidden)):
+        case = dataclasses.replace(case, seed=case.seed + seed_offset)
         summaries.append(run_case(case, rank, world, backend, device, repeat_check=(index == 0), group=group))
-    summaries.append(identity_roundtrip(rank, world, backend, device, hidden, group))
+    summaries.append(identity_roundtrip(rank, world, backend, device, hidden, group, seed_offset))
     return summaries
 
 
 def ep_groups(world: int, ep_size: int, layout: str):
     """The expert-parallel groups of a data x expert parallel world, as a trainer makes them (new_group is collective:
     every rank makes every group): "blocked" puts ranks [i * ep_size, (i + 1) * ep_size) together (EP inside a node),
-    "strided" ranks i, i + D, i + 2D, ... with D = world // ep_size. Returns (the groups, this rank's group)."""
+    "strided" ranks i, i + D, i + 2D, ... with D = world // ep_size. Returns (the groups, this rank's group, its
+    index)."""
+    if world % ep_size:
+        raise ValueError(f"a world of {world} ranks does not split into EP groups of {ep_size}")
     data_parallel = world // ep_size
     if layout == "blocked":
         members = [list(range(i * ep_size, (i + 1) * ep_size)) for i in range(data_parallel)]
@@ -117,56 +122,79 @@ def ep_groups(world: int, ep_size: int, layout: str):
         raise ValueError(f"layout must be 'blocked' or 'strided', got {layout!r}")
     groups = [dist.new_group(ranks) for ranks in members]
     me = dist.get_rank()
-    return groups, next(g for g, ranks in zip(groups, members) if me in ranks)
+    index = next(i for i, ranks in enumerate(members) if me in ranks)
+    return groups, groups[index], index
 
 
 def ep_groups_worker(rank: int, world: int, ep_size: int, layout: str, backend: str = "reference",
                      device_kind: str = "cpu", hidden: int = 256):
-    """The standard cases on Buffers over this rank's expert-parallel group (ep_groups), every group at once, each
-    with the same inputs (made from the group rank). Returns (group rank, semantics_worker's summaries): equal to
-    what an EP world of ep_size ranks alone gives, bitwise, if the Buffer numbers peers by group rank throughout."""
-    _, group = ep_groups(world, ep_size, layout)
+    """The standard cases on Buffers over this rank's expert-parallel group (ep_groups), every group at once, group g
+    with its own inputs (seed_offset 100 g, made from the group rank). Returns (g, group rank, semantics_worker's
+    summaries): equal to what an EP world of ep_size ranks alone gives with that seed_offset, bitwise, if the Buffer
+    numbers peers by group rank and its collectives stay inside the group (rows of another group would change the
+    results, as the groups' inputs differ)."""
+    _, group, index = ep_groups(world, ep_size, layout)
     group_rank = dist.get_rank(group)
-    return group_rank, semantics_worker(group_rank, ep_size, backend, device_kind, hidden, group)
+    return index, group_rank, semantics_worker(group_rank, ep_size, backend, device_kind, hidden, group, 100 * index)
 
 
-def in_flight_worker(rank: int, world: int, backend: str = "reference", device_kind: str = "cpu"):
+_IN_FLIGHT_SCHEDULES = (("D0", "D1", "D2", "C2", "C1", "C0", "C0", "C1", "C2"),  # (D i: dispatch i, C i: combine i)
+                        ("D0", "D1", "C0", "D2", "C2", "C1"))
+
+
+def in_flight_worker(rank: int, world: int, backend: str = "reference", device_kind: str = "cpu",
+                     direct_self_min_tokens=None):
     """Several dispatches in flight on one Buffer, as a pipeline schedule's micro-batches have them: three dispatches
-    of different inputs (and token counts) first, then their combines in reverse order and again in dispatch order.
-    Each result must still be what the oracle says after the later dispatches, and every combine, of an earlier handle
-    too, must give the oracle's output bit for bit: a handle carries all its combine needs."""
+    of different inputs (and token counts), and their combines, in the orders of _IN_FLIGHT_SCHEDULES (all dispatches
+    first, then the combines in reverse and again in dispatch order; combines between later dispatches). Each result
+    must still be what the oracle says when its first combine comes, after later dispatches, and every combine, of an
+    earlier handle too, must give the oracle's output bit for bit: a handle carries all its combine needs.
+    direct_self_min_tokens (nvlink): EP_COMM_DIRECT_SELF_MIN_TOKENS for these Buffers (0: the send stores the rank's
+    own NVFP4 rows straight into its output at any size; the default does so from 2048 tokens, more than these)."""
     device = _device(device_kind)
-    bases = [Case("in_flight_nvfp4_s2f6", 256, 4 * world, 4, (), "uniform", expert_alignment=4),
-             Case("in_flight_bf16_masked", 256, 4 * world, 3, (), "masked", "bf16", "bf16", edge=True)]
-    for base in bases:
-        cases = [dataclasses.replace(base, seed=20 + i, tokens=tuple(12 + 3 * r - 4 * i for r in range(world)))
-                 for i in range(3)]
-        inputs = [[make_inputs(case, r, world) for r in range(world)] for case in cases]
-        with ep_comm.Buffer(None, hidden=base.hidden, num_experts=base.num_experts, num_topk=base.num_topk,
-                            max_tokens_per_rank=max(case.max_tokens for case in cases),
-                            dispatch_format=base.dispatch_format, combine_format=base.combine_format,
-                            expert_alignment=base.expert_alignment, backend=backend) as buf:
-            results = [buf.dispatch(*(t.to(device) for t in case_inputs[rank])) for case_inputs in inputs]
-            expert_outs = []
-            for case, case_inputs, result in zip(cases, inputs, results):
-                check_dispatch(case, rank, world, result, case_inputs)
-                expert_outs.append(run_expert(result, case, rank, world).to(device))
-            for order in ((2, 1, 0), (0, 1, 2)):
-                for i in order:
+    saved_env = os.environ.get("EP_COMM_DIRECT_SELF_MIN_TOKENS")
+    if direct_self_min_tokens is not None:
+        os.environ["EP_COMM_DIRECT_SELF_MIN_TOKENS"] = str(direct_self_min_tokens)
+    try:
+        bases = [Case("in_flight_nvfp4_s2f6", 256, 4 * world, 4, (), "uniform", expert_alignment=4),
+                 Case("in_flight_bf16_masked", 256, 4 * world, 3, (), "masked", "bf16", "bf16", edge=True)]
+        for base, schedule in ((base, schedule) for base in bases for schedule in _IN_FLIGHT_SCHEDULES):
+            cases = [dataclasses.replace(base, seed=20 + i, tokens=tuple(12 + 3 * r - 4 * i for r in range(world)))
+                     for i in range(3)]
+            inputs = [[make_inputs(case, r, world) for r in range(world)] for case in cases]
+            with ep_comm.Buffer(None, hidden=base.hidden, num_experts=base.num_experts, num_topk=base.num_topk,
+                                max_tokens_per_rank=max(case.max_tokens for case in cases),
+                                dispatch_format=base.dispatch_format, combine_format=base.combine_format,
+                                expert_alignment=base.expert_alignment, backend=backend) as buf:
+                results, expert_outs = {}, {}
+                for event in schedule:
+                    i = int(event[1])
+                    if event[0] == "D":
+                        results[i] = buf.dispatch(*(t.to(device) for t in inputs[i][rank]))
+                        continue
+                    if i not in expert_outs:
+                        check_dispatch(cases[i], rank, world, results[i], inputs[i])
+                        expert_outs[i] = run_expert(results[i], cases[i], rank, world).to(device)
                     for local_reduce in (True, False):
                         got = buf.combine(expert_outs[i], results[i].handle, local_reduce=local_reduce).cpu()
                         want = expected_combine(cases[i], rank, world, inputs[i], local_reduce)
-                        assert_same_floats(got, want, f"{cases[i].name}: micro-batch {i} combined in order {order} "
-                                                      f"(local_reduce={local_reduce})")
+                        assert_same_floats(got, want, f"{cases[i].name}: micro-batch {i}'s combine in schedule "
+                                                      f"{schedule} (local_reduce={local_reduce})")
+    finally:
+        if saved_env is None:
+            os.environ.pop("EP_COMM_DIRECT_SELF_MIN_TOKENS", None)
+        else:
+            os.environ["EP_COMM_DIRECT_SELF_MIN_TOKENS"] = saved_env
     return "in flight ok"
 
 
-def identity_roundtrip(rank: int, world: int, backend: str, device, hidden: int, group=None) -> dict:
+def identity_roundtrip(rank: int, world: int, backend: str, device, hidden: int, group=None,
+                       seed_offset: int = 0) -> dict:
     """Identity routing, unit weights: combine(dispatch(x)) == x for bf16, within the format error otherwise."""
     errors = {}
     for dispatch_format, combine_format in (("bf16", "bf16"), ("nvfp4", "s2f6"), ("mxfp8", "s2f6")):
         case = Case("identity", hidden, 2 * world, 1, tuple(64 for _ in range(world)), "uniform",
-                    dispatch_format, combine_format, unit_weights=True, seed=7)
+                    dispatch_format, combine_format, unit_weights=True, seed=7 + seed_offset)
         x, topk_idx, weights = (t.to(device) for t in make_inputs(case, rank, world))
         with ep_comm.Buffer(group, hidden=hidden, num_experts=case.num_experts, num_topk=1, max_tokens_per_rank=64,
                             dispatch_format=dispatch_format, combine_format=combine_format,

@@ -1140,10 +1140,12 @@ def test_nvlink_oracle_cases():
 
 @pytest.mark.multigpu
 def test_nvlink_dispatches_in_flight_combine_in_any_order():
+    """Also with the rank's own NVFP4 rows stored straight into the dispatch output (direct self rows from 0 tokens)."""
     from dist_cases import in_flight_worker
     world = _world()
-    assert run_ranks(in_flight_worker, world, "nvlink", "cuda", backend=multigpu_backend(), timeout_s=600) == \
-        ["in flight ok"] * world
+    for direct_self_min_tokens in (None, 0):
+        assert run_ranks(in_flight_worker, world, "nvlink", "cuda", direct_self_min_tokens,
+                         backend=multigpu_backend(), timeout_s=600) == ["in flight ok"] * world
 
 
 @pytest.mark.multigpu
@@ -1151,13 +1153,15 @@ def test_nvlink_dispatches_in_flight_combine_in_any_order():
                     "EP_COMM_TEST_SHARED_GPU=1 EP_COMM_TEST_SHARED_WORLD=4 on one")
 @pytest.mark.parametrize("layout", ["blocked", "strided"])
 def test_nvlink_expert_parallel_groups_inside_a_larger_world(layout):
-    """Two EP groups of 2 in a world of 4, each group's nvlink Buffers at once (NVSHMEM started per process over its
-    EP group): each group gives the oracle's results and what an EP world of 2 alone gives, bit for bit."""
+    """Two EP groups of 2 in a world of 4, each group's nvlink Buffers at once, each group with its own inputs: each
+    group gives the oracle's results and what an EP world of 2 alone gives with those inputs, bit for bit. On 4 GPUs
+    NVSHMEM starts per process over its EP group; ranks sharing one GPU map their peers with CUDA IPC instead."""
     from dist_cases import ep_groups_worker, semantics_worker
-    alone = run_ranks(semantics_worker, 2, "nvlink", "cuda", backend=multigpu_backend(), timeout_s=600)
+    alone = [run_ranks(semantics_worker, 2, "nvlink", "cuda", 256, None, 100 * index, backend=multigpu_backend(),
+                       timeout_s=600) for index in range(2)]
     grouped = run_ranks(ep_groups_worker, 4, 2, layout, "nvlink", "cuda", backend=multigpu_backend(), timeout_s=600)
-    for global_rank, (group_rank, summaries) in enumerate(grouped):
-        assert summaries == alone[group_rank], (layout, global_rank, group_rank)
+    for global_rank, (index, group_rank, summaries) in enumerate(grouped):
+        assert summaries == alone[index][group_rank], (layout, global_rank, index, group_rank)
 
 
 @pytest.mark.multigpu

@@ -38,14 +38,17 @@ def test_gloo_semantics(world):
 @pytest.mark.cpu
 @pytest.mark.parametrize("layout", ["blocked", "strided"])
 def test_gloo_expert_parallel_groups_inside_a_larger_world(layout):
-    """Data x expert parallelism: 4 ranks in two EP groups of 2, every group's Buffers at once. Each group gives what
-    an EP world of 2 alone gives, bit for bit (the same hashes of every case's outputs): peers are numbered by group
-    rank, and the groups' calls do not mix."""
-    alone = run_ranks(dist_cases.semantics_worker, 2, "reference", "cpu", backend="gloo")
+    """Data x expert parallelism: 4 ranks in two EP groups of 2, every group's Buffers at once, each group with its
+    own inputs. Each group gives what an EP world of 2 alone gives with those inputs, bit for bit (the same hashes of
+    every case's outputs): peers are numbered by group rank, and no rows cross between the groups."""
+    alone = [run_ranks(dist_cases.semantics_worker, 2, "reference", "cpu", 256, None, 100 * index, backend="gloo")
+             for index in range(2)]
+    assert alone[0] != alone[1]  # (the groups' inputs differ: rows of the other group would show)
     grouped = run_ranks(dist_cases.ep_groups_worker, 4, 2, layout, backend="gloo")
-    assert sorted(group_rank for group_rank, _ in grouped) == [0, 0, 1, 1]
-    for global_rank, (group_rank, summaries) in enumerate(grouped):
-        assert summaries == alone[group_rank], (layout, global_rank, group_rank)
+    placement = [(0, 0), (0, 1), (1, 0), (1, 1)] if layout == "blocked" else [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert [(index, group_rank) for index, group_rank, _ in grouped] == placement
+    for global_rank, (index, group_rank, summaries) in enumerate(grouped):
+        assert summaries == alone[index][group_rank], (layout, global_rank, index, group_rank)
 
 
 @pytest.mark.cpu

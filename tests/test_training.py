@@ -508,20 +508,21 @@ _SCHEDULES = {  # (F i: micro-batch i's forward, B i: its backward)
 }
 
 
-def pipeline_worker(rank, world, backend="reference", device_kind="cpu", ep_layout=None):
+def pipeline_worker(rank, world, backend="reference", device_kind="cpu", ep_layout=None, input_offset=0):
     """Micro-batches of a pipeline schedule: three micro-batches (different tokens and token counts) through router ->
     training.dispatch -> training.expert_mlp -> training.combine on one Buffer and its GradBuffers, forwards and
     backwards in the orders of _SCHEDULES (GPipe's, 1F1B's, ...). Each micro-batch's output and its own gradients
     (torch.autograd.grad: of its x, the router and both expert weights) must be those of the sequential schedule, bit
     for bit: a forward in flight keeps everything its backward needs, whatever runs in between.
     ep_layout ("blocked" / "strided"): the Buffers are made over this rank's expert-parallel group of 2 (two groups in
-    a world of 4, dist_cases.ep_groups), every group at once. Returns (the differences found, [] when none; a digest of
-    every result; the rank in the Buffers' group): with ep_layout, the digest must be that of an EP world of 2 alone."""
-    group = None
+    a world of 4, dist_cases.ep_groups), every group at once, group g with the tokens of input_offset g. Returns (the
+    differences found, [] when none; a digest of every result; the rank in the Buffers' group; g, 0 without
+    ep_layout): with ep_layout, the digest must be that of an EP world of 2 alone with input_offset g."""
+    group, index = None, 0
     if ep_layout is not None:
         from dist_cases import ep_groups
-        _, group = ep_groups(world, 2, ep_layout)
-        rank, world = torch.distributed.get_rank(group), 2
+        _, group, index = ep_groups(world, 2, ep_layout)
+        rank, world, input_offset = torch.distributed.get_rank(group), 2, index
     on_gpu = device_kind == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     hidden, intermediate, max_tokens, num_topk = 128, 64, 24, 3
@@ -533,7 +534,8 @@ def pipeline_worker(rank, world, backend="reference", device_kind="cpu", ep_layo
                              / hidden ** 0.5).to(device))
     w2 = torch.nn.Parameter((torch.randn(num_experts, hidden, intermediate, generator=gen)[local]
                              / intermediate ** 0.5).to(device))
-    inputs = [torch.randn(max_tokens - rank - 5 * i, hidden, generator=torch.Generator().manual_seed(10 * rank + i))
+    inputs = [torch.randn(max_tokens - rank - 5 * i, hidden,
+                          generator=torch.Generator().manual_seed(10 * rank + i + 1000 * input_offset))
               .to(torch.bfloat16).to(device) for i in range(3)]
     runs = {}
     with ep_comm.Buffer(group, hidden=hidden, num_experts=num_experts, num_topk=num_topk,
@@ -560,7 +562,7 @@ def pipeline_worker(rank, world, backend="reference", device_kind="cpu", ep_layo
     digest = hashlib.sha256()
     for tensor in (t for results in runs.values() for micro_batch in results for t in micro_batch):
         digest.update(as_bytes(tensor).cpu().numpy().tobytes())
-    return differences, digest.hexdigest(), rank
+    return differences, digest.hexdigest(), rank, index
 
 
 def checkpoint_empty_rank_worker(rank, world):
@@ -751,19 +753,21 @@ def test_gloo_activation_checkpointing_gives_the_same_step():
 @pytest.mark.cpu
 @pytest.mark.parametrize("world", [1, 2])
 def test_gloo_pipeline_schedules_give_each_micro_batch_the_same_step(world):
-    assert [differences for differences, _, _ in run_ranks(pipeline_worker, world, backend="gloo")] == [[]] * world
+    assert [result[0] for result in run_ranks(pipeline_worker, world, backend="gloo")] == [[]] * world
 
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("layout", ["blocked", "strided"])
 def test_gloo_training_in_expert_parallel_groups_inside_a_larger_world(layout):
-    """Two EP groups of 2 in a world of 4: each group's training steps (forwards, backwards and their collectives over
-    the group) give what an EP world of 2 alone gives, bit for bit."""
-    alone = run_ranks(pipeline_worker, 2, backend="gloo")
+    """Two EP groups of 2 in a world of 4, each with its own tokens: each group's training steps (forwards, backwards
+    and their collectives over the group) give what an EP world of 2 alone gives with those tokens, bit for bit."""
+    alone = [run_ranks(pipeline_worker, 2, "reference", "cpu", None, offset, backend="gloo") for offset in range(2)]
+    assert alone[0][0][1] != alone[1][0][1]  # (the groups' tokens differ: rows of the other group would show)
     grouped = run_ranks(pipeline_worker, 4, "reference", "cpu", layout, backend="gloo")
-    assert [group_rank for _, _, group_rank in grouped] == ([0, 1, 0, 1] if layout == "blocked" else [0, 0, 1, 1])
-    for differences, digest, group_rank in grouped:
-        assert differences == [] and digest == alone[group_rank][1], (layout, group_rank)
+    placement = [(0, 0), (0, 1), (1, 0), (1, 1)] if layout == "blocked" else [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert [(index, group_rank) for _, _, group_rank, index in grouped] == placement
+    for differences, digest, group_rank, index in grouped:
+        assert differences == [] and digest == alone[index][group_rank][1], (layout, index, group_rank)
 
 
 @pytest.mark.cpu
@@ -831,7 +835,7 @@ def test_nvlink_gradients_match_torch_autograd():
         ["rows only ok"] * world
     assert run_ranks(exact_weights_worker, world, auto_backend(), "cuda", backend=multigpu_backend()) == \
         ["exact weights ok"] * world
-    assert [differences for differences, _, _ in
+    assert [result[0] for result in
             run_ranks(pipeline_worker, world, auto_backend(), "cuda", backend=multigpu_backend())] == [[]] * world
 
 
