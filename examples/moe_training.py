@@ -4,12 +4,18 @@ and back through both (BF16 gradients on the wire).
 Runs on every visible GPU (NCCL) when there are at least 2, else on 2 CPU ranks over gloo:
 
     python examples/moe_training.py [--tokens 128 --hidden 256 --intermediate 128 --experts 8 --topk 2 --steps 30]
-                                    [--expert-mlp ep_comm|torch]
+                                    [--expert-mlp ep_comm|torch] [--expert-parallel N]
 
 A student layer (its own router and SwiGLU experts, E / W per rank) learns to reproduce a fixed random teacher layer
 of the same shape, by plain SGD on the mean squared error. The experts' weights, the router and the tokens' inputs all
 get their gradients through the library: the routing weights' through combine's backward, the experts' through the
 dispatched rows. Each rank prints its loss at the first and the last step.
+
+Data x expert parallelism: --expert-parallel N (default: every rank) splits the ranks into expert-parallel groups of N
+consecutive ranks, each group a Buffer over its own process group holding all E experts (E / N per rank), each rank
+with its own tokens. The router is replicated on every rank and the experts on the ranks of the same position in each
+group, so their gradients are averaged over the ranks that hold them, as a data-parallel trainer does, and every
+replica takes the same SGD steps (checked at the end).
 
 --expert-mlp ep_comm (default): the experts are `training.expert_mlp` (the functional form of `training.ExpertMLP`) on
 the layer's own parameters -- NVFP4 weights and tokens in the forward, MXFP8 with stochastic rounding in the backward
@@ -66,15 +72,58 @@ class ExpertParallelMoE(torch.nn.Module):
         return training.combine(out.to(torch.bfloat16), routed)
 
 
+def parallel_groups(world, expert_parallel):
+    """(the EP group of this rank, its rank and size there, the group of the ranks holding the same experts): EP groups
+    of `expert_parallel` consecutive ranks; the expert-data-parallel group of rank r is every rank at r's position
+    in its EP group. Every rank makes every group (torch.distributed.new_group is collective)."""
+    if expert_parallel == world:
+        return None, torch.distributed.get_rank(), world, None
+    rank = torch.distributed.get_rank()
+    ep_groups = [torch.distributed.new_group(list(range(g * expert_parallel, (g + 1) * expert_parallel)))
+                 for g in range(world // expert_parallel)]
+    replica_groups = [torch.distributed.new_group(list(range(p, world, expert_parallel)))
+                      for p in range(expert_parallel)]
+    return ep_groups[rank // expert_parallel], rank % expert_parallel, expert_parallel, \
+        replica_groups[rank % expert_parallel]
+
+
+def average_gradients(model, world, replica_group):
+    """Gradients of the mean loss over every rank's tokens: the router's averaged over all ranks; the experts' already
+    sum their EP group's tokens (they arrive through dispatch / combine), so they are summed over their replicas and
+    divided by the replica count -- without replicas, as they are. Without this, each rank's router would follow its
+    own tokens only and the replicated parameters would drift apart."""
+    torch.distributed.all_reduce(model.router.grad)
+    model.router.grad /= world
+    if replica_group is not None:
+        replicas = torch.distributed.get_world_size(replica_group)
+        for weight in (model.w1, model.w2):
+            torch.distributed.all_reduce(weight.grad, group=replica_group)
+            weight.grad /= replicas
+
+
+def check_replicas_agree(model, replica_group):
+    """Every replica of a parameter holds the same bits: the router on all ranks, each expert on its replicas."""
+    checks = [(model.router, None)] + ([(model.w1, replica_group), (model.w2, replica_group)] if replica_group else [])
+    for tensor, group in checks:
+        first = tensor.detach().clone()
+        source = 0 if group is None else torch.distributed.get_global_rank(group, 0)
+        torch.distributed.broadcast(first, src=source, group=group)
+        same = torch.tensor([float(torch.equal(first, tensor.detach()))], device=tensor.device)
+        torch.distributed.all_reduce(same, op=torch.distributed.ReduceOp.MIN, group=group)  # (every rank raises)
+        if same.item() == 0:
+            raise RuntimeError("the replicas of a parameter differ after training (gradients not averaged alike)")
+
+
 def worker(rank, world, args):
     device = torch.device("cuda", torch.cuda.current_device()) if args.gpu else torch.device("cpu")
     gen = torch.Generator().manual_seed(100 + rank)  # this rank's tokens
     x = torch.randn(args.tokens, args.hidden, generator=gen).to(torch.bfloat16).to(device)
     sizes = dict(hidden=args.hidden, num_experts=args.experts, num_topk=args.topk, max_tokens_per_rank=args.tokens,
                  expert_alignment=32)  # (ExpertMLP's weight gradients: MXFP8 blocks of 32 rows of one expert)
+    ep_group, ep_rank, ep_size, replica_group = parallel_groups(world, args.expert_parallel or world)
     losses = []
-    with ep_comm.Buffer(None, **sizes) as buf, training.GradBuffers.create(buf) as grads:
-        layer_sizes = (rank, world, args.experts, args.hidden, args.intermediate, args.topk)
+    with ep_comm.Buffer(ep_group, **sizes) as buf, training.GradBuffers.create(buf) as grads:
+        layer_sizes = (ep_rank, ep_size, args.experts, args.hidden, args.intermediate, args.topk)
         teacher = ExpertParallelMoE(buf, grads, *layer_sizes, seed=1, expert_mlp=args.expert_mlp).to(device)
         student = ExpertParallelMoE(buf, grads, *layer_sizes, seed=2, expert_mlp=args.expert_mlp).to(device)
         with torch.no_grad():
@@ -84,6 +133,7 @@ def worker(rank, world, args):
             optimizer.zero_grad()
             loss = F.mse_loss(student(x).float(), target)
             loss.backward()
+            average_gradients(student, world, replica_group)
             optimizer.step()
             losses.append(loss.item())
             # Every rank stops together, with the reason, once a loss or a weight is no longer finite on any rank (a
@@ -95,6 +145,7 @@ def worker(rank, world, args):
             if finite.item() == 0:
                 raise RuntimeError(f"the training diverged at step {step + 1} (a loss or weight is not finite on some "
                                    f"rank): lower --lr (now {args.lr})")
+        check_replicas_agree(student, replica_group)
     return losses
 
 
@@ -104,6 +155,8 @@ def main():
     own.add_argument("--lr", type=float, default=5.0, help="SGD learning rate (finite, positive)")
     own.add_argument("--expert-mlp", default="ep_comm", choices=("ep_comm", "torch"),
                      help="the experts: training.ExpertMLP (I a multiple of 32) or plain FP32 torch experts")
+    own.add_argument("--expert-parallel", type=int, default=0,
+                     help="ranks per expert-parallel group (a divisor of the rank count; default: all ranks)")
     expert_mlp = own.parse_known_args()[0].expert_mlp
 
     def check(parser, args):
@@ -111,6 +164,9 @@ def main():
             parser.error(f"--steps must be at least 1, got {args.steps}")
         if not 0 < args.lr < math.inf:
             parser.error(f"--lr must be a finite positive number, got {args.lr}")
+        world = torch.cuda.device_count() if args.gpu else 2  # (parse_moe_args' rank count)
+        if not 0 <= args.expert_parallel <= world or args.expert_parallel and world % args.expert_parallel:
+            parser.error(f"--expert-parallel must divide the rank count ({world}), got {args.expert_parallel}")
 
     args, world = parse_moe_args(None, description=__doc__, hidden=256, intermediate=128, tokens=128, experts=8,
                                  topk=2, parents=[own], intermediate_multiple=32 if expert_mlp == "ep_comm" else 16,
