@@ -100,8 +100,9 @@ test_multigpu() {  # 2+ GPUs: the multigpu tier, one rank per GPU, then the exam
 # Until 2026-12-05 test_multigpu ran every test of the seven files (150, the gpu tier's world-1 cases included) under
 # one 300 s limit; its last 2-GPU run (2026-12-01) took 153 s for the 29 multigpu tests of then.
 # A 2-GPU session's plan, one call each, every call's step limits within a 600 s call (build ~35 s): (1) steps
-# nvlink_smoke test_mg_comm (150 + 300 s); (2) steps test_mg_layer EP_COMM_PEER_MEMORY=ipc nvlink_smoke (300 + 150:
-# the CUDA IPC peer memory between two GPUs, never run there -- the 2-GPU runs used NVSHMEM); (3) steps bench_dc_both
+# nvlink_smoke test_mg_comm mg_training_example (150 + 300 + 120 s); (2) steps test_mg_layer
+# EP_COMM_PEER_MEMORY=ipc nvlink_smoke (300 + 150: the CUDA IPC peer memory between two GPUs, never run there -- the
+# 2-GPU runs used NVSHMEM); (3) steps bench_dc_both
 # bench_moe (300 + 240); (4) steps main_job mg_example bench_training (110 + 120 + 300). Expected far shorter: on
 # 2026-12-01 the smoke, the 29 multigpu tests of then, the example and the dispatch/combine benchmark took 3.7 minutes
 # together.
@@ -123,6 +124,11 @@ test_mg_layer() {  # 2+ GPUs: the MoE layer, the reference backend over NCCL and
 mg_example() {
   say "example: MoE layer on the visible GPUs"
   timeout 120 python3 examples/moe_layer.py 2>&1 | grep rank | tee -a "$log"
+}
+mg_training_example() {  # the training example on the visible GPUs: EP over all of them, then replicas of 1 rank each
+  say "example: MoE training on the visible GPUs (--expert-parallel all, then 1)"
+  timeout 60 python3 examples/moe_training.py --steps 10 2>&1 | tail -3 | tee -a "$log"
+  timeout 60 python3 examples/moe_training.py --steps 10 --expert-parallel 1 2>&1 | tail -3 | tee -a "$log"
 }
 test_nvlink_layer() {  # the nvlink, MoE-layer and waves tiers in one pytest run (stops at the first failure)
   say "multigpu tier: nvlink + MoE layer + waves"
