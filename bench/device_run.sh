@@ -401,7 +401,7 @@ test_shared_world_reference() {  # $1 = ranks sharing one GPU, $2 = timeout s: t
 }
 test_shared_world4_reference() { test_shared_world_reference 4 400; }
 test_shared_ep_groups() {  # one GPU, 4 ranks sharing it: two expert-parallel groups of 2 (blocked, strided), each
-  # against an EP world of 2 alone, and dispatches in flight at world 4 (written 2026-12-05, not yet run)
+  # against an EP world of 2 alone, and dispatches in flight at world 4 (passed on one H100, 2026-12-05: 3 tests, 68 s)
   say "multigpu tier, 4 ranks sharing one GPU: EP groups inside a larger world, dispatches in flight"
   EP_COMM_TEST_SHARED_WORLD=4 shared_tier ep_groups 300 tests/test_nvlink.py -k "expert_parallel_groups or in_flight"
 }
