@@ -70,6 +70,7 @@ import torch.nn.functional as F
 
 from . import _ext, formats
 from ._compile import eager_only
+from .buffer import _tensors_in
 from .training import RoutedTokens
 
 # The six stochastic roundings of one backward, one per quantized tensor.
@@ -403,13 +404,11 @@ _SAVED_TENSOR_FIELDS = ("tokens", "hidden", "gate_up_bf16", "w1_row_factor", "w1
 
 
 def _storages(value) -> set:
-    """The data pointers of the storages of value's tensors (a tensor, or a dataclass of tensors and NVFP4Tensors)."""
-    if isinstance(value, torch.Tensor):
-        pointer = value.untyped_storage().data_ptr()
-        return {pointer} if pointer else set()
-    if dataclasses.is_dataclass(value):
-        return set().union(*(_storages(getattr(value, field.name)) for field in dataclasses.fields(value)))
-    return set()
+    """The data pointers of the storages of value's tensors (a tensor, or a dataclass of tensors and NVFP4Tensors;
+    buffer._tensors_in walks it, with its cached field names)."""
+    pointers = {tensor.untyped_storage().data_ptr() for tensor in _tensors_in(value)}
+    pointers.discard(0)  # (empty storages share no memory)
+    return pointers
 
 
 def _save_for_backward(ctx, saved: Optional[_Saved], result_storages: set, device) -> None:
