@@ -94,15 +94,15 @@ test_multigpu() {  # 2+ GPUs: the multigpu tier, one rank per GPU, then the exam
   test_mg_layer
   mg_example
 }
-# On 2+ GPUs only the tests marked multigpu (38 on 2026-12-05, two of them needing 4 ranks; the gpu and cpu tiers run
+# On 2+ GPUs only the tests marked multigpu (42 on 2026-12-06, two of them needing 4 ranks; the gpu and cpu tiers run
 # on one GPU and in CI), in two pytest runs with limits of their own and without -x, so that a cut or a failure loses
 # little of a scarce 2-GPU call.
 # Until 2026-12-05 test_multigpu ran every test of the seven files (150, the gpu tier's world-1 cases included) under
 # one 300 s limit; its last 2-GPU run (2026-12-01) took 153 s for the 29 multigpu tests of then.
 # A 2-GPU session's plan, one call each, every call's step limits within a 600 s call (build ~35 s): (1) steps
 # nvlink_smoke test_mg_comm mg_training_example (150 + 300 + 120 s); (2) steps test_mg_layer
-# EP_COMM_PEER_MEMORY=ipc nvlink_smoke (300 + 150: the CUDA IPC peer memory between two GPUs, never run there -- the
-# 2-GPU runs used NVSHMEM); (3) steps bench_dc_both
+# EP_COMM_PEER_MEMORY=ipc nvlink_smoke mg_fsdp2_example (300 + 150 + 90: the CUDA IPC peer memory between two GPUs,
+# never run there -- the 2-GPU runs used NVSHMEM; the FSDP2 example); (3) steps bench_dc_both
 # bench_moe (300 + 240); (4) steps main_job mg_example bench_training (110 + 120 + 300). Expected far shorter: on
 # 2026-12-01 the smoke, the 29 multigpu tests of then, the example and the dispatch/combine benchmark took 3.7 minutes
 # together.
@@ -116,10 +116,11 @@ test_mg_comm() {  # 2+ GPUs: the nvlink suite (the smoke's 6 cases apart), waves
   say "multigpu tier: nvlink suite + waves + device helpers"
   mg_tier comm 300 tests/test_nvlink.py tests/test_waves.py tests/test_ext.py -k "not gloo and not oracle and not timeout"
 }
-test_mg_layer() {  # 2+ GPUs: the MoE layer, the reference backend over NCCL and the training tiers (8 tests)
-  say "multigpu tier: MoE layer + reference over NCCL + training"
+test_mg_layer() {  # 2+ GPUs: the MoE layer, the reference backend over NCCL, the training tiers and the training under
+  # FSDP2 / DDP (12 tests)
+  say "multigpu tier: MoE layer + reference over NCCL + training + FSDP2 / DDP"
   mg_tier layer 300 tests/test_moe.py tests/test_reference_backend.py tests/test_training.py \
-    tests/test_training_experts.py -k "not gloo"
+    tests/test_training_experts.py tests/test_trainer_wrappers.py -k "not gloo"
 }
 mg_example() {
   say "example: MoE layer on the visible GPUs"
@@ -129,6 +130,13 @@ mg_training_example() {  # the training example on the visible GPUs: EP over all
   say "example: MoE training on the visible GPUs (--expert-parallel all, then 1)"
   timeout 60 python3 examples/moe_training.py --steps 10 2>&1 | tail -3 | tee -a "$log"
   timeout 60 python3 examples/moe_training.py --steps 10 --expert-parallel 1 2>&1 | tail -3 | tee -a "$log"
+}
+mg_fsdp2_example() {  # the FSDP2 training example on the visible GPUs: EP over all of them, then replicas of 1 rank each
+  # with 2 micro-batches and BF16 parameters
+  say "example: MoE training under FSDP2 on the visible GPUs (EP over all; replicas of 1 rank, 2 micro-batches, BF16)"
+  timeout 45 python3 examples/moe_fsdp2.py --steps 10 2>&1 | tail -3 | tee -a "$log"
+  timeout 45 python3 examples/moe_fsdp2.py --steps 10 --expert-parallel 1 --micro-batches 2 --bf16 2>&1 | tail -3 \
+    | tee -a "$log"
 }
 test_nvlink_layer() {  # the nvlink, MoE-layer and waves tiers in one pytest run (stops at the first failure)
   say "multigpu tier: nvlink + MoE layer + waves"
@@ -361,6 +369,11 @@ test_training() {  # ep_comm.training (autograd through dispatch / combine) on t
   pytest_tier training 200 2 tests/test_training.py -m gpu
   say "multigpu tier, 2 ranks sharing one GPU: ep_comm.training gradients"
   shared_tier training 300 tests/test_training.py -m multigpu
+}
+test_trainer_wrappers() {  # ep_comm.training under FSDP2 (fp32, bf16 parameters, accumulation) and DDP, bitwise the
+  # hand-averaged steps: world 1 on the nvlink backend (NCCL), and the CPU forms (gloo, 2 and 4 ranks)
+  say "gpu + cpu tiers: training under FSDP2 / DDP"
+  pytest_tier trainer_wrappers 200 2 tests/test_trainer_wrappers.py tests/test_examples.py -k "wrapped or fsdp2"
 }
 test_comm_stream() {  # ep_comm.training on a comm_stream (eager and captured, ExpertMLP too) and the stream bookkeeping:
   # world 1, then 2 ranks sharing GPU 0

@@ -1,0 +1,133 @@
+"""Training an expert-parallel MoE layer under FSDP2 (`torch.distributed.fsdp.fully_shard`), laid out as TorchTitan
+lays out expert parallelism: a 2-D device mesh ("dp", "ep"), a Buffer over each "ep" group, the experts
+(`training.ExpertMLP`, E / ep per rank) sharded over "dp", and the rest of the layer (the router) over every rank.
+
+Runs on every visible GPU (NCCL) when there are at least 2, else on 2 CPU ranks over gloo:
+
+    python examples/moe_fsdp2.py [--tokens 128 --hidden 256 --intermediate 128 --experts 8 --topk 2 --steps 30]
+                                 [--expert-parallel N] [--micro-batches M] [--bf16]
+
+A student layer learns to reproduce a fixed random teacher layer of the same shape (plain SGD on the mean squared
+error; each rank its own tokens). --expert-parallel N: EP groups of N ranks (default: every rank), so each expert
+lives on world / N ranks and FSDP2 shards it over them. --micro-batches M: gradient accumulation, the experts kept
+gathered through the step (`is_first_microbatch` True at the first micro-batch quantizes their weights once for the
+step). --bf16: `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`, BF16 weights in the forward and
+backward (ExpertMLP takes BF16 masters), FP32 gradients reduced into the FP32 shards. Each rank prints its loss at the
+first and the last step.
+
+What matters for expert parallelism: the experts of the EP ranks are different parameters, so nothing may average
+them over "ep" -- FSDP2 here only ever sees the experts through the "dp" mesh. (With DDP instead: leave the experts
+to DDP's ignore list, `DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`, and average their
+gradients over the "dp" group yourself; README "Training".)
+"""
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import ep_comm
+from ep_comm import training
+from ep_comm.launch import run_ranks
+from example_args import parse_moe_args
+
+
+class MoEBlock(torch.nn.Module):
+    """Router [E, H] and this EP rank's ExpertMLP (E / ep experts: w1 [E/ep, 2I, H], w2 [E/ep, H, I]).
+    forward(x bf16 [T, H], is_first_microbatch=None) -> bf16 [T, H]."""
+
+    def __init__(self, buffer, grads, ep_rank, ep_size, num_experts, hidden, intermediate, topk, seed, device):
+        super().__init__()
+        self.router = torch.nn.Linear(hidden, num_experts, bias=False, device=device)
+        with torch.no_grad():  # the same router on every rank
+            self.router.weight.copy_(torch.randn(num_experts, hidden, generator=torch.Generator().manual_seed(seed))
+                                     / hidden ** 0.5)
+        # the same experts on the ranks of the same EP position (the replicas FSDP2 shards over "dp")
+        self.experts = training.ExpertMLP(num_experts // ep_size, hidden, intermediate, device=device,
+                                          seed=1000 * seed + ep_rank)
+        self.buffer, self.grads, self.topk = buffer, grads, topk
+
+    def forward(self, x, is_first_microbatch=None):
+        scores = torch.softmax(x.float() @ self.router.weight.float().t(), dim=-1)  # (.float(): BF16 params too)
+        topk_weights, topk_idx = scores.topk(self.topk, dim=-1)
+        routed = training.dispatch(self.buffer, self.grads, x, topk_idx, topk_weights)
+        return training.combine(self.experts(routed, is_first_microbatch=is_first_microbatch), routed)
+
+
+def worker(rank, world, args):
+    device = torch.device("cuda", torch.cuda.current_device()) if args.gpu else torch.device("cpu")
+    ep_size = args.expert_parallel or world
+    mesh = init_device_mesh(device.type, (world // ep_size, ep_size), mesh_dim_names=("dp", "ep"))
+    ep_group = mesh["ep"].get_group()
+    ep_rank = torch.distributed.get_rank(ep_group)
+    sizes = dict(hidden=args.hidden, num_experts=args.experts, num_topk=args.topk, max_tokens_per_rank=args.tokens,
+                 expert_alignment=32)  # (ExpertMLP's weight gradients: MXFP8 blocks of 32 rows of one expert)
+    micro_tokens = args.tokens // args.micro_batches
+    gen = torch.Generator().manual_seed(100 + rank)  # this rank's tokens
+    x = torch.randn(args.micro_batches, micro_tokens, args.hidden, generator=gen).to(torch.bfloat16).to(device)
+    losses = []
+    with ep_comm.Buffer(ep_group, **sizes) as buf, training.GradBuffers.create(buf) as grads:
+        layer = (buf, grads, ep_rank, ep_size, args.experts, args.hidden, args.intermediate, args.topk)
+        teacher = MoEBlock(*layer, seed=1, device=device)
+        with torch.no_grad():
+            targets = [teacher(x[m]).float() for m in range(args.micro_batches)]
+        student = MoEBlock(*layer, seed=2, device=device)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 \
+            else MixedPrecisionPolicy()
+        accumulate = args.micro_batches > 1
+        fully_shard(student.experts, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=not accumulate)
+        fully_shard(student, mesh=mesh._flatten("dp_ep"), mp_policy=policy)
+        optimizer = torch.optim.SGD(student.parameters(), lr=args.lr)
+        for step in range(args.steps):
+            step_loss = 0.0
+            for m in range(args.micro_batches):
+                last = m == args.micro_batches - 1
+                if accumulate:  # reduce the gradients and reshard the experts at the step's last micro-batch only
+                    student.set_requires_gradient_sync(last)
+                    student.experts.set_reshard_after_backward(last)
+                out = student(x[m], is_first_microbatch=(m == 0) if accumulate else None)
+                loss = F.mse_loss(out.float(), targets[m]) / args.micro_batches
+                loss.backward()
+                step_loss += loss.item()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(step_loss)
+            finite = torch.tensor([float(math.isfinite(step_loss))], device=device)
+            torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)  # (every rank stops together)
+            if finite.item() == 0:
+                raise RuntimeError(f"the training diverged at step {step + 1} (a loss is not finite on some rank): "
+                                   f"lower --lr (now {args.lr})")
+    return losses
+
+
+def main():
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--steps", type=int, default=30, help="SGD steps (at least 1)")
+    own.add_argument("--lr", type=float, default=5.0, help="SGD learning rate (finite, positive)")
+    own.add_argument("--expert-parallel", type=int, default=0,
+                     help="ranks per expert-parallel group (a divisor of the rank count; default: all ranks)")
+    own.add_argument("--micro-batches", type=int, default=1,
+                     help="micro-batches per step (gradient accumulation; divides --tokens)")
+    own.add_argument("--bf16", action="store_true", help="BF16 parameters in forward and backward (FSDP2 policy)")
+
+    def check(parser, args):
+        if args.steps < 1:
+            parser.error(f"--steps must be at least 1, got {args.steps}")
+        if not 0 < args.lr < math.inf:
+            parser.error(f"--lr must be a finite positive number, got {args.lr}")
+        world = torch.cuda.device_count() if args.gpu else 2  # (parse_moe_args' rank count)
+        if not 0 <= args.expert_parallel <= world or args.expert_parallel and world % args.expert_parallel:
+            parser.error(f"--expert-parallel must divide the rank count ({world}), got {args.expert_parallel}")
+        if args.micro_batches < 1 or args.tokens % args.micro_batches:
+            parser.error(f"--micro-batches must be a positive divisor of --tokens, got {args.micro_batches}")
+
+    args, world = parse_moe_args(None, description=__doc__, hidden=256, intermediate=128, tokens=128, experts=8,
+                                 topk=2, parents=[own], intermediate_multiple=32, check=check)
+    for rank, losses in enumerate(run_ranks(worker, world, args, backend="nccl" if args.gpu else "gloo")):
+        print(f"rank {rank}: loss {losses[0]:.5f} at step 1, {losses[-1]:.5f} at step {len(losses)}")
+
+
+if __name__ == "__main__":
+    main()

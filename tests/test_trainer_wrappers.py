@@ -1,0 +1,207 @@
+"""ep_comm.training inside the data-parallel wrappers trainers use: FSDP2 (`fully_shard`) and DDP.
+
+The layer is a replicated router and this rank's `training.ExpertMLP`, over a Buffer on the expert-parallel (EP) group
+of a 2-D mesh ("dp", "ep"): experts are sharded by EP and replicated over "dp", the router over every rank. Each
+wrapped run is compared with the same steps taken by hand -- no wrapper, the router's gradients averaged over every
+rank and the experts' over their "dp" group -- and must give the same losses and weights, bit for bit:
+
+* fsdp2: `fully_shard(experts, mesh=mesh["dp"])` inside `fully_shard(layer, mesh=<every rank>)` (TorchTitan's layout
+  for expert parallelism), FP32 parameters;
+* fsdp2_bf16: the same with `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`; the hand-taken steps
+  run the layer on BF16 copies of FP32 masters, which is what the policy does;
+* fsdp2_accumulate: two micro-batches per step, the experts kept unsharded between them (gradients reduced and
+  weights resharded at the last one), `is_first_microbatch` True then False (the weights quantized once per step),
+  against is_first_microbatch None;
+* ddp: `DistributedDataParallel` over every rank with the experts' parameters and buffer left to the hand-taken
+  average (`_set_params_and_buffers_to_ignore_for_model`): DDP would otherwise average distinct experts over the EP
+  ranks, and its construction would broadcast rank 0's experts to every rank.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+import ep_comm
+from ep_comm import training
+from format_cases import as_bytes
+from harness import SHARED_GPU, multigpu_world, run_ranks
+
+HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOPK, MAX_TOKENS, STEPS, LR = 128, 64, 8, 2, 16, 3, 0.5
+# (the loss is a sum, not a mean: a rank without tokens has a loss of 0, not NaN)
+WRAPPERS = ("fsdp2", "fsdp2_bf16", "fsdp2_accumulate", "ddp")
+
+
+class MoEBlock(torch.nn.Module):
+    """router [E, H] (replicated) -> training.dispatch -> ExpertMLP (E / ep_size experts) -> training.combine.
+    forward(x bf16 [T, H], is_first_microbatch=None) -> bf16 [T, H]."""
+
+    def __init__(self, buffer, grads, ep_rank: int, ep_size: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.router = torch.nn.Linear(HIDDEN, NUM_EXPERTS, bias=False, device=device, dtype=dtype)
+        with torch.no_grad():
+            self.router.weight.copy_(torch.randn(NUM_EXPERTS, HIDDEN, generator=torch.Generator().manual_seed(3))
+                                     / HIDDEN ** 0.5)
+        self.experts = training.ExpertMLP(NUM_EXPERTS // ep_size, HIDDEN, INTERMEDIATE, dtype=dtype, device=device,
+                                          seed=100 + ep_rank)
+        self.buffer, self.grads = buffer, grads
+
+    def forward(self, x, is_first_microbatch=None):
+        scores = torch.softmax(x.float() @ self.router.weight.float().t(), dim=-1)
+        topk_weights, topk_idx = scores.topk(TOPK, dim=-1)
+        routed = training.dispatch(self.buffer, self.grads, x, topk_idx, topk_weights)
+        return training.combine(self.experts(routed, is_first_microbatch=is_first_microbatch), routed)
+
+
+def _tokens(rank: int, step: int, micro_batch: int, device) -> torch.Tensor:
+    """This rank's bf16 [T, H] input of a step's micro-batch: uneven sizes, rank 1 without tokens at step 1."""
+    num_tokens = 0 if (rank, step) == (1, 1) else MAX_TOKENS - 3 * (rank % 4) - micro_batch
+    gen = torch.Generator().manual_seed(1000 * step + 10 * rank + micro_batch)
+    return torch.randn(num_tokens, HIDDEN, generator=gen).to(torch.bfloat16).to(device)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (FSDP2's sharded parameters and gradients), else the tensor."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def _hand_steps(make_block, rank, world, dp_group, micro_batches, param_dtype):
+    """The wrappers' steps taken by hand: FP32 masters, the layer run on copies in param_dtype, gradients (FP32)
+    summed over micro-batches and averaged, the router's over every rank and the experts' over dp_group, SGD.
+    Returns (the losses, {name: FP32 master after the steps})."""
+    block = make_block(torch.float32)
+    masters = {name: p.detach().clone().requires_grad_() for name, p in block.named_parameters()}
+    block.to(param_dtype)
+    optimizer = torch.optim.SGD(masters.values(), lr=LR)
+    device = block.router.weight.device
+    losses = []
+    for step in range(STEPS):
+        with torch.no_grad():
+            for name, p in block.named_parameters():
+                p.copy_(masters[name])
+        for micro_batch in range(micro_batches):
+            loss = block(_tokens(rank, step, micro_batch, device)).float().square().sum() / 1024
+            loss.backward()
+            losses.append(loss.detach())
+        for name, p in block.named_parameters():
+            grad = p.grad.float()
+            group, size = (dp_group, world // block.buffer.config.world_size) if name.startswith("experts.") \
+                else (None, world)
+            dist.all_reduce(grad, group=group)
+            masters[name].grad = grad / size
+            p.grad = None
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, {name: m.detach() for name, m in masters.items()}
+
+
+def _wrapped_steps(make_block, rank, world, mesh, wrapper):
+    """The same steps with the layer wrapped as `wrapper` says (module docstring). Returns (the losses, {name: FP32
+    parameter after the steps})."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+    block = make_block(torch.float32)
+    device = block.router.weight.device
+    micro_batches = 2 if wrapper == "fsdp2_accumulate" else 1
+    if wrapper.startswith("fsdp2"):
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if wrapper == "fsdp2_bf16" else MixedPrecisionPolicy()
+        # Accumulation keeps the experts' weights gathered from the first micro-batch's forward to the step's end:
+        # ExpertMLP's is_first_microbatch=False reuses the quantization of exactly those tensors.
+        keep = wrapper == "fsdp2_accumulate"
+        fully_shard(block.experts, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=not keep)
+        fully_shard(block, mesh=mesh._flatten("dp_ep"), mp_policy=policy)
+        model = block
+    else:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            block, ["experts.w1", "experts.w2", "experts.call_count"])
+        model = DistributedDataParallel(block, device_ids=[device] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        for micro_batch in range(micro_batches):
+            last = micro_batch == micro_batches - 1
+            if wrapper == "fsdp2_accumulate":
+                # Gradients reduced and the experts resharded at the step's last micro-batch only (FSDP2's
+                # accumulation); sharded again, they are gathered anew at the next step, whose first micro-batch
+                # quantizes them again (is_first_microbatch=True).
+                model.set_requires_gradient_sync(last)
+                block.experts.set_reshard_after_backward(last)
+                first = micro_batch == 0
+            else:
+                first = None
+            loss = model(_tokens(rank, step, micro_batch, device), first).float().square().sum() / 1024
+            loss.backward()
+            losses.append(loss.detach())
+        if wrapper == "ddp":  # the experts: averaged by hand over the ranks holding them
+            for p in block.experts.parameters():
+                dist.all_reduce(p.grad, group=mesh["dp"].get_group())
+                p.grad /= mesh["dp"].size()
+        optimizer.step()
+        optimizer.zero_grad()
+    params = {name.removeprefix("module."): _full(p) for name, p in model.named_parameters()}
+    return losses, params
+
+
+def wrapper_worker(rank, world, ep_size, wrapper, backend="reference", device_kind="cpu"):
+    """One wrapper's steps against the hand-taken ones on a mesh (world / ep_size, ep_size). Returns the differences
+    found ([] when none)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    on_gpu = device_kind == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    mesh = init_device_mesh(device.type, (world // ep_size, ep_size), mesh_dim_names=("dp", "ep"))
+    ep_group = mesh["ep"].get_group()
+    ep_rank = dist.get_rank(ep_group)
+    with ep_comm.Buffer(ep_group, hidden=HIDDEN, num_experts=NUM_EXPERTS, num_topk=TOPK,
+                        max_tokens_per_rank=MAX_TOKENS, expert_alignment=32, backend=backend, timeout_s=120) as buf, \
+            training.GradBuffers.create(buf) as grads:
+
+        def make_block(dtype):
+            return MoEBlock(buf, grads, ep_rank, ep_size, dtype, device)
+
+        param_dtype = torch.bfloat16 if wrapper == "fsdp2_bf16" else torch.float32
+        micro_batches = 2 if wrapper == "fsdp2_accumulate" else 1
+        want_losses, want = _hand_steps(make_block, rank, world, mesh["dp"].get_group(), micro_batches, param_dtype)
+        got_losses, got = _wrapped_steps(make_block, rank, world, mesh, wrapper)
+    differences = [f"loss {i}: {a.item()} vs {b.item()}" for i, (a, b) in enumerate(zip(want_losses, got_losses))
+                   if not torch.equal(a, b)]
+    if len(want_losses) != len(got_losses) or sorted(want) != sorted(got):
+        differences.append(f"steps or parameters differ: {len(want_losses)} / {len(got_losses)}, {sorted(want)} / "
+                           f"{sorted(got)}")
+    differences += [f"{name}: max |difference| {(want[name] - got[name]).abs().max().item()}" for name in want
+                    if name in got and not torch.equal(as_bytes(want[name]), as_bytes(got[name]))]
+    # (the experts must differ between EP ranks: a wrapper that broadcast or averaged them over EP would make them equal)
+    w1 = got.get("experts.w1", torch.zeros(1))
+    gathered = [torch.empty_like(w1) for _ in range(ep_size)]
+    dist.all_gather(gathered, w1, group=ep_group)
+    if ep_size > 1 and torch.equal(gathered[0], gathered[1]):
+        differences.append("the EP ranks' experts are equal")
+    return differences
+
+
+def _check(results):
+    for differences in results:
+        assert differences == [], differences
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+@pytest.mark.parametrize("world,ep_size", [(2, 2), (4, 2)])
+def test_gloo_wrapped_training_equals_the_hand_taken_steps(world, ep_size, wrapper):
+    _check(run_ranks(wrapper_worker, world, ep_size, wrapper, backend="gloo"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_nvlink_one_rank_wrapped_training_equals_the_hand_taken_steps(wrapper):
+    """World 1 (NCCL, the nvlink backend): the wrappers' parameter swaps, hooks and streams around the CUDA kernels."""
+    _check(run_ranks(wrapper_worker, 1, 1, wrapper, "nvlink", "cuda", backend="nccl"))
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_nvlink_wrapped_training_equals_the_hand_taken_steps(wrapper):
+    """One rank per GPU over NCCL, all ranks one EP group (FSDP2 needs NCCL's collectives on CUDA tensors: not with
+    ranks sharing a GPU over gloo)."""
+    if SHARED_GPU:
+        pytest.skip("FSDP2 and DDP on CUDA tensors need NCCL: one rank per GPU")
+    world = multigpu_world()
+    _check(run_ranks(wrapper_worker, world, world, wrapper, "auto", "cuda", backend="nccl"))
