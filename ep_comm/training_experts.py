@@ -468,8 +468,25 @@ class _WeightCache:
     w2_values: Optional[torch.Tensor] = None
 
 
+def _is_dtensor(w) -> bool:
+    """Whether w is a torch DTensor (ExpertMLP(ep_mesh=...)'s parameters; FSDP2's): the type's name first, so that
+    plain tensors cost no import."""
+    if type(w).__name__ != "DTensor":
+        return False
+    from torch.distributed.tensor import DTensor
+    return isinstance(w, DTensor)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """This rank's own experts of a weight: a DTensor's local tensor (differentiable: the gradient reaches the
+    DTensor), else w itself."""
+    return w.to_local() if _is_dtensor(w) else w
+
+
 def _weight_state(w: torch.Tensor) -> tuple:
-    return (w._version, w.data_ptr(), w.dtype, tuple(w.shape), w.device)
+    # (a DTensor parameter: its own version counter, which in-place updates through it move -- torch's optimizers
+    # included --, and its local tensor's storage)
+    return (w._version, _local(w).data_ptr(), w.dtype, tuple(w.shape), w.device)
 
 
 def _cache_serves(cache: _WeightCache, w1: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -779,11 +796,21 @@ class ExpertMLP(torch.nn.Module):
     them would use the previous step's weights.
 
     reset_parameters() initialises the weights as the constructor does (from the seed) and zeroes call_count: the
-    deferred initialisation after construction on the meta device and `to_empty()`."""
+    deferred initialisation after construction on the meta device and `to_empty()`.
+
+    ep_mesh (a 1-D torch DeviceMesh over the Buffer's EP group, in its rank order; optional): w1 and w2 become DTensors
+    of the whole layer's experts, [E, 2I, H] and [E, H, I] (E = num_local_experts x the mesh size), sharded along the
+    experts over the mesh -- this rank holding its own E_local, as without it. That is what distributed checkpoints
+    (torch.distributed.checkpoint) need to tell the EP ranks' experts apart: plain per-rank parameters all carry the
+    same names and shapes, so a checkpoint keeps one EP rank's experts under them and gives them to every rank. It is
+    also what FSDP2 composes with (fully_shard over the "dp" mesh of the same 2-D mesh; README "Training"). Give every
+    rank the same seed: the rank's position in ep_mesh is mixed into it (so the extra state is the same on every
+    rank, as a checkpoint that keeps one copy of it needs). Not with accumulate_into_main_grad. reset_parameters()
+    needs the weights as the constructor made them (not after fully_shard: initialise first, or load a checkpoint)."""
 
     def __init__(self, num_local_experts: int, hidden: int, intermediate: int, *, dtype: torch.dtype = torch.float32,
                  device=None, seed: int = 0, keep_weight_values: bool = False,
-                 accumulate_into_main_grad: bool = False):
+                 accumulate_into_main_grad: bool = False, ep_mesh=None):
         super().__init__()
         if dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"dtype must be torch.float32 or torch.bfloat16 (the master weights), got {dtype}")
@@ -799,9 +826,21 @@ class ExpertMLP(torch.nn.Module):
         hidden, intermediate = int(hidden), int(intermediate)
         _check_flags(keep_weight_values, accumulate_into_main_grad)
         self.seed = formats._check_seed(seed)
-        self.w1 = torch.nn.Parameter(torch.empty(num_local_experts, 2 * intermediate, hidden, device=device,
-                                                 dtype=dtype))
-        self.w2 = torch.nn.Parameter(torch.empty(num_local_experts, hidden, intermediate, device=device, dtype=dtype))
+        self.ep_mesh = ep_mesh
+        w1 = torch.empty(num_local_experts, 2 * intermediate, hidden, device=device, dtype=dtype)
+        w2 = torch.empty(num_local_experts, hidden, intermediate, device=device, dtype=dtype)
+        if ep_mesh is not None:
+            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.tensor import DTensor, Shard
+            if not isinstance(ep_mesh, DeviceMesh) or ep_mesh.ndim != 1:
+                raise TypeError(f"ep_mesh must be a 1-D torch DeviceMesh (the EP group), got {ep_mesh!r}")
+            if accumulate_into_main_grad:
+                raise ValueError("ExpertMLP(ep_mesh=...) does not take accumulate_into_main_grad=True (its main_grad "
+                                 "buffers would be the DTensors' local shards: not supported)")
+            # (the local experts are this rank's block of the layer's, in mesh rank order: what the Buffer routes)
+            w1, w2 = (DTensor.from_local(w, ep_mesh, [Shard(0)], run_check=False) for w in (w1, w2))
+        self.w1 = torch.nn.Parameter(w1)
+        self.w2 = torch.nn.Parameter(w2)
         self.register_buffer("call_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self.keep_weight_values = keep_weight_values
         self.accumulate_into_main_grad = accumulate_into_main_grad
@@ -811,14 +850,35 @@ class ExpertMLP(torch.nn.Module):
     def reset_parameters(self) -> None:
         """w1, w2 ~ N(0, 1 / fan_in) from the seed (drawn in FP32 on the CPU), call_count 0, the kept weights
         dropped."""
-        gen = torch.Generator().manual_seed(self.seed)
-        experts, two_i, hidden = self.w1.shape
+        gen = torch.Generator().manual_seed(self._rank_seed())
+        w1, w2 = self._local_weights()
+        experts, two_i, hidden = w1.shape
         with torch.no_grad():  # (drawn in FP32 on the CPU, rounded to the masters' dtype: as the weights always were)
-            self.w1.copy_(torch.randn(experts, two_i, hidden, generator=gen, dtype=torch.float32) / math.sqrt(hidden))
-            self.w2.copy_(torch.randn(experts, hidden, two_i // 2, generator=gen, dtype=torch.float32)
-                          / math.sqrt(two_i // 2))
+            w1.copy_(torch.randn(experts, two_i, hidden, generator=gen, dtype=torch.float32) / math.sqrt(hidden))
+            w2.copy_(torch.randn(experts, hidden, two_i // 2, generator=gen, dtype=torch.float32)
+                     / math.sqrt(two_i // 2))
             self.call_count.zero_()
         self._weight_cache = None
+
+    def _rank_seed(self) -> int:
+        """The seed this rank draws from: the seed, or with ep_mesh the seed mixed with the rank's place in it."""
+        mesh = getattr(self, "ep_mesh", None)
+        return self.seed if mesh is None else _mix64(_mix64(self.seed) ^ mesh.get_local_rank())
+
+    def _local_weights(self):
+        """(w1, w2) of this rank's experts: the parameters, or with ep_mesh their local tensors (differentiable).
+        Refuses DTensors placed otherwise than the constructor placed them (sharded further, e.g. by fully_shard)
+        where the caller needs the whole local experts outside a forward (reset_parameters, pack)."""
+        if not _is_dtensor(self.w1):
+            return self.w1, self.w2
+        from torch.distributed.tensor import Shard
+        for w in (self.w1, self.w2):
+            if w.device_mesh.ndim != 1 or tuple(w.placements) != (Shard(0),):
+                raise RuntimeError("ExpertMLP: the weights are DTensors placed as "
+                                   f"{tuple(w.placements)} over {w.device_mesh}, not as ExpertMLP(ep_mesh=...) "
+                                   "placed them (sharded further, e.g. by fully_shard outside its forward): "
+                                   "initialise before sharding, load a checkpoint, or pack inside an unsharded scope")
+        return self.w1.to_local(), self.w2.to_local()
 
     def release_weight_cache(self) -> None:
         """Drops the weights kept by is_first_microbatch=True (their memory returns to the allocator)."""
@@ -832,6 +892,7 @@ class ExpertMLP(torch.nn.Module):
             self.register_buffer("call_count", torch.tensor(calls or 0, dtype=torch.int64, device=self.w1.device),
                                  persistent=False)
         self.__dict__.setdefault("_weight_cache", None)
+        self.__dict__.setdefault("ep_mesh", None)
 
     @property
     def calls(self) -> int:
@@ -844,16 +905,25 @@ class ExpertMLP(torch.nn.Module):
         and is_first_microbatch)."""
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"is_first_microbatch must be None or a bool, got {type(is_first_microbatch).__name__}")
-        # (before the weights are quantized for the cache and before a call seed is drawn: a refused call draws none)
-        _check_expert_inputs(routed, self.w1, self.w2, self.keep_weight_values, self.accumulate_into_main_grad)
+        # This rank's experts: with ep_mesh (or FSDP2's gathered DTensors of it) the local tensors, differentiable.
+        w1, w2 = _local(self.w1), _local(self.w2)
+        # (before the weights are quantized for the cache and before a call seed is drawn: a refused call draws none;
+        # the mesh first, whose mismatch would also show as a count of local experts unlike the Buffer's)
+        if self.ep_mesh is not None and isinstance(routed, RoutedTokens):
+            buffer = routed.link.buffer
+            if (self.ep_mesh.size(), self.ep_mesh.get_local_rank()) != (buffer.config.world_size, buffer.rank):
+                raise ValueError(f"ExpertMLP's ep_mesh (rank {self.ep_mesh.get_local_rank()} of "
+                                 f"{self.ep_mesh.size()}) is not the Buffer's group (rank {buffer.rank} of "
+                                 f"{buffer.config.world_size}): the local experts would not be the ones routed here")
+        _check_expert_inputs(routed, w1, w2, self.keep_weight_values, self.accumulate_into_main_grad)
         if is_first_microbatch is None:
             self._weight_cache = None
         elif is_first_microbatch:
             self._weight_cache = None  # (the previous step's, freed before quantizing again)
             self._weight_cache = _WeightCache(
                 masters=(weakref.ref(self.w1), weakref.ref(self.w2)),
-                versions=(_weight_state(self.w1), _weight_state(self.w2)), w1=quantize_expert_weights(self.w1),
-                w2=quantize_expert_weights(self.w2), keep_values=self.keep_weight_values)
+                versions=(_weight_state(self.w1), _weight_state(self.w2)), w1=quantize_expert_weights(w1),
+                w2=quantize_expert_weights(w2), keep_values=self.keep_weight_values)
         else:
             cache = getattr(self, "_weight_cache", None)
             if cache is None:
@@ -866,12 +936,13 @@ class ExpertMLP(torch.nn.Module):
                                    "experts between micro-batches: keep them unsharded through the step with "
                                    "fully_shard(..., reshard_after_forward=False) and set_reshard_after_backward(False)"
                                    "): call with is_first_microbatch=True to quantize them again")
-        if self.call_count.device != self.w1.device:  # (weights moved without the module's .to)
-            self.call_count = self.call_count.to(self.w1.device)
-        # the call seed _mix64(_mix64(seed) ^ calls), calls counted first (on the device, in the stream's order)
-        call_seed = _mix_seeds(self.call_count, [_mix64(self.seed)], increment=True)
-        return _expert_mlp(routed, self.w1, self.w2, call_seed, self.keep_weight_values,
-                           self.accumulate_into_main_grad, self._weight_cache)
+        if self.call_count.device != w1.device:  # (weights moved without the module's .to)
+            self.call_count = self.call_count.to(w1.device)
+        # the call seed _mix64(_mix64(seed) ^ calls), calls counted first (on the device, in the stream's order); with
+        # ep_mesh the rank's seed (_rank_seed) stands for seed
+        call_seed = _mix_seeds(self.call_count, [_mix64(self._rank_seed())], increment=True)
+        return _expert_mlp(routed, w1, w2, call_seed, self.keep_weight_values, self.accumulate_into_main_grad,
+                           self._weight_cache)
 
     def get_extra_state(self):
         """{"seed", "calls"} for state_dict (reads the call count: a sync)."""
@@ -882,10 +953,10 @@ class ExpertMLP(torch.nn.Module):
         """Restores get_extra_state's seed and call count (load_state_dict)."""
         self.seed = formats._check_seed(state["seed"])
         calls = int(state["calls"])
-        if self.call_count.is_meta or self.call_count.device != self.w1.device:
+        if self.call_count.is_meta or self.call_count.device != _local(self.w1).device:
             # (load_state_dict(..., assign=True) into a module built on the meta device: the weights are real now;
             # fill_ on the meta count would keep nothing)
-            self.call_count = torch.tensor(calls, dtype=torch.int64, device=self.w1.device)
+            self.call_count = torch.tensor(calls, dtype=torch.int64, device=_local(self.w1).device)
         else:
             self.call_count.fill_(calls)
 
@@ -899,4 +970,5 @@ class ExpertMLP(torch.nn.Module):
     def pack(self):
         """moe.PackedExpertWeights of the current weights (moe.pack_weights: the bits the training forward uses)."""
         from . import moe
-        return moe.pack_weights(self.w1.detach(), self.w2.detach())
+        w1, w2 = self._local_weights()
+        return moe.pack_weights(w1.detach(), w2.detach())

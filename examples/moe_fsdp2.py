@@ -1,6 +1,8 @@
 """Training an expert-parallel MoE layer under FSDP2 (`torch.distributed.fsdp.fully_shard`), laid out as TorchTitan
 lays out expert parallelism: a 2-D device mesh ("dp", "ep"), a Buffer over each "ep" group, the experts
-(`training.ExpertMLP`, E / ep per rank) sharded over "dp", and the rest of the layer (the router) over every rank.
+(`training.ExpertMLP(..., ep_mesh=mesh["ep"])`: DTensors of all E experts, E / ep on each EP rank) sharded over "dp",
+and the rest of the layer (the router) over every rank. The DTensors are what lets torch.distributed.checkpoint save
+and load every EP rank's experts (README "Training").
 
 Runs on every visible GPU (NCCL) when there are at least 2, else on 2 CPU ranks over gloo:
 
@@ -35,18 +37,19 @@ from example_args import parse_moe_args
 
 
 class MoEBlock(torch.nn.Module):
-    """Router [E, H] and this EP rank's ExpertMLP (E / ep experts: w1 [E/ep, 2I, H], w2 [E/ep, H, I]).
-    forward(x bf16 [T, H], is_first_microbatch=None) -> bf16 [T, H]."""
+    """Router [E, H] and the experts as an ExpertMLP on the EP mesh (w1 [E, 2I, H], w2 [E, H, I], DTensors sharded
+    along the experts: E / ep on this rank). forward(x bf16 [T, H], is_first_microbatch=None) -> bf16 [T, H]."""
 
-    def __init__(self, buffer, grads, ep_rank, ep_size, num_experts, hidden, intermediate, topk, seed, device):
+    def __init__(self, buffer, grads, ep_mesh, num_experts, hidden, intermediate, topk, seed, device):
         super().__init__()
         self.router = torch.nn.Linear(hidden, num_experts, bias=False, device=device)
         with torch.no_grad():  # the same router on every rank
             self.router.weight.copy_(torch.randn(num_experts, hidden, generator=torch.Generator().manual_seed(seed))
                                      / hidden ** 0.5)
-        # the same experts on the ranks of the same EP position (the replicas FSDP2 shards over "dp")
-        self.experts = training.ExpertMLP(num_experts // ep_size, hidden, intermediate, device=device,
-                                          seed=1000 * seed + ep_rank)
+        # one seed on every rank: ExpertMLP mixes in the rank's place in ep_mesh, so the ranks of the same EP position
+        # (the replicas FSDP2 shards over "dp") start with the same experts
+        self.experts = training.ExpertMLP(num_experts // ep_mesh.size(), hidden, intermediate, device=device,
+                                          seed=1000 * seed, ep_mesh=ep_mesh)
         self.buffer, self.grads, self.topk = buffer, grads, topk
 
     def forward(self, x, is_first_microbatch=None):
@@ -61,7 +64,6 @@ def worker(rank, world, args):
     ep_size = args.expert_parallel or world
     mesh = init_device_mesh(device.type, (world // ep_size, ep_size), mesh_dim_names=("dp", "ep"))
     ep_group = mesh["ep"].get_group()
-    ep_rank = torch.distributed.get_rank(ep_group)
     sizes = dict(hidden=args.hidden, num_experts=args.experts, num_topk=args.topk, max_tokens_per_rank=args.tokens,
                  expert_alignment=32)  # (ExpertMLP's weight gradients: MXFP8 blocks of 32 rows of one expert)
     micro_tokens = args.tokens // args.micro_batches
@@ -69,7 +71,7 @@ def worker(rank, world, args):
     x = torch.randn(args.micro_batches, micro_tokens, args.hidden, generator=gen).to(torch.bfloat16).to(device)
     losses = []
     with ep_comm.Buffer(ep_group, **sizes) as buf, training.GradBuffers.create(buf) as grads:
-        layer = (buf, grads, ep_rank, ep_size, args.experts, args.hidden, args.intermediate, args.topk)
+        layer = (buf, grads, mesh["ep"], args.experts, args.hidden, args.intermediate, args.topk)
         teacher = MoEBlock(*layer, seed=1, device=device)
         with torch.no_grad():
             targets = [teacher(x[m]).float() for m in range(args.micro_batches)]

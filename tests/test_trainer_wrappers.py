@@ -27,21 +27,23 @@ from harness import SHARED_GPU, multigpu_world, run_ranks
 
 HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOPK, MAX_TOKENS, STEPS, LR = 128, 64, 8, 2, 16, 3, 0.5
 # (the loss is a sum, not a mean: a rank without tokens has a loss of 0, not NaN)
-WRAPPERS = ("fsdp2", "fsdp2_bf16", "fsdp2_accumulate", "ddp")
+WRAPPERS = ("fsdp2", "fsdp2_bf16", "fsdp2_accumulate", "ddp", "fsdp2_dtensor", "fsdp2_dtensor_accumulate")
 
 
 class MoEBlock(torch.nn.Module):
     """router [E, H] (replicated) -> training.dispatch -> ExpertMLP (E / ep_size experts) -> training.combine.
     forward(x bf16 [T, H], is_first_microbatch=None) -> bf16 [T, H]."""
 
-    def __init__(self, buffer, grads, ep_rank: int, ep_size: int, dtype: torch.dtype, device):
+    def __init__(self, buffer, grads, ep_rank: int, ep_size: int, dtype: torch.dtype, device, ep_mesh=None):
         super().__init__()
         self.router = torch.nn.Linear(HIDDEN, NUM_EXPERTS, bias=False, device=device, dtype=dtype)
         with torch.no_grad():
             self.router.weight.copy_(torch.randn(NUM_EXPERTS, HIDDEN, generator=torch.Generator().manual_seed(3))
                                      / HIDDEN ** 0.5)
+        # (with ep_mesh: DTensors of all the layer's experts, one seed for every rank, which ExpertMLP mixes with the
+        # rank's place in the mesh)
         self.experts = training.ExpertMLP(NUM_EXPERTS // ep_size, HIDDEN, INTERMEDIATE, dtype=dtype, device=device,
-                                          seed=100 + ep_rank)
+                                          seed=100 + (0 if ep_mesh is not None else ep_rank), ep_mesh=ep_mesh)
         self.buffer, self.grads = buffer, grads
 
     def forward(self, x, is_first_microbatch=None):
@@ -58,6 +60,11 @@ def _tokens(rank: int, step: int, micro_batch: int, device) -> torch.Tensor:
     return torch.randn(num_tokens, HIDDEN, generator=gen).to(torch.bfloat16).to(device)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (ExpertMLP(ep_mesh=...)'s experts), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (FSDP2's sharded parameters and gradients), else the tensor."""
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
@@ -68,7 +75,7 @@ def _hand_steps(make_block, rank, world, dp_group, micro_batches, param_dtype):
     summed over micro-batches and averaged, the router's over every rank and the experts' over dp_group, SGD.
     Returns (the losses, {name: FP32 master after the steps})."""
     block = make_block(torch.float32)
-    masters = {name: p.detach().clone().requires_grad_() for name, p in block.named_parameters()}
+    masters = {name: _local(p).detach().clone().requires_grad_() for name, p in block.named_parameters()}
     block.to(param_dtype)
     optimizer = torch.optim.SGD(masters.values(), lr=LR)
     device = block.router.weight.device
@@ -76,13 +83,13 @@ def _hand_steps(make_block, rank, world, dp_group, micro_batches, param_dtype):
     for step in range(STEPS):
         with torch.no_grad():
             for name, p in block.named_parameters():
-                p.copy_(masters[name])
+                _local(p).copy_(masters[name])
         for micro_batch in range(micro_batches):
             loss = block(_tokens(rank, step, micro_batch, device)).float().square().sum() / 1024
             loss.backward()
             losses.append(loss.detach())
         for name, p in block.named_parameters():
-            grad = p.grad.float()
+            grad = _local(p.grad).float()
             group, size = (dp_group, world // block.buffer.config.world_size) if name.startswith("experts.") \
                 else (None, world)
             dist.all_reduce(grad, group=group)
@@ -100,13 +107,13 @@ def _wrapped_steps(make_block, rank, world, mesh, wrapper):
     from torch.nn.parallel import DistributedDataParallel
     block = make_block(torch.float32)
     device = block.router.weight.device
-    micro_batches = 2 if wrapper == "fsdp2_accumulate" else 1
+    micro_batches = 2 if wrapper.endswith("accumulate") else 1
     if wrapper.startswith("fsdp2"):
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if wrapper == "fsdp2_bf16" else MixedPrecisionPolicy()
         # Accumulation keeps the experts' weights gathered from the first micro-batch's forward to the step's end:
         # ExpertMLP's is_first_microbatch=False reuses the quantization of exactly those tensors.
-        keep = wrapper == "fsdp2_accumulate"
+        keep = wrapper.endswith("accumulate")
         fully_shard(block.experts, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=not keep)
         fully_shard(block, mesh=mesh._flatten("dp_ep"), mp_policy=policy)
         model = block
@@ -119,7 +126,7 @@ def _wrapped_steps(make_block, rank, world, mesh, wrapper):
     for step in range(STEPS):
         for micro_batch in range(micro_batches):
             last = micro_batch == micro_batches - 1
-            if wrapper == "fsdp2_accumulate":
+            if wrapper.endswith("accumulate"):
                 # Gradients reduced and the experts resharded at the step's last micro-batch only (FSDP2's
                 # accumulation); sharded again, they are gathered anew at the next step, whose first micro-batch
                 # quantizes them again (is_first_microbatch=True).
@@ -154,13 +161,20 @@ def wrapper_worker(rank, world, ep_size, wrapper, backend="reference", device_ki
                         max_tokens_per_rank=MAX_TOKENS, expert_alignment=32, backend=backend, timeout_s=120) as buf, \
             training.GradBuffers.create(buf) as grads:
 
+        ep_mesh = mesh["ep"] if "dtensor" in wrapper else None
+
         def make_block(dtype):
-            return MoEBlock(buf, grads, ep_rank, ep_size, dtype, device)
+            return MoEBlock(buf, grads, ep_rank, ep_size, dtype, device, ep_mesh)
 
         param_dtype = torch.bfloat16 if wrapper == "fsdp2_bf16" else torch.float32
-        micro_batches = 2 if wrapper == "fsdp2_accumulate" else 1
+        micro_batches = 2 if wrapper.endswith("accumulate") else 1
         want_losses, want = _hand_steps(make_block, rank, world, mesh["dp"].get_group(), micro_batches, param_dtype)
         got_losses, got = _wrapped_steps(make_block, rank, world, mesh, wrapper)
+    if ep_mesh is not None:  # the hand-taken experts as the whole layer's, as the DTensors' full tensors are
+        for name in ("experts.w1", "experts.w2"):
+            parts = [torch.empty_like(want[name]) for _ in range(ep_size)]
+            dist.all_gather(parts, want[name], group=ep_group)
+            want[name] = torch.cat(parts)
     differences = [f"loss {i}: {a.item()} vs {b.item()}" for i, (a, b) in enumerate(zip(want_losses, got_losses))
                    if not torch.equal(a, b)]
     if len(want_losses) != len(got_losses) or sorted(want) != sorted(got):
@@ -170,6 +184,7 @@ def wrapper_worker(rank, world, ep_size, wrapper, backend="reference", device_ki
                     if name in got and not torch.equal(as_bytes(want[name]), as_bytes(got[name]))]
     # (the experts must differ between EP ranks: a wrapper that broadcast or averaged them over EP would make them equal)
     w1 = got.get("experts.w1", torch.zeros(1))
+    w1 = w1.chunk(ep_size)[ep_rank].contiguous() if ep_mesh is not None else w1  # (this rank's experts)
     gathered = [torch.empty_like(w1) for _ in range(ep_size)]
     dist.all_gather(gathered, w1, group=ep_group)
     if ep_size > 1 and torch.equal(gathered[0], gathered[1]):
@@ -205,3 +220,117 @@ def test_nvlink_wrapped_training_equals_the_hand_taken_steps(wrapper):
         pytest.skip("FSDP2 and DDP on CUDA tensors need NCCL: one rank per GPU")
     world = multigpu_world()
     _check(run_ranks(wrapper_worker, world, world, wrapper, "auto", "cuda", backend="nccl"))
+
+
+def checkpoint_worker(rank, world, save_ep, load_ep, path, backend="reference", device_kind="cpu"):
+    """A distributed checkpoint (torch.distributed.checkpoint) of the FSDP2 layer with ExpertMLP(ep_mesh=...), saved
+    on a mesh (world / save_ep, save_ep) after one SGD step and loaded into a new layer (other initial weights) on a mesh
+    (world / load_ep, load_ep). Returns the differences found ([] when none): every expert of the layer (the DTensors'
+    full tensors), the router and ExpertMLP's extra state (seed, call count) must come back bit for bit, also where
+    the EP size differs (each rank then loads other experts than it saved)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    on_gpu = device_kind == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+
+    def layer(ep_size, seed_offset):
+        mesh = init_device_mesh(device.type, (world // ep_size, ep_size), mesh_dim_names=("dp", "ep"))
+        buf = ep_comm.Buffer(mesh["ep"].get_group(), hidden=HIDDEN, num_experts=NUM_EXPERTS, num_topk=TOPK,
+                             max_tokens_per_rank=MAX_TOKENS, expert_alignment=32, backend=backend, timeout_s=120)
+        grads = training.GradBuffers.create(buf)
+        block = MoEBlock(buf, grads, mesh["ep"].get_local_rank(), ep_size, torch.float32, device, mesh["ep"])
+        block.experts.seed += seed_offset
+        block.experts.reset_parameters()
+        fully_shard(block.experts, mesh=mesh["dp"])
+        fully_shard(block, mesh=mesh._flatten("dp_ep"))
+        return block, buf, grads
+
+    saved, buf, grads = layer(save_ep, 0)
+    optimizer = torch.optim.SGD(saved.parameters(), lr=LR)
+    saved(_tokens(rank, 0, 0, device)).float().square().sum().backward()
+    optimizer.step()
+    want = {name: _full(p) for name, p in saved.named_parameters()}
+    want_state = saved.experts.get_extra_state()
+    dcp.save(get_model_state_dict(saved), checkpoint_id=path)
+    grads.destroy()
+    buf.destroy()
+
+    loaded, buf, grads = layer(load_ep, 7)
+    before = _full(loaded.experts.w1)
+    state = get_model_state_dict(loaded)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(loaded, state)
+    got = {name: _full(p) for name, p in loaded.named_parameters()}
+    differences = [f"{name}: max |difference| {(want[name] - got[name]).abs().max().item()}" for name in want
+                   if not torch.equal(as_bytes(want[name]), as_bytes(got[name]))]
+    if torch.equal(before, got["experts.w1"]):
+        differences.append("the loaded layer's experts were the saved ones before the load: the test shows nothing")
+    if loaded.experts.get_extra_state() != want_state:
+        differences.append(f"extra state {loaded.experts.get_extra_state()} vs {want_state}")
+    grads.destroy()
+    buf.destroy()
+    return differences
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("world,save_ep,load_ep", [(2, 2, 2), (4, 2, 2), (4, 2, 4), (4, 4, 1)])
+def test_gloo_distributed_checkpoint_keeps_every_ranks_experts(world, save_ep, load_ep, tmp_path):
+    assert run_ranks(checkpoint_worker, world, save_ep, load_ep, str(tmp_path), backend="gloo") == [[]] * world
+
+
+@pytest.mark.gpu
+def test_nvlink_one_rank_distributed_checkpoint(tmp_path):
+    assert run_ranks(checkpoint_worker, 1, 1, 1, str(tmp_path), "nvlink", "cuda", backend="nccl") == [[]]
+
+
+def ep_mesh_errors_worker(rank, world):
+    """ExpertMLP(ep_mesh=...) on 2 gloo ranks: its shapes, its pack(), and its refusals. Returns "ok"."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep"))
+    one_rank_ep = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "ep"))["ep"]
+    experts = training.ExpertMLP(4, HIDDEN, INTERMEDIATE, ep_mesh=mesh["ep"], seed=5)
+    assert tuple(experts.w1.shape) == (4 * world, 2 * INTERMEDIATE, HIDDEN)
+    assert tuple(experts.w1.to_local().shape) == (4, 2 * INTERMEDIATE, HIDDEN)
+    # the rank's seed is mixed with its place in the mesh: the ranks' experts differ, and pack() packs the local ones
+    parts = [torch.empty(4, 2 * INTERMEDIATE, HIDDEN) for _ in range(world)]
+    dist.all_gather(parts, experts.w1.to_local().detach().contiguous())
+    assert not torch.equal(parts[0], parts[1])
+    packed = experts.pack()
+    want = ep_comm.moe.pack_weights(experts.w1.to_local().detach(), experts.w2.to_local().detach())
+    assert torch.equal(as_bytes(packed.w1.data), as_bytes(want.w1.data))
+    for kwargs, error, text in (({"ep_mesh": "ep"}, TypeError, "1-D torch DeviceMesh"),
+                                ({"ep_mesh": mesh, }, TypeError, "1-D torch DeviceMesh"),
+                                ({"ep_mesh": mesh["ep"], "accumulate_into_main_grad": True}, ValueError,
+                                 "accumulate_into_main_grad")):
+        try:
+            training.ExpertMLP(4, HIDDEN, INTERMEDIATE, **kwargs)
+        except error as e:
+            assert text in str(e), e
+        else:
+            raise AssertionError(f"not refused: {kwargs}")
+    with ep_comm.Buffer(mesh["ep"].get_group(), hidden=HIDDEN, num_experts=NUM_EXPERTS, num_topk=TOPK,
+                        max_tokens_per_rank=MAX_TOKENS, expert_alignment=32) as buf, \
+            training.GradBuffers.create(buf) as grads:
+        wrong = MoEBlock(buf, grads, 0, 1, torch.float32, "cpu", one_rank_ep)  # 8 experts on a mesh of one rank
+        try:
+            wrong(_tokens(rank, 0, 0, "cpu"))
+        except ValueError as e:
+            assert "is not the Buffer's group" in str(e), e
+        else:
+            raise AssertionError("an ep_mesh unlike the Buffer's group was not refused")
+    fully_shard(experts, mesh=mesh["dp"])  # (a "dp" of one rank: the weights become DTensors over both dimensions)
+    try:
+        experts.reset_parameters()
+    except RuntimeError as e:
+        assert "initialise before sharding" in str(e), e
+    else:
+        raise AssertionError("reset_parameters() of sharded weights was not refused")
+    return "ok"
+
+
+@pytest.mark.cpu
+def test_gloo_expert_mlp_on_an_ep_mesh_shapes_and_refusals():
+    assert run_ranks(ep_mesh_errors_worker, 2, backend="gloo") == ["ok"] * 2
