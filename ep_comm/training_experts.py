@@ -806,7 +806,8 @@ class ExpertMLP(torch.nn.Module):
     also what FSDP2 composes with (fully_shard over the "dp" mesh of the same 2-D mesh; README "Training"). Give every
     rank the same seed: the rank's position in ep_mesh is mixed into it (so the extra state is the same on every
     rank, as a checkpoint that keeps one copy of it needs). Not with accumulate_into_main_grad. reset_parameters()
-    needs the weights as the constructor made them (not after fully_shard: initialise first, or load a checkpoint)."""
+    needs the weights as the constructor made them (not after fully_shard: initialise first, or load a checkpoint), and
+    so does pack() (after fully_shard: between the FSDP2 module's unshard() and reshard())."""
 
     def __init__(self, num_local_experts: int, hidden: int, intermediate: int, *, dtype: torch.dtype = torch.float32,
                  device=None, seed: int = 0, keep_weight_values: bool = False,
@@ -877,7 +878,8 @@ class ExpertMLP(torch.nn.Module):
                 raise RuntimeError("ExpertMLP: the weights are DTensors placed as "
                                    f"{tuple(w.placements)} over {w.device_mesh}, not as ExpertMLP(ep_mesh=...) "
                                    "placed them (sharded further, e.g. by fully_shard outside its forward): "
-                                   "initialise before sharding, load a checkpoint, or pack inside an unsharded scope")
+                                   "initialise before sharding or load a checkpoint; pack() between the FSDP2 module's "
+                                   "unshard() and reshard()")
         return self.w1.to_local(), self.w2.to_local()
 
     def release_weight_cache(self) -> None:

@@ -322,12 +322,16 @@ def ep_mesh_errors_worker(rank, world):
         else:
             raise AssertionError("an ep_mesh unlike the Buffer's group was not refused")
     fully_shard(experts, mesh=mesh["dp"])  # (a "dp" of one rank: the weights become DTensors over both dimensions)
-    try:
-        experts.reset_parameters()
-    except RuntimeError as e:
-        assert "initialise before sharding" in str(e), e
-    else:
-        raise AssertionError("reset_parameters() of sharded weights was not refused")
+    for call in (experts.reset_parameters, experts.pack):
+        try:
+            call()
+        except RuntimeError as e:
+            assert "initialise before sharding" in str(e) and "unshard()" in str(e), e
+        else:
+            raise AssertionError(f"{call.__name__}() of sharded weights was not refused")
+    experts.unshard()  # (FSDP2's gathered weights: the placement ExpertMLP made, so pack() takes them)
+    assert torch.equal(as_bytes(experts.pack().w1.data), as_bytes(want.w1.data))
+    experts.reshard()
     return "ok"
 
 
