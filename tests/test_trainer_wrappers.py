@@ -14,7 +14,9 @@ rank and the experts' over their "dp" group -- and must give the same losses and
   against is_first_microbatch None;
 * ddp: `DistributedDataParallel` over every rank with the experts' parameters and buffer left to the hand-taken
   average (`_set_params_and_buffers_to_ignore_for_model`): DDP would otherwise average distinct experts over the EP
-  ranks, and its construction would broadcast rank 0's experts to every rank.
+  ranks, and its construction would broadcast rank 0's experts to every rank;
+* fsdp2_dtensor, fsdp2_dtensor_accumulate, ddp_dtensor: the same with `ExpertMLP(ep_mesh=mesh["ep"])`, whose weights
+  are DTensors of the whole layer's experts (the form distributed checkpoints need: checkpoint_worker below).
 """
 import pytest
 import torch
@@ -27,7 +29,8 @@ from harness import SHARED_GPU, multigpu_world, run_ranks
 
 HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOPK, MAX_TOKENS, STEPS, LR = 128, 64, 8, 2, 16, 3, 0.5
 # (the loss is a sum, not a mean: a rank without tokens has a loss of 0, not NaN)
-WRAPPERS = ("fsdp2", "fsdp2_bf16", "fsdp2_accumulate", "ddp", "fsdp2_dtensor", "fsdp2_dtensor_accumulate")
+WRAPPERS = ("fsdp2", "fsdp2_bf16", "fsdp2_accumulate", "ddp", "fsdp2_dtensor", "fsdp2_dtensor_accumulate",
+            "ddp_dtensor")
 
 
 class MoEBlock(torch.nn.Module):
@@ -138,10 +141,11 @@ def _wrapped_steps(make_block, rank, world, mesh, wrapper):
             loss = model(_tokens(rank, step, micro_batch, device), first).float().square().sum() / 1024
             loss.backward()
             losses.append(loss.detach())
-        if wrapper == "ddp":  # the experts: averaged by hand over the ranks holding them
+        if wrapper.startswith("ddp"):  # the experts: averaged by hand over the ranks holding them
             for p in block.experts.parameters():
-                dist.all_reduce(p.grad, group=mesh["dp"].get_group())
-                p.grad /= mesh["dp"].size()
+                grad = _local(p.grad)
+                dist.all_reduce(grad, group=mesh["dp"].get_group())
+                grad /= mesh["dp"].size()
         optimizer.step()
         optimizer.zero_grad()
     params = {name.removeprefix("module."): _full(p) for name, p in model.named_parameters()}
