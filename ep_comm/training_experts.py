@@ -457,10 +457,12 @@ class _WeightCache:
     """The weights' quantization, reused by the micro-batches of one step (ExpertMLP's is_first_microbatch): the NVFP4
     weights, and (keep_values) their BF16 block values once a forward has decoded them. masters: weak references to
     the parameters it was made from; versions: their _weight_state when quantized (an in-place update through the
-    parameter -- a torch optimizer's step -- moves the version counter; .to() moves the storage)."""
+    parameter -- a torch optimizer's step -- moves the version counter; .to() moves the storage); optimizer_steps:
+    the process's count of torch optimizer steps when quantized (_optimizer_steps)."""
 
     masters: tuple
     versions: tuple
+    optimizer_steps: int
     w1: formats.NVFP4Tensor
     w2: formats.NVFP4Tensor
     keep_values: bool
@@ -468,13 +470,32 @@ class _WeightCache:
     w2_values: Optional[torch.Tensor] = None
 
 
+_OPTIMIZER_STEPS = [0]  # torch optimizer steps taken in this process since the hook below was registered
+_OPTIMIZER_STEP_HOOK = []
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    _OPTIMIZER_STEPS[0] += 1
+
+
+def _optimizer_steps() -> int:
+    """The number of torch optimizer steps (any torch.optim.Optimizer of this process, fused and foreach ones
+    included) since the first call, counted by a global step post-hook registered then. The kept weights of
+    is_first_microbatch=True are refused after any step: an update is not always seen by the version counters (a
+    foreach optimizer step on DTensor weights -- the default on CUDA -- moves neither the DTensor's nor its local
+    tensor's; fused kernels neither)."""
+    if not _OPTIMIZER_STEP_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+        _OPTIMIZER_STEP_HOOK.append(register_optimizer_step_post_hook(_count_optimizer_step))
+    return _OPTIMIZER_STEPS[0]
+
+
 def _is_dtensor(w) -> bool:
-    """Whether w is a torch DTensor (ExpertMLP(ep_mesh=...)'s parameters; FSDP2's): the type's name first, so that
-    plain tensors cost no import."""
-    if type(w).__name__ != "DTensor":
-        return False
-    from torch.distributed.tensor import DTensor
-    return isinstance(w, DTensor)
+    """Whether w is a torch DTensor (ExpertMLP(ep_mesh=...)'s parameters; FSDP2's). Without
+    torch.distributed.tensor imported nothing can be one: plain tensors cost no import."""
+    import sys
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(w, module.DTensor)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -493,7 +514,8 @@ def _cache_serves(cache: _WeightCache, w1: torch.Tensor, w2: torch.Tensor) -> bo
     """Whether cache was made from these parameters, unchanged since as far as their version counters and storage tell
     (writes that bypass the counter -- through .data, into a buffer the parameters view -- are not seen)."""
     return (cache.masters[0]() is w1 and cache.masters[1]() is w2
-            and cache.versions == (_weight_state(w1), _weight_state(w2)))
+            and cache.versions == (_weight_state(w1), _weight_state(w2))
+            and cache.optimizer_steps == _optimizer_steps())
 
 
 def _expert_factor(w: formats.NVFP4Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
@@ -770,6 +792,18 @@ def _expert_mlp(routed: RoutedTokens, w1: torch.Tensor, w2: torch.Tensor, seed: 
                                     accumulate_into_main_grad, weight_cache, routed.wait)
 
 
+def _check_ep_mesh(ep_mesh, buffer) -> None:
+    """ExpertMLP(ep_mesh=...)'s mesh must be the Buffer's group, rank for rank (global ranks in the same order): its
+    shards are the experts the Buffer routes to each rank."""
+    import torch.distributed as dist
+    mesh_ranks = dist.get_process_group_ranks(ep_mesh.get_group())
+    buffer_ranks = dist.get_process_group_ranks(buffer.group)
+    if mesh_ranks != buffer_ranks:
+        raise ValueError(f"ExpertMLP's ep_mesh is over the ranks {mesh_ranks}, the Buffer's group over {buffer_ranks}: "
+                         "the local experts would not be the ones routed here (make the Buffer over "
+                         "ep_mesh.get_group())")
+
+
 class ExpertMLP(torch.nn.Module):
     """This rank's SwiGLU experts as trainable parameters: w1 [E_local, 2I, H] (gate rows, then up rows) and w2
     [E_local, H, I] (float32 masters by default; float32 or bfloat16), initialised N(0, 1 / fan_in).
@@ -789,11 +823,12 @@ class ExpertMLP(torch.nn.Module):
     instead of quantizing (and decoding) again -- the same bits. None (the default) quantizes at every call and drops
     what was kept; so does release_weight_cache() (what was kept stays held until then, optimizer step included).
     Pass True at the first micro-batch of every step: that is the contract. A call with False raises if nothing was
-    kept, if w1 / w2 were replaced or moved (.to()), or if their version counters moved (an in-place update through
-    the parameter, as torch's default and foreach optimizers make); updates that bypass the counter -- writes through
-    `.data`, into a flat buffer the parameters view (distributed optimizers), torch's fused optimizers (fused=True,
-    whose kernels do not move it), an optimizer step replayed from a CUDA graph -- are not seen, and a False call after
-    them would use the previous step's weights.
+    kept, if w1 / w2 were replaced or moved (.to() drops what was kept), if their version counters moved (an in-place
+    update through the parameter), or if any torch optimizer of this process took a step since (counted by a global
+    step hook: fused and foreach steps, which do not always move the counters -- not on DTensor weights --, included);
+    writes that neither moves -- through `.data`, into a flat buffer the parameters view (distributed optimizers that
+    are not torch optimizers), an optimizer step replayed from a CUDA graph, FSDP2's gathering into the same memory --
+    are not seen, and a False call after them would use the previous step's weights.
 
     reset_parameters() initialises the weights as the constructor does (from the seed) and zeroes call_count: the
     deferred initialisation after construction on the meta device and `to_empty()`.
@@ -870,17 +905,25 @@ class ExpertMLP(torch.nn.Module):
         """(w1, w2) of this rank's experts: the parameters, or with ep_mesh their local tensors (differentiable).
         Refuses DTensors placed otherwise than the constructor placed them (sharded further, e.g. by fully_shard)
         where the caller needs the whole local experts outside a forward (reset_parameters, pack)."""
-        if not _is_dtensor(self.w1):
+        if not _is_dtensor(self.w1) and not _is_dtensor(self.w2):
             return self.w1, self.w2
         from torch.distributed.tensor import Shard
         for w in (self.w1, self.w2):
-            if w.device_mesh.ndim != 1 or tuple(w.placements) != (Shard(0),):
+            if (self.ep_mesh is None or not _is_dtensor(w) or w.device_mesh != self.ep_mesh
+                    or tuple(w.placements) != (Shard(0),)):
                 raise RuntimeError("ExpertMLP: the weights are DTensors placed as "
-                                   f"{tuple(w.placements)} over {w.device_mesh}, not as ExpertMLP(ep_mesh=...) "
-                                   "placed them (sharded further, e.g. by fully_shard outside its forward): "
+                                   f"{tuple(getattr(w, 'placements', ()))} over {getattr(w, 'device_mesh', None)}, "
+                                   "not as the constructor placed them (sharded, e.g. by fully_shard outside its "
+                                   "forward): "
                                    "initialise before sharding or load a checkpoint; pack() between the FSDP2 module's "
                                    "unshard() and reshard()")
         return self.w1.to_local(), self.w2.to_local()
+
+    def _apply(self, fn, *args, **kwargs):
+        # (.to(), .cuda(), .float(), to_empty(): the kept weights are stale after a move, and their weak references to
+        # the parameters would stop torch from swapping DTensor parameters (ep_mesh), which it does by swap_tensors)
+        self._weight_cache = None
+        return super()._apply(fn, *args, **kwargs)
 
     def release_weight_cache(self) -> None:
         """Drops the weights kept by is_first_microbatch=True (their memory returns to the allocator)."""
@@ -912,11 +955,7 @@ class ExpertMLP(torch.nn.Module):
         # (before the weights are quantized for the cache and before a call seed is drawn: a refused call draws none;
         # the mesh first, whose mismatch would also show as a count of local experts unlike the Buffer's)
         if self.ep_mesh is not None and isinstance(routed, RoutedTokens):
-            buffer = routed.link.buffer
-            if (self.ep_mesh.size(), self.ep_mesh.get_local_rank()) != (buffer.config.world_size, buffer.rank):
-                raise ValueError(f"ExpertMLP's ep_mesh (rank {self.ep_mesh.get_local_rank()} of "
-                                 f"{self.ep_mesh.size()}) is not the Buffer's group (rank {buffer.rank} of "
-                                 f"{buffer.config.world_size}): the local experts would not be the ones routed here")
+            _check_ep_mesh(self.ep_mesh, routed.link.buffer)
         _check_expert_inputs(routed, w1, w2, self.keep_weight_values, self.accumulate_into_main_grad)
         if is_first_microbatch is None:
             self._weight_cache = None
@@ -924,7 +963,8 @@ class ExpertMLP(torch.nn.Module):
             self._weight_cache = None  # (the previous step's, freed before quantizing again)
             self._weight_cache = _WeightCache(
                 masters=(weakref.ref(self.w1), weakref.ref(self.w2)),
-                versions=(_weight_state(self.w1), _weight_state(self.w2)), w1=quantize_expert_weights(w1),
+                versions=(_weight_state(self.w1), _weight_state(self.w2)), optimizer_steps=_optimizer_steps(),
+                w1=quantize_expert_weights(w1),
                 w2=quantize_expert_weights(w2), keep_values=self.keep_weight_values)
         else:
             cache = getattr(self, "_weight_cache", None)
@@ -933,8 +973,8 @@ class ExpertMLP(torch.nn.Module):
                                    "is_first_microbatch=True first (each step's first micro-batch)")
             if not _cache_serves(cache, self.w1, self.w2):
                 raise RuntimeError("ExpertMLP(..., is_first_microbatch=False): w1 or w2 changed since the call with "
-                                   "is_first_microbatch=True (updated in place, as an optimizer step does, replaced, "
-                                   "moved, or gathered again into new memory, as FSDP2 does when it reshards the "
+                                   "is_first_microbatch=True (updated in place, or a torch optimizer of this process "
+                                   "took a step, replaced, moved, or gathered again into new memory, as FSDP2 does when it reshards the "
                                    "experts between micro-batches: keep them unsharded through the step with "
                                    "fully_shard(..., reshard_after_forward=False) and set_reshard_after_backward(False)"
                                    "): call with is_first_microbatch=True to quantize them again")

@@ -18,7 +18,8 @@ backward (ExpertMLP takes BF16 masters), FP32 gradients reduced into the FP32 sh
 first and the last step.
 
 What matters for expert parallelism: the experts of the EP ranks are different parameters, so nothing may average
-them over "ep" -- FSDP2 here only ever sees the experts through the "dp" mesh. (With DDP instead: leave the experts
+them over "ep" -- FSDP2 here only ever sees the experts through the "dp" mesh -- and an expert's gradient already
+sums its EP group's tokens, so its sum over "dp" is divided by the world size, as the router's is (below). (With DDP instead: leave the experts
 to DDP's ignore list, `DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`, and average their
 gradients over the "dp" group yourself; README "Training".)
 """
@@ -81,6 +82,13 @@ def worker(rank, world, args):
         accumulate = args.micro_batches > 1
         fully_shard(student.experts, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=not accumulate)
         fully_shard(student, mesh=mesh._flatten("dp_ep"), mp_policy=policy)
+        # The gradient of the mean of the ranks' losses: FSDP2 averages the router's over every rank, but an expert's
+        # gradient already sums its whole EP group's tokens (dispatch and combine bring them to it), so its sum over
+        # "dp" is divided by the world size, not by "dp"'s (as TorchTitan does): FSDP2's divide factor where NCCL
+        # reduces (PreMulSum), else one division before the step (gloo has no PreMulSum).
+        divide_after = torch.distributed.get_backend() != "nccl"
+        if not divide_after:
+            student.experts.set_gradient_divide_factor(world)
         optimizer = torch.optim.SGD(student.parameters(), lr=args.lr)
         for step in range(args.steps):
             step_loss = 0.0
@@ -93,6 +101,9 @@ def worker(rank, world, args):
                 loss = F.mse_loss(out.float(), targets[m]) / args.micro_batches
                 loss.backward()
                 step_loss += loss.item()
+            if divide_after:
+                for weight in student.experts.parameters():
+                    weight.grad /= ep_size  # (FSDP2 divided by "dp"'s size: / ep more is / world)
             optimizer.step()
             optimizer.zero_grad()
             losses.append(step_loss)

@@ -88,17 +88,17 @@ def parallel_groups(world, expert_parallel):
 
 
 def average_gradients(model, world, replica_group):
-    """Gradients of the mean loss over every rank's tokens: the router's averaged over all ranks; the experts' already
-    sum their EP group's tokens (they arrive through dispatch / combine), so they are summed over their replicas and
-    divided by the replica count -- without replicas, as they are. Without this, each rank's router would follow its
-    own tokens only and the replicated parameters would drift apart."""
+    """The gradient of the mean of the ranks' losses: the router's summed over all ranks; the experts' already sum
+    their EP group's tokens (they arrive through dispatch / combine), so they are summed over their replicas only.
+    Both are divided by the rank count. Without this, each rank's router would follow its own tokens only and the
+    replicated parameters would drift apart. (Until 2026-12-06 the experts' sums were divided by the replica count
+    instead: their gradients were the EP group size times the mean loss's.)"""
     torch.distributed.all_reduce(model.router.grad)
     model.router.grad /= world
-    if replica_group is not None:
-        replicas = torch.distributed.get_world_size(replica_group)
-        for weight in (model.w1, model.w2):
+    for weight in (model.w1, model.w2):
+        if replica_group is not None:
             torch.distributed.all_reduce(weight.grad, group=replica_group)
-            weight.grad /= replicas
+        weight.grad /= world
 
 
 def check_replicas_agree(model, replica_group):

@@ -89,10 +89,11 @@ def test_moe_training_example_learns_on_gloo(expert_mlp, expert_parallel):
 
 @pytest.mark.cpu
 def test_moe_training_example_stops_every_rank_with_the_reason_when_it_diverges():
-    """A learning rate too large for the sizes (here 8 tokens per rank at lr 5): every rank stops at the same step with
-    a message that names the cause, instead of a routing error from a forward on NaN router weights."""
+    """A learning rate too large for the sizes (here 8 tokens per rank at lr 20; lr 10 diverges too, 5 did before the
+    experts' gradients were divided by the rank count): every rank stops at the same step with a message that names
+    the cause, instead of a routing error from a forward on NaN router weights."""
     import moe_training
-    args = argparse.Namespace(tokens=8, hidden=256, intermediate=128, experts=8, topk=2, gpu=False, steps=30, lr=5.0,
+    args = argparse.Namespace(tokens=8, hidden=256, intermediate=128, experts=8, topk=2, gpu=False, steps=30, lr=20.0,
                               expert_mlp="ep_comm", expert_parallel=0)
     with pytest.raises(AssertionError, match="the training diverged at step") as failure:
         run_ranks(moe_training.worker, 2, args, backend="gloo")

@@ -2,18 +2,19 @@
 
 The layer is a replicated router and this rank's `training.ExpertMLP`, over a Buffer on the expert-parallel (EP) group
 of a 2-D mesh ("dp", "ep"): experts are sharded by EP and replicated over "dp", the router over every rank. Each
-wrapped run is compared with the same steps taken by hand -- no wrapper, the router's gradients averaged over every
-rank and the experts' over their "dp" group -- and must give the same losses and weights, bit for bit:
+wrapped run is compared with the same steps taken by hand -- no wrapper, the router's gradients summed over every
+rank and the experts' over their "dp" group, both divided by the world size (the gradient of the mean of the ranks'
+losses: _hand_steps) -- and must give the same losses and weights, bit for bit:
 
-* fsdp2: `fully_shard(experts, mesh=mesh["dp"])` inside `fully_shard(layer, mesh=<every rank>)` (TorchTitan's layout
-  for expert parallelism), FP32 parameters;
+* fsdp2: `fully_shard(experts, mesh=mesh["dp"])` with `set_gradient_divide_factor(world)` inside
+  `fully_shard(layer, mesh=<every rank>)` (TorchTitan's layout for expert parallelism), FP32 parameters;
 * fsdp2_bf16: the same with `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`; the hand-taken steps
   run the layer on BF16 copies of FP32 masters, which is what the policy does;
 * fsdp2_accumulate: two micro-batches per step, the experts kept unsharded between them (gradients reduced and
   weights resharded at the last one), `is_first_microbatch` True then False (the weights quantized once per step),
   against is_first_microbatch None;
 * ddp: `DistributedDataParallel` over every rank with the experts' parameters and buffer left to the hand-taken
-  average (`_set_params_and_buffers_to_ignore_for_model`): DDP would otherwise average distinct experts over the EP
+  reduction (`_set_params_and_buffers_to_ignore_for_model`): DDP would otherwise average distinct experts over the EP
   ranks, and its construction would broadcast rank 0's experts to every rank;
 * fsdp2_dtensor, fsdp2_dtensor_accumulate, ddp_dtensor: the same with `ExpertMLP(ep_mesh=mesh["ep"])`, whose weights
   are DTensors of the whole layer's experts (the form distributed checkpoints need: checkpoint_worker below).
@@ -75,8 +76,10 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _hand_steps(make_block, rank, world, dp_group, micro_batches, param_dtype):
     """The wrappers' steps taken by hand: FP32 masters, the layer run on copies in param_dtype, gradients (FP32)
-    summed over micro-batches and averaged, the router's over every rank and the experts' over dp_group, SGD.
-    Returns (the losses, {name: FP32 master after the steps})."""
+    summed over micro-batches, then the gradient of the mean of the ranks' losses: the router's summed over every
+    rank, the experts' over dp_group (an expert's gradient already sums its EP group's tokens, which dispatch and
+    combine bring to it), each divided by the world size, as TorchTitan divides its experts' (FSDP2:
+    set_gradient_divide_factor); SGD. Returns (the losses, {name: FP32 master after the steps})."""
     block = make_block(torch.float32)
     masters = {name: _local(p).detach().clone().requires_grad_() for name, p in block.named_parameters()}
     block.to(param_dtype)
@@ -93,10 +96,9 @@ def _hand_steps(make_block, rank, world, dp_group, micro_batches, param_dtype):
             losses.append(loss.detach())
         for name, p in block.named_parameters():
             grad = _local(p.grad).float()
-            group, size = (dp_group, world // block.buffer.config.world_size) if name.startswith("experts.") \
-                else (None, world)
+            group = dp_group if name.startswith("experts.") else None
             dist.all_reduce(grad, group=group)
-            masters[name].grad = grad / size
+            masters[name].grad = grad / world
             p.grad = None
         optimizer.step()
         optimizer.zero_grad()
@@ -118,6 +120,12 @@ def _wrapped_steps(make_block, rank, world, mesh, wrapper):
         # ExpertMLP's is_first_microbatch=False reuses the quantization of exactly those tensors.
         keep = wrapper.endswith("accumulate")
         fully_shard(block.experts, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=not keep)
+        # The experts' sum over "dp" divided by the world size (_hand_steps), not by "dp"'s size: FSDP2's own divide
+        # factor where NCCL reduces (its PreMulSum), else a division of the reduced gradients before the step (gloo
+        # has no PreMulSum).
+        divide_after = dist.get_backend() != "nccl"
+        if not divide_after:
+            block.experts.set_gradient_divide_factor(world)
         fully_shard(block, mesh=mesh._flatten("dp_ep"), mp_policy=policy)
         model = block
     else:
@@ -141,11 +149,14 @@ def _wrapped_steps(make_block, rank, world, mesh, wrapper):
             loss = model(_tokens(rank, step, micro_batch, device), first).float().square().sum() / 1024
             loss.backward()
             losses.append(loss.detach())
-        if wrapper.startswith("ddp"):  # the experts: averaged by hand over the ranks holding them
+        if wrapper.startswith("fsdp2") and divide_after:
+            for p in block.experts.parameters():
+                p.grad /= mesh["ep"].size()  # (reduced over "dp" and divided by its size: / ep more is / world)
+        if wrapper.startswith("ddp"):  # the experts: reduced by hand over the ranks holding them
             for p in block.experts.parameters():
                 grad = _local(p.grad)
                 dist.all_reduce(grad, group=mesh["dp"].get_group())
-                grad /= mesh["dp"].size()
+                grad /= world
         optimizer.step()
         optimizer.zero_grad()
     params = {name.removeprefix("module."): _full(p) for name, p in model.named_parameters()}
@@ -217,13 +228,16 @@ def test_nvlink_one_rank_wrapped_training_equals_the_hand_taken_steps(wrapper):
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize("wrapper", WRAPPERS)
-def test_nvlink_wrapped_training_equals_the_hand_taken_steps(wrapper):
-    """One rank per GPU over NCCL, all ranks one EP group (FSDP2 needs NCCL's collectives on CUDA tensors: not with
-    ranks sharing a GPU over gloo)."""
+@pytest.mark.parametrize("ep_share", ["all", "half"])
+def test_nvlink_wrapped_training_equals_the_hand_taken_steps(wrapper, ep_share):
+    """One rank per GPU over NCCL (FSDP2 needs NCCL's collectives on CUDA tensors: not with ranks sharing a GPU over
+    gloo), the EP group every rank ("all") or half of them ("half": the experts sharded and reduced over a "dp" of 2 or
+    more, with FSDP2's divide factor)."""
     if SHARED_GPU:
         pytest.skip("FSDP2 and DDP on CUDA tensors need NCCL: one rank per GPU")
     world = multigpu_world()
-    _check(run_ranks(wrapper_worker, world, world, wrapper, "auto", "cuda", backend="nccl"))
+    ep_size = world if ep_share == "all" else world // 2
+    _check(run_ranks(wrapper_worker, world, ep_size, wrapper, "auto", "cuda", backend="nccl"))
 
 
 def checkpoint_worker(rank, world, save_ep, load_ep, path, backend="reference", device_kind="cpu"):
@@ -322,9 +336,41 @@ def ep_mesh_errors_worker(rank, world):
         try:
             wrong(_tokens(rank, 0, 0, "cpu"))
         except ValueError as e:
-            assert "is not the Buffer's group" in str(e), e
+            assert "the local experts would not be the ones routed here" in str(e), e
         else:
             raise AssertionError("an ep_mesh unlike the Buffer's group was not refused")
+        # is_first_microbatch with DTensor weights: a foreach optimizer step (torch's default for DTensors on CUDA)
+        # moves no version counter of theirs, yet the kept weights are refused after it; a move drops them (torch
+        # swaps DTensor parameters, which weak references to them would stop).
+        block = MoEBlock(buf, grads, rank, world, torch.float32, "cpu", mesh["ep"])
+        x = _tokens(rank, 0, 0, "cpu")
+        block(x, True).float().sum().backward()
+        torch.optim.SGD(block.experts.parameters(), lr=0.1, foreach=True).step()
+        try:
+            block(x, False)
+        except RuntimeError as e:
+            assert "a torch optimizer of this process" in str(e), e
+        else:
+            raise AssertionError("the weights kept before an optimizer step were reused")
+        block(x, True)
+        block.to(torch.float64).to(torch.float32)
+        try:
+            block(x, False)
+        except RuntimeError as e:
+            assert "no weights were kept" in str(e), e
+        else:
+            raise AssertionError("the weights kept before a move were reused")
+    # Without ep_mesh, FSDP2 over "dp" of 2 ranks makes the weights 1-D DTensors sharded along the experts, as
+    # ep_mesh's look: still refused where the whole local experts are needed.
+    plain = training.ExpertMLP(4, HIDDEN, INTERMEDIATE, seed=5)
+    fully_shard(plain, mesh=init_device_mesh("cpu", (world,)))
+    for call in (plain.reset_parameters, plain.pack):
+        try:
+            call()
+        except RuntimeError as e:
+            assert "initialise before sharding" in str(e), e
+        else:
+            raise AssertionError(f"{call.__name__}() of FSDP2-sharded plain weights was not refused")
     fully_shard(experts, mesh=mesh["dp"])  # (a "dp" of one rank: the weights become DTensors over both dimensions)
     for call in (experts.reset_parameters, experts.pack):
         try:

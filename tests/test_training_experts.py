@@ -850,8 +850,16 @@ def _microbatch_worker(rank, world, backend="reference", device_kind="cpu"):
                 with pytest.raises(RuntimeError, match="replaced, moved"):
                     mlp(routed, is_first_microbatch=False)
                 mlp(routed, is_first_microbatch=True)
-                mlp.to(torch.bfloat16)
-                with pytest.raises(RuntimeError, match="replaced, moved"):
+                mlp.to(torch.bfloat16)  # (a move drops what was kept)
+                with pytest.raises(RuntimeError, match="no weights were kept"):
+                    mlp(routed, is_first_microbatch=False)
+                # A step of any torch optimizer since the True call: refused, whether or not it moved the counters
+                # (here it updates another tensor).
+                mlp(routed, is_first_microbatch=True)
+                other = torch.nn.Parameter(torch.zeros(2))
+                other.grad = torch.ones(2)
+                torch.optim.SGD([other], lr=0.1).step()
+                with pytest.raises(RuntimeError, match="a torch optimizer of this process"):
                     mlp(routed, is_first_microbatch=False)
                 # The kept weights are neither pickled nor deep-copied (they refer to this module's parameters): the
                 # copies load and need True again; the module itself keeps them.
