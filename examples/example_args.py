@@ -1,6 +1,7 @@
 """The command line of the MoE examples: sizes and rank count, checked before any rank starts (a bad value would
 otherwise surface as one traceback per rank, from inside the Buffer)."""
 import argparse
+import math
 
 import torch
 
@@ -34,3 +35,24 @@ def parse_moe_args(argv=None, *, description=None, hidden, intermediate, tokens=
     if check is not None:
         check(parser, args)
     return args, world
+
+
+def training_flags() -> argparse.ArgumentParser:
+    """The training examples' common flags, as a parent parser: --steps, --lr, --expert-parallel."""
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--steps", type=int, default=30, help="SGD steps (at least 1)")
+    own.add_argument("--lr", type=float, default=5.0, help="SGD learning rate (finite, positive)")
+    own.add_argument("--expert-parallel", type=int, default=0,
+                     help="ranks per expert-parallel group (a divisor of the rank count; default: all ranks)")
+    return own
+
+
+def check_training_flags(parser, args) -> None:
+    """training_flags' values, refused with parser.error (args.gpu: parse_moe_args' choice of ranks)."""
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
+    if not 0 < args.lr < math.inf:
+        parser.error(f"--lr must be a finite positive number, got {args.lr}")
+    world = torch.cuda.device_count() if args.gpu else 2  # (parse_moe_args' rank count)
+    if not 0 <= args.expert_parallel <= world or args.expert_parallel and world % args.expert_parallel:
+        parser.error(f"--expert-parallel must divide the rank count ({world}), got {args.expert_parallel}")

@@ -23,7 +23,6 @@ sums its EP group's tokens, so its sum over "dp" is divided by the world size, a
 to DDP's ignore list, `DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`, and average their
 gradients over the "dp" group yourself; README "Training".)
 """
-import argparse
 import math
 
 import torch
@@ -34,7 +33,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import ep_comm
 from ep_comm import training
 from ep_comm.launch import run_ranks
-from example_args import parse_moe_args
+from example_args import check_training_flags, parse_moe_args, training_flags
 
 
 class MoEBlock(torch.nn.Module):
@@ -116,23 +115,13 @@ def worker(rank, world, args):
 
 
 def main():
-    own = argparse.ArgumentParser(add_help=False)
-    own.add_argument("--steps", type=int, default=30, help="SGD steps (at least 1)")
-    own.add_argument("--lr", type=float, default=5.0, help="SGD learning rate (finite, positive)")
-    own.add_argument("--expert-parallel", type=int, default=0,
-                     help="ranks per expert-parallel group (a divisor of the rank count; default: all ranks)")
+    own = training_flags()
     own.add_argument("--micro-batches", type=int, default=1,
                      help="micro-batches per step (gradient accumulation; divides --tokens)")
     own.add_argument("--bf16", action="store_true", help="BF16 parameters in forward and backward (FSDP2 policy)")
 
     def check(parser, args):
-        if args.steps < 1:
-            parser.error(f"--steps must be at least 1, got {args.steps}")
-        if not 0 < args.lr < math.inf:
-            parser.error(f"--lr must be a finite positive number, got {args.lr}")
-        world = torch.cuda.device_count() if args.gpu else 2  # (parse_moe_args' rank count)
-        if not 0 <= args.expert_parallel <= world or args.expert_parallel and world % args.expert_parallel:
-            parser.error(f"--expert-parallel must divide the rank count ({world}), got {args.expert_parallel}")
+        check_training_flags(parser, args)
         if args.micro_batches < 1 or args.tokens % args.micro_batches:
             parser.error(f"--micro-batches must be a positive divisor of --tokens, got {args.micro_batches}")
 

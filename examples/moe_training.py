@@ -22,8 +22,6 @@ the layer's own parameters -- NVFP4 weights and tokens in the forward, MXFP8 wit
 (the Buffer then needs expert_alignment 32). --expert-mlp torch: your own
 experts in plain torch on the dense rows `routed.x` (FP32 here), to show how any expert code plugs in.
 """
-import argparse
-import math
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +29,7 @@ import torch.nn.functional as F
 import ep_comm
 from ep_comm import training
 from ep_comm.launch import run_ranks
-from example_args import parse_moe_args
+from example_args import check_training_flags, parse_moe_args, training_flags
 
 
 class ExpertParallelMoE(torch.nn.Module):
@@ -150,23 +148,13 @@ def worker(rank, world, args):
 
 
 def main():
-    own = argparse.ArgumentParser(add_help=False)
-    own.add_argument("--steps", type=int, default=30, help="SGD steps (at least 1)")
-    own.add_argument("--lr", type=float, default=5.0, help="SGD learning rate (finite, positive)")
+    own = training_flags()
     own.add_argument("--expert-mlp", default="ep_comm", choices=("ep_comm", "torch"),
                      help="the experts: training.ExpertMLP (I a multiple of 32) or plain FP32 torch experts")
-    own.add_argument("--expert-parallel", type=int, default=0,
-                     help="ranks per expert-parallel group (a divisor of the rank count; default: all ranks)")
     expert_mlp = own.parse_known_args()[0].expert_mlp
 
     def check(parser, args):
-        if args.steps < 1:
-            parser.error(f"--steps must be at least 1, got {args.steps}")
-        if not 0 < args.lr < math.inf:
-            parser.error(f"--lr must be a finite positive number, got {args.lr}")
-        world = torch.cuda.device_count() if args.gpu else 2  # (parse_moe_args' rank count)
-        if not 0 <= args.expert_parallel <= world or args.expert_parallel and world % args.expert_parallel:
-            parser.error(f"--expert-parallel must divide the rank count ({world}), got {args.expert_parallel}")
+        check_training_flags(parser, args)
 
     args, world = parse_moe_args(None, description=__doc__, hidden=256, intermediate=128, tokens=128, experts=8,
                                  topk=2, parents=[own], intermediate_multiple=32 if expert_mlp == "ep_comm" else 16,

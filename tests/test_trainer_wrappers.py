@@ -303,6 +303,16 @@ def test_nvlink_one_rank_distributed_checkpoint(tmp_path):
     assert run_ranks(checkpoint_worker, 1, 1, 1, str(tmp_path), "nvlink", "cuda", backend="nccl") == [[]]
 
 
+def _refused(call, error, *texts) -> None:
+    """call() must raise `error` with every one of texts in its message."""
+    try:
+        call()
+    except error as e:
+        assert all(text in str(e) for text in texts), e
+    else:
+        raise AssertionError(f"not refused: {texts}")
+
+
 def ep_mesh_errors_worker(rank, world):
     """ExpertMLP(ep_mesh=...) on 2 gloo ranks: its shapes, its pack(), and its refusals. Returns "ok"."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -323,22 +333,13 @@ def ep_mesh_errors_worker(rank, world):
                                 ({"ep_mesh": mesh, }, TypeError, "1-D torch DeviceMesh"),
                                 ({"ep_mesh": mesh["ep"], "accumulate_into_main_grad": True}, ValueError,
                                  "accumulate_into_main_grad")):
-        try:
-            training.ExpertMLP(4, HIDDEN, INTERMEDIATE, **kwargs)
-        except error as e:
-            assert text in str(e), e
-        else:
-            raise AssertionError(f"not refused: {kwargs}")
+        _refused(lambda: training.ExpertMLP(4, HIDDEN, INTERMEDIATE, **kwargs), error, text)
     with ep_comm.Buffer(mesh["ep"].get_group(), hidden=HIDDEN, num_experts=NUM_EXPERTS, num_topk=TOPK,
                         max_tokens_per_rank=MAX_TOKENS, expert_alignment=32) as buf, \
             training.GradBuffers.create(buf) as grads:
         wrong = MoEBlock(buf, grads, 0, 1, torch.float32, "cpu", one_rank_ep)  # 8 experts on a mesh of one rank
-        try:
-            wrong(_tokens(rank, 0, 0, "cpu"))
-        except ValueError as e:
-            assert "the local experts would not be the ones routed here" in str(e), e
-        else:
-            raise AssertionError("an ep_mesh unlike the Buffer's group was not refused")
+        _refused(lambda: wrong(_tokens(rank, 0, 0, "cpu")), ValueError,
+                 "the local experts would not be the ones routed here")
         # is_first_microbatch with DTensor weights: a foreach optimizer step (torch's default for DTensors on CUDA)
         # moves no version counter of theirs, yet the kept weights are refused after it; a move drops them (torch
         # swaps DTensor parameters, which weak references to them would stop).
@@ -346,39 +347,19 @@ def ep_mesh_errors_worker(rank, world):
         x = _tokens(rank, 0, 0, "cpu")
         block(x, True).float().sum().backward()
         torch.optim.SGD(block.experts.parameters(), lr=0.1, foreach=True).step()
-        try:
-            block(x, False)
-        except RuntimeError as e:
-            assert "a torch optimizer of this process" in str(e), e
-        else:
-            raise AssertionError("the weights kept before an optimizer step were reused")
+        _refused(lambda: block(x, False), RuntimeError, "a torch optimizer of this process")
         block(x, True)
         block.to(torch.float64).to(torch.float32)
-        try:
-            block(x, False)
-        except RuntimeError as e:
-            assert "no weights were kept" in str(e), e
-        else:
-            raise AssertionError("the weights kept before a move were reused")
+        _refused(lambda: block(x, False), RuntimeError, "no weights were kept")
     # Without ep_mesh, FSDP2 over "dp" of 2 ranks makes the weights 1-D DTensors sharded along the experts, as
     # ep_mesh's look: still refused where the whole local experts are needed.
     plain = training.ExpertMLP(4, HIDDEN, INTERMEDIATE, seed=5)
     fully_shard(plain, mesh=init_device_mesh("cpu", (world,)))
     for call in (plain.reset_parameters, plain.pack):
-        try:
-            call()
-        except RuntimeError as e:
-            assert "initialise before sharding" in str(e), e
-        else:
-            raise AssertionError(f"{call.__name__}() of FSDP2-sharded plain weights was not refused")
+        _refused(call, RuntimeError, "initialise before sharding")
     fully_shard(experts, mesh=mesh["dp"])  # (a "dp" of one rank: the weights become DTensors over both dimensions)
     for call in (experts.reset_parameters, experts.pack):
-        try:
-            call()
-        except RuntimeError as e:
-            assert "initialise before sharding" in str(e) and "unshard()" in str(e), e
-        else:
-            raise AssertionError(f"{call.__name__}() of sharded weights was not refused")
+        _refused(call, RuntimeError, "initialise before sharding", "unshard()")
     experts.unshard()  # (FSDP2's gathered weights: the placement ExpertMLP made, so pack() takes them)
     assert torch.equal(as_bytes(experts.pack().w1.data), as_bytes(want.w1.data))
     experts.reshard()
