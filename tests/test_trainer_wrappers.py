@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import ep_comm
-from ep_comm import training
+from ep_comm import training, training_experts
 from format_cases import as_bytes
 from harness import SHARED_GPU, multigpu_world, run_ranks
 
@@ -105,34 +105,8 @@ def _hand_steps(make_block, rank, world, dp_group, micro_batches, param_dtype):
     return losses, {name: m.detach() for name, m in masters.items()}
 
 
-def _wrapped_steps(make_block, rank, world, mesh, wrapper):
-    """The same steps with the layer wrapped as `wrapper` says (module docstring). Returns (the losses, {name: FP32
-    parameter after the steps})."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.nn.parallel import DistributedDataParallel
-    block = make_block(torch.float32)
-    device = block.router.weight.device
-    micro_batches = 2 if wrapper.endswith("accumulate") else 1
-    if wrapper.startswith("fsdp2"):
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if wrapper == "fsdp2_bf16" else MixedPrecisionPolicy()
-        # Accumulation keeps the experts' weights gathered from the first micro-batch's forward to the step's end:
-        # ExpertMLP's is_first_microbatch=False reuses the quantization of exactly those tensors.
-        keep = wrapper.endswith("accumulate")
-        fully_shard(block.experts, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=not keep)
-        # The experts' sum over "dp" divided by the world size (_hand_steps), not by "dp"'s size: FSDP2's own divide
-        # factor where NCCL reduces (its PreMulSum), else a division of the reduced gradients before the step (gloo
-        # has no PreMulSum).
-        divide_after = dist.get_backend() != "nccl"
-        if not divide_after:
-            block.experts.set_gradient_divide_factor(world)
-        fully_shard(block, mesh=mesh._flatten("dp_ep"), mp_policy=policy)
-        model = block
-    else:
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            block, ["experts.w1", "experts.w2", "experts.call_count"])
-        model = DistributedDataParallel(block, device_ids=[device] if device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+def _steps(model, block, rank, world, mesh, wrapper, micro_batches, divide_after, optimizer, device):
+    """_wrapped_steps' training loop: the losses."""
     losses = []
     for step in range(STEPS):
         for micro_batch in range(micro_batches):
@@ -159,6 +133,49 @@ def _wrapped_steps(make_block, rank, world, mesh, wrapper):
                 grad /= world
         optimizer.step()
         optimizer.zero_grad()
+    return losses
+
+
+def _wrapped_steps(make_block, rank, world, mesh, wrapper):
+    """The same steps with the layer wrapped as `wrapper` says (module docstring). Returns (the losses, {name: FP32
+    parameter after the steps})."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+    block = make_block(torch.float32)
+    device = block.router.weight.device
+    micro_batches = 2 if wrapper.endswith("accumulate") else 1
+    divide_after = False
+    if wrapper.startswith("fsdp2"):
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if wrapper == "fsdp2_bf16" else MixedPrecisionPolicy()
+        # Accumulation keeps the experts' weights gathered from the first micro-batch's forward to the step's end:
+        # ExpertMLP's is_first_microbatch=False reuses the quantization of exactly those tensors.
+        keep = wrapper.endswith("accumulate")
+        fully_shard(block.experts, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=not keep)
+        # The experts' sum over "dp" divided by the world size (_hand_steps), not by "dp"'s size: FSDP2's own divide
+        # factor where NCCL reduces (its PreMulSum), else a division of the reduced gradients before the step (gloo
+        # has no PreMulSum).
+        divide_after = dist.get_backend() != "nccl"
+        if not divide_after:
+            block.experts.set_gradient_divide_factor(world)
+        fully_shard(block, mesh=mesh._flatten("dp_ep"), mp_policy=policy)
+        model = block
+    else:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            block, ["experts.w1", "experts.w2", "experts.call_count"])
+        model = DistributedDataParallel(block, device_ids=[device] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    # (the weight quantizations, counted: with is_first_microbatch, one of w1 and w2 per step -- the second micro-batch
+    # reuses the first's -- where None quantizes at every call)
+    quantized = []
+    quantize = training_experts.quantize_expert_weights
+    training_experts.quantize_expert_weights = lambda w: quantized.append(1) or quantize(w)
+    try:
+        losses = _steps(model, block, rank, world, mesh, wrapper, micro_batches, divide_after, optimizer, device)
+    finally:
+        training_experts.quantize_expert_weights = quantize
+    if len(quantized) != 2 * STEPS * (1 if wrapper.endswith("accumulate") else micro_batches):
+        raise AssertionError(f"{wrapper}: {len(quantized)} weight quantizations in {STEPS} steps")
     params = {name.removeprefix("module."): _full(p) for name, p in model.named_parameters()}
     return losses, params
 
