@@ -974,10 +974,11 @@ class ExpertMLP(torch.nn.Module):
             if not _cache_serves(cache, self.w1, self.w2):
                 raise RuntimeError("ExpertMLP(..., is_first_microbatch=False): w1 or w2 changed since the call with "
                                    "is_first_microbatch=True (updated in place, or a torch optimizer of this process "
-                                   "took a step, replaced, moved, or gathered again into new memory, as FSDP2 does when it reshards the "
-                                   "experts between micro-batches: keep them unsharded through the step with "
-                                   "fully_shard(..., reshard_after_forward=False) and set_reshard_after_backward(False)"
-                                   "): call with is_first_microbatch=True to quantize them again")
+                                   "took a step, replaced, moved, or gathered again into new memory, as FSDP2 does "
+                                   "when it reshards the experts between micro-batches: keep them gathered through "
+                                   "the step with fully_shard(..., reshard_after_forward=False) and "
+                                   "set_reshard_after_backward(is_last_microbatch)): call with "
+                                   "is_first_microbatch=True to quantize them again")
         if self.call_count.device != w1.device:  # (weights moved without the module's .to)
             self.call_count = self.call_count.to(w1.device)
         # the call seed _mix64(_mix64(seed) ^ calls), calls counted first (on the device, in the stream's order); with

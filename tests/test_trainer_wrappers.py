@@ -214,7 +214,7 @@ def wrapper_worker(rank, world, ep_size, wrapper, backend="reference", device_ki
                            f"{sorted(got)}")
     differences += [f"{name}: max |difference| {(want[name] - got[name]).abs().max().item()}" for name in want
                     if name in got and not torch.equal(as_bytes(want[name]), as_bytes(got[name]))]
-    # (the experts must differ between EP ranks: a wrapper that broadcast or averaged them over EP would make them equal)
+    # (the experts must differ between EP ranks: a wrapper that broadcast or averaged them over EP makes them equal)
     w1 = got.get("experts.w1", torch.zeros(1))
     w1 = w1.chunk(ep_size)[ep_rank].contiguous() if ep_mesh is not None else w1  # (this rank's experts)
     gathered = [torch.empty_like(w1) for _ in range(ep_size)]
@@ -259,10 +259,10 @@ def test_nvlink_wrapped_training_equals_the_hand_taken_steps(wrapper, ep_share):
 
 def checkpoint_worker(rank, world, save_ep, load_ep, path, backend="reference", device_kind="cpu"):
     """A distributed checkpoint (torch.distributed.checkpoint) of the FSDP2 layer with ExpertMLP(ep_mesh=...), saved
-    on a mesh (world / save_ep, save_ep) after one SGD step and loaded into a new layer (other initial weights) on a mesh
-    (world / load_ep, load_ep). Returns the differences found ([] when none): every expert of the layer (the DTensors'
-    full tensors), the router and ExpertMLP's extra state (seed, call count) must come back bit for bit, also where
-    the EP size differs (each rank then loads other experts than it saved)."""
+    on a mesh (world / save_ep, save_ep) after one SGD step and loaded into a new layer (other initial weights) on a
+    mesh (world / load_ep, load_ep). Returns the differences found ([] when none): every expert of the layer (the
+    DTensors' full tensors), the router and ExpertMLP's extra state (seed, call count) must come back bit for bit, also
+    where the EP size differs (each rank then loads other experts than it saved)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
