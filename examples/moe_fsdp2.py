@@ -21,7 +21,8 @@ What matters for expert parallelism: the experts of the EP ranks are different p
 them over "ep" -- FSDP2 here only ever sees the experts through the "dp" mesh -- and an expert's gradient already
 sums its EP group's tokens, so its sum over "dp" is divided by the world size, as the router's is (below). (With DDP
 instead: leave the experts to DDP's ignore list, `DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`,
-and sum their gradients over the "dp" group yourself, divided by the world size; README "Training".)
+and sum their gradients over the "dp" group yourself, divided by the world size; with `ep_mesh` the experts' DTensor
+weights need an optimizer parameter group of their own, apart from the plain tensors; README "Training".)
 """
 import math
 

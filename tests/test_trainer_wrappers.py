@@ -136,6 +136,17 @@ def _steps(model, block, rank, world, mesh, wrapper, micro_batches, divide_after
     return losses
 
 
+def _param_groups(model):
+    """The optimizer's parameter groups: plain tensors, then DTensors. Under DDP with `ep_mesh` the experts' DTensor
+    weights sit beside plain tensors, and torch's foreach step -- its default on CUDA -- refuses a group that mixes the
+    two ("got mixed torch.Tensor and DTensor": seen on one H100, torch 2.11), so the experts get a group of their own
+    (README "Training"). Under FSDP2 every parameter is a DTensor, without `ep_mesh` under DDP none: one group."""
+    from torch.distributed.tensor import DTensor
+    params = list(model.parameters())
+    groups = ([p for p in params if not isinstance(p, DTensor)], [p for p in params if isinstance(p, DTensor)])
+    return [{"params": group} for group in groups if group]
+
+
 def _wrapped_steps(make_block, rank, world, mesh, wrapper):
     """The same steps with the layer wrapped as `wrapper` says (module docstring). Returns (the losses, {name: FP32
     parameter after the steps})."""
@@ -164,7 +175,7 @@ def _wrapped_steps(make_block, rank, world, mesh, wrapper):
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             block, ["experts.w1", "experts.w2", "experts.call_count"])
         model = DistributedDataParallel(block, device_ids=[device] if device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    optimizer = torch.optim.SGD(_param_groups(model), lr=LR)
     # (the weight quantizations, counted: with is_first_microbatch, one of w1 and w2 per step -- the second micro-batch
     # reuses the first's -- where None quantizes at every call)
     quantized = []
