@@ -16,8 +16,10 @@ losses: _hand_steps) -- and must give the same losses and weights, bit for bit:
 * ddp: `DistributedDataParallel` over every rank with the experts' parameters and buffer left to the hand-taken
   reduction (`_set_params_and_buffers_to_ignore_for_model`): DDP would otherwise average distinct experts over the EP
   ranks, and its construction would broadcast rank 0's experts to every rank;
-* fsdp2_dtensor, fsdp2_dtensor_accumulate, ddp_dtensor: the same with `ExpertMLP(ep_mesh=mesh["ep"])`, whose weights
-  are DTensors of the whole layer's experts (the form distributed checkpoints need: checkpoint_worker below).
+* fsdp2_dtensor, fsdp2_dtensor_bf16, fsdp2_dtensor_accumulate, ddp_dtensor: the same with
+  `ExpertMLP(ep_mesh=mesh["ep"])`, whose weights are DTensors of the whole layer's experts (the form distributed
+  checkpoints need: checkpoint_worker below); fsdp2_dtensor_bf16 is TorchTitan's usual setting (BF16 parameters, FP32
+  reduction, DTensor experts).
 """
 import pytest
 import torch
@@ -30,8 +32,8 @@ from harness import SHARED_GPU, multigpu_world, run_ranks
 
 HIDDEN, INTERMEDIATE, NUM_EXPERTS, TOPK, MAX_TOKENS, STEPS, LR = 128, 64, 8, 2, 16, 3, 0.5
 # (the loss is a sum, not a mean: a rank without tokens has a loss of 0, not NaN)
-WRAPPERS = ("fsdp2", "fsdp2_bf16", "fsdp2_accumulate", "ddp", "fsdp2_dtensor", "fsdp2_dtensor_accumulate",
-            "ddp_dtensor")
+WRAPPERS = ("fsdp2", "fsdp2_bf16", "fsdp2_accumulate", "ddp", "fsdp2_dtensor", "fsdp2_dtensor_bf16",
+            "fsdp2_dtensor_accumulate", "ddp_dtensor")
 
 
 class MoEBlock(torch.nn.Module):
@@ -158,7 +160,7 @@ def _wrapped_steps(make_block, rank, world, mesh, wrapper):
     divide_after = False
     if wrapper.startswith("fsdp2"):
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if wrapper == "fsdp2_bf16" else MixedPrecisionPolicy()
+            if wrapper.endswith("bf16") else MixedPrecisionPolicy()
         # Accumulation keeps the experts' weights gathered from the first micro-batch's forward to the step's end:
         # ExpertMLP's is_first_microbatch=False reuses the quantization of exactly those tensors.
         keep = wrapper.endswith("accumulate")
@@ -209,7 +211,7 @@ def wrapper_worker(rank, world, ep_size, wrapper, backend="reference", device_ki
         def make_block(dtype):
             return MoEBlock(buf, grads, ep_rank, ep_size, dtype, device, ep_mesh)
 
-        param_dtype = torch.bfloat16 if wrapper == "fsdp2_bf16" else torch.float32
+        param_dtype = torch.bfloat16 if wrapper.endswith("bf16") else torch.float32
         micro_batches = 2 if wrapper.endswith("accumulate") else 1
         want_losses, want = _hand_steps(make_block, rank, world, mesh["dp"].get_group(), micro_batches, param_dtype)
         got_losses, got = _wrapped_steps(make_block, rank, world, mesh, wrapper)
