@@ -371,9 +371,10 @@ test_training() {  # ep_comm.training (autograd through dispatch / combine) on t
   shared_tier training 300 tests/test_training.py -m multigpu
 }
 test_trainer_wrappers() {  # ep_comm.training under FSDP2 (fp32, bf16 parameters, accumulation) and DDP, bitwise the
-  # hand-averaged steps: world 1 on the nvlink backend (NCCL), and the CPU forms (gloo, 2 and 4 ranks)
+  # hand-averaged steps, and training.clip_grad_norm_ there: world 1 on the nvlink backend (NCCL), and the CPU forms
+  # (gloo, 2 and 4 ranks)
   say "gpu + cpu tiers: training under FSDP2 / DDP"
-  pytest_tier trainer_wrappers 300 2 tests/test_trainer_wrappers.py tests/test_examples.py -k "not multigpu and (wrapped or fsdp2 or checkpoint or ep_mesh)"
+  pytest_tier trainer_wrappers 300 2 tests/test_trainer_wrappers.py tests/test_examples.py -k "not multigpu and (wrapped or fsdp2 or checkpoint or ep_mesh or clip)"
 }
 test_comm_stream() {  # ep_comm.training on a comm_stream (eager and captured, ExpertMLP too) and the stream bookkeeping:
   # world 1, then 2 ranks sharing GPU 0

@@ -611,3 +611,5 @@ def combine(expert_out: torch.Tensor, routed: RoutedTokens, *, comm_stream: Opti
 # The trainable experts (ep_comm/training_experts.py), here with the rest of the training API. (Imported last: that
 # module builds on RoutedTokens.)
 from .training_experts import ExpertMLP, expert_mlp, quantize_expert_weights  # noqa: E402,F401
+# Gradient clipping by the global norm across EP ranks and meshes (ep_comm/training_clip.py).
+from .training_clip import clip_grad_norm_  # noqa: E402,F401

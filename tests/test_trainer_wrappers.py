@@ -21,6 +21,8 @@ losses: _hand_steps) -- and must give the same losses and weights, bit for bit:
   checkpoints need: checkpoint_worker below); fsdp2_dtensor_bf16 is TorchTitan's usual setting (BF16 parameters, FP32
   reduction, DTensor experts).
 """
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -107,8 +109,10 @@ def _hand_steps(make_block, rank, world, dp_group, micro_batches, param_dtype):
     return losses, {name: m.detach() for name, m in masters.items()}
 
 
-def _steps(model, block, rank, world, mesh, wrapper, micro_batches, divide_after, optimizer, device):
-    """_wrapped_steps' training loop: the losses."""
+def _steps(model, block, rank, world, mesh, wrapper, micro_batches, divide_after, optimizer, device,
+           before_step=None):
+    """_wrapped_steps' training loop: the losses. before_step(model, block): called with the step's gradients in place,
+    before the optimizer takes them."""
     losses = []
     for step in range(STEPS):
         for micro_batch in range(micro_batches):
@@ -133,6 +137,8 @@ def _steps(model, block, rank, world, mesh, wrapper, micro_batches, divide_after
                 grad = _local(p.grad)
                 dist.all_reduce(grad, group=mesh["dp"].get_group())
                 grad /= world
+        if before_step is not None:
+            before_step(model, block)
         optimizer.step()
         optimizer.zero_grad()
     return losses
@@ -149,9 +155,9 @@ def _param_groups(model):
     return [{"params": group} for group in groups if group]
 
 
-def _wrapped_steps(make_block, rank, world, mesh, wrapper):
-    """The same steps with the layer wrapped as `wrapper` says (module docstring). Returns (the losses, {name: FP32
-    parameter after the steps})."""
+def _wrapped_steps(make_block, rank, world, mesh, wrapper, before_step=None):
+    """The same steps with the layer wrapped as `wrapper` says (module docstring); before_step: see _steps. Returns
+    (the losses, {name: FP32 parameter after the steps})."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.nn.parallel import DistributedDataParallel
     block = make_block(torch.float32)
@@ -184,7 +190,8 @@ def _wrapped_steps(make_block, rank, world, mesh, wrapper):
     quantize = training_experts.quantize_expert_weights
     training_experts.quantize_expert_weights = lambda w: quantized.append(1) or quantize(w)
     try:
-        losses = _steps(model, block, rank, world, mesh, wrapper, micro_batches, divide_after, optimizer, device)
+        losses = _steps(model, block, rank, world, mesh, wrapper, micro_batches, divide_after, optimizer, device,
+                        before_step)
     finally:
         training_experts.quantize_expert_weights = quantize
     if len(quantized) != 2 * STEPS * (1 if wrapper.endswith("accumulate") else micro_batches):
@@ -193,19 +200,26 @@ def _wrapped_steps(make_block, rank, world, mesh, wrapper):
     return losses, params
 
 
-def wrapper_worker(rank, world, ep_size, wrapper, backend="reference", device_kind="cpu"):
-    """One wrapper's steps against the hand-taken ones on a mesh (world / ep_size, ep_size). Returns the differences
-    found ([] when none)."""
+@contextlib.contextmanager
+def _mesh_and_buffers(world, ep_size, backend, device_kind):
+    """The 2-D mesh ("dp", "ep") of (world / ep_size, ep_size) ranks and a Buffer with its GradBuffers over the EP
+    group: yields (device, mesh, ep_rank, buffer, grads)."""
     from torch.distributed.device_mesh import init_device_mesh
     on_gpu = device_kind == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     mesh = init_device_mesh(device.type, (world // ep_size, ep_size), mesh_dim_names=("dp", "ep"))
     ep_group = mesh["ep"].get_group()
-    ep_rank = dist.get_rank(ep_group)
     with ep_comm.Buffer(ep_group, hidden=HIDDEN, num_experts=NUM_EXPERTS, num_topk=TOPK,
                         max_tokens_per_rank=MAX_TOKENS, expert_alignment=32, backend=backend, timeout_s=120) as buf, \
             training.GradBuffers.create(buf) as grads:
+        yield device, mesh, dist.get_rank(ep_group), buf, grads
 
+
+def wrapper_worker(rank, world, ep_size, wrapper, backend="reference", device_kind="cpu"):
+    """One wrapper's steps against the hand-taken ones on a mesh (world / ep_size, ep_size). Returns the differences
+    found ([] when none)."""
+    with _mesh_and_buffers(world, ep_size, backend, device_kind) as (device, mesh, ep_rank, buf, grads):
+        ep_group = mesh["ep"].get_group()
         ep_mesh = mesh["ep"] if "dtensor" in wrapper else None
 
         def make_block(dtype):
@@ -268,6 +282,136 @@ def test_nvlink_wrapped_training_equals_the_hand_taken_steps(wrapper, ep_share):
     world = multigpu_world()
     ep_size = world if ep_share == "all" else world // 2
     _check(run_ranks(wrapper_worker, world, ep_size, wrapper, "auto", "cuda", backend="nccl"))
+
+
+def _true_gradient_norms(block, ep_group) -> tuple:
+    """(2-norm, max norm) of the whole layer's gradient, every parameter once, in float64 from the full gradients:
+    the router's (the same on every rank), the experts' of every EP rank (gathered over ep_group unless they are
+    ExpertMLP(ep_mesh=...)'s DTensors, whose full value is the whole layer's already)."""
+    squares, largest = 0.0, 0.0
+    for name, p in block.named_parameters():
+        grad = _full(p.grad)
+        if name.startswith("experts.") and block.experts.ep_mesh is None:
+            parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ep_group))]
+            dist.all_gather(parts, grad, group=ep_group)
+            grad = torch.cat(parts)
+        squares += grad.double().square().sum().item()
+        largest = max(largest, grad.abs().max().item())
+    return squares ** 0.5, largest
+
+
+def clip_worker(rank, world, ep_size, wrapper, backend="reference", device_kind="cpu"):
+    """`training.clip_grad_norm_` at each step of a wrapped layer (wrapper_worker's wrappers): the max norm (max_norm
+    inf: nothing scaled) equal to the whole layer's, the 2-norm within 1e-5 of it and the same bits on every rank, and
+    every gradient scaled (max_norm half the norm) by exactly min(1, max_norm / (norm + 1e-6)). Returns the differences
+    found ([] when none)."""
+    differences = []
+    with _mesh_and_buffers(world, ep_size, backend, device_kind) as (device, mesh, ep_rank, buf, grads):
+        ep_group = mesh["ep"].get_group()
+        ep_mesh = mesh["ep"] if "dtensor" in wrapper else None
+
+        def clip_and_check(model, block):
+            # (without ep_mesh the experts are this rank's own: named to clip_grad_norm_ with their group)
+            experts = list(block.experts.parameters()) if ep_mesh is None else []
+            want_norm, want_max = _true_gradient_norms(block, ep_group)
+            got_max = training.clip_grad_norm_(model.parameters(), float("inf"), float("inf"),
+                                               expert_parameters=experts, ep_group=ep_group)
+            if got_max.item() != want_max:
+                differences.append(f"max norm {got_max.item()} vs {want_max}")
+            before = [_local(p.grad).clone() for p in model.parameters()]
+            max_norm = want_norm / 2
+            got = training.clip_grad_norm_(model.parameters(), max_norm, expert_parameters=experts,
+                                           ep_group=ep_group)
+            if abs(got.item() - want_norm) > 1e-5 * want_norm:
+                differences.append(f"norm {got.item()} vs {want_norm}")
+            norms = [torch.empty_like(got) for _ in range(world)]
+            dist.all_gather(norms, got)
+            if any(not torch.equal(n, got) for n in norms):
+                differences.append(f"ranks' norms differ: {[n.item() for n in norms]}")
+            coef = torch.clamp(max_norm / (got + 1e-6), max=1.0)
+            for (name, p), grad in zip(model.named_parameters(), before):
+                if not torch.equal(_local(p.grad), grad * coef.to(grad.device)):
+                    differences.append(f"{name}: gradient not scaled by {coef.item()}")
+
+        _wrapped_steps(lambda dtype: MoEBlock(buf, grads, ep_rank, ep_size, dtype, device, ep_mesh), rank, world, mesh,
+                       wrapper, clip_and_check)
+    return differences
+
+
+CLIP_WRAPPERS = ("fsdp2", "fsdp2_dtensor", "fsdp2_dtensor_accumulate", "ddp", "ddp_dtensor")
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("wrapper", CLIP_WRAPPERS)
+@pytest.mark.parametrize("world,ep_size", [(2, 2), (4, 2)])
+def test_gloo_clip_grad_norm_is_the_whole_layers(world, ep_size, wrapper):
+    """torch.nn.utils.clip_grad_norm_ fails for each of these wrappers but DDP without ep_mesh, where each EP rank
+    clips by its own experts' norm (ep_comm/training_clip.py); training.clip_grad_norm_ clips them all alike."""
+    _check(run_ranks(clip_worker, world, ep_size, wrapper, backend="gloo"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wrapper", ("fsdp2_dtensor", "ddp", "ddp_dtensor"))
+def test_nvlink_one_rank_clip_grad_norm(wrapper):
+    """World 1 (NCCL): the CUDA forms (torch's foreach norms and multiplies) of the same checks."""
+    _check(run_ranks(clip_worker, 1, 1, wrapper, "nvlink", "cuda", backend="nccl"))
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("wrapper", CLIP_WRAPPERS)
+def test_nvlink_clip_grad_norm(wrapper):
+    """One rank per GPU over NCCL, "dp" of 2 where there are 4 or more GPUs (else EP over both)."""
+    if SHARED_GPU:
+        pytest.skip("FSDP2 and DDP on CUDA tensors need NCCL: one rank per GPU")
+    world = multigpu_world()
+    _check(run_ranks(clip_worker, world, world // 2 if world >= 4 else world, wrapper, "auto", "cuda",
+                     backend="nccl"))
+
+
+def clip_errors_worker(rank, world):
+    """clip_grad_norm_'s refusals (2 ranks, EP 2, before any collective): expert parameters without their group or
+    outside parameters, ExpertMLP(ep_mesh=...)'s DTensors named as expert parameters, a norm type <= 0; and a NaN
+    gradient with error_if_nonfinite (after the reductions, so on every rank: the NaN is one rank's own expert's)."""
+    errors = []
+    with _mesh_and_buffers(world, world, "reference", "cpu") as (device, mesh, ep_rank, buf, grads):
+        ep_group = mesh["ep"].get_group()
+        plain = MoEBlock(buf, grads, ep_rank, world, torch.float32, device)
+        sharded = MoEBlock(buf, grads, ep_rank, world, torch.float32, device, mesh["ep"])
+        for block in (plain, sharded):
+            block(_tokens(rank, 0, 0, device)).float().square().sum().backward()
+        experts = list(plain.experts.parameters())
+        cases = [
+            (lambda: training.clip_grad_norm_(plain.parameters(), 1.0, expert_parameters=experts), ValueError,
+             "needs ep_group"),
+            (lambda: training.clip_grad_norm_(plain.router.parameters(), 1.0, expert_parameters=experts,
+                                              ep_group=ep_group), ValueError, "must also be in parameters"),
+            (lambda: training.clip_grad_norm_(sharded.parameters(), 1.0,
+                                              expert_parameters=sharded.experts.parameters(), ep_group=ep_group),
+             ValueError, "leave it out of expert_parameters"),
+            (lambda: training.clip_grad_norm_(plain.parameters(), 1.0, 0.0), ValueError, "norm_type must be > 0"),
+        ]
+        for call, kind, words in cases:
+            try:
+                call()
+                errors.append(f"not refused: {words}")
+            except kind as error:
+                if words not in str(error):
+                    errors.append(f"{words!r} not in {error}")
+        if rank == 1:
+            plain.experts.w1.grad[0, 0, 0] = float("nan")
+        try:
+            training.clip_grad_norm_(plain.parameters(), 1.0, expert_parameters=experts, ep_group=ep_group,
+                                     error_if_nonfinite=True)
+            errors.append("a NaN gradient not refused")
+        except RuntimeError as error:
+            if "non-finite" not in str(error):
+                errors.append(f"'non-finite' not in {error}")
+    return errors
+
+
+@pytest.mark.cpu
+def test_gloo_clip_grad_norm_refusals():
+    _check(run_ranks(clip_errors_worker, 2, backend="gloo"))
 
 
 def checkpoint_worker(rank, world, save_ep, load_ep, path, backend="reference", device_kind="cpu"):

@@ -1,0 +1,129 @@
+"""Gradient clipping by the global norm for models with expert-parallel experts: `training.clip_grad_norm_`.
+
+torch.nn.utils.clip_grad_norm_ assumes that every rank holds the same parameters, or DTensors of one device mesh. A
+model with expert parallelism holds neither, and torch's function fails or, worse, clips each rank by its own norm
+(seen with torch 2.13 on 2 and 4 CPU ranks, tests/test_trainer_wrappers.py):
+* experts as plain per-rank parameters (ExpertMLP without ep_mesh) under DDP: each rank's norm counts its own experts
+  only, so the EP ranks clip by different factors and the replicated parameters (the router) drift apart, silently;
+* FSDP2 (`fully_shard(experts, mesh=mesh["dp"])` inside `fully_shard(model, <every rank>)`), with or without
+  ep_mesh: the experts' DTensors and the rest live on different meshes, and torch.stack of their norms raises;
+* DDP with ExpertMLP(ep_mesh=...): DTensor experts beside plain tensors, which torch's foreach norm refuses.
+
+`clip_grad_norm_` computes the norm of the whole model's gradient, each distinct parameter counted once, the same
+value on every rank, and scales every gradient by the same factor. What each kind of gradient contributes:
+* a DTensor (FSDP2's parameters, ExpertMLP(ep_mesh=...)'s experts): its whole value's norm, by its own placement
+  (one reduction per device mesh);
+* a plain tensor named in `expert_parameters` (this rank's own experts, not DTensors over the EP group): summed over
+  `ep_group`, the ranks that hold the layer's other experts; a DTensor named there (the experts sharded by FSDP2 over
+  "dp" only) likewise, after its own reduction;
+* any other plain tensor: replicated, the same on every rank (what DDP keeps), counted as it is.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional, Union
+
+import torch
+
+from .training_experts import _is_dtensor
+
+
+def _mesh_ranks(mesh) -> set:
+    return set(mesh.mesh.flatten().tolist())
+
+
+def _group_norm(grads: list, norm_type: float, foreach: Optional[bool]) -> torch.Tensor:
+    """The norm of a list of gradients of one kind as a plain float32 scalar: a DTensor list's whole value (a
+    reduction over its mesh), a plain list's local one."""
+    norm = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
+    if _is_dtensor(norm):
+        norm = norm.full_tensor()
+    return norm.float()
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
+                    norm_type: float = 2.0, *, expert_parameters: Iterable[torch.Tensor] = (), ep_group=None,
+                    error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for expert-parallel models (module docstring): scales every gradient of
+    `parameters` in place by min(1, max_norm / (total + 1e-6)), total the norm of the whole model's gradient.
+
+    parameters: every parameter of the model (an iterable of tensors or DTensors, or one tensor), in the same order
+    on every rank, with gradients on the same ones (the reductions are collective: a rank that differs waits).
+    expert_parameters: those of them that are this rank's own experts as plain parameters (`ExpertMLP` without
+    `ep_mesh`: `layer.experts.parameters()`, also when FSDP2 shards them over "dp"); leave out ExpertMLP(ep_mesh=...)'s
+    weights, whose DTensors already span the EP group (refused). ep_group: the Buffer's group (the ranks over which
+    the experts are split); needed with expert_parameters, and then every rank of it makes one all-reduce over it.
+    norm_type: p > 0 or inf. error_if_nonfinite: raise if the total is NaN or Inf (a host synchronization).
+    foreach: as torch's (None: its default per device).
+    Returns the total norm: a float32 scalar tensor (not a DTensor), equal on every rank, on the gradients' device."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    experts = [expert_parameters] if isinstance(expert_parameters, torch.Tensor) else list(expert_parameters)
+    norm_type = float(norm_type)
+    if not (norm_type > 0.0):
+        raise ValueError(f"clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type}")
+    param_ids = {id(p) for p in params}
+    expert_ids = {id(p) for p in experts}
+    if not expert_ids <= param_ids:
+        raise ValueError("clip_grad_norm_: every tensor of expert_parameters must also be in parameters")
+    if experts and ep_group is None:
+        raise ValueError("clip_grad_norm_: expert_parameters needs ep_group, the group the experts are split over "
+                         "(the Buffer's group)")
+    if ep_group is not None:
+        import torch.distributed as dist
+        ep_ranks = set(dist.get_process_group_ranks(ep_group))
+        for p in experts:
+            if _is_dtensor(p) and _mesh_ranks(p.device_mesh) & ep_ranks != {dist.get_rank()}:
+                raise ValueError("clip_grad_norm_: a DTensor of expert_parameters is spread over other ranks of "
+                                 "ep_group already (ExpertMLP(ep_mesh=...)'s weights): leave it out of "
+                                 "expert_parameters, its norm covers every expert")
+
+    # The gradients by kind, in the parameters' order (the same on every rank, so the reductions match):
+    # (in expert_parameters, the DTensor mesh or None) -> gradients.
+    groups: dict = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        mesh = p.grad.device_mesh if _is_dtensor(p.grad) else None
+        groups.setdefault((id(p) in expert_ids, mesh), []).append(p.grad)
+    grads = [g for gs in groups.values() for g in gs]
+    device = grads[0].device if grads else (params[0].device if params else torch.device("cpu"))
+
+    # Each kind's norm, raised to the power p (or kept, for the max norm of p = inf), summed (max) over the kinds;
+    # the experts' part also over ep_group.
+    infinite = math.isinf(norm_type)
+    replicated = torch.zeros((), dtype=torch.float32, device=device)
+    own_experts = torch.zeros((), dtype=torch.float32, device=device)
+    for (is_expert, _), gs in groups.items():
+        norm = _group_norm(gs, norm_type, foreach).to(device)
+        part = norm if infinite else norm.pow(norm_type)
+        if is_expert:
+            own_experts = torch.maximum(own_experts, part) if infinite else own_experts + part
+        else:
+            replicated = torch.maximum(replicated, part) if infinite else replicated + part
+    if ep_group is not None:
+        import torch.distributed as dist
+        dist.all_reduce(own_experts, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM, group=ep_group)
+    if infinite:
+        total = torch.maximum(replicated, own_experts)
+    else:
+        total = (replicated + own_experts).pow(1.0 / norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite "
+                           f"({total.item()}), so they cannot be clipped (error_if_nonfinite=False clips them anyway)")
+
+    # One factor for every gradient (the local tensors of DTensors: their storage), per device and dtype in one
+    # foreach multiply where torch has one.
+    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    by_kind: dict = {}
+    for g in grads:
+        local = g.to_local() if _is_dtensor(g) else g
+        by_kind.setdefault((local.device, local.dtype), []).append(local)
+    for (grad_device, _), locals_ in by_kind.items():
+        coef = clip_coef.to(grad_device)
+        if foreach is False or (foreach is None and grad_device.type == "cpu"):
+            for local in locals_:
+                local.mul_(coef)
+        else:
+            torch._foreach_mul_(locals_, coef)
+    return total
