@@ -7,15 +7,17 @@ and load every EP rank's experts (README "Training").
 Runs on every visible GPU (NCCL) when there are at least 2, else on 2 CPU ranks over gloo:
 
     python examples/moe_fsdp2.py [--tokens 128 --hidden 256 --intermediate 128 --experts 8 --topk 2 --steps 30]
-                                 [--expert-parallel N] [--micro-batches M] [--bf16]
+                                 [--expert-parallel N] [--micro-batches M] [--bf16] [--max-grad-norm C]
 
 A student layer learns to reproduce a fixed random teacher layer of the same shape (plain SGD on the mean squared
 error; each rank its own tokens). --expert-parallel N: EP groups of N ranks (default: every rank), so each expert
 lives on world / N ranks and FSDP2 shards it over them. --micro-batches M: gradient accumulation, the experts kept
 gathered through the step (`is_first_microbatch` True at the first micro-batch quantizes their weights once for the
 step). --bf16: `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`, BF16 weights in the forward and
-backward (ExpertMLP takes BF16 masters), FP32 gradients reduced into the FP32 shards. Each rank prints its loss at the
-first and the last step.
+backward (ExpertMLP takes BF16 masters), FP32 gradients reduced into the FP32 shards. --max-grad-norm C: gradient
+clipping by the whole layer's norm with `training.clip_grad_norm_` (torch.nn.utils.clip_grad_norm_ raises here: the
+experts' and the router's DTensors live on different meshes). Each rank prints its loss at the first and the last
+step (and, with clipping, the gradient norm at both).
 
 What matters for expert parallelism: the experts of the EP ranks are different parameters, so nothing may average
 them over "ep" -- FSDP2 here only ever sees the experts through the "dp" mesh -- and an expert's gradient already
@@ -25,6 +27,7 @@ and sum their gradients over the "dp" group yourself, divided by the world size;
 weights need an optimizer parameter group of their own, apart from the plain tensors; README "Training".)
 """
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +38,13 @@ import ep_comm
 from ep_comm import training
 from ep_comm.launch import run_ranks
 from example_args import check_training_flags, parse_moe_args, training_flags
+
+
+class TrainingLog(NamedTuple):
+    """What a rank's worker returns: its loss at each step, and the gradient norm before clipping at each step (empty
+    without --max-grad-norm)."""
+    losses: list
+    grad_norms: list
 
 
 class MoEBlock(torch.nn.Module):
@@ -70,7 +80,7 @@ def worker(rank, world, args):
     micro_tokens = args.tokens // args.micro_batches
     gen = torch.Generator().manual_seed(100 + rank)  # this rank's tokens
     x = torch.randn(args.micro_batches, micro_tokens, args.hidden, generator=gen).to(torch.bfloat16).to(device)
-    losses = []
+    losses, grad_norms = [], []
     with ep_comm.Buffer(ep_group, **sizes) as buf, training.GradBuffers.create(buf) as grads:
         layer = (buf, grads, mesh["ep"], args.experts, args.hidden, args.intermediate, args.topk)
         teacher = MoEBlock(*layer, seed=1, device=device)
@@ -104,6 +114,10 @@ def worker(rank, world, args):
             if divide_after:
                 for weight in student.experts.parameters():
                     weight.grad /= ep_size  # (FSDP2 divided by "dp"'s size: / ep more is / world)
+            if args.max_grad_norm > 0:
+                # The whole layer's norm, the same on every rank: the ep_mesh experts' DTensors cover the EP group, so
+                # no expert_parameters (they would be needed for per-rank experts: README "Training").
+                grad_norms.append(training.clip_grad_norm_(student.parameters(), args.max_grad_norm).item())
             optimizer.step()
             optimizer.zero_grad()
             losses.append(step_loss)
@@ -112,7 +126,7 @@ def worker(rank, world, args):
             if finite.item() == 0:
                 raise RuntimeError(f"the training diverged at step {step + 1} (a loss is not finite on some rank): "
                                    f"lower --lr (now {args.lr})")
-    return losses
+    return TrainingLog(losses, grad_norms)
 
 
 def main():
@@ -120,16 +134,23 @@ def main():
     own.add_argument("--micro-batches", type=int, default=1,
                      help="micro-batches per step (gradient accumulation; divides --tokens)")
     own.add_argument("--bf16", action="store_true", help="BF16 parameters in forward and backward (FSDP2 policy)")
+    own.add_argument("--max-grad-norm", type=float, default=0.0,
+                     help="clip the gradients to this global norm (training.clip_grad_norm_); 0: no clipping")
 
     def check(parser, args):
         check_training_flags(parser, args)
         if args.micro_batches < 1 or args.tokens % args.micro_batches:
             parser.error(f"--micro-batches must be a positive divisor of --tokens, got {args.micro_batches}")
+        if not 0 <= args.max_grad_norm < math.inf:
+            parser.error(f"--max-grad-norm must be a finite number >= 0, got {args.max_grad_norm}")
 
     args, world = parse_moe_args(None, description=__doc__, hidden=256, intermediate=128, tokens=128, experts=8,
                                  topk=2, parents=[own], intermediate_multiple=32, check=check)
-    for rank, losses in enumerate(run_ranks(worker, world, args, backend="nccl" if args.gpu else "gloo")):
-        print(f"rank {rank}: loss {losses[0]:.5f} at step 1, {losses[-1]:.5f} at step {len(losses)}")
+    for rank, log in enumerate(run_ranks(worker, world, args, backend="nccl" if args.gpu else "gloo")):
+        norms = (f" (gradient norm {log.grad_norms[0]:.4f} and {log.grad_norms[-1]:.4f}, clipped to "
+                 f"{args.max_grad_norm})") if log.grad_norms else ""
+        print(f"rank {rank}: loss {log.losses[0]:.5f} at step 1, {log.losses[-1]:.5f} at step {len(log.losses)}"
+              f"{norms}")
 
 
 if __name__ == "__main__":

@@ -103,7 +103,8 @@ def test_moe_training_example_stops_every_rank_with_the_reason_when_it_diverges(
 @pytest.mark.cpu
 @pytest.mark.parametrize("argv,message", [(["--micro-batches", "3"], "--micro-batches must be a positive divisor"),
                                           (["--expert-parallel", "3"], "--expert-parallel must divide the rank count"),
-                                          (["--steps", "0"], "--steps must be at least 1")])
+                                          (["--steps", "0"], "--steps must be at least 1"),
+                                          (["--max-grad-norm", "-1"], "--max-grad-norm must be a finite number >= 0")])
 def test_fsdp2_example_refuses_bad_flags_before_starting_ranks(argv, message, monkeypatch, capsys):
     import moe_fsdp2
     monkeypatch.setattr(sys, "argv", ["moe_fsdp2.py", *argv])
@@ -114,14 +115,23 @@ def test_fsdp2_example_refuses_bad_flags_before_starting_ranks(argv, message, mo
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("expert_parallel, micro_batches, bf16", [(0, 1, False), (1, 2, True)])
-def test_moe_fsdp2_example_learns_on_gloo(expert_parallel, micro_batches, bf16):
+@pytest.mark.parametrize("expert_parallel, micro_batches, bf16, max_grad_norm",
+                         [(0, 1, False, 0.0), (1, 2, True, 0.0), (0, 1, False, 0.05)])
+def test_moe_fsdp2_example_learns_on_gloo(expert_parallel, micro_batches, bf16, max_grad_norm):
     """The FSDP2 layout (experts sharded over "dp", the router over every rank) trains the student: SGD lowers its
-    loss on every rank, with EP over both ranks, and with two replicas of one rank each, accumulating two micro-batches
-    in BF16 parameters. (That these steps are the hand-averaged ones bit for bit: tests/test_trainer_wrappers.py.)"""
+    loss on every rank, with EP over both ranks, with two replicas of one rank each, accumulating two micro-batches
+    in BF16 parameters, and with the gradients clipped (training.clip_grad_norm_: the first steps' norms above the
+    bound, the same on both ranks). (That these steps are the hand-averaged ones bit for bit, and the clipping's
+    norm the whole layer's: tests/test_trainer_wrappers.py.)"""
     import moe_fsdp2
     args = argparse.Namespace(tokens=64, hidden=128, intermediate=64, experts=8, topk=2, gpu=False, steps=12, lr=5.0,
-                              expert_parallel=expert_parallel, micro_batches=micro_batches, bf16=bf16)
-    for losses in run_ranks(moe_fsdp2.worker, 2, args, backend="gloo"):
+                              expert_parallel=expert_parallel, micro_batches=micro_batches, bf16=bf16,
+                              max_grad_norm=max_grad_norm)
+    logs = run_ranks(moe_fsdp2.worker, 2, args, backend="gloo")
+    for log in logs:
+        losses = log.losses
         assert len(losses) == 12 and all(0.0 < loss < 1.0 for loss in losses), losses
         assert losses[-1] < 0.8 * losses[0], losses
+        assert len(log.grad_norms) == (12 if max_grad_norm else 0), log.grad_norms
+    if max_grad_norm:
+        assert logs[0].grad_norms == logs[1].grad_norms and logs[0].grad_norms[0] > max_grad_norm, logs
