@@ -15,7 +15,8 @@ value on every rank, and scales every gradient by the same factor. What each kin
   (one reduction per device mesh);
 * a plain tensor named in `expert_parameters` (this rank's own experts, not DTensors over the EP group): summed over
   `ep_group`, the ranks that hold the layer's other experts; a DTensor named there (the experts sharded by FSDP2 over
-  "dp" only) likewise, after its own reduction;
+  "dp" only) likewise, after its own reduction. An ExpertMLP's weights without ep_mesh must be named there (refused
+  otherwise, where torch.distributed runs more than one rank);
 * any other plain tensor: replicated, the same on every rank (what DDP keeps), counted as it is.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 
-from .training_experts import _is_dtensor
+from .training_experts import _EXPERT_MLPS, _is_dtensor
 
 
 def _mesh_ranks(mesh) -> set:
@@ -33,12 +34,29 @@ def _mesh_ranks(mesh) -> set:
 
 
 def _group_norm(grads: list, norm_type: float, foreach: Optional[bool]) -> torch.Tensor:
-    """The norm of a list of gradients of one kind as a plain float32 scalar: a DTensor list's whole value (a
-    reduction over its mesh), a plain list's local one."""
+    """The norm of a list of gradients of one kind as a plain scalar tensor: a DTensor list's whole value (a reduction
+    over its mesh), a plain list's local one."""
     norm = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
-    if _is_dtensor(norm):
-        norm = norm.full_tensor()
-    return norm.float()
+    return norm.full_tensor() if _is_dtensor(norm) else norm
+
+
+def _check_per_rank_experts_named(param_ids: set, expert_ids: set) -> None:
+    """Refuses the weights of an ExpertMLP without ep_mesh (this rank's own experts; as FSDP2's DTensors over "dp"
+    too) among `parameters` but not in expert_parameters: counted as replicated they would make each EP rank's norm
+    its own, silently. Only where ranks could differ (torch.distributed started, world size above 1)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    for module in list(_EXPERT_MLPS):
+        if module.ep_mesh is not None:
+            continue
+        for w in (module.w1, module.w2):
+            if id(w) in param_ids and id(w) not in expert_ids:
+                raise ValueError("clip_grad_norm_: an ExpertMLP's weight (this rank's own experts: ExpertMLP without "
+                                 "ep_mesh) is in parameters but not in expert_parameters; name the layer's experts "
+                                 "there, expert_parameters=layer.experts.parameters(), with ep_group (the Buffer's "
+                                 "group; a group of one rank where the experts are replicated), or make them with "
+                                 "ep_mesh")
 
 
 @torch.no_grad()
@@ -69,6 +87,7 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     if experts and ep_group is None:
         raise ValueError("clip_grad_norm_: expert_parameters needs ep_group, the group the experts are split over "
                          "(the Buffer's group)")
+    _check_per_rank_experts_named(param_ids, expert_ids)
     if ep_group is not None:
         import torch.distributed as dist
         ep_ranks = set(dist.get_process_group_ranks(ep_group))
@@ -91,11 +110,12 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
 
     # Each kind's norm, raised to the power p (or kept, for the max norm of p = inf), summed (max) over the kinds;
     # the experts' part also over ep_group.
+    # (in float64: the p-th power of a finite float32 norm can overflow float32, for p > 2 from norms of ~2^43)
     infinite = math.isinf(norm_type)
-    replicated = torch.zeros((), dtype=torch.float32, device=device)
-    own_experts = torch.zeros((), dtype=torch.float32, device=device)
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    own_experts = torch.zeros((), dtype=torch.float64, device=device)
     for (is_expert, _), gs in groups.items():
-        norm = _group_norm(gs, norm_type, foreach).to(device)
+        norm = _group_norm(gs, norm_type, foreach).to(device, torch.float64)
         part = norm if infinite else norm.pow(norm_type)
         if is_expert:
             own_experts = torch.maximum(own_experts, part) if infinite else own_experts + part
@@ -105,9 +125,9 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
         import torch.distributed as dist
         dist.all_reduce(own_experts, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM, group=ep_group)
     if infinite:
-        total = torch.maximum(replicated, own_experts)
+        total = torch.maximum(replicated, own_experts).float()
     else:
-        total = (replicated + own_experts).pow(1.0 / norm_type)
+        total = (replicated + own_experts).pow(1.0 / norm_type).float()
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite "
                            f"({total.item()}), so they cannot be clipped (error_if_nonfinite=False clips them anyway)")

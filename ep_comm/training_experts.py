@@ -470,6 +470,11 @@ class _WeightCache:
     w2_values: Optional[torch.Tensor] = None
 
 
+# The live ExpertMLP modules of this process: training.clip_grad_norm_ refuses the weights of those without ep_mesh
+# (this rank's own experts) where they are not named as expert parameters, which would clip each EP rank by its own
+# norm. Weak: a module is not kept alive by it.
+_EXPERT_MLPS: "weakref.WeakSet" = weakref.WeakSet()
+
 _OPTIMIZER_STEPS = [0]  # torch optimizer steps taken in this process since the hook below was registered
 _OPTIMIZER_STEP_HOOK = []
 
@@ -878,6 +883,7 @@ class ExpertMLP(torch.nn.Module):
         self.w1 = torch.nn.Parameter(w1)
         self.w2 = torch.nn.Parameter(w2)
         self.register_buffer("call_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+        _EXPERT_MLPS.add(self)  # (training.clip_grad_norm_ asks which parameters are per-rank experts)
         self.keep_weight_values = keep_weight_values
         self.accumulate_into_main_grad = accumulate_into_main_grad
         self._weight_cache: Optional[_WeightCache] = None  # (is_first_microbatch: see forward)

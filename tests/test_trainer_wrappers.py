@@ -370,7 +370,8 @@ def test_nvlink_clip_grad_norm(wrapper):
 
 def clip_errors_worker(rank, world):
     """clip_grad_norm_'s refusals (2 ranks, EP 2, before any collective): expert parameters without their group or
-    outside parameters, ExpertMLP(ep_mesh=...)'s DTensors named as expert parameters, a norm type <= 0; and a NaN
+    outside parameters, ExpertMLP(ep_mesh=...)'s DTensors named as expert parameters, a norm type <= 0, an ExpertMLP's
+    per-rank experts (without ep_mesh) left out of expert_parameters, in whole or in part; and a NaN
     gradient with error_if_nonfinite (after the reductions, so on every rank: the NaN is one rank's own expert's)."""
     errors = []
     with _mesh_and_buffers(world, world, "reference", "cpu") as (device, mesh, ep_rank, buf, grads):
@@ -389,6 +390,12 @@ def clip_errors_worker(rank, world):
                                               expert_parameters=sharded.experts.parameters(), ep_group=ep_group),
              ValueError, "leave it out of expert_parameters"),
             (lambda: training.clip_grad_norm_(plain.parameters(), 1.0, 0.0), ValueError, "norm_type must be > 0"),
+            # (per-rank experts not named: each EP rank would clip by its own norm)
+            (lambda: training.clip_grad_norm_(plain.parameters(), 1.0, ep_group=ep_group), ValueError,
+             "in parameters but not in expert_parameters"),
+            (lambda: training.clip_grad_norm_(plain.parameters(), 1.0, expert_parameters=[plain.experts.w1],
+                                              ep_group=ep_group),
+             ValueError, "in parameters but not in expert_parameters"),
         ]
         for call, kind, words in cases:
             try:
