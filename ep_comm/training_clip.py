@@ -16,8 +16,12 @@ value on every rank, and scales every gradient by the same factor. What each kin
 * a plain tensor named in `expert_parameters` (this rank's own experts, not DTensors over the EP group): summed over
   `ep_group`, the ranks that hold the layer's other experts; a DTensor named there (the experts sharded by FSDP2 over
   "dp" only) likewise, after its own reduction. An ExpertMLP's weights without ep_mesh must be named there (refused
-  otherwise, where torch.distributed runs more than one rank);
+  otherwise, once it has run a forward over an EP group of more than one rank);
 * any other plain tensor: replicated, the same on every rank (what DDP keeps), counted as it is.
+Every reduction gathers the ranks' values and combines them in rank order, so every rank gets the same bits (an
+all-reduce may add in another order in each communicator, and a MAX all-reduce may drop a NaN). One `ep_group` for
+all the named experts: a model whose layers split their experts over different groups is not covered. Norms of BF16
+gradients are taken in BF16, as torch takes them.
 """
 from __future__ import annotations
 
@@ -33,30 +37,61 @@ def _mesh_ranks(mesh) -> set:
     return set(mesh.mesh.flatten().tolist())
 
 
-def _group_norm(grads: list, norm_type: float, foreach: Optional[bool]) -> torch.Tensor:
-    """The norm of a list of gradients of one kind as a plain scalar tensor: a DTensor list's whole value (a reduction
-    over its mesh), a plain list's local one."""
-    norm = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
-    return norm.full_tensor() if _is_dtensor(norm) else norm
+def _local_part(grads: list, norm_type: float, foreach: Optional[bool], device) -> torch.Tensor:
+    """This rank's part of a list of gradients (DTensors: their local shards) as a float64 scalar on `device`: the
+    sum of |x|^p, or for p = inf the max |x| (NaN kept; 0 without elements)."""
+    local = [g.to_local() if _is_dtensor(g) else g for g in grads]
+    local = [t for t in local if t.numel() > 0]  # (an empty shard: no inf norm of an empty tensor)
+    if not local:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norm = torch.nn.utils.get_total_norm(local, norm_type, False, foreach).to(device, torch.float64)
+    return norm if math.isinf(norm_type) else norm.pow(norm_type)
+
+
+def _combine_over(value: torch.Tensor, group, infinite: bool) -> torch.Tensor:
+    """value (a float64 scalar part) of every rank of `group`, gathered and combined in rank order -- summed, or the
+    max for p = inf -- so that every rank gets the same bits and a NaN anywhere stays NaN."""
+    import torch.distributed as dist
+    size = dist.get_world_size(group)
+    if size == 1:
+        return value
+    parts = [torch.empty_like(value) for _ in range(size)]
+    dist.all_gather(parts, value.contiguous(), group=group)
+    stacked = torch.stack(parts)
+    return stacked.amax() if infinite else stacked.sum()
+
+
+def _dtensor_part(grads: list, mesh, placements, norm_type: float, foreach: Optional[bool], device) -> torch.Tensor:
+    """The part of DTensor gradients of one mesh and placement: local shards' parts combined over each mesh
+    dimension they are sharded along (replicated dimensions hold copies: counted once)."""
+    infinite = math.isinf(norm_type)
+    value = _local_part(grads, norm_type, foreach, device)
+    for dim, placement in enumerate(placements):
+        if placement.is_partial():
+            raise ValueError("clip_grad_norm_: a gradient is a DTensor with a Partial placement (its values still to "
+                             "be summed over ranks): reduce it first")
+        # (every placement but Replicate spreads distinct elements over the dimension: Shard, and FSDP2's
+        # _StridedShard over an already sharded DTensor, for which is_shard() is False in torch 2.13)
+        if not placement.is_replicate():
+            value = _combine_over(value, mesh.get_group(dim), infinite)
+    return value
 
 
 def _check_per_rank_experts_named(param_ids: set, expert_ids: set) -> None:
     """Refuses the weights of an ExpertMLP without ep_mesh (this rank's own experts; as FSDP2's DTensors over "dp"
-    too) among `parameters` but not in expert_parameters: counted as replicated they would make each EP rank's norm
-    its own, silently. Only where ranks could differ (torch.distributed started, world size above 1)."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return
+    too) among `parameters` but not in expert_parameters, once the module has run over an EP group of more than one
+    rank: counted as replicated they would make each EP rank's norm its own, silently. (Experts replicated over the
+    ranks, EP groups of one rank, are counted as they are.)"""
     for module in list(_EXPERT_MLPS):
-        if module.ep_mesh is not None:
+        if module.ep_mesh is not None or getattr(module, "_ep_group_size", 1) <= 1:
             continue
         for w in (module.w1, module.w2):
             if id(w) in param_ids and id(w) not in expert_ids:
                 raise ValueError("clip_grad_norm_: an ExpertMLP's weight (this rank's own experts: ExpertMLP without "
-                                 "ep_mesh) is in parameters but not in expert_parameters; name the layer's experts "
-                                 "there, expert_parameters=layer.experts.parameters(), with ep_group (the Buffer's "
-                                 "group; a group of one rank where the experts are replicated), or make them with "
-                                 "ep_mesh")
+                                 "ep_mesh, run over an EP group of more than one rank) is in parameters but not in "
+                                 "expert_parameters; name every such layer's experts there, e.g. "
+                                 "expert_parameters=layer.experts.parameters(), with ep_group (the Buffer's group), "
+                                 "or make them with ep_mesh")
 
 
 @torch.no_grad()
@@ -66,16 +101,19 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     """torch.nn.utils.clip_grad_norm_ for expert-parallel models (module docstring): scales every gradient of
     `parameters` in place by min(1, max_norm / (total + 1e-6)), total the norm of the whole model's gradient.
 
-    parameters: every parameter of the model (an iterable of tensors or DTensors, or one tensor), in the same order
-    on every rank, with gradients on the same ones (the reductions are collective: a rank that differs waits).
-    expert_parameters: those of them that are this rank's own experts as plain parameters (`ExpertMLP` without
-    `ep_mesh`: `layer.experts.parameters()`, also when FSDP2 shards them over "dp"); leave out ExpertMLP(ep_mesh=...)'s
-    weights, whose DTensors already span the EP group (refused). ep_group: the Buffer's group (the ranks over which
-    the experts are split); needed with expert_parameters, and then every rank of it makes one all-reduce over it.
-    norm_type: p > 0 or inf. error_if_nonfinite: raise if the total is NaN or Inf (a host synchronization).
-    foreach: as torch's (None: its default per device).
-    Returns the total norm: a float32 scalar tensor (not a DTensor), equal on every rank, on the gradients' device."""
+    parameters: every parameter of the model (an iterable of tensors or DTensors, or one tensor; a tensor listed twice
+    counts once), in the same order on every rank, with gradients on the same ones (the reductions are collective: a
+    rank that differs waits). expert_parameters: those of them that are this rank's own experts as plain parameters
+    (`ExpertMLP` without `ep_mesh`: `layer.experts.parameters()` of every such layer, also when FSDP2 shards them over
+    "dp"; refused if left out); leave out ExpertMLP(ep_mesh=...)'s weights, whose DTensors already span the EP group
+    (refused). ep_group: the Buffer's group (the ranks over which the experts are split); needed with
+    expert_parameters, and then every rank of it makes one gather over it. norm_type: p > 0 or inf.
+    error_if_nonfinite: raise if the total is NaN or Inf (a host synchronization). foreach: as torch's (None: its
+    default per device). No host synchronization otherwise (CUDA graphs: NCCL's gathers are capturable).
+    Returns the total norm: a float32 scalar tensor (not a DTensor), the same bits on every rank, on the gradients'
+    device."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    params = list({id(p): p for p in params}.values())  # (each parameter once, in its first place)
     experts = [expert_parameters] if isinstance(expert_parameters, torch.Tensor) else list(expert_parameters)
     norm_type = float(norm_type)
     if not (norm_type > 0.0):
@@ -87,7 +125,7 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     if experts and ep_group is None:
         raise ValueError("clip_grad_norm_: expert_parameters needs ep_group, the group the experts are split over "
                          "(the Buffer's group)")
-    _check_per_rank_experts_named(param_ids, expert_ids)
+    _check_per_rank_experts_named({id(p) for p in params if p.grad is not None}, expert_ids)
     if ep_group is not None:
         import torch.distributed as dist
         ep_ranks = set(dist.get_process_group_ranks(ep_group))
@@ -98,32 +136,30 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
                                  "expert_parameters, its norm covers every expert")
 
     # The gradients by kind, in the parameters' order (the same on every rank, so the reductions match):
-    # (in expert_parameters, the DTensor mesh or None) -> gradients.
+    # (in expert_parameters, the DTensor mesh and placements, or None) -> gradients.
     groups: dict = {}
     for p in params:
         if p.grad is None:
             continue
-        mesh = p.grad.device_mesh if _is_dtensor(p.grad) else None
-        groups.setdefault((id(p) in expert_ids, mesh), []).append(p.grad)
+        layout = (p.grad.device_mesh, tuple(p.grad.placements)) if _is_dtensor(p.grad) else None
+        groups.setdefault((id(p) in expert_ids, layout), []).append(p.grad)
     grads = [g for gs in groups.values() for g in gs]
     device = grads[0].device if grads else (params[0].device if params else torch.device("cpu"))
 
-    # Each kind's norm, raised to the power p (or kept, for the max norm of p = inf), summed (max) over the kinds;
-    # the experts' part also over ep_group.
-    # (in float64: the p-th power of a finite float32 norm can overflow float32, for p > 2 from norms of ~2^43)
+    # Each kind's part (sum of |x|^p, or max |x|) over the ranks that hold its pieces, summed (max) over the kinds; the
+    # named experts' also over ep_group. (float64: the p-th power of a float32 norm can overflow float32.)
     infinite = math.isinf(norm_type)
     replicated = torch.zeros((), dtype=torch.float64, device=device)
     own_experts = torch.zeros((), dtype=torch.float64, device=device)
-    for (is_expert, _), gs in groups.items():
-        norm = _group_norm(gs, norm_type, foreach).to(device, torch.float64)
-        part = norm if infinite else norm.pow(norm_type)
+    for (is_expert, layout), gs in groups.items():
+        part = _local_part(gs, norm_type, foreach, device) if layout is None \
+            else _dtensor_part(gs, *layout, norm_type, foreach, device)
         if is_expert:
             own_experts = torch.maximum(own_experts, part) if infinite else own_experts + part
         else:
             replicated = torch.maximum(replicated, part) if infinite else replicated + part
     if ep_group is not None:
-        import torch.distributed as dist
-        dist.all_reduce(own_experts, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM, group=ep_group)
+        own_experts = _combine_over(own_experts, ep_group, infinite)
     if infinite:
         total = torch.maximum(replicated, own_experts).float()
     else:

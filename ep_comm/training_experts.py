@@ -944,6 +944,7 @@ class ExpertMLP(torch.nn.Module):
                                  persistent=False)
         self.__dict__.setdefault("_weight_cache", None)
         self.__dict__.setdefault("ep_mesh", None)
+        _EXPERT_MLPS.add(self)  # (a copy or an unpickled module too: clip_grad_norm_'s check)
 
     @property
     def calls(self) -> int:
@@ -963,6 +964,8 @@ class ExpertMLP(torch.nn.Module):
         if self.ep_mesh is not None and isinstance(routed, RoutedTokens):
             _check_ep_mesh(self.ep_mesh, routed.link.buffer)
         _check_expert_inputs(routed, w1, w2, self.keep_weight_values, self.accumulate_into_main_grad)
+        # (the size of the EP group these experts are split over: clip_grad_norm_ refuses them unnamed above one)
+        self._ep_group_size = routed.link.buffer.config.world_size
         if is_first_microbatch is None:
             self._weight_cache = None
         elif is_first_microbatch:

@@ -22,6 +22,7 @@ losses: _hand_steps) -- and must give the same losses and weights, bit for bit:
   reduction, DTensor experts).
 """
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -155,9 +156,10 @@ def _param_groups(model):
     return [{"params": group} for group in groups if group]
 
 
-def _wrapped_steps(make_block, rank, world, mesh, wrapper, before_step=None):
-    """The same steps with the layer wrapped as `wrapper` says (module docstring); before_step: see _steps. Returns
-    (the losses, {name: FP32 parameter after the steps})."""
+def _wrapped_steps(make_block, rank, world, mesh, wrapper, before_step=None, count_quantizations=True):
+    """The same steps with the layer wrapped as `wrapper` says (module docstring); before_step: see _steps;
+    count_quantizations: check the weight quantizations' count (which assumes rows at every step: not where a rank is
+    an EP group of its own). Returns (the losses, {name: FP32 parameter after the steps})."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.nn.parallel import DistributedDataParallel
     block = make_block(torch.float32)
@@ -194,7 +196,7 @@ def _wrapped_steps(make_block, rank, world, mesh, wrapper, before_step=None):
                         before_step)
     finally:
         training_experts.quantize_expert_weights = quantize
-    if len(quantized) != 2 * STEPS * (1 if wrapper.endswith("accumulate") else micro_batches):
+    if count_quantizations and len(quantized) != 2 * STEPS * (1 if wrapper.endswith("accumulate") else micro_batches):
         raise AssertionError(f"{wrapper}: {len(quantized)} weight quantizations in {STEPS} steps")
     params = {name.removeprefix("module."): _full(p) for name, p in model.named_parameters()}
     return losses, params
@@ -300,11 +302,12 @@ def _true_gradient_norms(block, ep_group) -> tuple:
     return squares ** 0.5, largest
 
 
-def clip_worker(rank, world, ep_size, wrapper, backend="reference", device_kind="cpu"):
+def clip_worker(rank, world, ep_size, wrapper, backend="reference", device_kind="cpu", name_experts=True):
     """`training.clip_grad_norm_` at each step of a wrapped layer (wrapper_worker's wrappers): the max norm (max_norm
     inf: nothing scaled) equal to the whole layer's, the 2-norm within 1e-5 of it and the same bits on every rank, and
-    every gradient scaled (max_norm half the norm) by exactly min(1, max_norm / (norm + 1e-6)). Returns the differences
-    found ([] when none)."""
+    every gradient scaled (max_norm half the norm) by exactly min(1, max_norm / (norm + 1e-6)). name_experts: the
+    experts without ep_mesh named in expert_parameters (False: counted as replicated, right at EP 1). Returns the
+    differences found ([] when none)."""
     differences = []
     with _mesh_and_buffers(world, ep_size, backend, device_kind) as (device, mesh, ep_rank, buf, grads):
         ep_group = mesh["ep"].get_group()
@@ -312,7 +315,7 @@ def clip_worker(rank, world, ep_size, wrapper, backend="reference", device_kind=
 
         def clip_and_check(model, block):
             # (without ep_mesh the experts are this rank's own: named to clip_grad_norm_ with their group)
-            experts = list(block.experts.parameters()) if ep_mesh is None else []
+            experts = list(block.experts.parameters()) if ep_mesh is None and name_experts else []
             want_norm, want_max = _true_gradient_norms(block, ep_group)
             got_max = training.clip_grad_norm_(model.parameters(), float("inf"), float("inf"),
                                                expert_parameters=experts, ep_group=ep_group)
@@ -334,7 +337,7 @@ def clip_worker(rank, world, ep_size, wrapper, backend="reference", device_kind=
                     differences.append(f"{name}: gradient not scaled by {coef.item()}")
 
         _wrapped_steps(lambda dtype: MoEBlock(buf, grads, ep_rank, ep_size, dtype, device, ep_mesh), rank, world, mesh,
-                       wrapper, clip_and_check)
+                       wrapper, clip_and_check, count_quantizations=ep_size > 1)
     return differences
 
 
@@ -368,11 +371,20 @@ def test_nvlink_clip_grad_norm(wrapper):
                      backend="nccl"))
 
 
+@pytest.mark.cpu
+@pytest.mark.parametrize("wrapper", ("fsdp2", "ddp"))
+def test_gloo_clip_grad_norm_of_replicated_experts(wrapper):
+    """EP groups of one rank (2 replicas): the experts are the same on both ranks and count as replicated, unnamed
+    (not refused)."""
+    _check(run_ranks(clip_worker, 2, 1, wrapper, "reference", "cpu", False, backend="gloo"))
+
+
 def clip_errors_worker(rank, world):
     """clip_grad_norm_'s refusals (2 ranks, EP 2, before any collective): expert parameters without their group or
     outside parameters, ExpertMLP(ep_mesh=...)'s DTensors named as expert parameters, a norm type <= 0, an ExpertMLP's
-    per-rank experts (without ep_mesh) left out of expert_parameters, in whole or in part; and a NaN
-    gradient with error_if_nonfinite (after the reductions, so on every rank: the NaN is one rank's own expert's)."""
+    per-rank experts (without ep_mesh) left out of expert_parameters, in whole or in part, also those of a deep copy;
+    and a NaN gradient with error_if_nonfinite, for the 2-norm and the max norm (after the reductions, so on every
+    rank: the NaN is one rank's own expert's; a MAX all-reduce could drop it)."""
     errors = []
     with _mesh_and_buffers(world, world, "reference", "cpu") as (device, mesh, ep_rank, buf, grads):
         ep_group = mesh["ep"].get_group()
@@ -381,6 +393,9 @@ def clip_errors_worker(rank, world):
         for block in (plain, sharded):
             block(_tokens(rank, 0, 0, device)).float().square().sum().backward()
         experts = list(plain.experts.parameters())
+        copied = copy.deepcopy(plain.experts)  # (a stack of layers is often made by deep copies)
+        for w in copied.parameters():
+            w.grad = torch.zeros_like(w)
         cases = [
             (lambda: training.clip_grad_norm_(plain.parameters(), 1.0, expert_parameters=experts), ValueError,
              "needs ep_group"),
@@ -396,6 +411,8 @@ def clip_errors_worker(rank, world):
             (lambda: training.clip_grad_norm_(plain.parameters(), 1.0, expert_parameters=[plain.experts.w1],
                                               ep_group=ep_group),
              ValueError, "in parameters but not in expert_parameters"),
+            (lambda: training.clip_grad_norm_(copied.parameters(), 1.0, ep_group=ep_group), ValueError,
+             "in parameters but not in expert_parameters"),
         ]
         for call, kind, words in cases:
             try:
@@ -406,13 +423,14 @@ def clip_errors_worker(rank, world):
                     errors.append(f"{words!r} not in {error}")
         if rank == 1:
             plain.experts.w1.grad[0, 0, 0] = float("nan")
-        try:
-            training.clip_grad_norm_(plain.parameters(), 1.0, expert_parameters=experts, ep_group=ep_group,
-                                     error_if_nonfinite=True)
-            errors.append("a NaN gradient not refused")
-        except RuntimeError as error:
-            if "non-finite" not in str(error):
-                errors.append(f"'non-finite' not in {error}")
+        for norm_type in (2.0, float("inf")):
+            try:
+                training.clip_grad_norm_(plain.parameters(), 1.0, norm_type, expert_parameters=experts,
+                                         ep_group=ep_group, error_if_nonfinite=True)
+                errors.append(f"a NaN gradient not refused (norm {norm_type})")
+            except RuntimeError as error:
+                if "non-finite" not in str(error):
+                    errors.append(f"'non-finite' not in {error}")
     return errors
 
 
