@@ -12,7 +12,7 @@ model with expert parallelism holds neither, and torch's function fails or, wors
 `clip_grad_norm_` computes the norm of the whole model's gradient, each distinct parameter counted once, the same
 value on every rank, and scales every gradient by the same factor. What each kind of gradient contributes:
 * a DTensor (FSDP2's parameters, ExpertMLP(ep_mesh=...)'s experts): its whole value's norm, by its own placement
-  (one reduction per device mesh);
+  (its local shards' parts gathered over each mesh dimension it is sharded along; replicated dimensions hold copies);
 * a plain tensor named in `expert_parameters` (this rank's own experts, not DTensors over the EP group): summed over
   `ep_group`, the ranks that hold the layer's other experts; a DTensor named there (the experts sharded by FSDP2 over
   "dp" only) likewise, after its own reduction. An ExpertMLP's weights without ep_mesh must be named there (refused
@@ -109,7 +109,7 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     (refused). ep_group: the Buffer's group (the ranks over which the experts are split); needed with
     expert_parameters, and then every rank of it makes one gather over it. norm_type: p > 0 or inf.
     error_if_nonfinite: raise if the total is NaN or Inf (a host synchronization). foreach: as torch's (None: its
-    default per device). No host synchronization otherwise (CUDA graphs: NCCL's gathers are capturable).
+    default per device). No host synchronization otherwise (not tried inside a CUDA graph capture).
     Returns the total norm: a float32 scalar tensor (not a DTensor), the same bits on every rank, on the gradients'
     device."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
