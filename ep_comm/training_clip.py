@@ -30,7 +30,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 
-from .training_experts import _EXPERT_MLPS, _is_dtensor
+from .training_experts import _EXPERT_MLPS, _is_dtensor, _local
 
 
 def _mesh_ranks(mesh) -> set:
@@ -40,8 +40,7 @@ def _mesh_ranks(mesh) -> set:
 def _local_part(grads: list, norm_type: float, foreach: Optional[bool], device) -> torch.Tensor:
     """This rank's part of a list of gradients (DTensors: their local shards) as a float64 scalar on `device`: the
     sum of |x|^p, or for p = inf the max |x| (NaN kept; 0 without elements)."""
-    local = [g.to_local() if _is_dtensor(g) else g for g in grads]
-    local = [t for t in local if t.numel() > 0]  # (an empty shard: no inf norm of an empty tensor)
+    local = [t for t in map(_local, grads) if t.numel() > 0]  # (an empty shard: no inf norm of an empty tensor)
     if not local:
         return torch.zeros((), dtype=torch.float64, device=device)
     norm = torch.nn.utils.get_total_norm(local, norm_type, False, foreach).to(device, torch.float64)
@@ -108,8 +107,8 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     "dp"; refused if left out); leave out ExpertMLP(ep_mesh=...)'s weights, whose DTensors already span the EP group
     (refused). ep_group: the Buffer's group (the ranks over which the experts are split); needed with
     expert_parameters, and then every rank of it makes one gather over it. norm_type: p > 0 or inf.
-    error_if_nonfinite: raise if the total is NaN or Inf (a host synchronization). foreach: as torch's (None: its
-    default per device). No host synchronization otherwise (not tried inside a CUDA graph capture).
+    error_if_nonfinite: raise if the total is NaN or Inf (a host synchronization). foreach: for the norms, as torch's
+    (None: its default per device). No host synchronization otherwise (not tried inside a CUDA graph capture).
     Returns the total norm: a float32 scalar tensor (not a DTensor), the same bits on every rank, on the gradients'
     device."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -168,18 +167,11 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
         raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite "
                            f"({total.item()}), so they cannot be clipped (error_if_nonfinite=False clips them anyway)")
 
-    # One factor for every gradient (the local tensors of DTensors: their storage), per device and dtype in one
-    # foreach multiply where torch has one.
+    # One factor for every gradient (the local tensors of DTensors: their storage), one foreach multiply per device.
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    by_kind: dict = {}
-    for g in grads:
-        local = g.to_local() if _is_dtensor(g) else g
-        by_kind.setdefault((local.device, local.dtype), []).append(local)
-    for (grad_device, _), locals_ in by_kind.items():
-        coef = clip_coef.to(grad_device)
-        if foreach is False or (foreach is None and grad_device.type == "cpu"):
-            for local in locals_:
-                local.mul_(coef)
-        else:
-            torch._foreach_mul_(locals_, coef)
+    by_device: dict = {}
+    for local in map(_local, grads):
+        by_device.setdefault(local.device, []).append(local)
+    for grad_device, locals_ in by_device.items():
+        torch._foreach_mul_(locals_, clip_coef.to(grad_device))
     return total

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 import ep_comm
 from ep_comm import training, training_experts
+from ep_comm.training_experts import _local  # (a DTensor's local tensor, else the tensor)
 from format_cases import as_bytes
 from harness import SHARED_GPU, multigpu_world, run_ranks
 
@@ -67,11 +68,6 @@ def _tokens(rank: int, step: int, micro_batch: int, device) -> torch.Tensor:
     num_tokens = 0 if (rank, step) == (1, 1) else MAX_TOKENS - 3 * (rank % 4) - micro_batch
     gen = torch.Generator().manual_seed(1000 * step + 10 * rank + micro_batch)
     return torch.randn(num_tokens, HIDDEN, generator=gen).to(torch.bfloat16).to(device)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (ExpertMLP(ep_mesh=...)'s experts), else the tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
