@@ -843,7 +843,7 @@ class ExpertMLP(torch.nn.Module):
     experts over the mesh -- this rank holding its own E_local, as without it. That is what distributed checkpoints
     (torch.distributed.checkpoint) need to tell the EP ranks' experts apart: plain per-rank parameters all carry the
     same names and shapes, so a checkpoint keeps one EP rank's experts under them and gives them to every rank. It is
-    also what FSDP2 composes with (fully_shard over the "dp" mesh of the same 2-D mesh; README "Training"). Give every
+    also what FSDP2 composes with (fully_shard over the "dp" mesh of the same 2-D mesh; docs/TRAINING.md). Give every
     rank the same seed: the rank's position in ep_mesh is mixed into it (so the extra state is the same on every
     rank, as a checkpoint that keeps one copy of it needs). Not with accumulate_into_main_grad. reset_parameters()
     needs the weights as the constructor made them (not after fully_shard: initialise first, or load a checkpoint), and

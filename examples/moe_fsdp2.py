@@ -2,7 +2,7 @@
 lays out expert parallelism: a 2-D device mesh ("dp", "ep"), a Buffer over each "ep" group, the experts
 (`training.ExpertMLP(..., ep_mesh=mesh["ep"])`: DTensors of all E experts, E / ep on each EP rank) sharded over "dp",
 and the rest of the layer (the router) over every rank. The DTensors are what lets torch.distributed.checkpoint save
-and load every EP rank's experts (README "Training").
+and load every EP rank's experts (docs/TRAINING.md).
 
 Runs on every visible GPU (NCCL) when there are at least 2, else on 2 CPU ranks over gloo:
 
@@ -24,7 +24,7 @@ them over "ep" -- FSDP2 here only ever sees the experts through the "dp" mesh --
 sums its EP group's tokens, so its sum over "dp" is divided by the world size, as the router's is (below). (With DDP
 instead: leave the experts to DDP's ignore list, `DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`,
 and sum their gradients over the "dp" group yourself, divided by the world size; with `ep_mesh` the experts' DTensor
-weights need an optimizer parameter group of their own, apart from the plain tensors; README "Training".)
+weights need an optimizer parameter group of their own, apart from the plain tensors; docs/TRAINING.md.)
 """
 import math
 from typing import NamedTuple
@@ -116,7 +116,7 @@ def worker(rank, world, args):
                     weight.grad /= ep_size  # (FSDP2 divided by "dp"'s size: / ep more is / world)
             if args.max_grad_norm > 0:
                 # The whole layer's norm, the same on every rank: the ep_mesh experts' DTensors cover the EP group, so
-                # no expert_parameters (they would be needed for per-rank experts: README "Training").
+                # no expert_parameters (they would be needed for per-rank experts: docs/TRAINING.md).
                 grad_norms.append(training.clip_grad_norm_(student.parameters(), args.max_grad_norm).item())
             optimizer.step()
             optimizer.zero_grad()

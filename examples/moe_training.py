@@ -60,7 +60,7 @@ class ExpertParallelMoE(torch.nn.Module):
             out = training.expert_mlp(routed, self.w1, self.w2, seed=self.calls)
             return training.combine(out, routed)
         routed = training.dispatch(self.buffer, self.grads, x, topk_idx, topk_weights, dtype=torch.float32)
-        offsets = routed.result.expert_offsets.tolist()  # (a host read: fine for an example; see README "Training")
+        offsets = routed.result.expert_offsets.tolist()  # (a host read: fine for an example; see docs/TRAINING.md)
         counts = routed.result.num_tokens_per_expert.tolist()
         out = torch.zeros_like(routed.x)
         for j, count in enumerate(counts):

@@ -508,7 +508,7 @@ def test_dequantize_accumulate_checks_weights_type_and_device():
 
 
 def test_mxfp8_keeps_nan_and_inf_as_readme_says():
-    """README "NaN / Inf inputs": MXFP8 decodes NaN as NaN and Inf as Inf; an Inf's block scale is 0xFE, which
+    """docs/NVLINK.md "NaN / Inf inputs": MXFP8 decodes NaN as NaN and Inf as Inf; an Inf's block scale is 0xFE, which
     flushes the other 31 elements of its block to zero. (NVFP4 / S2F6: test_nan_inf_and_zero_rows.)"""
     x = torch.randn(2, 64)
     x[0, 3], x[1, 5] = math.nan, -math.inf

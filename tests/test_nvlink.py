@@ -885,9 +885,9 @@ def rows_worker(rank, world):
 def out_of_range_ids_worker(rank, world):
     """check_inputs=False: expert ids outside [0, E) -- E itself, -5, 2^40 (int64), INT32_MIN / INT32_MAX (int32), a
     token with every slot out of range -- are masked slots in the kernels: dispatch and combine are bitwise the
-    reference backend's with those ids set to -1 (README, "check_inputs"), for both id dtypes and an expanded and a
-    rows-only dispatch; and nothing is recorded as a fault. The Buffers take a non-default RHT sign vector, which the
-    S2F6 combine's forward and inverse RHT must both use to give the reference's bits."""
+    reference backend's with those ids set to -1 (docs/NVLINK.md, "check_inputs"), for both id dtypes and an expanded
+    and a rows-only dispatch; and nothing is recorded as a fault. The Buffers take a non-default RHT sign vector, which
+    the S2F6 combine's forward and inverse RHT must both use to give the reference's bits."""
     hidden, experts, topk, max_tokens = 2048, 8 * world, 4, 32
     with _buffer_pair(hidden, experts, topk, max_tokens, "nvfp4", "s2f6", 1, sign_mask=0x0F0F5A5A) as (ref, nvl):
         for call, idx_dtype in enumerate((torch.int64, torch.int32)):

@@ -145,7 +145,7 @@ def _param_groups(model):
     """The optimizer's parameter groups: plain tensors, then DTensors. Under DDP with `ep_mesh` the experts' DTensor
     weights sit beside plain tensors, and torch's foreach step -- its default on CUDA -- refuses a group that mixes the
     two ("got mixed torch.Tensor and DTensor": seen on one H100, torch 2.11), so the experts get a group of their own
-    (README "Training"). Under FSDP2 every parameter is a DTensor, without `ep_mesh` under DDP none: one group."""
+    (docs/TRAINING.md). Under FSDP2 every parameter is a DTensor, without `ep_mesh` under DDP none: one group."""
     from torch.distributed.tensor import DTensor
     params = list(model.parameters())
     groups = ([p for p in params if not isinstance(p, DTensor)], [p for p in params if isinstance(p, DTensor)])

@@ -431,9 +431,9 @@ def _check_quantize_as_pack_weights(device):
 def _arena_result_worker(rank, world):
     """_ExpertMLPFunction on a DispatchResult laid out as the nvlink backend lays it out (every field a view of one
     arena, made here from a reference-backend result), with the result's topk_weight edited in place between forward
-    and backward (allowed: README, Buffer.dispatch). The backward must not trip autograd's version check on the saved
-    tensors that are views of the result, and the gradients are those of the same step without the edit (the experts'
-    backward reads no weight). Returns the three gradients' byte equality."""
+    and backward (allowed: docs/TRAINING.md, Buffer.dispatch). The backward must not trip autograd's version check on
+    the saved tensors that are views of the result, and the gradients are those of the same step without the edit (the
+    experts' backward reads no weight). Returns the three gradients' byte equality."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(40, HIDDEN, generator=gen).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(4, generator=gen)[:TOPK] for _ in range(40)])
