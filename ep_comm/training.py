@@ -612,4 +612,4 @@ def combine(expert_out: torch.Tensor, routed: RoutedTokens, *, comm_stream: Opti
 # module builds on RoutedTokens.)
 from .training_experts import ExpertMLP, expert_mlp, quantize_expert_weights  # noqa: E402,F401
 # Gradient clipping by the global norm across EP ranks and meshes (ep_comm/training_clip.py).
-from .training_clip import clip_grad_norm_  # noqa: E402,F401
+from .training_clip import clip_grad_norm_, grad_norm  # noqa: E402,F401

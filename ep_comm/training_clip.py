@@ -18,10 +18,14 @@ value on every rank, and scales every gradient by the same factor. What each kin
   "dp" only) likewise, after its own reduction. An ExpertMLP's weights without ep_mesh must be named there (refused
   otherwise, once it has run a forward over an EP group of more than one rank);
 * any other plain tensor: replicated, the same on every rank (what DDP keeps), counted as it is.
+With pipeline parallelism each rank holds one stage's parameters: `pp_group` (the ranks that hold the other stages at
+this rank's place) sums the stages' parts, so the norm is the whole model's on every stage, as TorchTitan sums its
+stages' norms before clipping (torch's function, again, sees one stage only).
 Every reduction gathers the ranks' values and combines them in rank order, so every rank gets the same bits (an
 all-reduce may add in another order in each communicator, and a MAX all-reduce may drop a NaN). One `ep_group` for
 all the named experts: a model whose layers split their experts over different groups is not covered. Norms of BF16
-gradients are taken in BF16, as torch takes them.
+gradients are taken in BF16, as torch takes them. `grad_norm` gives the same norm without scaling anything (for
+logging: clipping with max_norm = inf would still multiply every gradient by 1).
 """
 from __future__ import annotations
 
@@ -60,14 +64,15 @@ def _combine_over(value: torch.Tensor, group, infinite: bool) -> torch.Tensor:
     return stacked.amax() if infinite else stacked.sum()
 
 
-def _dtensor_part(grads: list, mesh, placements, norm_type: float, foreach: Optional[bool], device) -> torch.Tensor:
+def _dtensor_part(grads: list, mesh, placements, norm_type: float, foreach: Optional[bool], device,
+                  what: str) -> torch.Tensor:
     """The part of DTensor gradients of one mesh and placement: local shards' parts combined over each mesh
     dimension they are sharded along (replicated dimensions hold copies: counted once)."""
     infinite = math.isinf(norm_type)
     value = _local_part(grads, norm_type, foreach, device)
     for dim, placement in enumerate(placements):
         if placement.is_partial():
-            raise ValueError("clip_grad_norm_: a gradient is a DTensor with a Partial placement (its values still to "
+            raise ValueError(f"{what}: a gradient is a DTensor with a Partial placement (its values still to "
                              "be summed over ranks): reduce it first")
         # (every placement but Replicate spreads distinct elements over the dimension: Shard, and FSDP2's
         # _StridedShard over an already sharded DTensor, for which is_shard() is False in torch 2.13)
@@ -76,7 +81,7 @@ def _dtensor_part(grads: list, mesh, placements, norm_type: float, foreach: Opti
     return value
 
 
-def _check_per_rank_experts_named(param_ids: set, expert_ids: set) -> None:
+def _check_per_rank_experts_named(param_ids: set, expert_ids: set, what: str) -> None:
     """Refuses the weights of an ExpertMLP without ep_mesh (this rank's own experts; as FSDP2's DTensors over "dp"
     too) among `parameters` but not in expert_parameters, once the module has run over an EP group of more than one
     rank: counted as replicated they would make each EP rank's norm its own, silently. (Experts replicated over the
@@ -86,53 +91,63 @@ def _check_per_rank_experts_named(param_ids: set, expert_ids: set) -> None:
             continue
         for w in (module.w1, module.w2):
             if id(w) in param_ids and id(w) not in expert_ids:
-                raise ValueError("clip_grad_norm_: an ExpertMLP's weight (this rank's own experts: ExpertMLP without "
+                raise ValueError(f"{what}: an ExpertMLP's weight (this rank's own experts: ExpertMLP without "
                                  "ep_mesh, run over an EP group of more than one rank) is in parameters but not in "
                                  "expert_parameters; name every such layer's experts there, e.g. "
                                  "expert_parameters=layer.experts.parameters(), with ep_group (the Buffer's group), "
                                  "or make them with ep_mesh")
 
 
-@torch.no_grad()
-def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
-                    norm_type: float = 2.0, *, expert_parameters: Iterable[torch.Tensor] = (), ep_group=None,
-                    error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ for expert-parallel models (module docstring): scales every gradient of
-    `parameters` in place by min(1, max_norm / (total + 1e-6)), total the norm of the whole model's gradient.
+def _group_ranks(group) -> set:
+    import torch.distributed as dist
+    return set(dist.get_process_group_ranks(group))
 
-    parameters: every parameter of the model (an iterable of tensors or DTensors, or one tensor; a tensor listed twice
-    counts once), in the same order on every rank, with gradients on the same ones (the reductions are collective: a
-    rank that differs waits). expert_parameters: those of them that are this rank's own experts as plain parameters
-    (`ExpertMLP` without `ep_mesh`: `layer.experts.parameters()` of every such layer, also when FSDP2 shards them over
-    "dp"; refused if left out); leave out ExpertMLP(ep_mesh=...)'s weights, whose DTensors already span the EP group
-    (refused). ep_group: the Buffer's group (the ranks over which the experts are split); needed with
-    expert_parameters, and then every rank of it makes one gather over it. norm_type: p > 0 or inf.
-    error_if_nonfinite: raise if the total is NaN or Inf (a host synchronization). foreach: for the norms, as torch's
-    (None: its default per device). No host synchronization otherwise (not tried inside a CUDA graph capture).
-    Returns the total norm: a float32 scalar tensor (not a DTensor), the same bits on every rank, on the gradients'
-    device."""
+
+def _check_groups(params: list, experts: list, ep_group, pp_group, what: str) -> None:
+    """The refusals of mismatched groups: ep_mesh DTensors named as per-rank experts; with pp_group, a group or a
+    DTensor's mesh that also holds another stage (its part would be counted once per stage)."""
+    import torch.distributed as dist
+    me = dist.get_rank() if ep_group is not None or pp_group is not None else None
+    if ep_group is not None:
+        ep_ranks = _group_ranks(ep_group)
+        for p in experts:
+            if _is_dtensor(p) and _mesh_ranks(p.device_mesh) & ep_ranks != {me}:
+                raise ValueError(f"{what}: a DTensor of expert_parameters is spread over other ranks of "
+                                 "ep_group already (ExpertMLP(ep_mesh=...)'s weights): leave it out of "
+                                 "expert_parameters, its norm covers every expert")
+    if pp_group is None:
+        return
+    pp_ranks = _group_ranks(pp_group)
+    if me not in pp_ranks:
+        raise ValueError(f"{what}: this rank is not in pp_group")
+    if ep_group is not None and _group_ranks(ep_group) & pp_ranks != {me}:
+        raise ValueError(f"{what}: ep_group and pp_group share ranks other than this one; pp_group holds one rank "
+                         "per pipeline stage, ep_group the ranks of this stage that split its experts")
+    for p in params:
+        if p.grad is not None and _is_dtensor(p.grad) and _mesh_ranks(p.grad.device_mesh) & pp_ranks != {me}:
+            raise ValueError(f"{what}: a gradient is a DTensor whose mesh also holds another rank of pp_group (another "
+                             "pipeline stage): each stage's parameters must live on meshes of that stage's ranks")
+
+
+def _total_norm(parameters, norm_type, expert_parameters, ep_group, pp_group, error_if_nonfinite, foreach,
+                what: str) -> tuple:
+    """(total: the float32 scalar norm, grads: every gradient counted, in the parameters' order), grad_norm's
+    computation (its docstring), shared with clip_grad_norm_; `what` names the caller in errors."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     params = list({id(p): p for p in params}.values())  # (each parameter once, in its first place)
     experts = [expert_parameters] if isinstance(expert_parameters, torch.Tensor) else list(expert_parameters)
     norm_type = float(norm_type)
     if not (norm_type > 0.0):
-        raise ValueError(f"clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type}")
+        raise ValueError(f"{what}: norm_type must be > 0 or inf, got {norm_type}")
     param_ids = {id(p) for p in params}
     expert_ids = {id(p) for p in experts}
     if not expert_ids <= param_ids:
-        raise ValueError("clip_grad_norm_: every tensor of expert_parameters must also be in parameters")
+        raise ValueError(f"{what}: every tensor of expert_parameters must also be in parameters")
     if experts and ep_group is None:
-        raise ValueError("clip_grad_norm_: expert_parameters needs ep_group, the group the experts are split over "
+        raise ValueError(f"{what}: expert_parameters needs ep_group, the group the experts are split over "
                          "(the Buffer's group)")
-    _check_per_rank_experts_named({id(p) for p in params if p.grad is not None}, expert_ids)
-    if ep_group is not None:
-        import torch.distributed as dist
-        ep_ranks = set(dist.get_process_group_ranks(ep_group))
-        for p in experts:
-            if _is_dtensor(p) and _mesh_ranks(p.device_mesh) & ep_ranks != {dist.get_rank()}:
-                raise ValueError("clip_grad_norm_: a DTensor of expert_parameters is spread over other ranks of "
-                                 "ep_group already (ExpertMLP(ep_mesh=...)'s weights): leave it out of "
-                                 "expert_parameters, its norm covers every expert")
+    _check_per_rank_experts_named({id(p) for p in params if p.grad is not None}, expert_ids, what)
+    _check_groups(params, experts, ep_group, pp_group, what)
 
     # The gradients by kind, in the parameters' order (the same on every rank, so the reductions match):
     # (in expert_parameters, the DTensor mesh and placements, or None) -> gradients.
@@ -146,26 +161,66 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     device = grads[0].device if grads else (params[0].device if params else torch.device("cpu"))
 
     # Each kind's part (sum of |x|^p, or max |x|) over the ranks that hold its pieces, summed (max) over the kinds; the
-    # named experts' also over ep_group. (float64: the p-th power of a float32 norm can overflow float32.)
+    # named experts' also over ep_group, the stage's over pp_group. (float64: the p-th power of a float32 norm can
+    # overflow float32.)
     infinite = math.isinf(norm_type)
     replicated = torch.zeros((), dtype=torch.float64, device=device)
     own_experts = torch.zeros((), dtype=torch.float64, device=device)
     for (is_expert, layout), gs in groups.items():
         part = _local_part(gs, norm_type, foreach, device) if layout is None \
-            else _dtensor_part(gs, *layout, norm_type, foreach, device)
+            else _dtensor_part(gs, *layout, norm_type, foreach, device, what)
         if is_expert:
             own_experts = torch.maximum(own_experts, part) if infinite else own_experts + part
         else:
             replicated = torch.maximum(replicated, part) if infinite else replicated + part
     if ep_group is not None:
         own_experts = _combine_over(own_experts, ep_group, infinite)
-    if infinite:
-        total = torch.maximum(replicated, own_experts).float()
-    else:
-        total = (replicated + own_experts).pow(1.0 / norm_type).float()
+    stage = torch.maximum(replicated, own_experts) if infinite else replicated + own_experts
+    if pp_group is not None:
+        stage = _combine_over(stage, pp_group, infinite)
+    total = (stage if infinite else stage.pow(1.0 / norm_type)).float()
     if error_if_nonfinite and not bool(torch.isfinite(total)):
-        raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite "
-                           f"({total.item()}), so they cannot be clipped (error_if_nonfinite=False clips them anyway)")
+        clipping = ", so they cannot be clipped (error_if_nonfinite=False clips them anyway)" \
+            if what == "clip_grad_norm_" else ""
+        raise RuntimeError(f"{what}: the total norm of order {norm_type} of the gradients is non-finite "
+                           f"({total.item()}){clipping}")
+    return total, grads
+
+
+@torch.no_grad()
+def grad_norm(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], norm_type: float = 2.0, *,
+              expert_parameters: Iterable[torch.Tensor] = (), ep_group=None, pp_group=None,
+              error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
+    """The norm of the whole model's gradient (module docstring), the value clip_grad_norm_ returns, without scaling
+    any gradient: a float32 scalar tensor (not a DTensor), the same bits on every rank, on the gradients' device.
+
+    parameters: every parameter of the model (of this pipeline stage, with pp_group; an iterable of tensors or
+    DTensors, or one tensor; a tensor listed twice counts once), in the same order on every rank, with gradients on the
+    same ones (the reductions are collective: a rank that differs waits). expert_parameters: those of them that are
+    this rank's own experts as plain parameters (`ExpertMLP` without `ep_mesh`: `layer.experts.parameters()` of every
+    such layer, also when FSDP2 shards them over "dp"; refused if left out); leave out ExpertMLP(ep_mesh=...)'s
+    weights, whose DTensors already span the EP group (refused). ep_group: the Buffer's group (the ranks over which
+    the experts are split); needed with expert_parameters, and then every rank of it makes one gather over it.
+    pp_group: with pipeline parallelism, the ranks that hold the other stages at this rank's place (one per stage;
+    refused if it shares a rank with ep_group or with a DTensor's mesh); every rank of it makes one gather over it.
+    norm_type: p > 0 or inf. error_if_nonfinite: raise if the total is NaN or Inf (a host synchronization). foreach:
+    for the norms, as torch's (None: its default per device). No host synchronization otherwise (not tried inside a
+    CUDA graph capture)."""
+    return _total_norm(parameters, norm_type, expert_parameters, ep_group, pp_group, error_if_nonfinite, foreach,
+                       "grad_norm")[0]
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
+                    norm_type: float = 2.0, *, expert_parameters: Iterable[torch.Tensor] = (), ep_group=None,
+                    pp_group=None, error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for expert-parallel models (module docstring): scales every gradient of
+    `parameters` in place by min(1, max_norm / (total + 1e-6)), total the norm of the whole model's gradient
+    (`grad_norm`), and returns total: a float32 scalar tensor (not a DTensor), the same bits on every rank, on the
+    gradients' device. The arguments are grad_norm's, and max_norm: a float (inf: every factor is 1).
+    """
+    total, grads = _total_norm(parameters, norm_type, expert_parameters, ep_group, pp_group, error_if_nonfinite,
+                               foreach, "clip_grad_norm_")
 
     # One factor for every gradient (the local tensors of DTensors: their storage), one foreach multiply per device.
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

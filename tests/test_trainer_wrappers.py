@@ -199,24 +199,31 @@ def _wrapped_steps(make_block, rank, world, mesh, wrapper, before_step=None, cou
 
 
 @contextlib.contextmanager
-def _mesh_and_buffers(world, ep_size, backend, device_kind):
+def _mesh_and_buffers(world, ep_size, backend, device_kind, pp=1):
     """The 2-D mesh ("dp", "ep") of (world / ep_size, ep_size) ranks and a Buffer with its GradBuffers over the EP
-    group: yields (device, mesh, ep_rank, buffer, grads)."""
+    group: yields (device, mesh, ep_rank, buffer, grads, pp_group). pp > 1: pipeline stages -- the mesh ("pp", "dp",
+    "ep") of (pp, world / (pp ep_size), ep_size), `mesh` this rank's stage's ("dp", "ep"), pp_group the ranks of the
+    other stages at this rank's place (else None)."""
     from torch.distributed.device_mesh import init_device_mesh
     on_gpu = device_kind == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    mesh = init_device_mesh(device.type, (world // ep_size, ep_size), mesh_dim_names=("dp", "ep"))
+    if pp == 1:
+        mesh, pp_group = init_device_mesh(device.type, (world // ep_size, ep_size), mesh_dim_names=("dp", "ep")), None
+    else:
+        stages = init_device_mesh(device.type, (pp, world // (pp * ep_size), ep_size),
+                                  mesh_dim_names=("pp", "dp", "ep"))
+        mesh, pp_group = stages["dp", "ep"], stages["pp"].get_group()
     ep_group = mesh["ep"].get_group()
     with ep_comm.Buffer(ep_group, hidden=HIDDEN, num_experts=NUM_EXPERTS, num_topk=TOPK,
                         max_tokens_per_rank=MAX_TOKENS, expert_alignment=32, backend=backend, timeout_s=120) as buf, \
             training.GradBuffers.create(buf) as grads:
-        yield device, mesh, dist.get_rank(ep_group), buf, grads
+        yield device, mesh, dist.get_rank(ep_group), buf, grads, pp_group
 
 
 def wrapper_worker(rank, world, ep_size, wrapper, backend="reference", device_kind="cpu"):
     """One wrapper's steps against the hand-taken ones on a mesh (world / ep_size, ep_size). Returns the differences
     found ([] when none)."""
-    with _mesh_and_buffers(world, ep_size, backend, device_kind) as (device, mesh, ep_rank, buf, grads):
+    with _mesh_and_buffers(world, ep_size, backend, device_kind) as (device, mesh, ep_rank, buf, grads, _):
         ep_group = mesh["ep"].get_group()
         ep_mesh = mesh["ep"] if "dtensor" in wrapper else None
 
@@ -298,14 +305,16 @@ def _true_gradient_norms(block, ep_group) -> tuple:
     return squares ** 0.5, largest
 
 
-def clip_worker(rank, world, ep_size, wrapper, backend="reference", device_kind="cpu", name_experts=True):
+def clip_worker(rank, world, ep_size, wrapper, backend="reference", device_kind="cpu", name_experts=True, pp=1):
     """`training.clip_grad_norm_` at each step of a wrapped layer (wrapper_worker's wrappers): the max norm (max_norm
     inf: nothing scaled) equal to the whole layer's, the 2-norm within 1e-5 of it and the same bits on every rank, and
-    every gradient scaled (max_norm half the norm) by exactly min(1, max_norm / (norm + 1e-6)). name_experts: the
-    experts without ep_mesh named in expert_parameters (False: counted as replicated, right at EP 1). Returns the
-    differences found ([] when none)."""
+    every gradient scaled (max_norm half the norm) by exactly min(1, max_norm / (norm + 1e-6)); `training.grad_norm`
+    the same norm, nothing scaled. name_experts: the experts without ep_mesh named in expert_parameters (False:
+    counted as replicated, right at EP 1). pp > 1: that many pipeline stages, each a layer of its own over its ranks
+    (FSDP2 wrappers only: DDP here would average over every rank), and the norm the whole model's (every stage's
+    layer) through pp_group. Returns the differences found ([] when none)."""
     differences = []
-    with _mesh_and_buffers(world, ep_size, backend, device_kind) as (device, mesh, ep_rank, buf, grads):
+    with _mesh_and_buffers(world, ep_size, backend, device_kind, pp) as (device, mesh, ep_rank, buf, grads, pp_group):
         ep_group = mesh["ep"].get_group()
         ep_mesh = mesh["ep"] if "dtensor" in wrapper else None
 
@@ -313,16 +322,27 @@ def clip_worker(rank, world, ep_size, wrapper, backend="reference", device_kind=
             # (without ep_mesh the experts are this rank's own: named to clip_grad_norm_ with their group)
             experts = list(block.experts.parameters()) if ep_mesh is None and name_experts else []
             want_norm, want_max = _true_gradient_norms(block, ep_group)
-            got_max = training.clip_grad_norm_(model.parameters(), float("inf"), float("inf"),
-                                               expert_parameters=experts, ep_group=ep_group)
+            if pp_group is not None:  # (every stage's layer: the stages' squares summed, their maxima's max)
+                stage = torch.tensor([want_norm ** 2, want_max], dtype=torch.float64)
+                stages = [torch.empty_like(stage) for _ in range(pp)]
+                dist.all_gather(stages, stage, group=pp_group)
+                if all(torch.equal(x, stage) for x in stages):
+                    differences.append("the stages' norms are equal: the test would not see a missing sum")
+                want_norm, want_max = sum(x[0] for x in stages).item() ** 0.5, max(x[1] for x in stages).item()
+            groups = dict(expert_parameters=experts, ep_group=ep_group, pp_group=pp_group)
+            got_max = training.clip_grad_norm_(model.parameters(), float("inf"), float("inf"), **groups)
             if got_max.item() != want_max:
                 differences.append(f"max norm {got_max.item()} vs {want_max}")
             before = [_local(p.grad).clone() for p in model.parameters()]
+            logged = training.grad_norm(model.parameters(), **groups)
+            if any(not torch.equal(_local(p.grad), grad) for p, grad in zip(model.parameters(), before)):
+                differences.append("grad_norm changed a gradient")
             max_norm = want_norm / 2
-            got = training.clip_grad_norm_(model.parameters(), max_norm, expert_parameters=experts,
-                                           ep_group=ep_group)
+            got = training.clip_grad_norm_(model.parameters(), max_norm, **groups)
             if abs(got.item() - want_norm) > 1e-5 * want_norm:
                 differences.append(f"norm {got.item()} vs {want_norm}")
+            if not torch.equal(logged, got):
+                differences.append(f"grad_norm {logged.item()} vs clip_grad_norm_'s {got.item()}")
             norms = [torch.empty_like(got) for _ in range(world)]
             dist.all_gather(norms, got)
             if any(not torch.equal(n, got) for n in norms):
@@ -332,8 +352,8 @@ def clip_worker(rank, world, ep_size, wrapper, backend="reference", device_kind=
                 if not torch.equal(_local(p.grad), grad * coef.to(grad.device)):
                     differences.append(f"{name}: gradient not scaled by {coef.item()}")
 
-        _wrapped_steps(lambda dtype: MoEBlock(buf, grads, ep_rank, ep_size, dtype, device, ep_mesh), rank, world, mesh,
-                       wrapper, clip_and_check, count_quantizations=ep_size > 1)
+        _wrapped_steps(lambda dtype: MoEBlock(buf, grads, ep_rank, ep_size, dtype, device, ep_mesh), rank, world // pp,
+                       mesh, wrapper, clip_and_check, count_quantizations=ep_size > 1)
     return differences
 
 
@@ -368,6 +388,15 @@ def test_nvlink_clip_grad_norm(wrapper):
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("wrapper", ("fsdp2", "fsdp2_dtensor"))
+def test_gloo_clip_grad_norm_across_pipeline_stages(wrapper):
+    """4 ranks as 2 pipeline stages of EP 2, each stage's layer under FSDP2 over its own ranks: through pp_group the
+    norm is the whole model's, the same on both stages (torch's, and ours without pp_group, would give each stage its
+    own)."""
+    _check(run_ranks(clip_worker, 4, 2, wrapper, "reference", "cpu", True, 2, backend="gloo"))
+
+
+@pytest.mark.cpu
 @pytest.mark.parametrize("wrapper", ("fsdp2", "ddp"))
 def test_gloo_clip_grad_norm_of_replicated_experts(wrapper):
     """EP groups of one rank (2 replicas): the experts are the same on both ranks and count as replicated, unnamed
@@ -379,10 +408,11 @@ def clip_errors_worker(rank, world):
     """clip_grad_norm_'s refusals (2 ranks, EP 2, before any collective): expert parameters without their group or
     outside parameters, ExpertMLP(ep_mesh=...)'s DTensors named as expert parameters, a norm type <= 0, an ExpertMLP's
     per-rank experts (without ep_mesh) left out of expert_parameters, in whole or in part, also those of a deep copy;
-    and a NaN gradient with error_if_nonfinite, for the 2-norm and the max norm (after the reductions, so on every
+    the pipeline groups that would count a stage twice (grad_norm's refusals are the same); and a NaN gradient with
+    error_if_nonfinite, for the 2-norm and the max norm (after the reductions, so on every
     rank: the NaN is one rank's own expert's; a MAX all-reduce could drop it)."""
     errors = []
-    with _mesh_and_buffers(world, world, "reference", "cpu") as (device, mesh, ep_rank, buf, grads):
+    with _mesh_and_buffers(world, world, "reference", "cpu") as (device, mesh, ep_rank, buf, grads, _):
         ep_group = mesh["ep"].get_group()
         plain = MoEBlock(buf, grads, ep_rank, world, torch.float32, device)
         sharded = MoEBlock(buf, grads, ep_rank, world, torch.float32, device, mesh["ep"])
@@ -409,6 +439,12 @@ def clip_errors_worker(rank, world):
              ValueError, "in parameters but not in expert_parameters"),
             (lambda: training.clip_grad_norm_(copied.parameters(), 1.0, ep_group=ep_group), ValueError,
              "in parameters but not in expert_parameters"),
+            # (pipeline stages: pp_group holds one rank per stage; a group or mesh spanning stages counts them twice)
+            (lambda: training.grad_norm(plain.parameters(), expert_parameters=experts, ep_group=ep_group,
+                                        pp_group=ep_group), ValueError, "grad_norm: ep_group and pp_group share"),
+            (lambda: training.grad_norm(sharded.parameters(), pp_group=dist.group.WORLD), ValueError,
+             "mesh also holds another rank of pp_group"),
+            (lambda: training.grad_norm(plain.parameters(), -1.0), ValueError, "grad_norm: norm_type must be > 0"),
         ]
         for call, kind, words in cases:
             try:
