@@ -18,9 +18,10 @@ value on every rank, and scales every gradient by the same factor. What each kin
   "dp" only) likewise, after its own reduction. An ExpertMLP's weights without ep_mesh must be named there (refused
   otherwise, once it has run a forward over an EP group of more than one rank);
 * any other plain tensor: replicated, the same on every rank (what DDP keeps), counted as it is.
-With pipeline parallelism each rank holds one stage's parameters: `pp_group` (the ranks that hold the other stages at
-this rank's place) sums the stages' parts, so the norm is the whole model's on every stage, as TorchTitan sums its
-stages' norms before clipping (torch's function, again, sees one stage only).
+With pipeline parallelism each rank holds its stages' parameters (several model chunks under an interleaved schedule:
+pass them all in one call): `pp_group` (the ranks that hold the other stages at this rank's place, one per pipeline
+rank) sums the stages' parts, so the norm is the whole model's on every stage, as TorchTitan sums its stages' norms
+before clipping (torch's function, again, sees one stage only).
 Every reduction gathers the ranks' values and combines them in rank order, so every rank gets the same bits (an
 all-reduce may add in another order in each communicator, and a MAX all-reduce may drop a NaN). One `ep_group` for
 all the named experts: a model whose layers split their experts over different groups is not covered. Norms of BF16
@@ -64,16 +65,12 @@ def _combine_over(value: torch.Tensor, group, infinite: bool) -> torch.Tensor:
     return stacked.amax() if infinite else stacked.sum()
 
 
-def _dtensor_part(grads: list, mesh, placements, norm_type: float, foreach: Optional[bool], device,
-                  what: str) -> torch.Tensor:
+def _dtensor_part(grads: list, mesh, placements, norm_type: float, foreach: Optional[bool], device) -> torch.Tensor:
     """The part of DTensor gradients of one mesh and placement: local shards' parts combined over each mesh
     dimension they are sharded along (replicated dimensions hold copies: counted once)."""
     infinite = math.isinf(norm_type)
     value = _local_part(grads, norm_type, foreach, device)
-    for dim, placement in enumerate(placements):
-        if placement.is_partial():
-            raise ValueError(f"{what}: a gradient is a DTensor with a Partial placement (its values still to "
-                             "be summed over ranks): reduce it first")
+    for dim, placement in enumerate(placements):  # (no Partial placement: _check_groups refused it)
         # (every placement but Replicate spreads distinct elements over the dimension: Shard, and FSDP2's
         # _StridedShard over an already sharded DTensor, for which is_shard() is False in torch 2.13)
         if not placement.is_replicate():
@@ -104,9 +101,15 @@ def _group_ranks(group) -> set:
 
 
 def _check_groups(params: list, experts: list, ep_group, pp_group, what: str) -> None:
-    """The refusals of mismatched groups: ep_mesh DTensors named as per-rank experts; with pp_group, a group or a
-    DTensor's mesh that also holds another stage (its part would be counted once per stage)."""
+    """The refusals of gradients and groups that would be counted wrongly: a DTensor gradient with a Partial placement;
+    ep_mesh DTensors named as per-rank experts; with pp_group, an ep_group or a DTensor's mesh that shares a rank other
+    than this one with it (that part would be counted once per stage). Not detected (it would need a collective): a
+    pp_group that also holds data-parallel replicas of this rank's stage, which counts their parts once per replica."""
     import torch.distributed as dist
+    for p in params:
+        if p.grad is not None and _is_dtensor(p.grad) and any(pl.is_partial() for pl in p.grad.placements):
+            raise ValueError(f"{what}: a gradient is a DTensor with a Partial placement (its values still to be summed "
+                             "over ranks): reduce it first")
     me = dist.get_rank() if ep_group is not None or pp_group is not None else None
     if ep_group is not None:
         ep_ranks = _group_ranks(ep_group)
@@ -129,6 +132,35 @@ def _check_groups(params: list, experts: list, ep_group, pp_group, what: str) ->
                              "pipeline stage): each stage's parameters must live on meshes of that stage's ranks")
 
 
+def _device_of(params: list, groups) -> torch.device:
+    """Where the reductions run: the first gradient's device, else the first parameter's; for a rank without
+    parameters, the current CUDA device where a group is NCCL's (its collectives need CUDA tensors), else the CPU."""
+    import torch.distributed as dist
+    for p in params:
+        if p.grad is not None:
+            return p.grad.device
+    if params:
+        return params[0].device
+    if any(g is not None and "nccl" in str(dist.get_backend(g)) for g in groups) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _agree_on_refusal(refusal: Optional[ValueError], pp_group, device, what: str) -> None:
+    """Raises on every rank of pp_group if any of them refused its arguments: its own refusal, or one naming the
+    ranks that refused."""
+    import torch.distributed as dist
+    mine = torch.tensor([0 if refusal is None else 1], dtype=torch.int32, device=device)
+    flags = [torch.empty_like(mine) for _ in range(dist.get_world_size(pp_group))]
+    dist.all_gather(flags, mine, group=pp_group)
+    if refusal is not None:
+        raise refusal
+    refused = [rank for rank, flag in zip(dist.get_process_group_ranks(pp_group), flags) if int(flag.item())]
+    if refused:
+        raise ValueError(f"{what}: the pipeline stage of rank(s) {refused} (pp_group) refused its arguments; see the "
+                         "error there")
+
+
 def _total_norm(parameters, norm_type, expert_parameters, ep_group, pp_group, error_if_nonfinite, foreach,
                 what: str) -> tuple:
     """(total: the float32 scalar norm, grads: every gradient counted, in the parameters' order), grad_norm's
@@ -136,18 +168,29 @@ def _total_norm(parameters, norm_type, expert_parameters, ep_group, pp_group, er
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     params = list({id(p): p for p in params}.values())  # (each parameter once, in its first place)
     experts = [expert_parameters] if isinstance(expert_parameters, torch.Tensor) else list(expert_parameters)
-    norm_type = float(norm_type)
-    if not (norm_type > 0.0):
-        raise ValueError(f"{what}: norm_type must be > 0 or inf, got {norm_type}")
-    param_ids = {id(p) for p in params}
     expert_ids = {id(p) for p in experts}
-    if not expert_ids <= param_ids:
-        raise ValueError(f"{what}: every tensor of expert_parameters must also be in parameters")
-    if experts and ep_group is None:
-        raise ValueError(f"{what}: expert_parameters needs ep_group, the group the experts are split over "
-                         "(the Buffer's group)")
-    _check_per_rank_experts_named({id(p) for p in params if p.grad is not None}, expert_ids, what)
-    _check_groups(params, experts, ep_group, pp_group, what)
+    device = _device_of(params, (ep_group, pp_group))
+    try:
+        norm_type = float(norm_type)
+        if not (norm_type > 0.0):
+            raise ValueError(f"{what}: norm_type must be > 0 or inf, got {norm_type}")
+        if not expert_ids <= {id(p) for p in params}:
+            raise ValueError(f"{what}: every tensor of expert_parameters must also be in parameters")
+        if experts and ep_group is None:
+            raise ValueError(f"{what}: expert_parameters needs ep_group, the group the experts are split over "
+                             "(the Buffer's group)")
+        _check_per_rank_experts_named({id(p) for p in params if p.grad is not None}, expert_ids, what)
+        _check_groups(params, experts, ep_group, pp_group, what)
+        refusal = None
+    except ValueError as error:
+        refusal = error
+    # The ranks of one stage hold the same parameters and arguments, so they refuse alike; the stages do not, and a
+    # stage that refused alone would leave the others waiting in the gathers below: with pp_group every stage learns
+    # of any refusal first (one small gather, a host synchronization).
+    if pp_group is not None:
+        _agree_on_refusal(refusal, pp_group, device, what)
+    elif refusal is not None:
+        raise refusal
 
     # The gradients by kind, in the parameters' order (the same on every rank, so the reductions match):
     # (in expert_parameters, the DTensor mesh and placements, or None) -> gradients.
@@ -158,7 +201,6 @@ def _total_norm(parameters, norm_type, expert_parameters, ep_group, pp_group, er
         layout = (p.grad.device_mesh, tuple(p.grad.placements)) if _is_dtensor(p.grad) else None
         groups.setdefault((id(p) in expert_ids, layout), []).append(p.grad)
     grads = [g for gs in groups.values() for g in gs]
-    device = grads[0].device if grads else (params[0].device if params else torch.device("cpu"))
 
     # Each kind's part (sum of |x|^p, or max |x|) over the ranks that hold its pieces, summed (max) over the kinds; the
     # named experts' also over ep_group, the stage's over pp_group. (float64: the p-th power of a float32 norm can
@@ -168,7 +210,7 @@ def _total_norm(parameters, norm_type, expert_parameters, ep_group, pp_group, er
     own_experts = torch.zeros((), dtype=torch.float64, device=device)
     for (is_expert, layout), gs in groups.items():
         part = _local_part(gs, norm_type, foreach, device) if layout is None \
-            else _dtensor_part(gs, *layout, norm_type, foreach, device, what)
+            else _dtensor_part(gs, *layout, norm_type, foreach, device)
         if is_expert:
             own_experts = torch.maximum(own_experts, part) if infinite else own_experts + part
         else:
@@ -194,18 +236,21 @@ def grad_norm(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], norm_type
     """The norm of the whole model's gradient (module docstring), the value clip_grad_norm_ returns, without scaling
     any gradient: a float32 scalar tensor (not a DTensor), the same bits on every rank, on the gradients' device.
 
-    parameters: every parameter of the model (of this pipeline stage, with pp_group; an iterable of tensors or
-    DTensors, or one tensor; a tensor listed twice counts once), in the same order on every rank, with gradients on the
-    same ones (the reductions are collective: a rank that differs waits). expert_parameters: those of them that are
+    parameters: every parameter of the model (with pp_group: every parameter this rank holds, all its model chunks'
+    under an interleaved schedule, in one call; an iterable of tensors or DTensors, or one tensor; a tensor listed
+    twice counts once), in the same order on every rank of a stage, with gradients on the same ones (the reductions
+    are collective: a rank that differs waits). expert_parameters: those of them that are
     this rank's own experts as plain parameters (`ExpertMLP` without `ep_mesh`: `layer.experts.parameters()` of every
     such layer, also when FSDP2 shards them over "dp"; refused if left out); leave out ExpertMLP(ep_mesh=...)'s
     weights, whose DTensors already span the EP group (refused). ep_group: the Buffer's group (the ranks over which
-    the experts are split); needed with expert_parameters, and then every rank of it makes one gather over it.
-    pp_group: with pipeline parallelism, the ranks that hold the other stages at this rank's place (one per stage;
-    refused if it shares a rank with ep_group or with a DTensor's mesh); every rank of it makes one gather over it.
-    norm_type: p > 0 or inf. error_if_nonfinite: raise if the total is NaN or Inf (a host synchronization). foreach:
-    for the norms, as torch's (None: its default per device). No host synchronization otherwise (not tried inside a
-    CUDA graph capture)."""
+    the experts are split); needed with expert_parameters; given, every rank of it makes one gather over it.
+    pp_group: with pipeline parallelism, the ranks that hold the other stages at this rank's place (one per pipeline
+    rank; refused where it shares a rank other than this one with ep_group or with a gradient's DTensor mesh; not
+    detected: a pp_group that also holds data-parallel replicas of this stage, whose parts it would count once per
+    replica); every rank of it makes two gathers over it: one that lets every stage raise when one refuses its
+    arguments (a host synchronization), then the norm's. norm_type: p > 0 or inf. error_if_nonfinite: raise if the
+    total is NaN or Inf (a host synchronization). foreach: for the norms, as torch's (None: its default per device). No
+    other host synchronization (not tried inside a CUDA graph capture)."""
     return _total_norm(parameters, norm_type, expert_parameters, ep_group, pp_group, error_if_nonfinite, foreach,
                        "grad_norm")[0]
 

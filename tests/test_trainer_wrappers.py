@@ -326,8 +326,9 @@ def clip_worker(rank, world, ep_size, wrapper, backend="reference", device_kind=
                 stage = torch.tensor([want_norm ** 2, want_max], dtype=torch.float64)
                 stages = [torch.empty_like(stage) for _ in range(pp)]
                 dist.all_gather(stages, stage, group=pp_group)
-                if all(torch.equal(x, stage) for x in stages):
-                    differences.append("the stages' norms are equal: the test would not see a missing sum")
+                # (a missing sum shows where every stage's norm is nonzero, a missing max where the maxima differ)
+                if min(x[0].item() for x in stages) <= 0 or len({x[1].item() for x in stages}) < 2:
+                    differences.append(f"stages' (norm^2, max) {stages}: the test would not see a missing reduction")
                 want_norm, want_max = sum(x[0] for x in stages).item() ** 0.5, max(x[1] for x in stages).item()
             groups = dict(expert_parameters=experts, ep_group=ep_group, pp_group=pp_group)
             got_max = training.clip_grad_norm_(model.parameters(), float("inf"), float("inf"), **groups)
@@ -394,6 +395,26 @@ def test_gloo_clip_grad_norm_across_pipeline_stages(wrapper):
     norm is the whole model's, the same on both stages (torch's, and ours without pp_group, would give each stage its
     own)."""
     _check(run_ranks(clip_worker, 4, 2, wrapper, "reference", "cpu", True, 2, backend="gloo"))
+
+
+def stage_refusal_worker(rank, world):
+    """2 ranks as 2 pipeline stages (pp_group: both): rank 1's arguments are refused (expert parameters without their
+    group), rank 0's are valid. Both must raise -- rank 0 naming rank 1 -- instead of rank 0 waiting in the norm's
+    gather for a rank that has left. Returns the errors found ([] when none)."""
+    layer = torch.nn.Linear(4, 4)
+    layer.weight.grad, layer.bias.grad = torch.ones(4, 4), torch.ones(4)
+    experts = [layer.weight] if rank == 1 else []
+    try:
+        training.clip_grad_norm_(layer.parameters(), 1.0, expert_parameters=experts, pp_group=dist.group.WORLD)
+    except ValueError as error:
+        words = "needs ep_group" if rank == 1 else "rank(s) [1]"
+        return [] if words in str(error) else [f"{words!r} not in {error}"]
+    return ["not refused"]
+
+
+@pytest.mark.cpu
+def test_gloo_clip_grad_norm_refusal_on_one_stage_reaches_every_stage():
+    _check(run_ranks(stage_refusal_worker, 2, backend="gloo", timeout_s=120))
 
 
 @pytest.mark.cpu
