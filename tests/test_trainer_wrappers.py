@@ -389,12 +389,12 @@ def test_nvlink_clip_grad_norm(wrapper):
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("wrapper", ("fsdp2", "fsdp2_dtensor"))
-def test_gloo_clip_grad_norm_across_pipeline_stages(wrapper):
-    """4 ranks as 2 pipeline stages of EP 2, each stage's layer under FSDP2 over its own ranks: through pp_group the
-    norm is the whole model's, the same on both stages (torch's, and ours without pp_group, would give each stage its
-    own)."""
-    _check(run_ranks(clip_worker, 4, 2, wrapper, "reference", "cpu", True, 2, backend="gloo"))
+@pytest.mark.parametrize("world,wrapper", [(4, "fsdp2"), (4, "fsdp2_dtensor"), (8, "fsdp2_dtensor")])
+def test_gloo_clip_grad_norm_across_pipeline_stages(world, wrapper):
+    """4 or 8 ranks as 2 pipeline stages of EP 2 (8: each stage's experts sharded over a "dp" of 2 as well), each
+    stage's layer under FSDP2 over its own ranks: through pp_group the norm is the whole model's, the same on every
+    rank (torch's, and ours without pp_group, would give each stage its own)."""
+    _check(run_ranks(clip_worker, world, 2, wrapper, "reference", "cpu", True, 2, backend="gloo"))
 
 
 def stage_refusal_worker(rank, world):
