@@ -1,4 +1,5 @@
-"""Gradient clipping by the global norm for models with expert-parallel experts: `training.clip_grad_norm_`.
+"""Gradient clipping by the global norm for models with expert-parallel experts: `training.clip_grad_norm_`, and the
+norm alone: `training.grad_norm`.
 
 torch.nn.utils.clip_grad_norm_ assumes that every rank holds the same parameters, or DTensors of one device mesh. A
 model with expert parallelism holds neither, and torch's function fails or, worse, clips each rank by its own norm
