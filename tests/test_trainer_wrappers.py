@@ -426,12 +426,12 @@ def test_gloo_clip_grad_norm_of_replicated_experts(wrapper):
 
 
 def clip_errors_worker(rank, world):
-    """clip_grad_norm_'s refusals (2 ranks, EP 2, before any collective but, with pp_group, the stages' agreement): expert parameters without their group or
-    outside parameters, ExpertMLP(ep_mesh=...)'s DTensors named as expert parameters, a norm type <= 0, an ExpertMLP's
-    per-rank experts (without ep_mesh) left out of expert_parameters, in whole or in part, also those of a deep copy;
-    the pipeline groups that would count a stage twice (grad_norm's refusals are the same); and a NaN gradient with
-    error_if_nonfinite, for the 2-norm and the max norm (after the reductions, so on every
-    rank: the NaN is one rank's own expert's; a MAX all-reduce could drop it)."""
+    """clip_grad_norm_'s refusals (2 ranks, EP 2, before any collective but, with pp_group, the stages' agreement):
+    expert parameters without their group or outside parameters, ExpertMLP(ep_mesh=...)'s DTensors named as expert
+    parameters, a norm type <= 0, an ExpertMLP's per-rank experts (without ep_mesh) left out of expert_parameters, in
+    whole or in part, also those of a deep copy; the pipeline groups that would count a stage twice (grad_norm's
+    refusals are the same); and a NaN gradient with error_if_nonfinite, for the 2-norm and the max norm (after the
+    reductions, so on every rank: the NaN is one rank's own expert's; a MAX all-reduce could drop it)."""
     errors = []
     with _mesh_and_buffers(world, world, "reference", "cpu") as (device, mesh, ep_rank, buf, grads, _):
         ep_group = mesh["ep"].get_group()
