@@ -107,11 +107,15 @@ def _check_groups(params: list, experts: list, ep_group, pp_group, what: str) ->
     than this one with it (that part would be counted once per stage). Not detected (it would need a collective): a
     pp_group that also holds data-parallel replicas of this rank's stage, which counts their parts once per replica."""
     import torch.distributed as dist
-    for p in params:
-        if p.grad is not None and _is_dtensor(p.grad) and any(pl.is_partial() for pl in p.grad.placements):
+    me = dist.get_rank() if ep_group is not None or pp_group is not None else None
+    pp_ranks = _group_ranks(pp_group) if pp_group is not None else None
+    for grad in (p.grad for p in params if p.grad is not None and _is_dtensor(p.grad)):
+        if any(placement.is_partial() for placement in grad.placements):
             raise ValueError(f"{what}: a gradient is a DTensor with a Partial placement (its values still to be summed "
                              "over ranks): reduce it first")
-    me = dist.get_rank() if ep_group is not None or pp_group is not None else None
+        if pp_ranks is not None and _mesh_ranks(grad.device_mesh) & pp_ranks != {me}:
+            raise ValueError(f"{what}: a gradient is a DTensor whose mesh also holds another rank of pp_group (another "
+                             "pipeline stage): each stage's parameters must live on meshes of that stage's ranks")
     if ep_group is not None:
         ep_ranks = _group_ranks(ep_group)
         for p in experts:
@@ -119,18 +123,13 @@ def _check_groups(params: list, experts: list, ep_group, pp_group, what: str) ->
                 raise ValueError(f"{what}: a DTensor of expert_parameters is spread over other ranks of "
                                  "ep_group already (ExpertMLP(ep_mesh=...)'s weights): leave it out of "
                                  "expert_parameters, its norm covers every expert")
-    if pp_group is None:
+    if pp_ranks is None:
         return
-    pp_ranks = _group_ranks(pp_group)
     if me not in pp_ranks:
         raise ValueError(f"{what}: this rank is not in pp_group")
     if ep_group is not None and _group_ranks(ep_group) & pp_ranks != {me}:
         raise ValueError(f"{what}: ep_group and pp_group share ranks other than this one; pp_group holds one rank "
                          "per pipeline stage, ep_group the ranks of this stage that split its experts")
-    for p in params:
-        if p.grad is not None and _is_dtensor(p.grad) and _mesh_ranks(p.grad.device_mesh) & pp_ranks != {me}:
-            raise ValueError(f"{what}: a gradient is a DTensor whose mesh also holds another rank of pp_group (another "
-                             "pipeline stage): each stage's parameters must live on meshes of that stage's ranks")
 
 
 def _device_of(params: list, groups) -> torch.device:
@@ -147,19 +146,19 @@ def _device_of(params: list, groups) -> torch.device:
     return torch.device("cpu")
 
 
-def _agree_on_refusal(refusal: Optional[ValueError], pp_group, device, what: str) -> None:
+def _agree_on_refusal(refusal: Optional[ValueError], pp_group, what: str) -> None:
     """Raises on every rank of pp_group if any of them refused its arguments: its own refusal, or one naming the
-    ranks that refused."""
+    ranks that refused, with the first one's reason (the reasons gathered as objects, as the nvlink backend's setup
+    agrees on its failures)."""
     import torch.distributed as dist
-    mine = torch.tensor([0 if refusal is None else 1], dtype=torch.int32, device=device)
-    flags = [torch.empty_like(mine) for _ in range(dist.get_world_size(pp_group))]
-    dist.all_gather(flags, mine, group=pp_group)
+    reasons = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(reasons, None if refusal is None else str(refusal), group=pp_group)
     if refusal is not None:
         raise refusal
-    refused = [rank for rank, flag in zip(dist.get_process_group_ranks(pp_group), flags) if int(flag.item())]
+    refused = [(rank, why) for rank, why in zip(dist.get_process_group_ranks(pp_group), reasons) if why is not None]
     if refused:
-        raise ValueError(f"{what}: the pipeline stage of rank(s) {refused} (pp_group) refused its arguments; see the "
-                         "error there")
+        raise ValueError(f"{what}: the pipeline stage of rank(s) {[rank for rank, _ in refused]} (pp_group) refused "
+                         f"its arguments; rank {refused[0][0]}: {refused[0][1]}")
 
 
 def _total_norm(parameters, norm_type, expert_parameters, ep_group, pp_group, error_if_nonfinite, foreach,
@@ -189,7 +188,7 @@ def _total_norm(parameters, norm_type, expert_parameters, ep_group, pp_group, er
     # stage that refused alone would leave the others waiting in the gathers below: with pp_group every stage learns
     # of any refusal first (one small gather, a host synchronization).
     if pp_group is not None:
-        _agree_on_refusal(refusal, pp_group, device, what)
+        _agree_on_refusal(refusal, pp_group, what)
     elif refusal is not None:
         raise refusal
 
@@ -223,10 +222,8 @@ def _total_norm(parameters, norm_type, expert_parameters, ep_group, pp_group, er
         stage = _combine_over(stage, pp_group, infinite)
     total = (stage if infinite else stage.pow(1.0 / norm_type)).float()
     if error_if_nonfinite and not bool(torch.isfinite(total)):
-        clipping = ", so they cannot be clipped (error_if_nonfinite=False clips them anyway)" \
-            if what == "clip_grad_norm_" else ""
         raise RuntimeError(f"{what}: the total norm of order {norm_type} of the gradients is non-finite "
-                           f"({total.item()}){clipping}")
+                           f"({total.item()}; error_if_nonfinite=False goes on with it)")
     return total, grads
 
 
