@@ -81,7 +81,7 @@ namespace ep_comm {
 namespace nvlink {
 
 enum DispatchFormat : int { kDispNvfp4 = 0, kDispMxfp8 = 1, kDispBf16 = 2 };
-enum CombineFormat : int { kCombS2f6 = 0, kCombBf16 = 1 };
+enum CombineFormat : int { kCombS2f6 = 0, kCombBf16 = 1, kCombMxfp8 = 2 };
 
 // Stages named in the error word (Python turns them into text).
 enum Stage : int {

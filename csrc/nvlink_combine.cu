@@ -1,5 +1,6 @@
 // Combine over NVLink: weighted local reduction + RHT-32 + S2F6 on the expert rank, stored straight into
-// the source rank's combine area; dequantize-accumulate + inverse RHT on the source rank.
+// the source rank's combine area; dequantize-accumulate + inverse RHT on the source rank. The MXFP8 and BF16 formats
+// take the same path without the rotation (MXFP8: a UE8M0 scale per 32 in the S2F6 row layout).
 //
 // Send (expert rank): one warp per received token (s, j) (from the dispatch handle). Each lane owns 16
 // consecutive elements, lanes 2i and 2i+1 one RHT/S2F6 chunk of 32: FWHT stages h = 1..8 run in the
@@ -16,6 +17,7 @@
 
 #include "nvlink.h"
 #include "quant_math.cuh"
+#include "mxfp8_lane.cuh"
 #include "s2f6_lane.cuh"
 #include "vec_io.cuh"
 
@@ -67,13 +69,16 @@ __device__ __forceinline__ void check_combine_descriptors(const NvlinkConfig& cf
 }
 
 // Encode the lane's 16 fp32 values (whole warp calls; `active` lanes store) into a combine row at
-// element offset e0: S2F6 after the forward RHT (the s2f6_quantize kernel's code), or BF16.
-template <bool kS2f6>
+// element offset e0: S2F6 after the forward RHT (the s2f6_quantize kernel's code), MXFP8 (nearest, the mxfp8_quantize
+// kernel's bits), or BF16. The two code formats share the row layout: 16 code bytes at e0, the block's scale byte at
+// comb_scale_off + e0 / 32 (stored by the block's even lane).
+template <int kFmt>
 __device__ __forceinline__ void encode_store(const NvlinkConfig& cfg, const RhtSigns16& signs, float v[16],
                                              char* dst_row, int e0, bool active, int lane) {
-  if constexpr (kS2f6) {
+  if constexpr (kFmt != kCombBf16) {
     uint8_t b;
-    const uint4 codes = quantize_lane16<true>(v, signs, lane, &b);
+    const uint4 codes = kFmt == kCombS2f6 ? quantize_lane16<true>(v, signs, lane, &b)
+                                          : mxfp8_lane::quantize_lane16(v, &b);
     if (active) {
       st_v4(dst_row + e0, codes);
       if ((lane & 1) == 0) *reinterpret_cast<uint8_t*>(dst_row + cfg.comb_scale_off + e0 / 32) = b;
@@ -86,9 +91,9 @@ __device__ __forceinline__ void encode_store(const NvlinkConfig& cfg, const RhtS
   }
 }
 
-// The combine format as a template argument (kS2f6: S2F6, else BF16): no format branch in the loops, and each form
-// gets its own register allocation.
-template <bool kS2f6>
+// The combine format as a template argument (kFmt: a CombineFormat): no format branch in the loops, and each form gets
+// its own register allocation.
+template <int kFmt>
 __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig cfg, CombineArgs args) {
   __shared__ const unsigned short* slot_src[kCommThreads / 32][kMaxTopk];  // the token's expert rows, ascending
   __shared__ float slot_weights[kCommThreads / 32][kMaxTopk];
@@ -235,7 +240,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
             }
           }
         }
-        if (batch == batches - 1) encode_store<kS2f6>(cfg, signs, acc, dst, e0, active, lane);
+        if (batch == batches - 1) encode_store<kFmt>(cfg, signs, acc, dst, e0, active, lane);
         base = next_base;
         batch = next_batch;
       }
@@ -250,7 +255,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_send_kernel(NvlinkConfig
 #pragma unroll
           for (int i = 0; i < 16; ++i) xv[i] = 0.0f;
           if (active) bf16x16_to_float(ld_input_v4(src + e0), ld_input_v4(src + e0 + 8), xv);
-          encode_store<kS2f6>(cfg, signs, xv, dst, e0, active, lane);
+          encode_store<kFmt>(cfg, signs, xv, dst, e0, active, lane);
         }
       }
     }
@@ -266,10 +271,11 @@ enum RecvMode : int {
   kRecvS2f6Ranks = 0,    // S2F6, local_reduce: one row per (token, rank), unit weights
   kRecvBf16 = 1,         // BF16: one row per (token, rank) (local_reduce, weights 1) or per (token, expert)
   kRecvS2f6Experts = 2,  // S2F6, local_reduce=False: one row per (token, expert), weighted
+  kRecvMxfp8 = 3,        // MXFP8: as BF16 (weights 1 with local_reduce), decoded from codes and scales
 };
 
-// A lane's 16 elements of one combine row: S2F6 codes + the chunk's scale byte, or 16 bf16 values.
-template <bool kS2f6>
+// A lane's 16 elements of one combine row: S2F6 or MXFP8 codes + the block's scale byte (kCodes), or 16 bf16 values.
+template <bool kCodes>
 struct TermData;
 template <>
 struct TermData<true> {
@@ -281,12 +287,12 @@ struct TermData<false> {
   uint4 lo, hi;
 };
 
-// Loads from a term's row (`row`: the row's first byte; `scales`: its S2F6 scale bytes, row + comb_scale_off), both
+// Loads from a term's row (`row`: the row's first byte; `scales`: its scale bytes, row + comb_scale_off), both
 // fixed per token, so the per-group address is one add.
-template <bool kS2f6>
-__device__ __forceinline__ TermData<kS2f6> load_term(const char* row, const char* scales, int e0) {
-  TermData<kS2f6> d;
-  if constexpr (kS2f6) {
+template <bool kCodes>
+__device__ __forceinline__ TermData<kCodes> load_term(const char* row, const char* scales, int e0) {
+  TermData<kCodes> d;
+  if constexpr (kCodes) {
     d.codes = ld_coherent_v4(row + e0);
     d.scale = ld_coherent_u8(scales + e0 / 32);
   } else {
@@ -300,18 +306,21 @@ __device__ __forceinline__ TermData<kS2f6> load_term(const char* row, const char
 // kUnit (w = 1): f(1 * v) = v for every non-NaN v, and a NaN term makes the sum NaN either way (the output packing
 // does not look at NaN payloads), so the multiply is skipped. kFirst with kUnit and S2F6: acc starts at +0 and
 // f(+0 + v) = v unless v = -0, which no S2F6 decode gives (code 0 decodes to +0 on both decode paths), so acc = v.
-template <bool kS2f6, bool kUnit, bool kFirst>
-__device__ __forceinline__ void add_term(float acc[16], const TermData<kS2f6>& d, float w) {
+// (MXFP8 has a -0 code: its first term is added to +0.)
+template <int kFmt, bool kUnit, bool kFirst>
+__device__ __forceinline__ void add_term(float acc[16], const TermData<kFmt != kCombBf16>& d, float w) {
   float v[16];
-  if constexpr (kS2f6) {
+  if constexpr (kFmt == kCombS2f6) {
     unpack_codes16_fast(d.codes, static_cast<uint8_t>(d.scale), v);
+  } else if constexpr (kFmt == kCombMxfp8) {
+    mxfp8_lane::decode_lane16(d.codes, static_cast<uint8_t>(d.scale), v);
   } else {
     bf16x16_to_float(d.lo, d.hi, v);
   }
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const float term = kUnit ? v[i] : qm_mul(w, v[i]);
-    if constexpr (kFirst && kUnit && kS2f6) {
+    if constexpr (kFirst && kUnit && kFmt == kCombS2f6) {
       acc[i] = term;
     } else {
       acc[i] = qm_add(kFirst ? 0.0f : acc[i], term);
@@ -328,7 +337,8 @@ __device__ __forceinline__ void store_bf16x16(unsigned short* out_row, int e0, c
 
 template <int kMode>
 __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig cfg, CombineArgs args) {
-  constexpr bool kS2f6 = kMode != kRecvBf16;
+  constexpr int kFmt = kMode == kRecvBf16 ? kCombBf16 : kMode == kRecvMxfp8 ? kCombMxfp8 : kCombS2f6;
+  constexpr bool kCodes = kFmt != kCombBf16;
   __shared__ int term_rows[kCommThreads / 32][kMaxTopk];
   __shared__ float term_weights[kCommThreads / 32][kMaxTopk];
   // This combine's epoch from a start ticket (one launch of comb_recv_blocks blocks per combine), taken before the block
@@ -411,7 +421,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
     auto term_row = [&](int i) { return area + static_cast<long long>(rows[i]) * row_bytes; };
     auto load_term_at = [&](int i, int e0) {
       const char* row = term_row(i);
-      return load_term<kS2f6>(row, row + scale_off, e0);
+      return load_term<kCodes>(row, row + scale_off, e0);
     };
     if constexpr (kMode == kRecvS2f6Experts) {
       // One row per (token, expert): up to top-k terms (8 at DeepSeek shapes). All terms of a column group are
@@ -433,7 +443,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
             }
 #pragma unroll
             for (int u = 0; u < kTerms; ++u) {
-              if (r0 + u < n) add_term<true, false, false>(acc, terms[u], weights[r0 + u]);
+              if (r0 + u < n) add_term<kCombS2f6, false, false>(acc, terms[u], weights[r0 + u]);
             }
           }
         }
@@ -444,51 +454,52 @@ __global__ void __launch_bounds__(kCommThreads) combine_recv_kernel(NvlinkConfig
     }
     // Software pipeline: the first two terms of the next column group are loaded before the current group is
     // decoded, summed and stored (two cover every term of a 2-rank local_reduce token); further terms are loaded up
-    // to four at a time. BF16 multiplies by the weights (1 with local_reduce); S2F6 rows here are always local_reduce sums.
+    // to four at a time. BF16 and MXFP8 multiply by the weights (1 with local_reduce); S2F6 rows here are always
+    // local_reduce sums.
     constexpr bool kUnit = kMode == kRecvS2f6Ranks;
     // The first two terms' rows, fixed for the token: per group only the column offset is added.
     const char* row0 = n > 0 ? term_row(0) : area;
     const char* row1 = n > 1 ? term_row(1) : area;
     const char* scales0 = row0 + scale_off;
     const char* scales1 = row1 + scale_off;
-    TermData<kS2f6> next0, next1;
+    TermData<kCodes> next0, next1;
     {
       const int e0 = part * 512 + lane * 16;
       if (e0 < hidden) {
-        if (n > 0) next0 = load_term<kS2f6>(row0, scales0, e0);
-        if (n > 1) next1 = load_term<kS2f6>(row1, scales1, e0);
+        if (n > 0) next0 = load_term<kCodes>(row0, scales0, e0);
+        if (n > 1) next1 = load_term<kCodes>(row1, scales1, e0);
       }
     }
     for (int base = part * 512; base < hidden; base += base_stride) {
       const int e0 = base + lane * 16;
       const bool active = e0 < hidden;
-      const TermData<kS2f6> cur0 = next0, cur1 = next1;
+      const TermData<kCodes> cur0 = next0, cur1 = next1;
       const int e1 = e0 + base_stride;
       if (e1 < hidden) {
-        if (n > 0) next0 = load_term<kS2f6>(row0, scales0, e1);
-        if (n > 1) next1 = load_term<kS2f6>(row1, scales1, e1);
+        if (n > 0) next0 = load_term<kCodes>(row0, scales0, e1);
+        if (n > 1) next1 = load_term<kCodes>(row1, scales1, e1);
       }
       float acc[16];
       if (active && n > 0) {
-        add_term<kS2f6, kUnit, true>(acc, cur0, weights[0]);
-        if (n > 1) add_term<kS2f6, kUnit, false>(acc, cur1, weights[1]);
+        add_term<kFmt, kUnit, true>(acc, cur0, weights[0]);
+        if (n > 1) add_term<kFmt, kUnit, false>(acc, cur1, weights[1]);
         constexpr int kMore = 4;  // further terms, loaded together (one wait for up to four)
         for (int r = 2; r < n; r += kMore) {
-          TermData<kS2f6> more[kMore];
+          TermData<kCodes> more[kMore];
 #pragma unroll
           for (int u = 0; u < kMore; ++u) {
             if (r + u < n) more[u] = load_term_at(r + u, e0);
           }
 #pragma unroll
           for (int u = 0; u < kMore; ++u) {
-            if (r + u < n) add_term<kS2f6, kUnit, false>(acc, more[u], weights[r + u]);
+            if (r + u < n) add_term<kFmt, kUnit, false>(acc, more[u], weights[r + u]);
           }
         }
       } else {
 #pragma unroll
         for (int i = 0; i < 16; ++i) acc[i] = 0.0f;  // no terms: zeros (and -0.0 after the inverse RHT's signs)
       }
-      if constexpr (kS2f6) rht32_inverse_lane16(acc, rht_signs, lane);  // every lane: full-warp shuffles
+      if constexpr (kFmt == kCombS2f6) rht32_inverse_lane16(acc, rht_signs, lane);  // every lane: full-warp shuffles
       if (active) store_bf16x16(out_row, e0, acc);
     }
   }
@@ -506,14 +517,17 @@ void launch_combine_send(const NvlinkConfig& cfg, const CombineArgs& args, uintp
   // wait_only: every block would only wait on the same flags, and the next kernel on the stream waits for the
   // whole grid anyway: one block does it.
   const int grid = args.wait_only ? 1 : cfg.comb_send_blocks;
-  const auto kernel = cfg.comb_fmt == kCombS2f6 ? combine_send_kernel<true> : combine_send_kernel<false>;
+  const auto kernel = cfg.comb_fmt == kCombS2f6    ? combine_send_kernel<kCombS2f6>
+                      : cfg.comb_fmt == kCombMxfp8 ? combine_send_kernel<kCombMxfp8>
+                                                   : combine_send_kernel<kCombBf16>;
   check_cuda(launch_kernel(kernel, grid, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream),
                            combine_pdl(), cfg, args),
              "combine send kernel launch");
 }
 
 void launch_combine_recv(const NvlinkConfig& cfg, const CombineArgs& args, uintptr_t stream) {
-  const auto kernel = cfg.comb_fmt != kCombS2f6 ? combine_recv_kernel<kRecvBf16>
+  const auto kernel = cfg.comb_fmt == kCombBf16    ? combine_recv_kernel<kRecvBf16>
+                      : cfg.comb_fmt == kCombMxfp8 ? combine_recv_kernel<kRecvMxfp8>
                       : (args.local_reduce ? combine_recv_kernel<kRecvS2f6Ranks> : combine_recv_kernel<kRecvS2f6Experts>);
   check_cuda(launch_kernel(kernel, cfg.comb_recv_blocks, kCommThreads, 0, reinterpret_cast<cudaStream_t>(stream),
                            combine_pdl(), cfg, args),

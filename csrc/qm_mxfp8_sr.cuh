@@ -287,20 +287,33 @@ QM_HD float block_amax32_nan(const float x[32]) {
   return max_abs_tree32(x, MaxAbsPropagateNan{});  // >= +0 or NaN: a starting 0 would change nothing
 }
 
-// Encodes one MX block of 32 fp32 values: returns its scale byte; words[w] = codes 4w .. 4w + 3 (little-endian).
-// The scale without ue8m0_mxfp8_scale's NaN case and ue8m0_inverse's 0xFF case: block_amax32 is +0 .. +Inf, never
-// NaN, so t = f(amax / 448) is not NaN, the scale byte is min(ue8m0_rp_bits_nonnan(t), 0xFE) (checked for every
-// non-negative amax pattern, see ue8m0_rp_bits_nonnan), and p = 2^(127 - b) (ue8m0_inverse_finite).
-QM_HD uint8_t mxfp8_encode32_nearest(const float x[32], uint32_t words[8]) {
-  const uint32_t b = ue8m0_rp_bits_nonnan(qm_mul(block_amax32(x), 1.0f / 448.0f));
+// The nearest-rounding scale of an MX block from its amax (+0 .. +Inf, never NaN: block_amax32 ignores NaN): the scale
+// byte without ue8m0_mxfp8_scale's NaN case and ue8m0_inverse's 0xFF case -- t = f(amax / 448) is not NaN, the byte is
+// min(ue8m0_rp_bits_nonnan(t), 0xFE) (checked for every non-negative amax pattern, see ue8m0_rp_bits_nonnan) -- and
+// *p = 2^(127 - b), the encode multiplier (ue8m0_inverse_finite).
+QM_HD uint8_t mxfp8_nearest_scale(float amax, float* p) {
+  const uint32_t b = ue8m0_rp_bits_nonnan(qm_mul(amax, 1.0f / 448.0f));
   const uint8_t scale = static_cast<uint8_t>(b > 0xFEu ? 0xFEu : b);
-  const float p = ue8m0_inverse_finite(scale);
+  *p = ue8m0_inverse_finite(scale);
+  return scale;
+}
+
+// words[w] = the E4M3 codes (RNE, satfinite) of f(x[4w + k] * p), k = 0..3, little-endian: kWords words.
+template <int kWords>
+QM_HD void mxfp8_encode_words_nearest(const float* x, float p, uint32_t* words) {
 #pragma unroll
-  for (int w = 0; w < 8; ++w) {
+  for (int w = 0; w < kWords; ++w) {
     words[w] = static_cast<uint32_t>(e4m3x2_encode(qm_mul(x[4 * w], p), qm_mul(x[4 * w + 1], p))) |
                (static_cast<uint32_t>(e4m3x2_encode(qm_mul(x[4 * w + 2], p), qm_mul(x[4 * w + 3], p)))
                 << 16);
   }
+}
+
+// Encodes one MX block of 32 fp32 values: returns its scale byte; words[w] = codes 4w .. 4w + 3 (little-endian).
+QM_HD uint8_t mxfp8_encode32_nearest(const float x[32], uint32_t words[8]) {
+  float p;
+  const uint8_t scale = mxfp8_nearest_scale(block_amax32(x), &p);
+  mxfp8_encode_words_nearest<8>(x, p, words);
   return scale;
 }
 

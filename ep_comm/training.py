@@ -84,8 +84,8 @@ def _routing_sizes(config) -> tuple:
 class GradBuffers:
     """The two Buffers backward uses (made by `create`, or by hand with the same routing sizes as the forward Buffer).
 
-    rows: hidden H, dispatch_format "bf16" or "mxfp8" (the output gradient's wire format), combine_format "bf16"
-        (the input gradient's).
+    rows: hidden H, dispatch_format "bf16" or "mxfp8" (the output gradient's wire format), combine_format "bf16" or
+        "mxfp8" (the input gradient's).
     weights: hidden weights_hidden(num_topk), both formats "bf16" (the routing-weight gradients).
     """
 
@@ -94,27 +94,34 @@ class GradBuffers:
 
     @staticmethod
     @eager_only
-    def create(buffer: Buffer, grad_format: str = "bf16", backend: Optional[str] = None) -> "GradBuffers":
+    def create(buffer: Buffer, grad_format: str = "bf16", backend: Optional[str] = None,
+               input_grad_format: str = "bf16") -> "GradBuffers":
         """Collective (every rank of buffer.group): the backward Buffers for `buffer`'s routing sizes.
 
         grad_format: the output gradient's dispatch format, "bf16" (default, exact) or "mxfp8" (E4M3 + UE8M0 per 32,
             nearest rounding: half the bytes, ~2^-4 relative error per element).
-        backend: None = buffer.backend ("reference" or "nvlink")."""
+        backend: None = buffer.backend ("reference" or "nvlink").
+        input_grad_format: the combine format of the input gradient's rows (dispatch's backward), "bf16" (default)
+            or "mxfp8" (nearest, as above; each expert rank's sum of a token's gradient rows is quantized once)."""
         if not isinstance(buffer, Buffer):
             raise TypeError(f"GradBuffers.create takes the forward's ep_comm.Buffer, got {type(buffer).__name__}")
         if grad_format not in GRAD_FORMATS:
             raise ValueError(f"grad_format must be one of {GRAD_FORMATS}, got {grad_format!r}")
+        if input_grad_format not in GRAD_FORMATS:
+            raise ValueError(f"input_grad_format must be one of {GRAD_FORMATS}, got {input_grad_format!r}")
         cfg = buffer.config
         common = dict(num_experts=cfg.num_experts, num_topk=cfg.num_topk, max_tokens_per_rank=cfg.max_tokens_per_rank,
                       expert_alignment=cfg.expert_alignment, num_sms=cfg.num_sms, num_local_sms=cfg.num_local_sms,
                       timeout_s=cfg.timeout_s, backend=buffer.backend if backend is None else backend,
-                      combine_format="bf16", check_inputs=False)
+                      check_inputs=False)
         # An nvlink Buffer binds to the GPU current at its creation: the forward Buffer's, whichever is current now
         # (the reference backend has no GPU of its own: an index-less device leaves the current one).
         with _ext.cuda_device(getattr(buffer._backend, "torch_device", torch.device("cuda"))):
-            rows = Buffer(buffer.group, hidden=cfg.hidden, dispatch_format=grad_format, **common)
+            rows = Buffer(buffer.group, hidden=cfg.hidden, dispatch_format=grad_format, combine_format=input_grad_format,
+                          **common)
             try:
-                weights = Buffer(buffer.group, hidden=weights_hidden(cfg.num_topk), dispatch_format="bf16", **common)
+                weights = Buffer(buffer.group, hidden=weights_hidden(cfg.num_topk), dispatch_format="bf16",
+                                 combine_format="bf16", **common)
             except BaseException:
                 rows.destroy()
                 raise
@@ -136,8 +143,10 @@ class GradBuffers:
             if grad.backend != buffer.backend:  # (their results differ in row count: nvlink returns its capacity)
                 raise ValueError(f"GradBuffers.{name} uses the {grad.backend} backend, the forward Buffer "
                                  f"{buffer.backend}: they must use the same")
-            if grad.config.combine_format != "bf16":
-                raise ValueError(f"GradBuffers.{name} must combine in bf16, has {grad.config.combine_format!r}")
+            allowed = GRAD_FORMATS if name == "rows" else ("bf16",)
+            if grad.config.combine_format not in allowed:
+                raise ValueError(f"GradBuffers.{name} must combine in one of {allowed}, has "
+                                 f"{grad.config.combine_format!r}")
         if self.rows.config.hidden != buffer.config.hidden:
             raise ValueError(f"GradBuffers.rows must have the forward Buffer's hidden ({buffer.config.hidden}), has "
                              f"{self.rows.config.hidden}")

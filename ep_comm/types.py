@@ -16,7 +16,7 @@ import torch
 from ._compile import eager_only
 
 DISPATCH_FORMATS = ("nvfp4", "mxfp8", "bf16")
-COMBINE_FORMATS = ("s2f6", "bf16")
+COMBINE_FORMATS = ("s2f6", "mxfp8", "bf16")
 BACKENDS = ("auto", "reference", "nvlink")
 
 
@@ -49,7 +49,10 @@ class BufferConfig:
     max_tokens_per_rank: T_max, the most tokens any rank passes to one dispatch call.
     expert_alignment: each expert's segment of the received layout starts at a multiple of this (>= 1);
         padding rows are zero and carry src_rank = src_token = -1, weight 0.
-    dispatch_format / combine_format: wire formats ("nvfp4" | "mxfp8" | "bf16", "s2f6" | "bf16").
+    dispatch_format / combine_format: wire formats ("nvfp4" | "mxfp8" | "bf16", "s2f6" | "mxfp8" | "bf16"). The MXFP8
+        combine (E4M3 + UE8M0 per 32, nearest rounding, no rotation) is the same 8.25 bits per value as S2F6, with
+        ~4x the error on Gaussian rows (3 mantissa bits instead of S2F6's 6 after the RHT) but a wider range per
+        block: DESIGN.md names it for backward's gradient rows.
     rht_sign_mask: 32-bit sign vector of the combine RHT (bit i set -> sign -1 on element i of each chunk).
     num_sms: blocks (one per SM) of the fast backend's BF16 and MXFP8 dispatch sends (default 24; 1 .. 4096).
     num_local_sms: blocks of the fast backend's HBM-heavy local phases (dispatch receive/expansion, combine
@@ -183,11 +186,11 @@ def dispatch_bytes_per_token(fmt: str, hidden: int) -> int:
 
 
 def combine_bytes_per_token(fmt: str, hidden: int) -> int:
-    """Wire bytes of one combined row sent back to its source rank. fmt: "s2f6" (hidden a multiple of 32) or "bf16";
-    ValueError otherwise."""
-    if fmt == "s2f6":
+    """Wire bytes of one combined row sent back to its source rank. fmt: "s2f6" or "mxfp8" (hidden a multiple of 32)
+    or "bf16"; ValueError otherwise."""
+    if fmt in ("s2f6", "mxfp8"):
         hidden = _check_row_width(fmt, hidden, 32)
-        return hidden + hidden // 32               # int8 codes + UE8M0 scale per 32
+        return hidden + hidden // 32               # int8 / E4M3 codes + UE8M0 scale per 32
     if fmt == "bf16":
         hidden = _check_row_width(fmt, hidden, 1)
         return 2 * hidden
@@ -195,8 +198,8 @@ def combine_bytes_per_token(fmt: str, hidden: int) -> int:
 
 
 def s2f6_combine_row_layout(hidden: int) -> tuple:
-    """(scale_offset, row_bytes) of one S2F6 combine row in the nvlink combine area: `hidden` int8 codes, then the
-    hidden / 32 UE8M0 scales, each part padded to 16 bytes (16-byte stores)."""
+    """(scale_offset, row_bytes) of one S2F6 (or MXFP8) combine row in the nvlink combine area: `hidden` int8 (E4M3)
+    codes, then the hidden / 32 UE8M0 scales, each part padded to 16 bytes (16-byte stores)."""
     scale_offset = (hidden + 15) // 16 * 16
     return scale_offset, scale_offset + (hidden // 32 + 15) // 16 * 16
 

@@ -179,6 +179,9 @@ def expected_combine(case: Case, rank: int, world: int, inputs, local_reduce: bo
         if s2f6:
             q = formats.s2f6_quantize(row_fp32[None], hadamard=True, impl="reference")
             return formats._s2f6_decode_rotated(q)[0]
+        if case.combine_format == "mxfp8":
+            m = formats.mxfp8_quantize(row_fp32[None], rounding="nearest", impl="reference")
+            return formats.mxfp8_dequantize(m, dtype=torch.float32, impl="reference")[0]
         return row_fp32.to(torch.bfloat16).float()
 
     for token in range(x.shape[0]):

@@ -196,8 +196,8 @@ def _direct_self(min_tokens):
 
 
 def versus_reference_worker(rank, world, direct_self_min_tokens=None):
-    """Four format pairs (nvfp4/s2f6, mxfp8/bf16, bf16/s2f6, nvfp4/bf16) at H = 2048/4096/7168, the other pairs and the
-    routing corner cases at smaller H. With direct_self_min_tokens set, the NVFP4
+    """Four format pairs (nvfp4/s2f6, mxfp8/bf16, bf16/s2f6, nvfp4/bf16) at H = 2048/4096/7168, the other pairs (the MXFP8
+    combine among them) and the routing corner cases at smaller H. With direct_self_min_tokens set, the NVFP4
     cases only, with the send storing the rows of each rank at or above that many tokens straight into its output
     (the default keeps them in staging below 2048 tokens)."""
     _direct_self(direct_self_min_tokens)
@@ -218,6 +218,10 @@ def versus_reference_worker(rank, world, direct_self_min_tokens=None):
         # row sections whose byte counts are 2 (mod 4): the receive copies them 2 bytes at a time (copy_section)
         (2080, "nvfp4", "s2f6", 16, "masked", 4 * world, 4),  # 130 NVFP4 scale bytes
         (192, "mxfp8", "bf16", 1, "uniform", 8 * world, 2),    # 6 MXFP8 scale bytes
+        # the MXFP8 combine: DeepSeek's hidden, then H/32 odd with K not a power of two, and all rows to one rank
+        (7168, "nvfp4", "mxfp8", 1, "uniform", 16 * world, 8),
+        (2080, "bf16", "mxfp8", 3, "masked", 4 * world, 3),
+        (2048, "mxfp8", "mxfp8", 1, "all_to_one", 8 * world, 4),
     ]
     summary = []
     for case_id, (hidden, dfmt, cfmt, align, routing, experts, topk) in enumerate(cases):
@@ -245,9 +249,9 @@ def weight_edges_worker(rank, world):
     """Routing weights at their edges, bitwise against the reference: masked slots holding NaN (a masked slot's weight
     may be anything), selected slots weighted +0, -0 and negative, meeting the special expert outputs (+-Inf and NaN:
     0 * Inf is NaN on both backends); then a call in which no rank has a token, one in which every slot is masked, and
-    a plain call after them (the Buffers' epochs and counters stay in step). Four format pairs, both expand modes."""
+    a plain call after them (the Buffers' epochs and counters stay in step). Five format pairs, both expand modes."""
     hidden, experts, topk, max_tokens = 2048, 8 * world, 4, 48
-    for dfmt, cfmt in (("nvfp4", "s2f6"), ("bf16", "bf16"), ("mxfp8", "bf16"), ("bf16", "s2f6")):
+    for dfmt, cfmt in (("nvfp4", "s2f6"), ("bf16", "bf16"), ("mxfp8", "bf16"), ("bf16", "s2f6"), ("nvfp4", "mxfp8")):
         with _buffer_pair(hidden, experts, topk, max_tokens, dfmt, cfmt, 1) as (ref, nvl):
             for expand in (True, False):
                 name = f"{dfmt}/{cfmt} expand={expand}"
@@ -851,7 +855,8 @@ def rows_worker(rank, world):
     its handle equals the reference. Then expanded and rows-only calls mixed, two rows-only calls in a row (the
     second send must release the first one's staging rows for the peers: else a timeout), one hash; and a CUDA graph of
     a rows-only dispatch + combines replays as the eager calls, which equal the reference."""
-    cases = (("nvfp4", "s2f6", 1), ("nvfp4", "bf16", 16), ("mxfp8", "s2f6", 1), ("bf16", "bf16", 8))
+    cases = (("nvfp4", "s2f6", 1), ("nvfp4", "bf16", 16), ("mxfp8", "s2f6", 1), ("bf16", "bf16", 8),
+             ("bf16", "mxfp8", 4))
     hidden, experts, topk, max_tokens = 2048, 16 * world, 8, 96
     for case_id, (dfmt, cfmt, align) in enumerate(cases):
         tokens = [max_tokens - 37 * r % max_tokens for r in range(world)]
@@ -1430,6 +1435,22 @@ def _cpp_arena_layout(num_tokens, topk, rows, world, num_local, max_tokens, data
         offsets[i] = run
         run += (sizes[i] + 255) // 256 * 256
     return offsets, sizes, max(run, 256)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("hidden", [32, 2080, 7168])
+def test_nvlink_mxfp8_combine_rows_take_the_s2f6_layout(hidden):
+    """The kernels read and write MXFP8 combine rows at S2F6's offsets (codes, then the scale bytes at comb_scale_off,
+    each part 16-byte aligned): both formats get the same row layout, which holds the wire bytes."""
+    from ep_comm.backends.nvlink import _RegionLayout
+    from ep_comm.types import BufferConfig, combine_bytes_per_token
+    layouts = {fmt: _RegionLayout.of(BufferConfig(hidden=hidden, num_experts=8, num_topk=4, max_tokens_per_rank=16,
+                                                  world_size=2, combine_format=fmt)) for fmt in ("s2f6", "mxfp8")}
+    s2f6, mxfp8 = layouts["s2f6"], layouts["mxfp8"]
+    assert (mxfp8.comb_scale_off, mxfp8.comb_row_bytes) == (s2f6.comb_scale_off, s2f6.comb_row_bytes)
+    assert mxfp8.comb_scale_off >= hidden and mxfp8.comb_scale_off % 16 == 0 and mxfp8.comb_row_bytes % 16 == 0
+    assert mxfp8.comb_row_bytes - mxfp8.comb_scale_off >= hidden // 32
+    assert mxfp8.comb_row_bytes >= combine_bytes_per_token("mxfp8", hidden)
 
 
 @pytest.mark.cpu

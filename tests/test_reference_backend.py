@@ -860,7 +860,7 @@ def test_wire_byte_counts_of_each_format():
     block, zero, negative, not an int) or an unknown format, instead of a number."""
     import ep_comm
     assert [ep_comm.dispatch_bytes_per_token(f, 7168) for f in ("nvfp4", "mxfp8", "bf16")] == [4036, 7392, 14336]
-    assert [ep_comm.combine_bytes_per_token(f, 7168) for f in ("s2f6", "bf16")] == [7392, 14336]
+    assert [ep_comm.combine_bytes_per_token(f, 7168) for f in ("s2f6", "mxfp8", "bf16")] == [7392, 7392, 14336]
     bad = ((ep_comm.dispatch_bytes_per_token, "nvfp4", 7), (ep_comm.dispatch_bytes_per_token, "nvfp4", 0),
            (ep_comm.dispatch_bytes_per_token, "nvfp4", -64), (ep_comm.dispatch_bytes_per_token, "mxfp8", 48),
            (ep_comm.dispatch_bytes_per_token, "bf16", 64.0), (ep_comm.dispatch_bytes_per_token, "bf16", True),

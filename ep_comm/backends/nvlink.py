@@ -57,7 +57,7 @@ _STAGE_COMBINE_MISMATCH = 9  # csrc/nvlink.h kStageCombineMismatch: a peer's com
 # (tests and measurements; 0 = always, 2147483647 = never).
 _DIRECT_SELF_MIN_TOKENS = 2048
 _DISPATCH_FORMAT_CODE = {"nvfp4": 0, "mxfp8": 1, "bf16": 2}
-_COMBINE_FORMAT_CODE = {"s2f6": 0, "bf16": 1}
+_COMBINE_FORMAT_CODE = {"s2f6": 0, "bf16": 1, "mxfp8": 2}  # csrc/nvlink.h CombineFormat
 _LAYOUT_MAX_CHUNKS = 64  # csrc/nvlink.h kLayoutMaxChunks (checked against the extension in __init__)
 _WAVE_AREA_FIXED_WORDS = 2  # csrc/waves.h kWaveRowsDone (likewise)
 
@@ -223,7 +223,7 @@ class _RegionLayout:
         meta_off = scale_off + _align(scales, 16)
         meta_bytes = 4 * (2 + 3 * k)  # f32 amax, i32 token, i32 expert[K], f32 weight[K], i32 position[K]
         disp_row = meta_off + _align(meta_bytes, 16)
-        if cfg.combine_format == "s2f6":
+        if cfg.combine_format in ("s2f6", "mxfp8"):  # the same row layout: one code byte per value, scales after
             comb_scale_off, comb_row = s2f6_combine_row_layout(h)
         else:
             comb_scale_off, comb_row = 0, 2 * h

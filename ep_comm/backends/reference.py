@@ -57,22 +57,31 @@ def unpack_dispatch_payload(rows: torch.Tensor, fmt: str, hidden: int):
 
 
 def pack_combine_rows(values: torch.Tensor, fmt: str, sign_mask: int, impl: str) -> torch.Tensor:
-    """fp32 rows [N, H] -> uint8 wire rows: S2F6 after RHT (codes | UE8M0 scales) or bf16."""
+    """fp32 rows [N, H] -> uint8 wire rows: S2F6 after RHT or MXFP8 (nearest; codes | UE8M0 scales), or bf16."""
     if fmt == "s2f6":
         s = formats.s2f6_quantize(values, hadamard=True, sign_mask=sign_mask, impl=impl)
         return torch.cat([s.data.view(torch.uint8), s.scales.view(torch.uint8)], dim=1)
+    if fmt == "mxfp8":
+        m = formats.mxfp8_quantize(values, rounding="nearest", impl=impl)
+        return torch.cat([m.data.view(torch.uint8), m.scales.view(torch.uint8)], dim=1)
     return values.to(torch.bfloat16).view(torch.uint8)
 
 
 def accumulate_combine_rows(rows: torch.Tensor, fmt: str, hidden: int, row_index: torch.Tensor, weights,
                             sign_mask: int, impl: str) -> torch.Tensor:
-    """Receive side: out[t] = bf16(invRHT(sum_j w[t, j] * deq(rows[row_index[t, j]]))) in ascending j."""
+    """Receive side: out[t] = bf16(invRHT(sum_j w[t, j] * deq(rows[row_index[t, j]]))) in ascending j (no inverse
+    RHT for MXFP8 and bf16)."""
     if fmt == "s2f6":
         s = formats.S2F6Tensor(data=rows[:, :hidden].contiguous().view(torch.int8),
                                scales=rows[:, hidden:].contiguous().view(torch.float8_e8m0fnu),
                                hadamard=True, sign_mask=sign_mask)
         return formats.s2f6_dequantize_accumulate(s, row_index, weights, out_dtype=torch.bfloat16, impl=impl)
-    values = rows.contiguous().view(torch.bfloat16).float()
+    if fmt == "mxfp8":
+        m = formats.MXFP8Tensor(data=rows[:, :hidden].contiguous().view(torch.float8_e4m3fn),
+                                scales=rows[:, hidden:].contiguous().view(torch.float8_e8m0fnu))
+        values = formats.mxfp8_dequantize(m, dtype=torch.float32, impl=impl)
+    else:
+        values = rows.contiguous().view(torch.bfloat16).float()
     return formats._accumulate_rows(values, row_index, weights, sign_mask=None).to(torch.bfloat16)
 
 
