@@ -193,6 +193,9 @@ bench_world1() {  # one GPU: dispatch/combine and the MoE layer at world 1 (the 
   timeout 240 python3 bench/bench_moe.py --nproc 1 --experts 128 --iters 20 --out "$OUT/bench_moe_world1.json" 2>&1 \
     | tail -14 | tee -a "$log"
 }
+bench_combine_formats_world1() {  # one GPU: the three combine formats after an NVFP4 dispatch, world 1 (local work only)
+  bench_dc 1 --tokens 128,4096 --formats nvfp4/s2f6,nvfp4/mxfp8,nvfp4/bf16 --no-reference --no-ceiling
+}
 bench_floor() {  # small-call latency: NVFP4/S2F6 and BF16 at 1, 16 and 128 tokens, then the per-kernel profile at 1 and 128
   bench_dc 2 --tokens 1,16,128 --formats nvfp4/s2f6,bf16/bf16 --no-reference --no-ceiling
   say "profile: per-kernel time, 1 and 128 tokens"
