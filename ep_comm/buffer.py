@@ -163,7 +163,7 @@ class Buffer:
         max_tokens_per_rank: the most tokens any rank passes to one dispatch (static capacity).
         dispatch_format: "nvfp4" (default; E2M1 + E4M3 per 16 + FP32 per token, 4/6), "mxfp8" or "bf16".
         combine_format: "s2f6" (default; RHT-32 + S2F6 + UE8M0 per 32), "mxfp8" (E4M3 + UE8M0 per 32, nearest, no
-            rotation: the same bytes as S2F6, ~4x its error on Gaussian rows, a wider range per block) or "bf16".
+            rotation: the same bytes as S2F6, ~3x its error on Gaussian rows) or "bf16".
         backend: "auto" (nvlink when ep_comm._C is built, every GPU is sm_90 or newer, no two ranks share a GPU,
             every two ranks of a node use GPUs that reach each other with peer access and native peer atomics
             (NVLink; a PCIe-only link is refused: the kernels' flags need the atomics; a peer GPU this process cannot
