@@ -13,8 +13,8 @@ Timing, per kernel pair (dispatch = layout + send + receive kernels; combine = s
   pipe  : (NCCL baseline, with a BF16 format) all_to_all_single of the BF16 token rows the dispatch moves, N calls
           back to back between events, time / N — the all_to_all figure of H200-BASELINE.md, measured in this run.
 dispatch_rows (nvlink, graph): dispatch(expand=False), the received rows left in staging with a row index (no expansion).
-With S2F6 combine also (graph): combine_expert_rows = combine(local_reduce=False), one row per (token, expert);
-combine_rows_begin_finish = what the combine-row form leaves outside the w2 GEMM (MoELayer's default: the GEMM's
+With S2F6 or MXFP8 combine also (graph): combine_expert_rows = combine(local_reduce=False), one row per (token, expert);
+S2F6 only: combine_rows_begin_finish = what the combine-row form leaves outside the w2 GEMM (MoELayer's default: the GEMM's
 epilogue stores the rows), i.e. begin (wait on the peers' flags) + finish (release + receive), here without a GEMM.
 Bytes: `wire` = for nvlink, bytes this rank stores into OTHER ranks' memory (the staged row: payload + our per-row
 metadata, 4·(2 + 3K) bytes, + padding to 16 B, e.g. 4144 B per NVFP4 row at H = 7168 against a 4036-byte payload), i.e. what
@@ -208,10 +208,10 @@ def _bench_backend(args, backend, tokens, dfmt, cfmt, rank, world, group):
             timings["dispatch"]["graph"] = _graph_time_us(dispatches, args.graph_calls, group)
             timings["dispatch_rows"] = {"graph": _graph_time_us(row_dispatches, args.graph_calls, group)}
             timings["combine"]["graph"] = _graph_time_us(combines, args.graph_calls, group)
-            if cfmt == "s2f6":
-                # One row per (token, expert): combine(local_reduce=False), and the part of the combine-row form that
-                # is not inside the w2 GEMM's epilogue (begin = wait for the peers' flags, finish = release + receive;
-                # MoELayer's default), timed without the GEMM between them.
+            if cfmt in ("s2f6", "mxfp8"):
+                # One row per (token, expert): combine(local_reduce=False); for S2F6 also the part of the combine-row
+                # form that is not inside the w2 GEMM's epilogue (begin = wait for the peers' flags, finish = release +
+                # receive; MoELayer's default), timed without the GEMM between them.
                 def expert_row_combines(n):
                     for _ in range(n):
                         buf.combine(expert_out, res.handle, local_reduce=False)
@@ -222,8 +222,9 @@ def _bench_backend(args, backend, tokens, dfmt, cfmt, rank, world, group):
                         buf.finish_combine_rows(res.handle)
                 timings["combine_expert_rows"] = {"graph": _graph_time_us(expert_row_combines, args.graph_calls,
                                                                           group)}
-                timings["combine_rows_begin_finish"] = {"graph": _graph_time_us(rows_finishes, args.graph_calls,
-                                                                                group)}
+                if cfmt == "s2f6":
+                    timings["combine_rows_begin_finish"] = {"graph": _graph_time_us(rows_finishes, args.graph_calls,
+                                                                                    group)}
         expert_rows = back_expert_rows * (layout.comb_row_bytes if backend == "nvlink" else 0)
         # begin + finish alone move no payload (the rows are the GEMM's stores): wire 0, only the time is reported.
         for kernel, wire in (("dispatch", wire_d), ("dispatch_rows", wire_d), ("combine", wire_c),
