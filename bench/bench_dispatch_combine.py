@@ -14,8 +14,8 @@ Timing, per kernel pair (dispatch = layout + send + receive kernels; combine = s
           back to back between events, time / N — the all_to_all figure of H200-BASELINE.md, measured in this run.
 dispatch_rows (nvlink, graph): dispatch(expand=False), the received rows left in staging with a row index (no expansion).
 With S2F6 or MXFP8 combine also (graph): combine_expert_rows = combine(local_reduce=False), one row per (token, expert);
-S2F6 only: combine_rows_begin_finish = what the combine-row form leaves outside the w2 GEMM (MoELayer's default: the GEMM's
-epilogue stores the rows), i.e. begin (wait on the peers' flags) + finish (release + receive), here without a GEMM.
+S2F6 only: combine_rows_begin_finish = what the combine-row form leaves outside the w2 GEMM (MoELayer's default: the
+GEMM's epilogue stores the rows), i.e. begin (wait on the peers' flags) + finish (release + receive), here without a GEMM.
 Bytes: `wire` = for nvlink, bytes this rank stores into OTHER ranks' memory (the staged row: payload + our per-row
 metadata, 4·(2 + 3K) bytes, + padding to 16 B, e.g. 4144 B per NVFP4 row at H = 7168 against a 4036-byte payload), i.e. what
 crosses NVLink per rank per direction; for the reference backend the format's payload bytes per row (its metadata
