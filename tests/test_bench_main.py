@@ -35,7 +35,7 @@ def test_main_job_on_cpu_ranks(tmp_path, capsys):
                                           (["--hidden", "100"], "--hidden must be a positive multiple of 32"),
                                           (["--hidden", "0"], "--hidden must be a positive multiple of 32"),
                                           (["--formats", "fp8/s2f6"], "dispatch is one of nvfp4/mxfp8/bf16"),
-                                          (["--formats", "nvfp4/mxfp8"], "combine one of s2f6/bf16"),
+                                          (["--formats", "nvfp4/fp8"], "combine one of s2f6/mxfp8/bf16"),
                                           (["--formats", ","], "names no dispatch/combine pair"),
                                           (["--backend", "nvlink"], "--backend nvlink needs GPUs"),
                                           (["--out", "/nonexistent_dir/x.json"], "not a writable file path"),
