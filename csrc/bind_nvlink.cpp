@@ -104,6 +104,11 @@ class NvlinkContext {
     }
     if (c.disp_send_blocks < 1 || c.disp_recv_blocks < 1 || c.comb_send_blocks < 1 || c.comb_recv_blocks < 1)
       throw std::invalid_argument("nvlink kernel block counts must be >= 1");
+    // The launchers pick kernels by these codes; an unknown one would run a kernel of another row size.
+    if (c.disp_fmt != kDispNvfp4 && c.disp_fmt != kDispMxfp8 && c.disp_fmt != kDispBf16)
+      throw std::invalid_argument("unknown dispatch format code " + std::to_string(c.disp_fmt));
+    if (c.comb_fmt != kCombS2f6 && c.comb_fmt != kCombBf16 && c.comb_fmt != kCombMxfp8)
+      throw std::invalid_argument("unknown combine format code " + std::to_string(c.comb_fmt));
     select();
     prepare_layout_kernel(c);
     prepare_dispatch_kernels(c);
@@ -382,6 +387,10 @@ void register_nvlink(py::module_& m) {
   m.attr("nvlink_dispatch_epoch_bits") = py::int_(kDispatchEpochBits);
   m.attr("nvlink_max_world") = py::int_(kMaxWorld);
   m.attr("nvlink_layout_max_chunks") = py::int_(kLayoutMaxChunks);
+  // The combine formats this build's kernels know, by their CombineFormat codes (nvlink.py checks that its code is
+  // among them: an extension built before a format existed would run another format's kernels on its rows).
+  m.attr("nvlink_combine_format_codes") = py::make_tuple(static_cast<int>(kCombS2f6), static_cast<int>(kCombBf16),
+                                                         static_cast<int>(kCombMxfp8));
   // What ep_comm/backends/nvlink.py _check_nvlink_limits tests a configuration against (nvlink.h).
   m.attr("nvlink_max_dynamic_smem") = py::int_(kMaxDynamicSmem);
   m.def("nvlink_layout_warp_smem", &layout_warp_smem, py::arg("num_experts"), py::arg("world"),

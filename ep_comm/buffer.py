@@ -725,7 +725,8 @@ class Buffer:
                 so far on the current stream; wait on done_event before using the result on the current stream).
         Returns:
             bfloat16 [T, H]: sum over the token's unmasked slots of weight * expert output (S2F6 mode:
-            through RHT + S2F6 on the wire, summed in FP32, inverse RHT once).
+            through RHT + S2F6 on the wire, summed in FP32, inverse RHT once; MXFP8 mode: MXFP8 on the wire, summed
+            in FP32; BF16 mode: BF16 on the wire).
         """
 
         def validate():

@@ -9,8 +9,8 @@
 Experts: any torch autograd code on `routed.x`, or `ExpertMLP` / `expert_mlp` (ep_comm/training_experts.py): trainable
 SwiGLU experts on the dispatched NVFP4 tokens themselves, with an MXFP8 + stochastic-rounding backward.
 
-Forward: `Buffer.dispatch` and `Buffer.combine` in the Buffer's wire formats (NVFP4 / MXFP8 / BF16 out, S2F6 / BF16
-back), the received tokens dequantized to dense rows for the experts. Backward treats the quantizers as the identity
+Forward: `Buffer.dispatch` and `Buffer.combine` in the Buffer's wire formats (NVFP4 / MXFP8 / BF16 out, S2F6 / MXFP8 /
+BF16 back), the received tokens dequantized to dense rows for the experts. Backward treats the quantizers as the identity
 (straight-through, as Transformer Engine treats its FP8 / FP4 casts), so the gradients are those of
 y[t] = sum_k w[t, k] * E_k(xq[t]) with xq the dequantized dispatch payload:
 
@@ -22,14 +22,15 @@ y[t] = sum_k w[t, k] * E_k(xq[t]) with xq the dequantized dispatch payload:
   32 * ceil(3K / 32) columns: each row carries its FP32 dot split into three BF16 parts (hi + mid + lo, exact) in the
   columns 3k .. 3k + 2 of its top-k slot k, so a unit-weight BF16 combine sums nothing (one row per column) and the
   source rank rebuilds the FP32 value exactly.
-* dispatch's backward is a BF16 combine of the gradient rows on `GradBuffers.rows` with the unit weights of the
-  gradient dispatch: d x[t] = sum over t's rows of their gradient (the combine's order and roundings: each expert
-  rank's partial sum in FP32, rounded to BF16 on the wire, then the ranks' sum in FP32, rounded to BF16).
+* dispatch's backward is a BF16 (or MXFP8: input_grad_format) combine of the gradient rows on `GradBuffers.rows` with
+  the unit weights of the gradient dispatch: d x[t] = sum over t's rows of their gradient (the combine's order and
+  roundings: each expert rank's partial sum in FP32, rounded to BF16 -- or quantized to MXFP8 -- on the wire, then the
+  ranks' sum in FP32, rounded to BF16).
 
 Rows that are alignment padding or past the rows in use are zero in `routed.x` and get zero gradients, so experts
 that run on whole segments (or on all R rows) see no garbage in either direction.
 
-Cost: backward moves g at BF16 (or MXFP8) width out and the input gradient at BF16 width back, plus a small dispatch
+Cost: backward moves g at BF16 (or MXFP8) width out and the input gradient at BF16 (or MXFP8) width back, plus a small dispatch
 and combine of 32 * ceil(3K / 32) BF16 columns for the routing weights; none of it is fused into a GEMM.
 
 Streams: `dispatch` and `combine` take a comm_stream, as the Buffer's calls do, so that the forward's communication
@@ -145,7 +146,7 @@ class GradBuffers:
                                  f"{buffer.backend}: they must use the same")
             allowed = GRAD_FORMATS if name == "rows" else ("bf16",)
             if grad.config.combine_format not in allowed:
-                raise ValueError(f"GradBuffers.{name} must combine in one of {allowed}, has "
+                raise ValueError(f"GradBuffers.{name} must combine in {' or '.join(allowed)}, has "
                                  f"{grad.config.combine_format!r}")
         if self.rows.config.hidden != buffer.config.hidden:
             raise ValueError(f"GradBuffers.rows must have the forward Buffer's hidden ({buffer.config.hidden}), has "
@@ -403,8 +404,8 @@ def join_bf16_parts(parts: torch.Tensor) -> torch.Tensor:
 # combine's backward and then dispatch's backward run on every rank, and each makes all its calls (the routing-weight
 # exchange included, whether or not this rank's weights want a gradient).
 class _DispatchFunction(torch.autograd.Function):
-    """x [T, H] -> (carrier [R, H], token): Buffer.dispatch; backward: a unit-weight BF16 combine of the rows'
-    gradients on GradBuffers.rows. The carrier is a zero tensor of no memory (an expanded 0-dim zero): it only carries
+    """x [T, H] -> (carrier [R, H], token): Buffer.dispatch; backward: a unit-weight combine (BF16 or MXFP8) of the
+    rows' gradients on GradBuffers.rows. The carrier is a zero tensor of no memory (an expanded 0-dim zero): it only carries
     the gradient of the dispatched rows back here. _DenseRowsFunction makes the dense rows from it when asked for
     (RoutedTokens.x); expert code that reads the payload itself (ExpertMLP) takes the carrier, and the dequantize pass
     over the capacity rows never runs."""
@@ -561,7 +562,7 @@ def dispatch(buffer: Buffer, grads: GradBuffers, x: torch.Tensor, topk_idx: torc
     """`Buffer.dispatch` with autograd: x bfloat16 [T, H] (may require grad), topk_idx int [T, K] (-1 masked),
     topk_weights float32 [T, K] (may require grad; its gradient comes from `combine`'s backward). dtype: the dense rows'
     dtype (bfloat16, float16 or float32). check_inputs: as Buffer.dispatch. Collective, like Buffer.dispatch; so is its
-    backward (a BF16 combine on grads.rows).
+    backward (a BF16 or MXFP8 combine on grads.rows).
 
     comm_stream: run the dispatch on this CUDA stream (as Buffer.dispatch does: after the work enqueued so far on the
     current stream), so that what the caller enqueues next on the current stream overlaps it. The returned

@@ -196,8 +196,8 @@ def _direct_self(min_tokens):
 
 
 def versus_reference_worker(rank, world, direct_self_min_tokens=None):
-    """Four format pairs (nvfp4/s2f6, mxfp8/bf16, bf16/s2f6, nvfp4/bf16) at H = 2048/4096/7168, the other pairs (the MXFP8
-    combine among them) and the routing corner cases at smaller H. With direct_self_min_tokens set, the NVFP4
+    """Four format pairs (nvfp4/s2f6, mxfp8/bf16, bf16/s2f6, nvfp4/bf16) at H = 2048/4096/7168, the other pairs (the
+    MXFP8 combine among them) and the routing corner cases at smaller H. With direct_self_min_tokens set, the NVFP4
     cases only, with the send storing the rows of each rank at or above that many tokens straight into its output
     (the default keeps them in staging below 2048 tokens)."""
     _direct_self(direct_self_min_tokens)
@@ -222,6 +222,7 @@ def versus_reference_worker(rank, world, direct_self_min_tokens=None):
         (7168, "nvfp4", "mxfp8", 1, "uniform", 16 * world, 8),
         (2080, "bf16", "mxfp8", 3, "masked", 4 * world, 3),
         (2048, "mxfp8", "mxfp8", 1, "all_to_one", 8 * world, 4),
+        (2048, "nvfp4", "mxfp8", 1, "uniform", 8 * world, 1),  # K = 1: the edge values' MXFP8 rows unmixed (+-0, ...)
     ]
     summary = []
     for case_id, (hidden, dfmt, cfmt, align, routing, experts, topk) in enumerate(cases):
@@ -1911,8 +1912,8 @@ def test_nvlink_calls_keep_the_callers_current_device():
 @pytest.mark.cpu
 def test_nvlink_context_refuses_a_config_that_would_store_outside_the_region():
     """NvlinkContext (the C++ side) checks what the kernels' addressing relies on, also for a direct caller of ep_comm._C:
-    a rank outside [0, world), an expert split that is not num_local * world, negative sizes, null base addresses.
-    The checks come before the context touches a GPU, so they run on the CPU."""
+    a rank outside [0, world), an expert split that is not num_local * world, negative sizes, null base addresses,
+    format codes it has no kernels for. The checks come before the context touches a GPU, so they run on the CPU."""
     import re
     from ep_comm import _ext
     if _ext._C is None or not hasattr(_ext._C, "NvlinkContext"):
@@ -1924,6 +1925,11 @@ def test_nvlink_context_refuses_a_config_that_would_store_outside_the_region():
                 local_base=64, state=64, error_word=64)
     for change, message in ((dict(rank=5), "rank must be in"), (dict(rank=-1), "rank must be in"),
                             (dict(num_local=3), "num_local \\* world"), (dict(hidden=-64), "positive multiple of 32"),
-                            (dict(max_tokens=-7), ">= 0"), (dict(local_base=0), "must be device addresses")):
+                            (dict(max_tokens=-7), ">= 0"), (dict(local_base=0), "must be device addresses"),
+                            (dict(comb_fmt=3), "unknown combine format code 3"),
+                            (dict(disp_fmt=-1), "unknown dispatch format code -1")):
         with pytest.raises(ValueError, match=message):
             _ext._C.NvlinkContext(0, dict(good, **change))
+    # The Python side's combine format codes are the ones this build has kernels for (a Buffer refuses the others).
+    from ep_comm.backends.nvlink import _COMBINE_FORMAT_CODE
+    assert sorted(_COMBINE_FORMAT_CODE.values()) == sorted(_ext._C.nvlink_combine_format_codes)

@@ -124,7 +124,7 @@ def _assert_matches_reference(case, rank: int, want, y, x_leaf, w_leaf, W_local,
     """y and the leaves' gradients against _reference's (want: its four results) for rank `rank`."""
     want_y, want_dx, want_dw, want_dW = want
     num_local = W_local.shape[0]
-    # S2F6's 8-bit codes and MXFP8's 3 mantissa bits (~2.4% relative L2 on Gaussian rows) against BF16 rounding
+    # S2F6's 8-bit codes and MXFP8's 3 mantissa bits (~2.7% relative L2 on Gaussian rows) against BF16 rounding
     tolerance = {"s2f6": 3e-2, "mxfp8": 4e-2, "bf16": 1e-2}
     y_tolerance = tolerance[case[1]]
     dx_tolerance = tolerance[case[3] if len(case) > 3 else "bf16"]  # the input gradient's combine format
@@ -622,7 +622,7 @@ def errors_worker(rank, world):
             training.GradBuffers.create(None)
         with pytest.raises(ValueError, match="hidden"):
             training.dispatch(buf, training.GradBuffers(rows=wide, weights=grads.weights), x, idx, weights)
-        with pytest.raises(ValueError, match=r"GradBuffers.rows must combine in one of \('bf16', 'mxfp8'\), has 's2f6'"):
+        with pytest.raises(ValueError, match="GradBuffers.rows must combine in bf16 or mxfp8, has 's2f6'"):
             training.dispatch(buf, training.GradBuffers(rows=buf, weights=grads.weights), x, idx, weights)
         with pytest.raises(TypeError, match="GradBuffers"):
             training.dispatch(buf, buf, x, idx, weights)

@@ -833,6 +833,9 @@ class NVLinkBackend:
             # Per layout chunk (block) and key (E experts, then W ranks): rows/tokens of the earlier chunks.
             if (c.nvlink_layout_max_chunks, c.wave_area_fixed_words) != (_LAYOUT_MAX_CHUNKS, _WAVE_AREA_FIXED_WORDS):
                 raise RuntimeError("ep_comm._C and the size hint's constants differ: rebuild ep_comm")
+            if _COMBINE_FORMAT_CODE[config.combine_format] not in getattr(c, "nvlink_combine_format_codes", (0, 1)):
+                raise RuntimeError(f"this ep_comm._C was built before the {config.combine_format!r} combine format "
+                                   f"existed: rebuild ep_comm")
             self._layout_base = torch.zeros(_LAYOUT_MAX_CHUNKS * (config.num_experts + self.world),
                                             dtype=torch.int32, device=dev)
             # Wave dispatch <-> w1 GEMM sync words (csrc/waves.h; zero once, never reset).

@@ -57,7 +57,8 @@ def unpack_dispatch_payload(rows: torch.Tensor, fmt: str, hidden: int):
 
 
 def pack_combine_rows(values: torch.Tensor, fmt: str, sign_mask: int, impl: str) -> torch.Tensor:
-    """fp32 rows [N, H] -> uint8 wire rows: S2F6 after RHT or MXFP8 (nearest; codes | UE8M0 scales), or bf16."""
+    """fp32 rows [N, H] -> uint8 wire rows: S2F6 after RHT or MXFP8 (nearest), [N, H + H/32] (codes | UE8M0 scales),
+    or bf16, [N, 2H]."""
     if fmt == "s2f6":
         s = formats.s2f6_quantize(values, hadamard=True, sign_mask=sign_mask, impl=impl)
         return torch.cat([s.data.view(torch.uint8), s.scales.view(torch.uint8)], dim=1)
