@@ -57,6 +57,11 @@ from ep_comm.launch import run_ranks  # noqa: E402
 from ep_comm.types import COMBINE_FORMATS, DISPATCH_FORMATS  # noqa: E402
 
 
+
+def _grad_buffers(buf, args):
+    """The backward Buffers of `buf` in the formats the command line names (collective)."""
+    return training.GradBuffers.create(buf, args.grad_format, input_grad_format=args.input_grad_format)
+
 def _time_into(row: dict, name: str, fn, args) -> None:
     """row[name + "_ms"]: fn's median device milliseconds (CUDA events); row[name + "_host_ms"]: host milliseconds per
     call, no synchronization inside the loop (where it is close to the device figure, the call is host-bound)."""
@@ -79,7 +84,7 @@ def _time_layer(row: dict, x: torch.Tensor, args) -> None:
     grad_y = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
     with ep_comm.Buffer(None, hidden=hidden, num_experts=experts, num_topk=args.topk, max_tokens_per_rank=tokens,
                         dispatch_format=args.dispatch_format, combine_format=args.combine_format, expert_alignment=32,
-                        backend="nvlink") as buf, training.GradBuffers.create(buf, args.grad_format) as grads:
+                        backend="nvlink") as buf, _grad_buffers(buf, args) as grads:
         mlp = training.ExpertMLP(buf.config.num_local_experts, hidden, args.layer_intermediate, device=device)
         x_leaf = x.clone().requires_grad_()
         w_leaf = weights.clone().requires_grad_()
@@ -117,7 +122,7 @@ def _time_shared(row: dict, buf, grads, x_leaf, topk_idx, w_leaf, args) -> None:
     capped = ep_comm.Buffer(None, hidden=cfg.hidden, num_experts=cfg.num_experts, num_topk=cfg.num_topk,
                             max_tokens_per_rank=cfg.max_tokens_per_rank, dispatch_format=cfg.dispatch_format,
                             combine_format=cfg.combine_format, num_local_sms=args.shared_comm_sms, backend="nvlink")
-    capped_grads = training.GradBuffers.create(capped, args.grad_format)
+    capped_grads = _grad_buffers(capped, args)
     modes = {"serial": (buf, grads, None), "overlap": (buf, grads, comm),
              "overlap_capped": (capped, capped_grads, comm)}
 
@@ -189,7 +194,7 @@ def _worker(rank, world, args):
         with ep_comm.Buffer(None, hidden=args.hidden, num_experts=args.experts, num_topk=args.topk,
                             max_tokens_per_rank=tokens, dispatch_format=args.dispatch_format,
                             combine_format=args.combine_format, backend="nvlink") as buf, \
-                training.GradBuffers.create(buf, args.grad_format) as grads:
+                _grad_buffers(buf, args) as grads:
             x_leaf = x.clone().requires_grad_()
             w_leaf = weights.clone().requires_grad_()
             expert_out = torch.zeros(buf.config.max_recv_rows, args.hidden, dtype=torch.bfloat16, device=device)
@@ -275,6 +280,8 @@ def main(argv=None):
     parser.add_argument("--dispatch-format", default="nvfp4", choices=DISPATCH_FORMATS)
     parser.add_argument("--combine-format", default="s2f6", choices=COMBINE_FORMATS)
     parser.add_argument("--grad-format", default="bf16", choices=training.GRAD_FORMATS)
+    parser.add_argument("--input-grad-format", default="bf16", choices=training.GRAD_FORMATS,
+                        help="combine format of the input gradient (dispatch's backward)")
     parser.add_argument("--layer-experts", type=int, default=32, help="experts of the whole-layer rows (0: none)")
     parser.add_argument("--layer-intermediate", type=int, default=2048, help="ExpertMLP intermediate size there")
     parser.add_argument("--shared-intermediate", type=int, default=2048,

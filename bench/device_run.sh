@@ -165,6 +165,13 @@ bench_training() {  # ep_comm.training: forward + backward against the forward B
   say "bench: training autograd (forward + backward through dispatch / combine)"
   timeout 300 python3 bench/bench_training.py --profile --out "$OUT/bench_training.json" 2>&1 | tail -70 | tee -a "$log"
 }
+bench_training_input_grad() {  # one GPU: the training step's backward with a BF16 and an MXFP8 input-gradient combine
+  say "bench: training autograd at world 1, input gradient combined in bf16, then mxfp8"
+  for fmt in bf16 mxfp8; do
+    timeout 200 python3 bench/bench_training.py --nproc 1 --tokens 128,4096 --layer-experts 0 --shared-intermediate 0 \
+      --input-grad-format "$fmt" --out "$OUT/bench_training_igrad_$fmt.json" 2>&1 | grep "rank 0" | tee -a "$log"
+  done
+}
 bench_formats_shapes() {  # NVFP4 quantize under each thread shape (tuning; ours only)
   for shape in ${QUANT_SHAPES:-wide occupancy narrow}; do
     say "bench: NVFP4 quantize, EP_COMM_NVFP4_QUANT_SHAPE=$shape"
