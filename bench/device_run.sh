@@ -465,6 +465,19 @@ for f in run_ranks(t._moe_fp8_worker, 1, 'cuda', backend='nccl', timeout_s=280):
 print('world 1 MoE FP8 worker passed')
 " 2>&1 | tail -8 | tee -a "$log")
 }
+test_moe_one_rank_mxfp8() {  # the MoE layer's GPU worker at world size 1 on a Buffer with the MXFP8 combine
+  say "gpu tier: MoE layer worker at world size 1, MXFP8 combine"
+  (cd tests && timeout 200 python3 -c "
+from harness import run_ranks
+import test_moe as t
+for routing in t.ROUTINGS:
+    for r in run_ranks(t._moe_worker, 1, 'cuda', 'auto', routing, 'mxfp8', backend='nccl', timeout_s=180):
+        t.check_routing(r)
+        t.check_gpu_moe_result(r, True)
+    print('world 1 MoE worker (MXFP8 combine) passed,', routing, r['backend'], r['expert_impl'], 'vs oracle / other mode',
+          r['vs_oracle'], r['vs_other_mode'], 'vs fp32', r['vs_fp32'])
+" 2>&1 | tail -3 | tee -a "$log")
+}
 test_nvlink() {
   say "multigpu tier: nvlink suite"
   pytest_tier nvlink 400 3 tests/test_nvlink.py

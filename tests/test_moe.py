@@ -59,13 +59,13 @@ def _masked_slots(topk_idx):
     return masked
 
 
-def _moe_worker(rank, world, device_kind="cpu", backend="auto", routing="balanced"):
+def _moe_worker(rank, world, device_kind="cpu", backend="auto", routing="balanced", combine_format="s2f6"):
     device = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else torch.device("cpu")
     w1, w2, router = _master_weights()
     local = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
     tokens, xs, router = _layer_inputs(routing, world, router)
-    with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK,
-                        max_tokens_per_rank=max(tokens), backend=backend) as buf:
+    with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=max(tokens),
+                        combine_format=combine_format, backend=backend) as buf:
         packed = moe.pack_weights(w1[local].to(device), w2[local].to(device))
         layer = moe.MoELayer(buf, router.to(device), packed)
         try:
@@ -122,7 +122,7 @@ def _moe_worker(rank, world, device_kind="cpu", backend="auto", routing="balance
                    if device_kind == "cuda" else y)
         graph_equal = _graph_replay_matches_eager(layer, xs[rank].to(device), rank) if expert_impl == "fused" else None
         rows = _combine_rows_checks(buf, router.to(device), packed, xs[rank].to(device), rank) \
-            if expert_impl == "fused" and backend == "nvlink" else None
+            if expert_impl == "fused" and buf.combine_rows_supported else None
         # Masked routing (-1 slots: the router never masks, a caller's routing may): the layer's experts between the
         # Buffer's dispatch and combine, against the oracle below on the same masked inputs.
         masked_inputs = [(x, _masked_slots(idx), w) for x, idx, w in inputs]
@@ -135,7 +135,8 @@ def _moe_worker(rank, world, device_kind="cpu", backend="auto", routing="balance
     packed_all = moe.pack_weights(w1, w2)
     w1_all = formats.nvfp4_dequantize(packed_all.w1)
     w2_all = formats.nvfp4_dequantize(packed_all.w2)
-    case = Case("moe", HIDDEN, EXPERTS, TOPK, tokens, "uniform" if routing == "balanced" else routing)
+    case = Case("moe", HIDDEN, EXPERTS, TOPK, tokens, "uniform" if routing == "balanced" else routing,
+                combine_format=combine_format)
     # Both combine modes' oracles: the layer's own semantics (one row per (token, expert) when w2 writes the combine
     # rows itself) must be the nearer one -- the GPU bounds on vs_oracle alone are too loose to tell the modes apart.
     expert_fn = lambda payload, e: nvfp4_expert_mlp(payload, w1_all[e], w2_all[e])  # noqa: E731
@@ -163,7 +164,7 @@ def _moe_worker(rank, world, device_kind="cpu", backend="auto", routing="balance
             "combine_rows_refused": combine_rows_refused, "layer_combine_rows": layer_combine_rows,
             "rows_api_refused": rows_api_refused, "weights_kept": weights_kept,
             "masked_vs_oracle": rel(y_masked, want_masked), "masked_token_zero": not y_masked[1].any().item(),
-            "default_precision": default_precision,
+            "default_precision": default_precision, "combine_format": combine_format,
             # rows per expert over every rank's tokens (the oracle's routing): what check_routing tests
             "rows_per_expert": torch.bincount(torch.cat([i.flatten() for _, i, _ in inputs]), minlength=EXPERTS)
             .tolist(), "routing": routing}
@@ -439,6 +440,16 @@ def test_moe_layer_matches_token_by_token_oracle(routing):
         assert result["default_precision"] == "exact", result
         # Four NVFP4 quantizations (tokens, w1, SwiGLU output, w2; ~9% each on Gaussian data) and S2F6: ~22%
         # relative L2 against the unquantized FP32 layer on these random weights (0.218 measured on CPU).
+        assert 0.0 < result["vs_fp32"] < 0.3, result
+
+
+@pytest.mark.cpu
+def test_moe_layer_with_an_mxfp8_combine_matches_the_oracle():
+    """The layer on a Buffer whose combine is MXFP8: the oracle with MXFP8 rows on the wire, as closely as with S2F6."""
+    for result in run_ranks(_moe_worker, 2, "cpu", "auto", "balanced", "mxfp8", backend="gloo"):
+        assert result["deterministic"] and not result["layer_combine_rows"]
+        assert result["vs_oracle"] < 1e-5 and result["vs_other_mode"] > 5e-5, result  # as the S2F6 test's bound
+        assert result["masked_vs_oracle"] < 1e-5 and result["masked_token_zero"], result
         assert 0.0 < result["vs_fp32"] < 0.3, result
 
 
@@ -932,6 +943,9 @@ def check_gpu_moe_result(result, nvlink_expected):
         assert result["expert_impl"] == "fused", result
     if nvlink_expected:
         assert result["backend"] == "nvlink", result  # else the combine-row checks below would not run
+    if result["combine_format"] != "s2f6":  # combine rows are S2F6 only: the layer combines its bf16 rows
+        assert not result["layer_combine_rows"] and result["combine_rows"] is None, result
+        return
     # Fused GEMM vs FP32 torch experts: same quantization points; FP32 summation order and SiLU's exp differ,
     # which can move a rare SwiGLU output across an NVFP4 rounding boundary (documented bound 5e-3).
     assert result["fused_vs_reference"] < 5e-3, result
