@@ -1,10 +1,10 @@
 """Training an expert-parallel MoE layer with ep_comm.training: router -> dispatch (NVFP4) -> experts -> combine (S2F6),
-and back through both (BF16 gradients on the wire).
+and back through both (BF16 gradients on the wire, or MXFP8 with --grad-format mxfp8).
 
 Runs on every visible GPU (NCCL) when there are at least 2, else on 2 CPU ranks over gloo:
 
     python examples/moe_training.py [--tokens 128 --hidden 256 --intermediate 128 --experts 8 --topk 2 --steps 30]
-                                    [--expert-mlp ep_comm|torch] [--expert-parallel N]
+                                    [--expert-mlp ep_comm|torch] [--expert-parallel N] [--grad-format bf16|mxfp8]
 
 A student layer (its own router and SwiGLU experts, E / W per rank) learns to reproduce a fixed random teacher layer
 of the same shape, by plain SGD on the mean squared error. The experts' weights, the router and the tokens' inputs all
@@ -120,7 +120,9 @@ def worker(rank, world, args):
                  expert_alignment=32)  # (ExpertMLP's weight gradients: MXFP8 blocks of 32 rows of one expert)
     ep_group, ep_rank, ep_size, replica_group = parallel_groups(world, args.expert_parallel or world)
     losses = []
-    with ep_comm.Buffer(ep_group, **sizes) as buf, training.GradBuffers.create(buf) as grads:
+    # The backward's wire format both ways: the output gradient's dispatch and the input gradient's combine.
+    with ep_comm.Buffer(ep_group, **sizes) as buf, \
+            training.GradBuffers.create(buf, args.grad_format, input_grad_format=args.grad_format) as grads:
         layer_sizes = (ep_rank, ep_size, args.experts, args.hidden, args.intermediate, args.topk)
         teacher = ExpertParallelMoE(buf, grads, *layer_sizes, seed=1, expert_mlp=args.expert_mlp).to(device)
         student = ExpertParallelMoE(buf, grads, *layer_sizes, seed=2, expert_mlp=args.expert_mlp).to(device)
@@ -151,6 +153,8 @@ def main():
     own = training_flags()
     own.add_argument("--expert-mlp", default="ep_comm", choices=("ep_comm", "torch"),
                      help="the experts: training.ExpertMLP (I a multiple of 32) or plain FP32 torch experts")
+    own.add_argument("--grad-format", default="bf16", choices=training.GRAD_FORMATS,
+                     help="the gradients' wire format in backward, both ways (mxfp8: E4M3 + UE8M0 per 32)")
     expert_mlp = own.parse_known_args()[0].expert_mlp
 
     def check(parser, args):

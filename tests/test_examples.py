@@ -55,7 +55,8 @@ def test_example_args_reach_the_ranks():
 @pytest.mark.parametrize("argv,message", [(["--steps", "0"], "--steps must be at least 1"),
                                           (["--lr", "nan"], "--lr must be a finite positive number"),
                                           (["--intermediate", "48"], "--intermediate must be a multiple of 32"),
-                                          (["--expert-parallel", "3"], "--expert-parallel must divide the rank count")])
+                                          (["--expert-parallel", "3"], "--expert-parallel must divide the rank count"),
+                                          (["--grad-format", "nvfp4"], "argument --grad-format: invalid choice")])
 def test_training_example_refuses_bad_flags_before_starting_ranks(argv, message, monkeypatch, capsys):
     """Its own flags too (checked after the ranks ran, or by every rank's ExpertMLP, before), and --help lists them."""
     import moe_training
@@ -68,20 +69,23 @@ def test_training_example_refuses_bad_flags_before_starting_ranks(argv, message,
     with pytest.raises(SystemExit):
         moe_training.main()
     shown = capsys.readouterr().out
-    assert all(flag in shown for flag in ("--steps", "--lr", "--expert-mlp", "--expert-parallel", "--intermediate")), \
+    assert all(flag in shown for flag in ("--steps", "--lr", "--expert-mlp", "--expert-parallel", "--intermediate",
+                                          "--grad-format")), \
         shown
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("expert_mlp, expert_parallel", [("ep_comm", 0), ("torch", 0), ("ep_comm", 1)])
-def test_moe_training_example_learns_on_gloo(expert_mlp, expert_parallel):
+@pytest.mark.parametrize("expert_mlp, expert_parallel, grad_format",
+                         [("ep_comm", 0, "bf16"), ("torch", 0, "bf16"), ("ep_comm", 1, "bf16"), ("ep_comm", 0, "mxfp8")])
+def test_moe_training_example_learns_on_gloo(expert_mlp, expert_parallel, grad_format):
     """Gradients through dispatch, combine and the routing weights (ep_comm.training), and through the experts
     (training.ExpertMLP's NVFP4 / MXFP8 experts, or plain torch ones) train the student layer: SGD lowers its loss
     against the teacher on every rank. expert_parallel 1: two data-parallel replicas, each an EP group of one rank
-    with every expert; the worker checks that the replicas' parameters end equal."""
+    with every expert; the worker checks that the replicas' parameters end equal. grad_format mxfp8: both backward
+    exchanges in MXFP8."""
     import moe_training
     args = argparse.Namespace(tokens=64, hidden=128, intermediate=64, experts=8, topk=2, gpu=False, steps=12, lr=5.0,
-                              expert_mlp=expert_mlp, expert_parallel=expert_parallel)
+                              expert_mlp=expert_mlp, expert_parallel=expert_parallel, grad_format=grad_format)
     for losses in run_ranks(moe_training.worker, 2, args, backend="gloo"):
         assert len(losses) == 12 and all(0.0 < loss < 1.0 for loss in losses), losses
         assert losses[-1] < 0.8 * losses[0], losses
@@ -94,7 +98,7 @@ def test_moe_training_example_stops_every_rank_with_the_reason_when_it_diverges(
     the cause, instead of a routing error from a forward on NaN router weights."""
     import moe_training
     args = argparse.Namespace(tokens=8, hidden=256, intermediate=128, experts=8, topk=2, gpu=False, steps=30, lr=20.0,
-                              expert_mlp="ep_comm", expert_parallel=0)
+                              expert_mlp="ep_comm", expert_parallel=0, grad_format="bf16")
     with pytest.raises(AssertionError, match="the training diverged at step") as failure:
         run_ranks(moe_training.worker, 2, args, backend="gloo")
     assert "lower --lr" in str(failure.value) and "InvalidRoutingError" not in str(failure.value)
