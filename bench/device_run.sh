@@ -102,7 +102,7 @@ test_multigpu() {  # 2+ GPUs: the multigpu tier, one rank per GPU, then the exam
 # A 2-GPU session's plan, one call each, every call's step limits within a 600 s call (build ~35 s): (1) steps
 # nvlink_smoke test_mg_comm mg_training_example (150 + 300 + 120 s); (2) steps test_mg_layer
 # EP_COMM_PEER_MEMORY=ipc nvlink_smoke mg_fsdp2_example (300 + 150 + 90: the CUDA IPC peer memory between two GPUs,
-# never run there -- the 2-GPU runs used NVSHMEM; the FSDP2 example); (3) steps bench_dc_both
+# never run there -- the 2-GPU runs used NVSHMEM; the FSDP2 example); (3) steps bench_dc_three
 # bench_moe (300 + 240); (4) steps main_job mg_example bench_training (110 + 120 + 300). Expected far shorter: on
 # 2026-12-01 the smoke, the 29 multigpu tests of then, the example and the dispatch/combine benchmark took 3.7 minutes
 # together.
@@ -211,6 +211,9 @@ bench_floor() {  # small-call latency: NVFP4/S2F6 and BF16 at 1, 16 and 128 toke
 }
 bench_dc_nvfp4() { bench_dc 2 --tokens 128,4096 --formats nvfp4/s2f6; }
 bench_dc_both() { bench_dc 2 --tokens 128,4096 --formats nvfp4/s2f6,bf16/bf16; }
+bench_dc_three() {  # 2 GPUs: as bench_dc_both, plus the MXFP8 combine (never timed between GPUs yet)
+  bench_dc 2 --tokens 128,4096 --formats nvfp4/s2f6,nvfp4/mxfp8,bf16/bf16
+}
 bench_dc_quick() { bench_dc 2 --tokens 128,1024,4096 --formats nvfp4/s2f6,bf16/bf16 --no-reference --no-ceiling; }
 bench_pdl() {  # A/B: programmatic dependent launch on and off (EP_COMM_NVLINK_PDL), small and large calls
   bench_ab EP_COMM_NVLINK_PDL "1 0" 1,128,4096
