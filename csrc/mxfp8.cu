@@ -82,16 +82,9 @@ __global__ void __launch_bounds__(kThreads) mxfp8_dequantize_kernel(const uint8_
   for (int i = 0; i < kDequantChunks; ++i) {
     const int64_t c = base + i * kThreads;
     if (c >= total_chunks) continue;
-    const float multiplier = qm::ue8m0_to_float(scale[i]);
     const uint32_t words[2] = {raw[i].x, raw[i].y};
     float y[8];
-#pragma unroll
-    for (int w = 0; w < 2; ++w) {
-      qm::e4m3x2_decode(static_cast<uint16_t>(words[w] & 0xFFFFu), y[4 * w], y[4 * w + 1]);
-      qm::e4m3x2_decode(static_cast<uint16_t>(words[w] >> 16), y[4 * w + 2], y[4 * w + 3]);
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) y[j] = qm::qm_mul(y[j], multiplier);
+    qm::mxfp8_decode_words<2>(words, scale[i], y);
     vec::store_row_segment<Out, 8>(out + c * 8, y);
   }
 }

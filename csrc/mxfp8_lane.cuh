@@ -27,18 +27,11 @@ __device__ __forceinline__ uint4 quantize_lane16(const float v[16], uint8_t* sca
   return make_uint4(words[0], words[1], words[2], words[3]);
 }
 
-// The 16 values of a lane's codes (byte k = element k) under the block's scale byte: f(e4m3val * 2^(b - 127)), NaN
-// for b = 0xFF (mxfp8_dequantize_kernel's decode: the hardware E4M3 pair decode is exact).
+// The 16 values of a lane's codes (byte k = element k) under the block's scale byte (qm::mxfp8_decode_words, the
+// mxfp8_dequantize kernel's decode).
 __device__ __forceinline__ void decode_lane16(const uint4& codes, uint8_t scale, float v[16]) {
-  const float multiplier = qm::ue8m0_to_float(scale);
   const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    qm::e4m3x2_decode_half<0>(words[w], v[4 * w], v[4 * w + 1]);
-    qm::e4m3x2_decode_half<1>(words[w], v[4 * w + 2], v[4 * w + 3]);
-  }
-#pragma unroll
-  for (int k = 0; k < 16; ++k) v[k] = qm::qm_mul(v[k], multiplier);
+  qm::mxfp8_decode_words<4>(words, scale, v);
 }
 
 }  // namespace mxfp8_lane

@@ -309,6 +309,20 @@ QM_HD void mxfp8_encode_words_nearest(const float* x, float p, uint32_t* words) 
   }
 }
 
+// The MXFP8 decode of kWords code words (codes 4w .. 4w + 3 little-endian, as the encoders write them) under the
+// block's scale byte: y = f(e4m3val * 2^(b - 127)), NaN for b = 0xFF (the E4M3 pair decode is exact).
+template <int kWords>
+QM_HD void mxfp8_decode_words(const uint32_t* words, uint8_t scale, float* y) {
+  const float multiplier = ue8m0_to_float(scale);
+#pragma unroll
+  for (int w = 0; w < kWords; ++w) {
+    e4m3x2_decode_half<0>(words[w], y[4 * w], y[4 * w + 1]);
+    e4m3x2_decode_half<1>(words[w], y[4 * w + 2], y[4 * w + 3]);
+  }
+#pragma unroll
+  for (int k = 0; k < 4 * kWords; ++k) y[k] = qm_mul(y[k], multiplier);
+}
+
 // Encodes one MX block of 32 fp32 values: returns its scale byte; words[w] = codes 4w .. 4w + 3 (little-endian).
 QM_HD uint8_t mxfp8_encode32_nearest(const float x[32], uint32_t words[8]) {
   float p;

@@ -25,14 +25,25 @@ from ..types import BufferConfig, BufferSizes, DispatchResult, combine_bytes_per
 # ----------------------------------------------------------------------------------------------------------
 # Wire packing: every format travels as uint8 rows (fp8/fp4 dtypes are not supported by every collective)
 # ----------------------------------------------------------------------------------------------------------
+def _mxfp8_wire_rows(x: torch.Tensor, impl: str) -> torch.Tensor:
+    """bf16 / fp32 rows [N, H] -> MXFP8 (nearest) wire rows uint8 [N, H + H/32]: E4M3 codes | UE8M0 scales."""
+    m = formats.mxfp8_quantize(x, rounding="nearest", impl=impl)
+    return torch.cat([m.data.view(torch.uint8), m.scales.view(torch.uint8)], dim=1)
+
+
+def _mxfp8_from_wire(rows: torch.Tensor, hidden: int) -> formats.MXFP8Tensor:
+    """uint8 wire rows [N, H + H/32] (_mxfp8_wire_rows) -> MXFP8Tensor."""
+    return formats.MXFP8Tensor(data=rows[:, :hidden].contiguous().view(torch.float8_e4m3fn),
+                               scales=rows[:, hidden:].contiguous().view(torch.float8_e8m0fnu))
+
+
 def pack_dispatch_payload(x: torch.Tensor, fmt: str, impl: str) -> torch.Tensor:
     """bf16 tokens [T, H] -> uint8 wire rows [T, dispatch_bytes_per_token]: NVFP4 = codes | scales | amax."""
     if fmt == "nvfp4":
         q = formats.nvfp4_quantize(x, four_over_six=True, impl=impl)
         parts = [q.data, q.scales.view(torch.uint8), q.amax.reshape(-1, 1).view(torch.uint8)]
     elif fmt == "mxfp8":
-        m = formats.mxfp8_quantize(x, rounding="nearest", impl=impl)
-        parts = [m.data.view(torch.uint8), m.scales.view(torch.uint8)]
+        return _mxfp8_wire_rows(x, impl)
     else:
         # (An empty tensor counts as contiguous whatever its strides, and view() refuses a stride-0 last dimension --
         # e.g. the gradient of a sum over zero tokens, expand()ed: give it fresh storage.)
@@ -51,8 +62,7 @@ def unpack_dispatch_payload(rows: torch.Tensor, fmt: str, hidden: int):
             amax=rows[:, scale_end:scale_end + 4].contiguous().view(torch.float32).reshape(-1),
             e4m3_max=formats.NVFP4_ACTIVATION_E4M3_MAX)
     if fmt == "mxfp8":
-        return formats.MXFP8Tensor(data=rows[:, :hidden].contiguous().view(torch.float8_e4m3fn),
-                                   scales=rows[:, hidden:].contiguous().view(torch.float8_e8m0fnu))
+        return _mxfp8_from_wire(rows, hidden)
     return rows.contiguous().view(torch.bfloat16)
 
 
@@ -63,8 +73,7 @@ def pack_combine_rows(values: torch.Tensor, fmt: str, sign_mask: int, impl: str)
         s = formats.s2f6_quantize(values, hadamard=True, sign_mask=sign_mask, impl=impl)
         return torch.cat([s.data.view(torch.uint8), s.scales.view(torch.uint8)], dim=1)
     if fmt == "mxfp8":
-        m = formats.mxfp8_quantize(values, rounding="nearest", impl=impl)
-        return torch.cat([m.data.view(torch.uint8), m.scales.view(torch.uint8)], dim=1)
+        return _mxfp8_wire_rows(values, impl)
     return values.to(torch.bfloat16).view(torch.uint8)
 
 
@@ -78,9 +87,7 @@ def accumulate_combine_rows(rows: torch.Tensor, fmt: str, hidden: int, row_index
                                hadamard=True, sign_mask=sign_mask)
         return formats.s2f6_dequantize_accumulate(s, row_index, weights, out_dtype=torch.bfloat16, impl=impl)
     if fmt == "mxfp8":
-        m = formats.MXFP8Tensor(data=rows[:, :hidden].contiguous().view(torch.float8_e4m3fn),
-                                scales=rows[:, hidden:].contiguous().view(torch.float8_e8m0fnu))
-        values = formats.mxfp8_dequantize(m, dtype=torch.float32, impl=impl)
+        values = formats.mxfp8_dequantize(_mxfp8_from_wire(rows, hidden), dtype=torch.float32, impl=impl)
     else:
         values = rows.contiguous().view(torch.bfloat16).float()
     return formats._accumulate_rows(values, row_index, weights, sign_mask=None).to(torch.bfloat16)
