@@ -222,6 +222,11 @@ class Buffer:
                  check_finite: bool = False):
         if not dist.is_initialized():
             raise RuntimeError("ep_comm.Buffer needs torch.distributed to be initialized (init_process_group)")
+        # (torch's own error names no argument; new_group's answer on a non-member is a sentinel, refused below)
+        if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER and not isinstance(group,
+                                                                                                  dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed ProcessGroup, or None for the default group; got "
+                            f"{_type_name(group)} (of a DeviceMesh: mesh.get_group(), or mesh['ep'].get_group())")
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         if self.rank < 0:  # (torch answers -1 for a process outside the group)
@@ -276,7 +281,13 @@ class Buffer:
             from .backends.nvlink import kernel_switch_problem
             mine["malformed nvlink kernel switch"] = kernel_switch_problem()
         gathered = [None] * self.config.world_size
-        dist.all_gather_object(gathered, mine, group=self.group)
+        try:
+            dist.all_gather_object(gathered, mine, group=self.group)
+        except RuntimeError as error:  # (gloo's or NCCL's own message names neither ep_comm nor the likely cause)
+            raise RuntimeError(f"ep_comm.Buffer(): the ranks' comparison of the constructor arguments failed on rank "
+                               f"{self.rank} (a collective over the process group, within its timeout): every rank must "
+                               f"create the same Buffers in the same order, and a peer may still be in an earlier call "
+                               f"or have failed. The process group may be unusable now. ({error})") from error
         def same(a, b) -> bool:
             # Types too: 64 and 64.0 (or True and 1) are equal but one of them fails validate() on its rank only,
             # which would leave the other ranks in the next collective. NaN counts as equal to NaN here: the same NaN
@@ -641,7 +652,7 @@ class Buffer:
         try:
             self._backend.raise_together(error, what + " inputs were rejected on rank(s) {ranks} (see the error raised "
                                                       "there); this rank's call is abandoned so that no rank waits",
-                                         self._backend.call_id(what), getattr(device, "type", None))
+                                         self._backend.call_id(what), getattr(device, "type", None), what)
         except RuntimeError as failed:
             if self._destroyed and failed is not error:  # (the agreement itself failed: its timeout, say)
                 raise RuntimeError(f"this ep_comm.Buffer was destroyed, and its peers did not join this {what}'s "

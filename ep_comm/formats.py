@@ -543,7 +543,8 @@ def nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True, amax: Optional[t
         row position, not per expert. By default the amax is computed per row (scale_granularity="row") or
         once for the tensor ("tensor"); a given amax is used as given, whatever scale_granularity says. A given
         amax below a row's true max |x| saturates that row's largest values, and amax 0 decodes the whole row to 0
-        (nothing checks it: it is the caller's scale). A Python number is rounded to fp32 (above FLT_MAX: Inf). The
+        (nothing checks it: it is the caller's scale). A Python number is rounded to fp32 (above FLT_MAX: Inf). +Inf
+        is allowed, as the computed amax of a row holding an Inf, and decodes its whole row to +-Inf or NaN. The
         result holds a copy of it.
     check_amax: refuse a given amax that is NaN or negative (outside a CUDA-graph capture: a device->host read).
         False skips that read, so the call never syncs (the trainable experts' per-step weight quantization; as
@@ -673,6 +674,10 @@ def _check_seed_arg(seed, device: torch.device) -> SeedArg:
     if isinstance(seed, torch.Tensor) and seed.is_cuda:
         raise TypeError(f"a seed tensor on the GPU must hold one int64 element, got {seed.dtype} of shape "
                         f"{tuple(seed.shape)}")
+    if isinstance(seed, torch.Tensor) and (seed.numel() != 1 or seed.dtype == torch.bool
+                                           or seed.dtype.is_floating_point or seed.dtype.is_complex):
+        raise TypeError(f"a seed tensor must hold one integer element (int64 for all 64 bits), got {seed.dtype} of "
+                        f"shape {tuple(seed.shape)}")
     return _check_seed(seed)
 
 

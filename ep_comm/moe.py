@@ -331,6 +331,15 @@ def _require_expanded(result, what: str) -> None:
                          "(rows in staging order, result.row_index); dispatch with expand=True")
 
 
+def _require_nvfp4_rows(result, what: str) -> None:
+    """The experts read NVFP4 rows (data, scales, amax); another format's result would fail inside them."""
+    x = getattr(result, "x", None)
+    if not isinstance(x, formats.NVFP4Tensor):
+        kind = type(x).__name__ if not isinstance(x, torch.Tensor) else f"a {x.dtype} tensor"
+        raise ValueError(f"MoELayer.{what} needs the result of an NVFP4 dispatch (a Buffer with dispatch_format="
+                         f"'nvfp4', such as this layer's); got rows of {kind}")
+
+
 _NOT_COPYABLE = ("MoELayer holds a communication Buffer (a process group, and device memory the other ranks write "
                  "into), which cannot be pickled or copied: save layer.state_dict() (the router) and layer.weights "
                  "(PackedExpertWeights), and build a new layer from them on every rank")
@@ -590,6 +599,7 @@ class MoELayer(torch.nn.Module):
         defined (what `Buffer.combine` reads): the reference path zeroes the others, the fused path leaves them
         uninitialised. Needs the expert-major rows of an expanding dispatch (not `dispatch(..., expand=False)`)."""
         _require_expanded(result, "experts")
+        _require_nvfp4_rows(result, "experts")
         cfg = self.buffer.config
         counts = getattr(result, "num_tokens_per_expert", None)
         num_counts = counts.numel() if isinstance(counts, torch.Tensor) else None
@@ -638,6 +648,7 @@ class MoELayer(torch.nn.Module):
         """combine_rows=True: the fused experts with w2 storing its rows into the combine areas, then the receive:
         bf16 [T, H], bitwise `Buffer.combine(self.experts(result), result.handle, local_reduce=False)`."""
         _require_expanded(result, "experts_and_combine_rows")
+        _require_nvfp4_rows(result, "experts_and_combine_rows")
         if not self.combine_rows:
             raise ValueError("experts_and_combine_rows needs a layer with combine_rows=True (fused experts, nvlink "
                              "backend, S2F6 combine); use buffer.combine(layer.experts(result), result.handle)")

@@ -664,8 +664,13 @@ def test_api_edges():
     for a, b in ((huge.data, as_tensor.data), (huge.scales.view(torch.uint8), as_tensor.scales.view(torch.uint8)),
                  (huge.amax, as_tensor.amax)):
         assert torch.equal(a, b)
-    with pytest.raises(TypeError, match="seed must be an int, got bool"):  # (as seed=True is)
-        F.mxfp8_quantize(x, "stochastic", seed=torch.tensor(True), impl="reference")
+    # A seed tensor that is no one-element integer names what it got ("seed must be an int, got Tensor" before).
+    for bad in (torch.tensor(True), torch.tensor(5.0), torch.tensor([5, 6]), torch.tensor([], dtype=torch.int64)):
+        with pytest.raises(TypeError, match=f"seed tensor must hold one integer element.*got {bad.dtype} of shape"):
+            F.mxfp8_quantize(x, "stochastic", seed=bad, impl="reference")
+    one_int32 = F.mxfp8_quantize(x, "stochastic", seed=torch.tensor([5], dtype=torch.int32), impl="reference")
+    assert torch.equal(one_int32.data.view(torch.uint8),
+                       F.mxfp8_quantize(x, "stochastic", seed=5, impl="reference").data.view(torch.uint8))
     with pytest.raises(ValueError, match="impl must be"):  # (only the containers' dequantizers checked it)
         F.dequantize(torch.ones(2), impl="bogus")
     with pytest.raises(TypeError, match="16 bits or more"):  # (a second, saturating quantization)

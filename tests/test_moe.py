@@ -982,8 +982,8 @@ def test_moe_layer_on_gpus_matches_oracle():
 def _layer_ownership_worker(rank, world):
     """What the layer takes from the caller: masters given as nn.Parameters pack without an autograd graph, the router
     is the layer's own FP32 copy (outside autograd), a non-finite router is refused; a forward input on another device
-    on one rank raises on every rank; the experts refuse a row-index dispatch; the layer cannot be copied or pickled
-    (its Buffer cannot), with an error that says what to save instead."""
+    on one rank raises on every rank; the experts refuse a row-index dispatch and another format's; the layer cannot be
+    copied or pickled (its Buffer cannot), with an error that says what to save instead."""
     import copy
     import pickle
     w1, w2, router = _master_weights()
@@ -1042,6 +1042,19 @@ def _layer_ownership_worker(rank, world):
                 except ValueError as error:
                     out["rows_experts"].append(str(error))
             buf.combine(layer.experts(buf.dispatch(x, topk_idx, topk_weights)), rows.handle)  # ranks stay in step
+            # Another format's result (its Buffer's rows are no NVFP4Tensor) is refused by name, not by an
+            # AttributeError inside the experts.
+            out["other_format"] = []
+            for fmt in ("bf16", "mxfp8"):
+                with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=8,
+                                    dispatch_format=fmt) as other:
+                    result = other.dispatch(x, topk_idx, topk_weights)
+                    for consume in (layer.experts, layer.experts_and_combine_rows):
+                        try:
+                            consume(result)
+                            out["other_format"].append("accepted")
+                        except ValueError as error:
+                            out["other_format"].append(str(error))
         copies = []
         for attempt in (lambda: copy.deepcopy(layer), lambda: pickle.dumps(layer)):
             try:
@@ -1068,6 +1081,8 @@ def test_layer_owns_its_router_and_refuses_what_it_cannot_do():
         expected = "x is on meta" if rank == 1 else "rejected on rank(s) [1]"
         assert out["meta_x"] is not None and expected in out["meta_x"], out
         assert all("needs an expanding dispatch" in message for message in out["rows_experts"]), out
+        assert len(out["other_format"]) == 4 and all("needs the result of an NVFP4 dispatch" in message
+                                                     for message in out["other_format"]), out
         assert all("cannot be pickled or copied" in message for message in out["copies"]), out
 
 

@@ -126,6 +126,36 @@ def _not_a_member_worker(rank, world):
     return "no error"
 
 
+def _group_of_another_type_worker(rank, world):
+    """A group argument that is no ProcessGroup (a name, a number) names the argument (torch's own error did not)."""
+    import ep_comm
+    messages = []
+    for group in ("world", 5):
+        try:
+            ep_comm.Buffer(group, hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=8, backend="reference")
+            messages.append("no error")
+        except TypeError as error:
+            messages.append(str(error))
+    return messages
+
+
+def _lone_constructor_worker(rank, world):
+    """Rank 0 creates a Buffer that rank 1 never creates (over a group with a 3 s timeout): rank 0's error names
+    ep_comm.Buffer and the likely cause, not only gloo's timeout."""
+    import datetime
+    import time
+    import ep_comm
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
+    if rank == 1:
+        time.sleep(8)  # past rank 0's timeout, without joining its collective
+        return "absent"
+    try:
+        ep_comm.Buffer(group, hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=8, backend="reference")
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
 @pytest.mark.cpu
 def test_gloo_misuse_named_for_what_it_is(tmp_path):
     import warnings
@@ -140,6 +170,13 @@ def test_gloo_misuse_named_for_what_it_is(tmp_path):
     assert "this ep_comm.Buffer was destroyed, and its peers did not join" in results[0], results[0]
     results = run_ranks(_not_a_member_worker, 3, backend="gloo")
     assert results[:2] == ["member", "member"] and "is not a member of the process group" in results[2], results
+    results = run_ranks(_lone_constructor_worker, 2, backend="gloo", timeout_s=120)
+    assert results[1] == "absent", results
+    assert results[0].startswith("ep_comm.Buffer(): the ranks' comparison of the constructor arguments failed on "
+                                 "rank 0"), results[0]
+    for messages in run_ranks(_group_of_another_type_worker, 1, backend="gloo"):
+        assert messages[0].startswith("group must be a torch.distributed ProcessGroup") and "got str" in messages[0]
+        assert messages[1].startswith("group must be a torch.distributed ProcessGroup") and "got int" in messages[1]
 
 
 @pytest.mark.cpu
@@ -921,6 +958,45 @@ def _two_buffers_worker(rank, world, reversed_group_too: bool):
     for buffer in buffers:
         buffer.destroy()
     return out
+
+
+def _combine_against_first_dispatch_worker(rank, world):
+    """Rank 0 combines on Buffer A (a handle of Buffer B) while rank 1 makes A's first dispatch: the two calls had the
+    same agreement id (A's tag), so both ranks went on into different exchanges and waited out the timeout. Both must
+    raise at the agreement, naming the calls, and A must stay usable."""
+    import time
+    import ep_comm
+    sizes = dict(hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=4, dispatch_format="bf16",
+                 combine_format="bf16", backend="reference", timeout_s=30)
+    a, b = ep_comm.Buffer(None, **sizes), ep_comm.Buffer(None, **sizes)
+    idx = torch.tensor([[0, 2], [1, 3], [0, 3], [2, 1]])
+    w = torch.ones(4, 2)
+    x = torch.full((4, 64), 1.0 + rank, dtype=torch.bfloat16)
+    rb = b.dispatch(x, idx, w)
+    out = {}
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            a.combine(rb.x.clone(), rb.handle)
+        else:
+            a.dispatch(x, idx, w)
+        out["mixed"] = "accepted"
+    except ValueError as error:
+        out["mixed"] = str(error)
+    out["seconds"] = time.monotonic() - start
+    ra = a.dispatch(x, idx, w)
+    out["after"] = bool(torch.equal(a.combine(ra.x.clone(), ra.handle), (2 * x.float()).to(torch.bfloat16)))
+    a.destroy()
+    b.destroy()
+    return out
+
+
+@pytest.mark.cpu
+def test_a_combine_against_a_first_dispatch_on_another_rank_raises_at_once():
+    for rank, out in enumerate(run_ranks(_combine_against_first_dispatch_worker, 2, backend="gloo", timeout_s=120)):
+        assert "made different calls on this Buffer (rank 0: combine, rank 1: dispatch)" in out["mixed"], (rank, out)
+        assert out["seconds"] < 20, (rank, out)  # at the agreement, not after timeout_s = 30 s
+        assert out["after"], (rank, out)
 
 
 def _new_group_keeps_rank_order() -> bool:

@@ -9,6 +9,7 @@ host lists), so it is not CUDA-graph capturable — that is the nvlink backend's
 from __future__ import annotations
 
 import time
+import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import List, Optional, Tuple
@@ -261,38 +262,47 @@ class ReferenceBackend:
         return self.next_dispatch_id() if what == "dispatch" else self._tag_base
 
     def raise_together(self, error: Optional[Exception], others_message: str, call_id: int = 0,
-                       device_type: Optional[str] = None) -> None:
-        """Collective: every rank learns which ranks failed a check, which call each makes (`call_id`) and on which
-        device type its tensors are (`device_type`: "cpu", "cuda", or None when unknown; one small all_reduce), and
-        all of them raise -- the failing ranks their own `error`, the others ValueError(others_message.format(
-        ranks=[...])), and when the call ids or the device types differ every rank a ValueError naming them --
-        instead of the others waiting in the next exchange until the process group's timeout (or gloo aborting on
-        mismatched split sizes), two different calls exchanging each other's rows, or, on a group with both gloo and
-        NCCL, one rank's CPU tensors going over gloo while its peers' CUDA tensors wait over NCCL."""
+                       device_type: Optional[str] = None, what: str = "") -> None:
+        """Collective: every rank learns which ranks failed a check, which call each makes (`what`, e.g. "dispatch"
+        or "combine", and `call_id`) and on which device type its tensors are (`device_type`: "cpu", "cuda", or None
+        when unknown; one small all_reduce), and all of them raise -- the failing ranks their own `error`, the others
+        ValueError(others_message.format(ranks=[...])), and when the calls, the call ids or the device types differ
+        every rank a ValueError naming them -- instead of the others waiting in the next exchange until the process
+        group's timeout (or gloo aborting on mismatched split sizes), two different calls exchanging each other's rows,
+        or, on a group with both gloo and NCCL, one rank's CPU tensors going over gloo while its peers' CUDA tensors
+        wait over NCCL. (`what` is compared besides the id: a Buffer's first dispatch has the id that its combines
+        have, the Buffer's tag, so a combine on one rank against that dispatch on another passed the agreement and
+        then waited out the timeout in two different exchanges.)"""
         # On a device the group serves: the CPU where gloo is there, else the current GPU (an NCCL-only group).
         device = torch.device("cpu") if self._cpu_gloo or not self._cuda_nccl else torch.device(
             "cuda", torch.cuda.current_device())
         kinds = (None, "cpu", "cuda", "other")  # device type codes (0: unknown, compared with nothing)
-        # [rank] = (failed, call id, device type code)
-        table = torch.zeros(self.config.world_size, 3, dtype=torch.int64, device=device)
+        # [rank] = (failed, call id, device type code, call kind: a checksum of `what`, the same on every rank)
+        table = torch.zeros(self.config.world_size, 4, dtype=torch.int64, device=device)
         table[self.rank, 0] = int(error is not None)
         table[self.rank, 1] = call_id
         table[self.rank, 2] = kinds.index(device_type if device_type in kinds else "other")
+        table[self.rank, 3] = zlib.crc32(what.encode())
         self._collective("the input check's agreement", dist.all_reduce, table)
         if error is not None:
             raise error
         rows = table.tolist()
-        ranks = [r for r, (bad, _, _) in enumerate(rows) if bad]
+        ranks = [r for r, (bad, _, _, _) in enumerate(rows) if bad]
         if ranks:
             raise ValueError(others_message.format(ranks=ranks))
-        if len({kind for _, _, kind in rows if kind != 0}) > 1:
-            types = ", ".join(f"rank {r}: {kinds[kind]}" for r, (_, _, kind) in enumerate(rows))
+        if any(row[3] != rows[0][3] for row in rows):
+            names = {zlib.crc32(name.encode()): name for name in ("dispatch", "combine", "MoELayer forward", what)}
+            calls = ", ".join(f"rank {r}: {names.get(row[3], 'another call')}" for r, row in enumerate(rows))
+            raise ValueError(f"the ranks made different calls on this Buffer ({calls}): every rank must call the same "
+                             f"Buffers' dispatch and combine in the same order; this call is abandoned on every rank")
+        if len({kind for _, _, kind, _ in rows if kind != 0}) > 1:
+            types = ", ".join(f"rank {r}: {kinds[kind]}" for r, (_, _, kind, _) in enumerate(rows))
             raise ValueError(f"the ranks passed this call's tensors on different device types ({types}): every rank "
                              f"must use the same (over a group with both gloo and NCCL, CPU tensors go over gloo and "
                              f"CUDA tensors over NCCL, and the two never meet); this call is abandoned on every rank")
-        if any(call != rows[0][1] for _, call, _ in rows):
+        if any(call != rows[0][1] for _, call, _, _ in rows):
             calls = ", ".join(f"rank {r}: Buffer tag {call >> DISPATCH_COUNT_BITS}, dispatch "
-                              f"{call & ((1 << DISPATCH_COUNT_BITS) - 1)}" for r, (_, call, _) in enumerate(rows))
+                              f"{call & ((1 << DISPATCH_COUNT_BITS) - 1)}" for r, (_, call, _, _) in enumerate(rows))
             raise ValueError(f"the ranks made this call on different Buffers or out of step ({calls}): every rank must "
                              "call the same Buffers in the same order; this call is abandoned on every rank")
 
