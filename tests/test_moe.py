@@ -1033,14 +1033,19 @@ def _layer_ownership_worker(rank, world):
             out["meta_x"] = str(error)
         with torch.no_grad():
             topk_idx, topk_weights = layer.route(x)
+
+            def refusals(result):  # what the two expert paths say to a result they cannot take
+                messages = []
+                for consume in (layer.experts, layer.experts_and_combine_rows):
+                    try:
+                        consume(result)
+                        messages.append("accepted")
+                    except ValueError as error:
+                        messages.append(str(error))
+                return messages
+
             rows = buf.dispatch(x, topk_idx, topk_weights, expand=False)
-            out["rows_experts"] = []
-            for consume in (layer.experts, layer.experts_and_combine_rows):
-                try:
-                    consume(rows)
-                    out["rows_experts"].append("accepted")
-                except ValueError as error:
-                    out["rows_experts"].append(str(error))
+            out["rows_experts"] = refusals(rows)
             buf.combine(layer.experts(buf.dispatch(x, topk_idx, topk_weights)), rows.handle)  # ranks stay in step
             # Another format's result (its Buffer's rows are no NVFP4Tensor) is refused by name, not by an
             # AttributeError inside the experts.
@@ -1048,13 +1053,7 @@ def _layer_ownership_worker(rank, world):
             for fmt in ("bf16", "mxfp8"):
                 with ep_comm.Buffer(None, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK, max_tokens_per_rank=8,
                                     dispatch_format=fmt) as other:
-                    result = other.dispatch(x, topk_idx, topk_weights)
-                    for consume in (layer.experts, layer.experts_and_combine_rows):
-                        try:
-                            consume(result)
-                            out["other_format"].append("accepted")
-                        except ValueError as error:
-                            out["other_format"].append(str(error))
+                    out["other_format"] += refusals(other.dispatch(x, topk_idx, topk_weights))
         copies = []
         for attempt in (lambda: copy.deepcopy(layer), lambda: pickle.dumps(layer)):
             try:

@@ -114,29 +114,24 @@ def _lone_call_after_destroy_worker(rank, world, raised_marker):
     return "no error"
 
 
-def _not_a_member_worker(rank, world):
+def _small_buffer_error(group, error_type) -> str:
+    """The message of the `error_type` that a small reference Buffer over `group` raises, or "no error"."""
     import ep_comm
-    group = dist.new_group([0, 1])  # (collective: every rank makes it)
-    if rank != 2:
-        return "member"
     try:
         ep_comm.Buffer(group, hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=8, backend="reference")
-    except ValueError as error:
+    except error_type as error:
         return str(error)
     return "no error"
 
 
+def _not_a_member_worker(rank, world):
+    group = dist.new_group([0, 1])  # (collective: every rank makes it)
+    return "member" if rank != 2 else _small_buffer_error(group, ValueError)
+
+
 def _group_of_another_type_worker(rank, world):
     """A group argument that is no ProcessGroup (a name, a number) names the argument (torch's own error did not)."""
-    import ep_comm
-    messages = []
-    for group in ("world", 5):
-        try:
-            ep_comm.Buffer(group, hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=8, backend="reference")
-            messages.append("no error")
-        except TypeError as error:
-            messages.append(str(error))
-    return messages
+    return [_small_buffer_error(group, TypeError) for group in ("world", 5)]
 
 
 def _lone_constructor_worker(rank, world):
@@ -144,16 +139,11 @@ def _lone_constructor_worker(rank, world):
     ep_comm.Buffer and the likely cause, not only gloo's timeout."""
     import datetime
     import time
-    import ep_comm
     group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
     if rank == 1:
         time.sleep(8)  # past rank 0's timeout, without joining its collective
         return "absent"
-    try:
-        ep_comm.Buffer(group, hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=8, backend="reference")
-    except RuntimeError as error:
-        return str(error)
-    return "no error"
+    return _small_buffer_error(group, RuntimeError)
 
 
 @pytest.mark.cpu
@@ -919,6 +909,21 @@ def test_wire_byte_counts_of_each_format():
         with pytest.raises(ValueError, match="world_size must be an int >= 1"):
             getattr(unchecked, derived)
 
+
+_TWO_BUFFER_SIZES = dict(hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=4, dispatch_format="bf16",
+                         combine_format="bf16", backend="reference", timeout_s=30)
+
+
+def _two_same_size_buffers(rank):
+    """Two reference Buffers A and B of the same sizes (_TWO_BUFFER_SIZES) over the world group, and a call's inputs
+    (x, topk_idx, topk_weights: 4 tokens, top-2 of 4 experts, weights 1) that depend on the rank."""
+    import ep_comm
+    sizes = _TWO_BUFFER_SIZES
+    return (ep_comm.Buffer(None, **sizes), ep_comm.Buffer(None, **sizes),
+            torch.full((4, 64), 1.0 + rank, dtype=torch.bfloat16), torch.tensor([[0, 2], [1, 3], [0, 3], [2, 1]]),
+            torch.ones(4, 2))
+
+
 def _two_buffers_worker(rank, world, reversed_group_too: bool):
     """Two misuses of two same-size Buffers, each of which exchanged one Buffer's rows as the other's without a word:
     the ranks calling the Buffers' dispatches in different orders (rank 0: A then B, rank 1: B then A), and (with
@@ -927,12 +932,7 @@ def _two_buffers_worker(rank, world, reversed_group_too: bool):
     the same Buffers in the same order, and the handle on the Buffer that made it."""
     import torch.distributed as dist
     import ep_comm
-    sizes = dict(hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=4, dispatch_format="bf16",
-                 combine_format="bf16", backend="reference", timeout_s=30)
-    a, b = ep_comm.Buffer(None, **sizes), ep_comm.Buffer(None, **sizes)
-    idx = torch.tensor([[0, 2], [1, 3], [0, 3], [2, 1]])
-    w = torch.ones(4, 2)
-    x = torch.full((4, 64), 1.0 + rank, dtype=torch.bfloat16)
+    a, b, x, idx, w = _two_same_size_buffers(rank)
     want = (2 * x.float()).to(torch.bfloat16)  # identity experts, two slots of weight 1
     out = {}
     first = a if rank == 0 else b
@@ -943,7 +943,7 @@ def _two_buffers_worker(rank, world, reversed_group_too: bool):
         out["orders"] = str(error)
     buffers = [a, b]
     if reversed_group_too:
-        r = ep_comm.Buffer(dist.new_group([1, 0], sort_ranks=False), **sizes)
+        r = ep_comm.Buffer(dist.new_group([1, 0], sort_ranks=False), **_TWO_BUFFER_SIZES)
         buffers.append(r)
         result = r.dispatch(x, idx, w)
         try:
@@ -965,13 +965,7 @@ def _combine_against_first_dispatch_worker(rank, world):
     same agreement id (A's tag), so both ranks went on into different exchanges and waited out the timeout. Both must
     raise at the agreement, naming the calls, and A must stay usable."""
     import time
-    import ep_comm
-    sizes = dict(hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=4, dispatch_format="bf16",
-                 combine_format="bf16", backend="reference", timeout_s=30)
-    a, b = ep_comm.Buffer(None, **sizes), ep_comm.Buffer(None, **sizes)
-    idx = torch.tensor([[0, 2], [1, 3], [0, 3], [2, 1]])
-    w = torch.ones(4, 2)
-    x = torch.full((4, 64), 1.0 + rank, dtype=torch.bfloat16)
+    a, b, x, idx, w = _two_same_size_buffers(rank)
     rb = b.dispatch(x, idx, w)
     out = {}
     start = time.monotonic()
