@@ -57,10 +57,10 @@ from ep_comm.launch import run_ranks  # noqa: E402
 from ep_comm.types import COMBINE_FORMATS, DISPATCH_FORMATS  # noqa: E402
 
 
-
 def _grad_buffers(buf, args):
     """The backward Buffers of `buf` in the formats the command line names (collective)."""
     return training.GradBuffers.create(buf, args.grad_format, input_grad_format=args.input_grad_format)
+
 
 def _time_into(row: dict, name: str, fn, args) -> None:
     """row[name + "_ms"]: fn's median device milliseconds (CUDA events); row[name + "_host_ms"]: host milliseconds per

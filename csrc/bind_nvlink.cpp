@@ -8,6 +8,8 @@
 #include <cuda_runtime.h>
 #include <pybind11/pybind11.h>
 
+#include <cstddef>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 
@@ -26,6 +28,18 @@ T get(const py::dict& d, const char* key) {
 }
 
 using ep_comm::binding::ptr;
+
+// The combine formats this build has kernels for (nvlink.h CombineFormat): what NvlinkContext accepts, and what
+// nvlink.py reads as nvlink_combine_format_codes (an extension built before a format existed would otherwise run
+// another format's kernels on its rows).
+constexpr int kCombineFormatCodes[] = {kCombS2f6, kCombBf16, kCombMxfp8};
+
+bool known_combine_format(int code) {
+  for (int known : kCombineFormatCodes) {
+    if (code == known) return true;
+  }
+  return false;
+}
 
 class NvlinkContext {
  public:
@@ -107,7 +121,7 @@ class NvlinkContext {
     // The launchers pick kernels by these codes; an unknown one would run a kernel of another row size.
     if (c.disp_fmt != kDispNvfp4 && c.disp_fmt != kDispMxfp8 && c.disp_fmt != kDispBf16)
       throw std::invalid_argument("unknown dispatch format code " + std::to_string(c.disp_fmt));
-    if (c.comb_fmt != kCombS2f6 && c.comb_fmt != kCombBf16 && c.comb_fmt != kCombMxfp8)
+    if (!known_combine_format(c.comb_fmt))
       throw std::invalid_argument("unknown combine format code " + std::to_string(c.comb_fmt));
     select();
     prepare_layout_kernel(c);
@@ -387,10 +401,9 @@ void register_nvlink(py::module_& m) {
   m.attr("nvlink_dispatch_epoch_bits") = py::int_(kDispatchEpochBits);
   m.attr("nvlink_max_world") = py::int_(kMaxWorld);
   m.attr("nvlink_layout_max_chunks") = py::int_(kLayoutMaxChunks);
-  // The combine formats this build's kernels know, by their CombineFormat codes (nvlink.py checks that its code is
-  // among them: an extension built before a format existed would run another format's kernels on its rows).
-  m.attr("nvlink_combine_format_codes") = py::make_tuple(static_cast<int>(kCombS2f6), static_cast<int>(kCombBf16),
-                                                         static_cast<int>(kCombMxfp8));
+  py::tuple combine_codes(std::size(kCombineFormatCodes));
+  for (std::size_t i = 0; i < std::size(kCombineFormatCodes); ++i) combine_codes[i] = py::int_(kCombineFormatCodes[i]);
+  m.attr("nvlink_combine_format_codes") = combine_codes;  // (kCombineFormatCodes)
   // What ep_comm/backends/nvlink.py _check_nvlink_limits tests a configuration against (nvlink.h).
   m.attr("nvlink_max_dynamic_smem") = py::int_(kMaxDynamicSmem);
   m.def("nvlink_layout_warp_smem", &layout_warp_smem, py::arg("num_experts"), py::arg("world"),

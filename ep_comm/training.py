@@ -9,9 +9,9 @@
 Experts: any torch autograd code on `routed.x`, or `ExpertMLP` / `expert_mlp` (ep_comm/training_experts.py): trainable
 SwiGLU experts on the dispatched NVFP4 tokens themselves, with an MXFP8 + stochastic-rounding backward.
 
-Forward: `Buffer.dispatch` and `Buffer.combine` in the Buffer's wire formats (NVFP4 / MXFP8 / BF16 out, S2F6 / MXFP8 /
-BF16 back), the received tokens dequantized to dense rows for the experts. Backward treats the quantizers as the identity
-(straight-through, as Transformer Engine treats its FP8 / FP4 casts), so the gradients are those of
+Forward: `Buffer.dispatch` and `Buffer.combine` in the Buffer's wire formats (NVFP4 / MXFP8 / BF16 out, S2F6 / MXFP8
+/ BF16 back), the received tokens dequantized to dense rows for the experts. Backward treats the quantizers as the
+identity (straight-through, as Transformer Engine treats its FP8 / FP4 casts), so the gradients are those of
 y[t] = sum_k w[t, k] * E_k(xq[t]) with xq the dequantized dispatch payload:
 
 * combine's backward is a dispatch of the output gradient g [T, H] on `GradBuffers.rows` (BF16, or MXFP8 with
@@ -30,8 +30,8 @@ y[t] = sum_k w[t, k] * E_k(xq[t]) with xq the dequantized dispatch payload:
 Rows that are alignment padding or past the rows in use are zero in `routed.x` and get zero gradients, so experts
 that run on whole segments (or on all R rows) see no garbage in either direction.
 
-Cost: backward moves g at BF16 (or MXFP8) width out and the input gradient at BF16 (or MXFP8) width back, plus a small dispatch
-and combine of 32 * ceil(3K / 32) BF16 columns for the routing weights; none of it is fused into a GEMM.
+Cost: backward moves g at BF16 (or MXFP8) width out and the input gradient at BF16 (or MXFP8) width back, plus a small
+dispatch and combine of 32 * ceil(3K / 32) BF16 columns for the routing weights; none of it is fused into a GEMM.
 
 Streams: `dispatch` and `combine` take a comm_stream, as the Buffer's calls do, so that the forward's communication
 overlaps work the caller enqueues meanwhile (a shared expert, say). The dispatch's results are waited for where they
@@ -405,8 +405,8 @@ def join_bf16_parts(parts: torch.Tensor) -> torch.Tensor:
 # exchange included, whether or not this rank's weights want a gradient).
 class _DispatchFunction(torch.autograd.Function):
     """x [T, H] -> (carrier [R, H], token): Buffer.dispatch; backward: a unit-weight combine (BF16 or MXFP8) of the
-    rows' gradients on GradBuffers.rows. The carrier is a zero tensor of no memory (an expanded 0-dim zero): it only carries
-    the gradient of the dispatched rows back here. _DenseRowsFunction makes the dense rows from it when asked for
+    rows' gradients on GradBuffers.rows. The carrier is a zero tensor of no memory (an expanded 0-dim zero): it only
+    carries the gradient of the dispatched rows back here. _DenseRowsFunction makes the dense rows from it when asked for
     (RoutedTokens.x); expert code that reads the payload itself (ExpertMLP) takes the carrier, and the dequantize pass
     over the capacity rows never runs."""
 

@@ -833,7 +833,10 @@ class NVLinkBackend:
             # Per layout chunk (block) and key (E experts, then W ranks): rows/tokens of the earlier chunks.
             if (c.nvlink_layout_max_chunks, c.wave_area_fixed_words) != (_LAYOUT_MAX_CHUNKS, _WAVE_AREA_FIXED_WORDS):
                 raise RuntimeError("ep_comm._C and the size hint's constants differ: rebuild ep_comm")
-            if _COMBINE_FORMAT_CODE[config.combine_format] not in getattr(c, "nvlink_combine_format_codes", (0, 1)):
+            # (An extension without the attribute predates it and the MXFP8 combine: S2F6 and BF16 only.)
+            built = getattr(c, "nvlink_combine_format_codes",
+                            (_COMBINE_FORMAT_CODE["s2f6"], _COMBINE_FORMAT_CODE["bf16"]))
+            if _COMBINE_FORMAT_CODE[config.combine_format] not in built:
                 raise RuntimeError(f"this ep_comm._C was built before the {config.combine_format!r} combine format "
                                    f"existed: rebuild ep_comm")
             self._layout_base = torch.zeros(_LAYOUT_MAX_CHUNKS * (config.num_experts + self.world),
