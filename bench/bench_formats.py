@@ -75,6 +75,21 @@ def build_cases(lib, mib: int, hidden: int, with_reference: bool) -> list[Case]:
         cases.append(Case(f"nvfp4_quantize {'4/6' if four_over_six else 'plain'}", f"bf16 [{rows}, {hidden}]",
                           2 * elements + nvfp4_bytes, quantize,
                           ref(lambda fos=four_over_six: F.nvfp4_quantize(x, four_over_six=fos, impl="reference"))))
+    # Two more 4/6 forms the library runs: the row amax given (what nvfp4_quantize(x, amax=...) does, e.g. with the
+    # amax w1's epilogue fuses in the MoE layer: no in-kernel row reduction and no row barrier), and fp32 rows.
+    given_amax = x.float().abs().amax(dim=1).contiguous()
+    cases.append(Case("nvfp4_quantize 4/6, amax given", f"bf16 [{rows}, {hidden}]",
+                      2 * elements + 4 * rows + nvfp4_bytes,
+                      lambda: lib.nvfp4_quantize(x.data_ptr(), lib.ELEM_BFLOAT16, hidden, rows, hidden,
+                                                 given_amax.data_ptr(), 256.0, True, q_data.data_ptr(), hidden // 2,
+                                                 q_scales.data_ptr(), hidden // 16, q_amax.data_ptr(), 0, stream),
+                      ref(lambda: F.nvfp4_quantize(x, four_over_six=True, amax=given_amax, impl="reference"))))
+    x32 = x.float()
+    cases.append(Case("nvfp4_quantize 4/6, fp32 in", f"fp32 [{rows}, {hidden}]", 4 * elements + nvfp4_bytes,
+                      lambda: lib.nvfp4_quantize(x32.data_ptr(), lib.ELEM_FLOAT32, hidden, rows, hidden, 0, 256.0,
+                                                 True, q_data.data_ptr(), hidden // 2, q_scales.data_ptr(),
+                                                 hidden // 16, q_amax.data_ptr(), 0, stream),
+                      ref(lambda: F.nvfp4_quantize(x32, four_over_six=True, impl="reference"))))
     q = F.nvfp4_quantize(x, impl="cuda")
     out_bf16 = torch.empty(rows, hidden, dtype=bf16, device="cuda")
     cases.append(Case("nvfp4_dequantize", f"-> bf16 [{rows}, {hidden}]", nvfp4_bytes + 2 * elements,
