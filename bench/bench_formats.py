@@ -63,33 +63,32 @@ def build_cases(lib, mib: int, hidden: int, with_reference: bool) -> list[Case]:
     ref = (lambda fn: fn) if with_reference else (lambda fn: None)
     cases = []
 
-    # NVFP4 quantize (per-row amax computed in the kernel), 4/6 and plain.
+    # NVFP4 quantize, 4/6 and plain, with the per-row amax computed in the kernel; then two more 4/6 forms the library
+    # runs: the row amax given (what nvfp4_quantize(x, amax=...) does, e.g. with the amax w1's epilogue fuses in the MoE
+    # layer: no in-kernel row reduction and no row barrier), and fp32 rows.
     q_data = torch.empty(rows, hidden // 2, dtype=u8, device="cuda")
     q_scales = torch.empty(rows, hidden // 16, dtype=u8, device="cuda")
     q_amax = torch.empty(rows, dtype=f32, device="cuda")
     nvfp4_bytes = elements // 2 + elements // 16 + 4 * rows
-    for four_over_six, e4m3_max in ((True, 256.0), (False, 448.0)):
-        def quantize(fos=four_over_six, m=e4m3_max):
-            lib.nvfp4_quantize(x.data_ptr(), lib.ELEM_BFLOAT16, hidden, rows, hidden, 0, m, fos, q_data.data_ptr(),
-                               hidden // 2, q_scales.data_ptr(), hidden // 16, q_amax.data_ptr(), 0, stream)
-        cases.append(Case(f"nvfp4_quantize {'4/6' if four_over_six else 'plain'}", f"bf16 [{rows}, {hidden}]",
-                          2 * elements + nvfp4_bytes, quantize,
-                          ref(lambda fos=four_over_six: F.nvfp4_quantize(x, four_over_six=fos, impl="reference"))))
-    # Two more 4/6 forms the library runs: the row amax given (what nvfp4_quantize(x, amax=...) does, e.g. with the
-    # amax w1's epilogue fuses in the MoE layer: no in-kernel row reduction and no row barrier), and fp32 rows.
-    given_amax = x.float().abs().amax(dim=1).contiguous()
-    cases.append(Case("nvfp4_quantize 4/6, amax given", f"bf16 [{rows}, {hidden}]",
-                      2 * elements + 4 * rows + nvfp4_bytes,
-                      lambda: lib.nvfp4_quantize(x.data_ptr(), lib.ELEM_BFLOAT16, hidden, rows, hidden,
-                                                 given_amax.data_ptr(), 256.0, True, q_data.data_ptr(), hidden // 2,
-                                                 q_scales.data_ptr(), hidden // 16, q_amax.data_ptr(), 0, stream),
-                      ref(lambda: F.nvfp4_quantize(x, four_over_six=True, amax=given_amax, impl="reference"))))
     x32 = x.float()
-    cases.append(Case("nvfp4_quantize 4/6, fp32 in", f"fp32 [{rows}, {hidden}]", 4 * elements + nvfp4_bytes,
-                      lambda: lib.nvfp4_quantize(x32.data_ptr(), lib.ELEM_FLOAT32, hidden, rows, hidden, 0, 256.0,
-                                                 True, q_data.data_ptr(), hidden // 2, q_scales.data_ptr(),
-                                                 hidden // 16, q_amax.data_ptr(), 0, stream),
-                      ref(lambda: F.nvfp4_quantize(x32, four_over_six=True, impl="reference"))))
+    given_amax = x32.abs().amax(dim=1)
+
+    def nvfp4_case(name, src, elem_type, four_over_six=True, amax=None):
+        amax_bytes = 0 if amax is None else 4 * rows
+        e4m3_max = 256.0 if four_over_six else 448.0
+
+        def quantize():
+            lib.nvfp4_quantize(src.data_ptr(), elem_type, hidden, rows, hidden, 0 if amax is None else amax.data_ptr(),
+                               e4m3_max, four_over_six, q_data.data_ptr(), hidden // 2, q_scales.data_ptr(),
+                               hidden // 16, q_amax.data_ptr(), 0, stream)
+        return Case(name, f"{'fp32' if src.dtype == f32 else 'bf16'} [{rows}, {hidden}]",
+                    src.element_size() * elements + amax_bytes + nvfp4_bytes, quantize,
+                    ref(lambda: F.nvfp4_quantize(src, four_over_six=four_over_six, amax=amax, impl="reference")))
+
+    cases.append(nvfp4_case("nvfp4_quantize 4/6", x, lib.ELEM_BFLOAT16))
+    cases.append(nvfp4_case("nvfp4_quantize plain", x, lib.ELEM_BFLOAT16, four_over_six=False))
+    cases.append(nvfp4_case("nvfp4_quantize 4/6, amax given", x, lib.ELEM_BFLOAT16, amax=given_amax))
+    cases.append(nvfp4_case("nvfp4_quantize 4/6, fp32 in", x32, lib.ELEM_FLOAT32))
     q = F.nvfp4_quantize(x, impl="cuda")
     out_bf16 = torch.empty(rows, hidden, dtype=bf16, device="cuda")
     cases.append(Case("nvfp4_dequantize", f"-> bf16 [{rows}, {hidden}]", nvfp4_bytes + 2 * elements,
