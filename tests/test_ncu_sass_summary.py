@@ -59,3 +59,20 @@ def test_refuses_a_file_that_is_not_a_source_report(summary, tmp_path):
     path.write_text("==ERROR== the profiled process failed\n")
     with pytest.raises(ValueError, match="not an ncu"):
         summary.read_rows(str(path))
+
+
+def test_opcode_drops_predicate_and_modifiers(summary):
+    assert summary.opcode("@!P0  LDG.E.128.CONSTANT R4, desc[UR8][R2.64]") == "LDG"
+    assert summary.opcode("FFMA R3, R9, -R0, R9") == "FFMA"
+    assert summary.opcode("") == ""
+
+
+def test_instructions_per_element(summary, tmp_path, capsys):
+    path = tmp_path / "sass.csv"
+    _write_csv(path)
+    # 826 warp instructions of 32 lanes over 3304 elements: 8.00 per element; HGMMA 400 * 32 / 3304 = 3.87
+    assert summary.main([str(path), "--elements", "3304"]) == 0
+    out = capsys.readouterr().out
+    assert "thread instructions per element: 8.00 (826 warp instructions, 3304 elements)" in out
+    assert "HGMMA 3.87, LOP3 3.87, BAR 0.24" in out  # EXIT (0.01) is below the 0.1 shown
+    assert "EXIT" not in out.split("by opcode")[1].splitlines()[1]
