@@ -42,11 +42,16 @@ def test_reads_rows_and_reasons(summary, tmp_path):
     assert rows[2][4] == {"barrier": 15, "wait": 0}  # the "(Not Issued)" columns are left out
 
 
-def test_groups_samples_by_execution_count(summary, tmp_path, capsys):
+def _summary_of(summary, tmp_path, capsys, *options):
+    """What main prints for the CSV of _write_csv with these options."""
     path = tmp_path / "sass.csv"
     _write_csv(path)
-    assert summary.main([str(path), "--top", "2"]) == 0
-    out = capsys.readouterr().out
+    assert summary.main([str(path), *options]) == 0
+    return capsys.readouterr().out
+
+
+def test_groups_samples_by_execution_count(summary, tmp_path, capsys):
+    out = _summary_of(summary, tmp_path, capsys, "--top", "2")
     assert "4 SASS lines, 100 stall samples" in out
     levels = [line for line in out.splitlines() if line.strip().startswith("executed")]
     assert levels[0].split(":")[0].split()[-1] == "400" and "2 lines,  80.0% of samples" in levels[0]
@@ -68,11 +73,8 @@ def test_opcode_drops_predicate_and_modifiers(summary):
 
 
 def test_instructions_per_element(summary, tmp_path, capsys):
-    path = tmp_path / "sass.csv"
-    _write_csv(path)
     # 826 warp instructions of 32 lanes over 3304 elements: 8.00 per element; HGMMA 400 * 32 / 3304 = 3.87
-    assert summary.main([str(path), "--elements", "3304"]) == 0
-    out = capsys.readouterr().out
+    out = _summary_of(summary, tmp_path, capsys, "--elements", "3304")
     assert "thread instructions per element: 8.00 (826 warp instructions, 3304 elements)" in out
     assert "HGMMA 3.87, LOP3 3.87, BAR 0.24" in out  # EXIT (0.01) is below the 0.1 shown
     assert "EXIT" not in out.split("by opcode")[1].splitlines()[1]
