@@ -71,6 +71,8 @@ def main(argv=None) -> int:
     parser.add_argument("--elements", type=int, default=0,
                         help="elements the launch processed: print thread instructions per element by opcode")
     args = parser.parse_args(argv)
+    if args.elements < 0:
+        parser.error(f"--elements must be a positive count (or 0: off), got {args.elements}")
     rows = read_rows(args.csv)
     total = sum(r[2] for r in rows) or 1
     print(f"{len(rows)} SASS lines, {total} stall samples")

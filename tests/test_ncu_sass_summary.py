@@ -78,3 +78,8 @@ def test_instructions_per_element(summary, tmp_path, capsys):
     assert "thread instructions per element: 8.00 (826 warp instructions, 3304 elements)" in out
     assert "HGMMA 3.87, LOP3 3.87, BAR 0.24" in out  # EXIT (0.01) is below the 0.1 shown
     assert "EXIT" not in out.split("by opcode")[1].splitlines()[1]
+
+
+def test_refuses_a_negative_element_count(summary, tmp_path):
+    with pytest.raises(SystemExit):  # argparse's error exit, before the file is read
+        summary.main([str(tmp_path / "absent.csv"), "--elements", "-3"])
