@@ -54,10 +54,15 @@ class Case:
         self.kernel, self.reference = kernel, reference
 
 
+def rows_of(mib: int, hidden: int) -> int:
+    """The rows of the benchmark's input: bf16 rows of `mib` MiB, a multiple of 32 (at least 32)."""
+    return max(32, ((mib << 20) // (2 * hidden)) // 32 * 32)
+
+
 def build_cases(lib, mib: int, hidden: int, with_reference: bool) -> list[Case]:
     stream = torch.cuda.current_stream().cuda_stream
     bf16, u8, f32 = torch.bfloat16, torch.uint8, torch.float32
-    rows = max(32, ((mib << 20) // (2 * hidden)) // 32 * 32)  # bf16 rows of `mib` MiB, a multiple of 32
+    rows = rows_of(mib, hidden)
     x = torch.randn(rows, hidden, device="cuda", dtype=bf16)
     elements = rows * hidden
     ref = (lambda fn: fn) if with_reference else (lambda fn: None)

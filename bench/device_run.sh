@@ -717,6 +717,10 @@ profile_stalls() {  # STALLS_ONLY = a bench_formats case name substring (default
     --section SourceCounters --page source --print-source sass --csv \
     python3 bench/profile_formats.py --mib 64 --only "$only" > "$OUT/ncu_sass_$name.csv" 2>&1
   echo "ncu sass $only: rc $?" | tee -a "$log"
+  # per-line summary with the thread instructions per element (the input's elements from the benchmark's own shape)
+  python3 bench/ncu_sass_summary.py "$OUT/ncu_sass_$name.csv" \
+    --elements "$(python3 bench/profile_formats.py --mib 64 --print-elements)" > "$OUT/ncu_sass_${name}_summary.txt" 2>&1
+  grep -A1 "^thread instructions per element" "$OUT/ncu_sass_${name}_summary.txt" | tee -a "$log"
 }
 profile_comm_ncu() {  # Nsight Compute on one dispatch + combine at 4096 tokens on ONE rank (world 1: no peer to wait for under
   # replay), per format pair in COMM_FORMATS (default nvfp4/s2f6 bf16/bf16): the 4 kernels of the second call pair

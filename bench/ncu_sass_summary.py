@@ -58,8 +58,9 @@ def print_per_element(rows: list, elements: int) -> None:
     for _, source, _, executed, _ in rows:
         by_opcode[opcode(source)] += executed
     scale = 32 / elements
-    print(f"thread instructions per element: {sum(by_opcode.values()) * scale:.2f} "
-          f"({sum(by_opcode.values())} warp instructions, {elements} elements); by opcode (>= 0.1):")
+    total = sum(by_opcode.values())
+    print(f"thread instructions per element: {total * scale:.2f} "
+          f"({total} warp instructions, {elements} elements); by opcode (>= 0.1):")
     print("  " + ", ".join(f"{name} {n * scale:.2f}" for name, n in by_opcode.most_common() if n * scale >= 0.1))
 
 

@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from bench_formats import build_cases  # same directory: the benchmark's inputs
+from bench_formats import build_cases, rows_of  # same directory: the benchmark's inputs
 from ep_comm import _ext
 
 
@@ -22,7 +22,12 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=64)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--only", default="", help="substring of the kernel names to run (default: all)")
+    p.add_argument("--print-elements", action="store_true",
+                   help="print the elements of the input (for ncu_sass_summary.py --elements) and launch nothing")
     args = p.parse_args()
+    if args.print_elements:
+        print(rows_of(args.mib, args.hidden) * args.hidden)
+        return
     lib = _ext.require_cuda_extension("profile_formats")
     for case in build_cases(lib, args.mib, args.hidden, with_reference=False):
         if args.only in case.name:
