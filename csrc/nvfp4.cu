@@ -253,10 +253,16 @@ __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::templa
         const int b = first + threadIdx.x + i * threads_per_row;
         if (b >= num_blocks) continue;
         if (!fast[i].decided) {
+          // The exact form writes through pointers: into temporaries of this rare branch, so that `fast` itself is
+          // never address-taken and stays in registers (it went through local memory in every thread).
           float x[16];
           blocks[i].unpack(x);
-          qm::nvfp4_four_six_block16_general(x, this_block_amax(i), outer, amax, args.e4m3_max, fast[i].words,
-                                             &fast[i].scale);
+          uint32_t words[2];
+          uint8_t scale;
+          qm::nvfp4_four_six_block16_general(x, this_block_amax(i), outer, amax, args.e4m3_max, words, &scale);
+          fast[i].words[0] = words[0];
+          fast[i].words[1] = words[1];
+          fast[i].scale = scale;
         }
         if constexpr (kBlockValues) {
           if constexpr (kFp8Values) {
