@@ -28,8 +28,9 @@ namespace {
 // codes packed by pair conversions the plain path fits 64 registers without spills), 4/6 takes two blocks per thread
 // at 3 CTAs (its two candidates need the 80 registers: 220 us against 400 at 64 registers): narrow for bf16 / fp16,
 // occupancy for fp32 (1.14x faster than narrow's one block per thread although it spills ~50 bytes; sixteenth
-// session). Since the sixteenth session's instruction cuts, narrow 4/6 fits 72 registers without spills, so a
-// 7168-wide bf16 row's CTA of 224 threads runs 4 per SM instead of 3: 189.4 -> 183.0 us (same-call A/B).
+// session). Since the sixteenth session's instruction cuts, narrow 4/6 fits 72 registers with few spills (ptxas,
+// nvcc 13.0: 40 bytes stored, 68 loaded -- row constants such as the outer scales), so a 7168-wide bf16 row's CTA of
+// 224 threads runs 4 per SM instead of 3: 189.4 -> 183.0 us (same-call A/B).
 // kMinCtasHeavyArg: the CTAs per SM for the kernels that need more registers -- fp16 input and 4/6.
 // kRegisters46Arg (nonzero): the register cap of the 4/6 kernels, instead of what kMinCtasHeavyArg CTAs of
 // kMaxThreadsArg threads allow -- so that shorter CTAs (a 7168-wide bf16 row takes 224 threads) fit one more per SM.
@@ -254,7 +255,8 @@ __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::templa
         if (b >= num_blocks) continue;
         if (!fast[i].decided) {
           // The exact form writes through pointers: into temporaries of this rare branch, so that `fast` itself is
-          // never address-taken and stays in registers (it went through local memory in every thread).
+          // never address-taken and stays in registers (it went through local memory in every thread: 4.6% slower on
+          // one H100, bench/RESULTS.md, seventy-sixth session).
           float x[16];
           blocks[i].unpack(x);
           uint32_t words[2];
