@@ -253,18 +253,10 @@ __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::templa
       for (int i = 0; i < kBlocksPerThread; ++i) {
         const int b = first + threadIdx.x + i * threads_per_row;
         if (b >= num_blocks) continue;
-        if (!fast[i].decided) {
-          // The exact form writes through pointers: into temporaries of this rare branch, so that `fast` itself is
-          // never address-taken and stays in registers (it went through local memory in every thread: 4.6% slower on
-          // one H100, bench/RESULTS.md, seventy-sixth session).
+        if (!fast[i].decided) {  // by value: `fast` is never address-taken and stays in registers
           float x[16];
           blocks[i].unpack(x);
-          uint32_t words[2];
-          uint8_t scale;
-          qm::nvfp4_four_six_block16_general(x, this_block_amax(i), outer, amax, args.e4m3_max, words, &scale);
-          fast[i].words[0] = words[0];
-          fast[i].words[1] = words[1];
-          fast[i].scale = scale;
+          fast[i] = qm::nvfp4_four_six_block16_general_value(x, this_block_amax(i), outer, amax, args.e4m3_max);
         }
         if constexpr (kBlockValues) {
           if constexpr (kFp8Values) {

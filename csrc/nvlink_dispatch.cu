@@ -45,24 +45,15 @@ struct Chunk32 {
   }
 };
 
-// One NVFP4 4/6 block (16 bf16 elements) through the general form, its code words and scale byte returned by value.
-// The general form hands its outputs to an out-of-line call (through memory). Given the caller's Nvfp4BlockFast
-// array instead of these locals, it put that array in local memory on the fast path too (5 stores and 3 loads per
-// chunk in the send); with these locals only the general path touches the stack.
+// One NVFP4 4/6 block (16 bf16 elements) through the general form, returned by value
+// (nvfp4_four_six_block16_general_value: with it only the general path touches the stack; given the caller's array
+// it cost the send 5 local stores and 3 loads per chunk on the fast path).
 __device__ __forceinline__ Nvfp4BlockFast nvfp4_block16_general_by_value(const uint4& lo, const uint4& hi,
                                                                          const Nvfp4Outer& outer, float amax) {
   float xb[16];
   bf16x8_to_float(lo, xb);
   bf16x8_to_float(hi, xb + 8);
-  uint32_t words[2];
-  uint8_t scale;
-  nvfp4_four_six_block16_general(xb, vec::bf16_block16_amax(lo, hi), outer, amax, 256.0f, words, &scale);
-  Nvfp4BlockFast out;
-  out.words[0] = words[0];
-  out.words[1] = words[1];
-  out.scale = scale;
-  out.decided = true;
-  return out;
+  return nvfp4_four_six_block16_general_value(xb, vec::bf16_block16_amax(lo, hi), outer, amax, 256.0f);
 }
 
 // 32 bf16 elements -> two NVFP4 4/6 blocks: 16 code bytes and two scale bytes (low byte first). Both blocks go

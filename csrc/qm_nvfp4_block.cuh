@@ -588,6 +588,24 @@ QM_HD void nvfp4_four_six_block16_general(const float x[16], float block_amax, c
   *scale_byte = chosen4 ? s4 : s6;
 }
 
+// The general form with its codes and scale returned by value (decided = true). The general form hands its outputs
+// to an out-of-line call through memory: a caller that keeps Nvfp4BlockFast results takes this form, so that its
+// array is never address-taken. Given that array's fields, it put the array in local memory on the fast path too
+// (the standalone 4/6 kernel 4.6% slower on one H100, bench/RESULTS.md, seventy-sixth session; the dispatch send,
+// twentieth session).
+QM_HD Nvfp4BlockFast nvfp4_four_six_block16_general_value(const float x[16], float block_amax, const Nvfp4Outer& outer,
+                                                          float amax, float e4m3_max) {
+  uint32_t words[2];
+  uint8_t scale;
+  nvfp4_four_six_block16_general(x, block_amax, outer, amax, e4m3_max, words, &scale);
+  Nvfp4BlockFast out;
+  out.words[0] = words[0];
+  out.words[1] = words[1];
+  out.scale = scale;
+  out.decided = true;
+  return out;
+}
+
 // One block, plain or 4/6, into two packed words (bytes 0-3, 4-7) and the E4M3 scale byte, with precomputed outer
 // scales: `amax` is the outer amax (the 4/6 error is measured in the input domain, which needs it), `e4m3_max` is M,
 // `block_amax` the block's max |x_i| (NaN ignored: block_amax16). The fast paths, then the general form where they
