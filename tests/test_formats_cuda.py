@@ -106,6 +106,17 @@ def test_nvfp4_random_bit_rows(four_over_six):
             assert_same_nvfp4(_cpu_nvfp4(actual), expected, f"nvfp4 random bits {dtype} amax={amax is not None}")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_nvfp4_quantize_rows_past_one_wave(dtype):
+    """More rows (1201 of 7168) than one wave of the 4/6 kernel's CTAs holds on an H100 / H200 (132 SMs: 528 bf16
+    rows, 396 fp32), so that its CTAs prefetch into L2 the rows of the next wave (EP_COMM_NVFP4_PREFETCH, on by
+    default): a prefetch is a hint, and the codes must be the reference's whatever it does."""
+    x = _input("outliers", 1201, 7168, dtype, seed=1201)
+    expected = F.nvfp4_quantize(x, four_over_six=True, impl="reference")
+    actual = F.nvfp4_quantize(x.to(DEVICE), four_over_six=True, impl="cuda")
+    assert_same_nvfp4(_cpu_nvfp4(actual), expected, f"nvfp4 4/6 past one wave {dtype}")
+
+
 @pytest.mark.parametrize("hidden", [16, 48, 1552, 2064, 4112, 8720])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("four_over_six", [True, False])
