@@ -352,8 +352,9 @@ __global__ void __launch_bounds__(256) nvfp4_expand_fp8_kernel(const uint8_t* __
 // EP_COMM_NVFP4_PREFETCH = on (default) | off: the 4/6 codes kernel prefetches into L2 the row that a CTA one wave
 // later (every CTA the device holds at once) will quantize, so that wave finds its rows in L2 instead of waiting on
 // HBM at its start, when every warp of the SM loads at once. One wave, capped at half the L2: two waves ahead measured
-// slower (+4.5% for bf16 rows, +48% for fp32 rows, whose prefetched rows outran the 50 MB L2); one wave measured
-// 1.7% (bf16) and 3.4% (fp32) faster on one H100 (bench/RESULTS.md, seventy-sixth and seventy-seventh sessions).
+// slower (+4.5% for bf16 rows, +48% for fp32 rows, whose prefetched rows outran the 50 MB L2). One wave, same-call
+// A/B on one H100 (bench/RESULTS.md, seventy-seventh session): fp32 rows 2.9% faster, bf16 rows with the amax given
+// 1.6%, bf16 rows 0.5% (within the spread; 1.7% in the seventy-sixth session's uncapped experiment).
 // *rows_ahead = 0 (no prefetch) when off, or when the launch has no second wave.
 bool l2_prefetch_on() {
   static const bool on = env_choice("EP_COMM_NVFP4_PREFETCH", {"on", "off"}) == 0;
