@@ -355,7 +355,10 @@ __global__ void __launch_bounds__(256) nvfp4_expand_fp8_kernel(const uint8_t* __
 // slower (+4.5% for bf16 rows, +48% for fp32 rows, whose prefetched rows outran the 50 MB L2). One wave, same-call
 // A/B on one H100 (bench/RESULTS.md, seventy-seventh session): fp32 rows 2.9% faster, bf16 rows with the amax given
 // 1.6%, bf16 rows 0.5% (within the spread; 1.7% in the seventy-sixth session's uncapped experiment).
-// *rows_ahead = 0 (no prefetch) when off, or when the launch has no second wave.
+// *rows_ahead = 0 (no prefetch) when off, or when the launch has no second wave. Host cost: the current device and
+// its SM count per 4/6 launch; its L2 size and an occupancy query too where the rows outnumber SMs times rows per CTA
+// (not cached: the occupancy depends on the row width's CTA shape). None of these is a stream operation, so CUDA
+// graph capture is unaffected.
 bool l2_prefetch_on() {
   static const bool on = env_choice("EP_COMM_NVFP4_PREFETCH", {"on", "off"}) == 0;
   return on;
