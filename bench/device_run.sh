@@ -672,6 +672,20 @@ bench_formats_ab() {  # AB_ONLY: the kernels to time (bench_formats --only, a na
   ab_trees "bench: $only, hidden ${AB_HIDDEN:-7168}" "$only|copy_" env CUDA_VISIBLE_DEVICES=0 timeout 60 \
     python3 bench/bench_formats.py --no-reference --only "$only" --hidden "${AB_HIDDEN:-7168}"
 }
+bench_formats_env_ab() {  # AB_VAR = a variable, AB_VALUES = "a b" (default EP_COMM_NVFP4_PREFETCH, "on off"): the
+  # AB_ONLY kernels (default nvfp4_quantize) at AB_HIDDEN (default 7168) in this tree under each value, alternating
+  # (a b b a), with the copy rows of each run
+  local var="${AB_VAR:-EP_COMM_NVFP4_PREFETCH}" values="${AB_VALUES:-on off}" only="${AB_ONLY:-nvfp4_quantize}" out
+  local first="${values%% *}" second="${values##* }" value
+  out=$(mktemp)
+  for value in "$first" "$second" "$second" "$first"; do
+    say "bench: $only, hidden ${AB_HIDDEN:-7168}, $var=$value"
+    env "$var=$value" CUDA_VISIBLE_DEVICES=0 timeout 60 python3 bench/bench_formats.py --no-reference --only "$only" \
+      --hidden "${AB_HIDDEN:-7168}" > "$out" 2>&1
+    grep -E "$only|copy_" "$out" | tee -a "$log" || tail -5 "$out" | tee -a "$log"
+  done
+  rm -f "$out"
+}
 # The nvlink graph rows of a dispatch/combine run in the current directory's tree: AB_FORMATS (default nvfp4/s2f6;
 # several: "nvfp4/s2f6,bf16/bf16"), AB_TOKENS (default 128,1024,4096), AB_NPROC (ranks, default 2).
 dc_graph_rows() {

@@ -164,17 +164,21 @@ __global__ void __launch_bounds__(Shape::kMaxThreads) __maxnreg__((Shape::templa
   static_assert(!kFp8Values || kBlockValues, "the FP8 form is a block-values form");
   __shared__ float warp_max[Shape::kMaxThreads / 32];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  // The rows this launch quantizes: num_rows, or fewer where the device says so (grouped GEMM, waves); read once, for
+  // the row test and the prefetch (which would otherwise read rows past the limit that nobody quantizes).
+  const int64_t rows_in_use =
+      args.num_rows_limit == nullptr ? args.num_rows : std::min<int64_t>(args.num_rows, __ldg(args.num_rows_limit));
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // The row that a CTA one wave later will quantize, into L2: one bulk prefetch per row, no registers or waits (the
   // launcher caps the distance against the L2 size; see l2_prefetch_rows_ahead).
-  if (prefetch_rows_ahead > 0 && threadIdx.x == 0 && row + prefetch_rows_ahead < args.num_rows) {
+  if (prefetch_rows_ahead > 0 && threadIdx.x == 0 && row + prefetch_rows_ahead < rows_in_use) {
     const T* ahead = static_cast<const T*>(args.x) + (row + prefetch_rows_ahead) * args.x_row_stride;
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(ahead),
                  "r"(static_cast<uint32_t>(args.hidden * static_cast<int64_t>(sizeof(T))))
                  : "memory");
   }
 #endif
-  const bool row_valid = row < args.num_rows && (args.num_rows_limit == nullptr || row < __ldg(args.num_rows_limit));
+  const bool row_valid = row < rows_in_use;
   const int num_blocks = static_cast<int>(args.hidden / 16);
   const int threads_per_row = blockDim.x;
   constexpr int kBlocksPerThread = Shape::template blocks_per_thread<T>();
@@ -355,33 +359,32 @@ __global__ void __launch_bounds__(256) nvfp4_expand_fp8_kernel(const uint8_t* __
 // slower (+4.5% for bf16 rows, +48% for fp32 rows, whose prefetched rows outran the 50 MB L2). One wave, same-call
 // A/B on one H100 (bench/RESULTS.md, seventy-seventh session): fp32 rows 2.9% faster, bf16 rows with the amax given
 // 1.6%, bf16 rows 0.5% (within the spread; 1.7% in the seventy-sixth session's uncapped experiment).
-// *rows_ahead = 0 (no prefetch) when off, or when the launch has no second wave. Host cost: the current device and
-// its SM count per 4/6 launch; its L2 size and an occupancy query too where the rows outnumber SMs times rows per CTA
-// (not cached: the occupancy depends on the row width's CTA shape). None of these is a stream operation, so CUDA
-// graph capture is unaffected.
+// *rows_ahead = 0 (no prefetch) when off, or when the launch has no second wave. Host cost per 4/6 launch: the
+// current device and its SM count; where the CTAs outnumber the SMs, an occupancy query too (resident_grid; not
+// cached: the occupancy depends on the row width's CTA shape) and, past one wave, the L2 size. None of these is a
+// stream operation, so CUDA graph capture is unaffected.
 bool l2_prefetch_on() {
   static const bool on = env_choice("EP_COMM_NVFP4_PREFETCH", {"on", "off"}) == 0;
   return on;
 }
 template <typename Kernel>
-cudaError_t l2_prefetch_rows_ahead(Kernel kernel, dim3 block, const Nvfp4QuantizeArgs& args, size_t elem_bytes,
-                                   int64_t* rows_ahead) {
+cudaError_t l2_prefetch_rows_ahead(Kernel kernel, dim3 block, int64_t grid, const Nvfp4QuantizeArgs& args,
+                                   size_t elem_bytes, int64_t* rows_ahead) {
   *rows_ahead = 0;
   if (!l2_prefetch_on()) return cudaSuccess;
-  int device = 0, num_sms = 0, l2_bytes = 0, ctas_per_sm = 0;
+  int device = 0, num_sms = 0, l2_bytes = 0;
   cudaError_t status = cudaGetDevice(&device);
   if (status == cudaSuccess) status = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
   if (status != cudaSuccess) return status;
-  const int64_t rows_per_cta = block.y;
-  if (args.num_rows <= static_cast<int64_t>(num_sms) * rows_per_cta) return cudaSuccess;  // one wave at most
-  status = cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device);
-  if (status == cudaSuccess) {
-    status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel, static_cast<int>(block.x * block.y), 0);
-  }
+  if (grid <= num_sms) return cudaSuccess;  // one wave for sure, without the occupancy query (small launches)
+  int64_t wave_ctas = 0;  // the CTAs the device holds at once (resident_grid: SMs times occupancy)
+  status = resident_grid(kernel, static_cast<int>(block.x * block.y), grid, &wave_ctas);
   if (status != cudaSuccess) return status;
-  const int64_t wave_rows = static_cast<int64_t>(num_sms) * ctas_per_sm * rows_per_cta;
+  if (wave_ctas >= grid) return cudaSuccess;  // one wave at most: nothing comes later to prefetch for
+  status = cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device);
+  if (status != cudaSuccess) return status;
   const int64_t row_bytes = args.hidden * static_cast<int64_t>(elem_bytes);
-  *rows_ahead = std::min<int64_t>(wave_rows, (static_cast<int64_t>(l2_bytes) / 2) / row_bytes);
+  *rows_ahead = std::min<int64_t>(wave_ctas * block.y, (static_cast<int64_t>(l2_bytes) / 2) / row_bytes);
   return cudaSuccess;
 }
 
@@ -403,7 +406,7 @@ cudaError_t launch_quantize(const Nvfp4QuantizeArgs& args, cudaStream_t stream) 
   } else if (args.four_over_six) {
     const auto kernel = nvfp4_quantize_kernel<T, true, Shape>;
     int64_t ahead = 0;
-    const cudaError_t status = l2_prefetch_rows_ahead(kernel, block, args, sizeof(T), &ahead);
+    const cudaError_t status = l2_prefetch_rows_ahead(kernel, block, grid, args, sizeof(T), &ahead);
     if (status != cudaSuccess) return status;
     kernel<<<grid_x, block, 0, stream>>>(args, inv_six_m, ahead);
   } else {

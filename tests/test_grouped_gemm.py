@@ -957,14 +957,15 @@ def test_row_limit_skips_rows_past_the_device_count():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("limit_rows", [0, 77, 200])
-def test_row_limit_leaves_the_rows_past_it_unwritten(limit_rows):
+@pytest.mark.parametrize("num_rows, limit_rows", [(200, 0), (200, 77), (200, 200), (4001, 2500)])
+def test_row_limit_leaves_the_rows_past_it_unwritten(num_rows, limit_rows):
     """The kernels behind num_rows_limit, on outputs the test fills with a sentinel first: rows at or past the device
     count keep the sentinel (this fails if the limit is ignored), rows below it are the full call's. The NVFP4
     quantize kernel in both output forms (codes; fp16 block values + row factor) and the expansion kernel, with the
-    limit at 0, inside and at the row count."""
+    limit at 0, inside and at the row count; 4001 rows are more than one wave of the 4/6 codes kernel's CTAs on an
+    H100 / H200, so its L2 prefetch of the next wave's rows (bounded by the limit) runs too."""
     from ep_comm import _cuda_formats, _ext
-    num_rows, k = 200, 2048
+    k = 2048
     limit = torch.tensor([limit_rows], dtype=torch.int32, device="cuda")
     x = torch.randn(num_rows, k, generator=torch.Generator().manual_seed(695)).cuda()
 
