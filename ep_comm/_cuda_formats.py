@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from . import _ext
-from .formats import MXFP8Tensor, NVFP4Tensor, S2F6Tensor, _check_mxfp8, _check_nvfp4, _check_s2f6
+from .formats import MXFP8Tensor, NVFP4Tensor, S2F6Tensor, _check_mxfp8, _check_nvfp4, _check_s2f6, _check_seed
 
 _ELEM_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/formats.h ElemType
 _NVFP4_ACTIVATION_M = 256.0
@@ -276,12 +276,21 @@ def host_nvfp4_dequantize(q: NVFP4Tensor) -> torch.Tensor:
     return out.reshape(*q.data.shape[:-1], k)
 
 
+def _host_rounding_seed(rounding: str, seed: int) -> int:
+    """The emulations' rounding and seed checked as the public functions check them: the test oracle must not take a
+    misspelt rounding as nearest or a negative seed modulo 2^64."""
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    return _check_seed(seed)
+
+
 def host_mxfp8_quantize(x: torch.Tensor, rounding: str = "nearest", seed: int = 0) -> MXFP8Tensor:
+    seed = _host_rounding_seed(rounding, seed)
     xf, k = _host_rows(x, 32)
     lead_shape = x.shape[:-1]
     data = torch.empty(xf.shape, dtype=torch.uint8)
     scales = torch.empty(xf.shape[0], k // 32, dtype=torch.uint8)
-    _lib().host_mxfp8_quantize(xf.data_ptr(), xf.shape[0], k, rounding == "stochastic", seed & (2**64 - 1),
+    _lib().host_mxfp8_quantize(xf.data_ptr(), xf.shape[0], k, rounding == "stochastic", seed,
                                data.data_ptr(), scales.data_ptr())
     return MXFP8Tensor(data=data.reshape(*lead_shape, k).view(torch.float8_e4m3fn),
                        scales=scales.reshape(*lead_shape, k // 32).view(torch.float8_e8m0fnu))
@@ -299,6 +308,7 @@ def host_mxfp8_dequantize(m: MXFP8Tensor) -> torch.Tensor:
 
 
 def host_nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str = "stochastic", seed: int = 0) -> MXFP8Tensor:
+    seed = _host_rounding_seed(rounding, seed)
     _check_nvfp4(q)
     _host(q.data, "q")
     # The loops take whole blocks of 32 rows: another row count would read and write past the buffers.
@@ -311,7 +321,7 @@ def host_nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str = "stochastic",
     out_data = torch.empty(k, num_rows, dtype=torch.uint8)
     out_scales = torch.empty(k, num_rows // 32, dtype=torch.uint8)
     _lib().host_nvfp4_to_mxfp8_transposed(data.data_ptr(), scales.data_ptr(), amax.data_ptr(), num_rows, k,
-                                          float(q.e4m3_max), rounding == "stochastic", seed & (2**64 - 1),
+                                          float(q.e4m3_max), rounding == "stochastic", seed,
                                           out_data.data_ptr(), out_scales.data_ptr())
     return MXFP8Tensor(data=out_data.view(torch.float8_e4m3fn), scales=out_scales.view(torch.float8_e8m0fnu))
 
@@ -399,9 +409,10 @@ def host_bf16_round(x: torch.Tensor) -> torch.Tensor:
 
 def host_rbits(seed: int, index: torch.Tensor) -> torch.Tensor:
     """rbits(seed, index) as an int64 tensor of 16-bit values (docs/NUMERICS.md "Random bits")."""
+    seed = _check_seed(seed)
     idx = _host(index, "index").to(torch.int64).contiguous().reshape(-1)
     out = torch.empty(idx.shape, dtype=torch.int32)
-    _lib().host_rbits(seed & (2**64 - 1), idx.data_ptr(), idx.numel(), out.data_ptr())
+    _lib().host_rbits(seed, idx.data_ptr(), idx.numel(), out.data_ptr())
     return out.to(torch.int64).reshape(index.shape)
 
 

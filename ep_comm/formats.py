@@ -468,20 +468,21 @@ def sr_key(seed: int) -> int:
 
 
 @eager_only
-def rbits(seed: int, index: torch.Tensor) -> torch.Tensor:
+def rbits(seed: SeedArg, index: torch.Tensor) -> torch.Tensor:
     """16 counter-based random bits (int64 tensor in [0, 2^16)) for each element index (docs/NUMERICS.md).
 
     One fmix32 word per pair of elements: pair p = index >> 1, word = fmix32((p mod 2^32) ^ fmix32((p >> 32) ^ key));
     the even element takes the word's low 16 bits, the odd one its high 16 bits. The index is taken as an unsigned
     64-bit value (a negative one as itself mod 2^64), as the CUDA kernels and the host emulation do.
-    seed: int in [0, 2^64) (mxfp8_quantize also takes a seed tensor; this helper takes the int only); index: an
-    integer tensor of any shape (the result's shape).
+    seed: as mxfp8_quantize takes it, so that the same seed object gives the same bits: an int in [0, 2^64) or a
+    one-element integer tensor (int64: the seed's 64 bits in two's complement; a CUDA one is read here, a sync);
+    index: an integer tensor of any shape (the result's shape).
     """
-    seed = _check_seed(seed)
     if not isinstance(index, torch.Tensor) or index.is_floating_point() or index.is_complex() or \
             index.dtype == torch.bool:
         raise TypeError("index must be an integer tensor, got " +
                         (str(index.dtype) if isinstance(index, torch.Tensor) else type(index).__name__))
+    seed = _seed_value(_check_seed_arg(seed, index.device))
     index = index.to(torch.int64)
     key = sr_key(seed)
     pair = (index >> 1) & 0x7FFFFFFFFFFFFFFF  # the unsigned shift: int64's >> copies the sign bit
@@ -565,7 +566,11 @@ def nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True, amax: Optional[t
                 raise TypeError(f"amax must be a tensor or a real number, got {type(amax).__name__}")
             # Rounded to fp32 as a float64 tensor amax is (above FLT_MAX: Inf, which the outer-scale rule takes);
             # torch.full, not torch.tensor: no host->device copy (a sync, and refused inside a CUDA-graph capture).
-            value = float(torch.tensor(float(amax), dtype=torch.float64).float())
+            try:
+                as_double = float(amax)
+            except OverflowError:  # an int beyond the float range: positive ones are +Inf, as documented
+                as_double = math.inf if amax > 0 else -math.inf
+            value = float(torch.tensor(as_double, dtype=torch.float64).float())
             amax = torch.full((), value, dtype=torch.float32, device=x.device)
         if not amax.is_floating_point():
             raise TypeError(f"amax must be a floating-point tensor, got {amax.dtype}")
@@ -678,6 +683,9 @@ def _check_seed_arg(seed, device: torch.device) -> SeedArg:
                                            or seed.dtype.is_floating_point or seed.dtype.is_complex):
         raise TypeError(f"a seed tensor must hold one integer element (int64 for all 64 bits), got {seed.dtype} of "
                         f"shape {tuple(seed.shape)}")
+    if isinstance(seed, torch.Tensor):
+        # .item(), not operator.index: the latter goes through int64 and fails for uint64 seeds from 2^63.
+        return _check_seed(int(seed.reshape(()).item()))
     return _check_seed(seed)
 
 
@@ -692,12 +700,17 @@ def _check_same_device(container, *names: str) -> None:
     """The tensor fields `names` of a format container on data's device (a kernel given a CUDA data pointer would read
     a CPU scales or amax pointer as a device address). Named, not found through dataclasses.fields: this runs on every
     container check, MoELayer's forward included."""
+    kind = type(container).__name__
+    for name in ("data",) + names:  # a scalar or numpy field (a hand-built container) would fail obscurely below
+        value = getattr(container, name)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{kind}.{name} must be a torch.Tensor, got {type(value).__name__}")
     device = container.data.device
     for name in names:
         value = getattr(container, name)
-        if isinstance(value, torch.Tensor) and value.device != device:
-            raise ValueError(f"{type(container).__name__}.{name} is on {value.device} but data is on {device}: "
-                             f"move every field together")
+        if value.device != device:
+            raise ValueError(f"{kind}.{name} is on {value.device} but data is on {device}: move every field "
+                             f"together")
 
 
 def _check_container_dims(kind: str, data: torch.Tensor, scales: torch.Tensor) -> None:
@@ -983,8 +996,9 @@ def s2f6_dequantize(s: S2F6Tensor, hadamard: Optional[bool] = None, dtype: torch
 def dequantize(x, dtype: torch.dtype = torch.float32, impl: str = "auto") -> torch.Tensor:
     """Any payload of this library as a dense tensor in `dtype` (float32, bfloat16, float16 or float64): an
     NVFP4Tensor, MXFP8Tensor or S2F6Tensor through its own dequantizer (S2F6: inverse RHT applied when it was rotated),
-    a plain floating tensor (a BF16 dispatch payload) converted. E.g. `dequantize(result.x)` for a DispatchResult of any
-    dispatch format."""
+    a plain floating tensor (a BF16 dispatch payload) converted by x.to(dtype): x itself when it already has that dtype
+    (no copy: the payload's storage, autograd kept, as for any .to), where the containers' dequantizers always return a
+    new tensor without autograd. E.g. `dequantize(result.x)` for a DispatchResult of any dispatch format."""
     if isinstance(x, NVFP4Tensor):
         return nvfp4_dequantize(x, dtype=dtype, impl=impl)
     if isinstance(x, MXFP8Tensor):

@@ -379,9 +379,31 @@ def test_api_rejects_malformed_containers_seeds_and_amax():
     other = F.mxfp8_quantize(x, rounding="stochastic", seed=torch.tensor([-3]), impl="reference")
     assert torch.equal(other.data.view(torch.uint8), big.data.view(torch.uint8))
     assert not torch.equal(big.data.view(torch.uint8), plain.data.view(torch.uint8))
+    # An unsigned tensor holds the seed as its value, the upper half of the 64-bit range included (read through
+    # int64, seeds from 2^63 used to fail with torch's overflow error).
+    upper = F.mxfp8_quantize(x, rounding="stochastic", seed=torch.tensor(2**64 - 3, dtype=torch.uint64),
+                             impl="reference")
+    assert torch.equal(upper.data.view(torch.uint8), big.data.view(torch.uint8))
+    # rbits reads a seed as the quantizers do: the same seed object, the same bits.
+    index = torch.arange(64)
+    assert torch.equal(F.rbits(torch.tensor([-3]), index), F.rbits(2**64 - 3, index))
+    assert torch.equal(F.rbits(torch.tensor(2**64 - 3, dtype=torch.uint64), index), F.rbits(2**64 - 3, index))
+    with pytest.raises(ValueError, match="seed"):
+        F.rbits(torch.tensor([-3], dtype=torch.int32), index)
     with pytest.raises(ValueError, match="not NaN"):
         F.nvfp4_quantize(x, amax=torch.tensor(float("nan")), impl="reference")
-    F.nvfp4_quantize(x, amax=torch.tensor(float("inf")), impl="reference")  # what a row holding an Inf computes
+    inf_amax = F.nvfp4_quantize(x, amax=torch.tensor(float("inf")), impl="reference")  # a row holding an Inf's
+    # A Python int beyond the float range is +Inf, as the docstring says (it raised OverflowError).
+    huge = F.nvfp4_quantize(x, amax=10**400, impl="reference")
+    assert torch.equal(huge.data, inf_amax.data) and torch.equal(huge.amax, inf_amax.amax.expand_as(huge.amax))
+    # Fields that are not tensors (a hand-built or loaded container) are named in a TypeError.
+    for kind, container, name in ((F.NVFP4Tensor, q, "amax"), (F.NVFP4Tensor, q, "data"), (F.MXFP8Tensor, m, "scales")):
+        bad = dataclasses.replace(container, **{name: getattr(container, name).view(torch.uint8).numpy()})
+        dequantize = F.nvfp4_dequantize if kind is F.NVFP4Tensor else F.mxfp8_dequantize
+        with pytest.raises(TypeError, match=f"{kind.__name__}.{name} must be a torch.Tensor, got ndarray"):
+            dequantize(bad, impl="reference")
+    with pytest.raises(TypeError, match="NVFP4Tensor.amax must be a torch.Tensor, got float"):
+        F.nvfp4_to_mxfp8_transposed(dataclasses.replace(rows32, amax=1.0), impl="reference")
 
 
 def test_api_refuses_flags_and_containers_of_other_types_and_keeps_edges():

@@ -345,6 +345,20 @@ def test_host_emulation_refuses_what_its_loops_would_overrun():
         C.host_nvfp4_quantize(x.to("meta"))
     with pytest.raises(ValueError, match="CPU tensors; amax"):
         C.host_nvfp4_quantize(x, amax=torch.ones((), device="meta"))
+    # The oracle checks rounding and seed as the public functions do: no misspelt rounding taken as nearest, no
+    # negative or 65-bit seed taken modulo 2^64.
+    q32 = C.host_nvfp4_quantize(x[:32])
+    for seed in (-1, 2**64):
+        with pytest.raises(ValueError, match="seed"):
+            C.host_mxfp8_quantize(x, "stochastic", seed)
+        with pytest.raises(ValueError, match="seed"):
+            C.host_nvfp4_to_mxfp8_transposed(q32, "stochastic", seed)
+        with pytest.raises(ValueError, match="seed"):
+            C.host_rbits(seed, torch.arange(4))
+    with pytest.raises(ValueError, match="rounding"):
+        C.host_mxfp8_quantize(x, "Stochastic", 1)
+    with pytest.raises(ValueError, match="rounding"):
+        C.host_nvfp4_to_mxfp8_transposed(q32, "sr", 1)
     s = C.host_s2f6_quantize(x)
     index = torch.zeros(3, 2, dtype=torch.int64)
     with pytest.raises(ValueError, match="shape of row_index"):
