@@ -697,20 +697,20 @@ def _seed_value(seed: SeedArg) -> int:
 
 
 def _check_same_device(container, *names: str) -> None:
-    """The tensor fields `names` of a format container on data's device (a kernel given a CUDA data pointer would read
-    a CPU scales or amax pointer as a device address). Named, not found through dataclasses.fields: this runs on every
+    """data and the fields `names` of a format container are tensors (a scalar or numpy field of a hand-built container
+    would fail obscurely later), the latter on data's device (a kernel given a CUDA data pointer would read a CPU
+    scales or amax pointer as a device address). Named, not found through dataclasses.fields: this runs on every
     container check, MoELayer's forward included."""
-    kind = type(container).__name__
-    for name in ("data",) + names:  # a scalar or numpy field (a hand-built container) would fail obscurely below
-        value = getattr(container, name)
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{kind}.{name} must be a torch.Tensor, got {type(value).__name__}")
-    device = container.data.device
+    data = container.data
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"{type(container).__name__}.data must be a torch.Tensor, got {type(data).__name__}")
     for name in names:
         value = getattr(container, name)
-        if value.device != device:
-            raise ValueError(f"{kind}.{name} is on {value.device} but data is on {device}: move every field "
-                             f"together")
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{type(container).__name__}.{name} must be a torch.Tensor, got {type(value).__name__}")
+        if value.device != data.device:
+            raise ValueError(f"{type(container).__name__}.{name} is on {value.device} but data is on {data.device}: "
+                             f"move every field together")
 
 
 def _check_container_dims(kind: str, data: torch.Tensor, scales: torch.Tensor) -> None:
