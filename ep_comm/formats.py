@@ -49,11 +49,15 @@ _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, 
 # ----------------------------------------------------------------------------------------------------------
 # Containers
 # ----------------------------------------------------------------------------------------------------------
+_FLOAT4_X2 = getattr(torch, "float4_e2m1fn_x2", None)  # torch's packed FP4 dtype (absent from older torch)
+
+
 @dataclass(frozen=True, eq=False)  # (identity comparison: field-wise == of tensors is ambiguous and raised)
 class NVFP4Tensor:
     """NVFP4 along the last axis (blocks of 16).
 
-    data: uint8 [..., K/2], two E2M1 codes per byte, element 2j in the low nibble.
+    data: uint8 [..., K/2], two E2M1 codes per byte, element 2j in the low nibble. torch's packed
+        float4_e2m1fn_x2 (the same bytes) is accepted too and kept as its uint8 view (no copy).
     scales: float8_e4m3fn [..., K/16], one block decode scale per 16 elements (never negative).
     amax: float32 [...], the outer FP32 amax of each row (per token; per-tensor/per-expert amaxes are
         broadcast to rows). The outer decode scale is amax / (6 * e4m3_max).
@@ -64,6 +68,11 @@ class NVFP4Tensor:
     scales: torch.Tensor
     amax: torch.Tensor
     e4m3_max: float
+
+    def __post_init__(self):
+        # One byte layout for every consumer (the reference's bit operations do not take the float4 dtype).
+        if isinstance(self.data, torch.Tensor) and self.data.dtype == _FLOAT4_X2:
+            object.__setattr__(self, "data", self.data.view(torch.uint8))
 
     @property
     def shape(self) -> torch.Size:

@@ -406,6 +406,17 @@ def test_api_rejects_malformed_containers_seeds_and_amax():
         F.nvfp4_to_mxfp8_transposed(dataclasses.replace(rows32, amax=1.0), impl="reference")
 
 
+@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"), reason="this torch has no float4_e2m1fn_x2")
+def test_nvfp4_container_takes_torch_packed_fp4_data():
+    """DESIGN.md lets packed FP4 data be torch's float4_e2m1fn_x2 or uint8: the container keeps the former as its
+    uint8 view (the same storage), so every consumer reads the same bytes."""
+    q = F.nvfp4_quantize(torch.randn(4, 64), impl="reference")
+    fp4 = dataclasses.replace(q, data=q.data.view(torch.float4_e2m1fn_x2))
+    assert fp4.data.dtype == torch.uint8 and fp4.data.data_ptr() == q.data.data_ptr()
+    assert torch.equal(F.nvfp4_dequantize(fp4, impl="reference"), F.nvfp4_dequantize(q, impl="reference"))
+    assert fp4.shape == q.shape
+
+
 def test_api_refuses_flags_and_containers_of_other_types_and_keeps_edges():
     """Flags are bools (None or "False" would pick a format silently), S2F6 containers carry a bool hadamard and a
     32-bit sign mask (the kernels take a uint32), seeds fit 64 bits, the transposed requantization takes 0 rows (an
