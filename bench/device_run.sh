@@ -686,6 +686,38 @@ bench_formats_env_ab() {  # AB_VAR = a variable, AB_VALUES = "a b" (default EP_C
   done
   rm -f "$out"
 }
+quantize_host_env_ab() {  # eager back-to-back 4/6 quantize calls at small, host-bound shapes: host µs and GPU µs per
+  # call under AB_VAR (default EP_COMM_NVFP4_PREFETCH) = AB_VALUES (default "on off"), a b b a. Since 70a3ba0 each such
+  # launch with more CTAs than SMs queries the occupancy on the host for the prefetch distance (not cached); the
+  # seventy-ninth session saw the grouped GEMM bench's eager quantize parts 10-34 µs slower at 16 rows per expert on
+  # another H100 and could not tell host from device time (bench/RESULTS.md)
+  local var="${AB_VAR:-EP_COMM_NVFP4_PREFETCH}" values="${AB_VALUES:-on off}" value
+  local first="${values%% *}" second="${values##* }"
+  for value in "$first" "$second" "$second" "$first"; do
+    say "bench: eager 4/6 quantize host cost, $var=$value"
+    env "$var=$value" CUDA_VISIBLE_DEVICES=0 timeout 60 python3 -c "
+import time, torch
+from ep_comm import _cuda_formats as C
+for dtype, rows, hidden in ((torch.float32, 2048, 2048), (torch.float32, 16384, 2048), (torch.bfloat16, 128, 7168),
+                            (torch.bfloat16, 2048, 7168)):
+    x = torch.randn(rows, hidden, device='cuda').to(dtype)
+    limit = torch.full((1,), rows, dtype=torch.int32, device='cuda')
+    call = lambda: C.nvfp4_quantize(x, True, None, num_rows_limit=limit)
+    for _ in range(50):
+        call()
+    torch.cuda.synchronize()
+    calls, begin, end = 1000, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start = time.perf_counter()
+    begin.record()
+    for _ in range(calls):
+        call()
+    end.record()
+    host_us = (time.perf_counter() - start) / calls * 1e6
+    end.synchronize()
+    print(f'{str(dtype):15s} [{rows}, {hidden}]: host {host_us:6.1f} us per call, GPU span {begin.elapsed_time(end) / calls * 1e3:6.1f} us')
+" 2>&1 | tee -a "$log"
+  done
+}
 # The nvlink graph rows of a dispatch/combine run in the current directory's tree: AB_FORMATS (default nvfp4/s2f6;
 # several: "nvfp4/s2f6,bf16/bf16"), AB_TOKENS (default 128,1024,4096), AB_NPROC (ranks, default 2).
 dc_graph_rows() {
