@@ -672,31 +672,33 @@ bench_formats_ab() {  # AB_ONLY: the kernels to time (bench_formats --only, a na
   ab_trees "bench: $only, hidden ${AB_HIDDEN:-7168}" "$only|copy_" env CUDA_VISIBLE_DEVICES=0 timeout 60 \
     python3 bench/bench_formats.py --no-reference --only "$only" --hidden "${AB_HIDDEN:-7168}"
 }
-bench_formats_env_ab() {  # AB_VAR = a variable, AB_VALUES = "a b" (default EP_COMM_NVFP4_PREFETCH, "on off"): the
-  # AB_ONLY kernels (default nvfp4_quantize) at AB_HIDDEN (default 7168) in this tree under each value, alternating
-  # (a b b a), with the copy rows of each run
-  local var="${AB_VAR:-EP_COMM_NVFP4_PREFETCH}" values="${AB_VALUES:-on off}" only="${AB_ONLY:-nvfp4_quantize}" out
-  local first="${values%% *}" second="${values##* }" value
-  out=$(mktemp)
+env_ab() {  # $1 = label, then a command (a step function too): run in this tree under AB_VAR = each of AB_VALUES
+  # (defaults EP_COMM_NVFP4_PREFETCH, "on off"), alternating a b b a
+  local var="${AB_VAR:-EP_COMM_NVFP4_PREFETCH}" values="${AB_VALUES:-on off}" label="$1" value
+  local first="${values%% *}" second="${values##* }"
+  shift
   for value in "$first" "$second" "$second" "$first"; do
-    say "bench: $only, hidden ${AB_HIDDEN:-7168}, $var=$value"
-    env "$var=$value" CUDA_VISIBLE_DEVICES=0 timeout 60 python3 bench/bench_formats.py --no-reference --only "$only" \
-      --hidden "${AB_HIDDEN:-7168}" > "$out" 2>&1
-    grep -E "$only|copy_" "$out" | tee -a "$log" || tail -5 "$out" | tee -a "$log"
+    say "$label, $var=$value"
+    (export "$var=$value"; "$@")
   done
+}
+formats_rows() {  # the AB_ONLY kernels (default nvfp4_quantize) at AB_HIDDEN (default 7168), with the copy rows
+  local only="${AB_ONLY:-nvfp4_quantize}" out
+  out=$(mktemp)
+  CUDA_VISIBLE_DEVICES=0 timeout 60 python3 bench/bench_formats.py --no-reference --only "$only" \
+    --hidden "${AB_HIDDEN:-7168}" > "$out" 2>&1
+  grep -E "$only|copy_" "$out" | tee -a "$log" || tail -5 "$out" | tee -a "$log"
   rm -f "$out"
 }
-quantize_host_env_ab() {  # eager back-to-back 4/6 quantize calls at small, host-bound shapes: host µs and GPU µs per
-  # call under AB_VAR (default EP_COMM_NVFP4_PREFETCH) = AB_VALUES (default "on off"), a b b a. Since 70a3ba0 each such
-  # launch with more CTAs than SMs queries the occupancy on the host for the prefetch distance (not cached); the
-  # seventy-ninth session saw the grouped GEMM bench's eager quantize parts 10-34 µs slower at 16 rows per expert on
-  # another H100 and could not tell host from device time (bench/RESULTS.md)
-  local var="${AB_VAR:-EP_COMM_NVFP4_PREFETCH}" values="${AB_VALUES:-on off}" value
-  local first="${values%% *}" second="${values##* }"
-  for value in "$first" "$second" "$second" "$first"; do
-    say "bench: eager 4/6 quantize host cost, $var=$value"
-    env "$var=$value" CUDA_VISIBLE_DEVICES=0 timeout 60 python3 -c "
-import time, torch
+bench_formats_env_ab() {  # formats_rows under AB_VAR = each of AB_VALUES (env_ab: default the prefetch on / off)
+  env_ab "bench: ${AB_ONLY:-nvfp4_quantize}, hidden ${AB_HIDDEN:-7168}" formats_rows
+}
+quantize_host_rows() {  # eager back-to-back 4/6 quantize calls at small, host-bound shapes: host µs and GPU µs per
+  # call (bench/profile_host.py's per-call timer)
+  CUDA_VISIBLE_DEVICES=0 timeout 60 python3 -c "
+import sys, torch
+sys.path.insert(0, 'bench')
+from profile_host import _per_call_us
 from ep_comm import _cuda_formats as C
 for dtype, rows, hidden in ((torch.float32, 2048, 2048), (torch.float32, 16384, 2048), (torch.bfloat16, 128, 7168),
                             (torch.bfloat16, 2048, 7168)):
@@ -705,18 +707,15 @@ for dtype, rows, hidden in ((torch.float32, 2048, 2048), (torch.float32, 16384, 
     call = lambda: C.nvfp4_quantize(x, True, None, num_rows_limit=limit)
     for _ in range(50):
         call()
-    torch.cuda.synchronize()
-    calls, begin, end = 1000, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start = time.perf_counter()
-    begin.record()
-    for _ in range(calls):
-        call()
-    end.record()
-    host_us = (time.perf_counter() - start) / calls * 1e6
-    end.synchronize()
-    print(f'{str(dtype):15s} [{rows}, {hidden}]: host {host_us:6.1f} us per call, GPU span {begin.elapsed_time(end) / calls * 1e3:6.1f} us')
+    host_us, gpu_us = _per_call_us(call, 1000)
+    print(f'{str(dtype):15s} [{rows}, {hidden}]: host {host_us:6.1f} us per call, GPU span {gpu_us:6.1f} us')
 " 2>&1 | tee -a "$log"
-  done
+}
+quantize_host_env_ab() {  # quantize_host_rows under the prefetch on / off (env_ab). Since 70a3ba0 each such launch
+  # with more CTAs than SMs queries the occupancy on the host for the prefetch distance (not cached); the
+  # seventy-ninth session saw the grouped GEMM bench's eager quantize parts 10-34 µs slower at 16 rows per expert on
+  # another H100 and could not tell host from device time (bench/RESULTS.md)
+  env_ab "bench: eager 4/6 quantize host cost" quantize_host_rows
 }
 # The nvlink graph rows of a dispatch/combine run in the current directory's tree: AB_FORMATS (default nvfp4/s2f6;
 # several: "nvfp4/s2f6,bf16/bf16"), AB_TOKENS (default 128,1024,4096), AB_NPROC (ranks, default 2).

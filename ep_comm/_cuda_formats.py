@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 
 from . import _ext
-from .formats import MXFP8Tensor, NVFP4Tensor, S2F6Tensor, _check_mxfp8, _check_nvfp4, _check_s2f6, _check_seed
+from .formats import (MXFP8Tensor, NVFP4Tensor, S2F6Tensor, _check_mxfp8, _check_nvfp4, _check_rounding,
+                      _check_s2f6, _check_seed)
 
 _ELEM_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/formats.h ElemType
 _NVFP4_ACTIVATION_M = 256.0
@@ -276,16 +277,11 @@ def host_nvfp4_dequantize(q: NVFP4Tensor) -> torch.Tensor:
     return out.reshape(*q.data.shape[:-1], k)
 
 
-def _host_rounding_seed(rounding: str, seed: int) -> int:
-    """The emulations' rounding and seed checked as the public functions check them: the test oracle must not take a
-    misspelt rounding as nearest or a negative seed modulo 2^64."""
-    if rounding not in ("nearest", "stochastic"):
-        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
-    return _check_seed(seed)
-
-
 def host_mxfp8_quantize(x: torch.Tensor, rounding: str = "nearest", seed: int = 0) -> MXFP8Tensor:
-    seed = _host_rounding_seed(rounding, seed)
+    # Checked as the public functions check them: the test oracle must not take a misspelt rounding as nearest or a
+    # negative seed modulo 2^64.
+    _check_rounding(rounding)
+    seed = _check_seed(seed)
     xf, k = _host_rows(x, 32)
     lead_shape = x.shape[:-1]
     data = torch.empty(xf.shape, dtype=torch.uint8)
@@ -308,7 +304,10 @@ def host_mxfp8_dequantize(m: MXFP8Tensor) -> torch.Tensor:
 
 
 def host_nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str = "stochastic", seed: int = 0) -> MXFP8Tensor:
-    seed = _host_rounding_seed(rounding, seed)
+    # Checked as the public functions check them: the test oracle must not take a misspelt rounding as nearest or a
+    # negative seed modulo 2^64.
+    _check_rounding(rounding)
+    seed = _check_seed(seed)
     _check_nvfp4(q)
     _host(q.data, "q")
     # The loops take whole blocks of 32 rows: another row count would read and write past the buffers.

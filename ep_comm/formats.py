@@ -663,6 +663,11 @@ def _as_int(value, name: str) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
 
 
+def _check_rounding(rounding) -> None:
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+
+
 def _check_seed(seed) -> int:
     seed = _as_int(seed, "seed")
     if not 0 <= seed < 2**64:  # NUMERICS: the key uses the seed's two 32-bit halves; more bits would be dropped
@@ -787,8 +792,7 @@ def mxfp8_quantize(x: torch.Tensor, rounding: str = "nearest", seed: SeedArg = 0
         tensor holds at each replay. (The torch reference reads it on the host.)
     """
     _check_float_input(x, "x", MX_BLOCK)
-    if rounding not in ("nearest", "stochastic"):
-        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    _check_rounding(rounding)
     seed = _check_seed_arg(seed, x.device)
     if _use_cuda(impl, x):
         return _cuda_formats().mxfp8_quantize(x, rounding, seed)
@@ -864,8 +868,7 @@ def nvfp4_to_mxfp8_transposed(q: NVFP4Tensor, rounding: str = "stochastic", seed
     rows = q.data.shape[0]
     if rows % MX_BLOCK != 0:  # 0 rows (an expert without tokens) give [K, 0]
         raise ValueError(f"the row count ({rows}) must be a multiple of {MX_BLOCK}")
-    if rounding not in ("nearest", "stochastic"):
-        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    _check_rounding(rounding)
     seed = _check_seed_arg(seed, q.data.device)
     if _use_cuda(impl, q.data):
         return _cuda_formats().nvfp4_to_mxfp8_transposed(q, rounding, seed)
