@@ -717,6 +717,11 @@ quantize_host_env_ab() {  # quantize_host_rows under the prefetch on / off (env_
   # another H100 and could not tell host from device time (bench/RESULTS.md)
   env_ab "bench: eager 4/6 quantize host cost" quantize_host_rows
 }
+quantize_host_parts() {  # where an eager 4/6 quantize call's host µs go: allocations, the compiled launch, the internal and
+  # public Python calls, a torch add for scale, and a cProfile of the public call (bench/profile_quantize_host.py)
+  say "bench: eager 4/6 quantize host cost by layer"
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 bench/profile_quantize_host.py 2>&1 | tee -a "$log"
+}
 # The nvlink graph rows of a dispatch/combine run in the current directory's tree: AB_FORMATS (default nvfp4/s2f6;
 # several: "nvfp4/s2f6,bf16/bf16"), AB_TOKENS (default 128,1024,4096), AB_NPROC (ranks, default 2).
 dc_graph_rows() {

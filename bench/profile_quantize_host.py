@@ -1,0 +1,67 @@
+"""Where an eager NVFP4 4/6 quantize call's host time goes, layer by layer (one GPU; timings, not a test).
+
+    python bench/profile_quantize_host.py [--calls 2000]
+
+Per shape, host µs per call (bench/profile_host.py's timer, back-to-back calls) of:
+  empty3   the three output allocations alone (torch.empty x 3)
+  launch   the compiled launch alone (ep_comm._C.nvfp4_quantize with the outputs allocated outside the loop)
+  internal ep_comm._cuda_formats.nvfp4_quantize (allocations, launch, the NVFP4Tensor)
+  public   ep_comm.formats.nvfp4_quantize (its argument checks, then internal)
+  add      one small torch kernel launch, the scale of the machine's host
+then a cProfile table of the public call at the first shape. At these sizes the GPU work is a few µs, so the loop is
+host-bound and the host figure is the call's cost.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_host import _per_call_us, _profile_table  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=2000)
+    args = parser.parse_args()
+    from ep_comm import _cuda_formats, _ext, formats
+
+    lib = _ext.require_cuda_extension("this profile")
+    device = torch.device("cuda", torch.cuda.current_device())
+    stream = _ext.current_raw_stream(device)
+    for dtype, rows, hidden in ((torch.bfloat16, 16, 7168), (torch.bfloat16, 128, 7168), (torch.float32, 128, 2048)):
+        x = torch.randn(rows, hidden, device=device).to(dtype)
+        data = torch.empty(rows, hidden // 2, dtype=torch.uint8, device=device)
+        scales = torch.empty(rows, hidden // 16, dtype=torch.uint8, device=device)
+        amax_out = torch.empty(rows, dtype=torch.float32, device=device)
+        x_type = {torch.float32: 0, torch.bfloat16: 1}[dtype]
+
+        def empty3():
+            torch.empty(rows, hidden // 2, dtype=torch.uint8, device=device)
+            torch.empty(rows, hidden // 16, dtype=torch.uint8, device=device)
+            torch.empty(rows, dtype=torch.float32, device=device)
+
+        def launch():
+            lib.nvfp4_quantize(x.data_ptr(), x_type, hidden, rows, hidden, 0, 256.0, True, data.data_ptr(), hidden // 2,
+                               scales.data_ptr(), hidden // 16, amax_out.data_ptr(), 0, stream, 0, 0, hidden, 0)
+
+        cases = {"empty3": empty3, "launch": launch,
+                 "internal": lambda: _cuda_formats.nvfp4_quantize(x, True, None),
+                 "public": lambda: formats.nvfp4_quantize(x),
+                 "add": lambda: data.add_(1)}
+        for fn in cases.values():  # warm-up
+            fn()
+        figures = {name: _per_call_us(fn, args.calls) for name, fn in cases.items()}
+        print(f"{str(dtype):15s} [{rows}, {hidden}]: " +
+              ", ".join(f"{name} {host:.1f}" for name, (host, _) in figures.items()) +
+              f" host us per call (public: GPU span {figures['public'][1]:.1f})")
+    x = torch.randn(16, 7168, device=device).to(torch.bfloat16)
+    print("cProfile of formats.nvfp4_quantize, bf16 [16, 7168]:")
+    print(_profile_table(lambda: formats.nvfp4_quantize(x), 500, 15))
+
+
+if __name__ == "__main__":
+    main()
