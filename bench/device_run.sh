@@ -722,6 +722,10 @@ quantize_host_parts() {  # where an eager 4/6 quantize call's host µs go: alloc
   say "bench: eager 4/6 quantize host cost by layer"
   CUDA_VISIBLE_DEVICES=0 timeout 120 python3 bench/profile_quantize_host.py 2>&1 | tee -a "$log"
 }
+quantize_host_parts_ab() {  # quantize_host_parts in this tree against ab_base.tar (this, base, base, this)
+  ab_trees "bench: eager quantize host cost by layer" "host us per call" env CUDA_VISIBLE_DEVICES=0 timeout 120 \
+    python3 bench/profile_quantize_host.py
+}
 # The nvlink graph rows of a dispatch/combine run in the current directory's tree: AB_FORMATS (default nvfp4/s2f6;
 # several: "nvfp4/s2f6,bf16/bf16"), AB_TOKENS (default 128,1024,4096), AB_NPROC (ranks, default 2).
 dc_graph_rows() {

@@ -7,6 +7,7 @@ Per shape, host µs per call (bench/profile_host.py's timer, back-to-back calls)
   launch   the compiled launch alone (ep_comm._C.nvfp4_quantize with the outputs allocated outside the loop)
   internal ep_comm._cuda_formats.nvfp4_quantize (allocations, launch, the NVFP4Tensor)
   public   ep_comm.formats.nvfp4_quantize (its argument checks, then internal)
+  mxfp8, s2f6  the public ep_comm.formats.mxfp8_quantize / s2f6_quantize of the same x, for comparison
   add      one small torch kernel launch, the scale of the machine's host
 then a cProfile table of the public call at the first shape. At these sizes the GPU work is a few µs, so the loop is
 host-bound and the host figure is the call's cost.
@@ -51,6 +52,8 @@ def main() -> None:
         cases = {"empty3": empty3, "launch": launch,
                  "internal": lambda: _cuda_formats.nvfp4_quantize(x, True, None),
                  "public": lambda: formats.nvfp4_quantize(x),
+                 "mxfp8": lambda: formats.mxfp8_quantize(x),
+                 "s2f6": lambda: formats.s2f6_quantize(x),
                  "add": lambda: data.add_(1)}
         for fn in cases.values():  # warm-up
             fn()

@@ -641,6 +641,28 @@ def test_empty_inputs():
     assert torch.equal(out.cpu(), F.s2f6_dequantize_accumulate(_cpu_s2f6(s), torch.full((2, 0), -1), impl="reference"))
 
 
+@pytest.mark.parametrize("lead_shape", [(), (3,), (2, 3), (2, 0), (1, 2, 5)])
+def test_quantizers_keep_leading_dims_dtypes_and_layout(lead_shape):
+    """The CUDA quantizers allocate their outputs in the final shapes and dtypes (no reshape afterwards): every field
+    as the reference's -- shape, dtype, bits -- and contiguous, for 1-D, 3-D, 4-D and empty inputs."""
+    x = torch.randn(*lead_shape, 64, generator=torch.Generator().manual_seed(len(lead_shape))).to(torch.bfloat16)
+    pairs = [(F.nvfp4_quantize(x.to(DEVICE), impl="cuda"), F.nvfp4_quantize(x, impl="reference"), "nvfp4"),
+             (F.mxfp8_quantize(x.to(DEVICE), rounding="stochastic", seed=5, impl="cuda"),
+              F.mxfp8_quantize(x, rounding="stochastic", seed=5, impl="reference"), "mxfp8"),
+             (F.s2f6_quantize(x.to(DEVICE), impl="cuda"), F.s2f6_quantize(x, impl="reference"), "s2f6")]
+    for actual, expected, what in pairs:
+        names = ("data", "scales", "amax") if what == "nvfp4" else ("data", "scales")
+        for name in names:
+            a, e = getattr(actual, name), getattr(expected, name)
+            assert a.dtype == e.dtype and a.shape == e.shape, f"{what}.{name}: {a.dtype}{tuple(a.shape)} vs " \
+                                                                f"{e.dtype}{tuple(e.shape)}"
+            assert a.is_contiguous() and a.device.type == "cuda", f"{what}.{name}"
+        if what == "nvfp4":
+            assert_same_nvfp4(_cpu_nvfp4(actual), expected, what)
+        else:
+            assert_same_mx(_cpu_mx(actual) if what == "mxfp8" else _cpu_s2f6(actual), expected, what)
+
+
 def test_out_of_range_index_is_rejected_and_the_kernel_skips_it():
     """The API rejects indices outside [-1, N); the kernel itself (memory safety) skips them like -1."""
     from ep_comm import _cuda_formats
