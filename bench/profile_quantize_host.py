@@ -9,6 +9,7 @@ Per shape, host µs per call (bench/profile_host.py's timer, back-to-back calls)
   public   ep_comm.formats.nvfp4_quantize (its argument checks, then internal)
   mxfp8, s2f6  the public ep_comm.formats.mxfp8_quantize / s2f6_quantize of the same x, for comparison
   add      one small torch kernel launch, the scale of the machine's host
+  public_inference  the public call inside torch.inference_mode()
 then a cProfile table of the public call at the first shape. At these sizes the GPU work is a few µs, so the loop is
 host-bound and the host figure is the call's cost.
 """
@@ -58,6 +59,8 @@ def main() -> None:
         for fn in cases.values():  # warm-up
             fn()
         figures = {name: _per_call_us(fn, args.calls) for name, fn in cases.items()}
+        with torch.inference_mode():  # serving code's grad mode: the public call without its no_grad context
+            figures["public_inference"] = _per_call_us(cases["public"], args.calls)
         print(f"{str(dtype):15s} [{rows}, {hidden}]: " +
               ", ".join(f"{name} {host:.1f}" for name, (host, _) in figures.items()) +
               f" host us per call (public: GPU span {figures['public'][1]:.1f})")

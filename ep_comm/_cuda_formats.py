@@ -66,10 +66,11 @@ def _launch_nvfp4_quantize(x: torch.Tensor, four_over_six: bool, amax: Optional[
     num_rows = rows.shape[0]
     amax_in = None if amax is None else amax.reshape(num_rows).float().contiguous()
     e4m3_max = _NVFP4_ACTIVATION_M if four_over_six else _NVFP4_WEIGHT_M
-    with _ext.cuda_device(x.device):
+    device = x.device  # (a new torch.device object per access)
+    with _ext.cuda_device(device):
         _lib().nvfp4_quantize(rows.data_ptr(), _ELEM_TYPES[rows.dtype], rows.stride(0), num_rows, k, _ptr(amax_in),
                               e4m3_max, four_over_six, _ptr(data), k // 2, _ptr(scales), k // 16, _ptr(amax_out), 0,
-                              _ext.current_raw_stream(x.device), _ptr(num_rows_limit), _ptr(block_values), k,
+                              _ext.current_raw_stream(device), _ptr(num_rows_limit), _ptr(block_values), k,
                               _ptr(row_factor), **({"block_values_fp8": True} if block_values_fp8 else {}))
 
 

@@ -160,6 +160,20 @@ def _keeps_subnormals(function):
     return eager_only(wrapper)
 
 
+def _no_grad(function):
+    """torch.no_grad() as a decorator, entered only where grad mode is on: under torch.inference_mode() or no_grad, as
+    serving code calls the formats, the context's enter and exit (~2-3 µs of host time per call on the GPU machines'
+    CPUs) are skipped. The format functions are not differentiable on either path (the kernels' outputs have no
+    grad_fn), and the reference path keeps no graph behind its results."""
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return function(*args, **kwargs)
+        with torch.no_grad():
+            return function(*args, **kwargs)
+    return wrapper
+
+
 def _check_float_input(x, name: str, block: int) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -190,7 +204,9 @@ def _use_cuda(impl: str, *tensors: torch.Tensor) -> bool:
     _check_impl(impl)
     if impl == "reference":
         return False
-    on_cuda = all(t.is_cuda for t in tensors)
+    on_cuda = True
+    for t in tensors:  # (a loop, not all() over a generator: this runs on every format call)
+        on_cuda = on_cuda and t.is_cuda
     if impl == "cuda":
         if not on_cuda:
             raise ValueError("impl='cuda' needs CUDA tensors")
@@ -285,9 +301,17 @@ def _is_capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
+_cuda_formats_module = None  # ep_comm._cuda_formats, imported on first use (it imports this module)
+
+
 def _cuda_formats():
-    from . import _cuda_formats
-    return _cuda_formats
+    """ep_comm._cuda_formats, kept after the first call: a `from . import` statement per call costs ~1 µs of host
+    time even for a loaded module (bench/profile_quantize_host.py)."""
+    global _cuda_formats_module
+    if _cuda_formats_module is None:
+        from . import _cuda_formats
+        _cuda_formats_module = _cuda_formats
+    return _cuda_formats_module
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -539,7 +563,7 @@ def _nvfp4_encode_with_scale(xb: torch.Tensor, scale_code: torch.Tensor, s_dec: 
     return e2m1_encode(xb * inv[..., None])
 
 
-@torch.no_grad()  # quantization is not differentiable here: no graph kept behind the result
+@_no_grad
 @_keeps_subnormals
 def nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True, amax: Optional[torch.Tensor] = None,
                    scale_granularity: str = "row", impl: str = "auto", check_amax: bool = True) -> NVFP4Tensor:
@@ -754,7 +778,7 @@ def _check_nvfp4(q) -> None:
                          f"{NVFP4_WEIGHT_E4M3_MAX} (plain), got {q.e4m3_max!r}")
 
 
-@torch.no_grad()  # as the quantizers: not differentiable on either path (the kernel's output has no grad_fn)
+@_no_grad
 @_keeps_subnormals
 def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32, impl: str = "auto") -> torch.Tensor:
     """NVFP4Tensor -> dense [..., K] in `dtype` (values computed in fp32, then rounded)."""
@@ -777,7 +801,7 @@ def _nvfp4_dequantize_reference(q: NVFP4Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 # MXFP8
 # ----------------------------------------------------------------------------------------------------------
-@torch.no_grad()  # quantization is not differentiable here: no graph kept behind the result
+@_no_grad
 @_keeps_subnormals
 def mxfp8_quantize(x: torch.Tensor, rounding: str = "nearest", seed: SeedArg = 0,
                    impl: str = "auto") -> MXFP8Tensor:
@@ -822,7 +846,7 @@ def _mxfp8_quantize_reference(xf: torch.Tensor, rounding: str, seed: SeedArg,
                        scales=scale.reshape(*xf.shape[:-1], k // MX_BLOCK).view(torch.float8_e8m0fnu))
 
 
-@torch.no_grad()  # as the quantizers: not differentiable on either path (the kernel's output has no grad_fn)
+@_no_grad
 @_keeps_subnormals
 def mxfp8_dequantize(m: MXFP8Tensor, dtype: torch.dtype = torch.float32, impl: str = "auto") -> torch.Tensor:
     """MXFP8Tensor (data float8_e4m3fn [..., K], scales float8_e8m0fnu [..., K / 32]) -> dense [..., K] in `dtype`
@@ -923,7 +947,7 @@ def inverse_rht(y: torch.Tensor, sign_mask: int = DEFAULT_SIGN_MASK) -> torch.Te
     return (chunks * _signs(sign_mask, y.device)).reshape(yf.shape)
 
 
-@torch.no_grad()  # quantization is not differentiable here: no graph kept behind the result
+@_no_grad
 @_keeps_subnormals
 def s2f6_quantize(x: torch.Tensor, hadamard: bool = True, sign_mask: int = DEFAULT_SIGN_MASK,
                   impl: str = "auto") -> S2F6Tensor:
@@ -979,7 +1003,7 @@ def _s2f6_decode_rotated(s: S2F6Tensor) -> torch.Tensor:
     return values.reshape(s.data.shape)
 
 
-@torch.no_grad()  # as the quantizers: not differentiable on either path (the kernel's output has no grad_fn)
+@_no_grad
 @_keeps_subnormals
 def s2f6_dequantize(s: S2F6Tensor, hadamard: Optional[bool] = None, dtype: torch.dtype = torch.float32,
                     impl: str = "auto") -> torch.Tensor:
@@ -1025,7 +1049,7 @@ def dequantize(x, dtype: torch.dtype = torch.float32, impl: str = "auto") -> tor
                     f"{getattr(x, 'dtype', type(x).__name__)}")
 
 
-@torch.no_grad()  # as the quantizers: not differentiable on either path (the kernel's output has no grad_fn)
+@_no_grad
 @_keeps_subnormals
 def s2f6_dequantize_accumulate(s: S2F6Tensor, row_index: torch.Tensor, weights: Optional[torch.Tensor] = None,
                                out_dtype: torch.dtype = torch.bfloat16, impl: str = "auto") -> torch.Tensor:

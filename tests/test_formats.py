@@ -486,6 +486,29 @@ def test_dequantizers_are_not_differentiable_on_either_path():
         assert not out.requires_grad and out.grad_fn is None
 
 
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference"])
+def test_format_calls_keep_no_graph_and_restore_grad_mode(mode):
+    """The format functions run without grad mode (entered only where it is on): from an x that requires grad, no result
+    field requires grad, in grad mode, under no_grad and under inference_mode; the caller's grad mode is the same after
+    the call, also after a call that raised."""
+    x = torch.randn(3, 64, requires_grad=True)
+    context = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference": torch.inference_mode}[mode]
+    with context():
+        grad_mode = torch.is_grad_enabled()
+        q = F.nvfp4_quantize(x, scale_granularity="tensor", amax=None)
+        q_amax = F.nvfp4_quantize(x, amax=torch.tensor(4.0, requires_grad=True))
+        m, s = F.mxfp8_quantize(x, rounding="stochastic", seed=1), F.s2f6_quantize(x)
+        outputs = [q.data, q.scales, q.amax, q_amax.amax, m.data, m.scales, s.data, s.scales, F.nvfp4_dequantize(q),
+                   F.mxfp8_dequantize(m), F.s2f6_dequantize(s),
+                   F.s2f6_dequantize_accumulate(s, torch.tensor([[0, 1]]), torch.ones(1, 2, requires_grad=True))]
+        assert torch.is_grad_enabled() == grad_mode
+        for out in outputs:
+            assert not out.requires_grad and out.grad_fn is None
+        with pytest.raises(ValueError):
+            F.nvfp4_quantize(x[:, :40])
+        assert torch.is_grad_enabled() == grad_mode
+
+
 def test_containers_refuse_scales_of_other_rows():
     """scales must cover the same rows as data (the CUDA glue reshapes them to [rows, K / block]: fewer rows would be
     read out of bounds)."""
