@@ -27,7 +27,7 @@ def _lib():
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as a [rows, K] tensor whose rows start 16-byte aligned with unit stride along K (a copy if needed)."""
     k = x.shape[-1]
-    # 2-D: checked as it is (a reshape costs ~2 µs of host time per call on the GPU machines' CPUs).
+    # 2-D: checked as it is (a reshape is ~1-2 µs of host time per call on the GPU machines' CPUs).
     rows = x if x.dim() == 2 else x.reshape(-1, k)
     row_bytes = rows.stride(0) * rows.element_size()
     if rows.stride(-1) != 1 or rows.data_ptr() % 16 != 0 or (rows.shape[0] > 1 and row_bytes % 16 != 0):
@@ -80,7 +80,8 @@ def nvfp4_quantize(x: torch.Tensor, four_over_six: bool, amax: Optional[torch.Te
     left unwritten) -- for capacity-sized buffers whose used row count is only known on the device."""
     lead_shape, k, device = x.shape[:-1], x.shape[-1], x.device
     # Allocated in their final shapes and dtypes (contiguous, so the kernel's row-major [R, ...] view of each is the
-    # same memory): no reshape or view per output afterwards, ~2 µs of host time each.
+    # same memory): no reshape or view per output afterwards (with _rows' 2-D case, 3-7 µs of host time per call on
+    # an H100 machine: bench/RESULTS.md, eightieth session).
     data = torch.empty((*lead_shape, k // 2), dtype=torch.uint8, device=device)
     scales = torch.empty((*lead_shape, k // 16), dtype=torch.float8_e4m3fn, device=device)
     amax_out = torch.empty(lead_shape, dtype=torch.float32, device=device)

@@ -162,9 +162,10 @@ def _keeps_subnormals(function):
 
 def _no_grad(function):
     """torch.no_grad() as a decorator, entered only where grad mode is on: under torch.inference_mode() or no_grad, as
-    serving code calls the formats, the context's enter and exit (~2-3 µs of host time per call on the GPU machines'
-    CPUs) are skipped. The format functions are not differentiable on either path (the kernels' outputs have no
-    grad_fn), and the reference path keeps no graph behind its results."""
+    serving code calls the formats, the context's enter and exit are skipped (with _cuda_formats() below, 1.5-2.8 µs
+    of host time per eager quantize call on an H100 machine: bench/RESULTS.md, eightieth session). The format
+    functions are not differentiable on either path (the kernels' outputs have no grad_fn), and the reference path
+    keeps no graph behind its results."""
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         if not torch.is_grad_enabled():
@@ -305,8 +306,9 @@ _cuda_formats_module = None  # ep_comm._cuda_formats, imported on first use (it 
 
 
 def _cuda_formats():
-    """ep_comm._cuda_formats, kept after the first call: a `from . import` statement per call costs ~1 µs of host
-    time even for a loaded module (bench/profile_quantize_host.py)."""
+    """ep_comm._cuda_formats, kept after the first call: a `from . import` statement goes through the import
+    machinery on every call, even for a loaded module (its share of the public call's host time in cProfile:
+    bench/profile_quantize_host.py)."""
     global _cuda_formats_module
     if _cuda_formats_module is None:
         from . import _cuda_formats
