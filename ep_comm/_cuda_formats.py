@@ -80,7 +80,7 @@ def nvfp4_quantize(x: torch.Tensor, four_over_six: bool, amax: Optional[torch.Te
     left unwritten) -- for capacity-sized buffers whose used row count is only known on the device."""
     lead_shape, k, device = x.shape[:-1], x.shape[-1], x.device
     # Allocated in their final shapes and dtypes (contiguous, so the kernel's row-major [R, ...] view of each is the
-    # same memory): no reshape or view per output afterwards (with _rows' 2-D case, 3-7 µs of host time per call on
+    # same memory): no reshape or view per output afterwards (with _rows' 2-D case, 4-6 µs of host time per call on
     # an H100 machine: bench/RESULTS.md, eightieth session).
     data = torch.empty((*lead_shape, k // 2), dtype=torch.uint8, device=device)
     scales = torch.empty((*lead_shape, k // 16), dtype=torch.float8_e4m3fn, device=device)
