@@ -27,8 +27,10 @@ def _lib():
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as a [rows, K] tensor whose rows start 16-byte aligned with unit stride along K (a copy if needed)."""
     k = x.shape[-1]
-    # 2-D: checked as it is (a reshape is ~1-2 µs of host time per call on the GPU machines' CPUs).
-    rows = x if x.dim() == 2 else x.reshape(-1, k)
+    # 2-D with several rows: checked as it is (a reshape is ~1-2 µs of host time per call on the GPU machines' CPUs).
+    # One row goes through reshape, which gives it the row stride K whatever its stride was (the kernels' check
+    # below exempts one row, the binding's rows_aligned does not).
+    rows = x if x.dim() == 2 and x.shape[0] != 1 else x.reshape(-1, k)
     row_bytes = rows.stride(0) * rows.element_size()
     if rows.stride(-1) != 1 or rows.data_ptr() % 16 != 0 or (rows.shape[0] > 1 and row_bytes % 16 != 0):
         # A copy, not contiguous(): that returns a contiguous view at a misaligned storage offset (a flat buffer sliced

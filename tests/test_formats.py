@@ -444,6 +444,77 @@ def test_api_refuses_flags_and_containers_of_other_types_and_keeps_edges():
     assert not out.requires_grad
 
 
+def test_cuda_glue_hands_the_binding_aligned_rows_and_final_layouts(monkeypatch):
+    """The quantizers' CUDA glue (ep_comm._cuda_formats), with a stand-in for the compiled launch that applies the
+    binding's own input rule (bind_formats.cpp require_dense: the rows' address and byte stride 16-byte aligned when
+    there are rows): every input layout -- one strided row, a transposed row, a row sliced out of a wider one, 3-D,
+    many rows with an odd stride, a misaligned storage offset -- reaches the kernel aligned, as [rows, K] over the
+    input's values, and the containers come back in the reference's shapes and dtypes. (CPU tensors: this machine has
+    no GPU; the glue itself is device-independent.)"""
+    import contextlib
+    import ctypes
+    from ep_comm import _cuda_formats as C
+    from ep_comm import _ext
+
+    seen = []
+    current = {}
+
+    class Launch:  # the compiled entry points' argument order (bind_formats.cpp)
+        @staticmethod
+        def _check(name, x, x_type, x_row_stride, num_rows, hidden):
+            elem_bytes = {0: 4, 1: 2, 2: 2}[x_type]
+            if num_rows:
+                assert ((x | (x_row_stride * elem_bytes)) & 15) == 0, (
+                    f"{name}: rows at {x:#x} with stride {x_row_stride} elements are not 16-byte aligned")
+            # What the kernel would read, row by row (read during the call: a copy the glue made is alive only then).
+            rows = current["x"].reshape(-1, hidden)
+            for r in range(num_rows):
+                read = ctypes.string_at(x + r * x_row_stride * elem_bytes, hidden * elem_bytes)
+                assert read == rows[r].contiguous().view(torch.uint8).numpy().tobytes(), f"{name}: row {r}"
+            seen.append((name, num_rows, hidden))
+
+        def nvfp4_quantize(self, x, x_type, x_row_stride, num_rows, hidden, *rest, **options):
+            self._check("nvfp4", x, x_type, x_row_stride, num_rows, hidden)
+
+        def mxfp8_quantize(self, x, x_type, x_row_stride, num_rows, hidden, *rest):
+            self._check("mxfp8", x, x_type, x_row_stride, num_rows, hidden)
+
+        def s2f6_quantize(self, x, x_type, x_row_stride, num_rows, hidden, *rest):
+            self._check("s2f6", x, x_type, x_row_stride, num_rows, hidden)
+
+    monkeypatch.setattr(C, "_lib", lambda: Launch())
+    monkeypatch.setattr(_ext, "cuda_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(_ext, "current_raw_stream", lambda device: 0)
+    gen = torch.Generator().manual_seed(7)
+    wide = torch.randn(5, 100, generator=gen)
+    flat = torch.randn(3 * 64 + 1, generator=gen).to(torch.bfloat16)
+    layouts = {
+        "one row, stride 100": wide.to(torch.bfloat16)[:1, :64],
+        "one transposed row": torch.randn(64, 1, generator=gen).T,
+        "contiguous 2-D": torch.randn(4, 64, generator=gen),
+        "3-D": torch.randn(2, 3, 64, generator=gen).to(torch.bfloat16),
+        "rows with stride 100": wide.to(torch.bfloat16)[:, :64],
+        "misaligned offset": flat[1:].reshape(3, 64),
+        "1-D": torch.randn(64, generator=gen),
+        "no rows": torch.empty(0, 64),
+    }
+    for name, x in layouts.items():
+        seen.clear()
+        current["x"] = x
+        results = {"nvfp4": C.nvfp4_quantize(x, True, None), "mxfp8": C.mxfp8_quantize(x, "nearest", 0),
+                   "s2f6": C.s2f6_quantize(x, True, 0)}
+        assert [entry[0] for entry in seen] == ["nvfp4", "mxfp8", "s2f6"], name
+        for kind, num_rows, hidden in seen:
+            assert (num_rows, hidden) == (x.numel() // 64, 64), f"{name} {kind}"
+        expected = {"nvfp4": F.nvfp4_quantize(x, impl="reference"), "mxfp8": F.mxfp8_quantize(x, impl="reference"),
+                    "s2f6": F.s2f6_quantize(x, impl="reference")}
+        for kind, got in results.items():
+            fields = ("data", "scales", "amax") if kind == "nvfp4" else ("data", "scales")
+            for field in fields:
+                a, e = getattr(got, field), getattr(expected[kind], field)
+                assert (a.shape, a.dtype) == (e.shape, e.dtype) and a.is_contiguous(), f"{name} {kind}.{field}"
+
+
 def test_auto_impl_falls_back_where_the_kernels_were_not_built(monkeypatch):
     """impl='auto' sends CUDA tensors to the reference, with a warning, on a GPU the extension has no kernel image for
     (asked once per device); impl='cuda' raises naming the GPU. (Stand-ins: this machine has no GPU.)"""

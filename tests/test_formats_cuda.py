@@ -663,6 +663,23 @@ def test_quantizers_keep_leading_dims_dtypes_and_layout(lead_shape):
             assert_same_mx(_cpu_mx(actual) if what == "mxfp8" else _cpu_s2f6(actual), expected, what)
 
 
+def test_quantizers_take_one_strided_row():
+    """One row whose row stride is not 16-byte aligned (a row sliced out of a wider tensor, a transposed column): the
+    glue hands it to the kernel with the stride K (tests/test_formats.py checks the arguments on the CPU); here the
+    codes against the reference."""
+    gen = torch.Generator().manual_seed(11)
+    for x in (torch.randn(3, 100, generator=gen).to(torch.bfloat16)[1:2, :64], torch.randn(64, 1, generator=gen).T):
+        # the same layout on the GPU: a strided view of a copy of the (contiguous) base tensor
+        x_cuda = x._base.to(DEVICE).as_strided(x.shape, x.stride(), x.storage_offset())
+        assert x_cuda.stride() == x.stride() and torch.equal(x_cuda.cpu(), x)
+        assert_same_nvfp4(_cpu_nvfp4(F.nvfp4_quantize(x_cuda, impl="cuda")), F.nvfp4_quantize(x, impl="reference"),
+                          "nvfp4 one row")
+        assert_same_mx(_cpu_mx(F.mxfp8_quantize(x_cuda, impl="cuda")), F.mxfp8_quantize(x, impl="reference"),
+                       "mxfp8 one row")
+        assert_same_mx(_cpu_s2f6(F.s2f6_quantize(x_cuda, impl="cuda")), F.s2f6_quantize(x, impl="reference"),
+                       "s2f6 one row")
+
+
 def test_out_of_range_index_is_rejected_and_the_kernel_skips_it():
     """The API rejects indices outside [-1, N); the kernel itself (memory safety) skips them like -1."""
     from ep_comm import _cuda_formats
