@@ -693,29 +693,10 @@ formats_rows() {  # the AB_ONLY kernels (default nvfp4_quantize) at AB_HIDDEN (d
 bench_formats_env_ab() {  # formats_rows under AB_VAR = each of AB_VALUES (env_ab: default the prefetch on / off)
   env_ab "bench: ${AB_ONLY:-nvfp4_quantize}, hidden ${AB_HIDDEN:-7168}" formats_rows
 }
-quantize_host_rows() {  # eager back-to-back 4/6 quantize calls at small, host-bound shapes: host µs and GPU µs per
-  # call (bench/profile_host.py's per-call timer)
-  CUDA_VISIBLE_DEVICES=0 timeout 60 python3 -c "
-import sys, torch
-sys.path.insert(0, 'bench')
-from profile_host import _per_call_us
-from ep_comm import _cuda_formats as C
-for dtype, rows, hidden in ((torch.float32, 2048, 2048), (torch.float32, 16384, 2048), (torch.bfloat16, 128, 7168),
-                            (torch.bfloat16, 2048, 7168)):
-    x = torch.randn(rows, hidden, device='cuda').to(dtype)
-    limit = torch.full((1,), rows, dtype=torch.int32, device='cuda')
-    call = lambda: C.nvfp4_quantize(x, True, None, num_rows_limit=limit)
-    for _ in range(50):
-        call()
-    host_us, gpu_us = _per_call_us(call, 1000)
-    print(f'{str(dtype):15s} [{rows}, {hidden}]: host {host_us:6.1f} us per call, GPU span {gpu_us:6.1f} us')
-" 2>&1 | tee -a "$log"
-}
-quantize_host_env_ab() {  # quantize_host_rows under the prefetch on / off (env_ab). Since 70a3ba0 each such launch
-  # with more CTAs than SMs queries the occupancy on the host for the prefetch distance (not cached); the
-  # seventy-ninth session saw the grouped GEMM bench's eager quantize parts 10-34 µs slower at 16 rows per expert on
-  # another H100 and could not tell host from device time (bench/RESULTS.md)
-  env_ab "bench: eager 4/6 quantize host cost" quantize_host_rows
+quantize_host_env_ab() {  # quantize_host_parts under the prefetch on / off (env_ab). Each 4/6 launch with more CTAs
+  # than SMs queries the occupancy on the host for the prefetch distance (not cached): the eightieth session found it
+  # within the drift between rounds (bench/RESULTS.md)
+  env_ab "bench: eager 4/6 quantize host cost" quantize_host_parts
 }
 quantize_host_parts() {  # where an eager 4/6 quantize call's host µs go: allocations, the compiled launch, the internal and
   # public Python calls, a torch add for scale, and a cProfile of the public call (bench/profile_quantize_host.py)

@@ -10,8 +10,10 @@ Per shape, host µs per call (bench/profile_host.py's timer, back-to-back calls)
   mxfp8, s2f6  the public ep_comm.formats.mxfp8_quantize / s2f6_quantize of the same x, for comparison
   add      one small torch kernel launch, the scale of the machine's host
   public_inference  the public call inside torch.inference_mode()
-then a cProfile table of the public call at the first shape. At these sizes the GPU work is a few µs, so the loop is
-host-bound and the host figure is the call's cost.
+then a cProfile table of the public call at the first shape. At the first three sizes the GPU work is a few µs, so
+the loop is host-bound and the host figure is the call's cost; the last two launch more CTAs than one wave, the 4/6
+quantizer's L2-prefetch branch (its host-side occupancy query: `device_run.sh steps quantize_host_env_ab` times
+them with the prefetch on and off), where the GPU span can exceed the host figure.
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ def main() -> None:
     lib = _ext.require_cuda_extension("this profile")
     device = torch.device("cuda", torch.cuda.current_device())
     stream = _ext.current_raw_stream(device)
-    for dtype, rows, hidden in ((torch.bfloat16, 16, 7168), (torch.bfloat16, 128, 7168), (torch.float32, 128, 2048)):
+    for dtype, rows, hidden in ((torch.bfloat16, 16, 7168), (torch.bfloat16, 128, 7168), (torch.float32, 128, 2048),
+                                (torch.float32, 16384, 2048), (torch.bfloat16, 2048, 7168)):
         x = torch.randn(rows, hidden, device=device).to(dtype)
         data = torch.empty(rows, hidden // 2, dtype=torch.uint8, device=device)
         scales = torch.empty(rows, hidden // 16, dtype=torch.uint8, device=device)
