@@ -13,7 +13,10 @@ Per shape, host µs per call (bench/profile_host.py's timer, back-to-back calls)
 then a cProfile table of the public call at the first shape. At the first three sizes the GPU work is a few µs, so
 the loop is host-bound and the host figure is the call's cost; the last two launch more CTAs than one wave, the 4/6
 quantizer's L2-prefetch branch (its host-side occupancy query: `device_run.sh steps quantize_host_env_ab` times
-them with the prefetch on and off), where the GPU span can exceed the host figure.
+them with the prefetch on and off), where the GPU span exceeds the host figure. The calls are timed in chunks of
+--chunk with a synchronize between chunks (not timed): about 1000 launches fill the launch queue, after which the host
+waits for the GPU, so one loop of 2000 calls of a GPU-bound shape would time about half the GPU's time instead of
+the host's cost (the eighty-first session's first run of this form did).
 """
 from __future__ import annotations
 
@@ -27,10 +30,28 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from profile_host import _per_call_us, _profile_table  # noqa: E402
 
 
+def _chunked_per_call_us(fn, calls: int, chunk: int) -> tuple:
+    """_per_call_us over `calls` calls in chunks of at most `chunk`, synchronized between chunks (not timed), so the
+    launch queue never fills and the host figure stays the host's cost on GPU-bound shapes too: (host µs per call,
+    GPU µs per call), each the chunks' total over `calls`."""
+    host_total = gpu_total = 0.0
+    done = 0
+    while done < calls:
+        n = min(chunk, calls - done)
+        host, gpu = _per_call_us(fn, n)  # synchronizes before its timed loop
+        host_total += host * n
+        gpu_total += gpu * n
+        done += n
+    return host_total / calls, gpu_total / calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--chunk", type=int, default=250, help="calls per timed chunk (below the ~1000-launch queue)")
     args = parser.parse_args()
+    if args.calls < 1 or args.chunk < 1:
+        parser.error("--calls and --chunk must be at least 1")
     from ep_comm import _cuda_formats, _ext, formats
 
     lib = _ext.require_cuda_extension("this profile")
@@ -61,9 +82,9 @@ def main() -> None:
                  "add": lambda: data.add_(1)}
         for fn in cases.values():  # warm-up
             fn()
-        figures = {name: _per_call_us(fn, args.calls) for name, fn in cases.items()}
+        figures = {name: _chunked_per_call_us(fn, args.calls, args.chunk) for name, fn in cases.items()}
         with torch.inference_mode():  # serving code's grad mode: the public call without its no_grad context
-            figures["public_inference"] = _per_call_us(cases["public"], args.calls)
+            figures["public_inference"] = _chunked_per_call_us(cases["public"], args.calls, args.chunk)
         print(f"{str(dtype):15s} [{rows}, {hidden}]: " +
               ", ".join(f"{name} {host:.1f}" for name, (host, _) in figures.items()) +
               f" host us per call (public: GPU span {figures['public'][1]:.1f})")
