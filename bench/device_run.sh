@@ -694,8 +694,8 @@ bench_formats_env_ab() {  # formats_rows under AB_VAR = each of AB_VALUES (env_a
   env_ab "bench: ${AB_ONLY:-nvfp4_quantize}, hidden ${AB_HIDDEN:-7168}" formats_rows
 }
 quantize_host_env_ab() {  # quantize_host_parts under the prefetch on / off (env_ab). Each 4/6 launch with more CTAs
-  # than SMs queries the occupancy on the host for the prefetch distance (not cached): the eightieth session found it
-  # within the drift between rounds (bench/RESULTS.md)
+  # than SMs queries the occupancy on the host for the prefetch distance (not cached): ~0.5-0.8 us per launch past one
+  # wave (eighty-first session, bench/RESULTS.md)
   env_ab "bench: eager 4/6 quantize host cost" quantize_host_parts
 }
 quantize_host_parts() {  # where an eager 4/6 quantize call's host µs go: allocations, the compiled launch, the internal and
