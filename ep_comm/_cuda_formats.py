@@ -299,6 +299,8 @@ def host_mxfp8_dequantize(m: MXFP8Tensor) -> torch.Tensor:
     _check_mxfp8(m)
     _host(m.data, "m")
     k = m.data.shape[-1]
+    if k == 0:  # [K, 0] from a requantization of 0 rows, as mxfp8_dequantize takes it (reshape(-1, 0) is ambiguous)
+        return torch.empty(m.data.shape, dtype=torch.float32)
     data = m.data.view(torch.uint8).reshape(-1, k).contiguous()
     scales = m.scales.view(torch.uint8).reshape(-1, k // 32).contiguous()
     out = torch.empty(data.shape, dtype=torch.float32)

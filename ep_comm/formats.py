@@ -60,8 +60,11 @@ class NVFP4Tensor:
         float4_e2m1fn_x2 (the same bytes) is accepted too and kept as its uint8 view (no copy).
     scales: float8_e4m3fn [..., K/16], one block decode scale per 16 elements (never negative).
     amax: float32 [...], the outer FP32 amax of each row (per token; per-tensor/per-expert amaxes are
-        broadcast to rows). The outer decode scale is amax / (6 * e4m3_max).
+        broadcast to rows), +0.0 or more, or +Inf, never NaN. The outer decode scale is amax / (6 * e4m3_max).
     e4m3_max: the bound M used for the outer scale: 256 for activations with 4/6, 448 for plain NVFP4.
+    The quantizers write only such scales and amaxes. The dequantizers check the fields' shapes, dtypes and devices
+    but not these values (that would be a device->host read per call): a hand-built container with a negative scale
+    byte or a negative (or -0.0) amax decodes with its signs flipped, and a NaN amax to NaN.
     """
 
     data: torch.Tensor
@@ -286,11 +289,12 @@ def _device_name(device: torch.device) -> str:
 
 
 def _check_amax_values(amax: torch.Tensor) -> None:
-    """Refuses a given outer amax that is negative or NaN, outside a CUDA-graph capture (a device->host read). +Inf
-    stays allowed: it is what the computed amax of a row holding an Inf is."""
-    if not _is_capturing() and amax.numel() and bool(((amax < 0) | torch.isnan(amax)).any()):
-        raise ValueError("amax must be non-negative and not NaN (it is an absolute maximum; a computed amax "
-                         "ignores NaN elements)")
+    """Refuses a given outer amax that is negative, -0.0 or NaN, outside a CUDA-graph capture (a device->host read).
+    +Inf stays allowed: it is what the computed amax of a row holding an Inf is. -0.0 is refused because the decode
+    multiplies by the stored amax: it would turn every decoded zero of the row into -0.0."""
+    if not _is_capturing() and amax.numel() and bool((torch.signbit(amax) | torch.isnan(amax)).any()):
+        raise ValueError("amax must be non-negative and not NaN (+0.0 or more, -0.0 refused: it is an absolute "
+                         "maximum, and a computed amax ignores NaN elements)")
 
 
 def _is_capturing() -> bool:
@@ -579,10 +583,12 @@ def nvfp4_quantize(x: torch.Tensor, four_over_six: bool = True, amax: Optional[t
         row position, not per expert. By default the amax is computed per row (scale_granularity="row") or
         once for the tensor ("tensor"); a given amax is used as given, whatever scale_granularity says. A given
         amax below a row's true max |x| saturates that row's largest values, and amax 0 decodes the whole row to 0
-        (nothing checks it: it is the caller's scale). A Python number is rounded to fp32 (above FLT_MAX: Inf). +Inf
+        (nothing checks it: it is the caller's scale). A Python number is rounded to fp32 through a Python float, i.e.
+        twice for an int above 2^53, which can land one fp32 step from a single rounding (above FLT_MAX: Inf). +Inf
         is allowed, as the computed amax of a row holding an Inf, and decodes its whole row to +-Inf or NaN. The
         result holds a copy of it.
-    check_amax: refuse a given amax that is NaN or negative (outside a CUDA-graph capture: a device->host read).
+    check_amax: refuse a given amax that is NaN, negative or -0.0 (outside a CUDA-graph capture: a device->host
+        read).
         False skips that read, so the call never syncs (the trainable experts' per-step weight quantization; as
         grouped_gemm.quantize_expanded_rows's check_amax): such an amax is then taken as given, and what it decodes
         to is not specified.
@@ -753,10 +759,12 @@ def _check_same_device(container, *names: str) -> None:
                              f"move every field together")
 
 
-def _check_container_dims(kind: str, data: torch.Tensor, scales: torch.Tensor) -> None:
+def _check_container_dims(kind: str, data: torch.Tensor, scales: torch.Tensor, allow_empty_k: bool = False) -> None:
     """data and scales with at least one dimension and a non-empty last one: what the quantizers make (they refuse
-    K = 0), so the reference and the CUDA path (which cannot reshape [N, 0] rows) take the same containers."""
-    if data.dim() == 0 or scales.dim() == 0 or data.shape[-1] == 0:
+    K = 0), so the reference and the CUDA path (which cannot reshape [N, 0] rows) take the same containers.
+    allow_empty_k: K = 0 is allowed too (MXFP8: nvfp4_to_mxfp8_transposed of 0 rows gives [K, 0]; its consumers
+    return an empty result without reaching a kernel)."""
+    if data.dim() == 0 or scales.dim() == 0 or (data.shape[-1] == 0 and not allow_empty_k):
         raise ValueError(f"{kind} needs data and scales with a non-empty last dimension, got data "
                          f"{tuple(data.shape)} and scales {tuple(scales.shape)}")
 
@@ -852,10 +860,14 @@ def _mxfp8_quantize_reference(xf: torch.Tensor, rounding: str, seed: SeedArg,
 @_keeps_subnormals
 def mxfp8_dequantize(m: MXFP8Tensor, dtype: torch.dtype = torch.float32, impl: str = "auto") -> torch.Tensor:
     """MXFP8Tensor (data float8_e4m3fn [..., K], scales float8_e8m0fnu [..., K / 32]) -> dense [..., K] in `dtype`
-    (float32, bfloat16, float16 or float64): element * 2^(scale - 127), computed in fp32, then rounded."""
+    (float32, bfloat16, float16 or float64): element * 2^(scale - 127), computed in fp32, then rounded. K = 0 (what
+    nvfp4_to_mxfp8_transposed gives for 0 rows) gives an empty [..., 0]."""
     _check_mxfp8(m)
     _check_out_dtype(dtype)
-    if _use_cuda(impl, m.data):
+    use_cuda = _use_cuda(impl, m.data)  # (its checks of impl apply to K = 0 too)
+    if m.data.shape[-1] == 0:  # nothing to decode; the CUDA glue cannot reshape [N, 0] rows
+        return torch.empty(m.data.shape, dtype=dtype, device=m.data.device)
+    if use_cuda:
         return _cuda_formats().mxfp8_dequantize(m, dtype)
     k = m.data.shape[-1]
     values = e4m3_decode(m.data.view(torch.uint8)).reshape(*m.data.shape[:-1], k // MX_BLOCK, MX_BLOCK)
@@ -867,7 +879,7 @@ def _check_mxfp8(m) -> None:
     if not isinstance(m, MXFP8Tensor):
         raise TypeError(f"expected an MXFP8Tensor, got {type(m).__name__}")
     _check_same_device(m, "scales")
-    _check_container_dims("MXFP8Tensor", m.data, m.scales)
+    _check_container_dims("MXFP8Tensor", m.data, m.scales, allow_empty_k=True)
     if (m.data.dtype not in (torch.float8_e4m3fn, torch.uint8) or m.scales.dtype not in (torch.float8_e8m0fnu,
                                                                                             torch.uint8)
             or m.scales.shape[:-1] != m.data.shape[:-1]
@@ -960,7 +972,7 @@ def s2f6_quantize(x: torch.Tensor, hadamard: bool = True, sign_mask: int = DEFAU
     """
     _check_float_input(x, "x", MX_BLOCK)
     if not isinstance(hadamard, bool):
-        raise TypeError(f"hadamard must be a bool, got {type(hadamard).__name__}")
+        raise TypeError(f"hadamard must be a bool, got {hadamard!r}")
     sign_mask = _check_sign_mask(sign_mask)
     if _use_cuda(impl, x):
         return _cuda_formats().s2f6_quantize(x, hadamard, sign_mask)
@@ -1034,7 +1046,8 @@ def s2f6_dequantize(s: S2F6Tensor, hadamard: Optional[bool] = None, dtype: torch
 def dequantize(x, dtype: torch.dtype = torch.float32, impl: str = "auto") -> torch.Tensor:
     """Any payload of this library as a dense tensor in `dtype` (float32, bfloat16, float16 or float64): an
     NVFP4Tensor, MXFP8Tensor or S2F6Tensor through its own dequantizer (S2F6: inverse RHT applied when it was rotated),
-    a plain floating tensor (a BF16 dispatch payload) converted by x.to(dtype): x itself when it already has that dtype
+    a plain float32 / bfloat16 / float16 / float64 tensor (a BF16 dispatch payload) converted by x.to(dtype) (a
+    float8 or float4 tensor, a container's field alone, is refused): x itself when it already has that dtype
     (no copy: the payload's storage, autograd kept, as for any .to), where the containers' dequantizers always return a
     new tensor without autograd. E.g. `dequantize(result.x)` for a DispatchResult of any dispatch format."""
     if isinstance(x, NVFP4Tensor):
@@ -1045,6 +1058,10 @@ def dequantize(x, dtype: torch.dtype = torch.float32, impl: str = "auto") -> tor
         return s2f6_dequantize(x, dtype=dtype, impl=impl)
     if isinstance(x, torch.Tensor) and x.is_floating_point():
         _check_impl(impl)  # (as the containers' dequantizers check it, though unused here)
+        if x.element_size() < 2:  # a container's float8 / float4 field alone: no block scale to apply
+            raise TypeError(f"dequantize takes a plain tensor only as a dense payload (float32, bfloat16, float16 or "
+                            f"float64), got {x.dtype}: pass the whole NVFP4Tensor / MXFP8Tensor / S2F6Tensor, not "
+                            f"one of its fields")
         _check_out_dtype(dtype)
         return x.to(dtype)
     raise TypeError(f"expected an NVFP4Tensor, MXFP8Tensor, S2F6Tensor or a floating-point tensor, got "

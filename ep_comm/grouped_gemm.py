@@ -692,7 +692,7 @@ def quantize_expanded_rows(x: torch.Tensor, amax: Optional[torch.Tensor] = None,
     writes both (the packed codes are never stored): the w2 input of the fused experts (moe.fused_expert_hidden).
     amax: optional fp32 [R] outer amax (default: each row's max |x|, NaN ignored). num_rows_limit: as
     `expand_nvfp4_rows` (CUDA path: rows at or past it are left unwritten). check_amax: outside a CUDA-graph
-    capture, refuse a NaN or negative amax on every path, as formats.nvfp4_quantize does (a device->host read);
+    capture, refuse a NaN, negative or -0.0 amax on every path, as formats.nvfp4_quantize does (a device->host read);
     MoELayer passes False for the amax its own w1 epilogue computed, so that its forward has no host sync.
     """
     _check_float_input(x, "x", NVFP4_BLOCK)

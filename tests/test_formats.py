@@ -1,6 +1,7 @@
 """The torch reference formats: FORMATS-RESEARCH.md §14 test vectors, error bounds, SR, edge cases, bad input."""
 import dataclasses
 import math
+import re
 
 import numpy as np
 import pytest
@@ -668,8 +669,12 @@ def test_api_copies_its_inputs_and_checks_what_it_reinterprets():
         F.e4m3_decode(torch.tensor([0x38]))
     assert F.ue8m0_decode(torch.tensor([127, 128], dtype=torch.uint8)).tolist() == [1.0, 2.0]
     for hadamard in ("no", None, 1):
-        with pytest.raises(TypeError, match="hadamard must be a bool"):
+        with pytest.raises(TypeError, match=f"hadamard must be a bool, got {re.escape(repr(hadamard))}"):
             F.s2f6_quantize(x, hadamard=hadamard, impl="reference")
+    for amax in (-0.0, torch.tensor(-0.0), torch.tensor([1.0, -0.0])):  # -0.0 would decode the rows' zeros as -0.0
+        with pytest.raises(ValueError, match="amax must be non-negative and not NaN"):
+            F.nvfp4_quantize(x[:2], amax=amax, impl="reference")
+    assert F.nvfp4_quantize(x[:2], amax=0.0, impl="reference").amax.tolist() == [0.0, 0.0]
     for bad in ("3", [1.0], True):
         with pytest.raises(TypeError, match="amax must be"):
             F.nvfp4_quantize(x, amax=bad, impl="reference")
@@ -697,15 +702,15 @@ def test_dequantize_accumulate_skips_indices_past_the_rows_while_capturing(monke
 @pytest.mark.parametrize("kind", ["nvfp4", "mxfp8", "s2f6"])
 def test_containers_need_a_nonempty_last_dimension(kind):
     """The quantizers refuse K = 0, so [N, 0] and 0-d containers are refused by every consumer alike (the CUDA path
-    cannot reshape [N, 0] rows; a 0-d one used to fail with an IndexError)."""
+    cannot reshape [N, 0] rows; a 0-d one used to fail with an IndexError). MXFP8 [K, 0] is the exception: the
+    transposed requantization of 0 rows makes it."""
     u8 = torch.uint8
     if kind == "nvfp4":
         bad = [F.NVFP4Tensor(torch.zeros(4, 0, dtype=u8), torch.zeros(4, 0, dtype=u8), torch.zeros(4), 256.0),
                F.NVFP4Tensor(torch.zeros((), dtype=u8), torch.zeros((), dtype=u8), torch.zeros(()), 256.0)]
         dequantize = F.nvfp4_dequantize
-    elif kind == "mxfp8":
-        bad = [F.MXFP8Tensor(torch.zeros(4, 0, dtype=u8), torch.zeros(4, 0, dtype=u8)),
-               F.MXFP8Tensor(torch.zeros((), dtype=u8), torch.zeros((), dtype=u8))]
+    elif kind == "mxfp8":  # ([K, 0] is allowed: see test_mxfp8_of_no_rows_dequantizes_to_empty)
+        bad = [F.MXFP8Tensor(torch.zeros((), dtype=u8), torch.zeros((), dtype=u8))]
         dequantize = F.mxfp8_dequantize
     else:
         bad = [F.S2F6Tensor(torch.zeros(4, 0, dtype=torch.int8), torch.zeros(4, 0, dtype=u8), False),
@@ -714,6 +719,23 @@ def test_containers_need_a_nonempty_last_dimension(kind):
     for container in bad:
         with pytest.raises(ValueError, match="non-empty last dimension"):
             dequantize(container, impl="reference")
+
+
+@pytest.mark.cpu
+def test_mxfp8_of_no_rows_dequantizes_to_empty():
+    """nvfp4_to_mxfp8_transposed of 0 rows (an expert without tokens in backward) gives MXFP8 [K, 0]; the library's
+    dequantizers take it back (it was refused as a container with an empty last dimension)."""
+    m = F.nvfp4_to_mxfp8_transposed(F.nvfp4_quantize(torch.randn(0, 64), impl="reference"), impl="reference")
+    for dtype in (torch.float32, torch.bfloat16):
+        for out in (F.mxfp8_dequantize(m, dtype, impl="reference"), F.dequantize(m, dtype)):
+            assert tuple(out.shape) == (64, 0) and out.dtype == dtype
+    u8 = torch.uint8
+    out = F.mxfp8_dequantize(F.MXFP8Tensor(torch.zeros(2, 3, 0, dtype=u8), torch.zeros(2, 3, 0, dtype=u8)))
+    assert tuple(out.shape) == (2, 3, 0)
+    with pytest.raises(ValueError, match="inconsistent MXFP8Tensor"):  # the scales must be empty too
+        F.mxfp8_dequantize(F.MXFP8Tensor(torch.zeros(4, 0, dtype=u8), torch.zeros(4, 1, dtype=u8)))
+    with pytest.raises(ValueError, match="impl must be"):  # impl is still checked
+        F.mxfp8_dequantize(m, impl="fast")
 
 
 @pytest.mark.cpu
@@ -764,6 +786,14 @@ def test_dequantize_takes_any_payload():
         for dtype in (torch.float32, torch.bfloat16):
             assert torch.equal(F.dequantize(payload, dtype), own(payload, dtype=dtype)), (type(payload), dtype)
     assert torch.equal(F.dequantize(x), x.float()) and F.dequantize(x, torch.bfloat16) is x
+    # A container's float8 / float4 field alone has no block scale: refused, not decoded without it.
+    mx, q = cases[1][0], cases[0][0]
+    fields = [mx.data, q.scales, q.data.view(torch.float8_e4m3fn)]
+    if hasattr(torch, "float4_e2m1fn_x2"):  # (absent from older torch)
+        fields.append(q.data.view(torch.float4_e2m1fn_x2))
+    for field in fields:
+        with pytest.raises(TypeError, match="dequantize takes a plain tensor only as a dense payload"):
+            F.dequantize(field)
     with pytest.raises(TypeError, match="NVFP4Tensor, MXFP8Tensor, S2F6Tensor"):
         F.dequantize(x.view(torch.int16))
     with pytest.raises(TypeError, match="NVFP4Tensor, MXFP8Tensor, S2F6Tensor"):

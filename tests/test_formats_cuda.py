@@ -362,10 +362,14 @@ def test_nvfp4_to_mxfp8_transposed(num_rows, hidden, rounding):
 
 
 def test_nvfp4_to_mxfp8_transposed_of_no_rows():
-    """0 rows (an expert without tokens in backward): [K, 0] from the kernel path too, as from the reference."""
+    """0 rows (an expert without tokens in backward): [K, 0] from the kernel path too, as from the reference, and it
+    dequantizes to an empty [K, 0] on the CUDA path too."""
     q = F.nvfp4_quantize(torch.randn(0, 64, device=DEVICE), impl="cuda")
     m = F.nvfp4_to_mxfp8_transposed(q, seed=3, impl="cuda")
     assert tuple(m.data.shape) == (64, 0) and tuple(m.scales.shape) == (64, 0) and m.data.is_cuda
+    for dtype in (torch.float32, torch.bfloat16):
+        out = F.mxfp8_dequantize(m, dtype, impl="cuda")
+        assert tuple(out.shape) == (64, 0) and out.dtype == dtype and out.is_cuda
 
 
 def test_nvfp4_to_mxfp8_transposed_unaligned_scales():

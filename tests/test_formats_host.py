@@ -184,6 +184,14 @@ def test_mxfp8_quantize_matches_reference(hidden):
                            f"mxfp8 dequantize {kind}")
 
 
+def test_mxfp8_dequantize_of_no_rows_matches_reference():
+    """The [K, 0] MXFP8 of a requantization of 0 rows: an empty [K, 0] fp32 from the host emulation, as from the
+    reference."""
+    m = C.host_nvfp4_to_mxfp8_transposed(F.nvfp4_quantize(torch.randn(0, 48), impl="reference"), "stochastic", 5)
+    assert tuple(m.data.shape) == (48, 0)
+    assert_same_floats(C.host_mxfp8_dequantize(m), F.mxfp8_dequantize(m, impl="reference"), "mxfp8 [K, 0]")
+
+
 @pytest.mark.parametrize("num_rows, hidden", [(32, 48), (96, 2048), (64, 7168)])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_nvfp4_to_mxfp8_transposed_matches_reference(num_rows, hidden, rounding):
