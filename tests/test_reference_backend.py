@@ -1048,3 +1048,47 @@ def _rows_only_worker(rank, world):
 @pytest.mark.cpu
 def test_reference_rows_only_dispatch():
     assert run_ranks(_rows_only_worker, 2, backend="gloo") == ["ok", "ok"]
+
+
+def _nvfp4_few_rows_worker(rank, world):
+    """NVFP4 dispatch where a rank receives 0 or 1 rows, at hidden sizes whose amax bytes sit at an offset 9H/16 that
+    is not a multiple of 4 (H = 32, 96): the received rows' amax and codes are the sender's, and combine runs."""
+    import ep_comm
+    from ep_comm import formats
+    outcome = []
+    for hidden in (32, 96, 64):
+        def tokens(of_rank):  # both ranks can rebuild each other's tokens
+            gen = torch.Generator().manual_seed(100 * hidden + of_rank)
+            return torch.randn(3, hidden, generator=gen).to(torch.bfloat16)
+        x = tokens(rank)
+        w = torch.rand(3, 1, generator=torch.Generator().manual_seed(rank))
+        # expert 0 lives on rank 0, expert 1 on rank 1. "none": everything to rank 0, so rank 1 receives 0 rows;
+        # "one": rank 0's token 0 goes to rank 1, its only row.
+        for case in ("none", "one"):
+            idx = torch.zeros(3, 1, dtype=torch.int64)
+            if case == "one" and rank == 0:
+                idx[0, 0] = 1
+            with ep_comm.Buffer(None, hidden=hidden, num_experts=2, num_topk=1, max_tokens_per_rank=4,
+                                backend="reference", dispatch_format="nvfp4") as buf:
+                res = buf.dispatch(x, idx, w)
+                expected_rows = {("none", 0): 6, ("none", 1): 0, ("one", 0): 5, ("one", 1): 1}[(case, rank)]
+                valid = int(res.expert_offsets[-1])
+                ok = int(res.num_tokens_per_expert.sum()) == expected_rows
+                for row in range(valid):
+                    src_rank, src_token = int(res.src_rank[row]), int(res.src_token[row])
+                    if src_rank < 0:
+                        continue
+                    sent = formats.nvfp4_quantize(tokens(src_rank)[src_token:src_token + 1])
+                    ok = ok and torch.equal(res.x.amax[row:row + 1].view(torch.int32), sent.amax.view(torch.int32))
+                    ok = ok and torch.equal(res.x.data[row:row + 1], sent.data)
+                out = buf.combine(formats.dequantize(res.x, torch.bfloat16), res.handle)
+                ok = ok and tuple(out.shape) == (3, hidden) and bool(torch.isfinite(out.float()).all())
+            outcome.append((hidden, case, ok))
+    return outcome
+
+
+@pytest.mark.cpu
+def test_nvfp4_dispatch_of_zero_or_one_rows_at_unaligned_amax_offsets():
+    results = run_ranks(_nvfp4_few_rows_worker, 2, backend="gloo", timeout_s=180)
+    for rank_result in results:
+        assert all(ok for _, _, ok in rank_result), rank_result

@@ -57,10 +57,14 @@ def unpack_dispatch_payload(rows: torch.Tensor, fmt: str, hidden: int):
     """uint8 wire rows [R, P] -> NVFP4Tensor / MXFP8Tensor / bf16 [R, H]."""
     if fmt == "nvfp4":
         data_end, scale_end = hidden // 2, hidden // 2 + hidden // 16
+        # The amax bytes as float32 need a 4-byte aligned storage offset: a copy, not contiguous(). With 0 or 1 rows
+        # the slice already counts as contiguous and kept its offset 9H/16 (not a multiple of 4 for H = 32, 96, 160,
+        # ...), which view() refused.
+        amax_bytes = rows[:, scale_end:scale_end + 4].clone(memory_format=torch.contiguous_format)
         return formats.NVFP4Tensor(
             data=rows[:, :data_end].contiguous(),
             scales=rows[:, data_end:scale_end].contiguous().view(torch.float8_e4m3fn),
-            amax=rows[:, scale_end:scale_end + 4].contiguous().view(torch.float32).reshape(-1),
+            amax=amax_bytes.view(torch.float32).reshape(-1),
             e4m3_max=formats.NVFP4_ACTIVATION_E4M3_MAX)
     if fmt == "mxfp8":
         return _mxfp8_from_wire(rows, hidden)
