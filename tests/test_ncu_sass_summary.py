@@ -1,20 +1,14 @@
 """bench/ncu_sass_summary.py: the stall samples of an ncu per-SASS-line CSV grouped by execution count (CPU only)."""
-import importlib.util
-import os
-
 import pytest
 
-pytestmark = pytest.mark.cpu  # a tier marker like every other test (unmarked, `-m cpu` deselected these)
+import bench_module
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "bench", "ncu_sass_summary.py")
+pytestmark = pytest.mark.cpu  # a tier marker like every other test (unmarked, `-m cpu` deselected these)
 
 
 @pytest.fixture(scope="module")
 def summary():
-    spec = importlib.util.spec_from_file_location("ncu_sass_summary", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module.load("ncu_sass_summary")
 
 
 def _write_csv(path):

@@ -1,20 +1,14 @@
 """bench/profile_quantize_host.py's chunked timer (CPU only, with a stand-in for the per-call timer it chunks)."""
-import importlib.util
-import os
-
 import pytest
 
-pytestmark = pytest.mark.cpu
+import bench_module
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "bench", "profile_quantize_host.py")
+pytestmark = pytest.mark.cpu
 
 
 @pytest.fixture(scope="module")
 def profile():
-    spec = importlib.util.spec_from_file_location("profile_quantize_host", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module.load("profile_quantize_host")
 
 
 def test_chunks_stay_below_the_launch_queue_and_weigh_each_call_once(profile, monkeypatch):
