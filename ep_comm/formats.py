@@ -62,9 +62,11 @@ class NVFP4Tensor:
     amax: float32 [...], the outer FP32 amax of each row (per token; per-tensor/per-expert amaxes are
         broadcast to rows), +0.0 or more, or +Inf, never NaN. The outer decode scale is amax / (6 * e4m3_max).
     e4m3_max: the bound M used for the outer scale: 256 for activations with 4/6, 448 for plain NVFP4.
-    The quantizers write only such scales and amaxes. The dequantizers check the fields' shapes, dtypes and devices
-    but not these values (that would be a device->host read per call): a hand-built container with a negative scale
-    byte or a negative (or -0.0) amax decodes with its signs flipped, and a NaN amax to NaN.
+    The quantizers compute such amaxes, and refuse a given one that is negative, -0.0 or NaN, except with
+    check_amax=False or inside a CUDA-graph capture (no device->host read there). The dequantizers check the fields'
+    shapes, dtypes and devices but not these values (that would be a device->host read per call): a container with a
+    negative scale byte or a negative amax decodes with its signs flipped, a -0.0 amax decodes its zeros as -0.0, and
+    a NaN amax decodes to NaN.
     """
 
     data: torch.Tensor

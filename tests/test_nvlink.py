@@ -223,8 +223,9 @@ def versus_reference_worker(rank, world, direct_self_min_tokens=None):
         (2080, "bf16", "mxfp8", 3, "masked", 4 * world, 3),
         (2048, "mxfp8", "mxfp8", 1, "all_to_one", 8 * world, 4),
         (2048, "nvfp4", "mxfp8", 1, "uniform", 8 * world, 1),  # K = 1: the edge values' MXFP8 rows unmixed (+-0, ...)
-        # the smallest hidden sizes, 32 more than a multiple of 64: the NVFP4 amax bytes at 9H/16, 2 (mod 4); the
-        # reference backend's unpack of 0 or 1 received rows refused that offset until the eighty-first session
+        # small hidden sizes 32 more than a multiple of 64 (the NVFP4 amax bytes at 9H/16, 2 mod 4), which the nvlink
+        # kernels had not run at: all rows to rank 0, so the other ranks receive none (the reference backend's unpack
+        # of 0 rows refused that offset until the eighty-first session), then H = 32 with every rank receiving rows
         (96, "nvfp4", "s2f6", 1, "all_to_one", 2 * world, 1),
         (32, "nvfp4", "bf16", 1, "uniform", 2 * world, 2),
     ]
