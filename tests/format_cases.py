@@ -10,6 +10,11 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+def tensor_fields(container) -> dict:
+    """A format container's tensor fields by name (NVFP4: data, scales, amax; MXFP8 and S2F6: data, scales)."""
+    return {name: value for name, value in vars(container).items() if isinstance(value, torch.Tensor)}
+
+
 def assert_same_bytes(actual: torch.Tensor, expected: torch.Tensor, what: str):
     a, e = as_bytes(actual), as_bytes(expected)
     assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"

@@ -9,7 +9,8 @@ import torch
 
 from ep_comm import formats as F
 from format_cases import (adversarial_four_over_six_blocks, four_over_six_amax_cases, edge_rows, make_rows,
-                          sr_fast_path_limit_blocks, assert_same_floats, assert_same_mx, assert_same_nvfp4)
+                          sr_fast_path_limit_blocks, assert_same_floats, assert_same_mx, assert_same_nvfp4,
+                          tensor_fields)
 
 pytestmark = pytest.mark.gpu
 
@@ -655,9 +656,9 @@ def test_quantizers_keep_leading_dims_dtypes_and_layout(lead_shape):
               F.mxfp8_quantize(x, rounding="stochastic", seed=5, impl="reference"), "mxfp8"),
              (F.s2f6_quantize(x.to(DEVICE), impl="cuda"), F.s2f6_quantize(x, impl="reference"), "s2f6")]
     for actual, expected, what in pairs:
-        names = ("data", "scales", "amax") if what == "nvfp4" else ("data", "scales")
-        for name in names:
-            a, e = getattr(actual, name), getattr(expected, name)
+        expected_fields = tensor_fields(expected)
+        for name, a in tensor_fields(actual).items():
+            e = expected_fields[name]
             assert a.dtype == e.dtype and a.shape == e.shape, f"{what}.{name}: {a.dtype}{tuple(a.shape)} vs " \
                                                                 f"{e.dtype}{tuple(e.shape)}"
             assert a.is_contiguous() and a.device.type == "cuda", f"{what}.{name}"
