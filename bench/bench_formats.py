@@ -94,6 +94,12 @@ def build_cases(lib, mib: int, hidden: int, with_reference: bool) -> list[Case]:
     cases.append(nvfp4_case("nvfp4_quantize plain", x, lib.ELEM_BFLOAT16, four_over_six=False))
     cases.append(nvfp4_case("nvfp4_quantize 4/6, amax given", x, lib.ELEM_BFLOAT16, amax=given_amax))
     cases.append(nvfp4_case("nvfp4_quantize 4/6, fp32 in", x32, lib.ELEM_FLOAT32))
+    # Rows with outlier channels (every 97th column 30x, as LLM activations' massive channels): a block holding one
+    # dominant outlier often decodes the same under both 4/6 candidates, an exact tie of the two errors, which the
+    # fast path's error bound cannot decide (bench/near_tie_rates.py: ~3 such blocks per row at hidden 7168).
+    x_outliers = x.clone()
+    x_outliers[:, ::97] *= 30.0
+    cases.append(nvfp4_case("nvfp4_quantize 4/6, outlier columns", x_outliers, lib.ELEM_BFLOAT16))
     q = F.nvfp4_quantize(x, impl="cuda")
     out_bf16 = torch.empty(rows, hidden, dtype=bf16, device="cuda")
     cases.append(Case("nvfp4_dequantize", f"-> bf16 [{rows}, {hidden}]", nvfp4_bytes + 2 * elements,

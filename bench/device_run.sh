@@ -155,7 +155,7 @@ test_moe() {
 bench_moe_waves() { bench_moe --wave-sms auto,8,15,32,66; }  # the waves layer at its default and other receive SMs
 bench_formats() {
   say "bench: formats kernels (1 GPU)"
-  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 bench/bench_formats.py --out "$OUT/bench_formats.json" 2>&1 | tail -14 | tee -a "$log"
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/bench_formats.py --out "$OUT/bench_formats.json" 2>&1 | tail -16 | tee -a "$log"
 }
 bench_router() {  # the router's FP32 logits + top-k against tensor-core forms of the same product (time, top-k agreement)
   say "bench: router top-k forms (1 GPU)"
