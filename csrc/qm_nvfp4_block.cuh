@@ -387,8 +387,92 @@ QM_HD float nvfp4_decision_threshold(float approx4, float approx6, float g4_s, f
   return qm_fma(g_squares, 0x1p-27f, qm_fma(qm_add(approx4, approx6), 0x1p-14f, 0x1p-118f));
 }
 
+// Whether two candidates' scaled codes (e2m1_codes4_scaled words, on the grid: bytes code << 2, no NaN) decode to the
+// same values, r_a,i * s_a == r_b,i * s_b for every element (r = 2^6 * the byte's E4M3 value), with s_a, s_b E4M3 scale
+// values (0 or in [2^-9, 448]). The products are exact in both forms: r has at most 2 significant bits and s at most 4,
+// so a product has at most 6, and its scaled form 2^-6 r s lies in {0} U [2^-16, 42]; fp32 (host) and fp16 (device:
+// the hardware pair decode and one f16x2 multiply per 2 elements, subnormals kept down to 2^-24) hold it exactly. No
+// product is NaN or -0, so equal values are equal bits.
+QM_HD bool e2m1_scaled_codes_decode_equal(const uint32_t codes_a[4], float scale_a, const uint32_t codes_b[4],
+                                          float scale_b) {
+  uint32_t differ = 0u;
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 890)
+  uint32_t scale_a2, scale_b2;  // the scale in both f16 halves (exact: every E4M3 value is an fp16 value)
+  asm("{\n\t.reg .b16 h;\n\tcvt.rn.f16.f32 h, %1;\n\tmov.b32 %0, {h, h};\n\t}" : "=r"(scale_a2) : "f"(scale_a));
+  asm("{\n\t.reg .b16 h;\n\tcvt.rn.f16.f32 h, %1;\n\tmov.b32 %0, {h, h};\n\t}" : "=r"(scale_b2) : "f"(scale_b));
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    uint32_t a_lo, a_hi, b_lo, b_hi;
+    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
+        : "=r"(a_lo), "=r"(a_hi) : "r"(codes_a[q]));
+    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
+        : "=r"(b_lo), "=r"(b_hi) : "r"(codes_b[q]));
+    asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(a_lo) : "r"(scale_a2));
+    asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(a_hi) : "r"(scale_a2));
+    asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(b_lo) : "r"(scale_b2));
+    asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(b_hi) : "r"(scale_b2));
+    differ |= (a_lo ^ b_lo) | (a_hi ^ b_hi);
+  }
+#else
+  for (int q = 0; q < 4; ++q) {
+    for (int k = 0; k < 4; ++k) {
+      const uint8_t byte_a = static_cast<uint8_t>(codes_a[q] >> (8 * k));
+      const uint8_t byte_b = static_cast<uint8_t>(codes_b[q] >> (8 * k));
+      differ |= float_bits(qm_mul(e4m3_decode(byte_a), scale_a)) ^ float_bits(qm_mul(e4m3_decode(byte_b), scale_b));
+    }
+  }
+#endif
+  return differ == 0u;
+}
+
+// Exact ties of the 4/6 choice, which no error bound can decide: when every element decodes to the same value under
+// both candidates (r4_i * s4 == r6_i * s6), the exact formula computes err_4 and err_6 by the same operations on the
+// same operands -- n_i = f(f(r_i s) amax) from the same exact product r_i s, then d_i = f(n_i / 6M) (IEEE, or Markstein
+// where nvfp4_candidate proves it equal), the same differences, squares and tree sum -- so err_4 == err_6 bit for bit
+// and err_4 < err_6 is false: map-6. This is the usual case of a block holding one dominant outlier (the massive
+// channels of LLM activations): the outlier decodes exactly under both (6 s6 == 4 s4, e.g. the row's own max block)
+// and every other element rounds to 0 under both. bench/near_tie_rates.py counts ~3 such blocks per row at hidden
+// 7168 with every 97th channel 30x, which sent ~40% of the warps through the exact formula.
+// The test recomputes both candidates' codes the fast path's way (nvfp4_candidate_scaled's rounding, without the
+// error chains), which equal the exact formula's codes under the fast path's conditions: approx_ok (6M = 1536 or
+// 2688, 2^-80 <= amax <= 2^100: derived here from six_m and amax as nvfp4_outer_scales does, with s_dec its S_dec),
+// f(block_amax * inv6_s) < 7 * 2^-6, and no NaN element (a NaN converts to the off-grid byte 0x7F). Then
+// magnitude_words gets map-6's magnitude nibbles (as nvfp4_candidate gives them) and the result is true; otherwise
+// false and magnitude_words is untouched.
+QM_HD bool nvfp4_four_six_exact_tie(const float x[16], uint8_t s6, uint8_t s4, float s_dec, float amax, float six_m,
+                                    uint32_t magnitude_words[2]) {
+  const bool approx_ok = (six_m == 1536.0f || six_m == 2688.0f) && amax >= 0x1p-80f && amax <= 0x1p100f;
+  if (!approx_ok) return false;
+  float scale6, scale4;
+  e4m3x2_decode(static_cast<uint16_t>(s6 | (s4 << 8)), scale6, scale4);
+  const float s_dec_64 = qm_mul(s_dec, 64.0f);
+  const float inv6_s = nvfp4_block_inverse_scaled_fast(scale6, s_dec_64);
+  const float inv4_s = nvfp4_block_inverse_scaled_fast(scale4, s_dec_64);
+  if (!(qm_mul(block_amax16(x), inv6_s) < kE2m1ScaledBound)) return false;
+  uint32_t codes6[4], codes4[4];
+  uint32_t off_grid = 0u;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    float r6_s[4], r4_s[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float ax = qm_abs(x[4 * q + k]);
+      r6_s[k] = e2m1_round_scaled(qm_mul(ax, inv6_s));
+      r4_s[k] = e2m1_round_scaled(qm_mul(ax, inv4_s));
+    }
+    codes6[q] = e2m1_codes4_scaled(r6_s);
+    codes4[q] = e2m1_codes4_scaled(r4_s);
+    off_grid |= (codes6[q] | codes4[q]) & 0x03030303u;
+  }
+  if (off_grid != 0u || !e2m1_scaled_codes_decode_equal(codes4, scale4, codes6, scale6)) return false;
+  magnitude_words[0] = e2m1_pack8_codes(codes6[0], codes6[1], 0u, 0u);
+  magnitude_words[1] = e2m1_pack8_codes(codes6[2], codes6[3], 0u, 0u);
+  return true;
+}
+
 // The exact 4/6 formula, out of line on the device: the fast path below decides all but a few blocks, and
 // one copy of this code (instead of one per unrolled call site) keeps the kernels' instruction footprint small.
+// Exact ties first (nvfp4_four_six_exact_tie: the same result, map-6, at a fraction of the cost).
 #if defined(__CUDACC__)
 inline __host__ __device__ __noinline__
 #else
@@ -396,6 +480,7 @@ inline
 #endif
 bool nvfp4_four_over_six_exact_outlined(const float* x, uint8_t s6, uint8_t s4, float s_dec, float amax,
                                         float six_m, uint32_t* words, uint32_t* words4) {
+  if (nvfp4_four_six_exact_tie(x, s6, s4, s_dec, amax, six_m, words)) return false;
   return nvfp4_four_over_six_exact(x, s6, s4, s_dec, amax, six_m, words, words4);
 }
 

@@ -451,6 +451,16 @@ def host_nvfp4_fast_decided(x: torch.Tensor, amax: torch.Tensor, four_over_six: 
     return decided.bool()
 
 
+def host_nvfp4_four_six_exact_ties(x: torch.Tensor, amax: torch.Tensor, e4m3_max: float = _NVFP4_ACTIVATION_M):
+    """bool [rows, K/16]: the 4/6 blocks whose two candidates decode every element to the same value, so that their
+    errors are equal and the choice is map-6 without the exact formula (qm::nvfp4_four_six_exact_tie)."""
+    xf, row_amax, k = _host_rows_and_amax(x, amax)
+    tie = torch.empty(xf.shape[0], k // 16, dtype=torch.uint8)
+    _lib().host_nvfp4_four_six_exact_ties(xf.data_ptr(), xf.shape[0], k, row_amax.data_ptr(), e4m3_max,
+                                          tie.data_ptr())
+    return tie.bool()
+
+
 def host_nvfp4_four_over_six_errors(x: torch.Tensor, amax: torch.Tensor, e4m3_max: float = _NVFP4_ACTIVATION_M):
     """(err_6, err_4) float32 [rows, K/16]: the 4/6 candidate errors the quantizer compares, per block."""
     xf, row_amax, k = _host_rows_and_amax(x, amax)

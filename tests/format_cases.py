@@ -88,6 +88,9 @@ def make_rows(kind: str, num_rows: int, hidden: int, seed: int) -> torch.Tensor:
     if kind == "outliers":
         mask = torch.rand(num_rows, hidden, generator=g) < 0.002
         return torch.where(mask, x * 300.0, x)
+    if kind == "outlier_columns":  # every 97th channel 30x (LLM activations' massive channels): exact 4/6 ties
+        x[:, ::97] *= 30.0
+        return x
     if kind == "wide":  # magnitudes spread over many binades, per element
         return x * torch.exp2(torch.randint(-40, 40, (num_rows, hidden), generator=g).float())
     if kind == "tiny":

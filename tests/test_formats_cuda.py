@@ -107,6 +107,25 @@ def test_nvfp4_random_bit_rows(four_over_six):
             assert_same_nvfp4(_cpu_nvfp4(actual), expected, f"nvfp4 random bits {dtype} amax={amax is not None}")
 
 
+@pytest.mark.parametrize("hidden", [2048, 7168])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_four_over_six_exact_ties(hidden, dtype):
+    """Rows with outlier channels (every 97th 30x), where many blocks decode the same under both 4/6 candidates: the
+    kernel's exact-tie shortcut (qm::nvfp4_four_six_exact_tie, before the exact formula) against the reference, row
+    amax computed and given; the host probe confirms that the data holds such ties."""
+    from ep_comm import _cuda_formats as C  # the host probe (ep_comm._C: present wherever this tier runs)
+
+    x = _input("outlier_columns", 37, hidden, dtype, seed=hidden)
+    amax = x.float().abs().amax(dim=1)
+    assert int(C.host_nvfp4_four_six_exact_ties(x.float(), amax).sum()) > 37
+    for given in (None, amax):
+        kwargs = {} if given is None else {"amax": given}
+        expected = F.nvfp4_quantize(x, four_over_six=True, impl="reference", **kwargs)
+        kwargs = {} if given is None else {"amax": given.to(DEVICE)}
+        actual = F.nvfp4_quantize(x.to(DEVICE), four_over_six=True, impl="cuda", **kwargs)
+        assert_same_nvfp4(_cpu_nvfp4(actual), expected, f"4/6 exact ties amax given={given is not None}")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_nvfp4_quantize_rows_past_one_wave(dtype):
     """More rows (1201 of 7168) than one wave of the 4/6 kernel's CTAs holds on an H100 / H200 (132 SMs: 528 bf16

@@ -303,6 +303,35 @@ def test_four_over_six_fast_path_matches_formula():
     assert ties > 100 and near > 10, (ties, near)
 
 
+def test_four_over_six_exact_tie_test_proves_equal_errors():
+    """qm::nvfp4_four_six_exact_tie, which the general form takes before the exact formula: wherever it claims a tie,
+    the exact formula's two errors are the same bits (so map-6 is its choice too), on adversarial blocks, edge rows and
+    random special bits; it finds ties where they are common (outlier channels) and none in Gaussian rows, where the
+    candidates decode differently; and the quantizer's codes there are the reference's."""
+    g = torch.Generator().manual_seed(61)
+    x = adversarial_four_over_six_blocks(g)
+    inputs = [(x, amax) for amax in four_over_six_amax_cases(x, g)]
+    for kind, hidden in (("outlier_columns", 7168), ("outliers", 2048), ("bits", 2048), ("gauss", 2048)):
+        rows = make_rows(kind, 16, hidden, seed=62)
+        inputs.append((rows, rows.abs().nan_to_num(nan=0.0).amax(dim=1)))
+    edges = edge_rows(2048)
+    inputs.append((edges, edges.abs().nan_to_num(nan=0.0).amax(dim=1)))
+    claimed = {}
+    for i, (rows, amax) in enumerate(inputs):
+        tie = C.host_nvfp4_four_six_exact_ties(rows, amax)
+        err6, err4 = C.host_nvfp4_four_over_six_errors(rows, amax, 256.0)
+        same_bits = err6.view(torch.int32) == err4.view(torch.int32)
+        assert same_bits[tie].all(), f"input {i}: a claimed tie whose errors differ"
+        claimed[i] = int(tie.sum())
+    num_adversarial = len(inputs) - 5
+    assert sum(claimed[i] for i in range(num_adversarial)) > 50, claimed
+    outlier_columns, gauss = num_adversarial, num_adversarial + 3
+    assert claimed[outlier_columns] > 16 and claimed[gauss] == 0, claimed
+    rows, amax = inputs[outlier_columns]
+    assert_same_nvfp4(C.host_nvfp4_quantize(rows, True, amax=amax),
+                      F.nvfp4_quantize(rows, four_over_six=True, amax=amax, impl="reference"), "4/6 outlier columns")
+
+
 def test_four_over_six_fast_path_exhaustive_small_blocks():
     """Every block of 16 values drawn from a small alphabet pattern: 4 distinct magnitudes in {0, .., 7} / 2
     placed by a fixed pattern, times powers of two, with the block's own amax and 3 larger ones."""
@@ -428,3 +457,5 @@ def test_host_nvfp4_entry_points_refuse_a_null_amax():
     decided = torch.empty(1, dtype=torch.uint8)
     with pytest.raises(ValueError, match="amax is required"):
         lib.host_nvfp4_fast_decided(x.data_ptr(), 1, 16, 0, 256.0, True, decided.data_ptr())
+    with pytest.raises(ValueError, match="amax is required"):
+        lib.host_nvfp4_four_six_exact_ties(x.data_ptr(), 1, 16, 0, 256.0, decided.data_ptr())
