@@ -436,9 +436,9 @@ QM_HD bool e2m1_scaled_codes_decode_equal(const uint32_t codes_a[4], float scale
 // The test recomputes both candidates' codes the fast path's way (nvfp4_candidate_scaled's rounding, without the
 // error chains), which equal the exact formula's codes under the fast path's conditions: approx_ok (6M = 1536 or
 // 2688, 2^-80 <= amax <= 2^100: derived here from six_m and amax as nvfp4_outer_scales does, with s_dec its S_dec),
-// f(block_amax * inv6_s) < 7 * 2^-6, and no NaN element (a NaN converts to the off-grid byte 0x7F). Then
-// magnitude_words gets map-6's magnitude nibbles (as nvfp4_candidate gives them) and the result is true; otherwise
-// false and magnitude_words is untouched.
+// f(block_amax * inv_s) < 7 * 2^-6 for both candidates, and no NaN element (a NaN converts to the off-grid byte
+// 0x7F). Then magnitude_words gets map-6's magnitude nibbles (as nvfp4_candidate gives them) and the result is true;
+// otherwise false and magnitude_words is untouched.
 QM_HD bool nvfp4_four_six_exact_tie(const float x[16], uint8_t s6, uint8_t s4, float s_dec, float amax, float six_m,
                                     uint32_t magnitude_words[2]) {
   const bool approx_ok = (six_m == 1536.0f || six_m == 2688.0f) && amax >= 0x1p-80f && amax <= 0x1p100f;
@@ -448,7 +448,12 @@ QM_HD bool nvfp4_four_six_exact_tie(const float x[16], uint8_t s6, uint8_t s4, f
   const float s_dec_64 = qm_mul(s_dec, 64.0f);
   const float inv6_s = nvfp4_block_inverse_scaled_fast(scale6, s_dec_64);
   const float inv4_s = nvfp4_block_inverse_scaled_fast(scale4, s_dec_64);
-  if (!(qm_mul(block_amax16(x), inv6_s) < kE2m1ScaledBound)) return false;
+  // Both candidates' bounds: the callers' s4 >= s6 makes map-6's imply map-4's, but the test does not rely on its
+  // caller for that (with s4 < s6, map-4's unclamped rounding could reach 8 * 2^-6, an on-grid byte).
+  const float block_amax = block_amax16(x);
+  if (!(qm_mul(block_amax, inv6_s) < kE2m1ScaledBound) || !(qm_mul(block_amax, inv4_s) < kE2m1ScaledBound)) {
+    return false;
+  }
   uint32_t codes6[4], codes4[4];
   uint32_t off_grid = 0u;
 #pragma unroll
