@@ -196,8 +196,8 @@ void s2f6_dequantize_accumulate(const int8_t* data, const uint8_t* scales, int64
 // [num_rows, hidden] with the per-row outer amax: exposes the selection arithmetic to bitwise tests.
 void nvfp4_four_over_six_errors(const float* x, int64_t num_rows, int64_t hidden, const float* amax, float e4m3_max,
                                 float* err6, float* err4);
-// Per block of x [num_rows, hidden] (4/6): 1 if qm::nvfp4_four_six_exact_tie proves the two candidates' errors equal
-// (both decode every element to the same value), which the general form then takes instead of the exact formula.
+// Per block of x [num_rows, hidden] (4/6): 1 if the fast path decides the block as an exact tie (its step (3): both
+// candidates decode every element to the same value, so their errors are equal and the choice is map-6).
 void nvfp4_four_six_exact_ties(const float* x, int64_t num_rows, int64_t hidden, const float* amax, float e4m3_max,
                                uint8_t* tie);
 // Per block of x [num_rows, hidden]: 1 if the quantizer's fast path handles the block (with 4/6: decides the

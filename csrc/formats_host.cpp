@@ -76,17 +76,13 @@ void nvfp4_four_over_six_errors(const float* x, int64_t num_rows, int64_t hidden
 void nvfp4_four_six_exact_ties(const float* x, int64_t num_rows, int64_t hidden, const float* amax, float e4m3_max,
                                uint8_t* tie) {
   const int64_t num_blocks = hidden / 16;
-  const float six_m = qm::qm_mul(6.0f, e4m3_max);
   for (int64_t row = 0; row < num_rows; ++row) {
     const qm::Nvfp4Outer outer = qm::nvfp4_outer_scales(amax[row], e4m3_max);
     for (int64_t b = 0; b < num_blocks; ++b) {
       const float* block = x + row * hidden + b * 16;
-      const uint16_t scale_pair = qm::nvfp4_four_six_scale_pair(qm::block_amax16(block), outer);
-      uint32_t magnitude_words[2];
-      tie[row * num_blocks + b] =
-          qm::nvfp4_four_six_exact_tie(block, static_cast<uint8_t>(scale_pair & 0xFFu),
-                                       static_cast<uint8_t>(scale_pair >> 8), outer.s_dec, amax[row], six_m,
-                                       magnitude_words) ? 1 : 0;
+      const qm::Nvfp4BlockFast fast =
+          qm::nvfp4_four_six_block16_fast(block, qm::block_amax16(block), outer, amax[row], nullptr);
+      tie[row * num_blocks + b] = fast.exact_tie ? 1 : 0;
     }
   }
 }

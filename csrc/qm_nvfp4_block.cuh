@@ -425,59 +425,8 @@ QM_HD bool e2m1_scaled_codes_decode_equal(const uint32_t codes_a[4], float scale
   return differ == 0u;
 }
 
-// Exact ties of the 4/6 choice, which no error bound can decide: when every element decodes to the same value under
-// both candidates (r4_i * s4 == r6_i * s6), the exact formula computes err_4 and err_6 by the same operations on the
-// same operands -- n_i = f(f(r_i s) amax) from the same exact product r_i s, then d_i = f(n_i / 6M) (IEEE, or Markstein
-// where nvfp4_candidate proves it equal), the same differences, squares and tree sum -- so err_4 == err_6 bit for bit
-// and err_4 < err_6 is false: map-6. This is the usual case of a block holding one dominant outlier (the massive
-// channels of LLM activations): the outlier decodes exactly under both (6 s6 == 4 s4, e.g. the row's own max block)
-// and every other element rounds to 0 under both. bench/near_tie_rates.py counts ~3 such blocks per row at hidden
-// 7168 with every 97th channel 30x, which sent ~40% of the warps through the exact formula.
-// The test recomputes both candidates' codes the fast path's way (nvfp4_candidate_scaled's rounding, without the
-// error chains), which equal the exact formula's codes under the fast path's conditions: approx_ok (6M = 1536 or
-// 2688, 2^-80 <= amax <= 2^100: derived here from six_m and amax as nvfp4_outer_scales does, with s_dec its S_dec),
-// f(block_amax * inv_s) < 7 * 2^-6 for both candidates, and no NaN element (a NaN converts to the off-grid byte
-// 0x7F). Then magnitude_words gets map-6's magnitude nibbles (as nvfp4_candidate gives them) and the result is true;
-// otherwise false and magnitude_words is untouched.
-QM_HD bool nvfp4_four_six_exact_tie(const float x[16], uint8_t s6, uint8_t s4, float s_dec, float amax, float six_m,
-                                    uint32_t magnitude_words[2]) {
-  const bool approx_ok = (six_m == 1536.0f || six_m == 2688.0f) && amax >= 0x1p-80f && amax <= 0x1p100f;
-  if (!approx_ok) return false;
-  float scale6, scale4;
-  e4m3x2_decode(static_cast<uint16_t>(s6 | (s4 << 8)), scale6, scale4);
-  const float s_dec_64 = qm_mul(s_dec, 64.0f);
-  const float inv6_s = nvfp4_block_inverse_scaled_fast(scale6, s_dec_64);
-  const float inv4_s = nvfp4_block_inverse_scaled_fast(scale4, s_dec_64);
-  // Both candidates' bounds: the callers' s4 >= s6 makes map-6's imply map-4's, but the test does not rely on its
-  // caller for that (with s4 < s6, map-4's unclamped rounding could reach 8 * 2^-6, an on-grid byte).
-  const float block_amax = block_amax16(x);
-  if (!(qm_mul(block_amax, inv6_s) < kE2m1ScaledBound) || !(qm_mul(block_amax, inv4_s) < kE2m1ScaledBound)) {
-    return false;
-  }
-  uint32_t codes6[4], codes4[4];
-  uint32_t off_grid = 0u;
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    float r6_s[4], r4_s[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float ax = qm_abs(x[4 * q + k]);
-      r6_s[k] = e2m1_round_scaled(qm_mul(ax, inv6_s));
-      r4_s[k] = e2m1_round_scaled(qm_mul(ax, inv4_s));
-    }
-    codes6[q] = e2m1_codes4_scaled(r6_s);
-    codes4[q] = e2m1_codes4_scaled(r4_s);
-    off_grid |= (codes6[q] | codes4[q]) & 0x03030303u;
-  }
-  if (off_grid != 0u || !e2m1_scaled_codes_decode_equal(codes4, scale4, codes6, scale6)) return false;
-  magnitude_words[0] = e2m1_pack8_codes(codes6[0], codes6[1], 0u, 0u);
-  magnitude_words[1] = e2m1_pack8_codes(codes6[2], codes6[3], 0u, 0u);
-  return true;
-}
-
 // The exact 4/6 formula, out of line on the device: the fast path below decides all but a few blocks, and
 // one copy of this code (instead of one per unrolled call site) keeps the kernels' instruction footprint small.
-// Exact ties first (nvfp4_four_six_exact_tie: the same result, map-6, at a fraction of the cost).
 #if defined(__CUDACC__)
 inline __host__ __device__ __noinline__
 #else
@@ -485,7 +434,6 @@ inline
 #endif
 bool nvfp4_four_over_six_exact_outlined(const float* x, uint8_t s6, uint8_t s4, float s_dec, float amax,
                                         float six_m, uint32_t* words, uint32_t* words4) {
-  if (nvfp4_four_six_exact_tie(x, s6, s4, s_dec, amax, six_m, words)) return false;
   return nvfp4_four_over_six_exact(x, s6, s4, s_dec, amax, six_m, words, words4);
 }
 
@@ -503,7 +451,9 @@ bool nvfp4_four_over_six_exact_outlined(const float* x, uint8_t s6, uint8_t s4, 
 //      (map-4), D' > T proves err_4 > err_6 (map-6). Only near-ties (|err_4 - err_6| within ~2^-13 relative)
 //      remain.
 //  A NaN element makes A_6 NaN (t = f(r * g - NaN)); the fast path then decides nothing, in (1) as in (2).
-//  (3) Anything else (near-ties, NaN/Inf elements, extreme amax, unusual M, zero or saturated scales): the
+//  (3) An undecided block whose candidates decode every element to the same value (an exact tie: map-6; argument
+//      in the code).
+//  (4) Anything else (near-ties, NaN/Inf elements, extreme amax, unusual M, zero or saturated scales): the
 //      exact formula.
 //
 // Proof of |err_k - A_k| <= E_k = 1.688e-5 A_k + 4.83e-6 G_k^2 + 2^-143 (u = 2^-24; every quantity of one candidate,
@@ -606,6 +556,7 @@ struct Nvfp4BlockFast {
   uint32_t words[2];
   uint8_t scale;
   bool decided;
+  bool exact_tie;  // decided by step (3) below (the host probe's count; the kernels do not read it)
 };
 
 QM_HD Nvfp4BlockFast nvfp4_four_six_block16_fast(const float x[16], float block_amax, const Nvfp4Outer& outer,
@@ -647,6 +598,24 @@ QM_HD Nvfp4BlockFast nvfp4_four_six_block16_fast(const float x[16], float block_
   const bool same = scale4 == scale6;
   const bool chosen4 = four_better;
   out.decided = in_range && (four_better || six_better || (same && approx6 == approx6));
+  // Step (3): exact ties, which no error bound can decide. When every element decodes to the same value under both
+  // candidates (r4_i * s4 == r6_i * s6), the exact formula computes err_4 and err_6 by the same operations on the same
+  // operands -- n_i = f(f(r_i s) amax) from the same exact product r_i s, then d_i = f(n_i / 6M) (IEEE, or Markstein
+  // where nvfp4_candidate proves it equal), the same differences, squares and tree sum -- so err_4 == err_6 bit for bit
+  // and err_4 < err_6 is false: map-6. That is the usual case of a block holding one dominant outlier (the massive
+  // channels of LLM activations): the outlier decodes exactly under both (6 s6 == 4 s4, e.g. in the row's own max
+  // block) and every other element rounds to 0 under both. bench/near_tie_rates.py counts ~3 such blocks per row at
+  // hidden 7168 with every 97th channel 30x, which sent ~40% of the warps through the exact formula (16% slower rows,
+  // bench/RESULTS.md, eighty-second session). The codes at hand are the exact formula's whenever in_range holds and
+  // no element is NaN (approx6 not NaN: with in_range no element is Inf, so only a NaN element makes it NaN), as for
+  // step (2); four_better is false here (else decided), so chosen = codes6: the words below are map-6's. A branch on
+  // rare blocks only: the straight-line work of every block is unchanged. (4): the caller's exact formula.
+  if (!out.decided && in_range && approx6 == approx6) {
+    out.exact_tie = e2m1_scaled_codes_decode_equal(codes4, scale4, codes6, scale6);
+    out.decided = out.exact_tie;
+  } else {
+    out.exact_tie = false;
+  }
   uint32_t chosen[4];  // the chosen candidate's code words (when decided: on the grid, no NaN element)
 #pragma unroll
   for (int q = 0; q < 4; ++q) chosen[q] = chosen4 ? codes4[q] : codes6[q];
@@ -693,6 +662,7 @@ QM_HD Nvfp4BlockFast nvfp4_four_six_block16_general_value(const float x[16], flo
   out.words[1] = words[1];
   out.scale = scale;
   out.decided = true;
+  out.exact_tie = false;
   return out;
 }
 

@@ -452,8 +452,9 @@ def host_nvfp4_fast_decided(x: torch.Tensor, amax: torch.Tensor, four_over_six: 
 
 
 def host_nvfp4_four_six_exact_ties(x: torch.Tensor, amax: torch.Tensor, e4m3_max: float = _NVFP4_ACTIVATION_M):
-    """bool [rows, K/16]: the 4/6 blocks whose two candidates decode every element to the same value, so that their
-    errors are equal and the choice is map-6 without the exact formula (qm::nvfp4_four_six_exact_tie)."""
+    """bool [rows, K/16]: the 4/6 blocks the fast path decides as exact ties: left undecided by its error bound, both
+    candidates decode every element to the same value, so their errors are equal and the choice is map-6 without the
+    exact formula (qm::nvfp4_four_six_block16_fast, step (3))."""
     xf, row_amax, k = _host_rows_and_amax(x, amax)
     tie = torch.empty(xf.shape[0], k // 16, dtype=torch.uint8)
     _lib().host_nvfp4_four_six_exact_ties(xf.data_ptr(), xf.shape[0], k, row_amax.data_ptr(), e4m3_max,

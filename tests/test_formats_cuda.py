@@ -111,7 +111,7 @@ def test_nvfp4_random_bit_rows(four_over_six):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_four_over_six_exact_ties(hidden, dtype):
     """Rows with outlier channels (every 97th 30x), where many blocks decode the same under both 4/6 candidates: the
-    kernel's exact-tie shortcut (qm::nvfp4_four_six_exact_tie, before the exact formula) against the reference, row
+    kernel's exact-tie step (qm::nvfp4_four_six_block16_fast, step (3): no exact formula) against the reference, row
     amax computed and given; the host probe confirms that the data holds such ties."""
     from ep_comm import _cuda_formats as C  # the host probe (ep_comm._C: present wherever this tier runs)
 
