@@ -35,6 +35,15 @@ def _input(kind: str, num_rows: int, hidden: int, dtype: torch.dtype, seed: int)
     return make_rows(kind, num_rows, hidden, seed).to(dtype)
 
 
+def _assert_nvfp4_kernel_matches(x: torch.Tensor, four_over_six: bool, amax, what: str) -> None:
+    """The CUDA quantizer's codes of CPU rows x equal the reference's; amax: None (computed per row) or CPU rows."""
+    kwargs = {} if amax is None else {"amax": amax}
+    expected = F.nvfp4_quantize(x, four_over_six=four_over_six, impl="reference", **kwargs)
+    kwargs = {} if amax is None else {"amax": amax.to(DEVICE)}
+    actual = F.nvfp4_quantize(x.to(DEVICE), four_over_six=four_over_six, impl="cuda", **kwargs)
+    assert_same_nvfp4(_cpu_nvfp4(actual), expected, f"{what} amax given={amax is not None}")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # NVFP4
 # ----------------------------------------------------------------------------------------------------------
@@ -119,11 +128,7 @@ def test_four_over_six_exact_ties(hidden, dtype):
     amax = x.float().abs().amax(dim=1)
     assert int(C.host_nvfp4_four_six_exact_ties(x.float(), amax).sum()) > 37
     for given in (None, amax):
-        kwargs = {} if given is None else {"amax": given}
-        expected = F.nvfp4_quantize(x, four_over_six=True, impl="reference", **kwargs)
-        kwargs = {} if given is None else {"amax": given.to(DEVICE)}
-        actual = F.nvfp4_quantize(x.to(DEVICE), four_over_six=True, impl="cuda", **kwargs)
-        assert_same_nvfp4(_cpu_nvfp4(actual), expected, f"4/6 exact ties amax given={given is not None}")
+        _assert_nvfp4_kernel_matches(x, True, given, "4/6 exact ties")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -147,11 +152,7 @@ def test_nvfp4_quantize_uneven_widths(hidden, dtype, four_over_six):
     x = _input("outliers", 33, hidden, dtype, seed=hidden)
     per_row = x.float().abs().amax(dim=-1) * 1.5
     for amax in (None, per_row):
-        kwargs = {} if amax is None else {"amax": amax}
-        expected = F.nvfp4_quantize(x, four_over_six=four_over_six, impl="reference", **kwargs)
-        kwargs = {} if amax is None else {"amax": amax.to(DEVICE)}
-        actual = F.nvfp4_quantize(x.to(DEVICE), four_over_six=four_over_six, impl="cuda", **kwargs)
-        assert_same_nvfp4(_cpu_nvfp4(actual), expected, f"nvfp4 width {hidden} amax given={amax is not None}")
+        _assert_nvfp4_kernel_matches(x, four_over_six, amax, f"nvfp4 width {hidden}")
 
 
 def test_nvfp4_quantize_fp16_inputs():
