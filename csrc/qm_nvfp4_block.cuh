@@ -605,11 +605,12 @@ QM_HD Nvfp4BlockFast nvfp4_four_six_block16_fast(const float x[16], float block_
   // and err_4 < err_6 is false: map-6. That is the usual case of a block holding one dominant outlier (the massive
   // channels of LLM activations): the outlier decodes exactly under both (6 s6 == 4 s4, e.g. in the row's own max
   // block) and every other element rounds to 0 under both. bench/near_tie_rates.py counts ~3 such blocks per row at
-  // hidden 7168 with every 97th channel 30x, which sent ~40% of the warps through the exact formula (16% slower rows,
-  // bench/RESULTS.md, eighty-second session). The codes at hand are the exact formula's whenever in_range holds and
-  // no element is NaN (approx6 not NaN: with in_range no element is Inf, so only a NaN element makes it NaN), as for
-  // step (2); four_better is false here (else decided), so chosen = codes6: the words below are map-6's. A branch on
-  // rare blocks only: the straight-line work of every block is unchanged. (4): the caller's exact formula.
+  // hidden 7168 with every 97th channel 30x, which sent ~40% of the warps through the exact formula (262 us against
+  // 172 for Gaussian rows on one H100; 174 with this step: bench/RESULTS.md, eighty-second session). The codes at hand
+  // are the exact formula's whenever in_range holds and no element is NaN (approx6 not NaN: with in_range no element
+  // is Inf, so only a NaN element makes it NaN), as for step (2); four_better is false here (else decided), so
+  // chosen = codes6: the words below are map-6's. A branch on rare blocks only: the straight-line work of every block
+  // is unchanged. (4): the caller's exact formula.
   if (!out.decided && in_range && approx6 == approx6) {
     out.exact_tie = e2m1_scaled_codes_decode_equal(codes4, scale4, codes6, scale6);
     out.decided = out.exact_tie;
