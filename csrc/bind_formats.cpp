@@ -275,14 +275,6 @@ void register_host_emulation(py::module_& m) {
                                            ptr<float>(err6), ptr<float>(err4));
         },
         release);
-  m.def("host_nvfp4_four_six_exact_ties",
-        [](uintptr_t x, int64_t num_rows, int64_t hidden, uintptr_t amax, float e4m3_max, uintptr_t tie) {
-          require_host_rows(num_rows, hidden, 16, "host_nvfp4_four_six_exact_ties");
-          require(amax != 0 || num_rows == 0, "host_nvfp4_four_six_exact_ties", "amax is required (one fp32 per row)");
-          host::nvfp4_four_six_exact_ties(ptr<const float>(x), num_rows, hidden, ptr<const float>(amax), e4m3_max,
-                                          ptr<uint8_t>(tie));
-        },
-        release);
   m.def("host_nvfp4_fast_decided",
         [](uintptr_t x, int64_t num_rows, int64_t hidden, uintptr_t amax, float e4m3_max, bool four_over_six,
            uintptr_t decided) {

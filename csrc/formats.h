@@ -196,13 +196,10 @@ void s2f6_dequantize_accumulate(const int8_t* data, const uint8_t* scales, int64
 // [num_rows, hidden] with the per-row outer amax: exposes the selection arithmetic to bitwise tests.
 void nvfp4_four_over_six_errors(const float* x, int64_t num_rows, int64_t hidden, const float* amax, float e4m3_max,
                                 float* err6, float* err4);
-// Per block of x [num_rows, hidden] (4/6): 1 if the fast path decides the block as an exact tie (its step (3): both
-// candidates decode every element to the same value, so their errors are equal and the choice is map-6).
-void nvfp4_four_six_exact_ties(const float* x, int64_t num_rows, int64_t hidden, const float* amax, float e4m3_max,
-                               uint8_t* tie);
 // Per block of x [num_rows, hidden]: 1 if the quantizer's fast path handles the block (with 4/6: decides the
-// choice by the bound; without: nvfp4_plain_codes_fast), 0 if the general form has to (a guard for the kernels'
-// speed: correctness tests pass either way).
+// choice by the bound; without: nvfp4_plain_codes_fast), 2 if it decides a 4/6 block as an exact tie (its step (3):
+// both candidates decode every element to the same value, so their errors are equal and the choice is map-6), 0 if
+// the general form has to (a guard for the kernels' speed: correctness tests pass either way).
 void nvfp4_fast_decided(const float* x, int64_t num_rows, int64_t hidden, const float* amax, float e4m3_max,
                         bool four_over_six, uint8_t* decided);
 // Checks a fast form against its definition over fp32 bit patterns (every `stride`-th one; 1 = all):

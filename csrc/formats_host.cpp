@@ -73,32 +73,27 @@ void nvfp4_four_over_six_errors(const float* x, int64_t num_rows, int64_t hidden
   }
 }
 
-void nvfp4_four_six_exact_ties(const float* x, int64_t num_rows, int64_t hidden, const float* amax, float e4m3_max,
-                               uint8_t* tie) {
-  const int64_t num_blocks = hidden / 16;
-  for (int64_t row = 0; row < num_rows; ++row) {
-    const qm::Nvfp4Outer outer = qm::nvfp4_outer_scales(amax[row], e4m3_max);
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const float* block = x + row * hidden + b * 16;
-      const qm::Nvfp4BlockFast fast =
-          qm::nvfp4_four_six_block16_fast(block, qm::block_amax16(block), outer, amax[row], nullptr);
-      tie[row * num_blocks + b] = fast.exact_tie ? 1 : 0;
-    }
-  }
-}
-
 void nvfp4_fast_decided(const float* x, int64_t num_rows, int64_t hidden, const float* amax, float e4m3_max,
                         bool four_over_six, uint8_t* decided) {
   const int64_t num_blocks = hidden / 16;
   for (int64_t row = 0; row < num_rows; ++row) {
     const qm::Nvfp4Outer outer = qm::nvfp4_outer_scales(amax[row], e4m3_max);
     for (int64_t b = 0; b < num_blocks; ++b) {
-      uint32_t words[2];
-      uint8_t scale;
-      bool fast = false;
-      qm::nvfp4_quantize_block16_words(x + row * hidden + b * 16, qm::block_amax16(x + row * hidden + b * 16), outer,
-                                       amax[row], e4m3_max, four_over_six, words, &scale, &fast);
-      decided[row * num_blocks + b] = fast ? 1 : 0;
+      const float* block = x + row * hidden + b * 16;
+      uint8_t decision;
+      if (four_over_six) {  // the fast 4/6 path alone: what nvfp4_quantize_block16_words runs before the formula
+        const qm::Nvfp4BlockFast fast =
+            qm::nvfp4_four_six_block16_fast(block, qm::block_amax16(block), outer, amax[row], nullptr);
+        decision = fast.exact_tie ? 2 : (fast.decided ? 1 : 0);
+      } else {
+        uint32_t words[2];
+        uint8_t scale;
+        bool fast = false;
+        qm::nvfp4_quantize_block16_words(block, qm::block_amax16(block), outer, amax[row], e4m3_max, false, words,
+                                         &scale, &fast);
+        decision = fast ? 1 : 0;
+      }
+      decided[row * num_blocks + b] = decision;
     }
   }
 }

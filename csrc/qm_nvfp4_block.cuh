@@ -400,17 +400,18 @@ QM_HD bool e2m1_scaled_codes_decode_equal(const uint32_t codes_a[4], float scale
   uint32_t scale_a2, scale_b2;  // the scale in both f16 halves (exact: every E4M3 value is an fp16 value)
   asm("{\n\t.reg .b16 h;\n\tcvt.rn.f16.f32 h, %1;\n\tmov.b32 %0, {h, h};\n\t}" : "=r"(scale_a2) : "f"(scale_a));
   asm("{\n\t.reg .b16 h;\n\tcvt.rn.f16.f32 h, %1;\n\tmov.b32 %0, {h, h};\n\t}" : "=r"(scale_b2) : "f"(scale_b));
+  // The 4 E4M3 bytes of `word` as f16 pairs (lo: bytes 0-1, hi: bytes 2-3), each times the f16x2 scale `scale2`.
+  auto decode_times = [](uint32_t word, uint32_t scale2, uint32_t& lo, uint32_t& hi) {
+    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
+        : "=r"(lo), "=r"(hi) : "r"(word));
+    asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(lo) : "r"(scale2));
+    asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(hi) : "r"(scale2));
+  };
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     uint32_t a_lo, a_hi, b_lo, b_hi;
-    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
-        : "=r"(a_lo), "=r"(a_hi) : "r"(codes_a[q]));
-    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
-        : "=r"(b_lo), "=r"(b_hi) : "r"(codes_b[q]));
-    asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(a_lo) : "r"(scale_a2));
-    asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(a_hi) : "r"(scale_a2));
-    asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(b_lo) : "r"(scale_b2));
-    asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(b_hi) : "r"(scale_b2));
+    decode_times(codes_a[q], scale_a2, a_lo, a_hi);
+    decode_times(codes_b[q], scale_b2, b_lo, b_hi);
     differ |= (a_lo ^ b_lo) | (a_hi ^ b_hi);
   }
 #else
@@ -556,7 +557,7 @@ struct Nvfp4BlockFast {
   uint32_t words[2];
   uint8_t scale;
   bool decided;
-  bool exact_tie;  // decided by step (3) below (the host probe's count; the kernels do not read it)
+  bool exact_tie;  // decided by step (3) below (for the host probe nvfp4_fast_decided; the kernels do not read it)
 };
 
 QM_HD Nvfp4BlockFast nvfp4_four_six_block16_fast(const float x[16], float block_amax, const Nvfp4Outer& outer,

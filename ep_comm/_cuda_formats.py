@@ -440,26 +440,28 @@ def _host_rows_and_amax(x: torch.Tensor, amax):
     return xf, row_amax, k
 
 
-def host_nvfp4_fast_decided(x: torch.Tensor, amax: torch.Tensor, four_over_six: bool = True,
-                            e4m3_max: float = _NVFP4_ACTIVATION_M) -> torch.Tensor:
-    """bool [rows, K/16]: whether the quantizer's fast path handles each block (with 4/6: decides the choice by
-    its bound; without: the plain fast codes); False: the general form (the exact 4/6 formula)."""
+def _host_nvfp4_decisions(x: torch.Tensor, amax: torch.Tensor, four_over_six: bool, e4m3_max: float) -> torch.Tensor:
+    """uint8 [rows, K/16]: how the quantizer decides each block: 0 the general form (the exact 4/6 formula), 1 the
+    fast path (with 4/6: its error bound; without: the plain fast codes), 2 the fast path's 4/6 exact-tie step."""
     xf, row_amax, k = _host_rows_and_amax(x, amax)
     decided = torch.empty(xf.shape[0], k // 16, dtype=torch.uint8)
     _lib().host_nvfp4_fast_decided(xf.data_ptr(), xf.shape[0], k, row_amax.data_ptr(), e4m3_max, four_over_six,
                                    decided.data_ptr())
-    return decided.bool()
+    return decided
+
+
+def host_nvfp4_fast_decided(x: torch.Tensor, amax: torch.Tensor, four_over_six: bool = True,
+                            e4m3_max: float = _NVFP4_ACTIVATION_M) -> torch.Tensor:
+    """bool [rows, K/16]: whether the quantizer's fast path handles each block (with 4/6: decides the choice by
+    its bound or as an exact tie; without: the plain fast codes); False: the general form (the exact 4/6 formula)."""
+    return _host_nvfp4_decisions(x, amax, four_over_six, e4m3_max) != 0
 
 
 def host_nvfp4_four_six_exact_ties(x: torch.Tensor, amax: torch.Tensor, e4m3_max: float = _NVFP4_ACTIVATION_M):
     """bool [rows, K/16]: the 4/6 blocks the fast path decides as exact ties: left undecided by its error bound, both
     candidates decode every element to the same value, so their errors are equal and the choice is map-6 without the
     exact formula (qm::nvfp4_four_six_block16_fast, step (3))."""
-    xf, row_amax, k = _host_rows_and_amax(x, amax)
-    tie = torch.empty(xf.shape[0], k // 16, dtype=torch.uint8)
-    _lib().host_nvfp4_four_six_exact_ties(xf.data_ptr(), xf.shape[0], k, row_amax.data_ptr(), e4m3_max,
-                                          tie.data_ptr())
-    return tie.bool()
+    return _host_nvfp4_decisions(x, amax, True, e4m3_max) == 2
 
 
 def host_nvfp4_four_over_six_errors(x: torch.Tensor, amax: torch.Tensor, e4m3_max: float = _NVFP4_ACTIVATION_M):

@@ -463,5 +463,3 @@ def test_host_nvfp4_entry_points_refuse_a_null_amax():
     decided = torch.empty(1, dtype=torch.uint8)
     with pytest.raises(ValueError, match="amax is required"):
         lib.host_nvfp4_fast_decided(x.data_ptr(), 1, 16, 0, 256.0, True, decided.data_ptr())
-    with pytest.raises(ValueError, match="amax is required"):
-        lib.host_nvfp4_four_six_exact_ties(x.data_ptr(), 1, 16, 0, 256.0, decided.data_ptr())
