@@ -19,6 +19,8 @@ import functools
 import math
 import numbers
 import operator
+import struct
+import threading
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -132,25 +134,76 @@ if hasattr(torch.serialization, "add_safe_globals"):
 _FLOAT_INPUTS = (torch.bfloat16, torch.float32, torch.float16)
 
 
-# docs/NUMERICS.md: no implementation flushes subnormals. torch.set_flush_denormal(True) makes the CPU flush them on
-# the thread that called it (and only there: torch's intra-op threads keep IEEE arithmetic, so a flushed CPU result
-# would even depend on which thread computed which rows). The GPU never flushes.
-_SUBNORMAL, _ONE = 1e-310, 1.0  # variables, not a constant expression: the product is computed at run time
+# docs/NUMERICS.md: no implementation flushes subnormals. torch.set_flush_denormal(True) makes the CPU flush them (FTZ
+# and DAZ) on the thread that called it, and on every thread started from it afterwards: torch's intra-op threads
+# started while it was on flush too, whatever the calling thread does later. So a CPU result could depend on which
+# thread computed which rows. The GPU never flushes. The guard below keeps subnormals on both: the calling thread's
+# flag is switched off for the call, and where the intra-op threads flush, the call runs on one intra-op thread.
+# The test value is made from its bits: a literal such as 1e-310 would read as 0.0 when the module is compiled on a
+# thread that flushes (no .pyc: PYTHONDONTWRITEBYTECODE, a read-only install), and the guard would never engage.
+_SUBNORMAL = struct.unpack("<d", struct.pack("<Q", 1 << 44))[0]  # 2^-1030, a subnormal double
+_ONE = 1.0  # a variable, not a constant expression: _SUBNORMAL * _ONE is computed at run time
+
+
+def _thread_flushes_subnormals() -> bool:
+    """Whether this thread's CPU arithmetic flushes subnormals (torch.set_flush_denormal sets the SSE control word
+    that Python's floats use too): one Python float product."""
+    return _SUBNORMAL * _ONE == 0.0
+
+
+# at::internal::GRAIN_SIZE: an elementwise op of n elements runs on min(threads, n / GRAIN) intra-op threads, each
+# taking a contiguous share.
+_INTRA_OP_GRAIN = 32768
+_intra_op_threads_checked = {}  # torch.get_num_threads() -> whether all those threads keep subnormals
+_one_thread_lock = threading.RLock()
+
+
+def _intra_op_threads_keep_subnormals() -> bool:
+    """Whether torch's intra-op threads keep subnormals, asked once per thread count: an elementwise product whose
+    inputs and results are subnormal (flushed under DAZ or FTZ), large enough to give every thread its share. Call it
+    only where this thread keeps subnormals (it takes part in the product)."""
+    threads = torch.get_num_threads()
+    keeps = _intra_op_threads_checked.get(threads)
+    if keeps is None:
+        subnormals = torch.full((threads * _INTRA_OP_GRAIN,), 0x00400000, dtype=torch.int32).view(torch.float32)
+        halved = torch.mul(subnormals, 0.5).view(torch.int32)  # 2^-127 * 0.5 = 2^-128: bits 0x00200000
+        keeps = bool((halved == 0x00200000).all())
+        _intra_op_threads_checked[threads] = keeps
+    return keeps
+
+
+@contextlib.contextmanager
+def _on_one_intra_op_thread():
+    """torch.set_num_threads(1) within the block, restored on exit (a lock: the thread count is process-wide)."""
+    with _one_thread_lock:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager
 def ieee_subnormals():
-    """Within the block, this thread's CPU arithmetic keeps subnormals (NUMERICS.md), whatever
-    torch.set_flush_denormal set; restored on exit. A Python float product tells (the flag sets the SSE control word
-    that Python's floats use too), so the check costs nothing measurable."""
-    if _SUBNORMAL * _ONE != 0.0:
-        yield
-        return
-    torch.set_flush_denormal(False)
+    """Within the block, CPU arithmetic keeps subnormals (NUMERICS.md), whatever torch.set_flush_denormal set: this
+    thread's flag is off (restored on exit), and where torch's intra-op threads flush (they were started while the flag
+    was on) the block runs on one intra-op thread (with a warning, once)."""
+    thread_flushes = _thread_flushes_subnormals()
+    if thread_flushes:
+        torch.set_flush_denormal(False)
     try:
-        yield
+        if _intra_op_threads_keep_subnormals():
+            yield
+        else:
+            _ext.warn_once("ep_comm.formats: torch's intra-op threads flush subnormals (torch.set_flush_denormal(True) "
+                           "was on when they started); the CPU format computations run on one thread to keep them "
+                           "(docs/NUMERICS.md)")
+            with _on_one_intra_op_thread():
+                yield
     finally:
-        torch.set_flush_denormal(True)
+        if thread_flushes:
+            torch.set_flush_denormal(True)
 
 
 def _keeps_subnormals(function):
@@ -158,7 +211,8 @@ def _keeps_subnormals(function):
     ieee_subnormals(), and eagerly under torch.compile (_compile.eager_only)."""
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
-        if _SUBNORMAL * _ONE != 0.0:  # the common case, checked without a context manager (CUDA paths call this too)
+        # The common case, checked without a context manager (CUDA paths call this too): ~0.1 µs.
+        if not _thread_flushes_subnormals() and _intra_op_threads_keep_subnormals():
             return function(*args, **kwargs)
         with ieee_subnormals():
             return function(*args, **kwargs)
@@ -185,6 +239,8 @@ def _check_float_input(x, name: str, block: int) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_INPUTS:
         raise TypeError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}")
     if x.dim() < 1:
         raise ValueError(f"{name} must have at least one dimension")
     if x.shape[-1] % block != 0 or x.shape[-1] == 0:

@@ -320,6 +320,9 @@ def test_bad_inputs():
         F.nvfp4_quantize(torch.zeros(4, 32), amax=torch.ones(3))
     with pytest.raises(TypeError, match="NVFP4Tensor"):
         F.nvfp4_dequantize(torch.zeros(2, 16))
+    for quantize in (F.nvfp4_quantize, F.mxfp8_quantize, F.s2f6_quantize, F.rht):  # sparse: named, not torch's reshape
+        with pytest.raises(TypeError, match="must be a dense"):
+            quantize(torch.ones(4, 64).to_sparse())
     with pytest.raises(ValueError, match="impl"):
         F.s2f6_quantize(torch.zeros(1, 32), impl="fast")
     with pytest.raises(ValueError, match="sign_mask"):
@@ -738,10 +741,11 @@ def test_mxfp8_of_no_rows_dequantizes_to_empty():
 
 @pytest.mark.cpu
 def test_reference_keeps_subnormals_when_the_thread_flushes_them():
-    """NUMERICS.md: no implementation flushes subnormals. Under torch.set_flush_denormal(True) (this thread only; the
-    intra-op threads keep IEEE arithmetic) the reference gives the bits it gives without flushing, on every row
-    whichever thread computes it, and leaves the thread's mode as it found it: an S2F6 block of 3e38 (scale byte
-    0xFE, whose multiplier 2^-127 is subnormal), MXFP8 and NVFP4 of subnormal inputs."""
+    """NUMERICS.md: no implementation flushes subnormals. Under torch.set_flush_denormal(True) on this thread (the
+    intra-op threads here started before it, so they keep IEEE arithmetic; the next test starts them while it is on)
+    the reference gives the bits it gives without flushing, on every row whichever thread computes it, and leaves the
+    thread's mode as it found it: an S2F6 block of 3e38 (scale byte 0xFE, whose multiplier 2^-127 is subnormal), MXFP8
+    and NVFP4 of subnormal inputs."""
     x_big = torch.zeros(64, 1024)
     x_big[:, ::32] = 3.0e38
     x_tiny = torch.full((4, 32), 1e-39)  # made before flushing (conversions flush too)
@@ -771,6 +775,67 @@ def test_reference_keeps_subnormals_when_the_thread_flushes_them():
     for a, b in zip(got, want):
         assert torch.equal(a.view(torch.uint8) if a.dtype.is_floating_point else a,
                            b.view(torch.uint8) if b.dtype.is_floating_point else b)
+
+
+_FLUSH_PROGRAM = r"""
+import hashlib, json, struct, sys, warnings
+import torch
+torch.set_num_threads(2)
+flush_first = sys.argv[1] == "flush_first"
+if flush_first:
+    torch.set_flush_denormal(True)
+    (torch.ones(1 << 20) * 1.0).sum()  # torch's intra-op threads start while this thread flushes: they flush too
+from ep_comm import formats as F  # compiled here, without a .pyc (PYTHONDONTWRITEBYTECODE)
+x_big = torch.zeros(64, 1024)
+x_big[:, ::32] = 3.0e38
+x_tiny = torch.full((512, 1024), 0x000AE398, dtype=torch.int32).view(torch.float32)  # 1e-39
+tiny = struct.unpack("<d", struct.pack("<Q", 1 << 44))[0]  # a subnormal double, from its bits (read under DAZ: 0)
+def results():
+    s = F.s2f6_quantize(x_big, hadamard=False, impl="reference")
+    m = F.mxfp8_quantize(x_tiny, impl="reference")
+    q = F.nvfp4_quantize(x_tiny, four_over_six=True, impl="reference")
+    fields = [s.data, s.scales, m.data, m.scales, q.data, q.scales, q.amax, F.mxfp8_dequantize(m, impl="reference"),
+              F.s2f6_dequantize(s, impl="reference")]
+    return [hashlib.sha256(f.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for f in fields]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    first = results()  # with this thread flushing (flush_first)
+    if flush_first:
+        assert tiny * 1.0 == 0.0, "the thread's flag was not restored"
+        torch.set_flush_denormal(False)  # this thread keeps subnormals again; the intra-op threads still flush
+    second = results()
+    assert tiny * 1.0 != 0.0, "a format call left this thread flushing"
+print("RESULT " + json.dumps({"first": first, "second": second, "constant_kept": F._SUBNORMAL != 0.0,
+                              "warned": any("flush subnormals" in str(w.message) for w in caught)}))
+"""
+
+
+@pytest.mark.cpu
+def test_reference_keeps_subnormals_when_the_intra_op_threads_flush_them():
+    """NUMERICS.md: no implementation flushes subnormals. torch's intra-op threads started while
+    torch.set_flush_denormal(True) was on flush too, whatever the calling thread does later, and a module compiled on
+    a flushing thread reads a subnormal literal as 0.0. In a fresh process that starts its threads while flushing and
+    imports ep_comm without a .pyc, the reference gives a clean process's bits (both with the calling thread flushing
+    and after it stopped), says once that it runs on one thread, and leaves the caller's flag as it found it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def run(mode):
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+        done = subprocess.run([sys.executable, "-c", _FLUSH_PROGRAM, mode], capture_output=True, text=True, env=env,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+        return json.loads(line[len("RESULT "):])
+
+    clean, flushed = run("clean"), run("flush_first")
+    assert clean["constant_kept"] and flushed["constant_kept"]
+    assert clean["first"] == clean["second"] == flushed["first"] == flushed["second"]
+    assert not clean["warned"]
+    if not flushed["warned"]:  # (a CPU whose threads never flush: the intra-op check found nothing to keep)
+        pytest.skip("this CPU's intra-op threads did not flush subnormals: nothing to keep")
 
 
 @pytest.mark.cpu
