@@ -42,6 +42,13 @@ class NonFiniteInputError(_RankDataFault):
     so that no peer waits for a call this rank abandoned. A ValueError."""
 
 
+def _check_dense(name: str, tensor: torch.Tensor) -> None:
+    """A sparse (or other non-strided) tensor is refused here, in the checks every rank runs together, instead of
+    failing inside the backend on its rank alone while its peers wait out timeout_s."""
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {tensor.layout}")
+
+
 def _check_finite_rows(name: str, rows: torch.Tensor, row_ids: Optional[torch.Tensor] = None) -> None:
     """Raise NonFiniteInputError if rows [N, H] hold NaN or Inf, naming the first such row (row_ids[i]: its index in
     the caller's tensor; default i) and value. One reduction on the device and one device->host copy."""
@@ -392,6 +399,7 @@ class Buffer:
         of a dtype in also_accepted (MoELayer.route's FP32 logits take float16 / float32 too)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        _check_dense("x", x)
         if x.dtype != torch.bfloat16 and x.dtype not in also_accepted:
             names = " / ".join(str(dtype).replace("torch.", "") for dtype in also_accepted)
             others = f" (or {names})" if also_accepted else ""
@@ -404,6 +412,7 @@ class Buffer:
         for name, tensor in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+            _check_dense(name, tensor)
         self._check_tokens(x)
         num_tokens = x.shape[0]
         if num_tokens > cfg.max_tokens_per_rank:
@@ -753,6 +762,7 @@ class Buffer:
     def _validate_combine(self, expert_out, handle) -> None:
         if not isinstance(expert_out, torch.Tensor):
             raise TypeError(f"expert_out must be a torch.Tensor, got {type(expert_out).__name__}")
+        _check_dense("expert_out", expert_out)
         self._backend.check_device("expert_out", expert_out)
         self._refuse_autograd("combine", expert_out)
         if expert_out.dtype != torch.bfloat16:

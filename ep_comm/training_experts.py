@@ -3,7 +3,7 @@ MXFP8 with stochastic rounding (DESIGN.md §3 "Backward": saved NVFP4 activation
 
     buf = ep_comm.Buffer(..., dispatch_format="nvfp4", expert_alignment=32)
     grads = training.GradBuffers.create(buf)
-    experts = training.ExpertMLP(buf.config.num_local_experts, hidden, intermediate, device=device)
+    experts = training.ExpertMLP(buf.config.num_local_experts, hidden, intermediate, device=device, ep_rank=buf.rank)
     routed = training.dispatch(buf, grads, x, topk_idx, topk_weights)
     y = training.combine(experts(routed), routed)
     loss(y).backward()            # gradients reach experts.w1 / experts.w2, x and the routing weights
@@ -817,7 +817,9 @@ class ExpertMLP(torch.nn.Module):
     (`call_count`, an int64 buffer on the weights' device) is incremented and hashed on the device by the forward
     itself, so a CUDA graph that captured the forward and backward draws fresh rounding noise at every replay; it is
     saved in state_dict (extra state), so a resumed run does not replay the first steps' noise. Give each layer its
-    own seed. keep_weight_values, accumulate_into_main_grad: as for `expert_mlp` (the latter needs
+    own seed, and the same seed on every rank with this rank's place in the EP group as ep_rank (`Buffer.rank`), which
+    is mixed into it: the EP ranks then draw different experts (ranks that pass the same seed without ep_rank or
+    ep_mesh draw the same ones: right for replicas of one EP rank, not for the EP ranks of a layer). keep_weight_values, accumulate_into_main_grad: as for `expert_mlp` (the latter needs
     w1.main_grad / w2.main_grad set by the trainer before the forward; checked there and again in the backward).
     pack() -> moe.PackedExpertWeights: the same NVFP4 weights, bit for bit, for the inference MoELayer.
 
@@ -844,14 +846,14 @@ class ExpertMLP(torch.nn.Module):
     (torch.distributed.checkpoint) need to tell the EP ranks' experts apart: plain per-rank parameters all carry the
     same names and shapes, so a checkpoint keeps one EP rank's experts under them and gives them to every rank. It is
     also what FSDP2 composes with (fully_shard over the "dp" mesh of the same 2-D mesh; docs/TRAINING.md). Give every
-    rank the same seed: the rank's position in ep_mesh is mixed into it (so the extra state is the same on every
-    rank, as a checkpoint that keeps one copy of it needs). Not with accumulate_into_main_grad. reset_parameters()
+    rank the same seed: the rank's position in ep_mesh is mixed into it, as ep_rank's is (so the extra state is the
+    same on every rank, as a checkpoint that keeps one copy of it needs; ep_rank is not given with ep_mesh). Not with accumulate_into_main_grad. reset_parameters()
     needs the weights as the constructor made them (not after fully_shard: initialise first, or load a checkpoint), and
     so does pack() (after fully_shard: between the FSDP2 module's unshard() and reshard())."""
 
     def __init__(self, num_local_experts: int, hidden: int, intermediate: int, *, dtype: torch.dtype = torch.float32,
                  device=None, seed: int = 0, keep_weight_values: bool = False,
-                 accumulate_into_main_grad: bool = False, ep_mesh=None):
+                 accumulate_into_main_grad: bool = False, ep_mesh=None, ep_rank: Optional[int] = None):
         super().__init__()
         if dtype not in (torch.float32, torch.bfloat16):
             raise TypeError(f"dtype must be torch.float32 or torch.bfloat16 (the master weights), got {dtype}")
@@ -867,6 +869,14 @@ class ExpertMLP(torch.nn.Module):
         hidden, intermediate = int(hidden), int(intermediate)
         _check_flags(keep_weight_values, accumulate_into_main_grad)
         self.seed = formats._check_seed(seed)
+        if ep_rank is not None:
+            ep_rank = formats._as_int(ep_rank, "ep_rank")
+            if ep_rank < 0:
+                raise ValueError(f"ep_rank must be this rank's place in the EP group (>= 0), got {ep_rank}")
+            if ep_mesh is not None:
+                raise ValueError("give ExpertMLP ep_rank or ep_mesh, not both (the rank's place in ep_mesh is its "
+                                 "ep_rank)")
+        self.ep_rank = ep_rank
         self.ep_mesh = ep_mesh
         w1 = torch.empty(num_local_experts, 2 * intermediate, hidden, device=device, dtype=dtype)
         w2 = torch.empty(num_local_experts, hidden, intermediate, device=device, dtype=dtype)
@@ -903,9 +913,11 @@ class ExpertMLP(torch.nn.Module):
         self._weight_cache = None
 
     def _rank_seed(self) -> int:
-        """The seed this rank draws from: the seed, or with ep_mesh the seed mixed with the rank's place in it."""
+        """The seed this rank draws from: the seed mixed with the rank's place in the EP group (ep_rank, or its place in
+        ep_mesh), or the seed alone without either."""
         mesh = getattr(self, "ep_mesh", None)
-        return self.seed if mesh is None else _mix64(_mix64(self.seed) ^ mesh.get_local_rank())
+        ep_rank = mesh.get_local_rank() if mesh is not None else getattr(self, "ep_rank", None)
+        return self.seed if ep_rank is None else _mix64(_mix64(self.seed) ^ ep_rank)
 
     def _local_weights(self):
         """(w1, w2) of this rank's experts: the parameters, or with ep_mesh their local tensors (differentiable).
@@ -991,7 +1003,7 @@ class ExpertMLP(torch.nn.Module):
         if self.call_count.device != w1.device:  # (weights moved without the module's .to)
             self.call_count = self.call_count.to(w1.device)
         # the call seed _mix64(_mix64(seed) ^ calls), calls counted first (on the device, in the stream's order); with
-        # ep_mesh the rank's seed (_rank_seed) stands for seed
+        # ep_rank or ep_mesh the rank's seed (_rank_seed) stands for seed
         call_seed = _mix_seeds(self.call_count, [_mix64(self._rank_seed())], increment=True)
         return _expert_mlp(routed, w1, w2, call_seed, self.keep_weight_values, self.accumulate_into_main_grad,
                            self._weight_cache)

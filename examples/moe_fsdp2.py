@@ -121,11 +121,16 @@ def worker(rank, world, args):
             optimizer.step()
             optimizer.zero_grad()
             losses.append(step_loss)
-            finite = torch.tensor([float(math.isfinite(step_loss))], device=device)
-            torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)  # (every rank stops together)
+            # Every rank stops together, with the reason, once a loss or a weight is no longer finite on any rank (a
+            # learning rate too large for these sizes): the next forward would route by NaN logits, which dispatch
+            # refuses. (Each rank checks its own shards of the DTensor parameters.)
+            finite = torch.stack([torch.tensor(math.isfinite(step_loss), device=device)] +
+                                 [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()
+                                  for p in student.parameters()]).all().float().reshape(1)
+            torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
             if finite.item() == 0:
-                raise RuntimeError(f"the training diverged at step {step + 1} (a loss is not finite on some rank): "
-                                   f"lower --lr (now {args.lr})")
+                raise RuntimeError(f"the training diverged at step {step + 1} (a loss or weight is not finite on some "
+                                   f"rank): lower --lr (now {args.lr})")
     return TrainingLog(losses, grad_norms)
 
 
@@ -147,8 +152,8 @@ def main():
     args, world = parse_moe_args(None, description=__doc__, hidden=256, intermediate=128, tokens=128, experts=8,
                                  topk=2, parents=[own], intermediate_multiple=32, check=check)
     for rank, log in enumerate(run_ranks(worker, world, args, backend="nccl" if args.gpu else "gloo")):
-        norms = (f" (gradient norm {log.grad_norms[0]:.4f} and {log.grad_norms[-1]:.4f}, clipped to "
-                 f"{args.max_grad_norm})") if log.grad_norms else ""
+        norms = (f" (gradient norm {log.grad_norms[0]:.4f} at step 1 and {log.grad_norms[-1]:.4f} at the last, "
+                 f"clipped where above {args.max_grad_norm})") if log.grad_norms else ""
         print(f"rank {rank}: loss {log.losses[0]:.5f} at step 1, {log.losses[-1]:.5f} at step {len(log.losses)}"
               f"{norms}")
 

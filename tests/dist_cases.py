@@ -380,6 +380,18 @@ def errors_worker(rank: int, world: int, backend: str = "reference", device_kind
         meta_out = torch.empty(mixed.num_rows, hidden, dtype=torch.bfloat16, device="meta" if last else device)
         _expect(ValueError, "reference backend over" if last else f"rejected on rank(s) [{world - 1}]",
                 lambda: buf.combine(meta_out, mixed.handle))
+        # A sparse tensor on one rank (it would fail inside the backend on that rank alone): refused together.
+        for field in range(3):
+            args = [x, idx, w]
+            if last:
+                args[field] = args[field].to_sparse()
+            _expect(TypeError if last else ValueError,
+                    "must be a dense (strided) tensor" if last else f"rejected on rank(s) [{world - 1}]",
+                    lambda: buf.dispatch(*args))
+        rows_out = torch.zeros(mixed.num_rows, hidden, dtype=torch.bfloat16, device=device)
+        _expect(TypeError if last else ValueError,
+                "expert_out must be a dense" if last else f"rejected on rank(s) [{world - 1}]",
+                lambda: buf.combine(rows_out.to_sparse() if last else rows_out, mixed.handle))
         assert buf.dispatch(x, idx, w).num_rows == mixed.num_rows
         # A Buffer destroyed on one rank only (a program error): that rank says so, the others raise at once instead
         # of waiting out timeout_s in the agreement.

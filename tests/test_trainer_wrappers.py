@@ -578,13 +578,24 @@ def ep_mesh_errors_worker(rank, world):
     parts = [torch.empty(4, 2 * INTERMEDIATE, HIDDEN) for _ in range(world)]
     dist.all_gather(parts, experts.w1.to_local().detach().contiguous())
     assert not torch.equal(parts[0], parts[1])
+    # ep_rank (Buffer.rank) mixes the rank in the same way without a mesh: the same weights as ep_mesh's local ones;
+    # without either, every rank that passes the seed draws the same experts (replicas)
+    by_rank = training.ExpertMLP(4, HIDDEN, INTERMEDIATE, ep_rank=mesh["ep"].get_local_rank(), seed=5)
+    assert torch.equal(by_rank.w1.detach(), experts.w1.to_local().detach())
+    assert torch.equal(by_rank.w2.detach(), experts.w2.to_local().detach())
+    same = training.ExpertMLP(4, HIDDEN, INTERMEDIATE, seed=5).w1.detach().contiguous()
+    dist.all_gather(parts, same)
+    assert torch.equal(parts[0], parts[1])
     packed = experts.pack()
     want = ep_comm.moe.pack_weights(experts.w1.to_local().detach(), experts.w2.to_local().detach())
     assert torch.equal(as_bytes(packed.w1.data), as_bytes(want.w1.data))
     for kwargs, error, text in (({"ep_mesh": "ep"}, TypeError, "1-D torch DeviceMesh"),
                                 ({"ep_mesh": mesh, }, TypeError, "1-D torch DeviceMesh"),
                                 ({"ep_mesh": mesh["ep"], "accumulate_into_main_grad": True}, ValueError,
-                                 "accumulate_into_main_grad")):
+                                 "accumulate_into_main_grad"),
+                                ({"ep_mesh": mesh["ep"], "ep_rank": rank}, ValueError, "ep_rank or ep_mesh, not both"),
+                                ({"ep_rank": -1}, ValueError, "ep_rank must be this rank's place"),
+                                ({"ep_rank": "0"}, TypeError, "ep_rank")):
         _refused(lambda: training.ExpertMLP(4, HIDDEN, INTERMEDIATE, **kwargs), error, text)
     with ep_comm.Buffer(mesh["ep"].get_group(), hidden=HIDDEN, num_experts=NUM_EXPERTS, num_topk=TOPK,
                         max_tokens_per_rank=MAX_TOKENS, expert_alignment=32) as buf, \
