@@ -80,6 +80,14 @@ def build_options() -> dict:
 class CudaBuild(build_ext):
     """Compiles csrc/*.cu with nvcc and csrc/*.cpp with the host compiler, links one shared module."""
 
+    def run(self):
+        # Whether the module goes into the source tree (build_ext --inplace, editable installs): only those builds may
+        # touch the checkout's ep_comm/ (a stale _C there, the build-error note). A wheel or `pip install .` built in a
+        # checkout with an editable install must leave that install's _C alone. (Read here: setuptools clears
+        # self.inplace while it builds the extensions and copies them into the source tree afterwards.)
+        self._into_source_tree = bool(self.inplace)
+        super().run()
+
     def build_extension(self, ext):
         mode = os.environ.get("EP_COMM_BUILD_CUDA", "auto").lower()
         if mode not in ("auto", "0", "1"):
@@ -112,16 +120,20 @@ class CudaBuild(build_ext):
                   "EP_COMM_BUILD_CUDA=1 makes this an error.", file=sys.stderr)
 
     def _error_files(self, ext):
-        # Next to the package: in the build tree (wheels) and in the source tree (editable installs).
-        return [Path(self.get_ext_fullpath(ext.name)).parent / "_C_build_error.txt",
-                ROOT / "ep_comm" / "_C_build_error.txt"]
+        # Next to the package: in the build tree (wheels), and in the source tree for builds that put the module there
+        # (in-place and editable).
+        files = [Path(self.get_ext_fullpath(ext.name)).parent / "_C_build_error.txt"]
+        if getattr(self, "_into_source_tree", False):
+            files.append(ROOT / "ep_comm" / "_C_build_error.txt")
+        return files
 
     def _record_failure(self, ext, reason: str) -> None:
-        """Leave the reason where `import ep_comm` finds it, and remove stale modules, so an old build is
-        never imported in place of the one that was not made."""
+        """Leave the reason where `import ep_comm` finds it, and remove stale modules (in the source tree only for the
+        builds that put the module there), so an old build is never imported in place of the one that was not made."""
         Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
-        for stale in (ROOT / "ep_comm").glob("_C.*"):
-            stale.unlink()
+        if getattr(self, "_into_source_tree", False):
+            for stale in (ROOT / "ep_comm").glob("_C.*"):
+                stale.unlink()
         for path in self._error_files(ext):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(reason + "\n")

@@ -29,6 +29,7 @@ def test_sdist_carries_the_cuda_sources(tmp_path):
     """setup.py compiles csrc/ itself (its Extension lists no sources): an sdist without them built wheels whose
     ep_comm._C linked no object at all and failed at import."""
     project = _copy_project(tmp_path / "project")
+    shutil.copytree(ROOT / "tests", project / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "setup.py", "-q", "sdist", "--dist-dir", str(tmp_path / "dist")], cwd=project,
                    check=True, capture_output=True)
     (archive,) = (tmp_path / "dist").glob("*.tar.gz")
@@ -37,6 +38,30 @@ def test_sdist_carries_the_cuda_sources(tmp_path):
                  if len(Path(name).parts) > 1}
     wanted = {f"csrc/{p.name}" for p in (ROOT / "csrc").iterdir() if p.suffix in (".cu", ".cuh", ".h", ".cpp")}
     assert wanted and wanted <= names, sorted(wanted - names)
+    # and no tests: they run from a checkout (setuptools' default list put tests/test_*.py alone in, without their
+    # helpers: 17 collection errors)
+    assert not [name for name in names if name.startswith("tests/")], sorted(names)
+
+
+@pytest.mark.cpu
+def test_builds_outside_the_source_tree_leave_its_module_alone(tmp_path):
+    """A build that is not in-place (a wheel, `pip install .`) and makes no ep_comm._C (here EP_COMM_BUILD_CUDA=0)
+    leaves the checkout's ep_comm/ as it was: it used to delete the _C of an editable install in the same checkout.
+    An in-place build (editable installs build so) still removes that stale module and says why there is none."""
+    project = _copy_project(tmp_path / "project")
+    module = project / "ep_comm" / "_C.cpython-0-fake.so"
+    module.write_bytes(b"an editable install's module")
+    env = dict(os.environ, EP_COMM_BUILD_CUDA="0")
+    build = [sys.executable, "setup.py", "build_ext", "--build-temp", str(tmp_path / "tmp")]
+    run = subprocess.run(build + ["--build-lib", str(tmp_path / "lib")], cwd=project, env=env, capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert module.exists() and not (project / "ep_comm" / "_C_build_error.txt").exists()
+    assert "EP_COMM_BUILD_CUDA=0" in (tmp_path / "lib" / "ep_comm" / "_C_build_error.txt").read_text()
+    run = subprocess.run(build + ["--inplace"], cwd=project, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert not module.exists()
+    assert "EP_COMM_BUILD_CUDA=0" in (project / "ep_comm" / "_C_build_error.txt").read_text()
 
 
 @pytest.mark.cpu
