@@ -80,6 +80,8 @@ def build_options() -> dict:
 class CudaBuild(build_ext):
     """Compiles csrc/*.cu with nvcc and csrc/*.cpp with the host compiler, links one shared module."""
 
+    _into_source_tree = False  # set by run()
+
     def run(self):
         # Whether the module goes into the source tree (build_ext --inplace, editable installs): only those builds may
         # touch the checkout's ep_comm/ (a stale _C there, the build-error note). A wheel or `pip install .` built in a
@@ -123,7 +125,7 @@ class CudaBuild(build_ext):
         # Next to the package: in the build tree (wheels), and in the source tree for builds that put the module there
         # (in-place and editable).
         files = [Path(self.get_ext_fullpath(ext.name)).parent / "_C_build_error.txt"]
-        if getattr(self, "_into_source_tree", False):
+        if self._into_source_tree:
             files.append(ROOT / "ep_comm" / "_C_build_error.txt")
         return files
 
@@ -131,7 +133,7 @@ class CudaBuild(build_ext):
         """Leave the reason where `import ep_comm` finds it, and remove stale modules (in the source tree only for the
         builds that put the module there), so an old build is never imported in place of the one that was not made."""
         Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
-        if getattr(self, "_into_source_tree", False):
+        if self._into_source_tree:
             for stale in (ROOT / "ep_comm").glob("_C.*"):
                 stale.unlink()
         for path in self._error_files(ext):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ._compile import eager_only
 from ._ext import capture_id, current_raw_stream, gpu_uuid, warn_once
 from .formats import IMPLS as FORMAT_IMPLS
-from .formats import _is_capturing
+from .formats import _check_dense, _is_capturing
 from .types import BACKENDS, BufferConfig, BufferSizes, CombineRowsTarget, DispatchResult, WaveDispatch
 from .types import type_name as _type_name
 from .backends.transport import device_backends
@@ -40,13 +40,6 @@ class NonFiniteInputError(_RankDataFault):
     reads, holds NaN or Inf (which the quantized wire formats do not propagate faithfully: README, "NaN / Inf
     inputs"). A fault of this rank's data, like InvalidRoutingError: on nvlink it also stops the Buffer on every rank,
     so that no peer waits for a call this rank abandoned. A ValueError."""
-
-
-def _check_dense(name: str, tensor: torch.Tensor) -> None:
-    """A sparse (or other non-strided) tensor is refused here, in the checks every rank runs together, instead of
-    failing inside the backend on its rank alone while its peers wait out timeout_s."""
-    if tensor.layout != torch.strided:
-        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {tensor.layout}")
 
 
 def _check_finite_rows(name: str, rows: torch.Tensor, row_ids: Optional[torch.Tensor] = None) -> None:
@@ -412,8 +405,9 @@ class Buffer:
         for name, tensor in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-            _check_dense(name, tensor)
         self._check_tokens(x)
+        _check_dense("topk_idx", topk_idx)
+        _check_dense("topk_weights", topk_weights)
         num_tokens = x.shape[0]
         if num_tokens > cfg.max_tokens_per_rank:
             raise ValueError(f"{num_tokens} tokens exceed max_tokens_per_rank={cfg.max_tokens_per_rank}; "

@@ -211,8 +211,9 @@ def _keeps_subnormals(function):
     ieee_subnormals(), and eagerly under torch.compile (_compile.eager_only)."""
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
-        # The common case, checked without a context manager (CUDA paths call this too): ~0.1 µs.
-        if not _thread_flushes_subnormals() and _intra_op_threads_keep_subnormals():
+        # The common case, checked inline without a context manager (CUDA paths call this too): this thread keeps
+        # subnormals, and so do the intra-op threads at this count (None: not checked yet; ieee_subnormals checks).
+        if _SUBNORMAL * _ONE != 0.0 and _intra_op_threads_checked.get(torch.get_num_threads()):
             return function(*args, **kwargs)
         with ieee_subnormals():
             return function(*args, **kwargs)
@@ -239,12 +240,18 @@ def _check_float_input(x, name: str, block: int) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_INPUTS:
         raise TypeError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
-    if x.layout != torch.strided:
-        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}")
+    _check_dense(name, x)
     if x.dim() < 1:
         raise ValueError(f"{name} must have at least one dimension")
     if x.shape[-1] % block != 0 or x.shape[-1] == 0:
         raise ValueError(f"the last dimension of {name} ({x.shape[-1]}) must be a positive multiple of {block}")
+
+
+def _check_dense(name: str, tensor: torch.Tensor) -> None:
+    """A sparse (or other non-strided) tensor: a TypeError naming the argument, instead of torch's error from deep
+    inside (and, in Buffer's checks that every rank runs together, instead of failing on one rank alone)."""
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {tensor.layout}")
 
 
 def _check_out_dtype(dtype, name: str = "dtype") -> None:

@@ -819,8 +819,9 @@ class ExpertMLP(torch.nn.Module):
     saved in state_dict (extra state), so a resumed run does not replay the first steps' noise. Give each layer its
     own seed, and the same seed on every rank with this rank's place in the EP group as ep_rank (`Buffer.rank`), which
     is mixed into it: the EP ranks then draw different experts (ranks that pass the same seed without ep_rank or
-    ep_mesh draw the same ones: right for replicas of one EP rank, not for the EP ranks of a layer). keep_weight_values, accumulate_into_main_grad: as for `expert_mlp` (the latter needs
-    w1.main_grad / w2.main_grad set by the trainer before the forward; checked there and again in the backward).
+    ep_mesh draw the same ones: right for replicas of one EP rank, not for the EP ranks of a layer).
+    keep_weight_values, accumulate_into_main_grad: as for `expert_mlp` (the latter needs w1.main_grad / w2.main_grad
+    set by the trainer before the forward; checked there and again in the backward).
     pack() -> moe.PackedExpertWeights: the same NVFP4 weights, bit for bit, for the inference MoELayer.
 
     forward(routed, is_first_microbatch=None), as Transformer Engine's modules take it, for gradient accumulation
@@ -847,9 +848,10 @@ class ExpertMLP(torch.nn.Module):
     same names and shapes, so a checkpoint keeps one EP rank's experts under them and gives them to every rank. It is
     also what FSDP2 composes with (fully_shard over the "dp" mesh of the same 2-D mesh; docs/TRAINING.md). Give every
     rank the same seed: the rank's position in ep_mesh is mixed into it, as ep_rank's is (so the extra state is the
-    same on every rank, as a checkpoint that keeps one copy of it needs; ep_rank is not given with ep_mesh). Not with accumulate_into_main_grad. reset_parameters()
-    needs the weights as the constructor made them (not after fully_shard: initialise first, or load a checkpoint), and
-    so does pack() (after fully_shard: between the FSDP2 module's unshard() and reshard())."""
+    same on every rank, as a checkpoint that keeps one copy of it needs; ep_rank is not given with ep_mesh). Not with
+    accumulate_into_main_grad. reset_parameters() needs the weights as the constructor made them (not after
+    fully_shard: initialise first, or load a checkpoint), and so does pack() (after fully_shard: between the FSDP2
+    module's unshard() and reshard())."""
 
     def __init__(self, num_local_experts: int, hidden: int, intermediate: int, *, dtype: torch.dtype = torch.float32,
                  device=None, seed: int = 0, keep_weight_values: bool = False,

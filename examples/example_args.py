@@ -47,6 +47,19 @@ def training_flags() -> argparse.ArgumentParser:
     return own
 
 
+def stop_if_diverged(step: int, loss: float, parameters, lr: float, device) -> None:
+    """Every rank stops together, with the reason, once a loss or a weight is no longer finite on any rank (a --lr too
+    large for these sizes): the next forward would route by NaN logits, which dispatch refuses. One all_reduce; each
+    rank checks its own shards of DTensor parameters. step: 0-based."""
+    finite = torch.stack([torch.tensor(math.isfinite(loss), device=device)] +
+                         [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()
+                          for p in parameters]).all().float().reshape(1)
+    torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+    if finite.item() == 0:
+        raise RuntimeError(f"the training diverged at step {step + 1} (a loss or weight is not finite on some rank): "
+                           f"lower --lr (now {lr})")
+
+
 def check_training_flags(parser, args) -> None:
     """training_flags' values, refused with parser.error (args.gpu: parse_moe_args' choice of ranks)."""
     if args.steps < 1:

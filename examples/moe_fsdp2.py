@@ -37,7 +37,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import ep_comm
 from ep_comm import training
 from ep_comm.launch import run_ranks
-from example_args import check_training_flags, parse_moe_args, training_flags
+from example_args import check_training_flags, parse_moe_args, stop_if_diverged, training_flags
 
 
 class TrainingLog(NamedTuple):
@@ -121,16 +121,7 @@ def worker(rank, world, args):
             optimizer.step()
             optimizer.zero_grad()
             losses.append(step_loss)
-            # Every rank stops together, with the reason, once a loss or a weight is no longer finite on any rank (a
-            # learning rate too large for these sizes): the next forward would route by NaN logits, which dispatch
-            # refuses. (Each rank checks its own shards of the DTensor parameters.)
-            finite = torch.stack([torch.tensor(math.isfinite(step_loss), device=device)] +
-                                 [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()
-                                  for p in student.parameters()]).all().float().reshape(1)
-            torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
-            if finite.item() == 0:
-                raise RuntimeError(f"the training diverged at step {step + 1} (a loss or weight is not finite on some "
-                                   f"rank): lower --lr (now {args.lr})")
+            stop_if_diverged(step, step_loss, student.parameters(), args.lr, device)
     return TrainingLog(losses, grad_norms)
 
 

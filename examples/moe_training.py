@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import ep_comm
 from ep_comm import training
 from ep_comm.launch import run_ranks
-from example_args import check_training_flags, parse_moe_args, training_flags
+from example_args import check_training_flags, parse_moe_args, stop_if_diverged, training_flags
 
 
 class ExpertParallelMoE(torch.nn.Module):
@@ -136,15 +136,7 @@ def worker(rank, world, args):
             average_gradients(student, world, replica_group)
             optimizer.step()
             losses.append(loss.item())
-            # Every rank stops together, with the reason, once a loss or a weight is no longer finite on any rank (a
-            # learning rate too large for these sizes): the next forward would route by NaN logits, which dispatch
-            # refuses.
-            finite = torch.stack([torch.isfinite(loss.detach())] +
-                                 [torch.isfinite(p).all() for p in student.parameters()]).all().float().reshape(1)
-            torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
-            if finite.item() == 0:
-                raise RuntimeError(f"the training diverged at step {step + 1} (a loss or weight is not finite on some "
-                                   f"rank): lower --lr (now {args.lr})")
+            stop_if_diverged(step, losses[-1], student.parameters(), args.lr, device)
         check_replicas_agree(student, replica_group)
     return losses
 
