@@ -326,8 +326,8 @@ def combine_backward_rows_reference(g: torch.Tensor, expert_out: torch.Tensor, r
 def combine_backward_rows(g: torch.Tensor, expert_out: torch.Tensor, row_weight: torch.Tensor,
                           src_rank: torch.Tensor, topk_slot: Optional[torch.Tensor] = None,
                           weight_columns: int = 0) -> BackwardRows:
-    """Combine's backward on the expert rank in one pass (csrc/training_rows.h on CUDA tensors when ep_comm._C is
-    built, else its torch form; the same bits either way).
+    """Combine's backward on the expert rank in one pass (csrc/training_rows.h on CUDA tensors where ep_comm._C's
+    kernels can run, else its torch form, with a warning once for CUDA tensors; the same bits either way).
 
     g, expert_out: bf16 [R, H] (H % 32 == 0): the output gradient dispatched to the expert rank, and the expert
         outputs; row_weight fp32 [R] and src_rank int32 [R]: the DispatchResult's topk_weight and src_rank (rows with
@@ -337,8 +337,9 @@ def combine_backward_rows(g: torch.Tensor, expert_out: torch.Tensor, row_weight:
         read topk_slot on the host (a sync, and no CUDA graph), so there the caller guarantees it (the kernel
         writes only the columns that fit) -- ep_comm.training's backward passes weights_hidden(num_topk).
     Returns BackwardRows (grad_expert_out = bf16(w * g), the FP32 dots <g, expert_out>, weight_rows)."""
-    if not (isinstance(g, torch.Tensor) and g.is_cuda and _ext.cuda_extension_available()):
-        # (the torch form checks its arguments itself: checking them here too would run its CPU slot check twice)
+    if not (isinstance(g, torch.Tensor) and g.is_cuda and formats._use_cuda("auto", g)):
+        # (formats._use_cuda: no _C, or a GPU it has no kernel image for, warns once and takes the torch form. The
+        # torch form checks its arguments itself: checking them here too would run its CPU slot check twice.)
         return combine_backward_rows_reference(g, expert_out, row_weight, src_rank, topk_slot, weight_columns)
     _check_backward_rows_args(g, expert_out, row_weight, src_rank, topk_slot, weight_columns)
     g, expert_out = _ext.aligned_contiguous(g, 16), _ext.aligned_contiguous(expert_out, 16)

@@ -227,7 +227,8 @@ def _mxfp8_round_trips(x: torch.Tensor, src_rank: torch.Tensor, padded_rows: int
         masked = x.masked_fill(~(src_rank >= 0)[:, None], 0.0)
         return (None if seed_rows is None else _mxfp8_values(masked, seed_rows),
                 None if seed_tokens is None else _mxfp8_token_values(masked, padded_rows, seed_tokens))
-    x, src_rank = x.contiguous(), src_rank.contiguous()
+    # (16-byte vector loads of x: a contiguous gradient can still start at any element, e.g. one of a torch.cat)
+    x, src_rank = _ext.aligned_contiguous(x, 16), src_rank.contiguous()
     num_rows, hidden = x.shape
     rows = None if seed_rows is None else torch.empty_like(x)
     tokens = None if seed_tokens is None else torch.empty(hidden, padded_rows, dtype=x.dtype, device=x.device)
@@ -329,15 +330,23 @@ def _weight_gradient(a_tokens: torch.Tensor, b_tokens: torch.Tensor, group_ends:
                          f"{problem}")
     kernel = _wgrad_kernel_usable(a_tokens) and (dtype == torch.float32 or accumulate_into is not None)
     if kernel:
-        a_tokens, b_tokens, group_ends = a_tokens.contiguous(), b_tokens.contiguous(), group_ends.contiguous()
+        a_tokens, b_tokens = _ext.aligned_contiguous(a_tokens, 16), _ext.aligned_contiguous(b_tokens, 16)
+        group_ends = group_ends.contiguous()
         (m, k_total), n, experts = a_tokens.shape, b_tokens.shape[0], group_ends.numel()
-        out = accumulate_into if accumulate_into is not None else torch.empty(
-            experts, m, n, dtype=torch.float32, device=a_tokens.device)
+        # The kernel's TMA stores need a 16-byte aligned output. A main_grad sliced out of a flat buffer at another
+        # offset gets the gradient in a fresh buffer, then one FP32 add: the bits of the kernel's own reduce-add.
+        add_in_kernel = accumulate_into is not None and accumulate_into.data_ptr() % 16 == 0
+        out = accumulate_into if add_in_kernel else torch.empty(experts, m, n, dtype=torch.float32,
+                                                                device=a_tokens.device)
         with _ext.cuda_device(a_tokens.device):
             _ext._C.grouped_wgrad_bf16(a_tokens.data_ptr(), k_total, b_tokens.data_ptr(), b_tokens.shape[1],
                                        group_ends.data_ptr(), experts, m, n, k_total, out.data_ptr(),
-                                       accumulate_into is not None, _ext.current_raw_stream(a_tokens.device))
-        return None if accumulate_into is not None else out
+                                       add_in_kernel, _ext.current_raw_stream(a_tokens.device))
+        if accumulate_into is None:
+            return out
+        if not add_in_kernel:
+            accumulate_into.add_(out)
+        return None
     grad = _to_master_dtype(_grouped_mm(a_tokens, b_tokens.t(), group_ends), dtype)
     if accumulate_into is None:
         return grad

@@ -988,3 +988,18 @@ def test_combine_backward_rows_kernel_matches_reference():
     odd = flat[1:].view(16, 64)
     assert_same_floats(training.combine_backward_rows(odd, e, weight, src_rank).dots,
                        training.combine_backward_rows_reference(g, e, weight, src_rank).dots, "unaligned g")
+
+
+@pytest.mark.gpu
+def test_combine_backward_rows_takes_its_torch_form_where_the_kernels_cannot_run(monkeypatch):
+    """A GPU the build has no kernel image for (stood in for by formats._kernel_image_problem): the torch form with a
+    warning, as every other kernel path does, not a launch that fails with 'no kernel image' (before: no warning, the
+    kernel launched)."""
+    g, e, weight, src_rank = _rows_case(37, 96, 5, "cuda")
+    monkeypatch.setattr(formats, "_kernel_image_problem", lambda device: "no kernel image for this GPU (test)")
+    monkeypatch.setattr(training._ext, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="no kernel image for this GPU"):
+        rows = training.combine_backward_rows(g, e, weight, src_rank)
+    want = training.combine_backward_rows_reference(g, e, weight, src_rank)
+    assert_same_floats(rows.grad_expert_out, want.grad_expert_out, "d expert_out")
+    assert_same_floats(rows.dots, want.dots, "dots")

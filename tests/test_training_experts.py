@@ -219,13 +219,25 @@ def _check_main_grad_accumulation(experts, result, g, seed, device):
     """accumulate_into_main_grad: the weight gradients added into FP32 main_grad buffers in place, bitwise `main_grad +
     the gradient` an FP32 master of the same values gets (the wgrad kernel accumulates in FP32 whatever the master
     dtype, and elsewhere a BF16 gradient is exact in FP32); .grad untouched, grad_added_to_main_grad set; the output
-    and the rows' gradient the same bits."""
-    def run(mlp, accumulate):
+    and the rows' gradient the same bits. Also with main_grad buffers sliced out of one flat FP32 buffer at offsets
+    that are not 16-byte aligned (as a trainer's flat gradient buffer gives), and with an upstream gradient that is
+    contiguous but starts at an odd element (as torch.cat in the loss gives): the same bits."""
+    def run(mlp, accumulate, grad=g):
         rows = torch.zeros(result.num_rows, HIDDEN, dtype=torch.bfloat16, device=device, requires_grad=True)
         mlp.zero_grad()
         out = _ExpertMLPFunction.apply(rows, mlp.w1, mlp.w2, result, seed, False, accumulate)
-        out.backward(g)
+        out.backward(grad)
         return out.detach(), rows.grad
+
+    def flat_main_grads(weights, values):
+        """main_grad views of one flat FP32 buffer, each starting 1 element (4 bytes) past a 16-byte boundary."""
+        flat = torch.zeros(sum(w.numel() + 4 for w in weights), device=device)
+        start = 1
+        for w, v in zip(weights, values):
+            w.main_grad = flat[start:start + w.numel()].view(w.shape)
+            w.main_grad.copy_(v)
+            assert w.main_grad.is_contiguous() and w.main_grad.data_ptr() % 16 == 4
+            start += -(-(w.numel() + 1) // 4) * 4
 
     for dtype in (torch.float32, torch.bfloat16):
         reference = training.ExpertMLP(4, HIDDEN, INTER, device=device)
@@ -246,6 +258,13 @@ def _check_main_grad_accumulation(experts, result, g, seed, device):
             assert w.grad is None and w.grad_added_to_main_grad, dtype
             assert torch.equal(w.main_grad, old + ref_w.grad), \
                 f"{dtype}: main_grad is not main_grad + the gradient in {(w.main_grad != old + ref_w.grad).sum()} values"
+        flat_main_grads((twin.w1, twin.w2), before)
+        odd_grad = torch.cat([torch.zeros(3, dtype=g.dtype, device=device), g.flatten()])[3:].view(g.shape)
+        assert odd_grad.is_contiguous() and odd_grad.data_ptr() % 16 == 6
+        got = run(twin, True, odd_grad)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"{dtype}, misaligned buffers"
+        for w, ref_w, old in zip((twin.w1, twin.w2), (reference.w1, reference.w2), before):
+            assert torch.equal(w.main_grad, old + ref_w.grad), f"{dtype}: a misaligned main_grad"
 
 
 def _frozen_worker(rank, world):
