@@ -72,13 +72,14 @@ def parse_args(argv=None):
 
 def _check_args(p, args) -> None:
     """Refuse bad flags here, with argparse's message, not as a traceback from inside every spawned rank."""
-    from ep_comm.bench import check_hidden, check_routing_flags, parse_format_pairs, parse_token_counts
+    from ep_comm.bench import check_hidden, check_out_path, check_routing_flags, parse_format_pairs, parse_token_counts
     args.token_list = parse_token_counts(p, args.tokens)
     check_routing_flags(p, args, ("experts", "topk", "iters", "graph_calls", "num_sms"))
     if args.num_local_sms < 0 or args.nproc < 0:
         p.error("--num-local-sms and --nproc must not be negative")
     check_hidden(p, args.hidden)
     args.pairs = parse_format_pairs(p, args.formats)
+    check_out_path(p, args.out or None)
 
 
 def _check_world(args, world: int) -> None:
@@ -226,7 +227,8 @@ def _bench_backend(args, backend, tokens, dfmt, cfmt, rank, world, group):
                     timings["combine_rows_begin_finish"] = {"graph": _graph_time_us(rows_finishes, args.graph_calls,
                                                                                     group)}
         expert_rows = back_expert_rows * (layout.comb_row_bytes if backend == "nvlink" else 0)
-        # begin + finish alone move no payload (the rows are the GEMM's stores): wire 0, only the time is reported.
+        # begin + finish alone move no payload (the rows are the GEMM's stores): wire 0, only the time is reported
+        # (no BF16-equivalent rate either: the time leaves out the GEMM that stores the rows).
         for kernel, wire in (("dispatch", wire_d), ("dispatch_rows", wire_d), ("combine", wire_c),
                              ("combine_expert_rows", expert_rows), ("combine_rows_begin_finish", 0)):
             if kernel not in timings:
@@ -237,7 +239,8 @@ def _bench_backend(args, backend, tokens, dfmt, cfmt, rank, world, group):
                 rows.append({
                     "backend": backend, "kernel": kernel, "format": fmt, "tokens": tokens, "world": world,
                     "timing": method, "time_us": round(us, 2), "wire_bytes": wire,
-                    "wire_GBps": round(wire / us / 1e3, 1), "bf16_eq_GBps": round(eq / us / 1e3, 1),
+                    "wire_GBps": round(wire / us / 1e3, 1),
+                    "bf16_eq_GBps": None if kernel == "combine_rows_begin_finish" else round(eq / us / 1e3, 1),
                     "sms": _blocks(buf, kernel) if backend == "nvlink" else "nccl", "rank": rank,
                     "peer_memory": buf._backend.region.kind if backend == "nvlink" else "nccl",
                 })

@@ -74,7 +74,7 @@ def parse_args(argv=None):
 def _check_shape_args(p, args) -> None:
     """Refuse bad flags here, with argparse's message, not as a traceback from every rank after its weights are
     built (11 GB per rank at the default shape)."""
-    from ep_comm.bench import check_routing_flags, parse_token_counts
+    from ep_comm.bench import check_out_path, check_routing_flags, parse_token_counts
     from ep_comm.grouped_gemm import TOKEN_TILES
     args.token_list = parse_token_counts(p, args.tokens)
     try:
@@ -88,6 +88,7 @@ def _check_shape_args(p, args) -> None:
     if args.hidden < 64 or args.hidden % 64 or args.intermediate < 64 or args.intermediate % 64:
         p.error("--hidden and --intermediate must be positive multiples of 64")
     check_routing_flags(p, args, ("iters", "nproc", "topk"), world=args.nproc)
+    check_out_path(p, args.out or None)
 
 
 def _time_ms(fn, iters, group) -> float:

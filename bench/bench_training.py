@@ -52,7 +52,8 @@ import ep_comm  # noqa: E402
 from bench_formats import time_ms  # noqa: E402  same directory: one timing method for the benchmarks
 from bench_training_experts import captured  # noqa: E402  (and one capture recipe)
 from ep_comm import training  # noqa: E402
-from ep_comm.bench import parse_token_counts, write_report  # noqa: E402
+from ep_comm.bench import (check_hidden, check_out_path, check_routing_flags, parse_token_counts,  # noqa: E402
+                           write_report)
 from ep_comm.launch import run_ranks  # noqa: E402
 from ep_comm.types import COMBINE_FORMATS, DISPATCH_FORMATS  # noqa: E402
 
@@ -231,6 +232,7 @@ def _worker(rank, world, args):
                 return training.combine(routed.x, routed)
 
             def forward_backward():
+                x_leaf.grad = w_leaf.grad = None  # (as in the graph, whose capture starts without them: no accumulation)
                 forward_training().float().sum().backward()
 
             row = {"tokens": tokens}
@@ -271,6 +273,30 @@ def _worker(rank, world, args):
     return figures
 
 
+def _check_args(parser, args, num_gpus: int) -> int:
+    """Refuse bad flags with argparse's message before any rank starts (not as a traceback from every rank after its
+    Buffers are built); returns the rank count, one per GPU up to --nproc."""
+    args.tokens = parse_token_counts(parser, args.tokens)
+    check_hidden(parser, args.hidden)
+    world = max(1, min(args.nproc, num_gpus))
+    check_routing_flags(parser, args, ("experts", "topk", "iters", "batches", "nproc", "shared_comm_sms"),
+                        world=world)
+    for name in ("layer_experts", "shared_intermediate"):  # (0 turns those rows off)
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
+    if args.layer_experts % world:
+        parser.error(f"--layer-experts {args.layer_experts} is not a multiple of the {world} ranks")
+    if args.layer_experts and args.topk > args.layer_experts:
+        parser.error(f"--topk {args.topk} exceeds --layer-experts {args.layer_experts}")
+    for name in ("layer_intermediate",) + (("shared_intermediate",) if args.shared_intermediate else ()):
+        if getattr(args, name) < 1 or getattr(args, name) % 32:
+            parser.error(f"--{name.replace('_', '-')} must be a positive multiple of 32, got {getattr(args, name)}")
+    check_out_path(parser, args.out)
+    if num_gpus == 0:
+        parser.error("needs CUDA GPUs (the nvlink backend)")
+    return world
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="128,4096", help="tokens per rank, comma-separated")
@@ -296,10 +322,7 @@ def main(argv=None):
                         "backward calls each at the smallest token count (host time), torch.profiler 3 at the largest "
                         "(CUDA kernels), rank 0")
     args = parser.parse_args(argv)
-    args.tokens = parse_token_counts(parser, args.tokens)
-    if not torch.cuda.is_available():
-        parser.error("needs CUDA GPUs (the nvlink backend)")
-    world = max(1, min(args.nproc, torch.cuda.device_count()))
+    world = _check_args(parser, args, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     per_rank = run_ranks(_worker, world, args, backend="nccl", timeout_s=900)
     for rank, rows in enumerate(per_rank):
         for row in rows:

@@ -52,6 +52,23 @@ def check_hidden(parser, hidden: int) -> None:
         parser.error(f"--hidden must be a positive multiple of 32, got {hidden}")
 
 
+def check_out_path(parser, out: Optional[str]) -> None:
+    """--out (None: not given): a file that can be written, checked now, not after a run of many minutes."""
+    if out is None:
+        return
+    folder = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out) or not os.path.isdir(folder):
+        parser.error(f"--out {out!r}: not a writable file path (its folder must exist)")
+    existed = os.path.exists(out)
+    try:  # (an open, not os.access: root passes that check for read-only files and folders)
+        with open(out, "a"):
+            pass
+    except OSError as error:
+        parser.error(f"--out {out!r}: cannot be written ({error.strerror})")
+    if not existed:
+        os.remove(out)
+
+
 def parse_format_pairs(parser, text: str) -> list:
     """--formats "d/c,d/c": the (dispatch format, combine format) pairs, each a known format."""
     pairs = [tuple(pair.split("/")) for pair in text.split(",") if pair]
@@ -111,18 +128,7 @@ def parse_args(argv=None):
     check_routing_flags(parser, args, ("tokens", "iters", "ranks", "experts", "topk"), world=args.ranks)
     if args.backend == "nvlink" and args.device == "cpu":
         parser.error("--backend nvlink needs GPUs (these ranks run on the CPU over gloo); use auto or reference")
-    if args.out is not None:  # checked now, not after a run of many minutes
-        folder = os.path.dirname(os.path.abspath(args.out))
-        if os.path.isdir(args.out) or not os.path.isdir(folder):
-            parser.error(f"--out {args.out!r}: not a writable file path (its folder must exist)")
-        existed = os.path.exists(args.out)
-        try:  # (an open, not os.access: root passes that check for read-only files and folders)
-            with open(args.out, "a"):
-                pass
-        except OSError as error:
-            parser.error(f"--out {args.out!r}: cannot be written ({error.strerror})")
-        if not existed:
-            os.remove(args.out)
+    check_out_path(parser, args.out)
     if not 0 < args.timeout <= 1e6:  # (NaN and inf fail too: the collectives' timeout must be a finite duration)
         parser.error(f"--timeout must be a positive number of seconds up to 1e6, got {args.timeout}")
     args.pairs = parse_format_pairs(parser, args.formats)
