@@ -109,10 +109,19 @@ def _entry(rank, world_size, port, backend, worker, args, results, collective_ti
                     # its group and exited while a peer's gloo threads still used it once made that peer abort at exit
                     # ("terminate called without an active exception", CI, twenty-eighth session), which run_ranks
                     # reports as a crash. The parent's signal, not a barrier: a worker may leave the group unusable.
-                    teardown.wait(timeout=60.0)
+                    _wait_for_flag(teardown, timeout_s=60.0)
                 dist.destroy_process_group()
         except Exception:
             pass
+
+
+def _wait_for_flag(flag, timeout_s: float) -> None:
+    """Poll a shared byte until the parent sets it (or timeout_s passes). Not a multiprocessing Event: Event.set()
+    waits, without a timeout, for every sleeping waiter to wake, so one rank killed while it waited (the OOM killer,
+    an NCCL watchdog abort) hung the parent in set(), before its timeout and its cleanup could run."""
+    deadline = time.monotonic() + timeout_s
+    while not flag.value and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 class _PortInUse(Exception):
@@ -229,7 +238,9 @@ def _run_once(worker, world_size: int, args, backend: str, timeout_s: float, str
     results = ctx.Queue()
     port = free_port()
     collective_timeout_s = max(30.0, timeout_s / 2)
-    teardown = ctx.Event()  # set once every rank reported (or the run failed): the ranks then leave their group
+    # Set to 1 once every rank reported (or the run failed): the ranks then leave their group. A lock-free shared byte
+    # (_wait_for_flag says why not an Event): setting it cannot block on a dead rank.
+    teardown = ctx.RawValue("b", 0)
     processes = [ctx.Process(target=_entry, daemon=True,
                              args=(rank, world_size, port, backend, worker, args, results, collective_timeout_s,
                                    teardown, os.getpid()))
@@ -266,7 +277,7 @@ def _run_once(worker, world_size: int, args, backend: str, timeout_s: float, str
                     first_error = rank
                 break
     finally:
-        teardown.set()
+        teardown.value = 1
         for process in processes:
             process.join(timeout=10 if len(outcome) == world_size else 1)
         lingering = [rank for rank, process in enumerate(processes) if process.is_alive()]

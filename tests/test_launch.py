@@ -282,3 +282,37 @@ def test_a_bad_backend_is_refused_before_spawning(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="backend='nccl' needs a CUDA GPU"):
         run_ranks(print, 2, backend="nccl")
+
+
+def _report_then_get_killed_while_waiting(rank, world):
+    """Rank 1 reports at once, then is SIGKILLed (the OOM killer, an NCCL watchdog abort) while it waits for the
+    parent's signal to leave the group; rank 0 reports a few seconds later."""
+    import signal
+    import threading
+    if rank == 1:
+        threading.Thread(target=lambda: (time.sleep(1.0), os.kill(os.getpid(), signal.SIGKILL)), daemon=True).start()
+        return "ok"
+    time.sleep(4.0)
+    return "ok"
+
+
+@pytest.mark.cpu
+def test_a_rank_killed_while_waiting_to_leave_does_not_hang_the_launcher():
+    """The parent's teardown signal was a multiprocessing Event, whose set() waits without a timeout for every sleeping
+    waiter to wake: a rank killed while it waited hung the launcher for good, past timeout_s (run in a subprocess here,
+    so that the old behaviour fails the test instead of hanging it)."""
+    import subprocess
+    import sys
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    code = ("import sys, warnings; sys.path.insert(0, %r); import test_launch; from ep_comm.launch import run_ranks\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    print(run_ranks(test_launch._report_then_get_killed_while_waiting, 2, backend='gloo', timeout_s=60))\n"
+            "print([str(w.message) for w in caught])" % tests_dir)
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("run_ranks hung after a rank was killed while waiting to leave its group")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "['ok', 'ok']" in done.stdout and "ranks [1] reported but then exited with codes [-9]" in done.stdout, \
+        done.stdout
