@@ -115,7 +115,7 @@ PAIR_SIGN_BIT = (15, 12, 14, 13)
 # ----------------------------------------------------------------------------------------------------------
 # Containers
 # ----------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (identity comparison: field-wise == of tensors is ambiguous and raised)
 class GemmWeights:
     """NVFP4 expert weights [E, N, K] packed for `grouped_gemm_nvfp4` (see the module docstring for the layout).
 
@@ -177,7 +177,7 @@ class GemmWeights:
                            n=self.n, k=self.k, swiglu=self.swiglu, e4m3_max=self.e4m3_max, row_order=self.row_order)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (identity comparison: field-wise == of tensors is ambiguous and raised)
 class ExpandedRows:
     """NVFP4 rows expanded for the grouped GEMM.
 

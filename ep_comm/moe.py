@@ -36,7 +36,7 @@ from .grouped_gemm import (TOKEN_TILES, _check_kernel_row_order, _check_segments
                            gemm_kernels_unavailable, has_combine_rows_kernel)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (identity comparison: field-wise == of tensors is ambiguous and raised)
 class PackedExpertWeights:
     """NVFP4 expert weights of this rank (plain NVFP4, M = 448, one FP32 amax per expert, broadcast to rows).
 

@@ -228,7 +228,7 @@ def _dense_rows(payload, dtype: torch.dtype, rows_in_use: torch.Tensor) -> torch
     return formats.dequantize(_mask_rows(payload, rows_in_use), dtype)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (identity comparison: field-wise == of tensors is ambiguous and raised)
 class BackwardRows:
     """What `combine_backward_rows` returns, for the R rows of a dispatch layout of hidden H.
 
@@ -495,7 +495,7 @@ def _routing_weight_gradient(link: _Link, weight_rows: torch.Tensor) -> torch.Te
     return join_bf16_parts(back[:, :3 * num_topk].reshape(num_tokens, num_topk, 3)).to(link.topk_weights.dtype)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (identity comparison: field-wise == of tensors is ambiguous and raised)
 class RoutedTokens:
     """What `dispatch` returns.
 

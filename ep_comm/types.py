@@ -229,7 +229,7 @@ class BufferSizes:
     total_symmetric_bytes: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (identity comparison: field-wise == of tensors is ambiguous and raised)
 class DispatchResult:
     """What `Buffer.dispatch` returns on the expert rank.
 
@@ -302,7 +302,7 @@ def _map_payload(x, fn):
                                      if isinstance(getattr(x, f.name), torch.Tensor)})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (identity comparison: field-wise == of tensors is ambiguous and raised)
 class CombineRowsTarget:
     """Where a grouped GEMM's combine-row epilogue stores expert outputs (`Buffer.begin_combine_rows`).
 
@@ -342,7 +342,7 @@ class CombineRowsTarget:
     claim: Any = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (identity comparison: field-wise == of tensors is ambiguous and raised)
 class WaveSync:
     """The device-side hand-over from a wave dispatch's receive to the w1 grouped GEMM (csrc/waves.h).
 
@@ -366,7 +366,7 @@ class WaveSync:
     claim: Any = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (identity comparison: field-wise == of tensors is ambiguous and raised)
 class WaveDispatch:
     """What `Buffer.dispatch_waves` returns.
 

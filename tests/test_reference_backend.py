@@ -1092,3 +1092,33 @@ def test_nvfp4_dispatch_of_zero_or_one_rows_at_unaligned_amax_offsets():
     results = run_ranks(_nvfp4_few_rows_worker, 2, backend="gloo", timeout_s=180)
     for rank_result in results:
         assert all(ok for _, _, ok in rank_result), rank_result
+
+
+def _results_compare_by_identity_worker(rank, world):
+    """Two dispatches' results and handles: == is identity (no ambiguous tensor comparison), and list / set bookkeeping
+    of in-flight handles (micro-batches) works."""
+    import dataclasses
+
+    import ep_comm
+    from ep_comm.backends.nvlink import NVLinkHandle
+    with ep_comm.Buffer(None, hidden=64, num_experts=4, num_topk=2, max_tokens_per_rank=8, backend="reference") as buf:
+        x = torch.randn(4, 64).to(torch.bfloat16)
+        idx = torch.tensor([[0, 1], [2, 3], [1, -1], [0, 3]])
+        first, second = (buf.dispatch(x, idx, torch.rand(4, 2)) for _ in range(2))
+        for a, b in ((first, second), (first.handle, second.handle)):
+            assert a == a and a != b and not (a == b), type(a).__name__
+            assert a != dataclasses.replace(a), type(a).__name__  # (a copy with the same fields is another object)
+        pending = [first.handle, second.handle]
+        pending.remove(second.handle)
+        assert pending == [first.handle] and first.handle in {first.handle} and second.handle not in pending
+        for result in (first, second):
+            buf.combine(torch.zeros(result.num_rows, 64, dtype=torch.bfloat16), result.handle)
+    arena = torch.zeros(8, dtype=torch.int32)
+    handles = [NVLinkHandle(arena=arena.clone(), sections=(), num_tokens=1, num_rows=1, num_topk=1) for _ in range(2)]
+    assert handles[0] != handles[1] and handles.index(handles[1]) == 1
+    return "ok"
+
+
+@pytest.mark.cpu
+def test_results_and_handles_compare_by_identity():
+    assert run_ranks(_results_compare_by_identity_worker, 1, backend="gloo", timeout_s=120) == ["ok"]

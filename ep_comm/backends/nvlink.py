@@ -713,7 +713,7 @@ class _ArenaSection:
         return handle.arena_ptr + handle.sections[self.index][0]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (identity comparison: field-wise == of tensors is ambiguous and raised)
 class NVLinkHandle:
     """What combine needs: one dispatch's arena (fixed shapes, so graphs can capture dispatch + combine).
 

@@ -107,7 +107,7 @@ def _routing_sizes(config: BufferConfig) -> tuple:
 
 
 # ----------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (identity comparison: field-wise == of tensors is ambiguous and raised)
 class ReferenceHandle:
     """What combine needs to route rows back (all on the tokens' device).
 
