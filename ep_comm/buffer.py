@@ -312,9 +312,9 @@ class Buffer:
         identities = [None] * self.config.world_size
         dist.all_gather_object(identities, _gpu_identity(), group=self.group)
         try:
-            from .backends.nvlink import NVLinkBackend, _check_nvlink_limits, nvshmem_importable
+            from .backends.nvlink import NVLinkBackend, _check_nvlink_limits, nvshmem_may_map_peers
+            have_nvshmem = nvshmem_may_map_peers()  # (first: an availability check that raises must not hide it)
             available, reason = NVLinkBackend.is_available(self.group, identities)
-            have_nvshmem = nvshmem_importable()
             if available:
                 try:  # a configuration the reference backend takes but these kernels do not (e.g. num_topk > 32)
                     _check_nvlink_limits(self.config)
@@ -325,16 +325,18 @@ class Buffer:
         except Exception as error:  # noqa: BLE001 (CUDA init, a peer-access query: this rank still votes)
             available, reason = False, f"the nvlink backend's availability check raised ({error!r})"
         # Every rank must agree, or one would wait for the others on a different transport. The hosts too (from the
-        # identities): without nvshmem4py on every rank the peers are mapped with CUDA IPC, which cannot reach another
-        # node (is_available only sees its own node's GPUs), and "auto" must then pick the reference backend instead
-        # of failing in setup.
+        # identities): a rank without NVSHMEM (no nvshmem4py, or EP_COMM_PEER_MEMORY=ipc) maps its peers with CUDA
+        # IPC, which cannot reach another node (is_available only sees its own node's GPUs), and "auto" must then pick
+        # the reference backend instead of failing in setup. A rank's own failure reason is kept (it comes first).
         votes = [None] * self.config.world_size
         dist.all_gather_object(votes, (available, reason, have_nvshmem), group=self.group)
         hosts = sorted({host for host, _, _ in identities})
-        if len(hosts) > 1 and not all(nvshmem for _, _, nvshmem in votes):
-            votes = [(False, f"the ranks run on {len(hosts)} hosts ({', '.join(hosts[:4])}) and nvshmem4py is not "
-                      f"installed on every rank: CUDA IPC peer memory needs every rank on one node", nvshmem)
-                     for _, _, nvshmem in votes]
+        ipc_ranks = [r for r, (_, _, nvshmem) in enumerate(votes) if not nvshmem]
+        if len(hosts) > 1 and ipc_ranks:
+            why = (f"the ranks run on {len(hosts)} hosts ({', '.join(hosts[:4])}) and ranks {ipc_ranks[:8]} would map "
+                   f"their peers with CUDA IPC (nvshmem4py not installed, or EP_COMM_PEER_MEMORY=ipc), which needs "
+                   f"every rank on one node")
+            votes = [(ok, why_not, nvshmem) if not ok else (False, why, nvshmem) for ok, why_not, nvshmem in votes]
         if not all(ok for ok, _, _ in votes):
             reason = next(f"rank {r}: {why}" for r, (ok, why, _) in enumerate(votes) if not ok)
             if backend == "nvlink":

@@ -304,15 +304,24 @@ def test_buffer_arguments_of_another_type_raise_on_every_rank():
             message
 
 
-def _ranks_on_two_hosts_worker(rank, world, nvshmem_on):
+def _ranks_on_two_hosts_worker(rank, world, nvshmem_on, peer_memory="auto", check_raises_on=()):
     """The backend vote with the nvlink backend pretending to be available on every rank, the ranks on two hosts and
     nvshmem4py present on the ranks in nvshmem_on: the Buffer refuses backend='nvlink' (or, with nvshmem4py on every
-    rank, goes on to set it up -- here the stand-in constructor) instead of failing in a CUDA IPC setup."""
+    rank, goes on to set it up -- here the stand-in constructor) instead of failing in a CUDA IPC setup.
+    peer_memory: EP_COMM_PEER_MEMORY on every rank (ipc: CUDA IPC even with nvshmem4py). check_raises_on: the ranks
+    whose availability check raises (its error must be the reason given, not the hosts)."""
+    import os
     import socket
     import ep_comm
     from ep_comm.backends import nvlink
+    os.environ["EP_COMM_PEER_MEMORY"] = peer_memory
     socket.gethostname = lambda: f"node{rank}"
-    nvlink.NVLinkBackend.is_available = staticmethod(lambda group, identities=None: (True, ""))
+
+    def is_available(group, identities=None):
+        if rank in check_raises_on:
+            raise RuntimeError("uncorrectable ECC error (test)")
+        return True, ""
+    nvlink.NVLinkBackend.is_available = staticmethod(is_available)
     nvlink.nvshmem_importable = lambda: rank in nvshmem_on
 
     class Constructed(Exception):
@@ -336,6 +345,12 @@ def test_nvlink_refused_across_hosts_without_nvshmem():
     for message in run_ranks(_ranks_on_two_hosts_worker, 2, (0,), backend="gloo", timeout_s=120):
         assert "backend='nvlink' is unavailable" in message and "run on 2 hosts (node0, node1)" in message, message
     assert run_ranks(_ranks_on_two_hosts_worker, 2, (0, 1), backend="gloo", timeout_s=120) == ["constructed"] * 2
+    # EP_COMM_PEER_MEMORY=ipc maps peers with CUDA IPC even where nvshmem4py is installed: refused too.
+    for message in run_ranks(_ranks_on_two_hosts_worker, 2, (0, 1), "ipc", backend="gloo", timeout_s=120):
+        assert "run on 2 hosts (node0, node1) and ranks [0, 1] would map their peers with CUDA IPC" in message, message
+    # A rank whose availability check raised keeps its own reason (it used to read as "nvshmem4py is not installed").
+    for message in run_ranks(_ranks_on_two_hosts_worker, 2, (0, 1), "auto", (0,), backend="gloo", timeout_s=120):
+        assert "rank 0: the nvlink backend's availability check raised" in message and "ECC" in message, message
 
 
 def _fake_nvlink_node(device, device_count, capability, peer_link=lambda _device, _peer: (True, True)):

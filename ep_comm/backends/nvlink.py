@@ -485,6 +485,17 @@ def nvshmem_importable() -> bool:
         return False
 
 
+def nvshmem_may_map_peers() -> bool:
+    """Whether this rank's Buffers may map their peers with NVSHMEM (which can reach other nodes of one NVLink
+    domain): nvshmem4py imports, and neither EP_COMM_PEER_MEMORY=ipc nor EP_COMM_ALLOW_SHARED_GPU=1 asks for CUDA IPC,
+    which needs every rank on one node. (Whether NVSHMEM then initializes is known only at setup.)"""
+    try:
+        ipc = _peer_memory_mode() == "ipc" or _shared_gpu_allowed()
+    except ValueError:  # (a malformed switch: refused by the Buffer's environment check, with its message)
+        return False
+    return not ipc and nvshmem_importable()
+
+
 def finalize_nvshmem() -> None:
     """Collective, optional: shut NVSHMEM down once every nvlink Buffer of this process is destroyed.
     Not registered with atexit on purpose: nvshmem finalize is collective, and ranks leave at different
@@ -940,9 +951,10 @@ class NVLinkBackend:
                 return False, why
         if _shared_gpu_allowed():
             return True, ""  # testing mode: ranks of this node share GPUs, over CUDA IPC (see _shared_gpu_allowed)
-        if not nvshmem_importable() and world > torch.cuda.device_count():
-            return False, (f"nvshmem4py is not installed and CUDA IPC needs every rank on this node "
-                           f"({world} ranks, {torch.cuda.device_count()} GPUs visible)")
+        if not nvshmem_may_map_peers() and world > torch.cuda.device_count():
+            return False, (f"peers are mapped with CUDA IPC (nvshmem4py is not installed, or EP_COMM_PEER_MEMORY=ipc), "
+                           f"which needs every rank on this node ({world} ranks, {torch.cuda.device_count()} GPUs "
+                           f"visible)")
         return True, ""
 
     @staticmethod
