@@ -290,6 +290,36 @@ def test_stochastic_rounding_seeds_and_unbiasedness():
     assert abs(signed) < 0.02, f"SR is biased: mean signed error {signed} of the nearest-rounding error"
 
 
+def test_stochastic_rounding_high_seeds_and_transposed_unbiasedness():
+    """Seeds whose top bit is set (and 2^32 - 1, whose high word is 0), given as ints, bitwise against the reference
+    for both stochastic kernels (test_seed_tensors_are_read_when_the_kernels_run compares the kernels only with
+    themselves at such seeds, which a shared mishandling of the top bit would pass). Then the transposed
+    requantizer's own random-bit path (a launch-wide pair key for indices below 2^33) unbiased across seeds, as
+    test_stochastic_rounding_seeds_and_unbiasedness checks mxfp8_quantize's."""
+    x = _input("gauss", 64, 2048, torch.float32, seed=8)
+    q = F.nvfp4_quantize(_input("outliers", 96, 2048, torch.float32, seed=9), impl="reference")
+    q_cuda = F.NVFP4Tensor(q.data.to(DEVICE), q.scales.to(DEVICE), q.amax.to(DEVICE), q.e4m3_max)
+    for seed in (2**63 + 5, 2**64 - 1, 2**32 - 1):
+        assert_same_mx(_cpu_mx(F.mxfp8_quantize(x.to(DEVICE), rounding="stochastic", seed=seed, impl="cuda")),
+                       F.mxfp8_quantize(x, rounding="stochastic", seed=seed, impl="reference"), f"mxfp8, seed {seed}")
+        assert_same_mx(_cpu_mx(F.nvfp4_to_mxfp8_transposed(q_cuda, seed=seed, impl="cuda")),
+                       F.nvfp4_to_mxfp8_transposed(q, seed=seed, impl="reference"), f"nvfp4 -> mxfp8^T, seed {seed}")
+    exact = F.nvfp4_dequantize(q, dtype=torch.float32, impl="reference").t().double()  # [K, R]: what is rounded
+    num_seeds = 256
+    total = torch.zeros_like(exact)
+    for seed in range(num_seeds):
+        m = F.nvfp4_to_mxfp8_transposed(q_cuda, seed=seed, impl="cuda")
+        total += F.mxfp8_dequantize(m, dtype=torch.float32, impl="cuda").cpu().double()
+    mean = total / num_seeds
+    nearest = F.mxfp8_dequantize(F.nvfp4_to_mxfp8_transposed(q_cuda, rounding="nearest", impl="cuda"),
+                                 dtype=torch.float32, impl="cuda").cpu().double()
+    sr_error = (mean - exact).abs().mean().item()
+    rn_error = (nearest - exact).abs().mean().item()
+    assert rn_error > 0 and sr_error < 0.15 * rn_error, f"SR mean error {sr_error} vs nearest {rn_error}"
+    signed = (mean - exact).mean().item() / rn_error
+    assert abs(signed) < 0.02, f"transposed SR is biased: mean signed error {signed} of the nearest-rounding error"
+
+
 def test_seed_tensors_are_read_when_the_kernels_run():
     """A one-element int64 seed tensor on the GPU gives the bits of its int seed (two's complement from 2^63), and a
     CUDA graph that captured the stochastic quantizers with it rounds with the value the tensor holds at each replay
@@ -495,14 +525,17 @@ def test_misaligned_views_are_copied_not_faulted():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("hadamard", [True, False])
 def test_s2f6_quantize(hidden, num_rows, dtype, hadamard):
-    sign_mask = 0x6A09E667 if hadamard else 0x5
+    """Quantize and dequantize, bitwise the reference; with RHT under the default signs and two others (the forward
+    and the inverse transform both read the mask)."""
     x = _input("outliers", num_rows, hidden, dtype, seed=hidden + 2 * num_rows)
-    expected = F.s2f6_quantize(x, hadamard=hadamard, sign_mask=sign_mask, impl="reference")
-    actual = F.s2f6_quantize(x.to(DEVICE), hadamard=hadamard, sign_mask=sign_mask, impl="cuda")
-    assert_same_mx(_cpu_s2f6(actual), expected, "s2f6")
-    for out_dtype in (torch.float32, torch.bfloat16):
-        assert_same_floats(F.s2f6_dequantize(actual, dtype=out_dtype, impl="cuda").cpu(),
-                           F.s2f6_dequantize(expected, dtype=out_dtype, impl="reference"), f"dequantize {out_dtype}")
+    for sign_mask in ((0x6A09E667, 0x5A5A0F0F, 0xFFFFFFFF) if hadamard else (0x5,)):
+        expected = F.s2f6_quantize(x, hadamard=hadamard, sign_mask=sign_mask, impl="reference")
+        actual = F.s2f6_quantize(x.to(DEVICE), hadamard=hadamard, sign_mask=sign_mask, impl="cuda")
+        assert_same_mx(_cpu_s2f6(actual), expected, f"s2f6, signs {sign_mask:#x}")
+        for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+            assert_same_floats(F.s2f6_dequantize(actual, dtype=out_dtype, impl="cuda").cpu(),
+                               F.s2f6_dequantize(expected, dtype=out_dtype, impl="reference"),
+                               f"dequantize {out_dtype}, signs {sign_mask:#x}")
 
 
 @pytest.mark.parametrize("hidden", HIDDEN_SIZES)

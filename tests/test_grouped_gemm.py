@@ -19,7 +19,7 @@ import torch.nn.functional as TF
 from ep_comm import formats as F
 from ep_comm import grouped_gemm as G
 from ep_comm import moe
-from format_cases import edge_rows, make_rows
+from format_cases import assert_same_floats, edge_rows, make_rows
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -906,7 +906,7 @@ def test_expand_cuda_bitwise():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k", [2048, 4096, 7168, 112])
 def test_quantize_expanded_rows_cuda_bitwise(dtype, k):
     """The 4/6 quantizer writing w2's operand rows directly: bitwise the CUDA quantizer + CUDA expansion and the torch
@@ -1161,6 +1161,41 @@ def test_kernel_wide_tiles():
     for extra in ({"EP_COMM_GEMM_WIDE_TILE": "144"}, {"EP_COMM_GEMM_WIDE_TILE": "144", "EP_COMM_GEMM_MAX_CTAS": "3"},
                   {"EP_COMM_GEMM_WIDE_TILE": "0"}):
         _pytest_in_subprocess(__file__, tests, dict(os.environ, **extra), timeout=900)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["exact", "fp8_inexact"])
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_writes_strided_and_offset_out(out_dtype, swiglu, precision):
+    """A caller-given out whose rows are wider than N (a view of the first columns of a wider buffer) or that starts
+    two elements into its storage (the API takes any even row stride >= N and an even start; the GPU tests otherwise
+    pass contiguous outs): bitwise the contiguous call's output, every token tile, and the padding columns and the
+    elements before the start untouched."""
+    experts, n, k = SMALL_SHAPES[1]
+    counts = _counts(experts, n + k)
+    offsets, rows = segments(counts, 16)
+    w = random_weights(experts, n, k, seed=n + k, device="cuda", scale_low=0x18, scale_high=0x58)
+    packed = G.pack_gemm_weights(w, swiglu=swiglu)
+    x = G.expand_nvfp4_rows(random_activations(rows, k, seed=k + rows, device="cuda"), precision=precision)
+    off = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    cnt = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    width = n // 2 if swiglu else n
+    for token_tile in (None, 16, 32, 64, 128):
+        want = G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=out_dtype, token_tile=token_tile, impl="cuda",
+                                    out=torch.zeros(rows, width, dtype=out_dtype, device="cuda"))
+        wide = torch.full((rows, width + 32), 7.0, dtype=out_dtype, device="cuda")
+        G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=out_dtype, token_tile=token_tile, impl="cuda",
+                             out=wide[:, :width].zero_())
+        flat = torch.full((rows * width + 2,), 7.0, dtype=out_dtype, device="cuda")
+        shifted = flat[2:].view(rows, width).zero_()
+        G.grouped_gemm_nvfp4(x, off, cnt, packed, out_dtype=out_dtype, token_tile=token_tile, impl="cuda",
+                             out=shifted)
+        what = f"token tile {token_tile}"
+        assert_same_floats(wide[:, :width], want, f"strided out, {what}")
+        assert bool((wide[:, width:] == 7.0).all()), f"the padding columns were written, {what}"
+        assert_same_floats(shifted, want, f"offset out, {what}")
+        assert bool((flat[:2] == 7.0).all()), f"the elements before out were written, {what}"
 
 
 @pytest.mark.gpu
