@@ -561,10 +561,11 @@ def test_s2f6_dequantize_accumulate(hidden, num_terms, weighted, hadamard, index
 
 @pytest.mark.parametrize("hidden", [32, 96, 640, 800, 1920, 2080])
 @pytest.mark.parametrize("num_terms", [33, 70])
-def test_s2f6_partial_segments_and_many_terms(hidden, num_terms):
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_s2f6_partial_segments_and_many_terms(hidden, num_terms, index_dtype):
     """The warp-per-512-element kernels: a row's last segment partly filled (hidden % 512 != 0; 640 and 1920 with
     hidden % 128 == 0, the accumulation's scale-word copies), and many chunks of terms per output row, with
-    skipped indices inside and across chunks."""
+    skipped indices inside and across chunks; int64 and int32 indices (each its own term loader)."""
     g = torch.Generator().manual_seed(hidden + num_terms)
     num_src, num_out = 130, 45
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -576,6 +577,7 @@ def test_s2f6_partial_segments_and_many_terms(hidden, num_terms):
     index = torch.randint(-1, num_src, (num_out, num_terms), generator=g)
     index[1, 30:36] = -1  # skipped terms on both sides of the first pass boundary
     index[2] = -1         # an output row with no terms at all
+    index = index.to(index_dtype)
     weights = torch.rand(num_out, num_terms, generator=g)
     for out_dtype in (torch.bfloat16, torch.float32, torch.float16):
         got = F.s2f6_dequantize_accumulate(actual, index.to(DEVICE), weights.to(DEVICE), out_dtype=out_dtype,
