@@ -1938,3 +1938,39 @@ def test_nvlink_context_refuses_a_config_that_would_store_outside_the_region():
     # The Python side's combine format codes are the ones this build has kernels for (a Buffer refuses the others).
     from ep_comm.backends.nvlink import _COMBINE_FORMAT_CODE
     assert sorted(_COMBINE_FORMAT_CODE.values()) == sorted(_ext._C.nvlink_combine_format_codes)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_nvlink_failed_launch_gives_up(world):
+    """A call's kernel launch that raises (RuntimeError) may follow one of the same call that went out (one C++ entry
+    launches two or three kernels), leaving the device call counts one apart: the Buffer gives up -- the peers are
+    told (give_up) and every later call raises, also at world 1 -- and the launch error is what the caller sees. An
+    argument error (ValueError, raised before any launch) leaves it usable. On the host: a backend with stand-ins."""
+    import ctypes
+    import ep_comm.backends.nvlink as nvlink
+    word = ctypes.c_uint64(0)
+    backend = object.__new__(nvlink.NVLinkBackend)
+    backend.world, backend.rank = world, 0
+    backend._destroyed, backend._gave_up, backend._fault_reported = False, None, False
+    backend._error_host = ctypes.addressof(word)
+    told = []
+    backend.give_up = lambda reason: None if world == 1 else (told.append(reason), setattr(backend, "_gave_up", reason))
+
+    def refused(*args):
+        raise ValueError("num_tokens out of range")
+
+    with pytest.raises(ValueError, match="num_tokens out of range"):
+        backend._launch_call("combine", refused, 1, 2)
+    assert backend._gave_up is None and told == []
+    backend.check()  # still usable
+
+    def second_launch_fails(*args):
+        raise RuntimeError("ep_comm CUDA error in dispatch receive kernel launch: too many resources requested")
+
+    with pytest.raises(RuntimeError, match="dispatch receive kernel launch"):
+        backend._launch_call("dispatch", second_launch_fails, 1, 2)
+    assert backend._gave_up is not None and "dispatch: a kernel launch failed" in backend._gave_up
+    assert told == ([] if world == 1 else [backend._gave_up])
+    with pytest.raises(RuntimeError, match="gave up after an earlier call raised on this rank"):
+        backend.check()

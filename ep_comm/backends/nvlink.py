@@ -1182,7 +1182,7 @@ class NVLinkBackend:
         recipe = self._arena_recipe(num_tokens, rows_only)
         arena = torch.empty(recipe.words, dtype=torch.int32, device=x.device)
         stream = _ext.current_raw_stream(self.device)
-        launch(x, topk_idx, topk_weights, num_tokens, arena.data_ptr(), stream)
+        self._launch_call("dispatch", launch, x, topk_idx, topk_weights, num_tokens, arena.data_ptr(), stream)
         self._staging_generation += 1  # every dispatch rewrites the staging rows an expand=False result points into
         self._after_call()
         return self._result_in_arena(arena, recipe, num_tokens, stream)
@@ -1300,17 +1300,36 @@ class NVLinkBackend:
         expert_out = _ext.aligned_contiguous(expert_out)
         out = torch.empty(handle.num_tokens, cfg.hidden, dtype=torch.bfloat16, device=expert_out.device)
         if handle.owner is self._ctx:  # this context's arena table describes the handle's arena
-            self._ctx.combine_arena(expert_out.data_ptr(), handle.arena_ptr, handle.num_tokens, bool(local_reduce),
-                                    out.data_ptr(), _ext.current_raw_stream(self.device))
+            self._launch_call("combine", self._ctx.combine_arena, expert_out.data_ptr(), handle.arena_ptr,
+                              handle.num_tokens, bool(local_reduce), out.data_ptr(),
+                              _ext.current_raw_stream(self.device))
             self._after_call()
             return out
-        self._ctx.combine(expert_out.data_ptr(), handle.row_weight.data_ptr(), bool(local_reduce),
-                          handle.recv_count.data_ptr(), handle.recv_tok.data_ptr(), handle.recv_ord.data_ptr(),
-                          handle.recv_rows.data_ptr(), handle.send_idx.data_ptr(), handle.send_w.data_ptr(),
-                          NVLinkHandle.dispatch_epoch.address(handle), handle.num_tokens, out.data_ptr(),
-                          _ext.current_raw_stream(self.device))
+        self._launch_call("combine", self._ctx.combine, expert_out.data_ptr(), handle.row_weight.data_ptr(),
+                          bool(local_reduce), handle.recv_count.data_ptr(), handle.recv_tok.data_ptr(),
+                          handle.recv_ord.data_ptr(), handle.recv_rows.data_ptr(), handle.send_idx.data_ptr(),
+                          handle.send_w.data_ptr(), NVLinkHandle.dispatch_epoch.address(handle), handle.num_tokens,
+                          out.data_ptr(), _ext.current_raw_stream(self.device))
         self._after_call()
         return out
+
+    def _launch_call(self, what: str, launch, *args) -> None:
+        """One call's kernels, launched by one C++ entry point (two or three launches). A launch that fails (a
+        RuntimeError) may follow one of the same call that went out, leaving this rank's device call counts one apart:
+        its next call would wait for a receive that never ran and time out naming this rank itself. So the Buffer gives
+        up as for a call that raises before launching (the peers are told to stop waiting; every later call here
+        raises), also at world 1. Argument errors (ValueError) come before any launch and leave it usable."""
+        try:
+            launch(*args)
+        except RuntimeError as error:
+            reason = f"{what}: a kernel launch failed ({error})"
+            try:
+                self.give_up(reason)  # (returns at world 1: nobody to tell)
+            except Exception:  # noqa: BLE001 (a sticky CUDA error can fail the notice too: the launch error is raised)
+                pass
+            if self._gave_up is None:
+                self._gave_up = reason
+            raise
 
     def _check_rows_closed(self, what: str) -> None:
         if self._rows_handle is not None:
