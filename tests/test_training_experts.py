@@ -715,7 +715,8 @@ def test_row_kernels_match_their_torch_forms(monkeypatch):
             torch_form = fn()
         return kernel, torch_form
 
-    for num_rows, width, extra in ((0, 64, 0), (1, 32, 0), (77, 96, 32), (300, 7168, 0), (1025, 2048, 0)):
+    for num_rows, width, extra in ((0, 64, 0), (1, 32, 0), (77, 96, 32), (300, 7168, 0), (1025, 2048, 0),
+                                   (64, 4096, 0)):
         x, src, factor = _row_case(num_rows, width, num_rows + width, device)
         padded = -(-num_rows // 32) * 32 + extra
         (rows, tokens), (rows_t, tokens_t) = both(lambda: te._mxfp8_round_trips(x, src, padded, 2**40 + 5, 9))
@@ -723,6 +724,9 @@ def test_row_kernels_match_their_torch_forms(monkeypatch):
         assert_same_floats(tokens, tokens_t, f"mxfp8 tokens {num_rows}x{width}")
         (_, only_tokens), _ = both(lambda: te._mxfp8_round_trips(x, src, padded, None, 9))
         assert_same_floats(only_tokens, tokens_t, "tokens alone")
+        (only_rows, no_tokens), _ = both(lambda: te._mxfp8_round_trips(x, src, padded, 2**40 + 5, None))
+        assert no_tokens is None  # (the weights need no gradient: the rows alone)
+        assert_same_floats(only_rows, rows_t, "rows alone")
         scaled, scaled_t = both(lambda: te._scale_rows_(x.clone(), factor, src))
         assert_same_floats(scaled, scaled_t, f"scale_rows {num_rows}x{width}")
         if width % 16 == 0:
