@@ -177,6 +177,13 @@ class GemmWeights:
                            n=self.n, k=self.k, swiglu=self.swiglu, e4m3_max=self.e4m3_max, row_order=self.row_order)
 
 
+
+# Saved with torch.save (packing is an offline step), GemmWeights loads with torch.load's default weights-only
+# unpickling (after import ep_comm), as the format containers and moe.PackedExpertWeights do.
+if hasattr(torch.serialization, "add_safe_globals"):
+    torch.serialization.add_safe_globals([GemmWeights])
+
+
 @dataclass(frozen=True, eq=False)  # (identity comparison: field-wise == of tensors is ambiguous and raised)
 class ExpandedRows:
     """NVFP4 rows expanded for the grouped GEMM.

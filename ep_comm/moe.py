@@ -31,7 +31,7 @@ from . import _ext, formats
 from ._compile import eager_only
 from .formats import _is_capturing
 from .buffer import Buffer
-from .grouped_gemm import (TOKEN_TILES, _check_kernel_row_order, _check_segments, _one_amax_per_expert,
+from .grouped_gemm import (TOKEN_TILES, GemmWeights, _check_kernel_row_order, _check_segments, _one_amax_per_expert,
                            _check_weight_values, check_precision, check_weight_amax, exact_fp32_matmuls,
                            gemm_kernels_unavailable, has_combine_rows_kernel)
 
@@ -140,13 +140,18 @@ def expert_mlp_reference(tokens: formats.NVFP4Tensor, w1: torch.Tensor, w2: torc
     """One expert on NVFP4 tokens [n, H] with dequantized FP32 weights w1 [2I, H], w2 [H, I]: bf16 [n, H].
 
     SwiGLU in FP32, then the w2 input is quantized to NVFP4 with 4/6 and a per-token amax (the fused kernel's
-    quantization point), dequantized, multiplied by w2 in FP32 and rounded to bf16.
+    quantization point), dequantized, multiplied by w2 in FP32 and rounded to bf16. An oracle, without autograd
+    (the NVFP4 rounding between w1 and w2 has no gradient): weights that require grad are refused under grad mode.
     """
     for name, w in (("w1", w1), ("w2", w2)):
         if not isinstance(w, torch.Tensor) or w.dtype != torch.float32:
             raise TypeError(f"{name} must be the FP32 dequantized weights of one expert "
                             f"(formats.nvfp4_dequantize(weights.{name}, dtype=torch.float32)[e]), got "
                             f"{getattr(w, 'dtype', type(w).__name__)}")
+        if w.requires_grad and torch.is_grad_enabled():  # (w2 would get a gradient and w1 none, silently)
+            raise RuntimeError(f"expert_mlp_reference has no autograd ({name} requires grad): the NVFP4 rounding of "
+                               f"the w2 input cuts the graph between w1 and w2. Run it under torch.no_grad(), or train "
+                               f"with ep_comm.training.ExpertMLP")
     hidden = tokens.shape[-1] if isinstance(tokens, formats.NVFP4Tensor) else -1
     if w1.dim() != 2 or w2.dim() != 2 or w1.shape[0] % 2 or tuple(w1.shape) != (w1.shape[0], hidden) or \
             tuple(w2.shape) != (hidden, w1.shape[0] // 2) or (w1.shape[0] // 2) % 16:
@@ -182,6 +187,9 @@ def _check_fused_inputs(tokens, expert_offsets, num_tokens_per_expert, w1, w2=No
     (the torch fallbacks of the pieces would sync with the host and differ in bits from expert_mlp_reference); w1 must
     carry the SwiGLU epilogue and w2 not (else a w2-shaped or un-gated result, silently); the segment tensors are
     checked before the expansion, whose own limit argument would otherwise name them."""
+    if not isinstance(w1, GemmWeights):
+        raise TypeError(f"w1 must be GemmWeights from pack_gemm_weights(weights.w1, swiglu=True), got "
+                        f"{type(w1).__name__}")
     for name, weights, swiglu in (("w1", w1, True), ("w2", w2, False)):
         if weights is not None and getattr(weights, "swiglu", None) is not swiglu:
             raise ValueError(f"{name} must be packed with pack_gemm_weights(..., swiglu={swiglu})")
@@ -306,6 +314,9 @@ def fused_expert_mlp(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor, 
     NVFP4 4/6 first (and written as FP8 rows by the quantizer). Its extra error is measured in
     bench/bench_grouped_gemm.py.
     """
+    if not isinstance(w2, GemmWeights):  # (None is _check_fused_inputs's "no w2", for fused_expert_hidden)
+        raise TypeError(f"w2 must be GemmWeights from pack_gemm_weights(weights.w2, swiglu=False), got "
+                        f"{type(w2).__name__}")
     _check_fused_inputs(tokens, expert_offsets, num_tokens_per_expert, w1, w2)
     if check_precision(precision):
         if w1.k % 128 or w2.k % 128:

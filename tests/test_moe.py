@@ -563,6 +563,11 @@ def test_fused_experts_refuse_cpu_tensors_naming_the_reference_path():
         moe.fused_expert_hidden(formats.nvfp4_quantize(torch.randn(6, 2 * HIDDEN)), offsets, counts, w1)
     with pytest.raises(ValueError, match="repack them with pack_gemm_weights"):  # w2 in the pre-2026-12-02 row order
         moe.fused_expert_mlp(tokens, offsets, counts, w1, dataclasses.replace(w2, row_order="plain"))
+    # Missing weights: named (w2=None reached the w2 GEMM after w1 had run, as an AttributeError).
+    with pytest.raises(TypeError, match="w2 must be GemmWeights from pack_gemm_weights"):
+        moe.fused_expert_mlp(tokens, offsets, counts, w1, None)
+    with pytest.raises(TypeError, match="w1 must be GemmWeights from pack_gemm_weights"):
+        moe.fused_expert_hidden(tokens, offsets, counts, None)
     # Tokens in another format: named as such (a plain tensor's width was read as packed codes, twice too wide).
     for other in (torch.randn(6, HIDDEN).to(torch.bfloat16), formats.mxfp8_quantize(torch.randn(6, HIDDEN))):
         with pytest.raises(TypeError, match="the fused experts take NVFP4 tokens"):
@@ -834,6 +839,35 @@ def test_packed_weights_load_with_weights_only_unpickling(tmp_path):
     torch.save(s2f6, tmp_path / "s2f6.pt")
     again = torch.load(tmp_path / "s2f6.pt", weights_only=True)
     assert torch.equal(again.data, s2f6.data) and again.hadamard and again.sign_mask == s2f6.sign_mask
+    # The grouped GEMM's packed operands too (pack_gemm_weights is the offline step MoELayer's kernels take).
+    from ep_comm import grouped_gemm
+    gemm = grouped_gemm.pack_gemm_weights(packed.w1, swiglu=True)
+    torch.save(gemm, tmp_path / "gemm.pt")
+    loaded_gemm = torch.load(tmp_path / "gemm.pt", weights_only=True)
+    assert isinstance(loaded_gemm, grouped_gemm.GemmWeights)
+    for name in ("values", "scales", "factor", "amax", "row_perm"):
+        assert torch.equal(getattr(loaded_gemm, name), getattr(gemm, name)), name
+    assert (loaded_gemm.n, loaded_gemm.k, loaded_gemm.swiglu, loaded_gemm.e4m3_max, loaded_gemm.row_order) == \
+        (gemm.n, gemm.k, gemm.swiglu, gemm.e4m3_max, gemm.row_order)
+
+
+@pytest.mark.cpu
+def test_expert_mlp_reference_refuses_weights_that_require_grad():
+    """The oracle has no autograd (the NVFP4 rounding of the w2 input cuts the graph): weights that require grad are
+    refused under grad mode, instead of w2 getting a gradient and w1 silently none; under no_grad they are fine."""
+    w1, w2, _ = _master_weights()
+    packed = moe.pack_weights(w1, w2)
+    w1d, w2d = (formats.nvfp4_dequantize(w, dtype=torch.float32)[0] for w in (packed.w1, packed.w2))
+    tokens = formats.nvfp4_quantize(torch.randn(3, HIDDEN), four_over_six=True)
+    want = moe.expert_mlp_reference(tokens, w1d, w2d)
+    for name in ("w1", "w2"):
+        args = {"w1": w1d, "w2": w2d}
+        args[name] = args[name].clone().requires_grad_()
+        with pytest.raises(RuntimeError, match=f"no autograd \\({name} requires grad\\)"):
+            moe.expert_mlp_reference(tokens, args["w1"], args["w2"])
+        with torch.no_grad():
+            assert torch.equal(moe.expert_mlp_reference(tokens, args["w1"], args["w2"]), want)
+
 
 def _layer_cast_and_one_bad_rank_worker(rank, world):
     w1, w2, router = _master_weights()
