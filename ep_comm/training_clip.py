@@ -28,6 +28,10 @@ all-reduce may add in another order in each communicator, and a MAX all-reduce m
 all the named experts: a model whose layers split their experts over different groups is not covered. Norms of BF16
 gradients are taken in BF16, as torch takes them. `grad_norm` gives the same norm without scaling anything (for
 logging: clipping with max_norm = inf would still multiply every gradient by 1).
+A parameter whose .grad is None but that has a `main_grad` tensor (Megatron's convention, and
+ExpertMLP(accumulate_into_main_grad=True)'s: the backward adds into main_grad) contributes its main_grad, and
+clip_grad_norm_ scales that main_grad.
+Both run eagerly inside a compiled model (a graph break around each call), as the library's other entry points.
 """
 from __future__ import annotations
 
@@ -36,7 +40,18 @@ from typing import Iterable, Optional, Union
 
 import torch
 
+from ._compile import eager_only
 from .training_experts import _EXPERT_MLPS, _is_dtensor, _local
+
+
+def _gradient_of(p: torch.Tensor) -> Optional[torch.Tensor]:
+    """p's gradient: p.grad, or, where that is None, a `main_grad` tensor (Megatron's convention, which
+    ExpertMLP(accumulate_into_main_grad=True) follows: the backward adds into main_grad and leaves .grad None), else
+    None."""
+    if p.grad is not None:
+        return p.grad
+    main_grad = getattr(p, "main_grad", None)
+    return main_grad if isinstance(main_grad, torch.Tensor) else None
 
 
 def _mesh_ranks(mesh) -> set:
@@ -109,7 +124,7 @@ def _check_groups(params: list, experts: list, ep_group, pp_group, what: str) ->
     import torch.distributed as dist
     me = dist.get_rank() if ep_group is not None or pp_group is not None else None
     pp_ranks = _group_ranks(pp_group) if pp_group is not None else None
-    for grad in (p.grad for p in params if p.grad is not None and _is_dtensor(p.grad)):
+    for grad in (g for g in map(_gradient_of, params) if g is not None and _is_dtensor(g)):
         if any(placement.is_partial() for placement in grad.placements):
             raise ValueError(f"{what}: a gradient is a DTensor with a Partial placement (its values still to be summed "
                              "over ranks): reduce it first")
@@ -179,7 +194,7 @@ def _total_norm(parameters, norm_type, expert_parameters, ep_group, pp_group, er
         if experts and ep_group is None:
             raise ValueError(f"{what}: expert_parameters needs ep_group, the group the experts are split over "
                              "(the Buffer's group)")
-        _check_per_rank_experts_named({id(p) for p in params if p.grad is not None}, expert_ids, what)
+        _check_per_rank_experts_named({id(p) for p in params if _gradient_of(p) is not None}, expert_ids, what)
         _check_groups(params, experts, ep_group, pp_group, what)
         refusal = None
     except ValueError as error:
@@ -196,10 +211,11 @@ def _total_norm(parameters, norm_type, expert_parameters, ep_group, pp_group, er
     # (in expert_parameters, the DTensor mesh and placements, or None) -> gradients.
     groups: dict = {}
     for p in params:
-        if p.grad is None:
+        grad = _gradient_of(p)
+        if grad is None:
             continue
-        layout = (p.grad.device_mesh, tuple(p.grad.placements)) if _is_dtensor(p.grad) else None
-        groups.setdefault((id(p) in expert_ids, layout), []).append(p.grad)
+        layout = (grad.device_mesh, tuple(grad.placements)) if _is_dtensor(grad) else None
+        groups.setdefault((id(p) in expert_ids, layout), []).append(grad)
     grads = [g for gs in groups.values() for g in gs]
 
     # Each kind's part (sum of |x|^p, or max |x|) over the ranks that hold its pieces, summed (max) over the kinds; the
@@ -227,6 +243,7 @@ def _total_norm(parameters, norm_type, expert_parameters, ep_group, pp_group, er
     return total, grads
 
 
+@eager_only  # (its gathers of 0-dim norms cannot be traced: dynamo's functional all_gather raised on them)
 @torch.no_grad()
 def grad_norm(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], norm_type: float = 2.0, *,
               expert_parameters: Iterable[torch.Tensor] = (), ep_group=None, pp_group=None,
@@ -253,6 +270,7 @@ def grad_norm(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], norm_type
                        "grad_norm")[0]
 
 
+@eager_only
 @torch.no_grad()
 def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
                     norm_type: float = 2.0, *, expert_parameters: Iterable[torch.Tensor] = (), ep_group=None,

@@ -632,3 +632,95 @@ def ep_mesh_errors_worker(rank, world):
 @pytest.mark.cpu
 def test_gloo_expert_mlp_on_an_ep_mesh_shapes_and_refusals():
     assert run_ranks(ep_mesh_errors_worker, 2, backend="gloo") == ["ok"] * 2
+
+
+def clip_main_grad_worker(rank, world):
+    """ExpertMLP(accumulate_into_main_grad=True) (2 ranks, EP 2, reference backend): the experts' gradients live in
+    main_grad (.grad stays None). grad_norm counts them (the norm equals that of the same step with plain .grad), the
+    unnamed per-rank experts are refused as with .grad, and clip_grad_norm_ scales main_grad by the factor it scales the
+    router's .grad by. Before: the experts were left out of the norm and never clipped. Returns the problems found."""
+    hidden, inter, topk = 64, 32, 2
+    gen = torch.Generator().manual_seed(1 + rank)
+    x = torch.randn(40, hidden, generator=gen).bfloat16()
+    idx = torch.stack([torch.randperm(4 * world, generator=gen)[:topk] for _ in range(40)])
+    w = torch.softmax(torch.randn(40, topk, generator=gen), -1)
+    problems = []
+    with ep_comm.Buffer(None, hidden=hidden, num_experts=4 * world, num_topk=topk, max_tokens_per_rank=48,
+                        expert_alignment=32, backend="reference") as buf, training.GradBuffers.create(buf) as grads:
+        norms = []
+        for main_grad in (False, True):
+            router = torch.nn.Linear(hidden, hidden).bfloat16()
+            with torch.no_grad():
+                for i, p in enumerate(router.parameters()):
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(50 + i)))
+            mlp = training.ExpertMLP(4, hidden, inter, seed=3, ep_rank=rank, accumulate_into_main_grad=main_grad)
+            if main_grad:
+                for p in (mlp.w1, mlp.w2):
+                    p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+            routed = training.dispatch(buf, grads, router(x), idx, w)
+            training.combine(mlp(routed), routed).float().square().sum().backward()
+            for p in router.parameters():  # (replicated, as DDP keeps it)
+                dist.all_reduce(p.grad)
+            params = list(router.parameters()) + list(mlp.parameters())
+            experts = list(mlp.parameters())
+            if main_grad:
+                if mlp.w1.grad is not None:
+                    problems.append("accumulate_into_main_grad left a .grad")
+                try:
+                    training.grad_norm(params)
+                    problems.append("unnamed per-rank experts with main_grad not refused")
+                except ValueError as error:
+                    if "in parameters but not in expert_parameters" not in str(error):
+                        problems.append(f"unexpected refusal: {error}")
+            norms.append(training.grad_norm(params, expert_parameters=experts, ep_group=dist.group.WORLD))
+            if main_grad:
+                before = [t.clone() for t in (mlp.w1.main_grad, mlp.w2.main_grad, router.weight.grad)]
+                total = training.clip_grad_norm_(params, 1e-3, expert_parameters=experts, ep_group=dist.group.WORLD)
+                coef = 1e-3 / (total + 1e-6)
+                for old, new, name in zip(before, (mlp.w1.main_grad, mlp.w2.main_grad, router.weight.grad),
+                                          ("w1.main_grad", "w2.main_grad", "router grad")):
+                    want = old * coef.to(old.dtype)
+                    if not torch.allclose(new.float(), want.float(), rtol=1e-2, atol=0):
+                        problems.append(f"{name} not scaled by the clip factor")
+        # The same gradients as values (main_grad is FP32 of what .grad held in FP32 masters): the same norm.
+        if not torch.allclose(norms[0], norms[1], rtol=1e-5):
+            problems.append(f"norm with main_grad {norms[1].item()} != with .grad {norms[0].item()}")
+    return problems
+
+
+@pytest.mark.cpu
+def test_gloo_clip_grad_norm_counts_main_grad():
+    _check(run_ranks(clip_main_grad_worker, 2, backend="gloo"))
+
+
+def compiled_norm_worker(rank, world):
+    """grad_norm inside torch.compile (2 gloo ranks, a named expert): run eagerly (a graph break around it), the eager
+    bits; fullgraph=True raises at compile time, as around the library's other entry points. Before: dynamo traced it
+    and its gather of 0-dim norms raised on every rank."""
+    import torch._dynamo
+    r = torch.nn.Parameter(torch.randn(4, 4, generator=torch.Generator().manual_seed(0)))
+    r.grad = torch.ones(4, 4)
+    e = torch.nn.Parameter(torch.randn(3, 4))
+    e.grad = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    eager = training.grad_norm([r, e], expert_parameters=[e], ep_group=dist.group.WORLD)
+    problems = []
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda ps: training.grad_norm(ps, expert_parameters=[e], ep_group=dist.group.WORLD) * 1,
+                             backend="eager")
+    got = compiled([r, e])
+    if not torch.equal(got, eager):
+        problems.append(f"compiled {got.item()} != eager {eager.item()}")
+    torch._dynamo.reset()
+    try:
+        torch.compile(lambda ps: training.grad_norm(ps, expert_parameters=[e], ep_group=dist.group.WORLD),
+                      fullgraph=True, backend="eager")([r, e])
+        problems.append("fullgraph=True did not raise")
+    except Exception as error:  # noqa: BLE001 (dynamo's error type varies between torch versions)
+        if "skip" not in str(error).lower() and "disable" not in str(error).lower():
+            problems.append(f"fullgraph=True raised something else: {type(error).__name__}: {str(error)[:200]}")
+    return problems
+
+
+@pytest.mark.cpu
+def test_gloo_grad_norm_runs_eagerly_inside_torch_compile():
+    _check(run_ranks(compiled_norm_worker, 2, backend="gloo"))
