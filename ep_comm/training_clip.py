@@ -116,7 +116,7 @@ def _group_ranks(group) -> set:
     return set(dist.get_process_group_ranks(group))
 
 
-def _check_groups(params: list, experts: list, ep_group, pp_group, what: str) -> None:
+def _check_groups(grads: list, experts: list, ep_group, pp_group, what: str) -> None:
     """The refusals of gradients and groups that would be counted wrongly: a DTensor gradient with a Partial placement;
     ep_mesh DTensors named as per-rank experts; with pp_group, an ep_group or a DTensor's mesh that shares a rank other
     than this one with it (that part would be counted once per stage). Not detected (it would need a collective): a
@@ -124,7 +124,7 @@ def _check_groups(params: list, experts: list, ep_group, pp_group, what: str) ->
     import torch.distributed as dist
     me = dist.get_rank() if ep_group is not None or pp_group is not None else None
     pp_ranks = _group_ranks(pp_group) if pp_group is not None else None
-    for grad in (g for g in map(_gradient_of, params) if g is not None and _is_dtensor(g)):
+    for grad in (g for g in grads if _is_dtensor(g)):
         if any(placement.is_partial() for placement in grad.placements):
             raise ValueError(f"{what}: a gradient is a DTensor with a Partial placement (its values still to be summed "
                              "over ranks): reduce it first")
@@ -147,13 +147,12 @@ def _check_groups(params: list, experts: list, ep_group, pp_group, what: str) ->
                          "per pipeline stage, ep_group the ranks of this stage that split its experts")
 
 
-def _device_of(params: list, groups) -> torch.device:
+def _device_of(grads: list, params: list, groups) -> torch.device:
     """Where the reductions run: the first gradient's device, else the first parameter's; for a rank without
     parameters, the current CUDA device where a group is NCCL's (its collectives need CUDA tensors), else the CPU."""
     import torch.distributed as dist
-    for p in params:
-        if p.grad is not None:
-            return p.grad.device
+    if grads:
+        return grads[0].device
     if params:
         return params[0].device
     if any(g is not None and "nccl" in str(dist.get_backend(g)) for g in groups) and torch.cuda.is_available():
@@ -184,7 +183,9 @@ def _total_norm(parameters, norm_type, expert_parameters, ep_group, pp_group, er
     params = list({id(p): p for p in params}.values())  # (each parameter once, in its first place)
     experts = [expert_parameters] if isinstance(expert_parameters, torch.Tensor) else list(expert_parameters)
     expert_ids = {id(p) for p in experts}
-    device = _device_of(params, (ep_group, pp_group))
+    # (each parameter with a gradient, and that gradient, looked up once: .grad, else main_grad)
+    param_grads = [(p, g) for p in params for g in (_gradient_of(p),) if g is not None]
+    device = _device_of([g for _, g in param_grads], params, (ep_group, pp_group))
     try:
         norm_type = float(norm_type)
         if not (norm_type > 0.0):
@@ -194,8 +195,8 @@ def _total_norm(parameters, norm_type, expert_parameters, ep_group, pp_group, er
         if experts and ep_group is None:
             raise ValueError(f"{what}: expert_parameters needs ep_group, the group the experts are split over "
                              "(the Buffer's group)")
-        _check_per_rank_experts_named({id(p) for p in params if _gradient_of(p) is not None}, expert_ids, what)
-        _check_groups(params, experts, ep_group, pp_group, what)
+        _check_per_rank_experts_named({id(p) for p, _ in param_grads}, expert_ids, what)
+        _check_groups([g for _, g in param_grads], experts, ep_group, pp_group, what)
         refusal = None
     except ValueError as error:
         refusal = error
@@ -210,10 +211,7 @@ def _total_norm(parameters, norm_type, expert_parameters, ep_group, pp_group, er
     # The gradients by kind, in the parameters' order (the same on every rank, so the reductions match):
     # (in expert_parameters, the DTensor mesh and placements, or None) -> gradients.
     groups: dict = {}
-    for p in params:
-        grad = _gradient_of(p)
-        if grad is None:
-            continue
+    for p, grad in param_grads:
         layout = (grad.device_mesh, tuple(grad.placements)) if _is_dtensor(grad) else None
         groups.setdefault((id(p) in expert_ids, layout), []).append(grad)
     grads = [g for gs in groups.values() for g in gs]
