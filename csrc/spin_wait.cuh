@@ -56,24 +56,28 @@ __device__ __forceinline__ void note_peer_gave_up(unsigned int abort_value, unsi
 }
 
 // A fault this rank found itself (a wait that timed out, a row past the result's capacity: nvlink.h row_in_capacity):
-// error_bits goes to the error word unless a first error is already there (the host reports the first cause), then
-// the abort word is set to kAbortSelf unless it is set already, so that every later wait gives up at once, and the
-// system fence makes both visible to the host, which reads the host-mapped error word without a sync, and to later
-// kernels. The abort word is set by a system-scope compare-and-swap from 0, as a peer's give-up notice is
-// (nvlink_give_up.cu), so that it keeps whichever reason came first (a plain store could replace a peer's notice that
-// landed just before it, a race with the peer's atomic besides). The two writes are not ordered for other observers
-// (no fence between them); nothing needs that: the host reads only the error word, and a wait that finds kAbortSelf
-// gives up without reading it.
+// the abort word is set to kAbortSelf by a system-scope compare-and-swap from 0, as a peer's give-up notice is
+// (nvlink_give_up.cu), and that compare-and-swap also decides whose reason the error word keeps (the host reports
+// the first cause). Only the thread whose swap found 0 writes error_bits; a thread that lost to a peer's notice names
+// that peer (note_peer_gave_up), and one that lost to another fault of this rank writes nothing. (Before, every
+// faulting thread tested the error word for 0 and stored: two threads that tested at the same time could replace the
+// first cause with a later one.) The system fence then makes the words visible to the host, which reads the
+// host-mapped error word without a sync, and to later kernels. Between the swap and the store the error word can
+// still read 0; the host then reports the fault at a later check, and a wait that finds kAbortSelf gives up without
+// reading the error word.
 __device__ __forceinline__ void record_fault(unsigned int* abort, unsigned long long* error_word,
                                              unsigned long long error_bits) {
-  volatile unsigned long long* err = error_word;
-  if (*err == 0ull) *err = error_bits;
-  atomicCAS_system(abort, 0u, kAbortSelf);
+  const unsigned int abort_before = atomicCAS_system(abort, 0u, kAbortSelf);
+  if (abort_before == 0u) {
+    *reinterpret_cast<volatile unsigned long long*>(error_word) = error_bits;
+  } else {
+    note_peer_gave_up(abort_before, error_word);
+  }
   __threadfence_system();
 }
 
-// Spin until done(load()). On a timeout: the fault recorded (record_fault: error_bits() in the error word unless a
-// first error is already there, abort flag set), false returned. load does the acquire; error_bits is only evaluated
+// Spin until done(load()). On a timeout: the fault recorded (record_fault: abort flag set; error_bits() in the error
+// word if this was the first cause), false returned. load does the acquire; error_bits is only evaluated
 // on a timeout.
 template <typename Load, typename Done, typename ErrorBits>
 __device__ __forceinline__ bool spin_until(Load load, Done done, unsigned int* abort, unsigned long long* error_word,
