@@ -164,7 +164,9 @@ class CudaBuild(build_ext):
         # reference (docs/NUMERICS.md); kernels that want FMAs write them explicitly.
         cu_flags = ["-O3", "-std=c++17", "--fmad=false", "-Xcompiler", "-fPIC", "-lineinfo",
                     "--expt-relaxed-constexpr", *gencode_flags(options["archs"]), *includes]
-        cpp_flags = ["-O2", "-std=c++17", "-fPIC", "-fvisibility=hidden", *includes]
+        # -ffp-contract=off: GCC's C++ default contracts a*b+c into an FMA on targets that have one (aarch64; x86-64
+        # with -march flags a wrapper may add), which would change the host emulation's bits (formats_host.cpp).
+        cpp_flags = ["-O2", "-std=c++17", "-ffp-contract=off", "-fPIC", "-fvisibility=hidden", *includes]
         # Objects are reused only when everything that shapes them is the same: the compilers (path and version),
         # their flags (arch list, includes: pybind11 and Python) -- a new toolkit or CXX gets its own folder.
         versions = [subprocess.run([tool, "--version"], capture_output=True, text=True).stdout

@@ -301,6 +301,8 @@ void register_host_emulation(py::module_& m) {
             which = host::ExhaustiveCheck::kDivSix;
           } else if (check == "outer_scales") {
             which = host::ExhaustiveCheck::kOuterScales;
+          } else if (check == "no_contraction") {
+            which = host::ExhaustiveCheck::kNoContraction;
           } else {
             throw std::invalid_argument("unknown check " + check);
           }

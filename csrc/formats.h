@@ -222,6 +222,7 @@ enum class ExhaustiveCheck : int {
   kS2f6Fast = 4,
   kDivSix = 5,
   kOuterScales = 6,
+  kNoContraction = 7,  // not a fast form: a probe that this file was compiled without FMA contraction
 };
 int64_t exhaustive_check(ExhaustiveCheck check, uint32_t stride);
 // Element-level primitives, one value each (for exhaustive / test-vector checks).

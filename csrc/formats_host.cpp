@@ -2,8 +2,10 @@
 // machine without a GPU can prove the bit manipulation against the torch reference (tests/test_formats_host.py).
 // Loops follow the kernels' semantics (row amax, SR element index, transposition, accumulation order).
 //
-// Floating point: this file is compiled with -std=c++17 (ISO mode: GCC does not contract a*b+c into an FMA)
-// for baseline x86-64 (no FMA instructions); the primitives keep every operation a separate rounding.
+// Floating point: this file is compiled with -ffp-contract=off (setup.py; GCC's default in C++, also with
+// -std=c++17, is to contract a*b+c into an FMA wherever the target has one, e.g. aarch64 hosts) for baseline x86-64
+// (no FMA instructions); the primitives keep every operation a separate rounding. host_exhaustive_check
+// "no_contraction" checks it.
 #include <cmath>
 #include <initializer_list>
 #include <vector>
@@ -367,6 +369,22 @@ int64_t exhaustive_check(ExhaustiveCheck check, uint32_t stride) {
     for (const qm::Nvfp4Outer& outer : outers) {
       const float inf = qm::bits_float(0x7F800000u);
       if (qm::nvfp4_four_six_scale_pair_fast(inf, outer) != qm::nvfp4_four_six_scale_pair(inf, outer)) ++mismatches;
+    }
+    return mismatches;
+  }
+  if (check == ExhaustiveCheck::kNoContraction) {
+    // f(a * a) - f(a * a) is 0 for every a when each operation rounds on its own; a compiler that contracts it into
+    // fma(a, a, -f(a * a)) gets the product's rounding error instead, nonzero for most a in [1, 2). GCC contracts by
+    // default in C++ (also with -std=c++17) wherever the target has FMA instructions (aarch64, x86-64 with -mfma or
+    // -march=native): setup.py passes -ffp-contract=off, and this probe fails if a build lost that flag on such a host
+    // (checked with g++ 12 -mfma: ~1/3 of the patterns differ without the flag, none with it). The subtrahend's
+    // product reads `a` through a volatile so that the compiler cannot merge the two products into one (a product
+    // with two uses is not contracted).
+    for (uint64_t bits = 0x3F800000u; bits < 0x40000000u; bits += stride) {
+      const float a = qm::bits_float(static_cast<uint32_t>(bits));
+      volatile float a_again = a;
+      const float product = qm::qm_mul(a_again, a);
+      if (qm::float_bits(qm::qm_sub(qm::qm_mul(a, a), product)) != 0u) ++mismatches;
     }
     return mismatches;
   }

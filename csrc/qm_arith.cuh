@@ -5,8 +5,9 @@
 //  * every fp32 operation goes through qm_mul / qm_add / qm_sub / qm_div: on the device these are the
 //    __f*_rn intrinsics, which the compiler never contracts into FMAs and never flushes to zero; on the
 //    host they are plain operators in separate inline functions. The host build must not contract either:
-//    formats_host.cpp is compiled with -std=c++17 (ISO mode: GCC defaults to -ffp-contract=off) for
-//    baseline x86-64 (no FMA instructions). NUMERICS.md wants no subnormal flushing: no fast math, no FTZ.
+//    the C++ sources are compiled with -ffp-contract=off (setup.py: in C++ GCC contracts by default, also with
+//    -std=c++17, wherever the target has FMA instructions) for baseline x86-64 (no FMA instructions);
+//    host_exhaustive_check "no_contraction" probes it. NUMERICS.md wants no subnormal flushing: no fast math, no FTZ.
 //    Deliberate FMAs (qm_fma: the exact division of the 4/6 error, and the error terms of the fast 4/6 path)
 //    are explicit on both sides.
 //  * Roundings to an integer use the "add and subtract 1.5 * 2^23" trick: an fp32 add rounds to nearest
