@@ -29,6 +29,8 @@ pytest_tier() {  # $1 = name, $2 = timeout s, $3 = summary lines for the log, th
 test_formats() {
   say "gpu tier: formats kernels"
   pytest_tier formats 150 2 tests/test_formats_cuda.py tests/test_ext.py
+  say "gpu tier: device-only forms of the format primitives, exhaustively (tests/device_checks/device_forms.cu)"
+  pytest_tier device_forms 120 2 tests/test_device_forms.py
 }
 test_ext() {  # the ep_comm._ext helpers alone (raw stream, device context, capture ids): part of test_formats
   say "gpu tier: ep_comm._ext helpers"
