@@ -6,6 +6,14 @@ import torch
 from ep_comm import formats as F
 
 
+def require_format_kernels(device) -> None:
+    """Raise unless the CUDA format kernels run on `device`. A GPU test that calls an impl="auto" entry point and
+    compares it with the torch reference must call this first: where the kernels cannot run (no ep_comm._C, no kernel
+    image for the GPU) impl="auto" takes that same reference with only a warning, and the test would compare the
+    reference with itself."""
+    F._use_cuda("cuda", torch.empty(1, device=device))
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 

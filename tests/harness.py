@@ -57,6 +57,18 @@ def auto_backend() -> str:
     return "nvlink" if SHARED_GPU else "auto"
 
 
+def nvlink_backend() -> str:
+    """The Buffer backend of a multi-rank GPU test that is about the nvlink backend: "nvlink" where it can run (the
+    ranks share a GPU, or GPUs 0 and 1 map each other's memory); elsewhere the test is skipped, because "auto" would
+    pick the reference backend there with only a warning and the test would not test nvlink."""
+    import pytest
+
+    from ep_comm import _ext
+    if not SHARED_GPU and _ext._C.nvlink_peer_link(0, 1) != (True, True):
+        pytest.skip("GPUs 0 and 1 are not peers: the nvlink backend cannot run here")
+    return "nvlink"
+
+
 class HostReference:
     """A reference-backend Buffer fed CPU copies: what `dispatch` returns stays on the CPU (the tests compare with
     .cpu()), `combine` returns its bf16 rows on the device of its input. Used where the ranks share a GPU and talk

@@ -7,6 +7,7 @@ import torch
 
 import ep_comm
 from ep_comm import _ext, formats, moe
+from format_cases import require_format_kernels
 from harness import SHARED_GPU, auto_backend, multigpu_backend, run_ranks
 from oracle import Case, expected_combine, nvfp4_expert_mlp
 
@@ -506,6 +507,7 @@ def test_pack_weights_on_the_gpu_from_bf16_masters_gives_the_cpu_bytes():
     """pack_weights of bf16 masters on the GPU (the CUDA plain NVFP4 quantizer with one amax per expert) writes the
     same bytes as on the CPU (the torch reference), and both are nvfp4_quantize(four_over_six=False) with each
     expert's amax in the [E, 1] form; an outlier weight and an expert of tiny weights included."""
+    require_format_kernels("cuda")  # (else pack_weights on the GPU is the torch reference, compared with itself)
     w1, w2, _ = _master_weights()
     w1[0, 3, 5] = 40.0  # expert 0's amax, far above its other weights
     w2[1] *= 1e-3

@@ -14,8 +14,8 @@ import torch
 
 import ep_comm
 from ep_comm import formats, training
-from format_cases import as_bytes, assert_same_floats
-from harness import auto_backend, multigpu_backend, multigpu_world, run_ranks
+from format_cases import as_bytes, assert_same_floats, require_format_kernels
+from harness import multigpu_backend, multigpu_world, nvlink_backend, run_ranks
 
 HIDDEN, TOPK, MAX_TOKENS, ALIGNMENT = 64, 3, 9, 4
 
@@ -835,15 +835,15 @@ def test_nvlink_training_step_in_a_cuda_graph():
 
 @pytest.mark.multigpu
 def test_nvlink_gradients_match_torch_autograd():
-    world = multigpu_world()
-    results = run_ranks(training_worker, world, auto_backend(), "cuda", _ALL_FORMATS, backend=multigpu_backend())
+    world, backend = multigpu_world(), nvlink_backend()
+    results = run_ranks(training_worker, world, backend, "cuda", _ALL_FORMATS, backend=multigpu_backend())
     assert results == [list(_ALL_FORMATS)] * world
-    assert run_ranks(rows_only_worker, world, auto_backend(), "cuda", backend=multigpu_backend()) == \
+    assert run_ranks(rows_only_worker, world, backend, "cuda", backend=multigpu_backend()) == \
         ["rows only ok"] * world
-    assert run_ranks(exact_weights_worker, world, auto_backend(), "cuda", backend=multigpu_backend()) == \
+    assert run_ranks(exact_weights_worker, world, backend, "cuda", backend=multigpu_backend()) == \
         ["exact weights ok"] * world
     assert [result[0] for result in
-            run_ranks(pipeline_worker, world, auto_backend(), "cuda", backend=multigpu_backend())] == [[]] * world
+            run_ranks(pipeline_worker, world, backend, "cuda", backend=multigpu_backend())] == [[]] * world
 
 
 def _rows_case(num_rows: int, hidden: int, seed: int, device):
@@ -961,6 +961,7 @@ def test_combine_backward_rows_reference_semantics():
 def test_combine_backward_rows_kernel_matches_reference():
     """csrc/training_rows.cu against its torch form, bit for bit (NaN as NaN), on fresh random rows: the rows'
     gradients, the dots and the weight rows (dots of every magnitude, NaN and Inf among them)."""
+    require_format_kernels("cuda")  # (else combine_backward_rows is its torch form, compared with itself)
     shapes = [(0, 64), (1, 32), (37, 96), (300, 7168), (1025, 2048), (20000, 96), (77, 352)]
     for seed, (num_rows, hidden) in enumerate(shapes):  # (20000: rows > the grid; 96, 352: partial chunks)
         g, e, weight, src_rank = _rows_case(num_rows, hidden, 100 + seed, "cuda")

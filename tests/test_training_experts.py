@@ -20,8 +20,8 @@ import torch.nn.functional as F
 import ep_comm
 from ep_comm import formats, moe, training
 from ep_comm.training_experts import _ExpertMLPFunction, _as_int64, _mix64, _saved_for_backward, grad_seed
-from format_cases import as_bytes, assert_same_nvfp4
-from harness import auto_backend, multigpu_backend, multigpu_world, run_ranks
+from format_cases import as_bytes, assert_same_nvfp4, require_format_kernels
+from harness import multigpu_backend, multigpu_world, nvlink_backend, run_ranks
 
 HIDDEN, INTER, TOPK, MAX_TOKENS, ALIGNMENT = 64, 32, 2, 48, 32
 # Relative L2 bounds against the oracle for (out, d rows, d w1, d w2): ~3x the largest of 30 random cases on CPU
@@ -437,14 +437,20 @@ def errors_worker(rank, world):
 
 
 def _check_quantize_as_pack_weights(device):
+    """quantize_expert_weights(w) on `device` is pack_weights' w1, and both are the documented rule computed here on the
+    CPU by the torch reference: plain NVFP4 (four_over_six=False) with each expert's own amax in the [E, 1] form."""
     gen = torch.Generator().manual_seed(3)
-    w = (torch.randn(3, 64, 64, generator=gen) * torch.tensor([1.0, 1e-3, 50.0])[:, None, None]).to(device)
+    w_cpu = torch.randn(3, 64, 64, generator=gen) * torch.tensor([1.0, 1e-3, 50.0])[:, None, None]
+    w = w_cpu.to(device)
     got = training.quantize_expert_weights(w)
-    want = moe.pack_weights(w, w[:, :, :32]).w1
-    for name in ("data", "scales", "amax"):
-        a, b = getattr(got, name), getattr(want, name)
-        assert torch.equal(a.view(torch.uint8) if name == "scales" else a,
-                           b.view(torch.uint8) if name == "scales" else b), name
+    packed = moe.pack_weights(w, w[:, :, :32]).w1
+    expert_amax = w_cpu.abs().amax(dim=2).amax(dim=1, keepdim=True)
+    rule = formats.nvfp4_quantize(w_cpu, four_over_six=False, amax=expert_amax, impl="reference")
+    for want, what in ((packed, "pack_weights"), (rule, "the reference rule")):
+        for name in ("data", "scales", "amax"):
+            a, b = getattr(got, name).cpu(), getattr(want, name).cpu()
+            assert torch.equal(a.view(torch.uint8) if name == "scales" else a,
+                               b.view(torch.uint8) if name == "scales" else b), f"{name} vs {what}"
 
 
 def _arena_result_worker(rank, world):
@@ -509,6 +515,7 @@ def test_expert_weights_quantize_as_pack_weights():
 
 @pytest.mark.gpu
 def test_cuda_expert_weights_quantize_as_pack_weights():
+    require_format_kernels("cuda")  # (else both sides are the torch reference)
     _check_quantize_as_pack_weights(torch.device("cuda"))
 
 
@@ -646,9 +653,9 @@ def test_cuda_expert_mlp_matches_oracle():
 @pytest.mark.multigpu
 def test_nvlink_expert_mlp_matches_oracle_and_trains():
     """Every rank's experts against the oracle, and a few training steps, with the GPU ranks' own Buffers."""
-    world = multigpu_world()
-    assert run_ranks(oracle_worker, world, auto_backend(), "cuda", backend=multigpu_backend()) == ["oracle ok"] * world
-    assert run_ranks(training_worker, world, 12, auto_backend(), "cuda", backend=multigpu_backend()) == \
+    world, backend = multigpu_world(), nvlink_backend()
+    assert run_ranks(oracle_worker, world, backend, "cuda", backend=multigpu_backend()) == ["oracle ok"] * world
+    assert run_ranks(training_worker, world, 12, backend, "cuda", backend=multigpu_backend()) == \
         ["training ok"] * world
 
 
