@@ -219,8 +219,9 @@ cudaError_t launch_mxfp8_round_trips(const uint16_t* x, const int32_t* src_rank,
       (tokens_out != nullptr && !aligned16(tokens_out))) {
     return cudaErrorInvalidValue;
   }
+  // (Both limits on the 64-bit counts, before the narrowing to the grid's unsigned: a wrapped count would pass.)
+  if (padded_rows / kTileRows > INT32_MAX || ceil_div(hidden, kTileCols) > 65535) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(padded_rows / kTileRows), static_cast<unsigned>(ceil_div(hidden, kTileCols)));
-  if (padded_rows / kTileRows > INT32_MAX || grid.y > 65535) return cudaErrorInvalidValue;
   mxfp8_round_trips_kernel<<<grid, kThreads, 0, stream>>>(x, src_rank, num_rows, hidden, padded_rows,
                                                           qm::sr_key(seed_rows), qm::sr_key(seed_tokens),
                                                           seed_rows_on_device, seed_tokens_on_device, rows_out,
