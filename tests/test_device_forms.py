@@ -22,6 +22,7 @@ EXPECTED_CHECKED = {
     "add_offset_rz": 2 * 0x3C800000,  # every a in [0, 2^-6), two offsets
     "max_abs_nan": 1 << 32,
     "byte_perm": 1 << 26,
+    "scaled_codes_decode_equal": 127 * 127 * 64 * 17,  # scale pairs x code pairs x (16 positions + uniform)
 }
 AT_LEAST_CHECKED = {
     "e4m3x2_encode": 2 * 4_000_000_000,  # both positions of (nearly) every non-NaN pattern

@@ -15,9 +15,10 @@ using namespace ep_comm::qm;
 namespace {
 
 enum Check { kRcpFast, kE4m3x2Encode, kE4m3x2Decode, kAddOffsetRz, kMulRzPow2, kSrFast, kMaxAbsNan, kBytePerm,
-             kNumChecks };
+             kScaledCodesEqual, kNumChecks };
 const char* const kNames[kNumChecks] = {"rcp_fast", "e4m3x2_encode", "e4m3x2_decode", "add_offset_rz",
-                                        "mul_rz_pow2", "sr_e4m3_fast", "max_abs_nan", "byte_perm"};
+                                        "mul_rz_pow2", "sr_e4m3_fast", "max_abs_nan", "byte_perm",
+                                        "scaled_codes_decode_equal"};
 
 struct Counts {
   unsigned long long mismatches[kNumChecks];
@@ -161,6 +162,36 @@ __global__ void check_byte_perm(Counts* counts) {
   tally.flush(counts, kBytePerm);
 }
 
+// e2m1_scaled_codes_decode_equal (the 4/6 fast path's exact-tie test; on the device fp16 pair decodes and f16x2
+// multiplies) against its host form (fp32 products of the decoded bytes), for every pair of E4M3 scales it can get
+// (bytes 0x00 .. 0x7E: 0 or [2^-9, 448]) and every pair of codes (bytes code << 2) at each of the 16 positions of
+// blocks that are otherwise all zero codes, and in blocks uniform in that pair of codes.
+__global__ void check_scaled_codes_equal(Counts* counts) {
+  Tally tally;
+  constexpr uint64_t kCases = 127ull * 127ull * 64ull * 17ull;
+  for (uint64_t i = thread_index(); i < kCases; i += thread_count()) {
+    const uint32_t position = static_cast<uint32_t>(i % 17);  // 16: the uniform block
+    const uint32_t code_pair = static_cast<uint32_t>((i / 17) % 64);
+    const uint32_t scale_pair = static_cast<uint32_t>(i / (17 * 64));
+    const uint8_t byte_a = static_cast<uint8_t>((code_pair & 7u) << 2), byte_b = static_cast<uint8_t>((code_pair >> 3) << 2);
+    const float scale_a = e4m3_decode_soft(static_cast<uint8_t>(scale_pair % 127));
+    const float scale_b = e4m3_decode_soft(static_cast<uint8_t>(scale_pair / 127));
+    uint32_t codes_a[4], codes_b[4];
+    for (int q = 0; q < 4; ++q) {
+      codes_a[q] = position == 16 ? byte_a * 0x01010101u : 0u;
+      codes_b[q] = position == 16 ? byte_b * 0x01010101u : 0u;
+    }
+    if (position < 16) {
+      codes_a[position / 4] |= static_cast<uint32_t>(byte_a) << (8 * (position % 4));
+      codes_b[position / 4] |= static_cast<uint32_t>(byte_b) << (8 * (position % 4));
+    }
+    const bool expected = float_bits(qm_mul(e4m3_decode_soft(byte_a), scale_a)) ==
+                          float_bits(qm_mul(e4m3_decode_soft(byte_b), scale_b));
+    tally.add(e2m1_scaled_codes_decode_equal(codes_a, scale_a, codes_b, scale_b) == expected);
+  }
+  tally.flush(counts, kScaledCodesEqual);
+}
+
 bool ok(cudaError_t status, const char* what) {
   if (status == cudaSuccess) return true;
   std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(status));
@@ -180,6 +211,7 @@ int main() {
   for (const int b : {0, 1, 60, 120, 127, 133, 134, 150, 156}) check_sr_fast<<<blocks, threads>>>(counts, b);
   check_max_abs_nan<<<blocks, threads>>>(counts);
   check_byte_perm<<<blocks, threads>>>(counts);
+  check_scaled_codes_equal<<<blocks, threads>>>(counts);
   if (!ok(cudaGetLastError(), "launch") || !ok(cudaDeviceSynchronize(), "run")) return 2;
   for (int c = 0; c < kNumChecks; ++c) std::printf("%s %llu %llu\n", kNames[c], counts->mismatches[c], counts->checked[c]);
   return 0;
