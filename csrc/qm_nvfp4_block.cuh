@@ -241,13 +241,9 @@ QM_HD float e2m1_round_scaled(float a_s) {
 }
 
 // prmt.b32 (default mode): byte i of the result is byte (sel >> 4i) & 7 of {b:a} (a = bytes 0-3), replaced by
-// 0xFF / 0x00 (its top bit replicated) when bit 3 of that selector nibble is set.
-QM_HD uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
-#if defined(__CUDA_ARCH__)
-  uint32_t out;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(out) : "r"(a), "r"(b), "r"(sel));
-  return out;
-#else
+// 0xFF / 0x00 (its top bit replicated) when bit 3 of that selector nibble is set. byte_perm_soft is that rule in
+// integer operations: the host's form, and what tests/device_checks/device_forms.cu compares the device's prmt with.
+QM_HD uint32_t byte_perm_soft(uint32_t a, uint32_t b, uint32_t sel) {
   const uint64_t bytes = (static_cast<uint64_t>(b) << 32) | a;
   uint32_t out = 0;
   for (int i = 0; i < 4; ++i) {
@@ -257,6 +253,14 @@ QM_HD uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
     out |= byte << (8 * i);
   }
   return out;
+}
+QM_HD uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
+#if defined(__CUDA_ARCH__)
+  uint32_t out;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(out) : "r"(a), "r"(b), "r"(sel));
+  return out;
+#else
+  return byte_perm_soft(a, b, sel);
 #endif
 }
 

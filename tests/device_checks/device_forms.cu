@@ -141,23 +141,15 @@ __global__ void check_max_abs_nan(Counts* counts) {
   tally.flush(counts, kMaxAbsNan);
 }
 
-// byte_perm (prmt.b32) against its host form on hashed operands and every selector the 16 bits can hold (the
-// kernels' selectors use nibbles 0-15 in each of four positions).
+// byte_perm (prmt.b32) against its host form (byte_perm_soft) on hashed operands and every selector the 16 bits can
+// hold (the kernels' selectors use nibbles 0-15 in each of four positions).
 __global__ void check_byte_perm(Counts* counts) {
   Tally tally;
   for (uint64_t i = thread_index(); i < (1ull << 26); i += thread_count()) {
     const uint32_t a = fmix32(static_cast<uint32_t>(i) * 2u + 1u);
     const uint32_t b = fmix32(static_cast<uint32_t>(i) * 2u + 2u);
     const uint32_t sel = static_cast<uint32_t>(i) & 0xFFFFu;
-    const uint64_t bytes = (static_cast<uint64_t>(b) << 32) | a;
-    uint32_t expected = 0;
-    for (int k = 0; k < 4; ++k) {
-      const uint32_t nibble = (sel >> (4 * k)) & 0xFu;
-      uint32_t byte = static_cast<uint32_t>(bytes >> (8 * (nibble & 7u))) & 0xFFu;
-      if (nibble & 8u) byte = (byte & 0x80u) ? 0xFFu : 0x00u;
-      expected |= byte << (8 * k);
-    }
-    tally.add(byte_perm(a, b, sel) == expected);
+    tally.add(byte_perm(a, b, sel) == byte_perm_soft(a, b, sel));
   }
   tally.flush(counts, kBytePerm);
 }
