@@ -220,8 +220,9 @@ cudaError_t launch_mxfp8_round_trips(const uint16_t* x, const int32_t* src_rank,
     return cudaErrorInvalidValue;
   }
   // (Both limits on the 64-bit counts, before the narrowing to the grid's unsigned: a wrapped count would pass.)
-  if (padded_rows / kTileRows > INT32_MAX || ceil_div(hidden, kTileCols) > 65535) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>(padded_rows / kTileRows), static_cast<unsigned>(ceil_div(hidden, kTileCols)));
+  const int64_t row_tiles = padded_rows / kTileRows, column_tiles = ceil_div(hidden, kTileCols);
+  if (row_tiles > INT32_MAX || column_tiles > 65535) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(column_tiles));
   mxfp8_round_trips_kernel<<<grid, kThreads, 0, stream>>>(x, src_rank, num_rows, hidden, padded_rows,
                                                           qm::sr_key(seed_rows), qm::sr_key(seed_tokens),
                                                           seed_rows_on_device, seed_tokens_on_device, rows_out,

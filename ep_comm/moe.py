@@ -182,19 +182,19 @@ _FUSED_NEEDS = ("fused experts need CUDA tensors on an sm_90 GPU (use expert_mlp
                 "MoELayer(expert_impl='reference'))")
 
 
-def _check_fused_inputs(tokens, expert_offsets, num_tokens_per_expert, w1, w2=None) -> None:
+def _check_fused_inputs(tokens, expert_offsets, num_tokens_per_expert, w1, w2=None, *, with_w2: bool = False) -> None:
     """fused_expert_*: refused up front off the CUDA kernels, rather than failing inside with a message about impl
     (the torch fallbacks of the pieces would sync with the host and differ in bits from expert_mlp_reference); w1 must
     carry the SwiGLU epilogue and w2 not (else a w2-shaped or un-gated result, silently); the segment tensors are
-    checked before the expansion, whose own limit argument would otherwise name them."""
-    if not isinstance(w1, GemmWeights):
-        raise TypeError(f"w1 must be GemmWeights from pack_gemm_weights(weights.w1, swiglu=True), got "
-                        f"{type(w1).__name__}")
-    for name, weights, swiglu in (("w1", w1, True), ("w2", w2, False)):
-        if weights is not None and getattr(weights, "swiglu", None) is not swiglu:
+    checked before the expansion, whose own limit argument would otherwise name them. with_w2: w2 is checked too
+    (fused_expert_mlp; fused_expert_hidden has none)."""
+    for name, weights, swiglu in (("w1", w1, True), ("w2", w2, False))[:2 if with_w2 else 1]:
+        if not isinstance(weights, GemmWeights):
+            raise TypeError(f"{name} must be GemmWeights from pack_gemm_weights(weights.{name}, swiglu={swiglu}), got "
+                            f"{type(weights).__name__}")
+        if weights.swiglu is not swiglu:
             raise ValueError(f"{name} must be packed with pack_gemm_weights(..., swiglu={swiglu})")
-        if weights is not None:
-            _check_kernel_row_order(weights)  # before w1 runs, rather than at w2's launch
+        _check_kernel_row_order(weights)  # before w1 runs, rather than at w2's launch
     if not isinstance(tokens, formats.NVFP4Tensor):  # (a plain tensor's width would be misread as codes)
         raise TypeError(f"the fused experts take NVFP4 tokens (an NVFP4Tensor: a dispatch's result.x in nvfp4), got "
                         f"{type(tokens).__name__}")
@@ -314,10 +314,7 @@ def fused_expert_mlp(tokens: formats.NVFP4Tensor, expert_offsets: torch.Tensor, 
     NVFP4 4/6 first (and written as FP8 rows by the quantizer). Its extra error is measured in
     bench/bench_grouped_gemm.py.
     """
-    if not isinstance(w2, GemmWeights):  # (None is _check_fused_inputs's "no w2", for fused_expert_hidden)
-        raise TypeError(f"w2 must be GemmWeights from pack_gemm_weights(weights.w2, swiglu=False), got "
-                        f"{type(w2).__name__}")
-    _check_fused_inputs(tokens, expert_offsets, num_tokens_per_expert, w1, w2)
+    _check_fused_inputs(tokens, expert_offsets, num_tokens_per_expert, w1, w2, with_w2=True)
     if check_precision(precision):
         if w1.k % 128 or w2.k % 128:
             raise ValueError(f"the FP8 mode needs H and I multiples of 128, got H = {w1.k}, I = {w2.k}")

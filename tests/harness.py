@@ -57,14 +57,19 @@ def auto_backend() -> str:
     return "nvlink" if SHARED_GPU else "auto"
 
 
-def nvlink_backend() -> str:
-    """The Buffer backend of a multi-rank GPU test that is about the nvlink backend: "nvlink" where it can run (the
-    ranks share a GPU, or GPUs 0 and 1 map each other's memory); elsewhere the test is skipped, because "auto" would
-    pick the reference backend there with only a warning and the test would not test nvlink."""
-    import pytest
-
+def nvlink_can_run() -> bool:
+    """Whether the nvlink backend can run for the multi-rank GPU tests: the ranks share a GPU, or GPUs 0 and 1 map each
+    other's memory (what backend "auto" asks of them)."""
     from ep_comm import _ext
-    if not SHARED_GPU and _ext._C.nvlink_peer_link(0, 1) != (True, True):
+    return SHARED_GPU or _ext._C.nvlink_peer_link(0, 1) == (True, True)
+
+
+def nvlink_backend() -> str:
+    """The Buffer backend of a multi-rank GPU test that is about the nvlink backend: "nvlink" where it can run
+    (nvlink_can_run); elsewhere the test is skipped, because "auto" would pick the reference backend there with only a
+    warning and the test would not test nvlink."""
+    import pytest
+    if not nvlink_can_run():
         pytest.skip("GPUs 0 and 1 are not peers: the nvlink backend cannot run here")
     return "nvlink"
 

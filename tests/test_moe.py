@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import ep_comm
-from ep_comm import _ext, formats, moe
+from ep_comm import formats, moe
 from format_cases import require_format_kernels
-from harness import SHARED_GPU, auto_backend, multigpu_backend, run_ranks
+from harness import auto_backend, multigpu_backend, nvlink_can_run, run_ranks
 from oracle import Case, expected_combine, nvfp4_expert_mlp
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOPK = 128, 64, 8, 3
@@ -999,7 +999,7 @@ def check_gpu_moe_result(result, nvlink_expected):
 @pytest.mark.multigpu
 def test_moe_layer_on_gpus_matches_oracle():
     """Same check over NCCL with backend auto (nvlink where available) and the CUDA quantization kernels."""
-    peers = SHARED_GPU or _ext._C.nvlink_peer_link(0, 1) == (True, True)  # what "auto" asks of the two GPUs
+    peers = nvlink_can_run()
     for routing in ROUTINGS:
         for result in run_ranks(_moe_worker, 2, "cuda", auto_backend(), routing, backend=multigpu_backend()):
             check_routing(result)
